@@ -1,0 +1,179 @@
+"""One chunk: a flat payload that parameters are views into, and this rank's shard.
+
+[Note: chunk tensors]
+``payload``  capacity_numel elements, compute dtype, on the compute device. Every
+             packed parameter is a view ``payload[offset:offset+numel].view(shape)``
+             (set through ``param.data``, so the ``Parameter`` object never changes).
+             Released by resizing its storage to 0; re-filled in place, so views and
+             tensors that autograd saved see the data again.
+``master``   this rank's shard (``capacity_numel / world_size`` elements) in the master
+             dtype, on the shard's tier. The source of truth the optimizer steps.
+``low``      the compute-dtype copy of the shard that gathers read. It is ``master``
+             itself when the dtypes agree, and the payload itself when the chunk is
+             *aliased* (one rank, shard on the device: the payload *is* the shard, so
+             an all-resident fp32 run copies nothing at all).
+``grad``     gradient accumulator for the shard, master dtype, on the shard's tier;
+             allocated by the first gradient of a step, freed after the step.
+Optimizer state (Adam's moments) is created by the optimizer next to ``master``;
+the chunk reserves its bytes (``optim_state_bytes``) on the shard's tier so the
+accounting sees it before it exists.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from .packing import ChunkSpec, Slot
+from .states import PINNED_STATES, TensorState, check_transition
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass(eq=False)
+class TensorInfo:
+    """One parameter packed in a chunk."""
+
+    param: torch.nn.Parameter
+    name: str
+    slot: Slot
+    shape: torch.Size
+    orig_dtype: torch.dtype
+    state: TensorState = TensorState.FREE
+    has_grad: bool = False  # a gradient arrived since the last step
+
+    @property
+    def offset(self) -> int:
+        return self.slot.offset
+
+    @property
+    def numel(self) -> int:
+        return self.slot.numel
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+
+def nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass(eq=False)
+class Chunk:
+    spec: ChunkSpec
+    capacity_numel: int
+    rank: int
+    world_size: int
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype
+    tensors: list[TensorInfo] = field(default_factory=list)
+    payload: Optional[torch.Tensor] = None
+    shard_tier: Tier = Tier.HOST
+    aliased: bool = False
+    master: Optional[torch.Tensor] = None
+    low: Optional[torch.Tensor] = None  # only when it is a buffer of its own
+    grad: Optional[torch.Tensor] = None
+    optim_state_bytes: int = 0
+    last_used: int = -1  # manager clock, for LRU when there is no trace
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def chunk_id(self) -> int:
+        return self.spec.chunk_id
+
+    @property
+    def shard_numel(self) -> int:
+        return self.capacity_numel // self.world_size
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.capacity_numel * torch.empty((), dtype=self.compute_dtype).element_size()
+
+    @property
+    def trainable(self) -> bool:
+        return self.spec.key.requires_grad
+
+    # ------------------------------------------------------------ derived state
+    @property
+    def is_resident(self) -> bool:
+        return self.tensors[0].state is not TensorState.FREE if self.tensors else False
+
+    @property
+    def payload_allocated(self) -> bool:
+        return self.payload is not None and self.payload.untyped_storage().nbytes() > 0
+
+    @property
+    def is_evictable(self) -> bool:
+        """Resident, not in use, not waiting to reduce, and not the shard itself."""
+        return (
+            not self.aliased
+            and self.is_resident
+            and not any(t.state in PINNED_STATES for t in self.tensors)
+        )
+
+    def states(self) -> dict[str, TensorState]:
+        return {t.name: t.state for t in self.tensors}
+
+    # ------------------------------------------------------------- transitions
+    def set_state(self, info: TensorInfo, new: TensorState) -> None:
+        check_transition(info.state, new, param_name=info.name, chunk_id=self.chunk_id, rank=self.rank)
+        info.state = new
+
+    def transition_all(self, new: TensorState, *, only_from: Optional[frozenset[TensorState]] = None) -> None:
+        for info in self.tensors:
+            if only_from is None or info.state in only_from:
+                if info.state is not new or new is TensorState.COMPUTE:
+                    self.set_state(info, new)
+
+    def grads_complete(self) -> bool:
+        """Every tensor that expects a gradient has delivered it this backward."""
+        return all(t.state is TensorState.READY_FOR_REDUCE for t in self.tensors if t.requires_grad)
+
+    # -------------------------------------------------------------------- bytes
+    def low_tensor(self) -> torch.Tensor:
+        """The compute-dtype shard that gathers read."""
+        if self.aliased:
+            assert self.payload is not None
+            lo, hi = self.shard_range
+            return self.payload[lo:hi]
+        if self.low is not None:
+            return self.low
+        assert self.master is not None
+        return self.master
+
+    def master_tensor_for_read(self) -> torch.Tensor:
+        """The master shard (a view of the payload when the chunk is aliased and dtypes agree)."""
+        if self.master_is_payload():
+            assert self.payload is not None
+            lo, hi = self.shard_range
+            return self.payload[lo:hi]
+        assert self.master is not None
+        return self.master
+
+    def master_is_payload(self) -> bool:
+        return self.aliased and self.master_dtype == self.compute_dtype
+
+    def bytes_on(self, tier: Tier) -> int:
+        """Bytes this chunk holds on ``tier``, read off its buffers (the accounting's ground truth)."""
+        total = 0
+        if tier is Tier.DEVICE and self.payload is not None:
+            total += self.payload.untyped_storage().nbytes()
+        if tier is self.shard_tier:
+            if not self.master_is_payload():
+                total += nbytes(self.master)
+            total += nbytes(self.low) + nbytes(self.grad) + self.optim_state_bytes
+        return total
+
+    def iter_tensors(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors)

@@ -1,0 +1,159 @@
+"""Typed, closed configuration of the chunk engine, validated once.
+
+Every bad value is rejected with a ``ValueError`` that names the field, the
+value and what is allowed. Configs are frozen: nothing downstream mutates the
+caller's object; derive a new one with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import torch
+
+PlacementName = Literal["auto", "device", "host", "static"]
+OptimizerKernel = Literal["auto", "fused", "foreach", "loop"]
+
+PLACEMENTS: tuple[str, ...] = ("auto", "device", "host", "static")
+OPTIMIZER_KERNELS: tuple[str, ...] = ("auto", "fused", "foreach", "loop")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: Union[int, float, str, None], *, field: str) -> Optional[int]:
+    """Turn ``2_000_000``, ``"512MiB"`` or ``"1.5GB"`` into a byte count; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{field}={value!r} is not a byte count; give an int of bytes or a string like '512MiB'.")
+    if isinstance(value, (int, float)):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"{field}={value!r} is not a byte count; give an int of bytes or a number with one of the "
+                f"units {', '.join(u for u in _UNITS if u)} (for example '512MiB')."
+            )
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        raise ValueError(f"{field}={value!r} is not a byte count; give an int of bytes or a string like '512MiB'.")
+    if n <= 0 or n != n:
+        raise ValueError(f"{field}={value!r} must be a positive number of bytes.")
+    return int(n)
+
+
+def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        allowed = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{name}={value!r} is not allowed; it must be {allowed}.")
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """How parameters are packed into chunks and placed between the device and host tiers."""
+
+    placement: PlacementName = "auto"
+    """``device``: every shard and payload stays on the device. ``host``: every shard lives on
+    the host and payloads are fetched on use and released right after. ``static``: the first
+    ``offload_fraction`` of the chunks (in use order) live on the host. ``auto``: from the
+    warm-up trace, keep as many shards on the device as the limit minus the traced
+    non-model peak allows, evict the payload whose next use is farthest, prefetch."""
+
+    device_memory_limit: Optional[int] = None
+    """Bytes of chunk memory (payloads, shards, gradients, optimizer state) allowed on the
+    device tier. ``None``: the device's total memory (unbounded on a CPU device).
+    Strings such as ``"2GiB"`` are accepted."""
+
+    offload_fraction: float = 0.5
+    """``static`` placement only: the fraction of chunks whose shards live on the host."""
+
+    chunk_numel: Optional[int] = None
+    """Elements per chunk. ``None`` chooses it: the least padding waste between
+    ``chunk_numel_min`` and ``chunk_numel_max`` such that two payloads plus the traced
+    non-model peak fit under the device limit."""
+
+    chunk_numel_min: int = 1 << 20
+    """Lower bound of the automatic chunk-size search (raised to the largest parameter)."""
+
+    chunk_numel_max: int = 1 << 26
+    """Upper bound of the automatic chunk-size search."""
+
+    prefetch: bool = True
+    """Gather the chunks of the next traced moment ahead of use when they fit."""
+
+    pin_memory: bool = True
+    """Page-lock host-tier shards when the compute device is CUDA (ignored on CPU)."""
+
+    materialize_on_teardown: bool = True
+    """When ``fit`` ends, give every parameter its full trained value back (on the device when
+    it fits under the limit, else on the host). Turn off for models larger than host memory."""
+
+    optimizer_kernel: OptimizerKernel = "auto"
+    """How Adam-family optimizers step the shards: ``auto`` picks torch's fused kernels where
+    the optimizer supports them and the user did not choose; ``fused``, ``foreach`` or
+    ``loop`` force one."""
+
+    assume_elementwise_optimizer: bool = False
+    """Accept an optimizer class the engine does not know. Only true for optimizers whose
+    update of each element depends on that element alone (no parameter shapes)."""
+
+    check_invariants: bool = False
+    """Re-derive the byte accounting from the chunks after every manager operation (slow; tests)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_memory_limit", parse_bytes(self.device_memory_limit, field="device_memory_limit"))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is not allowed; choose one of {', '.join(PLACEMENTS)}.")
+        if self.optimizer_kernel not in OPTIMIZER_KERNELS:
+            raise ValueError(
+                f"optimizer_kernel={self.optimizer_kernel!r} is not allowed; choose one of {', '.join(OPTIMIZER_KERNELS)}."
+            )
+        if isinstance(self.offload_fraction, bool) or not isinstance(self.offload_fraction, (int, float)) or not (
+            0.0 <= self.offload_fraction <= 1.0
+        ):
+            raise ValueError(f"offload_fraction={self.offload_fraction!r} is not allowed; it must be a number in [0, 1].")
+        _positive_int("chunk_numel", self.chunk_numel, allow_none=True)
+        _positive_int("chunk_numel_min", self.chunk_numel_min)
+        _positive_int("chunk_numel_max", self.chunk_numel_max)
+        if self.chunk_numel_min > self.chunk_numel_max:
+            raise ValueError(
+                f"chunk_numel_min={self.chunk_numel_min} is larger than chunk_numel_max={self.chunk_numel_max}; "
+                "the minimum must not exceed the maximum."
+            )
+        for name in ("prefetch", "pin_memory", "materialize_on_teardown", "assume_elementwise_optimizer", "check_invariants"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
+
+    def replace(self, **changes: object) -> "ChunkConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """The dtypes one precision setting implies for chunk buffers."""
+
+    compute_dtype: Optional[torch.dtype] = None
+    """dtype of payloads (what modules compute with). ``None``: each parameter's own dtype."""
+
+    master_dtype: Optional[torch.dtype] = None
+    """dtype of master shards, gradient accumulators and optimizer state. ``None``: each
+    parameter's own dtype."""
+
+    def compute_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.compute_dtype or param_dtype
+
+    def master_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.master_dtype or param_dtype

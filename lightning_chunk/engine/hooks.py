@@ -1,0 +1,242 @@
+"""Runtime hooks: where module execution meets the chunk manager.
+
+[Note: hooks and autograd with freed storage]
+- A forward pre-hook on every module that owns parameters ticks the clock and
+  asks for its chunks: the placement plan evicts and prefetches, the manager
+  gathers, the module's tensors go to COMPUTE.
+- The forward post-hook moves them to HOLD_AFTER_FWD (HOLD without grad mode)
+  and puts a hook on each output tensor that requires grad. That tensor hook
+  fires when the gradient for the output is ready, i.e. right *before* the
+  module's backward: it re-gathers the chunks (pre-backward).
+- Autograd saved the parameters themselves (views of the payload). Releasing a
+  payload resizes its storage to 0 without touching the views; re-gathering
+  resizes it back and copies in place, so saved tensors see valid data again.
+  Parameter version counters are not bumped by the copy (``param.data`` has its
+  own counter), so autograd's saved-tensor checks stay quiet.
+- A post-accumulate-grad hook on each trainable parameter moves ``param.grad``
+  into the chunk's gradient shard and clears it, so gradients never pile up on
+  the module. The last hook of a chunk (or the end of backward, for parameters
+  that got none) reduces the chunk.
+- The end of backward is a callback queued on the autograd engine by the first
+  backward hook; ``end_backward`` is idempotent so callers may call it again.
+
+The root module's own parameters (a LightningModule that holds parameters
+directly) are gathered for the whole step by ``step_scope``, which also treats
+the step's outputs as the root's outputs for backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .errors import DeviceMemoryLimitError
+from .chunk import Tier
+from .manager import ChunkManager
+from .placement import PlacementPolicy, smallest_working_limit
+from .states import TensorState
+from .tracer import BACKWARD, FORWARD, POST_FORWARD, MemoryTracer, Trace
+
+S = TensorState
+_USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
+ROOT = "<root>"
+
+
+class ChunkHooks:
+    def __init__(self, module: torch.nn.Module, manager: ChunkManager, policy: PlacementPolicy) -> None:
+        self.module = module
+        self.manager = manager
+        self.policy = policy
+        self.trace: Optional[Trace] = None
+        self.tracer = MemoryTracer(self._is_model_storage, manager.device, lambda: manager.ledger[Tier.DEVICE])
+        self.position = -1  # moment within the current micro-batch
+        self.clock = 0  # moments since creation (for LRU)
+        self.training = False
+        self._handles: list[Any] = []
+        self._backward_queued = False
+        self.on_trace_done: Optional[Callable[[Trace], None]] = None
+        # module key -> indices of the parameters it owns directly
+        self._owned: dict[str, tuple[int, ...]] = {}
+        self._modules: dict[str, torch.nn.Module] = {}
+
+    # ============================================================ installation
+    def install(self) -> None:
+        index_of = self.manager.index_of
+        for name, mod in self.module.named_modules():
+            own = tuple(index_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in index_of)
+            if not own:
+                continue
+            key = name or ROOT
+            self._owned[key] = own
+            self._modules[key] = mod
+            if mod is self.module:
+                continue  # the root is handled by step_scope
+            self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
+            self._handles.append(mod.register_forward_hook(self._make_post_forward(key), always_call=True))
+        for p in self.manager.params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def module_keys(self) -> list[str]:
+        return list(self._owned)
+
+    def _is_model_storage(self, t: torch.Tensor) -> bool:
+        ptr = t.untyped_storage().data_ptr()
+        return any(c.payload is not None and c.payload.untyped_storage().data_ptr() == ptr for c in self.manager.chunks)
+
+    # ================================================================= moments
+    def _tick(self, kind: str, key: str) -> tuple[int, ...]:
+        """Advance the clock by one moment; return the chunks the module owns."""
+        self.position += 1
+        self.clock += 1
+        own = self._owned.get(key, ())
+        chunk_ids = self.manager.chunk_ids_of([self.manager.params[i] for i in own])
+        self.tracer.record(kind, key, chunk_ids, own)
+        return chunk_ids
+
+    def _budget(self) -> Optional[int]:
+        limit = self.manager.limit
+        if limit is None:
+            return None
+        if self.trace is not None and self.training and self.policy.name == "auto":
+            return max(limit - self.trace.nonmodel_at(self.position), 0)
+        return limit
+
+    def _plan_and_run(self, needed: tuple[int, ...]) -> None:
+        mgr = self.manager
+        plan = self.policy.plan(
+            position=self.position, needed=frozenset(needed), chunks=mgr.views(),
+            trace=self.trace if self.training else None, budget_bytes=self._budget(),
+            device_bytes=mgr.ledger[Tier.DEVICE],
+        )
+        for cid in plan.evict:
+            mgr.release(mgr.chunks[cid])
+        for cid in needed:
+            self._gather_or_explain(cid, needed)
+        for cid in plan.prefetch:
+            c = mgr.chunks[cid]
+            try:
+                mgr.gather(c, prefetch=True)
+            except DeviceMemoryLimitError:
+                break  # a prefetch is only a hint
+        for cid in needed:
+            mgr.chunks[cid].last_used = self.clock
+
+    def _gather_or_explain(self, cid: int, needed: tuple[int, ...]) -> None:
+        mgr = self.manager
+        chunk = mgr.chunks[cid]
+        if chunk.is_resident:
+            return
+        try:
+            mgr.gather(chunk)
+            return
+        except DeviceMemoryLimitError:
+            pass
+        for other in mgr.chunks:  # the plan was too optimistic: free everything that may go, then retry
+            if other.chunk_id not in needed and other.is_evictable:
+                mgr.release(other)
+        try:
+            mgr.gather(chunk)
+        except DeviceMemoryLimitError as e:
+            ws, nonmodel = smallest_working_limit(mgr.views(), self.trace)
+            raise DeviceMemoryLimitError(
+                f"{e} Chunks {list(needed)} are needed at once and nothing else can be evicted. "
+                f"The largest working set of chunks is {ws} bytes (plus {nonmodel} bytes of traced non-model memory): "
+                f"raise device_memory_limit to at least {ws + nonmodel} bytes, or lower chunk_numel."
+            ) from None
+
+    def _use(self, key: str, kind: str) -> None:
+        needed = self._tick(kind, key)
+        self._plan_and_run(needed)
+        for i in self._owned.get(key, ()):
+            chunk, info = self.manager.lookup(self.manager.params[i])
+            if info.state in _USABLE:
+                chunk.set_state(info, S.COMPUTE)
+
+    def _done_forward(self, key: str) -> None:
+        self._tick(POST_FORWARD, key)
+        new = S.HOLD_AFTER_FWD if torch.is_grad_enabled() else S.HOLD
+        for i in self._owned.get(key, ()):
+            chunk, info = self.manager.lookup(self.manager.params[i])
+            if info.state is S.COMPUTE:
+                chunk.set_state(info, new)
+        if self.policy.evict_after_use:
+            self._plan_and_run(())
+
+    # =================================================================== hooks
+    def _make_pre_forward(self, key: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._use(key, FORWARD)
+
+        return hook
+
+    def _make_post_forward(self, key: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._done_forward(key)
+            self._hook_outputs(key, output)
+
+        return hook
+
+    def _hook_outputs(self, key: str, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        leaves, _ = tree_flatten(output)
+        for t in leaves:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(self._make_pre_backward(key))
+
+    def _make_pre_backward(self, key: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._queue_end_of_backward()
+            self._use(key, BACKWARD)
+
+        return hook
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+        if param.grad is None:
+            return
+        self.manager.accumulate_grad(param, param.grad)
+        param.grad = None
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    def end_backward(self) -> None:
+        """All gradients of this backward are in: reduce the rest, finish the warm-up trace."""
+        self._backward_queued = False
+        self.manager.end_backward()
+        if self.tracer.recording:
+            self.trace = self.tracer.finish()
+            if self.on_trace_done is not None:
+                self.on_trace_done(self.trace)
+        if self.policy.evict_after_use:
+            self._plan_and_run(())
+
+    # ============================================================== step scope
+    @contextlib.contextmanager
+    def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
+        """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
+        self.manager.reset_states()
+        self.position = -1
+        self.training = training
+        counting = contextlib.nullcontext()
+        if record:
+            self.tracer.start()
+            counting = self.tracer.counter.counting()
+        if ROOT in self._owned:
+            self._use(ROOT, FORWARD)
+        with counting:
+            yield lambda out: self._hook_outputs(ROOT, out) if ROOT in self._owned else None
+        if ROOT in self._owned:
+            self._done_forward(ROOT)

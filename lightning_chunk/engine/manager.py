@@ -1,0 +1,443 @@
+"""The chunk manager: the mechanism that moves bytes, and the one owner of their accounting.
+
+It packs parameters into chunks (``pack``), gathers and releases payloads,
+accumulates gradients into shards, exposes the master shards to the optimizer,
+and keeps, per tier, a ledger of chunk bytes. Every operation that changes a
+chunk's buffers runs inside ``_tracked(chunk)``, which moves the ledger by what
+the chunk's buffers say changed; ``check_accounting`` re-derives the sum from
+the chunks (tests call it after every operation). Device-tier allocations are
+reserved against ``device_memory_limit`` *before* they happen, so chunk memory
+never exceeds it.
+
+Policy lives elsewhere (``placement.py``): the manager executes plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from .chunk import Chunk, TensorInfo, Tier
+from .collectives import Collectives
+from .config import ChunkConfig, DtypePolicy
+from .errors import DeviceMemoryLimitError
+from .packing import ChunkKey, Layout, ParamSpec
+from .placement import ChunkView
+from .states import TensorState
+
+S = TensorState
+_HOST = torch.device("cpu")
+
+
+@dataclass
+class TransferStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    evictions: int = 0
+    gathers: int = 0
+
+
+class ChunkManager:
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        group_of: Mapping[int, int],
+        *,
+        config: ChunkConfig,
+        dtypes: DtypePolicy,
+        device: torch.device,
+        collectives: Optional[Collectives] = None,
+    ) -> None:
+        self.config = config
+        self.dtypes = dtypes
+        self.device = torch.device(device)
+        self.comm = collectives or Collectives.local()
+        self.params = [p for _, p in named_params]
+        self.names = [n for n, _ in named_params]
+        for name, p in named_params:
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be chunked.")
+        self.specs = [
+            ParamSpec(index=i, name=n, numel=p.numel(), key=ChunkKey(group_of.get(i, -1), p.requires_grad, p.dtype))
+            for i, (n, p) in enumerate(named_params)
+        ]
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.limit = config.device_memory_limit
+        self.chunks: list[Chunk] = []
+        self.layout: Optional[Layout] = None
+        self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
+        self.ledger = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self.device_peak = 0
+        self.transfers = TransferStats()
+        self._pin = config.pin_memory and self.device.type == "cuda"
+        self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation
+
+    # ================================================================ accounting
+    def tier_device(self, tier: Tier) -> torch.device:
+        return self.device if tier is Tier.DEVICE else _HOST
+
+    @contextlib.contextmanager
+    def _tracked(self, chunk: Chunk) -> Iterator[None]:
+        before = {t: chunk.bytes_on(t) for t in Tier}
+        try:
+            yield
+        finally:
+            for t in Tier:
+                self.ledger[t] += chunk.bytes_on(t) - before[t]
+            self.device_peak = max(self.device_peak, self.ledger[Tier.DEVICE])
+
+    def _reserve_device(self, nbytes: int, what: str) -> None:
+        if self.limit is not None and self.ledger[Tier.DEVICE] + nbytes > self.limit:
+            raise DeviceMemoryLimitError(
+                f"[rank {self.comm.rank}] {what} needs {nbytes} more bytes on the device tier, which already holds "
+                f"{self.ledger[Tier.DEVICE]} bytes of chunk memory; device_memory_limit={self.limit} bytes would be exceeded."
+            )
+
+    def check_accounting(self) -> None:
+        for t in Tier:
+            derived = sum(c.bytes_on(t) for c in self.chunks)
+            if derived != self.ledger[t]:
+                raise AssertionError(f"{t.value} ledger says {self.ledger[t]} bytes, chunks hold {derived}")
+        if self.limit is not None and self.ledger[Tier.DEVICE] > self.limit:
+            raise AssertionError(f"device chunk bytes {self.ledger[Tier.DEVICE]} exceed the limit {self.limit}")
+
+    def _changed(self) -> None:
+        if self.config.check_invariants:
+            self.check_accounting()
+        if self.on_change is not None:
+            self.on_change()
+
+    # ==================================================================== lookup
+    def lookup(self, param: torch.Tensor) -> tuple[Chunk, TensorInfo]:
+        return self._where[id(param)]
+
+    def chunk_ids_of(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        return tuple(sorted({self._where[id(p)][0].chunk_id for p in params if id(p) in self._where}))
+
+    def views(self) -> list[ChunkView]:
+        return [
+            ChunkView(c.chunk_id, c.payload_bytes, self.device_shard_bytes(c), c.is_resident, c.is_evictable,
+                      c.shard_tier, c.last_used)
+            for c in self.chunks
+        ]
+
+    def device_shard_bytes(self, c: Chunk) -> int:
+        """Bytes the chunk's shard holds when it lives on the device tier (payload too, when that aliases it)."""
+        return self._shard_cost(c.capacity_numel, c.compute_dtype, c.master_dtype, c.trainable, c.optim_state_bytes)
+
+    def _shard_cost(self, capacity: int, compute: torch.dtype, master: torch.dtype, trainable: bool,
+                    optim_bytes: int) -> int:
+        n = capacity // self.comm.world_size
+        esz_m = torch.empty((), dtype=master).element_size()
+        esz_c = torch.empty((), dtype=compute).element_size()
+        master_b = n * esz_m
+        low_b = n * esz_c if compute != master else 0
+        grad_b = n * esz_m if trainable else 0
+        if self.comm.world_size == 1:  # aliased: the payload is the low shard
+            return capacity * esz_c + (master_b if low_b else 0) + grad_b + optim_bytes
+        return master_b + low_b + grad_b + optim_bytes
+
+    def planned_views(self, layout: Layout, optim_bytes_per_element: Mapping[int, int]) -> list[ChunkView]:
+        """What the chunks of ``layout`` would cost, before any of them exists (for placement)."""
+        out = []
+        for spec in layout.chunks:
+            compute = self.dtypes.compute_for(spec.key.dtype)
+            master = self.dtypes.master_for(spec.key.dtype)
+            optim = (layout.shard_numel * optim_bytes_per_element.get(spec.key.group, 0)) if spec.key.requires_grad else 0
+            payload = layout.capacity_numel * torch.empty((), dtype=compute).element_size()
+            out.append(ChunkView(spec.chunk_id, payload,
+                                 self._shard_cost(layout.capacity_numel, compute, master, spec.key.requires_grad, optim),
+                                 resident=False, evictable=False, shard_tier=Tier.HOST))
+        return out
+
+    # ==================================================================== packing
+    def pack(self, layout: Layout, tiers: Mapping[int, Tier]) -> None:
+        """Build chunks for ``layout`` with shards on ``tiers``; parameters become views into payloads.
+
+        Values come from the current chunks when there are some (a repack after the
+        warm-up), else from the parameters themselves. Gradients accumulated so far
+        and the per-parameter "got a gradient" flags move along.
+        """
+        values, grads, had_grad = self._snapshot()
+        self._drop_all()
+        self.layout = layout
+        for spec in layout.chunks:
+            chunk = self._build_chunk(spec, layout, tiers.get(spec.chunk_id, Tier.HOST), values, grads, had_grad)
+            self.chunks.append(chunk)
+            self._changed()
+
+    def _snapshot(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], set[int]]:
+        if not self.chunks:
+            return {i: p.detach() for i, p in enumerate(self.params)}, {}, set()
+        values: dict[int, torch.Tensor] = {}
+        grads: dict[int, torch.Tensor] = {}
+        had: set[int] = set()
+        for c in self.chunks:
+            full = self._gather_shard(c, c.master_tensor_for_read())
+            full_grad = self._gather_shard(c, c.grad) if c.grad is not None else None
+            for t in c.tensors:
+                i = t.slot.param_index
+                values[i] = full[t.offset : t.offset + t.numel].clone()
+                if full_grad is not None and t.has_grad:
+                    grads[i] = full_grad[t.offset : t.offset + t.numel].clone()
+                    had.add(i)
+        return values, grads, had
+
+    def _gather_shard(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
+        """The whole chunk's worth of a per-rank shard buffer, on the host (used off the hot path)."""
+        if self.comm.world_size == 1:
+            return shard.to(_HOST)
+        out = torch.empty(c.capacity_numel, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(out, shard.contiguous()).wait()
+        return out.to(_HOST)
+
+    def _alloc(self, numel: int, dtype: torch.dtype, tier: Tier, *, zero: bool = False) -> torch.Tensor:
+        """Allocate a shard buffer on ``tier``. Device bytes must have been reserved by the caller."""
+        if tier is Tier.DEVICE:
+            return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.device)
+        t = torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self._pin)
+        return t.zero_() if zero else t
+
+    def _build_chunk(self, spec, layout: Layout, tier: Tier, values, grads, had_grad) -> Chunk:
+        p0 = self.params[spec.slots[0].param_index]
+        chunk = Chunk(
+            spec=spec, capacity_numel=layout.capacity_numel, rank=self.comm.rank, world_size=self.comm.world_size,
+            compute_dtype=self.dtypes.compute_for(p0.dtype), master_dtype=self.dtypes.master_for(p0.dtype),
+            shard_tier=tier,
+        )
+        lo, hi = chunk.shard_range
+        full = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype)
+        full_grad = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype) if any(
+            s.param_index in had_grad for s in spec.slots) else None
+        for s in spec.slots:
+            full[s.offset : s.offset + s.numel].copy_(values[s.param_index].reshape(-1))
+            if full_grad is not None and s.param_index in grads:
+                full_grad[s.offset : s.offset + s.numel].copy_(grads[s.param_index].reshape(-1))
+        chunk.aliased = self.comm.world_size == 1 and tier is Tier.DEVICE
+        if tier is Tier.DEVICE:
+            grad_bytes = chunk.shard_numel * full.element_size() if full_grad is not None else 0
+            shard_bytes = self.device_shard_bytes(chunk) - (chunk.shard_numel * full.element_size() if chunk.trainable else 0)
+            self._reserve_device(shard_bytes + grad_bytes, f"chunk {spec.chunk_id}'s shard on the device tier")
+        with self._tracked(chunk):
+            chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=self.device)
+            if chunk.aliased:
+                chunk.payload.copy_(full)
+                if not chunk.master_is_payload():
+                    chunk.master = self._alloc(chunk.shard_numel, chunk.master_dtype, tier)
+                    chunk.master.copy_(full[lo:hi])
+            else:
+                chunk.master = self._alloc(chunk.shard_numel, chunk.master_dtype, tier)
+                chunk.master.copy_(full[lo:hi])
+                if chunk.compute_dtype != chunk.master_dtype:
+                    chunk.low = self._alloc(chunk.shard_numel, chunk.compute_dtype, tier)
+                    chunk.low.copy_(chunk.master)
+            if full_grad is not None:
+                chunk.grad = self._alloc(chunk.shard_numel, chunk.master_dtype, tier)
+                chunk.grad.copy_(full_grad[lo:hi])
+            state = S.HOLD if chunk.aliased else S.FREE
+            for s in spec.slots:  # views first: a view of a released storage cannot be made
+                p = self.params[s.param_index]
+                info = TensorInfo(param=p, name=self.names[s.param_index], slot=s, shape=p.shape, orig_dtype=p.dtype,
+                                  state=state, has_grad=s.param_index in had_grad)
+                chunk.tensors.append(info)
+                p.data = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
+                self._where[id(p)] = (chunk, info)
+            if not chunk.aliased:
+                chunk.payload.untyped_storage().resize_(0)
+        return chunk
+
+    def _drop_all(self) -> None:
+        for c in self.chunks:
+            with self._tracked(c):
+                c.master = c.low = c.grad = None
+                c.optim_state_bytes = 0
+                if c.payload is not None:
+                    c.payload.untyped_storage().resize_(0)
+        self.chunks = []
+        self._where = {}
+
+    # ============================================================ gather/release
+    def gather(self, chunk: Chunk, *, prefetch: bool = False) -> None:
+        """Make the payload resident (FREE -> HOLD): host-to-device copy, or all-gather of the shards."""
+        if chunk.is_resident:
+            return
+        assert chunk.payload is not None
+        with self._tracked(chunk):
+            self._reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
+            chunk.payload.untyped_storage().resize_(chunk.payload_bytes)
+            src = chunk.low_tensor()
+            if src.device != self.device or chunk.shard_tier is Tier.HOST:
+                self.transfers.h2d_bytes += src.numel() * src.element_size()
+                src = src.to(self.device, non_blocking=True)
+            self.comm.all_gather(chunk.payload, src).wait()
+        self.transfers.gathers += 1
+        chunk.transition_all(S.HOLD)
+        self._changed()
+
+    def release(self, chunk: Chunk, *, eviction: bool = True) -> None:
+        """Free the payload (-> FREE). The shard is the source of truth, so nothing is copied back."""
+        if not chunk.is_resident or chunk.aliased:
+            return
+        if not chunk.is_evictable:
+            raise AssertionError(f"chunk {chunk.chunk_id} is in use and cannot be released: {chunk.states()}")
+        with self._tracked(chunk):
+            assert chunk.payload is not None
+            chunk.payload.untyped_storage().resize_(0)
+        chunk.transition_all(S.FREE)
+        if eviction:
+            self.transfers.evictions += 1
+        self._changed()
+
+    # ================================================================ gradients
+    def accumulate_grad(self, param: torch.Tensor, grad: torch.Tensor) -> Chunk:
+        """Add one parameter's gradient into its chunk's shard accumulator."""
+        chunk, info = self.lookup(param)
+        if self.comm.world_size > 1:
+            raise NotImplementedError("multi-rank gradient reduction arrives with the ZeRO-3 issue")
+        with self._tracked(chunk):
+            if chunk.grad is None:
+                if chunk.shard_tier is Tier.DEVICE:
+                    self._reserve_device(chunk.shard_numel * torch.empty((), dtype=chunk.master_dtype).element_size(),
+                                         f"chunk {chunk.chunk_id}'s gradient shard")
+                chunk.grad = self._alloc(chunk.shard_numel, chunk.master_dtype, chunk.shard_tier, zero=True)
+            dst = chunk.grad[info.offset : info.offset + info.numel]
+            dst.add_(grad.reshape(-1).to(dst.device, non_blocking=True))
+            if chunk.shard_tier is Tier.HOST:
+                self.transfers.d2h_bytes += grad.numel() * grad.element_size()
+        info.has_grad = True
+        chunk.set_state(info, S.READY_FOR_REDUCE)
+        if chunk.grads_complete():
+            self.reduce(chunk)
+        self._changed()
+        return chunk
+
+    def reduce(self, chunk: Chunk) -> None:
+        """The chunk's gradients are final for this backward: READY_FOR_REDUCE -> HOLD_AFTER_BWD.
+
+        With one rank the shard already holds them; several ranks reduce-scatter here.
+        """
+        chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
+
+    def end_backward(self) -> None:
+        """Reduce chunks whose tensors did not all get gradients; everything used becomes HOLD_AFTER_BWD."""
+        for c in self.chunks:
+            if any(t.state is S.READY_FOR_REDUCE for t in c.tensors):
+                self.reduce(c)
+            c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
+        self._changed()
+
+    def reset_states(self) -> None:
+        """Between micro-batches every resident tensor is plainly HOLD."""
+        for c in self.chunks:
+            c.transition_all(S.HOLD, only_from=frozenset({S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}))
+
+    def free_grads(self) -> None:
+        for c in self.chunks:
+            if c.grad is not None:
+                with self._tracked(c):
+                    c.grad = None
+            for t in c.tensors:
+                t.has_grad = False
+        self._changed()
+
+    # ================================================================ optimizer
+    def master_view(self, param_index: int) -> Optional[torch.Tensor]:
+        """This rank's piece of one parameter's master, flat; ``None`` when another rank owns all of it."""
+        chunk, info = self._where[id(self.params[param_index])]
+        lo, hi = chunk.shard_range
+        a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+        if a >= b:
+            return None
+        return chunk.master_tensor_for_read()[a - lo : b - lo]
+
+    def grad_view(self, param_index: int) -> Optional[torch.Tensor]:
+        chunk, info = self._where[id(self.params[param_index])]
+        if chunk.grad is None or not info.has_grad:
+            return None
+        lo, hi = chunk.shard_range
+        a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+        return chunk.grad[a - lo : b - lo] if a < b else None
+
+    def reserve_optimizer_state(self, bytes_per_element: Mapping[int, int]) -> None:
+        """Account the optimizer state each trainable chunk's shard will hold (group index -> bytes per element)."""
+        for c in self.chunks:
+            want = c.shard_numel * bytes_per_element.get(c.spec.key.group, 0) if c.trainable else 0
+            if want != c.optim_state_bytes:
+                if c.shard_tier is Tier.DEVICE:
+                    self._reserve_device(want - c.optim_state_bytes, f"chunk {c.chunk_id}'s optimizer state")
+                with self._tracked(c):
+                    c.optim_state_bytes = want
+        self._changed()
+
+    def write_back(self) -> None:
+        """After a step: refresh the compute-dtype copies from the masters; drop stale payloads."""
+        for c in self.chunks:
+            if not c.trainable:
+                continue
+            if c.aliased:
+                if not c.master_is_payload():
+                    lo, hi = c.shard_range
+                    assert c.payload is not None and c.master is not None
+                    c.payload[lo:hi].copy_(c.master)
+                continue
+            if c.low is not None:
+                assert c.master is not None
+                c.low.copy_(c.master)
+            if c.is_resident:
+                self.release(c, eviction=False)
+        self._changed()
+
+    # ============================================================ full values
+    def full_value(self, param_index: int, *, device: Optional[torch.device] = None) -> torch.Tensor:
+        """One parameter's whole trained value, in its original dtype and shape (a new tensor)."""
+        chunk, info = self._where[id(self.params[param_index])]
+        full = self._gather_shard(chunk, chunk.master_tensor_for_read())
+        v = full[info.offset : info.offset + info.numel].view(info.shape)
+        return v.to(device=device or _HOST, dtype=info.orig_dtype, copy=True)
+
+    def load_value(self, param_index: int, value: torch.Tensor) -> None:
+        """Overwrite one parameter's master (and its compute copies) with ``value``."""
+        chunk, info = self._where[id(self.params[param_index])]
+        lo, hi = chunk.shard_range
+        a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+        if a < b:
+            piece = value.reshape(-1)[a - info.offset : b - info.offset]
+            chunk.master_tensor_for_read()[a - lo : b - lo].copy_(piece)
+            if chunk.low is not None:
+                chunk.low[a - lo : b - lo].copy_(piece)
+            if chunk.aliased:
+                assert chunk.payload is not None
+                chunk.payload[a:b].copy_(piece)
+        if chunk.is_resident and not chunk.aliased:
+            self.release(chunk, eviction=False)
+
+    def unpack(self, *, materialize: bool, device: Optional[torch.device] = None) -> None:
+        """Give every parameter its full value back as a plain tensor (or an empty one) and drop all chunks."""
+        for i, p in enumerate(self.params):
+            if id(p) not in self._where:
+                continue
+            if materialize:
+                p.data = self.full_value(i, device=device)
+            else:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._drop_all()
+        self.layout = None
+        self._changed()
+
+    # ==================================================================== stats
+    def stats(self) -> dict[str, float]:
+        return {
+            "device_chunk_bytes": self.ledger[Tier.DEVICE],
+            "device_chunk_bytes_peak": self.device_peak,
+            "host_chunk_bytes": self.ledger[Tier.HOST],
+            "h2d_bytes": self.transfers.h2d_bytes,
+            "d2h_bytes": self.transfers.d2h_bytes,
+            "evictions": self.transfers.evictions,
+            "gathers": self.transfers.gathers,
+            "chunks": len(self.chunks),
+            "chunk_numel": self.layout.capacity_numel if self.layout else 0,
+            "device_shards": sum(c.shard_tier is Tier.DEVICE for c in self.chunks),
+        }

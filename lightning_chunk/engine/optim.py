@@ -1,0 +1,181 @@
+"""The hybrid optimizer: the user's own optimizer, stepping master shards where they live.
+
+[Note: per-parameter views of the master shards]
+The optimizer keeps its class, hyperparameters, param groups and object identity
+(LR schedulers stay bound to it): only the tensors in ``param_groups`` change.
+Each parameter is replaced by a flat *view* of its piece of this rank's master
+shard, not by the whole shard. That costs nothing (fused and foreach kernels take
+lists of tensors) and keeps plain-PyTorch semantics exact where a flat
+chunk-wide step would not: a parameter that got no gradient this step has
+``grad is None`` and is skipped, with its own ``step`` count, exactly as in
+``torch.optim``; frozen parameters never decay; optimizer state stays keyed by
+parameter, so checkpoints map one to one onto the plain format.
+
+Adam-family steps run torch's fused kernels (``fused=True``), which group the
+tensors by device: host shards go through the fused CPU kernel and device
+shards through the fused device kernel in the same ``step()``: that is the
+hybrid Adam. Optimizers whose update needs parameter shapes (LBFGS, Adafactor,
+Muon, ...) cannot step flat views and are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .config import ChunkConfig
+from .errors import UnsupportedOptimizerError
+from .manager import ChunkManager
+
+ELEMENTWISE = frozenset(
+    {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
+)
+SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig) -> None:
+    name = type(optimizer).__name__
+    is_torch = type(optimizer).__module__.startswith("torch.optim")
+    if name in SHAPE_DEPENDENT:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__qualname__} needs parameter shapes (or a closure over whole tensors), but chunk_offload "
+            f"steps flat shards of parameters; use one of {', '.join(sorted(ELEMENTWISE))}."
+        )
+    if not (is_torch and name in ELEMENTWISE) and not config.assume_elementwise_optimizer:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not known to update each element on its own; "
+            f"chunk_offload steps flat shards of parameters. Known element-wise optimizers: {', '.join(sorted(ELEMENTWISE))}. "
+            "If yours is element-wise, pass assume_elementwise_optimizer=True to the strategy."
+        )
+
+
+def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes of optimizer state per parameter element, found by stepping a 4-element copy once."""
+    kwargs = {k: v for k, v in group.items() if k in optimizer.defaults and k not in ("params", "fused", "foreach")}
+    probe = torch.zeros(4, dtype=dtype)
+    probe.grad = torch.zeros(4, dtype=dtype)
+    try:
+        twin = type(optimizer)([probe], **kwargs)
+        twin.step()
+    except Exception:  # an unusual constructor: assume Adam's two moments
+        return 2 * probe.element_size()
+    return sum(v.numel() * v.element_size() for v in twin.state[probe].values()
+               if torch.is_tensor(v) and v.numel() == 4) // 4
+
+
+class OptimizerBinding:
+    """Rebinds one optimizer's param groups to master-shard views and feeds them gradients."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, group_offset: int,
+                 config: ChunkConfig) -> None:
+        check_optimizer(optimizer, config)
+        if optimizer.state and any(optimizer.state.values()):
+            raise ValueError(
+                f"{type(optimizer).__name__} already holds state for module parameters; chunk_offload must bind it "
+                "before its first step (load optimizer state through the strategy instead)."
+            )
+        self.optimizer = optimizer
+        self.manager = manager
+        self.config = config
+        self.group_offset = group_offset
+        self.group_params: list[list[int]] = [
+            [manager.index_of[id(p)] for p in g["params"]] for g in optimizer.param_groups
+        ]
+        self._views: dict[int, torch.Tensor] = {}
+        self._choose_kernel()
+
+    def _choose_kernel(self) -> None:
+        kernel = self.config.optimizer_kernel
+        for g in self.optimizer.param_groups:
+            has_fused = "fused" in g
+            if kernel == "auto":
+                if has_fused and g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
+                    g["fused"] = True
+            elif kernel == "fused":
+                if not has_fused:
+                    raise UnsupportedOptimizerError(
+                        f"optimizer_kernel='fused' but {type(self.optimizer).__name__} has no fused kernel; "
+                        "use optimizer_kernel='auto' or 'foreach'."
+                    )
+                g["fused"], g["foreach"] = True, False
+            elif kernel == "foreach":
+                g["foreach"] = True
+                if has_fused:
+                    g["fused"] = False
+            else:  # loop
+                g["foreach"] = False
+                if has_fused:
+                    g["fused"] = False
+
+    def state_bytes(self) -> dict[int, int]:
+        """Global group index -> optimizer-state bytes per element of the master shards."""
+        out = {}
+        for k, g in enumerate(self.optimizer.param_groups):
+            idx = self.group_params[k]
+            dtype = self.manager.dtypes.master_for(self.manager.params[idx[0]].dtype) if idx else torch.float32
+            out[self.group_offset + k] = state_bytes_per_element(self.optimizer, g, dtype)
+        return out
+
+    def bind(self) -> None:
+        """Point every group at the current master views; carry existing state over by parameter."""
+        old = self._views
+        new: dict[int, torch.Tensor] = {}
+        for k, g in enumerate(self.optimizer.param_groups):
+            views = []
+            for i in self.group_params[k]:
+                v = self.manager.master_view(i)
+                if v is None:
+                    continue
+                new[i] = v
+                views.append(v)
+            g["params"] = views
+        state = self.optimizer.state
+        for k, g in enumerate(self.optimizer.param_groups):
+            step_on_device = bool(g.get("fused") or g.get("capturable"))
+            for i in self.group_params[k]:
+                v = new.get(i)
+                prev = old.get(i, self.manager.params[i])
+                if v is not None and prev in state:
+                    state[v] = {key: self._move(val, v, step_on_device) for key, val in state.pop(prev).items()}
+        self._views = new
+
+    @staticmethod
+    def _move(val: Any, like: torch.Tensor, step_on_device: bool) -> Any:
+        """Per-element state follows the view (flat, on its device); scalar ``step`` where the kernel wants it."""
+        if not torch.is_tensor(val):
+            return val
+        if val.dim() > 0 and val.numel() == like.numel():
+            return val.reshape(like.shape).to(device=like.device)
+        if val.dim() == 0:
+            return val.to(like.device if step_on_device else "cpu")
+        return val
+
+    def views(self) -> dict[int, torch.Tensor]:
+        return self._views
+
+    def attach_grads(self) -> None:
+        for i, v in self._views.items():
+            v.grad = self.manager.grad_view(i)
+
+    def detach_grads(self) -> None:
+        for v in self._views.values():
+            v.grad = None
+
+    def grads(self) -> list[torch.Tensor]:
+        return [v.grad for v in self._views.values() if v.grad is not None]
+
+
+def unbind_state(binding: Optional[OptimizerBinding]) -> None:
+    """Point the optimizer back at the module parameters (state reshaped to them), e.g. when ``fit`` ends."""
+    if binding is None:
+        return
+    opt, mgr = binding.optimizer, binding.manager
+    for k, g in enumerate(opt.param_groups):
+        g["params"] = [mgr.params[i] for i in binding.group_params[k]]
+    for i, v in list(binding.views().items()):
+        if v in opt.state:
+            p = mgr.params[i]
+            opt.state[p] = {key: (val.reshape(p.shape) if torch.is_tensor(val) and val.numel() == p.numel() and val.dim() > 0
+                                  else val) for key, val in opt.state.pop(v).items()}
+    binding._views = {}

@@ -1,0 +1,183 @@
+"""Placement policies: pure functions from chunk views and the trace to a plan.
+
+A policy never touches a tensor and keeps no state between calls (Gemini's
+``AutoPlacementPolicy`` moves data itself and carries hidden state; we do not).
+It answers two questions and the manager carries the answers out:
+
+1. ``shard_tiers``: which tier each chunk's shard (master, gradient, optimizer
+   state) lives on. Asked before the warm-up step and again once its trace exists.
+2. ``plan``: at a moment that needs some chunks, which resident payloads to evict
+   and which to prefetch, given a budget of device bytes.
+
+Eviction order: the payload whose next use (from the trace) is farthest goes
+first (Belady's rule, which is optimal for a known sequence); without a trace,
+the least recently used goes first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .chunk import Tier
+from .config import ChunkConfig
+from .tracer import FORWARD, BACKWARD, Trace
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """What a policy may know about a chunk."""
+
+    chunk_id: int
+    payload_bytes: int
+    device_shard_bytes: int  # bytes its shard would hold on the device tier (payload included when aliased)
+    resident: bool
+    evictable: bool
+    shard_tier: Tier
+    last_used: int = -1
+
+
+@dataclass(frozen=True)
+class Plan:
+    evict: tuple[int, ...] = ()
+    prefetch: tuple[int, ...] = ()
+
+
+def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
+    """The most payload bytes any one moment of the trace needs at once."""
+    size = {c.chunk_id: c.payload_bytes for c in chunks}
+    return max((sum(size.get(i, 0) for i in set(m.chunk_ids)) for m in trace.moments if m.kind in (FORWARD, BACKWARD)),
+               default=max(size.values(), default=0))
+
+
+def smallest_working_limit(chunks: Sequence[ChunkView], trace: Optional[Trace]) -> tuple[int, int]:
+    """(largest working set of payload bytes, traced non-model peak); their sum is the smallest limit that works."""
+    if trace is None:
+        return max((c.payload_bytes for c in chunks), default=0), 0
+    return working_set_bytes(chunks, trace), trace.nonmodel_peak_bytes
+
+
+class PlacementPolicy:
+    """Base policy: shards where ``shard_tiers`` says, payloads kept until room is needed."""
+
+    name = "base"
+    evict_after_use = False
+
+    def __init__(self, config: ChunkConfig) -> None:
+        self.config = config
+
+    # --------------------------------------------------------------- tiers
+    def shard_tiers(self, chunks: Sequence[ChunkView], trace: Optional[Trace], limit: Optional[int]) -> dict[int, Tier]:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- plan
+    def plan(
+        self,
+        *,
+        position: int,
+        needed: frozenset[int],
+        chunks: Sequence[ChunkView],
+        trace: Optional[Trace],
+        budget_bytes: Optional[int],
+        device_bytes: int,
+    ) -> Plan:
+        by_id = {c.chunk_id: c for c in chunks}
+        upcoming = frozenset(trace.next_chunks(position)) if (trace is not None and self.config.prefetch) else frozenset()
+        evict: list[int] = []
+        if self.evict_after_use:
+            evict = [c.chunk_id for c in chunks if c.evictable and c.chunk_id not in needed and c.chunk_id not in upcoming]
+        freed = sum(by_id[i].payload_bytes for i in evict)
+        missing = sum(by_id[i].payload_bytes for i in needed if not by_id[i].resident)
+        if budget_bytes is not None and device_bytes - freed + missing > budget_bytes:
+            victims = [c for c in chunks if c.evictable and c.chunk_id not in needed and c.chunk_id not in evict]
+            victims.sort(key=lambda c: self._eviction_rank(c, position, trace), reverse=True)
+            for c in victims:
+                if device_bytes - freed + missing <= budget_bytes:
+                    break
+                evict.append(c.chunk_id)
+                freed += c.payload_bytes
+        prefetch: list[int] = []
+        room = math.inf if budget_bytes is None else budget_bytes - (device_bytes - freed + missing)
+        for i in sorted(upcoming):
+            c = by_id.get(i)
+            if c is None or c.resident or i in needed or i in evict:
+                continue
+            if c.payload_bytes <= room:
+                prefetch.append(i)
+                room -= c.payload_bytes
+        return Plan(evict=tuple(evict), prefetch=tuple(prefetch))
+
+    @staticmethod
+    def _eviction_rank(c: ChunkView, position: int, trace: Optional[Trace]) -> tuple[float, int]:
+        """Larger means evict first: farthest next use, then least recently used."""
+        if trace is not None:
+            return (trace.next_use(c.chunk_id, position), -c.last_used)
+        return (0.0, -c.last_used)
+
+
+class DevicePlacement(PlacementPolicy):
+    """Everything resident: every shard on the device."""
+
+    name = "device"
+
+    def shard_tiers(self, chunks, trace, limit):
+        return {c.chunk_id: Tier.DEVICE for c in chunks}
+
+
+class HostPlacement(PlacementPolicy):
+    """Every shard on the host; payloads fetched on use and released right after."""
+
+    name = "host"
+    evict_after_use = True
+
+    def shard_tiers(self, chunks, trace, limit):
+        return {c.chunk_id: Tier.HOST for c in chunks}
+
+
+class StaticPlacement(PlacementPolicy):
+    """The first ``offload_fraction`` of the chunks (in use order) on the host, the rest on the device.
+
+    The last chunks stay on the device: they are used twice in quick succession where
+    forward turns into backward, so they gain the most from staying.
+    """
+
+    name = "static"
+
+    def shard_tiers(self, chunks, trace, limit):
+        n_host = math.ceil(self.config.offload_fraction * len(chunks))
+        ids = sorted(c.chunk_id for c in chunks)
+        return {cid: (Tier.HOST if k < n_host else Tier.DEVICE) for k, cid in enumerate(ids)}
+
+
+class AutoPlacement(PlacementPolicy):
+    """From the trace: as many shards on the device as the limit minus the traced non-model peak allows."""
+
+    name = "auto"
+
+    def shard_tiers(self, chunks, trace, limit):
+        if limit is None:
+            return {c.chunk_id: Tier.DEVICE for c in chunks}
+        if trace is None:  # warm-up: the smallest footprint until we know the activations
+            return {c.chunk_id: Tier.HOST for c in chunks}
+        reserve = working_set_bytes(chunks, trace) + (max((c.payload_bytes for c in chunks), default=0)
+                                                      if self.config.prefetch else 0)
+        room = limit - trace.nonmodel_peak_bytes - reserve
+        tiers = {c.chunk_id: Tier.HOST for c in chunks}
+        for c in sorted(chunks, key=lambda c: c.chunk_id, reverse=True):
+            if c.device_shard_bytes <= room:
+                tiers[c.chunk_id] = Tier.DEVICE
+                room -= c.device_shard_bytes
+        return tiers
+
+
+POLICIES: dict[str, type[PlacementPolicy]] = {
+    "device": DevicePlacement,
+    "host": HostPlacement,
+    "static": StaticPlacement,
+    "auto": AutoPlacement,
+}
+
+
+def make_policy(config: ChunkConfig) -> PlacementPolicy:
+    return POLICIES[config.placement](config)

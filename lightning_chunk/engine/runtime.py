@@ -1,0 +1,278 @@
+"""``ChunkEngine``: one object that runs a module's training on chunks, with plain torch.
+
+It owns the manager, the placement policy, the hooks and the optimizer
+bindings, and says when each runs:
+
+1. ``__init__``: pack in registration order (no trace yet), place shards as the
+   policy says before a trace exists, bind the optimizers, install hooks, and
+   refuse a limit that cannot hold even one module's chunks.
+2. the first training micro-batch is the warm-up: the tracer records moments.
+3. ``_finalize`` (before the first optimizer step, or the next micro-batch):
+   check the limit against the traced working set and activations, choose the
+   chunk size, repack in first-use order, place shards from the trace, rebind
+   the optimizers (state moves along by parameter).
+4. each step: ``prepare_step`` (gradients onto the master views), unscale /
+   clip, the optimizer's own ``step()``, ``finish_step`` (write the
+   low-precision copies back, free gradients).
+5. ``teardown``: parameters get their full trained values back.
+
+No ``lightning`` import here or below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from .chunk import Tier
+from .collectives import Collectives
+from .config import ChunkConfig, DtypePolicy
+from .errors import DeviceMemoryLimitError, LayoutError
+from .hooks import ROOT, ChunkHooks
+from .manager import ChunkManager
+from .optim import OptimizerBinding, unbind_state
+from .packing import Layout, build_layout, choose_chunk_numel, describe
+from .placement import make_policy, smallest_working_limit
+from .scaler import DynamicLossScaler
+from .tracer import Trace
+
+
+class ChunkEngine:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        *,
+        config: Optional[ChunkConfig] = None,
+        dtypes: Optional[DtypePolicy] = None,
+        device: Optional[torch.device] = None,
+        collectives: Optional[Collectives] = None,
+    ) -> None:
+        self.config = config or ChunkConfig()
+        self.module = module
+        named = list(module.named_parameters())
+        index_of = {id(p): i for i, (_, p) in enumerate(named)}
+        group_of: dict[int, int] = {}
+        offsets, offset = [], 0
+        for opt in optimizers:
+            offsets.append(offset)
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    i = index_of.get(id(p))
+                    if i is None:
+                        raise ValueError(f"{type(opt).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
+                                         "parameter of the module; chunk_offload can only step module parameters.")
+                    if i in group_of:
+                        raise ValueError(f"parameter {named[i][0]!r} appears in two optimizer param groups.")
+                    group_of[i] = offset
+                offset += 1
+        self.manager = ChunkManager(named, group_of, config=self.config, dtypes=dtypes or DtypePolicy(),
+                                    device=device or torch.device("cpu"), collectives=collectives)
+        self.policy = make_policy(self.config)
+        self.hooks = ChunkHooks(module, self.manager, self.policy)
+        self.hooks.on_trace_done = self._trace_done
+        self.bindings = [OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets)]
+        self._optim_bytes: dict[int, int] = {}
+        for b in self.bindings:
+            self._optim_bytes.update(b.state_bytes())
+        self.scaler: Optional[DynamicLossScaler] = None
+        self.warmed_up = False
+        self._finalize_pending = False
+        self.last_grad_norm: Optional[float] = None
+
+        layout = self._choose_layout(list(range(len(named))), trace=None)
+        self._place(layout, trace=None)
+        self.hooks.install()
+        self._check_limit_before_trace()
+
+    # ================================================================= layout
+    @property
+    def comm(self) -> Collectives:
+        return self.manager.comm
+
+    def _choose_layout(self, order: list[int], trace: Optional[Trace]) -> Layout:
+        specs = self.manager.specs
+        if self.config.chunk_numel is not None:
+            return build_layout(specs, order, self.config.chunk_numel, self.comm.world_size)
+        max_payload = None
+        limit = self.manager.limit
+        if limit is not None and specs:
+            esz = max(torch.empty((), dtype=self.manager.dtypes.compute_for(s.key.dtype)).element_size() for s in specs)
+            room = limit - (trace.nonmodel_peak_bytes if trace else 0)
+            max_payload = max(room // (2 * esz), max(s.numel for s in specs))
+        cap = choose_chunk_numel(specs, order, world_size=self.comm.world_size, numel_min=self.config.chunk_numel_min,
+                                 numel_max=self.config.chunk_numel_max, max_payload_numel=max_payload)
+        return build_layout(specs, order, cap, self.comm.world_size)
+
+    def _place(self, layout: Layout, trace: Optional[Trace]) -> None:
+        views = self.manager.planned_views(layout, self._optim_bytes)
+        tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
+        limit = self.manager.limit
+        if limit is not None:
+            on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
+            if on_device > limit:
+                raise DeviceMemoryLimitError(
+                    f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
+                    f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks), more than "
+                    f"device_memory_limit={limit} bytes; raise the limit or use placement='auto', 'static' or 'host'."
+                )
+        self.manager.pack(layout, tiers)
+        self.manager.reserve_optimizer_state(self._optim_bytes)
+        for b in self.bindings:
+            b.bind()
+
+    def _check_limit_before_trace(self) -> None:
+        limit = self.manager.limit
+        if limit is None:
+            return
+        need = 0
+        root = self.hooks._owned.get(ROOT, ())
+        root_bytes = sum(self.manager.chunks[c].payload_bytes
+                         for c in self.manager.chunk_ids_of([self.manager.params[i] for i in root]))
+        for key, own in self.hooks._owned.items():
+            ids = self.manager.chunk_ids_of([self.manager.params[i] for i in own])
+            need = max(need, sum(self.manager.chunks[c].payload_bytes for c in ids))
+        need += root_bytes
+        if need > limit:
+            raise DeviceMemoryLimitError(
+                f"device_memory_limit={limit} bytes is too small: one module needs {need} bytes of chunks at once "
+                f"({describe(self.manager.layout)}), before any activations. The smallest limit that could work is "
+                f"{need} bytes plus the activations, which the warm-up step measures; or lower chunk_numel."
+            )
+
+    # ================================================================ warm-up
+    def _trace_done(self, trace: Trace) -> None:
+        self._finalize_pending = True
+
+    def _finalize(self) -> None:
+        """End of warm-up: check the limit, choose the chunk size, repack in first-use order, place from the trace."""
+        self._finalize_pending = False
+        self.warmed_up = True
+        trace = self.hooks.trace
+        assert trace is not None
+        limit = self.manager.limit
+        order = trace.first_use_order(len(self.manager.params))
+        try:
+            layout = self._choose_layout(order, trace)
+        except LayoutError as e:
+            raise DeviceMemoryLimitError(str(e)) from None
+        slot_of = layout.slot_of()
+        trace = trace.remap({i: s.chunk_id for i, s in slot_of.items()})
+        if limit is not None:
+            chunks_b, nonmodel_b = smallest_working_limit(self.manager.planned_views(layout, self._optim_bytes), trace)
+            if chunks_b + nonmodel_b > limit:
+                raise DeviceMemoryLimitError(
+                    f"device_memory_limit={limit} bytes is too small: the warm-up step needs {chunks_b} bytes of chunks "
+                    f"at once (the largest chunk is {max((v.payload_bytes for v in self.manager.planned_views(layout, {})), default=0)} "
+                    f"bytes) and traced {nonmodel_b} bytes of non-model memory (activations). The smallest limit that "
+                    f"would work is {chunks_b + nonmodel_b} bytes."
+                )
+        old_tiers = [c.shard_tier for c in self.manager.chunks]
+        new_tiers = self.policy.shard_tiers(self.manager.planned_views(layout, self._optim_bytes), trace, limit)
+        if layout != self.manager.layout or old_tiers != [new_tiers[c.chunk_id] for c in layout.chunks]:
+            self._place(layout, trace)
+        self.hooks.trace = trace
+
+    # ================================================================ steps
+    @contextlib.contextmanager
+    def micro_batch(self, *, training: bool) -> Iterator[Any]:
+        """Wrap one training micro-batch or evaluation step. Yields ``outputs(obj)`` for the step's outputs."""
+        if self._finalize_pending:
+            self._finalize()
+        if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
+            self.hooks.end_backward()
+            self._finalize()
+        record = training and not self.warmed_up and torch.is_grad_enabled()
+        with self.hooks.step_scope(training=training, record=record) as outputs:
+            yield outputs
+
+    def after_backward(self) -> None:
+        """Safety net for a backward in which no hook fired (idempotent)."""
+        if self.hooks.tracer.recording:
+            self.hooks.end_backward()
+
+    def prepare_step(self) -> None:
+        if self._finalize_pending:
+            self._finalize()
+        for b in self.bindings:
+            b.attach_grads()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [g for b in self.bindings for g in b.grads()]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over every shard of every rank; returns that norm (as torch does)."""
+        grads = self.grads()
+        norm_type = float(norm_type)
+        if math.isinf(norm_type):
+            local = max((float(g.abs().max()) for g in grads), default=0.0)
+            total = self.comm.all_reduce(torch.tensor([local]), op="max")[0]
+        else:
+            acc = torch.zeros(1, dtype=torch.float64)
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            for gs in by_device.values():
+                norms = torch._foreach_norm(gs, norm_type)
+                acc += torch.stack(norms).double().pow(norm_type).sum().cpu()
+            total = self.comm.all_reduce(acc, op="sum")[0].pow(1.0 / norm_type).float()
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        self.last_grad_norm = float(total)
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        for g in self.grads():
+            g.clamp_(min=-clip_value, max=clip_value)
+
+    def unscale_and_check(self) -> bool:
+        """fp16: unscale the gradients; True when some rank overflowed (every rank then skips)."""
+        assert self.scaler is not None
+        return self.scaler.unscale_and_check(self.grads(), self.comm)
+
+    def finish_step(self, *, stepped: bool) -> None:
+        for b in self.bindings:
+            b.detach_grads()
+        if stepped:
+            self.manager.write_back()
+        self.manager.free_grads()
+
+    # ================================================================ results
+    def memory_stats(self) -> dict[str, float]:
+        out = self.manager.stats()
+        out["nonmodel_peak_bytes"] = self.hooks.trace.nonmodel_peak_bytes if self.hooks.trace else 0
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict`` with every parameter's full trained value (host tensors)."""
+        sd = self.module.state_dict(keep_vars=True)
+        index_of = self.manager.index_of
+        cache: dict[int, torch.Tensor] = {}
+        out = {}
+        for k, v in sd.items():
+            i = index_of.get(id(v))
+            if i is None:
+                out[k] = v.detach() if torch.is_tensor(v) else v
+            else:
+                if i not in cache:
+                    cache[i] = self.manager.full_value(i)
+                out[k] = cache[i]
+        return out
+
+    def teardown(self, *, materialize: bool = True, device: Optional[torch.device] = None) -> None:
+        """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off)."""
+        self.hooks.remove()
+        for b in self.bindings:
+            b.detach_grads()
+            unbind_state(b)
+        if device is None:
+            total = sum(p.numel() * p.element_size() for p in self.manager.params)
+            limit = self.manager.limit
+            device = self.manager.device if limit is None or total <= limit else torch.device("cpu")
+        self.manager.unpack(materialize=materialize, device=device)

@@ -1,0 +1,177 @@
+"""The memory tracer: what one warm-up step uses, moment by moment.
+
+A *moment* is one tick of the engine's clock at a module hook (pre-forward,
+post-forward, pre-backward). During the warm-up micro-batch the tracer records,
+per moment, which chunks the module uses and how many bytes of non-model memory
+are live: tensors autograd saved for backward (activations), counted once per
+storage and excluding chunk payloads, plus on CUDA whatever the allocator holds
+beyond chunk memory. Placement reads the finished ``Trace``; it never sees the
+tracer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+FORWARD, POST_FORWARD, BACKWARD = "fwd", "post_fwd", "bwd"
+
+
+@dataclass(frozen=True)
+class Moment:
+    kind: str  # FORWARD, POST_FORWARD or BACKWARD
+    module: str
+    chunk_ids: tuple[int, ...]
+    param_indices: tuple[int, ...]
+    nonmodel_bytes: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    moments: tuple[Moment, ...]
+
+    def __len__(self) -> int:
+        return len(self.moments)
+
+    @property
+    def nonmodel_peak_bytes(self) -> int:
+        return max((m.nonmodel_bytes for m in self.moments), default=0)
+
+    def nonmodel_at(self, position: int) -> int:
+        if not self.moments:
+            return 0
+        return self.moments[min(max(position, 0), len(self.moments) - 1)].nonmodel_bytes
+
+    @functools.cached_property
+    def use_positions(self) -> dict[int, list[int]]:
+        """chunk id -> sorted moment positions that use it."""
+        uses: dict[int, list[int]] = {}
+        for i, m in enumerate(self.moments):
+            for c in m.chunk_ids:
+                uses.setdefault(c, []).append(i)
+        return uses
+
+    def next_use(self, chunk_id: int, position: int) -> float:
+        """Moments until ``chunk_id`` is used after ``position``, wrapping into the next step."""
+        pos = self.use_positions.get(chunk_id)
+        if not pos:
+            return float("inf")
+        k = bisect.bisect_right(pos, position)
+        if k < len(pos):
+            return pos[k] - position
+        return len(self.moments) - position + pos[0]
+
+    def next_chunks(self, position: int) -> tuple[int, ...]:
+        """Chunks of the first moment after ``position`` that uses any."""
+        for m in self.moments[position + 1 :]:
+            if m.chunk_ids and m.kind != POST_FORWARD:
+                return m.chunk_ids
+        return ()
+
+    def remap(self, chunk_of: dict[int, int]) -> "Trace":
+        """The same moments with chunk ids of another layout (``param index -> chunk id``)."""
+        return Trace(tuple(
+            Moment(m.kind, m.module, tuple(sorted({chunk_of[i] for i in m.param_indices})), m.param_indices,
+                   m.nonmodel_bytes) for m in self.moments))
+
+    def first_use_order(self, num_params: int) -> list[int]:
+        """Parameter indices in the order the warm-up first used them; unused ones last, in registration order."""
+        seen: dict[int, None] = {}
+        for m in self.moments:
+            if m.kind == FORWARD:
+                for i in m.param_indices:
+                    seen.setdefault(i, None)
+        for m in self.moments:
+            for i in m.param_indices:
+                seen.setdefault(i, None)
+        rest = [i for i in range(num_params) if i not in seen]
+        return list(seen) + rest
+
+
+class _Saved:
+    """What the pack hook hands autograd: the tensor, and a receipt that un-counts it when autograd drops it."""
+
+    __slots__ = ("tensor", "key", "counter")
+
+    def __init__(self, tensor: torch.Tensor, key: Optional[tuple[str, int]], counter: "SavedBytesCounter") -> None:
+        self.tensor, self.key, self.counter = tensor, key, counter
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.counter._release(self.key)
+
+
+class SavedBytesCounter:
+    """Live bytes of tensors saved for backward, one count per storage."""
+
+    def __init__(self, is_model_storage: Callable[[torch.Tensor], bool]) -> None:
+        self._is_model = is_model_storage
+        self._refs: dict[tuple[str, int], list[int]] = {}  # key -> [refcount, bytes]
+        self.live_bytes = 0
+
+    def _pack(self, t: torch.Tensor) -> _Saved:
+        if isinstance(t, torch.nn.Parameter) or self._is_model(t):
+            return _Saved(t, None, self)
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        ref = self._refs.get(key)
+        if ref is None:
+            self._refs[key] = [1, storage.nbytes()]
+            self.live_bytes += storage.nbytes()
+        else:
+            ref[0] += 1
+        return _Saved(t, key, self)
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def _release(self, key: tuple[str, int]) -> None:
+        ref = self._refs.get(key)
+        if ref is None:
+            return
+        ref[0] -= 1
+        if ref[0] == 0:
+            del self._refs[key]
+            self.live_bytes -= ref[1]
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+
+class MemoryTracer:
+    """Records moments while ``recording``; ``finish()`` returns the ``Trace``."""
+
+    def __init__(self, is_model_storage: Callable[[torch.Tensor], bool], device: torch.device,
+                 chunk_device_bytes: Callable[[], int]) -> None:
+        self.counter = SavedBytesCounter(is_model_storage)
+        self._device = device
+        self._chunk_device_bytes = chunk_device_bytes
+        self._moments: list[Moment] = []
+        self.recording = False
+
+    def nonmodel_bytes(self) -> int:
+        live = self.counter.live_bytes
+        if self._device.type == "cuda":
+            allocated = torch.cuda.memory_allocated(self._device) - self._chunk_device_bytes()
+            live = max(live, allocated)
+        return max(live, 0)
+
+    def record(self, kind: str, module: str, chunk_ids: Sequence[int], param_indices: Sequence[int]) -> None:
+        if self.recording:
+            self._moments.append(Moment(kind, module, tuple(chunk_ids), tuple(param_indices), self.nonmodel_bytes()))
+
+    def start(self) -> None:
+        self._moments.clear()
+        self.recording = True
+
+    def finish(self) -> Trace:
+        self.recording = False
+        return Trace(tuple(self._moments))
