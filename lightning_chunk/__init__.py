@@ -1,0 +1,18 @@
+"""lightning_chunk: chunk-based ZeRO-3 with CPU offload, as a PyTorch Lightning strategy.
+
+Importing the package registers the strategy names ``chunk_offload`` (placement
+``auto``), ``chunk`` (``device``) and ``chunk_offload_cpu`` (``host``).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
+from .precision import ChunkPrecision
+from .strategy import ChunkOffloadStrategy
+
+__version__ = "0.1.0"
+
+ChunkOffloadStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ChunkConfig", "ChunkEngine", "ChunkOffloadStrategy", "ChunkPrecision", "DeviceMemoryLimitError",
+           "__version__"]

@@ -13,7 +13,9 @@
              *aliased* (one rank, shard on the device: the payload *is* the shard, so
              an all-resident fp32 run copies nothing at all).
 ``grad``     gradient accumulator for the shard, master dtype, on the shard's tier;
-             allocated by the first gradient of a step, freed after the step.
+             allocated with the chunk and kept (no allocation churn per step). The
+             first gradient a parameter gets in a step overwrites its range, later
+             ones add; ``TensorInfo.has_grad`` says which ranges are live.
 Optimizer state (Adam's moments) is created by the optimizer next to ``master``;
 the chunk reserves its bytes (``optim_state_bytes``) on the shard's tier so the
 accounting sees it before it exists.

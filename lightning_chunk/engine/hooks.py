@@ -146,11 +146,15 @@ class ChunkHooks:
         try:
             mgr.gather(chunk)
         except DeviceMemoryLimitError as e:
-            ws, nonmodel = smallest_working_limit(mgr.views(), self.trace)
+            views = mgr.views()
+            ws, nonmodel = smallest_working_limit(views, self.trace)
+            shards = sum(v.device_shard_bytes for v in views if v.shard_tier is Tier.DEVICE)
             raise DeviceMemoryLimitError(
-                f"{e} Chunks {list(needed)} are needed at once and nothing else can be evicted. "
-                f"The largest working set of chunks is {ws} bytes (plus {nonmodel} bytes of traced non-model memory): "
-                f"raise device_memory_limit to at least {ws + nonmodel} bytes, or lower chunk_numel."
+                f"{e} Chunks {list(needed)} are needed at once and nothing else can be evicted: "
+                f"{shards} bytes are shards that placement={self.policy.name!r} keeps on the device, the largest "
+                f"working set of payloads is {ws} bytes and the traced non-model memory {nonmodel} bytes. "
+                f"Raise device_memory_limit to at least {shards + ws + nonmodel} bytes, offload more shards, "
+                "or lower chunk_numel."
             ) from None
 
     def _use(self, key: str, kind: str) -> None:

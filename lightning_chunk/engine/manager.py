@@ -194,12 +194,11 @@ class ChunkManager:
         self.comm.all_gather(out, shard.contiguous()).wait()
         return out.to(_HOST)
 
-    def _alloc(self, numel: int, dtype: torch.dtype, tier: Tier, *, zero: bool = False) -> torch.Tensor:
+    def _alloc(self, numel: int, dtype: torch.dtype, tier: Tier) -> torch.Tensor:
         """Allocate a shard buffer on ``tier``. Device bytes must have been reserved by the caller."""
         if tier is Tier.DEVICE:
-            return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.device)
-        t = torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self._pin)
-        return t.zero_() if zero else t
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self._pin)
 
     def _build_chunk(self, spec, layout: Layout, tier: Tier, values, grads, had_grad) -> Chunk:
         p0 = self.params[spec.slots[0].param_index]
@@ -218,9 +217,7 @@ class ChunkManager:
                 full_grad[s.offset : s.offset + s.numel].copy_(grads[s.param_index].reshape(-1))
         chunk.aliased = self.comm.world_size == 1 and tier is Tier.DEVICE
         if tier is Tier.DEVICE:
-            grad_bytes = chunk.shard_numel * full.element_size() if full_grad is not None else 0
-            shard_bytes = self.device_shard_bytes(chunk) - (chunk.shard_numel * full.element_size() if chunk.trainable else 0)
-            self._reserve_device(shard_bytes + grad_bytes, f"chunk {spec.chunk_id}'s shard on the device tier")
+            self._reserve_device(self.device_shard_bytes(chunk), f"chunk {spec.chunk_id}'s shard on the device tier")
         with self._tracked(chunk):
             chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=self.device)
             if chunk.aliased:
@@ -234,9 +231,10 @@ class ChunkManager:
                 if chunk.compute_dtype != chunk.master_dtype:
                     chunk.low = self._alloc(chunk.shard_numel, chunk.compute_dtype, tier)
                     chunk.low.copy_(chunk.master)
-            if full_grad is not None:
+            if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
                 chunk.grad = self._alloc(chunk.shard_numel, chunk.master_dtype, tier)
-                chunk.grad.copy_(full_grad[lo:hi])
+                if full_grad is not None:
+                    chunk.grad.copy_(full_grad[lo:hi])
             state = S.HOLD if chunk.aliased else S.FREE
             for s in spec.slots:  # views first: a view of a released storage cannot be made
                 p = self.params[s.param_index]
@@ -297,16 +295,15 @@ class ChunkManager:
         chunk, info = self.lookup(param)
         if self.comm.world_size > 1:
             raise NotImplementedError("multi-rank gradient reduction arrives with the ZeRO-3 issue")
-        with self._tracked(chunk):
-            if chunk.grad is None:
-                if chunk.shard_tier is Tier.DEVICE:
-                    self._reserve_device(chunk.shard_numel * torch.empty((), dtype=chunk.master_dtype).element_size(),
-                                         f"chunk {chunk.chunk_id}'s gradient shard")
-                chunk.grad = self._alloc(chunk.shard_numel, chunk.master_dtype, chunk.shard_tier, zero=True)
-            dst = chunk.grad[info.offset : info.offset + info.numel]
-            dst.add_(grad.reshape(-1).to(dst.device, non_blocking=True))
-            if chunk.shard_tier is Tier.HOST:
-                self.transfers.d2h_bytes += grad.numel() * grad.element_size()
+        assert chunk.grad is not None, f"chunk {chunk.chunk_id} holds no trainable parameters"
+        dst = chunk.grad[info.offset : info.offset + info.numel]
+        src = grad.reshape(-1).to(dst.device, non_blocking=True)
+        if info.has_grad:  # accumulation across micro-batches
+            dst.add_(src)
+        else:  # the first gradient of a step overwrites what the last step left
+            dst.copy_(src)
+        if chunk.shard_tier is Tier.HOST:
+            self.transfers.d2h_bytes += grad.numel() * grad.element_size()
         info.has_grad = True
         chunk.set_state(info, S.READY_FOR_REDUCE)
         if chunk.grads_complete():
@@ -334,14 +331,11 @@ class ChunkManager:
         for c in self.chunks:
             c.transition_all(S.HOLD, only_from=frozenset({S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}))
 
-    def free_grads(self) -> None:
+    def clear_grads(self) -> None:
+        """After a step: no parameter has a gradient (the buffers stay; the next gradient overwrites)."""
         for c in self.chunks:
-            if c.grad is not None:
-                with self._tracked(c):
-                    c.grad = None
             for t in c.tensors:
                 t.has_grad = False
-        self._changed()
 
     # ================================================================ optimizer
     def master_view(self, param_index: int) -> Optional[torch.Tensor]:

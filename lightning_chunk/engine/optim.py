@@ -151,6 +151,45 @@ class OptimizerBinding:
             return val.to(like.device if step_on_device else "cpu")
         return val
 
+    # ----------------------------------------------------- plain state format
+    def _positions(self) -> list[int]:
+        """Param index of each position in ``optimizer.state_dict()`` numbering."""
+        return [i for k in range(len(self.group_params)) for i in self.group_params[k] if i in self._views]
+
+    def plain_state_dict(self) -> dict[str, Any]:
+        """``optimizer.state_dict()`` as the unchunked optimizer would write it (state in parameter shapes)."""
+        if self.manager.comm.world_size > 1:
+            raise NotImplementedError("optimizer state of several ranks is saved by the sharded checkpoint")
+        sd = self.optimizer.state_dict()
+        pos = self._positions()
+        state = {}
+        for k, st in sd["state"].items():
+            p = self.manager.params[pos[k]]
+            state[k] = {key: (v.reshape(p.shape) if torch.is_tensor(v) and v.dim() > 0 and v.numel() == p.numel() else v)
+                        for key, v in st.items()}
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_plain_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a state dict written by the unchunked optimizer (or by ``plain_state_dict``)."""
+        pos = self._positions()
+        views = self._views
+        state = {}
+        for k, st in sd["state"].items():
+            k = int(k)
+            if k >= len(pos):
+                raise ValueError(f"optimizer state names parameter position {k}, but the optimizer has {len(pos)} parameters")
+            v = views[pos[k]]
+            state[k] = {key: (t.reshape(-1) if torch.is_tensor(t) and t.dim() > 0 and t.numel() == v.numel() else t)
+                        for key, t in st.items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        self._choose_kernel()  # the loaded groups carry the saver's kernel flags
+        for k, g in enumerate(self.optimizer.param_groups):
+            on_device = bool(g.get("fused") or g.get("capturable"))
+            for v in g["params"]:
+                st = self.optimizer.state.get(v)
+                if st and torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].to(v.device if on_device else "cpu")
+
     def views(self) -> dict[int, torch.Tensor]:
         return self._views
 

@@ -113,11 +113,14 @@ class ChunkEngine:
         limit = self.manager.limit
         if limit is not None:
             on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
-            if on_device > limit:
+            host_payload = max((v.payload_bytes for v in views if tiers[v.chunk_id] is Tier.HOST), default=0)
+            if on_device + host_payload > limit:
                 raise DeviceMemoryLimitError(
                     f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
-                    f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks), more than "
-                    f"device_memory_limit={limit} bytes; raise the limit or use placement='auto', 'static' or 'host'."
+                    f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks)"
+                    + (f" and must fetch host payloads of up to {host_payload} bytes" if host_payload else "")
+                    + f", more than device_memory_limit={limit} bytes; raise the limit, raise offload_fraction "
+                    "(static) or use placement='auto' or 'host'."
                 )
         self.manager.pack(layout, tiers)
         self.manager.reserve_optimizer_state(self._optim_bytes)
@@ -239,7 +242,7 @@ class ChunkEngine:
             b.detach_grads()
         if stepped:
             self.manager.write_back()
-        self.manager.free_grads()
+        self.manager.clear_grads()
 
     # ================================================================ results
     def memory_stats(self) -> dict[str, float]:
@@ -264,6 +267,28 @@ class ChunkEngine:
                     cache[i] = self.manager.full_value(i)
                 out[k] = cache[i]
         return out
+
+    def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+        """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers."""
+        sd = self.module.state_dict(keep_vars=True)
+        index_of = self.manager.index_of
+        param_keys = {k for k, v in sd.items() if id(v) in index_of}
+        missing = [k for k in sd if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in sd]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                               f"missing keys {missing}, unexpected keys {unexpected}")
+        for k in param_keys:
+            if k not in state_dict:
+                continue
+            i = index_of[id(sd[k])]
+            value = state_dict[k]
+            if tuple(value.shape) != tuple(self.manager.params[i].shape):
+                raise RuntimeError(f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
+                                   f"the parameter in the current model has shape {tuple(self.manager.params[i].shape)}")
+            self.manager.load_value(i, value)
+        rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
+        self.module.load_state_dict(rest, strict=False)
 
     def teardown(self, *, materialize: bool = True, device: Optional[torch.device] = None) -> None:
         """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off)."""

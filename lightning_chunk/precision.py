@@ -1,0 +1,146 @@
+"""``ChunkPrecision``: the precision plugin of ``ChunkOffloadStrategy``.
+
+===========  ==============  =============  ==========================================
+precision    payload dtype   master dtype   notes
+===========  ==============  =============  ==========================================
+32-true      param dtype     param dtype    bit-for-bit the plain-PyTorch update rule
+bf16-mixed   bfloat16        float32        autocast to bf16 around forward
+bf16-true    bfloat16        bfloat16       no fp32 copy anywhere (like Lightning's)
+16-mixed     float16         float32        autocast to fp16, dynamic loss scaling
+===========  ==============  =============  ==========================================
+
+Unlike Lightning's own mixed-precision plugins, the payloads (the weights that
+modules compute with) are in the low-precision dtype, as in DeepSpeed and
+Colossal-AI: that halves the bytes moved between tiers. fp32 masters keep small
+updates from being lost.
+
+The step order follows Lightning's AMP plugin: closure (forward + backward) ->
+gradients onto the master views -> unscale and agree on overflow (fp16) ->
+``on_before_optimizer_step`` and clipping -> step, or skip on overflow ->
+update the scale -> write the low-precision copies back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Generator, Optional, Union
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+
+from .engine import ChunkEngine, DtypePolicy
+from .engine.scaler import DynamicLossScaler
+
+SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+_ALIASES = {"32": "32-true", 32: "32-true", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
+_REFUSED = {
+    "16-true": "fp16 weights with no fp32 master lose every update smaller than fp16's resolution and cannot be "
+               "loss-scaled safely; use '16-mixed' (fp16 compute, fp32 masters, dynamic loss scaling) or 'bf16-true'",
+    "64-true": "chunks are built for fp32 and lower; use '32-true'",
+    "transformer-engine": "use 'bf16-mixed'",
+}
+
+
+def normalize_precision(precision: Union[str, int]) -> str:
+    p = _ALIASES.get(precision, precision)
+    if p in _REFUSED:
+        raise ValueError(f"precision={precision!r} is not supported by chunk_offload: {_REFUSED[p]}.")
+    if p not in SUPPORTED:
+        raise ValueError(f"precision={precision!r} is not supported by chunk_offload; choose one of {', '.join(SUPPORTED)}.")
+    return str(p)
+
+
+class ChunkPrecision(Precision):
+    def __init__(self, precision: Union[str, int] = "32-true", *, init_scale: float = 2.0**16,
+                 growth_interval: int = 2000) -> None:
+        self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        self.scaler: Optional[DynamicLossScaler] = (
+            DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval)
+            if self.precision == "16-mixed" else None
+        )
+        self._engine: Optional[ChunkEngine] = None
+        self._device_type = "cpu"
+
+    # --------------------------------------------------------------- wiring
+    def dtype_policy(self) -> DtypePolicy:
+        return {
+            "32-true": DtypePolicy(),
+            "bf16-mixed": DtypePolicy(torch.bfloat16, torch.float32),
+            "16-mixed": DtypePolicy(torch.float16, torch.float32),
+            "bf16-true": DtypePolicy(torch.bfloat16, torch.bfloat16),
+        }[self.precision]
+
+    def attach(self, engine: Optional[ChunkEngine], device: torch.device) -> None:
+        self._engine = engine
+        self._device_type = device.type
+        if engine is not None:
+            engine.scaler = self.scaler
+
+    @property
+    def engine(self) -> ChunkEngine:
+        if self._engine is None:
+            raise RuntimeError("ChunkPrecision is used outside ChunkOffloadStrategy's setup (no chunk engine attached).")
+        return self._engine
+
+    # -------------------------------------------------------------- forward
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+            with torch.autocast(self._device_type, dtype=dtype):
+                yield
+        else:
+            yield
+
+    def convert_input(self, data: Any) -> Any:
+        if self.precision == "bf16-true":
+            return apply_to_collection(data, Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        return data
+
+    # ------------------------------------------------------------- backward
+    def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizer, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        engine = self.engine
+        closure_result = closure()
+        skipped_backward = closure_result is None and model.automatic_optimization
+        engine.prepare_step()
+        found_inf = False
+        if self.scaler is not None and not skipped_backward:
+            found_inf = engine.unscale_and_check()
+        self._after_closure(model, optimizer)
+        stepped = not skipped_backward and not found_inf
+        if stepped:
+            optimizer.step(**kwargs)
+        if self.scaler is not None and not skipped_backward:
+            self.scaler.update(found_inf)
+        engine.finish_step(stepped=stepped)
+        return closure_result
+
+    # ------------------------------------------------------------- clipping
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        self.engine.clip_grad_norm_(clip_val)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        self.engine.clip_grad_value_(clip_val)
+
+    def main_params(self, optimizer: Optimizer) -> Any:
+        return [p for g in optimizer.param_groups for p in g["params"]]
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)

@@ -1,0 +1,317 @@
+"""``ChunkOffloadStrategy``: chunk-based ZeRO-3 with CPU offload as a Lightning strategy.
+
+The Lightning glue only: it builds a ``ChunkEngine`` over the LightningModule
+and the optimizers from ``configure_optimizers``, wraps each step in the
+engine's micro-batch scope, and converts checkpoints to and from the plain
+format. Everything that moves bytes lives in ``lightning_chunk.engine``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Generator, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+
+from .engine import ChunkConfig, ChunkEngine, Collectives
+from .precision import ChunkPrecision
+
+# name -> (placement, description)
+PRESETS = {
+    "chunk_offload": ("auto", "Chunk-based ZeRO-3; placement from a warm-up trace under the device memory limit"),
+    "chunk": ("device", "Chunk-based ZeRO-3 with every shard on the device (no offload)"),
+    "chunk_offload_cpu": ("host", "Chunk-based ZeRO-3 with every shard on the host, payloads fetched on use"),
+}
+
+
+class ChunkOffloadStrategy(ParallelStrategy):
+    """Train any LightningModule with its parameters packed into chunks placed between device and host.
+
+    Args:
+        placement: ``"auto"``, ``"device"``, ``"host"`` or ``"static"`` (see ``docs/configuration.md``).
+        device_memory_limit: bytes of chunk memory allowed on the device (int, or a string such as ``"2GiB"``).
+        offload_fraction: with ``placement="static"``, the fraction of chunks whose shards live on the host.
+        chunk_numel: elements per chunk; ``None`` chooses it after the warm-up step.
+        chunk_numel_min: lower bound of the automatic chunk-size search.
+        chunk_numel_max: upper bound of the automatic chunk-size search.
+        prefetch: gather the next traced chunks ahead of use.
+        pin_memory: page-lock host shards on CUDA machines.
+        materialize_on_teardown: give the parameters their full trained values when ``fit`` ends.
+        optimizer_kernel: ``"auto"``, ``"fused"``, ``"foreach"`` or ``"loop"``.
+        assume_elementwise_optimizer: accept an optimizer class the engine does not know.
+        log_memory_stats: log ``memory_stats()`` to the Trainer's loggers every step.
+    """
+
+    strategy_name = "chunk_offload"
+
+    def __init__(
+        self,
+        placement: str = "auto",
+        device_memory_limit: Optional[Union[int, str]] = None,
+        offload_fraction: float = 0.5,
+        chunk_numel: Optional[int] = None,
+        chunk_numel_min: int = 1 << 20,
+        chunk_numel_max: int = 1 << 26,
+        prefetch: bool = True,
+        pin_memory: bool = True,
+        materialize_on_teardown: bool = True,
+        optimizer_kernel: str = "auto",
+        assume_elementwise_optimizer: bool = False,
+        log_memory_stats: bool = True,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.config = ChunkConfig(
+            placement=placement,  # type: ignore[arg-type]
+            device_memory_limit=device_memory_limit,  # type: ignore[arg-type]
+            offload_fraction=offload_fraction, chunk_numel=chunk_numel, chunk_numel_min=chunk_numel_min,
+            chunk_numel_max=chunk_numel_max, prefetch=prefetch, pin_memory=pin_memory,
+            materialize_on_teardown=materialize_on_teardown, optimizer_kernel=optimizer_kernel,  # type: ignore[arg-type]
+            assume_elementwise_optimizer=assume_elementwise_optimizer,
+        )
+        if not isinstance(log_memory_stats, bool):
+            raise ValueError(f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True or False.")
+        self.log_memory_stats = log_memory_stats
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.engine: Optional[ChunkEngine] = None
+        self._final_stats: dict[str, float] = {}
+
+    # ============================================================ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, (placement, description) in PRESETS.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, placement=placement)
+
+    # ======================================================== precision plugin
+    @property
+    def precision_plugin(self) -> ChunkPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = ChunkPrecision("32-true")
+        assert isinstance(plugin, ChunkPrecision)
+        return plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is not None and not isinstance(plugin, ChunkPrecision):
+            precision = getattr(plugin, "precision", None)
+            if precision is None or type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision",
+                                                                 "DoublePrecision"):
+                raise TypeError(
+                    f"chunk_offload cannot use the precision plugin {type(plugin).__name__}; pass precision='32-true', "
+                    "'bf16-mixed', 'bf16-true' or '16-mixed', or a lightning_chunk.ChunkPrecision instance."
+                )
+            plugin = ChunkPrecision(precision)
+        self._precision_plugin = plugin
+
+    # ====================================================== processes, ranks
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return False
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        if self.world_size > 1:
+            reset_seed()
+            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            self._process_group_backend = backend
+            assert self.cluster_environment is not None
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    # ================================================================= setup
+    def model_to_device(self) -> None:
+        """Buffers go to the device; parameters are placed by the engine."""
+        assert self.lightning_module is not None
+        device = self.root_device
+        for m in self.lightning_module.modules():
+            for k, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[k] = b.to(device)
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if self.world_size > 1:
+            raise NotImplementedError(
+                f"chunk_offload runs on one device for now (world_size={self.world_size} was asked for); "
+                "sharding chunks across ranks is the next milestone."
+            )
+        module = self.lightning_module
+        assert module is not None
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        comm = Collectives() if self.world_size > 1 else Collectives.local()
+        self.engine = ChunkEngine(module, self.optimizers if fitting else [], config=self.config,
+                                  dtypes=self.precision_plugin.dtype_policy(), device=self.root_device,
+                                  collectives=comm)
+        self.precision_plugin.attach(self.engine, self.root_device)
+
+    def memory_stats(self) -> dict[str, float]:
+        """Chunk memory and traffic of this rank: bytes per tier, peak, copies, evictions, loss scale.
+
+        After ``fit`` ends, the figures of the run that just ended."""
+        if self.engine is None:
+            return dict(self._final_stats)
+        return self.engine.memory_stats()
+
+    # ================================================================= steps
+    def _step(self, method: str, training: bool, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None
+        with self.engine.micro_batch(training=training) as outputs:
+            out = getattr(super(), method)(*args, **kwargs)
+            outputs(out)
+        return out
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._step("training_step", True, *args, **kwargs)
+        if self.log_memory_stats and self.lightning_module is not None and self.lightning_module._trainer is not None:
+            stats = {f"chunk/{k}": float(v) for k, v in self.memory_stats().items()}
+            self.lightning_module.log_dict(stats, on_step=True, on_epoch=False, prog_bar=False, logger=True,
+                                           batch_size=1)
+        return out
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", False, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", False, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", False, *args, **kwargs)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.engine is not None:
+            self.engine.after_backward()
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-stepping micro-batches: one rank has nothing to synchronise."""
+        yield
+
+    # ======================================================== collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[Any, str]] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ========================================================== checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        return self.engine.full_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self.engine.load_full_state_dict(dict(checkpoint["state_dict"]), strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        binding = self._binding_of(optimizer)
+        return binding.plain_state_dict() if binding is not None else super().optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            binding = self._binding_of(optimizer)
+            if binding is None:
+                optimizer.load_state_dict(state)
+            else:
+                binding.load_plain_state_dict(state)
+
+    def _binding_of(self, optimizer: Optimizer) -> Any:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self.engine is None:
+            return None
+        return next((b for b in self.engine.bindings if b.optimizer is optimizer), None)
+
+    # ============================================================= teardown
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self._final_stats = self.engine.memory_stats()
+            self.engine.teardown(materialize=self.config.materialize_on_teardown, device=torch.device("cpu"))
+            self.precision_plugin.attach(None, self.root_device)
+            self.engine = None
+        super().teardown()

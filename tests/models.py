@@ -1,0 +1,92 @@
+"""Small LightningModules that cover what parity must hold for: param groups and a scheduler,
+tied weights, frozen layers, a branch unused in some steps, buffers."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, DIM, HIDDEN, SEQ = 48, 32, 64, 8
+
+
+class ParityNet(L.LightningModule):
+    def __init__(self, variant: str = "plain", lr: float = 1e-2, optimizer: str = "adamw",
+                 scheduler: bool = True, depth: int = 2) -> None:
+        super().__init__()
+        self.variant, self.lr, self.optimizer_name, self.use_scheduler = variant, lr, optimizer, scheduler
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        if variant == "tied":
+            self.head.weight = self.embed.weight
+        if variant == "frozen":
+            for p in list(self.embed.parameters()) + list(self.blocks[0].parameters()):
+                p.requires_grad_(False)
+        if variant == "unused":
+            self.branch = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.embed(x)
+        for blk in self.blocks:
+            h = h + blk(h)
+        if self.variant == "unused" and use_branch:
+            h = h + self.branch(h)
+        return self.head(self.norm(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.calls += 1
+        logits = self(x, use_branch=(batch_idx % 3 == 0))
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))
+        self.log("val_loss", loss)
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
+        elif self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        elif self.optimizer_name == "rmsprop":
+            opt = torch.optim.RMSprop(groups, lr=self.lr * 0.1)
+        else:
+            opt = getattr(torch.optim, self.optimizer_name)(groups, lr=self.lr)
+        if not self.use_scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def token_data(n: int = 96, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+
+
+def fit(strategy, *, variant: str = "plain", steps: int = 20, precision="32-true", plugins=None, seed: int = 7,
+        model_kwargs=None, **trainer_kwargs) -> ParityNet:
+    """Train a fresh ParityNet (same init for every strategy) and return it."""
+    L.seed_everything(seed, verbose=False)
+    model = ParityNet(variant=variant, **(model_kwargs or {}))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision=None if plugins else precision, plugins=plugins,
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, **trainer_kwargs,
+    )
+    trainer.fit(model, token_data())
+    model.trainer_ref = trainer
+    return model
