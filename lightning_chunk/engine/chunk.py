@@ -42,7 +42,7 @@ class Tier(enum.Enum):
 class TensorInfo:
     """One parameter packed in a chunk."""
 
-    param: torch.nn.Parameter
+    param: torch.nn.Parameter = field(repr=False)  # never print: its storage may be released
     name: str
     slot: Slot
     shape: torch.Size
@@ -75,13 +75,14 @@ class Chunk:
     world_size: int
     compute_dtype: torch.dtype
     master_dtype: torch.dtype
-    tensors: list[TensorInfo] = field(default_factory=list)
-    payload: Optional[torch.Tensor] = None
+    # tensors stay out of repr: printing a released payload would read freed memory
+    tensors: list[TensorInfo] = field(default_factory=list, repr=False)
+    payload: Optional[torch.Tensor] = field(default=None, repr=False)
     shard_tier: Tier = Tier.HOST
     aliased: bool = False
-    master: Optional[torch.Tensor] = None
-    low: Optional[torch.Tensor] = None  # only when it is a buffer of its own
-    grad: Optional[torch.Tensor] = None
+    master: Optional[torch.Tensor] = field(default=None, repr=False)
+    low: Optional[torch.Tensor] = field(default=None, repr=False)  # only when it is a buffer of its own
+    grad: Optional[torch.Tensor] = field(default=None, repr=False)
     optim_state_bytes: int = 0
     last_used: int = -1  # manager clock, for LRU when there is no trace
 

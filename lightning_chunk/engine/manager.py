@@ -26,7 +26,7 @@ from .config import ChunkConfig, DtypePolicy
 from .errors import DeviceMemoryLimitError
 from .packing import ChunkKey, Layout, ParamSpec
 from .placement import ChunkView
-from .states import TensorState
+from .states import TensorState, check_transition
 
 S = TensorState
 _HOST = torch.device("cpu")
@@ -296,6 +296,8 @@ class ChunkManager:
         if self.comm.world_size > 1:
             raise NotImplementedError("multi-rank gradient reduction arrives with the ZeRO-3 issue")
         assert chunk.grad is not None, f"chunk {chunk.chunk_id} holds no trainable parameters"
+        check_transition(info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id,
+                         rank=chunk.rank)  # before touching data: a refused gradient leaves nothing half-added
         dst = chunk.grad[info.offset : info.offset + info.numel]
         src = grad.reshape(-1).to(dst.device, non_blocking=True)
         if info.has_grad:  # accumulation across micro-batches

@@ -70,11 +70,6 @@ class OptimizerBinding:
     def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, group_offset: int,
                  config: ChunkConfig) -> None:
         check_optimizer(optimizer, config)
-        if optimizer.state and any(optimizer.state.values()):
-            raise ValueError(
-                f"{type(optimizer).__name__} already holds state for module parameters; chunk_offload must bind it "
-                "before its first step (load optimizer state through the strategy instead)."
-            )
         self.optimizer = optimizer
         self.manager = manager
         self.config = config
@@ -118,7 +113,10 @@ class OptimizerBinding:
         return out
 
     def bind(self) -> None:
-        """Point every group at the current master views; carry existing state over by parameter."""
+        """Point every group at the current master views; carry existing state over by parameter.
+
+        State the optimizer already holds for the module parameters (Adagrad creates its
+        ``sum`` in the constructor; a user may have stepped before) moves to the views too."""
         old = self._views
         new: dict[int, torch.Tensor] = {}
         for k, g in enumerate(self.optimizer.param_groups):

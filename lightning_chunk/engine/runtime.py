@@ -114,7 +114,7 @@ class ChunkEngine:
         if limit is not None:
             on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
             host_payload = max((v.payload_bytes for v in views if tiers[v.chunk_id] is Tier.HOST), default=0)
-            if on_device + host_payload > limit:
+            if on_device and on_device + host_payload > limit:
                 raise DeviceMemoryLimitError(
                     f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
                     f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks)"

@@ -49,9 +49,11 @@ class Trace:
 
     @functools.cached_property
     def use_positions(self) -> dict[int, list[int]]:
-        """chunk id -> sorted moment positions that use it."""
+        """chunk id -> sorted moment positions that use it (post-forward moments use nothing)."""
         uses: dict[int, list[int]] = {}
         for i, m in enumerate(self.moments):
+            if m.kind == POST_FORWARD:
+                continue
             for c in m.chunk_ids:
                 uses.setdefault(c, []).append(i)
         return uses

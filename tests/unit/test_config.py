@@ -1,0 +1,43 @@
+import pytest
+
+from lightning_chunk.engine.config import ChunkConfig, parse_bytes
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("placement", "gpu", "placement='gpu'"),
+    ("optimizer_kernel", "fast", "optimizer_kernel='fast'"),
+    ("offload_fraction", 1.5, "offload_fraction=1.5"),
+    ("offload_fraction", True, "offload_fraction=True"),
+    ("chunk_numel", 0, "chunk_numel=0"),
+    ("chunk_numel", -4, "chunk_numel=-4"),
+    ("chunk_numel_min", 2.5, "chunk_numel_min=2.5"),
+    ("device_memory_limit", -1, "device_memory_limit=-1"),
+    ("device_memory_limit", "lots", "device_memory_limit='lots'"),
+    ("device_memory_limit", "12 parsecs", "device_memory_limit='12 parsecs'"),
+    ("prefetch", "yes", "prefetch='yes'"),
+])
+def test_bad_values_name_field_value_and_choices(field, value, needle):
+    with pytest.raises(ValueError) as e:
+        ChunkConfig(**{field: value})
+    assert needle in str(e.value)
+
+
+def test_min_above_max_is_rejected():
+    with pytest.raises(ValueError, match="chunk_numel_min=8 is larger than chunk_numel_max=4"):
+        ChunkConfig(chunk_numel_min=8, chunk_numel_max=4)
+
+
+@pytest.mark.parametrize("value,expected", [
+    (1000, 1000), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("2gib", 2 * 2**30), ("64", 64), (None, None),
+])
+def test_parse_bytes(value, expected):
+    assert parse_bytes(value, field="x") == expected
+
+
+def test_config_is_frozen_and_replace_makes_a_new_one():
+    c = ChunkConfig(device_memory_limit="1MiB")
+    assert c.device_memory_limit == 2**20
+    with pytest.raises(Exception):
+        c.placement = "host"  # type: ignore[misc]
+    d = c.replace(placement="host")
+    assert (c.placement, d.placement, d.device_memory_limit) == ("auto", "host", 2**20)

@@ -1,0 +1,118 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_chunk.engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
+from lightning_chunk.engine.tracer import SavedBytesCounter
+
+
+def test_engine_imports_no_lightning():
+    code = ("import sys, lightning_chunk.engine as e; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]; "
+            "print('BAD', bad); sys.exit(1 if bad else 0)")
+    # import the engine without the package __init__ (which registers the Lightning strategy)
+    r = subprocess.run([sys.executable, "-c", "import importlib.util, sys, pathlib, types;"
+                        "root = pathlib.Path('lightning_chunk');"
+                        "pkg = types.ModuleType('lightning_chunk'); pkg.__path__ = [str(root)];"
+                        "sys.modules['lightning_chunk'] = pkg;" + code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+class Reordered(nn.Module):
+    """Registration order differs from use order: the warm-up must repack in first-use order."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = nn.Linear(16, 4)
+        self.first = nn.Linear(8, 16)
+        self.middle = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+
+def step(eng, model, opt, x):
+    with eng.micro_batch(training=True):
+        loss = model(x).pow(2).mean()
+    loss.backward()
+    eng.after_backward()
+    eng.prepare_step()
+    opt.step()
+    eng.finish_step(stepped=True)
+
+
+def test_warmup_repacks_in_first_use_order_and_keeps_training_exact():
+    torch.manual_seed(0)
+    m, ref = Reordered(), Reordered()
+    ref.load_state_dict(m.state_dict())
+    opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
+    names = lambda: [t.name for c in eng.manager.chunks for t in c.tensors]
+    assert names()[:2] == ["last.weight", "last.bias"]  # registration order before the trace
+    for i in range(4):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+        step(eng, m, opt, x)
+        oref.zero_grad(); ref(x).pow(2).mean().backward(); oref.step()
+    assert names() == ["first.weight", "first.bias", "middle.weight", "middle.bias", "last.weight", "last.bias"]
+    assert eng.warmed_up and eng.hooks.trace is not None
+    sd = eng.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_saved_bytes_counter_counts_activations_once_and_releases_them():
+    w = nn.Parameter(torch.randn(64, 64))
+    counter = SavedBytesCounter(lambda t: False)
+    x = torch.randn(32, 64, requires_grad=True)
+    with counter.counting():
+        h = torch.tanh(x @ w)  # saves x (and w, a parameter: not counted), and tanh's output
+        y = (h * h).sum()  # saves h twice: one storage
+    assert counter.live_bytes == 32 * 64 * 4 * 2
+    y.backward()
+    del h, y
+    assert counter.live_bytes == 0
+
+
+def test_limit_too_small_for_the_traced_step_fails_before_the_first_step_with_numbers():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in m.parameters()]
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="auto", chunk_numel=1056, device_memory_limit=8000))
+    with eng.micro_batch(training=True):
+        loss = m(torch.randn(64, 32)).sum()
+    loss.backward()
+    with pytest.raises(DeviceMemoryLimitError) as e:
+        eng.prepare_step()
+    msg = str(e.value)
+    assert "device_memory_limit=8000 bytes is too small" in msg
+    assert "4224 bytes of chunks" in msg and "non-model memory" in msg and "smallest limit" in msg
+    needed = int(msg.split("would work is ")[1].split(" bytes")[0])
+    assert needed > 8000
+    eng.teardown()
+    for p, b in zip(m.parameters(), before):  # no step was taken
+        torch.testing.assert_close(p.detach(), b)
+
+
+def test_limit_too_small_for_one_module_fails_at_construction():
+    m = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(DeviceMemoryLimitError, match="one module needs 16640 bytes of chunks"):
+        ChunkEngine(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
+                    config=ChunkConfig(device_memory_limit=1000, chunk_numel=4160))
+
+
+def test_parameter_identity_survives_the_whole_life():
+    m = Reordered()
+    ids = [id(p) for p in m.parameters()]
+    opt = torch.optim.AdamW(m.parameters())
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300))
+    for i in range(2):
+        step(eng, m, opt, torch.randn(2, 8))
+        assert [id(p) for p in m.parameters()] == ids
+    eng.teardown()
+    assert [id(p) for p in m.parameters()] == ids
+    assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in m.parameters())
+    assert opt.param_groups[0]["params"][0] is next(m.parameters())  # the optimizer points back at them

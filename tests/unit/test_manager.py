@@ -1,0 +1,132 @@
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_chunk.engine.chunk import Tier
+from lightning_chunk.engine.config import ChunkConfig, DtypePolicy
+from lightning_chunk.engine.errors import DeviceMemoryLimitError
+from lightning_chunk.engine.manager import ChunkManager
+from lightning_chunk.engine.packing import build_layout
+from lightning_chunk.engine.states import TensorState as S
+
+
+def make(limit=None, dtypes=DtypePolicy(), tiers=None, capacity=64):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 2))
+    named = list(net.named_parameters())
+    originals = [p.detach().clone() for _, p in named]
+    mgr = ChunkManager(named, {i: 0 for i in range(len(named))}, config=ChunkConfig(device_memory_limit=limit),
+                       dtypes=dtypes, device=torch.device("cpu"))
+    checks = []
+    mgr.on_change = lambda: (mgr.check_accounting(), checks.append(1))
+    layout = build_layout(mgr.specs, list(range(len(named))), capacity, 1)
+    mgr.pack(layout, tiers or {c.chunk_id: Tier.HOST for c in layout.chunks})
+    return net, mgr, originals, checks
+
+
+def test_pack_keeps_identity_and_values_and_frees_host_payloads():
+    net, mgr, originals, checks = make()
+    params = list(net.parameters())
+    assert [p is q for p, q in zip(params, mgr.params)] == [True] * len(params)
+    assert len(mgr.chunks) == 2 and checks  # 40 + 36 elements do not share a 64-element chunk; 36 + 10 do
+    for c in mgr.chunks:
+        assert not c.is_resident and c.payload.untyped_storage().nbytes() == 0
+    for i, orig in enumerate(originals):
+        torch.testing.assert_close(mgr.full_value(i), orig, rtol=0, atol=0)
+
+
+def test_gather_release_roundtrip_and_accounting_after_every_operation():
+    net, mgr, originals, checks = make()
+    c = mgr.chunks[0]
+    before = len(checks)
+    mgr.gather(c)
+    assert c.is_resident and all(t.state is S.HOLD for t in c.tensors)
+    assert mgr.ledger[Tier.DEVICE] == c.payload_bytes
+    torch.testing.assert_close(net[0].weight.detach(), originals[0], rtol=0, atol=0)
+    mgr.release(c)
+    assert not c.is_resident and mgr.ledger[Tier.DEVICE] == 0 and mgr.transfers.evictions == 1
+    assert len(checks) > before  # the invariant was re-derived after each operation
+    assert mgr.device_peak == c.payload_bytes
+
+
+def test_release_refuses_a_chunk_in_use():
+    net, mgr, *_ = make()
+    c = mgr.chunks[0]
+    mgr.gather(c)
+    c.set_state(c.tensors[0], S.COMPUTE)
+    with pytest.raises(AssertionError, match="in use"):
+        mgr.release(c)
+
+
+def test_device_limit_is_never_exceeded():
+    net, mgr, *_ = make(limit=64 * 4 + 10)
+    mgr.gather(mgr.chunks[0])
+    with pytest.raises(DeviceMemoryLimitError, match="device_memory_limit=266 bytes would be exceeded"):
+        mgr.gather(mgr.chunks[1])
+    assert mgr.ledger[Tier.DEVICE] <= 266 and not mgr.chunks[1].is_resident
+
+
+def test_device_tier_aliases_payload_in_fp32_and_keeps_separate_master_in_bf16():
+    net, mgr, originals, _ = make(tiers={0: Tier.DEVICE, 1: Tier.DEVICE, 2: Tier.DEVICE})
+    c = mgr.chunks[0]
+    assert c.aliased and c.is_resident and c.master is None  # the payload is the master
+    assert mgr.ledger[Tier.DEVICE] == sum(mgr.device_shard_bytes(c) for c in mgr.chunks)
+    net, mgr, originals, _ = make(dtypes=DtypePolicy(torch.bfloat16, torch.float32),
+                                  tiers={0: Tier.DEVICE, 1: Tier.HOST, 2: Tier.HOST})
+    assert mgr.chunks[0].master.dtype == torch.float32 and net[0].weight.dtype == torch.bfloat16
+    assert mgr.chunks[1].low.dtype == torch.bfloat16 and mgr.ledger[Tier.HOST] > 0
+
+
+def test_gradients_accumulate_and_the_chunk_reduces_when_complete():
+    net, mgr, *_ = make()
+    p = net[1].weight
+    chunk, info = mgr.lookup(p)
+    assert {t.name for t in chunk.tensors} == {"1.weight", "1.bias", "2.weight", "2.bias"}
+    mgr.gather(chunk)
+    chunk.transition_all(S.COMPUTE)
+    mgr.accumulate_grad(p, torch.ones_like(p))
+    with pytest.raises(Exception, match="READY_FOR_REDUCE -> READY_FOR_REDUCE"):
+        mgr.accumulate_grad(p, torch.ones_like(p))  # twice in one backward: a hook-order bug
+    mgr.accumulate_grad(net[1].bias, torch.ones_like(net[1].bias))
+    assert info.state is S.READY_FOR_REDUCE and not chunk.is_evictable  # waits for net[2]
+    mgr.accumulate_grad(net[2].weight, torch.ones_like(net[2].weight))
+    mgr.accumulate_grad(net[2].bias, torch.ones_like(net[2].bias))
+    assert all(t.state is S.HOLD_AFTER_BWD for t in chunk.tensors) and chunk.is_evictable
+    mgr.reset_states()  # the next micro-batch adds to what the first left
+    chunk.transition_all(S.COMPUTE)
+    mgr.accumulate_grad(p, torch.ones_like(p))
+    mgr.end_backward()  # net[1].bias and net[2] got no gradient this time: reduced at the end of backward
+    assert all(t.state is S.HOLD_AFTER_BWD for t in chunk.tensors)
+    idx = mgr.index_of[id(p)]
+    torch.testing.assert_close(mgr.grad_view(idx), torch.full((p.numel(),), 2.0))
+    mgr.clear_grads()
+    assert mgr.grad_view(idx) is None
+    mgr.reset_states()
+    chunk.transition_all(S.COMPUTE)
+    mgr.accumulate_grad(p, torch.ones_like(p))  # the next step overwrites, it does not add to stale values
+    torch.testing.assert_close(mgr.grad_view(idx), torch.ones(p.numel()))
+
+
+def test_repack_moves_values_and_gradients():
+    net, mgr, originals, _ = make()
+    p = net[2].weight
+    chunk, _ = mgr.lookup(p)
+    mgr.gather(chunk)
+    chunk.transition_all(S.COMPUTE)
+    mgr.accumulate_grad(p, torch.full_like(p, 3.0))
+    new = build_layout(mgr.specs, [4, 5, 2, 3, 0, 1], 200, 1)
+    mgr.pack(new, {c.chunk_id: Tier.DEVICE for c in new.chunks})
+    assert len(mgr.chunks) == 1 and mgr.chunks[0].aliased
+    for i, orig in enumerate(originals):
+        torch.testing.assert_close(mgr.full_value(i), orig, rtol=0, atol=0)
+    torch.testing.assert_close(mgr.grad_view(4), torch.full((8,), 3.0))
+    assert mgr.grad_view(0) is None
+
+
+def test_unpack_materializes_plain_parameters():
+    net, mgr, originals, _ = make()
+    mgr.unpack(materialize=True)
+    assert mgr.ledger == {Tier.DEVICE: 0, Tier.HOST: 0}
+    for p, orig in zip(net.parameters(), originals):
+        torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
+        assert p.untyped_storage().nbytes() == p.numel() * 4

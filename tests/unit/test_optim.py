@@ -1,0 +1,103 @@
+"""The hybrid optimizer against torch.optim step by step, on both tiers."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_chunk.engine import ChunkConfig, ChunkEngine, UnsupportedOptimizerError
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def groups(model, **extra):
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1, **extra}, {"params": rest, "weight_decay": 0.0}]
+
+
+def run_steps(placement, make_opt, steps=6, unused_every=0, kernel="auto"):
+    ref, m = net(), net()
+    oref, o = make_opt(groups(ref)), make_opt(groups(m))
+    eng = ChunkEngine(m, [o], config=ChunkConfig(placement=placement, chunk_numel=200, optimizer_kernel=kernel,
+                                                 check_invariants=True))
+    for step in range(steps):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        skip_last = unused_every and step % unused_every == 1
+        def fwd(model):
+            h = model[3](model[2](model[1](model[0](x))))
+            return h.sum() if skip_last else model[4](h).pow(2).mean()
+        oref.zero_grad()
+        fwd(ref).backward()
+        oref.step()
+        with eng.micro_batch(training=True):
+            loss = fwd(m)
+        loss.backward()
+        eng.after_backward()
+        eng.prepare_step()
+        o.step()
+        eng.finish_step(stepped=True)
+        sd = eng.full_state_dict()
+        for k, v in ref.state_dict().items():  # step by step, not only at the end
+            torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6, msg=f"{placement} step {step} {k}")
+    return eng, o, oref
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "static"])
+@pytest.mark.parametrize("kernel", ["auto", "foreach", "loop"])
+def test_adamw_matches_torch_on_both_tiers(placement, kernel):
+    eng, o, _ = run_steps(placement, lambda g: torch.optim.AdamW(g, lr=0.05, betas=(0.8, 0.9)), kernel=kernel)
+    tiers = {c.shard_tier.value for c in eng.manager.chunks}
+    assert tiers == ({"device"} if placement == "device" else {"host"} if placement == "host" else {"host", "device"})
+    if kernel == "auto":
+        assert all(g["fused"] for g in o.param_groups)  # the fused kernels step the shards
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True),
+    lambda g: torch.optim.RMSprop(g, lr=0.01),
+    lambda g: torch.optim.Adagrad(g, lr=0.1),
+    lambda g: torch.optim.Adamax(g, lr=0.05),
+    lambda g: torch.optim.NAdam(g, lr=0.05),
+], ids=["sgd", "rmsprop", "adagrad", "adamax", "nadam"])
+def test_other_elementwise_optimizers_match(make_opt):
+    run_steps("host", make_opt)
+
+
+def test_parameters_without_gradient_are_skipped_like_torch():
+    eng, o, oref = run_steps("host", lambda g: torch.optim.AdamW(g, lr=0.05), steps=7, unused_every=2)
+    last = eng.bindings[0].views()[eng.manager.index_of[id(eng.manager.params[-2])]]
+    assert int(o.state[last]["step"]) == int(oref.state[list(oref.param_groups[0]["params"])[-1]]["step"]) < 7
+
+
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.SparseAdam])
+def test_shape_dependent_optimizers_are_refused(cls):
+    m = net()
+    with pytest.raises(UnsupportedOptimizerError, match=cls.__name__):
+        ChunkEngine(m, [cls(m.parameters())])
+
+
+def test_unknown_optimizer_is_refused_unless_declared_elementwise():
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    m = net()
+    with pytest.raises(UnsupportedOptimizerError, match="assume_elementwise_optimizer=True"):
+        ChunkEngine(m, [MyAdam(m.parameters())])
+    m2 = net()
+    eng = ChunkEngine(m2, [MyAdam(m2.parameters())], config=ChunkConfig(assume_elementwise_optimizer=True))
+    assert eng.bindings
+
+
+def test_optimizer_state_round_trips_through_the_plain_format():
+    eng, o, oref = run_steps("host", lambda g: torch.optim.AdamW(g, lr=0.05), steps=3)
+    plain = eng.bindings[0].plain_state_dict()
+    ref = oref.state_dict()
+    assert plain["state"].keys() == ref["state"].keys()
+    for k in ref["state"]:
+        torch.testing.assert_close(plain["state"][k]["exp_avg"], ref["state"][k]["exp_avg"], rtol=1e-5, atol=1e-7)
+    eng.bindings[0].load_plain_state_dict(ref)
+    for k, v in enumerate(o.param_groups[0]["params"]):
+        torch.testing.assert_close(o.state[v]["exp_avg_sq"], ref["state"][k]["exp_avg_sq"].reshape(-1))

@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from lightning_chunk.engine.errors import LayoutError
+from lightning_chunk.engine.packing import ChunkKey, ParamSpec, build_layout, choose_chunk_numel, padding_waste
+
+K0 = ChunkKey(0, True, torch.float32)
+K1 = ChunkKey(1, True, torch.float32)
+FROZEN = ChunkKey(0, False, torch.float32)
+HALF = ChunkKey(0, True, torch.float16)
+
+
+def specs(*items):
+    return [ParamSpec(i, f"p{i}", n, k) for i, (n, k) in enumerate(items)]
+
+
+def test_keys_never_share_a_chunk_and_order_is_kept():
+    ps = specs((10, K0), (10, K1), (10, K0), (10, FROZEN), (10, HALF), (10, K0))
+    layout = build_layout(ps, [0, 1, 2, 3, 4, 5], 100, world_size=1)
+    for c in layout.chunks:
+        assert len({ps[s.param_index].key for s in c.slots}) == 1
+    k0 = next(c for c in layout.chunks if c.key == K0)
+    assert [s.param_index for s in k0.slots] == [0, 2, 5]
+    assert [s.offset for s in k0.slots] == [0, 10, 20]
+
+
+def test_capacity_padded_to_world_size_and_params_never_span():
+    ps = specs((7, K0), (7, K0), (7, K0))
+    layout = build_layout(ps, [2, 1, 0], 15, world_size=4)
+    assert layout.capacity_numel == 16 and layout.shard_numel == 4
+    assert [[s.param_index for s in c.slots] for c in layout.chunks] == [[2, 1], [0]]
+    assert layout.padding_numel == 2 + 9
+
+
+def test_parameter_larger_than_chunk_is_refused_with_sizes():
+    with pytest.raises(LayoutError, match="'p1' has 50 elements, more than chunk_numel=40"):
+        build_layout(specs((10, K0), (50, K0)), [0, 1], 40, world_size=1)
+
+
+def test_chunk_size_search_picks_least_waste_and_respects_bounds():
+    ps = specs(*[(100, K0)] * 12)
+    order = list(range(12))
+    best = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700)
+    assert padding_waste(ps, order, best) == 0 and best % 100 == 0
+    assert best == 600  # the largest zero-waste size within bounds: fewer chunks
+    capped = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700, max_payload_numel=450)
+    assert capped <= 450 and padding_waste(ps, order, capped) == 0
+
+
+def test_chunk_size_search_refuses_when_the_largest_param_cannot_fit():
+    with pytest.raises(LayoutError, match="largest parameter has 500 elements"):
+        choose_chunk_numel(specs((500, K0)), [0], world_size=1, numel_min=1, numel_max=1000, max_payload_numel=100)

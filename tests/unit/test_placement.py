@@ -1,0 +1,91 @@
+import pytest
+
+from lightning_chunk.engine.chunk import Tier
+from lightning_chunk.engine.config import ChunkConfig
+from lightning_chunk.engine.placement import (AutoPlacement, ChunkView, HostPlacement, StaticPlacement,
+                                              smallest_working_limit, working_set_bytes)
+from lightning_chunk.engine.tracer import BACKWARD, FORWARD, POST_FORWARD, Moment, Trace
+
+
+def fake_trace():
+    """Forward over chunks 0,1,2,3 then backward 3,2,1,0, with activations growing then shrinking."""
+    ms = []
+    for i, c in enumerate([0, 1, 2, 3]):
+        ms.append(Moment(FORWARD, f"m{c}", (c,), (c,), 100 * i))
+        ms.append(Moment(POST_FORWARD, f"m{c}", (c,), (c,), 100 * i + 50))
+    for i, c in enumerate([3, 2, 1, 0]):
+        ms.append(Moment(BACKWARD, f"m{c}", (c,), (c,), 300 - 100 * i))
+    return Trace(tuple(ms))
+
+
+def view(cid, resident=False, evictable=None, tier=Tier.HOST, last=-1, payload=1000, shard=4000):
+    return ChunkView(cid, payload, shard, resident, resident if evictable is None else evictable, tier, last)
+
+
+def test_trace_queries():
+    t = fake_trace()
+    assert t.nonmodel_peak_bytes == 350
+    assert t.next_chunks(0) == (1,)  # skips the post-forward moment
+    assert t.next_use(0, 0) == 11  # chunk 0 next used at position 11 (its backward)
+    assert t.next_use(3, 8) == 12 - 8 + 6  # after its last use (8) it wraps to its first use (6) of the next step
+    assert t.first_use_order(5) == [0, 1, 2, 3, 4]
+    assert working_set_bytes([view(i) for i in range(4)], t) == 1000
+    assert smallest_working_limit([view(i) for i in range(4)], t) == (1000, 350)
+
+
+def test_auto_evicts_farthest_next_use_and_prefetches_exactly():
+    t = fake_trace()
+    policy = AutoPlacement(ChunkConfig(placement="auto"))
+    # at position 4 (forward of chunk 2): chunks 0 and 1 are resident; chunk 0 is next used last (backward)
+    chunks = [view(0, True, last=1), view(1, True, last=3), view(2), view(3)]
+    plan = policy.plan(position=4, needed=frozenset({2}), chunks=chunks, trace=t, budget_bytes=2000, device_bytes=2000)
+    assert plan.evict == (0,)  # Belady: chunk 0's next use (position 11) is farther than chunk 1's (10)
+    assert plan.prefetch == ()  # no room left for chunk 3
+    plan = policy.plan(position=4, needed=frozenset({2}), chunks=chunks, trace=t, budget_bytes=4000, device_bytes=2000)
+    assert plan.evict == () and plan.prefetch == (3,)
+
+
+def test_lru_without_trace():
+    policy = AutoPlacement(ChunkConfig(placement="auto", prefetch=False))
+    chunks = [view(0, True, last=5), view(1, True, last=2), view(2)]
+    plan = policy.plan(position=0, needed=frozenset({2}), chunks=chunks, trace=None, budget_bytes=2000, device_bytes=2000)
+    assert plan == type(plan)(evict=(1,), prefetch=())
+
+
+def test_chunks_in_use_are_never_evicted():
+    policy = AutoPlacement(ChunkConfig(placement="auto"))
+    chunks = [view(0, True, evictable=False), view(1)]
+    plan = policy.plan(position=0, needed=frozenset({1}), chunks=chunks, trace=None, budget_bytes=1000, device_bytes=1000)
+    assert plan.evict == ()
+
+
+def test_host_policy_releases_after_use_but_keeps_the_next_chunk():
+    t = fake_trace()
+    policy = HostPlacement(ChunkConfig(placement="host"))
+    chunks = [view(0, True), view(1, True), view(2), view(3)]
+    plan = policy.plan(position=2, needed=frozenset({1}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=2000)
+    assert plan.evict == (0,) and plan.prefetch == (2,)
+    assert policy.shard_tiers(chunks, t, None) == {i: Tier.HOST for i in range(4)}
+
+
+def test_static_offloads_the_first_fraction():
+    policy = StaticPlacement(ChunkConfig(placement="static", offload_fraction=0.5))
+    tiers = policy.shard_tiers([view(i) for i in range(5)], None, None)
+    assert tiers == {0: Tier.HOST, 1: Tier.HOST, 2: Tier.HOST, 3: Tier.DEVICE, 4: Tier.DEVICE}
+
+
+@pytest.mark.parametrize("limit,expected_device", [
+    (None, {0, 1, 2, 3}),  # no limit: everything resident
+    (1000 + 1000 + 350, set()),  # room for working set + prefetch + activations only
+    (1000 + 1000 + 350 + 4000, {3}),  # one shard's worth more: the last-used chunk stays
+    (1000 + 1000 + 350 + 8000, {2, 3}),
+])
+def test_auto_shard_tiers_from_trace(limit, expected_device):
+    policy = AutoPlacement(ChunkConfig(placement="auto"))
+    tiers = policy.shard_tiers([view(i) for i in range(4)], fake_trace(), limit)
+    assert {c for c, t in tiers.items() if t is Tier.DEVICE} == expected_device
+
+
+def test_auto_before_trace_puts_everything_on_host_when_limited():
+    policy = AutoPlacement(ChunkConfig(placement="auto"))
+    assert set(policy.shard_tiers([view(i) for i in range(3)], None, 10**6).values()) == {Tier.HOST}
