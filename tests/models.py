@@ -14,8 +14,9 @@ VOCAB, DIM, HIDDEN, SEQ = 48, 32, 64, 8
 
 class ParityNet(L.LightningModule):
     def __init__(self, variant: str = "plain", lr: float = 1e-2, optimizer: str = "adamw",
-                 scheduler: bool = True, depth: int = 2) -> None:
+                 scheduler: bool = True, depth: int = 2, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
+        DIM, HIDDEN = dim, hidden  # noqa: N806
         self.variant, self.lr, self.optimizer_name, self.use_scheduler = variant, lr, optimizer, scheduler
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(

@@ -146,10 +146,11 @@ class ChunkManager:
         for spec in layout.chunks:
             compute = self.dtypes.compute_for(spec.key.dtype)
             master = self.dtypes.master_for(spec.key.dtype)
-            optim = (layout.shard_numel * optim_bytes_per_element.get(spec.key.group, 0)) if spec.key.requires_grad else 0
-            payload = layout.capacity_numel * torch.empty((), dtype=compute).element_size()
+            shard_numel = spec.capacity_numel // layout.world_size
+            optim = shard_numel * optim_bytes_per_element.get(spec.key.group, 0) if spec.key.requires_grad else 0
+            payload = spec.capacity_numel * torch.empty((), dtype=compute).element_size()
             out.append(ChunkView(spec.chunk_id, payload,
-                                 self._shard_cost(layout.capacity_numel, compute, master, spec.key.requires_grad, optim),
+                                 self._shard_cost(spec.capacity_numel, compute, master, spec.key.requires_grad, optim),
                                  resident=False, evictable=False, shard_tier=Tier.HOST))
         return out
 
@@ -203,7 +204,7 @@ class ChunkManager:
     def _build_chunk(self, spec, layout: Layout, tier: Tier, values, grads, had_grad) -> Chunk:
         p0 = self.params[spec.slots[0].param_index]
         chunk = Chunk(
-            spec=spec, capacity_numel=layout.capacity_numel, rank=self.comm.rank, world_size=self.comm.world_size,
+            spec=spec, capacity_numel=spec.capacity_numel, rank=self.comm.rank, world_size=self.comm.world_size,
             compute_dtype=self.dtypes.compute_for(p0.dtype), master_dtype=self.dtypes.master_for(p0.dtype),
             shard_tier=tier,
         )

@@ -53,6 +53,7 @@ class ChunkSpec:
     chunk_id: int
     key: ChunkKey
     slots: tuple[Slot, ...]
+    capacity_numel: int  # the layout's chunk size, or less for the last chunk of a key (trimmed)
 
     @property
     def used_numel(self) -> int:
@@ -61,21 +62,21 @@ class ChunkSpec:
 
 @dataclass(frozen=True)
 class Layout:
+    """Interior chunks all have ``capacity_numel`` elements (uniform sizes let the CUDA caching allocator
+    reuse freed payload blocks); the last chunk of each key is trimmed to what it holds, rounded up to
+    the world size, so a small param group (biases, norms) does not cost a whole chunk."""
+
     capacity_numel: int  # elements per chunk, a multiple of world_size
     world_size: int
     chunks: tuple[ChunkSpec, ...]
     order: tuple[int, ...]  # param indices in packing order
-
-    @property
-    def shard_numel(self) -> int:
-        return self.capacity_numel // self.world_size
 
     def slot_of(self) -> dict[int, Slot]:
         return {s.param_index: s for c in self.chunks for s in c.slots}
 
     @property
     def padding_numel(self) -> int:
-        return sum(self.capacity_numel - c.used_numel for c in self.chunks)
+        return sum(c.capacity_numel - c.used_numel for c in self.chunks)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -112,18 +113,28 @@ def build_layout(params: Sequence[ParamSpec], order: Sequence[int], capacity_num
             f"parameter {largest.name!r} has {largest.numel} elements, more than chunk_numel={capacity}; "
             f"a parameter never spans two chunks, so chunk_numel must be at least {largest.numel}."
         )
+    bins = _bins(params, order, capacity)
+    caps = _capacities(bins, capacity, world_size)
     chunks = []
-    for cid, (key, ps) in enumerate(_bins(params, order, capacity)):
+    for cid, ((key, ps), cap) in enumerate(zip(bins, caps)):
         offset, slots = 0, []
         for p in ps:
             slots.append(Slot(param_index=p.index, chunk_id=cid, offset=offset, numel=p.numel))
             offset += p.numel
-        chunks.append(ChunkSpec(chunk_id=cid, key=key, slots=tuple(slots)))
+        chunks.append(ChunkSpec(chunk_id=cid, key=key, slots=tuple(slots), capacity_numel=cap))
     return Layout(capacity_numel=capacity, world_size=world_size, chunks=tuple(chunks), order=tuple(order))
 
 
-def padding_waste(params: Sequence[ParamSpec], order: Sequence[int], capacity: int) -> int:
-    return sum(capacity - sum(p.numel for p in ps) for _, ps in _bins(params, order, capacity))
+def _capacities(bins: list[tuple[ChunkKey, list[ParamSpec]]], capacity: int, world_size: int) -> list[int]:
+    """Uniform capacity, except the last chunk of each key: trimmed to its contents (rounded to the world size)."""
+    last = {key: i for i, (key, _) in enumerate(bins)}
+    return [round_up(sum(p.numel for p in ps), world_size) if last[key] == i else capacity
+            for i, (key, ps) in enumerate(bins)]
+
+
+def padding_waste(params: Sequence[ParamSpec], order: Sequence[int], capacity: int, world_size: int = 1) -> int:
+    bins = _bins(params, order, capacity)
+    return sum(cap - sum(p.numel for p in ps) for (_, ps), cap in zip(bins, _capacities(bins, capacity, world_size)))
 
 
 def choose_chunk_numel(
@@ -175,7 +186,7 @@ def choose_chunk_numel(
         cap = round_up(size, world_size)
         if cap < largest or cap > round_up(hi, world_size):
             continue
-        waste = padding_waste(params, order, cap)
+        waste = padding_waste(params, order, cap, world_size)
         if best is None or waste < best[0] or (waste == best[0] and cap > best[1]):
             best = (waste, cap)
     assert best is not None
@@ -184,7 +195,7 @@ def choose_chunk_numel(
 
 def describe(layout: Layout) -> str:
     used = sum(c.used_numel for c in layout.chunks)
-    total = layout.capacity_numel * len(layout.chunks)
+    total = sum(c.capacity_numel for c in layout.chunks)
     pct = 100.0 * (total - used) / total if total else 0.0
     return f"{len(layout.chunks)} chunks of {layout.capacity_numel} elements ({pct:.1f}% padding)"
 

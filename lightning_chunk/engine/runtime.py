@@ -207,24 +207,31 @@ class ChunkEngine:
         return [g for b in self.bindings for g in b.grads()]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm over every shard of every rank; returns that norm (as torch does)."""
+        """Clip by the global norm over every shard of every rank; returns that norm.
+
+        On one rank the arithmetic is ``torch.nn.utils.clip_grad_norm_``'s, step for step (per-tensor
+        norms grouped by device, the norm of their stack, a clamped fp32 coefficient), so clipping is
+        bit-exact with plain PyTorch. Several ranks all-reduce the local ``norm ** p`` (max for inf).
+        """
         grads = self.grads()
         norm_type = float(norm_type)
-        if math.isinf(norm_type):
-            local = max((float(g.abs().max()) for g in grads), default=0.0)
-            total = self.comm.all_reduce(torch.tensor([local]), op="max")[0]
-        else:
-            acc = torch.zeros(1, dtype=torch.float64)
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for g in grads:
-                by_device.setdefault(g.device, []).append(g)
-            for gs in by_device.values():
-                norms = torch._foreach_norm(gs, norm_type)
-                acc += torch.stack(norms).double().pow(norm_type).sum().cpu()
-            total = self.comm.all_reduce(acc, op="sum")[0].pow(1.0 / norm_type).float()
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0 and grads:
-            torch._foreach_mul_(grads, coef)
+        if not grads:
+            return torch.zeros(())
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        first = grads[0].device
+        norms = [n.to(first) for gs in by_device.values() for n in torch._foreach_norm(gs, norm_type)]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if self.comm.world_size > 1:
+            if math.isinf(norm_type):
+                total = self.comm.all_reduce(total.reshape(1).cpu(), op="max")[0].to(first)
+            else:
+                acc = self.comm.all_reduce(total.double().pow(norm_type).reshape(1).cpu(), op="sum")[0]
+                total = acc.pow(1.0 / norm_type).float().to(first)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for device, gs in by_device.items():
+            torch._foreach_mul_(gs, coef.to(device))
         self.last_grad_norm = float(total)
         return total
 

@@ -27,9 +27,17 @@ def test_keys_never_share_a_chunk_and_order_is_kept():
 def test_capacity_padded_to_world_size_and_params_never_span():
     ps = specs((7, K0), (7, K0), (7, K0))
     layout = build_layout(ps, [2, 1, 0], 15, world_size=4)
-    assert layout.capacity_numel == 16 and layout.shard_numel == 4
+    assert layout.capacity_numel == 16
     assert [[s.param_index for s in c.slots] for c in layout.chunks] == [[2, 1], [0]]
-    assert layout.padding_numel == 2 + 9
+    # the last chunk of a key is trimmed to its contents, rounded up to the world size
+    assert [c.capacity_numel for c in layout.chunks] == [16, 8]
+    assert layout.padding_numel == 2 + 1
+
+
+def test_small_groups_do_not_cost_a_whole_chunk():
+    ps = specs((100, K0), (100, K0), (100, K0), (3, K1), (3, K1))
+    layout = build_layout(ps, list(range(5)), 200, world_size=2)
+    assert [(c.key, c.capacity_numel) for c in layout.chunks] == [(K0, 200), (K0, 100), (K1, 6)]
 
 
 def test_parameter_larger_than_chunk_is_refused_with_sizes():
@@ -42,7 +50,7 @@ def test_chunk_size_search_picks_least_waste_and_respects_bounds():
     order = list(range(12))
     best = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700)
     assert padding_waste(ps, order, best) == 0 and best % 100 == 0
-    assert best == 600  # the largest zero-waste size within bounds: fewer chunks
+    assert best == 700  # the largest zero-waste size within bounds (the tail is trimmed): fewer chunks
     capped = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700, max_payload_numel=450)
     assert capped <= 450 and padding_waste(ps, order, capped) == 0
 
