@@ -236,9 +236,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = self._step("training_step", True, *args, **kwargs)
-        if self.log_memory_stats and self.lightning_module is not None and self.lightning_module._trainer is not None:
+        module = self.lightning_module
+        if self.log_memory_stats and module is not None and module._trainer is not None and module._trainer.loggers:
             stats = {f"chunk/{k}": float(v) for k, v in self.memory_stats().items()}
-            self.lightning_module.log_dict(stats, on_step=True, on_epoch=False, prog_bar=False, logger=True,
+            module.log_dict(stats, on_step=True, on_epoch=False, prog_bar=False, logger=True,
                                            batch_size=1)
         return out
 

@@ -53,6 +53,9 @@ class ParityNet(L.LightningModule):
         loss = F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))
         self.log("val_loss", loss)
 
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
     def configure_optimizers(self):
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
@@ -91,3 +94,32 @@ def fit(strategy, *, variant: str = "plain", steps: int = 20, precision="32-true
     trainer.fit(model, token_data())
     model.trainer_ref = trainer
     return model
+
+
+class TokenData(L.LightningDataModule):
+    def __init__(self, n: int = 96, seed: int = 0) -> None:
+        super().__init__()
+        self.n, self.seed = n, seed
+
+    def train_dataloader(self) -> DataLoader:
+        return token_data(self.n, self.seed)
+
+    def val_dataloader(self) -> DataLoader:
+        return token_data(16, self.seed + 1)
+
+
+class ManualNet(ParityNet):
+    """Manual optimization: manual_backward, an explicit step, and gradient accumulation by hand."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        return loss

@@ -79,6 +79,7 @@ def test_parity_under_a_device_limit_below_the_parameter_bytes(placement, extra,
     assert 0 < stats["device_chunk_bytes_peak"] <= limit < param_bytes
 
 
+@torch.no_grad()
 def relative_update_error(ref, got, init):
     num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters()))
     den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters()))

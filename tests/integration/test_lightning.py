@@ -1,0 +1,168 @@
+"""chunk_offload as a Lightning strategy: registration, CLI, logging, checkpoints, life after fit."""
+
+import csv
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_chunk
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from tests.models import ManualNet, ParityNet, TokenData, token_data
+
+EXACT = dict(rtol=0, atol=0)
+
+
+def trainer(tmp_path=None, **kw):
+    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    if tmp_path is not None:
+        defaults["default_root_dir"] = tmp_path
+    defaults.update(kw)
+    return L.Trainer(**defaults)
+
+
+def test_presets_are_registered_with_their_placements():
+    for name, placement in [("chunk_offload", "auto"), ("chunk", "device"), ("chunk_offload_cpu", "host")]:
+        assert name in StrategyRegistry
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, ChunkOffloadStrategy) and strategy.config.placement == placement
+    lightning_chunk.ChunkOffloadStrategy.register_strategies(StrategyRegistry)  # importing twice is harmless
+
+
+@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+def test_unsupported_precisions_are_refused_with_a_reason(precision):
+    with pytest.raises(ValueError, match=f"precision='{precision}' is not supported by chunk_offload"):
+        trainer(strategy="chunk_offload", precision=precision)
+
+
+def test_bad_strategy_knobs_name_the_value():
+    with pytest.raises(ValueError, match="placement='everywhere'"):
+        ChunkOffloadStrategy(placement="everywhere")
+    with pytest.raises(ValueError, match="device_memory_limit=-5"):
+        ChunkOffloadStrategy(device_memory_limit=-5)
+
+
+def test_memory_stats_are_logged_every_step(tmp_path):
+    t = trainer(tmp_path, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096), max_steps=5,
+                logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1)
+    t.fit(ParityNet(), token_data())
+    rows = list(csv.DictReader(open(next(Path(tmp_path).rglob("metrics.csv")))))
+    for col in ("device_chunk_bytes", "device_chunk_bytes_peak", "host_chunk_bytes", "h2d_bytes", "d2h_bytes",
+                "evictions"):
+        assert f"chunk/{col}" in rows[0]
+    assert float(rows[-1]["chunk/h2d_bytes"]) > 0 and float(rows[-1]["chunk/host_chunk_bytes"]) > 0
+
+
+def test_parameters_hold_trained_values_after_fit_and_the_model_keeps_working():
+    ref = ParityNet()
+    L.seed_everything(3)
+    model = ParityNet()
+    ref.load_state_dict(model.state_dict())
+    t = trainer(strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"),
+                max_steps=6, limit_val_batches=2)
+    t.fit(model, datamodule=TokenData())
+    trainer(strategy="auto", max_steps=6, limit_val_batches=2).fit(ref, datamodule=TokenData())
+    for (n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+        torch.testing.assert_close(b, a, **EXACT)
+    x = torch.randint(0, 48, (2, 8))
+    torch.testing.assert_close(model(x), ref(x), **EXACT)  # inference after training just works
+    out = t.validate(model, datamodule=TokenData(), verbose=False)  # a second run sets the engine up again
+    assert out and "val_loss" in out[0]
+    preds = t.predict(model, dataloaders=token_data(8))
+    assert len(preds) == 2
+
+
+def test_manual_optimization_matches_auto():
+    L.seed_everything(5)
+    ref = ManualNet()
+    L.seed_everything(5)
+    got = ManualNet()
+    trainer(strategy="auto", max_steps=10).fit(ref, token_data())
+    trainer(strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"),
+            max_steps=10).fit(got, token_data())
+    for a, b in zip(ref.parameters(), got.parameters()):
+        torch.testing.assert_close(b, a, **EXACT)
+
+
+def run_with_resume(strategy_factory, tmp_path: Path):
+    """12 steps with a checkpoint at step 8 written during fit, then a new run resumed from it to 12."""
+    L.seed_everything(11)
+    model = ParityNet()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, save_top_k=-1, filename="{step}")
+    trainer(tmp_path, strategy=strategy_factory(), max_steps=8, callbacks=[ckpt], enable_checkpointing=True
+            ).fit(model, token_data())
+    path = tmp_path / "step=8.ckpt"
+    assert path.exists()
+    resumed = ParityNet()
+    resumed.load_state_dict(init)  # resume overwrites everything
+    trainer(tmp_path, strategy=strategy_factory(), max_steps=12).fit(resumed, token_data(), ckpt_path=path)
+    return torch.load(path, weights_only=False), resumed
+
+
+def test_checkpoint_resume_matches_auto_resumed_the_same_way(tmp_path):
+    ref_ckpt, ref = run_with_resume(lambda: "auto", tmp_path / "auto")
+    got_ckpt, got = run_with_resume(
+        lambda: ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"), tmp_path / "chunk")
+    for a, b in zip(ref.parameters(), got.parameters()):
+        torch.testing.assert_close(b, a, **EXACT)
+    # the checkpoint written during fit is a plain Lightning checkpoint
+    assert got_ckpt["state_dict"].keys() == ref_ckpt["state_dict"].keys()
+    for k in ref_ckpt["state_dict"]:
+        torch.testing.assert_close(got_ckpt["state_dict"][k], ref_ckpt["state_dict"][k], **EXACT)
+    ref_opt, got_opt = ref_ckpt["optimizer_states"][0], got_ckpt["optimizer_states"][0]
+    for k, st in ref_opt["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got_opt["state"][k][name], st[name], **EXACT)
+    plain = ParityNet()
+    plain.load_state_dict(got_ckpt["state_dict"], strict=True)
+
+
+def test_fp16_loss_scale_is_saved_and_restored(tmp_path):
+    strategy = ChunkOffloadStrategy(chunk_numel=4096)
+    plugin = ChunkPrecision("16-mixed", init_scale=1024.0)
+    t = trainer(tmp_path, strategy=strategy, plugins=[plugin], max_steps=3)
+    t.fit(ParityNet(), token_data())
+    plugin.scaler.scale = 123.0
+    t.save_checkpoint(tmp_path / "s.ckpt")
+    plugin2 = ChunkPrecision("16-mixed")
+    t2 = trainer(tmp_path, strategy=ChunkOffloadStrategy(chunk_numel=4096), plugins=[plugin2], max_steps=4)
+    t2.fit(ParityNet(), token_data(), ckpt_path=tmp_path / "s.ckpt")
+    assert plugin2.scaler.scale == 123.0
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("strategy_yaml", [
+    "  strategy: chunk_offload\n",
+    "  strategy:\n    class_path: lightning_chunk.ChunkOffloadStrategy\n    init_args:\n      placement: host\n"
+    "      device_memory_limit: 4MiB\n      chunk_numel: 4096\n",
+])
+def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, strategy_yaml):
+    cfg = write(tmp_path / "cfg.yaml", "trainer:\n  accelerator: cpu\n  devices: 1\n  max_steps: 3\n"
+                "  logger: false\n  enable_checkpointing: false\n  enable_progress_bar: false\n"
+                "  limit_val_batches: 0\n" + strategy_yaml)
+    cli = LightningCLI(ParityNet, TokenData, args=["fit", "--config", str(cfg)], save_config_kwargs={"overwrite": True})
+    assert isinstance(cli.trainer.strategy, ChunkOffloadStrategy)
+    assert cli.trainer.global_step == 3
+    if "host" in strategy_yaml:
+        assert cli.trainer.strategy.config.placement == "host"
+        assert cli.trainer.strategy.config.device_memory_limit == 4 * 2**20
+
+
+def test_lightning_cli_rejects_an_unknown_knob(tmp_path, capsys):
+    cfg = write(tmp_path / "bad.yaml", "trainer:\n  strategy:\n    class_path: lightning_chunk.ChunkOffloadStrategy\n"
+                "    init_args:\n      offload_everything: true\n")
+    with pytest.raises(SystemExit) as e:
+        LightningCLI(ParityNet, TokenData, args=["fit", "--config", str(cfg)])
+    assert e.value.code != 0
+    assert "offload_everything" in capsys.readouterr().err
