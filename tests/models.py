@@ -82,12 +82,12 @@ def token_data(n: int = 96, seed: int = 0) -> DataLoader:
 
 
 def fit(strategy, *, variant: str = "plain", steps: int = 20, precision="32-true", plugins=None, seed: int = 7,
-        model_kwargs=None, **trainer_kwargs) -> ParityNet:
+        model_kwargs=None, accelerator: str = "cpu", **trainer_kwargs) -> ParityNet:
     """Train a fresh ParityNet (same init for every strategy) and return it."""
     L.seed_everything(seed, verbose=False)
     model = ParityNet(variant=variant, **(model_kwargs or {}))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, precision=None if plugins else precision, plugins=plugins,
+        accelerator=accelerator, devices=1, strategy=strategy, precision=None if plugins else precision, plugins=plugins,
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, **trainer_kwargs,
     )

@@ -85,6 +85,7 @@ class Chunk:
     grad: Optional[torch.Tensor] = field(default=None, repr=False)
     optim_state_bytes: int = 0
     last_used: int = -1  # manager clock, for LRU when there is no trace
+    ready_event: Optional[object] = field(default=None, repr=False)  # CUDA: the side-stream copy filling the payload
 
     # ----------------------------------------------------------------- identity
     @property

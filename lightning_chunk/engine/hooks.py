@@ -128,6 +128,7 @@ class ChunkHooks:
             except DeviceMemoryLimitError:
                 break  # a prefetch is only a hint
         for cid in needed:
+            mgr.wait_ready(mgr.chunks[cid])  # a prefetch on the side stream must land before use
             mgr.chunks[cid].last_used = self.clock
 
     def _gather_or_explain(self, cid: int, needed: tuple[int, ...]) -> None:

@@ -73,6 +73,7 @@ class ChunkManager:
         self.device_peak = 0
         self.transfers = TransferStats()
         self._pin = config.pin_memory and self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation
 
     # ================================================================ accounting
@@ -260,21 +261,46 @@ class ChunkManager:
 
     # ============================================================ gather/release
     def gather(self, chunk: Chunk, *, prefetch: bool = False) -> None:
-        """Make the payload resident (FREE -> HOLD): host-to-device copy, or all-gather of the shards."""
+        """Make the payload resident (FREE -> HOLD): host-to-device copy, or all-gather of the shards.
+
+        [Note: streams and prefetch]
+        On CUDA a prefetch copies on a side stream and records an event in ``chunk.ready_event``;
+        the compute stream waits on that event before the chunk is first used (``wait_ready``) and
+        before its payload is released, so the caching allocator never hands the block out while a
+        copy into it is in flight. The payload is allocated on the compute stream, and the side
+        stream first waits for the compute stream, so the copy never overtakes earlier frees.
+        Demand gathers run on the compute stream: the module needs the data at once anyway.
+        On CPU every copy is synchronous and events are not used.
+        """
         if chunk.is_resident:
             return
         assert chunk.payload is not None
+        side = self._copy_stream if prefetch and self.comm.world_size == 1 else None
         with self._tracked(chunk):
             self._reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
             chunk.payload.untyped_storage().resize_(chunk.payload_bytes)
             src = chunk.low_tensor()
-            if src.device != self.device or chunk.shard_tier is Tier.HOST:
+            if chunk.shard_tier is Tier.HOST:
                 self.transfers.h2d_bytes += src.numel() * src.element_size()
-                src = src.to(self.device, non_blocking=True)
-            self.comm.all_gather(chunk.payload, src).wait()
+                if self.comm.world_size > 1 and src.device != self.device:
+                    src = src.to(self.device, non_blocking=True)  # collectives need device tensors
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    self.comm.all_gather(chunk.payload, src)
+                    chunk.ready_event = torch.cuda.Event()
+                    chunk.ready_event.record(side)  # type: ignore[attr-defined]
+            else:
+                self.comm.all_gather(chunk.payload, src).wait()
         self.transfers.gathers += 1
         chunk.transition_all(S.HOLD)
         self._changed()
+
+    def wait_ready(self, chunk: Chunk) -> None:
+        """Make the compute stream wait for a prefetch into ``chunk`` (CUDA only; no-op otherwise)."""
+        if chunk.ready_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(chunk.ready_event)  # type: ignore[arg-type]
+            chunk.ready_event = None
 
     def release(self, chunk: Chunk, *, eviction: bool = True) -> None:
         """Free the payload (-> FREE). The shard is the source of truth, so nothing is copied back."""
@@ -282,6 +308,7 @@ class ChunkManager:
             return
         if not chunk.is_evictable:
             raise AssertionError(f"chunk {chunk.chunk_id} is in use and cannot be released: {chunk.states()}")
+        self.wait_ready(chunk)
         with self._tracked(chunk):
             assert chunk.payload is not None
             chunk.payload.untyped_storage().resize_(0)
@@ -300,7 +327,8 @@ class ChunkManager:
         check_transition(info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id,
                          rank=chunk.rank)  # before touching data: a refused gradient leaves nothing half-added
         dst = chunk.grad[info.offset : info.offset + info.numel]
-        src = grad.reshape(-1).to(dst.device, non_blocking=True)
+        # synchronous when it crosses devices: the host add must not read a copy still in flight
+        src = grad.reshape(-1).to(dst.device)
         if info.has_grad:  # accumulation across micro-batches
             dst.add_(src)
         else:  # the first gradient of a step overwrites what the last step left

@@ -1,0 +1,151 @@
+"""A small byte-level GPT trained with chunk_offload, driven by LightningCLI.
+
+    python examples/tiny/train.py fit --config examples/tiny/offload.yaml
+
+The corpus needs no download: the Python standard library's own source files
+(of the interpreter running this script), split into train and validation by
+file. Any text file or folder of text files can be given instead with
+``--data.corpus PATH``.
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch.cli import LightningCLI
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_chunk  # noqa: F401  (registers the chunk_offload strategy names)
+
+
+# ----------------------------------------------------------------------------- model
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(L.LightningModule):
+    def __init__(self, width: int = 256, depth: int = 4, heads: int = 4, context: int = 64, lr: float = 3e-3,
+                 weight_decay: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tok = nn.Embedding(256, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 256, bias=False)
+        self.head.weight = self.tok.weight  # tied input and output embeddings
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        other = [p for p in self.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+                                 {"params": other, "weight_decay": 0.0}], lr=self.hparams.lr, betas=(0.9, 0.95))
+        total = max(self.trainer.max_steps, 1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0))))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+# ------------------------------------------------------------------------------ data
+class ByteWindows(Dataset):
+    def __init__(self, data: torch.Tensor, context: int, count: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, len(data) - context - 1, (count,), generator=g)
+        self.data, self.context = data, context
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        s = int(self.starts[i])
+        return self.data[s : s + self.context + 1].long()
+
+
+def text_files(corpus: Optional[str]) -> list[Path]:
+    root = Path(corpus) if corpus else Path(sysconfig.get_paths()["stdlib"])
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise ValueError(f"data.corpus={str(root)!r} is neither a text file nor a folder.")
+    pattern = "*.py" if corpus is None else "*"
+    files = sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
+    if not files:
+        raise ValueError(f"data.corpus={str(root)!r} holds no files to read.")
+    return files
+
+
+class ByteCorpus(L.LightningDataModule):
+    def __init__(self, corpus: Optional[str] = None, context: int = 64, batch_size: int = 4,
+                 max_bytes: int = 4_000_000, train_windows: int = 20_000, val_windows: int = 256) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str) -> None:
+        files = text_files(self.hparams.corpus)
+        chunks, total = {"train": [], "val": []}, 0
+        for i, f in enumerate(files):  # a deterministic split by file: every 10th file is validation
+            raw = f.read_bytes()[: self.hparams.max_bytes]
+            chunks["val" if i % 10 == 9 else "train"].append(raw)
+            total += len(raw)
+            if total >= self.hparams.max_bytes:
+                break
+        if not chunks["val"]:
+            chunks["val"].append(chunks["train"][-1])
+        ctx = self.hparams.context
+        split = {k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8) for k, v in chunks.items()}
+        if min(len(t) for t in split.values()) <= ctx + 1:
+            raise ValueError(f"data.corpus holds too little text ({total} bytes) for a context of {ctx}.")
+        self.train_set = ByteWindows(split["train"], ctx, self.hparams.train_windows, seed=0)
+        self.val_set = ByteWindows(split["val"], ctx, self.hparams.val_windows, seed=1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size * 4)
+
+
+def main(args: Optional[list[str]] = None) -> LightningCLI:
+    torch.set_float32_matmul_precision("high")
+    return LightningCLI(TinyGPT, ByteCorpus, args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()
