@@ -257,6 +257,8 @@ class ChunkEngine:
         out["nonmodel_peak_bytes"] = self.hooks.trace.nonmodel_peak_bytes if self.hooks.trace else 0
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.scale
+        if self.last_grad_norm is not None:
+            out["grad_norm"] = self.last_grad_norm  # the global norm the last norm clipping saw
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

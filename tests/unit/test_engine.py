@@ -116,3 +116,30 @@ def test_parameter_identity_survives_the_whole_life():
     assert [id(p) for p in m.parameters()] == ids
     assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in m.parameters())
     assert opt.param_groups[0]["params"][0] is next(m.parameters())  # the optimizer points back at them
+
+
+def test_teardown_without_materializing_leaves_empty_parameters():
+    m = Reordered()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300))
+    step(eng, m, opt, torch.randn(2, 8))
+    eng.teardown(materialize=False)
+    assert all(p.numel() == 0 for p in m.parameters())
+    assert eng.manager.chunks == [] and sum(eng.manager.ledger.values()) == 0
+
+
+def test_global_grad_norm_is_reported_like_torch():
+    torch.manual_seed(0)
+    m, ref = Reordered(), Reordered()
+    ref.load_state_dict(m.state_dict())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300))
+    x = torch.randn(4, 8)
+    with eng.micro_batch(training=True):
+        loss = m(x).pow(2).mean()
+    loss.backward()
+    eng.prepare_step()
+    total = eng.clip_grad_norm_(0.01)
+    ref(x).pow(2).mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert float(total) == float(expected) == eng.memory_stats()["grad_norm"]
