@@ -58,9 +58,10 @@ class ChunkHooks:
         self._handles: list[Any] = []
         self._backward_queued = False
         self.on_trace_done: Optional[Callable[[Trace], None]] = None
-        # module key -> indices of the parameters it owns directly
+        # module key -> indices of the parameters it owns directly; -> its chunk ids (per layout)
         self._owned: dict[str, tuple[int, ...]] = {}
-        self._modules: dict[str, torch.nn.Module] = {}
+        self._chunks_of: dict[str, tuple[int, ...]] = {}
+        self._layout_seen: object = None
 
     # ============================================================ installation
     def install(self) -> None:
@@ -71,7 +72,6 @@ class ChunkHooks:
                 continue
             key = name or ROOT
             self._owned[key] = own
-            self._modules[key] = mod
             if mod is self.module:
                 continue  # the root is handled by step_scope
             self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
@@ -85,9 +85,6 @@ class ChunkHooks:
             h.remove()
         self._handles.clear()
 
-    def module_keys(self) -> list[str]:
-        return list(self._owned)
-
     def _is_model_storage(self, t: torch.Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()
         return any(c.payload is not None and c.payload.untyped_storage().data_ptr() == ptr for c in self.manager.chunks)
@@ -97,25 +94,22 @@ class ChunkHooks:
         """Advance the clock by one moment; return the chunks the module owns."""
         self.position += 1
         self.clock += 1
-        own = self._owned.get(key, ())
-        chunk_ids = self.manager.chunk_ids_of([self.manager.params[i] for i in own])
-        self.tracer.record(kind, key, chunk_ids, own)
+        if self._layout_seen is not self.manager.layout:  # a (re)pack changed the chunk ids
+            self._layout_seen = self.manager.layout
+            params = self.manager.params
+            self._chunks_of = {k: self.manager.chunk_ids_of([params[i] for i in own]) for k, own in self._owned.items()}
+        chunk_ids = self._chunks_of.get(key, ())
+        self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()))
         return chunk_ids
-
-    def _budget(self) -> Optional[int]:
-        limit = self.manager.limit
-        if limit is None:
-            return None
-        if self.trace is not None and self.training and self.policy.name == "auto":
-            return max(limit - self.trace.nonmodel_at(self.position), 0)
-        return limit
 
     def _plan_and_run(self, needed: tuple[int, ...]) -> None:
         mgr = self.manager
+        if mgr.all_aliased:  # everything is resident for good: nothing to plan
+            return
+        trace = self.trace if self.training else None
         plan = self.policy.plan(
-            position=self.position, needed=frozenset(needed), chunks=mgr.views(),
-            trace=self.trace if self.training else None, budget_bytes=self._budget(),
-            device_bytes=mgr.ledger[Tier.DEVICE],
+            position=self.position, needed=frozenset(needed), chunks=mgr.views(), trace=trace,
+            budget_bytes=self.policy.budget(mgr.limit, trace, self.position), device_bytes=mgr.ledger[Tier.DEVICE],
         )
         for cid in plan.evict:
             mgr.release(mgr.chunks[cid])

@@ -66,6 +66,7 @@ class ChunkManager:
         ]
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.limit = config.device_memory_limit
+        self._all_aliased = False
         self.chunks: list[Chunk] = []
         self.layout: Optional[Layout] = None
         self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
@@ -114,6 +115,11 @@ class ChunkManager:
     # ==================================================================== lookup
     def lookup(self, param: torch.Tensor) -> tuple[Chunk, TensorInfo]:
         return self._where[id(param)]
+
+    @property
+    def all_aliased(self) -> bool:
+        """Every payload is its shard (one rank, all shards on the device): nothing ever moves."""
+        return self._all_aliased
 
     def chunk_ids_of(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
         return tuple(sorted({self._where[id(p)][0].chunk_id for p in params if id(p) in self._where}))
@@ -170,6 +176,7 @@ class ChunkManager:
             chunk = self._build_chunk(spec, layout, tiers.get(spec.chunk_id, Tier.HOST), values, grads, had_grad)
             self.chunks.append(chunk)
             self._changed()
+        self._all_aliased = bool(self.chunks) and all(c.aliased for c in self.chunks)
 
     def _snapshot(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], set[int]]:
         if not self.chunks:
@@ -450,6 +457,7 @@ class ChunkManager:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._drop_all()
         self.layout = None
+        self._all_aliased = False
         self._changed()
 
     # ==================================================================== stats

@@ -181,7 +181,7 @@ class OptimizerBinding:
                         for key, t in st.items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
         self._choose_kernel()  # the loaded groups carry the saver's kernel flags
-        for k, g in enumerate(self.optimizer.param_groups):
+        for g in self.optimizer.param_groups:
             on_device = bool(g.get("fused") or g.get("capturable"))
             for v in g["params"]:
                 st = self.optimizer.state.get(v)

@@ -71,6 +71,11 @@ class PlacementPolicy:
     def shard_tiers(self, chunks: Sequence[ChunkView], trace: Optional[Trace], limit: Optional[int]) -> dict[int, Tier]:
         raise NotImplementedError
 
+    # -------------------------------------------------------------- budget
+    def budget(self, limit: Optional[int], trace: Optional[Trace], position: int) -> Optional[int]:
+        """Device bytes chunks may use at ``position``: the hard limit (the manager enforces it anyway)."""
+        return limit
+
     # ---------------------------------------------------------------- plan
     def plan(
         self,
@@ -154,6 +159,12 @@ class AutoPlacement(PlacementPolicy):
     """From the trace: as many shards on the device as the limit minus the traced non-model peak allows."""
 
     name = "auto"
+
+    def budget(self, limit, trace, position):
+        """Leave room for the activations the trace saw at this moment."""
+        if limit is None or trace is None:
+            return limit
+        return max(limit - trace.nonmodel_at(position), 0)
 
     def shard_tiers(self, chunks, trace, limit):
         if limit is None:

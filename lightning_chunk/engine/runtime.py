@@ -135,7 +135,7 @@ class ChunkEngine:
         root = self.hooks._owned.get(ROOT, ())
         root_bytes = sum(self.manager.chunks[c].payload_bytes
                          for c in self.manager.chunk_ids_of([self.manager.params[i] for i in root]))
-        for key, own in self.hooks._owned.items():
+        for own in self.hooks._owned.values():
             ids = self.manager.chunk_ids_of([self.manager.params[i] for i in own])
             need = max(need, sum(self.manager.chunks[c].payload_bytes for c in ids))
         need += root_bytes

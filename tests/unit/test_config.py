@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from lightning_chunk.engine.config import ChunkConfig, parse_bytes
@@ -37,7 +39,7 @@ def test_parse_bytes(value, expected):
 def test_config_is_frozen_and_replace_makes_a_new_one():
     c = ChunkConfig(device_memory_limit="1MiB")
     assert c.device_memory_limit == 2**20
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.placement = "host"  # type: ignore[misc]
     d = c.replace(placement="host")
     assert (c.placement, d.placement, d.device_memory_limit) == ("auto", "host", 2**20)
