@@ -61,6 +61,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
         optimizer_kernel: ``"auto"``, ``"fused"``, ``"foreach"`` or ``"loop"``.
         assume_elementwise_optimizer: accept an optimizer class the engine does not know.
         log_memory_stats: log ``memory_stats()`` to the Trainer's loggers every step.
+        collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
+        verify_collectives: several ranks: check before each chunk collective that all ranks agree on it
+            (``None``: on with gloo, off with NCCL).
     """
 
     strategy_name = "chunk_offload"
@@ -79,6 +82,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         optimizer_kernel: str = "auto",
         assume_elementwise_optimizer: bool = False,
         log_memory_stats: bool = True,
+        collective_timeout_s: float = 300.0,
+        verify_collectives: Optional[bool] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -96,7 +101,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             offload_fraction=offload_fraction, chunk_numel=chunk_numel, chunk_numel_min=chunk_numel_min,
             chunk_numel_max=chunk_numel_max, prefetch=prefetch, pin_memory=pin_memory,
             materialize_on_teardown=materialize_on_teardown, optimizer_kernel=optimizer_kernel,  # type: ignore[arg-type]
-            assume_elementwise_optimizer=assume_elementwise_optimizer,
+            assume_elementwise_optimizer=assume_elementwise_optimizer, collective_timeout_s=collective_timeout_s,
+            verify_collectives=verify_collectives,
         )
         if not isinstance(log_memory_stats, bool):
             raise ValueError(f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True or False.")
@@ -106,6 +112,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self._timeout = timeout
         self.engine: Optional[ChunkEngine] = None
         self._final_stats: dict[str, float] = {}
+        self._failed = False
 
     # ============================================================ registration
     @classmethod
@@ -200,11 +207,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self.world_size > 1:
-            raise NotImplementedError(
-                f"chunk_offload runs on one device for now (world_size={self.world_size} was asked for); "
-                "sharding chunks across ranks is the next milestone."
-            )
+        self._failed = False
         module = self.lightning_module
         assert module is not None
         self.model_to_device()
@@ -212,7 +215,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        comm = Collectives() if self.world_size > 1 else Collectives.local()
+        comm = (Collectives(timeout_s=self.config.collective_timeout_s, verify=self.config.verify_collectives)
+                if self.world_size > 1 else Collectives.local())
         self.engine = ChunkEngine(module, self.optimizers if fitting else [], config=self.config,
                                   dtypes=self.precision_plugin.dtype_policy(), device=self.root_device,
                                   collectives=comm)
@@ -261,8 +265,16 @@ class ChunkOffloadStrategy(ParallelStrategy):
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Non-stepping micro-batches: one rank has nothing to synchronise."""
-        yield
+        """Lightning enters this for micro-batches that do not step: gradients stay local, unreduced."""
+        if self.engine is None:
+            yield
+            return
+        with self.engine.no_sync():
+            yield
+
+    def on_exception(self, exception: BaseException) -> None:
+        # another rank may be stuck in a collective: teardown must not start new ones
+        self._failed = True
 
     # ======================================================== collectives
     def barrier(self, name: Optional[str] = None) -> None:
@@ -315,7 +327,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self.engine is not None:
             self._final_stats = self.engine.memory_stats()
-            self.engine.teardown(materialize=self.config.materialize_on_teardown, device=torch.device("cpu"))
+            materialize = self.config.materialize_on_teardown and not self._failed
+            self.engine.teardown(materialize=materialize, device=torch.device("cpu"))
             self.precision_plugin.attach(None, self.root_device)
             self.engine = None
         super().teardown()

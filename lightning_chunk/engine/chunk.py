@@ -12,6 +12,9 @@
              itself when the dtypes agree, and the payload itself when the chunk is
              *aliased* (one rank, shard on the device: the payload *is* the shard, so
              an all-resident fp32 run copies nothing at all).
+``grad_payload``  several ranks only: the whole chunk's gradients in the master dtype,
+             on the device, filled by this rank's backward and reduce-scattered into
+             every rank's ``grad`` (then freed).
 ``grad``     gradient accumulator for the shard, master dtype, on the shard's tier;
              allocated with the chunk and kept (no allocation churn per step). The
              first gradient a parameter gets in a step overwrites its range, later
@@ -85,7 +88,9 @@ class Chunk:
     grad: Optional[torch.Tensor] = field(default=None, repr=False)
     optim_state_bytes: int = 0
     last_used: int = -1  # manager clock, for LRU when there is no trace
-    ready_event: Optional[object] = field(default=None, repr=False)  # CUDA: the side-stream copy filling the payload
+    pending: Optional[object] = field(default=None, repr=False)  # a prefetch in flight: CUDA event or Pending
+    grad_payload: Optional[torch.Tensor] = field(default=None, repr=False)  # several ranks: gradients to reduce
+    grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
 
     # ----------------------------------------------------------------- identity
     @property
@@ -172,7 +177,7 @@ class Chunk:
         """Bytes this chunk holds on ``tier``, read off its buffers (the accounting's ground truth)."""
         total = 0
         if tier is Tier.DEVICE and self.payload is not None:
-            total += self.payload.untyped_storage().nbytes()
+            total += self.payload.untyped_storage().nbytes() + nbytes(self.grad_payload)
         if tier is self.shard_tier:
             if not self.master_is_payload():
                 total += nbytes(self.master)

@@ -5,14 +5,39 @@ engine is written once for any world size. With several ranks they go through
 ``torch.distributed`` (NCCL on GPU, gloo on CPU); ``all_gather_single`` and
 ``reduce_scatter_single`` are used where the installed torch has them, with a
 fallback to the older ``*_into_tensor`` / ``*_tensor`` names.
+
+[Note: ranks that disagree]
+Collectives are matched by order: if one rank skips a module that another runs,
+the next all-gathers pair different chunks. With gloo, two chunks of different
+sizes abort the process (SIGABRT, nothing to catch) and two of the same size
+silently swap data. So before each chunk collective the ranks exchange a
+fixed-size *tag* ``[op, chunk, module]`` (``verify``; on by default with gloo,
+where it costs ~0.1 ms; optional on NCCL, where reading it back syncs the
+stream) and raise ``CollectiveMismatchError`` on every rank that sees a
+difference, naming each rank's chunk and module. Every wait is bounded by
+``timeout_s``: a rank left waiting for a peer that raised or went elsewhere gets
+``CollectiveTimeoutError`` naming the chunk and module it waited in, not a hang.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import datetime
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .errors import ChunkError
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+class CollectiveMismatchError(ChunkError):
+    """Ranks issued different collectives at the same point."""
+
+
+class CollectiveTimeoutError(ChunkError):
+    """A collective did not complete within the bounded wait."""
 
 
 class Pending(NamedTuple):
@@ -20,45 +45,141 @@ class Pending(NamedTuple):
 
     buffer: torch.Tensor
     work: Optional[Any]
+    describe: Optional[Callable[[], str]] = None
+    timeout_s: Optional[float] = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            try:
+                if self.timeout_s is not None:
+                    self.work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                else:
+                    self.work.wait()
+            except RuntimeError as e:
+                what = self.describe() if self.describe else "a collective"
+                raise CollectiveTimeoutError(
+                    f"{what} did not complete within {self.timeout_s} s ({e}). Another rank stopped or issued "
+                    "a different collective: a module ran on some ranks and not on others (data-dependent "
+                    "control flow), or another rank failed; see its error."
+                ) from None
         return self.buffer
 
 
 class Collectives:
-    def __init__(self, group: Optional[Any] = None) -> None:
+    def __init__(self, group: Optional[Any] = None, *, timeout_s: Optional[float] = 300.0,
+                 verify: Optional[bool] = None) -> None:
         self.group = group
+        self.timeout_s = timeout_s
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
+            backend = dist.get_backend(group)
         else:
-            self.rank, self.world_size = 0, 1
+            self.rank, self.world_size, backend = 0, 1, None
+        self.verify = (backend == "gloo") if verify is None else verify
+        self._tag_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.names: Callable[[int, int], str] = lambda chunk, module: f"chunk {chunk}"
 
     @classmethod
     def local(cls) -> "Collectives":
+        """One rank, whether or not a process group exists."""
         c = cls.__new__(cls)
-        c.group, c.rank, c.world_size = None, 0, 1
+        c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
+        c._tag_device = torch.device("cpu")
+        c.names = lambda chunk, module: f"chunk {chunk}"
         return c
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Pending:
+    # ---------------------------------------------------------------- checks
+    def check_agreement(self, op: str, chunk: int, module: int = -1) -> None:
+        """Exchange ``[op, chunk, module]`` with every rank; raise on every rank if they differ."""
+        if self.world_size == 1 or not self.verify:
+            return
+        mine = torch.tensor([OPS.index(op), chunk, module], dtype=torch.int64, device=self._tag_device)
+        out = torch.empty(self.world_size * 3, dtype=torch.int64, device=self._tag_device)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = fn(out, mine, group=self.group, async_op=True)
+        Pending(out, work, lambda: f"[rank {self.rank}] the agreement check before {op} of "
+                f"{self.names(chunk, module)}", self.timeout_s).wait()
+        tags = out.view(self.world_size, 3).tolist()
+        if any(t != tags[0] for t in tags):
+            lines = "; ".join(f"rank {r}: {OPS[t[0]]} of {self.names(t[1], t[2])}" for r, t in enumerate(tags))
+            raise CollectiveMismatchError(
+                f"[rank {self.rank}] ranks disagree on the next collective ({lines}). A module ran on some "
+                "ranks and not on others (data-dependent control flow, or a module used outside its forward); "
+                "every rank must run the same modules in the same order."
+            )
+
+    def agree_on_value(self, value: int, *, what: str) -> bool:
+        """True when every rank passed the same ``value`` (one fixed-size all-gather)."""
+        if self.world_size == 1:
+            return True
+        mine = torch.tensor([value], dtype=torch.int64, device=self._tag_device)
+        out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] {what}",
+                self.timeout_s).wait()
+        return bool((out == out[0]).all())
+
+    # ----------------------------------------------------------- collectives
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, chunk: int = -1, module: int = -1,
+                   async_op: bool = False) -> Pending:
         """Fill ``out`` (world_size * shard.numel()) with every rank's ``shard``."""
         if self.world_size == 1:
             out.copy_(shard, non_blocking=True)
             return Pending(out, None)
+        self.check_agreement("all_gather", chunk, module)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return Pending(out, fn(out, shard, group=self.group, async_op=async_op))
+        work = fn(out, shard, group=self.group, async_op=True)
+        return self._pending(out, work, "all_gather", chunk, module, async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Pending:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, chunk: int = -1, module: int = -1,
+                       async_op: bool = False) -> Pending:
         """Sum ``full`` over ranks and leave this rank's slice in ``out``."""
         if self.world_size == 1:
             out.copy_(full, non_blocking=True)
             return Pending(out, None)
+        self.check_agreement("reduce_scatter", chunk, module)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return Pending(out, fn(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op))
+        work = fn(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return self._pending(out, work, "reduce_scatter", chunk, module, async_op)
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool) -> Pending:
+        p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s)
+        if not async_op:
+            p.wait()
+        return p
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce") -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group)
+            work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group,
+                                   async_op=True)
+            Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s).wait()
         return t
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``t`` on every rank (in place; off the hot path)."""
+        if self.world_size > 1:
+            buf = t.to(self._tag_device)
+            work = dist.broadcast(buf, src, group=self.group, async_op=True)
+            Pending(buf, work, lambda: f"[rank {self.rank}] the broadcast of initial values", self.timeout_s).wait()
+            t.copy_(buf)
+        return t
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def tensor_device(self) -> torch.device:
+        return self._tag_device
+
+
+def first_difference(seqs: Sequence[Sequence[Any]]) -> int:
+    """Index of the first position where the sequences differ (or the shorter length)."""
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != seqs[0][i] for s in seqs):
+            return i
+    return n

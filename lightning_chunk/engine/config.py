@@ -107,6 +107,15 @@ class ChunkConfig:
     """Accept an optimizer class the engine does not know. Only true for optimizers whose
     update of each element depends on that element alone (no parameter shapes)."""
 
+    collective_timeout_s: float = 300.0
+    """Several ranks: the longest any collective may wait before ``CollectiveTimeoutError`` names the chunk and
+    module it waited in (a rank that skipped a module, or failed, no longer hangs the others)."""
+
+    verify_collectives: Optional[bool] = None
+    """Several ranks: before each chunk collective, check that every rank is about to issue the same one
+    (raises ``CollectiveMismatchError`` on every rank otherwise). ``None``: on with gloo, off with NCCL
+    (where reading the check back costs a stream sync)."""
+
     check_invariants: bool = False
     """Re-derive the byte accounting from the chunks after every manager operation (slow; tests)."""
 
@@ -133,6 +142,13 @@ class ChunkConfig:
                 f"chunk_numel_min={self.chunk_numel_min} is larger than chunk_numel_max={self.chunk_numel_max}; "
                 "the minimum must not exceed the maximum."
             )
+        if isinstance(self.collective_timeout_s, bool) or not isinstance(self.collective_timeout_s, (int, float)) \
+                or self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} is not allowed; it must be a positive "
+                             "number of seconds.")
+        if self.verify_collectives is not None and not isinstance(self.verify_collectives, bool):
+            raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be True, False "
+                             "or None.")
         for name in ("prefetch", "pin_memory", "materialize_on_teardown", "assume_elementwise_optimizer", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")

@@ -28,6 +28,7 @@ the step's outputs as the root's outputs for backward.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import DeviceMemoryLimitError
 from .chunk import Tier
+from .collectives import CollectiveMismatchError, first_difference
 from .manager import ChunkManager
 from .placement import PlacementPolicy, smallest_working_limit
 from .states import TensorState
@@ -53,6 +55,7 @@ class ChunkHooks:
         self.trace: Optional[Trace] = None
         self.tracer = MemoryTracer(self._is_model_storage, manager.device, lambda: manager.ledger[Tier.DEVICE])
         self.position = -1  # moment within the current micro-batch
+        self._current_module = -1
         self.clock = 0  # moments since creation (for LRU)
         self.training = False
         self._handles: list[Any] = []
@@ -62,6 +65,9 @@ class ChunkHooks:
         self._owned: dict[str, tuple[int, ...]] = {}
         self._chunks_of: dict[str, tuple[int, ...]] = {}
         self._layout_seen: object = None
+        self._key_index: dict[str, int] = {}
+        self._sequence: list[tuple[str, str]] = []  # (kind, module) of this micro-batch, compared across ranks
+        manager.make_room = self._make_room
 
     # ============================================================ installation
     def install(self) -> None:
@@ -72,6 +78,7 @@ class ChunkHooks:
                 continue
             key = name or ROOT
             self._owned[key] = own
+            self._key_index[key] = len(self._key_index)
             if mod is self.module:
                 continue  # the root is handled by step_scope
             self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
@@ -79,6 +86,20 @@ class ChunkHooks:
         for p in self.manager.params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        keys = list(self._key_index)
+        self.manager.comm.names = lambda chunk, module: (
+            f"chunk {chunk}" + (f" (module {keys[module]!r})" if 0 <= module < len(keys) else ""))
+
+    def _make_room(self, nbytes: int) -> None:
+        """Evict by the policy until ``nbytes`` more fit under the limit (for gradient payloads)."""
+        mgr = self.manager
+        trace = self.trace if self.training else None
+        budget = self.policy.budget(mgr.limit, trace, self.position)
+        plan = self.policy.plan(position=self.position, needed=frozenset(), chunks=mgr.views(), trace=trace,
+                                budget_bytes=None if budget is None else budget - nbytes,
+                                device_bytes=mgr.ledger[Tier.DEVICE])
+        for cid in plan.evict:
+            mgr.release(mgr.chunks[cid])
 
     def remove(self) -> None:
         for h in self._handles:
@@ -100,6 +121,8 @@ class ChunkHooks:
             self._chunks_of = {k: self.manager.chunk_ids_of([params[i] for i in own]) for k, own in self._owned.items()}
         chunk_ids = self._chunks_of.get(key, ())
         self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()))
+        if self.manager.comm.world_size > 1:
+            self._sequence.append((kind, key))
         return chunk_ids
 
     def _plan_and_run(self, needed: tuple[int, ...]) -> None:
@@ -118,7 +141,7 @@ class ChunkHooks:
         for cid in plan.prefetch:
             c = mgr.chunks[cid]
             try:
-                mgr.gather(c, prefetch=True)
+                mgr.gather(c, prefetch=True, module=self._module_of_next(cid))
             except DeviceMemoryLimitError:
                 break  # a prefetch is only a hint
         for cid in needed:
@@ -131,7 +154,7 @@ class ChunkHooks:
         if chunk.is_resident:
             return
         try:
-            mgr.gather(chunk)
+            mgr.gather(chunk, module=self._current_module)
             return
         except DeviceMemoryLimitError:
             pass
@@ -139,7 +162,7 @@ class ChunkHooks:
             if other.chunk_id not in needed and other.is_evictable:
                 mgr.release(other)
         try:
-            mgr.gather(chunk)
+            mgr.gather(chunk, module=self._current_module)
         except DeviceMemoryLimitError as e:
             views = mgr.views()
             ws, nonmodel = smallest_working_limit(views, self.trace)
@@ -152,7 +175,17 @@ class ChunkHooks:
                 "or lower chunk_numel."
             ) from None
 
+    def _module_of_next(self, chunk_id: int) -> int:
+        """The module index the trace says uses ``chunk_id`` next (for collective tags)."""
+        if self.trace is None:
+            return -1
+        for m in self.trace.moments[self.position + 1:]:
+            if chunk_id in m.chunk_ids and m.kind != POST_FORWARD:
+                return self._key_index.get(m.module, -1)
+        return -1
+
     def _use(self, key: str, kind: str) -> None:
+        self._current_module = self._key_index.get(key, -1)
         needed = self._tick(kind, key)
         self._plan_and_run(needed)
         for i in self._owned.get(key, ()):
@@ -214,6 +247,7 @@ class ChunkHooks:
     def end_backward(self) -> None:
         """All gradients of this backward are in: reduce the rest, finish the warm-up trace."""
         self._backward_queued = False
+        self._check_same_sequence()
         self.manager.end_backward()
         if self.tracer.recording:
             self.trace = self.tracer.finish()
@@ -222,11 +256,39 @@ class ChunkHooks:
         if self.policy.evict_after_use:
             self._plan_and_run(())
 
+    def _check_same_sequence(self) -> None:
+        """Several ranks: every rank must have run the same modules in the same order this micro-batch.
+
+        One fixed-size all-gather of a CRC per micro-batch. Without it a rank that skipped a module whose
+        payload happened to be resident would issue no collective at all and go unnoticed, until a later
+        step in which the payload was evicted desynchronised the all-gathers."""
+        comm = self.manager.comm
+        seq, self._sequence = self._sequence, []
+        if comm.world_size == 1:
+            return
+        crc = zlib.crc32(repr(seq).encode())
+        if comm.agree_on_value(crc, what="the check that every rank ran the same modules"):
+            return
+        seqs = comm.all_gather_object(seq)
+        i = first_difference(seqs)
+        def at(r: int) -> str:
+            if i >= len(seqs[r]):
+                return "nothing more"
+            kind, key = seqs[r][i]
+            return f"{kind} of module {key!r} (chunks {list(self._chunks_of.get(key, ()))})"
+        raise CollectiveMismatchError(
+            f"[rank {comm.rank}] ranks ran different modules in this micro-batch; first difference at moment {i}: "
+            + "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
+            + ". Every rank must run the same modules that own parameters, in the same order (no data-dependent "
+            "skipping): with sharded chunks a skipped module desynchronises the all-gathers."
+        )
+
     # ============================================================== step scope
     @contextlib.contextmanager
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.manager.reset_states()
+        self._sequence = []
         self.position = -1
         self.training = training
         counting = contextlib.nullcontext()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -73,6 +73,11 @@ class ChunkManager:
         self.ledger = {Tier.DEVICE: 0, Tier.HOST: 0}
         self.device_peak = 0
         self.transfers = TransferStats()
+        self.sync_grads = True  # False inside no_sync(): keep gradients local (accumulation)
+        self._inflight: list[tuple[Chunk, Any]] = []  # reduce-scatters launched, not yet landed
+        self.make_room: Optional[Callable[[int], None]] = None  # set by the hooks: evict by the policy
+        self._reduce_order: list[int] = []  # several ranks: chunks reduce in this order on every rank
+        self._reduce_next = 0
         self._pin = config.pin_memory and self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation
@@ -127,9 +132,14 @@ class ChunkManager:
     def views(self) -> list[ChunkView]:
         return [
             ChunkView(c.chunk_id, c.payload_bytes, self.device_shard_bytes(c), c.is_resident, c.is_evictable,
-                      c.shard_tier, c.last_used)
+                      c.shard_tier, c.last_used, self._grad_payload_bytes(c.capacity_numel, c.master_dtype, c.trainable))
             for c in self.chunks
         ]
+
+    def _grad_payload_bytes(self, capacity: int, master: torch.dtype, trainable: bool) -> int:
+        if self.comm.world_size == 1 or not trainable:
+            return 0
+        return capacity * torch.empty((), dtype=master).element_size()
 
     def device_shard_bytes(self, c: Chunk) -> int:
         """Bytes the chunk's shard holds when it lives on the device tier (payload too, when that aliases it)."""
@@ -158,7 +168,9 @@ class ChunkManager:
             payload = spec.capacity_numel * torch.empty((), dtype=compute).element_size()
             out.append(ChunkView(spec.chunk_id, payload,
                                  self._shard_cost(spec.capacity_numel, compute, master, spec.key.requires_grad, optim),
-                                 resident=False, evictable=False, shard_tier=Tier.HOST))
+                                 resident=False, evictable=False, shard_tier=Tier.HOST,
+                                 grad_payload_bytes=self._grad_payload_bytes(spec.capacity_numel, master,
+                                                                             spec.key.requires_grad)))
         return out
 
     # ==================================================================== packing
@@ -169,14 +181,19 @@ class ChunkManager:
         warm-up), else from the parameters themselves. Gradients accumulated so far
         and the per-parameter "got a gradient" flags move along.
         """
+        first = not self.chunks  # values come from the module itself
         values, grads, had_grad = self._snapshot()
         self._drop_all()
         self.layout = layout
         for spec in layout.chunks:
-            chunk = self._build_chunk(spec, layout, tiers.get(spec.chunk_id, Tier.HOST), values, grads, had_grad)
+            chunk = self._build_chunk(spec, layout, tiers.get(spec.chunk_id, Tier.HOST), values, grads, had_grad,
+                                      broadcast=first and self.comm.world_size > 1)
             self.chunks.append(chunk)
             self._changed()
         self._all_aliased = bool(self.chunks) and all(c.aliased for c in self.chunks)
+        # backward completes chunks roughly in reverse use order; every rank must reduce in one order
+        self._reduce_order = sorted((c.chunk_id for c in self.chunks if c.trainable), reverse=True)
+        self._reduce_next = 0
 
     def _snapshot(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], set[int]]:
         if not self.chunks:
@@ -185,22 +202,24 @@ class ChunkManager:
         grads: dict[int, torch.Tensor] = {}
         had: set[int] = set()
         for c in self.chunks:
-            full = self._gather_shard(c, c.master_tensor_for_read())
-            full_grad = self._gather_shard(c, c.grad) if c.grad is not None else None
+            full = self.gather_shard(c, c.master_tensor_for_read())
+            written = c.grad_written if self.comm.world_size > 1 else any(t.has_grad for t in c.tensors)
+            full_grad = self.gather_shard(c, c.grad) if c.grad is not None and written else None
             for t in c.tensors:
                 i = t.slot.param_index
                 values[i] = full[t.offset : t.offset + t.numel].clone()
-                if full_grad is not None and t.has_grad:
+                if full_grad is not None and (t.has_grad or c.grad_written):
                     grads[i] = full_grad[t.offset : t.offset + t.numel].clone()
                     had.add(i)
         return values, grads, had
 
-    def _gather_shard(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
+    def gather_shard(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
         """The whole chunk's worth of a per-rank shard buffer, on the host (used off the hot path)."""
         if self.comm.world_size == 1:
             return shard.to(_HOST)
-        out = torch.empty(c.capacity_numel, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(out, shard.contiguous()).wait()
+        src = shard.contiguous().to(self.comm.tensor_device())
+        out = torch.empty(c.capacity_numel, dtype=shard.dtype, device=src.device)
+        self.comm.all_gather(out, src, chunk=c.chunk_id).wait()
         return out.to(_HOST)
 
     def _alloc(self, numel: int, dtype: torch.dtype, tier: Tier) -> torch.Tensor:
@@ -209,7 +228,7 @@ class ChunkManager:
             return torch.empty(numel, dtype=dtype, device=self.device)
         return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self._pin)
 
-    def _build_chunk(self, spec, layout: Layout, tier: Tier, values, grads, had_grad) -> Chunk:
+    def _build_chunk(self, spec, layout: Layout, tier: Tier, values, grads, had_grad, *, broadcast: bool) -> Chunk:
         p0 = self.params[spec.slots[0].param_index]
         chunk = Chunk(
             spec=spec, capacity_numel=spec.capacity_numel, rank=self.comm.rank, world_size=self.comm.world_size,
@@ -224,6 +243,8 @@ class ChunkManager:
             full[s.offset : s.offset + s.numel].copy_(values[s.param_index].reshape(-1))
             if full_grad is not None and s.param_index in grads:
                 full_grad[s.offset : s.offset + s.numel].copy_(grads[s.param_index].reshape(-1))
+        if broadcast:
+            self.comm.broadcast(full)  # every rank starts from rank 0's values, as DDP does
         chunk.aliased = self.comm.world_size == 1 and tier is Tier.DEVICE
         if tier is Tier.DEVICE:
             self._reserve_device(self.device_shard_bytes(chunk), f"chunk {spec.chunk_id}'s shard on the device tier")
@@ -267,17 +288,20 @@ class ChunkManager:
         self._where = {}
 
     # ============================================================ gather/release
-    def gather(self, chunk: Chunk, *, prefetch: bool = False) -> None:
+    def gather(self, chunk: Chunk, *, prefetch: bool = False, module: int = -1) -> None:
         """Make the payload resident (FREE -> HOLD): host-to-device copy, or all-gather of the shards.
 
         [Note: streams and prefetch]
-        On CUDA a prefetch copies on a side stream and records an event in ``chunk.ready_event``;
+        On CUDA a prefetch copies on a side stream and records an event in ``chunk.pending``;
         the compute stream waits on that event before the chunk is first used (``wait_ready``) and
         before its payload is released, so the caching allocator never hands the block out while a
         copy into it is in flight. The payload is allocated on the compute stream, and the side
         stream first waits for the compute stream, so the copy never overtakes earlier frees.
         Demand gathers run on the compute stream: the module needs the data at once anyway.
-        On CPU every copy is synchronous and events are not used.
+        With several ranks a prefetch is an asynchronous all-gather whose ``Pending`` (buffer and
+        work handle together) is kept in ``chunk.pending`` until first use; gloo runs it on its
+        own thread, so it overlaps with compute on CPU too.
+        On CPU one-rank copies are synchronous and events are not used.
         """
         if chunk.is_resident:
             return
@@ -289,25 +313,31 @@ class ChunkManager:
             src = chunk.low_tensor()
             if chunk.shard_tier is Tier.HOST:
                 self.transfers.h2d_bytes += src.numel() * src.element_size()
-                if self.comm.world_size > 1 and src.device != self.device:
-                    src = src.to(self.device, non_blocking=True)  # collectives need device tensors
+                if self.comm.world_size > 1 and src.device != self.comm.tensor_device():
+                    src = src.to(self.comm.tensor_device(), non_blocking=True)  # collectives need device tensors
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     self.comm.all_gather(chunk.payload, src)
-                    chunk.ready_event = torch.cuda.Event()
-                    chunk.ready_event.record(side)  # type: ignore[attr-defined]
+                    event = torch.cuda.Event()
+                    event.record(side)
+                chunk.pending = event
             else:
-                self.comm.all_gather(chunk.payload, src).wait()
+                pending = self.comm.all_gather(chunk.payload, src, chunk=chunk.chunk_id, module=module,
+                                               async_op=prefetch)
+                if prefetch and pending.work is not None:
+                    chunk.pending = (pending, src)  # the source must live until the gather lands
         self.transfers.gathers += 1
         chunk.transition_all(S.HOLD)
         self._changed()
 
     def wait_ready(self, chunk: Chunk) -> None:
-        """Make the compute stream wait for a prefetch into ``chunk`` (CUDA only; no-op otherwise)."""
-        if chunk.ready_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(chunk.ready_event)  # type: ignore[arg-type]
-            chunk.ready_event = None
+        """Wait for a prefetch into ``chunk``: its all-gather, or (CUDA) make the compute stream wait for its copy."""
+        pending, chunk.pending = chunk.pending, None
+        if isinstance(pending, tuple):
+            pending[0].wait()
+        elif pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(pending)  # type: ignore[arg-type]
 
     def release(self, chunk: Chunk, *, eviction: bool = True) -> None:
         """Free the payload (-> FREE). The shard is the source of truth, so nothing is copied back."""
@@ -326,43 +356,115 @@ class ChunkManager:
 
     # ================================================================ gradients
     def accumulate_grad(self, param: torch.Tensor, grad: torch.Tensor) -> Chunk:
-        """Add one parameter's gradient into its chunk's shard accumulator."""
+        """Take one parameter's gradient: into the shard (one rank) or the chunk's gradient payload (several)."""
         chunk, info = self.lookup(param)
-        if self.comm.world_size > 1:
-            raise NotImplementedError("multi-rank gradient reduction arrives with the ZeRO-3 issue")
         assert chunk.grad is not None, f"chunk {chunk.chunk_id} holds no trainable parameters"
         check_transition(info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id,
                          rank=chunk.rank)  # before touching data: a refused gradient leaves nothing half-added
-        dst = chunk.grad[info.offset : info.offset + info.numel]
-        # synchronous when it crosses devices: the host add must not read a copy still in flight
-        src = grad.reshape(-1).to(dst.device)
-        if info.has_grad:  # accumulation across micro-batches
-            dst.add_(src)
-        else:  # the first gradient of a step overwrites what the last step left
-            dst.copy_(src)
-        if chunk.shard_tier is Tier.HOST:
-            self.transfers.d2h_bytes += grad.numel() * grad.element_size()
+        if self.comm.world_size == 1:
+            dst = chunk.grad[info.offset : info.offset + info.numel]
+            # synchronous when it crosses devices: the host add must not read a copy still in flight
+            src = grad.reshape(-1).to(dst.device)
+            if info.has_grad:  # accumulation across micro-batches
+                dst.add_(src)
+            else:  # the first gradient of a step overwrites what the last step left
+                dst.copy_(src)
+            if chunk.shard_tier is Tier.HOST:
+                self.transfers.d2h_bytes += grad.numel() * grad.element_size()
+        else:
+            with self._tracked(chunk):
+                if chunk.grad_payload is None:
+                    self._make_room_for(chunk.capacity_numel * chunk.grad.element_size(),
+                                        f"chunk {chunk.chunk_id}'s gradient payload")
+                    chunk.grad_payload = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype, device=self.device)
+                chunk.grad_payload[info.offset : info.offset + info.numel].add_(grad.reshape(-1))
         info.has_grad = True
         chunk.set_state(info, S.READY_FOR_REDUCE)
         if chunk.grads_complete():
-            self.reduce(chunk)
+            if self.comm.world_size == 1:
+                self.reduce(chunk)
+            elif self.sync_grads:
+                self._drain(force=False)
         self._changed()
         return chunk
+
+    def _make_room_for(self, nbytes: int, what: str) -> None:
+        """Room for a gradient payload: land the reduce-scatters in flight (their buffers go), then evict."""
+        if self.limit is not None and self.ledger[Tier.DEVICE] + nbytes > self.limit:
+            self._finish_reduces()
+            if self.ledger[Tier.DEVICE] + nbytes > self.limit and self.make_room is not None:
+                self.make_room(nbytes)
+        self._reserve_device(nbytes, what)
 
     def reduce(self, chunk: Chunk) -> None:
         """The chunk's gradients are final for this backward: READY_FOR_REDUCE -> HOLD_AFTER_BWD.
 
-        With one rank the shard already holds them; several ranks reduce-scatter here.
+        With one rank the shard already holds them. Several ranks launch the reduce-scatter of the
+        gradient payload (scaled by 1/world_size first, as DDP does) and go on with backward; the
+        result lands in the shard in ``_finish_reduces``.
         """
+        if self.comm.world_size > 1 and self.sync_grads:
+            with self._tracked(chunk):
+                if chunk.grad_payload is None:  # this rank got no gradient for the chunk: contribute zeros
+                    self._make_room_for(chunk.capacity_numel * chunk.grad.element_size(),  # type: ignore[union-attr]
+                                        f"chunk {chunk.chunk_id}'s gradient payload")
+                    chunk.grad_payload = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype, device=self.device)
+                chunk.grad_payload.mul_(1.0 / self.comm.world_size)
+                out = torch.empty(chunk.shard_numel, dtype=chunk.master_dtype, device=chunk.grad_payload.device)
+                pending = self.comm.reduce_scatter(out, chunk.grad_payload, chunk=chunk.chunk_id, async_op=True)
+            self._inflight.append((chunk, pending))
+            if len(self._inflight) > 2:  # bound the gradient payloads alive at once
+                self._finish_reduces(keep=2)
         chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
 
+    def _finish_reduces(self, keep: int = 0) -> None:
+        while len(self._inflight) > keep:
+            chunk, pending = self._inflight.pop(0)
+            out = pending.wait()
+            with self._tracked(chunk):
+                assert chunk.grad is not None
+                if chunk.grad_written:
+                    chunk.grad.add_(out.to(chunk.grad.device))
+                else:
+                    chunk.grad.copy_(out)
+                    chunk.grad_written = True
+                if chunk.shard_tier is Tier.HOST:
+                    self.transfers.d2h_bytes += out.numel() * out.element_size()
+                chunk.grad_payload = None
+
+    def _drain(self, *, force: bool) -> None:
+        """Reduce chunks in the one order every rank shares; ``force`` also takes incomplete ones (end of backward)."""
+        while self._reduce_next < len(self._reduce_order):
+            chunk = self.chunks[self._reduce_order[self._reduce_next]]
+            if not force and not chunk.grads_complete():
+                break
+            self.reduce(chunk)
+            self._reduce_next += 1
+
     def end_backward(self) -> None:
-        """Reduce chunks whose tensors did not all get gradients; everything used becomes HOLD_AFTER_BWD."""
+        """Reduce what is left (tensors that got no gradient); everything used becomes HOLD_AFTER_BWD."""
+        if self.comm.world_size > 1 and self.sync_grads:
+            self._drain(force=True)
+            self._finish_reduces()
+            self._reduce_next = 0
         for c in self.chunks:
             if any(t.state is S.READY_FOR_REDUCE for t in c.tensors):
-                self.reduce(c)
+                if self.comm.world_size == 1:
+                    self.reduce(c)
+                else:  # inside no_sync(): the gradients stay in the payload for the next micro-batch
+                    c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
             c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
         self._changed()
+
+    def agree_on_grads(self) -> None:
+        """Several ranks: a parameter has a gradient if it got one on any rank (DDP's rule for unused parameters)."""
+        if self.comm.world_size == 1:
+            return
+        infos = [self.lookup(p)[1] for p in self.params if id(p) in self._where]
+        flags = torch.tensor([t.has_grad for t in infos], dtype=torch.uint8, device=self.comm.tensor_device())
+        self.comm.all_reduce(flags, op="max", what="the vote on which parameters got gradients")
+        for t, f in zip(infos, flags.tolist()):
+            t.has_grad = bool(f)
 
     def reset_states(self) -> None:
         """Between micro-batches every resident tensor is plainly HOLD."""
@@ -372,6 +474,7 @@ class ChunkManager:
     def clear_grads(self) -> None:
         """After a step: no parameter has a gradient (the buffers stay; the next gradient overwrites)."""
         for c in self.chunks:
+            c.grad_written = False
             for t in c.tensors:
                 t.has_grad = False
 
@@ -423,38 +526,12 @@ class ChunkManager:
         self._changed()
 
     # ============================================================ full values
-    def full_value(self, param_index: int, *, device: Optional[torch.device] = None) -> torch.Tensor:
-        """One parameter's whole trained value, in its original dtype and shape (a new tensor)."""
-        chunk, info = self._where[id(self.params[param_index])]
-        full = self._gather_shard(chunk, chunk.master_tensor_for_read())
-        v = full[info.offset : info.offset + info.numel].view(info.shape)
-        return v.to(device=device or _HOST, dtype=info.orig_dtype, copy=True)
-
-    def load_value(self, param_index: int, value: torch.Tensor) -> None:
-        """Overwrite one parameter's master (and its compute copies) with ``value``."""
-        chunk, info = self._where[id(self.params[param_index])]
-        lo, hi = chunk.shard_range
-        a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-        if a < b:
-            piece = value.reshape(-1)[a - info.offset : b - info.offset]
-            chunk.master_tensor_for_read()[a - lo : b - lo].copy_(piece)
-            if chunk.low is not None:
-                chunk.low[a - lo : b - lo].copy_(piece)
-            if chunk.aliased:
-                assert chunk.payload is not None
-                chunk.payload[a:b].copy_(piece)
-        if chunk.is_resident and not chunk.aliased:
-            self.release(chunk, eviction=False)
-
-    def unpack(self, *, materialize: bool, device: Optional[torch.device] = None) -> None:
-        """Give every parameter its full value back as a plain tensor (or an empty one) and drop all chunks."""
+    def unpack(self, values: Optional[Mapping[int, torch.Tensor]]) -> None:
+        """Give every parameter ``values[i]`` as a plain tensor (an empty one without values) and drop all chunks."""
         for i, p in enumerate(self.params):
             if id(p) not in self._where:
                 continue
-            if materialize:
-                p.data = self.full_value(i, device=device)
-            else:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.data = values[i] if values is not None else torch.empty(0, dtype=p.dtype, device=p.device)
         self._drop_all()
         self.layout = None
         self._all_aliased = False
@@ -473,4 +550,8 @@ class ChunkManager:
             "chunks": len(self.chunks),
             "chunk_numel": self.layout.capacity_numel if self.layout else 0,
             "device_shards": sum(c.shard_tier is Tier.DEVICE for c in self.chunks),
+            "param_numel": sum(t.numel for c in self.chunks for t in c.tensors),
+            "shard_numel": sum(c.shard_numel for c in self.chunks),  # this rank's: ~param_numel / world_size
+            "padding_numel": self.layout.padding_numel if self.layout else 0,
+            "shard_bytes": sum(c.bytes_on(c.shard_tier) - (c.payload_bytes if c.aliased else 0) for c in self.chunks),
         }

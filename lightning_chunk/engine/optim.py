@@ -20,12 +20,13 @@ Muon, ...) cannot step flat views and are refused.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .config import ChunkConfig
 from .errors import UnsupportedOptimizerError
+from .consolidate import gather_optimizer_state, local_optimizer_state
 from .manager import ChunkManager
 
 ELEMENTWISE = frozenset(
@@ -151,35 +152,42 @@ class OptimizerBinding:
 
     # ----------------------------------------------------- plain state format
     def _positions(self) -> list[int]:
-        """Param index of each position in ``optimizer.state_dict()`` numbering."""
+        """Param index of each position in this rank's ``optimizer.state_dict()`` numbering."""
         return [i for k in range(len(self.group_params)) for i in self.group_params[k] if i in self._views]
 
     def plain_state_dict(self) -> dict[str, Any]:
-        """``optimizer.state_dict()`` as the unchunked optimizer would write it (state in parameter shapes)."""
-        if self.manager.comm.world_size > 1:
-            raise NotImplementedError("optimizer state of several ranks is saved by the sharded checkpoint")
-        sd = self.optimizer.state_dict()
-        pos = self._positions()
-        state = {}
-        for k, st in sd["state"].items():
-            p = self.manager.params[pos[k]]
-            state[k] = {key: (v.reshape(p.shape) if torch.is_tensor(v) and v.dim() > 0 and v.numel() == p.numel() else v)
-                        for key, v in st.items()}
-        return {"state": state, "param_groups": sd["param_groups"]}
+        """``optimizer.state_dict()`` as the unchunked optimizer would write it (whole state, parameter shapes).
+
+        A collective with several ranks: every rank calls it and gets the whole state."""
+        plain_pos = {i: n for n, i in enumerate(i for g in self.group_params for i in g)}
+        whole = gather_optimizer_state(self.manager, self._views, self.optimizer.state, plain_pos)
+        groups = []
+        for k, g in enumerate(self.optimizer.param_groups):
+            groups.append({**{key: v for key, v in g.items() if key != "params"},
+                           "params": [plain_pos[i] for i in self.group_params[k]]})
+        return {"state": {plain_pos[i]: st for i, st in sorted(whole.items(), key=lambda kv: plain_pos[kv[0]])},
+                "param_groups": groups}
 
     def load_plain_state_dict(self, sd: dict[str, Any]) -> None:
-        """Load a state dict written by the unchunked optimizer (or by ``plain_state_dict``)."""
-        pos = self._positions()
-        views = self._views
-        state = {}
+        """Load a state dict written by the unchunked optimizer (or by ``plain_state_dict``); each rank keeps its piece."""
+        order = [i for g in self.group_params for i in g]
+        whole: dict[int, dict[str, Any]] = {}
         for k, st in sd["state"].items():
             k = int(k)
-            if k >= len(pos):
-                raise ValueError(f"optimizer state names parameter position {k}, but the optimizer has {len(pos)} parameters")
-            v = views[pos[k]]
-            state[k] = {key: (t.reshape(-1) if torch.is_tensor(t) and t.dim() > 0 and t.numel() == v.numel() else t)
-                        for key, t in st.items()}
-        self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+            if k >= len(order):
+                raise ValueError(f"optimizer state names parameter position {k}, but the optimizer has {len(order)} "
+                                 "parameters: the checkpoint was written for another model or optimizer")
+            whole[order[k]] = st
+        mine = local_optimizer_state(self.manager, self._views, whole)
+        pos = self._positions()
+        local_groups = []
+        n = 0
+        for k, g in enumerate(sd["param_groups"]):
+            count = sum(1 for i in self.group_params[k] if i in self._views)
+            local_groups.append({**g, "params": list(range(n, n + count))})
+            n += count
+        self.optimizer.load_state_dict({"state": {p: mine[i] for p, i in enumerate(pos) if i in mine},
+                                        "param_groups": local_groups})
         self._choose_kernel()  # the loaded groups carry the saver's kernel flags
         for g in self.optimizer.param_groups:
             on_device = bool(g.get("fused") or g.get("capturable"))
@@ -187,6 +195,19 @@ class OptimizerBinding:
                 st = self.optimizer.state.get(v)
                 if st and torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].to(v.device if on_device else "cpu")
+
+    def unbind(self, *, whole_state: bool = True) -> None:
+        """Point the optimizer back at the module parameters, with whole state in their shapes (e.g. when ``fit``
+        ends). Without ``whole_state`` (after a failure on another rank) the state is dropped: no collectives."""
+        mgr = self.manager
+        whole = gather_optimizer_state(mgr, self._views, self.optimizer.state, range(len(mgr.params))) \
+            if whole_state else {}
+        for k, g in enumerate(self.optimizer.param_groups):
+            g["params"] = [mgr.params[i] for i in self.group_params[k]]
+        self.optimizer.state.clear()
+        for i, st in whole.items():
+            self.optimizer.state[mgr.params[i]] = st
+        self._views = {}
 
     def views(self) -> dict[int, torch.Tensor]:
         return self._views
@@ -201,18 +222,3 @@ class OptimizerBinding:
 
     def grads(self) -> list[torch.Tensor]:
         return [v.grad for v in self._views.values() if v.grad is not None]
-
-
-def unbind_state(binding: Optional[OptimizerBinding]) -> None:
-    """Point the optimizer back at the module parameters (state reshaped to them), e.g. when ``fit`` ends."""
-    if binding is None:
-        return
-    opt, mgr = binding.optimizer, binding.manager
-    for k, g in enumerate(opt.param_groups):
-        g["params"] = [mgr.params[i] for i in binding.group_params[k]]
-    for i, v in list(binding.views().items()):
-        if v in opt.state:
-            p = mgr.params[i]
-            opt.state[p] = {key: (val.reshape(p.shape) if torch.is_tensor(val) and val.numel() == p.numel() and val.dim() > 0
-                                  else val) for key, val in opt.state.pop(v).items()}
-    binding._views = {}

@@ -36,6 +36,7 @@ class ChunkView:
     evictable: bool
     shard_tier: Tier
     last_used: int = -1
+    grad_payload_bytes: int = 0  # several ranks: the whole-chunk gradient buffer backward needs on the device
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,10 @@ def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
 
 def smallest_working_limit(chunks: Sequence[ChunkView], trace: Optional[Trace]) -> tuple[int, int]:
     """(largest working set of payload bytes, traced non-model peak); their sum is the smallest limit that works."""
+    grads = max((c.grad_payload_bytes for c in chunks), default=0)
     if trace is None:
-        return max((c.payload_bytes for c in chunks), default=0), 0
-    return working_set_bytes(chunks, trace), trace.nonmodel_peak_bytes
+        return max((c.payload_bytes for c in chunks), default=0) + grads, 0
+    return working_set_bytes(chunks, trace) + grads, trace.nonmodel_peak_bytes
 
 
 class PlacementPolicy:
@@ -173,6 +175,7 @@ class AutoPlacement(PlacementPolicy):
             return {c.chunk_id: Tier.HOST for c in chunks}
         reserve = working_set_bytes(chunks, trace) + (max((c.payload_bytes for c in chunks), default=0)
                                                       if self.config.prefetch else 0)
+        reserve += 3 * max((c.grad_payload_bytes for c in chunks), default=0)  # one filling, two reducing
         room = limit - trace.nonmodel_peak_bytes - reserve
         tiers = {c.chunk_id: Tier.HOST for c in chunks}
         for c in sorted(chunks, key=lambda c: c.chunk_id, reverse=True):

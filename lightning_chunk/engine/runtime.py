@@ -28,12 +28,13 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from .chunk import Tier
-from .collectives import Collectives
+from .collectives import CollectiveMismatchError, Collectives, first_difference
 from .config import ChunkConfig, DtypePolicy
 from .errors import DeviceMemoryLimitError, LayoutError
 from .hooks import ROOT, ChunkHooks
 from .manager import ChunkManager
-from .optim import OptimizerBinding, unbind_state
+from .consolidate import full_values, load_values
+from .optim import OptimizerBinding
 from .packing import Layout, build_layout, choose_chunk_numel, describe
 from .placement import make_policy, smallest_working_limit
 from .scaler import DynamicLossScaler
@@ -139,11 +140,15 @@ class ChunkEngine:
             ids = self.manager.chunk_ids_of([self.manager.params[i] for i in own])
             need = max(need, sum(self.manager.chunks[c].payload_bytes for c in ids))
         need += root_bytes
+        # several ranks: backward also needs a whole chunk's gradient payload next to the payloads
+        need += max((v.grad_payload_bytes for v in self.manager.views()), default=0)
         if need > limit:
             raise DeviceMemoryLimitError(
                 f"device_memory_limit={limit} bytes is too small: one module needs {need} bytes of chunks at once "
-                f"({describe(self.manager.layout)}), before any activations. The smallest limit that could work is "
-                f"{need} bytes plus the activations, which the warm-up step measures; or lower chunk_numel."
+                f"({describe(self.manager.layout)}"
+                + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
+                + f"), before any activations. The smallest limit that could work is {need} bytes plus the "
+                "activations, which the warm-up step measures; or lower chunk_numel."
             )
 
     # ================================================================ warm-up
@@ -156,6 +161,7 @@ class ChunkEngine:
         self.warmed_up = True
         trace = self.hooks.trace
         assert trace is not None
+        self._check_same_trace(trace)
         limit = self.manager.limit
         order = trace.first_use_order(len(self.manager.params))
         try:
@@ -179,15 +185,38 @@ class ChunkEngine:
             self._place(layout, trace)
         self.hooks.trace = trace
 
+    def _check_same_trace(self, trace: Trace) -> None:
+        """Every rank must have used the same modules in the same order during the warm-up."""
+        if self.comm.world_size == 1:
+            return
+        mine = [(m.kind, m.module) for m in trace.moments]
+        seqs = self.comm.all_gather_object(mine)
+        if all(s == seqs[0] for s in seqs):
+            return
+        i = first_difference(seqs)
+        def at(r: int) -> str:
+            if i >= len(seqs[r]):
+                return "nothing (its step ended)"
+            kind, module = seqs[r][i]
+            ids = self.manager.chunk_ids_of([self.manager.params[j] for j in self.hooks._owned.get(module, ())])
+            return f"{kind} of module {module!r} (chunks {list(ids)})"
+        detail = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
+        raise CollectiveMismatchError(
+            f"[rank {self.comm.rank}] the warm-up step used modules in different orders on different ranks; "
+            f"first difference at moment {i}: {detail}. Every rank must run the same modules in the same order "
+            "(no data-dependent skipping of modules that own parameters)."
+        )
+
     # ================================================================ steps
     @contextlib.contextmanager
     def micro_batch(self, *, training: bool) -> Iterator[Any]:
-        """Wrap one training micro-batch or evaluation step. Yields ``outputs(obj)`` for the step's outputs."""
-        if self._finalize_pending:
-            self._finalize()
+        """Wrap one training micro-batch or evaluation step. Yields ``outputs(obj)`` for the step's outputs.
+
+        The warm-up is finalized at the first optimizer step (``prepare_step``), where every gradient
+        has been reduced into the shards, so a repack never has to move gradients still in flight.
+        """
         if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
             self.hooks.end_backward()
-            self._finalize()
         record = training and not self.warmed_up and torch.is_grad_enabled()
         with self.hooks.step_scope(training=training, record=record) as outputs:
             yield outputs
@@ -197,9 +226,19 @@ class ChunkEngine:
         if self.hooks.tracer.recording:
             self.hooks.end_backward()
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches that do not step: gradients stay in each rank's gradient payloads, unreduced."""
+        self.manager.sync_grads = False
+        try:
+            yield
+        finally:
+            self.manager.sync_grads = True
+
     def prepare_step(self) -> None:
         if self._finalize_pending:
             self._finalize()
+        self.manager.agree_on_grads()
         for b in self.bindings:
             b.attach_grads()
 
@@ -265,17 +304,9 @@ class ChunkEngine:
         """The module's ``state_dict`` with every parameter's full trained value (host tensors)."""
         sd = self.module.state_dict(keep_vars=True)
         index_of = self.manager.index_of
-        cache: dict[int, torch.Tensor] = {}
-        out = {}
-        for k, v in sd.items():
-            i = index_of.get(id(v))
-            if i is None:
-                out[k] = v.detach() if torch.is_tensor(v) else v
-            else:
-                if i not in cache:
-                    cache[i] = self.manager.full_value(i)
-                out[k] = cache[i]
-        return out
+        values = full_values(self.manager)  # a collective with several ranks: every rank calls it
+        return {k: (values[index_of[id(v)]] if id(v) in index_of else (v.detach() if torch.is_tensor(v) else v))
+                for k, v in sd.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
         """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers."""
@@ -287,6 +318,7 @@ class ChunkEngine:
         if strict and (missing or unexpected):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
                                f"missing keys {missing}, unexpected keys {unexpected}")
+        values = {}
         for k in param_keys:
             if k not in state_dict:
                 continue
@@ -295,18 +327,22 @@ class ChunkEngine:
             if tuple(value.shape) != tuple(self.manager.params[i].shape):
                 raise RuntimeError(f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
                                    f"the parameter in the current model has shape {tuple(self.manager.params[i].shape)}")
-            self.manager.load_value(i, value)
+            values[i] = value
+        load_values(self.manager, values)
         rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
         self.module.load_state_dict(rest, strict=False)
 
     def teardown(self, *, materialize: bool = True, device: Optional[torch.device] = None) -> None:
-        """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off)."""
+        """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off).
+
+        With ``materialize`` off nothing here is a collective, so it is safe after another rank failed.
+        """
         self.hooks.remove()
         for b in self.bindings:
             b.detach_grads()
-            unbind_state(b)
+            b.unbind(whole_state=materialize)
         if device is None:
             total = sum(p.numel() * p.element_size() for p in self.manager.params)
             limit = self.manager.limit
             device = self.manager.device if limit is None or total <= limit else torch.device("cpu")
-        self.manager.unpack(materialize=materialize, device=device)
+        self.manager.unpack(full_values(self.manager, device=device) if materialize else None)

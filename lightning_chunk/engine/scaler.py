@@ -45,10 +45,8 @@ class DynamicLossScaler:
             f = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(gs, f, torch.full((1,), inv, device=device))
             found += f.cpu()
-        if comm.world_size > 1:
-            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-                torch.distributed.get_backend(comm.group) == "nccl" else torch.device("cpu")
-            found = comm.all_reduce(found.to(dev), op="max").cpu()
+        if comm.world_size > 1:  # every rank skips if any overflowed
+            found = comm.all_reduce(found.to(comm.tensor_device()), op="max", what="the fp16 overflow vote").cpu()
         return bool(found.item() > 0)
 
     def update(self, found_inf: bool) -> None:

@@ -4,6 +4,7 @@ import torch.nn as nn
 
 from lightning_chunk.engine.chunk import Tier
 from lightning_chunk.engine.config import ChunkConfig, DtypePolicy
+from lightning_chunk.engine.consolidate import full_values
 from lightning_chunk.engine.errors import DeviceMemoryLimitError
 from lightning_chunk.engine.manager import ChunkManager
 from lightning_chunk.engine.packing import build_layout
@@ -31,8 +32,9 @@ def test_pack_keeps_identity_and_values_and_frees_host_payloads():
     assert len(mgr.chunks) == 2 and checks  # 40 + 36 elements do not share a 64-element chunk; 36 + 10 do
     for c in mgr.chunks:
         assert not c.is_resident and c.payload.untyped_storage().nbytes() == 0
+    values = full_values(mgr)
     for i, orig in enumerate(originals):
-        torch.testing.assert_close(mgr.full_value(i), orig, rtol=0, atol=0)
+        torch.testing.assert_close(values[i], orig, rtol=0, atol=0)
 
 
 def test_gather_release_roundtrip_and_accounting_after_every_operation():
@@ -117,15 +119,16 @@ def test_repack_moves_values_and_gradients():
     new = build_layout(mgr.specs, [4, 5, 2, 3, 0, 1], 200, 1)
     mgr.pack(new, {c.chunk_id: Tier.DEVICE for c in new.chunks})
     assert len(mgr.chunks) == 1 and mgr.chunks[0].aliased
+    values = full_values(mgr)
     for i, orig in enumerate(originals):
-        torch.testing.assert_close(mgr.full_value(i), orig, rtol=0, atol=0)
+        torch.testing.assert_close(values[i], orig, rtol=0, atol=0)
     torch.testing.assert_close(mgr.grad_view(4), torch.full((8,), 3.0))
     assert mgr.grad_view(0) is None
 
 
 def test_unpack_materializes_plain_parameters():
     net, mgr, originals, _ = make()
-    mgr.unpack(materialize=True)
+    mgr.unpack(full_values(mgr))
     assert mgr.ledger == {Tier.DEVICE: 0, Tier.HOST: 0}
     for p, orig in zip(net.parameters(), originals):
         torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)

@@ -1,0 +1,115 @@
+"""Whole values out of shards and back: parameters and optimizer state in the plain format.
+
+Off the hot path (checkpoints, the end of ``fit``). With several ranks every
+function here is a collective: all ranks call it, and chunks are visited in
+chunk-id order so the all-gathers pair up. Each chunk is gathered once, so peak
+memory is one chunk's worth beyond the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .chunk import Chunk, TensorInfo
+from .manager import ChunkManager
+
+
+def _pieces(mgr: ChunkManager, chunk: Chunk, info: TensorInfo) -> tuple[int, int]:
+    """The element range ``[a, b)`` of the chunk that this rank's shard holds of ``info`` (empty when a >= b)."""
+    lo, hi = chunk.shard_range
+    return max(info.offset, lo), min(info.offset + info.numel, hi)
+
+
+def full_values(mgr: ChunkManager, *, device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
+    """Every parameter's whole trained value (original dtype and shape), gathering each chunk once."""
+    out: dict[int, torch.Tensor] = {}
+    for chunk in mgr.chunks:
+        full = mgr.gather_shard(chunk, chunk.master_tensor_for_read())
+        for t in chunk.tensors:
+            v = full[t.offset : t.offset + t.numel].view(t.shape)
+            out[t.slot.param_index] = v.to(device=device or torch.device("cpu"), dtype=t.orig_dtype, copy=True)
+    return out
+
+
+def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor]) -> None:
+    """Overwrite masters (and compute copies) with whole values; each rank keeps its own piece."""
+    for chunk in mgr.chunks:
+        lo, _ = chunk.shard_range
+        touched = False
+        for t in chunk.tensors:
+            value = values.get(t.slot.param_index)
+            if value is None:
+                continue
+            a, b = _pieces(mgr, chunk, t)
+            if a < b:
+                piece = value.reshape(-1)[a - t.offset : b - t.offset]
+                chunk.master_tensor_for_read()[a - lo : b - lo].copy_(piece)
+                if chunk.low is not None:
+                    chunk.low[a - lo : b - lo].copy_(piece)
+                if chunk.aliased and not chunk.master_is_payload():
+                    assert chunk.payload is not None
+                    chunk.payload[a:b].copy_(piece)
+            touched = True
+        if touched and chunk.is_resident and not chunk.aliased:
+            mgr.release(chunk, eviction=False)  # stale: re-gathered on next use
+
+
+def _per_element(v: Any, numel: int) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel
+
+
+def gather_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]],
+                           param_order: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """Whole per-parameter optimizer state (parameter shapes), keyed by parameter index.
+
+    Per-element state (Adam's moments) is gathered chunk by chunk like the values; scalar state
+    (``step``) comes from whichever rank holds a piece of the parameter.
+    """
+    local: dict[int, dict[str, Any]] = {i: state[v] for i, v in views.items() if v in state and state[v]}
+    keys = sorted({k for i, st in local.items() for k, v in st.items() if _per_element(v, views[i].numel())})
+    scalars = {i: {k: v for k, v in st.items() if not _per_element(v, views[i].numel())} for i, st in local.items()}
+    if mgr.comm.world_size > 1:
+        keys = sorted(set().union(*mgr.comm.all_gather_object(keys)))
+        merged: dict[int, dict[str, Any]] = {}
+        for part in mgr.comm.all_gather_object({i: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+                                                for i, st in scalars.items()}):
+            for i, st in part.items():
+                merged.setdefault(i, st)
+        scalars = merged
+    out: dict[int, dict[str, Any]] = {i: dict(st) for i, st in scalars.items()}
+    wanted = set(param_order)
+    for chunk in mgr.chunks:
+        lo, _ = chunk.shard_range
+        for key in keys:
+            dtype = next((local[t.slot.param_index][key].dtype for t in chunk.tensors
+                          if t.slot.param_index in local and key in local[t.slot.param_index]), chunk.master_dtype)
+            shard = torch.zeros(chunk.shard_numel, dtype=dtype, device=mgr.comm.tensor_device())
+            for t in chunk.tensors:
+                st = local.get(t.slot.param_index)
+                a, b = _pieces(mgr, chunk, t)
+                if st is not None and key in st and a < b:
+                    shard[a - lo : b - lo].copy_(st[key].reshape(-1))
+            full = mgr.gather_shard(chunk, shard)
+            for t in chunk.tensors:
+                i = t.slot.param_index
+                if i in out and i in wanted:
+                    out[i][key] = full[t.offset : t.offset + t.numel].view(t.shape).clone()
+    return out
+
+
+def local_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor],
+                          whole: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """This rank's pieces of whole per-parameter state (flat, like the views)."""
+    out: dict[int, dict[str, Any]] = {}
+    for i, v in views.items():
+        st = whole.get(i)
+        if st is None:
+            continue
+        chunk, info = mgr.lookup(mgr.params[i])
+        a, b = _pieces(mgr, chunk, info)
+        numel = info.numel
+        out[i] = {k: (val.reshape(-1)[a - info.offset : b - info.offset].clone() if _per_element(val, numel) else val)
+                  for k, val in st.items()}
+    return out

@@ -1,0 +1,131 @@
+"""Two-rank cases on CPU with gloo, run as a script (Lightning's launcher re-runs it for rank 1).
+
+    python tests/distributed/runner.py OUTDIR CASE [CASE ...]
+
+For each parity case: a DDP run and a chunk_offload run with the same global batch; rank 0
+saves both parameter sets, every rank saves its memory stats; each rank prints
+``CASE-DONE <case> rank=<r>`` when the case finished. Cases "skip_module" and
+"fp16_overflow_one_rank" exercise failure detection and the overflow vote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision  # noqa: E402
+from tests.models import ParityNet, token_data  # noqa: E402
+
+STEPS = 24
+BIG = dict(dim=64, hidden=1024)
+CASES = {
+    "plain": dict(),
+    "clip_norm": dict(trainer=dict(gradient_clip_val=0.05)),
+    "clip_value": dict(trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")),
+    "accumulate": dict(trainer=dict(accumulate_grad_batches=2)),
+    "tied": dict(variant="tied"),
+    "frozen": dict(variant="frozen"),
+    "unused": dict(variant="unused"),
+    "host": dict(strategy=dict(placement="host")),
+    # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
+    "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
+}
+
+
+def trainer(strategy, steps=STEPS, **kw):
+    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     limit_val_batches=0, num_sanity_val_steps=0, **kw)
+
+
+def run_parity(case: str, out: Path) -> None:
+    spec = CASES[case]
+    variant, model_kw, tkw = spec.get("variant", "plain"), spec.get("model", {}), spec.get("trainer", {})
+    L.seed_everything(7, verbose=False)
+    ref = ParityNet(variant=variant, **model_kw)
+    trainer(DDPStrategy(find_unused_parameters=variant == "unused"), **tkw).fit(ref, token_data())
+    skw = dict(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60)
+    skw.update(spec.get("strategy", {}))
+    if "limit_fraction" in spec:
+        param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+        skw["device_memory_limit"] = int(param_bytes * spec["limit_fraction"])  # below this rank's share
+    L.seed_everything(7, verbose=False)
+    got = ParityNet(variant=variant, **model_kw)
+    strategy = ChunkOffloadStrategy(**skw)
+    t = trainer(strategy, **tkw)
+    t.fit(got, token_data())
+    rank = t.global_rank
+    stats = dict(strategy.memory_stats(), limit=skw.get("device_memory_limit"),
+                 param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()))
+    (out / f"{case}.stats{rank}.json").write_text(json.dumps(stats))
+    if rank == 0:
+        torch.save({"ref": ref.state_dict(), "got": got.state_dict()}, out / f"{case}.pt")
+    print(f"CASE-DONE {case} rank={rank}", flush=True)
+
+
+class SkipOnRankOne(ParityNet):
+    """From step 3 on, rank 1 skips the branch that rank 0 runs."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        use = not (self.global_step >= 3 and self.global_rank == 1)
+        logits = self(x, use_branch=use)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def run_skip(out: Path) -> None:
+    L.seed_everything(7, verbose=False)
+    model = SkipOnRankOne(variant="unused")
+    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=4096, collective_timeout_s=10)
+    trainer(strategy).fit(model, token_data())
+    print("UNEXPECTED-SUCCESS", flush=True)
+
+
+class OverflowOnRankOne(ParityNet):
+    """At step 3, rank 1's loss overflows fp16; rank 0's does not."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 3 and self.global_rank == 1:
+            loss = loss * torch.tensor(float("inf"))
+        if self.global_step in (3, 4):
+            self.seen.append([p.detach().float().clone() for p in self.parameters()])
+        return loss
+
+
+def run_overflow(out: Path) -> None:
+    L.seed_everything(7, verbose=False)
+    model = OverflowOnRankOne()
+    model.seen = []
+    strategy = ChunkOffloadStrategy(chunk_numel=4096, collective_timeout_s=60)
+    t = trainer(strategy, steps=6, plugins=[ChunkPrecision("16-mixed")])
+    t.fit(model, token_data())
+    before, after = model.seen
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+    (out / f"overflow.rank{t.global_rank}.json").write_text(json.dumps(
+        {"unchanged": unchanged, "loss_scale": strategy.memory_stats()["loss_scale"]}))
+    print(f"CASE-DONE fp16_overflow_one_rank rank={t.global_rank}", flush=True)
+
+
+if __name__ == "__main__":
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in sys.argv[2:]:
+        if name == "skip_module":
+            run_skip(out_dir)
+        elif name == "fp16_overflow_one_rank":
+            run_overflow(out_dir)
+        else:
+            run_parity(name, out_dir)
+    if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise
+        torch.distributed.destroy_process_group()

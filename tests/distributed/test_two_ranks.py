@@ -1,0 +1,89 @@
+"""Two ranks on CPU with gloo, each run in a child process with a clean environment.
+
+One child runs every parity case (DDP, then chunk_offload, same global batch) so the process
+start is paid once; failure cases run in children of their own.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+RUNNER = Path(__file__).with_name("runner.py")
+ROOT = Path(__file__).resolve().parents[2]
+PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "tied", "frozen", "unused", "host", "limit"]
+DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "PL_GLOBAL_SEED")
+
+
+def run(out: Path, *cases: str, timeout: int) -> tuple[int, str, float]:
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, str(RUNNER), str(out), *cases], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def parity_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", timeout=900)
+    return out, rc, log
+
+
+def stats(out: Path, case: str) -> list[dict]:
+    return [json.loads((out / f"{case}.stats{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("case", PARITY)
+def test_parity_with_ddp(parity_run, case):
+    out, rc, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE {case} rank={r}" in log, log[-3000:]
+    d = torch.load(out / f"{case}.pt")
+    # bit-exact: gradients are scaled by 1/world_size and summed as DDP does. Norm clipping sums the
+    # squared norms per rank and then across ranks, a different order than DDP's: fp32 rounding.
+    tol = dict(rtol=1e-5, atol=1e-6) if case == "clip_norm" else dict(rtol=0, atol=0)
+    for k, v in d["ref"].items():
+        torch.testing.assert_close(d["got"][k], v, msg=lambda m: f"{case} {k}: {m}", **tol)
+
+
+@pytest.mark.parametrize("case", ["plain", "tied", "limit"])
+def test_each_rank_holds_its_share_of_the_shards(parity_run, case):
+    out, _, _ = parity_run
+    s0, s1 = stats(out, case)
+    assert s0["shard_numel"] == s1["shard_numel"]
+    # every rank owns exactly 1/world_size of the packed chunks: the parameters plus the layout's padding
+    assert s0["shard_numel"] * 2 == s0["param_numel"] + s0["padding_numel"]
+    assert s0["shard_bytes"] == 16 * s0["shard_numel"]  # fp32 master + gradient + AdamW's two moments
+
+
+def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run):
+    out, _, _ = parity_run
+    for s in stats(out, "limit"):
+        assert s["limit"] < s["param_bytes"] / 2
+        assert s["evictions"] > 0
+        assert 0 < s["device_chunk_bytes_peak"] <= s["limit"]
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(parity_run):
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE fp16_overflow_one_rank rank={r}" in log
+        got = json.loads((out / f"overflow.rank{r}.json").read_text())
+        assert got == {"unchanged": True, "loss_scale": 2.0**15}
+
+
+def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
+    rc, log, elapsed = run(tmp_path, "skip_module", timeout=180)
+    assert rc != 0 and "UNEXPECTED-SUCCESS" not in log
+    assert elapsed < 120  # bounded: the collective timeout is 10 s
+    for r in (0, 1):
+        errors = [line for line in log.splitlines() if f"[rank {r}]" in line and "Error" in line]
+        assert errors, log[-3000:]
+        assert any("chunk" in e and "module" in e for e in errors)
