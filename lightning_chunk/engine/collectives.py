@@ -17,6 +17,8 @@ stream) and raise ``CollectiveMismatchError`` on every rank that sees a
 difference, naming each rank's chunk and module. Every wait is bounded by
 ``timeout_s``: a rank left waiting for a peer that raised or went elsewhere gets
 ``CollectiveTimeoutError`` naming the chunk and module it waited in, not a hang.
+On NCCL the waits stay stream-ordered (no host sync) and the process group's
+``timeout`` bounds them through NCCL's watchdog.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class Collectives:
         else:
             self.rank, self.world_size, backend = 0, 1, None
         self.verify = (backend == "gloo") if verify is None else verify
+        if backend == "nccl":
+            # an NCCL wait with a timeout may block the host; plain waits are stream-ordered and the
+            # process group's own timeout (NCCL's watchdog) bounds them instead
+            self.timeout_s = None
         self._tag_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.names: Callable[[int, int], str] = lambda chunk, module: f"chunk {chunk}"
 

@@ -43,9 +43,10 @@ CASES = {
 
 
 def trainer(strategy, steps=STEPS, **kw):
-    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     limit_val_batches=0, num_sanity_val_steps=0, **kw)
+    defaults = dict(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    limit_val_batches=0, num_sanity_val_steps=0)
+    return L.Trainer(**{**defaults, **kw})
 
 
 def run_parity(case: str, out: Path) -> None:
@@ -71,6 +72,42 @@ def run_parity(case: str, out: Path) -> None:
     if rank == 0:
         torch.save({"ref": ref.state_dict(), "got": got.state_dict()}, out / f"{case}.pt")
     print(f"CASE-DONE {case} rank={rank}", flush=True)
+
+
+class LogsRank(ParityNet):
+    def validation_step(self, batch, batch_idx):
+        self.log("rank_mean", float(self.global_rank), sync_dist=True)
+
+
+def run_resume(out: Path) -> None:
+    """8 steps with a checkpoint written during fit (collectives on every rank, rank 0 writes), resumed to 12."""
+    import shutil
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    results = {}
+    for name, make in [("ddp", lambda: "ddp"),
+                       ("chunk", lambda: ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop",
+                                                              placement="host", collective_timeout_s=60))]:
+        ckdir = out / f"ckpt_{name}"
+        L.seed_everything(11, verbose=False)
+        model = LogsRank()
+        cb = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=8, save_top_k=-1, filename="{step}")
+        t = trainer(make(), steps=8, callbacks=[cb], enable_checkpointing=True, limit_val_batches=1.0)
+        t.fit(model, token_data())
+        metrics = t.validate(model, dataloaders=token_data(8), verbose=False)
+        L.seed_everything(11, verbose=False)
+        resumed = LogsRank()
+        t2 = trainer(make(), steps=12)
+        t2.fit(resumed, token_data(), ckpt_path=ckdir / "step=8.ckpt")
+        results[name] = ({k: v.clone() for k, v in resumed.state_dict().items()}, metrics[0]["rank_mean"])
+        if t2.global_rank == 0:
+            shutil.rmtree(ckdir, ignore_errors=True)
+    rank = t2.global_rank
+    if rank == 0:
+        torch.save({"ref": results["ddp"][0], "got": results["chunk"][0]}, out / "resume.pt")
+    (out / f"resume.rank{rank}.json").write_text(json.dumps({k: v[1] for k, v in results.items()}))
+    print(f"CASE-DONE resume rank={rank}", flush=True)
 
 
 class SkipOnRankOne(ParityNet):
@@ -125,6 +162,8 @@ if __name__ == "__main__":
             run_skip(out_dir)
         elif name == "fp16_overflow_one_rank":
             run_overflow(out_dir)
+        elif name == "resume":
+            run_resume(out_dir)
         else:
             run_parity(name, out_dir)
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise

@@ -32,7 +32,7 @@ def run(out: Path, *cases: str, timeout: int) -> tuple[int, str, float]:
 @pytest.fixture(scope="module")
 def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", timeout=900)
+    rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", timeout=900)
     return out, rc, log
 
 
@@ -87,3 +87,14 @@ def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
         errors = [line for line in log.splitlines() if f"[rank {r}]" in line and "Error" in line]
         assert errors, log[-3000:]
         assert any("chunk" in e and "module" in e for e in errors)
+
+
+def test_checkpoint_written_on_two_ranks_resumes_like_ddp_and_sync_dist_reduces(parity_run):
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE resume rank={r}" in log, log[-3000:]
+        # self.log(..., sync_dist=True) of the rank index gives the mean over both ranks, with both strategies
+        assert json.loads((out / f"resume.rank{r}.json").read_text()) == {"ddp": 0.5, "chunk": 0.5}
+    d = torch.load(out / "resume.pt")
+    for k, v in d["ref"].items():
+        torch.testing.assert_close(d["got"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
