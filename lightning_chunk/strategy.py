@@ -35,7 +35,15 @@ from torch.optim import Optimizer
 import lightning.pytorch as pl
 
 from .engine import ChunkConfig, ChunkEngine, Collectives
+from .engine.checkpoint import KEY as CHECKPOINT_KEY
+from .engine.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from .precision import ChunkPrecision
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
 
 # name -> (placement, description)
 PRESETS = {
@@ -64,6 +72,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
         verify_collectives: several ranks: check before each chunk collective that all ranks agree on it
             (``None``: on with gloo, off with NCCL).
+        state_dict_type: ``"sharded"``: checkpoints are directories every rank writes its shards into, in
+            parallel (``docs/checkpoints.md``); ``"full"``: one plain Lightning file, gathered on every rank.
     """
 
     strategy_name = "chunk_offload"
@@ -84,6 +94,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         log_memory_stats: bool = True,
         collective_timeout_s: float = 300.0,
         verify_collectives: Optional[bool] = None,
+        state_dict_type: str = "sharded",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -104,6 +115,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
             assume_elementwise_optimizer=assume_elementwise_optimizer, collective_timeout_s=collective_timeout_s,
             verify_collectives=verify_collectives,
         )
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
+        self.state_dict_type = state_dict_type
         if not isinstance(log_memory_stats, bool):
             raise ValueError(f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True or False.")
         self.log_memory_stats = log_memory_stats
@@ -171,7 +185,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return False
+        return True  # checkpoints load into the engine's chunks, which exist only after setup
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself, shard by shard
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -295,21 +313,65 @@ class ChunkOffloadStrategy(ParallelStrategy):
         return tensor
 
     # ========================================================== checkpoints
+    @property
+    def _sharded(self) -> bool:
+        return self.engine is not None and self.state_dict_type == "sharded"
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.engine is None:
             return super().lightning_module_state_dict()
+        if self._sharded:
+            return {}  # save_checkpoint writes the shards; nothing is gathered
         return self.engine.full_state_dict()
 
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        binding = self._binding_of(optimizer)
+        if binding is None:
+            return super().optimizer_state(optimizer)
+        return {} if self._sharded else binding.plain_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self._sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        assert self.engine is not None
+        if storage_options is not None:
+            raise TypeError("chunk_offload's sharded checkpoints take no storage_options "
+                            f"(got {storage_options!r}); use state_dict_type='full' with a custom CheckpointIO.")
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(self.engine, filepath, extra, with_optimizer="optimizer_states" in checkpoint,
+                     version=_version())
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a sharded directory or a plain Lightning file straight into the chunks (any world size)."""
+        if self.engine is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        with_optimizer = bool(self.engine.bindings) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if is_sharded_checkpoint(checkpoint_path):
+            meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer)
+            meta = {k: v for k, v in meta.items() if k != CHECKPOINT_KEY}
+            if with_optimizer:
+                meta.setdefault("optimizer_states", [])  # restored already; keeps Lightning's check quiet
+        else:
+            meta = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            module = self.lightning_module
+            self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
+            if with_optimizer and meta.get("optimizer_states"):
+                for binding, state in zip(self.engine.bindings, meta["optimizer_states"]):
+                    binding.load_plain_state_dict(state)
+        meta["_chunk_loaded"] = True
+        return meta
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if checkpoint.get("_chunk_loaded"):
+            return  # load_checkpoint put the values into the chunks already
         if self.engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         self.engine.load_full_state_dict(dict(checkpoint["state_dict"]), strict=strict)
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        binding = self._binding_of(optimizer)
-        return binding.plain_state_dict() if binding is not None else super().optimizer_state(optimizer)
-
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if checkpoint.get("_chunk_loaded"):
+            return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             binding = self._binding_of(optimizer)
             if binding is None:

@@ -178,11 +178,18 @@ class OptimizerBinding:
                 raise ValueError(f"optimizer state names parameter position {k}, but the optimizer has {len(order)} "
                                  "parameters: the checkpoint was written for another model or optimizer")
             whole[order[k]] = st
+        if len(sd["param_groups"]) != len(self.group_params):
+            raise ValueError(f"the optimizer state has {len(sd['param_groups'])} param groups, the optimizer has "
+                             f"{len(self.group_params)}: the checkpoint was written for another optimizer")
         mine = local_optimizer_state(self.manager, self._views, whole)
+        self.load_local_state(mine, [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]])
+
+    def load_local_state(self, mine: dict[int, dict[str, Any]], hypers: list[dict[str, Any]]) -> None:
+        """Load this rank's pieces of per-parameter state (flat, like the views) and the groups' hyperparameters."""
         pos = self._positions()
         local_groups = []
         n = 0
-        for k, g in enumerate(sd["param_groups"]):
+        for k, g in enumerate(hypers):
             count = sum(1 for i in self.group_params[k] if i in self._views)
             local_groups.append({**g, "params": list(range(n, n + count))})
             n += count

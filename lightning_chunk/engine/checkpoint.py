@@ -1,0 +1,318 @@
+"""Sharded checkpoints: every rank writes its own shards in parallel; any world size loads them.
+
+[Note: the checkpoint layout]
+A checkpoint is a directory ``NAME.ckpt/`` holding
+
+- ``.metadata`` and ``__<rank>_0.distcp``: a ``torch.distributed.checkpoint`` (DCP) save in which
+  each rank wrote, for every chunk, its shard of the fp32 master (``chunk.<c>.master``) and of
+  each per-element optimizer state (``chunk.<c>.optim<o>.<key>``, e.g. Adam's ``exp_avg``), as
+  DTensors sharded on dim 0 over the ranks (plain tensors with one rank);
+- ``meta.pt``, written by rank 0 last: everything else Lightning keeps (loops, callbacks, LR
+  schedulers, precision state such as the loss scale), the library version, the chunk layout that
+  maps each parameter to a chunk and offset, the buffers, the optimizers' param groups and their
+  scalar state (``step``).
+
+No rank ever holds more than its own shards plus one chunk. A save goes to ``.NAME.ckpt.partial``
+next to the target and is renamed into place only after every rank's shards and ``meta.pt`` are
+on disk: a save that dies half-way leaves the previous checkpoint untouched, and the dot-named
+partial directory is never taken for a checkpoint (``ckpt_path="last"`` matches ``last*.ckpt``).
+
+Loading never assumes the saver's layout or world size: it streams the saved chunks one at a
+time (each rank reads whole chunks, ``no_dist``), and every rank copies out the pieces of each
+parameter that its *own* current layout assigns to it, optimizer state included. Peak memory is
+one saved chunk beyond this rank's shards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .errors import ChunkError
+
+FORMAT_VERSION = 1
+META = "meta.pt"
+DCP_INDEX = ".metadata"
+KEY = "chunk_checkpoint"
+
+
+class CheckpointError(ChunkError, ValueError):
+    """A path that is not a usable checkpoint, or one written for another model."""
+
+
+def partial_path(path: Union[str, Path]) -> Path:
+    path = Path(path)
+    return path.parent / f".{path.name}.partial"
+
+
+# ================================================================== checks
+def is_sharded_checkpoint(path: Union[str, Path]) -> bool:
+    return Path(path).is_dir()
+
+
+def check_checkpoint_dir(path: Union[str, Path]) -> Path:
+    """Raise ``CheckpointError`` naming the file and what is wrong, unless ``path`` is a complete checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
+    if not path.is_dir():
+        raise CheckpointError(f"{str(path)!r} is a file, not a sharded lightning_chunk checkpoint directory.")
+    meta, index = path / META, path / DCP_INDEX
+    if not meta.is_file():
+        raise CheckpointError(
+            f"{str(path)!r} is not a complete lightning_chunk checkpoint: {META} is missing "
+            "(rank 0 writes it last; an interrupted save leaves a '.NAME.partial' directory instead)."
+        )
+    if not index.is_file():
+        raise CheckpointError(f"{str(path)!r} is not a complete lightning_chunk checkpoint: the "
+                              f"torch.distributed.checkpoint index {str(index)!r} is missing.")
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable index is the same problem to the user
+        raise CheckpointError(f"{str(index)!r} cannot be read ({type(e).__name__}: {e}).") from None
+    need: dict[str, int] = {}
+    for info in getattr(md, "storage_data", {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"shard file {str(f)!r} is missing from checkpoint {str(path)!r}.")
+        have = f.stat().st_size
+        if have < size:
+            raise CheckpointError(f"shard file {str(f)!r} is truncated: it has {have} bytes, the index "
+                                  f"{str(index)!r} expects at least {size}.")
+    return path
+
+
+def read_meta(path: Union[str, Path]) -> dict[str, Any]:
+    path = check_checkpoint_dir(path)
+    try:
+        meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{str(path / META)!r} cannot be read ({type(e).__name__}: {e}).") from None
+    if not isinstance(meta, dict) or KEY not in meta:
+        raise CheckpointError(f"{str(path / META)!r} holds no '{KEY}' section: not a lightning_chunk checkpoint.")
+    if meta[KEY].get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{str(path / META)!r} has format version {meta[KEY]['format_version']}; this "
+                              f"lightning_chunk reads up to {FORMAT_VERSION}. Upgrade lightning_chunk.")
+    return meta
+
+
+# ============================================================ what to save
+def describe_layout(engine: Any) -> dict[str, Any]:
+    """The saved chunk layout: enough to find every parameter's values in the DCP keys."""
+    mgr = engine.manager
+    chunks = []
+    for c in mgr.chunks:
+        chunks.append({
+            "capacity": c.capacity_numel,
+            "master_dtype": str(c.master_dtype).replace("torch.", ""),
+            "slots": [(t.name, t.offset, t.numel, tuple(t.shape)) for t in c.tensors],
+        })
+    sd = engine.module.state_dict(keep_vars=True)
+    aliases = {k: mgr.names[mgr.index_of[id(v)]] for k, v in sd.items() if id(v) in mgr.index_of}
+    buffers = {k: v.detach().cpu() for k, v in sd.items() if id(v) not in mgr.index_of and torch.is_tensor(v)}
+    return {"chunks": chunks, "params": {n: tuple(p.shape) for n, p in zip(mgr.names, mgr.params)},
+            "aliases": aliases, "buffers": buffers, "world_size": mgr.comm.world_size}
+
+
+def _per_element(v: Any, numel: int) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel
+
+
+def _optimizer_shards(engine: Any, o: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's per-chunk shards of optimizer ``o``'s per-element state, and the optimizer's meta."""
+    b, mgr = engine.bindings[o], engine.manager
+    state, views = b.optimizer.state, b.views()
+    local = {i: state[v] for i, v in views.items() if v in state and state[v]}
+    keys = {k: str(v.dtype).replace("torch.", "") for i, st in local.items() for k, v in st.items()
+            if _per_element(v, views[i].numel())}
+    scalars = {mgr.names[i]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()
+                              if not _per_element(v, views[i].numel())} for i, st in local.items()}
+    if mgr.comm.world_size > 1:  # small: key names and one scalar set per parameter
+        for part in mgr.comm.all_gather_object(keys):
+            keys.update(part)
+        merged: dict[str, Any] = {}
+        for part in mgr.comm.all_gather_object(scalars):
+            for name, st in part.items():
+                merged.setdefault(name, st)
+        scalars = merged
+    out: dict[str, torch.Tensor] = {}
+    for chunk in mgr.chunks:
+        lo, _ = chunk.shard_range
+        for key, dtype in sorted(keys.items()):
+            shard = torch.zeros(chunk.shard_numel, dtype=getattr(torch, dtype))
+            for t in chunk.tensors:
+                st = local.get(t.slot.param_index)
+                a, b2 = max(t.offset, lo), min(t.offset + t.numel, lo + chunk.shard_numel)
+                if st is not None and key in st and a < b2:
+                    shard[a - lo : b2 - lo].copy_(st[key].reshape(-1))
+            out[f"chunk.{chunk.chunk_id}.optim{o}.{key}"] = shard
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
+              for n, g in enumerate(b.optimizer.param_groups)]
+    return out, {"param_groups": groups, "keys": keys, "scalars": scalars}
+
+
+def _as_saved(local: dict[str, torch.Tensor], engine: Any) -> dict[str, Any]:
+    """Wrap each rank's shard as a DTensor sharded on dim 0 (plain tensors with one rank)."""
+    mgr = engine.manager
+    if mgr.comm.world_size == 1:
+        return local
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    device_type = "cuda" if mgr.comm.tensor_device().type == "cuda" else "cpu"
+    mesh = init_device_mesh(device_type, (mgr.comm.world_size,))
+    out = {}
+    for k, t in local.items():
+        t = t.to(mgr.comm.tensor_device())
+        n = t.numel() * mgr.comm.world_size
+        out[k] = DTensor.from_local(t, mesh, [Shard(0)], shape=(n,), stride=(1,), run_check=False)
+    return out
+
+
+# ==================================================================== save
+def _write_meta(meta: dict[str, Any], target: Path) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    torch.save(meta, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
+def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, with_optimizer: bool,
+                 version: str = "") -> None:
+    """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout]."""
+    mgr = engine.manager
+    comm = mgr.comm
+    path = Path(path)
+    partial = partial_path(path)
+    if comm.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a stale one from an interrupted save
+        partial.mkdir(parents=True)
+    _barrier(comm)
+    local: dict[str, torch.Tensor] = {}
+    for c in mgr.chunks:
+        local[f"chunk.{c.chunk_id}.master"] = c.master_tensor_for_read().detach().cpu()
+    optim_meta = []
+    if with_optimizer:
+        for o in range(len(engine.bindings)):
+            shards, om = _optimizer_shards(engine, o)
+            local.update(shards)
+            optim_meta.append(om)
+    dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1)
+    if comm.rank == 0:
+        layout = describe_layout(engine)
+        meta = dict(extra)
+        meta[KEY] = {"format_version": FORMAT_VERSION, "version": version, "optimizers": optim_meta, **layout}
+        _write_meta(meta, partial / META)
+        _swap_into_place(partial, path)
+    _barrier(comm)
+
+
+def _swap_into_place(partial: Path, path: Path) -> None:
+    """Rename the finished directory over ``path``; an old checkpoint there goes only once the new one is in."""
+    old = path.parent / f".{path.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        os.replace(path, old)
+    os.replace(partial, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _barrier(comm: Any) -> None:
+    if comm.world_size > 1:
+        dist.barrier(group=comm.group)
+
+
+# ==================================================================== load
+def check_compatible(meta: dict[str, Any], engine: Any, path: Union[str, Path]) -> None:
+    """Same parameter names and shapes, or an error listing the differences (before anything is touched)."""
+    saved: dict[str, tuple] = meta[KEY]["params"]
+    mgr = engine.manager
+    current = {n: tuple(p.shape) for n, p in zip(mgr.names, mgr.params)}
+    missing = sorted(set(current) - set(saved))
+    extra = sorted(set(saved) - set(current))
+    shapes = [f"{n}: checkpoint {saved[n]} vs model {current[n]}" for n in sorted(set(saved) & set(current))
+              if tuple(saved[n]) != current[n]]
+    if missing or extra or shapes:
+        parts = []
+        if missing:
+            parts.append(f"parameters missing from the checkpoint: {missing}")
+        if extra:
+            parts.append(f"parameters the model does not have: {extra}")
+        if shapes:
+            parts.append(f"shapes differ: {shapes}")
+        raise CheckpointError(f"checkpoint {str(path)!r} was written for another model; " + "; ".join(parts) + ".")
+
+
+def _load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.empty(numel, dtype=dtype)
+    try:
+        dcp.load({key: t}, checkpoint_id=str(path), no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {str(path)!r}: reading {key!r} failed ({type(e).__name__}: {e}).") from None
+    return t
+
+
+def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str]):
+    """Yield ``(chunk index, saved chunk meta, whole tensor)`` one saved chunk at a time."""
+    for c, spec in enumerate(meta[KEY]["chunks"]):
+        yield c, spec, _load_chunk(path, key_of(c), spec["capacity"], getattr(torch, spec["master_dtype"]))
+
+
+def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool) -> dict[str, Any]:
+    """Every rank calls this. Loads values (and optimizer state) into the engine's current layout; returns meta."""
+    from .consolidate import load_values
+
+    path = check_checkpoint_dir(path)
+    meta = read_meta(path)
+    check_compatible(meta, engine, path)
+    ck = meta[KEY]
+    mgr = engine.manager
+    index_of_name = {n: i for i, n in enumerate(mgr.names)}
+    for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.master"):
+        load_values(mgr, {index_of_name[n]: full[off : off + numel].view(shape)
+                          for n, off, numel, shape in spec["slots"]})
+    buffers = ck.get("buffers", {})
+    if buffers:
+        engine.module.load_state_dict(buffers, strict=False)
+    if with_optimizer and engine.bindings:
+        if len(ck["optimizers"]) != len(engine.bindings):
+            raise CheckpointError(f"checkpoint {str(path)!r} holds state for {len(ck['optimizers'])} optimizers, "
+                                  f"the run has {len(engine.bindings)}.")
+        for o, om in enumerate(ck["optimizers"]):
+            _load_optimizer(engine, o, om, path, meta, index_of_name)
+    return meta
+
+
+def _load_optimizer(engine: Any, o: int, om: dict[str, Any], path: Path, meta: dict[str, Any],
+                    index_of_name: dict[str, int]) -> None:
+    from .consolidate import local_optimizer_state
+
+    b, mgr = engine.bindings[o], engine.manager
+    if len(om["param_groups"]) != len(b.optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {str(path)!r}: optimizer {o} had {len(om['param_groups'])} param groups, "
+                              f"the run has {len(b.optimizer.param_groups)}.")
+    views = b.views()
+    local: dict[int, dict[str, Any]] = {}
+    for name, st in om["scalars"].items():
+        i = index_of_name[name]
+        if i in views:
+            local[i] = dict(st)
+    for key, dtype in om["keys"].items():
+        for c, spec, full in iter_saved_chunks(path, meta, lambda c, key=key: f"chunk.{c}.optim{o}.{key}"):
+            whole = {index_of_name[n]: {key: full[off : off + numel]} for n, off, numel, _ in spec["slots"]
+                     if index_of_name[n] in local}
+            for i, st in local_optimizer_state(mgr, views, whole).items():
+                local[i][key] = st[key]
+    hypers = [{k: v for k, v in g.items() if k != "params"} for g in om["param_groups"]]
+    b.load_local_state(local, hypers)
