@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -118,8 +119,10 @@ def describe_layout(engine: Any) -> dict[str, Any]:
     sd = engine.module.state_dict(keep_vars=True)
     aliases = {k: mgr.names[mgr.index_of[id(v)]] for k, v in sd.items() if id(v) in mgr.index_of}
     buffers = {k: v.detach().cpu() for k, v in sd.items() if id(v) not in mgr.index_of and torch.is_tensor(v)}
+    dtypes = {t.name: str(t.orig_dtype).replace("torch.", "") for c in mgr.chunks for t in c.tensors}
     return {"chunks": chunks, "params": {n: tuple(p.shape) for n, p in zip(mgr.names, mgr.params)},
-            "aliases": aliases, "buffers": buffers, "world_size": mgr.comm.world_size}
+            "param_dtypes": dtypes, "aliases": aliases, "buffers": buffers, "state_dict_keys": list(sd),
+            "world_size": mgr.comm.world_size}
 
 
 def _per_element(v: Any, numel: int) -> bool:
@@ -257,7 +260,9 @@ def check_compatible(meta: dict[str, Any], engine: Any, path: Union[str, Path]) 
 def _load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     t = torch.empty(numel, dtype=dtype)
     try:
-        dcp.load({key: t}, checkpoint_id=str(path), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({key: t}, checkpoint_id=str(path), no_dist=True)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {str(path)!r}: reading {key!r} failed ({type(e).__name__}: {e}).") from None
     return t
@@ -286,6 +291,9 @@ def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool) -
     if buffers:
         engine.module.load_state_dict(buffers, strict=False)
     if with_optimizer and engine.bindings:
+        if not ck["optimizers"]:  # as Lightning says for its own checkpoints
+            raise KeyError(f"Trying to restore optimizer state but checkpoint {str(path)!r} contains only the model. "
+                           "This is probably due to `ModelCheckpoint.save_weights_only` being set to `True`.")
         if len(ck["optimizers"]) != len(engine.bindings):
             raise CheckpointError(f"checkpoint {str(path)!r} holds state for {len(ck['optimizers'])} optimizers, "
                                   f"the run has {len(engine.bindings)}.")
@@ -316,3 +324,98 @@ def _load_optimizer(engine: Any, o: int, om: dict[str, Any], path: Path, meta: d
                 local[i][key] = st[key]
     hypers = [{k: v for k, v in g.items() if k != "params"} for g in om["param_groups"]]
     b.load_local_state(local, hypers)
+
+
+# ============================================================= consolidate
+def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer: bool = False,
+                progress: bool = True) -> Path:
+    """Write ``out``: one plain Lightning checkpoint whose ``state_dict`` ``model.load_state_dict`` accepts.
+
+    Streams chunk by chunk (``StreamingTorchFile``), so peak memory stays near one saved chunk however
+    large the model. With ``with_optimizer`` the optimizer state goes in too, in the plain
+    per-parameter format, so ``Trainer(strategy="auto").fit(ckpt_path=out)`` continues from it.
+    Nothing in ``path`` is modified; ``out`` appears only once complete.
+    """
+    from .torchfile import StreamingTorchFile
+
+    path = check_checkpoint_dir(path)
+    meta = read_meta(path)
+    ck = meta[KEY]
+    out = Path(out)
+    if out.resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"output {str(out)!r} is inside the checkpoint {str(path)!r}; write it elsewhere.")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"the folder of the output {str(out)!r} does not exist.")
+    if with_optimizer and not ck["optimizers"]:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no optimizer state (saved with weights only).")
+    tmp = out.with_name(f".{out.name}.partial")
+    writer = StreamingTorchFile(tmp)
+    try:
+        dtypes = ck["param_dtypes"]
+        params = {}
+        for spec in ck["chunks"]:
+            for name, _, _, shape in spec["slots"]:
+                params[name] = writer.placeholder(tuple(shape), getattr(torch, dtypes[name]))
+        obj = {k: v for k, v in meta.items() if k not in (KEY, "optimizer_states")}
+        obj["state_dict"] = {k: (params[ck["aliases"][k]] if k in ck["aliases"] else ck["buffers"][k])
+                             for k in ck["state_dict_keys"]}
+        optim_records = []
+        if with_optimizer:
+            obj["optimizer_states"] = []
+            for o, om in enumerate(ck["optimizers"]):
+                order = [n for g in om["param_groups"] for n in g["params"]]
+                pos = {n: k for k, n in enumerate(order)}
+                state: dict[int, dict[str, Any]] = {pos[n]: dict(st) for n, st in om["scalars"].items()}
+                for key, dtype in sorted(om["keys"].items()):
+                    for c, spec in enumerate(ck["chunks"]):
+                        for name, _, _, shape in spec["slots"]:
+                            if name in om["scalars"]:
+                                ph = writer.placeholder(tuple(shape), getattr(torch, dtype))
+                                state[pos[name]][key] = ph
+                                optim_records.append((o, key, c, name, ph))
+                groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [pos[n] for n in g["params"]]}
+                          for g in om["param_groups"]]
+                obj["optimizer_states"].append({"state": dict(sorted(state.items())), "param_groups": groups})
+        writer.write_object(obj)
+        bar = _progress(len(params) + len(optim_records), progress, f"consolidating {path.name}")
+        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.master"):
+            for name, off, numel, shape in spec["slots"]:
+                writer.write(params[name], full[off : off + numel].view(shape))
+                bar.update(1)
+            del full
+        loaded, full = None, None
+        for o, key, c, name, ph in optim_records:  # records go (optimizer, key, chunk): one chunk in memory
+            spec = ck["chunks"][c]
+            if (o, key, c) != loaded:
+                full = _load_chunk(path, f"chunk.{c}.optim{o}.{key}", spec["capacity"],
+                                   getattr(torch, ck["optimizers"][o]["keys"][key]))
+                loaded = (o, key, c)
+            _, off, numel, shape = next(s for s in spec["slots"] if s[0] == name)
+            writer.write(ph, full[off : off + numel].view(shape))
+            bar.update(1)
+        bar.close()
+        writer.close()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)
+    return out
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool, desc: str) -> Any:
+    if enabled:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, desc=desc, unit="tensor")
+        except ImportError:
+            pass
+    return _NoBar()

@@ -110,6 +110,39 @@ def run_resume(out: Path) -> None:
     print(f"CASE-DONE resume rank={rank}", flush=True)
 
 
+def reshard_strategy(**kw):
+    return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60, **kw)
+
+
+def run_reshard_save(out: Path) -> None:
+    """2 ranks, 8 steps: a DDP checkpoint (plain file) and a chunk_offload one (sharded directory)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for name, make in [("ddp", lambda: "ddp"), ("chunk", lambda: reshard_strategy(placement="host"))]:
+        L.seed_everything(11, verbose=False)
+        cb = ModelCheckpoint(dirpath=out / f"from2_{name}", every_n_train_steps=8, filename="{step}")
+        t = trainer(make(), steps=8, callbacks=[cb], enable_checkpointing=True)
+        t.fit(ParityNet(variant="tied"), token_data())
+    print(f"CASE-DONE reshard_save rank={t.global_rank}", flush=True)
+
+
+def run_reshard_resume(out: Path) -> None:
+    """2 ranks resume 1-rank checkpoints (written by the test) to step 12: DDP from the plain file,
+    chunk_offload from the sharded directory, with another placement and a device limit."""
+    results = {}
+    for name, make, path in [("ddp", lambda: "ddp", out / "from1_auto" / "step=8.ckpt"),
+                             ("chunk", lambda: reshard_strategy(placement="auto", device_memory_limit=120_000),
+                              out / "from1_chunk" / "step=8.ckpt")]:
+        L.seed_everything(11, verbose=False)
+        model = ParityNet(variant="tied")
+        t = trainer(make(), steps=12)
+        t.fit(model, token_data(), ckpt_path=path)
+        results[name] = model.state_dict()
+    if t.global_rank == 0:
+        torch.save({"ref": results["ddp"], "got": results["chunk"]}, out / "reshard_resume.pt")
+    print(f"CASE-DONE reshard_resume rank={t.global_rank}", flush=True)
+
+
 class SkipOnRankOne(ParityNet):
     """From step 3 on, rank 1 skips the branch that rank 0 runs."""
 
@@ -164,6 +197,10 @@ if __name__ == "__main__":
             run_overflow(out_dir)
         elif name == "resume":
             run_resume(out_dir)
+        elif name == "reshard_save":
+            run_reshard_save(out_dir)
+        elif name == "reshard_resume":
+            run_reshard_resume(out_dir)
         else:
             run_parity(name, out_dir)
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise

@@ -1,0 +1,49 @@
+"""Checkpoints change world size: 2 ranks -> 1 and 1 -> 2, against DDP / auto following the same schedule."""
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_chunk import ChunkOffloadStrategy
+from tests.distributed.test_two_ranks import run
+from tests.models import ParityNet, token_data
+
+EXACT = dict(rtol=0, atol=0)
+
+
+def one_rank(strategy, steps, **kw):
+    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **kw)
+
+
+def chunk(**kw):
+    return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", **kw)
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path):
+    rc, log, _ = run(tmp_path, "reshard_save", timeout=300)
+    assert "CASE-DONE reshard_save rank=0" in log and "CASE-DONE reshard_save rank=1" in log, log[-3000:]
+    assert (tmp_path / "from2_chunk" / "step=8.ckpt" / "meta.pt").is_file()
+    out = {}
+    for name, strategy in [("ddp", "auto"), ("chunk", chunk(placement="device"))]:
+        L.seed_everything(11, verbose=False)
+        model = ParityNet(variant="tied")
+        one_rank(strategy, 12, enable_checkpointing=False).fit(
+            model, token_data(), ckpt_path=tmp_path / f"from2_{name}" / "step=8.ckpt")
+        out[name] = model
+    for a, b in zip(out["ddp"].parameters(), out["chunk"].parameters()):
+        torch.testing.assert_close(b, a, **EXACT)
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path):
+    for name, strategy in [("auto", "auto"), ("chunk", chunk(placement="host"))]:
+        L.seed_everything(11, verbose=False)
+        cb = ModelCheckpoint(dirpath=tmp_path / f"from1_{name}", every_n_train_steps=8, filename="{step}")
+        one_rank(strategy, 8, callbacks=[cb]).fit(ParityNet(variant="tied"), token_data())
+    rc, log, _ = run(tmp_path, "reshard_resume", timeout=300)
+    assert "CASE-DONE reshard_resume rank=0" in log and "CASE-DONE reshard_resume rank=1" in log, log[-3000:]
+    d = torch.load(tmp_path / "reshard_resume.pt")
+    for k, v in d["ref"].items():
+        torch.testing.assert_close(d["got"][k], v, msg=lambda m: f"{k}: {m}", **EXACT)

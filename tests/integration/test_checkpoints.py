@@ -1,0 +1,247 @@
+"""Sharded checkpoints on one rank: layout, atomicity, ModelCheckpoint options, bad input, consolidate."""
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn as nn
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.cli import main as cli_main
+from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from lightning_chunk.engine.checkpoint import CheckpointError, check_checkpoint_dir, consolidate, save_sharded
+from tests.models import ParityNet, token_data
+
+ROOT = Path(__file__).resolve().parents[2]
+EXACT = dict(rtol=0, atol=0)
+
+
+def trainer(strategy, steps, **kw):
+    kw = {"enable_checkpointing": False, "limit_val_batches": 0, **kw}
+    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+def chunk(**kw):
+    return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", **kw)
+
+
+def train_and_save(tmp_path, strategy, steps=8, variant="tied", **cb_kw):
+    L.seed_everything(11, verbose=False)
+    model = ParityNet(variant=variant)
+    cb = ModelCheckpoint(dirpath=tmp_path, **({"every_n_train_steps": steps, "filename": "{step}"} | cb_kw))
+    trainer(strategy, steps, callbacks=[cb], enable_checkpointing=True).fit(model, token_data())
+    return model, cb
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() + str(p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_layout_on_disk(tmp_path):
+    train_and_save(tmp_path, chunk())
+    ckpt = tmp_path / "step=8.ckpt"
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "meta.pt"]
+    meta = torch.load(ckpt / "meta.pt", weights_only=False)
+    ck = meta["chunk_checkpoint"]
+    assert meta["global_step"] == 8 and "loops" in meta and "lr_schedulers" in meta
+    assert "state_dict" not in meta and "optimizer_states" not in meta  # those are the shards
+    assert ck["world_size"] == 1 and ck["version"] and ck["optimizers"][0]["keys"] == {"exp_avg": "float32",
+                                                                                       "exp_avg_sq": "float32"}
+    assert ck["aliases"]["head.weight"] == ck["aliases"]["embed.weight"]  # tied: one parameter
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_resume_is_deterministic_and_matches_auto(tmp_path):
+    ref_model, _ = train_and_save(tmp_path / "auto", "auto")
+    train_and_save(tmp_path / "chunk", chunk(placement="device"))
+    runs = []
+    for path, make in [(tmp_path / "auto" / "step=8.ckpt", lambda: "auto")] + [
+            (tmp_path / "chunk" / "step=8.ckpt", lambda: chunk(placement="host", device_memory_limit=120_000))] * 2:
+        strategy = make()
+        L.seed_everything(11, verbose=False)
+        m = ParityNet(variant="tied")
+        trainer(strategy, 12).fit(m, token_data(), ckpt_path=path)
+        runs.append(m)
+    for a, b, c in zip(*(r.parameters() for r in runs)):
+        torch.testing.assert_close(b, a, **EXACT)  # another placement and a device limit on resume
+        torch.testing.assert_close(c, b, **EXACT)  # resuming twice is bit-identical
+
+
+def test_plain_lightning_checkpoint_continues_with_its_optimizer_state(tmp_path):
+    train_and_save(tmp_path, "auto")
+    out = []
+    for strategy in ["auto", chunk(placement="host")]:
+        L.seed_everything(11, verbose=False)
+        m = ParityNet(variant="tied")
+        trainer(strategy, 12).fit(m, token_data(), ckpt_path=tmp_path / "step=8.ckpt")
+        out.append(m)
+    for a, b in zip(out[0].parameters(), out[1].parameters()):
+        torch.testing.assert_close(b, a, **EXACT)
+
+
+def test_save_top_k_and_last_as_a_link(tmp_path):
+    train_and_save(tmp_path, chunk(), steps=8, every_n_train_steps=2, save_top_k=2, monitor="step",
+                   mode="max", save_last="link")
+    dirs = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert dirs == ["last.ckpt", "step=6.ckpt", "step=8.ckpt"]
+    assert (tmp_path / "last.ckpt").is_symlink() and os.readlink(tmp_path / "last.ckpt") == "step=8.ckpt"
+    check_checkpoint_dir(tmp_path / "last.ckpt")
+    model = ParityNet(variant="tied")
+    cb = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    t = trainer(chunk(), 10, callbacks=[cb], enable_checkpointing=True)
+    t.fit(model, token_data(), ckpt_path="last")
+    assert t.global_step == 10
+
+
+def test_weights_only_checkpoints(tmp_path):
+    train_and_save(tmp_path, chunk(), save_weights_only=True)
+    ckpt = tmp_path / "step=8.ckpt"
+    meta = torch.load(ckpt / "meta.pt", weights_only=False)
+    assert meta["chunk_checkpoint"]["optimizers"] == []
+    out = trainer(chunk(), 1, limit_val_batches=2).validate(ParityNet(variant="tied"), token_data(8), ckpt_path=ckpt,
+                                                             verbose=False)
+    assert out
+    with pytest.raises(KeyError, match="contains only the model"):
+        trainer(chunk(), 12).fit(ParityNet(variant="tied"), token_data(), ckpt_path=ckpt)
+
+
+KILL_SCRIPT = r"""
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+import lightning_chunk.engine.checkpoint as ckp
+from lightning_chunk import ChunkOffloadStrategy
+from tests.models import ParityNet, token_data
+
+calls = []
+real = ckp._write_meta
+def dying_write_meta(meta, target):
+    calls.append(target)
+    if len(calls) == 3:  # step=2.ckpt and last.ckpt are complete; die inside the save of step=4.ckpt
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(meta, target)
+ckp._write_meta = dying_write_meta
+
+L.seed_everything(11, verbose=False)
+cb = ModelCheckpoint(dirpath={out!r}, every_n_train_steps=2, filename="{{step}}", save_top_k=-1, save_last=True)
+t = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(chunk_numel=4096), max_steps=8,
+              logger=False, enable_progress_bar=False, callbacks=[cb], limit_val_batches=0)
+t.fit(ParityNet(variant="tied"), token_data())
+print("NOT KILLED")
+"""
+
+
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint_and_last_intact(tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT.format(root=str(ROOT), out=str(tmp_path / "ck")))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL and "NOT KILLED" not in r.stdout
+    ck = tmp_path / "ck"
+    assert sorted(p.name for p in ck.iterdir()) == [".step=4.ckpt.partial", "last.ckpt", "step=2.ckpt"]
+    assert (ck / ".step=4.ckpt.partial" / "__0_0.distcp").exists()  # the shards were written, never finished
+    with pytest.raises(CheckpointError, match="meta.pt is missing"):
+        check_checkpoint_dir(ck / ".step=4.ckpt.partial")
+    model = ParityNet(variant="tied")
+    cb = ModelCheckpoint(dirpath=ck)
+    t = trainer(chunk(), 6, callbacks=[cb], enable_checkpointing=True)
+    t.fit(model, token_data(), ckpt_path="last")  # resumes from the last complete checkpoint (step 2)
+    assert t.global_step == 6
+
+
+def test_bad_input_is_a_clear_error_and_nothing_on_disk_changes(tmp_path, capsys):
+    train_and_save(tmp_path / "good", chunk())
+    good = tmp_path / "good" / "step=8.ckpt"
+    train_and_save(tmp_path / "wider", chunk(), variant="unused")  # has a `branch` the tied model lacks
+    wider = tmp_path / "wider" / "step=8.ckpt"
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    empty = tmp_path / "empty.ckpt"
+    empty.mkdir()
+    truncated = tmp_path / "trunc.ckpt"
+    subprocess.run(["cp", "-r", str(good), str(truncated)], check=True)
+    shard = truncated / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    before = digest(tmp_path)
+    cases = [
+        (tmp_path / "nowhere.ckpt", ParityNet(variant="tied"), "not found"),  # Lightning checks this one first
+        (empty, ParityNet(variant="tied"), "meta.pt is missing"),
+        (truncated, ParityNet(variant="tied"), f"shard file '{shard}' is truncated"),
+        (good, ParityNet(variant="plain"), "parameters missing from the checkpoint: \\['head.weight'\\]"),
+        (wider, ParityNet(variant="plain"), "parameters the model does not have: \\['branch.bias', 'branch.weight'\\]"),
+        (good, ParityNet(variant="tied", hidden=32), "shapes differ"),
+    ]
+    for path, model, match in cases:
+        with pytest.raises((CheckpointError, FileNotFoundError), match=match):
+            trainer(chunk(), 12).fit(model, token_data(), ckpt_path=path)
+    with pytest.raises(Exception):
+        trainer(chunk(), 12).fit(ParityNet(variant="tied"), token_data(), ckpt_path=text)
+    assert cli_main(["consolidate", str(truncated), str(tmp_path / "out.pt"), "--no-progress"]) == 2
+    assert "is truncated" in capsys.readouterr().err
+    assert cli_main(["consolidate", str(text), str(tmp_path / "out.pt"), "--no-progress"]) == 2
+    assert digest(tmp_path) == before  # nothing already on disk was modified, and nothing half-written appeared
+
+
+def test_consolidate_output_loads_strict_and_equals_the_trained_model(tmp_path):
+    model, _ = train_and_save(tmp_path, chunk())
+    out = tmp_path / "full.pt"
+    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "consolidate", str(tmp_path / "step=8.ckpt"), str(out),
+                        "--with-optimizer"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "consolidating" in r.stderr  # the progress bar
+    full = torch.load(out, weights_only=False)
+    plain = ParityNet(variant="tied")
+    plain.load_state_dict(full["state_dict"], strict=True)
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(b, a, **EXACT)
+    assert len(full["optimizer_states"][0]["state"]) == len(list(plain.parameters()))
+    t = trainer("auto", 10)
+    t.fit(ParityNet(variant="tied"), token_data(), ckpt_path=out)  # a plain checkpoint, optimizer included
+    assert t.global_step == 10
+
+
+MEMORY_SCRIPT = r"""
+import resource, sys
+sys.path.insert(0, {root!r})
+from lightning_chunk.engine.checkpoint import consolidate
+import torch
+torch.zeros(1)  # torch's own lazy set-up
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+consolidate({ckpt!r}, {out!r}, progress=False)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print("GROWTH_KB", after - before)
+"""
+
+
+def test_consolidate_streams_with_bounded_memory(tmp_path):
+    width, depth = 1024, 24  # 24 chunks of one Linear each: 24 * 4 MiB of fp32
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    chunk_numel = width * width + width
+    engine = ChunkEngine(model, [], config=ChunkConfig(placement="host", chunk_numel=chunk_numel))
+    assert len(engine.manager.chunks) >= 20
+    save_sharded(engine, tmp_path / "big.ckpt", {"epoch": 0}, with_optimizer=False)
+    engine.teardown()  # parameters are plain again (their payloads were released: never read them before)
+    script = tmp_path / "mem.py"
+    script.write_text(MEMORY_SCRIPT.format(root=str(ROOT), ckpt=str(tmp_path / "big.ckpt"), out=str(tmp_path / "o.pt")))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    growth = int(r.stdout.split("GROWTH_KB")[1]) * 1024
+    chunk_bytes = chunk_numel * 4
+    model_bytes = depth * chunk_bytes
+    assert growth < 3 * chunk_bytes + 32 * 2**20, (growth, chunk_bytes)  # 3 chunks + a fixed overhead
+    assert growth < model_bytes / 3
+    full = torch.load(tmp_path / "o.pt", weights_only=True)
+    plain = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    plain.load_state_dict(full["state_dict"], strict=True)
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(b, a, **EXACT)
