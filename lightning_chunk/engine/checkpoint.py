@@ -270,8 +270,11 @@ def _load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype) -> torch.T
 
 def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str]):
     """Yield ``(chunk index, saved chunk meta, whole tensor)`` one saved chunk at a time."""
+    from .torchfile import release_freed_memory
+
     for c, spec in enumerate(meta[KEY]["chunks"]):
         yield c, spec, _load_chunk(path, key_of(c), spec["capacity"], getattr(torch, spec["master_dtype"]))
+        release_freed_memory()
 
 
 def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool) -> dict[str, Any]:
@@ -336,7 +339,7 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
     per-parameter format, so ``Trainer(strategy="auto").fit(ckpt_path=out)`` continues from it.
     Nothing in ``path`` is modified; ``out`` appears only once complete.
     """
-    from .torchfile import StreamingTorchFile
+    from .torchfile import StreamingTorchFile, release_freed_memory
 
     path = check_checkpoint_dir(path)
     meta = read_meta(path)
@@ -387,6 +390,8 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
         for o, key, c, name, ph in optim_records:  # records go (optimizer, key, chunk): one chunk in memory
             spec = ck["chunks"][c]
             if (o, key, c) != loaded:
+                full = None
+                release_freed_memory()
                 full = _load_chunk(path, f"chunk.{c}.optim{o}.{key}", spec["capacity"],
                                    getattr(torch, ck["optimizers"][o]["keys"][key]))
                 loaded = (o, key, c)

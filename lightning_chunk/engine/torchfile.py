@@ -70,8 +70,9 @@ class StreamingTorchFile:
         if v.numel() != numel:
             raise ValueError(f"record {key}: {v.numel()} elements for a placeholder of {numel}")
         if v.storage_offset() != 0 or v.untyped_storage().nbytes() != v.numel() * v.element_size():
-            v = v.clone()  # a view into a larger buffer: write only its own bytes
+            v = v.clone()  # a view into a larger buffer: only its own bytes (write_record takes whole storages)
         self._zip.write_record(f"data/{key}", v.untyped_storage(), v.numel() * v.element_size())
+        del v
         self._next += 1
 
     def close(self) -> None:
@@ -82,3 +83,15 @@ class StreamingTorchFile:
             self._zip.write_record(f"data/{self._next}", storage, storage.nbytes())
             self._next += 1
         self._ctx.__exit__(None, None, None)
+
+
+def release_freed_memory() -> None:
+    """Return freed heap pages to the OS (glibc). Streaming allocates and frees many multi-MiB buffers; glibc's
+    adaptive mmap threshold then serves them from the heap, whose freed pages it keeps: RSS would creep up to
+    many chunks without this. A no-op where glibc is not the allocator."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

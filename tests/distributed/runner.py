@@ -100,7 +100,8 @@ def run_resume(out: Path) -> None:
         resumed = LogsRank()
         t2 = trainer(make(), steps=12)
         t2.fit(resumed, token_data(), ckpt_path=ckdir / "step=8.ckpt")
-        results[name] = ({k: v.clone() for k, v in resumed.state_dict().items()}, metrics[0]["rank_mean"])
+        opt = {f"opt.{k}.{n}": v for k, st in t2.optimizers[0].state_dict()["state"].items() for n, v in st.items()}
+        results[name] = ({**{k: v.clone() for k, v in resumed.state_dict().items()}, **opt}, metrics[0]["rank_mean"])
         if t2.global_rank == 0:
             shutil.rmtree(ckdir, ignore_errors=True)
     rank = t2.global_rank
