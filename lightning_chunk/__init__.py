@@ -9,10 +9,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 from .engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
+from .telemetry import ChunkTelemetry
 
 __version__ = "0.1.0"
 
 ChunkOffloadStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ChunkConfig", "ChunkEngine", "ChunkOffloadStrategy", "ChunkPrecision", "DeviceMemoryLimitError",
+__all__ = ["ChunkConfig", "ChunkEngine", "ChunkOffloadStrategy", "ChunkPrecision", "ChunkTelemetry",
+           "DeviceMemoryLimitError",
            "__version__"]

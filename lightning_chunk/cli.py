@@ -1,6 +1,7 @@
 """The ``lightning-chunk`` console command (also ``python -m lightning_chunk``).
 
     lightning-chunk consolidate CKPT_DIR OUT [--with-optimizer] [--no-progress]
+    lightning-chunk plan MODEL [--data DATA] [--config YAML] [--device-memory-limit BYTES] ...
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="the file to write")
     c.add_argument("--with-optimizer", action="store_true", help="keep the optimizer state (plain format)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("plan", help="before training: chunks, bytes per tier and the device peak under a limit",
+                       description="Run one throwaway warm-up step on one batch and report the chunk layout, the "
+                                   "bytes per tier, and the estimated device peak. Exits 1 when it does not fit.")
+    p.add_argument("model", help="the LightningModule: package.module.Class or path/to/file.py:Class")
+    p.add_argument("--data", help="its LightningDataModule (same forms), for a sample batch")
+    p.add_argument("--config", help="a LightningCLI YAML: its model, data and trainer.strategy sections are used")
+    p.add_argument("--init-args", help="model arguments as JSON (over the config's)")
+    p.add_argument("--data-args", help="data module arguments as JSON (over the config's)")
+    p.add_argument("--device-memory-limit", help="bytes, or a string such as 24GiB")
+    p.add_argument("--placement", choices=["auto", "device", "host", "static"])
+    p.add_argument("--chunk-numel", type=int)
+    p.add_argument("--precision")
     return parser
 
 
@@ -35,7 +48,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"lightning-chunk: error: {e}", file=sys.stderr)
             return 2
         print(f"wrote {out}")
+    if args.command == "plan":
+        return _plan(args)
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .engine.errors import ChunkError
+    from .plan import plan_from_args
+
+    overrides = {"device_memory_limit": args.device_memory_limit, "placement": args.placement,
+                 "chunk_numel": args.chunk_numel}
+    try:
+        report = plan_from_args(args.model, args.data, args.config, args.init_args, args.data_args, overrides,
+                                args.precision)
+    except ChunkError as e:
+        print(f"lightning-chunk plan: does not fit: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, OSError) as e:
+        print(f"lightning-chunk plan: error: {e}", file=sys.stderr)
+        return 2
+    print(report.render())
+    return 0 if report.fits else 1
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ from .errors import DeviceMemoryLimitError
 from .chunk import Tier
 from .collectives import CollectiveMismatchError, first_difference
 from .manager import ChunkManager
-from .placement import PlacementPolicy, smallest_working_limit
+from .placement import PlacementPolicy
 from .states import TensorState
-from .tracer import BACKWARD, FORWARD, POST_FORWARD, MemoryTracer, Trace
+from .tracer import BACKWARD, FORWARD, POST_FORWARD, MemoryTracer, MomentEvent, Trace
 
 S = TensorState
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
@@ -61,6 +61,8 @@ class ChunkHooks:
         self._handles: list[Any] = []
         self._backward_queued = False
         self.on_trace_done: Optional[Callable[[Trace], None]] = None
+        # instrumentation is injected, never global: a callable that receives a MomentEvent per moment
+        self.recorder: Optional[Callable[[MomentEvent], None]] = None
         # module key -> indices of the parameters it owns directly; -> its chunk ids (per layout)
         self._owned: dict[str, tuple[int, ...]] = {}
         self._chunks_of: dict[str, tuple[int, ...]] = {}
@@ -165,14 +167,19 @@ class ChunkHooks:
             mgr.gather(chunk, module=self._current_module)
         except DeviceMemoryLimitError as e:
             views = mgr.views()
-            ws, nonmodel = smallest_working_limit(views, self.trace)
             shards = sum(v.device_shard_bytes for v in views if v.shard_tier is Tier.DEVICE)
+            in_use = [v.chunk_id for v in views if v.resident and not v.evictable and v.shard_tier is not Tier.DEVICE]
+            pinned = sum(mgr.chunks[c].payload_bytes for c in in_use)
+            missing = sum(mgr.chunks[c].payload_bytes for c in needed if not mgr.chunks[c].is_resident)
+            nonmodel = self.trace.nonmodel_at(self.position) if self.trace is not None else 0
             raise DeviceMemoryLimitError(
-                f"{e} Chunks {list(needed)} are needed at once and nothing else can be evicted: "
-                f"{shards} bytes are shards that placement={self.policy.name!r} keeps on the device, the largest "
-                f"working set of payloads is {ws} bytes and the traced non-model memory {nonmodel} bytes. "
-                f"Raise device_memory_limit to at least {shards + ws + nonmodel} bytes, offload more shards, "
-                "or lower chunk_numel."
+                f"{e} Chunks {list(needed)} are needed now and nothing else can be evicted: {shards} bytes of "
+                f"shards stay on the device (placement={self.policy.name!r}), chunks {in_use} are in use "
+                f"({pinned} bytes) and {missing} more bytes must be gathered"
+                + (f", next to {nonmodel} bytes of traced activations" if nonmodel else "")
+                + f". The smallest limit that would work is {shards + pinned + missing + nonmodel} bytes"
+                + ("" if self.trace is not None else " plus the activations, which the warm-up step measures")
+                + "; or lower chunk_numel."
             ) from None
 
     def _module_of_next(self, chunk_id: int) -> int:
@@ -186,14 +193,18 @@ class ChunkHooks:
 
     def _use(self, key: str, kind: str) -> None:
         self._current_module = self._key_index.get(key, -1)
+        before = self._resident() if self.recorder else None
         needed = self._tick(kind, key)
         self._plan_and_run(needed)
         for i in self._owned.get(key, ()):
             chunk, info = self.manager.lookup(self.manager.params[i])
             if info.state in _USABLE:
                 chunk.set_state(info, S.COMPUTE)
+        if before is not None:
+            self._record(kind, key, needed, before)
 
     def _done_forward(self, key: str) -> None:
+        before = self._resident() if self.recorder else None
         self._tick(POST_FORWARD, key)
         new = S.HOLD_AFTER_FWD if torch.is_grad_enabled() else S.HOLD
         for i in self._owned.get(key, ()):
@@ -202,6 +213,23 @@ class ChunkHooks:
                 chunk.set_state(info, new)
         if self.policy.evict_after_use:
             self._plan_and_run(())
+        if before is not None:
+            self._record(POST_FORWARD, key, (), before)
+
+    def _resident(self) -> frozenset[int]:
+        return frozenset(c.chunk_id for c in self.manager.chunks if c.is_resident)
+
+    def _record(self, kind: str, key: str, needed: tuple[int, ...], before: frozenset[int]) -> None:
+        assert self.recorder is not None
+        after = self._resident()
+        mgr = self.manager
+        self.recorder(MomentEvent(
+            position=self.position, kind=kind, module=key, needed=needed, evicted=tuple(sorted(before - after)),
+            fetched=tuple(sorted(after - before)), resident=tuple(sorted(after)),
+            device_shards=tuple(c.chunk_id for c in mgr.chunks if c.shard_tier is Tier.DEVICE),
+            device_bytes=mgr.ledger[Tier.DEVICE],
+            nonmodel_bytes=self.trace.nonmodel_at(self.position) if self.trace is not None else 0,
+        ))
 
     # =================================================================== hooks
     def _make_pre_forward(self, key: str) -> Callable[..., None]:

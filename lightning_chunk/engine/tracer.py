@@ -95,6 +95,22 @@ class Trace:
         return list(seen) + rest
 
 
+@dataclass(frozen=True)
+class MomentEvent:
+    """What one moment did, for telemetry (see ``ChunkHooks.recorder``)."""
+
+    position: int
+    kind: str
+    module: str
+    needed: tuple[int, ...]
+    evicted: tuple[int, ...]
+    fetched: tuple[int, ...]  # gathered at this moment: needed ones and prefetches
+    resident: tuple[int, ...]  # payloads resident after the moment
+    device_shards: tuple[int, ...]  # chunks whose shard lives on the device tier
+    device_bytes: int  # chunk bytes on the device tier after the moment
+    nonmodel_bytes: int  # traced non-model bytes at this moment (0 without a trace)
+
+
 class _Saved:
     """What the pack hook hands autograd: the tensor, and a receipt that un-counts it when autograd drops it."""
 

@@ -1,40 +1,128 @@
-"""The shipped example runs through its LightningCLI entry point, at reduced size."""
+"""The GPT example through its LightningCLI entry point, every config at reduced size; `plan`; bad input."""
 
 import csv
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+MAIN = ROOT / "examples/gpt/main.py"
+CONFIGS = ROOT / "examples/gpt/configs"
+SMALL_DATA = ["--data.max_bytes=300000", "--data.train_windows=2000", "--data.val_windows=64"]
+DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "PL_GLOBAL_SEED")
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("tiny_train", ROOT / "examples/tiny/train.py")
+    spec = importlib.util.spec_from_file_location("gpt_main", MAIN)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_tiny_offload_config_trains_evicts_and_checkpoints(tmp_path):
-    mod = load_example()
-    args = ["fit", "--config", str(ROOT / "examples/tiny/offload.yaml"), f"--trainer.default_root_dir={tmp_path}",
-            "--trainer.max_steps=40", "--trainer.val_check_interval=20", "--trainer.limit_val_batches=4",
-            "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=5", "--data.max_bytes=400000",
-            "--model.depth=2", "--trainer.strategy.init_args.device_memory_limit=14MiB"]
-    cli = mod.main(args)
-    rows = list(csv.DictReader(open(next(Path(tmp_path).rglob("metrics.csv")))))
-    vals = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+def rows(folder: Path) -> list[dict]:
+    return list(csv.DictReader(open(next(folder.rglob("metrics.csv")))))
+
+
+def has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def test_readme_main_job_end_to_end_at_reduced_size(tmp_path):
+    cli = load_example().main(["fit", "--config", str(CONFIGS / "cpu_tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+                               "--trainer.max_steps=40", "--trainer.val_check_interval=20",
+                               "--trainer.limit_val_batches=4", "--trainer.enable_progress_bar=false",
+                               "--trainer.log_every_n_steps=5", "--model.depth=2",
+                               "--trainer.strategy.init_args.device_memory_limit=14MiB", *SMALL_DATA])
+    metrics = rows(tmp_path)
+    vals = [float(r["val_loss"]) for r in metrics if r.get("val_loss")]
     assert len(vals) == 2 and vals[1] < vals[0]  # it learns
+    for col in ("chunk/device_chunk_bytes", "chunk/device_chunk_bytes_peak", "chunk/host_chunk_bytes",
+                "chunk/evictions", "chunk/step_time_ms"):
+        assert col in metrics[0]
     stats = cli.trainer.strategy.memory_stats()
     assert stats["evictions"] > 0 and stats["device_chunk_bytes_peak"] <= 14 * 2**20
-    assert list(Path(tmp_path).rglob("last.ckpt"))
+    last = next(tmp_path.rglob("last.ckpt"))
+    assert (last / "meta.pt").is_file()  # a sharded checkpoint directory
+    pictures = list(tmp_path.rglob("chunk_placement.png"))
+    if has_matplotlib():
+        assert len(pictures) == 1 and pictures[0].stat().st_size > 10_000
+    else:
+        assert not pictures
 
 
-def test_a_corpus_folder_without_text_is_a_clear_error(tmp_path):
-    mod = load_example()
+REDUCE_GPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.max_steps=3",
+              "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--model.width=64",
+              "--model.depth=2", "--model.heads=4", "--model.context=32", "--data.context=32", "--data.batch_size=2",
+              "--trainer.strategy.init_args.device_memory_limit=16MiB",
+              "--trainer.strategy.init_args.process_group_backend=null", *SMALL_DATA]
+
+
+@pytest.mark.parametrize("config", ["gpu_offload_1b.yaml", "gpu_multi.yaml"])
+def test_gpu_configs_run_on_cpu_at_reduced_size(tmp_path, config):
+    cli = load_example().main(["fit", "--config", str(CONFIGS / config), f"--trainer.default_root_dir={tmp_path}",
+                               *REDUCE_GPU])
+    assert cli.trainer.global_step == 3
+    assert cli.model.hparams.activation_checkpointing  # the GPU configs recompute blocks in backward
+    assert cli.trainer.precision == "bf16-mixed"
+
+
+def test_cpu_2ranks_config_through_the_script(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    r = subprocess.run([sys.executable, str(MAIN), "fit", "--config", str(CONFIGS / "cpu_2ranks.yaml"),
+                        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=6", "--trainer.limit_val_batches=2",
+                        "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false", "--model.depth=2",
+                        "--trainer.strategy.init_args.device_memory_limit=14MiB",
+                        "--trainer.strategy.init_args.collective_timeout_s=60", *SMALL_DATA],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "`Trainer.fit` stopped: `max_steps=6` reached." in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+    ckpt = next(tmp_path.rglob("last.ckpt"))
+    assert sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_plan_estimate_agrees_with_a_real_run(tmp_path):
+    from lightning_chunk.plan import plan_from_args
+
+    overrides = {"device_memory_limit": "14MiB"}
+    small = {"max_bytes": 300000, "train_windows": 2000, "val_windows": 64}
+    import json
+
+    report = plan_from_args(f"{MAIN}:GPT", f"{MAIN}:ByteCorpus", str(CONFIGS / "cpu_tiny.yaml"),
+                            json.dumps({"depth": 2}), json.dumps(small), overrides, None)
+    assert report.fits and report.chunks >= 4
+    cli = load_example().main(["fit", "--config", str(CONFIGS / "cpu_tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+                               "--trainer.max_steps=6", "--trainer.limit_val_batches=0", "--model.depth=2",
+                               "--trainer.enable_progress_bar=false", "--trainer.strategy.init_args.device_memory_limit=14MiB",
+                               *SMALL_DATA])
+    measured = cli.trainer.strategy.memory_stats()["device_chunk_bytes_peak"]
+    assert abs(report.estimated_device_peak_bytes - measured) <= 0.10 * measured, (report.render(), measured)
+
+
+def test_plan_command_exits_non_zero_with_the_smallest_working_limit():
+    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "plan", f"{MAIN}:GPT", "--data", f"{MAIN}:ByteCorpus",
+                        "--config", str(CONFIGS / "cpu_tiny.yaml"), "--init-args", '{"depth": 2}', "--data-args",
+                        '{"max_bytes": 300000, "train_windows": 2000}', "--device-memory-limit", "4MiB"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 1
+    assert "smallest limit that would work is" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--trainer.strategy.init_args.offload_everything=true"], "offload_everything"),
+    (["--trainer.strategy.init_args.device_memory_limit=-5"], "device_memory_limit=-5 must be a positive number"),
+    (["--data.corpus=EMPTY"], "holds no files to read"),
+])
+def test_bad_cli_input_is_one_clear_message(tmp_path, args, needle):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match="holds no files to read"):
-        mod.main(["fit", "--config", str(ROOT / "examples/tiny/offload.yaml"), f"--data.corpus={empty}",
-                  f"--trainer.default_root_dir={tmp_path}"])
+    args = [a.replace("EMPTY", str(empty)) for a in args]
+    r = subprocess.run([sys.executable, str(MAIN), "fit", "--config", str(CONFIGS / "cpu_tiny.yaml"),
+                        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2", *args],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode != 0
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr

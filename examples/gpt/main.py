@@ -1,16 +1,19 @@
-"""A small byte-level GPT trained with chunk_offload, driven by LightningCLI.
+"""A GPT trained with chunk_offload, driven by LightningCLI. One file, top to bottom.
 
-    python examples/tiny/train.py fit --config examples/tiny/offload.yaml
+    python examples/gpt/main.py fit --config examples/gpt/configs/cpu_tiny.yaml
 
-The corpus needs no download: the Python standard library's own source files
-(of the interpreter running this script), split into train and validation by
-file. Any text file or folder of text files can be given instead with
-``--data.corpus PATH``.
+- ``GPT``: a causal transformer with tied input/output embeddings, configurable depth, width,
+  heads and context, and optional activation checkpointing (recompute each block in backward).
+- ``ByteCorpus``: byte-level language modelling over text. The default corpus needs no download:
+  the source files of the Python standard library of the interpreter running this script, split
+  into train and validation by file (every 10th file is validation). ``--data.corpus PATH`` takes
+  any text file or folder of text files instead.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import sysconfig
 from pathlib import Path
 from typing import Optional
@@ -20,9 +23,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_chunk  # noqa: F401  (registers the chunk_offload strategy names)
+
+# ----------------------------------------------------------------------------- config
+# Everything is set from the YAML configs in examples/gpt/configs/ (or --model.*, --data.* flags).
 
 
 # ----------------------------------------------------------------------------- model
@@ -43,10 +50,12 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-class TinyGPT(L.LightningModule):
+class GPT(L.LightningModule):
     def __init__(self, width: int = 256, depth: int = 4, heads: int = 4, context: int = 64, lr: float = 3e-3,
-                 weight_decay: float = 0.1) -> None:
+                 weight_decay: float = 0.1, warmup_steps: int = 20, activation_checkpointing: bool = False) -> None:
         super().__init__()
+        if width % heads:
+            raise ValueError(f"model.width={width} must be a multiple of model.heads={heads}.")
         self.save_hyperparameters()
         self.tok = nn.Embedding(256, width)
         self.pos = nn.Embedding(context, width)
@@ -58,7 +67,10 @@ class TinyGPT(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for blk in self.blocks:
-            x = blk(x)
+            if self.hparams.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(blk, x, use_reentrant=False)  # keep only block inputs; recompute in backward
+            else:
+                x = blk(x)
         return self.head(self.ln(x))
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
@@ -78,8 +90,12 @@ class TinyGPT(L.LightningModule):
         other = [p for p in self.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
                                  {"params": other, "weight_decay": 0.0}], lr=self.hparams.lr, betas=(0.9, 0.95))
-        total = max(self.trainer.max_steps, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0))))
+        total, warmup = max(self.trainer.max_steps, 1), max(self.hparams.warmup_steps, 1)
+
+        def schedule(step: int) -> float:  # linear warm-up, then cosine decay to zero
+            return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -108,7 +124,14 @@ def text_files(corpus: Optional[str]) -> list[Path]:
     files = sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
     if not files:
         raise ValueError(f"data.corpus={str(root)!r} holds no files to read.")
+    if corpus is not None and not any(_looks_like_text(f) for f in files[:50]):
+        raise ValueError(f"data.corpus={str(root)!r} holds no text files (the first {min(len(files), 50)} look binary).")
     return files
+
+
+def _looks_like_text(path: Path) -> bool:
+    head = path.read_bytes()[:4096]
+    return bool(head) and b"\0" not in head
 
 
 class ByteCorpus(L.LightningDataModule):
@@ -144,8 +167,11 @@ class ByteCorpus(L.LightningDataModule):
 
 def main(args: Optional[list[str]] = None) -> LightningCLI:
     torch.set_float32_matmul_precision("high")
-    return LightningCLI(TinyGPT, ByteCorpus, args=args, save_config_kwargs={"overwrite": True})
+    return LightningCLI(GPT, ByteCorpus, args=args, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, lightning_chunk.engine.ChunkError) as e:  # a configuration mistake: its message, not a wall
+        sys.exit(f"error: {e}")

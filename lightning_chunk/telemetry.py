@@ -1,0 +1,136 @@
+"""``ChunkTelemetry``: what a user looks at rather than reads.
+
+- Step timings (``chunk/step_time_ms``) logged every step to the Trainer's loggers (CSV by default,
+  TensorBoard when it is installed); memory figures too when the strategy does not log them itself.
+- After the warm-up, one training step recorded moment by moment and drawn as a PNG: which chunks
+  are resident on the device at each moment (shards kept there, payloads fetched, evictions,
+  prefetches), and chunk bytes plus the traced non-model bytes against the device limit.
+  matplotlib is optional (``pip install 'lightning_chunk[plot]'``); without it the callback says so
+  once and carries on.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from .engine.tracer import BACKWARD, FORWARD, MomentEvent
+
+
+class ChunkTelemetry(pl.Callback):
+    """Log step timings and draw one step's chunk placement (``chunk_placement.png`` in the log dir).
+
+    Args:
+        picture: record and draw one step after the warm-up.
+        filename: the picture's file name, in the logger's directory (else ``default_root_dir``).
+    """
+
+    def __init__(self, picture: bool = True, filename: str = "chunk_placement.png") -> None:
+        self.picture = picture
+        self.filename = filename
+        self.picture_path: Optional[Path] = None
+        self._t0 = 0.0
+        self._events: Optional[list[MomentEvent]] = None
+        self._done = False
+        self._folder: Optional[Path] = None
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Trainer.log_dir broadcasts from rank 0: a collective, so every rank resolves it here, together;
+        # reading it later from rank 0 alone would leave rank 0 waiting in a broadcast no other rank joins
+        self._folder = Path(trainer.log_dir or trainer.default_root_dir)
+
+    # ----------------------------------------------------------------- hooks
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+        engine = getattr(trainer.strategy, "engine", None)
+        if self.picture and not self._done and engine is not None and engine.warmed_up and trainer.is_global_zero:
+            self._events = []
+            engine.hooks.recorder = self._events.append
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        elapsed_ms = (time.perf_counter() - self._t0) * 1000.0
+        values = {"chunk/step_time_ms": elapsed_ms}
+        strategy = trainer.strategy
+        if hasattr(strategy, "memory_stats") and not getattr(strategy, "log_memory_stats", True):
+            values.update({f"chunk/{k}": float(v) for k, v in strategy.memory_stats().items()})
+        if trainer.loggers:
+            pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        engine = getattr(strategy, "engine", None)
+        if self._events is not None and engine is not None:
+            engine.hooks.recorder = None
+            events, self._events = self._events, None
+            self._done = True
+            self.picture_path = self._draw(trainer, engine, events)
+
+    # --------------------------------------------------------------- picture
+    def _draw(self, trainer: "pl.Trainer", engine: Any, events: list[MomentEvent]) -> Optional[Path]:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            rank_zero_warn("ChunkTelemetry: matplotlib is not installed, so there is no placement picture; "
+                           "`pip install 'lightning_chunk[plot]'` (or matplotlib) to get it. Training goes on.")
+            return None
+        folder = self._folder or Path(trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / self.filename
+        draw_step(events, engine.manager.limit, len(engine.manager.chunks), path, plt)
+        rank_zero_info(f"ChunkTelemetry: one step's chunk placement drawn in {path}")
+        return path
+
+
+def draw_step(events: list[MomentEvent], limit: Optional[int], n_chunks: int, path: Path, plt: Any) -> None:
+    """Two panels over the moments of one step: chunk residency, and device bytes against the limit."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    xs = list(range(len(events)))
+    for x, e in enumerate(events):
+        for c in e.device_shards:
+            top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, color="#2c7a2c", alpha=0.35, lw=0))
+        for c in e.resident:
+            if c not in e.device_shards:
+                top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, color="#4a90d9", alpha=0.45, lw=0))
+    marks = {"evicted": ([], [], "x", "#c0392b"), "fetched for use": ([], [], "o", "black"),
+             "prefetched": ([], [], "^", "#8e44ad")}
+    for x, e in enumerate(events):
+        for c in e.evicted:
+            marks["evicted"][0].append(x), marks["evicted"][1].append(c)
+        for c in e.fetched:
+            key = "fetched for use" if c in e.needed else "prefetched"
+            marks[key][0].append(x), marks[key][1].append(c)
+    for label, (mx, my, m, color) in marks.items():
+        if mx:
+            top.scatter(mx, my, marker=m, color=color, s=18, label=label, zorder=3)
+    top.add_patch(plt.Rectangle((0, 0), 0, 0, color="#2c7a2c", alpha=0.35, label="shard on device"))
+    top.add_patch(plt.Rectangle((0, 0), 0, 0, color="#4a90d9", alpha=0.45, label="payload resident"))
+    top.set_ylim(-0.5, n_chunks - 0.5)
+    top.set_xlim(-0.5, len(events) - 0.5)
+    top.set_ylabel("chunk")
+    top.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, ncol=5, frameon=False)
+    top.set_title("chunk placement over one training step (forward, then backward)", pad=22)
+    for x, e in enumerate(events):
+        if e.kind == BACKWARD and (x == 0 or events[x - 1].kind != BACKWARD):
+            top.axvline(x - 0.5, color="grey", ls="--", lw=0.8)
+            break
+    mib = 2**20
+    chunk_b = [e.device_bytes / mib for e in events]
+    nonmodel = [e.nonmodel_bytes / mib for e in events]
+    bottom.fill_between(xs, 0, chunk_b, step="mid", color="#4a90d9", alpha=0.6, label="chunk bytes on device")
+    bottom.fill_between(xs, chunk_b, [a + b for a, b in zip(chunk_b, nonmodel)], step="mid", color="#f39c12",
+                        alpha=0.5, label="traced non-model bytes")
+    if limit is not None:
+        bottom.axhline(limit / mib, color="#c0392b", lw=1.2, label="device_memory_limit")
+    bottom.set_ylabel("MiB")
+    bottom.set_xlabel("moment (module hook: " + ", ".join(sorted({e.kind for e in events} & {FORWARD, BACKWARD}))
+                      + ", post_fwd)")
+    bottom.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
