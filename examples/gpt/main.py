@@ -63,6 +63,14 @@ class GPT(L.LightningModule):
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, 256, bias=False)
         self.head.weight = self.tok.weight  # tied input and output embeddings
+        self.apply(self._init_weights)  # small weights: the first loss is about ln(256), not in the hundreds
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))

@@ -1,0 +1,199 @@
+"""One Adam step over N fp32 parameters on the CPU, side by side, as ratios to a measured floor.
+
+    python benchmarks/optimizer_step.py                  # N = 50M and 200M, 7 interleaved repeats
+    python benchmarks/optimizer_step.py --numel 2e6 --repeats 3 --out /tmp/opt.json   # seconds
+
+Contenders (each repeat runs them all, in a shuffled order, so drift hits every one alike):
+
+- ``floor``: a kernel with Adam's access pattern and nothing else: read param, grad, exp_avg,
+  exp_avg_sq, write param, exp_avg, exp_avg_sq (28 bytes a parameter; 30 with a bf16 write),
+  one fused loop compiled by torch.compile (inductor's C++ backend). If compiling fails, the
+  floor is 28 bytes over the best streaming bandwidth of copy/add/triad kernels (reported so).
+- ``ours``: lightning_chunk's host path: the user's AdamW rebound to per-parameter views of one
+  flat master shard, stepped by torch's fused CPU kernel (``optimizer_kernel="auto"``); and
+  ``ours+bf16``: the same plus the write-back of the bf16 compute copy.
+- ``torch-fused`` and ``torch-foreach``: ``torch.optim.AdamW`` over the same parameters as separate
+  tensors (what a plain Lightning run steps).
+- ``deepspeed``: ``DeepSpeedCPUAdam`` when deepspeed is installed (it builds its CPU kernel with gcc:
+  ``DS_BUILD_CPU_ADAM=1 pip install deepspeed``); reported as skipped otherwise, never faked.
+
+Prints a table and writes JSON: median and spread (min, max) of the step time per contender, its
+ratio to the floor, and its ratio to the fastest peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+def gpt_like_sizes(numel: int) -> list[int]:
+    """Parameter sizes shaped like a GPT's: big matrices and small vectors, adding up to ``numel``."""
+    sizes, total, width = [], 0, 1024
+    while total < numel:
+        for n in (3 * width * width, 3 * width, width * width, width, 4 * width * width, 4 * width, 4 * width * width,
+                  width, width, width):
+            n = min(n, numel - total)
+            if n <= 0:
+                break
+            sizes.append(n)
+            total += n
+    return sizes
+
+
+def make_ours(numel: int, write_back: bool) -> Callable[[], None]:
+    """The real path: ChunkEngine over the parameters (host tier), the user's AdamW rebound to master views."""
+    from lightning_chunk.engine import ChunkConfig, ChunkEngine, DtypePolicy
+
+    params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n) * 0.02) for n in gpt_like_sizes(numel))
+    opt = torch.optim.AdamW(params.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    dtypes = DtypePolicy(torch.bfloat16, torch.float32) if write_back else DtypePolicy()
+    engine = ChunkEngine(params, [opt], config=ChunkConfig(placement="host", chunk_numel=1 << 24), dtypes=dtypes)
+    for c in engine.manager.chunks:
+        c.grad.normal_(0.0, 1e-3)
+
+    def step() -> None:
+        for c in engine.manager.chunks:  # as if every parameter got a gradient this step
+            for t in c.tensors:
+                t.has_grad = True
+        engine.prepare_step()
+        opt.step()  # fused CPU kernel over the per-parameter master views
+        engine.finish_step(stepped=True)  # bf16: the compute copy is written back here
+
+    return step
+
+
+def make_torch(numel: int, kind: str) -> Callable[[], None]:
+    params = []
+    for n in gpt_like_sizes(numel):
+        p = torch.nn.Parameter(torch.randn(n) * 0.02)
+        p.grad = torch.randn(n) * 1e-3
+        params.append(p)
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            **({"fused": True} if kind == "fused" else {"foreach": True}))
+    return opt.step
+
+
+def make_deepspeed(numel: int) -> Optional[Callable[[], None]]:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001 - not installed, or its kernel cannot build here
+        return None
+    params = []
+    for n in gpt_like_sizes(numel):
+        p = torch.nn.Parameter(torch.randn(n) * 0.02)
+        p.grad = torch.randn(n) * 1e-3
+        params.append(p)
+    opt = DeepSpeedCPUAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+    return opt.step
+
+
+def make_floor(numel: int) -> tuple[Callable[[], None], str]:
+    p, g, m, v = (torch.randn(numel) for _ in range(4))
+
+    def pattern(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        m.mul_(0.9).add_(g)  # read m, g -> write m
+        v.mul_(0.99).add_(g)  # read v (g again: fused into the same loop) -> write v
+        p.add_(m - v)  # read p -> write p
+
+    try:
+        compiled = torch.compile(pattern, dynamic=False)
+        compiled(p, g, m, v)  # compile now, not inside the timings
+        return (lambda: compiled(p, g, m, v)), "fused kernel (torch.compile): 28 B/parameter"
+    except Exception:  # noqa: BLE001 - no compiler: fall back to measured streaming bandwidth
+        a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+        best = 0.0
+        for fn, nbytes in ((lambda: c.copy_(a), 8), (lambda: torch.add(a, b, out=c), 12),
+                           (lambda: torch.add(a, b, alpha=2.0, out=c), 12)):
+            fn()
+            t = time.perf_counter()
+            fn()
+            best = max(best, nbytes * numel / (time.perf_counter() - t))
+        seconds = 28 * numel / best
+        return (lambda: time.sleep(seconds)), f"28 B/parameter at the best streaming bandwidth ({best / 1e9:.1f} GB/s)"
+
+
+def measure(numel: int, repeats: int, seed: int = 0) -> dict:
+    contenders: dict[str, Optional[Callable[[], None]]] = {}
+    floor, floor_kind = make_floor(numel)
+    contenders["floor"] = floor
+    contenders["ours"] = make_ours(numel, write_back=False)
+    contenders["ours+bf16"] = make_ours(numel, write_back=True)
+    contenders["torch-fused"] = make_torch(numel, "fused")
+    contenders["torch-foreach"] = make_torch(numel, "foreach")
+    contenders["deepspeed"] = make_deepspeed(numel)
+    times: dict[str, list[float]] = {k: [] for k, fn in contenders.items() if fn is not None}
+    for fn in contenders.values():  # warm-up: allocate optimizer state, page in memory
+        if fn is not None:
+            fn()
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        order = list(times)
+        rng.shuffle(order)
+        for name in order:
+            t = time.perf_counter()
+            contenders[name]()  # type: ignore[misc]
+            times[name].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    peers = [k for k in ("torch-fused", "torch-foreach", "deepspeed") if k in med]
+    fastest_peer = min(peers, key=lambda k: med[k])
+    rows = []
+    for name in ["floor", "ours", "ours+bf16", "torch-fused", "torch-foreach", "deepspeed"]:
+        if name not in times:
+            rows.append({"contender": name, "skipped": "deepspeed is not installed"})
+            continue
+        floor_bytes = 30 if name == "ours+bf16" else 28  # the write-back adds 2 bytes a parameter
+        rows.append({
+            "contender": name, "median_s": med[name], "min_s": min(times[name]), "max_s": max(times[name]),
+            "vs_floor": med[name] / (med["floor"] * floor_bytes / 28), "vs_fastest_peer": med[name] / med[fastest_peer],
+            "GB_per_s": floor_bytes * numel / med[name] / 1e9,
+        })
+    return {"numel": numel, "repeats": repeats, "floor": floor_kind, "fastest_peer": fastest_peer, "rows": rows}
+
+
+def render(result: dict) -> str:
+    lines = [f"N = {result['numel']:,} fp32 parameters, {result['repeats']} interleaved repeats; floor: "
+             f"{result['floor']}; fastest peer: {result['fastest_peer']}",
+             f"{'contender':<14} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'x peer':>7}"]
+    for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"{r['contender']:<14} skipped: {r['skipped']}")
+            continue
+        lines.append(f"{r['contender']:<14} {r['median_s'] * 1e3:>10.1f} {r['min_s'] * 1e3:>8.1f}..{r['max_s'] * 1e3:<7.1f} "
+                     f"{r['GB_per_s']:>7.1f} {r['vs_floor']:>8.2f} {r['vs_fastest_peer']:>7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=float, nargs="+", default=[50e6, 200e6])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="benchmarks/results/optimizer_step.json")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    results = []
+    for n in args.numel:
+        result = measure(int(n), args.repeats)
+        print(render(result), "\n", flush=True)
+        results.append(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
