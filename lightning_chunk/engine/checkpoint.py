@@ -125,40 +125,18 @@ def describe_layout(engine: Any) -> dict[str, Any]:
             "world_size": mgr.comm.world_size}
 
 
-def _per_element(v: Any, numel: int) -> bool:
-    return torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel
-
-
 def _optimizer_shards(engine: Any, o: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's per-chunk shards of optimizer ``o``'s per-element state, and the optimizer's meta."""
+    from .consolidate import optimizer_state_parts, state_shard
+
     b, mgr = engine.bindings[o], engine.manager
-    state, views = b.optimizer.state, b.views()
-    local = {i: state[v] for i, v in views.items() if v in state and state[v]}
-    keys = {k: str(v.dtype).replace("torch.", "") for i, st in local.items() for k, v in st.items()
-            if _per_element(v, views[i].numel())}
-    scalars = {mgr.names[i]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()
-                              if not _per_element(v, views[i].numel())} for i, st in local.items()}
-    if mgr.comm.world_size > 1:  # small: key names and one scalar set per parameter
-        for part in mgr.comm.all_gather_object(keys):
-            keys.update(part)
-        merged: dict[str, Any] = {}
-        for part in mgr.comm.all_gather_object(scalars):
-            for name, st in part.items():
-                merged.setdefault(name, st)
-        scalars = merged
-    out: dict[str, torch.Tensor] = {}
-    for chunk in mgr.chunks:
-        lo, _ = chunk.shard_range
-        for key, dtype in sorted(keys.items()):
-            shard = torch.zeros(chunk.shard_numel, dtype=getattr(torch, dtype))
-            for t in chunk.tensors:
-                st = local.get(t.slot.param_index)
-                a, b2 = max(t.offset, lo), min(t.offset + t.numel, lo + chunk.shard_numel)
-                if st is not None and key in st and a < b2:
-                    shard[a - lo : b2 - lo].copy_(st[key].reshape(-1))
-            out[f"chunk.{chunk.chunk_id}.optim{o}.{key}"] = shard
+    parts = optimizer_state_parts(mgr, b.views(), b.optimizer.state)
+    out = {f"chunk.{chunk.chunk_id}.optim{o}.{key}": state_shard(mgr, chunk, parts, key).cpu()
+           for chunk in mgr.chunks for key in sorted(parts.keys)}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
               for n, g in enumerate(b.optimizer.param_groups)]
+    keys = {k: str(dtype).replace("torch.", "") for k, dtype in parts.keys.items()}
+    scalars = {mgr.names[i]: st for i, st in parts.scalars.items()}
     return out, {"param_groups": groups, "keys": keys, "scalars": scalars}
 
 

@@ -8,6 +8,7 @@ memory is one chunk's worth beyond the result.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
@@ -60,6 +61,45 @@ def _per_element(v: Any, numel: int) -> bool:
     return torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel
 
 
+@dataclass
+class OptimizerStateParts:
+    """One optimizer's state on this rank, split the way shards need it (every rank agrees on keys and scalars)."""
+
+    local: dict[int, dict[str, Any]]  # param index -> its state on this rank (flat pieces, like the views)
+    keys: dict[str, torch.dtype]  # per-element state keys (Adam's moments) and their dtypes, union over ranks
+    scalars: dict[int, dict[str, Any]]  # param index -> scalar state (``step``), from whichever rank has a piece
+
+
+def optimizer_state_parts(mgr: ChunkManager, views: dict[int, torch.Tensor],
+                          state: dict[Any, dict[str, Any]]) -> OptimizerStateParts:
+    """A collective with several ranks (two small object all-gathers)."""
+    local = {i: state[v] for i, v in views.items() if v in state and state[v]}
+    keys = {k: v.dtype for i, st in local.items() for k, v in st.items() if _per_element(v, views[i].numel())}
+    scalars = {i: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()
+                   if not _per_element(v, views[i].numel())} for i, st in local.items()}
+    if mgr.comm.world_size > 1:
+        for part in mgr.comm.all_gather_object(keys):
+            keys.update(part)
+        merged: dict[int, dict[str, Any]] = {}
+        for part in mgr.comm.all_gather_object(scalars):
+            for i, st in part.items():
+                merged.setdefault(i, st)
+        scalars = merged
+    return OptimizerStateParts(local, keys, scalars)
+
+
+def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key: str) -> torch.Tensor:
+    """This rank's shard of per-element state ``key`` for ``chunk``, laid out like the chunk's master shard."""
+    lo, _ = chunk.shard_range
+    shard = torch.zeros(chunk.shard_numel, dtype=parts.keys[key], device=mgr.comm.tensor_device())
+    for t in chunk.tensors:
+        st = parts.local.get(t.slot.param_index)
+        a, b = _pieces(mgr, chunk, t)
+        if st is not None and key in st and a < b:
+            shard[a - lo : b - lo].copy_(st[key].reshape(-1))
+    return shard
+
+
 def gather_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]],
                            param_order: Iterable[int]) -> dict[int, dict[str, Any]]:
     """Whole per-parameter optimizer state (parameter shapes), keyed by parameter index.
@@ -67,31 +107,12 @@ def gather_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor], st
     Per-element state (Adam's moments) is gathered chunk by chunk like the values; scalar state
     (``step``) comes from whichever rank holds a piece of the parameter.
     """
-    local: dict[int, dict[str, Any]] = {i: state[v] for i, v in views.items() if v in state and state[v]}
-    keys = sorted({k for i, st in local.items() for k, v in st.items() if _per_element(v, views[i].numel())})
-    scalars = {i: {k: v for k, v in st.items() if not _per_element(v, views[i].numel())} for i, st in local.items()}
-    if mgr.comm.world_size > 1:
-        keys = sorted(set().union(*mgr.comm.all_gather_object(keys)))
-        merged: dict[int, dict[str, Any]] = {}
-        for part in mgr.comm.all_gather_object({i: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
-                                                for i, st in scalars.items()}):
-            for i, st in part.items():
-                merged.setdefault(i, st)
-        scalars = merged
-    out: dict[int, dict[str, Any]] = {i: dict(st) for i, st in scalars.items()}
+    parts = optimizer_state_parts(mgr, views, state)
+    out: dict[int, dict[str, Any]] = {i: dict(st) for i, st in parts.scalars.items()}
     wanted = set(param_order)
     for chunk in mgr.chunks:
-        lo, _ = chunk.shard_range
-        for key in keys:
-            dtype = next((local[t.slot.param_index][key].dtype for t in chunk.tensors
-                          if t.slot.param_index in local and key in local[t.slot.param_index]), chunk.master_dtype)
-            shard = torch.zeros(chunk.shard_numel, dtype=dtype, device=mgr.comm.tensor_device())
-            for t in chunk.tensors:
-                st = local.get(t.slot.param_index)
-                a, b = _pieces(mgr, chunk, t)
-                if st is not None and key in st and a < b:
-                    shard[a - lo : b - lo].copy_(st[key].reshape(-1))
-            full = mgr.gather_shard(chunk, shard)
+        for key in sorted(parts.keys):
+            full = mgr.gather_shard(chunk, state_shard(mgr, chunk, parts, key))
             for t in chunk.tensors:
                 i = t.slot.param_index
                 if i in out and i in wanted:

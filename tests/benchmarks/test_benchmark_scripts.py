@@ -25,3 +25,15 @@ def test_optimizer_step_benchmark_runs_and_writes_its_table(tmp_path, capsys):
         assert rows[name]["median_s"] > 0 and rows[name]["vs_floor"] > 0
     assert "skipped" in rows["deepspeed"] or rows["deepspeed"]["median_s"] > 0  # never faked
     assert "x floor" in capsys.readouterr().out
+
+
+def test_step_overhead_benchmark_runs_every_contender(tmp_path, capsys):
+    out = tmp_path / "steps.json"
+    res = load("step_overhead").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "4", "--skip", "1",
+                                      "--repeats", "1", "--out", str(out)])
+    rows = {r["contender"]: r for r in res["rows"]}
+    assert set(rows) == {"auto", "chunk resident", "chunk half offloaded", "ddp (2 ranks)", "chunk resident (2 ranks)"}
+    assert rows["auto"]["vs_baseline"] == 1.0 and rows["ddp (2 ranks)"]["vs_baseline"] == 1.0
+    assert all(r["median_ms"] > 0 for r in rows.values())
+    assert json.loads(out.read_text())["meta"]["torch"]
+    assert "x baseline" in capsys.readouterr().out

@@ -1,0 +1,155 @@
+"""Training step time of the example GPT with chunk_offload against plain Lightning, side by side.
+
+    python benchmarks/step_overhead.py                          # ~10M-parameter GPT, 3 interleaved repeats
+    python benchmarks/step_overhead.py --width 64 --depth 2 --steps 6 --repeats 1 --out /tmp/s.json   # seconds
+
+Contenders, each a fresh ``Trainer.fit`` in its own child process (two-rank ones through Lightning's
+launcher), repeats run in a shuffled order:
+
+- 1 rank: ``auto`` (plain Lightning); ``chunk resident`` (``placement="device"``: everything on the
+  device tier); ``chunk half offloaded`` (``placement="static", offload_fraction=0.5``: half the
+  chunks' shards on the host, their payloads fetched every step and their Adam step on the host).
+- 2 ranks (gloo): ``ddp``; ``chunk resident`` (every chunk sharded, all-gathered and reduce-scattered).
+
+Step time: median over the steps after the first ``--skip`` (the warm-up), per run; the table shows
+the median over repeats, the spread, and the ratio to ``auto`` (1 rank) or ``ddp`` (2 ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTENDERS = {  # name -> (devices, strategy spec)
+    "auto": (1, "auto"),
+    "chunk resident": (1, {"placement": "device"}),
+    "chunk half offloaded": (1, {"placement": "static", "offload_fraction": 0.5}),
+    "ddp (2 ranks)": (2, "ddp"),
+    "chunk resident (2 ranks)": (2, {"placement": "device"}),
+}
+BASELINE = {1: "auto", 2: "ddp (2 ranks)"}
+DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "PL_GLOBAL_SEED")
+
+
+def child(args: argparse.Namespace) -> None:
+    """One fit; rank 0 writes its per-step times."""
+    import lightning as L
+    import torch
+
+    spec_mod = importlib.util.spec_from_file_location("gpt_main", ROOT / "examples/gpt/main.py")
+    gpt = importlib.util.module_from_spec(spec_mod)
+    spec_mod.loader.exec_module(gpt)
+    from lightning_chunk import ChunkOffloadStrategy
+
+    devices, spec = CONTENDERS[args.child]
+    strategy = spec if isinstance(spec, str) else ChunkOffloadStrategy(**spec, log_memory_stats=False)
+    times: list[float] = []
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, *a: Any) -> None:
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            times.append(time.perf_counter() - self.t)
+
+    L.seed_everything(0, verbose=False)
+    model = gpt.GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context)
+    data = torch.randint(0, 256, (args.steps * args.batch * devices, args.context + 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()])
+    trainer.fit(model, loader)
+    if trainer.global_rank == 0:
+        Path(args.out).write_text(json.dumps({"times": times, "params": sum(p.numel() for p in model.parameters())}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def run_child(name: str, args: argparse.Namespace, out: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
+    for k in ("width", "depth", "context", "batch", "steps"):
+        cmd += [f"--{k}", str(getattr(args, k))]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    if not out.exists():
+        raise RuntimeError(f"{name} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def measure(args: argparse.Namespace) -> dict:
+    tmp = Path(args.out).with_suffix(".runs")
+    tmp.mkdir(parents=True, exist_ok=True)
+    per_run: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    params = 0
+    rng = random.Random(0)
+    for rep in range(args.repeats):
+        order = list(CONTENDERS)
+        rng.shuffle(order)
+        for name in order:
+            res = run_child(name, args, tmp / f"{rep}-{name.replace(' ', '_')}.json")
+            params = res["params"]
+            steady = res["times"][args.skip:] or res["times"]
+            per_run[name].append(statistics.median(steady))
+    rows = []
+    for name, (devices, _) in CONTENDERS.items():
+        med = statistics.median(per_run[name])
+        base = statistics.median(per_run[BASELINE[devices]])
+        rows.append({"contender": name, "ranks": devices, "median_ms": med * 1e3, "min_ms": min(per_run[name]) * 1e3,
+                     "max_ms": max(per_run[name]) * 1e3, "vs_baseline": med / base, "baseline": BASELINE[devices]})
+    return {"params": params, "width": args.width, "depth": args.depth, "context": args.context, "batch": args.batch,
+            "steps": args.steps, "skip": args.skip, "repeats": args.repeats, "rows": rows}
+
+
+def render(res: dict) -> str:
+    lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
+             f"batch {res['batch']} per rank), {res['steps']} steps a run minus {res['skip']} warm-up, "
+             f"{res['repeats']} interleaved repeats",
+             f"{'contender':<26} {'median ms':>10} {'min..max ms':>17} {'x baseline':>11}"]
+    for r in res["rows"]:
+        lines.append(f"{r['contender']:<26} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f}..{r['max_ms']:<7.1f} "
+                     f"{r['vs_baseline']:>7.3f} ({r['baseline']})")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--skip", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/step_overhead.json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return {}
+    res = measure(args)
+    print(render(res), flush=True)
+    import torch
+
+    res["meta"] = {"machine": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "date": time.strftime("%Y-%m-%d")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
