@@ -1,0 +1,220 @@
+"""The same GPT on 2 CPU ranks (gloo), trained a few steps by chunk_offload and by its peers.
+
+    python benchmarks/peers_cpu.py                                        # ~100M parameters
+    python benchmarks/peers_cpu.py --width 64 --depth 2 --steps 3 --out /tmp/p.json   # seconds
+
+Contenders, each in its own pair of processes:
+
+- ``chunk_offload (host, ...)``: ``Trainer(strategy=ChunkOffloadStrategy(placement="host"), devices=2)``:
+  every chunk sharded over the two ranks, every shard on the host tier, payloads fetched on use;
+  once with the automatic chunk size and once with one transformer block a chunk (FSDP2's unit).
+- ``FSDP2 + CPUOffloadPolicy``: ``torch.distributed.fsdp.fully_shard`` on every block and the root,
+  ``CPUOffloadPolicy(pin_memory=False)``, the same AdamW, in a plain training loop (outside
+  Lightning, whose FSDP strategy is FSDP1).
+- ``DeepSpeed ZeRO-3 offload``: reported as skipped unless deepspeed is importable; this script does
+  not implement it yet (it would run DeepSpeed on CPU with gloo outside Lightning, whose DeepSpeed
+  strategy refuses CPU). Never faked.
+
+Per contender: the median step time after the first step, and each rank's peak resident memory
+(VmHWM from /proc, the whole process: Python, torch, model and optimizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "PL_GLOBAL_SEED")
+
+
+def _gpt_module() -> Any:
+    spec = importlib.util.spec_from_file_location("gpt_main", ROOT / "examples/gpt/main.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _peak_rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _data(args: argparse.Namespace, ranks: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, ((args.steps + 1) * args.batch * ranks, args.context + 1), generator=g)
+
+
+def child_chunk(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+
+    from lightning_chunk import ChunkOffloadStrategy
+
+    gpt = _gpt_module()
+    times: list[float] = []
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, *a: Any) -> None:
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            times.append(time.perf_counter() - self.t)
+
+    L.seed_everything(0, verbose=False)
+    model = gpt.GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=args.chunk_numel,
+                                                      log_memory_stats=False), callbacks=[Timer()])
+    trainer.fit(model, torch.utils.data.DataLoader(_data(args, 2), batch_size=args.batch))
+    _report(args, trainer.global_rank, times, sum(p.numel() for p in model.parameters()))
+    torch.distributed.destroy_process_group()
+
+
+def child_fsdp2(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    gpt = _gpt_module()
+    torch.manual_seed(0)
+    model = gpt.GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context)
+    n_params = sum(p.numel() for p in model.parameters())
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95))
+    data = _data(args, 2)[rank::2]
+    times = []
+    for step in range(args.steps):
+        batch = data[step * args.batch : (step + 1) * args.batch]
+        t = time.perf_counter()
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    _report(args, rank, times, n_params)
+    dist.destroy_process_group()
+
+
+def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int) -> None:
+    Path(f"{args.out}.rank{rank}").write_text(json.dumps({"times": times, "peak_rss": _peak_rss(), "params": n_params}))
+
+
+def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int] = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    out = Path(args.out).with_suffix(f".{name}{chunk_numel or ''}")
+    for r in (0, 1):
+        Path(f"{out}.rank{r}").unlink(missing_ok=True)
+    common = ["--child", name, "--out", str(out)] + [f"--{k}={getattr(args, k)}" for k in
+                                                     ("width", "depth", "context", "batch", "steps")]
+    if chunk_numel:
+        common.append(f"--chunk-numel={chunk_numel}")
+    if name == "fsdp2":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29517",
+               str(Path(__file__).resolve()), *common]
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve()), *common]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    ranks = []
+    for rank in (0, 1):
+        f = Path(f"{out}.rank{rank}")
+        if not f.exists():
+            raise RuntimeError(f"{name} failed on rank {rank}:\n{(r.stdout + r.stderr)[-3000:]}")
+        ranks.append(json.loads(f.read_text()))
+    steady = [t for rk in ranks for t in rk["times"][1:]] or [t for rk in ranks for t in rk["times"]]
+    return {"median_s": statistics.median(steady), "min_s": min(steady), "max_s": max(steady),
+            "peak_rss": [rk["peak_rss"] for rk in ranks], "params": ranks[0]["params"]}
+
+
+LABELS = {"chunk": "chunk_offload (host)", "fsdp2": "FSDP2 + CPUOffloadPolicy"}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    block_numel = 12 * args.width * args.width + 13 * args.width  # one transformer block: FSDP2's unit here
+    rows = [{"contender": LABELS["fsdp2"], **run_contender("fsdp2", args)},
+            {"contender": "chunk_offload (host, auto chunk size)", **run_contender("chunk", args)},
+            {"contender": "chunk_offload (host, one block a chunk)", **run_contender("chunk", args, block_numel)}]
+    if importlib.util.find_spec("deepspeed") is None:
+        rows.append({"contender": "DeepSpeed ZeRO-3 offload", "skipped": "deepspeed is not installed"})
+    else:
+        rows.append({"contender": "DeepSpeed ZeRO-3 offload", "skipped": "installed, but not implemented in this script yet"})
+    base = rows[0]["median_s"]
+    for r in rows:
+        if "median_s" in r:
+            r["vs_fsdp2"] = r["median_s"] / base
+    return {"params": rows[0]["params"], "block_numel": block_numel, "width": args.width, "depth": args.depth, "context": args.context,
+            "batch": args.batch, "steps": args.steps, "rows": rows}
+
+
+def render(res: dict) -> str:
+    gib = 2**30
+    lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
+             f"batch {res['batch']} per rank), 2 gloo ranks, {res['steps']} steps (the first not timed)",
+             f"{'contender':<40} {'median s':>9} {'min..max s':>14} {'x FSDP2':>8} {'peak RSS GiB (rank 0, 1)':>26}"]
+    for r in res["rows"]:
+        if "skipped" in r:
+            lines.append(f"{r['contender']:<40} skipped: {r['skipped']}")
+            continue
+        rss = ", ".join(f"{b / gib:.2f}" for b in r["peak_rss"])
+        lines.append(f"{r['contender']:<40} {r['median_s']:>9.2f} {r['min_s']:>6.2f}..{r['max_s']:<6.2f} "
+                     f"{r['vs_fsdp2']:>8.2f} {rss:>26}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--depth", type=int, default=14)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out", default="benchmarks/results/peers_cpu.json")
+    p.add_argument("--chunk-numel", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child == "chunk":
+        child_chunk(args)
+        return {}
+    if args.child == "fsdp2":
+        child_fsdp2(args)
+        return {}
+    res = measure(args)
+    print(render(res), flush=True)
+    import torch
+
+    res["meta"] = {"machine": platform.platform(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
