@@ -29,6 +29,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -129,7 +130,7 @@ def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: i
 
 def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int] = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    out = Path(args.out).with_suffix(f".{name}{chunk_numel or ''}")
+    out = Path(tempfile.mkdtemp(prefix="peers_cpu_")) / f"{name}{chunk_numel or ''}"  # scratch, not results
     for r in (0, 1):
         Path(f"{out}.rank{r}").unlink(missing_ok=True)
     common = ["--child", name, "--out", str(out)] + [f"--{k}={getattr(args, k)}" for k in

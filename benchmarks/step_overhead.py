@@ -26,6 +26,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -90,8 +91,7 @@ def run_child(name: str, args: argparse.Namespace, out: Path) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    tmp = Path(args.out).with_suffix(".runs")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="step_overhead_"))  # per-run scratch, not results
     per_run: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     params = 0
     rng = random.Random(0)
