@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,16 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "PL_GLOBAL_SEED")
-
-
-def _gpt_module() -> Any:
-    spec = importlib.util.spec_from_file_location("gpt_main", ROOT / "examples/gpt/main.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, clean_env, gpt_parser, make_gpt, save_results, step_timer  # noqa: E402
 
 
 def _peak_rss() -> int:
@@ -66,22 +56,13 @@ def child_chunk(args: argparse.Namespace) -> None:
 
     from lightning_chunk import ChunkOffloadStrategy
 
-    gpt = _gpt_module()
     times: list[float] = []
-
-    class Timer(L.Callback):
-        def on_train_batch_start(self, *a: Any) -> None:
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, *a: Any) -> None:
-            times.append(time.perf_counter() - self.t)
-
     L.seed_everything(0, verbose=False)
-    model = gpt.GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context)
+    model = make_gpt(args)
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         strategy=ChunkOffloadStrategy(placement="host", chunk_numel=args.chunk_numel,
-                                                      log_memory_stats=False), callbacks=[Timer()])
+                                                      log_memory_stats=False), callbacks=[step_timer(times)])
     trainer.fit(model, torch.utils.data.DataLoader(_data(args, 2), batch_size=args.batch))
     _report(args, trainer.global_rank, times, sum(p.numel() for p in model.parameters()))
     torch.distributed.destroy_process_group()
@@ -97,9 +78,8 @@ def child_fsdp2(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
-    gpt = _gpt_module()
     torch.manual_seed(0)
-    model = gpt.GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context)
+    model = make_gpt(args)
     n_params = sum(p.numel() for p in model.parameters())
     policy = CPUOffloadPolicy(pin_memory=False)
     for block in model.blocks:
@@ -129,7 +109,7 @@ def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: i
 
 
 def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int] = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env = clean_env()
     out = Path(tempfile.mkdtemp(prefix="peers_cpu_")) / f"{name}{chunk_numel or ''}"  # scratch, not results
     for r in (0, 1):
         Path(f"{out}.rank{r}").unlink(missing_ok=True)
@@ -190,15 +170,8 @@ def render(res: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--width", type=int, default=768)
-    p.add_argument("--depth", type=int, default=14)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--out", default="benchmarks/results/peers_cpu.json")
+    p = gpt_parser(__doc__, "benchmarks/results/peers_cpu.json", width=768, depth=14, context=64, batch=2, steps=4)
     p.add_argument("--chunk-numel", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child == "chunk":
         child_chunk(args)
@@ -208,13 +181,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return {}
     res = measure(args)
     print(render(res), flush=True)
-    import torch
-
-    res["meta"] = {"machine": platform.platform(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
-    return res
+    return save_results(res, args.out)
 
 
 if __name__ == "__main__":

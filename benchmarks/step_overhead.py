@@ -18,20 +18,18 @@ the median over repeats, the spread, and the ratio to ``auto`` (1 rank) or ``ddp
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, clean_env, gpt_parser, make_gpt, save_results, step_timer  # noqa: E402
+
 CONTENDERS = {  # name -> (devices, strategy spec)
     "auto": (1, "auto"),
     "chunk resident": (1, {"placement": "device"}),
@@ -40,8 +38,6 @@ CONTENDERS = {  # name -> (devices, strategy spec)
     "chunk resident (2 ranks)": (2, {"placement": "device"}),
 }
 BASELINE = {1: "auto", 2: "ddp (2 ranks)"}
-DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "PL_GLOBAL_SEED")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -49,29 +45,18 @@ def child(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
-    spec_mod = importlib.util.spec_from_file_location("gpt_main", ROOT / "examples/gpt/main.py")
-    gpt = importlib.util.module_from_spec(spec_mod)
-    spec_mod.loader.exec_module(gpt)
     from lightning_chunk import ChunkOffloadStrategy
 
     devices, spec = CONTENDERS[args.child]
     strategy = spec if isinstance(spec, str) else ChunkOffloadStrategy(**spec, log_memory_stats=False)
     times: list[float] = []
-
-    class Timer(L.Callback):
-        def on_train_batch_start(self, *a: Any) -> None:
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, *a: Any) -> None:
-            times.append(time.perf_counter() - self.t)
-
     L.seed_everything(0, verbose=False)
-    model = gpt.GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context)
+    model = make_gpt(args)
     data = torch.randint(0, 256, (args.steps * args.batch * devices, args.context + 1))
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()])
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[step_timer(times)])
     trainer.fit(model, loader)
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps({"times": times, "params": sum(p.numel() for p in model.parameters())}))
@@ -80,7 +65,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_child(name: str, args: argparse.Namespace, out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env = clean_env()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
     for k in ("width", "depth", "context", "batch", "steps"):
         cmd += [f"--{k}", str(getattr(args, k))]
@@ -125,30 +110,16 @@ def render(res: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--width", type=int, default=384)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=30)
+    p = gpt_parser(__doc__, "benchmarks/results/step_overhead.json", width=384, depth=6, context=128, batch=8, steps=30)
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/results/step_overhead.json")
-    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         child(args)
         return {}
     res = measure(args)
     print(render(res), flush=True)
-    import torch
-
-    res["meta"] = {"machine": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                   "date": time.strftime("%Y-%m-%d")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
-    return res
+    return save_results(res, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""What the benchmark scripts share: the example GPT, child processes with a clean environment, timing, results."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "PL_GLOBAL_SEED")
+
+
+def clean_env() -> dict[str, str]:
+    """The environment for a child that starts its own ranks: no leftovers of a parent's process group."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+
+
+def load_gpt() -> Any:
+    """``examples/gpt/main.py`` as a module (GPT, ByteCorpus)."""
+    spec = importlib.util.spec_from_file_location("gpt_main", ROOT / "examples/gpt/main.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_gpt(args: argparse.Namespace) -> Any:
+    return load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context)
+
+
+def step_timer(times: list[float]) -> Any:
+    """A Lightning callback appending each training step's wall time to ``times``."""
+    import lightning as L
+
+    class StepTimer(L.Callback):
+        def on_train_batch_start(self, *a: Any) -> None:
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            times.append(time.perf_counter() - self.t)
+
+    return StepTimer()
+
+
+def gpt_parser(doc: str, out: str, **defaults: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name in ("width", "depth", "context", "batch", "steps"):
+        p.add_argument(f"--{name}", type=int, default=defaults[name])
+    p.add_argument("--out", default=out)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p
+
+
+def save_results(res: dict, out: str) -> dict:
+    import torch
+
+    res["meta"] = {"machine": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "date": time.strftime("%Y-%m-%d")}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+    return res
