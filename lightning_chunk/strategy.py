@@ -350,8 +350,6 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if is_sharded_checkpoint(checkpoint_path):
             meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer)
             meta = {k: v for k, v in meta.items() if k != CHECKPOINT_KEY}
-            if with_optimizer:
-                meta.setdefault("optimizer_states", [])  # restored already; keeps Lightning's check quiet
         else:
             meta = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             module = self.lightning_module

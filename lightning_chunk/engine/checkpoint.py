@@ -29,7 +29,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist

@@ -36,7 +36,7 @@ from .manager import ChunkManager
 from .consolidate import full_values, load_values
 from .optim import OptimizerBinding
 from .packing import Layout, build_layout, choose_chunk_numel, describe
-from .placement import make_policy, smallest_working_limit
+from .placement import ChunkView, make_policy, smallest_working_limit
 from .scaler import DynamicLossScaler
 from .tracer import Trace
 
@@ -85,7 +85,7 @@ class ChunkEngine:
         self.last_grad_norm: Optional[float] = None
 
         layout = self._choose_layout(list(range(len(named))), trace=None)
-        self._place(layout, trace=None)
+        self._place(layout, *self._plan_tiers(layout, trace=None))
         self.hooks.install()
         self._check_limit_before_trace()
 
@@ -108,9 +108,12 @@ class ChunkEngine:
                                  numel_max=self.config.chunk_numel_max, max_payload_numel=max_payload)
         return build_layout(specs, order, cap, self.comm.world_size)
 
-    def _place(self, layout: Layout, trace: Optional[Trace]) -> None:
+    def _plan_tiers(self, layout: Layout, trace: Optional[Trace]) -> tuple[list[ChunkView], dict[int, Tier]]:
+        """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
         views = self.manager.planned_views(layout, self._optim_bytes)
-        tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
+        return views, self.policy.shard_tiers(views, trace, self.manager.limit)
+
+    def _place(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier]) -> None:
         limit = self.manager.limit
         if limit is not None:
             on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
@@ -170,19 +173,20 @@ class ChunkEngine:
             raise DeviceMemoryLimitError(str(e)) from None
         slot_of = layout.slot_of()
         trace = trace.remap({i: s.chunk_id for i, s in slot_of.items()})
+        views, new_tiers = self._plan_tiers(layout, trace)
         if limit is not None:
-            chunks_b, nonmodel_b = smallest_working_limit(self.manager.planned_views(layout, self._optim_bytes), trace)
+            chunks_b, nonmodel_b = smallest_working_limit(views, trace)
             if chunks_b + nonmodel_b > limit:
                 raise DeviceMemoryLimitError(
                     f"device_memory_limit={limit} bytes is too small: the warm-up step needs {chunks_b} bytes of chunks "
-                    f"at once (the largest chunk is {max((v.payload_bytes for v in self.manager.planned_views(layout, {})), default=0)} "
-                    f"bytes) and traced {nonmodel_b} bytes of non-model memory (activations). The smallest limit that "
-                    f"would work is {chunks_b + nonmodel_b} bytes."
+                    f"at once (the largest chunk is {max((v.payload_bytes for v in views), default=0)} bytes) and "
+                    f"traced {nonmodel_b} bytes of non-model memory (activations). The smallest limit that would work "
+                    f"is {chunks_b + nonmodel_b} bytes."
                 )
         old_tiers = [c.shard_tier for c in self.manager.chunks]
-        new_tiers = self.policy.shard_tiers(self.manager.planned_views(layout, self._optim_bytes), trace, limit)
+        # same layout: chunk ids correspond, so the tiers compare position by position
         if layout != self.manager.layout or old_tiers != [new_tiers[c.chunk_id] for c in layout.chunks]:
-            self._place(layout, trace)
+            self._place(layout, views, new_tiers)
         self.hooks.trace = trace
 
     def _check_same_trace(self, trace: Trace) -> None:

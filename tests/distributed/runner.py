@@ -11,7 +11,6 @@ saves both parameter sets, every rank saves its memory stats; each rank prints
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
