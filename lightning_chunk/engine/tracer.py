@@ -75,6 +75,19 @@ class Trace:
                 return m.chunk_ids
         return ()
 
+    def reused_before_gather(self, position: int, resident: frozenset[int]) -> frozenset[int]:
+        """Resident chunks used after ``position`` up to the first moment that needs one not in ``resident``.
+
+        See [Note: releasing after use]."""
+        used: set[int] = set()
+        for m in self.moments[position + 1 :]:
+            if m.kind == POST_FORWARD or not m.chunk_ids:
+                continue
+            used.update(c for c in m.chunk_ids if c in resident)
+            if any(c not in resident for c in m.chunk_ids):
+                break
+        return frozenset(used)
+
     def remap(self, chunk_of: dict[int, int]) -> "Trace":
         """The same moments with chunk ids of another layout (``param index -> chunk id``)."""
         return Trace(tuple(

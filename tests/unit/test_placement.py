@@ -68,6 +68,34 @@ def test_host_policy_releases_after_use_but_keeps_the_next_chunk():
     assert policy.shard_tiers(chunks, t, None) == {i: Tier.HOST for i in range(4)}
 
 
+def test_host_policy_keeps_a_chunk_used_again_before_the_next_gather():
+    """Blocks whose weights are in chunks 1 and 2 and whose norms share chunk 0 (another param group)."""
+    ms = []
+    for block in (1, 2):
+        for module, chunk in ((f"ln{block}", 0), (f"fc{block}", block), (f"ln{block}b", 0), (f"out{block}", block)):
+            ms.append(Moment(FORWARD, module, (chunk,), (chunk,), 0))
+            ms.append(Moment(POST_FORWARD, module, (chunk,), (chunk,), 0))
+    t = Trace(tuple(ms))
+    policy = HostPlacement(ChunkConfig(placement="host"))
+    # after fc1 (position 3): chunk 0 comes back at ln1b before any chunk must be gathered: kept
+    chunks = [view(0, True), view(1, True), view(2)]
+    assert policy.plan(position=3, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None,
+                       device_bytes=2000).evict == ()
+    # after out1 (position 7): chunk 1 is not used again this step: released; chunk 0 (ln2, next) stays
+    plan = policy.plan(position=7, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None, device_bytes=2000)
+    assert plan.evict == (1,) and plan.prefetch == ()
+    # chunk 0 is used again at ln2b, after fc2 needs chunk 2 gathered: released until then
+    chunks = [view(0, True), view(1), view(2)]
+    plan = policy.plan(position=8, needed=frozenset({0}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=1000)
+    assert plan.evict == () and plan.prefetch == (2,)
+    chunks = [view(0, True), view(1), view(2, True)]
+    assert policy.plan(position=11, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None,
+                       device_bytes=2000).evict == ()  # position 11 = after fc2; ln2b (chunk 0) comes first
+    assert t.reused_before_gather(11, frozenset({0, 2})) == frozenset({0, 2})
+    assert t.reused_before_gather(3, frozenset({0, 1})) == frozenset({0, 1})
+    assert t.reused_before_gather(7, frozenset({0, 1})) == frozenset({0})  # ln2 uses 0, then fc2 needs 2
+
+
 def test_static_offloads_the_first_fraction():
     policy = StaticPlacement(ChunkConfig(placement="static", offload_fraction=0.5))
     tiers = policy.shard_tiers([view(i) for i in range(5)], None, None)
