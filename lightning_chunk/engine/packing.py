@@ -137,6 +137,12 @@ def padding_waste(params: Sequence[ParamSpec], order: Sequence[int], capacity: i
     return sum(cap - sum(p.numel for p in ps) for (_, ps), cap in zip(bins, _capacities(bins, capacity, world_size)))
 
 
+TARGET_CHUNKS = 32
+"""The automatic size search keeps chunks at or below ``2 * total / TARGET_CHUNKS`` elements, so a
+model gets at least ``TARGET_CHUNKS / 2`` chunks unless ``chunk_numel_min`` or its largest
+parameter forces fewer (see [Note: chunk granularity])."""
+
+
 def choose_chunk_numel(
     params: Sequence[ParamSpec],
     order: Sequence[int],
@@ -145,14 +151,16 @@ def choose_chunk_numel(
     numel_min: int,
     numel_max: int,
     max_payload_numel: Optional[int] = None,
+    target_chunks: int = TARGET_CHUNKS,
     candidates: int = 96,
 ) -> int:
     """The chunk capacity with the least padding waste in ``[numel_min, numel_max]``.
 
     The lower bound is raised to the largest parameter (which must fit in one chunk), the
-    upper bound is capped at the model's size (a larger chunk only adds padding) and at
+    upper bound is capped at the model's size (a larger chunk only adds padding), at
     ``max_payload_numel`` (two payloads plus the traced non-model peak must fit under the
-    device limit). Ties go to the larger capacity: fewer chunks, fewer collectives.
+    device limit) and at twice ``total / target_chunks`` (see the note on granularity).
+    Ties go to the larger capacity: fewer chunks, fewer collectives.
     """
     if not params:
         return round_up(max(numel_min, 1), world_size)
@@ -167,6 +175,19 @@ def choose_chunk_numel(
             f"no chunk size fits: the largest parameter has {largest} elements but chunks may hold at most {hi} "
             "(bounded by chunk_numel_max and by two payloads plus the traced non-model memory under the device limit)."
         )
+    # [Note: chunk granularity] Least padding alone is a bad objective: trimming each key's
+    # last chunk makes "one chunk holding the whole model" waste nothing, and then every
+    # step gathers the whole model at once (no overlap of communication with compute,
+    # and a working set as large as the unsharded model). Measured on a 99.5M GPT with
+    # 2 gloo ranks and host placement (benchmarks/peers_cpu.py, docs/benchmarks.md): two
+    # 50M chunks stepped in 11.4 s; after [Note: releasing after use], chunks of 21.5M,
+    # 12.1M, 7.1M (one block) and 2.4M stepped in 2.76, 2.56, 2.05 and 2.27 s. So the
+    # search stays at or below twice ``total / target_chunks`` (32 by default: at least
+    # 16 chunks, so the gathered working set of current + prefetched chunk is at most an
+    # eighth of the model), unless ``numel_min`` or the largest parameter forces larger
+    # chunks. Within that range least waste still decides, and ties go to the larger size.
+    if target_chunks > 0:
+        hi = min(hi, max(lo, 2 * -(-total // target_chunks)))
     lo = min(lo, hi)
     # geometric sweep plus the exact sums of leading runs (which give zero waste on the first chunk)
     sizes = {lo, hi}

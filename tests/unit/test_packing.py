@@ -48,13 +48,28 @@ def test_parameter_larger_than_chunk_is_refused_with_sizes():
 def test_chunk_size_search_picks_least_waste_and_respects_bounds():
     ps = specs(*[(100, K0)] * 12)
     order = list(range(12))
-    best = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700)
+    best = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700, target_chunks=0)
     assert padding_waste(ps, order, best) == 0 and best % 100 == 0
     assert best == 700  # the largest zero-waste size within bounds (the tail is trimmed): fewer chunks
-    capped = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700, max_payload_numel=450)
+    capped = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700, max_payload_numel=450,
+                                target_chunks=0)
     assert capped <= 450 and padding_waste(ps, order, capped) == 0
 
 
 def test_chunk_size_search_refuses_when_the_largest_param_cannot_fit():
     with pytest.raises(LayoutError, match="largest parameter has 500 elements"):
         choose_chunk_numel(specs((500, K0)), [0], world_size=1, numel_min=1, numel_max=1000, max_payload_numel=100)
+
+
+def test_chunk_size_search_keeps_the_model_in_several_chunks():
+    # 32 "blocks" of 3 params each: without the granularity bound, one chunk of the whole
+    # model wastes nothing (the tail is trimmed) and would win the tie.
+    ps = specs(*[(n, K0) for _ in range(32) for n in (300, 100, 100)])
+    order = list(range(len(ps)))
+    whole = choose_chunk_numel(ps, order, world_size=1, numel_min=1, numel_max=20_000, target_chunks=0)
+    assert whole == 16000
+    best = choose_chunk_numel(ps, order, world_size=1, numel_min=1, numel_max=20_000)
+    assert best <= 2 * 16000 // 32 and padding_waste(ps, order, best) == 0
+    assert len(build_layout(ps, order, best, world_size=1).chunks) >= 16
+    # numel_min is a floor the granularity bound never overrides
+    assert choose_chunk_numel(ps, order, world_size=1, numel_min=4000, numel_max=20_000) >= 4000
