@@ -11,9 +11,10 @@ Contenders, each in its own pair of processes:
 - ``FSDP2 + CPUOffloadPolicy``: ``torch.distributed.fsdp.fully_shard`` on every block and the root,
   ``CPUOffloadPolicy(pin_memory=False)``, the same AdamW, in a plain training loop (outside
   Lightning, whose FSDP strategy is FSDP1).
-- ``DeepSpeed ZeRO-3 offload``: reported as skipped unless deepspeed is importable; this script does
-  not implement it yet (it would run DeepSpeed on CPU with gloo outside Lightning, whose DeepSpeed
-  strategy refuses CPU). Never faked.
+- ``DeepSpeed ZeRO-3 offload``: ``deepspeed.initialize`` with ZeRO stage 3, ``offload_param`` and
+  ``offload_optimizer`` to the CPU (so ``DeepSpeedCPUAdam`` steps), the same AdamW hyper-parameters,
+  fp32, on the CPU accelerator with gloo, in a plain training loop (Lightning's DeepSpeed strategy
+  refuses CPU). Reported as skipped when deepspeed is not importable, never faked.
 
 Per contender: the median step time after the first step, and each rank's peak resident memory
 (VmHWM from /proc, the whole process: Python, torch, model and optimizer).
@@ -104,6 +105,45 @@ def child_fsdp2(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def child_deepspeed(args: argparse.Namespace) -> None:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = make_gpt(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=[
+        {"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}])
+    data = _data(args, 2)[rank::2]
+    times = []
+    for step in range(args.steps):
+        batch = data[step * args.batch : (step + 1) * args.batch]
+        t = time.perf_counter()
+        logits = engine(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t)
+    _report(args, rank, times, n_params)
+    torch.distributed.destroy_process_group()
+
+
 def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int) -> None:
     Path(f"{args.out}.rank{rank}").write_text(json.dumps({"times": times, "peak_rss": _peak_rss(), "params": n_params}))
 
@@ -117,7 +157,7 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int
                                                      ("width", "depth", "context", "batch", "steps")]
     if chunk_numel:
         common.append(f"--chunk-numel={chunk_numel}")
-    if name == "fsdp2":
+    if name in ("fsdp2", "deepspeed"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29517",
                str(Path(__file__).resolve()), *common]
     else:
@@ -134,7 +174,7 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int
             "peak_rss": [rk["peak_rss"] for rk in ranks], "params": ranks[0]["params"]}
 
 
-LABELS = {"chunk": "chunk_offload (host)", "fsdp2": "FSDP2 + CPUOffloadPolicy"}
+LABELS = {"chunk": "chunk_offload (host)", "fsdp2": "FSDP2 + CPUOffloadPolicy", "deepspeed": "DeepSpeed ZeRO-3 offload"}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -143,9 +183,9 @@ def measure(args: argparse.Namespace) -> dict:
             {"contender": "chunk_offload (host, auto chunk size)", **run_contender("chunk", args)},
             {"contender": "chunk_offload (host, one block a chunk)", **run_contender("chunk", args, block_numel)}]
     if importlib.util.find_spec("deepspeed") is None:
-        rows.append({"contender": "DeepSpeed ZeRO-3 offload", "skipped": "deepspeed is not installed"})
+        rows.append({"contender": LABELS["deepspeed"], "skipped": "deepspeed is not installed"})
     else:
-        rows.append({"contender": "DeepSpeed ZeRO-3 offload", "skipped": "installed, but not implemented in this script yet"})
+        rows.append({"contender": LABELS["deepspeed"], **run_contender("deepspeed", args)})
     base = rows[0]["median_s"]
     for r in rows:
         if "median_s" in r:
@@ -178,6 +218,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return {}
     if args.child == "fsdp2":
         child_fsdp2(args)
+        return {}
+    if args.child == "deepspeed":
+        child_deepspeed(args)
         return {}
     res = measure(args)
     print(render(res), flush=True)

@@ -39,12 +39,13 @@ def test_step_overhead_benchmark_runs_every_contender(tmp_path, capsys):
     assert "x baseline" in capsys.readouterr().out
 
 
-def test_peers_cpu_benchmark_runs_chunk_offload_and_fsdp2(tmp_path, capsys):
+def test_peers_cpu_benchmark_runs_every_peer(tmp_path, capsys):
     res = load("peers_cpu").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "3",
                                   "--out", str(tmp_path / "peers.json")])
     rows = {r["contender"]: r for r in res["rows"]}
     assert rows["FSDP2 + CPUOffloadPolicy"]["vs_fsdp2"] == 1.0
     for name in ("chunk_offload (host, auto chunk size)", "chunk_offload (host, one block a chunk)"):
         assert rows[name]["median_s"] > 0 and all(b > 0 for b in rows[name]["peak_rss"])
-    assert "skipped" in rows["DeepSpeed ZeRO-3 offload"]  # reported, never faked
+    ds = rows["DeepSpeed ZeRO-3 offload"]
+    assert "skipped" in ds or (ds["median_s"] > 0 and all(b > 0 for b in ds["peak_rss"]))  # never faked
     assert "x FSDP2" in capsys.readouterr().out
