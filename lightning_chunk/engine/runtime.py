@@ -187,6 +187,7 @@ class ChunkEngine:
         # same layout: chunk ids correspond, so the tiers compare position by position
         if layout != self.manager.layout or old_tiers != [new_tiers[c.chunk_id] for c in layout.chunks]:
             self._place(layout, views, new_tiers)
+        self.manager.set_reduce_order(trace.backward_completion_order())
         self.hooks.trace = trace
 
     def _check_same_trace(self, trace: Trace) -> None:

@@ -88,6 +88,15 @@ class Trace:
                 break
         return frozenset(used)
 
+    def backward_completion_order(self) -> list[int]:
+        """Chunk ids by the position of their last backward moment: the order backward finishes them."""
+        last: dict[int, int] = {}
+        for i, m in enumerate(self.moments):
+            if m.kind == BACKWARD:
+                for c in m.chunk_ids:
+                    last[c] = i
+        return sorted(last, key=last.__getitem__)
+
     def remap(self, chunk_of: dict[int, int]) -> "Trace":
         """The same moments with chunk ids of another layout (``param index -> chunk id``)."""
         return Trace(tuple(

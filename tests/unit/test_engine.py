@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
+from lightning_chunk.engine.chunk import Tier
+from lightning_chunk.engine.packing import build_layout
 from lightning_chunk.engine.tracer import SavedBytesCounter
 
 
@@ -143,3 +145,28 @@ def test_global_grad_norm_is_reported_like_torch():
     ref(x).pow(2).mean().backward()
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
     assert float(total) == float(expected) == eng.memory_stats()["grad_norm"]
+
+
+def test_repack_streams_old_chunks_and_never_holds_the_model_twice():
+    """[Note: streaming repack]: an old chunk is read when the new layout first needs it and its host
+    copy goes once its parameters are placed, so the unsharded copy never holds the whole model."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])  # 272 elements a layer
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
+    mgr = eng.manager
+    before = {k: v.clone() for k, v in eng.full_state_dict().items()}
+    held: list[int] = []
+    build = mgr._build_chunk
+
+    def counting_build(spec, layout, tier, values, grads, had_grad, **kw):
+        chunk = build(spec, layout, tier, values, grads, had_grad, **kw)
+        held.append(len(values._store()) if hasattr(values, "_store") else len(values))  # copies alive now
+        return chunk
+
+    mgr._build_chunk = counting_build
+    layout = build_layout(mgr.specs, list(range(len(mgr.params))), 600, world_size=1)  # two layers a chunk
+    mgr.pack(layout, {c.chunk_id: Tier.HOST for c in layout.chunks})
+    assert len(held) == 4 and max(held) <= 4  # one new chunk's parameters (4), never all 16
+    for k, v in eng.full_state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
