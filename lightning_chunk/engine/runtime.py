@@ -36,6 +36,7 @@ from .manager import ChunkManager
 from .consolidate import full_values, load_values
 from .optim import OptimizerBinding
 from .packing import Layout, build_layout, choose_chunk_numel, describe
+from .torchfile import release_freed_memory
 from .placement import ChunkView, make_policy, smallest_working_limit
 from .scaler import DynamicLossScaler
 from .tracer import Trace
@@ -187,6 +188,7 @@ class ChunkEngine:
         # same layout: chunk ids correspond, so the tiers compare position by position
         if layout != self.manager.layout or old_tiers != [new_tiers[c.chunk_id] for c in layout.chunks]:
             self._place(layout, views, new_tiers)
+            release_freed_memory()  # the warm-up's evict-everything gathers and the repack left freed heap pages
         self.manager.set_reduce_order(trace.backward_completion_order())
         self.hooks.trace = trace
 
