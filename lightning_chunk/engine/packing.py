@@ -184,10 +184,11 @@ def choose_chunk_numel(
     # 12.1M, 7.1M (one block) and 2.4M stepped in 2.76, 2.56, 2.05 and 2.27 s. So the
     # search stays at or below twice ``total / target_chunks`` (32 by default: at least
     # 16 chunks, so the gathered working set of current + prefetched chunk is at most an
-    # eighth of the model), unless ``numel_min`` or the largest parameter forces larger
-    # chunks. Within that range least waste still decides, and ties go to the larger size.
+    # eighth of the model), or twice the lower bound when ``numel_min`` or the largest
+    # parameter is above that (a single size would force padding: 18% on a 10.8M GPT).
+    # Within that range least waste still decides, and ties go to the larger size.
     if target_chunks > 0:
-        hi = min(hi, max(lo, 2 * -(-total // target_chunks)))
+        hi = min(hi, max(2 * lo, 2 * -(-total // target_chunks)))  # at least [lo, 2 lo]: room to avoid padding
     lo = min(lo, hi)
     # geometric sweep plus the exact sums of leading runs (which give zero waste on the first chunk)
     sizes = {lo, hi}

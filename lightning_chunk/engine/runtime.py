@@ -105,8 +105,12 @@ class ChunkEngine:
             esz = max(torch.empty((), dtype=self.manager.dtypes.compute_for(s.key.dtype)).element_size() for s in specs)
             room = limit - (trace.nonmodel_peak_bytes if trace else 0)
             max_payload = max(room // (2 * esz), max(s.numel for s in specs))
+        # one rank with every shard on the device: payloads never move, so granularity buys nothing and each
+        # chunk only adds per-step work (see [Note: chunk granularity])
+        stays = self.comm.world_size == 1 and self.config.placement == "device"
         cap = choose_chunk_numel(specs, order, world_size=self.comm.world_size, numel_min=self.config.chunk_numel_min,
-                                 numel_max=self.config.chunk_numel_max, max_payload_numel=max_payload)
+                                 numel_max=self.config.chunk_numel_max, max_payload_numel=max_payload,
+                                 **({"target_chunks": 0} if stays else {}))
         return build_layout(specs, order, cap, self.comm.world_size)
 
     def _plan_tiers(self, layout: Layout, trace: Optional[Trace]) -> tuple[list[ChunkView], dict[int, Tier]]:
