@@ -47,6 +47,29 @@ def step_timer(times: list[float]) -> Any:
     return StepTimer()
 
 
+def proc_bytes(field: str, pid: str = "self") -> int:
+    """A byte count from /proc/PID/status (``VmHWM``: peak resident set; ``VmRSS``: resident now); 0 if gone."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def train_end_peak(store: dict) -> Any:
+    """A Lightning callback putting the peak resident bytes at the end of training (before the strategy's
+    teardown, which the peers' plain loops do not have) into ``store["peak_rss"]``."""
+    import lightning as L
+
+    class TrainEndPeak(L.Callback):
+        def on_train_end(self, *a: Any) -> None:
+            store["peak_rss"] = proc_bytes("VmHWM")
+
+    return TrainEndPeak()
+
+
 def gpt_parser(doc: str, out: str, **defaults: int) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     for name in ("width", "depth", "context", "batch", "steps"):

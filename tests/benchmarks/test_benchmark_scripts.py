@@ -49,3 +49,46 @@ def test_peers_cpu_benchmark_runs_every_peer(tmp_path, capsys):
     ds = rows["DeepSpeed ZeRO-3 offload"]
     assert "skipped" in ds or (ds["median_s"] > 0 and all(b > 0 for b in ds["peak_rss"]))  # never faked
     assert "x FSDP2" in capsys.readouterr().out
+
+
+def test_scale_search_doubles_then_bisects(monkeypatch, tmp_path):
+    scale = load("scale")
+    calls = []
+
+    def fake_attempt(name, depth, args, scratch):
+        calls.append(depth)
+        fits = depth <= 5
+        return {"depth": depth, "params": 1000 * depth, "peak_rss": [1], "peak_device": [], "fits": fits,
+                **({} if fits else {"why": "resident memory reached 1.00 GiB > host limit"})}
+
+    monkeypatch.setattr(scale, "attempt", fake_attempt)
+    args = scale.argparse.Namespace(max_depth=256, host_limit="1GiB", ranks=2)
+    row = scale.largest("x", args, tmp_path)
+    assert calls == [1, 2, 4, 8, 6, 5]
+    assert row["depth"] == 5 and row["params"] == 5000 and row["first_failure"]["depth"] == 6
+    assert row["fraction_of_host_limit"] == 5000 * 16 / (2 * 2**30)
+
+
+def test_scale_benchmark_runs_and_reports_a_failure_with_its_reason(tmp_path, capsys):
+    res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "1GiB", "--max-depth", "2",
+                              "--out", str(tmp_path / "scale.json")])
+    rows = {r["contender"]: r for r in res["rows"]}
+    assert set(rows) == {"ddp", "chunk_offload"}
+    for r in rows.values():  # both fit at depth 2 within 1 GiB a rank, and the search stops at --max-depth
+        assert r["depth"] == 2 and r["params"] > 0 and r["capped_by_max_depth"] and max(r["peak_rss"]) < 2**30
+    res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "64MiB", "--max-depth", "1",
+                              "--ranks", "1", "--out", str(tmp_path / "scale1.json")])
+    for r in res["rows"]:  # a Python process with torch is larger than 64 MiB: killed by the watchdog
+        assert r["depth"] == 0 and "host limit" in r["first_failure"]["why"]
+    assert "of host limit" in capsys.readouterr().out
+
+
+def test_gpu_benchmark_runs_its_contenders_at_a_tiny_size_on_cpu(tmp_path, capsys):
+    res = load("gpu").main(["--accelerator", "cpu", "--width", "64", "--depth", "2", "--context", "16", "--batch", "2",
+                            "--steps", "3", "--skip", "1", "--out", str(tmp_path / "gpu.json")])
+    rows = {r["contender"]: r for r in res["rows"]}
+    for name in ("chunk_offload", "ddp"):
+        assert rows[name]["tokens_per_s"] > 0 and rows[name]["tflops"] > 0
+    assert rows["ddp"]["vs_ddp"] == 1.0
+    assert "skipped" in rows["fsdp + cpu offload"]  # needs CUDA: reported, never faked
+    assert "TFLOP/s" in capsys.readouterr().out
