@@ -1,0 +1,162 @@
+"""A 1B+ parameter GPT on one GPU: chunk_offload against DDP and Lightning's FSDP with CPU offload.
+
+    python benchmarks/gpu.py                                   # ~1.0B GPT (width 2048, depth 20), bf16-mixed
+    python benchmarks/gpu.py --largest                         # also: the largest GPT that trains on this GPU
+    python benchmarks/gpu.py --accelerator cpu --width 64 --depth 2 --context 16 --batch 2 --steps 3   # smoke test
+
+Contenders, each a fresh ``Trainer.fit`` of ``--steps`` steps in its own process, on one device,
+``precision="bf16-mixed"`` (``32-true`` on CPU), activation checkpointing on every block:
+
+- ``chunk_offload``: ``placement="auto"`` with ``device_memory_limit=--device-limit`` (default 12 GiB,
+  below the ~16 bytes a parameter the training state needs on the device without offload), so the
+  placement policy must keep part of the shards, and of the Adam step, on the host.
+- ``ddp``: plain Lightning on one device (``strategy="auto"``): the reference where the model fits.
+- ``fsdp + cpu offload``: ``FSDPStrategy(cpu_offload=True)`` wrapping each block; needs CUDA (reported
+  as skipped otherwise, never faked).
+
+Per contender: median step time after ``--skip`` warm-up steps, tokens/s, model TFLOP/s (6 × parameters
++ 12 × depth × width × context FLOPs a token, the usual count for a decoder, checkpoint recompute not
+credited), and peak allocated device memory. ``--largest`` then runs ``scale.py``'s search on this GPU
+(``--accelerator cuda --ranks 1``) for ``auto`` against ``chunk_offload``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, clean_env, load_gpt, save_results, step_timer  # noqa: E402
+
+CONTENDERS = ("chunk_offload", "ddp", "fsdp + cpu offload")
+
+
+def _flops_per_token(params: int, depth: int, width: int, context: int) -> int:
+    return 6 * params + 12 * depth * width * context
+
+
+def child(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+
+    from lightning_chunk import ChunkOffloadStrategy
+    from lightning_chunk.engine.config import parse_bytes
+
+    cuda = args.accelerator == "cuda"
+    if args.child == "chunk_offload":
+        strategy = ChunkOffloadStrategy(placement="auto", log_memory_stats=False,
+                                        device_memory_limit=parse_bytes(args.device_limit, field="--device-limit"))
+    elif args.child == "ddp":
+        strategy = "auto"
+    else:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        gpt = load_gpt()
+        strategy = FSDPStrategy(cpu_offload=True, auto_wrap_policy={gpt.Block})
+    L.seed_everything(0, verbose=False)
+    model = load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 128, 1), context=args.context,
+                           activation_checkpointing=True)
+    params = sum(p.numel() for p in model.parameters())
+    times: list[float] = []
+    data = torch.randint(0, 256, (args.steps * args.batch, args.context + 1))
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, max_steps=args.steps,
+                        precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=[step_timer(times)])
+    if cuda:
+        torch.cuda.synchronize()
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
+    Path(args.out).write_text(json.dumps({"times": times, "params": params,
+                                          "peak_device": torch.cuda.max_memory_allocated() if cuda else 0}))
+
+
+def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
+    if name == "fsdp + cpu offload" and args.accelerator != "cuda":
+        return {"contender": name, "skipped": "Lightning's FSDP with CPU offload needs CUDA"}
+    out = scratch / f"{name.replace(' ', '_')}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
+    for k in ("width", "depth", "context", "batch", "steps", "accelerator", "device_limit"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    if not out.exists():
+        tail = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        return {"contender": name, "failed": tail[0][:300]}  # e.g. out of memory where the model does not fit
+    res = json.loads(out.read_text())
+    steady = res["times"][args.skip:] or res["times"]
+    step = statistics.median(steady)
+    tokens = args.batch * args.context / step
+    return {"contender": name, "median_s": step, "min_s": min(steady), "max_s": max(steady), "tokens_per_s": tokens,
+            "tflops": tokens * _flops_per_token(res["params"], args.depth, args.width, args.context) / 1e12,
+            "peak_device": res["peak_device"], "params": res["params"]}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_"))
+    rows = [run(name, args, scratch) for name in CONTENDERS]
+    base = next((r for r in rows if r["contender"] == "ddp" and "median_s" in r), None)
+    for r in rows:
+        if base and "median_s" in r:
+            r["vs_ddp"] = r["median_s"] / base["median_s"]
+    res = {"params": next((r["params"] for r in rows if "params" in r), 0), "width": args.width, "depth": args.depth,
+           "context": args.context, "batch": args.batch, "steps": args.steps, "accelerator": args.accelerator,
+           "device_limit": args.device_limit, "rows": rows}
+    if args.largest:
+        import scale
+
+        device_limit = None
+        if args.accelerator == "cuda":  # the whole GPU but a margin for the CUDA context and fragmentation
+            import torch
+
+            device_limit = str(int(0.92 * torch.cuda.get_device_properties(0).total_memory))
+        sargs = argparse.Namespace(width=args.width, context=args.context, batch=args.batch, steps=3, ranks=1,
+                                   accelerator=args.accelerator, host_limit=args.host_limit, device_limit=device_limit,
+                                   max_depth=args.max_depth)
+        res["largest"] = [scale.largest(name, sargs, scratch) for name in scale.contenders(1)]
+    return res
+
+
+def render(res: dict) -> str:
+    gib = 2**30
+    lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
+             f"batch {res['batch']}), one {res['accelerator']} device, chunk_offload device limit {res['device_limit']}",
+             f"{'contender':<22} {'median s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'peak dev GiB':>13} {'x ddp':>6}"]
+    for r in res["rows"]:
+        if "median_s" not in r:
+            lines.append(f"{r['contender']:<22} {r.get('skipped') and 'skipped: ' + r['skipped'] or 'failed: ' + r['failed']}")
+            continue
+        ratio = f"{r['vs_ddp']:.2f}" if "vs_ddp" in r else "-"
+        lines.append(f"{r['contender']:<22} {r['median_s']:>9.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
+                     f"{r['peak_device'] / gib:>13.2f} {ratio:>6}")
+    for r in res.get("largest", []):
+        lines.append(f"largest for {r['contender']}: depth {r['depth']}, {r['params']:,} parameters")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("width", 2048), ("depth", 20), ("context", 1024), ("batch", 8), ("steps", 8), ("skip", 3)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--device-limit", default="12GiB")
+    p.add_argument("--largest", action="store_true", help="also search the largest GPT that trains on this GPU")
+    p.add_argument("--host-limit", default="100GiB", help="host memory the --largest search may use")
+    p.add_argument("--max-depth", type=int, default=512)
+    p.add_argument("--out", default="benchmarks/results/gpu.json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return {}
+    res = measure(args)
+    print(render(res), flush=True)
+    return save_results(res, args.out)
+
+
+if __name__ == "__main__":
+    main()
