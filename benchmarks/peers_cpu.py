@@ -17,7 +17,9 @@ Contenders, each in its own pair of processes:
   refuses CPU). Reported as skipped when deepspeed is not importable, never faked.
 
 Per contender: the median step time after the first step, and each rank's peak resident memory
-(VmHWM from /proc, the whole process: Python, torch, model and optimizer).
+(VmHWM from /proc, the whole process: Python, torch, model and optimizer) when training ends: for
+chunk_offload before its teardown gathers the full model back into the module, which the plain
+loops of the peers do not do.
 """
 
 from __future__ import annotations
@@ -34,14 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, save_results, step_timer  # noqa: E402
-
-
-def _peak_rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+from _common import ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, save_results, step_timer, train_end_peak  # noqa: E402,E501
 
 
 def _data(args: argparse.Namespace, ranks: int) -> Any:
@@ -58,14 +53,15 @@ def child_chunk(args: argparse.Namespace) -> None:
     from lightning_chunk import ChunkOffloadStrategy
 
     times: list[float] = []
+    peak: dict = {}
     L.seed_everything(0, verbose=False)
     model = make_gpt(args)
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         strategy=ChunkOffloadStrategy(placement="host", chunk_numel=args.chunk_numel,
-                                                      log_memory_stats=False), callbacks=[step_timer(times)])
+                                                      log_memory_stats=False), callbacks=[step_timer(times), train_end_peak(peak)])
     trainer.fit(model, torch.utils.data.DataLoader(_data(args, 2), batch_size=args.batch))
-    _report(args, trainer.global_rank, times, sum(p.numel() for p in model.parameters()))
+    _report(args, trainer.global_rank, times, sum(p.numel() for p in model.parameters()), peak["peak_rss"])
     torch.distributed.destroy_process_group()
 
 
@@ -144,8 +140,10 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int) -> None:
-    Path(f"{args.out}.rank{rank}").write_text(json.dumps({"times": times, "peak_rss": _peak_rss(), "params": n_params}))
+def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int, peak: int = 0) -> None:
+    """Peak RSS at the end of training: for chunk_offload before its teardown gathers the model back."""
+    Path(f"{args.out}.rank{rank}").write_text(json.dumps({"times": times, "peak_rss": peak or proc_bytes("VmHWM"),
+                                                         "params": n_params}))
 
 
 def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int] = None) -> dict:
