@@ -79,6 +79,17 @@ def gpt_parser(doc: str, out: str, **defaults: int) -> argparse.ArgumentParser:
     return p
 
 
+def run_or_child(args: argparse.Namespace, children: dict[str, Any], measure: Any, render: Any) -> dict:
+    """A script's ``main``: as ``--child NAME``, run ``children[NAME]`` (one contender in its own process);
+    otherwise measure every contender, print the table and write the JSON."""
+    if args.child:
+        children.get(args.child, children.get("*"))(args)
+        return {}
+    res = measure(args)
+    print(render(res), flush=True)
+    return save_results(res, args.out)
+
+
 def save_results(res: dict, out: str) -> dict:
     import torch
 

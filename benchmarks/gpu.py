@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, load_gpt, save_results, step_timer  # noqa: E402
+from _common import ROOT, clean_env, load_gpt, run_or_child, step_timer  # noqa: E402
 
 CONTENDERS = ("chunk_offload", "ddp", "fsdp + cpu offload")
 
@@ -149,13 +149,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--max-depth", type=int, default=512)
     p.add_argument("--out", default="benchmarks/results/gpu.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        child(args)
-        return {}
-    res = measure(args)
-    print(render(res), flush=True)
-    return save_results(res, args.out)
+    return run_or_child(p.parse_args(argv), {"*": child}, measure, render)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, save_results, step_timer, train_end_peak  # noqa: E402,E501
+from _common import ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, run_or_child, step_timer, train_end_peak  # noqa: E402,E501
 
 
 def _data(args: argparse.Namespace, ranks: int) -> Any:
@@ -210,19 +210,8 @@ def render(res: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/peers_cpu.json", width=768, depth=14, context=64, batch=2, steps=4)
     p.add_argument("--chunk-numel", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child == "chunk":
-        child_chunk(args)
-        return {}
-    if args.child == "fsdp2":
-        child_fsdp2(args)
-        return {}
-    if args.child == "deepspeed":
-        child_deepspeed(args)
-        return {}
-    res = measure(args)
-    print(render(res), flush=True)
-    return save_results(res, args.out)
+    children = {"chunk": child_chunk, "fsdp2": child_fsdp2, "deepspeed": child_deepspeed}
+    return run_or_child(p.parse_args(argv), children, measure, render)
 
 
 if __name__ == "__main__":

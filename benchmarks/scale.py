@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, make_gpt, proc_bytes, save_results, train_end_peak  # noqa: E402
+from _common import ROOT, clean_env, make_gpt, proc_bytes, run_or_child, train_end_peak  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from lightning_chunk.engine.config import parse_bytes  # noqa: E402
@@ -228,13 +228,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--out", default="benchmarks/results/scale.json")
     p.add_argument("--depth", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        child(args)
-        return {}
-    res = measure(args)
-    print(render(res), flush=True)
-    return save_results(res, args.out)
+    return run_or_child(p.parse_args(argv), {"*": child}, measure, render)
 
 
 if __name__ == "__main__":

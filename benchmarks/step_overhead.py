@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, save_results, step_timer  # noqa: E402
+from _common import ROOT, clean_env, gpt_parser, make_gpt, run_or_child, step_timer  # noqa: E402
 
 CONTENDERS = {  # name -> (devices, strategy spec)
     "auto": (1, "auto"),
@@ -113,13 +113,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/step_overhead.json", width=384, depth=6, context=128, batch=8, steps=30)
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
-    if args.child:
-        child(args)
-        return {}
-    res = measure(args)
-    print(render(res), flush=True)
-    return save_results(res, args.out)
+    return run_or_child(p.parse_args(argv), {"*": child}, measure, render)
 
 
 if __name__ == "__main__":
