@@ -613,7 +613,7 @@ class _OldChunks:
         self.mgr = mgr
         self.owner = {t.slot.param_index: c for c in chunks for t in c.tensors}
         self.left = {c.chunk_id: len(c.tensors) for c in chunks}
-        self.loaded: dict[int, Chunk] = {}
+        self.loaded: set[int] = set()  # old chunk ids already read (and dropped)
         self.had_grad = {t.slot.param_index for c in chunks for t in c.tensors
                          if mgr._grads_to_move(c) and (t.has_grad or c.grad_written)}
         self.values = _Lazy(self, "values")
@@ -623,11 +623,11 @@ class _OldChunks:
 
     def load(self, i: int) -> None:
         c = self.owner[i]
-        if c.chunk_id in self.loaded or c.chunk_id not in self.left:
+        if c.chunk_id in self.loaded:
             return
         self.mgr._unpack(c, self._values, self._grads, set())
         self.mgr._drop(c)
-        self.loaded[c.chunk_id] = c
+        self.loaded.add(c.chunk_id)
 
     def placed(self, spec: Any) -> None:
         for s in spec.slots:
@@ -637,7 +637,6 @@ class _OldChunks:
             self.left[c.chunk_id] -= 1
             if not self.left[c.chunk_id]:
                 del self.left[c.chunk_id]
-                self.loaded.pop(c.chunk_id, None)
 
     def done(self) -> bool:
         return not self.left and not self._values and not self._grads
