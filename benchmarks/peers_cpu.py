@@ -68,7 +68,6 @@ def child_chunk(args: argparse.Namespace) -> None:
 def child_fsdp2(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -82,22 +81,14 @@ def child_fsdp2(args: argparse.Namespace) -> None:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95))
-    data = _data(args, 2)[rank::2]
-    times = []
-    for step in range(args.steps):
-        batch = data[step * args.batch : (step + 1) * args.batch]
-        t = time.perf_counter()
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
+    opt = torch.optim.AdamW(_param_groups(model), lr=3e-4, betas=(0.9, 0.95))
+
+    def backward_and_step(loss: Any) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t)
-    _report(args, rank, times, n_params)
+
+    _report(args, rank, _timed_steps(args, rank, model, backward_and_step), n_params)
     dist.destroy_process_group()
 
 
@@ -107,15 +98,12 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch
-    import torch.nn.functional as F
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     model = make_gpt(args)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -124,20 +112,35 @@ def child_deepspeed(args: argparse.Namespace) -> None:
                               "offload_optimizer": {"device": "cpu", "pin_memory": False}},
         "steps_per_print": 10**9,
     }
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=[
-        {"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}])
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=_param_groups(model))
+
+    def backward_and_step(loss: Any) -> None:
+        engine.backward(loss)
+        engine.step()
+
+    _report(args, rank, _timed_steps(args, rank, engine, backward_and_step), n_params)
+    torch.distributed.destroy_process_group()
+
+
+def _param_groups(model: Any) -> list[dict]:
+    """Weight decay on matrices only, as the example GPT's ``configure_optimizers`` does."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _timed_steps(args: argparse.Namespace, rank: int, forward: Any, backward_and_step: Any) -> list[float]:
+    """The peers' plain training loop over this rank's half of the data: the wall time of each step."""
+    import torch.nn.functional as F
+
     data = _data(args, 2)[rank::2]
     times = []
     for step in range(args.steps):
         batch = data[step * args.batch : (step + 1) * args.batch]
         t = time.perf_counter()
-        logits = engine(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
-        engine.backward(loss)
-        engine.step()
+        logits = forward(batch[:, :-1])
+        backward_and_step(F.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)))
         times.append(time.perf_counter() - t)
-    _report(args, rank, times, n_params)
-    torch.distributed.destroy_process_group()
+    return times
 
 
 def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int, peak: int = 0) -> None:
