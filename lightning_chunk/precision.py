@@ -46,6 +46,16 @@ _REFUSED = {
 }
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def normalize_precision(precision: Union[str, int]) -> str:
     p = _ALIASES.get(precision, precision)
     if p in _REFUSED:
@@ -87,12 +97,29 @@ class ChunkPrecision(Precision):
             raise RuntimeError("ChunkPrecision is used outside ChunkOffloadStrategy's setup (no chunk engine attached).")
         return self._engine
 
+    # --------------------------------------------------------------- module
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``bf16-true``: parameters and floating-point buffers in bfloat16, as Lightning's ``HalfPrecision`` does
+        (a float buffer left in fp32 meets bf16 activations: ``mat1 and mat2 must have the same dtype``)."""
+        if self.precision == "bf16-true":
+            return module.to(dtype=torch.bfloat16)
+        return module
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        return _default_dtype(torch.bfloat16) if self.precision == "bf16-true" else contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
     # -------------------------------------------------------------- forward
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision in ("bf16-mixed", "16-mixed"):
             dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
             with torch.autocast(self._device_type, dtype=dtype):
+                yield
+        elif self.precision == "bf16-true":  # tensors made during forward are bf16 too, as with HalfPrecision
+            with _default_dtype(torch.bfloat16):
                 yield
         else:
             yield
@@ -114,25 +141,26 @@ class ChunkPrecision(Precision):
         engine = self.engine
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization
-        engine.prepare_step()
+        # everything below concerns this optimizer alone: with several (manual optimization) each steps its own
+        engine.prepare_step(optimizer)
         found_inf = False
         if self.scaler is not None and not skipped_backward:
-            found_inf = engine.unscale_and_check()
+            found_inf = engine.unscale_and_check(optimizer)
         self._after_closure(model, optimizer)
         stepped = not skipped_backward and not found_inf
         if stepped:
             optimizer.step(**kwargs)
         if self.scaler is not None and not skipped_backward:
             self.scaler.update(found_inf)
-        engine.finish_step(stepped=stepped)
+        engine.finish_step(stepped=stepped, optimizer=optimizer)
         return closure_result
 
     # ------------------------------------------------------------- clipping
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        self.engine.clip_grad_norm_(clip_val)
+        self.engine.clip_grad_norm_(clip_val, optimizer=optimizer)
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        self.engine.clip_grad_value_(clip_val)
+        self.engine.clip_grad_value_(clip_val, optimizer=optimizer)
 
     def main_params(self, optimizer: Optimizer) -> Any:
         return [p for g in optimizer.param_groups for p in g["params"]]

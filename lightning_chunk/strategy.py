@@ -228,6 +228,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self._failed = False
         module = self.lightning_module
         assert module is not None
+        # as Lightning's Strategy.setup: the precision plugin converts the module first (bf16-true: its buffers)
+        self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:

@@ -15,12 +15,12 @@ import torch
 
 from .chunk import Chunk, TensorInfo
 from .manager import ChunkManager
+from .repack import piece_range
 
 
 def _pieces(mgr: ChunkManager, chunk: Chunk, info: TensorInfo) -> tuple[int, int]:
     """The element range ``[a, b)`` of the chunk that this rank's shard holds of ``info`` (empty when a >= b)."""
-    lo, hi = chunk.shard_range
-    return max(info.offset, lo), min(info.offset + info.numel, hi)
+    return piece_range(chunk, info.offset, info.numel)
 
 
 def full_values(mgr: ChunkManager, *, device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
@@ -91,7 +91,9 @@ def optimizer_state_parts(mgr: ChunkManager, views: dict[int, torch.Tensor],
 def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key: str) -> torch.Tensor:
     """This rank's shard of per-element state ``key`` for ``chunk``, laid out like the chunk's master shard."""
     lo, _ = chunk.shard_range
-    shard = torch.zeros(chunk.shard_numel, dtype=parts.keys[key], device=mgr.comm.tensor_device())
+    # on the host: checkpoints write it from there and repacks gather it from there; building it on the
+    # device would stage the whole optimizer state of an offloaded run in device memory
+    shard = torch.zeros(chunk.shard_numel, dtype=parts.keys[key])
     for t in chunk.tensors:
         st = parts.local.get(t.slot.param_index)
         a, b = _pieces(mgr, chunk, t)

@@ -61,6 +61,7 @@ class ChunkHooks:
         self._handles: list[Any] = []
         self._backward_queued = False
         self.on_trace_done: Optional[Callable[[Trace], None]] = None
+        self.on_backward_start: Optional[Callable[[], None]] = None  # before the first gradient of a backward lands
         # instrumentation is injected, never global: a callable that receives a MomentEvent per moment
         self.recorder: Optional[Callable[[MomentEvent], None]] = None
         # module key -> indices of the parameters it owns directly; -> its chunk ids (per layout)
@@ -270,6 +271,8 @@ class ChunkHooks:
     def _queue_end_of_backward(self) -> None:
         if not self._backward_queued:
             self._backward_queued = True
+            if self.on_backward_start is not None:
+                self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -24,8 +24,9 @@ from .chunk import Chunk, TensorInfo, Tier
 from .collectives import Collectives
 from .config import ChunkConfig, DtypePolicy
 from .errors import DeviceMemoryLimitError
-from .packing import ChunkKey, Layout, ParamSpec
+from .packing import ChunkKey, ChunkSpec, Layout, ParamSpec
 from .placement import ChunkView
+from .repack import ExtraShards, FromModule, OldChunks, piece_range
 from .states import TensorState, check_transition
 
 S = TensorState
@@ -175,33 +176,31 @@ class ChunkManager:
         return out
 
     # ==================================================================== packing
-    def pack(self, layout: Layout, tiers: Mapping[int, Tier]) -> None:
+    def pack(self, layout: Layout, tiers: Mapping[int, Tier], *, extras: Optional[ExtraShards] = None) -> None:
         """Build chunks for ``layout`` with shards on ``tiers``; parameters become views into payloads.
 
-        Values come from the current chunks when there are some (a repack after the
-        warm-up), else from the parameters themselves. Gradients accumulated so far
-        and the per-parameter "got a gradient" flags move along.
+        Values come from the current chunks when there are some (a repack after the warm-up), else
+        from the parameters themselves. Gradients accumulated so far, the per-parameter "got a
+        gradient" flags and ``extras`` (the optimizers' per-element state) move along
+        ([Note: optimizer state through a repack] in ``repack.py``).
         """
         first = not self.chunks  # values come from the module itself
-        on_device = any(c.shard_tier is Tier.DEVICE for c in self.chunks) or Tier.DEVICE in tiers.values()
-        streaming = not first and not (self.limit is not None and on_device)
-        old: Optional[_OldChunks] = None
-        if streaming:
-            old = _OldChunks(self, self.chunks)
-            values, grads, had_grad = old.values, old.grads, old.had_grad
-            self._retiring, self.chunks, self._where = self.chunks, [], {}
+        source: Any
+        if first:
+            source = FromModule(self.params)
         else:
-            values, grads, had_grad = self._snapshot()
-            self._drop_all()
+            on_device = any(c.shard_tier is Tier.DEVICE for c in self.chunks) or Tier.DEVICE in tiers.values()
+            eager = self.limit is not None and on_device  # old and new device shards must not overlap
+            source = OldChunks(self, self.chunks, extras=extras, eager=eager)
+            self._retiring, self.chunks, self._where = self.chunks, [], {}
         self.layout = layout
         for spec in layout.chunks:
-            chunk = self._build_chunk(spec, layout, tiers.get(spec.chunk_id, Tier.HOST), values, grads, had_grad,
+            chunk = self._build_chunk(spec, tiers.get(spec.chunk_id, Tier.HOST), source,
                                       broadcast=first and self.comm.world_size > 1)
             self.chunks.append(chunk)
-            if old is not None:
-                old.placed(spec)
+            source.placed(chunk)
             self._changed()
-        assert old is None or old.done()
+        assert source.done()
         self._retiring = []
         self._all_aliased = bool(self.chunks) and all(c.aliased for c in self.chunks)
         # backward completes chunks roughly in reverse use order; every rank must reduce in one order
@@ -224,30 +223,10 @@ class ChunkManager:
         self._reduce_order = named + sorted(trainable - set(named), reverse=True)
         self._reduce_next = 0
 
-    def _snapshot(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], set[int]]:
-        if not self.chunks:
-            return {i: p.detach() for i, p in enumerate(self.params)}, {}, set()
-        values: dict[int, torch.Tensor] = {}
-        grads: dict[int, torch.Tensor] = {}
-        had: set[int] = set()
-        for c in self.chunks:
-            self._unpack(c, values, grads, had)
-        return values, grads, had
-
-    def _grads_to_move(self, c: Chunk) -> bool:
+    def grads_to_move(self, c: Chunk) -> bool:
+        """The chunk's gradient shard holds gradients of this step that a repack must carry."""
         written = c.grad_written if self.comm.world_size > 1 else any(t.has_grad for t in c.tensors)
         return c.grad is not None and written
-
-    def _unpack(self, c: Chunk, values: dict, grads: dict, had: set) -> None:
-        """Chunk ``c``'s full values (and gradients, where it has some) per parameter, on the host."""
-        full = self.gather_shard(c, c.master_tensor_for_read())
-        full_grad = self.gather_shard(c, c.grad) if self._grads_to_move(c) else None  # type: ignore[arg-type]
-        for t in c.tensors:
-            i = t.slot.param_index
-            values[i] = full[t.offset : t.offset + t.numel].clone()
-            if full_grad is not None and (t.has_grad or c.grad_written):
-                grads[i] = full_grad[t.offset : t.offset + t.numel].clone()
-                had.add(i)
 
     def gather_shard(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
         """The whole chunk's worth of a per-rank shard buffer, on the host (used off the hot path)."""
@@ -264,7 +243,7 @@ class ChunkManager:
             return torch.empty(numel, dtype=dtype, device=self.device)
         return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self._pin)
 
-    def _build_chunk(self, spec, layout: Layout, tier: Tier, values, grads, had_grad, *, broadcast: bool) -> Chunk:
+    def _build_chunk(self, spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
         p0 = self.params[spec.slots[0].param_index]
         chunk = Chunk(
             spec=spec, capacity_numel=spec.capacity_numel, rank=self.comm.rank, world_size=self.comm.world_size,
@@ -273,12 +252,13 @@ class ChunkManager:
         )
         lo, hi = chunk.shard_range
         full = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype)
-        full_grad = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype) if any(
-            s.param_index in had_grad for s in spec.slots) else None
+        with_grad = any(source.has_grad(s.param_index) for s in spec.slots)
+        full_grad = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype) if with_grad else None
         for s in spec.slots:
-            full[s.offset : s.offset + s.numel].copy_(values[s.param_index].reshape(-1))
-            if full_grad is not None and s.param_index in grads:
-                full_grad[s.offset : s.offset + s.numel].copy_(grads[s.param_index].reshape(-1))
+            full[s.offset : s.offset + s.numel].copy_(source.value(s.param_index).reshape(-1))
+            g = source.grad(s.param_index) if full_grad is not None else None
+            if g is not None:
+                full_grad[s.offset : s.offset + s.numel].copy_(g.reshape(-1))  # type: ignore[index]
         if broadcast:
             self.comm.broadcast(full)  # every rank starts from rank 0's values, as DDP does
         chunk.aliased = self.comm.world_size == 1 and tier is Tier.DEVICE
@@ -301,11 +281,12 @@ class ChunkManager:
                 chunk.grad = self._alloc(chunk.shard_numel, chunk.master_dtype, tier)
                 if full_grad is not None:
                     chunk.grad.copy_(full_grad[lo:hi])
+                    chunk.grad_written = self.comm.world_size > 1
             state = S.HOLD if chunk.aliased else S.FREE
             for s in spec.slots:  # views first: a view of a released storage cannot be made
                 p = self.params[s.param_index]
                 info = TensorInfo(param=p, name=self.names[s.param_index], slot=s, shape=p.shape, orig_dtype=p.dtype,
-                                  state=state, has_grad=s.param_index in had_grad)
+                                  state=state, has_grad=source.has_grad(s.param_index))
                 chunk.tensors.append(info)
                 p.data = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
                 self._where[id(p)] = (chunk, info)
@@ -313,7 +294,8 @@ class ChunkManager:
                 chunk.payload.untyped_storage().resize_(0)
         return chunk
 
-    def _drop(self, c: Chunk) -> None:
+    def drop(self, c: Chunk) -> None:
+        """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end)."""
         with self._tracked(c):
             c.master = c.low = c.grad = None
             c.optim_state_bytes = 0
@@ -322,7 +304,7 @@ class ChunkManager:
 
     def _drop_all(self) -> None:
         for c in self.chunks:
-            self._drop(c)
+            self.drop(c)
         self.chunks = []
         self._where = {}
 
@@ -499,40 +481,59 @@ class ChunkManager:
         """Several ranks: a parameter has a gradient if it got one on any rank (DDP's rule for unused parameters)."""
         if self.comm.world_size == 1:
             return
-        infos = [self.lookup(p)[1] for p in self.params if id(p) in self._where]
-        flags = torch.tensor([t.has_grad for t in infos], dtype=torch.uint8, device=self.comm.tensor_device())
+        placed = [self.lookup(p) for p in self.params if id(p) in self._where]
+        flags = torch.tensor([t.has_grad for _, t in placed], dtype=torch.uint8, device=self.comm.tensor_device())
         self.comm.all_reduce(flags, op="max", what="the vote on which parameters got gradients")
-        for t, f in zip(infos, flags.tolist()):
-            t.has_grad = bool(f)
+        for (chunk, t), f in zip(placed, flags.tolist()):
+            # a rank keeps the flag only where it holds a piece: elsewhere the flag served the vote alone, and
+            # zero_grad() (seen through this rank's views) could never clear it before the next vote
+            a, b = piece_range(chunk, t.offset, t.numel)
+            t.has_grad = bool(f) and a < b
 
     def reset_states(self) -> None:
         """Between micro-batches every resident tensor is plainly HOLD."""
         for c in self.chunks:
             c.transition_all(S.HOLD, only_from=frozenset({S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}))
 
-    def clear_grads(self) -> None:
-        """After a step: no parameter has a gradient (the buffers stay; the next gradient overwrites)."""
-        for c in self.chunks:
-            c.grad_written = False
-            for t in c.tensors:
-                t.has_grad = False
+    def clear_grads(self, indices: Optional[Iterable[int]] = None) -> None:
+        """Forget the gradients of the parameters ``indices`` (all when ``None``): the next gradient a
+        parameter gets overwrites its range instead of adding to it. The buffers stay allocated."""
+        if indices is None:
+            for c in self.chunks:
+                c.grad_written = False
+                for t in c.tensors:
+                    t.has_grad = False
+            return
+        cleared: dict[int, list[TensorInfo]] = {}
+        for i in indices:
+            chunk, info = self._where[id(self.params[i])]
+            info.has_grad = False
+            cleared.setdefault(chunk.chunk_id, []).append(info)
+        for cid, infos in cleared.items():
+            chunk = self.chunks[cid]
+            if not any(t.has_grad for t in chunk.tensors):
+                chunk.grad_written = False
+            elif chunk.grad_written and chunk.grad is not None:  # several ranks, some kept: the rest restart at 0
+                lo, _ = chunk.shard_range
+                for t in infos:
+                    a, b = piece_range(chunk, t.offset, t.numel)
+                    if a < b:
+                        chunk.grad[a - lo : b - lo].zero_()
 
     # ================================================================ optimizer
     def master_view(self, param_index: int) -> Optional[torch.Tensor]:
         """This rank's piece of one parameter's master, flat; ``None`` when another rank owns all of it."""
         chunk, info = self._where[id(self.params[param_index])]
-        lo, hi = chunk.shard_range
-        a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-        if a >= b:
-            return None
-        return chunk.master_tensor_for_read()[a - lo : b - lo]
+        lo, _ = chunk.shard_range
+        a, b = piece_range(chunk, info.offset, info.numel)
+        return chunk.master_tensor_for_read()[a - lo : b - lo] if a < b else None
 
     def grad_view(self, param_index: int) -> Optional[torch.Tensor]:
         chunk, info = self._where[id(self.params[param_index])]
         if chunk.grad is None or not info.has_grad:
             return None
-        lo, hi = chunk.shard_range
-        a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+        lo, _ = chunk.shard_range
+        a, b = piece_range(chunk, info.offset, info.numel)
         return chunk.grad[a - lo : b - lo] if a < b else None
 
     def reserve_optimizer_state(self, bytes_per_element: Mapping[int, int]) -> None:
@@ -546,10 +547,12 @@ class ChunkManager:
                     c.optim_state_bytes = want
         self._changed()
 
-    def write_back(self) -> None:
-        """After a step: refresh the compute-dtype copies from the masters; drop stale payloads."""
+    def write_back(self, groups: Optional[Iterable[int]] = None) -> None:
+        """After a step: refresh the compute-dtype copies from the masters of the chunks of param groups
+        ``groups`` (all when ``None``: the optimizer that stepped); drop their stale payloads."""
+        stepped = None if groups is None else set(groups)
         for c in self.chunks:
-            if not c.trainable:
+            if not c.trainable or (stepped is not None and c.spec.key.group not in stepped):
                 continue
             if c.aliased:
                 if not c.master_is_payload():
@@ -595,68 +598,3 @@ class ChunkManager:
             "shard_bytes": sum(c.bytes_on(c.shard_tier) - (c.payload_bytes if c.aliased else 0) for c in self.chunks),
         }
 
-
-class _OldChunks:
-    """The chunks of the layout being replaced, read one at a time during a repack.
-
-    [Note: streaming repack] Snapshotting every chunk before building the new layout held the
-    whole model's values and gradients unsharded on the host at once (8 bytes a fp32 parameter
-    on top of the shards; on a 99.5M GPT on 2 ranks, 0.9 GiB of the 2.2 GiB peak RSS a rank).
-    Here an old chunk is all-gathered when the new layout first needs one of its parameters,
-    dropped at once (its shards go), and its host copy is freed when every parameter it held
-    has been placed. New chunks are built in layout order on every rank, so the all-gathers
-    run in one order everywhere. Not used when a device limit is set and shards live on the
-    device: there the old and new shards must not overlap on the device (``pack``).
-    """
-
-    def __init__(self, mgr: ChunkManager, chunks: list[Chunk]) -> None:
-        self.mgr = mgr
-        self.owner = {t.slot.param_index: c for c in chunks for t in c.tensors}
-        self.left = {c.chunk_id: len(c.tensors) for c in chunks}
-        self.loaded: set[int] = set()  # old chunk ids already read (and dropped)
-        self.had_grad = {t.slot.param_index for c in chunks for t in c.tensors
-                         if mgr._grads_to_move(c) and (t.has_grad or c.grad_written)}
-        self.values = _Lazy(self, "values")
-        self.grads = _Lazy(self, "grads")
-        self._values: dict[int, torch.Tensor] = {}
-        self._grads: dict[int, torch.Tensor] = {}
-
-    def load(self, i: int) -> None:
-        c = self.owner[i]
-        if c.chunk_id in self.loaded:
-            return
-        self.mgr._unpack(c, self._values, self._grads, set())
-        self.mgr._drop(c)
-        self.loaded.add(c.chunk_id)
-
-    def placed(self, spec: Any) -> None:
-        for s in spec.slots:
-            c = self.owner[s.param_index]
-            self._values.pop(s.param_index, None)
-            self._grads.pop(s.param_index, None)
-            self.left[c.chunk_id] -= 1
-            if not self.left[c.chunk_id]:
-                del self.left[c.chunk_id]
-
-    def done(self) -> bool:
-        return not self.left and not self._values and not self._grads
-
-
-class _Lazy:
-    """``values[i]`` / ``i in grads`` / ``grads[i]`` for ``_build_chunk``, loading the owning old chunk first."""
-
-    def __init__(self, old: _OldChunks, which: str) -> None:
-        self.old, self.which = old, which
-
-    def _store(self) -> dict[int, torch.Tensor]:
-        return self.old._values if self.which == "values" else self.old._grads
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        self.old.load(i)
-        return self._store()[i]
-
-    def __contains__(self, i: object) -> bool:
-        if self.which == "grads" and i not in self.old.had_grad:
-            return False
-        self.old.load(i)  # type: ignore[arg-type]
-        return i in self._store()

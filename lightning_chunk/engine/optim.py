@@ -20,13 +20,14 @@ Muon, ...) cannot step flat views and are refused.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 
+from .chunk import Chunk
 from .config import ChunkConfig
 from .errors import UnsupportedOptimizerError
-from .consolidate import gather_optimizer_state, local_optimizer_state
+from .consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
 from .manager import ChunkManager
 
 ELEMENTWISE = frozenset(
@@ -79,6 +80,7 @@ class OptimizerBinding:
             [manager.index_of[id(p)] for p in g["params"]] for g in optimizer.param_groups
         ]
         self._views: dict[int, torch.Tensor] = {}
+        self._attached: set[int] = set()  # views whose gradient attach_grads set (see sync_zero_grad)
         self._choose_kernel()
 
     def _choose_kernel(self) -> None:
@@ -113,12 +115,13 @@ class OptimizerBinding:
             out[self.group_offset + k] = state_bytes_per_element(self.optimizer, g, dtype)
         return out
 
-    def bind(self) -> None:
-        """Point every group at the current master views; carry existing state over by parameter.
+    def bind(self, carried: Optional[dict[int, dict[str, Any]]] = None) -> None:
+        """Point every group at the current master views and give each view its optimizer state.
 
-        State the optimizer already holds for the module parameters (Adagrad creates its
-        ``sum`` in the constructor; a user may have stepped before) moves to the views too."""
-        old = self._views
+        ``carried``: this rank's pieces of the state, keyed by parameter index, as a repack carried them
+        ([Note: optimizer state through a repack] in ``repack.py``). ``None`` at the first bind: state the
+        optimizer already holds for the module parameters (Adagrad creates its ``sum`` in the constructor;
+        a user may have stepped before) is whole, and each rank keeps its own piece of it."""
         new: dict[int, torch.Tensor] = {}
         for k, g in enumerate(self.optimizer.param_groups):
             views = []
@@ -130,25 +133,30 @@ class OptimizerBinding:
                 views.append(v)
             g["params"] = views
         state = self.optimizer.state
+        if carried is None:
+            whole = {i: state.pop(self.manager.params[i]) for g in self.group_params for i in g
+                     if self.manager.params[i] in state}
+            carried = local_optimizer_state(self.manager, new, whole)
         for k, g in enumerate(self.optimizer.param_groups):
             step_on_device = bool(g.get("fused") or g.get("capturable"))
             for i in self.group_params[k]:
                 v = new.get(i)
-                prev = old.get(i, self.manager.params[i])
-                if v is not None and prev in state:
-                    state[v] = {key: self._move(val, v, step_on_device) for key, val in state.pop(prev).items()}
+                if v is not None and i in carried:
+                    state[v] = {key: self._move(val, v, step_on_device) for key, val in carried[i].items()}
         self._views = new
+        self._attached = set()
 
     @staticmethod
     def _move(val: Any, like: torch.Tensor, step_on_device: bool) -> Any:
         """Per-element state follows the view (flat, on its device); scalar ``step`` where the kernel wants it."""
         if not torch.is_tensor(val):
             return val
-        if val.dim() > 0 and val.numel() == like.numel():
+        if val.dim() > 0:
+            if val.numel() != like.numel():
+                raise ValueError(f"optimizer state of {val.numel()} elements for a shard piece of {like.numel()}: "
+                                 "state must be carried by piece, not by parameter")
             return val.reshape(like.shape).to(device=like.device)
-        if val.dim() == 0:
-            return val.to(like.device if step_on_device else "cpu")
-        return val
+        return val.to(like.device if step_on_device else "cpu")
 
     # ----------------------------------------------------- plain state format
     def _positions(self) -> list[int]:
@@ -219,13 +227,82 @@ class OptimizerBinding:
     def views(self) -> dict[int, torch.Tensor]:
         return self._views
 
+    def chunk_groups(self) -> range:
+        """The global param-group indices of this optimizer (a chunk belongs to exactly one group)."""
+        return range(self.group_offset, self.group_offset + len(self.group_params))
+
+    # ------------------------------------------------------------ gradients
     def attach_grads(self) -> None:
+        """Give each view its gradient (``None`` where the parameter got none), for ``step()`` and clipping.
+
+        [Note: zero_grad on a rebound optimizer] The gradients stay attached after the step, as
+        ``param.grad`` does in plain PyTorch. ``optimizer.zero_grad()`` then sets them to ``None`` (or
+        zeroes them in place, with ``set_to_none=False``) through the views, and ``sync_zero_grad``
+        reads that back at the start of the next backward: so a gradient the user cleared is
+        overwritten, one that was not cleared is accumulated into, exactly as in ``torch.optim``
+        (a GAN's generator gradients left over from the discriminator's backward are dropped by
+        ``opt_g.zero_grad()``). Watching the views rather than wrapping ``zero_grad`` also works
+        through Lightning's ``LightningOptimizer``, which calls the optimizer class's method."""
         for i, v in self._views.items():
             v.grad = self.manager.grad_view(i)
+        self._attached = {i for i, v in self._views.items() if v.grad is not None}
+
+    def sync_zero_grad(self) -> None:
+        """Clear the "got a gradient" flag of every parameter whose attached gradient ``zero_grad()`` set to ``None``."""
+        if not self._attached:
+            return
+        cleared = [i for i in self._attached if self._views[i].grad is None]
+        self._attached = set()
+        if cleared:
+            self.manager.clear_grads(cleared)
 
     def detach_grads(self) -> None:
         for v in self._views.values():
             v.grad = None
+        self._attached = set()
 
     def grads(self) -> list[torch.Tensor]:
         return [v.grad for v in self._views.values() if v.grad is not None]
+
+
+class OptimizerStateCarrier:
+    """Carries every bound optimizer's per-element state through a repack, piece by piece
+    ([Note: optimizer state through a repack] in ``repack.py``). Building it is a collective."""
+
+    def __init__(self, manager: ChunkManager, bindings: Sequence[OptimizerBinding]) -> None:
+        self.manager = manager
+        self.bindings = list(bindings)
+        # every rank agrees on the state keys and on each parameter's scalar state (``step``)
+        self.parts = [optimizer_state_parts(manager, b.views(), b.optimizer.state) for b in self.bindings]
+        self.owner = {g: k for k, b in enumerate(self.bindings) for g in b.chunk_groups()}
+        self.pieces: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in self.bindings]
+
+    def _binding_of_group(self, group: int) -> Optional[int]:
+        return self.owner.get(group)
+
+    def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        k = self._binding_of_group(chunk.spec.key.group)
+        if k is None or not self.parts[k].keys:
+            return {}
+        parts, b = self.parts[k], self.bindings[k]
+        out = {key: state_shard(self.manager, chunk, parts, key) for key in sorted(parts.keys)}
+        for t in chunk.tensors:  # the old state goes now: a repack never holds two copies of it
+            i = t.slot.param_index
+            parts.local.pop(i, None)
+            v = b.views().get(i)
+            if v is not None:
+                b.optimizer.state.pop(v, None)
+        return out
+
+    def give(self, param_index: int, pieces: dict[str, torch.Tensor]) -> None:
+        k = self._binding_of_group(self.manager.specs[param_index].key.group)
+        if k is not None and param_index in self.parts[k].scalars:  # a parameter with no state gets none
+            self.pieces[k][param_index] = pieces
+
+    def state_for(self, k: int) -> dict[int, dict[str, Any]]:
+        """Binding ``k``'s state on this rank after the repack: scalars merged across ranks, per-element pieces."""
+        parts = self.parts[k]
+        out = {i: dict(st) for i, st in parts.scalars.items()}
+        for i, pieces in self.pieces[k].items():
+            out.setdefault(i, {}).update(pieces)
+        return out

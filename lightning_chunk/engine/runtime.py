@@ -34,7 +34,7 @@ from .errors import DeviceMemoryLimitError, LayoutError
 from .hooks import ROOT, ChunkHooks
 from .manager import ChunkManager
 from .consolidate import full_values, load_values
-from .optim import OptimizerBinding
+from .optim import OptimizerBinding, OptimizerStateCarrier
 from .packing import Layout, build_layout, choose_chunk_numel, describe
 from .torchfile import release_freed_memory
 from .placement import ChunkView, make_policy, smallest_working_limit
@@ -76,6 +76,7 @@ class ChunkEngine:
         self.policy = make_policy(self.config)
         self.hooks = ChunkHooks(module, self.manager, self.policy)
         self.hooks.on_trace_done = self._trace_done
+        self.hooks.on_backward_start = self._sync_zero_grad
         self.bindings = [OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets)]
         self._optim_bytes: dict[int, int] = {}
         for b in self.bindings:
@@ -131,10 +132,11 @@ class ChunkEngine:
                     + f", more than device_memory_limit={limit} bytes; raise the limit, raise offload_fraction "
                     "(static) or use placement='auto' or 'host'."
                 )
-        self.manager.pack(layout, tiers)
+        carrier = OptimizerStateCarrier(self.manager, self.bindings) if self.manager.chunks else None
+        self.manager.pack(layout, tiers, extras=carrier)
         self.manager.reserve_optimizer_state(self._optim_bytes)
-        for b in self.bindings:
-            b.bind()
+        for k, b in enumerate(self.bindings):
+            b.bind(carrier.state_for(k) if carrier is not None else None)
 
     def _check_limit_before_trace(self) -> None:
         limit = self.manager.limit
@@ -246,38 +248,59 @@ class ChunkEngine:
         finally:
             self.manager.sync_grads = True
 
-    def prepare_step(self) -> None:
+    def _bindings(self, optimizer: Optional[torch.optim.Optimizer]) -> list[OptimizerBinding]:
+        """The binding of ``optimizer`` (the one being stepped), or every binding when ``None``."""
+        if optimizer is None:
+            return self.bindings
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        for b in self.bindings:
+            if b.optimizer is optimizer:
+                return [b]
+        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine was built with "
+                         "(chunk_offload can only step optimizers returned by configure_optimizers).")
+
+    def _sync_zero_grad(self) -> None:
+        """A backward starts: gradients that ``zero_grad()`` cleared since the last step are forgotten
+        ([Note: zero_grad on a rebound optimizer] in ``optim.py``)."""
+        for b in self.bindings:
+            b.sync_zero_grad()
+
+    def prepare_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Before ``optimizer`` steps (every bound optimizer when ``None``): finish the warm-up, agree across
+        ranks on which parameters got gradients, and attach its gradients to its views."""
         if self._finalize_pending:
             self._finalize()
         self.manager.agree_on_grads()
-        for b in self.bindings:
+        for b in self._bindings(optimizer):
             b.attach_grads()
 
-    def grads(self) -> list[torch.Tensor]:
-        return [g for b in self.bindings for g in b.grads()]
+    def grads(self, optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
+        return [g for b in self._bindings(optimizer) for g in b.grads()]
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm over every shard of every rank; returns that norm.
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients by their global norm over every shard of every rank; returns that norm.
 
         On one rank the arithmetic is ``torch.nn.utils.clip_grad_norm_``'s, step for step (per-tensor
         norms grouped by device, the norm of their stack, a clamped fp32 coefficient), so clipping is
-        bit-exact with plain PyTorch. Several ranks all-reduce the local ``norm ** p`` (max for inf).
+        bit-exact with plain PyTorch. Several ranks all-reduce the local ``norm ** p`` (max for inf)
+        on the collectives' device (NCCL takes device tensors only).
         """
-        grads = self.grads()
+        grads = self.grads(optimizer)
         norm_type = float(norm_type)
-        if not grads:
-            return torch.zeros(())
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
-        first = grads[0].device
+        first = grads[0].device if grads else torch.device("cpu")
         norms = [n.to(first) for gs in by_device.values() for n in torch._foreach_norm(gs, norm_type)]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        if self.comm.world_size > 1:
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=first)
+        if self.comm.world_size > 1:  # every rank takes part, also one that holds no gradient piece
+            dev = self.comm.tensor_device()
             if math.isinf(norm_type):
-                total = self.comm.all_reduce(total.reshape(1).cpu(), op="max")[0].to(first)
+                total = self.comm.all_reduce(total.reshape(1).to(dev), op="max", what="the gradient norm")[0].to(first)
             else:
-                acc = self.comm.all_reduce(total.double().pow(norm_type).reshape(1).cpu(), op="sum")[0]
+                acc = self.comm.all_reduce(total.double().pow(norm_type).reshape(1).to(dev), op="sum",
+                                           what="the gradient norm")[0]
                 total = acc.pow(1.0 / norm_type).float().to(first)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for device, gs in by_device.items():
@@ -285,21 +308,21 @@ class ChunkEngine:
         self.last_grad_norm = float(total)
         return total
 
-    def clip_grad_value_(self, clip_value: float) -> None:
-        for g in self.grads():
+    def clip_grad_value_(self, clip_value: float, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        for g in self.grads(optimizer):
             g.clamp_(min=-clip_value, max=clip_value)
 
-    def unscale_and_check(self) -> bool:
-        """fp16: unscale the gradients; True when some rank overflowed (every rank then skips)."""
+    def unscale_and_check(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """fp16: unscale ``optimizer``'s gradients; True when some rank overflowed (every rank then skips)."""
         assert self.scaler is not None
-        return self.scaler.unscale_and_check(self.grads(), self.comm)
+        return self.scaler.unscale_and_check(self.grads(optimizer), self.comm)
 
-    def finish_step(self, *, stepped: bool) -> None:
-        for b in self.bindings:
-            b.detach_grads()
+    def finish_step(self, *, stepped: bool, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """After ``optimizer`` stepped (or skipped): write its chunks' compute-dtype copies back. Gradients stay
+        until ``zero_grad()``, as in plain PyTorch."""
+        bindings = self._bindings(optimizer)
         if stepped:
-            self.manager.write_back()
-        self.manager.clear_grads()
+            self.manager.write_back(None if optimizer is None else [g for b in bindings for g in b.chunk_groups()])
 
     # ================================================================ results
     def memory_stats(self) -> dict[str, float]:

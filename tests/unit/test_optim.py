@@ -32,6 +32,7 @@ def run_steps(placement, make_opt, steps=6, unused_every=0, kernel="auto"):
         oref.zero_grad()
         fwd(ref).backward()
         oref.step()
+        o.zero_grad()
         with eng.micro_batch(training=True):
             loss = fwd(m)
         loss.backward()
