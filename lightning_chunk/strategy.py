@@ -66,8 +66,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
         prefetch: gather the next traced chunks ahead of use.
         pin_memory: page-lock host shards on CUDA machines.
         materialize_on_teardown: give the parameters their full trained values when ``fit`` ends.
+        materialize_optimizer_state: also give the optimizers their whole state back when ``fit`` ends.
         optimizer_kernel: ``"auto"``, ``"fused"``, ``"foreach"`` or ``"loop"``.
         assume_elementwise_optimizer: accept an optimizer class the engine does not know.
+        sharded_accumulation: several ranks: reduce-scatter each micro-batch's gradients into the shards
+            (``True``, ZeRO-3); ``False`` keeps them unreduced until the stepping micro-batch, like ``no_sync``.
         log_memory_stats: log ``memory_stats()`` to the Trainer's loggers every step.
         collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
         verify_collectives: several ranks: check before each chunk collective that all ranks agree on it
@@ -89,8 +92,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
         prefetch: bool = True,
         pin_memory: bool = True,
         materialize_on_teardown: bool = True,
+        materialize_optimizer_state: bool = False,
         optimizer_kernel: str = "auto",
         assume_elementwise_optimizer: bool = False,
+        sharded_accumulation: bool = True,
         log_memory_stats: bool = True,
         collective_timeout_s: float = 300.0,
         verify_collectives: Optional[bool] = None,
@@ -111,8 +116,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
             device_memory_limit=device_memory_limit,  # type: ignore[arg-type]
             offload_fraction=offload_fraction, chunk_numel=chunk_numel, chunk_numel_min=chunk_numel_min,
             chunk_numel_max=chunk_numel_max, prefetch=prefetch, pin_memory=pin_memory,
-            materialize_on_teardown=materialize_on_teardown, optimizer_kernel=optimizer_kernel,  # type: ignore[arg-type]
-            assume_elementwise_optimizer=assume_elementwise_optimizer, collective_timeout_s=collective_timeout_s,
+            materialize_on_teardown=materialize_on_teardown, materialize_optimizer_state=materialize_optimizer_state,
+            optimizer_kernel=optimizer_kernel,  # type: ignore[arg-type]
+            assume_elementwise_optimizer=assume_elementwise_optimizer, sharded_accumulation=sharded_accumulation,
+            collective_timeout_s=collective_timeout_s,
             verify_collectives=verify_collectives,
         )
         if state_dict_type not in ("sharded", "full"):
@@ -285,8 +292,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this for micro-batches that do not step: gradients stay local, unreduced."""
-        if self.engine is None:
+        """Lightning enters this for micro-batches that do not step. By default their gradients are still
+        reduce-scattered into the shards (accumulation stays sharded); with ``sharded_accumulation=False``
+        they stay local and unreduced until the stepping micro-batch."""
+        if self.engine is None or self.config.sharded_accumulation:
             yield
             return
         with self.engine.no_sync():

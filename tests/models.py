@@ -123,3 +123,90 @@ class ManualNet(ParityNet):
             opt.step()
             opt.zero_grad()
         return loss
+
+
+class ReorderedNet(ParityNet):
+    """ParityNet's parameters and values, registered in another order than they are used: head, norm, the
+    blocks backwards, embed. The warm-up repacks such a model from registration order into use order,
+    which moves every rank's piece of each parameter."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        embed, blocks, norm, head = self.embed, self.blocks, self.norm, self.head
+        del self.embed, self.blocks, self.norm, self.head
+        self.head, self.norm = head, norm
+        self.blocks_reversed = nn.ModuleList(list(blocks)[::-1])
+        self.embed = embed
+        if self.variant == "tied":
+            self.head.weight = self.embed.weight
+
+    @property
+    def blocks(self):  # use order, for ParityNet.forward
+        return list(self.blocks_reversed)[::-1]
+
+
+class TwoOptimizers(ParityNet):
+    """Manual optimization with two optimizers over disjoint parameters, GAN style: each phase's backward
+    also reaches the other optimizer's parameters, whose ``zero_grad()`` must drop those gradients.
+    Each optimizer clips its own gradients in ``on_before_optimizer_step`` (after fp16 unscaling)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(scheduler=False, **kw)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        first = [*self.embed.parameters(), *self.blocks[0].parameters()]
+        ids = {id(p) for p in first}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        return (torch.optim.AdamW(first, lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1),
+                torch.optim.SGD(rest, lr=self.lr * 5, momentum=0.9))
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        opt_a.zero_grad()
+        loss = F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.zero_grad()  # drops what the first backward left on the second optimizer's parameters
+        loss2 = 0.5 * F.cross_entropy(self(x).float().reshape(-1, VOCAB), torch.roll(y, 1, 1).reshape(-1))
+        self.manual_backward(loss2)
+        opt_b.step()
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        if isinstance(optimizer, torch.optim.AdamW):
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=0.02, gradient_clip_algorithm="value")
+
+
+class FloatBuffer(ParityNet):
+    """A float buffer added to the activations: in ``bf16-true`` it must be bf16 too."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, self.embed.embedding_dim))
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x) + self.shift
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+
+class RankBuffer(ParityNet):
+    """A buffer initialised differently on each rank and used in forward: ranks must start from rank 0's."""
+
+    def __init__(self, **kw) -> None:
+        import os
+
+        super().__init__(**kw)
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.register_buffer("offset", torch.full((self.embed.embedding_dim,), 0.05 * (rank + 1)))
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x) + self.offset
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))

@@ -42,6 +42,10 @@ class CollectiveTimeoutError(ChunkError):
     """A collective did not complete within the bounded wait."""
 
 
+class CollectiveDeviceError(ChunkError, ValueError):
+    """A tensor handed to a collective is not on the device its process group works on."""
+
+
 class Pending(NamedTuple):
     """A buffer and the work that fills it travel together (FSDP2's habit)."""
 
@@ -96,6 +100,18 @@ class Collectives:
         return c
 
     # ---------------------------------------------------------------- checks
+    def _check_device(self, what: str, *tensors: torch.Tensor) -> None:
+        """Every tensor of a collective must be on the group's device: NCCL rejects host tensors (and gloo
+        device ones) with an error that names neither the tensor nor the caller. Comparing device types
+        costs nothing next to the collective, so the check is always on."""
+        want = self._tag_device.type
+        for t in tensors:
+            if t.device.type != want:
+                raise CollectiveDeviceError(
+                    f"[rank {self.rank}] {what} was handed a tensor on {t.device}, but this process group works on "
+                    f"{want} tensors; move it with .to(comm.tensor_device()) first."
+                )
+
     def check_agreement(self, op: str, chunk: int, module: int = -1) -> None:
         """Exchange ``[op, chunk, module]`` with every rank; raise on every rank if they differ."""
         if self.world_size == 1 or not self.verify:
@@ -133,6 +149,7 @@ class Collectives:
         if self.world_size == 1:
             out.copy_(shard, non_blocking=True)
             return Pending(out, None)
+        self._check_device(f"all_gather of {self.names(chunk, module)}", out, shard)
         self.check_agreement("all_gather", chunk, module)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = fn(out, shard, group=self.group, async_op=True)
@@ -144,6 +161,7 @@ class Collectives:
         if self.world_size == 1:
             out.copy_(full, non_blocking=True)
             return Pending(out, None)
+        self._check_device(f"reduce_scatter of {self.names(chunk, module)}", out, full)
         self.check_agreement("reduce_scatter", chunk, module)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         work = fn(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -157,6 +175,7 @@ class Collectives:
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce") -> torch.Tensor:
         if self.world_size > 1:
+            self._check_device(what, t)
             work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group,
                                    async_op=True)
             Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s).wait()

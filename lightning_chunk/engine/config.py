@@ -71,8 +71,9 @@ class ChunkConfig:
 
     device_memory_limit: Optional[int] = None
     """Bytes of chunk memory (payloads, shards, gradients, optimizer state) allowed on the
-    device tier. ``None``: the device's total memory (unbounded on a CPU device).
-    Strings such as ``"2GiB"`` are accepted."""
+    device tier. ``None``: on CUDA, the device's free memory when training starts less a
+    margin for the CUDA context, the caching allocator's slack and the collectives' buffers
+    (``device_margin_bytes``); unbounded on a CPU device. Strings such as ``"2GiB"`` are accepted."""
 
     offload_fraction: float = 0.5
     """``static`` placement only: the fraction of chunks whose shards live on the host."""
@@ -95,8 +96,15 @@ class ChunkConfig:
     """Page-lock host-tier shards when the compute device is CUDA (ignored on CPU)."""
 
     materialize_on_teardown: bool = True
-    """When ``fit`` ends, give every parameter its full trained value back (on the device when
-    it fits under the limit, else on the host). Turn off for models larger than host memory."""
+    """When ``fit`` ends, give every parameter its full trained value back, on the host, streaming
+    chunk by chunk (the peak is the model plus one chunk). Turn off for models larger than host
+    memory: the parameters are then left empty, and the trained values are in the checkpoints."""
+
+    materialize_optimizer_state: bool = False
+    """When ``fit`` ends, also gather the whole optimizer state (Adam's moments: 8 bytes a parameter)
+    on every rank and give it back to the optimizer in the plain per-parameter form. Off by default:
+    the optimizer is pointed back at the module's parameters with no state, as the sharded state is
+    in the checkpoints and gathering it whole could run a rank out of memory at the end of a run."""
 
     optimizer_kernel: OptimizerKernel = "auto"
     """How Adam-family optimizers step the shards: ``auto`` picks torch's fused kernels where
@@ -106,6 +114,14 @@ class ChunkConfig:
     assume_elementwise_optimizer: bool = False
     """Accept an optimizer class the engine does not know. Only true for optimizers whose
     update of each element depends on that element alone (no parameter shapes)."""
+
+    sharded_accumulation: bool = True
+    """Several ranks, gradient accumulation: ``True`` reduce-scatters every micro-batch's gradients into
+    the shards, so a rank holds its share of the gradients plus a few chunks' gradient payloads in
+    flight (ZeRO-3, as DeepSpeed does). ``False`` keeps the gradients of micro-batches that do not
+    step unreduced in whole-chunk gradient payloads and reduces once per step, like DDP's and
+    FSDP's ``no_sync``: one reduce-scatter a step instead of one a micro-batch, at the price of the
+    whole model's gradient (in the master dtype) on every rank's device tier."""
 
     collective_timeout_s: float = 300.0
     """Several ranks: the longest any collective may wait before ``CollectiveTimeoutError`` names the chunk and
@@ -149,12 +165,30 @@ class ChunkConfig:
         if self.verify_collectives is not None and not isinstance(self.verify_collectives, bool):
             raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be True, False "
                              "or None.")
-        for name in ("prefetch", "pin_memory", "materialize_on_teardown", "assume_elementwise_optimizer", "check_invariants"):
+        for name in ("prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
+                     "assume_elementwise_optimizer", "sharded_accumulation", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
 
     def replace(self, **changes: object) -> "ChunkConfig":
         return dataclasses.replace(self, **changes)
+
+
+def device_margin_bytes(total_bytes: int) -> int:
+    """What ``device_memory_limit=None`` leaves free on a CUDA device: 10% of its memory, at least 1 GiB."""
+    return max(1 << 30, total_bytes // 10)
+
+
+def default_device_limit(device: torch.device) -> Optional[int]:
+    """``device_memory_limit=None`` made concrete: free memory now less ``device_margin_bytes``; ``None`` on CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    limit = free - device_margin_bytes(total)
+    if limit <= 0:
+        raise ValueError(f"device_memory_limit=None: {device} has {free} bytes free of {total}, less than the "
+                         f"{device_margin_bytes(total)}-byte margin; free device memory or set device_memory_limit.")
+    return limit
 
 
 @dataclass(frozen=True)

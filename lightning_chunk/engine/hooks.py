@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import DeviceMemoryLimitError
 from .chunk import Tier
+from .chunk import nbytes as tensor_nbytes
 from .collectives import CollectiveMismatchError, first_difference
 from .manager import ChunkManager
 from .placement import PlacementPolicy
@@ -62,6 +63,7 @@ class ChunkHooks:
         self._backward_queued = False
         self.on_trace_done: Optional[Callable[[Trace], None]] = None
         self.on_backward_start: Optional[Callable[[], None]] = None  # before the first gradient of a backward lands
+        self.on_backward_end: Optional[Callable[[], None]] = None  # every gradient of the backward is in its shard
         # instrumentation is injected, never global: a callable that receives a MomentEvent per moment
         self.recorder: Optional[Callable[[MomentEvent], None]] = None
         # module key -> indices of the parameters it owns directly; -> its chunk ids (per layout)
@@ -161,7 +163,8 @@ class ChunkHooks:
             return
         except DeviceMemoryLimitError:
             pass
-        for other in mgr.chunks:  # the plan was too optimistic: free everything that may go, then retry
+        mgr.land_in_flight()  # the plan was too optimistic: land the reduces in flight, free what may go, retry
+        for other in mgr.chunks:
             if other.chunk_id not in needed and other.is_evictable:
                 mgr.release(other)
         try:
@@ -171,14 +174,17 @@ class ChunkHooks:
             shards = sum(v.device_shard_bytes for v in views if v.shard_tier is Tier.DEVICE)
             in_use = [v.chunk_id for v in views if v.resident and not v.evictable and v.shard_tier is not Tier.DEVICE]
             pinned = sum(mgr.chunks[c].payload_bytes for c in in_use)
+            grads = sum(tensor_nbytes(c.grad_payload) for c in mgr.chunks)
             missing = sum(mgr.chunks[c].payload_bytes for c in needed if not mgr.chunks[c].is_resident)
             nonmodel = self.trace.nonmodel_at(self.position) if self.trace is not None else 0
             raise DeviceMemoryLimitError(
                 f"{e} Chunks {list(needed)} are needed now and nothing else can be evicted: {shards} bytes of "
                 f"shards stay on the device (placement={self.policy.name!r}), chunks {in_use} are in use "
-                f"({pinned} bytes) and {missing} more bytes must be gathered"
+                f"({pinned} bytes)"
+                + (f", {grads} bytes of gradients wait to be reduced" if grads else "")
+                + f" and {missing} more bytes must be gathered"
                 + (f", next to {nonmodel} bytes of traced activations" if nonmodel else "")
-                + f". The smallest limit that would work is {shards + pinned + missing + nonmodel} bytes"
+                + f". The smallest limit that would work is {shards + pinned + grads + missing + nonmodel} bytes"
                 + ("" if self.trace is not None else " plus the activations, which the warm-up step measures")
                 + "; or lower chunk_numel."
             ) from None
@@ -271,6 +277,11 @@ class ChunkHooks:
     def _queue_end_of_backward(self) -> None:
         if not self._backward_queued:
             self._backward_queued = True
+            if self.tracer.recording:
+                # the warm-up's backward: no trace yet, but this forward's moments (the same on every rank)
+                # say the order backward will complete the chunks in, near enough: reverse first use
+                # ([Note: reduce order] in manager.py)
+                self.manager.set_reduce_order(self.tracer.forward_first_use()[::-1])
             if self.on_backward_start is not None:
                 self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
@@ -280,6 +291,8 @@ class ChunkHooks:
         self._backward_queued = False
         self._check_same_sequence()
         self.manager.end_backward()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
         if self.tracer.recording:
             self.trace = self.tracer.finish()
             if self.on_trace_done is not None:

@@ -21,10 +21,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 
 from .chunk import Chunk, TensorInfo, Tier
+from .chunk import nbytes as tensor_nbytes
 from .collectives import Collectives
 from .config import ChunkConfig, DtypePolicy
 from .errors import DeviceMemoryLimitError
 from .packing import ChunkKey, ChunkSpec, Layout, ParamSpec
+from .offload import GradOffload
 from .placement import ChunkView
 from .repack import ExtraShards, FromModule, OldChunks, piece_range
 from .states import TensorState, check_transition
@@ -73,6 +75,7 @@ class ChunkManager:
         self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
         self.ledger = {Tier.DEVICE: 0, Tier.HOST: 0}
         self.device_peak = 0
+        self.grad_payload_peak = 0  # several ranks: most bytes of unreduced whole-chunk gradients alive at once
         self.transfers = TransferStats()
         self.sync_grads = True  # False inside no_sync(): keep gradients local (accumulation)
         self._inflight: list[tuple[Chunk, Any]] = []  # reduce-scatters launched, not yet landed
@@ -82,6 +85,7 @@ class ChunkManager:
         self._reduce_next = 0
         self._pin = config.pin_memory and self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.offload = GradOffload(self.device, pinned=self._pin)
         self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation
 
     # ================================================================ accounting
@@ -216,7 +220,12 @@ class ChunkManager:
         when each chunk holds consecutive layers; but a chunk of one param group's norms and
         biases spans the whole model and completes only at the end of backward, so with it
         first in line every other gradient payload stayed alive until then: the whole model's
-        gradient, unsharded (4 bytes a parameter in fp32) at the peak.
+        gradient, unsharded (4 bytes a parameter in fp32) at the peak. The warm-up's backward has
+        no trace yet; it takes the reverse of its forward's first use of each chunk (``ChunkHooks``),
+        because "highest id first" in the registration-order layout of a model registered in
+        another order than it runs (head before embedding) put the chunk backward completes
+        *last* first in line: every gradient payload stayed alive, and under a limit the first
+        step failed.
         """
         trainable = {c.chunk_id for c in self.chunks if c.trainable}
         named = [cid for cid in dict.fromkeys(completion) if cid in trainable]
@@ -262,8 +271,12 @@ class ChunkManager:
         if broadcast:
             self.comm.broadcast(full)  # every rank starts from rank 0's values, as DDP does
         chunk.aliased = self.comm.world_size == 1 and tier is Tier.DEVICE
-        if tier is Tier.DEVICE:
-            self._reserve_device(self.device_shard_bytes(chunk), f"chunk {spec.chunk_id}'s shard on the device tier")
+        # the shard, when it lives on the device, and the payload: allocated to make the views, and released at
+        # once unless it is the shard itself
+        need = self.device_shard_bytes(chunk) if tier is Tier.DEVICE else 0
+        need += 0 if chunk.aliased else chunk.payload_bytes
+        self._reserve_device(need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier"
+                                                                          if tier is Tier.DEVICE else ""))
         with self._tracked(chunk):
             chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=self.device)
             if chunk.aliased:
@@ -335,7 +348,12 @@ class ChunkManager:
             if chunk.shard_tier is Tier.HOST:
                 self.transfers.h2d_bytes += src.numel() * src.element_size()
                 if self.comm.world_size > 1 and src.device != self.comm.tensor_device():
-                    src = src.to(self.comm.tensor_device(), non_blocking=True)  # collectives need device tensors
+                    # collectives need device tensors: stage the host shard in this rank's slice of the
+                    # payload and all-gather in place (as FSDP2 does), so no unaccounted buffer is made
+                    lo, hi = chunk.shard_range
+                    staged = chunk.payload[lo:hi]
+                    staged.copy_(src, non_blocking=True)
+                    src = staged
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
@@ -383,13 +401,9 @@ class ChunkManager:
         check_transition(info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id,
                          rank=chunk.rank)  # before touching data: a refused gradient leaves nothing half-added
         if self.comm.world_size == 1:
-            dst = chunk.grad[info.offset : info.offset + info.numel]
-            # synchronous when it crosses devices: the host add must not read a copy still in flight
-            src = grad.reshape(-1).to(dst.device)
-            if info.has_grad:  # accumulation across micro-batches
-                dst.add_(src)
-            else:  # the first gradient of a step overwrites what the last step left
-                dst.copy_(src)
+            # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
+            # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
+            self.offload.copy(chunk.grad[info.offset : info.offset + info.numel], grad, add=info.has_grad)
             if chunk.shard_tier is Tier.HOST:
                 self.transfers.d2h_bytes += grad.numel() * grad.element_size()
         else:
@@ -398,6 +412,7 @@ class ChunkManager:
                     self._make_room_for(chunk.capacity_numel * chunk.grad.element_size(),
                                         f"chunk {chunk.chunk_id}'s gradient payload")
                     chunk.grad_payload = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype, device=self.device)
+                    self._note_grad_payloads()
                 chunk.grad_payload[info.offset : info.offset + info.numel].add_(grad.reshape(-1))
         info.has_grad = True
         chunk.set_state(info, S.READY_FOR_REDUCE)
@@ -409,10 +424,21 @@ class ChunkManager:
         self._changed()
         return chunk
 
+    def _note_grad_payloads(self) -> None:
+        """Several ranks: keep the peak of whole-chunk gradient bytes alive at once (unsharded gradients)."""
+        live = sum(tensor_nbytes(c.grad_payload) for c in self.chunks)
+        self.grad_payload_peak = max(self.grad_payload_peak, live)
+
+    def land_in_flight(self) -> None:
+        """Finish the reduce-scatters and gradient copies in flight: their gradient payloads go and their chunks
+        (held in READY_FOR_REDUCE until reduced) become evictable. What a device limit needs before it evicts."""
+        self._finish_reduces()
+        self.offload.drain()
+
     def _make_room_for(self, nbytes: int, what: str) -> None:
-        """Room for a gradient payload: land the reduce-scatters in flight (their buffers go), then evict."""
+        """Room for a gradient payload: land the reduce-scatters and copies in flight (their buffers go), then evict."""
         if self.limit is not None and self.ledger[Tier.DEVICE] + nbytes > self.limit:
-            self._finish_reduces()
+            self.land_in_flight()
             if self.ledger[Tier.DEVICE] + nbytes > self.limit and self.make_room is not None:
                 self.make_room(nbytes)
         self._reserve_device(nbytes, what)
@@ -430,28 +456,34 @@ class ChunkManager:
                     self._make_room_for(chunk.capacity_numel * chunk.grad.element_size(),  # type: ignore[union-attr]
                                         f"chunk {chunk.chunk_id}'s gradient payload")
                     chunk.grad_payload = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype, device=self.device)
+                    self._note_grad_payloads()
                 chunk.grad_payload.mul_(1.0 / self.comm.world_size)
-                out = torch.empty(chunk.shard_numel, dtype=chunk.master_dtype, device=chunk.grad_payload.device)
-                pending = self.comm.reduce_scatter(out, chunk.grad_payload, chunk=chunk.chunk_id, async_op=True)
+                # in place: this rank's slice of the payload is the output (NCCL and gloo both take
+                # ``out == full[rank * n : (rank + 1) * n]``), so no unaccounted buffer is allocated
+                lo, hi = chunk.shard_range
+                pending = self.comm.reduce_scatter(chunk.grad_payload[lo:hi], chunk.grad_payload,
+                                                   chunk=chunk.chunk_id, async_op=True)
             self._inflight.append((chunk, pending))
             if len(self._inflight) > 2:  # bound the gradient payloads alive at once
                 self._finish_reduces(keep=2)
         chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
 
     def _finish_reduces(self, keep: int = 0) -> None:
+        """Land the oldest reduce-scatters until ``keep`` are in flight: their output goes into the gradient shard
+        (a side-stream copy for a host shard on CUDA, which keeps the payload until it is done)."""
         while len(self._inflight) > keep:
             chunk, pending = self._inflight.pop(0)
             out = pending.wait()
-            with self._tracked(chunk):
-                assert chunk.grad is not None
-                if chunk.grad_written:
-                    chunk.grad.add_(out.to(chunk.grad.device))
-                else:
-                    chunk.grad.copy_(out)
-                    chunk.grad_written = True
-                if chunk.shard_tier is Tier.HOST:
-                    self.transfers.d2h_bytes += out.numel() * out.element_size()
-                chunk.grad_payload = None
+            assert chunk.grad is not None
+            add, chunk.grad_written = chunk.grad_written, True
+            if chunk.shard_tier is Tier.HOST:
+                self.transfers.d2h_bytes += out.numel() * out.element_size()
+            self.offload.copy(chunk.grad, out, add=add, on_done=lambda c=chunk: self._free_grad_payload(c))
+            self.offload.drain(keep=2)  # bound the payloads still being copied
+
+    def _free_grad_payload(self, chunk: Chunk) -> None:
+        with self._tracked(chunk):
+            chunk.grad_payload = None
 
     def _drain(self, *, force: bool) -> None:
         """Reduce chunks in the one order every rank shares; ``force`` also takes incomplete ones (end of backward)."""
@@ -468,6 +500,7 @@ class ChunkManager:
             self._drain(force=True)
             self._finish_reduces()
             self._reduce_next = 0
+        self.offload.drain()  # the optimizer and the next step read finished gradient shards
         for c in self.chunks:
             if any(t.state is S.READY_FOR_REDUCE for t in c.tensors):
                 if self.comm.world_size == 1:
@@ -568,13 +601,26 @@ class ChunkManager:
         self._changed()
 
     # ============================================================ full values
-    def unpack(self, values: Optional[Mapping[int, torch.Tensor]]) -> None:
-        """Give every parameter ``values[i]`` as a plain tensor (an empty one without values) and drop all chunks."""
-        for i, p in enumerate(self.params):
-            if id(p) not in self._where:
-                continue
-            p.data = values[i] if values is not None else torch.empty(0, dtype=p.dtype, device=p.device)
-        self._drop_all()
+    def unpack(self, *, materialize: bool, device: Optional[torch.device] = None) -> None:
+        """Drop every chunk, giving each parameter a plain tensor: its whole trained value (original dtype, on
+        ``device``, the host by default) when ``materialize``, else an empty one.
+
+        Streams: each chunk is gathered, its parameters take their values, and its shards are freed before
+        the next, so the peak is the model plus one chunk, not the model next to every shard. With several
+        ranks and ``materialize`` this is a collective (chunks go in id order on every rank)."""
+        for c in self.chunks:
+            full = self.gather_shard(c, c.master_tensor_for_read()) if materialize else None
+            for t in c.tensors:
+                p = t.param
+                if full is not None:
+                    value = full[t.offset : t.offset + t.numel].view(t.shape)
+                    p.data = value.to(device=device or _HOST, dtype=t.orig_dtype, copy=True)
+                else:
+                    p.data = torch.empty(0, dtype=t.orig_dtype, device=p.device)
+            del full
+            self.drop(c)
+        self.chunks = []
+        self._where = {}
         self.layout = None
         self._all_aliased = False
         self._changed()
@@ -584,6 +630,7 @@ class ChunkManager:
         return {
             "device_chunk_bytes": self.ledger[Tier.DEVICE],
             "device_chunk_bytes_peak": self.device_peak,
+            "grad_payload_bytes_peak": self.grad_payload_peak,
             "host_chunk_bytes": self.ledger[Tier.HOST],
             "h2d_bytes": self.transfers.h2d_bytes,
             "d2h_bytes": self.transfers.d2h_bytes,

@@ -235,26 +235,29 @@ class OptimizerBinding:
     def attach_grads(self) -> None:
         """Give each view its gradient (``None`` where the parameter got none), for ``step()`` and clipping.
 
-        [Note: zero_grad on a rebound optimizer] The gradients stay attached after the step, as
-        ``param.grad`` does in plain PyTorch. ``optimizer.zero_grad()`` then sets them to ``None`` (or
-        zeroes them in place, with ``set_to_none=False``) through the views, and ``sync_zero_grad``
-        reads that back at the start of the next backward: so a gradient the user cleared is
-        overwritten, one that was not cleared is accumulated into, exactly as in ``torch.optim``
-        (a GAN's generator gradients left over from the discriminator's backward are dropped by
-        ``opt_g.zero_grad()``). Watching the views rather than wrapping ``zero_grad`` also works
-        through Lightning's ``LightningOptimizer``, which calls the optimizer class's method."""
+        [Note: zero_grad on a rebound optimizer] As ``param.grad`` in plain PyTorch, the gradients are
+        attached at the end of every backward and stay attached after the step. ``optimizer.zero_grad()``
+        then sets them to ``None`` (or zeroes them in place, with ``set_to_none=False``) through the
+        views, and ``sync_zero_grad`` reads that back before the flags are used again (the next backward,
+        the next step): a gradient the user cleared is overwritten, one that was not is accumulated into,
+        exactly as in ``torch.optim`` (a GAN's ``opt_g.zero_grad()`` drops the generator gradients of the
+        discriminator's backward, also before ``opt_g`` first stepped). Reading the views rather than
+        wrapping ``zero_grad`` also works through Lightning's ``LightningOptimizer``, which calls the
+        optimizer class's method on itself."""
         for i, v in self._views.items():
             v.grad = self.manager.grad_view(i)
         self._attached = {i for i, v in self._views.items() if v.grad is not None}
 
     def sync_zero_grad(self) -> None:
-        """Clear the "got a gradient" flag of every parameter whose attached gradient ``zero_grad()`` set to ``None``."""
+        """Forget the gradients ``zero_grad()`` set to ``None`` since they were attached: those parameters', and
+        (as the optimizer's ``zero_grad`` ran) those of this optimizer's parameters this rank holds no piece of."""
         if not self._attached:
             return
         cleared = [i for i in self._attached if self._views[i].grad is None]
-        self._attached = set()
+        self._attached.difference_update(cleared)
         if cleared:
-            self.manager.clear_grads(cleared)
+            elsewhere = [i for g in self.group_params for i in g if i not in self._views]
+            self.manager.clear_grads(cleared + elsewhere)
 
     def detach_grads(self) -> None:
         for v in self._views.values():

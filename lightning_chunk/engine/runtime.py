@@ -29,7 +29,7 @@ import torch
 
 from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
-from .config import ChunkConfig, DtypePolicy
+from .config import ChunkConfig, DtypePolicy, default_device_limit
 from .errors import DeviceMemoryLimitError, LayoutError
 from .hooks import ROOT, ChunkHooks
 from .manager import ChunkManager
@@ -53,7 +53,11 @@ class ChunkEngine:
         device: Optional[torch.device] = None,
         collectives: Optional[Collectives] = None,
     ) -> None:
-        self.config = config or ChunkConfig()
+        config = config or ChunkConfig()
+        device = device or torch.device("cpu")
+        if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
+            config = config.replace(device_memory_limit=default_device_limit(device))
+        self.config = config
         self.module = module
         named = list(module.named_parameters())
         index_of = {id(p): i for i, (_, p) in enumerate(named)}
@@ -72,11 +76,12 @@ class ChunkEngine:
                     group_of[i] = offset
                 offset += 1
         self.manager = ChunkManager(named, group_of, config=self.config, dtypes=dtypes or DtypePolicy(),
-                                    device=device or torch.device("cpu"), collectives=collectives)
+                                    device=device, collectives=collectives)
         self.policy = make_policy(self.config)
         self.hooks = ChunkHooks(module, self.manager, self.policy)
         self.hooks.on_trace_done = self._trace_done
-        self.hooks.on_backward_start = self._sync_zero_grad
+        self.hooks.on_backward_start = self._backward_starts
+        self.hooks.on_backward_end = self._backward_ends
         self.bindings = [OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets)]
         self._optim_bytes: dict[int, int] = {}
         for b in self.bindings:
@@ -84,12 +89,15 @@ class ChunkEngine:
         self.scaler: Optional[DynamicLossScaler] = None
         self.warmed_up = False
         self._finalize_pending = False
+        self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
         self.last_grad_norm: Optional[float] = None
 
         layout = self._choose_layout(list(range(len(named))), trace=None)
-        self._place(layout, *self._plan_tiers(layout, trace=None))
+        views, tiers = self._plan_tiers(layout, trace=None)
         self.hooks.install()
-        self._check_limit_before_trace()
+        self._check_limit_before_trace(layout, views)
+        self._place(layout, views, tiers)  # several ranks: parameters start from rank 0's values
+        self._broadcast_buffers()
 
     # ================================================================= layout
     @property
@@ -138,28 +146,36 @@ class ChunkEngine:
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)
 
-    def _check_limit_before_trace(self) -> None:
+    def _check_limit_before_trace(self, layout: Layout, views: list[ChunkView]) -> None:
+        """Before anything is allocated: a limit that cannot hold even one module's chunks is refused."""
         limit = self.manager.limit
         if limit is None:
             return
-        need = 0
-        root = self.hooks._owned.get(ROOT, ())
-        root_bytes = sum(self.manager.chunks[c].payload_bytes
-                         for c in self.manager.chunk_ids_of([self.manager.params[i] for i in root]))
-        for own in self.hooks._owned.values():
-            ids = self.manager.chunk_ids_of([self.manager.params[i] for i in own])
-            need = max(need, sum(self.manager.chunks[c].payload_bytes for c in ids))
-        need += root_bytes
+        slot_of = layout.slot_of()
+        payload = {v.chunk_id: v.payload_bytes for v in views}
+
+        def chunk_bytes(params: tuple[int, ...]) -> int:
+            return sum(payload[c] for c in {slot_of[i].chunk_id for i in params})
+
+        root_bytes = chunk_bytes(self.hooks._owned.get(ROOT, ()))
+        need = max((chunk_bytes(own) for own in self.hooks._owned.values()), default=0) + root_bytes
         # several ranks: backward also needs a whole chunk's gradient payload next to the payloads
-        need += max((v.grad_payload_bytes for v in self.manager.views()), default=0)
+        need += max((v.grad_payload_bytes for v in views), default=0)
         if need > limit:
             raise DeviceMemoryLimitError(
                 f"device_memory_limit={limit} bytes is too small: one module needs {need} bytes of chunks at once "
-                f"({describe(self.manager.layout)}"
+                f"({describe(layout)}"
                 + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
                 + f"), before any activations. The smallest limit that could work is {need} bytes plus the "
                 "activations, which the warm-up step measures; or lower chunk_numel."
             )
+
+    def _broadcast_buffers(self) -> None:
+        """Several ranks: every buffer starts from rank 0's value, as DDP (and FSDP's ``sync_module_states``) do."""
+        if self.comm.world_size == 1:
+            return
+        for buf in self.module.buffers():
+            self.comm.broadcast(buf.data)
 
     # ================================================================ warm-up
     def _trace_done(self, trace: Trace) -> None:
@@ -259,22 +275,35 @@ class ChunkEngine:
         raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine was built with "
                          "(chunk_offload can only step optimizers returned by configure_optimizers).")
 
-    def _sync_zero_grad(self) -> None:
-        """A backward starts: gradients that ``zero_grad()`` cleared since the last step are forgotten
-        ([Note: zero_grad on a rebound optimizer] in ``optim.py``)."""
+    def _backward_starts(self) -> None:
+        """A backward starts: gradients that ``zero_grad()`` cleared since they were attached are forgotten
+        ([Note: zero_grad on a rebound optimizer] in ``optim.py``); the ranks will vote again."""
         for b in self.bindings:
             b.sync_zero_grad()
+        self._agreed = False
 
-    def prepare_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Before ``optimizer`` steps (every bound optimizer when ``None``): finish the warm-up, agree across
-        ranks on which parameters got gradients, and attach its gradients to its views."""
-        if self._finalize_pending:
-            self._finalize()
-        self.manager.agree_on_grads()
-        for b in self._bindings(optimizer):
+    def _backward_ends(self) -> None:
+        """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
+        for b in self.bindings:
             b.attach_grads()
 
+    def prepare_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Before an optimizer is stepped or gradients are read: forget what ``zero_grad()`` cleared, finish the
+        warm-up (a repack rebinds every optimizer), agree across ranks on which parameters got gradients, and
+        attach them to the views. Idempotent until the next backward: clipping in a manual ``training_step``
+        before ``opt.step()``, the step itself and a second optimizer's step may all ask."""
+        for b in self.bindings:
+            b.sync_zero_grad()
+        if self._finalize_pending:
+            self._finalize()
+            self._backward_ends()
+        if not self._agreed:
+            self.manager.agree_on_grads()
+            self._agreed = True
+            self._backward_ends()
+
     def grads(self, optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
+        self.prepare_step(optimizer)
         return [g for b in self._bindings(optimizer) for g in b.grads()]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -366,17 +395,19 @@ class ChunkEngine:
         rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
         self.module.load_state_dict(rest, strict=False)
 
-    def teardown(self, *, materialize: bool = True, device: Optional[torch.device] = None) -> None:
-        """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off).
+    def teardown(self, *, materialize: bool = True, optimizer_state: Optional[bool] = None,
+                 device: Optional[torch.device] = None) -> None:
+        """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off), on
+        ``device`` (the host by default), chunk by chunk. ``optimizer_state`` (default: the config's
+        ``materialize_optimizer_state``) also gives the optimizers their whole state back; without it they are
+        pointed back at the parameters with no state.
 
         With ``materialize`` off nothing here is a collective, so it is safe after another rank failed.
         """
+        if optimizer_state is None:
+            optimizer_state = self.config.materialize_optimizer_state
         self.hooks.remove()
         for b in self.bindings:
             b.detach_grads()
-            b.unbind(whole_state=materialize)
-        if device is None:
-            total = sum(p.numel() * p.element_size() for p in self.manager.params)
-            limit = self.manager.limit
-            device = self.manager.device if limit is None or total <= limit else torch.device("cpu")
-        self.manager.unpack(full_values(self.manager, device=device) if materialize else None)
+            b.unbind(whole_state=materialize and optimizer_state)
+        self.manager.unpack(materialize=materialize, device=device)

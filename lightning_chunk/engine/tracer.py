@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
@@ -187,7 +188,19 @@ class SavedBytesCounter:
 
 
 class MemoryTracer:
-    """Records moments while ``recording``; ``finish()`` returns the ``Trace``."""
+    """Records moments while ``recording``; ``finish()`` returns the ``Trace``.
+
+    [Note: peaks between moments] Memory read at the hooks alone misses what a module holds
+    only while it runs: attention scores, the loss's logits in fp32, a fused kernel's
+    workspace. On CUDA the tracer also reads the caching allocator's peak since the previous
+    moment (and resets it, during the warm-up step only) and charges that peak, less the chunk
+    bytes, to the previous moment: the module that ran between the two moments is the one
+    that held it, and the placement budget at that moment is what must leave room for it. The
+    chunk bytes subtracted are the ledger's at the later moment, so gradient payloads freed
+    in between are counted as non-model memory: the error is on the safe side. Anyone reading
+    ``torch.cuda.max_memory_allocated`` across the warm-up step sees its peak since the last
+    moment of that step.
+    """
 
     def __init__(self, is_model_storage: Callable[[torch.Tensor], bool], device: torch.device,
                  chunk_device_bytes: Callable[[], int]) -> None:
@@ -198,20 +211,44 @@ class MemoryTracer:
         self.recording = False
 
     def nonmodel_bytes(self) -> int:
+        """Live non-model bytes now: saved activations, and on CUDA whatever else is allocated beyond chunks."""
         live = self.counter.live_bytes
         if self._device.type == "cuda":
             allocated = torch.cuda.memory_allocated(self._device) - self._chunk_device_bytes()
             live = max(live, allocated)
         return max(live, 0)
 
+    def _peak_since_last_moment(self) -> int:
+        if self._device.type != "cuda":
+            return 0
+        peak = torch.cuda.max_memory_allocated(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        return max(peak - self._chunk_device_bytes(), 0)
+
+    def _charge_previous(self, peak: int) -> None:
+        if self._moments and peak > self._moments[-1].nonmodel_bytes:
+            self._moments[-1] = dataclasses.replace(self._moments[-1], nonmodel_bytes=peak)
+
     def record(self, kind: str, module: str, chunk_ids: Sequence[int], param_indices: Sequence[int]) -> None:
         if self.recording:
+            self._charge_previous(self._peak_since_last_moment())
             self._moments.append(Moment(kind, module, tuple(chunk_ids), tuple(param_indices), self.nonmodel_bytes()))
+
+    def forward_first_use(self) -> list[int]:
+        """Chunk ids in the order the recording's forward moments first used them (so far)."""
+        seen: dict[int, None] = {}
+        for m in self._moments:
+            if m.kind == FORWARD:
+                for c in m.chunk_ids:
+                    seen.setdefault(c, None)
+        return list(seen)
 
     def start(self) -> None:
         self._moments.clear()
         self.recording = True
+        self._peak_since_last_moment()  # the peak window opens here
 
     def finish(self) -> Trace:
+        self._charge_previous(self._peak_since_last_moment())  # the last module's backward
         self.recording = False
         return Trace(tuple(self._moments))

@@ -20,24 +20,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision  # noqa: E402
+from tests import models  # noqa: E402
+from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
 
 STEPS = 24
 BIG = dict(dim=64, hidden=1024)
+# enough chunks that the whole gradient is many times the few payloads in flight
+ACCUMULATE = dict(trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6),
+                  strategy=dict(chunk_numel=20000))
 CASES = {
     "plain": dict(),
     "clip_norm": dict(trainer=dict(gradient_clip_val=0.05)),
     "clip_value": dict(trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")),
-    "accumulate": dict(trainer=dict(accumulate_grad_batches=2)),
+    "accumulate": ACCUMULATE,  # the default: every micro-batch reduce-scattered into the shards
+    "accumulate_unsharded": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, sharded_accumulation=False)),
     "tied": dict(variant="tied"),
     "frozen": dict(variant="frozen"),
     "unused": dict(variant="unused"),
     "host": dict(strategy=dict(placement="host")),
     # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
     "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
+    # the defaults a user gets: automatic chunk size, on a model used in another order than registered
+    "reordered_auto": dict(cls="ReorderedNet", strategy=dict(chunk_numel=None)),
+    # below a rank's share of the training state (16 bytes a parameter over 2 ranks: 2x the parameter bytes);
+    # the automatic layout's backward working set (two half-reduced chunks and their gradient payloads) needs
+    # about 0.8x here, so a limit below the parameter share alone would be refused with its numbers
+    "reordered_auto_limit": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3),
+                                 strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
+    "two_optimizers": dict(cls="TwoOptimizers"),
+    "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
+    "rank_buffer": dict(cls="RankBuffer"),
 }
 
 
@@ -51,25 +68,31 @@ def trainer(strategy, steps=STEPS, **kw):
 def run_parity(case: str, out: Path) -> None:
     spec = CASES[case]
     variant, model_kw, tkw = spec.get("variant", "plain"), spec.get("model", {}), spec.get("trainer", {})
+    cls = getattr(models, spec.get("cls", "ParityNet"))
+    fp16 = spec.get("fp16", False)
     L.seed_everything(7, verbose=False)
-    ref = ParityNet(variant=variant, **model_kw)
-    trainer(DDPStrategy(find_unused_parameters=variant == "unused"), **tkw).fit(ref, token_data())
+    ref = cls(variant=variant, **model_kw)
+    ref_plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if fp16 else None
+    trainer(DDPStrategy(find_unused_parameters=variant == "unused"), plugins=ref_plugins, **tkw).fit(ref, token_data())
     skw = dict(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60)
     skw.update(spec.get("strategy", {}))
     if "limit_fraction" in spec:
         param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
         skw["device_memory_limit"] = int(param_bytes * spec["limit_fraction"])  # below this rank's share
     L.seed_everything(7, verbose=False)
-    got = ParityNet(variant=variant, **model_kw)
+    got = cls(variant=variant, **model_kw)
     strategy = ChunkOffloadStrategy(**skw)
-    t = trainer(strategy, **tkw)
+    t = trainer(strategy, plugins=[ChunkPrecision("16-mixed")] if fp16 else None, **tkw)
     t.fit(got, token_data())
     rank = t.global_rank
     stats = dict(strategy.memory_stats(), limit=skw.get("device_memory_limit"),
-                 param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()))
+                 param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()),
+                 buffers={n: b.float().sum().item() for n, b in got.named_buffers()})
     (out / f"{case}.stats{rank}.json").write_text(json.dumps(stats))
     if rank == 0:
-        torch.save({"ref": ref.state_dict(), "got": got.state_dict()}, out / f"{case}.pt")
+        L.seed_everything(7, verbose=False)
+        init = cls(variant=variant, **model_kw).state_dict()
+        torch.save({"ref": ref.state_dict(), "got": got.state_dict(), "init": init}, out / f"{case}.pt")
     print(f"CASE-DONE {case} rank={rank}", flush=True)
 
 
@@ -87,7 +110,8 @@ def run_resume(out: Path) -> None:
     results = {}
     for name, make in [("ddp", lambda: "ddp"),
                        ("chunk", lambda: ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop",
-                                                              placement="host", collective_timeout_s=60))]:
+                                                              placement="host", collective_timeout_s=60,
+                                                              materialize_optimizer_state=True))]:
         ckdir = out / f"ckpt_{name}"
         L.seed_everything(11, verbose=False)
         model = LogsRank()
@@ -141,6 +165,23 @@ def run_reshard_resume(out: Path) -> None:
     if t.global_rank == 0:
         torch.save({"ref": results["ddp"], "got": results["chunk"]}, out / "reshard_resume.pt")
     print(f"CASE-DONE reshard_resume rank={t.global_rank}", flush=True)
+
+
+def run_resume_defaults(out: Path) -> None:
+    results = {}
+    t, _ = resume_fit("ddp", out / "from2_ddp", 8)
+    for v in RESUME_VARIANTS:
+        resume_fit(resume_strategy(v), out / f"from2_{v}", 8)
+    for src in ("from2", "from1"):
+        ref_ckpt = out / ("from2_ddp" if src == "from2" else "from1_auto") / "step=8.ckpt"
+        t, m = resume_fit("ddp", None, 12, ckpt_path=ref_ckpt)
+        results[f"{src}.ddp"] = final_state(t, m)
+        for v in RESUME_VARIANTS:
+            t, m = resume_fit(resume_strategy(v), None, 12, ckpt_path=out / f"{src}_{v}" / "step=8.ckpt")
+            results[f"{src}.{v}"] = final_state(t, m)
+    if t.global_rank == 0:
+        torch.save(results, out / "resume_defaults.pt")
+    print(f"CASE-DONE resume_defaults rank={t.global_rank}", flush=True)
 
 
 class SkipOnRankOne(ParityNet):
@@ -201,6 +242,8 @@ if __name__ == "__main__":
             run_reshard_save(out_dir)
         elif name == "reshard_resume":
             run_reshard_resume(out_dir)
+        elif name == "resume_defaults":
+            run_resume_defaults(out_dir)
         else:
             run_parity(name, out_dir)
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise

@@ -66,7 +66,8 @@ def test_resume_is_deterministic_and_matches_auto(tmp_path):
     train_and_save(tmp_path / "chunk", chunk(placement="device"))
     runs, states = [], []
     for path, make in [(tmp_path / "auto" / "step=8.ckpt", lambda: "auto")] + [
-            (tmp_path / "chunk" / "step=8.ckpt", lambda: chunk(placement="host", device_memory_limit=120_000))] * 2:
+            (tmp_path / "chunk" / "step=8.ckpt", lambda: chunk(placement="host", device_memory_limit=120_000,
+                                                              materialize_optimizer_state=True))] * 2:
         strategy = make()
         L.seed_everything(11, verbose=False)
         m = ParityNet(variant="tied")

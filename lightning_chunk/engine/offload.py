@@ -1,0 +1,105 @@
+"""Gradients leaving the device for host shards, copied on a side stream while backward goes on.
+
+[Note: gradient offload]
+A chunk whose shard lives on the host takes its gradients there: each parameter's gradient with
+one rank, the reduce-scatter's output with several. A plain ``dst.copy_(src)`` across devices
+blocks the host until the copy is done, and with it the whole backward (the next module's kernels
+are not even launched): nothing overlapped with gradient offload. Here, on CUDA, ``GradOffload``
+launches each copy on its own stream (device-to-host, so it does not queue behind the prefetch
+stream's host-to-device copies), after that stream waited for the compute stream that produced
+the gradient:
+
+- a gradient that overwrites (the first of a step) and already has the destination's dtype goes
+  straight into the pinned host shard; otherwise it lands in a pinned staging buffer (from
+  torch's caching host allocator) and is added, or converted, on the host when it is drained;
+- the source stays valid until its copy is done: ``record_stream`` tells the caching allocator
+  not to hand its block out before the side stream has read it, so a parameter's gradient can
+  still be dropped at once (``param.grad = None``), and a gradient payload of several ranks is
+  kept, and accounted, until ``drain`` runs its ``on_done`` (which frees it under the ledger);
+- ``drain`` waits for the copies, in order, and finishes the host-side adds. The manager drains
+  at the end of backward, so the optimizer, clipping and the next step read finished gradients,
+  and when it needs the device bytes of payloads still being copied.
+
+On CPU, and with ``pin_memory=False`` where an asynchronous copy into pageable memory would not be
+asynchronous anyway, copies are plain and synchronous.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class _Copy:
+    done: Optional[torch.cuda.Event]
+    dst: torch.Tensor
+    staged: Optional[torch.Tensor]  # pinned host copy to add (or convert) into ``dst`` at drain
+    add: bool
+    on_done: Optional[Callable[[], None]]
+
+
+class GradOffload:
+    def __init__(self, device: torch.device, *, pinned: bool, max_staged_bytes: int = 256 << 20) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and pinned else None
+        self._queue: deque[_Copy] = deque()
+        self._staged_bytes = 0
+        self.max_staged_bytes = max_staged_bytes  # pinned staging alive at once (accumulating micro-batches)
+        self.async_bytes = 0  # bytes copied off the compute stream's critical path (telemetry)
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.stream is not None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool,
+             on_done: Optional[Callable[[], None]] = None) -> None:
+        """``dst (host) = src`` (``+= src`` when ``add``), flat; asynchronous on CUDA until ``drain``."""
+        src = src.reshape(-1)
+        if self.stream is None or src.device.type != "cuda" or dst.device.type == "cuda":
+            if add:
+                dst.add_(src.to(dst.device))
+            else:
+                dst.copy_(src)
+            if on_done is not None:
+                on_done()
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)  # the gradient was produced on the compute stream
+        staged = None
+        with torch.cuda.stream(self.stream):
+            if add or dst.dtype != src.dtype:
+                staged = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+                staged.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        src.record_stream(self.stream)
+        self.async_bytes += src.numel() * src.element_size()
+        self._queue.append(_Copy(done, dst, staged, add, on_done))
+        if staged is not None:
+            self._staged_bytes += staged.numel() * staged.element_size()
+            while self._staged_bytes > self.max_staged_bytes and len(self._queue) > 1:
+                self.drain(keep=len(self._queue) - 1)
+
+    def drain(self, keep: int = 0) -> None:
+        """Wait for the oldest copies until ``keep`` remain; finish their host-side adds and callbacks."""
+        while len(self._queue) > keep:
+            c = self._queue.popleft()
+            if c.done is not None:
+                c.done.synchronize()
+            if c.staged is not None:
+                if c.add:
+                    c.dst.add_(c.staged)
+                else:
+                    c.dst.copy_(c.staged)
+                self._staged_bytes -= c.staged.numel() * c.staged.element_size()
+            if c.on_done is not None:
+                c.on_done()

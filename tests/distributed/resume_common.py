@@ -1,0 +1,49 @@
+"""Resume with the defaults: the automatic chunk size, a model used in another order than registered (so
+the resumed warm-up repacks and moves every rank's pieces), with and without a device limit. Shared by
+the 2-rank child (``runner.py``) and the 1-rank halves in ``test_resume_defaults.py``; no side effects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+from lightning_chunk import ChunkOffloadStrategy
+from tests.models import ReorderedNet, token_data
+
+RESUME_MODEL = dict(dim=64, hidden=256, depth=3)
+RESUME_VARIANTS = ("auto_size", "auto_size_limit")
+
+
+# 106K parameters: the training state (16 bytes a parameter) is 1.7 MB on one rank and 0.85 MB a rank on two,
+# both above this limit, so shards go to the host; the warm-up's working set and activations (~0.34 MB) fit
+RESUME_LIMIT = 700_000
+
+
+def resume_strategy(variant: str) -> ChunkOffloadStrategy:
+    kw: dict[str, Any] = dict(optimizer_kernel="loop", collective_timeout_s=60, materialize_optimizer_state=True)
+    if variant == "auto_size_limit":
+        kw.update(chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT)
+    return ChunkOffloadStrategy(**kw)
+
+
+def resume_fit(strategy: Any, out_dir: Optional[Path], steps: int, ckpt_path: Any = None, devices: int = 2):
+    """One fit of ReorderedNet, saving a checkpoint at step 8 into ``out_dir`` when given; returns (trainer, model)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    L.seed_everything(11, verbose=False)
+    model = ReorderedNet(**RESUME_MODEL)
+    cbs = [ModelCheckpoint(dirpath=out_dir, every_n_train_steps=8, filename="{step}")] if out_dir else []
+    t = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                  callbacks=cbs, enable_checkpointing=bool(cbs), enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    t.fit(model, token_data(), ckpt_path=ckpt_path)
+    return t, model
+
+
+def final_state(t: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and optimizer state after fit (the state in parameter shapes)."""
+    opt = {f"opt.{k}.{n}": v.clone() for k, st in t.optimizers[0].state_dict()["state"].items() for n, v in st.items()}
+    return {**{k: v.clone() for k, v in model.state_dict().items()}, **opt}

@@ -1,0 +1,55 @@
+"""Resume with the defaults a user gets, on 2 ranks and across world sizes, against DDP's and plain
+Lightning's own resume: the automatic chunk size, a model registered in another order than it is used
+(so the resumed warm-up repacks and every rank's piece of each parameter moves, optimizer state with
+it), with and without a device limit. 2->2 and 1->2 run in a child (tests/distributed/runner.py), 2->1 here.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy
+from tests.distributed.test_two_ranks import run
+
+EXACT = dict(rtol=0, atol=0)
+
+
+def assert_same_state(ref: dict, got: dict, what: str) -> None:
+    assert ref.keys() == got.keys(), what
+    assert any(k.startswith("opt.") and k.endswith("exp_avg_sq") for k in ref), "optimizer state is compared too"
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, msg=lambda m: f"{what} {k}: {m}", **EXACT)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume_defaults")
+    resume_fit("auto", out / "from1_auto", 8, devices=1)
+    for v in RESUME_VARIANTS:
+        resume_fit(resume_strategy(v), out / f"from1_{v}", 8, devices=1)
+    rc, log, _ = run(out, "resume_defaults", timeout=600)
+    for r in (0, 1):
+        assert f"CASE-DONE resume_defaults rank={r}" in log, log[-4000:]
+    results = torch.load(out / "resume_defaults.pt")
+    t, m = resume_fit("auto", None, 12, ckpt_path=out / "from2_ddp" / "step=8.ckpt", devices=1)
+    results["to1.auto"] = final_state(t, m)
+    for v in RESUME_VARIANTS:
+        t, m = resume_fit(resume_strategy(v), None, 12, ckpt_path=out / f"from2_{v}" / "step=8.ckpt", devices=1)
+        results[f"to1.{v}"] = final_state(t, m)
+    return results
+
+
+@pytest.mark.parametrize("variant", RESUME_VARIANTS)
+def test_two_rank_checkpoint_resumes_on_two_ranks_like_ddp(resumed, variant):
+    assert_same_state(resumed["from2.ddp"], resumed[f"from2.{variant}"], f"2->2 {variant}")
+
+
+@pytest.mark.parametrize("variant", RESUME_VARIANTS)
+def test_one_rank_checkpoint_resumes_on_two_ranks_like_ddp(resumed, variant):
+    assert_same_state(resumed["from1.ddp"], resumed[f"from1.{variant}"], f"1->2 {variant}")
+
+
+@pytest.mark.parametrize("variant", RESUME_VARIANTS)
+def test_two_rank_checkpoint_resumes_on_one_rank_like_plain_lightning(resumed, variant):
+    assert_same_state(resumed["to1.auto"], resumed[f"to1.{variant}"], f"2->1 {variant}")
