@@ -10,6 +10,8 @@ Contenders, each a fresh ``Trainer.fit`` of ``--steps`` steps in its own process
 - ``chunk_offload``: ``placement="auto"`` with ``device_memory_limit=--device-limit`` (default 12 GiB,
   below the ~16 bytes a parameter the training state needs on the device without offload), so the
   placement policy must keep part of the shards, and of the Adam step, on the host.
+- ``chunk_offload default``: ``ChunkOffloadStrategy()`` as a user gets it: no limit given, so the limit is the
+  device's free memory less a margin; on a GPU where the model fits, everything stays resident.
 - ``ddp``: plain Lightning on one device (``strategy="auto"``): the reference where the model fits.
 - ``fsdp + cpu offload``: ``FSDPStrategy(cpu_offload=True)`` wrapping each block; needs CUDA (reported
   as skipped otherwise, never faked).
@@ -34,7 +36,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, clean_env, load_gpt, run_or_child, step_timer  # noqa: E402
 
-CONTENDERS = ("chunk_offload", "ddp", "fsdp + cpu offload")
+CONTENDERS = ("chunk_offload", "chunk_offload default", "ddp", "fsdp + cpu offload")
 
 
 def _flops_per_token(params: int, depth: int, width: int, context: int) -> int:
@@ -52,6 +54,8 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "chunk_offload":
         strategy = ChunkOffloadStrategy(placement="auto", log_memory_stats=False,
                                         device_memory_limit=parse_bytes(args.device_limit, field="--device-limit"))
+    elif args.child == "chunk_offload default":  # what a user gets: the limit is the device's free memory less a margin
+        strategy = ChunkOffloadStrategy(log_memory_stats=False)
     elif args.child == "ddp":
         strategy = "auto"
     else:

@@ -629,11 +629,13 @@ class ChunkManager:
     def stats(self) -> dict[str, float]:
         return {
             "device_chunk_bytes": self.ledger[Tier.DEVICE],
+            "device_memory_limit": self.limit or 0,  # 0: unbounded
             "device_chunk_bytes_peak": self.device_peak,
             "grad_payload_bytes_peak": self.grad_payload_peak,
             "host_chunk_bytes": self.ledger[Tier.HOST],
             "h2d_bytes": self.transfers.h2d_bytes,
             "d2h_bytes": self.transfers.d2h_bytes,
+            "d2h_async_bytes": self.offload.async_bytes,  # of which copied on the side stream (CUDA)
             "evictions": self.transfers.evictions,
             "gathers": self.transfers.gathers,
             "chunks": len(self.chunks),

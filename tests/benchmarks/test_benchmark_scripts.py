@@ -87,7 +87,7 @@ def test_gpu_benchmark_runs_its_contenders_at_a_tiny_size_on_cpu(tmp_path, capsy
     res = load("gpu").main(["--accelerator", "cpu", "--width", "64", "--depth", "2", "--context", "16", "--batch", "2",
                             "--steps", "3", "--skip", "1", "--out", str(tmp_path / "gpu.json")])
     rows = {r["contender"]: r for r in res["rows"]}
-    for name in ("chunk_offload", "ddp"):
+    for name in ("chunk_offload", "chunk_offload default", "ddp"):
         assert rows[name]["tokens_per_s"] > 0 and rows[name]["tflops"] > 0
     assert rows["ddp"]["vs_ddp"] == 1.0
     assert "skipped" in rows["fsdp + cpu offload"]  # needs CUDA: reported, never faked

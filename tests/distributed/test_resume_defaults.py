@@ -1,7 +1,8 @@
 """Resume with the defaults a user gets, on 2 ranks and across world sizes, against DDP's and plain
 Lightning's own resume: the automatic chunk size, a model registered in another order than it is used
 (so the resumed warm-up repacks and every rank's piece of each parameter moves, optimizer state with
-it), with and without a device limit. 2->2 and 1->2 run in a child (tests/distributed/runner.py), 2->1 here.
+it), with and without a device limit. 2->2 and 1->2 run in a child (tests/distributed/runner.py), 2->1 and
+1->1 here.
 """
 
 from pathlib import Path
@@ -32,11 +33,12 @@ def resumed(tmp_path_factory):
     for r in (0, 1):
         assert f"CASE-DONE resume_defaults rank={r}" in log, log[-4000:]
     results = torch.load(out / "resume_defaults.pt")
-    t, m = resume_fit("auto", None, 12, ckpt_path=out / "from2_ddp" / "step=8.ckpt", devices=1)
-    results["to1.auto"] = final_state(t, m)
-    for v in RESUME_VARIANTS:
-        t, m = resume_fit(resume_strategy(v), None, 12, ckpt_path=out / f"from2_{v}" / "step=8.ckpt", devices=1)
-        results[f"to1.{v}"] = final_state(t, m)
+    for src, ref in (("from2", "from2_ddp"), ("from1", "from1_auto")):  # 2 -> 1 and 1 -> 1
+        t, m = resume_fit("auto", None, 12, ckpt_path=out / ref / "step=8.ckpt", devices=1)
+        results[f"{src}.to1.auto"] = final_state(t, m)
+        for v in RESUME_VARIANTS:
+            t, m = resume_fit(resume_strategy(v), None, 12, ckpt_path=out / f"{src}_{v}" / "step=8.ckpt", devices=1)
+            results[f"{src}.to1.{v}"] = final_state(t, m)
     return results
 
 
@@ -51,5 +53,6 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_like_ddp(resumed, variant):
 
 
 @pytest.mark.parametrize("variant", RESUME_VARIANTS)
-def test_two_rank_checkpoint_resumes_on_one_rank_like_plain_lightning(resumed, variant):
-    assert_same_state(resumed["to1.auto"], resumed[f"to1.{variant}"], f"2->1 {variant}")
+@pytest.mark.parametrize("src", ["from2", "from1"])
+def test_checkpoint_resumes_on_one_rank_like_plain_lightning(resumed, variant, src):
+    assert_same_state(resumed[f"{src}.to1.auto"], resumed[f"{src}.to1.{variant}"], f"{src}->1 {variant}")

@@ -1,6 +1,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from lightning_chunk.engine.config import ChunkConfig, parse_bytes
 
@@ -43,3 +44,11 @@ def test_config_is_frozen_and_replace_makes_a_new_one():
         c.placement = "host"  # type: ignore[misc]
     d = c.replace(placement="host")
     assert (c.placement, d.placement, d.device_memory_limit) == ("auto", "host", 2**20)
+
+
+def test_the_default_device_limit_is_none_on_cpu_and_leaves_a_stated_margin_on_cuda():
+    from lightning_chunk.engine.config import default_device_limit, device_margin_bytes
+
+    assert default_device_limit(torch.device("cpu")) is None
+    assert device_margin_bytes(80 * 2**30) == 8 * 2**30  # 10% of an 80 GiB device
+    assert device_margin_bytes(4 * 2**30) == 2**30  # at least 1 GiB

@@ -171,3 +171,52 @@ def test_repack_streams_old_chunks_and_never_holds_the_model_twice():
     assert len(held) == 4 and max(held) <= 4  # one new chunk's parameters (4), never all 16
     for k, v in eng.full_state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_tracer_charges_the_peak_between_moments_to_the_module_that_ran():
+    """[Note: peaks between moments]: what a module holds only while it runs belongs to the moment before it."""
+    from lightning_chunk.engine.tracer import FORWARD, POST_FORWARD, MemoryTracer
+
+    tracer = MemoryTracer(lambda t: False, torch.device("cpu"), lambda: 0)
+    peaks = iter([0, 0, 5000, 0, 0])  # the allocator's peak read at start, at each moment, at finish
+    tracer._peak_since_last_moment = lambda: next(peaks)
+    tracer.start()
+    tracer.record(FORWARD, "a", (0,), (0,))
+    tracer.record(POST_FORWARD, "a", (), ())  # module a peaked at 5000 bytes while it ran
+    tracer.record(FORWARD, "b", (1,), (1,))
+    trace = tracer.finish()
+    assert [m.nonmodel_bytes for m in trace.moments] == [5000, 0, 0]
+    assert trace.nonmodel_peak_bytes == 5000
+
+
+def test_warmup_reduce_order_follows_reverse_first_use():
+    from lightning_chunk.engine.tracer import BACKWARD, FORWARD, MemoryTracer
+
+    tracer = MemoryTracer(lambda t: False, torch.device("cpu"), lambda: 0)
+    tracer.start()
+    for kind, chunks in [(FORWARD, (2,)), (FORWARD, (0, 2)), (FORWARD, (1,)), (BACKWARD, (3,))]:
+        tracer.record(kind, "m", chunks, ())
+    assert tracer.forward_first_use() == [2, 0, 1]
+
+
+def test_zero_grad_set_to_none_false_zeroes_through_the_views():
+    """zero_grad(set_to_none=False) zeroes gradients in place: the next backward adds to zeros, as in torch."""
+    torch.manual_seed(0)
+    m, ref = Reordered(), Reordered()
+    ref.load_state_dict(m.state_dict())
+    opt, oref = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300))
+    for i in range(3):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad(set_to_none=False)
+        oref.zero_grad(set_to_none=False)
+        with eng.micro_batch(training=True):
+            loss = m(x).pow(2).mean()
+        loss.backward()
+        eng.prepare_step()
+        opt.step()
+        eng.finish_step(stepped=True)
+        ref(x).pow(2).mean().backward()
+        oref.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(eng.full_state_dict()[k], v, rtol=1e-6, atol=1e-7)

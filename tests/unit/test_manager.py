@@ -133,3 +133,40 @@ def test_unpack_materializes_plain_parameters():
     for p, orig in zip(net.parameters(), originals):
         torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
         assert p.untyped_storage().nbytes() == p.numel() * 4
+
+
+def test_unpack_streams_one_chunk_at_a_time():
+    """Each chunk's shards are dropped before the next is gathered: the model plus one chunk, not every shard too."""
+    net, mgr, originals, _ = make()
+    events = []
+    gather, drop = mgr.gather_shard, mgr.drop
+    mgr.gather_shard = lambda c, s: (events.append(("gather", c.chunk_id)), gather(c, s))[1]
+    mgr.drop = lambda c: (events.append(("drop", c.chunk_id)), drop(c))[1]
+    mgr.unpack(materialize=True)
+    assert events == [("gather", 0), ("drop", 0), ("gather", 1), ("drop", 1)]
+    for p, orig in zip(net.parameters(), originals):
+        torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
+
+
+def test_building_a_chunk_reserves_the_payload_it_allocates_for_the_views():
+    """The payload is allocated to make the parameter views, then released: that allocation counts too."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    named = list(net.named_parameters())
+    mgr = ChunkManager(named, {i: 0 for i in range(len(named))}, config=ChunkConfig(device_memory_limit=100),
+                       dtypes=DtypePolicy(), device=torch.device("cpu"))
+    layout = build_layout(mgr.specs, list(range(len(named))), 64, 1)
+    with pytest.raises(DeviceMemoryLimitError, match="building chunk 0 needs 256 more bytes"):
+        mgr.pack(layout, {c.chunk_id: Tier.HOST for c in layout.chunks})
+
+
+def test_grad_offload_without_a_side_stream_copies_and_adds_at_once():
+    from lightning_chunk.engine.offload import GradOffload
+
+    off = GradOffload(torch.device("cpu"), pinned=True)
+    assert not off.asynchronous
+    dst, done = torch.zeros(4), []
+    off.copy(dst, torch.ones(2, 2), add=False, on_done=lambda: done.append(1))
+    off.copy(dst, torch.full((4,), 2.0, dtype=torch.bfloat16), add=True)
+    assert len(off) == 0 and done == [1]
+    torch.testing.assert_close(dst, torch.full((4,), 3.0))

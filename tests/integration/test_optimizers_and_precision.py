@@ -1,0 +1,135 @@
+"""One rank, against plain Lightning: several optimizers (manual optimization, GAN style), clipping inside
+and before ``step()``, ``zero_grad`` semantics, ``16-mixed``, ``bf16-true`` buffers, and what the optimizer
+holds after ``fit``. The two-rank versions run in tests/distributed/."""
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, token_data
+
+EXACT = dict(rtol=0, atol=0)
+
+
+def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
+    L.seed_everything(7, verbose=False)
+    model = model_cls(**kw)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                        precision=None if plugins else precision, plugins=plugins, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, token_data())
+    model.trainer_ref = trainer
+    return model
+
+
+def relative_update_error(ref, got, init) -> float:
+    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters()))
+    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters()))
+    return float((num / den).sqrt())
+
+
+def chunk(**kw):
+    return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", **kw)
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_two_optimizers_each_step_their_own_parameters_like_plain_lightning(placement):
+    """Before: only the first optimizer stepped (the second's gradients had been cleared with the first's)."""
+    ref = fit_model(TwoOptimizers, "auto")
+    got = fit_model(TwoOptimizers, chunk(placement=placement))
+    init = fit_model(TwoOptimizers, "auto", steps=0)
+    for (n, a), b, i in zip(ref.named_parameters(), got.parameters(), init.parameters()):
+        torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
+        assert not torch.equal(b, i), f"{n} never stepped"
+
+
+def test_two_optimizers_with_fp16_loss_scaling():
+    init = fit_model(TwoOptimizers, "auto", steps=0)
+    ref = fit_model(TwoOptimizers, "auto",
+                    plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    got = fit_model(TwoOptimizers, chunk(), plugins=[ChunkPrecision("16-mixed")])
+    assert relative_update_error(ref, got, init) < 0.05
+    for (n, b), i in zip(got.named_parameters(), init.parameters()):
+        assert not torch.equal(b, i), f"{n} never stepped"
+    # one scaler, updated after each optimizer's step as Lightning's AMP plugin does: no overflow, no change yet
+    assert got.trainer_ref.strategy.memory_stats()["loss_scale"] == 2.0**16
+
+
+class ClipBeforeStep(ParityNet):
+    """Manual optimization that clips in training_step, before ``opt.step()`` (the pattern Lightning documents)."""
+
+    def __init__(self, **kw):
+        super().__init__(scheduler=False, **kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        loss = F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+        return loss
+
+
+def test_manual_clipping_before_step_sees_the_gradients():
+    """Before: the views got their gradients only inside step(), so clipping before it clipped nothing."""
+    ref = fit_model(ClipBeforeStep, "auto")
+    strategy = chunk(placement="host")
+    got = fit_model(ClipBeforeStep, strategy)
+    for a, b in zip(ref.parameters(), got.parameters()):
+        torch.testing.assert_close(b, a, **EXACT)
+    assert strategy.memory_stats()["grad_norm"] > 0.05  # it did clip
+
+
+class NoZeroGrad(ParityNet):
+    """Manual optimization that steps every other batch and never calls zero_grad: gradients accumulate
+    across steps, as they do in plain PyTorch."""
+
+    def __init__(self, **kw):
+        super().__init__(scheduler=False, optimizer="sgd", **kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1)))
+        if batch_idx % 2 == 1:
+            opt.step()
+
+
+def test_gradients_stay_until_zero_grad_as_in_torch():
+    ref = fit_model(NoZeroGrad, "auto", steps=6)
+    got = fit_model(NoZeroGrad, chunk(placement="host"), steps=6)
+    for a, b in zip(ref.parameters(), got.parameters()):
+        torch.testing.assert_close(b, a, **EXACT)
+
+
+def test_bf16_true_converts_float_buffers_like_lightning():
+    """Before: the fp32 buffer met bf16 activations ('mat1 and mat2 must have the same dtype')."""
+    init = fit_model(FloatBuffer, "auto", steps=0, precision="bf16-true")
+    ref = fit_model(FloatBuffer, "auto", precision="bf16-true")
+    got = fit_model(FloatBuffer, "chunk_offload", precision="bf16-true")
+    assert got.shift.dtype == ref.shift.dtype == torch.bfloat16
+    assert {p.dtype for p in got.parameters()} == {torch.bfloat16}  # as Lightning's bf16-true leaves them
+    assert relative_update_error(ref, got, init) < 0.15
+
+
+def test_optimizer_state_after_fit_is_left_out_unless_asked():
+    ref = fit_model(ParityNet, "auto")
+    dropped = fit_model(ParityNet, chunk())
+    assert dropped.trainer_ref.optimizers[0].state_dict()["state"] == {}
+    opt = dropped.trainer_ref.optimizers[0]  # pointed back at the module's own parameters, in their groups
+    assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
+        [id(p) for p in dropped.parameters() if (p.dim() >= 2) == decay] for decay in (True, False)]
+    kept = fit_model(ParityNet, chunk(materialize_optimizer_state=True))
+    want = ref.trainer_ref.optimizers[0].state_dict()["state"]
+    have = kept.trainer_ref.optimizers[0].state_dict()["state"]
+    assert want.keys() == have.keys()
+    for k in want:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(have[k][name], want[k][name], **EXACT)
