@@ -102,7 +102,10 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
 
 def measure(args: argparse.Namespace) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="gpu_"))
-    rows = [run(name, args, scratch) for name in CONTENDERS]
+    rows = []
+    for name in CONTENDERS:  # each row as it lands: a run stopped part-way still reports what it measured
+        rows.append(run(name, args, scratch))
+        print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["contender"] == "ddp" and "median_s" in r), None)
     for r in rows:
         if base and "median_s" in r:
