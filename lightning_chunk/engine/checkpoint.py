@@ -141,21 +141,20 @@ def _optimizer_shards(engine: Any, o: int) -> tuple[dict[str, torch.Tensor], dic
 
 
 def _as_saved(local: dict[str, torch.Tensor], engine: Any) -> dict[str, Any]:
-    """Wrap each rank's shard as a DTensor sharded on dim 0 (plain tensors with one rank)."""
-    mgr = engine.manager
-    if mgr.comm.world_size == 1:
+    """Wrap each rank's shard as a DTensor sharded on dim 0 (plain tensors with one rank), left on the host.
+
+    The mesh is a CPU mesh over ``Collectives.host_group()``: ``DTensor.from_local`` moves a local tensor to
+    its mesh's device type, so a mesh of the NCCL group staged every shard (masters and the whole optimizer
+    state of an offloaded run) in device memory at the first checkpoint."""
+    comm = engine.manager.comm
+    if comm.world_size == 1:
         return local
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    device_type = "cuda" if mgr.comm.tensor_device().type == "cuda" else "cpu"
-    mesh = init_device_mesh(device_type, (mgr.comm.world_size,))
-    out = {}
-    for k, t in local.items():
-        t = t.to(mgr.comm.tensor_device())
-        n = t.numel() * mgr.comm.world_size
-        out[k] = DTensor.from_local(t, mesh, [Shard(0)], shape=(n,), stride=(1,), run_check=False)
-    return out
+    mesh = DeviceMesh.from_group(comm.host_group(), "cpu")
+    return {k: DTensor.from_local(t, mesh, [Shard(0)], shape=(t.numel() * comm.world_size,), stride=(1,),
+                                  run_check=False) for k, t in local.items()}
 
 
 # ==================================================================== save
@@ -187,7 +186,8 @@ def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, 
             shards, om = _optimizer_shards(engine, o)
             local.update(shards)
             optim_meta.append(om)
-    dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1)
+    dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
+             process_group=comm.host_group() if comm.world_size > 1 else None)
     if comm.rank == 0:
         layout = describe_layout(engine)
         meta = dict(extra)

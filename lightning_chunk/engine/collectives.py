@@ -200,6 +200,16 @@ class Collectives:
     def tensor_device(self) -> torch.device:
         return self._tag_device
 
+    def host_group(self) -> Any:
+        """A process group over the same ranks that takes host tensors (for checkpoints written from the host):
+        the group itself on gloo; on NCCL a gloo twin, made on first use. Every rank must call it together."""
+        if self._tag_device.type == "cpu":
+            return self.group if self.group is not None else dist.group.WORLD
+        if getattr(self, "_host_group", None) is None:
+            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+            self._host_group = dist.new_group(ranks=ranks, backend="gloo")
+        return self._host_group
+
 
 def first_difference(seqs: Sequence[Sequence[Any]]) -> int:
     """Index of the first position where the sequences differ (or the shorter length)."""

@@ -298,9 +298,10 @@ class ChunkEngine:
             self._finalize()
             self._backward_ends()
         if not self._agreed:
-            self.manager.agree_on_grads()
             self._agreed = True
-            self._backward_ends()
+            if self.comm.world_size > 1:  # the vote can add gradients other ranks got: attach again
+                self.manager.agree_on_grads()
+                self._backward_ends()
 
     def grads(self, optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
         self.prepare_step(optimizer)
