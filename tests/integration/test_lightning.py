@@ -155,7 +155,7 @@ def write(path: Path, text: str) -> Path:
 def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, strategy_yaml):
     cfg = write(tmp_path / "cfg.yaml", "trainer:\n  accelerator: cpu\n  devices: 1\n  max_steps: 3\n"
                 "  logger: false\n  enable_checkpointing: false\n  enable_progress_bar: false\n"
-                "  limit_val_batches: 0\n" + strategy_yaml)
+                f"  limit_val_batches: 0\n  default_root_dir: {tmp_path}\n" + strategy_yaml)  # the saved config goes there
     cli = LightningCLI(ParityNet, TokenData, args=["fit", "--config", str(cfg)], save_config_kwargs={"overwrite": True})
     assert isinstance(cli.trainer.strategy, ChunkOffloadStrategy)
     assert cli.trainer.global_step == 3
