@@ -142,7 +142,7 @@ class ChunkPrecision(Precision):
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization
         # everything below concerns this optimizer alone: with several (manual optimization) each steps its own
-        engine.prepare_step(optimizer)
+        engine.prepare_step()
         found_inf = False
         if self.scaler is not None and not skipped_backward:
             found_inf = engine.unscale_and_check(optimizer)

@@ -27,10 +27,7 @@ def full_values(mgr: ChunkManager, *, device: Optional[torch.device] = None) -> 
     """Every parameter's whole trained value (original dtype and shape), gathering each chunk once."""
     out: dict[int, torch.Tensor] = {}
     for chunk in mgr.chunks:
-        full = mgr.gather_shard(chunk, chunk.master_tensor_for_read())
-        for t in chunk.tensors:
-            v = full[t.offset : t.offset + t.numel].view(t.shape)
-            out[t.slot.param_index] = v.to(device=device or torch.device("cpu"), dtype=t.orig_dtype, copy=True)
+        out.update(mgr.chunk_values(chunk, device=device))
     return out
 
 

@@ -561,13 +561,18 @@ class ChunkManager:
         a, b = piece_range(chunk, info.offset, info.numel)
         return chunk.master_tensor_for_read()[a - lo : b - lo] if a < b else None
 
-    def grad_view(self, param_index: int) -> Optional[torch.Tensor]:
+    def grad_slice(self, param_index: int) -> Optional[torch.Tensor]:
+        """This rank's piece of one parameter's gradient shard, flat, whether or not it holds a gradient now."""
         chunk, info = self._where[id(self.params[param_index])]
-        if chunk.grad is None or not info.has_grad:
+        if chunk.grad is None:
             return None
         lo, _ = chunk.shard_range
         a, b = piece_range(chunk, info.offset, info.numel)
         return chunk.grad[a - lo : b - lo] if a < b else None
+
+    def grad_view(self, param_index: int) -> Optional[torch.Tensor]:
+        """``grad_slice`` when the parameter got a gradient since it was last cleared, else ``None``."""
+        return self.grad_slice(param_index) if self._where[id(self.params[param_index])][1].has_grad else None
 
     def reserve_optimizer_state(self, bytes_per_element: Mapping[int, int]) -> None:
         """Account the optimizer state each trainable chunk's shard will hold (group index -> bytes per element)."""
@@ -582,7 +587,7 @@ class ChunkManager:
 
     def write_back(self, groups: Optional[Iterable[int]] = None) -> None:
         """After a step: refresh the compute-dtype copies from the masters of the chunks of param groups
-        ``groups`` (all when ``None``: the optimizer that stepped); drop their stale payloads."""
+        ``groups`` (those of the optimizer that stepped; every chunk when ``None``); drop their stale payloads."""
         stepped = None if groups is None else set(groups)
         for c in self.chunks:
             if not c.trainable or (stepped is not None and c.spec.key.group not in stepped):
@@ -601,6 +606,13 @@ class ChunkManager:
         self._changed()
 
     # ============================================================ full values
+    def chunk_values(self, c: Chunk, *, device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
+        """The whole trained value of each parameter of ``c`` (original dtype and shape, on ``device``, the host by
+        default), keyed by parameter index. A collective with several ranks."""
+        full = self.gather_shard(c, c.master_tensor_for_read())
+        return {t.slot.param_index: full[t.offset : t.offset + t.numel].view(t.shape).to(
+                    device=device or _HOST, dtype=t.orig_dtype, copy=True) for t in c.tensors}
+
     def unpack(self, *, materialize: bool, device: Optional[torch.device] = None) -> None:
         """Drop every chunk, giving each parameter a plain tensor: its whole trained value (original dtype, on
         ``device``, the host by default) when ``materialize``, else an empty one.
@@ -609,15 +621,11 @@ class ChunkManager:
         the next, so the peak is the model plus one chunk, not the model next to every shard. With several
         ranks and ``materialize`` this is a collective (chunks go in id order on every rank)."""
         for c in self.chunks:
-            full = self.gather_shard(c, c.master_tensor_for_read()) if materialize else None
+            values = self.chunk_values(c, device=device) if materialize else {}
             for t in c.tensors:
-                p = t.param
-                if full is not None:
-                    value = full[t.offset : t.offset + t.numel].view(t.shape)
-                    p.data = value.to(device=device or _HOST, dtype=t.orig_dtype, copy=True)
-                else:
-                    p.data = torch.empty(0, dtype=t.orig_dtype, device=p.device)
-            del full
+                empty = torch.empty(0, dtype=t.orig_dtype, device=t.param.device)
+                t.param.data = values.get(t.slot.param_index, empty)
+            del values
             self.drop(c)
         self.chunks = []
         self._where = {}

@@ -81,6 +81,8 @@ class OptimizerBinding:
         ]
         self._views: dict[int, torch.Tensor] = {}
         self._attached: set[int] = set()  # views whose gradient attach_grads set (see sync_zero_grad)
+        # per view: (param index, view, its TensorInfo, its slice of the gradient shard), built on first attach
+        self._grad_slots: Optional[list[tuple[int, torch.Tensor, Any, Optional[torch.Tensor]]]] = None
         self._choose_kernel()
 
     def _choose_kernel(self) -> None:
@@ -145,6 +147,7 @@ class OptimizerBinding:
                     state[v] = {key: self._move(val, v, step_on_device) for key, val in carried[i].items()}
         self._views = new
         self._attached = set()
+        self._grad_slots = None
 
     @staticmethod
     def _move(val: Any, like: torch.Tensor, step_on_device: bool) -> Any:
@@ -244,9 +247,18 @@ class OptimizerBinding:
         discriminator's backward, also before ``opt_g`` first stepped). Reading the views rather than
         wrapping ``zero_grad`` also works through Lightning's ``LightningOptimizer``, which calls the
         optimizer class's method on itself."""
-        for i, v in self._views.items():
-            v.grad = self.manager.grad_view(i)
-        self._attached = {i for i, v in self._views.items() if v.grad is not None}
+        if self._grad_slots is None:  # gradient buffers persist until the next repack: their views can be kept
+            mgr = self.manager
+            self._grad_slots = [(i, v, mgr.lookup(mgr.params[i])[1], mgr.grad_slice(i)) for i, v in self._views.items()]
+        attached = set()
+        for i, v, info, g in self._grad_slots:
+            if info.has_grad and g is not None:
+                if v.grad is not g:
+                    v.grad = g
+                attached.add(i)
+            elif v.grad is not None:
+                v.grad = None
+        self._attached = attached
 
     def sync_zero_grad(self) -> None:
         """Forget the gradients ``zero_grad()`` set to ``None`` since they were attached: those parameters', and
@@ -280,11 +292,8 @@ class OptimizerStateCarrier:
         self.owner = {g: k for k, b in enumerate(self.bindings) for g in b.chunk_groups()}
         self.pieces: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in self.bindings]
 
-    def _binding_of_group(self, group: int) -> Optional[int]:
-        return self.owner.get(group)
-
     def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:
-        k = self._binding_of_group(chunk.spec.key.group)
+        k = self.owner.get(chunk.spec.key.group)
         if k is None or not self.parts[k].keys:
             return {}
         parts, b = self.parts[k], self.bindings[k]
@@ -298,7 +307,7 @@ class OptimizerStateCarrier:
         return out
 
     def give(self, param_index: int, pieces: dict[str, torch.Tensor]) -> None:
-        k = self._binding_of_group(self.manager.specs[param_index].key.group)
+        k = self.owner.get(self.manager.specs[param_index].key.group)
         if k is not None and param_index in self.parts[k].scalars:  # a parameter with no state gets none
             self.pieces[k][param_index] = pieces
 

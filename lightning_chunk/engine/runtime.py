@@ -287,11 +287,11 @@ class ChunkEngine:
         for b in self.bindings:
             b.attach_grads()
 
-    def prepare_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    def prepare_step(self) -> None:
         """Before an optimizer is stepped or gradients are read: forget what ``zero_grad()`` cleared, finish the
         warm-up (a repack rebinds every optimizer), agree across ranks on which parameters got gradients, and
-        attach them to the views. Idempotent until the next backward: clipping in a manual ``training_step``
-        before ``opt.step()``, the step itself and a second optimizer's step may all ask."""
+        attach them to the views of every optimizer. Idempotent until the next backward: clipping in a manual
+        ``training_step`` before ``opt.step()``, the step itself and a second optimizer's step may all ask."""
         for b in self.bindings:
             b.sync_zero_grad()
         if self._finalize_pending:
@@ -304,7 +304,7 @@ class ChunkEngine:
                 self._backward_ends()
 
     def grads(self, optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
-        self.prepare_step(optimizer)
+        self.prepare_step()
         return [g for b in self._bindings(optimizer) for g in b.grads()]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
