@@ -9,8 +9,9 @@ format. Everything that moves bytes lives in ``lightning_chunk.engine``.
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
-from typing import Any, Generator, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -37,6 +38,8 @@ import lightning.pytorch as pl
 from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.checkpoint import KEY as CHECKPOINT_KEY
 from .engine.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+from .engine.materialize import DeferredInit
+from .engine.weights import ModuleWeights, open_weights
 from .precision import ChunkPrecision
 
 def _version() -> str:
@@ -77,6 +80,14 @@ class ChunkOffloadStrategy(ParallelStrategy):
             (``None``: on with gloo, off with NCCL).
         state_dict_type: ``"sharded"``: checkpoints are directories every rank writes its shards into, in
             parallel (``docs/checkpoints.md``); ``"full"``: one plain Lightning file, gathered on every rank.
+        weights: a file or directory of weights to start from, read tensor by tensor into each rank's shards at the
+            first ``setup``: a ``state_dict`` file, a Lightning or consolidated ``lightning-chunk`` file, or a
+            ``save_pretrained`` directory (``safetensors`` shards and index). Names may carry the prefix of the
+            submodule that wraps the saved model (``model.``). Every parameter and persistent buffer must be there
+            unless the module sets ``strict_loading = False`` (``docs/deferred-init.md``).
+        param_init_fn: called with each module built on the meta device (in ``configure_model``, or under
+            ``Trainer.init_module(empty_init=True)``) to initialise the tensors it owns directly, in place, instead
+            of its ``reset_parameters()``.
     """
 
     strategy_name = "chunk_offload"
@@ -100,6 +111,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         collective_timeout_s: float = 300.0,
         verify_collectives: Optional[bool] = None,
         state_dict_type: str = "sharded",
+        weights: Optional[Union[str, "os.PathLike[str]"]] = None,
+        param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -125,6 +138,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
         self.state_dict_type = state_dict_type
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(f"param_init_fn={param_init_fn!r} is not allowed; it must be a callable taking a module.")
+        self.param_init_fn = param_init_fn
+        self.weights = None if weights is None else os.fspath(weights)
+        self._weights_loaded = False  # the weights seed the first setup only: a later test() keeps trained values
         if not isinstance(log_memory_stats, bool):
             raise ValueError(f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True or False.")
         self.log_memory_stats = log_memory_stats
@@ -134,6 +152,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self.engine: Optional[ChunkEngine] = None
         self._final_stats: dict[str, float] = {}
         self._failed = False
+        self._deferred: Optional[DeferredInit] = None
 
     # ============================================================ registration
     @classmethod
@@ -220,13 +239,27 @@ class ChunkOffloadStrategy(ParallelStrategy):
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
 
     # ================================================================= setup
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``Trainer.init_module()``: tensors on the host (the engine places them); ``empty_init=True``: on the
+        meta device, initialised chunk by chunk at ``setup`` ([Note: deferred initialisation])."""
+        with torch.device("meta" if empty_init else "cpu"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device, as DeepSpeed ZeRO-3's ``zero.Init`` builds partitioned:
+        nothing is allocated until ``setup`` initialises each chunk and keeps this rank's shard."""
+        with torch.device("meta"):
+            yield
+
     def model_to_device(self) -> None:
-        """Buffers go to the device; parameters are placed by the engine."""
+        """Buffers go to the device; parameters are placed by the engine (meta buffers when initialised)."""
         assert self.lightning_module is not None
         device = self.root_device
         for m in self.lightning_module.modules():
             for k, b in m._buffers.items():
-                if b is not None:
+                if b is not None and not (self._deferred is not None and self._deferred.is_deferred(b)):
                     m._buffers[k] = b.to(device)
 
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -237,7 +270,13 @@ class ChunkOffloadStrategy(ParallelStrategy):
         assert module is not None
         # as Lightning's Strategy.setup: the precision plugin converts the module first (bf16-true: its buffers)
         self.model = self.precision_plugin.convert_module(self.model)
+        # before configure_optimizers: meta tensors become placeholders the optimizers can hold
+        deferred = DeferredInit.capture(module, init_fn=self.param_init_fn, buffer_device=self.root_device)
+        self._deferred = deferred
         self.model_to_device()
+        weights = None
+        if self.weights is not None and not self._weights_loaded:
+            weights = ModuleWeights(open_weights(self.weights), module, strict=getattr(module, "strict_loading", True))
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -246,7 +285,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
                 if self.world_size > 1 else Collectives.local())
         self.engine = ChunkEngine(module, self.optimizers if fitting else [], config=self.config,
                                   dtypes=self.precision_plugin.dtype_policy(), device=self.root_device,
-                                  collectives=comm)
+                                  collectives=comm, deferred=deferred, weights=weights)
+        self._weights_loaded = self._weights_loaded or weights is not None
+        self._deferred = None
         self.precision_plugin.attach(self.engine, self.root_device)
 
     def memory_stats(self) -> dict[str, float]:

@@ -14,10 +14,18 @@ VOCAB, DIM, HIDDEN, SEQ = 48, 32, 64, 8
 
 class ParityNet(L.LightningModule):
     def __init__(self, variant: str = "plain", lr: float = 1e-2, optimizer: str = "adamw",
-                 scheduler: bool = True, depth: int = 2, dim: int = DIM, hidden: int = HIDDEN) -> None:
+                 scheduler: bool = True, depth: int = 2, dim: int = DIM, hidden: int = HIDDEN,
+                 build: bool = True) -> None:
         super().__init__()
-        DIM, HIDDEN = dim, hidden  # noqa: N806
         self.variant, self.lr, self.optimizer_name, self.use_scheduler = variant, lr, optimizer, scheduler
+        self.shape = dict(depth=depth, dim=dim, hidden=hidden)
+        self.built = False
+        if build:
+            self.build()
+
+    def build(self) -> None:
+        """The layers, in the order their constructors draw from the random stream."""
+        variant, depth, DIM, HIDDEN = self.variant, self.shape["depth"], self.shape["dim"], self.shape["hidden"]  # noqa: N806
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
@@ -33,6 +41,7 @@ class ParityNet(L.LightningModule):
                 p.requires_grad_(False)
         if variant == "unused":
             self.branch = nn.Linear(DIM, DIM)
+        self.built = True
 
     def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
         h = self.embed(x)
@@ -82,10 +91,10 @@ def token_data(n: int = 96, seed: int = 0) -> DataLoader:
 
 
 def fit(strategy, *, variant: str = "plain", steps: int = 20, precision="32-true", plugins=None, seed: int = 7,
-        model_kwargs=None, accelerator: str = "cpu", **trainer_kwargs) -> ParityNet:
-    """Train a fresh ParityNet (same init for every strategy) and return it."""
+        model_kwargs=None, accelerator: str = "cpu", cls=None, **trainer_kwargs) -> ParityNet:
+    """Train a fresh ParityNet (same init for every strategy; or ``cls``) and return it."""
     L.seed_everything(seed, verbose=False)
-    model = ParityNet(variant=variant, **(model_kwargs or {}))
+    model = (cls or ParityNet)(variant=variant, **(model_kwargs or {}))
     trainer = L.Trainer(
         accelerator=accelerator, devices=1, strategy=strategy, precision=None if plugins else precision, plugins=plugins,
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -210,3 +219,18 @@ class RankBuffer(ParityNet):
         for blk in self.blocks:
             h = h + blk(h)
         return self.head(self.norm(h))
+
+
+class DeferredNet(ParityNet):
+    """ParityNet built in ``configure_model``: under ``chunk_offload`` on the meta device and initialised chunk
+    by chunk at setup; the values must equal ParityNet's built eagerly from the same seed."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(build=False, **kw)
+
+    def configure_model(self) -> None:
+        if not self.built:
+            self.build()
+
+    def reset_parameters(self) -> None:  # the LightningModule owns a buffer directly
+        self.calls.zero_()

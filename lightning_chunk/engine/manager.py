@@ -180,18 +180,19 @@ class ChunkManager:
         return out
 
     # ==================================================================== packing
-    def pack(self, layout: Layout, tiers: Mapping[int, Tier], *, extras: Optional[ExtraShards] = None) -> None:
+    def pack(self, layout: Layout, tiers: Mapping[int, Tier], *, extras: Optional[ExtraShards] = None,
+             source: Optional[FromModule] = None) -> None:
         """Build chunks for ``layout`` with shards on ``tiers``; parameters become views into payloads.
 
         Values come from the current chunks when there are some (a repack after the warm-up), else
-        from the parameters themselves. Gradients accumulated so far, the per-parameter "got a
+        from ``source`` (the parameters themselves by default; a weights file, deferred init). Gradients accumulated so far, the per-parameter "got a
         gradient" flags and ``extras`` (the optimizers' per-element state) move along
         ([Note: optimizer state through a repack] in ``repack.py``).
         """
         first = not self.chunks  # values come from the module itself
         source: Any
         if first:
-            source = FromModule(self.params)
+            source = source or FromModule(self.params)
         else:
             on_device = any(c.shard_tier is Tier.DEVICE for c in self.chunks) or Tier.DEVICE in tiers.values()
             eager = self.limit is not None and on_device  # old and new device shards must not overlap
@@ -263,12 +264,19 @@ class ChunkManager:
         full = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype)
         with_grad = any(source.has_grad(s.param_index) for s in spec.slots)
         full_grad = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype) if with_grad else None
+        # values the same on every rank (read from a file): each rank reads only its own pieces
+        exact = all(source.exact(s.param_index) for s in spec.slots)
         for s in spec.slots:
+            if exact:
+                a, b = piece_range(chunk, s.offset, s.numel)
+                if a < b:
+                    full[a:b].copy_(source.value_range(s.param_index, a - s.offset, b - s.offset))
+                continue
             full[s.offset : s.offset + s.numel].copy_(source.value(s.param_index).reshape(-1))
             g = source.grad(s.param_index) if full_grad is not None else None
             if g is not None:
                 full_grad[s.offset : s.offset + s.numel].copy_(g.reshape(-1))  # type: ignore[index]
-        if broadcast:
+        if broadcast and not exact:
             self.comm.broadcast(full)  # every rank starts from rank 0's values, as DDP does
         chunk.aliased = self.comm.world_size == 1 and tier is Tier.DEVICE
         # the shard, when it lives on the device, and the payload: allocated to make the views, and released at

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Optional, Protocol
 import torch
 
 from .chunk import Chunk
+from .materialize import DeferredInit
+from .weights import ModuleWeights
 
 if TYPE_CHECKING:  # the manager imports this module
     from .manager import ChunkManager
@@ -58,13 +60,39 @@ def piece_range(chunk: Chunk, offset: int, numel: int) -> tuple[int, int]:
 
 
 class FromModule:
-    """The first pack: values are the parameters' own tensors; no gradients."""
+    """The first pack: values are the parameters' own, read from a weights file, or made by deferred init.
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    A value read from ``weights`` is the same on every rank, so ``exact(i)``: the pack reads only this
+    rank's piece of it (``value_range``) and needs no broadcast. Otherwise a value is the tensor itself,
+    after ``deferred`` initialised its module when it was built on the meta device."""
+
+    def __init__(self, params: list[torch.nn.Parameter], *, deferred: Optional[DeferredInit] = None,
+                 weights: Optional[ModuleWeights] = None) -> None:
         self.params = params
+        self.deferred = deferred
+        self.weights = weights
+        if deferred is not None:
+            deferred.start(provided=[t for t in params if weights is not None and weights.provides(t)]
+                           + [b for _, _, b in (weights.buffers if weights is not None else [])])
+
+    def exact(self, i: int) -> bool:
+        return self.weights is not None and self.weights.provides(self.params[i])
 
     def value(self, i: int) -> torch.Tensor:
-        return self.params[i].detach()
+        p = self.params[i]
+        if self.exact(i):
+            assert self.weights is not None
+            return self.weights.read(p)
+        if self.deferred is not None and self.deferred.is_deferred(p):
+            return self.deferred.value(p)
+        return p.detach()
+
+    def value_range(self, i: int, a: int, b: int) -> torch.Tensor:
+        """Flat elements ``[a, b)`` of parameter ``i``."""
+        if self.exact(i):
+            assert self.weights is not None
+            return self.weights.read(self.params[i], a, b)
+        return self.value(i).reshape(-1)[a:b]
 
     def grad(self, i: int) -> Optional[torch.Tensor]:
         return None
@@ -73,7 +101,22 @@ class FromModule:
         return False
 
     def placed(self, chunk: Chunk) -> None:
-        pass
+        if self.deferred is not None:
+            for t in chunk.tensors:
+                self.deferred.take(t.param)
+
+    def finish(self, buffer_device: torch.device) -> None:
+        """After the last chunk: initialise what is left (buffer-only modules) and load the file's buffers."""
+        if self.deferred is not None:
+            self.deferred.finish()
+        for m, name, b in (self.weights.buffers if self.weights is not None else []):
+            value = self.weights.read(b).reshape(b.shape)  # type: ignore[union-attr]
+            if self.deferred is not None and self.deferred.is_deferred(b):
+                m._buffers[name] = value.to(device=buffer_device, dtype=b.dtype)
+                self.deferred.take(b)
+            else:
+                with torch.no_grad():
+                    b.copy_(value)
 
     def done(self) -> bool:
         return True
@@ -117,6 +160,9 @@ class OldChunks:
         del full, full_grad, extra
         mgr.drop(c)
         self.loaded.add(c.chunk_id)
+
+    def exact(self, i: int) -> bool:
+        return False  # each rank's own gathered values, made equal by the all-gather
 
     def value(self, i: int) -> torch.Tensor:
         self._load(self.owner[i])

@@ -33,6 +33,9 @@ from .config import ChunkConfig, DtypePolicy, default_device_limit
 from .errors import DeviceMemoryLimitError, LayoutError
 from .hooks import ROOT, ChunkHooks
 from .manager import ChunkManager
+from .materialize import DeferredInit
+from .repack import FromModule
+from .weights import ModuleWeights
 from .consolidate import full_values, load_values
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .packing import Layout, build_layout, choose_chunk_numel, describe
@@ -52,7 +55,12 @@ class ChunkEngine:
         dtypes: Optional[DtypePolicy] = None,
         device: Optional[torch.device] = None,
         collectives: Optional[Collectives] = None,
+        deferred: Optional[DeferredInit] = None,
+        weights: Optional[ModuleWeights] = None,
     ) -> None:
+        """``deferred``: the module was built on the meta device and is initialised chunk by chunk as it is
+        packed ([Note: deferred initialisation]); ``weights``: values read from a file as the chunks are
+        built ([Note: streamed weight loading]). Either way no rank holds the whole model."""
         config = config or ChunkConfig()
         device = device or torch.device("cpu")
         if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
@@ -96,7 +104,9 @@ class ChunkEngine:
         views, tiers = self._plan_tiers(layout, trace=None)
         self.hooks.install()
         self._check_limit_before_trace(layout, views)
-        self._place(layout, views, tiers)  # several ranks: parameters start from rank 0's values
+        source = FromModule(self.manager.params, deferred=deferred, weights=weights)
+        self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
+        source.finish(buffer_device=device)
         self._broadcast_buffers()
 
     # ================================================================= layout
@@ -127,7 +137,8 @@ class ChunkEngine:
         views = self.manager.planned_views(layout, self._optim_bytes)
         return views, self.policy.shard_tiers(views, trace, self.manager.limit)
 
-    def _place(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier]) -> None:
+    def _place(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *,
+               source: Optional[FromModule] = None) -> None:
         limit = self.manager.limit
         if limit is not None:
             on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
@@ -141,7 +152,7 @@ class ChunkEngine:
                     "(static) or use placement='auto' or 'host'."
                 )
         carrier = OptimizerStateCarrier(self.manager, self.bindings) if self.manager.chunks else None
-        self.manager.pack(layout, tiers, extras=carrier)
+        self.manager.pack(layout, tiers, extras=carrier, source=source)
         self.manager.reserve_optimizer_state(self._optim_bytes)
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)

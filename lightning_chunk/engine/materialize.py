@@ -1,0 +1,200 @@
+"""Deferred initialisation: a module built on the meta device, initialised module by module as packing
+needs its tensors, so that no rank ever holds the whole model.
+
+[Note: deferred initialisation] ``DeferredInit.capture(module)`` finds the parameters and buffers
+left on the meta device (``configure_model`` under ``chunk_offload``, or
+``Trainer.init_module(empty_init=True)``). A meta tensor cannot become a real one through
+``param.data = ...`` (PyTorch refuses meta -> CPU), so each meta ``Parameter`` is replaced, once
+and for every module that shares it, by a new ``Parameter`` whose data is a *placeholder*: a
+one-element CPU tensor expanded to the shape. It has the right shape, dtype and device for
+``configure_optimizers`` (fused AdamW checks the device) and costs nothing; writing into it
+raises. Meta buffers become placeholders too, so that a set-up that fails half way leaves a
+module Lightning can still move to the CPU. The first pack then asks for each parameter's value in registration order, and
+``value(param)`` walks the modules in ``module.modules()`` order, initialising each module that
+directly owns a deferred tensor until that parameter has its value:
+
+- the module's own deferred tensors get fresh CPU memory filled with NaN (CPU: the same random
+  stream as an eager build on the host, so the values are bit for bit those of
+  ``for m in model.modules(): m.reset_parameters()`` after an eager build with the same seed,
+  which is what constructing the modules in that order does);
+- its tensors that already have values (shared with a module initialised earlier, such as a tied
+  head, or read from a weights file) are swapped for scratch copies during the call and put back
+  after, so a later owner's init neither overwrites nor skips its random draws;
+- ``init_fn(module)`` runs if given, else ``module.reset_parameters()``; a floating-point tensor
+  still NaN afterwards was not initialised, which is an error naming module and tensor;
+- buffers then move to ``buffer_device``.
+
+The pack copies each value into its chunk and points the parameter at the chunk, which frees the
+CPU memory, so at any time a rank holds its shards, the chunk being built, and the parameters of
+the modules initialised ahead of it (at most one module's beyond that chunk). A tied parameter
+takes the value of its first owner in ``modules()`` order, as ``named_parameters`` reports it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+InitFn = Callable[[torch.nn.Module], None]
+
+
+class DeferredInitError(RuntimeError):
+    """A tensor on the meta device that nothing can initialise, or an init that left one uninitialised."""
+
+
+def is_meta(t: Optional[torch.Tensor]) -> bool:
+    return t is not None and t.device.type == "meta"
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` holding one element: no memory, and writing into it raises."""
+    return torch.empty((), dtype=dtype).expand(shape)
+
+
+def has_meta(module: torch.nn.Module) -> bool:
+    return any(is_meta(t) for t in module.parameters()) or any(is_meta(b) for b in module.buffers())
+
+
+class DeferredInit:
+    """The modules of ``module`` that own tensors on the meta device, initialised as packing needs them."""
+
+    def __init__(self, module: torch.nn.Module, *, init_fn: Optional[InitFn] = None,
+                 buffer_device: torch.device = torch.device("cpu")) -> None:
+        self.module = module
+        self.init_fn = init_fn
+        self.buffer_device = torch.device(buffer_device)
+        self.names = {id(m): n or "<root>" for n, m in module.named_modules(remove_duplicate=False)}
+        self.pending: set[int] = set()  # ids of deferred tensors (placeholders / meta buffers) without values yet
+        self.provided: set[int] = set()  # ids of deferred tensors whose values come from elsewhere (a weights file)
+        replaced: dict[int, torch.nn.Parameter] = {}
+        for m in module.modules():
+            for name, p in m._parameters.items():
+                if is_meta(p):
+                    assert p is not None
+                    new = replaced.get(id(p))
+                    if new is None:
+                        new = replaced[id(p)] = torch.nn.Parameter(placeholder(p.shape, p.dtype),
+                                                                  requires_grad=p.requires_grad)
+                        self.pending.add(id(new))
+                    m._parameters[name] = new
+            for name, b in m._buffers.items():
+                if is_meta(b):
+                    assert b is not None
+                    new_b = replaced.get(id(b))
+                    if new_b is None:
+                        new_b = replaced[id(b)] = placeholder(b.shape, b.dtype)  # type: ignore[assignment]
+                        self.pending.add(id(new_b))
+                    m._buffers[name] = new_b
+        self._walk: Iterator[torch.nn.Module] = iter(())
+        self.initialised: list[str] = []
+
+    @classmethod
+    def capture(cls, module: torch.nn.Module, *, init_fn: Optional[InitFn] = None,
+                buffer_device: torch.device = torch.device("cpu")) -> Optional["DeferredInit"]:
+        """``None`` when nothing in ``module`` is on the meta device; else replace its meta parameters by
+        placeholders (before the optimizers are built) and return the object that will initialise them."""
+        return cls(module, init_fn=init_fn, buffer_device=buffer_device) if has_meta(module) else None
+
+    # ------------------------------------------------------------------ queries
+    def is_deferred(self, t: torch.Tensor) -> bool:
+        return id(t) in self.pending
+
+    def _own(self, m: torch.nn.Module) -> list[tuple[str, bool, torch.Tensor]]:
+        """(name, is_parameter, tensor) of the tensors ``m`` owns directly."""
+        return ([(n, True, p) for n, p in m._parameters.items() if p is not None]
+                + [(n, False, b) for n, b in m._buffers.items() if b is not None])
+
+    def _needs_init(self, m: torch.nn.Module) -> bool:
+        return any(id(t) in self.pending and id(t) not in self.provided for _, _, t in self._own(m))
+
+    def start(self, provided: Iterable[torch.Tensor] = ()) -> None:
+        """Before the first value: note the tensors that need no init, and check every other one can get one."""
+        self.provided = {id(t) for t in provided if id(t) in self.pending}
+        missing = []
+        for m in self.module.modules():
+            if self._needs_init(m) and self.init_fn is None and not callable(getattr(m, "reset_parameters", None)):
+                names = [n for n, _, t in self._own(m) if id(t) in self.pending and id(t) not in self.provided]
+                missing.append(f"{self.names[id(m)]} ({type(m).__name__}): {', '.join(names)}")
+        if missing:
+            raise DeferredInitError(
+                "these modules own tensors on the meta device and have no reset_parameters() to initialise them: "
+                + "; ".join(missing) + ". Give them a reset_parameters() that initialises their own tensors, pass "
+                "ChunkOffloadStrategy(param_init_fn=...) (called with each such module), or build them outside "
+                "configure_model / the meta device."
+            )
+        self._walk = (m for m in self.module.modules() if self._needs_init(m))
+
+    # ----------------------------------------------------------------- values
+    def value(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s initialised value (CPU), initialising the modules before it in ``modules()`` order."""
+        while id(p) in self.pending:
+            m = next(self._walk, None)
+            if m is None:
+                raise DeferredInitError(f"no module initialises the deferred tensor of shape {tuple(p.shape)}; "
+                                        "it is not owned by any module of the model.")
+            self._init(m)
+        return p.detach()
+
+    def take(self, t: torch.Tensor) -> None:
+        """``t`` got its value from elsewhere (a weights file): it is no longer pending."""
+        self.pending.discard(id(t))
+
+    def finish(self) -> None:
+        """Initialise every module still pending (buffer-only modules, those after the last parameter)."""
+        for m in self._walk:
+            self._init(m)
+        left = [f"{self.names[id(m)]}.{n}" for m in self.module.modules() for n, _, t in self._own(m)
+                if id(t) in self.pending and id(t) not in self.provided]
+        if left:
+            raise DeferredInitError(f"tensors left without a value after deferred initialisation: {', '.join(left)}.")
+
+    def _init(self, m: torch.nn.Module) -> None:
+        fresh: list[tuple[str, bool, torch.Tensor]] = []
+        swapped: list[tuple[str, bool, torch.Tensor]] = []
+        for name, is_param, t in self._own(m):
+            if id(t) in self.pending and id(t) not in self.provided:
+                real = torch.empty(t.shape, dtype=t.dtype)
+                if real.is_floating_point():
+                    real.fill_(float("nan"))
+                if is_param:
+                    t.data = real
+                else:
+                    m._buffers[name] = real
+                self.pending.discard(id(t))
+                fresh.append((name, is_param, t if is_param else real))
+            else:  # has its value already (or will from a file): the init writes a scratch copy instead
+                scratch = torch.empty(t.shape, dtype=t.dtype)
+                if is_param:
+                    m._parameters[name] = torch.nn.Parameter(scratch, requires_grad=t.requires_grad)
+                else:
+                    m._buffers[name] = scratch
+                swapped.append((name, is_param, t))
+        try:
+            if self.init_fn is not None:
+                self.init_fn(m)
+            else:
+                m.reset_parameters()  # type: ignore[operator]
+        finally:
+            for name, is_param, t in swapped:
+                (m._parameters if is_param else m._buffers)[name] = t  # type: ignore[index]
+        where = self.names[id(m)]
+        bad, replaced = [], []
+        for name, is_param, before in fresh:
+            now = (m._parameters if is_param else m._buffers)[name]
+            if is_param and now is not before:
+                replaced.append(name)
+            elif now is not None and now.is_floating_point() and bool(now.isnan().any()):
+                bad.append(name)
+            elif now is not None and not is_param:
+                m._buffers[name] = now.to(self.buffer_device)  # a new buffer the init assigned is fine
+        how = "param_init_fn" if self.init_fn is not None else f"{type(m).__name__}.reset_parameters()"
+        if replaced:
+            raise DeferredInitError(
+                f"{how} replaced {', '.join(f'{where}.{n}' for n in replaced)} with new Parameter objects; the "
+                "optimizers hold the old ones. Initialise parameters in place (torch.nn.init.*_, tensor.copy_).")
+        if bad:
+            raise DeferredInitError(
+                f"{how} left {', '.join(f'{where}.{n}' for n in bad)} uninitialised (built on the meta device, "
+                "still NaN after the init): initialise every tensor the module owns directly there.")
+        self.initialised.append(where)

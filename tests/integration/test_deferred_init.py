@@ -1,0 +1,146 @@
+"""Models built on the meta device (``configure_model``, ``Trainer.init_module(empty_init=True)``) and
+initialised chunk by chunk at setup: the same values as an eager build, the same training, clear errors."""
+
+import lightning as L
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.engine.materialize import DeferredInitError
+from tests.integration.test_parity import EXACT, STEPS, assert_same_params
+from tests.models import DeferredNet, ParityNet, fit, token_data
+
+
+def init_values(model: L.LightningModule, strategy, **trainer_kw) -> dict:
+    """``fit`` with no step: setup (deferred init, packing), then teardown gives the values back."""
+    t = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=0, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, **trainer_kw)
+    t.fit(model, token_data())
+    return model.state_dict()
+
+
+def eager_values(variant: str = "plain", seed: int = 7, **kw) -> dict:
+    L.seed_everything(seed, verbose=False)
+    return {k: v.clone() for k, v in ParityNet(variant=variant, **kw).state_dict().items()}
+
+
+@pytest.mark.parametrize("variant", ["plain", "tied", "frozen", "unused"])
+@pytest.mark.parametrize("chunk_numel", [None, 2048])
+def test_configure_model_on_meta_equals_eager_init(variant, chunk_numel):
+    want = eager_values(variant)
+    L.seed_everything(7, verbose=False)
+    model = DeferredNet(variant=variant)
+    got = init_values(model, ChunkOffloadStrategy(chunk_numel=chunk_numel))
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    if variant == "tied":
+        assert model.head.weight is model.embed.weight
+
+
+class WithReset(ParityNet):
+    def reset_parameters(self) -> None:
+        self.calls.zero_()
+
+
+def test_init_module_empty_init_builds_on_meta_and_initialises_at_setup():
+    want = eager_values()
+    L.seed_everything(7, verbose=False)
+    strategy = ChunkOffloadStrategy()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with trainer.init_module(empty_init=True):
+        model = WithReset()
+    assert all(p.is_meta for p in model.parameters()) and model.calls.is_meta
+    trainer.fit(model, token_data())
+    for k, v in want.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    with trainer.init_module():  # without empty_init: an ordinary model on the host
+        plain = ParityNet()
+    assert all(p.device.type == "cpu" for p in plain.parameters())
+
+
+@pytest.mark.parametrize("placement,limit", [("auto", None), ("host", None), ("auto", 80_000)])
+def test_deferred_model_trains_like_an_eager_one(placement, limit):
+    ref = fit("auto", steps=STEPS)
+    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, optimizer_kernel="loop")
+    got = fit(strategy, steps=STEPS, cls=DeferredNet)
+    assert_same_params(ref, got, EXACT)
+    assert int(got.calls) == int(ref.calls) > 0
+    if limit is not None:  # under the limit chunks do move
+        assert strategy.memory_stats()["evictions"] > 0
+
+
+def test_a_tensor_with_no_init_is_named_before_training():
+    L.seed_everything(7, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with trainer.init_module(empty_init=True):
+        model = ParityNet()  # owns the buffer `calls` itself and has no reset_parameters()
+    with pytest.raises(DeferredInitError, match=r"<root> \(ParityNet\): calls.*param_init_fn"):
+        trainer.fit(model, token_data())
+    assert trainer.global_step == 0
+
+
+class Scaled(nn.Module):
+    """A layer whose init lives outside ``reset_parameters`` for ``scale`` (left NaN if nothing sets it), with a
+    non-persistent cache computed from its shape, like a rotary table."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.register_buffer("table", torch.arange(dim, dtype=torch.float32), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.table.copy_(torch.arange(self.table.numel(), dtype=torch.float32))  # forgets `scale`
+
+    def forward(self, x):
+        return self.lin(x) * self.scale + self.table
+
+
+class ScaledNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = None
+
+    def configure_model(self) -> None:
+        self.embed = nn.Embedding(48, 16)
+        self.layer = Scaled(16)
+        self.head = nn.Linear(16, 48)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.layer(self.embed(x))).reshape(-1, 48), y.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)  # fused checks the parameters' device
+
+
+def test_an_init_that_forgets_a_tensor_is_an_error_naming_it():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(DeferredInitError, match=r"Scaled.reset_parameters\(\) left layer.scale uninitialised"):
+        trainer.fit(ScaledNet(), token_data())
+
+
+def test_param_init_fn_initialises_what_reset_parameters_does_not():
+    seen = []
+
+    def init(m: nn.Module) -> None:
+        seen.append(type(m).__name__)
+        if isinstance(m, Scaled):
+            m.reset_parameters()
+            nn.init.constant_(m.scale, 0.5)
+        else:
+            m.reset_parameters()
+    model = ScaledNet()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(param_init_fn=init), max_steps=3,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, token_data())
+    assert trainer.global_step == 3
+    assert seen == ["Embedding", "Scaled", "Linear", "Linear"]  # modules() order, each once
+    assert torch.equal(model.layer.table, torch.arange(16, dtype=torch.float32))  # the non-persistent buffer
+    assert not model.layer.scale.isnan().any() and not torch.equal(model.layer.scale, torch.full((16,), 0.5))
