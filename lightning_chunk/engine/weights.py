@@ -206,7 +206,8 @@ class ModuleWeights:
                 shapes.append(f"{k}: {tuple(weights.shape(k))} in the file, {tuple(t.shape)} in the model")
             else:
                 self.key_of.setdefault(id(t), k)
-        missing = [n for n, t in named.items() if id(t) not in self.key_of] if strict else []
+        in_file = {prefix + k for k in file_keys}
+        missing = [n for n, t in named.items() if id(t) not in self.key_of and n not in in_file] if strict else []
         problems = []
         if missing:
             problems.append(f"missing from the file ({len(missing)}): {_listing(missing)}")

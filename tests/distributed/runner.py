@@ -55,6 +55,13 @@ CASES = {
     "two_optimizers": dict(cls="TwoOptimizers"),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     "rank_buffer": dict(cls="RankBuffer"),
+    # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit
+    "deferred": dict(chunk_cls="DeferredNet", variant="tied", strategy=dict(chunk_numel=None)),
+    "deferred_limit": dict(chunk_cls="DeferredNet", model=dict(dim=256, hidden=1024, depth=4),
+                           strategy=dict(chunk_numel=270000), limit_fraction=0.45),
+    # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
+    **{f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
+       for fmt in ("torch", "lightning", "consolidated", "safetensors")},
 }
 
 
@@ -72,6 +79,8 @@ def run_parity(case: str, out: Path) -> None:
     fp16 = spec.get("fp16", False)
     L.seed_everything(7, verbose=False)
     ref = cls(variant=variant, **model_kw)
+    if "weights" in spec:
+        ref.load_state_dict(torch.load(out / "start.pt"))
     ref_plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if fp16 else None
     trainer(DDPStrategy(find_unused_parameters=variant == "unused"), plugins=ref_plugins, **tkw).fit(ref, token_data())
     skw = dict(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60)
@@ -79,8 +88,10 @@ def run_parity(case: str, out: Path) -> None:
     if "limit_fraction" in spec:
         param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
         skw["device_memory_limit"] = int(param_bytes * spec["limit_fraction"])  # below this rank's share
-    L.seed_everything(7, verbose=False)
-    got = cls(variant=variant, **model_kw)
+    if "weights" in spec:
+        skw["weights"] = json.loads((out / "weights.json").read_text())[spec["weights"]]
+    L.seed_everything(7, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
+    got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
     strategy = ChunkOffloadStrategy(**skw)
     t = trainer(strategy, plugins=[ChunkPrecision("16-mixed")] if fp16 else None, **tkw)
     t.fit(got, token_data())

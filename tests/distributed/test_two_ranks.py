@@ -17,7 +17,7 @@ import torch
 RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
-          "limit", "reordered_auto", "reordered_auto_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer"]
+          "limit", "reordered_auto", "reordered_auto_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit"]
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
 # reduces once (a last-bit difference that Adam carries through 24 steps: the tolerance the one-rank suite
@@ -52,7 +52,33 @@ def stats(out: Path, case: str) -> list[dict]:
 
 @pytest.mark.parametrize("case", PARITY)
 def test_parity_with_ddp(parity_run, case):
-    out, rc, log = parity_run
+    check_parity(*parity_run, case)
+
+
+@pytest.fixture(scope="module")
+def weights_run(tmp_path_factory):
+    """2 ranks start from weights in each format (written here, once) and train like DDP from those values."""
+    import lightning as L
+
+    from tests.models import ParityNet
+    from tests.weights_files import FORMATS, write_weights
+
+    out = tmp_path_factory.mktemp("two_ranks_weights")
+    L.seed_everything(3, verbose=False)
+    start = ParityNet(variant="tied").state_dict()
+    torch.save(start, out / "start.pt")
+    paths = {fmt: str(write_weights(start, out / f"w_{fmt}", fmt, variant="tied")) for fmt in FORMATS}
+    (out / "weights.json").write_text(json.dumps(paths))
+    rc, log, _ = run(out, *(f"weights_{fmt}" for fmt in FORMATS), timeout=600)
+    return out, rc, log
+
+
+@pytest.mark.parametrize("fmt", ["torch", "lightning", "consolidated", "safetensors"])
+def test_weights_load_on_two_ranks_and_train_like_ddp(weights_run, fmt):
+    check_parity(*weights_run, f"weights_{fmt}")
+
+
+def check_parity(out, rc, log, case):
     for r in (0, 1):
         assert f"CASE-DONE {case} rank={r}" in log, log[-3000:]
     d = torch.load(out / f"{case}.pt")
