@@ -38,7 +38,7 @@ import lightning.pytorch as pl
 from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.checkpoint import KEY as CHECKPOINT_KEY
 from .engine.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
-from .engine.materialize import DeferredInit
+from .engine.materialize import DeferredInit, meta_init
 from .engine.weights import ModuleWeights, open_weights
 from .precision import ChunkPrecision
 
@@ -243,14 +243,19 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``Trainer.init_module()``: tensors on the host (the engine places them); ``empty_init=True``: on the
         meta device, initialised chunk by chunk at ``setup`` ([Note: deferred initialisation])."""
-        with torch.device("meta" if empty_init else "cpu"), self.precision_plugin.tensor_init_context():
+        if not empty_init:
+            with torch.device("cpu"), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        with meta_init(check_writes=self.param_init_fn is None), self.precision_plugin.tensor_init_context():
             yield
 
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` builds on the meta device, as DeepSpeed ZeRO-3's ``zero.Init`` builds partitioned:
-        nothing is allocated until ``setup`` initialises each chunk and keeps this rank's shard."""
-        with torch.device("meta"):
+        nothing is allocated until ``setup`` initialises each chunk and keeps this rank's shard. Values written in
+        place outside ``reset_parameters()`` are an error unless ``param_init_fn`` is given (they would be lost)."""
+        with meta_init(check_writes=self.param_init_fn is None):
             yield
 
     def model_to_device(self) -> None:
@@ -443,4 +448,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             self.engine.teardown(materialize=materialize, device=torch.device("cpu"))
             self.precision_plugin.attach(None, self.root_device)
             self.engine = None
+        if self.lightning_module is not None:
+            # configure_model or setup failed while tensors were on the meta device: Lightning's teardown moves the
+            # module to the CPU, which meta tensors refuse; placeholders hold no memory and can be moved
+            DeferredInit.capture(self.lightning_module)
         super().teardown()

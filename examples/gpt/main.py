@@ -33,13 +33,29 @@ import lightning_chunk  # noqa: F401  (registers the chunk_offload strategy name
 
 
 # ----------------------------------------------------------------------------- model
+class Linear(nn.Linear):
+    """GPT-2's init: small weights (the first loss is about ln(256), not in the hundreds), zero bias. Each layer
+    initialises its own tensors in ``reset_parameters()``, so the model can also be built on the meta device and
+    initialised chunk by chunk (``deferred_init``)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
 class Block(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.qkv, self.proj = Linear(width, 3 * width), Linear(width, width)
+        self.fc, self.out = Linear(width, 4 * width), Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -51,26 +67,30 @@ class Block(nn.Module):
 
 
 class GPT(L.LightningModule):
+    """``deferred_init=True`` builds the layers in ``configure_model``: under ``chunk_offload`` on the meta device,
+    initialised chunk by chunk at setup (no rank ever holds the whole model); under other strategies as usual."""
+
     def __init__(self, width: int = 256, depth: int = 4, heads: int = 4, context: int = 64, lr: float = 3e-3,
-                 weight_decay: float = 0.1, warmup_steps: int = 20, activation_checkpointing: bool = False) -> None:
+                 weight_decay: float = 0.1, warmup_steps: int = 20, activation_checkpointing: bool = False,
+                 deferred_init: bool = False) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"model.width={width} must be a multiple of model.heads={heads}.")
         self.save_hyperparameters()
-        self.tok = nn.Embedding(256, width)
-        self.pos = nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, 256, bias=False)
-        self.head.weight = self.tok.weight  # tied input and output embeddings
-        self.apply(self._init_weights)  # small weights: the first loss is about ln(256), not in the hundreds
+        self.blocks: Optional[nn.ModuleList] = None
+        if not deferred_init:
+            self.configure_model()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def configure_model(self) -> None:
+        if self.blocks is not None:  # built already (in __init__, or by an earlier fit)
+            return
+        width, context = self.hparams.width, self.hparams.context
+        self.tok = Embedding(256, width)
+        self.pos = Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, self.hparams.heads) for _ in range(self.hparams.depth))
+        self.ln = nn.LayerNorm(width)
+        self.head = Linear(width, 256, bias=False)
+        self.head.weight = self.tok.weight  # tied input and output embeddings
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))

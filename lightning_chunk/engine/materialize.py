@@ -32,9 +32,12 @@ takes the value of its first owner in ``modules()`` order, as ``named_parameters
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional
+import contextlib
+import sys
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 InitFn = Callable[[torch.nn.Module], None]
 
@@ -198,3 +201,62 @@ class DeferredInit:
                 f"{how} left {', '.join(f'{where}.{n}' for n in bad)} uninitialised (built on the meta device, "
                 "still NaN after the init): initialise every tensor the module owns directly there.")
         self.initialised.append(where)
+
+
+_INIT_FRAMES = ("reset_parameters", "_reset_parameters")
+_NOT_WRITES = ("detach_", "set_", "resize_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_")
+
+
+class _MetaWrites(TorchDispatchMode):
+    """Notes in-place writes to meta tensors made outside any ``reset_parameters`` (they do nothing there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name.endswith("_") and name not in _NOT_WRITES and args and isinstance(args[0], torch.Tensor) \
+                and args[0].is_meta and not self._in_init():
+            self.writes.append(f"{name} at {self._caller()}")
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _in_init() -> bool:
+        f = sys._getframe(2)
+        while f is not None:
+            if f.f_code.co_name in _INIT_FRAMES:
+                return True
+            f = f.f_back  # type: ignore[assignment]
+        return False
+
+    @staticmethod
+    def _caller() -> str:
+        """The innermost frame outside torch: where the user's code asked for the write."""
+        f = sys._getframe(2)
+        while f is not None and ("/torch/" in f.f_code.co_filename or f.f_code.co_filename == __file__):
+            f = f.f_back  # type: ignore[assignment]
+        return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
+
+
+@contextlib.contextmanager
+def meta_init(*, check_writes: bool = True) -> Iterator[None]:
+    """Build modules on the meta device. With ``check_writes``, values written in place outside a
+    ``reset_parameters()`` (``self.apply(init_fn)``, ``nn.init.normal_(self.proj.weight)`` in ``__init__``) are
+    an error when the block ends: on the meta device they do nothing, and deferred initialisation would
+    silently give those tensors ``reset_parameters()``'s values instead. Pass ``param_init_fn`` to say how
+    they are initialised."""
+    if not check_writes:
+        with torch.device("meta"):
+            yield
+        return
+    with torch.device("meta"), _MetaWrites() as mode:
+        yield
+    if mode.writes:
+        shown = "; ".join(dict.fromkeys(mode.writes))
+        raise DeferredInitError(
+            f"the model was built on the meta device (deferred initialisation) and wrote values into {len(mode.writes)} "
+            f"meta tensor(s) outside reset_parameters(), which does nothing there: {shown[:600]}. Deferred "
+            "initialisation calls each module's reset_parameters(); to initialise differently (e.g. GPT-2's "
+            "normal(0, 0.02)), pass ChunkOffloadStrategy(param_init_fn=fn), fn(module) initialising the tensors that "
+            "module owns directly.")

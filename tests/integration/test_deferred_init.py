@@ -144,3 +144,32 @@ def test_param_init_fn_initialises_what_reset_parameters_does_not():
     assert seen == ["Embedding", "Scaled", "Linear", "Linear"]  # modules() order, each once
     assert torch.equal(model.layer.table, torch.arange(16, dtype=torch.float32))  # the non-persistent buffer
     assert not model.layer.scale.isnan().any() and not torch.equal(model.layer.scale, torch.full((16,), 0.5))
+
+
+class CustomInit(DeferredNet):
+    """GPT-2 style: layers built, then re-initialised by ``self.apply``: on the meta device that does nothing."""
+
+    def build(self) -> None:
+        super().build()
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+
+def test_an_init_that_would_be_lost_on_the_meta_device_is_refused_unless_param_init_fn_says_how():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(DeferredInitError, match=r"outside reset_parameters\(\).*normal_ at .*test_deferred_init.py"):
+        trainer.fit(CustomInit(), token_data())
+
+    def init(m: nn.Module) -> None:  # the same init, per module: reset, then the custom draw
+        m.reset_parameters()
+        CustomInit._init(m)
+    model = CustomInit()
+    init_values(model, ChunkOffloadStrategy(param_init_fn=init))
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            assert 0.015 < float(m.weight.std()) < 0.025
