@@ -43,6 +43,14 @@ class TransferStats:
     gathers: int = 0
 
 
+def _free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory even while views of it exist (they must not be read again)."""
+    try:
+        t.untyped_storage().resize_(0)
+    except RuntimeError:  # a storage its allocator cannot resize: freed when its last view goes
+        pass
+
+
 class ChunkManager:
     def __init__(
         self,
@@ -199,18 +207,29 @@ class ChunkManager:
             source = OldChunks(self, self.chunks, extras=extras, eager=eager)
             self._retiring, self.chunks, self._where = self.chunks, [], {}
         self.layout = layout
-        for spec in layout.chunks:
+        for spec in self._build_order(layout, first):
             chunk = self._build_chunk(spec, tiers.get(spec.chunk_id, Tier.HOST), source,
                                       broadcast=first and self.comm.world_size > 1)
             self.chunks.append(chunk)
             source.placed(chunk)
             self._changed()
+        self.chunks.sort(key=lambda c: c.chunk_id)
         assert source.done()
         self._retiring = []
         self._all_aliased = bool(self.chunks) and all(c.aliased for c in self.chunks)
         # backward completes chunks roughly in reverse use order; every rank must reduce in one order
         self._reduce_order = sorted((c.chunk_id for c in self.chunks if c.trainable), reverse=True)
         self._reduce_next = 0
+
+    @staticmethod
+    def _build_order(layout: Layout, first: bool) -> list[ChunkSpec]:
+        """The first pack builds each chunk once all its parameters exist: in the order of its last parameter in
+        registration order, which is the order deferred initialisation makes them ([Note: deferred
+        initialisation]). In layout order, the one chunk of a param group's biases and norms, which spans the
+        model, came second and made every module before its last bias initialise first: the whole model at once."""
+        if not first:
+            return list(layout.chunks)
+        return sorted(layout.chunks, key=lambda spec: (max(s.param_index for s in spec.slots), spec.chunk_id))
 
     def set_reduce_order(self, completion: Sequence[int]) -> None:
         """Reduce chunks in the order backward completes them (``completion``, from the trace, the same on
@@ -318,6 +337,12 @@ class ChunkManager:
     def drop(self, c: Chunk) -> None:
         """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end)."""
         with self._tracked(c):
+            # freed now, not when the last view goes: the optimizers' param groups and the gradients attached to them
+            # still view the old shards until they are rebound after a repack, which held a whole second copy of
+            # every shard at the repack's peak
+            for t in (c.master, c.low, c.grad):
+                if t is not None:
+                    _free_storage(t)
             c.master = c.low = c.grad = None
             c.optim_state_bytes = 0
             if c.payload is not None:

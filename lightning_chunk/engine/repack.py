@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 import torch
 
 from .chunk import Chunk
+from .torchfile import release_freed_memory
 from .materialize import DeferredInit
 from .weights import ModuleWeights
 
@@ -159,6 +160,7 @@ class OldChunks:
                 self._extra[i] = {k: v[span].clone() for k, v in extra.items()}
         del full, full_grad, extra
         mgr.drop(c)
+        release_freed_memory()  # freed heap blocks are not reused in this pattern of sizes: give them back now
         self.loaded.add(c.chunk_id)
 
     def exact(self, i: int) -> bool:

@@ -196,6 +196,7 @@ class ChunkEngine:
         """End of warm-up: check the limit, choose the chunk size, repack in first-use order, place from the trace."""
         self._finalize_pending = False
         self.warmed_up = True
+        release_freed_memory()  # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
         trace = self.hooks.trace
         assert trace is not None
         self._check_same_trace(trace)
