@@ -29,8 +29,8 @@ def load_gpt() -> Any:
     return mod
 
 
-def make_gpt(args: argparse.Namespace) -> Any:
-    return load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context)
+def make_gpt(args: argparse.Namespace, **kw: Any) -> Any:
+    return load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context, **kw)
 
 
 def step_timer(times: list[float]) -> Any:

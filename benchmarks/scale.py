@@ -10,6 +10,12 @@ Contenders, each attempt a fresh ``Trainer.fit`` of ``--steps`` steps in its own
   every chunk sharded over the ranks, payloads fetched on use and dropped after).
 - ``--ranks 1``: ``auto`` against ``chunk_offload`` (``placement="auto"`` with ``--device-limit``;
   on CUDA the peers get the same limit through ``torch.cuda.set_per_process_memory_fraction``).
+- ``chunk_deferred``: ``chunk_offload`` with the GPT built in ``configure_model`` (``deferred_init=True``):
+  on the meta device, initialised chunk by chunk, so no rank ever holds the whole model.
+
+``B/param``: the marginal bytes a parameter of the largest model that fits: the rank's peak resident set
+minus its resident set just before the model was built, over the parameter count (ideal for ZeRO-3 on two
+ranks in fp32 with AdamW: 8, half of the 16 bytes of weights, gradients and two moments).
 
 The host limit is a budget for each rank's resident memory: a watchdog in this process reads the
 resident set of every process of the attempt and kills the group the moment one passes it, and an
@@ -46,9 +52,10 @@ BYTES_PER_PARAM = 16  # fp32 weight + gradient + Adam's two moments
 
 
 def contenders(ranks: int) -> dict[str, dict]:
-    if ranks == 1:
-        return {"auto": {"strategy": "auto"}, "chunk_offload": {"strategy": "chunk", "placement": "auto"}}
-    return {"ddp": {"strategy": "ddp"}, "chunk_offload": {"strategy": "chunk", "placement": "host"}}
+    placement = "auto" if ranks == 1 else "host"
+    return {("auto" if ranks == 1 else "ddp"): {"strategy": "auto" if ranks == 1 else "ddp"},
+            "chunk_offload": {"strategy": "chunk", "placement": placement},
+            "chunk_deferred": {"strategy": "chunk", "placement": placement, "deferred": True}}
 
 
 # ------------------------------------------------------------------------------------------ child
@@ -69,8 +76,8 @@ def child(args: argparse.Namespace) -> None:
         strategy = spec["strategy"]
     peak: dict = {}
     L.seed_everything(0, verbose=False)
-    model = make_gpt(args)
-    params = sum(p.numel() for p in model.parameters())  # before fit: chunk_offload's teardown empties them here
+    before = proc_bytes("VmRSS")  # the marginal bytes a parameter count from here
+    model = make_gpt(args, deferred_init=spec.get("deferred", False))
     data = torch.randint(0, 256, (args.steps * args.batch * args.ranks, args.context + 1))
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.ranks, strategy=strategy, max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -81,8 +88,11 @@ def child(args: argparse.Namespace) -> None:
             min(1.0, device_limit / torch.cuda.get_device_properties(trainer.local_rank).total_memory),
             trainer.local_rank)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
+    # chunk_offload's teardown leaves the parameters empty (materialize_on_teardown=False); a deferred model had none
+    params = (int(strategy.memory_stats()["param_numel"]) if spec["strategy"] == "chunk"
+              else sum(p.numel() for p in model.parameters()))
     report = {"steps": trainer.global_step, "params": params,
-              "peak_rss": peak["peak_rss"],
+              "peak_rss": peak["peak_rss"], "rss_before_model": before,
               "peak_device": torch.cuda.max_memory_allocated() if cuda else 0}
     Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(report))
     if torch.distributed.is_initialized():
@@ -140,6 +150,7 @@ def attempt(name: str, depth: int, args: argparse.Namespace, scratch: Path) -> d
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(args.ranks) if Path(f"{out}.rank{r}").exists()]
     res = {"depth": depth, "seconds": time.perf_counter() - t0, "params": ranks[0]["params"] if ranks else None,
            "peak_rss": [r["peak_rss"] for r in ranks] or [watched_peak[0]],
+           "rss_before_model": [r["rss_before_model"] for r in ranks],
            "peak_device": [r["peak_device"] for r in ranks]}
     device_limit = parse_bytes(args.device_limit, field="--device-limit") if args.device_limit else None
     if killed:
@@ -176,6 +187,8 @@ def largest(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         good, bad = (mid, bad) if tried[mid]["fits"] else (good, mid)
     best = tried.get(good)
     row = {"contender": name, "depth": good, "params": best["params"] if best else 0,
+           "bytes_per_param": (max(p - b for p, b in zip(best["peak_rss"], best["rss_before_model"])) / best["params"]
+                               if best and best["rss_before_model"] else None),
            "peak_rss": best["peak_rss"] if best else [], "peak_device": best["peak_device"] if best else [],
            "first_failure": {"depth": bad, "why": tried[bad]["why"]} if bad is not None else None,
            "capped_by_max_depth": bad is None, "attempts": len(tried)}
@@ -186,7 +199,8 @@ def largest(name: str, args: argparse.Namespace, scratch: Path) -> dict:
 def measure(args: argparse.Namespace) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="scale_"))  # per-attempt reports, not results
     rows = []
-    for name in contenders(args.ranks):
+    names = [n for n in contenders(args.ranks) if not args.only or n in args.only.split(",")]
+    for name in names:
         print(f"{name}:", flush=True)
         rows.append(largest(name, args, scratch))
     base = rows[0]["params"]
@@ -203,14 +217,15 @@ def render(res: dict) -> str:
     lines = [f"GPT width {res['width']}, context {res['context']}, batch {res['batch']} a rank, {res['steps']} steps, "
              f"{res['ranks']} rank(s) on {res['accelerator']}, host limit {res['host_limit'] / gib:.2f} GiB a rank{dl}",
              f"{'contender':<14} {'depth':>6} {'parameters':>14} {'x first':>8} {'of host limit':>14} "
-             f"{'peak RSS GiB':>14}  first failure"]
+             f"{'peak RSS GiB':>14} {'B/param':>8}  first failure"]
     for r in res["rows"]:
         fail = r["first_failure"]
         why = f"depth {fail['depth']}: {fail['why']}" if fail else "none up to --max-depth"
         rss = ", ".join(f"{b / gib:.2f}" for b in r["peak_rss"])
         ratio = f"{r['vs_first']:.2f}" if r["vs_first"] is not None else "-"
+        bpp = f"{r['bytes_per_param']:.1f}" if r.get("bytes_per_param") else "-"
         lines.append(f"{r['contender']:<14} {r['depth']:>6} {r['params']:>14,} {ratio:>8} "
-                     f"{100 * r['fraction_of_host_limit']:>13.1f}% {rss:>14}  {why}")
+                     f"{100 * r['fraction_of_host_limit']:>13.1f}% {rss:>14} {bpp:>8}  {why}")
     return "\n".join(lines)
 
 
@@ -225,6 +240,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--host-limit", default="3GiB", help="resident memory a rank may use")
     p.add_argument("--device-limit", default=None, help="device memory a rank may use (chunk_offload's limit)")
     p.add_argument("--max-depth", type=int, default=256)
+    p.add_argument("--only", default=None, help="comma-separated contenders to run (default: all)")
     p.add_argument("--out", default="benchmarks/results/scale.json")
     p.add_argument("--depth", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -2,6 +2,7 @@
 
     lightning-chunk consolidate CKPT_DIR OUT [--with-optimizer] [--no-progress]
     lightning-chunk plan MODEL [--data DATA] [--config YAML] [--device-memory-limit BYTES] ...
+    lightning-chunk plan MODEL --shapes-only --ranks 8 --init-args '{"width": 4096, "depth": 32}' ...
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=["auto", "device", "host", "static"])
     p.add_argument("--chunk-numel", type=int)
     p.add_argument("--precision")
+    p.add_argument("--shapes-only", action="store_true",
+                   help="build nothing (meta device): per-rank bytes from shapes, for models too large to build here")
+    p.add_argument("--ranks", type=int, default=1, help="with --shapes-only: the number of ranks to plan for")
     return parser
 
 
@@ -61,7 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
                  "chunk_numel": args.chunk_numel}
     try:
         report = plan_from_args(args.model, args.data, args.config, args.init_args, args.data_args, overrides,
-                                args.precision)
+                                args.precision, shapes_only=args.shapes_only, ranks=args.ranks)
     except ChunkError as e:
         print(f"lightning-chunk plan: does not fit: {e}", file=sys.stderr)
         return 1

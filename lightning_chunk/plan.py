@@ -5,6 +5,11 @@ It builds the model and its data, runs one throwaway forward and backward on one
 reports the chunks, the bytes per tier, and the device peak estimated by replaying the trace
 through the placement policy (``engine/simulate.py``). Nothing is saved. When the limit is too
 small, the message names the smallest limit that works and the command exits non-zero.
+
+``--shapes-only`` (``make_shape_plan``) builds nothing: the model (and its ``configure_model``) runs on
+the meta device, the optimizers hold placeholders, and the per-rank bytes of ``--ranks`` ranks come
+from the shapes alone, so a model far larger than this machine can be planned (a 7B GPT on 8 GPUs
+from a laptop). Activations need a real step and are not estimated.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import torch
 import yaml
 
 from .engine.chunk import Tier
+from .engine.materialize import DeferredInit
+from .engine.runtime import ChunkEngine, ShapePlan
 from .engine.simulate import simulate_step
+from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
 
 MiB = 2**20
@@ -131,8 +140,79 @@ def make_plan(model_cls: type, model_args: dict[str, Any], data_cls: Optional[ty
     return probe.report
 
 
+@dataclass
+class ShapePlanReport:
+    model: str
+    precision: str
+    ranks: int
+    placement: str
+    plan: ShapePlan
+
+    @property
+    def fits(self) -> bool:
+        """The busiest module's chunks (and, with shards on the device, those shards) fit under the limit.
+        Necessary, not sufficient: activations come on top."""
+        p = self.plan
+        return p.limit is None or p.need_before_activations + p.shard_bytes(Tier.DEVICE) <= p.limit
+
+    def render(self) -> str:
+        g = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
+        p = self.plan
+        ideal = p.param_numel * 16 / self.ranks
+        host_total = _host_memory()
+        limit = "none" if p.limit is None else g(p.limit)
+        return "\n".join([
+            f"model               {self.model}: {p.param_numel:,} parameters, precision {self.precision}; planned for "
+            f"{self.ranks} rank(s) from shapes alone (nothing built)",
+            f"chunks              {len(p.layout.chunks)} of {p.layout.capacity_numel:,} elements "
+            f"({p.layout.padding_numel:,} elements of padding)",
+            f"shards a rank       {g(p.shard_bytes())} (masters, compute copies, gradients, optimizer state; "
+            f"16 bytes a parameter over {self.ranks} rank(s) would be {g(ideal)})",
+            f"placement           {self.placement}, before the warm-up: {g(p.shard_bytes(Tier.DEVICE))} on the device, "
+            f"{g(p.shard_bytes(Tier.HOST))} on the host"
+            + (f" (this machine has {g(host_total)} in all)" if host_total else ""),
+            f"device at least     {g(p.need_before_activations)} for the busiest module's chunks"
+            + (" and a gradient payload" if self.ranks > 1 else "") + ", plus activations (not estimated)",
+            f"device_memory_limit {limit}: " + ("fits before activations" if self.fits else "does NOT fit"),
+        ])
+
+
+def _host_memory() -> int:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: dict[str, Any],
+                    precision: str = "32-true", ranks: int = 1) -> ShapePlanReport:
+    """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks} is not allowed; it must be at least 1.")
+    with torch.device("meta"):
+        model = model_cls(**model_args)
+        if is_overridden("configure_model", model, L.LightningModule):
+            model.configure_model()
+    DeferredInit.capture(model)  # placeholders: optimizers (fused ones too) can be built over them
+    strategy = ChunkOffloadStrategy(**{**strategy_args, "log_memory_stats": False})
+    model.trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=1,
+                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                              enable_model_summary=False)  # configure_optimizers may read the trainer
+    optimizers, _ = _init_optimizers_and_lr_schedulers(model)
+    plan = ChunkEngine.plan_from_shapes(model, optimizers, config=strategy.config,
+                                        dtypes=ChunkPrecision(precision).dtype_policy(), world_size=ranks)
+    return ShapePlanReport(model=type(model).__name__, precision=precision, ranks=ranks,
+                           placement=strategy.config.placement, plan=plan)
+
+
 def plan_from_args(model: str, data: Optional[str], config: Optional[str], init_args: Optional[str],
-                   data_args: Optional[str], overrides: dict[str, Any], precision: Optional[str]) -> PlanReport:
+                   data_args: Optional[str], overrides: dict[str, Any], precision: Optional[str],
+                   shapes_only: bool = False, ranks: int = 1) -> Any:
     cfg: dict[str, Any] = {}
     if config:
         with open(config) as f:
@@ -145,4 +225,6 @@ def plan_from_args(model: str, data: Optional[str], config: Optional[str], init_
     sargs = dict(strategy_cfg.get("init_args") or {}) if isinstance(strategy_cfg, dict) else {}
     sargs.update({k: v for k, v in overrides.items() if v is not None})
     prec = precision or str((cfg.get("trainer") or {}).get("precision") or "32-true")
+    if shapes_only:
+        return make_shape_plan(load_class(model), margs, sargs, prec, ranks)
     return make_plan(load_class(model), margs, load_class(data) if data else None, dargs, sargs, prec)

@@ -99,6 +99,13 @@ class Collectives:
         c.names = lambda chunk, module: f"chunk {chunk}"
         return c
 
+    @classmethod
+    def planning(cls, world_size: int) -> "Collectives":
+        """Describes ``world_size`` ranks (this one rank 0) for sizing shards; it must not communicate."""
+        c = cls.local()
+        c.world_size = world_size
+        return c
+
     # ---------------------------------------------------------------- checks
     def _check_device(self, what: str, *tensors: torch.Tensor) -> None:
         """Every tensor of a collective must be on the group's device: NCCL rejects host tensors (and gloo

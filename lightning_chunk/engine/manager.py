@@ -193,8 +193,9 @@ class ChunkManager:
         """Build chunks for ``layout`` with shards on ``tiers``; parameters become views into payloads.
 
         Values come from the current chunks when there are some (a repack after the warm-up), else
-        from ``source`` (the parameters themselves by default; a weights file, deferred init). Gradients accumulated so far, the per-parameter "got a
-        gradient" flags and ``extras`` (the optimizers' per-element state) move along
+        from ``source`` (the parameters themselves by default; a weights file; deferred init). Gradients
+        accumulated so far, the per-parameter "got a gradient" flags and ``extras`` (the optimizers'
+        per-element state) move along
         ([Note: optimizer state through a repack] in ``repack.py``).
         """
         first = not self.chunks  # values come from the module itself

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -45,6 +46,22 @@ from .scaler import DynamicLossScaler
 from .tracer import Trace
 
 
+@dataclass(frozen=True)
+class ShapePlan:
+    """What ``ChunkEngine.plan_from_shapes`` found: the first layout and the bytes of each chunk on one rank."""
+
+    layout: Layout
+    views: list[ChunkView]
+    tiers: dict[int, Tier]
+    limit: Optional[int]
+    need_before_activations: int  # device bytes the busiest module needs before activations
+    param_numel: int
+
+    def shard_bytes(self, tier: Optional[Tier] = None) -> int:
+        """One rank's shard bytes (masters, compute copies, gradients, optimizer state), on ``tier`` or in all."""
+        return sum(v.device_shard_bytes for v in self.views if tier is None or self.tiers[v.chunk_id] is tier)
+
+
 class ChunkEngine:
     def __init__(
         self,
@@ -61,6 +78,22 @@ class ChunkEngine:
         """``deferred``: the module was built on the meta device and is initialised chunk by chunk as it is
         packed ([Note: deferred initialisation]); ``weights``: values read from a file as the chunks are
         built ([Note: streamed weight loading]). Either way no rank holds the whole model."""
+        self._describe(module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives)
+        device = self.manager.device
+        layout = self._choose_layout(list(range(len(self.manager.params))), trace=None)
+        views, tiers = self._plan_tiers(layout, trace=None)
+        self.hooks.install()
+        self._check_limit_before_trace(layout, views)
+        source = FromModule(self.manager.params, deferred=deferred, weights=weights)
+        self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
+        source.finish(buffer_device=device)
+        self._broadcast_buffers()
+
+    def _describe(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
+                  config: Optional[ChunkConfig], dtypes: Optional[DtypePolicy], device: Optional[torch.device],
+                  collectives: Optional[Collectives]) -> None:
+        """Everything that needs only shapes: the manager's parameter descriptions, the policy, the hooks (not
+        installed) and the optimizer bindings (not bound). Allocates nothing."""
         config = config or ChunkConfig()
         device = device or torch.device("cpu")
         if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
@@ -100,14 +133,22 @@ class ChunkEngine:
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
         self.last_grad_norm: Optional[float] = None
 
-        layout = self._choose_layout(list(range(len(named))), trace=None)
-        views, tiers = self._plan_tiers(layout, trace=None)
-        self.hooks.install()
-        self._check_limit_before_trace(layout, views)
-        source = FromModule(self.manager.params, deferred=deferred, weights=weights)
-        self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
-        source.finish(buffer_device=device)
-        self._broadcast_buffers()
+
+    @classmethod
+    def plan_from_shapes(cls, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), *,
+                         config: Optional[ChunkConfig] = None, dtypes: Optional[DtypePolicy] = None,
+                         world_size: int = 1) -> "ShapePlan":
+        """The layout, each chunk's per-rank bytes and the shard tiers ``world_size`` ranks would start from, from
+        the parameters' shapes alone: for a model too large to build (a meta-device one). Nothing is allocated, no
+        process group is needed, and a too-small limit is reported, not raised."""
+        engine = cls.__new__(cls)
+        engine._describe(module, optimizers, config=config, dtypes=dtypes, device=torch.device("cpu"),
+                         collectives=Collectives.planning(world_size))
+        layout = engine._choose_layout(list(range(len(engine.manager.params))), trace=None)
+        views, tiers = engine._plan_tiers(layout, trace=None)
+        return ShapePlan(layout=layout, views=views, tiers=tiers, limit=engine.manager.limit,
+                         need_before_activations=engine._need_before_trace(layout, views),
+                         param_numel=sum(s.numel for s in engine.manager.specs))
 
     # ================================================================= layout
     @property
@@ -157,11 +198,9 @@ class ChunkEngine:
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)
 
-    def _check_limit_before_trace(self, layout: Layout, views: list[ChunkView]) -> None:
-        """Before anything is allocated: a limit that cannot hold even one module's chunks is refused."""
-        limit = self.manager.limit
-        if limit is None:
-            return
+    def _need_before_trace(self, layout: Layout, views: list[ChunkView]) -> int:
+        """Device bytes the busiest module needs before any activation: its chunks (and the root's), plus a
+        whole chunk's gradient payload with several ranks."""
         slot_of = layout.slot_of()
         payload = {v.chunk_id: v.payload_bytes for v in views}
 
@@ -170,8 +209,14 @@ class ChunkEngine:
 
         root_bytes = chunk_bytes(self.hooks._owned.get(ROOT, ()))
         need = max((chunk_bytes(own) for own in self.hooks._owned.values()), default=0) + root_bytes
-        # several ranks: backward also needs a whole chunk's gradient payload next to the payloads
-        need += max((v.grad_payload_bytes for v in views), default=0)
+        return need + max((v.grad_payload_bytes for v in views), default=0)
+
+    def _check_limit_before_trace(self, layout: Layout, views: list[ChunkView]) -> None:
+        """Before anything is allocated: a limit that cannot hold even one module's chunks is refused."""
+        limit = self.manager.limit
+        if limit is None:
+            return
+        need = self._need_before_trace(layout, views)
         if need > limit:
             raise DeviceMemoryLimitError(
                 f"device_memory_limit={limit} bytes is too small: one module needs {need} bytes of chunks at once "

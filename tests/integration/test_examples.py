@@ -111,6 +111,25 @@ def test_plan_command_exits_non_zero_with_the_smallest_working_limit():
     assert "smallest limit that would work is" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_plan_from_shapes_sizes_a_model_this_machine_could_not_build():
+    """A 6.5B GPT (the shapes of a 7B) planned for 8 ranks: 16 bytes a parameter of training state is 96 GiB, more
+    than this machine; the plan builds nothing and reports what each rank would hold."""
+    import resource
+
+    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "plan", f"{MAIN}:GPT", "--shapes-only", "--ranks", "8",
+                        "--init-args", '{"width": 4096, "depth": 32, "heads": 32, "context": 2048, "deferred_init": true}',
+                        "--device-memory-limit", "24GiB", "--precision", "bf16-mixed"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "6,453,600,256 parameters" in r.stdout and "planned for 8 rank(s)" in r.stdout
+    per_rank = float(r.stdout.split("shards a rank")[1].split("GiB")[0])
+    # bf16-mixed: fp32 master 4 + bf16 copy 2 + fp32 gradient 4 + AdamW 8 = 18 bytes a parameter, over 8 ranks
+    assert 18 * 6_453_600_256 / 8 / 2**30 <= per_rank <= 1.05 * 18 * 6_453_600_256 / 8 / 2**30, r.stdout
+    assert "fits before activations" in r.stdout
+    # nothing was materialised: the child's peak resident set is a small fraction of one rank's shards
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 2 * 2**30
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--trainer.strategy.init_args.offload_everything=true"], "offload_everything"),
     (["--trainer.strategy.init_args.device_memory_limit=-5"], "device_memory_limit=-5 must be a positive number"),
