@@ -1,0 +1,75 @@
+"""Packing streams: a parameter's own storage is freed as soon as its chunk holds it, and a deferred model is
+initialised chunk by chunk, so the set-up peak is the model plus about two chunks, never two models.
+
+Measured in a child process: its peak resident set (VmHWM, reset just before the pack), with glibc told to map
+every block of 64 KiB or more on its own, so that freed memory leaves the resident set at once and the peak is
+what the code held, not what the allocator kept cached."""
+
+import os
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 2**20
+CHILD = r"""
+import ctypes, json, sys
+import torch
+sys.path.insert(0, ROOT)
+from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from lightning_chunk.engine.materialize import DeferredInit
+
+def status(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field + ":")).split()[1]) * 1024
+
+def build():
+    # 24 layers of 4 MiB (fp32 1024 x 1024)
+    return torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(24)))
+
+deferred = MODE == "deferred"
+torch.manual_seed(0)
+if deferred:
+    with torch.device("meta"):
+        model = build()
+    init = DeferredInit.capture(model)
+else:
+    model, init = build(), None
+for p in model.parameters():
+    p.requires_grad_(False)  # frozen: no gradient shards, so every byte above the values is packing overhead
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM
+before = status("VmRSS")
+engine = ChunkEngine(model, [], config=ChunkConfig(chunk_numel=CHUNK, placement=PLACEMENT), deferred=init)
+peak = status("VmHWM")
+print(json.dumps({"before": before, "peak": peak, "after": status("VmRSS"),
+                  "model": sum(p.numel() * 4 for p in model.parameters()), "chunks": len(engine.manager.chunks),
+                  "padding": engine.manager.layout.padding_numel * 4}))
+"""
+
+
+def measure(mode: str, placement: str, chunk: int) -> dict:
+    code = CHILD.replace("ROOT", repr(str(ROOT))).replace("MODE", repr(mode)).replace("PLACEMENT", repr(placement))
+    code = code.replace("CHUNK", str(chunk))
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.mmap_threshold=65536")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak")
+@pytest.mark.parametrize("mode", ["eager", "deferred"])
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_set_up_peak_is_the_model_plus_about_two_chunks(mode, placement):
+    chunk = 2 * (1024 * 1024 + 1024)  # two layers (weights and biases) a chunk: 8 MiB, no padding
+    m = measure(mode, placement, chunk)
+    model = m["model"]
+    assert model >= 96 * MiB and m["chunks"] >= 12
+    # eager: the values exist before the pack, so only the pack's own buffers count; deferred: the values appear
+    # during the pack, chunk by chunk
+    grown = m["peak"] - m["before"]
+    allowed = (0 if mode == "eager" else model) + m["padding"] + 2 * chunk * 4 + 4 * MiB  # + the allocator's slack
+    assert grown <= allowed, (m, grown / MiB, allowed / MiB)
