@@ -123,7 +123,10 @@ def attempt(name: str, depth: int, args: argparse.Namespace, scratch: Path) -> d
         if getattr(args, k) is not None:
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     host_limit = parse_bytes(args.host_limit, field="--host-limit")
-    proc = subprocess.Popen(cmd, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    env = clean_env()
+    if args.glibc_tunables:
+        env["GLIBC_TUNABLES"] = args.glibc_tunables
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     killed: list[int] = []
     watched_peak = [0]
@@ -188,7 +191,7 @@ def largest(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     best = tried.get(good)
     row = {"contender": name, "depth": good, "params": best["params"] if best else 0,
            "bytes_per_param": (max(p - b for p, b in zip(best["peak_rss"], best["rss_before_model"])) / best["params"]
-                               if best and best["rss_before_model"] else None),
+                               if best and best.get("rss_before_model") else None),
            "peak_rss": best["peak_rss"] if best else [], "peak_device": best["peak_device"] if best else [],
            "first_failure": {"depth": bad, "why": tried[bad]["why"]} if bad is not None else None,
            "capped_by_max_depth": bad is None, "attempts": len(tried)}
@@ -207,15 +210,17 @@ def measure(args: argparse.Namespace) -> dict:
     for r in rows:
         r["vs_first"] = r["params"] / base if base else None
     return {"width": args.width, "context": args.context, "batch": args.batch, "steps": args.steps,
-            "ranks": args.ranks, "accelerator": args.accelerator, "host_limit": parse_bytes(args.host_limit, field="--host-limit"),
+            "ranks": args.ranks, "accelerator": args.accelerator, "glibc_tunables": args.glibc_tunables,
+            "host_limit": parse_bytes(args.host_limit, field="--host-limit"),
             "device_limit": parse_bytes(args.device_limit, field="--device-limit") if args.device_limit else None, "rows": rows}
 
 
 def render(res: dict) -> str:
     gib = 2**30
     dl = f", device limit {res['device_limit'] / gib:.1f} GiB" if res["device_limit"] else ""
+    tun = f", GLIBC_TUNABLES={res['glibc_tunables']}" if res.get("glibc_tunables") else ""
     lines = [f"GPT width {res['width']}, context {res['context']}, batch {res['batch']} a rank, {res['steps']} steps, "
-             f"{res['ranks']} rank(s) on {res['accelerator']}, host limit {res['host_limit'] / gib:.2f} GiB a rank{dl}",
+             f"{res['ranks']} rank(s) on {res['accelerator']}, host limit {res['host_limit'] / gib:.2f} GiB a rank{dl}{tun}",
              f"{'contender':<14} {'depth':>6} {'parameters':>14} {'x first':>8} {'of host limit':>14} "
              f"{'peak RSS GiB':>14} {'B/param':>8}  first failure"]
     for r in res["rows"]:
@@ -241,6 +246,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--device-limit", default=None, help="device memory a rank may use (chunk_offload's limit)")
     p.add_argument("--max-depth", type=int, default=256)
     p.add_argument("--only", default=None, help="comma-separated contenders to run (default: all)")
+    p.add_argument("--glibc-tunables", default=None,
+                   help="GLIBC_TUNABLES for every contender's processes, e.g. glibc.malloc.mmap_threshold=4194304 "
+                        "(blocks of 4 MiB or more mapped on their own: freed memory leaves the resident set at once)")
     p.add_argument("--out", default="benchmarks/results/scale.json")
     p.add_argument("--depth", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
