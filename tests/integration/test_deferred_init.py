@@ -173,3 +173,24 @@ def test_an_init_that_would_be_lost_on_the_meta_device_is_refused_unless_param_i
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             assert 0.015 < float(m.weight.std()) < 0.025
+
+
+def test_a_deferred_model_resumes_from_a_checkpoint_like_an_eager_one(tmp_path):
+    """ckpt_path still wins over the deferred init: the resumed run equals the eager model's resume."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    L.seed_everything(7, verbose=False)
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, filename="{step}")
+    L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=4, logger=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=[cb]).fit(ParityNet(), token_data())
+    ckpt = tmp_path / "step=4.ckpt"
+    out = {}
+    for cls in (ParityNet, DeferredNet):
+        L.seed_everything(11, verbose=False)
+        model = cls()
+        L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=8, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(model, token_data(), ckpt_path=ckpt)
+        out[cls.__name__] = model.state_dict()
+    for k, v in out["ParityNet"].items():
+        assert torch.equal(out["DeferredNet"][k], v), k
