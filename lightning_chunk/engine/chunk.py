@@ -186,3 +186,11 @@ class Chunk:
 
     def iter_tensors(self) -> Iterator[TensorInfo]:
         return iter(self.tensors)
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory even while views of it exist (they must not be read again)."""
+    try:
+        t.untyped_storage().resize_(0)
+    except RuntimeError:  # a storage its allocator cannot resize: freed when its last view goes
+        pass

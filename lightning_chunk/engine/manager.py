@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import torch
 
-from .chunk import Chunk, TensorInfo, Tier
+from .chunk import Chunk, TensorInfo, Tier, free_storage
 from .chunk import nbytes as tensor_nbytes
 from .collectives import Collectives
 from .config import ChunkConfig, DtypePolicy
@@ -41,14 +41,6 @@ class TransferStats:
     d2h_bytes: int = 0
     evictions: int = 0
     gathers: int = 0
-
-
-def _free_storage(t: torch.Tensor) -> None:
-    """Release ``t``'s memory even while views of it exist (they must not be read again)."""
-    try:
-        t.untyped_storage().resize_(0)
-    except RuntimeError:  # a storage its allocator cannot resize: freed when its last view goes
-        pass
 
 
 class ChunkManager:
@@ -193,9 +185,8 @@ class ChunkManager:
         """Build chunks for ``layout`` with shards on ``tiers``; parameters become views into payloads.
 
         Values come from the current chunks when there are some (a repack after the warm-up), else
-        from ``source`` (the parameters themselves by default; a weights file; deferred init). Gradients
-        accumulated so far, the per-parameter "got a gradient" flags and ``extras`` (the optimizers'
-        per-element state) move along
+        from ``source`` (the parameters themselves by default; a weights file; deferred init). Gradients so
+        far, the "got a gradient" flags and ``extras`` (the optimizers' per-element state) move along
         ([Note: optimizer state through a repack] in ``repack.py``).
         """
         first = not self.chunks  # values come from the module itself
@@ -208,7 +199,7 @@ class ChunkManager:
             source = OldChunks(self, self.chunks, extras=extras, eager=eager)
             self._retiring, self.chunks, self._where = self.chunks, [], {}
         self.layout = layout
-        for spec in self._build_order(layout, first):
+        for spec in source.build_order(layout):
             chunk = self._build_chunk(spec, tiers.get(spec.chunk_id, Tier.HOST), source,
                                       broadcast=first and self.comm.world_size > 1)
             self.chunks.append(chunk)
@@ -221,16 +212,6 @@ class ChunkManager:
         # backward completes chunks roughly in reverse use order; every rank must reduce in one order
         self._reduce_order = sorted((c.chunk_id for c in self.chunks if c.trainable), reverse=True)
         self._reduce_next = 0
-
-    @staticmethod
-    def _build_order(layout: Layout, first: bool) -> list[ChunkSpec]:
-        """The first pack builds each chunk once all its parameters exist: in the order of its last parameter in
-        registration order, which is the order deferred initialisation makes them ([Note: deferred
-        initialisation]). In layout order, the one chunk of a param group's biases and norms, which spans the
-        model, came second and made every module before its last bias initialise first: the whole model at once."""
-        if not first:
-            return list(layout.chunks)
-        return sorted(layout.chunks, key=lambda spec: (max(s.param_index for s in spec.slots), spec.chunk_id))
 
     def set_reduce_order(self, completion: Sequence[int]) -> None:
         """Reduce chunks in the order backward completes them (``completion``, from the trace, the same on
@@ -284,15 +265,8 @@ class ChunkManager:
         full = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype)
         with_grad = any(source.has_grad(s.param_index) for s in spec.slots)
         full_grad = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype) if with_grad else None
-        # values the same on every rank (read from a file): each rank reads only its own pieces
-        exact = all(source.exact(s.param_index) for s in spec.slots)
+        exact = source.fill(full, chunk)  # exact: the same on every rank, only this rank's pieces read
         for s in spec.slots:
-            if exact:
-                a, b = piece_range(chunk, s.offset, s.numel)
-                if a < b:
-                    full[a:b].copy_(source.value_range(s.param_index, a - s.offset, b - s.offset))
-                continue
-            full[s.offset : s.offset + s.numel].copy_(source.value(s.param_index).reshape(-1))
             g = source.grad(s.param_index) if full_grad is not None else None
             if g is not None:
                 full_grad[s.offset : s.offset + s.numel].copy_(g.reshape(-1))  # type: ignore[index]
@@ -338,12 +312,8 @@ class ChunkManager:
     def drop(self, c: Chunk) -> None:
         """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end)."""
         with self._tracked(c):
-            # freed now, not when the last view goes: the optimizers' param groups and the gradients attached to them
-            # still view the old shards until they are rebound after a repack, which held a whole second copy of
-            # every shard at the repack's peak
-            for t in (c.master, c.low, c.grad):
-                if t is not None:
-                    _free_storage(t)
+            for t in (t for t in (c.master, c.low, c.grad) if t is not None):  # optimizers still view them: free now
+                free_storage(t)
             c.master = c.low = c.grad = None
             c.optim_state_bytes = 0
             if c.payload is not None:

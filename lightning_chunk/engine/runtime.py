@@ -133,7 +133,6 @@ class ChunkEngine:
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
         self.last_grad_norm: Optional[float] = None
 
-
     @classmethod
     def plan_from_shapes(cls, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), *,
                          config: Optional[ChunkConfig] = None, dtypes: Optional[DtypePolicy] = None,
