@@ -68,7 +68,9 @@ def test_gpu_configs_run_on_cpu_at_reduced_size(tmp_path, config):
                                *REDUCE_GPU])
     assert cli.trainer.global_step == 3
     assert cli.model.hparams.activation_checkpointing  # the GPU configs recompute blocks in backward
+    assert cli.model.hparams.deferred_init  # and build the model on the meta device, initialised chunk by chunk
     assert cli.trainer.precision == "bf16-mixed"
+    assert all(not p.is_meta and p.numel() > 1 for p in cli.model.parameters())  # given back whole after fit
 
 
 def test_cpu_2ranks_config_through_the_script(tmp_path):
