@@ -4,6 +4,8 @@
 
 - ``GPT``: a causal transformer with tied input/output embeddings, configurable depth, width,
   heads and context, and optional activation checkpointing (recompute each block in backward).
+  ``--model.deferred_init=true`` builds it in ``configure_model``: under ``chunk_offload`` on the
+  meta device, initialised chunk by chunk, so no rank ever holds the whole model.
 - ``ByteCorpus``: byte-level language modelling over text. The default corpus needs no download:
   the source files of the Python standard library of the interpreter running this script, split
   into train and validation by file (every 10th file is validation). ``--data.corpus PATH`` takes
