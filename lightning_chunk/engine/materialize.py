@@ -71,11 +71,13 @@ class DeferredInit:
         self.pending: set[int] = set()  # ids of deferred tensors (placeholders / meta buffers) without values yet
         self.provided: set[int] = set()  # ids of deferred tensors whose values come from elsewhere (a weights file)
         replaced: dict[int, torch.nn.Parameter] = {}
+        self._old: list[torch.Tensor] = []  # the meta tensors, kept alive so that no id is reused while mapping
         for m in module.modules():
             for name, p in m._parameters.items():
                 if is_meta(p):
                     assert p is not None
                     new = replaced.get(id(p))
+                    self._old.append(p)
                     if new is None:
                         new = replaced[id(p)] = torch.nn.Parameter(placeholder(p.shape, p.dtype),
                                                                   requires_grad=p.requires_grad)
@@ -85,10 +87,13 @@ class DeferredInit:
                 if is_meta(b):
                     assert b is not None
                     new_b = replaced.get(id(b))
+                    self._old.append(b)
                     if new_b is None:
                         new_b = replaced[id(b)] = placeholder(b.shape, b.dtype)  # type: ignore[assignment]
                         self.pending.add(id(new_b))
                     m._buffers[name] = new_b
+        self._old.clear()
+        self.deferred = set(self.pending)  # never shrinks: which modules are initialised does not change as values come
         self._walk: Iterator[torch.nn.Module] = iter(())
         self.initialised: list[str] = []
 
@@ -109,7 +114,10 @@ class DeferredInit:
                 + [(n, False, b) for n, b in m._buffers.items() if b is not None])
 
     def _needs_init(self, m: torch.nn.Module) -> bool:
-        return any(id(t) in self.pending and id(t) not in self.provided for _, _, t in self._own(m))
+        """``m`` owns a tensor built on the meta device that no file provides. Decided from what was deferred, not
+        from what still is: a tied head whose only weight an earlier module already made still draws its init (on a
+        scratch copy), so every module after it sees the random stream an eager build gives it."""
+        return any(id(t) in self.deferred and id(t) not in self.provided for _, _, t in self._own(m))
 
     def start(self, provided: Iterable[torch.Tensor] = ()) -> None:
         """Before the first value: note the tensors that need no init, and check every other one can get one."""
@@ -117,7 +125,7 @@ class DeferredInit:
         missing = []
         for m in self.module.modules():
             if self._needs_init(m) and self.init_fn is None and not callable(getattr(m, "reset_parameters", None)):
-                names = [n for n, _, t in self._own(m) if id(t) in self.pending and id(t) not in self.provided]
+                names = [n for n, _, t in self._own(m) if id(t) in self.deferred and id(t) not in self.provided]
                 missing.append(f"{self.names[id(m)]} ({type(m).__name__}): {', '.join(names)}")
         if missing:
             raise DeferredInitError(

@@ -194,3 +194,31 @@ def test_a_deferred_model_resumes_from_a_checkpoint_like_an_eager_one(tmp_path):
         out[cls.__name__] = model.state_dict()
     for k, v in out["ParityNet"].items():
         assert torch.equal(out["DeferredNet"][k], v), k
+
+
+class MidTied(nn.Module):
+    """A tied layer without a bias in the middle: its init draws (and drops) a weight in an eager build, so it must
+    draw in a deferred one too, or every layer after it gets other values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+        self.c = nn.Linear(8, 8)
+
+
+def test_a_tied_module_in_the_middle_keeps_the_random_stream_of_an_eager_build():
+    from lightning_chunk.engine import ChunkConfig, ChunkEngine
+    from lightning_chunk.engine.materialize import DeferredInit
+
+    torch.manual_seed(3)
+    eager = MidTied()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = MidTied()
+    engine = ChunkEngine(meta, [], config=ChunkConfig(chunk_numel=64), deferred=DeferredInit.capture(meta))
+    engine.teardown(materialize=True, device=torch.device("cpu"))
+    assert meta.b.weight is meta.a.weight
+    for k, v in eager.state_dict().items():
+        assert torch.equal(meta.state_dict()[k], v), k
