@@ -70,32 +70,25 @@ class DeferredInit:
         self.names = {id(m): n or "<root>" for n, m in module.named_modules(remove_duplicate=False)}
         self.pending: set[int] = set()  # ids of deferred tensors (placeholders / meta buffers) without values yet
         self.provided: set[int] = set()  # ids of deferred tensors whose values come from elsewhere (a weights file)
-        replaced: dict[int, torch.nn.Parameter] = {}
-        self._old: list[torch.Tensor] = []  # the meta tensors, kept alive so that no id is reused while mapping
+        replaced: dict[int, torch.Tensor] = {}  # meta tensor id -> its placeholder (one for all owners)
+        keep: list[torch.Tensor] = []  # the meta tensors, alive while mapped so that no id is reused
         for m in module.modules():
-            for name, p in m._parameters.items():
-                if is_meta(p):
-                    assert p is not None
-                    new = replaced.get(id(p))
-                    self._old.append(p)
+            for store, is_param in ((m._parameters, True), (m._buffers, False)):
+                for name, t in store.items():
+                    if not is_meta(t):
+                        continue
+                    assert t is not None
+                    keep.append(t)
+                    new = replaced.get(id(t))
                     if new is None:
-                        new = replaced[id(p)] = torch.nn.Parameter(placeholder(p.shape, p.dtype),
-                                                                  requires_grad=p.requires_grad)
+                        new = placeholder(t.shape, t.dtype)
+                        if is_param:
+                            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                        replaced[id(t)] = new
                         self.pending.add(id(new))
-                    m._parameters[name] = new
-            for name, b in m._buffers.items():
-                if is_meta(b):
-                    assert b is not None
-                    new_b = replaced.get(id(b))
-                    self._old.append(b)
-                    if new_b is None:
-                        new_b = replaced[id(b)] = placeholder(b.shape, b.dtype)  # type: ignore[assignment]
-                        self.pending.add(id(new_b))
-                    m._buffers[name] = new_b
-        self._old.clear()
+                    store[name] = new  # type: ignore[assignment]
         self.deferred = set(self.pending)  # never shrinks: which modules are initialised does not change as values come
         self._walk: Iterator[torch.nn.Module] = iter(())
-        self.initialised: list[str] = []
 
     @classmethod
     def capture(cls, module: torch.nn.Module, *, init_fn: Optional[InitFn] = None,
@@ -208,7 +201,6 @@ class DeferredInit:
             raise DeferredInitError(
                 f"{how} left {', '.join(f'{where}.{n}' for n in bad)} uninitialised (built on the meta device, "
                 "still NaN after the init): initialise every tensor the module owns directly there.")
-        self.initialised.append(where)
 
 
 _INIT_FRAMES = ("reset_parameters", "_reset_parameters")

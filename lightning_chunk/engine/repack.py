@@ -76,8 +76,8 @@ def piece_range(chunk: Chunk, offset: int, numel: int) -> tuple[int, int]:
 class FromModule:
     """The first pack: values are the parameters' own, read from a weights file, or made by deferred init.
 
-    A value read from ``weights`` is the same on every rank, so ``exact(i)``: the pack reads only this
-    rank's piece of it (``value_range``) and needs no broadcast. Otherwise a value is the tensor itself,
+    A value read from ``weights`` is the same on every rank, so ``exact(i)``: when a whole chunk is, the
+    pack reads only this rank's pieces of it and needs no broadcast. Otherwise a value is the tensor itself,
     after ``deferred`` initialised its module when it was built on the meta device."""
 
     def __init__(self, params: list[torch.nn.Parameter], *, deferred: Optional[DeferredInit] = None,
@@ -107,7 +107,7 @@ class FromModule:
             for s in slots:
                 a, b = piece_range(chunk, s.offset, s.numel)
                 if a < b:
-                    full[a:b].copy_(self.value_range(s.param_index, a - s.offset, b - s.offset))
+                    full[a:b].copy_(self.weights.read(self.params[s.param_index], a - s.offset, b - s.offset))  # type: ignore[union-attr]
             return True
         fill_whole(full, slots, self.value)
         return False
@@ -120,13 +120,6 @@ class FromModule:
         if self.deferred is not None and self.deferred.is_deferred(p):
             return self.deferred.value(p)
         return p.detach()
-
-    def value_range(self, i: int, a: int, b: int) -> torch.Tensor:
-        """Flat elements ``[a, b)`` of parameter ``i``."""
-        if self.exact(i):
-            assert self.weights is not None
-            return self.weights.read(self.params[i], a, b)
-        return self.value(i).reshape(-1)[a:b]
 
     def grad(self, i: int) -> Optional[torch.Tensor]:
         return None
