@@ -57,8 +57,9 @@ CASES = {
     "rank_buffer": dict(cls="RankBuffer"),
     # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit
     "deferred": dict(chunk_cls="DeferredNet", variant="tied", strategy=dict(chunk_numel=None)),
-    "deferred_limit": dict(chunk_cls="DeferredNet", model=dict(dim=256, hidden=1024, depth=4),
-                           strategy=dict(chunk_numel=270000), limit_fraction=0.45),
+    # the same under a device limit with the automatic chunk size (the settings of reordered_auto_limit)
+    "deferred_limit": dict(chunk_cls="DeferredNet", model=dict(dim=64, hidden=512, depth=3),
+                           strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
        for fmt in ("torch", "lightning", "consolidated", "safetensors")},

@@ -128,7 +128,7 @@ def test_buffers_start_from_rank_zero(parity_run):
     assert s0["buffers"]["offset"] == s1["buffers"]["offset"] == pytest.approx(0.05 * 32)
 
 
-@pytest.mark.parametrize("case,share", [("limit", 0.5), ("reordered_auto_limit", 2.0)])
+@pytest.mark.parametrize("case,share", [("limit", 0.5), ("reordered_auto_limit", 2.0), ("deferred_limit", 2.0)])
 def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, case, share):
     """``limit``: below this rank's share of the parameters alone; ``reordered_auto_limit`` (the automatic
     chunk size): below its share of the training state (parameters, gradients, Adam's moments)."""
