@@ -149,7 +149,7 @@ class ChunkPrecision(Precision):
         self._after_closure(model, optimizer)
         stepped = not skipped_backward and not found_inf
         if stepped:
-            optimizer.step(**kwargs)
+            engine.step(optimizer, **kwargs)
         if self.scaler is not None and not skipped_backward:
             self.scaler.update(found_inf)
         engine.finish_step(stepped=stepped, optimizer=optimizer)

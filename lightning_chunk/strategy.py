@@ -9,6 +9,7 @@ format. Everything that moves bytes lives in ``lightning_chunk.engine``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping, Optional, Union
@@ -48,6 +49,9 @@ def _version() -> str:
     return __version__
 
 
+# the ChunkConfig fields the strategy takes as arguments (all but the tests' invariant checking)
+CONFIG_ARGS = tuple(f.name for f in dataclasses.fields(ChunkConfig) if f.name != "check_invariants")
+
 # name -> (placement, description)
 PRESETS = {
     "chunk_offload": ("auto", "Chunk-based ZeRO-3; placement from a warm-up trace under the device memory limit"),
@@ -62,6 +66,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
     Args:
         placement: ``"auto"``, ``"device"``, ``"host"`` or ``"static"`` (see ``docs/configuration.md``).
         device_memory_limit: bytes of chunk memory allowed on the device (int, or a string such as ``"2GiB"``).
+        host_memory_limit: bytes of chunk memory allowed in host memory; shards beyond it go to the disk tier.
+        disk_dir: directory for the disk tier's scratch files (``docs/disk-tier.md``).
         offload_fraction: with ``placement="static"``, the fraction of chunks whose shards live on the host.
         chunk_numel: elements per chunk; ``None`` chooses it after the warm-up step.
         chunk_numel_min: lower bound of the automatic chunk-size search.
@@ -96,6 +102,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self,
         placement: str = "auto",
         device_memory_limit: Optional[Union[int, str]] = None,
+        host_memory_limit: Optional[Union[int, str]] = None,
+        disk_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
         offload_fraction: float = 0.5,
         chunk_numel: Optional[int] = None,
         chunk_numel_min: int = 1 << 20,
@@ -124,17 +132,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.config = ChunkConfig(
-            placement=placement,  # type: ignore[arg-type]
-            device_memory_limit=device_memory_limit,  # type: ignore[arg-type]
-            offload_fraction=offload_fraction, chunk_numel=chunk_numel, chunk_numel_min=chunk_numel_min,
-            chunk_numel_max=chunk_numel_max, prefetch=prefetch, pin_memory=pin_memory,
-            materialize_on_teardown=materialize_on_teardown, materialize_optimizer_state=materialize_optimizer_state,
-            optimizer_kernel=optimizer_kernel,  # type: ignore[arg-type]
-            assume_elementwise_optimizer=assume_elementwise_optimizer, sharded_accumulation=sharded_accumulation,
-            collective_timeout_s=collective_timeout_s,
-            verify_collectives=verify_collectives,
-        )
+        # every argument named like a ChunkConfig field goes to it (tests check the defaults agree)
+        given = locals()
+        self.config = ChunkConfig(**{f: given[f] for f in CONFIG_ARGS})
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
         self.state_dict_type = state_dict_type

@@ -188,6 +188,8 @@ def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, 
             optim_meta.append(om)
     dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
              process_group=comm.host_group() if comm.world_size > 1 else None)
+    del local
+    mgr.disk.page_out()  # the save read every disk shard: their pages leave the process
     if comm.rank == 0:
         layout = describe_layout(engine)
         meta = dict(extra)
@@ -302,7 +304,10 @@ def _load_optimizer(engine: Any, o: int, om: dict[str, Any], path: Path, meta: d
             whole = {index_of_name[n]: {key: full[off : off + numel]} for n, off, numel, _ in spec["slots"]
                      if index_of_name[n] in local}
             for i, st in local_optimizer_state(mgr, views, whole).items():
-                local[i][key] = st[key]
+                chunk = mgr.lookup(mgr.params[i])[0]
+                # a disk shard's piece goes straight into its file: no copy of the rank's whole state in memory
+                local[i][key] = mgr.storage_of(chunk).keep_state(chunk, views[i], key, st[key])
+    mgr.disk.page_out()
     hypers = [{k: v for k, v in g.items() if k != "params"} for g in om["param_groups"]]
     b.load_local_state(local, hypers)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -39,6 +39,23 @@ from .states import PINNED_STATES, TensorState, check_transition
 class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"  # master, gradient shard and optimizer state in files; the compute-dtype copy on the host
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A prefetch into a chunk's payload that has not landed: an asynchronous all-gather (with the source it
+    reads, which must live until it lands) or, on CUDA, a copy on the side stream marked by an event."""
+
+    work: Optional[Any] = None  # collectives.Pending
+    source: Optional[torch.Tensor] = None
+    event: Optional[Any] = None  # torch.cuda.Event
+
+    def wait(self, device: torch.device) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
 
 
 @dataclass(eq=False)
@@ -88,7 +105,7 @@ class Chunk:
     grad: Optional[torch.Tensor] = field(default=None, repr=False)
     optim_state_bytes: int = 0
     last_used: int = -1  # manager clock, for LRU when there is no trace
-    pending: Optional[object] = field(default=None, repr=False)  # a prefetch in flight: CUDA event or Pending
+    pending: Optional[InFlight] = field(default=None, repr=False)  # a prefetch in flight
     grad_payload: Optional[torch.Tensor] = field(default=None, repr=False)  # several ranks: gradients to reduce
     grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
 
@@ -181,7 +198,9 @@ class Chunk:
         if tier is self.shard_tier:
             if not self.master_is_payload():
                 total += nbytes(self.master)
-            total += nbytes(self.low) + nbytes(self.grad) + self.optim_state_bytes
+            total += nbytes(self.grad) + self.optim_state_bytes
+        if tier is (Tier.HOST if self.shard_tier is Tier.DISK else self.shard_tier):
+            total += nbytes(self.low)
         return total
 
     def iter_tensors(self) -> Iterator[TensorInfo]:

@@ -8,6 +8,7 @@ caller's object; derive a new one with ``dataclasses.replace``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
@@ -75,6 +76,17 @@ class ChunkConfig:
     margin for the CUDA context, the caching allocator's slack and the collectives' buffers
     (``device_margin_bytes``); unbounded on a CPU device. Strings such as ``"2GiB"`` are accepted."""
 
+    host_memory_limit: Optional[int] = None
+    """Bytes of chunk memory allowed in host memory: host-tier shards, the compute-dtype copies of disk-tier
+    shards, and the disk shards paged in at once (two chunks'). Shards that do not fit go to the disk tier
+    in ``disk_dir`` (masters, gradient shards and optimizer state; see ``docs/disk-tier.md``). ``None``:
+    unbounded, no disk tier. Strings such as ``"8GiB"`` are accepted."""
+
+    disk_dir: Optional[str] = None
+    """Directory for the disk tier's scratch files (a fast local disk). Each process makes its own
+    sub-directory there and removes it when training ends; a later run removes what a dead one left.
+    Needed when ``host_memory_limit`` sends shards to disk."""
+
     offload_fraction: float = 0.5
     """``static`` placement only: the fraction of chunks whose shards live on the host."""
 
@@ -137,6 +149,11 @@ class ChunkConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_memory_limit", parse_bytes(self.device_memory_limit, field="device_memory_limit"))
+        object.__setattr__(self, "host_memory_limit", parse_bytes(self.host_memory_limit, field="host_memory_limit"))
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.fspath(self.disk_dir):
+                raise ValueError(f"disk_dir={self.disk_dir!r} is not allowed; it must be a directory path or None.")
+            object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
         self._validate()
 
     def _validate(self) -> None:

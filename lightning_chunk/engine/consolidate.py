@@ -87,6 +87,9 @@ def optimizer_state_parts(mgr: ChunkManager, views: dict[int, torch.Tensor],
 
 def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key: str) -> torch.Tensor:
     """This rank's shard of per-element state ``key`` for ``chunk``, laid out like the chunk's master shard."""
+    region = mgr.storage_of(chunk).state_region(chunk, key)
+    if region is not None and region.dtype == parts.keys[key]:
+        return region  # a disk shard's state is laid out like this already: no copy of the whole tier
     lo, _ = chunk.shard_range
     # on the host: checkpoints write it from there and repacks gather it from there; building it on the
     # device would stage the whole optimizer state of an offloaded run in device memory

@@ -21,3 +21,11 @@ class UnsupportedOptimizerError(ChunkError, TypeError):
 
 class LayoutError(ChunkError, ValueError):
     """Parameters cannot be packed as asked (a parameter larger than a chunk, ...)."""
+
+
+class HostMemoryLimitError(ChunkError):
+    """Host-tier chunk memory would exceed ``host_memory_limit`` even with every shard it can move on disk."""
+
+
+class DiskTierError(ChunkError):
+    """The disk tier's directory cannot hold what must go there (missing, unwritable, full, too small)."""

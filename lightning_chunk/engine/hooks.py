@@ -72,7 +72,6 @@ class ChunkHooks:
         self._layout_seen: object = None
         self._key_index: dict[str, int] = {}
         self._sequence: list[tuple[str, str]] = []  # (kind, module) of this micro-batch, compared across ranks
-        manager.make_room = self._make_room
 
     # ============================================================ installation
     def install(self) -> None:
@@ -95,8 +94,9 @@ class ChunkHooks:
         self.manager.comm.names = lambda chunk, module: (
             f"chunk {chunk}" + (f" (module {keys[module]!r})" if 0 <= module < len(keys) else ""))
 
-    def _make_room(self, nbytes: int) -> None:
-        """Evict by the policy until ``nbytes`` more fit under the limit (for gradient payloads)."""
+    def make_room(self, nbytes: int) -> None:
+        """Evict by the policy until ``nbytes`` more fit under the limit (for gradient payloads: the manager calls
+        it through the argument its gradient methods take)."""
         mgr = self.manager
         trace = self.trace if self.training else None
         budget = self.policy.budget(mgr.limit, trace, self.position)
@@ -152,6 +152,11 @@ class ChunkHooks:
         for cid in needed:
             mgr.wait_ready(mgr.chunks[cid])  # a prefetch on the side stream must land before use
             mgr.chunks[cid].last_used = self.clock
+        if trace is not None and mgr.disk_chunks:  # the kernel reads the next disk shards while this module runs
+            for cid in trace.next_chunks(self.position):
+                c = mgr.chunks[cid]
+                if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
+                    mgr.disk.prefetch(c, ("master",))
 
     def _gather_or_explain(self, cid: int, needed: tuple[int, ...]) -> None:
         mgr = self.manager
@@ -271,7 +276,7 @@ class ChunkHooks:
         self._queue_end_of_backward()
         if param.grad is None:
             return
-        self.manager.accumulate_grad(param, param.grad)
+        self.manager.accumulate_grad(param, param.grad, self.make_room)
         param.grad = None
 
     def _queue_end_of_backward(self) -> None:
@@ -290,7 +295,7 @@ class ChunkHooks:
         """All gradients of this backward are in: reduce the rest, finish the warm-up trace."""
         self._backward_queued = False
         self._check_same_sequence()
-        self.manager.end_backward()
+        self.manager.end_backward(self.make_room)
         if self.on_backward_end is not None:
             self.on_backward_end()
         if self.tracer.recording:

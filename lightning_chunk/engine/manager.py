@@ -20,16 +20,16 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import torch
 
-from .chunk import Chunk, TensorInfo, Tier, free_storage
-from .chunk import nbytes as tensor_nbytes
+from .chunk import Chunk, InFlight, TensorInfo, Tier, free_storage
 from .collectives import Collectives
 from .config import ChunkConfig, DtypePolicy
 from .errors import DeviceMemoryLimitError
 from .packing import ChunkKey, ChunkSpec, Layout, ParamSpec
-from .offload import GradOffload
 from .placement import ChunkView
+from .reduce import GradReducer, MakeRoom
 from .repack import ExtraShards, FromModule, OldChunks, piece_range
 from .states import TensorState, check_transition
+from .tiers import DeviceStorage, DiskStorage, HostStorage, TierStorage
 
 S = TensorState
 _HOST = torch.device("cpu")
@@ -73,27 +73,36 @@ class ChunkManager:
         self.chunks: list[Chunk] = []
         self.layout: Optional[Layout] = None
         self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
-        self.ledger = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self.ledger = {t: 0 for t in Tier}
         self.device_peak = 0
-        self.grad_payload_peak = 0  # several ranks: most bytes of unreduced whole-chunk gradients alive at once
         self.transfers = TransferStats()
-        self.sync_grads = True  # False inside no_sync(): keep gradients local (accumulation)
-        self._inflight: list[tuple[Chunk, Any]] = []  # reduce-scatters launched, not yet landed
-        self.make_room: Optional[Callable[[int], None]] = None  # set by the hooks: evict by the policy
         self._retiring: list[Chunk] = []  # old chunks still holding bytes during a streaming repack
-        self._reduce_order: list[int] = []  # several ranks: chunks reduce in this order on every rank
-        self._reduce_next = 0
-        self._pin = config.pin_memory and self.device.type == "cuda"
+        pin = config.pin_memory and self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.offload = GradOffload(self.device, pinned=self._pin)
+        host = HostStorage(pinned=pin)
+        self.storages: dict[Tier, TierStorage] = {
+            Tier.DEVICE: DeviceStorage(self.device), Tier.HOST: host,
+            Tier.DISK: DiskStorage(config.disk_dir, self.comm.rank, host)}
+        self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
         self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation
 
     # ================================================================ accounting
     def tier_device(self, tier: Tier) -> torch.device:
         return self.device if tier is Tier.DEVICE else _HOST
 
+    def storage_of(self, chunk: Chunk) -> TierStorage:
+        return self.storages[chunk.shard_tier]
+
+    @property
+    def disk_chunks(self) -> bool:
+        return self.ledger[Tier.DISK] > 0
+
+    @property
+    def disk(self) -> DiskStorage:
+        return self.storages[Tier.DISK]  # type: ignore[return-value]
+
     @contextlib.contextmanager
-    def _tracked(self, chunk: Chunk) -> Iterator[None]:
+    def tracked(self, chunk: Chunk) -> Iterator[None]:
         before = {t: chunk.bytes_on(t) for t in Tier}
         try:
             yield
@@ -108,6 +117,15 @@ class ChunkManager:
                 f"[rank {self.comm.rank}] {what} needs {nbytes} more bytes on the device tier, which already holds "
                 f"{self.ledger[Tier.DEVICE]} bytes of chunk memory; device_memory_limit={self.limit} bytes would be exceeded."
             )
+
+    def room_for(self, nbytes: int, what: str, make_room: MakeRoom = None) -> None:
+        """Room on the device tier for ``nbytes`` more (a gradient payload): land the reduce-scatters and copies in
+        flight (their buffers go), then have ``make_room`` evict by the policy; raise when it still does not fit."""
+        if self.limit is not None and self.ledger[Tier.DEVICE] + nbytes > self.limit:
+            self.reducer.land_all()
+            if self.ledger[Tier.DEVICE] + nbytes > self.limit and make_room is not None:
+                make_room(nbytes)
+        self._reserve_device(nbytes, what)
 
     def check_accounting(self) -> None:
         for t in Tier:
@@ -138,7 +156,8 @@ class ChunkManager:
     def views(self) -> list[ChunkView]:
         return [
             ChunkView(c.chunk_id, c.payload_bytes, self.device_shard_bytes(c), c.is_resident, c.is_evictable,
-                      c.shard_tier, c.last_used, self._grad_payload_bytes(c.capacity_numel, c.master_dtype, c.trainable))
+                      c.shard_tier, c.last_used, self._grad_payload_bytes(c.capacity_numel, c.master_dtype, c.trainable),
+                      self._disk_cost(c.capacity_numel, c.master_dtype, c.trainable, c.optim_state_bytes))
             for c in self.chunks
         ]
 
@@ -163,6 +182,11 @@ class ChunkManager:
             return capacity * esz_c + (master_b if low_b else 0) + grad_b + optim_bytes
         return master_b + low_b + grad_b + optim_bytes
 
+    def _disk_cost(self, capacity: int, master: torch.dtype, trainable: bool, optim_bytes: int) -> int:
+        """Bytes of a shard that go to files on the disk tier: master, gradient shard, optimizer state."""
+        n = capacity // self.comm.world_size * torch.empty((), dtype=master).element_size()
+        return n + (n if trainable else 0) + optim_bytes
+
     def planned_views(self, layout: Layout, optim_bytes_per_element: Mapping[int, int]) -> list[ChunkView]:
         """What the chunks of ``layout`` would cost, before any of them exists (for placement)."""
         out = []
@@ -176,7 +200,8 @@ class ChunkManager:
                                  self._shard_cost(spec.capacity_numel, compute, master, spec.key.requires_grad, optim),
                                  resident=False, evictable=False, shard_tier=Tier.HOST,
                                  grad_payload_bytes=self._grad_payload_bytes(spec.capacity_numel, master,
-                                                                             spec.key.requires_grad)))
+                                                                             spec.key.requires_grad),
+                                 disk_bytes=self._disk_cost(spec.capacity_numel, master, spec.key.requires_grad, optim)))
         return out
 
     # ==================================================================== packing
@@ -209,30 +234,11 @@ class ChunkManager:
         assert source.done()
         self._retiring = []
         self._all_aliased = bool(self.chunks) and all(c.aliased for c in self.chunks)
-        # backward completes chunks roughly in reverse use order; every rank must reduce in one order
-        self._reduce_order = sorted((c.chunk_id for c in self.chunks if c.trainable), reverse=True)
-        self._reduce_next = 0
+        self.reducer.reset_order(self.chunks)
 
     def set_reduce_order(self, completion: Sequence[int]) -> None:
-        """Reduce chunks in the order backward completes them (``completion``, from the trace, the same on
-        every rank); chunks it does not name follow, highest id first.
-
-        [Note: reduce order] Every rank must launch the reduce-scatters in one order, and a chunk
-        waits for all chunks before it in that order. The default, highest id first, is right
-        when each chunk holds consecutive layers; but a chunk of one param group's norms and
-        biases spans the whole model and completes only at the end of backward, so with it
-        first in line every other gradient payload stayed alive until then: the whole model's
-        gradient, unsharded (4 bytes a parameter in fp32) at the peak. The warm-up's backward has
-        no trace yet; it takes the reverse of its forward's first use of each chunk (``ChunkHooks``),
-        because "highest id first" in the registration-order layout of a model registered in
-        another order than it runs (head before embedding) put the chunk backward completes
-        *last* first in line: every gradient payload stayed alive, and under a limit the first
-        step failed.
-        """
-        trainable = {c.chunk_id for c in self.chunks if c.trainable}
-        named = [cid for cid in dict.fromkeys(completion) if cid in trainable]
-        self._reduce_order = named + sorted(trainable - set(named), reverse=True)
-        self._reduce_next = 0
+        """Several ranks: reduce chunks in the order backward completes them ([Note: reduce order] in reduce.py)."""
+        self.reducer.set_order(self.chunks, completion)
 
     def grads_to_move(self, c: Chunk) -> bool:
         """The chunk's gradient shard holds gradients of this step that a repack must carry."""
@@ -242,17 +248,17 @@ class ChunkManager:
     def gather_shard(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
         """The whole chunk's worth of a per-rank shard buffer, on the host (used off the hot path)."""
         if self.comm.world_size == 1:
-            return shard.to(_HOST)
-        src = shard.contiguous().to(self.comm.tensor_device())
+            with self.storage_of(c).reading(c):
+                return shard.to(_HOST, copy=True)
+        with self.storage_of(c).reading(c):
+            src = shard.to(self.comm.tensor_device(), copy=True)
         out = torch.empty(c.capacity_numel, dtype=shard.dtype, device=src.device)
         self.comm.all_gather(out, src, chunk=c.chunk_id).wait()
         return out.to(_HOST)
 
-    def _alloc(self, numel: int, dtype: torch.dtype, tier: Tier) -> torch.Tensor:
-        """Allocate a shard buffer on ``tier``. Device bytes must have been reserved by the caller."""
-        if tier is Tier.DEVICE:
-            return torch.empty(numel, dtype=dtype, device=self.device)
-        return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self._pin)
+    def _alloc(self, chunk: Chunk, role: str, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate one of the chunk's shard buffers on its tier. Device bytes must have been reserved by the caller."""
+        return self.storage_of(chunk).alloc(chunk, role, chunk.shard_numel, dtype)
 
     def _build_chunk(self, spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
         p0 = self.params[spec.slots[0].param_index]
@@ -279,21 +285,21 @@ class ChunkManager:
         need += 0 if chunk.aliased else chunk.payload_bytes
         self._reserve_device(need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier"
                                                                           if tier is Tier.DEVICE else ""))
-        with self._tracked(chunk):
+        with self.tracked(chunk), self._building(chunk):
             chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=self.device)
             if chunk.aliased:
                 chunk.payload.copy_(full)
                 if not chunk.master_is_payload():
-                    chunk.master = self._alloc(chunk.shard_numel, chunk.master_dtype, tier)
+                    chunk.master = self._alloc(chunk, "master", chunk.master_dtype)
                     chunk.master.copy_(full[lo:hi])
             else:
-                chunk.master = self._alloc(chunk.shard_numel, chunk.master_dtype, tier)
+                chunk.master = self._alloc(chunk, "master", chunk.master_dtype)
                 chunk.master.copy_(full[lo:hi])
                 if chunk.compute_dtype != chunk.master_dtype:
-                    chunk.low = self._alloc(chunk.shard_numel, chunk.compute_dtype, tier)
+                    chunk.low = self._alloc(chunk, "low", chunk.compute_dtype)
                     chunk.low.copy_(chunk.master)
             if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
-                chunk.grad = self._alloc(chunk.shard_numel, chunk.master_dtype, tier)
+                chunk.grad = self._alloc(chunk, "grad", chunk.master_dtype)
                 if full_grad is not None:
                     chunk.grad.copy_(full_grad[lo:hi])
                     chunk.grad_written = self.comm.world_size > 1
@@ -309,9 +315,20 @@ class ChunkManager:
                 chunk.payload.untyped_storage().resize_(0)
         return chunk
 
+    @contextlib.contextmanager
+    def _building(self, chunk: Chunk) -> Iterator[None]:
+        """A chunk's buffers being written for the first time (a disk shard's pages go out afterwards)."""
+        storage = self.storage_of(chunk)
+        try:
+            yield
+        finally:
+            with storage.writing(chunk):  # nested use: pages out what the build wrote
+                pass
+
     def drop(self, c: Chunk) -> None:
         """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end)."""
-        with self._tracked(c):
+        self.storage_of(c).free(c)
+        with self.tracked(c):
             for t in (t for t in (c.master, c.low, c.grad) if t is not None):  # optimizers still view them: free now
                 free_storage(t)
             c.master = c.low = c.grad = None
@@ -339,24 +356,27 @@ class ChunkManager:
         With several ranks a prefetch is an asynchronous all-gather whose ``Pending`` (buffer and
         work handle together) is kept in ``chunk.pending`` until first use; gloo runs it on its
         own thread, so it overlaps with compute on CPU too.
-        On CPU one-rank copies are synchronous and events are not used.
+        On CPU one-rank copies are synchronous and events are not used. A disk shard is read
+        (paged in) here, on the calling thread, and paged out once the copy has read it.
         """
         if chunk.is_resident:
             return
         assert chunk.payload is not None
         side = self._copy_stream if prefetch and self.comm.world_size == 1 else None
-        with self._tracked(chunk):
+        with self.tracked(chunk), self.storage_of(chunk).reading(chunk, ("master",) if chunk.low is None else ()):
             self._reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
             chunk.payload.untyped_storage().resize_(chunk.payload_bytes)
             src = chunk.low_tensor()
-            if chunk.shard_tier is Tier.HOST:
+            if chunk.shard_tier is not Tier.DEVICE:
                 self.transfers.h2d_bytes += src.numel() * src.element_size()
-                if self.comm.world_size > 1 and src.device != self.comm.tensor_device():
+                if (self.comm.world_size > 1 and src.device != self.comm.tensor_device()) or \
+                        chunk.shard_tier is Tier.DISK:
                     # collectives need device tensors: stage the host shard in this rank's slice of the
-                    # payload and all-gather in place (as FSDP2 does), so no unaccounted buffer is made
+                    # payload and all-gather in place (as FSDP2 does), so no unaccounted buffer is made.
+                    # A disk shard is staged too: its pages go out when this block ends
                     lo, hi = chunk.shard_range
                     staged = chunk.payload[lo:hi]
-                    staged.copy_(src, non_blocking=True)
+                    staged.copy_(src, non_blocking=chunk.shard_tier is not Tier.DISK)
                     src = staged
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(self.device))
@@ -364,12 +384,12 @@ class ChunkManager:
                     self.comm.all_gather(chunk.payload, src)
                     event = torch.cuda.Event()
                     event.record(side)
-                chunk.pending = event
+                chunk.pending = InFlight(event=event)
             else:
                 pending = self.comm.all_gather(chunk.payload, src, chunk=chunk.chunk_id, module=module,
                                                async_op=prefetch)
                 if prefetch and pending.work is not None:
-                    chunk.pending = (pending, src)  # the source must live until the gather lands
+                    chunk.pending = InFlight(work=pending, source=src)  # the source must live until the gather lands
         self.transfers.gathers += 1
         chunk.transition_all(S.HOLD)
         self._changed()
@@ -377,10 +397,8 @@ class ChunkManager:
     def wait_ready(self, chunk: Chunk) -> None:
         """Wait for a prefetch into ``chunk``: its all-gather, or (CUDA) make the compute stream wait for its copy."""
         pending, chunk.pending = chunk.pending, None
-        if isinstance(pending, tuple):
-            pending[0].wait()
-        elif pending is not None:
-            torch.cuda.current_stream(self.device).wait_event(pending)  # type: ignore[arg-type]
+        if pending is not None:
+            pending.wait(self.device)
 
     def release(self, chunk: Chunk, *, eviction: bool = True) -> None:
         """Free the payload (-> FREE). The shard is the source of truth, so nothing is copied back."""
@@ -389,7 +407,7 @@ class ChunkManager:
         if not chunk.is_evictable:
             raise AssertionError(f"chunk {chunk.chunk_id} is in use and cannot be released: {chunk.states()}")
         self.wait_ready(chunk)
-        with self._tracked(chunk):
+        with self.tracked(chunk):
             assert chunk.payload is not None
             chunk.payload.untyped_storage().resize_(0)
         chunk.transition_all(S.FREE)
@@ -398,8 +416,17 @@ class ChunkManager:
         self._changed()
 
     # ================================================================ gradients
-    def accumulate_grad(self, param: torch.Tensor, grad: torch.Tensor) -> Chunk:
-        """Take one parameter's gradient: into the shard (one rank) or the chunk's gradient payload (several)."""
+    @property
+    def sync_grads(self) -> bool:
+        return self.reducer.sync
+
+    @sync_grads.setter
+    def sync_grads(self, value: bool) -> None:
+        self.reducer.sync = value
+
+    def accumulate_grad(self, param: torch.Tensor, grad: torch.Tensor, make_room: MakeRoom = None) -> Chunk:
+        """Take one parameter's gradient: into the shard (one rank) or the chunk's gradient payload (several).
+        ``make_room``: evicts by the placement policy when a gradient payload needs device bytes."""
         chunk, info = self.lookup(param)
         assert chunk.grad is not None, f"chunk {chunk.chunk_id} holds no trainable parameters"
         check_transition(info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id,
@@ -407,104 +434,46 @@ class ChunkManager:
         if self.comm.world_size == 1:
             # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
             # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
-            self.offload.copy(chunk.grad[info.offset : info.offset + info.numel], grad, add=info.has_grad)
-            if chunk.shard_tier is Tier.HOST:
+            with self.storage_of(chunk).writing(chunk, ("grad",)):
+                self.reducer.offload.copy(chunk.grad[info.offset : info.offset + info.numel], grad, add=info.has_grad)
+                if chunk.shard_tier is Tier.DISK:
+                    self.reducer.offload.drain()  # the copy lands before the pages go out
+            if chunk.shard_tier is not Tier.DEVICE:
                 self.transfers.d2h_bytes += grad.numel() * grad.element_size()
         else:
-            with self._tracked(chunk):
-                if chunk.grad_payload is None:
-                    self._make_room_for(chunk.capacity_numel * chunk.grad.element_size(),
-                                        f"chunk {chunk.chunk_id}'s gradient payload")
-                    chunk.grad_payload = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype, device=self.device)
-                    self._note_grad_payloads()
-                chunk.grad_payload[info.offset : info.offset + info.numel].add_(grad.reshape(-1))
+            self.reducer.add(chunk, info.offset, grad, make_room)
         info.has_grad = True
         chunk.set_state(info, S.READY_FOR_REDUCE)
         if chunk.grads_complete():
             if self.comm.world_size == 1:
                 self.reduce(chunk)
-            elif self.sync_grads:
-                self._drain(force=False)
+            else:
+                self.reducer.chunk_complete(make_room)
         self._changed()
         return chunk
 
-    def _note_grad_payloads(self) -> None:
-        """Several ranks: keep the peak of whole-chunk gradient bytes alive at once (unsharded gradients)."""
-        live = sum(tensor_nbytes(c.grad_payload) for c in self.chunks)
-        self.grad_payload_peak = max(self.grad_payload_peak, live)
+    def reduce(self, chunk: Chunk, make_room: MakeRoom = None) -> None:
+        """The chunk's gradients are final for this backward: READY_FOR_REDUCE -> HOLD_AFTER_BWD. With one rank the
+        shard already holds them; several ranks launch the reduce-scatter ([Note: reduce order] in reduce.py)."""
+        if self.comm.world_size > 1:
+            self.reducer.reduce(chunk, make_room)
+        else:
+            chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
 
     def land_in_flight(self) -> None:
-        """Finish the reduce-scatters and gradient copies in flight: their gradient payloads go and their chunks
-        (held in READY_FOR_REDUCE until reduced) become evictable. What a device limit needs before it evicts."""
-        self._finish_reduces()
-        self.offload.drain()
+        """Land the reduce-scatters and gradient copies in flight (what a device limit needs before it evicts)."""
+        self.reducer.land_all()
 
-    def _make_room_for(self, nbytes: int, what: str) -> None:
-        """Room for a gradient payload: land the reduce-scatters and copies in flight (their buffers go), then evict."""
-        if self.limit is not None and self.ledger[Tier.DEVICE] + nbytes > self.limit:
-            self.land_in_flight()
-            if self.ledger[Tier.DEVICE] + nbytes > self.limit and self.make_room is not None:
-                self.make_room(nbytes)
-        self._reserve_device(nbytes, what)
+    @property
+    def grad_payload_peak(self) -> int:
+        return self.reducer.payload_peak
 
-    def reduce(self, chunk: Chunk) -> None:
-        """The chunk's gradients are final for this backward: READY_FOR_REDUCE -> HOLD_AFTER_BWD.
-
-        With one rank the shard already holds them. Several ranks launch the reduce-scatter of the
-        gradient payload (scaled by 1/world_size first, as DDP does) and go on with backward; the
-        result lands in the shard in ``_finish_reduces``.
-        """
-        if self.comm.world_size > 1 and self.sync_grads:
-            with self._tracked(chunk):
-                if chunk.grad_payload is None:  # this rank got no gradient for the chunk: contribute zeros
-                    self._make_room_for(chunk.capacity_numel * chunk.grad.element_size(),  # type: ignore[union-attr]
-                                        f"chunk {chunk.chunk_id}'s gradient payload")
-                    chunk.grad_payload = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype, device=self.device)
-                    self._note_grad_payloads()
-                chunk.grad_payload.mul_(1.0 / self.comm.world_size)
-                # in place: this rank's slice of the payload is the output (NCCL and gloo both take
-                # ``out == full[rank * n : (rank + 1) * n]``), so no unaccounted buffer is allocated
-                lo, hi = chunk.shard_range
-                pending = self.comm.reduce_scatter(chunk.grad_payload[lo:hi], chunk.grad_payload,
-                                                   chunk=chunk.chunk_id, async_op=True)
-            self._inflight.append((chunk, pending))
-            if len(self._inflight) > 2:  # bound the gradient payloads alive at once
-                self._finish_reduces(keep=2)
-        chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
-
-    def _finish_reduces(self, keep: int = 0) -> None:
-        """Land the oldest reduce-scatters until ``keep`` are in flight: their output goes into the gradient shard
-        (a side-stream copy for a host shard on CUDA, which keeps the payload until it is done)."""
-        while len(self._inflight) > keep:
-            chunk, pending = self._inflight.pop(0)
-            out = pending.wait()
-            assert chunk.grad is not None
-            add, chunk.grad_written = chunk.grad_written, True
-            if chunk.shard_tier is Tier.HOST:
-                self.transfers.d2h_bytes += out.numel() * out.element_size()
-            self.offload.copy(chunk.grad, out, add=add, on_done=lambda c=chunk: self._free_grad_payload(c))
-            self.offload.drain(keep=2)  # bound the payloads still being copied
-
-    def _free_grad_payload(self, chunk: Chunk) -> None:
-        with self._tracked(chunk):
-            chunk.grad_payload = None
-
-    def _drain(self, *, force: bool) -> None:
-        """Reduce chunks in the one order every rank shares; ``force`` also takes incomplete ones (end of backward)."""
-        while self._reduce_next < len(self._reduce_order):
-            chunk = self.chunks[self._reduce_order[self._reduce_next]]
-            if not force and not chunk.grads_complete():
-                break
-            self.reduce(chunk)
-            self._reduce_next += 1
-
-    def end_backward(self) -> None:
+    def end_backward(self, make_room: MakeRoom = None) -> None:
         """Reduce what is left (tensors that got no gradient); everything used becomes HOLD_AFTER_BWD."""
-        if self.comm.world_size > 1 and self.sync_grads:
-            self._drain(force=True)
-            self._finish_reduces()
-            self._reduce_next = 0
-        self.offload.drain()  # the optimizer and the next step read finished gradient shards
+        if self.comm.world_size > 1:
+            self.reducer.end_backward(make_room)
+        else:
+            self.reducer.offload.drain()  # the optimizer and the next step read finished gradient shards
         for c in self.chunks:
             if any(t.state is S.READY_FOR_REDUCE for t in c.tensors):
                 if self.comm.world_size == 1:
@@ -552,10 +521,11 @@ class ChunkManager:
                 chunk.grad_written = False
             elif chunk.grad_written and chunk.grad is not None:  # several ranks, some kept: the rest restart at 0
                 lo, _ = chunk.shard_range
-                for t in infos:
-                    a, b = piece_range(chunk, t.offset, t.numel)
-                    if a < b:
-                        chunk.grad[a - lo : b - lo].zero_()
+                with self.storage_of(chunk).writing(chunk, ("grad",)):
+                    for t in infos:
+                        a, b = piece_range(chunk, t.offset, t.numel)
+                        if a < b:
+                            chunk.grad[a - lo : b - lo].zero_()
 
     # ================================================================ optimizer
     def master_view(self, param_index: int) -> Optional[torch.Tensor]:
@@ -585,7 +555,8 @@ class ChunkManager:
             if want != c.optim_state_bytes:
                 if c.shard_tier is Tier.DEVICE:
                     self._reserve_device(want - c.optim_state_bytes, f"chunk {c.chunk_id}'s optimizer state")
-                with self._tracked(c):
+                self.storage_of(c).reserve_state(c, want)
+                with self.tracked(c):
                     c.optim_state_bytes = want
         self._changed()
 
@@ -604,7 +575,8 @@ class ChunkManager:
                 continue
             if c.low is not None:
                 assert c.master is not None
-                c.low.copy_(c.master)
+                with self.storage_of(c).reading(c, ("master",)):
+                    c.low.copy_(c.master)
             if c.is_resident:
                 self.release(c, eviction=False)
         self._changed()
@@ -637,6 +609,11 @@ class ChunkManager:
         self._all_aliased = False
         self._changed()
 
+    def close(self) -> None:
+        """The end of the run: the disk tier's scratch files go."""
+        for storage in self.storages.values():
+            storage.close()
+
     # ==================================================================== stats
     def stats(self) -> dict[str, float]:
         return {
@@ -645,9 +622,12 @@ class ChunkManager:
             "device_chunk_bytes_peak": self.device_peak,
             "grad_payload_bytes_peak": self.grad_payload_peak,
             "host_chunk_bytes": self.ledger[Tier.HOST],
+            "disk_chunk_bytes": self.ledger[Tier.DISK],
+            "disk_shards": sum(c.shard_tier is Tier.DISK for c in self.chunks),
+            **self.disk.stats(),
             "h2d_bytes": self.transfers.h2d_bytes,
             "d2h_bytes": self.transfers.d2h_bytes,
-            "d2h_async_bytes": self.offload.async_bytes,  # of which copied on the side stream (CUDA)
+            "d2h_async_bytes": self.reducer.offload.async_bytes,  # of which copied on the side stream (CUDA)
             "evictions": self.transfers.evictions,
             "gathers": self.transfers.gathers,
             "chunks": len(self.chunks),

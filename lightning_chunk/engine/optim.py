@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .chunk import Chunk
+from .chunk import Chunk, Tier
 from .config import ChunkConfig
 from .errors import UnsupportedOptimizerError
 from .consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
@@ -148,6 +148,73 @@ class OptimizerBinding:
         self._views = new
         self._attached = set()
         self._grad_slots = None
+        self.keep_state()
+
+    # ------------------------------------------------------- disk-tier shards
+    def _disk_chunks(self) -> dict[int, Chunk]:
+        """Chunks of this optimizer whose shards live on the disk tier, by id, in id order."""
+        mgr = self.manager
+        found = {}
+        for i in self._views:
+            c = mgr.lookup(mgr.params[i])[0]
+            if c.shard_tier is Tier.DISK:
+                found[c.chunk_id] = c
+        return dict(sorted(found.items()))
+
+    def keep_state(self, chunks: Optional[Sequence[Chunk]] = None) -> None:
+        """Move the per-element state of views into disk shards (``chunks``, all when ``None``) into their files."""
+        mgr = self.manager
+        wanted = None if chunks is None else {c.chunk_id for c in chunks}
+        for i, v in self._views.items():
+            c = mgr.lookup(mgr.params[i])[0]
+            if c.shard_tier is not Tier.DISK or (wanted is not None and c.chunk_id not in wanted):
+                continue
+            st = self.optimizer.state.get(v)
+            if st:
+                storage = mgr.storage_of(c)
+                for key in list(st):
+                    st[key] = storage.keep_state(c, v, key, st[key])
+
+    def step(self, **kwargs: Any) -> Any:
+        """The optimizer's own ``step(**kwargs)``.
+
+        [Note: stepping disk shards] With shards on the disk tier one ``step()`` over every view
+        would page the whole tier in at once. Here the views of memory-resident shards step
+        first, in one call, and then each disk chunk's views in a call of their own: its
+        master and optimizer state are paged in (the next chunk's are being read ahead meanwhile),
+        stepped, and written back while the next one steps. ``param_groups`` are narrowed to
+        the chunk's views for the call and restored after, so hyperparameters, LR schedulers
+        and per-parameter ``step`` counts are untouched; an element-wise optimizer computes the
+        same bits whichever call a view is stepped in. Optimizer state the step creates (the
+        first step) moves into the chunk's file at once. Step hooks run once per call."""
+        disk = self._disk_chunks()
+        if not disk:
+            return self.optimizer.step(**kwargs)
+        mgr = self.manager
+        chunk_of = {id(v): mgr.lookup(mgr.params[i])[0].chunk_id for i, v in self._views.items()}
+        groups = self.optimizer.param_groups
+        full = [g["params"] for g in groups]
+        out = None
+        try:
+            for g, params in zip(groups, full):
+                g["params"] = [v for v in params if chunk_of.get(id(v)) not in disk]
+            if any(g["params"] for g in groups):
+                out = self.optimizer.step(**kwargs)
+            order = list(disk.values())
+            storage = mgr.disk
+            storage.prefetch(order[0])
+            for k, c in enumerate(order):
+                if k + 1 < len(order):
+                    storage.prefetch(order[k + 1])
+                for g, params in zip(groups, full):
+                    g["params"] = [v for v in params if chunk_of.get(id(v)) == c.chunk_id]
+                with storage.writing(c, ("master", "optim")), storage.reading(c, ("grad",)):
+                    out = self.optimizer.step(**kwargs)
+                    self.keep_state([c])
+        finally:
+            for g, params in zip(groups, full):
+                g["params"] = params
+        return out
 
     @staticmethod
     def _move(val: Any, like: torch.Tensor, step_on_device: bool) -> Any:
@@ -213,6 +280,7 @@ class OptimizerBinding:
                 st = self.optimizer.state.get(v)
                 if st and torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].to(v.device if on_device else "cpu")
+        self.keep_state()
 
     def unbind(self, *, whole_state: bool = True) -> None:
         """Point the optimizer back at the module parameters, with whole state in their shapes (e.g. when ``fit``
@@ -278,6 +346,11 @@ class OptimizerBinding:
 
     def grads(self) -> list[torch.Tensor]:
         return [v.grad for v in self._views.values() if v.grad is not None]
+
+    def grad_chunks(self) -> list[tuple[Chunk, torch.Tensor]]:
+        """``grads()`` with the chunk each gradient lives in (to page disk shards around a pass over them)."""
+        mgr = self.manager
+        return [(mgr.lookup(mgr.params[i])[0], v.grad) for i, v in self._views.items() if v.grad is not None]
 
 
 class OptimizerStateCarrier:

@@ -37,6 +37,12 @@ class ChunkView:
     shard_tier: Tier
     last_used: int = -1
     grad_payload_bytes: int = 0  # several ranks: the whole-chunk gradient buffer backward needs on the device
+    disk_bytes: int = 0  # bytes of its shard that go to files on the disk tier (all but a compute-dtype copy)
+
+    @property
+    def host_bytes_on_disk(self) -> int:
+        """Bytes its shard keeps in host memory when it lives on the disk tier (its compute-dtype copy)."""
+        return max(self.device_shard_bytes - self.disk_bytes, 0) if self.disk_bytes else self.device_shard_bytes
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,47 @@ class AutoPlacement(PlacementPolicy):
                 tiers[c.chunk_id] = Tier.DEVICE
                 room -= c.device_shard_bytes
         return tiers
+
+
+def disk_window_bytes(chunks: Sequence[ChunkView]) -> int:
+    """Host bytes of disk shards paged in at once: the chunk being used and the one being read ahead."""
+    return 2 * max((c.disk_bytes for c in chunks), default=0)
+
+
+def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limit: Optional[int]) -> dict[int, Tier]:
+    """Move host-tier shards to the disk tier until the host holds at most ``host_limit`` bytes of them.
+
+    [Note: spilling to disk] A disk shard costs reads and writes every step: its optimizer
+    state, master and gradient once a step, and, when the compute dtype is the master dtype (so
+    there is no compute copy to keep in host memory), its parameters at every gather. The
+    shards that go first are those whose payload is gathered least: the trace's first-used chunks
+    (lowest ids after the repack) are gathered in forward and again in backward like the others,
+    so among equals the lowest ids go first, leaving the chunks used where forward turns into
+    backward, which are gathered once, in host memory. The host must still hold the compute copies
+    of disk shards and a window of two disk shards paged in at once.
+    """
+    if host_limit is None:
+        return tiers
+    out = dict(tiers)
+    host = sorted((c for c in chunks if out[c.chunk_id] is Tier.HOST), key=lambda c: c.chunk_id)
+    used = sum(c.device_shard_bytes for c in host)
+    spilled: list[ChunkView] = []
+    for c in host:
+        if used + disk_window_bytes(spilled) <= host_limit:
+            break
+        out[c.chunk_id] = Tier.DISK
+        spilled.append(c)
+        used -= c.device_shard_bytes - c.host_bytes_on_disk
+    need = used + disk_window_bytes(spilled)
+    if need > host_limit:
+        from .errors import HostMemoryLimitError
+
+        raise HostMemoryLimitError(
+            f"host_memory_limit={host_limit} bytes is too small: with every host shard's master, gradient and "
+            f"optimizer state on the disk tier, the host still holds {used} bytes of shards (compute-dtype copies) "
+            f"and pages in up to {disk_window_bytes(spilled)} bytes of disk shards at once. The smallest limit that "
+            f"works is {need} bytes; or lower chunk_numel.")
+    return out
 
 
 POLICIES: dict[str, type[PlacementPolicy]] = {

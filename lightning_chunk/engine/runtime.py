@@ -41,7 +41,7 @@ from .consolidate import full_values, load_values
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .packing import Layout, build_layout, choose_chunk_numel, describe
 from .torchfile import release_freed_memory
-from .placement import ChunkView, make_policy, smallest_working_limit
+from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
 from .scaler import DynamicLossScaler
 from .tracer import Trace
 
@@ -79,15 +79,20 @@ class ChunkEngine:
         packed ([Note: deferred initialisation]); ``weights``: values read from a file as the chunks are
         built ([Note: streamed weight loading]). Either way no rank holds the whole model."""
         self._describe(module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives)
-        device = self.manager.device
-        layout = self._choose_layout(list(range(len(self.manager.params))), trace=None)
-        views, tiers = self._plan_tiers(layout, trace=None)
-        self.hooks.install()
-        self._check_limit_before_trace(layout, views)
-        source = FromModule(self.manager.params, deferred=deferred, weights=weights)
-        self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
-        source.finish(buffer_device=device)
-        self._broadcast_buffers()
+        try:
+            device = self.manager.device
+            layout = self._choose_layout(list(range(len(self.manager.params))), trace=None)
+            views, tiers = self._plan_tiers(layout, trace=None)
+            self.hooks.install()
+            self._check_limit_before_trace(layout, views)
+            source = FromModule(self.manager.params, deferred=deferred, weights=weights)
+            self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
+            source.finish(buffer_device=device)
+            self._broadcast_buffers()
+        except BaseException:
+            self.hooks.remove()
+            self.manager.close()  # a disk tier's scratch files go now, not at exit
+            raise
 
     def _describe(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
                   config: Optional[ChunkConfig], dtypes: Optional[DtypePolicy], device: Optional[torch.device],
@@ -175,14 +180,15 @@ class ChunkEngine:
     def _plan_tiers(self, layout: Layout, trace: Optional[Trace]) -> tuple[list[ChunkView], dict[int, Tier]]:
         """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
         views = self.manager.planned_views(layout, self._optim_bytes)
-        return views, self.policy.shard_tiers(views, trace, self.manager.limit)
+        tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
+        return views, spill_to_disk(views, tiers, self.config.host_memory_limit)
 
     def _place(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *,
                source: Optional[FromModule] = None) -> None:
         limit = self.manager.limit
         if limit is not None:
             on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
-            host_payload = max((v.payload_bytes for v in views if tiers[v.chunk_id] is Tier.HOST), default=0)
+            host_payload = max((v.payload_bytes for v in views if tiers[v.chunk_id] is not Tier.DEVICE), default=0)
             if on_device and on_device + host_payload > limit:
                 raise DeviceMemoryLimitError(
                     f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
@@ -191,6 +197,10 @@ class ChunkEngine:
                     + f", more than device_memory_limit={limit} bytes; raise the limit, raise offload_fraction "
                     "(static) or use placement='auto' or 'host'."
                 )
+        on_disk = sum(v.disk_bytes for v in views if tiers[v.chunk_id] is Tier.DISK)
+        if on_disk:  # before anything is written: the directory must be usable and hold the shards
+            self.manager.disk.check_room(on_disk, f"{sum(t is Tier.DISK for t in tiers.values())} of {len(views)} "
+                                                  "chunks' masters, gradient shards and optimizer state")
         carrier = OptimizerStateCarrier(self.manager, self.bindings) if self.manager.chunks else None
         self.manager.pack(layout, tiers, extras=carrier, source=source)
         self.manager.reserve_optimizer_state(self._optim_bytes)
@@ -372,13 +382,17 @@ class ChunkEngine:
         bit-exact with plain PyTorch. Several ranks all-reduce the local ``norm ** p`` (max for inf)
         on the collectives' device (NCCL takes device tensors only).
         """
-        grads = self.grads(optimizer)
+        self.prepare_step()
+        pairs = [pair for b in self._bindings(optimizer) for pair in b.grad_chunks()]
         norm_type = float(norm_type)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        first = grads[0].device if grads else torch.device("cpu")
-        norms = [n.to(first) for gs in by_device.values() for n in torch._foreach_norm(gs, norm_type)]
+        by_device: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
+        for c, g in pairs:
+            by_device.setdefault(g.device, []).append((c, g))
+        first = pairs[0][1].device if pairs else torch.device("cpu")
+        norms = []
+        for chunk, gs in self._paged_runs(by_device):
+            with self.manager.storage_of(chunk).reading(chunk, ("grad",)):
+                norms.extend(n.to(first) for n in torch._foreach_norm(gs, norm_type))
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=first)
         if self.comm.world_size > 1:  # every rank takes part, also one that holds no gradient piece
             dev = self.comm.tensor_device()
@@ -389,10 +403,28 @@ class ChunkEngine:
                                            what="the gradient norm")[0]
                 total = acc.pow(1.0 / norm_type).float().to(first)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for device, gs in by_device.items():
-            torch._foreach_mul_(gs, coef.to(device))
+        for chunk, gs in self._paged_runs(by_device):
+            with self.manager.storage_of(chunk).writing(chunk, ("grad",)):
+                torch._foreach_mul_(gs, coef.to(gs[0].device))
         self.last_grad_norm = float(total)
         return total
+
+    @staticmethod
+    def _paged_runs(by_device: dict[torch.device, list[tuple[Any, torch.Tensor]]]) -> Iterator[tuple[Any, list]]:
+        """Gradients per device, in order, split where a disk-tier chunk begins or ends: a pass over them pages one
+        disk shard's gradients in at a time, and memory-resident ones go in one call as before."""
+        for pairs in by_device.values():
+            run: list[torch.Tensor] = []
+            key = owner = None
+            for c, g in pairs:
+                k = c.chunk_id if c.shard_tier is Tier.DISK else None
+                if run and k != key:
+                    yield owner, run
+                    run = []
+                key, owner = k, c
+                run.append(g)
+            if run:
+                yield owner, run
 
     def clip_grad_value_(self, clip_value: float, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         for g in self.grads(optimizer):
@@ -402,6 +434,10 @@ class ChunkEngine:
         """fp16: unscale ``optimizer``'s gradients; True when some rank overflowed (every rank then skips)."""
         assert self.scaler is not None
         return self.scaler.unscale_and_check(self.grads(optimizer), self.comm)
+
+    def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """``optimizer.step(**kwargs)``, disk-tier chunks one at a time ([Note: stepping disk shards] in optim.py)."""
+        return self._bindings(optimizer)[0].step(**kwargs)
 
     def finish_step(self, *, stepped: bool, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """After ``optimizer`` stepped (or skipped): write its chunks' compute-dtype copies back. Gradients stay
@@ -468,3 +504,4 @@ class ChunkEngine:
             b.detach_grads()
             b.unbind(whole_state=materialize and optimizer_state)
         self.manager.unpack(materialize=materialize, device=device)
+        self.manager.close()

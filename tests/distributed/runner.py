@@ -60,6 +60,10 @@ CASES = {
     # the same under a device limit with the automatic chunk size (the settings of reordered_auto_limit)
     "deferred_limit": dict(chunk_cls="DeferredNet", model=dict(dim=64, hidden=512, depth=3),
                            strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
+    # most of each rank's masters, gradient shards and optimizer state on the disk tier, in files
+    "disk": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560), host_memory_limit="1.2MB"),
+    "disk_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, placement="host"), host_memory_limit="400kB",
+                            trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
        for fmt in ("torch", "lightning", "consolidated", "safetensors")},
@@ -89,6 +93,8 @@ def run_parity(case: str, out: Path) -> None:
     if "limit_fraction" in spec:
         param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
         skw["device_memory_limit"] = int(param_bytes * spec["limit_fraction"])  # below this rank's share
+    if "host_memory_limit" in spec:
+        skw.update(host_memory_limit=spec["host_memory_limit"], disk_dir=str(out / f"{case}.disk"))
     if "weights" in spec:
         skw["weights"] = json.loads((out / "weights.json").read_text())[spec["weights"]]
     L.seed_everything(7, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
@@ -98,6 +104,9 @@ def run_parity(case: str, out: Path) -> None:
     t.fit(got, token_data())
     rank = t.global_rank
     stats = dict(strategy.memory_stats(), limit=skw.get("device_memory_limit"),
+                 disk_left=sorted(p.name for p in Path(skw["disk_dir"]).iterdir() if f"-rank{strategy.global_rank}-"
+                                  in p.name) if "disk_dir" in skw else [],
+                 host_memory_limit=strategy.config.host_memory_limit,
                  param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()),
                  buffers={n: b.float().sum().item() for n, b in got.named_buffers()})
     (out / f"{case}.stats{rank}.json").write_text(json.dumps(stats))

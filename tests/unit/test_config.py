@@ -52,3 +52,27 @@ def test_the_default_device_limit_is_none_on_cpu_and_leaves_a_stated_margin_on_c
     assert default_device_limit(torch.device("cpu")) is None
     assert device_margin_bytes(80 * 2**30) == 8 * 2**30  # 10% of an 80 GiB device
     assert device_margin_bytes(4 * 2**30) == 2**30  # at least 1 GiB
+
+
+def test_strategy_takes_every_config_field_with_the_same_default():
+    """The strategy's flat arguments are derived into a ChunkConfig by name: a field it lacks, or a default that
+    drifted from the config's, would silently change what a user gets."""
+    import dataclasses
+    import inspect
+
+    from lightning_chunk.strategy import CONFIG_ARGS, ChunkOffloadStrategy
+
+    params = inspect.signature(ChunkOffloadStrategy.__init__).parameters
+    fields = {f.name: f.default for f in dataclasses.fields(ChunkConfig) if f.name != "check_invariants"}
+    assert set(CONFIG_ARGS) == set(fields)
+    for name, default in fields.items():
+        assert name in params, name
+        assert params[name].default == default, (name, params[name].default, default)
+
+
+def test_disk_tier_fields_are_validated():
+    with pytest.raises(ValueError, match="host_memory_limit='lots'"):
+        ChunkConfig(host_memory_limit="lots")
+    with pytest.raises(ValueError, match="disk_dir=3"):
+        ChunkConfig(disk_dir=3)
+    assert ChunkConfig(host_memory_limit="1GiB", disk_dir="/tmp").host_memory_limit == 1 << 30

@@ -129,7 +129,7 @@ def test_repack_moves_values_and_gradients():
 def test_unpack_materializes_plain_parameters():
     net, mgr, originals, _ = make()
     mgr.unpack(materialize=True)
-    assert mgr.ledger == {Tier.DEVICE: 0, Tier.HOST: 0}
+    assert mgr.ledger == {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
     for p, orig in zip(net.parameters(), originals):
         torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
         assert p.untyped_storage().nbytes() == p.numel() * 4

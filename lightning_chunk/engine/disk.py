@@ -1,0 +1,200 @@
+"""The disk tier's files: a scratch directory per process, one preallocated, memory-mapped file per buffer.
+
+[Note: the disk tier]
+A chunk whose shard lives on the disk tier keeps its master, its gradient shard and its optimizer
+state in files under ``disk_dir`` (its compute-dtype copy, when it has one, stays in host memory:
+gathers read it twice a step, the optimizer state once). Each buffer is a file, preallocated with
+``posix_fallocate`` (a full disk or a filesystem that cannot hold the state fails then, before
+training, never as a SIGBUS in the middle of a step) and mapped ``MAP_SHARED``: the tensors the
+optimizer, the gathers and the checkpoints use are views of the mapping, so every path that reads
+or writes a shard works unchanged, and bit for bit as with the shard in memory.
+
+What bounds host memory is the paging discipline around each use (``DiskStorage``):
+- before a chunk is used, its pages are faulted in (``MADV_POPULATE_READ``/``_WRITE``), and that
+  wait is what ``disk_wait_s`` measures; a read-ahead (``MADV_WILLNEED``) issued earlier, for the
+  next chunk the optimizer or the trace will use, has the kernel read it while this one computes;
+- after the use, written pages start going to disk at once (``sync_file_range``, asynchronous)
+  and the mapping drops them (``MADV_DONTNEED``; for a shared file mapping the data stays in the
+  file and the page cache, which the kernel reclaims, and is read back on the next use).
+So a rank's resident set holds the chunks in use, not the disk tier. The files are scratch: the
+directory is removed when the engine is torn down or the process exits, and a run removes what a
+dead run on the same host left (``ScratchDir``). Checkpoints never point into it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import mmap
+import os
+import shutil
+import socket
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .errors import DiskTierError
+
+PREFIX = "lightning_chunk-scratch-"
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL and the pages fault in on first touch
+_MADV_POPULATE_WRITE = 23
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(owner: dict) -> bool:
+    if owner.get("host") != socket.gethostname():
+        return True  # another machine's run (a shared filesystem): not ours to judge
+    pid = owner.get("pid")
+    return isinstance(pid, int) and _start_time(pid) == owner.get("start")
+
+
+class ScratchDir:
+    """This process's directory under ``root``, removed at teardown or exit; dead runs' directories are removed."""
+
+    def __init__(self, root: "str | os.PathLike[str]", rank: int) -> None:
+        self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise DiskTierError(f"disk_dir={str(self.root)!r} is not a directory.")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DiskTierError(f"disk_dir={str(self.root)!r} cannot be created: {e.strerror}.") from None
+        self.removed = self.clean_dead(self.root)
+        self.path = self.root / f"{PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.path.mkdir()
+            owner = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()), "rank": rank}
+            (self.path / "owner.json").write_text(json.dumps(owner))
+        except OSError as e:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise DiskTierError(f"disk_dir={str(self.root)!r} is not writable: {e.strerror}.") from None
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.path), True)
+
+    @staticmethod
+    def clean_dead(root: Path) -> list[Path]:
+        """Remove the scratch directories under ``root`` whose process (on this host) is gone."""
+        removed = []
+        for d in root.glob(PREFIX + "*"):
+            try:
+                owner = json.loads((d / "owner.json").read_text())
+            except (OSError, ValueError):
+                owner = {}
+                if time.time() - d.stat().st_mtime < 60:
+                    continue  # being created right now by another process
+            if not _alive(owner):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+        return removed
+
+    def remove(self) -> None:
+        self._finalizer()
+
+    @property
+    def exists(self) -> bool:
+        return self.path.exists()
+
+
+def check_room(root: Path, nbytes: int, what: str) -> None:
+    """Refuse, before anything is written, a directory whose filesystem has fewer than ``nbytes`` free."""
+    try:
+        st = os.statvfs(root)
+    except OSError as e:
+        raise DiskTierError(f"disk_dir={str(root)!r}: {e.strerror}.") from None
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise DiskTierError(
+            f"the disk tier needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) in disk_dir={str(root)!r} for {what}, "
+            f"but its filesystem has {free} bytes free; free space, choose another disk_dir, or raise "
+            "host_memory_limit so fewer shards go to disk.")
+
+
+@dataclass(eq=False)
+class MappedFile:
+    """One preallocated file, mapped shared; tensors are views of the mapping."""
+
+    path: Path
+    nbytes: int
+    mm: mmap.mmap = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        size = max(self.nbytes, 1)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(self.path)
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise DiskTierError(
+                        f"the disk tier could not reserve {size} bytes for {self.path.name} in "
+                        f"{str(self.path.parent.parent)!r}: {e.strerror} (the filesystem cannot hold the shards that "
+                        "go to disk; free space, choose another disk_dir or raise host_memory_limit).") from None
+                raise DiskTierError(f"the disk tier could not create {str(self.path)!r}: {e.strerror}.") from None
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def tensor(self, numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        return torch.frombuffer(self.mm, dtype=dtype, count=numel, offset=offset)
+
+    def advise(self, advice: int) -> bool:
+        try:
+            self.mm.madvise(advice)
+            return True
+        except OSError:
+            return False
+
+    def start_writeback(self) -> None:
+        """Have the kernel start writing the dirty pages now, without waiting for it."""
+        if _LIBC is None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            _LIBC.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(self.nbytes), _SYNC_FILE_RANGE_WRITE)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Drop the pages and the file; the mapping itself goes with the last tensor that views it."""
+        self.advise(mmap.MADV_DONTNEED)
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // _PAGE) * _PAGE
+
+
+POPULATE_READ = _MADV_POPULATE_READ
+POPULATE_WRITE = _MADV_POPULATE_WRITE

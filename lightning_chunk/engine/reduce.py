@@ -1,0 +1,151 @@
+"""Gradient reduction with several ranks: which chunk reduces when, and where its result lands.
+
+Backward adds each parameter's gradient into its chunk's *gradient payload* (the whole chunk's
+worth, master dtype, on the device). When a chunk's gradients are final the payload is
+reduce-scattered, asynchronously, into every rank's gradient shard; a few reduce-scatters stay in
+flight while backward goes on, and each lands through ``GradOffload`` (a side-stream copy when
+the shard lives on the host of a CUDA machine).
+
+The manager owns the bytes and their accounting; this module only schedules. It asks the
+manager to track every buffer it creates or frees (``manager.tracked``) and to find room on the
+device tier (``manager.room_for``), so the ledger stays the one account of chunk memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from .chunk import Chunk, Tier
+from .chunk import nbytes as tensor_nbytes
+from .offload import GradOffload
+from .states import TensorState
+
+if TYPE_CHECKING:  # the manager builds the reducer; no import at run time, so no cycle
+    from .manager import ChunkManager
+
+S = TensorState
+MakeRoom = Optional[Callable[[int], None]]  # evict by the placement policy until this many more bytes fit
+
+
+class GradReducer:
+    def __init__(self, manager: "ChunkManager", *, pinned: bool, in_flight: int = 2) -> None:
+        self.manager = manager
+        self.offload = GradOffload(manager.device, pinned=pinned)
+        self.in_flight = in_flight  # reduce-scatters allowed in flight: bounds the gradient payloads alive
+        self.sync = True  # False inside no_sync(): keep gradients local (accumulation)
+        self.payload_peak = 0  # most bytes of unreduced whole-chunk gradients alive at once
+        self._inflight: list[tuple[Chunk, Any]] = []  # reduce-scatters launched, not yet landed
+        self._order: list[int] = []  # chunks reduce in this order on every rank
+        self._next = 0
+
+    # ================================================================== order
+    def reset_order(self, chunks: Sequence[Chunk]) -> None:
+        """Highest id first: right when each chunk holds consecutive layers (the trace refines it)."""
+        self._order = sorted((c.chunk_id for c in chunks if c.trainable), reverse=True)
+        self._next = 0
+
+    def set_order(self, chunks: Sequence[Chunk], completion: Sequence[int]) -> None:
+        """Reduce chunks in the order backward completes them (``completion``, from the trace, the same on
+        every rank); chunks it does not name follow, highest id first.
+
+        [Note: reduce order] Every rank must launch the reduce-scatters in one order, and a chunk
+        waits for all chunks before it in that order. The default, highest id first, is right
+        when each chunk holds consecutive layers; but a chunk of one param group's norms and
+        biases spans the whole model and completes only at the end of backward, so with it
+        first in line every other gradient payload stayed alive until then: the whole model's
+        gradient, unsharded (4 bytes a parameter in fp32) at the peak. The warm-up's backward has
+        no trace yet; it takes the reverse of its forward's first use of each chunk (``ChunkHooks``),
+        because "highest id first" in the registration-order layout of a model registered in
+        another order than it runs (head before embedding) put the chunk backward completes
+        *last* first in line: every gradient payload stayed alive, and under a limit the first
+        step failed.
+        """
+        trainable = {c.chunk_id for c in chunks if c.trainable}
+        named = [cid for cid in dict.fromkeys(completion) if cid in trainable]
+        self._order = named + sorted(trainable - set(named), reverse=True)
+        self._next = 0
+
+    # ============================================================== gradients
+    def add(self, chunk: Chunk, offset: int, grad: torch.Tensor, make_room: MakeRoom) -> None:
+        """Add one parameter's gradient into the chunk's gradient payload (allocated on first use)."""
+        self._ensure_payload(chunk, make_room)
+        chunk.grad_payload[offset : offset + grad.numel()].add_(grad.reshape(-1))  # type: ignore[index]
+
+    def _ensure_payload(self, chunk: Chunk, make_room: MakeRoom) -> None:
+        if chunk.grad_payload is not None:
+            return
+        mgr = self.manager
+        mgr.room_for(chunk.capacity_numel * chunk.grad.element_size(),  # type: ignore[union-attr]
+                     f"chunk {chunk.chunk_id}'s gradient payload", make_room)
+        with mgr.tracked(chunk):
+            chunk.grad_payload = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype, device=mgr.device)
+        live = sum(tensor_nbytes(c.grad_payload) for c in mgr.chunks)
+        self.payload_peak = max(self.payload_peak, live)
+
+    def chunk_complete(self, make_room: MakeRoom) -> None:
+        """A chunk's gradients became final: reduce every chunk whose turn has come."""
+        if self.sync:
+            self._drain(force=False, make_room=make_room)
+
+    def reduce(self, chunk: Chunk, make_room: MakeRoom) -> None:
+        """Launch the reduce-scatter of the chunk's gradient payload (scaled by 1/world_size first, as DDP
+        does) and go on with backward; the result lands in the shard in ``land``."""
+        mgr = self.manager
+        if self.sync:
+            self._ensure_payload(chunk, make_room)  # this rank got no gradient for the chunk: contribute zeros
+            with mgr.tracked(chunk):
+                chunk.grad_payload.mul_(1.0 / mgr.comm.world_size)  # type: ignore[union-attr]
+                # in place: this rank's slice of the payload is the output (NCCL and gloo both take
+                # ``out == full[rank * n : (rank + 1) * n]``), so no unaccounted buffer is allocated
+                lo, hi = chunk.shard_range
+                pending = mgr.comm.reduce_scatter(chunk.grad_payload[lo:hi], chunk.grad_payload,  # type: ignore[index]
+                                                  chunk=chunk.chunk_id, async_op=True)
+            self._inflight.append((chunk, pending))
+            if len(self._inflight) > self.in_flight:
+                self.land(keep=self.in_flight)
+        chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
+
+    def land(self, keep: int = 0) -> None:
+        """Land the oldest reduce-scatters until ``keep`` are in flight: their output goes into the gradient shard
+        (a side-stream copy for a host shard on CUDA, which keeps the payload until it is done)."""
+        mgr = self.manager
+        while len(self._inflight) > keep:
+            chunk, pending = self._inflight.pop(0)
+            out = pending.wait()
+            assert chunk.grad is not None
+            add, chunk.grad_written = chunk.grad_written, True
+            if chunk.shard_tier is not Tier.DEVICE:
+                mgr.transfers.d2h_bytes += out.numel() * out.element_size()
+            with mgr.storage_of(chunk).writing(chunk):
+                self.offload.copy(chunk.grad, out, add=add, on_done=lambda c=chunk: self._free_payload(c))
+            self.offload.drain(keep=2)  # bound the payloads still being copied
+
+    def land_all(self) -> None:
+        """Finish the reduce-scatters and gradient copies in flight: their gradient payloads go and their chunks
+        (held in READY_FOR_REDUCE until reduced) become evictable. What a device limit needs before it evicts."""
+        self.land()
+        self.offload.drain()
+
+    def _free_payload(self, chunk: Chunk) -> None:
+        with self.manager.tracked(chunk):
+            chunk.grad_payload = None
+
+    def _drain(self, *, force: bool, make_room: MakeRoom) -> None:
+        """Reduce chunks in the one order every rank shares; ``force`` also takes incomplete ones (end of backward)."""
+        chunks = self.manager.chunks
+        while self._next < len(self._order):
+            chunk = chunks[self._order[self._next]]
+            if not force and not chunk.grads_complete():
+                break
+            self.reduce(chunk, make_room)
+            self._next += 1
+
+    def end_backward(self, make_room: MakeRoom) -> None:
+        """Reduce what is left (chunks with tensors that got no gradient) and land everything."""
+        if self.sync:
+            self._drain(force=True, make_room=make_room)
+            self.land()
+            self._next = 0
+        self.offload.drain()  # the optimizer and the next step read finished gradient shards

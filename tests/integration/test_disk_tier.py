@@ -1,0 +1,218 @@
+"""The disk tier: shards beyond ``host_memory_limit`` in files, bit-exact with training in memory; its errors
+and its clean-up. Two ranks: ``tests/distributed`` (cases ``disk``, ``disk_accumulate``)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.engine.disk import PREFIX, ScratchDir
+from lightning_chunk.engine.errors import DiskTierError, HostMemoryLimitError
+from tests.integration.test_checkpoints import train_and_save, trainer
+from tests.integration.test_parity import BIG, EXACT, assert_same_params
+from tests.models import ParityNet, fit, token_data
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+CHUNK = 66560  # BIG in 6 chunks
+
+
+def disk(tmp_path, limit="3MB", **kw):
+    return ChunkOffloadStrategy(**{**dict(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop",
+                                          host_memory_limit=limit, disk_dir=tmp_path / "scratch"), **kw})
+
+
+CASES = {
+    "adamw_groups_scheduler": dict(),
+    "clip_norm": dict(gradient_clip_val=0.05),
+    "accumulate_tied": dict(accumulate_grad_batches=2, variant="tied"),
+    "frozen": dict(variant="frozen"),
+    "bf16_mixed": dict(precision="bf16-mixed"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_disk_tier_trains_bit_exact_with_memory(tmp_path, case):
+    kw = dict(CASES[case], model_kwargs=BIG)
+    mixed = kw.get("precision") == "bf16-mixed"
+    # fp32: against plain Lightning; bf16-mixed: against the same strategy with every shard in host memory
+    ref = fit(ChunkOffloadStrategy(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop") if mixed else "auto",
+              steps=STEPS, **kw)
+    strategy = disk(tmp_path)
+    got = fit(strategy, steps=STEPS, **kw)
+    assert_same_params(ref, got, EXACT)
+    s = strategy.memory_stats()
+    assert s["disk_shards"] >= 3 and s["disk_chunk_bytes"] > 0
+    assert s["host_chunk_bytes"] <= 3_000_000
+    assert s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
+    assert list((tmp_path / "scratch").iterdir()) == []  # the scratch directory went with the run
+
+
+def test_optimizer_state_lives_in_the_files(tmp_path):
+    """Adam's moments of a disk shard are views of its file, not host tensors; the masters too."""
+    strategy = disk(tmp_path, materialize_on_teardown=False)
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            eng = trainer.strategy.engine
+            opt = eng.bindings[0].optimizer
+            for c in eng.manager.chunks:
+                if c.shard_tier.value == "disk":
+                    files = eng.manager.disk._files[id(c)]
+                    mm = files["optim"].mm
+                    for t in c.tensors:
+                        v = eng.bindings[0].views().get(t.slot.param_index)
+                        if v is not None and v in opt.state:
+                            seen[t.name] = all(_in(st, mm) for st in opt.state[v].values() if st.dim())
+
+    fit(strategy, steps=3, model_kwargs=BIG, callbacks=[Probe()])
+    assert seen and all(seen.values()), seen
+
+
+def _in(t, mm):
+    import ctypes
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    return base <= t.data_ptr() < base + len(mm)
+
+
+@pytest.mark.parametrize("save_disk,resume_disk", [(True, False), (False, True)])
+def test_resume_across_the_disk_tier(tmp_path, save_disk, resume_disk):
+    """A checkpoint written with shards on disk resumes in memory, and the reverse, exactly as a run that never
+    used the disk tier saves and resumes."""
+    def make(on_disk):
+        return disk(tmp_path, limit="100kB", chunk_numel=2048) if on_disk else \
+            ChunkOffloadStrategy(placement="host", chunk_numel=2048, optimizer_kernel="loop")
+
+    runs = []
+    for name, save, resume in [("ref", False, False), ("got", save_disk, resume_disk)]:
+        saver = make(save)
+        train_and_save(tmp_path / name, saver, steps=6)
+        L.seed_everything(11, verbose=False)
+        model = ParityNet(variant="tied")
+        strategy = make(resume)
+        trainer(strategy, 10).fit(model, token_data(), ckpt_path=tmp_path / name / "step=6.ckpt")
+        runs.append(model)
+        for s, on_disk in ((saver, save), (strategy, resume)):
+            assert (s.memory_stats()["disk_shards"] > 0) == on_disk
+    assert_same_params(*runs, EXACT)
+
+
+def test_errors_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(DiskTierError, match=r"disk_dir='.*a_file/sub' cannot be created"):
+        fit(ChunkOffloadStrategy(**_args(tmp_path, disk_dir=blocker / "sub")), steps=2, model_kwargs=BIG)
+    with pytest.raises(DiskTierError, match=r"disk_dir='.*a_file' is not a directory"):
+        fit(ChunkOffloadStrategy(**_args(tmp_path, disk_dir=blocker)), steps=2, model_kwargs=BIG)
+    with pytest.raises(DiskTierError, match="no disk_dir is set"):
+        fit(ChunkOffloadStrategy(**_args(tmp_path, disk_dir=None)), steps=2, model_kwargs=BIG)
+    with pytest.raises(HostMemoryLimitError, match=r"host_memory_limit=1000 bytes is too small.*smallest limit"):
+        fit(ChunkOffloadStrategy(**_args(tmp_path, host_memory_limit=1000)), steps=2, model_kwargs=BIG)
+
+
+def _args(tmp_path, **kw):
+    return dict(dict(placement="host", chunk_numel=CHUNK, host_memory_limit="3MB", disk_dir=tmp_path / "scratch"), **kw)
+
+
+def test_a_full_disk_is_refused_with_the_bytes_needed(tmp_path, monkeypatch):
+    """Injected: a filesystem with 1 MB free. The error names the bytes the disk tier needs and where."""
+    import lightning_chunk.engine.disk as disk_mod
+
+    real = os.statvfs
+
+    class Small:
+        def __init__(self, st):
+            self.f_frsize, self.f_bavail = 1, 1_000_000
+
+    monkeypatch.setattr(disk_mod.os, "statvfs", lambda p: Small(real(p)))
+    model = ParityNet(**BIG)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    t = trainer(disk(tmp_path), STEPS)
+    with pytest.raises(DiskTierError, match=r"the disk tier needs \d+ bytes .* in disk_dir='.*scratch'.* 1000000 "
+                                            r"bytes free"):
+        t.fit(model, token_data())
+    assert t.global_step == 0
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, before[n], **EXACT)
+    assert list((tmp_path / "scratch").iterdir()) == []
+
+
+FSIZE = """
+import resource, signal, sys
+sys.path.insert(0, {root!r})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+from tests.integration.test_disk_tier import disk
+from tests.models import fit
+from tests.integration.test_parity import BIG
+from pathlib import Path
+from lightning_chunk.engine.errors import DiskTierError
+try:
+    fit(disk(Path({tmp!r})), steps=2, model_kwargs=BIG)
+except DiskTierError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_a_filesystem_that_cannot_hold_a_shard_is_refused(tmp_path):
+    """A real failure, not a check: files may not exceed 100 kB (RLIMIT_FSIZE), so preallocating a shard's
+    file fails; the error says how many bytes it needed and where, and nothing is left behind."""
+    r = subprocess.run([sys.executable, "-c", FSIZE.format(root=str(ROOT), tmp=str(tmp_path))], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert "REFUSED the disk tier could not reserve" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "File too large" in r.stdout and str(tmp_path / "scratch") in r.stdout
+    assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def test_a_dead_runs_scratch_is_removed_and_a_live_ones_kept(tmp_path):
+    root = tmp_path / "scratch"
+    root.mkdir()
+    dead = root / f"{PREFIX}dead"
+    dead.mkdir()
+    (dead / "chunk0-1-master.bin").write_bytes(b"x" * 100)
+    import socket
+
+    (dead / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7, "start": "1"}))
+    alive = ScratchDir(root, rank=0)  # this process: alive
+    other_host = root / f"{PREFIX}elsewhere"
+    other_host.mkdir()
+    (other_host / "owner.json").write_text(json.dumps({"host": "another-machine", "pid": 1, "start": "1"}))
+    second = ScratchDir(root, rank=1)
+    assert not dead.exists()
+    assert alive.exists and second.exists and other_host.exists()
+    alive.remove()
+    second.remove()
+    assert not alive.exists
+
+
+def test_a_killed_run_leaves_scratch_that_the_next_run_removes(tmp_path):
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {str(ROOT)!r})
+import lightning as L
+from tests.integration.test_disk_tier import disk
+from tests.integration.test_parity import BIG
+from tests.models import fit
+from pathlib import Path
+
+class Die(L.Callback):
+    def on_train_batch_end(self, *a):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+fit(disk(Path({str(tmp_path)!r})), steps=3, model_kwargs=BIG, callbacks=[Die()])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == -9, r.stderr[-2000:]
+    left = list((tmp_path / "scratch").iterdir())
+    assert len(left) == 1 and any(left[0].glob("*.bin"))
+    strategy = disk(tmp_path)
+    fit(strategy, steps=2, model_kwargs=BIG)
+    assert list((tmp_path / "scratch").iterdir()) == []
