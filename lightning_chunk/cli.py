@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-args", help="model arguments as JSON (over the config's)")
     p.add_argument("--data-args", help="data module arguments as JSON (over the config's)")
     p.add_argument("--device-memory-limit", help="bytes, or a string such as 24GiB")
+    p.add_argument("--host-memory-limit", help="bytes, or a string such as 64GiB: shards beyond it go to disk")
+    p.add_argument("--disk-dir", help="the disk tier's directory (the dry run writes its scratch files there)")
     p.add_argument("--placement", choices=["auto", "device", "host", "static"])
     p.add_argument("--chunk-numel", type=int)
     p.add_argument("--precision")
@@ -62,7 +64,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .plan import plan_from_args
 
     overrides = {"device_memory_limit": args.device_memory_limit, "placement": args.placement,
-                 "chunk_numel": args.chunk_numel}
+                 "chunk_numel": args.chunk_numel, "host_memory_limit": args.host_memory_limit,
+                 "disk_dir": args.disk_dir}
     try:
         report = plan_from_args(args.model, args.data, args.config, args.init_args, args.data_args, overrides,
                                 args.precision, shapes_only=args.shapes_only, ranks=args.ranks)

@@ -74,6 +74,9 @@ class PlanReport:
     device_shards: int
     device_shard_bytes: int
     host_bytes: int
+    disk_shards: int
+    disk_bytes: int
+    host_limit: Optional[int]
     payload_bytes_max: int
     nonmodel_peak_bytes: int
     estimated_device_peak_bytes: int
@@ -94,7 +97,11 @@ class PlanReport:
             f"{m(self.payload_bytes_max)}; {self.padding_numel:,} elements of padding)",
             f"placement           {self.placement}: {self.device_shards} of {self.chunks} shards on the device",
             f"device tier         {m(self.device_shard_bytes)} of shards (masters, gradients, optimizer state)",
-            f"host tier           {m(self.host_bytes)}",
+            f"host tier           {m(self.host_bytes)}"
+            + ("" if self.host_limit is None else f" (host_memory_limit {m(self.host_limit)}, with two disk shards "
+                                                   "paged in at once)"),
+            f"disk tier           {m(self.disk_bytes)} in {self.disk_shards} shards (masters, gradients, optimizer "
+            "state)" if self.disk_shards else "disk tier           none",
             f"activations         {m(self.nonmodel_peak_bytes)} at the traced peak",
             f"estimated peak      {m(self.estimated_device_peak_bytes)} of chunks on the device; "
             f"{m(self.estimated_total_peak_bytes)} with the activations of the same moment",
@@ -119,7 +126,9 @@ class _Probe(L.Callback):
             chunk_numel=mgr.layout.capacity_numel, padding_numel=mgr.layout.padding_numel,
             device_shards=sum(v.shard_tier is Tier.DEVICE for v in views),
             device_shard_bytes=sum(v.device_shard_bytes for v in views if v.shard_tier is Tier.DEVICE),
-            host_bytes=mgr.ledger[Tier.HOST], payload_bytes_max=max(v.payload_bytes for v in views),
+            host_bytes=mgr.ledger[Tier.HOST], disk_shards=sum(v.shard_tier is Tier.DISK for v in views),
+            disk_bytes=mgr.ledger[Tier.DISK], host_limit=engine.config.host_memory_limit,
+            payload_bytes_max=max(v.payload_bytes for v in views),
             nonmodel_peak_bytes=trace.nonmodel_peak_bytes,
             estimated_device_peak_bytes=peaks[0], estimated_total_peak_bytes=peaks[1], limit=mgr.limit,
         )
@@ -170,7 +179,9 @@ class ShapePlanReport:
             f"16 bytes a parameter over {self.ranks} rank(s) would be {g(ideal)})",
             f"placement           {self.placement}, before the warm-up: {g(p.shard_bytes(Tier.DEVICE))} on the device, "
             f"{g(p.shard_bytes(Tier.HOST))} on the host"
-            + (f" (this machine has {g(host_total)} in all)" if host_total else ""),
+            + (f" (this machine has {g(host_total)} in all)" if host_total else "")
+            + (f", {g(p.disk_bytes())} on disk ({sum(t is Tier.DISK for t in p.tiers.values())} shards' masters, "
+               "gradients and optimizer state)" if p.disk_bytes() else ""),
             f"device at least     {g(p.need_before_activations)} for the busiest module's chunks"
             + (" and a gradient payload" if self.ranks > 1 else "") + ", plus activations (not estimated)",
             f"device_memory_limit {limit}: " + ("fits before activations" if self.fits else "does NOT fit"),

@@ -88,12 +88,16 @@ class ChunkTelemetry(pl.Callback):
 
 
 def draw_step(events: list[MomentEvent], limit: Optional[int], n_chunks: int, path: Path, plt: Any) -> None:
-    """Two panels over the moments of one step: chunk residency, and device bytes against the limit."""
+    """Two panels over the moments of one step: chunk residency (device, host or disk shard; payload resident or
+    not), and device bytes against the limit."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     xs = list(range(len(events)))
     for x, e in enumerate(events):
         for c in e.device_shards:
             top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, color="#2c7a2c", alpha=0.35, lw=0))
+        for c in e.disk_shards:  # the third tier: shard in files, hatched where its payload is not resident
+            top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, fill=False, hatch="///", color="#7f6a4d",
+                                        alpha=0.5, lw=0))
         for c in e.resident:
             if c not in e.device_shards:
                 top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, color="#4a90d9", alpha=0.45, lw=0))
@@ -110,6 +114,9 @@ def draw_step(events: list[MomentEvent], limit: Optional[int], n_chunks: int, pa
             top.scatter(mx, my, marker=m, color=color, s=18, label=label, zorder=3)
     top.add_patch(plt.Rectangle((0, 0), 0, 0, color="#2c7a2c", alpha=0.35, label="shard on device"))
     top.add_patch(plt.Rectangle((0, 0), 0, 0, color="#4a90d9", alpha=0.45, label="payload resident"))
+    if any(e.disk_shards for e in events):
+        top.add_patch(plt.Rectangle((0, 0), 0, 0, fill=False, hatch="///", color="#7f6a4d", alpha=0.5,
+                                    label="shard on disk"))
     top.set_ylim(-0.5, n_chunks - 0.5)
     top.set_xlim(-0.5, len(events) - 0.5)
     top.set_ylabel("chunk")

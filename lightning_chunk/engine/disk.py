@@ -11,11 +11,16 @@ or writes a shard works unchanged, and bit for bit as with the shard in memory.
 
 What bounds host memory is the paging discipline around each use (``DiskStorage``):
 - before a chunk is used, its pages are faulted in (``MADV_POPULATE_READ``/``_WRITE``), and that
-  wait is what ``disk_wait_s`` measures; a read-ahead (``MADV_WILLNEED``) issued earlier, for the
-  next chunk the optimizer or the trace will use, has the kernel read it while this one computes;
-- after the use, written pages start going to disk at once (``sync_file_range``, asynchronous)
-  and the mapping drops them (``MADV_DONTNEED``; for a shared file mapping the data stays in the
-  file and the page cache, which the kernel reclaims, and is read back on the next use).
+  wait is what ``disk_wait_s`` measures. A read-ahead for the next chunk the optimizer or the trace
+  will use does the same on a thread of its own while this one computes (the ``madvise`` call goes
+  through ``ctypes``, which releases the GIL); the use then waits only for what is left. Mapping
+  pages costs time even when the page cache holds them: on the 85M GPT of ``benchmarks/disk.py``
+  it was most of the disk tier's price;
+- after the use the mapping drops the pages (``MADV_DONTNEED``: for a shared file mapping the data
+  stays in the file and the page cache, is read back on the next use, and dirty pages reach the
+  disk through the kernel's own writeback, in the background). Starting that writeback at once
+  (``sync_file_range``) was measured and dropped: the next step's writes to the same pages then
+  waited for it, and an 85M GPT's step took 3.3 s instead of 1.4-2.0 s (``docs/benchmarks.md``).
 So a rank's resident set holds the chunks in use, not the disk tier. The files are scratch: the
 directory is removed when the engine is torn down or the process exits, and a run removes what a
 dead run on the same host left (``ScratchDir``). Checkpoints never point into it.
@@ -42,10 +47,6 @@ import torch
 from .errors import DiskTierError
 
 PREFIX = "lightning_chunk-scratch-"
-_PAGE = mmap.PAGESIZE
-_MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL and the pages fault in on first touch
-_MADV_POPULATE_WRITE = 23
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def _libc() -> Optional[ctypes.CDLL]:
@@ -56,6 +57,9 @@ def _libc() -> Optional[ctypes.CDLL]:
 
 
 _LIBC = _libc()
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL and the pages fault in on first touch
+_MADV_POPULATE_WRITE = 23
 
 
 def _start_time(pid: int) -> Optional[str]:
@@ -170,18 +174,14 @@ class MappedFile:
         except OSError:
             return False
 
-    def start_writeback(self) -> None:
-        """Have the kernel start writing the dirty pages now, without waiting for it."""
+    def advise_unlocked(self, advice: int) -> bool:
+        """``advise`` through ctypes, which lets other Python threads run meanwhile (``mmap.madvise`` holds the
+        GIL): what a read-ahead thread uses to fault the next chunk in while the main thread computes."""
         if _LIBC is None:
-            return
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            _LIBC.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(self.nbytes), _SYNC_FILE_RANGE_WRITE)
-        finally:
-            os.close(fd)
+            return self.advise(advice)
+        if not hasattr(self, "_addr"):
+            self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        return _LIBC.madvise(ctypes.c_void_p(self._addr), ctypes.c_size_t(len(self.mm)), ctypes.c_int(advice)) == 0
 
     def close(self) -> None:
         """Drop the pages and the file; the mapping itself goes with the last tensor that views it."""

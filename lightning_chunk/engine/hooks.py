@@ -239,6 +239,7 @@ class ChunkHooks:
             position=self.position, kind=kind, module=key, needed=needed, evicted=tuple(sorted(before - after)),
             fetched=tuple(sorted(after - before)), resident=tuple(sorted(after)),
             device_shards=tuple(c.chunk_id for c in mgr.chunks if c.shard_tier is Tier.DEVICE),
+            disk_shards=tuple(c.chunk_id for c in mgr.chunks if c.shard_tier is Tier.DISK),
             device_bytes=mgr.ledger[Tier.DEVICE],
             nonmodel_bytes=self.trace.nonmodel_at(self.position) if self.trace is not None else 0,
         ))
@@ -285,7 +286,7 @@ class ChunkHooks:
             if self.tracer.recording:
                 # the warm-up's backward: no trace yet, but this forward's moments (the same on every rank)
                 # say the order backward will complete the chunks in, near enough: reverse first use
-                # ([Note: reduce order] in manager.py)
+                # ([Note: reduce order] in reduce.py)
                 self.manager.set_reduce_order(self.tracer.forward_first_use()[::-1])
             if self.on_backward_start is not None:
                 self.on_backward_start()

@@ -434,10 +434,9 @@ class ChunkManager:
         if self.comm.world_size == 1:
             # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
             # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
-            with self.storage_of(chunk).writing(chunk, ("grad",)):
-                self.reducer.offload.copy(chunk.grad[info.offset : info.offset + info.numel], grad, add=info.has_grad)
-                if chunk.shard_tier is Tier.DISK:
-                    self.reducer.offload.drain()  # the copy lands before the pages go out
+            # a disk shard's gradient file stays in memory while its chunk's gradients arrive (until ``reduce``)
+            self.storage_of(chunk).hold(chunk, ("grad",))
+            self.reducer.offload.copy(chunk.grad[info.offset : info.offset + info.numel], grad, add=info.has_grad)
             if chunk.shard_tier is not Tier.DEVICE:
                 self.transfers.d2h_bytes += grad.numel() * grad.element_size()
         else:
@@ -458,6 +457,9 @@ class ChunkManager:
         if self.comm.world_size > 1:
             self.reducer.reduce(chunk, make_room)
         else:
+            if chunk.shard_tier is Tier.DISK:
+                self.reducer.offload.drain()  # the copies land before the gradient file's pages go out
+                self.storage_of(chunk).let_go(chunk)
             chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
 
     def land_in_flight(self) -> None:
@@ -475,6 +477,7 @@ class ChunkManager:
         else:
             self.reducer.offload.drain()  # the optimizer and the next step read finished gradient shards
         for c in self.chunks:
+            self.storage_of(c).let_go(c)
             if any(t.state is S.READY_FOR_REDUCE for t in c.tensors):
                 if self.comm.world_size == 1:
                     self.reduce(c)

@@ -29,6 +29,7 @@ from .config import ChunkConfig
 from .errors import UnsupportedOptimizerError
 from .consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
 from .manager import ChunkManager
+from .torchfile import release_freed_memory
 
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
@@ -161,9 +162,11 @@ class OptimizerBinding:
                 found[c.chunk_id] = c
         return dict(sorted(found.items()))
 
-    def keep_state(self, chunks: Optional[Sequence[Chunk]] = None) -> None:
-        """Move the per-element state of views into disk shards (``chunks``, all when ``None``) into their files."""
+    def keep_state(self, chunks: Optional[Sequence[Chunk]] = None) -> bool:
+        """Move the per-element state of views into disk shards (``chunks``, all when ``None``) into their files;
+        True when some state moved (it had been created in memory)."""
         mgr = self.manager
+        moved = False
         wanted = None if chunks is None else {c.chunk_id for c in chunks}
         for i, v in self._views.items():
             c = mgr.lookup(mgr.params[i])[0]
@@ -173,7 +176,10 @@ class OptimizerBinding:
             if st:
                 storage = mgr.storage_of(c)
                 for key in list(st):
-                    st[key] = storage.keep_state(c, v, key, st[key])
+                    kept = storage.keep_state(c, v, key, st[key])
+                    moved = moved or kept is not st[key]
+                    st[key] = kept
+        return moved
 
     def step(self, **kwargs: Any) -> Any:
         """The optimizer's own ``step(**kwargs)``.
@@ -202,15 +208,17 @@ class OptimizerBinding:
                 out = self.optimizer.step(**kwargs)
             order = list(disk.values())
             storage = mgr.disk
-            storage.prefetch(order[0])
             for k, c in enumerate(order):
-                if k + 1 < len(order):
-                    storage.prefetch(order[k + 1])
+                if k + 1 < len(order):  # faulted in on the read-ahead thread while this chunk steps
+                    storage.prefetch(order[k + 1], ("master", "optim"), write=True)
+                    storage.prefetch(order[k + 1], ("grad",))
                 for g, params in zip(groups, full):
                     g["params"] = [v for v in params if chunk_of.get(id(v)) == c.chunk_id]
                 with storage.writing(c, ("master", "optim")), storage.reading(c, ("grad",)):
                     out = self.optimizer.step(**kwargs)
-                    self.keep_state([c])
+                    moved = self.keep_state([c])
+                if moved:  # the state this step created in memory went to the file: give its pages back
+                    release_freed_memory()
         finally:
             for g, params in zip(groups, full):
                 g["params"] = params

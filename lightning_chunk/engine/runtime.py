@@ -58,8 +58,18 @@ class ShapePlan:
     param_numel: int
 
     def shard_bytes(self, tier: Optional[Tier] = None) -> int:
-        """One rank's shard bytes (masters, compute copies, gradients, optimizer state), on ``tier`` or in all."""
-        return sum(v.device_shard_bytes for v in self.views if tier is None or self.tiers[v.chunk_id] is tier)
+        """One rank's shard bytes (masters, compute copies, gradients, optimizer state), in memory on ``tier``
+        (a disk shard's compute copy counts on the host) or in all."""
+        if tier is None:
+            return sum(v.device_shard_bytes for v in self.views)
+        held = {v.chunk_id: (v.host_bytes_on_disk if self.tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
+                for v in self.views}
+        home = {cid: (Tier.HOST if t is Tier.DISK else t) for cid, t in self.tiers.items()}
+        return sum(b for cid, b in held.items() if home[cid] is tier)
+
+    def disk_bytes(self) -> int:
+        """One rank's bytes in the disk tier's files."""
+        return sum(v.disk_bytes for v in self.views if self.tiers[v.chunk_id] is Tier.DISK)
 
 
 class ChunkEngine:
@@ -169,6 +179,9 @@ class ChunkEngine:
             esz = max(torch.empty((), dtype=self.manager.dtypes.compute_for(s.key.dtype)).element_size() for s in specs)
             room = limit - (trace.nonmodel_peak_bytes if trace else 0)
             max_payload = max(room // (2 * esz), max(s.numel for s in specs))
+        host_cap = self._host_limit_numel()
+        if host_cap is not None:
+            max_payload = host_cap if max_payload is None else min(max_payload, host_cap)
         # one rank with every shard on the device: payloads never move, so granularity buys nothing and each
         # chunk only adds per-step work (see [Note: chunk granularity])
         stays = self.comm.world_size == 1 and self.config.placement == "device"
@@ -176,6 +189,18 @@ class ChunkEngine:
                                  numel_max=self.config.chunk_numel_max, max_payload_numel=max_payload,
                                  **({"target_chunks": 0} if stays else {}))
         return build_layout(specs, order, cap, self.comm.world_size)
+
+    def _host_limit_numel(self) -> Optional[int]:
+        """With ``host_memory_limit``: the largest chunk whose disk shards, two paged in at once, take at most half
+        the limit (the rest holds host shards), so the automatic chunk size never makes the limit too small."""
+        limit = self.config.host_memory_limit
+        specs = self.manager.specs
+        if limit is None or not specs:
+            return None
+        dtypes = self.manager.dtypes
+        per_elem = max(2 * torch.empty((), dtype=dtypes.master_for(s.key.dtype)).element_size()
+                       + self._optim_bytes.get(s.key.group, 0) for s in specs)  # master, gradient, optimizer state
+        return max(limit * self.comm.world_size // (4 * per_elem), max(s.numel for s in specs))
 
     def _plan_tiers(self, layout: Layout, trace: Optional[Trace]) -> tuple[list[ChunkView], dict[int, Tier]]:
         """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""

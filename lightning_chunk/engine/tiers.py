@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -60,6 +61,13 @@ class TierStorage:
     def writing(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Iterator[None]:
         yield
 
+    def hold(self, chunk: Chunk, roles: tuple[str, ...]) -> None:
+        """Keep the chunk's ``roles`` buffers in memory for writing until ``let_go`` (a stretch of uses, such as the
+        gradients of one chunk arriving parameter by parameter)."""
+
+    def let_go(self, chunk: Chunk) -> None:
+        """End what ``hold`` began."""
+
     def free(self, chunk: Chunk) -> None:
         """The chunk's buffers are no longer used (the manager frees what it allocated)."""
 
@@ -102,6 +110,9 @@ class DiskStorage(TierStorage):
         self._used: dict[int, int] = {}  # id(chunk) -> bytes of its optimizer-state file given to keys
         self._state_dtype: dict[tuple[int, str], torch.dtype] = {}
         self._depth: dict[tuple[int, str], int] = {}  # nested uses page in and out once
+        self._held: dict[int, contextlib.ExitStack] = {}  # id(chunk) -> a use ``hold`` began
+        self._reader: Optional[ThreadPoolExecutor] = None  # the read-ahead thread
+        self._ahead: dict[int, tuple[bool, Future]] = {}  # id(file) -> (writable, its read-ahead)
         self._serial = 0
         self.read_bytes = 0  # paged in from the files (page-cache hits included)
         self.write_bytes = 0  # written back to the files
@@ -183,16 +194,35 @@ class DiskStorage(TierStorage):
     def page_out(self) -> None:
         for files in self._files.values():
             for f in files.values():
-                f.start_writeback()
                 f.advise(mmap.MADV_DONTNEED)
 
+    def hold(self, chunk: Chunk, roles: tuple[str, ...]) -> None:
+        if id(chunk) not in self._held and self._of(chunk, roles):
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.writing(chunk, roles))
+            self._held[id(chunk)] = stack
+
+    def let_go(self, chunk: Chunk) -> None:
+        stack = self._held.pop(id(chunk), None)
+        if stack is not None:
+            stack.close()
+
     def free(self, chunk: Chunk) -> None:
+        self.let_go(chunk)
+        for f in self._files.get(id(chunk), {}).values():
+            ahead = self._ahead.pop(id(f), None)
+            if ahead is not None:
+                ahead[1].result()
         for f in self._files.pop(id(chunk), {}).values():
             f.close()
         self._state_at.pop(id(chunk), None)
         self._used.pop(id(chunk), None)
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+        self._ahead.clear()
         for files in self._files.values():
             for f in files.values():
                 f.close()
@@ -206,9 +236,14 @@ class DiskStorage(TierStorage):
         files = self._files.get(id(chunk), {})
         return [(r, files[r]) for r in roles if r in files]
 
-    def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> None:
+    def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES, *, write: bool = False) -> None:
+        """Fault the chunk's ``roles`` files in on the read-ahead thread (writable when ``write``)."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_chunk-disk")
         for _, f in self._of(chunk, roles):
-            f.advise(mmap.MADV_WILLNEED)
+            if id(f) not in self._ahead:
+                advice = POPULATE_WRITE if write else POPULATE_READ
+                self._ahead[id(f)] = (write, self._reader.submit(f.advise_unlocked, advice))
 
     @contextlib.contextmanager
     def reading(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Iterator[None]:
@@ -230,7 +265,11 @@ class DiskStorage(TierStorage):
                 entered.append((key, f))
         t0 = time.perf_counter()
         for _, f in entered:
-            f.advise(POPULATE_WRITE if write else POPULATE_READ)
+            ahead = self._ahead.pop(id(f), None)
+            if ahead is not None:
+                ahead[1].result()
+            if ahead is None or (write and not ahead[0]):
+                f.advise(POPULATE_WRITE if write else POPULATE_READ)
             self.read_bytes += f.nbytes
         self.wait_s += time.perf_counter() - t0
         try:
@@ -239,10 +278,12 @@ class DiskStorage(TierStorage):
             for key, f in entered:
                 self._depth.pop(key, None)
                 if write:
-                    f.start_writeback()
                     self.write_bytes += f.nbytes
                 if not any(self._depth.get((id(f), m)) for m in ("r", "w")):
                     f.advise(mmap.MADV_DONTNEED)
 
     def stats(self) -> dict[str, float]:
-        return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes, "disk_wait_s": self.wait_s}
+        by_role = {f"disk_{r}_bytes": sum(files[r].nbytes for files in self._files.values() if r in files)
+                   for r in ROLES}
+        return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes, "disk_wait_s": self.wait_s,
+                **by_role}

@@ -132,6 +132,7 @@ class MomentEvent:
     device_shards: tuple[int, ...]  # chunks whose shard lives on the device tier
     device_bytes: int  # chunk bytes on the device tier after the moment
     nonmodel_bytes: int  # traced non-model bytes at this moment (0 without a trace)
+    disk_shards: tuple[int, ...] = ()  # chunks whose master, gradient and optimizer state live on the disk tier
 
 
 class _Saved:

@@ -1,0 +1,274 @@
+"""A GPT whose training state is several times the host memory it may use, trained with the disk tier.
+
+    python benchmarks/disk.py                                  # ~85M GPT, 16 B/param = 4.1x a 320 MiB host limit
+    python benchmarks/disk.py --width 128 --depth 2 --host-limit 4MiB --device-limit 8MiB --out /tmp/d.json
+
+Rows, each in its own process, one rank, measured in one run:
+
+- ``in memory``: ``chunk_offload`` with ``placement="host"`` and no host limit: every shard in host memory
+  (what the disk tier's step is compared with, and its peak resident set).
+- ``disk tier``: the same with ``host_memory_limit=--host-limit`` and ``disk_dir=--dir``: the masters,
+  gradient shards and Adam's moments that do not fit go to files there.
+- ``disk floor``: the bytes a step must move through the disk tier (every disk shard's master, gradient
+  and optimizer state read once and written once, and, in fp32, its master read again by the forward and
+  the backward gathers), moved by a plain loop of 64 MiB ``os.pwrite``/``os.preadv`` calls through one
+  file in the same directory, in the same page-cache conditions (no ``fsync``, as the tier does not).
+- ``DeepSpeed ZeRO-Infinity``: ``offload_param`` and ``offload_optimizer`` to ``nvme`` at ``--dir``, when
+  deepspeed can run here; otherwise the reason it gave.
+
+Both chunk_offload rows build the GPT in ``configure_model`` (``deferred_init=True``), so the model never
+exists whole in memory, with ``device_memory_limit=--device-limit`` bounding the payloads gathered at once
+(the device tier is host memory on a CPU machine). ``limit``: ``--host-limit`` plus ``--device-limit``.
+``baseline``: the process's resident set just before ``fit`` (Python, torch, Lightning, the data).
+The disk-tier row must end with peak RSS under baseline + limit. ``s a step``: the median after the
+first step (the warm-up, which also repacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, run_or_child, step_timer  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from lightning_chunk.engine.config import parse_bytes  # noqa: E402
+
+BLOCK = 64 << 20
+
+
+def _data(args: argparse.Namespace) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (args.steps * args.batch, args.context + 1), generator=g)
+    return torch.utils.data.DataLoader(data, batch_size=args.batch)
+
+
+def child_chunk(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+
+    from lightning_chunk import ChunkOffloadStrategy
+
+    on_disk = args.child == "disk"
+    kw = dict(host_memory_limit=args.host_limit, disk_dir=args.dir) if on_disk else {}
+    strategy = ChunkOffloadStrategy(placement="host", device_memory_limit=args.device_limit, log_memory_stats=False,
+                                    materialize_on_teardown=False, **kw)
+    L.seed_everything(0, verbose=False)
+    model = make_gpt(args, deferred_init=True)
+    data = _data(args)
+    times: list[float] = []
+    stats: dict = {}
+
+    class Stats(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+            stats.setdefault("per_step", []).append(dict(trainer.strategy.memory_stats()))
+
+        def on_train_end(self, trainer: Any, *a: Any) -> None:
+            stats["peak_rss"] = proc_bytes("VmHWM")
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[step_timer(times), Stats()])
+    baseline = proc_bytes("VmRSS")
+    trainer.fit(model, data)
+    last = stats["per_step"][-1]
+    prev = stats["per_step"][-2] if len(stats["per_step"]) > 1 else {k: 0 for k in last}
+    report = {"steps": trainer.global_step, "params": int(last["param_numel"]), "step_times": times,
+              "baseline_rss": baseline, "peak_rss": stats["peak_rss"],
+              "stats": {k: last[k] for k in ("host_chunk_bytes", "disk_chunk_bytes", "disk_shards", "chunks",
+                                              "device_chunk_bytes_peak", "nonmodel_peak_bytes", "chunk_numel")},
+              "last_step": {k: last[k] - prev[k] for k in ("disk_read_bytes", "disk_write_bytes", "disk_wait_s")},
+              "disk_roles": {r: last.get(f"disk_{r}_bytes", 0) for r in ("master", "grad", "optim")}}
+    Path(f"{args.out}.{args.child}").write_text(json.dumps(report))
+    del torch
+
+
+def child_deepspeed(args: argparse.Namespace) -> None:
+    """ZeRO-Infinity: parameters and optimizer state offloaded to NVMe at ``--dir``; reports why it cannot run."""
+    out: dict = {}
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        import deepspeed
+        import torch
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(0)
+        model = make_gpt(args)
+        nvme = str(Path(args.dir) / "deepspeed")
+        Path(nvme).mkdir(parents=True, exist_ok=True)
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 3,
+                                  "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False}},
+            "aio": {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True},
+            "steps_per_print": 10**9,
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        times = []
+        baseline = proc_bytes("VmRSS")
+        for batch in _data(args):
+            t0 = time.perf_counter()
+            logits = engine(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        out = {"step_times": times, "peak_rss": proc_bytes("VmHWM"), "baseline_rss": baseline}
+    except Exception as e:  # the reason it gave, never a faked row
+        out = {"skipped": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+               "trace": traceback.format_exc()[-2000:]}
+    Path(f"{args.out}.deepspeed").write_text(json.dumps(out))
+
+
+def disk_floor(directory: Path, read_bytes: int, write_bytes: int) -> float:
+    """Seconds a plain loop takes to write ``write_bytes`` then read ``read_bytes`` through one file in
+    ``directory``, 64 MiB a call (the file is as large as the larger of the two; reads wrap around)."""
+    import torch
+
+    size = max(read_bytes, write_bytes, BLOCK)
+    buf = torch.ones(BLOCK, dtype=torch.uint8).numpy()
+    path = directory / "floor.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        t0 = time.perf_counter()
+        done = 0
+        while done < write_bytes:
+            n = min(BLOCK, write_bytes - done)
+            os.pwrite(fd, memoryview(buf)[:n], done % size)
+            done += n
+        done = 0
+        while done < read_bytes:
+            n = min(BLOCK, read_bytes - done)
+            os.preadv(fd, [memoryview(buf)[:n]], done % size)
+            done += n
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
+    out = scratch / "res"
+    cmd = [sys.executable, __file__, "--child", name, "--out", str(out), "--dir", args.dir,
+           "--host-limit", str(args.host_limit), "--device-limit", str(args.device_limit)]
+    for k in ("width", "depth", "context", "batch", "steps"):
+        cmd += [f"--{k}", str(getattr(args, k))]
+    r = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True)
+    path = Path(f"{out}.{name}")
+    if not path.exists():
+        return {"failed": (r.stdout + r.stderr)[-3000:]}
+    return json.loads(path.read_text())
+
+
+def measure(args: argparse.Namespace) -> dict:
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp())
+    rows = {name: _run(name, args, scratch) for name in ("memory", "disk")}
+    disk = rows["disk"]
+    res: dict[str, Any] = {"args": {k: getattr(args, k) for k in ("width", "depth", "context", "batch", "steps",
+                                                                 "host_limit", "device_limit", "dir")},
+                           "rows": rows}
+    if "failed" not in disk:
+        roles = disk["disk_roles"]
+        must_read = roles.get("master", 0) * 3 + roles.get("grad", 0) + roles.get("optim", 0)
+        must_write = roles.get("master", 0) + roles.get("grad", 0) + roles.get("optim", 0)
+        floors = [disk_floor(Path(args.dir), must_read, must_write) for _ in range(3)]
+        res["floor"] = {"read_bytes": must_read, "write_bytes": must_write, "seconds": sorted(floors)[1]}
+    if args.deepspeed:
+        rows["deepspeed"] = _run("deepspeed", args, scratch) if _importable("deepspeed") else \
+            {"skipped": "deepspeed is not installed"}
+    shutil.rmtree(scratch, ignore_errors=True)
+    return res
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _median_after_first(times: list[float]) -> float:
+    rest = sorted(times[1:] or times)
+    return rest[len(rest) // 2]
+
+
+def render(res: dict) -> str:
+    a = res["args"]
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+    limit = parse_bytes(a["host_limit"], field="--host-limit") + parse_bytes(a["device_limit"], field="--device-limit")
+    lines = [f"GPT width {a['width']} depth {a['depth']}, context {a['context']}, batch {a['batch']}, {a['steps']} "
+             f"steps, 1 rank; host_memory_limit {a['host_limit']}, device_memory_limit {a['device_limit']} "
+             f"(limit {mib(limit)}), disk_dir {a['dir']}", ""]
+    lines.append("| row | s a step | peak RSS | − baseline | under baseline + limit | state / host limit | notes |")
+    lines.append("|---|---|---|---|---|---|---|")
+    floor = res.get("floor")
+    for name, label in (("memory", "in memory (placement=host)"), ("disk", "disk tier"),
+                        ("deepspeed", "DeepSpeed ZeRO-Infinity (nvme)")):
+        r = res["rows"].get(name)
+        if r is None:
+            continue
+        if "failed" in r or "skipped" in r:
+            reason = r.get("skipped") or r["failed"].strip().splitlines()[-1]
+            lines.append(f"| {label} | — | — | — | — | — | cannot run here: {reason} |")
+            continue
+        step = _median_after_first(r["step_times"])
+        over = r["peak_rss"] - r["baseline_rss"]
+        state = r.get("params", 0) * 16
+        host = parse_bytes(a["host_limit"], field="--host-limit")
+        note = ""
+        if name == "disk":
+            s, last = r["stats"], r["last_step"]
+            note = (f"{s['disk_shards']}/{s['chunks']} shards on disk ({gib(s['disk_chunk_bytes'])}); last step read "
+                    f"{gib(last['disk_read_bytes'])}, wrote {gib(last['disk_write_bytes'])}, waited "
+                    f"{last['disk_wait_s']:.2f} s")
+            mem = res["rows"].get("memory", {})
+            if floor:
+                note += f"; {step / floor['seconds']:.2f}× the disk floor"
+                if "step_times" in mem:
+                    extra = step - _median_after_first(mem["step_times"])
+                    note += f", its {extra:.2f} s over the in-memory step = {extra / floor['seconds']:.2f}× the floor"
+        if name == "memory":
+            note = f"{r['params'] / 1e6:.1f}M parameters"
+        fits = "yes" if over <= limit else "no"
+        lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {mib(over)} | "
+                     f"{fits if name == 'disk' else '—'} | {state / host:.1f}× | {note} |")
+    if floor:
+        lines.append(f"| disk floor | {floor['seconds']:.2f} | | | | | reads {gib(floor['read_bytes'])}, writes "
+                     f"{gib(floor['write_bytes'])} with a plain loop in disk_dir |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = gpt_parser(__doc__, str(ROOT / "benchmarks/results/disk.json"), width=768, depth=12, context=64, batch=1,
+                   steps=6)
+    p.add_argument("--host-limit", default="320MiB")
+    p.add_argument("--device-limit", default="160MiB")
+    p.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "lightning_chunk_disk_bench"))
+    p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
+    args = p.parse_args()
+    run_or_child(args, {"memory": child_chunk, "disk": child_chunk, "deepspeed": child_deepspeed}, measure, render)
+
+
+if __name__ == "__main__":
+    main()
