@@ -11,7 +11,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .engine.checkpoint import CheckpointError, consolidate
+from .consolidate import consolidate
+from .engine.checkpoint import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ def write_weights(sd: dict[str, torch.Tensor], out: Path, fmt: str, *, variant: 
         return out / "weights.pt"
     if fmt in ("lightning", "consolidated"):  # a checkpoint written by a Trainer (the second one consolidated)
         from lightning_chunk import ChunkOffloadStrategy
-        from lightning_chunk.engine.checkpoint import consolidate
+        from lightning_chunk.consolidate import consolidate
 
         model = ParityNet(variant=variant)
         model.load_state_dict(sd)

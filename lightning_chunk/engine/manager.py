@@ -24,10 +24,11 @@ from .chunk import Chunk, InFlight, TensorInfo, Tier, free_storage
 from .collectives import Collectives
 from .config import ChunkConfig, DtypePolicy
 from .errors import DeviceMemoryLimitError
-from .packing import ChunkKey, ChunkSpec, Layout, ParamSpec
+from .packing import ChunkKey, Layout, ParamSpec
+from .costs import chunk_view, shard_cost
 from .placement import ChunkView
 from .reduce import GradReducer, MakeRoom
-from .repack import ExtraShards, FromModule, OldChunks, piece_range
+from .repack import ExtraShards, FromModule, OldChunks, build_chunk, piece_range
 from .states import TensorState, check_transition
 from .tiers import DeviceStorage, DiskStorage, HostStorage, TierStorage
 
@@ -111,7 +112,7 @@ class ChunkManager:
                 self.ledger[t] += chunk.bytes_on(t) - before[t]
             self.device_peak = max(self.device_peak, self.ledger[Tier.DEVICE])
 
-    def _reserve_device(self, nbytes: int, what: str) -> None:
+    def reserve_device(self, nbytes: int, what: str) -> None:
         if self.limit is not None and self.ledger[Tier.DEVICE] + nbytes > self.limit:
             raise DeviceMemoryLimitError(
                 f"[rank {self.comm.rank}] {what} needs {nbytes} more bytes on the device tier, which already holds "
@@ -125,7 +126,7 @@ class ChunkManager:
             self.reducer.land_all()
             if self.ledger[Tier.DEVICE] + nbytes > self.limit and make_room is not None:
                 make_room(nbytes)
-        self._reserve_device(nbytes, what)
+        self.reserve_device(nbytes, what)
 
     def check_accounting(self) -> None:
         for t in Tier:
@@ -154,55 +155,12 @@ class ChunkManager:
         return tuple(sorted({self._where[id(p)][0].chunk_id for p in params if id(p) in self._where}))
 
     def views(self) -> list[ChunkView]:
-        return [
-            ChunkView(c.chunk_id, c.payload_bytes, self.device_shard_bytes(c), c.is_resident, c.is_evictable,
-                      c.shard_tier, c.last_used, self._grad_payload_bytes(c.capacity_numel, c.master_dtype, c.trainable),
-                      self._disk_cost(c.capacity_numel, c.master_dtype, c.trainable, c.optim_state_bytes))
-            for c in self.chunks
-        ]
-
-    def _grad_payload_bytes(self, capacity: int, master: torch.dtype, trainable: bool) -> int:
-        if self.comm.world_size == 1 or not trainable:
-            return 0
-        return capacity * torch.empty((), dtype=master).element_size()
+        return [chunk_view(c) for c in self.chunks]
 
     def device_shard_bytes(self, c: Chunk) -> int:
         """Bytes the chunk's shard holds when it lives on the device tier (payload too, when that aliases it)."""
-        return self._shard_cost(c.capacity_numel, c.compute_dtype, c.master_dtype, c.trainable, c.optim_state_bytes)
-
-    def _shard_cost(self, capacity: int, compute: torch.dtype, master: torch.dtype, trainable: bool,
-                    optim_bytes: int) -> int:
-        n = capacity // self.comm.world_size
-        esz_m = torch.empty((), dtype=master).element_size()
-        esz_c = torch.empty((), dtype=compute).element_size()
-        master_b = n * esz_m
-        low_b = n * esz_c if compute != master else 0
-        grad_b = n * esz_m if trainable else 0
-        if self.comm.world_size == 1:  # aliased: the payload is the low shard
-            return capacity * esz_c + (master_b if low_b else 0) + grad_b + optim_bytes
-        return master_b + low_b + grad_b + optim_bytes
-
-    def _disk_cost(self, capacity: int, master: torch.dtype, trainable: bool, optim_bytes: int) -> int:
-        """Bytes of a shard that go to files on the disk tier: master, gradient shard, optimizer state."""
-        n = capacity // self.comm.world_size * torch.empty((), dtype=master).element_size()
-        return n + (n if trainable else 0) + optim_bytes
-
-    def planned_views(self, layout: Layout, optim_bytes_per_element: Mapping[int, int]) -> list[ChunkView]:
-        """What the chunks of ``layout`` would cost, before any of them exists (for placement)."""
-        out = []
-        for spec in layout.chunks:
-            compute = self.dtypes.compute_for(spec.key.dtype)
-            master = self.dtypes.master_for(spec.key.dtype)
-            shard_numel = spec.capacity_numel // layout.world_size
-            optim = shard_numel * optim_bytes_per_element.get(spec.key.group, 0) if spec.key.requires_grad else 0
-            payload = spec.capacity_numel * torch.empty((), dtype=compute).element_size()
-            out.append(ChunkView(spec.chunk_id, payload,
-                                 self._shard_cost(spec.capacity_numel, compute, master, spec.key.requires_grad, optim),
-                                 resident=False, evictable=False, shard_tier=Tier.HOST,
-                                 grad_payload_bytes=self._grad_payload_bytes(spec.capacity_numel, master,
-                                                                             spec.key.requires_grad),
-                                 disk_bytes=self._disk_cost(spec.capacity_numel, master, spec.key.requires_grad, optim)))
-        return out
+        return shard_cost(c.capacity_numel, self.comm.world_size, c.compute_dtype, c.master_dtype, c.trainable,
+                          c.optim_state_bytes)
 
     # ==================================================================== packing
     def pack(self, layout: Layout, tiers: Mapping[int, Tier], *, extras: Optional[ExtraShards] = None,
@@ -225,7 +183,7 @@ class ChunkManager:
             self._retiring, self.chunks, self._where = self.chunks, [], {}
         self.layout = layout
         for spec in source.build_order(layout):
-            chunk = self._build_chunk(spec, tiers.get(spec.chunk_id, Tier.HOST), source,
+            chunk = build_chunk(self, spec, tiers.get(spec.chunk_id, Tier.HOST), source,
                                       broadcast=first and self.comm.world_size > 1)
             self.chunks.append(chunk)
             source.placed(chunk)
@@ -256,74 +214,13 @@ class ChunkManager:
         self.comm.all_gather(out, src, chunk=c.chunk_id).wait()
         return out.to(_HOST)
 
-    def _alloc(self, chunk: Chunk, role: str, dtype: torch.dtype) -> torch.Tensor:
+    def place_param(self, p: torch.Tensor, chunk: Chunk, info: TensorInfo) -> None:
+        """``p`` is now a view into ``chunk``'s payload, described by ``info``."""
+        self._where[id(p)] = (chunk, info)
+
+    def alloc_shard(self, chunk: Chunk, role: str, dtype: torch.dtype) -> torch.Tensor:
         """Allocate one of the chunk's shard buffers on its tier. Device bytes must have been reserved by the caller."""
         return self.storage_of(chunk).alloc(chunk, role, chunk.shard_numel, dtype)
-
-    def _build_chunk(self, spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
-        p0 = self.params[spec.slots[0].param_index]
-        chunk = Chunk(
-            spec=spec, capacity_numel=spec.capacity_numel, rank=self.comm.rank, world_size=self.comm.world_size,
-            compute_dtype=self.dtypes.compute_for(p0.dtype), master_dtype=self.dtypes.master_for(p0.dtype),
-            shard_tier=tier,
-        )
-        lo, hi = chunk.shard_range
-        full = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype)
-        with_grad = any(source.has_grad(s.param_index) for s in spec.slots)
-        full_grad = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype) if with_grad else None
-        exact = source.fill(full, chunk)  # exact: the same on every rank, only this rank's pieces read
-        for s in spec.slots:
-            g = source.grad(s.param_index) if full_grad is not None else None
-            if g is not None:
-                full_grad[s.offset : s.offset + s.numel].copy_(g.reshape(-1))  # type: ignore[index]
-        if broadcast and not exact:
-            self.comm.broadcast(full)  # every rank starts from rank 0's values, as DDP does
-        chunk.aliased = self.comm.world_size == 1 and tier is Tier.DEVICE
-        # the shard, when it lives on the device, and the payload: allocated to make the views, and released at
-        # once unless it is the shard itself
-        need = self.device_shard_bytes(chunk) if tier is Tier.DEVICE else 0
-        need += 0 if chunk.aliased else chunk.payload_bytes
-        self._reserve_device(need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier"
-                                                                          if tier is Tier.DEVICE else ""))
-        with self.tracked(chunk), self._building(chunk):
-            chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=self.device)
-            if chunk.aliased:
-                chunk.payload.copy_(full)
-                if not chunk.master_is_payload():
-                    chunk.master = self._alloc(chunk, "master", chunk.master_dtype)
-                    chunk.master.copy_(full[lo:hi])
-            else:
-                chunk.master = self._alloc(chunk, "master", chunk.master_dtype)
-                chunk.master.copy_(full[lo:hi])
-                if chunk.compute_dtype != chunk.master_dtype:
-                    chunk.low = self._alloc(chunk, "low", chunk.compute_dtype)
-                    chunk.low.copy_(chunk.master)
-            if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
-                chunk.grad = self._alloc(chunk, "grad", chunk.master_dtype)
-                if full_grad is not None:
-                    chunk.grad.copy_(full_grad[lo:hi])
-                    chunk.grad_written = self.comm.world_size > 1
-            state = S.HOLD if chunk.aliased else S.FREE
-            for s in spec.slots:  # views first: a view of a released storage cannot be made
-                p = self.params[s.param_index]
-                info = TensorInfo(param=p, name=self.names[s.param_index], slot=s, shape=p.shape, orig_dtype=p.dtype,
-                                  state=state, has_grad=source.has_grad(s.param_index))
-                chunk.tensors.append(info)
-                p.data = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
-                self._where[id(p)] = (chunk, info)
-            if not chunk.aliased:
-                chunk.payload.untyped_storage().resize_(0)
-        return chunk
-
-    @contextlib.contextmanager
-    def _building(self, chunk: Chunk) -> Iterator[None]:
-        """A chunk's buffers being written for the first time (a disk shard's pages go out afterwards)."""
-        storage = self.storage_of(chunk)
-        try:
-            yield
-        finally:
-            with storage.writing(chunk):  # nested use: pages out what the build wrote
-                pass
 
     def drop(self, c: Chunk) -> None:
         """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end)."""
@@ -364,7 +261,7 @@ class ChunkManager:
         assert chunk.payload is not None
         side = self._copy_stream if prefetch and self.comm.world_size == 1 else None
         with self.tracked(chunk), self.storage_of(chunk).reading(chunk, ("master",) if chunk.low is None else ()):
-            self._reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
+            self.reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
             chunk.payload.untyped_storage().resize_(chunk.payload_bytes)
             src = chunk.low_tensor()
             if chunk.shard_tier is not Tier.DEVICE:
@@ -557,7 +454,7 @@ class ChunkManager:
             want = c.shard_numel * bytes_per_element.get(c.spec.key.group, 0) if c.trainable else 0
             if want != c.optim_state_bytes:
                 if c.shard_tier is Tier.DEVICE:
-                    self._reserve_device(want - c.optim_state_bytes, f"chunk {c.chunk_id}'s optimizer state")
+                    self.reserve_device(want - c.optim_state_bytes, f"chunk {c.chunk_id}'s optimizer state")
                 self.storage_of(c).reserve_state(c, want)
                 with self.tracked(c):
                     c.optim_state_bytes = want

@@ -36,11 +36,13 @@ that its new shard holds, sliced at once so nothing whole outlives its old chunk
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
-from .chunk import Chunk
+from .chunk import Chunk, TensorInfo, Tier
+from .states import TensorState as S
 from .packing import ChunkSpec, Layout, Slot
 from .torchfile import release_freed_memory
 from .materialize import DeferredInit
@@ -227,3 +229,72 @@ class OldChunks:
 
     def done(self) -> bool:
         return not self.left and not self._values and not self._grads and not self._extra
+
+
+# ================================================================ one chunk
+def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
+    """One chunk of a (re)pack: its values from ``source``, its shard on ``tier``, its parameters views of its payload."""
+    p0 = mgr.params[spec.slots[0].param_index]
+    chunk = Chunk(
+        spec=spec, capacity_numel=spec.capacity_numel, rank=mgr.comm.rank, world_size=mgr.comm.world_size,
+        compute_dtype=mgr.dtypes.compute_for(p0.dtype), master_dtype=mgr.dtypes.master_for(p0.dtype),
+        shard_tier=tier,
+    )
+    lo, hi = chunk.shard_range
+    full = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype)
+    with_grad = any(source.has_grad(s.param_index) for s in spec.slots)
+    full_grad = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype) if with_grad else None
+    exact = source.fill(full, chunk)  # exact: the same on every rank, only this rank's pieces read
+    for s in spec.slots:
+        g = source.grad(s.param_index) if full_grad is not None else None
+        if g is not None:
+            full_grad[s.offset : s.offset + s.numel].copy_(g.reshape(-1))  # type: ignore[index]
+    if broadcast and not exact:
+        mgr.comm.broadcast(full)  # every rank starts from rank 0's values, as DDP does
+    chunk.aliased = mgr.comm.world_size == 1 and tier is Tier.DEVICE
+    # the shard, when it lives on the device, and the payload: allocated to make the views, and released at
+    # once unless it is the shard itself
+    need = mgr.device_shard_bytes(chunk) if tier is Tier.DEVICE else 0
+    need += 0 if chunk.aliased else chunk.payload_bytes
+    mgr.reserve_device(need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier"
+                                                                      if tier is Tier.DEVICE else ""))
+    with mgr.tracked(chunk), _building(mgr, chunk):
+        chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=mgr.device)
+        if chunk.aliased:
+            chunk.payload.copy_(full)
+            if not chunk.master_is_payload():
+                chunk.master = mgr.alloc_shard(chunk, "master", chunk.master_dtype)
+                chunk.master.copy_(full[lo:hi])
+        else:
+            chunk.master = mgr.alloc_shard(chunk, "master", chunk.master_dtype)
+            chunk.master.copy_(full[lo:hi])
+            if chunk.compute_dtype != chunk.master_dtype:
+                chunk.low = mgr.alloc_shard(chunk, "low", chunk.compute_dtype)
+                chunk.low.copy_(chunk.master)
+        if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
+            chunk.grad = mgr.alloc_shard(chunk, "grad", chunk.master_dtype)
+            if full_grad is not None:
+                chunk.grad.copy_(full_grad[lo:hi])
+                chunk.grad_written = mgr.comm.world_size > 1
+        state = S.HOLD if chunk.aliased else S.FREE
+        for s in spec.slots:  # views first: a view of a released storage cannot be made
+            p = mgr.params[s.param_index]
+            info = TensorInfo(param=p, name=mgr.names[s.param_index], slot=s, shape=p.shape, orig_dtype=p.dtype,
+                              state=state, has_grad=source.has_grad(s.param_index))
+            chunk.tensors.append(info)
+            p.data = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
+            mgr.place_param(p, chunk, info)
+        if not chunk.aliased:
+            chunk.payload.untyped_storage().resize_(0)
+    return chunk
+
+
+@contextlib.contextmanager
+def _building(mgr: "ChunkManager", chunk: Chunk) -> Iterator[None]:
+    """A chunk's buffers being written for the first time (a disk shard's pages go out afterwards)."""
+    storage = mgr.storage_of(chunk)
+    try:
+        yield
+    finally:
+        with storage.writing(chunk):  # nested use: pages out what the build wrote
+            pass

@@ -38,6 +38,7 @@ from .materialize import DeferredInit
 from .repack import FromModule
 from .weights import ModuleWeights
 from .consolidate import full_values, load_values
+from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .packing import Layout, build_layout, choose_chunk_numel, describe
 from .torchfile import release_freed_memory
@@ -204,7 +205,7 @@ class ChunkEngine:
 
     def _plan_tiers(self, layout: Layout, trace: Optional[Trace]) -> tuple[list[ChunkView], dict[int, Tier]]:
         """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
-        views = self.manager.planned_views(layout, self._optim_bytes)
+        views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
         tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
         return views, spill_to_disk(views, tiers, self.config.host_memory_limit)
 

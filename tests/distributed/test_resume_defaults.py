@@ -5,7 +5,6 @@ it), with and without a device limit. 2->2 and 1->2 run in a child (tests/distri
 1->1 here.
 """
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -219,7 +219,7 @@ def test_consolidate_output_loads_strict_and_equals_the_trained_model(tmp_path):
 MEMORY_SCRIPT = r"""
 import sys
 sys.path.insert(0, {root!r})
-from lightning_chunk.engine.checkpoint import consolidate
+from lightning_chunk.consolidate import consolidate
 import torch
 
 

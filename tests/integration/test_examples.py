@@ -147,3 +147,19 @@ def test_bad_cli_input_is_one_clear_message(tmp_path, args, needle):
     assert r.returncode != 0
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_plan_from_shapes_reports_the_disk_tier():
+    """The same 6.5B GPT on 8 ranks with 10 GiB of host memory a rank for shards: the rest goes to disk."""
+    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "plan", f"{MAIN}:GPT", "--shapes-only", "--ranks", "8",
+                        "--init-args", '{"width": 4096, "depth": 32, "heads": 32, "context": 2048, "deferred_init": true}',
+                        "--placement", "host", "--host-memory-limit", "10GiB", "--disk-dir", "/nonexistent/never/made",
+                        "--precision", "bf16-mixed"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = r.stdout.split("placement")[1].splitlines()[0]
+    host = float(line.split("GiB on the host")[0].split(",")[-1])
+    disk = float(line.split("GiB on disk")[0].split(",")[-1])
+    shards = float(r.stdout.split("shards a rank")[1].split("GiB")[0])
+    assert host <= 10 and disk >= shards - 10, r.stdout  # what the host cannot hold is on disk
+    assert not Path("/nonexistent/never/made").exists()  # planning from shapes touches no directory

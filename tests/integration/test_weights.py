@@ -1,12 +1,10 @@
 """``ChunkOffloadStrategy(weights=...)``: a state dict file, a Lightning or consolidated checkpoint, or a
 safetensors directory, read straight into the chunks; bad files are refused before anything is written."""
 
-import json
 
 import lightning as L
 import pytest
 import torch
-import torch.nn as nn
 
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine.weights import WeightsError

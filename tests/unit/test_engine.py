@@ -148,7 +148,7 @@ def test_global_grad_norm_is_reported_like_torch():
     assert float(total) == float(expected) == eng.memory_stats()["grad_norm"]
 
 
-def test_repack_streams_old_chunks_and_never_holds_the_model_twice():
+def test_repack_streams_old_chunks_and_never_holds_the_model_twice(monkeypatch):
     """[Note: streaming repack]: an old chunk is read when the new layout first needs it and its host
     copy goes once its parameters are placed, so the unsharded copy never holds the whole model."""
     torch.manual_seed(0)
@@ -158,14 +158,16 @@ def test_repack_streams_old_chunks_and_never_holds_the_model_twice():
     mgr = eng.manager
     before = {k: v.clone() for k, v in eng.full_state_dict().items()}
     held: list[int] = []
-    build = mgr._build_chunk
+    import lightning_chunk.engine.manager as manager_mod
 
-    def counting_build(spec, tier, source, **kw):
-        chunk = build(spec, tier, source, **kw)
+    build = manager_mod.build_chunk
+
+    def counting_build(mgr_, spec, tier, source, **kw):
+        chunk = build(mgr_, spec, tier, source, **kw)
         held.append(len(source._values))  # unsharded copies alive now
         return chunk
 
-    mgr._build_chunk = counting_build
+    monkeypatch.setattr(manager_mod, "build_chunk", counting_build)
     layout = build_layout(mgr.specs, list(range(len(mgr.params))), 600, world_size=1)  # two layers a chunk
     mgr.pack(layout, {c.chunk_id: Tier.HOST for c in layout.chunks})
     assert len(held) == 4 and max(held) <= 4  # one new chunk's parameters (4), never all 16

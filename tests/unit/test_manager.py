@@ -170,3 +170,42 @@ def test_grad_offload_without_a_side_stream_copies_and_adds_at_once():
     off.copy(dst, torch.full((4,), 2.0, dtype=torch.bfloat16), add=True)
     assert len(off) == 0 and done == [1]
     torch.testing.assert_close(dst, torch.full((4,), 3.0))
+
+
+def test_disk_shards_live_in_files_and_page_out_after_use(tmp_path):
+    """A chunk on the disk tier: master, gradient and optimizer state are views of mapped files (the ledger counts
+    them on the disk tier, a bf16 compute copy on the host), a use pages them in and out, state kept in the file
+    is laid out like the master shard, and closing removes the scratch directory."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    named = list(net.named_parameters())
+    mgr = ChunkManager(named, {i: 0 for i in range(len(named))}, config=ChunkConfig(disk_dir=str(tmp_path)),
+                       dtypes=DtypePolicy(torch.bfloat16, torch.float32), device=torch.device("cpu"))
+    layout = build_layout(mgr.specs, list(range(len(named))), 4160, 1)
+    values = [p.detach().clone() for _, p in named]
+    mgr.pack(layout, {0: Tier.DISK, 1: Tier.HOST})
+    mgr.reserve_optimizer_state({0: 8})
+    c = mgr.chunks[0]
+    assert mgr.ledger[Tier.DISK] == c.shard_numel * (4 + 4 + 8)  # master, gradient, Adam's moments
+    assert mgr.ledger[Tier.HOST] >= c.shard_numel * 2  # the bf16 copy gathers read
+    mgr.check_accounting()
+    storage = mgr.disk
+    files = storage._files[id(c)]
+    assert set(files) == {"master", "grad", "optim"} and all(f.path.parent.parent == tmp_path for f in files.values())
+    for t in c.tensors:  # the master holds the values the chunk was built from
+        torch.testing.assert_close(c.master[t.offset : t.offset + t.numel], values[t.slot.param_index].reshape(-1))
+    view = c.master[64:128]
+    moment = torch.arange(64, dtype=torch.float32)
+    kept = storage.keep_state(c, view, "exp_avg", moment)
+    assert kept is not moment and torch.equal(kept, moment)
+    region = storage.state_region(c, "exp_avg")
+    assert torch.equal(region[64:128], moment) and region[:64].abs().sum() == 0
+    with storage.writing(c):
+        c.master.add_(1)
+    with storage.reading(c, ("master",)):
+        assert c.master[0] == values[0].reshape(-1)[0] + 1  # written, paged out, read back from the file
+    assert storage.read_bytes > 0 and storage.write_bytes > 0
+    mgr.unpack(materialize=True)
+    mgr.close()
+    assert list(tmp_path.iterdir()) == []
+    torch.testing.assert_close(net[0].weight, values[0] + 1)

@@ -117,3 +117,35 @@ def test_auto_shard_tiers_from_trace(limit, expected_device):
 def test_auto_before_trace_puts_everything_on_host_when_limited():
     policy = AutoPlacement(ChunkConfig(placement="auto"))
     assert set(policy.shard_tiers([view(i) for i in range(3)], None, 10**6).values()) == {Tier.HOST}
+
+
+def _shards(n, shard=1000, disk=800):
+    """``n`` chunks whose shards cost ``shard`` bytes, ``disk`` of them movable to files (the rest: a bf16 copy)."""
+    return [ChunkView(i, payload_bytes=100, device_shard_bytes=shard, resident=False, evictable=False,
+                      shard_tier=Tier.HOST, disk_bytes=disk) for i in range(n)]
+
+
+def test_spill_to_disk_moves_the_first_chunks_until_the_host_fits():
+    from lightning_chunk.engine.placement import spill_to_disk
+
+    views = _shards(6)
+    tiers = {v.chunk_id: Tier.HOST for v in views}
+    assert spill_to_disk(views, tiers, None) == tiers  # no limit: no disk tier
+    assert spill_to_disk(views, tiers, 6000) == tiers  # everything fits
+    # 6000 bytes on the host; each spilled chunk leaves its 200-byte copy and the window is two disk shards (1600)
+    got = spill_to_disk(views, tiers, 4500)
+    on_disk = [c for c, t in got.items() if t is Tier.DISK]
+    assert on_disk == [0, 1, 2, 3]  # 2 on host (2000) + 4 copies (800) + window (1600) = 4400 <= 4500
+    assert tiers[0] is Tier.HOST  # the caller's dict is left alone
+    device = {**tiers, 5: Tier.DEVICE}
+    assert spill_to_disk(views, device, 4500)[5] is Tier.DEVICE  # device shards never go to disk
+
+
+def test_spill_to_disk_names_the_smallest_limit_that_works():
+    from lightning_chunk.engine.errors import HostMemoryLimitError
+    from lightning_chunk.engine.placement import spill_to_disk
+
+    views = _shards(6)
+    with pytest.raises(HostMemoryLimitError, match=r"host_memory_limit=2000 bytes is too small.*holds 1200 bytes of "
+                                                   r"shards.*up to 1600 bytes.*smallest limit that works is 2800 bytes"):
+        spill_to_disk(views, {v.chunk_id: Tier.HOST for v in views}, 2000)

@@ -1,0 +1,116 @@
+"""``lightning-chunk consolidate``: a sharded checkpoint directory into one plain Lightning checkpoint file.
+
+The Lightning side of the checkpoint format: the engine (``engine/checkpoint.py``) writes and reads its
+own sections (the shards, and ``meta.pt``'s ``chunk_checkpoint``) and carries whatever else the caller
+gave it untouched; this module knows that a Lightning checkpoint keeps the model under ``state_dict``
+and the optimizers under ``optimizer_states``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from .engine.checkpoint import (KEY, CheckpointError, _load_chunk, check_checkpoint_dir, iter_saved_chunks,
+                                read_meta)
+from .engine.torchfile import StreamingTorchFile, release_freed_memory
+
+MODEL_KEY = "state_dict"  # where a Lightning checkpoint keeps the model's state
+OPTIMIZERS_KEY = "optimizer_states"  # and the optimizers', one plain optimizer state dict each
+
+
+def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer: bool = False,
+                progress: bool = True) -> Path:
+    """Write ``out``: one plain Lightning checkpoint whose ``state_dict`` ``model.load_state_dict`` accepts.
+
+    Streams chunk by chunk (``StreamingTorchFile``), so peak memory stays near one saved chunk however
+    large the model. With ``with_optimizer`` the optimizer state goes in too, in the plain
+    per-parameter format, so ``Trainer(strategy="auto").fit(ckpt_path=out)`` continues from it.
+    Nothing in ``path`` is modified; ``out`` appears only once complete.
+    """
+    path = check_checkpoint_dir(path)
+    meta = read_meta(path)
+    ck = meta[KEY]
+    out = Path(out)
+    if out.resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"output {str(out)!r} is inside the checkpoint {str(path)!r}; write it elsewhere.")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"the folder of the output {str(out)!r} does not exist.")
+    if with_optimizer and not ck["optimizers"]:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no optimizer state (saved with weights only).")
+    tmp = out.with_name(f".{out.name}.partial")
+    writer = StreamingTorchFile(tmp)
+    try:
+        dtypes = ck["param_dtypes"]
+        params = {}
+        for spec in ck["chunks"]:
+            for name, _, _, shape in spec["slots"]:
+                params[name] = writer.placeholder(tuple(shape), getattr(torch, dtypes[name]))
+        obj = {k: v for k, v in meta.items() if k not in (KEY, OPTIMIZERS_KEY)}
+        obj[MODEL_KEY] = {k: (params[ck["aliases"][k]] if k in ck["aliases"] else ck["buffers"][k])
+                             for k in ck["state_dict_keys"]}
+        optim_records = []
+        if with_optimizer:
+            obj[OPTIMIZERS_KEY] = []
+            for o, om in enumerate(ck["optimizers"]):
+                order = [n for g in om["param_groups"] for n in g["params"]]
+                pos = {n: k for k, n in enumerate(order)}
+                state: dict[int, dict[str, Any]] = {pos[n]: dict(st) for n, st in om["scalars"].items()}
+                for key, dtype in sorted(om["keys"].items()):
+                    for c, spec in enumerate(ck["chunks"]):
+                        for name, _, _, shape in spec["slots"]:
+                            if name in om["scalars"]:
+                                ph = writer.placeholder(tuple(shape), getattr(torch, dtype))
+                                state[pos[name]][key] = ph
+                                optim_records.append((o, key, c, name, ph))
+                groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [pos[n] for n in g["params"]]}
+                          for g in om["param_groups"]]
+                obj[OPTIMIZERS_KEY].append({"state": dict(sorted(state.items())), "param_groups": groups})
+        writer.write_object(obj)
+        bar = _progress(len(params) + len(optim_records), progress, f"consolidating {path.name}")
+        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.master"):
+            for name, off, numel, shape in spec["slots"]:
+                writer.write(params[name], full[off : off + numel].view(shape))
+                bar.update(1)
+            del full
+        loaded, full = None, None
+        for o, key, c, name, ph in optim_records:  # records go (optimizer, key, chunk): one chunk in memory
+            spec = ck["chunks"][c]
+            if (o, key, c) != loaded:
+                full = None
+                release_freed_memory()
+                full = _load_chunk(path, f"chunk.{c}.optim{o}.{key}", spec["capacity"],
+                                   getattr(torch, ck["optimizers"][o]["keys"][key]))
+                loaded = (o, key, c)
+            _, off, numel, shape = next(s for s in spec["slots"] if s[0] == name)
+            writer.write(ph, full[off : off + numel].view(shape))
+            bar.update(1)
+        bar.close()
+        writer.close()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)
+    return out
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool, desc: str) -> Any:
+    if enabled:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, desc=desc, unit="tensor")
+        except ImportError:
+            pass
+    return _NoBar()

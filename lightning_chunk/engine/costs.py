@@ -1,0 +1,69 @@
+"""What a chunk costs on each tier, in bytes: from a chunk, or from a layout before any chunk exists.
+
+Pure arithmetic over shapes and dtypes (no tensors are made), shared by the manager's views of its
+chunks and by placement before a (re)pack.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .chunk import Chunk, Tier
+from .config import DtypePolicy
+from .packing import Layout
+from .placement import ChunkView
+
+
+def _esz(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def shard_cost(capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool,
+               optim_bytes: int) -> int:
+    """Bytes a shard holds when it lives on the device tier (payload too, when one rank aliases it)."""
+    n = capacity // world_size
+    master_b = n * _esz(master)
+    low_b = n * _esz(compute) if compute != master else 0
+    grad_b = n * _esz(master) if trainable else 0
+    if world_size == 1:  # aliased: the payload is the low shard
+        return capacity * _esz(compute) + (master_b if low_b else 0) + grad_b + optim_bytes
+    return master_b + low_b + grad_b + optim_bytes
+
+
+def disk_cost(capacity: int, world_size: int, master: torch.dtype, trainable: bool, optim_bytes: int) -> int:
+    """Bytes of a shard that go to files on the disk tier: master, gradient shard, optimizer state."""
+    n = capacity // world_size * _esz(master)
+    return n + (n if trainable else 0) + optim_bytes
+
+
+def grad_payload_cost(capacity: int, world_size: int, master: torch.dtype, trainable: bool) -> int:
+    """Several ranks: the whole-chunk gradient buffer backward needs on the device."""
+    return 0 if world_size == 1 or not trainable else capacity * _esz(master)
+
+
+def chunk_view(c: Chunk) -> ChunkView:
+    """What a policy may know about an existing chunk."""
+    ws = c.world_size
+    return ChunkView(c.chunk_id, c.payload_bytes,
+                     shard_cost(c.capacity_numel, ws, c.compute_dtype, c.master_dtype, c.trainable, c.optim_state_bytes),
+                     c.is_resident, c.is_evictable, c.shard_tier, c.last_used,
+                     grad_payload_cost(c.capacity_numel, ws, c.master_dtype, c.trainable),
+                     disk_cost(c.capacity_numel, ws, c.master_dtype, c.trainable, c.optim_state_bytes))
+
+
+def planned_views(layout: Layout, dtypes: DtypePolicy, optim_bytes_per_element: Mapping[int, int]) -> list[ChunkView]:
+    """What the chunks of ``layout`` would cost, before any of them exists (for placement)."""
+    out = []
+    ws = layout.world_size
+    for spec in layout.chunks:
+        compute, master = dtypes.compute_for(spec.key.dtype), dtypes.master_for(spec.key.dtype)
+        trainable = spec.key.requires_grad
+        optim = spec.capacity_numel // ws * optim_bytes_per_element.get(spec.key.group, 0) if trainable else 0
+        out.append(ChunkView(spec.chunk_id, spec.capacity_numel * _esz(compute),
+                             shard_cost(spec.capacity_numel, ws, compute, master, trainable, optim),
+                             resident=False, evictable=False, shard_tier=Tier.HOST,
+                             grad_payload_bytes=grad_payload_cost(spec.capacity_numel, ws, master, trainable),
+                             disk_bytes=disk_cost(spec.capacity_numel, ws, master, trainable, optim)))
+    return out
