@@ -94,3 +94,19 @@ def test_gpu_benchmark_runs_its_contenders_at_a_tiny_size_on_cpu(tmp_path, capsy
     assert rows["ddp"]["vs_ddp"] == 1.0
     assert "skipped" in rows["fsdp + cpu offload"]  # needs CUDA: reported, never faked
     assert "TFLOP/s" in capsys.readouterr().out
+
+
+def test_disk_benchmark_runs_every_row(tmp_path, capsys):
+    res = load("disk").main(["--width", "128", "--depth", "4", "--context", "16", "--steps", "3", "--host-limit", "3MiB",
+                             "--device-limit", "4MiB", "--dir", str(tmp_path / "scratch"), "--out",
+                             str(tmp_path / "disk.json")])
+    rows = res["rows"]
+    assert rows["memory"]["stats"]["disk_shards"] == 0 and len(rows["memory"]["step_times"]) == 3
+    disk = rows["disk"]
+    assert disk["stats"]["disk_shards"] > 0 and disk["last_step"]["disk_read_bytes"] > 0
+    assert disk["params"] * 16 >= 4 * 3 * 2**20  # the state is at least 4x the host limit
+    assert res["floor"]["seconds"] > 0 and res["floor"]["write_bytes"] > 0
+    ds = rows["deepspeed"]
+    assert "skipped" in ds or ds["step_times"]  # never faked
+    assert "disk floor" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "scratch").iterdir()] == []  # scratch and floor file removed
