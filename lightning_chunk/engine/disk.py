@@ -174,14 +174,46 @@ class MappedFile:
         except OSError:
             return False
 
+    @property
+    def base(self) -> int:
+        """The address the file is mapped at (tensors viewing it point into ``[base, base + nbytes)``)."""
+        if not hasattr(self, "_addr"):
+            self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        return self._addr
+
     def advise_unlocked(self, advice: int) -> bool:
         """``advise`` through ctypes, which lets other Python threads run meanwhile (``mmap.madvise`` holds the
         GIL): what a read-ahead thread uses to fault the next chunk in while the main thread computes."""
         if _LIBC is None:
             return self.advise(advice)
-        if not hasattr(self, "_addr"):
-            self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-        return _LIBC.madvise(ctypes.c_void_p(self._addr), ctypes.c_size_t(len(self.mm)), ctypes.c_int(advice)) == 0
+        return _LIBC.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(len(self.mm)), ctypes.c_int(advice)) == 0
+
+    def read_into(self, buf: torch.Tensor) -> None:
+        """The file's bytes into ``buf`` (a contiguous uint8 host tensor of ``nbytes``), with ``preadv``: a copy
+        from the page cache, without mapping a page (the GIL is released)."""
+        self._io(buf, write=False)
+
+    def write_from(self, buf: torch.Tensor) -> None:
+        """``buf`` into the file with ``pwritev``; a mapping of the file sees it (one page cache)."""
+        self._io(buf, write=True)
+
+    def _io(self, buf: torch.Tensor, *, write: bool) -> None:
+        # a view of the tensor's memory through ctypes: ``Tensor.numpy()`` would make the storage unresizable for
+        # good, and a payload's storage is resized at every gather and release
+        assert buf.is_contiguous() and buf.device.type == "cpu" and buf.numel() * buf.element_size() >= self.nbytes
+        view = memoryview((ctypes.c_char * self.nbytes).from_address(buf.data_ptr())).cast("B")
+        fd = os.open(self.path, os.O_RDWR if write else os.O_RDONLY)
+        try:
+            done = 0
+            while done < self.nbytes:
+                part = view[done:]
+                n = os.pwritev(fd, [part], done) if write else os.preadv(fd, [part], done)
+                if n <= 0:
+                    raise DiskTierError(f"the disk tier could not {'write' if write else 'read'} {str(self.path)!r} "
+                                        f"at byte {done} of {self.nbytes}.")
+                done += n
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Drop the pages and the file; the mapping itself goes with the last tensor that views it."""

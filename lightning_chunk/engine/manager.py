@@ -260,7 +260,9 @@ class ChunkManager:
             return
         assert chunk.payload is not None
         side = self._copy_stream if prefetch and self.comm.world_size == 1 else None
-        with self.tracked(chunk), self.storage_of(chunk).reading(chunk, ("master",) if chunk.low is None else ()):
+        from_file = chunk.shard_tier is Tier.DISK and chunk.low is None  # an fp32 disk shard: read the master's file
+        with self.tracked(chunk), self.storage_of(chunk).reading(
+                chunk, ("master",) if from_file and self.device.type != "cpu" else ()):
             self.reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
             chunk.payload.untyped_storage().resize_(chunk.payload_bytes)
             src = chunk.low_tensor()
@@ -270,10 +272,12 @@ class ChunkManager:
                         chunk.shard_tier is Tier.DISK:
                     # collectives need device tensors: stage the host shard in this rank's slice of the
                     # payload and all-gather in place (as FSDP2 does), so no unaccounted buffer is made.
-                    # A disk shard is staged too: its pages go out when this block ends
+                    # A disk shard is staged too: on a CPU device its file is read straight into the slice
+                    # ([Note: staged optimizer steps] in tiers.py); else its pages go out when this block ends
                     lo, hi = chunk.shard_range
                     staged = chunk.payload[lo:hi]
-                    staged.copy_(src, non_blocking=chunk.shard_tier is not Tier.DISK)
+                    if not (from_file and self.device.type == "cpu" and self.disk.read_master_into(chunk, staged)):
+                        staged.copy_(src, non_blocking=chunk.shard_tier is not Tier.DISK)
                     src = staged
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(self.device))
@@ -331,9 +335,9 @@ class ChunkManager:
         if self.comm.world_size == 1:
             # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
             # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
-            # a disk shard's gradient file stays in memory while its chunk's gradients arrive (until ``reduce``)
-            self.storage_of(chunk).hold(chunk, ("grad",))
-            self.reducer.offload.copy(chunk.grad[info.offset : info.offset + info.numel], grad, add=info.has_grad)
+            # a disk shard's gradients gather in a host buffer, written to its file at ``reduce``
+            target = self.storage_of(chunk).grad_target(chunk)
+            self.reducer.offload.copy(target[info.offset : info.offset + info.numel], grad, add=info.has_grad)
             if chunk.shard_tier is not Tier.DEVICE:
                 self.transfers.d2h_bytes += grad.numel() * grad.element_size()
         else:
@@ -355,8 +359,8 @@ class ChunkManager:
             self.reducer.reduce(chunk, make_room)
         else:
             if chunk.shard_tier is Tier.DISK:
-                self.reducer.offload.drain()  # the copies land before the gradient file's pages go out
-                self.storage_of(chunk).let_go(chunk)
+                self.reducer.offload.drain()  # the copies land before the buffer is written to the file
+                self.storage_of(chunk).grads_done(chunk)
             chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
 
     def land_in_flight(self) -> None:
@@ -374,7 +378,7 @@ class ChunkManager:
         else:
             self.reducer.offload.drain()  # the optimizer and the next step read finished gradient shards
         for c in self.chunks:
-            self.storage_of(c).let_go(c)
+            self.storage_of(c).grads_done(c)
             if any(t.state is S.READY_FOR_REDUCE for t in c.tensors):
                 if self.comm.world_size == 1:
                     self.reduce(c)

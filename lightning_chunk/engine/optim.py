@@ -181,6 +181,48 @@ class OptimizerBinding:
                     st[key] = kept
         return moved
 
+    def _state_in_files(self, c: Chunk) -> bool:
+        """Every view of ``c`` that will step has its per-element state in the chunk's file already."""
+        mgr, state = self.manager, self.optimizer.state
+        storage = mgr.disk
+        for t in c.tensors:
+            v = self._views.get(t.slot.param_index)
+            if v is None or v.grad is None:
+                continue
+            st = state.get(v)
+            if not st or not all(storage.keeps(c, val) for val in st.values() if torch.is_tensor(val) and val.dim()):
+                return False
+        return True
+
+    def _step_staged(self, staged: Any, **kwargs: Any) -> Any:
+        """Step the narrowed param groups on the staged twins of their views ([Note: staged optimizer steps] in
+        ``tiers.py``): twin parameters, gradients and per-element state; scalar state (``step``) is shared."""
+        state = self.optimizer.state
+        twins = {}
+        for g in self.optimizer.param_groups:
+            new = []
+            for v in g["params"]:
+                tw = staged.like(v, "master")
+                if v.grad is not None:
+                    tw.grad = staged.like(v.grad, "grad")
+                st = state.get(v)
+                if st:
+                    state[tw] = {k: (staged.like(x, "optim") if torch.is_tensor(x) and staged.holds(x, "optim") else x)
+                                 for k, x in st.items()}
+                twins[id(tw)] = (v, tw)
+                new.append(tw)
+            g["params"] = new
+        try:
+            return self.optimizer.step(**kwargs)
+        finally:
+            for v, tw in twins.values():
+                st = state.pop(tw, None)
+                if st is not None:  # scalars the step replaced rather than updated in place
+                    for k, x in st.items():
+                        if not (torch.is_tensor(x) and x.dim()):
+                            state[v][k] = x
+                tw.grad = None
+
     def step(self, **kwargs: Any) -> Any:
         """The optimizer's own ``step(**kwargs)``.
 
@@ -201,24 +243,37 @@ class OptimizerBinding:
         groups = self.optimizer.param_groups
         full = [g["params"] for g in groups]
         out = None
+        storage = mgr.disk
         try:
             for g, params in zip(groups, full):
                 g["params"] = [v for v in params if chunk_of.get(id(v)) not in disk]
             if any(g["params"] for g in groups):
                 out = self.optimizer.step(**kwargs)
             order = list(disk.values())
-            storage = mgr.disk
+            staged = {c.chunk_id: self._state_in_files(c) for c in order}  # else through the mapping (a first step)
+            pending = storage.stage_in(order[0]) if staged[order[0].chunk_id] else None
             for k, c in enumerate(order):
-                if k + 1 < len(order):  # faulted in on the read-ahead thread while this chunk steps
-                    storage.prefetch(order[k + 1], ("master", "optim"), write=True)
-                    storage.prefetch(order[k + 1], ("grad",))
+                current, nxt = pending, (order[k + 1] if k + 1 < len(order) else None)
+                pending = None
+                if nxt is not None:  # read while this chunk steps
+                    if staged[nxt.chunk_id]:
+                        pending = storage.stage_in(nxt)
+                    else:
+                        storage.prefetch(nxt, ("master", "optim"), write=True)
+                        storage.prefetch(nxt, ("grad",))
                 for g, params in zip(groups, full):
                     g["params"] = [v for v in params if chunk_of.get(id(v)) == c.chunk_id]
+                if current is not None:
+                    storage.wait(current)
+                    out = self._step_staged(current, **kwargs)
+                    storage.stage_out(current, ("master", "optim"))
+                    continue
                 with storage.writing(c, ("master", "optim")), storage.reading(c, ("grad",)):
                     out = self.optimizer.step(**kwargs)
                     moved = self.keep_state([c])
                 if moved:  # the state this step created in memory went to the file: give its pages back
                     release_freed_memory()
+            storage.flush()  # what comes next reads the files through the mapping
         finally:
             for g, params in zip(groups, full):
                 g["params"] = params

@@ -115,11 +115,15 @@ class GradReducer:
             chunk, pending = self._inflight.pop(0)
             out = pending.wait()
             assert chunk.grad is not None
+            storage = mgr.storage_of(chunk)
+            target = storage.grad_target(chunk)  # before the flag flips: it says whether to read what is there
             add, chunk.grad_written = chunk.grad_written, True
             if chunk.shard_tier is not Tier.DEVICE:
                 mgr.transfers.d2h_bytes += out.numel() * out.element_size()
-            with mgr.storage_of(chunk).writing(chunk):
-                self.offload.copy(chunk.grad, out, add=add, on_done=lambda c=chunk: self._free_payload(c))
+            self.offload.copy(target, out, add=add, on_done=lambda c=chunk: self._free_payload(c))
+            if chunk.shard_tier is Tier.DISK:
+                self.offload.drain()  # landed: a disk shard's buffer goes to its file now
+                storage.grads_done(chunk)
             self.offload.drain(keep=2)  # bound the payloads still being copied
 
     def land_all(self) -> None:
