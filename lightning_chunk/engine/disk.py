@@ -9,18 +9,23 @@ training, never as a SIGBUS in the middle of a step) and mapped ``MAP_SHARED``: 
 optimizer, the gathers and the checkpoints use are views of the mapping, so every path that reads
 or writes a shard works unchanged, and bit for bit as with the shard in memory.
 
-What bounds host memory is the paging discipline around each use (``DiskStorage``):
-- before a chunk is used, its pages are faulted in (``MADV_POPULATE_READ``/``_WRITE``), and that
-  wait is what ``disk_wait_s`` measures. A read-ahead for the next chunk the optimizer or the trace
-  will use does the same on a thread of its own while this one computes (the ``madvise`` call goes
-  through ``ctypes``, which releases the GIL); the use then waits only for what is left. Mapping
-  pages costs time even when the page cache holds them: on the 85M GPT of ``benchmarks/disk.py``
-  it was most of the disk tier's price;
-- after the use the mapping drops the pages (``MADV_DONTNEED``: for a shared file mapping the data
-  stays in the file and the page cache, is read back on the next use, and dirty pages reach the
-  disk through the kernel's own writeback, in the background). Starting that writeback at once
-  (``sync_file_range``) was measured and dropped: the next step's writes to the same pages then
-  waited for it, and an 85M GPT's step took 3.3 s instead of 1.4-2.0 s (``docs/benchmarks.md``).
+The hot paths do not go through the mapping: every step's optimizer reads each disk shard into
+one of two staging buffers with ``preadv`` and writes it back with ``pwritev`` on an I/O thread
+while the chunk before steps ([Note: staged optimizer steps] in ``tiers.py``); backward's gradients
+gather in a host buffer written to the file when a chunk's are all in; a gather on a CPU device
+reads the master's file straight into the payload. Faulting pages in and out of the mapping had
+cost more than the bytes themselves (page faults, and ext4's ``page_mkwrite`` for each written
+4 KiB page): the disk chunks' optimizer steps of an 85M GPT took 0.40-0.58 s against 0.05 s in
+memory. The other paths (clipping, checkpoints, repacks, the compute-dtype copy's write-back, a
+gather to a CUDA device) use the mapping with the paging discipline of ``DiskStorage``:
+- before a use the pages are faulted in (``MADV_POPULATE_READ``/``_WRITE``; the wait is counted in
+  ``disk_wait_s``), on the I/O thread ahead of time where the next chunk is known;
+- after it the mapping drops them (``MADV_DONTNEED``: for a shared file mapping the data stays in
+  the file and the page cache). Dirty pages reach the disk through the kernel's own writeback, in
+  the background: starting it at once (``sync_file_range``) made the next step's writes to the
+  same pages wait for it (an 85M GPT's step took 3.3 s instead of 1.4-2.0 s).
+The mapping and the read/write calls share the one page cache, so each sees what the other wrote
+once the I/O thread's work is done (``DiskStorage.flush``, at the end of every optimizer step).
 So a rank's resident set holds the chunks in use, not the disk tier. The files are scratch: the
 directory is removed when the engine is torn down or the process exits, and a run removes what a
 dead run on the same host left (``ScratchDir``). Checkpoints never point into it.

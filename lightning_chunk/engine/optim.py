@@ -153,12 +153,12 @@ class OptimizerBinding:
 
     # ------------------------------------------------------- disk-tier shards
     def _disk_chunks(self) -> dict[int, Chunk]:
-        """Chunks of this optimizer whose shards live on the disk tier, by id, in id order."""
+        """Chunks of this optimizer whose shards live on the disk tier and hold a gradient, in id order."""
         mgr = self.manager
         found = {}
-        for i in self._views:
+        for i, v in self._views.items():
             c = mgr.lookup(mgr.params[i])[0]
-            if c.shard_tier is Tier.DISK:
+            if c.shard_tier is Tier.DISK and v.grad is not None:  # a chunk with nothing to step is not read
                 found[c.chunk_id] = c
         return dict(sorted(found.items()))
 

@@ -141,6 +141,7 @@ class DiskStorage(TierStorage):
         self.read_bytes = 0  # paged in from the files (page-cache hits included)
         self.write_bytes = 0  # written back to the files
         self.wait_s = 0.0  # time spent waiting for pages to come in
+        self.staged = 0  # chunks stepped on staged copies
 
     # ------------------------------------------------------------ directory
     @property
@@ -325,6 +326,7 @@ class DiskStorage(TierStorage):
                 b = buffers[role] = torch.empty(f.nbytes, dtype=torch.uint8)
             bufs[role] = b
         self.read_bytes += sum(f.nbytes for f in files.values())
+        self.staged += 1
         ready = self._thread().submit(lambda: [f.read_into(bufs[r]) for r, f in files.items()])
         return Staged(chunk, files, bufs, ready)
 
@@ -402,4 +404,4 @@ class DiskStorage(TierStorage):
         by_role = {f"disk_{r}_bytes": sum(files[r].nbytes for files in self._files.values() if r in files)
                    for r in ROLES}
         return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes, "disk_wait_s": self.wait_s,
-                **by_role}
+                "disk_staged_steps": self.staged, **by_role}

@@ -51,6 +51,8 @@ def test_disk_tier_trains_bit_exact_with_memory(tmp_path, case):
     assert s["disk_shards"] >= 3 and s["disk_chunk_bytes"] > 0
     assert s["host_chunk_bytes"] <= 3_000_000
     assert s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
+    if s["disk_grad_bytes"]:  # trainable shards on disk: after the first step (state moved to the files), staged
+        assert s["disk_staged_steps"] > 0
     assert list((tmp_path / "scratch").iterdir()) == []  # the scratch directory went with the run
 
 
