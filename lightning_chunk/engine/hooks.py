@@ -152,7 +152,9 @@ class ChunkHooks:
         for cid in needed:
             mgr.wait_ready(mgr.chunks[cid])  # a prefetch on the side stream must land before use
             mgr.chunks[cid].last_used = self.clock
-        if trace is not None and mgr.disk_chunks:  # the kernel reads the next disk shards while this module runs
+        # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead
+        # (on a CPU device the gather reads the file itself, [Note: staged optimizer steps] in tiers.py)
+        if trace is not None and mgr.disk_chunks and mgr.device.type != "cpu":
             for cid in trace.next_chunks(self.position):
                 c = mgr.chunks[cid]
                 if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
