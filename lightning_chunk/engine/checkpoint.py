@@ -35,6 +35,7 @@ from typing import Any, Callable, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .errors import ChunkError
 
@@ -159,6 +160,19 @@ def _as_saved(local: dict[str, torch.Tensor], engine: Any) -> dict[str, Any]:
 
 
 # ==================================================================== save
+class _PagingPlanner(DefaultSavePlanner):
+    """DCP's default planner, paging the disk tier out before each item is written: DCP's writer reads the items
+    one at a time, so only the one being written has pages in the process, not every disk shard at once."""
+
+    def __init__(self, page_out: Callable[[], None]) -> None:
+        super().__init__()
+        self.page_out = page_out
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self.page_out()
+        return super().resolve_data(write_item)
+
+
 def _write_meta(meta: dict[str, Any], target: Path) -> None:
     tmp = target.with_name(target.name + ".tmp")
     torch.save(meta, tmp)
@@ -188,9 +202,10 @@ def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, 
             local.update(shards)
             optim_meta.append(om)
     dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
-             process_group=comm.host_group() if comm.world_size > 1 else None)
+             process_group=comm.host_group() if comm.world_size > 1 else None,
+             planner=_PagingPlanner(mgr.disk.page_out) if mgr.disk_chunks else None)
     del local
-    mgr.disk.page_out()  # the save read every disk shard: their pages leave the process
+    mgr.disk.page_out()
     if comm.rank == 0:
         layout = describe_layout(engine)
         meta = dict(extra)
@@ -271,6 +286,7 @@ def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool) -
     for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.master"):
         load_values(mgr, {index_of_name[n]: full[off : off + numel].view(shape)
                           for n, off, numel, shape in spec["slots"]})
+        mgr.disk.page_out()  # what this saved chunk wrote into disk shards leaves the process
     buffers = ck.get("buffers", {})
     if buffers:
         engine.module.load_state_dict(buffers, strict=False)
@@ -308,6 +324,7 @@ def _load_optimizer(engine: Any, o: int, om: dict[str, Any], path: Path, meta: d
                 chunk = mgr.lookup(mgr.params[i])[0]
                 # a disk shard's piece goes straight into its file: no copy of the rank's whole state in memory
                 local[i][key] = mgr.storage_of(chunk).keep_state(chunk, views[i], key, st[key])
+            mgr.disk.page_out()
     mgr.disk.page_out()
     hypers = [{k: v for k, v in g.items() if k != "params"} for g in om["param_groups"]]
     b.load_local_state(local, hypers)
