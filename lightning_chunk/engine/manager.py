@@ -164,7 +164,7 @@ class ChunkManager:
 
     # ==================================================================== packing
     def pack(self, layout: Layout, tiers: Mapping[int, Tier], *, extras: Optional[ExtraShards] = None,
-             source: Optional[FromModule] = None) -> None:
+             source: Optional[FromModule] = None, optim_bytes: Optional[Mapping[int, int]] = None) -> None:
         """Build chunks for ``layout`` with shards on ``tiers``; parameters become views into payloads.
 
         Values come from the current chunks when there are some (a repack after the warm-up), else
@@ -186,7 +186,10 @@ class ChunkManager:
             chunk = build_chunk(self, spec, tiers.get(spec.chunk_id, Tier.HOST), source,
                                       broadcast=first and self.comm.world_size > 1)
             self.chunks.append(chunk)
+            if optim_bytes is not None:  # before the state is carried in: a disk shard takes it into its file
+                self._reserve_state(chunk, optim_bytes)
             source.placed(chunk)
+            self.storage_of(chunk).page_out(chunk)
             self._changed()
         self.chunks.sort(key=lambda c: c.chunk_id)
         assert source.done()
@@ -455,14 +458,17 @@ class ChunkManager:
     def reserve_optimizer_state(self, bytes_per_element: Mapping[int, int]) -> None:
         """Account the optimizer state each trainable chunk's shard will hold (group index -> bytes per element)."""
         for c in self.chunks:
-            want = c.shard_numel * bytes_per_element.get(c.spec.key.group, 0) if c.trainable else 0
-            if want != c.optim_state_bytes:
-                if c.shard_tier is Tier.DEVICE:
-                    self.reserve_device(want - c.optim_state_bytes, f"chunk {c.chunk_id}'s optimizer state")
-                self.storage_of(c).reserve_state(c, want)
-                with self.tracked(c):
-                    c.optim_state_bytes = want
+            self._reserve_state(c, bytes_per_element)
         self._changed()
+
+    def _reserve_state(self, c: Chunk, bytes_per_element: Mapping[int, int]) -> None:
+        want = c.shard_numel * bytes_per_element.get(c.spec.key.group, 0) if c.trainable else 0
+        if want != c.optim_state_bytes:
+            if c.shard_tier is Tier.DEVICE:
+                self.reserve_device(want - c.optim_state_bytes, f"chunk {c.chunk_id}'s optimizer state")
+            self.storage_of(c).reserve_state(c, want)
+            with self.tracked(c):
+                c.optim_state_bytes = want
 
     def write_back(self, groups: Optional[Iterable[int]] = None) -> None:
         """After a step: refresh the compute-dtype copies from the masters of the chunks of param groups

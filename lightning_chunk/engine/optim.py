@@ -442,10 +442,11 @@ class OptimizerStateCarrier:
                 b.optimizer.state.pop(v, None)
         return out
 
-    def give(self, param_index: int, pieces: dict[str, torch.Tensor]) -> None:
+    def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
         k = self.owner.get(self.manager.specs[param_index].key.group)
         if k is not None and param_index in self.parts[k].scalars:  # a parameter with no state gets none
-            self.pieces[k][param_index] = pieces
+            storage = self.manager.storage_of(chunk)  # a disk shard takes its pieces into its file now
+            self.pieces[k][param_index] = {key: storage.keep_piece(chunk, offset, key, v) for key, v in pieces.items()}
 
     def state_for(self, k: int) -> dict[int, dict[str, Any]]:
         """Binding ``k``'s state on this rank after the repack: scalars merged across ranks, per-element pieces."""

@@ -59,8 +59,9 @@ class ExtraShards(Protocol):
         """This rank's shard of each state key for ``chunk``, laid out like its master shard; the holder lets go
         of the chunk's state. Every rank returns the same keys for the same chunk (the tensors are all-gathered)."""
 
-    def give(self, param_index: int, pieces: dict[str, torch.Tensor]) -> None:
-        """This rank's new piece of each state key of one parameter (flat, like its new master view)."""
+    def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
+        """This rank's new piece of each state key of one parameter (flat, like its new master view), which starts
+        at element ``offset`` of ``chunk``'s shard."""
 
 
 def fill_whole(full: torch.Tensor, slots: "tuple[Slot, ...]", value: "Callable[[int], torch.Tensor]") -> None:
@@ -221,7 +222,8 @@ class OldChunks:
             extra = self._extra.pop(i, None)
             a, b = piece_range(chunk, t.offset, t.numel)
             if extra and self.extras is not None and a < b:
-                self.extras.give(i, {k: v[a - t.offset : b - t.offset].clone() for k, v in extra.items()})
+                self.extras.give(i, {k: v[a - t.offset : b - t.offset].clone() for k, v in extra.items()}, chunk,
+                                 a - chunk.shard_range[0])
             old = self.owner[i].chunk_id
             self.left[old] -= 1
             if not self.left[old]:

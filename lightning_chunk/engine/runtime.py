@@ -228,7 +228,7 @@ class ChunkEngine:
             self.manager.disk.check_room(on_disk, f"{sum(t is Tier.DISK for t in tiers.values())} of {len(views)} "
                                                   "chunks' masters, gradient shards and optimizer state")
         carrier = OptimizerStateCarrier(self.manager, self.bindings) if self.manager.chunks else None
-        self.manager.pack(layout, tiers, extras=carrier, source=source)
+        self.manager.pack(layout, tiers, extras=carrier, source=source, optim_bytes=self._optim_bytes)
         self.manager.reserve_optimizer_state(self._optim_bytes)
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)

@@ -43,13 +43,17 @@ class TierStorage:
         """Where the optimizer's per-element state ``value`` of the master view ``view`` is kept: itself, here."""
         return value
 
+    def keep_piece(self, chunk: Chunk, offset: int, key: str, value: torch.Tensor) -> torch.Tensor:
+        """``keep_state`` for a piece that starts at element ``offset`` of the chunk's shard."""
+        return value
+
     def state_region(self, chunk: Chunk, key: str) -> Optional[torch.Tensor]:
         """Per-element state ``key`` of the whole shard where this tier keeps it laid out like the master shard
         (zeros where a parameter has none), so a checkpoint can write it without a copy; else ``None``."""
         return None
 
-    def page_out(self) -> None:
-        """Drop every page of this tier from the process (after a pass over all of it, such as a checkpoint)."""
+    def page_out(self, chunk: Optional[Chunk] = None) -> None:
+        """Drop the pages of ``chunk`` (every chunk when ``None``) from the process (after a pass over it)."""
 
     def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> None:
         """The chunk's ``roles`` buffers will be used soon."""
@@ -190,6 +194,13 @@ class DiskStorage(TierStorage):
         if f is None or not torch.is_tensor(value) or value.dim() == 0 or value.numel() != view.numel():
             return value
         assert chunk.master is not None
+        return self.keep_piece(chunk, (view.data_ptr() - chunk.master.data_ptr()) // chunk.master.element_size(),
+                               key, value)
+
+    def keep_piece(self, chunk: Chunk, offset: int, key: str, value: torch.Tensor) -> torch.Tensor:
+        f = self._files.get(id(chunk), {}).get("optim")
+        if f is None or not torch.is_tensor(value) or value.dim() == 0:
+            return value
         at = self._state_at.setdefault(id(chunk), {})
         esz = value.element_size()
         if key not in at:
@@ -202,8 +213,9 @@ class DiskStorage(TierStorage):
             at[key] = base
             self._state_dtype[(id(chunk), key)] = value.dtype
             self._used[id(chunk)] = base + chunk.shard_numel * esz
-        piece = (view.data_ptr() - chunk.master.data_ptr()) // chunk.master.element_size()
-        slot = f.tensor(value.numel(), value.dtype, offset=at[key] + piece * esz).view(value.shape)
+        if value.dtype != self._state_dtype[(id(chunk), key)] or offset + value.numel() > chunk.shard_numel:
+            return value  # not laid out like the shard: stays where it is
+        slot = f.tensor(value.numel(), value.dtype, offset=at[key] + offset * esz).view(value.shape)
         if slot.data_ptr() != value.data_ptr():
             slot.copy_(value)
         return slot
@@ -216,8 +228,8 @@ class DiskStorage(TierStorage):
         dtype = self._state_dtype[(id(chunk), key)]
         return f.tensor(chunk.shard_numel, dtype, offset=at[key])
 
-    def page_out(self) -> None:
-        for files in self._files.values():
+    def page_out(self, chunk: Optional[Chunk] = None) -> None:
+        for files in (self._files.values() if chunk is None else [self._files.get(id(chunk), {})]):
             for f in files.values():
                 f.advise(mmap.MADV_DONTNEED)
 
