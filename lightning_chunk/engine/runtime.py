@@ -459,7 +459,12 @@ class ChunkEngine:
     def unscale_and_check(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """fp16: unscale ``optimizer``'s gradients; True when some rank overflowed (every rank then skips)."""
         assert self.scaler is not None
-        return self.scaler.unscale_and_check(self.grads(optimizer), self.comm)
+        self.prepare_step()
+        by_device: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
+        for c, g in (pair for b in self._bindings(optimizer) for pair in b.grad_chunks()):
+            by_device.setdefault(g.device, []).append((c, g))
+        runs = ((self.manager.storage_of(c).writing(c, ("grad",)), gs) for c, gs in self._paged_runs(by_device))
+        return self.scaler.unscale_and_check([], self.comm, runs=runs)
 
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)``, disk-tier chunks one at a time ([Note: stepping disk shards] in optim.py)."""

@@ -8,7 +8,8 @@ after ``growth_interval`` clean steps in a row it grows by ``growth_factor``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, ContextManager, Iterable, Optional, Sequence
 
 import torch
 
@@ -34,16 +35,22 @@ class DynamicLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale_and_check(self, grads: Sequence[torch.Tensor], comm: Collectives) -> bool:
-        """Divide ``grads`` by the scale in place; True when any rank saw inf or NaN."""
+    def unscale_and_check(self, grads: Sequence[torch.Tensor], comm: Collectives,
+                          runs: Optional[Iterable[tuple[ContextManager, list[torch.Tensor]]]] = None) -> bool:
+        """Divide ``grads`` by the scale in place; True when any rank saw inf or NaN. ``runs``: the gradients in
+        groups of one device, each unscaled inside its context (a disk shard's gradients paged in around it)."""
         inv = 1.0 / self.scale
         found = torch.zeros(1)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        for device, gs in by_device.items():
-            f = torch.zeros(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, f, torch.full((1,), inv, device=device))
+        if runs is None:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            runs = [(contextlib.nullcontext(), gs) for gs in by_device.values()]
+        for ctx, gs in runs:
+            device = gs[0].device
+            with ctx:
+                f = torch.zeros(1, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(gs, f, torch.full((1,), inv, device=device))
             found += f.cpu()
         if comm.world_size > 1:  # every rank skips if any overflowed
             found = comm.all_reduce(found.to(comm.tensor_device()), op="max", what="the fp16 overflow vote").cpu()

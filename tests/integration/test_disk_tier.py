@@ -34,14 +34,15 @@ CASES = {
     "accumulate_tied": dict(accumulate_grad_batches=2, variant="tied"),
     "frozen": dict(variant="frozen"),
     "bf16_mixed": dict(precision="bf16-mixed"),
+    "fp16_mixed_clip": dict(precision="16-mixed", gradient_clip_val=0.05),  # unscaling and clipping page gradients
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_disk_tier_trains_bit_exact_with_memory(tmp_path, case):
     kw = dict(CASES[case], model_kwargs=BIG)
-    mixed = kw.get("precision") == "bf16-mixed"
-    # fp32: against plain Lightning; bf16-mixed: against the same strategy with every shard in host memory
+    mixed = kw.get("precision") in ("bf16-mixed", "16-mixed")
+    # fp32: against plain Lightning; mixed: against the same strategy with every shard in host memory
     ref = fit(ChunkOffloadStrategy(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop") if mixed else "auto",
               steps=STEPS, **kw)
     strategy = disk(tmp_path)
