@@ -120,7 +120,7 @@ def draw_step(events: list[MomentEvent], limit: Optional[int], n_chunks: int, pa
     top.set_ylim(-0.5, n_chunks - 0.5)
     top.set_xlim(-0.5, len(events) - 0.5)
     top.set_ylabel("chunk")
-    top.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, ncol=5, frameon=False)
+    top.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, ncol=6, frameon=False)
     top.set_title("chunk placement over one training step (forward, then backward)", pad=22)
     for x, e in enumerate(events):
         if e.kind == BACKWARD and (x == 0 or events[x - 1].kind != BACKWARD):

@@ -219,3 +219,31 @@ fit(disk(Path({str(tmp_path)!r})), steps=3, model_kwargs=BIG, callbacks=[Die()])
     strategy = disk(tmp_path)
     fit(strategy, steps=2, model_kwargs=BIG)
     assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def test_telemetry_draws_the_third_tier(tmp_path):
+    """ChunkTelemetry's recorder sees which shards live on disk, and its picture is drawn with them."""
+    from lightning_chunk import ChunkTelemetry
+
+    events = []
+    telemetry = ChunkTelemetry()
+    record = telemetry.on_train_batch_start
+
+    def spy(trainer, *a, **k):
+        record(trainer, *a, **k)
+        hooks = trainer.strategy.engine.hooks
+        if hooks.recorder is not None and not getattr(hooks.recorder, "spied", False):
+            inner = hooks.recorder
+
+            def both(e):
+                events.append(e)
+                inner(e)
+
+            both.spied = True
+            hooks.recorder = both
+
+    telemetry.on_train_batch_start = spy
+    strategy = disk(tmp_path)
+    fit(strategy, steps=4, model_kwargs=BIG, callbacks=[telemetry], default_root_dir=tmp_path)
+    assert events and all(len(e.disk_shards) == strategy.memory_stats()["disk_shards"] for e in events)
+    assert telemetry.picture_path is not None and telemetry.picture_path.exists()
