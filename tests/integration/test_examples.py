@@ -163,3 +163,15 @@ def test_plan_from_shapes_reports_the_disk_tier():
     shards = float(r.stdout.split("shards a rank")[1].split("GiB")[0])
     assert host <= 10 and disk >= shards - 10, r.stdout  # what the host cannot hold is on disk
     assert not Path("/nonexistent/never/made").exists()  # planning from shapes touches no directory
+
+
+def test_disk_config_runs_at_reduced_size(tmp_path):
+    scratch = tmp_path / "scratch"
+    cli = load_example().main(["fit", "--config", str(CONFIGS / "cpu_disk.yaml"), f"--trainer.default_root_dir={tmp_path}",
+                               "--trainer.max_steps=4", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                               "--model.width=128", "--model.depth=4", "--trainer.strategy.init_args.host_memory_limit=3MiB",
+                               f"--trainer.strategy.init_args.disk_dir={scratch}", *SMALL_DATA])
+    stats = cli.trainer.strategy.memory_stats()
+    assert cli.trainer.global_step == 4
+    assert stats["disk_shards"] > 0 and stats["disk_chunk_bytes"] > 3 * 2**20 > stats["host_chunk_bytes"]
+    assert list(scratch.iterdir()) == []  # scratch removed when fit ended
