@@ -210,14 +210,14 @@ def disk_window_bytes(chunks: Sequence[ChunkView]) -> int:
 def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limit: Optional[int]) -> dict[int, Tier]:
     """Move host-tier shards to the disk tier until the host holds at most ``host_limit`` bytes of them.
 
-    [Note: spilling to disk] A disk shard costs reads and writes every step: its optimizer
-    state, master and gradient once a step, and, when the compute dtype is the master dtype (so
-    there is no compute copy to keep in host memory), its parameters at every gather. The
-    shards that go first are those whose payload is gathered least: the trace's first-used chunks
-    (lowest ids after the repack) are gathered in forward and again in backward like the others,
-    so among equals the lowest ids go first, leaving the chunks used where forward turns into
-    backward, which are gathered once, in host memory. The host must still hold the compute copies
-    of disk shards and a window of two disk shards paged in at once.
+    [Note: spilling to disk] Every disk shard costs the same per byte at the optimizer step (its
+    master, gradient and optimizer state read and written once a step); an fp32 one also has its
+    master read at every gather (there is no compute copy to keep in host memory). After the
+    warm-up's repack, chunk ids follow first use, and the chunks used last in forward are the ones
+    the host placement keeps resident across the turn into backward: each is gathered once a step,
+    the others twice. So chunks spill in id order, which leaves the once-gathered ones in host
+    memory. What stays on the host: the host-tier shards, the compute copies of disk shards, and
+    a window of two disk shards in memory at once (the one in use and the one being read ahead).
     """
     if host_limit is None:
         return tiers
