@@ -77,8 +77,9 @@ class ChunkConfig:
     (``device_margin_bytes``); unbounded on a CPU device. Strings such as ``"2GiB"`` are accepted."""
 
     host_memory_limit: Optional[int] = None
-    """Bytes of chunk memory allowed in host memory: host-tier shards, the compute-dtype copies of disk-tier
-    shards, and the disk shards paged in at once (two chunks'). Shards that do not fit go to the disk tier
+    """Bytes of chunk memory allowed in host memory: host-tier shards (device-tier ones too on a CPU device,
+    whose tier is host memory), the compute-dtype copies of disk-tier shards, and the disk shards paged in
+    at once (two chunks'). Shards that do not fit go to the disk tier
     in ``disk_dir`` (masters, gradient shards and optimizer state; see ``docs/disk-tier.md``). ``None``:
     unbounded, no disk tier. Strings such as ``"8GiB"`` are accepted."""
 

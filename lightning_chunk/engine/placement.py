@@ -207,8 +207,10 @@ def disk_window_bytes(chunks: Sequence[ChunkView]) -> int:
     return 2 * max((c.disk_bytes for c in chunks), default=0)
 
 
-def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limit: Optional[int]) -> dict[int, Tier]:
-    """Move host-tier shards to the disk tier until the host holds at most ``host_limit`` bytes of them.
+def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limit: Optional[int], *,
+                  device_is_host: bool = False) -> dict[int, Tier]:
+    """Move host-tier shards to the disk tier until the host holds at most ``host_limit`` bytes of them; with
+    ``device_is_host`` (a CPU device, whose tier is host memory too) device-tier shards count and spill as well.
 
     [Note: spilling to disk] Every disk shard costs the same per byte at the optimizer step (its
     master, gradient and optimizer state read and written once a step); an fp32 one also has its
@@ -222,7 +224,8 @@ def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limi
     if host_limit is None:
         return tiers
     out = dict(tiers)
-    host = sorted((c for c in chunks if out[c.chunk_id] is Tier.HOST), key=lambda c: c.chunk_id)
+    in_memory = {Tier.HOST, Tier.DEVICE} if device_is_host else {Tier.HOST}
+    host = sorted((c for c in chunks if out[c.chunk_id] in in_memory), key=lambda c: c.chunk_id)
     used = sum(c.device_shard_bytes for c in host)
     spilled: list[ChunkView] = []
     for c in host:

@@ -207,7 +207,8 @@ class ChunkEngine:
         """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
         views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
         tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
-        return views, spill_to_disk(views, tiers, self.config.host_memory_limit)
+        return views, spill_to_disk(views, tiers, self.config.host_memory_limit,
+                                    device_is_host=self.manager.device.type == "cpu")
 
     def _place(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *,
                source: Optional[FromModule] = None) -> None:

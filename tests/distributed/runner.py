@@ -64,6 +64,11 @@ CASES = {
     "disk": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560), host_memory_limit="1.2MB"),
     "disk_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, placement="host"), host_memory_limit="400kB",
                             trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
+    # the defaults with a host limit: automatic chunk size, placement="auto" under a device limit, a model used in
+    # another order than registered, gradient accumulation
+    "disk_defaults": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
+                          strategy=dict(chunk_numel=None), host_memory_limit="1MB",
+                          trainer=dict(accumulate_grad_batches=2)),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
        for fmt in ("torch", "lightning", "consolidated", "safetensors")},

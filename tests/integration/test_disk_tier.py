@@ -247,3 +247,19 @@ def test_telemetry_draws_the_third_tier(tmp_path):
     fit(strategy, steps=4, model_kwargs=BIG, callbacks=[telemetry], default_root_dir=tmp_path)
     assert events and all(len(e.disk_shards) == strategy.memory_stats()["disk_shards"] for e in events)
     assert telemetry.picture_path is not None and telemetry.picture_path.exists()
+
+
+def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
+    """What a user gets by adding only host_memory_limit and disk_dir: placement="auto" (every shard on the device
+    tier, which on a CPU machine is host memory), the automatic chunk size, a model used in another order than
+    registered, with gradient accumulation: shards spill to disk and training equals plain Lightning."""
+    from tests.models import ReorderedNet
+
+    kw = dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), accumulate_grad_batches=2)
+    ref = fit("auto", steps=STEPS, **kw)
+    strategy = ChunkOffloadStrategy(host_memory_limit="2MB", disk_dir=tmp_path / "scratch", optimizer_kernel="loop")
+    got = fit(strategy, steps=STEPS, **kw)
+    assert_same_params(ref, got, EXACT)
+    s = strategy.memory_stats()
+    assert s["disk_shards"] > 0 and s["disk_staged_steps"] > 0
+    assert s["host_chunk_bytes"] + s["device_chunk_bytes"] <= 2_000_000
