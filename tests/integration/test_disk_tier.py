@@ -91,8 +91,9 @@ def test_resume_across_the_disk_tier(tmp_path, save_disk, resume_disk):
     """A checkpoint written with shards on disk resumes in memory, and the reverse, exactly as a run that never
     used the disk tier saves and resumes."""
     def make(on_disk):
-        return disk(tmp_path, limit="100kB", chunk_numel=2048) if on_disk else \
-            ChunkOffloadStrategy(placement="host", chunk_numel=2048, optimizer_kernel="loop")
+        # the automatic chunk size (the host limit bounds it) and placement="auto", as a user gets them
+        return ChunkOffloadStrategy(host_memory_limit="100kB", disk_dir=tmp_path / "scratch", optimizer_kernel="loop") \
+            if on_disk else ChunkOffloadStrategy(optimizer_kernel="loop")
 
     runs = []
     for name, save, resume in [("ref", False, False), ("got", save_disk, resume_disk)]:
