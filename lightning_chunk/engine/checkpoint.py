@@ -30,7 +30,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -161,15 +161,21 @@ def _as_saved(local: dict[str, torch.Tensor], engine: Any) -> dict[str, Any]:
 
 # ==================================================================== save
 class _PagingPlanner(DefaultSavePlanner):
-    """DCP's default planner, paging the disk tier out before each item is written: DCP's writer reads the items
-    one at a time, so only the one being written has pages in the process, not every disk shard at once."""
+    """DCP's default planner, paging out the chunk of the item written last before it hands DCP the next: DCP's
+    writer reads the items one at a time, so only the one being written has pages in the process, not every
+    disk shard at once. Items are named ``chunk.<c>.…``."""
 
-    def __init__(self, page_out: Callable[[], None]) -> None:
+    def __init__(self, mgr: Any) -> None:
         super().__init__()
-        self.page_out = page_out
+        self.mgr = mgr
+        self._last: Optional[int] = None
 
     def resolve_data(self, write_item: Any) -> Any:
-        self.page_out()
+        if self._last is not None and self._last < len(self.mgr.chunks):
+            chunk = self.mgr.chunks[self._last]
+            self.mgr.storage_of(chunk).page_out(chunk)
+        name = write_item.index.fqn.split(".")
+        self._last = int(name[1]) if len(name) > 2 and name[0] == "chunk" and name[1].isdigit() else None
         return super().resolve_data(write_item)
 
 
@@ -203,7 +209,7 @@ def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, 
             optim_meta.append(om)
     dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
              process_group=comm.host_group() if comm.world_size > 1 else None,
-             planner=_PagingPlanner(mgr.disk.page_out) if mgr.disk_chunks else None)
+             planner=_PagingPlanner(mgr) if mgr.disk_chunks else None)
     del local
     mgr.disk.page_out()
     if comm.rank == 0:
