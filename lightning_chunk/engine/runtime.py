@@ -41,7 +41,7 @@ from .consolidate import full_values, load_values
 from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .packing import Layout, build_layout, choose_chunk_numel, describe
-from .torchfile import release_freed_memory
+from .torchfile import map_large_blocks, release_freed_memory
 from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
 from .scaler import DynamicLossScaler
 from .tracer import Trace
@@ -115,6 +115,8 @@ class ChunkEngine:
         if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
             config = config.replace(device_memory_limit=default_device_limit(device))
         self.config = config
+        if config.host_memory_limit is not None:  # the user bounded host memory: keep chunk-sized blocks off the heap
+            map_large_blocks()
         self.module = module
         named = list(module.named_parameters())
         index_of = {id(p): i for i, (_, p) in enumerate(named)}

@@ -136,6 +136,7 @@ class DiskStorage(TierStorage):
         self._state_dtype: dict[tuple[int, str], torch.dtype] = {}
         self._depth: dict[tuple[int, str], int] = {}  # nested uses page in and out once
         self._grads: dict[int, torch.Tensor] = {}  # id(chunk) -> this backward's gradients, until written
+        self._spare: list[torch.Tensor] = []  # gradient buffers written back, kept for the next chunks
         self._reader: Optional[ThreadPoolExecutor] = None  # the read-ahead thread
         self._ahead: dict[int, tuple[bool, Future]] = {}  # id(file) -> (writable, its read-ahead)
         self._sets: list[dict[str, torch.Tensor]] = [{}, {}]  # two staging sets: one in use, one being read
@@ -241,7 +242,11 @@ class DiskStorage(TierStorage):
             return super().grad_target(chunk)
         buf = self._grads.get(id(chunk))
         if buf is None:
-            buf = torch.empty(f.nbytes, dtype=torch.uint8)
+            spare = [b for b in self._spare if b.numel() >= f.nbytes]
+            buf = spare[0] if spare else torch.empty(f.nbytes, dtype=torch.uint8)  # reused: no page faults anew
+            if spare:
+                self._spare.remove(buf)
+            buf = buf[: f.nbytes]
             assert chunk.grad is not None
             if chunk.grad_written or any(t.has_grad for t in chunk.tensors):  # accumulating: keep what is there
                 self.flush()
@@ -262,6 +267,7 @@ class DiskStorage(TierStorage):
             f.write_from(buf)
             self.wait_s += time.perf_counter() - t0
             self.write_bytes += f.nbytes
+            self._spare = sorted([*self._spare, buf], key=lambda b: -b.numel())[:2]  # the largest two are kept
 
     def keeps(self, chunk: Chunk, t: torch.Tensor) -> bool:
         """``t`` is a view of the chunk's optimizer-state file."""
