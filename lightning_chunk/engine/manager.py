@@ -189,7 +189,7 @@ class ChunkManager:
             if optim_bytes is not None:  # before the state is carried in: a disk shard takes it into its file
                 self._reserve_state(chunk, optim_bytes)
             source.placed(chunk)
-            self.storage_of(chunk).page_out(chunk)
+            self.storage_of(chunk).page_out(chunk)  # what the build and the carried state wrote leaves the process
             self._changed()
         self.chunks.sort(key=lambda c: c.chunk_id)
         assert source.done()

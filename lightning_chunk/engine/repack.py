@@ -36,8 +36,7 @@ that its new shard holds, sliced at once so nothing whole outlives its old chunk
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 
@@ -260,7 +259,7 @@ def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *
     need += 0 if chunk.aliased else chunk.payload_bytes
     mgr.reserve_device(need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier"
                                                                       if tier is Tier.DEVICE else ""))
-    with mgr.tracked(chunk), _building(mgr, chunk):
+    with mgr.tracked(chunk):
         chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=mgr.device)
         if chunk.aliased:
             chunk.payload.copy_(full)
@@ -291,12 +290,3 @@ def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *
     return chunk
 
 
-@contextlib.contextmanager
-def _building(mgr: "ChunkManager", chunk: Chunk) -> Iterator[None]:
-    """A chunk's buffers being written for the first time (a disk shard's pages go out afterwards)."""
-    storage = mgr.storage_of(chunk)
-    try:
-        yield
-    finally:
-        with storage.writing(chunk):  # nested use: pages out what the build wrote
-            pass

@@ -55,8 +55,8 @@ class TierStorage:
     def page_out(self, chunk: Optional[Chunk] = None) -> None:
         """Drop the pages of ``chunk`` (every chunk when ``None``) from the process (after a pass over it)."""
 
-    def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> None:
-        """The chunk's ``roles`` buffers will be used soon."""
+    def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES, *, write: bool = False) -> None:
+        """The chunk's ``roles`` buffers will be used soon (and written, when ``write``)."""
 
     @contextlib.contextmanager
     def reading(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Iterator[None]:
