@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
@@ -37,6 +38,7 @@ from torch.optim import Optimizer
 import lightning.pytorch as pl
 
 from .engine import ChunkConfig, ChunkEngine, Collectives
+from .engine.atomic import remove_dir
 from .engine.checkpoint import KEY as CHECKPOINT_KEY
 from .engine.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from .engine.materialize import DeferredInit, meta_init
@@ -397,6 +399,15 @@ class ChunkOffloadStrategy(ParallelStrategy):
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         save_sharded(self.engine, filepath, extra, with_optimizer="optimizer_states" in checkpoint,
                      version=_version())
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """A sharded checkpoint is renamed to a hidden name before it is deleted: a kill midway through the
+        deletion (ModelCheckpoint dropping an older top-k) never leaves a half-deleted directory that looks like a
+        checkpoint; see [Note: replacing a checkpoint directory]."""
+        if not is_sharded_checkpoint(filepath):
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_dir(Path(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a sharded directory or a plain Lightning file straight into the chunks (any world size)."""

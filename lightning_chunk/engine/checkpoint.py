@@ -26,6 +26,7 @@ one saved chunk beyond this rank's shards.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import warnings
@@ -37,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from .atomic import clear_leftovers, replace_dir
 from .errors import ChunkError
 
 FORMAT_VERSION = 1
@@ -101,6 +103,11 @@ def read_meta(path: Union[str, Path]) -> dict[str, Any]:
         raise CheckpointError(f"{str(path / META)!r} cannot be read ({type(e).__name__}: {e}).") from None
     if not isinstance(meta, dict) or KEY not in meta:
         raise CheckpointError(f"{str(path / META)!r} holds no '{KEY}' section: not a lightning_chunk checkpoint.")
+    saved_hash = meta[KEY].get("index_sha256")
+    if saved_hash is not None and saved_hash != _sha256(path / DCP_INDEX):
+        raise CheckpointError(f"{str(path / META)!r} and {str(path / DCP_INDEX)!r} come from different saves: "
+                              "meta.pt records another index than the one in the directory (files copied in from "
+                              "another checkpoint?). Use a complete checkpoint directory as it was written.")
     if meta[KEY].get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{str(path / META)!r} has format version {meta[KEY]['format_version']}; this "
                               f"lightning_chunk reads up to {FORMAT_VERSION}. Upgrade lightning_chunk.")
@@ -187,17 +194,39 @@ def _write_meta(meta: dict[str, Any], target: Path) -> None:
     os.replace(tmp, target)
 
 
+class CheckpointSaveError(ChunkError, RuntimeError):
+    """A save that failed on some rank; the checkpoint previously at the path is untouched."""
+
+
 def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, with_optimizer: bool,
                  version: str = "") -> None:
-    """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout]."""
+    """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout].
+
+    A failure on any rank (a full disk, a write error, an exception while reading the shards) raises on every
+    rank, removes the partial directory and leaves whatever was at ``path`` as it was; the training state in
+    memory is only read, so a later save can succeed."""
     mgr = engine.manager
     comm = mgr.comm
     path = Path(path)
     partial = partial_path(path)
-    if comm.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # a stale one from an interrupted save
-        partial.mkdir(parents=True)
-    _barrier(comm)
+    optim_meta: list[dict[str, Any]] = []
+    # each step raises on every rank if it failed on any, before the next begins
+    _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial) if comm.rank == 0 else None)
+    _on_each_rank(comm, path, "writing its shards",
+                  lambda: optim_meta.extend(_write_shards(engine, partial, with_optimizer=with_optimizer)))
+    _on_each_rank(comm, path, "finishing", lambda: _finish(engine, partial, path, extra, version, optim_meta)
+                  if comm.rank == 0 else None)
+
+
+def _prepare(path: Path, partial: Path) -> None:
+    clear_leftovers(path)
+    shutil.rmtree(partial, ignore_errors=True)  # a stale one from an interrupted save
+    partial.mkdir(parents=True)
+
+
+def _write_shards(engine: Any, partial: Path, *, with_optimizer: bool) -> list[dict[str, Any]]:
+    mgr = engine.manager
+    comm = mgr.comm
     local: dict[str, torch.Tensor] = {}
     for c in mgr.chunks:
         local[f"chunk.{c.chunk_id}.master"] = c.master_tensor_for_read().detach().cpu()
@@ -207,35 +236,53 @@ def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, 
             shards, om = _optimizer_shards(engine, o)
             local.update(shards)
             optim_meta.append(om)
-    dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
-             process_group=comm.host_group() if comm.world_size > 1 else None,
-             planner=_PagingPlanner(mgr) if mgr.disk_chunks else None)
-    del local
-    mgr.disk.page_out()
+    try:
+        dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
+                 process_group=comm.host_group() if comm.world_size > 1 else None,
+                 planner=_PagingPlanner(mgr) if mgr.disk_chunks else None)
+    finally:
+        del local
+        mgr.disk.page_out()
+    return optim_meta
+
+
+def _finish(engine: Any, partial: Path, path: Path, extra: dict[str, Any], version: str,
+            optim_meta: list[dict[str, Any]]) -> None:
+    layout = describe_layout(engine)
+    meta = dict(extra)
+    meta[KEY] = {"format_version": FORMAT_VERSION, "version": version, "optimizers": optim_meta,
+                 "index_sha256": _sha256(partial / DCP_INDEX), **layout}
+    _write_meta(meta, partial / META)
+    replace_dir(partial, path)
+
+
+def _on_each_rank(comm: Any, path: Path, what: str, fn: Callable[[], Any]) -> None:
+    """Run this rank's part of a save, then agree with every rank; raise on every rank if any part failed."""
+    error: Optional[BaseException] = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - every failure is reported to the other ranks, then re-raised
+        error = e
+    failed = comm.failed_ranks(error is None, what=f"saving checkpoint {str(path)!r} ({what})")
+    if not failed:
+        return
     if comm.rank == 0:
-        layout = describe_layout(engine)
-        meta = dict(extra)
-        meta[KEY] = {"format_version": FORMAT_VERSION, "version": version, "optimizers": optim_meta, **layout}
-        _write_meta(meta, partial / META)
-        _swap_into_place(partial, path)
-    _barrier(comm)
+        shutil.rmtree(partial_path(path), ignore_errors=True)
+    kept = (f"the checkpoint already at {str(path)!r} is untouched" if os.path.lexists(path)
+            else f"nothing was written at {str(path)!r}")
+    if error is not None:
+        raise CheckpointSaveError(f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed while {what}: "
+                                  f"{type(error).__name__}: {error}. {kept[0].upper() + kept[1:]}.") from error
+    raise CheckpointSaveError(f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed on rank(s) {failed} while "
+                              f"{what} (see their errors); {kept}.")
 
 
-def _swap_into_place(partial: Path, path: Path) -> None:
-    """Rename the finished directory over ``path``; an old checkpoint there goes only once the new one is in."""
-    old = path.parent / f".{path.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        os.replace(path, old)
-    os.replace(partial, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _barrier(comm: Any) -> None:
-    if comm.world_size > 1:
-        dist.barrier(group=comm.group)
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 # ==================================================================== load

@@ -17,6 +17,15 @@ stream) and raise ``CollectiveMismatchError`` on every rank that sees a
 difference, naming each rank's chunk and module. Every wait is bounded by
 ``timeout_s``: a rank left waiting for a peer that raised or went elsewhere gets
 ``CollectiveTimeoutError`` naming the chunk and module it waited in, not a hang.
+
+[Note: naming a lost rank]
+A rank that dies (SIGKILL, the OOM killer, a crash in native code) sends no message. With gloo its
+peers see the connection close at once; a rank that is alive but stuck is seen only when the bounded
+wait runs out. Either way the survivor's error should say *which* rank is gone, not only that a
+socket closed. At set-up every rank learns every rank's pid and host (one fixed-size all-gather);
+when a wait fails, each peer on this host is looked up in ``/proc`` (a killed child of Lightning's
+launcher stays a zombie until it is reaped, so "exists" is not "alive"), and the error names the
+ranks that are gone, or says that the peers on other hosts could not be checked from here.
 On NCCL the waits stay stream-ordered (no host sync) and the process group's
 ``timeout`` bounds them through NCCL's watchdog.
 """
@@ -24,6 +33,9 @@ On NCCL the waits stay stream-ordered (no host sync) and the process group's
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+import zlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -53,6 +65,7 @@ class Pending(NamedTuple):
     work: Optional[Any]
     describe: Optional[Callable[[], str]] = None
     timeout_s: Optional[float] = None
+    diagnose: Optional[Callable[[], str]] = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -63,12 +76,35 @@ class Pending(NamedTuple):
                     self.work.wait()
             except RuntimeError as e:
                 what = self.describe() if self.describe else "a collective"
+                lost = self.diagnose() if self.diagnose else ""
+                reason = (f"{lost}. " if lost else "Another rank stopped or issued a different collective: a module ran "
+                          "on some ranks and not on others (data-dependent control flow), or another rank failed; "
+                          "see its error. ")
                 raise CollectiveTimeoutError(
-                    f"{what} did not complete within {self.timeout_s} s ({e}). Another rank stopped or issued "
-                    "a different collective: a module ran on some ranks and not on others (data-dependent "
-                    "control flow), or another rank failed; see its error."
+                    f"{what} did not complete (waited at most {self.timeout_s} s). {reason}"
+                    f"[{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}]"
                 ) from None
         return self.buffer
+
+
+def _host_id() -> int:
+    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+
+
+def process_alive(pid: int) -> bool:
+    """False once ``pid`` has exited, been killed, or is a zombie waiting to be reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 class Collectives:
@@ -89,6 +125,38 @@ class Collectives:
             self.timeout_s = None
         self._tag_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.names: Callable[[int, int], str] = lambda chunk, module: f"chunk {chunk}"
+        self.peers: list[tuple[int, int]] = []
+        if self.world_size > 1:
+            self._learn_peers()
+
+    def _learn_peers(self) -> None:
+        """Every rank's ``(pid, host id)``; see [Note: naming a lost rank]."""
+        mine = torch.tensor([os.getpid(), _host_id()], dtype=torch.int64, device=self._tag_device)
+        out = torch.empty(self.world_size * 2, dtype=torch.int64, device=self._tag_device)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] the start-up "
+                "exchange of process ids", self.timeout_s).wait()
+        self.peers = [tuple(r) for r in out.view(self.world_size, 2).tolist()]
+
+    def lost_peers(self) -> str:
+        """Which other ranks are gone, as far as this host can tell ("" when it cannot tell)."""
+        if not self.peers:
+            return ""
+        here, gone, remote = _host_id(), [], []
+        for r, (pid, host) in enumerate(self.peers):
+            if r == self.rank:
+                continue
+            if host != here:
+                remote.append(r)
+            elif not process_alive(pid):
+                gone.append(f"rank {r} (pid {pid})")
+        if gone:
+            where = f"; ranks {remote} on other hosts could not be checked from here" if remote else ""
+            return f"lost {', '.join(gone)}: the process exited or was killed{where}"
+        if remote:
+            return (f"every rank on this host is alive; ranks {remote} run on other hosts: one of them failed or "
+                    "stopped (see its log)")
+        return ""
 
     @classmethod
     def local(cls) -> "Collectives":
@@ -97,6 +165,7 @@ class Collectives:
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
         c._tag_device = torch.device("cpu")
         c.names = lambda chunk, module: f"chunk {chunk}"
+        c.peers = []
         return c
 
     @classmethod
@@ -128,7 +197,7 @@ class Collectives:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = fn(out, mine, group=self.group, async_op=True)
         Pending(out, work, lambda: f"[rank {self.rank}] the agreement check before {op} of "
-                f"{self.names(chunk, module)}", self.timeout_s).wait()
+                f"{self.names(chunk, module)}", self.timeout_s, self.lost_peers).wait()
         tags = out.view(self.world_size, 3).tolist()
         if any(t != tags[0] for t in tags):
             lines = "; ".join(f"rank {r}: {OPS[t[0]]} of {self.names(t[1], t[2])}" for r, t in enumerate(tags))
@@ -146,8 +215,19 @@ class Collectives:
         out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] {what}",
-                self.timeout_s).wait()
+                self.timeout_s, self.lost_peers).wait()
         return bool((out == out[0]).all())
+
+    def failed_ranks(self, ok: bool, *, what: str) -> list[int]:
+        """Every rank says whether its part of ``what`` worked; the ranks whose part failed (a bounded barrier)."""
+        if self.world_size == 1:
+            return [] if ok else [0]
+        mine = torch.tensor([int(bool(ok))], dtype=torch.int64, device=self._tag_device)
+        out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] {what}",
+                self.timeout_s, self.lost_peers).wait()
+        return [r for r, v in enumerate(out.tolist()) if not v]
 
     # ----------------------------------------------------------- collectives
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, chunk: int = -1, module: int = -1,
@@ -175,7 +255,8 @@ class Collectives:
         return self._pending(out, work, "reduce_scatter", chunk, module, async_op)
 
     def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool) -> Pending:
-        p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s)
+        p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s,
+                    self.lost_peers)
         if not async_op:
             p.wait()
         return p
@@ -185,7 +266,7 @@ class Collectives:
             self._check_device(what, t)
             work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group,
                                    async_op=True)
-            Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s).wait()
+            Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers).wait()
         return t
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -193,7 +274,8 @@ class Collectives:
         if self.world_size > 1:
             buf = t.to(self._tag_device)
             work = dist.broadcast(buf, src, group=self.group, async_op=True)
-            Pending(buf, work, lambda: f"[rank {self.rank}] the broadcast of initial values", self.timeout_s).wait()
+            Pending(buf, work, lambda: f"[rank {self.rank}] the broadcast of initial values", self.timeout_s,
+                    self.lost_peers).wait()
             t.copy_(buf)
         return t
 
