@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .atomic import clear_leftovers, replace_dir
@@ -261,20 +262,33 @@ def _on_each_rank(comm: Any, path: Path, what: str, fn: Callable[[], Any]) -> No
     error: Optional[BaseException] = None
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - every failure is reported to the other ranks, then re-raised
-        error = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to the other ranks, then re-raised
+        error = e  # (DCP's CheckpointException is a BaseException)
     failed = comm.failed_ranks(error is None, what=f"saving checkpoint {str(path)!r} ({what})")
     if not failed:
         return
     if comm.rank == 0:
         shutil.rmtree(partial_path(path), ignore_errors=True)
+    comm.failed_ranks(True, what=f"removing the partial save of {str(path)!r}")  # gone before any rank returns
     kept = (f"the checkpoint already at {str(path)!r} is untouched" if os.path.lexists(path)
             else f"nothing was written at {str(path)!r}")
     if error is not None:
         raise CheckpointSaveError(f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed while {what}: "
-                                  f"{type(error).__name__}: {error}. {kept[0].upper() + kept[1:]}.") from error
+                                  f"{_describe(error)}. {kept[0].upper() + kept[1:]}.") from error
     raise CheckpointSaveError(f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed on rank(s) {failed} while "
                               f"{what} (see their errors); {kept}.")
+
+
+def _describe(error: BaseException) -> str:
+    """One line per failing rank for DCP's exception (whose text is every rank's whole traceback)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and isinstance(failures, dict):
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            exc = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "; ".join(parts)
+    return f"{type(error).__name__}: {error}"
 
 
 def _sha256(path: Path) -> str:
@@ -295,6 +309,9 @@ def check_compatible(meta: dict[str, Any], engine: Any, path: Union[str, Path]) 
     extra = sorted(set(saved) - set(current))
     shapes = [f"{n}: checkpoint {saved[n]} vs model {current[n]}" for n in sorted(set(saved) & set(current))
               if tuple(saved[n]) != current[n]]
+    if not (missing or extra or shapes):
+        _check_master_dtypes(meta, engine, path)
+        return
     if missing or extra or shapes:
         parts = []
         if missing:
@@ -304,6 +321,25 @@ def check_compatible(meta: dict[str, Any], engine: Any, path: Union[str, Path]) 
         if shapes:
             parts.append(f"shapes differ: {shapes}")
         raise CheckpointError(f"checkpoint {str(path)!r} was written for another model; " + "; ".join(parts) + ".")
+
+
+def _check_master_dtypes(meta: dict[str, Any], engine: Any, path: Union[str, Path]) -> None:
+    """The saved masters must be of the run's master dtype: loading float32 masters into a bf16-true run would
+    round them silently, and bf16 ones into a float32 run would resume with another optimizer precision."""
+    mgr = engine.manager
+    mine = {t.name: str(c.master_dtype).replace("torch.", "") for c in mgr.chunks for t in c.tensors}
+    differ: dict[tuple[str, str], list[str]] = {}
+    for spec in meta[KEY]["chunks"]:
+        for name, *_ in spec["slots"]:
+            if name in mine and mine[name] != spec["master_dtype"]:
+                differ.setdefault((spec["master_dtype"], mine[name]), []).append(name)
+    if differ:
+        parts = [f"{len(names)} parameters (e.g. {names[0]!r}) were saved as {saved}, this run keeps {run}"
+                 for (saved, run), names in sorted(differ.items())]
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written with another precision: " + "; ".join(parts) + ". Resume with "
+            "the precision it was saved with, or start a run in the new precision from its weights "
+            "(`lightning-chunk consolidate` writes them to a file that `weights=` or `load_state_dict` reads).")
 
 
 def _load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -108,6 +108,8 @@ class Events:
 def main(out: Path, steps: int, kill: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     eng, comm = build(steps)
+    if kill.startswith(("fsize:", "enospc:")):
+        return save_fails_then_succeeds(eng, comm, out, steps, kill)
     events = Events(comm, kill)
     events.install()
     try:
@@ -117,6 +119,37 @@ def main(out: Path, steps: int, kill: str) -> None:
         sys.exit(3)
     if kill == "count":
         print(f"EVENTS {events.n} " + " ".join(n.replace(" ", "_") for n in events.names), flush=True)
+    print(f"SAVED rank={comm.rank}", flush=True)
+    dist.destroy_process_group()
+
+
+def save_fails_then_succeeds(eng, comm, out: Path, steps: int, how: str) -> None:
+    """``fsize:<rank>``: that rank may write only 50 kB a file (a real EFBIG from the kernel, as on a full disk);
+    ``enospc:<rank>``: that rank's storage writer raises ENOSPC. The save must fail on every rank; then, with the
+    limit gone, a second save of the same state must succeed."""
+    import errno
+    import resource
+
+    kind, rank = how.split(":")
+    original = dcp_fs._write_item
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if int(rank) == comm.rank:
+        if kind == "fsize":
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, old_limit[1]))
+        else:
+            def full(*a, **k):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            dcp_fs._write_item = full
+    try:
+        checkpoint.save_sharded(eng, out / "last.ckpt", {"steps": steps}, with_optimizer=True)
+        print("UNEXPECTED-SUCCESS", flush=True)
+    except checkpoint.CheckpointSaveError as e:
+        print(f"SAVE-FAILED rank={comm.rank}: {e}", flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+    dcp_fs._write_item = original
+    print("LEFT " + " ".join(sorted(p.name for p in out.iterdir())), flush=True)
+    checkpoint.save_sharded(eng, out / "last.ckpt", {"steps": steps}, with_optimizer=True)
     print(f"SAVED rank={comm.rank}", flush=True)
     dist.destroy_process_group()
 
