@@ -26,15 +26,23 @@ socket closed. At set-up every rank learns every rank's pid and host (one fixed-
 when a wait fails, each peer on this host is looked up in ``/proc`` (a killed child of Lightning's
 launcher stays a zombie until it is reaped, so "exists" is not "alive"), and the error names the
 ranks that are gone, or says that the peers on other hosts could not be checked from here.
+After a failed wait the process must still be able to exit: gloo joins its worker threads at interpreter
+exit, and one still receiving from a live but stuck peer never returns (aborting the group does not
+release it). So the first failed wait registers an ``atexit`` handler that ends the process with
+``os._exit(1)`` once the error has been reported and Lightning has torn down; this is what torch's NCCL
+watchdog does on a timeout, too. Every collective after the first failed one fails at once without being
+issued (a forward hook that runs while the error unwinds would otherwise wait out a second timeout).
 On NCCL the waits stay stream-ordered (no host sync) and the process group's
 ``timeout`` bounds them through NCCL's watchdog.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
+import sys
 import zlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -75,15 +83,17 @@ class Pending(NamedTuple):
                 else:
                     self.work.wait()
             except RuntimeError as e:
+                _exit_after_a_failed_collective()
                 what = self.describe() if self.describe else "a collective"
                 lost = self.diagnose() if self.diagnose else ""
                 reason = (f"{lost}. " if lost else "Another rank stopped or issued a different collective: a module ran "
                           "on some ranks and not on others (data-dependent control flow), or another rank failed; "
                           "see its error. ")
-                raise CollectiveTimeoutError(
+                error = CollectiveTimeoutError(
                     f"{what} did not complete (waited at most {self.timeout_s} s). {reason}"
-                    f"[{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}]"
-                ) from None
+                    f"[{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}]")
+                _broken.append(str(error))
+                raise error from None
         return self.buffer
 
 
@@ -91,20 +101,48 @@ def _host_id() -> int:
     return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
 
 
-def process_alive(pid: int) -> bool:
-    """False once ``pid`` has exited, been killed, or is a zombie waiting to be reaped."""
+def process_state(pid: int) -> str:
+    """``"gone"`` once ``pid`` has exited, been killed, or is a zombie waiting to be reaped; ``"stopped"`` for a
+    stopped process (SIGSTOP, a debugger); ``"alive"`` otherwise, or when this host cannot tell."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "gone"
     except PermissionError:
-        return True
+        return "alive"
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
     except (OSError, IndexError):
-        return True
+        return "alive"
+    return "gone" if state in (b"Z", b"X") else "stopped" if state in (b"T", b"t") else "alive"
+
+
+_exit_armed = False
+_broken: list[str] = []  # the first failed wait of this process: no collective is attempted after it
+
+
+def _refuse_if_broken(what: str) -> None:
+    """After one failed wait the group is unusable (a peer is gone, or stuck in an earlier collective): fail at
+    once instead of waiting out another timeout, e.g. in a forward hook that runs while the error unwinds."""
+    if _broken:
+        raise CollectiveTimeoutError(f"{what} was not attempted: an earlier collective failed ({_broken[0]})")
+
+
+def _exit_after_a_failed_collective() -> None:
+    """See [Note: naming a lost rank]: gloo joins its worker threads at interpreter exit, and a thread still
+    waiting on a live peer never returns, so the process would hang after it reported its error."""
+    global _exit_armed
+    if _exit_armed:
+        return
+    _exit_armed = True
+
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    atexit.register(leave)
 
 
 class Collectives:
@@ -142,17 +180,21 @@ class Collectives:
         """Which other ranks are gone, as far as this host can tell ("" when it cannot tell)."""
         if not self.peers:
             return ""
-        here, gone, remote = _host_id(), [], []
+        here, gone, stopped, remote = _host_id(), [], [], []
         for r, (pid, host) in enumerate(self.peers):
             if r == self.rank:
                 continue
             if host != here:
                 remote.append(r)
-            elif not process_alive(pid):
-                gone.append(f"rank {r} (pid {pid})")
+                continue
+            state = process_state(pid)
+            if state != "alive":
+                (gone if state == "gone" else stopped).append(f"rank {r} (pid {pid})")
+        where = f"; ranks {remote} on other hosts could not be checked from here" if remote else ""
         if gone:
-            where = f"; ranks {remote} on other hosts could not be checked from here" if remote else ""
             return f"lost {', '.join(gone)}: the process exited or was killed{where}"
+        if stopped:
+            return f"{', '.join(stopped)} is stopped (SIGSTOP, or a debugger) and did not take part{where}"
         if remote:
             return (f"every rank on this host is alive; ranks {remote} run on other hosts: one of them failed or "
                     "stopped (see its log)")
@@ -192,6 +234,7 @@ class Collectives:
         """Exchange ``[op, chunk, module]`` with every rank; raise on every rank if they differ."""
         if self.world_size == 1 or not self.verify:
             return
+        _refuse_if_broken(f"[rank {self.rank}] the agreement check before {op} of {self.names(chunk, module)}")
         mine = torch.tensor([OPS.index(op), chunk, module], dtype=torch.int64, device=self._tag_device)
         out = torch.empty(self.world_size * 3, dtype=torch.int64, device=self._tag_device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -211,6 +254,7 @@ class Collectives:
         """True when every rank passed the same ``value`` (one fixed-size all-gather)."""
         if self.world_size == 1:
             return True
+        _refuse_if_broken(f"[rank {self.rank}] {what}")
         mine = torch.tensor([value], dtype=torch.int64, device=self._tag_device)
         out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -222,6 +266,7 @@ class Collectives:
         """Every rank says whether its part of ``what`` worked; the ranks whose part failed (a bounded barrier)."""
         if self.world_size == 1:
             return [] if ok else [0]
+        _refuse_if_broken(f"[rank {self.rank}] {what}")
         mine = torch.tensor([int(bool(ok))], dtype=torch.int64, device=self._tag_device)
         out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -236,6 +281,7 @@ class Collectives:
         if self.world_size == 1:
             out.copy_(shard, non_blocking=True)
             return Pending(out, None)
+        _refuse_if_broken(f"[rank {self.rank}] all_gather of {self.names(chunk, module)}")
         self._check_device(f"all_gather of {self.names(chunk, module)}", out, shard)
         self.check_agreement("all_gather", chunk, module)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -248,6 +294,7 @@ class Collectives:
         if self.world_size == 1:
             out.copy_(full, non_blocking=True)
             return Pending(out, None)
+        _refuse_if_broken(f"[rank {self.rank}] reduce_scatter of {self.names(chunk, module)}")
         self._check_device(f"reduce_scatter of {self.names(chunk, module)}", out, full)
         self.check_agreement("reduce_scatter", chunk, module)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -263,6 +310,7 @@ class Collectives:
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce") -> torch.Tensor:
         if self.world_size > 1:
+            _refuse_if_broken(f"[rank {self.rank}] {what}")
             self._check_device(what, t)
             work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group,
                                    async_op=True)
@@ -272,6 +320,7 @@ class Collectives:
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``t`` on every rank (in place; off the hot path)."""
         if self.world_size > 1:
+            _refuse_if_broken(f"[rank {self.rank}] the broadcast of initial values")
             buf = t.to(self._tag_device)
             work = dist.broadcast(buf, src, group=self.group, async_op=True)
             Pending(buf, work, lambda: f"[rank {self.rank}] the broadcast of initial values", self.timeout_s,

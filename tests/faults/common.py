@@ -23,31 +23,45 @@ def free_port() -> int:
 
 
 class Ranks:
-    """Two ranks of ``script`` started as separate processes (no launcher that would kill the survivor)."""
+    """Ranks of ``script`` started as separate processes, as torchrun or SLURM start them (no launcher that would
+    kill the survivor); their output goes to files, so a long traceback cannot block them."""
 
-    def __init__(self, script: Path, *args: str, world_size: int = 2, env: Optional[dict] = None) -> None:
+    def __init__(self, script: Path, out: Path, *args: str, world_size: int = 2, env: Optional[dict] = None) -> None:
         port = str(free_port())
-        self.start = time.monotonic()
-        self.procs = []
+        self.out, self.procs, self.files = out, [], []
+        out.mkdir(parents=True, exist_ok=True)
         for r in range(world_size):
             e = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_"))}
-            e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port, PYTHONPATH=str(ROOT), **(env or {}))
-            self.procs.append(subprocess.Popen([sys.executable, str(script), *args], env=e, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, text=True, cwd=ROOT))
+            e.update(RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0", WORLD_SIZE=str(world_size),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT), **(env or {}))
+            so, se = open(out / f"rank{r}.out", "w"), open(out / f"rank{r}.err", "w")
+            self.files += [so, se]
+            self.procs.append(subprocess.Popen([sys.executable, str(script), str(out), *args], env=e, stdout=so,
+                                               stderr=se, cwd=ROOT))
 
-    def wait(self, timeout: float = 240) -> list[tuple[int, str, str, float]]:
-        """``(returncode, stdout, stderr, seconds since start)`` per rank."""
-        out = []
+    def wait(self, timeout: float = 240, *, until_first: bool = False) -> list[tuple[Optional[int], str, str, float]]:
+        """``(returncode, stdout, stderr, time.time() at exit)`` per rank; ``until_first``: return once one rank
+        exited, having killed the others (a stopped rank never exits by itself). A rank still running at
+        ``timeout`` is killed and reported with returncode None."""
+        ended: dict[int, tuple[int, float]] = {}
+        deadline = time.monotonic() + timeout
+        while len(ended) < len(self.procs) and time.monotonic() < deadline:
+            for r, p in enumerate(self.procs):
+                if r not in ended and p.poll() is not None:
+                    ended[r] = (p.returncode, time.time())
+            if until_first and ended:
+                break
+            time.sleep(0.05)
         for p in self.procs:
-            try:
-                so, se = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - self.start)))
-            except subprocess.TimeoutExpired:
-                for q in self.procs:
-                    q.kill()
-                so, se = p.communicate()
-                se += "\nHUNG: killed by the test"
-            out.append((p.returncode, so, se, time.monotonic() - self.start))
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in self.files:
+            f.close()
+        out = []
+        for r in range(len(self.procs)):
+            rc, at = ended.get(r, (None, time.time()))
+            out.append((rc, (self.out / f"rank{r}.out").read_text(), (self.out / f"rank{r}.err").read_text(), at))
         return out
 
 
