@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 
 from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.atomic import remove_dir
+from .engine.growth import input_bytes
 from .engine.checkpoint import KEY as CHECKPOINT_KEY
 from .engine.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from .engine.materialize import DeferredInit, meta_init
@@ -86,6 +87,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
         verify_collectives: several ranks: check before each chunk collective that all ranks agree on it
             (``None``: on with gloo, off with NCCL).
+        replan_when_inputs_grow: under a device limit, trace again and re-plan placement when a training
+            micro-batch's inputs are larger than any the placement was planned with (``docs/reliability.md``).
         state_dict_type: ``"sharded"``: checkpoints are directories every rank writes its shards into, in
             parallel (``docs/checkpoints.md``); ``"full"``: one plain Lightning file, gathered on every rank.
         weights: a file or directory of weights to start from, read tensor by tensor into each rank's shards at the
@@ -120,6 +123,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         log_memory_stats: bool = True,
         collective_timeout_s: float = 300.0,
         verify_collectives: Optional[bool] = None,
+        replan_when_inputs_grow: bool = True,
         state_dict_type: str = "sharded",
         weights: Optional[Union[str, "os.PathLike[str]"]] = None,
         param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
@@ -308,7 +312,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
     # ================================================================= steps
     def _step(self, method: str, training: bool, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
-        with self.engine.micro_batch(training=training) as outputs:
+        nbytes = input_bytes(*args, **kwargs) if training else None
+        with self.engine.micro_batch(training=training, input_bytes=nbytes) as outputs:
             out = getattr(super(), method)(*args, **kwargs)
             outputs(out)
         return out

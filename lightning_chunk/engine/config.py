@@ -145,6 +145,12 @@ class ChunkConfig:
     (raises ``CollectiveMismatchError`` on every rank otherwise). ``None``: on with gloo, off with NCCL
     (where reading the check back costs a stream sync)."""
 
+    replan_when_inputs_grow: bool = True
+    """Under a device limit: a training micro-batch whose inputs are larger than any the placement was traced with
+    is traced again and placement re-planned from it (larger inputs mean larger activations; see
+    [Note: inputs that grow after the warm-up]). Costs one one-element all-reduce a micro-batch with several
+    ranks. Off: the warm-up's trace stays, and larger inputs can push the device past the limit."""
+
     check_invariants: bool = False
     """Re-derive the byte accounting from the chunks after every manager operation (slow; tests)."""
 
@@ -184,7 +190,8 @@ class ChunkConfig:
             raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be True, False "
                              "or None.")
         for name in ("prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
-                     "assume_elementwise_optimizer", "sharded_accumulation", "check_invariants"):
+                     "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
+                     "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
 

@@ -180,10 +180,12 @@ class AutoPlacement(PlacementPolicy):
     name = "auto"
 
     def budget(self, limit, trace, position):
-        """Leave room for the activations the trace saw at this moment."""
+        """Leave room for the activations the trace saw at this moment and at the next: this plan's payloads stay
+        until the next moment plans again, while the module that runs in between adds its outputs (on a CPU
+        device nothing else charges them to this moment; see [Note: peaks between moments] for CUDA)."""
         if limit is None or trace is None:
             return limit
-        return max(limit - trace.nonmodel_at(position), 0)
+        return max(limit - max(trace.nonmodel_at(position), trace.nonmodel_at(position + 1)), 0)
 
     def shard_tiers(self, chunks, trace, limit):
         if limit is None:

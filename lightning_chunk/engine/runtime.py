@@ -22,6 +22,7 @@ No ``lightning`` import here or below.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -32,6 +33,7 @@ from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
 from .config import ChunkConfig, DtypePolicy, default_device_limit
 from .errors import DeviceMemoryLimitError, LayoutError
+from .growth import InputGrowth
 from .hooks import ROOT, ChunkHooks
 from .manager import ChunkManager
 from .materialize import DeferredInit
@@ -146,6 +148,8 @@ class ChunkEngine:
         for b in self.bindings:
             self._optim_bytes.update(b.state_bytes())
         self.scaler: Optional[DynamicLossScaler] = None
+        self.growth = InputGrowth(self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None)
+        self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
         self.warmed_up = False
         self._finalize_pending = False
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
@@ -188,10 +192,29 @@ class ChunkEngine:
         # one rank with every shard on the device: payloads never move, so granularity buys nothing and each
         # chunk only adds per-step work (see [Note: chunk granularity])
         stays = self.comm.world_size == 1 and self.config.placement == "device"
-        cap = choose_chunk_numel(specs, order, world_size=self.comm.world_size, numel_min=self.config.chunk_numel_min,
-                                 numel_max=self.config.chunk_numel_max, max_payload_numel=max_payload,
-                                 **({"target_chunks": 0} if stays else {}))
-        return build_layout(specs, order, cap, self.comm.world_size)
+        largest = max((s.numel for s in specs), default=1)
+        while True:
+            cap = choose_chunk_numel(specs, order, world_size=self.comm.world_size,
+                                     numel_min=self.config.chunk_numel_min, numel_max=self.config.chunk_numel_max,
+                                     max_payload_numel=max_payload, **({"target_chunks": 0} if stays else {}))
+            layout = build_layout(specs, order, cap, self.comm.world_size)
+            # [Note: an automatic chunk size that fits] "two payloads plus the activations" is a first guess:
+            # a module whose parameters span three chunks (its weights, and the chunk of small tensors that
+            # every block shares) plus a gradient payload needs more. A user who left chunk_numel to us must
+            # never be told to lower it, so halve the cap until the working set fits, down to the largest
+            # parameter, where the limit is what is too small and the caller says so with the numbers.
+            if limit is None or cap <= largest or self._working_bytes(layout, trace) <= limit:
+                return layout
+            max_payload = max(cap // 2, largest)
+
+    def _working_bytes(self, layout: Layout, trace: Optional[Trace]) -> int:
+        """Device bytes ``layout`` needs at its busiest moment: its chunks (and activations, with a trace)."""
+        views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
+        if trace is None:
+            return self._need_before_trace(layout, views)
+        slot_of = layout.slot_of()
+        chunks_b, nonmodel_b = smallest_working_limit(views, trace.remap({i: s.chunk_id for i, s in slot_of.items()}))
+        return chunks_b + nonmodel_b
 
     def _host_limit_numel(self) -> Optional[int]:
         """With ``host_memory_limit``: the largest chunk whose disk shards, two paged in at once, take at most half
@@ -283,6 +306,7 @@ class ChunkEngine:
         trace = self.hooks.trace
         assert trace is not None
         self._check_same_trace(trace)
+        trace = self._agree_on_activations(trace)
         limit = self.manager.limit
         order = trace.first_use_order(len(self.manager.params))
         try:
@@ -309,6 +333,30 @@ class ChunkEngine:
         self.manager.set_reduce_order(trace.backward_completion_order())
         self.hooks.trace = trace
 
+    def _trace_again(self) -> None:
+        """Start a new warm-up on this micro-batch; see [Note: inputs that grow after the warm-up]."""
+        self.warmed_up = False
+        self._finalize_pending = False
+        self.hooks.trace = None
+        if self._no_grads_held:
+            layout = self.manager.layout
+            views, tiers = self._plan_tiers(layout, trace=None)
+            if [c.shard_tier for c in self.manager.chunks] != [tiers[c.chunk_id] for c in layout.chunks]:
+                self._place(layout, views, tiers)
+                # the last step's gradients moved along: attach them again, so that the zero_grad() before this
+                # micro-batch's backward is seen to clear them ([Note: zero_grad on a rebound optimizer])
+                self._backward_ends()
+                release_freed_memory()
+
+    def _agree_on_activations(self, trace: Trace) -> Trace:
+        """Every rank plans from the largest activations any rank measured at each moment: ranks whose budgets
+        differed would evict and gather different chunks, and so pair different collectives."""
+        if self.comm.world_size == 1 or not trace.moments:
+            return trace
+        t = torch.tensor([m.nonmodel_bytes for m in trace.moments], dtype=torch.int64, device=self.comm.tensor_device())
+        most = self.comm.all_reduce(t, "max", what="the agreement on traced activations").tolist()
+        return Trace(tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most)))
+
     def _check_same_trace(self, trace: Trace) -> None:
         """Every rank must have used the same modules in the same order during the warm-up."""
         if self.comm.world_size == 1:
@@ -333,15 +381,22 @@ class ChunkEngine:
 
     # ================================================================ steps
     @contextlib.contextmanager
-    def micro_batch(self, *, training: bool) -> Iterator[Any]:
+    def micro_batch(self, *, training: bool, input_bytes: Optional[int] = None) -> Iterator[Any]:
         """Wrap one training micro-batch or evaluation step. Yields ``outputs(obj)`` for the step's outputs.
 
         The warm-up is finalized at the first optimizer step (``prepare_step``), where every gradient
         has been reduced into the shards, so a repack never has to move gradients still in flight.
+        ``input_bytes``: the size of what the step was handed; under a device limit a micro-batch larger than
+        any the trace saw is traced again ([Note: inputs that grow after the warm-up] in ``growth.py``).
         """
         if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
             self.hooks.end_backward()
         record = training and not self.warmed_up and torch.is_grad_enabled()
+        if training and torch.is_grad_enabled():
+            if self.growth.must_retrace(input_bytes, recording=record):
+                self._trace_again()
+                record = True
+            self._no_grads_held = False
         with self.hooks.step_scope(training=training, record=record) as outputs:
             yield outputs
 
@@ -477,6 +532,7 @@ class ChunkEngine:
         """After ``optimizer`` stepped (or skipped): write its chunks' compute-dtype copies back. Gradients stay
         until ``zero_grad()``, as in plain PyTorch."""
         bindings = self._bindings(optimizer)
+        self._no_grads_held = True
         if stepped:
             self.manager.write_back(None if optimizer is None else [g for b in bindings for g in b.chunk_groups()])
 
@@ -488,6 +544,8 @@ class ChunkEngine:
             out["loss_scale"] = self.scaler.scale
         if self.last_grad_norm is not None:
             out["grad_norm"] = self.last_grad_norm  # the global norm the last norm clipping saw
+        if self.growth.enabled:
+            out["replans"] = self.growth.replans  # traced again because the inputs grew
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
