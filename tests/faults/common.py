@@ -33,7 +33,9 @@ class Ranks:
         for r in range(world_size):
             e = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_"))}
             e.update(RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0", WORLD_SIZE=str(world_size),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT), **(env or {}))
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT),
+                     OMP_NUM_THREADS="1")  # as torchrun sets it: spinning thread pools of 2 ranks on 2 cores cost 3x
+            e.update(env or {})
             so, se = open(out / f"rank{r}.out", "w"), open(out / f"rank{r}.err", "w")
             self.files += [so, se]
             self.procs.append(subprocess.Popen([sys.executable, str(script), str(out), *args], env=e, stdout=so,
