@@ -28,6 +28,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 _pkg = types.ModuleType("lightning_chunk")
 _pkg.__path__ = [str(ROOT / "lightning_chunk")]
 sys.modules["lightning_chunk"] = _pkg
@@ -38,6 +39,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs  # noqa: E402
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine, Collectives  # noqa: E402
 from lightning_chunk.engine import atomic, checkpoint  # noqa: E402
+from tests.engine_steps import step  # noqa: E402
 
 TIMEOUT_S = 20.0
 
@@ -50,15 +52,7 @@ def build(steps: int):
     eng = ChunkEngine(model, [opt], config=ChunkConfig(placement="host", chunk_numel=1700), collectives=comm)
     rank = comm.rank
     for i in range(steps):
-        x = torch.randn(4, 40, generator=torch.Generator().manual_seed(100 * i + rank))
-        opt.zero_grad()
-        with eng.micro_batch(training=True):
-            loss = model(x).pow(2).mean()
-        loss.backward()
-        eng.after_backward()
-        eng.prepare_step()
-        opt.step()
-        eng.finish_step(stepped=True)
+        step(eng, model, opt, torch.randn(4, 40, generator=torch.Generator().manual_seed(100 * i + rank)))
     return eng, comm
 
 
@@ -149,6 +143,7 @@ def save_fails_then_succeeds(eng, comm, out: Path, steps: int, how: str) -> None
     resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
     dcp_fs._write_item = original
     print("LEFT " + " ".join(sorted(p.name for p in out.iterdir())), flush=True)
+    dist.barrier()  # every rank looked before rank 0 starts the next save's partial directory
     checkpoint.save_sharded(eng, out / "last.ckpt", {"steps": steps}, with_optimizer=True)
     print(f"SAVED rank={comm.rank}", flush=True)
     dist.destroy_process_group()

@@ -12,6 +12,7 @@ import torch
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.checkpoint import CheckpointError, load_sharded, save_sharded
+from tests.engine_steps import step
 
 
 def engine(width=24, dtype=torch.float32, seed=0, steps=1):
@@ -20,14 +21,7 @@ def engine(width=24, dtype=torch.float32, seed=0, steps=1):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     eng = ChunkEngine(model, [opt], config=ChunkConfig(placement="host", chunk_numel=1100))
     for i in range(steps):
-        opt.zero_grad()
-        with eng.micro_batch(training=True):
-            loss = model(torch.randn(3, width, dtype=dtype, generator=torch.Generator().manual_seed(i))).float().pow(2).mean()
-        loss.backward()
-        eng.after_backward()
-        eng.prepare_step()
-        opt.step()
-        eng.finish_step(stepped=True)
+        step(eng, model, opt, torch.randn(3, width, dtype=dtype, generator=torch.Generator().manual_seed(i)))
     return eng, opt
 
 

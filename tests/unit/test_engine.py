@@ -9,6 +9,7 @@ from lightning_chunk.engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitEr
 from lightning_chunk.engine.chunk import Tier
 from lightning_chunk.engine.packing import build_layout
 from lightning_chunk.engine.tracer import SavedBytesCounter
+from tests.engine_steps import step
 
 
 def test_engine_imports_no_lightning():
@@ -34,17 +35,6 @@ class Reordered(nn.Module):
 
     def forward(self, x):
         return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
-
-
-def step(eng, model, opt, x):
-    opt.zero_grad()  # as the reference loop does: gradients stay after a step until zero_grad, as in torch
-    with eng.micro_batch(training=True):
-        loss = model(x).pow(2).mean()
-    loss.backward()
-    eng.after_backward()
-    eng.prepare_step()
-    opt.step()
-    eng.finish_step(stepped=True)
 
 
 def test_warmup_repacks_in_first_use_order_and_keeps_training_exact():
