@@ -5,6 +5,9 @@
 
 Contenders, each in its own pair of processes:
 
+- ``DDP``: ``Trainer(strategy="ddp", devices=2)``, everything replicated: the price of offloading is read
+  against it (the ``x DDP`` column).
+- ``chunk_offload (device)``: every shard resident (``placement="device"``): the cost of sharding alone.
 - ``chunk_offload (host, ...)``: ``Trainer(strategy=ChunkOffloadStrategy(placement="host"), devices=2)``:
   every chunk sharded over the two ranks, every shard on the host tier, payloads fetched on use;
   once with the automatic chunk size and once with one transformer block a chunk (FSDP2's unit).
@@ -19,7 +22,9 @@ Contenders, each in its own pair of processes:
 Per contender: the median step time after the first step, and each rank's peak resident memory
 (VmHWM from /proc, the whole process: Python, torch, model and optimizer) when training ends: for
 chunk_offload before its teardown gathers the full model back into the module, which the plain
-loops of the peers do not do.
+loops of the peers do not do. For chunk_offload rows, each rank's time breakdown over the timed steps
+(``ChunkTelemetry``: waits on all-gathers, reduce-scatters and agreements, tier copies, the optimizer, the
+hooks; [Note: where a step's time goes]).
 """
 
 from __future__ import annotations
@@ -47,21 +52,31 @@ def _data(args: argparse.Namespace, ranks: int) -> Any:
 
 
 def child_chunk(args: argparse.Namespace) -> None:
+    from lightning_chunk import ChunkOffloadStrategy, ChunkTelemetry
+
+    telemetry = ChunkTelemetry(picture=False)
+    strategy = ChunkOffloadStrategy(placement=args.placement, chunk_numel=args.chunk_numel, log_memory_stats=False)
+    _lightning_child(args, strategy, [telemetry], lambda: telemetry.breakdown)
+
+
+def child_ddp(args: argparse.Namespace) -> None:
+    _lightning_child(args, "ddp", [], lambda: [])
+
+
+def _lightning_child(args: argparse.Namespace, strategy: Any, callbacks: list, breakdown: Any) -> None:
     import lightning as L
     import torch
-
-    from lightning_chunk import ChunkOffloadStrategy
 
     times: list[float] = []
     peak: dict = {}
     L.seed_everything(0, verbose=False)
     model = make_gpt(args)
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=args.chunk_numel,
-                                                      log_memory_stats=False), callbacks=[step_timer(times), train_end_peak(peak)])
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, strategy=strategy,
+                        callbacks=[step_timer(times), train_end_peak(peak), *callbacks])
     trainer.fit(model, torch.utils.data.DataLoader(_data(args, 2), batch_size=args.batch))
-    _report(args, trainer.global_rank, times, sum(p.numel() for p in model.parameters()), peak["peak_rss"])
+    _report(args, trainer.global_rank, times, sum(p.numel() for p in model.parameters()), peak["peak_rss"],
+            breakdown())
     torch.distributed.destroy_process_group()
 
 
@@ -143,13 +158,15 @@ def _timed_steps(args: argparse.Namespace, rank: int, forward: Any, backward_and
     return times
 
 
-def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int, peak: int = 0) -> None:
+def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int, peak: int = 0,
+            breakdown: Optional[list] = None) -> None:
     """Peak RSS at the end of training: for chunk_offload before its teardown gathers the model back."""
     Path(f"{args.out}.rank{rank}").write_text(json.dumps({"times": times, "peak_rss": peak or proc_bytes("VmHWM"),
-                                                         "params": n_params}))
+                                                         "params": n_params, "breakdown": breakdown or []}))
 
 
-def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int] = None) -> dict:
+def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int] = None,
+                  placement: str = "host") -> dict:
     env = clean_env()
     out = Path(tempfile.mkdtemp(prefix="peers_cpu_")) / f"{name}{chunk_numel or ''}"  # scratch, not results
     for r in (0, 1):
@@ -158,6 +175,7 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int
                                                      ("width", "depth", "context", "batch", "steps")]
     if chunk_numel:
         common.append(f"--chunk-numel={chunk_numel}")
+    common.append(f"--placement={placement}")
     if name in ("fsdp2", "deepspeed"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29517",
                str(Path(__file__).resolve()), *common]
@@ -172,25 +190,30 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int
         ranks.append(json.loads(f.read_text()))
     steady = [t for rk in ranks for t in rk["times"][1:]] or [t for rk in ranks for t in rk["times"]]
     return {"median_s": statistics.median(steady), "min_s": min(steady), "max_s": max(steady),
-            "peak_rss": [rk["peak_rss"] for rk in ranks], "params": ranks[0]["params"]}
+            "peak_rss": [rk["peak_rss"] for rk in ranks], "params": ranks[0]["params"],
+            "breakdown": ranks[0].get("breakdown", [])}
 
 
-LABELS = {"chunk": "chunk_offload (host)", "fsdp2": "FSDP2 + CPUOffloadPolicy", "deepspeed": "DeepSpeed ZeRO-3 offload"}
+LABELS = {"chunk": "chunk_offload (host)", "fsdp2": "FSDP2 + CPUOffloadPolicy", "deepspeed": "DeepSpeed ZeRO-3 offload",
+          "ddp": "DDP (everything replicated)"}
 
 
 def measure(args: argparse.Namespace) -> dict:
     block_numel = 12 * args.width * args.width + 13 * args.width  # one transformer block: FSDP2's unit here
-    rows = [{"contender": LABELS["fsdp2"], **run_contender("fsdp2", args)},
+    rows = [{"contender": LABELS["ddp"], **run_contender("ddp", args)},
+            {"contender": LABELS["fsdp2"], **run_contender("fsdp2", args)},
+            {"contender": "chunk_offload (device, auto chunk size)", **run_contender("chunk", args, placement="device")},
             {"contender": "chunk_offload (host, auto chunk size)", **run_contender("chunk", args)},
             {"contender": "chunk_offload (host, one block a chunk)", **run_contender("chunk", args, block_numel)}]
     if importlib.util.find_spec("deepspeed") is None:
         rows.append({"contender": LABELS["deepspeed"], "skipped": "deepspeed is not installed"})
     else:
         rows.append({"contender": LABELS["deepspeed"], **run_contender("deepspeed", args)})
-    base = rows[0]["median_s"]
+    ddp, fsdp2 = rows[0]["median_s"], rows[1]["median_s"]
     for r in rows:
         if "median_s" in r:
-            r["vs_fsdp2"] = r["median_s"] / base
+            r["vs_ddp"] = r["median_s"] / ddp
+            r["vs_fsdp2"] = r["median_s"] / fsdp2
     return {"params": rows[0]["params"], "block_numel": block_numel, "width": args.width, "depth": args.depth, "context": args.context,
             "batch": args.batch, "steps": args.steps, "rows": rows}
 
@@ -199,21 +222,28 @@ def render(res: dict) -> str:
     gib = 2**30
     lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
              f"batch {res['batch']} per rank), 2 gloo ranks, {res['steps']} steps (the first not timed)",
-             f"{'contender':<40} {'median s':>9} {'min..max s':>14} {'x FSDP2':>8} {'peak RSS GiB (rank 0, 1)':>26}"]
+             f"{'contender':<40} {'median s':>9} {'min..max s':>14} {'x DDP':>6} {'x FSDP2':>8} "
+             f"{'peak RSS GiB (rank 0, 1)':>26}"]
     for r in res["rows"]:
         if "skipped" in r:
             lines.append(f"{r['contender']:<40} skipped: {r['skipped']}")
             continue
         rss = ", ".join(f"{b / gib:.2f}" for b in r["peak_rss"])
         lines.append(f"{r['contender']:<40} {r['median_s']:>9.2f} {r['min_s']:>6.2f}..{r['max_s']:<6.2f} "
-                     f"{r['vs_fsdp2']:>8.2f} {rss:>26}")
+                     f"{r['vs_ddp']:>6.2f} {r['vs_fsdp2']:>8.2f} {rss:>26}")
+    for r in res["rows"]:
+        if r.get("breakdown"):
+            from lightning_chunk.telemetry import breakdown_table
+
+            lines += ["", f"{r['contender']}:", breakdown_table(r["breakdown"]).split("\n", 1)[1]]
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/peers_cpu.json", width=768, depth=14, context=64, batch=2, steps=4)
     p.add_argument("--chunk-numel", type=int, default=None, help=argparse.SUPPRESS)
-    children = {"chunk": child_chunk, "fsdp2": child_fsdp2, "deepspeed": child_deepspeed}
+    p.add_argument("--placement", default="host", help=argparse.SUPPRESS)
+    children = {"chunk": child_chunk, "ddp": child_ddp, "fsdp2": child_fsdp2, "deepspeed": child_deepspeed}
     return run_or_child(p.parse_args(argv), children, measure, render)
 
 

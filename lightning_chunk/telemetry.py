@@ -7,6 +7,10 @@
   prefetches), and chunk bytes plus the traced non-model bytes against the device limit.
   matplotlib is optional (``pip install 'lightning_chunk[plot]'``); without it the callback says so
   once and carries on.
+- Where each step's time went on this rank (``chunk/time_<cause>_ms``: waiting on all-gathers, on
+  reduce-scatters, on agreement collectives, tier copies, the optimizer, the engine's hooks, and the rest:
+  the model's compute), and at the end of ``fit`` one table of every rank's totals, printed by rank 0 and
+  kept in ``breakdown`` ([Note: where a step's time goes] in ``engine/timing.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from .engine.timing import CAUSES
 from .engine.tracer import BACKWARD, FORWARD, MomentEvent
 
 
@@ -37,6 +42,9 @@ class ChunkTelemetry(pl.Callback):
         self._events: Optional[list[MomentEvent]] = None
         self._done = False
         self._folder: Optional[Path] = None
+        self._times0: dict[str, float] = {}
+        self._totals = dict.fromkeys(("step",) + CAUSES, 0.0)  # seconds on this rank, summed over training steps
+        self.breakdown: list[dict[str, float]] = []  # per rank, filled at the end of fit
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Trainer.log_dir broadcasts from rank 0: a collective, so every rank resolves it here, together;
@@ -48,6 +56,7 @@ class ChunkTelemetry(pl.Callback):
                              batch_idx: int) -> None:
         self._t0 = time.perf_counter()
         engine = getattr(trainer.strategy, "engine", None)
+        self._times0 = dict(engine.manager.clock.seconds) if engine is not None else {}
         if self.picture and not self._done and engine is not None and engine.warmed_up and trainer.is_global_zero:
             self._events = []
             engine.hooks.recorder = self._events.append
@@ -57,16 +66,39 @@ class ChunkTelemetry(pl.Callback):
         elapsed_ms = (time.perf_counter() - self._t0) * 1000.0
         values = {"chunk/step_time_ms": elapsed_ms}
         strategy = trainer.strategy
+        engine = getattr(strategy, "engine", None)
+        if engine is not None and self._times0:
+            self._totals["step"] += elapsed_ms / 1000.0
+            spent = 0.0
+            for cause, now in engine.manager.clock.seconds.items():
+                delta = now - self._times0.get(cause, 0.0)
+                self._totals[cause] += delta
+                values[f"chunk/time_{cause}_ms"] = delta * 1000.0
+                spent += delta
+            values["chunk/time_rest_ms"] = max(elapsed_ms - spent * 1000.0, 0.0)
         if hasattr(strategy, "memory_stats") and not getattr(strategy, "log_memory_stats", True):
             values.update({f"chunk/{k}": float(v) for k, v in strategy.memory_stats().items()})
         if trainer.loggers:
             pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-        engine = getattr(strategy, "engine", None)
         if self._events is not None and engine is not None:
             engine.hooks.recorder = None
             events, self._events = self._events, None
             self._done = True
             self.picture_path = self._draw(trainer, engine, events)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Every rank's totals, gathered (every rank calls this together) and printed by rank 0."""
+        mine = dict(self._totals)
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(gathered, mine)
+            self.breakdown = [dict(g) for g in gathered]
+        else:
+            self.breakdown = [mine]
+        if self.breakdown and self.breakdown[0]["step"] > 0:
+            rank_zero_info(breakdown_table(self.breakdown))
 
     # --------------------------------------------------------------- picture
     def _draw(self, trainer: "pl.Trainer", engine: Any, events: list[MomentEvent]) -> Optional[Path]:
@@ -85,6 +117,21 @@ class ChunkTelemetry(pl.Callback):
         draw_step(events, engine.manager.limit, len(engine.manager.chunks), path, plt)
         rank_zero_info(f"ChunkTelemetry: one step's chunk placement drawn in {path}")
         return path
+
+
+def breakdown_table(per_rank: list[dict[str, float]]) -> str:
+    """Seconds and share of the training steps' wall time, by cause, one row per rank."""
+    heads = ["rank", "steps s"] + [c.replace("_", " ") for c in CAUSES] + ["rest (compute)"]
+    rows = []
+    for r, t in enumerate(per_rank):
+        step = t["step"] or 1.0
+        rest = max(t["step"] - sum(t[c] for c in CAUSES), 0.0)
+        rows.append([str(r), f"{t['step']:.2f}"] + [f"{t[c]:.2f} ({100 * t[c] / step:.0f}%)" for c in CAUSES]
+                    + [f"{rest:.2f} ({100 * rest / step:.0f}%)"])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    return "\n".join(["ChunkTelemetry: where the training steps' time went (seconds, share of step time)",
+                      line(heads), line(["-" * w for w in widths])] + [line(row) for row in rows])
 
 
 def draw_step(events: list[MomentEvent], limit: Optional[int], n_chunks: int, path: Path, plt: Any) -> None:

@@ -39,6 +39,7 @@ On NCCL the waits stay stream-ordered (no host sync) and the process group's
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import socket
@@ -74,8 +75,16 @@ class Pending(NamedTuple):
     describe: Optional[Callable[[], str]] = None
     timeout_s: Optional[float] = None
     diagnose: Optional[Callable[[], str]] = None
+    clock: Optional[Any] = None  # a StepClock: the wait is charged to ``cause``
+    cause: str = "sync_wait"
 
     def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            with self.clock.measure(self.cause) if self.clock is not None else contextlib.nullcontext():
+                self._wait()
+        return self.buffer
+
+    def _wait(self) -> None:
         if self.work is not None:
             try:
                 if self.timeout_s is not None:
@@ -94,7 +103,6 @@ class Pending(NamedTuple):
                     f"[{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}]")
                 _broken.append(str(error))
                 raise error from None
-        return self.buffer
 
 
 def _host_id() -> int:
@@ -164,6 +172,7 @@ class Collectives:
         self._tag_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.names: Callable[[int, int], str] = lambda chunk, module: f"chunk {chunk}"
         self.peers: list[tuple[int, int]] = []
+        self.clock: Optional[Any] = None  # the engine's StepClock, once it has one
         if self.world_size > 1:
             self._learn_peers()
 
@@ -208,6 +217,7 @@ class Collectives:
         c._tag_device = torch.device("cpu")
         c.names = lambda chunk, module: f"chunk {chunk}"
         c.peers = []
+        c.clock = None
         return c
 
     @classmethod
@@ -240,7 +250,7 @@ class Collectives:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = fn(out, mine, group=self.group, async_op=True)
         Pending(out, work, lambda: f"[rank {self.rank}] the agreement check before {op} of "
-                f"{self.names(chunk, module)}", self.timeout_s, self.lost_peers).wait()
+                f"{self.names(chunk, module)}", self.timeout_s, self.lost_peers, self.clock).wait()
         tags = out.view(self.world_size, 3).tolist()
         if any(t != tags[0] for t in tags):
             lines = "; ".join(f"rank {r}: {OPS[t[0]]} of {self.names(t[1], t[2])}" for r, t in enumerate(tags))
@@ -259,7 +269,7 @@ class Collectives:
         out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] {what}",
-                self.timeout_s, self.lost_peers).wait()
+                self.timeout_s, self.lost_peers, self.clock).wait()
         return bool((out == out[0]).all())
 
     def failed_ranks(self, ok: bool, *, what: str) -> list[int]:
@@ -271,15 +281,16 @@ class Collectives:
         out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] {what}",
-                self.timeout_s, self.lost_peers).wait()
+                self.timeout_s, self.lost_peers, self.clock).wait()
         return [r for r, v in enumerate(out.tolist()) if not v]
 
     # ----------------------------------------------------------- collectives
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, chunk: int = -1, module: int = -1,
                    async_op: bool = False) -> Pending:
         """Fill ``out`` (world_size * shard.numel()) with every rank's ``shard``."""
-        if self.world_size == 1:
-            out.copy_(shard, non_blocking=True)
+        if self.world_size == 1:  # the copy from the shard's tier is the whole "gather"
+            with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
+                out.copy_(shard, non_blocking=True)
             return Pending(out, None)
         _refuse_if_broken(f"[rank {self.rank}] all_gather of {self.names(chunk, module)}")
         self._check_device(f"all_gather of {self.names(chunk, module)}", out, shard)
@@ -292,7 +303,8 @@ class Collectives:
                        async_op: bool = False) -> Pending:
         """Sum ``full`` over ranks and leave this rank's slice in ``out``."""
         if self.world_size == 1:
-            out.copy_(full, non_blocking=True)
+            with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
+                out.copy_(full, non_blocking=True)
             return Pending(out, None)
         _refuse_if_broken(f"[rank {self.rank}] reduce_scatter of {self.names(chunk, module)}")
         self._check_device(f"reduce_scatter of {self.names(chunk, module)}", out, full)
@@ -303,7 +315,7 @@ class Collectives:
 
     def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool) -> Pending:
         p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s,
-                    self.lost_peers)
+                    self.lost_peers, self.clock, "gather_wait" if op == "all_gather" else "reduce_wait")
         if not async_op:
             p.wait()
         return p
@@ -314,7 +326,7 @@ class Collectives:
             self._check_device(what, t)
             work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group,
                                    async_op=True)
-            Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers).wait()
+            Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers, self.clock).wait()
         return t
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -324,7 +336,7 @@ class Collectives:
             buf = t.to(self._tag_device)
             work = dist.broadcast(buf, src, group=self.group, async_op=True)
             Pending(buf, work, lambda: f"[rank {self.rank}] the broadcast of initial values", self.timeout_s,
-                    self.lost_peers).wait()
+                    self.lost_peers, self.clock).wait()
             t.copy_(buf)
         return t
 

@@ -249,14 +249,16 @@ class ChunkHooks:
     # =================================================================== hooks
     def _make_pre_forward(self, key: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            self._use(key, FORWARD)
+            with self.manager.clock.measure("hooks"):
+                self._use(key, FORWARD)
 
         return hook
 
     def _make_post_forward(self, key: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._done_forward(key)
-            self._hook_outputs(key, output)
+            with self.manager.clock.measure("hooks"):
+                self._done_forward(key)
+                self._hook_outputs(key, output)
 
         return hook
 
@@ -270,17 +272,19 @@ class ChunkHooks:
 
     def _make_pre_backward(self, key: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            self._queue_end_of_backward()
-            self._use(key, BACKWARD)
+            with self.manager.clock.measure("hooks"):
+                self._queue_end_of_backward()
+                self._use(key, BACKWARD)
 
         return hook
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        self._queue_end_of_backward()
-        if param.grad is None:
-            return
-        self.manager.accumulate_grad(param, param.grad, self.make_room)
-        param.grad = None
+        with self.manager.clock.measure("hooks"):
+            self._queue_end_of_backward()
+            if param.grad is None:
+                return
+            self.manager.accumulate_grad(param, param.grad, self.make_room)
+            param.grad = None
 
     def _queue_end_of_backward(self) -> None:
         if not self._backward_queued:
@@ -296,6 +300,10 @@ class ChunkHooks:
 
     def end_backward(self) -> None:
         """All gradients of this backward are in: reduce the rest, finish the warm-up trace."""
+        with self.manager.clock.measure("hooks"):
+            self._end_backward()
+
+    def _end_backward(self) -> None:
         self._backward_queued = False
         self._check_same_sequence()
         self.manager.end_backward(self.make_room)

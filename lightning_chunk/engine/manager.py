@@ -31,6 +31,7 @@ from .reduce import GradReducer, MakeRoom
 from .repack import ExtraShards, FromModule, OldChunks, build_chunk, piece_range
 from .states import TensorState, check_transition
 from .tiers import DeviceStorage, DiskStorage, HostStorage, TierStorage
+from .timing import StepClock
 
 S = TensorState
 _HOST = torch.device("cpu")
@@ -77,6 +78,8 @@ class ChunkManager:
         self.ledger = {t: 0 for t in Tier}
         self.device_peak = 0
         self.transfers = TransferStats()
+        self.clock = StepClock()  # [Note: where a step's time goes]; the collectives charge their waits to it
+        self.comm.clock = self.clock
         self._retiring: list[Chunk] = []  # old chunks still holding bytes during a streaming repack
         pin = config.pin_memory and self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -279,8 +282,9 @@ class ChunkManager:
                     # ([Note: staged optimizer steps] in tiers.py); else its pages go out when this block ends
                     lo, hi = chunk.shard_range
                     staged = chunk.payload[lo:hi]
-                    if not (from_file and self.device.type == "cpu" and self.disk.read_master_into(chunk, staged)):
-                        staged.copy_(src, non_blocking=chunk.shard_tier is not Tier.DISK)
+                    with self.clock.measure("tier_copy"):
+                        if not (from_file and self.device.type == "cpu" and self.disk.read_master_into(chunk, staged)):
+                            staged.copy_(src, non_blocking=chunk.shard_tier is not Tier.DISK)
                     src = staged
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(self.device))

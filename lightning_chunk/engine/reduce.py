@@ -120,7 +120,8 @@ class GradReducer:
             add, chunk.grad_written = chunk.grad_written, True
             if chunk.shard_tier is not Tier.DEVICE:
                 mgr.transfers.d2h_bytes += out.numel() * out.element_size()
-            self.offload.copy(target, out, add=add, on_done=lambda c=chunk: self._free_payload(c))
+            with mgr.clock.measure("tier_copy"):
+                self.offload.copy(target, out, add=add, on_done=lambda c=chunk: self._free_payload(c))
             if chunk.shard_tier is Tier.DISK:
                 self.offload.drain()  # landed: a disk shard's buffer goes to its file now
                 storage.grads_done(chunk)

@@ -526,7 +526,8 @@ class ChunkEngine:
 
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)``, disk-tier chunks one at a time ([Note: stepping disk shards] in optim.py)."""
-        return self._bindings(optimizer)[0].step(**kwargs)
+        with self.manager.clock.measure("optimizer"):
+            return self._bindings(optimizer)[0].step(**kwargs)
 
     def finish_step(self, *, stepped: bool, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """After ``optimizer`` stepped (or skipped): write its chunks' compute-dtype copies back. Gradients stay
@@ -534,7 +535,8 @@ class ChunkEngine:
         bindings = self._bindings(optimizer)
         self._no_grads_held = True
         if stepped:
-            self.manager.write_back(None if optimizer is None else [g for b in bindings for g in b.chunk_groups()])
+            with self.manager.clock.measure("optimizer"):  # the compute-dtype copies are part of the step's cost
+                self.manager.write_back(None if optimizer is None else [g for b in bindings for g in b.chunk_groups()])
 
     # ================================================================ results
     def memory_stats(self) -> dict[str, float]:
@@ -546,6 +548,7 @@ class ChunkEngine:
             out["grad_norm"] = self.last_grad_norm  # the global norm the last norm clipping saw
         if self.growth.enabled:
             out["replans"] = self.growth.replans  # traced again because the inputs grew
+        out.update(self.manager.clock.stats())  # seconds by cause since set-up ([Note: where a step's time goes])
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

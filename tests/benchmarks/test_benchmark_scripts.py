@@ -43,12 +43,15 @@ def test_peers_cpu_benchmark_runs_every_peer(tmp_path, capsys):
     res = load("peers_cpu").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "3",
                                   "--out", str(tmp_path / "peers.json")])
     rows = {r["contender"]: r for r in res["rows"]}
-    assert rows["FSDP2 + CPUOffloadPolicy"]["vs_fsdp2"] == 1.0
-    for name in ("chunk_offload (host, auto chunk size)", "chunk_offload (host, one block a chunk)"):
+    assert rows["FSDP2 + CPUOffloadPolicy"]["vs_fsdp2"] == 1.0 and rows["DDP (everything replicated)"]["vs_ddp"] == 1.0
+    for name in ("chunk_offload (device, auto chunk size)", "chunk_offload (host, auto chunk size)",
+                 "chunk_offload (host, one block a chunk)"):
         assert rows[name]["median_s"] > 0 and all(b > 0 for b in rows[name]["peak_rss"])
+        assert len(rows[name]["breakdown"]) == 2 and rows[name]["breakdown"][1]["gather_wait"] > 0  # both ranks
     ds = rows["DeepSpeed ZeRO-3 offload"]
     assert "skipped" in ds or (ds["median_s"] > 0 and all(b > 0 for b in ds["peak_rss"]))  # never faked
-    assert "x FSDP2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x DDP" in out and "x FSDP2" in out and "gather wait" in out
 
 
 def test_scale_search_doubles_then_bisects(monkeypatch, tmp_path):

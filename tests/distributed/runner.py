@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision  # noqa: E402
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, ChunkTelemetry  # noqa: E402
 from tests import models  # noqa: E402
 from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
@@ -42,7 +42,7 @@ CASES = {
     "tied": dict(variant="tied"),
     "frozen": dict(variant="frozen"),
     "unused": dict(variant="unused"),
-    "host": dict(strategy=dict(placement="host")),
+    "host": dict(strategy=dict(placement="host"), telemetry=True),
     # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
     "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
     # the defaults a user gets: automatic chunk size, on a model used in another order than registered
@@ -105,8 +105,12 @@ def run_parity(case: str, out: Path) -> None:
     L.seed_everything(7, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
     got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
     strategy = ChunkOffloadStrategy(**skw)
-    t = trainer(strategy, plugins=[ChunkPrecision("16-mixed")] if fp16 else None, **tkw)
+    telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
+    t = trainer(strategy, plugins=[ChunkPrecision("16-mixed")] if fp16 else None,
+                **(dict(callbacks=[telemetry]) if telemetry else {}), **tkw)
     t.fit(got, token_data())
+    if telemetry is not None and t.global_rank == 0:
+        (out / f"{case}.breakdown.json").write_text(json.dumps(telemetry.breakdown))
     rank = t.global_rank
     stats = dict(strategy.memory_stats(), limit=skw.get("device_memory_limit"),
                  disk_left=sorted(p.name for p in Path(skw["disk_dir"]).iterdir() if f"-rank{strategy.global_rank}-"

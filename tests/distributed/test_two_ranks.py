@@ -41,6 +41,21 @@ def run(out: Path, *cases: str, timeout: int) -> tuple[int, str, float]:
     return r.returncode, r.stdout + r.stderr, time.monotonic() - start
 
 
+def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
+    """[Note: where a step's time goes]: on two gloo ranks with host placement both ranks wait on all-gathers,
+    reduce-scatters and agreements, and no cause claims more than the steps took."""
+    out, rc, log = parity_run
+    assert rc == 0, log[-3000:]
+    per_rank = json.loads((out / "host.breakdown.json").read_text())
+    assert len(per_rank) == 2
+    for r, t in enumerate(per_rank):
+        for cause in ("gather_wait", "reduce_wait", "sync_wait", "optimizer", "hooks"):
+            assert t[cause] > 0, (r, cause, t)
+        assert sum(v for k, v in t.items() if k != "step") <= t["step"], t
+        s = stats(out, "host")[r]
+        assert s["time_gather_wait_s"] >= t["gather_wait"] > 0  # cumulative since set-up (warm-up included)
+
+
 @pytest.fixture(scope="module")
 def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")

@@ -59,6 +59,27 @@ def test_memory_stats_are_logged_every_step(tmp_path):
     assert float(rows[-1]["chunk/h2d_bytes"]) > 0 and float(rows[-1]["chunk/host_chunk_bytes"]) > 0
 
 
+def test_chunk_telemetry_logs_where_each_step_s_time_went_and_prints_the_totals(tmp_path, caplog):
+    from lightning_chunk import ChunkTelemetry
+
+    tel = ChunkTelemetry(picture=False)
+    t = trainer(tmp_path, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, log_memory_stats=False),
+                max_steps=5, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1, callbacks=[tel])
+    with caplog.at_level("INFO"):
+        t.fit(ParityNet(), token_data())
+    rows = list(csv.DictReader(open(next(Path(tmp_path).rglob("metrics.csv")))))
+    causes = ("gather_wait", "reduce_wait", "sync_wait", "tier_copy", "optimizer", "hooks", "rest")
+    for row in rows:
+        parts = [float(row[f"chunk/time_{c}_ms"]) for c in causes]
+        assert all(p >= 0 for p in parts) and sum(parts) == pytest.approx(float(row["chunk/step_time_ms"]), rel=1e-6)
+        assert float(row["chunk/time_optimizer_ms"]) > 0 and float(row["chunk/time_hooks_ms"]) > 0
+    (totals,) = tel.breakdown
+    assert totals["step"] > totals["optimizer"] + totals["hooks"] > 0
+    assert "where the training steps' time went" in caplog.text
+    stats = t.strategy.memory_stats()
+    assert stats["time_optimizer_s"] >= totals["optimizer"]  # cumulative since set-up
+
+
 def test_parameters_hold_trained_values_after_fit_and_the_model_keeps_working():
     ref = ParityNet()
     L.seed_everything(3)
