@@ -32,9 +32,15 @@ class ChunkTelemetry(pl.Callback):
     Args:
         picture: record and draw one step after the warm-up.
         filename: the picture's file name, in the logger's directory (else ``default_root_dir``).
+        breakdown_skip: training batches at the start left out of the end-of-fit totals (the first is the
+            warm-up, which traces, re-packs and places: not what the following steps cost).
     """
 
-    def __init__(self, picture: bool = True, filename: str = "chunk_placement.png") -> None:
+    def __init__(self, picture: bool = True, filename: str = "chunk_placement.png", breakdown_skip: int = 1) -> None:
+        if isinstance(breakdown_skip, bool) or not isinstance(breakdown_skip, int) or breakdown_skip < 0:
+            raise ValueError(f"breakdown_skip={breakdown_skip!r} is not allowed; it must be an integer >= 0.")
+        self.breakdown_skip = breakdown_skip
+        self._batches = 0
         self.picture = picture
         self.filename = filename
         self.picture_path: Optional[Path] = None
@@ -68,11 +74,13 @@ class ChunkTelemetry(pl.Callback):
         strategy = trainer.strategy
         engine = getattr(strategy, "engine", None)
         if engine is not None and self._times0:
-            self._totals["step"] += elapsed_ms / 1000.0
+            self._batches += 1
+            counted = self._batches > self.breakdown_skip
+            self._totals["step"] += elapsed_ms / 1000.0 if counted else 0.0
             spent = 0.0
             for cause, now in engine.manager.clock.seconds.items():
                 delta = now - self._times0.get(cause, 0.0)
-                self._totals[cause] += delta
+                self._totals[cause] += delta if counted else 0.0
                 values[f"chunk/time_{cause}_ms"] = delta * 1000.0
                 spent += delta
             values["chunk/time_rest_ms"] = max(elapsed_ms - spent * 1000.0, 0.0)
@@ -130,7 +138,8 @@ def breakdown_table(per_rank: list[dict[str, float]]) -> str:
                     + [f"{rest:.2f} ({100 * rest / step:.0f}%)"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    return "\n".join(["ChunkTelemetry: where the training steps' time went (seconds, share of step time)",
+    return "\n".join(["ChunkTelemetry: where the training steps' time went after the warm-up (seconds, share of "
+                      "step time)",
                       line(heads), line(["-" * w for w in widths])] + [line(row) for row in rows])
 
 

@@ -283,7 +283,8 @@ class ChunkHooks:
             self._queue_end_of_backward()
             if param.grad is None:
                 return
-            self.manager.accumulate_grad(param, param.grad, self.make_room)
+            with self.manager.clock.measure("grad_copy"):
+                self.manager.accumulate_grad(param, param.grad, self.make_room)
             param.grad = None
 
     def _queue_end_of_backward(self) -> None:

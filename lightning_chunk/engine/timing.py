@@ -3,7 +3,8 @@
 [Note: where a step's time goes]
 A slow offloaded run is slow for one of a few reasons: it waits for all-gathers (parameters not fetched in
 time), for reduce-scatters (gradients), for the small agreement collectives (tags, votes, norms), on copies
-between tiers, in the optimizer, or in the engine's own Python at each module hook. ``StepClock`` adds up the
+between tiers, on adding each parameter's gradient into its chunk's flat gradient (``grad_copy``), in the
+optimizer, or in the engine's own Python at each module hook. ``StepClock`` adds up the
 wall time of each on this rank since the engine started. Measurements nest, and each second is charged to
 one cause only, the innermost: a gather waited for inside a forward hook is ``gather_wait``, and ``hooks`` is
 what the hooks spent on their own (planning, bookkeeping, launching collectives). What no cause claims is
@@ -21,7 +22,7 @@ import contextlib
 import time
 from typing import Iterator
 
-CAUSES = ("gather_wait", "reduce_wait", "sync_wait", "tier_copy", "optimizer", "hooks")
+CAUSES = ("gather_wait", "reduce_wait", "sync_wait", "tier_copy", "grad_copy", "optimizer", "hooks")
 
 
 class StepClock:

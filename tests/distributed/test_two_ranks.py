@@ -49,7 +49,7 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
     per_rank = json.loads((out / "host.breakdown.json").read_text())
     assert len(per_rank) == 2
     for r, t in enumerate(per_rank):
-        for cause in ("gather_wait", "reduce_wait", "sync_wait", "optimizer", "hooks"):
+        for cause in ("gather_wait", "reduce_wait", "sync_wait", "grad_copy", "optimizer", "hooks"):
             assert t[cause] > 0, (r, cause, t)
         assert sum(v for k, v in t.items() if k != "step") <= t["step"], t
         s = stats(out, "host")[r]
