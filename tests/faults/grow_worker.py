@@ -1,5 +1,7 @@
 """One rank of a two-rank run in which only rank 1's inputs grow after the warm-up (its sequence length
-quadruples at step 4), under a device limit: DDP, then chunk_offload, on the same per-rank batches.
+quadruples from batch 5 on: the second micro-batch of an accumulation window), under a device limit: DDP, then
+chunk_offload with its defaults (automatic chunk size, ``auto`` placement), on the same per-rank batches, on a
+model whose use order differs from its registration order, accumulating 2 micro-batches a step.
 
     RANK=r ... python grow_worker.py DIR
 
@@ -23,16 +25,16 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
-from tests.models import VOCAB, ParityNet  # noqa: E402
+from tests.models import VOCAB, ReorderedNet  # noqa: E402
 
 SHAPE = dict(dim=64, hidden=256, depth=4)
-GROW_AT, STEPS, LIMIT = 4, 7, 2_200_000
+GROW_AT, BATCHES, LIMIT = 5, 12, 2_200_000
 
 
 def batches(rank: int) -> DataLoader:
     g = torch.Generator().manual_seed(10 + rank)
     out = []
-    for i in range(STEPS):
+    for i in range(BATCHES):
         seq = 32 if (rank == 1 and i >= GROW_AT) else 8
         x = torch.randint(0, VOCAB, (4, seq), generator=g)
         out.append((x, torch.roll(x, -1, dims=1)))
@@ -41,10 +43,10 @@ def batches(rank: int) -> DataLoader:
 
 def fit(strategy) -> tuple[L.Trainer, ParityNet]:
     L.seed_everything(7, verbose=False)
-    model = ParityNet(**SHAPE)
-    t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
+    model = ReorderedNet(**SHAPE)
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=BATCHES // 2, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, use_distributed_sampler=False)
+                  limit_val_batches=0, use_distributed_sampler=False, accumulate_grad_batches=2)
     t.fit(model, batches(int(os.environ["RANK"])))
     return t, model
 
@@ -52,8 +54,7 @@ def fit(strategy) -> tuple[L.Trainer, ParityNet]:
 def main() -> None:
     out = Path(sys.argv[1])
     _, ref = fit(DDPStrategy())
-    strategy = ChunkOffloadStrategy(placement="auto", device_memory_limit=LIMIT, chunk_numel=None,
-                                    optimizer_kernel="loop", collective_timeout_s=60)
+    strategy = ChunkOffloadStrategy(device_memory_limit=LIMIT, optimizer_kernel="loop", collective_timeout_s=60)
     t, got = fit(strategy)
     (out / f"stats{t.global_rank}.json").write_text(json.dumps(strategy.memory_stats()))
     if t.global_rank == 0:
