@@ -44,6 +44,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 import zlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -120,12 +121,16 @@ def process_state(pid: int) -> str:
         return "alive"
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(b")", 1)[1].split()
+        state, flags = fields[0], int(fields[6])
+    except (OSError, IndexError, ValueError):
         return "alive"
-    return "gone" if state in (b"Z", b"X") else "stopped" if state in (b"T", b"t") else "alive"
+    if state in (b"Z", b"X") or flags & _PF_EXITING:  # a killed process closes its sockets while it exits
+        return "gone"
+    return "stopped" if state in (b"T", b"t") else "alive"
 
 
+_PF_EXITING = 0x4  # the kernel's flag for a task that is exiting (field 9 of /proc/<pid>/stat)
 _exit_armed = False
 _broken: list[str] = []  # the first failed wait of this process: no collective is attempted after it
 
@@ -186,7 +191,18 @@ class Collectives:
         self.peers = [tuple(r) for r in out.view(self.world_size, 2).tolist()]
 
     def lost_peers(self) -> str:
-        """Which other ranks are gone, as far as this host can tell ("" when it cannot tell)."""
+        """Which other ranks are gone, as far as this host can tell ("" when it cannot tell). A peer whose
+        connection just closed may still be exiting: look again for up to a second before saying none is."""
+        if not self.peers:
+            return ""
+        deadline = time.monotonic() + 1.0
+        while True:
+            found = self._look_for_lost_peers()
+            if found.startswith(("lost", "rank")) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+    def _look_for_lost_peers(self) -> str:
         if not self.peers:
             return ""
         here, gone, stopped, remote = _host_id(), [], [], []
