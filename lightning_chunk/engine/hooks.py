@@ -20,6 +20,15 @@
 - The end of backward is a callback queued on the autograd engine by the first
   backward hook; ``end_backward`` is idempotent so callers may call it again.
 
+[Note: hooks under torch.compile]
+A compiled module (``torch.compile(model)`` of a submodule, or of the LightningModule's ``forward``) still runs
+these hooks, each as it would run eagerly: every hook is ``torch.compiler.disable``d, so dynamo breaks its graph
+at each module that owns parameters and calls the hook between the compiled pieces (FSDP2 does the same with its
+hooks). Traced instead, a hook's storage resizes and collectives would become graph operations replayed on
+whatever storage the parameter had at trace time. Between the hooks the graphs see ordinary parameters, whose
+storage the hook has just filled. The warm-up's saved-tensor hooks (``tracer.py``) are disabled the same way:
+they must count the real storages autograd keeps, not run as a compiled frame of their own.
+
 The root module's own parameters (a LightningModule that holds parameters
 directly) are gathered for the whole step by ``step_scope``, which also treats
 the step's outputs as the root's outputs for backward.
@@ -44,6 +53,7 @@ from .states import TensorState
 from .tracer import BACKWARD, FORWARD, POST_FORWARD, MemoryTracer, MomentEvent, Trace
 
 S = TensorState
+_eager = torch.compiler.disable  # see [Note: hooks under torch.compile]
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
 ROOT = "<root>"
 
@@ -248,6 +258,7 @@ class ChunkHooks:
 
     # =================================================================== hooks
     def _make_pre_forward(self, key: str) -> Callable[..., None]:
+        @_eager
         def hook(module: torch.nn.Module, args: Any) -> None:
             with self.manager.clock.measure("hooks"):
                 self._use(key, FORWARD)
@@ -255,6 +266,7 @@ class ChunkHooks:
         return hook
 
     def _make_post_forward(self, key: str) -> Callable[..., None]:
+        @_eager
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             with self.manager.clock.measure("hooks"):
                 self._done_forward(key)
@@ -271,6 +283,7 @@ class ChunkHooks:
                 t.register_hook(self._make_pre_backward(key))
 
     def _make_pre_backward(self, key: str) -> Callable[[torch.Tensor], None]:
+        @_eager
         def hook(grad: torch.Tensor) -> None:
             with self.manager.clock.measure("hooks"):
                 self._queue_end_of_backward()

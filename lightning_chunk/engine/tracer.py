@@ -144,8 +144,11 @@ class _Saved:
         self.tensor, self.key, self.counter = tensor, key, counter
 
     def __del__(self) -> None:
-        if self.key is not None:
-            self.counter._release(self.key)
+        # torch.compile allocates one instance with object.__new__ to probe whether the class can be built (so
+        # __init__ never ran); such an instance counted nothing
+        key = getattr(self, "key", None)
+        if key is not None:
+            self.counter._release(key)
 
 
 class SavedBytesCounter:
@@ -156,6 +159,7 @@ class SavedBytesCounter:
         self._refs: dict[tuple[str, int], list[int]] = {}  # key -> [refcount, bytes]
         self.live_bytes = 0
 
+    @torch.compiler.disable  # counts real storages, in eager: see [Note: hooks under torch.compile] in hooks.py
     def _pack(self, t: torch.Tensor) -> _Saved:
         if isinstance(t, torch.nn.Parameter) or self._is_model(t):
             return _Saved(t, None, self)
@@ -170,6 +174,7 @@ class SavedBytesCounter:
         return _Saved(t, key, self)
 
     @staticmethod
+    @torch.compiler.disable
     def _unpack(saved: _Saved) -> torch.Tensor:
         return saved.tensor
 
