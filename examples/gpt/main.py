@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import sys
-import sysconfig
 from pathlib import Path
 from typing import Optional
 
@@ -26,9 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning_chunk  # noqa: F401  (registers the chunk_offload strategy names)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from corpus import TokenWindows, check_enough, read_split  # noqa: E402  (examples/corpus.py: the text, no download)
 
 # ----------------------------------------------------------------------------- config
 # Everything is set from the YAML configs in examples/gpt/configs/ (or --model.*, --data.* flags).
@@ -130,40 +132,6 @@ class GPT(L.LightningModule):
 
 
 # ------------------------------------------------------------------------------ data
-class ByteWindows(Dataset):
-    def __init__(self, data: torch.Tensor, context: int, count: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.starts = torch.randint(0, len(data) - context - 1, (count,), generator=g)
-        self.data, self.context = data, context
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        s = int(self.starts[i])
-        return self.data[s : s + self.context + 1].long()
-
-
-def text_files(corpus: Optional[str]) -> list[Path]:
-    root = Path(corpus) if corpus else Path(sysconfig.get_paths()["stdlib"])
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise ValueError(f"data.corpus={str(root)!r} is neither a text file nor a folder.")
-    pattern = "*.py" if corpus is None else "*"
-    files = sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
-    if not files:
-        raise ValueError(f"data.corpus={str(root)!r} holds no files to read.")
-    if corpus is not None and not any(_looks_like_text(f) for f in files[:50]):
-        raise ValueError(f"data.corpus={str(root)!r} holds no text files (the first {min(len(files), 50)} look binary).")
-    return files
-
-
-def _looks_like_text(path: Path) -> bool:
-    head = path.read_bytes()[:4096]
-    return bool(head) and b"\0" not in head
-
-
 class ByteCorpus(L.LightningDataModule):
     def __init__(self, corpus: Optional[str] = None, context: int = 64, batch_size: int = 4,
                  max_bytes: int = 4_000_000, train_windows: int = 20_000, val_windows: int = 256) -> None:
@@ -171,22 +139,11 @@ class ByteCorpus(L.LightningDataModule):
         self.save_hyperparameters()
 
     def setup(self, stage: str) -> None:
-        files = text_files(self.hparams.corpus)
-        chunks, total = {"train": [], "val": []}, 0
-        for i, f in enumerate(files):  # a deterministic split by file: every 10th file is validation
-            raw = f.read_bytes()[: self.hparams.max_bytes]
-            chunks["val" if i % 10 == 9 else "train"].append(raw)
-            total += len(raw)
-            if total >= self.hparams.max_bytes:
-                break
-        if not chunks["val"]:
-            chunks["val"].append(chunks["train"][-1])
-        ctx = self.hparams.context
-        split = {k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8) for k, v in chunks.items()}
-        if min(len(t) for t in split.values()) <= ctx + 1:
-            raise ValueError(f"data.corpus holds too little text ({total} bytes) for a context of {ctx}.")
-        self.train_set = ByteWindows(split["train"], ctx, self.hparams.train_windows, seed=0)
-        self.val_set = ByteWindows(split["val"], ctx, self.hparams.val_windows, seed=1)
+        text = read_split(self.hparams.corpus, self.hparams.max_bytes)
+        split = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in text.items()}  # a token a byte
+        check_enough(split, self.hparams.context, "text")
+        self.train_set = TokenWindows(split["train"], self.hparams.context, self.hparams.train_windows, seed=0)
+        self.val_set = TokenWindows(split["val"], self.hparams.context, self.hparams.val_windows, seed=1)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)

@@ -1,0 +1,70 @@
+"""The text both examples train on, with no download: by default the source files of the Python standard library
+of the interpreter running the example, split by file (every 10th file is validation); or any text file or folder.
+
+``read_split`` gives the raw bytes of each split; ``TokenWindows`` serves random windows of ``context + 1`` tokens
+(inputs and next-token targets) from a 1-D tensor of token ids.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.utils.data import Dataset
+
+
+class TokenWindows(Dataset):
+    def __init__(self, tokens: torch.Tensor, context: int, count: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, len(tokens) - context - 1, (count,), generator=g)
+        self.tokens, self.context = tokens, context
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        s = int(self.starts[i])
+        return self.tokens[s : s + self.context + 1].long()
+
+
+def text_files(corpus: Optional[str]) -> list[Path]:
+    root = Path(corpus) if corpus else Path(sysconfig.get_paths()["stdlib"])
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise ValueError(f"data.corpus={str(root)!r} is neither a text file nor a folder.")
+    pattern = "*.py" if corpus is None else "*"
+    files = sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
+    if not files:
+        raise ValueError(f"data.corpus={str(root)!r} holds no files to read.")
+    if corpus is not None and not any(_looks_like_text(f) for f in files[:50]):
+        raise ValueError(f"data.corpus={str(root)!r} holds no text files (the first {min(len(files), 50)} look binary).")
+    return files
+
+
+def _looks_like_text(path: Path) -> bool:
+    head = path.read_bytes()[:4096]
+    return bool(head) and b"\0" not in head
+
+
+def read_split(corpus: Optional[str], max_bytes: int) -> dict[str, bytes]:
+    """Up to ``max_bytes`` of text as ``{"train": ..., "val": ...}``: a deterministic split by file."""
+    chunks: dict[str, list[bytes]] = {"train": [], "val": []}
+    total = 0
+    for i, f in enumerate(text_files(corpus)):
+        raw = f.read_bytes()[:max_bytes]
+        chunks["val" if i % 10 == 9 else "train"].append(raw)
+        total += len(raw)
+        if total >= max_bytes:
+            break
+    if not chunks["val"]:
+        chunks["val"].append(chunks["train"][-1])
+    return {k: b"".join(v) for k, v in chunks.items()}
+
+
+def check_enough(split: dict[str, torch.Tensor], context: int, what: str = "text") -> None:
+    if min(len(t) for t in split.values()) <= context + 1:
+        raise ValueError(f"data.corpus holds too little {what} ({sum(len(t) for t in split.values())} tokens) for a "
+                         f"context of {context}.")
