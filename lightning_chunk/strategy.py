@@ -253,7 +253,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
             with torch.device("cpu"), self.precision_plugin.tensor_init_context():
                 yield
             return
-        with meta_init(check_writes=self.param_init_fn is None), self.precision_plugin.tensor_init_context():
+        with meta_init(check_writes=lambda: self.param_init_fn is None), self.precision_plugin.tensor_init_context():
             yield
 
     @contextlib.contextmanager
@@ -261,7 +261,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         """``configure_model`` builds on the meta device, as DeepSpeed ZeRO-3's ``zero.Init`` builds partitioned:
         nothing is allocated until ``setup`` initialises each chunk and keeps this rank's shard. Values written in
         place outside ``reset_parameters()`` are an error unless ``param_init_fn`` is given (they would be lost)."""
-        with meta_init(check_writes=self.param_init_fn is None):
+        with meta_init(check_writes=lambda: self.param_init_fn is None):
             yield
 
     def model_to_device(self) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -240,19 +240,18 @@ class _MetaWrites(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def meta_init(*, check_writes: bool = True) -> Iterator[None]:
+def meta_init(*, check_writes: Union[bool, Callable[[], bool]] = True) -> Iterator[None]:
     """Build modules on the meta device. With ``check_writes``, values written in place outside a
     ``reset_parameters()`` (``self.apply(init_fn)``, ``nn.init.normal_(self.proj.weight)`` in ``__init__``) are
     an error when the block ends: on the meta device they do nothing, and deferred initialisation would
     silently give those tensors ``reset_parameters()``'s values instead. Pass ``param_init_fn`` to say how
-    they are initialised."""
-    if not check_writes:
-        with torch.device("meta"):
-            yield
-        return
+    they are initialised. A callable ``check_writes`` is asked when the block ends, so code inside it (a
+    ``configure_model`` that sets the strategy's ``param_init_fn``) can still say how."""
     with torch.device("meta"), _MetaWrites() as mode:
         yield
-    if mode.writes:
+    if callable(check_writes):
+        check_writes = check_writes()
+    if mode.writes and check_writes:
         shown = "; ".join(dict.fromkeys(mode.writes))
         raise DeferredInitError(
             f"the model was built on the meta device (deferred initialisation) and wrote values into {len(mode.writes)} "

@@ -1,0 +1,287 @@
+"""Hugging Face ``transformers`` models under ``chunk_offload``: their initialisation on the meta device, and the
+export of a sharded checkpoint to a directory ``from_pretrained`` loads.
+
+``transformers`` (and ``safetensors``, for reading) are the optional ``[hf]`` extra; nothing else in the package
+imports them, and this module imports them only inside the functions that need them.
+
+- ``HFInit(model)``: the ``param_init_fn`` for a ``PreTrainedModel`` built in ``configure_model`` (on the meta
+  device under ``chunk_offload``). [Note: Hugging Face init, module by module]
+- ``export_hf(checkpoint, out_dir)`` (``lightning-chunk consolidate --format hf``): ``safetensors`` shards, their
+  index, ``config.json`` and ``generation_config.json``, streamed chunk by chunk.
+  [Note: exporting to save_pretrained's layout]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .consolidate import _progress
+from .engine.atomic import remove_dir
+from .engine.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta
+from .engine.config import parse_bytes
+from .engine.safetensors_file import StreamingSafetensors
+
+HF_CONFIG_KEY = "hf_config"  # where a LightningModule keeps ``model.config.to_dict()`` in its checkpoints
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # as ``save_pretrained``
+
+
+# ================================================================ initialisation
+class _WritesOnlyTo(TorchDispatchMode):
+    """Drops in-place writes (and the random draws they make) to tensors whose storage is not in ``storages``."""
+
+    def __init__(self, storages: set[int]) -> None:
+        super().__init__()
+        self.storages = storages
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = func.overloadpacket.__name__
+        target = args[0] if args else None
+        if name.endswith("_") and isinstance(target, torch.Tensor) \
+                and target.untyped_storage().data_ptr() not in self.storages:
+            return target
+        return func(*args, **(kwargs or {}))
+
+
+class HFInit:
+    """``param_init_fn`` for a ``transformers.PreTrainedModel`` built on the meta device.
+
+    [Note: Hugging Face init, module by module] A ``PreTrainedModel`` initialises itself in ``post_init()``:
+    ``model._init_weights(m)`` for every module ``m``, children before parents, so that a parent's rule wins
+    (GPT-2 scales ``c_proj`` from its ``GPT2Attention``/``GPT2MLP``, which own no tensor themselves). On the meta
+    device that does nothing, and deferred initialisation (``engine/materialize.py``) initialises one module at a
+    time, as packing reaches its tensors. So for module ``m`` this runs ``_init_weights(m)`` and then
+    ``_init_weights`` of each ancestor, nearest first, letting through only the writes into ``m``'s own tensors:
+    each tensor ends with the value of the last rule that writes it, as in ``post_init``, while the tensors of
+    other modules (placeholders, or values already packed) are left alone. The random stream differs from an eager
+    ``from_config`` (whose constructors draw too), so the values are another draw of the same init; rotary
+    frequency buffers, norms and zeroed biases come out equal. ``padding_idx`` rows are zeroed as
+    ``_init_weights`` does.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if not callable(getattr(model, "_init_weights", None)):
+            raise TypeError(f"HFInit takes a transformers PreTrainedModel (with _init_weights); got {type(model).__name__}.")
+        self.model = model
+        self._parent = {id(c): m for m in model.modules() for c in m.children()}
+
+    def __call__(self, module: torch.nn.Module) -> None:
+        own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        storages = {t.untyped_storage().data_ptr() for t in own}
+        chain = [module]
+        while id(chain[-1]) in self._parent:
+            chain.append(self._parent[id(chain[-1])])
+        with torch.no_grad(), _WritesOnlyTo(storages):
+            for m in chain:
+                self.model._init_weights(m)
+
+
+# ===================================================================== export
+def _config(config: Any, meta: dict[str, Any], path: Path) -> Any:
+    """A ``PretrainedConfig`` from ``config`` (an instance, a dict, or a path to ``config.json`` or its directory), or
+    from the checkpoint's ``hf_config``."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if config is None:
+        config = meta.get(HF_CONFIG_KEY)
+        if config is None:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds no Hugging Face config (no '{HF_CONFIG_KEY}' saved with it): pass the "
+                "model's config (--config DIR_OR_config.json), or save `checkpoint['hf_config'] = "
+                "model.config.to_dict()` in the LightningModule's on_save_checkpoint, as examples/hf/main.py does.")
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, dict):
+        d = dict(config)
+        if "model_type" not in d:
+            raise CheckpointError(f"the Hugging Face config {sorted(d)[:8]}... has no 'model_type'.")
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    p = Path(config)
+    if not p.exists():
+        raise CheckpointError(f"config {str(p)!r}: no such file or directory (a config.json or its directory).")
+    try:
+        return AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"config {str(p)!r} cannot be read as a Hugging Face config: {e}") from None
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    """The model the config describes, on the meta device: names, shapes and tied weights, no memory."""
+    import transformers
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    with torch.device("meta"):
+        if cls is not None:
+            return cls(config)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _kept_keys(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The names ``save_pretrained`` writes, with shapes and dtypes: the state dict less the tied copies."""
+    sd = model.state_dict(keep_vars=True)
+    targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    groups: dict[int, list[str]] = {}
+    for k, v in sd.items():
+        groups.setdefault(id(v), []).append(k)
+    kept = {([n for n in names if n not in targets] or names)[0] for names in groups.values()}
+    return {k: (tuple(v.shape), v.dtype) for k, v in sd.items() if k in kept}
+
+
+def _prefix(saved: Iterable[str], wanted: Iterable[str]) -> str:
+    """What the checkpoint's names have in front of the model's (``model.`` for a LightningModule's ``self.model``,
+    ``model._orig_mod.`` once compiled): the prefix under which most of the wanted names are found."""
+    wanted = set(wanted)
+    counts: dict[str, int] = {}
+    for key in saved:
+        cut = 0
+        while True:
+            if key[cut:] in wanted:
+                counts[key[:cut]] = counts.get(key[:cut], 0) + 1
+            cut = key.find(".", cut) + 1
+            if cut == 0:
+                break
+    return max(counts, key=lambda p: (counts[p], -len(p)), default="")
+
+
+def _listing(items: list[str], limit: int = 8) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _match(ck: dict[str, Any], keep: dict[str, tuple[tuple[int, ...], torch.dtype]], known: set[str], path: Path,
+           config: Any) -> tuple[str, dict[str, list[str]], dict[str, str]]:
+    """(prefix, param name -> the exported names it fills, buffer key -> exported name), or an error listing every
+    name the config's model and the checkpoint disagree on."""
+    saved = list(ck["state_dict_keys"])
+    prefix = _prefix(saved, keep)
+    aliases, buffers, shapes = ck["aliases"], ck["buffers"], ck["params"]
+    fills: dict[str, list[str]] = {}
+    from_buffers: dict[str, str] = {}
+    missing, other_shape = [], []
+    for k, (shape, _) in keep.items():
+        key = prefix + k
+        if key in aliases:
+            have = tuple(shapes[aliases[key]])
+            fills.setdefault(aliases[key], []).append(k)
+        elif key in buffers:
+            have = tuple(buffers[key].shape)
+            from_buffers[key] = k
+        else:
+            missing.append(k)
+            continue
+        if have != tuple(shape):
+            other_shape.append(f"{k}: {have} in the checkpoint, {tuple(shape)} in the config's model")
+    extra = [k[len(prefix):] for k in saved if k.startswith(prefix) and k[len(prefix):] not in known]
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint ({len(missing)}): {_listing(missing)}")
+    if extra:
+        problems.append(f"in the checkpoint but not in the config's model ({len(extra)}): {_listing(extra)}")
+    if other_shape:
+        problems.append(f"of another shape ({len(other_shape)}): {_listing(other_shape, 4)}")
+    if problems:
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        raise CheckpointError(
+            f"the config ({arch}, model_type={getattr(config, 'model_type', '?')!r}) does not match checkpoint "
+            f"{str(path)!r} (checkpoint names = '{prefix}' + model names); nothing was written. Tensors "
+            + "; ".join(problems) + ".")
+    return prefix, fills, from_buffers
+
+
+def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config: Any = None,
+              dtype: Optional[Union[str, torch.dtype]] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+              progress: bool = True) -> Path:
+    """Write ``out_dir`` as ``save_pretrained`` would, from a sharded ``lightning-chunk`` checkpoint.
+
+    [Note: exporting to save_pretrained's layout] The config (``config``, or the checkpoint's ``hf_config``) is
+    built into its model on the meta device, which gives the names ``save_pretrained`` writes: the state dict
+    without the tied copies (``lm_head.weight`` when it is the input embedding; ``from_pretrained`` ties it
+    again). The checkpoint's names carry the prefix of the submodule that holds the model (``model.``), found by
+    matching; every name and shape is checked before anything is written. The fp32 masters stream out one saved
+    chunk at a time into ``safetensors`` files laid out up front ([Note: streaming safetensors]), in ``dtype``
+    (default: the parameters' own), so memory stays near one chunk whatever the model's size. Everything is
+    written into ``.NAME.partial`` beside ``out_dir`` and renamed into place once complete; an existing non-empty
+    ``out_dir`` is refused.
+    """
+    path = Path(checkpoint)
+    meta = read_meta(path)
+    ck = meta[KEY]
+    out = Path(out_dir)
+    if out.resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"output {str(out)!r} is inside the checkpoint {str(path)!r}; write it elsewhere.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"output {str(out)!r} exists and is not an empty directory; name a new one.")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"the folder of the output {str(out)!r} does not exist.")
+    max_shard_bytes = parse_bytes(max_shard_size, field="max_shard_size")
+    assert max_shard_bytes is not None
+    cfg = _config(config, meta, path)
+    model = _meta_model(cfg)
+    keep = _kept_keys(model)
+    known = set(model.state_dict()) | {n for n, _ in model.named_buffers()}  # non-persistent ones too
+    prefix, fills, from_buffers = _match(ck, keep, known, path, cfg)
+    param_dtypes = {n: getattr(torch, d) for n, d in ck["param_dtypes"].items()}
+    if dtype is not None:
+        out_dtype = getattr(torch, dtype.replace("torch.", ""), None) if isinstance(dtype, str) else dtype
+        if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+            raise CheckpointError(f"dtype={dtype!r} is not a floating-point torch dtype (float32, bfloat16, float16).")
+    else:
+        out_dtype = next(iter(param_dtypes.values()), torch.float32)
+
+    def dtype_of(saved: torch.dtype) -> torch.dtype:
+        return out_dtype if saved.is_floating_point else saved
+
+    tmp = out.parent / f".{out.name}.partial"
+    remove_dir(tmp)
+    tmp.mkdir()
+    try:
+        writer = StreamingSafetensors(tmp, max_shard_bytes=max_shard_bytes)
+        order: list[tuple[str, str]] = []  # (exported name, where from: "buffer" or the param name)
+        for key, k in from_buffers.items():
+            writer.add(k, keep[k][0], dtype_of(ck["buffers"][key].dtype))
+            order.append((k, "buffer"))
+        for spec in ck["chunks"]:
+            for name, _, _, shape in spec["slots"]:
+                for k in fills.get(name, ()):
+                    writer.add(k, tuple(shape), dtype_of(param_dtypes[name]))
+                    order.append((k, name))
+        writer.open()
+        bar = _progress(len(order), progress, f"exporting {path.name}")
+        for key, k in from_buffers.items():
+            writer.write(k, ck["buffers"][key])
+            bar.update(1)
+        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.master"):
+            for name, off, numel, shape in spec["slots"]:
+                for k in fills.get(name, ()):
+                    writer.write(k, full[off : off + numel].view(shape))
+                    bar.update(1)
+            del full
+        writer.close()
+        bar.close()
+        _write_configs(cfg, model, tmp, out_dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty (checked above): rename(2) needs it gone or empty
+    os.replace(tmp, out)
+    return out
+
+
+def _write_configs(cfg: Any, model: torch.nn.Module, where: Path, dtype: torch.dtype) -> None:
+    cfg.architectures = [type(model).__name__]
+    if hasattr(cfg, "dtype"):
+        cfg.dtype = dtype
+    else:  # transformers < 5
+        cfg.torch_dtype = dtype
+    cfg.save_pretrained(str(where))
+    gen = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)
+    if gen is not None and can_generate():
+        gen.save_pretrained(str(where))
+

@@ -1,0 +1,155 @@
+"""Hugging Face causal LMs under chunk_offload, through the example's ``CausalLM``: fine-tuning from a
+``save_pretrained`` directory in parity with plain Lightning under a device limit that evicts, gradient
+checkpointing, ``torch.compile``, the init of a model built from a config on the meta device, and bad weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk.engine.weights import WeightsError  # noqa: E402
+from tests.hf.models import CONFIGS, Batches, config, load_example, save_pretrained  # noqa: E402
+
+EXACT = dict(rtol=0, atol=0)
+STEPS = 6
+# device limits a little above each model's traced activations (1-2.5 MB at 4 x 32 tokens) plus its parameter
+# bytes: well below the training state (16 bytes a parameter), so placement evicts every step
+LIMITS = {"gpt2": 3_000_000, "llama": 1_700_000, "opt": 1_250_000}
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_example()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    return {kind: save_pretrained(kind, root / kind) for kind in LIMITS}
+
+
+def fit(example, strategy, steps: int = STEPS, **model_kw):
+    torch._dynamo.reset()
+    L.seed_everything(3, verbose=False)
+    model = example.CausalLM(lr=1e-3, warmup_steps=1, **model_kw)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, Batches())
+    return model
+
+
+def same_params(ref, got) -> None:
+    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters()):
+        torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
+
+
+@pytest.mark.parametrize("kind", list(LIMITS))
+def test_fine_tuning_from_save_pretrained_is_bit_exact_with_auto_under_a_limit(example, pretrained, kind):
+    """auto: ``from_pretrained``. chunk_offload: built on the meta device, the weights streamed from the shards into
+    the chunks (what the files lack, Llama's rotary frequencies, initialised by HFInit)."""
+    ref = fit(example, "auto", pretrained=str(pretrained[kind]))
+    strategy = ChunkOffloadStrategy(device_memory_limit=LIMITS[kind], chunk_numel=16384, optimizer_kernel="loop")
+    got = fit(example, strategy, pretrained=str(pretrained[kind]))
+    same_params(ref, got)
+    assert strategy.weights == str(pretrained[kind])  # set by the module's configure_model
+    stats = strategy.memory_stats()
+    assert stats["evictions"] > 0 and stats["device_chunk_bytes_peak"] <= LIMITS[kind]
+    for (n, a), (_, b) in zip(ref.named_buffers(), got.named_buffers()):
+        torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
+
+
+def test_hf_gradient_checkpointing_is_bit_exact(example, pretrained):
+    kw = dict(pretrained=str(pretrained["llama"]), gradient_checkpointing=True)
+    ref = fit(example, "auto", **kw)
+    assert ref.hf_model.is_gradient_checkpointing
+    got = fit(example, ChunkOffloadStrategy(device_memory_limit=LIMITS["llama"], chunk_numel=16384,
+                                            optimizer_kernel="loop"), **kw)
+    same_params(ref, got)
+    plain = fit(example, "auto", pretrained=str(pretrained["llama"]))  # recomputation changes nothing in fp32
+    same_params(plain, got)
+
+
+def test_compiled_hf_model_is_bit_exact_and_quiet(example, pretrained, monkeypatch):
+    """GPT-2 compiled (the dynamo graph breaks at the engine's hooks). The first compiled runs printed
+    "AttributeError: '_Saved' object has no attribute 'key'" from the tracer at every step."""
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: raised.append(f"{u.exc_type.__name__}: {u.exc_value}"))
+    kw = dict(pretrained=str(pretrained["gpt2"]), compile="aot_eager")
+    ref = fit(example, "auto", **kw)
+    strategy = ChunkOffloadStrategy(device_memory_limit=LIMITS["gpt2"], chunk_numel=16384, optimizer_kernel="loop")
+    got = fit(example, strategy, **kw)
+    assert type(got.model).__name__ == "OptimizedModule"
+    same_params(ref, got)
+    assert strategy.memory_stats()["evictions"] > 0
+    assert raised == []
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_model_from_a_config_is_initialised_by_its_own_rules_on_the_meta_device(example, kind):
+    """Built from a config in configure_model under chunk_offload (meta device), initialised module by module by
+    HFInit: buffers, norms and biases equal an eager ``from_config``; every weight has the spread of the model's own
+    ``_init_weights``, GPT-2's residual projections included (scaled by 1/sqrt(2 n_layer) from their parent
+    modules, which own no tensor); the default torch init (kaiming uniform) would give another."""
+    from transformers import AutoModelForCausalLM
+
+    deeper = {"n_layer": 8} if kind == "gpt2" else {"num_hidden_layers": 4}
+    L.seed_everything(0, verbose=False)
+    model = example.CausalLM(config={**CONFIGS[kind], **deeper})
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(chunk_numel=16384), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(model, Batches(n=4), verbose=False)  # setup initialises; teardown gives the values back
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(config(kind, **deeper))
+    got = dict(model.hf_model.named_parameters())
+    for name, ref in eager.named_parameters():
+        value = got[name].detach()
+        assert not value.isnan().any(), name
+        if ref.std() == 0:  # ones and zeros
+            torch.testing.assert_close(value, ref.detach(), **EXACT, msg=name)
+        else:  # another draw of the same init: same spread
+            assert math.isclose(value.std().item(), ref.std().item(), rel_tol=0.2), (name, value.std(), ref.std())
+    for (name, ref), (_, b) in zip(eager.named_buffers(), model.hf_model.named_buffers()):
+        torch.testing.assert_close(b, ref, **EXACT, msg=name)
+    if kind == "gpt2":
+        std = got["transformer.h.0.attn.c_proj.weight"].std().item()
+        assert math.isclose(std, 0.02 / math.sqrt(2 * 8), rel_tol=0.2), std
+
+
+def broken(path, kind: str):
+    if kind == "no_index":  # several shards and no index: which tensors are where?
+        (path / "model.safetensors.index.json").unlink()
+        return ".safetensors files and no *.safetensors.index.json"
+    if kind == "missing_shard":
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        shard = sorted(set(index["weight_map"].values()))[-1]
+        (path / shard).unlink()
+        return f"{shard}"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["no_index", "missing_shard"])
+def test_broken_pretrained_directories_are_refused_before_training(example, tmp_path, kind):
+    d = save_pretrained("llama", tmp_path / "model", max_shard_size="200KB")
+    assert len(list(d.glob("*.safetensors"))) >= 2
+    needle = broken(d, kind)
+    strategy = ChunkOffloadStrategy(chunk_numel=16384)
+    with pytest.raises(WeightsError, match="safetensors") as e:
+        fit(example, strategy, pretrained=str(d))
+    assert needle in str(e.value)
+
+
+def test_a_config_that_does_not_match_the_weights_names_the_tensors(example, pretrained):
+    """The module's config says 3 layers, the files hold 2: one error listing what is missing, before any step."""
+    with pytest.raises(WeightsError, match=r"missing from the file \(\d+\): model\.model\.layers\.2\.") as e:
+        fit(example, ChunkOffloadStrategy(chunk_numel=16384), pretrained=str(pretrained["llama"]),
+            config={"num_hidden_layers": 3})
+    assert "nothing was loaded" in str(e.value)
