@@ -1,6 +1,7 @@
 """The ``lightning-chunk`` console command (also ``python -m lightning_chunk``).
 
     lightning-chunk consolidate CKPT_DIR OUT [--with-optimizer] [--no-progress]
+    lightning-chunk consolidate --format hf CKPT_DIR OUT_DIR [--config DIR] [--dtype bfloat16] [--max-shard-size 5GB]
     lightning-chunk plan MODEL [--data DATA] [--config YAML] [--device-memory-limit BYTES] ...
     lightning-chunk plan MODEL --shapes-only --ranks 8 --init-args '{"width": 4096, "depth": 32}' ...
 """
@@ -18,12 +19,20 @@ from .engine.checkpoint import CheckpointError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-chunk", description="Tools for lightning_chunk checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="write a sharded checkpoint directory as one plain checkpoint file",
+    c = sub.add_parser("consolidate", help="write a sharded checkpoint directory as one plain checkpoint file, or as "
+                                           "a Hugging Face save_pretrained directory",
                        description="Stream a sharded checkpoint directory, chunk by chunk, into one plain Lightning "
-                                   "checkpoint file whose 'state_dict' model.load_state_dict accepts.")
+                                   "checkpoint file whose 'state_dict' model.load_state_dict accepts (--format "
+                                   "lightning), or into a directory of safetensors shards, their index and "
+                                   "config.json that transformers' from_pretrained loads (--format hf).")
     c.add_argument("checkpoint", help="the sharded checkpoint directory (NAME.ckpt)")
-    c.add_argument("out", help="the file to write")
-    c.add_argument("--with-optimizer", action="store_true", help="keep the optimizer state (plain format)")
+    c.add_argument("out", help="the file to write (lightning), or the new directory (hf)")
+    c.add_argument("--format", choices=["lightning", "hf"], default="lightning", help="what to write")
+    c.add_argument("--with-optimizer", action="store_true", help="keep the optimizer state (lightning format)")
+    c.add_argument("--config", help="hf: the model's config.json or its directory (default: the checkpoint's "
+                                    "'hf_config')")
+    c.add_argument("--dtype", help="hf: float32, bfloat16 or float16 (default: the parameters' dtype)")
+    c.add_argument("--max-shard-size", default="5GB", help="hf: the largest safetensors file (default 5GB)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("plan", help="before training: chunks, bytes per tier and the device peak under a limit",
                        description="Run one throwaway warm-up step on one batch and report the chunk layout, the "
@@ -49,15 +58,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "consolidate":
         try:
-            out = consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer,
-                              progress=not args.no_progress)
-        except CheckpointError as e:
+            out = _consolidate(args)
+        except (CheckpointError, ValueError) as e:
             print(f"lightning-chunk: error: {e}", file=sys.stderr)
             return 2
         print(f"wrote {out}")
     if args.command == "plan":
         return _plan(args)
     return 0
+
+
+def _consolidate(args: argparse.Namespace) -> object:
+    if args.format == "lightning":
+        extra = [f"--{n}" for n in ("config", "dtype") if getattr(args, n) is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} apply to --format hf only.")
+        return consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer, progress=not args.no_progress)
+    if args.with_optimizer:
+        raise ValueError("--with-optimizer applies to --format lightning only: a save_pretrained directory holds weights.")
+    try:
+        from .hf import export_hf
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("--format hf needs transformers: pip install 'lightning_chunk[hf]'.") from None
+    return export_hf(args.checkpoint, args.out, config=args.config, dtype=args.dtype,
+                     max_shard_size=args.max_shard_size, progress=not args.no_progress)
 
 
 def _plan(args: argparse.Namespace) -> int:
