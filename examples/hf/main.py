@@ -15,7 +15,6 @@
   (``data.tokenizer``: what ``AutoTokenizer.save_pretrained`` writes, e.g. the real model's).
 """
 
-from __future__ import annotations
 
 import math
 import sys

@@ -1,0 +1,44 @@
+"""Two ranks: GPT-2 fine-tuned from save_pretrained in parity with DDP under an evicting device limit; the
+two-rank sharded checkpoint exported for from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from lightning_chunk.hf import export_hf  # noqa: E402
+from tests.hf.models import save_pretrained  # noqa: E402
+from tests.integration.test_examples import DIST_VARS  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("two_ranks.py")
+
+
+def test_gpt2_from_save_pretrained_on_two_ranks_is_bit_exact_with_ddp_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    pre = save_pretrained("gpt2", tmp_path / "pre")
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    r = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "out"), str(pre)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    log = r.stdout + r.stderr
+    assert "CASE-DONE hf_gpt2 rank=0" in log and "CASE-DONE hf_gpt2 rank=1" in log, log[-3000:]
+    saved = torch.load(tmp_path / "out" / "params.pt")
+    assert saved["ref"].keys() == saved["got"].keys()
+    for k, a in saved["ref"].items():
+        torch.testing.assert_close(saved["got"][k], a, rtol=0, atol=0, msg=k)
+    for rank in (0, 1):
+        stats = json.loads((tmp_path / "out" / f"stats{rank}.json").read_text())
+        assert stats["evictions"] > 0 and stats["device_chunk_bytes_peak"] <= 3_000_000
+    ckpt = tmp_path / "out" / "last.ckpt"
+    assert sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
+    loaded = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf", progress=False))
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, saved["got"]["model." + name], rtol=0, atol=0, msg=name)
