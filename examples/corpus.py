@@ -2,7 +2,8 @@
 of the interpreter running the example, split by file (every 10th file is validation); or any text file or folder.
 
 ``read_split`` gives the raw bytes of each split; ``TokenWindows`` serves random windows of ``context + 1`` tokens
-(inputs and next-token targets) from a 1-D tensor of token ids.
+(inputs and next-token targets) from a 1-D tensor of token ids; ``WindowsData`` is the data module both examples
+build on, with ``tokens(text)`` saying how text becomes ids.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import sysconfig
 from pathlib import Path
 from typing import Optional
 
+import lightning as L
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 
 class TokenWindows(Dataset):
@@ -68,3 +70,24 @@ def check_enough(split: dict[str, torch.Tensor], context: int, what: str = "text
     if min(len(t) for t in split.values()) <= context + 1:
         raise ValueError(f"data.corpus holds too little {what} ({sum(len(t) for t in split.values())} tokens) for a "
                          f"context of {context}.")
+
+
+class WindowsData(L.LightningDataModule):
+    """Random windows of ``context + 1`` tokens over the train and validation splits of ``corpus``. Subclasses say
+    how bytes become token ids (``tokens``) and save their own hyperparameters (``corpus``, ``context``,
+    ``batch_size``, ``max_bytes``, ``train_windows``, ``val_windows``)."""
+
+    def tokens(self, text: bytes) -> torch.Tensor:
+        raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        split = {k: self.tokens(v) for k, v in read_split(self.hparams.corpus, self.hparams.max_bytes).items()}
+        check_enough(split, self.hparams.context, "text")
+        self.train_set = TokenWindows(split["train"], self.hparams.context, self.hparams.train_windows, seed=0)
+        self.val_set = TokenWindows(split["val"], self.hparams.context, self.hparams.val_windows, seed=1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size * 4)

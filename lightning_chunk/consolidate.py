@@ -34,11 +34,7 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
     path = check_checkpoint_dir(path)
     meta = read_meta(path)
     ck = meta[KEY]
-    out = Path(out)
-    if out.resolve().is_relative_to(path.resolve()):
-        raise CheckpointError(f"output {str(out)!r} is inside the checkpoint {str(path)!r}; write it elsewhere.")
-    if not out.parent.is_dir():
-        raise CheckpointError(f"the folder of the output {str(out)!r} does not exist.")
+    out = check_output(path, out)
     if with_optimizer and not ck["optimizers"]:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no optimizer state (saved with weights only).")
     tmp = out.with_name(f".{out.name}.partial")
@@ -94,6 +90,16 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, out)
+    return out
+
+
+def check_output(checkpoint: Path, out: Union[str, Path]) -> Path:
+    """``out`` as a path a consolidation may write: outside the checkpoint, in a folder that exists."""
+    out = Path(out)
+    if out.resolve().is_relative_to(checkpoint.resolve()):
+        raise CheckpointError(f"output {str(out)!r} is inside the checkpoint {str(checkpoint)!r}; write it elsewhere.")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"the folder of the output {str(out)!r} does not exist.")
     return out
 
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .consolidate import _progress
+from .consolidate import _progress, check_output
 from .engine.atomic import remove_dir
 from .engine.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta
 from .engine.config import parse_bytes
@@ -211,13 +211,9 @@ def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config
     path = Path(checkpoint)
     meta = read_meta(path)
     ck = meta[KEY]
-    out = Path(out_dir)
-    if out.resolve().is_relative_to(path.resolve()):
-        raise CheckpointError(f"output {str(out)!r} is inside the checkpoint {str(path)!r}; write it elsewhere.")
+    out = check_output(path, out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"output {str(out)!r} exists and is not an empty directory; name a new one.")
-    if not out.parent.is_dir():
-        raise CheckpointError(f"the folder of the output {str(out)!r} does not exist.")
     max_shard_bytes = parse_bytes(max_shard_size, field="max_shard_size")
     assert max_shard_bytes is not None
     cfg = _config(config, meta, path)

@@ -25,12 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader
 
 import lightning_chunk  # noqa: F401  (registers the chunk_offload strategy names)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from corpus import TokenWindows, check_enough, read_split  # noqa: E402  (examples/corpus.py: the text, no download)
+from corpus import WindowsData  # noqa: E402  (examples/corpus.py: the text, no download)
 
 # ----------------------------------------------------------------------------- config
 # Everything is set from the YAML configs in examples/gpt/configs/ (or --model.*, --data.* flags).
@@ -132,24 +131,14 @@ class GPT(L.LightningModule):
 
 
 # ------------------------------------------------------------------------------ data
-class ByteCorpus(L.LightningDataModule):
+class ByteCorpus(WindowsData):
     def __init__(self, corpus: Optional[str] = None, context: int = 64, batch_size: int = 4,
                  max_bytes: int = 4_000_000, train_windows: int = 20_000, val_windows: int = 256) -> None:
         super().__init__()
         self.save_hyperparameters()
 
-    def setup(self, stage: str) -> None:
-        text = read_split(self.hparams.corpus, self.hparams.max_bytes)
-        split = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in text.items()}  # a token a byte
-        check_enough(split, self.hparams.context, "text")
-        self.train_set = TokenWindows(split["train"], self.hparams.context, self.hparams.train_windows, seed=0)
-        self.val_set = TokenWindows(split["val"], self.hparams.context, self.hparams.val_windows, seed=1)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size * 4)
+    def tokens(self, text: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8)  # a token a byte
 
 
 def main(args: Optional[list[str]] = None) -> LightningCLI:

@@ -24,13 +24,12 @@ from typing import Any, Optional, Union
 import lightning as L
 import torch
 from lightning.pytorch.cli import LightningCLI
-from torch.utils.data import DataLoader
 
 import lightning_chunk
 from lightning_chunk.hf import HF_CONFIG_KEY, HFInit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from corpus import TokenWindows, check_enough, read_split  # noqa: E402  (examples/corpus.py: the text, no download)
+from corpus import WindowsData  # noqa: E402  (examples/corpus.py: the text, no download)
 
 
 # ----------------------------------------------------------------------------- model
@@ -66,7 +65,8 @@ class CausalLM(L.LightningModule):
 
         strategy = self.trainer.strategy if self._trainer is not None else None
         chunked = isinstance(strategy, lightning_chunk.ChunkOffloadStrategy)
-        if self.hparams.pretrained is not None and not chunked:
+        on_meta = torch.empty(0).is_meta  # chunk_offload's configure_model, or `lightning-chunk plan --shapes-only`
+        if self.hparams.pretrained is not None and not chunked and not on_meta:
             model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained, local_files_only=True,
                                                          config=self.hf_config())
             model.train()  # from_pretrained gives a model in eval mode (no dropout), which Lightning keeps
@@ -135,7 +135,7 @@ class CausalLM(L.LightningModule):
 
 
 # ------------------------------------------------------------------------------ data
-class TextData(L.LightningDataModule):
+class TextData(WindowsData):
     """``tokenizer``: a local directory with a saved tokenizer (``AutoTokenizer.from_pretrained``); ``None``: bytes."""
 
     def __init__(self, corpus: Optional[str] = None, tokenizer: Optional[str] = None, context: int = 128,
@@ -152,23 +152,11 @@ class TextData(L.LightningDataModule):
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
             self.vocab_size = len(self.tokenizer)
 
-    def _tokens(self, text: bytes) -> torch.Tensor:
+    def tokens(self, text: bytes) -> torch.Tensor:
         if self.hparams.tokenizer is None:
             return torch.frombuffer(bytearray(text), dtype=torch.uint8)  # a token a byte
         ids = self.tokenizer(text.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
         return torch.tensor(ids, dtype=torch.int64)
-
-    def setup(self, stage: str) -> None:
-        split = {k: self._tokens(v) for k, v in read_split(self.hparams.corpus, self.hparams.max_bytes).items()}
-        check_enough(split, self.hparams.context, "text")
-        self.train_set = TokenWindows(split["train"], self.hparams.context, self.hparams.train_windows, seed=0)
-        self.val_set = TokenWindows(split["val"], self.hparams.context, self.hparams.val_windows, seed=1)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size * 4)
 
 
 def main(args: Optional[list[str]] = None) -> LightningCLI:

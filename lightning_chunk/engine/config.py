@@ -100,7 +100,7 @@ class ChunkConfig:
     """Lower bound of the automatic chunk-size search (raised to the largest parameter)."""
 
     chunk_numel_max: int = 1 << 26
-    """Upper bound of the automatic chunk-size search."""
+    """Upper bound of the automatic chunk-size search (raised to the largest parameter: one never spans chunks)."""
 
     prefetch: bool = True
     """Gather the chunks of the next traced moment ahead of use when they fit."""

@@ -167,13 +167,17 @@ def choose_chunk_numel(
     largest = max(p.numel for p in params)
     total = sum(p.numel for p in params)
     lo = max(numel_min, largest)
-    hi = min(numel_max, total)
+    # ``numel_max`` bounds the search, not the model: a parameter never spans two chunks, so a larger one (a 7B
+    # Llama's 131M-element embedding, over the default 2**26) raises it, to twice its size (room to pack the
+    # rest without padding: one size of exactly the embedding padded a 7B Llama by 28%). Only the device limit
+    # is a hard bound.
+    hi = min(numel_max if numel_max >= largest else 2 * largest, total)
     if max_payload_numel is not None:
         hi = min(hi, max_payload_numel)
     if hi < largest:
         raise LayoutError(
             f"no chunk size fits: the largest parameter has {largest} elements but chunks may hold at most {hi} "
-            "(bounded by chunk_numel_max and by two payloads plus the traced non-model memory under the device limit)."
+            "(two payloads plus the traced non-model memory must fit under the device limit)."
         )
     # [Note: chunk granularity] Least padding alone is a bad objective: trimming each key's
     # last chunk makes "one chunk holding the whole model" waste nothing, and then every

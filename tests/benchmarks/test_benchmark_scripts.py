@@ -73,12 +73,13 @@ def test_scale_search_doubles_then_bisects(monkeypatch, tmp_path):
 
 
 def test_scale_benchmark_runs_and_reports_a_failure_with_its_reason(tmp_path, capsys):
-    res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "1GiB", "--max-depth", "2",
+    # one attempt a contender (the search itself is the test above): each is a two-rank launch of several seconds
+    res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "1GiB", "--max-depth", "1",
                               "--out", str(tmp_path / "scale.json")])
     rows = {r["contender"]: r for r in res["rows"]}
     assert set(rows) == {"ddp", "chunk_offload", "chunk_deferred"}
-    for r in rows.values():  # all fit at depth 2 within 1 GiB a rank, and the search stops at --max-depth
-        assert r["depth"] == 2 and r["params"] > 0 and r["capped_by_max_depth"] and max(r["peak_rss"]) < 2**30
+    for r in rows.values():  # all fit at depth 1 within 1 GiB a rank, and the search stops at --max-depth
+        assert r["depth"] == 1 and r["params"] > 0 and r["capped_by_max_depth"] and max(r["peak_rss"]) < 2**30
         assert r["bytes_per_param"] > 0
     assert rows["chunk_deferred"]["params"] == rows["chunk_offload"]["params"]  # counted after fit, not before
     res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "64MiB", "--max-depth", "1",

@@ -61,6 +61,17 @@ def test_chunk_size_search_refuses_when_the_largest_param_cannot_fit():
         choose_chunk_numel(specs((500, K0)), [0], world_size=1, numel_min=1, numel_max=1000, max_payload_numel=100)
 
 
+def test_chunk_size_search_takes_a_parameter_larger_than_chunk_numel_max():
+    """A 7B Llama's embedding (32000 x 4096 = 131M elements) is over the default chunk_numel_max (2**26): the bound
+    rises to the parameter, a user who set nothing is not refused; the device limit stays a hard bound."""
+    ps = specs((1310, K0), *[(200, K0)] * 40)
+    order = list(range(len(ps)))
+    best = choose_chunk_numel(ps, order, world_size=2, numel_min=100, numel_max=671)
+    assert best >= 1310 and len(build_layout(ps, order, best, world_size=2).chunks) > 1
+    with pytest.raises(LayoutError, match="largest parameter has 1310 elements"):
+        choose_chunk_numel(ps, order, world_size=2, numel_min=100, numel_max=671, max_payload_numel=1000)
+
+
 def test_chunk_size_search_keeps_the_model_in_several_chunks():
     # 32 "blocks" of 3 params each: without the granularity bound, one chunk of the whole
     # model wastes nothing (the tail is trimmed) and would win the tie.
