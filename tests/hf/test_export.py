@@ -154,3 +154,59 @@ def test_streaming_safetensors_matches_safetensors_own_reader(tmp_path):
         read.update(load_file(p))
     for k, v in tensors.items():
         torch.testing.assert_close(read[k], v, rtol=0, atol=0)
+
+
+MEMORY_SCRIPT = r"""
+import sys
+sys.path.insert(0, {root!r})
+import torch
+from lightning_chunk.engine.checkpoint import read_meta
+from lightning_chunk.hf import _config, _meta_model, export_hf
+
+
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+
+_meta_model(_config(None, read_meta({ckpt!r}), None))  # transformers' lazy imports of this architecture, before
+open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark (VmHWM) to the current RSS
+before = rss("VmRSS:")
+export_hf({ckpt!r}, {out!r}, progress=False)
+print("GROWTH", rss("VmHWM:") - before)
+"""
+
+
+def test_export_streams_with_bounded_memory(tmp_path):
+    """A 12-layer Llama of 126 MB in fp32, one layer a chunk: exporting it holds about two chunks, not the model."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_chunk import ChunkConfig, ChunkEngine
+    from lightning_chunk.engine.checkpoint import save_sharded
+    from lightning_chunk.hf import HF_CONFIG_KEY
+    from tests.hf.models import config
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux's /proc/self/clear_refs to measure peak memory of one phase")
+    cfg = config("llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=8,
+                 num_key_value_heads=8)
+    model = AutoModelForCausalLM.from_config(cfg)
+    chunk_numel = sum(p.numel() for p in model.model.layers[0].parameters())
+    engine = ChunkEngine(model, [], config=ChunkConfig(placement="host", chunk_numel=chunk_numel))
+    assert len(engine.manager.chunks) >= 12
+    save_sharded(engine, tmp_path / "big.ckpt", {HF_CONFIG_KEY: cfg.to_dict()}, with_optimizer=False)
+    engine.teardown()
+    script = tmp_path / "mem.py"
+    script.write_text(MEMORY_SCRIPT.format(root=str(ROOT), ckpt=str(tmp_path / "big.ckpt"), out=str(tmp_path / "hf")))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    growth = int(r.stdout.split("GROWTH")[1])
+    chunk_bytes = chunk_numel * 4
+    model_bytes = sum(p.numel() for p in model.parameters()) * 4
+    print(f"export growth {growth / 2**20:.1f} MiB, chunk {chunk_bytes / 2**20:.1f} MiB, model {model_bytes / 2**20:.1f} MiB")
+    assert growth < 3 * chunk_bytes + 8 * 2**20, (growth / 2**20, chunk_bytes / 2**20)
+    assert growth < model_bytes / 4
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for (n, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
