@@ -70,14 +70,14 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logits(trained, tm
         assert "lm_head.weight" in weight_map
 
 
-def test_export_in_bf16_through_the_command_line(trained, tmp_path):
+def test_export_in_bf16_through_the_command_line(trained, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
+    from lightning_chunk.cli import main
+
     model, ckpt = trained["llama"]
-    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "consolidate", "--format", "hf", str(ckpt),
-                        str(tmp_path / "bf16"), "--dtype", "bfloat16", "--no-progress"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["consolidate", "--format", "hf", str(ckpt), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert f"wrote {tmp_path / 'bf16'}" in capsys.readouterr().out
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
     assert loaded.dtype == torch.bfloat16
