@@ -1,8 +1,8 @@
 """The text both examples train on, with no download: by default the source files of the Python standard library
 of the interpreter running the example, split by file (every 10th file is validation); or any text file or folder.
 
-``read_split`` gives the raw bytes of each split; ``TokenWindows`` serves random windows of ``context + 1`` tokens
-(inputs and next-token targets) from a 1-D tensor of token ids; ``WindowsData`` is the data module both examples
+``read_split`` gives the raw bytes of each split; ``TokenWindows`` serves random windows of ``length`` tokens from a
+1-D tensor of token ids; ``WindowsData`` is the data module both examples
 build on, with ``tokens(text)`` saying how text becomes ids.
 """
 
@@ -18,17 +18,17 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class TokenWindows(Dataset):
-    def __init__(self, tokens: torch.Tensor, context: int, count: int, seed: int) -> None:
+    def __init__(self, tokens: torch.Tensor, length: int, count: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.starts = torch.randint(0, len(tokens) - context - 1, (count,), generator=g)
-        self.tokens, self.context = tokens, context
+        self.starts = torch.randint(0, len(tokens) - length, (count,), generator=g)
+        self.tokens, self.length = tokens, length
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         s = int(self.starts[i])
-        return self.tokens[s : s + self.context + 1].long()
+        return self.tokens[s : s + self.length].long()
 
 
 def text_files(corpus: Optional[str]) -> list[Path]:
@@ -66,25 +66,30 @@ def read_split(corpus: Optional[str], max_bytes: int) -> dict[str, bytes]:
     return {k: b"".join(v) for k, v in chunks.items()}
 
 
-def check_enough(split: dict[str, torch.Tensor], context: int, what: str = "text") -> None:
-    if min(len(t) for t in split.values()) <= context + 1:
-        raise ValueError(f"data.corpus holds too little {what} ({sum(len(t) for t in split.values())} tokens) for a "
+def check_enough(split: dict[str, torch.Tensor], length: int, context: int) -> None:
+    if min(len(t) for t in split.values()) <= length:
+        raise ValueError(f"data.corpus holds too little text ({sum(len(t) for t in split.values())} tokens) for a "
                          f"context of {context}.")
 
 
 class WindowsData(L.LightningDataModule):
-    """Random windows of ``context + 1`` tokens over the train and validation splits of ``corpus``. Subclasses say
-    how bytes become token ids (``tokens``) and save their own hyperparameters (``corpus``, ``context``,
-    ``batch_size``, ``max_bytes``, ``train_windows``, ``val_windows``)."""
+    """Random windows of ``context + extra_tokens`` tokens over the train and validation splits of ``corpus``:
+    one more than the context for a model that splits inputs and next-token targets itself (the GPT), none for one
+    whose loss shifts the labels (Hugging Face's). Subclasses say how bytes become token ids (``tokens``) and save
+    their own hyperparameters (``corpus``, ``context``, ``batch_size``, ``max_bytes``, ``train_windows``,
+    ``val_windows``)."""
+
+    extra_tokens = 1
 
     def tokens(self, text: bytes) -> torch.Tensor:
         raise NotImplementedError
 
     def setup(self, stage: str) -> None:
         split = {k: self.tokens(v) for k, v in read_split(self.hparams.corpus, self.hparams.max_bytes).items()}
-        check_enough(split, self.hparams.context, "text")
-        self.train_set = TokenWindows(split["train"], self.hparams.context, self.hparams.train_windows, seed=0)
-        self.val_set = TokenWindows(split["val"], self.hparams.context, self.hparams.val_windows, seed=1)
+        length = self.hparams.context + self.extra_tokens
+        check_enough(split, length, self.hparams.context)
+        self.train_set = TokenWindows(split["train"], length, self.hparams.train_windows, seed=0)
+        self.val_set = TokenWindows(split["val"], length, self.hparams.val_windows, seed=1)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)

@@ -120,12 +120,16 @@ class CausalLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_fit_start(self) -> None:
-        data = self.trainer.datamodule
+        data, config = self.trainer.datamodule, self.hf_model.config
         vocab = getattr(data, "vocab_size", None)
-        if vocab is not None and vocab > self.hf_model.config.vocab_size:
-            raise ValueError(f"the data has {vocab} token ids but the model's vocab_size is "
-                             f"{self.hf_model.config.vocab_size}: set model.config.vocab_size, or data.tokenizer to "
-                             "the model's own tokenizer.")
+        if vocab is not None and vocab > config.vocab_size:
+            raise ValueError(f"the data has {vocab} token ids but the model's vocab_size is {config.vocab_size}: set "
+                             "model.config.vocab_size, or data.tokenizer to the model's own tokenizer.")
+        context = getattr(getattr(data, "hparams", None), "context", None)
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if context is not None and positions is not None and context > positions:
+            raise ValueError(f"data.context={context} is longer than the model's {positions} positions "
+                             "(max_position_embeddings): lower data.context.")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # what `lightning-chunk consolidate --format hf` needs to write config.json
@@ -136,7 +140,10 @@ class CausalLM(L.LightningModule):
 
 # ------------------------------------------------------------------------------ data
 class TextData(WindowsData):
-    """``tokenizer``: a local directory with a saved tokenizer (``AutoTokenizer.from_pretrained``); ``None``: bytes."""
+    """``tokenizer``: a local directory with a saved tokenizer (``AutoTokenizer.from_pretrained``); ``None``: bytes.
+    ``context``: tokens a sample, what the model sees (it shifts the labels itself)."""
+
+    extra_tokens = 0
 
     def __init__(self, corpus: Optional[str] = None, tokenizer: Optional[str] = None, context: int = 128,
                  batch_size: int = 4, max_bytes: int = 4_000_000, train_windows: int = 20_000,

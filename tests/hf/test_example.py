@@ -102,6 +102,7 @@ def test_bad_cli_input_is_one_clear_message(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--model.pretrained=EMPTY"], "is not a save_pretrained directory (no config.json)"),
     (["--model.config.vocab_size=100"], "the data has 256 token ids but the model's vocab_size is 100"),
+    (["--data.context=200"], "data.context=200 is longer than the model's 128 positions"),
 ])
 def test_bad_model_input_names_the_value(tmp_path, args, needle):
     empty = tmp_path / "empty"
