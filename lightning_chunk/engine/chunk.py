@@ -124,7 +124,7 @@ class Chunk:
 
     @property
     def payload_bytes(self) -> int:
-        return self.capacity_numel * torch.empty((), dtype=self.compute_dtype).element_size()
+        return self.capacity_numel * self.compute_dtype.itemsize
 
     @property
     def trainable(self) -> bool:

@@ -6,6 +6,7 @@ chunks and by placement before a (re)pack.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import torch
@@ -17,7 +18,7 @@ from .placement import ChunkView
 
 
 def _esz(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def shard_cost(capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool,
@@ -43,14 +44,21 @@ def grad_payload_cost(capacity: int, world_size: int, master: torch.dtype, train
     return 0 if world_size == 1 or not trainable else capacity * _esz(master)
 
 
+@functools.lru_cache(maxsize=1024)
+def _static_costs(capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool,
+                  optim_bytes: int) -> tuple[int, int, int]:
+    """(device shard, gradient payload, disk) bytes: the same for every chunk of one shape, asked at every moment."""
+    return (shard_cost(capacity, world_size, compute, master, trainable, optim_bytes),
+            grad_payload_cost(capacity, world_size, master, trainable),
+            disk_cost(capacity, world_size, master, trainable, optim_bytes))
+
+
 def chunk_view(c: Chunk) -> ChunkView:
     """What a policy may know about an existing chunk."""
-    ws = c.world_size
-    return ChunkView(c.chunk_id, c.payload_bytes,
-                     shard_cost(c.capacity_numel, ws, c.compute_dtype, c.master_dtype, c.trainable, c.optim_state_bytes),
-                     c.is_resident, c.is_evictable, c.shard_tier, c.last_used,
-                     grad_payload_cost(c.capacity_numel, ws, c.master_dtype, c.trainable),
-                     disk_cost(c.capacity_numel, ws, c.master_dtype, c.trainable, c.optim_state_bytes))
+    shard, grad, disk = _static_costs(c.capacity_numel, c.world_size, c.compute_dtype, c.master_dtype, c.trainable,
+                                      c.optim_state_bytes)
+    return ChunkView(c.chunk_id, c.payload_bytes, shard, c.is_resident, c.is_evictable, c.shard_tier, c.last_used,
+                     grad, disk)
 
 
 def planned_views(layout: Layout, dtypes: DtypePolicy, optim_bytes_per_element: Mapping[int, int]) -> list[ChunkView]:

@@ -65,7 +65,7 @@ class StreamingSafetensors:
             raise RuntimeError("every tensor must be declared before the first is written")
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name!r} has dtype {dtype}, which safetensors does not hold.")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if not self._files or (self._files[-1].nbytes and self._files[-1].nbytes + nbytes > self.max_shard_bytes):
             self._files.append(_File(""))
         if name in self._names:

@@ -176,7 +176,7 @@ class DiskStorage(TierStorage):
     def alloc(self, chunk: Chunk, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if role not in ROLES:  # the compute-dtype copy: read by every gather, it stays in host memory
             return self.host.alloc(chunk, role, numel, dtype)
-        return self._file(chunk, role, numel * torch.empty((), dtype=dtype).element_size()).tensor(numel, dtype)
+        return self._file(chunk, role, numel * dtype.itemsize).tensor(numel, dtype)
 
     def reserve_state(self, chunk: Chunk, nbytes: int) -> None:
         files = self._files.setdefault(id(chunk), {})
