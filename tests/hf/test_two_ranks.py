@@ -1,5 +1,6 @@
-"""Two ranks: GPT-2 fine-tuned from save_pretrained in parity with DDP under an evicting device limit; the
-two-rank sharded checkpoint exported for from_pretrained."""
+"""Two ranks: GPT-2 fine-tuned from save_pretrained in parity with DDP under an evicting device limit, the two-rank
+sharded checkpoint exported for from_pretrained; and the defaults (automatic chunk size, a Llama used in another
+order than registered, accumulation, a resume mid-run) against DDP."""
 
 from __future__ import annotations
 
@@ -21,14 +22,20 @@ from tests.integration.test_examples import DIST_VARS  # noqa: E402
 SCRIPT = Path(__file__).with_name("two_ranks.py")
 
 
-def test_gpt2_from_save_pretrained_on_two_ranks_is_bit_exact_with_ddp_and_exports(tmp_path):
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_ranks")
+    pre = [save_pretrained(kind, root / f"pre_{kind}") for kind in ("gpt2", "llama")]
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    r = subprocess.run([sys.executable, str(SCRIPT), str(root / "out"), *map(str, pre)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    return root, r.stdout + r.stderr
+
+
+def test_gpt2_from_save_pretrained_on_two_ranks_is_bit_exact_with_ddp_and_exports(run):
     from transformers import AutoModelForCausalLM
 
-    pre = save_pretrained("gpt2", tmp_path / "pre")
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    r = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "out"), str(pre)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    log = r.stdout + r.stderr
+    tmp_path, log = run
     assert "CASE-DONE hf_gpt2 rank=0" in log and "CASE-DONE hf_gpt2 rank=1" in log, log[-3000:]
     saved = torch.load(tmp_path / "out" / "params.pt")
     assert saved["ref"].keys() == saved["got"].keys()
@@ -42,3 +49,17 @@ def test_gpt2_from_save_pretrained_on_two_ranks_is_bit_exact_with_ddp_and_export
     loaded = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf", progress=False))
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, saved["got"]["model." + name], rtol=0, atol=0, msg=name)
+
+
+def test_the_defaults_with_accumulation_and_a_resume_agree_with_ddp(run):
+    """Automatic chunk size, placement auto under a device limit, a Llama (norms registered after the layers they
+    run before), accumulation of 2, stopped at step 4 and resumed to 8. Sharded accumulation sums in another order
+    than DDP: the suite's tolerance for it (tests/distributed/test_two_ranks.py, ROUNDING)."""
+    tmp_path, log = run
+    assert "CASE-DONE hf_defaults rank=0" in log and "CASE-DONE hf_defaults rank=1" in log, log[-3000:]
+    final = torch.load(tmp_path / "out" / "defaults.pt")
+    for k, a in final["ddp"].items():
+        torch.testing.assert_close(final["chunk"][k], a, rtol=1e-4, atol=1e-5, msg=k)
+    for rank in (0, 1):
+        stats = json.loads((tmp_path / "out" / f"defaults_stats{rank}.json").read_text())
+        assert stats["evictions"] > 0 and stats["device_chunk_bytes_peak"] <= 1_600_000

@@ -1,8 +1,13 @@
-"""GPT-2 fine-tuned from a save_pretrained directory on two gloo ranks: DDP (``from_pretrained`` on every rank)
-against chunk_offload (built on the meta device, each rank reading its shards' pieces of the files) under a device
-limit that evicts; chunk_offload also saves a sharded checkpoint at the end.
+"""Hugging Face models fine-tuned from save_pretrained directories on two gloo ranks, DDP (``from_pretrained`` on
+every rank) against chunk_offload (built on the meta device, each rank reading its shards' pieces of the files):
 
-    python tests/hf/two_ranks.py OUTDIR PRETRAINED_DIR
+- ``hf_gpt2``: GPT-2 under a device limit that evicts, fixed chunk size; chunk_offload saves a sharded checkpoint
+  at the end.
+- ``hf_defaults``: what a user gets by default (automatic chunk size, placement auto) on a Llama, whose norms are
+  registered after the layers they run before, under a device limit, with gradient accumulation, stopped at step 4
+  and resumed from that checkpoint to step 8, against DDP stopped and resumed the same way.
+
+    python tests/hf/two_ranks.py OUTDIR GPT2_DIR LLAMA_DIR
 """
 
 from __future__ import annotations
@@ -24,20 +29,38 @@ from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
 from tests.hf.models import Batches, load_example  # noqa: E402
 
 STEPS, LIMIT = 6, 3_000_000
+DEFAULTS_LIMIT = 1_600_000  # the tiny Llama's activations are 1.2 MB a rank: little room is left for chunks
 
 
-def fit(strategy, pretrained: str, **kw) -> tuple[L.Trainer, L.LightningModule]:
+def fit(strategy, pretrained: str, steps: int = STEPS, ckpt_path=None, **kw) -> tuple[L.Trainer, L.LightningModule]:
     L.seed_everything(3, verbose=False)  # every rank: the same dropout masks under both strategies
     model = load_example().CausalLM(pretrained=pretrained, lr=1e-3, warmup_steps=1)
-    t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                   **kw)
-    t.fit(model, Batches(n=64))
+    t.fit(model, Batches(n=64), ckpt_path=ckpt_path)
     return t, model
 
 
+def defaults_case(out: Path, pretrained: str) -> None:
+    final = {}
+    for name, make in [("ddp", DDPStrategy),
+                       ("chunk", lambda: ChunkOffloadStrategy(device_memory_limit=DEFAULTS_LIMIT,
+                                                              collective_timeout_s=60))]:
+        stop = ModelCheckpoint(dirpath=out / f"defaults_{name}", filename="{step}", every_n_train_steps=4)
+        fit(make(), pretrained, steps=4, accumulate_grad_batches=2, callbacks=[stop])
+        strategy = make()
+        t, model = fit(strategy, pretrained, steps=8, accumulate_grad_batches=2, enable_checkpointing=False,
+                       ckpt_path=out / f"defaults_{name}" / "step=4.ckpt")
+        final[name] = model.state_dict()
+    (out / f"defaults_stats{t.global_rank}.json").write_text(json.dumps(strategy.memory_stats()))
+    if t.global_rank == 0:
+        torch.save(final, out / "defaults.pt")
+    print(f"CASE-DONE hf_defaults rank={t.global_rank}", flush=True)
+
+
 if __name__ == "__main__":
-    out, pretrained = Path(sys.argv[1]), sys.argv[2]
+    out, pretrained, llama = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     _, ref = fit(DDPStrategy(), pretrained, enable_checkpointing=False)
     strategy = ChunkOffloadStrategy(device_memory_limit=LIMIT, chunk_numel=16384, optimizer_kernel="loop",
                                     collective_timeout_s=60)
@@ -47,4 +70,5 @@ if __name__ == "__main__":
     if rank == 0:
         torch.save({"ref": ref.state_dict(), "got": got.state_dict()}, out / "params.pt")
     print(f"CASE-DONE hf_gpt2 rank={rank}", flush=True)
+    defaults_case(out, llama)
     torch.distributed.destroy_process_group()
