@@ -32,8 +32,9 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"  # as ``save_pretrained``
 
 
 # ================================================================ initialisation
-class _WritesOnlyTo(TorchDispatchMode):
-    """Drops in-place writes (and the random draws they make) to tensors whose storage is not in ``storages``."""
+class _LeaveAlone(TorchDispatchMode):
+    """Drops in-place writes (and the random draws they make) to tensors whose storage is in ``storages``; writes to
+    anything else (the module's own tensors, an init's temporaries) go through."""
 
     def __init__(self, storages: set[int]) -> None:
         super().__init__()
@@ -43,7 +44,7 @@ class _WritesOnlyTo(TorchDispatchMode):
         name = func.overloadpacket.__name__
         target = args[0] if args else None
         if name.endswith("_") and isinstance(target, torch.Tensor) \
-                and target.untyped_storage().data_ptr() not in self.storages:
+                and target.untyped_storage().data_ptr() in self.storages:
             return target
         return func(*args, **(kwargs or {}))
 
@@ -56,9 +57,9 @@ class HFInit:
     (GPT-2 scales ``c_proj`` from its ``GPT2Attention``/``GPT2MLP``, which own no tensor themselves). On the meta
     device that does nothing, and deferred initialisation (``engine/materialize.py``) initialises one module at a
     time, as packing reaches its tensors. So for module ``m`` this runs ``_init_weights(m)`` and then
-    ``_init_weights`` of each ancestor, nearest first, letting through only the writes into ``m``'s own tensors:
-    each tensor ends with the value of the last rule that writes it, as in ``post_init``, while the tensors of
-    other modules (placeholders, or values already packed) are left alone. The random stream differs from an eager
+    ``_init_weights`` of each ancestor, nearest first, dropping the writes into the tensors of other modules
+    (placeholders, or values already packed): each of ``m``'s tensors ends with the value of the last rule that
+    writes it, as in ``post_init``. Writes into anything else (an init's temporaries) go through. The random stream differs from an eager
     ``from_config`` (whose constructors draw too), so the values are another draw of the same init; rotary
     frequency buffers, norms and zeroed biases come out equal. ``padding_idx`` rows are zeroed as
     ``_init_weights`` does.
@@ -71,12 +72,13 @@ class HFInit:
         self._parent = {id(c): m for m in model.modules() for c in m.children()}
 
     def __call__(self, module: torch.nn.Module) -> None:
-        own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
-        storages = {t.untyped_storage().data_ptr() for t in own}
+        own = {t.untyped_storage().data_ptr() for t in (*module._parameters.values(), *module._buffers.values())
+               if t is not None}
+        others = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())} - own
         chain = [module]
         while id(chain[-1]) in self._parent:
             chain.append(self._parent[id(chain[-1])])
-        with torch.no_grad(), _WritesOnlyTo(storages):
+        with torch.no_grad(), _LeaveAlone(others):
             for m in chain:
                 self.model._init_weights(m)
 
@@ -122,15 +124,15 @@ def _meta_model(config: Any) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _kept_keys(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The names ``save_pretrained`` writes, with shapes and dtypes: the state dict less the tied copies."""
+def _kept_keys(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The names ``save_pretrained`` writes, with their shapes: the state dict less the tied copies."""
     sd = model.state_dict(keep_vars=True)
     targets = set(getattr(model, "all_tied_weights_keys", None) or {})
     groups: dict[int, list[str]] = {}
     for k, v in sd.items():
         groups.setdefault(id(v), []).append(k)
     kept = {([n for n in names if n not in targets] or names)[0] for names in groups.values()}
-    return {k: (tuple(v.shape), v.dtype) for k, v in sd.items() if k in kept}
+    return {k: tuple(v.shape) for k, v in sd.items() if k in kept}
 
 
 def _prefix(saved: Iterable[str], wanted: Iterable[str]) -> str:
@@ -153,7 +155,7 @@ def _listing(items: list[str], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _match(ck: dict[str, Any], keep: dict[str, tuple[tuple[int, ...], torch.dtype]], known: set[str], path: Path,
+def _match(ck: dict[str, Any], keep: dict[str, tuple[int, ...]], known: set[str], path: Path,
            config: Any) -> tuple[str, dict[str, list[str]], dict[str, str]]:
     """(prefix, param name -> the exported names it fills, buffer key -> exported name), or an error listing every
     name the config's model and the checkpoint disagree on."""
@@ -163,7 +165,7 @@ def _match(ck: dict[str, Any], keep: dict[str, tuple[tuple[int, ...], torch.dtyp
     fills: dict[str, list[str]] = {}
     from_buffers: dict[str, str] = {}
     missing, other_shape = [], []
-    for k, (shape, _) in keep.items():
+    for k, shape in keep.items():
         key = prefix + k
         if key in aliases:
             have = tuple(shapes[aliases[key]])
@@ -237,17 +239,14 @@ def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config
     tmp.mkdir()
     try:
         writer = StreamingSafetensors(tmp, max_shard_bytes=max_shard_bytes)
-        order: list[tuple[str, str]] = []  # (exported name, where from: "buffer" or the param name)
         for key, k in from_buffers.items():
-            writer.add(k, keep[k][0], dtype_of(ck["buffers"][key].dtype))
-            order.append((k, "buffer"))
-        for spec in ck["chunks"]:
+            writer.add(k, keep[k], dtype_of(ck["buffers"][key].dtype))
+        for spec in ck["chunks"]:  # in the order the saved chunks will stream in
             for name, _, _, shape in spec["slots"]:
                 for k in fills.get(name, ()):
                     writer.add(k, tuple(shape), dtype_of(param_dtypes[name]))
-                    order.append((k, name))
         writer.open()
-        bar = _progress(len(order), progress, f"exporting {path.name}")
+        bar = _progress(writer.count, progress, f"exporting {path.name}")
         for key, k in from_buffers.items():
             writer.write(k, ck["buffers"][key])
             bar.update(1)

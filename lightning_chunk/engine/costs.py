@@ -17,31 +17,27 @@ from .packing import Layout
 from .placement import ChunkView
 
 
-def _esz(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 def shard_cost(capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool,
                optim_bytes: int) -> int:
     """Bytes a shard holds when it lives on the device tier (payload too, when one rank aliases it)."""
     n = capacity // world_size
-    master_b = n * _esz(master)
-    low_b = n * _esz(compute) if compute != master else 0
-    grad_b = n * _esz(master) if trainable else 0
+    master_b = n * master.itemsize
+    low_b = n * compute.itemsize if compute != master else 0
+    grad_b = n * master.itemsize if trainable else 0
     if world_size == 1:  # aliased: the payload is the low shard
-        return capacity * _esz(compute) + (master_b if low_b else 0) + grad_b + optim_bytes
+        return capacity * compute.itemsize + (master_b if low_b else 0) + grad_b + optim_bytes
     return master_b + low_b + grad_b + optim_bytes
 
 
 def disk_cost(capacity: int, world_size: int, master: torch.dtype, trainable: bool, optim_bytes: int) -> int:
     """Bytes of a shard that go to files on the disk tier: master, gradient shard, optimizer state."""
-    n = capacity // world_size * _esz(master)
+    n = capacity // world_size * master.itemsize
     return n + (n if trainable else 0) + optim_bytes
 
 
 def grad_payload_cost(capacity: int, world_size: int, master: torch.dtype, trainable: bool) -> int:
     """Several ranks: the whole-chunk gradient buffer backward needs on the device."""
-    return 0 if world_size == 1 or not trainable else capacity * _esz(master)
+    return 0 if world_size == 1 or not trainable else capacity * master.itemsize
 
 
 @functools.lru_cache(maxsize=1024)
@@ -69,7 +65,7 @@ def planned_views(layout: Layout, dtypes: DtypePolicy, optim_bytes_per_element: 
         compute, master = dtypes.compute_for(spec.key.dtype), dtypes.master_for(spec.key.dtype)
         trainable = spec.key.requires_grad
         optim = spec.capacity_numel // ws * optim_bytes_per_element.get(spec.key.group, 0) if trainable else 0
-        out.append(ChunkView(spec.chunk_id, spec.capacity_numel * _esz(compute),
+        out.append(ChunkView(spec.chunk_id, spec.capacity_numel * compute.itemsize,
                              shard_cost(spec.capacity_numel, ws, compute, master, trainable, optim),
                              resident=False, evictable=False, shard_tier=Tier.HOST,
                              grad_payload_bytes=grad_payload_cost(spec.capacity_numel, ws, master, trainable),

@@ -49,7 +49,7 @@ class StreamingSafetensors:
         self.out_dir = Path(out_dir)
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
-        self._order: list[tuple[str, int]] = []  # (name, file index), declaration order
+        self._order: list[tuple[str, int, torch.dtype]] = []  # (name, file index, dtype), declaration order
         self._names: set[str] = set()
         self._files: list[_File] = []
         self._next = 0
@@ -57,8 +57,9 @@ class StreamingSafetensors:
         self._handle_file = -1
 
     @property
-    def total_bytes(self) -> int:
-        return sum(f.nbytes for f in self._files)
+    def count(self) -> int:
+        """Tensors declared."""
+        return len(self._order)
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         if self._handle is not None or self._next:
@@ -74,7 +75,7 @@ class StreamingSafetensors:
         f = self._files[-1]
         f.entries[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [f.nbytes, f.nbytes + nbytes]}
         f.nbytes += nbytes
-        self._order.append((name, len(self._files) - 1))
+        self._order.append((name, len(self._files) - 1, dtype))
 
     def open(self) -> None:
         """Name the files and write every header (each file's data then follows in declared order)."""
@@ -92,13 +93,12 @@ class StreamingSafetensors:
         if self._next >= len(self._order) or self._order[self._next][0] != name:
             expected = self._order[self._next][0] if self._next < len(self._order) else "nothing more"
             raise RuntimeError(f"tensor {name!r} written out of order (expected {expected!r})")
-        name, i = self._order[self._next]
+        name, i, dtype = self._order[self._next]
         f = self._files[i]
-        entry = f.entries[name]
-        dtype = next(d for d, s in DTYPE_NAMES.items() if s == entry["dtype"])
+        declared = f.entries[name]["shape"]
+        if list(value.shape) != declared:
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, declared {tuple(declared)}")
         v = value.detach().to("cpu", dtype).contiguous().reshape(-1)
-        if list(value.shape) != entry["shape"]:
-            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, declared {tuple(entry['shape'])}")
         if i != self._handle_file:
             self._close_handle()
             self._handle = open(self.out_dir / f.name, "ab")
@@ -126,8 +126,8 @@ class StreamingSafetensors:
             if have != header + f.nbytes:
                 raise RuntimeError(f"{p} has {have} bytes, its header says {header + f.nbytes}")
         if len(self._files) > 1:
-            index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": {n: self._files[i].name for n, i in sorted(self._order)}}
+            index = {"metadata": {"total_size": sum(f.nbytes for f in self._files)},
+                     "weight_map": {n: self._files[i].name for n, i, _ in sorted(self._order, key=lambda o: o[0])}}
             (self.out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             paths.append(self.out_dir / INDEX)
         return paths

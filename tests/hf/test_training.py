@@ -153,3 +153,33 @@ def test_a_config_that_does_not_match_the_weights_names_the_tensors(example, pre
         fit(example, ChunkOffloadStrategy(chunk_numel=16384), pretrained=str(pretrained["llama"]),
             config={"num_hidden_layers": 3})
     assert "nothing was loaded" in str(e.value)
+
+
+def test_hf_init_applies_ancestor_rules_to_the_module_alone_and_lets_temporaries_be_written():
+    """HFInit on a toy model with HF's shape: the leaf rule builds its value in a temporary written in place; the
+    parent's rule writes its two children. Initialising one child takes the parent's rule for it and leaves the
+    sibling (a placeholder, or a value already packed) untouched."""
+    from lightning_chunk.hf import HFInit
+
+    class Toy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Module()
+            self.block.a, self.block.b = torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False)
+
+        def _init_weights(self, m: torch.nn.Module) -> None:
+            if isinstance(m, torch.nn.Linear):
+                tmp = torch.empty_like(m.weight)
+                tmp.fill_(3.0)  # an in-place write into a temporary
+                m.weight.copy_(tmp)
+            elif m is self.block:
+                m.b.weight.fill_(7.0)  # the parent's rule for one child
+
+    toy = Toy()
+    with torch.no_grad():
+        toy.block.a.weight.zero_(), toy.block.b.weight.zero_()
+    init = HFInit(toy)
+    init(toy.block.a)
+    assert toy.block.a.weight.eq(3.0).all() and toy.block.b.weight.eq(0.0).all()
+    init(toy.block.b)
+    assert toy.block.b.weight.eq(7.0).all() and toy.block.a.weight.eq(3.0).all()
