@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace) -> dict:
     params = 0
     rng = random.Random(0)
     for rep in range(args.repeats):
-        order = list(CONTENDERS)
+        order = [n for n in CONTENDERS if CONTENDERS[n][0] in args.ranks]
         rng.shuffle(order)
         for name in order:
             res = run_child(name, args, tmp / f"{rep}-{name.replace(' ', '_')}.json")
@@ -90,6 +90,8 @@ def measure(args: argparse.Namespace) -> dict:
             per_run[name].append(statistics.median(steady))
     rows = []
     for name, (devices, _) in CONTENDERS.items():
+        if devices not in args.ranks:
+            continue
         med = statistics.median(per_run[name])
         base = statistics.median(per_run[BASELINE[devices]])
         rows.append({"contender": name, "ranks": devices, "median_ms": med * 1e3, "min_ms": min(per_run[name]) * 1e3,
@@ -113,6 +115,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/step_overhead.json", width=384, depth=6, context=128, batch=8, steps=30)
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ranks", type=int, nargs="+", choices=(1, 2), default=[1, 2],
+                   help="run only the contenders on these rank counts")
     return run_or_child(p.parse_args(argv), {"*": child}, measure, render)
 
 

@@ -34,6 +34,17 @@ watchdog does on a timeout, too. Every collective after the first failed one fai
 issued (a forward hook that runs while the error unwinds would otherwise wait out a second timeout).
 On NCCL the waits stay stream-ordered (no host sync) and the process group's
 ``timeout`` bounds them through NCCL's watchdog.
+
+[Note: reduce-scatter on gloo]
+gloo has no reduce-scatter of its own: torch's ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``
+clones the whole input in the calling thread, all-reduces the clone in a worker thread and copies this
+rank's slice out on ``wait``. For a gradient payload that is a payload-sized allocation (page faults
+included) and a copy on the compute thread at every launch: 35 to 90 ms for a 37.7 MB payload on 2 ranks
+of the 2-core benchmark machine, against 1.5 to 3 ms to launch the all-reduce itself. The engine's
+reduce-scatters write in place (``out`` is this rank's slice of ``full``, and ``full`` is freed after), so
+on gloo with host tensors they all-reduce ``full`` in place instead: the same all-reduce on the same
+values, hence the same bits, without the clone or the copy (measured: 40 ms for the whole collective
+where gloo's reduce-scatter took 105). NCCL keeps its real reduce-scatter.
 """
 
 from __future__ import annotations
@@ -170,6 +181,7 @@ class Collectives:
         else:
             self.rank, self.world_size, backend = 0, 1, None
         self.verify = (backend == "gloo") if verify is None else verify
+        self.gloo = backend == "gloo"  # [Note: reduce-scatter on gloo]
         if backend == "nccl":
             # an NCCL wait with a timeout may block the host; plain waits are stream-ordered and the
             # process group's own timeout (NCCL's watchdog) bounds them instead
@@ -230,6 +242,7 @@ class Collectives:
         """One rank, whether or not a process group exists."""
         c = cls.__new__(cls)
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
+        c.gloo = False
         c._tag_device = torch.device("cpu")
         c.names = lambda chunk, module: f"chunk {chunk}"
         c.peers = []
@@ -325,9 +338,20 @@ class Collectives:
         _refuse_if_broken(f"[rank {self.rank}] reduce_scatter of {self.names(chunk, module)}")
         self._check_device(f"reduce_scatter of {self.names(chunk, module)}", out, full)
         self.check_agreement("reduce_scatter", chunk, module)
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        work = fn(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if self.gloo and full.device.type == "cpu" and self._is_own_slice(out, full):
+            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        else:
+            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = fn(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return self._pending(out, work, "reduce_scatter", chunk, module, async_op)
+
+    def _is_own_slice(self, out: torch.Tensor, full: torch.Tensor) -> bool:
+        """``out`` is this rank's slice of ``full``, in place: ``full[rank * n : (rank + 1) * n]``."""
+        n = out.numel()
+        return (full.is_contiguous() and out.is_contiguous() and out.dtype == full.dtype
+                and n * self.world_size == full.numel()
+                and out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+                and out.storage_offset() == full.storage_offset() + self.rank * n)
 
     def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool) -> Pending:
         p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the manager builds the reducer; no import at run time, so n
     from .manager import ChunkManager
 
 S = TensorState
+_EMPTY, _RAW, _SCALED = object(), object(), object()  # a gradient payload range: unwritten, a raw sum, scaled
 MakeRoom = Optional[Callable[[int], None]]  # evict by the placement policy until this many more bytes fit
 
 
@@ -39,6 +40,7 @@ class GradReducer:
         self._inflight: list[tuple[Chunk, Any]] = []  # reduce-scatters launched, not yet landed
         self._order: list[int] = []  # chunks reduce in this order on every rank
         self._next = 0
+        self._filled: dict[int, dict[int, object]] = {}  # chunk id -> payload offset -> _RAW or _SCALED
 
     # ================================================================== order
     def reset_order(self, chunks: Sequence[Chunk]) -> None:
@@ -69,9 +71,70 @@ class GradReducer:
 
     # ============================================================== gradients
     def add(self, chunk: Chunk, offset: int, grad: torch.Tensor, make_room: MakeRoom) -> None:
-        """Add one parameter's gradient into the chunk's gradient payload (allocated on first use)."""
+        """Put one parameter's gradient into the chunk's gradient payload (allocated on first use, not zeroed).
+
+        [Note: filling the gradient payload in one pass] The payload is ``torch.empty``: a range is written
+        by the first gradient it gets, and at ``reduce`` only the ranges that got none (and the padding) are
+        zeroed. In the micro-batch that reduces (``sync``), the first gradient is scaled by 1/world_size as it
+        is copied, ``torch.mul(grad, 1/w, out=range)``, which is what DDP's reducer does when it copies a
+        gradient into its bucket. Zeroing the whole payload, adding into it and scaling it in a pass of its
+        own wrote the payload three times and read it twice; this writes it once. Inside ``no_sync`` the
+        ranges hold raw sums, scaled once when the reducing micro-batch adds its gradient (or at ``reduce``
+        for a range that got none then): (g1 + g2) / w, as DDP computes it. A second gradient for a range
+        already scaled in the same micro-batch (reentrant checkpointing can deliver two) adds g / w."""
         self._ensure_payload(chunk, make_room)
-        chunk.grad_payload[offset : offset + grad.numel()].add_(grad.reshape(-1))  # type: ignore[index]
+        flat = grad.reshape(-1)
+        dst = chunk.grad_payload[offset : offset + flat.numel()]  # type: ignore[index]
+        filled = self._filled.setdefault(chunk.chunk_id, {})
+        state = filled.get(offset, _EMPTY)
+        scale = 1.0 / self.manager.comm.world_size
+        if state is _EMPTY:
+            if self.sync and flat.dtype == dst.dtype:
+                torch.mul(flat, scale, out=dst)
+            else:
+                dst.copy_(flat)
+                if self.sync:
+                    dst.mul_(scale)
+        elif state is _RAW:
+            dst.add_(flat)
+            if self.sync:
+                dst.mul_(scale)
+        else:
+            dst.add_(flat, alpha=scale)
+        filled[offset] = _SCALED if self.sync else _RAW
+
+    def add(self, chunk: Chunk, offset: int, grad: torch.Tensor, make_room: MakeRoom) -> None:
+        """Put one parameter's gradient into the chunk's gradient payload (allocated on first use, not zeroed).
+
+        [Note: filling the gradient payload in one pass] The payload is ``torch.empty``: a range is written
+        by the first gradient it gets, and at ``reduce`` only the ranges that got none (and the padding) are
+        zeroed. In the micro-batch that reduces (``sync``), the first gradient is scaled by 1/world_size as it
+        is copied, ``torch.mul(grad, 1/w, out=range)``, which is what DDP's reducer does when it copies a
+        gradient into its bucket. Zeroing the whole payload, adding into it and scaling it in a pass of its
+        own wrote the payload three times and read it twice; this writes it once. Inside ``no_sync`` the
+        ranges hold raw sums, scaled once when the reducing micro-batch adds its gradient (or at ``reduce``
+        for a range that got none then): (g1 + g2) / w, as DDP computes it. A second gradient for a range
+        already scaled in the same micro-batch (reentrant checkpointing can deliver two) adds g / w."""
+        self._ensure_payload(chunk, make_room)
+        flat = grad.reshape(-1)
+        dst = chunk.grad_payload[offset : offset + flat.numel()]  # type: ignore[index]
+        filled = self._filled.setdefault(chunk.chunk_id, {})
+        state = filled.get(offset, _EMPTY)
+        scale = 1.0 / self.manager.comm.world_size
+        if state is _EMPTY:
+            if self.sync and flat.dtype == dst.dtype:
+                torch.mul(flat, scale, out=dst)
+            else:
+                dst.copy_(flat)
+                if self.sync:
+                    dst.mul_(scale)
+        elif state is _RAW:
+            dst.add_(flat)
+            if self.sync:
+                dst.mul_(scale)
+        else:
+            dst.add_(flat, alpha=scale)
+        filled[offset] = _SCALED if self.sync else _RAW
 
     def _ensure_payload(self, chunk: Chunk, make_room: MakeRoom) -> None:
         if chunk.grad_payload is not None:
@@ -80,9 +143,30 @@ class GradReducer:
         mgr.room_for(chunk.capacity_numel * chunk.grad.element_size(),  # type: ignore[union-attr]
                      f"chunk {chunk.chunk_id}'s gradient payload", make_room)
         with mgr.tracked(chunk):
-            chunk.grad_payload = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype, device=mgr.device)
+            chunk.grad_payload = torch.empty(chunk.capacity_numel, dtype=chunk.master_dtype, device=mgr.device)
+        self._filled[chunk.chunk_id] = {}
         live = sum(tensor_nbytes(c.grad_payload) for c in mgr.chunks)
         self.payload_peak = max(self.payload_peak, live)
+
+    def _finish_payload(self, chunk: Chunk) -> None:
+        """Before the reduce-scatter: zero what no gradient wrote (padding, ranges without a gradient on this
+        rank) and scale the raw sums that ``no_sync`` micro-batches left."""
+        payload = chunk.grad_payload
+        assert payload is not None
+        filled = self._filled.pop(chunk.chunk_id, {})
+        scale = 1.0 / self.manager.comm.world_size
+        end = 0
+        for t in sorted(chunk.tensors, key=lambda t: t.offset):
+            state = filled.get(t.offset, _EMPTY)
+            if t.offset > end:
+                payload[end : t.offset].zero_()
+            if state is _EMPTY:
+                payload[t.offset : t.offset + t.numel].zero_()
+            elif state is _RAW:
+                payload[t.offset : t.offset + t.numel].mul_(scale)
+            end = max(end, t.offset + t.numel)
+        if end < payload.numel():
+            payload[end:].zero_()
 
     def chunk_complete(self, make_room: MakeRoom) -> None:
         """A chunk's gradients became final: reduce every chunk whose turn has come."""
@@ -90,13 +174,14 @@ class GradReducer:
             self._drain(force=False, make_room=make_room)
 
     def reduce(self, chunk: Chunk, make_room: MakeRoom) -> None:
-        """Launch the reduce-scatter of the chunk's gradient payload (scaled by 1/world_size first, as DDP
-        does) and go on with backward; the result lands in the shard in ``land``."""
+        """Launch the reduce-scatter of the chunk's gradient payload (scaled by 1/world_size, as DDP does,
+        [Note: filling the gradient payload in one pass]) and go on with backward; the result lands in the
+        shard in ``land``."""
         mgr = self.manager
         if self.sync:
             self._ensure_payload(chunk, make_room)  # this rank got no gradient for the chunk: contribute zeros
             with mgr.tracked(chunk):
-                chunk.grad_payload.mul_(1.0 / mgr.comm.world_size)  # type: ignore[union-attr]
+                self._finish_payload(chunk)
                 # in place: this rank's slice of the payload is the output (NCCL and gloo both take
                 # ``out == full[rank * n : (rank + 1) * n]``), so no unaccounted buffer is allocated
                 lo, hi = chunk.shard_range
