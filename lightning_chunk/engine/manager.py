@@ -27,6 +27,7 @@ from .errors import DeviceMemoryLimitError
 from .packing import ChunkKey, Layout, ParamSpec
 from .costs import chunk_view, shard_cost
 from .placement import ChunkView
+from .pool import BlockPool
 from .reduce import GradReducer, MakeRoom
 from .repack import ExtraShards, FromModule, OldChunks, build_chunk, piece_range
 from .states import TensorState, check_transition
@@ -87,6 +88,7 @@ class ChunkManager:
         self.storages: dict[Tier, TierStorage] = {
             Tier.DEVICE: DeviceStorage(self.device), Tier.HOST: host,
             Tier.DISK: DiskStorage(config.disk_dir, self.comm.rank, host)}
+        self.pool = BlockPool(self.device)  # [Note: a pool of payload blocks]
         self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
         self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation
 
@@ -176,6 +178,7 @@ class ChunkManager:
         ([Note: optimizer state through a repack] in ``repack.py``).
         """
         first = not self.chunks  # values come from the module itself
+        self.pool.clear()  # the old layout's block sizes
         source: Any
         if first:
             source = source or FromModule(self.params)
@@ -270,7 +273,7 @@ class ChunkManager:
         with self.tracked(chunk), self.storage_of(chunk).reading(
                 chunk, ("master",) if from_file and self.device.type != "cpu" else ()):
             self.reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
-            chunk.payload.untyped_storage().resize_(chunk.payload_bytes)
+            self.pool.fill(chunk.payload.untyped_storage(), chunk.payload_bytes)
             src = chunk.low_tensor()
             if chunk.shard_tier is not Tier.DEVICE:
                 self.transfers.h2d_bytes += src.numel() * src.element_size()
@@ -317,7 +320,7 @@ class ChunkManager:
         self.wait_ready(chunk)
         with self.tracked(chunk):
             assert chunk.payload is not None
-            chunk.payload.untyped_storage().resize_(0)
+            self.pool.empty(chunk.payload.untyped_storage())
         chunk.transition_all(S.FREE)
         if eviction:
             self.transfers.evictions += 1
@@ -521,10 +524,12 @@ class ChunkManager:
         self._where = {}
         self.layout = None
         self._all_aliased = False
+        self.pool.clear()
         self._changed()
 
     def close(self) -> None:
-        """The end of the run: the disk tier's scratch files go."""
+        """The end of the run: the disk tier's scratch files go, and the pool's blocks."""
+        self.pool.clear()
         for storage in self.storages.values():
             storage.close()
 
@@ -539,6 +544,7 @@ class ChunkManager:
             "disk_chunk_bytes": self.ledger[Tier.DISK],
             "disk_shards": sum(c.shard_tier is Tier.DISK for c in self.chunks),
             **self.disk.stats(),
+            **self.pool.stats(),
             "h2d_bytes": self.transfers.h2d_bytes,
             "d2h_bytes": self.transfers.d2h_bytes,
             "d2h_async_bytes": self.reducer.offload.async_bytes,  # of which copied on the side stream (CUDA)

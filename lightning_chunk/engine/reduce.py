@@ -143,7 +143,7 @@ class GradReducer:
         mgr.room_for(chunk.capacity_numel * chunk.grad.element_size(),  # type: ignore[union-attr]
                      f"chunk {chunk.chunk_id}'s gradient payload", make_room)
         with mgr.tracked(chunk):
-            chunk.grad_payload = torch.empty(chunk.capacity_numel, dtype=chunk.master_dtype, device=mgr.device)
+            chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, chunk.master_dtype)
         self._filled[chunk.chunk_id] = {}
         live = sum(tensor_nbytes(c.grad_payload) for c in mgr.chunks)
         self.payload_peak = max(self.payload_peak, live)
@@ -220,6 +220,8 @@ class GradReducer:
 
     def _free_payload(self, chunk: Chunk) -> None:
         with self.manager.tracked(chunk):
+            assert chunk.grad_payload is not None
+            self.manager.pool.empty(chunk.grad_payload.untyped_storage())  # a view still held sees no bytes
             chunk.grad_payload = None
 
     def _drain(self, *, force: bool, make_room: MakeRoom) -> None:

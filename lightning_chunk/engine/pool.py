@@ -1,0 +1,79 @@
+"""Payload memory reused between gathers on the host, instead of returned to the allocator.
+
+[Note: a pool of payload blocks]
+A payload is released by taking the memory out of its storage and filled by putting memory back in, so
+that the parameters' views and the tensors autograd saved keep pointing at one storage
+([Note: hooks and autograd with freed storage] in hooks.py). With ``storage.resize_`` the memory goes back
+to the allocator at every release and comes from it at every gather. On CUDA that is the caching
+allocator, which keeps the blocks. On the host it is glibc's malloc, and every step asks it for each chunk's
+payload twice (forward and backward) and its gradient payload once:
+- blocks over the mmap threshold are mapped afresh, so each gather page-faults every page it writes
+  (measured: filling a new 37.7 MB buffer takes 30 to 60 ms on the 2-core benchmark machine, a reused one
+  about 5 ms);
+- blocks under it are carved from a heap shared with activations and gloo's temporaries, whose holes
+  grow the resident set past what is in use ([Note: what is left between 8 and 11 bytes a parameter] in
+  docs/benchmarks.md).
+
+So on the host the pool keeps released blocks and hands them to the next gather of the same size. A block
+moves between a payload's storage and a holder storage with ``UntypedStorage._swap_data_ptr_`` (what
+``torch.utils.swap_tensors`` uses): the payload storage keeps its identity, its views see the new memory,
+and a released payload's storage holds no bytes, as it did with ``resize_(0)``. The pool never holds more
+than the most payload bytes of one size that were alive at once, minus those alive now; it is emptied when
+the layout changes and at the end of the run. Where torch lacks ``_swap_data_ptr_``, or on CUDA, the pool
+does nothing and storages resize as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+class BlockPool:
+    def __init__(self, device: torch.device, *, enabled: bool = True) -> None:
+        self.device = torch.device(device)
+        self.enabled = enabled and _CAN_SWAP and self.device.type == "cpu"
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self.pooled_bytes = 0  # held here, in no chunk
+        self.pooled_peak = 0
+        self.reused = 0  # fills served from the pool
+        self.allocated = 0  # fills that asked the allocator
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give the empty ``storage`` ``nbytes`` of memory (contents undefined)."""
+        blocks = self._free.get(nbytes) if self.enabled else None
+        if blocks:
+            storage._swap_data_ptr_(blocks.pop())
+            self.pooled_bytes -= nbytes
+            self.reused += 1
+            return
+        storage.resize_(nbytes)
+        self.allocated += 1
+
+    def empty(self, storage: torch.UntypedStorage) -> None:
+        """Take ``storage``'s memory (it then holds no bytes); keep it for the next ``fill`` of that size."""
+        n = storage.nbytes()
+        if not self.enabled or n == 0:
+            storage.resize_(0)
+            return
+        holder = torch.UntypedStorage(0, device=self.device)
+        storage._swap_data_ptr_(holder)
+        self._free.setdefault(n, []).append(holder)
+        self.pooled_bytes += n
+        self.pooled_peak = max(self.pooled_peak, self.pooled_bytes)
+
+    def tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new 1-d tensor of ``numel`` elements (contents undefined); give it back with ``empty``."""
+        t = torch.empty(0, dtype=dtype, device=self.device)
+        self.fill(t.untyped_storage(), numel * dtype.itemsize)
+        return t.set_(t.untyped_storage(), 0, (numel,))
+
+    def clear(self) -> None:
+        """Return every kept block to the allocator."""
+        self._free.clear()
+        self.pooled_bytes = 0
+
+    def stats(self) -> dict[str, float]:
+        return {"pool_bytes": self.pooled_bytes, "pool_bytes_peak": self.pooled_peak,
+                "pool_reused": self.reused, "pool_allocated": self.allocated}
