@@ -11,8 +11,7 @@ payload twice (forward and backward) and its gradient payload once:
   (measured: filling a new 37.7 MB buffer takes 30 to 60 ms on the 2-core benchmark machine, a reused one
   about 5 ms);
 - blocks under it are carved from a heap shared with activations and gloo's temporaries, whose holes
-  grow the resident set past what is in use ([Note: what is left between 8 and 11 bytes a parameter] in
-  docs/benchmarks.md).
+  grow the resident set past what is in use (docs/benchmarks.md, "Largest model under a memory limit").
 
 So on the host the pool keeps released blocks and hands them to the next gather of the same size. A block
 moves between a payload's storage and a holder storage with ``UntypedStorage._swap_data_ptr_`` (what
