@@ -103,39 +103,6 @@ class GradReducer:
             dst.add_(flat, alpha=scale)
         filled[offset] = _SCALED if self.sync else _RAW
 
-    def add(self, chunk: Chunk, offset: int, grad: torch.Tensor, make_room: MakeRoom) -> None:
-        """Put one parameter's gradient into the chunk's gradient payload (allocated on first use, not zeroed).
-
-        [Note: filling the gradient payload in one pass] The payload is ``torch.empty``: a range is written
-        by the first gradient it gets, and at ``reduce`` only the ranges that got none (and the padding) are
-        zeroed. In the micro-batch that reduces (``sync``), the first gradient is scaled by 1/world_size as it
-        is copied, ``torch.mul(grad, 1/w, out=range)``, which is what DDP's reducer does when it copies a
-        gradient into its bucket. Zeroing the whole payload, adding into it and scaling it in a pass of its
-        own wrote the payload three times and read it twice; this writes it once. Inside ``no_sync`` the
-        ranges hold raw sums, scaled once when the reducing micro-batch adds its gradient (or at ``reduce``
-        for a range that got none then): (g1 + g2) / w, as DDP computes it. A second gradient for a range
-        already scaled in the same micro-batch (reentrant checkpointing can deliver two) adds g / w."""
-        self._ensure_payload(chunk, make_room)
-        flat = grad.reshape(-1)
-        dst = chunk.grad_payload[offset : offset + flat.numel()]  # type: ignore[index]
-        filled = self._filled.setdefault(chunk.chunk_id, {})
-        state = filled.get(offset, _EMPTY)
-        scale = 1.0 / self.manager.comm.world_size
-        if state is _EMPTY:
-            if self.sync and flat.dtype == dst.dtype:
-                torch.mul(flat, scale, out=dst)
-            else:
-                dst.copy_(flat)
-                if self.sync:
-                    dst.mul_(scale)
-        elif state is _RAW:
-            dst.add_(flat)
-            if self.sync:
-                dst.mul_(scale)
-        else:
-            dst.add_(flat, alpha=scale)
-        filled[offset] = _SCALED if self.sync else _RAW
-
     def _ensure_payload(self, chunk: Chunk, make_room: MakeRoom) -> None:
         if chunk.grad_payload is not None:
             return
