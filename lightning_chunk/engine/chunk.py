@@ -35,6 +35,8 @@ import torch
 from .packing import ChunkSpec, Slot
 from .states import PINNED_STATES, TensorState, check_transition
 
+_PINNED = tuple(PINNED_STATES)  # membership by identity: a frozenset hashes each enum member in Python
+
 
 class Tier(enum.Enum):
     DEVICE = "device"
@@ -145,7 +147,7 @@ class Chunk:
         return (
             not self.aliased
             and self.is_resident
-            and not any(t.state in PINNED_STATES for t in self.tensors)
+            and not any(t.state in _PINNED for t in self.tensors)
         )
 
     def states(self) -> dict[str, TensorState]:

@@ -7,7 +7,7 @@ chunks and by placement before a (re)pack.
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -55,6 +55,15 @@ def chunk_view(c: Chunk) -> ChunkView:
                                       c.optim_state_bytes)
     return ChunkView(c.chunk_id, c.payload_bytes, shard, c.is_resident, c.is_evictable, c.shard_tier, c.last_used,
                      grad, disk)
+
+
+def chunk_views(chunks: Sequence[Chunk], include: Optional[Iterable[int]] = None) -> list[ChunkView]:
+    """A view of every chunk; with ``include``, only of the resident chunks and those ``include`` names
+    ([Note: the views a plan reads] in ``placement.py``)."""
+    if include is None:
+        return [chunk_view(c) for c in chunks]
+    wanted = set(include)
+    return [chunk_view(c) for c in chunks if c.chunk_id in wanted or c.is_resident]
 
 
 def planned_views(layout: Layout, dtypes: DtypePolicy, optim_bytes_per_element: Mapping[int, int]) -> list[ChunkView]:

@@ -110,7 +110,8 @@ class ChunkHooks:
         mgr = self.manager
         trace = self.trace if self.training else None
         budget = self.policy.budget(mgr.limit, trace, self.position)
-        plan = self.policy.plan(position=self.position, needed=frozenset(), chunks=mgr.views(), trace=trace,
+        plan = self.policy.plan(position=self.position, needed=frozenset(),
+                                chunks=mgr.views(include=self.policy.upcoming(self.position, trace)), trace=trace,
                                 budget_bytes=None if budget is None else budget - nbytes,
                                 device_bytes=mgr.ledger[Tier.DEVICE])
         for cid in plan.evict:
@@ -145,8 +146,9 @@ class ChunkHooks:
         if mgr.all_aliased:  # everything is resident for good: nothing to plan
             return
         trace = self.trace if self.training else None
+        include = self.policy.upcoming(self.position, trace).union(needed)
         plan = self.policy.plan(
-            position=self.position, needed=frozenset(needed), chunks=mgr.views(), trace=trace,
+            position=self.position, needed=frozenset(needed), chunks=mgr.views(include=include), trace=trace,
             budget_bytes=self.policy.budget(mgr.limit, trace, self.position), device_bytes=mgr.ledger[Tier.DEVICE],
         )
         for cid in plan.evict:

@@ -25,7 +25,7 @@ from .collectives import Collectives
 from .config import ChunkConfig, DtypePolicy
 from .errors import DeviceMemoryLimitError
 from .packing import ChunkKey, Layout, ParamSpec
-from .costs import chunk_view, shard_cost
+from .costs import chunk_views, shard_cost
 from .placement import ChunkView
 from .pool import BlockPool
 from .reduce import GradReducer, MakeRoom
@@ -159,8 +159,8 @@ class ChunkManager:
     def chunk_ids_of(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
         return tuple(sorted({self._where[id(p)][0].chunk_id for p in params if id(p) in self._where}))
 
-    def views(self) -> list[ChunkView]:
-        return [chunk_view(c) for c in self.chunks]
+    def views(self, include: Optional[Iterable[int]] = None) -> list[ChunkView]:
+        return chunk_views(self.chunks, include)
 
     def device_shard_bytes(self, c: Chunk) -> int:
         """Bytes the chunk's shard holds when it lives on the device tier (payload too, when that aliases it)."""

@@ -149,3 +149,28 @@ def test_spill_to_disk_names_the_smallest_limit_that_works():
     with pytest.raises(HostMemoryLimitError, match=r"host_memory_limit=2000 bytes is too small.*holds 1200 bytes of "
                                                    r"shards.*up to 1600 bytes.*smallest limit that works is 2800 bytes"):
         spill_to_disk(views, {v.chunk_id: Tier.HOST for v in views}, 2000)
+
+
+@pytest.mark.parametrize("policy_cls", [AutoPlacement, HostPlacement, StaticPlacement])
+def test_a_plan_reads_only_resident_needed_and_upcoming_chunks(policy_cls):
+    """The hooks hand ``plan`` the views of those chunks alone ([Note: the views a plan reads]): the same plan as
+    from every chunk, at every position, whatever is resident, in use or over budget."""
+    import random
+
+    rng = random.Random(0)
+    t = fake_trace()
+    policy = policy_cls(ChunkConfig(placement=policy_cls.name))
+    for _ in range(200):
+        position = rng.randrange(len(t.moments))
+        chunks = []
+        for cid in range(6):
+            resident = rng.random() < 0.5
+            chunks.append(view(cid, resident, evictable=resident and rng.random() < 0.7, last=rng.randrange(-1, 12),
+                               payload=rng.choice((500, 1000, 1500))))
+        needed = frozenset(rng.sample(range(6), rng.randrange(3)))
+        budget = rng.choice((None, 1000, 2500, 4000))
+        device = sum(c.payload_bytes for c in chunks if c.resident)
+        wanted = policy.upcoming(position, t) | needed
+        narrowed = [c for c in chunks if c.resident or c.chunk_id in wanted]
+        kwargs = dict(position=position, needed=needed, trace=t, budget_bytes=budget, device_bytes=device)
+        assert policy.plan(chunks=narrowed, **kwargs) == policy.plan(chunks=chunks, **kwargs)
