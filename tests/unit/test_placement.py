@@ -158,10 +158,11 @@ def test_a_plan_reads_only_resident_needed_and_upcoming_chunks(policy_cls):
     import random
 
     rng = random.Random(0)
-    t = fake_trace()
-    policy = policy_cls(ChunkConfig(placement=policy_cls.name))
-    for _ in range(200):
-        position = rng.randrange(len(t.moments))
+    policies = [policy_cls(ChunkConfig(placement=policy_cls.name, prefetch=p)) for p in (True, False)]
+    for _ in range(300):
+        policy = rng.choice(policies)
+        t = rng.choice((fake_trace(), None))  # no trace: the warm-up, and evaluation
+        position = rng.randrange(12)
         chunks = []
         for cid in range(6):
             resident = rng.random() < 0.5
