@@ -79,7 +79,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         pin_memory: page-lock host shards on CUDA machines.
         materialize_on_teardown: give the parameters their full trained values when ``fit`` ends.
         materialize_optimizer_state: also give the optimizers their whole state back when ``fit`` ends.
-        optimizer_kernel: ``"auto"``, ``"fused"``, ``"foreach"`` or ``"loop"``.
+        optimizer_kernel: ``"auto"``, ``"one_pass"``, ``"fused"``, ``"foreach"`` or ``"loop"`` (see
+            ``ChunkConfig.optimizer_kernel``).
         assume_elementwise_optimizer: accept an optimizer class the engine does not know.
         sharded_accumulation: several ranks: reduce-scatter each micro-batch's gradients into the shards
             (``True``, ZeRO-3); ``False`` keeps them unreduced until the stepping micro-batch, like ``no_sync``.

@@ -16,10 +16,10 @@ from typing import Literal, Optional, Union
 import torch
 
 PlacementName = Literal["auto", "device", "host", "static"]
-OptimizerKernel = Literal["auto", "fused", "foreach", "loop"]
+OptimizerKernel = Literal["auto", "one_pass", "fused", "foreach", "loop"]
 
 PLACEMENTS: tuple[str, ...] = ("auto", "device", "host", "static")
-OPTIMIZER_KERNELS: tuple[str, ...] = ("auto", "fused", "foreach", "loop")
+OPTIMIZER_KERNELS: tuple[str, ...] = ("auto", "one_pass", "fused", "foreach", "loop")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -121,8 +121,10 @@ class ChunkConfig:
 
     optimizer_kernel: OptimizerKernel = "auto"
     """How Adam-family optimizers step the shards: ``auto`` picks torch's fused kernels where
-    the optimizer supports them and the user did not choose; ``fused``, ``foreach`` or
-    ``loop`` force one."""
+    the optimizer supports them and the user did not choose, and steps large host shards with a
+    compute-dtype copy in one compiled pass ([Note: one pass over a host shard] in ``host_adam.py``);
+    ``one_pass`` uses that pass whatever the size; ``fused``, ``foreach`` or ``loop`` force one of
+    torch's kernels everywhere."""
 
     assume_elementwise_optimizer: bool = False
     """Accept an optimizer class the engine does not know. Only true for optimizers whose

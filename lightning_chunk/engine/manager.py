@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -477,9 +477,10 @@ class ChunkManager:
             with self.tracked(c):
                 c.optim_state_bytes = want
 
-    def write_back(self, groups: Optional[Iterable[int]] = None) -> None:
+    def write_back(self, groups: Optional[Iterable[int]] = None, *, fresh: Collection[int] = ()) -> None:
         """After a step: refresh the compute-dtype copies from the masters of the chunks of param groups
-        ``groups`` (those of the optimizer that stepped; every chunk when ``None``); drop their stale payloads."""
+        ``groups`` (those of the optimizer that stepped; every chunk when ``None``) but the chunks in ``fresh``
+        (ids: the step wrote their copies itself); drop their stale payloads."""
         stepped = None if groups is None else set(groups)
         for c in self.chunks:
             if not c.trainable or (stepped is not None and c.spec.key.group not in stepped):
@@ -490,7 +491,7 @@ class ChunkManager:
                     assert c.payload is not None and c.master is not None
                     c.payload[lo:hi].copy_(c.master)
                 continue
-            if c.low is not None:
+            if c.low is not None and c.chunk_id not in fresh:
                 assert c.master is not None
                 with self.storage_of(c).reading(c, ("master",)):
                     c.low.copy_(c.master)

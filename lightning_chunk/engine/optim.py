@@ -27,6 +27,7 @@ import torch
 from .chunk import Chunk, Tier
 from .config import ChunkConfig
 from .errors import UnsupportedOptimizerError
+from .host_adam import HostAdam
 from .consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
 from .manager import ChunkManager
 from .torchfile import release_freed_memory
@@ -85,6 +86,9 @@ class OptimizerBinding:
         # per view: (param index, view, its TensorInfo, its slice of the gradient shard), built on first attach
         self._grad_slots: Optional[list[tuple[int, torch.Tensor, Any, Optional[torch.Tensor]]]] = None
         self._choose_kernel()
+        one_pass = {"auto": "auto", "one_pass": True}.get(config.optimizer_kernel, False)
+        self.host_adam = HostAdam(optimizer, manager, one_pass)
+        self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
 
     def _choose_kernel(self) -> None:
         kernel = self.config.optimizer_kernel
@@ -93,10 +97,10 @@ class OptimizerBinding:
             if kernel == "auto":
                 if has_fused and g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
                     g["fused"] = True
-            elif kernel == "fused":
+            elif kernel in ("fused", "one_pass"):  # one_pass: torch's fused kernel wherever the one pass does not run
                 if not has_fused:
                     raise UnsupportedOptimizerError(
-                        f"optimizer_kernel='fused' but {type(self.optimizer).__name__} has no fused kernel; "
+                        f"optimizer_kernel={kernel!r} but {type(self.optimizer).__name__} has no fused kernel; "
                         "use optimizer_kernel='auto' or 'foreach'."
                     )
                 g["fused"], g["foreach"] = True, False
@@ -149,6 +153,7 @@ class OptimizerBinding:
         self._views = new
         self._attached = set()
         self._grad_slots = None
+        self.host_adam.reset()
         self.keep_state()
 
     # ------------------------------------------------------- disk-tier shards
@@ -224,7 +229,24 @@ class OptimizerBinding:
                 tw.grad = None
 
     def step(self, **kwargs: Any) -> Any:
-        """The optimizer's own ``step(**kwargs)``.
+        """The optimizer's own ``step(**kwargs)``: host chunks' Adam moments in flat regions, large host chunks with
+        a compute copy in one pass ([Notes] in ``host_adam.py``), disk chunks one at a time, the rest in one call."""
+        self.host_adam.ensure_regions(self._views)
+        stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
+        if not stepped:
+            return self._step_rest(**kwargs)
+        groups = self.optimizer.param_groups
+        full = [g["params"] for g in groups]
+        try:  # the optimizer still steps (its hooks, an LR scheduler's count), over the other views only
+            for g, params in zip(groups, full):
+                g["params"] = [v for v in params if id(v) not in stepped]
+            return self._step_rest(**kwargs)
+        finally:
+            for g, params in zip(groups, full):
+                g["params"] = params
+
+    def _step_rest(self, **kwargs: Any) -> Any:
+        """``optimizer.step(**kwargs)`` over the views in ``param_groups``, disk chunks one at a time.
 
         [Note: stepping disk shards] With shards on the disk tier one ``step()`` over every view
         would page the whole tier in at once. Here the views of memory-resident shards step
@@ -343,6 +365,7 @@ class OptimizerBinding:
                 st = self.optimizer.state.get(v)
                 if st and torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].to(v.device if on_device else "cpu")
+        self.host_adam.reset()
         self.keep_state()
 
     def unbind(self, *, whole_state: bool = True) -> None:
@@ -357,6 +380,7 @@ class OptimizerBinding:
         for i, st in whole.items():
             self.optimizer.state[mgr.params[i]] = st
         self._views = {}
+        self.host_adam.reset()
 
     def views(self) -> dict[int, torch.Tensor]:
         return self._views

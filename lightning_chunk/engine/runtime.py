@@ -534,9 +534,13 @@ class ChunkEngine:
         until ``zero_grad()``, as in plain PyTorch."""
         bindings = self._bindings(optimizer)
         self._no_grads_held = True
+        fresh = {c for b in bindings for c in b.fresh_low}
+        for b in bindings:
+            b.fresh_low = set()
         if stepped:
             with self.manager.clock.measure("optimizer"):  # the compute-dtype copies are part of the step's cost
-                self.manager.write_back(None if optimizer is None else [g for b in bindings for g in b.chunk_groups()])
+                self.manager.write_back(None if optimizer is None else [g for b in bindings for g in b.chunk_groups()],
+                                        fresh=fresh)
 
     # ================================================================ results
     def memory_stats(self) -> dict[str, float]:

@@ -1,0 +1,275 @@
+"""Adam on host shards: the moments in one flat region per chunk, and a one-pass step that also writes
+the compute-dtype copy.
+
+[Note: Adam's moments in flat regions]
+Left to itself, torch's Adam creates ``exp_avg`` and ``exp_avg_sq`` at the first step, one pair of
+tensors per parameter view: hundreds of allocations of every size, made while the heap is at its
+fullest, in a heap that activations have churned. Here the moments of a host-tier chunk are two
+flat regions laid out like its master shard, allocated chunk by chunk, and each view's state holds
+slices of them: the optimizer sees exactly the state it would have made (same keys, dtypes, zeros,
+``step`` tensor), so its kernels, ``state_dict`` and the checkpoint formats are unchanged and the
+results are bit-identical. State that arrives in pieces (a checkpoint loaded, a repack) is copied
+into regions at the next step, one chunk at a time.
+
+[Note: one pass over a host shard]
+With mixed precision a host shard's step is two passes over memory: torch's fused AdamW reads
+param, gradient and both moments and writes param and moments (28 bytes an element), then the
+write-back reads the master again to write the compute copy that gathers read (6 bytes more, where
+one loop would need 2). ``one_pass`` does both in one loop compiled by ``torch.compile`` (inductor's
+C++ backend, which compiles with ``-ffp-contract=off``), over a chunk's whole run of views at once:
+the views are contiguous in the shard and the moments are flat regions, so one call steps a chunk.
+Its arithmetic is the vector loop of torch's fused CPU kernel, operation for operation (``lerp`` as
+a blend and an fma, the second moment as ``fma(c*g, g, v*beta2)``, the hyperparameters rounded to
+float32 from the same double expressions), so it is bit-identical to ``fused=True`` except in the
+last ``numel % 16`` elements of each parameter, which torch's kernel steps in a scalar loop of its
+own. It needs a C++ compiler the first time (a few seconds, cached on disk by inductor after); when
+compiling fails the step falls back to torch's kernel and the two-pass write-back, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from .chunk import Chunk, Tier
+from .manager import ChunkManager
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# "auto" uses the one-pass step when this rank's host shards with a compute copy hold at least this many
+# elements: below it the saving (6 bytes an element a step, ~1 ms per 16M elements) does not repay a cold compile
+ONE_PASS_MIN_NUMEL = 1 << 25
+
+
+def _scalar_dtype(group: dict[str, Any]) -> torch.dtype:
+    """The dtype torch's Adam gives ``state["step"]`` (``torch.optim.optimizer._get_scalar_dtype``)."""
+    if group.get("fused"):
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def flat_state_ok(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Torch's own Adam or AdamW (not a subclass: it may keep other state), stepping plain tensors."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and not group.get("differentiable") \
+        and not group.get("capturable")
+
+
+def one_pass_ok(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """A group whose step the one-pass kernel reproduces: torch's fused kernel, without ``amsgrad``."""
+    return flat_state_ok(optimizer, group) and bool(group.get("fused")) and not group.get("amsgrad")
+
+
+def _adam_pass(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sign: torch.Tensor,
+               decay: torch.Tensor, wd: torch.Tensor, w: torch.Tensor, beta2: torch.Tensor, c2: torch.Tensor,
+               bc2_sqrt: torch.Tensor, eps: torch.Tensor, neg_step: torch.Tensor,
+               weight_decay: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch's fused CPU Adam(W) vector loop, as tensor operations: (param, exp_avg, exp_avg_sq).
+
+    ``sign`` is -1 with ``maximize`` (torch multiplies by -1), else 1 (exact); ``weight_decay`` is ``"none"``,
+    ``"decoupled"`` (AdamW) or ``"coupled"`` (Adam): the only choice the kernel specializes on, with the dtype."""
+    from torch._inductor import inductor_prims  # noqa: F401 - registers prims.fma
+
+    fma = torch.ops.prims.fma
+    g = g * sign
+    if weight_decay == "decoupled":
+        p = p * decay
+    elif weight_decay == "coupled":
+        g = fma(p, wd, g)  # torch's build contracts g + p * wd
+    small = w.abs() < 0.5  # torch's lerp: a blend and an fma
+    m1 = fma(torch.where(small, w, w - 1), g - m, torch.where(small, m, g))
+    v1 = fma(c2 * g, g, v * beta2)
+    p1 = p + neg_step * m1 / (v1.sqrt() / bc2_sqrt + eps)
+    return p1, m1, v1
+
+
+def _step_and_copy(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor,
+                   *scalars: Any) -> None:
+    p1, m1, v1 = _adam_pass(p, g, m, v, *scalars)
+    m.copy_(m1)
+    v.copy_(v1)
+    p.copy_(p1)
+    low.copy_(p1)
+
+
+_compiled: Optional[Callable[..., None]] = None
+_broken: Optional[str] = None
+
+
+def one_pass_kernel() -> Optional[Callable[..., None]]:
+    """The compiled one-pass kernel, or ``None`` when it cannot be compiled here (the reason is in ``_broken``)."""
+    global _compiled
+    if _compiled is None and _broken is None:
+        _compiled = torch.compile(_step_and_copy, dynamic=True, fullgraph=True)
+    return _compiled if _broken is None else None
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64).to(torch.float32)
+
+
+def adam_scalars(group: dict[str, Any], step: float, optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """The kernel's scalar arguments for ``group`` at ``step`` (already incremented), computed as torch's
+    fused CPU kernel computes them: in double, then rounded to float32."""
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    wd, eps = float(group["weight_decay"]), float(group["eps"])
+    bc1 = 1 - beta1 ** step
+    bc2 = 1 - beta2 ** step
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+    mode = "none" if wd == 0 else "decoupled" if decoupled else "coupled"
+    return (_f32(-1.0 if group.get("maximize") else 1.0), _f32(1 - lr * wd), _f32(wd), _f32(1 - beta1), _f32(beta2),
+            _f32(1 - beta2), _f32(bc2 ** 0.5), _f32(eps), _f32(-(lr / bc1)), mode)
+
+
+class HostAdam:
+    """The flat moments of one optimizer's host-tier chunks, and its one-pass steps.
+
+    ``one_pass``: ``True`` to step eligible chunks with the one-pass kernel, ``False`` never, ``"auto"``
+    when they are large enough to repay compiling it (``ONE_PASS_MIN_NUMEL``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, one_pass: Any) -> None:
+        self.optimizer = optimizer
+        self.manager = manager
+        self.one_pass = one_pass
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the layout (the views and their state were rebuilt: bind, load, unbind). Nothing here holds
+        a region: the views' state does, so a repack that takes the state frees it."""
+        self._runs: Optional[list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]] = None
+        # per chunk: weak references to each view's moment slices as ``ensure_regions`` made them
+        self._made: dict[int, list[weakref.ref]] = {}
+        self._ready: dict[int, dict[str, torch.Tensor]] = {}  # this step's regions, by chunk (``ensure_regions``)
+
+    # ----------------------------------------------------------------- layout
+    def _host_runs(self, views: dict[int, torch.Tensor]) -> list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]:
+        """Per host-tier chunk of a flat-state group: (chunk, group index, [(param, view, start, end)]) with the
+        views' ranges in shard coordinates, in order. Only chunks whose views tile one contiguous run."""
+        if self._runs is None:
+            mgr = self.manager
+            group_of = {id(v): k for k, g in enumerate(self.optimizer.param_groups) for v in g["params"]}
+            by_chunk: dict[int, tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]] = {}
+            for i, v in views.items():
+                c, info = mgr.lookup(mgr.params[i])
+                k = group_of.get(id(v))
+                if c.shard_tier is not Tier.HOST or k is None or not flat_state_ok(self.optimizer,
+                                                                                    self.optimizer.param_groups[k]):
+                    continue
+                lo, _ = c.shard_range
+                a = max(info.offset, lo) - lo
+                by_chunk.setdefault(c.chunk_id, (c, k, []))[2].append((i, v, a, a + v.numel()))
+            runs = []
+            for c, k, pieces in by_chunk.values():
+                pieces.sort(key=lambda x: x[2])
+                if all(x[3] == y[2] for x, y in zip(pieces, pieces[1:])):
+                    runs.append((c, k, pieces))
+            self._runs = sorted(runs, key=lambda r: r[0].chunk_id)
+        return self._runs
+
+    def _keys(self, k: int) -> tuple[str, ...]:
+        return MOMENTS + (("max_exp_avg_sq",) if self.optimizer.param_groups[k].get("amsgrad") else ())
+
+    def ensure_regions(self, views: dict[int, torch.Tensor]) -> None:
+        """Give the views of host-tier chunks their moments as slices of flat regions: zeros before the first
+        step (as torch would create them), copies of state that arrived in pieces otherwise."""
+        state = self.optimizer.state
+        self._ready = {}
+        for c, k, pieces in self._host_runs(views):
+            ready = self.regions(c, k, pieces)
+            if ready is not None:
+                self._ready[c.chunk_id] = ready
+                continue
+            group = self.optimizer.param_groups[k]
+            keys = self._keys(k)
+            have = [state.get(v) for _, v, _, _ in pieces]
+            if not all(st and all(key in st for key in keys) for st in have) and \
+                    (any(have) or any(v.grad is None for _, v, _, _ in pieces)):
+                continue  # torch creates state only with a gradient: a chunk with a view that has neither is left to it
+            start, end = pieces[0][2], pieces[-1][3]
+            dtype = pieces[0][1].dtype
+            regions = {key: torch.zeros(end - start, dtype=dtype) for key in keys}
+            made = []
+            for (_, v, a, b), st in zip(pieces, have):
+                slices = {key: regions[key][a - start : b - start] for key in keys}
+                if st:
+                    for key in keys:
+                        slices[key].copy_(st[key].reshape(-1))
+                        st[key] = slices[key]
+                else:
+                    state[v] = {"step": torch.zeros((), dtype=_scalar_dtype(group)), **slices}
+                made.extend(weakref.ref(slices[key]) for key in keys)
+            self._made[c.chunk_id] = made
+            self._ready[c.chunk_id] = regions
+
+    def regions(self, c: Chunk, k: int, pieces: list[tuple[int, torch.Tensor, int, int]]
+                ) -> Optional[dict[str, torch.Tensor]]:
+        """The flat regions of chunk ``c``'s moments by key, or ``None`` when the views' state is not (or no
+        longer) the slices ``ensure_regions`` made."""
+        made = self._made.get(c.chunk_id)
+        if made is None:
+            return None
+        state = self.optimizer.state
+        keys = self._keys(k)
+        it = iter(made)
+        for _, v, _, _ in pieces:
+            st = state.get(v)
+            for name in keys:
+                x = st.get(name) if st else None
+                if x is None or next(it)() is not x:
+                    return None
+        first = state[pieces[0][1]]
+        return {name: first[name]._base for name in keys}
+
+    # --------------------------------------------------------------- one pass
+    def _wants_one_pass(self, runs: list[tuple[Chunk, int, list[Any]]]) -> bool:
+        if self.one_pass is False or _broken is not None:
+            return False
+        numel = sum(r[2][-1][3] - r[2][0][2] for r in runs if r[0].low is not None)
+        return numel > 0 and (self.one_pass is True or numel >= ONE_PASS_MIN_NUMEL)
+
+    def step_one_pass(self, views: dict[int, torch.Tensor]) -> tuple[set[int], set[int]]:
+        """Step the eligible host chunks in one pass each; returns (ids of the views stepped, ids of the chunks
+        whose compute copy is now fresh). Call ``ensure_regions`` first."""
+        global _broken
+        runs = self._host_runs(views)
+        if not self._wants_one_pass(runs):
+            return set(), set()
+        kernel = one_pass_kernel()
+        state = self.optimizer.state
+        stepped: set[int] = set()
+        fresh: set[int] = set()
+        counters: list[torch.Tensor] = []
+        scalars: dict[tuple[int, float], tuple[Any, ...]] = {}
+        for c, k, pieces in runs:
+            group = self.optimizer.param_groups[k]
+            regions = self._ready.get(c.chunk_id)
+            if c.low is None or regions is None or not one_pass_ok(self.optimizer, group) or kernel is None \
+                    or any(v.grad is None for _, v, _, _ in pieces):
+                continue
+            steps = [state[v]["step"] for _, v, _, _ in pieces]
+            together = torch.stack(steps)
+            step = float(together[0])
+            if not bool((together == step).all()):  # views stepped apart (a user's own optimizer surgery)
+                continue
+            if (k, step) not in scalars:
+                scalars[(k, step)] = adam_scalars(group, step + 1, self.optimizer)
+            start, end = pieces[0][2], pieces[-1][3]
+            try:
+                kernel(c.master[start:end], c.grad[start:end], regions["exp_avg"], regions["exp_avg_sq"],
+                       c.low[start:end], *scalars[(k, step)])
+            except Exception as e:  # noqa: BLE001 - no compiler here: torch's kernel steps these chunks
+                if self.one_pass is True:
+                    raise RuntimeError(f"optimizer_kernel='one_pass' but the one-pass Adam kernel cannot be "
+                                       f"compiled here ({type(e).__name__}: {e}); use optimizer_kernel='auto'") from e
+                _broken = f"{type(e).__name__}: {e}"
+                warnings.warn(f"chunk_offload: the one-pass host Adam kernel could not be compiled ({_broken}); "
+                              "stepping with torch's fused kernel and a separate write-back instead.")
+                break
+            counters.extend(steps)
+            stepped.update(id(v) for _, v, _, _ in pieces)
+            fresh.add(c.chunk_id)
+        if counters:
+            torch._foreach_add_(counters, 1)
+        return stepped, fresh

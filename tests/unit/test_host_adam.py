@@ -1,0 +1,125 @@
+"""Adam on host shards (``host_adam.py``): the moments in one flat region per chunk, and the one-pass step
+that also writes the compute-dtype copy, each against torch's own fused Adam, bit for bit.
+
+Gradients are written straight into the gradient shards (no forward), so the reference, torch's optimizer
+over plain tensors, steps on exactly the same numbers."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_chunk.engine import ChunkConfig, ChunkEngine, DtypePolicy
+from lightning_chunk.engine import host_adam
+
+# sizes: multiples of 16 (torch's fused kernel steps each tensor's last numel % 16 elements in a scalar loop of
+# its own), and one that is not, where the one pass may differ in the last bit
+SIZES = [(48, 32), (48,), (32, 48), (32,), (13,)]
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.ParameterList(nn.Parameter(torch.randn(*s) * 0.1) for s in SIZES)
+
+
+def two_groups(params, cls, **kw):
+    ps = list(params)
+    return cls([{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}],
+               lr=0.01, betas=(0.9, 0.95), **kw)
+
+
+def run(kernel, *, cls=torch.optim.AdamW, dtypes=None, steps=3, reload_after=None, **kw):
+    """Step ChunkEngine (host tier) and torch's optimizer (fused, or the kernel ``kernel`` names) on the same
+    gradients; returns both sides."""
+    ref, mine = model(), model()
+    oref, o = two_groups(ref, cls, **({"foreach": True} if kernel == "foreach" else {"fused": True}), **kw), \
+        two_groups(mine, cls, **kw)
+    eng = ChunkEngine(mine, [o], config=ChunkConfig(placement="host", chunk_numel=4096, optimizer_kernel=kernel),
+                      dtypes=dtypes or DtypePolicy())
+    mgr = eng.manager
+    fresh = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(*s, generator=g) * 0.01 for s in SIZES]
+        for p, gr in zip(ref, grads):
+            p.grad = gr.clone()
+        oref.step()
+        for i, gr in enumerate(grads):  # what a backward leaves in the gradient shards
+            c, info = mgr.lookup(mgr.params[i])
+            c.grad[info.offset : info.offset + info.numel].copy_(gr.reshape(-1))
+            info.has_grad = True
+        eng._backward_ends()
+        eng.prepare_step()
+        eng.step(o)
+        fresh.append(set(eng.bindings[0].fresh_low))
+        eng.finish_step(stepped=True)
+        if reload_after == step:  # the state comes back in pieces, as from a checkpoint
+            eng.bindings[0].load_plain_state_dict(eng.bindings[0].plain_state_dict())
+    return eng, o, ref, oref, fresh
+
+
+def check_against_torch(eng, o, ref, oref, exact_tail=True):
+    mgr = eng.manager
+    b = eng.bindings[0]
+    for i, p in enumerate(ref):
+        c, info = mgr.lookup(mgr.params[i])
+        v = b.views()[i]
+        st, st_ref = o.state[v], oref.state[p]
+        pairs = [(c.master[info.offset : info.offset + info.numel], p.detach().reshape(-1), "param"),
+                 (st["exp_avg"], st_ref["exp_avg"].reshape(-1), "exp_avg"),
+                 (st["exp_avg_sq"], st_ref["exp_avg_sq"].reshape(-1), "exp_avg_sq")]
+        if c.low is not None:
+            pairs.append((c.low[info.offset : info.offset + info.numel], p.detach().reshape(-1).to(c.low.dtype), "low"))
+        body = p.numel() - (0 if exact_tail else p.numel() % 16)
+        for got, want, what in pairs:
+            assert torch.equal(got[:body], want[:body]), f"parameter {i} {what} differs from torch's fused kernel"
+            torch.testing.assert_close(got.float(), want.float(), msg=f"parameter {i} {what}")
+        assert torch.equal(st["step"], st_ref["step"]) and st["step"].dtype == st_ref["step"].dtype
+        assert set(st) == set(st_ref)
+
+
+def regions_of(eng, o):
+    """Per chunk, the storages of its views' moments (one per key when they live in flat regions)."""
+    mgr = eng.manager
+    out = {}
+    for i, v in eng.bindings[0].views().items():
+        c = mgr.lookup(mgr.params[i])[0]
+        for key in ("exp_avg", "exp_avg_sq"):
+            out.setdefault((c.chunk_id, key), set()).add(o.state[v][key].untyped_storage().data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["auto", "foreach"])
+def test_moments_live_in_one_region_per_chunk_and_every_bit_is_torchs(kernel):
+    eng, o, ref, oref, fresh = run(kernel, reload_after=1, steps=4)
+    check_against_torch(eng, o, ref, oref)
+    assert len(eng.manager.chunks) > 1
+    assert all(len(ptrs) == 1 for ptrs in regions_of(eng, o).values())  # reloaded in pieces, packed again
+    assert not any(fresh)  # no compute copy (fp32): nothing for the one pass to do
+
+
+@pytest.mark.parametrize("cls,low,kw", [(torch.optim.AdamW, torch.bfloat16, {}),
+                                        (torch.optim.Adam, torch.float16, {"maximize": True})])
+def test_the_one_pass_steps_and_writes_the_compute_copy_as_torchs_fused_kernel(cls, low, kw):
+    eng, o, ref, oref, fresh = run("one_pass", cls=cls, dtypes=DtypePolicy(low, torch.float32), reload_after=1, **kw)
+    check_against_torch(eng, o, ref, oref, exact_tail=False)
+    assert all(f == {c.chunk_id for c in eng.manager.chunks} for f in fresh)  # every chunk, every step
+    assert all(len(ptrs) == 1 for ptrs in regions_of(eng, o).values())
+
+
+def test_auto_keeps_two_passes_for_small_shards_and_falls_back_when_compiling_fails(monkeypatch):
+    bf16 = DtypePolicy(torch.bfloat16, torch.float32)
+    *_, fresh = run("auto", dtypes=bf16, steps=1)
+    assert fresh == [set()]  # below ONE_PASS_MIN_NUMEL compiling would not pay
+
+    def no_compiler(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(host_adam, "one_pass_kernel", lambda: no_compiler)
+    monkeypatch.setattr(host_adam, "_broken", None)
+    with pytest.raises(RuntimeError, match="optimizer_kernel='one_pass'.*no C\\+\\+ compiler"):
+        run("one_pass", dtypes=bf16, steps=1)
+    monkeypatch.setattr(host_adam, "ONE_PASS_MIN_NUMEL", 0)
+    with pytest.warns(UserWarning, match="could not be compiled"):
+        eng, o, ref, oref, fresh = run("auto", dtypes=bf16)
+    check_against_torch(eng, o, ref, oref)  # torch's kernel and the two-pass write-back
+    assert fresh == [set()] * 3
