@@ -10,8 +10,10 @@ Contenders (each repeat runs them all, in a shuffled order, so drift hits every 
   one fused loop compiled by torch.compile (inductor's C++ backend). If compiling fails, the
   floor is 28 bytes over the best streaming bandwidth of copy/add/triad kernels (reported so).
 - ``ours``: lightning_chunk's host path: the user's AdamW rebound to per-parameter views of one
-  flat master shard, stepped by torch's fused CPU kernel (``optimizer_kernel="auto"``); and
-  ``ours+bf16``: the same plus the write-back of the bf16 compute copy.
+  flat master shard, stepped by torch's fused CPU kernel (``optimizer_kernel="auto"``);
+  ``ours+bf16``: the same with a bf16 compute copy, which ``auto`` steps in one compiled pass that
+  also writes the copy (``host_adam.py``); ``ours+bf16-2pass``: torch's fused kernel then the
+  write-back as a second pass (``optimizer_kernel="fused"``), what ``ours+bf16`` was before.
 - ``torch-fused`` and ``torch-foreach``: ``torch.optim.AdamW`` over the same parameters as separate
   tensors (what a plain Lightning run steps).
 - ``deepspeed``: ``DeepSpeedCPUAdam`` when deepspeed is installed (it builds its CPU kernel with gcc:
@@ -51,14 +53,15 @@ def gpt_like_sizes(numel: int) -> list[int]:
     return sizes
 
 
-def make_ours(numel: int, write_back: bool) -> Callable[[], None]:
+def make_ours(numel: int, write_back: bool, kernel: str = "auto") -> Callable[[], None]:
     """The real path: ChunkEngine over the parameters (host tier), the user's AdamW rebound to master views."""
     from lightning_chunk.engine import ChunkConfig, ChunkEngine, DtypePolicy
 
     params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n) * 0.02) for n in gpt_like_sizes(numel))
     opt = torch.optim.AdamW(params.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     dtypes = DtypePolicy(torch.bfloat16, torch.float32) if write_back else DtypePolicy()
-    engine = ChunkEngine(params, [opt], config=ChunkConfig(placement="host", chunk_numel=1 << 24), dtypes=dtypes)
+    engine = ChunkEngine(params, [opt], config=ChunkConfig(placement="host", chunk_numel=1 << 24,
+                                                                     optimizer_kernel=kernel), dtypes=dtypes)
     for c in engine.manager.chunks:
         c.grad.normal_(0.0, 1e-3)
 
@@ -66,9 +69,10 @@ def make_ours(numel: int, write_back: bool) -> Callable[[], None]:
         for c in engine.manager.chunks:  # as if every parameter got a gradient this step
             for t in c.tensors:
                 t.has_grad = True
+        engine._backward_ends()  # what the end of a backward does: attach the gradients to the master views
         engine.prepare_step()
-        opt.step()  # fused CPU kernel over the per-parameter master views
-        engine.finish_step(stepped=True)  # bf16: the compute copy is written back here
+        engine.step(opt)  # as the strategy steps: fused CPU kernel over the master views, or the one pass
+        engine.finish_step(stepped=True)  # bf16: the compute copy is written back here, unless the step wrote it
 
     return step
 
@@ -123,15 +127,24 @@ def make_floor(numel: int) -> tuple[Callable[[], None], str]:
         return (lambda: time.sleep(seconds)), f"28 B/parameter at the best streaming bandwidth ({best / 1e9:.1f} GB/s)"
 
 
-def measure(numel: int, repeats: int, seed: int = 0) -> dict:
+NAMES = ("floor", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach", "deepspeed")
+
+
+def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] = None) -> dict:
+    makers: dict[str, Callable[[], Optional[Callable[[], None]]]] = {
+        "ours": lambda: make_ours(numel, write_back=False),
+        "ours+bf16": lambda: make_ours(numel, write_back=True),
+        "ours+bf16-2pass": lambda: make_ours(numel, write_back=True, kernel="fused"),
+        "torch-fused": lambda: make_torch(numel, "fused"),
+        "torch-foreach": lambda: make_torch(numel, "foreach"),
+        "deepspeed": lambda: make_deepspeed(numel),
+    }
     contenders: dict[str, Optional[Callable[[], None]]] = {}
     floor, floor_kind = make_floor(numel)
     contenders["floor"] = floor
-    contenders["ours"] = make_ours(numel, write_back=False)
-    contenders["ours+bf16"] = make_ours(numel, write_back=True)
-    contenders["torch-fused"] = make_torch(numel, "fused")
-    contenders["torch-foreach"] = make_torch(numel, "foreach")
-    contenders["deepspeed"] = make_deepspeed(numel)
+    for name, make in makers.items():
+        if only is None or name in only:  # every contender holds its own copy of the parameters and state
+            contenders[name] = make()
     times: dict[str, list[float]] = {k: [] for k, fn in contenders.items() if fn is not None}
     for fn in contenders.values():  # warm-up: allocate optimizer state, page in memory
         if fn is not None:
@@ -146,13 +159,15 @@ def measure(numel: int, repeats: int, seed: int = 0) -> dict:
             times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     peers = [k for k in ("torch-fused", "torch-foreach", "deepspeed") if k in med]
-    fastest_peer = min(peers, key=lambda k: med[k])
+    fastest_peer = min(peers, key=lambda k: med[k]) if peers else "floor"
     rows = []
-    for name in ["floor", "ours", "ours+bf16", "torch-fused", "torch-foreach", "deepspeed"]:
+    for name in NAMES:
+        if name not in contenders:
+            continue
         if name not in times:
             rows.append({"contender": name, "skipped": "deepspeed is not installed"})
             continue
-        floor_bytes = 30 if name == "ours+bf16" else 28  # the write-back adds 2 bytes a parameter
+        floor_bytes = 30 if name.startswith("ours+bf16") else 28  # the write-back adds 2 bytes a parameter
         rows.append({
             "contender": name, "median_s": med[name], "min_s": min(times[name]), "max_s": max(times[name]),
             "vs_floor": med[name] / (med["floor"] * floor_bytes / 28), "vs_fastest_peer": med[name] / med[fastest_peer],
@@ -164,12 +179,12 @@ def measure(numel: int, repeats: int, seed: int = 0) -> dict:
 def render(result: dict) -> str:
     lines = [f"N = {result['numel']:,} fp32 parameters, {result['repeats']} interleaved repeats; floor: "
              f"{result['floor']}; fastest peer: {result['fastest_peer']}",
-             f"{'contender':<14} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'x peer':>7}"]
+             f"{'contender':<16} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'x peer':>7}"]
     for r in result["rows"]:
         if "skipped" in r:
-            lines.append(f"{r['contender']:<14} skipped: {r['skipped']}")
+            lines.append(f"{r['contender']:<16} skipped: {r['skipped']}")
             continue
-        lines.append(f"{r['contender']:<14} {r['median_s'] * 1e3:>10.1f} {r['min_s'] * 1e3:>8.1f}..{r['max_s'] * 1e3:<7.1f} "
+        lines.append(f"{r['contender']:<16} {r['median_s'] * 1e3:>10.1f} {r['min_s'] * 1e3:>8.1f}..{r['max_s'] * 1e3:<7.1f} "
                      f"{r['GB_per_s']:>7.1f} {r['vs_floor']:>8.2f} {r['vs_fastest_peer']:>7.2f}")
     return "\n".join(lines)
 
@@ -179,11 +194,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--numel", type=float, nargs="+", default=[50e6, 200e6])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default="benchmarks/results/optimizer_step.json")
+    parser.add_argument("--only", nargs="+", choices=NAMES[1:], help="these contenders (and the floor) only: "
+                        "each holds its own parameters and state (16 bytes a parameter), so 200M with all of "
+                        "them needs about 20 GB")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     results = []
     for n in args.numel:
-        result = measure(int(n), args.repeats)
+        result = measure(int(n), args.repeats, only=args.only)
         print(render(result), "\n", flush=True)
         results.append(result)
     out = Path(args.out)

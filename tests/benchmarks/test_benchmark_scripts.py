@@ -20,8 +20,8 @@ def test_optimizer_step_benchmark_runs_and_writes_its_table(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["meta"]["torch"]
     rows = {r["contender"]: r for r in data["results"][0]["rows"]}
-    assert set(rows) == {"floor", "ours", "ours+bf16", "torch-fused", "torch-foreach", "deepspeed"}
-    for name in ("floor", "ours", "ours+bf16", "torch-fused", "torch-foreach"):
+    assert set(rows) == {"floor", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach", "deepspeed"}
+    for name in ("floor", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach"):
         assert rows[name]["median_s"] > 0 and rows[name]["vs_floor"] > 0
     assert "skipped" in rows["deepspeed"] or rows["deepspeed"]["median_s"] > 0  # never faked
     assert "x floor" in capsys.readouterr().out
