@@ -1,15 +1,4 @@
-"""Adam on host shards: the moments in one flat region per chunk, and a one-pass step that also writes
-the compute-dtype copy.
-
-[Note: Adam's moments in flat regions]
-Left to itself, torch's Adam creates ``exp_avg`` and ``exp_avg_sq`` at the first step, one pair of
-tensors per parameter view: hundreds of allocations of every size, made while the heap is at its
-fullest, in a heap that activations have churned. Here the moments of a host-tier chunk are two
-flat regions laid out like its master shard, allocated chunk by chunk, and each view's state holds
-slices of them: the optimizer sees exactly the state it would have made (same keys, dtypes, zeros,
-``step`` tensor), so its kernels, ``state_dict`` and the checkpoint formats are unchanged and the
-results are bit-identical. State that arrives in pieces (a checkpoint loaded, a repack) is copied
-into regions at the next step, one chunk at a time.
+"""Adam on host shards with a compute-dtype copy: one pass that steps the master and writes the copy.
 
 [Note: one pass over a host shard]
 With mixed precision a host shard's step is two passes over memory: torch's fused AdamW reads
@@ -24,6 +13,17 @@ float32 from the same double expressions), so it is bit-identical to ``fused=Tru
 last ``numel % 16`` elements of each parameter, which torch's kernel steps in a scalar loop of its
 own. It needs a C++ compiler the first time (a few seconds, cached on disk by inductor after); when
 compiling fails the step falls back to torch's kernel and the two-pass write-back, with a warning.
+
+[Note: Adam's moments in flat regions]
+One call a chunk needs the moments laid out like the master shard. So for the chunks the one pass
+steps, ``exp_avg`` and ``exp_avg_sq`` are two flat regions and each view's state holds slices of
+them: the optimizer sees exactly the state it would have made (same keys, dtypes, zeros, ``step``
+tensor), so its ``state_dict``, the checkpoint formats and the repack are unchanged. They are made
+zero before the first step, as torch would make them; state that arrives in pieces (a checkpoint
+loaded, a repack) is copied into regions at the next step, one chunk at a time. Nothing here holds a
+region but the views' state, so a repack that takes the state frees it. Other chunks keep torch's
+per-parameter state: regions for every host chunk (tried for the heap's sake, issue 11) left the
+fp32 peak no lower and with larger outliers (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -50,15 +50,11 @@ def _scalar_dtype(group: dict[str, Any]) -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def flat_state_ok(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    """Torch's own Adam or AdamW (not a subclass: it may keep other state), stepping plain tensors."""
-    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and not group.get("differentiable") \
-        and not group.get("capturable")
-
-
 def one_pass_ok(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    """A group whose step the one-pass kernel reproduces: torch's fused kernel, without ``amsgrad``."""
-    return flat_state_ok(optimizer, group) and bool(group.get("fused")) and not group.get("amsgrad")
+    """A group whose step the one-pass kernel reproduces: torch's own Adam or AdamW (not a subclass: it may step
+    or keep state otherwise) with its fused kernel, without ``amsgrad``, ``capturable`` or ``differentiable``."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and bool(group.get("fused")) \
+        and not group.get("amsgrad") and not group.get("differentiable") and not group.get("capturable")
 
 
 def _adam_pass(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sign: torch.Tensor,
@@ -124,7 +120,7 @@ def adam_scalars(group: dict[str, Any], step: float, optimizer: torch.optim.Opti
 
 
 class HostAdam:
-    """The flat moments of one optimizer's host-tier chunks, and its one-pass steps.
+    """One optimizer's one-pass steps of host chunks with a compute copy, and those chunks' flat moments.
 
     ``one_pass``: ``True`` to step eligible chunks with the one-pass kernel, ``False`` never, ``"auto"``
     when they are large enough to repay compiling it (``ONE_PASS_MIN_NUMEL``)."""
@@ -145,8 +141,9 @@ class HostAdam:
 
     # ----------------------------------------------------------------- layout
     def _host_runs(self, views: dict[int, torch.Tensor]) -> list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]:
-        """Per host-tier chunk of a flat-state group: (chunk, group index, [(param, view, start, end)]) with the
-        views' ranges in shard coordinates, in order. Only chunks whose views tile one contiguous run."""
+        """Per host-tier chunk with a compute copy in a group the one pass can step: (chunk, group index,
+        [(param, view, start, end)]) with the views' ranges in shard coordinates, in order. Only chunks whose
+        views tile one contiguous run."""
         if self._runs is None:
             mgr = self.manager
             group_of = {id(v): k for k, g in enumerate(self.optimizer.param_groups) for v in g["params"]}
@@ -154,8 +151,8 @@ class HostAdam:
             for i, v in views.items():
                 c, info = mgr.lookup(mgr.params[i])
                 k = group_of.get(id(v))
-                if c.shard_tier is not Tier.HOST or k is None or not flat_state_ok(self.optimizer,
-                                                                                    self.optimizer.param_groups[k]):
+                if c.shard_tier is not Tier.HOST or c.low is None or k is None \
+                        or not one_pass_ok(self.optimizer, self.optimizer.param_groups[k]):
                     continue
                 lo, _ = c.shard_range
                 a = max(info.offset, lo) - lo
@@ -168,21 +165,18 @@ class HostAdam:
             self._runs = sorted(runs, key=lambda r: r[0].chunk_id)
         return self._runs
 
-    def _keys(self, k: int) -> tuple[str, ...]:
-        return MOMENTS + (("max_exp_avg_sq",) if self.optimizer.param_groups[k].get("amsgrad") else ())
-
-    def ensure_regions(self, views: dict[int, torch.Tensor]) -> None:
-        """Give the views of host-tier chunks their moments as slices of flat regions: zeros before the first
+    def ensure_regions(self, runs: list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]) -> None:
+        """Give the views of ``runs``' chunks their moments as slices of flat regions: zeros before the first
         step (as torch would create them), copies of state that arrived in pieces otherwise."""
         state = self.optimizer.state
         self._ready = {}
-        for c, k, pieces in self._host_runs(views):
+        for c, k, pieces in runs:
             ready = self.regions(c, k, pieces)
             if ready is not None:
                 self._ready[c.chunk_id] = ready
                 continue
             group = self.optimizer.param_groups[k]
-            keys = self._keys(k)
+            keys = MOMENTS
             have = [state.get(v) for _, v, _, _ in pieces]
             if not all(st and all(key in st for key in keys) for st in have) and \
                     (any(have) or any(v.grad is None for _, v, _, _ in pieces)):
@@ -211,7 +205,7 @@ class HostAdam:
         if made is None:
             return None
         state = self.optimizer.state
-        keys = self._keys(k)
+        keys = MOMENTS
         it = iter(made)
         for _, v, _, _ in pieces:
             st = state.get(v)
@@ -226,16 +220,17 @@ class HostAdam:
     def _wants_one_pass(self, runs: list[tuple[Chunk, int, list[Any]]]) -> bool:
         if self.one_pass is False or _broken is not None:
             return False
-        numel = sum(r[2][-1][3] - r[2][0][2] for r in runs if r[0].low is not None)
+        numel = sum(r[2][-1][3] - r[2][0][2] for r in runs)
         return numel > 0 and (self.one_pass is True or numel >= ONE_PASS_MIN_NUMEL)
 
     def step_one_pass(self, views: dict[int, torch.Tensor]) -> tuple[set[int], set[int]]:
         """Step the eligible host chunks in one pass each; returns (ids of the views stepped, ids of the chunks
-        whose compute copy is now fresh). Call ``ensure_regions`` first."""
+        whose compute copy is now fresh)."""
         global _broken
         runs = self._host_runs(views)
         if not self._wants_one_pass(runs):
             return set(), set()
+        self.ensure_regions(runs)
         kernel = one_pass_kernel()
         state = self.optimizer.state
         stepped: set[int] = set()
@@ -245,8 +240,7 @@ class HostAdam:
         for c, k, pieces in runs:
             group = self.optimizer.param_groups[k]
             regions = self._ready.get(c.chunk_id)
-            if c.low is None or regions is None or not one_pass_ok(self.optimizer, group) or kernel is None \
-                    or any(v.grad is None for _, v, _, _ in pieces):
+            if regions is None or kernel is None or any(v.grad is None for _, v, _, _ in pieces):
                 continue
             steps = [state[v]["step"] for _, v, _, _ in pieces]
             together = torch.stack(steps)

@@ -229,9 +229,8 @@ class OptimizerBinding:
                 tw.grad = None
 
     def step(self, **kwargs: Any) -> Any:
-        """The optimizer's own ``step(**kwargs)``: host chunks' Adam moments in flat regions, large host chunks with
-        a compute copy in one pass ([Notes] in ``host_adam.py``), disk chunks one at a time, the rest in one call."""
-        self.host_adam.ensure_regions(self._views)
+        """The optimizer's own ``step(**kwargs)``: large host chunks with a compute copy in one pass ([Note: one
+        pass over a host shard] in ``host_adam.py``), disk chunks one at a time, the rest in one call."""
         stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
         if not stepped:
             return self._step_rest(**kwargs)
