@@ -1,5 +1,6 @@
 """CUDA checks: parity, the device limit on real device memory, the default limit, gradient offload on a side
-stream, the tracer's peaks inside a module, checkpoints from pinned host shards. Skipped cleanly without CUDA.
+stream, the one-pass host Adam step, the tracer's peaks inside a module, checkpoints from pinned host shards.
+Skipped cleanly without CUDA.
 
 One GPU runs one rank: the NCCL paths of several ranks (collectives on device tensors, in-place all-gather and
 reduce-scatter, DCP with host-resident DTensors) are covered on CPU with gloo and by the device checks in
@@ -69,6 +70,18 @@ def test_bf16_mixed_host_gradients_convert_on_the_host():
     got = fit(strategy, steps=20, accelerator="gpu", precision="bf16-mixed")
     assert relative_update_error(ref, got, init) < 0.10  # bf16 payloads; same bound as on CPU
     assert strategy.memory_stats()["d2h_async_bytes"] > 0
+
+
+def test_the_one_pass_host_step_equals_torchs_fused_kernel_on_cuda():
+    """Host shards of a bf16 run on a GPU: the pinned bf16 copy written inside the compiled host Adam step
+    (host_adam.py) trains bit for bit like torch's fused kernel and the two-pass write-back."""
+    runs = {}
+    for kernel in ("fused", "one_pass"):
+        strategy = ChunkOffloadStrategy(placement="host", chunk_numel=40000, optimizer_kernel=kernel)
+        runs[kernel] = fit(strategy, steps=12, accelerator="gpu", precision="bf16-mixed",
+                           model_kwargs=dict(dim=64, hidden=512))
+    for (n, a), b in zip(runs["fused"].named_parameters(), runs["one_pass"].parameters()):
+        assert torch.equal(a.cpu(), b.cpu()), n
 
 
 def test_fp16_mixed_with_loss_scaling_on_cuda():
