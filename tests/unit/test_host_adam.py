@@ -27,9 +27,9 @@ def two_groups(params, cls, **kw):
                lr=0.01, betas=(0.9, 0.95), **kw)
 
 
-def run(kernel, *, cls=torch.optim.AdamW, dtypes=None, steps=3, reload_after=None, **kw):
+def run(kernel, *, cls=torch.optim.AdamW, dtypes=None, steps=3, reload_after=None, unused=(), **kw):
     """Step ChunkEngine (host tier) and torch's optimizer (fused, or the kernel ``kernel`` names) on the same
-    gradients; returns both sides."""
+    gradients; returns both sides. ``unused``: (step, parameter) pairs that get no gradient."""
     ref, mine = model(), model()
     oref, o = two_groups(ref, cls, **({"foreach": True} if kernel == "foreach" else {"fused": True}), **kw), \
         two_groups(mine, cls, **kw)
@@ -40,13 +40,13 @@ def run(kernel, *, cls=torch.optim.AdamW, dtypes=None, steps=3, reload_after=Non
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         grads = [torch.randn(*s, generator=g) * 0.01 for s in SIZES]
-        for p, gr in zip(ref, grads):
-            p.grad = gr.clone()
+        for i, (p, gr) in enumerate(zip(ref, grads)):
+            p.grad = None if (step, i) in unused else gr.clone()
         oref.step()
         for i, gr in enumerate(grads):  # what a backward leaves in the gradient shards
             c, info = mgr.lookup(mgr.params[i])
             c.grad[info.offset : info.offset + info.numel].copy_(gr.reshape(-1))
-            info.has_grad = True
+            info.has_grad = (step, i) not in unused
         eng._backward_ends()
         eng.prepare_step()
         eng.step(o)
@@ -105,6 +105,17 @@ def test_the_one_pass_steps_and_writes_the_compute_copy_as_torchs_fused_kernel(c
     check_against_torch(eng, o, ref, oref, exact_tail=False)
     assert all(f == {c.chunk_id for c in eng.manager.chunks} for f in fresh)  # every chunk, every step
     assert all(len(ptrs) == 1 for ptrs in regions_of(eng, o).values())
+
+
+def test_a_chunk_with_a_parameter_that_got_no_gradient_is_left_to_torch():
+    """Torch skips such a parameter (no state at first, its own ``step`` count after): its chunk cannot be
+    stepped as one run, so torch's kernel steps it, and the other chunks still take the one pass."""
+    eng, o, ref, oref, fresh = run("one_pass", dtypes=DtypePolicy(torch.bfloat16, torch.float32),
+                                   unused={(0, 1), (2, 1)})
+    check_against_torch(eng, o, ref, oref, exact_tail=False)
+    mgr = eng.manager
+    skipped = mgr.lookup(mgr.params[1])[0].chunk_id
+    assert all(skipped not in f for f in fresh) and all(f for f in fresh)
 
 
 def test_auto_keeps_two_passes_for_small_shards_and_falls_back_when_compiling_fails(monkeypatch):
