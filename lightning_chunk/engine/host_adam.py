@@ -28,6 +28,7 @@ fp32 peak no lower and with larger outliers (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from typing import Any, Callable, Optional
@@ -90,15 +91,36 @@ def _step_and_copy(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
 
 
 _compiled: Optional[Callable[..., None]] = None
-_broken: Optional[str] = None
+_broken: Optional[str] = None  # why the one pass cannot run in this process
+_warned = False
 
 
 def one_pass_kernel() -> Optional[Callable[..., None]]:
     """The compiled one-pass kernel, or ``None`` when it cannot be compiled here (the reason is in ``_broken``)."""
-    global _compiled
+    global _compiled, _broken
     if _compiled is None and _broken is None:
+        import torch._dynamo  # noqa: F401 - its config says whether torch.compile is switched off
+
+        if torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+            # torch.compile would hand back the function itself: several passes, and prims.fma's eager form
+            # rounds the product, so neither the speed nor the bits would be the kernel's
+            _broken = "torch.compile is disabled in this process (TORCH_COMPILE_DISABLE or TORCHDYNAMO_DISABLE)"
+            return None
         _compiled = torch.compile(_step_and_copy, dynamic=True, fullgraph=True)
     return _compiled if _broken is None else None
+
+
+def _unavailable(reason: str, forced: bool, cause: Optional[BaseException] = None) -> None:
+    """The one pass cannot run here: an error when the user asked for it, else a warning (once) and torch's kernel."""
+    global _broken, _warned
+    if forced:
+        raise RuntimeError(f"optimizer_kernel='one_pass' but the one-pass Adam kernel cannot run here ({reason}); "
+                           "use optimizer_kernel='auto' or 'fused'") from cause
+    _broken = reason
+    if not _warned:
+        _warned = True
+        warnings.warn(f"chunk_offload: the one-pass host Adam kernel is not available ({reason}); stepping with "
+                      "torch's fused kernel and a separate write-back instead.")
 
 
 def _f32(x: float) -> torch.Tensor:
@@ -226,12 +248,14 @@ class HostAdam:
     def step_one_pass(self, views: dict[int, torch.Tensor]) -> tuple[set[int], set[int]]:
         """Step the eligible host chunks in one pass each; returns (ids of the views stepped, ids of the chunks
         whose compute copy is now fresh)."""
-        global _broken
         runs = self._host_runs(views)
         if not self._wants_one_pass(runs):
             return set(), set()
         self.ensure_regions(runs)
         kernel = one_pass_kernel()
+        if kernel is None:
+            _unavailable(_broken or "unknown", self.one_pass is True)
+            return set(), set()
         state = self.optimizer.state
         stepped: set[int] = set()
         fresh: set[int] = set()
@@ -240,7 +264,7 @@ class HostAdam:
         for c, k, pieces in runs:
             group = self.optimizer.param_groups[k]
             regions = self._ready.get(c.chunk_id)
-            if regions is None or kernel is None or any(v.grad is None for _, v, _, _ in pieces):
+            if regions is None or any(v.grad is None for _, v, _, _ in pieces):
                 continue
             steps = [state[v]["step"] for _, v, _, _ in pieces]
             together = torch.stack(steps)
@@ -254,12 +278,7 @@ class HostAdam:
                 kernel(c.master[start:end], c.grad[start:end], regions["exp_avg"], regions["exp_avg_sq"],
                        c.low[start:end], *scalars[(k, step)])
             except Exception as e:  # noqa: BLE001 - no compiler here: torch's kernel steps these chunks
-                if self.one_pass is True:
-                    raise RuntimeError(f"optimizer_kernel='one_pass' but the one-pass Adam kernel cannot be "
-                                       f"compiled here ({type(e).__name__}: {e}); use optimizer_kernel='auto'") from e
-                _broken = f"{type(e).__name__}: {e}"
-                warnings.warn(f"chunk_offload: the one-pass host Adam kernel could not be compiled ({_broken}); "
-                              "stepping with torch's fused kernel and a separate write-back instead.")
+                _unavailable(f"compiling it failed: {type(e).__name__}: {e}", self.one_pass is True, e)
                 break
             counters.extend(steps)
             stepped.update(id(v) for _, v, _, _ in pieces)

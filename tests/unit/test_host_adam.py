@@ -126,12 +126,19 @@ def test_auto_keeps_two_passes_for_small_shards_and_falls_back_when_compiling_fa
     def no_compiler(*args):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(host_adam, "one_pass_kernel", lambda: no_compiler)
     monkeypatch.setattr(host_adam, "_broken", None)
+    monkeypatch.setattr(host_adam, "_compiled", None)
+    monkeypatch.setattr(host_adam, "_warned", False)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torch.compile would run the function eagerly: not the kernel
+    with pytest.raises(RuntimeError, match="optimizer_kernel='one_pass'.*torch.compile is disabled"):
+        run("one_pass", dtypes=bf16, steps=1)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    monkeypatch.setattr(host_adam, "_broken", None)
+    monkeypatch.setattr(host_adam, "one_pass_kernel", lambda: no_compiler)
     with pytest.raises(RuntimeError, match="optimizer_kernel='one_pass'.*no C\\+\\+ compiler"):
         run("one_pass", dtypes=bf16, steps=1)
     monkeypatch.setattr(host_adam, "ONE_PASS_MIN_NUMEL", 0)
-    with pytest.warns(UserWarning, match="could not be compiled"):
+    with pytest.warns(UserWarning, match="not available.*compiling it failed"):
         eng, o, ref, oref, fresh = run("auto", dtypes=bf16)
     check_against_torch(eng, o, ref, oref)  # torch's kernel and the two-pass write-back
     assert fresh == [set()] * 3
