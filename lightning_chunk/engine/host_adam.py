@@ -251,11 +251,11 @@ class HostAdam:
         runs = self._host_runs(views)
         if not self._wants_one_pass(runs):
             return set(), set()
-        self.ensure_regions(runs)
         kernel = one_pass_kernel()
         if kernel is None:
             _unavailable(_broken or "unknown", self.one_pass is True)
             return set(), set()
+        self.ensure_regions(runs)  # only where the kernel can run: otherwise torch's own state is as good
         state = self.optimizer.state
         stepped: set[int] = set()
         fresh: set[int] = set()
