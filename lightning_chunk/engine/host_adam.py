@@ -44,13 +44,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 ONE_PASS_MIN_NUMEL = 1 << 25
 
 
-def _scalar_dtype(group: dict[str, Any]) -> torch.dtype:
-    """The dtype torch's Adam gives ``state["step"]`` (``torch.optim.optimizer._get_scalar_dtype``)."""
-    if group.get("fused"):
-        return torch.float32
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
 def one_pass_ok(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """A group whose step the one-pass kernel reproduces: torch's own Adam or AdamW (not a subclass: it may step
     or keep state otherwise) with its fused kernel, without ``amsgrad``, ``capturable`` or ``differentiable``."""
@@ -66,9 +59,7 @@ def _adam_pass(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 
     ``sign`` is -1 with ``maximize`` (torch multiplies by -1), else 1 (exact); ``weight_decay`` is ``"none"``,
     ``"decoupled"`` (AdamW) or ``"coupled"`` (Adam): the only choice the kernel specializes on, with the dtype."""
-    from torch._inductor import inductor_prims  # noqa: F401 - registers prims.fma
-
-    fma = torch.ops.prims.fma
+    fma = torch.ops.prims.fma  # registered by torch._inductor.inductor_prims (``one_pass_kernel``)
     g = g * sign
     if weight_decay == "decoupled":
         p = p * decay
@@ -100,6 +91,7 @@ def one_pass_kernel() -> Optional[Callable[..., None]]:
     global _compiled, _broken
     if _compiled is None and _broken is None:
         import torch._dynamo  # noqa: F401 - its config says whether torch.compile is switched off
+        from torch._inductor import inductor_prims  # noqa: F401 - registers prims.fma for the kernel
 
         if torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
             # torch.compile would hand back the function itself: several passes, and prims.fma's eager form
@@ -197,7 +189,6 @@ class HostAdam:
             if ready is not None:
                 self._ready[c.chunk_id] = ready
                 continue
-            group = self.optimizer.param_groups[k]
             keys = MOMENTS
             have = [state.get(v) for _, v, _, _ in pieces]
             if not all(st and all(key in st for key in keys) for st in have) and \
@@ -214,7 +205,8 @@ class HostAdam:
                         slices[key].copy_(st[key].reshape(-1))
                         st[key] = slices[key]
                 else:
-                    state[v] = {"step": torch.zeros((), dtype=_scalar_dtype(group)), **slices}
+                    # torch's fused Adam: ``step`` a float32 scalar on the parameter's device (the host)
+                    state[v] = {"step": torch.zeros((), dtype=torch.float32), **slices}
                 made.extend(weakref.ref(slices[key]) for key in keys)
             self._made[c.chunk_id] = made
             self._ready[c.chunk_id] = regions

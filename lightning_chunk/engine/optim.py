@@ -20,7 +20,8 @@ Muon, ...) cannot step flat views and are refused.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -234,12 +235,19 @@ class OptimizerBinding:
         stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
         if not stepped:
             return self._step_rest(**kwargs)
+        with self._only(lambda v: id(v) not in stepped):  # the optimizer still steps (its hooks, an LR
+            return self._step_rest(**kwargs)               # scheduler's count), over the other views only
+
+    @contextlib.contextmanager
+    def _only(self, keep: Callable[[torch.Tensor], bool]) -> Iterator[None]:
+        """Narrow every param group to the views ``keep`` accepts, and restore them after (also on an error):
+        hyperparameters, LR schedulers and per-view state stay as they are."""
         groups = self.optimizer.param_groups
         full = [g["params"] for g in groups]
-        try:  # the optimizer still steps (its hooks, an LR scheduler's count), over the other views only
+        try:
             for g, params in zip(groups, full):
-                g["params"] = [v for v in params if id(v) not in stepped]
-            return self._step_rest(**kwargs)
+                g["params"] = [v for v in params if keep(v)]
+            yield
         finally:
             for g, params in zip(groups, full):
                 g["params"] = params
@@ -261,29 +269,24 @@ class OptimizerBinding:
             return self.optimizer.step(**kwargs)
         mgr = self.manager
         chunk_of = {id(v): mgr.lookup(mgr.params[i])[0].chunk_id for i, v in self._views.items()}
-        groups = self.optimizer.param_groups
-        full = [g["params"] for g in groups]
         out = None
         storage = mgr.disk
-        try:
-            for g, params in zip(groups, full):
-                g["params"] = [v for v in params if chunk_of.get(id(v)) not in disk]
-            if any(g["params"] for g in groups):
+        with self._only(lambda v: chunk_of.get(id(v)) not in disk):
+            if any(g["params"] for g in self.optimizer.param_groups):
                 out = self.optimizer.step(**kwargs)
-            order = list(disk.values())
-            staged = {c.chunk_id: self._state_in_files(c) for c in order}  # else through the mapping (a first step)
-            pending = storage.stage_in(order[0]) if staged[order[0].chunk_id] else None
-            for k, c in enumerate(order):
-                current, nxt = pending, (order[k + 1] if k + 1 < len(order) else None)
-                pending = None
-                if nxt is not None:  # read while this chunk steps
-                    if staged[nxt.chunk_id]:
-                        pending = storage.stage_in(nxt)
-                    else:
-                        storage.prefetch(nxt, ("master", "optim"), write=True)
-                        storage.prefetch(nxt, ("grad",))
-                for g, params in zip(groups, full):
-                    g["params"] = [v for v in params if chunk_of.get(id(v)) == c.chunk_id]
+        order = list(disk.values())
+        staged = {c.chunk_id: self._state_in_files(c) for c in order}  # else through the mapping (a first step)
+        pending = storage.stage_in(order[0]) if staged[order[0].chunk_id] else None
+        for k, c in enumerate(order):
+            current, nxt = pending, (order[k + 1] if k + 1 < len(order) else None)
+            pending = None
+            if nxt is not None:  # read while this chunk steps
+                if staged[nxt.chunk_id]:
+                    pending = storage.stage_in(nxt)
+                else:
+                    storage.prefetch(nxt, ("master", "optim"), write=True)
+                    storage.prefetch(nxt, ("grad",))
+            with self._only(lambda v, cid=c.chunk_id: chunk_of.get(id(v)) == cid):
                 if current is not None:
                     storage.wait(current)
                     out = self._step_staged(current, **kwargs)
@@ -292,12 +295,9 @@ class OptimizerBinding:
                 with storage.writing(c, ("master", "optim")), storage.reading(c, ("grad",)):
                     out = self.optimizer.step(**kwargs)
                     moved = self.keep_state([c])
-                if moved:  # the state this step created in memory went to the file: give its pages back
-                    release_freed_memory()
-            storage.flush()  # what comes next reads the files through the mapping
-        finally:
-            for g, params in zip(groups, full):
-                g["params"] = params
+            if moved:  # the state this step created in memory went to the file: give its pages back
+                release_freed_memory()
+        storage.flush()  # what comes next reads the files through the mapping
         return out
 
     @staticmethod
