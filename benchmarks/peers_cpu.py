@@ -55,7 +55,9 @@ def child_chunk(args: argparse.Namespace) -> None:
     from lightning_chunk import ChunkOffloadStrategy, ChunkTelemetry
 
     telemetry = ChunkTelemetry(picture=False)
-    strategy = ChunkOffloadStrategy(placement=args.placement, chunk_numel=args.chunk_numel, log_memory_stats=False)
+    extra = json.loads(args.strategy_json or "{}")  # e.g. '{"verify_collectives": false}', to measure one lever
+    strategy = ChunkOffloadStrategy(placement=args.placement, chunk_numel=args.chunk_numel, log_memory_stats=False,
+                                    **extra)
     _lightning_child(args, strategy, [telemetry], lambda: telemetry.breakdown)
 
 
@@ -176,6 +178,8 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int
     if chunk_numel:
         common.append(f"--chunk-numel={chunk_numel}")
     common.append(f"--placement={placement}")
+    if getattr(args, "strategy_json", None):
+        common.append(f"--strategy-json={args.strategy_json}")
     if name in ("fsdp2", "deepspeed"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29517",
                str(Path(__file__).resolve()), *common]
@@ -243,6 +247,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/peers_cpu.json", width=768, depth=14, context=64, batch=2, steps=4)
     p.add_argument("--chunk-numel", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--placement", default="host", help=argparse.SUPPRESS)
+    p.add_argument("--strategy-json", default=None, help=argparse.SUPPRESS)
     children = {"chunk": child_chunk, "ddp": child_ddp, "fsdp2": child_fsdp2, "deepspeed": child_deepspeed}
     return run_or_child(p.parse_args(argv), children, measure, render)
 

@@ -86,8 +86,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             (``True``, ZeRO-3); ``False`` keeps them unreduced until the stepping micro-batch, like ``no_sync``.
         log_memory_stats: log ``memory_stats()`` to the Trainer's loggers every step.
         collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
-        verify_collectives: several ranks: check before each chunk collective that all ranks agree on it
-            (``None``: on with gloo, off with NCCL).
+        verify_collectives: several ranks: check that all ranks issue the same chunk collectives, in the same
+            order (``None``: on with gloo, where it is compared before each result is used; off with NCCL).
         replan_when_inputs_grow: under a device limit, trace again and re-plan placement when a training
             micro-batch's inputs are larger than any the placement was planned with (``docs/reliability.md``).
         state_dict_type: ``"sharded"``: checkpoints are directories every rank writes its shards into, in

@@ -11,10 +11,12 @@ Collectives are matched by order: if one rank skips a module that another runs,
 the next all-gathers pair different chunks. With gloo, two chunks of different
 sizes abort the process (SIGABRT, nothing to catch) and two of the same size
 silently swap data. So before each chunk collective the ranks exchange a
-fixed-size *tag* ``[op, chunk, module]`` (``verify``; on by default with gloo,
-where it costs ~0.1 ms; optional on NCCL, where reading it back syncs the
-stream) and raise ``CollectiveMismatchError`` on every rank that sees a
-difference, naming each rank's chunk and module. Every wait is bounded by
+fixed-size *tag* ``[op, chunk, module]`` (``verify``; on by default with gloo;
+optional on NCCL, where reading it back syncs the stream) and raise
+``CollectiveMismatchError`` on every rank that sees a difference, naming each
+rank's chunk and module. On gloo the tags are compared when the collective is
+waited for, not before it is issued ([Note: agreeing without a barrier] in
+``agreement.py``). Every wait is bounded by
 ``timeout_s``: a rank left waiting for a peer that raised or went elsewhere gets
 ``CollectiveTimeoutError`` naming the chunk and module it waited in, not a hang.
 
@@ -62,13 +64,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .agreement import OPS, Agreement, CollectiveMismatchError  # noqa: F401 (re-exported)
 from .errors import ChunkError
-
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-class CollectiveMismatchError(ChunkError):
-    """Ranks issued different collectives at the same point."""
 
 
 class CollectiveTimeoutError(ChunkError):
@@ -89,8 +86,11 @@ class Pending(NamedTuple):
     diagnose: Optional[Callable[[], str]] = None
     clock: Optional[Any] = None  # a StepClock: the wait is charged to ``cause``
     cause: str = "sync_wait"
+    before: Optional[Callable[[], None]] = None  # the agreement check this wait must pass first
 
     def wait(self) -> torch.Tensor:
+        if self.before is not None:
+            self.before()
         if self.work is not None:
             with self.clock.measure(self.cause) if self.clock is not None else contextlib.nullcontext():
                 self._wait()
@@ -190,8 +190,11 @@ class Collectives:
         self.names: Callable[[int, int], str] = lambda chunk, module: f"chunk {chunk}"
         self.peers: list[tuple[int, int]] = []
         self.clock: Optional[Any] = None  # the engine's StepClock, once it has one
+        self.agreement: Optional[Agreement] = None
         if self.world_size > 1:
             self._learn_peers()
+            if self.verify:
+                self.agreement = Agreement(self, lazy=self.gloo)
 
     def _learn_peers(self) -> None:
         """Every rank's ``(pid, host id)``; see [Note: naming a lost rank]."""
@@ -247,6 +250,7 @@ class Collectives:
         c.names = lambda chunk, module: f"chunk {chunk}"
         c.peers = []
         c.clock = None
+        c.agreement = None
         return c
 
     @classmethod
@@ -269,31 +273,26 @@ class Collectives:
                     f"{want} tensors; move it with .to(comm.tensor_device()) first."
                 )
 
-    def check_agreement(self, op: str, chunk: int, module: int = -1) -> None:
-        """Exchange ``[op, chunk, module]`` with every rank; raise on every rank if they differ."""
-        if self.world_size == 1 or not self.verify:
-            return
-        _refuse_if_broken(f"[rank {self.rank}] the agreement check before {op} of {self.names(chunk, module)}")
-        mine = torch.tensor([OPS.index(op), chunk, module], dtype=torch.int64, device=self._tag_device)
-        out = torch.empty(self.world_size * 3, dtype=torch.int64, device=self._tag_device)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = fn(out, mine, group=self.group, async_op=True)
-        Pending(out, work, lambda: f"[rank {self.rank}] the agreement check before {op} of "
-                f"{self.names(chunk, module)}", self.timeout_s, self.lost_peers, self.clock).wait()
-        tags = out.view(self.world_size, 3).tolist()
-        if any(t != tags[0] for t in tags):
-            lines = "; ".join(f"rank {r}: {OPS[t[0]]} of {self.names(t[1], t[2])}" for r, t in enumerate(tags))
-            raise CollectiveMismatchError(
-                f"[rank {self.rank}] ranks disagree on the next collective ({lines}). A module ran on some "
-                "ranks and not on others (data-dependent control flow, or a module used outside its forward); "
-                "every rank must run the same modules in the same order."
-            )
+    def refuse_if_broken(self, what: str) -> None:
+        _refuse_if_broken(what)
+
+    def mark_broken(self, error: str) -> None:
+        """The group can no longer be trusted (ranks disagreed with collectives left unmatched): refuse every later
+        collective and leave the process at exit without joining gloo's threads ([Note: naming a lost rank])."""
+        _exit_after_a_failed_collective()
+        _broken.append(error)
+
+    def wait_for(self, work: Any, what: str) -> None:
+        """A bounded wait for a small collective (charged to ``sync_wait``)."""
+        Pending(None, work, lambda: what, self.timeout_s, self.lost_peers, self.clock).wait()  # type: ignore[arg-type]
 
     def agree_on_value(self, value: int, *, what: str) -> bool:
         """True when every rank passed the same ``value`` (one fixed-size all-gather)."""
         if self.world_size == 1:
             return True
         _refuse_if_broken(f"[rank {self.rank}] {what}")
+        if self.agreement is not None:  # a disagreement on a chunk collective is the better error
+            self.agreement.verify_through()
         mine = torch.tensor([value], dtype=torch.int64, device=self._tag_device)
         out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -323,10 +322,10 @@ class Collectives:
             return Pending(out, None)
         _refuse_if_broken(f"[rank {self.rank}] all_gather of {self.names(chunk, module)}")
         self._check_device(f"all_gather of {self.names(chunk, module)}", out, shard)
-        self.check_agreement("all_gather", chunk, module)
+        check, group = self._agree("all_gather", chunk, module, ("all_gather", out.numel() * out.element_size()))
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = fn(out, shard, group=self.group, async_op=True)
-        return self._pending(out, work, "all_gather", chunk, module, async_op)
+        work = fn(out, shard, group=group, async_op=True)
+        return self._pending(out, work, "all_gather", chunk, module, async_op, check)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, chunk: int = -1, module: int = -1,
                        async_op: bool = False) -> Pending:
@@ -337,13 +336,21 @@ class Collectives:
             return Pending(out, None)
         _refuse_if_broken(f"[rank {self.rank}] reduce_scatter of {self.names(chunk, module)}")
         self._check_device(f"reduce_scatter of {self.names(chunk, module)}", out, full)
-        self.check_agreement("reduce_scatter", chunk, module)
-        if self.gloo and full.device.type == "cpu" and self._is_own_slice(out, full):
-            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        in_place = self.gloo and full.device.type == "cpu" and self._is_own_slice(out, full)
+        kind = ("all_reduce" if in_place else "reduce_scatter", full.numel() * full.element_size())
+        check, group = self._agree("reduce_scatter", chunk, module, kind)
+        if in_place:
+            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         else:
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            work = fn(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._pending(out, work, "reduce_scatter", chunk, module, async_op)
+            work = fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return self._pending(out, work, "reduce_scatter", chunk, module, async_op, check)
+
+    def _agree(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Optional[Callable[[], None]], Any]:
+        """The agreement check of a chunk collective (see [Note: ranks that disagree]) and the group it goes on."""
+        if self.agreement is None:
+            return None, self.group
+        return self.agreement.before(op, chunk, module, kind), self.agreement.group(op)
 
     def _is_own_slice(self, out: torch.Tensor, full: torch.Tensor) -> bool:
         """``out`` is this rank's slice of ``full``, in place: ``full[rank * n : (rank + 1) * n]``."""
@@ -353,9 +360,10 @@ class Collectives:
                 and out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
                 and out.storage_offset() == full.storage_offset() + self.rank * n)
 
-    def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool) -> Pending:
+    def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool,
+                 check: Optional[Callable[[], None]] = None) -> Pending:
         p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s,
-                    self.lost_peers, self.clock, "gather_wait" if op == "all_gather" else "reduce_wait")
+                    self.lost_peers, self.clock, "gather_wait" if op == "all_gather" else "reduce_wait", check)
         if not async_op:
             p.wait()
         return p

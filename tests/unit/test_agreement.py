@@ -1,0 +1,97 @@
+"""[Note: agreeing without a barrier]: on gloo the chunk collectives' tags are compared at the wait, the
+collectives of one size go without a barrier, and ranks that disagree get ``CollectiveMismatchError``, never
+an abort, even when the collectives they paired differ in size or kind.
+
+Two gloo ranks of bare ``Collectives`` (no Lightning), each in its own spawned process; every rank writes what
+it saw to a JSON file before it exits (a rank that disagreed exits with status 1: see [Note: naming a lost
+rank]).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+
+def _rank(rank: int, store: str, out: str, case: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_chunk.engine.collectives import CollectiveMismatchError, Collectives
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    comm = Collectives(timeout_s=20)
+    seen: dict = {"barriers": [], "error": None}  # what this rank saw
+
+    def gather(chunk: int, numel: int) -> torch.Tensor:
+        shard = torch.full((numel,), float(10 * chunk + rank))
+        out = torch.empty(2 * numel)
+        comm.all_gather(out, shard, chunk=chunk, async_op=True).wait()
+        seen["barriers"].append(comm.agreement.barriers)
+        return out
+
+    try:
+        if case == "agree":  # one size, then another, then the first again
+            outs = [gather(c, n) for c, n in ((0, 8), (1, 8), (2, 8), (3, 4), (4, 8), (5, 8))]
+            seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n
+                                for o, (c, n) in zip(outs, ((0, 8), (1, 8), (2, 8), (3, 4), (4, 8), (5, 8))))
+            full = torch.full((8,), float(rank + 1))
+            comm.reduce_scatter(full[4 * rank: 4 * rank + 4], full, chunk=6).wait()
+            seen["reduced"] = full[4 * rank: 4 * rank + 4].tolist()
+        else:
+            gather(0, 8)
+            gather(1, 8)  # both ranks now pass 8-element gathers without a barrier
+            if case == "sizes" and rank == 1:
+                gather(3, 16)  # skipped chunk 2: a larger gather, which must not meet rank 0's 8-element one
+            elif case == "kinds" and rank == 1:
+                full = torch.zeros(16)  # a reduce-scatter of the gather's bytes: its own group, so no pairing
+                comm.reduce_scatter(full[8:], full, chunk=2).wait()
+            else:
+                gather(2, 8)
+            gather(4, 8)
+            seen["error"] = "none"
+    except CollectiveMismatchError as e:
+        seen["error"] = str(e)
+    finally:
+        Path(out).write_text(json.dumps(seen))
+
+
+CASES = ("agree", "sizes", "kinds")
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every case at once (six processes): spawning is most of the time."""
+    tmp = tmp_path_factory.mktemp("agreement")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, str(tmp / f"{c}.store"), str(tmp / f"{c}.{r}.json"), c))
+             for c in CASES for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode is not None and p.exitcode >= 0, f"a rank aborted or hung (exit code {p.exitcode})"
+    return {c: [json.loads((tmp / f"{c}.{r}.json").read_text()) for r in (0, 1)] for c in CASES}
+
+
+def test_ranks_that_agree_check_each_size_once_and_get_the_right_data(seen):
+    for r, got in enumerate(seen["agree"]):
+        assert got["error"] is None and got["right"], got
+        # a barrier for the first size, for the other size, and for the first size again; none after
+        assert got["barriers"] == [1, 1, 1, 2, 3, 3], got
+        assert got["reduced"] == [3.0] * 4  # 1 + 2, each rank's slice of the sum
+
+
+@pytest.mark.parametrize("case", ["sizes", "kinds"])
+def test_ranks_that_disagree_raise_instead_of_aborting(seen, case):
+    """Rank 1 skips a chunk and issues a collective of another size (``sizes``) or another kind (``kinds``)
+    where rank 0 issues an ordinary one without a barrier: both ranks name the two collectives."""
+    for r, got in enumerate(seen[case]):
+        assert got["error"] and got["error"] != "none", (r, got)
+        assert f"[rank {r}] ranks disagree" in got["error"]
+        assert "rank 0: all_gather of chunk 2" in got["error"]
+        want = "all_gather of chunk 3" if case == "sizes" else "reduce_scatter of chunk 2"
+        assert f"rank 1: {want}" in got["error"]
