@@ -57,12 +57,15 @@ def chunk_view(c: Chunk) -> ChunkView:
                      grad, disk)
 
 
-def chunk_views(chunks: Sequence[Chunk], include: Optional[Iterable[int]] = None) -> list[ChunkView]:
-    """A view of every chunk; with ``include``, only of the resident chunks and those ``include`` names
-    ([Note: the views a plan reads] in ``placement.py``)."""
+def chunk_views(chunks: Sequence[Chunk], include: Optional[Iterable[int]] = None, *,
+                resident: bool = True) -> list[ChunkView]:
+    """A view of every chunk; with ``include``, only of those it names and (unless ``resident=False``) the
+    resident ones ([Note: the views a plan reads] in ``placement.py``)."""
     if include is None:
         return [chunk_view(c) for c in chunks]
     wanted = set(include)
+    if not resident:
+        return [chunk_view(chunks[i]) for i in sorted(wanted)]
     return [chunk_view(c) for c in chunks if c.chunk_id in wanted or c.is_resident]
 
 

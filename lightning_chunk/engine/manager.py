@@ -159,8 +159,8 @@ class ChunkManager:
     def chunk_ids_of(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
         return tuple(sorted({self._where[id(p)][0].chunk_id for p in params if id(p) in self._where}))
 
-    def views(self, include: Optional[Iterable[int]] = None) -> list[ChunkView]:
-        return chunk_views(self.chunks, include)
+    def views(self, include: Optional[Iterable[int]] = None, *, resident: bool = True) -> list[ChunkView]:
+        return chunk_views(self.chunks, include, resident=resident)
 
     def device_shard_bytes(self, c: Chunk) -> int:
         """Bytes the chunk's shard holds when it lives on the device tier (payload too, when that aliases it)."""
