@@ -15,15 +15,17 @@ tag issued up to its own. That keeps both promises of the barrier:
 
 - Nothing wrong is used. A result is read only after every tag up to its collective agreed, i.e. after
   every rank is known to have issued the same collectives in the same order up to it.
-- Nothing aborts. Tags, all-gathers and reduce-scatters go on three process groups of their own, so a
-  collective is only ever paired with one of its own kind. Tags have one size. A chunk collective goes
-  without a barrier only when its size (and gloo operation) equals that of the last collective of its
-  kind that was checked with a barrier; any other is checked with a barrier first, which fixes the size
-  for those after it. Up to the first disagreement every rank has issued the same collectives, so every
-  rank holds the same "last checked size"; after it, every barrier fails, so no rank changes it. Two
-  collectives paired without a barrier on either side therefore have the same size: at worst they swap
-  data, which the tags then catch before anyone reads it. A layout whose chunks are one size (the usual
-  case; the trimmed tail is the exception) pays one or two barriers per kind and step.
+- Nothing aborts. Each collective's *key* (chunk collective, gloo operation, bytes) has a process group
+  of its own, and the tags one more. A collective goes without a barrier only when its key was checked
+  with a barrier before; the first of a key is checked with a barrier, which creates the key's group on
+  every rank at the same point. Up to the first disagreement every rank has issued the same collectives,
+  so every rank knows the same keys; after it every barrier fails, so no rank learns another. A group
+  therefore only ever carries collectives of its one size and operation: ranks that disagree pair two
+  of them at worst (a silent swap, which the tags catch before anyone reads the result), or leave one
+  waiting for a partner that never comes (a hang the tags end, or the bounded wait); they never abort.
+  A layout has a few sizes of chunk (the chunk size, a small param group's chunks, the trimmed tail),
+  so a run pays a few barriers, once. Past ``MAX_KEYS`` keys of one collective, the others are checked
+  with a barrier every time, on a group that carries nothing else.
 
 A disagreement found at a wait leaves collectives of the other kinds issued and never matched; the
 process must not wait for them at exit, so it is handled as a failed collective ([Note: naming a lost
@@ -60,6 +62,9 @@ class _Tag(NamedTuple):
     what: str
 
 
+MAX_KEYS = 4  # process groups per chunk collective (each holds gloo's connections and worker threads)
+
+
 class Agreement:
     """Issues and checks the tags of one ``Collectives``; see [Note: agreeing without a barrier]."""
 
@@ -67,29 +72,37 @@ class Agreement:
         self.comm = comm
         self.lazy = lazy
         self.tag_group = comm.group
-        self.groups: dict[str, Any] = {}  # op -> the process group its chunk collectives go on
+        self._groups: dict[tuple[str, str, int], Any] = {}  # (op, gloo operation, bytes) -> its group
+        self._checked_every_time: dict[str, Any] = {}  # op -> the group of its keys past MAX_KEYS
         if lazy:
-            ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
-            self.tag_group = dist.new_group(ranks=ranks, backend="gloo")
-            self.groups = {op: dist.new_group(ranks=ranks, backend="gloo") for op in OPS[:2]}
+            self.tag_group = self._new_group()
+            self._checked_every_time = {op: self._new_group() for op in OPS[:2]}
         self._open: collections.deque[_Tag] = collections.deque()  # issued, not yet compared
         self._seq = 0
-        self._checked: dict[str, tuple[str, int]] = {}  # op -> (gloo operation, bytes) of its last barrier check
         self.barriers = 0  # chunk collectives checked with a barrier (for tests and the benchmarks)
 
-    def group(self, op: str) -> Any:
-        return self.groups.get(op, self.comm.group)
+    def _new_group(self) -> Any:
+        """A gloo group over ``comm``'s ranks; every one of them creates it at the same point."""
+        group = self.comm.group
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
 
-    def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> Optional[Callable[[], None]]:
-        """Issue the tag of the collective about to be issued. Returns the check its wait must run first, or
-        ``None`` when it was checked here, with a barrier. ``kind``: its gloo operation and size in bytes."""
+    def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Optional[Callable[[], None]], Any]:
+        """Issue the tag of the collective about to be issued. Returns the check its wait must run first (``None``
+        when it was checked here, with a barrier) and the group to issue it on. ``kind``: its gloo operation
+        and size in bytes."""
         seq = self._issue(op, chunk, module)
-        if self.lazy and self._checked.get(op) == kind:
-            return lambda: self.verify_through(seq)
+        key = (op, *kind)
+        if key in self._groups:
+            return (lambda: self.verify_through(seq)), self._groups[key]
         self.barriers += 1
         self.verify_through(seq)
-        self._checked[op] = kind
-        return None
+        if not self.lazy:
+            return None, self.comm.group
+        if sum(k[0] == op for k in self._groups) < MAX_KEYS:  # every rank is here: make the key's group
+            self._groups[key] = self._new_group()
+            return None, self._groups[key]
+        return None, self._checked_every_time[op]
 
     def _issue(self, op: str, chunk: int, module: int) -> int:
         comm = self.comm

@@ -350,7 +350,7 @@ class Collectives:
         """The agreement check of a chunk collective (see [Note: ranks that disagree]) and the group it goes on."""
         if self.agreement is None:
             return None, self.group
-        return self.agreement.before(op, chunk, module, kind), self.agreement.group(op)
+        return self.agreement.before(op, chunk, module, kind)
 
     def _is_own_slice(self, out: torch.Tensor, full: torch.Tensor) -> bool:
         """``out`` is this rank's slice of ``full``, in place: ``full[rank * n : (rank + 1) * n]``."""
