@@ -76,7 +76,6 @@ class Agreement:
         self._checked_every_time: dict[str, Any] = {}  # op -> the group of its keys past MAX_KEYS
         if lazy:
             self.tag_group = self._new_group()
-            self._checked_every_time = {op: self._new_group() for op in OPS[:2]}
         self._open: collections.deque[_Tag] = collections.deque()  # issued, not yet compared
         self._seq = 0
         self.barriers = 0  # chunk collectives checked with a barrier (for tests and the benchmarks)
@@ -99,9 +98,12 @@ class Agreement:
         self.verify_through(seq)
         if not self.lazy:
             return None, self.comm.group
-        if sum(k[0] == op for k in self._groups) < MAX_KEYS:  # every rank is here: make the key's group
+        # every rank is here (the barrier passed): make the key's group, or the one for keys past the cap
+        if sum(k[0] == op for k in self._groups) < MAX_KEYS:
             self._groups[key] = self._new_group()
             return None, self._groups[key]
+        if op not in self._checked_every_time:
+            self._checked_every_time[op] = self._new_group()
         return None, self._checked_every_time[op]
 
     def _issue(self, op: str, chunk: int, module: int) -> int:

@@ -34,10 +34,10 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
         return out
 
     try:
-        if case == "agree":  # one size, then another, then the first again
-            outs = [gather(c, n) for c, n in ((0, 8), (1, 8), (2, 8), (3, 4), (4, 8), (5, 8))]
-            seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n
-                                for o, (c, n) in zip(outs, ((0, 8), (1, 8), (2, 8), (3, 4), (4, 8), (5, 8))))
+        if case == "agree":  # one size, another, the first again; then sizes past MAX_KEYS (4), checked every time
+            sizes = ((0, 8), (1, 8), (2, 8), (3, 4), (4, 8), (5, 8), (6, 2), (7, 6), (8, 10), (9, 10), (10, 8))
+            outs = [gather(c, n) for c, n in sizes]
+            seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n for o, (c, n) in zip(outs, sizes))
             full = torch.full((8,), float(rank + 1))
             comm.reduce_scatter(full[4 * rank: 4 * rank + 4], full, chunk=6).wait()
             seen["reduced"] = full[4 * rank: 4 * rank + 4].tolist()
@@ -80,8 +80,8 @@ def seen(tmp_path_factory) -> dict[str, list[dict]]:
 def test_ranks_that_agree_check_each_size_once_and_get_the_right_data(seen):
     for r, got in enumerate(seen["agree"]):
         assert got["error"] is None and got["right"], got
-        # a barrier for each size the first time it is seen; none after
-        assert got["barriers"] == [1, 1, 1, 2, 2, 2], got
+        # a barrier for each size the first time it is seen, none after; past four sizes, one every time
+        assert got["barriers"] == [1, 1, 1, 2, 2, 2, 3, 4, 5, 6, 6], got
         assert got["reduced"] == [3.0] * 4  # 1 + 2, each rank's slice of the sum
 
 
