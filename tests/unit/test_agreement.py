@@ -41,6 +41,13 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
             full = torch.full((8,), float(rank + 1))
             comm.reduce_scatter(full[4 * rank: 4 * rank + 4], full, chunk=6).wait()
             seen["reduced"] = full[4 * rank: 4 * rank + 4].tolist()
+            # unchecked ([Note: a gloo group per kind of collective]): right data, on groups of their own
+            comm = Collectives(timeout_s=20, verify=False)
+            full = torch.full((8,), float(rank + 1))
+            comm.reduce_scatter(full[4 * rank: 4 * rank + 4], full, chunk=0, async_op=True).wait()
+            gathered = torch.empty(8)
+            comm.all_gather(gathered, full[4 * rank: 4 * rank + 4], chunk=0, async_op=True).wait()
+            seen["unchecked"] = [gathered.tolist(), comm.agreement is None, len(set(map(id, comm._op_groups.values())))]
         else:
             gather(0, 8)
             gather(1, 4)
@@ -83,6 +90,7 @@ def test_ranks_that_agree_check_each_size_once_and_get_the_right_data(seen):
         # a barrier for each size the first time it is seen, none after; past four sizes, one every time
         assert got["barriers"] == [1, 1, 1, 2, 2, 2, 3, 4, 5, 6, 6], got
         assert got["reduced"] == [3.0] * 4  # 1 + 2, each rank's slice of the sum
+        assert got["unchecked"] == [[3.0] * 8, True, 2], got
 
 
 @pytest.mark.parametrize("case", ["new", "sizes"])
