@@ -62,6 +62,13 @@ class _Tag(NamedTuple):
     what: str
 
 
+def gloo_group_over(group: Any) -> Any:
+    """A new gloo group over the ranks of ``group`` (``None``: every rank); each of them must create it at the same
+    point. Chunk collectives get groups of their own ([Note: a gloo group per kind of collective])."""
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+
+
 MAX_KEYS = 4  # process groups per chunk collective (each holds gloo's connections and worker threads)
 
 
@@ -81,10 +88,7 @@ class Agreement:
         self.barriers = 0  # chunk collectives checked with a barrier (for tests and the benchmarks)
 
     def _new_group(self) -> Any:
-        """A gloo group over ``comm``'s ranks; every one of them creates it at the same point."""
-        group = self.comm.group
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+        return gloo_group_over(self.comm.group)
 
     def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Optional[Callable[[], None]], Any]:
         """Issue the tag of the collective about to be issued. Returns the check its wait must run first (``None``

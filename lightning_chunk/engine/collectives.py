@@ -72,7 +72,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .agreement import OPS, Agreement, CollectiveMismatchError  # noqa: F401 (re-exported)
+from .agreement import OPS, Agreement, CollectiveMismatchError, gloo_group_over  # noqa: F401 (re-exported)
 from .errors import ChunkError
 
 
@@ -205,10 +205,7 @@ class Collectives:
             if self.verify:
                 self.agreement = Agreement(self, lazy=self.gloo)
             elif self.gloo:  # [Note: a gloo group per kind of collective]
-                ranks = None if group is None else dist.get_process_group_ranks(group)
-                self._op_groups = {op: dist.new_group(ranks=ranks, backend="gloo",
-                                                      use_local_synchronization=ranks is not None)
-                                   for op in OPS[:2]}
+                self._op_groups = {op: gloo_group_over(group) for op in OPS[:2]}
 
     def _learn_peers(self) -> None:
         """Every rank's ``(pid, host id)``; see [Note: naming a lost rank]."""
@@ -419,8 +416,7 @@ class Collectives:
         if self._tag_device.type == "cpu":
             return self.group if self.group is not None else dist.group.WORLD
         if getattr(self, "_host_group", None) is None:
-            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-            self._host_group = dist.new_group(ranks=ranks, backend="gloo")
+            self._host_group = gloo_group_over(self.group)
         return self._host_group
 
 
