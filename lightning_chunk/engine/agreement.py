@@ -37,7 +37,6 @@ the barrier form stays: its collectives are stream-ordered, and the size rule ab
 from __future__ import annotations
 
 import collections
-import datetime
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
