@@ -68,6 +68,7 @@ def gloo_group_over(group: Any) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
 
 
+Check = Optional[Callable[[], None]]  # what a collective's wait must run first (None: checked already)
 MAX_KEYS = 4  # process groups per chunk collective (each holds gloo's connections and worker threads)
 
 
@@ -81,15 +82,12 @@ class Agreement:
         self._groups: dict[tuple[str, str, int], Any] = {}  # (op, gloo operation, bytes) -> its group
         self._checked_every_time: dict[str, Any] = {}  # op -> the group of its keys past MAX_KEYS
         if lazy:
-            self.tag_group = self._new_group()
+            self.tag_group = gloo_group_over(comm.group)
         self._open: collections.deque[_Tag] = collections.deque()  # issued, not yet compared
         self._seq = 0
-        self.barriers = 0  # chunk collectives checked with a barrier (for tests and the benchmarks)
+        self.barriers = 0  # chunk collectives checked with a barrier (the tests count them)
 
-    def _new_group(self) -> Any:
-        return gloo_group_over(self.comm.group)
-
-    def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Optional[Callable[[], None]], Any]:
+    def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Check, Any]:
         """Issue the tag of the collective about to be issued. Returns the check its wait must run first (``None``
         when it was checked here, with a barrier) and the group to issue it on. ``kind``: its gloo operation
         and size in bytes."""
@@ -103,21 +101,19 @@ class Agreement:
             return None, self.comm.group
         # every rank is here (the barrier passed): make the key's group, or the one for keys past the cap
         if sum(k[0] == op for k in self._groups) < MAX_KEYS:
-            self._groups[key] = self._new_group()
+            self._groups[key] = gloo_group_over(self.comm.group)
             return None, self._groups[key]
         if op not in self._checked_every_time:
-            self._checked_every_time[op] = self._new_group()
+            self._checked_every_time[op] = gloo_group_over(self.comm.group)
         return None, self._checked_every_time[op]
 
     def _issue(self, op: str, chunk: int, module: int) -> int:
         comm = self.comm
         what = f"the agreement check before {op} of {comm.names(chunk, module)}"
         comm.refuse_if_broken(f"[rank {comm.rank}] {what}")
-        mine = torch.tensor([OPS.index(op), chunk, module], dtype=torch.int64, device=comm.tensor_device())
-        out = torch.empty(comm.world_size * 3, dtype=torch.int64, device=comm.tensor_device())
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        out, work = comm.gather_ints([OPS.index(op), chunk, module], group=self.tag_group)
         self._seq += 1
-        self._open.append(_Tag(self._seq, out, fn(out, mine, group=self.tag_group, async_op=True), what))
+        self._open.append(_Tag(self._seq, out, work, what))
         return self._seq
 
     def verify_through(self, seq: Optional[int] = None) -> None:

@@ -72,8 +72,11 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .agreement import OPS, Agreement, CollectiveMismatchError, gloo_group_over  # noqa: F401 (re-exported)
+from .agreement import OPS, Agreement, Check, CollectiveMismatchError, gloo_group_over  # noqa: F401 (re-exported)
 from .errors import ChunkError
+
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch: the old name
 
 
 class CollectiveTimeoutError(ChunkError):
@@ -94,7 +97,7 @@ class Pending(NamedTuple):
     diagnose: Optional[Callable[[], str]] = None
     clock: Optional[Any] = None  # a StepClock: the wait is charged to ``cause``
     cause: str = "sync_wait"
-    before: Optional[Callable[[], None]] = None  # the agreement check this wait must pass first
+    before: Check = None  # the agreement check this wait must pass first
 
     def wait(self) -> torch.Tensor:
         if self.before is not None:
@@ -209,11 +212,8 @@ class Collectives:
 
     def _learn_peers(self) -> None:
         """Every rank's ``(pid, host id)``; see [Note: naming a lost rank]."""
-        mine = torch.tensor([os.getpid(), _host_id()], dtype=torch.int64, device=self._tag_device)
-        out = torch.empty(self.world_size * 2, dtype=torch.int64, device=self._tag_device)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] the start-up "
-                "exchange of process ids", self.timeout_s).wait()
+        out, work = self.gather_ints([os.getpid(), _host_id()], group=self.group)
+        Pending(out, work, lambda: f"[rank {self.rank}] the start-up exchange of process ids", self.timeout_s).wait()
         self.peers = [tuple(r) for r in out.view(self.world_size, 2).tolist()]
 
     def lost_peers(self) -> str:
@@ -294,6 +294,13 @@ class Collectives:
         _exit_after_a_failed_collective()
         _broken.append(error)
 
+    def gather_ints(self, values: Sequence[int], *, group: Any) -> tuple[torch.Tensor, Any]:
+        """Every rank's ``values`` (the same count on each), in one all-gather issued on ``group`` without waiting:
+        the output (``world_size * len(values)`` int64s, rank by rank) and its work."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self._tag_device)
+        out = torch.empty(self.world_size * len(mine), dtype=torch.int64, device=self._tag_device)
+        return out, _all_gather(out, mine, group=group, async_op=True)
+
     def wait_for(self, work: Any, what: str) -> None:
         """A bounded wait for a small collective (charged to ``sync_wait``)."""
         Pending(None, work, lambda: what, self.timeout_s, self.lost_peers, self.clock).wait()  # type: ignore[arg-type]
@@ -305,11 +312,8 @@ class Collectives:
         _refuse_if_broken(f"[rank {self.rank}] {what}")
         if self.agreement is not None:  # a disagreement on a chunk collective is the better error
             self.agreement.verify_through()
-        mine = torch.tensor([value], dtype=torch.int64, device=self._tag_device)
-        out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] {what}",
-                self.timeout_s, self.lost_peers, self.clock).wait()
+        out, work = self.gather_ints([value], group=self.group)
+        Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers, self.clock).wait()
         return bool((out == out[0]).all())
 
     def failed_ranks(self, ok: bool, *, what: str) -> list[int]:
@@ -317,11 +321,8 @@ class Collectives:
         if self.world_size == 1:
             return [] if ok else [0]
         _refuse_if_broken(f"[rank {self.rank}] {what}")
-        mine = torch.tensor([int(bool(ok))], dtype=torch.int64, device=self._tag_device)
-        out = torch.empty(self.world_size, dtype=torch.int64, device=self._tag_device)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        Pending(out, fn(out, mine, group=self.group, async_op=True), lambda: f"[rank {self.rank}] {what}",
-                self.timeout_s, self.lost_peers, self.clock).wait()
+        out, work = self.gather_ints([int(bool(ok))], group=self.group)
+        Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers, self.clock).wait()
         return [r for r, v in enumerate(out.tolist()) if not v]
 
     # ----------------------------------------------------------- collectives
@@ -335,8 +336,7 @@ class Collectives:
         _refuse_if_broken(f"[rank {self.rank}] all_gather of {self.names(chunk, module)}")
         self._check_device(f"all_gather of {self.names(chunk, module)}", out, shard)
         check, group = self._agree("all_gather", chunk, module, ("all_gather", out.numel() * out.element_size()))
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = fn(out, shard, group=group, async_op=True)
+        work = _all_gather(out, shard, group=group, async_op=True)
         return self._pending(out, work, "all_gather", chunk, module, async_op, check)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, chunk: int = -1, module: int = -1,
@@ -358,7 +358,7 @@ class Collectives:
             work = fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return self._pending(out, work, "reduce_scatter", chunk, module, async_op, check)
 
-    def _agree(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Optional[Callable[[], None]], Any]:
+    def _agree(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Check, Any]:
         """The agreement check of a chunk collective (see [Note: ranks that disagree]) and the group it goes on."""
         if self.agreement is None:
             return None, self._op_groups.get(op, self.group)
@@ -373,7 +373,7 @@ class Collectives:
                 and out.storage_offset() == full.storage_offset() + self.rank * n)
 
     def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool,
-                 check: Optional[Callable[[], None]] = None) -> Pending:
+                 check: Check = None) -> Pending:
         p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s,
                     self.lost_peers, self.clock, "gather_wait" if op == "all_gather" else "reduce_wait", check)
         if not async_op:
