@@ -148,6 +148,24 @@ class ChunkHooks:
         trace = self.trace if self.training else None
         include = self.policy.upcoming(self.position, trace).union(needed)
         budget = self.policy.budget(mgr.limit, trace, self.position)
+        if not self.policy.idle(all_resident=all(mgr.chunks[i].is_resident for i in include), budget_bytes=budget,
+                                device_bytes=mgr.ledger[Tier.DEVICE]):
+            self._plan(needed, include, trace, budget)
+        for cid in needed:
+            mgr.wait_ready(mgr.chunks[cid])  # a prefetch on the side stream must land before use
+            mgr.chunks[cid].last_used = self.clock
+        # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead
+        # (on a CPU device the gather reads the file itself, [Note: staged optimizer steps] in tiers.py)
+        if trace is not None and mgr.disk_chunks and mgr.device.type != "cpu":
+            for cid in trace.next_chunks(self.position):
+                c = mgr.chunks[cid]
+                if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
+                    mgr.disk.prefetch(c, ("master",))
+
+    def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Optional[Trace],
+              budget: Optional[int]) -> None:
+        """Ask the policy what to evict and prefetch at this moment, and do it; then gather what is needed."""
+        mgr = self.manager
         # a plan reads the resident chunks only to evict them: with no limit and no releasing, it evicts none
         # (everything resident on several ranks: 8% of the hooks' time went to views of every resident chunk)
         evicts = budget is not None or self.policy.evict_after_use
@@ -165,16 +183,6 @@ class ChunkHooks:
                 mgr.gather(c, prefetch=True, module=self._module_of_next(cid))
             except DeviceMemoryLimitError:
                 break  # a prefetch is only a hint
-        for cid in needed:
-            mgr.wait_ready(mgr.chunks[cid])  # a prefetch on the side stream must land before use
-            mgr.chunks[cid].last_used = self.clock
-        # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead
-        # (on a CPU device the gather reads the file itself, [Note: staged optimizer steps] in tiers.py)
-        if trace is not None and mgr.disk_chunks and mgr.device.type != "cpu":
-            for cid in trace.next_chunks(self.position):
-                c = mgr.chunks[cid]
-                if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
-                    mgr.disk.prefetch(c, ("master",))
 
     def _gather_or_explain(self, cid: int, needed: tuple[int, ...]) -> None:
         mgr = self.manager

@@ -89,6 +89,15 @@ class PlacementPolicy:
         """The chunks ``plan`` may prefetch at ``position``: the trace's next ones, when prefetching."""
         return frozenset(trace.next_chunks(position)) if (trace is not None and self.config.prefetch) else frozenset()
 
+    def idle(self, *, all_resident: bool, budget_bytes: Optional[int], device_bytes: int) -> bool:
+        """Whether ``plan`` would return an empty plan, known without a single view: nothing is released after
+        use, the needed and upcoming chunks are all resident (``all_resident``: nothing to gather or prefetch),
+        and the device is within its budget (nothing to evict). The hooks ask this first at every moment: with
+        a limit, most moments find their chunks resident, and building views to learn that was most of the
+        hooks' time on a Hugging Face model ([Note: the views a plan reads])."""
+        return (not self.evict_after_use and all_resident
+                and (budget_bytes is None or device_bytes <= budget_bytes))
+
     def plan(
         self,
         *,

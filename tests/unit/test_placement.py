@@ -175,3 +175,33 @@ def test_a_plan_reads_only_resident_needed_and_upcoming_chunks(policy_cls):
         narrowed = [c for c in chunks if c.resident or c.chunk_id in wanted]
         kwargs = dict(position=position, needed=needed, trace=t, budget_bytes=budget, device_bytes=device)
         assert policy.plan(chunks=narrowed, **kwargs) == policy.plan(chunks=chunks, **kwargs)
+
+
+@pytest.mark.parametrize("policy_cls", [AutoPlacement, HostPlacement, StaticPlacement])
+def test_a_moment_skipped_as_idle_would_have_planned_nothing(policy_cls):
+    """The hooks skip ``plan`` (and every view) when ``idle`` says it would do nothing: at every position, whatever
+    is resident, in use or over budget, an idle moment's plan is empty, and idle moments do occur."""
+    import random
+
+    rng = random.Random(1)
+    policies = [policy_cls(ChunkConfig(placement=policy_cls.name, prefetch=p)) for p in (True, False)]
+    idle_seen = 0
+    for _ in range(600):
+        policy = rng.choice(policies)
+        t = rng.choice((fake_trace(), None))
+        position = rng.randrange(12)
+        chunks = []
+        for cid in range(4):
+            resident = rng.random() < 0.8
+            chunks.append(view(cid, resident, evictable=resident and rng.random() < 0.7, last=rng.randrange(-1, 12),
+                               payload=rng.choice((500, 1000, 1500))))
+        needed = frozenset(rng.sample(range(4), rng.randrange(3)))
+        budget = rng.choice((None, 1000, 2500, 4000))
+        device = sum(c.payload_bytes for c in chunks if c.resident)
+        wanted = policy.upcoming(position, t) | needed
+        if policy.idle(all_resident=all(chunks[i].resident for i in wanted), budget_bytes=budget, device_bytes=device):
+            idle_seen += 1
+            plan = policy.plan(position=position, needed=needed, chunks=chunks, trace=t, budget_bytes=budget,
+                               device_bytes=device)
+            assert plan.evict == () and plan.prefetch == ()
+    assert idle_seen == 0 if policy_cls is HostPlacement else idle_seen > 50  # host placement releases after use
