@@ -151,57 +151,48 @@ def test_spill_to_disk_names_the_smallest_limit_that_works():
         spill_to_disk(views, {v.chunk_id: Tier.HOST for v in views}, 2000)
 
 
-@pytest.mark.parametrize("policy_cls", [AutoPlacement, HostPlacement, StaticPlacement])
-def test_a_plan_reads_only_resident_needed_and_upcoming_chunks(policy_cls):
-    """The hooks hand ``plan`` the views of those chunks alone ([Note: the views a plan reads]): the same plan as
-    from every chunk, at every position, whatever is resident, in use or over budget."""
+def random_moments(policy_cls, seed, count, n_chunks, p_resident):
+    """``count`` random moments for a policy of ``policy_cls``: (policy, every chunk's view, the needed and upcoming
+    chunk ids, ``plan``'s other arguments), at every position, whatever is resident, in use or over budget."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     policies = [policy_cls(ChunkConfig(placement=policy_cls.name, prefetch=p)) for p in (True, False)]
-    for _ in range(300):
+    for _ in range(count):
         policy = rng.choice(policies)
         t = rng.choice((fake_trace(), None))  # no trace: the warm-up, and evaluation
         position = rng.randrange(12)
         chunks = []
-        for cid in range(6):
-            resident = rng.random() < 0.5
+        for cid in range(n_chunks):
+            resident = rng.random() < p_resident
             chunks.append(view(cid, resident, evictable=resident and rng.random() < 0.7, last=rng.randrange(-1, 12),
                                payload=rng.choice((500, 1000, 1500))))
-        needed = frozenset(rng.sample(range(6), rng.randrange(3)))
+        needed = frozenset(rng.sample(range(n_chunks), rng.randrange(3)))
         budget = rng.choice((None, 1000, 2500, 4000))
         device = sum(c.payload_bytes for c in chunks if c.resident)
         wanted = policy.upcoming(position, t) | needed
+        yield policy, chunks, wanted, dict(position=position, needed=needed, trace=t, budget_bytes=budget,
+                                           device_bytes=device)
+
+
+@pytest.mark.parametrize("policy_cls", [AutoPlacement, HostPlacement, StaticPlacement])
+def test_a_plan_reads_only_resident_needed_and_upcoming_chunks(policy_cls):
+    """The hooks hand ``plan`` the views of those chunks alone ([Note: the views a plan reads]): the same plan as
+    from every chunk."""
+    for policy, chunks, wanted, kwargs in random_moments(policy_cls, seed=0, count=300, n_chunks=6, p_resident=0.5):
         narrowed = [c for c in chunks if c.resident or c.chunk_id in wanted]
-        kwargs = dict(position=position, needed=needed, trace=t, budget_bytes=budget, device_bytes=device)
         assert policy.plan(chunks=narrowed, **kwargs) == policy.plan(chunks=chunks, **kwargs)
 
 
 @pytest.mark.parametrize("policy_cls", [AutoPlacement, HostPlacement, StaticPlacement])
 def test_a_moment_skipped_as_idle_would_have_planned_nothing(policy_cls):
-    """The hooks skip ``plan`` (and every view) when ``idle`` says it would do nothing: at every position, whatever
-    is resident, in use or over budget, an idle moment's plan is empty, and idle moments do occur."""
-    import random
-
-    rng = random.Random(1)
-    policies = [policy_cls(ChunkConfig(placement=policy_cls.name, prefetch=p)) for p in (True, False)]
+    """The hooks skip ``plan`` (and every view) when ``idle`` says it would do nothing: an idle moment's plan is
+    empty, and idle moments do occur (never with host placement, which releases after use)."""
     idle_seen = 0
-    for _ in range(600):
-        policy = rng.choice(policies)
-        t = rng.choice((fake_trace(), None))
-        position = rng.randrange(12)
-        chunks = []
-        for cid in range(4):
-            resident = rng.random() < 0.8
-            chunks.append(view(cid, resident, evictable=resident and rng.random() < 0.7, last=rng.randrange(-1, 12),
-                               payload=rng.choice((500, 1000, 1500))))
-        needed = frozenset(rng.sample(range(4), rng.randrange(3)))
-        budget = rng.choice((None, 1000, 2500, 4000))
-        device = sum(c.payload_bytes for c in chunks if c.resident)
-        wanted = policy.upcoming(position, t) | needed
-        if policy.idle(all_resident=all(chunks[i].resident for i in wanted), budget_bytes=budget, device_bytes=device):
+    for policy, chunks, wanted, kwargs in random_moments(policy_cls, seed=1, count=600, n_chunks=4, p_resident=0.8):
+        if policy.idle(all_resident=all(chunks[i].resident for i in wanted), budget_bytes=kwargs["budget_bytes"],
+                       device_bytes=kwargs["device_bytes"]):
             idle_seen += 1
-            plan = policy.plan(position=position, needed=needed, chunks=chunks, trace=t, budget_bytes=budget,
-                               device_bytes=device)
+            plan = policy.plan(chunks=chunks, **kwargs)
             assert plan.evict == () and plan.prefetch == ()
-    assert idle_seen == 0 if policy_cls is HostPlacement else idle_seen > 50  # host placement releases after use
+    assert idle_seen == 0 if policy_cls is HostPlacement else idle_seen > 50
