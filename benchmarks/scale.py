@@ -12,6 +12,8 @@ Contenders, each attempt a fresh ``Trainer.fit`` of ``--steps`` steps in its own
   on CUDA the peers get the same limit through ``torch.cuda.set_per_process_memory_fraction``).
 - ``chunk_deferred``: ``chunk_offload`` with the GPT built in ``configure_model`` (``deferred_init=True``):
   on the meta device, initialised chunk by chunk, so no rank ever holds the whole model.
+- ``chunk_early``: ``chunk_deferred`` with ``step_in_backward=True``: each chunk steps as its gradients land
+  and gives its gradient shard back ([Note: stepping in backward]).
 
 ``B/param``: the marginal bytes a parameter of the largest model that fits: the rank's peak resident set
 minus its resident set just before the model was built, over the parameter count (ideal for ZeRO-3 on two
@@ -55,7 +57,8 @@ def contenders(ranks: int) -> dict[str, dict]:
     placement = "auto" if ranks == 1 else "host"
     return {("auto" if ranks == 1 else "ddp"): {"strategy": "auto" if ranks == 1 else "ddp"},
             "chunk_offload": {"strategy": "chunk", "placement": placement},
-            "chunk_deferred": {"strategy": "chunk", "placement": placement, "deferred": True}}
+            "chunk_deferred": {"strategy": "chunk", "placement": placement, "deferred": True},
+            "chunk_early": {"strategy": "chunk", "placement": placement, "deferred": True, "step_in_backward": True}}
 
 
 # ------------------------------------------------------------------------------------------ child
@@ -71,7 +74,8 @@ def child(args: argparse.Namespace) -> None:
     device_limit = parse_bytes(args.device_limit, field="--device-limit") if args.device_limit else None
     if spec["strategy"] == "chunk":
         strategy = ChunkOffloadStrategy(placement=spec["placement"], device_memory_limit=device_limit,
-                                        log_memory_stats=False, materialize_on_teardown=False)
+                                        log_memory_stats=False, materialize_on_teardown=False,
+                                        step_in_backward=spec.get("step_in_backward", False))
     else:
         strategy = spec["strategy"]
     peak: dict = {}

@@ -110,6 +110,7 @@ class Chunk:
     pending: Optional[InFlight] = field(default=None, repr=False)  # a prefetch in flight
     grad_payload: Optional[torch.Tensor] = field(default=None, repr=False)  # several ranks: gradients to reduce
     grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
+    grad_released: bool = False  # the gradient shard's memory is given back until the next gradient ([Note: stepping in backward])
 
     # ----------------------------------------------------------------- identity
     @property
@@ -169,6 +170,21 @@ class Chunk:
         return all(t.state is TensorState.READY_FOR_REDUCE for t in self.tensors if t.requires_grad)
 
     # -------------------------------------------------------------------- bytes
+    def release_grad(self) -> None:
+        """Give the gradient shard's memory back; its views stay valid (and empty) until ``restore_grad``
+        ([Note: stepping in backward] in ``early_step.py``). Callers account it (``ChunkManager.tracked``)."""
+        if self.grad is not None and not self.grad_released:
+            free_storage(self.grad)
+            self.grad_released = self.grad.untyped_storage().nbytes() == 0  # a storage that cannot shrink keeps it
+
+    def restore_grad(self) -> None:
+        """Memory for the gradient shard again, before a gradient is written into it (its values are undefined:
+        the first gradient overwrites)."""
+        if self.grad_released:
+            assert self.grad is not None
+            self.grad.untyped_storage().resize_(nbytes(self.grad))
+            self.grad_released = False
+
     def low_tensor(self) -> torch.Tensor:
         """The compute-dtype shard that gathers read."""
         if self.aliased:
@@ -200,7 +216,7 @@ class Chunk:
         if tier is self.shard_tier:
             if not self.master_is_payload():
                 total += nbytes(self.master)
-            total += nbytes(self.grad) + self.optim_state_bytes
+            total += (0 if self.grad_released else nbytes(self.grad)) + self.optim_state_bytes
         if tier is (Tier.HOST if self.shard_tier is Tier.DISK else self.shard_tier):
             total += nbytes(self.low)
         return total

@@ -153,6 +153,13 @@ class ChunkConfig:
     [Note: inputs that grow after the warm-up]). Costs one one-element all-reduce a micro-batch with several
     ranks. Off: the warm-up's trace stays, and larger inputs can push the device past the limit."""
 
+    step_in_backward: bool = False
+    """Step the optimizer on each chunk as soon as its gradients are final, during backward, and free its gradient
+    shard right after: a rank then holds about 6 bytes a parameter of fp32 training state on two ranks instead of 8
+    ([Note: stepping in backward] in ``early_step.py``). Bit-identical to the plain step. The price is plain
+    PyTorch's gradient semantics: after ``backward()`` the stepped parameters' gradients are gone, so gradient
+    clipping, fp16 loss scaling, several optimizers, manual optimization and the disk tier are refused with it."""
+
     check_invariants: bool = False
     """Re-derive the byte accounting from the chunks after every manager operation (slow; tests)."""
 
@@ -193,9 +200,15 @@ class ChunkConfig:
                              "or None.")
         for name in ("prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
                      "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
-                     "check_invariants"):
+                     "step_in_backward", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
+
+        if self.step_in_backward is True and (self.host_memory_limit is not None or self.disk_dir is not None):
+            raise ValueError(
+                f"step_in_backward=True is not allowed with the disk tier (host_memory_limit={self.host_memory_limit!r}, "
+                f"disk_dir={self.disk_dir!r}): disk chunks step one at a time from their files after backward. Use "
+                "one of the two.")
 
     def replace(self, **changes: object) -> "ChunkConfig":
         return dataclasses.replace(self, **changes)

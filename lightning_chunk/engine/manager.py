@@ -210,7 +210,7 @@ class ChunkManager:
     def grads_to_move(self, c: Chunk) -> bool:
         """The chunk's gradient shard holds gradients of this step that a repack must carry."""
         written = c.grad_written if self.comm.world_size > 1 else any(t.has_grad for t in c.tensors)
-        return c.grad is not None and written
+        return c.grad is not None and written and not c.grad_released
 
     def gather_shard(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
         """The whole chunk's worth of a per-rank shard buffer, on the host (used off the hot path)."""
@@ -346,6 +346,9 @@ class ChunkManager:
             # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
             # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
             # a disk shard's gradients gather in a host buffer, written to its file at ``reduce``
+            if chunk.grad_released:
+                with self.tracked(chunk):
+                    chunk.restore_grad()
             target = self.storage_of(chunk).grad_target(chunk)
             self.reducer.offload.copy(target[info.offset : info.offset + info.numel], grad, add=info.has_grad)
             if chunk.shard_tier is not Tier.DEVICE:
@@ -372,6 +375,8 @@ class ChunkManager:
                 self.reducer.offload.drain()  # the copies land before the buffer is written to the file
                 self.storage_of(chunk).grads_done(chunk)
             chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
+            if self.reducer.on_final is not None and self.reducer.sync:
+                self.reducer.on_final(chunk)
 
     def land_in_flight(self) -> None:
         """Land the reduce-scatters and gradient copies in flight (what a device limit needs before it evicts)."""
@@ -433,7 +438,7 @@ class ChunkManager:
             chunk = self.chunks[cid]
             if not any(t.has_grad for t in chunk.tensors):
                 chunk.grad_written = False
-            elif chunk.grad_written and chunk.grad is not None:  # several ranks, some kept: the rest restart at 0
+            elif chunk.grad_written and chunk.grad is not None and not chunk.grad_released:  # several ranks, some kept: the rest restart at 0
                 lo, _ = chunk.shard_range
                 with self.storage_of(chunk).writing(chunk, ("grad",)):
                     for t in infos:

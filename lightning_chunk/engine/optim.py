@@ -85,7 +85,8 @@ class OptimizerBinding:
         self._views: dict[int, torch.Tensor] = {}
         self._attached: set[int] = set()  # views whose gradient attach_grads set (see sync_zero_grad)
         # per view: (param index, view, its TensorInfo, its slice of the gradient shard), built on first attach
-        self._grad_slots: Optional[list[tuple[int, torch.Tensor, Any, Optional[torch.Tensor]]]] = None
+        self._grad_slots: Optional[list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]] = None
+        self._by_chunk: Optional[dict[int, list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]]] = None
         self._choose_kernel()
         one_pass = {"auto": "auto", "one_pass": True}.get(config.optimizer_kernel, False)
         self.host_adam = HostAdam(optimizer, manager, one_pass)
@@ -154,6 +155,7 @@ class OptimizerBinding:
         self._views = new
         self._attached = set()
         self._grad_slots = None
+        self._by_chunk = None
         self.host_adam.reset()
         self.keep_state()
 
@@ -401,18 +403,57 @@ class OptimizerBinding:
         discriminator's backward, also before ``opt_g`` first stepped). Reading the views rather than
         wrapping ``zero_grad`` also works through Lightning's ``LightningOptimizer``, which calls the
         optimizer class's method on itself."""
-        if self._grad_slots is None:  # gradient buffers persist until the next repack: their views can be kept
-            mgr = self.manager
-            self._grad_slots = [(i, v, mgr.lookup(mgr.params[i])[1], mgr.grad_slice(i)) for i, v in self._views.items()]
         attached = set()
-        for i, v, info, g in self._grad_slots:
-            if info.has_grad and g is not None:
+        for i, v, chunk, info, g in self._slots():
+            if info.has_grad and g is not None and not chunk.grad_released:  # released: stepped in backward
                 if v.grad is not g:
                     v.grad = g
                 attached.add(i)
             elif v.grad is not None:
                 v.grad = None
         self._attached = attached
+
+    def _slots(self) -> list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]:
+        """(param index, view, its chunk, its TensorInfo, its slice of the gradient shard) of every view. Gradient
+        buffers persist until the next repack (a released one keeps its storage object): the slices can be kept."""
+        if self._grad_slots is None:
+            mgr = self.manager
+            self._grad_slots = [(i, v, *mgr.lookup(mgr.params[i]), mgr.grad_slice(i)) for i, v in self._views.items()]
+        return self._grad_slots
+
+    def step_chunk(self, chunk: Chunk, **kwargs: Any) -> Any:
+        """``step(**kwargs)`` over the views of ``chunk`` alone, with their gradients attached for the call
+        ([Note: stepping in backward] in ``early_step.py``); other param groups' views are left out as well."""
+        if self._by_chunk is None:
+            self._by_chunk = {}
+            for slot in self._slots():
+                self._by_chunk.setdefault(slot[2].chunk_id, []).append(slot)
+        mine = [s for s in self._by_chunk.get(chunk.chunk_id, ()) if s[3].has_grad and s[4] is not None]
+        if not mine:
+            return None
+        views = {i: v for i, v, _c, _info, _g in mine}
+        for _i, v, _c, _info, g in mine:
+            v.grad = g
+        try:
+            stepped, fresh = self.host_adam.step_one_pass(views)
+            self.fresh_low |= fresh
+            rest = {id(v) for v in views.values()} - stepped
+            if not rest:
+                return None
+            with self._only(lambda v: id(v) in rest):
+                return self._step_rest(**kwargs)
+        finally:
+            for v in views.values():
+                v.grad = None
+            self._attached.difference_update(views)
+
+    def detach_released(self) -> None:
+        """Views whose chunk gave its gradient shard back hold no gradient (as after ``zero_grad()``)."""
+        for i, v, c, _info, _g in self._slots():
+            if c.grad_released and v.grad is not None:
+                v.grad = None
+            if c.grad_released:
+                self._attached.discard(i)
 
     def sync_zero_grad(self) -> None:
         """Forget the gradients ``zero_grad()`` set to ``None`` since they were attached: those parameters', and

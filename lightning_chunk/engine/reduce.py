@@ -41,6 +41,8 @@ class GradReducer:
         self._order: list[int] = []  # chunks reduce in this order on every rank
         self._next = 0
         self._filled: dict[int, dict[int, object]] = {}  # chunk id -> payload offset -> _RAW or _SCALED
+        # called with a chunk whose gradients of this backward are final in its shard ([Note: stepping in backward])
+        self.on_final: Optional[Callable[[Chunk], None]] = None
 
     # ================================================================== order
     def reset_order(self, chunks: Sequence[Chunk]) -> None:
@@ -167,6 +169,8 @@ class GradReducer:
             chunk, pending = self._inflight.pop(0)
             out = pending.wait()
             assert chunk.grad is not None
+            with mgr.tracked(chunk):
+                chunk.restore_grad()
             storage = mgr.storage_of(chunk)
             target = storage.grad_target(chunk)  # before the flag flips: it says whether to read what is there
             add, chunk.grad_written = chunk.grad_written, True
@@ -178,6 +182,8 @@ class GradReducer:
                 self.offload.drain()  # landed: a disk shard's buffer goes to its file now
                 storage.grads_done(chunk)
             self.offload.drain(keep=2)  # bound the payloads still being copied
+            if self.on_final is not None and self.sync:
+                self.on_final(chunk)
 
     def land_all(self) -> None:
         """Finish the reduce-scatters and gradient copies in flight: their gradient payloads go and their chunks

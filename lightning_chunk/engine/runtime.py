@@ -33,6 +33,7 @@ from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
 from .config import ChunkConfig, DtypePolicy, default_device_limit
 from .errors import DeviceMemoryLimitError, LayoutError
+from .early_step import EarlyStep
 from .growth import InputGrowth
 from .hooks import ROOT, ChunkHooks
 from .manager import ChunkManager
@@ -147,12 +148,15 @@ class ChunkEngine:
         self._optim_bytes: dict[int, int] = {}
         for b in self.bindings:
             self._optim_bytes.update(b.state_bytes())
+        # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
+        self.early = EarlyStep(self.manager, self.bindings) if config.step_in_backward and self.bindings else None
         self.scaler: Optional[DynamicLossScaler] = None
         self.growth = InputGrowth(self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None)
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
         self.warmed_up = False
         self._finalize_pending = False
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
+        self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
         self.last_grad_norm: Optional[float] = None
 
     @classmethod
@@ -410,9 +414,20 @@ class ChunkEngine:
         """Micro-batches that do not step: gradients stay in each rank's gradient payloads, unreduced."""
         self.manager.sync_grads = False
         try:
-            yield
+            with self.accumulating():
+                yield
         finally:
             self.manager.sync_grads = True
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Micro-batches whose backward is not followed by a step (gradient accumulation, reduced or not): no
+        chunk steps during their backward ([Note: stepping in backward] in ``early_step.py``)."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def _bindings(self, optimizer: Optional[torch.optim.Optimizer]) -> list[OptimizerBinding]:
         """The binding of ``optimizer`` (the one being stepped), or every binding when ``None``."""
@@ -431,6 +446,14 @@ class ChunkEngine:
         for b in self.bindings:
             b.sync_zero_grad()
         self._agreed = False
+        if self.early is not None:
+            if self.scaler is not None:
+                raise ValueError("step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): "
+                                 "a step that overflowed must be skipped, which is known only after every gradient. "
+                                 "Use precision='bf16-mixed' or '32-true', or step_in_backward=False.")
+            # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
+            self.early.active = (self.warmed_up and not self._finalize_pending and not self.hooks.tracer.recording
+                                 and not self._accumulating)
 
     def _backward_ends(self) -> None:
         """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
@@ -453,7 +476,14 @@ class ChunkEngine:
                 self.manager.agree_on_grads()
                 self._backward_ends()
 
+    def _gradients_kept(self, what: str) -> None:
+        if self.early is not None:
+            raise ValueError(f"{what} is not possible with step_in_backward=True: each chunk steps during backward and "
+                             "its gradients are gone after it ([Note: stepping in backward]). Turn the one or the "
+                             "other off (for Lightning's clipping: gradient_clip_val=None).")
+
     def grads(self, optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
+        self._gradients_kept("reading the gradients after backward")
         self.prepare_step()
         return [g for b in self._bindings(optimizer) for g in b.grads()]
 
@@ -466,6 +496,7 @@ class ChunkEngine:
         bit-exact with plain PyTorch. Several ranks all-reduce the local ``norm ** p`` (max for inf)
         on the collectives' device (NCCL takes device tensors only).
         """
+        self._gradients_kept("clipping gradients by norm")
         self.prepare_step()
         pairs = [pair for b in self._bindings(optimizer) for pair in b.grad_chunks()]
         norm_type = float(norm_type)
@@ -527,6 +558,8 @@ class ChunkEngine:
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)``, disk-tier chunks one at a time ([Note: stepping disk shards] in optim.py)."""
         with self.manager.clock.measure("optimizer"):
+            if self.early is not None:
+                return self.early.step_rest(**kwargs)
             return self._bindings(optimizer)[0].step(**kwargs)
 
     def finish_step(self, *, stepped: bool, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -534,6 +567,8 @@ class ChunkEngine:
         until ``zero_grad()``, as in plain PyTorch."""
         bindings = self._bindings(optimizer)
         self._no_grads_held = True
+        if self.early is not None:
+            self.early.finish()
         fresh = {c for b in bindings for c in b.fresh_low}
         for b in bindings:
             b.fresh_low = set()
@@ -548,6 +583,8 @@ class ChunkEngine:
         out["nonmodel_peak_bytes"] = self.hooks.trace.nonmodel_peak_bytes if self.hooks.trace else 0
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.scale
+        if self.early is not None:
+            out["chunks_stepped_in_backward"] = self.early.early
         if self.last_grad_norm is not None:
             out["grad_norm"] = self.last_grad_norm  # the global norm the last norm clipping saw
         if self.growth.enabled:

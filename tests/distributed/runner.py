@@ -69,6 +69,13 @@ CASES = {
     "disk_defaults": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
                           strategy=dict(chunk_numel=None), host_memory_limit="1MB",
                           trainer=dict(accumulate_grad_batches=2)),
+    # each chunk stepped as its reduce-scatter lands, its gradient shard given back ([Note: stepping in backward])
+    "early": dict(strategy=dict(step_in_backward=True)),
+    # a parameter no rank uses: its chunk waits for the vote and steps after backward
+    "early_unused": dict(variant="unused", strategy=dict(step_in_backward=True)),
+    "early_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, step_in_backward=True)),
+    "early_limit": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
+                        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True)),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
        for fmt in ("torch", "lightning", "consolidated", "safetensors")},

@@ -18,13 +18,17 @@ RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
           "limit", "reordered_auto", "reordered_auto_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
-          "disk", "disk_accumulate", "disk_defaults"]
+          "disk", "disk_accumulate", "disk_defaults", "early", "early_unused", "early_accumulate", "early_limit"]
+# step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
+EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
+               "early_limit": "reordered_auto_limit"}
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
 # reduces once (a last-bit difference that Adam carries through 24 steps: the tolerance the one-rank suite
 # gives the fused kernel's rounding). sharded_accumulation=False sums as DDP does and is bit-exact.
 ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol=1e-5, atol=1e-6),
-            "accumulate": dict(rtol=1e-4, atol=1e-5), "disk_accumulate": dict(rtol=1e-4, atol=1e-5),
+            "accumulate": dict(rtol=1e-4, atol=1e-5), "early_accumulate": dict(rtol=1e-4, atol=1e-5),
+            "disk_accumulate": dict(rtol=1e-4, atol=1e-5),
             "disk_defaults": dict(rtol=1e-4, atol=1e-5)}
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
@@ -70,6 +74,21 @@ def stats(out: Path, case: str) -> list[dict]:
 @pytest.mark.parametrize("case", PARITY)
 def test_parity_with_ddp(parity_run, case):
     check_parity(*parity_run, case)
+
+
+@pytest.mark.parametrize("case", sorted(EARLY_TWINS))
+def test_stepping_in_backward_equals_stepping_after_it_and_gives_the_gradient_shards_back(parity_run, case):
+    out, rc, log = parity_run
+    twin = EARLY_TWINS[case]
+    got, want = torch.load(out / f"{case}.pt")["got"], torch.load(out / f"{twin}.pt")["got"]
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{case} {k}"
+    for s, t in zip(stats(out, case), stats(out, twin)):
+        assert s["chunks_stepped_in_backward"] > 0
+        # after the last step masters and Adam's two moments stay; the gradient shards (a quarter of the shard
+        # bytes) are gone, but where a chunk got no gradient in the last step (early_unused's branch)
+        held, kept = (x["device_chunk_bytes"] + x["host_chunk_bytes"] for x in (s, t))
+        assert 0.74 * kept <= held <= 0.9 * kept, (case, held, kept)
 
 
 @pytest.fixture(scope="module")

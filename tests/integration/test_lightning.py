@@ -195,3 +195,32 @@ def test_lightning_cli_rejects_an_unknown_knob(tmp_path, capsys):
         LightningCLI(ParityNet, TokenData, args=["fit", "--config", str(cfg)])
     assert e.value.code != 0
     assert "offload_everything" in capsys.readouterr().err
+
+
+def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning():
+    """One rank, bf16-mixed, placement="auto" with the defaults: the same parameters, bit for bit."""
+    def fit(early):
+        L.seed_everything(5, verbose=False)
+        model = ParityNet()
+        strategy = ChunkOffloadStrategy(step_in_backward=early, log_memory_stats=False)
+        trainer(strategy=strategy, precision="bf16-mixed", max_steps=6).fit(model, token_data())
+        return {k: v.clone() for k, v in model.state_dict().items()}, strategy.memory_stats()
+
+    want, _ = fit(False)
+    got, stats = fit(True)
+    assert stats["chunks_stepped_in_backward"] > 0
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **EXACT, msg=k)
+
+
+@pytest.mark.parametrize("what,kw,match", [
+    ("clipping", dict(gradient_clip_val=1.0), "not allowed with gradient_clip_val=1.0"),
+    ("manual", dict(), "not allowed with manual optimization"),
+    ("fp16", dict(plugins=[ChunkPrecision("16-mixed")]), "not allowed with fp16 loss scaling"),
+])
+def test_what_stepping_in_backward_cannot_do_is_refused_before_the_first_step(what, kw, match):
+    model = ManualNet() if what == "manual" else ParityNet()
+    with pytest.raises(ValueError, match=match):
+        trainer(strategy=ChunkOffloadStrategy(step_in_backward=True, log_memory_stats=False), max_steps=3,
+                **kw).fit(model, token_data())
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # refused before anything was built
