@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
 from .packing import ChunkSpec, Slot
 from .states import PINNED_STATES, TensorState, check_transition
+
+if TYPE_CHECKING:  # only a type here: the manager owns the pool
+    from .pool import BlockPool
 
 _PINNED = tuple(PINNED_STATES)  # membership by identity: a frozenset hashes each enum member in Python
 
@@ -170,19 +173,27 @@ class Chunk:
         return all(t.state is TensorState.READY_FOR_REDUCE for t in self.tensors if t.requires_grad)
 
     # -------------------------------------------------------------------- bytes
-    def release_grad(self) -> None:
-        """Give the gradient shard's memory back; its views stay valid (and empty) until ``restore_grad``
-        ([Note: stepping in backward] in ``early_step.py``). Callers account it (``ChunkManager.tracked``)."""
-        if self.grad is not None and not self.grad_released:
-            free_storage(self.grad)
-            self.grad_released = self.grad.untyped_storage().nbytes() == 0  # a storage that cannot shrink keeps it
+    def release_grad(self, pool: Optional["BlockPool"]) -> None:
+        """Give the gradient shard's memory to ``pool`` (the manager's; to the allocator when ``None``); its views
+        stay valid (and empty) until ``restore_grad`` ([Note: stepping in backward] in ``early_step.py``).
+        Callers account it (``ChunkManager.tracked``)."""
+        if self.grad is None or self.grad_released:
+            return
+        try:
+            if pool is None:
+                self.grad.untyped_storage().resize_(0)
+            else:
+                pool.empty(self.grad.untyped_storage())
+        except RuntimeError:  # a storage its allocator cannot resize (pinned memory): it keeps its bytes
+            return
+        self.grad_released = self.grad.untyped_storage().nbytes() == 0
 
-    def restore_grad(self) -> None:
+    def restore_grad(self, pool: "BlockPool") -> None:
         """Memory for the gradient shard again, before a gradient is written into it (its values are undefined:
         the first gradient overwrites)."""
         if self.grad_released:
             assert self.grad is not None
-            self.grad.untyped_storage().resize_(nbytes(self.grad))
+            pool.fill(self.grad.untyped_storage(), nbytes(self.grad))
             self.grad_released = False
 
     def low_tensor(self) -> torch.Tensor:

@@ -66,7 +66,7 @@ class EarlyStep:
             return
         if not all(t.has_grad for t in chunk.tensors if t.requires_grad):
             return  # the vote decides which of its parameters step: after backward
-        self._step(chunk, {})
+        self._step(chunk, {}, pool=True)
         self.early += 1
 
     def step_rest(self, **kwargs: Any) -> Any:
@@ -77,16 +77,20 @@ class EarlyStep:
         for c in mgr.chunks:
             if c.chunk_id not in self.stepped and c.trainable and not c.grad_released and \
                     any(t.has_grad for t in c.tensors):
-                out = self._step(c, kwargs)
+                out = self._step(c, kwargs, pool=False)
         return out
 
-    def _step(self, chunk: Chunk, kwargs: dict[str, Any]) -> Optional[Any]:
+    def _step(self, chunk: Chunk, kwargs: dict[str, Any], *, pool: bool) -> Optional[Any]:
+        """Step the chunk and give its gradient shard back: during backward to the manager's pool, whose block the
+        next chunk's gradients take (so the gradient shards stop going through malloc, whose holes the resident
+        set keeps); after backward, when the shards of every chunk may be let go at once (the warm-up), to the
+        allocator, so that the pool never keeps a whole model's gradients."""
         mgr = self.manager
         mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
         with mgr.clock.measure("optimizer"):
             out = self.binding.step_chunk(chunk, **kwargs)
         with mgr.tracked(chunk):
-            chunk.release_grad()
+            chunk.release_grad(mgr.pool if pool else None)
         self.stepped.add(chunk.chunk_id)
         return out
 

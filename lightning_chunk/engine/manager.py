@@ -348,7 +348,7 @@ class ChunkManager:
             # a disk shard's gradients gather in a host buffer, written to its file at ``reduce``
             if chunk.grad_released:
                 with self.tracked(chunk):
-                    chunk.restore_grad()
+                    chunk.restore_grad(self.pool)
             target = self.storage_of(chunk).grad_target(chunk)
             self.reducer.offload.copy(target[info.offset : info.offset + info.numel], grad, add=info.has_grad)
             if chunk.shard_tier is not Tier.DEVICE:

@@ -170,7 +170,7 @@ class GradReducer:
             out = pending.wait()
             assert chunk.grad is not None
             with mgr.tracked(chunk):
-                chunk.restore_grad()
+                chunk.restore_grad(mgr.pool)
             storage = mgr.storage_of(chunk)
             target = storage.grad_target(chunk)  # before the flag flips: it says whether to read what is there
             add, chunk.grad_written = chunk.grad_written, True
