@@ -77,11 +77,12 @@ def test_scale_benchmark_runs_and_reports_a_failure_with_its_reason(tmp_path, ca
     res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "1GiB", "--max-depth", "1",
                               "--out", str(tmp_path / "scale.json")])
     rows = {r["contender"]: r for r in res["rows"]}
-    assert set(rows) == {"ddp", "chunk_offload", "chunk_deferred"}
+    assert set(rows) == {"ddp", "chunk_offload", "chunk_deferred", "chunk_early"}
     for r in rows.values():  # all fit at depth 1 within 1 GiB a rank, and the search stops at --max-depth
         assert r["depth"] == 1 and r["params"] > 0 and r["capped_by_max_depth"] and max(r["peak_rss"]) < 2**30
         assert r["bytes_per_param"] > 0
-    assert rows["chunk_deferred"]["params"] == rows["chunk_offload"]["params"]  # counted after fit, not before
+    # counted after fit, not before
+    assert rows["chunk_deferred"]["params"] == rows["chunk_offload"]["params"] == rows["chunk_early"]["params"]
     res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "64MiB", "--max-depth", "1",
                               "--ranks", "1", "--out", str(tmp_path / "scale1.json")])
     for r in res["rows"]:  # a Python process with torch is larger than 64 MiB: killed by the watchdog
