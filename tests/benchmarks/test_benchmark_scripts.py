@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,9 +22,16 @@ def test_optimizer_step_benchmark_runs_and_writes_its_table(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["meta"]["torch"]
     rows = {r["contender"]: r for r in data["results"][0]["rows"]}
-    assert set(rows) == {"floor", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach", "deepspeed"}
-    for name in ("floor", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach"):
+    assert set(rows) == {"floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach",
+                         "deepspeed"}
+    for name in ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach"):
         assert rows[name]["median_s"] > 0 and rows[name]["vs_floor"] > 0
+    # the bf16 rows are measured against the 30-byte loop of the same run, the scaled 28-byte floor shown beside
+    for name in ("ours+bf16", "ours+bf16-2pass"):
+        assert rows[name]["vs_floor"] == pytest.approx(rows[name]["median_s"] / rows["floor+bf16"]["median_s"])
+        assert rows[name]["vs_floor_28_scaled"] == pytest.approx(
+            rows[name]["median_s"] / (rows["floor"]["median_s"] * 30 / 28))
+    assert "vs_floor_28_scaled" not in rows["ours"]
     assert "skipped" in rows["deepspeed"] or rows["deepspeed"]["median_s"] > 0  # never faked
     assert "x floor" in capsys.readouterr().out
 
