@@ -17,18 +17,45 @@ from .chunk import Chunk, TensorInfo
 from .manager import ChunkManager
 from .repack import piece_range
 
+_HOST = torch.device("cpu")
+
 
 def _pieces(mgr: ChunkManager, chunk: Chunk, info: TensorInfo) -> tuple[int, int]:
     """The element range ``[a, b)`` of the chunk that this rank's shard holds of ``info`` (empty when a >= b)."""
     return piece_range(chunk, info.offset, info.numel)
 
 
+def chunk_values(mgr: ChunkManager, c: Chunk, *, device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
+    """The whole trained value of each parameter of ``c`` (original dtype and shape, on ``device``, the host by
+    default), keyed by parameter index. A collective with several ranks."""
+    full = mgr.gather_shard(c, c.master_tensor_for_read())
+    return {t.slot.param_index: full[t.offset : t.offset + t.numel].view(t.shape).to(
+                device=device or _HOST, dtype=t.orig_dtype, copy=True) for t in c.tensors}
+
+
 def full_values(mgr: ChunkManager, *, device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
     """Every parameter's whole trained value (original dtype and shape), gathering each chunk once."""
     out: dict[int, torch.Tensor] = {}
     for chunk in mgr.chunks:
-        out.update(mgr.chunk_values(chunk, device=device))
+        out.update(chunk_values(mgr, chunk, device=device))
     return out
+
+
+def unpack(mgr: ChunkManager, *, materialize: bool, device: Optional[torch.device] = None) -> None:
+    """Drop every chunk, giving each parameter a plain tensor: its whole trained value (original dtype, on
+    ``device``, the host by default) when ``materialize``, else an empty one.
+
+    Streams: each chunk is gathered, its parameters take their values, and its shards are freed before
+    the next, so the peak is the model plus one chunk, not the model next to every shard. With several
+    ranks and ``materialize`` this is a collective (chunks go in id order on every rank)."""
+    for c in mgr.chunks:
+        values = chunk_values(mgr, c, device=device) if materialize else {}
+        for t in c.tensors:
+            empty = torch.empty(0, dtype=t.orig_dtype, device=t.param.device)
+            t.param.data = values.get(t.slot.param_index, empty)
+        del values
+        mgr.drop(c)
+    mgr.forget_layout()
 
 
 def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor]) -> None:

@@ -504,28 +504,8 @@ class ChunkManager:
                 self.release(c, eviction=False)
         self._changed()
 
-    # ============================================================ full values
-    def chunk_values(self, c: Chunk, *, device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
-        """The whole trained value of each parameter of ``c`` (original dtype and shape, on ``device``, the host by
-        default), keyed by parameter index. A collective with several ranks."""
-        full = self.gather_shard(c, c.master_tensor_for_read())
-        return {t.slot.param_index: full[t.offset : t.offset + t.numel].view(t.shape).to(
-                    device=device or _HOST, dtype=t.orig_dtype, copy=True) for t in c.tensors}
-
-    def unpack(self, *, materialize: bool, device: Optional[torch.device] = None) -> None:
-        """Drop every chunk, giving each parameter a plain tensor: its whole trained value (original dtype, on
-        ``device``, the host by default) when ``materialize``, else an empty one.
-
-        Streams: each chunk is gathered, its parameters take their values, and its shards are freed before
-        the next, so the peak is the model plus one chunk, not the model next to every shard. With several
-        ranks and ``materialize`` this is a collective (chunks go in id order on every rank)."""
-        for c in self.chunks:
-            values = self.chunk_values(c, device=device) if materialize else {}
-            for t in c.tensors:
-                empty = torch.empty(0, dtype=t.orig_dtype, device=t.param.device)
-                t.param.data = values.get(t.slot.param_index, empty)
-            del values
-            self.drop(c)
+    def forget_layout(self) -> None:
+        """No chunks any more: every one was dropped (``consolidate.unpack``), nothing is accounted."""
         self.chunks = []
         self._where = {}
         self.layout = None

@@ -40,7 +40,7 @@ from .manager import ChunkManager
 from .materialize import DeferredInit
 from .repack import FromModule
 from .weights import ModuleWeights
-from .consolidate import full_values, load_values
+from .consolidate import full_values, load_values, unpack
 from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .packing import Layout, build_layout, choose_chunk_numel, describe
@@ -639,5 +639,5 @@ class ChunkEngine:
         for b in self.bindings:
             b.detach_grads()
             b.unbind(whole_state=materialize and optimizer_state)
-        self.manager.unpack(materialize=materialize, device=device)
+        unpack(self.manager, materialize=materialize, device=device)
         self.manager.close()

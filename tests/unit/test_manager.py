@@ -4,7 +4,7 @@ import torch.nn as nn
 
 from lightning_chunk.engine.chunk import Tier
 from lightning_chunk.engine.config import ChunkConfig, DtypePolicy
-from lightning_chunk.engine.consolidate import full_values
+from lightning_chunk.engine.consolidate import full_values, unpack
 from lightning_chunk.engine.errors import DeviceMemoryLimitError
 from lightning_chunk.engine.manager import ChunkManager
 from lightning_chunk.engine.packing import build_layout
@@ -128,7 +128,7 @@ def test_repack_moves_values_and_gradients():
 
 def test_unpack_materializes_plain_parameters():
     net, mgr, originals, _ = make()
-    mgr.unpack(materialize=True)
+    unpack(mgr, materialize=True)
     assert mgr.ledger == {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
     for p, orig in zip(net.parameters(), originals):
         torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
@@ -142,7 +142,7 @@ def test_unpack_streams_one_chunk_at_a_time():
     gather, drop = mgr.gather_shard, mgr.drop
     mgr.gather_shard = lambda c, s: (events.append(("gather", c.chunk_id)), gather(c, s))[1]
     mgr.drop = lambda c: (events.append(("drop", c.chunk_id)), drop(c))[1]
-    mgr.unpack(materialize=True)
+    unpack(mgr, materialize=True)
     assert events == [("gather", 0), ("drop", 0), ("gather", 1), ("drop", 1)]
     for p, orig in zip(net.parameters(), originals):
         torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
@@ -205,7 +205,7 @@ def test_disk_shards_live_in_files_and_page_out_after_use(tmp_path):
     with storage.reading(c, ("master",)):
         assert c.master[0] == values[0].reshape(-1)[0] + 1  # written, paged out, read back from the file
     assert storage.read_bytes > 0 and storage.write_bytes > 0
-    mgr.unpack(materialize=True)
+    unpack(mgr, materialize=True)
     mgr.close()
     assert list(tmp_path.iterdir()) == []
     torch.testing.assert_close(net[0].weight, values[0] + 1)
