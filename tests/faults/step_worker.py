@@ -54,7 +54,10 @@ def arm(out: Path, where: str) -> None:
 def main() -> None:
     out, where = Path(sys.argv[1]), sys.argv[2]
     import faulthandler
-    faulthandler.dump_traceback_later(25, exit=True)
+    # only a net for a real hang (the test waits 180 s and measures the survivor from the fault, not from here): at
+    # 25 s it could fire on a slow CI machine before the survivor's own bounded wait ended (a whole run takes
+    # about 9 s here, under two busy loops too), and the survivor then ended with a traceback dump instead
+    faulthandler.dump_traceback_later(120, exit=True)
     arm(out, where)
     L.seed_everything(7, verbose=False)
     cb = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_last=True, filename="{step}")
