@@ -19,6 +19,9 @@ Contenders, each in its own pair of processes:
   fp32, on the CPU accelerator with gloo, in a plain training loop (Lightning's DeepSpeed strategy
   refuses CPU). Reported as skipped when deepspeed is not importable, never faked.
 
+With ``--repeats N`` every contender runs N times, the rounds interleaved in a shuffled order, and each ratio is
+the median of the per-round ratios (against DDP's or FSDP2's run of the same round).
+
 Per contender: the median step time after the first step, and each rank's peak resident memory
 (VmHWM from /proc, the whole process: Python, torch, model and optimizer) when training ends: for
 chunk_offload before its teardown gathers the full model back into the module, which the plain
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -202,30 +206,56 @@ LABELS = {"chunk": "chunk_offload (host)", "fsdp2": "FSDP2 + CPUOffloadPolicy", 
           "ddp": "DDP (everything replicated)"}
 
 
+CONTENDERS = (  # (row, child, chunk_numel: None or "block", placement)
+    (LABELS["ddp"], "ddp", None, "host"),
+    (LABELS["fsdp2"], "fsdp2", None, "host"),
+    ("chunk_offload (device, auto chunk size)", "chunk", None, "device"),
+    ("chunk_offload (host, auto chunk size)", "chunk", None, "host"),
+    ("chunk_offload (host, one block a chunk)", "chunk", "block", "host"),
+    (LABELS["deepspeed"], "deepspeed", None, "host"),
+)
+
+
 def measure(args: argparse.Namespace) -> dict:
+    """``--repeats`` rounds; each runs every contender once, in a shuffled order. A row's ratios are the medians
+    of its per-round ratios (each against DDP's or FSDP2's run of the same round), so a machine that drifts
+    between rounds moves both sides of a ratio alike; one round alone can be off by 2x on a shared machine."""
     block_numel = 12 * args.width * args.width + 13 * args.width  # one transformer block: FSDP2's unit here
-    rows = [{"contender": LABELS["ddp"], **run_contender("ddp", args)},
-            {"contender": LABELS["fsdp2"], **run_contender("fsdp2", args)},
-            {"contender": "chunk_offload (device, auto chunk size)", **run_contender("chunk", args, placement="device")},
-            {"contender": "chunk_offload (host, auto chunk size)", **run_contender("chunk", args)},
-            {"contender": "chunk_offload (host, one block a chunk)", **run_contender("chunk", args, block_numel)}]
-    if importlib.util.find_spec("deepspeed") is None:
-        rows.append({"contender": LABELS["deepspeed"], "skipped": "deepspeed is not installed"})
-    else:
-        rows.append({"contender": LABELS["deepspeed"], **run_contender("deepspeed", args)})
-    ddp, fsdp2 = rows[0]["median_s"], rows[1]["median_s"]
+    has_ds = importlib.util.find_spec("deepspeed") is not None
+    runs: dict[str, list[dict]] = {row: [] for row, *_ in CONTENDERS}
+    rng = random.Random(0)
+    for _ in range(args.repeats):
+        order = [c for c in CONTENDERS if c[1] != "deepspeed" or has_ds]
+        rng.shuffle(order)
+        for row, child, numel, placement in order:
+            runs[row].append(run_contender(child, args, block_numel if numel == "block" else None,
+                                           placement=placement))
+    rows = []
+    for row, child, *_ in CONTENDERS:
+        if not runs[row]:
+            rows.append({"contender": row, "skipped": "deepspeed is not installed"})
+            continue
+        r = runs[row]
+        per_round = [x["median_s"] for x in r]
+        rows.append({"contender": row, "median_s": statistics.median(per_round), "min_s": min(x["min_s"] for x in r),
+                     "max_s": max(x["max_s"] for x in r), "rounds_s": per_round,
+                     "peak_rss": [max(x["peak_rss"][k] for x in r) for k in (0, 1)], "params": r[0]["params"],
+                     "breakdown": r[-1]["breakdown"]})
     for r in rows:
         if "median_s" in r:
-            r["vs_ddp"] = r["median_s"] / ddp
-            r["vs_fsdp2"] = r["median_s"] / fsdp2
-    return {"params": rows[0]["params"], "block_numel": block_numel, "width": args.width, "depth": args.depth, "context": args.context,
-            "batch": args.batch, "steps": args.steps, "rows": rows}
+            for key, peer in (("vs_ddp", LABELS["ddp"]), ("vs_fsdp2", LABELS["fsdp2"])):
+                ratios = [a / b for a, b in zip(r["rounds_s"], next(x for x in rows if x["contender"] == peer)["rounds_s"])]
+                r[key] = statistics.median(ratios)
+                r[f"{key}_rounds"] = ratios
+    return {"params": rows[0]["params"], "block_numel": block_numel, "width": args.width, "depth": args.depth,
+            "context": args.context, "batch": args.batch, "steps": args.steps, "repeats": args.repeats, "rows": rows}
 
 
 def render(res: dict) -> str:
     gib = 2**30
     lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
-             f"batch {res['batch']} per rank), 2 gloo ranks, {res['steps']} steps (the first not timed)",
+             f"batch {res['batch']} per rank), 2 gloo ranks, {res['steps']} steps (the first not timed), "
+             f"{res.get('repeats', 1)} interleaved round(s); ratios: median of the per-round ratios",
              f"{'contender':<40} {'median s':>9} {'min..max s':>14} {'x DDP':>6} {'x FSDP2':>8} "
              f"{'peak RSS GiB (rank 0, 1)':>26}"]
     for r in res["rows"]:
@@ -235,6 +265,9 @@ def render(res: dict) -> str:
         rss = ", ".join(f"{b / gib:.2f}" for b in r["peak_rss"])
         lines.append(f"{r['contender']:<40} {r['median_s']:>9.2f} {r['min_s']:>6.2f}..{r['max_s']:<6.2f} "
                      f"{r['vs_ddp']:>6.2f} {r['vs_fsdp2']:>8.2f} {rss:>26}")
+    if res.get("repeats", 1) > 1:
+        lines.append("x DDP per round: " + "; ".join(
+            f"{r['contender']}: " + ", ".join(f"{x:.2f}" for x in r["vs_ddp_rounds"]) for r in res["rows"] if "median_s" in r))
     for r in res["rows"]:
         if r.get("breakdown"):
             from lightning_chunk.telemetry import breakdown_table
@@ -245,6 +278,8 @@ def render(res: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/peers_cpu.json", width=768, depth=14, context=64, batch=2, steps=4)
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every contender (3 or more to "
+                   "read a ratio on a shared machine)")
     p.add_argument("--chunk-numel", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--placement", default="host", help=argparse.SUPPRESS)
     p.add_argument("--strategy-json", default=None, help=argparse.SUPPRESS)

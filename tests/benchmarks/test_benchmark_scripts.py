@@ -63,6 +63,35 @@ def test_peers_cpu_benchmark_runs_every_peer(tmp_path, capsys):
     assert "x DDP" in out and "x FSDP2" in out and "gather wait" in out
 
 
+def test_peers_cpu_interleaves_rounds_and_takes_the_median_of_per_round_ratios(monkeypatch):
+    """``--repeats``: every round runs each contender once before the next round starts, and a ratio is the median
+    of the ratios of the same round, so a round where the machine was slow for everyone does not count twice."""
+    peers = load("peers_cpu")
+    calls = []
+    speed = {0: 1.0, 1: 2.0, 2: 1.0}  # the machine is twice as slow in the second round
+
+    def fake_run(name, args, chunk_numel=None, placement="host"):
+        calls.append(name)
+        rnd = (len(calls) - 1) // 5  # five contenders a round (no deepspeed)
+        base = {"ddp": 1.0, "fsdp2": 2.0, "chunk": 1.1 if placement == "device" else 1.3}[name]
+        t = base * speed[rnd] * (1.5 if (name == "ddp" and rnd == 2) else 1.0)  # DDP alone disturbed in round 3
+        return {"median_s": t, "min_s": t, "max_s": t, "peak_rss": [1, 2], "params": 10, "breakdown": []}
+
+    monkeypatch.setattr(peers, "run_contender", fake_run)
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
+    args = peers.argparse.Namespace(width=8, depth=1, context=4, batch=1, steps=2, repeats=3)
+    res = peers.measure(args)
+    assert len(calls) == 15 and all(sorted(calls[5 * k:5 * k + 5]) == ["chunk", "chunk", "chunk", "ddp", "fsdp2"]
+                                    for k in range(3))
+    rows = {r["contender"]: r for r in res["rows"]}
+    device = rows["chunk_offload (device, auto chunk size)"]
+    assert device["vs_ddp_rounds"] == pytest.approx([1.1, 1.1, 1.1 / 1.5])
+    assert device["vs_ddp"] == pytest.approx(1.1)  # the median round, not the pooled times (1.1 against 1.5)
+    assert device["rounds_s"] == pytest.approx([1.1, 2.2, 1.1]) and device["median_s"] == pytest.approx(1.1)
+    assert rows["DeepSpeed ZeRO-3 offload"]["skipped"]
+    assert "x DDP per round" in peers.render(res)
+
+
 def test_scale_search_doubles_then_bisects(monkeypatch, tmp_path):
     scale = load("scale")
     calls = []
