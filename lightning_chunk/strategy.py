@@ -42,6 +42,7 @@ from .engine.atomic import remove_dir
 from .engine.growth import input_bytes
 from .engine.checkpoint import KEY as CHECKPOINT_KEY
 from .engine.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+from .engine.early_step import FP16_REFUSED
 from .engine.materialize import DeferredInit, meta_init
 from .engine.weights import ModuleWeights, open_weights
 from .precision import ChunkPrecision
@@ -313,9 +314,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def _check_step_in_backward(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str) -> None:
         """Before anything is built: what ``step_in_backward=True`` cannot do ([Note: stepping in backward])."""
         if precision == "16-mixed":
-            raise ValueError("step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): "
-                             "a step that overflowed must be skipped, which is known only after every gradient. "
-                             "Use precision='bf16-mixed' or '32-true', or step_in_backward=False.")
+            raise ValueError(FP16_REFUSED)
         if not module.automatic_optimization:
             raise ValueError("step_in_backward=True is not allowed with manual optimization "
                              "(automatic_optimization=False): the chunks step during backward, before your "

@@ -44,6 +44,11 @@ from .errors import UnsupportedOptimizerError
 from .manager import ChunkManager
 from .optim import OptimizerBinding
 
+# the refusal of fp16 loss scaling, raised by the strategy at set-up and by the engine at the first backward
+FP16_REFUSED = ("step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): a step that "
+                "overflowed must be skipped, which is known only after every gradient. Use precision='bf16-mixed' "
+                "or '32-true', or step_in_backward=False.")
+
 
 class EarlyStep:
     """Steps each chunk of the one optimizer when its gradients are final; the rest after backward, chunk by chunk."""

@@ -33,7 +33,7 @@ from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
 from .config import ChunkConfig, DtypePolicy, default_device_limit
 from .errors import DeviceMemoryLimitError, LayoutError
-from .early_step import EarlyStep
+from .early_step import FP16_REFUSED, EarlyStep
 from .growth import InputGrowth
 from .hooks import ROOT, ChunkHooks
 from .manager import ChunkManager
@@ -448,9 +448,7 @@ class ChunkEngine:
         self._agreed = False
         if self.early is not None:
             if self.scaler is not None:
-                raise ValueError("step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): "
-                                 "a step that overflowed must be skipped, which is known only after every gradient. "
-                                 "Use precision='bf16-mixed' or '32-true', or step_in_backward=False.")
+                raise ValueError(FP16_REFUSED)
             # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
             self.early.active = (self.warmed_up and not self._finalize_pending and not self.hooks.tracer.recording
                                  and not self._accumulating)
