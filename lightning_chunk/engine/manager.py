@@ -375,7 +375,7 @@ class ChunkManager:
                 self.reducer.offload.drain()  # the copies land before the buffer is written to the file
                 self.storage_of(chunk).grads_done(chunk)
             chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
-            if self.reducer.on_final is not None and self.reducer.sync:
+            if self.reducer.on_final is not None:
                 self.reducer.on_final(chunk)
 
     def land_in_flight(self) -> None:

@@ -182,7 +182,7 @@ class GradReducer:
                 self.offload.drain()  # landed: a disk shard's buffer goes to its file now
                 storage.grads_done(chunk)
             self.offload.drain(keep=2)  # bound the payloads still being copied
-            if self.on_final is not None and self.sync:
+            if self.on_final is not None:  # it decides whether this backward steps (not when gradients stay local)
                 self.on_final(chunk)
 
     def land_all(self) -> None:
