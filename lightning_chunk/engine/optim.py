@@ -450,9 +450,8 @@ class OptimizerBinding:
     def detach_released(self) -> None:
         """Views whose chunk gave its gradient shard back hold no gradient (as after ``zero_grad()``)."""
         for i, v, c, _info, _g in self._slots():
-            if c.grad_released and v.grad is not None:
-                v.grad = None
             if c.grad_released:
+                v.grad = None
                 self._attached.discard(i)
 
     def sync_zero_grad(self) -> None:
