@@ -181,7 +181,7 @@ def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] =
         if name not in times:
             rows.append({"contender": name, "skipped": "deepspeed is not installed"})
             continue
-        bf16 = name.endswith("bf16") or name.startswith("ours+bf16")
+        bf16 = "bf16" in name  # floor+bf16, ours+bf16, ours+bf16-2pass
         floor_bytes = 30 if bf16 else 28  # the write-back adds 2 bytes a parameter
         # [a measured floor] the bf16 rows against the 30-byte loop measured in this run; the 28-byte floor scaled
         # by 30/28 (what this script reported until 2026-11-24) is kept beside it: storing the bf16 copy costs
