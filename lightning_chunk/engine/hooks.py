@@ -94,6 +94,7 @@ class ChunkHooks:
             key = name or ROOT
             self._owned[key] = own
             self._key_index[key] = len(self._key_index)
+            self._pre_backward[key] = self._make_pre_backward(key)  # the root's too: step_scope hooks its outputs
             if mod is self.module:
                 continue  # the root is handled by step_scope
             self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
@@ -293,16 +294,12 @@ class ChunkHooks:
         if not torch.is_grad_enabled():
             return
         leaves, _ = tree_flatten(output)
-        hook = None
         for t in leaves:
             if torch.is_tensor(t) and t.requires_grad:
-                hook = hook or self._pre_backward.get(key)
-                if hook is None:
-                    hook = self._pre_backward[key] = self._make_pre_backward(key)
-                t.register_hook(hook)
+                t.register_hook(self._pre_backward[key])
 
     def _make_pre_backward(self, key: str) -> Callable[[torch.Tensor], None]:
-        # made once per module and reused: wrapping a new closure with torch.compiler.disable at every forward
+        # made once per module at ``install``: wrapping a new closure with torch.compiler.disable at every forward
         # cost about 60 us a module output (a tenth of the hooks' time on one rank)
         @_eager
         def hook(grad: torch.Tensor) -> None:
