@@ -7,8 +7,9 @@ import torch
 
 def step(eng, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
     opt.zero_grad()  # as the reference loop does: gradients stay after a step until zero_grad, as in torch
-    with eng.micro_batch(training=True):
+    with eng.micro_batch(training=True) as outputs:
         loss = model(x).float().pow(2).mean()
+        outputs(loss)  # what backward starts from: a root that owns parameters re-gathers them on it
     loss.backward()
     eng.after_backward()
     eng.prepare_step()

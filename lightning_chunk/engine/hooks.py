@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .errors import DeviceMemoryLimitError
+from .errors import ChunkError, DeviceMemoryLimitError
 from .chunk import Tier
 from .chunk import nbytes as tensor_nbytes
 from .collectives import CollectiveMismatchError, first_difference
@@ -389,7 +389,23 @@ class ChunkHooks:
             counting = self.tracer.counter.counting()
         if ROOT in self._owned:
             self._use(ROOT, FORWARD)
+        registered = []
+
+        def outputs(out: Any) -> None:
+            registered.append(True)
+            if ROOT in self._owned:
+                self._hook_outputs(ROOT, out)
+
         with counting:
-            yield lambda out: self._hook_outputs(ROOT, out) if ROOT in self._owned else None
+            yield outputs
         if ROOT in self._owned:
+            if training and torch.is_grad_enabled() and not registered:
+                # backward would find the root's payload released after this step's forward, and read freed memory
+                # (a segmentation fault, not an error) where its parameters are used
+                params = self.manager.params
+                names = [self.manager.lookup(params[i])[1].name for i in self._owned[ROOT]]
+                raise ChunkError(
+                    f"the root module owns parameters directly ({', '.join(names)}), so a training step must register "
+                    "its outputs before backward: `with engine.micro_batch(training=True) as outputs: loss = ...; "
+                    "outputs(loss)` (ChunkOffloadStrategy does this for training_step's result).")
             self._done_forward(ROOT)

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
 from lightning_chunk.engine.chunk import Tier
+from lightning_chunk.engine.errors import ChunkError
 from lightning_chunk.engine.packing import build_layout
 from lightning_chunk.engine.tracer import SavedBytesCounter
 from tests.engine_steps import step
@@ -212,3 +213,49 @@ def test_zero_grad_set_to_none_false_zeroes_through_the_views():
         oref.step()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(eng.full_state_dict()[k], v, rtol=1e-6, atol=1e-7)
+
+
+class RootOwned(nn.Module):
+    """The root holds a parameter directly and uses it last, after submodules registered in another order than
+    they run: its gradient arrives through the hook ``step_scope`` puts on the step's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+        self.body = nn.Linear(8, 16)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x))) * self.scale
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_parameters_the_root_owns_train_like_torch(step_in_backward):
+    torch.manual_seed(0)
+    m, ref = RootOwned(), RootOwned()
+    ref.load_state_dict(m.state_dict())
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05, fused=True)
+    oref = torch.optim.AdamW(ref.parameters(), lr=0.05, fused=True)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", step_in_backward=step_in_backward,
+                                                   check_invariants=True))  # the automatic chunk size
+    for i in range(4):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+        step(eng, m, opt, x)
+        oref.zero_grad(); ref(x).float().pow(2).mean().backward(); oref.step()
+    sd = eng.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    assert not torch.equal(sd["scale"], torch.linspace(0.5, 1.5, 4))  # the root's own parameter trained
+
+
+def test_a_root_that_owns_parameters_needs_the_step_outputs_registered():
+    """Without ``outputs(loss)`` backward would read the root's released payload (host placement releases it after
+    forward): a segmentation fault. The step says what to do instead, before any backward."""
+    m = RootOwned()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host"))
+    with pytest.raises(ChunkError, match=r"owns parameters directly \(scale\).*outputs\(loss\)"):
+        with eng.micro_batch(training=True):
+            m(torch.randn(3, 8)).pow(2).mean()
+    with torch.no_grad(), eng.micro_batch(training=False):  # evaluation has no backward: nothing to register
+        m(torch.randn(3, 8))
