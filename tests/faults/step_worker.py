@@ -54,6 +54,7 @@ def arm(out: Path, where: str) -> None:
 def main() -> None:
     out, where = Path(sys.argv[1]), sys.argv[2]
     import faulthandler
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints its stack instead of nothing
     # only a net for a real hang (the test waits 180 s and measures the survivor from the fault, not from here): at
     # 25 s it could fire on a slow CI machine before the survivor's own bounded wait ended (a whole run takes
     # about 9 s here, under two busy loops too), and the survivor then ended with a traceback dump instead

@@ -40,7 +40,7 @@ def test_the_survivor_names_the_lost_rank_and_exits_within_the_timeout(tmp_path,
     fault = json.loads((tmp_path / "fault.json").read_text())
     assert rc not in (None, 0) and "FINISHED" not in so, se[-3000:]
     error = next((ln for ln in se.splitlines() if "CollectiveTimeoutError:" in ln), None)
-    assert error is not None, se[-3000:]  # the survivor's own words when it ended another way
+    assert error is not None, f"exit status {rc}: {se[-3000:]}"  # the survivor's own words when it ended another way
     assert names in error and waiting in error, error
     if "stop" in where:
         assert "is stopped" in error
