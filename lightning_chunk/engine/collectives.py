@@ -37,6 +37,18 @@ issued (a forward hook that runs while the error unwinds would otherwise wait ou
 On NCCL the waits stay stream-ordered (no host sync) and the process group's
 ``timeout`` bounds them through NCCL's watchdog.
 
+[Note: memory a failed collective may still use]
+When one wait fails, the collectives issued after it (a forward's prefetched gathers, the reduce-scatters
+of a backward) are still queued on gloo's worker threads. Each is run when a thread takes it up: it copies
+this rank's input into its output before its first message fails. The work holds its tensors, but not
+their memory: a storage resized to nothing (a dropped chunk) or swapped out (the payload pool) takes the
+memory from under it, and the copy lands in freed memory, a segmentation fault in gloo's thread or a
+corrupted heap that crashed Python later. ``tests/faults/test_rank_dies.py``'s rank killed in the optimizer
+step did this in 4 of 25 runs beside a busy loop: the survivor died in Lightning's teardown, after the
+engine's teardown had freed every chunk. So once a collective failed (``Collectives.broken``) the engine
+frees nothing explicitly: its teardown only lets go of its references, and each buffer goes with its last
+holder, the gloo work included, or at the exit that follows.
+
 [Note: reduce-scatter on gloo]
 gloo has no reduce-scatter of its own: torch's ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``
 clones the whole input in the calling thread, all-reduces the clone in a worker thread and copies this
@@ -287,6 +299,12 @@ class Collectives:
 
     def refuse_if_broken(self, what: str) -> None:
         _refuse_if_broken(what)
+
+    @property
+    def broken(self) -> bool:
+        """A collective of this process failed: collectives still queued may use any buffer handed to one, so
+        nothing may be freed explicitly ([Note: memory a failed collective may still use])."""
+        return bool(_broken)
 
     def mark_broken(self, error: str) -> None:
         """The group can no longer be trusted (ranks disagreed with collectives left unmatched): refuse every later

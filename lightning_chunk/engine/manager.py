@@ -231,16 +231,19 @@ class ChunkManager:
         """Allocate one of the chunk's shard buffers on its tier. Device bytes must have been reserved by the caller."""
         return self.storage_of(chunk).alloc(chunk, role, chunk.shard_numel, dtype)
 
-    def drop(self, c: Chunk) -> None:
-        """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end)."""
+    def drop(self, c: Chunk, *, free: bool = True) -> None:
+        """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end). Without
+        ``free`` only the chunk's references go: after a failed collective, whose queued successors may still
+        use them ([Note: memory a failed collective may still use] in ``collectives.py``)."""
         self.storage_of(c).free(c)
         with self.tracked(c):
-            for t in (t for t in (c.master, c.low, c.grad) if t is not None):  # optimizers still view them: free now
-                free_storage(t)
+            if free:
+                for t in (t for t in (c.master, c.low, c.grad) if t is not None):  # optimizers still view them
+                    free_storage(t)
+                if c.payload is not None:
+                    c.payload.untyped_storage().resize_(0)
             c.master = c.low = c.grad = None
             c.optim_state_bytes = 0
-            if c.payload is not None:
-                c.payload.untyped_storage().resize_(0)
 
     def _drop_all(self) -> None:
         for c in self.chunks:
