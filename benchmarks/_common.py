@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,14 @@ def run_or_child(args: argparse.Namespace, children: dict[str, Any], measure: An
     res = measure(args)
     print(render(res), flush=True)
     return save_results(res, args.out)
+
+
+def round_ratios(times: list[float], base: list[float]) -> tuple[float, list[float]]:
+    """The median of per-round ratios and the ratios: ``times[i] / base[i]``, both measured in round ``i``. A
+    machine that drifts between rounds moves both sides of each ratio alike; a ratio of the pooled medians
+    would compare one round's contender with another round's baseline."""
+    ratios = [a / b for a, b in zip(times, base)]
+    return statistics.median(ratios), ratios
 
 
 def save_results(res: dict, out: str) -> dict:

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, run_or_child, step_timer, train_end_peak  # noqa: E402,E501
+from _common import (ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, round_ratios, run_or_child,  # noqa: E402
+                     step_timer, train_end_peak)
 
 
 def _data(args: argparse.Namespace, ranks: int) -> Any:
@@ -244,9 +245,8 @@ def measure(args: argparse.Namespace) -> dict:
     for r in rows:
         if "median_s" in r:
             for key, peer in (("vs_ddp", LABELS["ddp"]), ("vs_fsdp2", LABELS["fsdp2"])):
-                ratios = [a / b for a, b in zip(r["rounds_s"], next(x for x in rows if x["contender"] == peer)["rounds_s"])]
-                r[key] = statistics.median(ratios)
-                r[f"{key}_rounds"] = ratios
+                base = next(x for x in rows if x["contender"] == peer)["rounds_s"]
+                r[key], r[f"{key}_rounds"] = round_ratios(r["rounds_s"], base)
     return {"params": rows[0]["params"], "block_numel": block_numel, "width": args.width, "depth": args.depth,
             "context": args.context, "batch": args.batch, "steps": args.steps, "repeats": args.repeats, "rows": rows}
 

@@ -12,7 +12,8 @@ launcher), repeats run in a shuffled order:
 - 2 ranks (gloo): ``ddp``; ``chunk resident`` (every chunk sharded, all-gathered and reduce-scattered).
 
 Step time: median over the steps after the first ``--skip`` (the warm-up), per run; the table shows
-the median over repeats, the spread, and the ratio to ``auto`` (1 rank) or ``ddp`` (2 ranks).
+the median over repeats and their spread. The ratio to ``auto`` (1 rank) or ``ddp`` (2 ranks) is the median
+of the per-round ratios, each against the baseline's run of the same round, with their range beside it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, run_or_child, step_timer  # noqa: E402
+from _common import ROOT, clean_env, gpt_parser, make_gpt, round_ratios, run_or_child, step_timer  # noqa: E402
 
 CONTENDERS = {  # name -> (devices, strategy spec)
     "auto": (1, "auto"),
@@ -92,10 +93,11 @@ def measure(args: argparse.Namespace) -> dict:
     for name, (devices, _) in CONTENDERS.items():
         if devices not in args.ranks:
             continue
-        med = statistics.median(per_run[name])
-        base = statistics.median(per_run[BASELINE[devices]])
-        rows.append({"contender": name, "ranks": devices, "median_ms": med * 1e3, "min_ms": min(per_run[name]) * 1e3,
-                     "max_ms": max(per_run[name]) * 1e3, "vs_baseline": med / base, "baseline": BASELINE[devices]})
+        ratio, ratios = round_ratios(per_run[name], per_run[BASELINE[devices]])
+        rows.append({"contender": name, "ranks": devices, "median_ms": statistics.median(per_run[name]) * 1e3,
+                     "min_ms": min(per_run[name]) * 1e3, "max_ms": max(per_run[name]) * 1e3, "rounds_ms":
+                     [t * 1e3 for t in per_run[name]], "vs_baseline": ratio, "vs_baseline_rounds": ratios,
+                     "baseline": BASELINE[devices]})
     return {"params": params, "width": args.width, "depth": args.depth, "context": args.context, "batch": args.batch,
             "steps": args.steps, "skip": args.skip, "repeats": args.repeats, "rows": rows}
 
@@ -103,11 +105,13 @@ def measure(args: argparse.Namespace) -> dict:
 def render(res: dict) -> str:
     lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
              f"batch {res['batch']} per rank), {res['steps']} steps a run minus {res['skip']} warm-up, "
-             f"{res['repeats']} interleaved repeats",
-             f"{'contender':<26} {'median ms':>10} {'min..max ms':>17} {'x baseline':>11}"]
+             f"{res['repeats']} interleaved repeats; x baseline: the median of the per-round ratios",
+             f"{'contender':<26} {'median ms':>10} {'min..max ms':>17} {'x baseline':>11} {'per round':>18}"]
     for r in res["rows"]:
+        rounds = r.get("vs_baseline_rounds", [])
+        spread = f"{min(rounds):.3f}..{max(rounds):.3f}" if rounds else ""
         lines.append(f"{r['contender']:<26} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f}..{r['max_ms']:<7.1f} "
-                     f"{r['vs_baseline']:>7.3f} ({r['baseline']})")
+                     f"{r['vs_baseline']:>7.3f} ({r['baseline']}) {spread:>12}")
     return "\n".join(lines)
 
 

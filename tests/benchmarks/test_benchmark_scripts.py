@@ -92,6 +92,33 @@ def test_peers_cpu_interleaves_rounds_and_takes_the_median_of_per_round_ratios(m
     assert "x DDP per round" in peers.render(res)
 
 
+def test_step_overhead_takes_the_median_of_per_round_ratios(monkeypatch, tmp_path):
+    """As in ``peers_cpu``: a ratio compares runs of the same round, so a round where only the baseline was
+    disturbed moves one ratio, not the pooled median the others are divided by."""
+    so = load("step_overhead")
+    calls = []
+
+    def fake_run(name, args, out):
+        calls.append(name)
+        rnd = (len(calls) - 1) // 3  # three one-rank contenders a round
+        t = {"auto": 1.0, "chunk resident": 1.05, "chunk half offloaded": 1.2}[name] * (2.0 if rnd == 1 else 1.0)
+        if name == "auto" and rnd == 2:
+            t *= 1.3  # the baseline alone disturbed in the third round
+        return {"times": [9.9, t, t, t], "params": 10}
+
+    monkeypatch.setattr(so, "run_child", fake_run)
+    args = so.argparse.Namespace(width=8, depth=1, context=4, batch=1, steps=4, skip=1, repeats=3, ranks=[1])
+    res = so.measure(args)
+    one_rank = ["auto", "chunk half offloaded", "chunk resident"]
+    assert len(calls) == 9 and all(sorted(calls[3 * k:3 * k + 3]) == one_rank for k in range(3))
+    rows = {r["contender"]: r for r in res["rows"]}
+    resident = rows["chunk resident"]
+    assert resident["vs_baseline_rounds"] == pytest.approx([1.05, 1.05, 1.05 / 1.3])
+    assert resident["vs_baseline"] == pytest.approx(1.05)  # pooled medians would say 1.05 / 1.3
+    assert resident["rounds_ms"] == pytest.approx([1050, 2100, 1050]) and rows["auto"]["vs_baseline"] == 1.0
+    assert "per round" in so.render(res)
+
+
 def test_scale_search_doubles_then_bisects(monkeypatch, tmp_path):
     scale = load("scale")
     calls = []
