@@ -47,16 +47,14 @@ def unpack(mgr: ChunkManager, *, materialize: bool, device: Optional[torch.devic
 
     Streams: each chunk is gathered, its parameters take their values, and its shards are freed before
     the next, so the peak is the model plus one chunk, not the model next to every shard. With several
-    ranks and ``materialize`` this is a collective (chunks go in id order on every rank). After a failed
-    collective nothing is freed, only let go ([Note: memory a failed collective may still use])."""
-    free = not mgr.comm.broken
+    ranks and ``materialize`` this is a collective (chunks go in id order on every rank)."""
     for c in mgr.chunks:
         values = chunk_values(mgr, c, device=device) if materialize else {}
         for t in c.tensors:
             empty = torch.empty(0, dtype=t.orig_dtype, device=t.param.device)
             t.param.data = values.get(t.slot.param_index, empty)
         del values
-        mgr.drop(c, free=free)
+        mgr.drop(c)
     mgr.forget_layout()
 
 

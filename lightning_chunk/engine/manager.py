@@ -231,13 +231,13 @@ class ChunkManager:
         """Allocate one of the chunk's shard buffers on its tier. Device bytes must have been reserved by the caller."""
         return self.storage_of(chunk).alloc(chunk, role, chunk.shard_numel, dtype)
 
-    def drop(self, c: Chunk, *, free: bool = True) -> None:
-        """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end). Without
-        ``free`` only the chunk's references go: after a failed collective, whose queued successors may still
-        use them ([Note: memory a failed collective may still use] in ``collectives.py``)."""
+    def drop(self, c: Chunk) -> None:
+        """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end). After a
+        failed collective only the chunk's references go: collectives queued behind it may still use the buffers
+        ([Note: memory a failed collective may still use] in ``collectives.py``)."""
         self.storage_of(c).free(c)
         with self.tracked(c):
-            if free:
+            if not self.comm.broken:
                 for t in (t for t in (c.master, c.low, c.grad) if t is not None):  # optimizers still view them
                     free_storage(t)
                 if c.payload is not None:

@@ -131,7 +131,7 @@ def test_after_a_failed_collective_teardown_frees_nothing_a_queued_collective_ma
 
     m = Reordered()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300))
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host"))  # the automatic chunk size
     step(eng, m, opt, torch.randn(2, 8))
     # the shards, and the payloads gathered now (host placement released the others after the step)
     held = [t for c in eng.manager.chunks for t in (c.payload, c.master)

@@ -141,7 +141,7 @@ def test_unpack_streams_one_chunk_at_a_time():
     events = []
     gather, drop = mgr.gather_shard, mgr.drop
     mgr.gather_shard = lambda c, s: (events.append(("gather", c.chunk_id)), gather(c, s))[1]
-    mgr.drop = lambda c, **kw: (events.append(("drop", c.chunk_id)), drop(c, **kw))[1]
+    mgr.drop = lambda c: (events.append(("drop", c.chunk_id)), drop(c))[1]
     unpack(mgr, materialize=True)
     assert events == [("gather", 0), ("drop", 0), ("gather", 1), ("drop", 1)]
     for p, orig in zip(net.parameters(), originals):
