@@ -16,7 +16,8 @@ import torch
 
 from .engine.checkpoint import (KEY, CheckpointError, _load_chunk, check_checkpoint_dir, iter_saved_chunks,
                                 read_meta)
-from .engine.torchfile import StreamingTorchFile, release_freed_memory
+from .engine.host_heap import release_freed_memory
+from .engine.torchfile import StreamingTorchFile
 
 MODEL_KEY = "state_dict"  # where a Lightning checkpoint keeps the model's state
 OPTIMIZERS_KEY = "optimizer_states"  # and the optimizers', one plain optimizer state dict each

@@ -95,6 +95,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             and free its gradient shard then: 6 bytes a parameter of fp32 training state on two ranks instead of 8,
             bit-identical updates. Gradients are gone after ``backward()``; refused with gradient clipping, fp16
             loss scaling, several optimizers, manual optimization and the disk tier (``docs/faq.md``).
+        keep_freed_heap: on a CPU device with no ``host_memory_limit``, keep the heap pages a step frees for the next
+            step instead of page-faulting them in again (glibc, process-wide; ``ChunkConfig.keep_freed_heap``).
         state_dict_type: ``"sharded"``: checkpoints are directories every rank writes its shards into, in
             parallel (``docs/checkpoints.md``); ``"full"``: one plain Lightning file, gathered on every rank.
         weights: a file or directory of weights to start from, read tensor by tensor into each rank's shards at the
@@ -131,6 +133,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         verify_collectives: Optional[bool] = None,
         replan_when_inputs_grow: bool = True,
         step_in_backward: bool = False,
+        keep_freed_heap: bool = True,
         state_dict_type: str = "sharded",
         weights: Optional[Union[str, "os.PathLike[str]"]] = None,
         param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,

@@ -355,7 +355,7 @@ def _load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype) -> torch.T
 
 def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str]):
     """Yield ``(chunk index, saved chunk meta, whole tensor)`` one saved chunk at a time."""
-    from .torchfile import release_freed_memory
+    from .host_heap import release_freed_memory
 
     for c, spec in enumerate(meta[KEY]["chunks"]):
         yield c, spec, _load_chunk(path, key_of(c), spec["capacity"], getattr(torch, spec["master_dtype"]))

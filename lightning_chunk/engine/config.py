@@ -160,6 +160,12 @@ class ChunkConfig:
     PyTorch's gradient semantics: after ``backward()`` the stepped parameters' gradients are gone, so gradient
     clipping, fp16 loss scaling, several optimizers, manual optimization and the disk tier are refused with it."""
 
+    keep_freed_heap: bool = True
+    """On a CPU compute device with no ``host_memory_limit``: keep the heap pages a step frees for the next step
+    instead of giving them back to the OS and page-faulting them in again (glibc's ``mallopt``, process-wide; see
+    [Note: the heap between steps] in ``host_heap.py``). Skipped when the environment sets glibc's malloc
+    thresholds itself. ``False`` leaves glibc's settings alone."""
+
     check_invariants: bool = False
     """Re-derive the byte accounting from the chunks after every manager operation (slow; tests)."""
 
@@ -200,7 +206,7 @@ class ChunkConfig:
                              "or None.")
         for name in ("prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
                      "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
-                     "step_in_backward", "check_invariants"):
+                     "step_in_backward", "keep_freed_heap", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
 

@@ -31,7 +31,7 @@ from .errors import UnsupportedOptimizerError
 from .host_adam import HostAdam
 from .consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
 from .manager import ChunkManager
-from .torchfile import release_freed_memory
+from .host_heap import release_freed_memory
 
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}

@@ -43,7 +43,7 @@ import torch
 from .chunk import Chunk, TensorInfo, Tier
 from .states import TensorState as S
 from .packing import ChunkSpec, Layout, Slot
-from .torchfile import release_freed_memory
+from .host_heap import release_freed_memory
 from .materialize import DeferredInit
 from .weights import ModuleWeights
 

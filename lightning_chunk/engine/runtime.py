@@ -44,7 +44,7 @@ from .consolidate import full_values, load_values, unpack
 from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .packing import Layout, build_layout, choose_chunk_numel, describe
-from .torchfile import map_large_blocks, release_freed_memory
+from .host_heap import keep_freed_heap, map_large_blocks, release_freed_memory
 from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
 from .scaler import DynamicLossScaler
 from .tracer import Trace
@@ -120,6 +120,8 @@ class ChunkEngine:
         self.config = config
         if config.host_memory_limit is not None:  # the user bounded host memory: keep chunk-sized blocks off the heap
             map_large_blocks()
+        elif config.keep_freed_heap and device.type == "cpu":  # [Note: the heap between steps]
+            keep_freed_heap()
         self.module = module
         named = list(module.named_parameters())
         index_of = {id(p): i for i, (_, p) in enumerate(named)}

@@ -83,37 +83,3 @@ class StreamingTorchFile:
             self._zip.write_record(f"data/{self._next}", storage, storage.nbytes())
             self._next += 1
         self._ctx.__exit__(None, None, None)
-
-
-def map_large_blocks(threshold: int = 4 << 20) -> bool:
-    """Have glibc serve every allocation of ``threshold`` bytes or more with its own mapping, returned to the OS
-    when freed (``mallopt(M_MMAP_THRESHOLD)``, which also turns off glibc's raising of that threshold).
-
-    [Note: a fixed mmap threshold] By default glibc raises its mmap threshold to the size of each
-    mapped block freed, up to 32 MiB, so chunk-sized buffers (payloads, gradient buffers) soon come
-    from the heap, whose freed blocks the process keeps and fragments. Under CPU contention that
-    left a whole model's payloads in the resident set during a warm-up step with the disk tier
-    (949-989 MiB against 681, in 4 of 15 runs of an 85M GPT; under the same load 2 of 6 runs
-    without a fixed threshold, 1.5 of 6 with a fixed 32 MiB one, 0 of 6 with 4 MiB). It has a
-    price: every chunk-sized buffer is a fresh mapping whose pages fault in (the disk tier's step on
-    that GPT went from 1.2-1.8x to 1.9-2.3x the in-memory step). Process-wide, so the engine asks for
-    it only where the user bounded host memory (``host_memory_limit``), whose bound it makes hold.
-    A no-op where glibc is not the allocator."""
-    try:
-        import ctypes
-
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, ctypes.c_int(threshold)))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
-def release_freed_memory() -> None:
-    """Return freed heap pages to the OS (glibc). Streaming allocates and frees many multi-MiB buffers; glibc's
-    adaptive mmap threshold then serves them from the heap, whose freed pages it keeps: RSS would creep up to
-    many chunks without this. A no-op where glibc is not the allocator."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

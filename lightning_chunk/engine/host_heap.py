@@ -1,0 +1,107 @@
+"""glibc's heap: the process-wide settings the engine asks of it, and giving freed pages back.
+
+Each function is a no-op where glibc is not the allocator (or ``libc.so.6`` cannot be loaded).
+
+- ``keep_freed_heap``: a CPU run with no host memory limit keeps the pages a step frees for the next step
+  ([Note: the heap between steps]).
+- ``map_large_blocks``: under ``host_memory_limit``, every block of 4 MiB or more is its own mapping
+  ([Note: a fixed mmap threshold]).
+- ``release_freed_memory``: after a known transient (the warm-up, a repack, a checkpoint), give freed heap
+  pages back to the OS.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+_M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
+
+# [Note: the heap between steps]
+# A CPU step allocates its activations on glibc's heap in the forward and frees them in the backward. glibc gives
+# the top of its heap back to the OS whenever more than its trim threshold lies free there, and that threshold
+# follows the largest mapped block freed so far (twice it, 64 MiB at most). In plain PyTorch, autograd's
+# per-parameter gradients are allocated during backward and kept until the next ``zero_grad``, and they mostly
+# keep the heap's top in use. Under the engine they are copied into the chunks' flat gradients and freed at once,
+# and the chunks' buffers live outside the heap (mapped, or in the payload pool), so the heap holds little but
+# activations. Each backward then freed the heap's top (18 to 22 MB on the 10.8M GPT of
+# ``benchmarks/step_overhead.py``), and each forward grew it again, page-faulting every page it wrote: 7,000 to
+# 18,000 minor faults a step against plain Lightning's 1,500 to 3,000, the forward 15 to 40 ms slower, and the
+# one-rank step 1.05 to 1.24 times plain Lightning's (five alternated runs; docs/benchmarks.md).
+#
+# So on a CPU compute device with no ``host_memory_limit`` the engine raises the trim threshold to 1 GiB: the pages
+# a step frees stay with the process for the next step, as a caching allocator keeps device memory. Setting any
+# glibc threshold turns its adaptive thresholds off and freezes the mmap threshold where it stands (128 KiB in a
+# process that never freed a large mapped block: every activation is then mapped afresh, measured 20 to 30%
+# slower), so the mmap threshold is set with it, to 32 MiB, where the adaptive one ends. The resident set stays
+# at the step's own peak instead of dipping between steps; explicit trims after known transients
+# (``release_freed_memory``) still give pages back. Not done under ``host_memory_limit`` (``map_large_blocks``
+# bounds memory there), on CUDA (activations are device memory), when the environment already sets one of glibc's
+# malloc thresholds (the user's choice stands), or with ``keep_freed_heap=False``.
+KEEP_TRIM_THRESHOLD = 1 << 30
+KEEP_MMAP_THRESHOLD = 32 << 20
+
+_USER_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold", "glibc.malloc.top_pad",
+                  "glibc.malloc.mmap_max")
+_USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+_kept = False
+
+
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(param, ctypes.c_int(value)))
+    except (OSError, AttributeError):
+        return False
+
+
+def user_set_thresholds(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the environment sets one of glibc's malloc thresholds (``GLIBC_TUNABLES`` or ``MALLOC_*_``)."""
+    env = os.environ if environ is None else environ
+    tunables = env.get("GLIBC_TUNABLES", "")
+    return any(t in tunables for t in _USER_TUNABLES) or any(v in env for v in _USER_VARIABLES)
+
+
+def keep_freed_heap() -> bool:
+    """Keep the heap pages a step frees for the next step ([Note: the heap between steps]). Once a process;
+    ``False`` where the environment sets glibc's thresholds itself or glibc is not the allocator."""
+    global _kept
+    if _kept:
+        return True
+    if user_set_thresholds():
+        return False
+    # the mmap threshold first: the trim threshold's mallopt alone would freeze it wherever it stands
+    _kept = _mallopt(_M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD) and _mallopt(_M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD)
+    return _kept
+
+
+def map_large_blocks(threshold: int = 4 << 20) -> bool:
+    """Have glibc serve every allocation of ``threshold`` bytes or more with its own mapping, returned to the OS
+    when freed (``mallopt(M_MMAP_THRESHOLD)``, which also turns off glibc's raising of that threshold).
+
+    [Note: a fixed mmap threshold] By default glibc raises its mmap threshold to the size of each
+    mapped block freed, up to 32 MiB, so chunk-sized buffers (payloads, gradient buffers) soon come
+    from the heap, whose freed blocks the process keeps and fragments. Under CPU contention that
+    left a whole model's payloads in the resident set during a warm-up step with the disk tier
+    (949-989 MiB against 681, in 4 of 15 runs of an 85M GPT; under the same load 2 of 6 runs
+    without a fixed threshold, 1.5 of 6 with a fixed 32 MiB one, 0 of 6 with 4 MiB). It has a
+    price: every chunk-sized buffer is a fresh mapping whose pages fault in (the disk tier's step on
+    that GPT went from 1.2-1.8x to 1.9-2.3x the in-memory step). Process-wide, so the engine asks for
+    it only where the user bounded host memory (``host_memory_limit``), whose bound it makes hold.
+    A no-op where glibc is not the allocator."""
+    return _mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+def release_freed_memory() -> None:
+    """Return freed heap pages to the OS (glibc). Streaming allocates and frees many multi-MiB buffers; glibc's
+    adaptive mmap threshold then serves them from the heap, whose freed pages it keeps: RSS would creep up to
+    many chunks without this. A no-op where glibc is not the allocator."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
