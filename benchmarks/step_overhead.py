@@ -8,7 +8,9 @@ launcher), repeats run in a shuffled order:
 
 - 1 rank: ``auto`` (plain Lightning); ``chunk resident`` (``placement="device"``: everything on the
   device tier); ``chunk half offloaded`` (``placement="static", offload_fraction=0.5``: half the
-  chunks' shards on the host, their payloads fetched every step and their Adam step on the host).
+  chunks' shards on the host, their payloads fetched every step and their Adam step on the host);
+  ``chunk resident, heap trimmed`` (``keep_freed_heap=False``: glibc's own heap settings, which give the
+  activations' pages back at every backward; [Note: the heap between steps]).
 - 2 ranks (gloo): ``ddp``; ``chunk resident`` (every chunk sharded, all-gathered and reduce-scattered).
 
 Step time: median over the steps after the first ``--skip`` (the warm-up), per run; the table shows
@@ -35,6 +37,7 @@ CONTENDERS = {  # name -> (devices, strategy spec)
     "auto": (1, "auto"),
     "chunk resident": (1, {"placement": "device"}),
     "chunk half offloaded": (1, {"placement": "static", "offload_fraction": 0.5}),
+    "chunk resident, heap trimmed": (1, {"placement": "device", "keep_freed_heap": False}),
     "ddp (2 ranks)": (2, "ddp"),
     "chunk resident (2 ranks)": (2, {"placement": "device"}),
 }
@@ -106,11 +109,11 @@ def render(res: dict) -> str:
     lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
              f"batch {res['batch']} per rank), {res['steps']} steps a run minus {res['skip']} warm-up, "
              f"{res['repeats']} interleaved repeats; x baseline: the median of the per-round ratios",
-             f"{'contender':<26} {'median ms':>10} {'min..max ms':>17} {'x baseline':>11} {'per round':>18}"]
+             f"{'contender':<30} {'median ms':>10} {'min..max ms':>17} {'x baseline':>11} {'per round':>18}"]
     for r in res["rows"]:
         rounds = r.get("vs_baseline_rounds", [])
         spread = f"{min(rounds):.3f}..{max(rounds):.3f}" if rounds else ""
-        lines.append(f"{r['contender']:<26} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f}..{r['max_ms']:<7.1f} "
+        lines.append(f"{r['contender']:<30} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f}..{r['max_ms']:<7.1f} "
                      f"{r['vs_baseline']:>7.3f} ({r['baseline']}) {spread:>12}")
     return "\n".join(lines)
 

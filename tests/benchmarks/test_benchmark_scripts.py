@@ -41,7 +41,8 @@ def test_step_overhead_benchmark_runs_every_contender(tmp_path, capsys):
     res = load("step_overhead").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "4", "--skip", "1",
                                       "--repeats", "1", "--out", str(out)])
     rows = {r["contender"]: r for r in res["rows"]}
-    assert set(rows) == {"auto", "chunk resident", "chunk half offloaded", "ddp (2 ranks)", "chunk resident (2 ranks)"}
+    assert set(rows) == {"auto", "chunk resident", "chunk half offloaded", "chunk resident, heap trimmed",
+                         "ddp (2 ranks)", "chunk resident (2 ranks)"}
     assert rows["auto"]["vs_baseline"] == 1.0 and rows["ddp (2 ranks)"]["vs_baseline"] == 1.0
     assert all(r["median_ms"] > 0 for r in rows.values())
     assert json.loads(out.read_text())["meta"]["torch"]
@@ -100,8 +101,9 @@ def test_step_overhead_takes_the_median_of_per_round_ratios(monkeypatch, tmp_pat
 
     def fake_run(name, args, out):
         calls.append(name)
-        rnd = (len(calls) - 1) // 3  # three one-rank contenders a round
-        t = {"auto": 1.0, "chunk resident": 1.05, "chunk half offloaded": 1.2}[name] * (2.0 if rnd == 1 else 1.0)
+        rnd = (len(calls) - 1) // 4  # four one-rank contenders a round
+        t = {"auto": 1.0, "chunk resident": 1.05, "chunk half offloaded": 1.2,
+             "chunk resident, heap trimmed": 1.1}[name] * (2.0 if rnd == 1 else 1.0)
         if name == "auto" and rnd == 2:
             t *= 1.3  # the baseline alone disturbed in the third round
         return {"times": [9.9, t, t, t], "params": 10}
@@ -109,8 +111,8 @@ def test_step_overhead_takes_the_median_of_per_round_ratios(monkeypatch, tmp_pat
     monkeypatch.setattr(so, "run_child", fake_run)
     args = so.argparse.Namespace(width=8, depth=1, context=4, batch=1, steps=4, skip=1, repeats=3, ranks=[1])
     res = so.measure(args)
-    one_rank = ["auto", "chunk half offloaded", "chunk resident"]
-    assert len(calls) == 9 and all(sorted(calls[3 * k:3 * k + 3]) == one_rank for k in range(3))
+    one_rank = ["auto", "chunk half offloaded", "chunk resident", "chunk resident, heap trimmed"]
+    assert len(calls) == 12 and all(sorted(calls[4 * k:4 * k + 4]) == one_rank for k in range(3))
     rows = {r["contender"]: r for r in res["rows"]}
     resident = rows["chunk resident"]
     assert resident["vs_baseline_rounds"] == pytest.approx([1.05, 1.05, 1.05 / 1.3])
