@@ -27,8 +27,10 @@ _M_MMAP_THRESHOLD = -3
 # and the chunks' buffers live outside the heap (mapped, or in the payload pool), so the heap holds little but
 # activations. Each backward then freed the heap's top (18 to 22 MB on the 10.8M GPT of
 # ``benchmarks/step_overhead.py``), and each forward grew it again, page-faulting every page it wrote: 7,000 to
-# 18,000 minor faults a step against plain Lightning's 1,500 to 3,000, the forward 15 to 40 ms slower, and the
-# one-rank step 1.05 to 1.24 times plain Lightning's (five alternated runs; docs/benchmarks.md).
+# 18,000 minor faults a step against plain Lightning's 1,500 to 3,000 (about 40 with the heap kept). The one-rank
+# step with the heap kept over the same without: median 0.944 in 6 alternated rounds, 0.991 in the 7 of
+# ``step_overhead.py``, whose runs fall into fast and slow modes 5% apart whatever their code. Two ranks: no change
+# in step time, everything resident peaks about 4% higher (docs/benchmarks.md, 2026-11-24, session 29).
 #
 # So on a CPU compute device with no ``host_memory_limit`` the engine raises the trim threshold to 1 GiB: the pages
 # a step frees stay with the process for the next step, as a caching allocator keeps device memory. Setting any
