@@ -17,6 +17,7 @@ from typing import Mapping, Optional
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
+_DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's, before its adaptive raising
 
 # [Note: the heap between steps]
 # A CPU step allocates its activations on glibc's heap in the forward and frees them in the backward. glibc gives
@@ -40,7 +41,8 @@ _M_MMAP_THRESHOLD = -3
 # at the step's own peak instead of dipping between steps; explicit trims after known transients
 # (``release_freed_memory``) still give pages back. Not done under ``host_memory_limit`` (``map_large_blocks``
 # bounds memory there), on CUDA (activations are device memory), when the environment already sets one of glibc's
-# malloc thresholds (the user's choice stands), or with ``keep_freed_heap=False``.
+# malloc thresholds (the user's choice stands), or with ``keep_freed_heap=False``; a later engine of the same
+# process with ``host_memory_limit`` takes the trim threshold back to glibc's 128 KiB.
 KEEP_TRIM_THRESHOLD = 1 << 30
 KEEP_MMAP_THRESHOLD = 32 << 20
 
@@ -94,6 +96,9 @@ def map_large_blocks(threshold: int = 4 << 20) -> bool:
     that GPT went from 1.2-1.8x to 1.9-2.3x the in-memory step). Process-wide, so the engine asks for
     it only where the user bounded host memory (``host_memory_limit``), whose bound it makes hold.
     A no-op where glibc is not the allocator."""
+    global _kept
+    if _kept:  # an earlier engine of this process kept the heap: its trim threshold must not outlive it here
+        _kept = not _mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
     return _mallopt(_M_MMAP_THRESHOLD, threshold)
 
 

@@ -102,3 +102,16 @@ def test_the_engine_asks_only_on_a_cpu_device_without_a_host_limit(monkeypatch, 
 def test_keep_freed_heap_must_be_a_bool():
     with pytest.raises(ValueError, match=r"keep_freed_heap='yes' is not allowed; it must be True or False"):
         ChunkConfig(keep_freed_heap="yes")
+
+
+def test_a_later_host_limit_takes_the_kept_trim_threshold_back(monkeypatch):
+    from lightning_chunk.engine import host_heap
+
+    calls = []
+    monkeypatch.setattr(host_heap, "_mallopt", lambda param, value: calls.append((param, value)) or True)
+    monkeypatch.setattr(host_heap, "_kept", False)
+    monkeypatch.setattr(host_heap, "user_set_thresholds", lambda: False)
+    assert host_heap.keep_freed_heap() and host_heap.keep_freed_heap()  # once a process
+    assert calls == [(-3, 32 << 20), (-1, 1 << 30)]
+    host_heap.map_large_blocks()
+    assert calls[2:] == [(-1, 128 * 1024), (-3, 4 << 20)] and not host_heap._kept
