@@ -53,13 +53,18 @@ _USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_T
 _kept = False
 
 
-def _mallopt(param: int, value: int) -> bool:
+def _glibc(name: str, *args: int) -> Optional[int]:
+    """``name(*args)`` from glibc; ``None`` where there is no such library or function."""
     try:
         import ctypes
 
-        return bool(ctypes.CDLL("libc.so.6").mallopt(param, ctypes.c_int(value)))
+        return getattr(ctypes.CDLL("libc.so.6"), name)(*(ctypes.c_int(a) for a in args))
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def _mallopt(param: int, value: int) -> bool:
+    return bool(_glibc("mallopt", param, value))
 
 
 def user_set_thresholds(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -106,9 +111,4 @@ def release_freed_memory() -> None:
     """Return freed heap pages to the OS (glibc). Streaming allocates and frees many multi-MiB buffers; glibc's
     adaptive mmap threshold then serves them from the heap, whose freed pages it keeps: RSS would creep up to
     many chunks without this. A no-op where glibc is not the allocator."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    _glibc("malloc_trim", 0)
