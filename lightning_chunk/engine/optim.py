@@ -278,27 +278,28 @@ class OptimizerBinding:
                 out = self.optimizer.step(**kwargs)
         order = list(disk.values())
         staged = {c.chunk_id: self._state_in_files(c) for c in order}  # else through the mapping (a first step)
-        pending = storage.stage_in(order[0]) if staged[order[0].chunk_id] else None
-        for k, c in enumerate(order):
-            current, nxt = pending, (order[k + 1] if k + 1 < len(order) else None)
-            pending = None
-            if nxt is not None:  # read while this chunk steps
-                if staged[nxt.chunk_id]:
-                    pending = storage.stage_in(nxt)
-                else:
-                    storage.prefetch(nxt, ("master", "optim"), write=True)
-                    storage.prefetch(nxt, ("grad",))
-            with self._only(lambda v, cid=c.chunk_id: chunk_of.get(id(v)) == cid):
-                if current is not None:
-                    storage.wait(current)
-                    out = self._step_staged(current, **kwargs)
-                    storage.stage_out(current, ("master", "optim"))
-                    continue
-                with storage.writing(c, ("master", "optim")), storage.reading(c, ("grad",)):
-                    out = self.optimizer.step(**kwargs)
-                    moved = self.keep_state([c])
-            if moved:  # the state this step created in memory went to the file: give its pages back
-                release_freed_memory()
+        with storage.beside_io():  # the I/O thread copies while this one steps: leave it a core
+            pending = storage.stage_in(order[0]) if staged[order[0].chunk_id] else None
+            for k, c in enumerate(order):
+                current, nxt = pending, (order[k + 1] if k + 1 < len(order) else None)
+                pending = None
+                if nxt is not None:  # read while this chunk steps
+                    if staged[nxt.chunk_id]:
+                        pending = storage.stage_in(nxt)
+                    else:
+                        storage.prefetch(nxt, ("master", "optim"), write=True)
+                        storage.prefetch(nxt, ("grad",))
+                with self._only(lambda v, cid=c.chunk_id: chunk_of.get(id(v)) == cid):
+                    if current is not None:
+                        storage.wait(current)
+                        out = self._step_staged(current, **kwargs)
+                        storage.stage_out(current, ("master", "optim"))
+                        continue
+                    with storage.writing(c, ("master", "optim")), storage.reading(c, ("grad",)):
+                        out = self.optimizer.step(**kwargs)
+                        moved = self.keep_state([c])
+                if moved:  # the state this step created in memory went to the file: give its pages back
+                    release_freed_memory()
         storage.flush()  # what comes next reads the files through the mapping
         return out
 

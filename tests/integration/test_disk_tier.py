@@ -266,3 +266,54 @@ def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
     s = strategy.memory_stats()
     assert s["disk_shards"] > 0 and s["disk_staged_steps"] > 0
     assert s["host_chunk_bytes"] + s["device_chunk_bytes"] <= 2_000_000
+
+
+def test_the_io_thread_gets_a_core_and_the_threads_come_back(tmp_path, monkeypatch):
+    """While disk chunks step, torch's threads plus the I/O thread fit the cores; the count is restored after,
+    also when the block raises, and left alone where the cores outnumber torch's threads."""
+    from lightning_chunk.engine.tiers import DiskStorage, HostStorage
+
+    storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+        with storage.beside_io():
+            assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 4
+        with pytest.raises(RuntimeError, match="boom"), storage.beside_io():
+            assert torch.get_num_threads() == 3
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 4
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+        with storage.beside_io():
+            assert torch.get_num_threads() == 1
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+        with storage.beside_io():
+            assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+        storage.close()
+
+
+def test_fused_adam_bits_do_not_depend_on_the_thread_count():
+    """What lets ``beside_io`` lower the threads: torch's fused CPU Adam gives the same bits on one thread as on
+    several, for a tensor large enough to be split (and not a multiple of the vector width)."""
+    numel = (1 << 20) + 13
+
+    def run(threads: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(numel, generator=g))
+        opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, fused=True)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for _ in range(3):
+                p.grad = torch.randn(numel, generator=g)
+                opt.step()
+        finally:
+            torch.set_num_threads(before)
+        return p.detach().clone()
+
+    one, several = run(1), run(max(2, os.cpu_count() or 2))
+    assert torch.equal(one, several)
