@@ -69,6 +69,14 @@ def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, A
                if torch.is_tensor(v) and v.numel() == 4) // 4
 
 
+def _split_at_cache_lines(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every group is stepped by torch's fused CPU Adam(W), which splits its work between threads at
+    cache-line boundaries: its bits do not depend on the thread count (``DiskStorage.beside_io``). Other kernels
+    split element-wise loops anywhere, and a scalar tail may round differently from the vector body."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and \
+        all(g.get("fused") for g in optimizer.param_groups)
+
+
 class OptimizerBinding:
     """Rebinds one optimizer's param groups to master-shard views and feeds them gradients."""
 
@@ -278,7 +286,8 @@ class OptimizerBinding:
                 out = self.optimizer.step(**kwargs)
         order = list(disk.values())
         staged = {c.chunk_id: self._state_in_files(c) for c in order}  # else through the mapping (a first step)
-        with storage.beside_io():  # the I/O thread copies while this one steps: leave it a core
+        # the I/O thread copies while this one steps: leave it a core, where the kernel's bits do not depend on it
+        with storage.beside_io() if _split_at_cache_lines(self.optimizer) else contextlib.nullcontext():
             pending = storage.stage_in(order[0]) if staged[order[0].chunk_id] else None
             for k, c in enumerate(order):
                 current, nxt = pending, (order[k + 1] if k + 1 < len(order) else None)

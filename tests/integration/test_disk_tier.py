@@ -317,3 +317,19 @@ def test_fused_adam_bits_do_not_depend_on_the_thread_count():
 
     one, several = run(1), run(max(2, os.cpu_count() or 2))
     assert torch.equal(one, several)
+
+
+def test_threads_are_lowered_only_for_kernels_whose_bits_ignore_them():
+    """Fused Adam(W) splits at cache lines; torch's other kernels split element-wise loops anywhere, where a scalar
+    tail may round otherwise, so with them the disk chunks step on torch's usual threads."""
+    from lightning_chunk.engine.optim import _split_at_cache_lines
+
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    assert _split_at_cache_lines(torch.optim.AdamW(p, fused=True))
+    assert _split_at_cache_lines(torch.optim.Adam(p, fused=True))
+    assert not _split_at_cache_lines(torch.optim.AdamW(p, foreach=True))
+    assert not _split_at_cache_lines(torch.optim.AdamW(p, foreach=False))
+    assert not _split_at_cache_lines(torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    mixed = torch.optim.AdamW([{"params": p, "fused": True}, {"params": [torch.nn.Parameter(torch.zeros(2))],
+                                                                "foreach": True}])
+    assert not _split_at_cache_lines(mixed)
