@@ -107,6 +107,23 @@ def round_ratios(times: list[float], base: list[float]) -> tuple[float, list[flo
     return statistics.median(ratios), ratios
 
 
+def median_interval(xs: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``xs``: order statistics ``k`` and ``n + 1 - k`` (1-based),
+    ``k`` the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. With too few values for that
+    confidence (5 or fewer at 95%), the smallest and the largest."""
+    import math
+
+    s, n = sorted(xs), len(xs)
+    k, below = 0, 0.0
+    while k < n // 2:
+        p = math.comb(n, k) / 2**n
+        if below + p > (1 - confidence) / 2:
+            break
+        below += p
+        k += 1
+    return (s[k - 1], s[n - k]) if k else (s[0], s[-1])
+
+
 def save_results(res: dict, out: str) -> dict:
     import torch
 

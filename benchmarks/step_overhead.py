@@ -16,6 +16,14 @@ launcher), repeats run in a shuffled order:
 Step time: median over the steps after the first ``--skip`` (the warm-up), per run; the table shows
 the median over repeats and their spread. The ratio to ``auto`` (1 rank) or ``ddp`` (2 ranks) is the median
 of the per-round ratios, each against the baseline's run of the same round, with their range beside it.
+
+``--in-process N`` (1 rank): ``auto`` and ``chunk resident`` fitted one after the other in one process, N
+rounds, the order swapped every round. Separate processes land in a fast or a slow mode of this machine
+(423-445 or 470-497 ms a step on the 10.8M GPT, whatever the code), which moves a round's ratio by +-5%;
+in one process both contenders share the mode. Both run under the heap setting ``chunk_offload`` makes
+(``keep_freed_heap``, process-wide: set before the first fit, so ``auto`` has it from round one too). The
+ratio is the median of the per-round ratios with a distribution-free 95% interval for that median
+(``median_interval``), which says whether the rounds were enough to tell the ratio from a target.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, round_ratios, run_or_child, step_timer  # noqa: E402
+from _common import (ROOT, clean_env, gpt_parser, make_gpt, median_interval, round_ratios, run_or_child,  # noqa: E402
+                     step_timer)
 
 CONTENDERS = {  # name -> (devices, strategy spec)
     "auto": (1, "auto"),
@@ -42,16 +51,47 @@ CONTENDERS = {  # name -> (devices, strategy spec)
     "chunk resident (2 ranks)": (2, {"placement": "device"}),
 }
 BASELINE = {1: "auto", 2: "ddp (2 ranks)"}
+IN_PROCESS = ("auto", "chunk resident")
 
 
 def child(args: argparse.Namespace) -> None:
     """One fit; rank 0 writes its per-step times."""
+    import torch
+
+    if args.child == "in-process":
+        return child_in_process(args)
+    devices = CONTENDERS[args.child][0]
+    times, params, rank = fit(args, args.child)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"times": times, "params": params}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def child_in_process(args: argparse.Namespace) -> None:
+    """``auto`` and ``chunk resident`` alternated in this process, ``--in-process`` rounds."""
+    from lightning_chunk.engine.host_heap import keep_freed_heap
+
+    keep_freed_heap()  # what the first chunk_offload fit would do for the whole process: both sides share it
+    rounds: list[dict[str, float]] = []
+    params = 0
+    for r in range(args.in_process):
+        got = {}
+        for name in (IN_PROCESS if r % 2 == 0 else IN_PROCESS[::-1]):
+            times, params, _ = fit(args, name)
+            got[name] = statistics.median(times[args.skip:] or times)
+        rounds.append(got)
+    Path(args.out).write_text(json.dumps({"rounds": rounds, "params": params}))
+
+
+def fit(args: argparse.Namespace, name: str) -> tuple[list[float], int, int]:
+    """One ``Trainer.fit`` of contender ``name``: (per-step seconds, parameters, global rank)."""
     import lightning as L
     import torch
 
     from lightning_chunk import ChunkOffloadStrategy
 
-    devices, spec = CONTENDERS[args.child]
+    devices, spec = CONTENDERS[name]
     strategy = spec if isinstance(spec, str) else ChunkOffloadStrategy(**spec, log_memory_stats=False)
     times: list[float] = []
     L.seed_everything(0, verbose=False)
@@ -62,10 +102,7 @@ def child(args: argparse.Namespace) -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[step_timer(times)])
     trainer.fit(model, loader)
-    if trainer.global_rank == 0:
-        Path(args.out).write_text(json.dumps({"times": times, "params": sum(p.numel() for p in model.parameters())}))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    return times, sum(p.numel() for p in model.parameters()), trainer.global_rank
 
 
 def run_child(name: str, args: argparse.Namespace, out: Path) -> dict:
@@ -73,6 +110,8 @@ def run_child(name: str, args: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
     for k in ("width", "depth", "context", "batch", "steps"):
         cmd += [f"--{k}", str(getattr(args, k))]
+    if name == "in-process":
+        cmd += ["--in-process", str(args.in_process), "--skip", str(args.skip)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     if not out.exists():
         raise RuntimeError(f"{name} failed:\n{(r.stdout + r.stderr)[-3000:]}")
@@ -80,6 +119,8 @@ def run_child(name: str, args: argparse.Namespace, out: Path) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    if getattr(args, "in_process", 0):
+        return measure_in_process(args)
     tmp = Path(tempfile.mkdtemp(prefix="step_overhead_"))  # per-run scratch, not results
     per_run: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     params = 0
@@ -105,6 +146,23 @@ def measure(args: argparse.Namespace) -> dict:
             "steps": args.steps, "skip": args.skip, "repeats": args.repeats, "rows": rows}
 
 
+def measure_in_process(args: argparse.Namespace) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="step_overhead_")) / "in_process.json"
+    res = run_child("in-process", args, out)
+    base, name = IN_PROCESS
+    per_run = {n: [r[n] for r in res["rounds"]] for n in IN_PROCESS}
+    ratio, ratios = round_ratios(per_run[name], per_run[base])
+    low, high = median_interval(ratios)
+    rows = [{"contender": n, "ranks": 1, "median_ms": statistics.median(per_run[n]) * 1e3,
+             "min_ms": min(per_run[n]) * 1e3, "max_ms": max(per_run[n]) * 1e3,
+             "rounds_ms": [t * 1e3 for t in per_run[n]], "baseline": base,
+             **({"vs_baseline": ratio, "vs_baseline_rounds": ratios, "vs_baseline_95": [low, high]}
+                if n == name else {"vs_baseline": 1.0})} for n in IN_PROCESS]
+    return {"params": res["params"], "width": args.width, "depth": args.depth, "context": args.context,
+            "batch": args.batch, "steps": args.steps, "skip": args.skip, "repeats": args.in_process,
+            "in_process": True, "rows": rows}
+
+
 def render(res: dict) -> str:
     lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
              f"batch {res['batch']} per rank), {res['steps']} steps a run minus {res['skip']} warm-up, "
@@ -115,6 +173,9 @@ def render(res: dict) -> str:
         spread = f"{min(rounds):.3f}..{max(rounds):.3f}" if rounds else ""
         lines.append(f"{r['contender']:<30} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f}..{r['max_ms']:<7.1f} "
                      f"{r['vs_baseline']:>7.3f} ({r['baseline']}) {spread:>12}")
+        if "vs_baseline_95" in r:
+            lines.append(f"{'':<30} 95% interval of the median ratio: {r['vs_baseline_95'][0]:.3f}.."
+                         f"{r['vs_baseline_95'][1]:.3f} ({len(rounds)} rounds in one process)")
     return "\n".join(lines)
 
 
@@ -124,6 +185,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ranks", type=int, nargs="+", choices=(1, 2), default=[1, 2],
                    help="run only the contenders on these rank counts")
+    p.add_argument("--in-process", type=int, default=0, metavar="N",
+                   help="1 rank: auto and chunk resident alternated in one process, N rounds")
     return run_or_child(p.parse_args(argv), {"*": child}, measure, render)
 
 

@@ -49,6 +49,30 @@ def test_step_overhead_benchmark_runs_every_contender(tmp_path, capsys):
     assert "x baseline" in capsys.readouterr().out
 
 
+def test_step_overhead_in_one_process_alternates_and_gives_an_interval(tmp_path, capsys):
+    res = load("step_overhead").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "4", "--skip", "1",
+                                      "--in-process", "2", "--ranks", "1", "--out", str(tmp_path / "s.json")])
+    rows = {r["contender"]: r for r in res["rows"]}
+    assert set(rows) == {"auto", "chunk resident"} and res["in_process"] and res["repeats"] == 2
+    chunk = rows["chunk resident"]
+    assert len(chunk["rounds_ms"]) == len(rows["auto"]["rounds_ms"]) == 2
+    assert chunk["vs_baseline_rounds"] == pytest.approx([a / b for a, b in zip(chunk["rounds_ms"],
+                                                                                rows["auto"]["rounds_ms"])])
+    low, high = chunk["vs_baseline_95"]
+    assert low <= chunk["vs_baseline"] <= high
+    assert "95% interval" in capsys.readouterr().out
+
+
+def test_median_interval_is_the_distribution_free_one():
+    """n = 32 at 95%: the 10th and 23rd of the sorted values (P(Binomial(32, 1/2) <= 9) = 0.010, <= 10: 0.025);
+    too few values for the confidence: the whole range."""
+    median_interval = load("_common").median_interval
+    xs = [float(x) for x in range(32, 0, -1)]
+    assert median_interval(xs) == (10.0, 23.0)
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)
+    assert median_interval([float(x) for x in range(1, 7)]) == (1.0, 6.0)  # P(B(6, 1/2) = 0) = 0.016
+
+
 def test_peers_cpu_benchmark_runs_every_peer(tmp_path, capsys):
     res = load("peers_cpu").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "3",
                                   "--out", str(tmp_path / "peers.json")])
