@@ -60,7 +60,6 @@ def child(args: argparse.Namespace) -> None:
 
     if args.child == "in-process":
         return child_in_process(args)
-    devices = CONTENDERS[args.child][0]
     times, params, rank = fit(args, args.child)
     if rank == 0:
         Path(args.out).write_text(json.dumps({"times": times, "params": params}))

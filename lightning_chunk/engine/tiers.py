@@ -330,11 +330,11 @@ class DiskStorage(TierStorage):
         OpenMP workers (which spin a while after each parallel region) and the I/O thread take
         turns on the cores: on the 2-core benchmark machine the 85M GPT's disk chunks stepped in
         0.35-0.38 s, against 0.28-0.31 s with one torch thread beside the I/O thread (four
-        alternated rounds, docs/benchmarks.md). Adam's update is
-        element-wise and torch's fused kernel splits work at cache-line boundaries, so the bits do
-        not depend on the number of threads; other kernels split loops anywhere, where a scalar tail
-        may round otherwise than the vector body, so the step lowers the threads for fused Adam(W)
-        only (``_split_at_cache_lines`` in ``optim.py``). Where the cores outnumber torch's threads,
+        alternated rounds, docs/benchmarks.md). Adam's update is element-wise and torch's fused
+        kernel splits its work at cache-line boundaries, so its bits do not depend on the number of
+        threads; other kernels split loops anywhere, where a scalar tail may round otherwise than
+        the vector body, so the step lowers the threads for fused Adam(W) only
+        (``_split_at_cache_lines`` in ``optim.py``). Where the cores outnumber torch's threads,
         nothing changes.
         """
         threads = torch.get_num_threads()
