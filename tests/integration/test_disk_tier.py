@@ -333,3 +333,35 @@ def test_threads_are_lowered_only_for_kernels_whose_bits_ignore_them():
     mixed = torch.optim.AdamW([{"params": p, "fused": True}, {"params": [torch.nn.Parameter(torch.zeros(2))],
                                                                 "foreach": True}])
     assert not _split_at_cache_lines(mixed)
+
+
+def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp_path, monkeypatch):
+    """The user's defaults (``optimizer_kernel="auto"``: fused AdamW, the automatic chunk size, a model used in
+    another order than registered, accumulation): the disk chunks step with torch's threads lowered beside the I/O
+    thread, and training equals the same strategy with every shard in memory, bit for bit."""
+    import contextlib
+
+    from lightning_chunk.engine import tiers
+    from tests.models import ReorderedNet
+
+    seen: list[int] = []
+    inner = tiers.DiskStorage.beside_io
+
+    @contextlib.contextmanager
+    def spy(self):
+        with inner(self):
+            seen.append(torch.get_num_threads())
+            yield
+
+    monkeypatch.setattr(tiers.DiskStorage, "beside_io", spy)
+    kw = dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), accumulate_grad_batches=2)
+    ref = fit(ChunkOffloadStrategy(), steps=STEPS, **kw)
+    assert not seen  # no disk tier, no I/O thread
+    strategy = ChunkOffloadStrategy(host_memory_limit="2MB", disk_dir=tmp_path / "scratch")
+    got = fit(strategy, steps=STEPS, **kw)
+    assert_same_params(ref, got, EXACT)
+    assert seen, "fused AdamW over disk chunks must step beside the I/O thread"
+    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    assert set(seen) == {max(1, min(threads, cores - 1))}
+    s = strategy.memory_stats()
+    assert s["disk_shards"] > 0 and s["disk_staged_steps"] > 0
