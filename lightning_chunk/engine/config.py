@@ -88,6 +88,13 @@ class ChunkConfig:
     sub-directory there and removes it when training ends; a later run removes what a dead one left.
     Needed when ``host_memory_limit`` sends shards to disk."""
 
+    reshard_after_forward: bool = True
+    """``host`` placement: release each payload after its use in forward and gather it again for backward
+    (``True``, FSDP2's default), or keep the payloads forward gathered until their last use in the step
+    (``False``): one all-gather a chunk a step instead of two, for every payload held at once at the turn
+    into backward (the model in the compute dtype), within ``device_memory_limit``. Other placements
+    already keep payloads until room is needed ([Note: keeping payloads for backward] in ``placement.py``)."""
+
     offload_fraction: float = 0.5
     """``static`` placement only: the fraction of chunks whose shards live on the host."""
 
@@ -204,7 +211,7 @@ class ChunkConfig:
         if self.verify_collectives is not None and not isinstance(self.verify_collectives, bool):
             raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be True, False "
                              "or None.")
-        for name in ("prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
+        for name in ("reshard_after_forward", "prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
                      "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
                      "step_in_backward", "keep_freed_heap", "check_invariants"):
             if not isinstance(getattr(self, name), bool):

@@ -130,6 +130,8 @@ class PlacementPolicy:
             if trace is not None:
                 resident = frozenset(c.chunk_id for c in chunks if c.resident) | needed
                 keep = keep | trace.reused_before_gather(position, resident)
+                if not self.config.reshard_after_forward:  # [Note: keeping payloads for backward]
+                    keep = keep | {i for i in resident if trace.used_later(i, position)}
             evict = [c.chunk_id for c in chunks if c.evictable and c.chunk_id not in needed and c.chunk_id not in keep]
         freed = sum(by_id[i].payload_bytes for i in evict)
         missing = sum(by_id[i].payload_bytes for i in needed if not by_id[i].resident)
@@ -170,7 +172,21 @@ class DevicePlacement(PlacementPolicy):
 
 
 class HostPlacement(PlacementPolicy):
-    """Every shard on the host; payloads fetched on use and released right after."""
+    """Every shard on the host; payloads fetched on use and released right after (with
+    ``reshard_after_forward=False``: after their last use in the step).
+
+    [Note: keeping payloads for backward]
+    Released after use, a payload is all-gathered twice a step: for forward and again for backward
+    (FSDP2's ``reshard_after_forward=True``, DeepSpeed ZeRO-3's offload). On a transport whose
+    gathers cost the cores compute runs on (gloo) the second gather is most of what host placement
+    pays over everything resident. With ``reshard_after_forward=False`` a payload stays from its
+    forward use until its last use in the step, read from the trace, so each chunk is gathered once a
+    step; the device then holds every payload at the turn into backward (the model in the compute
+    dtype, as DDP's replica), while shards, gradients and optimizer state stay on the host. The
+    limit still rules: when keeping would pass the budget, the payload whose next use is farthest
+    goes first, as for any eviction, and is gathered again when backward needs it. Without a trace
+    (the warm-up step, evaluation) payloads are released after use as before.
+    """
 
     name = "host"
     evict_after_use = True

@@ -69,6 +69,11 @@ class Trace:
             return pos[k] - position
         return len(self.moments) - position + pos[0]
 
+    def used_later(self, chunk_id: int, position: int) -> bool:
+        """Whether ``chunk_id`` is used again in this step after ``position``."""
+        pos = self.use_positions.get(chunk_id)
+        return bool(pos) and pos[-1] > position
+
     def next_chunks(self, position: int) -> tuple[int, ...]:
         """Chunks of the first moment after ``position`` that uses any."""
         for m in self.moments[position + 1 :]:

@@ -42,7 +42,16 @@ CASES = {
     "tied": dict(variant="tied"),
     "frozen": dict(variant="frozen"),
     "unused": dict(variant="unused"),
-    "host": dict(strategy=dict(placement="host"), telemetry=True),
+    "host": dict(model=dict(dim=64, hidden=256, depth=6), strategy=dict(placement="host", chunk_numel=20000),
+                 telemetry=True),
+    # payloads kept from forward to backward ([Note: keeping payloads for backward]): each gathered once a step
+    "host_kept": dict(model=dict(dim=64, hidden=256, depth=6),
+                      strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000)),
+    # the same under a limit below the model's payloads, with the automatic chunk size: what does not fit is
+    # released and gathered again
+    "host_kept_limit": dict(model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.95,
+                            strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=None,
+                                          chunk_numel_min=4096)),
     # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
     "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
     # the defaults a user gets: automatic chunk size, on a model used in another order than registered

@@ -17,7 +17,7 @@ import torch
 RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
-          "limit", "reordered_auto", "reordered_auto_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
+          "host_kept", "host_kept_limit", "limit", "reordered_auto", "reordered_auto_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "early", "early_unused", "early_accumulate", "early_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
@@ -168,6 +168,22 @@ def test_disk_tier_holds_what_host_memory_limit_leaves_out_on_each_rank(parity_r
         assert s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
         assert s["disk_left"] == []
     assert list((out / f"{case}.disk").iterdir()) == []
+
+
+def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
+    """``reshard_after_forward=False`` (bit-exact with DDP above): each chunk is gathered once a step instead of
+    twice, and the device holds more payloads at once; under a limit below the model's payloads the peak stays
+    under it, and what does not fit is released and gathered again."""
+    out, _, _ = parity_run
+    for released, kept in zip(stats(out, "host"), stats(out, "host_kept")):
+        assert kept["chunks"] == released["chunks"] > 2
+        # one gather a chunk a step after the warm-up, against nearly two (only the last chunks of forward stay)
+        assert kept["gathers"] < 0.65 * released["gathers"], (kept, released)
+        assert kept["device_chunk_bytes_peak"] > released["device_chunk_bytes_peak"]
+    for s in stats(out, "host_kept_limit"):
+        assert s["limit"] < s["param_bytes"] and s["device_shards"] == 0
+        assert 0 < s["device_chunk_bytes_peak"] <= s["limit"]
+        assert s["gathers"] > 25 * s["chunks"], s  # some payloads had to go before backward
 
 
 def test_buffers_start_from_rank_zero(parity_run):

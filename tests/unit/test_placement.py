@@ -196,3 +196,24 @@ def test_a_moment_skipped_as_idle_would_have_planned_nothing(policy_cls):
             plan = policy.plan(chunks=chunks, **kwargs)
             assert plan.evict == () and plan.prefetch == ()
     assert idle_seen == 0 if policy_cls is HostPlacement else idle_seen > 50
+
+
+def test_host_placement_keeps_payloads_for_backward_only_when_asked():
+    """[Note: keeping payloads for backward]: released after use by default; with ``reshard_after_forward=False``
+    kept until their last use in the step, and under a budget the farthest next use still goes first."""
+    t = fake_trace()
+    released = HostPlacement(ChunkConfig(placement="host", prefetch=False))
+    kept = HostPlacement(ChunkConfig(placement="host", prefetch=False, reshard_after_forward=False))
+    # forward of chunk 2 (position 4): chunks 0 and 1 are resident from their forward
+    chunks = [view(0, True, last=0), view(1, True, last=2), view(2), view(3)]
+    args = dict(position=4, needed=frozenset({2}), chunks=chunks, trace=t, device_bytes=2000)
+    assert released.plan(budget_bytes=None, **args).evict == (0, 1)
+    assert kept.plan(budget_bytes=None, **args).evict == ()
+    assert kept.plan(budget_bytes=2000, **args).evict == (0,)  # chunk 0's backward (position 11) is the farthest
+    # backward of chunk 1 (position 10): chunk 2 was used for the last time in this step (9), chunk 0 is next (11)
+    chunks = [view(0, True), view(1, True, evictable=False), view(2, True), view(3)]
+    plan = kept.plan(position=10, needed=frozenset({1}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=3000)
+    assert plan.evict == (2,)
+    # without a trace (the warm-up, evaluation) both release after use
+    assert kept.plan(position=4, needed=frozenset({2}), chunks=chunks[:1] + [view(2)], trace=None, budget_bytes=None,
+                     device_bytes=1000).evict == (0,)
