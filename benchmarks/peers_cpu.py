@@ -10,7 +10,9 @@ Contenders, each in its own pair of processes:
 - ``chunk_offload (device)``: every shard resident (``placement="device"``): the cost of sharding alone.
 - ``chunk_offload (host, ...)``: ``Trainer(strategy=ChunkOffloadStrategy(placement="host"), devices=2)``:
   every chunk sharded over the two ranks, every shard on the host tier, payloads fetched on use;
-  once with the automatic chunk size and once with one transformer block a chunk (FSDP2's unit).
+  once with the automatic chunk size and once with one transformer block a chunk (FSDP2's unit); and with
+  ``reshard_after_forward=False``: each payload kept from forward until its last use in backward, so every chunk
+  is gathered once a step instead of twice (the peers' rows release after forward, as their defaults do).
 - ``FSDP2 + CPUOffloadPolicy``: ``torch.distributed.fsdp.fully_shard`` on every block and the root,
   ``CPUOffloadPolicy(pin_memory=False)``, the same AdamW, in a plain training loop (outside
   Lightning, whose FSDP strategy is FSDP1).
@@ -173,7 +175,7 @@ def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: i
 
 
 def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int] = None,
-                  placement: str = "host") -> dict:
+                  placement: str = "host", extra: Optional[dict] = None) -> dict:
     env = clean_env()
     out = Path(tempfile.mkdtemp(prefix="peers_cpu_")) / f"{name}{chunk_numel or ''}"  # scratch, not results
     for r in (0, 1):
@@ -183,8 +185,9 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int
     if chunk_numel:
         common.append(f"--chunk-numel={chunk_numel}")
     common.append(f"--placement={placement}")
-    if getattr(args, "strategy_json", None):
-        common.append(f"--strategy-json={args.strategy_json}")
+    strategy_kw = {**json.loads(getattr(args, "strategy_json", None) or "{}"), **(extra or {})}
+    if strategy_kw:
+        common.append(f"--strategy-json={json.dumps(strategy_kw)}")
     if name in ("fsdp2", "deepspeed"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29517",
                str(Path(__file__).resolve()), *common]
@@ -207,13 +210,14 @@ LABELS = {"chunk": "chunk_offload (host)", "fsdp2": "FSDP2 + CPUOffloadPolicy", 
           "ddp": "DDP (everything replicated)"}
 
 
-CONTENDERS = (  # (row, child, chunk_numel: None or "block", placement)
-    (LABELS["ddp"], "ddp", None, "host"),
-    (LABELS["fsdp2"], "fsdp2", None, "host"),
-    ("chunk_offload (device, auto chunk size)", "chunk", None, "device"),
-    ("chunk_offload (host, auto chunk size)", "chunk", None, "host"),
-    ("chunk_offload (host, one block a chunk)", "chunk", "block", "host"),
-    (LABELS["deepspeed"], "deepspeed", None, "host"),
+CONTENDERS = (  # (row, child, chunk_numel: None or "block", placement, further ChunkOffloadStrategy arguments)
+    (LABELS["ddp"], "ddp", None, "host", None),
+    (LABELS["fsdp2"], "fsdp2", None, "host", None),
+    ("chunk_offload (device, auto chunk size)", "chunk", None, "device", None),
+    ("chunk_offload (host, auto chunk size)", "chunk", None, "host", None),
+    ("chunk_offload (host, one block a chunk)", "chunk", "block", "host", None),
+    ("chunk_offload (host, kept for backward)", "chunk", None, "host", {"reshard_after_forward": False}),
+    (LABELS["deepspeed"], "deepspeed", None, "host", None),
 )
 
 
@@ -228,9 +232,9 @@ def measure(args: argparse.Namespace) -> dict:
     for _ in range(args.repeats):
         order = [c for c in CONTENDERS if c[1] != "deepspeed" or has_ds]
         rng.shuffle(order)
-        for row, child, numel, placement in order:
+        for row, child, numel, placement, extra in order:
             runs[row].append(run_contender(child, args, block_numel if numel == "block" else None,
-                                           placement=placement))
+                                           placement=placement, extra=extra))
     rows = []
     for row, child, *_ in CONTENDERS:
         if not runs[row]:

@@ -79,7 +79,7 @@ def test_peers_cpu_benchmark_runs_every_peer(tmp_path, capsys):
     rows = {r["contender"]: r for r in res["rows"]}
     assert rows["FSDP2 + CPUOffloadPolicy"]["vs_fsdp2"] == 1.0 and rows["DDP (everything replicated)"]["vs_ddp"] == 1.0
     for name in ("chunk_offload (device, auto chunk size)", "chunk_offload (host, auto chunk size)",
-                 "chunk_offload (host, one block a chunk)"):
+                 "chunk_offload (host, one block a chunk)", "chunk_offload (host, kept for backward)"):
         assert rows[name]["median_s"] > 0 and all(b > 0 for b in rows[name]["peak_rss"])
         assert len(rows[name]["breakdown"]) == 2 and rows[name]["breakdown"][1]["gather_wait"] > 0  # both ranks
     ds = rows["DeepSpeed ZeRO-3 offload"]
@@ -95,9 +95,9 @@ def test_peers_cpu_interleaves_rounds_and_takes_the_median_of_per_round_ratios(m
     calls = []
     speed = {0: 1.0, 1: 2.0, 2: 1.0}  # the machine is twice as slow in the second round
 
-    def fake_run(name, args, chunk_numel=None, placement="host"):
+    def fake_run(name, args, chunk_numel=None, placement="host", extra=None):
         calls.append(name)
-        rnd = (len(calls) - 1) // 5  # five contenders a round (no deepspeed)
+        rnd = (len(calls) - 1) // 6  # six contenders a round (no deepspeed)
         base = {"ddp": 1.0, "fsdp2": 2.0, "chunk": 1.1 if placement == "device" else 1.3}[name]
         t = base * speed[rnd] * (1.5 if (name == "ddp" and rnd == 2) else 1.0)  # DDP alone disturbed in round 3
         return {"median_s": t, "min_s": t, "max_s": t, "peak_rss": [1, 2], "params": 10, "breakdown": []}
@@ -106,7 +106,7 @@ def test_peers_cpu_interleaves_rounds_and_takes_the_median_of_per_round_ratios(m
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
     args = peers.argparse.Namespace(width=8, depth=1, context=4, batch=1, steps=2, repeats=3)
     res = peers.measure(args)
-    assert len(calls) == 15 and all(sorted(calls[5 * k:5 * k + 5]) == ["chunk", "chunk", "chunk", "ddp", "fsdp2"]
+    assert len(calls) == 18 and all(sorted(calls[6 * k:6 * k + 6]) == ["chunk"] * 4 + ["ddp", "fsdp2"]
                                     for k in range(3))
     rows = {r["contender"]: r for r in res["rows"]}
     device = rows["chunk_offload (device, auto chunk size)"]
