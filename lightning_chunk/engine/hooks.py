@@ -83,9 +83,13 @@ class ChunkHooks:
         self._key_index: dict[str, int] = {}
         self._sequence: list[tuple[str, str]] = []  # (kind, module) of this micro-batch, compared across ranks
         self._pre_backward: dict[str, Callable[[torch.Tensor], None]] = {}  # module key -> its output tensors' hook
+        self._learn_owners()
 
     # ============================================================ installation
-    def install(self) -> None:
+    def _learn_owners(self) -> None:
+        """Which parameters each module owns directly. Known from construction on, not from ``install``: the first
+        layout's chunk size is chosen before the hooks go in, and it sizes each module's chunks from this (with
+        it empty, the automatic chunk size saw no module's chunks and took a size whose first step failed)."""
         index_of = self.manager.index_of
         for name, mod in self.module.named_modules():
             own = tuple(index_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in index_of)
@@ -95,8 +99,17 @@ class ChunkHooks:
             self._owned[key] = own
             self._key_index[key] = len(self._key_index)
             self._pre_backward[key] = self._make_pre_backward(key)  # the root's too: step_scope hooks its outputs
-            if mod is self.module:
-                continue  # the root is handled by step_scope
+
+    @property
+    def owned(self) -> dict[str, tuple[int, ...]]:
+        """Module key -> indices of the parameters it owns directly."""
+        return self._owned
+
+    def install(self) -> None:
+        for name, mod in self.module.named_modules():
+            key = name or ROOT
+            if key not in self._owned or mod is self.module:
+                continue  # owns no parameter; or the root, which step_scope handles
             self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
             self._handles.append(mod.register_forward_hook(self._make_post_forward(key), always_call=True))
         for p in self.manager.params:

@@ -274,8 +274,8 @@ class ChunkEngine:
         def chunk_bytes(params: tuple[int, ...]) -> int:
             return sum(payload[c] for c in {slot_of[i].chunk_id for i in params})
 
-        root_bytes = chunk_bytes(self.hooks._owned.get(ROOT, ()))
-        need = max((chunk_bytes(own) for own in self.hooks._owned.values()), default=0) + root_bytes
+        root_bytes = chunk_bytes(self.hooks.owned.get(ROOT, ()))
+        need = max((chunk_bytes(own) for own in self.hooks.owned.values()), default=0) + root_bytes
         return need + max((v.grad_payload_bytes for v in views), default=0)
 
     def _check_limit_before_trace(self, layout: Layout, views: list[ChunkView]) -> None:
@@ -376,7 +376,7 @@ class ChunkEngine:
             if i >= len(seqs[r]):
                 return "nothing (its step ended)"
             kind, module = seqs[r][i]
-            ids = self.manager.chunk_ids_of([self.manager.params[j] for j in self.hooks._owned.get(module, ())])
+            ids = self.manager.chunk_ids_of([self.manager.params[j] for j in self.hooks.owned.get(module, ())])
             return f"{kind} of module {module!r} (chunks {list(ids)})"
         detail = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
         raise CollectiveMismatchError(

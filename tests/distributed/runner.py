@@ -61,6 +61,10 @@ CASES = {
     # about 0.8x here, so a limit below the parameter share alone would be refused with its numbers
     "reordered_auto_limit": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3),
                                  strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
+    # the same defaults under a limit below half the parameter bytes, on a model whose activations are small beside
+    # its parameters: the first layout's chunk size must count each module's chunks
+    "reordered_auto_tight": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
+                                 strategy=dict(chunk_numel=None)),
     "two_optimizers": dict(cls="TwoOptimizers"),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     "rank_buffer": dict(cls="RankBuffer"),

@@ -17,7 +17,8 @@ import torch
 RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
-          "host_kept", "host_kept_limit", "limit", "reordered_auto", "reordered_auto_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
+          "host_kept", "host_kept_limit", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
+          "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "early", "early_unused", "early_accumulate", "early_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
@@ -193,10 +194,13 @@ def test_buffers_start_from_rank_zero(parity_run):
     assert s0["buffers"]["offset"] == s1["buffers"]["offset"] == pytest.approx(0.05 * 32)
 
 
-@pytest.mark.parametrize("case,share", [("limit", 0.5), ("reordered_auto_limit", 2.0), ("deferred_limit", 2.0)])
+@pytest.mark.parametrize("case,share", [("limit", 0.5), ("reordered_auto_limit", 2.0), ("deferred_limit", 2.0),
+                                        ("reordered_auto_tight", 0.5)])
 def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, case, share):
     """``limit``: below this rank's share of the parameters alone; ``reordered_auto_limit`` (the automatic
-    chunk size): below its share of the training state (parameters, gradients, Adam's moments)."""
+    chunk size): below its share of the training state (parameters, gradients, Adam's moments);
+    ``reordered_auto_tight``: the defaults below this rank's share of the parameters (the first layout's chunk size
+    was once chosen without the modules' chunks, and its first step failed)."""
     out, _, _ = parity_run
     for s in stats(out, case):
         assert s["limit"] < s["param_bytes"] * share

@@ -283,3 +283,20 @@ def test_a_root_that_owns_parameters_needs_the_step_outputs_registered():
             m(torch.randn(3, 8)).pow(2).mean()
     with torch.no_grad(), eng.micro_batch(training=False):  # evaluation has no backward: nothing to register
         m(torch.randn(3, 8))
+
+
+def test_the_first_layout_is_sized_with_each_module_s_chunks():
+    """The automatic chunk size of the first layout is chosen before the hooks go in; it must still see which
+    chunks each module uses (before, it saw none: a busiest module of two chunks plus a gradient payload was
+    counted as the gradient payload alone, and a limit that layout did not fit was accepted, then failed)."""
+    net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    opt = torch.optim.AdamW(net.parameters())
+    plan = ChunkEngine.plan_from_shapes(net, [opt], config=ChunkConfig(device_memory_limit=10 * 2**20, chunk_numel_min=4096),
+                                        world_size=2)
+    payload = {v.chunk_id: v.payload_bytes for v in plan.views}
+    slot_of = plan.layout.slot_of()
+    weight_chunk = slot_of[0].chunk_id  # the first linear's weight
+    chunks_of_first = {slot_of[i].chunk_id for i in (0, 1)}
+    grad = max(v.grad_payload_bytes for v in plan.views)
+    assert plan.need_before_activations >= sum(payload[c] for c in chunks_of_first) + grad > grad
+    assert payload[weight_chunk] > 0
