@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # only a type here: the manager owns the pool
     from .pool import BlockPool
 
 _PINNED = tuple(PINNED_STATES)  # membership by identity: a frozenset hashes each enum member in Python
+_NOT_RESIDENT = (TensorState.FREE, TensorState.READY_FOR_REDUCE_FREE)
+_WAITING = (TensorState.READY_FOR_REDUCE, TensorState.READY_FOR_REDUCE_FREE)
 
 
 class Tier(enum.Enum):
@@ -139,7 +141,7 @@ class Chunk:
     # ------------------------------------------------------------ derived state
     @property
     def is_resident(self) -> bool:
-        return self.tensors[0].state is not TensorState.FREE if self.tensors else False
+        return self.tensors[0].state not in _NOT_RESIDENT if self.tensors else False
 
     @property
     def payload_allocated(self) -> bool:
@@ -153,6 +155,14 @@ class Chunk:
             and self.is_resident
             and not any(t.state in _PINNED for t in self.tensors)
         )
+
+    @property
+    def waits_only_to_reduce(self) -> bool:
+        """Resident, pinned by gradients that wait to reduce and by nothing else: its payload may go under memory
+        pressure ([Note: a gradient waits without its payload] in ``states.py``)."""
+        return (not self.aliased and self.is_resident
+                and any(t.state is TensorState.READY_FOR_REDUCE for t in self.tensors)
+                and not any(t.state is TensorState.COMPUTE for t in self.tensors))
 
     def states(self) -> dict[str, TensorState]:
         return {t.name: t.state for t in self.tensors}
@@ -170,7 +180,31 @@ class Chunk:
 
     def grads_complete(self) -> bool:
         """Every tensor that expects a gradient has delivered it this backward."""
-        return all(t.state is TensorState.READY_FOR_REDUCE for t in self.tensors if t.requires_grad)
+        return all(t.state in _WAITING for t in self.tensors if t.requires_grad)
+
+    def has_waiting_grads(self) -> bool:
+        return any(t.state in _WAITING for t in self.tensors)
+
+    def gathered(self) -> None:
+        """The payload holds the parameters again: FREE -> HOLD, a waiting gradient's tensor -> READY_FOR_REDUCE."""
+        for info in self.tensors:
+            self.set_state(info, TensorState.READY_FOR_REDUCE if info.state is TensorState.READY_FOR_REDUCE_FREE
+                           else TensorState.HOLD)
+
+    def released(self) -> None:
+        """The payload is gone: -> FREE, a waiting gradient's tensor -> READY_FOR_REDUCE_FREE."""
+        for info in self.tensors:
+            new = TensorState.READY_FOR_REDUCE_FREE if info.state in _WAITING else TensorState.FREE
+            if info.state is not new:
+                self.set_state(info, new)
+
+    def reduced(self) -> None:
+        """The chunk's gradients were reduced (or stay local inside ``no_sync``): nothing waits any more."""
+        for info in self.tensors:
+            if info.state is TensorState.READY_FOR_REDUCE:
+                self.set_state(info, TensorState.HOLD_AFTER_BWD)
+            elif info.state is TensorState.READY_FOR_REDUCE_FREE:
+                self.set_state(info, TensorState.FREE)
 
     # -------------------------------------------------------------------- bytes
     def release_grad(self, pool: Optional["BlockPool"]) -> None:

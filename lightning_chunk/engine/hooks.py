@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -131,6 +131,24 @@ class ChunkHooks:
                                 device_bytes=mgr.ledger[Tier.DEVICE])
         for cid in plan.evict:
             mgr.release(mgr.chunks[cid])
+        self._release_waiting(nbytes, keep=())
+
+    def _release_waiting(self, nbytes: int, keep: Iterable[int]) -> None:
+        """The last resort when ``nbytes`` more do not fit under the limit: release the payloads of chunks that are
+        pinned only by gradients waiting to reduce, the farthest next use first ([Note: a gradient waits without
+        its payload] in ``states.py``)."""
+        mgr = self.manager
+        if mgr.limit is None or mgr.ledger[Tier.DEVICE] + nbytes <= mgr.limit:
+            return
+        trace = self.trace if self.training else None
+        keep = set(keep)
+        waiting = [c for c in mgr.chunks if c.chunk_id not in keep and c.waits_only_to_reduce]
+        waiting.sort(key=lambda c: (trace.next_use(c.chunk_id, self.position) if trace is not None else 0.0,
+                                    -c.last_used), reverse=True)
+        for c in waiting:
+            if mgr.ledger[Tier.DEVICE] + nbytes <= mgr.limit:
+                break
+            mgr.release(c, waiting_grads=True)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -213,6 +231,7 @@ class ChunkHooks:
         for other in mgr.chunks:
             if other.chunk_id not in needed and other.is_evictable:
                 mgr.release(other)
+        self._release_waiting(chunk.payload_bytes, keep=needed)
         try:
             mgr.gather(chunk, module=self._current_module)
         except DeviceMemoryLimitError as e:

@@ -15,7 +15,7 @@ Policy lives elsewhere (``placement.py``): the manager executes plans.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -44,6 +44,7 @@ class TransferStats:
     d2h_bytes: int = 0
     evictions: int = 0
     gathers: int = 0
+    waiting_releases: int = 0  # payloads released while their gradients waited to reduce (the last resort)
 
 
 class ChunkManager:
@@ -305,7 +306,7 @@ class ChunkManager:
                 if prefetch and pending.work is not None:
                     chunk.pending = InFlight(work=pending, source=src)  # the source must live until the gather lands
         self.transfers.gathers += 1
-        chunk.transition_all(S.HOLD)
+        chunk.gathered()
         self._changed()
 
     def wait_ready(self, chunk: Chunk) -> None:
@@ -314,17 +315,20 @@ class ChunkManager:
         if pending is not None:
             pending.wait(self.device)
 
-    def release(self, chunk: Chunk, *, eviction: bool = True) -> None:
-        """Free the payload (-> FREE). The shard is the source of truth, so nothing is copied back."""
+    def release(self, chunk: Chunk, *, eviction: bool = True, waiting_grads: bool = False) -> None:
+        """Free the payload (-> FREE); nothing is copied back. ``waiting_grads``: a chunk whose gradients wait to
+        reduce may go too ([Note: a gradient waits without its payload] in ``states.py``)."""
         if not chunk.is_resident or chunk.aliased:
             return
-        if not chunk.is_evictable:
+        waiting = not chunk.is_evictable
+        if waiting and not (waiting_grads and chunk.waits_only_to_reduce):
             raise AssertionError(f"chunk {chunk.chunk_id} is in use and cannot be released: {chunk.states()}")
+        self.transfers.waiting_releases += waiting
         self.wait_ready(chunk)
         with self.tracked(chunk):
             assert chunk.payload is not None
             self.pool.empty(chunk.payload.untyped_storage())
-        chunk.transition_all(S.FREE)
+        chunk.released()
         if eviction:
             self.transfers.evictions += 1
         self._changed()
@@ -377,7 +381,7 @@ class ChunkManager:
             if chunk.shard_tier is Tier.DISK:
                 self.reducer.offload.drain()  # the copies land before the buffer is written to the file
                 self.storage_of(chunk).grads_done(chunk)
-            chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
+            chunk.reduced()
             if self.reducer.on_final is not None:
                 self.reducer.on_final(chunk)
 
@@ -397,11 +401,11 @@ class ChunkManager:
             self.reducer.offload.drain()  # the optimizer and the next step read finished gradient shards
         for c in self.chunks:
             self.storage_of(c).grads_done(c)
-            if any(t.state is S.READY_FOR_REDUCE for t in c.tensors):
+            if c.has_waiting_grads():
                 if self.comm.world_size == 1:
                     self.reduce(c)
-                else:  # inside no_sync(): the gradients stay in the payload for the next micro-batch
-                    c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
+                else:  # inside no_sync(): the gradients stay in the gradient payload for the next micro-batch
+                    c.reduced()
             c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
         self._changed()
 
@@ -534,11 +538,8 @@ class ChunkManager:
             "disk_shards": sum(c.shard_tier is Tier.DISK for c in self.chunks),
             **self.disk.stats(),
             **self.pool.stats(),
-            "h2d_bytes": self.transfers.h2d_bytes,
-            "d2h_bytes": self.transfers.d2h_bytes,
+            **asdict(self.transfers),  # bytes copied each way, evictions, gathers, waiting releases
             "d2h_async_bytes": self.reducer.offload.async_bytes,  # of which copied on the side stream (CUDA)
-            "evictions": self.transfers.evictions,
-            "gathers": self.transfers.gathers,
             "chunks": len(self.chunks),
             "chunk_numel": self.layout.capacity_numel if self.layout else 0,
             "device_shards": sum(c.shard_tier is Tier.DEVICE for c in self.chunks),

@@ -159,7 +159,7 @@ class GradReducer:
             self._inflight.append((chunk, pending))
             if len(self._inflight) > self.in_flight:
                 self.land(keep=self.in_flight)
-        chunk.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.READY_FOR_REDUCE}))
+        chunk.reduced()
 
     def land(self, keep: int = 0) -> None:
         """Land the oldest reduce-scatters until ``keep`` are in flight: their output goes into the gradient shard

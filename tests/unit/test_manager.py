@@ -109,6 +109,37 @@ def test_gradients_accumulate_and_the_chunk_reduces_when_complete():
     torch.testing.assert_close(mgr.grad_view(idx), torch.ones(p.numel()))
 
 
+def test_a_chunk_waiting_to_reduce_gives_its_payload_up_only_when_asked_and_keeps_its_gradients():
+    """[Note: a gradient waits without its payload]: the waiting gradients live in their own buffer, so the payload
+    may go; a gather brings the waiting tensors back to READY_FOR_REDUCE, and the reduce finishes them."""
+    net, mgr, originals, checks = make()
+    chunk, _ = mgr.lookup(net[1].weight)
+    mgr.gather(chunk)
+    chunk.transition_all(S.COMPUTE)
+    mgr.accumulate_grad(net[1].weight, torch.full_like(net[1].weight, 3.0))
+    assert not chunk.waits_only_to_reduce  # the rest of the chunk is still in use
+    for t in chunk.tensors:
+        if t.state is S.COMPUTE:
+            chunk.set_state(t, S.HOLD_AFTER_FWD)  # its module's forward is done, backward still ahead
+    assert not chunk.is_evictable and chunk.waits_only_to_reduce
+    with pytest.raises(AssertionError, match="in use"):
+        mgr.release(chunk)  # a plain eviction never takes it
+    mgr.release(chunk, waiting_grads=True)
+    assert not chunk.is_resident and mgr.ledger[Tier.DEVICE] == 0
+    assert {t.name: t.state for t in chunk.tensors} == {"1.weight": S.READY_FOR_REDUCE_FREE, "1.bias": S.FREE,
+                                                        "2.weight": S.FREE, "2.bias": S.FREE}
+    assert not chunk.grads_complete() and chunk.has_waiting_grads()
+    mgr.gather(chunk)  # backward comes back to the chunk's other tensors
+    assert chunk.states()["1.weight"] is S.READY_FOR_REDUCE and chunk.states()["1.bias"] is S.HOLD
+    torch.testing.assert_close(net[2].weight.detach(), originals[4], rtol=0, atol=0)
+    mgr.release(chunk, waiting_grads=True)
+    mgr.end_backward()  # the others got no gradient: reduced at the end, with the payload gone
+    assert all(t.state is S.FREE for t in chunk.tensors) and not chunk.is_resident
+    idx = mgr.index_of[id(net[1].weight)]
+    torch.testing.assert_close(mgr.grad_view(idx), torch.full((net[1].weight.numel(),), 3.0))
+    assert checks  # the accounting was re-derived after every operation
+
+
 def test_repack_moves_values_and_gradients():
     net, mgr, originals, _ = make()
     p = net[2].weight

@@ -34,3 +34,13 @@ def test_free_is_only_left_by_a_gather():
     assert LEGAL_TRANSITIONS[TensorState.FREE] == frozenset({TensorState.HOLD})
     assert TensorState.FREE not in LEGAL_TRANSITIONS[TensorState.COMPUTE]  # never released while in use
     assert TensorState.FREE not in LEGAL_TRANSITIONS[TensorState.READY_FOR_REDUCE]  # nor before reducing
+
+
+def test_a_waiting_gradient_lets_the_payload_go_and_comes_back_or_is_reduced():
+    """[Note: a gradient waits without its payload]"""
+    S = TensorState
+    assert LEGAL_TRANSITIONS[S.READY_FOR_REDUCE] == frozenset({S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE_FREE})
+    assert LEGAL_TRANSITIONS[S.READY_FOR_REDUCE_FREE] == frozenset({S.READY_FOR_REDUCE, S.FREE})
+    from lightning_chunk.engine.states import PINNED_STATES, RESIDENT_STATES
+
+    assert S.READY_FOR_REDUCE_FREE not in RESIDENT_STATES and S.READY_FOR_REDUCE in PINNED_STATES
