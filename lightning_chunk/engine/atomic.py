@@ -25,7 +25,6 @@ the same directory clears what such a kill left (``clear_leftovers``).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import platform
@@ -33,22 +32,16 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from .libc import libc as load_libc
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _SYSCALL_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347}
-_libc: Optional[ctypes.CDLL] = None
-
-
-def _load_libc() -> Optional[ctypes.CDLL]:
-    global _libc
-    if _libc is None and platform.system() == "Linux":
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return _libc
 
 
 def exchange(a: Path, b: Path) -> bool:
     """Swap the names ``a`` and ``b`` (both must exist) in one step; False where the OS or filesystem cannot."""
-    libc = _load_libc()
+    libc = load_libc() if platform.system() == "Linux" else None
     if libc is None:
         return False
     args = (_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)

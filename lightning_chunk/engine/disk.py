@@ -50,18 +50,11 @@ from typing import Optional
 import torch
 
 from .errors import DiskTierError
+from .libc import libc
 
 PREFIX = "lightning_chunk-scratch-"
 
 
-def _libc() -> Optional[ctypes.CDLL]:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL and the pages fault in on first touch
 _MADV_POPULATE_WRITE = 23
@@ -189,9 +182,10 @@ class MappedFile:
     def advise_unlocked(self, advice: int) -> bool:
         """``advise`` through ctypes, which lets other Python threads run meanwhile (``mmap.madvise`` holds the
         GIL): what a read-ahead thread uses to fault the next chunk in while the main thread computes."""
-        if _LIBC is None:
+        c = libc()
+        if c is None:
             return self.advise(advice)
-        return _LIBC.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(len(self.mm)), ctypes.c_int(advice)) == 0
+        return c.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(len(self.mm)), ctypes.c_int(advice)) == 0
 
     def read_into(self, buf: torch.Tensor) -> None:
         """The file's bytes into ``buf`` (a contiguous uint8 host tensor of ``nbytes``), with ``preadv``: a copy

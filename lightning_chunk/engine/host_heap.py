@@ -12,8 +12,11 @@ Each function is a no-op where glibc is not the allocator (or ``libc.so.6`` cann
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Mapping, Optional
+
+from .libc import libc
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -55,12 +58,8 @@ _kept = False
 
 def _glibc(name: str, *args: int) -> Optional[int]:
     """``name(*args)`` from glibc; ``None`` where there is no such library or function."""
-    try:
-        import ctypes
-
-        return getattr(ctypes.CDLL("libc.so.6"), name)(*(ctypes.c_int(a) for a in args))
-    except (OSError, AttributeError):
-        return None
+    fn = getattr(libc(), name, None)
+    return None if fn is None else fn(*(ctypes.c_int(a) for a in args))
 
 
 def _mallopt(param: int, value: int) -> bool:
