@@ -188,8 +188,9 @@ class Chunk:
     def gathered(self) -> None:
         """The payload holds the parameters again: FREE -> HOLD, a waiting gradient's tensor -> READY_FOR_REDUCE."""
         for info in self.tensors:
-            self.set_state(info, TensorState.READY_FOR_REDUCE if info.state is TensorState.READY_FOR_REDUCE_FREE
-                           else TensorState.HOLD)
+            new = TensorState.READY_FOR_REDUCE if info.state is TensorState.READY_FOR_REDUCE_FREE else TensorState.HOLD
+            if info.state is not new:
+                self.set_state(info, new)
 
     def released(self) -> None:
         """The payload is gone: -> FREE, a waiting gradient's tensor -> READY_FOR_REDUCE_FREE."""
