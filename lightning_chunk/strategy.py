@@ -73,8 +73,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
         host_memory_limit: bytes of chunk memory allowed in host memory; shards beyond it go to the disk tier.
         disk_dir: directory for the disk tier's scratch files (``docs/disk-tier.md``).
         reshard_after_forward: with ``placement="host"``, release each payload after forward and gather it again
-            for backward (``True``, as FSDP2); ``False`` keeps them until backward has used them: one all-gather a
-            chunk a step, for the model's payloads held at the turn into backward (within ``device_memory_limit``).
+            for backward (``None`` or ``True``, as FSDP2); ``False`` keeps them until backward has used them: one
+            all-gather a chunk a step, for the model's payloads held at the turn into backward (within
+            ``device_memory_limit``). The other placements keep payloads until the budget needs the room.
         offload_fraction: with ``placement="static"``, the fraction of chunks whose shards live on the host.
         chunk_numel: elements per chunk; ``None`` chooses it after the warm-up step.
         chunk_numel_min: lower bound of the automatic chunk-size search.
@@ -120,7 +121,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         device_memory_limit: Optional[Union[int, str]] = None,
         host_memory_limit: Optional[Union[int, str]] = None,
         disk_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Optional[bool] = None,
         offload_fraction: float = 0.5,
         chunk_numel: Optional[int] = None,
         chunk_numel_min: int = 1 << 20,

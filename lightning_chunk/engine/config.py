@@ -88,12 +88,13 @@ class ChunkConfig:
     sub-directory there and removes it when training ends; a later run removes what a dead one left.
     Needed when ``host_memory_limit`` sends shards to disk."""
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: Optional[bool] = None
     """``host`` placement: release each payload after its use in forward and gather it again for backward
-    (``True``, FSDP2's default), or keep the payloads forward gathered until their last use in the step
-    (``False``): one all-gather a chunk a step instead of two, for every payload held at once at the turn
-    into backward (the model in the compute dtype), within ``device_memory_limit``. Other placements
-    already keep payloads until room is needed ([Note: keeping payloads for backward] in ``placement.py``)."""
+    (``None`` or ``True``, FSDP2's default), or keep the payloads forward gathered until their last use in the step
+    (``False``): one all-gather a chunk a step instead of two, for every payload held at once at the turn into
+    backward (the model in the compute dtype), within ``device_memory_limit``. The other placements keep payloads
+    until the budget needs their room ([Note: keeping payloads for backward] in ``placement.py``): ``False`` is what
+    they do already, and ``True`` is refused with them (``placement="host"`` releases after use)."""
 
     offload_fraction: float = 0.5
     """``static`` placement only: the fraction of chunks whose shards live on the host."""
@@ -208,10 +209,18 @@ class ChunkConfig:
                 or self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} is not allowed; it must be a positive "
                              "number of seconds.")
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} is not allowed; it must be True, "
+                             "False or None.")
+        if self.reshard_after_forward is True and self.placement != "host":
+            raise ValueError(
+                f"reshard_after_forward=True is not allowed with placement={self.placement!r}: only placement='host' "
+                "releases payloads after use. The other placements keep them until the device budget needs the room "
+                "(set device_memory_limit to bound it); use placement='host' to release every payload after use.")
         if self.verify_collectives is not None and not isinstance(self.verify_collectives, bool):
             raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be True, False "
                              "or None.")
-        for name in ("reshard_after_forward", "prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
+        for name in ("prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
                      "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
                      "step_in_backward", "keep_freed_heap", "check_invariants"):
             if not isinstance(getattr(self, name), bool):

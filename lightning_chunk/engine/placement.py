@@ -130,7 +130,7 @@ class PlacementPolicy:
             if trace is not None:
                 resident = frozenset(c.chunk_id for c in chunks if c.resident) | needed
                 keep = keep | trace.reused_before_gather(position, resident)
-                if not self.config.reshard_after_forward:  # [Note: keeping payloads for backward]
+                if self.config.reshard_after_forward is False:  # [Note: keeping payloads for backward]
                     keep = keep | {i for i in resident if trace.used_later(i, position)}
             evict = [c.chunk_id for c in chunks if c.evictable and c.chunk_id not in needed and c.chunk_id not in keep]
         freed = sum(by_id[i].payload_bytes for i in evict)

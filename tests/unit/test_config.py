@@ -18,6 +18,8 @@ from lightning_chunk.engine.config import ChunkConfig, parse_bytes
     ("device_memory_limit", "lots", "device_memory_limit='lots'"),
     ("device_memory_limit", "12 parsecs", "device_memory_limit='12 parsecs'"),
     ("prefetch", "yes", "prefetch='yes'"),
+    ("reshard_after_forward", "no", "reshard_after_forward='no'"),
+    ("reshard_after_forward", True, "only placement='host' releases payloads after use"),  # with placement='auto'
 ])
 def test_bad_values_name_field_value_and_choices(field, value, needle):
     with pytest.raises(ValueError) as e:
@@ -76,3 +78,14 @@ def test_disk_tier_fields_are_validated():
     with pytest.raises(ValueError, match="disk_dir=3"):
         ChunkConfig(disk_dir=3)
     assert ChunkConfig(host_memory_limit="1GiB", disk_dir="/tmp").host_memory_limit == 1 << 30
+
+
+def test_reshard_after_forward_goes_with_host_placement():
+    """FSDP2's option: host placement releases after forward unless told not to; the other placements keep payloads
+    until the budget needs the room, so ``False`` is what they do and ``True`` cannot be honoured."""
+    assert ChunkConfig(placement="host").reshard_after_forward is None
+    assert ChunkConfig(placement="host", reshard_after_forward=True).reshard_after_forward is True
+    assert ChunkConfig(placement="auto", reshard_after_forward=False).reshard_after_forward is False
+    for placement in ("auto", "device", "static"):
+        with pytest.raises(ValueError, match=f"reshard_after_forward=True is not allowed with placement='{placement}'"):
+            ChunkConfig(placement=placement, reshard_after_forward=True)
