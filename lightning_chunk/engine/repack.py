@@ -235,10 +235,13 @@ class OldChunks:
 # ================================================================ one chunk
 def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
     """One chunk of a (re)pack: its values from ``source``, its shard on ``tier``, its parameters views of its payload."""
-    p0 = mgr.params[spec.slots[0].param_index]
+    # the parameters' own dtype is the layout key's, read when the manager first saw them: on a repack they are
+    # views of the old payloads, in the compute dtype (bf16 under bf16-mixed), which would have become each
+    # parameter's "original" dtype, the one it is given back in at the end of fit and saved in
+    own_dtype = spec.key.dtype
     chunk = Chunk(
         spec=spec, capacity_numel=spec.capacity_numel, rank=mgr.comm.rank, world_size=mgr.comm.world_size,
-        compute_dtype=mgr.dtypes.compute_for(p0.dtype), master_dtype=mgr.dtypes.master_for(p0.dtype),
+        compute_dtype=mgr.dtypes.compute_for(own_dtype), master_dtype=mgr.dtypes.master_for(own_dtype),
         shard_tier=tier,
     )
     lo, hi = chunk.shard_range
@@ -280,7 +283,7 @@ def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *
         state = S.HOLD if chunk.aliased else S.FREE
         for s in spec.slots:  # views first: a view of a released storage cannot be made
             p = mgr.params[s.param_index]
-            info = TensorInfo(param=p, name=mgr.names[s.param_index], slot=s, shape=p.shape, orig_dtype=p.dtype,
+            info = TensorInfo(param=p, name=mgr.names[s.param_index], slot=s, shape=p.shape, orig_dtype=own_dtype,
                               state=state, has_grad=source.has_grad(s.param_index))
             chunk.tensors.append(info)
             p.data = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)

@@ -133,3 +133,31 @@ def test_optimizer_state_after_fit_is_left_out_unless_asked():
     for k in want:
         for name in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(have[k][name], want[k][name], **EXACT)
+
+
+def test_bf16_mixed_gives_fp32_parameters_back_after_a_repack(tmp_path):
+    """The warm-up repacks (automatic chunk size, a model used in another order than registered, a limit); the
+    repack read each parameter's dtype off the parameter, which was by then a bf16 view of the old payload. So the
+    trained model came back in bf16 at the end of fit, and sharded checkpoints recorded bf16 for consolidation:
+    the fp32 masters' last bits were lost on the way out."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_chunk.consolidate import consolidate
+    from tests.models import ReorderedNet
+
+    L.seed_everything(7, verbose=False)
+    model = ReorderedNet()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, precision="bf16-mixed", logger=False,
+                        strategy=ChunkOffloadStrategy(device_memory_limit=200_000, log_memory_stats=False),
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, filename="{step}")],
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, token_data())
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    # the fp32 masters came back, not their bf16 copies: some values are not representable in bf16
+    assert any(not torch.equal(p, p.to(torch.bfloat16).float()) for p in params.values())
+    full = torch.load(consolidate(tmp_path / "step=4.ckpt", tmp_path / "full.ckpt", progress=False),
+                      weights_only=False)["state_dict"]
+    for name, p in params.items():
+        assert full[name].dtype == torch.float32
+        torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=0)
