@@ -217,7 +217,11 @@ class ChunkEngine:
         """Device bytes ``layout`` needs at its busiest moment: its chunks (and activations, with a trace)."""
         views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
         if trace is None:
-            return self._need_before_trace(layout, views)
+            # the warm-up's layout is in registration order: in its backward a chunk whose gradients wait for the
+            # rest of its tensors keeps its gradient payload while the next chunk fills one (its parameters' payload
+            # may go: [Note: a gradient waits without its payload]), so choose a size with room for a second one
+            second = max((v.grad_payload_bytes for v in views), default=0) if self.comm.world_size > 1 else 0
+            return self._need_before_trace(layout, views) + second
         slot_of = layout.slot_of()
         chunks_b, nonmodel_b = smallest_working_limit(views, trace.remap({i: s.chunk_id for i, s in slot_of.items()}))
         return chunks_b + nonmodel_b
@@ -285,12 +289,16 @@ class ChunkEngine:
             return
         need = self._need_before_trace(layout, views)
         if need > limit:
+            # the automatic size was already lowered as far as it goes (to the largest parameter) before this
+            chosen = self.config.chunk_numel is not None
             raise DeviceMemoryLimitError(
                 f"device_memory_limit={limit} bytes is too small: one module needs {need} bytes of chunks at once "
                 f"({describe(layout)}"
                 + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
                 + f"), before any activations. The smallest limit that could work is {need} bytes plus the "
-                "activations, which the warm-up step measures; or lower chunk_numel."
+                "activations, which the warm-up step measures"
+                + ("; or lower chunk_numel." if chosen else " (chunk_numel=None already chose chunks as small as the "
+                   "largest parameter).")
             )
 
     def _broadcast_buffers(self) -> None:

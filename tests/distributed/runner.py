@@ -66,6 +66,12 @@ CASES = {
     # ([Note: a gradient waits without its payload])
     "reordered_auto_tight": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
                                  strategy=dict(chunk_numel=None)),
+    # bf16-mixed below a third of the parameter bytes: the warm-up's registration-order layout keeps a waiting
+    # chunk's fp32 gradient payload beside the one filling (twice a bf16 payload each), so its size leaves room for two
+    "reordered_bf16_tight": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.3,
+                                 bf16=True, strategy=dict(chunk_numel=None)),
+    "reordered_bf16": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True,
+                           strategy=dict(chunk_numel=None)),  # its twin without a limit
     "two_optimizers": dict(cls="TwoOptimizers"),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     "rank_buffer": dict(cls="RankBuffer"),
@@ -107,12 +113,13 @@ def run_parity(case: str, out: Path) -> None:
     spec = CASES[case]
     variant, model_kw, tkw = spec.get("variant", "plain"), spec.get("model", {}), spec.get("trainer", {})
     cls = getattr(models, spec.get("cls", "ParityNet"))
-    fp16 = spec.get("fp16", False)
+    fp16, bf16 = spec.get("fp16", False), spec.get("bf16", False)
     L.seed_everything(7, verbose=False)
     ref = cls(variant=variant, **model_kw)
     if "weights" in spec:
         ref.load_state_dict(torch.load(out / "start.pt"))
-    ref_plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if fp16 else None
+    ref_plugins = ([MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if fp16 else
+                   [MixedPrecision("bf16-mixed", "cpu")] if bf16 else None)
     trainer(DDPStrategy(find_unused_parameters=variant == "unused"), plugins=ref_plugins, **tkw).fit(ref, token_data())
     skw = dict(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60)
     skw.update(spec.get("strategy", {}))
@@ -127,7 +134,7 @@ def run_parity(case: str, out: Path) -> None:
     got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
     strategy = ChunkOffloadStrategy(**skw)
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
-    t = trainer(strategy, plugins=[ChunkPrecision("16-mixed")] if fp16 else None,
+    t = trainer(strategy, plugins=[ChunkPrecision("16-mixed")] if fp16 else [ChunkPrecision("bf16-mixed")] if bf16 else None,
                 **(dict(callbacks=[telemetry]) if telemetry else {}), **tkw)
     t.fit(got, token_data())
     if telemetry is not None and t.global_rank == 0:

@@ -18,7 +18,7 @@ RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
           "host_kept", "host_kept_limit", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
-          "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
+          "reordered_bf16", "reordered_bf16_tight", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "early", "early_unused", "early_accumulate", "early_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
@@ -33,7 +33,7 @@ ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol
             "disk_defaults": dict(rtol=1e-4, atol=1e-5)}
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
-FP16 = {"two_optimizers_fp16"}
+FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight"}  # bf16 payloads against bf16 autocast too
 DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "PL_GLOBAL_SEED")
 
@@ -188,6 +188,19 @@ def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
         # the warm-up's registration-order layout let payloads go while their gradients waited to reduce
         # ([Note: a gradient waits without its payload]): without that its first backward ran out of room
         assert s["waiting_releases"] > 0
+
+
+def test_bf16_mixed_under_a_third_of_the_parameter_bytes_trains_as_without_a_limit(parity_run):
+    """The defaults, bf16-mixed, a model used in another order than registered, a limit of 0.3x the fp32 parameter
+    bytes: the warm-up's layout leaves room for a second gradient payload (fp32: twice a bf16 payload), and the run
+    equals its twin without a limit bit for bit, under the limit on each rank."""
+    out, _, _ = parity_run
+    got, want = (torch.load(out / f"{c}.pt")["got"] for c in ("reordered_bf16_tight", "reordered_bf16"))
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+        assert got[k].dtype == torch.float32 or not got[k].is_floating_point()
+    for s in stats(out, "reordered_bf16_tight"):
+        assert 0 < s["device_chunk_bytes_peak"] <= s["limit"] and s["evictions"] > 0
 
 
 def test_buffers_start_from_rank_zero(parity_run):

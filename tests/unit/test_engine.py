@@ -93,9 +93,13 @@ def test_limit_too_small_for_the_traced_step_fails_before_the_first_step_with_nu
 
 def test_limit_too_small_for_one_module_fails_at_construction():
     m = nn.Sequential(nn.Linear(64, 64))
-    with pytest.raises(DeviceMemoryLimitError, match="one module needs 16640 bytes of chunks"):
+    with pytest.raises(DeviceMemoryLimitError, match="one module needs 16640 bytes of chunks.*or lower chunk_numel"):
         ChunkEngine(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
                     config=ChunkConfig(device_memory_limit=1000, chunk_numel=4160))
+    # a user who left the chunk size to us is not told to lower it: it is as low as the largest parameter already
+    with pytest.raises(DeviceMemoryLimitError) as e:
+        ChunkEngine(m, [torch.optim.SGD(m.parameters(), lr=0.1)], config=ChunkConfig(device_memory_limit=1000))
+    assert "lower chunk_numel" not in str(e.value) and "as small as the largest parameter" in str(e.value)
 
 
 def test_parameter_identity_survives_the_whole_life():
@@ -300,3 +304,19 @@ def test_the_first_layout_is_sized_with_each_module_s_chunks():
     grad = max(v.grad_payload_bytes for v in plan.views)
     assert plan.need_before_activations >= sum(payload[c] for c in chunks_of_first) + grad > grad
     assert payload[weight_chunk] > 0
+
+
+@pytest.mark.parametrize("limit_mib", [3, 4, 6])
+def test_the_warm_up_layout_of_several_ranks_leaves_room_for_a_second_gradient_payload(limit_mib):
+    """Registration order: in the warm-up's backward a chunk whose gradients wait for the rest of its tensors keeps
+    its gradient payload while the next chunk fills one, so the automatic size leaves room for both (on 2 ranks,
+    bf16-mixed and a limit of 0.3x the parameter bytes failed the first backward without it)."""
+    net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 1024))
+    limit = limit_mib * 2**20
+    plan = ChunkEngine.plan_from_shapes(net, [torch.optim.AdamW(net.parameters())], world_size=2,
+                                        config=ChunkConfig(device_memory_limit=limit, chunk_numel_min=4096))
+    grad = max(v.grad_payload_bytes for v in plan.views)
+    largest = 1024 * 256
+    # room for both, unless the chunks are already as small as the largest parameter (3 MiB: 263,168 elements before)
+    assert plan.layout.capacity_numel <= largest or plan.need_before_activations + grad <= limit, (
+        plan.layout.capacity_numel, plan.need_before_activations, grad, limit)
