@@ -14,7 +14,7 @@ from lightning_chunk import ChunkOffloadStrategy
 from tests.models import ReorderedNet, token_data
 
 RESUME_MODEL = dict(dim=64, hidden=256, depth=3)
-RESUME_VARIANTS = ("auto_size", "auto_size_limit")
+RESUME_VARIANTS = ("auto_size", "auto_size_limit", "host_kept_limit")
 
 
 # 106K parameters: the training state (16 bytes a parameter) is 1.7 MB on one rank and 0.85 MB a rank on two,
@@ -26,6 +26,8 @@ def resume_strategy(variant: str) -> ChunkOffloadStrategy:
     kw: dict[str, Any] = dict(optimizer_kernel="loop", collective_timeout_s=60, materialize_optimizer_state=True)
     if variant == "auto_size_limit":
         kw.update(chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT)
+    if variant == "host_kept_limit":  # payloads kept for backward, under the limit ([Note: keeping payloads for backward])
+        kw.update(placement="host", reshard_after_forward=False, device_memory_limit=RESUME_LIMIT)
     return ChunkOffloadStrategy(**kw)
 
 
