@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 
 from .packing import ChunkSpec, Slot
-from .states import PINNED_STATES, TensorState, check_transition
+from .states import PINNED_STATES, RESIDENT_STATES, TensorState, check_transition
 
 if TYPE_CHECKING:  # only a type here: the manager owns the pool
     from .pool import BlockPool
 
 _PINNED = tuple(PINNED_STATES)  # membership by identity: a frozenset hashes each enum member in Python
-_NOT_RESIDENT = (TensorState.FREE, TensorState.READY_FOR_REDUCE_FREE)
+_NOT_RESIDENT = tuple(s for s in TensorState if s not in RESIDENT_STATES)  # the table's, as a tuple (identity)
 _WAITING = (TensorState.READY_FOR_REDUCE, TensorState.READY_FOR_REDUCE_FREE)
 
 
