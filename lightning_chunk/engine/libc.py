@@ -17,10 +17,12 @@ from typing import Optional
 @functools.lru_cache(maxsize=None)
 def libc() -> Optional[ctypes.CDLL]:
     """The process's C library with ``errno`` kept for ``ctypes.get_errno``; ``None`` where there is none."""
-    for name in ("libc.so.6", ctypes.util.find_library("c")):  # glibc's name first: no helper process spawned
-        if name:
-            try:
-                return ctypes.CDLL(name, use_errno=True)
-            except OSError:
-                continue
-    return None
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)  # glibc's name first: find_library may spawn a helper process
+    except OSError:
+        pass
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name, use_errno=True) if name else None
+    except OSError:
+        return None
