@@ -234,3 +234,25 @@ class DeferredNet(ParityNet):
 
     def reset_parameters(self) -> None:  # the LightningModule owns a buffer directly
         self.calls.zero_()
+
+
+class CheckpointedNet(ParityNet):
+    """Activation checkpointing (``torch.utils.checkpoint``) around each block, as Hugging Face's
+    ``gradient_checkpointing_enable()`` does: backward runs each block's forward again, so its chunk is needed a
+    third time in a step, after the forward that released it. ``reentrant`` picks the older autograd.Function form,
+    whose recomputation runs inside the backward of a node the engine's hooks never saw."""
+
+    reentrant = False
+
+    def forward(self, x, use_branch=True):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(x)
+        for blk in self.blocks:
+            h = h + checkpoint(blk, h, use_reentrant=self.reentrant)
+        return self.head(self.norm(h))
+
+
+class ReentrantCheckpointedNet(CheckpointedNet):
+    reentrant = True
+

@@ -20,6 +20,19 @@
 - The end of backward is a callback queued on the autograd engine by the first
   backward hook; ``end_backward`` is idempotent so callers may call it again.
 
+[Note: recomputation]
+Activation checkpointing (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable()``) runs a
+block's forward again inside backward, so the forward hooks fire while autograd runs a backward
+(``_in_backward``). Each recomputed module gathers its chunks as in any forward, and its post-forward lets them
+go as usual, with one exception: tensors that a backward had in use (COMPUTE) when the recomputation of their
+module began stay in use. With ``use_reentrant=False`` the recomputation runs inside the backward node of the
+block's last module, whose pre-backward hook has already gathered its chunks: demoting them after the
+recomputed forward let host placement release that payload, and the node then read its saved weight from freed
+storage. The warm-up trace records, per moment, the parameters other modules keep in use
+(``Moment.pinned_params``: the module whose backward asked for the recomputation, an enclosing module), so the
+chunk size and the budget chosen from it count them; before the trace the automatic chunk size leaves room for
+two modules' chunks for the same reason.
+
 [Note: hooks under torch.compile]
 A compiled module (``torch.compile(model)`` of a submodule, or of the LightningModule's ``forward``) still runs
 these hooks, each as it would run eagerly: every hook is ``torch.compiler.disable``d, so dynamo breaks its graph
@@ -54,6 +67,11 @@ from .tracer import BACKWARD, FORWARD, POST_FORWARD, MemoryTracer, MomentEvent, 
 
 S = TensorState
 _eager = torch.compiler.disable  # see [Note: hooks under torch.compile]
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread: a forward then is a recomputation."""
+    return torch._C._current_graph_task_id() != -1
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
 ROOT = "<root>"
 
@@ -83,6 +101,8 @@ class ChunkHooks:
         self._key_index: dict[str, int] = {}
         self._sequence: list[tuple[str, str]] = []  # (kind, module) of this micro-batch, compared across ranks
         self._pre_backward: dict[str, Callable[[torch.Tensor], None]] = {}  # module key -> its output tensors' hook
+        # module key -> its parameters a backward had in use when a recomputation of the module began
+        self._pinned_by_backward: dict[str, frozenset[int]] = {}
         self._learn_owners()
 
     # ============================================================ installation
@@ -169,10 +189,26 @@ class ChunkHooks:
             params = self.manager.params
             self._chunks_of = {k: self.manager.chunk_ids_of([params[i] for i in own]) for k, own in self._owned.items()}
         chunk_ids = self._chunks_of.get(key, ())
-        self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()))
+        if kind == FORWARD and _in_backward():
+            self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()), self._pinned)
+        else:
+            self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()))
         if self.manager.comm.world_size > 1:
             self._sequence.append((kind, key))
         return chunk_ids
+
+    def _pinned(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """For the warm-up's trace, at a recomputation's moment: the (parameters, chunks) a backward has in use
+        ([Note: recomputation]). Elsewhere none is recorded: a module's backward ends as the next begins, and
+        counting that overlap refused limits that work."""
+        index_of = self.manager.index_of
+        params, chunks = [], []
+        for c in self.manager.chunks:
+            mine = [index_of[id(t.param)] for t in c.tensors if t.state is S.COMPUTE]
+            if mine:
+                params.extend(mine)
+                chunks.append(c.chunk_id)
+        return tuple(sorted(params)), tuple(chunks)
 
     def _plan_and_run(self, needed: tuple[int, ...]) -> None:
         mgr = self.manager
@@ -251,7 +287,7 @@ class ChunkHooks:
                 + (f", next to {nonmodel} bytes of traced activations" if nonmodel else "")
                 + f". The smallest limit that would work is {shards + pinned + grads + missing + nonmodel} bytes"
                 + ("" if self.trace is not None else " plus the activations, which the warm-up step measures")
-                + "; or lower chunk_numel."
+                + ("; or lower chunk_numel." if self.policy.config.chunk_numel is not None else ".")
             ) from None
 
     def _module_of_next(self, chunk_id: int) -> int:
@@ -268,10 +304,16 @@ class ChunkHooks:
         before = self._resident() if self.recorder else None
         needed = self._tick(kind, key)
         self._plan_and_run(needed)
+        recompute = kind == FORWARD and _in_backward()
+        in_use = []
         for i in self._owned.get(key, ()):
             chunk, info = self.manager.lookup(self.manager.params[i])
+            if recompute and info.state is S.COMPUTE:
+                in_use.append(i)  # pinned by the backward that runs this recomputation: [Note: recomputation]
             if info.state in _USABLE:
                 chunk.set_state(info, S.COMPUTE)
+        if recompute:
+            self._pinned_by_backward[key] = frozenset(in_use)
         if before is not None:
             self._record(kind, key, needed, before)
 
@@ -279,9 +321,10 @@ class ChunkHooks:
         before = self._resident() if self.recorder else None
         self._tick(POST_FORWARD, key)
         new = S.HOLD_AFTER_FWD if torch.is_grad_enabled() else S.HOLD
+        keep = self._pinned_by_backward.pop(key, frozenset())
         for i in self._owned.get(key, ()):
             chunk, info = self.manager.lookup(self.manager.params[i])
-            if info.state is S.COMPUTE:
+            if info.state is S.COMPUTE and i not in keep:
                 chunk.set_state(info, new)
         if self.policy.evict_after_use:
             self._plan_and_run(())
@@ -369,6 +412,7 @@ class ChunkHooks:
 
     def _end_backward(self) -> None:
         self._backward_queued = False
+        self._pinned_by_backward.clear()
         self._check_same_sequence()
         self.manager.end_backward(self.make_room)
         if self.on_backward_end is not None:
@@ -413,6 +457,7 @@ class ChunkHooks:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.manager.reset_states()
         self._sequence = []
+        self._pinned_by_backward.clear()
         self.position = -1
         self.training = training
         counting = contextlib.nullcontext()

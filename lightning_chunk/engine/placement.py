@@ -52,10 +52,11 @@ class Plan:
 
 
 def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
-    """The most payload bytes any one moment of the trace needs at once."""
+    """The most payload bytes any one moment of the trace needs at once: its module's chunks, and at an activation
+    recomputation's moment those the backward it runs inside keeps in use."""
     size = {c.chunk_id: c.payload_bytes for c in chunks}
-    return max((sum(size.get(i, 0) for i in set(m.chunk_ids)) for m in trace.moments if m.kind in (FORWARD, BACKWARD)),
-               default=max(size.values(), default=0))
+    return max((sum(size.get(i, 0) for i in {*m.chunk_ids, *m.pinned_chunks}) for m in trace.moments
+                if m.kind in (FORWARD, BACKWARD)), default=max(size.values(), default=0))
 
 
 def smallest_working_limit(chunks: Sequence[ChunkView], trace: Optional[Trace]) -> tuple[int, int]:

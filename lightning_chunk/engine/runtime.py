@@ -221,7 +221,10 @@ class ChunkEngine:
             # rest of its tensors keeps its gradient payload while the next chunk fills one (its parameters' payload
             # may go: [Note: a gradient waits without its payload]), so choose a size with room for a second one
             second = max((v.grad_payload_bytes for v in views), default=0) if self.comm.world_size > 1 else 0
-            return self._need_before_trace(layout, views) + second
+            # and for two modules' chunks at once: with activation checkpointing, the module whose backward asked
+            # for a recomputation keeps its chunks while each module of the recomputed block gathers its own
+            # ([Note: recomputation] in hooks.py)
+            return self._need_before_trace(layout, views, modules=2) + second
         slot_of = layout.slot_of()
         chunks_b, nonmodel_b = smallest_working_limit(views, trace.remap({i: s.chunk_id for i, s in slot_of.items()}))
         return chunks_b + nonmodel_b
@@ -269,9 +272,9 @@ class ChunkEngine:
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)
 
-    def _need_before_trace(self, layout: Layout, views: list[ChunkView]) -> int:
+    def _need_before_trace(self, layout: Layout, views: list[ChunkView], modules: int = 1) -> int:
         """Device bytes the busiest module needs before any activation: its chunks (and the root's), plus a
-        whole chunk's gradient payload with several ranks."""
+        whole chunk's gradient payload with several ranks; with ``modules=2``, the two busiest modules' chunks."""
         slot_of = layout.slot_of()
         payload = {v.chunk_id: v.payload_bytes for v in views}
 
@@ -279,7 +282,7 @@ class ChunkEngine:
             return sum(payload[c] for c in {slot_of[i].chunk_id for i in params})
 
         root_bytes = chunk_bytes(self.hooks.owned.get(ROOT, ()))
-        need = max((chunk_bytes(own) for own in self.hooks.owned.values()), default=0) + root_bytes
+        need = sum(sorted((chunk_bytes(own) for own in self.hooks.owned.values()), reverse=True)[:modules]) + root_bytes
         return need + max((v.grad_payload_bytes for v in views), default=0)
 
     def _check_limit_before_trace(self, layout: Layout, views: list[ChunkView]) -> None:

@@ -30,6 +30,10 @@ class Moment:
     chunk_ids: tuple[int, ...]
     param_indices: tuple[int, ...]
     nonmodel_bytes: int
+    # at an activation recomputation's moment: the parameters (and their chunks) that the backward it runs inside
+    # keeps in use ([Note: recomputation] in hooks.py); empty elsewhere
+    pinned_params: tuple[int, ...] = ()
+    pinned_chunks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,8 @@ class Trace:
         """The same moments with chunk ids of another layout (``param index -> chunk id``)."""
         return Trace(tuple(
             Moment(m.kind, m.module, tuple(sorted({chunk_of[i] for i in m.param_indices})), m.param_indices,
-                   m.nonmodel_bytes) for m in self.moments))
+                   m.nonmodel_bytes, m.pinned_params, tuple(sorted({chunk_of[i] for i in m.pinned_params})))
+            for m in self.moments))
 
     def first_use_order(self, num_params: int) -> list[int]:
         """Parameter indices in the order the warm-up first used them; unused ones last, in registration order."""
@@ -240,10 +245,14 @@ class MemoryTracer:
         if self._moments and peak > self._moments[-1].nonmodel_bytes:
             self._moments[-1] = dataclasses.replace(self._moments[-1], nonmodel_bytes=peak)
 
-    def record(self, kind: str, module: str, chunk_ids: Sequence[int], param_indices: Sequence[int]) -> None:
+    def record(self, kind: str, module: str, chunk_ids: Sequence[int], param_indices: Sequence[int],
+               pinned: Callable[[], tuple[tuple[int, ...], tuple[int, ...]]] = lambda: ((), ())) -> None:
+        """One moment; ``pinned()`` gives the (parameters, chunks) other modules keep in use (asked only here)."""
         if self.recording:
             self._charge_previous(self._peak_since_last_moment())
-            self._moments.append(Moment(kind, module, tuple(chunk_ids), tuple(param_indices), self.nonmodel_bytes()))
+            held = pinned() if kind != POST_FORWARD else ((), ())
+            self._moments.append(Moment(kind, module, tuple(chunk_ids), tuple(param_indices), self.nonmodel_bytes(),
+                                        *held))
 
     def forward_first_use(self) -> list[int]:
         """Chunk ids in the order the recording's forward moments first used them (so far)."""

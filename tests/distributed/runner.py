@@ -52,6 +52,10 @@ CASES = {
     "host_kept_limit": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
                             strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=None,
                                           chunk_numel_min=4096)),
+    # the same with chunks of 300,000 elements: the warm-up's backward (registration order) must let payloads go
+    # while their gradients wait to reduce ([Note: a gradient waits without its payload])
+    "host_kept_waiting": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
+                              strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=300000)),
     # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
     "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
     # the defaults a user gets: automatic chunk size, on a model used in another order than registered
@@ -72,6 +76,12 @@ CASES = {
                                  bf16=True, strategy=dict(chunk_numel=None)),
     "reordered_bf16": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True,
                            strategy=dict(chunk_numel=None)),  # its twin without a limit
+    # activation checkpointing: each block's chunk is needed again when backward recomputes it
+    "checkpointed": dict(cls="CheckpointedNet", model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=None)),
+    "checkpointed_host": dict(cls="ReentrantCheckpointedNet", model=dict(dim=64, hidden=256, depth=6),
+                              strategy=dict(placement="host", chunk_numel=20000)),
+    "checkpointed_limit": dict(cls="CheckpointedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
+                               strategy=dict(chunk_numel=None, placement="host")),
     "two_optimizers": dict(cls="TwoOptimizers"),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     "rank_buffer": dict(cls="RankBuffer"),

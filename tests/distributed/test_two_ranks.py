@@ -17,8 +17,9 @@ import torch
 RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
-          "host_kept", "host_kept_limit", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
-          "reordered_bf16", "reordered_bf16_tight", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
+          "host_kept", "host_kept_limit", "host_kept_waiting", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
+          "reordered_bf16", "reordered_bf16_tight", "checkpointed", "checkpointed_host", "checkpointed_limit",
+          "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "early", "early_unused", "early_accumulate", "early_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
@@ -185,8 +186,11 @@ def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
         assert s["limit"] < s["param_bytes"] and s["device_shards"] == 0
         assert 0 < s["device_chunk_bytes_peak"] <= s["limit"]
         assert s["gathers"] > 25 * s["chunks"], s  # some payloads had to go before backward
+    for s in stats(out, "host_kept_waiting"):
+        assert 0 < s["device_chunk_bytes_peak"] <= s["limit"]
         # the warm-up's registration-order layout let payloads go while their gradients waited to reduce
-        # ([Note: a gradient waits without its payload]): without that its first backward ran out of room
+        # ([Note: a gradient waits without its payload]): without that its first backward ran out of room (with
+        # the automatic chunk size too, until the warm-up's chunks left room for two modules' chunks)
         assert s["waiting_releases"] > 0
 
 
@@ -211,12 +215,13 @@ def test_buffers_start_from_rank_zero(parity_run):
 
 
 @pytest.mark.parametrize("case,share", [("limit", 0.5), ("reordered_auto_limit", 2.0), ("deferred_limit", 2.0),
-                                        ("reordered_auto_tight", 0.5)])
+                                        ("reordered_auto_tight", 0.5), ("checkpointed_limit", 0.5)])
 def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, case, share):
     """``limit``: below this rank's share of the parameters alone; ``reordered_auto_limit`` (the automatic
     chunk size): below its share of the training state (parameters, gradients, Adam's moments);
     ``reordered_auto_tight``: the defaults below this rank's share of the parameters (the first layout's chunk size
-    was once chosen without the modules' chunks, and its first step failed)."""
+    was once chosen without the modules' chunks, and its first step failed); ``checkpointed_limit``: activation
+    checkpointing with the defaults ([Note: recomputation])."""
     out, _, _ = parity_run
     for s in stats(out, case):
         assert s["limit"] < s["param_bytes"] * share

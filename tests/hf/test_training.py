@@ -67,12 +67,16 @@ def test_fine_tuning_from_save_pretrained_is_bit_exact_with_auto_under_a_limit(e
         torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
 
 
-def test_hf_gradient_checkpointing_is_bit_exact(example, pretrained):
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_hf_gradient_checkpointing_is_bit_exact(example, pretrained, placement):
+    """``use_reentrant=False`` (the example's): each layer's forward runs again inside the backward of its last
+    module. Host placement, which releases each payload after use, once released that module's chunk after its
+    recomputed forward, under its own backward ([Note: recomputation])."""
     kw = dict(pretrained=str(pretrained["llama"]), gradient_checkpointing=True)
     ref = fit(example, "auto", **kw)
     assert ref.hf_model.is_gradient_checkpointing
-    got = fit(example, ChunkOffloadStrategy(device_memory_limit=LIMITS["llama"], chunk_numel=16384,
-                                            optimizer_kernel="loop"), **kw)
+    got = fit(example, ChunkOffloadStrategy(placement=placement, device_memory_limit=LIMITS["llama"],
+                                            chunk_numel=16384, optimizer_kernel="loop"), **kw)
     same_params(ref, got)
     plain = fit(example, "auto", pretrained=str(pretrained["llama"]))  # recomputation changes nothing in fp32
     same_params(plain, got)

@@ -5,6 +5,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from tests import models
 from tests.models import ParityNet, fit
 
 STEPS = 24
@@ -97,6 +98,37 @@ def test_parity_under_a_device_limit_below_the_parameter_bytes(placement, extra,
     stats = strategy.memory_stats()
     assert stats["evictions"] > 0
     assert 0 < stats["device_chunk_bytes_peak"] <= limit < param_bytes
+
+
+WIDE = dict(dim=256, hidden=1024, depth=4)  # each weight matrix 1 MB: a chunk of its own under the limits below
+
+
+@pytest.mark.parametrize("cls", ["CheckpointedNet", "ReentrantCheckpointedNet"])
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_activation_checkpointing_with_the_defaults_under_a_limit_is_bit_exact(cls, placement):
+    """[Note: recomputation]: backward runs each block's forward again. With the automatic chunk size under a limit
+    below the parameter bytes, the recomputed blocks gather their chunks beside the chunk of the module whose
+    backward asked for them, and nothing a running backward reads is released (with ``use_reentrant=False`` host
+    placement released the last layer's payload under its backward: "setStorage ... storage of size 0")."""
+    model_cls = getattr(models, cls)
+    ref = fit("auto", steps=8, cls=model_cls, model_kwargs=WIDE)
+    limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * 0.45)
+    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, optimizer_kernel="loop")
+    got = fit(strategy, steps=8, cls=model_cls, model_kwargs=WIDE)
+    assert_same_params(ref, got, EXACT)
+    stats = strategy.memory_stats()
+    assert stats["chunks"] > 4 and stats["evictions"] > 0
+    assert 0 < stats["device_chunk_bytes_peak"] <= limit
+
+
+@pytest.mark.parametrize("cls", ["CheckpointedNet", "ReentrantCheckpointedNet"])
+def test_activation_checkpointing_on_the_host_with_a_chunk_a_module_is_bit_exact(cls):
+    """Host placement releases each payload after use; the recomputation's forward must not release the chunk of
+    the module whose backward runs it."""
+    ref = fit("auto", steps=STEPS, cls=getattr(models, cls), model_kwargs=dict(depth=3))
+    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=2048, optimizer_kernel="loop")
+    got = fit(strategy, steps=STEPS, cls=getattr(models, cls), model_kwargs=dict(depth=3))
+    assert_same_params(ref, got, EXACT)
 
 
 @torch.no_grad()

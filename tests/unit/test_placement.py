@@ -33,6 +33,20 @@ def test_trace_queries():
     assert smallest_working_limit([view(i) for i in range(4)], t) == (1000, 350)
 
 
+def test_the_working_set_counts_what_other_modules_keep_in_use():
+    """[Note: recomputation]: a recomputed module's moment needs its own chunk and the chunk of the module whose
+    backward runs the recomputation; a remap to another layout keeps both."""
+    ms = list(fake_trace().moments)
+    ms.insert(7, Moment(FORWARD, "m2", (2,), (2,), 200, pinned_params=(3,), pinned_chunks=(3,)))  # in backward
+    t = Trace(tuple(ms))
+    views = [view(i) for i in range(4)]
+    assert working_set_bytes(views, t) == 2000
+    merged = t.remap({0: 0, 1: 0, 2: 1, 3: 2})  # three chunks: parameters 2 and 3 stay apart
+    assert merged.moments[7].chunk_ids == (1,) and merged.moments[7].pinned_chunks == (2,)
+    assert working_set_bytes(views[:3], merged) == 2000
+    assert working_set_bytes(views, t.remap({0: 0, 1: 1, 2: 2, 3: 2})) == 1000  # one chunk holds both
+
+
 def test_auto_evicts_farthest_next_use_and_prefetches_exactly():
     t = fake_trace()
     policy = AutoPlacement(ChunkConfig(placement="auto"))
