@@ -256,3 +256,21 @@ class CheckpointedNet(ParityNet):
 class ReentrantCheckpointedNet(CheckpointedNet):
     reentrant = True
 
+
+class AdapterNet(ParityNet):
+    """LoRA's shape: every block's layers frozen, a trainable low-rank adapter beside each block. The frozen
+    weights are most of the parameters and never get a gradient, yet backward reads each of them once."""
+
+    def build(self) -> None:
+        super().build()
+        dim = self.shape["dim"]
+        self.adapters = nn.ModuleList(nn.Sequential(nn.Linear(dim, 4, bias=False), nn.Linear(4, dim, bias=False))
+                                      for _ in range(self.shape["depth"]))
+        for p in self.blocks.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        for blk, adapter in zip(self.blocks, self.adapters):
+            h = h + blk(h) + adapter(h)
+        return self.head(self.norm(h))

@@ -33,6 +33,15 @@ storage. The warm-up trace records, per moment, the parameters other modules kee
 chunk size and the budget chosen from it count them; before the trace the automatic chunk size leaves room for
 two modules' chunks for the same reason.
 
+[Note: frozen parameters in backward]
+A trainable parameter leaves COMPUTE when its gradient lands. A frozen one (LoRA's base weights, a frozen
+encoder in the middle of a model) never gets a gradient, so it used to stay in use from its module's
+pre-backward to the end of backward: every frozen chunk pinned at once, and under a device limit the first
+backward failed. So a module owning frozen parameters hooks its inputs that require grad (all of them at once,
+``register_multi_grad_hook``): when their gradients are computed its backward is done, and its frozen
+parameters go to HOLD_AFTER_BWD, free to be evicted. A count per module covers a module called several
+times; a non-reentrant recomputation (whose inputs never get gradients) does not add to it.
+
 [Note: hooks under torch.compile]
 A compiled module (``torch.compile(model)`` of a submodule, or of the LightningModule's ``forward``) still runs
 these hooks, each as it would run eagerly: every hook is ``torch.compiler.disable``d, so dynamo breaks its graph
@@ -101,6 +110,9 @@ class ChunkHooks:
         self._key_index: dict[str, int] = {}
         self._sequence: list[tuple[str, str]] = []  # (kind, module) of this micro-batch, compared across ranks
         self._pre_backward: dict[str, Callable[[torch.Tensor], None]] = {}  # module key -> its output tensors' hook
+        self._post_backward: dict[str, Callable[[Any], None]] = {}  # module key -> its inputs' hook
+        # module key -> calls with frozen parameters whose backward has not finished ([Note: frozen parameters ...])
+        self._open_backward: dict[str, int] = {}
         # module key -> its parameters a backward had in use when a recomputation of the module began
         self._pinned_by_backward: dict[str, frozenset[int]] = {}
         self._learn_owners()
@@ -119,6 +131,7 @@ class ChunkHooks:
             self._owned[key] = own
             self._key_index[key] = len(self._key_index)
             self._pre_backward[key] = self._make_pre_backward(key)  # the root's too: step_scope hooks its outputs
+            self._post_backward[key] = self._make_post_backward(key)
 
     @property
     def owned(self) -> dict[str, tuple[int, ...]]:
@@ -131,7 +144,8 @@ class ChunkHooks:
             if key not in self._owned or mod is self.module:
                 continue  # owns no parameter; or the root, which step_scope handles
             self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
-            self._handles.append(mod.register_forward_hook(self._make_post_forward(key), always_call=True))
+            self._handles.append(mod.register_forward_hook(self._make_post_forward(key), with_kwargs=True,
+                                                           always_call=True))
         for p in self.manager.params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -358,10 +372,44 @@ class ChunkHooks:
 
     def _make_post_forward(self, key: str) -> Callable[..., None]:
         @_eager
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             with self.manager.clock.measure("hooks"):
                 self._done_forward(key)
                 self._hook_outputs(key, output)
+                self._hook_inputs(key, (args, kwargs))
+
+        return hook
+
+    def _hook_inputs(self, key: str, inputs: Any) -> None:
+        """A module that owns frozen parameters: let them go when its backward is done ([Note: frozen parameters
+        in backward])."""
+        if not torch.is_grad_enabled():
+            return
+        params = self.manager.params
+        if all(params[i].requires_grad for i in self._owned.get(key, ())):
+            return
+        if _in_backward() and self._open_backward.get(key, 0):
+            return  # a recomputation whose backward never runs: the first forward's hook is the one that fires
+        leaves = [t for t in tree_flatten(inputs)[0] if torch.is_tensor(t) and t.requires_grad]
+        if not leaves:
+            return  # no backward reaches its inputs: its frozen parameters are never pinned by one
+        self._open_backward[key] = self._open_backward.get(key, 0) + 1
+        torch.autograd.graph.register_multi_grad_hook(leaves, self._post_backward[key], mode="all")
+
+    def _make_post_backward(self, key: str) -> Callable[[Any], None]:
+        @_eager
+        def hook(grads: Any) -> None:
+            with self.manager.clock.measure("hooks"):
+                left = self._open_backward.get(key, 0) - 1
+                self._open_backward[key] = max(left, 0)
+                if left > 0:
+                    return  # another call of the module still has its backward ahead
+                params = self.manager.params
+                for i in self._owned.get(key, ()):
+                    if not params[i].requires_grad:
+                        chunk, info = self.manager.lookup(params[i])
+                        if info.state is S.COMPUTE:
+                            chunk.set_state(info, S.HOLD_AFTER_BWD)
 
         return hook
 
@@ -412,6 +460,7 @@ class ChunkHooks:
 
     def _end_backward(self) -> None:
         self._backward_queued = False
+        self._open_backward.clear()
         self._pinned_by_backward.clear()
         self._check_same_sequence()
         self.manager.end_backward(self.make_room)
@@ -457,6 +506,7 @@ class ChunkHooks:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.manager.reset_states()
         self._sequence = []
+        self._open_backward.clear()
         self._pinned_by_backward.clear()
         self.position = -1
         self.training = training

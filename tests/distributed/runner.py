@@ -82,6 +82,9 @@ CASES = {
                               strategy=dict(placement="host", chunk_numel=20000)),
     "checkpointed_limit": dict(cls="CheckpointedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
                                strategy=dict(chunk_numel=None, placement="host")),
+    # LoRA's shape under a limit: frozen weights must not stay pinned for the rest of backward
+    "adapters_limit": dict(cls="AdapterNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.3,
+                           strategy=dict(chunk_numel=None)),
     "two_optimizers": dict(cls="TwoOptimizers"),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     "rank_buffer": dict(cls="RankBuffer"),

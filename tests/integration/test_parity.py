@@ -131,6 +131,19 @@ def test_activation_checkpointing_on_the_host_with_a_chunk_a_module_is_bit_exact
     assert_same_params(ref, got, EXACT)
 
 
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_frozen_weights_under_a_limit_are_released_after_their_backward(placement):
+    """[Note: frozen parameters in backward]: LoRA's shape (frozen blocks, trainable adapters) under a limit below
+    the parameter bytes. The frozen weights never get a gradient; they used to stay pinned from their module's
+    backward to the end of backward, and the first backward failed."""
+    ref = fit("auto", steps=8, cls=models.AdapterNet, model_kwargs=WIDE)
+    limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * 0.3)
+    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, optimizer_kernel="loop")
+    got = fit(strategy, steps=8, cls=models.AdapterNet, model_kwargs=WIDE)
+    assert_same_params(ref, got, EXACT)
+    assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
+
+
 @torch.no_grad()
 def relative_update_error(ref, got, init):
     num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters()))
