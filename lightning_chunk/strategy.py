@@ -304,6 +304,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if self.weights is not None and not self._weights_loaded:
             weights = ModuleWeights(open_weights(self.weights), module, strict=getattr(module, "strict_loading", True))
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_callbacks(trainer)
         if fitting and self.config.step_in_backward:
             self._check_step_in_backward(trainer, module, self.precision_plugin.precision)
         if fitting:
@@ -317,6 +319,21 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
         self.precision_plugin.attach(self.engine, self.root_device)
+
+    @staticmethod
+    def _check_callbacks(trainer: "pl.Trainer") -> None:
+        """Callbacks that cannot work on a rebound optimizer, refused before anything is built."""
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        for cb in trainer.callbacks:
+            if isinstance(cb, BaseFinetuning):
+                raise ValueError(
+                    f"{type(cb).__name__} (a BaseFinetuning callback) does not work with chunk_offload: it finds the "
+                    "optimizer's parameters by identity with the module's and adds param groups while training, but "
+                    "the optimizer here steps views of the chunk shards, and param groups are packed into chunks at "
+                    "setup. Instead, put every parameter in configure_optimizers' param groups from the start and set "
+                    "requires_grad in a callback (on_train_epoch_start or on_train_batch_start): chunk_offload "
+                    "repacks when it changes (docs/configuration.md, 'Freezing and unfreezing').")
 
     @staticmethod
     def _check_step_in_backward(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str) -> None:

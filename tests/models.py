@@ -274,3 +274,35 @@ class AdapterNet(ParityNet):
         for blk, adapter in zip(self.blocks, self.adapters):
             h = h + blk(h) + adapter(h)
         return self.head(self.norm(h))
+
+
+class FlipRequiresGrad(L.Callback):
+    """Progressive unfreezing and a re-freeze, set before every batch (so a resumed run sets them too): ``ParityNet``'s
+    "frozen" variant trains blocks[0] from step ``unfreeze`` on, and freezes its embedding for steps
+    ``unfreeze`` to ``refreeze``."""
+
+    def __init__(self, unfreeze: int = 6, refreeze: int = 14) -> None:
+        self.unfreeze, self.refreeze = unfreeze, refreeze
+
+    def frozen(self, pl_module, step: int) -> list:
+        """The parameters frozen at ``step``."""
+        return ([*pl_module.blocks[0].parameters()] if step < self.unfreeze else []) + \
+            ([*pl_module.embed.parameters()] if self.unfreeze <= step < self.refreeze else [])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        frozen = {id(p) for p in self.frozen(pl_module, trainer.global_step)}
+        for p in [*pl_module.blocks[0].parameters(), *pl_module.embed.parameters()]:
+            p.requires_grad_(id(p) not in frozen)
+
+
+class DropFrozenGrads(FlipRequiresGrad):
+    """The same schedule for DDP, whose reducer only all-reduces the parameters that required grad when it was built:
+    everything trains, and the gradients of the parameters the schedule freezes are dropped before each step (so the
+    optimizer skips them, as it skips a frozen parameter)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pass
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for p in self.frozen(pl_module, trainer.global_step):
+            p.grad = None

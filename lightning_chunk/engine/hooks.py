@@ -97,6 +97,7 @@ class ChunkHooks:
         self.clock = 0  # moments since creation (for LRU)
         self.training = False
         self._handles: list[Any] = []
+        self._grads_watched: set[int] = set()  # parameters whose gradient hook is installed
         self._backward_queued = False
         self.on_trace_done: Optional[Callable[[Trace], None]] = None
         self.on_backward_start: Optional[Callable[[], None]] = None  # before the first gradient of a backward lands
@@ -146,12 +147,18 @@ class ChunkHooks:
             self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
             self._handles.append(mod.register_forward_hook(self._make_post_forward(key), with_kwargs=True,
                                                            always_call=True))
-        for p in self.manager.params:
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.watch_grads()
         keys = list(self._key_index)
         self.manager.comm.names = lambda chunk, module: (
             f"chunk {chunk}" + (f" (module {keys[module]!r})" if 0 <= module < len(keys) else ""))
+
+    def watch_grads(self) -> None:
+        """Hook every trainable parameter's gradient (once each): at install, and after parameters were unfrozen
+        ([Note: requires_grad changed] in ``runtime.py``)."""
+        for i, p in enumerate(self.manager.params):
+            if p.requires_grad and i not in self._grads_watched:
+                self._grads_watched.add(i)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def make_room(self, nbytes: int) -> None:
         """Evict by the policy until ``nbytes`` more fit under the limit (for gradient payloads: the manager calls
@@ -188,6 +195,7 @@ class ChunkHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._grads_watched.clear()
 
     def _is_model_storage(self, t: torch.Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()

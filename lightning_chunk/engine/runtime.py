@@ -32,7 +32,7 @@ import torch
 from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
 from .config import ChunkConfig, DtypePolicy, default_device_limit
-from .errors import DeviceMemoryLimitError, LayoutError
+from .errors import ChunkError, DeviceMemoryLimitError, LayoutError
 from .early_step import FP16_REFUSED, EarlyStep
 from .growth import InputGrowth
 from .hooks import ROOT, ChunkHooks
@@ -365,6 +365,46 @@ class ChunkEngine:
                 self._backward_ends()
                 release_freed_memory()
 
+    def _follow_requires_grad(self) -> None:
+        """Repack when parameters were frozen or unfrozen since the last layout ([Note: requires_grad changed]).
+
+        [Note: requires_grad changed]
+        A chunk holds trainable or frozen parameters, never both: only trainable chunks have gradient buffers and
+        gradient hooks. A parameter whose ``requires_grad`` a user flipped after packing (unfreezing a backbone at
+        some epoch) was silently never trained. Before each training micro-batch the flags are compared with the
+        layout's; on a change the model is repacked as at the end of the warm-up (the same chunk-size rule and
+        trace, the values and optimizer state moved by piece), the optimizers rebound and the new trainable
+        parameters' gradient hooks installed. A parameter in an optimizer's param groups steps from its first
+        gradient on, as in PyTorch; one frozen after it stepped keeps its value and its optimizer state (the carrier
+        moves state by parameter, whatever chunk it lands in), so unfrozen again it goes on where it stopped.
+        Inside gradient accumulation a change is refused: the step's gradients so far are laid out by the old
+        flags. Several ranks must change the same flags at the same micro-batch, as with any module they run."""
+        mgr = self.manager
+        changed = [s.name for p, s in zip(mgr.params, mgr.specs) if p.requires_grad != s.key.requires_grad]
+        if not changed:
+            return
+        if not self._no_grads_held:
+            raise ChunkError(
+                f"requires_grad of {', '.join(map(repr, changed[:5]))}{' ...' if len(changed) > 5 else ''} changed "
+                "inside a step whose gradients are being accumulated; change it before a step's first micro-batch "
+                "(in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary).")
+        mgr.specs = [dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
+                     for p, s in zip(mgr.params, mgr.specs)]
+        trace = self.hooks.trace
+        order = (trace.first_use_order(len(mgr.params)) if trace is not None else
+                 list(mgr.layout.order))
+        layout = self._choose_layout(order, trace)
+        if trace is not None:
+            trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
+        views, tiers = self._plan_tiers(layout, trace)
+        self._place(layout, views, tiers)
+        self.hooks.watch_grads()
+        if trace is not None:
+            mgr.set_reduce_order(trace.backward_completion_order())
+            self.hooks.trace = trace
+        self._backward_ends()  # the last step's gradients moved along: attach them again (as _trace_again does)
+        release_freed_memory()
+
     def _agree_on_activations(self, trace: Trace) -> Trace:
         """Every rank plans from the largest activations any rank measured at each moment: ranks whose budgets
         differed would evict and gather different chunks, and so pair different collectives."""
@@ -408,6 +448,8 @@ class ChunkEngine:
         """
         if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
             self.hooks.end_backward()
+        if training and torch.is_grad_enabled():
+            self._follow_requires_grad()
         record = training and not self.warmed_up and torch.is_grad_enabled()
         if training and torch.is_grad_enabled():
             if self.growth.must_retrace(input_bytes, recording=record):

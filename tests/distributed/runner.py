@@ -255,6 +255,23 @@ def run_resume_defaults(out: Path) -> None:
     print(f"CASE-DONE resume_defaults rank={t.global_rank}", flush=True)
 
 
+def run_unfreeze(out: Path) -> None:
+    """[Note: requires_grad changed]: blocks[0] unfrozen at step 6 and the embedding frozen from 6 to 14, with the
+    defaults; DDP trains everything and drops the gradients the schedule freezes (``DropFrozenGrads``)."""
+    L.seed_everything(7, verbose=False)
+    ref = ParityNet()
+    trainer(DDPStrategy(), steps=20, callbacks=[models.DropFrozenGrads()]).fit(ref, token_data())
+    L.seed_everything(7, verbose=False)
+    model = ParityNet(variant="frozen")
+    strategy = ChunkOffloadStrategy(optimizer_kernel="loop", collective_timeout_s=60)
+    t = trainer(strategy, steps=20, callbacks=[models.FlipRequiresGrad()])
+    t.fit(model, token_data())
+    state = {"ref": ref.state_dict(), "got": model.state_dict(), "stats": strategy.memory_stats()}
+    if t.global_rank == 0:
+        torch.save(state, out / "unfreeze.pt")
+    print(f"CASE-DONE unfreeze rank={t.global_rank}", flush=True)
+
+
 class SkipOnRankOne(ParityNet):
     """From step 3 on, rank 1 skips the branch that rank 0 runs."""
 
@@ -315,6 +332,8 @@ if __name__ == "__main__":
             run_reshard_resume(out_dir)
         elif name == "resume_defaults":
             run_resume_defaults(out_dir)
+        elif name == "unfreeze":
+            run_unfreeze(out_dir)
         else:
             run_parity(name, out_dir)
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise

@@ -65,7 +65,7 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
 @pytest.fixture(scope="module")
 def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", timeout=900)
+    rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", "unfreeze", timeout=900)
     return out, rc, log
 
 
@@ -205,6 +205,19 @@ def test_bf16_mixed_under_a_third_of_the_parameter_bytes_trains_as_without_a_lim
         assert got[k].dtype == torch.float32 or not got[k].is_floating_point()
     for s in stats(out, "reordered_bf16_tight"):
         assert 0 < s["device_chunk_bytes_peak"] <= s["limit"] and s["evictions"] > 0
+
+
+def test_unfreezing_and_refreezing_mid_training_train_as_ddp(parity_run):
+    """[Note: requires_grad changed]: with the defaults on 2 ranks, blocks[0] unfrozen at step 6 and the embedding
+    frozen from 6 to 14 train bit for bit as DDP dropping those gradients. Before, the unfrozen block never moved."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE unfreeze rank={r}" in log, log[-3000:]
+    d = torch.load(out / "unfreeze.pt")
+    for k, v in d["ref"].items():
+        torch.testing.assert_close(d["got"][k], v, msg=lambda m: f"{k}: {m}", rtol=0, atol=0)
+    init = torch.load(out / "plain.pt")["init"]
+    assert not torch.equal(d["got"]["blocks.0.1.weight"], init["blocks.0.1.weight"])
 
 
 def test_buffers_start_from_rank_zero(parity_run):

@@ -144,6 +144,49 @@ def test_frozen_weights_under_a_limit_are_released_after_their_backward(placemen
     assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(placement="host"), dict(device_memory_limit=90_000),
+                                dict(trainer=dict(accumulate_grad_batches=2))], ids=["auto", "host", "limit", "accumulate"])
+def test_freezing_and_unfreezing_mid_training_is_bit_exact(kw):
+    """[Note: requires_grad changed]: blocks[0] unfrozen at step 6, the embedding frozen from step 6 to 14, with the
+    defaults. The unfrozen block used to stay as it was, silently."""
+    kw = dict(kw)
+    tkw = kw.pop("trainer", {})
+    ref = fit("auto", steps=STEPS, variant="frozen", callbacks=[models.FlipRequiresGrad()], **tkw)
+    strategy = ChunkOffloadStrategy(optimizer_kernel="loop", **kw)
+    got = fit(strategy, steps=STEPS, variant="frozen", callbacks=[models.FlipRequiresGrad()], **tkw)
+    assert_same_params(ref, got, EXACT)
+    init = fit("auto", steps=0, variant="frozen")
+    assert not torch.equal(got.blocks[0][1].weight, init.blocks[0][1].weight)
+
+
+class FlipInsideAccumulation(models.FlipRequiresGrad):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 5:  # the second micro-batch of a step
+            for p in pl_module.blocks[0].parameters():
+                p.requires_grad_(True)
+
+
+def test_changing_requires_grad_inside_gradient_accumulation_is_refused():
+    with pytest.raises(Exception, match=r"requires_grad of 'blocks.0.0.weight'.* changed inside a step"):
+        fit(ChunkOffloadStrategy(), steps=8, variant="frozen", callbacks=[FlipInsideAccumulation()],
+            accumulate_grad_batches=2)
+
+
+class WithBackbone(ParityNet):
+    @property
+    def backbone(self):
+        return self.blocks
+
+
+def test_finetuning_callbacks_are_refused_with_what_to_do_instead():
+    """Lightning's BaseFinetuning maps the optimizer's parameters to the module's by identity: it failed with a
+    KeyError, and printing the key (a parameter whose payload was released) raised again."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    with pytest.raises(ValueError, match=r"BackboneFinetuning \(a BaseFinetuning callback\).*set requires_grad"):
+        fit(ChunkOffloadStrategy(), steps=2, cls=WithBackbone, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+
+
 @torch.no_grad()
 def relative_update_error(ref, got, init):
     num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters()))
