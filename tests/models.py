@@ -306,3 +306,27 @@ class DropFrozenGrads(FlipRequiresGrad):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         for p in self.frozen(pl_module, trainer.global_step):
             p.grad = None
+
+
+class ReusedBlockNet(ParityNet):
+    """The first block runs twice a forward (weights shared by calling one module again, as ALBERT does)."""
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        h = h + self.blocks[0](h)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+
+class CheckpointedAdapterNet(AdapterNet):
+    """LoRA's shape with activation checkpointing around each frozen block and its adapter (PEFT with
+    ``gradient_checkpointing_enable()``)."""
+
+    def forward(self, x, use_branch=True):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(x)
+        for blk, adapter in zip(self.blocks, self.adapters):
+            h = checkpoint(lambda t, b=blk, a=adapter: t + b(t) + a(t), h, use_reentrant=False)
+        return self.head(self.norm(h))

@@ -266,6 +266,12 @@ class ChunkEngine:
         if on_disk:  # before anything is written: the directory must be usable and hold the shards
             self.manager.disk.check_room(on_disk, f"{sum(t is Tier.DISK for t in tiers.values())} of {len(views)} "
                                                   "chunks' masters, gradient shards and optimizer state")
+        if limit is not None:
+            # a repack reads the old chunks' shards, never their payloads: those the last step left resident would
+            # only crowd the new chunks, each built with its payload, under the limit
+            for c in self.manager.chunks:
+                if c.is_resident and c.is_evictable and not c.aliased:
+                    self.manager.release(c)
         carrier = OptimizerStateCarrier(self.manager, self.bindings) if self.manager.chunks else None
         self.manager.pack(layout, tiers, extras=carrier, source=source, optim_bytes=self._optim_bytes)
         self.manager.reserve_optimizer_state(self._optim_bytes)

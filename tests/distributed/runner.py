@@ -85,6 +85,11 @@ CASES = {
     # LoRA's shape under a limit: frozen weights must not stay pinned for the rest of backward
     "adapters_limit": dict(cls="AdapterNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.3,
                            strategy=dict(chunk_numel=None)),
+    # a block run twice a forward, frozen, and LoRA's shape under activation checkpointing: the defaults, a limit
+    "reused_frozen_limit": dict(cls="ReusedBlockNet", variant="frozen", model=dict(dim=256, hidden=1024, depth=4),
+                                limit_fraction=0.45, strategy=dict(chunk_numel=None)),
+    "checkpointed_adapters_limit": dict(cls="CheckpointedAdapterNet", model=dict(dim=256, hidden=1024, depth=4),
+                                        limit_fraction=0.3, strategy=dict(chunk_numel=None, placement="host")),
     "two_optimizers": dict(cls="TwoOptimizers"),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     "rank_buffer": dict(cls="RankBuffer"),

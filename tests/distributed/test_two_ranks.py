@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
           "host_kept", "host_kept_limit", "host_kept_waiting", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
           "reordered_bf16", "reordered_bf16_tight", "checkpointed", "checkpointed_host", "checkpointed_limit",
-          "adapters_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
+          "adapters_limit", "reused_frozen_limit", "checkpointed_adapters_limit", "two_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "early", "early_unused", "early_accumulate", "early_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
@@ -229,7 +229,8 @@ def test_buffers_start_from_rank_zero(parity_run):
 
 @pytest.mark.parametrize("case,share", [("limit", 0.5), ("reordered_auto_limit", 2.0), ("deferred_limit", 2.0),
                                         ("reordered_auto_tight", 0.5), ("checkpointed_limit", 0.5),
-                                        ("adapters_limit", 0.5)])
+                                        ("adapters_limit", 0.5), ("reused_frozen_limit", 0.5),
+                                        ("checkpointed_adapters_limit", 0.5)])
 def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, case, share):
     """``limit``: below this rank's share of the parameters alone; ``reordered_auto_limit`` (the automatic
     chunk size): below its share of the training state (parameters, gradients, Adam's moments);

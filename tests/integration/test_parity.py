@@ -144,6 +144,24 @@ def test_frozen_weights_under_a_limit_are_released_after_their_backward(placemen
     assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
 
 
+@pytest.mark.parametrize("cls,variant,placement,fraction", [
+    ("ReusedBlockNet", "plain", "auto", 0.45), ("ReusedBlockNet", "frozen", "auto", 0.45),
+    ("ReusedBlockNet", "frozen", "host", 0.3), ("CheckpointedAdapterNet", "plain", "auto", 0.45),
+    ("CheckpointedAdapterNet", "plain", "host", 0.3)])
+def test_reused_modules_and_checkpointed_adapters_with_the_defaults_under_a_limit(cls, variant, placement, fraction):
+    """A block called twice a forward (with the defaults under a limit its warm-up once needed both its chunks
+    beside the next module's and failed); the same with that block frozen (the repack after the warm-up built the new
+    chunks beside the payloads the warm-up left resident, over the limit); LoRA's shape under activation
+    checkpointing (both fixes of the frozen and recomputed paths at once)."""
+    model_cls = getattr(models, cls)
+    ref = fit("auto", steps=8, cls=model_cls, variant=variant, model_kwargs=WIDE)
+    limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * fraction)
+    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, optimizer_kernel="loop")
+    got = fit(strategy, steps=8, cls=model_cls, variant=variant, model_kwargs=WIDE)
+    assert_same_params(ref, got, EXACT)
+    assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(placement="host"), dict(device_memory_limit=90_000),
                                 dict(trainer=dict(accumulate_grad_batches=2))], ids=["auto", "host", "limit", "accumulate"])
 def test_freezing_and_unfreezing_mid_training_is_bit_exact(kw):
