@@ -13,7 +13,7 @@ import dataclasses
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -99,6 +99,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
             and free its gradient shard then: 6 bytes a parameter of fp32 training state on two ranks instead of 8,
             bit-identical updates. Gradients are gone after ``backward()``; refused with gradient clipping, fp16
             loss scaling, several optimizers, manual optimization and the disk tier (``docs/faq.md``).
+        leaf_modules: module classes (or class names) whose forward reads its children's parameters without calling
+            them: each gathers its whole subtree at its own forward (DeepSpeed's ZeRO-3 leaf modules; torch's
+            ``MultiheadAttention`` and ``TransformerEncoderLayer``/``DecoderLayer`` always are).
         keep_freed_heap: on a CPU device with no ``host_memory_limit``, keep the heap pages a step frees for the next
             step instead of page-faulting them in again (glibc, process-wide; ``ChunkConfig.keep_freed_heap``).
         state_dict_type: ``"sharded"``: checkpoints are directories every rank writes its shards into, in
@@ -138,6 +141,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         verify_collectives: Optional[bool] = None,
         replan_when_inputs_grow: bool = True,
         step_in_backward: bool = False,
+        leaf_modules: Sequence[Union[type, str]] = (),
         keep_freed_heap: bool = True,
         state_dict_type: str = "sharded",
         weights: Optional[Union[str, "os.PathLike[str]"]] = None,

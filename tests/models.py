@@ -91,16 +91,16 @@ def token_data(n: int = 96, seed: int = 0) -> DataLoader:
 
 
 def fit(strategy, *, variant: str = "plain", steps: int = 20, precision="32-true", plugins=None, seed: int = 7,
-        model_kwargs=None, accelerator: str = "cpu", cls=None, **trainer_kwargs) -> ParityNet:
+        model_kwargs=None, accelerator: str = "cpu", cls=None, val_dataloaders=None, **trainer_kwargs) -> ParityNet:
     """Train a fresh ParityNet (same init for every strategy; or ``cls``) and return it."""
     L.seed_everything(seed, verbose=False)
     model = (cls or ParityNet)(variant=variant, **(model_kwargs or {}))
-    trainer = L.Trainer(
-        accelerator=accelerator, devices=1, strategy=strategy, precision=None if plugins else precision, plugins=plugins,
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, **trainer_kwargs,
-    )
-    trainer.fit(model, token_data())
+    trainer = L.Trainer(**{
+        **dict(accelerator=accelerator, devices=1, strategy=strategy, precision=None if plugins else precision,
+               plugins=plugins, max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0),
+        **trainer_kwargs})
+    trainer.fit(model, token_data(), val_dataloaders)
     model.trainer_ref = trainer
     return model
 
@@ -330,3 +330,39 @@ class CheckpointedAdapterNet(AdapterNet):
         for blk, adapter in zip(self.blocks, self.adapters):
             h = checkpoint(lambda t, b=blk, a=adapter: t + b(t) + a(t), h, use_reentrant=False)
         return self.head(self.norm(h))
+
+
+class TorchTransformerNet(ParityNet):
+    """torch's own nn.TransformerEncoder: MultiheadAttention reads ``out_proj``'s weights without calling it, and the
+    encoder layer's fast path (evaluation) reads every child's tensors in one fused op."""
+
+    def build(self) -> None:
+        dim = self.shape["dim"]
+        self.embed = nn.Embedding(VOCAB, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, self.shape["hidden"], dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=self.shape["depth"], enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def forward(self, x, use_branch=True):
+        return self.head(self.norm(self.encoder(self.embed(x))))
+
+
+class Peek(nn.Module):
+    """Reads its child's weight in its own forward (``F.linear``) instead of calling the child."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return F.linear(self.norm(x), self.proj.weight, self.proj.bias)
+
+
+class PeekNet(ParityNet):
+    def build(self) -> None:
+        super().build()
+        self.blocks = nn.ModuleList(Peek(self.shape["dim"]) for _ in range(self.shape["depth"]))

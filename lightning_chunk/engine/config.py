@@ -168,6 +168,13 @@ class ChunkConfig:
     PyTorch's gradient semantics: after ``backward()`` the stepped parameters' gradients are gone, so gradient
     clipping, fp16 loss scaling, several optimizers, manual optimization and the disk tier are refused with it."""
 
+    leaf_modules: tuple[Union[type, str], ...] = ()
+    """Module classes (or class names, ``"MyBlock"`` or ``"pkg.mod.MyBlock"``) whose forward reads its children's
+    parameters without calling them: each such module gathers its whole subtree's parameters at its own forward, and
+    its descendants get no hooks of their own (DeepSpeed's "ZeRO-3 leaf modules"). ``torch.nn.MultiheadAttention``
+    (which reads ``out_proj``'s weights) and ``torch.nn.TransformerEncoderLayer``/``TransformerDecoderLayer`` (whose
+    fast path in evaluation reads every child's) are leaves always ([Note: leaf modules] in ``hooks.py``)."""
+
     keep_freed_heap: bool = True
     """On a CPU compute device with no ``host_memory_limit``: keep the heap pages a step frees for the next step
     instead of giving them back to the OS and page-faulting them in again (glibc's ``mallopt``, process-wide; see
@@ -184,6 +191,11 @@ class ChunkConfig:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.fspath(self.disk_dir):
                 raise ValueError(f"disk_dir={self.disk_dir!r} is not allowed; it must be a directory path or None.")
             object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
+        if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)) or not all(
+                isinstance(m, str) and m or isinstance(m, type) and issubclass(m, torch.nn.Module) for m in self.leaf_modules):
+            raise ValueError(f"leaf_modules={self.leaf_modules!r} is not allowed; it must be a list of torch.nn.Module "
+                             "subclasses or class names (for example ['MyBlock']).")
+        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
         self._validate()
 
     def _validate(self) -> None:

@@ -78,6 +78,34 @@ S = TensorState
 _eager = torch.compiler.disable  # see [Note: hooks under torch.compile]
 
 
+# [Note: leaf modules]
+# Hooks go on every module that owns parameters, and a module's parameters are gathered when its own forward runs.
+# Some modules read a child's parameters without calling the child: torch's MultiheadAttention passes
+# ``out_proj.weight`` to ``F.multi_head_attention_forward``, and TransformerEncoderLayer's fast path (evaluation,
+# no grad) hands every child's tensors to one fused op. The child's chunk was then never gathered for them:
+# "setStorage ... storage of size 0" in forward, and in backward an IllegalTransitionError (a gradient for a
+# parameter no forward had in use). Such a module is a *leaf*: it owns its whole subtree's parameters, gathered at
+# its own forward, and its descendants get no hooks (DeepSpeed's "ZeRO-3 leaf modules"). The classes below are
+# leaves always; ``ChunkConfig.leaf_modules`` adds a user's own.
+ALWAYS_LEAVES: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                                   torch.nn.TransformerDecoderLayer)
+
+
+def leaf_test(extra: Iterable[Any]) -> Callable[[torch.nn.Module], bool]:
+    """Whether a module is a leaf: an instance of one of ``ALWAYS_LEAVES`` or of ``extra``'s classes, or of a class
+    named in ``extra`` (by ``__name__`` or ``module.qualname``)."""
+    types = ALWAYS_LEAVES + tuple(m for m in extra if isinstance(m, type))
+    names = frozenset(m for m in extra if isinstance(m, str))
+
+    def test(mod: torch.nn.Module) -> bool:
+        if isinstance(mod, types):
+            return True
+        return bool(names) and any(c.__name__ in names or f"{c.__module__}.{c.__qualname__}" in names
+                                   for c in type(mod).__mro__)
+
+    return test
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward on this thread: a forward then is a recomputation."""
     return torch._C._current_graph_task_id() != -1
@@ -120,12 +148,20 @@ class ChunkHooks:
 
     # ============================================================ installation
     def _learn_owners(self) -> None:
-        """Which parameters each module owns directly. Known from construction on, not from ``install``: the first
-        layout's chunk size is chosen before the hooks go in, and it sizes each module's chunks from this (with
-        it empty, the automatic chunk size saw no module's chunks and took a size whose first step failed)."""
+        """Which parameters each module owns directly (a leaf module: its whole subtree's, [Note: leaf modules]).
+        Known from construction on, not from ``install``: the first layout's chunk size is chosen before the hooks
+        go in, and it sizes each module's chunks from this (with it empty, the automatic chunk size saw no module's
+        chunks and took a size whose first step failed)."""
         index_of = self.manager.index_of
+        is_leaf = leaf_test(self.policy.config.leaf_modules)
+        inside_leaf: set[int] = set()
         for name, mod in self.module.named_modules():
-            own = tuple(index_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in index_of)
+            if id(mod) in inside_leaf:
+                continue  # a leaf above gathers its parameters
+            leaf = mod is not self.module and is_leaf(mod)
+            if leaf:
+                inside_leaf.update(id(m) for m in mod.modules() if m is not mod)
+            own = tuple(dict.fromkeys(index_of[id(p)] for p in mod.parameters(recurse=leaf) if id(p) in index_of))
             if not own:
                 continue
             key = name or ROOT

@@ -95,5 +95,6 @@ def check_transition(old: TensorState, new: TensorState, *, param_name: str, chu
             f"[rank {rank}] illegal tensor-state transition for parameter {param_name!r} in chunk {chunk_id}: "
             f"{old.name} -> {new.name} (from {old.name} only {allowed} are legal). "
             "This is a hook-order bug: a parameter was used outside the module that owns it, "
-            "or a hook fired out of order."
+            "or a hook fired out of order. A module whose forward reads a child module's parameters without calling "
+            "the child must be a leaf: pass its class in leaf_modules (ChunkOffloadStrategy(leaf_modules=[...]))."
         )

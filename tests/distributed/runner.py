@@ -90,6 +90,9 @@ CASES = {
                                 limit_fraction=0.45, strategy=dict(chunk_numel=None)),
     "checkpointed_adapters_limit": dict(cls="CheckpointedAdapterNet", model=dict(dim=256, hidden=1024, depth=4),
                                         limit_fraction=0.3, strategy=dict(chunk_numel=None, placement="host")),
+    # torch's TransformerEncoderLayer and MultiheadAttention ([Note: leaf modules]), released after use
+    "torch_transformer_host": dict(cls="TorchTransformerNet", strategy=dict(placement="host", chunk_numel=None,
+                                                                            chunk_numel_min=4096)),
     "two_optimizers": dict(cls="TwoOptimizers"),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     "rank_buffer": dict(cls="RankBuffer"),

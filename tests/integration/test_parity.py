@@ -162,6 +162,46 @@ def test_reused_modules_and_checkpointed_adapters_with_the_defaults_under_a_limi
     assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
 
 
+def fit_with_validation(strategy, cls, **kw):
+    """``fit`` with a validation pass every 4 steps; returns (model, the validation losses)."""
+    losses = []
+
+    class Recording(cls):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self(x).float().reshape(-1, models.VOCAB), y.reshape(-1))
+            losses.append(loss.item())
+
+    model = fit(strategy, steps=STEPS, cls=Recording, limit_val_batches=2, val_check_interval=4,
+                val_dataloaders=models.token_data(16, seed=1), **kw)
+    return model, losses
+
+
+@pytest.mark.parametrize("kw", [dict(placement="host"), dict(placement="host", chunk_numel=16384),
+                                dict(device_memory_limit=300_000, chunk_numel=16384)], ids=["host", "host-small", "limit"])
+def test_torch_transformer_layers_train_and_validate_bit_exact(kw):
+    """[Note: leaf modules]: nn.MultiheadAttention reads out_proj's weights without calling it (training failed with
+    IllegalTransitionError), and the encoder layer's fast path in validation reads every child's ("setStorage ...
+    storage of size 0"). Both are leaves by default: the same parameters and validation losses as plain Lightning."""
+    ref, ref_losses = fit_with_validation("auto", models.TorchTransformerNet)
+    got, losses = fit_with_validation(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), models.TorchTransformerNet)
+    assert_same_params(ref, got, EXACT)
+    assert losses == ref_losses and len(losses) == 2 * (STEPS // 4)
+
+
+@pytest.mark.parametrize("leaf", [models.Peek, "Peek", "tests.models.Peek"])
+def test_a_module_reading_its_child_s_weights_is_a_leaf_when_named(leaf):
+    ref = fit("auto", steps=STEPS, cls=models.PeekNet)
+    got = fit(ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop", leaf_modules=[leaf]),
+              steps=STEPS, cls=models.PeekNet)
+    assert_same_params(ref, got, EXACT)
+
+
+def test_a_module_reading_its_child_s_weights_is_named_in_the_error():
+    with pytest.raises(Exception, match=r"leaf_modules"):
+        fit(ChunkOffloadStrategy(chunk_numel=4096), steps=4, cls=models.PeekNet)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(placement="host"), dict(device_memory_limit=90_000),
                                 dict(trainer=dict(accumulate_grad_batches=2))], ids=["auto", "host", "limit", "accumulate"])
 def test_freezing_and_unfreezing_mid_training_is_bit_exact(kw):

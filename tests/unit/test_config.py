@@ -20,6 +20,9 @@ from lightning_chunk.engine.config import ChunkConfig, parse_bytes
     ("prefetch", "yes", "prefetch='yes'"),
     ("reshard_after_forward", "no", "reshard_after_forward='no'"),
     ("reshard_after_forward", True, "only placement='host' releases payloads after use"),  # with placement='auto'
+    ("leaf_modules", "MyBlock", "leaf_modules='MyBlock'"),  # a string, not a list of them
+    ("leaf_modules", [int], "list of torch.nn.Module subclasses or class names"),
+    ("leaf_modules", [""], "leaf_modules=['']"),
 ])
 def test_bad_values_name_field_value_and_choices(field, value, needle):
     with pytest.raises(ValueError) as e:
@@ -89,3 +92,14 @@ def test_reshard_after_forward_goes_with_host_placement():
     for placement in ("auto", "device", "static"):
         with pytest.raises(ValueError, match=f"reshard_after_forward=True is not allowed with placement='{placement}'"):
             ChunkConfig(placement=placement, reshard_after_forward=True)
+
+
+def test_leaf_modules_own_their_subtree():
+    """[Note: leaf modules]: torch's attention and encoder layers always, a user's class by type or by name."""
+    from lightning_chunk.engine.hooks import leaf_test
+
+    test = leaf_test(["Sequential"])
+    assert test(torch.nn.MultiheadAttention(8, 2)) and test(torch.nn.TransformerEncoderLayer(8, 2, 16))
+    assert test(torch.nn.Sequential()) and not test(torch.nn.Linear(2, 2))
+    assert leaf_test([torch.nn.Linear])(torch.nn.Linear(2, 2))
+    assert leaf_test(["torch.nn.modules.linear.Linear"])(torch.nn.Linear(2, 2))
