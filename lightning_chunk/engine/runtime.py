@@ -35,7 +35,8 @@ from .config import ChunkConfig, DtypePolicy, default_device_limit
 from .errors import ChunkError, DeviceMemoryLimitError, LayoutError
 from .early_step import FP16_REFUSED, EarlyStep
 from .growth import InputGrowth
-from .hooks import ROOT, ChunkHooks
+from .hooks import ChunkHooks
+from .layout_choice import LayoutChooser
 from .manager import ChunkManager
 from .materialize import DeferredInit
 from .repack import FromModule
@@ -43,7 +44,7 @@ from .weights import ModuleWeights
 from .consolidate import full_values, load_values, unpack
 from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
-from .packing import Layout, build_layout, choose_chunk_numel, describe
+from .packing import Layout
 from .host_heap import keep_freed_heap, map_large_blocks, release_freed_memory
 from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
 from .scaler import DynamicLossScaler
@@ -95,10 +96,10 @@ class ChunkEngine:
         self._describe(module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives)
         try:
             device = self.manager.device
-            layout = self._choose_layout(list(range(len(self.manager.params))), trace=None)
+            layout = self.layouts.choose(list(range(len(self.manager.params))), trace=None)
             views, tiers = self._plan_tiers(layout, trace=None)
             self.hooks.install()
-            self._check_limit_before_trace(layout, views)
+            self.layouts.check_limit_before_trace(layout, views)
             source = FromModule(self.manager.params, deferred=deferred, weights=weights)
             self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
             source.finish(buffer_device=device)
@@ -150,6 +151,7 @@ class ChunkEngine:
         self._optim_bytes: dict[int, int] = {}
         for b in self.bindings:
             self._optim_bytes.update(b.state_bytes())
+        self.layouts = LayoutChooser(self.manager, self.config, self.hooks.owned, self._optim_bytes)
         # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
         self.early = EarlyStep(self.manager, self.bindings) if config.step_in_backward and self.bindings else None
         self.scaler: Optional[DynamicLossScaler] = None
@@ -171,75 +173,16 @@ class ChunkEngine:
         engine = cls.__new__(cls)
         engine._describe(module, optimizers, config=config, dtypes=dtypes, device=torch.device("cpu"),
                          collectives=Collectives.planning(world_size))
-        layout = engine._choose_layout(list(range(len(engine.manager.params))), trace=None)
+        layout = engine.layouts.choose(list(range(len(engine.manager.params))), trace=None)
         views, tiers = engine._plan_tiers(layout, trace=None)
         return ShapePlan(layout=layout, views=views, tiers=tiers, limit=engine.manager.limit,
-                         need_before_activations=engine._need_before_trace(layout, views),
+                         need_before_activations=engine.layouts.need_before_trace(layout, views),
                          param_numel=sum(s.numel for s in engine.manager.specs))
 
     # ================================================================= layout
     @property
     def comm(self) -> Collectives:
         return self.manager.comm
-
-    def _choose_layout(self, order: list[int], trace: Optional[Trace]) -> Layout:
-        specs = self.manager.specs
-        if self.config.chunk_numel is not None:
-            return build_layout(specs, order, self.config.chunk_numel, self.comm.world_size)
-        max_payload = None
-        limit = self.manager.limit
-        if limit is not None and specs:
-            esz = max(torch.empty((), dtype=self.manager.dtypes.compute_for(s.key.dtype)).element_size() for s in specs)
-            room = limit - (trace.nonmodel_peak_bytes if trace else 0)
-            max_payload = max(room // (2 * esz), max(s.numel for s in specs))
-        host_cap = self._host_limit_numel()
-        if host_cap is not None:
-            max_payload = host_cap if max_payload is None else min(max_payload, host_cap)
-        # one rank with every shard on the device: payloads never move, so granularity buys nothing and each
-        # chunk only adds per-step work (see [Note: chunk granularity])
-        stays = self.comm.world_size == 1 and self.config.placement == "device"
-        largest = max((s.numel for s in specs), default=1)
-        while True:
-            cap = choose_chunk_numel(specs, order, world_size=self.comm.world_size,
-                                     numel_min=self.config.chunk_numel_min, numel_max=self.config.chunk_numel_max,
-                                     max_payload_numel=max_payload, **({"target_chunks": 0} if stays else {}))
-            layout = build_layout(specs, order, cap, self.comm.world_size)
-            # [Note: an automatic chunk size that fits] "two payloads plus the activations" is a first guess:
-            # a module whose parameters span three chunks (its weights, and the chunk of small tensors that
-            # every block shares) plus a gradient payload needs more. A user who left chunk_numel to us must
-            # never be told to lower it, so halve the cap until the working set fits, down to the largest
-            # parameter, where the limit is what is too small and the caller says so with the numbers.
-            if limit is None or cap <= largest or self._working_bytes(layout, trace) <= limit:
-                return layout
-            max_payload = max(cap // 2, largest)
-
-    def _working_bytes(self, layout: Layout, trace: Optional[Trace]) -> int:
-        """Device bytes ``layout`` needs at its busiest moment: its chunks (and activations, with a trace)."""
-        views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
-        if trace is None:
-            # the warm-up's layout is in registration order: in its backward a chunk whose gradients wait for the
-            # rest of its tensors keeps its gradient payload while the next chunk fills one (its parameters' payload
-            # may go: [Note: a gradient waits without its payload]), so choose a size with room for a second one
-            second = max((v.grad_payload_bytes for v in views), default=0) if self.comm.world_size > 1 else 0
-            # and for two modules' chunks at once: with activation checkpointing, the module whose backward asked
-            # for a recomputation keeps its chunks while each module of the recomputed block gathers its own
-            # ([Note: recomputation] in hooks.py)
-            return self._need_before_trace(layout, views, modules=2) + second
-        slot_of = layout.slot_of()
-        chunks_b, nonmodel_b = smallest_working_limit(views, trace.remap({i: s.chunk_id for i, s in slot_of.items()}))
-        return chunks_b + nonmodel_b
-
-    def _host_limit_numel(self) -> Optional[int]:
-        """With ``host_memory_limit``: the largest chunk whose disk shards, two paged in at once, take at most half
-        the limit (the rest holds host shards), so the automatic chunk size never makes the limit too small."""
-        limit = self.config.host_memory_limit
-        specs = self.manager.specs
-        if limit is None or not specs:
-            return None
-        dtypes = self.manager.dtypes
-        per_elem = max(2 * torch.empty((), dtype=dtypes.master_for(s.key.dtype)).element_size()
-                       + self._optim_bytes.get(s.key.group, 0) for s in specs)  # master, gradient, optimizer state
-        return max(limit * self.comm.world_size // (4 * per_elem), max(s.numel for s in specs))
 
     def _plan_tiers(self, layout: Layout, trace: Optional[Trace]) -> tuple[list[ChunkView], dict[int, Tier]]:
         """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
@@ -278,38 +221,6 @@ class ChunkEngine:
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)
 
-    def _need_before_trace(self, layout: Layout, views: list[ChunkView], modules: int = 1) -> int:
-        """Device bytes the busiest module needs before any activation: its chunks (and the root's), plus a
-        whole chunk's gradient payload with several ranks; with ``modules=2``, the two busiest modules' chunks."""
-        slot_of = layout.slot_of()
-        payload = {v.chunk_id: v.payload_bytes for v in views}
-
-        def chunk_bytes(params: tuple[int, ...]) -> int:
-            return sum(payload[c] for c in {slot_of[i].chunk_id for i in params})
-
-        root_bytes = chunk_bytes(self.hooks.owned.get(ROOT, ()))
-        need = sum(sorted((chunk_bytes(own) for own in self.hooks.owned.values()), reverse=True)[:modules]) + root_bytes
-        return need + max((v.grad_payload_bytes for v in views), default=0)
-
-    def _check_limit_before_trace(self, layout: Layout, views: list[ChunkView]) -> None:
-        """Before anything is allocated: a limit that cannot hold even one module's chunks is refused."""
-        limit = self.manager.limit
-        if limit is None:
-            return
-        need = self._need_before_trace(layout, views)
-        if need > limit:
-            # the automatic size was already lowered as far as it goes (to the largest parameter) before this
-            chosen = self.config.chunk_numel is not None
-            raise DeviceMemoryLimitError(
-                f"device_memory_limit={limit} bytes is too small: one module needs {need} bytes of chunks at once "
-                f"({describe(layout)}"
-                + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
-                + f"), before any activations. The smallest limit that could work is {need} bytes plus the "
-                "activations, which the warm-up step measures"
-                + ("; or lower chunk_numel." if chosen else " (chunk_numel=None already chose chunks as small as the "
-                   "largest parameter).")
-            )
-
     def _broadcast_buffers(self) -> None:
         """Several ranks: every buffer starts from rank 0's value, as DDP (and FSDP's ``sync_module_states``) do."""
         if self.comm.world_size == 1:
@@ -333,7 +244,7 @@ class ChunkEngine:
         limit = self.manager.limit
         order = trace.first_use_order(len(self.manager.params))
         try:
-            layout = self._choose_layout(order, trace)
+            layout = self.layouts.choose(order, trace)
         except LayoutError as e:
             raise DeviceMemoryLimitError(str(e)) from None
         slot_of = layout.slot_of()
@@ -399,7 +310,7 @@ class ChunkEngine:
         trace = self.hooks.trace
         order = (trace.first_use_order(len(mgr.params)) if trace is not None else
                  list(mgr.layout.order))
-        layout = self._choose_layout(order, trace)
+        layout = self.layouts.choose(order, trace)
         if trace is not None:
             trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
         views, tiers = self._plan_tiers(layout, trace)
