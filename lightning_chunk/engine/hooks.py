@@ -59,6 +59,7 @@ the step's outputs as the root's outputs for backward.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import zlib
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -91,19 +92,50 @@ ALWAYS_LEAVES: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.Transfo
                                    torch.nn.TransformerDecoderLayer)
 
 
-def leaf_test(extra: Iterable[Any]) -> Callable[[torch.nn.Module], bool]:
-    """Whether a module is a leaf: an instance of one of ``ALWAYS_LEAVES`` or of ``extra``'s classes, or of a class
-    named in ``extra`` (by ``__name__`` or ``module.qualname``)."""
-    types = ALWAYS_LEAVES + tuple(m for m in extra if isinstance(m, type))
-    names = frozenset(m for m in extra if isinstance(m, str))
+class LeafModules:
+    """Which modules are leaves: instances of ``ALWAYS_LEAVES``, or of the classes ``ChunkConfig.leaf_modules`` names
+    (a class, its ``__name__``, or an importable dotted path such as ``"torch.nn.TransformerEncoderLayer"``, which
+    is also matched by ``module.qualname``). Remembers which of the user's entries matched a module."""
 
-    def test(mod: torch.nn.Module) -> bool:
-        if isinstance(mod, types):
+    def __init__(self, extra: Iterable[Any]) -> None:
+        self.extra = tuple(extra)
+        self._types: dict[type, Any] = {}  # class -> the entry that named it
+        self._names: dict[str, Any] = {}
+        for entry in self.extra:
+            cls = entry if isinstance(entry, type) else _import_class(entry)
+            if cls is not None:
+                self._types[cls] = entry
+            else:
+                self._names[entry] = entry
+        self.matched: set[int] = set()  # indices into ``extra``
+
+    def __call__(self, mod: torch.nn.Module) -> bool:
+        if isinstance(mod, ALWAYS_LEAVES):
             return True
-        return bool(names) and any(c.__name__ in names or f"{c.__module__}.{c.__qualname__}" in names
-                                   for c in type(mod).__mro__)
+        hit = [e for cls, e in self._types.items() if isinstance(mod, cls)]
+        if self._names:
+            for c in type(mod).__mro__:
+                for key in (c.__name__, f"{c.__module__}.{c.__qualname__}"):
+                    if key in self._names:
+                        hit.append(self._names[key])
+        self.matched.update(i for i, e in enumerate(self.extra) if any(e is h for h in hit))
+        return bool(hit)
 
-    return test
+    def unmatched(self) -> list[Any]:
+        """The user's entries that named no module of the model seen so far."""
+        return [e for i, e in enumerate(self.extra) if i not in self.matched]
+
+
+def _import_class(name: str) -> Optional[type]:
+    """``"pkg.mod.Class"`` imported, when it names an importable ``nn.Module`` subclass; else ``None``."""
+    module, _, attr = name.rpartition(".")
+    if not module:
+        return None
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return obj if isinstance(obj, type) and issubclass(obj, torch.nn.Module) else None
 
 
 def _in_backward() -> bool:
@@ -153,7 +185,7 @@ class ChunkHooks:
         go in, and it sizes each module's chunks from this (with it empty, the automatic chunk size saw no module's
         chunks and took a size whose first step failed)."""
         index_of = self.manager.index_of
-        is_leaf = leaf_test(self.policy.config.leaf_modules)
+        is_leaf = LeafModules(self.policy.config.leaf_modules)
         inside_leaf: set[int] = set()
         for name, mod in self.module.named_modules():
             if id(mod) in inside_leaf:
@@ -169,6 +201,12 @@ class ChunkHooks:
             self._key_index[key] = len(self._key_index)
             self._pre_backward[key] = self._make_pre_backward(key)  # the root's too: step_scope hooks its outputs
             self._post_backward[key] = self._make_post_backward(key)
+        unmatched = is_leaf.unmatched()
+        if unmatched:
+            classes = sorted({type(m).__name__ for m in self.module.modules()})
+            raise ValueError(f"leaf_modules={list(is_leaf.extra)!r}: {unmatched!r} names no module of this model; give "
+                             "a module class, its name or an importable path (pkg.module.Class). The model's module "
+                             f"classes: {', '.join(classes)}.")
 
     @property
     def owned(self) -> dict[str, tuple[int, ...]]:

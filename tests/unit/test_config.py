@@ -95,11 +95,22 @@ def test_reshard_after_forward_goes_with_host_placement():
 
 
 def test_leaf_modules_own_their_subtree():
-    """[Note: leaf modules]: torch's attention and encoder layers always, a user's class by type or by name."""
-    from lightning_chunk.engine.hooks import leaf_test
+    """[Note: leaf modules]: torch's attention and encoder layers always, a user's class by type, by name or by an
+    importable path (re-exported: ``torch.nn.Linear`` lives in ``torch.nn.modules.linear``)."""
+    from lightning_chunk.engine.hooks import LeafModules
 
-    test = leaf_test(["Sequential"])
+    test = LeafModules(["Sequential"])
     assert test(torch.nn.MultiheadAttention(8, 2)) and test(torch.nn.TransformerEncoderLayer(8, 2, 16))
     assert test(torch.nn.Sequential()) and not test(torch.nn.Linear(2, 2))
-    assert leaf_test([torch.nn.Linear])(torch.nn.Linear(2, 2))
-    assert leaf_test(["torch.nn.modules.linear.Linear"])(torch.nn.Linear(2, 2))
+    for entry in (torch.nn.Linear, "Linear", "torch.nn.Linear", "torch.nn.modules.linear.Linear"):
+        test = LeafModules([entry, "NoSuchBlock"])
+        assert test(torch.nn.Linear(2, 2)) and test.unmatched() == ["NoSuchBlock"]
+
+
+def test_a_leaf_module_the_model_lacks_is_an_error_that_lists_its_classes():
+    from lightning_chunk.engine.config import ChunkConfig
+    from lightning_chunk.engine.runtime import ChunkEngine
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    with pytest.raises(ValueError, match=r"\['MyBlok'\] names no module of this model.*LayerNorm, Linear, Sequential"):
+        ChunkEngine.plan_from_shapes(model, config=ChunkConfig(leaf_modules=("MyBlok",)))
