@@ -323,6 +323,45 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
         self.precision_plugin.attach(self.engine, self.root_device)
+        if fitting and len(self.engine.bindings) > 1:
+            self._follow_toggles(module)
+
+    def _follow_toggles(self, module: "pl.LightningModule") -> None:
+        """Make ``toggle_optimizer`` freeze the module's parameters, not only the optimizers' tensors.
+
+        [Note: toggled optimizers]
+        The optimizers step views of the shards, so what Lightning's ``toggle_optimizer`` (its documented GAN
+        pattern) does to ``optimizer.param_groups`` happens to the views: it set ``requires_grad=False`` on tensors
+        autograd never sees, and the generator's loss left gradients on the discriminator's parameters, which then
+        stepped with them (silently: 0.07 from plain Lightning after 12 steps). While an optimizer is toggled, the
+        other optimizers' parameters of the module do not require grad either (as in plain Lightning: no gradient,
+        no work); ``untoggle_optimizer`` gives them back their flags. The module's own methods (a user's override
+        included) still run first. A change of flags that outlives a training step is a repack
+        ([Note: requires_grad changed] in ``engine/runtime.py``)."""
+        toggle, untoggle = module.toggle_optimizer, module.untoggle_optimizer
+        saved: dict[int, bool] = {}
+
+        def toggle_optimizer(optimizer: Any) -> None:
+            toggle(optimizer)
+            mine = self._binding_of(optimizer)
+            if mine is None or self.engine is None:
+                return
+            params = self.engine.manager.params
+            keep = {i for g in mine.group_params for i in g}
+            for b in self.engine.bindings:
+                for i in (i for g in b.group_params for i in g if b is not mine and i not in keep):
+                    saved.setdefault(i, params[i].requires_grad)
+                    params[i].requires_grad_(False)
+
+        def untoggle_optimizer(optimizer: Any) -> None:
+            untoggle(optimizer)
+            if self.engine is not None:
+                for i, flag in saved.items():
+                    self.engine.manager.params[i].requires_grad_(flag)
+            saved.clear()
+
+        module.__dict__["toggle_optimizer"] = toggle_optimizer
+        module.__dict__["untoggle_optimizer"] = untoggle_optimizer
 
     @staticmethod
     def _check_callbacks(trainer: "pl.Trainer") -> None:
@@ -517,6 +556,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             self.precision_plugin.attach(None, self.root_device)
             self.engine = None
         if self.lightning_module is not None:
+            for name in ("toggle_optimizer", "untoggle_optimizer"):  # [Note: toggled optimizers]: the class's again
+                self.lightning_module.__dict__.pop(name, None)
             # configure_model or setup failed while tensors were on the meta device: Lightning's teardown moves the
             # module to the CPU, which meta tensors refuse; placeholders hold no memory and can be moved
             DeferredInit.capture(self.lightning_module)

@@ -366,3 +366,28 @@ class PeekNet(ParityNet):
     def build(self) -> None:
         super().build()
         self.blocks = nn.ModuleList(Peek(self.shape["dim"]) for _ in range(self.shape["depth"]))
+
+
+class ToggledOptimizers(TwoOptimizers):
+    """Lightning's documented GAN pattern: ``toggle_optimizer`` freezes the other optimizer's parameters for each phase,
+    with no ``zero_grad()`` in between to hide what a phase left on them."""
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        self.toggle_optimizer(opt_a)
+        loss = F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_a.zero_grad()
+        self.untoggle_optimizer(opt_a)
+        self.toggle_optimizer(opt_b)
+        loss2 = 0.5 * F.cross_entropy(self(x).float().reshape(-1, VOCAB), torch.roll(y, 1, 1).reshape(-1))
+        self.manual_backward(loss2)
+        opt_b.step()
+        opt_b.zero_grad()
+        self.untoggle_optimizer(opt_b)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        pass

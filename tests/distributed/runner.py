@@ -94,6 +94,7 @@ CASES = {
     "torch_transformer_host": dict(cls="TorchTransformerNet", strategy=dict(placement="host", chunk_numel=None,
                                                                             chunk_numel_min=4096)),
     "two_optimizers": dict(cls="TwoOptimizers"),
+    "toggled_optimizers": dict(cls="ToggledOptimizers", ddp_unused=True, strategy=dict(chunk_numel=None)),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     "rank_buffer": dict(cls="RankBuffer"),
     # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit
@@ -141,7 +142,8 @@ def run_parity(case: str, out: Path) -> None:
         ref.load_state_dict(torch.load(out / "start.pt"))
     ref_plugins = ([MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if fp16 else
                    [MixedPrecision("bf16-mixed", "cpu")] if bf16 else None)
-    trainer(DDPStrategy(find_unused_parameters=variant == "unused"), plugins=ref_plugins, **tkw).fit(ref, token_data())
+    ddp = DDPStrategy(find_unused_parameters=variant == "unused" or spec.get("ddp_unused", False))
+    trainer(ddp, plugins=ref_plugins, **tkw).fit(ref, token_data())
     skw = dict(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60)
     skw.update(spec.get("strategy", {}))
     if "limit_fraction" in spec:

@@ -202,6 +202,19 @@ def test_a_module_reading_its_child_s_weights_is_named_in_the_error():
         fit(ChunkOffloadStrategy(chunk_numel=4096), steps=4, cls=models.PeekNet)
 
 
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_toggle_optimizer_freezes_the_module_s_parameters(placement):
+    """[Note: toggled optimizers]: Lightning's GAN pattern. toggle_optimizer acted on the optimizers' tensors (views
+    of the shards) only, so each phase's backward left gradients on the other optimizer's parameters, which it then
+    stepped with (0.07 from plain Lightning after 12 steps)."""
+    ref = fit("auto", steps=12, cls=models.ToggledOptimizers)
+    strategy = ChunkOffloadStrategy(placement=placement, chunk_numel=4096, optimizer_kernel="loop")
+    got = fit(strategy, steps=12, cls=models.ToggledOptimizers)
+    assert_same_params(ref, got, EXACT)
+    assert all(p.requires_grad for p in got.parameters())  # untoggled, and the class's own methods again
+    assert "toggle_optimizer" not in got.__dict__
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(placement="host"), dict(device_memory_limit=90_000),
                                 dict(trainer=dict(accumulate_grad_batches=2))], ids=["auto", "host", "limit", "accumulate"])
 def test_freezing_and_unfreezing_mid_training_is_bit_exact(kw):
