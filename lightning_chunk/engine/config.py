@@ -173,7 +173,7 @@ class ChunkConfig:
     parameters without calling them: each such module gathers its whole subtree's parameters at its own forward, and
     its descendants get no hooks of their own (DeepSpeed's "ZeRO-3 leaf modules"). ``torch.nn.MultiheadAttention``
     (which reads ``out_proj``'s weights) and ``torch.nn.TransformerEncoderLayer``/``TransformerDecoderLayer`` (whose
-    fast path in evaluation reads every child's) are leaves always ([Note: leaf modules] in ``hooks.py``)."""
+    fast path in evaluation reads every child's) are leaves always ([Note: leaf modules] in ``leaves.py``)."""
 
     keep_freed_heap: bool = True
     """On a CPU compute device with no ``host_memory_limit``: keep the heap pages a step frees for the next step

@@ -97,7 +97,7 @@ def test_reshard_after_forward_goes_with_host_placement():
 def test_leaf_modules_own_their_subtree():
     """[Note: leaf modules]: torch's attention and encoder layers always, a user's class by type, by name or by an
     importable path (re-exported: ``torch.nn.Linear`` lives in ``torch.nn.modules.linear``)."""
-    from lightning_chunk.engine.hooks import LeafModules
+    from lightning_chunk.engine.leaves import LeafModules
 
     test = LeafModules(["Sequential"])
     assert test(torch.nn.MultiheadAttention(8, 2)) and test(torch.nn.TransformerEncoderLayer(8, 2, 16))
