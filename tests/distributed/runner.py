@@ -28,7 +28,7 @@ from tests import models  # noqa: E402
 from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
 
-STEPS = 24
+STEPS = 24  # a case's own "steps" shortens it: the wide models' cases run 8 (warm-up, repack, six steady steps)
 BIG = dict(dim=64, hidden=1024)
 # enough chunks that the whole gradient is many times the few payloads in flight
 ACCUMULATE = dict(trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6),
@@ -54,7 +54,7 @@ CASES = {
                                           chunk_numel_min=4096)),
     # the same with chunks of 300,000 elements: the warm-up's backward (registration order) must let payloads go
     # while their gradients wait to reduce ([Note: a gradient waits without its payload])
-    "host_kept_waiting": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
+    "host_kept_waiting": dict(steps=8, cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
                               strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=300000)),
     # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
     "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
@@ -80,15 +80,15 @@ CASES = {
     "checkpointed": dict(cls="CheckpointedNet", model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=None)),
     "checkpointed_host": dict(cls="ReentrantCheckpointedNet", model=dict(dim=64, hidden=256, depth=6),
                               strategy=dict(placement="host", chunk_numel=20000)),
-    "checkpointed_limit": dict(cls="CheckpointedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
+    "checkpointed_limit": dict(steps=8, cls="CheckpointedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
                                strategy=dict(chunk_numel=None, placement="host")),
     # LoRA's shape under a limit: frozen weights must not stay pinned for the rest of backward
-    "adapters_limit": dict(cls="AdapterNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.3,
+    "adapters_limit": dict(steps=8, cls="AdapterNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.3,
                            strategy=dict(chunk_numel=None)),
     # a block run twice a forward, frozen, and LoRA's shape under activation checkpointing: the defaults, a limit
-    "reused_frozen_limit": dict(cls="ReusedBlockNet", variant="frozen", model=dict(dim=256, hidden=1024, depth=4),
+    "reused_frozen_limit": dict(steps=8, cls="ReusedBlockNet", variant="frozen", model=dict(dim=256, hidden=1024, depth=4),
                                 limit_fraction=0.45, strategy=dict(chunk_numel=None)),
-    "checkpointed_adapters_limit": dict(cls="CheckpointedAdapterNet", model=dict(dim=256, hidden=1024, depth=4),
+    "checkpointed_adapters_limit": dict(steps=8, cls="CheckpointedAdapterNet", model=dict(dim=256, hidden=1024, depth=4),
                                         limit_fraction=0.3, strategy=dict(chunk_numel=None, placement="host")),
     # torch's TransformerEncoderLayer and MultiheadAttention ([Note: leaf modules]), released after use
     "torch_transformer_host": dict(cls="TorchTransformerNet", strategy=dict(placement="host", chunk_numel=None,
@@ -143,7 +143,8 @@ def run_parity(case: str, out: Path) -> None:
     ref_plugins = ([MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if fp16 else
                    [MixedPrecision("bf16-mixed", "cpu")] if bf16 else None)
     ddp = DDPStrategy(find_unused_parameters=variant == "unused" or spec.get("ddp_unused", False))
-    trainer(ddp, plugins=ref_plugins, **tkw).fit(ref, token_data())
+    steps = spec.get("steps", STEPS)
+    trainer(ddp, steps, plugins=ref_plugins, **tkw).fit(ref, token_data())
     skw = dict(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60)
     skw.update(spec.get("strategy", {}))
     if "limit_fraction" in spec:
@@ -157,7 +158,7 @@ def run_parity(case: str, out: Path) -> None:
     got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
     strategy = ChunkOffloadStrategy(**skw)
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
-    t = trainer(strategy, plugins=[ChunkPrecision("16-mixed")] if fp16 else [ChunkPrecision("bf16-mixed")] if bf16 else None,
+    t = trainer(strategy, steps, plugins=[ChunkPrecision("16-mixed")] if fp16 else [ChunkPrecision("bf16-mixed")] if bf16 else None,
                 **(dict(callbacks=[telemetry]) if telemetry else {}), **tkw)
     t.fit(got, token_data())
     if telemetry is not None and t.global_rank == 0:
