@@ -347,9 +347,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             if mine is None or self.engine is None:
                 return
             params = self.engine.manager.params
-            keep = {i for g in mine.group_params for i in g}
-            for b in self.engine.bindings:
-                for i in (i for g in b.group_params for i in g if b is not mine and i not in keep):
+            for b in self.engine.bindings:  # a parameter is in one optimizer at most (checked at set-up)
+                for i in (i for g in b.group_params for i in g if b is not mine):
                     saved.setdefault(i, params[i].requires_grad)
                     params[i].requires_grad_(False)
 

@@ -28,9 +28,9 @@ go as usual, with one exception: tensors that a backward had in use (COMPUTE) wh
 module began stay in use. With ``use_reentrant=False`` the recomputation runs inside the backward node of the
 block's last module, whose pre-backward hook has already gathered its chunks: demoting them after the
 recomputed forward let host placement release that payload, and the node then read its saved weight from freed
-storage. The warm-up trace records, per moment, the parameters other modules keep in use
-(``Moment.pinned_params``: the module whose backward asked for the recomputation, an enclosing module), so the
-chunk size and the budget chosen from it count them; before the trace the automatic chunk size leaves room for
+storage. At each recomputation moment the warm-up trace records the parameters the backward keeps in use
+(``Moment.pinned_params``: the module whose backward asked for the recomputation), so the chunk size and the
+limit check count them beside the recomputed module's; before the trace the automatic chunk size leaves room for
 two modules' chunks for the same reason.
 
 [Note: frozen parameters in backward]
@@ -226,7 +226,7 @@ class ChunkHooks:
             params = self.manager.params
             self._chunks_of = {k: self.manager.chunk_ids_of([params[i] for i in own]) for k, own in self._owned.items()}
         chunk_ids = self._chunks_of.get(key, ())
-        if kind == FORWARD and _in_backward():
+        if self.tracer.recording and kind == FORWARD and _in_backward():  # only the warm-up asks what is pinned
             self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()), self._pinned)
         else:
             self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()))
