@@ -5,7 +5,8 @@
              packed parameter is a view ``payload[offset:offset+numel].view(shape)``
              (set through ``param.data``, so the ``Parameter`` object never changes).
              Released by resizing its storage to 0; re-filled in place, so views and
-             tensors that autograd saved see the data again.
+             tensors that autograd saved see the data again. While it is released the
+             parameters show a placeholder instead ([Note: a released parameter]).
 ``master``   this rank's shard (``capacity_numel / world_size`` elements) in the master
              dtype, on the shard's tier. The source of truth the optimizer steps.
 ``low``      the compute-dtype copy of the shard that gathers read. It is ``master``
@@ -49,6 +50,32 @@ class Tier(enum.Enum):
     DISK = "disk"  # master, gradient shard and optimizer state in files; the compute-dtype copy on the host
 
 
+_NOT_A_VALUE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def released_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a parameter shows while its chunk's payload is released ([Note: a released parameter]).
+
+    [Note: a released parameter]
+    A released payload's storage holds no bytes, and the views into it keep their shapes: code outside the
+    engine that read a parameter between its uses (a callback logging a weight's norm between steps, Lightning's
+    ``WeightAveraging``) read freed memory and crashed the process with a segmentation fault (host placement;
+    several ranks, where the payloads go after each step). While its chunk is released, a parameter's ``.data``
+    is instead one NaN (zero for integer dtypes) expanded to the parameter's shape, with its dtype and device:
+    no memory, a read gives NaN, not a crash, and any write into it raises ("more than one element of the
+    written-to tensor refers to a single memory location"), so nothing a user writes is silently lost. Gathering
+    the chunk points the parameter back at its view of the payload. Tensors autograd saved are the parameters
+    themselves (a node reads ``.data`` when it runs, after the pre-backward gather) or views of the payload's
+    storage (valid again once it is re-filled), so training never sees the placeholder. Reading and writing the
+    trained values between steps goes through ``ChunkOffloadStrategy.full_parameters()``."""
+    key = (dtype, device)
+    one = _NOT_A_VALUE.get(key)
+    if one is None:
+        one = _NOT_A_VALUE[key] = torch.full((), float("nan") if dtype.is_floating_point else 0, dtype=dtype,
+                                             device=device)
+    return one.expand(shape)
+
+
 @dataclass(eq=False)
 class InFlight:
     """A prefetch into a chunk's payload that has not landed: an asynchronous all-gather (with the source it
@@ -76,6 +103,8 @@ class TensorInfo:
     orig_dtype: torch.dtype
     state: TensorState = TensorState.FREE
     has_grad: bool = False  # a gradient arrived since the last step
+    view: Optional[torch.Tensor] = field(default=None, repr=False)  # the parameter's view of the payload
+    released_value: Optional[torch.Tensor] = field(default=None, repr=False)  # [Note: a released parameter]
 
     @property
     def offset(self) -> int:
@@ -116,6 +145,7 @@ class Chunk:
     grad_payload: Optional[torch.Tensor] = field(default=None, repr=False)  # several ranks: gradients to reduce
     grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
     grad_released: bool = False  # the gradient shard's memory is given back until the next gradient ([Note: stepping in backward])
+    params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
 
     # ----------------------------------------------------------------- identity
     @property
@@ -186,18 +216,33 @@ class Chunk:
         return any(t.state in _WAITING for t in self.tensors)
 
     def gathered(self) -> None:
-        """The payload holds the parameters again: FREE -> HOLD, a waiting gradient's tensor -> READY_FOR_REDUCE."""
+        """The payload holds the parameters again: FREE -> HOLD, a waiting gradient's tensor -> READY_FOR_REDUCE;
+        the parameters are views of the payload again."""
         for info in self.tensors:
             new = TensorState.READY_FOR_REDUCE if info.state is TensorState.READY_FOR_REDUCE_FREE else TensorState.HOLD
             if info.state is not new:
                 self.set_state(info, new)
+        if self.params_parked:
+            for info in self.tensors:
+                info.param.data = info.view
+            self.params_parked = False
 
     def released(self) -> None:
-        """The payload is gone: -> FREE, a waiting gradient's tensor -> READY_FOR_REDUCE_FREE."""
+        """The payload is gone: -> FREE, a waiting gradient's tensor -> READY_FOR_REDUCE_FREE; the parameters show
+        placeholders ([Note: a released parameter])."""
         for info in self.tensors:
             new = TensorState.READY_FOR_REDUCE_FREE if info.state in _WAITING else TensorState.FREE
             if info.state is not new:
                 self.set_state(info, new)
+        self.park_params()
+
+    def park_params(self) -> None:
+        if not self.params_parked:
+            for info in self.tensors:
+                if info.released_value is None:
+                    info.released_value = released_placeholder(info.shape, info.view.dtype, info.view.device)
+                info.param.data = info.released_value
+            self.params_parked = True
 
     def reduced(self) -> None:
         """The chunk's gradients were reduced (or stay local inside ``no_sync``): nothing waits any more."""

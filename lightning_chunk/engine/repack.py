@@ -286,10 +286,11 @@ def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *
             info = TensorInfo(param=p, name=mgr.names[s.param_index], slot=s, shape=p.shape, orig_dtype=own_dtype,
                               state=state, has_grad=source.has_grad(s.param_index))
             chunk.tensors.append(info)
-            p.data = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
+            p.data = info.view = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
             mgr.place_param(p, chunk, info)
         if not chunk.aliased:
             chunk.payload.untyped_storage().resize_(0)
+            chunk.park_params()
     return chunk
 
 
