@@ -43,6 +43,7 @@ from .engine.growth import input_bytes
 from .engine.checkpoint import KEY as CHECKPOINT_KEY
 from .engine.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from .engine.early_step import FP16_REFUSED
+from .engine.full_params import full_parameters
 from .engine.materialize import DeferredInit, meta_init
 from .engine.weights import ModuleWeights, open_weights
 from .precision import ChunkPrecision
@@ -364,10 +365,28 @@ class ChunkOffloadStrategy(ParallelStrategy):
 
     @staticmethod
     def _check_callbacks(trainer: "pl.Trainer") -> None:
-        """Callbacks that cannot work on a rebound optimizer, refused before anything is built."""
+        """Callbacks that cannot work on a rebound optimizer or on packed parameters, refused before anything is
+        built."""
+        from lightning.pytorch import callbacks
         from lightning.pytorch.callbacks import BaseFinetuning
 
+        averaging = tuple(getattr(callbacks, n) for n in ("StochasticWeightAveraging", "WeightAveraging")
+                          if hasattr(callbacks, n))
         for cb in trainer.callbacks:
+            if isinstance(cb, averaging):
+                raise ValueError(
+                    f"{type(cb).__name__} does not work with chunk_offload: it keeps a whole copy of the model on every "
+                    "rank and reads and writes the module's parameters between steps, where chunk_offload's "
+                    "parameters are views of chunk payloads (released, or stale until the next gather) and the "
+                    "trained values live in the sharded master weights; the averaged weights it copies in would be "
+                    "lost (Lightning refuses it for FSDP and DeepSpeed for the same reason). Keep an average in a "
+                    "callback of your own inside `with trainer.strategy.full_parameters():` (docs/faq.md, 'Reading "
+                    "and writing parameters between steps').")
+            if isinstance(cb, callbacks.ModelPruning):
+                raise ValueError(
+                    "ModelPruning does not work with chunk_offload: torch's pruning replaces each pruned parameter by "
+                    "`<name>_orig` and a whole-size mask while training, a new set of parameters the chunks were not "
+                    "packed for. Prune before or after training (torch.nn.utils.prune on the consolidated model).")
             if isinstance(cb, BaseFinetuning):
                 raise ValueError(
                     f"{type(cb).__name__} (a BaseFinetuning callback) does not work with chunk_offload: it finds the "
@@ -390,6 +409,26 @@ class ChunkOffloadStrategy(ParallelStrategy):
             raise ValueError(f"step_in_backward=True is not allowed with gradient_clip_val={trainer.gradient_clip_val!r}:"
                              " clipping by the global norm needs every gradient before any chunk steps. Set "
                              "gradient_clip_val=None or step_in_backward=False.")
+
+    @contextlib.contextmanager
+    def full_parameters(self, module: Optional[torch.nn.Module] = None, *, writeback: bool = True,
+                        offload_to_cpu: bool = False) -> Generator[None, None, None]:
+        """The parameters of ``module`` (the whole LightningModule by default) hold their whole trained values
+        inside the block; with ``writeback``, what you write into them goes back into the sharded weights
+        (elements you leave as they were keep their master precision). FSDP's ``summon_full_params``.
+
+        With several ranks every rank must enter, with the same ``module``. No forward may run inside, and it
+        cannot be entered between a forward and its backward. Every rank holds the parameters' whole values for
+        the block's duration (on the host with ``offload_to_cpu``): ask for a submodule when the model is large.
+        Outside a step, without this block, a parameter shows a stale copy or a placeholder of NaN that refuses
+        writes ([Note: parameters outside a step] in ``engine/full_params.py``). Before ``fit`` and after it the
+        parameters are plain and the block does nothing."""
+        if self.engine is None:
+            yield
+            return
+        params = None if module is None else list(module.parameters())
+        with full_parameters(self.engine, params, writeback=writeback, offload_to_cpu=offload_to_cpu):
+            yield
 
     def memory_stats(self) -> dict[str, float]:
         """Chunk memory and traffic of this rank: bytes per tier, peak, copies, evictions, loss scale.

@@ -308,6 +308,25 @@ class DropFrozenGrads(FlipRequiresGrad):
             p.grad = None
 
 
+class ClampFirstBlock(L.Callback):
+    """WGAN's weight clipping after every step, and a weight's norm read between steps: plain Lightning on the
+    parameters, chunk_offload inside ``trainer.strategy.full_parameters()`` ([Note: parameters outside a step]).
+    ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block."""
+
+    def __init__(self, bound: float = 0.05) -> None:
+        self.bound, self.norms, self.seen_outside = bound, [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import contextlib
+
+        full = getattr(trainer.strategy, "full_parameters", None)
+        self.seen_outside.append(bool(not torch.isnan(pl_module.head.weight).all()))
+        with (full() if full else contextlib.nullcontext()), torch.no_grad():
+            for p in pl_module.blocks[0].parameters():
+                p.clamp_(-self.bound, self.bound)
+            self.norms.append(float(pl_module.head.weight.norm()))
+
+
 class ReusedBlockNet(ParityNet):
     """The first block runs twice a forward (weights shared by calling one module again, as ALBERT does)."""
 

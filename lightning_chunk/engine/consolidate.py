@@ -58,8 +58,9 @@ def unpack(mgr: ChunkManager, *, materialize: bool, device: Optional[torch.devic
     mgr.forget_layout()
 
 
-def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor]) -> None:
-    """Overwrite masters (and compute copies) with whole values; each rank keeps its own piece."""
+def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unchanged: bool = False) -> None:
+    """Overwrite masters (and compute copies) with whole values; each rank keeps its own piece. ``keep_unchanged``:
+    an element equal to its master cast to the value's dtype keeps the master's (finer) value."""
     for chunk in mgr.chunks:
         lo, _ = chunk.shard_range
         touched = False
@@ -70,7 +71,11 @@ def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor]) -> None:
             a, b = _pieces(mgr, chunk, t)
             if a < b:
                 piece = value.reshape(-1)[a - t.offset : b - t.offset]
-                chunk.master_tensor_for_read()[a - lo : b - lo].copy_(piece)
+                master = chunk.master_tensor_for_read()[a - lo : b - lo]
+                if keep_unchanged:
+                    piece = piece.to(master.device)
+                    piece = torch.where(piece == master.to(piece.dtype), master, piece.to(master.dtype))
+                master.copy_(piece)
                 if chunk.low is not None:
                     chunk.low[a - lo : b - lo].copy_(piece)
                 if chunk.aliased and not chunk.master_is_payload():

@@ -117,6 +117,8 @@ class ChunkHooks:
         self._open_backward: dict[str, int] = {}
         # module key -> its parameters a backward had in use when a recomputation of the module began
         self._pinned_by_backward: dict[str, frozenset[int]] = {}
+        # why no forward may run now ([Note: parameters outside a step] in full_params.py), or None
+        self.closed: Optional[str] = None
         self._learn_owners()
 
     # ============================================================ installation
@@ -337,6 +339,8 @@ class ChunkHooks:
         return -1
 
     def _use(self, key: str, kind: str) -> None:
+        if self.closed is not None:
+            raise ChunkError(self.closed)
         self._current_module = self._key_index.get(key, -1)
         before = self._resident() if self.recorder else None
         needed = self._tick(kind, key)

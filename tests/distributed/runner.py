@@ -283,6 +283,25 @@ def run_unfreeze(out: Path) -> None:
     print(f"CASE-DONE unfreeze rank={t.global_rank}", flush=True)
 
 
+def run_full_parameters(out: Path) -> None:
+    """[Note: parameters outside a step]: weights clamped after every step and a norm read between steps, with the
+    defaults and with host placement, against DDP doing the same on its parameters."""
+    L.seed_everything(7, verbose=False)
+    ref, ref_cb = ParityNet(), models.ClampFirstBlock()
+    trainer(DDPStrategy(), steps=12, callbacks=[ref_cb]).fit(ref, token_data())
+    state: dict = {"ref": ref.state_dict(), "ref_norms": ref_cb.norms}
+    for placement in ("auto", "host"):
+        L.seed_everything(7, verbose=False)
+        model, cb = ParityNet(), models.ClampFirstBlock()
+        t = trainer(ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", collective_timeout_s=60), steps=12,
+                    callbacks=[cb])
+        t.fit(model, token_data())
+        state[placement] = {"got": model.state_dict(), "norms": cb.norms, "seen_outside": cb.seen_outside}
+    if t.global_rank == 0:
+        torch.save(state, out / "full_parameters.pt")
+    print(f"CASE-DONE full_parameters rank={t.global_rank}", flush=True)
+
+
 class SkipOnRankOne(ParityNet):
     """From step 3 on, rank 1 skips the branch that rank 0 runs."""
 
@@ -345,6 +364,8 @@ if __name__ == "__main__":
             run_resume_defaults(out_dir)
         elif name == "unfreeze":
             run_unfreeze(out_dir)
+        elif name == "full_parameters":
+            run_full_parameters(out_dir)
         else:
             run_parity(name, out_dir)
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise

@@ -66,7 +66,8 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
 @pytest.fixture(scope="module")
 def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", "unfreeze", timeout=900)
+    rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
+                      timeout=900)
     return out, rc, log
 
 
@@ -219,6 +220,22 @@ def test_unfreezing_and_refreezing_mid_training_train_as_ddp(parity_run):
         torch.testing.assert_close(d["got"][k], v, msg=lambda m: f"{k}: {m}", rtol=0, atol=0)
     init = torch.load(out / "plain.pt")["init"]
     assert not torch.equal(d["got"]["blocks.0.1.weight"], init["blocks.0.1.weight"])
+
+
+def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parity_run):
+    """[Note: parameters outside a step]: with the defaults and with host placement. Before, a callback reading a
+    weight between steps crashed both ranks (a segmentation fault: the payloads are released after each step with
+    several ranks); outside the block it now reads NaN."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE full_parameters rank={r}" in log, log[-3000:]
+    d = torch.load(out / "full_parameters.pt")
+    for placement in ("auto", "host"):
+        got = d[placement]
+        assert got["norms"] == d["ref_norms"], placement
+        assert got["seen_outside"] == [False] * 12, placement
+        for k, v in d["ref"].items():
+            torch.testing.assert_close(got["got"][k], v, msg=lambda m: f"{placement} {k}: {m}", rtol=0, atol=0)
 
 
 def test_buffers_start_from_rank_zero(parity_run):

@@ -1,0 +1,94 @@
+"""The parameters' whole values between steps, and what was written into them back into the shards.
+
+[Note: parameters outside a step]
+Between its uses a parameter is a view of its chunk's payload, which is this rank's compute-dtype copy (stale
+until the next gather once the optimizer stepped the shards; released to a placeholder under host placement and
+with several ranks, [Note: a released parameter] in ``chunk.py``). So what a callback read between steps depended on
+the placement and the world size, and what it wrote (an EMA copied in at the end of training, a weight clamped
+after ``opt.step()``) was silently lost the next time the chunk was gathered from its shards.
+``full_parameters`` is the one way in, like FSDP's ``summon_full_params`` and DeepSpeed's ``GatheredParameters``:
+
+- each chunk holding one of the requested parameters is gathered from the master shards (a collective with several
+  ranks: every rank enters with the same parameters), and each parameter's ``.data`` becomes a fresh tensor with
+  its whole value in its own dtype, on the compute device (the host with ``offload_to_cpu``);
+- on leaving, with ``writeback``, each rank writes its piece of every value back into its master shard and the
+  compute-dtype copies, and a stale resident payload is released to be gathered again. An element the caller left
+  as it was keeps its master value, so a bf16 model whose masters are fp32 loses no precision by being looked at;
+- the parameters then point at their payload views (or placeholders) again. The optimizer's state is not touched.
+
+Inside, the engine is closed: a forward (whose hooks would gather into the payloads under the caller's feet) raises
+``ChunkError``, as does entering during a forward or backward, where autograd holds the payloads' values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from .chunk import Chunk
+from .consolidate import chunk_values, load_values
+from .errors import ChunkError
+from .states import TensorState
+
+S = TensorState
+_IN_A_STEP = (S.COMPUTE, S.HOLD_AFTER_FWD, S.READY_FOR_REDUCE, S.READY_FOR_REDUCE_FREE)
+
+
+@contextlib.contextmanager
+def full_parameters(engine: Any, params: Optional[Iterable[torch.nn.Parameter]] = None, *, writeback: bool = True,
+                    offload_to_cpu: bool = False) -> Iterator[None]:
+    """Give ``params`` (every packed parameter when ``None``) their whole values while the block runs; with
+    ``writeback``, what was written into them goes back into the shards. A collective with several ranks."""
+    mgr, hooks = engine.manager, engine.hooks
+    if hooks.closed is not None:
+        raise ChunkError("full_parameters() is already open: it cannot be nested.")
+    if torch._C._current_graph_task_id() != -1:
+        raise ChunkError("full_parameters() cannot be entered inside a backward (a hook or an autograd function): "
+                         "enter it between steps, or in training_step before the forward or after the optimizer step.")
+    busy = sorted({t.name for c in mgr.chunks for t in c.tensors if t.state in _IN_A_STEP})
+    if busy:
+        raise ChunkError(f"full_parameters() cannot be entered between a forward and its backward: {len(busy)} "
+                         f"parameters are in use ({', '.join(busy[:4])}{', ...' if len(busy) > 4 else ''}). Enter it "
+                         "between steps, or in training_step before the forward or after the optimizer step.")
+    wanted = _indices(mgr, params)
+    chunks = [c for c in mgr.chunks if any(t.slot.param_index in wanted for t in c.tensors)]
+    device = torch.device("cpu") if offload_to_cpu else mgr.device
+    values: dict[int, torch.Tensor] = {}
+    for c in chunks:  # chunk-id order on every rank: the all-gathers pair up
+        whole = chunk_values(mgr, c, device=device)
+        for t in c.tensors:
+            if t.slot.param_index in wanted:
+                values[t.slot.param_index] = t.param.data = whole[t.slot.param_index]
+    hooks.closed = ("a forward inside full_parameters(): leave the block first (the parameters hold their whole "
+                    "values there, not the chunks' payloads the hooks gather into).")
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        hooks.closed = None
+        try:
+            if ok and writeback:  # after an exception the other ranks may not be here: no collective, no write
+                load_values(mgr, values, keep_unchanged=True)
+                mgr.disk.page_out()
+        finally:
+            for c in chunks:
+                _point_back(c)
+
+
+def _indices(mgr: Any, params: Optional[Iterable[torch.nn.Parameter]]) -> set[int]:
+    if params is None:
+        return set(range(len(mgr.params)))
+    out = set()
+    for p in params:
+        i = mgr.index_of.get(id(p))
+        if i is not None:  # not packed (a buffer-like parameter left on the module): it has its value already
+            out.add(i)
+    return out
+
+
+def _point_back(c: Chunk) -> None:
+    for t in c.tensors:
+        t.param.data = t.released_value if c.params_parked else t.view

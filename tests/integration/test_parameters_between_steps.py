@@ -1,0 +1,111 @@
+"""Parameters touched between steps ([Note: a released parameter], [Note: parameters outside a step]).
+
+Before: with host placement (and with several ranks, where the payloads go after each step) a callback that read a
+weight between steps read freed memory and crashed the process with a segmentation fault; what a callback wrote into
+a resident payload was lost at the next gather; Lightning's WeightAveraging and StochasticWeightAveraging callbacks
+crashed on two ranks or left the raw weights where the averaged ones belonged."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
+
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.engine import ChunkError
+from tests.integration.test_parity import assert_same_params
+from tests.models import ClampFirstBlock, ParityNet, fit
+
+EXACT = dict(rtol=0, atol=0)
+
+
+def chunked(**kw):
+    return ChunkOffloadStrategy(optimizer_kernel="loop", chunk_numel=4096, **kw)
+
+
+class ReadBetweenSteps(L.Callback):
+    def __init__(self) -> None:
+        self.seen, self.write_error = [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        w = pl_module.head.weight
+        self.seen.append((tuple(w.shape), w.dtype, w.device, bool(torch.isnan(w).all())))
+        if self.write_error is None:
+            with pytest.raises(RuntimeError) as e, torch.no_grad():
+                w.mul_(0)
+            self.write_error = str(e.value)
+
+
+def test_a_released_parameter_reads_as_nan_and_refuses_writes_instead_of_crashing():
+    cb = ReadBetweenSteps()
+    fit(chunked(placement="host"), steps=4, callbacks=[cb])
+    assert cb.seen == [((48, 32), torch.float32, torch.device("cpu"), True)] * 4
+    assert "single memory location" in cb.write_error
+
+
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_full_parameters_reads_and_writes_like_plain_lightning(placement):
+    ref_cb, got_cb = ClampFirstBlock(), ClampFirstBlock()
+    ref = fit("auto", steps=10, callbacks=[ref_cb])
+    got = fit(chunked(placement=placement), steps=10, callbacks=[got_cb])
+    assert got_cb.norms == ref_cb.norms  # read inside the block: the trained values, bit for bit
+    assert_same_params(ref, got, EXACT)  # the clamps were written into the shards and trained on
+    assert all(p.abs().max() <= 0.05 for p in got.blocks[0].parameters())
+    # outside the block: resident payloads (one rank, fp32: the payload is the shard) or placeholders
+    assert got_cb.seen_outside == [placement == "auto"] * 10
+
+
+class LookOnly(L.Callback):
+    def __init__(self) -> None:
+        self.dtypes = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with trainer.strategy.full_parameters(pl_module.blocks):
+            self.dtypes |= {p.dtype for p in pl_module.blocks.parameters()}
+
+
+class Bf16Weights(ParityNet):
+    """Weights made in bf16 (a checkpoint loaded with ``torch_dtype=torch.bfloat16``), trained in bf16-mixed: their
+    masters are fp32."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.to(torch.bfloat16)
+
+
+def test_writeback_keeps_the_fp32_masters_of_bf16_weights_when_nothing_was_written():
+    """The values inside are in the parameters' own dtype (bf16), their masters fp32: writing back what was only
+    looked at changes no bit of the masters."""
+    plain = fit(chunked(), steps=6, precision="bf16-mixed", cls=Bf16Weights)
+    look = LookOnly()
+    looked = fit(chunked(), steps=6, precision="bf16-mixed", cls=Bf16Weights, callbacks=[look])
+    assert look.dtypes == {torch.bfloat16}
+    assert_same_params(plain, looked, EXACT)
+
+
+class ForwardInside(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with trainer.strategy.full_parameters():
+            pl_module(batch[0])
+
+
+class EnterAfterForward(ParityNet):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        with self.trainer.strategy.full_parameters():
+            pass
+        return loss
+
+
+def test_a_forward_inside_and_entering_between_forward_and_backward_are_refused():
+    with pytest.raises(ChunkError, match="a forward inside full_parameters"):
+        fit(chunked(), steps=2, callbacks=[ForwardInside()])
+    with pytest.raises(ChunkError, match="between a forward and its backward"):
+        fit(chunked(), steps=2, cls=EnterAfterForward)
+
+
+@pytest.mark.parametrize("callback", [
+    lambda: StochasticWeightAveraging(swa_lrs=1e-2), lambda: WeightAveraging(), lambda: ModelPruning("l1_unstructured")])
+def test_averaging_and_pruning_callbacks_are_refused_before_anything_is_built(callback):
+    cb = callback()
+    with pytest.raises(ValueError, match=f"{type(cb).__name__} does not work with chunk_offload"):
+        fit(chunked(), steps=2, callbacks=[cb])
