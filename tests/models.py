@@ -313,13 +313,13 @@ class ClampFirstBlock(L.Callback):
     parameters, chunk_offload inside ``trainer.strategy.full_parameters()`` ([Note: parameters outside a step]).
     ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block."""
 
-    def __init__(self, bound: float = 0.05) -> None:
-        self.bound, self.norms, self.seen_outside = bound, [], []
+    def __init__(self, bound: float = 0.05, use_block: bool = True) -> None:
+        self.bound, self.norms, self.seen_outside, self.use_block = bound, [], [], use_block
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         import contextlib
 
-        full = getattr(trainer.strategy, "full_parameters", None)
+        full = getattr(trainer.strategy, "full_parameters", None) if self.use_block else None
         self.seen_outside.append(bool(not torch.isnan(pl_module.head.weight).all()))
         with (full() if full else contextlib.nullcontext()), torch.no_grad():
             for p in pl_module.blocks[0].parameters():

@@ -104,6 +104,7 @@ class TensorInfo:
     state: TensorState = TensorState.FREE
     has_grad: bool = False  # a gradient arrived since the last step
     view: Optional[torch.Tensor] = field(default=None, repr=False)  # the parameter's view of the payload
+    version: int = 0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
     released_value: Optional[torch.Tensor] = field(default=None, repr=False)  # [Note: a released parameter]
 
     @property
@@ -225,6 +226,7 @@ class Chunk:
         if self.params_parked:
             for info in self.tensors:
                 info.param.data = info.view
+                info.version = info.param._version
             self.params_parked = False
 
     def released(self) -> None:

@@ -16,6 +16,15 @@ after ``opt.step()``) was silently lost the next time the chunk was gathered fro
   as it was keeps its master value, so a bf16 model whose masters are fp32 loses no precision by being looked at;
 - the parameters then point at their payload views (or placeholders) again. The optimizer's state is not touched.
 
+A write outside the block into a resident payload that is a copy of the shard (mixed precision, or several ranks
+between a gather and the next step) would be lost without a word when the payload is gathered or written back
+again. Written through the parameter (``p.clamp_()``, ``p.copy_()``, ``load_state_dict``, ``reset_parameters()``
+under ``no_grad``), it bumps the parameter's version counter: each micro-batch and evaluation step first compares
+the counters with those taken when the parameters were last pointed at their payloads (``stray_writes``) and
+raises ``ChunkError`` naming the parameter. Writes through ``.data`` leave no trace and are not caught. A chunk
+whose payload *is* its shard (one rank, the shard on the device, no mixed precision) keeps what is written into
+it, so it is not checked: the write trains.
+
 Inside, the engine is closed: a forward (whose hooks would gather into the payloads under the caller's feet) raises
 ``ChunkError``, as does entering during a forward or backward, where autograd holds the payloads' values.
 """
@@ -92,3 +101,20 @@ def _indices(mgr: Any, params: Optional[Iterable[torch.nn.Parameter]]) -> set[in
 def _point_back(c: Chunk) -> None:
     for t in c.tensors:
         t.param.data = t.released_value if c.params_parked else t.view
+        t.version = t.param._version
+
+
+def check_stray_writes(mgr: Any) -> None:
+    """Raise if a parameter of a resident payload that is a copy of its shard was written in place since it was last
+    pointed at its payload: the write would be lost ([Note: parameters outside a step])."""
+    for c in mgr.chunks:
+        if c.params_parked or (c.aliased and c.master_is_payload()):
+            continue
+        for t in c.tensors:
+            if t.param._version != t.version:
+                raise ChunkError(
+                    f"parameter {t.name!r} was written in place outside a step (its version counter went from "
+                    f"{t.version} to {t.param._version}), into chunk {c.chunk_id}'s payload, a copy of the sharded "
+                    "weights that the next gather or optimizer write-back overwrites: the write would be lost. Write "
+                    "parameters between steps inside `with trainer.strategy.full_parameters():` "
+                    "(ChunkOffloadStrategy.full_parameters; docs/faq.md, 'Reading or writing parameters between steps').")

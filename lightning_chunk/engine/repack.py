@@ -287,6 +287,7 @@ def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *
                               state=state, has_grad=source.has_grad(s.param_index))
             chunk.tensors.append(info)
             p.data = info.view = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
+            info.version = p._version
             mgr.place_param(p, chunk, info)
         if not chunk.aliased:
             chunk.payload.untyped_storage().resize_(0)

@@ -42,6 +42,7 @@ from .materialize import DeferredInit
 from .repack import FromModule
 from .weights import ModuleWeights
 from .consolidate import full_values, load_values, unpack
+from .full_params import check_stray_writes
 from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .packing import Layout
@@ -365,6 +366,7 @@ class ChunkEngine:
         """
         if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
             self.hooks.end_backward()
+        check_stray_writes(self.manager)  # [Note: parameters outside a step]
         if training and torch.is_grad_enabled():
             self._follow_requires_grad()
         record = training and not self.warmed_up and torch.is_grad_enabled()

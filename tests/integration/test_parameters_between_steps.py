@@ -54,6 +54,19 @@ def test_full_parameters_reads_and_writes_like_plain_lightning(placement):
     assert got_cb.seen_outside == [placement == "auto"] * 10
 
 
+def test_a_write_outside_the_block_is_refused_where_it_would_be_lost_and_trains_where_it_is_kept():
+    """One rank in bf16-mixed: the payload is a bf16 copy of the fp32 master, rewritten after every step, so a clamp
+    written into it vanished without a word. One rank in fp32 with everything resident the payload is the master:
+    the clamp trains as in plain Lightning. Released (host placement): the placeholder refuses the write."""
+    with pytest.raises(ChunkError, match=r"'blocks\.0\.\d\.\w+' was written in place outside a step"):
+        fit(chunked(), steps=4, precision="bf16-mixed", callbacks=[ClampFirstBlock(use_block=False)])
+    ref = fit("auto", steps=6, callbacks=[ClampFirstBlock(use_block=False)])
+    got = fit(chunked(), steps=6, callbacks=[ClampFirstBlock(use_block=False)])
+    assert_same_params(ref, got, EXACT)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        fit(chunked(placement="host"), steps=4, callbacks=[ClampFirstBlock(use_block=False)])
+
+
 class LookOnly(L.Callback):
     def __init__(self) -> None:
         self.dtypes = set()
