@@ -301,6 +301,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
         assert module is not None
         # as Lightning's Strategy.setup: the precision plugin converts the module first (bf16-true: its buffers)
         self.model = self.precision_plugin.convert_module(self.model)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            # Trainer(sync_batchnorm=True), before the parameters are packed, as DDP and FSDP apply it (it was ignored)
+            self.model = self._layer_sync.apply(self.model)
         # before configure_optimizers: meta tensors become placeholders the optimizers can hold
         deferred = DeferredInit.capture(module, init_fn=self.param_init_fn, buffer_device=self.root_device)
         self._deferred = deferred
@@ -599,4 +602,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
             # configure_model or setup failed while tensors were on the meta device: Lightning's teardown moves the
             # module to the CPU, which meta tensors refuse; placeholders hold no memory and can be moved
             DeferredInit.capture(self.lightning_module)
+            trainer = self.lightning_module._trainer
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+                self.model = self._layer_sync.revert(self.model)  # plain BatchNorm again, as DDP's teardown does
         super().teardown()

@@ -224,3 +224,25 @@ def test_what_stepping_in_backward_cannot_do_is_refused_before_the_first_step(wh
         trainer(strategy=ChunkOffloadStrategy(step_in_backward=True, log_memory_stats=False), max_steps=3,
                 **kw).fit(model, token_data())
     assert all(torch.isfinite(p).all() for p in model.parameters())  # refused before anything was built
+
+
+class SeesBatchNormType(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.during = type(pl_module.bn)
+
+
+def test_sync_batchnorm_is_applied_for_fit_and_reverted_after_and_batchnorm_trains_like_auto():
+    """``Trainer(sync_batchnorm=True)`` was ignored: the strategy never applied Lightning's layer sync, as DDP and
+    FSDP do before wrapping. On one rank SyncBatchNorm computes plain batch statistics, so parameters and running
+    statistics equal plain Lightning's."""
+    from tests.models import BatchNormNet, fit
+
+    ref = fit("auto", steps=8, cls=BatchNormNet)
+    seen = SeesBatchNormType()
+    got = fit(ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop"), steps=8, cls=BatchNormNet,
+              sync_batchnorm=True, callbacks=[seen])
+    assert seen.during is torch.nn.SyncBatchNorm
+    assert isinstance(got.bn, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(got.bn, torch.nn.SyncBatchNorm)
+    for (n, a), (_, b) in [*zip(ref.named_parameters(), got.named_parameters()),
+                           *zip(ref.named_buffers(), got.named_buffers())]:
+        assert torch.equal(a, b), n
