@@ -66,6 +66,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .errors import ChunkError, DeviceMemoryLimitError
+from .full_params import state_dict_hooks
 from .leaves import LeafModules
 from .chunk import Tier
 from .chunk import nbytes as tensor_nbytes
@@ -164,6 +165,7 @@ class ChunkHooks:
             self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
             self._handles.append(mod.register_forward_hook(self._make_post_forward(key), with_kwargs=True,
                                                            always_call=True))
+        self._handles += state_dict_hooks(self.module, self.manager, lambda: self.closed is not None)
         self.watch_grads()
         keys = list(self._key_index)
         self.manager.comm.names = lambda chunk, module: (

@@ -296,7 +296,14 @@ def run_full_parameters(out: Path) -> None:
         t = trainer(ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", collective_timeout_s=60), steps=12,
                     callbacks=[cb])
         t.fit(model, token_data())
-        state[placement] = {"got": model.state_dict(), "norms": cb.norms, "seen_outside": cb.seen_outside}
+        state[placement] = {"got": model.state_dict(), "norms": cb.norms, "seen_outside": cb.seen_outside,
+                            "saved_inside": cb.saved}
+    try:  # outside the block, a state_dict needs every rank's shards: refused with the way to get it
+        t2 = trainer(ChunkOffloadStrategy(collective_timeout_s=60), steps=2,
+                     callbacks=[models.StateDictOutside()])
+        t2.fit(ParityNet(), token_data())
+    except Exception as e:  # noqa: BLE001 -- the message is what the test reads
+        state["outside_error"] = f"{type(e).__name__}: {e}"
     if t.global_rank == 0:
         torch.save(state, out / "full_parameters.pt")
     print(f"CASE-DONE full_parameters rank={t.global_rank}", flush=True)

@@ -234,8 +234,10 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
         got = d[placement]
         assert got["norms"] == d["ref_norms"], placement
         assert got["seen_outside"] == [False] * 12, placement
+        assert torch.equal(got["saved_inside"], d["ref"]["blocks.0.0.weight"]), placement  # state_dict() inside
         for k, v in d["ref"].items():
             torch.testing.assert_close(got["got"][k], v, msg=lambda m: f"{placement} {k}: {m}", rtol=0, atol=0)
+    assert "ChunkError: state_dict() of a module trained by chunk_offload on 2 ranks" in d["outside_error"]
 
 
 def test_buffers_start_from_rank_zero(parity_run):

@@ -67,6 +67,28 @@ def test_a_write_outside_the_block_is_refused_where_it_would_be_lost_and_trains_
         fit(chunked(placement="host"), steps=4, callbacks=[ClampFirstBlock(use_block=False)])
 
 
+class SavesStateDicts(L.Callback):
+    def __init__(self) -> None:
+        self.saved = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.saved.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+
+
+@pytest.mark.parametrize("placement,precision", [("host", "32-true"), ("auto", "32-true"), ("auto", "bf16-mixed")])
+def test_state_dict_between_steps_gives_the_master_values(placement, precision):
+    """One rank: ``module.state_dict()`` in a callback gave NaN placeholders (host placement; a crash before them),
+    or the bf16 payload of an fp32 model (bf16-mixed). Its entries are now the masters, in the parameters' dtype."""
+    ref_cb, got_cb = SavesStateDicts(), SavesStateDicts()
+    strategy = chunked(placement=placement)
+    fit(strategy, steps=4, precision=precision, callbacks=[got_cb])
+    assert all(v.dtype == torch.float32 for sd in got_cb.saved for v in sd.values() if v.is_floating_point())
+    if precision == "32-true":
+        fit("auto", steps=4, callbacks=[ref_cb])
+        for a, b in zip(ref_cb.saved, got_cb.saved):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 class LookOnly(L.Callback):
     def __init__(self) -> None:
         self.dtypes = set()
