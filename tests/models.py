@@ -343,6 +343,23 @@ class ClampFirstBlock(L.Callback):
             self.saved = pl_module.state_dict()["blocks.0.0.weight"].clone()  # a whole value, clamped
 
 
+class GradPenalty(ParityNet):
+    """WGAN-GP's shape: the gradient of the logits with respect to the embeddings, taken with create_graph=True, and
+    its norm penalised, so the step's backward runs through the graph that the first backward built
+    ([Note: double backward])."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        out = h
+        for blk in self.blocks:
+            out = out + blk(out)
+        logits = self.head(self.norm(out))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        g, = torch.autograd.grad(logits.float().pow(2).sum(), h, create_graph=True)
+        return loss + 0.01 * (g.norm(2, dim=-1) - 1).pow(2).mean()
+
+
 class StateDictOutside(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.state_dict()

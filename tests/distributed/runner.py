@@ -93,6 +93,9 @@ CASES = {
     # torch's TransformerEncoderLayer and MultiheadAttention ([Note: leaf modules]), released after use
     "torch_transformer_host": dict(cls="TorchTransformerNet", strategy=dict(placement="host", chunk_numel=None,
                                                                             chunk_numel_min=4096)),
+    # a gradient penalty: the step's backward reads what a create_graph=True backward saved ([Note: double backward])
+    "grad_penalty_host": dict(steps=8, cls="GradPenalty", strategy=dict(placement="host", chunk_numel=None,
+                                                                         chunk_numel_min=4096)),
     "two_optimizers": dict(cls="TwoOptimizers"),
     "toggled_optimizers": dict(cls="ToggledOptimizers", ddp_unused=True, strategy=dict(chunk_numel=None)),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),

@@ -350,3 +350,17 @@ def test_compiled_model_trains_in_parity_under_a_device_limit(monkeypatch):
     assert_same_params(ref, got, EXACT)
     assert strategy.memory_stats()["evictions"] > 0
     assert raised == []
+
+
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_a_gradient_penalty_double_backward_trains_like_auto(placement):
+    """[Note: double backward]: with host placement the payloads that the create_graph=True backward's graph saved
+    were released at its end, and the step's backward read freed memory (a segmentation fault)."""
+    from tests.models import GradPenalty
+
+    ref = fit("auto", steps=6, cls=GradPenalty)
+    strategy = ChunkOffloadStrategy(placement=placement, chunk_numel=4096, optimizer_kernel="loop")
+    got = fit(strategy, steps=6, cls=GradPenalty)
+    assert_same_params(ref, got, EXACT)
+    if placement == "host":
+        assert strategy.memory_stats()["evictions"] > 0
