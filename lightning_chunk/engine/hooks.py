@@ -165,8 +165,8 @@ class ChunkHooks:
             key = name or ROOT
             if key not in self._owned or mod is self.module:
                 continue  # owns no parameter; or the root, which step_scope handles
-            self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key)))
-            self._handles.append(mod.register_forward_hook(self._make_post_forward(key), with_kwargs=True,
+            self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key, mod)))
+            self._handles.append(mod.register_forward_hook(self._make_post_forward(key, mod), with_kwargs=True,
                                                            always_call=True))
         self._handles += state_dict_hooks(self.module, self.manager, lambda: self.closed is not None)
         self.watch_grads()
@@ -397,17 +397,21 @@ class ChunkHooks:
         ))
 
     # =================================================================== hooks
-    def _make_pre_forward(self, key: str) -> Callable[..., None]:
+    def _make_pre_forward(self, key: str, owner: torch.nn.Module) -> Callable[..., None]:
         @_eager
         def hook(module: torch.nn.Module, args: Any) -> None:
+            if module is not owner:
+                return  # a deep copy of the module, which kept the hook: its parameters are plain tensors
             with self.manager.clock.measure("hooks"):
                 self._use(key, FORWARD)
 
         return hook
 
-    def _make_post_forward(self, key: str) -> Callable[..., None]:
+    def _make_post_forward(self, key: str, owner: torch.nn.Module) -> Callable[..., None]:
         @_eager
         def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if module is not owner:
+                return
             with self.manager.clock.measure("hooks"):
                 self._done_forward(key)
                 self._hook_outputs(key, output)

@@ -5,6 +5,9 @@ weight between steps read freed memory and crashed the process with a segmentati
 a resident payload was lost at the next gather; Lightning's WeightAveraging and StochasticWeightAveraging callbacks
 crashed on two ranks or left the raw weights where the averaged ones belonged."""
 
+import contextlib
+import copy
+
 import lightning as L
 import pytest
 import torch
@@ -144,3 +147,39 @@ def test_averaging_and_pruning_callbacks_are_refused_before_anything_is_built(ca
     cb = callback()
     with pytest.raises(ValueError, match=f"{type(cb).__name__} does not work with chunk_offload"):
         fit(chunked(), steps=2, callbacks=[cb])
+
+
+class CopiedTeacher(ParityNet):
+    """An EMA teacher made by deep-copying the blocks after set-up (``on_fit_start``): a plain module of its own."""
+
+    def on_fit_start(self):
+        full = getattr(self.trainer.strategy, "full_parameters", None)
+        with full() if full else contextlib.nullcontext():
+            self.teacher = [copy.deepcopy(self.embed), copy.deepcopy(self.blocks)]  # a list: never packed, never stepped
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():
+            t = self.teacher[0](x)
+            for blk in self.teacher[1]:
+                t = t + blk(t)
+        return super().training_step(batch, batch_idx) + 0.0 * t.sum()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            for t in self.teacher[1].parameters():
+                t.mul_(0.9)
+
+
+def test_a_deep_copy_made_after_set_up_is_a_plain_module():
+    """A copy keeps the engine's hooks (closures are shared by ``deepcopy``); they used to run the original's
+    gathers for every forward of the copy. Now they leave the copy alone: the same gathers as without it."""
+    ref = fit("auto", steps=6, cls=CopiedTeacher)
+    strategy = chunked(placement="host")
+    got = fit(strategy, steps=6, cls=CopiedTeacher)
+    assert_same_params(ref, got, EXACT)
+    for a, b in zip(ref.teacher[1].parameters(), got.teacher[1].parameters()):
+        assert torch.equal(a, b)
+    plain = chunked(placement="host")
+    fit(plain, steps=6)
+    assert strategy.memory_stats()["gathers"] == plain.memory_stats()["gathers"]
