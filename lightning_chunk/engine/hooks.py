@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import ChunkError, DeviceMemoryLimitError
 from .full_params import state_dict_hooks
+from .grad_graph import GradGraphKeeper
 from .leaves import LeafModules
 from .chunk import Tier
 from .chunk import nbytes as tensor_nbytes
@@ -120,9 +121,8 @@ class ChunkHooks:
         self._pinned_by_backward: dict[str, frozenset[int]] = {}
         # why no forward may run now ([Note: parameters outside a step] in full_params.py), or None
         self.closed: Optional[str] = None
-        # parameters a backward with create_graph=True used: the graph it built reads them ([Note: double backward])
-        self._kept_for_grad_graph: set[int] = set()
-        self._building_grad_graph = False
+        # parameters a backward with create_graph=True used, kept for the graph it built ([Note: double backward])
+        self.grad_graph = GradGraphKeeper(manager)
         self._learn_owners()
 
     # ============================================================ installation
@@ -352,8 +352,7 @@ class ChunkHooks:
         self._plan_and_run(needed)
         recompute = kind == FORWARD and _in_backward()
         if kind == BACKWARD and torch.is_grad_enabled():  # create_graph=True: [Note: double backward]
-            self._building_grad_graph = True
-            self._kept_for_grad_graph.update(self._owned.get(key, ()))
+            self.grad_graph.used(self._owned.get(key, ()))
         in_use = []
         for i in self._owned.get(key, ()):
             chunk, info = self.manager.lookup(self.manager.params[i])
@@ -503,7 +502,7 @@ class ChunkHooks:
         self._pinned_by_backward.clear()
         self._check_same_sequence()
         self.manager.end_backward(self.make_room)
-        self._keep_for_grad_graph()
+        self.grad_graph.backward_ended()
         if self.on_backward_end is not None:
             self.on_backward_end()
         if self.tracer.recording:
@@ -512,34 +511,6 @@ class ChunkHooks:
                 self.on_trace_done(self.trace)
         if self.policy.evict_after_use:
             self._plan_and_run(())
-
-    def _keep_for_grad_graph(self) -> None:
-        """[Note: double backward]
-        ``torch.autograd.grad(..., create_graph=True)`` (a gradient penalty, WGAN-GP) runs a backward whose nodes
-        build a second graph, and that graph saved the parameters the backward used (views of their payloads). A
-        later backward reads them through nodes no module hook precedes, so nothing would gather them again: with
-        host placement (or under a limit) the payload was released at the end of the first backward and the second
-        read freed memory (a segmentation fault). The parameters a backward in grad mode used stay in use (COMPUTE,
-        so no plan evicts their chunks) until a backward that builds no graph ends, or the next micro-batch
-        begins. The warm-up trace ends with the first backward, so a device limit does not count them: one too
-        tight for them is refused when it is met, with its numbers."""
-        mgr = self.manager
-        if self._building_grad_graph:
-            self._building_grad_graph = False
-            for i in self._kept_for_grad_graph:
-                chunk, info = mgr.lookup(mgr.params[i])
-                if info.state is S.HOLD_AFTER_BWD:
-                    chunk.set_state(info, S.COMPUTE)
-        else:
-            self._release_grad_graph()
-
-    def _release_grad_graph(self) -> None:
-        mgr = self.manager
-        for i in self._kept_for_grad_graph:
-            chunk, info = mgr.lookup(mgr.params[i])
-            if info.state is S.COMPUTE:
-                chunk.set_state(info, S.HOLD_AFTER_BWD)
-        self._kept_for_grad_graph.clear()
 
     def _check_same_sequence(self) -> None:
         """Several ranks: every rank must have run the same modules in the same order this micro-batch.
@@ -572,8 +543,7 @@ class ChunkHooks:
     @contextlib.contextmanager
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
-        self._building_grad_graph = False
-        self._release_grad_graph()  # a graph built by a backward with create_graph=True that no backward consumed
+        self.grad_graph.reset()  # a graph built by a backward with create_graph=True that no backward consumed
         self.manager.reset_states()
         self._sequence = []
         self._open_backward.clear()
