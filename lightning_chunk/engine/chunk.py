@@ -224,10 +224,8 @@ class Chunk:
             if info.state is not new:
                 self.set_state(info, new)
         if self.params_parked:
-            for info in self.tensors:
-                info.param.data = info.view
-                info.version = info.param._version
             self.params_parked = False
+            self.point_params()
 
     def released(self) -> None:
         """The payload is gone: -> FREE, a waiting gradient's tensor -> READY_FOR_REDUCE_FREE; the parameters show
@@ -240,11 +238,17 @@ class Chunk:
 
     def park_params(self) -> None:
         if not self.params_parked:
-            for info in self.tensors:
-                if info.released_value is None:
-                    info.released_value = released_placeholder(info.shape, info.view.dtype, info.view.device)
-                info.param.data = info.released_value
             self.params_parked = True
+            self.point_params()
+
+    def point_params(self) -> None:
+        """Each parameter's ``.data``: its payload view, or its placeholder while the payload is released; the
+        version counter is taken again ([Note: parameters outside a step] in ``full_params.py``)."""
+        for info in self.tensors:
+            if self.params_parked and info.released_value is None:
+                info.released_value = released_placeholder(info.shape, info.view.dtype, info.view.device)
+            info.param.data = info.released_value if self.params_parked else info.view
+            info.version = info.param._version
 
     def reduced(self) -> None:
         """The chunk's gradients were reduced (or stay local inside ``no_sync``): nothing waits any more."""

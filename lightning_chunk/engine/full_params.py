@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from .chunk import Chunk, Tier
+from .chunk import Tier
 from .consolidate import chunk_values, load_values
 from .errors import ChunkError
 from .states import TensorState
@@ -74,15 +74,15 @@ def full_parameters(engine: Any, params: Optional[Iterable[torch.nn.Parameter]] 
     chunks = [c for c in mgr.chunks if any(t.slot.param_index in wanted for t in c.tensors)]
     device = torch.device("cpu") if offload_to_cpu else mgr.device
     values: dict[int, torch.Tensor] = {}
-    for c in chunks:  # chunk-id order on every rank: the all-gathers pair up
-        whole = chunk_values(mgr, c, device=device)
-        for t in c.tensors:
-            if t.slot.param_index in wanted:
-                values[t.slot.param_index] = t.param.data = whole[t.slot.param_index]
-    hooks.closed = ("a forward inside full_parameters(): leave the block first (the parameters hold their whole "
-                    "values there, not the chunks' payloads the hooks gather into).")
     ok = False
-    try:
+    try:  # a gather that fails part-way still points every parameter back at its payload
+        for c in chunks:  # chunk-id order on every rank: the all-gathers pair up
+            whole = chunk_values(mgr, c, device=device)
+            for t in c.tensors:
+                if t.slot.param_index in wanted:
+                    values[t.slot.param_index] = t.param.data = whole[t.slot.param_index]
+        hooks.closed = ("a forward inside full_parameters(): leave the block first (the parameters hold their whole "
+                        "values there, not the chunks' payloads the hooks gather into).")
         yield
         ok = True
     finally:
@@ -93,7 +93,7 @@ def full_parameters(engine: Any, params: Optional[Iterable[torch.nn.Parameter]] 
                 mgr.disk.page_out()
         finally:
             for c in chunks:
-                _point_back(c)
+                c.point_params()
 
 
 def _indices(mgr: Any, params: Optional[Iterable[torch.nn.Parameter]]) -> set[int]:
@@ -105,12 +105,6 @@ def _indices(mgr: Any, params: Optional[Iterable[torch.nn.Parameter]]) -> set[in
         if i is not None:  # not packed (a buffer-like parameter left on the module): it has its value already
             out.add(i)
     return out
-
-
-def _point_back(c: Chunk) -> None:
-    for t in c.tensors:
-        t.param.data = t.released_value if c.params_parked else t.view
-        t.version = t.param._version
 
 
 def check_stray_writes(mgr: Any) -> None:
