@@ -340,7 +340,7 @@ class ClampFirstBlock(L.Callback):
             for p in pl_module.blocks[0].parameters():
                 p.clamp_(-self.bound, self.bound)
             self.norms.append(float(pl_module.head.weight.norm()))
-            self.saved = pl_module.state_dict()["blocks.0.0.weight"].clone()  # a whole value, clamped
+            self.saved = pl_module.blocks[0].state_dict()["0.weight"].clone()  # a whole value, clamped
 
 
 class GradPenalty(ParityNet):
