@@ -20,7 +20,7 @@ A write outside the block into a resident payload that is a copy of the shard (m
 between a gather and the next step) would be lost without a word when the payload is gathered or written back
 again. Written through the parameter (``p.clamp_()``, ``p.copy_()``, ``load_state_dict``, ``reset_parameters()``
 under ``no_grad``), it bumps the parameter's version counter: each micro-batch and evaluation step first compares
-the counters with those taken when the parameters were last pointed at their payloads (``stray_writes``) and
+the counters with those taken when the parameters were last pointed at their payloads (``check_stray_writes``) and
 raises ``ChunkError`` naming the parameter. Writes through ``.data`` leave no trace and are not caught. A chunk
 whose payload *is* its shard (one rank, the shard on the device, no mixed precision) keeps what is written into
 it, so it is not checked: the write trains.
