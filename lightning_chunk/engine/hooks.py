@@ -86,6 +86,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
 ROOT = "<root>"
+GRADIENTS = "gradients"  # the entry a backward's end adds to the sequence the ranks compare
 
 
 class ChunkHooks:
@@ -102,6 +103,7 @@ class ChunkHooks:
         self._handles: list[Any] = []
         self._grads_watched: set[int] = set()  # parameters whose gradient hook is installed
         self._backward_queued = False
+        self._grads_arrived = False  # a parameter's gradient landed in the backward running now
         self.on_trace_done: Optional[Callable[[Trace], None]] = None
         self.on_backward_start: Optional[Callable[[], None]] = None  # before the first gradient of a backward lands
         self.on_backward_end: Optional[Callable[[], None]] = None  # every gradient of the backward is in its shard
@@ -475,6 +477,7 @@ class ChunkHooks:
             self._queue_end_of_backward()
             if param.grad is None:
                 return
+            self._grads_arrived = True
             with self.manager.clock.measure("grad_copy"):
                 self.manager.accumulate_grad(param, param.grad, self.make_room)
             param.grad = None
@@ -497,13 +500,27 @@ class ChunkHooks:
             self._end_backward()
 
     def _end_backward(self) -> None:
+        """[Note: a backward that delivers no gradient]
+        ``torch.autograd.grad(out, inputs, create_graph=True)`` (a gradient penalty's first half) runs through the
+        modules' backward hooks, so it queues a backward end like any other, but it accumulates no parameter
+        gradient. Ending it as a gradient backward would close the micro-batch's gradients too early: with
+        several ranks the forced drain reduced the gradients that earlier micro-batches had left in the gradient
+        payloads (``sharded_accumulation=False``) apart from this micro-batch's, so the sum was rounded otherwise
+        than DDP's; with ``step_in_backward=True`` the last micro-batch's chunks stepped there, before its own
+        gradients (a wrong step, not a rounding). As with DDP, whose reducer waits for the gradient hooks, such a
+        backward ends only its bookkeeping: states, the graph keeper, the rank check. Whether gradients arrived is
+        part of the sequence the ranks compare, since one that reduces while another does not would pair
+        collectives wrongly."""
         self._backward_queued = False
         self._open_backward.clear()
         self._pinned_by_backward.clear()
+        # [Note: a backward that delivers no gradient]
+        arrived, self._grads_arrived = self._grads_arrived, False
+        self._sequence.append((GRADIENTS, "delivered" if arrived else "none delivered"))
         self._check_same_sequence()
-        self.manager.end_backward(self.make_room)
+        self.manager.end_backward(self.make_room, grads_arrived=arrived)
         self.grad_graph.backward_ended()
-        if self.on_backward_end is not None:
+        if arrived and self.on_backward_end is not None:
             self.on_backward_end()
         if self.tracer.recording:
             self.trace = self.tracer.finish()
@@ -531,6 +548,8 @@ class ChunkHooks:
             if i >= len(seqs[r]):
                 return "nothing more"
             kind, key = seqs[r][i]
+            if kind == GRADIENTS:
+                return f"the end of a backward, parameter gradients {key}"
             return f"{kind} of module {key!r} (chunks {list(self._chunks_of.get(key, ()))})"
         raise CollectiveMismatchError(
             f"[rank {comm.rank}] ranks ran different modules in this micro-batch; first difference at moment {i}: "

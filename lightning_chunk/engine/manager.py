@@ -393,8 +393,14 @@ class ChunkManager:
     def grad_payload_peak(self) -> int:
         return self.reducer.payload_peak
 
-    def end_backward(self, make_room: MakeRoom = None) -> None:
-        """Reduce what is left (tensors that got no gradient); everything used becomes HOLD_AFTER_BWD."""
+    def end_backward(self, make_room: MakeRoom = None, *, grads_arrived: bool = True) -> None:
+        """Reduce what is left (tensors that got no gradient); everything used becomes HOLD_AFTER_BWD. A backward
+        that delivered no gradient reduces nothing ([Note: a backward that delivers no gradient] in hooks.py)."""
+        if not grads_arrived:
+            for c in self.chunks:
+                c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
+            self._changed()
+            return
         if self.comm.world_size > 1:
             self.reducer.end_backward(make_room)
         else:

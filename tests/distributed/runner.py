@@ -96,6 +96,14 @@ CASES = {
     # a gradient penalty: the step's backward reads what a create_graph=True backward saved ([Note: double backward])
     "grad_penalty_host": dict(steps=8, cls="GradPenalty", strategy=dict(placement="host", chunk_numel=None,
                                                                          chunk_numel_min=4096)),
+    # its first backward (autograd.grad of the inputs) delivers no parameter gradient, so it must not end the
+    # micro-batch's gradients ([Note: a backward that delivers no gradient]): unsharded, DDP's sum bit for bit;
+    # stepping in backward, the last micro-batch's chunks step after its own gradients (not at that first end)
+    "grad_penalty_accumulate_unsharded": dict(steps=8, cls="GradPenalty", trainer=dict(accumulate_grad_batches=2),
+                                              strategy=dict(chunk_numel=None, chunk_numel_min=4096,
+                                                            sharded_accumulation=False)),
+    "grad_penalty_early_accumulate": dict(steps=8, cls="GradPenalty", trainer=dict(accumulate_grad_batches=2),
+                                          strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True)),
     "two_optimizers": dict(cls="TwoOptimizers"),
     "toggled_optimizers": dict(cls="ToggledOptimizers", ddp_unused=True, strategy=dict(chunk_numel=None)),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),

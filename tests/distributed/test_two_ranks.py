@@ -20,6 +20,7 @@ PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharde
           "host_kept", "host_kept_limit", "host_kept_waiting", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
           "reordered_bf16", "reordered_bf16_tight", "checkpointed", "checkpointed_host", "checkpointed_limit",
           "adapters_limit", "reused_frozen_limit", "checkpointed_adapters_limit", "torch_transformer_host", "grad_penalty_host",
+          "grad_penalty_accumulate_unsharded", "grad_penalty_early_accumulate",
           "two_optimizers", "toggled_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "early", "early_unused", "early_accumulate", "early_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
@@ -31,6 +32,7 @@ EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "
 # gives the fused kernel's rounding). sharded_accumulation=False sums as DDP does and is bit-exact.
 ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol=1e-5, atol=1e-6),
             "accumulate": dict(rtol=1e-4, atol=1e-5), "early_accumulate": dict(rtol=1e-4, atol=1e-5),
+            "grad_penalty_early_accumulate": dict(rtol=1e-4, atol=1e-5),
             "disk_accumulate": dict(rtol=1e-4, atol=1e-5),
             "disk_defaults": dict(rtol=1e-4, atol=1e-5)}
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
