@@ -415,7 +415,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
 
     @contextlib.contextmanager
     def full_parameters(self, module: Optional[torch.nn.Module] = None, *, writeback: bool = True,
-                        offload_to_cpu: bool = False) -> Generator[None, None, None]:
+                        offload_to_cpu: bool = False, with_grads: bool = False) -> Generator[None, None, None]:
         """The parameters of ``module`` (the whole LightningModule by default) hold their whole trained values
         inside the block; with ``writeback``, what you write into them goes back into the sharded weights
         (elements you leave as they were keep their master precision). FSDP's ``summon_full_params``.
@@ -425,12 +425,18 @@ class ChunkOffloadStrategy(ParallelStrategy):
         the block's duration (on the host with ``offload_to_cpu``): ask for a submodule when the model is large.
         Outside a step, without this block, a parameter shows a stale copy or a placeholder of NaN that refuses
         writes ([Note: parameters outside a step] in ``engine/full_params.py``). Before ``fit`` and after it the
-        parameters are plain and the block does nothing."""
+        parameters are plain and the block does nothing.
+
+        ``with_grads=True`` (between a backward and the optimizer step, e.g. in ``on_before_optimizer_step``) also
+        gives each parameter that got a gradient its whole ``.grad``, the one the optimizer will read: Lightning's
+        ``grad_norm(self)`` works inside. Gradients changed inside are written back, one set to ``None`` is
+        skipped by the step ([Note: gradients in full_parameters] in ``engine/full_params.py``)."""
         if self.engine is None:
             yield
             return
         params = None if module is None else list(module.parameters())
-        with full_parameters(self.engine, params, writeback=writeback, offload_to_cpu=offload_to_cpu):
+        with full_parameters(self.engine, params, writeback=writeback, offload_to_cpu=offload_to_cpu,
+                             with_grads=with_grads):
             yield
 
     def memory_stats(self) -> dict[str, float]:

@@ -343,6 +343,35 @@ class ClampFirstBlock(L.Callback):
             self.saved = pl_module.blocks[0].state_dict()["0.weight"].clone()  # a whole value, clamped
 
 
+class GradNormsAndEdits(L.Callback):
+    """Lightning's ``grad_norm`` in ``on_before_optimizer_step``, then the gradients edited: one block's halved in
+    place, ``norm.bias``'s dropped every other step (so the step skips it). Plain Lightning on the parameters,
+    chunk_offload inside ``full_parameters(with_grads=True)`` ([Note: gradients in full_parameters])."""
+
+    def __init__(self) -> None:
+        self.norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        import contextlib
+
+        from lightning.pytorch.utilities import grad_norm
+
+        full = getattr(trainer.strategy, "full_parameters", None)
+        with full(with_grads=True) if full else contextlib.nullcontext():
+            self.norms.append({k: float(v) for k, v in grad_norm(pl_module, norm_type=2).items()})
+            blocks = pl_module.blocks if hasattr(pl_module, "blocks") else pl_module.blocks_reversed
+            for p in blocks[1].parameters():
+                p.grad.mul_(0.5)
+            if trainer.global_step % 2 == 0:
+                pl_module.norm.bias.grad = None
+
+
+class GradsAfterBackward(L.Callback):
+    def on_after_backward(self, trainer, pl_module):
+        with trainer.strategy.full_parameters(with_grads=True):
+            pass
+
+
 class GradPenalty(ParityNet):
     """WGAN-GP's shape: the gradient of the logits with respect to the embeddings, taken with create_graph=True, and
     its norm penalised, so the step's backward runs through the graph that the first backward built

@@ -25,10 +25,13 @@ def _pieces(mgr: ChunkManager, chunk: Chunk, info: TensorInfo) -> tuple[int, int
     return piece_range(chunk, info.offset, info.numel)
 
 
-def chunk_values(mgr: ChunkManager, c: Chunk, *, device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
+def chunk_values(mgr: ChunkManager, c: Chunk, *, device: Optional[torch.device] = None,
+                 grads: bool = False) -> dict[int, torch.Tensor]:
     """The whole trained value of each parameter of ``c`` (original dtype and shape, on ``device``, the host by
-    default), keyed by parameter index. A collective with several ranks."""
-    full = mgr.gather_shard(c, c.master_tensor_for_read())
+    default), keyed by parameter index; with ``grads``, the whole gradient in the gradient shards instead (what
+    the optimizer reads: averaged over the ranks). A collective with several ranks."""
+    assert not grads or c.grad is not None
+    full = mgr.gather_shard(c, c.grad if grads else c.master_tensor_for_read())
     return {t.slot.param_index: full[t.offset : t.offset + t.numel].view(t.shape).to(
                 device=device or _HOST, dtype=t.orig_dtype, copy=True) for t in c.tensors}
 

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from .chunk import Tier
+from .repack import piece_range
 from .consolidate import chunk_values, load_values
 from .errors import ChunkError
 from .states import TensorState
@@ -56,9 +57,10 @@ _IN_A_STEP = (S.COMPUTE, S.HOLD_AFTER_FWD, S.READY_FOR_REDUCE, S.READY_FOR_REDUC
 
 @contextlib.contextmanager
 def full_parameters(engine: Any, params: Optional[Iterable[torch.nn.Parameter]] = None, *, writeback: bool = True,
-                    offload_to_cpu: bool = False) -> Iterator[None]:
+                    offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
     """Give ``params`` (every packed parameter when ``None``) their whole values while the block runs; with
-    ``writeback``, what was written into them goes back into the shards. A collective with several ranks."""
+    ``writeback``, what was written into them goes back into the shards. ``with_grads``: their ``.grad`` too
+    ([Note: gradients in full_parameters]). A collective with several ranks."""
     mgr, hooks = engine.manager, engine.hooks
     if hooks.closed is not None:
         raise ChunkError("full_parameters() is already open: it cannot be nested.")
@@ -72,15 +74,23 @@ def full_parameters(engine: Any, params: Optional[Iterable[torch.nn.Parameter]] 
                          "between steps, or in training_step before the forward or after the optimizer step.")
     wanted = _indices(mgr, params)
     chunks = [c for c in mgr.chunks if any(t.slot.param_index in wanted for t in c.tensors)]
+    with_grad = _with_gradients(engine, chunks, wanted) if with_grads else set()
     device = torch.device("cpu") if offload_to_cpu else mgr.device
     values: dict[int, torch.Tensor] = {}
+    grads: dict[int, tuple[torch.Tensor, int]] = {}  # the gradient given and its version counter then
     ok = False
     try:  # a gather that fails part-way still points every parameter back at its payload
         for c in chunks:  # chunk-id order on every rank: the all-gathers pair up
             whole = chunk_values(mgr, c, device=device)
-            for t in c.tensors:
-                if t.slot.param_index in wanted:
-                    values[t.slot.param_index] = t.param.data = whole[t.slot.param_index]
+            mine = [t for t in c.tensors if t.slot.param_index in wanted]
+            whole_grads = chunk_values(mgr, c, device=device, grads=True) if any(
+                t.slot.param_index in with_grad for t in c.tensors) else {}
+            for t in mine:
+                i = t.slot.param_index
+                values[i] = t.param.data = whole[i]
+                if i in with_grad:
+                    t.param.grad = whole_grads[i]
+                    grads[i] = (whole_grads[i], whole_grads[i]._version)
         hooks.closed = ("a forward inside full_parameters(): leave the block first (the parameters hold their whole "
                         "values there, not the chunks' payloads the hooks gather into).")
         yield
@@ -89,11 +99,77 @@ def full_parameters(engine: Any, params: Optional[Iterable[torch.nn.Parameter]] 
         hooks.closed = None
         try:
             if ok and writeback:  # after an exception the other ranks may not be here: no collective, no write
+                if with_grads:
+                    _write_grads(engine, chunks, wanted, grads)
                 load_values(mgr, values, keep_unchanged=True)
                 mgr.disk.page_out()
         finally:
             for c in chunks:
+                for t in c.tensors:
+                    if with_grads and t.slot.param_index in wanted:
+                        t.param.grad = None
                 c.point_params()
+
+
+def _with_gradients(engine: Any, chunks: list[Any], wanted: set[int]) -> set[int]:
+    """[Note: gradients in full_parameters]
+    Between a backward and the optimizer step (``on_before_optimizer_step``, where Lightning's ``grad_norm`` is
+    meant to run) a parameter's ``.grad`` is ``None``: its gradient lives in the chunks' gradient shards, each rank
+    holding a piece of the average over ranks. ``full_parameters(with_grads=True)`` (FSDP's ``summon_full_params``
+    argument) gathers them as it gathers the values: each wanted parameter that got a gradient on any rank gets its
+    whole gradient, the one the optimizer will read (after the ranks' vote, unscaled under fp16 once Lightning calls
+    ``on_before_optimizer_step``), in the parameter's dtype. On leaving, with ``writeback``, a gradient changed in
+    place or replaced goes back into this rank's piece of the shard (elements left as they were keep their fp32
+    value), and one set to ``None`` is skipped by the step, as ``torch.optim`` skips a parameter without a gradient.
+    A gradient cannot be given to a parameter that got none (it has no gradient to add to on the other ranks).
+    Refused while a micro-batch's gradients still wait in the gradient payloads (``sharded_accumulation=False``
+    inside accumulation) and with ``step_in_backward=True`` (gone after backward)."""
+    mgr = engine.manager
+    engine.grads_ready("full_parameters(with_grads=True)")
+    waiting = [c.chunk_id for c in chunks if c.grad_payload is not None]  # left there by no_sync()
+    if waiting:
+        raise ChunkError(
+            f"full_parameters(with_grads=True): the gradients of chunks {waiting[:8]} still wait in their gradient "
+            "payloads (sharded_accumulation=False, inside gradient accumulation), not in the shards this block "
+            "reads. Read them at the step (on_before_optimizer_step) or set sharded_accumulation=True.")
+    order = [t for c in chunks for t in c.tensors if t.slot.param_index in wanted]
+    # after the vote a rank keeps the flag only where it holds a piece: the union over ranks is the parameter's
+    flags = torch.tensor([t.has_grad and t.requires_grad for t in order], dtype=torch.uint8,
+                         device=mgr.comm.tensor_device())
+    if mgr.comm.world_size > 1 and order:
+        mgr.comm.all_reduce(flags, op="max", what="the vote on which parameters' gradients full_parameters gathers")
+    return {t.slot.param_index for t, f in zip(order, flags.tolist()) if f}
+
+
+def _write_grads(engine: Any, chunks: list[Any], wanted: set[int], given: dict[int, tuple[torch.Tensor, int]]) -> None:
+    """Each rank's piece of what the block left in the gradients ([Note: gradients in full_parameters])."""
+    mgr = engine.manager
+    for c in chunks:
+        lo, _ = c.shard_range
+        for t in c.tensors:
+            i = t.slot.param_index
+            if i not in wanted:
+                continue
+            now = t.param.grad
+            if i not in given:
+                if now is not None:
+                    raise ChunkError(f"full_parameters(with_grads=True): parameter {t.name!r} got no gradient in "
+                                     "this step, and a gradient cannot be given to it here; change or remove the "
+                                     "gradients that exist.")
+                continue
+            a, b = piece_range(c, t.offset, t.numel)
+            if now is None:
+                t.has_grad = False  # skipped by the step, as in torch.optim; pieces elsewhere: other ranks did it
+                continue
+            g, version = given[i]
+            if (now is g and now._version == version) or a >= b:
+                continue
+            with mgr.storage_of(c).writing(c, ("grad",)):
+                shard = c.grad[a - lo : b - lo]
+                piece = now.reshape(-1)[a - t.offset : b - t.offset].to(shard.device)
+                shard.copy_(torch.where(piece == shard.to(piece.dtype), shard, piece.to(shard.dtype)))
+    for b in engine.bindings:
+        b.attach_grads()
 
 
 def _indices(mgr: Any, params: Optional[Iterable[torch.nn.Parameter]]) -> set[int]:

@@ -454,9 +454,13 @@ class ChunkEngine:
                              "its gradients are gone after it ([Note: stepping in backward]). Turn the one or the "
                              "other off (for Lightning's clipping: gradient_clip_val=None).")
 
-    def grads(self, optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
-        self._gradients_kept("reading the gradients after backward")
+    def grads_ready(self, what: str) -> None:
+        """Before gradients are read or written outside the step: agreed on, attached, and not stepped away."""
+        self._gradients_kept(what)
         self.prepare_step()
+
+    def grads(self, optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
+        self.grads_ready("reading the gradients after backward")
         return [g for b in self._bindings(optimizer) for g in b.grads()]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

@@ -298,17 +298,17 @@ def run_full_parameters(out: Path) -> None:
     """[Note: parameters outside a step]: weights clamped after every step and a norm read between steps, with the
     defaults and with host placement, against DDP doing the same on its parameters."""
     L.seed_everything(7, verbose=False)
-    ref, ref_cb = ParityNet(), models.ClampFirstBlock()
-    trainer(DDPStrategy(), steps=12, callbacks=[ref_cb]).fit(ref, token_data())
-    state: dict = {"ref": ref.state_dict(), "ref_norms": ref_cb.norms}
+    ref, ref_cb, ref_grads = ParityNet(), models.ClampFirstBlock(), models.GradNormsAndEdits()
+    trainer(DDPStrategy(), steps=12, callbacks=[ref_cb, ref_grads]).fit(ref, token_data())
+    state: dict = {"ref": ref.state_dict(), "ref_norms": ref_cb.norms, "ref_grad_norms": ref_grads.norms}
     for placement in ("auto", "host"):
         L.seed_everything(7, verbose=False)
-        model, cb = ParityNet(), models.ClampFirstBlock()
+        model, cb, grads = ParityNet(), models.ClampFirstBlock(), models.GradNormsAndEdits()
         t = trainer(ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", collective_timeout_s=60), steps=12,
-                    callbacks=[cb])
+                    callbacks=[cb, grads])
         t.fit(model, token_data())
         state[placement] = {"got": model.state_dict(), "norms": cb.norms, "seen_outside": cb.seen_outside,
-                            "saved_inside": cb.saved}
+                            "saved_inside": cb.saved, "grad_norms": grads.norms}
     # the defaults under a limit below this rank's share, on a model used in another order than registered, with
     # gradient accumulation (the block runs between micro-batches, while gradients wait in the shards), against the
     # same run without the limit: what the block writes must not depend on what was evicted. (Against DDP, sharded
@@ -319,7 +319,8 @@ def run_full_parameters(out: Path) -> None:
         model = models.ReorderedNet(dim=256, hidden=1024, depth=4)
         limit = int(sum(p.numel() * p.element_size() for p in model.parameters()) * 0.45) if limited else None
         strategy = ChunkOffloadStrategy(device_memory_limit=limit, optimizer_kernel="loop", collective_timeout_s=60)
-        trainer(strategy, steps=8, callbacks=[models.ClampFirstBlock()], accumulate_grad_batches=2).fit(model, token_data())
+        trainer(strategy, steps=8, callbacks=[models.ClampFirstBlock(), models.GradNormsAndEdits()],
+                accumulate_grad_batches=2).fit(model, token_data())
         hard[limited] = {"state": model.state_dict(), "evictions": strategy.memory_stats()["evictions"]}
     state["hard"] = hard
     try:  # outside the block, a state_dict needs every rank's shards: refused with the way to get it
@@ -328,6 +329,11 @@ def run_full_parameters(out: Path) -> None:
         t2.fit(ParityNet(), token_data())
     except Exception as e:  # noqa: BLE001 -- the message is what the test reads
         state["outside_error"] = f"{type(e).__name__}: {e}"
+    try:  # unsharded accumulation: between micro-batches the gradients wait in the payloads, not in the shards
+        trainer(ChunkOffloadStrategy(sharded_accumulation=False, collective_timeout_s=60), steps=2,
+                callbacks=[models.GradsAfterBackward()], accumulate_grad_batches=2).fit(ParityNet(), token_data())
+    except Exception as e:  # noqa: BLE001 -- the message is what the test reads
+        state["waiting_error"] = f"{type(e).__name__}: {e}"
     if t.global_rank == 0:
         torch.save(state, out / "full_parameters.pt")
     print(f"CASE-DONE full_parameters rank={t.global_rank}", flush=True)

@@ -235,11 +235,14 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
     for placement in ("auto", "host"):
         got = d[placement]
         assert got["norms"] == d["ref_norms"], placement
+        # Lightning's grad_norm inside full_parameters(with_grads=True): DDP's averaged gradients, bit for bit
+        assert got["grad_norms"] == d["ref_grad_norms"], placement
         assert got["seen_outside"] == [False] * 12, placement
         assert torch.equal(got["saved_inside"], d["ref"]["blocks.0.0.weight"]), placement  # state_dict() inside
         for k, v in d["ref"].items():
             torch.testing.assert_close(got["got"][k], v, msg=lambda m: f"{placement} {k}: {m}", rtol=0, atol=0)
     assert "ChunkError: state_dict() of a module trained by chunk_offload on 2 ranks" in d["outside_error"]
+    assert "still wait in their gradient payloads (sharded_accumulation=False" in d["waiting_error"]
     # the automatic chunk size under a limit below this rank's share, a reordered model, accumulation: the same
     # values as without the limit, bit for bit, and the clamp holds
     free, limited = d["hard"][False], d["hard"][True]

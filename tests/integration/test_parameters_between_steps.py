@@ -183,3 +183,38 @@ def test_a_deep_copy_made_after_set_up_is_a_plain_module():
     plain = chunked(placement="host")
     fit(plain, steps=6)
     assert strategy.memory_stats()["gathers"] == plain.memory_stats()["gathers"]
+
+
+@pytest.mark.parametrize("placement,precision,disk", [("auto", "32-true", False), ("host", "32-true", False),
+                                                      ("auto", "bf16-true", False), ("host", "32-true", True)])
+def test_grad_norm_and_gradient_edits_inside_full_parameters_with_grads_are_plain_lightning_s(placement, precision,
+                                                                                             disk, tmp_path):
+    """[Note: gradients in full_parameters]: Lightning's ``grad_norm(self)`` in ``on_before_optimizer_step`` found
+    no gradient at all (an empty dict: every ``.grad`` is ``None`` while gradients live in the shards). Inside the
+    block it reads the gradients plain Lightning has, and what it changes (one block's halved, a parameter's
+    dropped) is what the step uses."""
+    from tests.models import GradNormsAndEdits
+
+    ref_cb, got_cb = GradNormsAndEdits(), GradNormsAndEdits()
+    ref = fit("auto", steps=6, precision=precision, callbacks=[ref_cb])
+    tier = dict(host_memory_limit="140kB", disk_dir=str(tmp_path)) if disk else {}  # gradient shards in files
+    strategy = chunked(placement=placement, **tier)
+    got = fit(strategy, steps=6, precision=precision, callbacks=[got_cb])
+    assert (strategy.memory_stats().get("disk_grad_bytes", 0) > 0) == disk
+    assert len(ref_cb.norms[0]) == 17  # 16 parameters and the total
+    assert got_cb.norms == ref_cb.norms
+    assert_same_params(ref, got, EXACT)
+
+
+def test_what_full_parameters_with_grads_cannot_do_is_refused():
+    class GivesAGradient(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            with trainer.strategy.full_parameters(with_grads=True):
+                pl_module.embed.weight.grad = torch.ones_like(pl_module.embed.weight)
+
+    with pytest.raises(ChunkError, match=r"'embed\.weight' got no gradient in this step"):
+        fit(chunked(), variant="frozen", steps=2, callbacks=[GivesAGradient()])
+    from tests.models import GradNormsAndEdits
+
+    with pytest.raises(ValueError, match="not possible with step_in_backward=True"):
+        fit(chunked(step_in_backward=True), steps=3, callbacks=[GradNormsAndEdits()])
