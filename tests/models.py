@@ -372,6 +372,18 @@ class GradsAfterBackward(L.Callback):
             pass
 
 
+class SparseEmbedding(ParityNet):
+    """``nn.Embedding(sparse=True)``, stepped by SGD (which takes sparse gradients in plain PyTorch); ``dense``: the
+    same model with a dense embedding."""
+
+    def __init__(self, dense: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        self.embed.sparse = not dense
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class GradPenalty(ParityNet):
     """WGAN-GP's shape: the gradient of the logits with respect to the embeddings, taken with create_graph=True, and
     its norm penalised, so the step's backward runs through the graph that the first backward built

@@ -478,8 +478,14 @@ class ChunkHooks:
             if param.grad is None:
                 return
             self._grads_arrived = True
+            grad = param.grad
+            if grad.layout is not torch.strided:
+                # nn.Embedding(sparse=True): the chunks' gradients are flat and dense, as FSDP's. The rows the
+                # batch did not touch get zeros, which every dense-capable optimizer steps as plain PyTorch does
+                # for a dense embedding (SparseAdam, which needs sparse gradients, is refused at set-up)
+                grad = grad.to_dense()
             with self.manager.clock.measure("grad_copy"):
-                self.manager.accumulate_grad(param, param.grad, self.make_room)
+                self.manager.accumulate_grad(param, grad, self.make_room)
             param.grad = None
 
     def _queue_end_of_backward(self) -> None:
