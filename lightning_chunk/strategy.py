@@ -41,7 +41,8 @@ from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.atomic import remove_dir
 from .engine.growth import input_bytes
 from .engine.checkpoint import KEY as CHECKPOINT_KEY
-from .engine.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+from .engine.checkpoint import (is_sharded_checkpoint, load_sharded, offered_state_dict, placeholder_state_dict,
+                                save_sharded)
 from .engine.early_step import FP16_REFUSED
 from .engine.full_params import full_parameters
 from .engine.materialize import DeferredInit, meta_init
@@ -522,8 +523,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.engine is None:
             return super().lightning_module_state_dict()
-        if self._sharded:
-            return {}  # save_checkpoint writes the shards; nothing is gathered
+        if self._sharded:  # save_checkpoint writes the shards; nothing is gathered
+            return placeholder_state_dict(self.engine)  # [Note: the state_dict of a sharded save]
         return self.engine.full_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -541,7 +542,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
                             f"(got {storage_options!r}); use state_dict_type='full' with a custom CheckpointIO.")
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         save_sharded(self.engine, filepath, extra, with_optimizer="optimizer_states" in checkpoint,
-                     version=_version())
+                     version=_version(), state_dict=checkpoint.get("state_dict", {}))
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """A sharded checkpoint is renamed to a hidden name before it is deleted: a kill midway through the
@@ -560,7 +561,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
         with_optimizer = bool(self.engine.bindings) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if is_sharded_checkpoint(checkpoint_path):
             meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer)
+            # loaded into the model after on_load_checkpoint, as Lightning does (load_model_state_dict)
+            meta["state_dict"] = offered_state_dict(meta[CHECKPOINT_KEY])
             meta = {k: v for k, v in meta.items() if k != CHECKPOINT_KEY}
+            meta["_chunk_loaded"] = "shards"  # the model's values given by state_dict are still to load
+            return meta
         else:
             meta = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             module = self.lightning_module
@@ -572,7 +577,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if checkpoint.get("_chunk_loaded"):
+        if checkpoint.get("_chunk_loaded") is True:
             return  # load_checkpoint put the values into the chunks already
         if self.engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)

@@ -489,3 +489,26 @@ class ToggledOptimizers(TwoOptimizers):
 
     def on_before_optimizer_step(self, optimizer):
         pass
+
+
+class KeepsAdaptersOnly:
+    """LoRA's checkpoint: ``on_save_checkpoint`` drops the frozen weights' keys and adds an entry of its own (an EMA's,
+    say); ``on_load_checkpoint`` takes the entry back. Mixed into a model class by ``edited``."""
+
+    strict_loading = False  # the frozen weights come from the model's own initialisation (pretrained, for LoRA)
+
+    def on_save_checkpoint(self, checkpoint):
+        sd = checkpoint["state_dict"]
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                del sd[name]
+        sd["ema.scale"] = torch.tensor([3.0, 4.0])
+        if self.replace_head:
+            sd["head.weight"] = torch.full_like(self.head.weight, 0.25, device="cpu")
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded_entry = checkpoint["state_dict"].pop("ema.scale")
+
+
+def edited(strict: bool = False, replace_head: bool = False):
+    return type("Edited", (KeepsAdaptersOnly, AdapterNet), {"strict_loading": strict, "replace_head": replace_head})

@@ -116,37 +116,112 @@ def read_meta(path: Union[str, Path]) -> dict[str, Any]:
 
 
 # ============================================================ what to save
-def describe_layout(engine: Any) -> dict[str, Any]:
-    """The saved chunk layout: enough to find every parameter's values in the DCP keys."""
+def placeholder_state_dict(engine: Any) -> dict[str, Any]:
+    """The module's ``state_dict`` with a meta tensor (the parameter's shape and dtype, no data) for each packed
+    parameter and the buffers as they are: what a sharded save offers the caller's hooks ([Note: the state_dict
+    of a sharded save])."""
+    mgr = engine.manager
+    out: dict[str, Any] = {}
+    for k, v in engine.module.state_dict(keep_vars=True).items():
+        if id(v) in mgr.index_of:
+            _, info = mgr.lookup(v)
+            out[k] = torch.empty(info.shape, dtype=info.orig_dtype, device="meta")
+        else:
+            out[k] = v.detach() if torch.is_tensor(v) else v
+    return out
+
+
+class Selection:
+    """What a sharded save writes of the model, after the caller's hooks edited the state_dict it was offered.
+
+    [Note: the state_dict of a sharded save]
+    Lightning hands the checkpoint dict to ``on_save_checkpoint`` before the strategy writes it, and users edit its
+    ``state_dict`` there: they drop a frozen backbone or a teacher (a LoRA run keeping only its adapters), or add
+    entries (an EMA's weights). A sharded save wrote every shard and ignored the dict, so a dropped key was saved
+    anyway and an added entry was lost without a word. The dict offered (``placeholder_state_dict``) holds a meta
+    tensor for each packed parameter; at the save, a parameter none of whose keys is left is *excluded* (not
+    written: its slots leave the layout, a chunk with nothing left is not written at all, its optimizer
+    state goes with it), and every entry that is not a meta tensor (a buffer, a replaced value, a new key) is
+    kept in ``meta.pt`` as the caller gave it (rank 0's). At load the checkpoint's ``state_dict`` is rebuilt the
+    same way (meta tensors for what the shards hold, the kept entries as saved) and loaded after
+    ``on_load_checkpoint``, with Lightning's strictness: an excluded parameter is a missing key unless the hook
+    supplies it or ``strict_loading`` is off, in which case it keeps the value it has (the pretrained weights a
+    LoRA run loads in ``configure_model``). Every rank must drop the same keys; a save where they differ fails."""
+
+    def __init__(self, engine: Any, state_dict: Optional[dict[str, Any]]) -> None:
+        mgr = engine.manager
+        sd = engine.module.state_dict(keep_vars=True)
+        if state_dict is None:  # the engine's own callers: everything as it is
+            state_dict = placeholder_state_dict(engine)
+        self.keys = list(state_dict)
+        self.aliases = {k: mgr.names[mgr.index_of[id(sd[k])]] for k in self.keys
+                        if k in sd and id(sd[k]) in mgr.index_of}
+        kept = set(self.aliases.values())
+        self.excluded = {i for i, n in enumerate(mgr.names) if n not in kept}
+        mine = sorted(self.excluded)
+        if mgr.comm.world_size > 1 and any(other != mine for other in mgr.comm.all_gather_object(mine)):
+            raise CheckpointError("the ranks left different parameters out of the checkpoint's state_dict (in "
+                                  "on_save_checkpoint): every rank must drop the same keys.")
+        given = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state_dict.items()
+                 if not (torch.is_tensor(v) and v.is_meta)}
+        is_buffer = {k for k, v in sd.items() if id(v) not in mgr.index_of and torch.is_tensor(v)}
+        self.buffers = {k: v for k, v in given.items() if k in is_buffer and torch.is_tensor(v)}
+        self.entries = {k: v for k, v in given.items() if k not in self.buffers}  # replaced values, new keys
+
+    def written(self, chunk: Any) -> bool:
+        return any(t.slot.param_index not in self.excluded for t in chunk.tensors)
+
+
+def describe_layout(engine: Any, selection: Selection) -> dict[str, Any]:
+    """The saved chunk layout: enough to find every saved parameter's values in the DCP keys."""
     mgr = engine.manager
     chunks = []
     for c in mgr.chunks:
         chunks.append({
             "capacity": c.capacity_numel,
             "master_dtype": str(c.master_dtype).replace("torch.", ""),
-            "slots": [(t.name, t.offset, t.numel, tuple(t.shape)) for t in c.tensors],
+            "slots": [(t.name, t.offset, t.numel, tuple(t.shape)) for t in c.tensors
+                      if t.slot.param_index not in selection.excluded],
+            "written": selection.written(c),
         })
-    sd = engine.module.state_dict(keep_vars=True)
-    aliases = {k: mgr.names[mgr.index_of[id(v)]] for k, v in sd.items() if id(v) in mgr.index_of}
-    buffers = {k: v.detach().cpu() for k, v in sd.items() if id(v) not in mgr.index_of and torch.is_tensor(v)}
-    dtypes = {t.name: str(t.orig_dtype).replace("torch.", "") for c in mgr.chunks for t in c.tensors}
-    return {"chunks": chunks, "params": {n: tuple(p.shape) for n, p in zip(mgr.names, mgr.params)},
-            "param_dtypes": dtypes, "aliases": aliases, "buffers": buffers, "state_dict_keys": list(sd),
+    kept = [i for i in range(len(mgr.params)) if i not in selection.excluded]
+    dtypes = {t.name: str(t.orig_dtype).replace("torch.", "") for c in mgr.chunks for t in c.tensors
+              if t.slot.param_index not in selection.excluded}
+    return {"chunks": chunks, "params": {mgr.names[i]: tuple(mgr.params[i].shape) for i in kept},
+            "param_dtypes": dtypes, "aliases": selection.aliases, "buffers": selection.buffers,
+            "entries": selection.entries,
+            "state_dict_keys": selection.keys, "excluded": [mgr.names[i] for i in sorted(selection.excluded)],
             "world_size": mgr.comm.world_size}
 
 
-def _optimizer_shards(engine: Any, o: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def offered_state_dict(ck: dict[str, Any]) -> dict[str, Any]:
+    """A loaded checkpoint's ``state_dict`` as its save was given it: meta tensors for what the shards held, the
+    entries kept as they were ([Note: the state_dict of a sharded save])."""
+    dtypes, shapes = ck["param_dtypes"], ck["params"]
+    out: dict[str, Any] = {}
+    for k in ck["state_dict_keys"]:
+        if k in ck.get("entries", {}):
+            out[k] = ck["entries"][k]
+        elif k in ck["aliases"]:
+            name = ck["aliases"][k]
+            out[k] = torch.empty(shapes[name], dtype=getattr(torch, dtypes[name]), device="meta")
+        elif k in ck["buffers"]:
+            out[k] = ck["buffers"][k]
+    return out
+
+
+def _optimizer_shards(engine: Any, o: int, selection: Selection) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's per-chunk shards of optimizer ``o``'s per-element state, and the optimizer's meta."""
     from .consolidate import optimizer_state_parts, state_shard
 
     b, mgr = engine.bindings[o], engine.manager
     parts = optimizer_state_parts(mgr, b.views(), b.optimizer.state)
     out = {f"chunk.{chunk.chunk_id}.optim{o}.{key}": state_shard(mgr, chunk, parts, key).cpu()
-           for chunk in mgr.chunks for key in sorted(parts.keys)}
+           for chunk in mgr.chunks if selection.written(chunk) for key in sorted(parts.keys)}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
               for n, g in enumerate(b.optimizer.param_groups)]
     keys = {k: str(dtype).replace("torch.", "") for k, dtype in parts.keys.items()}
-    scalars = {mgr.names[i]: st for i, st in parts.scalars.items()}
+    scalars = {mgr.names[i]: st for i, st in parts.scalars.items() if i not in selection.excluded}
     return out, {"param_groups": groups, "keys": keys, "scalars": scalars}
 
 
@@ -200,8 +275,10 @@ class CheckpointSaveError(ChunkError, RuntimeError):
 
 
 def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, with_optimizer: bool,
-                 version: str = "") -> None:
+                 version: str = "", state_dict: Optional[dict[str, Any]] = None) -> None:
     """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout].
+    ``state_dict``: the one ``placeholder_state_dict`` offered, as the caller's hooks left it ([Note: the
+    state_dict of a sharded save]); ``None``: the whole model.
 
     A failure on any rank (a full disk, a write error, an exception while reading the shards) raises on every
     rank, removes the partial directory and leaves whatever was at ``path`` as it was; the training state in
@@ -210,13 +287,14 @@ def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, 
     comm = mgr.comm
     path = Path(path)
     partial = partial_path(path)
+    selection = Selection(engine, state_dict)
     optim_meta: list[dict[str, Any]] = []
     # each step raises on every rank if it failed on any, before the next begins
     _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial) if comm.rank == 0 else None)
     _on_each_rank(comm, path, "writing its shards",
-                  lambda: optim_meta.extend(_write_shards(engine, partial, with_optimizer=with_optimizer)))
-    _on_each_rank(comm, path, "finishing", lambda: _finish(engine, partial, path, extra, version, optim_meta)
-                  if comm.rank == 0 else None)
+                  lambda: optim_meta.extend(_write_shards(engine, partial, selection, with_optimizer=with_optimizer)))
+    _on_each_rank(comm, path, "finishing", lambda: _finish(engine, partial, path, extra, version, optim_meta,
+                                                           selection) if comm.rank == 0 else None)
 
 
 def _prepare(path: Path, partial: Path) -> None:
@@ -225,16 +303,17 @@ def _prepare(path: Path, partial: Path) -> None:
     partial.mkdir(parents=True)
 
 
-def _write_shards(engine: Any, partial: Path, *, with_optimizer: bool) -> list[dict[str, Any]]:
+def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_optimizer: bool) -> list[dict[str, Any]]:
     mgr = engine.manager
     comm = mgr.comm
     local: dict[str, torch.Tensor] = {}
     for c in mgr.chunks:
-        local[f"chunk.{c.chunk_id}.master"] = c.master_tensor_for_read().detach().cpu()
+        if selection.written(c):
+            local[f"chunk.{c.chunk_id}.master"] = c.master_tensor_for_read().detach().cpu()
     optim_meta = []
     if with_optimizer:
         for o in range(len(engine.bindings)):
-            shards, om = _optimizer_shards(engine, o)
+            shards, om = _optimizer_shards(engine, o, selection)
             local.update(shards)
             optim_meta.append(om)
     try:
@@ -248,8 +327,8 @@ def _write_shards(engine: Any, partial: Path, *, with_optimizer: bool) -> list[d
 
 
 def _finish(engine: Any, partial: Path, path: Path, extra: dict[str, Any], version: str,
-            optim_meta: list[dict[str, Any]]) -> None:
-    layout = describe_layout(engine)
+            optim_meta: list[dict[str, Any]], selection: Selection) -> None:
+    layout = describe_layout(engine, selection)
     meta = dict(extra)
     meta[KEY] = {"format_version": FORMAT_VERSION, "version": version, "optimizers": optim_meta,
                  "index_sha256": _sha256(partial / DCP_INDEX), **layout}
@@ -305,7 +384,9 @@ def check_compatible(meta: dict[str, Any], engine: Any, path: Union[str, Path]) 
     saved: dict[str, tuple] = meta[KEY]["params"]
     mgr = engine.manager
     current = {n: tuple(p.shape) for n, p in zip(mgr.names, mgr.params)}
-    missing = sorted(set(current) - set(saved))
+    # left out by the saver's hooks: a missing key for the strict load that follows ([Note: the state_dict of a
+    # sharded save]), not a sign of another model
+    missing = sorted(set(current) - set(saved) - set(meta[KEY].get("excluded", ())))
     extra = sorted(set(saved) - set(current))
     shapes = [f"{n}: checkpoint {saved[n]} vs model {current[n]}" for n in sorted(set(saved) & set(current))
               if tuple(saved[n]) != current[n]]
@@ -358,6 +439,8 @@ def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], 
     from .host_heap import release_freed_memory
 
     for c, spec in enumerate(meta[KEY]["chunks"]):
+        if not spec.get("written", True):  # every parameter of it was left out of the save
+            continue
         yield c, spec, _load_chunk(path, key_of(c), spec["capacity"], getattr(torch, spec["master_dtype"]))
         release_freed_memory()
 

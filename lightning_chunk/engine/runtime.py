@@ -577,7 +577,9 @@ class ChunkEngine:
                 for k, v in sd.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
-        """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers."""
+        """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers. A meta tensor
+        stands for the value the chunks hold already (a sharded checkpoint's, [Note: the state_dict of a sharded
+        save] in ``checkpoint.py``): it counts as present and loads nothing."""
         sd = self.module.state_dict(keep_vars=True)
         index_of = self.manager.index_of
         param_keys = {k for k, v in sd.items() if id(v) in index_of}
@@ -595,7 +597,8 @@ class ChunkEngine:
             if tuple(value.shape) != tuple(self.manager.params[i].shape):
                 raise RuntimeError(f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
                                    f"the parameter in the current model has shape {tuple(self.manager.params[i].shape)}")
-            values[i] = value
+            if not value.is_meta:
+                values[i] = value
         load_values(self.manager, values)
         rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
         self.module.load_state_dict(rest, strict=False)

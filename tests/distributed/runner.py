@@ -339,6 +339,29 @@ def run_full_parameters(out: Path) -> None:
     print(f"CASE-DONE full_parameters rank={t.global_rank}", flush=True)
 
 
+def run_edited_checkpoint(out: Path) -> None:
+    """[Note: the state_dict of a sharded save] on two ranks: the frozen weights dropped in on_save_checkpoint, an
+    entry added, the head's value replaced; 6 steps saved, resumed to 10, against DDP doing the same."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cls = models.edited(replace_head=True)
+    results = {}
+    for name, make in [("ddp", lambda: DDPStrategy()),
+                       ("chunk", lambda: ChunkOffloadStrategy(placement="host", optimizer_kernel="loop",
+                                                              collective_timeout_s=60))]:
+        L.seed_everything(11, verbose=False)
+        cb = ModelCheckpoint(dirpath=out / f"edited_{name}", every_n_train_steps=6, filename="{step}")
+        trainer(make(), steps=6, callbacks=[cb], enable_checkpointing=True).fit(cls(), token_data())
+        L.seed_everything(11, verbose=False)
+        model = cls()
+        t = trainer(make(), steps=10)
+        t.fit(model, token_data(), ckpt_path=out / f"edited_{name}" / "step=6.ckpt")
+        results[name] = {"state": model.state_dict(), "entry": model.loaded_entry}
+    if t.global_rank == 0:
+        torch.save(results, out / "edited_checkpoint.pt")
+    print(f"CASE-DONE edited_checkpoint rank={t.global_rank}", flush=True)
+
+
 class SkipOnRankOne(ParityNet):
     """From step 3 on, rank 1 skips the branch that rank 0 runs."""
 
@@ -403,6 +426,8 @@ if __name__ == "__main__":
             run_unfreeze(out_dir)
         elif name == "full_parameters":
             run_full_parameters(out_dir)
+        elif name == "edited_checkpoint":
+            run_edited_checkpoint(out_dir)
         else:
             run_parity(name, out_dir)
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise

@@ -69,6 +69,7 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
 def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
+                      "edited_checkpoint",
                       timeout=900)
     return out, rc, log
 
@@ -250,6 +251,20 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
     for k, v in free["state"].items():
         assert torch.equal(limited["state"][k], v), k
     assert all(v.abs().max() <= 0.05 for k, v in limited["state"].items() if k.startswith("blocks_reversed.3."))
+
+
+def test_a_checkpoint_holds_what_on_save_checkpoint_left_and_resumes_as_ddp(parity_run):
+    """[Note: the state_dict of a sharded save]: frozen weights dropped, an entry added and the head replaced in
+    on_save_checkpoint, on two ranks; before, the entry was lost (on_load_checkpoint found no key)."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE edited_checkpoint rank={r}" in log, log[-3000:]
+    d = torch.load(out / "edited_checkpoint.pt")
+    for k, v in d["ddp"]["state"].items():
+        assert torch.equal(d["chunk"]["state"][k], v), k
+    assert torch.equal(d["chunk"]["entry"], torch.tensor([3.0, 4.0]))
+    ck = torch.load(out / "edited_chunk" / "step=6.ckpt" / "meta.pt", weights_only=False)["chunk_checkpoint"]
+    assert not all(c["written"] for c in ck["chunks"])
 
 
 def test_buffers_start_from_rank_zero(parity_run):

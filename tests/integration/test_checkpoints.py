@@ -17,7 +17,7 @@ from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.cli import main as cli_main
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.checkpoint import CheckpointError, check_checkpoint_dir, save_sharded
-from tests.models import ParityNet, token_data
+from tests.models import ParityNet, edited, token_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXACT = dict(rtol=0, atol=0)
@@ -263,3 +263,46 @@ def test_consolidate_streams_with_bounded_memory(tmp_path):
     plain.load_state_dict(full["state_dict"], strict=True)
     for a, b in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(b, a, **EXACT)
+
+
+@pytest.mark.parametrize("replace_head", [False, True])
+def test_what_on_save_checkpoint_drops_adds_or_replaces_is_what_a_sharded_checkpoint_holds(tmp_path, replace_head):
+    """[Note: the state_dict of a sharded save]: a sharded save ignored the state_dict the hooks edited, so the frozen
+    weights a LoRA run drops were written anyway and an entry a hook added was lost without a word. Now the frozen
+    chunks are not written, the entry comes back to on_load_checkpoint, a replaced value is what loads, and the resumed
+    run equals plain Lightning's doing the same."""
+    cls = edited(replace_head=replace_head)
+    finals, entries = [], []
+    for name, make in [("auto", lambda: "auto"), ("chunk", lambda: chunk(placement="host"))]:
+        L.seed_everything(11, verbose=False)
+        cb = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=6, filename="{step}")
+        trainer(make(), 6, callbacks=[cb], enable_checkpointing=True).fit(cls(), token_data())
+        L.seed_everything(11, verbose=False)
+        m = cls()
+        trainer(make(), 10).fit(m, token_data(), ckpt_path=tmp_path / name / "step=6.ckpt")
+        finals.append(m.state_dict())
+        entries.append(m.loaded_entry)
+    for k, v in finals[0].items():
+        torch.testing.assert_close(finals[1][k], v, **EXACT, msg=k)
+    assert torch.equal(entries[1], torch.tensor([3.0, 4.0]))
+    ck = torch.load(tmp_path / "chunk" / "step=6.ckpt" / "meta.pt", weights_only=False)["chunk_checkpoint"]
+    frozen = sorted(n for n, p in cls().named_parameters() if not p.requires_grad)
+    assert sorted(ck["excluded"]) == frozen and not set(frozen) & set(ck["aliases"])
+    written = [c for c in ck["chunks"] if c["written"]]
+    assert 0 < len(written) < len(ck["chunks"])  # the frozen blocks' chunks were not written
+    # consolidated, it holds what plain Lightning's file holds
+    out = tmp_path / "full.pt"
+    assert cli_main(["consolidate", str(tmp_path / "chunk" / "step=6.ckpt"), str(out), "--no-progress"]) == 0
+    plain = torch.load(tmp_path / "auto" / "step=6.ckpt", weights_only=False)["state_dict"]
+    got = torch.load(out, weights_only=False)["state_dict"]
+    assert sorted(got) == sorted(plain)
+    for k, v in plain.items():
+        torch.testing.assert_close(got[k], v, **EXACT, msg=k)
+
+
+def test_a_strict_load_of_a_checkpoint_without_the_frozen_weights_names_them(tmp_path):
+    L.seed_everything(11, verbose=False)
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, filename="{step}")
+    trainer(chunk(), 4, callbacks=[cb], enable_checkpointing=True).fit(edited()(), token_data())
+    with pytest.raises(RuntimeError, match=r"missing keys \['blocks\.0\.0\.weight'"):
+        trainer(chunk(), 6).fit(edited(strict=True)(), token_data(), ckpt_path=tmp_path / "step=4.ckpt")
