@@ -415,19 +415,6 @@ class ChunkManager:
             c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
         self._changed()
 
-    def agree_on_grads(self) -> None:
-        """Several ranks: a parameter has a gradient if it got one on any rank (DDP's rule for unused parameters)."""
-        if self.comm.world_size == 1:
-            return
-        placed = [self.lookup(p) for p in self.params if id(p) in self._where]
-        flags = torch.tensor([t.has_grad for _, t in placed], dtype=torch.uint8, device=self.comm.tensor_device())
-        self.comm.all_reduce(flags, op="max", what="the vote on which parameters got gradients")
-        for (chunk, t), f in zip(placed, flags.tolist()):
-            # a rank keeps the flag only where it holds a piece: elsewhere the flag served the vote alone, and
-            # zero_grad() (seen through this rank's views) could never clear it before the next vote
-            a, b = piece_range(chunk, t.offset, t.numel)
-            t.has_grad = bool(f) and a < b
-
     def reset_states(self) -> None:
         """Between micro-batches every resident tensor is plainly HOLD."""
         for c in self.chunks:

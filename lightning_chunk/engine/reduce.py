@@ -20,6 +20,7 @@ import torch
 from .chunk import Chunk, Tier
 from .chunk import nbytes as tensor_nbytes
 from .offload import GradOffload
+from .repack import piece_range
 from .states import TensorState
 
 if TYPE_CHECKING:  # the manager builds the reducer; no import at run time, so no cycle
@@ -214,3 +215,17 @@ class GradReducer:
             self.land()
             self._next = 0
         self.offload.drain()  # the optimizer and the next step read finished gradient shards
+
+
+def agree_on_grads(mgr: Any) -> None:
+    """Several ranks: a parameter has a gradient if it got one on any rank (DDP's rule for unused parameters)."""
+    if mgr.comm.world_size == 1:
+        return
+    placed = [(c, t) for c in mgr.chunks for t in c.tensors]  # the same order on every rank
+    flags = torch.tensor([t.has_grad for _, t in placed], dtype=torch.uint8, device=mgr.comm.tensor_device())
+    mgr.comm.all_reduce(flags, op="max", what="the vote on which parameters got gradients")
+    for (chunk, t), f in zip(placed, flags.tolist()):
+        # a rank keeps the flag only where it holds a piece: elsewhere the flag served the vote alone, and
+        # zero_grad() (seen through this rank's views) could never clear it before the next vote
+        a, b = piece_range(chunk, t.offset, t.numel)
+        t.has_grad = bool(f) and a < b

@@ -45,6 +45,7 @@ from .consolidate import full_values, load_values, unpack
 from .full_params import check_stray_writes
 from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
+from .reduce import agree_on_grads
 from .packing import Layout
 from .host_heap import keep_freed_heap, map_large_blocks, release_freed_memory
 from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
@@ -445,7 +446,7 @@ class ChunkEngine:
         if not self._agreed:
             self._agreed = True
             if self.comm.world_size > 1:  # the vote can add gradients other ranks got: attach again
-                self.manager.agree_on_grads()
+                agree_on_grads(self.manager)
                 self._backward_ends()
 
     def _gradients_kept(self, what: str) -> None:
