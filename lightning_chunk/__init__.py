@@ -6,6 +6,7 @@ Importing the package registers the strategy names ``chunk_offload`` (placement
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
@@ -15,6 +16,6 @@ __version__ = "0.1.0"
 
 ChunkOffloadStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ChunkConfig", "ChunkEngine", "ChunkOffloadStrategy", "ChunkPrecision", "ChunkTelemetry",
+__all__ = ["ChunkConfig", "ChunkEMA", "ChunkEngine", "ChunkOffloadStrategy", "ChunkPrecision", "ChunkTelemetry",
            "DeviceMemoryLimitError",
            "__version__"]

@@ -24,13 +24,14 @@ OPTIMIZERS_KEY = "optimizer_states"  # and the optimizers', one plain optimizer 
 
 
 def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer: bool = False,
-                progress: bool = True) -> Path:
+                progress: bool = True, ema: bool = False) -> Path:
     """Write ``out``: one plain Lightning checkpoint whose ``state_dict`` ``model.load_state_dict`` accepts.
 
     Streams chunk by chunk (``StreamingTorchFile``), so peak memory stays near one saved chunk however
     large the model. With ``with_optimizer`` the optimizer state goes in too, in the plain
     per-parameter format, so ``Trainer(strategy="auto").fit(ckpt_path=out)`` continues from it.
-    Nothing in ``path`` is modified; ``out`` appears only once complete.
+    Nothing in ``path`` is modified; ``out`` appears only once complete. With ``ema`` the ``state_dict`` holds the
+    weights ``ChunkEMA`` averaged, where Lightning's ``WeightAveraging`` puts them in its checkpoints.
     """
     path = check_checkpoint_dir(path)
     meta = read_meta(path)
@@ -38,6 +39,9 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
     out = check_output(path, out)
     if with_optimizer and not ck["optimizers"]:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no optimizer state (saved with weights only).")
+    averaged = set(ck.get("ema_chunks", ())) if ema else set()  # [Note: a sharded EMA]
+    if ema and not averaged:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no average of the weights (saved without ChunkEMA).")
     tmp = out.with_name(f".{out.name}.partial")
     writer = StreamingTorchFile(tmp)
     try:
@@ -69,7 +73,8 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
                 obj[OPTIMIZERS_KEY].append({"state": dict(sorted(state.items())), "param_groups": groups})
         writer.write_object(obj)
         bar = _progress(len(params) + len(optim_records), progress, f"consolidating {path.name}")
-        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.master"):
+        # with ``ema``: a chunk's average where it has one (a parameter frozen from the start is its own average)
+        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.{'ema' if c in averaged else 'master'}"):
             for name, off, numel, shape in spec["slots"]:
                 writer.write(params[name], full[off : off + numel].view(shape))
                 bar.update(1)

@@ -47,6 +47,8 @@ from .engine.early_step import FP16_REFUSED
 from .engine.full_params import full_parameters
 from .engine.materialize import DeferredInit, meta_init
 from .engine.weights import ModuleWeights, open_weights
+from .ema import ChunkEMA
+from .engine.ema import ShardedEMA
 from .precision import ChunkPrecision
 
 def _version() -> str:
@@ -315,6 +317,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_callbacks(trainer)
+            if self.config.host_memory_limit is not None and any(isinstance(cb, ChunkEMA) for cb in trainer.callbacks):
+                raise ValueError("ChunkEMA does not work with the disk tier (host_memory_limit="
+                                 f"{self.config.host_memory_limit!r}) yet: its shards would sit in host memory beside "
+                                 "the limit. Leave host_memory_limit unset, or drop ChunkEMA.")
         if fitting and self.config.step_in_backward:
             self._check_step_in_backward(trainer, module, self.precision_plugin.precision)
         if fitting:
@@ -327,6 +333,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
                                   collectives=comm, deferred=deferred, weights=weights)
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
+        if fitting and any(isinstance(cb, ChunkEMA) for cb in trainer.callbacks):
+            self.engine.ema = ShardedEMA(self.engine.manager)  # before a checkpoint loads into it
         self.precision_plugin.attach(self.engine, self.root_device)
         if fitting and len(self.engine.bindings) > 1:
             self._follow_toggles(module)
@@ -383,9 +391,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
                     "rank and reads and writes the module's parameters between steps, where chunk_offload's "
                     "parameters are views of chunk payloads (released, or stale until the next gather) and the "
                     "trained values live in the sharded master weights; the averaged weights it copies in would be "
-                    "lost (Lightning refuses it for FSDP and DeepSpeed for the same reason). Keep an average in a "
-                    "callback of your own inside `with trainer.strategy.full_parameters():` (docs/faq.md, 'Reading "
-                    "and writing parameters between steps').")
+                    "lost (Lightning refuses it for FSDP and DeepSpeed for the same reason). For an exponential "
+                    "moving average use lightning_chunk.ChunkEMA (EMAWeightAveraging's behaviour, with the average "
+                    "sharded like the weights); for another average, a callback of your own inside "
+                    "`with trainer.strategy.full_parameters():` (docs/faq.md, 'Reading and writing parameters "
+                    "between steps').")
             if isinstance(cb, callbacks.ModelPruning):
                 raise ValueError(
                     "ModelPruning does not work with chunk_offload: torch's pruning replaces each pruned parameter by "

@@ -384,6 +384,18 @@ class SparseEmbedding(ParityNet):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class LogsValLoss(ParityNet):
+    """Keeps each validation batch's loss (this rank's) in ``val_losses``."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_losses.append(float(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))))
+
+
 class GradPenalty(ParityNet):
     """WGAN-GP's shape: the gradient of the logits with respect to the embeddings, taken with create_graph=True, and
     its norm penalised, so the step's backward runs through the graph that the first backward built

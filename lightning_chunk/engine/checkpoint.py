@@ -31,7 +31,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Collection, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -191,6 +191,8 @@ def describe_layout(engine: Any, selection: Selection) -> dict[str, Any]:
             "param_dtypes": dtypes, "aliases": selection.aliases, "buffers": selection.buffers,
             "entries": selection.entries,
             "state_dict_keys": selection.keys, "excluded": [mgr.names[i] for i in sorted(selection.excluded)],
+            "ema_chunks": [c.chunk_id for c in mgr.chunks if selection.written(c) and getattr(engine, "ema", None)
+                           is not None and engine.ema.shard(c) is not None],
             "world_size": mgr.comm.world_size}
 
 
@@ -310,6 +312,11 @@ def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_opti
     for c in mgr.chunks:
         if selection.written(c):
             local[f"chunk.{c.chunk_id}.master"] = c.master_tensor_for_read().detach().cpu()
+    ema = getattr(engine, "ema", None)
+    for c in mgr.chunks:  # the average of the weights, beside the masters ([Note: a sharded EMA])
+        shard = ema.shard(c) if ema is not None and selection.written(c) else None
+        if shard is not None:
+            local[f"chunk.{c.chunk_id}.ema"] = shard
     optim_meta = []
     if with_optimizer:
         for o in range(len(engine.bindings)):
@@ -434,12 +441,13 @@ def _load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype) -> torch.T
     return t
 
 
-def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str]):
-    """Yield ``(chunk index, saved chunk meta, whole tensor)`` one saved chunk at a time."""
+def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str],
+                      only: Optional[Collection[int]] = None):
+    """Yield ``(chunk index, saved chunk meta, whole tensor)`` one saved chunk at a time (those in ``only``)."""
     from .host_heap import release_freed_memory
 
     for c, spec in enumerate(meta[KEY]["chunks"]):
-        if not spec.get("written", True):  # every parameter of it was left out of the save
+        if not spec.get("written", True) or (only is not None and c not in only):  # not in the save
             continue
         yield c, spec, _load_chunk(path, key_of(c), spec["capacity"], getattr(torch, spec["master_dtype"]))
         release_freed_memory()
@@ -459,6 +467,10 @@ def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool) -
         load_values(mgr, {index_of_name[n]: full[off : off + numel].view(shape)
                           for n, off, numel, shape in spec["slots"]})
         mgr.disk.page_out()  # what this saved chunk wrote into disk shards leaves the process
+    ema = getattr(engine, "ema", None)
+    if ema is not None and ck.get("ema_chunks"):  # [Note: a sharded EMA]; ignored by a run without one
+        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.ema", only=set(ck["ema_chunks"])):
+            ema.load({index_of_name[n]: full[off : off + numel] for n, off, numel, _ in spec["slots"]})
     buffers = ck.get("buffers", {})
     if buffers:
         engine.module.load_state_dict(buffers, strict=False)

@@ -482,13 +482,14 @@ class ChunkManager:
             with self.tracked(c):
                 c.optim_state_bytes = want
 
-    def write_back(self, groups: Optional[Iterable[int]] = None, *, fresh: Collection[int] = ()) -> None:
+    def write_back(self, groups: Optional[Iterable[int]] = None, *, fresh: Collection[int] = (),
+                   chunks: Optional[Collection[Chunk]] = None) -> None:
         """After a step: refresh the compute-dtype copies from the masters of the chunks of param groups
         ``groups`` (those of the optimizer that stepped; every chunk when ``None``) but the chunks in ``fresh``
-        (ids: the step wrote their copies itself); drop their stale payloads."""
+        (ids: the step wrote their copies itself); drop their stale payloads. ``chunks``: these, frozen or not."""
         stepped = None if groups is None else set(groups)
-        for c in self.chunks:
-            if not c.trainable or (stepped is not None and c.spec.key.group not in stepped):
+        for c in self.chunks if chunks is None else chunks:
+            if chunks is None and (not c.trainable or (stepped is not None and c.spec.key.group not in stepped)):
                 continue
             if c.aliased:
                 if not c.master_is_payload():

@@ -34,6 +34,7 @@ from .collectives import CollectiveMismatchError, Collectives, first_difference
 from .config import ChunkConfig, DtypePolicy, default_device_limit
 from .errors import ChunkError, DeviceMemoryLimitError, LayoutError
 from .early_step import FP16_REFUSED, EarlyStep
+from .ema import Extras, ShardedEMA
 from .growth import InputGrowth
 from .hooks import ChunkHooks
 from .layout_choice import LayoutChooser
@@ -157,6 +158,7 @@ class ChunkEngine:
         # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
         self.early = EarlyStep(self.manager, self.bindings) if config.step_in_backward and self.bindings else None
         self.scaler: Optional[DynamicLossScaler] = None
+        self.ema: Optional[ShardedEMA] = None  # an average of the weights, when asked for ([Note: a sharded EMA])
         self.growth = InputGrowth(self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None)
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
         self.warmed_up = False
@@ -218,7 +220,10 @@ class ChunkEngine:
                 if c.is_resident and c.is_evictable and not c.aliased:
                     self.manager.release(c)
         carrier = OptimizerStateCarrier(self.manager, self.bindings) if self.manager.chunks else None
-        self.manager.pack(layout, tiers, extras=carrier, source=source, optim_bytes=self._optim_bytes)
+        extras = Extras(carrier, self.ema) if carrier is not None and self.ema is not None else carrier
+        self.manager.pack(layout, tiers, extras=extras, source=source, optim_bytes=self._optim_bytes)
+        if self.ema is not None:
+            self.ema.after_repack()
         self.manager.reserve_optimizer_state(self._optim_bytes)
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)

@@ -362,6 +362,36 @@ def run_edited_checkpoint(out: Path) -> None:
     print(f"CASE-DONE edited_checkpoint rank={t.global_rank}", flush=True)
 
 
+def run_ema(out: Path) -> None:
+    """[Note: a sharded EMA] on two ranks: ChunkEMA against DDP with Lightning's EMAWeightAveraging, validating with
+    the average every 3 steps; saved at step 4 and resumed to 8 on two ranks (the test resumes the same checkpoints
+    on one)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+    from lightning_chunk import ChunkEMA
+
+    results = {}
+    for name, make, ema in [("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
+                            ("chunk", lambda: ChunkOffloadStrategy(placement="host", optimizer_kernel="loop",
+                                                                   collective_timeout_s=60), lambda: ChunkEMA(decay=0.8))]:
+        val = dict(limit_val_batches=2, val_check_interval=3)
+        L.seed_everything(7, verbose=False)
+        model = models.LogsValLoss()
+        trainer(make(), steps=8, callbacks=[ema()], **val).fit(model, token_data(), token_data(16, seed=1))
+        L.seed_everything(7, verbose=False)
+        cb = ModelCheckpoint(dirpath=out / f"ema_{name}", every_n_train_steps=4, filename="{step}")
+        trainer(make(), steps=4, callbacks=[ema(), cb], enable_checkpointing=True, **val).fit(
+            models.LogsValLoss(), token_data(), token_data(16, seed=1))
+        L.seed_everything(7, verbose=False)
+        resumed = models.LogsValLoss()
+        t = trainer(make(), steps=8, callbacks=[ema()], **val)
+        t.fit(resumed, token_data(), token_data(16, seed=1), ckpt_path=out / f"ema_{name}" / "step=4.ckpt")
+        results[name] = {"state": model.state_dict(), "val": model.val_losses, "resumed": resumed.state_dict()}
+    if t.global_rank == 0:
+        torch.save(results, out / "ema.pt")
+    print(f"CASE-DONE ema rank={t.global_rank}", flush=True)
+
+
 class SkipOnRankOne(ParityNet):
     """From step 3 on, rank 1 skips the branch that rank 0 runs."""
 
@@ -428,6 +458,8 @@ if __name__ == "__main__":
             run_full_parameters(out_dir)
         elif name == "edited_checkpoint":
             run_edited_checkpoint(out_dir)
+        elif name == "ema":
+            run_ema(out_dir)
         else:
             run_parity(name, out_dir)
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise

@@ -69,7 +69,7 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
 def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
-                      "edited_checkpoint",
+                      "edited_checkpoint", "ema",
                       timeout=900)
     return out, rc, log
 
@@ -265,6 +265,37 @@ def test_a_checkpoint_holds_what_on_save_checkpoint_left_and_resumes_as_ddp(pari
     assert torch.equal(d["chunk"]["entry"], torch.tensor([3.0, 4.0]))
     ck = torch.load(out / "edited_chunk" / "step=6.ckpt" / "meta.pt", weights_only=False)["chunk_checkpoint"]
     assert not all(c["written"] for c in ck["chunks"])
+
+
+def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one(parity_run):
+    """[Note: a sharded EMA]: each rank averages its own shards; validation, the final weights and a resume from a
+    step-4 checkpoint equal DDP with Lightning's EMAWeightAveraging bit for bit. The two-rank sharded checkpoint
+    then resumes on one rank as DDP's plain file does with strategy="auto"."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from lightning_chunk import ChunkEMA, ChunkOffloadStrategy
+    from tests.models import LogsValLoss, token_data
+
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE ema rank={r}" in log, log[-3000:]
+    d = torch.load(out / "ema.pt")
+    assert d["chunk"]["val"] == d["ddp"]["val"] and len(d["ddp"]["val"]) == 4
+    for part in ("state", "resumed"):
+        for k, v in d["ddp"][part].items():
+            assert torch.equal(d["chunk"][part][k], v), (part, k)
+    finals = []
+    for strategy, ema, ckpt in [("auto", EMAWeightAveraging(decay=0.8, use_buffers=False), "ema_ddp"),
+                                (ChunkOffloadStrategy(optimizer_kernel="loop"), ChunkEMA(decay=0.8), "ema_chunk")]:
+        L.seed_everything(7, verbose=False)
+        model = LogsValLoss()
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, callbacks=[ema]).fit(model, token_data(), ckpt_path=out / ckpt / "step=4.ckpt")
+        finals.append(model.state_dict())
+    for k, v in finals[0].items():
+        assert torch.equal(finals[1][k], v), k
 
 
 def test_buffers_start_from_rank_zero(parity_run):

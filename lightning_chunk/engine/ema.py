@@ -1,0 +1,155 @@
+"""An exponential moving average of the weights, kept in shards beside the masters.
+
+[Note: a sharded EMA]
+Lightning's ``EMAWeightAveraging`` (``WeightAveraging`` with ``torch.optim.swa_utils.AveragedModel``) keeps a deep
+copy of the whole model on every rank and writes the module's parameters to swap it in: under ZeRO-3 it would hold
+the model the sharding exists to split, and the parameters it writes are payload views (refused at set-up, [Note:
+parameters outside a step]). The average is element-wise, ``ema = decay * ema + (1 - decay) * weight``, so each
+rank can keep it for the elements of its own master shards: one fp32 tensor per trainable chunk, the size of the
+rank's shard, in host memory (the masters' bytes over the ranks; a device-tier master is copied to the host for
+each update, so ``update_every_n_steps`` bounds that traffic). The arithmetic is ``get_ema_avg_fn``'s, op for op, on
+the same fp32 values, so the average equals ``AveragedModel``'s bit for bit; the first update copies, as
+``AveragedModel``'s does.
+
+Parameters frozen from the start are not averaged: they never change, so each is its own average (a LoRA run does
+not pay for an average of its frozen base; ``AveragedModel`` computes ``decay * p + (1 - decay) * p``, which can
+differ from ``p`` in the last bit). A chunk averaged once stays averaged if its parameters are frozen later (its
+average moves on towards the frozen weights, as ``AveragedModel``'s does). A repack (a parameter frozen or unfrozen,
+inputs that grew) carries the shards like the optimizers' state (``take``/``give``, the ``ExtraShards`` protocol);
+a parameter frozen from the start and trainable now starts from its weights.
+
+``swap`` exchanges the masters and the averages (validation with the averaged weights, then back: exact, nothing is
+recomputed) and ``copy_to_masters`` makes the average the weights (the end of training); both refresh the
+compute-dtype copies and drop stale payloads as the end of a step does. Checkpoints save the shards as
+``chunk.<c>.ema`` beside the masters and load them on any world size (``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .chunk import Chunk
+from .repack import piece_range
+
+_HOST = torch.device("cpu")
+KEY = "<ema>"  # its key among the shards a repack carries (optimizer state keys are names without brackets)
+
+
+class ShardedEMA:
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager  # not with the disk tier: the strategy refuses it (the shards would sit in host memory)
+        self.shards: dict[Chunk, torch.Tensor] = {}  # trainable chunk -> this rank's averaged master shard
+        self._filled: dict[Chunk, torch.Tensor] = {}  # during a repack: which elements ``give`` filled
+
+    @property
+    def started(self) -> bool:
+        return bool(self.shards)
+
+    def update(self, decay: float) -> None:
+        """One step of the average; the first copies the weights. A chunk frozen after it was averaged goes on
+        being averaged (its average moves on towards its frozen weights, as ``AveragedModel``'s)."""
+        for c in self.manager.chunks:
+            m = c.master_tensor_for_read().detach()
+            e = self.shards.get(c)
+            if e is not None:
+                e.copy_(decay * e + (1 - decay) * m.to(_HOST))
+            elif c.trainable:
+                self.shards[c] = m.to(_HOST, copy=True)
+
+    def swap(self) -> None:
+        """The masters take the averages and the averages the masters."""
+        for c, e in self.shards.items():
+            m = c.master_tensor_for_read()
+            old = m.to(_HOST, copy=True)
+            m.copy_(e)
+            self.shards[c] = old
+        self.manager.write_back(chunks=list(self.shards))
+
+    def copy_to_masters(self) -> None:
+        for c, e in self.shards.items():
+            c.master_tensor_for_read().copy_(e)
+        self.manager.write_back(chunks=list(self.shards))
+
+    # ------------------------------------------------------------- checkpoint
+    def shard(self, c: Chunk) -> Optional[torch.Tensor]:
+        return self.shards.get(c)
+
+    def whole(self) -> dict[int, torch.Tensor]:
+        """Each averaged parameter's whole value on the host, by index (a collective with several ranks)."""
+        out = {}
+        for c in self.manager.chunks:
+            e = self.shards.get(c)
+            if e is not None:
+                full = self.manager.gather_shard(c, e)
+                for t in c.tensors:
+                    out[t.slot.param_index] = full[t.offset : t.offset + t.numel].view(t.shape).clone()
+        return out
+
+    def load(self, values: dict[int, torch.Tensor]) -> None:
+        """Whole averaged values by parameter index: each rank keeps its pieces (a saved chunk at a time)."""
+        for c in self.manager.chunks:
+            lo, _ = c.shard_range
+            for t in c.tensors:
+                value = values.get(t.slot.param_index)
+                if value is None:
+                    continue
+                e = self.shards.get(c)
+                if e is None:  # elements no saved value reaches (padding) start from the weights
+                    e = self.shards[c] = c.master_tensor_for_read().detach().to(_HOST, copy=True)
+                a, b = piece_range(c, t.offset, t.numel)
+                if a < b:
+                    e[a - lo : b - lo].copy_(value.reshape(-1)[a - t.offset : b - t.offset])
+
+    # ----------------------------------------------------------------- repack
+    def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        e = self.shards.pop(chunk, None)
+        return {} if e is None else {KEY: e}
+
+    def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
+        """``offset``: where the piece starts in ``chunk``'s shard."""
+        piece = pieces.get(KEY)
+        if piece is None:
+            return
+        e = self.shards.get(chunk)
+        if e is None:
+            e = self.shards[chunk] = torch.empty(chunk.shard_numel, dtype=piece.dtype)
+            self._filled[chunk] = torch.zeros(chunk.shard_numel, dtype=torch.bool)
+        e[offset : offset + piece.numel()].copy_(piece.reshape(-1))
+        self._filled[chunk][offset : offset + piece.numel()] = True
+
+    def after_repack(self) -> None:
+        """What the repack left: elements no old average reached (a parameter frozen from the start and trainable
+        now, padding) start from the weights; a chunk of parameters never averaged and still frozen has none."""
+        started = self.started or bool(self._filled)
+        for c in list(self.shards):
+            if c not in self.manager.chunks:
+                del self.shards[c]
+        if started:
+            for c in self.manager.chunks:
+                e, filled = self.shards.get(c), self._filled.get(c)
+                if e is None and not c.trainable:
+                    continue
+                m = c.master_tensor_for_read().detach().to(_HOST)
+                if e is None:
+                    self.shards[c] = m.clone()
+                elif filled is not None:
+                    e.copy_(torch.where(filled, e, m))
+        self._filled = {}
+
+
+class Extras:
+    """Two ``ExtraShards`` carried through one repack: the optimizers' state and the EMA's, told apart by key."""
+
+    def __init__(self, carrier: Any, ema: ShardedEMA) -> None:
+        self.carrier, self.ema = carrier, ema
+
+    def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        return {**self.carrier.take(chunk), **self.ema.take(chunk)}
+
+    def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
+        theirs = {k: v for k, v in pieces.items() if k != KEY}
+        if theirs:
+            self.carrier.give(param_index, theirs, chunk, offset)
+        self.ema.give(param_index, pieces, chunk, offset)

@@ -1,0 +1,106 @@
+"""ChunkEMA ([Note: a sharded EMA]): Lightning's EMAWeightAveraging, with the average sharded like the weights.
+
+Before, an EMA of the weights was only possible by hand inside ``full_parameters()``, holding a whole copy of the
+model on every rank; Lightning's own callbacks are refused at set-up (they keep that copy and write payload views)."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+from lightning_chunk import ChunkEMA, ChunkOffloadStrategy
+from lightning_chunk.cli import main as cli_main
+from tests.models import FlipRequiresGrad, ParityNet, fit, token_data
+
+EXACT = dict(rtol=0, atol=0)
+
+
+class Recording(ParityNet):
+    losses: list = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        type(self).losses.append(torch.nn.functional.cross_entropy(self(x).float().reshape(-1, 48), y.reshape(-1)))
+
+
+def run(strategy, callbacks, steps=8, **kw):
+    Recording.losses = []
+    model = fit(strategy, steps=steps, cls=Recording, callbacks=callbacks, limit_val_batches=2, val_check_interval=3,
+                val_dataloaders=token_data(16, seed=1), **kw)
+    return model, [float(x) for x in Recording.losses]
+
+
+def chunked(**kw):
+    return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", **kw)
+
+
+def assert_same(ref, got):
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got.state_dict()[k], v, **EXACT, msg=k)
+
+
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_chunk_ema_is_lightning_s_ema_weight_averaging_bit_for_bit(placement):
+    """Validation inside fit sees the averaged weights and the model ends with them, as with EMAWeightAveraging."""
+    ref, ref_losses = run("auto", [EMAWeightAveraging(decay=0.9, use_buffers=False, update_starting_at_step=2)])
+    got, losses = run(chunked(placement=placement), [ChunkEMA(decay=0.9, update_starting_at_step=2)])
+    assert losses == ref_losses and len(losses) == 4  # validation at steps 3 and 6, 2 batches each
+    assert_same(ref, got)
+    plain, _ = run(chunked(placement=placement), [])
+    assert not torch.equal(plain.head.weight, got.head.weight)  # the average is not the trained weights
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type):
+    """Saved at step 4 (sharded: its shards beside the masters; full: a whole copy), resumed to step 8 on another
+    placement: as plain Lightning resuming EMAWeightAveraging from its own checkpoint."""
+    finals = []
+    for name, make, ema in [("auto", lambda: "auto", lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
+                            ("chunk", lambda: chunked(placement="host", state_dict_type=state_dict_type),
+                             lambda: ChunkEMA(decay=0.8))]:
+        cb = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, filename="{step}")
+        run(make(), [ema(), cb], steps=4, enable_checkpointing=True)
+        L.seed_everything(7, verbose=False)
+        model = Recording()
+        L.Trainer(accelerator="cpu", devices=1, strategy=chunked() if name == "chunk" else "auto", max_steps=8,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=2, val_check_interval=3, callbacks=[ema()]).fit(
+            model, token_data(), token_data(16, seed=1), ckpt_path=tmp_path / name / "step=4.ckpt")
+        finals.append(model)
+    assert_same(*finals)
+    ckpt = tmp_path / "chunk" / "step=4.ckpt"
+    if state_dict_type == "sharded":
+        ck = torch.load(ckpt / "meta.pt", weights_only=False)["chunk_checkpoint"]
+        assert ck["ema_chunks"] == list(range(len(ck["chunks"])))
+        # consolidated with --ema: the state_dict plain Lightning's EMAWeightAveraging wrote (the average)
+        assert cli_main(["consolidate", str(ckpt), str(tmp_path / "ema.pt"), "--ema", "--no-progress"]) == 0
+        got = torch.load(tmp_path / "ema.pt", weights_only=False)["state_dict"]
+        want = torch.load(tmp_path / "auto" / "step=4.ckpt", weights_only=False)["state_dict"]
+        assert sorted(got) == sorted(want)
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, **EXACT, msg=k)
+    else:
+        assert "blocks.0.1.weight" in torch.load(ckpt, weights_only=False)["chunk_ema"]
+
+
+def test_the_average_follows_a_repack_when_parameters_are_frozen_and_unfrozen():
+    """A repack (requires_grad changed) carries the shards: the embedding, trained, frozen and trained again, is
+    averaged throughout; the first block, frozen from the start, starts from its weights when it is unfrozen."""
+    ref, _ = run("auto", [EMAWeightAveraging(decay=0.9, use_buffers=False), FlipRequiresGrad(unfreeze=3, refreeze=6)],
+                 variant="frozen")
+    got, _ = run(chunked(), [ChunkEMA(decay=0.9), FlipRequiresGrad(unfreeze=3, refreeze=6)], variant="frozen")
+    # AveragedModel also averages the first block with itself while it is frozen, which can move it by a last bit
+    for k, v in ref.state_dict().items():
+        exact = EXACT if not k.startswith("blocks.0.") else dict(rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got.state_dict()[k], v, **exact, msg=k)
+
+
+def test_chunk_ema_is_refused_elsewhere_and_lightning_s_averaging_names_it():
+    with pytest.raises(ValueError, match="ChunkEMA works with the chunk_offload strategy"):
+        fit("auto", steps=1, callbacks=[ChunkEMA()])
+    with pytest.raises(ValueError, match="use lightning_chunk.ChunkEMA"):
+        fit(chunked(), steps=1, callbacks=[EMAWeightAveraging()])
+    with pytest.raises(ValueError, match="decay must be in"):
+        ChunkEMA(decay=1.5)
+    with pytest.raises(ValueError, match="ChunkEMA does not work with the disk tier"):
+        fit(chunked(placement="host", host_memory_limit="1MB"), steps=1, callbacks=[ChunkEMA()])
