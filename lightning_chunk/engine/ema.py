@@ -47,6 +47,10 @@ class ShardedEMA:
     def started(self) -> bool:
         return bool(self.shards)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(e.numel() * e.element_size() for e in self.shards.values())
+
     def update(self, decay: float) -> None:
         """One step of the average; the first copies the weights. A chunk frozen after it was averaged goes on
         being averaged (its average moves on towards its frozen weights, as ``AveragedModel``'s)."""

@@ -567,6 +567,8 @@ class ChunkEngine:
             out["loss_scale"] = self.scaler.scale
         if self.early is not None:
             out["chunks_stepped_in_backward"] = self.early.early
+        if self.ema is not None:
+            out["ema_host_bytes"] = self.ema.nbytes  # this rank's share of the average ([Note: a sharded EMA])
         if self.last_grad_norm is not None:
             out["grad_norm"] = self.last_grad_norm  # the global norm the last norm clipping saw
         if self.growth.enabled:
