@@ -57,8 +57,8 @@ class ShardedEMA:
         for c in self.manager.chunks:
             m = c.master_tensor_for_read().detach()
             e = self.shards.get(c)
-            if e is not None:
-                e.copy_(decay * e + (1 - decay) * m.to(_HOST))
+            if e is not None:  # get_ema_avg_fn's decay * e + (1 - decay) * m, each op rounded as there, in place
+                e.mul_(decay).add_(m.to(_HOST) * (1 - decay))
             elif c.trainable:
                 self.shards[c] = m.to(_HOST, copy=True)
 
