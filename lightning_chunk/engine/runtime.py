@@ -128,6 +128,14 @@ class ChunkEngine:
             keep_freed_heap()
         self.module = module
         named = list(module.named_parameters())
+        lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+        if lazy:  # torch's own error names neither the parameter nor the way out
+            raise ValueError(f"{len(lazy)} parameter{'s are' if len(lazy) > 1 else ' is'} not initialised yet "
+                             f"({', '.join(lazy[:4])}"
+                             f"{', ...' if len(lazy) > 4 else ''}): lazy modules (nn.LazyLinear, ...) learn their "
+                             "shapes at their first forward, and chunk_offload packs parameters by shape before any. "
+                             "Run the model once on a sample batch before fit (in __init__ or setup), or give the "
+                             "layers their sizes.")
         index_of = {id(p): i for i, (_, p) in enumerate(named)}
         group_of: dict[int, int] = {}
         offsets, offset = [], 0

@@ -246,3 +246,23 @@ def test_sync_batchnorm_is_applied_for_fit_and_reverted_after_and_batchnorm_trai
     for (n, a), (_, b) in [*zip(ref.named_parameters(), got.named_parameters()),
                            *zip(ref.named_buffers(), got.named_buffers())]:
         assert torch.equal(a, b), n
+
+
+class LazyHead(ParityNet):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head = torch.nn.LazyLinear(48, bias=False)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_lazy_module_is_refused_with_its_name_and_the_way_out():
+    """Plain Lightning trains a LazyLinear (its first forward sizes it); chunks are packed by shape before any forward,
+    and torch's own error named neither the parameter nor what to do."""
+    with pytest.raises(ValueError, match=r"1 parameter is not initialised yet \(head\.weight\).*sample batch"):
+        trainer(strategy=ChunkOffloadStrategy(chunk_numel=4096, log_memory_stats=False), max_steps=1).fit(
+            LazyHead(), token_data())
+    model = LazyHead()
+    model(torch.zeros(2, 8, dtype=torch.long))  # the way out: one forward on a sample batch
+    trainer(strategy=ChunkOffloadStrategy(chunk_numel=4096, log_memory_stats=False), max_steps=1).fit(model, token_data())
