@@ -29,8 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="the file to write (lightning), or the new directory (hf)")
     c.add_argument("--format", choices=["lightning", "hf"], default="lightning", help="what to write")
     c.add_argument("--with-optimizer", action="store_true", help="keep the optimizer state (lightning format)")
-    c.add_argument("--ema", action="store_true", help="the weights averaged by ChunkEMA instead of the trained ones "
-                                                      "(lightning format)")
+    c.add_argument("--ema", action="store_true", help="the weights averaged by ChunkEMA instead of the trained ones")
     c.add_argument("--config", help="hf: the model's config.json or its directory (default: the checkpoint's "
                                     "'hf_config')")
     c.add_argument("--dtype", help="hf: float32, bfloat16 or float16 (default: the parameters' dtype)")
@@ -77,15 +76,15 @@ def _consolidate(args: argparse.Namespace) -> object:
             raise ValueError(f"{', '.join(extra)} apply to --format hf only.")
         return consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer, progress=not args.no_progress,
                            ema=args.ema)
-    if args.with_optimizer or args.ema:
-        raise ValueError("--with-optimizer and --ema apply to --format lightning only.")
+    if args.with_optimizer:
+        raise ValueError("--with-optimizer applies to --format lightning only: a save_pretrained directory holds weights.")
     try:
         from .hf import export_hf
         import transformers  # noqa: F401
     except ImportError:
         raise ValueError("--format hf needs transformers: pip install 'lightning_chunk[hf]'.") from None
     return export_hf(args.checkpoint, args.out, config=args.config, dtype=args.dtype,
-                     max_shard_size=args.max_shard_size, progress=not args.no_progress)
+                     max_shard_size=args.max_shard_size, progress=not args.no_progress, ema=args.ema)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -14,8 +14,8 @@ from typing import Any, Union
 
 import torch
 
-from .engine.checkpoint import (KEY, CheckpointError, _load_chunk, check_checkpoint_dir, iter_saved_chunks,
-                                read_meta)
+from .engine.checkpoint import (KEY, CheckpointError, _load_chunk, check_checkpoint_dir, iter_saved_chunks, read_meta,
+                                weights_key)
 from .engine.host_heap import release_freed_memory
 from .engine.torchfile import StreamingTorchFile
 
@@ -39,9 +39,7 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
     out = check_output(path, out)
     if with_optimizer and not ck["optimizers"]:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no optimizer state (saved with weights only).")
-    averaged = set(ck.get("ema_chunks", ())) if ema else set()  # [Note: a sharded EMA]
-    if ema and not averaged:
-        raise CheckpointError(f"checkpoint {str(path)!r} holds no average of the weights (saved without ChunkEMA).")
+    key_of = weights_key(meta, path, ema=ema)
     tmp = out.with_name(f".{out.name}.partial")
     writer = StreamingTorchFile(tmp)
     try:
@@ -73,8 +71,7 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
                 obj[OPTIMIZERS_KEY].append({"state": dict(sorted(state.items())), "param_groups": groups})
         writer.write_object(obj)
         bar = _progress(len(params) + len(optim_records), progress, f"consolidating {path.name}")
-        # with ``ema``: a chunk's average where it has one (a parameter frozen from the start is its own average)
-        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.{'ema' if c in averaged else 'master'}"):
+        for _, spec, full in iter_saved_chunks(path, meta, key_of):
             for name, off, numel, shape in spec["slots"]:
                 writer.write(params[name], full[off : off + numel].view(shape))
                 bar.update(1)

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .consolidate import _progress, check_output
 from .engine.atomic import remove_dir
-from .engine.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta
+from .engine.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta, weights_key
 from .engine.config import parse_bytes
 from .engine.safetensors_file import StreamingSafetensors
 
@@ -197,7 +197,7 @@ def _match(ck: dict[str, Any], keep: dict[str, tuple[int, ...]], known: set[str]
 
 def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config: Any = None,
               dtype: Optional[Union[str, torch.dtype]] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
-              progress: bool = True) -> Path:
+              progress: bool = True, ema: bool = False) -> Path:
     """Write ``out_dir`` as ``save_pretrained`` would, from a sharded ``lightning-chunk`` checkpoint.
 
     [Note: exporting to save_pretrained's layout] The config (``config``, or the checkpoint's ``hf_config``) is
@@ -250,7 +250,7 @@ def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config
         for key, k in from_buffers.items():
             writer.write(k, ck["buffers"][key])
             bar.update(1)
-        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.master"):
+        for _, spec, full in iter_saved_chunks(path, meta, weights_key(meta, path, ema=ema)):  # ema: ChunkEMA's
             for name, off, numel, shape in spec["slots"]:
                 for k in fills.get(name, ()):
                     writer.write(k, full[off : off + numel].view(shape))

@@ -441,6 +441,15 @@ def _load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype) -> torch.T
     return t
 
 
+def weights_key(meta: dict[str, Any], path: Union[str, Path], *, ema: bool = False) -> Callable[[int], str]:
+    """The key of each saved chunk's weights: its master shards, or with ``ema`` its average where it has one (a
+    chunk of parameters frozen from the start is its own average, [Note: a sharded EMA])."""
+    averaged = set(meta[KEY].get("ema_chunks", ())) if ema else set()
+    if ema and not averaged:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no average of the weights (saved without ChunkEMA).")
+    return lambda c: f"chunk.{c}.{'ema' if c in averaged else 'master'}"
+
+
 def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str],
                       only: Optional[Collection[int]] = None):
     """Yield ``(chunk index, saved chunk meta, whole tensor)`` one saved chunk at a time (those in ``only``)."""

@@ -210,3 +210,31 @@ def test_export_streams_with_bounded_memory(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for (n, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+
+
+def test_export_of_the_average_chunk_ema_kept(tmp_path):
+    """``--ema`` ([Note: a sharded EMA]): the weights ChunkEMA averaged, the ones the model holds after fit."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_chunk import ChunkEMA
+    from lightning_chunk.cli import main
+
+    example = load_example()
+    L.seed_everything(0, verbose=False)
+    model = example.CausalLM(pretrained=str(save_pretrained("gpt2", tmp_path / "pre")), lr=1e-2, warmup_steps=1)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0, strategy=ChunkOffloadStrategy(chunk_numel=16384),
+              callbacks=[ChunkEMA(decay=0.5),  # before the checkpoint: the step-3 average is in it
+                         ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="last")]).fit(model, Batches())
+    assert main(["consolidate", "--format", "hf", str(tmp_path / "last.ckpt"), str(tmp_path / "hf"), "--ema",
+                 "--no-progress"]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    torch.testing.assert_close(logits(loaded, x), logits(model.hf_model, x), rtol=0, atol=0)
+
+
+def test_export_of_an_average_a_checkpoint_does_not_hold_is_refused(trained, tmp_path):
+    with pytest.raises(CheckpointError, match="holds no average of the weights"):
+        export_hf(trained["llama"][1], tmp_path / "hf", progress=False, ema=True)
+    assert not (tmp_path / "hf").exists()
