@@ -34,6 +34,7 @@ from .chunk import Chunk
 from .repack import piece_range
 
 _HOST = torch.device("cpu")
+_BLOCK = 1 << 20  # elements an update step takes at a time (4 MB in fp32: the second pass reads from cache)
 KEY = "<ema>"  # its key among the shards a repack carries (optimizer state keys are names without brackets)
 
 
@@ -53,14 +54,25 @@ class ShardedEMA:
 
     def update(self, decay: float) -> None:
         """One step of the average; the first copies the weights. A chunk frozen after it was averaged goes on
-        being averaged (its average moves on towards its frozen weights, as ``AveragedModel``'s)."""
+        being averaged (its average moves on towards its frozen weights, as ``AveragedModel``'s).
+
+        ``get_ema_avg_fn``'s ``decay * e + (1 - decay) * m``, each op rounded as there, in place and a block at a
+        time through one scratch buffer: a chunk-sized temporary (130 MB for a chunk of a 100M model on one rank)
+        was a fresh mapping whose page faults cost 100 ms an update, against 9 ms for the arithmetic."""
+        scratch: dict[torch.dtype, torch.Tensor] = {}
         for c in self.manager.chunks:
             m = c.master_tensor_for_read().detach()
             e = self.shards.get(c)
-            if e is not None:  # get_ema_avg_fn's decay * e + (1 - decay) * m, each op rounded as there, in place
-                e.mul_(decay).add_(m.to(_HOST) * (1 - decay))
-            elif c.trainable:
-                self.shards[c] = m.to(_HOST, copy=True)
+            if e is None:
+                if c.trainable:
+                    self.shards[c] = m.to(_HOST, copy=True)
+                continue
+            buf = scratch.setdefault(e.dtype, torch.empty(_BLOCK, dtype=e.dtype))
+            for a in range(0, e.numel(), _BLOCK):
+                b = min(a + _BLOCK, e.numel())
+                tmp = buf[: b - a]
+                torch.mul(m[a:b].to(_HOST), 1 - decay, out=tmp)
+                e[a:b].mul_(decay).add_(tmp)
 
     def swap(self) -> None:
         """The masters take the averages and the averages the masters."""
