@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -44,6 +43,7 @@ from .repack import FromModule
 from .weights import ModuleWeights
 from .consolidate import full_values, load_values, unpack
 from .full_params import check_stray_writes
+from .gradients import clip_grad_norm, unscale_and_check
 from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .reduce import agree_on_grads
@@ -479,57 +479,14 @@ class ChunkEngine:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
-        """Clip ``optimizer``'s gradients by their global norm over every shard of every rank; returns that norm.
-
-        On one rank the arithmetic is ``torch.nn.utils.clip_grad_norm_``'s, step for step (per-tensor
-        norms grouped by device, the norm of their stack, a clamped fp32 coefficient), so clipping is
-        bit-exact with plain PyTorch. Several ranks all-reduce the local ``norm ** p`` (max for inf)
-        on the collectives' device (NCCL takes device tensors only).
-        """
+        """Clip ``optimizer``'s gradients by their global norm over every shard of every rank; returns that norm
+        (``gradients.clip_grad_norm``: bit-exact with ``torch.nn.utils.clip_grad_norm_`` on one rank)."""
         self._gradients_kept("clipping gradients by norm")
         self.prepare_step()
-        pairs = [pair for b in self._bindings(optimizer) for pair in b.grad_chunks()]
-        norm_type = float(norm_type)
-        by_device: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
-        for c, g in pairs:
-            by_device.setdefault(g.device, []).append((c, g))
-        first = pairs[0][1].device if pairs else torch.device("cpu")
-        norms = []
-        for chunk, gs in self._paged_runs(by_device):
-            with self.manager.storage_of(chunk).reading(chunk, ("grad",)):
-                norms.extend(n.to(first) for n in torch._foreach_norm(gs, norm_type))
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=first)
-        if self.comm.world_size > 1:  # every rank takes part, also one that holds no gradient piece
-            dev = self.comm.tensor_device()
-            if math.isinf(norm_type):
-                total = self.comm.all_reduce(total.reshape(1).to(dev), op="max", what="the gradient norm")[0].to(first)
-            else:
-                acc = self.comm.all_reduce(total.double().pow(norm_type).reshape(1).to(dev), op="sum",
-                                           what="the gradient norm")[0]
-                total = acc.pow(1.0 / norm_type).float().to(first)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for chunk, gs in self._paged_runs(by_device):
-            with self.manager.storage_of(chunk).writing(chunk, ("grad",)):
-                torch._foreach_mul_(gs, coef.to(gs[0].device))
+        total = clip_grad_norm([p for b in self._bindings(optimizer) for p in b.grad_chunks()], max_norm, norm_type,
+                               self.manager)
         self.last_grad_norm = float(total)
         return total
-
-    @staticmethod
-    def _paged_runs(by_device: dict[torch.device, list[tuple[Any, torch.Tensor]]]) -> Iterator[tuple[Any, list]]:
-        """Gradients per device, in order, split where a disk-tier chunk begins or ends: a pass over them pages one
-        disk shard's gradients in at a time, and memory-resident ones go in one call as before."""
-        for pairs in by_device.values():
-            run: list[torch.Tensor] = []
-            key = owner = None
-            for c, g in pairs:
-                k = c.chunk_id if c.shard_tier is Tier.DISK else None
-                if run and k != key:
-                    yield owner, run
-                    run = []
-                key, owner = k, c
-                run.append(g)
-            if run:
-                yield owner, run
 
     def clip_grad_value_(self, clip_value: float, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         for g in self.grads(optimizer):
@@ -539,11 +496,8 @@ class ChunkEngine:
         """fp16: unscale ``optimizer``'s gradients; True when some rank overflowed (every rank then skips)."""
         assert self.scaler is not None
         self.prepare_step()
-        by_device: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
-        for c, g in (pair for b in self._bindings(optimizer) for pair in b.grad_chunks()):
-            by_device.setdefault(g.device, []).append((c, g))
-        runs = ((self.manager.storage_of(c).writing(c, ("grad",)), gs) for c, gs in self._paged_runs(by_device))
-        return self.scaler.unscale_and_check([], self.comm, runs=runs)
+        return unscale_and_check([p for b in self._bindings(optimizer) for p in b.grad_chunks()], self.scaler,
+                                 self.manager)
 
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)``, disk-tier chunks one at a time ([Note: stepping disk shards] in optim.py)."""
