@@ -569,8 +569,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         with_optimizer = bool(self.engine.bindings) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # evaluating a checkpoint (validate, test, predict) uses the average ChunkEMA kept, as Lightning's
+        # EMAWeightAveraging checkpoints hold the average as their state_dict
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if is_sharded_checkpoint(checkpoint_path):
-            meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer)
+            meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer, averaged=not fitting)
             # loaded into the model after on_load_checkpoint, as Lightning does (load_model_state_dict)
             meta["state_dict"] = offered_state_dict(meta[CHECKPOINT_KEY])
             meta = {k: v for k, v in meta.items() if k != CHECKPOINT_KEY}
@@ -580,6 +583,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             meta = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             module = self.lightning_module
             self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
+            if not fitting and meta.get("chunk_ema"):  # a full checkpoint's average (ChunkEMA.on_save_checkpoint)
+                self.engine.load_full_state_dict(dict(meta["chunk_ema"]), strict=False)
             if with_optimizer and meta.get("optimizer_states"):
                 for binding, state in zip(self.engine.bindings, meta["optimizer_states"]):
                     binding.load_plain_state_dict(state)

@@ -462,8 +462,9 @@ def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], 
         release_freed_memory()
 
 
-def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool) -> dict[str, Any]:
-    """Every rank calls this. Loads values (and optimizer state) into the engine's current layout; returns meta."""
+def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool, averaged: bool = False) -> dict[str, Any]:
+    """Every rank calls this. Loads values (and optimizer state) into the engine's current layout; returns meta.
+    ``averaged``: the weights are the average the checkpoint holds where it holds one ([Note: a sharded EMA])."""
     from .consolidate import load_values
 
     path = check_checkpoint_dir(path)
@@ -472,7 +473,8 @@ def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool) -
     ck = meta[KEY]
     mgr = engine.manager
     index_of_name = {n: i for i, n in enumerate(mgr.names)}
-    for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.master"):
+    key_of = weights_key(meta, path, ema=True) if averaged and ck.get("ema_chunks") else lambda c: f"chunk.{c}.master"
+    for _, spec, full in iter_saved_chunks(path, meta, key_of):
         load_values(mgr, {index_of_name[n]: full[off : off + numel].view(shape)
                           for n, off, numel, shape in spec["slots"]})
         mgr.disk.page_out()  # what this saved chunk wrote into disk shards leaves the process

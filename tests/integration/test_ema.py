@@ -107,3 +107,21 @@ def test_chunk_ema_is_refused_elsewhere_and_lightning_s_averaging_names_it():
         ChunkEMA(decay=1.5)
     with pytest.raises(ValueError, match="ChunkEMA does not work with the disk tier"):
         fit(chunked(placement="host", host_memory_limit="1MB"), steps=1, callbacks=[ChunkEMA()])
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_evaluating_a_checkpoint_uses_the_average_as_lightning_s_does(tmp_path, state_dict_type):
+    """Lightning's EMAWeightAveraging writes the average as a checkpoint's state_dict, so validate(ckpt_path=...)
+    evaluates the average; a sharded checkpoint's masters are the trained weights and its average sits beside them."""
+    losses = []
+    for name, make, ema in [("auto", lambda: "auto", lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
+                            ("chunk", lambda: chunked(placement="host", state_dict_type=state_dict_type),
+                             lambda: ChunkEMA(decay=0.8))]:
+        cb = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, filename="{step}")
+        run(make(), [ema(), cb], steps=4, enable_checkpointing=True)
+        Recording.losses = []
+        L.Trainer(accelerator="cpu", devices=1, strategy=make(), logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=2).validate(
+            Recording(), token_data(16, seed=1), ckpt_path=tmp_path / name / "step=4.ckpt", verbose=False)
+        losses.append([float(x) for x in Recording.losses])
+    assert losses[0] == losses[1] and len(losses[0]) == 2
