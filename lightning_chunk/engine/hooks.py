@@ -59,7 +59,6 @@ the step's outputs as the root's outputs for backward.
 from __future__ import annotations
 
 import contextlib
-import zlib
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -71,9 +70,9 @@ from .grad_graph import GradGraphKeeper
 from .leaves import LeafModules
 from .chunk import Tier
 from .chunk import nbytes as tensor_nbytes
-from .collectives import CollectiveMismatchError, first_difference
 from .manager import ChunkManager
 from .placement import PlacementPolicy
+from .sequence import GRADIENTS, ModuleSequence
 from .states import TensorState
 from .tracer import BACKWARD, FORWARD, POST_FORWARD, MemoryTracer, MomentEvent, Trace
 
@@ -86,7 +85,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
 ROOT = "<root>"
-GRADIENTS = "gradients"  # the entry a backward's end adds to the sequence the ranks compare
 
 
 class ChunkHooks:
@@ -114,7 +112,7 @@ class ChunkHooks:
         self._chunks_of: dict[str, tuple[int, ...]] = {}
         self._layout_seen: object = None
         self._key_index: dict[str, int] = {}
-        self._sequence: list[tuple[str, str]] = []  # (kind, module) of this micro-batch, compared across ranks
+        self._sequence = ModuleSequence()  # the modules this micro-batch ran, compared across ranks
         self._pre_backward: dict[str, Callable[[torch.Tensor], None]] = {}  # module key -> its output tensors' hook
         self._post_backward: dict[str, Callable[[Any], None]] = {}  # module key -> its inputs' hook
         # module key -> calls with frozen parameters whose backward has not finished ([Note: frozen parameters ...])
@@ -240,7 +238,7 @@ class ChunkHooks:
         else:
             self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()))
         if self.manager.comm.world_size > 1:
-            self._sequence.append((kind, key))
+            self._sequence.add(kind, key)
         return chunk_ids
 
     def _pinned(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -522,8 +520,8 @@ class ChunkHooks:
         self._pinned_by_backward.clear()
         # [Note: a backward that delivers no gradient]
         arrived, self._grads_arrived = self._grads_arrived, False
-        self._sequence.append((GRADIENTS, "delivered" if arrived else "none delivered"))
-        self._check_same_sequence()
+        self._sequence.add(GRADIENTS, "delivered" if arrived else "none delivered")
+        self._sequence.check(self.manager.comm, lambda key: self._chunks_of.get(key, ()))
         self.manager.end_backward(self.make_room, grads_arrived=arrived)
         self.grad_graph.backward_ended()
         if arrived and self.on_backward_end is not None:
@@ -535,42 +533,13 @@ class ChunkHooks:
         if self.policy.evict_after_use:
             self._plan_and_run(())
 
-    def _check_same_sequence(self) -> None:
-        """Several ranks: every rank must have run the same modules in the same order this micro-batch.
-
-        One fixed-size all-gather of a CRC per micro-batch. Without it a rank that skipped a module whose
-        payload happened to be resident would issue no collective at all and go unnoticed, until a later
-        step in which the payload was evicted desynchronised the all-gathers."""
-        comm = self.manager.comm
-        seq, self._sequence = self._sequence, []
-        if comm.world_size == 1:
-            return
-        crc = zlib.crc32(repr(seq).encode())
-        if comm.agree_on_value(crc, what="the check that every rank ran the same modules"):
-            return
-        seqs = comm.all_gather_object(seq)
-        i = first_difference(seqs)
-        def at(r: int) -> str:
-            if i >= len(seqs[r]):
-                return "nothing more"
-            kind, key = seqs[r][i]
-            if kind == GRADIENTS:
-                return f"the end of a backward, parameter gradients {key}"
-            return f"{kind} of module {key!r} (chunks {list(self._chunks_of.get(key, ()))})"
-        raise CollectiveMismatchError(
-            f"[rank {comm.rank}] ranks ran different modules in this micro-batch; first difference at moment {i}: "
-            + "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
-            + ". Every rank must run the same modules that own parameters, in the same order (no data-dependent "
-            "skipping): with sharded chunks a skipped module desynchronises the all-gathers."
-        )
-
     # ============================================================== step scope
     @contextlib.contextmanager
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.grad_graph.reset()  # a graph built by a backward with create_graph=True that no backward consumed
         self.manager.reset_states()
-        self._sequence = []
+        self._sequence.clear()
         self._open_backward.clear()
         self._pinned_by_backward.clear()
         self.position = -1
