@@ -53,22 +53,29 @@ def test_chunk_ema_is_lightning_s_ema_weight_averaging_bit_for_bit(placement):
     assert not torch.equal(plain.head.weight, got.head.weight)  # the average is not the trained weights
 
 
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type):
-    """Saved at step 4 (sharded: its shards beside the masters; full: a whole copy), resumed to step 8 on another
-    placement: as plain Lightning resuming EMAWeightAveraging from its own checkpoint."""
-    finals = []
+def saved_at_step_4(tmp_path, state_dict_type):
+    """Plain Lightning with EMAWeightAveraging, then chunk_offload (host) with ChunkEMA, each trained 4 steps with a
+    checkpoint at the end: yields (name, a maker of its EMA callback, the checkpoint)."""
     for name, make, ema in [("auto", lambda: "auto", lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
                             ("chunk", lambda: chunked(placement="host", state_dict_type=state_dict_type),
                              lambda: ChunkEMA(decay=0.8))]:
         cb = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, filename="{step}")
         run(make(), [ema(), cb], steps=4, enable_checkpointing=True)
+        yield name, ema, tmp_path / name / "step=4.ckpt"
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type):
+    """Saved at step 4 (sharded: its shards beside the masters; full: a whole copy), resumed to step 8 on another
+    placement: as plain Lightning resuming EMAWeightAveraging from its own checkpoint."""
+    finals = []
+    for name, ema, ckpt in saved_at_step_4(tmp_path, state_dict_type):
         L.seed_everything(7, verbose=False)
         model = Recording()
         L.Trainer(accelerator="cpu", devices=1, strategy=chunked() if name == "chunk" else "auto", max_steps=8,
                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   limit_val_batches=2, val_check_interval=3, callbacks=[ema()]).fit(
-            model, token_data(), token_data(16, seed=1), ckpt_path=tmp_path / name / "step=4.ckpt")
+            model, token_data(), token_data(16, seed=1), ckpt_path=ckpt)
         finals.append(model)
     assert_same(*finals)
     ckpt = tmp_path / "chunk" / "step=4.ckpt"
@@ -114,14 +121,10 @@ def test_evaluating_a_checkpoint_uses_the_average_as_lightning_s_does(tmp_path, 
     """Lightning's EMAWeightAveraging writes the average as a checkpoint's state_dict, so validate(ckpt_path=...)
     evaluates the average; a sharded checkpoint's masters are the trained weights and its average sits beside them."""
     losses = []
-    for name, make, ema in [("auto", lambda: "auto", lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
-                            ("chunk", lambda: chunked(placement="host", state_dict_type=state_dict_type),
-                             lambda: ChunkEMA(decay=0.8))]:
-        cb = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, filename="{step}")
-        run(make(), [ema(), cb], steps=4, enable_checkpointing=True)
+    for name, _, ckpt in saved_at_step_4(tmp_path, state_dict_type):
         Recording.losses = []
-        L.Trainer(accelerator="cpu", devices=1, strategy=make(), logger=False, enable_progress_bar=False,
-                  enable_model_summary=False, limit_val_batches=2).validate(
-            Recording(), token_data(16, seed=1), ckpt_path=tmp_path / name / "step=4.ckpt", verbose=False)
+        L.Trainer(accelerator="cpu", devices=1, strategy=chunked() if name == "chunk" else "auto", logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2).validate(
+            Recording(), token_data(16, seed=1), ckpt_path=ckpt, verbose=False)
         losses.append([float(x) for x in Recording.losses])
     assert losses[0] == losses[1] and len(losses[0]) == 2
