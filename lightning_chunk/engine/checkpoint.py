@@ -156,6 +156,13 @@ class Selection:
         self.keys = list(state_dict)
         self.aliases = {k: mgr.names[mgr.index_of[id(sd[k])]] for k in self.keys
                         if k in sd and id(sd[k]) in mgr.index_of}
+        for k in self.aliases:  # a meta entry stands for the shards as they are: it cannot carry a conversion
+            v, (_, info) = state_dict[k], mgr.lookup(sd[k])
+            if torch.is_tensor(v) and v.is_meta and (v.dtype != info.orig_dtype or tuple(v.shape) != info.shape):
+                raise CheckpointError(
+                    f"the checkpoint's state_dict entry {k!r} was changed to {str(v.dtype).replace('torch.', '')} "
+                    f"{tuple(v.shape)} (in on_save_checkpoint), but a sharded checkpoint saves the weights from the "
+                    "shards as they are. Convert after `lightning-chunk consolidate`, or use state_dict_type='full'.")
         kept = set(self.aliases.values())
         self.excluded = {i for i, n in enumerate(mgr.names) if n not in kept}
         mine = sorted(self.excluded)

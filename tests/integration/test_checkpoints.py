@@ -306,3 +306,18 @@ def test_a_strict_load_of_a_checkpoint_without_the_frozen_weights_names_them(tmp
     trainer(chunk(), 4, callbacks=[cb], enable_checkpointing=True).fit(edited()(), token_data())
     with pytest.raises(RuntimeError, match=r"missing keys \['blocks\.0\.0\.weight'"):
         trainer(chunk(), 6).fit(edited(strict=True)(), token_data(), ckpt_path=tmp_path / "step=4.ckpt")
+
+
+def test_a_conversion_of_the_offered_state_dict_is_refused_not_ignored(tmp_path):
+    """``{k: v.half() ...}`` in on_save_checkpoint turns the meta entries into fp16 meta tensors: a sharded save
+    cannot honour it and said nothing; it now names the entry and the ways out, and nothing is written."""
+    class Halves(ParityNet):
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["state_dict"] = {k: v.half() if v.is_floating_point() else v
+                                        for k, v in checkpoint["state_dict"].items()}
+
+    L.seed_everything(11, verbose=False)
+    with pytest.raises(CheckpointError, match=r"entry 'embed\.weight' was changed to float16"):
+        trainer(chunk(), 2, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
+                enable_checkpointing=True).fit(Halves(), token_data())
+    assert not list(tmp_path.glob("*.ckpt"))
