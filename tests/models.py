@@ -361,7 +361,8 @@ class GradNormsAndEdits(L.Callback):
             self.norms.append({k: float(v) for k, v in grad_norm(pl_module, norm_type=2).items()})
             blocks = pl_module.blocks if hasattr(pl_module, "blocks") else pl_module.blocks_reversed
             for p in blocks[1].parameters():
-                p.grad.mul_(0.5)
+                if p.grad is not None:  # frozen (AdapterNet's blocks): none, as in plain Lightning
+                    p.grad.mul_(0.5)
             if trainer.global_step % 2 == 0:
                 pl_module.norm.bias.grad = None
 
