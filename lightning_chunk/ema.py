@@ -5,8 +5,8 @@ strategy; this one keeps each rank's share of the average beside its master shar
 ``engine/ema.py``) and does what ``EMAWeightAveraging(use_buffers=False)`` does, bit for bit: the average is
 updated after optimizer steps (``update_every_n_steps``, ``update_starting_at_step``), validation during ``fit``
 runs with the averaged weights, and at the end of training the averaged weights become the model's. Checkpoints
-keep it: sharded ones save its shards beside the masters (any world size resumes it), full ones a whole copy under
-``"chunk_ema"``.
+keep it: sharded ones save its shards beside the masters (any world size resumes it); full ones are laid out as
+Lightning's (the average as ``state_dict``, the trained weights as ``current_model_state``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 
 
 class ChunkEMA(pl.Callback):
@@ -40,6 +41,7 @@ class ChunkEMA(pl.Callback):
         self.validate_with_average = validate_with_average
         self.average_at_end = average_at_end
         self._latest_update_step = 0
+        self._n_averaged = 0  # updates so far (AveragedModel's n_averaged, for full checkpoints in its layout)
         self._swapped = False
 
     def should_update(self, step_idx: int) -> bool:
@@ -63,6 +65,7 @@ class ChunkEMA(pl.Callback):
         if trainer.global_step > self._latest_update_step and self.should_update(step_idx):
             self._ema(trainer).update(self.decay)
             self._latest_update_step = trainer.global_step
+            self._n_averaged += 1
 
     def on_validation_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         ema = self._ema(trainer)
@@ -88,16 +91,34 @@ class ChunkEMA(pl.Callback):
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
-        """Sharded checkpoints carry the shards themselves; a full one gets the whole average (every rank gathers)."""
+        """Sharded checkpoints carry the shards themselves. A full one is laid out as Lightning's ``WeightAveraging``
+        lays out its own (every rank gathers): the average as ``state_dict`` (what ``load_from_checkpoint`` and
+        ``validate(ckpt_path=...)`` read), the trained weights as ``current_model_state``, so plain Lightning with
+        ``EMAWeightAveraging`` resumes from it and the reverse."""
         ema = self._ema(trainer)
         if ema is None or not ema.started or getattr(trainer.strategy, "state_dict_type", "sharded") == "sharded":
             return
-        names = ema.manager.names
-        checkpoint["chunk_ema"] = {names[i]: v for i, v in ema.whole().items()}
+        mgr = ema.manager
+        average = ema.whole()
+        current = checkpoint["state_dict"]
+        owner = {k: mgr.index_of[id(v)] for k, v in pl_module.state_dict(keep_vars=True).items()
+                 if id(v) in mgr.index_of}
+        checkpoint["current_model_state"] = current
+        checkpoint["state_dict"] = {k: average.get(owner.get(k, -1), v) for k, v in current.items()}
+        checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self._n_averaged, dtype=torch.long)}
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
+        """A full checkpoint in Lightning's layout: the strategy loaded its ``state_dict`` (the average) into the
+        model; the average goes into the shards and the trained weights back into the model."""
         ema = self._ema(trainer)
-        if ema is not None and "chunk_ema" in checkpoint:
-            index = {n: i for i, n in enumerate(ema.manager.names)}
-            ema.load({index[n]: v for n, v in checkpoint["chunk_ema"].items() if n in index})
+        if ema is None or "current_model_state" not in checkpoint:
+            return
+        mgr = ema.manager
+        owner = {k: mgr.index_of[id(v)] for k, v in pl_module.state_dict(keep_vars=True).items()
+                 if id(v) in mgr.index_of}
+        trainable = {t.slot.param_index for c in mgr.chunks if c.trainable for t in c.tensors}
+        ema.load({i: checkpoint["state_dict"][k] for k, i in owner.items()
+                  if i in trainable and k in checkpoint["state_dict"]})
+        trainer.strategy.engine.load_full_state_dict(dict(checkpoint["current_model_state"]), strict=False)
+        self._n_averaged = int(checkpoint.get("averaging_state", {}).get("n_averaged", self._n_averaged))

@@ -583,8 +583,6 @@ class ChunkOffloadStrategy(ParallelStrategy):
             meta = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             module = self.lightning_module
             self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
-            if not fitting and meta.get("chunk_ema"):  # a full checkpoint's average (ChunkEMA.on_save_checkpoint)
-                self.engine.load_full_state_dict(dict(meta["chunk_ema"]), strict=False)
             if with_optimizer and meta.get("optimizer_states"):
                 for binding, state in zip(self.engine.bindings, meta["optimizer_states"]):
                     binding.load_plain_state_dict(state)

@@ -89,8 +89,21 @@ def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type
         assert sorted(got) == sorted(want)
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, **EXACT, msg=k)
-    else:
-        assert "blocks.0.1.weight" in torch.load(ckpt, weights_only=False)["chunk_ema"]
+    else:  # Lightning's WeightAveraging layout: the average as state_dict, the trained weights beside it
+        got, want = (torch.load(p, weights_only=False) for p in (ckpt, tmp_path / "auto" / "step=4.ckpt"))
+        for part in ("state_dict", "current_model_state"):
+            assert sorted(got[part]) == sorted(want[part])
+            for k, v in want[part].items():
+                torch.testing.assert_close(got[part][k], v, **EXACT, msg=f"{part} {k}")
+        assert int(got["averaging_state"]["n_averaged"]) == int(want["averaging_state"]["n_averaged"]) == 4
+        # so plain Lightning resumes from it as from its own
+        L.seed_everything(7, verbose=False)
+        plain = Recording()
+        L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2, val_check_interval=3,
+                  callbacks=[EMAWeightAveraging(decay=0.8, use_buffers=False)]).fit(
+            plain, token_data(), token_data(16, seed=1), ckpt_path=ckpt)
+        assert_same(finals[0], plain)
 
 
 def test_the_average_follows_a_repack_when_parameters_are_frozen_and_unfrozen():
