@@ -341,22 +341,28 @@ def run_full_parameters(out: Path) -> None:
 
 def run_edited_checkpoint(out: Path) -> None:
     """[Note: the state_dict of a sharded save] on two ranks: the frozen weights dropped in on_save_checkpoint, an
-    entry added, the head's value replaced; 6 steps saved, resumed to 10, against DDP doing the same."""
+    entry added, the head's value replaced; 6 steps saved, resumed to 10, against DDP doing the same. The defaults
+    (automatic chunk size, auto placement) under a device limit below half the parameter bytes, on LoRA's shape
+    (adapters registered after the blocks, used between them)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     cls = models.edited(replace_head=True)
+    kw = dict(dim=64, hidden=512, depth=3)
+    limit = int(sum(p.numel() * p.element_size() for p in cls(**kw).parameters()) * 0.5)
     results = {}
     for name, make in [("ddp", lambda: DDPStrategy()),
-                       ("chunk", lambda: ChunkOffloadStrategy(placement="host", optimizer_kernel="loop",
-                                                              collective_timeout_s=60))]:
+                       ("chunk", lambda: ChunkOffloadStrategy(chunk_numel_min=4096, device_memory_limit=limit,
+                                                              optimizer_kernel="loop", collective_timeout_s=60))]:
         L.seed_everything(11, verbose=False)
+        first = cls(**kw)
         cb = ModelCheckpoint(dirpath=out / f"edited_{name}", every_n_train_steps=6, filename="{step}")
-        trainer(make(), steps=6, callbacks=[cb], enable_checkpointing=True).fit(cls(), token_data())
+        trainer(make(), steps=6, callbacks=[cb], enable_checkpointing=True).fit(first, token_data())
         L.seed_everything(11, verbose=False)
-        model = cls()
-        t = trainer(make(), steps=10)
+        model, strategy = cls(**kw), make()
+        t = trainer(strategy, steps=10)
         t.fit(model, token_data(), ckpt_path=out / f"edited_{name}" / "step=6.ckpt")
-        results[name] = {"state": model.state_dict(), "entry": model.loaded_entry}
+        results[name] = {"state": model.state_dict(), "entry": model.loaded_entry,
+                         "evictions": 0 if name == "ddp" else strategy.memory_stats()["evictions"]}
     if t.global_rank == 0:
         torch.save(results, out / "edited_checkpoint.pt")
     print(f"CASE-DONE edited_checkpoint rank={t.global_rank}", flush=True)
@@ -387,6 +393,31 @@ def run_ema(out: Path) -> None:
         t = trainer(make(), steps=8, callbacks=[ema()], **val)
         t.fit(resumed, token_data(), token_data(16, seed=1), ckpt_path=out / f"ema_{name}" / "step=4.ckpt")
         results[name] = {"state": model.state_dict(), "val": model.val_losses, "resumed": resumed.state_dict()}
+    # the defaults a user gets, on a model used in another order than registered: the automatic chunk size, a
+    # device limit (payloads evicted and gathered again), accumulation, validation with the average every 2 steps,
+    # saved at step 3 and resumed to 6; under the limit and without it alike, and as DDP to sharded accumulation's
+    # rounding (ROUNDING["accumulate"])
+    kw = dict(dim=64, hidden=512, depth=3)
+    limit = int(sum(p.numel() * p.element_size() for p in models.ReorderedNet(**kw).parameters()) * 0.9)
+    for name, make, ema in [
+            ("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
+            ("limited", lambda: ChunkOffloadStrategy(chunk_numel_min=4096, device_memory_limit=limit,
+                                                     optimizer_kernel="loop", collective_timeout_s=60),
+             lambda: ChunkEMA(decay=0.8)),
+            ("free", lambda: ChunkOffloadStrategy(chunk_numel_min=4096, optimizer_kernel="loop", collective_timeout_s=60),
+             lambda: ChunkEMA(decay=0.8))]:
+        val = dict(limit_val_batches=2, val_check_interval=2, accumulate_grad_batches=2)
+        L.seed_everything(7, verbose=False)
+        first = models.ReorderedNet(**kw)
+        cb = ModelCheckpoint(dirpath=out / f"ema_hard_{name}", every_n_train_steps=3, filename="{step}")
+        trainer(make(), steps=3, callbacks=[ema(), cb], enable_checkpointing=True, **val).fit(
+            first, token_data(), token_data(16, seed=1))
+        L.seed_everything(7, verbose=False)
+        resumed, strategy = models.ReorderedNet(**kw), make()
+        t = trainer(strategy, steps=6, callbacks=[ema()], **val)
+        t.fit(resumed, token_data(), token_data(16, seed=1), ckpt_path=out / f"ema_hard_{name}" / "step=3.ckpt")
+        results[f"hard_{name}"] = {"state": resumed.state_dict(),
+                                   "evictions": 0 if name == "ddp" else strategy.memory_stats()["evictions"]}
     if t.global_rank == 0:
         torch.save(results, out / "ema.pt")
     print(f"CASE-DONE ema rank={t.global_rank}", flush=True)

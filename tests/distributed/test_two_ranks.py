@@ -263,6 +263,7 @@ def test_a_checkpoint_holds_what_on_save_checkpoint_left_and_resumes_as_ddp(pari
     for k, v in d["ddp"]["state"].items():
         assert torch.equal(d["chunk"]["state"][k], v), k
     assert torch.equal(d["chunk"]["entry"], torch.tensor([3.0, 4.0]))
+    assert d["chunk"]["evictions"] > 0  # under the device limit
     ck = torch.load(out / "edited_chunk" / "step=6.ckpt" / "meta.pt", weights_only=False)["chunk_checkpoint"]
     assert not all(c["written"] for c in ck["chunks"])
 
@@ -285,6 +286,13 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
     for part in ("state", "resumed"):
         for k, v in d["ddp"][part].items():
             assert torch.equal(d["chunk"][part][k], v), (part, k)
+    # the defaults under a limit, a reordered model, accumulation, a resume at step 3: as without the limit, bit
+    # for bit, and as DDP to sharded accumulation's rounding
+    limited, free, ddp = (d[f"hard_{n}"] for n in ("limited", "free", "ddp"))
+    assert limited["evictions"] > 0 and free["evictions"] == 0
+    for k, v in free["state"].items():
+        assert torch.equal(limited["state"][k], v), k
+        torch.testing.assert_close(v, ddp["state"][k], **ROUNDING["accumulate"], msg=k)
     finals = []
     for strategy, ema, ckpt in [("auto", EMAWeightAveraging(decay=0.8, use_buffers=False), "ema_ddp"),
                                 (ChunkOffloadStrategy(optimizer_kernel="loop"), ChunkEMA(decay=0.8), "ema_chunk")]:
