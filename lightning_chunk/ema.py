@@ -84,10 +84,11 @@ class ChunkEMA(pl.Callback):
             ema.copy_to_masters()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"latest_update_step": self._latest_update_step}
+        return {"latest_update_step": self._latest_update_step, "n_averaged": self._n_averaged}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._latest_update_step = state_dict["latest_update_step"]
+        self._n_averaged = state_dict.get("n_averaged", self._n_averaged)
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:

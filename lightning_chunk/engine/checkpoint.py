@@ -174,9 +174,14 @@ class Selection:
         is_buffer = {k for k, v in sd.items() if id(v) not in mgr.index_of and torch.is_tensor(v)}
         self.buffers = {k: v for k, v in given.items() if k in is_buffer and torch.is_tensor(v)}
         self.entries = {k: v for k, v in given.items() if k not in self.buffers}  # replaced values, new keys
+        self.ema = getattr(engine, "ema", None)  # a ShardedEMA, whose shards go beside the masters
 
     def written(self, chunk: Any) -> bool:
         return any(t.slot.param_index not in self.excluded for t in chunk.tensors)
+
+    def ema_shard(self, chunk: Any) -> Optional[torch.Tensor]:
+        """The chunk's average, when it has one and is written ([Note: a sharded EMA])."""
+        return self.ema.shard(chunk) if self.ema is not None and self.written(chunk) else None
 
 
 def describe_layout(engine: Any, selection: Selection) -> dict[str, Any]:
@@ -198,8 +203,7 @@ def describe_layout(engine: Any, selection: Selection) -> dict[str, Any]:
             "param_dtypes": dtypes, "aliases": selection.aliases, "buffers": selection.buffers,
             "entries": selection.entries,
             "state_dict_keys": selection.keys, "excluded": [mgr.names[i] for i in sorted(selection.excluded)],
-            "ema_chunks": [c.chunk_id for c in mgr.chunks if selection.written(c) and getattr(engine, "ema", None)
-                           is not None and engine.ema.shard(c) is not None],
+            "ema_chunks": [c.chunk_id for c in mgr.chunks if selection.ema_shard(c) is not None],
             "world_size": mgr.comm.world_size}
 
 
@@ -319,9 +323,8 @@ def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_opti
     for c in mgr.chunks:
         if selection.written(c):
             local[f"chunk.{c.chunk_id}.master"] = c.master_tensor_for_read().detach().cpu()
-    ema = getattr(engine, "ema", None)
     for c in mgr.chunks:  # the average of the weights, beside the masters ([Note: a sharded EMA])
-        shard = ema.shard(c) if ema is not None and selection.written(c) else None
+        shard = selection.ema_shard(c)
         if shard is not None:
             local[f"chunk.{c.chunk_id}.ema"] = shard
     optim_meta = []
