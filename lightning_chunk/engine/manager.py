@@ -396,22 +396,18 @@ class ChunkManager:
     def end_backward(self, make_room: MakeRoom = None, *, grads_arrived: bool = True) -> None:
         """Reduce what is left (tensors that got no gradient); everything used becomes HOLD_AFTER_BWD. A backward
         that delivered no gradient reduces nothing ([Note: a backward that delivers no gradient] in hooks.py)."""
-        if not grads_arrived:
-            for c in self.chunks:
-                c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
-            self._changed()
-            return
-        if self.comm.world_size > 1:
+        if grads_arrived and self.comm.world_size > 1:
             self.reducer.end_backward(make_room)
-        else:
+        elif grads_arrived:
             self.reducer.offload.drain()  # the optimizer and the next step read finished gradient shards
         for c in self.chunks:
-            self.storage_of(c).grads_done(c)
-            if c.has_waiting_grads():
-                if self.comm.world_size == 1:
-                    self.reduce(c)
-                else:  # inside no_sync(): the gradients stay in the gradient payload for the next micro-batch
-                    c.reduced()
+            if grads_arrived:
+                self.storage_of(c).grads_done(c)
+                if c.has_waiting_grads():
+                    if self.comm.world_size == 1:
+                        self.reduce(c)
+                    else:  # inside no_sync(): the gradients stay in the gradient payload for the next micro-batch
+                        c.reduced()
             c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
         self._changed()
 
