@@ -414,6 +414,10 @@ class GradPenalty(ParityNet):
         return loss + 0.01 * (g.norm(2, dim=-1) - 1).pow(2).mean()
 
 
+class ReorderedGradPenalty(GradPenalty, ReorderedNet):
+    """The gradient penalty on a model registered in another order than it is used."""
+
+
 class StateDictOutside(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.state_dict()

@@ -368,6 +368,27 @@ def run_edited_checkpoint(out: Path) -> None:
     print(f"CASE-DONE edited_checkpoint rank={t.global_rank}", flush=True)
 
 
+def run_grad_penalty_limit(out: Path) -> None:
+    """[Note: a backward that delivers no gradient] with the defaults under a device limit (the automatic chunk size,
+    payloads evicted and gathered again), on a model used in another order than registered, with accumulation,
+    stepping in backward and after it: each as the same run without the limit, bit for bit."""
+    kw = dict(dim=64, hidden=512, depth=3)
+    limit = int(sum(p.numel() * p.element_size() for p in models.ReorderedGradPenalty(**kw).parameters()) * 1.8)
+    results = {}
+    for name, extra in [("free", {}), ("limited", dict(device_memory_limit=limit)),
+                        ("limited_early", dict(device_memory_limit=limit, step_in_backward=True))]:
+        L.seed_everything(7, verbose=False)
+        model = models.ReorderedGradPenalty(**kw)
+        strategy = ChunkOffloadStrategy(chunk_numel_min=4096, optimizer_kernel="loop", collective_timeout_s=60, **extra)
+        t = trainer(strategy, steps=6, accumulate_grad_batches=2)
+        t.fit(model, token_data())
+        results[name] = {"state": model.state_dict(), **{k: v for k, v in strategy.memory_stats().items()
+                                                          if k in ("evictions", "chunks_stepped_in_backward")}}
+    if t.global_rank == 0:
+        torch.save(results, out / "grad_penalty_limit.pt")
+    print(f"CASE-DONE grad_penalty_limit rank={t.global_rank}", flush=True)
+
+
 def run_ema(out: Path) -> None:
     """[Note: a sharded EMA] on two ranks: ChunkEMA against DDP with Lightning's EMAWeightAveraging, validating with
     the average every 3 steps; saved at step 4 and resumed to 8 on two ranks (the test resumes the same checkpoints
@@ -491,6 +512,8 @@ if __name__ == "__main__":
             run_edited_checkpoint(out_dir)
         elif name == "ema":
             run_ema(out_dir)
+        elif name == "grad_penalty_limit":
+            run_grad_penalty_limit(out_dir)
         else:
             run_parity(name, out_dir)
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise

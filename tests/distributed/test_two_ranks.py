@@ -69,7 +69,7 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
 def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
-                      "edited_checkpoint", "ema",
+                      "edited_checkpoint", "ema", "grad_penalty_limit",
                       timeout=900)
     return out, rc, log
 
@@ -304,6 +304,20 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
         finals.append(model.state_dict())
     for k, v in finals[0].items():
         assert torch.equal(finals[1][k], v), k
+
+
+def test_a_gradient_penalty_under_a_limit_with_the_defaults_equals_the_run_without_it(parity_run):
+    """The penalty's first backward delivers no gradient and must not end the micro-batch's ([Note: a backward that
+    delivers no gradient]); under a limit, reordered, accumulating, and stepping in backward, as without the limit."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE grad_penalty_limit rank={r}" in log, log[-3000:]
+    d = torch.load(out / "grad_penalty_limit.pt")
+    assert d["free"]["evictions"] == 0 and d["limited"]["evictions"] > 0
+    assert d["limited_early"]["chunks_stepped_in_backward"] > 0
+    for name in ("limited", "limited_early"):
+        for k, v in d["free"]["state"].items():
+            assert torch.equal(d[name]["state"][k], v), (name, k)
 
 
 def test_buffers_start_from_rank_zero(parity_run):
