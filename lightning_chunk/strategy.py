@@ -96,7 +96,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
         log_memory_stats: log ``memory_stats()`` to the Trainer's loggers every step.
         collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
         verify_collectives: several ranks: check that all ranks issue the same chunk collectives, in the same
-            order (``None``: on with gloo, where it is compared before each result is used; off with NCCL).
+            order: ``"batch"`` once a micro-batch, before a gradient is stepped or an evaluation step's outputs are
+            returned; ``True`` (``"each"``) before each result is used, to find where ranks disagree; ``False``
+            off. ``None``: ``"batch"`` with gloo, off with NCCL.
         replan_when_inputs_grow: under a device limit, trace again and re-plan placement when a training
             micro-batch's inputs are larger than any the placement was planned with (``docs/reliability.md``).
         step_in_backward: step the optimizer on each chunk as soon as its gradients are final, during backward,
@@ -142,7 +144,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         sharded_accumulation: bool = True,
         log_memory_stats: bool = True,
         collective_timeout_s: float = 300.0,
-        verify_collectives: Optional[bool] = None,
+        verify_collectives: Union[bool, str, None] = None,
         replan_when_inputs_grow: bool = True,
         step_in_backward: bool = False,
         leaf_modules: Sequence[Union[type, str]] = (),

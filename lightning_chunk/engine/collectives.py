@@ -131,7 +131,8 @@ class Pending(NamedTuple):
                 what = self.describe() if self.describe else "a collective"
                 lost = self.diagnose() if self.diagnose else ""
                 reason = (f"{lost}. " if lost else "Another rank stopped or issued a different collective: a module ran "
-                          "on some ranks and not on others (data-dependent control flow), or another rank failed; "
+                          "on some ranks and not on others (data-dependent control flow; verify_collectives=True "
+                          "names the first collective where the ranks differ), or another rank failed; "
                           "see its error. ")
                 error = CollectiveTimeoutError(
                     f"{what} did not complete (waited at most {self.timeout_s} s). {reason}"
@@ -194,7 +195,7 @@ def _exit_after_a_failed_collective() -> None:
 
 class Collectives:
     def __init__(self, group: Optional[Any] = None, *, timeout_s: Optional[float] = 300.0,
-                 verify: Optional[bool] = None) -> None:
+                 verify: Optional[bool | str] = None) -> None:
         self.group = group
         self.timeout_s = timeout_s
         if dist.is_available() and dist.is_initialized():
@@ -203,7 +204,9 @@ class Collectives:
             backend = dist.get_backend(group)
         else:
             self.rank, self.world_size, backend = 0, 1, None
-        self.verify = (backend == "gloo") if verify is None else verify
+        # [Note: checking once a micro-batch]: None is "batch" on gloo and off on NCCL; True is "each"
+        mode = ("batch" if backend == "gloo" else None) if verify is None else {True: "each", False: None}.get(verify, verify)
+        self.verify = mode is not None
         self.gloo = backend == "gloo"  # [Note: reduce-scatter on gloo]
         if backend == "nccl":
             # an NCCL wait with a timeout may block the host; plain waits are stream-ordered and the
@@ -218,7 +221,7 @@ class Collectives:
         if self.world_size > 1:
             self._learn_peers()
             if self.verify:
-                self.agreement = Agreement(self, lazy=self.gloo)
+                self.agreement = Agreement(self, lazy=self.gloo, mode=mode)
             elif self.gloo:  # [Note: a gloo group per kind of collective]
                 self._op_groups = {op: gloo_group_over(group) for op in OPS[:2]}
 
@@ -334,6 +337,14 @@ class Collectives:
         Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers, self.clock).wait()
         return bool((out == out[0]).all())
 
+    def verify_issued(self) -> None:
+        """Check now that every rank issued the same chunk collectives so far (``CollectiveMismatchError`` if not).
+        Every rank must call it at the same point: before a result leaves the engine or is kept
+        ([Note: checking once a micro-batch]). Nothing to do with one rank, the check off, or ``"each"``, where
+        each result was checked before it was used."""
+        if self.agreement is not None and self.agreement.mode == "batch":
+            self.agreement.verify_through()
+
     def failed_ranks(self, ok: bool, *, what: str) -> list[int]:
         """Every rank says whether its part of ``what`` worked; the ranks whose part failed (a bounded barrier)."""
         if self.world_size == 1:
@@ -419,10 +430,13 @@ class Collectives:
         return t
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.all_gather_object_on(obj, self.group)
+
+    def all_gather_object_on(self, obj: Any, group: Any) -> list[Any]:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=group)
         return out
 
     def tensor_device(self) -> torch.device:

@@ -150,10 +150,12 @@ class ChunkConfig:
     """Several ranks: the longest any collective may wait before ``CollectiveTimeoutError`` names the chunk and
     module it waited in (a rank that skipped a module, or failed, no longer hangs the others)."""
 
-    verify_collectives: Optional[bool] = None
-    """Several ranks: before each chunk collective, check that every rank is about to issue the same one
-    (raises ``CollectiveMismatchError`` on every rank otherwise). ``None``: on with gloo, off with NCCL
-    (where reading the check back costs a stream sync)."""
+    verify_collectives: Union[bool, str, None] = None
+    """Several ranks: check that every rank issues the same chunk collectives (``CollectiveMismatchError`` on every
+    rank otherwise). ``"batch"``: compared once a micro-batch, before a gradient is stepped or an evaluation step's
+    outputs are returned ([Note: checking once a micro-batch] in ``agreement.py``); ``True`` or ``"each"``: before
+    each collective's result is used (for debugging a run whose ranks disagree); ``False``: off. ``None``:
+    ``"batch"`` with gloo, off with NCCL (where reading a check back costs a stream sync)."""
 
     replan_when_inputs_grow: bool = True
     """Under a device limit: a training micro-batch whose inputs are larger than any the placement was traced with
@@ -229,9 +231,10 @@ class ChunkConfig:
                 f"reshard_after_forward=True is not allowed with placement={self.placement!r}: only placement='host' "
                 "releases payloads after use. The other placements keep them until the device budget needs the room "
                 "(set device_memory_limit to bound it); use placement='host' to release every payload after use.")
-        if self.verify_collectives is not None and not isinstance(self.verify_collectives, bool):
-            raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be True, False "
-                             "or None.")
+        if self.verify_collectives not in (None, True, False, "each", "batch") or \
+                isinstance(self.verify_collectives, (int, float)) and not isinstance(self.verify_collectives, bool):
+            raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be None, True, "
+                             "False, 'each' or 'batch'.")
         for name in ("prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
                      "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
                      "step_in_backward", "keep_freed_heap", "check_invariants"):

@@ -71,6 +71,7 @@ class EarlyStep:
             return
         if not all(t.has_grad for t in chunk.tensors if t.requires_grad):
             return  # the vote decides which of its parameters step: after backward
+        self.manager.comm.verify_issued()  # before anything is kept ([Note: checking once a micro-batch])
         self._step(chunk, {}, pool=True)
         self.early += 1
 

@@ -570,3 +570,5 @@ class ChunkHooks:
                     "its outputs before backward: `with engine.micro_batch(training=True) as outputs: loss = ...; "
                     "outputs(loss)` (ChunkOffloadStrategy does this for training_step's result).")
             self._done_forward(ROOT)
+        if not training:  # an evaluation step's outputs leave with it ([Note: checking once a micro-batch])
+            self.manager.comm.verify_issued()

@@ -222,6 +222,7 @@ class ChunkManager:
             src = shard.to(self.comm.tensor_device(), copy=True)
         out = torch.empty(c.capacity_numel, dtype=shard.dtype, device=src.device)
         self.comm.all_gather(out, src, chunk=c.chunk_id).wait()
+        self.comm.verify_issued()  # it leaves the engine ([Note: checking once a micro-batch])
         return out.to(_HOST)
 
     def place_param(self, p: torch.Tensor, chunk: Chunk, info: TensorInfo) -> None:

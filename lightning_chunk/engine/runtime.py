@@ -501,6 +501,7 @@ class ChunkEngine:
 
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)``, disk-tier chunks one at a time ([Note: stepping disk shards] in optim.py)."""
+        self.manager.comm.verify_issued()  # nothing a disagreement computed is kept ([Note: checking once a micro-batch])
         with self.manager.clock.measure("optimizer"):
             if self.early is not None:
                 return self.early.step_rest(**kwargs)

@@ -1,6 +1,8 @@
 """[Note: agreeing without a barrier]: on gloo the chunk collectives' tags are compared at the wait, the
 collectives of a size checked once go without a barrier, and ranks that disagree get ``CollectiveMismatchError``,
-never an abort, even when the collectives they issue differ in size.
+never an abort, even when the collectives they issue differ in size. [Note: checking once a micro-batch]: by
+default the ranks compare what they issued at ``verify_issued()`` instead; a swap of two same-size collectives is
+named there, and ranks left waiting on collectives of different sizes time out, never abort.
 
 Two gloo ranks of bare ``Collectives`` (no Lightning), each in its own spawned process; every rank writes what
 it saw to a JSON file before it exits (a rank that disagreed exits with status 1: see [Note: naming a lost
@@ -20,10 +22,11 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_chunk.engine.collectives import CollectiveMismatchError, Collectives
+    from lightning_chunk.engine.collectives import CollectiveMismatchError, CollectiveTimeoutError, Collectives
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    comm = Collectives(timeout_s=20)
+    batch = case.startswith("batch")
+    comm = Collectives(timeout_s=5 if case == "batch_sizes" else 20, verify=None if batch else "each")
     seen: dict = {"barriers": [], "error": None}  # what this rank saw
 
     def gather(chunk: int, numel: int) -> torch.Tensor:
@@ -34,7 +37,21 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
         return out
 
     try:
-        if case == "agree":  # one size, another, the first again; then sizes past MAX_KEYS (4), checked every time
+        if batch:
+            assert comm.agreement.mode == "batch"  # the default on gloo
+            gather(0, 8)
+            gather(1, 4)
+            gather(2, 8)
+            comm.verify_issued()  # three collectives, one exchange
+            if case == "batch_agree":
+                outs = [gather(c, 8) for c in (3, 4)]
+                seen["right"] = all(o.tolist() == [10.0 * c] * 8 + [10.0 * c + 1] * 8 for o, c in zip(outs, (3, 4)))
+            else:
+                gather(3 if rank == 0 else (4 if case == "batch_swap" else 5), 8 if case == "batch_swap" or rank == 0 else 4)
+                gather(6, 8)
+            comm.verify_issued()
+            seen["error"] = "none"
+        elif case == "agree":  # one size, another, the first again; then sizes past MAX_KEYS (4), checked every time
             sizes = ((0, 8), (1, 8), (2, 8), (3, 4), (4, 8), (5, 8), (6, 2), (7, 6), (8, 10), (9, 10), (10, 8))
             outs = [gather(c, n) for c, n in sizes]
             seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n for o, (c, n) in zip(outs, sizes))
@@ -60,8 +77,8 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
                 gather(3, 8)
             gather(5, 8)
             seen["error"] = "none"
-    except CollectiveMismatchError as e:
-        seen["error"] = str(e)
+    except (CollectiveMismatchError, CollectiveTimeoutError) as e:
+        seen["error"] = f"{type(e).__name__}: {e}"
     finally:
         Path(out).write_text(json.dumps(seen))
     if not comm.broken:
@@ -71,7 +88,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
         dist.destroy_process_group()
 
 
-CASES = ("agree", "new", "sizes")
+CASES = ("agree", "new", "sizes", "batch_agree", "batch_swap", "batch_sizes")
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +124,23 @@ def test_ranks_that_disagree_raise_instead_of_aborting(seen, case):
         assert got["error"] and got["error"] != "none", (r, got)
         assert f"[rank {r}] ranks disagree" in got["error"]
         assert "rank 0: all_gather of chunk 3; rank 1: all_gather of chunk 4" in got["error"]
+
+
+def test_by_default_ranks_that_agree_check_once_a_batch(seen):
+    for got in seen["batch_agree"]:
+        assert got["error"] == "none" and got["right"], got
+        assert got["barriers"] == [1, 2, 2, 2, 2], got  # a barrier for each new size only: none per collective
+
+
+def test_by_default_a_swap_of_two_same_size_collectives_is_named_at_the_next_check(seen):
+    for r, got in enumerate(seen["batch_swap"]):
+        assert got["error"].startswith(f"CollectiveMismatchError: [rank {r}] ranks disagree on a chunk collective"), got
+        assert "rank 0: all_gather of chunk 3; rank 1: all_gather of chunk 4; collective 1 since the last check" \
+            in got["error"], got
+
+
+def test_by_default_ranks_left_waiting_on_different_sizes_time_out_instead_of_aborting(seen):
+    """Rank 1 gathers chunk 5 of the other known size where rank 0 gathers chunk 3: each waits on a group the other
+    does not use, and the bounded wait ends it (the fixture checks that neither process aborted)."""
+    for got in seen["batch_sizes"]:
+        assert got["error"].startswith("CollectiveTimeoutError"), got
