@@ -35,8 +35,8 @@ the barrier form stays: its collectives are stream-ordered, and the size rule ab
 
 [Note: checking once a micro-batch]
 A tag before every chunk collective is one more gloo collective each: 88 a step on the peers model with
-everything resident, 131 with host placement, and 1.04-1.18x DDP against 1.08-1.10x with no check at all (four
-interleaved rounds, 2026-11-25). So by default (``verify_collectives=None`` on gloo, ``"batch"``) the tags are
+everything resident, 131 with host placement; resident on 2 ranks that was 1.12x DDP against 1.06x checked as
+below (medians of 14 interleaved rounds, 2026-11-25, docs/benchmarks.md). So by default (``verify_collectives=None`` on gloo, ``"batch"``) the tags are
 not exchanged one by one: each rank keeps the collectives it issued since the last check (and a CRC of them),
 and the ranks compare the CRCs at the points where a result would leave the micro-batch or be kept:
 
@@ -121,9 +121,9 @@ class Agreement:
         self.barriers = 0  # chunk collectives checked with a barrier (the tests count them)
 
     def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Check, Any]:
-        """Issue the tag of the collective about to be issued. Returns the check its wait must run first (``None``
-        when it was checked here, with a barrier) and the group to issue it on. ``kind``: its gloo operation
-        and size in bytes."""
+        """Note the collective about to be issued (``"each"``: issue its tag). Returns the check its wait must run
+        first (``None`` when it was checked here, with a barrier, or is checked later, ``"batch"``) and the group
+        to issue it on. ``kind``: its gloo operation and size in bytes."""
         key = (op, *kind)
         if self.mode == "batch":  # [Note: checking once a micro-batch]
             self._note(op, chunk, module)

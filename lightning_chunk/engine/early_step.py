@@ -23,8 +23,9 @@ steps early only where this rank saw a gradient for each of its trainable parame
 confirm; a chunk with a parameter that got none (a branch not taken this step) waits for the vote and steps after
 backward, chunk by chunk, also giving its gradient shard back. (Every rank runs the same modules, which the
 module-sequence check enforces, so the ranks decide alike; the rule would stay exact if they did not, since a step
-touches this rank's shard alone and pairs no collective.) The warm-up step, a micro-batch traced again and the
-micro-batches of gradient accumulation that do not step (``ChunkEngine.accumulating``) step after backward as usual.
+touches this rank's shard alone and the agreement check before it, [Note: checking once a micro-batch] in
+``agreement.py``, runs before the decision.) The warm-up step, a micro-batch traced again and the micro-batches
+of gradient accumulation that do not step (``ChunkEngine.accumulating``) step after backward as usual.
 
 One more condition is the model's: the chunk's parameters must not be read by backward after their gradients
 are final. Autograd runs a parameter's last use before it accumulates its gradient, so that holds unless a
@@ -69,9 +70,10 @@ class EarlyStep:
         """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
         if not (self.active and self.manager.sync_grads) or chunk.chunk_id in self.stepped or not chunk.trainable:
             return
+        # before anything is kept, and before this rank's own decision below ([Note: checking once a micro-batch])
+        self.manager.comm.verify_issued()
         if not all(t.has_grad for t in chunk.tensors if t.requires_grad):
             return  # the vote decides which of its parameters step: after backward
-        self.manager.comm.verify_issued()  # before anything is kept ([Note: checking once a micro-batch])
         self._step(chunk, {}, pool=True)
         self.early += 1
 

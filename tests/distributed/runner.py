@@ -44,6 +44,10 @@ CASES = {
     "unused": dict(variant="unused"),
     "host": dict(model=dict(dim=64, hidden=256, depth=6), strategy=dict(placement="host", chunk_numel=20000),
                  telemetry=True),
+    # the agreement tag before each collective ([Note: agreeing without a barrier]), where the default checks once
+    # a micro-batch ([Note: checking once a micro-batch]); accumulation and host placement give it many of each kind
+    "host_checked_each": dict(ACCUMULATE, strategy=dict(placement="host", chunk_numel=20000, sharded_accumulation=False,
+                                                        verify_collectives=True)),
     # payloads kept from forward to backward ([Note: keeping payloads for backward]): each gathered once a step
     "host_kept": dict(model=dict(dim=64, hidden=256, depth=6),
                       strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000)),
