@@ -127,13 +127,12 @@ class Agreement:
         key = (op, *kind)
         if self.mode == "batch":  # [Note: checking once a micro-batch]
             self._note(op, chunk, module)
-            if key in self._groups and len(self._issued) < BATCH_CAP:
-                return None, self._groups[key]
-            if key in self._groups:
+            known = key in self._groups or not self.lazy  # NCCL: one stream-ordered group, none to make
+            if len(self._issued) >= BATCH_CAP or not known:
+                self.barriers += not known
                 self.verify_through()
-                return None, self._groups[key]
-            self.barriers += 1
-            self.verify_through()
+            if known:
+                return None, self._groups.get(key, self.comm.group)
         else:
             seq = self._issue(op, chunk, module)
             if key in self._groups:
@@ -178,13 +177,7 @@ class Agreement:
             if any(t != tags[0] for t in tags):
                 self._open.clear()
                 lines = "; ".join(f"rank {r}: {OPS[t[0]]} of {comm.names(t[1], t[2])}" for r, t in enumerate(tags))
-                error = CollectiveMismatchError(
-                    f"[rank {comm.rank}] ranks disagree on the next collective ({lines}). A module ran on some "
-                    "ranks and not on others (data-dependent control flow, or a module used outside its forward); "
-                    "every rank must run the same modules in the same order.")
-                if self.lazy:  # collectives of the other kinds may stay unmatched: see the Note
-                    comm.mark_broken(str(error))
-                raise error
+                self._disagree(f"on the next collective ({lines})")
 
     def _verify_batch(self) -> None:
         """"batch": compare the CRC of the collectives every rank issued since the last check; on a difference,
@@ -211,11 +204,16 @@ class Agreement:
             op, chunk, module = seqs[r][i]
             return f"{OPS[op]} of {comm.names(chunk, module)}"
 
+        lines = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
+        self._disagree(f"on a chunk collective ({lines}; collective {i + 1} since the last check)",
+                       " verify_collectives=True checks before each collective's result is used, to stop at the first.")
+
+    def _disagree(self, where: str, hint: str = "") -> None:
+        comm = self.comm
         error = CollectiveMismatchError(
-            f"[rank {comm.rank}] ranks disagree on a chunk collective ({'; '.join(f'rank {r}: {at(r)}' for r in range(len(seqs)))};"
-            f" collective {i + 1} since the last check). A module ran on some ranks and not on others (data-dependent "
+            f"[rank {comm.rank}] ranks disagree {where}. A module ran on some ranks and not on others (data-dependent "
             "control flow, or a module used outside its forward); every rank must run the same modules in the same "
-            "order. verify_collectives=True checks before each collective's result is used, to stop at the first one.")
+            f"order.{hint}")
         if self.lazy:  # collectives of the other kinds may stay unmatched: see the Note
             comm.mark_broken(str(error))
         raise error
