@@ -4,7 +4,7 @@
 
 For each parity case: a DDP run and a chunk_offload run with the same global batch; rank 0
 saves both parameter sets, every rank saves its memory stats; each rank prints
-``CASE-DONE <case> rank=<r>`` when the case finished. Cases "skip_module" and
+``CASE-DONE <case> rank=<r>`` when the case finished. Cases "skip_module", "swap_module" and
 "fp16_overflow_one_rank" exercise failure detection and the overflow vote.
 """
 
@@ -466,6 +466,34 @@ def run_skip(out: Path) -> None:
     print("UNEXPECTED-SUCCESS", flush=True)
 
 
+class SwapOnRankOne(ParityNet):
+    """From step 3 on, rank 1 runs the two blocks (chunks of one size) in the other order."""
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.embed(x)
+        swapped = self.global_step >= 3 and self.global_rank == 1
+        for blk in (reversed(self.blocks) if swapped else self.blocks):
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+
+def run_swap(out: Path) -> None:
+    """[Note: checking once a micro-batch]: the default check names the disagreement before step 3 is taken."""
+    from lightning_chunk.engine.collectives import CollectiveMismatchError
+
+    L.seed_everything(7, verbose=False)
+    model = SwapOnRankOne()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=block, collective_timeout_s=10)
+    t = trainer(strategy)
+    try:
+        t.fit(model, token_data())
+    except CollectiveMismatchError as e:
+        print(f"SWAP-CAUGHT rank={t.global_rank} global_step={t.global_step}: {e}", flush=True)
+        raise
+    print("UNEXPECTED-SUCCESS", flush=True)
+
+
 class OverflowOnRankOne(ParityNet):
     """At step 3, rank 1's loss overflows fp16; rank 0's does not."""
 
@@ -498,6 +526,8 @@ if __name__ == "__main__":
     for name in sys.argv[2:]:
         if name == "skip_module":
             run_skip(out_dir)
+        elif name == "swap_module":
+            run_swap(out_dir)
         elif name == "fp16_overflow_one_rank":
             run_overflow(out_dir)
         elif name == "resume":

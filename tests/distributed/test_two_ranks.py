@@ -363,6 +363,18 @@ def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
         assert any("chunk" in e and "module" in e for e in errors)
 
 
+def test_by_default_ranks_running_modules_in_another_order_are_named_before_the_step(tmp_path):
+    """[Note: checking once a micro-batch]: from step 3 rank 1 runs the two blocks (chunks of one size) in the other
+    order; the check once a micro-batch raises on both ranks, naming what each gathered, before step 3 is taken."""
+    rc, log, elapsed = run(tmp_path, "swap_module", timeout=180)
+    assert rc != 0 and "UNEXPECTED-SUCCESS" not in log
+    for r in (0, 1):
+        caught = [line for line in log.splitlines() if line.startswith(f"SWAP-CAUGHT rank={r} ")]
+        assert caught, log[-3000:]
+        assert "global_step=3:" in caught[0] and "ranks disagree on a chunk collective (rank 0: all_gather of" \
+            in caught[0] and "since the last check" in caught[0], caught[0]
+
+
 def test_checkpoint_written_on_two_ranks_resumes_like_ddp_and_sync_dist_reduces(parity_run):
     out, _, log = parity_run
     for r in (0, 1):
