@@ -95,6 +95,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             (``True``, ZeRO-3); ``False`` keeps them unreduced until the stepping micro-batch, like ``no_sync``.
         log_memory_stats: log ``memory_stats()`` to the Trainer's loggers every step.
         collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
+        broadcast_buffers: several ranks, while fitting: rank 0's buffers before each forward DDP syncs them in
+            (``DDPStrategy``'s argument of the same name and default); ``False`` keeps each rank's own.
         verify_collectives: several ranks: check that all ranks issue the same chunk collectives, in the same
             order: ``"batch"`` once a micro-batch, before a gradient is stepped or an evaluation step's outputs are
             returned; ``True`` (``"each"``) before each result is used, to find where ranks disagree; ``False``
@@ -144,6 +146,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         sharded_accumulation: bool = True,
         log_memory_stats: bool = True,
         collective_timeout_s: float = 300.0,
+        broadcast_buffers: bool = True,
         verify_collectives: Union[bool, str, None] = None,
         replan_when_inputs_grow: bool = True,
         step_in_backward: bool = False,
@@ -333,6 +336,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self.engine = ChunkEngine(module, self.optimizers if fitting else [], config=self.config,
                                   dtypes=self.precision_plugin.dtype_policy(), device=self.root_device,
                                   collectives=comm, deferred=deferred, weights=weights)
+        self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
         if fitting and any(isinstance(cb, ChunkEMA) for cb in trainer.callbacks):

@@ -236,6 +236,27 @@ class RankBuffer(ParityNet):
         return self.head(self.norm(h))
 
 
+class BatchNormNet(ParityNet):
+    """A BatchNorm after the embedding: running statistics that each rank's batches move, read in evaluation."""
+
+    def build(self) -> None:
+        super().build()
+        self.bn = nn.BatchNorm1d(self.shape["dim"])
+        self.val_seen: list[float] = []
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        h = self.bn(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))
+        self.val_seen.append(loss.item())
+
+
 class DeferredNet(ParityNet):
     """ParityNet built in ``configure_model``: under ``chunk_offload`` on the meta device and initialised chunk
     by chunk at setup; the values must equal ParityNet's built eagerly from the same seed."""

@@ -150,6 +150,11 @@ class ChunkConfig:
     """Several ranks: the longest any collective may wait before ``CollectiveTimeoutError`` names the chunk and
     module it waited in (a rank that skipped a module, or failed, no longer hangs the others)."""
 
+    broadcast_buffers: bool = True
+    """Several ranks, while fitting: rank 0's buffers (a BatchNorm's running statistics) before each forward that DDP
+    syncs them in (``DDPStrategy(broadcast_buffers=True)``, its default; [Note: buffers as DDP syncs them] in
+    ``buffers.py``). ``False``: each rank keeps its own after set-up."""
+
     verify_collectives: Union[bool, str, None] = None
     """Several ranks: check that every rank issues the same chunk collectives (``CollectiveMismatchError`` on every
     rank otherwise). ``"batch"``: compared once a micro-batch, before a gradient is stepped or an evaluation step's
@@ -235,7 +240,7 @@ class ChunkConfig:
                 isinstance(self.verify_collectives, (int, float)) and not isinstance(self.verify_collectives, bool):
             raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be None, True, "
                              "False, 'each' or 'batch'.")
-        for name in ("prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
+        for name in ("broadcast_buffers", "prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
                      "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
                      "step_in_backward", "keep_freed_heap", "check_invariants"):
             if not isinstance(getattr(self, name), bool):

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from .buffers import BufferSync
 from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
 from .config import ChunkConfig, DtypePolicy, default_device_limit
@@ -106,7 +107,8 @@ class ChunkEngine:
             source = FromModule(self.manager.params, deferred=deferred, weights=weights)
             self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
             source.finish(buffer_device=device)
-            self._broadcast_buffers()
+            # several ranks: every buffer starts from rank 0's value, as DDP (and FSDP's ``sync_module_states``) do
+            self.buffers.broadcast()
         except BaseException:
             self.hooks.remove()
             self.manager.close()  # a disk tier's scratch files go now, not at exit
@@ -168,6 +170,7 @@ class ChunkEngine:
         self.scaler: Optional[DynamicLossScaler] = None
         self.ema: Optional[ShardedEMA] = None  # an average of the weights, when asked for ([Note: a sharded EMA])
         self.growth = InputGrowth(self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None)
+        self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
         self.warmed_up = False
         self._finalize_pending = False
@@ -235,13 +238,6 @@ class ChunkEngine:
         self.manager.reserve_optimizer_state(self._optim_bytes)
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)
-
-    def _broadcast_buffers(self) -> None:
-        """Several ranks: every buffer starts from rank 0's value, as DDP (and FSDP's ``sync_module_states``) do."""
-        if self.comm.world_size == 1:
-            return
-        for buf in self.module.buffers():
-            self.comm.broadcast(buf.data)
 
     # ================================================================ warm-up
     def _trace_done(self, trace: Trace) -> None:
@@ -389,6 +385,7 @@ class ChunkEngine:
                 self._trace_again()
                 record = True
             self._no_grads_held = False
+        self.buffers.before_forward(accumulating=self._accumulating)  # [Note: buffers as DDP syncs them]
         with self.hooks.step_scope(training=training, record=record) as outputs:
             yield outputs
 

@@ -494,6 +494,29 @@ def run_swap(out: Path) -> None:
     print("UNEXPECTED-SUCCESS", flush=True)
 
 
+def run_batchnorm(out: Path) -> None:
+    """Buffers follow DDP's ``broadcast_buffers`` on every rank: rank 0's running statistics before each forward
+    in ``fit`` that DDP syncs (after a training forward outside ``no_sync``), none after evaluation or a
+    non-stepping micro-batch. Each rank saves its own buffers, parameters and validation losses."""
+    seen = {}
+    for name in ("ddp", "chunk"):
+        L.seed_everything(7, verbose=False)
+        model = models.BatchNormNet()
+        strategy = DDPStrategy() if name == "ddp" else ChunkOffloadStrategy(
+            chunk_numel=4096, optimizer_kernel="loop", sharded_accumulation=False, collective_timeout_s=60)
+        t = trainer(strategy, steps=8, accumulate_grad_batches=2, limit_val_batches=2, val_check_interval=6,
+                    num_sanity_val_steps=1)
+        t.fit(model, token_data(), token_data(n=16, seed=1))
+        if name == "chunk":
+            with strategy.full_parameters():
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        seen[name] = {"state": state, "val": model.val_seen}
+    torch.save(seen, out / f"batchnorm.rank{t.global_rank}.pt")
+    print(f"CASE-DONE batchnorm rank={t.global_rank}", flush=True)
+
+
 class OverflowOnRankOne(ParityNet):
     """At step 3, rank 1's loss overflows fp16; rank 0's does not."""
 
@@ -528,6 +551,8 @@ if __name__ == "__main__":
             run_skip(out_dir)
         elif name == "swap_module":
             run_swap(out_dir)
+        elif name == "batchnorm":
+            run_batchnorm(out_dir)
         elif name == "fp16_overflow_one_rank":
             run_overflow(out_dir)
         elif name == "resume":

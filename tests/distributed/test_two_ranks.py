@@ -69,7 +69,7 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
 def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
-                      "edited_checkpoint", "ema", "grad_penalty_limit",
+                      "edited_checkpoint", "ema", "grad_penalty_limit", "batchnorm",
                       timeout=900)
     return out, rc, log
 
@@ -361,6 +361,19 @@ def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
         errors = [line for line in log.splitlines() if f"[rank {r}]" in line and "Error" in line]
         assert errors, log[-3000:]
         assert any("chunk" in e and "module" in e for e in errors)
+
+
+def test_every_rank_s_batchnorm_statistics_and_validation_losses_are_ddp_s(parity_run):
+    """[Note: buffers as DDP syncs them]: rank 0's running statistics before each forward DDP syncs them in (not
+    after validation, nor after a micro-batch that does not step); before this every rank but 0 evaluated with its
+    own (0.12 from DDP's running mean on rank 1). Parameters, buffers and validation losses, on each rank."""
+    out, rc, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE batchnorm rank={r}" in log, log[-3000:]
+        got = torch.load(out / f"batchnorm.rank{r}.pt")
+        assert got["chunk"]["val"] == got["ddp"]["val"] and len(got["ddp"]["val"]) == 5  # 1 sanity + 2 x 2
+        for k, v in got["ddp"]["state"].items():
+            torch.testing.assert_close(got["chunk"]["state"][k], v, rtol=0, atol=0, msg=lambda m: f"rank {r} {k}: {m}")
 
 
 def test_by_default_ranks_running_modules_in_another_order_are_named_before_the_step(tmp_path):
