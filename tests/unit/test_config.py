@@ -23,6 +23,10 @@ from lightning_chunk.engine.config import ChunkConfig, parse_bytes
     ("leaf_modules", "MyBlock", "leaf_modules='MyBlock'"),  # a string, not a list of them
     ("leaf_modules", [int], "list of torch.nn.Module subclasses or class names"),
     ("leaf_modules", [""], "leaf_modules=['']"),
+    ("verify_collectives", "sometimes", "verify_collectives='sometimes' is not allowed; it must be None, True, False, "
+                                        "'each' or 'batch'"),
+    ("verify_collectives", 1, "verify_collectives=1"),
+    ("broadcast_buffers", None, "broadcast_buffers=None"),
 ])
 def test_bad_values_name_field_value_and_choices(field, value, needle):
     with pytest.raises(ValueError) as e:
@@ -114,3 +118,8 @@ def test_a_leaf_module_the_model_lacks_is_an_error_that_lists_its_classes():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     with pytest.raises(ValueError, match=r"\['MyBlok'\] names no module of this model.*LayerNorm, Linear, Sequential"):
         ChunkEngine.plan_from_shapes(model, config=ChunkConfig(leaf_modules=("MyBlok",)))
+
+
+@pytest.mark.parametrize("value", [None, True, False, "each", "batch"])
+def test_verify_collectives_takes_its_modes(value):
+    assert ChunkConfig(verify_collectives=value).verify_collectives == value
