@@ -28,7 +28,7 @@ class BufferSync:
         self.enabled = False  # set by the caller: DDP's broadcast_buffers while fitting
         self.due = True  # a new DDP wrapper syncs at its first forward
 
-    def broadcast(self) -> None:
+    def broadcast(self, when: str = "at set-up") -> None:
         """Every buffer takes rank 0's value (one broadcast per dtype)."""
         if self.comm.world_size == 1:
             return
@@ -37,12 +37,13 @@ class BufferSync:
             by_dtype[buf.dtype].append(buf.data)
         with torch.no_grad():
             for bufs in by_dtype.values():
-                flat = self.comm.broadcast(_flatten_dense_tensors(bufs))
+                what = f"the broadcast of rank 0's buffers {when}"
+                flat = self.comm.broadcast(_flatten_dense_tensors(bufs), what=what)
                 for buf, value in zip(bufs, _unflatten_dense_tensors(flat, bufs)):
                     buf.copy_(value)
 
     def before_forward(self, *, accumulating: bool) -> None:
         """At the start of a micro-batch or evaluation step ([Note: buffers as DDP syncs them])."""
         if self.enabled and self.due:
-            self.broadcast()
+            self.broadcast("before a forward (broadcast_buffers=True)")
         self.due = torch.is_grad_enabled() and not accumulating

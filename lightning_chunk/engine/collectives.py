@@ -205,7 +205,10 @@ class Collectives:
         else:
             self.rank, self.world_size, backend = 0, 1, None
         # [Note: checking once a micro-batch]: None is "batch" on gloo and off on NCCL; True is "each"
-        mode = ("batch" if backend == "gloo" else None) if verify is None else {True: "each", False: None}.get(verify, verify)
+        if verify is None:
+            mode = "batch" if backend == "gloo" else None
+        else:
+            mode = {True: "each", False: None}.get(verify, verify)  # type: ignore[arg-type]
         self.verify = mode is not None
         self.gloo = backend == "gloo"  # [Note: reduce-scatter on gloo]
         if backend == "nccl":
@@ -418,13 +421,14 @@ class Collectives:
             Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers, self.clock).wait()
         return t
 
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank ``src``'s ``t`` on every rank (in place; off the hot path)."""
+    def broadcast(self, t: torch.Tensor, src: int = 0, *,
+                  what: str = "the broadcast of initial values") -> torch.Tensor:
+        """Rank ``src``'s ``t`` on every rank (in place; a timeout names ``what``)."""
         if self.world_size > 1:
-            _refuse_if_broken(f"[rank {self.rank}] the broadcast of initial values")
+            _refuse_if_broken(f"[rank {self.rank}] {what}")
             buf = t.to(self._tag_device)
             work = dist.broadcast(buf, src, group=self.group, async_op=True)
-            Pending(buf, work, lambda: f"[rank {self.rank}] the broadcast of initial values", self.timeout_s,
+            Pending(buf, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s,
                     self.lost_peers, self.clock).wait()
             t.copy_(buf)
         return t
