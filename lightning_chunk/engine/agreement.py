@@ -41,7 +41,7 @@ below (medians of 14 interleaved rounds, 2026-11-25, docs/benchmarks.md). So by 
 collectives it issued since the last check (and a CRC of them), and the ranks compare the CRCs at the points where
 a result would leave the micro-batch or be kept:
 
-- the end of every backward (with the module sequence, ``sequence.py``),
+- the end of every backward (in one exchange with the module sequence's CRC, ``sequence.py``),
 - before every optimizer step, and before a chunk steps during backward (``step_in_backward``),
 - before an evaluation step returns its outputs, and before a synchronous collective's result is handed back
   (``full_parameters``, a full checkpoint, the teardown's gather),
@@ -169,7 +169,7 @@ class Agreement:
         ``CollectiveMismatchError`` naming what each rank was about to do."""
         comm = self.comm
         if self.mode == "batch":
-            self._verify_batch()
+            self.verify_batch()
             return
         while self._open and (seq is None or self._open[0].seq <= seq):
             tag = self._open.popleft()
@@ -180,20 +180,21 @@ class Agreement:
                 lines = "; ".join(f"rank {r}: {OPS[t[0]]} of {comm.names(t[1], t[2])}" for r, t in enumerate(tags))
                 self._disagree(f"on the next collective ({lines})")
 
-    def _verify_batch(self) -> None:
+    def verify_batch(self, value: int = 0) -> list[int]:
         """"batch": compare the CRC of the collectives every rank issued since the last check; on a difference,
         gather the lists to name the first collective where they differ. A rank that issued none still takes part:
-        the points that call this are the same on every rank, whatever each issued."""
+        the points that call this are the same on every rank, whatever each issued. ``value`` travels in the same
+        fixed-size exchange (``Collectives.agree_on_value``'s, at a backward's end); returns every rank's."""
         comm = self.comm
         issued, crc = self._issued, self._crc
         what = f"the agreement check of the {len(issued)} chunk collectives issued since the last one"
         comm.refuse_if_broken(f"[rank {comm.rank}] {what}")
-        out, work = comm.gather_ints([-1, len(issued), crc], group=self.tag_group)
+        out, work = comm.gather_ints([len(issued), crc, value], group=self.tag_group)
         comm.wait_for(work, f"[rank {comm.rank}] {what}")
         self._issued, self._crc = [], 0
         tags = out.view(comm.world_size, 3).tolist()
-        if all(t == tags[0] for t in tags):
-            return
+        if all(t[:2] == tags[0][:2] for t in tags):
+            return [t[2] for t in tags]
         from .collectives import first_difference  # the collectives import this module
 
         seqs = comm.all_gather_object_on(issued, self.tag_group)

@@ -334,6 +334,9 @@ class Collectives:
         if self.world_size == 1:
             return True
         _refuse_if_broken(f"[rank {self.rank}] {what}")
+        if self.agreement is not None and self.agreement.mode == "batch":  # the value rides on the check's exchange
+            values = self.agreement.verify_batch(value)
+            return all(v == values[0] for v in values)
         if self.agreement is not None:  # a disagreement on a chunk collective is the better error
             self.agreement.verify_through()
         out, work = self.gather_ints([value], group=self.group)
