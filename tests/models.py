@@ -237,7 +237,8 @@ class RankBuffer(ParityNet):
 
 
 class BatchNormNet(ParityNet):
-    """A BatchNorm after the embedding: running statistics that each rank's batches move, read in evaluation."""
+    """A BatchNorm after the embedding: running statistics that each rank's batches move, read in evaluation. The
+    blocks run in the reverse of their registration order (the first layout is not the order of use)."""
 
     def build(self) -> None:
         super().build()
@@ -247,7 +248,7 @@ class BatchNormNet(ParityNet):
     def forward(self, x, use_branch=True):
         h = self.embed(x)
         h = self.bn(h.reshape(-1, h.shape[-1])).reshape(h.shape)
-        for blk in self.blocks:
+        for blk in reversed(self.blocks):
             h = h + blk(h)
         return self.head(self.norm(h))
 

@@ -497,22 +497,47 @@ def run_swap(out: Path) -> None:
 def run_batchnorm(out: Path) -> None:
     """Buffers follow DDP's ``broadcast_buffers`` on every rank: rank 0's running statistics before each forward
     in ``fit`` that DDP syncs (after a training forward outside ``no_sync``), none after evaluation or a
-    non-stepping micro-batch. Each rank saves its own buffers, parameters and validation losses."""
+    non-stepping micro-batch. Each rank saves its own buffers, parameters and validation losses: for a run DDP
+    matches bit for bit, and for the defaults (automatic chunk size, sharded accumulation) under a device limit
+    below the parameter bytes, resumed from a step-4 checkpoint as DDP is."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    params = sum(p.numel() * 4 for p in models.BatchNormNet(depth=4, dim=256, hidden=1024).parameters())
     seen = {}
-    for name in ("ddp", "chunk"):
+    for name in ("ddp", "chunk", "ddp_resumed", "defaults_resumed"):
+        if name == "ddp" or name == "ddp_resumed":
+            make = DDPStrategy
+        elif name == "chunk":
+            def make():
+                return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", sharded_accumulation=False,
+                                            collective_timeout_s=60)
+        else:
+            def make():
+                return ChunkOffloadStrategy(chunk_numel_min=4096, device_memory_limit=int(0.45 * params),
+                                            optimizer_kernel="loop", collective_timeout_s=60)
+        resumed = name.endswith("resumed")
+        model_kw = dict(depth=4, dim=256, hidden=1024) if resumed else {}
+        ckpt_path = None
+        if resumed:  # the first half, with a checkpoint at step 4
+            L.seed_everything(7, verbose=False)
+            cb = ModelCheckpoint(dirpath=out / f"bn_{name}", every_n_train_steps=4, filename="{step}")
+            t = trainer(make(), steps=4, accumulate_grad_batches=2, limit_val_batches=2, val_check_interval=6,
+                        num_sanity_val_steps=1, callbacks=[cb], enable_checkpointing=True)
+            t.fit(models.BatchNormNet(**model_kw), token_data(), token_data(n=16, seed=1))
+            ckpt_path = out / f"bn_{name}" / "step=4.ckpt"
         L.seed_everything(7, verbose=False)
-        model = models.BatchNormNet()
-        strategy = DDPStrategy() if name == "ddp" else ChunkOffloadStrategy(
-            chunk_numel=4096, optimizer_kernel="loop", sharded_accumulation=False, collective_timeout_s=60)
+        model = models.BatchNormNet(**model_kw)
+        strategy = make()
         t = trainer(strategy, steps=8, accumulate_grad_batches=2, limit_val_batches=2, val_check_interval=6,
                     num_sanity_val_steps=1)
-        t.fit(model, token_data(), token_data(n=16, seed=1))
-        if name == "chunk":
+        t.fit(model, token_data(), token_data(n=16, seed=1), ckpt_path=ckpt_path)
+        if isinstance(strategy, ChunkOffloadStrategy):
             with strategy.full_parameters():
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            evictions = strategy.memory_stats()["evictions"]
         else:
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        seen[name] = {"state": state, "val": model.val_seen}
+            state, evictions = {k: v.detach().clone() for k, v in model.state_dict().items()}, 0
+        seen[name] = {"state": state, "val": model.val_seen, "evictions": evictions}
     torch.save(seen, out / f"batchnorm.rank{t.global_rank}.pt")
     print(f"CASE-DONE batchnorm rank={t.global_rank}", flush=True)
 
