@@ -76,10 +76,13 @@ class ChunkOffloadStrategy(ParallelStrategy):
         device_memory_limit: bytes of chunk memory allowed on the device (int, or a string such as ``"2GiB"``).
         host_memory_limit: bytes of chunk memory allowed in host memory; shards beyond it go to the disk tier.
         disk_dir: directory for the disk tier's scratch files (``docs/disk-tier.md``).
-        reshard_after_forward: with ``placement="host"``, release each payload after forward and gather it again
-            for backward (``None`` or ``True``, as FSDP2); ``False`` keeps them until backward has used them: one
-            all-gather a chunk a step, for the model's payloads held at the turn into backward (within
-            ``device_memory_limit``). The other placements keep payloads until the budget needs the room.
+        reshard_after_forward: with ``placement="host"``, keep each payload from forward until backward has used
+            it while the device budget (``device_memory_limit`` less the traced activations) has room, releasing
+            what does not fit after use (``None`` or ``False``; one all-gather a chunk a step where the payloads
+            fit, as DeepSpeed ZeRO-3); ``True`` releases every payload after forward and gathers it again for
+            backward (FSDP2's default), the smallest device footprint. On a CPU device with a
+            ``host_memory_limit``, ``None`` means ``True``. The other placements keep payloads until the budget
+            needs the room.
         offload_fraction: with ``placement="static"``, the fraction of chunks whose shards live on the host.
         chunk_numel: elements per chunk; ``None`` chooses it after the warm-up step.
         chunk_numel_min: lower bound of the automatic chunk-size search.

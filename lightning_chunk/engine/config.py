@@ -65,7 +65,8 @@ class ChunkConfig:
 
     placement: PlacementName = "auto"
     """``device``: every shard and payload stays on the device. ``host``: every shard lives on
-    the host and payloads are fetched on use and released right after. ``static``: the first
+    the host and payloads are fetched on use and kept until their last use in the step while the
+    budget has room (``reshard_after_forward``). ``static``: the first
     ``offload_fraction`` of the chunks (in use order) live on the host. ``auto``: from the
     warm-up trace, keep as many shards on the device as the limit minus the traced
     non-model peak allows, evict the payload whose next use is farthest, prefetch."""
@@ -89,12 +90,14 @@ class ChunkConfig:
     Needed when ``host_memory_limit`` sends shards to disk."""
 
     reshard_after_forward: Optional[bool] = None
-    """``host`` placement: release each payload after its use in forward and gather it again for backward
-    (``None`` or ``True``, FSDP2's default), or keep the payloads forward gathered until their last use in the step
-    (``False``): one all-gather a chunk a step instead of two, for every payload held at once at the turn into
-    backward (the model in the compute dtype), within ``device_memory_limit``. The other placements keep payloads
-    until the budget needs their room ([Note: keeping payloads for backward] in ``placement.py``): ``False`` is what
-    they do already, and ``True`` is refused with them (``placement="host"`` releases after use)."""
+    """``host`` placement: keep the payloads forward gathered until their last use in the step while the device
+    budget (``device_memory_limit`` less the traced activations) has room, and release what does not fit after
+    use (``None`` or ``False``): one all-gather a chunk a step instead of two wherever the payloads fit, as
+    DeepSpeed ZeRO-3's default; or release each payload after its use in forward and gather it again for backward
+    (``True``, FSDP2's default). On a CPU device with a ``host_memory_limit``, ``None`` means ``True``: payloads
+    there live in the host memory the limit bounds ([Note: keeping payloads for backward] in ``placement.py``).
+    The other placements keep payloads until the budget needs their room: ``False`` is what they do already, and
+    ``True`` is refused with them."""
 
     offload_fraction: float = 0.5
     """``static`` placement only: the fraction of chunks whose shards live on the host."""
@@ -271,6 +274,15 @@ def default_device_limit(device: torch.device) -> Optional[int]:
         raise ValueError(f"device_memory_limit=None: {device} has {free} bytes free of {total}, less than the "
                          f"{device_margin_bytes(total)}-byte margin; free device memory or set device_memory_limit.")
     return limit
+
+
+def resolve_reshard_after_forward(config: ChunkConfig, device: torch.device) -> ChunkConfig:
+    """``reshard_after_forward=None`` made concrete for ``device``: ``True`` (release after use) where payloads
+    would be held in host memory the user bounded, a CPU device with a ``host_memory_limit``; ``False`` (keep
+    within the budget) everywhere else."""
+    if config.reshard_after_forward is not None or config.placement != "host":
+        return config
+    return config.replace(reshard_after_forward=device.type == "cpu" and config.host_memory_limit is not None)
 
 
 @dataclass(frozen=True)

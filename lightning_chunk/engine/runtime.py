@@ -31,7 +31,7 @@ import torch
 from .buffers import BufferSync
 from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
-from .config import ChunkConfig, DtypePolicy, default_device_limit
+from .config import ChunkConfig, DtypePolicy, default_device_limit, resolve_reshard_after_forward
 from .errors import ChunkError, DeviceMemoryLimitError, LayoutError
 from .early_step import FP16_REFUSED, EarlyStep
 from .ema import Extras, ShardedEMA
@@ -123,6 +123,7 @@ class ChunkEngine:
         device = device or torch.device("cpu")
         if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
             config = config.replace(device_memory_limit=default_device_limit(device))
+        config = resolve_reshard_after_forward(config, device)
         self.config = config
         if config.host_memory_limit is not None:  # the user bounded host memory: keep chunk-sized blocks off the heap
             map_large_blocks()

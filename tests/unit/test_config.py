@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_chunk.engine.config import ChunkConfig, parse_bytes
+from lightning_chunk.engine.config import ChunkConfig, parse_bytes, resolve_reshard_after_forward
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -88,8 +88,9 @@ def test_disk_tier_fields_are_validated():
 
 
 def test_reshard_after_forward_goes_with_host_placement():
-    """FSDP2's option: host placement releases after forward unless told not to; the other placements keep payloads
-    until the budget needs the room, so ``False`` is what they do and ``True`` cannot be honoured."""
+    """FSDP2's option: host placement keeps payloads for backward within the budget unless told to release them;
+    the other placements keep payloads until the budget needs the room, so ``False`` is what they do and ``True``
+    cannot be honoured."""
     assert ChunkConfig(placement="host").reshard_after_forward is None
     assert ChunkConfig(placement="host", reshard_after_forward=True).reshard_after_forward is True
     assert ChunkConfig(placement="auto", reshard_after_forward=False).reshard_after_forward is False
@@ -123,3 +124,18 @@ def test_a_leaf_module_the_model_lacks_is_an_error_that_lists_its_classes():
 @pytest.mark.parametrize("value", [None, True, False, "each", "batch"])
 def test_verify_collectives_takes_its_modes(value):
     assert ChunkConfig(verify_collectives=value).verify_collectives == value
+
+
+def test_reshard_after_forward_none_keeps_except_in_bounded_host_memory():
+    """``None`` keeps payloads for backward, except on a CPU device with a ``host_memory_limit``: its payloads live in
+    the host memory the user bounded. A choice the user made is left alone, and so are the other placements."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    host = ChunkConfig(placement="host")
+    bounded = ChunkConfig(placement="host", host_memory_limit="1GiB", disk_dir="/tmp")
+    assert resolve_reshard_after_forward(host, cpu).reshard_after_forward is False
+    assert resolve_reshard_after_forward(host, cuda).reshard_after_forward is False
+    assert resolve_reshard_after_forward(bounded, cpu).reshard_after_forward is True
+    assert resolve_reshard_after_forward(bounded, cuda).reshard_after_forward is False
+    assert resolve_reshard_after_forward(bounded.replace(reshard_after_forward=False), cpu).reshard_after_forward is False
+    assert resolve_reshard_after_forward(host.replace(reshard_after_forward=True), cuda).reshard_after_forward is True
+    assert resolve_reshard_after_forward(ChunkConfig(placement="auto"), cpu).reshard_after_forward is None

@@ -75,7 +75,7 @@ def test_chunks_in_use_are_never_evicted():
 
 def test_host_policy_releases_after_use_but_keeps_the_next_chunk():
     t = fake_trace()
-    policy = HostPlacement(ChunkConfig(placement="host"))
+    policy = HostPlacement(ChunkConfig(placement="host", reshard_after_forward=True))
     chunks = [view(0, True), view(1, True), view(2), view(3)]
     plan = policy.plan(position=2, needed=frozenset({1}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=2000)
     assert plan.evict == (0,) and plan.prefetch == (2,)
@@ -90,7 +90,7 @@ def test_host_policy_keeps_a_chunk_used_again_before_the_next_gather():
             ms.append(Moment(FORWARD, module, (chunk,), (chunk,), 0))
             ms.append(Moment(POST_FORWARD, module, (chunk,), (chunk,), 0))
     t = Trace(tuple(ms))
-    policy = HostPlacement(ChunkConfig(placement="host"))
+    policy = HostPlacement(ChunkConfig(placement="host", reshard_after_forward=True))
     # after fc1 (position 3): chunk 0 comes back at ln1b before any chunk must be gathered: kept
     chunks = [view(0, True), view(1, True), view(2)]
     assert policy.plan(position=3, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None,
@@ -171,7 +171,9 @@ def random_moments(policy_cls, seed, count, n_chunks, p_resident):
     import random
 
     rng = random.Random(seed)
-    policies = [policy_cls(ChunkConfig(placement=policy_cls.name, prefetch=p)) for p in (True, False)]
+    releases = (None, True) if policy_cls is HostPlacement else (None,)  # host: keeping for backward, and not
+    policies = [policy_cls(ChunkConfig(placement=policy_cls.name, prefetch=p, reshard_after_forward=r))
+                for p in (True, False) for r in releases]
     for _ in range(count):
         policy = rng.choice(policies)
         t = rng.choice((fake_trace(), None))  # no trace: the warm-up, and evaluation
@@ -212,12 +214,13 @@ def test_a_moment_skipped_as_idle_would_have_planned_nothing(policy_cls):
     assert idle_seen == 0 if policy_cls is HostPlacement else idle_seen > 50
 
 
-def test_host_placement_keeps_payloads_for_backward_only_when_asked():
-    """[Note: keeping payloads for backward]: released after use by default; with ``reshard_after_forward=False``
-    kept until their last use in the step, and under a budget the farthest next use still goes first."""
+def test_host_placement_keeps_payloads_for_backward_unless_told_to_release():
+    """[Note: keeping payloads for backward]: by default kept until their last use in the step, and under a budget
+    the farthest next use still goes first; with ``reshard_after_forward=True`` released after use."""
     t = fake_trace()
-    released = HostPlacement(ChunkConfig(placement="host", prefetch=False))
-    kept = HostPlacement(ChunkConfig(placement="host", prefetch=False, reshard_after_forward=False))
+    released = HostPlacement(ChunkConfig(placement="host", prefetch=False, reshard_after_forward=True))
+    kept = HostPlacement(ChunkConfig(placement="host", prefetch=False))
+    assert HostPlacement(ChunkConfig(placement="host", reshard_after_forward=False)).keeps_for_backward
     # forward of chunk 2 (position 4): chunks 0 and 1 are resident from their forward
     chunks = [view(0, True, last=0), view(1, True, last=2), view(2), view(3)]
     args = dict(position=4, needed=frozenset({2}), chunks=chunks, trace=t, device_bytes=2000)
@@ -231,3 +234,6 @@ def test_host_placement_keeps_payloads_for_backward_only_when_asked():
     # without a trace (the warm-up, evaluation) both release after use
     assert kept.plan(position=4, needed=frozenset({2}), chunks=chunks[:1] + [view(2)], trace=None, budget_bytes=None,
                      device_bytes=1000).evict == (0,)
+    # the budget that keeps leaves room for the traced activations, as auto's; releasing after use needs none
+    assert kept.budget(5000, t, 4) == 5000 - 250 and kept.budget(5000, None, 4) == 5000 and kept.budget(None, t, 4) is None
+    assert released.budget(5000, t, 4) == 5000
