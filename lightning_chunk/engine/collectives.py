@@ -261,7 +261,11 @@ class Collectives:
                 (gone if state == "gone" else stopped).append(f"rank {r} (pid {pid})")
         where = f"; ranks {remote} on other hosts could not be checked from here" if remote else ""
         if gone:
-            return f"lost {', '.join(gone)}: the process exited or was killed{where}"
+            # a rank that raised first (its own timeout, a check) exits too: its error is the cause, and the
+            # usual one is a module that ran on some ranks and not on others
+            return (f"lost {', '.join(gone)}: the process exited or was killed{where}; if it raised an error first, "
+                    "that error names the cause (often a module that ran on some ranks and not on others: "
+                    "data-dependent control flow)")
         if stopped:
             return f"{', '.join(stopped)} is stopped (SIGSTOP, or a debugger) and did not take part{where}"
         if remote:
