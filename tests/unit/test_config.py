@@ -136,6 +136,7 @@ def test_reshard_after_forward_none_keeps_except_in_bounded_host_memory():
     assert resolve_reshard_after_forward(host, cuda).reshard_after_forward is False
     assert resolve_reshard_after_forward(bounded, cpu).reshard_after_forward is True
     assert resolve_reshard_after_forward(bounded, cuda).reshard_after_forward is False
-    assert resolve_reshard_after_forward(bounded.replace(reshard_after_forward=False), cpu).reshard_after_forward is False
+    kept = bounded.replace(reshard_after_forward=False)
+    assert resolve_reshard_after_forward(kept, cpu).reshard_after_forward is False
     assert resolve_reshard_after_forward(host.replace(reshard_after_forward=True), cuda).reshard_after_forward is True
     assert resolve_reshard_after_forward(ChunkConfig(placement="auto"), cpu).reshard_after_forward is None

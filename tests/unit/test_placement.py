@@ -235,5 +235,6 @@ def test_host_placement_keeps_payloads_for_backward_unless_told_to_release():
     assert kept.plan(position=4, needed=frozenset({2}), chunks=chunks[:1] + [view(2)], trace=None, budget_bytes=None,
                      device_bytes=1000).evict == (0,)
     # the budget that keeps leaves room for the traced activations, as auto's; releasing after use needs none
-    assert kept.budget(5000, t, 4) == 5000 - 250 and kept.budget(5000, None, 4) == 5000 and kept.budget(None, t, 4) is None
+    assert kept.budget(5000, t, 4) == 5000 - 250
+    assert kept.budget(5000, None, 4) == 5000 and kept.budget(None, t, 4) is None
     assert released.budget(5000, t, 4) == 5000
