@@ -50,8 +50,9 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
                 params[name] = writer.placeholder(tuple(shape), getattr(torch, dtypes[name]))
         obj = {k: v for k, v in meta.items() if k not in (KEY, OPTIMIZERS_KEY)}
         entries = ck.get("entries", {})  # what the saver's hooks put in ([Note: the state_dict of a sharded save])
+        buffers = {**ck["buffers"], **(ck.get("ema_buffers", {}) if ema else {})}  # [Note: averaged buffers]
         obj[MODEL_KEY] = {k: (entries[k] if k in entries else params[ck["aliases"][k]] if k in ck["aliases"]
-                              else ck["buffers"][k]) for k in ck["state_dict_keys"]}
+                              else buffers[k]) for k in ck["state_dict_keys"]}
         optim_records = []
         if with_optimizer:
             obj[OPTIMIZERS_KEY] = []

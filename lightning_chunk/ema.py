@@ -2,10 +2,11 @@
 
 Lightning's ``WeightAveraging`` callbacks keep a whole copy of the model on every rank and are refused by the
 strategy; this one keeps each rank's share of the average beside its master shards ([Note: a sharded EMA] in
-``engine/ema.py``) and does what ``EMAWeightAveraging(use_buffers=False)`` does, bit for bit: the average is
-updated after optimizer steps (``update_every_n_steps``, ``update_starting_at_step``), validation during ``fit``
-runs with the averaged weights, and at the end of training the averaged weights become the model's. Checkpoints
-keep it: sharded ones save its shards beside the masters (any world size resumes it); full ones are laid out as
+``engine/ema.py``) and does what ``EMAWeightAveraging`` does, bit for bit: the average is updated after optimizer
+steps (``update_every_n_steps``, ``update_starting_at_step``), the buffers (BatchNorm's running statistics) are
+averaged with the weights (``use_buffers=True``, Lightning's default) or copied at each update, validation during
+``fit`` runs with the averaged weights and those buffers, and at the end of training they become the model's.
+Checkpoints keep it: sharded ones save its shards beside the masters (any world size resumes it); full ones are laid out as
 Lightning's (the average as ``state_dict``, the trained weights as ``current_model_state``).
 """
 
@@ -22,6 +23,8 @@ class ChunkEMA(pl.Callback):
 
     Args:
         decay: in [0, 1].
+        use_buffers: average the module's buffers with the weights (as ``EMAWeightAveraging``, whose default this
+            is); ``False`` keeps a copy of them made at each update, as ``AveragedModel`` does then.
         update_every_n_steps: update after every n-th optimizer step (counted from 0, as Lightning's callback).
         update_starting_at_step: the first optimizer step (0-based) that updates; the first update copies.
         validate_with_average: validation inside ``fit`` sees the averaged weights (Lightning's callback always does).
@@ -30,12 +33,15 @@ class ChunkEMA(pl.Callback):
 
     def __init__(self, decay: float = 0.999, update_every_n_steps: int = 1,
                  update_starting_at_step: Optional[int] = None, validate_with_average: bool = True,
-                 average_at_end: bool = True) -> None:
+                 average_at_end: bool = True, use_buffers: bool = True) -> None:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"ChunkEMA(decay={decay!r}): the decay must be in [0, 1].")
         if update_every_n_steps < 1:
             raise ValueError(f"ChunkEMA(update_every_n_steps={update_every_n_steps!r}): must be 1 or more.")
+        if not isinstance(use_buffers, bool):
+            raise ValueError(f"ChunkEMA(use_buffers={use_buffers!r}): must be True or False.")
         self.decay = decay
+        self.use_buffers = use_buffers
         self.update_every_n_steps = update_every_n_steps
         self.update_starting_at_step = update_starting_at_step
         self.validate_with_average = validate_with_average
@@ -104,8 +110,9 @@ class ChunkEMA(pl.Callback):
         current = checkpoint["state_dict"]
         owner = {k: mgr.index_of[id(v)] for k, v in pl_module.state_dict(keep_vars=True).items()
                  if id(v) in mgr.index_of}
+        buffers = ema.buffers.saved(current) if ema.buffers is not None else {}  # [Note: averaged buffers]
         checkpoint["current_model_state"] = current
-        checkpoint["state_dict"] = {k: average.get(owner.get(k, -1), v) for k, v in current.items()}
+        checkpoint["state_dict"] = {k: average.get(owner.get(k, -1), buffers.get(k, v)) for k, v in current.items()}
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self._n_averaged, dtype=torch.long)}
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
@@ -122,4 +129,7 @@ class ChunkEMA(pl.Callback):
         ema.load({i: checkpoint["state_dict"][k] for k, i in owner.items()
                   if i in trainable and k in checkpoint["state_dict"]})
         trainer.strategy.engine.load_full_state_dict(dict(checkpoint["current_model_state"]), strict=False)
+        if ema.buffers is not None:  # the module's buffers are the trained ones now; the average keeps its own
+            names = {n for n, _ in pl_module.named_buffers()}
+            ema.buffers.load({k: v for k, v in checkpoint["state_dict"].items() if k in names})
         self._n_averaged = int(checkpoint.get("averaging_state", {}).get("n_averaged", self._n_averaged))

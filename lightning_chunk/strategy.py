@@ -48,7 +48,7 @@ from .engine.full_params import full_parameters
 from .engine.materialize import DeferredInit, meta_init
 from .engine.weights import ModuleWeights, open_weights
 from .ema import ChunkEMA
-from .engine.ema import ShardedEMA
+from .engine.ema import BufferAverage, ShardedEMA
 from .precision import ChunkPrecision
 
 def _version() -> str:
@@ -342,8 +342,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
-        if fitting and any(isinstance(cb, ChunkEMA) for cb in trainer.callbacks):
-            self.engine.ema = ShardedEMA(self.engine.manager)  # before a checkpoint loads into it
+        emas = [cb for cb in trainer.callbacks if isinstance(cb, ChunkEMA)]
+        if fitting and emas:  # before a checkpoint loads into it
+            self.engine.ema = ShardedEMA(self.engine.manager, BufferAverage(module, average=emas[0].use_buffers))
         self.precision_plugin.attach(self.engine, self.root_device)
         if fitting and len(self.engine.bindings) > 1:
             self._follow_toggles(module)
@@ -584,7 +585,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if is_sharded_checkpoint(checkpoint_path):
             meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer, averaged=not fitting)
             # loaded into the model after on_load_checkpoint, as Lightning does (load_model_state_dict)
-            meta["state_dict"] = offered_state_dict(meta[CHECKPOINT_KEY])
+            meta["state_dict"] = offered_state_dict(meta[CHECKPOINT_KEY], averaged=not fitting)
             meta = {k: v for k, v in meta.items() if k != CHECKPOINT_KEY}
             meta["_chunk_loaded"] = "shards"  # the model's values given by state_dict are still to load
             return meta

@@ -204,21 +204,6 @@ class FloatBuffer(ParityNet):
         return self.head(self.norm(h))
 
 
-class BatchNormNet(ParityNet):
-    """A BatchNorm1d over the features after the blocks: running statistics (buffers) and, with
-    ``Trainer(sync_batchnorm=True)``, SyncBatchNorm."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.bn = nn.BatchNorm1d(self.embed.embedding_dim)
-
-    def forward(self, x, use_branch=True):
-        h = self.embed(x)
-        for blk in self.blocks:
-            h = h + blk(h)
-        return self.head(self.norm(self.bn(h.transpose(1, 2)).transpose(1, 2)))
-
-
 class RankBuffer(ParityNet):
     """A buffer initialised differently on each rank and used in forward: ranks must start from rank 0's."""
 

@@ -179,6 +179,12 @@ class Selection:
     def written(self, chunk: Any) -> bool:
         return any(t.slot.param_index not in self.excluded for t in chunk.tensors)
 
+    def ema_buffers(self) -> dict[str, torch.Tensor]:
+        """The averaged values of the saved buffers ([Note: averaged buffers]); none without an average."""
+        if self.ema is None or self.ema.buffers is None or not self.ema.started:
+            return {}
+        return self.ema.buffers.saved(self.buffers)
+
     def ema_shard(self, chunk: Any) -> Optional[torch.Tensor]:
         """The chunk's average, when it has one and is written ([Note: a sharded EMA])."""
         return self.ema.shard(chunk) if self.ema is not None and self.written(chunk) else None
@@ -204,13 +210,16 @@ def describe_layout(engine: Any, selection: Selection) -> dict[str, Any]:
             "entries": selection.entries,
             "state_dict_keys": selection.keys, "excluded": [mgr.names[i] for i in sorted(selection.excluded)],
             "ema_chunks": [c.chunk_id for c in mgr.chunks if selection.ema_shard(c) is not None],
+            "ema_buffers": selection.ema_buffers(),
             "world_size": mgr.comm.world_size}
 
 
-def offered_state_dict(ck: dict[str, Any]) -> dict[str, Any]:
+def offered_state_dict(ck: dict[str, Any], *, averaged: bool = False) -> dict[str, Any]:
     """A loaded checkpoint's ``state_dict`` as its save was given it: meta tensors for what the shards held, the
-    entries kept as they were ([Note: the state_dict of a sharded save])."""
+    entries kept as they were ([Note: the state_dict of a sharded save]). ``averaged``: the buffers ChunkEMA
+    averaged where it did ([Note: averaged buffers])."""
     dtypes, shapes = ck["param_dtypes"], ck["params"]
+    buffers = {**ck["buffers"], **(ck.get("ema_buffers", {}) if averaged else {})}
     out: dict[str, Any] = {}
     for k in ck["state_dict_keys"]:
         if k in ck.get("entries", {}):
@@ -218,8 +227,8 @@ def offered_state_dict(ck: dict[str, Any]) -> dict[str, Any]:
         elif k in ck["aliases"]:
             name = ck["aliases"][k]
             out[k] = torch.empty(shapes[name], dtype=getattr(torch, dtypes[name]), device="meta")
-        elif k in ck["buffers"]:
-            out[k] = ck["buffers"][k]
+        elif k in buffers:
+            out[k] = buffers[k]
     return out
 
 
@@ -492,9 +501,13 @@ def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool, a
     if ema is not None and ck.get("ema_chunks"):  # [Note: a sharded EMA]; ignored by a run without one
         for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.ema", only=set(ck["ema_chunks"])):
             ema.load({index_of_name[n]: full[off : off + numel] for n, off, numel, _ in spec["slots"]})
-    buffers = ck.get("buffers", {})
+    buffers = dict(ck.get("buffers", {}))
+    if averaged:  # the buffers averaged with the weights, where there are ([Note: averaged buffers])
+        buffers.update(ck.get("ema_buffers", {}))
     if buffers:
         engine.module.load_state_dict(buffers, strict=False)
+    if ema is not None and ema.buffers is not None and ck.get("ema_buffers"):
+        ema.buffers.load(ck["ema_buffers"])
     if with_optimizer and engine.bindings:
         if not ck["optimizers"]:  # as Lightning says for its own checkpoints
             raise KeyError(f"Trying to restore optimizer state but checkpoint {str(path)!r} contains only the model. "

@@ -39,10 +39,11 @@ KEY = "<ema>"  # its key among the shards a repack carries (optimizer state keys
 
 
 class ShardedEMA:
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: Any, buffers: Optional["BufferAverage"] = None) -> None:
         self.manager = manager  # not with the disk tier: the strategy refuses it (the shards would sit in host memory)
         self.shards: dict[Chunk, torch.Tensor] = {}  # trainable chunk -> this rank's averaged master shard
         self._filled: dict[Chunk, torch.Tensor] = {}  # during a repack: which elements ``give`` filled
+        self.buffers = buffers  # the module's buffers beside the average ([Note: averaged buffers])
 
     @property
     def started(self) -> bool:
@@ -59,6 +60,8 @@ class ShardedEMA:
         ``get_ema_avg_fn``'s ``decay * e + (1 - decay) * m``, each op rounded as there, in place and a block at a
         time through one scratch buffer: a chunk-sized temporary (130 MB for a chunk of a 100M model on one rank)
         was a fresh mapping whose page faults cost 100 ms an update, against 9 ms for the arithmetic."""
+        if self.buffers is not None:
+            self.buffers.update(decay)
         scratch: dict[torch.dtype, torch.Tensor] = {}
         for c in self.manager.chunks:
             m = c.master_tensor_for_read().detach()
@@ -75,7 +78,9 @@ class ShardedEMA:
                 e[a:b].mul_(decay).add_(tmp)
 
     def swap(self) -> None:
-        """The masters take the averages and the averages the masters."""
+        """The masters take the averages and the averages the masters (and the buffers theirs)."""
+        if self.buffers is not None:
+            self.buffers.swap()
         for c, e in self.shards.items():
             m = c.master_tensor_for_read()
             old = m.to(_HOST, copy=True)
@@ -84,6 +89,8 @@ class ShardedEMA:
         self.manager.write_back(chunks=list(self.shards))
 
     def copy_to_masters(self) -> None:
+        if self.buffers is not None:
+            self.buffers.copy_to_module()
         for c, e in self.shards.items():
             c.master_tensor_for_read().copy_(e)
         self.manager.write_back(chunks=list(self.shards))
@@ -153,6 +160,62 @@ class ShardedEMA:
                 elif filled is not None:
                     e.copy_(torch.where(filled, e, m))
         self._filled = {}
+
+
+class BufferAverage:
+    """The module's buffers as ``AveragedModel`` keeps them beside its averaged parameters.
+
+    [Note: averaged buffers]
+    Buffers are not chunked: every rank holds them whole, on the device, and they change in forward (BatchNorm's
+    running statistics), not in the optimizer step. Lightning's ``EMAWeightAveraging`` (``use_buffers=True``, its
+    default) averages them with the weights: ``decay * avg + (1 - decay) * buffer`` after each update, the first
+    update a copy; with ``use_buffers=False`` ``AveragedModel`` copies them at each update instead. Either way its
+    validation swaps them in with the averaged weights and the end of training copies them into the model. This
+    keeps the same copy, one tensor per buffer on the buffer's own device, updated with the same expression
+    (``get_ema_avg_fn``'s, so an integer buffer such as ``num_batches_tracked`` is rounded towards zero as there),
+    and each rank averages its own buffers, as each DDP rank's ``AveragedModel`` does. Checkpoints carry the
+    persistent ones (``ema_buffers`` beside the masters' layout, read by ``consolidate --ema``)."""
+
+    def __init__(self, module: torch.nn.Module, *, average: bool) -> None:
+        self.module = module
+        self.average = average
+        self.values: dict[str, torch.Tensor] = {}  # named_buffers() name -> its average (or its copy)
+
+    def update(self, decay: float) -> None:
+        first = not self.values
+        for name, b in self.module.named_buffers():
+            kept = self.values.get(name)
+            if first or kept is None or not self.average or kept.shape != b.shape:
+                self.values[name] = b.detach().clone()
+            else:
+                kept.copy_(decay * kept + (1 - decay) * b.detach())
+
+    def swap(self) -> None:
+        for name, b in self.module.named_buffers():
+            kept = self.values.get(name)
+            if kept is not None and kept.shape == b.shape:
+                current = b.detach().clone()
+                b.detach().copy_(kept)
+                kept.copy_(current)
+
+    def copy_to_module(self) -> None:
+        for name, b in self.module.named_buffers():
+            kept = self.values.get(name)
+            if kept is not None and kept.shape == b.shape:
+                b.detach().copy_(kept)
+
+    def saved(self, keys: Any) -> dict[str, torch.Tensor]:
+        """The values of the buffers among ``keys`` (a state_dict's buffer keys), on the host."""
+        return {k: v.detach().cpu() for k, v in self.values.items() if k in keys}
+
+    def load(self, values: dict[str, torch.Tensor]) -> None:
+        """Saved values by buffer name (where the module still has that buffer), onto each buffer's device."""
+        current = dict(self.module.named_buffers())
+        if not self.values:  # buffers no saved value reaches start from the module's, as a first update would
+            self.values = {n: b.detach().clone() for n, b in current.items()}
+        for name, v in values.items():
+            if name in current:
+                self.values[name] = v.detach().to(device=current[name].device, dtype=current[name].dtype, copy=True)
 
 
 class Extras:

@@ -403,7 +403,7 @@ def run_ema(out: Path) -> None:
     from lightning_chunk import ChunkEMA
 
     results = {}
-    for name, make, ema in [("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
+    for name, make, ema in [("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8)),
                             ("chunk", lambda: ChunkOffloadStrategy(placement="host", optimizer_kernel="loop",
                                                                    collective_timeout_s=60), lambda: ChunkEMA(decay=0.8))]:
         val = dict(limit_val_batches=2, val_check_interval=3)
@@ -426,7 +426,7 @@ def run_ema(out: Path) -> None:
     kw = dict(dim=64, hidden=512, depth=3)
     limit = int(sum(p.numel() * p.element_size() for p in models.ReorderedNet(**kw).parameters()) * 0.9)
     for name, make, ema in [
-            ("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
+            ("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8)),
             ("limited", lambda: ChunkOffloadStrategy(chunk_numel_min=4096, device_memory_limit=limit,
                                                      optimizer_kernel="loop", collective_timeout_s=60),
              lambda: ChunkEMA(decay=0.8)),

@@ -294,7 +294,7 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
         assert torch.equal(limited["state"][k], v), k
         torch.testing.assert_close(v, ddp["state"][k], **ROUNDING["accumulate"], msg=k)
     finals = []
-    for strategy, ema, ckpt in [("auto", EMAWeightAveraging(decay=0.8, use_buffers=False), "ema_ddp"),
+    for strategy, ema, ckpt in [("auto", EMAWeightAveraging(decay=0.8), "ema_ddp"),
                                 (ChunkOffloadStrategy(optimizer_kernel="loop"), ChunkEMA(decay=0.8), "ema_chunk")]:
         L.seed_everything(7, verbose=False)
         model = LogsValLoss()

@@ -10,12 +10,14 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
 from lightning_chunk import ChunkEMA, ChunkOffloadStrategy
 from lightning_chunk.cli import main as cli_main
-from tests.models import FlipRequiresGrad, ParityNet, fit, token_data
+from tests.models import BatchNormNet, FlipRequiresGrad, fit, token_data
 
 EXACT = dict(rtol=0, atol=0)
 
 
-class Recording(ParityNet):
+class Recording(BatchNormNet):
+    """BatchNorm after the embedding: running statistics, which EMAWeightAveraging averages by default."""
+
     losses: list = []
 
     def validation_step(self, batch, batch_idx):
@@ -41,8 +43,9 @@ def assert_same(ref, got):
 
 @pytest.mark.parametrize("placement", ["auto", "host"])
 def test_chunk_ema_is_lightning_s_ema_weight_averaging_bit_for_bit(placement):
-    """Validation inside fit sees the averaged weights and the model ends with them, as with EMAWeightAveraging."""
-    ref, ref_losses = run("auto", [EMAWeightAveraging(decay=0.9, use_buffers=False, update_starting_at_step=2)])
+    """Validation inside fit sees the averaged weights and buffers and the model ends with them, as with
+    EMAWeightAveraging (whose default averages the buffers, [Note: averaged buffers])."""
+    ref, ref_losses = run("auto", [EMAWeightAveraging(decay=0.9, update_starting_at_step=2)])
     strategy = chunked(placement=placement)
     got, losses = run(strategy, [ChunkEMA(decay=0.9, update_starting_at_step=2)])
     masters = sum(p.numel() for p in got.parameters()) * 4
@@ -51,12 +54,24 @@ def test_chunk_ema_is_lightning_s_ema_weight_averaging_bit_for_bit(placement):
     assert_same(ref, got)
     plain, _ = run(chunked(placement=placement), [])
     assert not torch.equal(plain.head.weight, got.head.weight)  # the average is not the trained weights
+    assert not torch.equal(plain.bn.running_mean, got.bn.running_mean)  # nor the buffers the trained ones
+
+
+def test_without_use_buffers_the_buffers_are_copied_at_each_update_as_averaged_model_does():
+    """``use_buffers=False``: ``AveragedModel`` copies the buffers at each update, and validation and the end of
+    training still put that copy in; updated every other step, so the copy is a step older than the model's."""
+    ref, ref_losses = run("auto", [EMAWeightAveraging(decay=0.9, use_buffers=False, update_every_n_steps=2)])
+    got, losses = run(chunked(), [ChunkEMA(decay=0.9, use_buffers=False, update_every_n_steps=2)])
+    assert losses == ref_losses and len(losses) == 4
+    assert_same(ref, got)
+    averaged, _ = run(chunked(), [ChunkEMA(decay=0.9, update_every_n_steps=2)])
+    assert not torch.equal(averaged.bn.running_var, got.bn.running_var)
 
 
 def saved_at_step_4(tmp_path, state_dict_type):
     """Plain Lightning with EMAWeightAveraging, then chunk_offload (host) with ChunkEMA, each trained 4 steps with a
     checkpoint at the end: yields (name, a maker of its EMA callback, the checkpoint)."""
-    for name, make, ema in [("auto", lambda: "auto", lambda: EMAWeightAveraging(decay=0.8, use_buffers=False)),
+    for name, make, ema in [("auto", lambda: "auto", lambda: EMAWeightAveraging(decay=0.8)),
                             ("chunk", lambda: chunked(placement="host", state_dict_type=state_dict_type),
                              lambda: ChunkEMA(decay=0.8))]:
         cb = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, filename="{step}")
@@ -101,7 +116,7 @@ def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type
         plain = Recording()
         L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2, val_check_interval=3,
-                  callbacks=[EMAWeightAveraging(decay=0.8, use_buffers=False)]).fit(
+                  callbacks=[EMAWeightAveraging(decay=0.8)]).fit(
             plain, token_data(), token_data(16, seed=1), ckpt_path=ckpt)
         assert_same(finals[0], plain)
 
@@ -109,7 +124,7 @@ def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type
 def test_the_average_follows_a_repack_when_parameters_are_frozen_and_unfrozen():
     """A repack (requires_grad changed) carries the shards: the embedding, trained, frozen and trained again, is
     averaged throughout; the first block, frozen from the start, starts from its weights when it is unfrozen."""
-    ref, _ = run("auto", [EMAWeightAveraging(decay=0.9, use_buffers=False), FlipRequiresGrad(unfreeze=3, refreeze=6)],
+    ref, _ = run("auto", [EMAWeightAveraging(decay=0.9), FlipRequiresGrad(unfreeze=3, refreeze=6)],
                  variant="frozen")
     got, _ = run(chunked(), [ChunkEMA(decay=0.9), FlipRequiresGrad(unfreeze=3, refreeze=6)], variant="frozen")
     # AveragedModel also averages the first block with itself while it is frozen, which can move it by a last bit
@@ -125,6 +140,8 @@ def test_chunk_ema_is_refused_elsewhere_and_lightning_s_averaging_names_it():
         fit(chunked(), steps=1, callbacks=[EMAWeightAveraging()])
     with pytest.raises(ValueError, match="decay must be in"):
         ChunkEMA(decay=1.5)
+    with pytest.raises(ValueError, match="use_buffers='yes'"):
+        ChunkEMA(use_buffers="yes")
     with pytest.raises(ValueError, match="ChunkEMA does not work with the disk tier"):
         fit(chunked(placement="host", host_memory_limit="1MB"), steps=1, callbacks=[ChunkEMA()])
 
