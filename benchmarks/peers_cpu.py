@@ -9,11 +9,12 @@ Contenders, each in its own pair of processes:
   against it (the ``x DDP`` column).
 - ``chunk_offload (device)``: every shard resident (``placement="device"``): the cost of sharding alone.
 - ``chunk_offload (host, ...)``: ``Trainer(strategy=ChunkOffloadStrategy(placement="host"), devices=2)``:
-  every chunk sharded over the two ranks, every shard on the host tier, payloads fetched on use. The default
-  (automatic chunk size) keeps each payload from forward until its last use in backward while the device budget
-  has room, so every chunk is gathered once a step, as DeepSpeed ZeRO-3's default; the ``released`` rows set
-  ``reshard_after_forward=True`` (FSDP2's default, and the FSDP2 row's): every payload released after use and
-  gathered again for backward, with the automatic chunk size and with one transformer block a chunk (FSDP2's unit).
+  every chunk sharded over the two ranks, every shard on the host tier, payloads fetched on use. With the
+  defaults on a CPU device without a limit every payload is released after use and gathered again for backward
+  (FSDP2's ``reshard_after_forward=True``, and the FSDP2 row's): with the automatic chunk size and with one
+  transformer block a chunk (FSDP2's unit); and with ``reshard_after_forward=False`` (the default on an
+  accelerator): each payload kept from forward until its last use in backward, so every chunk is gathered once a
+  step, as DeepSpeed ZeRO-3's default.
 - ``FSDP2 + CPUOffloadPolicy``: ``torch.distributed.fsdp.fully_shard`` on every block and the root,
   ``CPUOffloadPolicy(pin_memory=False)``, the same AdamW, in a plain training loop (outside
   Lightning, whose FSDP strategy is FSDP1).
@@ -216,8 +217,8 @@ CONTENDERS = (  # (row, child, chunk_numel: None or "block", placement, further 
     (LABELS["fsdp2"], "fsdp2", None, "host", None),
     ("chunk_offload (device, auto chunk size)", "chunk", None, "device", None),
     ("chunk_offload (host, auto chunk size)", "chunk", None, "host", None),
-    ("chunk_offload (host, released, auto size)", "chunk", None, "host", {"reshard_after_forward": True}),
-    ("chunk_offload (host, released, one block)", "chunk", "block", "host", {"reshard_after_forward": True}),
+    ("chunk_offload (host, one block a chunk)", "chunk", "block", "host", None),
+    ("chunk_offload (host, kept for backward)", "chunk", None, "host", {"reshard_after_forward": False}),
     (LABELS["deepspeed"], "deepspeed", None, "host", None),
 )
 

@@ -65,8 +65,8 @@ class ChunkConfig:
 
     placement: PlacementName = "auto"
     """``device``: every shard and payload stays on the device. ``host``: every shard lives on
-    the host and payloads are fetched on use and kept until their last use in the step while the
-    budget has room (``reshard_after_forward``). ``static``: the first
+    the host and payloads are fetched on use, kept until their last use in the step while the
+    budget has room or released after use (``reshard_after_forward``). ``static``: the first
     ``offload_fraction`` of the chunks (in use order) live on the host. ``auto``: from the
     warm-up trace, keep as many shards on the device as the limit minus the traced
     non-model peak allows, evict the payload whose next use is farthest, prefetch."""
@@ -92,12 +92,13 @@ class ChunkConfig:
     reshard_after_forward: Optional[bool] = None
     """``host`` placement: keep the payloads forward gathered until their last use in the step while the device
     budget (``device_memory_limit`` less the traced activations) has room, and release what does not fit after
-    use (``None`` or ``False``): one all-gather a chunk a step instead of two wherever the payloads fit, as
-    DeepSpeed ZeRO-3's default; or release each payload after its use in forward and gather it again for backward
-    (``True``, FSDP2's default). On a CPU device with a ``host_memory_limit``, ``None`` means ``True``: payloads
-    there live in the host memory the limit bounds ([Note: keeping payloads for backward] in ``placement.py``).
-    The other placements keep payloads until the budget needs their room: ``False`` is what they do already, and
-    ``True`` is refused with them."""
+    use (``False``): one all-gather a chunk a step instead of two wherever the payloads fit, as DeepSpeed ZeRO-3's
+    default; or release each payload after its use in forward and gather it again for backward (``True``, FSDP2's
+    default). ``None``: ``False`` on an accelerator, whose budget is known (its free memory at set-up less a
+    margin, or ``device_memory_limit``), and on a CPU device with a ``device_memory_limit``; ``True`` on a CPU
+    device without one, where the payloads would be one more copy of the model in the host memory the sharding
+    exists to save ([Note: keeping payloads for backward] in ``placement.py``). The other placements keep payloads
+    until the budget needs their room: ``False`` is what they do already, and ``True`` is refused with them."""
 
     offload_fraction: float = 0.5
     """``static`` placement only: the fraction of chunks whose shards live on the host."""
@@ -277,12 +278,12 @@ def default_device_limit(device: torch.device) -> Optional[int]:
 
 
 def resolve_reshard_after_forward(config: ChunkConfig, device: torch.device) -> ChunkConfig:
-    """``reshard_after_forward=None`` made concrete for ``device``: ``True`` (release after use) where payloads
-    would be held in host memory the user bounded, a CPU device with a ``host_memory_limit``; ``False`` (keep
-    within the budget) everywhere else."""
+    """``reshard_after_forward=None`` made concrete for ``device``: ``False`` (keep within the budget) where there is
+    a budget, an accelerator or a ``device_memory_limit``; ``True`` (release after use) on a CPU device without a
+    limit, whose payloads live in the host memory nothing bounds."""
     if config.reshard_after_forward is not None or config.placement != "host":
         return config
-    return config.replace(reshard_after_forward=device.type == "cpu" and config.host_memory_limit is not None)
+    return config.replace(reshard_after_forward=device.type == "cpu" and config.device_memory_limit is None)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def test_peers_cpu_benchmark_runs_every_peer(tmp_path, capsys):
     rows = {r["contender"]: r for r in res["rows"]}
     assert rows["FSDP2 + CPUOffloadPolicy"]["vs_fsdp2"] == 1.0 and rows["DDP (everything replicated)"]["vs_ddp"] == 1.0
     for name in ("chunk_offload (device, auto chunk size)", "chunk_offload (host, auto chunk size)",
-                 "chunk_offload (host, released, auto size)", "chunk_offload (host, released, one block)"):
+                 "chunk_offload (host, one block a chunk)", "chunk_offload (host, kept for backward)"):
         assert rows[name]["median_s"] > 0 and all(b > 0 for b in rows[name]["peak_rss"])
         assert len(rows[name]["breakdown"]) == 2 and rows[name]["breakdown"][1]["gather_wait"] > 0  # both ranks
     ds = rows["DeepSpeed ZeRO-3 offload"]

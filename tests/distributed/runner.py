@@ -42,19 +42,19 @@ CASES = {
     "tied": dict(variant="tied"),
     "frozen": dict(variant="frozen"),
     "unused": dict(variant="unused"),
-    # payloads released after use (FSDP2's reshard_after_forward=True): each chunk gathered for forward and again
-    # for backward
-    "host": dict(model=dict(dim=64, hidden=256, depth=6),
-                 strategy=dict(placement="host", chunk_numel=20000, reshard_after_forward=True), telemetry=True),
+    # the default on a CPU device without a limit: payloads released after use (FSDP2's reshard_after_forward=True),
+    # each chunk gathered for forward and again for backward
+    "host": dict(model=dict(dim=64, hidden=256, depth=6), strategy=dict(placement="host", chunk_numel=20000),
+                 telemetry=True),
     # the agreement tag before each collective ([Note: agreeing without a barrier]), where the default checks once
     # a micro-batch ([Note: checking once a micro-batch]); accumulation and host placement give it many of each kind
     "host_checked_each": dict(ACCUMULATE, strategy=dict(placement="host", chunk_numel=20000, sharded_accumulation=False,
                                                         verify_collectives=True)),
-    # the default: payloads kept from forward to backward ([Note: keeping payloads for backward]), each gathered
-    # once a step
-    "host_kept": dict(model=dict(dim=64, hidden=256, depth=6), strategy=dict(placement="host", chunk_numel=20000)),
-    # the same under a limit below the model's payloads, with the automatic chunk size: what does not fit is
-    # released and gathered again
+    # payloads kept from forward to backward ([Note: keeping payloads for backward]), each gathered once a step
+    "host_kept": dict(model=dict(dim=64, hidden=256, depth=6),
+                      strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000)),
+    # the default under a limit below the model's payloads, with the automatic chunk size: kept within the budget
+    # the limit leaves beside the traced activations, and what does not fit is released and gathered again
     "host_kept_limit": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
                             strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)),
     # the same with chunks of 300,000 elements: the warm-up's backward (registration order) must let payloads go

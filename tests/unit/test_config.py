@@ -126,17 +126,20 @@ def test_verify_collectives_takes_its_modes(value):
     assert ChunkConfig(verify_collectives=value).verify_collectives == value
 
 
-def test_reshard_after_forward_none_keeps_except_in_bounded_host_memory():
-    """``None`` keeps payloads for backward, except on a CPU device with a ``host_memory_limit``: its payloads live in
-    the host memory the user bounded. A choice the user made is left alone, and so are the other placements."""
+def test_reshard_after_forward_none_keeps_where_there_is_a_budget():
+    """``None`` keeps payloads for backward within a budget: an accelerator's, or a ``device_memory_limit``; on a CPU
+    device without one the payloads would be another copy of the model in unbounded host memory, so they are
+    released after use. A choice the user made is left alone, and so are the other placements."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     host = ChunkConfig(placement="host")
-    bounded = ChunkConfig(placement="host", host_memory_limit="1GiB", disk_dir="/tmp")
-    assert resolve_reshard_after_forward(host, cpu).reshard_after_forward is False
+    limited = ChunkConfig(placement="host", device_memory_limit="1GiB")
+    disk = ChunkConfig(placement="host", host_memory_limit="1GiB", disk_dir="/tmp")
+    assert resolve_reshard_after_forward(host, cpu).reshard_after_forward is True
+    assert resolve_reshard_after_forward(disk, cpu).reshard_after_forward is True
+    assert resolve_reshard_after_forward(limited, cpu).reshard_after_forward is False
     assert resolve_reshard_after_forward(host, cuda).reshard_after_forward is False
-    assert resolve_reshard_after_forward(bounded, cpu).reshard_after_forward is True
-    assert resolve_reshard_after_forward(bounded, cuda).reshard_after_forward is False
-    kept = bounded.replace(reshard_after_forward=False)
+    assert resolve_reshard_after_forward(disk, cuda).reshard_after_forward is False
+    kept = host.replace(reshard_after_forward=False)
     assert resolve_reshard_after_forward(kept, cpu).reshard_after_forward is False
     assert resolve_reshard_after_forward(host.replace(reshard_after_forward=True), cuda).reshard_after_forward is True
     assert resolve_reshard_after_forward(ChunkConfig(placement="auto"), cpu).reshard_after_forward is None
