@@ -62,6 +62,7 @@ tag before every collective, for debugging such a run; the check costs the same 
 from __future__ import annotations
 
 import collections
+import datetime
 import struct
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
@@ -88,16 +89,18 @@ class _Tag(NamedTuple):
     what: str
 
 
-def gloo_group_over(group: Any) -> Any:
+def gloo_group_over(group: Any, timeout_s: Optional[float] = None) -> Any:
     """A new gloo group over the ranks of ``group`` (``None``: every rank); each of them must create it at the same
     point. Chunk collectives get groups of their own ([Note: a gloo group per kind of collective])."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **timeout)
 
 
 Check = Optional[Callable[[], None]]  # what a collective's wait must run first (None: checked already)
 MAX_KEYS = 4  # process groups per chunk collective (each holds gloo's connections and worker threads)
 BATCH_CAP = 4096  # "batch" checks at least this often (collectives), whatever else happens
+EXPLAIN_S = 30.0  # "batch": how long a rank whose wait timed out waits for the others to say what they issued
 MODES = ("each", "batch")
 
 
@@ -120,6 +123,9 @@ class Agreement:
         self._open: collections.deque[_Tag] = collections.deque()  # issued, not yet compared
         self._seq = 0
         self.barriers = 0  # chunk collectives checked with a barrier (the tests count them)
+        # "batch" on gloo: a group of its own for explaining a timed-out wait ([Note: explaining a stuck wait])
+        self._explain_group = (gloo_group_over(comm.group, min(EXPLAIN_S, comm.timeout_s or EXPLAIN_S))
+                               if lazy and mode == "batch" else None)
 
     def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Check, Any]:
         """Note the collective about to be issued (``"each"``: issue its tag). Returns the check its wait must run
@@ -209,6 +215,43 @@ class Agreement:
         lines = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
         self._disagree(f"on a chunk collective ({lines}; collective {i + 1} since the last check)",
                        " verify_collectives=True checks before each collective's result is used, to stop at the first.")
+
+    def explain_stuck(self) -> str:
+        """Why a wait timed out, when the ranks issued different chunk collectives; "" when that cannot be told.
+
+        [Note: explaining a stuck wait]
+        Checked once a micro-batch, ranks that issue different chunk collectives of different sizes wait on
+        different groups, and neither wait ends before ``collective_timeout_s``; the check that would have named
+        the difference never runs. So a rank whose wait timed out (with no rank gone or stopped) offers its list
+        of what it issued since the last check on a group kept for this alone, with a bounded wait
+        (``EXPLAIN_S``): the other ranks are stuck too, their own waits time out moments later, and they offer
+        theirs, so each error names the first collective where the ranks differ, as the check would have. A rank
+        that is not stuck in a chunk collective never offers: the exchange times out and the error says what it
+        said before. Once a process: after a timeout the process is on its way out."""
+        group, self._explain_group = self._explain_group, None
+        if group is None:
+            return ""
+        from .collectives import first_difference  # the collectives import this module
+
+        seqs: list[Any] = [None] * self.comm.world_size
+        try:
+            dist.all_gather_object(seqs, list(self._issued), group=group)
+        except Exception:  # noqa: BLE001 - a rank that never offers: nothing more to tell
+            return ""
+        if all(s == seqs[0] for s in seqs):
+            return ""
+        i = first_difference(seqs)
+
+        def at(r: int) -> str:
+            if i >= len(seqs[r]):
+                return "nothing more (waiting at the next check)"
+            op, chunk, module = seqs[r][i]
+            return f"{OPS[op]} of {self.comm.names(chunk, module)}"
+
+        lines = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
+        return (f"the ranks issued different chunk collectives ({lines}; collective {i + 1} since the last check): a "
+                "module ran on some ranks and not on others (data-dependent control flow, or a module used outside "
+                "its forward); every rank must run the same modules in the same order")
 
     def _disagree(self, where: str, hint: str = "") -> None:
         comm = self.comm

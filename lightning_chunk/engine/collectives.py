@@ -234,6 +234,14 @@ class Collectives:
         Pending(out, work, lambda: f"[rank {self.rank}] the start-up exchange of process ids", self.timeout_s).wait()
         self.peers = [tuple(r) for r in out.view(self.world_size, 2).tolist()]
 
+    def why_stuck(self) -> str:
+        """Why a wait timed out, as far as can be told: a rank gone or stopped, else ranks that issued different
+        chunk collectives ([Note: explaining a stuck wait]); "" when neither can be told."""
+        lost = self.lost_peers()
+        if lost or self.agreement is None:
+            return lost
+        return self.agreement.explain_stuck()
+
     def lost_peers(self) -> str:
         """Which other ranks are gone, as far as this host can tell ("" when it cannot tell). A peer whose
         connection just closed may still be exiting: look again for up to a second before saying none is."""
@@ -331,7 +339,7 @@ class Collectives:
 
     def wait_for(self, work: Any, what: str) -> None:
         """A bounded wait for a small collective (charged to ``sync_wait``)."""
-        Pending(None, work, lambda: what, self.timeout_s, self.lost_peers, self.clock).wait()  # type: ignore[arg-type]
+        Pending(None, work, lambda: what, self.timeout_s, self.why_stuck, self.clock).wait()  # type: ignore[arg-type]
 
     def agree_on_value(self, value: int, *, what: str) -> bool:
         """True when every rank passed the same ``value`` (one fixed-size all-gather)."""
@@ -344,7 +352,7 @@ class Collectives:
         if self.agreement is not None:  # a disagreement on a chunk collective is the better error
             self.agreement.verify_through()
         out, work = self.gather_ints([value], group=self.group)
-        Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers, self.clock).wait()
+        Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return bool((out == out[0]).all())
 
     def verify_issued(self) -> None:
@@ -361,7 +369,7 @@ class Collectives:
             return [] if ok else [0]
         _refuse_if_broken(f"[rank {self.rank}] {what}")
         out, work = self.gather_ints([int(bool(ok))], group=self.group)
-        Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers, self.clock).wait()
+        Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return [r for r, v in enumerate(out.tolist()) if not v]
 
     # ----------------------------------------------------------- collectives
@@ -414,7 +422,7 @@ class Collectives:
     def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool,
                  check: Check = None) -> Pending:
         p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s,
-                    self.lost_peers, self.clock, "gather_wait" if op == "all_gather" else "reduce_wait", check)
+                    self.why_stuck, self.clock, "gather_wait" if op == "all_gather" else "reduce_wait", check)
         if not async_op:
             p.wait()
         return p
@@ -425,7 +433,7 @@ class Collectives:
             self._check_device(what, t)
             work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group,
                                    async_op=True)
-            Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.lost_peers, self.clock).wait()
+            Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return t
 
     def broadcast(self, t: torch.Tensor, src: int = 0, *,
@@ -436,7 +444,7 @@ class Collectives:
             buf = t.to(self._tag_device)
             work = dist.broadcast(buf, src, group=self.group, async_op=True)
             Pending(buf, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s,
-                    self.lost_peers, self.clock).wait()
+                    self.why_stuck, self.clock).wait()
             t.copy_(buf)
         return t
 

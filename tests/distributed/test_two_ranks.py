@@ -354,6 +354,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(parity_run):
 
 
 def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
+    """Rank 1 skips a module from step 3: the ranks wait on collectives of different sizes, which the check once a
+    micro-batch never reaches; when their waits time out they exchange what they issued ([Note: explaining a stuck
+    wait]) and each error names the first collective where they differ."""
     rc, log, elapsed = run(tmp_path, "skip_module", timeout=180)
     assert rc != 0 and "UNEXPECTED-SUCCESS" not in log
     assert elapsed < 120  # bounded: the collective timeout is 10 s
@@ -361,6 +364,10 @@ def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
         errors = [line for line in log.splitlines() if f"[rank {r}]" in line and "Error" in line]
         assert errors, log[-3000:]
         assert any("chunk" in e and "module" in e for e in errors)
+        # the module rank 0 ran and rank 1 did not, named by each rank (unless a rank was gone before it could ask)
+        assert any("the ranks issued different chunk collectives (rank 0: all_gather of chunk" in e and
+                   "(module 'branch')" in e or "lost rank" in e for e in errors), errors
+    assert "(module 'branch')" in log, log[-3000:]
 
 
 def test_every_rank_s_batchnorm_statistics_and_validation_losses_are_ddp_s(parity_run):
