@@ -201,20 +201,23 @@ class Agreement:
         tags = out.view(comm.world_size, 3).tolist()
         if all(t[:2] == tags[0][:2] for t in tags):
             return [t[2] for t in tags]
+        seqs = comm.all_gather_object_on(issued, self.tag_group)
+        self._disagree(f"on a chunk collective ({self._first_difference(seqs, 'nothing more')})",
+                       " verify_collectives=True checks before each collective's result is used, to stop at the first.")
+
+    def _first_difference(self, seqs: list[Any], past_end: str) -> str:
+        """Each rank's collective at the first position where the ranks' lists of issued ones differ."""
         from .collectives import first_difference  # the collectives import this module
 
-        seqs = comm.all_gather_object_on(issued, self.tag_group)
         i = first_difference(seqs)
 
         def at(r: int) -> str:
             if i >= len(seqs[r]):
-                return "nothing more"
+                return past_end
             op, chunk, module = seqs[r][i]
-            return f"{OPS[op]} of {comm.names(chunk, module)}"
+            return f"{OPS[op]} of {self.comm.names(chunk, module)}"
 
-        lines = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
-        self._disagree(f"on a chunk collective ({lines}; collective {i + 1} since the last check)",
-                       " verify_collectives=True checks before each collective's result is used, to stop at the first.")
+        return "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs))) + f"; collective {i + 1} since the last check"
 
     def explain_stuck(self) -> str:
         """Why a wait timed out, when the ranks issued different chunk collectives; "" when that cannot be told.
@@ -231,8 +234,6 @@ class Agreement:
         group, self._explain_group = self._explain_group, None
         if group is None:
             return ""
-        from .collectives import first_difference  # the collectives import this module
-
         seqs: list[Any] = [None] * self.comm.world_size
         try:
             dist.all_gather_object(seqs, list(self._issued), group=group)
@@ -240,16 +241,8 @@ class Agreement:
             return ""
         if all(s == seqs[0] for s in seqs):
             return ""
-        i = first_difference(seqs)
-
-        def at(r: int) -> str:
-            if i >= len(seqs[r]):
-                return "nothing more (waiting at the next check)"
-            op, chunk, module = seqs[r][i]
-            return f"{OPS[op]} of {self.comm.names(chunk, module)}"
-
-        lines = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
-        return (f"the ranks issued different chunk collectives ({lines}; collective {i + 1} since the last check): a "
+        lines = self._first_difference(seqs, "nothing more (waiting at the next check)")
+        return (f"the ranks issued different chunk collectives ({lines}): a "
                 "module ran on some ranks and not on others (data-dependent control flow, or a module used outside "
                 "its forward); every rank must run the same modules in the same order")
 
