@@ -57,6 +57,10 @@ CASES = {
     # the limit leaves beside the traced activations, and what does not fit is released and gathered again
     "host_kept_limit": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
                             strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)),
+    # its twin released after use (FSDP2's reshard_after_forward=True): the default must gather less
+    "host_released_limit": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
+                                strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096,
+                                              reshard_after_forward=True)),
     # the same with chunks of 300,000 elements: the warm-up's backward (registration order) must let payloads go
     # while their gradients wait to reduce ([Note: a gradient waits without its payload])
     "host_kept_waiting": dict(steps=8, cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,

@@ -17,7 +17,7 @@ import torch
 RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
-          "host_checked_each", "host_kept", "host_kept_limit", "host_kept_waiting", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
+          "host_checked_each", "host_kept", "host_kept_limit", "host_released_limit", "host_kept_waiting", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
           "reordered_bf16", "reordered_bf16_tight", "checkpointed", "checkpointed_host", "checkpointed_limit",
           "adapters_limit", "reused_frozen_limit", "checkpointed_adapters_limit", "torch_transformer_host", "grad_penalty_host",
           "grad_penalty_accumulate_unsharded", "grad_penalty_early_accumulate",
@@ -187,6 +187,14 @@ def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
         # one gather a chunk a step after the warm-up, against nearly two (only the last chunks of forward stay)
         assert kept["gathers"] < 0.65 * released["gathers"], (kept, released)
         assert kept["device_chunk_bytes_peak"] > released["device_chunk_bytes_peak"]
+    # under a limit the default keeps only what fits beside the activations, and never at the cost of a payload
+    # that releasing after use keeps: no more gathers than its twin released after use (the budget reduced by the
+    # activations had made it 402 against 379), and the same values
+    for kept, released in zip(stats(out, "host_kept_limit"), stats(out, "host_released_limit")):
+        assert kept["chunks"] == released["chunks"] and kept["gathers"] <= released["gathers"], (kept, released)
+    got, twin = (torch.load(out / f"{c}.pt")["got"] for c in ("host_kept_limit", "host_released_limit"))
+    for k, v in twin.items():
+        assert torch.equal(got[k], v), k
     for s in stats(out, "host_kept_limit"):
         assert s["limit"] < s["param_bytes"] and s["device_shards"] == 0
         assert 0 < s["device_chunk_bytes_peak"] <= s["limit"]
