@@ -6,8 +6,8 @@ strategy; this one keeps each rank's share of the average beside its master shar
 steps (``update_every_n_steps``, ``update_starting_at_step``), the buffers (BatchNorm's running statistics) are
 averaged with the weights (``use_buffers=True``, Lightning's default) or copied at each update, validation during
 ``fit`` runs with the averaged weights and those buffers, and at the end of training they become the model's.
-Checkpoints keep it: sharded ones save its shards beside the masters (any world size resumes it); full ones are laid out as
-Lightning's (the average as ``state_dict``, the trained weights as ``current_model_state``).
+Checkpoints keep it: sharded ones save its shards beside the masters (any world size resumes it); full ones are
+laid out as Lightning's (the average as ``state_dict``, the trained weights as ``current_model_state``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from .chunk import Tier
 from .config import ChunkConfig
@@ -139,24 +139,24 @@ class PlacementPolicy:
             evict = [c.chunk_id for c in chunks if c.evictable and c.chunk_id not in needed and c.chunk_id not in keep]
         freed = sum(by_id[i].payload_bytes for i in evict)
         missing = sum(by_id[i].payload_bytes for i in needed if not by_id[i].resident)
-        room_for_extra = activation_room(budget_bytes, trace, position)
-        if extra and room_for_extra is not None and device_bytes - freed + missing > room_for_extra:
-            # kept beyond what releasing after use keeps: only while the traced activations have room beside them,
-            # and never at the cost of a payload that releasing would have kept
-            for c in sorted((by_id[i] for i in extra if by_id[i].evictable and i not in needed),
-                            key=lambda c: self._eviction_rank(c, position, trace), reverse=True):
-                if device_bytes - freed + missing <= room_for_extra:
+
+        def evict_down_to(bound: Optional[int], victims: Iterable[ChunkView]) -> None:
+            """Evict ``victims``, farthest next use first, until the device holds at most ``bound``."""
+            nonlocal freed
+            if bound is None or device_bytes - freed + missing <= bound:
+                return
+            for c in sorted(victims, key=lambda c: self._eviction_rank(c, position, trace), reverse=True):
+                if device_bytes - freed + missing <= bound:
                     break
                 evict.append(c.chunk_id)
                 freed += c.payload_bytes
-        if budget_bytes is not None and device_bytes - freed + missing > budget_bytes:
-            victims = [c for c in chunks if c.evictable and c.chunk_id not in needed and c.chunk_id not in evict]
-            victims.sort(key=lambda c: self._eviction_rank(c, position, trace), reverse=True)
-            for c in victims:
-                if device_bytes - freed + missing <= budget_bytes:
-                    break
-                evict.append(c.chunk_id)
-                freed += c.payload_bytes
+
+        if extra:  # kept beyond what releasing after use keeps: only while the traced activations have room beside
+            # them, and never at the cost of a payload that releasing would have kept
+            evict_down_to(activation_room(budget_bytes, trace, position),
+                          [by_id[i] for i in extra if by_id[i].evictable and i not in needed])
+        evict_down_to(budget_bytes, [c for c in chunks if c.evictable and c.chunk_id not in needed
+                                     and c.chunk_id not in evict])
         prefetch: list[int] = []
         room = math.inf if budget_bytes is None else budget_bytes - (device_bytes - freed + missing)
         for i in sorted(upcoming):
@@ -212,9 +212,10 @@ class HostPlacement(PlacementPolicy):
     evicts a payload that releasing would have kept: with the budget itself reduced by the
     activations (tried first), a tight limit evicted chunks reused a moment later, and the kept run
     gathered 402 times where the released one gathered 379 (a 2-rank case in the suite now holds
-    the kept run to fewer). Under a tight limit nothing extra is kept, and the policy is FSDP2's; with room, it is DeepSpeed ZeRO-3's default (a parameter whose next use is
-    within ``stage3_max_reuse_distance``, 1e9 elements, is not released), bounded by memory rather
-    than by a count. Without a trace (the warm-up step, evaluation) payloads are released after use.
+    the kept run to no more than its released twin). Under a tight limit nothing extra is kept, and
+    the policy is FSDP2's; with room, it is DeepSpeed ZeRO-3's default (a parameter whose next use
+    is within ``stage3_max_reuse_distance``, 1e9 elements, is not released), bounded by memory
+    rather than by a count. Without a trace (the warm-up step, evaluation) payloads are released after use.
     ``reshard_after_forward=True`` releases after use always. On a CPU device without a
     ``device_memory_limit`` that is the default (``resolve_reshard_after_forward`` in ``config.py``):
     the device is the host there, nothing bounds what keeping would hold, and the payloads kept at
