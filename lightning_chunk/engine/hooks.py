@@ -267,6 +267,10 @@ class ChunkHooks:
         for cid in needed:
             mgr.wait_ready(mgr.chunks[cid])  # a prefetch on the side stream must land before use
             mgr.chunks[cid].last_used = self.clock
+        if mgr.pool.pooled_bytes:  # [Note: the pool under a limit] in placement.py
+            room = self.policy.pool_room(mgr.limit, trace, self.position, mgr.ledger[Tier.DEVICE])
+            if room is not None:
+                mgr.pool.trim(room)
         # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead
         # (on a CPU device the gather reads the file itself, [Note: staged optimizer steps] in tiers.py)
         if trace is not None and mgr.disk_chunks and mgr.device.type != "cpu":

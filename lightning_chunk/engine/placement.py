@@ -86,6 +86,24 @@ class PlacementPolicy:
         """Device bytes chunks may use at ``position``: the hard limit (the manager enforces it anyway)."""
         return limit
 
+    def pool_room(self, limit: Optional[int], trace: Optional[Trace], position: int, device_bytes: int) -> Optional[int]:
+        """Bytes the payload pool may keep at ``position`` beside ``device_bytes`` of chunks; ``None``: no bound.
+
+        [Note: the pool under a limit]
+        On a CPU device released payload blocks stay in a pool for the next gather of their size ([Note: a pool of
+        payload blocks] in pool.py): device memory the ledger does not count. The pool never holds more than the
+        most payload bytes alive at once less those alive now, so pool and payloads together stay at the step's
+        payload peak. That peak is reached where activations are few (in backward, once the kept payloads of
+        forward are gone and those evicted at the turn are gathered again), and it stayed through the next
+        forward while the activations grew beside it: on the disk benchmark's 85M GPT under a 160 MiB limit,
+        153 MiB of payloads and pool beside 36 MiB of activations, 30 MiB over the limit and the resident set
+        past baseline + limits (548-568 MiB against 480). So under a limit the pool keeps at most what the
+        limit, less the chunks and the activations the trace saw at this moment and the next
+        (``activation_room``), leaves; the hooks trim it at every moment. Without a limit nothing bounds it
+        but the payload peak, as before."""
+        room = activation_room(limit, trace, position)
+        return None if room is None else max(room - device_bytes, 0)
+
     # ---------------------------------------------------------------- plan
     def upcoming(self, position: int, trace: Optional[Trace]) -> frozenset[int]:
         """The chunks ``plan`` may prefetch at ``position``: the trace's next ones, when prefetching."""
@@ -216,12 +234,21 @@ class HostPlacement(PlacementPolicy):
     the policy is FSDP2's; with room, it is DeepSpeed ZeRO-3's default (a parameter whose next use
     is within ``stage3_max_reuse_distance``, 1e9 elements, is not released), bounded by memory
     rather than by a count. Without a trace (the warm-up step, evaluation) payloads are released after use.
-    ``reshard_after_forward=True`` releases after use always. On a CPU device without a
-    ``device_memory_limit`` that is the default (``resolve_reshard_after_forward`` in ``config.py``):
-    the device is the host there, nothing bounds what keeping would hold, and the payloads kept at
-    the turn into backward are one more copy of the model in the memory the sharding exists to save
-    (4 bytes a parameter in fp32 beside the 6.7 that `scale.py` measured a rank on two ranks). On an
-    accelerator the budget is known, and what keeping holds is memory that would otherwise stay idle.
+    ``reshard_after_forward=True`` releases after use always. On a CPU device that is the default
+    (``resolve_reshard_after_forward`` in ``config.py``), with or without a ``device_memory_limit``:
+    - without a limit nothing bounds what keeping would hold, and the payloads kept at the turn into
+      backward are one more copy of the model in the memory the sharding exists to save (4 bytes a
+      parameter in fp32 beside the 6.7 that `scale.py` measured a rank on two ranks);
+    - under a limit keeping fills the budget to the brim, and on a CPU device the budget does not see
+      everything the step holds there: the trace counts the tensors autograd saved, not backward's
+      gradients nor the heap a step grows (CUDA's trace reads the allocator, which sees them all).
+      Kept by default under a limit (session 36), the disk benchmark's 85M GPT under 160 MiB of
+      device limit and 320 MiB of host limit peaked at 548-587 MiB over its baseline, against 420-450
+      released and the 480 of limits it had held to; the payload pool was 30 MiB of that
+      ([Note: the pool under a limit]), the step was no faster.
+    On an accelerator the budget is known and seen whole, and what keeping holds is memory that would
+    otherwise stay idle: there it is the default. A CPU user with memory to spare passes ``False``
+    (1.10x DDP's step instead of 1.29x on the 2-rank CPU benchmark).
     """
 
     name = "host"

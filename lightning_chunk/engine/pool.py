@@ -18,7 +18,9 @@ moves between a payload's storage and a holder storage with ``UntypedStorage._sw
 ``torch.utils.swap_tensors`` uses): the payload storage keeps its identity, its views see the new memory,
 and a released payload's storage holds no bytes, as it did with ``resize_(0)``. The pool never holds more
 than the most payload bytes of one size that were alive at once, minus those alive now; it is emptied when
-the layout changes and at the end of the run. Where torch lacks ``_swap_data_ptr_``, or on CUDA, the pool
+the layout changes and at the end of the run. Its blocks are device memory the ledger does not count, so under a
+``device_memory_limit`` the hooks trim it at every moment to what the limit leaves beside the chunks and the traced
+activations ([Note: the pool under a limit] in hooks.py). Where torch lacks ``_swap_data_ptr_``, or on CUDA, the pool
 does nothing and storages resize as before.
 """
 
@@ -38,6 +40,7 @@ class BlockPool:
         self.pooled_peak = 0
         self.reused = 0  # fills served from the pool
         self.allocated = 0  # fills that asked the allocator
+        self.trimmed = 0  # blocks given back to the allocator by ``trim``
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty ``storage`` ``nbytes`` of memory (contents undefined)."""
@@ -68,6 +71,19 @@ class BlockPool:
         self.fill(t.untyped_storage(), numel * dtype.itemsize)
         return t.set_(t.untyped_storage(), 0, (numel,))
 
+    def trim(self, max_bytes: int) -> None:
+        """Give kept blocks back to the allocator, largest first, until the pool holds at most ``max_bytes``."""
+        if self.pooled_bytes <= max_bytes:
+            return
+        for n in sorted(self._free, reverse=True):
+            blocks = self._free[n]
+            while blocks and self.pooled_bytes > max_bytes:
+                blocks.pop()
+                self.pooled_bytes -= n
+                self.trimmed += 1
+            if not blocks:
+                del self._free[n]
+
     def clear(self) -> None:
         """Return every kept block to the allocator."""
         self._free.clear()
@@ -75,4 +91,4 @@ class BlockPool:
 
     def stats(self) -> dict[str, float]:
         return {"pool_bytes": self.pooled_bytes, "pool_bytes_peak": self.pooled_peak,
-                "pool_reused": self.reused, "pool_allocated": self.allocated}
+                "pool_reused": self.reused, "pool_allocated": self.allocated, "pool_trimmed": self.trimmed}

@@ -67,3 +67,44 @@ def test_host_payloads_come_from_the_pool_and_training_is_unchanged(monkeypatch)
     for k, v in ref.items():
         torch.testing.assert_close(got[k], without[k], rtol=0, atol=0)  # the pool changes no bit
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)  # and trains as torch does
+
+
+def _kept_under_a_limit(monkeypatch, bounded: bool) -> list[int]:
+    """Bytes over the limit at each forward moment after the warm-up: the device's chunks, the pool's blocks and the
+    traced activations of host placement keeping payloads for backward (empty list: never over)."""
+    from lightning_chunk.engine.chunk import Tier
+    from lightning_chunk.engine.placement import PlacementPolicy, activation_room
+
+    if not bounded:
+        monkeypatch.setattr(PlacementPolicy, "pool_room", lambda *a: None)
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    limit = 60_000  # 8 chunks of 16,640 bytes: about three payloads beside the activations at forward's end
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=4160, device_memory_limit=limit,
+                                                   reshard_after_forward=False, check_invariants=True))
+    over: list[int] = []
+
+    def check(*_):
+        hooks, mgr = eng.hooks, eng.manager
+        if hooks.trace is not None and mgr.pool.pooled_bytes:
+            # what the limit leaves beside the chunks and the activations of this moment and the next (the chunks
+            # themselves may take more: a payload that releasing after use keeps is never evicted for activations)
+            room = max(activation_room(limit, hooks.trace, hooks.position) - mgr.ledger[Tier.DEVICE], 0)
+            if mgr.pool.pooled_bytes > room:
+                over.append(mgr.pool.pooled_bytes - room)
+
+    for layer in m:
+        layer.register_forward_pre_hook(check)  # after the engine's: sees what its plan left
+    for i in range(4):
+        step(eng, m, opt, torch.randn(8, 64, generator=torch.Generator().manual_seed(i)))
+    assert eng.manager.stats()["pool_bytes_peak"] > 0
+    return over
+
+
+@needs_swap
+def test_under_a_limit_the_pool_keeps_only_what_the_limit_leaves_beside_chunks_and_activations(monkeypatch):
+    """[Note: the pool under a limit]: released blocks kept for reuse are device memory too. Unbounded, the pool held
+    the step's payload peak (reached in backward) through the next forward, beside the activations growing there."""
+    assert _kept_under_a_limit(monkeypatch, bounded=True) == []
+    assert _kept_under_a_limit(monkeypatch, bounded=False)  # the case is one that needs the bound
