@@ -278,12 +278,13 @@ def default_device_limit(device: torch.device) -> Optional[int]:
 
 
 def resolve_reshard_after_forward(config: ChunkConfig, device: torch.device) -> ChunkConfig:
-    """``reshard_after_forward=None`` made concrete for ``device``: ``False`` (keep within the budget) where there is
-    a budget, an accelerator or a ``device_memory_limit``; ``True`` (release after use) on a CPU device without a
-    limit, whose payloads live in the host memory nothing bounds."""
+    """``reshard_after_forward=None`` made concrete for ``device``: ``False`` (keep within the budget) on an
+    accelerator, whose trace sees every byte its allocator holds; ``True`` (release after use) on a CPU device, whose
+    payloads are host memory and whose trace sees only the saved activations ([Note: keeping payloads for backward]
+    in ``placement.py``)."""
     if config.reshard_after_forward is not None or config.placement != "host":
         return config
-    return config.replace(reshard_after_forward=device.type == "cpu" and config.device_memory_limit is None)
+    return config.replace(reshard_after_forward=device.type == "cpu")
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ def resume_strategy(variant: str) -> ChunkOffloadStrategy:
     kw: dict[str, Any] = dict(optimizer_kernel="loop", collective_timeout_s=60, materialize_optimizer_state=True)
     if variant == "auto_size_limit":
         kw.update(chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT)
-    if variant == "host_kept_limit":  # host placement's default under a limit keeps payloads for backward within it
-        kw.update(placement="host", device_memory_limit=RESUME_LIMIT)  # ([Note: keeping payloads for backward])
+    if variant == "host_kept_limit":  # payloads kept for backward within a limit (an accelerator's default)
+        kw.update(placement="host", device_memory_limit=RESUME_LIMIT, reshard_after_forward=False)
     return ChunkOffloadStrategy(**kw)
 
 

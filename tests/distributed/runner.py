@@ -53,14 +53,15 @@ CASES = {
     # payloads kept from forward to backward ([Note: keeping payloads for backward]), each gathered once a step
     "host_kept": dict(model=dict(dim=64, hidden=256, depth=6),
                       strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000)),
-    # the default under a limit below the model's payloads, with the automatic chunk size: kept within the budget
-    # the limit leaves beside the traced activations, and what does not fit is released and gathered again
+    # kept under a limit below the model's payloads (an accelerator's default, explicit on CPU), with the automatic
+    # chunk size: kept within the budget the limit leaves beside the traced activations, and what does not fit is
+    # released and gathered again
     "host_kept_limit": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
-                            strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)),
-    # its twin released after use (FSDP2's reshard_after_forward=True): the default must gather less
+                            strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096,
+                                          reshard_after_forward=False)),
+    # its twin with the CPU default, released after use (FSDP2's reshard_after_forward=True): keeping must gather less
     "host_released_limit": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
-                                strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096,
-                                              reshard_after_forward=True)),
+                                strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)),
     # the same with chunks of 300,000 elements: the warm-up's backward (registration order) must let payloads go
     # while their gradients wait to reduce ([Note: a gradient waits without its payload])
     "host_kept_waiting": dict(steps=8, cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,

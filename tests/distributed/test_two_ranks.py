@@ -187,7 +187,7 @@ def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
         # one gather a chunk a step after the warm-up, against nearly two (only the last chunks of forward stay)
         assert kept["gathers"] < 0.65 * released["gathers"], (kept, released)
         assert kept["device_chunk_bytes_peak"] > released["device_chunk_bytes_peak"]
-    # under a limit the default keeps only what fits beside the activations, and never at the cost of a payload
+    # under a limit keeping holds only what fits beside the activations, and never at the cost of a payload
     # that releasing after use keeps: no more gathers than its twin released after use (the budget reduced by the
     # activations had made it 402 against 379), and the same values
     for kept, released in zip(stats(out, "host_kept_limit"), stats(out, "host_released_limit")):

@@ -126,17 +126,19 @@ def test_verify_collectives_takes_its_modes(value):
     assert ChunkConfig(verify_collectives=value).verify_collectives == value
 
 
-def test_reshard_after_forward_none_keeps_where_there_is_a_budget():
-    """``None`` keeps payloads for backward within a budget: an accelerator's, or a ``device_memory_limit``; on a CPU
-    device without one the payloads would be another copy of the model in unbounded host memory, so they are
-    released after use. A choice the user made is left alone, and so are the other placements."""
+def test_reshard_after_forward_none_keeps_on_an_accelerator_only():
+    """``None`` keeps payloads for backward within an accelerator's budget; on a CPU device, with or without a
+    ``device_memory_limit``, the payloads are host memory and the trace does not see all of it, so they are released
+    after use ([Note: keeping payloads for backward]). A choice the user made is left alone, and so are the other
+    placements."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     host = ChunkConfig(placement="host")
     limited = ChunkConfig(placement="host", device_memory_limit="1GiB")
     disk = ChunkConfig(placement="host", host_memory_limit="1GiB", disk_dir="/tmp")
     assert resolve_reshard_after_forward(host, cpu).reshard_after_forward is True
     assert resolve_reshard_after_forward(disk, cpu).reshard_after_forward is True
-    assert resolve_reshard_after_forward(limited, cpu).reshard_after_forward is False
+    assert resolve_reshard_after_forward(limited, cpu).reshard_after_forward is True
+    assert resolve_reshard_after_forward(limited, cuda).reshard_after_forward is False
     assert resolve_reshard_after_forward(host, cuda).reshard_after_forward is False
     assert resolve_reshard_after_forward(disk, cuda).reshard_after_forward is False
     kept = host.replace(reshard_after_forward=False)
