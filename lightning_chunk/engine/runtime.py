@@ -459,6 +459,8 @@ class ChunkEngine:
             if self.comm.world_size > 1:  # the vote can add gradients other ranks got: attach again
                 agree_on_grads(self.manager)
                 self._backward_ends()
+            if self.config.host_memory_limit is not None:  # [Note: a fixed mmap threshold] in host_heap.py
+                release_freed_memory()  # backward freed the activations: give the heap's holes back before the step
 
     def _gradients_kept(self, what: str) -> None:
         if self.early is not None:
