@@ -13,9 +13,17 @@ Rows, each in its own process, one rank, measured in one run:
   and optimizer state read once and written once, and, in fp32, its master read again by the forward and
   the backward gathers), moved by a plain loop of 64 MiB ``os.pwrite``/``os.preadv`` calls through one
   file in the same directory, in the same page-cache conditions (no ``fsync``, as the tier does not);
-  the median of 5, each after ``os.sync()`` as every row starts after one.
+  the median of 5, each after ``os.sync()`` as every row starts after one. ``disk floor, O_DIRECT``: the same
+  loop with ``O_DIRECT``, so that the bytes go to and come from the disk itself: the floor of a machine whose
+  page cache cannot hold the files.
 - ``DeepSpeed ZeRO-Infinity``: ``offload_param`` and ``offload_optimizer`` to ``nvme`` at ``--dir``, when
   deepspeed can run here; otherwise the reason it gave.
+- with ``--memory-cap SIZE``, ``disk tier, memory capped`` and ``disk floor, memory capped``: the disk-tier row
+  and the floor again, each in a memory cgroup of SIZE, which charges the page cache too. Without it a machine
+  with more memory than the state keeps the files in its page cache, and "disk" I/O runs at memory speed; capped,
+  the files do not fit and the bytes go to the disk, as on a machine whose memory is smaller than the state
+  (what the disk tier is for). Needs a cgroup this process may create (root, or a delegated subtree); where it
+  cannot, the rows say why.
 
 Both chunk_offload rows build the GPT in ``configure_model`` (``deferred_init=True``), so the model never
 exists whole in memory, with ``device_memory_limit=--device-limit`` bounding the payloads gathered at once
@@ -142,46 +150,123 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     Path(f"{args.out}.deepspeed").write_text(json.dumps(out))
 
 
-def disk_floor(directory: Path, read_bytes: int, write_bytes: int) -> float:
+def disk_floor(directory: Path, read_bytes: int, write_bytes: int, *, direct: bool = False) -> float:
     """Seconds a plain loop takes to write ``write_bytes`` then read ``read_bytes`` through one file in
-    ``directory``, 64 MiB a call (the file is as large as the larger of the two; reads wrap around)."""
-    import torch
+    ``directory``, 64 MiB a call (the file is as large as the larger of the two; reads wrap around). ``direct``:
+    with ``O_DIRECT`` from a page-aligned buffer, so every byte goes to and comes from the disk itself (the
+    floor of a machine whose page cache cannot hold the files)."""
+    import mmap
 
-    size = max(read_bytes, write_bytes, BLOCK)
-    buf = torch.ones(BLOCK, dtype=torch.uint8).numpy()
+    size = -(-max(read_bytes, write_bytes, BLOCK) // BLOCK) * BLOCK
+    buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
+    buf.write(b"\x01" * BLOCK)
     path = directory / "floor.bin"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o600)
+    align = 4096 if direct else 1
     try:
         os.posix_fallocate(fd, 0, size)
         t0 = time.perf_counter()
-        done = 0
-        while done < write_bytes:
-            n = min(BLOCK, write_bytes - done)
-            os.pwrite(fd, memoryview(buf)[:n], done % size)
-            done += n
-        done = 0
-        while done < read_bytes:
-            n = min(BLOCK, read_bytes - done)
-            os.preadv(fd, [memoryview(buf)[:n]], done % size)
-            done += n
+        for total, io in ((write_bytes, "write"), (read_bytes, "read")):
+            done = 0
+            while done < total:
+                n = -(-min(BLOCK, total - done) // align) * align
+                part = memoryview(buf)[:n]
+                os.pwrite(fd, part, done % size) if io == "write" else os.preadv(fd, [part], done % size)
+                done += n
         return time.perf_counter() - t0
     finally:
         os.close(fd)
         os.unlink(path)
 
 
-def _run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
+def child_floor(args: argparse.Namespace) -> None:
+    """The floor in a process of its own (inside the memory cgroup when capped): 5 runs, each after ``os.sync()``;
+    then 5 with ``O_DIRECT`` where the filesystem allows it."""
+    out: dict = {}
+    for key, direct in (("", False), ("direct_", True)):
+        floors = []
+        try:
+            for _ in range(5):
+                os.sync()
+                floors.append(disk_floor(Path(args.dir), args.floor_read, args.floor_write, direct=direct))
+        except OSError as e:
+            out[f"{key}skipped"] = f"{e.strerror} ({'O_DIRECT' if direct else 'buffered'} I/O in {args.dir})"
+            continue
+        out[f"{key}seconds"], out[f"{key}all"] = sorted(floors)[2], floors
+    Path(f"{args.out}.{args.child}").write_text(json.dumps(out))
+
+
+class MemoryCgroup:
+    """A fresh memory cgroup below this process's own (cgroup v1 or v2), capping a child's resident set and page
+    cache together; ``why_not`` says why one cannot be made here."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit, self.path, self.why_not, self.v1 = limit, None, None, False
+        try:
+            self.path = self._make(name)
+        except OSError as e:
+            self.why_not = f"no memory cgroup could be made here ({e.strerror}: {e.filename})"
+        except (StopIteration, IndexError):
+            self.why_not = "no memory cgroup could be made here (/proc/self/cgroup names no memory controller)"
+
+    def _make(self, name: str) -> Path:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        v1 = [ln.split(":", 2)[2] for ln in lines if ln.split(":", 2)[1].split(",").count("memory")]
+        if v1:
+            self.v1 = True
+            base, limit_file = Path("/sys/fs/cgroup/memory") / v1[0].lstrip("/"), "memory.limit_in_bytes"
+        else:
+            own = next(ln.split(":", 2)[2] for ln in lines if ln.startswith("0::"))
+            base, limit_file = Path("/sys/fs/cgroup") / own.lstrip("/"), "memory.max"
+        path = base / f"lightning_chunk-bench-{name}-{os.getpid()}"
+        path.mkdir()
+        try:
+            (path / limit_file).write_text(str(self.limit))
+        except OSError:
+            path.rmdir()
+            raise
+        return path
+
+    def enter(self) -> None:  # in the child, before it runs anything
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int:
+        f = "memory.max_usage_in_bytes" if self.v1 else "memory.peak"
+        try:
+            return int((self.path / f).read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def remove(self) -> None:
+        if self.path is not None:
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+
+
+def _run(name: str, args: argparse.Namespace, scratch: Path, cap: "MemoryCgroup | None" = None,
+         extra: "list[str] | None" = None) -> dict:
     os.sync()  # every row starts with no writeback left over from the one before
+    if cap is not None and cap.why_not:
+        return {"skipped": cap.why_not}
     out = scratch / "res"
     cmd = [sys.executable, __file__, "--child", name, "--out", str(out), "--dir", args.dir,
-           "--host-limit", str(args.host_limit), "--device-limit", str(args.device_limit)]
+           "--host-limit", str(args.host_limit), "--device-limit", str(args.device_limit), *(extra or [])]
     for k in ("width", "depth", "context", "batch", "steps"):
         cmd += [f"--{k}", str(getattr(args, k))]
-    r = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True)
+    try:
+        r = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True,
+                           preexec_fn=None if cap is None else cap.enter)
+    except subprocess.SubprocessError as e:  # the child could not join the cgroup
+        return {"skipped": f"no memory cgroup could be made here (joining it failed: {e})"}
     path = Path(f"{out}.{name}")
     if not path.exists():
         return {"failed": (r.stdout + r.stderr)[-3000:]}
-    return json.loads(path.read_text())
+    res = json.loads(path.read_text())
+    if cap is not None:
+        res["cgroup_peak"] = cap.peak()
+    return res
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -196,12 +281,19 @@ def measure(args: argparse.Namespace) -> dict:
         roles = disk["disk_roles"]
         must_read = roles.get("master", 0) * 3 + roles.get("grad", 0) + roles.get("optim", 0)
         must_write = roles.get("master", 0) + roles.get("grad", 0) + roles.get("optim", 0)
-        floors = []
-        for _ in range(5):
-            os.sync()
-            floors.append(disk_floor(Path(args.dir), must_read, must_write))
-        res["floor"] = {"read_bytes": must_read, "write_bytes": must_write, "seconds": sorted(floors)[2],
-                        "all": floors}
+        sizes = ["--floor-read", str(must_read), "--floor-write", str(must_write)]
+        floor = _run("floor", args, scratch, extra=sizes)
+        if "seconds" in floor:
+            res["floor"] = {"read_bytes": must_read, "write_bytes": must_write, **floor}
+        if args.memory_cap:
+            cap_bytes = parse_bytes(args.memory_cap, field="--memory-cap")
+            res["memory_cap"] = cap_bytes
+            for name in ("disk", "floor"):
+                cap = MemoryCgroup(cap_bytes, name)
+                try:
+                    rows[f"{name}_capped"] = _run(name, args, scratch, cap, extra=sizes)
+                finally:
+                    cap.remove()
     if args.deepspeed:
         rows["deepspeed"] = _run("deepspeed", args, scratch) if _importable("deepspeed") else \
             {"skipped": "deepspeed is not installed"}
@@ -265,6 +357,33 @@ def render(res: dict) -> str:
         lines.append(f"| disk floor | {floor['seconds']:.2f} | | | | | reads {gib(floor['read_bytes'])}, writes "
                      f"{gib(floor['write_bytes'])} with a plain loop in disk_dir (median of 5: "
                      f"{min(floor['all']):.2f}..{max(floor['all']):.2f} s) |")
+        if "direct_seconds" in floor:
+            lines.append(f"| disk floor, O_DIRECT | {floor['direct_seconds']:.2f} | | | | | the same bytes to and from "
+                         f"the disk itself (median of 5: {min(floor['direct_all']):.2f}..{max(floor['direct_all']):.2f}"
+                         " s): the floor where the page cache cannot hold the files |")
+        elif "direct_skipped" in floor:
+            lines.append(f"| disk floor, O_DIRECT | — | | | | | cannot run here: {floor['direct_skipped']} |")
+    if "memory_cap" in res:
+        lines += ["", f"In a memory cgroup of {mib(res['memory_cap'])} (resident set and page cache together):", "",
+                  "| row | s a step | peak RSS | − baseline | cgroup peak | notes |", "|---|---|---|---|---|---|"]
+        capped_floor = res["rows"].get("floor_capped", {})
+        for name, label in (("disk_capped", "disk tier, memory capped"), ("floor_capped", "disk floor, memory capped")):
+            r = res["rows"].get(name, {})
+            if "failed" in r or "skipped" in r:
+                reason = r.get("skipped") or r["failed"].strip().splitlines()[-1]
+                lines.append(f"| {label} | — | — | — | — | cannot run here: {reason} |")
+            elif name == "disk_capped":
+                step, last = _median_after_first(r["step_times"]), r["last_step"]
+                note = f"waited {last['disk_wait_s']:.2f} s on the disk in the last step"
+                if "seconds" in capped_floor:
+                    note += f"; {step / capped_floor['seconds']:.2f}× the capped floor"
+                if floor and "direct_seconds" in floor:
+                    note += f", {step / floor['direct_seconds']:.2f}× the O_DIRECT floor"
+                lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {mib(r['peak_rss'] - r['baseline_rss'])} "
+                             f"| {mib(r['cgroup_peak'])} | {note} |")
+            elif "seconds" in r:
+                lines.append(f"| {label} | {r['seconds']:.2f} | | | {mib(r['cgroup_peak'])} | median of 5: "
+                             f"{min(r['all']):.2f}..{max(r['all']):.2f} s |")
     return "\n".join(lines)
 
 
@@ -275,9 +394,13 @@ def main(argv: "list[str] | None" = None) -> dict:
     p.add_argument("--device-limit", default="160MiB")
     p.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "lightning_chunk_disk_bench"))
     p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
+    p.add_argument("--memory-cap", default=None, help="also run the disk tier and the floor in a memory cgroup of "
+                   "this size (resident set and page cache), e.g. 1100MiB")
+    p.add_argument("--floor-read", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--floor-write", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    return run_or_child(args, {"memory": child_chunk, "disk": child_chunk, "deepspeed": child_deepspeed}, measure,
-                        render)
+    return run_or_child(args, {"memory": child_chunk, "disk": child_chunk, "deepspeed": child_deepspeed,
+                               "floor": child_floor}, measure, render)
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def test_gpu_benchmark_runs_its_contenders_at_a_tiny_size_on_cpu(tmp_path, capsy
 def test_disk_benchmark_runs_every_row(tmp_path, capsys):
     res = load("disk").main(["--width", "128", "--depth", "4", "--context", "16", "--steps", "3", "--host-limit", "3MiB",
                              "--device-limit", "4MiB", "--dir", str(tmp_path / "scratch"), "--out",
-                             str(tmp_path / "disk.json")])
+                             str(tmp_path / "disk.json"), "--memory-cap", "1GiB"])
     rows = res["rows"]
     assert rows["memory"]["stats"]["disk_shards"] == 0 and len(rows["memory"]["step_times"]) == 3
     disk = rows["disk"]
@@ -204,5 +204,12 @@ def test_disk_benchmark_runs_every_row(tmp_path, capsys):
     assert res["floor"]["seconds"] > 0 and res["floor"]["write_bytes"] > 0
     ds = rows["deepspeed"]
     assert "skipped" in ds or ds["step_times"]  # never faked
-    assert "disk floor" in capsys.readouterr().out
+    # in a memory cgroup where one can be made (root, or a delegated subtree); elsewhere the reason, never faked
+    capped, capped_floor = rows["disk_capped"], rows["floor_capped"]
+    if "skipped" in capped:
+        assert capped["skipped"].startswith("no memory cgroup could be made here") and "skipped" in capped_floor
+    else:
+        assert 0 < capped["cgroup_peak"] <= 2**30 and len(capped["step_times"]) == 3 and capped_floor["seconds"] > 0
+    out = capsys.readouterr().out
+    assert "disk floor" in out and "memory capped" in out
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == []  # scratch and floor file removed
