@@ -115,3 +115,27 @@ def test_a_later_host_limit_takes_the_kept_trim_threshold_back(monkeypatch):
     assert calls == [(-3, 32 << 20), (-1, 1 << 30)]
     host_heap.map_large_blocks()
     assert calls[2:] == [(-1, 128 * 1024), (-3, 4 << 20)] and not host_heap._kept
+
+
+@pytest.mark.parametrize("limited", [True, False])
+def test_under_a_host_limit_the_heap_s_free_pages_go_back_once_a_step(monkeypatch, tmp_path, limited):
+    """[Note: a fixed mmap threshold]: activations stay under the threshold and come from the heap, whose holes the
+    process would keep; under ``host_memory_limit`` the engine trims them once a step, after backward (not at
+    every ``prepare_step`` a step may ask for: clipping, a second optimizer)."""
+    from tests.engine_steps import step
+
+    trims = []
+    monkeypatch.setattr(runtime, "release_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr(runtime, "map_large_blocks", lambda: True)  # process-wide: not this test's to change
+    monkeypatch.setattr(runtime, "keep_freed_heap", lambda: True)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    kw = dict(host_memory_limit="1GiB", disk_dir=str(tmp_path)) if limited else {}
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=1200, **kw))
+    for i in range(4):
+        step(eng, m, opt, torch.randn(4, 16, generator=torch.Generator().manual_seed(i)))
+        if i == 0:
+            trims.clear()  # the warm-up trims after its repack as well
+    eng.prepare_step()  # asked again before the next backward: no second trim
+    assert len(trims) == (3 if limited else 0), trims
