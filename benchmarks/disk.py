@@ -179,21 +179,25 @@ def disk_floor(directory: Path, read_bytes: int, write_bytes: int, *, direct: bo
         os.unlink(path)
 
 
-def child_floor(args: argparse.Namespace) -> None:
-    """The floor in a process of its own (inside the memory cgroup when capped): 5 runs, each after ``os.sync()``;
-    then 5 with ``O_DIRECT`` where the filesystem allows it."""
+def floors(directory: Path, read_bytes: int, write_bytes: int) -> dict:
+    """The floor 5 times, each after ``os.sync()``, then 5 times with ``O_DIRECT`` where the filesystem allows it."""
     out: dict = {}
     for key, direct in (("", False), ("direct_", True)):
-        floors = []
+        runs = []
         try:
             for _ in range(5):
                 os.sync()
-                floors.append(disk_floor(Path(args.dir), args.floor_read, args.floor_write, direct=direct))
+                runs.append(disk_floor(directory, read_bytes, write_bytes, direct=direct))
         except OSError as e:
-            out[f"{key}skipped"] = f"{e.strerror} ({'O_DIRECT' if direct else 'buffered'} I/O in {args.dir})"
+            out[f"{key}skipped"] = f"{e.strerror} ({'O_DIRECT' if direct else 'buffered'} I/O in {directory})"
             continue
-        out[f"{key}seconds"], out[f"{key}all"] = sorted(floors)[2], floors
-    Path(f"{args.out}.{args.child}").write_text(json.dumps(out))
+        out[f"{key}seconds"], out[f"{key}all"] = sorted(runs)[2], runs
+    return out
+
+
+def child_floor(args: argparse.Namespace) -> None:
+    """The floors in a process of their own: the one inside the memory cgroup."""
+    Path(f"{args.out}.{args.child}").write_text(json.dumps(floors(Path(args.dir), args.floor_read, args.floor_write)))
 
 
 class MemoryCgroup:
@@ -282,7 +286,7 @@ def measure(args: argparse.Namespace) -> dict:
         must_read = roles.get("master", 0) * 3 + roles.get("grad", 0) + roles.get("optim", 0)
         must_write = roles.get("master", 0) + roles.get("grad", 0) + roles.get("optim", 0)
         sizes = ["--floor-read", str(must_read), "--floor-write", str(must_write)]
-        floor = _run("floor", args, scratch, extra=sizes)
+        floor = floors(Path(args.dir), must_read, must_write)
         if "seconds" in floor:
             res["floor"] = {"read_bytes": must_read, "write_bytes": must_write, **floor}
         if args.memory_cap:
