@@ -209,7 +209,8 @@ def test_disk_benchmark_runs_every_row(tmp_path, capsys):
     if "skipped" in capped:
         assert capped["skipped"].startswith("no memory cgroup could be made here") and "skipped" in capped_floor
     else:
-        assert 0 < capped["cgroup_peak"] <= 2**30 and len(capped["step_times"]) == 3 and capped_floor["seconds"] > 0
+        # (the peak reads 0 where the kernel has no memory.peak: cgroup v2 before Linux 5.19)
+        assert capped["cgroup_peak"] <= 2**30 and len(capped["step_times"]) == 3 and capped_floor["seconds"] > 0
     out = capsys.readouterr().out
     assert "disk floor" in out and "memory capped" in out
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == []  # scratch and floor file removed
