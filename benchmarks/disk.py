@@ -383,8 +383,8 @@ def render(res: dict) -> str:
                     note += f"; {step / capped_floor['seconds']:.2f}× the capped floor"
                 if floor and "direct_seconds" in floor:
                     note += f", {step / floor['direct_seconds']:.2f}× the O_DIRECT floor"
-                lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {mib(r['peak_rss'] - r['baseline_rss'])} "
-                             f"| {mib(r['cgroup_peak'])} | {note} |")
+                over = mib(r["peak_rss"] - r["baseline_rss"])
+                lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | {note} |")
             elif "seconds" in r:
                 lines.append(f"| {label} | {r['seconds']:.2f} | | | {mib(r['cgroup_peak'])} | median of 5: "
                              f"{min(r['all']):.2f}..{max(r['all']):.2f} s |")

@@ -86,7 +86,8 @@ class PlacementPolicy:
         """Device bytes chunks may use at ``position``: the hard limit (the manager enforces it anyway)."""
         return limit
 
-    def pool_room(self, limit: Optional[int], trace: Optional[Trace], position: int, device_bytes: int) -> Optional[int]:
+    def pool_room(self, limit: Optional[int], trace: Optional[Trace], position: int,
+                  device_bytes: int) -> Optional[int]:
         """Bytes the payload pool may keep at ``position`` beside ``device_bytes`` of chunks; ``None``: no bound.
 
         [Note: the pool under a limit]

@@ -18,10 +18,10 @@ moves between a payload's storage and a holder storage with ``UntypedStorage._sw
 ``torch.utils.swap_tensors`` uses): the payload storage keeps its identity, its views see the new memory,
 and a released payload's storage holds no bytes, as it did with ``resize_(0)``. The pool never holds more
 than the most payload bytes of one size that were alive at once, minus those alive now; it is emptied when
-the layout changes and at the end of the run. Its blocks are device memory the ledger does not count, so under a
-``device_memory_limit`` the hooks trim it at every moment to what the limit leaves beside the chunks and the traced
-activations ([Note: the pool under a limit] in hooks.py). Where torch lacks ``_swap_data_ptr_``, or on CUDA, the pool
-does nothing and storages resize as before.
+the layout changes and at the end of the run. Its blocks are device memory the ledger does not count, so
+under a ``device_memory_limit`` the hooks trim it at every moment to what the limit leaves beside the chunks
+and the traced activations ([Note: the pool under a limit] in placement.py). Where torch lacks
+``_swap_data_ptr_``, or on CUDA, the pool does nothing and storages resize as before.
 """
 
 from __future__ import annotations
