@@ -110,8 +110,12 @@ class GradReducer:
         if chunk.grad_payload is not None:
             return
         mgr = self.manager
-        mgr.room_for(chunk.capacity_numel * chunk.grad.element_size(),  # type: ignore[union-attr]
-                     f"chunk {chunk.chunk_id}'s gradient payload", make_room)
+        what = f"chunk {chunk.chunk_id}'s gradient payload"
+        if not self.sync:  # inside no_sync: every chunk's payload stays until the micro-batch that steps
+            what += (" (accumulating with sharded_accumulation=False: each chunk's whole gradient stays on the device "
+                     "from the first micro-batch to the step; sharded_accumulation=True keeps only this rank's "
+                     "shard, or raise device_memory_limit)")
+        mgr.room_for(chunk.capacity_numel * chunk.grad.element_size(), what, make_room)  # type: ignore[union-attr]
         with mgr.tracked(chunk):
             chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, chunk.master_dtype)
         self._filled[chunk.chunk_id] = {}

@@ -240,3 +240,29 @@ def test_disk_shards_live_in_files_and_page_out_after_use(tmp_path):
     mgr.close()
     assert list(tmp_path.iterdir()) == []
     torch.testing.assert_close(net[0].weight, values[0] + 1)
+
+
+def test_a_gradient_payload_that_does_not_fit_while_accumulating_unsharded_names_the_setting():
+    """Inside ``no_sync`` (``sharded_accumulation=False``) every chunk's whole gradient stays on the device until the
+    stepping micro-batch: a limit that holds the step but not that is told apart, with the way out."""
+    from types import SimpleNamespace
+
+    from lightning_chunk.engine.reduce import GradReducer
+
+    class Full:  # a device tier with no room left
+        device = torch.device("cpu")
+
+        def room_for(self, nbytes, what, make_room=None):
+            raise DeviceMemoryLimitError(f"{what} needs {nbytes} more bytes")
+
+    chunk = SimpleNamespace(grad_payload=None, capacity_numel=10, grad=torch.zeros(1), chunk_id=3)
+    reducer = GradReducer(Full(), pinned=False)
+    with pytest.raises(DeviceMemoryLimitError) as synced:
+        reducer._ensure_payload(chunk, None)
+    reducer.sync = False
+    with pytest.raises(DeviceMemoryLimitError) as unsynced:
+        reducer._ensure_payload(chunk, None)
+    assert "sharded_accumulation" not in str(synced.value)
+    assert str(unsynced.value).startswith("chunk 3's gradient payload (accumulating with sharded_accumulation=False")
+    assert "sharded_accumulation=True keeps only this rank's shard" in str(unsynced.value)
+    assert str(unsynced.value).endswith("needs 40 more bytes")
