@@ -80,9 +80,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
             it while the device budget (``device_memory_limit`` less the traced activations) has room, releasing
             what does not fit after use (``False``; one all-gather a chunk a step where the payloads
             fit, as DeepSpeed ZeRO-3); ``True`` releases every payload after forward and gathers it again for
-            backward (FSDP2's default), the smallest device footprint. ``None`` keeps on an accelerator and on a
-            CPU device with a ``device_memory_limit``, and releases on a CPU device without one. The other
-            placements keep payloads until the budget needs the room.
+            backward (FSDP2's default), the smallest device footprint. ``None`` keeps on an accelerator and releases on
+            a CPU device, with or without a ``device_memory_limit``. The other placements keep payloads until
+            the budget needs the room.
         offload_fraction: with ``placement="static"``, the fraction of chunks whose shards live on the host.
         chunk_numel: elements per chunk; ``None`` chooses it after the warm-up step.
         chunk_numel_min: lower bound of the automatic chunk-size search.

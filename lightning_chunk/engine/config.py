@@ -95,9 +95,9 @@ class ChunkConfig:
     use (``False``): one all-gather a chunk a step instead of two wherever the payloads fit, as DeepSpeed ZeRO-3's
     default; or release each payload after its use in forward and gather it again for backward (``True``, FSDP2's
     default). ``None``: ``False`` on an accelerator, whose budget is known (its free memory at set-up less a
-    margin, or ``device_memory_limit``), and on a CPU device with a ``device_memory_limit``; ``True`` on a CPU
-    device without one, where the payloads would be one more copy of the model in the host memory the sharding
-    exists to save ([Note: keeping payloads for backward] in ``placement.py``). The other placements keep payloads
+    margin, or ``device_memory_limit``) and seen whole by the trace; ``True`` on a CPU device, with or without a
+    ``device_memory_limit``: the payloads would be one more copy of the model in host memory, and the CPU trace
+    does not count backward's gradients ([Note: keeping payloads for backward] in ``placement.py``). The other placements keep payloads
     until the budget needs their room: ``False`` is what they do already, and ``True`` is refused with them."""
 
     offload_fraction: float = 0.5

@@ -42,7 +42,7 @@ CASES = {
     "tied": dict(variant="tied"),
     "frozen": dict(variant="frozen"),
     "unused": dict(variant="unused"),
-    # the default on a CPU device without a limit: payloads released after use (FSDP2's reshard_after_forward=True),
+    # the default on a CPU device: payloads released after use (FSDP2's reshard_after_forward=True),
     # each chunk gathered for forward and again for backward
     "host": dict(model=dict(dim=64, hidden=256, depth=6), strategy=dict(placement="host", chunk_numel=20000),
                  telemetry=True),

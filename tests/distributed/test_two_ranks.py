@@ -179,8 +179,9 @@ def test_disk_tier_holds_what_host_memory_limit_leaves_out_on_each_rank(parity_r
 
 def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
     """``reshard_after_forward=False`` (bit-exact with DDP above): each chunk is gathered once a step instead of
-    twice, and the device holds more payloads at once; with a limit below the model's payloads the default keeps
-    them too, within it: the peak stays under it, and what does not fit is released and gathered again."""
+    twice, and the device holds more payloads at once; with a limit below the model's payloads (what an
+    accelerator does by default) it keeps them within it: the peak stays under it, and what does not fit is
+    released and gathered again."""
     out, _, _ = parity_run
     for released, kept in zip(stats(out, "host"), stats(out, "host_kept")):
         assert kept["chunks"] == released["chunks"] > 2
