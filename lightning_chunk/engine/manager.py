@@ -410,6 +410,8 @@ class ChunkManager:
                     else:  # inside no_sync(): the gradients stay in the gradient payload for the next micro-batch
                         c.reduced()
             c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
+        if self.disk_chunks:  # [Note: gradient write-backs off the step] in tiers.py
+            self.disk.settle_grads()
         self._changed()
 
     def reset_states(self) -> None:

@@ -137,7 +137,10 @@ class DiskStorage(TierStorage):
         self._state_dtype: dict[tuple[int, str], torch.dtype] = {}
         self._depth: dict[tuple[int, str], int] = {}  # nested uses page in and out once
         self._grads: dict[int, torch.Tensor] = {}  # id(chunk) -> this backward's gradients, until written
-        self._spare: list[torch.Tensor] = []  # gradient buffers written back, kept for the next chunks
+        # gradient buffers kept for the next chunks, each with the write-back that may still be reading it
+        self._spare: list[tuple[torch.Tensor, Future]] = []
+        self._grad_writes: dict[int, Future] = {}  # id(file) -> its gradient write-back on the I/O thread
+        self._hinted: set[int] = set()  # id(file) of master files the kernel was asked to read ahead
         self._reader: Optional[ThreadPoolExecutor] = None  # the read-ahead thread
         self._ahead: dict[int, tuple[bool, Future]] = {}  # id(file) -> (writable, its read-ahead)
         self._sets: list[dict[str, torch.Tensor]] = [{}, {}]  # two staging sets: one in use, one being read
@@ -243,10 +246,13 @@ class DiskStorage(TierStorage):
             return super().grad_target(chunk)
         buf = self._grads.get(id(chunk))
         if buf is None:
-            spare = [b for b in self._spare if b.numel() >= f.nbytes]
-            buf = spare[0] if spare else torch.empty(f.nbytes, dtype=torch.uint8)  # reused: no page faults anew
-            if spare:
-                self._spare.remove(buf)
+            spare = [s for s in self._spare if s[0].numel() >= f.nbytes]
+            if spare:  # reused: no page faults anew, once its write-back has read it
+                self._spare.remove(spare[0])
+                buf, writing = spare[0]
+                self._wait_for(writing)
+            else:
+                buf = torch.empty(f.nbytes, dtype=torch.uint8)
             buf = buf[: f.nbytes]
             assert chunk.grad is not None
             if chunk.grad_written or any(t.has_grad for t in chunk.tensors):  # accumulating: keep what is there
@@ -261,14 +267,47 @@ class DiskStorage(TierStorage):
         return buf.view(chunk.grad.dtype)[: chunk.shard_numel]
 
     def grads_done(self, chunk: Chunk) -> None:
+        """The chunk's gradients are all in its buffer: write it to the file on the I/O thread.
+
+        [Note: gradient write-backs off the step] Written on the main thread, each disk chunk's gradient
+        file held backward up for as long as the write took: 0.23 s a step on the 85M GPT of
+        ``benchmarks/disk.py`` where memory could not cache the files. The I/O thread is idle in
+        backward, so it writes them while backward goes on. The buffer is one of the two kept for the
+        next chunks, so at most two are written at once, and taking one back waits for its write.
+        What reads the file after it is ordered after the write: the optimizer's staged reads run on
+        the same thread, in order; a use through the mapping (``_use``, ``prefetch``) and a read of
+        the gradients being accumulated (``grad_target``, after ``flush``) wait for it first; the
+        end of backward waits for all of them (``settle_grads``), before anything outside the engine
+        can look at a gradient. A write that failed raises there, or at the latest in ``flush``."""
         buf = self._grads.pop(id(chunk), None)
         if buf is not None:
             f = self._files[id(chunk)]["grad"]
-            t0 = time.perf_counter()
-            f.write_from(buf)
-            self.wait_s += time.perf_counter() - t0
             self.write_bytes += f.nbytes
-            self._spare = sorted([*self._spare, buf], key=lambda b: -b.numel())[:2]  # the largest two are kept
+            writing = self._grad_writes[id(f)] = self._thread().submit(f.write_from, buf)
+            kept = sorted([*self._spare, (buf, writing)], key=lambda s: -s[0].numel())
+            self._spare = kept[:2]  # the largest two are kept
+            for _, dropped in kept[2:]:
+                self._wait_for(dropped)  # no more than two buffers a step may be writing
+
+    def settle_grads(self) -> None:
+        """Wait for the gradient write-backs in flight (raising what one of them raised)."""
+        writes, self._grad_writes = list(self._grad_writes.values()), {}
+        for w in writes:
+            self._wait_for(w)
+
+    def _wait_for(self, work: Future) -> None:
+        if not work.done():
+            t0 = time.perf_counter()
+            work.result()
+            self.wait_s += time.perf_counter() - t0
+        else:
+            work.result()
+
+    def _after_grad_write(self, f: MappedFile) -> None:
+        """A use of ``f`` through the mapping sees its gradient write-back: wait for it if one is in flight."""
+        writing = self._grad_writes.pop(id(f), None)
+        if writing is not None:
+            self._wait_for(writing)
 
     def keeps(self, chunk: Chunk, t: torch.Tensor) -> bool:
         """``t`` is a view of the chunk's optimizer-state file."""
@@ -283,6 +322,7 @@ class DiskStorage(TierStorage):
             if ahead is not None:
                 ahead[1].result()
         for f in self._files.pop(id(chunk), {}).values():
+            self._hinted.discard(id(f))
             f.close()
         self._state_at.pop(id(chunk), None)
         self._used.pop(id(chunk), None)
@@ -292,6 +332,9 @@ class DiskStorage(TierStorage):
             self._reader.shutdown(wait=True)
             self._reader = None
         self._ahead.clear()
+        self._grad_writes.clear()
+        self._spare.clear()
+        self._hinted.clear()
         for files in self._files.values():
             for f in files.values():
                 f.close()
@@ -314,6 +357,7 @@ class DiskStorage(TierStorage):
     def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES, *, write: bool = False) -> None:
         """Fault the chunk's ``roles`` files in on the read-ahead thread (writable when ``write``)."""
         for _, f in self._of(chunk, roles):
+            self._after_grad_write(f)
             if id(f) not in self._ahead:
                 advice = POPULATE_WRITE if write else POPULATE_READ
                 self._ahead[id(f)] = (write, self._thread().submit(f.advise_unlocked, advice))
@@ -379,8 +423,29 @@ class DiskStorage(TierStorage):
             bufs[role] = b
         self.read_bytes += sum(f.nbytes for f in files.values())
         self.staged += 1
+        for f in files.values():  # the kernel queues every read at once; the thread copies as they land
+            f.will_need()
         ready = self._thread().submit(lambda: [f.read_into(bufs[r]) for r, f in files.items()])
         return Staged(chunk, files, bufs, ready)
+
+    def read_ahead_master(self, chunk: Chunk) -> None:
+        """The chunk's master file will be read by a gather soon (``read_master_into``): let the kernel start reading
+        it now, once per use.
+
+        [Note: the gathers' reads ahead of use] On a CPU device a gather reads an fp32 disk shard's
+        master file into its payload on the main thread, twice a step (forward and backward). Where
+        memory cannot cache the files that read waits for the disk: 0.41 s a step on the 85M GPT of
+        ``benchmarks/disk.py`` in a 1 GiB memory cgroup. The hooks know the coming chunks from the
+        trace, so at every moment they ask the kernel (``POSIX_FADV_WILLNEED``, which queues the
+        reads and returns) for the masters of the next ``READ_AHEAD_CHUNKS`` chunks; the read then
+        copies from the page cache. One chunk ahead was too late (a moment's compute is shorter than
+        a 9 MB read); four halved the wait. The optimizer's staged reads ask the same of their
+        files (``stage_in``), so the disk has the whole next chunk queued, not one request at a
+        time. Where the files are cached both are page-cache lookups."""
+        f = self._files.get(id(chunk), {}).get("master")
+        if f is not None and id(f) not in self._hinted:
+            self._hinted.add(id(f))
+            f.will_need()
 
     def read_master_into(self, chunk: Chunk, dst: torch.Tensor) -> bool:
         """Copy the chunk's master file into ``dst`` (contiguous, on the host, as many bytes) with ``preadv``, not
@@ -388,6 +453,7 @@ class DiskStorage(TierStorage):
         f = self._files.get(id(chunk), {}).get("master")
         if f is None:
             return False
+        self._hinted.discard(id(f))
         t0 = time.perf_counter()
         f.read_into(dst.view(-1).view(torch.uint8))
         self.wait_s += time.perf_counter() - t0
@@ -410,7 +476,8 @@ class DiskStorage(TierStorage):
         if self._reader is not None:
             t0 = time.perf_counter()
             self._reader.submit(lambda: None).result()
-            writes, self._writes = self._writes, []
+            writes, self._writes = [*self._writes, *self._grad_writes.values()], []
+            self._grad_writes = {}
             for w in writes:
                 w.result()
             self.wait_s += time.perf_counter() - t0
@@ -433,6 +500,8 @@ class DiskStorage(TierStorage):
             self._depth[key] = self._depth.get(key, 0) + 1
             if self._depth[key] == 1:
                 entered.append((key, f))
+        for _, f in entered:
+            self._after_grad_write(f)
         t0 = time.perf_counter()
         for _, f in entered:
             ahead = self._ahead.pop(id(f), None)

@@ -365,3 +365,82 @@ def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp
     assert set(seen) == {max(1, min(threads, cores - 1))}
     s = strategy.memory_stats()
     assert s["disk_shards"] > 0 and s["disk_staged_steps"] > 0
+
+
+def _grad_chunk(storage, numel):
+    """A stand-in for a disk chunk with a gradient file of ``numel`` fp32 elements (what ``DiskStorage`` reads of it)."""
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(chunk_id=0, shard_numel=numel, grad_written=False, tensors=[])
+    c.grad = storage.alloc(c, "grad", numel, torch.float32)
+    return c
+
+
+def test_a_gradient_write_back_leaves_backward_running_and_every_reader_sees_it(tmp_path, monkeypatch):
+    """[Note: gradient write-backs off the step]: ``grads_done`` returns while the I/O thread writes; a use of
+    the file through the mapping waits for the write and sees its bytes; the end of backward waits for every
+    write and raises the error of one that failed."""
+    import threading
+
+    from lightning_chunk.engine import disk as disk_mod
+    from lightning_chunk.engine.tiers import DiskStorage, HostStorage
+
+    storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
+    gate, written = threading.Event(), threading.Event()
+    inner = disk_mod.MappedFile.write_from
+
+    def slow_write(self, buf):
+        assert gate.wait(10)
+        inner(self, buf)
+        written.set()
+
+    monkeypatch.setattr(disk_mod.MappedFile, "write_from", slow_write)
+    try:
+        c = _grad_chunk(storage, 1000)
+        storage.grad_target(c).copy_(torch.arange(1000, dtype=torch.float32))
+        storage.grads_done(c)  # returns with the write held at the gate
+        assert not written.is_set()
+        threading.Timer(0.2, gate.set).start()
+        with storage.reading(c, ("grad",)):
+            assert written.is_set()
+            assert torch.equal(c.grad, torch.arange(1000, dtype=torch.float32))
+
+        def failing_write(self, buf):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(disk_mod.MappedFile, "write_from", failing_write)
+        storage.grad_target(c).fill_(1.0)
+        storage.grads_done(c)
+        with pytest.raises(OSError, match="Input/output error"):
+            storage.settle_grads()
+    finally:
+        gate.set()
+        storage.close()
+
+
+def test_reads_ahead_are_asked_once_a_use_and_only_for_files_on_disk(tmp_path, monkeypatch):
+    """[Note: the gathers' reads ahead of use]: the kernel is asked to read a master file ahead once until a
+    gather reads it; a chunk with no master file on disk asks nothing."""
+    from types import SimpleNamespace
+
+    from lightning_chunk.engine import disk as disk_mod
+    from lightning_chunk.engine.tiers import DiskStorage, HostStorage
+
+    storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
+    asked = []
+    monkeypatch.setattr(disk_mod.MappedFile, "will_need", lambda self: asked.append(self.path.name))
+    try:
+        c = SimpleNamespace(chunk_id=3, shard_numel=64)
+        master = storage.alloc(c, "master", 64, torch.float32)
+        master.copy_(torch.linspace(0, 1, 64))
+        storage.read_ahead_master(c)
+        storage.read_ahead_master(c)
+        assert len(asked) == 1 and asked[0].endswith("master.bin")
+        dst = torch.empty(64)
+        assert storage.read_master_into(c, dst) and torch.equal(dst, torch.linspace(0, 1, 64))
+        storage.read_ahead_master(c)  # the next use asks again
+        assert len(asked) == 2
+        storage.read_ahead_master(SimpleNamespace(chunk_id=4, shard_numel=64))
+        assert len(asked) == 2
+    finally:
+        storage.close()
