@@ -187,6 +187,21 @@ class MappedFile:
             return self.advise(advice)
         return c.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(len(self.mm)), ctypes.c_int(advice)) == 0
 
+    def will_need(self) -> None:
+        """Ask the kernel to start reading the whole file into the page cache (``POSIX_FADV_WILLNEED``): it queues
+        the reads and returns; a ``read_into`` after them copies from memory. Where the pages are cached it is a
+        lookup; where the call is unsupported it does nothing."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, self.nbytes, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
+
     def read_into(self, buf: torch.Tensor) -> None:
         """The file's bytes into ``buf`` (a contiguous uint8 host tensor of ``nbytes``), with ``preadv``: a copy
         from the page cache, without mapping a page (the GIL is released)."""

@@ -85,6 +85,8 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
 ROOT = "<root>"
+# disk chunks whose master files a CPU gather reads ahead of use ([Note: the gathers' reads ahead of use] in tiers.py)
+READ_AHEAD_CHUNKS = 4
 
 
 class ChunkHooks:
@@ -271,13 +273,20 @@ class ChunkHooks:
             room = self.policy.pool_room(mgr.limit, trace, self.position, mgr.ledger[Tier.DEVICE])
             if room is not None:
                 mgr.pool.trim(room)
-        # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead
-        # (on a CPU device the gather reads the file itself, [Note: staged optimizer steps] in tiers.py)
-        if trace is not None and mgr.disk_chunks and mgr.device.type != "cpu":
-            for cid in trace.next_chunks(self.position):
-                c = mgr.chunks[cid]
-                if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
-                    mgr.disk.prefetch(c, ("master",))
+        # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead; on a
+        # CPU device the gather reads the file itself ([Note: staged optimizer steps] in tiers.py): the kernel
+        # starts reading it ahead ([Note: the gathers' reads ahead of use] in tiers.py)
+        if trace is not None and mgr.disk_chunks:
+            if mgr.device.type == "cpu":
+                for cid in trace.chunks_ahead(self.position, READ_AHEAD_CHUNKS):
+                    c = mgr.chunks[cid]
+                    if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
+                        mgr.disk.read_ahead_master(c)
+            else:
+                for cid in trace.next_chunks(self.position):
+                    c = mgr.chunks[cid]
+                    if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
+                        mgr.disk.prefetch(c, ("master",))
 
     def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Optional[Trace],
               budget: Optional[int]) -> None:

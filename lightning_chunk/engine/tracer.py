@@ -85,6 +85,19 @@ class Trace:
                 return m.chunk_ids
         return ()
 
+    def chunks_ahead(self, position: int, limit: int) -> list[int]:
+        """Distinct chunks used after ``position`` in the order of their first use, at most ``limit`` of them
+        (this step's rest only: the next step starts with the optimizer's own reads)."""
+        seen: dict[int, None] = {}
+        for m in self.moments[position + 1 :]:
+            if m.kind == POST_FORWARD:
+                continue
+            for c in m.chunk_ids:
+                seen.setdefault(c, None)
+                if len(seen) >= limit:
+                    return list(seen)
+        return list(seen)
+
     def reused_before_gather(self, position: int, resident: frozenset[int]) -> frozenset[int]:
         """Resident chunks used after ``position`` up to the first moment that needs one not in ``resident``.
 

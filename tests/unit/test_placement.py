@@ -247,3 +247,14 @@ def test_host_placement_keeps_payloads_for_backward_unless_told_to_release():
         assert policy.plan(position=1, needed=frozenset({1}), chunks=chunks, trace=t2, budget_bytes=2000,
                            device_bytes=1000).evict == ()
     assert kept.budget(5000, t, 4) == released.budget(5000, t, 4) == 5000
+
+
+def test_chunks_ahead_are_the_next_distinct_chunks_in_first_use_order_within_the_step():
+    """What the disk tier's gathers read ahead ([Note: the gathers' reads ahead of use] in tiers.py)."""
+    m = lambda kind, *cids: Moment(kind, "m", tuple(cids), (), 0)  # noqa: E731
+    trace = Trace((m(FORWARD, 0), m(FORWARD, 1, 2), m(POST_FORWARD, 9), m(FORWARD, 2, 3), m(BACKWARD, 3),
+                   m(BACKWARD, 1, 0)))
+    assert trace.chunks_ahead(0, 4) == [1, 2, 3, 0]
+    assert trace.chunks_ahead(0, 2) == [1, 2]
+    assert trace.chunks_ahead(3, 4) == [3, 1, 0]
+    assert trace.chunks_ahead(5, 4) == []
