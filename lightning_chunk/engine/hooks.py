@@ -277,15 +277,14 @@ class ChunkHooks:
         # CPU device the gather reads the file itself ([Note: staged optimizer steps] in tiers.py): the kernel
         # starts reading it ahead ([Note: the gathers' reads ahead of use] in tiers.py)
         if trace is not None and mgr.disk_chunks:
-            if mgr.device.type == "cpu":
-                for cid in trace.chunks_ahead(self.position, READ_AHEAD_CHUNKS):
-                    c = mgr.chunks[cid]
-                    if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
+            on_cpu = mgr.device.type == "cpu"
+            for cid in (trace.chunks_ahead(self.position, READ_AHEAD_CHUNKS) if on_cpu else
+                        trace.next_chunks(self.position)):
+                c = mgr.chunks[cid]
+                if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
+                    if on_cpu:
                         mgr.disk.read_ahead_master(c)
-            else:
-                for cid in trace.next_chunks(self.position):
-                    c = mgr.chunks[cid]
-                    if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
+                    else:
                         mgr.disk.prefetch(c, ("master",))
 
     def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Optional[Trace],
