@@ -423,13 +423,11 @@ class DiskStorage(TierStorage):
             bufs[role] = b
         self.read_bytes += sum(f.nbytes for f in files.values())
         self.staged += 1
-        def read() -> None:
-            for f in files.values():  # the kernel queues every read at once; the copies follow as they land
-                f.will_need()
-            for r, f in files.items():
-                f.read_into(bufs[r])
-
-        ready = self._thread().submit(read)
+        # the kernel queues every read at once, here: the I/O thread may still be writing the chunk before last
+        # back, and the reads then go on beside that write ([Note: the gathers' reads ahead of use])
+        for f in files.values():
+            f.will_need()
+        ready = self._thread().submit(lambda: [f.read_into(bufs[r]) for r, f in files.items()])
         return Staged(chunk, files, bufs, ready)
 
     def read_ahead_master(self, chunk: Chunk) -> None:
@@ -447,7 +445,10 @@ class DiskStorage(TierStorage):
         pressure the kernel reclaims pages for the reads in the caller, which took 0.06-0.11 s a
         step from the main thread's hooks. The optimizer's staged reads ask the same of their
         files (``stage_in``), so the disk has the whole next chunk queued, not one request at a
-        time. Where the files are cached both are page-cache lookups."""
+        time; that asking stays on the main thread, where it starts the reads while the I/O thread
+        is still writing the chunk before back (asked inside the thread's read, after that write,
+        the step's disk waits were 1.46-1.61 s against 1.13-1.19). Where the files are cached
+        both are page-cache lookups."""
         f = self._files.get(id(chunk), {}).get("master")
         if f is not None and id(f) not in self._hinted:
             self._hinted.add(id(f))
