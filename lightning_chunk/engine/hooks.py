@@ -85,7 +85,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
 ROOT = "<root>"
-# disk chunks whose master files a CPU gather reads ahead of use ([Note: the gathers' reads ahead of use] in tiers.py)
+# disk chunks whose master files a CPU gather reads ahead of use ([Note: the gathers' reads ahead of use] in disk_storage.py)
 READ_AHEAD_CHUNKS = 4
 
 
@@ -274,8 +274,8 @@ class ChunkHooks:
             if room is not None:
                 mgr.pool.trim(room)
         # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead; on a
-        # CPU device the gather reads the file itself ([Note: staged optimizer steps] in tiers.py): the kernel
-        # starts reading it ahead ([Note: the gathers' reads ahead of use] in tiers.py)
+        # CPU device the gather reads the file itself ([Note: staged optimizer steps] in disk_storage.py): the kernel
+        # starts reading it ahead ([Note: the gathers' reads ahead of use] in disk_storage.py)
         if trace is not None and mgr.disk_chunks:
             on_cpu = mgr.device.type == "cpu"
             for cid in (trace.chunks_ahead(self.position, READ_AHEAD_CHUNKS) if on_cpu else

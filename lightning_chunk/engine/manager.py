@@ -31,7 +31,8 @@ from .pool import BlockPool
 from .reduce import GradReducer, MakeRoom
 from .repack import ExtraShards, FromModule, OldChunks, build_chunk, piece_range
 from .states import TensorState, check_transition
-from .tiers import DeviceStorage, DiskStorage, HostStorage, TierStorage
+from .disk_storage import DiskStorage
+from .tiers import DeviceStorage, HostStorage, TierStorage
 from .timing import StepClock
 
 S = TensorState
@@ -287,7 +288,7 @@ class ChunkManager:
                     # collectives need device tensors: stage the host shard in this rank's slice of the
                     # payload and all-gather in place (as FSDP2 does), so no unaccounted buffer is made.
                     # A disk shard is staged too: on a CPU device its file is read straight into the slice
-                    # ([Note: staged optimizer steps] in tiers.py); else its pages go out when this block ends
+                    # ([Note: staged optimizer steps] in disk_storage.py); else its pages go out when this block ends
                     lo, hi = chunk.shard_range
                     staged = chunk.payload[lo:hi]
                     with self.clock.measure("tier_copy"):
@@ -410,7 +411,7 @@ class ChunkManager:
                     else:  # inside no_sync(): the gradients stay in the gradient payload for the next micro-batch
                         c.reduced()
             c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
-        if self.disk_chunks:  # [Note: gradient write-backs off the step] in tiers.py
+        if self.disk_chunks:  # [Note: gradient write-backs off the step] in disk_storage.py
             self.disk.settle_grads()
         self._changed()
 

@@ -212,7 +212,7 @@ class OptimizerBinding:
 
     def _step_staged(self, staged: Any, **kwargs: Any) -> Any:
         """Step the narrowed param groups on the staged twins of their views ([Note: staged optimizer steps] in
-        ``tiers.py``): twin parameters, gradients and per-element state; scalar state (``step``) is shared."""
+        ``disk_storage.py``): twin parameters, gradients and per-element state; scalar state (``step``) is shared."""
         state = self.optimizer.state
         twins = {}
         for g in self.optimizer.param_groups:

@@ -271,7 +271,8 @@ def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
 def test_the_io_thread_gets_a_core_and_the_threads_come_back(tmp_path, monkeypatch):
     """While disk chunks step, torch's threads plus the I/O thread fit the cores; the count is restored after,
     also when the block raises, and left alone where the cores outnumber torch's threads."""
-    from lightning_chunk.engine.tiers import DiskStorage, HostStorage
+    from lightning_chunk.engine.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers import HostStorage
 
     storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
     before = torch.get_num_threads()
@@ -341,11 +342,11 @@ def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp
     thread, and training equals the same strategy with every shard in memory, bit for bit."""
     import contextlib
 
-    from lightning_chunk.engine import tiers
+    from lightning_chunk.engine.disk_storage import DiskStorage
     from tests.models import ReorderedNet
 
     seen: list[int] = []
-    inner = tiers.DiskStorage.beside_io
+    inner = DiskStorage.beside_io
 
     @contextlib.contextmanager
     def spy(self):
@@ -353,7 +354,7 @@ def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp
             seen.append(torch.get_num_threads())
             yield
 
-    monkeypatch.setattr(tiers.DiskStorage, "beside_io", spy)
+    monkeypatch.setattr(DiskStorage, "beside_io", spy)
     kw = dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), accumulate_grad_batches=2)
     ref = fit(ChunkOffloadStrategy(), steps=STEPS, **kw)
     assert not seen  # no disk tier, no I/O thread
@@ -383,7 +384,8 @@ def test_a_gradient_write_back_leaves_backward_running_and_every_reader_sees_it(
     import threading
 
     from lightning_chunk.engine import disk as disk_mod
-    from lightning_chunk.engine.tiers import DiskStorage, HostStorage
+    from lightning_chunk.engine.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers import HostStorage
 
     storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
     gate, written = threading.Event(), threading.Event()
@@ -424,7 +426,8 @@ def test_reads_ahead_are_asked_once_a_use_and_only_for_files_on_disk(tmp_path, m
     from types import SimpleNamespace
 
     from lightning_chunk.engine import disk as disk_mod
-    from lightning_chunk.engine.tiers import DiskStorage, HostStorage
+    from lightning_chunk.engine.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers import HostStorage
 
     storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
     asked = []

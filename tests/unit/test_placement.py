@@ -250,7 +250,7 @@ def test_host_placement_keeps_payloads_for_backward_unless_told_to_release():
 
 
 def test_chunks_ahead_are_the_next_distinct_chunks_in_first_use_order_within_the_step():
-    """What the disk tier's gathers read ahead ([Note: the gathers' reads ahead of use] in tiers.py)."""
+    """What the disk tier's gathers read ahead ([Note: the gathers' reads ahead of use] in disk_storage.py)."""
     m = lambda kind, *cids: Moment(kind, "m", tuple(cids), (), 0)  # noqa: E731
     trace = Trace((m(FORWARD, 0), m(FORWARD, 1, 2), m(POST_FORWARD, 9), m(FORWARD, 2, 3), m(BACKWARD, 3),
                    m(BACKWARD, 1, 0)))
