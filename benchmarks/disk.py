@@ -16,8 +16,10 @@ Rows, each in its own process, one rank, measured in one run:
   the median of 5, each after ``os.sync()`` as every row starts after one. ``disk floor, O_DIRECT``: the same
   loop with ``O_DIRECT``, so that the bytes go to and come from the disk itself: the floor of a machine whose
   page cache cannot hold the files.
-- ``DeepSpeed ZeRO-Infinity``: ``offload_param`` and ``offload_optimizer`` to ``nvme`` at ``--dir``, when
-  deepspeed can run here; otherwise the reason it gave.
+- ``DeepSpeed ZeRO-Infinity``: ``offload_param`` and ``offload_optimizer`` to ``nvme`` at ``--dir``, the model
+  built under ``deepspeed.zero.Init`` and the swap buffers sized to it, when deepspeed can run here (its
+  ``async_io`` op needs ``libaio``: Debian's ``libaio-dev``); otherwise the reason it gave. With
+  ``--memory-cap``, again inside the cgroup (``DeepSpeed ZeRO-Infinity (nvme), memory capped``).
 - with ``--memory-cap SIZE``, ``disk tier, memory capped`` and ``disk floor, memory capped``: the disk-tier row
   and the floor again, each in a memory cgroup of SIZE, which charges the page cache too. Without it a machine
   with more memory than the state keeps the files in its page cache, and "disk" I/O runs at memory speed; capped,
@@ -119,18 +121,24 @@ def child_deepspeed(args: argparse.Namespace) -> None:
 
         deepspeed.init_distributed(dist_backend="gloo")
         torch.manual_seed(0)
-        model = make_gpt(args)
         nvme = str(Path(args.dir) / "deepspeed")
         Path(nvme).mkdir(parents=True, exist_ok=True)
         config = {
             "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-            "zero_optimization": {"stage": 3,
-                                  "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False},
+            # the swap buffers sized to this model, as a ZeRO-Infinity user bounding host memory sets them: by default
+            # five 1e8-element parameter buffers and one optimizer sub-group of 1e9 elements (several GiB of buffers)
+            "zero_optimization": {"stage": 3, "sub_group_size": 10**7,
+                                  "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
+                                                    "buffer_count": 5, "buffer_size": 10**7},
                                   "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False}},
             "aio": {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True},
             "steps_per_print": 10**9,
         }
+        # built partitioned, its parameters sent to NVMe as each module is made (zero.Init), as ZeRO-Infinity's
+        # users build a model larger than memory; chunk_offload's rows build on the meta device likewise
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device="nvme", pin_memory=False):
+            model = make_gpt(args)
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         times = []
         baseline = proc_bytes("VmRSS")
@@ -269,7 +277,9 @@ def _run(name: str, args: argparse.Namespace, scratch: Path, cap: "MemoryCgroup 
         return {"skipped": f"no memory cgroup could be made here (joining it failed: {e})"}
     path = Path(f"{out}.{name}")
     if not path.exists():
-        return {"failed": (r.stdout + r.stderr)[-3000:]}
+        if r.returncode == -9 and cap is not None:  # the cgroup's OOM killer leaves no message of its own
+            return {"failed": f"killed (SIGKILL) inside the {cap.limit >> 20} MiB memory cgroup", "returncode": -9}
+        return {"failed": (r.stdout + r.stderr)[-3000:], "returncode": r.returncode}
     res = json.loads(path.read_text())
     if cap is not None:
         res["cgroup_peak"] = cap.peak()
@@ -295,7 +305,8 @@ def measure(args: argparse.Namespace) -> dict:
         if args.memory_cap:
             cap_bytes = parse_bytes(args.memory_cap, field="--memory-cap")
             res["memory_cap"] = cap_bytes
-            for name in ("disk", "floor"):
+            capped = ("disk", "floor", "deepspeed") if args.deepspeed and _importable("deepspeed") else ("disk", "floor")
+            for name in capped:
                 cap = MemoryCgroup(cap_bytes, name)
                 try:
                     rows[f"{name}_capped"] = _run(name, args, scratch, cap, extra=sizes if name == "floor" else None)
@@ -341,7 +352,7 @@ def render(res: dict) -> str:
             continue
         step = _median_after_first(r["step_times"])
         over = r["peak_rss"] - r["baseline_rss"]
-        state = r.get("params", 0) * 16
+        state = (r.get("params") or res["rows"].get("memory", {}).get("params", 0)) * 16  # the same GPT
         host = parse_bytes(a["host_limit"], field="--host-limit")
         note = ""
         if name == "disk":
@@ -357,6 +368,11 @@ def render(res: dict) -> str:
                     note += f", its {extra:.2f} s over the in-memory step = {extra / floor['seconds']:.2f}× the floor"
         if name == "memory":
             note = f"{r['params'] / 1e6:.1f}M parameters"
+        if name == "deepspeed":
+            note = "built under zero.Init, swap buffers sized to the model"
+            disk_row = res["rows"].get("disk", {})
+            if "step_times" in disk_row:
+                note += f"; the disk tier's step is {_median_after_first(disk_row['step_times']) / step:.2f}× this one"
         fits = "yes" if over <= limit else "no"
         lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {mib(over)} | "
                      f"{fits if name == 'disk' else '—'} | {state / host:.1f}× | {note} |")
@@ -374,11 +390,18 @@ def render(res: dict) -> str:
         lines += ["", f"In a memory cgroup of {mib(res['memory_cap'])} (resident set and page cache together):", "",
                   "| row | s a step | peak RSS | − baseline | cgroup peak | notes |", "|---|---|---|---|---|---|"]
         capped_floor = res["rows"].get("floor_capped", {})
-        for name, label in (("disk_capped", "disk tier, memory capped"), ("floor_capped", "disk floor, memory capped")):
-            r = res["rows"].get(name, {})
+        for name, label in (("disk_capped", "disk tier, memory capped"), ("floor_capped", "disk floor, memory capped"),
+                            ("deepspeed_capped", "DeepSpeed ZeRO-Infinity (nvme), memory capped")):
+            if name not in res["rows"]:
+                continue
+            r = res["rows"][name]
             if "failed" in r or "skipped" in r:
                 reason = r.get("skipped") or r["failed"].strip().splitlines()[-1]
                 lines.append(f"| {label} | — | — | — | — | cannot run here: {reason} |")
+            elif name == "deepspeed_capped":
+                step = _median_after_first(r["step_times"])
+                over = mib(r["peak_rss"] - r["baseline_rss"])
+                lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | |")
             elif name == "disk_capped":
                 step, last = _median_after_first(r["step_times"]), r["last_step"]
                 note = f"waited {last['disk_wait_s']:.2f} s on the disk in the last step"

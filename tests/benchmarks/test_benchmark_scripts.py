@@ -214,3 +214,22 @@ def test_disk_benchmark_runs_every_row(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "disk floor" in out and "memory capped" in out
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == []  # scratch and floor file removed
+
+
+def test_disk_table_shows_deepspeed_beside_the_disk_tier_and_a_kill_in_the_cgroup_as_such():
+    """The DeepSpeed rows, which CI cannot run (no deepspeed there): its step against the disk tier's, the state
+    ratio of the same GPT, and a capped child the OOM killer ended named as killed, never as a number."""
+    disk = load("disk")
+    row = lambda step, **kw: {"step_times": [9.0, step, step], "peak_rss": 2 << 30, "baseline_rss": 1 << 30, **kw}  # noqa: E731
+    res = {"args": dict(width=8, depth=1, context=4, batch=1, steps=3, host_limit="1MiB", device_limit="1MiB", dir="/x"),
+           "rows": {"memory": row(0.5, params=1 << 20),
+                    "disk": row(1.0, params=1 << 20, stats=dict(disk_shards=3, chunks=4, disk_chunk_bytes=1),
+                                last_step=dict(disk_read_bytes=1, disk_write_bytes=1, disk_wait_s=0.1)),
+                    "deepspeed": row(2.0),
+                    "deepspeed_capped": {"failed": "killed (SIGKILL) inside the 1024 MiB memory cgroup",
+                                         "returncode": -9}},
+           "memory_cap": 1 << 30}
+    out = disk.render(res)
+    ds = next(line for line in out.splitlines() if line.startswith("| DeepSpeed ZeRO-Infinity (nvme) |"))
+    assert "| 2.00 |" in ds and "| 16.0× |" in ds and "the disk tier's step is 0.50× this one" in ds
+    assert "| DeepSpeed ZeRO-Infinity (nvme), memory capped | — |" in out and "killed (SIGKILL)" in out
