@@ -219,12 +219,10 @@ class DiskStorage(TierStorage):
             self._wait_for(w)
 
     def _wait_for(self, work: Future) -> None:
-        if not work.done():
-            t0 = time.perf_counter()
-            work.result()
-            self.wait_s += time.perf_counter() - t0
-        else:
-            work.result()
+        """Wait for the I/O thread's ``work`` (raising what it raised), counted in ``wait_s``."""
+        t0 = time.perf_counter()
+        work.result()
+        self.wait_s += time.perf_counter() - t0
 
     def _after_grad_write(self, f: MappedFile) -> None:
         """A use of ``f`` through the mapping sees its gradient write-back: wait for it if one is in flight."""
@@ -391,9 +389,7 @@ class DiskStorage(TierStorage):
         return True
 
     def wait(self, staged: Staged) -> None:
-        t0 = time.perf_counter()
-        staged.ready.result()
-        self.wait_s += time.perf_counter() - t0
+        self._wait_for(staged.ready)
 
     def stage_out(self, staged: Staged, roles: tuple[str, ...]) -> None:
         """Write the staged ``roles`` back to their files, on the I/O thread."""
