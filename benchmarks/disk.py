@@ -294,6 +294,9 @@ def measure(args: argparse.Namespace) -> dict:
     res: dict[str, Any] = {"args": {k: getattr(args, k) for k in ("width", "depth", "context", "batch", "steps",
                                                                  "host_limit", "device_limit", "dir")},
                            "rows": rows}
+    if args.deepspeed:  # before its capped run, which then finds its ops built (the build is no part of the row)
+        rows["deepspeed"] = _run("deepspeed", args, scratch) if _importable("deepspeed") else \
+            {"skipped": "deepspeed is not installed"}
     if "failed" not in disk:
         roles = disk["disk_roles"]
         must_read = roles.get("master", 0) * 3 + roles.get("grad", 0) + roles.get("optim", 0)
@@ -305,16 +308,13 @@ def measure(args: argparse.Namespace) -> dict:
         if args.memory_cap:
             cap_bytes = parse_bytes(args.memory_cap, field="--memory-cap")
             res["memory_cap"] = cap_bytes
-            capped = ("disk", "floor", "deepspeed") if args.deepspeed and _importable("deepspeed") else ("disk", "floor")
-            for name in capped:
+            ran = "step_times" in rows.get("deepspeed", {})  # where it cannot run at all, capped adds nothing
+            for name in ("disk", "floor", "deepspeed") if ran else ("disk", "floor"):
                 cap = MemoryCgroup(cap_bytes, name)
                 try:
                     rows[f"{name}_capped"] = _run(name, args, scratch, cap, extra=sizes if name == "floor" else None)
                 finally:
                     cap.remove()
-    if args.deepspeed:
-        rows["deepspeed"] = _run("deepspeed", args, scratch) if _importable("deepspeed") else \
-            {"skipped": "deepspeed is not installed"}
     shutil.rmtree(scratch, ignore_errors=True)
     return res
 
