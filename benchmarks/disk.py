@@ -73,7 +73,7 @@ def child_chunk(args: argparse.Namespace) -> None:
     from lightning_chunk import ChunkOffloadStrategy
 
     on_disk = args.child == "disk"
-    kw = dict(host_memory_limit=args.host_limit, disk_dir=args.dir) if on_disk else {}
+    kw = dict(host_memory_limit=args.host_limit, disk_dir=args.dir, disk_io=args.disk_io) if on_disk else {}
     strategy = ChunkOffloadStrategy(placement="host", device_memory_limit=args.device_limit, log_memory_stats=False,
                                     materialize_on_teardown=False, **kw)
     L.seed_everything(0, verbose=False)
@@ -100,7 +100,9 @@ def child_chunk(args: argparse.Namespace) -> None:
               "baseline_rss": baseline, "peak_rss": stats["peak_rss"],
               "stats": {k: last[k] for k in ("host_chunk_bytes", "disk_chunk_bytes", "disk_shards", "chunks",
                                               "device_chunk_bytes_peak", "nonmodel_peak_bytes", "chunk_numel")},
-              "last_step": {k: last[k] - prev[k] for k in ("disk_read_bytes", "disk_write_bytes", "disk_wait_s")},
+              "disk_direct_io": bool(last.get("disk_direct_io", 0)),
+              "last_step": {k: last[k] - prev.get(k, 0) for k in last
+                            if k in ("disk_read_bytes", "disk_write_bytes", "disk_wait_s") or k.startswith("time_")},
               "disk_roles": {r: last.get(f"disk_{r}_bytes", 0) for r in ("master", "grad", "optim")}}
     Path(f"{args.out}.{args.child}").write_text(json.dumps(report))
     del torch
@@ -267,7 +269,8 @@ def _run(name: str, args: argparse.Namespace, scratch: Path, cap: "MemoryCgroup 
         return {"skipped": cap.why_not}
     out = scratch / "res"
     cmd = [sys.executable, __file__, "--child", name, "--out", str(out), "--dir", args.dir,
-           "--host-limit", str(args.host_limit), "--device-limit", str(args.device_limit), *(extra or [])]
+           "--host-limit", str(args.host_limit), "--device-limit", str(args.device_limit), "--disk-io", args.disk_io,
+           *(extra or [])]
     for k in ("width", "depth", "context", "batch", "steps"):
         cmd += [f"--{k}", str(getattr(args, k))]
     try:
@@ -423,6 +426,8 @@ def main(argv: "list[str] | None" = None) -> dict:
     p.add_argument("--host-limit", default="320MiB")
     p.add_argument("--device-limit", default="160MiB")
     p.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "lightning_chunk_disk_bench"))
+    p.add_argument("--disk-io", default="auto", choices=("auto", "direct", "buffered"),
+                   help="the disk tier's disk_io (auto: past the page cache where it cannot hold the files)")
     p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
     p.add_argument("--memory-cap", default=None, help="also run the disk tier and the floor in a memory cgroup of "
                    "this size (resident set and page cache), e.g. 1100MiB")

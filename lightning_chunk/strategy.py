@@ -76,6 +76,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         device_memory_limit: bytes of chunk memory allowed on the device (int, or a string such as ``"2GiB"``).
         host_memory_limit: bytes of chunk memory allowed in host memory; shards beyond it go to the disk tier.
         disk_dir: directory for the disk tier's scratch files (``docs/disk-tier.md``).
+        disk_io: ``"auto"`` (the default), ``"direct"`` or ``"buffered"``: whether the disk tier's files move past
+            the page cache (``O_DIRECT``); ``auto`` goes past it where it could not hold them.
         reshard_after_forward: with ``placement="host"``, keep each payload from forward until backward has used
             it while the device budget (``device_memory_limit`` less the traced activations) has room, releasing
             what does not fit after use (``False``; one all-gather a chunk a step where the payloads
@@ -135,6 +137,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         device_memory_limit: Optional[Union[int, str]] = None,
         host_memory_limit: Optional[Union[int, str]] = None,
         disk_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
+        disk_io: str = "auto",
         reshard_after_forward: Optional[bool] = None,
         offload_fraction: float = 0.5,
         chunk_numel: Optional[int] = None,

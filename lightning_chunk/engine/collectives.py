@@ -234,6 +234,11 @@ class Collectives:
         Pending(out, work, lambda: f"[rank {self.rank}] the start-up exchange of process ids", self.timeout_s).wait()
         self.peers = [tuple(r) for r in out.view(self.world_size, 2).tolist()]
 
+    def ranks_on_this_host(self) -> int:
+        """How many ranks (this one included) run on this host, as the start-up exchange told."""
+        here = _host_id()
+        return max(1, sum(1 for _, host in self.peers if host == here))
+
     def why_stuck(self) -> str:
         """Why a wait timed out, as far as can be told: a rank gone or stopped, else ranks that issued different
         chunk collectives ([Note: explaining a stuck wait]); "" when neither can be told."""

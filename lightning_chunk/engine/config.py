@@ -15,6 +15,8 @@ from typing import Literal, Optional, Union
 
 import torch
 
+from .page_cache import IO_MODES
+
 PlacementName = Literal["auto", "device", "host", "static"]
 OptimizerKernel = Literal["auto", "one_pass", "fused", "foreach", "loop"]
 
@@ -88,6 +90,11 @@ class ChunkConfig:
     """Directory for the disk tier's scratch files (a fast local disk). Each process makes its own
     sub-directory there and removes it when training ends; a later run removes what a dead one left.
     Needed when ``host_memory_limit`` sends shards to disk."""
+
+    disk_io: str = "auto"
+    """How the disk tier's files move: ``"buffered"`` through the page cache, ``"direct"`` past it (``O_DIRECT``,
+    several requests in flight), ``"auto"``: direct where the page cache could not hold the files beside the host
+    limits of the ranks on this host, buffered where it could (``docs/disk-tier.md``)."""
 
     reshard_after_forward: Optional[bool] = None
     """``host`` placement: keep the payloads forward gathered until their last use in the step while the device
@@ -210,6 +217,8 @@ class ChunkConfig:
         self._validate()
 
     def _validate(self) -> None:
+        if self.disk_io not in IO_MODES:
+            raise ValueError(f"disk_io={self.disk_io!r} is not allowed; choose one of {', '.join(IO_MODES)}.")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is not allowed; choose one of {', '.join(PLACEMENTS)}.")
         if self.optimizer_kernel not in OPTIMIZER_KERNELS:

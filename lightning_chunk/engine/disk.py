@@ -43,6 +43,7 @@ import socket
 import time
 import uuid
 import weakref
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -56,6 +57,8 @@ PREFIX = "lightning_chunk-scratch-"
 
 
 _PAGE = mmap.PAGESIZE
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every transfer goes through the page cache
+DIRECT_PIECE = 4 << 20  # an O_DIRECT transfer's pieces, each one request in flight on the pool
 _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL and the pages fault in on first touch
 _MADV_POPULATE_WRITE = 23
 
@@ -145,7 +148,7 @@ class MappedFile:
     mm: mmap.mmap = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        size = max(self.nbytes, 1)
+        size = aligned(max(self.nbytes, 1))  # whole pages, so that O_DIRECT may move the file's last page too
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -202,32 +205,65 @@ class MappedFile:
         finally:
             os.close(fd)
 
-    def read_into(self, buf: torch.Tensor) -> None:
+    def read_into(self, buf: torch.Tensor, *, direct: bool = False, pool: Optional[Executor] = None) -> bool:
         """The file's bytes into ``buf`` (a contiguous uint8 host tensor of ``nbytes``), with ``preadv``: a copy
-        from the page cache, without mapping a page (the GIL is released)."""
-        self._io(buf, write=False)
+        from the page cache, without mapping a page (the GIL is released). ``direct``: past the page cache where
+        ``buf`` allows it ([Note: O_DIRECT where the page cache cannot hold the files]), in pieces on ``pool``
+        when one is given; returns whether it went past the page cache."""
+        return self._io(buf, write=False, direct=direct, pool=pool)
 
-    def write_from(self, buf: torch.Tensor) -> None:
-        """``buf`` into the file with ``pwritev``; a mapping of the file sees it (one page cache)."""
-        self._io(buf, write=True)
+    def write_from(self, buf: torch.Tensor, *, direct: bool = False, pool: Optional[Executor] = None) -> bool:
+        """``buf`` into the file with ``pwritev``; a mapping of the file sees it (one page cache; a ``direct``
+        write drops the range's cached pages, so the mapping reads it from the file). ``direct`` and ``pool`` as
+        in ``read_into``."""
+        return self._io(buf, write=True, direct=direct, pool=pool)
 
-    def _io(self, buf: torch.Tensor, *, write: bool) -> None:
+    def direct_ok(self, buf: torch.Tensor) -> bool:
+        """``buf`` can take an ``O_DIRECT`` transfer of the whole file: page-aligned, with room for its last page
+        (the file is whole pages long; the bytes past ``nbytes`` are padding)."""
+        storage = buf.untyped_storage()
+        room = storage.nbytes() - (buf.data_ptr() - storage.data_ptr())
+        return bool(_O_DIRECT) and buf.data_ptr() % _PAGE == 0 and room >= aligned(self.nbytes)
+
+    def _io(self, buf: torch.Tensor, *, write: bool, direct: bool, pool: Optional[Executor]) -> bool:
         # a view of the tensor's memory through ctypes: ``Tensor.numpy()`` would make the storage unresizable for
         # good, and a payload's storage is resized at every gather and release
         assert buf.is_contiguous() and buf.device.type == "cpu" and buf.numel() * buf.element_size() >= self.nbytes
-        view = memoryview((ctypes.c_char * self.nbytes).from_address(buf.data_ptr())).cast("B")
-        fd = os.open(self.path, os.O_RDWR if write else os.O_RDONLY)
+        flags = os.O_RDWR if write else os.O_RDONLY
+        fd = -1
+        if direct and self.direct_ok(buf):
+            try:
+                fd = os.open(self.path, flags | _O_DIRECT)
+            except OSError:  # a filesystem that refuses O_DIRECT (tmpfs on older kernels): through the page cache
+                pass
+        went_direct = fd >= 0
+        total = aligned(self.nbytes) if went_direct else self.nbytes
+        if not went_direct:
+            fd = os.open(self.path, flags)
+        view = memoryview((ctypes.c_char * total).from_address(buf.data_ptr())).cast("B")
         try:
-            done = 0
-            while done < self.nbytes:
-                part = view[done:]
-                n = os.pwritev(fd, [part], done) if write else os.preadv(fd, [part], done)
-                if n <= 0:
-                    raise DiskTierError(f"the disk tier could not {'write' if write else 'read'} {str(self.path)!r} "
-                                        f"at byte {done} of {self.nbytes}.")
-                done += n
+            if went_direct and pool is not None and total > DIRECT_PIECE:
+                works = [pool.submit(self._move, fd, view, a, min(a + DIRECT_PIECE, total), write=write)
+                         for a in range(0, total, DIRECT_PIECE)]
+                for w in works:  # every piece finishes before the descriptor closes, failed or not
+                    w.exception()
+                for w in works:
+                    w.result()
+            else:
+                self._move(fd, view, 0, total, write=write)
         finally:
             os.close(fd)
+        return went_direct
+
+    def _move(self, fd: int, view: memoryview, start: int, end: int, *, write: bool) -> None:
+        done = start
+        while done < end:
+            part = view[done:end]
+            n = os.pwritev(fd, [part], done) if write else os.preadv(fd, [part], done)
+            if n <= 0:
+                raise DiskTierError(f"the disk tier could not {'write' if write else 'read'} {str(self.path)!r} "
+                                    f"at byte {done} of {end - start} from {start}.")
+            done += n
 
     def close(self) -> None:
         """Drop the pages and the file; the mapping itself goes with the last tensor that views it."""
@@ -240,6 +276,13 @@ class MappedFile:
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 host buffer of ``aligned(nbytes)`` bytes starting on a page boundary: what ``O_DIRECT`` moves."""
+    raw = torch.empty(aligned(nbytes) + _PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _PAGE
+    return raw[skip : skip + aligned(nbytes)]
 
 
 POPULATE_READ = _MADV_POPULATE_READ

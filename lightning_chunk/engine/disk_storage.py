@@ -20,9 +20,12 @@ from typing import Iterator, Optional
 import torch
 
 from .chunk import Chunk, Tier
-from .disk import POPULATE_READ, POPULATE_WRITE, MappedFile, ScratchDir, check_room
+from .disk import POPULATE_READ, POPULATE_WRITE, MappedFile, ScratchDir, aligned_empty, check_room
 from .errors import DiskTierError
+from .page_cache import page_cache_room, use_direct
 from .tiers import ROLES, HostStorage, TierStorage
+
+DIRECT_REQUESTS = 8  # O_DIRECT pieces in flight at once (threads waiting on the disk, not computing)
 
 
 @dataclass(eq=False)
@@ -49,10 +52,14 @@ class DiskStorage(TierStorage):
 
     tier = Tier.DISK
 
-    def __init__(self, root: Optional[str], rank: int, host: HostStorage) -> None:
+    def __init__(self, root: Optional[str], rank: int, host: HostStorage, *, io: str = "auto", ranks_here: int = 1,
+                 host_limit: Optional[int] = None) -> None:
         self.root = None if root is None else Path(root)
         self.rank = rank
         self.host = host
+        self.io, self.ranks_here, self.host_limit = io, ranks_here, host_limit
+        self.direct = io == "direct"  # [Note: O_DIRECT where the page cache cannot hold the files]
+        self._pool: Optional[ThreadPoolExecutor] = None  # the O_DIRECT pieces in flight
         self._dir: Optional[ScratchDir] = None
         self._files: dict[int, dict[str, MappedFile]] = {}  # id(chunk) -> role -> file
         self._state_at: dict[int, dict[str, int]] = {}  # id(chunk) -> optimizer state key -> byte offset in its file
@@ -86,9 +93,21 @@ class DiskStorage(TierStorage):
         return self._dir
 
     def check_room(self, nbytes: int, what: str) -> None:
-        """Before a layout is built: its disk bytes must fit on the directory's filesystem."""
+        """Before a layout is built: its disk bytes must fit on the directory's filesystem; and whether they can
+        stay in the page cache decides how they move (``disk_io``)."""
         if nbytes > 0:
             check_room(self.directory.root, nbytes + self.bytes_held(), what)
+            self.direct = use_direct(self.io, nbytes * self.ranks_here, (self.host_limit or 0) * self.ranks_here,
+                                     page_cache_room() if self.io == "auto" else None)
+
+    def _pieces(self) -> Optional[ThreadPoolExecutor]:
+        """The pool an ``O_DIRECT`` transfer's pieces go to (None when the transfers are buffered: through the page
+        cache each is a CPU copy, and more threads would take the cores the compute runs on)."""
+        if not self.direct:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(DIRECT_REQUESTS, thread_name_prefix="lightning_chunk-disk-direct")
+        return self._pool
 
     def bytes_held(self) -> int:
         return sum(f.nbytes for files in self._files.values() for f in files.values())
@@ -175,13 +194,13 @@ class DiskStorage(TierStorage):
                 buf, writing = spare[0]
                 self._wait_for(writing)
             else:
-                buf = torch.empty(f.nbytes, dtype=torch.uint8)
+                buf = aligned_empty(f.nbytes)
             buf = buf[: f.nbytes]
             assert chunk.grad is not None
             if chunk.grad_written or any(t.has_grad for t in chunk.tensors):  # accumulating: keep what is there
                 self.flush()
                 t0 = time.perf_counter()
-                f.read_into(buf)
+                f.read_into(buf, direct=self.direct, pool=self._pieces())
                 self.wait_s += time.perf_counter() - t0
                 self.read_bytes += f.nbytes
             else:
@@ -206,7 +225,8 @@ class DiskStorage(TierStorage):
         if buf is not None:
             f = self._files[id(chunk)]["grad"]
             self.write_bytes += f.nbytes
-            writing = self._grad_writes[id(f)] = self._thread().submit(f.write_from, buf)
+            writing = self._grad_writes[id(f)] = self._thread().submit(f.write_from, buf, direct=self.direct,
+                                                                           pool=self._pieces())
             kept = sorted([*self._spare, (buf, writing)], key=lambda s: -s[0].numel())
             self._spare = kept[:2]  # the largest two are kept
             for _, dropped in kept[2:]:
@@ -252,6 +272,9 @@ class DiskStorage(TierStorage):
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._ahead.clear()
         self._grad_writes.clear()
         self._spare.clear()
@@ -340,15 +363,17 @@ class DiskStorage(TierStorage):
         for role, f in files.items():
             b = buffers.get(role)
             if b is None or b.numel() < f.nbytes:
-                b = buffers[role] = torch.empty(f.nbytes, dtype=torch.uint8)
+                b = buffers[role] = aligned_empty(f.nbytes)
             bufs[role] = b
         self.read_bytes += sum(f.nbytes for f in files.values())
         self.staged += 1
         # the kernel queues every read at once, here: the I/O thread may still be writing the chunk before last
         # back, and the reads then go on beside that write ([Note: the gathers' reads ahead of use])
-        for f in files.values():
-            f.will_need()
-        ready = self._thread().submit(lambda: [f.read_into(bufs[r]) for r, f in files.items()])
+        direct, pool = self.direct, self._pieces()
+        if not direct:
+            for f in files.values():
+                f.will_need()
+        ready = self._thread().submit(lambda: [f.read_into(bufs[r], direct=direct, pool=pool) for r, f in files.items()])
         return Staged(chunk, files, bufs, ready)
 
     def read_ahead_master(self, chunk: Chunk) -> None:
@@ -395,7 +420,9 @@ class DiskStorage(TierStorage):
         """Write the staged ``roles`` back to their files, on the I/O thread."""
         files = {r: f for r, f in staged.files.items() if r in roles}
         self.write_bytes += sum(f.nbytes for f in files.values())
-        self._writes.append(self._thread().submit(lambda: [f.write_from(staged.bufs[r]) for r, f in files.items()]))
+        direct, pool = self.direct, self._pieces()
+        self._writes.append(self._thread().submit(
+            lambda: [f.write_from(staged.bufs[r], direct=direct, pool=pool) for r, f in files.items()]))
 
     def flush(self) -> None:
         """Wait for every read and write the I/O thread was given (raising what one of them raised)."""
@@ -451,4 +478,4 @@ class DiskStorage(TierStorage):
         by_role = {f"disk_{r}_bytes": sum(files[r].nbytes for files in self._files.values() if r in files)
                    for r in ROLES}
         return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes, "disk_wait_s": self.wait_s,
-                "disk_staged_steps": self.staged, **by_role}
+                "disk_staged_steps": self.staged, "disk_direct_io": float(self.direct), **by_role}

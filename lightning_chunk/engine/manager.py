@@ -89,7 +89,8 @@ class ChunkManager:
         host = HostStorage(pinned=pin)
         self.storages: dict[Tier, TierStorage] = {
             Tier.DEVICE: DeviceStorage(self.device), Tier.HOST: host,
-            Tier.DISK: DiskStorage(config.disk_dir, self.comm.rank, host)}
+            Tier.DISK: DiskStorage(config.disk_dir, self.comm.rank, host, io=config.disk_io,
+                                   ranks_here=self.comm.ranks_on_this_host(), host_limit=config.host_memory_limit)}
         self.pool = BlockPool(self.device)  # [Note: a pool of payload blocks]
         self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
         self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation

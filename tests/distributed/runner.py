@@ -125,7 +125,9 @@ CASES = {
                            strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
     # most of each rank's masters, gradient shards and optimizer state on the disk tier, in files
     "disk": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560), host_memory_limit="1.2MB"),
-    "disk_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, placement="host"), host_memory_limit="400kB",
+    # ... past the page cache (disk_io="direct": O_DIRECT, pieces in flight), gradients accumulated in the files
+    "disk_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, placement="host", disk_io="direct"),
+                            host_memory_limit="400kB",
                             trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
     # the defaults with a host limit: automatic chunk size, placement="auto" under a device limit, a model used in
     # another order than registered, gradient accumulation

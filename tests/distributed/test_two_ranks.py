@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.test_disk_tier import o_direct_works
+
 RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
@@ -174,6 +176,10 @@ def test_disk_tier_holds_what_host_memory_limit_leaves_out_on_each_rank(parity_r
         assert s["host_chunk_bytes"] <= s["host_memory_limit"]
         assert s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
         assert s["disk_left"] == []
+        if case == "disk_accumulate" and o_direct_works(out):  # disk_io="direct"; the others, buffered by "auto"
+            assert s["disk_direct_io"] == 1.0
+        elif case != "disk_accumulate":
+            assert s["disk_direct_io"] == 0.0
     assert list((out / f"{case}.disk").iterdir()) == []
 
 

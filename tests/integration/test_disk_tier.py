@@ -391,9 +391,9 @@ def test_a_gradient_write_back_leaves_backward_running_and_every_reader_sees_it(
     gate, written = threading.Event(), threading.Event()
     inner = disk_mod.MappedFile.write_from
 
-    def slow_write(self, buf):
+    def slow_write(self, buf, **kw):
         assert gate.wait(10)
-        inner(self, buf)
+        inner(self, buf, **kw)
         written.set()
 
     monkeypatch.setattr(disk_mod.MappedFile, "write_from", slow_write)
@@ -407,7 +407,7 @@ def test_a_gradient_write_back_leaves_backward_running_and_every_reader_sees_it(
             assert written.is_set()
             assert torch.equal(c.grad, torch.arange(1000, dtype=torch.float32))
 
-        def failing_write(self, buf):
+        def failing_write(self, buf, **kw):
             raise OSError(5, "Input/output error")
 
         monkeypatch.setattr(disk_mod.MappedFile, "write_from", failing_write)
@@ -448,3 +448,73 @@ def test_reads_ahead_are_asked_once_a_use_and_only_for_files_on_disk(tmp_path, m
         assert len(asked) == 2
     finally:
         storage.close()
+
+
+def o_direct_works(directory: Path) -> bool:
+    probe = directory / "o_direct_probe"
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def test_o_direct_transfers_move_whole_pages_in_pieces_and_the_mapping_sees_them(tmp_path, monkeypatch):
+    """[Note: O_DIRECT where the page cache cannot hold the files]: a file of an odd size moves as whole pages, in
+    pieces on a pool, to and from page-aligned buffers; its mapping sees what went past the page cache and the
+    other way round; a buffer that is not page-aligned goes through the page cache and says so."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_chunk.engine import disk as disk_mod
+
+    if not o_direct_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    monkeypatch.setattr(disk_mod, "DIRECT_PIECE", 2 * 4096)  # several pieces a file
+    nbytes = 5 * 4096 + 123
+    f = disk_mod.MappedFile(tmp_path / "f.bin", nbytes)
+    assert os.path.getsize(f.path) == 6 * 4096
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    with ThreadPoolExecutor(3) as pool:
+        buf = disk_mod.aligned_empty(nbytes)
+        assert buf.data_ptr() % 4096 == 0 and buf.numel() == 6 * 4096
+        buf[:nbytes] = data
+        assert f.write_from(buf, direct=True, pool=pool)
+        assert torch.equal(f.tensor(nbytes, torch.uint8), data)  # the mapping reads what went past the cache
+        f.tensor(nbytes, torch.uint8)[:100] = 7  # written through the mapping: a dirty cached page
+        back = disk_mod.aligned_empty(nbytes)
+        assert f.read_into(back, direct=True, pool=pool)
+        assert torch.equal(back[:100], torch.full((100,), 7, dtype=torch.uint8))
+        assert torch.equal(back[100:nbytes], data[100:])
+        raw = torch.empty(nbytes + 2 * 4096, dtype=torch.uint8)
+        skip = -raw.data_ptr() % 4096 + 64
+        odd = raw[skip : skip + nbytes]  # 64 bytes past a page boundary
+        assert not f.read_into(odd, direct=True, pool=pool)  # not page-aligned: through the page cache
+        assert torch.equal(odd, back[:nbytes])
+    f.close()
+
+
+@pytest.mark.parametrize("disk_io", ["direct", "auto"])
+def test_o_direct_trains_bit_exact_with_memory_and_auto_takes_it_where_memory_is_short(tmp_path, monkeypatch,
+                                                                                    disk_io):
+    """The disk tier past the page cache equals plain Lightning bit for bit (with accumulation and tied weights:
+    gradient files read back, written, staged); ``auto`` takes it where the page cache has no room for the files
+    (faked) and stays buffered where it has."""
+    from lightning_chunk.engine import disk_storage
+
+    if not o_direct_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    if disk_io == "auto":
+        monkeypatch.setattr(disk_storage, "page_cache_room", lambda: 1 << 20)
+    kw = dict(CASES["accumulate_tied"], model_kwargs=BIG)
+    ref = fit("auto", steps=STEPS, **kw)
+    strategy = disk(tmp_path, disk_io=disk_io)
+    got = fit(strategy, steps=STEPS, **kw)
+    assert_same_params(ref, got, EXACT)
+    s = strategy.memory_stats()
+    assert s["disk_direct_io"] == 1.0 and s["disk_staged_steps"] > 0
+    monkeypatch.setattr(disk_storage, "page_cache_room", lambda: 1 << 40)
+    cached = disk(tmp_path)
+    fit(cached, steps=2, **kw)
+    assert cached.memory_stats()["disk_direct_io"] == 0.0

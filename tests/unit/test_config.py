@@ -85,6 +85,9 @@ def test_disk_tier_fields_are_validated():
     with pytest.raises(ValueError, match="disk_dir=3"):
         ChunkConfig(disk_dir=3)
     assert ChunkConfig(host_memory_limit="1GiB", disk_dir="/tmp").host_memory_limit == 1 << 30
+    with pytest.raises(ValueError, match=r"disk_io='odirect' is not allowed; choose one of auto, direct, buffered"):
+        ChunkConfig(disk_io="odirect")
+    assert ChunkConfig(disk_io="direct").disk_io == "direct"
 
 
 def test_reshard_after_forward_goes_with_host_placement():
