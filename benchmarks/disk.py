@@ -8,7 +8,8 @@ Rows, each in its own process, one rank, measured in one run:
 - ``in memory``: ``chunk_offload`` with ``placement="host"`` and no host limit: every shard in host memory
   (what the disk tier's step is compared with, and its peak resident set).
 - ``disk tier``: the same with ``host_memory_limit=--host-limit`` and ``disk_dir=--dir``: the masters,
-  gradient shards and Adam's moments that do not fit go to files there.
+  gradient shards and Adam's moments that do not fit go to files there, moved through the page cache or past it
+  (``O_DIRECT``) as ``--disk-io`` (default ``auto``, the strategy's default) chooses; the notes say which.
 - ``disk floor``: the bytes a step must move through the disk tier (every disk shard's master, gradient
   and optimizer state read once and written once, and, in fp32, its master read again by the forward and
   the backward gathers), moved by a plain loop of 64 MiB ``os.pwrite``/``os.preadv`` calls through one
@@ -24,8 +25,9 @@ Rows, each in its own process, one rank, measured in one run:
   and the floor again, each in a memory cgroup of SIZE, which charges the page cache too. Without it a machine
   with more memory than the state keeps the files in its page cache, and "disk" I/O runs at memory speed; capped,
   the files do not fit and the bytes go to the disk, as on a machine whose memory is smaller than the state
-  (what the disk tier is for). Needs a cgroup this process may create (root, or a delegated subtree); where it
-  cannot, the rows say why.
+  (what the disk tier is for). The capped floor's process first makes its resident set as large as the capped
+  disk tier's peak, so that its loop gets the page cache the tier got, not the whole cgroup. Needs a cgroup
+  this process may create (root, or a delegated subtree); where it cannot, the rows say why.
 
 Both chunk_offload rows build the GPT in ``configure_model`` (``deferred_init=True``), so the model never
 exists whole in memory, with ``device_memory_limit=--device-limit`` bounding the payloads gathered at once
@@ -208,8 +210,19 @@ def floors(directory: Path, read_bytes: int, write_bytes: int, *, with_direct: b
 
 def child_floor(args: argparse.Namespace) -> None:
     """The buffered floor in a process of its own, inside the memory cgroup (``O_DIRECT`` bypasses the page cache:
-    the parent's measure of it stands for both)."""
+    the parent's measure of it stands for both). ``--floor-hold``: first make this process's resident set that
+    large (the disk tier's capped peak), so that the loop has the page cache the tier had in the same cgroup and
+    not the whole cgroup: without it the loop's reads found most of what it had just written still cached."""
+    import mmap
+
+    hold = max(0, args.floor_hold - proc_bytes("VmRSS") - BLOCK)  # the loop's own buffer is BLOCK more
+    held = mmap.mmap(-1, max(hold, 1))
+    ones = b"\x01" * min(BLOCK, max(hold, 1))
+    for off in range(0, hold, BLOCK):  # touched, so that every page is resident
+        held[off : off + min(BLOCK, hold - off)] = ones[: min(BLOCK, hold - off)]
     out = floors(Path(args.dir), args.floor_read, args.floor_write, with_direct=False)
+    out["held_rss"] = proc_bytes("VmRSS")
+    held.close()
     Path(f"{args.out}.{args.child}").write_text(json.dumps(out))
 
 
@@ -268,6 +281,9 @@ def _run(name: str, args: argparse.Namespace, scratch: Path, cap: "MemoryCgroup 
     if cap is not None and cap.why_not:
         return {"skipped": cap.why_not}
     out = scratch / "res"
+    # a row run before under the same name (deepspeed, then deepspeed_capped) left its file: a child killed before
+    # writing its own must not be read as having run
+    Path(f"{out}.{name}").unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", name, "--out", str(out), "--dir", args.dir,
            "--host-limit", str(args.host_limit), "--device-limit", str(args.device_limit), "--disk-io", args.disk_io,
            *(extra or [])]
@@ -315,7 +331,10 @@ def measure(args: argparse.Namespace) -> dict:
             for name in ("disk", "floor", "deepspeed") if ran else ("disk", "floor"):
                 cap = MemoryCgroup(cap_bytes, name)
                 try:
-                    rows[f"{name}_capped"] = _run(name, args, scratch, cap, extra=sizes if name == "floor" else None)
+                    # the floor beside the resident set the disk tier had in the same cgroup (run just before)
+                    hold = ["--floor-hold", str(rows.get("disk_capped", {}).get("peak_rss", 0))]
+                    rows[f"{name}_capped"] = _run(name, args, scratch, cap,
+                                                  extra=sizes + hold if name == "floor" else None)
                 finally:
                     cap.remove()
     shutil.rmtree(scratch, ignore_errors=True)
@@ -331,6 +350,13 @@ def _importable(name: str) -> bool:
 def _median_after_first(times: list[float]) -> float:
     rest = sorted(times[1:] or times)
     return rest[len(rest) // 2]
+
+
+def _io_mode(row: dict) -> str:
+    """What ``disk_io="auto"`` chose for a disk-tier row."""
+    if "disk_direct_io" not in row:
+        return "disk_io not recorded"
+    return "past the page cache (O_DIRECT)" if row["disk_direct_io"] else "through the page cache"
 
 
 def render(res: dict) -> str:
@@ -362,7 +388,7 @@ def render(res: dict) -> str:
             s, last = r["stats"], r["last_step"]
             note = (f"{s['disk_shards']}/{s['chunks']} shards on disk ({gib(s['disk_chunk_bytes'])}); last step read "
                     f"{gib(last['disk_read_bytes'])}, wrote {gib(last['disk_write_bytes'])}, waited "
-                    f"{last['disk_wait_s']:.2f} s")
+                    f"{last['disk_wait_s']:.2f} s, {_io_mode(r)}")
             mem = res["rows"].get("memory", {})
             if floor:
                 note += f"; {step / floor['seconds']:.2f}× the disk floor"
@@ -407,7 +433,7 @@ def render(res: dict) -> str:
                 lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | |")
             elif name == "disk_capped":
                 step, last = _median_after_first(r["step_times"]), r["last_step"]
-                note = f"waited {last['disk_wait_s']:.2f} s on the disk in the last step"
+                note = f"waited {last['disk_wait_s']:.2f} s on the disk in the last step, {_io_mode(r)}"
                 if "seconds" in capped_floor:
                     note += f"; {step / capped_floor['seconds']:.2f}× the capped floor"
                 if floor and "direct_seconds" in floor:
@@ -415,8 +441,9 @@ def render(res: dict) -> str:
                 over = mib(r["peak_rss"] - r["baseline_rss"])
                 lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | {note} |")
             elif "seconds" in r:
+                held = f"; beside a resident set of {mib(r['held_rss'])}, the disk tier's" if r.get("held_rss") else ""
                 lines.append(f"| {label} | {r['seconds']:.2f} | | | {mib(r['cgroup_peak'])} | median of 5: "
-                             f"{min(r['all']):.2f}..{max(r['all']):.2f} s |")
+                             f"{min(r['all']):.2f}..{max(r['all']):.2f} s{held} |")
     return "\n".join(lines)
 
 
@@ -433,6 +460,7 @@ def main(argv: "list[str] | None" = None) -> dict:
                    "this size (resident set and page cache), e.g. 1100MiB")
     p.add_argument("--floor-read", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--floor-write", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--floor-hold", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     return run_or_child(args, {"memory": child_chunk, "disk": child_chunk, "deepspeed": child_deepspeed,
                                "floor": child_floor}, measure, render)

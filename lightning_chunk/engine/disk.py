@@ -58,7 +58,7 @@ PREFIX = "lightning_chunk-scratch-"
 
 _PAGE = mmap.PAGESIZE
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every transfer goes through the page cache
-DIRECT_PIECE = 4 << 20  # an O_DIRECT transfer's pieces, each one request in flight on the pool
+DIRECT_PIECE = 1 << 20  # an O_DIRECT transfer's pieces: one request each to the disk (max_sectors_kb is 1280 here)
 _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL and the pages fault in on first touch
 _MADV_POPULATE_WRITE = 23
 

@@ -25,7 +25,7 @@ from .errors import DiskTierError
 from .page_cache import page_cache_room, use_direct
 from .tiers import ROLES, HostStorage, TierStorage
 
-DIRECT_REQUESTS = 8  # O_DIRECT pieces in flight at once (threads waiting on the disk, not computing)
+DIRECT_REQUESTS = 32  # O_DIRECT pieces in flight at once (threads waiting on the disk, not computing)
 
 
 @dataclass(eq=False)

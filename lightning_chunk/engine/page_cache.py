@@ -9,9 +9,10 @@ memory), buffered I/O pays twice: each read allocates page-cache pages the kerne
 write leaves dirty pages that reclaim waits on, and all of it is charged to the process's memory cgroup. There
 ``O_DIRECT`` moves the bytes between the staging buffers and the disk with no page cache at all, and, as the
 copies are the disk's DMA and not the CPU's, several requests can be in flight at little CPU cost: each staged
-transfer goes in ``DIRECT_PIECE`` pieces on a pool of ``DIRECT_REQUESTS`` threads. In a 1 GiB memory cgroup the
-same GPT stepped in 2.26-2.35 s buffered, 1.98-2.03 s with ``O_DIRECT`` one request at a time, 1.58-1.77 s with
-eight in flight (docs/benchmarks.md).
+transfer (the optimizer's reads and write-backs, the gradient write-backs) goes in ``DIRECT_PIECE`` pieces on a
+pool of ``DIRECT_REQUESTS`` threads. In a 1 GiB memory cgroup the same GPT stepped in 2.12-2.35 s buffered,
+1.98-2.03 s with ``O_DIRECT`` one request at a time, and in six interleaved rounds 1.64-1.95 s (median 1.83)
+with eight 4 MiB pieces in flight, 1.64-1.90 s (median 1.70) with 32 of 1 MiB (docs/benchmarks.md, session 39).
 
 So ``disk_io="auto"`` goes past the page cache exactly where it could not hold the files: when the disk bytes
 of the ranks on this host exceed what the page cache could use once their host limits are resident

@@ -216,6 +216,17 @@ def test_disk_benchmark_runs_every_row(tmp_path, capsys):
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == []  # scratch and floor file removed
 
 
+def test_a_disk_row_whose_child_wrote_nothing_is_failed_not_the_row_before_it(tmp_path):
+    """The capped rows reuse the uncapped rows' result file names: a capped child killed before writing its own
+    (DeepSpeed in a 1 GiB cgroup) once read the uncapped row's numbers as its own."""
+    disk = load("disk")
+    args = disk.argparse.Namespace(dir=str(tmp_path / "scratch"), host_limit="1MiB", device_limit="1MiB", disk_io="auto",
+                                   width=8, depth=1, context=4, batch=1, steps=1)
+    (tmp_path / "res.nosuchrow").write_text('{"step_times": [1.0]}')  # what an earlier run of the same name left
+    row = disk._run("nosuchrow", args, tmp_path)
+    assert "failed" in row and "step_times" not in row
+
+
 def test_disk_table_shows_deepspeed_beside_the_disk_tier_and_a_kill_in_the_cgroup_as_such():
     """The DeepSpeed rows, which CI cannot run (no deepspeed there): its step against the disk tier's, the state
     ratio of the same GPT, and a capped child the OOM killer ended named as killed, never as a number."""
