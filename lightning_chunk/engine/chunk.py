@@ -265,6 +265,9 @@ class Chunk:
         Callers account it (``ChunkManager.tracked``)."""
         if self.grad is None or self.grad_released:
             return
+        if self.shard_tier is Tier.DISK:  # a view of its file: no memory to give back, but used up all the same
+            self.grad_released = True    # ([Note: stepping disk chunks in backward] in ``early_step.py``)
+            return
         try:
             if pool is None:
                 self.grad.untyped_storage().resize_(0)
@@ -279,7 +282,8 @@ class Chunk:
         the first gradient overwrites)."""
         if self.grad_released:
             assert self.grad is not None
-            pool.fill(self.grad.untyped_storage(), nbytes(self.grad))
+            if self.shard_tier is not Tier.DISK:
+                pool.fill(self.grad.untyped_storage(), nbytes(self.grad))
             self.grad_released = False
 
     def low_tensor(self) -> torch.Tensor:
@@ -313,7 +317,8 @@ class Chunk:
         if tier is self.shard_tier:
             if not self.master_is_payload():
                 total += nbytes(self.master)
-            total += (0 if self.grad_released else nbytes(self.grad)) + self.optim_state_bytes
+            released = self.grad_released and self.shard_tier is not Tier.DISK  # a disk file keeps its bytes
+            total += (0 if released else nbytes(self.grad)) + self.optim_state_bytes
         if tier is (Tier.HOST if self.shard_tier is Tier.DISK else self.shard_tier):
             total += nbytes(self.low)
         return total

@@ -184,7 +184,9 @@ class ChunkConfig:
     shard right after: a rank then holds about 6 bytes a parameter of fp32 training state on two ranks instead of 8
     ([Note: stepping in backward] in ``early_step.py``). Bit-identical to the plain step. The price is plain
     PyTorch's gradient semantics: after ``backward()`` the stepped parameters' gradients are gone, so gradient
-    clipping, fp16 loss scaling, several optimizers, manual optimization and the disk tier are refused with it."""
+    clipping, fp16 loss scaling, several optimizers and manual optimization are refused with it. With the disk
+    tier, disk chunks step from their gradients in memory while backward goes on, their files read ahead
+    ([Note: stepping disk chunks in backward]): no gradient file is written or read."""
 
     leaf_modules: tuple[Union[type, str], ...] = ()
     """Module classes (or class names, ``"MyBlock"`` or ``"pkg.mod.MyBlock"``) whose forward reads its children's
@@ -259,11 +261,6 @@ class ChunkConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
 
-        if self.step_in_backward is True and (self.host_memory_limit is not None or self.disk_dir is not None):
-            raise ValueError(
-                f"step_in_backward=True is not allowed with the disk tier (host_memory_limit={self.host_memory_limit!r}, "
-                f"disk_dir={self.disk_dir!r}): disk chunks step one at a time from their files after backward. Use "
-                "one of the two.")
 
     def replace(self, **changes: object) -> "ChunkConfig":
         return dataclasses.replace(self, **changes)

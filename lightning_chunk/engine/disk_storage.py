@@ -197,7 +197,11 @@ class DiskStorage(TierStorage):
                 buf = aligned_empty(f.nbytes)
             buf = buf[: f.nbytes]
             assert chunk.grad is not None
-            if chunk.grad_written or any(t.has_grad for t in chunk.tensors):  # accumulating: keep what is there
+            # accumulating: keep what is there. One rank: a parameter of the chunk got a gradient in an earlier
+            # micro-batch. Several: this rank's shard was written by an earlier reduce-scatter (its parameters'
+            # flags are already set by this backward's gradients, which are still in the gradient payload)
+            accumulating = chunk.grad_written if chunk.world_size > 1 else any(t.has_grad for t in chunk.tensors)
+            if accumulating:
                 self.flush()
                 t0 = time.perf_counter()
                 f.read_into(buf, direct=self.direct, pool=self._pieces())
@@ -232,9 +236,31 @@ class DiskStorage(TierStorage):
             for _, dropped in kept[2:]:
                 self._wait_for(dropped)  # no more than two buffers a step may be writing
 
+    def file(self, chunk: Chunk, role: str) -> MappedFile:
+        """The chunk's ``role`` file."""
+        return self._files[id(chunk)][role]
+
+    def grads_in_memory(self, chunk: Chunk) -> Optional[torch.Tensor]:
+        """The uint8 host buffer this backward's gradients of ``chunk`` gathered in (``grad_target``), before
+        ``grads_done`` writes it; ``None`` when there is none."""
+        f = self._files.get(id(chunk), {}).get("grad")
+        buf = self._grads.get(id(chunk))
+        return None if f is None or buf is None else buf[: f.nbytes]
+
+    def drop_grads(self, chunk: Chunk) -> None:
+        """The chunk's gradients were used from memory and are gone ([Note: stepping disk chunks in backward] in
+        ``early_step.py``): keep the buffer for the next chunks without writing it to the file."""
+        buf = self._grads.pop(id(chunk), None)
+        if buf is not None:
+            done: Future = Future()
+            done.set_result(None)
+            self._spare = sorted([*self._spare, (buf, done)], key=lambda s: -s[0].numel())[:2]
+
     def settle_grads(self) -> None:
-        """Wait for the gradient write-backs in flight (raising what one of them raised)."""
+        """At the end of backward: wait for the gradient write-backs in flight and for the write-backs of chunks
+        stepped during it (raising what one of them raised)."""
         writes, self._grad_writes = list(self._grad_writes.values()), {}
+        writes, self._writes = [*writes, *self._writes], []
         for w in writes:
             self._wait_for(w)
 

@@ -14,8 +14,7 @@ chunk's views alone computes what one ``step()`` over every view computes, with 
 nothing after backward may change the gradients or veto the step, hence what is refused up front:
 
 - gradient clipping and fp16 loss scaling read every gradient before any step (norm, overflow);
-- several optimizers and manual optimization step at times of the user's choosing;
-- the disk tier steps its chunks one by one from their files after backward.
+- several optimizers and manual optimization step at times of the user's choosing.
 
 Which parameters got a gradient: the plain step skips a parameter that got none (no weight decay, no ``step``),
 and with several ranks the ranks vote on that after backward (one if it got one on any rank, DDP's rule). A chunk
@@ -34,16 +33,38 @@ autograd's version check on one rank; with several ranks the payload is a gather
 
 Costs: ``optimizer.step()`` runs once per chunk (its step hooks too, as on the disk tier), and after
 ``backward()`` the stepped parameters have no gradient to read (``on_before_optimizer_step`` sees ``None``).
+
+[Note: stepping disk chunks in backward]
+After backward, the disk tier's optimizer phase reads each disk chunk's master, gradient and optimizer state
+from its files, steps it and writes master and state back ([Note: staged optimizer steps] in
+``disk_storage.py``), beside no compute: where memory cannot cache the files that phase was most of the step
+(1.0-1.3 s of 1.7-2.2 on the 85M GPT of ``benchmarks/disk.py``). Stepped in backward, a disk chunk steps from
+the host buffer its gradients gathered in (``DiskStorage.grads_in_memory``), which is then kept for the next
+chunks without being written (``drop_grads``): the gradient file is neither written nor read back, 8 of the 40
+bytes a parameter the fp32 step moves. Its master and optimizer state are staged as the optimizer phase stages
+them (the same two sets, the same I/O thread, the same kernel and bits), but ahead of need: when a chunk steps,
+the disk chunk expected to finish next is already being read (in the order the last backward finished them;
+by descending id before there is one, as backward runs forward's first-use packing in reverse), and the first
+one is read when backward starts. So the reads and write-backs go on beside backward's compute. A wrong guess
+costs its read and nothing else: the read is waited for and the right chunk staged then. A view that has no
+state yet (its first step) cannot step on a staging buffer, nor a chunk whose gradients are not all in memory:
+those write their gradients to the file first and step as after backward. Everything written in backward is
+waited for at its end (``DiskStorage.settle_grads``), before anything reads the files again. A disk chunk's
+gradient is "released" by a flag alone (its file keeps its bytes), so ``attach_grads`` and ``finish`` treat it
+as a released shard.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from .chunk import Chunk
+from .chunk import Chunk, Tier
+from .disk_storage import Staged
 from .errors import UnsupportedOptimizerError
 from .manager import ChunkManager
 from .optim import OptimizerBinding
+
+STAGED = ("master", "optim")  # a disk chunk's files read for a step in backward (its gradients are in memory)
 
 # the refusal of fp16 loss scaling, raised by the strategy at set-up and by the engine at the first backward
 FP16_REFUSED = ("step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): a step that "
@@ -64,7 +85,13 @@ class EarlyStep:
         self.active = False  # this backward may step: set when it starts (not in a warm-up or a traced step)
         self.stepped: set[int] = set()  # chunk ids stepped since the last ``finish``
         self.early = 0  # chunks stepped during backward since set-up (the rest stepped after it)
+        self.disk = DiskSteps(manager, self.binding)
         manager.reducer.on_final = self.grads_final
+
+    def begin(self) -> None:
+        """A backward that may step starts ([Note: stepping disk chunks in backward])."""
+        if self.active:
+            self.disk.begin()
 
     def grads_final(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
@@ -74,31 +101,37 @@ class EarlyStep:
         self.manager.comm.verify_issued()
         if not all(t.has_grad for t in chunk.tensors if t.requires_grad):
             return  # the vote decides which of its parameters step: after backward
-        self._step(chunk, {}, pool=True)
+        self._step(chunk, {}, in_backward=True)
         self.early += 1
 
     def step_rest(self, **kwargs: Any) -> Any:
         """``optimizer.step()`` after backward: the chunks not stepped yet, one at a time, each giving its gradient
         shard back as it goes (so the first step, which creates the optimizer state, never holds both)."""
+        self.disk.end()
         out = None
         mgr = self.manager
         for c in mgr.chunks:
             if c.chunk_id not in self.stepped and c.trainable and not c.grad_released and \
                     any(t.has_grad for t in c.tensors):
-                out = self._step(c, kwargs, pool=False)
+                out = self._step(c, kwargs, in_backward=False)
         return out
 
-    def _step(self, chunk: Chunk, kwargs: dict[str, Any], *, pool: bool) -> Optional[Any]:
+    def _step(self, chunk: Chunk, kwargs: dict[str, Any], *, in_backward: bool) -> Optional[Any]:
         """Step the chunk and give its gradient shard back: during backward to the manager's pool, whose block the
         next chunk's gradients take (so the gradient shards stop going through malloc, whose holes the resident
         set keeps); after backward, when the shards of every chunk may be let go at once (the warm-up), to the
-        allocator, so that the pool never keeps a whole model's gradients."""
+        allocator, so that the pool never keeps a whole model's gradients. A disk chunk steps in backward from
+        its gradients in memory where it can ([Note: stepping disk chunks in backward])."""
         mgr = self.manager
         mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
+        out = None
         with mgr.clock.measure("optimizer"):
-            out = self.binding.step_chunk(chunk, **kwargs)
+            if not (in_backward and chunk.shard_tier is Tier.DISK and self.disk.step(chunk)):
+                if chunk.shard_tier is Tier.DISK:
+                    mgr.disk.grads_done(chunk)  # the step below reads the gradients from the file
+                out = self.binding.step_chunk(chunk, **kwargs)
         with mgr.tracked(chunk):
-            chunk.release_grad(mgr.pool if pool else None)
+            chunk.release_grad(mgr.pool if in_backward else None)
         self.stepped.add(chunk.chunk_id)
         return out
 
@@ -112,5 +145,74 @@ class EarlyStep:
                 for t in c.tensors:
                     t.has_grad = False
         self.binding.detach_released()
+        self.disk.end()
         self.stepped = set()
         self.active = False
+
+
+class DiskSteps:
+    """Disk chunks stepped during backward, their files staged ahead of need ([Note: stepping disk chunks in
+    backward])."""
+
+    def __init__(self, manager: ChunkManager, binding: OptimizerBinding) -> None:
+        self.manager = manager
+        self.binding = binding
+        self.ahead: Optional[Staged] = None  # a disk chunk's files being read before its gradients are final
+        self.order: list[int] = []  # disk chunk ids in the order the last backward stepped them
+        self.seen: list[int] = []  # this backward's, so far
+        self.missed = 0  # staged reads ahead that the next chunk did not take (a wrong guess, read for nothing)
+
+    def begin(self) -> None:
+        self.end()
+        first = self._expected(None)
+        if first is not None:
+            self.ahead = self.manager.disk.stage_in(first, STAGED)
+
+    def step(self, chunk: Chunk) -> bool:
+        """Step disk chunk ``chunk`` now, from its gradients in memory; False when it must step from its files."""
+        storage = self.manager.disk
+        if not self.binding.steps_on_this_rank(chunk):  # padding alone here: nothing to read, step or write
+            storage.drop_grads(chunk)
+            return True
+        grads = storage.grads_in_memory(chunk)
+        staged = self._staged(chunk)
+        self.seen.append(chunk.chunk_id)
+        nxt = self._expected(chunk.chunk_id)
+        if nxt is not None:  # read while this one steps and backward goes on
+            self.ahead = storage.stage_in(nxt, STAGED)
+        if grads is None or staged is None or not self.binding.step_staged_chunk(chunk, staged, grads):
+            if staged is not None:
+                storage.wait(staged)  # its set may be read into again only once this read is done
+            return False
+        storage.drop_grads(chunk)
+        return True
+
+    def end(self) -> None:
+        """Backward is over (or starts again): keep its order; a staged read nobody took is waited for."""
+        if self.seen:
+            self.order, self.seen = self.seen, []
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            self.manager.disk.wait(ahead)
+            self.missed += 1
+
+    def _staged(self, chunk: Chunk) -> Optional[Staged]:
+        """``chunk``'s files staged: the read started ahead when the guess was right, else one started now."""
+        storage = self.manager.disk
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.chunk is chunk:
+            return ahead
+        if ahead is not None:
+            storage.wait(ahead)  # a wrong guess: its read is wasted
+            self.missed += 1
+        return storage.stage_in(chunk, STAGED)
+
+    def _expected(self, after: Optional[int]) -> Optional[Chunk]:
+        """The disk chunk this backward should finish after chunk ``after`` (first when ``None``)."""
+        on_disk = {c.chunk_id: c for c in self.manager.chunks
+                   if c.shard_tier is Tier.DISK and c.trainable and self.binding.steps_on_this_rank(c)}
+        order = [cid for cid in self.order if cid in on_disk] or sorted(on_disk, reverse=True)
+        if after in order:
+            order = order[order.index(after) + 1:]
+        seen = set(self.seen)
+        return next((on_disk[cid] for cid in order if cid not in seen), None)

@@ -382,11 +382,12 @@ class ChunkManager:
             self.reducer.reduce(chunk, make_room)
         else:
             if chunk.shard_tier is Tier.DISK:
-                self.reducer.offload.drain()  # the copies land before the buffer is written to the file
-                self.storage_of(chunk).grads_done(chunk)
+                self.reducer.offload.drain()  # the copies land before the buffer is used or written to the file
             chunk.reduced()
-            if self.reducer.on_final is not None:
+            if self.reducer.on_final is not None:  # before the write: a chunk stepped now needs no gradient file
                 self.reducer.on_final(chunk)
+            if chunk.shard_tier is Tier.DISK:
+                self.storage_of(chunk).grads_done(chunk)
 
     def land_in_flight(self) -> None:
         """Land the reduce-scatters and gradient copies in flight (what a device limit needs before it evicts)."""

@@ -21,6 +21,7 @@ Muon, ...) cannot step flat views and are refused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -431,14 +432,24 @@ class OptimizerBinding:
             self._grad_slots = [(i, v, *mgr.lookup(mgr.params[i]), mgr.grad_slice(i)) for i, v in self._views.items()]
         return self._grad_slots
 
-    def step_chunk(self, chunk: Chunk, **kwargs: Any) -> Any:
-        """``step(**kwargs)`` over the views of ``chunk`` alone, with their gradients attached for the call
-        ([Note: stepping in backward] in ``early_step.py``); other param groups' views are left out as well."""
+    def _chunk_slots(self, chunk: Chunk, *, with_grad: bool = True
+                     ) -> list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]:
+        """The slots (``_slots``) of ``chunk``'s views (``with_grad``: those that got a gradient this step)."""
         if self._by_chunk is None:
             self._by_chunk = {}
             for slot in self._slots():
                 self._by_chunk.setdefault(slot[2].chunk_id, []).append(slot)
-        mine = [s for s in self._by_chunk.get(chunk.chunk_id, ()) if s[3].has_grad and s[4] is not None]
+        return [s for s in self._by_chunk.get(chunk.chunk_id, ())
+                if not with_grad or (s[3].has_grad and s[4] is not None)]
+
+    def steps_on_this_rank(self, chunk: Chunk) -> bool:
+        """This rank's shard of ``chunk`` holds a piece of a parameter this optimizer steps (not padding alone)."""
+        return bool(self._chunk_slots(chunk, with_grad=False))
+
+    def step_chunk(self, chunk: Chunk, **kwargs: Any) -> Any:
+        """``step(**kwargs)`` over the views of ``chunk`` alone, with their gradients attached for the call
+        ([Note: stepping in backward] in ``early_step.py``); other param groups' views are left out as well."""
+        mine = self._chunk_slots(chunk)
         if not mine:
             return None
         views = {i: v for i, v, _c, _info, _g in mine}
@@ -456,6 +467,35 @@ class OptimizerBinding:
             for v in views.values():
                 v.grad = None
             self._attached.difference_update(views)
+
+    def step_staged_chunk(self, chunk: Chunk, staged: Any, grads: torch.Tensor, **kwargs: Any) -> bool:
+        """``step(**kwargs)`` over the views of disk chunk ``chunk`` alone, on ``staged`` (its master and optimizer
+        state, being read by ``DiskStorage.stage_in``) with ``grads`` (the uint8 buffer its gradients gathered in)
+        as the gradient file's twin, then the master and state written back on the I/O thread
+        ([Note: stepping disk chunks in backward] in ``early_step.py``). False, with nothing stepped, when a view
+        would step for the first time (its state would be created in the staging buffer): step it otherwise."""
+        mine = self._chunk_slots(chunk)
+        if not mine:
+            return True
+        storage = self.manager.disk
+        ids = {id(v) for _i, v, _c, _info, _g in mine}
+        for _i, v, _c, _info, g in mine:
+            v.grad = g
+        try:
+            if not self._state_in_files(chunk):
+                return False
+            storage.wait(staged)  # its read iterates ``staged.files``: the twin below is a new object
+            with_grads = dataclasses.replace(staged, files={**staged.files, "grad": storage.file(chunk, "grad")},
+                                             bufs={**staged.bufs, "grad": grads})
+            with self._only(lambda v: id(v) in ids):
+                with storage.beside_io() if _split_at_cache_lines(self.optimizer) else contextlib.nullcontext():
+                    self._step_staged(with_grads, **kwargs)
+            storage.stage_out(staged, ("master", "optim"))
+            return True
+        finally:
+            for _i, v, _c, _info, _g in mine:
+                v.grad = None
+            self._attached.difference_update(i for i, *_ in mine)
 
     def detach_released(self) -> None:
         """Views whose chunk gave its gradient shard back hold no gradient (as after ``zero_grad()``)."""

@@ -184,11 +184,12 @@ class GradReducer:
             with mgr.clock.measure("tier_copy"):
                 self.offload.copy(target, out, add=add, on_done=lambda c=chunk: self._free_payload(c))
             if chunk.shard_tier is Tier.DISK:
-                self.offload.drain()  # landed: a disk shard's buffer goes to its file now
-                storage.grads_done(chunk)
+                self.offload.drain()  # landed: a disk shard's buffer is final
             self.offload.drain(keep=2)  # bound the payloads still being copied
             if self.on_final is not None:  # it decides whether this backward steps (not when gradients stay local)
                 self.on_final(chunk)
+            if chunk.shard_tier is Tier.DISK:  # to its file, unless the chunk stepped from it just now
+                storage.grads_done(chunk)
 
     def land_all(self) -> None:
         """Finish the reduce-scatters and gradient copies in flight: their gradient payloads go and their chunks

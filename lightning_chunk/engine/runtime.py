@@ -438,6 +438,7 @@ class ChunkEngine:
             # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
             self.early.active = (self.warmed_up and not self._finalize_pending and not self.hooks.tracer.recording
                                  and not self._accumulating)
+            self.early.begin()
 
     def _backward_ends(self) -> None:
         """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
@@ -530,6 +531,8 @@ class ChunkEngine:
             out["loss_scale"] = self.scaler.scale
         if self.early is not None:
             out["chunks_stepped_in_backward"] = self.early.early
+            if self.manager.disk_chunks:  # [Note: stepping disk chunks in backward]
+                out["disk_staged_ahead_missed"] = self.early.disk.missed
         if self.ema is not None:
             out["ema_host_bytes"] = self.ema.nbytes  # this rank's share of the average ([Note: a sharded EMA])
         if self.last_grad_norm is not None:

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lightning_chunk import ChunkOffloadStrategy
-from lightning_chunk.engine.disk import PREFIX, ScratchDir
+from lightning_chunk.engine.disk import PREFIX, MappedFile, ScratchDir
 from lightning_chunk.engine.errors import DiskTierError, HostMemoryLimitError
 from tests.integration.test_checkpoints import train_and_save, trainer
 from tests.integration.test_parity import BIG, EXACT, assert_same_params
-from tests.models import ParityNet, fit, token_data
+from tests.models import ParityNet, ReorderedNet, fit, token_data
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -57,6 +57,52 @@ def test_disk_tier_trains_bit_exact_with_memory(tmp_path, case):
     else:  # only frozen shards on disk: never written after they were built
         assert s["disk_write_bytes"] == 0
     assert list((tmp_path / "scratch").iterdir()) == []  # the scratch directory went with the run
+
+
+EARLY_CASES = {
+    "fp32_direct": dict(disk_io="direct"),  # against plain Lightning; O_DIRECT pieces on the pool
+    "bf16_mixed": dict(precision="bf16-mixed"),  # the compute copies written back from the stepped masters
+    "accumulate_tied": dict(accumulate_grad_batches=2, variant="tied"),  # the first micro-batch's gradients in files
+    # the defaults (placement="auto", the automatic chunk size) on a model used in another order than registered
+    "reordered_defaults": dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), chunk_numel=None,
+                               placement="auto"),
+}
+
+
+@pytest.mark.parametrize("case", list(EARLY_CASES))
+def test_disk_chunks_stepped_in_backward_train_bit_exact_and_write_no_gradient_file(tmp_path, case, monkeypatch):
+    """[Note: stepping disk chunks in backward]: each disk chunk steps as its gradients are final, from the buffer
+    they gathered in, its master and optimizer state read ahead of need: the same bits as stepping after
+    backward, with no gradient file written or read after the warm-up (only accumulation's first micro-batch
+    writes one), and every read ahead taken (the model's backward runs in one order every step)."""
+    kw = dict(EARLY_CASES[case])
+    strategy_kw = {k: kw.pop(k) for k in ("disk_io", "chunk_numel", "placement") if k in kw}
+    kw.setdefault("model_kwargs", BIG)
+    base = {**dict(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop"), **strategy_kw}
+    # fp32: against plain Lightning; mixed: against the same strategy in memory, stepping after backward
+    ref = fit(ChunkOffloadStrategy(**base) if kw.get("precision") == "bf16-mixed" else "auto", steps=STEPS, **kw)
+    grad_writes = []
+    real = MappedFile.write_from
+
+    def write_from(self, buf, **io):
+        if self.path.name.endswith("-grad.bin"):
+            grad_writes.append(self.path.name)
+        return real(self, buf, **io)
+
+    monkeypatch.setattr(MappedFile, "write_from", write_from)
+    limit = "2MB" if "cls" in kw else "3MB"
+    strategy = ChunkOffloadStrategy(**base, host_memory_limit=limit, disk_dir=tmp_path / "scratch",
+                                    step_in_backward=True)
+    got = fit(strategy, steps=STEPS, **kw)
+    assert_same_params(ref, got, EXACT)
+    s = strategy.memory_stats()
+    assert s["disk_shards"] >= 2 and s["disk_grad_bytes"] > 0
+    assert s["chunks_stepped_in_backward"] >= s["disk_shards"] * (STEPS - 2)
+    assert s["disk_staged_ahead_missed"] == 0
+    # the warm-up's gradients, and those of the micro-batches that do not step (accumulation), and no more
+    not_stepping = STEPS * (kw.get("accumulate_grad_batches", 1) - 1)
+    assert 0 < len(grad_writes) <= s["disk_shards"] * (1 + not_stepping)
+    assert list((tmp_path / "scratch").iterdir()) == []
 
 
 def test_optimizer_state_lives_in_the_files(tmp_path):
@@ -373,7 +419,7 @@ def _grad_chunk(storage, numel):
     """A stand-in for a disk chunk with a gradient file of ``numel`` fp32 elements (what ``DiskStorage`` reads of it)."""
     from types import SimpleNamespace
 
-    c = SimpleNamespace(chunk_id=0, shard_numel=numel, grad_written=False, tensors=[])
+    c = SimpleNamespace(chunk_id=0, shard_numel=numel, grad_written=False, world_size=1, tensors=[])
     c.grad = storage.alloc(c, "grad", numel, torch.float32)
     return c
 

@@ -87,8 +87,6 @@ def test_what_stepping_in_backward_cannot_do_is_refused_with_a_reason():
     two = [torch.optim.AdamW(params[:2]), torch.optim.AdamW(params[2:])]
     with pytest.raises(UnsupportedOptimizerError, match="needs exactly one optimizer; got 2"):
         ChunkEngine(model, two, config=ChunkConfig(placement="device", step_in_backward=True))
-    with pytest.raises(ValueError, match="step_in_backward=True is not allowed with the disk tier"):
-        ChunkConfig(step_in_backward=True, host_memory_limit="1MB", disk_dir="/tmp")
     with pytest.raises(ValueError, match="step_in_backward=1 is not allowed; it must be True or False"):
         ChunkConfig(step_in_backward=1)
     eng, _, _ = train(True, steps=2)
