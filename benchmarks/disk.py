@@ -74,8 +74,10 @@ def child_chunk(args: argparse.Namespace) -> None:
 
     from lightning_chunk import ChunkOffloadStrategy
 
-    on_disk = args.child == "disk"
+    on_disk = args.child in ("disk", "disk_early")
     kw = dict(host_memory_limit=args.host_limit, disk_dir=args.dir, disk_io=args.disk_io) if on_disk else {}
+    if args.child == "disk_early":  # [Note: stepping disk chunks in backward]
+        kw["step_in_backward"] = True
     strategy = ChunkOffloadStrategy(placement="host", device_memory_limit=args.device_limit, log_memory_stats=False,
                                     materialize_on_teardown=False, **kw)
     L.seed_everything(0, verbose=False)
@@ -462,7 +464,8 @@ def main(argv: "list[str] | None" = None) -> dict:
     p.add_argument("--floor-write", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--floor-hold", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    return run_or_child(args, {"memory": child_chunk, "disk": child_chunk, "deepspeed": child_deepspeed,
+    return run_or_child(args, {"memory": child_chunk, "disk": child_chunk, "disk_early": child_chunk,
+                               "deepspeed": child_deepspeed,
                                "floor": child_floor}, measure, render)
 
 

@@ -35,7 +35,9 @@ class Staged:
     chunk: Chunk
     files: dict[str, MappedFile]
     bufs: dict[str, torch.Tensor]  # role -> uint8 buffer whose first ``files[role].nbytes`` bytes are the file's
-    ready: Future
+    ready: Future  # every role read (the I/O thread runs in order: ``master_ready`` is done first)
+    master_ready: Optional[Future] = None  # the master read, first
+    set_index: int = -1  # which of the two staging sets holds it
 
     def holds(self, t: torch.Tensor, role: str) -> bool:
         f = self.files.get(role)
@@ -76,6 +78,9 @@ class DiskStorage(TierStorage):
         self._sets: list[dict[str, torch.Tensor]] = [{}, {}]  # two staging sets: one in use, one being read
         self._next_set = 0
         self._writes: list[Future] = []  # write-backs not yet known to have succeeded
+        # id(chunk) -> its files staged in a set that still holds them, until the next flush: a gather may copy
+        # the master from there ([Note: a gather from the staging set])
+        self._staged_now: dict[int, Staged] = {}
         self._serial = 0
         self.read_bytes = 0  # paged in from the files (page-cache hits included)
         self.write_bytes = 0  # written back to the files
@@ -261,6 +266,7 @@ class DiskStorage(TierStorage):
         stepped during it (raising what one of them raised)."""
         writes, self._grad_writes = list(self._grad_writes.values()), {}
         writes, self._writes = [*writes, *self._writes], []
+        self._staged_now.clear()
         for w in writes:
             self._wait_for(w)
 
@@ -383,8 +389,12 @@ class DiskStorage(TierStorage):
         files = dict(self._of(chunk, roles))
         if not files:
             return None
-        buffers = self._sets[self._next_set]
+        index = self._next_set
+        buffers = self._sets[index]
         self._next_set ^= 1
+        for cid, st in list(self._staged_now.items()):  # the set is read into anew: what it held is gone
+            if st.set_index == index:
+                del self._staged_now[cid]
         bufs = {}
         for role, f in files.items():
             b = buffers.get(role)
@@ -399,8 +409,13 @@ class DiskStorage(TierStorage):
         if not direct:
             for f in files.values():
                 f.will_need()
-        ready = self._thread().submit(lambda: [f.read_into(bufs[r], direct=direct, pool=pool) for r, f in files.items()])
-        return Staged(chunk, files, bufs, ready)
+        master = self._thread().submit(files["master"].read_into, bufs["master"], direct=direct, pool=pool) \
+            if "master" in files else None
+        ready = self._thread().submit(lambda: [f.read_into(bufs[r], direct=direct, pool=pool)
+                                               for r, f in files.items() if r != "master"])
+        staged = Staged(chunk, files, bufs, ready, master, index)
+        self._staged_now[id(chunk)] = staged
+        return staged
 
     def read_ahead_master(self, chunk: Chunk) -> None:
         """The chunk's master file will be read by a gather soon (``read_master_into``): let the kernel start reading
@@ -433,6 +448,15 @@ class DiskStorage(TierStorage):
         if f is None:
             return False
         self._hinted.discard(id(f))
+        staged = self._staged_now.get(id(chunk))
+        if staged is not None and staged.master_ready is not None:
+            # [Note: a gather from the staging set] stepping in backward ([Note: stepping disk chunks in backward] in
+            # early_step.py), a disk chunk's files are staged for its step while backward goes on; where that was
+            # before its backward gather (a third of them on the test models: the hooks gather ahead too), the
+            # gather copies the master the I/O thread read, and the file is read once for both
+            self._wait_for(staged.master_ready)
+            dst.view(-1).view(torch.uint8).copy_(staged.bufs["master"][: f.nbytes])
+            return True
         t0 = time.perf_counter()
         f.read_into(dst.view(-1).view(torch.uint8))
         self.wait_s += time.perf_counter() - t0
@@ -440,6 +464,8 @@ class DiskStorage(TierStorage):
         return True
 
     def wait(self, staged: Staged) -> None:
+        if staged.master_ready is not None:
+            self._wait_for(staged.master_ready)
         self._wait_for(staged.ready)
 
     def stage_out(self, staged: Staged, roles: tuple[str, ...]) -> None:
@@ -452,6 +478,7 @@ class DiskStorage(TierStorage):
 
     def flush(self) -> None:
         """Wait for every read and write the I/O thread was given (raising what one of them raised)."""
+        self._staged_now.clear()
         if self._reader is not None:
             t0 = time.perf_counter()
             self._reader.submit(lambda: None).result()
