@@ -10,6 +10,10 @@ Rows, each in its own process, one rank, measured in one run:
 - ``disk tier``: the same with ``host_memory_limit=--host-limit`` and ``disk_dir=--dir``: the masters,
   gradient shards and Adam's moments that do not fit go to files there, moved through the page cache or past it
   (``O_DIRECT``) as ``--disk-io`` (default ``auto``, the strategy's default) chooses; the notes say which.
+- ``disk tier, stepped in backward``: the same with ``step_in_backward=True``: each disk chunk steps during
+  backward from its gradients in memory, its master and optimizer state read ahead ([Note: stepping disk chunks
+  in backward]); compared with its own floor, the bytes its step must move (no gradient file; a master read
+  twice, forward and staged, the staging serving the backward gather).
 - ``disk floor``: the bytes a step must move through the disk tier (every disk shard's master, gradient
   and optimizer state read once and written once, and, in fp32, its master read again by the forward and
   the backward gathers), moved by a plain loop of 64 MiB ``os.pwrite``/``os.preadv`` calls through one
@@ -310,7 +314,7 @@ def _run(name: str, args: argparse.Namespace, scratch: Path, cap: "MemoryCgroup 
 def measure(args: argparse.Namespace) -> dict:
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp())
-    rows = {name: _run(name, args, scratch) for name in ("memory", "disk")}
+    rows = {name: _run(name, args, scratch) for name in ("memory", "disk", "disk_early")}
     disk = rows["disk"]
     res: dict[str, Any] = {"args": {k: getattr(args, k) for k in ("width", "depth", "context", "batch", "steps",
                                                                  "host_limit", "device_limit", "dir")},
@@ -326,11 +330,20 @@ def measure(args: argparse.Namespace) -> dict:
         floor = floors(Path(args.dir), must_read, must_write)
         if "seconds" in floor:
             res["floor"] = {"read_bytes": must_read, "write_bytes": must_write, **floor}
+        if "step_times" in rows["disk_early"]:
+            # stepped in backward no gradient file is written or read, and the step's staging read of a master can
+            # serve that chunk's backward gather: a master read twice (forward, and staged for the step), the
+            # optimizer state once, both written once
+            early_read = roles.get("master", 0) * 2 + roles.get("optim", 0)
+            early_write = roles.get("master", 0) + roles.get("optim", 0)
+            early = floors(Path(args.dir), early_read, early_write)
+            if "seconds" in early:
+                res["floor_early"] = {"read_bytes": early_read, "write_bytes": early_write, **early}
         if args.memory_cap:
             cap_bytes = parse_bytes(args.memory_cap, field="--memory-cap")
             res["memory_cap"] = cap_bytes
             ran = "step_times" in rows.get("deepspeed", {})  # where it cannot run at all, capped adds nothing
-            for name in ("disk", "floor", "deepspeed") if ran else ("disk", "floor"):
+            for name in ("disk", "floor", "disk_early", "deepspeed") if ran else ("disk", "floor", "disk_early"):
                 cap = MemoryCgroup(cap_bytes, name)
                 try:
                     # the floor beside the resident set the disk tier had in the same cgroup (run just before)
@@ -373,7 +386,7 @@ def render(res: dict) -> str:
     lines.append("|---|---|---|---|---|---|---|")
     floor = res.get("floor")
     for name, label in (("memory", "in memory (placement=host)"), ("disk", "disk tier"),
-                        ("deepspeed", "DeepSpeed ZeRO-Infinity (nvme)")):
+                        ("disk_early", "disk tier, stepped in backward"), ("deepspeed", "DeepSpeed ZeRO-Infinity (nvme)")):
         r = res["rows"].get(name)
         if r is None:
             continue
@@ -386,17 +399,18 @@ def render(res: dict) -> str:
         state = (r.get("params") or res["rows"].get("memory", {}).get("params", 0)) * 16  # the same GPT
         host = parse_bytes(a["host_limit"], field="--host-limit")
         note = ""
-        if name == "disk":
+        if name in ("disk", "disk_early"):
             s, last = r["stats"], r["last_step"]
             note = (f"{s['disk_shards']}/{s['chunks']} shards on disk ({gib(s['disk_chunk_bytes'])}); last step read "
                     f"{gib(last['disk_read_bytes'])}, wrote {gib(last['disk_write_bytes'])}, waited "
                     f"{last['disk_wait_s']:.2f} s, {_io_mode(r)}")
             mem = res["rows"].get("memory", {})
-            if floor:
-                note += f"; {step / floor['seconds']:.2f}× the disk floor"
+            own = res.get("floor_early") if name == "disk_early" else floor
+            if own:
+                note += f"; {step / own['seconds']:.2f}× {'its' if name == 'disk_early' else 'the'} disk floor"
                 if "step_times" in mem:
                     extra = step - _median_after_first(mem["step_times"])
-                    note += f", its {extra:.2f} s over the in-memory step = {extra / floor['seconds']:.2f}× the floor"
+                    note += f", its {extra:.2f} s over the in-memory step = {extra / own['seconds']:.2f}× the floor"
         if name == "memory":
             note = f"{r['params'] / 1e6:.1f}M parameters"
         if name == "deepspeed":
@@ -406,22 +420,25 @@ def render(res: dict) -> str:
                 note += f"; the disk tier's step is {_median_after_first(disk_row['step_times']) / step:.2f}× this one"
         fits = "yes" if over <= limit else "no"
         lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {mib(over)} | "
-                     f"{fits if name == 'disk' else '—'} | {state / host:.1f}× | {note} |")
-    if floor:
-        lines.append(f"| disk floor | {floor['seconds']:.2f} | | | | | reads {gib(floor['read_bytes'])}, writes "
-                     f"{gib(floor['write_bytes'])} with a plain loop in disk_dir (median of 5: "
-                     f"{min(floor['all']):.2f}..{max(floor['all']):.2f} s) |")
-        if "direct_seconds" in floor:
-            lines.append(f"| disk floor, O_DIRECT | {floor['direct_seconds']:.2f} | | | | | the same bytes to and from "
-                         f"the disk itself (median of 5: {min(floor['direct_all']):.2f}..{max(floor['direct_all']):.2f}"
+                     f"{fits if name.startswith('disk') else '—'} | {state / host:.1f}× | {note} |")
+    for f, label in ((floor, "disk floor"), (res.get("floor_early"), "disk floor, stepped in backward")):
+        if not f:
+            continue
+        lines.append(f"| {label} | {f['seconds']:.2f} | | | | | reads {gib(f['read_bytes'])}, writes "
+                     f"{gib(f['write_bytes'])} with a plain loop in disk_dir (median of 5: "
+                     f"{min(f['all']):.2f}..{max(f['all']):.2f} s) |")
+        if "direct_seconds" in f:
+            lines.append(f"| {label}, O_DIRECT | {f['direct_seconds']:.2f} | | | | | the same bytes to and from "
+                         f"the disk itself (median of 5: {min(f['direct_all']):.2f}..{max(f['direct_all']):.2f}"
                          " s): the floor where the page cache cannot hold the files |")
-        elif "direct_skipped" in floor:
-            lines.append(f"| disk floor, O_DIRECT | — | | | | | cannot run here: {floor['direct_skipped']} |")
+        elif "direct_skipped" in f:
+            lines.append(f"| {label}, O_DIRECT | — | | | | | cannot run here: {f['direct_skipped']} |")
     if "memory_cap" in res:
         lines += ["", f"In a memory cgroup of {mib(res['memory_cap'])} (resident set and page cache together):", "",
                   "| row | s a step | peak RSS | − baseline | cgroup peak | notes |", "|---|---|---|---|---|---|"]
         capped_floor = res["rows"].get("floor_capped", {})
         for name, label in (("disk_capped", "disk tier, memory capped"), ("floor_capped", "disk floor, memory capped"),
+                            ("disk_early_capped", "disk tier stepped in backward, memory capped"),
                             ("deepspeed_capped", "DeepSpeed ZeRO-Infinity (nvme), memory capped")):
             if name not in res["rows"]:
                 continue
@@ -433,13 +450,17 @@ def render(res: dict) -> str:
                 step = _median_after_first(r["step_times"])
                 over = mib(r["peak_rss"] - r["baseline_rss"])
                 lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | |")
-            elif name == "disk_capped":
+            elif name in ("disk_capped", "disk_early_capped"):
                 step, last = _median_after_first(r["step_times"]), r["last_step"]
                 note = f"waited {last['disk_wait_s']:.2f} s on the disk in the last step, {_io_mode(r)}"
-                if "seconds" in capped_floor:
+                if name == "disk_capped" and "seconds" in capped_floor:
                     note += f"; {step / capped_floor['seconds']:.2f}× the capped floor"
-                if floor and "direct_seconds" in floor:
-                    note += f", {step / floor['direct_seconds']:.2f}× the O_DIRECT floor"
+                own = floor if name == "disk_capped" else res.get("floor_early")
+                if own and "direct_seconds" in own:
+                    note += f", {step / own['direct_seconds']:.2f}× {'the' if own is floor else 'its'} O_DIRECT floor"
+                if name == "disk_early_capped" and "step_times" in res["rows"].get("disk_capped", {}):
+                    note += f"; {step / _median_after_first(res['rows']['disk_capped']['step_times']):.2f}× the " \
+                            "capped disk tier's step"
                 over = mib(r["peak_rss"] - r["baseline_rss"])
                 lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | {note} |")
             elif "seconds" in r:

@@ -202,6 +202,10 @@ def test_disk_benchmark_runs_every_row(tmp_path, capsys):
     assert disk["stats"]["disk_shards"] > 0 and disk["last_step"]["disk_read_bytes"] > 0
     assert disk["params"] * 16 >= 4 * 3 * 2**20  # the state is at least 4x the host limit
     assert res["floor"]["seconds"] > 0 and res["floor"]["write_bytes"] > 0
+    early = rows["disk_early"]  # no gradient file: fewer bytes than the plain disk row, and a floor of its own
+    assert early["stats"]["disk_shards"] == disk["stats"]["disk_shards"]
+    assert early["last_step"]["disk_write_bytes"] < disk["last_step"]["disk_write_bytes"]
+    assert 0 < res["floor_early"]["write_bytes"] < res["floor"]["write_bytes"]
     ds = rows["deepspeed"]
     assert "skipped" in ds or ds["step_times"]  # never faked
     # in a memory cgroup where one can be made (root, or a delegated subtree); elsewhere the reason, never faked
@@ -211,8 +215,9 @@ def test_disk_benchmark_runs_every_row(tmp_path, capsys):
     else:
         # (the peak reads 0 where the kernel has no memory.peak: cgroup v2 before Linux 5.19)
         assert capped["cgroup_peak"] <= 2**30 and len(capped["step_times"]) == 3 and capped_floor["seconds"] > 0
+        assert len(rows["disk_early_capped"]["step_times"]) == 3
     out = capsys.readouterr().out
-    assert "disk floor" in out and "memory capped" in out
+    assert "disk floor" in out and "memory capped" in out and "stepped in backward" in out
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == []  # scratch and floor file removed
 
 
