@@ -312,9 +312,10 @@ def disk_window_bytes(chunks: Sequence[ChunkView]) -> int:
 
 
 def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limit: Optional[int], *,
-                  device_is_host: bool = False) -> dict[int, Tier]:
+                  device_is_host: bool = False, chunk_numel_chosen: bool = True) -> dict[int, Tier]:
     """Move host-tier shards to the disk tier until the host holds at most ``host_limit`` bytes of them; with
     ``device_is_host`` (a CPU device, whose tier is host memory too) device-tier shards count and spill as well.
+    ``chunk_numel_chosen``: the user set ``chunk_numel`` (a limit too small may then name it as a remedy).
 
     [Note: spilling to disk] Every disk shard costs the same per byte at the optimizer step (its
     master, gradient and optimizer state read and written once a step); an fp32 one also has its
@@ -346,7 +347,9 @@ def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limi
             f"host_memory_limit={host_limit} bytes is too small: with every host shard's master, gradient and "
             f"optimizer state on the disk tier, the host still holds {used} bytes of shards (compute-dtype copies) "
             f"and pages in up to {disk_window_bytes(spilled)} bytes of disk shards at once. The smallest limit that "
-            f"works is {need} bytes; or lower chunk_numel.")
+            f"works is {need} bytes"
+            + ("; or lower chunk_numel." if chunk_numel_chosen else " (chunk_numel=None already keeps two disk shards "
+               "within half the limit where the model's largest parameter allows it)."))
     return out
 
 

@@ -205,7 +205,8 @@ class ChunkEngine:
         views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
         tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
         return views, spill_to_disk(views, tiers, self.config.host_memory_limit,
-                                    device_is_host=self.manager.device.type == "cpu")
+                                    device_is_host=self.manager.device.type == "cpu",
+                                    chunk_numel_chosen=self.config.chunk_numel is not None)
 
     def _place(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *,
                source: Optional[FromModule] = None) -> None:
