@@ -4,6 +4,7 @@ the 2-rank child (``runner.py``) and the 1-rank halves in ``test_resume_defaults
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,7 +15,9 @@ from lightning_chunk import ChunkOffloadStrategy
 from tests.models import ReorderedNet, token_data
 
 RESUME_MODEL = dict(dim=64, hidden=256, depth=3)
-RESUME_VARIANTS = ("auto_size", "auto_size_limit", "host_kept_limit")
+RESUME_VARIANTS = ("auto_size", "auto_size_limit", "host_kept_limit", "disk_early_limit")
+# the disk tier's scratch root for disk_early_limit: each process's own sub-directory is removed when fit ends
+DISK_ROOT = Path(tempfile.gettempdir()) / "lightning_chunk-tests-resume"
 
 
 # 106K parameters: the training state (16 bytes a parameter) is 1.7 MB on one rank and 0.85 MB a rank on two,
@@ -28,6 +31,9 @@ def resume_strategy(variant: str) -> ChunkOffloadStrategy:
         kw.update(chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT)
     if variant == "host_kept_limit":  # payloads kept for backward within a limit (an accelerator's default)
         kw.update(placement="host", device_memory_limit=RESUME_LIMIT, reshard_after_forward=False)
+    if variant == "disk_early_limit":  # most shards in files, each disk chunk stepped during backward
+        kw.update(chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT, host_memory_limit=600_000,
+                  disk_dir=DISK_ROOT, step_in_backward=True)
     return ChunkOffloadStrategy(**kw)
 
 

@@ -1,7 +1,8 @@
 """Resume with the defaults a user gets, on 2 ranks and across world sizes, against DDP's and plain
 Lightning's own resume: the automatic chunk size, a model registered in another order than it is used
 (so the resumed warm-up repacks and every rank's piece of each parameter moves, optimizer state with
-it), with and without a device limit, and host placement keeping its payloads for backward under the limit.
+it), with and without a device limit, host placement keeping its payloads for backward under the limit, and
+most shards on the disk tier with each disk chunk stepped during backward (``disk_early_limit``).
 2->2 and 1->2 run in a child (tests/distributed/runner.py), 2->1 and 1->1 here.
 """
 
