@@ -161,9 +161,12 @@ class DiskSteps:
         self.order: list[int] = []  # disk chunk ids in the order the last backward stepped them
         self.seen: list[int] = []  # this backward's, so far
         self.missed = 0  # staged reads ahead that the next chunk did not take (a wrong guess, read for nothing)
+        self.on_disk: dict[int, Chunk] = {}  # this backward's disk chunks with something to step on this rank
 
     def begin(self) -> None:
         self.end()
+        self.on_disk = {c.chunk_id: c for c in self.manager.chunks
+                        if c.shard_tier is Tier.DISK and c.trainable and self.binding.steps_on_this_rank(c)}
         first = self._expected(None)
         if first is not None:
             self.ahead = self.manager.disk.stage_in(first, STAGED)
@@ -209,8 +212,7 @@ class DiskSteps:
 
     def _expected(self, after: Optional[int]) -> Optional[Chunk]:
         """The disk chunk this backward should finish after chunk ``after`` (first when ``None``)."""
-        on_disk = {c.chunk_id: c for c in self.manager.chunks
-                   if c.shard_tier is Tier.DISK and c.trainable and self.binding.steps_on_this_rank(c)}
+        on_disk = self.on_disk
         order = [cid for cid in self.order if cid in on_disk] or sorted(on_disk, reverse=True)
         if after in order:
             order = order[order.index(after) + 1:]
