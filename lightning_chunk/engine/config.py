@@ -19,6 +19,7 @@ from .page_cache import IO_MODES
 
 PlacementName = Literal["auto", "device", "host", "static"]
 OptimizerKernel = Literal["auto", "one_pass", "fused", "foreach", "loop"]
+DiskIO = Literal["auto", "direct", "buffered"]  # IO_MODES
 
 PLACEMENTS: tuple[str, ...] = ("auto", "device", "host", "static")
 OPTIMIZER_KERNELS: tuple[str, ...] = ("auto", "one_pass", "fused", "foreach", "loop")
@@ -91,7 +92,7 @@ class ChunkConfig:
     sub-directory there and removes it when training ends; a later run removes what a dead one left.
     Needed when ``host_memory_limit`` sends shards to disk."""
 
-    disk_io: str = "auto"
+    disk_io: DiskIO = "auto"
     """How the disk tier's files move: ``"buffered"`` through the page cache, ``"direct"`` past it (``O_DIRECT``,
     several requests in flight), ``"auto"``: direct where the page cache could not hold the files beside the host
     limits of the ranks on this host, buffered where it could (``docs/disk-tier.md``)."""
