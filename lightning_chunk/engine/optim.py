@@ -170,12 +170,16 @@ class OptimizerBinding:
 
     # ------------------------------------------------------- disk-tier shards
     def _disk_chunks(self) -> dict[int, Chunk]:
-        """Chunks of this optimizer whose shards live on the disk tier and hold a gradient, in id order."""
+        """Chunks on the disk tier with a view in ``param_groups`` (as narrowed now: ``step_chunk`` steps one
+        chunk's) that holds a gradient, in id order."""
         mgr = self.manager
+        stepping = {id(v) for g in self.optimizer.param_groups for v in g["params"]}
         found = {}
         for i, v in self._views.items():
+            if id(v) not in stepping or v.grad is None:  # a chunk with nothing to step is not read
+                continue
             c = mgr.lookup(mgr.params[i])[0]
-            if c.shard_tier is Tier.DISK and v.grad is not None:  # a chunk with nothing to step is not read
+            if c.shard_tier is Tier.DISK:
                 found[c.chunk_id] = c
         return dict(sorted(found.items()))
 

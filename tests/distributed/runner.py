@@ -129,15 +129,17 @@ CASES = {
     "disk_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, placement="host", disk_io="direct"),
                             host_memory_limit="400kB",
                             trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
-    # ... each disk chunk stepped during backward from its gradients in memory, its files read ahead and written
-    # back past the page cache ([Note: stepping disk chunks in backward])
-    "disk_early": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560, step_in_backward=True,
-                                                disk_io="direct"), host_memory_limit="1.2MB"),
     # the defaults with a host limit: automatic chunk size, placement="auto" under a device limit, a model used in
     # another order than registered, gradient accumulation
     "disk_defaults": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
                           strategy=dict(chunk_numel=None), host_memory_limit="1MB",
                           trainer=dict(accumulate_grad_batches=2)),
+    # ... and with each disk chunk stepped during backward, its files read ahead and written back past the page
+    # cache: the first micro-batch's gradients go to the files, the second's landing adds to them and steps from
+    # memory ([Note: stepping disk chunks in backward])
+    "disk_defaults_early": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
+                                strategy=dict(chunk_numel=None, step_in_backward=True, disk_io="direct"),
+                                host_memory_limit="1MB", trainer=dict(accumulate_grad_batches=2)),
     # each chunk stepped as its reduce-scatter lands, its gradient shard given back ([Note: stepping in backward])
     "early": dict(strategy=dict(step_in_backward=True)),
     # a parameter no rank uses: its chunk waits for the vote and steps after backward
