@@ -15,11 +15,10 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from .page_cache import IO_MODES
+from .page_cache import IO_MODES, DiskIO
 
 PlacementName = Literal["auto", "device", "host", "static"]
 OptimizerKernel = Literal["auto", "one_pass", "fused", "foreach", "loop"]
-DiskIO = Literal["auto", "direct", "buffered"]  # IO_MODES
 
 PLACEMENTS: tuple[str, ...] = ("auto", "device", "host", "static")
 OPTIMIZER_KERNELS: tuple[str, ...] = ("auto", "one_pass", "fused", "foreach", "loop")
@@ -261,7 +260,6 @@ class ChunkConfig:
                      "step_in_backward", "keep_freed_heap", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
-
 
     def replace(self, **changes: object) -> "ChunkConfig":
         return dataclasses.replace(self, **changes)

@@ -28,9 +28,10 @@ a direct write drops the range's cached pages, and the tier never has both in fl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, get_args
 
-IO_MODES = ("auto", "direct", "buffered")
+DiskIO = Literal["auto", "direct", "buffered"]
+IO_MODES: tuple[str, ...] = get_args(DiskIO)
 
 
 def _read_int(path: Path) -> Optional[int]:
