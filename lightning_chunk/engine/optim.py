@@ -457,9 +457,7 @@ class OptimizerBinding:
         if not mine:
             return None
         views = {i: v for i, v, _c, _info, _g in mine}
-        for _i, v, _c, _info, g in mine:
-            v.grad = g
-        try:
+        with self._grads_for_the_call(mine):
             stepped, fresh = self.host_adam.step_one_pass(views)
             self.fresh_low |= fresh
             rest = {id(v) for v in views.values()} - stepped
@@ -467,10 +465,6 @@ class OptimizerBinding:
                 return None
             with self._only(lambda v: id(v) in rest):
                 return self._step_rest(**kwargs)
-        finally:
-            for v in views.values():
-                v.grad = None
-            self._attached.difference_update(views)
 
     def step_staged_chunk(self, chunk: Chunk, staged: Any, grads: torch.Tensor, **kwargs: Any) -> bool:
         """``step(**kwargs)`` over the views of disk chunk ``chunk`` alone, on ``staged`` (its master and optimizer
@@ -483,9 +477,7 @@ class OptimizerBinding:
             return True
         storage = self.manager.disk
         ids = {id(v) for _i, v, _c, _info, _g in mine}
-        for _i, v, _c, _info, g in mine:
-            v.grad = g
-        try:
+        with self._grads_for_the_call(mine):
             if not self._state_in_files(chunk):
                 return False
             storage.wait(staged)  # its read iterates ``staged.files``: the twin below is a new object
@@ -496,6 +488,15 @@ class OptimizerBinding:
                     self._step_staged(with_grads, **kwargs)
             storage.stage_out(staged, ("master", "optim"))
             return True
+
+    @contextlib.contextmanager
+    def _grads_for_the_call(self, mine: list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]
+                            ) -> Iterator[None]:
+        """The slots' views hold their gradients for the block, and none after it (also on an error)."""
+        for _i, v, _c, _info, g in mine:
+            v.grad = g
+        try:
+            yield
         finally:
             for _i, v, _c, _info, _g in mine:
                 v.grad = None
