@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.integration.test_disk_tier import o_direct_works
+from tests.weights_files import FORMATS
 
 RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,7 @@ ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
 FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight"}  # bf16 payloads against bf16 autocast too
+WEIGHTS = [f"weights_{fmt}" for fmt in FORMATS]
 DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "PL_GLOBAL_SEED")
 
@@ -69,8 +71,10 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
 
 @pytest.fixture(scope="module")
 def parity_run(tmp_path_factory):
+    """Every case that trains to completion, in one launch (each launch pays ~10 s of start-up on two ranks)."""
     out = tmp_path_factory.mktemp("two_ranks")
-    rc, log, _ = run(out, *PARITY, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
+    write_start_weights(out)
+    rc, log, _ = run(out, *PARITY, *WEIGHTS, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
                       "edited_checkpoint", "ema", "grad_penalty_limit", "batchnorm",
                       timeout=900)
     return out, rc, log
@@ -100,27 +104,24 @@ def test_stepping_in_backward_equals_stepping_after_it_and_gives_the_gradient_sh
         assert 0.74 * kept <= held <= 0.9 * kept, (case, held, kept)
 
 
-@pytest.fixture(scope="module")
-def weights_run(tmp_path_factory):
-    """2 ranks start from weights in each format (written here, once) and train like DDP from those values."""
+def write_start_weights(out: Path) -> None:
+    """The weights_* cases: 2 ranks start from weights in each format (written here, once) and train like DDP
+    from those values."""
     import lightning as L
 
     from tests.models import ParityNet
-    from tests.weights_files import FORMATS, write_weights
+    from tests.weights_files import write_weights
 
-    out = tmp_path_factory.mktemp("two_ranks_weights")
     L.seed_everything(3, verbose=False)
     start = ParityNet(variant="tied").state_dict()
     torch.save(start, out / "start.pt")
     paths = {fmt: str(write_weights(start, out / f"w_{fmt}", fmt, variant="tied")) for fmt in FORMATS}
     (out / "weights.json").write_text(json.dumps(paths))
-    rc, log, _ = run(out, *(f"weights_{fmt}" for fmt in FORMATS), timeout=600)
-    return out, rc, log
 
 
-@pytest.mark.parametrize("fmt", ["torch", "lightning", "consolidated", "safetensors"])
-def test_weights_load_on_two_ranks_and_train_like_ddp(weights_run, fmt):
-    check_parity(*weights_run, f"weights_{fmt}")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weights_load_on_two_ranks_and_train_like_ddp(parity_run, fmt):
+    check_parity(*parity_run, f"weights_{fmt}")
 
 
 def check_parity(out, rc, log, case):
