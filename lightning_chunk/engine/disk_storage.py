@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -76,7 +76,12 @@ class DiskStorage(TierStorage):
         self._reader: Optional[ThreadPoolExecutor] = None  # the read-ahead thread
         self._ahead: dict[int, tuple[bool, Future]] = {}  # id(file) -> (writable, its read-ahead)
         self._sets: list[dict[str, torch.Tensor]] = [{}, {}]  # two staging sets: one in use, one being read
+        self._holders: list[Optional[Staged]] = [None, None]  # each set's staged files until written back or let go
         self._next_set = 0
+        # id(chunk) of the disk chunks this backward will still step, in the order expected, and their roles: staged
+        # at their gather or before ([Note: staging at the backward gather])
+        self._will_step: list[int] = []
+        self._will_step_roles: tuple[str, ...] = ()
         self._writes: list[Future] = []  # write-backs not yet known to have succeeded
         # id(chunk) -> its files staged in a set that still holds them, until the next flush: a gather may copy
         # the master from there ([Note: a gather from the staging set])
@@ -86,6 +91,8 @@ class DiskStorage(TierStorage):
         self.write_bytes = 0  # written back to the files
         self.wait_s = 0.0  # time spent waiting for pages to come in
         self.staged = 0  # chunks stepped on staged copies
+        self.gathers_staged = 0  # gathers on a CPU device that copied a master from a staging set
+        self.gathers_read = 0  # ... that read it from its file
 
     # ------------------------------------------------------------ directory
     @property
@@ -389,9 +396,12 @@ class DiskStorage(TierStorage):
         files = dict(self._of(chunk, roles))
         if not files:
             return None
-        index = self._next_set
+        index = self._free_set()
+        if index is None:  # both sets hold files no step took: the older gives way
+            index = self._next_set
+            self.let_go(self._holders[index])
         buffers = self._sets[index]
-        self._next_set ^= 1
+        self._next_set = index ^ 1
         for cid, st in list(self._staged_now.items()):  # the set is read into anew: what it held is gone
             if st.set_index == index:
                 del self._staged_now[cid]
@@ -415,6 +425,60 @@ class DiskStorage(TierStorage):
                                                for r, f in files.items() if r != "master"])
         staged = Staged(chunk, files, bufs, ready, master, index)
         self._staged_now[id(chunk)] = staged
+        self._holders[index] = staged
+        return staged
+
+    def _free_set(self) -> Optional[int]:
+        """A staging set no step still needs (the next in turn first), or None."""
+        return next((i for i in (self._next_set, self._next_set ^ 1) if self._holders[i] is None), None)
+
+    def can_stage(self) -> bool:
+        """A staging set is free: ``stage_in`` would let go of no staged files."""
+        return self._free_set() is not None
+
+    def held(self, chunk: Chunk) -> Optional[Staged]:
+        """The chunk's files staged and not yet written back or let go, or None."""
+        return next((s for s in self._holders if s is not None and s.chunk is chunk), None)
+
+    def let_go(self, staged: Optional[Staged]) -> None:
+        """No step will use ``staged``: its set may be read into again once its reads are done."""
+        if staged is not None and self._holders[staged.set_index] is staged:
+            self.wait(staged)
+            self._holders[staged.set_index] = None
+
+    def expect_steps(self, chunks: Sequence[Chunk], roles: tuple[str, ...]) -> None:
+        """This backward steps ``chunks``, in this order as far as can be told, from their staged ``roles`` ([] when
+        it is over); ``stepped`` takes each off.
+
+        [Note: staging at the backward gather] Stepping in backward ([Note: stepping disk chunks in backward] in
+        ``early_step.py``), a disk chunk's master is read three times a step: by its forward gather, by its
+        backward gather and by the staging for its step. The staging of the chunk expected next started when the
+        one before stepped, which the hooks' gathers ahead of use mostly precede: two thirds of the backward gathers
+        read the file again, on the main thread. So the staging starts earlier: when the hooks ask for a chunk's
+        master ahead of its backward gather (``read_ahead_master``), or at that gather, and the gather copies the
+        master from the set. Two sets bound it, and the chunks are gathered in another order than they finish
+        (a model used in another order than registered; reduce-scatters landing): a gather takes the last free
+        set only for the chunk expected to step next, so that set is never held by one that steps later while
+        the next waits (a wrong guess, read twice). A gather that finds no set for it reads the file as before."""
+        self._will_step = [id(c) for c in chunks]
+        self._will_step_roles = roles
+
+    def stepped(self, chunk: Chunk) -> None:
+        """This backward stepped ``chunk`` (a later read of its master is no step's)."""
+        if id(chunk) in self._will_step:
+            self._will_step.remove(id(chunk))
+
+    def _stage_for_step(self, chunk: Chunk) -> Optional[Staged]:
+        """``chunk``'s files staged for its step in this backward: the staging that holds them, one started now if
+        a set is free, else None."""
+        if id(chunk) not in self._will_step:
+            return None
+        staged = self.held(chunk)
+        free = sum(h is None for h in self._holders)
+        held = {id(h.chunk) for h in self._holders if h is not None}
+        next_up = next((cid for cid in self._will_step if cid not in held), None)
+        if staged is None and (free == 2 or (free == 1 and next_up == id(chunk))):
+            staged = self.stage_in(chunk, self._will_step_roles)
         return staged
 
     def read_ahead_master(self, chunk: Chunk) -> None:
@@ -437,6 +501,8 @@ class DiskStorage(TierStorage):
         the step's disk waits were 1.46-1.61 s against 1.13-1.19). Where the files are cached
         both are page-cache lookups."""
         f = self._files.get(id(chunk), {}).get("master")
+        if f is not None and self._stage_for_step(chunk) is not None:
+            return  # [Note: staging at the backward gather]
         if f is not None and id(f) not in self._hinted:
             self._hinted.add(id(f))
             self._thread().submit(f.will_need)
@@ -448,15 +514,17 @@ class DiskStorage(TierStorage):
         if f is None:
             return False
         self._hinted.discard(id(f))
-        staged = self._staged_now.get(id(chunk))
+        staged = self._stage_for_step(chunk) or self._staged_now.get(id(chunk))
         if staged is not None and staged.master_ready is not None:
             # [Note: a gather from the staging set] stepping in backward ([Note: stepping disk chunks in backward] in
-            # early_step.py), a disk chunk's files are staged for its step while backward goes on; where that was
-            # before its backward gather (a third of them on the test models: the hooks gather ahead too), the
-            # gather copies the master the I/O thread read, and the file is read once for both
+            # early_step.py), a disk chunk's files are staged for its step while backward goes on, at its gather
+            # or before where a set is free ([Note: staging at the backward gather]): the gather copies the master
+            # the I/O thread read, and the file is read once for both
             self._wait_for(staged.master_ready)
             dst.view(-1).view(torch.uint8).copy_(staged.bufs["master"][: f.nbytes])
+            self.gathers_staged += 1
             return True
+        self.gathers_read += 1
         t0 = time.perf_counter()
         f.read_into(dst.view(-1).view(torch.uint8))
         self.wait_s += time.perf_counter() - t0
@@ -472,6 +540,8 @@ class DiskStorage(TierStorage):
         """Write the staged ``roles`` back to their files, on the I/O thread."""
         files = {r: f for r, f in staged.files.items() if r in roles}
         self.write_bytes += sum(f.nbytes for f in files.values())
+        if self._holders[staged.set_index] is staged:  # the thread writes it back before it reads into the set again
+            self._holders[staged.set_index] = None
         direct, pool = self.direct, self._pieces()
         self._writes.append(self._thread().submit(
             lambda: [f.write_from(staged.bufs[r], direct=direct, pool=pool) for r, f in files.items()]))
@@ -531,4 +601,5 @@ class DiskStorage(TierStorage):
         by_role = {f"disk_{r}_bytes": sum(files[r].nbytes for files in self._files.values() if r in files)
                    for r in ROLES}
         return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes, "disk_wait_s": self.wait_s,
-                "disk_staged_steps": self.staged, "disk_direct_io": float(self.direct), **by_role}
+                "disk_staged_steps": self.staged, "disk_direct_io": float(self.direct),
+                "disk_gathers_from_staging": self.gathers_staged, "disk_gathers_from_file": self.gathers_read, **by_role}

@@ -152,24 +152,26 @@ class EarlyStep:
 
 class DiskSteps:
     """Disk chunks stepped during backward, their files staged ahead of need ([Note: stepping disk chunks in
-    backward])."""
+    backward]); the storage may stage them at their backward gather ([Note: staging at the backward gather] in
+    ``disk_storage.py``)."""
 
     def __init__(self, manager: ChunkManager, binding: OptimizerBinding) -> None:
         self.manager = manager
         self.binding = binding
-        self.ahead: Optional[Staged] = None  # a disk chunk's files being read before its gradients are final
         self.order: list[int] = []  # disk chunk ids in the order the last backward stepped them
         self.seen: list[int] = []  # this backward's, so far
-        self.missed = 0  # staged reads ahead that the next chunk did not take (a wrong guess, read for nothing)
+        self.missed = 0  # staged reads ahead that no step took (a wrong guess, read for nothing)
         self.on_disk: dict[int, Chunk] = {}  # this backward's disk chunks with something to step on this rank
 
     def begin(self) -> None:
         self.end()
         self.on_disk = {c.chunk_id: c for c in self.manager.chunks
                         if c.shard_tier is Tier.DISK and c.trainable and self.binding.steps_on_this_rank(c)}
+        storage = self.manager.disk
+        storage.expect_steps([self.on_disk[cid] for cid in self._order()], STAGED)
         first = self._expected(None)
         if first is not None:
-            self.ahead = self.manager.disk.stage_in(first, STAGED)
+            storage.stage_in(first, STAGED)
 
     def step(self, chunk: Chunk) -> bool:
         """Step disk chunk ``chunk`` now, from its gradients in memory; False when it must step from its files."""
@@ -180,41 +182,52 @@ class DiskSteps:
         grads = storage.grads_in_memory(chunk)
         staged = self._staged(chunk)
         self.seen.append(chunk.chunk_id)
+        storage.stepped(chunk)
         nxt = self._expected(chunk.chunk_id)
-        if nxt is not None:  # read while this one steps and backward goes on
-            self.ahead = storage.stage_in(nxt, STAGED)
+        if nxt is not None and storage.held(nxt) is None and storage.can_stage():
+            storage.stage_in(nxt, STAGED)  # read while this one steps and backward goes on
         if grads is None or staged is None or not self.binding.step_staged_chunk(chunk, staged, grads):
-            if staged is not None:
-                storage.wait(staged)  # its set may be read into again only once this read is done
+            storage.let_go(staged)
             return False
         storage.drop_grads(chunk)
         return True
 
     def end(self) -> None:
-        """Backward is over (or starts again): keep its order; a staged read nobody took is waited for."""
+        """Backward is over (or starts again): keep its order; a staged read no step took is waited for."""
         if self.seen:
             self.order, self.seen = self.seen, []
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            self.manager.disk.wait(ahead)
-            self.missed += 1
+        storage = self.manager.disk
+        for c in self.on_disk.values():
+            staged = storage.held(c)
+            if staged is not None:
+                storage.let_go(staged)
+                self.missed += 1
+        storage.expect_steps([], ())
 
     def _staged(self, chunk: Chunk) -> Optional[Staged]:
-        """``chunk``'s files staged: the read started ahead when the guess was right, else one started now."""
+        """``chunk``'s files staged: the read started ahead when the guess was right, else one started now (a set
+        a wrong guess holds gives way)."""
         storage = self.manager.disk
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.chunk is chunk:
-            return ahead
-        if ahead is not None:
-            storage.wait(ahead)  # a wrong guess: its read is wasted
+        staged = storage.held(chunk)
+        if staged is not None:
+            return staged
+        held = [s for s in (storage.held(c) for c in self.on_disk.values()) if s is not None]
+        if held and not storage.can_stage():  # a wrong guess: the one expected last gives its set, its read wasted
+            order = self._order()
+            storage.let_go(max(held, key=lambda s: order.index(s.chunk.chunk_id)))
             self.missed += 1
         return storage.stage_in(chunk, STAGED)
 
+    def _order(self) -> list[int]:
+        """The disk chunks in the order the last backward stepped them (by descending id where it stepped none)."""
+        on_disk = self.on_disk
+        known = [cid for cid in self.order if cid in on_disk]
+        return known + sorted((cid for cid in on_disk if cid not in known), reverse=True)
+
     def _expected(self, after: Optional[int]) -> Optional[Chunk]:
         """The disk chunk this backward should finish after chunk ``after`` (first when ``None``)."""
-        on_disk = self.on_disk
-        order = [cid for cid in self.order if cid in on_disk] or sorted(on_disk, reverse=True)
+        order = self._order()
         if after in order:
             order = order[order.index(after) + 1:]
         seen = set(self.seen)
-        return next((on_disk[cid] for cid in order if cid not in seen), None)
+        return next((self.on_disk[cid] for cid in order if cid not in seen), None)

@@ -74,7 +74,8 @@ def test_disk_chunks_stepped_in_backward_train_bit_exact_and_write_no_gradient_f
     """[Note: stepping disk chunks in backward]: each disk chunk steps as its gradients are final, from the buffer
     they gathered in, its master and optimizer state read ahead of need: the same bits as stepping after
     backward, with no gradient file written or read after the warm-up (only accumulation's first micro-batch
-    writes one), and every read ahead taken (the model's backward runs in one order every step)."""
+    writes one), every read ahead taken (the model's backward runs in one order every step), and the backward
+    gathers served by those reads."""
     kw = dict(EARLY_CASES[case])
     strategy_kw = {k: kw.pop(k) for k in ("disk_io", "chunk_numel", "placement") if k in kw}
     kw.setdefault("model_kwargs", BIG)
@@ -99,6 +100,10 @@ def test_disk_chunks_stepped_in_backward_train_bit_exact_and_write_no_gradient_f
     assert s["disk_shards"] >= 2 and s["disk_grad_bytes"] > 0
     assert s["chunks_stepped_in_backward"] >= s["disk_shards"] * (STEPS - 2)
     assert s["disk_staged_ahead_missed"] == 0
+    if case in ("fp32_direct", "accumulate_tied"):  # fp32 masters released after forward: gathered again in backward
+        # [Note: staging at the backward gather]: the backward gathers copy the master the step's staging read (all
+        # but the one or two gathered before backward starts), rather than read the file a third time
+        assert s["disk_gathers_from_staging"] >= (s["disk_shards"] - 2) * (STEPS - 1), s
     # the warm-up's gradients, and those of the micro-batches that do not step (accumulation), and no more
     not_stepping = STEPS * (kw.get("accumulate_grad_batches", 1) - 1)
     assert 0 < len(grad_writes) <= s["disk_shards"] * (1 + not_stepping)
