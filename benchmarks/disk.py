@@ -32,6 +32,10 @@ Rows, each in its own process, one rank, measured in one run:
   (what the disk tier is for). The capped floor's process first makes its resident set as large as the capped
   disk tier's peak, so that its loop gets the page cache the tier got, not the whole cgroup. Needs a cgroup
   this process may create (root, or a delegated subtree); where it cannot, the rows say why.
+- with ``--memory-cap`` and ``--rounds N``: N more rounds of the capped disk-tier rows, each followed at once by
+  the ``O_DIRECT`` floor of its own bytes (the median of 3), the order shuffled each round; a ratio pairs a step
+  with the disk's speed of the same minute (this virtual disk's own speed moves by half between minutes), and the
+  table gives the median of the per-round ratios with its 95% interval.
 
 Both chunk_offload rows build the GPT in ``configure_model`` (``deferred_init=True``), so the model never
 exists whole in memory, with ``device_memory_limit=--device-limit`` bounding the payloads gathered at once
@@ -46,7 +50,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,7 +62,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, run_or_child, step_timer  # noqa: E402
+from _common import (ROOT, clean_env, gpt_parser, make_gpt, median_interval, proc_bytes, run_or_child,  # noqa: E402
+                     step_timer)
 
 sys.path.insert(0, str(ROOT))
 from lightning_chunk.engine.config import parse_bytes  # noqa: E402
@@ -352,8 +359,40 @@ def measure(args: argparse.Namespace) -> dict:
                                                   extra=sizes + hold if name == "floor" else None)
                 finally:
                     cap.remove()
+            if args.rounds and "direct_seconds" in res.get("floor", {}):
+                bytes_of = {"disk": (must_read, must_write)}
+                if "floor_early" in res:
+                    bytes_of["disk_early"] = (early_read, early_write)
+                res["rounds"] = capped_rounds(args, scratch, cap_bytes, bytes_of)
     shutil.rmtree(scratch, ignore_errors=True)
     return res
+
+
+def capped_rounds(args: argparse.Namespace, scratch: Path, cap_bytes: int, sizes: dict) -> list[dict]:
+    """``--rounds``: each row of ``sizes`` (name -> the bytes its step reads and writes) run again in a memory
+    cgroup of ``cap_bytes``, then the ``O_DIRECT`` floor of its bytes at once (the median of 3); the order shuffled
+    each round."""
+    out = []
+    for _ in range(args.rounds):
+        rnd: dict = {}
+        names = list(sizes)
+        random.shuffle(names)
+        for name in names:
+            cap = MemoryCgroup(cap_bytes, f"{name}-round")
+            try:
+                r = _run(name, args, scratch, cap)
+            finally:
+                cap.remove()
+            if "step_times" not in r:
+                rnd[name] = {k: v for k, v in r.items() if k in ("failed", "skipped")}
+                continue
+            floors_s = []
+            for _ in range(3):
+                os.sync()
+                floors_s.append(disk_floor(Path(args.dir), *sizes[name], direct=True))
+            rnd[name] = {"step_s": _median_after_first(r["step_times"]), "direct_floor_s": sorted(floors_s)[1]}
+        out.append(rnd)
+    return out
 
 
 def _importable(name: str) -> bool:
@@ -467,6 +506,22 @@ def render(res: dict) -> str:
                 held = f"; beside a resident set of {mib(r['held_rss'])}, the disk tier's" if r.get("held_rss") else ""
                 lines.append(f"| {label} | {r['seconds']:.2f} | | | {mib(r['cgroup_peak'])} | median of 5: "
                              f"{min(r['all']):.2f}..{max(r['all']):.2f} s{held} |")
+    if res.get("rounds"):
+        lines += ["", f"{len(res['rounds'])} more rounds, each capped row followed at once by the O_DIRECT floor of "
+                  "its own bytes (median of 3), the order shuffled each round:", "",
+                  "| row | s a step (min..max) | × its O_DIRECT floor, each round | median | 95% interval |",
+                  "|---|---|---|---|---|"]
+        for name, label in (("disk", "disk tier, memory capped"),
+                            ("disk_early", "disk tier stepped in backward, memory capped")):
+            got = [r[name] for r in res["rounds"] if "step_s" in r.get(name, {})]
+            if not got:
+                continue
+            steps = [g["step_s"] for g in got]
+            ratios = [g["step_s"] / g["direct_floor_s"] for g in got]
+            low, high = median_interval(ratios)
+            lines.append(f"| {label} | {statistics.median(steps):.2f} ({min(steps):.2f}..{max(steps):.2f}) | "
+                         f"{', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}** | "
+                         f"{low:.2f}..{high:.2f} |")
     return "\n".join(lines)
 
 
@@ -481,6 +536,8 @@ def main(argv: "list[str] | None" = None) -> dict:
     p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
     p.add_argument("--memory-cap", default=None, help="also run the disk tier and the floor in a memory cgroup of "
                    "this size (resident set and page cache), e.g. 1100MiB")
+    p.add_argument("--rounds", type=int, default=0, help="with --memory-cap: this many more rounds of the capped "
+                   "disk-tier rows, each paired with an O_DIRECT floor measured right after it")
     p.add_argument("--floor-read", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--floor-write", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--floor-hold", type=int, default=0, help=argparse.SUPPRESS)

@@ -232,6 +232,49 @@ def test_a_disk_row_whose_child_wrote_nothing_is_failed_not_the_row_before_it(tm
     assert "failed" in row and "step_times" not in row
 
 
+def test_disk_rounds_pair_each_capped_step_with_the_floor_measured_right_after_it(monkeypatch, tmp_path):
+    """``--rounds``: the disk's speed moves between minutes, so each capped row is followed at once by the O_DIRECT
+    floor of its own bytes, and the ratio is the median of the per-round ratios (a round where the disk was slow
+    for both sides does not count against the row)."""
+    disk = load("disk")
+    events = []
+    speed = iter([1.0, 1.0, 2.0, 2.0, 1.0, 1.0])  # the disk twice as slow in the second round, for both rows
+
+    class NoCgroup:
+        def __init__(self, limit, name):
+            pass
+
+        def remove(self):
+            pass
+
+    def fake_run(name, args, scratch, cap=None, extra=None):
+        events.append(("row", name))
+        fake_run.factor = next(speed)
+        return {"step_times": [9.0, 1.2 * fake_run.factor, 1.2 * fake_run.factor]}
+
+    def fake_floor(directory, read_bytes, write_bytes, *, direct=False):
+        assert direct
+        events.append(("floor", read_bytes))
+        return 1.0 * fake_run.factor
+
+    monkeypatch.setattr(disk, "_run", fake_run)
+    monkeypatch.setattr(disk, "disk_floor", fake_floor)
+    monkeypatch.setattr(disk, "MemoryCgroup", NoCgroup)
+    args = disk.argparse.Namespace(rounds=3, dir=str(tmp_path))
+    rounds = disk.capped_rounds(args, tmp_path, 2**30, {"disk": (30, 20), "disk_early": (10, 5)})
+    assert len(rounds) == 3
+    for k in range(3):  # in every round each row once, each followed by three floors of its own bytes
+        part = events[8 * k:8 * k + 8]
+        rows = [e[1] for e in part if e[0] == "row"]
+        assert sorted(rows) == ["disk", "disk_early"]
+        for i in (0, 4):
+            assert part[i + 1:i + 4] == [("floor", {"disk": 30, "disk_early": 10}[part[i][1]])] * 3
+    assert [r["disk"]["step_s"] / r["disk"]["direct_floor_s"] for r in rounds] == pytest.approx([1.2] * 3)
+    table = disk.render({"args": dict(width=8, depth=1, context=4, batch=1, steps=3, host_limit="1MiB",
+                                      device_limit="1MiB", dir=str(tmp_path)), "rows": {}, "rounds": rounds})
+    assert "| **1.20** |" in table and "disk tier stepped in backward, memory capped" in table
+
+
 def test_disk_table_shows_deepspeed_beside_the_disk_tier_and_a_kill_in_the_cgroup_as_such():
     """The DeepSpeed rows, which CI cannot run (no deepspeed there): its step against the disk tier's, the state
     ratio of the same GPT, and a capped child the OOM killer ended named as killed, never as a number."""
