@@ -7,13 +7,17 @@ Rows, each in its own process, one rank, measured in one run:
 
 - ``in memory``: ``chunk_offload`` with ``placement="host"`` and no host limit: every shard in host memory
   (what the disk tier's step is compared with, and its peak resident set).
-- ``disk tier``: the same with ``host_memory_limit=--host-limit`` and ``disk_dir=--dir``: the masters,
-  gradient shards and Adam's moments that do not fit go to files there, moved through the page cache or past it
-  (``O_DIRECT``) as ``--disk-io`` (default ``auto``, the strategy's default) chooses; the notes say which.
-- ``disk tier, stepped in backward``: the same with ``step_in_backward=True``: each disk chunk steps during
-  backward from its gradients in memory, its master and optimizer state read ahead ([Note: stepping disk chunks
-  in backward]); compared with its own floor, the bytes its step must move (no gradient file; a master read
-  twice, forward and staged, the staging serving the backward gather).
+- ``disk tier, stepped after backward``: the same with ``host_memory_limit=--host-limit``, ``disk_dir=--dir`` and
+  ``step_in_backward=False``: the masters, gradient shards and Adam's moments that do not fit go to files there,
+  moved through the page cache or past it (``O_DIRECT``) as ``--disk-io`` (default ``auto``, the strategy's
+  default) chooses; the notes say which. Every disk chunk steps after backward, its gradients through their file
+  (what a fit with gradient clipping or fp16 loss scaling gets).
+- ``disk tier, stepped in backward (the default)``: the same with ``step_in_backward`` left at its default, which
+  with a host limit and nothing reading the gradients after backward steps each disk chunk during backward from
+  its gradients in memory, its master and optimizer state read ahead ([Note: stepping disk chunks in backward],
+  [Note: stepping in backward by default with the disk tier]); compared with its own floor, the bytes its step
+  must move (no gradient file; a master read twice, forward and staged, the staging serving the backward
+  gather). The child refuses to report a row that did not step in backward.
 - ``disk floor``: the bytes a step must move through the disk tier (every disk shard's master, gradient
   and optimizer state read once and written once, and, in fp32, its master read again by the forward and
   the backward gathers), moved by a plain loop of 64 MiB ``os.pwrite``/``os.preadv`` calls through one
@@ -87,8 +91,8 @@ def child_chunk(args: argparse.Namespace) -> None:
 
     on_disk = args.child in ("disk", "disk_early")
     kw = dict(host_memory_limit=args.host_limit, disk_dir=args.dir, disk_io=args.disk_io) if on_disk else {}
-    if args.child == "disk_early":  # [Note: stepping disk chunks in backward]
-        kw["step_in_backward"] = True
+    if args.child == "disk":  # the default steps in backward here ([Note: stepping disk chunks in backward])
+        kw["step_in_backward"] = False
     strategy = ChunkOffloadStrategy(placement="host", device_memory_limit=args.device_limit, log_memory_stats=False,
                                     materialize_on_teardown=False, **kw)
     L.seed_everything(0, verbose=False)
@@ -111,6 +115,8 @@ def child_chunk(args: argparse.Namespace) -> None:
     trainer.fit(model, data)
     last = stats["per_step"][-1]
     prev = stats["per_step"][-2] if len(stats["per_step"]) > 1 else {k: 0 for k in last}
+    if args.child == "disk_early" and not last.get("chunks_stepped_in_backward"):
+        raise SystemExit("the default did not step in backward on this model: the row would measure another path")
     report = {"steps": trainer.global_step, "params": int(last["param_numel"]), "step_times": times,
               "baseline_rss": baseline, "peak_rss": stats["peak_rss"],
               "stats": {k: last[k] for k in ("host_chunk_bytes", "disk_chunk_bytes", "disk_shards", "chunks",
@@ -424,8 +430,8 @@ def render(res: dict) -> str:
     lines.append("| row | s a step | peak RSS | − baseline | under baseline + limit | state / host limit | notes |")
     lines.append("|---|---|---|---|---|---|---|")
     floor = res.get("floor")
-    for name, label in (("memory", "in memory (placement=host)"), ("disk", "disk tier"),
-                        ("disk_early", "disk tier, stepped in backward"), ("deepspeed", "DeepSpeed ZeRO-Infinity (nvme)")):
+    for name, label in (("memory", "in memory (placement=host)"), ("disk", "disk tier, stepped after backward"),
+                        ("disk_early", "disk tier, stepped in backward (the default)"), ("deepspeed", "DeepSpeed ZeRO-Infinity (nvme)")):
         r = res["rows"].get(name)
         if r is None:
             continue
@@ -476,8 +482,9 @@ def render(res: dict) -> str:
         lines += ["", f"In a memory cgroup of {mib(res['memory_cap'])} (resident set and page cache together):", "",
                   "| row | s a step | peak RSS | − baseline | cgroup peak | notes |", "|---|---|---|---|---|---|"]
         capped_floor = res["rows"].get("floor_capped", {})
-        for name, label in (("disk_capped", "disk tier, memory capped"), ("floor_capped", "disk floor, memory capped"),
-                            ("disk_early_capped", "disk tier stepped in backward, memory capped"),
+        for name, label in (("disk_capped", "disk tier stepped after backward, memory capped"),
+                            ("floor_capped", "disk floor, memory capped"),
+                            ("disk_early_capped", "disk tier stepped in backward (the default), memory capped"),
                             ("deepspeed_capped", "DeepSpeed ZeRO-Infinity (nvme), memory capped")):
             if name not in res["rows"]:
                 continue
@@ -511,8 +518,8 @@ def render(res: dict) -> str:
                   "its own bytes (median of 3), the order shuffled each round:", "",
                   "| row | s a step (min..max) | × its O_DIRECT floor, each round | median | 95% interval |",
                   "|---|---|---|---|---|"]
-        for name, label in (("disk", "disk tier, memory capped"),
-                            ("disk_early", "disk tier stepped in backward, memory capped")):
+        for name, label in (("disk", "disk tier stepped after backward, memory capped"),
+                            ("disk_early", "disk tier stepped in backward (the default), memory capped")):
             got = [r[name] for r in res["rounds"] if "step_s" in r.get(name, {})]
             if not got:
                 continue

@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -43,10 +43,10 @@ from .engine.growth import input_bytes
 from .engine.checkpoint import KEY as CHECKPOINT_KEY
 from .engine.checkpoint import (is_sharded_checkpoint, load_sharded, offered_state_dict, placeholder_state_dict,
                                 save_sharded)
-from .engine.early_step import FP16_REFUSED
 from .engine.full_params import full_parameters
 from .engine.materialize import DeferredInit, meta_init
 from .engine.weights import ModuleWeights, open_weights
+from .backward_step import check_step_in_backward, choose_step_in_backward
 from .ema import ChunkEMA
 from .engine.ema import BufferAverage, ShardedEMA
 from .precision import ChunkPrecision
@@ -111,7 +111,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
         step_in_backward: step the optimizer on each chunk as soon as its gradients are final, during backward,
             and free its gradient shard then: 6 bytes a parameter of fp32 training state on two ranks instead of 8,
             bit-identical updates. Gradients are gone after ``backward()``; refused with gradient clipping, fp16
-            loss scaling, several optimizers, manual optimization and the disk tier (``docs/faq.md``).
+            loss scaling, several optimizers and manual optimization (``docs/faq.md``). ``None``: on where
+            ``host_memory_limit`` is set (the disk tier's faster step: no gradient file) and nothing in the fit reads
+            the gradients after backward (none of the above, no override of ``on_after_backward``,
+            ``on_before_optimizer_step``, ``configure_gradient_clipping`` or ``optimizer_step``), off otherwise.
         leaf_modules: module classes (or class names) whose forward reads its children's parameters without calling
             them: each gathers its whole subtree at its own forward (DeepSpeed's ZeRO-3 leaf modules; torch's
             ``MultiheadAttention`` and ``TransformerEncoderLayer``/``DecoderLayer`` always are).
@@ -155,7 +158,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         broadcast_buffers: bool = True,
         verify_collectives: Union[bool, str, None] = None,
         replan_when_inputs_grow: bool = True,
-        step_in_backward: bool = False,
+        step_in_backward: Optional[bool] = None,
         leaf_modules: Sequence[Union[type, str]] = (),
         keep_freed_heap: bool = True,
         state_dict_type: str = "sharded",
@@ -333,13 +336,14 @@ class ChunkOffloadStrategy(ParallelStrategy):
                                  f"{self.config.host_memory_limit!r}) yet: its shards would sit in host memory beside "
                                  "the limit. Leave host_memory_limit unset, or drop ChunkEMA.")
         if fitting and self.config.step_in_backward:
-            self._check_step_in_backward(trainer, module, self.precision_plugin.precision)
+            check_step_in_backward(trainer, module, self.precision_plugin.precision)
         if fitting:
             self.setup_optimizers(trainer)
+        config = self._config_for(trainer, module) if fitting else self.config
         self.setup_precision_plugin()
         comm = (Collectives(timeout_s=self.config.collective_timeout_s, verify=self.config.verify_collectives)
                 if self.world_size > 1 else Collectives.local())
-        self.engine = ChunkEngine(module, self.optimizers if fitting else [], config=self.config,
+        self.engine = ChunkEngine(module, self.optimizers if fitting else [], config=config,
                                   dtypes=self.precision_plugin.dtype_policy(), device=self.root_device,
                                   collectives=comm, deferred=deferred, weights=weights)
         self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
@@ -351,6 +355,23 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self.precision_plugin.attach(self.engine, self.root_device)
         if fitting and len(self.engine.bindings) > 1:
             self._follow_toggles(module)
+
+    def _config_for(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> ChunkConfig:
+        """This fit's config: ``step_in_backward=None`` made concrete ([Note: stepping in backward by default with
+        the disk tier] in ``backward_step.py``), said once on rank 0 where a host limit makes it matter."""
+        if self.config.step_in_backward is not None:
+            return self.config
+        chosen, why = choose_step_in_backward(trainer, module, self.precision_plugin.precision, len(self.optimizers),
+                                              self.config.host_memory_limit)
+        if chosen:
+            rank_zero_info("chunk_offload: with host_memory_limit set, each chunk steps during backward "
+                           "(step_in_backward=None: nothing in this fit reads the gradients after backward); "
+                           "step_in_backward=False keeps them.")
+        elif why is not None:
+            rank_zero_info(f"chunk_offload: the chunks step after backward, not during it, because of {why} "
+                           "(step_in_backward=None; with the disk tier stepping in backward is faster: "
+                           "docs/disk-tier.md).")
+        return self.config.replace(step_in_backward=chosen)
 
     def _follow_toggles(self, module: "pl.LightningModule") -> None:
         """Make ``toggle_optimizer`` freeze the module's parameters, not only the optimizers' tensors.
@@ -422,20 +443,6 @@ class ChunkOffloadStrategy(ParallelStrategy):
                     "setup. Instead, put every parameter in configure_optimizers' param groups from the start and set "
                     "requires_grad in a callback (on_train_epoch_start or on_train_batch_start): chunk_offload "
                     "repacks when it changes (docs/configuration.md, 'Freezing and unfreezing').")
-
-    @staticmethod
-    def _check_step_in_backward(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str) -> None:
-        """Before anything is built: what ``step_in_backward=True`` cannot do ([Note: stepping in backward])."""
-        if precision == "16-mixed":
-            raise ValueError(FP16_REFUSED)
-        if not module.automatic_optimization:
-            raise ValueError("step_in_backward=True is not allowed with manual optimization "
-                             "(automatic_optimization=False): the chunks step during backward, before your "
-                             "training_step could read or change the gradients. Use step_in_backward=False.")
-        if trainer.gradient_clip_val is not None:
-            raise ValueError(f"step_in_backward=True is not allowed with gradient_clip_val={trainer.gradient_clip_val!r}:"
-                             " clipping by the global norm needs every gradient before any chunk steps. Set "
-                             "gradient_clip_val=None or step_in_backward=False.")
 
     @contextlib.contextmanager
     def full_parameters(self, module: Optional[torch.nn.Module] = None, *, writeback: bool = True,

@@ -179,14 +179,17 @@ class ChunkConfig:
     [Note: inputs that grow after the warm-up]). Costs one one-element all-reduce a micro-batch with several
     ranks. Off: the warm-up's trace stays, and larger inputs can push the device past the limit."""
 
-    step_in_backward: bool = False
+    step_in_backward: Optional[bool] = None
     """Step the optimizer on each chunk as soon as its gradients are final, during backward, and free its gradient
     shard right after: a rank then holds about 6 bytes a parameter of fp32 training state on two ranks instead of 8
     ([Note: stepping in backward] in ``early_step.py``). Bit-identical to the plain step. The price is plain
     PyTorch's gradient semantics: after ``backward()`` the stepped parameters' gradients are gone, so gradient
     clipping, fp16 loss scaling, several optimizers and manual optimization are refused with it. With the disk
     tier, disk chunks step from their gradients in memory while backward goes on, their files read ahead
-    ([Note: stepping disk chunks in backward]): no gradient file is written or read."""
+    ([Note: stepping disk chunks in backward]): no gradient file is written or read. ``None``: the strategy turns it
+    on where ``host_memory_limit`` is set and nothing in the fit reads the gradients after backward, and off
+    otherwise ([Note: stepping in backward by default with the disk tier] in ``backward_step.py``); the engine
+    alone steps after backward."""
 
     leaf_modules: tuple[Union[type, str], ...] = ()
     """Module classes (or class names, ``"MyBlock"`` or ``"pkg.mod.MyBlock"``) whose forward reads its children's
@@ -255,9 +258,12 @@ class ChunkConfig:
                 isinstance(self.verify_collectives, (int, float)) and not isinstance(self.verify_collectives, bool):
             raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be None, True, "
                              "False, 'each' or 'batch'.")
+        if self.step_in_backward is not None and not isinstance(self.step_in_backward, bool):
+            raise ValueError(f"step_in_backward={self.step_in_backward!r} is not allowed; it must be True, False or "
+                             "None.")
         for name in ("broadcast_buffers", "prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
                      "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
-                     "step_in_backward", "keep_freed_heap", "check_invariants"):
+                     "keep_freed_heap", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
 

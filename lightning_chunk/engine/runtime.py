@@ -468,7 +468,8 @@ class ChunkEngine:
         if self.early is not None:
             raise ValueError(f"{what} is not possible with step_in_backward=True: each chunk steps during backward and "
                              "its gradients are gone after it ([Note: stepping in backward]). Turn the one or the "
-                             "other off (for Lightning's clipping: gradient_clip_val=None).")
+                             "other off (for Lightning's clipping: gradient_clip_val=None; with host_memory_limit set, "
+                             "step_in_backward=None turns it on: set step_in_backward=False).")
 
     def grads_ready(self, what: str) -> None:
         """Before gradients are read or written outside the step: agreed on, attached, and not stepped away."""

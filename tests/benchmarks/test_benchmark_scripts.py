@@ -272,7 +272,7 @@ def test_disk_rounds_pair_each_capped_step_with_the_floor_measured_right_after_i
     assert [r["disk"]["step_s"] / r["disk"]["direct_floor_s"] for r in rounds] == pytest.approx([1.2] * 3)
     table = disk.render({"args": dict(width=8, depth=1, context=4, batch=1, steps=3, host_limit="1MiB",
                                       device_limit="1MiB", dir=str(tmp_path)), "rows": {}, "rounds": rounds})
-    assert "| **1.20** |" in table and "disk tier stepped in backward, memory capped" in table
+    assert "| **1.20** |" in table and "disk tier stepped in backward (the default), memory capped" in table
 
 
 def test_disk_table_shows_deepspeed_beside_the_disk_tier_and_a_kill_in_the_cgroup_as_such():

@@ -123,22 +123,24 @@ CASES = {
     # the same under a device limit with the automatic chunk size (the settings of reordered_auto_limit)
     "deferred_limit": dict(chunk_cls="DeferredNet", model=dict(dim=64, hidden=512, depth=3),
                            strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
-    # most of each rank's masters, gradient shards and optimizer state on the disk tier, in files
+    # most of each rank's masters, gradient shards and optimizer state on the disk tier, in files (stepped in
+    # backward: step_in_backward=None with a host limit and nothing reading the gradients after backward)
     "disk": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560), host_memory_limit="1.2MB"),
     # ... past the page cache (disk_io="direct": O_DIRECT, pieces in flight), gradients accumulated in the files
     "disk_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, placement="host", disk_io="direct"),
                             host_memory_limit="400kB",
                             trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
     # the defaults with a host limit: automatic chunk size, placement="auto" under a device limit, a model used in
-    # another order than registered, gradient accumulation
+    # another order than registered, gradient accumulation; and step_in_backward=None, which steps each disk chunk
+    # during backward here (nothing reads the gradients after it), its files read ahead: the first micro-batch's
+    # gradients go to the files, the second's landing adds to them and steps from memory ([Note: stepping disk
+    # chunks in backward], [Note: stepping in backward by default with the disk tier])
     "disk_defaults": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
                           strategy=dict(chunk_numel=None), host_memory_limit="1MB",
                           trainer=dict(accumulate_grad_batches=2)),
-    # ... and with each disk chunk stepped during backward, its files read ahead and written back past the page
-    # cache: the first micro-batch's gradients go to the files, the second's landing adds to them and steps from
-    # memory ([Note: stepping disk chunks in backward])
-    "disk_defaults_early": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
-                                strategy=dict(chunk_numel=None, step_in_backward=True, disk_io="direct"),
+    # ... its twin stepping after backward, its gradients through their files, past the page cache
+    "disk_defaults_after": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
+                                strategy=dict(chunk_numel=None, step_in_backward=False, disk_io="direct"),
                                 host_memory_limit="1MB", trainer=dict(accumulate_grad_batches=2)),
     # each chunk stepped as its reduce-scatter lands, its gradient shard given back ([Note: stepping in backward])
     "early": dict(strategy=dict(step_in_backward=True)),

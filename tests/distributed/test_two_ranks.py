@@ -25,7 +25,7 @@ PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharde
           "adapters_limit", "reused_frozen_limit", "checkpointed_adapters_limit", "torch_transformer_host", "grad_penalty_host",
           "grad_penalty_accumulate_unsharded", "grad_penalty_early_accumulate",
           "two_optimizers", "toggled_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
-          "disk", "disk_accumulate", "disk_defaults", "disk_defaults_early", "early", "early_unused", "early_accumulate", "early_limit"]
+          "disk", "disk_accumulate", "disk_defaults", "disk_defaults_after", "early", "early_unused", "early_accumulate", "early_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
                "early_limit": "reordered_auto_limit"}
@@ -37,7 +37,7 @@ ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol
             "accumulate": dict(rtol=1e-4, atol=1e-5), "early_accumulate": dict(rtol=1e-4, atol=1e-5),
             "grad_penalty_early_accumulate": dict(rtol=1e-4, atol=1e-5),
             "disk_accumulate": dict(rtol=1e-4, atol=1e-5),
-            "disk_defaults": dict(rtol=1e-4, atol=1e-5), "disk_defaults_early": dict(rtol=1e-4, atol=1e-5)}
+            "disk_defaults": dict(rtol=1e-4, atol=1e-5), "disk_defaults_after": dict(rtol=1e-4, atol=1e-5)}
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
 FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight"}  # bf16 payloads against bf16 autocast too
@@ -167,7 +167,7 @@ def test_accumulation_keeps_gradients_sharded_by_default(parity_run):
         assert unsharded["grad_payload_bytes_peak"] == whole
 
 
-@pytest.mark.parametrize("case", ["disk", "disk_accumulate", "disk_defaults", "disk_defaults_early"])
+@pytest.mark.parametrize("case", ["disk", "disk_accumulate", "disk_defaults", "disk_defaults_after"])
 def test_disk_tier_holds_what_host_memory_limit_leaves_out_on_each_rank(parity_run, case):
     """Each rank keeps its masters, gradient shards and optimizer state in files beyond ``host_memory_limit``
     (bit-exact with DDP above), pages them through, and removes its scratch directory when fit ends."""
@@ -177,7 +177,7 @@ def test_disk_tier_holds_what_host_memory_limit_leaves_out_on_each_rank(parity_r
         assert s["host_chunk_bytes"] <= s["host_memory_limit"]
         assert s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
         assert s["disk_left"] == []
-        direct = ("disk_accumulate", "disk_defaults_early")  # disk_io="direct"; the others "auto", which buffers
+        direct = ("disk_accumulate", "disk_defaults_after")  # disk_io="direct"; the others "auto", which buffers
         if case in direct and o_direct_works(out):
             assert s["disk_direct_io"] == 1.0
         elif case not in direct:
@@ -185,18 +185,24 @@ def test_disk_tier_holds_what_host_memory_limit_leaves_out_on_each_rank(parity_r
     assert list((out / f"{case}.disk").iterdir()) == []
 
 
-@pytest.mark.parametrize("case,twin", [("disk_defaults_early", "disk_defaults")])
+@pytest.mark.parametrize("case,twin", [("disk_defaults", "disk_defaults_after"), ("disk", None)])
 def test_disk_chunks_stepped_in_backward_move_no_gradient_file(parity_run, case, twin):
-    """[Note: stepping disk chunks in backward]: the same layout as its twin stepping after backward, each disk
+    """[Note: stepping disk chunks in backward]: by default with a host limit ([Note: stepping in backward by
+    default with the disk tier]), and the same layout as its twin stepping after backward, each disk
     chunk stepped as its reduce-scatter lands, from its gradients in memory: the same bits, and fewer bytes moved
     (no gradient file written or read back by a step; with accumulation only the first micro-batch's)."""
     out, _, _ = parity_run
+    if twin is None:  # no twin: stepped in backward by default, and equal to DDP (test_parity_with_ddp)
+        for s in stats(out, case):
+            assert s["chunks_stepped_in_backward"] >= s["disk_shards"] * 20
+        return
     got, want = torch.load(out / f"{case}.pt")["got"], torch.load(out / f"{twin}.pt")["got"]
     for k in want:
         assert torch.equal(got[k], want[k]), f"{case} {k}"
     for s, t in zip(stats(out, case), stats(out, twin)):
         assert s["disk_shards"] == t["disk_shards"] and s["disk_grad_bytes"] == t["disk_grad_bytes"] > 0
         assert s["chunks_stepped_in_backward"] >= s["disk_shards"] * 20  # the runner's 24 steps but the first ones
+        assert "chunks_stepped_in_backward" not in t
         assert s["disk_read_bytes"] < t["disk_read_bytes"] and s["disk_write_bytes"] < t["disk_write_bytes"]
         assert s["disk_staged_steps"] == t["disk_staged_steps"]  # each disk chunk staged once a step, as its twin
         assert s["disk_staged_ahead_missed"] <= 2 * s["disk_shards"]  # the order is learnt from the first backward

@@ -24,8 +24,11 @@ CHUNK = 66560  # BIG in 6 chunks
 
 
 def disk(tmp_path, limit="3MB", **kw):
+    """The disk tier stepping after backward (its gradients through their files), what these tests were written for;
+    ``step_in_backward=None`` would step in backward wherever nothing reads the gradients after it."""
     return ChunkOffloadStrategy(**{**dict(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop",
-                                          host_memory_limit=limit, disk_dir=tmp_path / "scratch"), **kw})
+                                          host_memory_limit=limit, disk_dir=tmp_path / "scratch",
+                                          step_in_backward=False), **kw})
 
 
 CASES = {
@@ -307,7 +310,9 @@ def test_telemetry_draws_the_third_tier(tmp_path):
 def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
     """What a user gets by adding only host_memory_limit and disk_dir: placement="auto" (every shard on the device
     tier, which on a CPU machine is host memory), the automatic chunk size, a model used in another order than
-    registered, with gradient accumulation: shards spill to disk and training equals plain Lightning."""
+    registered, with gradient accumulation: shards spill to disk, each chunk steps during backward (nothing here
+    reads the gradients after it: [Note: stepping in backward by default with the disk tier]) and training equals
+    plain Lightning."""
     from tests.models import ReorderedNet
 
     kw = dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), accumulate_grad_batches=2)
@@ -318,6 +323,7 @@ def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
     s = strategy.memory_stats()
     assert s["disk_shards"] > 0 and s["disk_staged_steps"] > 0
     assert s["host_chunk_bytes"] + s["device_chunk_bytes"] <= 2_000_000
+    assert s["chunks_stepped_in_backward"] >= s["disk_shards"] * (STEPS - 2)
 
 
 def test_the_io_thread_gets_a_core_and_the_threads_come_back(tmp_path, monkeypatch):

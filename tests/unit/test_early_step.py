@@ -87,7 +87,7 @@ def test_what_stepping_in_backward_cannot_do_is_refused_with_a_reason():
     two = [torch.optim.AdamW(params[:2]), torch.optim.AdamW(params[2:])]
     with pytest.raises(UnsupportedOptimizerError, match="needs exactly one optimizer; got 2"):
         ChunkEngine(model, two, config=ChunkConfig(placement="device", step_in_backward=True))
-    with pytest.raises(ValueError, match="step_in_backward=1 is not allowed; it must be True or False"):
+    with pytest.raises(ValueError, match="step_in_backward=1 is not allowed; it must be True, False or None"):
         ChunkConfig(step_in_backward=1)
     eng, _, _ = train(True, steps=2)
     with pytest.raises(ValueError, match="clipping gradients by norm is not possible with step_in_backward=True"):

@@ -1,0 +1,84 @@
+"""Whether a fit steps each chunk during backward: the checks of ``step_in_backward=True`` and the choice ``None`` makes.
+
+[Note: stepping in backward by default with the disk tier]
+``step_in_backward=True`` is bit-identical to stepping after backward, but after ``backward()`` the gradients of the
+chunks that stepped are gone ([Note: stepping in backward] in ``engine/early_step.py``). With the disk tier it is
+also the faster step by far: a disk chunk steps from the gradients backward left in memory while backward goes on,
+so no gradient file is written or read and its master and optimizer state are read while backward computes
+([Note: stepping disk chunks in backward]); on ``benchmarks/disk.py``'s GPT in a 1 GiB cgroup it took 1.48 s a step
+against 2.46 s, with 60 MiB less peak memory. A ZeRO-Infinity user who set a host limit should not have to find a
+second flag for that, so ``step_in_backward=None`` (the default) turns it on where a host limit is set and nothing
+that Lightning lets read the gradients between backward and the optimizer step is there: no gradient clipping, no
+fp16 loss scaling, one optimizer, automatic optimization, and no override of the hooks that run in that window
+(``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``) on the
+module or on a callback other than this package's. Where one of them is there, the fit steps after backward and
+says which one held it back. Without a host limit ``None`` keeps stepping after backward: there the choice trades
+plain PyTorch's gradient semantics for memory, which is the user's to make. A read of the gradients the checks
+cannot see (``full_parameters(with_grads=True)`` from another hook) gets the engine's error, which names the flag.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from .engine.early_step import FP16_REFUSED
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# the hooks that run between backward and the optimizer step, where a user can read or change the gradients
+MODULE_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
+CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def check_step_in_backward(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str) -> None:
+    """Before anything is built: what ``step_in_backward=True`` cannot do ([Note: stepping in backward])."""
+    if precision == "16-mixed":
+        raise ValueError(FP16_REFUSED)
+    if not module.automatic_optimization:
+        raise ValueError("step_in_backward=True is not allowed with manual optimization "
+                         "(automatic_optimization=False): the chunks step during backward, before your "
+                         "training_step could read or change the gradients. Use step_in_backward=False.")
+    if trainer.gradient_clip_val is not None:
+        raise ValueError(f"step_in_backward=True is not allowed with gradient_clip_val={trainer.gradient_clip_val!r}:"
+                         " clipping by the global norm needs every gradient before any chunk steps. Set "
+                         "gradient_clip_val=None or step_in_backward=False.")
+
+
+def reads_gradients(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str,
+                    optimizers: int) -> Optional[str]:
+    """What in this fit can read the gradients after backward (so its chunks must step after it), or ``None``."""
+    if precision == "16-mixed":
+        return "fp16 loss scaling (precision='16-mixed') skips a step that overflowed, known only after backward"
+    if not module.automatic_optimization:
+        return "manual optimization (automatic_optimization=False)"
+    if trainer.gradient_clip_val is not None:
+        return f"gradient clipping (gradient_clip_val={trainer.gradient_clip_val!r})"
+    if optimizers != 1:
+        return f"{optimizers} optimizers (stepping in backward needs exactly one)"
+    import lightning.pytorch as pl
+
+    for hook in MODULE_HOOKS:
+        if is_overridden(hook, module, pl.LightningModule):
+            return f"{type(module).__name__}.{hook}, which runs between backward and the optimizer step"
+    for cb in trainer.callbacks:
+        if type(cb).__module__.split(".")[0] == __name__.split(".")[0]:
+            continue  # this package's callbacks read no gradient
+        for hook in CALLBACK_HOOKS:
+            if is_overridden(hook, cb, Callback):
+                return f"the callback {type(cb).__name__}.{hook}, which runs between backward and the optimizer step"
+    return None
+
+
+def choose_step_in_backward(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str, optimizers: int,
+                            host_memory_limit: Optional[int]) -> tuple[bool, Optional[str]]:
+    """``step_in_backward=None`` made concrete for one fit ([Note: stepping in backward by default with the disk
+    tier]): ``(True, None)`` with a host limit and nothing that reads gradients after backward; ``(False, why)``
+    with a host limit and something that does; ``(False, None)`` without a host limit."""
+    if host_memory_limit is None:
+        return False, None
+    why = reads_gradients(trainer, module, precision, optimizers)
+    return why is None, why

@@ -1,0 +1,64 @@
+"""``step_in_backward=None``: on with a host limit where nothing in the fit reads the gradients after backward
+([Note: stepping in backward by default with the disk tier] in ``lightning_chunk/backward_step.py``)."""
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_chunk import ChunkTelemetry
+from lightning_chunk.backward_step import choose_step_in_backward
+from tests.models import GradsAfterBackward, GradNormsAndEdits, ManualNet, ParityNet
+
+LIMIT = 1 << 20
+
+
+def trainer(**kw):
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+class LogsGradients(ParityNet):
+    def on_before_optimizer_step(self, optimizer):
+        pass
+
+
+class StepsItsOwnWay(ParityNet):
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+
+
+def test_a_host_limit_with_nothing_reading_gradients_steps_in_backward(tmp_path):
+    # Lightning's own callbacks (checkpoint, progress bar, summary) and this package's read no gradient
+    default = L.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, callbacks=[ChunkTelemetry()])
+    assert choose_step_in_backward(default, ParityNet(), "bf16-mixed", 1, LIMIT) == (True, None)
+
+
+def test_without_a_host_limit_the_step_stays_after_backward():
+    assert choose_step_in_backward(trainer(), ParityNet(), "32-true", 1, None) == (False, None)
+
+
+@pytest.mark.parametrize("what, trainer_kw, module, precision, optimizers, named", [
+    ("clipping", dict(gradient_clip_val=0.5), ParityNet, "32-true", 1, "gradient_clip_val=0.5"),
+    ("fp16", {}, ParityNet, "16-mixed", 1, "precision='16-mixed'"),
+    ("manual", {}, ManualNet, "32-true", 1, "automatic_optimization=False"),
+    ("two optimizers", {}, ParityNet, "32-true", 2, "2 optimizers"),
+    ("module hook", {}, LogsGradients, "32-true", 1, "LogsGradients.on_before_optimizer_step"),
+    ("optimizer_step", {}, StepsItsOwnWay, "32-true", 1, "StepsItsOwnWay.optimizer_step"),
+    ("callback after backward", dict(callbacks=[GradsAfterBackward()]), ParityNet, "32-true", 1,
+     "GradsAfterBackward.on_after_backward"),
+    ("callback before the step", dict(callbacks=[GradNormsAndEdits()]), ParityNet, "32-true", 1,
+     "GradNormsAndEdits.on_before_optimizer_step"),
+])
+def test_whatever_reads_gradients_after_backward_keeps_the_step_after_it_and_is_named(
+        what, trainer_kw, module, precision, optimizers, named):
+    chosen, why = choose_step_in_backward(trainer(**trainer_kw), module(), precision, optimizers, LIMIT)
+    assert not chosen and named in why, (what, why)
+
+
+def test_the_engine_alone_steps_after_backward():
+    from lightning_chunk.engine import ChunkConfig, ChunkEngine
+
+    assert ChunkConfig().step_in_backward is None
+    model = ParityNet()
+    engine = ChunkEngine(model, [torch.optim.AdamW(model.parameters())], config=ChunkConfig(placement="device"))
+    assert engine.early is None
