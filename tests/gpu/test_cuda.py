@@ -1,5 +1,6 @@
 """CUDA checks: parity, the device limit on real device memory, the default limit, gradient offload on a side
-stream, the one-pass host Adam step, the tracer's peaks inside a module, checkpoints from pinned host shards.
+stream, the one-pass host Adam step, the tracer's peaks inside a module, checkpoints from pinned host shards, the disk
+tier (stepped in backward by default, and after it).
 Skipped cleanly without CUDA.
 
 One GPU runs one rank: the NCCL paths of several ranks (collectives on device tensors, in-place all-gather and
@@ -170,3 +171,20 @@ def test_checkpoint_from_pinned_host_shards_resumes_like_auto(tmp_path):
     got = run(ChunkOffloadStrategy(placement="auto", chunk_numel=4096, device_memory_limit="256MiB"), 12,
               ckpt_path=tmp_path / "chunk" / "step=8.ckpt")
     assert_close_params(ref, got)
+
+
+@pytest.mark.parametrize("step_in_backward", [None, False])
+def test_the_disk_tier_on_cuda_trains_like_auto_and_steps_in_backward_by_default(tmp_path, step_in_backward):
+    """Shards beyond ``host_memory_limit`` in files, their gradients copied off the GPU into host buffers: by default
+    each disk chunk steps during backward from those buffers ([Note: stepping in backward by default with the disk
+    tier]); with ``step_in_backward=False`` after backward, through the gradient files. Both as plain Lightning."""
+    kw = dict(steps=12, accelerator="gpu", model_kwargs=dict(dim=64, hidden=1024))
+    ref = fit("auto", **kw)
+    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=66560, host_memory_limit="3MB",
+                                    disk_dir=tmp_path / "scratch", step_in_backward=step_in_backward)
+    got = fit(strategy, **kw)
+    assert_close_params(ref, got)
+    s = strategy.memory_stats()
+    assert s["disk_shards"] >= 3 and s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
+    assert (s.get("chunks_stepped_in_backward", 0) > 0) == (step_in_backward is None)
+    assert list((tmp_path / "scratch").iterdir()) == []
