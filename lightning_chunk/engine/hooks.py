@@ -173,8 +173,17 @@ class ChunkHooks:
         self._handles += state_dict_hooks(self.module, self.manager, lambda: self.closed is not None)
         self.watch_grads()
         keys = list(self._key_index)
-        self.manager.comm.names = lambda chunk, module: (
-            f"chunk {chunk}" + (f" (module {keys[module]!r})" if 0 <= module < len(keys) else ""))
+
+        def name(chunk: int, module: int) -> str:
+            """A collective's chunk and the module it was issued for; without one (a reduce-scatter, launched when
+            backward completes the chunk) the modules whose parameters the chunk holds."""
+            if 0 <= module < len(keys):
+                return f"chunk {chunk} (module {keys[module]!r})"
+            owners = [k for k, ids in self._chunks_of.items() if chunk in ids]
+            more = f" and {len(owners) - 3} more" if len(owners) > 3 else ""
+            return f"chunk {chunk}" + (f" (parameters of {', '.join(map(repr, owners[:3]))}{more})" if owners else "")
+
+        self.manager.comm.names = name
 
     def watch_grads(self) -> None:
         """Hook every trainable parameter's gradient (once each): at install, and after parameters were unfrozen

@@ -110,8 +110,34 @@ class PlacementPolicy:
 
     # ---------------------------------------------------------------- plan
     def upcoming(self, position: int, trace: Optional[Trace]) -> frozenset[int]:
-        """The chunks ``plan`` may prefetch at ``position``: the trace's next ones, when prefetching."""
-        return frozenset(trace.next_chunks(position)) if (trace is not None and self.config.prefetch) else frozenset()
+        """The chunks ``plan`` may prefetch at ``position``, when prefetching: those of the trace's next moment that
+        uses any, and the first chunk used after them.
+
+        [Note: how far ahead to gather]
+        A prefetch issued one moment ahead overlaps its gather with one module's compute: where a chunk holds a
+        transformer block, the next block's gather started at the block's last module (its MLP's output
+        projection) and the step then waited for most of it at the next block's first. On two gloo ranks that
+        wait was a quarter of a host-placement step on the 99.5M GPT (3.2 of 13.6 s over five steps) and an
+        eighth of an everything-resident one. So the window reaches one chunk past the next moment's: the next
+        chunk's gather starts where the current chunk's stretch of use begins (FSDP2 prefetches one module
+        ahead, and its module is a block; DeepSpeed prefetches by a bucket of 5e7 elements), which holds at most
+        one more payload at a time. Under a limit the plan prefetches only into room (nearest use first), so the
+        deeper window never evicts anything; the one prefetch ``AutoPlacement`` reserves room for covers it.
+        Releasing after use keeps what the window holds, so the chunk used before the last in forward now stays
+        through the turn into backward instead of being released and gathered again a moment later.
+        On gloo the gathers' bytes cost the two cores the compute runs on, so what the earlier start buys is the
+        time the main thread sat idle waiting, not the transfer: three moments ahead, tried on 2026-11-24 while
+        every chunk collective still waited on an agreement barrier, moved the waits into the compute and left
+        the step where it was; after the barrier went (a CRC once a micro-batch), the window above made the step
+        0.89x with everything resident and 0.945x with host placement, medians of ten paired rounds whose
+        intervals still reach 1.02 and 1.06 (the gather waits fell from 11-25% of the step to 2-7%, the compute
+        rose by part of that; docs/benchmarks.md, 2026-11-26, session 43).
+        A disk-tier chunk is gathered ahead one moment only, as before: on a CPU device its gather reads or copies
+        its master on the calling thread, so starting it earlier overlaps nothing, and the two staging sets of a
+        backward that steps disk chunks ([Note: staging at the backward gather] in ``disk_storage.py``) are timed
+        to that gather: gathered a chunk earlier, it found both sets still held and read the file again (106
+        gathers from the file in a 12-step test where 84 had been, 11 from the staging where 55 had)."""
+        return frozenset(trace.prefetch_window(position)) if (trace is not None and self.config.prefetch) else frozenset()
 
     def idle(self, *, all_resident: bool, budget_bytes: Optional[int], device_bytes: int) -> bool:
         """Whether ``plan`` would return an empty plan, known without a single view: nothing is released after
@@ -181,9 +207,12 @@ class PlacementPolicy:
                                      and c.chunk_id not in evict])
         prefetch: list[int] = []
         room = math.inf if budget_bytes is None else budget_bytes - (device_bytes - freed + missing)
-        for i in sorted(upcoming):
+        nearest = frozenset(trace.next_chunks(position)) if upcoming else frozenset()
+        for i in sorted(upcoming, key=lambda i: (trace.next_use(i, position), i)):  # nearest use first
             c = by_id.get(i)
             if c is None or c.resident or i in needed or i in evict:
+                continue
+            if c.shard_tier is Tier.DISK and i not in nearest:  # [Note: how far ahead to gather]
                 continue
             if c.payload_bytes <= room:
                 prefetch.append(i)

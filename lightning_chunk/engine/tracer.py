@@ -85,6 +85,18 @@ class Trace:
                 return m.chunk_ids
         return ()
 
+    def prefetch_window(self, position: int) -> tuple[int, ...]:
+        """The chunks of the first moment after ``position`` that uses any, then the first chunk used after those
+        (this step's rest only); [Note: how far ahead to gather] in placement.py."""
+        window = self._windows.get(position)
+        if window is None:
+            window = self._windows[position] = tuple(self.chunks_ahead(position, len(self.next_chunks(position)) + 1))
+        return window
+
+    @functools.cached_property
+    def _windows(self) -> dict[int, tuple[int, ...]]:
+        return {}
+
     def chunks_ahead(self, position: int, limit: int) -> list[int]:
         """Distinct chunks used after ``position`` in the order of their first use, at most ``limit`` of them
         (this step's rest only: the next step starts with the optimizer's own reads)."""

@@ -503,8 +503,8 @@ class SwapOnRankOne(ParityNet):
 
 
 def run_swap(out: Path) -> None:
-    """[Note: checking once a micro-batch]: the default check names the disagreement before step 3 is taken."""
-    from lightning_chunk.engine.collectives import CollectiveMismatchError
+    """[Note: checking once a micro-batch]: the defaults name the disagreement before step 3 is taken."""
+    from lightning_chunk.engine.collectives import CollectiveMismatchError, CollectiveTimeoutError
 
     L.seed_everything(7, verbose=False)
     model = SwapOnRankOne()
@@ -513,7 +513,7 @@ def run_swap(out: Path) -> None:
     t = trainer(strategy)
     try:
         t.fit(model, token_data())
-    except CollectiveMismatchError as e:
+    except (CollectiveMismatchError, CollectiveTimeoutError) as e:
         print(f"SWAP-CAUGHT rank={t.global_rank} global_step={t.global_step}: {e}", flush=True)
         raise
     print("UNEXPECTED-SUCCESS", flush=True)

@@ -78,8 +78,33 @@ def test_host_policy_releases_after_use_but_keeps_the_next_chunk():
     policy = HostPlacement(ChunkConfig(placement="host", reshard_after_forward=True))
     chunks = [view(0, True), view(1, True), view(2), view(3)]
     plan = policy.plan(position=2, needed=frozenset({1}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=2000)
-    assert plan.evict == (0,) and plan.prefetch == (2,)
+    assert plan.evict == (0,) and plan.prefetch == (2, 3)  # the next moment's chunk and the one after it
     assert policy.shard_tiers(chunks, t, None) == {i: Tier.HOST for i in range(4)}
+
+
+def test_the_prefetch_window_reaches_one_chunk_past_the_next_moment():
+    """[Note: how far ahead to gather]: two modules a chunk; at a chunk's first module the next chunk is gathered
+    ahead, nearest use first, and only into room."""
+    ms = []
+    for c in (0, 1, 2):
+        for part in ("a", "b"):
+            ms.append(Moment(FORWARD, f"m{c}{part}", (c,), (c,), 0))
+            ms.append(Moment(POST_FORWARD, f"m{c}{part}", (c,), (c,), 0))
+    t = Trace(tuple(ms))
+    assert t.prefetch_window(-1) == (0, 1)
+    assert t.prefetch_window(0) == (0, 1)  # at m0a: m0b uses chunk 0 again, and chunk 1 comes next
+    assert t.prefetch_window(3) == (1, 2)  # after m0b: chunk 1's stretch, then chunk 2
+    assert t.prefetch_window(9) == (2,)  # the step's last chunk: nothing after it
+    assert t.prefetch_window(11) == ()
+    policy = HostPlacement(ChunkConfig(placement="host", reshard_after_forward=True))
+    chunks = [view(0, True, evictable=False), view(1), view(2)]
+    plan = policy.plan(position=0, needed=frozenset({0}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=1000)
+    assert plan.evict == () and plan.prefetch == (1,)
+    plan = policy.plan(position=3, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None, device_bytes=1000)
+    assert plan.prefetch == (1, 2)  # nearest use first
+    plan = policy.plan(position=3, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=2000, device_bytes=1000)
+    assert plan.prefetch == (1,)  # room for one: the nearer
+    assert HostPlacement(ChunkConfig(placement="host", prefetch=False)).upcoming(3, t) == frozenset()
 
 
 def test_host_policy_keeps_a_chunk_used_again_before_the_next_gather():
@@ -95,9 +120,10 @@ def test_host_policy_keeps_a_chunk_used_again_before_the_next_gather():
     chunks = [view(0, True), view(1, True), view(2)]
     assert policy.plan(position=3, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None,
                        device_bytes=2000).evict == ()
-    # after out1 (position 7): chunk 1 is not used again this step: released; chunk 0 (ln2, next) stays
+    # after out1 (position 7): chunk 1 is not used again this step: released; chunk 0 (ln2, next) stays, and
+    # chunk 2 (fc2, the chunk after the next moment's) is gathered ahead ([Note: how far ahead to gather])
     plan = policy.plan(position=7, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None, device_bytes=2000)
-    assert plan.evict == (1,) and plan.prefetch == ()
+    assert plan.evict == (1,) and plan.prefetch == (2,)
     # chunk 0 is used again at ln2b, after fc2 needs chunk 2 gathered: released until then
     chunks = [view(0, True), view(1), view(2)]
     plan = policy.plan(position=8, needed=frozenset({0}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=1000)
