@@ -79,7 +79,7 @@ import socket
 import sys
 import time
 import zlib
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -170,10 +170,12 @@ _exit_armed = False
 _broken: list[str] = []  # the first failed wait of this process: no collective is attempted after it
 
 
-def _refuse_if_broken(what: str) -> None:
+def _refuse_if_broken(what: Union[str, Callable[[], str]]) -> None:
     """After one failed wait the group is unusable (a peer is gone, or stuck in an earlier collective): fail at
-    once instead of waiting out another timeout, e.g. in a forward hook that runs while the error unwinds."""
+    once instead of waiting out another timeout, e.g. in a forward hook that runs while the error unwinds.
+    ``what`` may be a callable, so that a chunk collective names itself only when it fails."""
     if _broken:
+        what = what() if callable(what) else what
         raise CollectiveTimeoutError(f"{what} was not attempted: an earlier collective failed ({_broken[0]})")
 
 
@@ -308,13 +310,14 @@ class Collectives:
         return c
 
     # ---------------------------------------------------------------- checks
-    def _check_device(self, what: str, *tensors: torch.Tensor) -> None:
+    def _check_device(self, what: Union[str, Callable[[], str]], *tensors: torch.Tensor) -> None:
         """Every tensor of a collective must be on the group's device: NCCL rejects host tensors (and gloo
         device ones) with an error that names neither the tensor nor the caller. Comparing device types
-        costs nothing next to the collective, so the check is always on."""
+        costs nothing next to the collective, so the check is always on (``what`` named only when it fails)."""
         want = self._tag_device.type
         for t in tensors:
             if t.device.type != want:
+                what = what() if callable(what) else what
                 raise CollectiveDeviceError(
                     f"[rank {self.rank}] {what} was handed a tensor on {t.device}, but this process group works on "
                     f"{want} tensors; move it with .to(comm.tensor_device()) first."
@@ -385,8 +388,8 @@ class Collectives:
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
                 out.copy_(shard, non_blocking=True)
             return Pending(out, None)
-        _refuse_if_broken(f"[rank {self.rank}] all_gather of {self.names(chunk, module)}")
-        self._check_device(f"all_gather of {self.names(chunk, module)}", out, shard)
+        _refuse_if_broken(lambda: f"[rank {self.rank}] all_gather of {self.names(chunk, module)}")
+        self._check_device(lambda: f"all_gather of {self.names(chunk, module)}", out, shard)
         check, group = self._agree("all_gather", chunk, module, ("all_gather", out.numel() * out.element_size()))
         work = _all_gather(out, shard, group=group, async_op=True)
         return self._pending(out, work, "all_gather", chunk, module, async_op, check)
@@ -398,8 +401,8 @@ class Collectives:
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
                 out.copy_(full, non_blocking=True)
             return Pending(out, None)
-        _refuse_if_broken(f"[rank {self.rank}] reduce_scatter of {self.names(chunk, module)}")
-        self._check_device(f"reduce_scatter of {self.names(chunk, module)}", out, full)
+        _refuse_if_broken(lambda: f"[rank {self.rank}] reduce_scatter of {self.names(chunk, module)}")
+        self._check_device(lambda: f"reduce_scatter of {self.names(chunk, module)}", out, full)
         in_place = self.gloo and full.device.type == "cpu" and self._is_own_slice(out, full)
         kind = ("all_reduce" if in_place else "reduce_scatter", full.numel() * full.element_size())
         check, group = self._agree("reduce_scatter", chunk, module, kind)
