@@ -207,12 +207,11 @@ class PlacementPolicy:
                                      and c.chunk_id not in evict])
         prefetch: list[int] = []
         room = math.inf if budget_bytes is None else budget_bytes - (device_bytes - freed + missing)
-        nearest = frozenset(trace.next_chunks(position)) if upcoming else frozenset()
         for i in sorted(upcoming, key=lambda i: (trace.next_use(i, position), i)):  # nearest use first
             c = by_id.get(i)
             if c is None or c.resident or i in needed or i in evict:
                 continue
-            if c.shard_tier is Tier.DISK and i not in nearest:  # [Note: how far ahead to gather]
+            if c.shard_tier is Tier.DISK and i not in trace.next_chunks(position):  # [Note: how far ahead to gather]
                 continue
             if c.payload_bytes <= room:
                 prefetch.append(i)
