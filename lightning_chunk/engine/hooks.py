@@ -276,8 +276,9 @@ class ChunkHooks:
         trace = self.trace if self.training else None
         include = self.policy.upcoming(self.position, trace).union(needed)
         budget = self.policy.budget(mgr.limit, trace, self.position)
-        if not self.policy.idle(all_resident=all(mgr.chunks[i].is_resident for i in include), budget_bytes=budget,
-                                device_bytes=mgr.ledger[Tier.DEVICE]):
+        all_resident = all(mgr.chunks[i].is_resident for i in include)
+        if not (self.policy.idle(all_resident=all_resident, budget_bytes=budget, device_bytes=mgr.ledger[Tier.DEVICE])
+                or self._plan_is_empty(all_resident, trace, budget)):
             self._plan(needed, include, trace, budget)
         for cid in needed:
             mgr.wait_ready(mgr.chunks[cid])  # a prefetch on the side stream must land before use
@@ -399,40 +400,46 @@ class ChunkHooks:
             chunk, info = self.manager.lookup(self.manager.params[i])
             if info.state is S.COMPUTE and i not in keep:
                 chunk.set_state(info, new)
-        if self.policy.evict_after_use and not self._keeps_what_it_used(key):
+        if self.policy.evict_after_use:
             self._plan_and_run(())
         if before is not None:
             self._record(POST_FORWARD, key, (), before)
 
-    def _keeps_what_it_used(self, key: str) -> bool:
-        """Whether the plan at this post-forward would release nothing and prefetch nothing new.
+    def _plan_is_empty(self, all_resident: bool, trace: Optional[Trace], budget: Optional[int]) -> bool:
+        """Whether the plan at this moment would release nothing and gather nothing, known from the moment before.
 
-        [Note: a post-forward with nothing to release]
-        Releasing after use plans at every module's end as well as at its start: on the 99.5M GPT with host
-        placement that is 88 of a step's 265 plans, each building views of the resident chunks and the sets
-        of what to keep. Where the moment just before was this module's own forward (a leaf module: nothing
-        ran in between but its forward), the plan then saw what this one would see but for two things: the
-        module's chunks are no longer in use, and the clock moved past a post-forward moment, which the
-        prefetch window and ``reused_before_gather`` skip, so both name what they named then (with the
-        chunks gathered since counted resident, a superset). A payload the last plan kept stays kept, so
-        the only payloads this plan could release are the module's own, and it keeps those that the window
-        holds (the next module runs on the same chunk: all but a block's last module), and, keeping payloads for
-        backward, those used again in the step ([Note: keeping payloads for backward]). With no disk tier
-        and the device within the room the traced activations leave under the budget (or no budget), it
-        evicts nothing for memory either, and its prefetches were issued a moment ago. So the plan is
-        skipped; at a block's last module, where the block's chunk leaves the window, it runs."""
-        if self._previous_moment != (FORWARD, key) or not self.training or self.trace is None:
+        [Note: moments with nothing to release]
+        Releasing after use plans at every module's start and end: on the 99.5M GPT with host placement 265 plans
+        a step, each building views of the resident chunks and the sets of what to keep, where most find nothing
+        to do: the modules of a transformer block run on the block's chunk. Two kinds of moment are known empty
+        from the one before it, whose plan ran (or was known empty):
+        - a module's end right after its own start (a leaf module: nothing ran in between but its forward). The
+          clock moved past a post-forward moment, which the prefetch window and ``reused_before_gather`` skip,
+          so both name what they named at its start (with the chunks gathered since counted resident, a
+          superset): every payload that plan kept stays kept, and the only payloads this plan could release are
+          the module's own, no longer in use. It keeps those the window holds (all but a block's last module
+          run on the block's chunk, which the next module needs) and, keeping payloads for backward, those used
+          again in the step ([Note: keeping payloads for backward] in placement.py).
+        - a module's start in forward right after another module's end. Every payload resident now was kept by
+          that plan, and the window only moved on by this module: what the old window held beyond this
+          module's chunks is the first chunk used after them, which the new one holds too, and the payloads
+          reused before the next gather are the same. If the window's chunks are all resident, nothing is
+          gathered either.
+        Either way, with no disk tier (whose gathers and read-aheads are timed per moment) and the device within
+        the room the traced activations leave under the budget (or no budget), nothing is evicted for memory.
+        Not in backward, where the module that just ran leaves its chunks to the next moment's plan. Tested by
+        recording every moment of runs with and without the skip (tests/integration/test_parity.py).
+        What it saves: 0.08 s of hooks over five steps of that model, of 0.85 (docs/benchmarks.md, session 44)."""
+        kind, key = self._this_moment
+        if trace is None or self.manager.disk_chunks:
             return False
-        mgr = self.manager
-        if mgr.disk_chunks or mgr.pool.pooled_bytes and mgr.limit is not None:
+        room = activation_room(budget, trace, self.position)
+        if room is not None and self.manager.ledger[Tier.DEVICE] > room:
             return False
-        window, trace = self.policy.upcoming(self.position, self.trace), self.trace
-        later = self.policy.keeps_for_backward  # kept for backward while the activations leave room, as below
-        if not all(c in window or later and trace.used_later(c, self.position) for c in self._chunks_of.get(key, ())):
-            return False
-        budget = self.policy.budget(mgr.limit, self.trace, self.position)
-        room = activation_room(budget, self.trace, self.position)
-        return room is None or mgr.ledger[Tier.DEVICE] <= room
+        if kind == POST_FORWARD and self._previous_moment == (FORWARD, key):
+            window, later = self.policy.upcoming(self.position, trace), self.policy.keeps_for_backward
+            return all(c in window or later and trace.used_later(c, self.position) for c in self._chunks_of.get(key, ()))
+        return kind == FORWARD and self._previous_moment[0] == POST_FORWARD and all_resident and not _in_backward()
 
     def _resident(self) -> frozenset[int]:
         return frozenset(c.chunk_id for c in self.manager.chunks if c.is_resident)

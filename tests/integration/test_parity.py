@@ -95,23 +95,25 @@ class RecordMoments(L.Callback):
 
 
 @pytest.mark.parametrize("setting", ["released", "released_limit", "kept_limit"])
-def test_a_post_forward_with_nothing_to_release_skips_its_plan_and_changes_no_moment(setting, monkeypatch):
-    """[Note: a post-forward with nothing to release]: the plans skipped after a module whose chunks the prefetch
-    window still holds would have released and gathered nothing. Every moment of the run, its releases, gathers,
-    resident payloads and device bytes, is the same as with the plan run at every module's end, and so is the
-    training; without a limit, under a limit, and keeping payloads for backward under one."""
-    limit = dict(device_memory_limit=int(4 * sum(p.numel() for p in ParityNet(**WIDE).parameters()) * 0.45)) if "limit" in setting else {}
+def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_nothing(setting, monkeypatch):
+    """[Note: moments with nothing to release]: the plans skipped at a module's end whose chunks stay kept, and at
+    a module's start in forward whose chunks are all resident, would have released and gathered nothing. Every
+    moment of the run, its releases, gathers, resident payloads and device bytes, is the same as with a plan at
+    every moment, and so is the training; without a limit, under a limit, and keeping payloads for backward under
+    one."""
+    limit = dict(device_memory_limit=int(4 * sum(p.numel() for p in ParityNet(**WIDE).parameters()) * 0.45)) \
+        if "limit" in setting else {}
     reshard = dict(reshard_after_forward=setting != "kept_limit")
     runs, skipped = {}, []
-    real = ChunkHooks._keeps_what_it_used
+    real = ChunkHooks._plan_is_empty
 
-    def counting(self, key):
-        out = real(self, key)
+    def counting(self, *args):
+        out = real(self, *args)
         skipped.append(out)
         return out
 
     for skip in (False, True):
-        monkeypatch.setattr(ChunkHooks, "_keeps_what_it_used", counting if skip else lambda self, key: False)
+        monkeypatch.setattr(ChunkHooks, "_plan_is_empty", counting if skip else lambda self, *args: False)
         moments = RecordMoments()
         strategy = ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", **limit, **reshard)
         model = fit(strategy, steps=8, model_kwargs=WIDE, callbacks=[moments])
@@ -120,9 +122,8 @@ def test_a_post_forward_with_nothing_to_release_skips_its_plan_and_changes_no_mo
     assert_same_params(ref, got, EXACT)
     assert events == ref_events and len(events) > 100
     assert any(e.evicted for e in events) and stats["gathers"] == ref_stats["gathers"]
-    # without a limit most post-forwards skip (105 of 120 here, the warm-up's included); under a tight limit fewer
-    # (57 released, 29 kept): the device is past the room the activations leave, or the chunk leaves the window
-    assert sum(skipped) > (len(skipped) * 3 // 4 if setting == "released" else 10), (sum(skipped), len(skipped))
+    print(setting, sum(skipped), len(skipped))
+    assert sum(skipped) > (len(skipped) // 2 if setting == "released" else 10), (sum(skipped), len(skipped))
 
 
 BIG = dict(dim=64, hidden=1024)  # parameters outweigh activations (the regime offload is for)
