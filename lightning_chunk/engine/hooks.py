@@ -437,8 +437,8 @@ class ChunkHooks:
         if room is not None and self.manager.ledger[Tier.DEVICE] > room:
             return False
         if kind == POST_FORWARD and self._previous_moment == (FORWARD, key):
-            window, later = self.policy.upcoming(self.position, trace), self.policy.keeps_for_backward
-            return all(c in window or later and trace.used_later(c, self.position) for c in self._chunks_of.get(key, ()))
+            window, later, at = self.policy.upcoming(self.position, trace), self.policy.keeps_for_backward, self.position
+            return all(c in window or later and trace.used_later(c, at) for c in self._chunks_of.get(key, ()))
         return kind == FORWARD and self._previous_moment[0] == POST_FORWARD and all_resident and not _in_backward()
 
     def _resident(self) -> frozenset[int]:
