@@ -429,7 +429,10 @@ class ChunkHooks:
         the room the traced activations leave under the budget (or no budget), nothing is evicted for memory.
         Not in backward, where the module that just ran leaves its chunks to the next moment's plan. Tested by
         recording every moment of runs with and without the skip (tests/integration/test_parity.py).
-        What it saves: 0.08 s of hooks over five steps of that model, of 0.85 (docs/benchmarks.md, session 44)."""
+        On that model 89 of the 265 plans a step are skipped; what they cost is small (the plans' time 148 -> 134 ms
+        a step, 2.0-2.3 s steps), because the plans left are the ones that gather, and launching a gloo all-gather
+        beside the compute is most of the hooks' time (docs/benchmarks.md, 2026-11-27). On an accelerator, whose
+        steps are shorter, the same Python is a larger part of the step."""
         kind, key = self._this_moment
         if trace is None or self.manager.disk_chunks:
             return False
