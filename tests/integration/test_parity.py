@@ -94,16 +94,20 @@ class RecordMoments(L.Callback):
         trainer.strategy.engine.hooks.recorder = self.events.append if trainer.global_step >= 2 else None
 
 
-@pytest.mark.parametrize("setting", ["released", "released_limit", "kept_limit"])
+@pytest.mark.parametrize("setting", ["released", "released_limit", "kept_limit", "reordered_accumulate",
+                                     "checkpointed_limit"])
 def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_nothing(setting, monkeypatch):
     """[Note: moments with nothing to release]: the plans skipped at a module's end whose chunks stay kept, and at
     a module's start in forward whose chunks are all resident, would have released and gathered nothing. Every
     moment of the run, its releases, gathers, resident payloads and device bytes, is the same as with a plan at
-    every moment, and so is the training; without a limit, under a limit, and keeping payloads for backward under
-    one."""
+    every moment, and so is the training; with the automatic chunk size, without a limit, under a limit, keeping
+    payloads for backward under one, on a model that runs its blocks in another order than it registers them with
+    accumulation, and under activation checkpointing (forward moments inside backward)."""
+    cls = {"reordered_accumulate": models.ReorderedNet, "checkpointed_limit": models.CheckpointedNet}.get(setting)
     limit = dict(device_memory_limit=int(4 * sum(p.numel() for p in ParityNet(**WIDE).parameters()) * 0.45)) \
         if "limit" in setting else {}
     reshard = dict(reshard_after_forward=setting != "kept_limit")
+    extra = dict(accumulate_grad_batches=2) if "accumulate" in setting else {}
     runs, skipped = {}, []
     real = ChunkHooks._plan_is_empty
 
@@ -116,14 +120,16 @@ def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_not
         monkeypatch.setattr(ChunkHooks, "_plan_is_empty", counting if skip else lambda self, *args: False)
         moments = RecordMoments()
         strategy = ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", **limit, **reshard)
-        model = fit(strategy, steps=8, model_kwargs=WIDE, callbacks=[moments])
+        model = fit(strategy, steps=8, model_kwargs=WIDE, callbacks=[moments], cls=cls, **extra)
         runs[skip] = (model, moments.events, strategy.memory_stats())
     (ref, ref_events, ref_stats), (got, events, stats) = runs[False], runs[True]
     assert_same_params(ref, got, EXACT)
     assert events == ref_events and len(events) > 100
     assert any(e.evicted for e in events) and stats["gathers"] == ref_stats["gathers"]
-    print(setting, sum(skipped), len(skipped))
-    assert sum(skipped) > (len(skipped) // 2 if setting == "released" else 10), (sum(skipped), len(skipped))
+    # skipped: 196 of 368 plans without a limit (the warm-up's included), 112 and 56 under the limit (the device past
+    # the room the activations leave, or the chunk leaving the window), 418 of 736 reordered with accumulation, 140 of
+    # 560 checkpointed
+    assert sum(skipped) > (len(skipped) // 2 if setting == "released" else 40), (sum(skipped), len(skipped))
 
 
 BIG = dict(dim=64, hidden=1024)  # parameters outweigh activations (the regime offload is for)
