@@ -99,6 +99,7 @@ class ChunkHooks:
         self.position = -1  # moment within the current micro-batch
         self._this_moment: tuple[str, str] = ("", "")  # (kind, module key) of the moment at ``position``
         self._previous_moment: tuple[str, str] = ("", "")  # and of the one before it
+        self._freed_room = False  # the last plan released payloads for memory ([Note: moments with nothing to release])
         self._current_module = -1
         self.clock = 0  # moments since creation (for LRU)
         self.training = False
@@ -205,6 +206,7 @@ class ChunkHooks:
                                 chunks=mgr.views(include=self.policy.upcoming(self.position, trace)), trace=trace,
                                 budget_bytes=None if budget is None else budget - nbytes,
                                 device_bytes=mgr.ledger[Tier.DEVICE])
+        self._freed_room = True
         for cid in plan.evict:
             mgr.release(mgr.chunks[cid])
         self._release_waiting(nbytes, keep=())
@@ -277,8 +279,10 @@ class ChunkHooks:
         include = self.policy.upcoming(self.position, trace).union(needed)
         budget = self.policy.budget(mgr.limit, trace, self.position)
         all_resident = all(mgr.chunks[i].is_resident for i in include)
-        if not (self.policy.idle(all_resident=all_resident, budget_bytes=budget, device_bytes=mgr.ledger[Tier.DEVICE])
-                or self._plan_is_empty(all_resident, trace, budget)):
+        if self.policy.idle(all_resident=all_resident, budget_bytes=budget, device_bytes=mgr.ledger[Tier.DEVICE]) \
+                or self._plan_is_empty(all_resident, trace, budget):
+            self._freed_room = False
+        else:
             self._plan(needed, include, trace, budget)
         for cid in needed:
             mgr.wait_ready(mgr.chunks[cid])  # a prefetch on the side stream must land before use
@@ -312,6 +316,7 @@ class ChunkHooks:
             position=self.position, needed=frozenset(needed), chunks=mgr.views(include=include, resident=evicts),
             trace=trace, budget_bytes=budget, device_bytes=mgr.ledger[Tier.DEVICE],
         )
+        self._freed_room = plan.for_room
         for cid in plan.evict:
             mgr.release(mgr.chunks[cid])
         for cid in needed:
@@ -334,6 +339,7 @@ class ChunkHooks:
         except DeviceMemoryLimitError:
             pass
         mgr.land_in_flight()  # the plan was too optimistic: land the reduces in flight, free what may go, retry
+        self._freed_room = True
         for other in mgr.chunks:
             if other.chunk_id not in needed and other.is_evictable:
                 mgr.release(other)
@@ -426,7 +432,10 @@ class ChunkHooks:
           reused before the next gather are the same. If the window's chunks are all resident, nothing is
           gathered either.
         Either way, with no disk tier (whose gathers and read-aheads are timed per moment) and the device within
-        the room the traced activations leave under the budget (or no budget), nothing is evicted for memory.
+        the room the traced activations leave under the budget (or no budget), nothing is evicted for memory. And
+        only after a plan that released nothing for memory: a payload released to make room, that the one before
+        would have kept, can end the stretch ``reused_before_gather`` reads earlier, and the full plan then
+        releases what was to be reused after it.
         Not in backward, where the module that just ran leaves its chunks to the next moment's plan. Tested by
         recording every moment of runs with and without the skip (tests/integration/test_parity.py).
         On that model 89 of the 265 plans a step are skipped; what they cost is small (the plans' time 148 -> 134 ms
@@ -434,7 +443,7 @@ class ChunkHooks:
         beside the compute is most of the hooks' time (docs/benchmarks.md, 2026-11-27). On an accelerator, whose
         steps are shorter, the same Python is a larger part of the step."""
         kind, key = self._this_moment
-        if trace is None or self.manager.disk_chunks:
+        if trace is None or self.manager.disk_chunks or self._freed_room:
             return False
         room = activation_room(budget, trace, self.position)
         if room is not None and self.manager.ledger[Tier.DEVICE] > room:

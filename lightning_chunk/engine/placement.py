@@ -49,6 +49,7 @@ class ChunkView:
 class Plan:
     evict: tuple[int, ...] = ()
     prefetch: tuple[int, ...] = ()
+    for_room: bool = False  # some of ``evict`` went for memory: payloads the plan would otherwise have kept
 
 
 def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
@@ -188,9 +189,11 @@ class PlacementPolicy:
         freed = sum(by_id[i].payload_bytes for i in evict)
         missing = sum(by_id[i].payload_bytes for i in needed if not by_id[i].resident)
 
+        for_room = False
+
         def evict_down_to(bound: Optional[int], victims: Iterable[ChunkView]) -> None:
             """Evict ``victims``, farthest next use first, until the device holds at most ``bound``."""
-            nonlocal freed
+            nonlocal freed, for_room
             if bound is None or device_bytes - freed + missing <= bound:
                 return
             for c in sorted(victims, key=lambda c: self._eviction_rank(c, position, trace), reverse=True):
@@ -198,6 +201,7 @@ class PlacementPolicy:
                     break
                 evict.append(c.chunk_id)
                 freed += c.payload_bytes
+                for_room = True
 
         if extra:  # kept beyond what releasing after use keeps: only while the traced activations have room beside
             # them, and never at the cost of a payload that releasing would have kept
@@ -216,7 +220,7 @@ class PlacementPolicy:
             if c.payload_bytes <= room:
                 prefetch.append(i)
                 room -= c.payload_bytes
-        return Plan(evict=tuple(evict), prefetch=tuple(prefetch))
+        return Plan(evict=tuple(evict), prefetch=tuple(prefetch), for_room=for_room)
 
     @staticmethod
     def _eviction_rank(c: ChunkView, position: int, trace: Optional[Trace]) -> tuple[float, int]:

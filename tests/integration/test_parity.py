@@ -126,10 +126,10 @@ def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_not
     assert_same_params(ref, got, EXACT)
     assert events == ref_events and len(events) > 100
     assert any(e.evicted for e in events) and stats["gathers"] == ref_stats["gathers"]
-    # skipped: 196 of 368 plans without a limit (the warm-up's included), 112 and 56 under the limit (the device past
-    # the room the activations leave, or the chunk leaving the window), 418 of 736 reordered with accumulation, 140 of
-    # 560 checkpointed
-    assert sum(skipped) > (len(skipped) // 2 if setting == "released" else 40), (sum(skipped), len(skipped))
+    # skipped: 196 of 368 plans without a limit (the warm-up's included), 112 and 35 under the limit (the device past
+    # the room the activations leave, the plan before released for room, or the chunk leaving the window), 418 of 736
+    # reordered with accumulation, 140 of 560 checkpointed
+    assert sum(skipped) > (len(skipped) // 2 if setting == "released" else 20), (sum(skipped), len(skipped))
 
 
 BIG = dict(dim=64, hidden=1024)  # parameters outweigh activations (the regime offload is for)

@@ -63,7 +63,7 @@ def test_lru_without_trace():
     policy = AutoPlacement(ChunkConfig(placement="auto", prefetch=False))
     chunks = [view(0, True, last=5), view(1, True, last=2), view(2)]
     plan = policy.plan(position=0, needed=frozenset({2}), chunks=chunks, trace=None, budget_bytes=2000, device_bytes=2000)
-    assert plan == type(plan)(evict=(1,), prefetch=())
+    assert plan == type(plan)(evict=(1,), prefetch=(), for_room=True)
 
 
 def test_chunks_in_use_are_never_evicted():
@@ -255,10 +255,12 @@ def test_host_placement_keeps_payloads_for_backward_unless_told_to_release():
     chunks = [view(0, True, last=0), view(1, True, last=2), view(2), view(3)]
     args = dict(position=4, needed=frozenset({2}), chunks=chunks, trace=t, device_bytes=2000)
     assert released.plan(budget_bytes=None, **args).evict == (0, 1)
+    assert not released.plan(budget_bytes=None, **args).for_room  # released after use, not for memory
     assert kept.plan(budget_bytes=None, **args).evict == ()
     # what is kept leaves room for the traced activations (250 here): chunk 0's backward (position 11) is the
     # farthest and goes first, then chunk 1's
     assert kept.plan(budget_bytes=2500, **args).evict == (0,)
+    assert kept.plan(budget_bytes=2500, **args).for_room  # [Note: moments with nothing to release] in hooks.py
     assert kept.plan(budget_bytes=2000, **args).evict == (0, 1)
     # backward of chunk 1 (position 10): chunk 2 was used for the last time in this step (9), chunk 0 is next (11)
     chunks = [view(0, True), view(1, True, evictable=False), view(2, True), view(3)]
