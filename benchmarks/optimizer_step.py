@@ -22,7 +22,10 @@ Contenders (each repeat runs them all, in a shuffled order, so drift hits every 
   ``DS_BUILD_CPU_ADAM=1 pip install deepspeed``); reported as skipped otherwise, never faked.
 
 Prints a table and writes JSON: median and spread (min, max) of the step time per contender, its
-ratio to the floor, and its ratio to the fastest peer.
+ratio to the floor, and its ratio to the fastest peer. The ratio to the floor is the median of per-round
+ratios (each contender against its floor measured in the same round), with a distribution-free 95% interval
+of that median: this machine's memory bandwidth drifts by tens of percent within minutes, and a ratio of
+pooled medians compares one minute's contender with another minute's floor.
 """
 
 from __future__ import annotations
@@ -33,10 +36,14 @@ import platform
 import random
 import statistics
 import time
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median_interval, round_ratios  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -186,12 +193,16 @@ def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] =
         # [a measured floor] the bf16 rows against the 30-byte loop measured in this run; the 28-byte floor scaled
         # by 30/28 (what this script reported until 2026-11-24) is kept beside it: storing the bf16 copy costs
         # more than its bytes (the fp32->bf16 rounding and a fifth stream), so scaling flattered the floor
-        own_floor = med["floor+bf16"] if bf16 and "floor+bf16" in med else med["floor"] * floor_bytes / 28
+        measured = "floor+bf16" if bf16 and "floor+bf16" in times else "floor"
+        scale = floor_bytes / 28 if measured == "floor" else 1.0
+        vs_floor, per_round = round_ratios(times[name], [t * scale for t in times[measured]])
         rows.append({
             "contender": name, "median_s": med[name], "min_s": min(times[name]), "max_s": max(times[name]),
-            "vs_floor": med[name] / own_floor, "vs_fastest_peer": med[name] / med[fastest_peer],
+            "rounds_s": times[name], "vs_floor": vs_floor, "vs_floor_rounds": per_round, "vs_floor_95": median_interval(per_round),
+            "vs_fastest_peer": med[name] / med[fastest_peer],
             "GB_per_s": floor_bytes * numel / med[name] / 1e9,
-            **({"vs_floor_28_scaled": med[name] / (med["floor"] * 30 / 28)} if bf16 else {}),
+            **({"vs_floor_28_scaled": round_ratios(times[name], [t * 30 / 28 for t in times["floor"]])[0]}
+               if bf16 else {}),
         })
     return {"numel": numel, "repeats": repeats, "floor": floor_kind, "fastest_peer": fastest_peer, "rows": rows}
 
@@ -199,14 +210,16 @@ def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] =
 def render(result: dict) -> str:
     lines = [f"N = {result['numel']:,} fp32 parameters, {result['repeats']} interleaved repeats; floor: "
              f"{result['floor']}; fastest peer: {result['fastest_peer']}",
-             f"{'contender':<16} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'x peer':>7}"
-             f" {'x 28B floor*30/28':>18}"]
+             "x floor: the median of per-round ratios to the floor of the same round, and its 95% interval",
+             f"{'contender':<16} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'95% interval':>13}"
+             f" {'x peer':>7} {'x 28B floor*30/28':>18}"]
     for r in result["rows"]:
         if "skipped" in r:
             lines.append(f"{r['contender']:<16} skipped: {r['skipped']}")
             continue
         lines.append(f"{r['contender']:<16} {r['median_s'] * 1e3:>10.1f} {r['min_s'] * 1e3:>8.1f}..{r['max_s'] * 1e3:<7.1f} "
-                     f"{r['GB_per_s']:>7.1f} {r['vs_floor']:>8.2f} {r['vs_fastest_peer']:>7.2f}"
+                     f"{r['GB_per_s']:>7.1f} {r['vs_floor']:>8.3f} {r['vs_floor_95'][0]:>6.3f}..{r['vs_floor_95'][1]:<5.3f}"
+                     f" {r['vs_fastest_peer']:>7.2f}"
                      + (f" {r['vs_floor_28_scaled']:>18.2f}" if "vs_floor_28_scaled" in r else ""))
     return "\n".join(lines)
 

@@ -25,12 +25,19 @@ def test_optimizer_step_benchmark_runs_and_writes_its_table(tmp_path, capsys):
     assert set(rows) == {"floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach",
                          "deepspeed"}
     for name in ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach"):
-        assert rows[name]["median_s"] > 0 and rows[name]["vs_floor"] > 0
-    # the bf16 rows are measured against the 30-byte loop of the same run, the scaled 28-byte floor shown beside
+        assert rows[name]["median_s"] > 0 and rows[name]["vs_floor"] > 0 and len(rows[name]["vs_floor_rounds"]) == 2
+        low, high = rows[name]["vs_floor_95"]
+        assert low <= rows[name]["vs_floor"] <= high
+    assert rows["floor"]["vs_floor_rounds"] == [1.0, 1.0] and rows["floor+bf16"]["vs_floor_rounds"] == [1.0, 1.0]
+    # a ratio is the median of per-round ratios; the bf16 rows are measured against the 30-byte loop of the same
+    # round, the scaled 28-byte floor shown beside it
+    for name, floor in (("ours+bf16", "floor+bf16"), ("ours+bf16-2pass", "floor+bf16"), ("ours", "floor")):
+        per_round = [a / b for a, b in zip(rows[name]["rounds_s"], rows[floor]["rounds_s"])]
+        assert rows[name]["vs_floor_rounds"] == pytest.approx(per_round)
+        assert rows[name]["vs_floor"] == pytest.approx(sum(per_round) / 2)  # the median of two
     for name in ("ours+bf16", "ours+bf16-2pass"):
-        assert rows[name]["vs_floor"] == pytest.approx(rows[name]["median_s"] / rows["floor+bf16"]["median_s"])
-        assert rows[name]["vs_floor_28_scaled"] == pytest.approx(
-            rows[name]["median_s"] / (rows["floor"]["median_s"] * 30 / 28))
+        per_round = [a / (b * 30 / 28) for a, b in zip(rows[name]["rounds_s"], rows["floor"]["rounds_s"])]
+        assert rows[name]["vs_floor_28_scaled"] == pytest.approx(sum(per_round) / 2)
     assert "vs_floor_28_scaled" not in rows["ours"]
     assert "skipped" in rows["deepspeed"] or rows["deepspeed"]["median_s"] > 0  # never faked
     assert "x floor" in capsys.readouterr().out
