@@ -458,7 +458,7 @@ class OptimizerBinding:
             return None
         views = {i: v for i, v, _c, _info, _g in mine}
         with self._grads_for_the_call(mine):
-            stepped, fresh = self.host_adam.step_one_pass(views)
+            stepped, fresh = self.host_adam.step_one_pass(self._views, only={id(v) for v in views.values()})
             self.fresh_low |= fresh
             rest = {id(v) for v in views.values()} - stepped
             if not rest:

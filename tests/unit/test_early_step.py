@@ -11,12 +11,13 @@ from tests.models import VOCAB, ParityNet, ReorderedNet
 
 
 def train(early, *, cls=ParityNet, placement="device", chunk_numel=4096, dtypes=None, accumulate=1, steps=5,
-          opt_cls=torch.optim.AdamW, unused=False):
+          opt_cls=torch.optim.AdamW, unused=False, kernel="auto", fresh=None):
+    """``fresh``: a list that gets, per step, the chunks whose compute copy the one-pass kernel wrote."""
     torch.manual_seed(0)
     model = cls(variant="unused" if unused else "plain") if cls is ParityNet else cls()
     opt = opt_cls(model.parameters(), lr=1e-2, weight_decay=0.1)
     eng = ChunkEngine(model, [opt], config=ChunkConfig(placement=placement, chunk_numel=chunk_numel,
-                                                       step_in_backward=early), dtypes=dtypes)
+                                                       step_in_backward=early, optimizer_kernel=kernel), dtypes=dtypes)
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         opt.zero_grad()
@@ -31,6 +32,8 @@ def train(early, *, cls=ParityNet, placement="device", chunk_numel=4096, dtypes=
                 eng.after_backward()
         eng.prepare_step()
         eng.step(opt)
+        if fresh is not None:
+            fresh.append(set(eng.bindings[0].fresh_low))
         eng.finish_step(stepped=True)
     state = {k: v.clone() for k, v in eng.full_state_dict().items()}
     return eng, state, opt
@@ -42,6 +45,8 @@ def test_stepping_in_backward_is_bit_identical_to_stepping_after_it(placement, c
     kw = dict(placement=placement, chunk_numel=chunk_numel)
     if kind == "bf16-mixed":
         kw["dtypes"] = DtypePolicy(compute_dtype=torch.bfloat16, master_dtype=torch.float32)
+        if placement == "host":  # host shards with a compute copy: the one-pass kernel, chunk by chunk in backward
+            kw["kernel"] = "one_pass"
     if kind == "accumulate":
         kw["accumulate"] = 2
     if kind == "unused":  # a parameter that never gets a gradient: its chunk steps after backward, without it
@@ -58,6 +63,18 @@ def test_stepping_in_backward_is_bit_identical_to_stepping_after_it(placement, c
         assert sa.keys() == sb.keys()
         for key in sa:
             assert torch.equal(sa[key], sb[key]), key
+
+
+def test_each_host_chunk_stepped_in_backward_takes_the_one_pass():
+    """Stepped in backward, each chunk's call steps that chunk alone: the one-pass kernel must take every host
+    chunk with a compute copy, as one step after backward does (it once took the first chunk it was called with
+    and left the others to torch's kernel and a second pass)."""
+    bf16 = DtypePolicy(compute_dtype=torch.bfloat16, master_dtype=torch.float32)
+    after, during = [], []
+    train(False, placement="host", dtypes=bf16, kernel="one_pass", steps=3, fresh=after)
+    eng, _, _ = train(True, placement="host", dtypes=bf16, kernel="one_pass", steps=3, fresh=during)
+    trainable = {c.chunk_id for c in eng.manager.chunks if c.trainable}
+    assert len(trainable) > 1 and after == during == [trainable] * 3
 
 
 def test_a_model_used_in_another_order_than_registered_steps_every_chunk_in_backward():
