@@ -8,11 +8,12 @@ one loop would need 2). ``one_pass`` does both in one loop compiled by ``torch.c
 C++ backend, which compiles with ``-ffp-contract=off``), over a chunk's whole run of views at once:
 the views are contiguous in the shard and the moments are flat regions, so one call steps a chunk.
 Its arithmetic is the vector loop of torch's fused CPU kernel, operation for operation (``lerp`` as
-a blend and an fma, the second moment as ``fma(c*g, g, v*beta2)``, the hyperparameters rounded to
-float32 from the same double expressions), so it is bit-identical to ``fused=True`` except in the
-last ``numel % 16`` elements of each parameter, which torch's kernel steps in a scalar loop of its
-own. It needs a C++ compiler the first time (a few seconds, cached on disk by inductor after); when
-compiling fails the step falls back to torch's kernel and the two-pass write-back, with a warning.
+the fma of the formula its weight picks, the second moment as ``fma(c*g, g, v*beta2)``, the
+hyperparameters rounded to float32 from the same double expressions), so it is bit-identical to
+``fused=True`` except in the last ``numel % 16`` elements of each parameter, which torch's kernel
+steps in a scalar loop of its own. It needs a C++ compiler the first time (a few seconds, cached on
+disk by inductor after); when compiling fails the step falls back to torch's kernel and the two-pass
+write-back, with a warning.
 
 [Note: Adam's moments in flat regions]
 One call a chunk needs the moments laid out like the master shard. So for the chunks the one pass
@@ -54,19 +55,23 @@ def one_pass_ok(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool
 def _adam_pass(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sign: torch.Tensor,
                decay: torch.Tensor, wd: torch.Tensor, w: torch.Tensor, beta2: torch.Tensor, c2: torch.Tensor,
                bc2_sqrt: torch.Tensor, eps: torch.Tensor, neg_step: torch.Tensor,
-               weight_decay: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               weight_decay: str, maximize: bool, small: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch's fused CPU Adam(W) vector loop, as tensor operations: (param, exp_avg, exp_avg_sq).
 
-    ``sign`` is -1 with ``maximize`` (torch multiplies by -1), else 1 (exact); ``weight_decay`` is ``"none"``,
-    ``"decoupled"`` (AdamW) or ``"coupled"`` (Adam): the only choice the kernel specializes on, with the dtype."""
+    ``sign`` is -1 (torch multiplies by -1 with ``maximize``); ``weight_decay`` is ``"none"``, ``"decoupled"``
+    (AdamW) or ``"coupled"`` (Adam). The kernel specializes on these three Python values and the dtype: the
+    choices torch's loop makes once for the whole tensor are made at compile time here, not per element.
+    ``small``: ``|w| < 0.5`` for the lerp's weight ``w = 1 - beta1``, which picks torch's formula (torch blends
+    the two per vector). As a tensor condition it cost a blend and a broadcast a vector, and multiplying by a
+    ``sign`` of 1 a multiply: 2-3% of the step out of cache, 14% in it, for the same bits."""
     fma = torch.ops.prims.fma  # registered by torch._inductor.inductor_prims (``one_pass_kernel``)
-    g = g * sign
+    if maximize:
+        g = g * sign
     if weight_decay == "decoupled":
         p = p * decay
     elif weight_decay == "coupled":
         g = fma(p, wd, g)  # torch's build contracts g + p * wd
-    small = w.abs() < 0.5  # torch's lerp: a blend and an fma
-    m1 = fma(torch.where(small, w, w - 1), g - m, torch.where(small, m, g))
+    m1 = fma(w, g - m, m) if small else fma(w - 1, g - m, g)  # torch's lerp
     v1 = fma(c2 * g, g, v * beta2)
     p1 = p + neg_step * m1 / (v1.sqrt() / bc2_sqrt + eps)
     return p1, m1, v1
@@ -129,8 +134,9 @@ def adam_scalars(group: dict[str, Any], step: float, optimizer: torch.optim.Opti
     bc2 = 1 - beta2 ** step
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
     mode = "none" if wd == 0 else "decoupled" if decoupled else "coupled"
-    return (_f32(-1.0 if group.get("maximize") else 1.0), _f32(1 - lr * wd), _f32(wd), _f32(1 - beta1), _f32(beta2),
-            _f32(1 - beta2), _f32(bc2 ** 0.5), _f32(eps), _f32(-(lr / bc1)), mode)
+    w = _f32(1 - beta1)
+    return (_f32(-1.0), _f32(1 - lr * wd), _f32(wd), w, _f32(beta2), _f32(1 - beta2), _f32(bc2 ** 0.5), _f32(eps),
+            _f32(-(lr / bc1)), mode, bool(group.get("maximize")), bool(w.abs() < 0.5))
 
 
 class HostAdam:

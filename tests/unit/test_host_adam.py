@@ -24,7 +24,7 @@ def model():
 def two_groups(params, cls, **kw):
     ps = list(params)
     return cls([{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}],
-               lr=0.01, betas=(0.9, 0.95), **kw)
+               **{"lr": 0.01, "betas": (0.9, 0.95), **kw})
 
 
 def run(kernel, *, cls=torch.optim.AdamW, dtypes=None, steps=3, reload_after=None, unused=(), **kw):
@@ -99,7 +99,9 @@ def test_without_a_compute_copy_the_state_is_torchs_own(kernel):
 
 
 @pytest.mark.parametrize("cls,low,kw", [(torch.optim.AdamW, torch.bfloat16, {}),
-                                        (torch.optim.Adam, torch.float16, {"maximize": True})])
+                                        (torch.optim.Adam, torch.float16, {"maximize": True}),
+                                        # beta1 < 0.5: torch's lerp takes its other formula (weight 1 - beta1 >= 0.5)
+                                        (torch.optim.AdamW, torch.bfloat16, {"betas": (0.3, 0.95)})])
 def test_the_one_pass_steps_and_writes_the_compute_copy_as_torchs_fused_kernel(cls, low, kw):
     eng, o, ref, oref, fresh = run("one_pass", cls=cls, dtypes=DtypePolicy(low, torch.float32), reload_after=1, **kw)
     check_against_torch(eng, o, ref, oref, exact_tail=False)
