@@ -86,6 +86,13 @@ CASES = {
                                  bf16=True, strategy=dict(chunk_numel=None)),
     "reordered_bf16": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True,
                            strategy=dict(chunk_numel=None)),  # its twin without a limit
+    # host shards with a bf16 compute copy, stepped by the one-pass kernel ([Note: one pass over a host shard]) after
+    # backward and, chunk by chunk as each reduce-scatter lands, in backward (the same DDP run as reordered_bf16)
+    "host_bf16_one_pass": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True,
+                               strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass")),
+    "early_host_bf16_one_pass": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True,
+                                     strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass",
+                                                   step_in_backward=True)),
     # activation checkpointing: each block's chunk is needed again when backward recomputes it
     "checkpointed": dict(cls="CheckpointedNet", model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=None)),
     "checkpointed_host": dict(cls="ReentrantCheckpointedNet", model=dict(dim=64, hidden=256, depth=6),

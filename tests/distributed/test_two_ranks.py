@@ -21,14 +21,14 @@ RUNNER = Path(__file__).with_name("runner.py")
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
           "host_checked_each", "host_kept", "host_kept_limit", "host_released_limit", "host_kept_waiting", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
-          "reordered_bf16", "reordered_bf16_tight", "checkpointed", "checkpointed_host", "checkpointed_limit",
+          "reordered_bf16", "reordered_bf16_tight", "host_bf16_one_pass", "early_host_bf16_one_pass", "checkpointed", "checkpointed_host", "checkpointed_limit",
           "adapters_limit", "reused_frozen_limit", "checkpointed_adapters_limit", "torch_transformer_host", "grad_penalty_host",
           "grad_penalty_accumulate_unsharded", "grad_penalty_early_accumulate",
           "two_optimizers", "toggled_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "disk_defaults_after", "early", "early_unused", "early_accumulate", "early_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
-               "early_limit": "reordered_auto_limit"}
+               "early_limit": "reordered_auto_limit", "early_host_bf16_one_pass": "host_bf16_one_pass"}
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
 # reduces once (a last-bit difference that Adam carries through 24 steps: the tolerance the one-rank suite
@@ -40,7 +40,8 @@ ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol
             "disk_defaults": dict(rtol=1e-4, atol=1e-5), "disk_defaults_after": dict(rtol=1e-4, atol=1e-5)}
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
-FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight"}  # bf16 payloads against bf16 autocast too
+FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight", "host_bf16_one_pass",
+        "early_host_bf16_one_pass"}  # bf16 payloads against bf16 autocast too
 WEIGHTS = [f"weights_{fmt}" for fmt in FORMATS]
 DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "PL_GLOBAL_SEED")
