@@ -253,8 +253,8 @@ class HostAdam:
         [Note: the kernels back to back] Everything a chunk's call needs (its step count, read and checked, its
         hyperparameters, the slices) is read for every chunk before the first kernel runs, and the bookkeeping
         waits until the last one is done. Each kernel streams its chunk through the caches, so the first
-        operations after it run cold: 16 chunks of 12.5M elements paid 4 ms a step (3% of it) for reading the step
-        counts between kernels with ``torch.stack``, against under 1 ms this way."""
+        operations after it run cold: with 16 chunks of 12.5M elements, reading the step counts with ``torch.stack``
+        between kernels took 4 ms a step (3% of it), and the step's time outside the kernels fell from 8 ms to 2."""
         runs = self._host_runs(views)
         if not self._wants_one_pass(runs):
             return set(), set()
