@@ -456,11 +456,11 @@ class OptimizerBinding:
         mine = self._chunk_slots(chunk)
         if not mine:
             return None
-        views = {i: v for i, v, _c, _info, _g in mine}
+        ids = {id(v) for _i, v, _c, _info, _g in mine}
         with self._grads_for_the_call(mine):
-            stepped, fresh = self.host_adam.step_one_pass(self._views, only={id(v) for v in views.values()})
+            stepped, fresh = self.host_adam.step_one_pass(self._views, only=ids)
             self.fresh_low |= fresh
-            rest = {id(v) for v in views.values()} - stepped
+            rest = ids - stepped
             if not rest:
                 return None
             with self._only(lambda v: id(v) in rest):
