@@ -11,10 +11,10 @@ from tests.models import VOCAB, ParityNet, ReorderedNet
 
 
 def train(early, *, cls=ParityNet, placement="device", chunk_numel=4096, dtypes=None, accumulate=1, steps=5,
-          opt_cls=torch.optim.AdamW, unused=False, kernel="auto", fresh=None):
+          opt_cls=torch.optim.AdamW, unused=False, kernel="auto", fresh=None, model_kw=None):
     """``fresh``: a list that gets, per step, the chunks whose compute copy the one-pass kernel wrote."""
     torch.manual_seed(0)
-    model = cls(variant="unused" if unused else "plain") if cls is ParityNet else cls()
+    model = cls(variant="unused" if unused else "plain") if cls is ParityNet else cls(**(model_kw or {}))
     opt = opt_cls(model.parameters(), lr=1e-2, weight_decay=0.1)
     eng = ChunkEngine(model, [opt], config=ChunkConfig(placement=placement, chunk_numel=chunk_numel,
                                                        step_in_backward=early, optimizer_kernel=kernel), dtypes=dtypes)
@@ -65,16 +65,24 @@ def test_stepping_in_backward_is_bit_identical_to_stepping_after_it(placement, c
             assert torch.equal(sa[key], sb[key]), key
 
 
-def test_each_host_chunk_stepped_in_backward_takes_the_one_pass():
+@pytest.mark.parametrize("setting", ["fixed_size", "defaults_reordered_accumulate"])
+def test_each_host_chunk_stepped_in_backward_takes_the_one_pass(setting):
     """Stepped in backward, each chunk's call steps that chunk alone: the one-pass kernel must take every host
     chunk with a compute copy, as one step after backward does (it once took the first chunk it was called with
-    and left the others to torch's kernel and a second pass)."""
-    bf16 = DtypePolicy(compute_dtype=torch.bfloat16, master_dtype=torch.float32)
+    and left the others to torch's kernel and a second pass). Also with the automatic chunk size, on a model used
+    in another order than registered, with accumulation: the same bits both ways."""
+    kw = dict(placement="host", kernel="one_pass", steps=3,
+              dtypes=DtypePolicy(compute_dtype=torch.bfloat16, master_dtype=torch.float32))
+    if setting == "defaults_reordered_accumulate":
+        kw.update(cls=ReorderedNet, chunk_numel=None, accumulate=2, model_kw=dict(dim=256, hidden=1024, depth=4))
     after, during = [], []
-    train(False, placement="host", dtypes=bf16, kernel="one_pass", steps=3, fresh=after)
-    eng, _, _ = train(True, placement="host", dtypes=bf16, kernel="one_pass", steps=3, fresh=during)
+    _, want, _ = train(False, fresh=after, **kw)
+    eng, got, _ = train(True, fresh=during, **kw)
     trainable = {c.chunk_id for c in eng.manager.chunks if c.trainable}
     assert len(trainable) > 1 and after == during == [trainable] * 3
+    assert eng.memory_stats()["chunks_stepped_in_backward"] == 2 * len(trainable)  # every step after the warm-up
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 def test_a_model_used_in_another_order_than_registered_steps_every_chunk_in_backward():
