@@ -13,9 +13,11 @@ Contenders (each repeat runs them all, in a shuffled order, so drift hits every 
   bytes over the best streaming bandwidth of copy/add/triad kernels (reported so).
 - ``ours``: lightning_chunk's host path: the user's AdamW rebound to per-parameter views of one
   flat master shard, stepped by torch's fused CPU kernel (``optimizer_kernel="auto"``);
-  ``ours+bf16``: the same with a bf16 compute copy, which ``auto`` steps in one compiled pass that
-  also writes the copy (``host_adam.py``); ``ours+bf16-2pass``: torch's fused kernel then the
-  write-back as a second pass (``optimizer_kernel="fused"``), what ``ours+bf16`` was before.
+  ``ours+bf16``: the same with a bf16 compute copy, which ``auto`` steps in one pass that also
+  writes the copy, the native loop of ``adam_native.py`` (the copy stored past the caches);
+  ``ours+bf16-compiled``: the same pass as the ``torch.compile`` kernel (``host_adam.py``), what
+  ``ours+bf16`` was before the native loop; ``ours+bf16-2pass``: torch's fused kernel then the
+  write-back as a second pass (``optimizer_kernel="fused"``).
 - ``torch-fused`` and ``torch-foreach``: ``torch.optim.AdamW`` over the same parameters as separate
   tensors (what a plain Lightning run steps).
 - ``deepspeed``: ``DeepSpeedCPUAdam`` when deepspeed is installed (it builds its CPU kernel with gcc:
@@ -86,6 +88,20 @@ def make_ours(numel: int, write_back: bool, kernel: str = "auto") -> Callable[[]
     return step
 
 
+def without_native(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the one pass as the torch.compile kernel, not the native loop."""
+    from lightning_chunk.engine import host_adam
+
+    def compiled() -> None:
+        host_adam.NATIVE = False
+        try:
+            step()
+        finally:
+            host_adam.NATIVE = True
+
+    return compiled
+
+
 def make_torch(numel: int, kind: str) -> Callable[[], None]:
     params = []
     for n in gpt_like_sizes(numel):
@@ -146,13 +162,14 @@ def make_floor(numel: int) -> tuple[Callable[[], None], Callable[[], None], str]
                 f"28 B/parameter at the best streaming bandwidth ({best / 1e9:.1f} GB/s)")
 
 
-NAMES = ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach", "deepspeed")
+NAMES = ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours+bf16-2pass", "torch-fused", "torch-foreach", "deepspeed")
 
 
 def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] = None) -> dict:
     makers: dict[str, Callable[[], Optional[Callable[[], None]]]] = {
         "ours": lambda: make_ours(numel, write_back=False),
         "ours+bf16": lambda: make_ours(numel, write_back=True),
+        "ours+bf16-compiled": lambda: without_native(make_ours(numel, write_back=True)),
         "ours+bf16-2pass": lambda: make_ours(numel, write_back=True, kernel="fused"),
         "torch-fused": lambda: make_torch(numel, "fused"),
         "torch-foreach": lambda: make_torch(numel, "foreach"),
@@ -188,7 +205,7 @@ def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] =
         if name not in times:
             rows.append({"contender": name, "skipped": "deepspeed is not installed"})
             continue
-        bf16 = "bf16" in name  # floor+bf16, ours+bf16, ours+bf16-2pass
+        bf16 = "bf16" in name  # floor+bf16, ours+bf16, ours+bf16-compiled, ours+bf16-2pass
         floor_bytes = 30 if bf16 else 28  # the write-back adds 2 bytes a parameter
         # [a measured floor] the bf16 rows against the 30-byte loop measured in this run; the 28-byte floor scaled
         # by 30/28 (what this script reported until 2026-11-24) is kept beside it: storing the bf16 copy costs
@@ -211,13 +228,13 @@ def render(result: dict) -> str:
     lines = [f"N = {result['numel']:,} fp32 parameters, {result['repeats']} interleaved repeats; floor: "
              f"{result['floor']}; fastest peer: {result['fastest_peer']}",
              "x floor: the median of per-round ratios to the floor of the same round, and its 95% interval",
-             f"{'contender':<16} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'95% interval':>13}"
+             f"{'contender':<18} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'95% interval':>13}"
              f" {'x peer':>7} {'x 28B floor*30/28':>18}"]
     for r in result["rows"]:
         if "skipped" in r:
-            lines.append(f"{r['contender']:<16} skipped: {r['skipped']}")
+            lines.append(f"{r['contender']:<18} skipped: {r['skipped']}")
             continue
-        lines.append(f"{r['contender']:<16} {r['median_s'] * 1e3:>10.1f} {r['min_s'] * 1e3:>8.1f}..{r['max_s'] * 1e3:<7.1f} "
+        lines.append(f"{r['contender']:<18} {r['median_s'] * 1e3:>10.1f} {r['min_s'] * 1e3:>8.1f}..{r['max_s'] * 1e3:<7.1f} "
                      f"{r['GB_per_s']:>7.1f} {r['vs_floor']:>8.3f} {r['vs_floor_95'][0]:>6.3f}..{r['vs_floor_95'][1]:<5.3f}"
                      f" {r['vs_fastest_peer']:>7.2f}"
                      + (f" {r['vs_floor_28_scaled']:>18.2f}" if "vs_floor_28_scaled" in r else ""))

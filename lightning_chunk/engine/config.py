@@ -141,7 +141,7 @@ class ChunkConfig:
     optimizer_kernel: OptimizerKernel = "auto"
     """How Adam-family optimizers step the shards: ``auto`` picks torch's fused kernels where
     the optimizer supports them and the user did not choose, and steps large host shards with a
-    compute-dtype copy in one compiled pass ([Note: one pass over a host shard] in ``host_adam.py``);
+    compute-dtype copy in one pass ([Note: one pass over a host shard] in ``host_adam.py``);
     ``one_pass`` uses that pass whatever the size; ``fused``, ``foreach`` or ``loop`` force one of
     torch's kernels everywhere."""
 

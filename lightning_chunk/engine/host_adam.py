@@ -15,6 +15,13 @@ steps in a scalar loop of its own. It needs a C++ compiler the first time (a few
 disk by inductor after); when compiling fails the step falls back to torch's kernel and the two-pass
 write-back, with a warning.
 
+Two kernels do this pass. First the loop of ``adam_native.py``: the compiled kernel's arithmetic written
+by hand, built with the same toolchain and flags, which stores the compute copy past the caches and so
+moves 30 bytes an element where the compiled kernel moves 32 ([Note: the compute copy stored past the
+caches]); then, where that cannot be built or does not take the dtypes, the ``torch.compile`` kernel
+below. Both are tested bit for bit against torch's fused kernel. ``"auto"`` takes neither where
+inductor found no vector ISA to build for: both would be scalar code there.
+
 [Note: Adam's moments in flat regions]
 One call a chunk needs the moments laid out like the master shard. So for the chunks the one pass
 steps, ``exp_avg`` and ``exp_avg_sq`` are two flat regions and each view's state holds slices of
@@ -36,6 +43,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import adam_native
 from .chunk import Chunk, Tier
 from .manager import ChunkManager
 
@@ -86,8 +94,9 @@ def _step_and_copy(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     low.copy_(p1)
 
 
+NATIVE = True  # the one pass is the hand-written loop of adam_native.py where it builds; False: torch.compile's only
 _compiled: Optional[Callable[..., None]] = None
-_broken: Optional[str] = None  # why the one pass cannot run in this process
+_broken: Optional[str] = None  # why the torch.compile kernel cannot run in this process
 _warned = False
 
 
@@ -238,10 +247,13 @@ class HostAdam:
 
     # --------------------------------------------------------------- one pass
     def _wants_one_pass(self, runs: list[tuple[Chunk, int, list[Any]]]) -> bool:
-        if self.one_pass is False or _broken is not None:
+        if self.one_pass is False or (_broken is not None and not (NATIVE and adam_native.native_kernel())):
             return False
         numel = sum(r[2][-1][3] - r[2][0][2] for r in runs)
-        return numel > 0 and (self.one_pass is True or numel >= ONE_PASS_MIN_NUMEL)
+        if numel == 0:
+            return False
+        # "auto" without a vector ISA: either kernel would be scalar code, slower than torch's own
+        return self.one_pass is True or (numel >= ONE_PASS_MIN_NUMEL and adam_native.vector_isa())
 
     def step_one_pass(self, views: dict[int, torch.Tensor], only: Optional[set[int]] = None
                       ) -> tuple[set[int], set[int]]:
@@ -260,14 +272,17 @@ class HostAdam:
             return set(), set()
         if only is not None:
             runs = [r for r in runs if all(id(v) in only for _, v, _, _ in r[2])]
-        kernel = one_pass_kernel()
-        if kernel is None:
+        native = adam_native.native_kernel() if NATIVE else None
+        compiled = one_pass_kernel() if native is None else None
+        if native is None and compiled is None:
             _unavailable(_broken or "unknown", self.one_pass is True)
             return set(), set()
         self.ensure_regions(runs)  # only where the kernel can run: otherwise torch's own state is as good
         state = self.optimizer.state
         scalars: dict[tuple[int, float], tuple[Any, ...]] = {}
-        calls: list[tuple[Chunk, list[tuple[int, torch.Tensor, int, int]], list[torch.Tensor], tuple[Any, ...]]] = []
+        packed: dict[tuple[int, float], tuple[Any, ...]] = {}
+        calls: list[tuple[Chunk, list[tuple[int, torch.Tensor, int, int]], list[torch.Tensor], Callable[..., None],
+                          tuple[Any, ...]]] = []
         for c, k, pieces in runs:
             regions = self._ready.get(c.chunk_id)
             if regions is None or any(v.grad is None for _, v, _, _ in pieces):
@@ -279,10 +294,20 @@ class HostAdam:
             if (k, step) not in scalars:
                 scalars[(k, step)] = adam_scalars(self.optimizer.param_groups[k], step + 1, self.optimizer)
             start, end = pieces[0][2], pieces[-1][3]
-            calls.append((c, pieces, steps, (c.master[start:end], c.grad[start:end], regions["exp_avg"],
-                                             regions["exp_avg_sq"], c.low[start:end], *scalars[(k, step)])))
+            tensors = (c.master[start:end], c.grad[start:end], regions["exp_avg"], regions["exp_avg_sq"],
+                       c.low[start:end])
+            if native is not None and adam_native.supports(*tensors):
+                if (k, step) not in packed:
+                    packed[(k, step)] = native.pack(scalars[(k, step)])
+                calls.append((c, pieces, steps, native, (*tensors, *packed[(k, step)])))
+                continue
+            compiled = compiled or one_pass_kernel()  # dtypes the native loop does not take
+            if compiled is None:
+                _unavailable(_broken or "unknown", self.one_pass is True)
+                continue  # torch's kernel steps this chunk
+            calls.append((c, pieces, steps, compiled, (*tensors, *scalars[(k, step)])))
         done = 0
-        for *_, args in calls:
+        for *_, kernel, args in calls:
             try:
                 kernel(*args)
             except Exception as e:  # noqa: BLE001 - no compiler here: torch's kernel steps these chunks
@@ -292,7 +317,7 @@ class HostAdam:
         stepped: set[int] = set()
         fresh: set[int] = set()
         counters: list[torch.Tensor] = []
-        for c, pieces, steps, _ in calls[:done]:
+        for c, pieces, steps, *_ in calls[:done]:
             counters.extend(steps)
             stepped.update(id(v) for _, v, _, _ in pieces)
             fresh.add(c.chunk_id)

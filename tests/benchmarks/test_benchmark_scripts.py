@@ -22,9 +22,10 @@ def test_optimizer_step_benchmark_runs_and_writes_its_table(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["meta"]["torch"]
     rows = {r["contender"]: r for r in data["results"][0]["rows"]}
-    assert set(rows) == {"floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach",
-                         "deepspeed"}
-    for name in ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-2pass", "torch-fused", "torch-foreach"):
+    assert set(rows) == {"floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours+bf16-2pass", "torch-fused",
+                         "torch-foreach", "deepspeed"}
+    for name in ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours+bf16-2pass", "torch-fused",
+                 "torch-foreach"):
         assert rows[name]["median_s"] > 0 and rows[name]["vs_floor"] > 0 and len(rows[name]["vs_floor_rounds"]) == 2
         low, high = rows[name]["vs_floor_95"]
         assert low <= rows[name]["vs_floor"] <= high

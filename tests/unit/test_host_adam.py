@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine, DtypePolicy
-from lightning_chunk.engine import host_adam
+from lightning_chunk.engine import adam_native, host_adam
 
 # sizes: multiples of 16 (torch's fused kernel steps each tensor's last numel % 16 elements in a scalar loop of
 # its own), and one that is not, where the one pass may differ in the last bit
@@ -98,15 +98,61 @@ def test_without_a_compute_copy_the_state_is_torchs_own(kernel):
     assert len(own) == len(SIZES)  # each parameter's moments a tensor of its own, as torch makes them
 
 
+def count_native_calls(monkeypatch) -> list:
+    """Calls of the native loop from here on (its kernel object wrapped)."""
+    calls = []
+    real = adam_native.native_kernel
+    kernel = real()
+    assert kernel is not None, adam_native.why_not()
+
+    def counted(*args):
+        calls.append(args[0].numel())
+        return kernel(*args)
+
+    counted.pack = kernel.pack
+    monkeypatch.setattr(adam_native, "native_kernel", lambda: counted)
+    return calls
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "compiled"])
 @pytest.mark.parametrize("cls,low,kw", [(torch.optim.AdamW, torch.bfloat16, {}),
                                         (torch.optim.Adam, torch.float16, {"maximize": True}),
                                         # beta1 < 0.5: torch's lerp takes its other formula (weight 1 - beta1 >= 0.5)
                                         (torch.optim.AdamW, torch.bfloat16, {"betas": (0.3, 0.95)})])
-def test_the_one_pass_steps_and_writes_the_compute_copy_as_torchs_fused_kernel(cls, low, kw):
+def test_the_one_pass_steps_and_writes_the_compute_copy_as_torchs_fused_kernel(cls, low, kw, native, monkeypatch):
+    """Both one-pass kernels: the native loop (``adam_native.py``, where it builds) and the ``torch.compile`` one."""
+    monkeypatch.setattr(host_adam, "NATIVE", native)
+    calls = count_native_calls(monkeypatch) if native else []
     eng, o, ref, oref, fresh = run("one_pass", cls=cls, dtypes=DtypePolicy(low, torch.float32), reload_after=1, **kw)
     check_against_torch(eng, o, ref, oref, exact_tail=False)
     assert all(f == {c.chunk_id for c in eng.manager.chunks} for f in fresh)  # every chunk, every step
     assert all(len(ptrs) == 1 for ptrs in regions_of(eng, o).values())
+    assert len(calls) == (3 * len(eng.manager.chunks) if native else 0)
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_the_native_loop_equals_torchs_fused_kernel_wherever_its_copy_starts(low):
+    """The native loop streams the compute copy in aligned vectors and steps the elements before the first aligned
+    one, and the last ``numel % width``, with masked vectors: the same bits wherever a shard starts in its copy.
+    Torch's kernel steps the last ``numel % 16`` of a tensor in a scalar loop of its own: compared loosely there."""
+    kernel = adam_native.native_kernel()
+    assert kernel is not None, adam_native.why_not()
+    for n, offset in [(1, 0), (15, 3), (16, 1), (100, 7), (4099, 0), (40_000, 5), (40_003, 13)]:
+        g = torch.Generator().manual_seed(n + offset)
+        p, grad = torch.randn(n, generator=g) * 0.1, torch.randn(n, generator=g) * 0.01
+        ref = nn.Parameter(p.clone())
+        opt = torch.optim.AdamW([ref], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        m, v, copy = torch.zeros(n), torch.zeros(n), torch.zeros(n + offset, dtype=low)
+        for step in range(1, 4):
+            ref.grad = grad * step
+            opt.step()
+            kernel(p, grad * step, m, v, copy[offset:], *kernel.pack(host_adam.adam_scalars(opt.param_groups[0], step, opt)))
+        body = n - n % 16
+        for got, want in [(p, ref.detach()), (m, opt.state[ref]["exp_avg"]), (v, opt.state[ref]["exp_avg_sq"]),
+                          (copy[offset:], ref.detach().to(low))]:
+            assert torch.equal(got[:body], want[:body]), (n, offset)
+            torch.testing.assert_close(got.float(), want.float())
+        assert torch.equal(copy[:offset], torch.zeros(offset, dtype=low))  # nothing written before the shard
 
 
 def test_a_chunk_with_a_parameter_that_got_no_gradient_is_left_to_torch():
@@ -128,10 +174,17 @@ def test_auto_keeps_two_passes_for_small_shards_and_falls_back_when_compiling_fa
     def no_compiler(*args):
         raise RuntimeError("no C++ compiler")
 
+    # torch.compile switched off: the native loop does not need it
     monkeypatch.setattr(host_adam, "_broken", None)
     monkeypatch.setattr(host_adam, "_compiled", None)
     monkeypatch.setattr(host_adam, "_warned", False)
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torch.compile would run the function eagerly: not the kernel
+    eng, o, ref, oref, fresh = run("one_pass", dtypes=bf16)
+    check_against_torch(eng, o, ref, oref, exact_tail=False)
+    assert all(fresh)
+    # ... but without it, nothing else steps in one pass
+    monkeypatch.setattr(host_adam, "NATIVE", False)
+    monkeypatch.setattr(host_adam, "_broken", None)
     with pytest.raises(RuntimeError, match="optimizer_kernel='one_pass'.*torch.compile is disabled"):
         run("one_pass", dtypes=bf16, steps=1)
     monkeypatch.delenv("TORCHDYNAMO_DISABLE")
@@ -144,3 +197,17 @@ def test_auto_keeps_two_passes_for_small_shards_and_falls_back_when_compiling_fa
         eng, o, ref, oref, fresh = run("auto", dtypes=bf16)
     check_against_torch(eng, o, ref, oref)  # torch's kernel and the two-pass write-back
     assert fresh == [set()] * 3
+
+
+def test_auto_keeps_two_passes_where_inductor_has_no_vector_isa(monkeypatch):
+    """Where inductor's probe for a vector ISA fails, every kernel it builds is scalar code (several times slower
+    than torch's fused kernel): ``"auto"`` then keeps torch's kernel; ``"one_pass"`` still takes the one pass."""
+    bf16 = DtypePolicy(torch.bfloat16, torch.float32)
+    monkeypatch.setattr(host_adam, "ONE_PASS_MIN_NUMEL", 0)
+    assert all(run("auto", dtypes=bf16, steps=1)[-1])
+    monkeypatch.setattr(adam_native, "_isa", False)
+    assert run("auto", dtypes=bf16, steps=1)[-1] == [set()]
+    monkeypatch.setattr(adam_native, "_fn", None)
+    monkeypatch.setattr(adam_native, "_why_not", None)
+    assert adam_native.native_kernel() is None and "no vector ISA" in adam_native.why_not()
+    assert all(run("one_pass", dtypes=bf16, steps=1)[-1])  # the torch.compile kernel

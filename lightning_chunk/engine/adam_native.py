@@ -1,0 +1,197 @@
+"""The one-pass host Adam step as a C++ loop of our own, built with inductor's C++ toolchain.
+
+[Note: the compute copy stored past the caches]
+The one pass (``host_adam.py``) reads a shard's master, gradient and both moments and writes the master, the
+moments and the compute-dtype copy: 30 bytes an element. But a store to a cache line the loop never read first
+reads that line from memory (the cache must own it before it can write part of it), so the compute copy, which
+nothing in the step reads, costs 2 bytes of reading as well as its 2 of writing: 32 bytes moved, not 30, and a
+sixth stream competing for bandwidth. A non-temporal store writes whole lines straight to memory, with no read and
+without evicting the lines the loop still uses. Inductor never emits one, so this module is the same loop
+written by hand: the arithmetic is inductor's for ``_adam_pass`` (the same ``at::vec`` operations in the same
+order, built with the same flags, ``-ffp-contract=off`` among them), so its bits are the compiled kernel's and
+torch's fused kernel's; only the compute copy's store changes. Measured against the compiled kernel on one
+tensor, shuffled rounds on the 2-core CI machine: 0.885x the 30-byte floor against 1.014x at 50M elements,
+0.93x against 1.03x at 200M (docs/benchmarks.md).
+
+The copy's stores must be aligned to the vector's width, so each call steps the elements before the first
+aligned one, and the last ``numel % width``, with the masked loads and stores inductor uses for its tail (the
+same lane-wise arithmetic, so the same bits), and every thread fences its streaming stores before the parallel
+region ends, so the copy is in memory when the call returns. Built on first use (a few seconds, cached on disk
+by inductor); where it cannot be built, or the vector ISA inductor probes for is not available (its
+``at::vec`` would be scalar code, slower than torch's own kernel), ``native_kernel`` returns ``None`` with the
+reason and the one pass is the ``torch.compile`` kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, Optional
+
+import torch
+
+SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <cstdint>
+
+namespace {
+using at::vec::Vectorized;
+constexpr int64_t W = Vectorized<float>::size();
+
+// Torch's fused CPU Adam(W) vector loop, as _adam_pass in host_adam.py writes it: WD 0 none, 1 decoupled, 2 coupled
+template <typename Low, int WD, bool MAXIMIZE, bool SMALL>
+struct Step {
+  const float* s;  // sign, decay, wd, w, beta2, c2, bc2_sqrt, eps, neg_step
+  inline void operator()(float* p, const float* g, float* m, float* v, Low* low, int64_t i, int64_t count,
+                         bool stream) const {
+    auto pv = Vectorized<float>::loadu(p + i, count);
+    auto gv = Vectorized<float>::loadu(g + i, count);
+    auto mv = Vectorized<float>::loadu(m + i, count);
+    auto vv = Vectorized<float>::loadu(v + i, count);
+    if constexpr (MAXIMIZE) gv = gv * Vectorized<float>(s[0]);
+    if constexpr (WD == 1) pv = pv * Vectorized<float>(s[1]);
+    if constexpr (WD == 2) gv = at::vec::fmadd(pv, Vectorized<float>(s[2]), gv);
+    auto d = gv - mv;
+    Vectorized<float> m1;
+    if constexpr (SMALL) m1 = at::vec::fmadd(Vectorized<float>(s[3]), d, mv);
+    else m1 = at::vec::fmadd(Vectorized<float>(s[3] - 1.0f), d, gv);
+    auto v1 = at::vec::fmadd(Vectorized<float>(s[5]) * gv, gv, vv * Vectorized<float>(s[4]));
+    auto p1 = pv + (Vectorized<float>(s[8]) * m1) / (v1.sqrt() / Vectorized<float>(s[6]) + Vectorized<float>(s[7]));
+    p1.store(p + i, count);
+    m1.store(m + i, count);
+    v1.store(v + i, count);
+    auto c = at::vec::convert<Low>(p1);
+#if defined(CPU_CAPABILITY_AVX512)
+    if (stream) { _mm256_stream_si256(reinterpret_cast<__m256i*>(low + i), _mm512_castsi512_si256(c)); return; }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if (stream) { _mm_stream_si128(reinterpret_cast<__m128i*>(low + i), _mm256_castsi256_si128(c)); return; }
+#endif
+    c.store(low + i, count);
+  }
+};
+
+template <typename Low, int WD, bool MAXIMIZE, bool SMALL>
+void run(float* p, const float* g, float* m, float* v, Low* low, int64_t n, const float* s) {
+  const Step<Low, WD, MAXIMIZE, SMALL> step{s};
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  constexpr uintptr_t A = W * sizeof(Low);  // the streaming store's alignment: one vector of the copy
+  int64_t head = static_cast<int64_t>(((A - reinterpret_cast<uintptr_t>(low) % A) % A) / sizeof(Low));
+  const bool stream = true;
+#else
+  int64_t head = 0;
+  const bool stream = false;
+#endif
+  head = head < n ? head : n;
+  for (int64_t i = 0; i < head; i += W) step(p, g, m, v, low, i, head - i < W ? head - i : W, false);
+  const int64_t blocks = (n - head) / W;
+  #pragma omp parallel if (blocks >= 1024)
+  {
+    #pragma omp for schedule(static) nowait
+    for (int64_t b = 0; b < blocks; ++b) step(p, g, m, v, low, head + b * W, W, stream);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    _mm_sfence();  // this thread's streaming stores are in memory before the region's closing barrier
+#endif
+  }
+  for (int64_t i = head + blocks * W; i < n; i += W) step(p, g, m, v, low, i, n - i < W ? n - i : W, false);
+}
+
+template <typename Low>
+void dispatch(float* p, const float* g, float* m, float* v, Low* low, int64_t n, const float* s, int wd,
+              int maximize, int small) {
+#define LC_CASE(WD, MAX, SMALL) \
+  if (wd == WD && maximize == MAX && small == SMALL) return run<Low, WD, MAX, SMALL>(p, g, m, v, low, n, s);
+  LC_CASE(0, 0, 0) LC_CASE(0, 0, 1) LC_CASE(0, 1, 0) LC_CASE(0, 1, 1)
+  LC_CASE(1, 0, 0) LC_CASE(1, 0, 1) LC_CASE(1, 1, 0) LC_CASE(1, 1, 1)
+  LC_CASE(2, 0, 0) LC_CASE(2, 0, 1) LC_CASE(2, 1, 0) LC_CASE(2, 1, 1)
+#undef LC_CASE
+}
+}  // namespace
+
+extern "C" int lc_adam_one_pass(float* p, const float* g, float* m, float* v, void* low, int low_is_half,
+                                int64_t n, const float* scalars, int wd, int maximize, int small) {
+  if (low_is_half) dispatch(p, g, m, v, static_cast<at::Half*>(low), n, scalars, wd, maximize, small);
+  else dispatch(p, g, m, v, static_cast<at::BFloat16*>(low), n, scalars, wd, maximize, small);
+  return static_cast<int>(W);
+}
+"""
+
+MODES = {"none": 0, "decoupled": 1, "coupled": 2}
+LOW_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+_fn: Optional[Callable[..., int]] = None
+_why_not: Optional[str] = None  # why this process has no native kernel
+
+
+_isa: Optional[bool] = None
+
+
+def vector_isa() -> bool:
+    """Whether inductor builds C++ with a vector ISA here. It probes for one by building and loading a test library
+    in a child process, once a process; where that fails (for any reason) its ``at::vec`` is scalar code, and so is
+    every kernel it compiles, the one-pass kernels too: several times slower than torch's own fused kernel."""
+    global _isa
+    if _isa is None:
+        try:
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            _isa = bool(pick_vec_isa())
+        except Exception:  # noqa: BLE001 - an inductor without this internal: assume it vectorizes, as it did
+            _isa = True
+    return _isa
+
+
+def _vector_isa() -> Optional[str]:
+    return None if vector_isa() else "inductor found no vector ISA to build for (its at::vec would be scalar code)"
+
+
+def _build() -> Callable[..., int]:
+    from torch._inductor.codecache import CppCodeCache
+
+    lib = CppCodeCache.load(SOURCE)
+    fn = lib.lc_adam_one_pass
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_float)] + [ctypes.c_int] * 3
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def native_kernel() -> Optional["NativeKernel"]:
+    """The native one-pass step, or ``None`` when it cannot run in this process (the reason in ``why_not()``)."""
+    global _fn, _why_not
+    if _fn is None and _why_not is None:
+        try:
+            _why_not = _vector_isa()
+            if _why_not is None:
+                _fn = _build()
+        except Exception as e:  # noqa: BLE001 - no compiler, or an inductor without these internals
+            _why_not = f"building it failed: {type(e).__name__}: {e}"
+    return None if _fn is None else NativeKernel(_fn)
+
+
+def why_not() -> Optional[str]:
+    return _why_not
+
+
+def supports(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor) -> bool:
+    """Whether the native loop steps these tensors: contiguous float32 on the host, a bf16 or fp16 copy."""
+    return low.dtype in LOW_DTYPES and all(t.dtype == torch.float32 for t in (p, g, m, v)) \
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (p, g, m, v, low)) \
+        and p.numel() == g.numel() == m.numel() == v.numel() == low.numel()
+
+
+class NativeKernel:
+    """``pack(adam_scalars(...))`` once a group and step, then ``kernel(p, g, m, v, low, *packed)`` a chunk: one
+    Adam step of ``p`` (in place, with ``m`` and ``v``) that also writes ``low``. Packing reads the scalars before
+    the first chunk's loop ([Note: the kernels back to back] in ``host_adam.py``)."""
+
+    def __init__(self, fn: Callable[..., int]) -> None:
+        self.fn = fn
+
+    @staticmethod
+    def pack(scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+        *values, mode, maximize, small = scalars
+        array = (ctypes.c_float * len(values))(*(float(x) for x in values))  # float32 values: exact as floats
+        return array, MODES[mode], int(maximize), int(small)
+
+    def __call__(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor,
+                 array: Any, mode: int, maximize: int, small: int) -> None:
+        self.fn(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), low.data_ptr(), LOW_DTYPES[low.dtype],
+                p.numel(), array, mode, maximize, small)
