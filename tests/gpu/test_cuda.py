@@ -73,9 +73,14 @@ def test_bf16_mixed_host_gradients_convert_on_the_host():
     assert strategy.memory_stats()["d2h_async_bytes"] > 0
 
 
-def test_the_one_pass_host_step_equals_torchs_fused_kernel_on_cuda():
-    """Host shards of a bf16 run on a GPU: the pinned bf16 copy written inside the compiled host Adam step
-    (host_adam.py) trains bit for bit like torch's fused kernel and the two-pass write-back."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "compiled"])
+def test_the_one_pass_host_step_equals_torchs_fused_kernel_on_cuda(native, monkeypatch):
+    """Host shards of a bf16 run on a GPU: the pinned bf16 copy written inside the host Adam step (the native loop
+    of adam_native.py, streamed past the caches, or the torch.compile kernel of host_adam.py) trains bit for bit
+    like torch's fused kernel and the two-pass write-back."""
+    from lightning_chunk.engine import host_adam
+
+    monkeypatch.setattr(host_adam, "NATIVE", native)
     runs = {}
     for kernel in ("fused", "one_pass"):
         strategy = ChunkOffloadStrategy(placement="host", chunk_numel=40000, optimizer_kernel=kernel)
