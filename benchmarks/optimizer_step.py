@@ -162,7 +162,8 @@ def make_floor(numel: int) -> tuple[Callable[[], None], Callable[[], None], str]
                 f"28 B/parameter at the best streaming bandwidth ({best / 1e9:.1f} GB/s)")
 
 
-NAMES = ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours+bf16-2pass", "torch-fused", "torch-foreach", "deepspeed")
+NAMES = ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours+bf16-2pass", "torch-fused",
+         "torch-foreach", "deepspeed")
 
 
 def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] = None) -> dict:

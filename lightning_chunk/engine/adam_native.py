@@ -106,6 +106,7 @@ void dispatch(float* p, const float* g, float* m, float* v, Low* low, int64_t n,
 }
 }  // namespace
 
+// returns the vector width it was built for
 extern "C" int lc_adam_one_pass(float* p, const float* g, float* m, float* v, void* low, int low_is_half,
                                 int64_t n, const float* scalars, int wd, int maximize, int small) {
   if (low_is_half) dispatch(p, g, m, v, static_cast<at::Half*>(low), n, scalars, wd, maximize, small);
@@ -117,11 +118,9 @@ extern "C" int lc_adam_one_pass(float* p, const float* g, float* m, float* v, vo
 MODES = {"none": 0, "decoupled": 1, "coupled": 2}
 LOW_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
-_fn: Optional[Callable[..., int]] = None
+_kernel: Optional["NativeKernel"] = None
 _why_not: Optional[str] = None  # why this process has no native kernel
-
-
-_isa: Optional[bool] = None
+_isa: Optional[bool] = None  # whether inductor found a vector ISA (``vector_isa``)
 
 
 def vector_isa() -> bool:
@@ -148,22 +147,23 @@ def _build() -> Callable[..., int]:
 
     lib = CppCodeCache.load(SOURCE)
     fn = lib.lc_adam_one_pass
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_float)] + [ctypes.c_int] * 3
-    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_float)] \
+        + [ctypes.c_int] * 3
+    fn.restype = ctypes.c_int  # the vector width it was built for
     return fn
 
 
 def native_kernel() -> Optional["NativeKernel"]:
     """The native one-pass step, or ``None`` when it cannot run in this process (the reason in ``why_not()``)."""
-    global _fn, _why_not
-    if _fn is None and _why_not is None:
+    global _kernel, _why_not
+    if _kernel is None and _why_not is None:
         try:
             _why_not = _vector_isa()
             if _why_not is None:
-                _fn = _build()
+                _kernel = NativeKernel(_build())
         except Exception as e:  # noqa: BLE001 - no compiler, or an inductor without these internals
             _why_not = f"building it failed: {type(e).__name__}: {e}"
-    return None if _fn is None else NativeKernel(_fn)
+    return _kernel
 
 
 def why_not() -> Optional[str]:

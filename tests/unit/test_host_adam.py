@@ -146,7 +146,8 @@ def test_the_native_loop_equals_torchs_fused_kernel_wherever_its_copy_starts(low
         for step in range(1, 4):
             ref.grad = grad * step
             opt.step()
-            kernel(p, grad * step, m, v, copy[offset:], *kernel.pack(host_adam.adam_scalars(opt.param_groups[0], step, opt)))
+            scalars = host_adam.adam_scalars(opt.param_groups[0], step, opt)
+            kernel(p, grad * step, m, v, copy[offset:], *kernel.pack(scalars))
         body = n - n % 16
         for got, want in [(p, ref.detach()), (m, opt.state[ref]["exp_avg"]), (v, opt.state[ref]["exp_avg_sq"]),
                           (copy[offset:], ref.detach().to(low))]:
@@ -207,7 +208,7 @@ def test_auto_keeps_two_passes_where_inductor_has_no_vector_isa(monkeypatch):
     assert all(run("auto", dtypes=bf16, steps=1)[-1])
     monkeypatch.setattr(adam_native, "_isa", False)
     assert run("auto", dtypes=bf16, steps=1)[-1] == [set()]
-    monkeypatch.setattr(adam_native, "_fn", None)
+    monkeypatch.setattr(adam_native, "_kernel", None)
     monkeypatch.setattr(adam_native, "_why_not", None)
     assert adam_native.native_kernel() is None and "no vector ISA" in adam_native.why_not()
     assert all(run("one_pass", dtypes=bf16, steps=1)[-1])  # the torch.compile kernel
