@@ -138,10 +138,6 @@ def vector_isa() -> bool:
     return _isa
 
 
-def _vector_isa() -> Optional[str]:
-    return None if vector_isa() else "inductor found no vector ISA to build for (its at::vec would be scalar code)"
-
-
 def _build() -> Callable[..., int]:
     from torch._inductor.codecache import CppCodeCache
 
@@ -158,9 +154,10 @@ def native_kernel() -> Optional["NativeKernel"]:
     global _kernel, _why_not
     if _kernel is None and _why_not is None:
         try:
-            _why_not = _vector_isa()
-            if _why_not is None:
+            if vector_isa():
                 _kernel = NativeKernel(_build())
+            else:
+                _why_not = "inductor found no vector ISA to build for (its at::vec would be scalar code)"
         except Exception as e:  # noqa: BLE001 - no compiler, or an inductor without these internals
             _why_not = f"building it failed: {type(e).__name__}: {e}"
     return _kernel
