@@ -5,7 +5,6 @@ start is paid once; failure cases run in children of their own.
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.children import child_env
 from tests.integration.test_disk_tier import o_direct_works
 from tests.weights_files import FORMATS
 
@@ -43,12 +43,10 @@ ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol
 FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight", "host_bf16_one_pass",
         "early_host_bf16_one_pass"}  # bf16 payloads against bf16 autocast too
 WEIGHTS = [f"weights_{fmt}" for fmt in FORMATS]
-DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "PL_GLOBAL_SEED")
 
 
 def run(out: Path, *cases: str, timeout: int) -> tuple[int, str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env = child_env()
     start = time.monotonic()
     r = subprocess.run([sys.executable, str(RUNNER), str(out), *cases], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=timeout)

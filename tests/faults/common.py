@@ -75,7 +75,7 @@ class Zygotes:
         for r in range(world_size):
             e = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_"))}
             e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                     PYTHONPATH=str(ROOT))
+                     PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # as Ranks: one thread a rank
             self.procs.append(subprocess.Popen([sys.executable, str(script), "--zygote"], env=e, cwd=ROOT, text=True,
                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE))
 

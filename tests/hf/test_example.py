@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,8 @@ pytest.importorskip("transformers")
 
 from lightning_chunk.hf import export_hf  # noqa: E402
 from tests.hf.models import ROOT, load_example, save_pretrained  # noqa: E402
-from tests.integration.test_examples import DIST_VARS, rows  # noqa: E402
+from tests.children import child_env  # noqa: E402
+from tests.integration.test_examples import rows  # noqa: E402
 
 MAIN = ROOT / "examples/hf/main.py"
 CONFIGS = ROOT / "examples/hf/configs"
@@ -77,7 +77,7 @@ def test_gpu_configs_run_on_cpu_at_reduced_size(tmp_path, config, kind):
 
 
 def test_two_ranks_config_through_the_script(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env = child_env()
     r = subprocess.run([sys.executable, str(MAIN), "fit", "--config", str(CONFIGS / "cpu_2ranks_opt.yaml"),
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=6", "--trainer.limit_val_batches=2",
                         "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false",

@@ -5,7 +5,6 @@ order than registered, accumulation, a resume mid-run) against DDP."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ pytest.importorskip("transformers")
 
 from lightning_chunk.hf import export_hf  # noqa: E402
 from tests.hf.models import save_pretrained  # noqa: E402
-from tests.integration.test_examples import DIST_VARS  # noqa: E402
+from tests.children import child_env  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("two_ranks.py")
 
@@ -26,7 +25,7 @@ SCRIPT = Path(__file__).with_name("two_ranks.py")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_ranks")
     pre = [save_pretrained(kind, root / f"pre_{kind}") for kind in ("gpt2", "llama")]
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env = child_env()
     r = subprocess.run([sys.executable, str(SCRIPT), str(root / "out"), *map(str, pre)], env=env, capture_output=True,
                        text=True, timeout=600)
     return root, r.stdout + r.stderr

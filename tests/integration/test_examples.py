@@ -2,19 +2,18 @@
 
 import csv
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.children import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "examples/gpt/main.py"
 CONFIGS = ROOT / "examples/gpt/configs"
 SMALL_DATA = ["--data.max_bytes=300000", "--data.train_windows=2000", "--data.val_windows=64"]
-DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "PL_GLOBAL_SEED")
 
 
 def load_example():
@@ -74,7 +73,7 @@ def test_gpu_configs_run_on_cpu_at_reduced_size(tmp_path, config):
 
 
 def test_cpu_2ranks_config_through_the_script(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env = child_env()
     r = subprocess.run([sys.executable, str(MAIN), "fit", "--config", str(CONFIGS / "cpu_2ranks.yaml"),
                         f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=6", "--trainer.limit_val_batches=2",
                         "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false", "--model.depth=2",
