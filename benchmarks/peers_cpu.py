@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, round_ratios, run_or_child,  # noqa: E402
-                     step_timer, train_end_peak)
+                     run_ranks, step_timer, train_end_peak)
 
 
 def _data(args: argparse.Namespace, ranks: int) -> Any:
@@ -193,14 +193,15 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int
     if name in ("fsdp2", "deepspeed"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29517",
                str(Path(__file__).resolve()), *common]
-    else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), *common]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+        log = r.stdout + r.stderr
+    else:  # Lightning's strategies: both ranks started at once, as torchrun does
+        _, log = run_ranks([sys.executable, str(Path(__file__).resolve()), *common], 2, env, timeout=3600)
     ranks = []
     for rank in (0, 1):
         f = Path(f"{out}.rank{rank}")
         if not f.exists():
-            raise RuntimeError(f"{name} failed on rank {rank}:\n{(r.stdout + r.stderr)[-3000:]}")
+            raise RuntimeError(f"{name} failed on rank {rank}:\n{log[-3000:]}")
         ranks.append(json.loads(f.read_text()))
     steady = [t for rk in ranks for t in rk["times"][1:]] or [t for rk in ranks for t in rk["times"]]
     return {"median_s": statistics.median(steady), "min_s": min(steady), "max_s": max(steady),

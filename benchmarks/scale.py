@@ -35,17 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, make_gpt, proc_bytes, run_or_child, train_end_peak  # noqa: E402
+from _common import ROOT, clean_env, make_gpt, proc_bytes, run_or_child, run_ranks, train_end_peak  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from lightning_chunk.engine.config import parse_bytes  # noqa: E402
@@ -130,30 +127,19 @@ def attempt(name: str, depth: int, args: argparse.Namespace, scratch: Path) -> d
     env = clean_env()
     if args.glibc_tunables:
         env["GLIBC_TUNABLES"] = args.glibc_tunables
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     killed: list[int] = []
     watched_peak = [0]
 
-    def watch() -> None:
-        while proc.poll() is None:
-            rss = _group_rss(proc.pid)
-            watched_peak[0] = max([watched_peak[0], *rss])
-            if any(r > host_limit for r in rss):
-                killed.append(max(rss))
-                os.killpg(proc.pid, signal.SIGKILL)
-                return
-            time.sleep(0.05)
+    def over_limit(pgid: int) -> bool:
+        rss = _group_rss(pgid)
+        watched_peak[0] = max([watched_peak[0], *rss])
+        if any(r > host_limit for r in rss):
+            killed.append(max(rss))
+            return True
+        return False
 
     t0 = time.perf_counter()
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    log, _ = proc.communicate(timeout=3600)
-    watcher.join()
-    try:  # the launcher's rank processes can outlive a failed rank 0
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    code, log = run_ranks(cmd, args.ranks, env, timeout=3600, watch=over_limit)
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(args.ranks) if Path(f"{out}.rank{r}").exists()]
     res = {"depth": depth, "seconds": time.perf_counter() - t0, "params": ranks[0]["params"] if ranks else None,
            "peak_rss": [r["peak_rss"] for r in ranks] or [watched_peak[0]],
@@ -164,7 +150,7 @@ def attempt(name: str, depth: int, args: argparse.Namespace, scratch: Path) -> d
         res["why"] = f"resident memory reached {killed[0] / 2**30:.2f} GiB > host limit"
     elif len(ranks) < args.ranks or any(r["steps"] < args.steps for r in ranks):
         tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        res["why"] = f"failed (exit {proc.returncode}): {tail[0][:200]}"
+        res["why"] = f"failed (exit {code}): {tail[0][:200]}"
     elif max(res["peak_rss"]) > host_limit:
         res["why"] = f"peak resident memory {max(res['peak_rss']) / 2**30:.2f} GiB > host limit"
     elif args.accelerator == "cuda" and device_limit and max(res["peak_device"]) > device_limit:

@@ -3,8 +3,8 @@
     python benchmarks/step_overhead.py                          # ~10M-parameter GPT, 3 interleaved repeats
     python benchmarks/step_overhead.py --width 64 --depth 2 --steps 6 --repeats 1 --out /tmp/s.json   # seconds
 
-Contenders, each a fresh ``Trainer.fit`` in its own child process (two-rank ones through Lightning's
-launcher), repeats run in a shuffled order:
+Contenders, each a fresh ``Trainer.fit`` in its own child process (two-rank ones with both ranks started at
+once, as torchrun starts them: ``run_ranks``), repeats run in a shuffled order:
 
 - 1 rank: ``auto`` (plain Lightning); ``chunk resident`` (``placement="device"``: everything on the
   device tier); ``chunk half offloaded`` (``placement="static", offload_fraction=0.5``: half the
@@ -32,15 +32,14 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, clean_env, gpt_parser, make_gpt, median_interval, round_ratios, run_or_child,  # noqa: E402
-                     step_timer)
+from _common import (clean_env, gpt_parser, make_gpt, median_interval, round_ratios, run_or_child,  # noqa: E402
+                     run_ranks, step_timer)
 
 CONTENDERS = {  # name -> (devices, strategy spec)
     "auto": (1, "auto"),
@@ -111,9 +110,9 @@ def run_child(name: str, args: argparse.Namespace, out: Path) -> dict:
         cmd += [f"--{k}", str(getattr(args, k))]
     if name == "in-process":
         cmd += ["--in-process", str(args.in_process), "--skip", str(args.skip)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    _, log = run_ranks(cmd, 1 if name == "in-process" else CONTENDERS[name][0], env, timeout=1800)
     if not out.exists():
-        raise RuntimeError(f"{name} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+        raise RuntimeError(f"{name} failed:\n{log[-3000:]}")
     return json.loads(out.read_text())
 
 
