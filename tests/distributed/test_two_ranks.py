@@ -5,20 +5,17 @@ start is paid once; failure cases run in children of their own.
 """
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.children import child_env
+from tests.faults.common import Ranks
 from tests.integration.test_disk_tier import o_direct_works
 from tests.weights_files import FORMATS
 
 RUNNER = Path(__file__).with_name("runner.py")
-ROOT = Path(__file__).resolve().parents[2]
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
           "host_checked_each", "host_kept", "host_kept_limit", "host_released_limit", "host_kept_waiting", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
           "reordered_bf16", "reordered_bf16_tight", "host_bf16_one_pass", "early_host_bf16_one_pass", "checkpointed", "checkpointed_host", "checkpointed_limit",
@@ -46,11 +43,14 @@ WEIGHTS = [f"weights_{fmt}" for fmt in FORMATS]
 
 
 def run(out: Path, *cases: str, timeout: int) -> tuple[int, str, float]:
-    env = child_env()
+    """The runner's two ranks started at once, as torchrun starts them (``Ranks``): under Lightning's launcher the
+    second rank would start importing torch and Lightning (about 5 s) only when the first reaches ``fit``.
+    ``(return code, both ranks' output, seconds)``: the first non-zero code of a rank (-9 for one killed at
+    ``timeout``)."""
     start = time.monotonic()
-    r = subprocess.run([sys.executable, str(RUNNER), str(out), *cases], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout)
-    return r.returncode, r.stdout + r.stderr, time.monotonic() - start
+    ranks = Ranks(RUNNER, out, *cases).wait(timeout=timeout)
+    rc = next((-9 if code is None else code for code, *_ in ranks if code != 0), 0)
+    return rc, "".join(so + se for _, so, se, _ in ranks), time.monotonic() - start
 
 
 def test_the_time_breakdown_names_each_rank_s_waits(parity_run):

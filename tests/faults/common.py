@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+from tests.children import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,7 @@ class Ranks:
         self.out, self.procs, self.files = out, [], []
         out.mkdir(parents=True, exist_ok=True)
         for r in range(world_size):
-            e = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_"))}
+            e = child_env()
             e.update(RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0", WORLD_SIZE=str(world_size),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT),
                      OMP_NUM_THREADS="1")  # as torchrun sets it: spinning thread pools of 2 ranks on 2 cores cost 3x
@@ -73,7 +74,7 @@ class Zygotes:
     def __init__(self, script: Path, world_size: int = 2) -> None:
         self.procs = []
         for r in range(world_size):
-            e = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_"))}
+            e = child_env()
             e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                      PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # as Ranks: one thread a rank
             self.procs.append(subprocess.Popen([sys.executable, str(script), "--zygote"], env=e, cwd=ROOT, text=True,

@@ -5,8 +5,6 @@ order than registered, accumulation, a resume mid-run) against DDP."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ pytest.importorskip("transformers")
 
 from lightning_chunk.hf import export_hf  # noqa: E402
 from tests.hf.models import save_pretrained  # noqa: E402
-from tests.children import child_env  # noqa: E402
+from tests.faults.common import Ranks  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("two_ranks.py")
 
@@ -25,10 +23,8 @@ SCRIPT = Path(__file__).with_name("two_ranks.py")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_ranks")
     pre = [save_pretrained(kind, root / f"pre_{kind}") for kind in ("gpt2", "llama")]
-    env = child_env()
-    r = subprocess.run([sys.executable, str(SCRIPT), str(root / "out"), *map(str, pre)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    return root, r.stdout + r.stderr
+    ranks = Ranks(SCRIPT, root / "out", *map(str, pre)).wait(timeout=600)  # both ranks at once, as torchrun
+    return root, "".join(so + se for _, so, se, _ in ranks)
 
 
 def test_gpt2_from_save_pretrained_on_two_ranks_is_bit_exact_with_ddp_and_exports(run):
