@@ -267,9 +267,18 @@ class ChunkOffloadStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
+        # [Note: every rank's thread count]
+        # The launcher starts the other ranks only where the cluster environment does not (the launcher checks), and in
+        # every rank it gives torch its share of the cores (``cores // ranks`` threads) unless ``OMP_NUM_THREADS`` says
+        # otherwise. So it is made in every rank, as DDPStrategy makes it, not only where it starts processes, as
+        # FSDPStrategy does: there a rank the launcher started (its environment copied before the launcher set the
+        # variable in rank 0) kept torch's default, every core. On two CPU ranks that put three threads on two cores
+        # where DDP's ranks had one each (2026-11-27, a small model, 24 steps of two micro-batches: rank 1's fit 2.08 to
+        # 2.26 s with two threads against 1.51 to 1.79 s with one, three alternated pairs); on a GPU node of 8 ranks,
+        # the host Adam of 7 of them would spread over every core at once. Ranks started by torchrun
+        # (``OMP_NUM_THREADS=1``) or SLURM are given what DDP's are.
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

@@ -35,6 +35,34 @@ def test_presets_are_registered_with_their_placements():
     lightning_chunk.ChunkOffloadStrategy.register_strategies(StrategyRegistry)  # importing twice is harmless
 
 
+@pytest.mark.parametrize("started_by", ["the launcher", "rank 0's launcher", "torchrun"])
+def test_every_rank_gets_the_launcher_s_thread_count_as_ddp_s_ranks_do(monkeypatch, started_by):
+    """[Note: every rank's thread count]: a rank that rank 0's launcher started (its environment has ``LOCAL_RANK`` and no
+    ``OMP_NUM_THREADS``) gets ``cores // ranks`` threads, as DDP's ranks do, not torch's default of every core; where
+    the starter set ``OMP_NUM_THREADS`` (torchrun: 1, read by torch as the process starts) the count is left alone."""
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+
+    if started_by != "the launcher":
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        monkeypatch.setenv("NODE_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    spawned = []
+    monkeypatch.setattr("lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher."
+                        "_call_children_scripts", lambda self: spawned.append(True))
+    threads, default = torch.get_num_threads(), max(2, torch.get_num_threads())
+    try:
+        for strategy in (ChunkOffloadStrategy(), "ddp"):
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # each rank starts with what its starter set
+            if started_by == "torchrun":
+                monkeypatch.setenv("OMP_NUM_THREADS", "1")
+            torch.set_num_threads(default)  # torch's count where nothing set it: every core
+            got = trainer(strategy=strategy, devices=2).strategy.launcher.launch(torch.get_num_threads)
+            assert got == (default if started_by == "torchrun" else _suggested_max_num_threads(2)), strategy
+    finally:
+        torch.set_num_threads(threads)
+    assert len(spawned) == (2 if started_by == "the launcher" else 0)  # only rank 0's launcher starts the others
+
+
 @pytest.mark.parametrize("precision", ["16-true", "64-true"])
 def test_unsupported_precisions_are_refused_with_a_reason(precision):
     with pytest.raises(ValueError, match=f"precision='{precision}' is not supported by chunk_offload"):
