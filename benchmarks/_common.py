@@ -32,7 +32,9 @@ def run_ranks(cmd: list[str], ranks: int, env: dict[str, str], timeout: float,
     variables Lightning's launcher reads, as torchrun and SLURM start ranks: ``(return code, output)``, the first
     non-zero code of a rank if any. Left to Lightning's launcher, the second rank starts importing torch and
     Lightning only when the first reaches ``fit`` (5 s of imports here), so every two-rank run paid that twice;
-    what a child measures (its steps) is the same, each rank still given one thread a core by the launcher.
+    what a child measures (its steps) is the same. Each rank gets the launcher's thread count, its share of the cores
+    (``OMP_NUM_THREADS``, where the caller did not set it): a strategy whose ranks were started outside it starts no
+    launcher, and torch's default, every core in every rank, would run four threads on two cores.
 
     The ranks share one process group, ended as a whole when a rank fails (as the launcher's observer ends the
     others), at ``timeout``, or when ``watch(pgid)``, asked every 50 ms, says so."""
@@ -41,12 +43,14 @@ def run_ranks(cmd: list[str], ranks: int, env: dict[str, str], timeout: float,
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = str(s.getsockname()[1])
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # Lightning's _suggested_max_num_threads
     logs = [tempfile.TemporaryFile("w+") for _ in range(ranks)]
     procs: list[subprocess.Popen] = []
     for r, log in enumerate(logs):
         group = procs[0].pid if procs else 0  # rank 0 leads a new group, the others join it
-        rank_env = env if ranks == 1 else {**env, "RANK": str(r), "LOCAL_RANK": str(r), "NODE_RANK": "0",
-                                           "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        rank_env = env if ranks == 1 else {"OMP_NUM_THREADS": str(threads), **env, "RANK": str(r), "LOCAL_RANK": str(r),
+                                           "NODE_RANK": "0", "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": port}
         procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                       preexec_fn=lambda g=group: os.setpgid(0, g)))
     pgid, deadline = procs[0].pid, time.monotonic() + timeout
