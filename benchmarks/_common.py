@@ -26,6 +26,12 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in DIST_VARS}
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_ranks(cmd: list[str], ranks: int, env: dict[str, str], timeout: float,
               watch: Optional[Callable[[int], bool]] = None) -> tuple[int, str]:
     """Run ``ranks`` copies of a child that fits with ``devices=ranks``, started at once, each told its rank in the
@@ -38,11 +44,7 @@ def run_ranks(cmd: list[str], ranks: int, env: dict[str, str], timeout: float,
 
     The ranks share one process group, ended as a whole when a rank fails (as the launcher's observer ends the
     others), at ``timeout``, or when ``watch(pgid)``, asked every 50 ms, says so."""
-    port = "0"
-    if ranks > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+    port = str(free_port())
     threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # Lightning's _suggested_max_num_threads
     logs = [tempfile.TemporaryFile("w+") for _ in range(ranks)]
     procs: list[subprocess.Popen] = []
@@ -82,6 +84,22 @@ def load_gpt() -> Any:
 
 def make_gpt(args: argparse.Namespace, **kw: Any) -> Any:
     return load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context, **kw)
+
+
+def param_groups(model: Any) -> list[dict]:
+    """Weight decay on matrices only, as the example GPT's ``configure_optimizers`` does: for the peers' own loops."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def deepspeed_offload_config(batch: int, cuda: bool) -> dict:
+    """DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU (its ZeRO-Offload for ZeRO-3), AdamW as the
+    example GPT's; bf16 and pinned host memory on CUDA, fp32 on CPU."""
+    offload = {"device": "cpu", "pin_memory": cuda}
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": dict(offload)},
+            "bf16": {"enabled": cuda}, "steps_per_print": 10**9}
 
 
 def step_timer(times: list[float]) -> Any:

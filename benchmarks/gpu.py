@@ -15,6 +15,9 @@ Contenders, each a fresh ``Trainer.fit`` of ``--steps`` steps in its own process
 - ``ddp``: plain Lightning on one device (``strategy="auto"``): the reference where the model fits.
 - ``fsdp + cpu offload``: ``FSDPStrategy(cpu_offload=True)`` wrapping each block; needs CUDA (reported
   as skipped otherwise, never faked).
+- ``deepspeed zero-3 offload``: DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU
+  (``DeepSpeedCPUAdam``), bf16 on CUDA, the same GPT, data and activation checkpointing in DeepSpeed's own loop,
+  started by torchrun; skipped where deepspeed is not installed (``pip install --no-build-isolation deepspeed``).
 
 Per contender: median step time after ``--skip`` warm-up steps, tokens/s, model TFLOP/s (6 × parameters
 + 12 × depth × width × context FLOPs a token, the usual count for a decoder, checkpoint recompute not
@@ -25,22 +28,75 @@ credited), and peak allocated device memory. ``--largest`` then runs ``scale.py`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, load_gpt, run_or_child, step_timer  # noqa: E402
+from _common import (ROOT, clean_env, deepspeed_offload_config, free_port, load_gpt, param_groups,  # noqa: E402
+                     run_or_child, step_timer)
 
-CONTENDERS = ("chunk_offload", "chunk_offload default", "ddp", "fsdp + cpu offload")
+CONTENDERS = ("chunk_offload", "chunk_offload default", "ddp", "fsdp + cpu offload", "deepspeed zero-3 offload")
 
 
 def _flops_per_token(params: int, depth: int, width: int, context: int) -> int:
     return 6 * params + 12 * depth * width * context
+
+
+def _model_and_data(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The GPT every contender trains (activation checkpointing on every block) and its token windows."""
+    import lightning as L
+    import torch
+
+    L.seed_everything(0, verbose=False)
+    model = load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 128, 1), context=args.context,
+                           activation_checkpointing=True)
+    return model, torch.randint(0, 256, (args.steps * args.batch, args.context + 1))
+
+
+def _write(args: argparse.Namespace, times: list[float], params: int) -> None:
+    import torch
+
+    peak = torch.cuda.max_memory_allocated() if args.accelerator == "cuda" else 0
+    Path(args.out).write_text(json.dumps({"times": times, "params": params, "peak_device": peak}))
+
+
+def child_deepspeed(args: argparse.Namespace) -> None:
+    """DeepSpeed's own loop, one rank under torchrun: forward, ``engine.backward``, ``engine.step``, timed a step."""
+    import os
+
+    cuda = args.accelerator == "cuda"
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    model, data = _model_and_data(args)
+    params = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=deepspeed_offload_config(args.batch, cuda),
+                                      model_parameters=param_groups(model))
+    times = []
+    for step in range(args.steps):
+        batch = data[step * args.batch:(step + 1) * args.batch].to(engine.device)
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        logits = engine(batch[:, :-1])
+        engine.backward(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    _write(args, times, params)
+    torch.distributed.destroy_process_group()
 
 
 def child(args: argparse.Namespace) -> None:
@@ -63,12 +119,9 @@ def child(args: argparse.Namespace) -> None:
 
         gpt = load_gpt()
         strategy = FSDPStrategy(cpu_offload=True, auto_wrap_policy={gpt.Block})
-    L.seed_everything(0, verbose=False)
-    model = load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 128, 1), context=args.context,
-                           activation_checkpointing=True)
+    model, data = _model_and_data(args)
     params = sum(p.numel() for p in model.parameters())
     times: list[float] = []
-    data = torch.randint(0, 256, (args.steps * args.batch, args.context + 1))
     trainer = L.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, max_steps=args.steps,
                         precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -76,15 +129,19 @@ def child(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.synchronize()
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
-    Path(args.out).write_text(json.dumps({"times": times, "params": params,
-                                          "peak_device": torch.cuda.max_memory_allocated() if cuda else 0}))
+    _write(args, times, params)
 
 
 def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     if name == "fsdp + cpu offload" and args.accelerator != "cuda":
         return {"contender": name, "skipped": "Lightning's FSDP with CPU offload needs CUDA"}
+    deepspeed = name == "deepspeed zero-3 offload"
+    if deepspeed and importlib.util.find_spec("deepspeed") is None:
+        return {"contender": name, "skipped": "deepspeed is not installed"}
     out = scratch / f"{name.replace(' ', '_')}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
+    if deepspeed:  # one rank under torchrun: the environment deepspeed.init_distributed reads
+        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}"]
     for k in ("width", "depth", "context", "batch", "steps", "accelerator", "device_limit"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=3600, cwd=ROOT)
@@ -156,7 +213,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--max-depth", type=int, default=512)
     p.add_argument("--out", default="benchmarks/results/gpu.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    return run_or_child(p.parse_args(argv), {"*": child}, measure, render)
+    return run_or_child(p.parse_args(argv), {"deepspeed zero-3 offload": child_deepspeed, "*": child}, measure,
+                        render)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, round_ratios, run_or_child,  # noqa: E402
-                     run_ranks, step_timer, train_end_peak)
+from _common import (ROOT, clean_env, deepspeed_offload_config, gpt_parser, make_gpt, param_groups,  # noqa: E402
+                     proc_bytes, round_ratios, run_or_child, run_ranks, step_timer, train_end_peak)
 
 
 def _data(args: argparse.Namespace, ranks: int) -> Any:
@@ -107,7 +107,7 @@ def child_fsdp2(args: argparse.Namespace) -> None:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
-    opt = torch.optim.AdamW(_param_groups(model), lr=3e-4, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-4, betas=(0.9, 0.95))
 
     def backward_and_step(loss: Any) -> None:
         loss.backward()
@@ -130,15 +130,8 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = make_gpt(args)
     n_params = sum(p.numel() for p in model.parameters())
-    config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
-                              "offload_optimizer": {"device": "cpu", "pin_memory": False}},
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=_param_groups(model))
+    engine, *_ = deepspeed.initialize(model=model, config=deepspeed_offload_config(args.batch, cuda=False),
+                                      model_parameters=param_groups(model))
 
     def backward_and_step(loss: Any) -> None:
         engine.backward(loss)
@@ -146,12 +139,6 @@ def child_deepspeed(args: argparse.Namespace) -> None:
 
     _report(args, rank, _timed_steps(args, rank, engine, backward_and_step), n_params)
     torch.distributed.destroy_process_group()
-
-
-def _param_groups(model: Any) -> list[dict]:
-    """Weight decay on matrices only, as the example GPT's ``configure_optimizers`` does."""
-    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def _timed_steps(args: argparse.Namespace, rank: int, forward: Any, backward_and_step: Any) -> list[float]:
