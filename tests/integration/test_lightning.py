@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_chunk
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from tests.children import DIST_VARS
 from tests.models import ManualNet, ParityNet, TokenData, token_data
 
 EXACT = dict(rtol=0, atol=0)
@@ -42,6 +43,8 @@ def test_every_rank_gets_the_launcher_s_thread_count_as_ddp_s_ranks_do(monkeypat
     the starter set ``OMP_NUM_THREADS`` (torchrun: 1, read by torch as the process starts) the count is left alone."""
     from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
+    for var in DIST_VARS:  # what an earlier launch in this process left behind
+        monkeypatch.delenv(var, raising=False)
     if started_by != "the launcher":
         monkeypatch.setenv("LOCAL_RANK", "1")
         monkeypatch.setenv("NODE_RANK", "0")
