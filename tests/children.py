@@ -1,5 +1,6 @@
-"""The environment of a child process that starts its own ranks (through Lightning's launcher, as a user runs a
-script with ``devices=2``).
+"""The environment of a child process a test starts: one that starts its own ranks through Lightning's launcher (as
+a user runs a script with ``devices=2``), and the base of ``Ranks``' and ``Zygotes``' ranks (tests/faults/common.py),
+which then set their rank variables and one thread each.
 
 [Note: a child's thread count]
 Lightning's launchers give each rank ``cores // ranks`` threads only where ``OMP_NUM_THREADS`` is unset
