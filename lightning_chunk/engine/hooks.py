@@ -59,32 +59,41 @@ the step's outputs as the root's outputs for backward.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import sys
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .config import format_bytes
 from .errors import ChunkError, DeviceMemoryLimitError
 from .full_params import state_dict_hooks
 from .grad_graph import GradGraphKeeper
 from .leaves import LeafModules
+from .reads import __file__ as reads_file
+from .reads import reading, unwatch, unwatched, watch
 from .chunk import Tier
 from .chunk import nbytes as tensor_nbytes
 from .manager import ChunkManager
 from .placement import PlacementPolicy, activation_room
 from .sequence import GRADIENTS, ModuleSequence
 from .states import TensorState
-from .tracer import BACKWARD, FORWARD, POST_FORWARD, MemoryTracer, MomentEvent, Trace
+from .tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentEvent, Trace
 
 S = TensorState
 _eager = torch.compiler.disable  # see [Note: hooks under torch.compile]
+_log = logging.getLogger(__name__)
+# frames that hold a module as ``self`` without being its code: attribute look-ups, iteration, the read itself
+_NOT_READERS = frozenset({torch.nn.modules.module.__file__, __file__, reads_file})
+_DYNAMO = f"{os.sep}torch{os.sep}_dynamo{os.sep}"
 
 
 def _in_backward() -> bool:
     """Whether autograd is running a backward on this thread: a forward then is a recomputation."""
     return torch._C._current_graph_task_id() != -1
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
-ROOT = "<root>"
 # disk chunks whose master files a CPU gather reads ahead of use ([Note: the gathers' reads ahead of use] in disk_storage.py)
 READ_AHEAD_CHUNKS = 4
 
@@ -128,6 +137,10 @@ class ChunkHooks:
         self.closed: Optional[str] = None
         # parameters a backward with create_graph=True used, kept for the graph it built ([Note: double backward])
         self.grad_graph = GradGraphKeeper(manager)
+        self._modules: dict[str, torch.nn.Module] = {}  # module key -> module (not those inside a leaf)
+        self._key_of: dict[int, str] = {}  # id(module) -> its key; inside a leaf, the leaf's
+        self.owners_changed = False  # a module adopted a parameter it read: the trace must be taken again
+        self._held: set[int] = set()  # parameters read by iteration in this micro-batch, in use to its backward's end
         self._learn_owners()
 
     # ============================================================ installation
@@ -142,13 +155,16 @@ class ChunkHooks:
         for name, mod in self.module.named_modules():
             if id(mod) in inside_leaf:
                 continue  # a leaf above gathers its parameters
-            leaf = mod is not self.module and is_leaf(mod)
+            key = name or ROOT
+            self._modules[key] = mod
+            self._key_of[id(mod)] = key
+            leaf = is_leaf(mod)  # the root too: it then owns every parameter, gathered for the whole step
             if leaf:
                 inside_leaf.update(id(m) for m in mod.modules() if m is not mod)
+                self._key_of.update((id(m), key) for m in mod.modules())
             own = tuple(dict.fromkeys(index_of[id(p)] for p in mod.parameters(recurse=leaf) if id(p) in index_of))
             if not own:
                 continue
-            key = name or ROOT
             self._owned[key] = own
             self._key_index[key] = len(self._key_index)
             self._pre_backward[key] = self._make_pre_backward(key)  # the root's too: step_scope hooks its outputs
@@ -166,14 +182,10 @@ class ChunkHooks:
         return self._owned
 
     def install(self) -> None:
-        for name, mod in self.module.named_modules():
-            key = name or ROOT
-            if key not in self._owned or mod is self.module:
-                continue  # owns no parameter; or the root, which step_scope handles
-            self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key, mod)))
-            self._handles.append(mod.register_forward_hook(self._make_post_forward(key, mod), with_kwargs=True,
-                                                           always_call=True))
+        for key in self._owned:
+            self._hook_forward(key)
         self._handles += state_dict_hooks(self.module, self.manager, lambda: self.closed is not None)
+        watch(self.module)  # [Note: parameters read outside their owner] in reads.py
         self.watch_grads()
         keys = list(self._key_index)
 
@@ -187,6 +199,14 @@ class ChunkHooks:
             return f"chunk {chunk}" + (f" (parameters of {', '.join(map(repr, owners[:3]))}{more})" if owners else "")
 
         self.manager.comm.names = name
+
+    def _hook_forward(self, key: str) -> None:
+        mod = self._modules[key]
+        if mod is self.module:
+            return  # the root: step_scope is its forward
+        self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key, mod)))
+        self._handles.append(mod.register_forward_hook(self._make_post_forward(key, mod), with_kwargs=True,
+                                                       always_call=True))
 
     def watch_grads(self) -> None:
         """Hook every trainable parameter's gradient (once each): at install, and after parameters were unfrozen
@@ -229,6 +249,7 @@ class ChunkHooks:
             mgr.release(c, waiting_grads=True)
 
     def remove(self) -> None:
+        unwatch(self.module)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -361,7 +382,7 @@ class ChunkHooks:
                 + (f", {grads} bytes of gradients wait to be reduced" if grads else "")
                 + f" and {missing} more bytes must be gathered"
                 + (f", next to {nonmodel} bytes of traced activations" if nonmodel else "")
-                + f". The smallest limit that would work is {shards + pinned + grads + missing + nonmodel} bytes"
+                + f". The smallest limit that would work is {format_bytes(shards + pinned + grads + missing + nonmodel)}"
                 + ("" if self.trace is not None else " plus the activations, which the warm-up step measures")
                 + ("; or lower chunk_numel." if self.policy.config.chunk_numel is not None else ".")
             ) from None
@@ -402,14 +423,78 @@ class ChunkHooks:
         self._tick(POST_FORWARD, key)
         new = S.HOLD_AFTER_FWD if torch.is_grad_enabled() else S.HOLD
         keep = self._pinned_by_backward.pop(key, frozenset())
+        held = self._held
         for i in self._owned.get(key, ()):
             chunk, info = self.manager.lookup(self.manager.params[i])
-            if info.state is S.COMPUTE and i not in keep:
+            if info.state is S.COMPUTE and i not in keep and i not in held:
                 chunk.set_state(info, new)
         if self.policy.evict_after_use:
             self._plan_and_run(())
         if before is not None:
             self._record(POST_FORWARD, key, (), before)
+
+    def _read(self, param: torch.Tensor, by_attribute: bool) -> None:
+        """A parameter was read during a step's forward: one no module has in use is adopted by the innermost
+        running module (read by attribute) or held to the end of this micro-batch's backward (read by iteration)
+        ([Note: parameters read outside their owner] in reads.py)."""
+        mgr = self.manager
+        i = mgr.index_of.get(id(param))
+        if i is None:
+            return
+        chunk, info = mgr.lookup(param)
+        if info.state is S.COMPUTE or not (info.state in _USABLE or info.state is S.FREE):
+            return
+        with unwatched(), mgr.clock.measure("hooks"):
+            key = self._reader()
+            if key is None:
+                return
+            if by_attribute:
+                self._adopt(key, i)
+            else:
+                self._held.add(i)
+            if chunk.is_resident:
+                mgr.wait_ready(chunk)
+            else:
+                self._gather_or_explain(chunk.chunk_id, (*self._chunks_of.get(key, ()), chunk.chunk_id))
+            chunk.set_state(info, S.COMPUTE)
+
+    def _let_go_of_held(self) -> None:
+        """Parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's,
+        whose backward never came) are free to go."""
+        mgr = self.manager
+        for i in self._held:
+            chunk, info = mgr.lookup(mgr.params[i])
+            if info.state is S.COMPUTE:
+                chunk.set_state(info, S.HOLD)
+        self._held.clear()
+
+    def _reader(self) -> Optional[str]:
+        """The key of the innermost module of the model whose code runs now (the root outside every other); ``None``
+        while dynamo traces the code (it reads every parameter to make them graph inputs)."""
+        f: Any = sys._getframe(2)
+        while f is not None:
+            if _DYNAMO in f.f_code.co_filename:
+                return None
+            if f.f_code.co_filename not in _NOT_READERS:
+                key = self._key_of.get(id(f.f_locals.get("self")))
+                if key is not None:
+                    return key
+            f = f.f_back
+        return ROOT
+
+    def _adopt(self, key: str, index: int) -> None:
+        """``key``'s module owns parameter ``index`` from now on, beside the module that holds it."""
+        mgr = self.manager
+        if key not in self._owned:  # hooked from its next call on; this call keeps the parameter in use to its end
+            self._key_index[key] = len(self._key_index)
+            self._pre_backward[key] = self._make_pre_backward(key)
+            self._post_backward[key] = self._make_post_backward(key)
+            self._hook_forward(key)
+        own = self._owned[key] = (*self._owned.get(key, ()), index)
+        self._chunks_of[key] = mgr.chunk_ids_of([mgr.params[j] for j in own])
+        self.owners_changed = True
+        _log.info("parameter %r is read by %s outside the module that holds it: gathered with it from now on",
+                  mgr.lookup(mgr.params[index])[1].name, "the root module" if key == ROOT else f"module {key!r}")
 
     def _plan_is_empty(self, all_resident: bool, trace: Optional[Trace], budget: Optional[int]) -> bool:
         """Whether the plan at this moment would release nothing and gather nothing, known from the moment before.
@@ -520,7 +605,7 @@ class ChunkHooks:
                     return  # another call of the module still has its backward ahead
                 params = self.manager.params
                 for i in self._owned.get(key, ()):
-                    if not params[i].requires_grad:
+                    if not params[i].requires_grad and i not in self._held:
                         chunk, info = self.manager.lookup(params[i])
                         if info.state is S.COMPUTE:
                             chunk.set_state(info, S.HOLD_AFTER_BWD)
@@ -614,6 +699,7 @@ class ChunkHooks:
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.grad_graph.reset()  # a graph built by a backward with create_graph=True that no backward consumed
+        self._let_go_of_held()
         self.manager.reset_states()
         self._sequence.clear()
         self._open_backward.clear()
@@ -634,7 +720,7 @@ class ChunkHooks:
             if ROOT in self._owned:
                 self._hook_outputs(ROOT, out)
 
-        with counting:
+        with counting, reading(self._read):
             yield outputs
         if ROOT in self._owned:
             if training and torch.is_grad_enabled() and not registered:

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 FORWARD, POST_FORWARD, BACKWARD = "fwd", "post_fwd", "bwd"
+ROOT = "<root>"  # the module key of the root module, whose moments are its step's start and its backward's start
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,12 @@ class Trace:
             if any(c not in resident for c in m.chunk_ids):
                 break
         return frozenset(used)
+
+    @functools.cached_property
+    def root_chunks(self) -> frozenset[int]:
+        """Chunks of the root module's parameters (its own, or those it reads): in use for the whole forward, and
+        from the start of backward until their gradients land."""
+        return frozenset(c for m in self.moments if m.module == ROOT for c in m.chunk_ids)
 
     def backward_completion_order(self) -> list[int]:
         """Chunk ids by the position of their last backward moment: the order backward finishes them."""
