@@ -1,6 +1,6 @@
 """The ``lightning-chunk`` console command (also ``python -m lightning_chunk``).
 
-    lightning-chunk consolidate CKPT_DIR OUT [--with-optimizer] [--no-progress]
+    lightning-chunk consolidate CKPT_DIR OUT [--with-optimizer] [--no-progress] [--force]
     lightning-chunk consolidate --format hf CKPT_DIR OUT_DIR [--config DIR] [--dtype bfloat16] [--max-shard-size 5GB]
     lightning-chunk plan MODEL [--data DATA] [--config YAML] [--device-memory-limit BYTES] ...
     lightning-chunk plan MODEL --shapes-only --ranks 8 --init-args '{"width": 4096, "depth": 32}' ...
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", help="hf: float32, bfloat16 or float16 (default: the parameters' dtype)")
     c.add_argument("--max-shard-size", default="5GB", help="hf: the largest safetensors file (default 5GB)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--force", action="store_true",
+                   help="replace an existing output (once the new one is complete); refused without it")
     p = sub.add_parser("plan", help="before training: chunks, bytes per tier and the device peak under a limit",
                        description="Run one throwaway warm-up step on one batch and report the chunk layout, the "
                                    "bytes per tier, and the estimated device peak. Exits 1 when it does not fit.")
@@ -75,7 +77,7 @@ def _consolidate(args: argparse.Namespace) -> object:
         if extra:
             raise ValueError(f"{', '.join(extra)} apply to --format hf only.")
         return consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer, progress=not args.no_progress,
-                           ema=args.ema)
+                           ema=args.ema, force=args.force)
     if args.with_optimizer:
         raise ValueError("--with-optimizer applies to --format lightning only: a save_pretrained directory holds weights.")
     try:
@@ -84,7 +86,7 @@ def _consolidate(args: argparse.Namespace) -> object:
     except ImportError:
         raise ValueError("--format hf needs transformers: pip install 'lightning_chunk[hf]'.") from None
     return export_hf(args.checkpoint, args.out, config=args.config, dtype=args.dtype,
-                     max_shard_size=args.max_shard_size, progress=not args.no_progress, ema=args.ema)
+                     max_shard_size=args.max_shard_size, progress=not args.no_progress, ema=args.ema, force=args.force)
 
 
 def _plan(args: argparse.Namespace) -> int:

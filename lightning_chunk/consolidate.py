@@ -14,6 +14,7 @@ from typing import Any, Union
 
 import torch
 
+from .engine.atomic import replace_dir
 from .engine.checkpoint import (KEY, CheckpointError, _load_chunk, check_checkpoint_dir, iter_saved_chunks, read_meta,
                                 weights_key)
 from .engine.host_heap import release_freed_memory
@@ -24,19 +25,20 @@ OPTIMIZERS_KEY = "optimizer_states"  # and the optimizers', one plain optimizer 
 
 
 def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer: bool = False,
-                progress: bool = True, ema: bool = False) -> Path:
+                progress: bool = True, ema: bool = False, force: bool = False) -> Path:
     """Write ``out``: one plain Lightning checkpoint whose ``state_dict`` ``model.load_state_dict`` accepts.
 
     Streams chunk by chunk (``StreamingTorchFile``), so peak memory stays near one saved chunk however
     large the model. With ``with_optimizer`` the optimizer state goes in too, in the plain
     per-parameter format, so ``Trainer(strategy="auto").fit(ckpt_path=out)`` continues from it.
     Nothing in ``path`` is modified; ``out`` appears only once complete. With ``ema`` the ``state_dict`` holds the
-    weights ``ChunkEMA`` averaged, where Lightning's ``WeightAveraging`` puts them in its checkpoints.
+    weights ``ChunkEMA`` averaged, where Lightning's ``WeightAveraging`` puts them in its checkpoints. An existing
+    ``out`` is refused unless ``force``, and then replaced only once the new file is complete.
     """
     path = check_checkpoint_dir(path)
     meta = read_meta(path)
     ck = meta[KEY]
-    out = check_output(path, out)
+    out = check_output(path, out, force=force)
     if with_optimizer and not ck["optimizers"]:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no optimizer state (saved with weights only).")
     key_of = weights_key(meta, path, ema=ema)
@@ -94,17 +96,22 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, out)
+    replace_dir(tmp, out) if out.is_dir() else os.replace(tmp, out)
     return out
 
 
-def check_output(checkpoint: Path, out: Union[str, Path]) -> Path:
-    """``out`` as a path a consolidation may write: outside the checkpoint, in a folder that exists."""
+def check_output(checkpoint: Path, out: Union[str, Path], *, force: bool = False) -> Path:
+    """``out`` as a path a consolidation may write: outside the checkpoint, in a folder that exists, and new unless
+    ``force`` (an empty directory counts as new)."""
     out = Path(out)
     if out.resolve().is_relative_to(checkpoint.resolve()):
         raise CheckpointError(f"output {str(out)!r} is inside the checkpoint {str(checkpoint)!r}; write it elsewhere.")
     if not out.parent.is_dir():
         raise CheckpointError(f"the folder of the output {str(out)!r} does not exist.")
+    empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    if os.path.lexists(out) and not empty_dir and not force:
+        raise CheckpointError(f"output {str(out)!r} exists; name a new one, or pass --force (force=True) to replace "
+                              "it once the new one is complete.")
     return out
 
 

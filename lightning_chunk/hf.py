@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .consolidate import _progress, check_output
-from .engine.atomic import remove_dir
+from .engine.atomic import remove_dir, replace_dir
 from .engine.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta, weights_key
 from .engine.config import parse_bytes
 from .engine.safetensors_file import StreamingSafetensors
@@ -197,8 +197,9 @@ def _match(ck: dict[str, Any], keep: dict[str, tuple[int, ...]], known: set[str]
 
 def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config: Any = None,
               dtype: Optional[Union[str, torch.dtype]] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
-              progress: bool = True, ema: bool = False) -> Path:
-    """Write ``out_dir`` as ``save_pretrained`` would, from a sharded ``lightning-chunk`` checkpoint.
+              progress: bool = True, ema: bool = False, force: bool = False) -> Path:
+    """Write ``out_dir`` as ``save_pretrained`` would, from a sharded ``lightning-chunk`` checkpoint. An existing
+    non-empty ``out_dir`` is refused unless ``force``, and then replaced only once the new one is complete.
 
     [Note: exporting to save_pretrained's layout] The config (``config``, or the checkpoint's ``hf_config``) is
     built into its model on the meta device, which gives the names ``save_pretrained`` writes: the state dict
@@ -213,9 +214,7 @@ def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config
     path = Path(checkpoint)
     meta = read_meta(path)
     ck = meta[KEY]
-    out = check_output(path, out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"output {str(out)!r} exists and is not an empty directory; name a new one.")
+    out = check_output(path, out_dir, force=force)
     max_shard_bytes = parse_bytes(max_shard_size, field="max_shard_size")
     assert max_shard_bytes is not None
     cfg = _config(config, meta, path)
@@ -262,9 +261,7 @@ def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        out.rmdir()  # empty (checked above): rename(2) needs it gone or empty
-    os.replace(tmp, out)
+    replace_dir(tmp, out)  # an empty directory, or (force) whatever was there, replaced once the new one is complete
     return out
 
 

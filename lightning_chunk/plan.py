@@ -27,22 +27,26 @@ import torch
 import yaml
 
 from .engine.chunk import Tier
+from .engine.config import human_bytes
 from .engine.materialize import DeferredInit
 from .engine.runtime import ChunkEngine, ShapePlan
 from .engine.simulate import simulate_step
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
 
-MiB = 2**20
 
 
 def load_class(spec: str) -> type:
-    """``package.module.Class`` or ``path/to/file.py:Class``."""
+    """``package.module.Class``, ``package.module:Class`` or ``path/to/file.py:Class`` (relative to the current
+    folder)."""
     if ":" in spec:
         file, name = spec.rsplit(":", 1)
         path = Path(file)
         if not path.is_file():
-            raise ValueError(f"{spec!r}: {file!r} is not a file.")
+            if file.endswith(".py") or "/" in file or "\\" in file:
+                raise ValueError(f"{spec!r}: {file!r} is not a file (a path is taken from the current folder, "
+                                 f"{str(Path.cwd())!r}).")
+            return load_class(f"{file}.{name}")  # package.module:Class
         mod_name = f"_lightning_chunk_plan_{path.stem}"
         module = sys.modules.get(mod_name)
         if module is None:
@@ -54,8 +58,13 @@ def load_class(spec: str) -> type:
     else:
         mod_path, _, name = spec.rpartition(".")
         if not mod_path:
-            raise ValueError(f"{spec!r} is not a class path: use package.module.Class or file.py:Class.")
-        module = importlib.import_module(mod_path)
+            raise ValueError(f"{spec!r} is not a class path: use package.module.Class, package.module:Class or "
+                             "path/to/file.py:Class.")
+        try:
+            module = importlib.import_module(mod_path)
+        except ImportError as e:
+            raise ValueError(f"{spec!r}: cannot import {mod_path!r} ({e}); give an importable package.module, or "
+                             "path/to/file.py:Class.") from None
     try:
         return getattr(module, name)
     except AttributeError:
@@ -88,13 +97,13 @@ class PlanReport:
         return self.limit is None or self.estimated_total_peak_bytes <= self.limit
 
     def render(self) -> str:
-        m = lambda b: f"{b / MiB:,.1f} MiB"  # noqa: E731
+        m = human_bytes
         limit = "none" if self.limit is None else m(self.limit)
         verdict = "fits" if self.fits else "does NOT fit"
         return "\n".join([
             f"model               {self.model}: {self.param_numel:,} parameters, precision {self.precision}",
-            f"chunks              {self.chunks} of {self.chunk_numel:,} elements (largest payload "
-            f"{m(self.payload_bytes_max)}; {self.padding_numel:,} elements of padding)",
+            f"chunks              {_chunk_line(self.chunks, self.chunk_numel, self.param_numel, self.padding_numel)} "
+            f"(largest payload {m(self.payload_bytes_max)})",
             f"placement           {self.placement}: {self.device_shards} of {self.chunks} shards on the device",
             f"device tier         {m(self.device_shard_bytes)} of shards (masters, gradients, optimizer state)",
             f"host tier           {m(self.host_bytes)}"
@@ -165,7 +174,7 @@ class ShapePlanReport:
         return p.limit is None or p.need_before_activations + p.shard_bytes(Tier.DEVICE) <= p.limit
 
     def render(self) -> str:
-        g = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
+        g = human_bytes
         p = self.plan
         ideal = p.param_numel * 16 / self.ranks
         host_total = _host_memory()
@@ -173,8 +182,7 @@ class ShapePlanReport:
         return "\n".join([
             f"model               {self.model}: {p.param_numel:,} parameters, precision {self.precision}; planned for "
             f"{self.ranks} rank(s) from shapes alone (nothing built)",
-            f"chunks              {len(p.layout.chunks)} of {p.layout.capacity_numel:,} elements "
-            f"({p.layout.padding_numel:,} elements of padding)",
+            f"chunks              {_chunk_line(len(p.layout.chunks), p.layout.capacity_numel, p.param_numel, p.layout.padding_numel)}",
             f"shards a rank       {g(p.shard_bytes())} (masters, compute copies, gradients, optimizer state; "
             f"16 bytes a parameter over {self.ranks} rank(s) would be {g(ideal)})",
             f"placement           {self.placement}, before the warm-up: {g(p.shard_bytes(Tier.DEVICE))} on the device, "
@@ -186,6 +194,12 @@ class ShapePlanReport:
             + (" and a gradient payload" if self.ranks > 1 else "") + ", plus activations (not estimated)",
             f"device_memory_limit {limit}: " + ("fits before activations" if self.fits else "does NOT fit"),
         ])
+
+
+def _chunk_line(chunks: int, capacity: int, params: int, padding: int) -> str:
+    """The layout in numbers that add up: the last chunk of each kind is trimmed to what it holds."""
+    return (f"{chunks} of at most {capacity:,} elements: {params + padding:,} elements = {params:,} parameters + "
+            f"{padding:,} padding")
 
 
 def _host_memory() -> int:
@@ -238,4 +252,13 @@ def plan_from_args(model: str, data: Optional[str], config: Optional[str], init_
     prec = precision or str((cfg.get("trainer") or {}).get("precision") or "32-true")
     if shapes_only:
         return make_shape_plan(load_class(model), margs, sargs, prec, ranks)
-    return make_plan(load_class(model), margs, load_class(data) if data else None, dargs, sargs, prec)
+    model_cls = load_class(model)
+    if data is None and not _has_train_dataloader(model_cls):
+        raise ValueError(f"{model_cls.__name__} defines no train_dataloader, and the dry run needs one batch: give "
+                         "--data with its LightningDataModule (package.module:Class or path/to/file.py:Class), or "
+                         "--shapes-only to plan from the shapes alone.")
+    return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec)
+
+
+def _has_train_dataloader(model_cls: type) -> bool:
+    return getattr(model_cls, "train_dataloader", None) is not getattr(L.LightningModule, "train_dataloader", None)

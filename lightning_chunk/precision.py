@@ -23,10 +23,13 @@ update the scale -> write the low-precision copies back.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Generator, Optional, Union
+import os
+import sys
+from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.optim import Optimizer
@@ -34,8 +37,11 @@ from torch.optim import Optimizer
 import lightning.pytorch as pl
 
 from .engine import ChunkEngine, DtypePolicy
+from .engine.config import OWN_DTYPE_MODULES
+from .engine.reads import reading
 from .engine.scaler import DynamicLossScaler
 
+_GRAD_NORM_FILE = os.path.join("pytorch", "utilities", "grads.py")  # lightning.pytorch.utilities.grad_norm
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 _ALIASES = {"32": "32-true", 32: "32-true", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
 _REFUSED = {
@@ -67,23 +73,33 @@ def normalize_precision(precision: Union[str, int]) -> str:
 
 class ChunkPrecision(Precision):
     def __init__(self, precision: Union[str, int] = "32-true", *, init_scale: float = 2.0**16,
-                 growth_interval: int = 2000) -> None:
+                 growth_interval: int = 2000, full_precision_modules: Sequence[type] = ()) -> None:
+        """``full_precision_modules``: module classes whose parameters compute in their own dtype under mixed
+        precision, beside BatchNorm and InstanceNorm, which always do ([Note: normalisation in mixed precision] in
+        ``engine/config.py``; FSDP's ``MixedPrecision._module_classes_to_ignore``)."""
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        bad = [m for m in full_precision_modules if not (isinstance(m, type) and issubclass(m, torch.nn.Module))]
+        if bad or isinstance(full_precision_modules, (str, type)):
+            raise ValueError(f"full_precision_modules={full_precision_modules!r} is not allowed; it must be a list of "
+                             "torch.nn.Module subclasses.")
+        self.full_precision_modules = tuple(full_precision_modules)
         self.scaler: Optional[DynamicLossScaler] = (
             DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval)
             if self.precision == "16-mixed" else None
         )
         self._engine: Optional[ChunkEngine] = None
         self._device_type = "cpu"
+        self._warned_grad_reads = False
 
     # --------------------------------------------------------------- wiring
     def dtype_policy(self) -> DtypePolicy:
-        return {
-            "32-true": DtypePolicy(),
-            "bf16-mixed": DtypePolicy(torch.bfloat16, torch.float32),
-            "16-mixed": DtypePolicy(torch.float16, torch.float32),
-            "bf16-true": DtypePolicy(torch.bfloat16, torch.bfloat16),
+        compute, master = {
+            "32-true": (None, None),
+            "bf16-mixed": (torch.bfloat16, torch.float32),
+            "16-mixed": (torch.float16, torch.float32),
+            "bf16-true": (torch.bfloat16, torch.bfloat16),
         }[self.precision]
+        return DtypePolicy(compute, master, own_dtype_modules=OWN_DTYPE_MODULES + self.full_precision_modules)
 
     def attach(self, engine: Optional[ChunkEngine], device: torch.device) -> None:
         self._engine = engine
@@ -135,6 +151,27 @@ class ChunkPrecision(Precision):
             tensor = self.scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
 
+    def _watch_grad_reads(self, param: Tensor, by_attribute: bool) -> None:
+        """[Note: gradients read where they are not]
+        Between backward and the step the gradients are in the shards, and ``param.grad`` is ``None``: Lightning's
+        ``grad_norm(self)`` in ``on_before_optimizer_step`` then returned nothing to log, silently. While
+        ``on_before_optimizer_step`` and clipping run, a parameter iterated with ``.grad`` missing from within
+        ``grad_norm`` says so once. Inside ``strategy.full_parameters(with_grads=True)`` the gradients are there."""
+        if self._warned_grad_reads or not param.requires_grad or param.grad is not None:
+            return
+        f: Any = sys._getframe(2)
+        for _ in range(10):
+            if f is None:
+                return
+            if f.f_code.co_name == "grad_norm" and f.f_code.co_filename.endswith(_GRAD_NORM_FILE):
+                self._warned_grad_reads = True
+                rank_zero_warn("grad_norm() read no gradients: under chunk_offload they are in the shards between "
+                               "backward and the step, and param.grad is None there. Call it inside "
+                               "`with self.trainer.strategy.full_parameters(with_grads=True):`.",
+                               category=UserWarning)
+                return
+            f = f.f_back
+
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
@@ -146,7 +183,8 @@ class ChunkPrecision(Precision):
         found_inf = False
         if self.scaler is not None and not skipped_backward:
             found_inf = engine.unscale_and_check(optimizer)
-        self._after_closure(model, optimizer)
+        with reading(self._watch_grad_reads):  # [Note: gradients read where they are not]
+            self._after_closure(model, optimizer)
         stepped = not skipped_backward and not found_inf
         if stepped:
             engine.step(optimizer, **kwargs)

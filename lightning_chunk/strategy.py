@@ -26,6 +26,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -58,6 +59,9 @@ def _version() -> str:
 
 
 # the ChunkConfig fields the strategy takes as arguments (all but the tests' invariant checking)
+# the memory_stats() entries logged by default (with the time_*_s breakdown): where the bytes are and what moved
+LOGGED_STATS = frozenset({"device_chunk_bytes", "device_chunk_bytes_peak", "host_chunk_bytes", "disk_chunk_bytes",
+                          "evictions", "gathers", "loss_scale", "grad_norm"})
 CONFIG_ARGS = tuple(f.name for f in dataclasses.fields(ChunkConfig) if f.name != "check_invariants")
 
 # name -> (placement, description)
@@ -98,7 +102,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
         assume_elementwise_optimizer: accept an optimizer class the engine does not know.
         sharded_accumulation: several ranks: reduce-scatter each micro-batch's gradients into the shards
             (``True``, ZeRO-3); ``False`` keeps them unreduced until the stepping micro-batch, like ``no_sync``.
-        log_memory_stats: log ``memory_stats()`` to the Trainer's loggers every step.
+        log_memory_stats: log a few ``memory_stats()`` entries (``LOGGED_STATS`` and the step-time breakdown
+            ``time_*_s``) as ``chunk/*`` to the Trainer's loggers on the steps Lightning logs; ``"all"``: every
+            entry; ``False``: none.
         collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
         broadcast_buffers: several ranks, while fitting: rank 0's buffers before each forward DDP syncs them in
             (``DDPStrategy``'s argument of the same name and default); ``False`` keeps each rank's own.
@@ -153,7 +159,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         optimizer_kernel: str = "auto",
         assume_elementwise_optimizer: bool = False,
         sharded_accumulation: bool = True,
-        log_memory_stats: bool = True,
+        log_memory_stats: Union[bool, str] = True,
         collective_timeout_s: float = 300.0,
         broadcast_buffers: bool = True,
         verify_collectives: Union[bool, str, None] = None,
@@ -178,6 +184,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
         # every argument named like a ChunkConfig field goes to it (tests check the defaults agree)
         given = locals()
         self.config = ChunkConfig(**{f: given[f] for f in CONFIG_ARGS})
+        if self.config.disk_dir is not None and self.config.host_memory_limit is None:
+            rank_zero_warn(f"disk_dir={self.config.disk_dir!r} does nothing without host_memory_limit: the disk tier "
+                           "holds what does not fit under that limit. Set host_memory_limit (for example '64GiB'), or "
+                           "drop disk_dir.", category=UserWarning)
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
         self.state_dict_type = state_dict_type
@@ -186,14 +196,16 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self.param_init_fn = param_init_fn
         self.weights = None if weights is None else os.fspath(weights)
         self._weights_loaded = False  # the weights seed the first setup only: a later test() keeps trained values
-        if not isinstance(log_memory_stats, bool):
-            raise ValueError(f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True or False.")
+        if not (isinstance(log_memory_stats, bool) or log_memory_stats == "all"):
+            raise ValueError(f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True (a few "
+                             "chunk/* metrics), 'all' (every memory_stats() entry) or False.")
         self.log_memory_stats = log_memory_stats
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.engine: Optional[ChunkEngine] = None
         self._final_stats: dict[str, float] = {}
+        self._kept_optimizer_states: dict[int, Any] = {}  # [Note: optimizer state after fit] in engine/kept_state.py
         self._failed = False
         self._deferred: Optional[DeferredInit] = None
 
@@ -347,6 +359,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if fitting and self.config.step_in_backward:
             check_step_in_backward(trainer, module, self.precision_plugin.precision)
         if fitting:
+            self._kept_optimizer_states = {}  # the last fit's optimizers are gone
             self.setup_optimizers(trainer)
         config = self._config_for(trainer, module) if fitting else self.config
         self.setup_precision_plugin()
@@ -503,7 +516,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
         # only on the steps Lightning writes logs (every log_every_n_steps): self.log costs ~2 ms a call
         if self.log_memory_stats and trainer is not None and trainer.loggers and \
                 getattr(trainer._logger_connector, "should_update_logs", True):
-            stats = {f"chunk/{k}": float(v) for k, v in self.memory_stats().items()}
+            every = self.log_memory_stats == "all"
+            stats = {f"chunk/{k}": float(v) for k, v in self.memory_stats().items()
+                     if every or k in LOGGED_STATS or k.startswith("time_")}
             module.log_dict(stats, on_step=True, on_epoch=False, prog_bar=False, logger=True,
                                            batch_size=1)
         return out
@@ -569,7 +584,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         binding = self._binding_of(optimizer)
         if binding is None:
-            return super().optimizer_state(optimizer)
+            kept = self._kept_optimizer_states.get(id(getattr(optimizer, "_optimizer", optimizer)))
+            return kept.plain_state_dict() if kept is not None else super().optimizer_state(optimizer)
         return {} if self._sharded else binding.plain_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -647,6 +663,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
             self._final_stats = self.engine.memory_stats()
             materialize = self.config.materialize_on_teardown and not self._failed
             self.engine.teardown(materialize=materialize, device=torch.device("cpu"))
+            self._kept_optimizer_states.update(self.engine.kept_optimizer_states)
             self.precision_plugin.attach(None, self.root_device)
             self.engine = None
         if self.lightning_module is not None:

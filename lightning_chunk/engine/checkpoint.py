@@ -343,9 +343,11 @@ def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_opti
             local.update(shards)
             optim_meta.append(om)
     try:
-        dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
-                 process_group=comm.host_group() if comm.world_size > 1 else None,
-                 planner=_PagingPlanner(mgr) if mgr.disk_chunks else None)
+        with warnings.catch_warnings():  # one rank: "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
+                     process_group=comm.host_group() if comm.world_size > 1 else None,
+                     planner=_PagingPlanner(mgr) if mgr.disk_chunks else None)
     finally:
         del local
         mgr.disk.page_out()

@@ -23,34 +23,52 @@ OptimizerKernel = Literal["auto", "one_pass", "fused", "foreach", "loop"]
 PLACEMENTS: tuple[str, ...] = ("auto", "device", "host", "static")
 OPTIMIZER_KERNELS: tuple[str, ...] = ("auto", "one_pass", "fused", "foreach", "loop")
 
+# [Note: memory sizes] One parser for every size a user writes (limits, the CLI's flags): an int of bytes, or a
+# number with a unit, any case, a space allowed. K, M, G, T and KB, MB, GB, TB are powers of 1000 (as disks and
+# Kubernetes count); Ki, Mi, Gi, Ti and KiB, MiB, GiB, TiB powers of 1024 (as memory is sold and torch reports it).
 _UNITS = {
     "": 1, "b": 1,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+SIZE_FORMS = ("an int of bytes, or a number with a unit, any case: K, M, G, T, KB, MB, GB, TB (powers of 1000) or "
+              "Ki, Mi, Gi, Ti, KiB, MiB, GiB, TiB (powers of 1024), for example '12GiB', '1.5 GB' or '512MiB'")
 
 
 def parse_bytes(value: Union[int, float, str, None], *, field: str) -> Optional[int]:
-    """Turn ``2_000_000``, ``"512MiB"`` or ``"1.5GB"`` into a byte count; ``None`` stays ``None``."""
+    """Turn ``2_000_000``, ``"512MiB"``, ``"12G"`` or ``"1.5 GB"`` into a byte count; ``None`` stays ``None``
+    ([Note: memory sizes])."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"{field}={value!r} is not a byte count; give an int of bytes or a string like '512MiB'.")
-    if isinstance(value, (int, float)):
-        n = value
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{field}={value!r} is not a memory size; give {SIZE_FORMS}.")
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"{field}={value!r} is not a byte count; give an int of bytes or a number with one of the "
-                f"units {', '.join(u for u in _UNITS if u)} (for example '512MiB')."
-            )
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            raise ValueError(f"{field}={value!r} is not a memory size; give {SIZE_FORMS}.")
+        n: float = float(m.group(1)) * _UNITS[m.group(2).lower()]
     else:
-        raise ValueError(f"{field}={value!r} is not a byte count; give an int of bytes or a string like '512MiB'.")
-    if n <= 0 or n != n:
-        raise ValueError(f"{field}={value!r} must be a positive number of bytes.")
+        n = value
+        if isinstance(value, float) and value == value and value > 0 and not value.is_integer():
+            raise ValueError(f"{field}={value!r} is not a whole number of bytes; give {SIZE_FORMS}.")
+    if not n >= 1:  # also NaN
+        raise ValueError(f"{field}={value!r} must be a positive number of bytes (at least 1); give {SIZE_FORMS}.")
     return int(n)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in the largest of GiB, MiB and KiB that keeps it at least 1 (bytes below 1 KiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def format_bytes(n: int) -> str:
+    """``n`` as an error message shows a size: the bytes, then KiB, MiB or GiB beside them."""
+    return f"{n} bytes ({human_bytes(n)})" if abs(n) >= 2**10 else f"{n} bytes"
 
 
 def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -298,9 +316,24 @@ def resolve_reshard_after_forward(config: ChunkConfig, device: torch.device) -> 
     return config.replace(reshard_after_forward=device.type == "cpu")
 
 
+# modules whose kernels need their parameters in their own dtype under mixed precision ([Note: normalisation in
+# mixed precision]): BatchNorm 1d/2d/3d, SyncBatchNorm, InstanceNorm and their lazy forms
+OWN_DTYPE_MODULES: tuple[type, ...] = (torch.nn.modules.batchnorm._NormBase,)
+
+
 @dataclass(frozen=True)
 class DtypePolicy:
-    """The dtypes one precision setting implies for chunk buffers."""
+    """The dtypes one precision setting implies for chunk buffers.
+
+    [Note: normalisation in mixed precision]
+    Under autocast a BatchNorm's kernel takes a bf16 (or fp16) input with fp32 weight, bias and running
+    statistics, and not a low-precision weight beside fp32 statistics ("expected scalar type BFloat16 but found
+    Float"). Lightning's mixed precision keeps every parameter in fp32 and so never meets it; payloads in the
+    compute dtype do. As FSDP's ``MixedPrecision`` leaves ``_BatchNorm`` modules in full precision, the parameters
+    of ``own_dtype_modules`` keep their own dtype in their payloads: the layout key (``ChunkKey.own_dtype``) puts
+    them in chunks of their own, whose compute dtype is the master's. They are small (two vectors a layer) and
+    packed together, in first-use order, so a CNN gets one or two such chunks.
+    """
 
     compute_dtype: Optional[torch.dtype] = None
     """dtype of payloads (what modules compute with). ``None``: each parameter's own dtype."""
@@ -309,8 +342,19 @@ class DtypePolicy:
     """dtype of master shards, gradient accumulators and optimizer state. ``None``: each
     parameter's own dtype."""
 
-    def compute_for(self, param_dtype: torch.dtype) -> torch.dtype:
-        return self.compute_dtype or param_dtype
+    own_dtype_modules: tuple[type, ...] = OWN_DTYPE_MODULES
+    """modules whose parameters compute in their own dtype whatever ``compute_dtype`` says."""
+
+    def compute_for(self, param_dtype: torch.dtype, *, own_dtype: bool = False) -> torch.dtype:
+        return param_dtype if own_dtype else self.compute_dtype or param_dtype
+
+    def own_dtype_params(self, module: torch.nn.Module) -> frozenset[int]:
+        """``id``s of the parameters that keep their own dtype: those of ``own_dtype_modules`` when payloads are in
+        another dtype than the parameters'."""
+        if self.compute_dtype is None:
+            return frozenset()
+        return frozenset(id(p) for m in module.modules() if isinstance(m, self.own_dtype_modules)
+                         for p in m.parameters(recurse=False))
 
     def master_for(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.master_dtype or param_dtype

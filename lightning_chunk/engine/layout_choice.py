@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .config import ChunkConfig
+from .config import ChunkConfig, format_bytes
 from .costs import planned_views
 from .errors import DeviceMemoryLimitError
 from .hooks import ROOT
@@ -124,10 +124,10 @@ class LayoutChooser:
             # the automatic size was already lowered as far as it goes (to the largest parameter) before this
             chosen = self.config.chunk_numel is not None
             raise DeviceMemoryLimitError(
-                f"device_memory_limit={limit} bytes is too small: one module needs {need} bytes of chunks at once "
+                f"device_memory_limit={format_bytes(limit)} is too small: one module needs {format_bytes(need)} of chunks at once "
                 f"({describe(layout)}"
                 + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
-                + f"), before any activations. The smallest limit that could work is {need} bytes plus the "
+                + f"), before any activations. The smallest limit that could work is {format_bytes(need)} plus the "
                 "activations, which the warm-up step measures"
                 + ("; or lower chunk_numel." if chosen else " (chunk_numel=None already chose chunks as small as the "
                    "largest parameter).")

@@ -22,7 +22,7 @@ import torch
 
 from .chunk import Chunk, InFlight, TensorInfo, Tier, free_storage
 from .collectives import Collectives
-from .config import ChunkConfig, DtypePolicy
+from .config import ChunkConfig, DtypePolicy, format_bytes
 from .errors import DeviceMemoryLimitError
 from .packing import ChunkKey, Layout, ParamSpec
 from .costs import chunk_views, shard_cost
@@ -58,7 +58,10 @@ class ChunkManager:
         dtypes: DtypePolicy,
         device: torch.device,
         collectives: Optional[Collectives] = None,
+        own_dtype: Collection[int] = (),
     ) -> None:
+        """``own_dtype``: indices of the parameters whose payloads keep their dtype ([Note: normalisation in mixed
+        precision] in ``config.py``)."""
         self.config = config
         self.dtypes = dtypes
         self.device = torch.device(device)
@@ -69,7 +72,8 @@ class ChunkManager:
             if not p.is_floating_point():
                 raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be chunked.")
         self.specs = [
-            ParamSpec(index=i, name=n, numel=p.numel(), key=ChunkKey(group_of.get(i, -1), p.requires_grad, p.dtype))
+            ParamSpec(index=i, name=n, numel=p.numel(), key=ChunkKey(group_of.get(i, -1), p.requires_grad, p.dtype,
+                                                                           i in own_dtype))
             for i, (n, p) in enumerate(named_params)
         ]
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
@@ -124,7 +128,8 @@ class ChunkManager:
         if self.limit is not None and self.ledger[Tier.DEVICE] + nbytes > self.limit:
             raise DeviceMemoryLimitError(
                 f"[rank {self.comm.rank}] {what} needs {nbytes} more bytes on the device tier, which already holds "
-                f"{self.ledger[Tier.DEVICE]} bytes of chunk memory; device_memory_limit={self.limit} bytes would be exceeded."
+                f"{format_bytes(self.ledger[Tier.DEVICE])} of chunk memory; device_memory_limit={format_bytes(self.limit)} "
+                "would be exceeded."
             )
 
     def room_for(self, nbytes: int, what: str, make_room: MakeRoom = None) -> None:

@@ -37,6 +37,7 @@ import sys
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 InitFn = Callable[[torch.nn.Module], None]
@@ -203,6 +204,41 @@ class DeferredInit:
                 "still NaN after the init): initialise every tensor the module owns directly there.")
 
 
+class _MetricsOnHost(TorchFunctionMode):
+    """Tensors made inside a torchmetrics ``Metric``'s ``__init__`` go to the host, not the meta device.
+
+    [Note: metrics under deferred init]
+    A metric's states and their defaults (``add_state(default=torch.tensor(0.0))``) are plain attributes, not
+    parameters or buffers: nothing initialises them again, and built on the meta device they had no values. The
+    metric then failed when it was first moved ("Cannot copy out of meta tensor; no data!", at the end of ``fit``
+    after training) and logged nothing meaningful before. They are a few scalars or class counts, so they are
+    built for real, as plain Lightning builds them; the metric's parameters, if any, stay deferred with the rest."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _constructors() and kwargs.get("device") is None and _in_metric_init():
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _constructors() -> Any:
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
+def _in_metric_init() -> bool:
+    metrics = sys.modules.get("torchmetrics")
+    if metrics is None:
+        return False
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "__init__" and isinstance(f.f_locals.get("self"), metrics.Metric):
+            return True
+        f = f.f_back  # type: ignore[assignment]
+    return False
+
+
 _INIT_FRAMES = ("reset_parameters", "_reset_parameters")
 _NOT_WRITES = ("detach_", "set_", "resize_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_")
 
@@ -247,7 +283,7 @@ def meta_init(*, check_writes: Union[bool, Callable[[], bool]] = True) -> Iterat
     silently give those tensors ``reset_parameters()``'s values instead. Pass ``param_init_fn`` to say how
     they are initialised. A callable ``check_writes`` is asked when the block ends, so code inside it (a
     ``configure_model`` that sets the strategy's ``param_init_fn``) can still say how."""
-    with torch.device("meta"), _MetaWrites() as mode:
+    with torch.device("meta"), _MetricsOnHost(), _MetaWrites() as mode:
         yield
     if callable(check_writes):
         check_writes = check_writes()

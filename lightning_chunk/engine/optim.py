@@ -102,27 +102,55 @@ class OptimizerBinding:
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
 
     def _choose_kernel(self) -> None:
+        """The kernel flags each group steps with ([Note: the kernel and the user's param groups])."""
         kernel = self.config.optimizer_kernel
+        self.kernel_flags: list[dict[str, Any]] = []
         for g in self.optimizer.param_groups:
             has_fused = "fused" in g
+            flags: dict[str, Any] = {}
             if kernel == "auto":
                 if has_fused and g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
-                    g["fused"] = True
+                    flags["fused"] = True
             elif kernel in ("fused", "one_pass"):  # one_pass: torch's fused kernel wherever the one pass does not run
                 if not has_fused:
                     raise UnsupportedOptimizerError(
                         f"optimizer_kernel={kernel!r} but {type(self.optimizer).__name__} has no fused kernel; "
                         "use optimizer_kernel='auto' or 'foreach'."
                     )
-                g["fused"], g["foreach"] = True, False
+                flags.update(fused=True, foreach=False)
             elif kernel == "foreach":
-                g["foreach"] = True
+                flags["foreach"] = True
                 if has_fused:
-                    g["fused"] = False
+                    flags["fused"] = False
             else:  # loop
-                g["foreach"] = False
+                flags["foreach"] = False
                 if has_fused:
-                    g["fused"] = False
+                    flags["fused"] = False
+            self.kernel_flags.append(flags)
+
+    @contextlib.contextmanager
+    def kernel(self) -> Iterator[None]:
+        """The groups carry the chosen kernel's flags inside this block, the user's own outside it.
+
+        [Note: the kernel and the user's param groups]
+        ``optimizer_kernel="auto"`` steps Adam(W) with torch's fused kernel where the user chose none (torch's own
+        default on CPU tensors is the single-tensor loop, which rounds otherwise in the last bit). The flags that
+        select it are set for the step alone: ``optimizer.param_groups``, ``optimizer.state_dict()`` and every
+        checkpoint keep what the user built the optimizer with, so a checkpoint resumed under another strategy
+        steps with that strategy's default, and a user who reads the groups sees their own settings."""
+        groups = self.optimizer.param_groups
+        saved = [{k: g[k] for k in flags if k in g} for g, flags in zip(groups, self.kernel_flags, strict=True)]
+        for g, flags in zip(groups, self.kernel_flags, strict=True):
+            g.update(flags)
+        try:
+            yield
+        finally:
+            for g, flags, old in zip(groups, self.kernel_flags, saved, strict=True):
+                for k in flags:
+                    if k in old:
+                        g[k] = old[k]
+                    else:
+                        g.pop(k, None)
 
     def state_bytes(self) -> dict[int, int]:
         """Global group index -> optimizer-state bytes per element of the master shards."""
@@ -156,7 +184,7 @@ class OptimizerBinding:
                      if self.manager.params[i] in state}
             carried = local_optimizer_state(self.manager, new, whole)
         for k, g in enumerate(self.optimizer.param_groups):
-            step_on_device = bool(g.get("fused") or g.get("capturable"))
+            step_on_device = bool({**g, **self.kernel_flags[k]}.get("fused") or g.get("capturable"))
             for i in self.group_params[k]:
                 v = new.get(i)
                 if v is not None and i in carried:
@@ -247,11 +275,12 @@ class OptimizerBinding:
     def step(self, **kwargs: Any) -> Any:
         """The optimizer's own ``step(**kwargs)``: large host chunks with a compute copy in one pass ([Note: one
         pass over a host shard] in ``host_adam.py``), disk chunks one at a time, the rest in one call."""
-        stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
-        if not stepped:
-            return self._step_rest(**kwargs)
-        with self._only(lambda v: id(v) not in stepped):  # the optimizer still steps (its hooks, an LR
-            return self._step_rest(**kwargs)               # scheduler's count), over the other views only
+        with self.kernel():
+            stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
+            if not stepped:
+                return self._step_rest(**kwargs)
+            with self._only(lambda v: id(v) not in stepped):  # the optimizer still steps (its hooks, an LR
+                return self._step_rest(**kwargs)               # scheduler's count), over the other views only
 
     @contextlib.contextmanager
     def _only(self, keep: Callable[[torch.Tensor], bool]) -> Iterator[None]:
@@ -457,7 +486,7 @@ class OptimizerBinding:
         if not mine:
             return None
         ids = {id(v) for _i, v, _c, _info, _g in mine}
-        with self._grads_for_the_call(mine):
+        with self._grads_for_the_call(mine), self.kernel():
             stepped, fresh = self.host_adam.step_one_pass(self._views, only=ids)
             self.fresh_low |= fresh
             rest = ids - stepped
@@ -483,7 +512,7 @@ class OptimizerBinding:
             storage.wait(staged)  # its read iterates ``staged.files``: the twin below is a new object
             with_grads = dataclasses.replace(staged, files={**staged.files, "grad": storage.file(chunk, "grad")},
                                              bufs={**staged.bufs, "grad": grads})
-            with self._only(lambda v: id(v) in ids):
+            with self._only(lambda v: id(v) in ids), self.kernel():
                 with storage.beside_io() if _split_at_cache_lines(self.optimizer) else contextlib.nullcontext():
                     self._step_staged(with_grads, **kwargs)
             storage.stage_out(staged, ("master", "optim"))

@@ -28,6 +28,7 @@ class ChunkKey:
     group: int  # optimizer param group index, -1 when in no group
     requires_grad: bool
     dtype: torch.dtype
+    own_dtype: bool = False  # payloads in ``dtype`` under mixed precision ([Note: normalisation in mixed precision])
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from .chunk import Tier
-from .config import ChunkConfig
+from .config import ChunkConfig, format_bytes
 from .tracer import FORWARD, BACKWARD, Trace
 
 
@@ -53,10 +53,12 @@ class Plan:
 
 
 def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
-    """The most payload bytes any one moment of the trace needs at once: its module's chunks, and at an activation
-    recomputation's moment those the backward it runs inside keeps in use."""
+    """The most payload bytes any one moment of the trace needs at once: its module's chunks, the root module's
+    (in use through the whole step), and at an activation recomputation's moment those the backward it runs inside
+    keeps in use."""
     size = {c.chunk_id: c.payload_bytes for c in chunks}
-    return max((sum(size.get(i, 0) for i in {*m.chunk_ids, *m.pinned_chunks}) for m in trace.moments
+    root = trace.root_chunks
+    return max((sum(size.get(i, 0) for i in {*m.chunk_ids, *m.pinned_chunks, *root}) for m in trace.moments
                 if m.kind in (FORWARD, BACKWARD)), default=max(size.values(), default=0))
 
 
@@ -376,10 +378,10 @@ def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limi
         from .errors import HostMemoryLimitError
 
         raise HostMemoryLimitError(
-            f"host_memory_limit={host_limit} bytes is too small: with every host shard's master, gradient and "
+            f"host_memory_limit={format_bytes(host_limit)} is too small: with every host shard's master, gradient and "
             f"optimizer state on the disk tier, the host still holds {used} bytes of shards (compute-dtype copies) "
             f"and pages in up to {disk_window_bytes(spilled)} bytes of disk shards at once. The smallest limit that "
-            f"works is {need} bytes"
+            f"works is {format_bytes(need)}"
             + ("; or lower chunk_numel." if chunk_numel_chosen else " (chunk_numel=None already keeps two disk shards "
                "within half the limit where the model's largest parameter allows it)."))
     return out

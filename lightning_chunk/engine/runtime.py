@@ -31,7 +31,7 @@ import torch
 from .buffers import BufferSync
 from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
-from .config import ChunkConfig, DtypePolicy, default_device_limit, resolve_reshard_after_forward
+from .config import ChunkConfig, DtypePolicy, default_device_limit, format_bytes, resolve_reshard_after_forward
 from .errors import ChunkError, DeviceMemoryLimitError, LayoutError
 from .early_step import FP16_REFUSED, EarlyStep
 from .ema import Extras, ShardedEMA
@@ -43,6 +43,7 @@ from .materialize import DeferredInit
 from .repack import FromModule
 from .weights import ModuleWeights
 from .consolidate import full_values, load_values, unpack
+from .kept_state import KeptOptimizerState, keep_optimizer_state
 from .full_params import check_stray_writes
 from .gradients import clip_grad_norm, unscale_and_check
 from .costs import planned_views
@@ -98,6 +99,8 @@ class ChunkEngine:
         packed ([Note: deferred initialisation]); ``weights``: values read from a file as the chunks are
         built ([Note: streamed weight loading]). Either way no rank holds the whole model."""
         self._describe(module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives)
+        # id(optimizer) -> its state on this rank, kept by ``teardown`` ([Note: optimizer state after fit])
+        self.kept_optimizer_states: dict[int, KeptOptimizerState] = {}
         try:
             device = self.manager.device
             layout = self.layouts.choose(list(range(len(self.manager.params))), trace=None)
@@ -154,8 +157,10 @@ class ChunkEngine:
                         raise ValueError(f"parameter {named[i][0]!r} appears in two optimizer param groups.")
                     group_of[i] = offset
                 offset += 1
-        self.manager = ChunkManager(named, group_of, config=self.config, dtypes=dtypes or DtypePolicy(),
-                                    device=device, collectives=collectives)
+        dtypes = dtypes or DtypePolicy()
+        keep = dtypes.own_dtype_params(module)
+        self.manager = ChunkManager(named, group_of, config=self.config, dtypes=dtypes, device=device,
+                                    collectives=collectives, own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep})
         self.policy = make_policy(self.config)
         self.hooks = ChunkHooks(module, self.manager, self.policy)
         self.hooks.on_trace_done = self._trace_done
@@ -219,7 +224,7 @@ class ChunkEngine:
                     f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
                     f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks)"
                     + (f" and must fetch host payloads of up to {host_payload} bytes" if host_payload else "")
-                    + f", more than device_memory_limit={limit} bytes; raise the limit, raise offload_fraction "
+                    + f", more than device_memory_limit={format_bytes(limit)}; raise the limit, raise offload_fraction "
                     "(static) or use placement='auto' or 'host'."
                 )
         on_disk = sum(v.disk_bytes for v in views if tiers[v.chunk_id] is Tier.DISK)
@@ -267,10 +272,10 @@ class ChunkEngine:
             chunks_b, nonmodel_b = smallest_working_limit(views, trace)
             if chunks_b + nonmodel_b > limit:
                 raise DeviceMemoryLimitError(
-                    f"device_memory_limit={limit} bytes is too small: the warm-up step needs {chunks_b} bytes of chunks "
+                    f"device_memory_limit={format_bytes(limit)} is too small: the warm-up step needs {format_bytes(chunks_b)} of chunks "
                     f"at once (the largest chunk is {max((v.payload_bytes for v in views), default=0)} bytes) and "
-                    f"traced {nonmodel_b} bytes of non-model memory (activations). The smallest limit that would work "
-                    f"is {chunks_b + nonmodel_b} bytes."
+                    f"traced {format_bytes(nonmodel_b)} of non-model memory (activations). The smallest limit that would work "
+                    f"is {format_bytes(chunks_b + nonmodel_b)}."
                 )
         old_tiers = [c.shard_tier for c in self.manager.chunks]
         # same layout: chunk ids correspond, so the tiers compare position by position
@@ -383,7 +388,11 @@ class ChunkEngine:
             self._follow_requires_grad()
         record = training and not self.warmed_up and torch.is_grad_enabled()
         if training and torch.is_grad_enabled():
-            if self.growth.must_retrace(input_bytes, recording=record):
+            grew = self.growth.must_retrace(input_bytes, recording=record)
+            # a module adopted a parameter it read ([Note: parameters read outside their owner] in reads.py)
+            adopted = self.hooks.owners_changed and (self.warmed_up or self._finalize_pending)
+            self.hooks.owners_changed = False
+            if grew or adopted:
                 self._trace_again()
                 record = True
             self._no_grads_held = False
@@ -593,6 +602,9 @@ class ChunkEngine:
         self.hooks.remove()
         for b in self.bindings:
             b.detach_grads()
+            if materialize and not optimizer_state:  # [Note: optimizer state after fit] in kept_state.py
+                self.kept_optimizer_states[id(b.optimizer)] = keep_optimizer_state(
+                    self.manager, b.views(), b.optimizer, b.group_params)
             b.unbind(whole_state=materialize and optimizer_state)
         unpack(self.manager, materialize=materialize, device=device)
         self.manager.close()
