@@ -9,6 +9,12 @@ no grad) hands every child's tensors to one fused op. The child's chunk was then
 parameter no forward had in use). Such a module is a *leaf*: it owns its whole subtree's parameters, gathered at
 its own forward, and its descendants get no hooks (DeepSpeed's "ZeRO-3 leaf modules"). The classes below are
 leaves always; ``ChunkConfig.leaf_modules`` adds a user's own.
+
+A module with a parametrization (``torch.nn.utils.parametrize``: ``weight_norm``, ``orthogonal``, a user's own) is a
+leaf too. Its ``weight`` is computed by a child ``ParametrizationList`` from the ``original`` it owns, and what that
+child returns can be the ``original`` itself (an identity, or a parametrization that returns its input): with the
+child hooked, its forward's end let the payload go and the parent's ``F.linear`` read the released placeholder
+(NaN, under host placement). As a leaf, the parent gathers the originals for its whole forward and backward.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import importlib
 from typing import Any, Iterable, Optional
 
 import torch
+from torch.nn.utils import parametrize
 
 ALWAYS_LEAVES: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                                    torch.nn.TransformerDecoderLayer)
@@ -40,7 +47,7 @@ class LeafModules:
         self.matched: set[int] = set()  # indices into ``extra``
 
     def __call__(self, mod: torch.nn.Module) -> bool:
-        if isinstance(mod, ALWAYS_LEAVES):
+        if isinstance(mod, ALWAYS_LEAVES) or parametrize.is_parametrized(mod):
             return True
         hit = [e for cls, e in self._types.items() if isinstance(mod, cls)]
         if self._names:
