@@ -51,9 +51,5 @@ class GradGraphKeeper:
         self.release()
 
     def release(self) -> None:
-        mgr = self.manager
-        for i in self.kept:
-            chunk, info = mgr.lookup(mgr.params[i])
-            if info.state is S.COMPUTE:
-                chunk.set_state(info, S.HOLD_AFTER_BWD)
+        self.manager.let_go(self.kept, S.HOLD_AFTER_BWD)
         self.kept.clear()

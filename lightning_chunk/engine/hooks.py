@@ -461,11 +461,7 @@ class ChunkHooks:
     def _let_go_of_held(self) -> None:
         """Parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's,
         whose backward never came) are free to go."""
-        mgr = self.manager
-        for i in self._held:
-            chunk, info = mgr.lookup(mgr.params[i])
-            if info.state is S.COMPUTE:
-                chunk.set_state(info, S.HOLD)
+        self.manager.let_go(self._held, S.HOLD)
         self._held.clear()
 
     def _reader(self) -> Optional[str]:

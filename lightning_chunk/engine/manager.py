@@ -422,6 +422,13 @@ class ChunkManager:
             self.disk.settle_grads()
         self._changed()
 
+    def let_go(self, indices: Iterable[int], new: TensorState) -> None:
+        """The parameters ``indices`` still in use (COMPUTE) go to ``new``."""
+        for i in indices:
+            chunk, info = self.lookup(self.params[i])
+            if info.state is S.COMPUTE:
+                chunk.set_state(info, new)
+
     def reset_states(self) -> None:
         """Between micro-batches every resident tensor is plainly HOLD."""
         for c in self.chunks:

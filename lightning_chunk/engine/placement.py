@@ -382,8 +382,8 @@ def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limi
             f"optimizer state on the disk tier, the host still holds {used} bytes of shards (compute-dtype copies) "
             f"and pages in up to {disk_window_bytes(spilled)} bytes of disk shards at once. The smallest limit that "
             f"works is {format_bytes(need)}"
-            + ("; or lower chunk_numel." if chunk_numel_chosen else " (chunk_numel=None already keeps two disk shards "
-               "within half the limit where the model's largest parameter allows it)."))
+            + ("; or lower chunk_numel." if chunk_numel_chosen else "; chunk_numel=None already keeps two disk shards "
+               "within half the limit where the model's largest parameter allows it."))
     return out
 
 
