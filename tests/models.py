@@ -536,3 +536,43 @@ class KeepsAdaptersOnly:
 
 def edited(strict: bool = False, replace_head: bool = False):
     return type("Edited", (KeepsAdaptersOnly, AdapterNet), {"strict_loading": strict, "replace_head": replace_head})
+
+
+class RootTiedNet(ParityNet):
+    """GPT-2's tied head written in the LightningModule's own ``forward``: ``F.linear(h, self.embed.weight)``
+    (variant "matmul": ``h @ self.embed.weight.T``), beside a position table read by index there. Nothing is tied
+    by assignment, so only the reads say that the root uses the embedding's weight."""
+
+    def build(self) -> None:
+        super().build()
+        del self.head
+        self.pos = nn.Embedding(SEQ, self.shape["dim"])
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x) + self.pos.weight[: x.shape[1]]
+        for blk in self.blocks:
+            h = h + blk(h)
+        h = self.norm(h)
+        return h @ self.embed.weight.T if self.variant == "matmul" else F.linear(h, self.embed.weight)
+
+
+class BatchNormCNN(ParityNet):
+    """A small CNN over token embeddings with BatchNorm 1d, 2d and 3d, as a user's CNN in mixed precision runs them:
+    convolutions autocast to the low dtype, normalisation kernels taking its output beside fp32 statistics."""
+
+    def build(self) -> None:
+        d = self.shape["dim"]
+        self.embed = nn.Embedding(VOCAB, d)
+        self.conv1, self.bn1 = nn.Conv1d(d, d, 3, padding=1), nn.BatchNorm1d(d)
+        self.conv2, self.bn2 = nn.Conv2d(d, d, 3, padding=1), nn.BatchNorm2d(d)
+        self.bn3 = nn.BatchNorm3d(d)
+        self.head = nn.Linear(d, VOCAB)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x).transpose(1, 2)  # (batch, dim, seq)
+        h = F.relu(self.bn1(self.conv1(h)))
+        h = F.relu(self.bn2(self.conv2(h.unsqueeze(-1)))).squeeze(-1)
+        h = self.bn3(h[..., None, None]).flatten(2)
+        return self.head(h.transpose(1, 2))

@@ -156,6 +156,16 @@ CASES = {
     "early_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, step_in_backward=True)),
     "early_limit": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
                         strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True)),
+    # a tied head read in the root forward ([Note: parameters read outside their owner]), released after use and
+    # under a limit below this rank's share
+    "root_tied_host": dict(cls="RootTiedNet", strategy=dict(placement="host")),
+    "root_tied_limit": dict(cls="RootTiedNet", variant="matmul", model=dict(dim=64, hidden=512, depth=3),
+                            strategy=dict(chunk_numel=33_000), limit_fraction=1.15),
+    # BatchNorm 1d/2d/3d in mixed precision ([Note: normalisation in mixed precision]): bf16 against DDP with bf16
+    # autocast, released after use, and fp16 with loss scaling against DDP with GradScaler
+    "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),
+    "bn_cnn_bf16_host": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000, placement="host")),
+    "bn_cnn_fp16": dict(cls="BatchNormCNN", fp16=True, strategy=dict(chunk_numel=10_000)),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
        for fmt in ("torch", "lightning", "consolidated", "safetensors")},
@@ -526,6 +536,28 @@ def run_swap(out: Path) -> None:
     print("UNEXPECTED-SUCCESS", flush=True)
 
 
+def run_save_after_fit(out: Path) -> None:
+    """``trainer.save_checkpoint()`` after ``fit`` (and after a ``validate`` that followed it), then a resume from that
+    file to step 12 ([Note: optimizer state after fit]): DDP's and chunk_offload's with the defaults."""
+    results = {}
+    for name, make in [("ddp", lambda: "ddp"),
+                       ("chunk", lambda: ChunkOffloadStrategy(optimizer_kernel="loop", collective_timeout_s=60))]:
+        path = out / f"save_after_fit_{name}.ckpt"
+        L.seed_everything(11, verbose=False)
+        model = ParityNet()
+        t = trainer(make(), steps=8, limit_val_batches=2)
+        t.fit(model, token_data(), token_data(n=16, seed=1))
+        t.validate(model, token_data(n=16, seed=1), verbose=False)
+        t.save_checkpoint(path)
+        L.seed_everything(11, verbose=False)
+        resumed = ParityNet()
+        trainer(make(), steps=12).fit(resumed, token_data(), ckpt_path=path)
+        results[name] = {"resumed": resumed.state_dict(), "saved": torch.load(path, weights_only=False)}
+    if t.global_rank == 0:
+        torch.save({"ref": results["ddp"], "got": results["chunk"]}, out / "save_after_fit.pt")
+    print(f"CASE-DONE save_after_fit rank={t.global_rank}", flush=True)
+
+
 def run_batchnorm(out: Path) -> None:
     """Buffers follow DDP's ``broadcast_buffers`` on every rank: rank 0's running statistics before each forward
     in ``fit`` that DDP syncs (after a training forward outside ``no_sync``), none after evaluation or a
@@ -610,6 +642,8 @@ if __name__ == "__main__":
             run_swap(out_dir)
         elif name == "batchnorm":
             run_batchnorm(out_dir)
+        elif name == "save_after_fit":
+            run_save_after_fit(out_dir)
         elif name == "fp16_overflow_one_rank":
             run_overflow(out_dir)
         elif name == "resume":

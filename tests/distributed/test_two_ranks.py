@@ -22,7 +22,8 @@ PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharde
           "adapters_limit", "reused_frozen_limit", "checkpointed_adapters_limit", "torch_transformer_host", "grad_penalty_host",
           "grad_penalty_accumulate_unsharded", "grad_penalty_early_accumulate",
           "two_optimizers", "toggled_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
-          "disk", "disk_accumulate", "disk_defaults", "disk_defaults_after", "early", "early_unused", "early_accumulate", "early_limit"]
+          "disk", "disk_accumulate", "disk_defaults", "disk_defaults_after", "early", "early_unused", "early_accumulate", "early_limit",
+          "root_tied_host", "root_tied_limit", "bn_cnn_bf16", "bn_cnn_bf16_host", "bn_cnn_fp16"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
                "early_limit": "reordered_auto_limit", "early_host_bf16_one_pass": "host_bf16_one_pass"}
@@ -38,7 +39,7 @@ ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
 FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight", "host_bf16_one_pass",
-        "early_host_bf16_one_pass"}  # bf16 payloads against bf16 autocast too
+        "early_host_bf16_one_pass", "bn_cnn_bf16", "bn_cnn_bf16_host", "bn_cnn_fp16"}  # bf16 against bf16 autocast too
 WEIGHTS = [f"weights_{fmt}" for fmt in FORMATS]
 
 
@@ -74,7 +75,7 @@ def parity_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     write_start_weights(out)
     rc, log, _ = run(out, *PARITY, *WEIGHTS, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
-                      "edited_checkpoint", "ema", "grad_penalty_limit", "batchnorm",
+                      "edited_checkpoint", "ema", "grad_penalty_limit", "batchnorm", "save_after_fit",
                       timeout=900)
     return out, rc, log
 
@@ -140,6 +141,25 @@ def check_parity(out, rc, log, case):
     tol = ROUNDING.get(case, dict(rtol=0, atol=0))
     for k, v in d["ref"].items():
         torch.testing.assert_close(d["got"][k], v, msg=lambda m: f"{case} {k}: {m}", **tol)
+
+
+def test_a_checkpoint_saved_after_fit_holds_ddp_s_optimizer_state_and_resumes_like_it(parity_run):
+    """[Note: optimizer state after fit]: each rank kept its pieces of Adam's moments; the save gathered them to
+    rank 0 in the plain format, as DDP's rank 0 writes them, and the resume goes on from them."""
+    out, rc, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE save_after_fit rank={r}" in log, log[-3000:]
+    d = torch.load(out / "save_after_fit.pt", weights_only=False)
+    ref, got = d["ref"]["saved"], d["got"]["saved"]
+    (ro,), (go,) = ref["optimizer_states"], got["optimizer_states"]
+    assert len(go["state"]) == len(ro["state"]) > 0
+    for k, st in ro["state"].items():
+        for name, v in st.items():
+            torch.testing.assert_close(go["state"][k][name], v, rtol=0, atol=0, msg=lambda m: f"{k}.{name}: {m}")
+    for key in ("global_step", "loops", "lr_schedulers"):
+        assert got[key] == ref[key], key
+    for k, v in d["ref"]["resumed"].items():
+        torch.testing.assert_close(d["got"]["resumed"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("case", ["plain", "tied", "limit"])

@@ -115,7 +115,7 @@ def test_bad_export_input_is_one_clear_message(trained, tmp_path, case, capsys):
     elif case == "exists":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "mine.txt").write_text("keep me")
-        needle = "exists and is not an empty directory"
+        needle = "exists; name a new one, or pass --force"
     elif case == "inside":
         args, needle = [str(ckpt), str(ckpt / "hf")], "is inside the checkpoint"
     elif case == "bad_dtype":

@@ -216,6 +216,18 @@ def test_consolidate_output_loads_strict_and_equals_the_trained_model(tmp_path):
     assert t.global_step == 10
 
 
+def test_consolidate_refuses_to_overwrite_an_existing_output_unless_forced(tmp_path, capsys):
+    train_and_save(tmp_path, chunk())
+    ckpt, out = str(tmp_path / "step=8.ckpt"), tmp_path / "full.pt"
+    out.write_text("a file of mine")
+    assert cli_main(["consolidate", ckpt, str(out), "--no-progress"]) == 2
+    assert "exists; name a new one, or pass --force" in capsys.readouterr().err
+    assert out.read_text() == "a file of mine"  # untouched
+    assert cli_main(["consolidate", ckpt, str(out), "--no-progress", "--force"]) == 0
+    assert "state_dict" in torch.load(out, weights_only=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing left beside it
+
+
 MEMORY_SCRIPT = r"""
 import sys
 sys.path.insert(0, {root!r})

@@ -79,15 +79,22 @@ def test_bad_strategy_knobs_name_the_value():
         ChunkOffloadStrategy(device_memory_limit=-5)
 
 
-def test_memory_stats_are_logged_every_step(tmp_path):
-    t = trainer(tmp_path, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096), max_steps=5,
-                logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1)
+@pytest.mark.parametrize("which", [True, "all"])
+def test_memory_stats_are_logged_every_step(tmp_path, which):
+    """By default a few (where the bytes are, what moved, where the time went); every entry when asked."""
+    t = trainer(tmp_path, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, log_memory_stats=which),
+                max_steps=5, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1)
     t.fit(ParityNet(), token_data())
     rows = list(csv.DictReader(open(next(Path(tmp_path).rglob("metrics.csv")))))
-    for col in ("device_chunk_bytes", "device_chunk_bytes_peak", "host_chunk_bytes", "h2d_bytes", "d2h_bytes",
-                "evictions"):
+    for col in ("device_chunk_bytes", "device_chunk_bytes_peak", "host_chunk_bytes", "evictions", "gathers",
+                "time_gather_wait_s", "time_optimizer_s"):
         assert f"chunk/{col}" in rows[0]
-    assert float(rows[-1]["chunk/h2d_bytes"]) > 0 and float(rows[-1]["chunk/host_chunk_bytes"]) > 0
+    assert float(rows[-1]["chunk/gathers"]) > 0 and float(rows[-1]["chunk/host_chunk_bytes"]) > 0
+    logged = [c for c in rows[0] if c.startswith("chunk/")]
+    if which == "all":
+        assert "chunk/h2d_bytes" in rows[0] and len(logged) == len(t.strategy.memory_stats()) > 30
+    else:
+        assert "chunk/h2d_bytes" not in rows[0] and len(logged) <= 20
 
 
 def test_chunk_telemetry_logs_where_each_step_s_time_went_and_prints_the_totals(tmp_path, caplog):

@@ -41,9 +41,25 @@ def test_min_above_max_is_rejected():
 
 @pytest.mark.parametrize("value,expected", [
     (1000, 1000), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("2gib", 2 * 2**30), ("64", 64), (None, None),
+    ("12G", 12 * 10**9), ("12GB", 12 * 10**9), ("12 gib", 12 * 2**30), ("12Gi", 12 * 2**30), ("3 k", 3000),
+    (2e9, 2 * 10**9), ("1e3", 1000),
 ])
 def test_parse_bytes(value, expected):
+    """[Note: memory sizes]: K/M/G/T and KB/MB/GB/TB are powers of 1000, Ki/Mi/Gi/Ti and KiB/... powers of 1024."""
     assert parse_bytes(value, field="x") == expected
+
+
+@pytest.mark.parametrize("value,needle", [
+    (0.5, "not a whole number of bytes"), (-5, "must be a positive number"), ("-1GiB", "must be a positive number"),
+    ("0.5", "must be a positive number"), (0, "must be a positive number"), ("twelve", "is not a memory size"),
+    ("12 GiBs", "is not a memory size"), (True, "is not a memory size"), (float("nan"), "must be a positive number"),
+])
+def test_bad_memory_sizes_are_refused_with_the_accepted_forms(value, needle):
+    with pytest.raises(ValueError) as e:
+        parse_bytes(value, field="device_memory_limit")
+    msg = str(e.value)
+    assert f"device_memory_limit={value!r}" in msg and needle in msg
+    assert "KiB" in msg and "powers of 1000" in msg and "powers of 1024" in msg  # the forms it takes
 
 
 def test_config_is_frozen_and_replace_makes_a_new_one():

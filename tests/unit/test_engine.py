@@ -82,8 +82,8 @@ def test_limit_too_small_for_the_traced_step_fails_before_the_first_step_with_nu
     with pytest.raises(DeviceMemoryLimitError) as e:
         eng.prepare_step()
     msg = str(e.value)
-    assert "device_memory_limit=8000 bytes is too small" in msg
-    assert "4224 bytes of chunks" in msg and "non-model memory" in msg and "smallest limit" in msg
+    assert "device_memory_limit=8000 bytes (7.81 KiB) is too small" in msg  # MiB/GiB/KiB beside the bytes
+    assert "4224 bytes (4.12 KiB) of chunks" in msg and "non-model memory" in msg and "smallest limit" in msg
     needed = int(msg.split("would work is ")[1].split(" bytes")[0])
     assert needed > 8000
     eng.teardown()
@@ -93,7 +93,7 @@ def test_limit_too_small_for_the_traced_step_fails_before_the_first_step_with_nu
 
 def test_limit_too_small_for_one_module_fails_at_construction():
     m = nn.Sequential(nn.Linear(64, 64))
-    with pytest.raises(DeviceMemoryLimitError, match="one module needs 16640 bytes of chunks.*or lower chunk_numel"):
+    with pytest.raises(DeviceMemoryLimitError, match=r"one module needs 16640 bytes \(16.25 KiB\) of chunks.*or lower chunk_numel"):
         ChunkEngine(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
                     config=ChunkConfig(device_memory_limit=1000, chunk_numel=4160))
     # a user who left the chunk size to us is not told to lower it: it is as low as the largest parameter already

@@ -186,11 +186,12 @@ def test_spill_to_disk_names_the_smallest_limit_that_works():
     from lightning_chunk.engine.placement import spill_to_disk
 
     views = _shards(6)
-    with pytest.raises(HostMemoryLimitError, match=r"host_memory_limit=2000 bytes is too small.*holds 1200 bytes of "
-                                                   r"shards.*up to 1600 bytes.*smallest limit that works is 2800 bytes"):
+    with pytest.raises(HostMemoryLimitError, match=r"host_memory_limit=2000 bytes \(1.95 KiB\) is too small.*holds "
+                                                   r"1200 bytes of shards.*up to 1600 bytes.*smallest "
+                                                   r"limit that works is 2800 bytes \(2.73 KiB\)"):
         spill_to_disk(views, {v.chunk_id: Tier.HOST for v in views}, 2000)
     # a user who left the chunk size to us is not told to lower it ([Note: an automatic chunk size that fits])
-    with pytest.raises(HostMemoryLimitError, match=r"works is 2800 bytes \(chunk_numel=None already keeps") as e:
+    with pytest.raises(HostMemoryLimitError, match=r"works is 2800 bytes \(2.73 KiB\); chunk_numel=None already keeps") as e:
         spill_to_disk(views, {v.chunk_id: Tier.HOST for v in views}, 2000, chunk_numel_chosen=False)
     assert "lower chunk_numel" not in str(e.value)
 

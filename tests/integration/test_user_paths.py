@@ -1,0 +1,386 @@
+"""The paths a Lightning user takes first, written from the user's side (a LightningModule and a Trainer, no engine
+internals), one rank against plain Lightning. The two-rank versions run in tests/distributed/."""
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from tests import models
+from tests.models import ParityNet, fit, token_data
+
+STEPS = 12
+EXACT = dict(rtol=0, atol=0)
+
+
+def assert_same_params(ref, got, tol):
+    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
+        assert not b.isnan().any(), f"{n} is NaN"
+        torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **tol)
+
+
+def relative_update_error(ref, got, init) -> float:
+    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters(), strict=True))
+    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters(), strict=True))
+    return float((num / den).sqrt())
+
+
+# ------------------------------------------------------------------ a tied head read in the root forward
+@pytest.mark.parametrize("variant", ["plain", "matmul"], ids=["F.linear", "matmul"])
+@pytest.mark.parametrize("kw", [dict(placement="host"), dict(device_memory_limit=600_000, chunk_numel=20_000)],
+                         ids=["host", "evicting_limit"])
+def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, variant):
+    """[Note: parameters read outside their owner]: the root's read of the embedding's weight found its payload
+    released and trained to NaN, silently. Now the root adopts it: the same parameters as plain Lightning. The
+    limit is just above the smallest that holds the root's chunk through the step (587,268 bytes) and below the
+    model's payloads beside the activations, so payloads are evicted."""
+    shape = dict(dim=64, hidden=256, depth=4)
+    ref = fit("auto", steps=STEPS, cls=models.RootTiedNet, variant=variant, model_kwargs=shape)
+    got = fit(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), steps=STEPS, cls=models.RootTiedNet,
+              variant=variant, model_kwargs=shape)
+    assert_same_params(ref, got, EXACT)
+    if "device_memory_limit" in kw:
+        assert got.trainer_ref.strategy.memory_stats()["evictions"] > 0  # the limit did release payloads
+
+
+def test_a_tied_head_read_in_the_root_forward_validates_like_plain_lightning():
+    """The first read comes in the sanity check's validation, before any training step traced the model."""
+    dl = dict(val_dataloaders=token_data(16, seed=1), num_sanity_val_steps=2, limit_val_batches=2, val_check_interval=4)
+    ref = fit("auto", steps=8, cls=models.RootTiedNet, **dl)
+    got = fit(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"), steps=8, cls=models.RootTiedNet, **dl)
+    assert_same_params(ref, got, EXACT)
+    assert got.trainer_ref.callback_metrics["val_loss"] == ref.trainer_ref.callback_metrics["val_loss"]
+
+
+@pytest.mark.parametrize("leaf", [models.RootTiedNet, "RootTiedNet"])
+def test_the_root_module_is_accepted_in_leaf_modules(leaf):
+    """The root as a leaf owns every parameter, gathered for the whole step (it was refused: "names no module")."""
+    ref = fit("auto", steps=STEPS, cls=models.RootTiedNet)
+    got = fit(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", leaf_modules=[leaf]), steps=STEPS,
+              cls=models.RootTiedNet)
+    assert_same_params(ref, got, EXACT)
+
+
+# ------------------------------------------------------------------ BatchNorm in mixed precision
+@pytest.mark.parametrize("placement", ["auto", "device", "host", "static"])
+def test_a_batchnorm_cnn_trains_in_bf16_mixed_like_plain_lightning(placement):
+    """[Note: normalisation in mixed precision]: the first step failed with "expected scalar type BFloat16 but
+    found Float". BatchNorm's parameters compute in fp32 as under plain autocast; the rest in bf16."""
+    init = fit("auto", steps=0, cls=models.BatchNormCNN)
+    ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN, precision="bf16-mixed")
+    got = fit(ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", chunk_numel=10_000), steps=STEPS,
+              cls=models.BatchNormCNN, precision="bf16-mixed")
+    # payloads are bf16 where autocast casts fp32 weights per op: the embedding (which autocast leaves in fp32)
+    # looks its rows up in bf16, so the update agrees to bf16's rounding, not bit for bit
+    assert relative_update_error(ref, got, init) < 0.01
+    for (n, a), (_, b) in zip(ref.named_buffers(), got.named_buffers(), strict=True):
+        assert b.dtype == a.dtype, n
+        torch.testing.assert_close(b.float(), a.float(), rtol=0.02, atol=0.02, msg=lambda m: f"{n}: {m}")
+    assert all(p.dtype == torch.float32 for p in got.parameters())
+
+
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_a_batchnorm_cnn_trains_in_16_mixed_like_plain_lightning(placement):
+    """fp16 payloads with dynamic loss scaling (on CPU through the plugin instance, as Lightning's connector turns
+    ``precision="16-mixed"`` into bf16 there): the update agrees with autocast and GradScaler to a few percent, as
+    for the other fp16 cases (gradients of fp16 payloads are rounded to fp16 before the fp32 master)."""
+    init = fit("auto", steps=0, cls=models.BatchNormCNN)
+    ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN,
+              plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    got = fit(ChunkOffloadStrategy(placement=placement, chunk_numel=10_000), steps=STEPS, cls=models.BatchNormCNN,
+              plugins=[ChunkPrecision("16-mixed")])
+    assert relative_update_error(ref, got, init) < 0.05
+    assert all(p.dtype == torch.float32 and not p.isnan().any() for p in got.parameters())
+
+
+# ------------------------------------------------------------------ every save complete
+def _fit_and_save(strategy, path, *, after_validate=False):
+    L.seed_everything(7, verbose=False)
+    model = ParityNet()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=2)
+    trainer.fit(model, token_data(), token_data(16, seed=1))
+    if after_validate:
+        trainer.validate(model, token_data(16, seed=1), verbose=False)
+    trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=False)
+
+
+def _resume(strategy, path):
+    L.seed_everything(7, verbose=False)
+    model = ParityNet()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=14, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    trainer.fit(model, token_data(), ckpt_path=path)
+    return model
+
+
+@pytest.mark.parametrize("after_validate", [False, True], ids=["after_fit", "after_validate"])
+def test_save_checkpoint_after_fit_keeps_the_optimizer_state_and_resumes_like_plain_lightning(tmp_path,
+                                                                                              after_validate):
+    """[Note: optimizer state after fit]: the checkpoint held no optimizer state, so a resume restarted Adam's
+    moments silently. It now holds what plain Lightning's holds, and the resume trains to the same parameters."""
+    ref = _fit_and_save("auto", tmp_path / "ref.ckpt", after_validate=after_validate)
+    got = _fit_and_save(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"), tmp_path / "got.ckpt",
+                        after_validate=after_validate)
+    for key in ("epoch", "global_step", "loops", "callbacks", "lr_schedulers"):
+        assert got[key] == ref[key], key
+    (ro,), (go,) = ref["optimizer_states"], got["optimizer_states"]
+    assert len(go["state"]) == len(ro["state"]) == len(list(ParityNet().parameters()))
+    for k, st in ro["state"].items():
+        for name, v in st.items():
+            torch.testing.assert_close(go["state"][k][name], v, **EXACT, msg=lambda m: f"{k}.{name}: {m}")
+    # the user's groups as they built them: the engine's kernel flags are set for its steps alone
+    assert go["param_groups"] == ro["param_groups"] and go["param_groups"][0]["fused"] is None
+    for k, v in ref["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][k], v, **EXACT)
+    resumed_ref = _resume("auto", tmp_path / "ref.ckpt")
+    resumed = _resume(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"), tmp_path / "got.ckpt")
+    assert_same_params(resumed_ref, resumed, EXACT)
+
+
+# ------------------------------------------------------------------ deferred init with what a module holds
+class WithMetric(ParityNet):
+    """A torchmetrics metric updated and logged in training and validation, a buffer with a ``reset_parameters``
+    and a non-persistent buffer."""
+
+    def build(self) -> None:
+        super().build()
+        self.acc = torchmetrics.Accuracy(task="multiclass", num_classes=models.VOCAB)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def reset_parameters(self) -> None:  # the LightningModule owns its buffers directly
+        self.calls.zero_()
+        self.scratch.zero_()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x).float()
+        self.acc(logits.reshape(-1, models.VOCAB), y.reshape(-1))
+        self.log("train_acc", self.acc)
+        self.scratch += 1
+        return F.cross_entropy(logits.reshape(-1, models.VOCAB), y.reshape(-1))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.acc(self(x).reshape(-1, models.VOCAB), y.reshape(-1))
+        self.log("val_acc", self.acc)
+
+
+def _fit_deferred(strategy, *, empty_init):
+    L.seed_everything(7, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=2, val_check_interval=4)
+    with trainer.init_module(empty_init=empty_init):
+        model = WithMetric()
+    trainer.fit(model, token_data(), token_data(16, seed=1))
+    return model, trainer
+
+
+def test_deferred_init_with_a_torchmetrics_metric_trains_and_logs_like_plain_lightning():
+    """[Note: metrics under deferred init]: the metric's states were built on the meta device and the fit failed at
+    its end with "Cannot copy out of meta tensor; no data!"."""
+    ref, rt = _fit_deferred("auto", empty_init=False)  # plain Lightning's empty init leaves values unset
+    got, gt = _fit_deferred(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"), empty_init=True)
+    assert_same_params(ref, got, EXACT)
+    for key in ("train_acc", "val_acc"):
+        assert gt.callback_metrics[key] == rt.callback_metrics[key], key
+    assert torch.equal(got.scratch, ref.scratch) and not got.acc.tp.is_meta
+
+
+def test_a_meta_buffer_nothing_initialises_is_refused_at_setup_by_name():
+    class Unresettable(WithMetric):
+        def build(self) -> None:
+            super().build()
+            self.register_buffer("mask", torch.ones(3))
+
+        def reset_parameters(self) -> None:
+            pass
+
+    L.seed_everything(7, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with trainer.init_module(empty_init=True):
+        model = Unresettable()
+    with pytest.raises(Exception, match=r"mask") as info:
+        trainer.fit(model, token_data())
+    assert trainer.global_step == 0
+    assert "meta" in str(info.value) or "reset_parameters" in str(info.value)
+
+
+def test_a_tied_head_read_in_a_compiled_root_forward_trains_like_plain_lightning():
+    """The root's ``forward`` compiled (dynamo reads every parameter while it traces: those reads adopt nothing)."""
+
+    def run(strategy):
+        torch._dynamo.reset()
+        L.seed_everything(7, verbose=False)
+        model = models.RootTiedNet()
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0)
+        model.forward = torch.compile(model.forward, backend="aot_eager")
+        trainer.fit(model, token_data())
+        return model
+
+    assert_same_params(run("auto"), run(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop")), EXACT)
+
+
+class NeedsFp32(torch.nn.Module):
+    """A layer whose kernel takes fp32 weights only (a custom CUDA or C++ op, here an assertion)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        assert self.scale.dtype == torch.float32, f"fp32 weights expected, got {self.scale.dtype}"
+        return x * self.scale.to(x.dtype)
+
+
+class WithNeedsFp32(ParityNet):
+    def build(self) -> None:
+        super().build()
+        self.fp32 = NeedsFp32(self.shape["dim"])
+
+    def forward(self, x, use_branch=True):
+        h = self.fp32(self.embed(x))
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+
+def test_modules_named_in_full_precision_modules_keep_fp32_parameters_in_bf16_mixed():
+    with pytest.raises(AssertionError, match="fp32 weights expected"):
+        fit(ChunkOffloadStrategy(), steps=2, cls=WithNeedsFp32, plugins=[ChunkPrecision("bf16-mixed")])
+    got = fit(ChunkOffloadStrategy(placement="host"), steps=4, cls=WithNeedsFp32,
+              plugins=[ChunkPrecision("bf16-mixed", full_precision_modules=[NeedsFp32])])
+    assert not got.fp32.scale.isnan().any() and not torch.equal(got.fp32.scale, torch.ones_like(got.fp32.scale))
+
+
+# ------------------------------------------------------------------ lightning-chunk plan
+def test_plan_takes_module_colon_class_and_says_in_one_line_that_it_needs_data():
+    from lightning_chunk.plan import load_class, plan_from_args
+
+    assert load_class("tests.models:ParityNet") is ParityNet and load_class("tests.models.ParityNet") is ParityNet
+    with pytest.raises(ValueError, match=r"no train_dataloader.*--data") as e:
+        plan_from_args("tests.models:ParityNet", None, None, None, None, {}, None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"is not a file \(a path is taken from the current folder"):
+        plan_from_args("no/such/file.py:Model", None, None, None, None, {}, None)
+
+
+def test_plan_report_adds_up_and_prints_small_sizes_in_their_unit():
+    from lightning_chunk.plan import plan_from_args
+
+    report = plan_from_args("tests.models:ParityNet", "tests.models:TokenData", None, None, None,
+                            {"device_memory_limit": "300 KiB", "chunk_numel": 4096}, None)
+    text = report.render()
+    line = text.split("chunks")[1].splitlines()[0]
+    total, params, padding = (int(x.replace(",", "")) for x in
+                              (line.split(": ")[1].split(" elements")[0], line.split("= ")[1].split(" parameters")[0],
+                               line.split("+ ")[1].split(" padding")[0]))
+    assert total == params + padding and params == report.param_numel
+    assert "0.00 GiB" not in text and "0.0 MiB" not in text and "300.00 KiB: fits" in text
+
+
+# ------------------------------------------------------------------ silent no-ops say so, once
+def test_disk_dir_without_a_host_limit_warns_that_it_does_nothing(tmp_path):
+    with pytest.warns(UserWarning, match=r"disk_dir=.* does nothing without host_memory_limit"):
+        ChunkOffloadStrategy(disk_dir=str(tmp_path))
+
+
+class LogsGradNorm(ParityNet):
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        self.norms.append(grad_norm(self, norm_type=2))
+        with self.trainer.strategy.full_parameters(with_grads=True):
+            self.inside.append(grad_norm(self, norm_type=2))
+
+
+def test_grad_norm_outside_full_parameters_warns_once_and_inside_it_gives_the_norms():
+    L.seed_everything(7, verbose=False)
+    model = LogsGradNorm()
+    model.norms, model.inside = [], []
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.warns(UserWarning, match=r"grad_norm\(\) read no gradients") as seen:
+        trainer.fit(model, token_data())
+    assert sum("grad_norm() read no gradients" in str(w.message) for w in seen) == 1
+    assert model.norms == [{}, {}, {}]  # what grad_norm sees outside: nothing, as before, but now said
+    assert all(d["grad_2.0_norm_total"] > 0 for d in model.inside)
+
+
+class L2Penalty(ParityNet):
+    """An L2 penalty over ``self.parameters()`` in ``training_step``, and the values recorded there: reads by
+    iteration, held for the micro-batch (its backward reads them), not adopted for good."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 2:
+            self.seen = [p.detach().clone() for p in self.parameters()]
+        return loss + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
+
+
+@pytest.mark.parametrize("kw", [dict(placement="host"), dict(device_memory_limit=100_000, chunk_numel=4096)],
+                         ids=["host", "evicting_limit"])
+def test_parameters_iterated_in_training_step_are_read_and_differentiated_like_plain_lightning(kw, caplog):
+    ref = fit("auto", steps=STEPS, cls=L2Penalty)
+    with caplog.at_level("INFO", logger="lightning_chunk.engine.hooks"):
+        got = fit(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), steps=STEPS, cls=L2Penalty)
+    assert_same_params(ref, got, EXACT)
+    for a, b in zip(ref.seen, got.seen, strict=True):
+        torch.testing.assert_close(b, a, **EXACT)
+    assert "is read by" not in caplog.text  # held for each micro-batch, adopted by no module
+    if "device_memory_limit" in kw:
+        assert got.trainer_ref.strategy.memory_stats()["evictions"] > 0
+
+
+def test_the_default_kernel_is_not_written_into_the_user_s_optimizer_or_its_checkpoints(tmp_path):
+    """[Note: the kernel and the user's param groups]: optimizer_kernel='auto' wrote fused=True into the groups, so
+    a checkpoint resumed under another strategy stepped with a kernel the user never chose."""
+    got = _fit_and_save(ChunkOffloadStrategy(), tmp_path / "got.ckpt")
+    assert [g["fused"] for g in got["optimizer_states"][0]["param_groups"]] == [None, None]
+    L.seed_everything(7, verbose=False)
+    model = ParityNet()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, token_data())
+    assert all(g["fused"] is None and g["foreach"] is None for g in trainer.optimizers[0].param_groups)
+
+
+def test_sync_batchnorm_trains_in_bf16_mixed_like_plain_lightning():
+    """``Trainer(sync_batchnorm=True)``: the SyncBatchNorm layers keep fp32 payloads as BatchNorm's do."""
+    init = fit("auto", steps=0, cls=models.BatchNormCNN)
+    ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN, precision="bf16-mixed", sync_batchnorm=True)
+    got = fit(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", chunk_numel=10_000), steps=STEPS,
+              cls=models.BatchNormCNN, precision="bf16-mixed", sync_batchnorm=True)
+    assert relative_update_error(ref, got, init) < 0.01
+
+
+class Reparametrised(ParityNet):
+    """Weight reparametrisations (``torch.nn.utils.parametrize``): weight norm on a block, and an identity
+    parametrization on the head, whose ``weight`` is then its ``original`` parameter itself."""
+
+    def build(self) -> None:
+        from torch.nn.utils import parametrizations, parametrize
+
+        super().build()
+        parametrizations.weight_norm(self.blocks[0][1])
+        parametrize.register_parametrization(self.head, "weight", torch.nn.Identity())
+
+
+@pytest.mark.parametrize("kw", [dict(placement="host"), dict(device_memory_limit=100_000, chunk_numel=4096)],
+                         ids=["host", "evicting_limit"])
+def test_reparametrised_weights_train_like_plain_lightning(kw):
+    """[Note: leaf modules]: the identity's ``original`` was let go at its ParametrizationList's end and the head
+    read NaN (host placement). A parametrized module is a leaf."""
+    ref = fit("auto", steps=STEPS, cls=Reparametrised)
+    got = fit(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), steps=STEPS, cls=Reparametrised)
+    assert_same_params(ref, got, EXACT)
