@@ -76,6 +76,16 @@ def released_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.de
     return one.expand(shape)
 
 
+_PLACEHOLDER_STORAGES: list[frozenset[int]] = [frozenset()]
+
+
+def placeholder_storages() -> frozenset[int]:
+    """The storages (``data_ptr``) that released parameters' placeholders view: one element each."""
+    if len(_PLACEHOLDER_STORAGES[0]) != len(_NOT_A_VALUE):  # a placeholder of a new dtype or device was made
+        _PLACEHOLDER_STORAGES[0] = frozenset(t.untyped_storage().data_ptr() for t in _NOT_A_VALUE.values())
+    return _PLACEHOLDER_STORAGES[0]
+
+
 @dataclass(eq=False)
 class InFlight:
     """A prefetch into a chunk's payload that has not landed: an asynchronous all-gather (with the source it

@@ -73,7 +73,7 @@ from .full_params import state_dict_hooks
 from .grad_graph import GradGraphKeeper
 from .leaves import LeafModules
 from .reads import __file__ as reads_file
-from .reads import reading, unwatch, unwatched, watch
+from .reads import ReleasedReads, reading, unwatch, unwatched, watch
 from .chunk import Tier
 from .chunk import nbytes as tensor_nbytes
 from .manager import ChunkManager
@@ -141,6 +141,7 @@ class ChunkHooks:
         self._key_of: dict[int, str] = {}  # id(module) -> its key; inside a leaf, the leaf's
         self.owners_changed = False  # a module adopted a parameter it read: the trace must be taken again
         self._held: set[int] = set()  # parameters read by iteration in this micro-batch, in use to its backward's end
+        self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
         self._learn_owners()
 
     # ============================================================ installation
@@ -458,6 +459,13 @@ class ChunkHooks:
                 self._gather_or_explain(chunk.chunk_id, (*self._chunks_of.get(key, ()), chunk.chunk_id))
             chunk.set_state(info, S.COMPUTE)
 
+    def _param_name(self, t: torch.Tensor) -> Optional[str]:
+        """The name of the parameter ``t`` is, or is a view of (``w.T``)."""
+        for candidate in (t, t._base):
+            if candidate is not None and id(candidate) in self.manager.index_of:
+                return self.manager.lookup(candidate)[1].name
+        return None
+
     def _let_go_of_held(self) -> None:
         """Parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's,
         whose backward never came) are free to go."""
@@ -716,7 +724,11 @@ class ChunkHooks:
             if ROOT in self._owned:
                 self._hook_outputs(ROOT, out)
 
-        with counting, reading(self._read):
+        # the warm-up (and the first evaluation step) also checks every op for released parameters the watch
+        # cannot see ([Note: parameters read outside their owner] in reads.py)
+        check = record or (not training and not self._evaluated)
+        self._evaluated = self._evaluated or not training
+        with counting, reading(self._read), ReleasedReads(self._param_name) if check else contextlib.nullcontext():
             yield outputs
         if ROOT in self._owned:
             if training and torch.is_grad_enabled() and not registered:

@@ -22,10 +22,14 @@ parameters as "external parameters" of the running module. A read by iteration (
 for good would keep the whole model gathered for every later step: it is *held* instead, gathered and in use
 until this micro-batch's backward ends (its graph may read it there), and let go after.
 
-What is not seen: a parameter reached other than as a module attribute (a reference kept in a plain list or a
-closure before training). Such a read between uses sees the placeholder; ``leaf_modules`` names the module that
-reads it, so that it owns its subtree ([Note: leaf modules] in ``leaves.py``), or the root, which then owns every
-parameter for the whole step.
+What the watch cannot see: a parameter reached other than as a module attribute (a reference kept in a plain list
+or a closure before training). Such a read finds the placeholder. While a warm-up micro-batch runs (and the first
+evaluation step), ``ReleasedReads`` looks at every torch function's tensor arguments: one that views a
+placeholder's storage (the parameter, or a view of it such as ``w.T``) raises at once, naming the parameter and
+the fix — read it as a module attribute, or name the module that reads it in ``leaf_modules``, so that it owns
+its subtree ([Note: leaf modules] in ``leaves.py``), the root included. Later steps run the same code, so a read
+the warm-up did not make is one a data-dependent branch makes; they are not checked (a Python call per torch
+function would cost every step).
 
 The watch costs a dictionary look-up per attribute read during a step, none outside one. A module is copied or
 pickled with a plain dict (``__reduce_ex__``), so copies (an EMA's, a deep copy in a callback) and saved modules
@@ -38,6 +42,11 @@ import contextlib
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .chunk import placeholder_storages
+from .errors import ChunkError
 
 Reader = Callable[[torch.Tensor, bool], None]  # (parameter, read by attribute: else by iteration)
 
@@ -72,6 +81,51 @@ class WatchedParameters(dict):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return dict, (dict(dict.items(self)),)
+
+
+# torch functions that read no values: metadata, views (an op on the view is checked), hooks, the engine's own
+# ``param.data = ...``
+_NOT_READS = frozenset({
+    "__get__", "__set__", "size", "dim", "numel", "stride", "storage_offset", "untyped_storage", "data_ptr",
+    "element_size", "is_floating_point", "is_contiguous", "__hash__", "__len__", "register_hook",
+    "register_post_accumulate_grad_hook", "requires_grad_", "detach", "view", "view_as", "expand", "expand_as",
+    "t", "transpose", "permute", "reshape", "flatten", "unsqueeze", "squeeze", "as_strided", "__getitem__", "split",
+    "chunk", "narrow", "select", "unbind", "_is_view", "is_leaf", "get_device",
+})
+
+
+class ReleasedReads(TorchFunctionMode):
+    """An op that reads a released parameter's placeholder raises ([Note: parameters read outside their owner]).
+    ``name(tensor)``: the parameter's name, if ``tensor`` is a managed parameter."""
+
+    def __init__(self, name: Callable[[torch.Tensor], Optional[str]]) -> None:
+        super().__init__()
+        self.name = name
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _NOT_READS:
+            released = placeholder_storages()
+            if released:
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, torch.Tensor) and _storage(t) in released:
+                        what = self.name(t)
+                        raise ChunkError(
+                            f"{getattr(func, '__name__', func)} read "
+                            + (f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})")
+                            + " while its chunk was released: the code holds a reference the engine cannot follow "
+                            "(a list or closure made before training, not a module attribute), so it would compute "
+                            "with NaN. Read the parameter as an attribute of its module (self.tok.weight), or name "
+                            "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
+                            "LightningModule itself included).")
+        return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # meta and fake tensors (dynamo tracing) hold no storage
+        return -1
 
 
 def watch(module: torch.nn.Module) -> None:

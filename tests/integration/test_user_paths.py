@@ -384,3 +384,31 @@ def test_reparametrised_weights_train_like_plain_lightning(kw):
     ref = fit("auto", steps=STEPS, cls=Reparametrised)
     got = fit(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), steps=STEPS, cls=Reparametrised)
     assert_same_params(ref, got, EXACT)
+
+
+class CapturedReference(ParityNet):
+    """A tied head through a reference kept in a plain list: no module attribute is read, so the watch cannot see
+    it; the warm-up's check of every op can."""
+
+    def build(self) -> None:
+        super().build()
+        del self.head
+        self.refs = [self.embed.weight]
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.norm(h) @ self.refs[0].T
+
+
+def test_a_released_parameter_read_through_a_kept_reference_fails_at_once_naming_it_and_the_fix():
+    """Never NaN: the warm-up's first forward raises, naming the parameter and leaf_modules, before any step."""
+    with pytest.raises(Exception, match=r"matmul read parameter 'embed.weight' while its chunk was released.*"
+                                        r"leaf_modules") as info:
+        fit(ChunkOffloadStrategy(placement="host"), steps=4, cls=CapturedReference)
+    assert info.value.__class__.__name__ == "ChunkError"
+    ref = fit("auto", steps=STEPS, cls=CapturedReference)  # the fix it names: the root as a leaf
+    got = fit(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", leaf_modules=[CapturedReference]),
+              steps=STEPS, cls=CapturedReference)
+    assert_same_params(ref, got, EXACT)
