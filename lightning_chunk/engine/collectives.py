@@ -200,6 +200,7 @@ class Collectives:
                  verify: Optional[bool | str] = None) -> None:
         self.group = group
         self.timeout_s = timeout_s
+        self.planning_only = False  # Collectives.planning: describes ranks, never communicates
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
@@ -294,6 +295,7 @@ class Collectives:
         c = cls.__new__(cls)
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
         c.gloo = False
+        c.planning_only = False
         c._tag_device = torch.device("cpu")
         c.names = lambda chunk, module: f"chunk {chunk}"
         c.peers = []
@@ -307,6 +309,7 @@ class Collectives:
         """Describes ``world_size`` ranks (this one rank 0) for sizing shards; it must not communicate."""
         c = cls.local()
         c.world_size = world_size
+        c.planning_only = True
         return c
 
     # ---------------------------------------------------------------- checks
@@ -439,8 +442,8 @@ class Collectives:
         if self.world_size > 1:
             _refuse_if_broken(f"[rank {self.rank}] {what}")
             self._check_device(what, t)
-            work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group,
-                                   async_op=True)
+            work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                          "min": dist.ReduceOp.MIN}[op], group=self.group, async_op=True)
             Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return t
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -55,6 +56,8 @@ from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_
 from .scaler import DynamicLossScaler
 from .tracer import Trace
 
+_log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ShapePlan:
@@ -80,6 +83,29 @@ class ShapePlan:
     def disk_bytes(self) -> int:
         """One rank's bytes in the disk tier's files."""
         return sum(v.disk_bytes for v in self.views if self.tiers[v.chunk_id] is Tier.DISK)
+
+
+def agree_on_limits(config: ChunkConfig, comm: Collectives) -> ChunkConfig:
+    """Every rank plans under the smallest device and host limit any rank has.
+
+    [Note: one limit for every rank]
+    The device limit drives the chunk size, the shard tiers, every eviction and prefetch, and the limit checks, all
+    decided by each rank on its own. On CUDA its default is the device's free memory at set-up less a margin, which
+    differs from GPU to GPU (contexts, other tenants, another node): ranks whose limits differed by 300 KB (two
+    gloo ranks, the agreement check off as on NCCL) evicted different chunks, paired same-size all-gathers of
+    different chunks (payloads built from mixed shards, silently) and then hung. Before anything is planned the
+    ranks agree on the minimum of each limit (``None``, no limit, counts as the largest); the host limit too, since
+    it decides which shards go to disk and whether chunks step in backward."""
+    none = 2**62
+    t = torch.tensor([config.device_memory_limit or none, config.host_memory_limit or none], dtype=torch.int64,
+                     device=comm.tensor_device())
+    device, host = (None if v >= none else int(v) for v in comm.all_reduce(t, "min", what="the agreement on the "
+                                                                          "memory limits").tolist())
+    if (device, host) == (config.device_memory_limit, config.host_memory_limit):
+        return config
+    _log.info("[rank %d] device_memory_limit %s and host_memory_limit %s: the smallest of every rank's", comm.rank,
+              device, host)
+    return config.replace(device_memory_limit=device, host_memory_limit=host)
 
 
 class ChunkEngine:
@@ -127,6 +153,8 @@ class ChunkEngine:
         if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
             config = config.replace(device_memory_limit=default_device_limit(device))
         config = resolve_reshard_after_forward(config, device)
+        if collectives is not None and collectives.world_size > 1 and not collectives.planning_only:
+            config = agree_on_limits(config, collectives)
         self.config = config
         if config.host_memory_limit is not None:  # the user bounded host memory: keep chunk-sized blocks off the heap
             map_large_blocks()

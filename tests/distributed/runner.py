@@ -11,6 +11,7 @@ saves both parameter sets, every rank saves its memory stats; each rank prints
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -161,6 +162,11 @@ CASES = {
     "root_tied_host": dict(cls="RootTiedNet", strategy=dict(placement="host")),
     "root_tied_limit": dict(cls="RootTiedNet", variant="matmul", model=dict(dim=64, hidden=512, depth=3),
                             strategy=dict(chunk_numel=33_000), limit_fraction=1.15),
+    # ranks whose limits differ (each GPU's free memory, on CUDA): they must plan under one limit, the smallest
+    # ([Note: one limit for every rank]); with their own they evicted different chunks and paired different gathers
+    "limits_differ": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fractions=(0.9, 1.3),
+                          strategy=dict(chunk_numel=None, chunk_numel_min=4096, placement="host",
+                                        reshard_after_forward=False, verify_collectives=False)),
     # BatchNorm 1d/2d/3d in mixed precision ([Note: normalisation in mixed precision]): bf16 against DDP with bf16
     # autocast, released after use, and fp16 with loss scaling against DDP with GradScaler
     "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),
@@ -207,6 +213,8 @@ def run_parity(case: str, out: Path) -> None:
     skw.update(spec.get("strategy", {}))
     if "limit_fraction" in spec:
         skw["device_memory_limit"] = int(param_bytes * spec["limit_fraction"])  # below this rank's share
+    if "limit_fractions" in spec:  # each rank its own limit, as each GPU's free memory gives ([Note: one limit ...])
+        skw["device_memory_limit"] = int(param_bytes * spec["limit_fractions"][int(os.environ.get("LOCAL_RANK", 0))])
     if "host_memory_limit" in spec:
         skw.update(host_memory_limit=spec["host_memory_limit"], disk_dir=str(out / f"{case}.disk"))
     if "weights" in spec:

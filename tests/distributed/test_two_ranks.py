@@ -23,7 +23,7 @@ PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharde
           "grad_penalty_accumulate_unsharded", "grad_penalty_early_accumulate",
           "two_optimizers", "toggled_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "disk_defaults_after", "early", "early_unused", "early_accumulate", "early_limit",
-          "root_tied_host", "root_tied_limit", "bn_cnn_bf16", "bn_cnn_bf16_host", "bn_cnn_fp16"]
+          "root_tied_host", "root_tied_limit", "bn_cnn_bf16", "bn_cnn_bf16_host", "bn_cnn_fp16", "limits_differ"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
                "early_limit": "reordered_auto_limit", "early_host_bf16_one_pass": "host_bf16_one_pass"}
@@ -160,6 +160,16 @@ def test_a_checkpoint_saved_after_fit_holds_ddp_s_optimizer_state_and_resumes_li
         assert got[key] == ref[key], key
     for k, v in d["ref"]["resumed"].items():
         torch.testing.assert_close(d["got"]["resumed"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_ranks_given_different_limits_plan_under_the_smallest(parity_run):
+    """[Note: one limit for every rank]: both ranks report the smaller limit, evicted, and trained like DDP
+    (test_parity_with_ddp[limits_differ])."""
+    out, _, _ = parity_run
+    s0, s1 = stats(out, "limits_differ")
+    assert s0["limit"] < s1["limit"]  # what each rank was given
+    assert s0["device_memory_limit"] == s1["device_memory_limit"] == s0["limit"]  # what both planned under
+    assert s0["evictions"] == s1["evictions"] > 0
 
 
 @pytest.mark.parametrize("case", ["plain", "tied", "limit"])
