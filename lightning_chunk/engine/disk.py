@@ -50,6 +50,7 @@ from typing import Optional
 
 import torch
 
+from .config import format_bytes
 from .errors import DiskTierError
 from .libc import libc
 
@@ -125,17 +126,19 @@ class ScratchDir:
         return self.path.exists()
 
 
-def check_room(root: Path, nbytes: int, what: str) -> None:
-    """Refuse, before anything is written, a directory whose filesystem has fewer than ``nbytes`` free."""
+def check_room(root: Path, nbytes: int, what: str, ranks: int = 1) -> None:
+    """Refuse, before anything is written, a directory whose filesystem has fewer than ``nbytes`` free (what
+    ``ranks`` ranks of this host need together)."""
     try:
         st = os.statvfs(root)
     except OSError as e:
         raise DiskTierError(f"disk_dir={str(root)!r}: {e.strerror}.") from None
     free = st.f_bavail * st.f_frsize
     if free < nbytes:
+        who = f" (for the {ranks} ranks of this host, which share it)" if ranks > 1 else ""
         raise DiskTierError(
-            f"the disk tier needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) in disk_dir={str(root)!r} for {what}, "
-            f"but its filesystem has {free} bytes free; free space, choose another disk_dir, or raise "
+            f"the disk tier needs {format_bytes(nbytes)} in disk_dir={str(root)!r}{who} for {what}, but its "
+            f"filesystem has {format_bytes(free)} free; free space, choose another disk_dir, or raise "
             "host_memory_limit so fewer shards go to disk.")
 
 

@@ -105,10 +105,12 @@ class DiskStorage(TierStorage):
         return self._dir
 
     def check_room(self, nbytes: int, what: str) -> None:
-        """Before a layout is built: its disk bytes must fit on the directory's filesystem; and whether they can
-        stay in the page cache decides how they move (``disk_io``)."""
+        """Before a layout is built: its disk bytes must fit on the directory's filesystem, for every rank of this
+        host (they share it: with one rank's bytes counted each rank passed, then one failed mid-pack while the
+        others waited for it in a collective); and whether they can stay in the page cache decides how they move
+        (``disk_io``)."""
         if nbytes > 0:
-            check_room(self.directory.root, nbytes + self.bytes_held(), what)
+            check_room(self.directory.root, (nbytes + self.bytes_held()) * self.ranks_here, what, self.ranks_here)
             self.direct = use_direct(self.io, nbytes * self.ranks_here, (self.host_limit or 0) * self.ranks_here,
                                      page_cache_room() if self.io == "auto" else None)
 

@@ -205,7 +205,7 @@ def test_a_full_disk_is_refused_with_the_bytes_needed(tmp_path, monkeypatch):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     t = trainer(disk(tmp_path), STEPS)
     with pytest.raises(DiskTierError, match=r"the disk tier needs \d+ bytes .* in disk_dir='.*scratch'.* 1000000 "
-                                            r"bytes free"):
+                                            r"bytes \(976.56 KiB\) free"):
         t.fit(model, token_data())
     assert t.global_step == 0
     for n, p in model.named_parameters():
@@ -228,6 +228,28 @@ try:
 except DiskTierError as e:
     print("REFUSED", e)
 """
+
+
+def test_the_room_check_counts_every_rank_that_shares_the_directory(tmp_path, monkeypatch):
+    """Issue 49, defect 5: two ranks of a host that need 1 MB each of a filesystem with 1.5 MB free both passed a
+    check of their own bytes; one then failed mid-pack while the other waited for it in a collective. Each rank
+    now checks for all the ranks of its host, so both refuse before anything is written."""
+    import lightning_chunk.engine.disk as disk_mod
+    from lightning_chunk.engine.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers import HostStorage
+
+    class Free:
+        f_frsize, f_bavail = 1, 1_500_000
+
+    monkeypatch.setattr(disk_mod.os, "statvfs", lambda p: Free())
+    alone = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False), ranks_here=1)
+    alone.check_room(1_000_000, "the pack")  # one rank fits
+    shared = DiskStorage(str(tmp_path), 1, HostStorage(pinned=False), ranks_here=2)
+    with pytest.raises(DiskTierError, match=r"needs 2000000 bytes \(1.91 MiB\) .*for the 2 ranks of this host, "
+                                            r"which share it.* 1500000 bytes \(1.43 MiB\) free"):
+        shared.check_room(1_000_000, "the pack")
+    for d in (alone, shared):
+        d.close()
 
 
 def test_a_filesystem_that_cannot_hold_a_shard_is_refused(tmp_path):
