@@ -182,7 +182,8 @@ class ShapePlanReport:
         return "\n".join([
             f"model               {self.model}: {p.param_numel:,} parameters, precision {self.precision}; planned for "
             f"{self.ranks} rank(s) from shapes alone (nothing built)",
-            f"chunks              {_chunk_line(len(p.layout.chunks), p.layout.capacity_numel, p.param_numel, p.layout.padding_numel)}",
+            "chunks              "
+            + _chunk_line(len(p.layout.chunks), p.layout.capacity_numel, p.param_numel, p.layout.padding_numel),
             f"shards a rank       {g(p.shard_bytes())} (masters, compute copies, gradients, optimizer state; "
             f"16 bytes a parameter over {self.ranks} rank(s) would be {g(ideal)})",
             f"placement           {self.placement}, before the warm-up: {g(p.shard_bytes(Tier.DEVICE))} on the device, "

@@ -58,10 +58,10 @@ def _version() -> str:
     return __version__
 
 
-# the ChunkConfig fields the strategy takes as arguments (all but the tests' invariant checking)
 # the memory_stats() entries logged by default (with the time_*_s breakdown): where the bytes are and what moved
 LOGGED_STATS = frozenset({"device_chunk_bytes", "device_chunk_bytes_peak", "host_chunk_bytes", "disk_chunk_bytes",
                           "evictions", "gathers", "loss_scale", "grad_norm"})
+# the ChunkConfig fields the strategy takes as arguments (all but the tests' invariant checking)
 CONFIG_ARGS = tuple(f.name for f in dataclasses.fields(ChunkConfig) if f.name != "check_invariants")
 
 # name -> (placement, description)

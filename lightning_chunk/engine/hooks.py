@@ -383,7 +383,8 @@ class ChunkHooks:
                 + (f", {grads} bytes of gradients wait to be reduced" if grads else "")
                 + f" and {missing} more bytes must be gathered"
                 + (f", next to {nonmodel} bytes of traced activations" if nonmodel else "")
-                + f". The smallest limit that would work is {format_bytes(shards + pinned + grads + missing + nonmodel)}"
+                + ". The smallest limit that would work is "
+                + format_bytes(shards + pinned + grads + missing + nonmodel)
                 + ("" if self.trace is not None else " plus the activations, which the warm-up step measures")
                 + ("; or lower chunk_numel." if self.policy.config.chunk_numel is not None else ".")
             ) from None

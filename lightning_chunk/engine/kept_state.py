@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .consolidate import _pieces, optimizer_state_parts, state_shard
 from .manager import ChunkManager
+from .optim import OptimizerBinding
 
 
 @dataclass
@@ -63,12 +64,11 @@ class KeptOptimizerState:
         return {"state": state, "param_groups": self.param_groups}
 
 
-def keep_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor], optimizer: torch.optim.Optimizer,
-                         group_params: list[list[int]]) -> KeptOptimizerState:
-    """This rank's pieces of ``optimizer``'s state, copied to the host. A collective with several ranks (the
+def keep_optimizer_state(mgr: ChunkManager, binding: OptimizerBinding) -> KeptOptimizerState:
+    """This rank's pieces of ``binding``'s optimizer state, copied to the host. A collective with several ranks (the
     scalar state and the keys are agreed as for a checkpoint)."""
-    plain_pos = {i: n for n, i in enumerate(i for g in group_params for i in g)}
-    parts = optimizer_state_parts(mgr, views, optimizer.state)
+    plain_pos = binding.plain_positions()
+    parts = optimizer_state_parts(mgr, binding.views(), binding.optimizer.state)
     pieces: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
     for chunk in mgr.chunks:
         lo, _ = chunk.shard_range
@@ -79,9 +79,8 @@ def keep_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor], opti
             if i in plain_pos and i in parts.scalars and a < b:
                 pieces[plain_pos[i]] = (a - t.offset, {key: s[a - lo : b - lo].to("cpu", copy=True)
                                                        for key, s in shards.items()})
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [plain_pos[i] for i in group_params[n]]}
-              for n, g in enumerate(optimizer.param_groups)]
     return KeptOptimizerState(
         pieces=pieces, scalars={plain_pos[i]: st for i, st in parts.scalars.items() if i in plain_pos},
-        shapes={plain_pos[i]: mgr.params[i].shape for i in plain_pos}, dtypes=dict(parts.keys), param_groups=groups)
+        shapes={plain_pos[i]: mgr.params[i].shape for i in plain_pos}, dtypes=dict(parts.keys),
+        param_groups=binding.plain_param_groups(plain_pos))
 

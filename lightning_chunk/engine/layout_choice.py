@@ -124,7 +124,8 @@ class LayoutChooser:
             # the automatic size was already lowered as far as it goes (to the largest parameter) before this
             chosen = self.config.chunk_numel is not None
             raise DeviceMemoryLimitError(
-                f"device_memory_limit={format_bytes(limit)} is too small: one module needs {format_bytes(need)} of chunks at once "
+                f"device_memory_limit={format_bytes(limit)} is too small: one module needs {format_bytes(need)} of "
+                "chunks at once "
                 f"({describe(layout)}"
                 + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
                 + f"), before any activations. The smallest limit that could work is {format_bytes(need)} plus the "

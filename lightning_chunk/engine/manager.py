@@ -128,8 +128,8 @@ class ChunkManager:
         if self.limit is not None and self.ledger[Tier.DEVICE] + nbytes > self.limit:
             raise DeviceMemoryLimitError(
                 f"[rank {self.comm.rank}] {what} needs {nbytes} more bytes on the device tier, which already holds "
-                f"{format_bytes(self.ledger[Tier.DEVICE])} of chunk memory; device_memory_limit={format_bytes(self.limit)} "
-                "would be exceeded."
+                f"{format_bytes(self.ledger[Tier.DEVICE])} of chunk memory; "
+                f"device_memory_limit={format_bytes(self.limit)} would be exceeded."
             )
 
     def room_for(self, nbytes: int, what: str, make_room: MakeRoom = None) -> None:

@@ -367,14 +367,20 @@ class OptimizerBinding:
         """``optimizer.state_dict()`` as the unchunked optimizer would write it (whole state, parameter shapes).
 
         A collective with several ranks: every rank calls it and gets the whole state."""
-        plain_pos = {i: n for n, i in enumerate(i for g in self.group_params for i in g)}
+        plain_pos = self.plain_positions()
         whole = gather_optimizer_state(self.manager, self._views, self.optimizer.state, plain_pos)
-        groups = []
-        for k, g in enumerate(self.optimizer.param_groups):
-            groups.append({**{key: v for key, v in g.items() if key != "params"},
-                           "params": [plain_pos[i] for i in self.group_params[k]]})
         return {"state": {plain_pos[i]: st for i, st in sorted(whole.items(), key=lambda kv: plain_pos[kv[0]])},
-                "param_groups": groups}
+                "param_groups": self.plain_param_groups(plain_pos)}
+
+    def plain_positions(self) -> dict[int, int]:
+        """Parameter index -> its position in the unchunked optimizer's ``state_dict``."""
+        return {i: n for n, i in enumerate(i for g in self.group_params for i in g)}
+
+    def plain_param_groups(self, plain_pos: dict[int, int]) -> list[dict[str, Any]]:
+        """The param groups as the unchunked optimizer's ``state_dict`` writes them (the user's kernel flags)."""
+        return [{**{key: v for key, v in g.items() if key != "params"},
+                 "params": [plain_pos[i] for i in self.group_params[k]]}
+                for k, g in enumerate(self.optimizer.param_groups)]
 
     def load_plain_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a state dict written by the unchunked optimizer (or by ``plain_state_dict``); each rank keeps its piece."""

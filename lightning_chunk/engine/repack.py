@@ -241,7 +241,8 @@ def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *
     own_dtype = spec.key.dtype
     chunk = Chunk(
         spec=spec, capacity_numel=spec.capacity_numel, rank=mgr.comm.rank, world_size=mgr.comm.world_size,
-        compute_dtype=mgr.dtypes.compute_for(own_dtype, own_dtype=spec.key.own_dtype), master_dtype=mgr.dtypes.master_for(own_dtype),
+        compute_dtype=mgr.dtypes.compute_for(own_dtype, own_dtype=spec.key.own_dtype),
+        master_dtype=mgr.dtypes.master_for(own_dtype),
         shard_tier=tier,
     )
     lo, hi = chunk.shard_range

@@ -188,7 +188,8 @@ class ChunkEngine:
         dtypes = dtypes or DtypePolicy()
         keep = dtypes.own_dtype_params(module)
         self.manager = ChunkManager(named, group_of, config=self.config, dtypes=dtypes, device=device,
-                                    collectives=collectives, own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep})
+                                    collectives=collectives,
+                                    own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep})
         self.policy = make_policy(self.config)
         self.hooks = ChunkHooks(module, self.manager, self.policy)
         self.hooks.on_trace_done = self._trace_done
@@ -300,10 +301,11 @@ class ChunkEngine:
             chunks_b, nonmodel_b = smallest_working_limit(views, trace)
             if chunks_b + nonmodel_b > limit:
                 raise DeviceMemoryLimitError(
-                    f"device_memory_limit={format_bytes(limit)} is too small: the warm-up step needs {format_bytes(chunks_b)} of chunks "
-                    f"at once (the largest chunk is {max((v.payload_bytes for v in views), default=0)} bytes) and "
-                    f"traced {format_bytes(nonmodel_b)} of non-model memory (activations). The smallest limit that would work "
-                    f"is {format_bytes(chunks_b + nonmodel_b)}."
+                    f"device_memory_limit={format_bytes(limit)} is too small: the warm-up step needs "
+                    f"{format_bytes(chunks_b)} of chunks at once (the largest chunk is "
+                    f"{max((v.payload_bytes for v in views), default=0)} bytes) and traced {format_bytes(nonmodel_b)} "
+                    f"of non-model memory (activations). The smallest limit that would work is "
+                    f"{format_bytes(chunks_b + nonmodel_b)}."
                 )
         old_tiers = [c.shard_tier for c in self.manager.chunks]
         # same layout: chunk ids correspond, so the tiers compare position by position
@@ -631,8 +633,7 @@ class ChunkEngine:
         for b in self.bindings:
             b.detach_grads()
             if materialize and not optimizer_state:  # [Note: optimizer state after fit] in kept_state.py
-                self.kept_optimizer_states[id(b.optimizer)] = keep_optimizer_state(
-                    self.manager, b.views(), b.optimizer, b.group_params)
+                self.kept_optimizer_states[id(b.optimizer)] = keep_optimizer_state(self.manager, b)
             b.unbind(whole_state=materialize and optimizer_state)
         unpack(self.manager, materialize=materialize, device=device)
         self.manager.close()
