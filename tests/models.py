@@ -576,3 +576,51 @@ class BatchNormCNN(ParityNet):
         h = F.relu(self.bn2(self.conv2(h.unsqueeze(-1)))).squeeze(-1)
         h = self.bn3(h[..., None, None]).flatten(2)
         return self.head(h.transpose(1, 2))
+
+
+class Gate(nn.Module):
+    """A module that owns a parameter directly and uses it only when told: ``image_newline`` in a vision-language
+    model, used only when the batch has images."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, h: torch.Tensor, use: bool) -> torch.Tensor:
+        h = self.proj(h)
+        # a new tensor either way: returning ``h`` itself would put the gate's backward hook on the projection's
+        # output, where it runs before or after the projection's by the order they were added, so ranks would run
+        # the two backward moments in different orders (which the module check refuses)
+        return h * self.scale if use else h * 1.0
+
+
+class RankGatedNet(ParityNet):
+    """Every rank runs the same modules, but a gate's own parameter gets a gradient on some ranks and not others,
+    differently at each step (DDP's ``find_unused_parameters=True`` case): rank r uses it when ``r + batch_idx`` is
+    even, so in the warm-up too one rank has it and the other not."""
+
+    def build(self) -> None:
+        super().build()
+        self.gates = nn.ModuleList(Gate(self.shape["dim"]) for _ in range(self.shape["depth"]))
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        for blk, gate in zip(self.blocks, self.gates):
+            h = h + blk(h)
+            h = h + gate(h, use_branch)
+        return self.head(self.norm(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.calls += 1
+        logits = self(x, use_branch=(self.global_rank + batch_idx) % 2 == 0)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+class SpareNet(ParityNet):
+    """A layer no step ever uses (a head kept for later): it gets no gradient on any rank, so it never steps."""
+
+    def build(self) -> None:
+        super().build()
+        self.spare = nn.Linear(self.shape["dim"], self.shape["dim"])

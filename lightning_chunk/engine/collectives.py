@@ -67,6 +67,14 @@ placement's re-gathers (and the other way round). With the agreement check on, e
 reduce-scatter has a group of its own anyway ([Note: agreeing without a barrier]); with it off, all-gathers
 and reduce-scatters still get one group each, made at set-up: on the peers model with host placement the
 step was 2.87 and 3.05 s with one group for all, 2.74 and 2.47 s with the two (2026-11-24, two runs each).
+
+[Note: gloo as NCCL]
+NCCL runs every collective of a process group on one communicator, in issue order, and the agreement check is off
+by default there: ranks that issue different sequences hang, or pair two same-size collectives of different chunks
+and mix their data. On gloo the engine has two safety nets NCCL lacks (a group per kind of collective, and the
+check), so a CPU test could pass where 8 GPUs fail. With ``LIGHTNING_CHUNK_GLOO_AS_NCCL=1`` gloo runs as NCCL does:
+every collective on the data-parallel group, the check off unless ``verify_collectives`` asks for it; waits stay
+bounded, so a divergence fails the test with an error instead of hanging it. The multi-rank parity suite runs so.
 """
 
 from __future__ import annotations
@@ -88,6 +96,7 @@ from .agreement import OPS, Agreement, Check, CollectiveMismatchError, gloo_grou
 from .errors import ChunkError
 
 
+GLOO_AS_NCCL = "LIGHTNING_CHUNK_GLOO_AS_NCCL"  # [Note: gloo as NCCL]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch: the old name
 
 
@@ -207,9 +216,11 @@ class Collectives:
             backend = dist.get_backend(group)
         else:
             self.rank, self.world_size, backend = 0, 1, None
+        # [Note: gloo as NCCL]: one communicator for everything and no check, as NCCL runs by default
+        self.as_nccl = backend == "gloo" and os.environ.get(GLOO_AS_NCCL, "0") not in ("", "0")
         # [Note: checking once a micro-batch]: None is "batch" on gloo and off on NCCL; True is "each"
         if verify is None:
-            mode = "batch" if backend == "gloo" else None
+            mode = "batch" if backend == "gloo" and not self.as_nccl else None
         else:
             mode = {True: "each", False: None}.get(verify, verify)  # type: ignore[arg-type]
         self.verify = mode is not None
@@ -228,7 +239,7 @@ class Collectives:
             self._learn_peers()
             if self.verify:
                 self.agreement = Agreement(self, lazy=self.gloo, mode=mode)
-            elif self.gloo:  # [Note: a gloo group per kind of collective]
+            elif self.gloo and not self.as_nccl:  # [Note: a gloo group per kind of collective]
                 self._op_groups = {op: gloo_group_over(group) for op in OPS[:2]}
 
     def _learn_peers(self) -> None:
@@ -294,7 +305,7 @@ class Collectives:
         """One rank, whether or not a process group exists."""
         c = cls.__new__(cls)
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
-        c.gloo = False
+        c.gloo = c.as_nccl = False
         c.planning_only = False
         c._tag_device = torch.device("cpu")
         c.names = lambda chunk, module: f"chunk {chunk}"

@@ -80,7 +80,7 @@ from .manager import ChunkManager
 from .placement import PlacementPolicy, activation_room
 from .sequence import GRADIENTS, ModuleSequence
 from .states import TensorState
-from .tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentEvent, Trace
+from .tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentEvent, MomentKey, Trace
 
 S = TensorState
 _eager = torch.compiler.disable  # see [Note: hooks under torch.compile]
@@ -106,6 +106,7 @@ class ChunkHooks:
         self.trace: Optional[Trace] = None
         self.tracer = MemoryTracer(self._is_model_storage, manager.device, lambda: manager.ledger[Tier.DEVICE])
         self.position = -1  # moment within the current micro-batch
+        self._occurrences: dict[tuple[str, str], int] = {}  # moments of each kind and module so far this step
         self._this_moment: tuple[str, str] = ("", "")  # (kind, module key) of the moment at ``position``
         self._previous_moment: tuple[str, str] = ("", "")  # and of the one before it
         self._freed_room = False  # the last plan released payloads for memory ([Note: moments with nothing to release])
@@ -278,6 +279,10 @@ class ChunkHooks:
             self.tracer.record(kind, key, chunk_ids, self._owned.get(key, ()))
         if self.manager.comm.world_size > 1:
             self._sequence.add(kind, key)
+            n = self._occurrences.get((kind, key), 0)
+            self._occurrences[(kind, key)] = n + 1
+            if self._backward_queued and self.training:  # [Note: when a chunk reduces] in reduce.py
+                self.manager.reducer.at_moment(MomentKey(kind, key, n), self.make_room)
         return chunk_ids
 
     def _pinned(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -651,6 +656,8 @@ class ChunkHooks:
             with self.manager.clock.measure("grad_copy"):
                 self.manager.accumulate_grad(param, grad, self.make_room)
             param.grad = None
+            if self.tracer.recording:
+                self.tracer.grad_arrived(self.manager.index_of[id(param)])
 
     def _queue_end_of_backward(self) -> None:
         if not self._backward_queued:
@@ -660,6 +667,7 @@ class ChunkHooks:
                 # say the order backward will complete the chunks in, near enough: reverse first use
                 # ([Note: reduce order] in reduce.py)
                 self.manager.set_reduce_order(self.tracer.forward_first_use()[::-1])
+            self.manager.reducer.begin_backward(traced=self.trace is not None and not self.tracer.recording)
             if self.on_backward_start is not None:
                 self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
@@ -687,13 +695,15 @@ class ChunkHooks:
         # [Note: a backward that delivers no gradient]
         arrived, self._grads_arrived = self._grads_arrived, False
         self._sequence.add(GRADIENTS, "delivered" if arrived else "none delivered")
-        self._sequence.check(self.manager.comm, lambda key: self._chunks_of.get(key, ()))
+        # reduce first: a chunk whose gradients this rank did not all get reduces here, and the other ranks may be
+        # waiting for that reduce-scatter, not yet in the check's collective
         self.manager.end_backward(self.make_room, grads_arrived=arrived)
+        self._sequence.check(self.manager.comm, lambda key: self._chunks_of.get(key, ()))
         self.grad_graph.backward_ended()
         if arrived and self.on_backward_end is not None:
             self.on_backward_end()
         if self.tracer.recording:
-            self.trace = self.tracer.finish()
+            self.trace = self.tracer.finish(len(self.manager.params))
             if self.on_trace_done is not None:
                 self.on_trace_done(self.trace)
         if self.policy.evict_after_use:
@@ -710,6 +720,7 @@ class ChunkHooks:
         self._open_backward.clear()
         self._pinned_by_backward.clear()
         self.position = -1
+        self._occurrences = {}
         self._this_moment = self._previous_moment = ("", "")
         self.training = training
         counting = contextlib.nullcontext()

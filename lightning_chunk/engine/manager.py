@@ -215,6 +215,17 @@ class ChunkManager:
         """Several ranks: reduce chunks in the order backward completes them ([Note: reduce order] in reduce.py)."""
         self.reducer.set_order(self.chunks, completion)
 
+    def follow_trace(self, trace: Any) -> None:
+        """Several ranks: reduce each chunk at the moment after the trace's gradients say it is complete, or in the
+        order of its last use where the trace recorded no gradients ([Note: when a chunk reduces] in reduce.py)."""
+        index_of = self.index_of
+        due = trace.reduce_moments(
+            {c.chunk_id: [index_of[id(t.param)] for t in c.tensors if t.requires_grad] for c in self.chunks})
+        if due:
+            self.reducer.set_moments(self.chunks, due)
+        else:
+            self.reducer.set_order(self.chunks, trace.backward_completion_order())
+
     def grads_to_move(self, c: Chunk) -> bool:
         """The chunk's gradient shard holds gradients of this step that a repack must carry."""
         written = c.grad_written if self.comm.world_size > 1 else any(t.has_grad for t in c.tensors)
@@ -372,11 +383,8 @@ class ChunkManager:
             self.reducer.add(chunk, info.offset, grad, make_room)
         info.has_grad = True
         chunk.set_state(info, S.READY_FOR_REDUCE)
-        if chunk.grads_complete():
-            if self.comm.world_size == 1:
-                self.reduce(chunk)
-            else:
-                self.reducer.chunk_complete(make_room)
+        if chunk.grads_complete() and self.comm.world_size == 1:
+            self.reduce(chunk)  # several ranks reduce at moments ([Note: when a chunk reduces] in reduce.py)
         self._changed()
         return chunk
 

@@ -13,12 +13,13 @@ device tier (``manager.room_for``), so the ledger stays the one account of chunk
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
 from .chunk import Chunk, Tier
 from .chunk import nbytes as tensor_nbytes
+from .errors import ChunkError
 from .offload import GradOffload
 from .repack import piece_range
 from .states import TensorState
@@ -41,6 +42,11 @@ class GradReducer:
         self._inflight: list[tuple[Chunk, Any]] = []  # reduce-scatters launched, not yet landed
         self._order: list[int] = []  # chunks reduce in this order on every rank
         self._next = 0
+        # the position of the moment after which each chunk of ``_order`` reduces in a traced backward, or None:
+        # reduce each chunk as soon as every rank has all its gradients ([Note: when a chunk reduces])
+        self._due: Optional[dict[Hashable, list[int]]] = None
+        self._traced = False  # this backward follows a trace with ``_due``
+        self._launched: set[int] = set()  # chunks reduced in this backward (a later gradient for one is an error)
         self._filled: dict[int, dict[int, object]] = {}  # chunk id -> payload offset -> _RAW or _SCALED
         # called with a chunk whose gradients of this backward are final in its shard ([Note: stepping in backward])
         self.on_final: Optional[Callable[[Chunk], None]] = None
@@ -49,6 +55,19 @@ class GradReducer:
     def reset_order(self, chunks: Sequence[Chunk]) -> None:
         """Highest id first: right when each chunk holds consecutive layers (the trace refines it)."""
         self._order = sorted((c.chunk_id for c in chunks if c.trainable), reverse=True)
+        self._next, self._due = 0, None
+
+    def set_moments(self, chunks: Sequence[Chunk], due: dict[int, Optional[Hashable]]) -> None:
+        """Reduce each chunk at the start of the moment ``due`` names (None: at the end of backward), in the order
+        the trace has them complete; see [Note: when a chunk reduces]."""
+        trainable = [c.chunk_id for c in chunks if c.trainable]
+        rank = {key: i for i, key in enumerate(dict.fromkeys(k for k in due.values() if k is not None))}
+        self._order = sorted(trainable, key=lambda c: (rank.get(due.get(c), len(rank)), -c))
+        self._due = {}
+        for cid in self._order:
+            key = due.get(cid)
+            if key is not None:
+                self._due.setdefault(key, []).append(cid)
         self._next = 0
 
     def set_order(self, chunks: Sequence[Chunk], completion: Sequence[int]) -> None:
@@ -70,7 +89,7 @@ class GradReducer:
         trainable = {c.chunk_id for c in chunks if c.trainable}
         named = [cid for cid in dict.fromkeys(completion) if cid in trainable]
         self._order = named + sorted(trainable - set(named), reverse=True)
-        self._next = 0
+        self._next, self._due = 0, None
 
     # ============================================================== gradients
     def add(self, chunk: Chunk, offset: int, grad: torch.Tensor, make_room: MakeRoom) -> None:
@@ -85,6 +104,13 @@ class GradReducer:
         ranges hold raw sums, scaled once when the reducing micro-batch adds its gradient (or at ``reduce``
         for a range that got none then): (g1 + g2) / w, as DDP computes it. A second gradient for a range
         already scaled in the same micro-batch (reentrant checkpointing can deliver two) adds g / w."""
+        if self.sync and chunk.chunk_id in self._launched:
+            raise ChunkError(
+                f"a gradient for chunk {chunk.chunk_id} (parameters {', '.join(t.name for t in chunk.tensors[:4])}"
+                f"{' ...' if len(chunk.tensors) > 4 else ''}) arrived after the chunk was reduced in this backward: "
+                "the warm-up traced every gradient of the chunk earlier in backward. A parameter used at another "
+                "point of the step than in the warm-up (data-dependent control flow) must be in a module the step "
+                "runs at the same point; name the module that reads it in leaf_modules, or report this.")
         self._ensure_payload(chunk, make_room)
         flat = grad.reshape(-1)
         dst = chunk.grad_payload[offset : offset + flat.numel()]  # type: ignore[index]
@@ -142,16 +168,61 @@ class GradReducer:
         if end < payload.numel():
             payload[end:].zero_()
 
-    def chunk_complete(self, make_room: MakeRoom) -> None:
-        """A chunk's gradients became final: reduce every chunk whose turn has come."""
-        if self.sync:
-            self._drain(force=False, make_room=make_room)
+    # [Note: when a chunk reduces]
+    # Every rank must issue its chunk collectives in one sequence: NCCL pairs them by position on one communicator
+    # ([Note: gloo as NCCL] in collectives.py). A rank once launched a chunk's reduce-scatter when its gradients
+    # were complete *on that rank*; a parameter that got a gradient on some ranks and not others (a module's own
+    # parameter used only when the batch has images) made one rank launch it in the middle of backward and the
+    # other only at the end, between different all-gathers: a deadlock, or two chunks' data mixed. So with several
+    # ranks a reduce-scatter is launched only at the start of a moment (a module hook, the same sequence on every
+    # rank, checked at each backward's end) or at the end of backward, and which chunks go is decided the same way
+    # on every rank:
+    # - in a traced backward, by the trace: the warm-up records after which moment each parameter's gradient
+    #   arrived, the ranks agree on the latest (the all-reduce that agrees on activations carries it), and a chunk
+    #   reduces at the start of the moment after all of its parameters' gradients; a rank that got no gradient for
+    #   one contributes zeros, as DDP does for an unused parameter. A chunk with a parameter no rank's warm-up gave
+    #   a gradient reduces at the end. The moment is named by its kind, module and occurrence in the step
+    #   (``MomentKey``), not its position, so a step that skips a module (a branch taken every third batch) still
+    #   reduces the rest on time; a chunk whose moment does not come reduces at the end. A gradient that arrives
+    #   after its chunk was reduced is refused with an error, never dropped.
+    # - in the warm-up (and a re-traced micro-batch), by agreement: at each moment of backward the ranks all-reduce
+    #   (min) which waiting chunks are complete, and those reduce. One small collective a moment, in these steps
+    #   only. A chunk incomplete on one rank holds back only itself, not the chunks after it.
+    # The vote after backward (``agree_on_grads``) still decides which parameters have a gradient at all.
+
+    def begin_backward(self, *, traced: bool) -> None:
+        """A backward starts: it follows the trace's reduce positions, or agrees at each moment."""
+        self._traced = traced and self._due is not None
+
+    def at_moment(self, key: Hashable, make_room: MakeRoom) -> None:
+        """A moment of backward begins ([Note: when a chunk reduces]): reduce the chunks whose turn has come, by the
+        trace (``key`` names the moment) or by every rank's gradients."""
+        if not self.sync:
+            return
+        chunks = self.manager.chunks
+        if self._traced:
+            assert self._due is not None
+            for cid in self._due.get(key, ()):
+                if cid not in self._launched:
+                    self.reduce(chunks[cid], make_room)
+            return
+        waiting = [cid for cid in self._order if cid not in self._launched]
+        if not waiting:
+            return
+        comm = self.manager.comm
+        complete = torch.tensor([int(chunks[cid].grads_complete()) for cid in waiting], dtype=torch.int32,
+                                device=comm.tensor_device())
+        agreed = comm.all_reduce(complete, "min", what="the agreement on which chunks' gradients are complete")
+        for cid, done in zip(waiting, agreed.tolist(), strict=True):
+            if done:
+                self.reduce(chunks[cid], make_room)
 
     def reduce(self, chunk: Chunk, make_room: MakeRoom) -> None:
         """Launch the reduce-scatter of the chunk's gradient payload (scaled by 1/world_size, as DDP does,
         [Note: filling the gradient payload in one pass]) and go on with backward; the result lands in the
         shard in ``land``."""
         mgr = self.manager
+        self._launched.add(chunk.chunk_id)
         if self.sync:
             self._ensure_payload(chunk, make_room)  # this rank got no gradient for the chunk: contribute zeros
             with mgr.tracked(chunk):
@@ -203,22 +274,16 @@ class GradReducer:
             self.manager.pool.empty(chunk.grad_payload.untyped_storage())  # a view still held sees no bytes
             chunk.grad_payload = None
 
-    def _drain(self, *, force: bool, make_room: MakeRoom) -> None:
-        """Reduce chunks in the one order every rank shares; ``force`` also takes incomplete ones (end of backward)."""
-        chunks = self.manager.chunks
-        while self._next < len(self._order):
-            chunk = chunks[self._order[self._next]]
-            if not force and not chunk.grads_complete():
-                break
-            self.reduce(chunk, make_room)
-            self._next += 1
-
     def end_backward(self, make_room: MakeRoom) -> None:
-        """Reduce what is left (chunks with tensors that got no gradient) and land everything."""
+        """Reduce what is left (chunks with tensors that got no gradient on this rank) and land everything."""
         if self.sync:
-            self._drain(force=True, make_room=make_room)
+            chunks = self.manager.chunks
+            for cid in self._order:
+                if cid not in self._launched:
+                    self.reduce(chunks[cid], make_room)
             self.land()
             self._next = 0
+        self._launched.clear()
         self.offload.drain()  # the optimizer and the next step read finished gradient shards
 
 

@@ -151,6 +151,20 @@ class FromModule:
         return True
 
 
+def _grads_anywhere(mgr: "ChunkManager", chunks: list[Chunk]) -> set[int]:
+    """The parameters whose gradients a repack carries: those that got one on any rank. Every parameter of a chunk
+    reduced this step once counted (its ``grad_written`` is the same on every rank), and a parameter no rank had
+    used then stepped from a zero gradient after the repack: weight decay moved it where ``torch.optim`` skips it.
+    A rank's flag covers the parameter, or (after the vote) its pieces of it, and some rank holds every piece."""
+    moving = [t for c in chunks if mgr.grads_to_move(c) for t in c.tensors]
+    flags = [t.has_grad for t in moving]
+    if mgr.comm.world_size > 1:  # the same chunks, in the same order, on every rank
+        voted = torch.tensor([int(f) for f in flags] or [0], dtype=torch.int32, device=mgr.comm.tensor_device())
+        flags = [bool(f) for f in mgr.comm.all_reduce(voted, "max", what="the vote on gradients a repack carries"
+                                                      ).tolist()[: len(moving)]]
+    return {t.slot.param_index for t, f in zip(moving, flags, strict=True) if f}
+
+
 class OldChunks:
     """The chunks of the layout being replaced, read one at a time (see [Note: streaming repack])."""
 
@@ -161,8 +175,7 @@ class OldChunks:
         self.owner = {t.slot.param_index: c for c in chunks for t in c.tensors}
         self.left = {c.chunk_id: len(c.tensors) for c in chunks}
         self.loaded: set[int] = set()  # old chunk ids already read (and dropped)
-        self.had_grad = {t.slot.param_index for c in chunks for t in c.tensors
-                         if mgr.grads_to_move(c) and (t.has_grad or c.grad_written)}
+        self.had_grad = _grads_anywhere(mgr, chunks)
         self._values: dict[int, torch.Tensor] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._extra: dict[int, dict[str, torch.Tensor]] = {}

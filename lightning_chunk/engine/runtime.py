@@ -312,7 +312,7 @@ class ChunkEngine:
         if layout != self.manager.layout or old_tiers != [new_tiers[c.chunk_id] for c in layout.chunks]:
             self._place(layout, views, new_tiers)
             release_freed_memory()  # the warm-up's evict-everything gathers and the repack left freed heap pages
-        self.manager.set_reduce_order(trace.backward_completion_order())
+        self.manager.follow_trace(trace)
         self.hooks.trace = trace
 
     def _trace_again(self) -> None:
@@ -365,19 +365,25 @@ class ChunkEngine:
         self._place(layout, views, tiers)
         self.hooks.watch_grads()
         if trace is not None:
-            mgr.set_reduce_order(trace.backward_completion_order())
+            mgr.follow_trace(trace)
             self.hooks.trace = trace
         self._backward_ends()  # the last step's gradients moved along: attach them again (as _trace_again does)
         release_freed_memory()
 
     def _agree_on_activations(self, trace: Trace) -> Trace:
         """Every rank plans from the largest activations any rank measured at each moment: ranks whose budgets
-        differed would evict and gather different chunks, and so pair different collectives."""
+        differed would evict and gather different chunks, and so pair different collectives. In the same
+        all-reduce, every rank takes the latest moment any rank saw each parameter's gradient arrive after
+        ([Note: when a chunk reduces] in reduce.py)."""
         if self.comm.world_size == 1 or not trace.moments:
             return trace
-        t = torch.tensor([m.nonmodel_bytes for m in trace.moments], dtype=torch.int64, device=self.comm.tensor_device())
+        n = len(trace.moments)
+        t = torch.tensor([m.nonmodel_bytes for m in trace.moments] + list(trace.grad_positions), dtype=torch.int64,
+                         device=self.comm.tensor_device())
         most = self.comm.all_reduce(t, "max", what="the agreement on traced activations").tolist()
-        return Trace(tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most)))
+        return Trace(tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most[:n],
+                                                                                          strict=True)),
+                     tuple(int(p) for p in most[n:]))
 
     def _check_same_trace(self, trace: Trace) -> None:
         """Every rank must have used the same modules in the same order during the warm-up."""

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -37,9 +37,18 @@ class Moment:
     pinned_chunks: tuple[int, ...] = ()
 
 
+class MomentKey(NamedTuple):
+    kind: str
+    module: str
+    occurrence: int  # moments of this kind and module before it in the step
+
+
 @dataclass(frozen=True)
 class Trace:
     moments: tuple[Moment, ...]
+    # parameter index -> the position of the moment after which its (last) gradient arrived; -1: none arrived.
+    # Several ranks agree on it (the latest any rank saw): [Note: when a chunk reduces] in reduce.py
+    grad_positions: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.moments)
@@ -144,7 +153,34 @@ class Trace:
         return Trace(tuple(
             Moment(m.kind, m.module, tuple(sorted({chunk_of[i] for i in m.param_indices})), m.param_indices,
                    m.nonmodel_bytes, m.pinned_params, tuple(sorted({chunk_of[i] for i in m.pinned_params})))
-            for m in self.moments))
+            for m in self.moments), self.grad_positions)
+
+    def reduce_moments(self, chunks: dict[int, Sequence[int]]) -> dict[int, Optional[MomentKey]]:
+        """Chunk id -> the moment at whose start it reduces: the first after the one its trainable parameters
+        (``chunks``: chunk id -> their indices) had all their gradients by in this trace, named by ``MomentKey``;
+        None for the end of backward (a parameter got none, or the last gradient came after the last moment).
+        Empty when the trace recorded no gradients. [Note: when a chunk reduces] in reduce.py."""
+        if not self.grad_positions:
+            return {}
+        at, keys = self.grad_positions, self.moment_keys
+        out: dict[int, Optional[MomentKey]] = {}
+        for c, params in chunks.items():
+            if params:
+                last = -1 if any(at[i] < 0 for i in params) else max(at[i] for i in params)
+                out[c] = keys[last + 1] if 0 <= last < len(keys) - 1 else None
+        return out
+
+    @functools.cached_property
+    def moment_keys(self) -> list[MomentKey]:
+        """Each moment named by its kind, its module and how many moments of that kind and module came before it
+        in the step: the same moment still has the same name in a step that skips other modules."""
+        seen: dict[tuple[str, str], int] = {}
+        keys = []
+        for m in self.moments:
+            n = seen.get((m.kind, m.module), 0)
+            seen[(m.kind, m.module)] = n + 1
+            keys.append(MomentKey(m.kind, m.module, n))
+        return keys
 
     def first_use_order(self, num_params: int) -> list[int]:
         """Parameter indices in the order the warm-up first used them; unused ones last, in registration order."""
@@ -256,6 +292,7 @@ class MemoryTracer:
         self._device = device
         self._chunk_device_bytes = chunk_device_bytes
         self._moments: list[Moment] = []
+        self._grads: dict[int, int] = {}  # parameter index -> position of the moment its gradient arrived after
         self.recording = False
 
     def nonmodel_bytes(self) -> int:
@@ -295,12 +332,19 @@ class MemoryTracer:
                     seen.setdefault(c, None)
         return list(seen)
 
+    def grad_arrived(self, param_index: int) -> None:
+        """A parameter's gradient arrived (after the latest moment)."""
+        if self.recording:
+            self._grads[param_index] = len(self._moments) - 1
+
     def start(self) -> None:
         self._moments.clear()
+        self._grads.clear()
         self.recording = True
         self._peak_since_last_moment()  # the peak window opens here
 
-    def finish(self) -> Trace:
+    def finish(self, num_params: int = 0) -> Trace:
+        """The trace of the recording; ``num_params``: how many parameters ``grad_positions`` covers."""
         self._charge_previous(self._peak_since_last_moment())  # the last module's backward
         self.recording = False
-        return Trace(tuple(self._moments))
+        return Trace(tuple(self._moments), tuple(self._grads.get(i, -1) for i in range(num_params)))

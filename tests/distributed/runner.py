@@ -29,6 +29,7 @@ from tests import models  # noqa: E402
 from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
 
+WORLD = int(os.environ.get("WORLD_SIZE", 2))  # read once: Lightning's teardown deletes the variable
 STEPS = 24  # a case's own "steps" shortens it: the wide models' cases run 8 (warm-up, repack, six steady steps)
 BIG = dict(dim=64, hidden=1024)
 # enough chunks that the whole gradient is many times the few payloads in flight
@@ -167,6 +168,16 @@ CASES = {
     "limits_differ": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fractions=(0.9, 1.3),
                           strategy=dict(chunk_numel=None, chunk_numel_min=4096, placement="host",
                                         reshard_after_forward=False, verify_collectives=False)),
+    # a gate's own parameter used on some ranks and not others, differently each step, in the warm-up too (DDP's
+    # find_unused_parameters=True): released after use, so backward gathers too ([Note: when a chunk reduces])
+    "rank_gated": dict(cls="RankGatedNet", ddp_unused=True, strategy=dict(placement="host")),
+    "rank_gated_limit": dict(cls="RankGatedNet", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3),
+                             strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
+    # a layer no rank ever uses, under a limit with the automatic chunk size: its chunk, last in the reduce order,
+    # once held every gradient payload back (a limit error in the warm-up), then the repack carried a zero gradient
+    # for it and weight decay moved it where torch.optim skips it
+    "spare_limit": dict(cls="SpareNet", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3),
+                        strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
     # BatchNorm 1d/2d/3d in mixed precision ([Note: normalisation in mixed precision]): bf16 against DDP with bf16
     # autocast, released after use, and fp16 with loss scaling against DDP with GradScaler
     "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),
@@ -179,10 +190,20 @@ CASES = {
 
 
 def trainer(strategy, steps=STEPS, **kw):
-    defaults = dict(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+    defaults = dict(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     limit_val_batches=0, num_sanity_val_steps=0)
     return L.Trainer(**{**defaults, **kw})
+
+
+class CommMode(L.Callback):
+    """How the engine's collectives ran: one communicator or a group per kind, the agreement check on or off."""
+
+    seen: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        comm = trainer.strategy.engine.comm
+        self.seen = dict(as_nccl=comm.as_nccl, groups_per_kind=bool(comm._op_groups), checked=comm.agreement is not None)
 
 
 _DDP_RUNS: dict[str, tuple[dict[str, torch.Tensor], int]] = {}  # DDP's trained state and parameter bytes, by setup
@@ -214,7 +235,8 @@ def run_parity(case: str, out: Path) -> None:
     if "limit_fraction" in spec:
         skw["device_memory_limit"] = int(param_bytes * spec["limit_fraction"])  # below this rank's share
     if "limit_fractions" in spec:  # each rank its own limit, as each GPU's free memory gives ([Note: one limit ...])
-        skw["device_memory_limit"] = int(param_bytes * spec["limit_fractions"][int(os.environ.get("LOCAL_RANK", 0))])
+        fractions = spec["limit_fractions"]
+        skw["device_memory_limit"] = int(param_bytes * fractions[int(os.environ.get("LOCAL_RANK", 0)) % len(fractions)])
     if "host_memory_limit" in spec:
         skw.update(host_memory_limit=spec["host_memory_limit"], disk_dir=str(out / f"{case}.disk"))
     if "weights" in spec:
@@ -223,13 +245,14 @@ def run_parity(case: str, out: Path) -> None:
     got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
     strategy = ChunkOffloadStrategy(**skw)
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
+    comm_mode = CommMode()
     t = trainer(strategy, steps, plugins=[ChunkPrecision("16-mixed")] if fp16 else [ChunkPrecision("bf16-mixed")] if bf16 else None,
-                **(dict(callbacks=[telemetry]) if telemetry else {}), **tkw)
+                callbacks=[comm_mode, *([telemetry] if telemetry else [])], **tkw)
     t.fit(got, token_data())
     if telemetry is not None and t.global_rank == 0:
         (out / f"{case}.breakdown.json").write_text(json.dumps(telemetry.breakdown))
     rank = t.global_rank
-    stats = dict(strategy.memory_stats(), limit=skw.get("device_memory_limit"),
+    stats = dict(strategy.memory_stats(), limit=skw.get("device_memory_limit"), comm=comm_mode.seen,
                  disk_left=sorted(p.name for p in Path(skw["disk_dir"]).iterdir() if f"-rank{strategy.global_rank}-"
                                   in p.name) if "disk_dir" in skw else [],
                  host_memory_limit=strategy.config.host_memory_limit,

@@ -7,6 +7,7 @@ start is paid once; failure cases run in children of their own.
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharde
           "grad_penalty_accumulate_unsharded", "grad_penalty_early_accumulate",
           "two_optimizers", "toggled_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
           "disk", "disk_accumulate", "disk_defaults", "disk_defaults_after", "early", "early_unused", "early_accumulate", "early_limit",
-          "root_tied_host", "root_tied_limit", "bn_cnn_bf16", "bn_cnn_bf16_host", "bn_cnn_fp16", "limits_differ"]
+          "root_tied_host", "root_tied_limit", "bn_cnn_bf16", "bn_cnn_bf16_host", "bn_cnn_fp16", "limits_differ",
+          "rank_gated", "rank_gated_limit", "spare_limit"]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
 EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
                "early_limit": "reordered_auto_limit", "early_host_bf16_one_pass": "host_bf16_one_pass"}
@@ -43,13 +45,18 @@ FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight", "host_b
 WEIGHTS = [f"weights_{fmt}" for fmt in FORMATS]
 
 
-def run(out: Path, *cases: str, timeout: int) -> tuple[int, str, float]:
+AS_NCCL = {"LIGHTNING_CHUNK_GLOO_AS_NCCL": "1"}  # [Note: gloo as NCCL]: one communicator, no agreement check
+# the cases that also run with gloo's own defaults (a group per kind of collective, the check once a micro-batch)
+GLOO_DEFAULTS = ["plain", "host", "limit", "accumulate", "early_limit", "disk", "rank_gated"]
+
+
+def run(out: Path, *cases: str, timeout: int, env: Optional[dict] = None) -> tuple[int, str, float]:
     """The runner's two ranks started at once, as torchrun starts them (``Ranks``): under Lightning's launcher the
     second rank would start importing torch and Lightning (about 5 s) only when the first reaches ``fit``.
     ``(return code, both ranks' output, seconds)``: the first non-zero code of a rank (-9 for one killed at
     ``timeout``)."""
     start = time.monotonic()
-    ranks = Ranks(RUNNER, out, *cases).wait(timeout=timeout)
+    ranks = Ranks(RUNNER, out, *cases, env=env).wait(timeout=timeout)
     rc = next((-9 if code is None else code for code, *_ in ranks if code != 0), 0)
     return rc, "".join(so + se for _, so, se, _ in ranks), time.monotonic() - start
 
@@ -71,12 +78,21 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
 
 @pytest.fixture(scope="module")
 def parity_run(tmp_path_factory):
-    """Every case that trains to completion, in one launch (each launch pays ~10 s of start-up on two ranks)."""
+    """Every case that trains to completion, in one launch (each launch pays ~10 s of start-up on two ranks), with
+    gloo run as NCCL runs ([Note: gloo as NCCL]): ranks whose collective sequences part fail here."""
     out = tmp_path_factory.mktemp("two_ranks")
     write_start_weights(out)
     rc, log, _ = run(out, *PARITY, *WEIGHTS, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
                       "edited_checkpoint", "ema", "grad_penalty_limit", "batchnorm", "save_after_fit",
-                      timeout=900)
+                      timeout=900, env=AS_NCCL)
+    return out, rc, log
+
+
+@pytest.fixture(scope="module")
+def gloo_defaults_run(tmp_path_factory):
+    """A few cases with gloo's own defaults: a group per kind of collective and the check once a micro-batch."""
+    out = tmp_path_factory.mktemp("two_ranks_gloo")
+    rc, log, _ = run(out, *GLOO_DEFAULTS, timeout=600)
     return out, rc, log
 
 
@@ -87,6 +103,21 @@ def stats(out: Path, case: str) -> list[dict]:
 @pytest.mark.parametrize("case", PARITY)
 def test_parity_with_ddp(parity_run, case):
     check_parity(*parity_run, case)
+
+
+@pytest.mark.parametrize("case", GLOO_DEFAULTS)
+def test_parity_with_ddp_with_gloo_s_own_defaults(gloo_defaults_run, case):
+    check_parity(*gloo_defaults_run, case)
+
+
+def test_the_parity_suite_runs_gloo_as_nccl_runs(parity_run, gloo_defaults_run):
+    """[Note: gloo as NCCL]: one communicator and no check in the parity launch; gloo's own defaults in the other."""
+    for s in stats(parity_run[0], "plain"):
+        assert s["comm"] == dict(as_nccl=True, groups_per_kind=False, checked=False)
+    for s in stats(parity_run[0], "host_checked_each"):  # asked for: the check runs on the one communicator
+        assert s["comm"] == dict(as_nccl=True, groups_per_kind=False, checked=True)
+    for s in stats(gloo_defaults_run[0], "plain"):
+        assert s["comm"] == dict(as_nccl=False, groups_per_kind=False, checked=True)
 
 
 @pytest.mark.parametrize("case", sorted(EARLY_TWINS))
@@ -423,9 +454,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(parity_run):
 
 
 def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
-    """Rank 1 skips a module from step 3: the ranks wait on collectives of different sizes, which the check once a
-    micro-batch never reaches; when their waits time out they exchange what they issued ([Note: explaining a stuck
-    wait]) and each error names the first collective where they differ."""
+    """Rank 1 skips a module from step 3: the ranks issue different chunk collectives, and each error names the
+    first where they differ: the check at the next collective of one kind and size, or, where the ranks wait on
+    collectives of different sizes, the exchange after their waits time out ([Note: explaining a stuck wait])."""
     rc, log, elapsed = run(tmp_path, "skip_module", timeout=180)
     assert rc != 0 and "UNEXPECTED-SUCCESS" not in log
     assert elapsed < 120  # bounded: the collective timeout is 10 s
@@ -436,7 +467,9 @@ def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
         # the module rank 0 ran and rank 1 did not, named by each rank (unless a rank was gone before it could ask):
         # the branch's chunk is gathered ahead on both ranks ([Note: how far ahead to gather]), so the first
         # collective where they differ is its reduce-scatter, named by the parameters the chunk holds
-        assert any("the ranks issued different chunk collectives (rank 0: " in e and "'branch" in e
+        # (the check at the next collective, or the exchange after a timed-out wait)
+        assert any(("the ranks issued different chunk collectives (rank 0: " in e
+                    or "ranks disagree on a chunk collective (rank 0: " in e) and "'branch" in e
                    or "lost rank" in e for e in errors), errors
     assert "'branch" in log, log[-3000:]
 
