@@ -1,0 +1,85 @@
+"""One rank of an engine run whose warm-up ends in a repack under a device limit; prints how many bytes of parameter
+values, gradients and optimizer state the repack held on the host at once, against this rank's shards.
+
+    RANK=.. WORLD_SIZE=.. python tests/scale/repack_worker.py OUTDIR PLACEMENT LIMIT_BYTES
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import lightning_chunk.engine.repack as repack  # noqa: E402
+from lightning_chunk.engine import ChunkConfig, ChunkEngine, Collectives  # noqa: E402
+
+peak = {"held": 0}
+_init, _load, _stage = repack.OldChunks.__init__, repack.OldChunks._load, repack.OldChunks._stage
+
+
+def held(self) -> int:
+    tensors = [*self._values.values(), *self._grads.values(), *(t for e in self._extra.values() for t in e.values())]
+    for master, grad, extra in self._staged.values():
+        tensors += [master, *([grad] if grad is not None else []), *extra.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def watch(fn):
+    def wrapped(self, *a, **k):
+        out = fn(self, *a, **k)
+        peak["held"] = max(peak["held"], held(self))
+        return out
+    return wrapped
+
+
+repack.OldChunks.__init__, repack.OldChunks._load, repack.OldChunks._stage = watch(_init), watch(_load), watch(_stage)
+
+
+class Reversed(nn.Module):
+    """Registered in the reverse of its use order: the warm-up repacks into use order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256, bias=False) for _ in range(16))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = layer(x)
+        return x
+
+
+def main(out: Path, placement: str, limit: int) -> None:
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = Reversed()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    eng = ChunkEngine(model, [opt], config=ChunkConfig(placement=placement, device_memory_limit=limit,
+                                                       chunk_numel=65536),
+                      device=torch.device("cpu"), collectives=Collectives(timeout_s=30))
+    for _ in range(2):  # the warm-up and its repack; a step in the new layout (Adam's state exists from here on)
+        x = torch.randn(8, 256)
+        opt.zero_grad()
+        with eng.micro_batch(training=True) as outputs:
+            loss = model(x).pow(2).mean()
+            outputs(loss)
+        loss.backward()
+        eng.after_backward()
+        eng.prepare_step()
+        opt.step()
+        eng.finish_step(stepped=True)
+    shards = sum(c.shard_numel * 4 for c in eng.manager.chunks)
+    (out / f"repack.{placement}.{rank}.json").write_text(json.dumps(dict(held=peak["held"], shards=shards)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
