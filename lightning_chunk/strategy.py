@@ -46,6 +46,7 @@ from .engine.checkpoint import (is_sharded_checkpoint, load_sharded, offered_sta
                                 save_sharded)
 from .engine.full_params import full_parameters
 from .engine.materialize import DeferredInit, meta_init
+from .ranks import barrier_device_ids, process_group_device, take_rank_threads
 from .engine.weights import ModuleWeights, open_weights
 from .backward_step import check_step_in_backward, choose_step_in_backward
 from .ema import ChunkEMA
@@ -279,16 +280,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
-        # [Note: every rank's thread count]
-        # The launcher starts the other ranks only where the cluster environment does not (the launcher checks), and in
-        # every rank it gives torch its share of the cores (``cores // ranks`` threads) unless ``OMP_NUM_THREADS`` says
-        # otherwise. So it is made in every rank, as DDPStrategy makes it, not only where it starts processes, as
-        # FSDPStrategy does: there a rank the launcher started (its environment copied before the launcher set the
-        # variable in rank 0) kept torch's default, every core. On two CPU ranks that put three threads on two cores
-        # where DDP's ranks had one each (2026-11-27, a small model, 24 steps of two micro-batches: rank 1's fit 2.08 to
-        # 2.26 s with two threads against 1.51 to 1.79 s with one, three alternated pairs); on a GPU node of 8 ranks,
-        # the host Adam of 7 of them would spread over every core at once. Ranks started by torchrun
-        # (``OMP_NUM_THREADS=1``) or SLURM are given what DDP's are.
+        # [Note: every rank's thread count] in ranks.py
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -300,7 +292,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
             backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             self._process_group_backend = backend
             assert self.cluster_environment is not None
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
+                                  device_id=process_group_device(self.root_device))
+        take_rank_threads()  # [Note: every rank's thread count] in ranks.py
 
     # ================================================================= setup
     @contextlib.contextmanager
@@ -554,7 +548,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
     # ======================================================== collectives
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
-            torch.distributed.barrier()
+            torch.distributed.barrier(device_ids=barrier_device_ids(self.root_device))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():

@@ -52,6 +52,7 @@ import torch
 
 from .config import format_bytes
 from .errors import DiskTierError
+from .host_id import host_identity
 from .libc import libc
 
 PREFIX = "lightning_chunk-scratch-"
@@ -74,8 +75,10 @@ def _start_time(pid: int) -> Optional[str]:
 
 
 def _alive(owner: dict) -> bool:
-    if owner.get("host") != socket.gethostname():
-        return True  # another machine's run (a shared filesystem): not ours to judge
+    if owner.get("machine") != host_identity():
+        # another machine's run (a shared filesystem), or another pid namespace's (a container with this hostname):
+        # its pid means nothing here, so it is not ours to judge ([Note: telling hosts apart] in host_id.py)
+        return True
     pid = owner.get("pid")
     return isinstance(pid, int) and _start_time(pid) == owner.get("start")
 
@@ -95,7 +98,8 @@ class ScratchDir:
         self.path = self.root / f"{PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
         try:
             self.path.mkdir()
-            owner = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()), "rank": rank}
+            owner = {"host": socket.gethostname(), "machine": host_identity(), "pid": os.getpid(),
+                     "start": _start_time(os.getpid()), "rank": rank}
             (self.path / "owner.json").write_text(json.dumps(owner))
         except OSError as e:
             shutil.rmtree(self.path, ignore_errors=True)

@@ -270,14 +270,25 @@ def test_a_dead_runs_scratch_is_removed_and_a_live_ones_kept(tmp_path):
     (dead / "chunk0-1-master.bin").write_bytes(b"x" * 100)
     import socket
 
-    (dead / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7, "start": "1"}))
+    from lightning_chunk.engine.host_id import host_identity
+
+    here = host_identity()
+    (dead / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "machine": here, "pid": 2**22 + 7,
+                                                 "start": "1"}))
     alive = ScratchDir(root, rank=0)  # this process: alive
     other_host = root / f"{PREFIX}elsewhere"
     other_host.mkdir()
     (other_host / "owner.json").write_text(json.dumps({"host": "another-machine", "pid": 1, "start": "1"}))
+    # a container with this machine's hostname and its own pid namespace ([Note: telling hosts apart]): its pid is
+    # absent here, and its run alive
+    container = root / f"{PREFIX}container"
+    container.mkdir()
+    hostname, boot, _ = here.split("/")
+    (container / "owner.json").write_text(json.dumps({"host": hostname, "machine": f"{hostname}/{boot}/4026531999",
+                                                      "pid": 2**22 + 7, "start": "1"}))
     second = ScratchDir(root, rank=1)
     assert not dead.exists()
-    assert alive.exists and second.exists and other_host.exists()
+    assert alive.exists and second.exists and other_host.exists() and container.exists()
     alive.remove()
     second.remove()
     assert not alive.exists
