@@ -51,7 +51,7 @@ from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .reduce import agree_on_grads
 from .packing import Layout
-from .host_heap import keep_freed_heap, map_large_blocks, release_freed_memory
+from .host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
 from .scaler import DynamicLossScaler
 from .tracer import Trace
@@ -274,6 +274,7 @@ class ChunkEngine:
         self.manager.reserve_optimizer_state(self._optim_bytes)
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)
+        release_pinned_cache()  # [Note: pinned blocks a repack leaves behind] in host_heap.py
 
     # ================================================================ warm-up
     def _trace_done(self, trace: Trace) -> None:
@@ -643,3 +644,4 @@ class ChunkEngine:
             b.unbind(whole_state=materialize and optimizer_state)
         unpack(self.manager, materialize=materialize, device=device)
         self.manager.close()
+        release_pinned_cache()
