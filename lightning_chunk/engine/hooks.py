@@ -77,7 +77,7 @@ from .reads import ReleasedReads, reading, unwatch, unwatched, watch
 from .chunk import Tier
 from .chunk import nbytes as tensor_nbytes
 from .manager import ChunkManager
-from .placement import PlacementPolicy, activation_room
+from .placement import PlacementPolicy, activation_room, untraced_budget
 from .sequence import GRADIENTS, ModuleSequence
 from .states import TensorState
 from .tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentEvent, MomentKey, Trace
@@ -305,6 +305,8 @@ class ChunkHooks:
         trace = self.trace if self.training else None
         include = self.policy.upcoming(self.position, trace).union(needed)
         budget = self.policy.budget(mgr.limit, trace, self.position)
+        if trace is None and budget is not None:
+            budget = untraced_budget(budget, self.trace)
         all_resident = all(mgr.chunks[i].is_resident for i in include)
         if self.policy.idle(all_resident=all_resident, budget_bytes=budget, device_bytes=mgr.ledger[Tier.DEVICE]) \
                 or self._plan_is_empty(all_resident, trace, budget):

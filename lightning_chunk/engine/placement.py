@@ -250,6 +250,22 @@ def activation_room(limit: Optional[int], trace: Optional[Trace], position: int)
     return max(limit - max(trace.nonmodel_at(position), trace.nonmodel_at(position + 1)), 0)
 
 
+def untraced_budget(limit: int, known: Optional[Trace]) -> int:
+    """The device bytes chunks may keep in a step no trace describes: an evaluation step, the warm-up, a micro-batch
+    traced again after its inputs grew.
+
+    [Note: steps without a trace]
+    A traced training step keeps chunks only where the activations the trace saw at that moment have room beside
+    them. A step without a trace once had the whole limit for chunks: in every validation step, in the warm-up and
+    in a re-traced micro-batch the payloads kept or prefetched filled the limit (8 of 8 MiB on one rank), and the
+    activations got only the margin left below the device's memory (on CUDA, 10% of the free memory): an
+    out-of-memory error waiting for a large validation batch. So such a step keeps what the training trace's
+    activation peak leaves (an evaluation forward saves no activations, but its largest transient, the logits, is
+    the training step's too), and where no trace exists yet (the warm-up) as little as it needs: each module's
+    chunks while it runs, gathered again when used again."""
+    return max(limit - known.nonmodel_peak_bytes, 0) if known is not None else 0
+
+
 class HostPlacement(PlacementPolicy):
     """Every shard on the host; payloads fetched on use, kept until their last use in the step while the
     budget has room, and released after use otherwise (with ``reshard_after_forward=True``: always).

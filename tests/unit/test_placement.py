@@ -291,3 +291,45 @@ def test_chunks_ahead_are_the_next_distinct_chunks_in_first_use_order_within_the
     assert trace.chunks_ahead(0, 2) == [1, 2]
     assert trace.chunks_ahead(3, 4) == [3, 1, 0]
     assert trace.chunks_ahead(5, 4) == []
+
+
+def test_steps_without_a_trace_leave_the_activations_room_under_the_limit():
+    """[Note: steps without a trace]: with auto placement under a limit, the warm-up and an evaluation forward once
+    kept payloads up to the whole limit (8 of 8 MiB here), leaving activations only the margin below the device's
+    memory. The warm-up now keeps each module's chunks while it runs; an evaluation step keeps what the training
+    trace's activation peak leaves."""
+    import torch
+
+    from lightning_chunk.engine import ChunkConfig, ChunkEngine
+    from lightning_chunk.engine.chunk import Tier
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(12)])  # 1 MiB a layer
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    limit = 8 << 20
+    eng = ChunkEngine(model, [opt], config=ChunkConfig(placement="auto", device_memory_limit=limit,
+                                                       chunk_numel=262144), device=torch.device("cpu"))
+    peak = [0]
+    eng.manager.on_change = lambda: peak.__setitem__(0, max(peak[0], eng.manager.ledger[Tier.DEVICE]))
+    x = torch.randn(128, 512)
+    peaks = []
+    for _ in range(3):
+        peak[0] = 0
+        opt.zero_grad()
+        with eng.micro_batch(training=True) as outputs:
+            loss = model(x).pow(2).mean()
+            outputs(loss)
+        loss.backward()
+        eng.after_backward()
+        eng.prepare_step()
+        opt.step()
+        eng.finish_step(stepped=True)
+        peaks.append(peak[0])
+    activations = eng.hooks.trace.nonmodel_peak_bytes
+    assert activations >= 2 << 20
+    assert peaks[0] <= 2 << 20  # the warm-up: a layer's payload and its gradient payload
+    assert peaks[1] > limit - activations  # traced steps keep more where the activations have room at that moment
+    peak[0] = 0
+    with torch.no_grad(), eng.micro_batch(training=False) as outputs:
+        outputs(model(x))
+    assert 0 < peak[0] <= limit - activations
