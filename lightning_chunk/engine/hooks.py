@@ -104,7 +104,7 @@ class ChunkHooks:
         self.manager = manager
         self.policy = policy
         self.trace: Optional[Trace] = None
-        self.tracer = MemoryTracer(self._is_model_storage, manager.device, lambda: manager.ledger[Tier.DEVICE])
+        self.tracer = MemoryTracer(self._is_model_storage, manager.device, manager.allocated_device_bytes)
         self.position = -1  # moment within the current micro-batch
         self._occurrences: dict[tuple[str, str], int] = {}  # moments of each kind and module so far this step
         self._this_moment: tuple[str, str] = ("", "")  # (kind, module key) of the moment at ``position``

@@ -97,6 +97,8 @@ class ChunkManager:
                                    ranks_here=self.comm.ranks_on_this_host(), host_limit=config.host_memory_limit)}
         self.pool = BlockPool(self.device)  # [Note: a pool of payload blocks]
         self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
+        self.optim_state_made = False  # an optimizer stepped: its state exists
+        # ([Note: optimizer state the warm-up does not see])
         self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation
 
     # ================================================================ accounting
@@ -488,6 +490,22 @@ class ChunkManager:
     def grad_view(self, param_index: int) -> Optional[torch.Tensor]:
         """``grad_slice`` when the parameter got a gradient since it was last cleared, else ``None``."""
         return self.grad_slice(param_index) if self._where[id(self.params[param_index])][1].has_grad else None
+
+    def allocated_device_bytes(self) -> int:
+        """The device tier's chunk bytes that exist now: the ledger less the optimizer state it reserves for device
+        shards before the optimizer has made it (Adam makes its state at its first step, after the warm-up).
+
+        [Note: optimizer state the warm-up does not see]
+        The warm-up traces non-model memory on CUDA as allocated bytes less the chunk bytes, read from the ledger.
+        The ledger reserves each device shard's optimizer state at set-up, so with shards on the device
+        (``placement="device"``, ``"static"``) every traced activation came out low by that state (8 bytes an
+        element for Adam: about 7 GB a rank for 7B on 8 ranks), down to the saved-tensor floor, which misses the
+        transient peaks, and the plan kept that much more payload than fits. Until the first optimizer step the
+        tracer subtracts only what is allocated."""
+        ledger = self.ledger[Tier.DEVICE]
+        if not self.optim_state_made:
+            ledger -= sum(c.optim_state_bytes for c in self.chunks if c.shard_tier is Tier.DEVICE)
+        return ledger
 
     def reserve_optimizer_state(self, bytes_per_element: Mapping[int, int]) -> None:
         """Account the optimizer state each trainable chunk's shard will hold (group index -> bytes per element)."""

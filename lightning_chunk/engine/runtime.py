@@ -567,6 +567,7 @@ class ChunkEngine:
         for b in bindings:
             b.fresh_low = set()
         if stepped:
+            self.manager.optim_state_made = True
             with self.manager.clock.measure("optimizer"):  # the compute-dtype copies are part of the step's cost
                 self.manager.write_back(None if optimizer is None else [g for b in bindings for g in b.chunk_groups()],
                                         fresh=fresh)

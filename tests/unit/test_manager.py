@@ -266,3 +266,34 @@ def test_a_gradient_payload_that_does_not_fit_while_accumulating_unsharded_names
     assert str(unsynced.value).startswith("chunk 3's gradient payload (accumulating with sharded_accumulation=False")
     assert "sharded_accumulation=True keeps only this rank's shard" in str(unsynced.value)
     assert str(unsynced.value).endswith("needs 40 more bytes")
+
+
+def test_the_warm_up_subtracts_only_the_optimizer_state_that_exists():
+    """[Note: optimizer state the warm-up does not see]: with shards on the device the ledger reserves Adam's state at
+    set-up, but Adam makes it at its first step; the tracer's chunk bytes (subtracted from what CUDA has allocated)
+    leave it out until then."""
+    import torch
+
+    from lightning_chunk.engine import ChunkConfig, ChunkEngine
+    from lightning_chunk.engine.chunk import Tier
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    eng = ChunkEngine(model, [opt], config=ChunkConfig(placement="device", chunk_numel=4096),
+                      device=torch.device("cpu"))
+    mgr = eng.manager
+    state = sum(c.optim_state_bytes for c in mgr.chunks if c.shard_tier is Tier.DEVICE)
+    assert state > 0
+    assert eng.hooks.tracer._chunk_device_bytes() == mgr.ledger[Tier.DEVICE] - state
+    opt.zero_grad()
+    with eng.micro_batch(training=True) as outputs:
+        loss = model(torch.randn(4, 64)).pow(2).mean()
+        outputs(loss)
+    loss.backward()
+    eng.after_backward()
+    eng.prepare_step()
+    opt.step()
+    eng.finish_step(stepped=True)
+    assert eng.hooks.tracer._chunk_device_bytes() == mgr.ledger[Tier.DEVICE]
+
