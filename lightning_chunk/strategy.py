@@ -96,7 +96,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         chunk_numel_max: upper bound of the automatic chunk-size search.
         prefetch: gather the next traced chunks ahead of use.
         pin_memory: page-lock host shards on CUDA machines.
-        materialize_on_teardown: give the parameters their full trained values when ``fit`` ends.
+        materialize_on_teardown: give the parameters their full trained values when ``fit`` ends; ``None``: where
+            the whole model fits in a rank's host memory, else leave them empty and say so.
         materialize_optimizer_state: also give the optimizers their whole state back when ``fit`` ends.
         optimizer_kernel: ``"auto"``, ``"one_pass"``, ``"fused"``, ``"foreach"`` or ``"loop"`` (see
             ``ChunkConfig.optimizer_kernel``).
@@ -155,7 +156,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         chunk_numel_max: int = 1 << 26,
         prefetch: bool = True,
         pin_memory: bool = True,
-        materialize_on_teardown: bool = True,
+        materialize_on_teardown: Optional[bool] = None,
         materialize_optimizer_state: bool = False,
         optimizer_kernel: str = "auto",
         assume_elementwise_optimizer: bool = False,
@@ -655,7 +656,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self.engine is not None:
             self._final_stats = self.engine.memory_stats()
-            materialize = self.config.materialize_on_teardown and not self._failed
+            materialize = False if self._failed else self.config.materialize_on_teardown
             self.engine.teardown(materialize=materialize, device=torch.device("cpu"))
             self._kept_optimizer_states.update(self.engine.kept_optimizer_states)
             self.precision_plugin.attach(None, self.root_device)

@@ -145,7 +145,7 @@ class ChunkConfig:
     pin_memory: bool = True
     """Page-lock host-tier shards when the compute device is CUDA (ignored on CPU)."""
 
-    materialize_on_teardown: bool = True
+    materialize_on_teardown: Optional[bool] = None  # None: where the whole model fits ([Note: the model after fit])
     """When ``fit`` ends, give every parameter its full trained value back, on the host, streaming
     chunk by chunk (the peak is the model plus one chunk). Turn off for models larger than host
     memory: the parameters are then left empty, and the trained values are in the checkpoints."""
@@ -279,7 +279,10 @@ class ChunkConfig:
         if self.step_in_backward is not None and not isinstance(self.step_in_backward, bool):
             raise ValueError(f"step_in_backward={self.step_in_backward!r} is not allowed; it must be True, False or "
                              "None.")
-        for name in ("broadcast_buffers", "prefetch", "pin_memory", "materialize_on_teardown", "materialize_optimizer_state",
+        if self.materialize_on_teardown is not None and not isinstance(self.materialize_on_teardown, bool):
+            raise ValueError(f"materialize_on_teardown={self.materialize_on_teardown!r} is not allowed; it must be "
+                             "True, False or None.")
+        for name in ("broadcast_buffers", "prefetch", "pin_memory", "materialize_optimizer_state",
                      "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
                      "keep_freed_heap", "check_invariants"):
             if not isinstance(getattr(self, name), bool):

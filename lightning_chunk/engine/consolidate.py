@@ -61,6 +61,32 @@ def unpack(mgr: ChunkManager, *, materialize: bool, device: Optional[torch.devic
     mgr.forget_layout()
 
 
+def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool, host_limit: Optional[int],
+                     room: Optional[int]) -> tuple[bool, int, Optional[int]]:
+    """Whether the whole trained model (and, with ``optimizer_state``, its whole optimizer state) fits in this
+    rank's host memory: ``host_limit``, else its share of ``room`` (what the host has available) with a fifth
+    kept free; the same answer on every rank (the smallest room decides). ``(fits, bytes needed, rank's room)``.
+
+    [Note: the model after fit]
+    With ``materialize_on_teardown=None`` (the default) the end of ``fit`` gives every rank's parameters their whole
+    trained values where they fit, as DDP leaves them, so ``state_dict()``, inference and ``trainer.validate`` just
+    work. Where they do not (13B in fp32 is 52 GB a rank, 416 GB for 8 ranks of a node), building them would end a
+    finished run in the out-of-memory killer; the parameters are left empty instead, rank 0 says so, and the
+    weights are in the checkpoints (``lightning-chunk consolidate`` writes one file). ``True`` always builds them,
+    ``False`` never. Chunks are gathered one at a time and their shards freed as they go, so what must fit is the
+    model, not the model beside the training state."""
+    need = sum(t.numel * t.orig_dtype.itemsize for c in mgr.chunks for t in c.tensors)
+    if optimizer_state:
+        need += sum(c.optim_state_bytes for c in mgr.chunks) * mgr.comm.world_size
+    share = host_limit if host_limit is not None else (
+        None if room is None else int(room * 0.8) // max(mgr.comm.ranks_on_this_host(), 1))
+    fits = share is None or need <= share
+    if mgr.comm.world_size > 1:
+        flag = torch.tensor([int(fits)], dtype=torch.int32, device=mgr.comm.tensor_device())
+        fits = bool(mgr.comm.all_reduce(flag, "min", what="the agreement on building the whole model").item())
+    return fits, need, share
+
+
 def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unchanged: bool = False) -> None:
     """Overwrite masters (and compute copies) with whole values; each rank keeps its own piece. ``keep_unchanged``:
     an element equal to its master cast to the value's dtype keeps the master's (finer) value."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -43,13 +44,14 @@ from .manager import ChunkManager
 from .materialize import DeferredInit
 from .repack import FromModule
 from .weights import ModuleWeights
-from .consolidate import full_values, load_values, unpack
+from .consolidate import full_values, load_values, unpack, whole_model_fits
 from .kept_state import KeptOptimizerState, keep_optimizer_state
 from .full_params import check_stray_writes
 from .gradients import clip_grad_norm, unscale_and_check
 from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
 from .reduce import agree_on_grads
+from .page_cache import page_cache_room
 from .packing import Layout
 from .host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
@@ -626,7 +628,7 @@ class ChunkEngine:
         rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
         self.module.load_state_dict(rest, strict=False)
 
-    def teardown(self, *, materialize: bool = True, optimizer_state: Optional[bool] = None,
+    def teardown(self, *, materialize: Optional[bool] = True, optimizer_state: Optional[bool] = None,
                  device: Optional[torch.device] = None) -> None:
         """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off), on
         ``device`` (the host by default), chunk by chunk. ``optimizer_state`` (default: the config's
@@ -637,6 +639,17 @@ class ChunkEngine:
         """
         if optimizer_state is None:
             optimizer_state = self.config.materialize_optimizer_state
+        if materialize is None:  # [Note: the model after fit] in consolidate.py
+            materialize, need, share = whole_model_fits(self.manager, optimizer_state=optimizer_state,
+                                                        host_limit=self.config.host_memory_limit,
+                                                        room=page_cache_room())
+            if not materialize and self.comm.rank == 0:
+                warnings.warn(
+                    f"the trained parameters were left empty at the end of fit: the whole model ("
+                    f"{format_bytes(need)}) does not fit in a rank's host memory ({format_bytes(share or 0)}: "
+                    "host_memory_limit, or its share of what the host has available). The weights are in the "
+                    "checkpoints (`lightning-chunk consolidate` writes one file); materialize_on_teardown=True builds "
+                    "them anyway. [Note: the model after fit]", stacklevel=2)
         self.hooks.remove()
         for b in self.bindings:
             b.detach_grads()

@@ -297,3 +297,32 @@ def test_the_warm_up_subtracts_only_the_optimizer_state_that_exists():
     eng.finish_step(stepped=True)
     assert eng.hooks.tracer._chunk_device_bytes() == mgr.ledger[Tier.DEVICE]
 
+
+@pytest.mark.parametrize("room", [1 << 40, 1000])
+def test_the_model_is_built_after_fit_only_where_it_fits(monkeypatch, room):
+    """[Note: the model after fit]: by default the teardown gives the parameters their whole values where the whole
+    model fits in the rank's host memory; elsewhere it leaves them empty and says so (13B in fp32 on every rank of
+    an 8-GPU node is 416 GB: the out-of-memory killer at the end of a finished run)."""
+    import warnings
+
+    import torch
+
+    import lightning_chunk.engine.runtime as runtime
+    from lightning_chunk.engine import ChunkConfig, ChunkEngine
+
+    monkeypatch.setattr(runtime, "page_cache_room", lambda: room)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    eng = ChunkEngine(model, [], config=ChunkConfig(chunk_numel=4096), device=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng.teardown(materialize=None)
+    said = [str(w.message) for w in caught if "left empty" in str(w.message)]
+    if room > 1 << 30:
+        assert not said
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[k]), k
+    else:
+        assert said and "does not fit" in said[0] and "consolidate" in said[0]
+        assert all(p.numel() == 0 for p in model.parameters())
