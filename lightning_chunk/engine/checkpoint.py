@@ -40,16 +40,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .atomic import clear_leftovers, replace_dir
-from .errors import ChunkError
+from .errors import CheckpointError, ChunkError
+from .saved_chunks import KEY, iter_saved_chunks, rank_regions
+from .saved_chunks import load_chunk as _load_chunk
 
 FORMAT_VERSION = 1
 META = "meta.pt"
 DCP_INDEX = ".metadata"
-KEY = "chunk_checkpoint"
-
-
-class CheckpointError(ChunkError, ValueError):
-    """A path that is not a usable checkpoint, or one written for another model."""
 
 
 def partial_path(path: Union[str, Path]) -> Path:
@@ -451,17 +448,6 @@ def _check_master_dtypes(meta: dict[str, Any], engine: Any, path: Union[str, Pat
             "(`lightning-chunk consolidate` writes them to a file that `weights=` or `load_state_dict` reads).")
 
 
-def _load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.empty(numel, dtype=dtype)
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({key: t}, checkpoint_id=str(path), no_dist=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {str(path)!r}: reading {key!r} failed ({type(e).__name__}: {e}).") from None
-    return t
-
-
 def weights_key(meta: dict[str, Any], path: Union[str, Path], *, ema: bool = False) -> Callable[[int], str]:
     """The key of each saved chunk's weights: its master shards, or with ``ema`` its average where it has one (a
     chunk of parameters frozen from the start is its own average, [Note: a sharded EMA])."""
@@ -469,18 +455,6 @@ def weights_key(meta: dict[str, Any], path: Union[str, Path], *, ema: bool = Fal
     if ema and not averaged:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no average of the weights (saved without ChunkEMA).")
     return lambda c: f"chunk.{c}.{'ema' if c in averaged else 'master'}"
-
-
-def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str],
-                      only: Optional[Collection[int]] = None):
-    """Yield ``(chunk index, saved chunk meta, whole tensor)`` one saved chunk at a time (those in ``only``)."""
-    from .host_heap import release_freed_memory
-
-    for c, spec in enumerate(meta[KEY]["chunks"]):
-        if not spec.get("written", True) or (only is not None and c not in only):  # not in the save
-            continue
-        yield c, spec, _load_chunk(path, key_of(c), spec["capacity"], getattr(torch, spec["master_dtype"]))
-        release_freed_memory()
 
 
 def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool, averaged: bool = False) -> dict[str, Any]:
@@ -495,13 +469,15 @@ def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool, a
     mgr = engine.manager
     index_of_name = {n: i for i, n in enumerate(mgr.names)}
     key_of = weights_key(meta, path, ema=True) if averaged and ck.get("ema_chunks") else lambda c: f"chunk.{c}.master"
-    for _, spec, full in iter_saved_chunks(path, meta, key_of):
+    mine = rank_regions(mgr, index_of_name)  # [Note: a resume reads what the rank holds]
+    for _, spec, full in iter_saved_chunks(path, meta, key_of, regions=mine):
         load_values(mgr, {index_of_name[n]: full[off : off + numel].view(shape)
                           for n, off, numel, shape in spec["slots"]})
         mgr.disk.page_out()  # what this saved chunk wrote into disk shards leaves the process
     ema = getattr(engine, "ema", None)
     if ema is not None and ck.get("ema_chunks"):  # [Note: a sharded EMA]; ignored by a run without one
-        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.ema", only=set(ck["ema_chunks"])):
+        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.ema", only=set(ck["ema_chunks"]),
+                                               regions=mine):
             ema.load({index_of_name[n]: full[off : off + numel] for n, off, numel, _ in spec["slots"]})
     buffers = dict(ck.get("buffers", {}))
     if averaged:  # the buffers averaged with the weights, where there are ([Note: averaged buffers])
@@ -537,7 +513,8 @@ def _load_optimizer(engine: Any, o: int, om: dict[str, Any], path: Path, meta: d
         if i in views:
             local[i] = dict(st)
     for key, dtype in om["keys"].items():
-        for c, spec, full in iter_saved_chunks(path, meta, lambda c, key=key: f"chunk.{c}.optim{o}.{key}"):
+        for c, spec, full in iter_saved_chunks(path, meta, lambda c, key=key: f"chunk.{c}.optim{o}.{key}",
+                                               regions=rank_regions(mgr, index_of_name)):
             whole = {index_of_name[n]: {key: full[off : off + numel]} for n, off, numel, _ in spec["slots"]
                      if index_of_name[n] in local}
             for i, st in local_optimizer_state(mgr, views, whole).items():

@@ -29,3 +29,7 @@ class HostMemoryLimitError(ChunkError):
 
 class DiskTierError(ChunkError):
     """The disk tier's directory cannot hold what must go there (missing, unwritable, full, too small)."""
+
+
+class CheckpointError(ChunkError, ValueError):
+    """A path that is not a usable checkpoint, or one written for another model."""

@@ -272,8 +272,21 @@ class LogsRank(ParityNet):
 
 
 def run_resume(out: Path) -> None:
-    """8 steps with a checkpoint written during fit (collectives on every rank, rank 0 writes), resumed to 12."""
+    """8 steps with a checkpoint written during fit (collectives on every rank, rank 0 writes), resumed to 12. Each
+    rank counts the elements of saved chunks it asked to read, against those the checkpoint holds."""
     import shutil
+
+    from lightning_chunk.engine import saved_chunks
+
+    read = {"asked": 0, "saved": 0}
+    whole = saved_chunks.load_chunk
+
+    def counting(path, key, numel, dtype, span=None):
+        read["asked"] += numel if span is None else span[1] - span[0]
+        read["saved"] += numel
+        return whole(path, key, numel, dtype, span)
+
+    saved_chunks.load_chunk = counting
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -301,6 +314,7 @@ def run_resume(out: Path) -> None:
     if rank == 0:
         torch.save({"ref": results["ddp"][0], "got": results["chunk"][0]}, out / "resume.pt")
     (out / f"resume.rank{rank}.json").write_text(json.dumps({k: v[1] for k, v in results.items()}))
+    (out / f"resume.read{rank}.json").write_text(json.dumps(read))
     print(f"CASE-DONE resume rank={rank}", flush=True)
 
 

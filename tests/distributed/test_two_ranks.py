@@ -526,6 +526,10 @@ def test_checkpoint_written_on_two_ranks_resumes_like_ddp_and_sync_dist_reduces(
         assert f"CASE-DONE resume rank={r}" in log, log[-3000:]
         # self.log(..., sync_dist=True) of the rank index gives the mean over both ranks, with both strategies
         assert json.loads((out / f"resume.rank{r}.json").read_text()) == {"ddp": 0.5, "chunk": 0.5}
+        # [Note: a resume reads what the rank holds]: each rank asks for its half of the saved elements, where it
+        # read every saved chunk whole (about 46 and 50% here: the resume's layout is not the saving run's)
+        read = json.loads((out / f"resume.read{r}.json").read_text())
+        assert 0 < read["asked"] <= 0.6 * read["saved"], read
     d = torch.load(out / "resume.pt")
     for k, v in d["ref"].items():
         torch.testing.assert_close(d["got"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
