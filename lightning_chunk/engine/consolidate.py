@@ -61,11 +61,11 @@ def unpack(mgr: ChunkManager, *, materialize: bool, device: Optional[torch.devic
     mgr.forget_layout()
 
 
-def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool, host_limit: Optional[int],
+def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool,
                      room: Optional[int]) -> tuple[bool, int, Optional[int]]:
     """Whether the whole trained model (and, with ``optimizer_state``, its whole optimizer state) fits in this
-    rank's host memory: ``host_limit``, else its share of ``room`` (what the host has available) with a fifth
-    kept free; the same answer on every rank (the smallest room decides). ``(fits, bytes needed, rank's room)``.
+    rank's share of ``room`` (what the host has available now) with a fifth kept free; the same answer on every
+    rank (the smallest room decides). ``(fits, bytes needed, rank's share)``.
 
     [Note: the model after fit]
     With ``materialize_on_teardown=None`` (the default) the end of ``fit`` gives every rank's parameters their whole
@@ -74,12 +74,13 @@ def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool, host_limit: Op
     finished run in the out-of-memory killer; the parameters are left empty instead, rank 0 says so, and the
     weights are in the checkpoints (``lightning-chunk consolidate`` writes one file). ``True`` always builds them,
     ``False`` never. Chunks are gathered one at a time and their shards freed as they go, so what must fit is the
-    model, not the model beside the training state."""
+    model, not the model beside the training state. ``host_memory_limit`` does not decide: it bounds the chunks'
+    memory while training, and a model whose training state needs the disk tier often fits whole once it is
+    trained (7B in fp32 is 28 GB, its training state 112 GB)."""
     need = sum(t.numel * t.orig_dtype.itemsize for c in mgr.chunks for t in c.tensors)
     if optimizer_state:
         need += sum(c.optim_state_bytes for c in mgr.chunks) * mgr.comm.world_size
-    share = host_limit if host_limit is not None else (
-        None if room is None else int(room * 0.8) // max(mgr.comm.ranks_on_this_host(), 1))
+    share = None if room is None else int(room * 0.8) // max(mgr.comm.ranks_on_this_host(), 1)
     fits = share is None or need <= share
     if mgr.comm.world_size > 1:
         flag = torch.tensor([int(fits)], dtype=torch.int32, device=mgr.comm.tensor_device())

@@ -71,6 +71,7 @@ class ShapePlan:
     limit: Optional[int]
     need_before_activations: int  # device bytes the busiest module needs before activations
     param_numel: int
+    optim_bytes_per_element: int = 0  # the optimizer state of the param group that keeps the most
 
     def shard_bytes(self, tier: Optional[Tier] = None) -> int:
         """One rank's shard bytes (masters, compute copies, gradients, optimizer state), in memory on ``tier``
@@ -229,7 +230,8 @@ class ChunkEngine:
         views, tiers = engine._plan_tiers(layout, trace=None)
         return ShapePlan(layout=layout, views=views, tiers=tiers, limit=engine.manager.limit,
                          need_before_activations=engine.layouts.need_before_trace(layout, views),
-                         param_numel=sum(s.numel for s in engine.manager.specs))
+                         param_numel=sum(s.numel for s in engine.manager.specs),
+                         optim_bytes_per_element=max(engine._optim_bytes.values(), default=0))
 
     # ================================================================= layout
     @property
@@ -641,13 +643,12 @@ class ChunkEngine:
             optimizer_state = self.config.materialize_optimizer_state
         if materialize is None:  # [Note: the model after fit] in consolidate.py
             materialize, need, share = whole_model_fits(self.manager, optimizer_state=optimizer_state,
-                                                        host_limit=self.config.host_memory_limit,
                                                         room=page_cache_room())
             if not materialize and self.comm.rank == 0:
                 warnings.warn(
                     f"the trained parameters were left empty at the end of fit: the whole model ("
-                    f"{format_bytes(need)}) does not fit in a rank's host memory ({format_bytes(share or 0)}: "
-                    "host_memory_limit, or its share of what the host has available). The weights are in the "
+                    f"{format_bytes(need)}) does not fit in a rank's share of the host memory available "
+                    f"({format_bytes(share or 0)}). The weights are in the "
                     "checkpoints (`lightning-chunk consolidate` writes one file); materialize_on_teardown=True builds "
                     "them anyway. [Note: the model after fit]", stacklevel=2)
         self.hooks.remove()
