@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from .consolidate import consolidate
 from .engine.checkpoint import CheckpointError
+from .engine.config import parse_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes-only", action="store_true",
                    help="build nothing (meta device): per-rank bytes from shapes, for models too large to build here")
     p.add_argument("--ranks", type=int, default=1, help="with --shapes-only: the number of ranks to plan for")
+    p.add_argument("--nodes", type=int, help="a cluster to plan for from shapes: its nodes (with --devices); prints "
+                                             "each phase's peak device and host bytes a rank and a node")
+    p.add_argument("--devices", type=int, help="the cluster's devices (ranks) a node")
+    p.add_argument("--device-memory", help="each device's memory, e.g. 80GiB (the limit leaves the default margin)")
+    p.add_argument("--host-memory", help="each node's host memory, e.g. 1TiB")
     return parser
 
 
@@ -97,8 +103,15 @@ def _plan(args: argparse.Namespace) -> int:
                  "chunk_numel": args.chunk_numel, "host_memory_limit": args.host_memory_limit,
                  "disk_dir": args.disk_dir}
     try:
+        cluster = None
+        if args.nodes is not None or args.devices is not None:
+            cluster = (args.nodes or 1, args.devices or 1,
+                       parse_bytes(args.device_memory, field="--device-memory"),
+                       parse_bytes(args.host_memory, field="--host-memory"))
+        elif args.device_memory is not None or args.host_memory is not None:
+            raise ValueError("--device-memory and --host-memory describe a cluster: give --nodes and --devices too.")
         report = plan_from_args(args.model, args.data, args.config, args.init_args, args.data_args, overrides,
-                                args.precision, shapes_only=args.shapes_only, ranks=args.ranks)
+                                args.precision, shapes_only=args.shapes_only, ranks=args.ranks, cluster=cluster)
     except ChunkError as e:
         print(f"lightning-chunk plan: does not fit: {e}", file=sys.stderr)
         return 1

@@ -27,10 +27,11 @@ import torch
 import yaml
 
 from .engine.chunk import Tier
-from .engine.config import human_bytes
+from .engine.config import device_margin_bytes, human_bytes
 from .engine.materialize import DeferredInit
 from .engine.runtime import ChunkEngine, ShapePlan
 from .engine.simulate import simulate_step
+from .phases import ClusterReport, phases
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
 
@@ -213,8 +214,10 @@ def _host_memory() -> int:
 
 
 def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: dict[str, Any],
-                    precision: str = "32-true", ranks: int = 1) -> ShapePlanReport:
-    """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised."""
+                    precision: str = "32-true", ranks: int = 1,
+                    cluster: Optional[tuple[int, int, Optional[int]]] = None) -> Any:
+    """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
+    ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase])."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -232,13 +235,29 @@ def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: 
     optimizers, _ = _init_optimizers_and_lr_schedulers(model)
     plan = ChunkEngine.plan_from_shapes(model, optimizers, config=strategy.config,
                                         dtypes=ChunkPrecision(precision).dtype_policy(), world_size=ranks)
-    return ShapePlanReport(model=type(model).__name__, precision=precision, ranks=ranks,
-                           placement=strategy.config.placement, plan=plan)
+    report = ShapePlanReport(model=type(model).__name__, precision=precision, ranks=ranks,
+                             placement=strategy.config.placement, plan=plan)
+    if cluster is None:
+        return report
+    nodes, devices, host_memory = cluster
+    low = 2 if precision.startswith(("bf16-mixed", "16-mixed")) else 0  # the compute copy beside an fp32 master
+    optim = plan.optim_bytes_per_element
+    rows, bound, state, after = phases(
+        plan, placement=strategy.config.placement, optim_ratio=optim / 4,
+        model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        host_per_rank=None if host_memory is None else host_memory // devices, grad_share=4 / (4 + low + 4 + optim))
+    return ClusterReport(model=type(model).__name__, precision=precision, nodes=nodes, devices=devices,
+                         device_limit=plan.limit, host_memory=host_memory, phases=rows, bound=bound, state=state,
+                         device_shards_after=sum(t is Tier.DEVICE for t in after.values()), chunks=len(plan.views))
 
 
 def plan_from_args(model: str, data: Optional[str], config: Optional[str], init_args: Optional[str],
                    data_args: Optional[str], overrides: dict[str, Any], precision: Optional[str],
-                   shapes_only: bool = False, ranks: int = 1) -> Any:
+                   shapes_only: bool = False, ranks: int = 1,
+                   cluster: Optional[tuple[int, int, Optional[int], Optional[int]]] = None) -> Any:
+    """``cluster``: ``(nodes, devices a node, device bytes, host bytes a node)``: plan from shapes for that many
+    ranks, under the limit a device of that size gives (its memory less the margin ``device_memory_limit=None``
+    keeps), unless a limit is given."""
     cfg: dict[str, Any] = {}
     if config:
         with open(config) as f:
@@ -251,6 +270,13 @@ def plan_from_args(model: str, data: Optional[str], config: Optional[str], init_
     sargs = dict(strategy_cfg.get("init_args") or {}) if isinstance(strategy_cfg, dict) else {}
     sargs.update({k: v for k, v in overrides.items() if v is not None})
     prec = precision or str((cfg.get("trainer") or {}).get("precision") or "32-true")
+    if cluster is not None:
+        nodes, devices, device_memory, host_memory = cluster
+        if nodes < 1 or devices < 1:
+            raise ValueError(f"--nodes {nodes} --devices {devices}: both must be at least 1.")
+        if device_memory is not None and sargs.get("device_memory_limit") is None:
+            sargs["device_memory_limit"] = device_memory - device_margin_bytes(device_memory)
+        return make_shape_plan(load_class(model), margs, sargs, prec, nodes * devices, (nodes, devices, host_memory))
     if shapes_only:
         return make_shape_plan(load_class(model), margs, sargs, prec, ranks)
     model_cls = load_class(model)

@@ -1,0 +1,156 @@
+"""Each phase's peak device and host bytes a rank, predicted from the layout alone: ``lightning-chunk plan``'s
+cluster view (``--nodes 2 --devices 8 --device-memory 80GiB --host-memory 1TiB``).
+
+[Note: host memory by phase]
+What a rank holds on the host, phase by phase, written from the code that runs in it (all per rank; S is the rank's
+training state, its shards' masters, compute copies, gradients and optimizer state, S_host and S_dev the parts that
+live on the host and on the device, before the warm-up and after it; C the largest chunk's whole values in the
+master dtype):
+- set-up: S_host(first) + C. Deferred init and weights read from a file build one chunk at a time, whole, then
+  keep this rank's shard ([Note: deferred initialisation]). A model built eagerly on every rank adds itself.
+- warm-up step: S_host(first). Under ``auto`` with a limit every shard starts on the host.
+- warm-up repack: S_host(first) + S_dev(first) + 2C(2 + k), k the optimizer state's bytes per master byte: the
+  old device shards staged, the chunks streamed one at a time, two whole chunks' values, gradients and optimizer
+  state at once at most ([Note: a repack under a device limit]).
+- training step: S_host(after) + the gradient staging in flight (pinned, at most 256 MiB).
+- save: S_host(after) + S_dev(after) less gradients: every device shard's master and optimizer state is copied to
+  the host before DCP writes (to be streamed chunk by chunk; until then the largest phase after the repack).
+- resume: S_host(first) + C: one saved chunk's span at a time ([Note: a resume reads what the rank holds]).
+- end of fit: the whole model in its own dtype where it fits, else nothing ([Note: the model after fit]).
+The bound: S + 4C(1 + k); every phase but an eagerly built model and a teardown that builds the model (only where it
+fits) stays under it. Device bytes are before activations (a shapes-only plan traces none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .engine.chunk import Tier
+from .engine.config import human_bytes
+from .engine.runtime import ShapePlan
+
+GRAD_STAGING = 256 << 20  # GradOffload's pinned staging in flight at most
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    device: int  # bytes a rank, before activations
+    host: int  # bytes a rank
+
+
+@dataclass
+class ClusterReport:
+    model: str
+    precision: str
+    nodes: int
+    devices: int
+    device_limit: Optional[int]  # a rank
+    host_memory: Optional[int]  # a node
+    phases: list[Phase]
+    bound: int  # host bytes a rank no phase may pass
+    state: int  # S
+    device_shards_after: int
+    chunks: int
+
+    @property
+    def host_per_rank(self) -> Optional[int]:
+        return None if self.host_memory is None else self.host_memory // self.devices
+
+    @property
+    def binds(self) -> list[str]:
+        out = []
+        if self.device_limit is not None and max(p.device for p in self.phases) > self.device_limit:
+            out.append("device")
+        if self.host_per_rank is not None and max(p.host for p in self.phases) > self.host_per_rank:
+            out.append("host")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.binds
+
+    def render(self) -> str:
+        g = human_bytes
+        ranks = self.nodes * self.devices
+        lines = [f"model        {self.model}, precision {self.precision}: {self.nodes} node(s) x {self.devices} "
+                 f"device(s) = {ranks} ranks; {self.chunks} chunks, {self.device_shards_after} shards on the device "
+                 "after the warm-up",
+                 f"a rank       training state {g(self.state)}; device limit "
+                 f"{'none' if self.device_limit is None else g(self.device_limit)}; host "
+                 f"{'unknown' if self.host_per_rank is None else g(self.host_per_rank)} (a node's share)",
+                 "",
+                 f"{'phase':<16}{'device a rank':>16}{'host a rank':>16}{'host a node':>16}",
+                 ]
+        for p in self.phases:
+            lines.append(f"{p.name:<16}{g(p.device):>16}{g(p.host):>16}{g(p.host * self.devices):>16}")
+        lines += ["", f"host bound   {g(self.bound)} a rank (training state + 4 whole chunks with their optimizer "
+                      "state); device bytes are before activations"]
+        worst_d = max(self.phases, key=lambda p: p.device)
+        worst_h = max(self.phases, key=lambda p: p.host)
+        if self.binds:
+            lines.append("binds        " + " and ".join(
+                f"{b}: {worst_d.name if b == 'device' else worst_h.name} needs "
+                f"{g(worst_d.device if b == 'device' else worst_h.host)} of "
+                f"{g(self.device_limit if b == 'device' else self.host_per_rank)}"  # type: ignore[arg-type]
+                for b in self.binds))
+        else:
+            left = [f"device {g(self.device_limit - worst_d.device)} left at {worst_d.name}"
+                    if self.device_limit is not None else "",
+                    f"host {g(self.host_per_rank - worst_h.host)} left at {worst_h.name}"
+                    if self.host_per_rank is not None else ""]
+            lines.append("fits         " + "; ".join(x for x in left if x) + " (before activations)")
+        return "\n".join(lines)
+
+
+def final_tiers(plan: ShapePlan, placement: str) -> dict[int, Tier]:
+    """The tiers after the warm-up, without its trace: ``auto`` under a limit puts shards on the device, the last
+    chunks first, while they leave the busiest module, a prefetch and three gradient payloads room (activations not
+    counted); other placements keep their first tiers."""
+    if placement != "auto" or plan.limit is None:
+        return dict(plan.tiers)
+    views = plan.views
+    reserve = (plan.need_before_activations + max((v.payload_bytes for v in views), default=0)
+               + 3 * max((v.grad_payload_bytes for v in views), default=0))
+    room = plan.limit - reserve
+    tiers = {v.chunk_id: (Tier.DISK if plan.tiers[v.chunk_id] is Tier.DISK else Tier.HOST) for v in views}
+    for v in sorted(views, key=lambda v: v.chunk_id, reverse=True):
+        if tiers[v.chunk_id] is Tier.HOST and v.device_shard_bytes <= room:
+            tiers[v.chunk_id] = Tier.DEVICE
+            room -= v.device_shard_bytes
+    return tiers
+
+
+def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: float, host_per_rank: Optional[int],
+           grad_share: float) -> tuple[list[Phase], int, int, dict[int, Tier]]:
+    """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
+    warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``grad_share``: the part of a
+    device shard that is its gradient (not copied by a save)."""
+    views = plan.views
+    after = final_tiers(plan, placement)
+
+    def on(tiers: dict[int, Tier], tier: Tier) -> int:
+        return sum((v.host_bytes_on_disk if tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
+                   for v in views if (Tier.HOST if tiers[v.chunk_id] is Tier.DISK else tiers[v.chunk_id]) is tier)
+
+    host_first, dev_first = on(plan.tiers, Tier.HOST), on(plan.tiers, Tier.DEVICE)
+    host_after, dev_after = on(after, Tier.HOST), on(after, Tier.DEVICE)
+    whole = max((v.grad_payload_bytes for v in views), default=0) or max((v.payload_bytes for v in views), default=0)
+    payload = max((v.payload_bytes for v in views), default=0)
+    state = sum(v.device_shard_bytes for v in views)
+    need = plan.need_before_activations
+    fits = host_per_rank is None or model_bytes <= 0.8 * host_per_rank
+    rows = [
+        Phase("set-up", dev_first + payload, host_first + whole),
+        Phase("warm-up step", dev_first + need, host_first),
+        Phase("warm-up repack", dev_after + payload, host_first + dev_first + int(2 * whole * (2 + optim_ratio))),
+        Phase("training step", dev_after + need + payload, host_after + min(GRAD_STAGING, dev_after + host_after)),
+        Phase("save", dev_after + need, host_after + int(dev_after * (1 - grad_share))),
+        Phase("resume", dev_first + payload, host_first + whole),
+        # chunk by chunk each parameter takes its whole value and the chunk's shards go: at first the shards, at
+        # the end the model
+        Phase("end of fit", 0, max(host_after, model_bytes if fits else 0) + whole),
+    ]
+    bound = state + int(4 * whole * (1 + optim_ratio))
+    return rows, bound, state, after

@@ -1,0 +1,57 @@
+"""``lightning-chunk plan`` for a cluster this machine is not ([Note: host memory by phase] in phases.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_chunk", "plan", "lightning_chunk.shapes:Llama",
+                           "--precision", "bf16-mixed", *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def rows(out: str) -> dict[str, list[float]]:
+    """phase -> [device a rank, host a rank, host a node] in GiB."""
+    unit = {"bytes": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 1024.0}
+    table = {}
+    for line in out.split("host a node")[1].split("host bound")[0].strip().splitlines():
+        name, rest = line[:16].strip(), line[16:].split()
+        table[name] = [float(rest[i].replace(",", "")) * unit[rest[i + 1]] for i in (0, 2, 4)]
+    return table
+
+
+def test_13b_on_two_nodes_of_eight_gpus():
+    """Llama 2 13B, 16 ranks of 80 GiB with 1 TiB a node: each phase a rank and a node, from shapes alone."""
+    r = plan("--init-args", '{"size": "13b"}', "--nodes", "2", "--devices", "8", "--device-memory", "80GiB",
+             "--host-memory", "1TiB")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert "2 node(s) x 8 device(s) = 16 ranks" in r.stdout and "device limit 72.00 GiB" in r.stdout, r.stdout
+    state = float(r.stdout.split("training state ")[1].split(" GiB")[0])
+    # bf16-mixed: fp32 master 4 + bf16 copy 2 + fp32 gradient 4 + AdamW 8 = 18 bytes a parameter, over 16 ranks
+    assert 18 * 13_015_864_320 / 16 / 2**30 <= state <= 1.05 * 18 * 13_015_864_320 / 16 / 2**30, r.stdout
+    table = rows(r.stdout)
+    assert list(table) == ["set-up", "warm-up step", "warm-up repack", "training step", "save", "resume",
+                           "end of fit"], r.stdout
+    for name, (device, host, node) in table.items():
+        assert abs(node - 8 * host) <= 0.01 * node + 1e-3, (name, r.stdout)
+        assert device <= 72, (name, r.stdout)
+    assert table["warm-up step"][1] >= state * 0.99  # the warm-up keeps every shard on the host
+    assert "fits" in r.stdout.split("host bound")[1]
+
+
+def test_70b_on_one_node_says_the_host_binds():
+    """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB the warm-up, which starts every
+    shard on the host, cannot fit; the plan names the phase and exits 1."""
+    r = plan("--init-args", '{"size": "70b"}', "--nodes", "1", "--devices", "8", "--device-memory", "80GiB",
+             "--host-memory", "1TiB")
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    assert "binds        host: warm-up" in r.stdout, r.stdout
+
+
+def test_a_cluster_needs_its_size():
+    r = plan("--init-args", '{"size": "7b"}', "--host-memory", "1TiB")
+    assert r.returncode == 2 and "give --nodes and --devices too" in r.stderr, r.stderr
