@@ -20,6 +20,7 @@ import torch.nn as nn  # noqa: E402
 
 import lightning_chunk.engine.repack as repack  # noqa: E402
 from lightning_chunk.engine import ChunkConfig, ChunkEngine, Collectives  # noqa: E402
+from tests.engine_steps import step  # noqa: E402
 
 peak = {"held": 0}
 _init, _load, _stage = repack.OldChunks.__init__, repack.OldChunks._load, repack.OldChunks._stage
@@ -66,16 +67,7 @@ def main(out: Path, placement: str, limit: int) -> None:
                                                        chunk_numel=65536),
                       device=torch.device("cpu"), collectives=Collectives(timeout_s=30))
     for _ in range(2):  # the warm-up and its repack; a step in the new layout (Adam's state exists from here on)
-        x = torch.randn(8, 256)
-        opt.zero_grad()
-        with eng.micro_batch(training=True) as outputs:
-            loss = model(x).pow(2).mean()
-            outputs(loss)
-        loss.backward()
-        eng.after_backward()
-        eng.prepare_step()
-        opt.step()
-        eng.finish_step(stepped=True)
+        step(eng, model, opt, torch.randn(8, 256))
     shards = sum(c.shard_numel * 4 for c in eng.manager.chunks)
     (out / f"repack.{placement}.{rank}.json").write_text(json.dumps(dict(held=peak["held"], shards=shards)))
     dist.destroy_process_group()

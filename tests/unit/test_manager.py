@@ -276,6 +276,7 @@ def test_the_warm_up_subtracts_only_the_optimizer_state_that_exists():
 
     from lightning_chunk.engine import ChunkConfig, ChunkEngine
     from lightning_chunk.engine.chunk import Tier
+    from tests.engine_steps import step
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
@@ -286,15 +287,7 @@ def test_the_warm_up_subtracts_only_the_optimizer_state_that_exists():
     state = sum(c.optim_state_bytes for c in mgr.chunks if c.shard_tier is Tier.DEVICE)
     assert state > 0
     assert eng.hooks.tracer._chunk_device_bytes() == mgr.ledger[Tier.DEVICE] - state
-    opt.zero_grad()
-    with eng.micro_batch(training=True) as outputs:
-        loss = model(torch.randn(4, 64)).pow(2).mean()
-        outputs(loss)
-    loss.backward()
-    eng.after_backward()
-    eng.prepare_step()
-    opt.step()
-    eng.finish_step(stepped=True)
+    step(eng, model, opt, torch.randn(4, 64))
     assert eng.hooks.tracer._chunk_device_bytes() == mgr.ledger[Tier.DEVICE]
 
 

@@ -302,6 +302,7 @@ def test_steps_without_a_trace_leave_the_activations_room_under_the_limit():
 
     from lightning_chunk.engine import ChunkConfig, ChunkEngine
     from lightning_chunk.engine.chunk import Tier
+    from tests.engine_steps import step
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(12)])  # 1 MiB a layer
@@ -315,15 +316,7 @@ def test_steps_without_a_trace_leave_the_activations_room_under_the_limit():
     peaks = []
     for _ in range(3):
         peak[0] = 0
-        opt.zero_grad()
-        with eng.micro_batch(training=True) as outputs:
-            loss = model(x).pow(2).mean()
-            outputs(loss)
-        loss.backward()
-        eng.after_backward()
-        eng.prepare_step()
-        opt.step()
-        eng.finish_step(stepped=True)
+        step(eng, model, opt, x)
         peaks.append(peak[0])
     activations = eng.hooks.trace.nonmodel_peak_bytes
     assert activations >= 2 << 20

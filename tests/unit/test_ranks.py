@@ -45,9 +45,9 @@ def test_the_pinned_blocks_a_repack_frees_go_back_to_the_os(monkeypatch):
     """[Note: pinned blocks a repack leaves behind]: on CUDA the warm-up's host shards, freed when the repack moves them
     to the device, stayed page-locked in torch's host cache for the whole run. The cache is emptied after every
     repack and at teardown (here with CUDA and the cache's entry point stood in for, on a CPU machine)."""
-    import lightning_chunk.engine.runtime as runtime
-    from tests.models import ReorderedNet, token_data
     from lightning_chunk.engine import ChunkConfig, ChunkEngine
+    from tests.engine_steps import step
+    from tests.models import ReorderedNet, token_data
 
     emptied = []
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(True), raising=False)
@@ -57,19 +57,10 @@ def test_the_pinned_blocks_a_repack_frees_go_back_to_the_os(monkeypatch):
     model = ReorderedNet()  # registered in another order than it runs: the warm-up ends in a repack
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     eng = ChunkEngine(model, [opt], config=ChunkConfig(chunk_numel=None), device=torch.device("cpu"))
-    assert isinstance(eng, runtime.ChunkEngine)
     after_setup = len(emptied)
-    x, y = next(iter(token_data()))
+    x, _ = next(iter(token_data()))
     for _ in range(2):  # the warm-up, its repack at the first step, one traced step
-        opt.zero_grad()
-        with eng.micro_batch(training=True) as outputs:
-            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 48), y.reshape(-1))
-            outputs(loss)
-        loss.backward()
-        eng.after_backward()
-        eng.prepare_step()
-        opt.step()
-        eng.finish_step(stepped=True)
+        step(eng, model, opt, x)
     repacked = len(emptied)
     eng.teardown()
     assert after_setup >= 1 and repacked > after_setup and len(emptied) > repacked
