@@ -15,7 +15,7 @@ import torch
 from tests.distributed.test_two_ranks import AS_NCCL, RUNNER
 from tests.faults.common import Ranks
 
-FOUR = ["plain", "tied", "host", "accumulate", "rank_gated", "limits_differ"]
+FOUR = ["plain", "host", "accumulate", "rank_gated", "limits_differ"]
 RELATIVE = 1e-3  # of the distance training moved the parameter
 
 

@@ -47,7 +47,7 @@ WEIGHTS = [f"weights_{fmt}" for fmt in FORMATS]
 
 AS_NCCL = {"LIGHTNING_CHUNK_GLOO_AS_NCCL": "1"}  # [Note: gloo as NCCL]: one communicator, no agreement check
 # the cases that also run with gloo's own defaults (a group per kind of collective, the check once a micro-batch)
-GLOO_DEFAULTS = ["plain", "host", "limit", "accumulate", "early_limit", "disk", "rank_gated"]
+GLOO_DEFAULTS = ["plain", "host", "limit", "rank_gated"]
 
 
 def run(out: Path, *cases: str, timeout: int, env: Optional[dict] = None) -> tuple[int, str, float]:

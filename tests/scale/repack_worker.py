@@ -1,7 +1,7 @@
 """One rank of an engine run whose warm-up ends in a repack under a device limit; prints how many bytes of parameter
 values, gradients and optimizer state the repack held on the host at once, against this rank's shards.
 
-    RANK=.. WORLD_SIZE=.. python tests/scale/repack_worker.py OUTDIR PLACEMENT LIMIT_BYTES
+    RANK=.. WORLD_SIZE=.. python tests/scale/repack_worker.py OUTDIR PLACEMENT:LIMIT_BYTES [...]
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ class Reversed(nn.Module):
         return x
 
 
-def main(out: Path, placement: str, limit: int) -> None:
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+def run(out: Path, rank: int, placement: str, limit: int) -> None:
+    peak["held"] = 0
     torch.manual_seed(0)
     model = Reversed()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -70,8 +69,12 @@ def main(out: Path, placement: str, limit: int) -> None:
         step(eng, model, opt, torch.randn(8, 256))
     shards = sum(c.shard_numel * 4 for c in eng.manager.chunks)
     (out / f"repack.{placement}.{rank}.json").write_text(json.dumps(dict(held=peak["held"], shards=shards)))
-    dist.destroy_process_group()
+    eng.teardown(materialize=False)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    for case in sys.argv[2:]:
+        placement, limit = case.split(":")
+        run(Path(sys.argv[1]), int(os.environ["RANK"]), placement, int(limit))
+    dist.destroy_process_group()

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import dataclass
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+
+from lightning_chunk.cli import main
 
 
-def plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_chunk", "plan", "lightning_chunk.shapes:Llama",
-                           "--precision", "bf16-mixed", *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def plan(capsys):
+    """The command in this process (a child would spend 9 s importing Lightning for a plan of one second)."""
+
+    def run(*args: str) -> Result:
+        code = main(["plan", "lightning_chunk.shapes:Llama", "--precision", "bf16-mixed", *args])
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
 
 
 def rows(out: str) -> dict[str, list[float]]:
@@ -24,7 +38,7 @@ def rows(out: str) -> dict[str, list[float]]:
     return table
 
 
-def test_13b_on_two_nodes_of_eight_gpus():
+def test_13b_on_two_nodes_of_eight_gpus(plan):
     """Llama 2 13B, 16 ranks of 80 GiB with 1 TiB a node: each phase a rank and a node, from shapes alone."""
     r = plan("--init-args", '{"size": "13b"}', "--nodes", "2", "--devices", "8", "--device-memory", "80GiB",
              "--host-memory", "1TiB")
@@ -43,7 +57,7 @@ def test_13b_on_two_nodes_of_eight_gpus():
     assert "fits" in r.stdout.split("host bound")[1]
 
 
-def test_70b_on_one_node_says_the_host_binds():
+def test_70b_on_one_node_says_the_host_binds(plan):
     """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB the warm-up, which starts every
     shard on the host, cannot fit; the plan names the phase and exits 1."""
     r = plan("--init-args", '{"size": "70b"}', "--nodes", "1", "--devices", "8", "--device-memory", "80GiB",
@@ -52,6 +66,6 @@ def test_70b_on_one_node_says_the_host_binds():
     assert "binds        host: warm-up" in r.stdout, r.stdout
 
 
-def test_a_cluster_needs_its_size():
+def test_a_cluster_needs_its_size(plan):
     r = plan("--init-args", '{"size": "7b"}', "--host-memory", "1TiB")
     assert r.returncode == 2 and "give --nodes and --devices too" in r.stderr, r.stderr
