@@ -65,6 +65,6 @@ def process_group_device(root_device: torch.device) -> Optional[torch.device]:
     return root_device if root_device.type == "cuda" else None
 
 
-def barrier_device_ids(root_device: torch.device) -> Optional[list[int]]:
-    """``barrier``'s ``device_ids`` on NCCL (the same guess otherwise)."""
-    return [root_device.index or 0] if root_device.type == "cuda" else None
+def barrier_device_ids(root_device: torch.device, backend: str) -> Optional[list[int]]:
+    """``barrier``'s ``device_ids`` on NCCL (the same guess otherwise); other backends take none, as in DDPStrategy."""
+    return [root_device.index or 0] if root_device.type == "cuda" and backend == "nccl" else None

@@ -549,7 +549,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
     # ======================================================== collectives
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
-            torch.distributed.barrier(device_ids=barrier_device_ids(self.root_device))
+            ids = barrier_device_ids(self.root_device, torch.distributed.get_backend())
+            torch.distributed.barrier(**({"device_ids": ids} if ids is not None else {}))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():

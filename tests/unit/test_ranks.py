@@ -37,8 +37,9 @@ def test_the_rank_s_threads_are_set_when_it_starts(monkeypatch):
 def test_nccl_is_told_the_rank_s_gpu():
     """As DDPStrategy does: without it torch guesses ``rank % devices``, wrong for ranks not numbered node by node."""
     assert process_group_device(torch.device("cuda", 3)) == torch.device("cuda", 3)
-    assert barrier_device_ids(torch.device("cuda", 3)) == [3]
-    assert process_group_device(torch.device("cpu")) is None and barrier_device_ids(torch.device("cpu")) is None
+    assert barrier_device_ids(torch.device("cuda", 3), "nccl") == [3]
+    assert barrier_device_ids(torch.device("cuda", 3), "gloo") is None  # gloo takes no device_ids
+    assert process_group_device(torch.device("cpu")) is None and barrier_device_ids(torch.device("cpu"), "gloo") is None
 
 
 def test_the_pinned_blocks_a_repack_frees_go_back_to_the_os(monkeypatch):
