@@ -41,8 +41,7 @@ class GradReducer:
         self.payload_peak = 0  # most bytes of unreduced whole-chunk gradients alive at once
         self._inflight: list[tuple[Chunk, Any]] = []  # reduce-scatters launched, not yet landed
         self._order: list[int] = []  # chunks reduce in this order on every rank
-        self._next = 0
-        # the position of the moment after which each chunk of ``_order`` reduces in a traced backward, or None:
+        # in a traced backward, the moment (``MomentKey``) at whose start each chunk reduces -> those chunks; None:
         # reduce each chunk as soon as every rank has all its gradients ([Note: when a chunk reduces])
         self._due: Optional[dict[Hashable, list[int]]] = None
         self._traced = False  # this backward follows a trace with ``_due``
@@ -55,7 +54,7 @@ class GradReducer:
     def reset_order(self, chunks: Sequence[Chunk]) -> None:
         """Highest id first: right when each chunk holds consecutive layers (the trace refines it)."""
         self._order = sorted((c.chunk_id for c in chunks if c.trainable), reverse=True)
-        self._next, self._due = 0, None
+        self._due = None
 
     def set_moments(self, chunks: Sequence[Chunk], due: dict[int, Optional[Hashable]]) -> None:
         """Reduce each chunk at the start of the moment ``due`` names (None: at the end of backward), in the order
@@ -68,7 +67,6 @@ class GradReducer:
             key = due.get(cid)
             if key is not None:
                 self._due.setdefault(key, []).append(cid)
-        self._next = 0
 
     def set_order(self, chunks: Sequence[Chunk], completion: Sequence[int]) -> None:
         """Reduce chunks in the order backward completes them (``completion``, from the trace, the same on
@@ -89,7 +87,7 @@ class GradReducer:
         trainable = {c.chunk_id for c in chunks if c.trainable}
         named = [cid for cid in dict.fromkeys(completion) if cid in trainable]
         self._order = named + sorted(trainable - set(named), reverse=True)
-        self._next, self._due = 0, None
+        self._due = None
 
     # ============================================================== gradients
     def add(self, chunk: Chunk, offset: int, grad: torch.Tensor, make_room: MakeRoom) -> None:
@@ -191,7 +189,7 @@ class GradReducer:
     # The vote after backward (``agree_on_grads``) still decides which parameters have a gradient at all.
 
     def begin_backward(self, *, traced: bool) -> None:
-        """A backward starts: it follows the trace's reduce positions, or agrees at each moment."""
+        """A backward starts: it follows the trace's reduce moments, or agrees at each moment."""
         self._traced = traced and self._due is not None
 
     def at_moment(self, key: Hashable, make_room: MakeRoom) -> None:
@@ -282,7 +280,6 @@ class GradReducer:
                 if cid not in self._launched:
                     self.reduce(chunks[cid], make_room)
             self.land()
-            self._next = 0
         self._launched.clear()
         self.offload.drain()  # the optimizer and the next step read finished gradient shards
 
