@@ -2,23 +2,29 @@
 cluster view (``--nodes 2 --devices 8 --device-memory 80GiB --host-memory 1TiB``).
 
 [Note: host memory by phase]
-What a rank holds on the host, phase by phase, written from the code that runs in it (all per rank; S is the rank's
-training state, its shards' masters, compute copies, gradients and optimizer state, S_host and S_dev the parts that
-live on the host and on the device, before the warm-up and after it; C the largest chunk's whole values in the
-master dtype):
-- set-up: S_host(first) + C. Deferred init and weights read from a file build one chunk at a time, whole, then
-  keep this rank's shard ([Note: deferred initialisation]). A model built eagerly on every rank adds itself.
-- warm-up step: S_host(first). Under ``auto`` with a limit every shard starts on the host.
+What a rank holds, phase by phase, written from the code that runs in it and checked against a run at 2 and 4 ranks
+(``tests/scale/test_phases.py``). All per rank: S is the rank's training state (its shards' masters, compute
+copies, gradients and optimizer state), S_host and S_dev the parts on the host and on the device before the warm-up
+("first") and after it; O the optimizer state in S; C the largest chunk's whole values in the master dtype; G the
+busiest module's chunks, a prefetched chunk and three gradient payloads (one filling, two reducing), as the
+placement reserves them ([Note: the pool under a limit] in placement.py).
+- set-up: S less O (Adam makes its state at its first step) + 3C, + C with several ranks. Deferred init and weights
+  read from a file build one chunk at a time, whole (its values, the chunk, and rank 0's values broadcast to the
+  others), then keep this rank's shard ([Note: deferred initialisation]).
+- warm-up step: S_host(first) on the host; under ``auto`` with a limit every shard starts there. G on the device.
 - warm-up repack: S_host(first) + S_dev(first) + 2C(2 + k), k the optimizer state's bytes per master byte: the
-  old device shards staged, the chunks streamed one at a time, two whole chunks' values, gradients and optimizer
-  state at once at most ([Note: a repack under a device limit]).
-- training step: S_host(after) + the gradient staging in flight (pinned, at most 256 MiB).
-- save: S_host(after) + S_dev(after) less gradients: every device shard's master and optimizer state is copied to
-  the host before DCP writes (to be streamed chunk by chunk; until then the largest phase after the repack).
-- resume: S_host(first) + C: one saved chunk's span at a time ([Note: a resume reads what the rank holds]).
-- end of fit: the whole model in its own dtype where it fits, else nothing ([Note: the model after fit]).
-The bound: S + 4C(1 + k); every phase but an eagerly built model and a teardown that builds the model (only where it
-fits) stays under it. Device bytes are before activations (a shapes-only plan traces none).
+  old device shards staged, the chunks streamed one at a time ([Note: a repack under a device limit]).
+- training step: S_host(after) + the gradient staging in flight (pinned, at most 256 MiB, on CUDA only); G on the
+  device.
+- save: S_host(after) + O + the device shards' masters: every chunk's optimizer state is copied into one host
+  shard a key, and a device master is copied to the host, before the writer runs.
+- resume: S_host(first) + 3C: one saved chunk's span at a time ([Note: a resume reads what the rank holds]).
+- end of fit: where the model fits ([Note: the model after fit]), O copied for a later ``save_checkpoint``
+  ([Note: optimizer state after fit]) beside the shards, then the whole model, built chunk by chunk as the shards
+  go; where it does not, the shards as they go.
+The bound: S + 4C(1 + k). The set-up, the warm-up, the repack, the steps and a resume stay under it; a save and the
+end of fit pass it by up to O. Device bytes are before activations (a shapes-only plan traces none).
+``together``: the peak of the two at once, what one memory holds where the device is the host (a CPU run).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Phase:
     name: str
     device: int  # bytes a rank, before activations
     host: int  # bytes a rank
+    together: int  # device and host bytes at once (a CPU run, where they are one memory)
 
 
 @dataclass
@@ -123,10 +130,12 @@ def final_tiers(plan: ShapePlan, placement: str) -> dict[int, Tier]:
 
 
 def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: float, host_per_rank: Optional[int],
-           grad_share: float) -> tuple[list[Phase], int, int, dict[int, Tier]]:
+           grad_share: float, optim_share: float, ranks: int, staging: bool = True
+           ) -> tuple[list[Phase], int, int, dict[int, Tier]]:
     """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
-    warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``grad_share``: the part of a
-    device shard that is its gradient (not copied by a save)."""
+    warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``grad_share`` and
+    ``optim_share``: the parts of a shard that are its gradient and its optimizer state; ``staging``: gradients
+    leave the device through pinned staging (CUDA)."""
     views = plan.views
     after = final_tiers(plan, placement)
 
@@ -139,18 +148,29 @@ def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: fl
     whole = max((v.grad_payload_bytes for v in views), default=0) or max((v.payload_bytes for v in views), default=0)
     payload = max((v.payload_bytes for v in views), default=0)
     state = sum(v.device_shard_bytes for v in views)
-    need = plan.need_before_activations
-    fits = host_per_rank is None or model_bytes <= 0.8 * host_per_rank
+    optim = int(state * optim_share)
+    busy = plan.need_before_activations + payload + 3 * max((v.grad_payload_bytes for v in views), default=0)
+    built = (3 + (ranks > 1)) * whole
+    fits = host_per_rank is None or model_bytes + optim <= 0.8 * host_per_rank
+    staged = min(GRAD_STAGING, dev_after + host_after) if staging else 0
+    dev_masters = int(dev_after * (1 - grad_share - optim_share))
+    no_optim = 1 - optim_share
+    if fits:  # the kept state beside the shards, then beside the model as it grows and the shards go
+        end_host = optim + max(host_after, model_bytes) + 2 * whole
+        end_together = optim + max(state, model_bytes) + 2 * whole
+    else:
+        end_host, end_together = host_after + whole, state + whole
     rows = [
-        Phase("set-up", dev_first + payload, host_first + whole),
-        Phase("warm-up step", dev_first + need, host_first),
-        Phase("warm-up repack", dev_after + payload, host_first + dev_first + int(2 * whole * (2 + optim_ratio))),
-        Phase("training step", dev_after + need + payload, host_after + min(GRAD_STAGING, dev_after + host_after)),
-        Phase("save", dev_after + need, host_after + int(dev_after * (1 - grad_share))),
-        Phase("resume", dev_first + payload, host_first + whole),
-        # chunk by chunk each parameter takes its whole value and the chunk's shards go: at first the shards, at
-        # the end the model
-        Phase("end of fit", 0, max(host_after, model_bytes if fits else 0) + whole),
+        Phase("set-up", int(dev_first * no_optim) + payload, int(host_first * no_optim) + built,
+              int(state * no_optim) + built),
+        Phase("warm-up step", dev_first + busy, host_first, state + busy),
+        Phase("warm-up repack", dev_after + payload, host_first + dev_first + int(2 * whole * (2 + optim_ratio)),
+              state + int(2 * whole * (2 + optim_ratio))),
+        Phase("training step", dev_after + busy, host_after + staged, state + busy),
+        Phase("save", dev_after + plan.need_before_activations, host_after + optim + dev_masters,
+              state + optim + whole),
+        Phase("resume", dev_first + payload, host_first + 3 * whole, state + 3 * whole),
+        Phase("end of fit", 0, end_host, end_together),
     ]
     bound = state + int(4 * whole * (1 + optim_ratio))
     return rows, bound, state, after

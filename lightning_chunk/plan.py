@@ -215,9 +215,10 @@ def _host_memory() -> int:
 
 def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: dict[str, Any],
                     precision: str = "32-true", ranks: int = 1,
-                    cluster: Optional[tuple[int, int, Optional[int]]] = None) -> Any:
+                    cluster: Optional[tuple[int, int, Optional[int]]] = None, staging: bool = True) -> Any:
     """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
-    ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase])."""
+    ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase]);
+    ``staging``: the devices are GPUs, whose gradients leave through pinned staging."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -245,7 +246,8 @@ def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: 
     rows, bound, state, after = phases(
         plan, placement=strategy.config.placement, optim_ratio=optim / 4,
         model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        host_per_rank=None if host_memory is None else host_memory // devices, grad_share=4 / (4 + low + 4 + optim))
+        host_per_rank=None if host_memory is None else host_memory // devices, grad_share=4 / (4 + low + 4 + optim),
+        optim_share=optim / (4 + low + 4 + optim), ranks=nodes * devices, staging=staging)
     return ClusterReport(model=type(model).__name__, precision=precision, nodes=nodes, devices=devices,
                          device_limit=plan.limit, host_memory=host_memory, phases=rows, bound=bound, state=state,
                          device_shards_after=sum(t is Tier.DEVICE for t in after.values()), chunks=len(plan.views))

@@ -74,12 +74,12 @@ def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool,
     finished run in the out-of-memory killer; the parameters are left empty instead, rank 0 says so, and the
     weights are in the checkpoints (``lightning-chunk consolidate`` writes one file). ``True`` always builds them,
     ``False`` never. Chunks are gathered one at a time and their shards freed as they go, so what must fit is the
-    model, not the model beside the training state. ``host_memory_limit`` does not decide: it bounds the chunks'
-    memory while training, and a model whose training state needs the disk tier often fits whole once it is
-    trained (7B in fp32 is 28 GB, its training state 112 GB)."""
+    model and this rank's optimizer state, copied for a later save, not the model beside the training state.
+    ``host_memory_limit`` does not decide: it bounds the chunks' memory while training, and a model whose training
+    state needs the disk tier often fits whole once it is trained (7B in fp32 is 28 GB, its training state 112 GB)."""
     need = sum(t.numel * t.orig_dtype.itemsize for c in mgr.chunks for t in c.tensors)
-    if optimizer_state:
-        need += sum(c.optim_state_bytes for c in mgr.chunks) * mgr.comm.world_size
+    # the whole state, or this rank's pieces of it kept for a later save ([Note: optimizer state after fit])
+    need += sum(c.optim_state_bytes for c in mgr.chunks) * (mgr.comm.world_size if optimizer_state else 1)
     share = None if room is None else int(room * 0.8) // max(mgr.comm.ranks_on_this_host(), 1)
     fits = share is None or need <= share
     if mgr.comm.world_size > 1:

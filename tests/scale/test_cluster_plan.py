@@ -59,11 +59,12 @@ def test_13b_on_two_nodes_of_eight_gpus(plan):
 
 def test_70b_on_one_node_says_the_host_binds(plan):
     """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB the warm-up, which starts every
-    shard on the host, cannot fit; the plan names the phase and exits 1."""
+    shard on the host, cannot fit, nor a save; the plan names the worst phase and exits 1."""
     r = plan("--init-args", '{"size": "70b"}', "--nodes", "1", "--devices", "8", "--device-memory", "80GiB",
              "--host-memory", "1TiB")
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
-    assert "binds        host: warm-up" in r.stdout, r.stdout
+    assert "binds        host: save" in r.stdout, r.stdout
+    assert rows(r.stdout)["warm-up step"][1] > 128, r.stdout
 
 
 def test_a_cluster_needs_its_size(plan):

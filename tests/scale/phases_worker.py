@@ -1,0 +1,113 @@
+"""One rank of a Lightning run through every phase of [Note: host memory by phase] in lightning_chunk/phases.py,
+its CPU allocations recorded by torch's profiler: set-up, the warm-up step, its repack, training steps, a save, the
+end of fit, then a second fit that resumes from the save. Writes each phase's peak bytes this rank held at once.
+
+    RANK=.. WORLD_SIZE=.. python tests/scale/phases_worker.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk.engine.pool import BlockPool  # noqa: E402
+from lightning_chunk.engine.runtime import ChunkEngine  # noqa: E402
+from lightning_chunk.shapes import Llama  # noqa: E402
+
+SHAPE = dict(hidden=128, layers=8, intermediate=256, heads=4, kv_heads=4, vocab=512)
+STRATEGY: dict[str, Any] = dict(device_memory_limit=10 << 20, chunk_numel=1 << 16, log_memory_stats=False,
+                                materialize_on_teardown=None)
+STEPS, SAVE_AT = 4, 3
+
+
+def mark(name: str) -> None:
+    """An instant in the profile: the phases are the spans between marks."""
+    with record_function(f"mark:{name}"):
+        pass
+
+
+def instrument() -> None:
+    """Mark the repack; return payload memory to the allocator, as on a GPU ([Note: a pool of payload blocks] keeps
+    it on the host)."""
+    finalize, pool_init = ChunkEngine._finalize, BlockPool.__init__
+
+    def marked(self: ChunkEngine) -> None:
+        mark("warm-up repack")
+        finalize(self)
+        mark("training step")  # the rest of the step runs in the new layout, as every later step
+
+    ChunkEngine._finalize = marked  # type: ignore[method-assign]
+    BlockPool.__init__ = lambda self, device, enabled=True: pool_init(self, device, enabled=False)  # type: ignore
+
+
+class Phases(L.Callback):
+    def __init__(self, out: Path, first: bool) -> None:
+        self.out, self.first = out, first
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        mark(("training step" if i else "warm-up step") if self.first else "resumed step")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        mark("between steps")
+        if self.first and trainer.global_step == SAVE_AT:
+            mark("save")
+            trainer.save_checkpoint(self.out / "ckpt")
+            mark("between steps")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        mark("end of fit")
+
+
+def data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    return torch.utils.data.DataLoader(torch.randint(0, SHAPE["vocab"], (STEPS + 2, 9), generator=g), batch_size=1)
+
+
+def fit(out: Path, first: bool, world: int) -> None:
+    gc.collect()
+    mark("set-up" if first else "resume")
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ChunkOffloadStrategy(**STRATEGY),
+                        max_steps=STEPS if first else STEPS + 2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Phases(out, first)])
+    trainer.fit(Llama(SHAPE), train_dataloaders=data(), ckpt_path=None if first else str(out / "ckpt"))
+    mark("done")
+
+
+def peaks(prof: Any) -> dict[str, int]:
+    """Each phase's peak live bytes, from the signed allocation events in time order (everything the profile saw
+    begin: the model is built inside it)."""
+    events = sorted(((e.start_ns(), e.name(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" or e.name().startswith("mark:")), key=lambda t: t[0])
+    live, phase, out = 0, "before", {}
+    for _, name, nbytes in events:
+        if name.startswith("mark:"):
+            phase = name[len("mark:"):]
+            out[phase] = max(out.get(phase, 0), live)
+        else:
+            live += nbytes
+            out[phase] = max(out.get(phase, 0), live)
+    return out
+
+
+def main(out: Path) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes the latter
+    instrument()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fit(out, first=True, world=world)
+        fit(out, first=False, world=world)
+    (out / f"phases.{rank}.json").write_text(json.dumps(peaks(prof)))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
