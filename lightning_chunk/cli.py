@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="the cluster's devices (ranks) a node")
     p.add_argument("--device-memory", help="each device's memory, e.g. 80GiB (the limit leaves the default margin)")
     p.add_argument("--host-memory", help="each node's host memory, e.g. 1TiB")
+    p.add_argument("--activations", help="with --nodes: a step's activation peak a rank, e.g. 6GiB (a real run's "
+                                         "plan prints it), added to the steps' device bytes")
     return parser
 
 
@@ -108,10 +110,12 @@ def _plan(args: argparse.Namespace) -> int:
             cluster = (args.nodes or 1, args.devices or 1,
                        parse_bytes(args.device_memory, field="--device-memory"),
                        parse_bytes(args.host_memory, field="--host-memory"))
-        elif args.device_memory is not None or args.host_memory is not None:
-            raise ValueError("--device-memory and --host-memory describe a cluster: give --nodes and --devices too.")
+        elif args.device_memory is not None or args.host_memory is not None or args.activations is not None:
+            raise ValueError("--device-memory, --host-memory and --activations describe a cluster: give --nodes and "
+                             "--devices too.")
         report = plan_from_args(args.model, args.data, args.config, args.init_args, args.data_args, overrides,
-                                args.precision, shapes_only=args.shapes_only, ranks=args.ranks, cluster=cluster)
+                                args.precision, shapes_only=args.shapes_only, ranks=args.ranks, cluster=cluster,
+                                activations=parse_bytes(args.activations, field="--activations"))
     except ChunkError as e:
         print(f"lightning-chunk plan: does not fit: {e}", file=sys.stderr)
         return 1

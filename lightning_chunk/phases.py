@@ -11,19 +11,24 @@ placement reserves them ([Note: the pool under a limit] in placement.py).
 - set-up: S less O (Adam makes its state at its first step) + 3C, + C with several ranks. Deferred init and weights
   read from a file build one chunk at a time, whole (its values, the chunk, and rank 0's values broadcast to the
   others), then keep this rank's shard ([Note: deferred initialisation]).
-- warm-up step: S_host(first) on the host; under ``auto`` with a limit every shard starts there. G on the device.
+- warm-up step: S_host(first) less O on the host (under ``auto`` with a limit every shard starts there); G and the
+  activations on the device.
 - warm-up repack: S_host(first) + S_dev(first) + 2C(2 + k), k the optimizer state's bytes per master byte: the
   old device shards staged, the chunks streamed one at a time ([Note: a repack under a device limit]).
-- training step: S_host(after) + the gradient staging in flight (pinned, at most 256 MiB, on CUDA only); G on the
-  device.
-- save: S_host(after) + O + the device shards' masters: every chunk's optimizer state is copied into one host
-  shard a key, and a device master is copied to the host, before the writer runs.
+- training step: S_host(after) + the gradient staging in flight (pinned, at most 256 MiB, on CUDA only). On the
+  device S_dev(after), the activations, and every payload the limit has room for beside them: a gathered payload
+  stays until the budget needs its room (``auto``, ``static`` and ``device`` evict only then; ``host`` keeps it
+  for backward, [Note: keeping payloads for backward]), so a step under a limit fills it. Only ``host`` with
+  ``reshard_after_forward=True`` holds no more than G.
+- save: S_host(after) + one file's shards, two chunks' masters and optimizer state: each is made when the writer
+  reaches it ([Note: a save streams the shards]).
 - resume: S_host(first) + 3C: one saved chunk's span at a time ([Note: a resume reads what the rank holds]).
-- end of fit: where the model fits ([Note: the model after fit]), O copied for a later ``save_checkpoint``
-  ([Note: optimizer state after fit]) beside the shards, then the whole model, built chunk by chunk as the shards
-  go; where it does not, the shards as they go.
-The bound: S + 4C(1 + k). The set-up, the warm-up, the repack, the steps and a resume stay under it; a save and the
-end of fit pass it by up to O. Device bytes are before activations (a shapes-only plan traces none).
+- end of fit: where the model fits ([Note: the model after fit]), the device part of O copied to the host for a
+  later ``save_checkpoint`` ([Note: optimizer state after fit]; the host part is kept as it is), then the whole
+  model, built chunk by chunk as the shards go; where it does not, the shards as they go.
+The bound: S + 4C(1 + k). Every phase stays under it but the end of fit where the model fits: that holds the
+whole model beside O by design (the weights a user reads after ``fit``, as with DDP). Device bytes are before
+activations unless the caller gives them (a shapes-only plan traces none; ``plan --activations``).
 ``together``: the peak of the two at once, what one memory holds where the device is the host (a CPU run).
 """
 
@@ -130,12 +135,14 @@ def final_tiers(plan: ShapePlan, placement: str) -> dict[int, Tier]:
 
 
 def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: float, host_per_rank: Optional[int],
-           grad_share: float, optim_share: float, ranks: int, staging: bool = True
+           optim_share: float, ranks: int, staging: bool = True, releases: bool = False, activations: int = 0
            ) -> tuple[list[Phase], int, int, dict[int, Tier]]:
     """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
-    warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``grad_share`` and
-    ``optim_share``: the parts of a shard that are its gradient and its optimizer state; ``staging``: gradients
-    leave the device through pinned staging (CUDA)."""
+    warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``optim_share``: the
+    part of a shard that is its optimizer state; ``staging``: gradients
+    leave the device through pinned staging (CUDA); ``releases``: payloads go after each use (``host`` placement
+    with ``reshard_after_forward=True``); ``activations``: a step's activation peak, a rank, when known (the
+    warm-up's trace), added to the steps' device bytes."""
     views = plan.views
     after = final_tiers(plan, placement)
 
@@ -150,25 +157,31 @@ def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: fl
     state = sum(v.device_shard_bytes for v in views)
     optim = int(state * optim_share)
     busy = plan.need_before_activations + payload + 3 * max((v.grad_payload_bytes for v in views), default=0)
+    step = dev_after + busy
+    if not releases:  # payloads stay while the limit has room beside the activations (see the note)
+        kept = dev_after + busy - payload + sum(v.payload_bytes for v in views
+                                                 if not (ranks == 1 and after[v.chunk_id] is Tier.DEVICE))
+        step = max(step, kept if plan.limit is None else min(plan.limit - activations, kept))
     built = (3 + (ranks > 1)) * whole
     fits = host_per_rank is None or model_bytes + optim <= 0.8 * host_per_rank
     staged = min(GRAD_STAGING, dev_after + host_after) if staging else 0
-    dev_masters = int(dev_after * (1 - grad_share - optim_share))
+    # a save's file: two chunks' shards, each its master and optimizer state ([Note: a save streams the shards])
+    written = 2 * int(whole / ranks * (1 + optim_ratio))
+    optim_dev, optim_host = int(dev_after * optim_share), int(host_after * optim_share)
     no_optim = 1 - optim_share
-    if fits:  # the kept state beside the shards, then beside the model as it grows and the shards go
-        end_host = optim + max(host_after, model_bytes) + 2 * whole
-        end_together = optim + max(state, model_bytes) + 2 * whole
+    if fits:  # the device state copied beside the shards; then the kept state beside the model as it grows
+        end_host = max(host_after + optim_dev, optim + max(host_after - optim_host, model_bytes) + 2 * whole)
+        end_together = max(state + optim_dev, optim + max(state - optim, model_bytes) + 2 * whole)
     else:
         end_host, end_together = host_after + whole, state + whole
     rows = [
         Phase("set-up", int(dev_first * no_optim) + payload, int(host_first * no_optim) + built,
               int(state * no_optim) + built),
-        Phase("warm-up step", dev_first + busy, host_first, state + busy),
+        Phase("warm-up step", dev_first + busy + activations, int(host_first * no_optim), int(state * no_optim) + busy + activations),
         Phase("warm-up repack", dev_after + payload, host_first + dev_first + int(2 * whole * (2 + optim_ratio)),
               state + int(2 * whole * (2 + optim_ratio))),
-        Phase("training step", dev_after + busy, host_after + staged, state + busy),
-        Phase("save", dev_after + plan.need_before_activations, host_after + optim + dev_masters,
-              state + optim + whole),
+        Phase("training step", step + activations, host_after + staged, host_after + step + activations),
+        Phase("save", dev_after + plan.need_before_activations, host_after + written, state + written),
         Phase("resume", dev_first + payload, host_first + 3 * whole, state + 3 * whole),
         Phase("end of fit", 0, end_host, end_together),
     ]

@@ -215,10 +215,12 @@ def _host_memory() -> int:
 
 def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: dict[str, Any],
                     precision: str = "32-true", ranks: int = 1,
-                    cluster: Optional[tuple[int, int, Optional[int]]] = None, staging: bool = True) -> Any:
+                    cluster: Optional[tuple[int, int, Optional[int]]] = None, staging: bool = True,
+                    activations: int = 0) -> Any:
     """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
     ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase]);
-    ``staging``: the devices are GPUs, whose gradients leave through pinned staging."""
+    ``staging``: the devices are GPUs, whose gradients leave through pinned staging; ``activations``: a step's
+    activation peak a rank, where known."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -246,8 +248,7 @@ def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: 
     rows, bound, state, after = phases(
         plan, placement=strategy.config.placement, optim_ratio=optim / 4,
         model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        host_per_rank=None if host_memory is None else host_memory // devices, grad_share=4 / (4 + low + 4 + optim),
-        optim_share=optim / (4 + low + 4 + optim), ranks=nodes * devices, staging=staging)
+        host_per_rank=None if host_memory is None else host_memory // devices, optim_share=optim / (4 + low + 4 + optim), ranks=nodes * devices, staging=staging)
     return ClusterReport(model=type(model).__name__, precision=precision, nodes=nodes, devices=devices,
                          device_limit=plan.limit, host_memory=host_memory, phases=rows, bound=bound, state=state,
                          device_shards_after=sum(t is Tier.DEVICE for t in after.values()), chunks=len(plan.views))
@@ -256,10 +257,11 @@ def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: 
 def plan_from_args(model: str, data: Optional[str], config: Optional[str], init_args: Optional[str],
                    data_args: Optional[str], overrides: dict[str, Any], precision: Optional[str],
                    shapes_only: bool = False, ranks: int = 1,
-                   cluster: Optional[tuple[int, int, Optional[int], Optional[int]]] = None) -> Any:
+                   cluster: Optional[tuple[int, int, Optional[int], Optional[int]]] = None,
+                   activations: Optional[int] = None) -> Any:
     """``cluster``: ``(nodes, devices a node, device bytes, host bytes a node)``: plan from shapes for that many
     ranks, under the limit a device of that size gives (its memory less the margin ``device_memory_limit=None``
-    keeps), unless a limit is given."""
+    keeps), unless a limit is given; ``activations``: a step's activation peak a rank, for the cluster view."""
     cfg: dict[str, Any] = {}
     if config:
         with open(config) as f:
@@ -278,7 +280,8 @@ def plan_from_args(model: str, data: Optional[str], config: Optional[str], init_
             raise ValueError(f"--nodes {nodes} --devices {devices}: both must be at least 1.")
         if device_memory is not None and sargs.get("device_memory_limit") is None:
             sargs["device_memory_limit"] = device_memory - device_margin_bytes(device_memory)
-        return make_shape_plan(load_class(model), margs, sargs, prec, nodes * devices, (nodes, devices, host_memory))
+        return make_shape_plan(load_class(model), margs, sargs, prec, nodes * devices, (nodes, devices, host_memory),
+                               activations=activations or 0)
     if shapes_only:
         return make_shape_plan(load_class(model), margs, sargs, prec, ranks)
     model_cls = load_class(model)

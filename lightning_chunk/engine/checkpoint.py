@@ -3,10 +3,11 @@
 [Note: the checkpoint layout]
 A checkpoint is a directory ``NAME.ckpt/`` holding
 
-- ``.metadata`` and ``__<rank>_0.distcp``: a ``torch.distributed.checkpoint`` (DCP) save in which
+- ``.metadata`` and ``__<rank>_<group>_0.distcp``: a ``torch.distributed.checkpoint`` (DCP) save in which
   each rank wrote, for every chunk, its shard of the fp32 master (``chunk.<c>.master``) and of
   each per-element optimizer state (``chunk.<c>.optim<o>.<key>``, e.g. Adam's ``exp_avg``), as
-  DTensors sharded on dim 0 over the ranks (plain tensors with one rank);
+  DTensors sharded on dim 0 over the ranks (plain tensors with one rank), a few whole chunks a file
+  ([Note: a save streams the shards] in shard_writer.py);
 - ``meta.pt``, written by rank 0 last: whatever the caller passed (Lightning: loops, callbacks, LR
   schedulers, precision state such as the loss scale), the library version, the chunk layout that
   maps each parameter to a chunk and offset, the buffers, the optimizers' param groups and their
@@ -26,6 +27,7 @@ one saved chunk beyond this rank's shards.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -37,12 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .atomic import clear_leftovers, replace_dir
 from .errors import CheckpointError, ChunkError
 from .saved_chunks import KEY, iter_saved_chunks, rank_regions
 from .saved_chunks import load_chunk as _load_chunk
+from .shard_writer import GroupedWriter, Make, StreamingPlanner, chunk_of, placeholder
 
 FORMAT_VERSION = 1
 META = "meta.pt"
@@ -229,13 +231,16 @@ def offered_state_dict(ck: dict[str, Any], *, averaged: bool = False) -> dict[st
     return out
 
 
-def _optimizer_shards(engine: Any, o: int, selection: Selection) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's per-chunk shards of optimizer ``o``'s per-element state, and the optimizer's meta."""
+def _optimizer_shards(engine: Any, o: int, selection: Selection
+                      ) -> tuple[dict[str, tuple[Make, torch.Tensor]], dict[str, Any]]:
+    """This rank's per-chunk shards of optimizer ``o``'s per-element state, each a function that makes it when it
+    is written and a placeholder ([Note: a save streams the shards]), and the optimizer's meta."""
     from .consolidate import optimizer_state_parts, state_shard
 
     b, mgr = engine.bindings[o], engine.manager
     parts = optimizer_state_parts(mgr, b.views(), b.optimizer.state)
-    out = {f"chunk.{chunk.chunk_id}.optim{o}.{key}": state_shard(mgr, chunk, parts, key).cpu()
+    out = {f"chunk.{chunk.chunk_id}.optim{o}.{key}": (functools.partial(state_shard, mgr, chunk, parts, key),
+                                                      placeholder(chunk.shard_numel, parts.keys[key]))
            for chunk in mgr.chunks if selection.written(chunk) for key in sorted(parts.keys)}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
               for n, g in enumerate(b.optimizer.param_groups)]
@@ -262,25 +267,6 @@ def _as_saved(local: dict[str, torch.Tensor], engine: Any) -> dict[str, Any]:
 
 
 # ==================================================================== save
-class _PagingPlanner(DefaultSavePlanner):
-    """DCP's default planner, paging out the chunk of the item written last before it hands DCP the next: DCP's
-    writer reads the items one at a time, so only the one being written has pages in the process, not every
-    disk shard at once. Items are named ``chunk.<c>.…``."""
-
-    def __init__(self, mgr: Any) -> None:
-        super().__init__()
-        self.mgr = mgr
-        self._last: Optional[int] = None
-
-    def resolve_data(self, write_item: Any) -> Any:
-        if self._last is not None and self._last < len(self.mgr.chunks):
-            chunk = self.mgr.chunks[self._last]
-            self.mgr.storage_of(chunk).page_out(chunk)
-        name = write_item.index.fqn.split(".")
-        self._last = int(name[1]) if len(name) > 2 and name[0] == "chunk" and name[1].isdigit() else None
-        return super().resolve_data(write_item)
-
-
 def _write_meta(meta: dict[str, Any], target: Path) -> None:
     tmp = target.with_name(target.name + ".tmp")
     torch.save(meta, tmp)
@@ -326,9 +312,11 @@ def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_opti
     mgr = engine.manager
     comm = mgr.comm
     local: dict[str, torch.Tensor] = {}
+    make: dict[str, Make] = {}  # [Note: a save streams the shards]
     for c in mgr.chunks:
         if selection.written(c):
-            local[f"chunk.{c.chunk_id}.master"] = c.master_tensor_for_read().detach().cpu()
+            make[f"chunk.{c.chunk_id}.master"] = functools.partial(_master_on_host, c)
+            local[f"chunk.{c.chunk_id}.master"] = placeholder(c.shard_numel, c.master_dtype)
     for c in mgr.chunks:  # the average of the weights, beside the masters ([Note: a sharded EMA])
         shard = selection.ema_shard(c)
         if shard is not None:
@@ -337,18 +325,27 @@ def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_opti
     if with_optimizer:
         for o in range(len(engine.bindings)):
             shards, om = _optimizer_shards(engine, o, selection)
-            local.update(shards)
+            for name, (fn, shape) in shards.items():
+                make[name], local[name] = fn, shape
             optim_meta.append(om)
+    per_chunk: dict[Optional[int], int] = {}
+    for name, t in local.items():
+        per_chunk[chunk_of(name)] = per_chunk.get(chunk_of(name), 0) + t.numel() * t.element_size()
     try:
         with warnings.catch_warnings():  # one rank: "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            dcp.save(_as_saved(local, engine), checkpoint_id=str(partial), no_dist=comm.world_size == 1,
-                     process_group=comm.host_group() if comm.world_size > 1 else None,
-                     planner=_PagingPlanner(mgr) if mgr.disk_chunks else None)
+            dcp.save(_as_saved(local, engine), storage_writer=GroupedWriter(str(partial), max(per_chunk.values(),
+                                                                                              default=0)),
+                     no_dist=comm.world_size == 1, process_group=comm.host_group() if comm.world_size > 1 else None,
+                     planner=StreamingPlanner(mgr, make))
     finally:
-        del local
+        del local, make
         mgr.disk.page_out()
     return optim_meta
+
+
+def _master_on_host(c: Any) -> torch.Tensor:
+    return c.master_tensor_for_read().detach().cpu()
 
 
 def _finish(engine: Any, partial: Path, path: Path, extra: dict[str, Any], version: str,

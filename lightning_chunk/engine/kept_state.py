@@ -7,8 +7,9 @@ by default with no state: building every rank's whole optimizer state there woul
 as plain Lightning does, and a resume from that file must go on with Adam's moments, not restart them. So the
 teardown keeps this rank's pieces of each optimizer's state on the host (what the rank held during training, no
 more), and a save gathers them to rank 0 in the plain format (parameter shapes, the plain optimizer's positions):
-rank 0 alone, and only while the checkpoint is being written, holds the whole state, as with DDP. The pieces go
-when the next ``fit`` sets up its own optimizers.
+rank 0 alone, and only while the checkpoint is being written, holds the whole state, as with DDP. The pieces are
+the state itself where it was in host memory, not a copy (the optimizers let go of it), and go when the next
+``fit`` sets up its own optimizers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .consolidate import _pieces, optimizer_state_parts, state_shard
+from .chunk import Tier
+from .consolidate import _pieces, optimizer_state_parts
 from .manager import ChunkManager
 from .optim import OptimizerBinding
 
@@ -65,20 +67,23 @@ class KeptOptimizerState:
 
 
 def keep_optimizer_state(mgr: ChunkManager, binding: OptimizerBinding) -> KeptOptimizerState:
-    """This rank's pieces of ``binding``'s optimizer state, copied to the host. A collective with several ranks (the
-    scalar state and the keys are agreed as for a checkpoint)."""
+    """This rank's pieces of ``binding``'s optimizer state on the host: the state itself where it is in host memory
+    (the teardown then drops the optimizer's references, so no byte is held twice), a copy where it is on the
+    device or in a disk file. A collective with several ranks (the scalar state and the keys are agreed as for a
+    checkpoint)."""
     plain_pos = binding.plain_positions()
     parts = optimizer_state_parts(mgr, binding.views(), binding.optimizer.state)
     pieces: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
     for chunk in mgr.chunks:
-        lo, _ = chunk.shard_range
-        shards = {key: state_shard(mgr, chunk, parts, key) for key in parts.keys}
+        in_memory = chunk.shard_tier is Tier.HOST
         for t in chunk.tensors:
             i = t.slot.param_index
             a, b = _pieces(mgr, chunk, t)
             if i in plain_pos and i in parts.scalars and a < b:
-                pieces[plain_pos[i]] = (a - t.offset, {key: s[a - lo : b - lo].to("cpu", copy=True)
-                                                       for key, s in shards.items()})
+                st = parts.local.get(i) or {}
+                pieces[plain_pos[i]] = (a - t.offset, {
+                    key: (st[key].reshape(-1).to("cpu", dtype=dtype, copy=not in_memory) if key in st
+                          else torch.zeros(b - a, dtype=dtype)) for key, dtype in parts.keys.items()})
     return KeptOptimizerState(
         pieces=pieces, scalars={plain_pos[i]: st for i, st in parts.scalars.items() if i in plain_pos},
         shapes={plain_pos[i]: mgr.params[i].shape for i in plain_pos}, dtypes=dict(parts.keys),

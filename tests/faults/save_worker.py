@@ -118,7 +118,7 @@ def main(out: Path, steps: int, kill: str) -> None:
 
 
 def save_fails_then_succeeds(eng, comm, out: Path, steps: int, how: str) -> None:
-    """``fsize:<rank>``: that rank may write only 50 kB a file (a real EFBIG from the kernel, as on a full disk);
+    """``fsize:<rank>``: that rank may write only 8 kB a file (a real EFBIG from the kernel, as on a full disk);
     ``enospc:<rank>``: that rank's storage writer raises ENOSPC. The save must fail on every rank; then, with the
     limit gone, a second save of the same state must succeed."""
     import errno
@@ -130,7 +130,7 @@ def save_fails_then_succeeds(eng, comm, out: Path, steps: int, how: str) -> None
     if int(rank) == comm.rank:
         if kind == "fsize":
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, old_limit[1]))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (8_000, old_limit[1]))  # a file holds 15 kB
         else:
             def full(*a, **k):
                 raise OSError(errno.ENOSPC, "No space left on device")

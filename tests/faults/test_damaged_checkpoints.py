@@ -52,7 +52,7 @@ def damage(saved: Path, tmp_path: Path, case: str) -> tuple[Path, str]:
     ck = tmp_path / "ck.ckpt"
     shutil.copytree(saved / "good.ckpt", ck)
     if case == "truncated shard":
-        shard = ck / "__0_0.distcp"
+        shard = ck / "__0_0_0.distcp"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         return ck, f"shard file '{shard}' is truncated"
     if case == "missing .metadata":

@@ -87,7 +87,7 @@ def test_two_ranks_config_through_the_script(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     ckpt = next(tmp_path.rglob("last.ckpt"))
-    assert sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
+    assert {p.name.split("_")[2] for p in ckpt.iterdir() if p.suffix == ".distcp"} == {"0", "1"}  # both ranks wrote
 
 
 def test_bad_cli_input_is_one_clear_message(tmp_path):

@@ -40,7 +40,7 @@ def test_gpt2_from_save_pretrained_on_two_ranks_is_bit_exact_with_ddp_and_export
         stats = json.loads((tmp_path / "out" / f"stats{rank}.json").read_text())
         assert stats["evictions"] > 0 and stats["device_chunk_bytes_peak"] <= 3_000_000
     ckpt = tmp_path / "out" / "last.ckpt"
-    assert sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
+    assert {p.name.split("_")[2] for p in ckpt.iterdir() if p.suffix == ".distcp"} == {"0", "1"}  # both ranks wrote
     loaded = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf", progress=False))
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, saved["got"]["model." + name], rtol=0, atol=0, msg=name)

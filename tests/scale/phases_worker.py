@@ -1,6 +1,7 @@
 """One rank of a Lightning run through every phase of [Note: host memory by phase] in lightning_chunk/phases.py,
 its CPU allocations recorded by torch's profiler: set-up, the warm-up step, its repack, training steps, a save, the
-end of fit, then a second fit that resumes from the save. Writes each phase's peak bytes this rank held at once.
+end of fit, then a second fit that resumes from the save. Writes each phase's peak bytes this rank held at once, and
+the activation peak the warm-up traced.
 
     RANK=.. WORLD_SIZE=.. python tests/scale/phases_worker.py OUTDIR
 """
@@ -54,12 +55,17 @@ def instrument() -> None:
 class Phases(L.Callback):
     def __init__(self, out: Path, first: bool) -> None:
         self.out, self.first = out, first
+        self.activations = 0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
-        mark(("training step" if i else "warm-up step") if self.first else "resumed step")
+        # by the step, not the batch: an epoch here is a few batches a rank
+        mark(("training step" if trainer.global_step else "warm-up step") if self.first else "resumed step")
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         mark("between steps")
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        if self.first and engine.hooks.trace is not None:  # the activations the warm-up traced, for the plan
+            self.activations = engine.hooks.trace.nonmodel_peak_bytes
         if self.first and trainer.global_step == SAVE_AT:
             mark("save")
             trainer.save_checkpoint(self.out / "ckpt")
@@ -74,14 +80,16 @@ def data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.randint(0, SHAPE["vocab"], (STEPS + 2, 9), generator=g), batch_size=1)
 
 
-def fit(out: Path, first: bool, world: int) -> None:
+def fit(out: Path, first: bool, world: int) -> int:
     gc.collect()
     mark("set-up" if first else "resume")
+    phases = Phases(out, first)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ChunkOffloadStrategy(**STRATEGY),
                         max_steps=STEPS if first else STEPS + 2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Phases(out, first)])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[phases])
     trainer.fit(Llama(SHAPE), train_dataloaders=data(), ckpt_path=None if first else str(out / "ckpt"))
     mark("done")
+    return phases.activations
 
 
 def peaks(prof: Any) -> dict[str, int]:
@@ -104,9 +112,9 @@ def main(out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes the latter
     instrument()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fit(out, first=True, world=world)
+        activations = fit(out, first=True, world=world)
         fit(out, first=False, world=world)
-    (out / f"phases.{rank}.json").write_text(json.dumps(peaks(prof)))
+    (out / f"phases.{rank}.json").write_text(json.dumps({**peaks(prof), "traced activations": activations}))
 
 
 if __name__ == "__main__":

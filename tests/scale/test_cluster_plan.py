@@ -53,18 +53,19 @@ def test_13b_on_two_nodes_of_eight_gpus(plan):
     for name, (device, host, node) in table.items():
         assert abs(node - 8 * host) <= 0.01 * node + 1e-3, (name, r.stdout)
         assert device <= 72, (name, r.stdout)
-    assert table["warm-up step"][1] >= state * 0.99  # the warm-up keeps every shard on the host
+    # the warm-up keeps every shard on the host; AdamW makes its state (8 of the 18 bytes) at the first step, after
+    assert table["warm-up step"][1] >= state * 10 / 18 * 0.99
     assert "fits" in r.stdout.split("host bound")[1]
 
 
 def test_70b_on_one_node_says_the_host_binds(plan):
-    """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB the warm-up, which starts every
-    shard on the host, cannot fit, nor a save; the plan names the worst phase and exits 1."""
+    """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB the warm-up repack, which starts from
+    every shard on the host, cannot fit, nor a resume; the plan names the worst phase and exits 1."""
     r = plan("--init-args", '{"size": "70b"}', "--nodes", "1", "--devices", "8", "--device-memory", "80GiB",
              "--host-memory", "1TiB")
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
-    assert "binds        host: save" in r.stdout, r.stdout
-    assert rows(r.stdout)["warm-up step"][1] > 128, r.stdout
+    assert "binds        host: warm-up repack" in r.stdout, r.stdout
+    assert rows(r.stdout)["warm-up repack"][1] > 128, r.stdout
 
 
 def test_a_cluster_needs_its_size(plan):

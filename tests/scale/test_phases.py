@@ -14,13 +14,15 @@ from tests.faults.common import Ranks
 from tests.scale.phases_worker import SHAPE, STRATEGY
 
 WORKER = Path(__file__).with_name("phases_worker.py")
-# measured / predicted, per phase. The steps hold more than the plan's minimum: under a limit the placement keeps
-# payloads resident while the device has room (device memory here, and a whole chunk is a larger part of a rank's
-# state at 4 ranks); the plan's device column is what a step needs, the limit what it may use.
-# Below 1 is the plan erring safe (the last rank's shards hold the padding, which a rank neither gathers nor
-# steps).
-AGREE = {"set-up": (0.7, 1.2), "warm-up step": (0.7, 1.45), "warm-up repack": (0.7, 1.25),
-         "training step": (0.7, 1.45), "save": (0.7, 1.15), "resume": (0.7, 1.25), "end of fit": (0.65, 1.15)}
+# measured / predicted, per phase, the plan given the activations the warm-up traced. Above 1: what the run holds
+# beyond the training state that no plan counts (gloo's and Lightning's buffers, the batch: about 0.7 MiB a rank
+# here), and in the warm-up step at 4 ranks about four chunk payloads more than the plan's, not yet accounted for.
+# Below 1 (the largest rank): the plan erring safe; the last rank holds less (its shards hold the padding, which a
+# rank neither gathers nor steps). SLACK: collectives in flight, whose number varies with the ranks' timing (a
+# phase's peak moved by up to 1.3 MiB, five chunks, between two runs of the same code).
+AGREE = {"set-up": (0.7, 1.1), "warm-up step": (0.7, 1.25), "warm-up repack": (0.7, 1.1),
+         "training step": (0.7, 1.1), "save": (0.7, 1.1), "resume": (0.7, 1.1), "end of fit": (0.7, 1.1)}
+SLACK = 6 * STRATEGY["chunk_numel"] * 4
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -29,19 +31,23 @@ def test_each_phase_s_peak_agrees_with_the_plan(tmp_path, world):
     CPU allocation recorded: each phase's peak a rank, against the plan for the same model and ranks. On a CPU the
     device is the host, so the plan's ``together`` (both at once) is what one memory holds. The plan had counted
     the optimizer state at set-up (Adam makes it at its first step) and missed its copies at a save and at the end
-    of fit: set-up 0.6x, the end of fit 4.8x."""
+    of fit: set-up 0.6x, the end of fit 4.8x; the steps' payloads kept while the limit has room: 0.75x."""
     ranks = Ranks(WORKER, tmp_path, world_size=world).wait(timeout=240)
     assert all(rc == 0 for rc, *_ in ranks), "".join(so + se for _, so, se, _ in ranks)[-3000:]
+    got = [json.loads((tmp_path / f"phases.{r}.json").read_text()) for r in range(world)]
     report = make_shape_plan(Llama, {"size": SHAPE}, dict(STRATEGY), "32-true", world, (1, world, None),
-                             staging=False)
+                             staging=False, activations=max(g["traced activations"] for g in got))
     predicted = {p.name: p.together for p in report.phases}
     assert set(AGREE) == set(predicted)
     state = report.state
+    for name, (lo, _) in AGREE.items():  # the plan is not far above every rank (the last holds less: padding)
+        assert max(g[name] for g in got) >= lo * predicted[name], (name, [g[name] for g in got], predicted[name])
     for r in range(world):
-        got = json.loads((tmp_path / f"phases.{r}.json").read_text())
-        ratios = {name: got[name] / predicted[name] for name in AGREE}
+        ratios = {name: got[r][name] / predicted[name] for name in AGREE}
         (tmp_path / f"ratios.{r}.json").write_text(json.dumps(ratios))
-        for name, (lo, hi) in AGREE.items():
-            assert lo <= ratios[name] <= hi, (r, name, got[name], predicted[name], ratios)
+        for name, (_, hi) in AGREE.items():
+            assert got[r][name] <= hi * predicted[name] + SLACK, (r, name, got[r][name], predicted[name], ratios)
         # between steps a rank holds its state and a few chunks (gloo's and the last save's buffers)
-        assert got["between steps"] <= state + 8 * STRATEGY["chunk_numel"] * 4, (r, got["between steps"], state)
+        assert got[r]["between steps"] <= state + 8 * STRATEGY["chunk_numel"] * 4, (r, got[r]["between steps"], state)
+        # a save holds at most a file's shards beyond the state; it held the whole optimizer state once
+        assert got[r]["save"] <= state + 8 * STRATEGY["chunk_numel"] * 4, (r, got[r]["save"], state)
