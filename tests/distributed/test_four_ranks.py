@@ -12,17 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.cases import needed
 from tests.distributed.test_two_ranks import AS_NCCL, RUNNER
 from tests.faults.common import Ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
 FOUR = ["plain", "host", "accumulate", "rank_gated", "limits_differ"]
 RELATIVE = 1e-3  # of the distance training moved the parameter
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
+def four_ranks(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("four_ranks")
-    ranks = Ranks(RUNNER, out, *FOUR, world_size=4, env=AS_NCCL).wait(timeout=900)
+    ranks = Ranks(RUNNER, out, *needed(request, "four_ranks", FOUR), world_size=4, env=AS_NCCL).wait(timeout=900)
     rc = next((-9 if code is None else code for code, *_ in ranks if code != 0), 0)
     return out, rc, "".join(so + se for _, so, se, _ in ranks)
 

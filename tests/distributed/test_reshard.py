@@ -3,12 +3,15 @@
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_chunk import ChunkOffloadStrategy
 from tests.distributed.test_two_ranks import run
 from tests.models import ParityNet, token_data
+
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
 
 EXACT = dict(rtol=0, atol=0)
 

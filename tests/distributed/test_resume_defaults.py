@@ -13,6 +13,8 @@ import torch
 from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy
 from tests.distributed.test_two_ranks import run
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 EXACT = dict(rtol=0, atol=0)
 
 

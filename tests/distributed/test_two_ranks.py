@@ -12,9 +12,12 @@ from typing import Optional
 import pytest
 import torch
 
+from tests.distributed.cases import needed
 from tests.faults.common import Ranks
 from tests.integration.test_disk_tier import o_direct_works
 from tests.weights_files import FORMATS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
 RUNNER = Path(__file__).with_name("runner.py")
 PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
@@ -61,6 +64,7 @@ def run(out: Path, *cases: str, timeout: int, env: Optional[dict] = None) -> tup
     return rc, "".join(so + se for _, so, se, _ in ranks), time.monotonic() - start
 
 
+@pytest.mark.cases("host")
 def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
     """[Note: where a step's time goes]: on two gloo ranks with host placement both ranks wait on all-gathers,
     reduce-scatters and agreements, and no cause claims more than the steps took."""
@@ -76,23 +80,26 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
         assert s["time_gather_wait_s"] >= t["gather_wait"] > 0  # cumulative since set-up (warm-up included)
 
 
+LAUNCHED = [*PARITY, *WEIGHTS, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
+            "edited_checkpoint", "ema", "grad_penalty_limit", "batchnorm", "save_after_fit"]
+
+
 @pytest.fixture(scope="module")
-def parity_run(tmp_path_factory):
-    """Every case that trains to completion, in one launch (each launch pays ~10 s of start-up on two ranks), with
-    gloo run as NCCL runs ([Note: gloo as NCCL]): ranks whose collective sequences part fail here."""
+def parity_run(tmp_path_factory, request):
+    """Every case that trains to completion that the selected tests read (all of them in a full run), in one
+    launch (each launch pays ~10 s of start-up on two ranks), with gloo run as NCCL runs ([Note: gloo as NCCL]):
+    ranks whose collective sequences part fail here."""
     out = tmp_path_factory.mktemp("two_ranks")
     write_start_weights(out)
-    rc, log, _ = run(out, *PARITY, *WEIGHTS, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
-                      "edited_checkpoint", "ema", "grad_penalty_limit", "batchnorm", "save_after_fit",
-                      timeout=900, env=AS_NCCL)
+    rc, log, _ = run(out, *needed(request, "parity_run", LAUNCHED), timeout=900, env=AS_NCCL)
     return out, rc, log
 
 
 @pytest.fixture(scope="module")
-def gloo_defaults_run(tmp_path_factory):
+def gloo_defaults_run(tmp_path_factory, request):
     """A few cases with gloo's own defaults: a group per kind of collective and the check once a micro-batch."""
     out = tmp_path_factory.mktemp("two_ranks_gloo")
-    rc, log, _ = run(out, *GLOO_DEFAULTS, timeout=600)
+    rc, log, _ = run(out, *needed(request, "gloo_defaults_run", GLOO_DEFAULTS, marker="gloo_cases"), timeout=600)
     return out, rc, log
 
 
@@ -105,11 +112,13 @@ def test_parity_with_ddp(parity_run, case):
     check_parity(*parity_run, case)
 
 
-@pytest.mark.parametrize("case", GLOO_DEFAULTS)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.gloo_cases(c)) for c in GLOO_DEFAULTS])
 def test_parity_with_ddp_with_gloo_s_own_defaults(gloo_defaults_run, case):
     check_parity(*gloo_defaults_run, case)
 
 
+@pytest.mark.cases("plain", "host_checked_each")
+@pytest.mark.gloo_cases("plain")
 def test_the_parity_suite_runs_gloo_as_nccl_runs(parity_run, gloo_defaults_run):
     """[Note: gloo as NCCL]: one communicator and no check in the parity launch; gloo's own defaults in the other."""
     for s in stats(parity_run[0], "plain"):
@@ -120,10 +129,9 @@ def test_the_parity_suite_runs_gloo_as_nccl_runs(parity_run, gloo_defaults_run):
         assert s["comm"] == dict(as_nccl=False, groups_per_kind=False, checked=True)
 
 
-@pytest.mark.parametrize("case", sorted(EARLY_TWINS))
-def test_stepping_in_backward_equals_stepping_after_it_and_gives_the_gradient_shards_back(parity_run, case):
+@pytest.mark.parametrize("case,twin", sorted(EARLY_TWINS.items()))
+def test_stepping_in_backward_equals_stepping_after_it_and_gives_the_gradient_shards_back(parity_run, case, twin):
     out, rc, log = parity_run
-    twin = EARLY_TWINS[case]
     got, want = torch.load(out / f"{case}.pt")["got"], torch.load(out / f"{twin}.pt")["got"]
     for k in want:
         assert torch.equal(got[k], want[k]), f"{case} {k}"
@@ -150,7 +158,7 @@ def write_start_weights(out: Path) -> None:
     (out / "weights.json").write_text(json.dumps(paths))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [pytest.param(fmt, marks=pytest.mark.cases(f"weights_{fmt}")) for fmt in FORMATS])
 def test_weights_load_on_two_ranks_and_train_like_ddp(parity_run, fmt):
     check_parity(*parity_run, f"weights_{fmt}")
 
@@ -174,6 +182,7 @@ def check_parity(out, rc, log, case):
         torch.testing.assert_close(d["got"][k], v, msg=lambda m: f"{case} {k}: {m}", **tol)
 
 
+@pytest.mark.cases("save_after_fit")
 def test_a_checkpoint_saved_after_fit_holds_ddp_s_optimizer_state_and_resumes_like_it(parity_run):
     """[Note: optimizer state after fit]: each rank kept its pieces of Adam's moments; the save gathered them to
     rank 0 in the plain format, as DDP's rank 0 writes them, and the resume goes on from them."""
@@ -193,6 +202,7 @@ def test_a_checkpoint_saved_after_fit_holds_ddp_s_optimizer_state_and_resumes_li
         torch.testing.assert_close(d["got"]["resumed"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.cases("limits_differ")
 def test_ranks_given_different_limits_plan_under_the_smallest(parity_run):
     """[Note: one limit for every rank]: both ranks report the smaller limit, evicted, and trained like DDP
     (test_parity_with_ddp[limits_differ])."""
@@ -213,6 +223,7 @@ def test_each_rank_holds_its_share_of_the_shards(parity_run, case):
     assert s0["shard_bytes"] == 16 * s0["shard_numel"]  # fp32 master + gradient + AdamW's two moments
 
 
+@pytest.mark.cases("accumulate", "accumulate_unsharded")
 def test_accumulation_keeps_gradients_sharded_by_default(parity_run):
     """Micro-batches that do not step are reduce-scattered into the shards: a rank holds its share of the
     gradient plus a few chunks' payloads in flight, never the whole model's gradient."""
@@ -268,6 +279,7 @@ def test_disk_chunks_stepped_in_backward_move_no_gradient_file(parity_run, case,
         assert s["disk_staged_ahead_missed"] <= 2 * s["disk_shards"]  # the order is learnt from the first backward
 
 
+@pytest.mark.cases("host", "host_kept", "host_kept_limit", "host_released_limit", "host_kept_waiting")
 def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
     """``reshard_after_forward=False`` (bit-exact with DDP above): each chunk is gathered once a step instead of
     twice, and the device holds more payloads at once; with a limit below the model's payloads (what an
@@ -299,6 +311,7 @@ def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
         assert s["waiting_releases"] > 0
 
 
+@pytest.mark.cases("reordered_bf16_tight", "reordered_bf16")
 def test_bf16_mixed_under_a_third_of_the_parameter_bytes_trains_as_without_a_limit(parity_run):
     """The defaults, bf16-mixed, a model used in another order than registered, a limit of 0.3x the fp32 parameter
     bytes: the warm-up's layout leaves room for a second gradient payload (fp32: twice a bf16 payload), and the run
@@ -312,6 +325,7 @@ def test_bf16_mixed_under_a_third_of_the_parameter_bytes_trains_as_without_a_lim
         assert 0 < s["device_chunk_bytes_peak"] <= s["limit"] and s["evictions"] > 0
 
 
+@pytest.mark.cases("unfreeze", "plain")
 def test_unfreezing_and_refreezing_mid_training_train_as_ddp(parity_run):
     """[Note: requires_grad changed]: with the defaults on 2 ranks, blocks[0] unfrozen at step 6 and the embedding
     frozen from 6 to 14 train bit for bit as DDP dropping those gradients. Before, the unfrozen block never moved."""
@@ -325,6 +339,7 @@ def test_unfreezing_and_refreezing_mid_training_train_as_ddp(parity_run):
     assert not torch.equal(d["got"]["blocks.0.1.weight"], init["blocks.0.1.weight"])
 
 
+@pytest.mark.cases("full_parameters")
 def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parity_run):
     """[Note: parameters outside a step]: with the defaults and with host placement. Before, a callback reading a
     weight between steps crashed both ranks (a segmentation fault: the payloads are released after each step with
@@ -353,6 +368,7 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
     assert all(v.abs().max() <= 0.05 for k, v in limited["state"].items() if k.startswith("blocks_reversed.3."))
 
 
+@pytest.mark.cases("edited_checkpoint")
 def test_a_checkpoint_holds_what_on_save_checkpoint_left_and_resumes_as_ddp(parity_run):
     """[Note: the state_dict of a sharded save]: frozen weights dropped, an entry added and the head replaced in
     on_save_checkpoint, on two ranks; before, the entry was lost (on_load_checkpoint found no key)."""
@@ -368,6 +384,7 @@ def test_a_checkpoint_holds_what_on_save_checkpoint_left_and_resumes_as_ddp(pari
     assert not all(c["written"] for c in ck["chunks"])
 
 
+@pytest.mark.cases("ema")
 def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one(parity_run):
     """[Note: a sharded EMA]: each rank averages its own shards; validation, the final weights and a resume from a
     step-4 checkpoint equal DDP with Lightning's EMAWeightAveraging bit for bit. The two-rank sharded checkpoint
@@ -406,6 +423,7 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
         assert torch.equal(finals[1][k], v), k
 
 
+@pytest.mark.cases("grad_penalty_limit")
 def test_a_gradient_penalty_under_a_limit_with_the_defaults_equals_the_run_without_it(parity_run):
     """The penalty's first backward delivers no gradient and must not end the micro-batch's ([Note: a backward that
     delivers no gradient]); under a limit, reordered, accumulating, and stepping in backward, as without the limit."""
@@ -420,6 +438,7 @@ def test_a_gradient_penalty_under_a_limit_with_the_defaults_equals_the_run_witho
             assert torch.equal(d[name]["state"][k], v), (name, k)
 
 
+@pytest.mark.cases("rank_buffer")
 def test_buffers_start_from_rank_zero(parity_run):
     out, _, _ = parity_run
     s0, s1 = stats(out, "rank_buffer")
@@ -445,6 +464,7 @@ def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, c
         assert 0 < s["device_chunk_bytes_peak"] <= s["limit"]
 
 
+@pytest.mark.cases("fp16_overflow_one_rank")
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(parity_run):
     out, _, log = parity_run
     for r in (0, 1):
@@ -474,6 +494,7 @@ def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
     assert "'branch" in log, log[-3000:]
 
 
+@pytest.mark.cases("batchnorm")
 def test_every_rank_s_batchnorm_statistics_and_validation_losses_are_ddp_s(parity_run):
     """[Note: buffers as DDP syncs them]: rank 0's running statistics before each forward DDP syncs them in (not
     after validation, nor after a micro-batch that does not step); before this every rank but 0 evaluated with its
@@ -520,6 +541,7 @@ def test_by_default_ranks_running_modules_in_another_order_are_named_before_the_
             (r, log[:3000] + " ... " + log[-3000:])
 
 
+@pytest.mark.cases("resume")
 def test_checkpoint_written_on_two_ranks_resumes_like_ddp_and_sync_dist_reduces(parity_run):
     out, _, log = parity_run
     for r in (0, 1):

@@ -14,6 +14,8 @@ from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.checkpoint import CheckpointError, load_sharded, save_sharded
 from tests.engine_steps import step
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 
 def engine(width=24, dtype=torch.float32, seed=0, steps=1):
     torch.manual_seed(seed)

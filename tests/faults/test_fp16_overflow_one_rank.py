@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.faults.common import Ranks
+
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
 
 WORKER = Path(__file__).with_name("overflow_worker.py")
 K = 3  # overflow_worker.K

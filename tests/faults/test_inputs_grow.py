@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader
 from lightning_chunk import ChunkOffloadStrategy
 from tests.models import VOCAB, ParityNet
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 SHAPE = dict(dim=64, hidden=256, depth=4)
 GROW_AT, STEPS = 4, 8
 

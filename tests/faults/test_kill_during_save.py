@@ -22,6 +22,8 @@ import torch
 from lightning_chunk.engine.checkpoint import read_meta
 from tests.faults.common import Zygotes, find_last, same_tensors, saved_tensors
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 WORKER = Path(__file__).with_name("save_worker.py")
 TIMEOUT_S = 20.0  # save_worker.TIMEOUT_S
 SLACK_S = 10.0

@@ -17,6 +17,8 @@ import pytest
 from lightning_chunk.engine.checkpoint import check_checkpoint_dir
 from tests.faults.common import Ranks, find_last
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 WORKER = Path(__file__).with_name("step_worker.py")
 TIMEOUT_S = 6.0  # step_worker.TIMEOUT_S
 SLACK_S = 5.0

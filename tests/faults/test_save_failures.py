@@ -17,6 +17,8 @@ import pytest
 
 from tests.faults.common import Zygotes, find_last, same_tensors, saved_tensors
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 WORKER = Path(__file__).with_name("save_worker.py")
 
 

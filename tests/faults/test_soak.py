@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_chunk.engine.checkpoint import check_checkpoint_dir
 from tests.faults.common import Ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
 WORKER = Path(__file__).with_name("soak_worker.py")
 NOISE_KIB = 4 * 1024

@@ -16,6 +16,8 @@ from tests.hf.models import ROOT, load_example, save_pretrained  # noqa: E402
 from tests.children import child_env  # noqa: E402
 from tests.integration.test_examples import rows  # noqa: E402
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 MAIN = ROOT / "examples/hf/main.py"
 CONFIGS = ROOT / "examples/hf/configs"
 SMALL_DATA = ["--data.max_bytes=300000", "--data.train_windows=2000", "--data.val_windows=64"]

@@ -10,6 +10,8 @@ import pytest
 
 from tests.children import child_env
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "examples/gpt/main.py"
 CONFIGS = ROOT / "examples/gpt/configs"

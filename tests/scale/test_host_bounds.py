@@ -10,6 +10,8 @@ import pytest
 from tests.distributed.test_two_ranks import AS_NCCL
 from tests.faults.common import Ranks
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 WORKER = Path(__file__).with_name("repack_worker.py")
 CHUNK_BYTES = 65536 * 4  # the worker's chunks: 65,536 fp32 elements
 

@@ -13,6 +13,8 @@ from lightning_chunk.shapes import Llama
 from tests.faults.common import Ranks
 from tests.scale.phases_worker import SHAPE, STRATEGY
 
+pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
+
 WORKER = Path(__file__).with_name("phases_worker.py")
 # measured / predicted, per phase, the plan given the activations the warm-up traced. Above 1: what the run holds
 # beyond the training state that no plan counts (gloo's and Lightning's buffers, the batch: about 0.7 MiB a rank
