@@ -13,8 +13,9 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -33,7 +34,7 @@ def free_port() -> int:
 
 
 def run_ranks(cmd: list[str], ranks: int, env: dict[str, str], timeout: float,
-              watch: Optional[Callable[[int], bool]] = None) -> tuple[int, str]:
+              watch: Callable[[int], bool] | None = None) -> tuple[int, str]:
     """Run ``ranks`` copies of a child that fits with ``devices=ranks``, started at once, each told its rank in the
     variables Lightning's launcher reads, as torchrun and SLURM start ranks: ``(return code, output)``, the first
     non-zero code of a rank if any. Left to Lightning's launcher, the second rank starts importing torch and
@@ -66,7 +67,7 @@ def run_ranks(cmd: list[str], ranks: int, env: dict[str, str], timeout: float,
     except ProcessLookupError:
         pass
     out = []
-    for p, log in zip(procs, logs):
+    for p, log in zip(procs, logs, strict=True):
         p.wait()
         log.seek(0)
         out.append(log.read())
@@ -105,7 +106,6 @@ def deepspeed_offload_config(batch: int, cuda: bool) -> dict:
 def step_timer(times: list[float]) -> Any:
     """A Lightning callback appending each training step's wall time to ``times`` (device work included)."""
     import lightning as L
-
     import torch
 
     def sync() -> None:  # CUDA runs ahead of the host: a step ends when its kernels have
@@ -171,7 +171,7 @@ def round_ratios(times: list[float], base: list[float]) -> tuple[float, list[flo
     """The median of per-round ratios and the ratios: ``times[i] / base[i]``, both measured in round ``i``. A
     machine that drifts between rounds moves both sides of each ratio alike; a ratio of the pooled medians
     would compare one round's contender with another round's baseline."""
-    ratios = [a / b for a, b in zip(times, base)]
+    ratios = [a / b for a, b in zip(times, base, strict=True)]
     return statistics.median(ratios), ratios
 
 

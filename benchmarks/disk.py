@@ -66,8 +66,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, clean_env, gpt_parser, make_gpt, median_interval, proc_bytes, run_or_child,  # noqa: E402
-                     step_timer)
+from _common import ROOT, clean_env, gpt_parser, make_gpt, median_interval, proc_bytes, run_or_child, step_timer  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from lightning_chunk.engine.config import parse_bytes  # noqa: E402
@@ -294,8 +293,8 @@ class MemoryCgroup:
                 pass
 
 
-def _run(name: str, args: argparse.Namespace, scratch: Path, cap: "MemoryCgroup | None" = None,
-         extra: "list[str] | None" = None) -> dict:
+def _run(name: str, args: argparse.Namespace, scratch: Path, cap: MemoryCgroup | None = None,
+         extra: list[str] | None = None) -> dict:
     os.sync()  # every row starts with no writeback left over from the one before
     if cap is not None and cap.why_not:
         return {"skipped": cap.why_not}
@@ -532,7 +531,7 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: "list[str] | None" = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = gpt_parser(__doc__, str(ROOT / "benchmarks/results/disk.json"), width=768, depth=12, context=64, batch=1,
                    steps=6)
     p.add_argument("--host-limit", default="320MiB")

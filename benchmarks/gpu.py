@@ -36,11 +36,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, clean_env, deepspeed_offload_config, free_port, load_gpt, param_groups,  # noqa: E402
-                     run_or_child, step_timer)
+from _common import (  # noqa: E402
+    ROOT,
+    clean_env,
+    deepspeed_offload_config,
+    free_port,
+    load_gpt,
+    param_groups,
+    run_or_child,
+    step_timer,
+)
 
 CONTENDERS = ("chunk_offload", "chunk_offload default", "ddp", "fsdp + cpu offload", "deepspeed zero-3 offload")
 
@@ -202,7 +210,7 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("width", 2048), ("depth", 20), ("context", 1024), ("batch", 8), ("steps", 8), ("skip", 3)):
         p.add_argument(f"--{name}", type=int, default=default)

@@ -37,10 +37,10 @@ import json
 import platform
 import random
 import statistics
-import time
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -113,7 +113,7 @@ def make_torch(numel: int, kind: str) -> Callable[[], None]:
     return opt.step
 
 
-def make_deepspeed(numel: int) -> Optional[Callable[[], None]]:
+def make_deepspeed(numel: int) -> Callable[[], None] | None:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception:  # noqa: BLE001 - not installed, or its kernel cannot build here
@@ -166,8 +166,8 @@ NAMES = ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours
          "torch-foreach", "deepspeed")
 
 
-def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] = None) -> dict:
-    makers: dict[str, Callable[[], Optional[Callable[[], None]]]] = {
+def measure(numel: int, repeats: int, seed: int = 0, only: list[str] | None = None) -> dict:
+    makers: dict[str, Callable[[], Callable[[], None] | None]] = {
         "ours": lambda: make_ours(numel, write_back=False),
         "ours+bf16": lambda: make_ours(numel, write_back=True),
         "ours+bf16-compiled": lambda: without_native(make_ours(numel, write_back=True)),
@@ -176,7 +176,7 @@ def measure(numel: int, repeats: int, seed: int = 0, only: Optional[list[str]] =
         "torch-foreach": lambda: make_torch(numel, "foreach"),
         "deepspeed": lambda: make_deepspeed(numel),
     }
-    contenders: dict[str, Optional[Callable[[], None]]] = {}
+    contenders: dict[str, Callable[[], None] | None] = {}
     floor, floor_bf16, floor_kind = make_floor(numel)
     contenders["floor"] = floor
     if only is None or any(name.startswith("ours+bf16") for name in only):
@@ -242,7 +242,7 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=float, nargs="+", default=[50e6, 200e6])
     parser.add_argument("--repeats", type=int, default=7)

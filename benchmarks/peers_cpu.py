@@ -46,11 +46,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, clean_env, deepspeed_offload_config, gpt_parser, make_gpt, param_groups,  # noqa: E402
-                     proc_bytes, round_ratios, run_or_child, run_ranks, step_timer, train_end_peak)
+from _common import (  # noqa: E402
+    ROOT,
+    clean_env,
+    deepspeed_offload_config,
+    gpt_parser,
+    make_gpt,
+    param_groups,
+    proc_bytes,
+    round_ratios,
+    run_or_child,
+    run_ranks,
+    step_timer,
+    train_end_peak,
+)
 
 
 def _data(args: argparse.Namespace, ranks: int) -> Any:
@@ -157,14 +169,14 @@ def _timed_steps(args: argparse.Namespace, rank: int, forward: Any, backward_and
 
 
 def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int, peak: int = 0,
-            breakdown: Optional[list] = None) -> None:
+            breakdown: list | None = None) -> None:
     """Peak RSS at the end of training: for chunk_offload before its teardown gathers the model back."""
     Path(f"{args.out}.rank{rank}").write_text(json.dumps({"times": times, "peak_rss": peak or proc_bytes("VmHWM"),
                                                          "params": n_params, "breakdown": breakdown or []}))
 
 
-def run_contender(name: str, args: argparse.Namespace, chunk_numel: Optional[int] = None,
-                  placement: str = "host", extra: Optional[dict] = None) -> dict:
+def run_contender(name: str, args: argparse.Namespace, chunk_numel: int | None = None,
+                  placement: str = "host", extra: dict | None = None) -> dict:
     env = clean_env()
     out = Path(tempfile.mkdtemp(prefix="peers_cpu_")) / f"{name}{chunk_numel or ''}"  # scratch, not results
     for r in (0, 1):
@@ -226,7 +238,7 @@ def measure(args: argparse.Namespace) -> dict:
             runs[row].append(run_contender(child, args, block_numel if numel == "block" else None,
                                            placement=placement, extra=extra))
     rows = []
-    for row, child, *_ in CONTENDERS:
+    for row, _child, *_ in CONTENDERS:
         if not runs[row]:
             rows.append({"contender": row, "skipped": "deepspeed is not installed"})
             continue
@@ -270,7 +282,7 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/peers_cpu.json", width=768, depth=14, context=64, batch=2, steps=4)
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every contender (3 or more to "
                    "read a ratio on a shared machine)")

@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, clean_env, make_gpt, proc_bytes, run_or_child, run_ranks, train_end_peak  # noqa: E402
@@ -180,7 +179,7 @@ def largest(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         good, bad = (mid, bad) if tried[mid]["fits"] else (good, mid)
     best = tried.get(good)
     row = {"contender": name, "depth": good, "params": best["params"] if best else 0,
-           "bytes_per_param": (max(p - b for p, b in zip(best["peak_rss"], best["rss_before_model"])) / best["params"]
+           "bytes_per_param": (max(p - b for p, b in zip(best["peak_rss"], best["rss_before_model"], strict=True)) / best["params"]
                                if best and best.get("rss_before_model") else None),
            "peak_rss": best["peak_rss"] if best else [], "peak_device": best["peak_device"] if best else [],
            "first_failure": {"depth": bad, "why": tried[bad]["why"]} if bad is not None else None,
@@ -224,7 +223,7 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--context", type=int, default=32)

@@ -35,11 +35,9 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (clean_env, gpt_parser, make_gpt, median_interval, round_ratios, run_or_child,  # noqa: E402
-                     run_ranks, step_timer)
+from _common import clean_env, gpt_parser, make_gpt, median_interval, round_ratios, run_or_child, run_ranks, step_timer  # noqa: E402
 
 CONTENDERS = {  # name -> (devices, strategy spec)
     "auto": (1, "auto"),
@@ -177,7 +175,7 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/step_overhead.json", width=384, depth=6, context=128, batch=8, steps=30)
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)

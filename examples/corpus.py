@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
-from typing import Optional
 
 import lightning as L
 import torch
@@ -31,7 +30,7 @@ class TokenWindows(Dataset):
         return self.tokens[s : s + self.length].long()
 
 
-def text_files(corpus: Optional[str]) -> list[Path]:
+def text_files(corpus: str | None) -> list[Path]:
     root = Path(corpus) if corpus else Path(sysconfig.get_paths()["stdlib"])
     if root.is_file():
         return [root]
@@ -51,7 +50,7 @@ def _looks_like_text(path: Path) -> bool:
     return bool(head) and b"\0" not in head
 
 
-def read_split(corpus: Optional[str], max_bytes: int) -> dict[str, bytes]:
+def read_split(corpus: str | None, max_bytes: int) -> dict[str, bytes]:
     """Up to ``max_bytes`` of text as ``{"train": ..., "val": ...}``: a deterministic split by file."""
     chunks: dict[str, list[bytes]] = {"train": [], "val": []}
     total = 0

@@ -19,7 +19,7 @@ cannot see (``full_parameters(with_grads=True)`` from another hook) gets the eng
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -34,7 +34,7 @@ MODULE_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_grad
 CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
 
-def _refused(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str) -> Optional[tuple[str, str]]:
+def _refused(trainer: pl.Trainer, module: pl.LightningModule, precision: str) -> tuple[str, str] | None:
     """What ``step_in_backward=True`` refuses in this fit, as ``(what it is, the error that refuses it)``."""
     if precision == "16-mixed":
         return "fp16 loss scaling (precision='16-mixed'), which skips a step that overflowed", FP16_REFUSED
@@ -51,15 +51,15 @@ def _refused(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str
     return None
 
 
-def check_step_in_backward(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str) -> None:
+def check_step_in_backward(trainer: pl.Trainer, module: pl.LightningModule, precision: str) -> None:
     """Before anything is built: what ``step_in_backward=True`` cannot do ([Note: stepping in backward])."""
     refused = _refused(trainer, module, precision)
     if refused is not None:
         raise ValueError(refused[1])
 
 
-def reads_gradients(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str,
-                    optimizers: int) -> Optional[str]:
+def reads_gradients(trainer: pl.Trainer, module: pl.LightningModule, precision: str,
+                    optimizers: int) -> str | None:
     """What in this fit can read the gradients after backward (so its chunks must step after it), or ``None``."""
     refused = _refused(trainer, module, precision)
     if refused is not None:
@@ -80,8 +80,8 @@ def reads_gradients(trainer: "pl.Trainer", module: "pl.LightningModule", precisi
     return None
 
 
-def choose_step_in_backward(trainer: "pl.Trainer", module: "pl.LightningModule", precision: str, optimizers: int,
-                            host_memory_limit: Optional[int]) -> tuple[bool, Optional[str]]:
+def choose_step_in_backward(trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int,
+                            host_memory_limit: int | None) -> tuple[bool, str | None]:
     """``step_in_backward=None`` made concrete for one fit ([Note: stepping in backward by default with the disk
     tier]): ``(True, None)`` with a host limit and nothing that reads gradients after backward; ``(False, why)``
     with a host limit and something that does; ``(False, None)`` without a host limit."""

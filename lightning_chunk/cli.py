@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .consolidate import consolidate
 from .engine.checkpoint import CheckpointError
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "consolidate":
         try:
@@ -89,8 +89,9 @@ def _consolidate(args: argparse.Namespace) -> object:
     if args.with_optimizer:
         raise ValueError("--with-optimizer applies to --format lightning only: a save_pretrained directory holds weights.")
     try:
-        from .hf import export_hf
         import transformers  # noqa: F401
+
+        from .hf import export_hf
     except ImportError:
         raise ValueError("--format hf needs transformers: pip install 'lightning_chunk[hf]'.") from None
     return export_hf(args.checkpoint, args.out, config=args.config, dtype=args.dtype,

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from .engine.atomic import replace_dir
-from .engine.checkpoint import (KEY, CheckpointError, _load_chunk, check_checkpoint_dir, iter_saved_chunks, read_meta,
-                                weights_key)
+from .engine.checkpoint import (
+    KEY,
+    CheckpointError,
+    _load_chunk,
+    check_checkpoint_dir,
+    iter_saved_chunks,
+    read_meta,
+    weights_key,
+)
 from .engine.host_heap import release_freed_memory
 from .engine.torchfile import StreamingTorchFile
 
@@ -24,7 +31,7 @@ MODEL_KEY = "state_dict"  # where a Lightning checkpoint keeps the model's state
 OPTIMIZERS_KEY = "optimizer_states"  # and the optimizers', one plain optimizer state dict each
 
 
-def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer: bool = False,
+def consolidate(path: str | Path, out: str | Path, *, with_optimizer: bool = False,
                 progress: bool = True, ema: bool = False, force: bool = False) -> Path:
     """Write ``out``: one plain Lightning checkpoint whose ``state_dict`` ``model.load_state_dict`` accepts.
 
@@ -100,7 +107,7 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, with_optimizer
     return out
 
 
-def check_output(checkpoint: Path, out: Union[str, Path], *, force: bool = False) -> Path:
+def check_output(checkpoint: Path, out: str | Path, *, force: bool = False) -> Path:
     """``out`` as a path a consolidation may write: outside the checkpoint, in a folder that exists, and new unless
     ``force`` (an empty directory counts as new)."""
     out = Path(out)

@@ -12,7 +12,7 @@ laid out as Lightning's (the average as ``state_dict``, the trained weights as `
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -32,7 +32,7 @@ class ChunkEMA(pl.Callback):
     """
 
     def __init__(self, decay: float = 0.999, update_every_n_steps: int = 1,
-                 update_starting_at_step: Optional[int] = None, validate_with_average: bool = True,
+                 update_starting_at_step: int | None = None, validate_with_average: bool = True,
                  average_at_end: bool = True, use_buffers: bool = True) -> None:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"ChunkEMA(decay={decay!r}): the decay must be in [0, 1].")
@@ -55,17 +55,17 @@ class ChunkEMA(pl.Callback):
                 and step_idx % self.update_every_n_steps == 0)
 
     @staticmethod
-    def _ema(trainer: "pl.Trainer") -> Any:
+    def _ema(trainer: pl.Trainer) -> Any:
         engine = getattr(trainer.strategy, "engine", None)
         return getattr(engine, "ema", None)
 
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if getattr(trainer.strategy, "strategy_name", None) != "chunk_offload":  # ChunkOffloadStrategy (no import:
             # the strategy imports this module)
             raise ValueError(f"ChunkEMA works with the chunk_offload strategy; this Trainer uses "
                              f"{type(trainer.strategy).__name__}. Use Lightning's EMAWeightAveraging there.")
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step_idx = trainer.global_step - 1
         if trainer.global_step > self._latest_update_step and self.should_update(step_idx):
@@ -73,18 +73,18 @@ class ChunkEMA(pl.Callback):
             self._latest_update_step = trainer.global_step
             self._n_averaged += 1
 
-    def on_validation_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ema = self._ema(trainer)
         if self.validate_with_average and trainer.state.fn == "fit" and ema is not None and ema.started:
             ema.swap()
             self._swapped = True
 
-    def on_validation_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._swapped:
             self._ema(trainer).swap()
             self._swapped = False
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ema = self._ema(trainer)
         if self.average_at_end and ema is not None and ema.started:
             ema.copy_to_masters()
@@ -96,7 +96,7 @@ class ChunkEMA(pl.Callback):
         self._latest_update_step = state_dict["latest_update_step"]
         self._n_averaged = state_dict.get("n_averaged", self._n_averaged)
 
-    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """Sharded checkpoints carry the shards themselves. A full one is laid out as Lightning's ``WeightAveraging``
         lays out its own (every rank gathers): the average as ``state_dict`` (what ``load_from_checkpoint`` and
@@ -115,7 +115,7 @@ class ChunkEMA(pl.Callback):
         checkpoint["state_dict"] = {k: average.get(owner.get(k, -1), buffers.get(k, v)) for k, v in current.items()}
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self._n_averaged, dtype=torch.long)}
 
-    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """A full checkpoint in Lightning's layout: the strategy loaded its ``state_dict`` (the average) into the
         model; the average goes into the shards and the trained weights back into the model."""

@@ -13,10 +13,10 @@ imports them, and this module imports them only inside the functions that need t
 
 from __future__ import annotations
 
-import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,7 +40,7 @@ class _LeaveAlone(TorchDispatchMode):
         super().__init__()
         self.storages = storages
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
         target = args[0] if args else None
         if name.endswith("_") and isinstance(target, torch.Tensor) \
@@ -195,8 +195,8 @@ def _match(ck: dict[str, Any], keep: dict[str, tuple[int, ...]], known: set[str]
     return prefix, fills, from_buffers
 
 
-def export_hf(checkpoint: Union[str, Path], out_dir: Union[str, Path], *, config: Any = None,
-              dtype: Optional[Union[str, torch.dtype]] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, config: Any = None,
+              dtype: str | torch.dtype | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
               progress: bool = True, ema: bool = False, force: bool = False) -> Path:
     """Write ``out_dir`` as ``save_pretrained`` would, from a sharded ``lightning-chunk`` checkpoint. An existing
     non-empty ``out_dir`` is refused unless ``force``, and then replaced only once the new one is complete.

@@ -35,7 +35,6 @@ activations unless the caller gives them (a shapes-only plan traces none; ``plan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from .engine.chunk import Tier
 from .engine.config import human_bytes
@@ -58,8 +57,8 @@ class ClusterReport:
     precision: str
     nodes: int
     devices: int
-    device_limit: Optional[int]  # a rank
-    host_memory: Optional[int]  # a node
+    device_limit: int | None  # a rank
+    host_memory: int | None  # a node
     phases: list[Phase]
     bound: int  # host bytes a rank no phase may pass
     state: int  # S
@@ -67,7 +66,7 @@ class ClusterReport:
     chunks: int
 
     @property
-    def host_per_rank(self) -> Optional[int]:
+    def host_per_rank(self) -> int | None:
         return None if self.host_memory is None else self.host_memory // self.devices
 
     @property
@@ -116,16 +115,16 @@ class ClusterReport:
         return "\n".join(lines)
 
 
-def final_tiers(plan: ShapePlan, placement: str) -> dict[int, Tier]:
+def final_tiers(plan: ShapePlan, placement: str, activations: int = 0) -> dict[int, Tier]:
     """The tiers after the warm-up, without its trace: ``auto`` under a limit puts shards on the device, the last
-    chunks first, while they leave the busiest module, a prefetch and three gradient payloads room (activations not
-    counted); other placements keep their first tiers."""
+    chunks first, while they leave the busiest module, a prefetch, three gradient payloads and ``activations`` room;
+    other placements keep their first tiers."""
     if placement != "auto" or plan.limit is None:
         return dict(plan.tiers)
     views = plan.views
     reserve = (plan.need_before_activations + max((v.payload_bytes for v in views), default=0)
                + 3 * max((v.grad_payload_bytes for v in views), default=0))
-    room = plan.limit - reserve
+    room = plan.limit - reserve - activations
     tiers = {v.chunk_id: (Tier.DISK if plan.tiers[v.chunk_id] is Tier.DISK else Tier.HOST) for v in views}
     for v in sorted(views, key=lambda v: v.chunk_id, reverse=True):
         if tiers[v.chunk_id] is Tier.HOST and v.device_shard_bytes <= room:
@@ -134,7 +133,7 @@ def final_tiers(plan: ShapePlan, placement: str) -> dict[int, Tier]:
     return tiers
 
 
-def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: float, host_per_rank: Optional[int],
+def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: float, host_per_rank: int | None,
            optim_share: float, ranks: int, staging: bool = True, releases: bool = False, activations: int = 0
            ) -> tuple[list[Phase], int, int, dict[int, Tier]]:
     """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
@@ -144,7 +143,7 @@ def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: fl
     with ``reshard_after_forward=True``); ``activations``: a step's activation peak, a rank, when known (the
     warm-up's trace), added to the steps' device bytes."""
     views = plan.views
-    after = final_tiers(plan, placement)
+    after = final_tiers(plan, placement, activations)
 
     def on(tiers: dict[int, Tier], tier: Tier) -> int:
         return sum((v.host_bytes_on_disk if tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)

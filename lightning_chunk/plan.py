@@ -20,7 +20,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -34,7 +34,6 @@ from .engine.simulate import simulate_step
 from .phases import ClusterReport, phases
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
-
 
 
 def load_class(spec: str) -> type:
@@ -86,12 +85,12 @@ class PlanReport:
     host_bytes: int
     disk_shards: int
     disk_bytes: int
-    host_limit: Optional[int]
+    host_limit: int | None
     payload_bytes_max: int
     nonmodel_peak_bytes: int
     estimated_device_peak_bytes: int
     estimated_total_peak_bytes: int  # chunks plus the activations of the same moment
-    limit: Optional[int]
+    limit: int | None
 
     @property
     def fits(self) -> bool:
@@ -122,7 +121,7 @@ class PlanReport:
 class _Probe(L.Callback):
     """Reads the engine right before the dry run's optimizer step (after the warm-up was finalized)."""
 
-    report: Optional[PlanReport] = None
+    report: PlanReport | None = None
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         engine = trainer.strategy.engine
@@ -144,7 +143,7 @@ class _Probe(L.Callback):
         )
 
 
-def make_plan(model_cls: type, model_args: dict[str, Any], data_cls: Optional[type], data_args: dict[str, Any],
+def make_plan(model_cls: type, model_args: dict[str, Any], data_cls: type | None, data_args: dict[str, Any],
               strategy_args: dict[str, Any], precision: str = "32-true") -> PlanReport:
     """Run the dry warm-up step and report. Raises ``DeviceMemoryLimitError`` when the limit is too small."""
     model = model_cls(**model_args)
@@ -215,7 +214,7 @@ def _host_memory() -> int:
 
 def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: dict[str, Any],
                     precision: str = "32-true", ranks: int = 1,
-                    cluster: Optional[tuple[int, int, Optional[int]]] = None, staging: bool = True,
+                    cluster: tuple[int, int, int | None] | None = None, staging: bool = True,
                     activations: int = 0) -> Any:
     """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
     ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase]);
@@ -248,17 +247,19 @@ def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: 
     rows, bound, state, after = phases(
         plan, placement=strategy.config.placement, optim_ratio=optim / 4,
         model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        host_per_rank=None if host_memory is None else host_memory // devices, optim_share=optim / (4 + low + 4 + optim), ranks=nodes * devices, staging=staging)
+        host_per_rank=None if host_memory is None else host_memory // devices, optim_share=optim / (4 + low + 4 + optim),
+        ranks=nodes * devices, staging=staging, activations=activations,
+        releases=strategy.config.placement == "host" and strategy.config.reshard_after_forward is True)
     return ClusterReport(model=type(model).__name__, precision=precision, nodes=nodes, devices=devices,
                          device_limit=plan.limit, host_memory=host_memory, phases=rows, bound=bound, state=state,
                          device_shards_after=sum(t is Tier.DEVICE for t in after.values()), chunks=len(plan.views))
 
 
-def plan_from_args(model: str, data: Optional[str], config: Optional[str], init_args: Optional[str],
-                   data_args: Optional[str], overrides: dict[str, Any], precision: Optional[str],
+def plan_from_args(model: str, data: str | None, config: str | None, init_args: str | None,
+                   data_args: str | None, overrides: dict[str, Any], precision: str | None,
                    shapes_only: bool = False, ranks: int = 1,
-                   cluster: Optional[tuple[int, int, Optional[int], Optional[int]]] = None,
-                   activations: Optional[int] = None) -> Any:
+                   cluster: tuple[int, int, int | None, int | None] | None = None,
+                   activations: int | None = None) -> Any:
     """``cluster``: ``(nodes, devices a node, device bytes, host bytes a node)``: plan from shapes for that many
     ranks, under the limit a device of that size gives (its memory less the margin ``device_memory_limit=None``
     keeps), unless a limit is given; ``activations``: a step's activation peak a rank, for the cluster view."""

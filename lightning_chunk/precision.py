@@ -25,16 +25,16 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Callable, Generator, Optional, Sequence, Union
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.optim import Optimizer
-
-import lightning.pytorch as pl
 
 from .engine import ChunkEngine, DtypePolicy
 from .engine.config import OWN_DTYPE_MODULES
@@ -62,7 +62,7 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         torch.set_default_dtype(previous)
 
 
-def normalize_precision(precision: Union[str, int]) -> str:
+def normalize_precision(precision: str | int) -> str:
     p = _ALIASES.get(precision, precision)
     if p in _REFUSED:
         raise ValueError(f"precision={precision!r} is not supported by chunk_offload: {_REFUSED[p]}.")
@@ -72,7 +72,7 @@ def normalize_precision(precision: Union[str, int]) -> str:
 
 
 class ChunkPrecision(Precision):
-    def __init__(self, precision: Union[str, int] = "32-true", *, init_scale: float = 2.0**16,
+    def __init__(self, precision: str | int = "32-true", *, init_scale: float = 2.0**16,
                  growth_interval: int = 2000, full_precision_modules: Sequence[type] = ()) -> None:
         """``full_precision_modules``: module classes whose parameters compute in their own dtype under mixed
         precision, beside BatchNorm and InstanceNorm, which always do ([Note: normalisation in mixed precision] in
@@ -83,11 +83,11 @@ class ChunkPrecision(Precision):
             raise ValueError(f"full_precision_modules={full_precision_modules!r} is not allowed; it must be a list of "
                              "torch.nn.Module subclasses.")
         self.full_precision_modules = tuple(full_precision_modules)
-        self.scaler: Optional[DynamicLossScaler] = (
+        self.scaler: DynamicLossScaler | None = (
             DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval)
             if self.precision == "16-mixed" else None
         )
-        self._engine: Optional[ChunkEngine] = None
+        self._engine: ChunkEngine | None = None
         self._device_type = "cpu"
         self._warned_grad_reads = False
 
@@ -101,7 +101,7 @@ class ChunkPrecision(Precision):
         }[self.precision]
         return DtypePolicy(compute, master, own_dtype_modules=OWN_DTYPE_MODULES + self.full_precision_modules)
 
-    def attach(self, engine: Optional[ChunkEngine], device: torch.device) -> None:
+    def attach(self, engine: ChunkEngine | None, device: torch.device) -> None:
         self._engine = engine
         self._device_type = device.type
         if engine is not None:
@@ -146,7 +146,7 @@ class ChunkPrecision(Precision):
         return data
 
     # ------------------------------------------------------------- backward
-    def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self.scaler is not None:
             tensor = self.scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
@@ -173,7 +173,7 @@ class ChunkPrecision(Precision):
             f = f.f_back
 
     def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizer, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
+        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         engine = self.engine
         closure_result = closure()
@@ -194,10 +194,10 @@ class ChunkPrecision(Precision):
         return closure_result
 
     # ------------------------------------------------------------- clipping
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self.engine.clip_grad_norm_(clip_val, optimizer=optimizer)
 
-    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self.engine.clip_grad_value_(clip_val, optimizer=optimizer)
 
     def main_params(self, optimizer: Optimizer) -> Any:

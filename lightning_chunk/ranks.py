@@ -20,14 +20,14 @@ keeps torchrun's).
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
 THREADS = "LIGHTNING_CHUNK_NUM_THREADS"
 
 
-def threads_for_rank(env: Mapping[str, str], cores: int) -> Optional[int]:
+def threads_for_rank(env: Mapping[str, str], cores: int) -> int | None:
     """The intra-op thread count this rank should take, or None to leave torch's as it is
     ([Note: every rank's thread count])."""
     if env.get(THREADS):
@@ -58,13 +58,13 @@ def take_rank_threads() -> None:
         torch.set_num_threads(n)
 
 
-def process_group_device(root_device: torch.device) -> Optional[torch.device]:
+def process_group_device(root_device: torch.device) -> torch.device | None:
     """``init_process_group``'s ``device_id``: the rank's GPU, as DDPStrategy passes it. Without it torch guesses the
     GPU of the first NCCL collective as ``rank % local device count``: right for ranks numbered node by node, a hang or
     "duplicate GPU" error otherwise."""
     return root_device if root_device.type == "cuda" else None
 
 
-def barrier_device_ids(root_device: torch.device, backend: str) -> Optional[list[int]]:
+def barrier_device_ids(root_device: torch.device, backend: str) -> list[int] | None:
     """``barrier``'s ``device_ids`` on NCCL (the same guess otherwise); other backends take none, as in DDPStrategy."""
     return [root_device.index or 0] if root_device.type == "cuda" and backend == "nccl" else None

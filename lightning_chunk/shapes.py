@@ -8,7 +8,7 @@ LM without rotary embeddings), which is what the tests use at a tiny ``size``: `
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import lightning as L
 import torch
@@ -63,7 +63,7 @@ class Llama(L.LightningModule):
     """``size``: a name of ``SIZES`` or the fields themselves. Built in ``configure_model`` (on the meta device under
     chunk_offload: no rank holds the whole model)."""
 
-    def __init__(self, size: Union[str, dict[str, Any]] = "7b", lr: float = 3e-4) -> None:
+    def __init__(self, size: str | dict[str, Any] = "7b", lr: float = 3e-4) -> None:
         super().__init__()
         if isinstance(size, str) and size not in SIZES:
             raise ValueError(f"size={size!r} is not one of {sorted(SIZES)}; or give the fields as a dict.")

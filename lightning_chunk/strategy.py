@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Mapping, Optional, Sequence, Union
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -36,22 +38,27 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
-import lightning.pytorch as pl
-
-from .engine import ChunkConfig, ChunkEngine, Collectives
-from .engine.atomic import remove_dir
-from .engine.growth import input_bytes
-from .engine.checkpoint import KEY as CHECKPOINT_KEY
-from .engine.checkpoint import (is_sharded_checkpoint, load_sharded, offered_state_dict, placeholder_state_dict,
-                                save_sharded)
-from .engine.full_params import full_parameters
-from .engine.materialize import DeferredInit, meta_init
-from .ranks import barrier_device_ids, process_group_device, take_rank_threads
-from .engine.weights import ModuleWeights, open_weights
 from .backward_step import check_step_in_backward, choose_step_in_backward
 from .ema import ChunkEMA
+from .engine import ChunkConfig, ChunkEngine, Collectives
+from .engine.atomic import remove_dir
+from .engine.checkpoint import KEY as CHECKPOINT_KEY
+from .engine.checkpoint import (
+    is_sharded_checkpoint,
+    load_sharded,
+    offered_state_dict,
+    placeholder_state_dict,
+    save_sharded,
+)
 from .engine.ema import BufferAverage, ShardedEMA
+from .engine.errors import CheckpointError
+from .engine.full_params import full_parameters
+from .engine.growth import input_bytes
+from .engine.materialize import DeferredInit, meta_init
+from .engine.weights import ModuleWeights, open_weights
 from .precision import ChunkPrecision
+from .ranks import barrier_device_ids, process_group_device, take_rank_threads
+
 
 def _version() -> str:
     from . import __version__
@@ -145,40 +152,40 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def __init__(
         self,
         placement: str = "auto",
-        device_memory_limit: Optional[Union[int, str]] = None,
-        host_memory_limit: Optional[Union[int, str]] = None,
-        disk_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
+        device_memory_limit: int | str | None = None,
+        host_memory_limit: int | str | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
         disk_io: str = "auto",
-        reshard_after_forward: Optional[bool] = None,
+        reshard_after_forward: bool | None = None,
         offload_fraction: float = 0.5,
-        chunk_numel: Optional[int] = None,
+        chunk_numel: int | None = None,
         chunk_numel_min: int = 1 << 20,
         chunk_numel_max: int = 1 << 26,
         prefetch: bool = True,
         pin_memory: bool = True,
-        materialize_on_teardown: Optional[bool] = None,
+        materialize_on_teardown: bool | None = None,
         materialize_optimizer_state: bool = False,
         optimizer_kernel: str = "auto",
         assume_elementwise_optimizer: bool = False,
         sharded_accumulation: bool = True,
-        log_memory_stats: Union[bool, str] = True,
+        log_memory_stats: bool | str = True,
         collective_timeout_s: float = 300.0,
         broadcast_buffers: bool = True,
-        verify_collectives: Union[bool, str, None] = None,
+        verify_collectives: bool | str | None = None,
         replan_when_inputs_grow: bool = True,
-        step_in_backward: Optional[bool] = None,
-        leaf_modules: Sequence[Union[type, str]] = (),
+        step_in_backward: bool | None = None,
+        leaf_modules: Sequence[type | str] = (),
         keep_freed_heap: bool = True,
         state_dict_type: str = "sharded",
-        weights: Optional[Union[str, "os.PathLike[str]"]] = None,
-        param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        weights: str | os.PathLike[str] | None = None,
+        param_init_fn: Callable[[torch.nn.Module], None] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -205,11 +212,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self.engine: Optional[ChunkEngine] = None
+        self.engine: ChunkEngine | None = None
         self._final_stats: dict[str, float] = {}
         self._kept_optimizer_states: dict[int, Any] = {}  # [Note: optimizer state after fit] in engine/kept_state.py
         self._failed = False
-        self._deferred: Optional[DeferredInit] = None
+        self._deferred: DeferredInit | None = None
 
     # ============================================================ registration
     @classmethod
@@ -228,7 +235,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         return plugin
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is not None and not isinstance(plugin, ChunkPrecision):
             precision = getattr(plugin, "precision", None)
             if precision is None or type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision",
@@ -299,7 +306,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
 
     # ================================================================= setup
     @contextlib.contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``Trainer.init_module()``: tensors on the host (the engine places them); ``empty_init=True``: on the
         meta device, initialised chunk by chunk at ``setup`` ([Note: deferred initialisation])."""
         if not empty_init:
@@ -326,7 +333,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
                 if b is not None and not (self._deferred is not None and self._deferred.is_deferred(b)):
                     m._buffers[k] = b.to(device)
 
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._failed = False
@@ -373,7 +380,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if fitting and len(self.engine.bindings) > 1:
             self._follow_toggles(module)
 
-    def _config_for(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> ChunkConfig:
+    def _config_for(self, trainer: pl.Trainer, module: pl.LightningModule) -> ChunkConfig:
         """This fit's config: ``step_in_backward=None`` made concrete ([Note: stepping in backward by default with
         the disk tier] in ``backward_step.py``), said once on rank 0 where a host limit makes it matter."""
         if self.config.step_in_backward is not None:
@@ -390,7 +397,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
                            "docs/disk-tier.md).")
         return self.config.replace(step_in_backward=chosen)
 
-    def _follow_toggles(self, module: "pl.LightningModule") -> None:
+    def _follow_toggles(self, module: pl.LightningModule) -> None:
         """Make ``toggle_optimizer`` freeze the module's parameters, not only the optimizers' tensors.
 
         [Note: toggled optimizers]
@@ -427,7 +434,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         module.__dict__["untoggle_optimizer"] = untoggle_optimizer
 
     @staticmethod
-    def _check_callbacks(trainer: "pl.Trainer") -> None:
+    def _check_callbacks(trainer: pl.Trainer) -> None:
         """Callbacks that cannot work on a rebound optimizer or on packed parameters, refused before anything is
         built."""
         from lightning.pytorch import callbacks
@@ -462,7 +469,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
                     "repacks when it changes (docs/configuration.md, 'Freezing and unfreezing').")
 
     @contextlib.contextmanager
-    def full_parameters(self, module: Optional[torch.nn.Module] = None, *, writeback: bool = True,
+    def full_parameters(self, module: torch.nn.Module | None = None, *, writeback: bool = True,
                         offload_to_cpu: bool = False, with_grads: bool = False) -> Generator[None, None, None]:
         """The parameters of ``module`` (the whole LightningModule by default) hold their whole trained values
         inside the block; with ``writeback``, what you write into them goes back into the sharded weights
@@ -547,7 +554,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self._failed = True
 
     # ======================================================== collectives
-    def barrier(self, name: Optional[str] = None) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
             ids = barrier_device_ids(self.root_device, torch.distributed.get_backend())
             torch.distributed.barrier(**({"device_ids": ids} if ids is not None else {}))
@@ -559,8 +566,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[Any, str]] = "mean") -> Any:
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
+               reduce_op: Any | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -584,7 +591,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
             return kept.plain_state_dict() if kept is not None else super().optimizer_state(optimizer)
         return {} if self._sharded else binding.plain_state_dict()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         assert self.engine is not None
@@ -604,7 +611,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if self.is_global_zero:
             remove_dir(Path(filepath))
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded directory or a plain Lightning file straight into the chunks (any world size)."""
         if self.engine is None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -625,7 +632,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
             module = self.lightning_module
             self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
             if with_optimizer and meta.get("optimizer_states"):
-                for binding, state in zip(self.engine.bindings, meta["optimizer_states"]):
+                for binding, state in zip(self.engine.bindings, _one_each(meta["optimizer_states"],
+                                                                         len(self.engine.bindings)), strict=True):
                     binding.load_plain_state_dict(state)
         meta["_chunk_loaded"] = True
         return meta
@@ -640,7 +648,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if checkpoint.get("_chunk_loaded"):
             return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        for optimizer, state in zip(self.optimizers, _one_each(checkpoint["optimizer_states"], len(self.optimizers)),
+                                    strict=True):
             binding = self._binding_of(optimizer)
             if binding is None:
                 optimizer.load_state_dict(state)
@@ -672,3 +681,12 @@ class ChunkOffloadStrategy(ParallelStrategy):
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)  # plain BatchNorm again, as DDP's teardown does
         super().teardown()
+
+
+def _one_each(states: Any, optimizers: int) -> Any:
+    """A checkpoint's optimizer states, when it holds one for each optimizer the run configured."""
+    if len(states) != optimizers:
+        raise CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) but configure_optimizers "
+                              f"returned {optimizers} optimizer(s): a resume needs the optimizers it was saved with "
+                              "(or load the weights alone: ckpt_path=None and load_state_dict).")
+    return states

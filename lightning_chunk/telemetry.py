@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -43,22 +43,22 @@ class ChunkTelemetry(pl.Callback):
         self._batches = 0
         self.picture = picture
         self.filename = filename
-        self.picture_path: Optional[Path] = None
+        self.picture_path: Path | None = None
         self._t0 = 0.0
-        self._events: Optional[list[MomentEvent]] = None
+        self._events: list[MomentEvent] | None = None
         self._done = False
-        self._folder: Optional[Path] = None
+        self._folder: Path | None = None
         self._times0: dict[str, float] = {}
         self._totals = dict.fromkeys(("step",) + CAUSES, 0.0)  # seconds on this rank, summed over training steps
         self.breakdown: list[dict[str, float]] = []  # per rank, filled at the end of fit
 
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Trainer.log_dir broadcasts from rank 0: a collective, so every rank resolves it here, together;
         # reading it later from rank 0 alone would leave rank 0 waiting in a broadcast no other rank joins
         self._folder = Path(trainer.log_dir or trainer.default_root_dir)
 
     # ----------------------------------------------------------------- hooks
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._t0 = time.perf_counter()
         engine = getattr(trainer.strategy, "engine", None)
@@ -67,7 +67,7 @@ class ChunkTelemetry(pl.Callback):
             self._events = []
             engine.hooks.recorder = self._events.append
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         elapsed_ms = (time.perf_counter() - self._t0) * 1000.0
         values = {"chunk/step_time_ms": elapsed_ms}
@@ -94,7 +94,7 @@ class ChunkTelemetry(pl.Callback):
             self._done = True
             self.picture_path = self._draw(trainer, engine, events)
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank's totals, gathered (every rank calls this together) and printed by rank 0."""
         mine = dict(self._totals)
         if trainer.world_size > 1:
@@ -109,7 +109,7 @@ class ChunkTelemetry(pl.Callback):
             rank_zero_info(breakdown_table(self.breakdown))
 
     # --------------------------------------------------------------- picture
-    def _draw(self, trainer: "pl.Trainer", engine: Any, events: list[MomentEvent]) -> Optional[Path]:
+    def _draw(self, trainer: pl.Trainer, engine: Any, events: list[MomentEvent]) -> Path | None:
         try:
             import matplotlib
 
@@ -137,13 +137,14 @@ def breakdown_table(per_rank: list[dict[str, float]]) -> str:
         rows.append([str(r), f"{t['step']:.2f}"] + [f"{t[c]:.2f} ({100 * t[c] / step:.0f}%)" for c in CAUSES]
                     + [f"{rest:.2f} ({100 * rest / step:.0f}%)"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
     return "\n".join(["ChunkTelemetry: where the training steps' time went after the warm-up (seconds, share of "
                       "step time)",
                       line(heads), line(["-" * w for w in widths])] + [line(row) for row in rows])
 
 
-def draw_step(events: list[MomentEvent], limit: Optional[int], n_chunks: int, path: Path, plt: Any) -> None:
+def draw_step(events: list[MomentEvent], limit: int | None, n_chunks: int, path: Path, plt: Any) -> None:
     """Two panels over the moments of one step: chunk residency (device, host or disk shard; payload resident or
     not), and device bytes against the limit."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
@@ -186,7 +187,7 @@ def draw_step(events: list[MomentEvent], limit: Optional[int], n_chunks: int, pa
     chunk_b = [e.device_bytes / mib for e in events]
     nonmodel = [e.nonmodel_bytes / mib for e in events]
     bottom.fill_between(xs, 0, chunk_b, step="mid", color="#4a90d9", alpha=0.6, label="chunk bytes on device")
-    bottom.fill_between(xs, chunk_b, [a + b for a, b in zip(chunk_b, nonmodel)], step="mid", color="#f39c12",
+    bottom.fill_between(xs, chunk_b, [a + b for a, b in zip(chunk_b, nonmodel, strict=True)], step="mid", color="#f39c12",
                         alpha=0.5, label="traced non-model bytes")
     if limit is not None:
         bottom.axhline(limit / mib, color="#c0392b", lw=1.2, label="device_memory_limit")

@@ -293,7 +293,7 @@ class AdapterNet(ParityNet):
 
     def forward(self, x, use_branch=True):
         h = self.embed(x)
-        for blk, adapter in zip(self.blocks, self.adapters):
+        for blk, adapter in zip(self.blocks, self.adapters, strict=True):
             h = h + blk(h) + adapter(h)
         return self.head(self.norm(h))
 
@@ -449,7 +449,7 @@ class CheckpointedAdapterNet(AdapterNet):
         from torch.utils.checkpoint import checkpoint
 
         h = self.embed(x)
-        for blk, adapter in zip(self.blocks, self.adapters):
+        for blk, adapter in zip(self.blocks, self.adapters, strict=True):
             h = checkpoint(lambda t, b=blk, a=adapter: t + b(t) + a(t), h, use_reentrant=False)
         return self.head(self.norm(h))
 
@@ -606,7 +606,7 @@ class RankGatedNet(ParityNet):
 
     def forward(self, x, use_branch=True):
         h = self.embed(x)
-        for blk, gate in zip(self.blocks, self.gates):
+        for blk, gate in zip(self.blocks, self.gates, strict=True):
             h = h + blk(h)
             h = h + gate(h, use_branch)
         return self.head(self.norm(h))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Optional
 
 import lightning as L
 import torch
@@ -80,7 +79,7 @@ class GPT(L.LightningModule):
         if width % heads:
             raise ValueError(f"model.width={width} must be a multiple of model.heads={heads}.")
         self.save_hyperparameters()
-        self.blocks: Optional[nn.ModuleList] = None
+        self.blocks: nn.ModuleList | None = None
         if not deferred_init:
             self.configure_model()
 
@@ -132,7 +131,7 @@ class GPT(L.LightningModule):
 
 # ------------------------------------------------------------------------------ data
 class ByteCorpus(WindowsData):
-    def __init__(self, corpus: Optional[str] = None, context: int = 64, batch_size: int = 4,
+    def __init__(self, corpus: str | None = None, context: int = 64, batch_size: int = 4,
                  max_bytes: int = 4_000_000, train_windows: int = 20_000, val_windows: int = 256) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -141,7 +140,7 @@ class ByteCorpus(WindowsData):
         return torch.frombuffer(bytearray(text), dtype=torch.uint8)  # a token a byte
 
 
-def main(args: Optional[list[str]] = None) -> LightningCLI:
+def main(args: list[str] | None = None) -> LightningCLI:
     torch.set_float32_matmul_precision("high")
     return LightningCLI(GPT, ByteCorpus, args=args, save_config_kwargs={"overwrite": True})
 

@@ -19,7 +19,7 @@
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning as L
 import torch
@@ -37,9 +37,9 @@ class CausalLM(L.LightningModule):
     """``pretrained``: a local ``save_pretrained`` directory to start from (its config, then ``config``'s fields
     over it). Else ``config``: ``{"model_type": "llama", "hidden_size": 256, ...}`` for a model from scratch."""
 
-    def __init__(self, pretrained: Optional[str] = None, config: Optional[dict[str, Any]] = None, lr: float = 3e-4,
+    def __init__(self, pretrained: str | None = None, config: dict[str, Any] | None = None, lr: float = 3e-4,
                  weight_decay: float = 0.1, warmup_steps: int = 20, gradient_checkpointing: bool = False,
-                 compile: Union[bool, str] = False) -> None:
+                 compile: bool | str = False) -> None:
         super().__init__()
         if pretrained is None and not (config or {}).get("model_type"):
             raise ValueError("model.pretrained (a save_pretrained directory) or model.config with a 'model_type' "
@@ -47,7 +47,7 @@ class CausalLM(L.LightningModule):
         if pretrained is not None and not Path(pretrained, "config.json").is_file():
             raise ValueError(f"model.pretrained={pretrained!r} is not a save_pretrained directory (no config.json).")
         self.save_hyperparameters()
-        self.model: Optional[torch.nn.Module] = None
+        self.model: torch.nn.Module | None = None
 
     def hf_config(self) -> Any:
         from transformers import AutoConfig
@@ -145,7 +145,7 @@ class TextData(WindowsData):
 
     extra_tokens = 0
 
-    def __init__(self, corpus: Optional[str] = None, tokenizer: Optional[str] = None, context: int = 128,
+    def __init__(self, corpus: str | None = None, tokenizer: str | None = None, context: int = 128,
                  batch_size: int = 4, max_bytes: int = 4_000_000, train_windows: int = 20_000,
                  val_windows: int = 256) -> None:
         super().__init__()
@@ -166,7 +166,7 @@ class TextData(WindowsData):
         return torch.tensor(ids, dtype=torch.int64)
 
 
-def main(args: Optional[list[str]] = None) -> LightningCLI:
+def main(args: list[str] | None = None) -> LightningCLI:
     torch.set_float32_matmul_precision("high")
     return LightningCLI(CausalLM, TextData, args=args, save_config_kwargs={"overwrite": True})
 

@@ -25,7 +25,8 @@ reason and the one pass is the ``torch.compile`` kernel.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -118,9 +119,9 @@ extern "C" int lc_adam_one_pass(float* p, const float* g, float* m, float* v, vo
 MODES = {"none": 0, "decoupled": 1, "coupled": 2}
 LOW_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
-_kernel: Optional["NativeKernel"] = None
-_why_not: Optional[str] = None  # why this process has no native kernel
-_isa: Optional[bool] = None  # whether inductor found a vector ISA (``vector_isa``)
+_kernel: NativeKernel | None = None
+_why_not: str | None = None  # why this process has no native kernel
+_isa: bool | None = None  # whether inductor found a vector ISA (``vector_isa``)
 
 
 def vector_isa() -> bool:
@@ -149,7 +150,7 @@ def _build() -> Callable[..., int]:
     return fn
 
 
-def native_kernel() -> Optional["NativeKernel"]:
+def native_kernel() -> NativeKernel | None:
     """The native one-pass step, or ``None`` when it cannot run in this process (the reason in ``why_not()``)."""
     global _kernel, _why_not
     if _kernel is None and _why_not is None:
@@ -163,7 +164,7 @@ def native_kernel() -> Optional["NativeKernel"]:
     return _kernel
 
 
-def why_not() -> Optional[str]:
+def why_not() -> str | None:
     return _why_not
 
 

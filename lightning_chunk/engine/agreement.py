@@ -65,7 +65,8 @@ import collections
 import datetime
 import struct
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ class _Tag(NamedTuple):
     what: str
 
 
-def gloo_group_over(group: Any, timeout_s: Optional[float] = None) -> Any:
+def gloo_group_over(group: Any, timeout_s: float | None = None) -> Any:
     """A new gloo group over the ranks of ``group`` (``None``: every rank); each of them must create it at the same
     point. Chunk collectives get groups of their own ([Note: a gloo group per kind of collective])."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
@@ -97,7 +98,7 @@ def gloo_group_over(group: Any, timeout_s: Optional[float] = None) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **timeout)
 
 
-Check = Optional[Callable[[], None]]  # what a collective's wait must run first (None: checked already)
+Check = Callable[[], None] | None  # what a collective's wait must run first (None: checked already)
 MAX_KEYS = 4  # process groups per chunk collective (each holds gloo's connections and worker threads)
 BATCH_CAP = 4096  # "batch" checks at least this often (collectives), whatever else happens
 EXPLAIN_S = 30.0  # "batch": how long a rank whose wait timed out waits for the others to say what they issued
@@ -107,7 +108,7 @@ MODES = ("each", "batch")
 class Agreement:
     """Issues and checks the tags of one ``Collectives``; see [Note: agreeing without a barrier]."""
 
-    def __init__(self, comm: "Collectives", *, lazy: bool, mode: str = "each") -> None:
+    def __init__(self, comm: Collectives, *, lazy: bool, mode: str = "each") -> None:
         if mode not in MODES:
             raise ValueError(f"agreement mode {mode!r} is not allowed; it must be one of {MODES}")
         self.comm = comm
@@ -170,7 +171,7 @@ class Agreement:
         self._open.append(_Tag(self._seq, out, work, what))
         return self._seq
 
-    def verify_through(self, seq: Optional[int] = None) -> None:
+    def verify_through(self, seq: int | None = None) -> None:
         """Wait for and compare every open tag up to ``seq`` (all of them when ``None``); on a difference raise
         ``CollectiveMismatchError`` naming what each rank was about to do."""
         comm = self.comm

@@ -30,7 +30,6 @@ import os
 import platform
 import shutil
 from pathlib import Path
-from typing import Optional
 
 from .libc import libc as load_libc
 

@@ -39,7 +39,7 @@ class BufferSync:
             for bufs in by_dtype.values():
                 what = f"the broadcast of rank 0's buffers {when}"
                 flat = self.comm.broadcast(_flatten_dense_tensors(bufs), what=what)
-                for buf, value in zip(bufs, _unflatten_dense_tensors(flat, bufs)):
+                for buf, value in zip(bufs, _unflatten_dense_tensors(flat, bufs), strict=True):
                     buf.copy_(value)
 
     def before_forward(self, *, accumulating: bool) -> None:

@@ -32,18 +32,17 @@ import hashlib
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Collection, Optional, Union
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .atomic import clear_leftovers, replace_dir
 from .errors import CheckpointError, ChunkError
 from .saved_chunks import KEY, iter_saved_chunks, rank_regions
-from .saved_chunks import load_chunk as _load_chunk
 from .shard_writer import GroupedWriter, Make, StreamingPlanner, chunk_of, placeholder
 
 FORMAT_VERSION = 1
@@ -51,17 +50,17 @@ META = "meta.pt"
 DCP_INDEX = ".metadata"
 
 
-def partial_path(path: Union[str, Path]) -> Path:
+def partial_path(path: str | Path) -> Path:
     path = Path(path)
     return path.parent / f".{path.name}.partial"
 
 
 # ================================================================== checks
-def is_sharded_checkpoint(path: Union[str, Path]) -> bool:
+def is_sharded_checkpoint(path: str | Path) -> bool:
     return Path(path).is_dir()
 
 
-def check_checkpoint_dir(path: Union[str, Path]) -> Path:
+def check_checkpoint_dir(path: str | Path) -> Path:
     """Raise ``CheckpointError`` naming the file and what is wrong, unless ``path`` is a complete checkpoint."""
     path = Path(path)
     if not path.exists():
@@ -95,7 +94,7 @@ def check_checkpoint_dir(path: Union[str, Path]) -> Path:
     return path
 
 
-def read_meta(path: Union[str, Path]) -> dict[str, Any]:
+def read_meta(path: str | Path) -> dict[str, Any]:
     path = check_checkpoint_dir(path)
     try:
         meta = torch.load(path / META, map_location="cpu", weights_only=False)
@@ -147,7 +146,7 @@ class Selection:
     supplies it or ``strict_loading`` is off, in which case it keeps the value it has (the pretrained weights a
     LoRA run loads in ``configure_model``). Every rank must drop the same keys; a save where they differ fails."""
 
-    def __init__(self, engine: Any, state_dict: Optional[dict[str, Any]]) -> None:
+    def __init__(self, engine: Any, state_dict: dict[str, Any] | None) -> None:
         mgr = engine.manager
         sd = engine.module.state_dict(keep_vars=True)
         if state_dict is None:  # the engine's own callers: everything as it is
@@ -184,7 +183,7 @@ class Selection:
             return {}
         return self.ema.buffers.saved(self.buffers)
 
-    def ema_shard(self, chunk: Any) -> Optional[torch.Tensor]:
+    def ema_shard(self, chunk: Any) -> torch.Tensor | None:
         """The chunk's average, when it has one and is written ([Note: a sharded EMA])."""
         return self.ema.shard(chunk) if self.ema is not None and self.written(chunk) else None
 
@@ -279,8 +278,8 @@ class CheckpointSaveError(ChunkError, RuntimeError):
     """A save that failed on some rank; the checkpoint previously at the path is untouched."""
 
 
-def save_sharded(engine: Any, path: Union[str, Path], extra: dict[str, Any], *, with_optimizer: bool,
-                 version: str = "", state_dict: Optional[dict[str, Any]] = None) -> None:
+def save_sharded(engine: Any, path: str | Path, extra: dict[str, Any], *, with_optimizer: bool,
+                 version: str = "", state_dict: dict[str, Any] | None = None) -> None:
     """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout].
     ``state_dict``: the one ``placeholder_state_dict`` offered, as the caller's hooks left it ([Note: the
     state_dict of a sharded save]); ``None``: the whole model.
@@ -328,7 +327,7 @@ def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_opti
             for name, (fn, shape) in shards.items():
                 make[name], local[name] = fn, shape
             optim_meta.append(om)
-    per_chunk: dict[Optional[int], int] = {}
+    per_chunk: dict[int | None, int] = {}
     for name, t in local.items():
         per_chunk[chunk_of(name)] = per_chunk.get(chunk_of(name), 0) + t.numel() * t.element_size()
     try:
@@ -360,7 +359,7 @@ def _finish(engine: Any, partial: Path, path: Path, extra: dict[str, Any], versi
 
 def _on_each_rank(comm: Any, path: Path, what: str, fn: Callable[[], Any]) -> None:
     """Run this rank's part of a save, then agree with every rank; raise on every rank if any part failed."""
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     try:
         fn()
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to the other ranks, then re-raised
@@ -401,11 +400,11 @@ def _sha256(path: Path) -> str:
 
 
 # ==================================================================== load
-def check_compatible(meta: dict[str, Any], engine: Any, path: Union[str, Path]) -> None:
+def check_compatible(meta: dict[str, Any], engine: Any, path: str | Path) -> None:
     """Same parameter names and shapes, or an error listing the differences (before anything is touched)."""
     saved: dict[str, tuple] = meta[KEY]["params"]
     mgr = engine.manager
-    current = {n: tuple(p.shape) for n, p in zip(mgr.names, mgr.params)}
+    current = {n: tuple(p.shape) for n, p in zip(mgr.names, mgr.params, strict=True)}
     # left out by the saver's hooks: a missing key for the strict load that follows ([Note: the state_dict of a
     # sharded save]), not a sign of another model
     missing = sorted(set(current) - set(saved) - set(meta[KEY].get("excluded", ())))
@@ -426,7 +425,7 @@ def check_compatible(meta: dict[str, Any], engine: Any, path: Union[str, Path]) 
         raise CheckpointError(f"checkpoint {str(path)!r} was written for another model; " + "; ".join(parts) + ".")
 
 
-def _check_master_dtypes(meta: dict[str, Any], engine: Any, path: Union[str, Path]) -> None:
+def _check_master_dtypes(meta: dict[str, Any], engine: Any, path: str | Path) -> None:
     """The saved masters must be of the run's master dtype: loading float32 masters into a bf16-true run would
     round them silently, and bf16 ones into a float32 run would resume with another optimizer precision."""
     mgr = engine.manager
@@ -445,7 +444,7 @@ def _check_master_dtypes(meta: dict[str, Any], engine: Any, path: Union[str, Pat
             "(`lightning-chunk consolidate` writes them to a file that `weights=` or `load_state_dict` reads).")
 
 
-def weights_key(meta: dict[str, Any], path: Union[str, Path], *, ema: bool = False) -> Callable[[int], str]:
+def weights_key(meta: dict[str, Any], path: str | Path, *, ema: bool = False) -> Callable[[int], str]:
     """The key of each saved chunk's weights: its master shards, or with ``ema`` its average where it has one (a
     chunk of parameters frozen from the start is its own average, [Note: a sharded EMA])."""
     averaged = set(meta[KEY].get("ema_chunks", ())) if ema else set()
@@ -454,7 +453,7 @@ def weights_key(meta: dict[str, Any], path: Union[str, Path], *, ema: bool = Fal
     return lambda c: f"chunk.{c}.{'ema' if c in averaged else 'master'}"
 
 
-def load_sharded(engine: Any, path: Union[str, Path], *, with_optimizer: bool, averaged: bool = False) -> dict[str, Any]:
+def load_sharded(engine: Any, path: str | Path, *, with_optimizer: bool, averaged: bool = False) -> dict[str, Any]:
     """Every rank calls this. Loads values (and optimizer state) into the engine's current layout; returns meta.
     ``averaged``: the weights are the average the checkpoint holds where it holds one ([Note: a sharded EMA])."""
     from .consolidate import load_values
@@ -509,8 +508,8 @@ def _load_optimizer(engine: Any, o: int, om: dict[str, Any], path: Path, meta: d
         i = index_of_name[name]
         if i in views:
             local[i] = dict(st)
-    for key, dtype in om["keys"].items():
-        for c, spec, full in iter_saved_chunks(path, meta, lambda c, key=key: f"chunk.{c}.optim{o}.{key}",
+    for key, _dtype in om["keys"].items():
+        for _c, spec, full in iter_saved_chunks(path, meta, lambda c, key=key: f"chunk.{c}.optim{o}.{key}",
                                                regions=rank_regions(mgr, index_of_name)):
             whole = {index_of_name[n]: {key: full[off : off + numel]} for n, off, numel, _ in spec["slots"]
                      if index_of_name[n] in local}

@@ -28,8 +28,9 @@ accounting sees it before it exists.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -91,9 +92,9 @@ class InFlight:
     """A prefetch into a chunk's payload that has not landed: an asynchronous all-gather (with the source it
     reads, which must live until it lands) or, on CUDA, a copy on the side stream marked by an event."""
 
-    work: Optional[Any] = None  # collectives.Pending
-    source: Optional[torch.Tensor] = None
-    event: Optional[Any] = None  # torch.cuda.Event
+    work: Any | None = None  # collectives.Pending
+    source: torch.Tensor | None = None
+    event: Any | None = None  # torch.cuda.Event
 
     def wait(self, device: torch.device) -> None:
         if self.work is not None:
@@ -113,9 +114,9 @@ class TensorInfo:
     orig_dtype: torch.dtype
     state: TensorState = TensorState.FREE
     has_grad: bool = False  # a gradient arrived since the last step
-    view: Optional[torch.Tensor] = field(default=None, repr=False)  # the parameter's view of the payload
+    view: torch.Tensor | None = field(default=None, repr=False)  # the parameter's view of the payload
     version: int = 0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
-    released_value: Optional[torch.Tensor] = field(default=None, repr=False)  # [Note: a released parameter]
+    released_value: torch.Tensor | None = field(default=None, repr=False)  # [Note: a released parameter]
 
     @property
     def offset(self) -> int:
@@ -130,7 +131,7 @@ class TensorInfo:
         return self.param.requires_grad
 
 
-def nbytes(t: Optional[torch.Tensor]) -> int:
+def nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
@@ -144,16 +145,16 @@ class Chunk:
     master_dtype: torch.dtype
     # tensors stay out of repr: printing a released payload would read freed memory
     tensors: list[TensorInfo] = field(default_factory=list, repr=False)
-    payload: Optional[torch.Tensor] = field(default=None, repr=False)
+    payload: torch.Tensor | None = field(default=None, repr=False)
     shard_tier: Tier = Tier.HOST
     aliased: bool = False
-    master: Optional[torch.Tensor] = field(default=None, repr=False)
-    low: Optional[torch.Tensor] = field(default=None, repr=False)  # only when it is a buffer of its own
-    grad: Optional[torch.Tensor] = field(default=None, repr=False)
+    master: torch.Tensor | None = field(default=None, repr=False)
+    low: torch.Tensor | None = field(default=None, repr=False)  # only when it is a buffer of its own
+    grad: torch.Tensor | None = field(default=None, repr=False)
     optim_state_bytes: int = 0
     last_used: int = -1  # manager clock, for LRU when there is no trace
-    pending: Optional[InFlight] = field(default=None, repr=False)  # a prefetch in flight
-    grad_payload: Optional[torch.Tensor] = field(default=None, repr=False)  # several ranks: gradients to reduce
+    pending: InFlight | None = field(default=None, repr=False)  # a prefetch in flight
+    grad_payload: torch.Tensor | None = field(default=None, repr=False)  # several ranks: gradients to reduce
     grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
     grad_released: bool = False  # the gradient shard's memory is given back until the next gradient ([Note: stepping in backward])
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
@@ -213,7 +214,7 @@ class Chunk:
         check_transition(info.state, new, param_name=info.name, chunk_id=self.chunk_id, rank=self.rank)
         info.state = new
 
-    def transition_all(self, new: TensorState, *, only_from: Optional[frozenset[TensorState]] = None) -> None:
+    def transition_all(self, new: TensorState, *, only_from: frozenset[TensorState] | None = None) -> None:
         for info in self.tensors:
             if only_from is None or info.state in only_from:
                 if info.state is not new or new is TensorState.COMPUTE:
@@ -269,7 +270,7 @@ class Chunk:
                 self.set_state(info, TensorState.FREE)
 
     # -------------------------------------------------------------------- bytes
-    def release_grad(self, pool: Optional["BlockPool"]) -> None:
+    def release_grad(self, pool: BlockPool | None) -> None:
         """Give the gradient shard's memory to ``pool`` (the manager's; to the allocator when ``None``); its views
         stay valid (and empty) until ``restore_grad`` ([Note: stepping in backward] in ``early_step.py``).
         Callers account it (``ChunkManager.tracked``)."""
@@ -287,7 +288,7 @@ class Chunk:
             return
         self.grad_released = self.grad.untyped_storage().nbytes() == 0
 
-    def restore_grad(self, pool: "BlockPool") -> None:
+    def restore_grad(self, pool: BlockPool) -> None:
         """Memory for the gradient shard again, before a gradient is written into it (its values are undefined:
         the first gradient overwrites)."""
         if self.grad_released:

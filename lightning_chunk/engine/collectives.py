@@ -85,7 +85,8 @@ import datetime
 import os
 import sys
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -93,7 +94,6 @@ import torch.distributed as dist
 from .agreement import OPS, Agreement, Check, CollectiveMismatchError, gloo_group_over  # noqa: F401 (re-exported)
 from .errors import ChunkError
 from .host_id import host_number
-
 
 GLOO_AS_NCCL = "LIGHTNING_CHUNK_GLOO_AS_NCCL"  # [Note: gloo as NCCL]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch: the old name
@@ -111,11 +111,11 @@ class Pending(NamedTuple):
     """A buffer and the work that fills it travel together (FSDP2's habit)."""
 
     buffer: torch.Tensor
-    work: Optional[Any]
-    describe: Optional[Callable[[], str]] = None
-    timeout_s: Optional[float] = None
-    diagnose: Optional[Callable[[], str]] = None
-    clock: Optional[Any] = None  # a StepClock: the wait is charged to ``cause``
+    work: Any | None
+    describe: Callable[[], str] | None = None
+    timeout_s: float | None = None
+    diagnose: Callable[[], str] | None = None
+    clock: Any | None = None  # a StepClock: the wait is charged to ``cause``
     cause: str = "sync_wait"
     before: Check = None  # the agreement check this wait must pass first
 
@@ -178,7 +178,7 @@ _exit_armed = False
 _broken: list[str] = []  # the first failed wait of this process: no collective is attempted after it
 
 
-def _refuse_if_broken(what: Union[str, Callable[[], str]]) -> None:
+def _refuse_if_broken(what: str | Callable[[], str]) -> None:
     """After one failed wait the group is unusable (a peer is gone, or stuck in an earlier collective): fail at
     once instead of waiting out another timeout, e.g. in a forward hook that runs while the error unwinds.
     ``what`` may be a callable, so that a chunk collective names itself only when it fails."""
@@ -204,8 +204,8 @@ def _exit_after_a_failed_collective() -> None:
 
 
 class Collectives:
-    def __init__(self, group: Optional[Any] = None, *, timeout_s: Optional[float] = 300.0,
-                 verify: Optional[bool | str] = None) -> None:
+    def __init__(self, group: Any | None = None, *, timeout_s: float | None = 300.0,
+                 verify: bool | str | None = None) -> None:
         self.group = group
         self.timeout_s = timeout_s
         self.planning_only = False  # Collectives.planning: describes ranks, never communicates
@@ -231,8 +231,8 @@ class Collectives:
         self._tag_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.names: Callable[[int, int], str] = lambda chunk, module: f"chunk {chunk}"
         self.peers: list[tuple[int, int]] = []
-        self.clock: Optional[Any] = None  # the engine's StepClock, once it has one
-        self.agreement: Optional[Agreement] = None
+        self.clock: Any | None = None  # the engine's StepClock, once it has one
+        self.agreement: Agreement | None = None
         self._op_groups: dict[str, Any] = {}
         if self.world_size > 1:
             self._learn_peers()
@@ -300,7 +300,7 @@ class Collectives:
         return ""
 
     @classmethod
-    def local(cls) -> "Collectives":
+    def local(cls) -> Collectives:
         """One rank, whether or not a process group exists."""
         c = cls.__new__(cls)
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
@@ -315,7 +315,7 @@ class Collectives:
         return c
 
     @classmethod
-    def planning(cls, world_size: int) -> "Collectives":
+    def planning(cls, world_size: int) -> Collectives:
         """Describes ``world_size`` ranks (this one rank 0) for sizing shards; it must not communicate."""
         c = cls.local()
         c.world_size = world_size
@@ -323,7 +323,7 @@ class Collectives:
         return c
 
     # ---------------------------------------------------------------- checks
-    def _check_device(self, what: Union[str, Callable[[], str]], *tensors: torch.Tensor) -> None:
+    def _check_device(self, what: str | Callable[[], str], *tensors: torch.Tensor) -> None:
         """Every tensor of a collective must be on the group's device: NCCL rejects host tensors (and gloo
         device ones) with an error that names neither the tensor nor the caller. Comparing device types
         costs nothing next to the collective, so the check is always on (``what`` named only when it fails)."""

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import torch
 
@@ -37,7 +37,7 @@ SIZE_FORMS = ("an int of bytes, or a number with a unit, any case: K, M, G, T, K
               "Ki, Mi, Gi, Ti, KiB, MiB, GiB, TiB (powers of 1024), for example '12GiB', '1.5 GB' or '512MiB'")
 
 
-def parse_bytes(value: Union[int, float, str, None], *, field: str) -> Optional[int]:
+def parse_bytes(value: int | float | str | None, *, field: str) -> int | None:
     """Turn ``2_000_000``, ``"512MiB"``, ``"12G"`` or ``"1.5 GB"`` into a byte count; ``None`` stays ``None``
     ([Note: memory sizes])."""
     if value is None:
@@ -91,20 +91,20 @@ class ChunkConfig:
     warm-up trace, keep as many shards on the device as the limit minus the traced
     non-model peak allows, evict the payload whose next use is farthest, prefetch."""
 
-    device_memory_limit: Optional[int] = None
+    device_memory_limit: int | None = None
     """Bytes of chunk memory (payloads, shards, gradients, optimizer state) allowed on the
     device tier. ``None``: on CUDA, the device's free memory when training starts less a
     margin for the CUDA context, the caching allocator's slack and the collectives' buffers
     (``device_margin_bytes``); unbounded on a CPU device. Strings such as ``"2GiB"`` are accepted."""
 
-    host_memory_limit: Optional[int] = None
+    host_memory_limit: int | None = None
     """Bytes of chunk memory allowed in host memory: host-tier shards (device-tier ones too on a CPU device,
     whose tier is host memory), the compute-dtype copies of disk-tier shards, and the disk shards paged in
     at once (two chunks'). Shards that do not fit go to the disk tier
     in ``disk_dir`` (masters, gradient shards and optimizer state; see ``docs/disk-tier.md``). ``None``:
     unbounded, no disk tier. Strings such as ``"8GiB"`` are accepted."""
 
-    disk_dir: Optional[str] = None
+    disk_dir: str | None = None
     """Directory for the disk tier's scratch files (a fast local disk). Each process makes its own
     sub-directory there and removes it when training ends; a later run removes what a dead one left.
     Needed when ``host_memory_limit`` sends shards to disk."""
@@ -114,7 +114,7 @@ class ChunkConfig:
     several requests in flight), ``"auto"``: direct where the page cache could not hold the files beside the host
     limits of the ranks on this host, buffered where it could (``docs/disk-tier.md``)."""
 
-    reshard_after_forward: Optional[bool] = None
+    reshard_after_forward: bool | None = None
     """``host`` placement: keep the payloads forward gathered until their last use in the step while the device
     budget (``device_memory_limit`` less the traced activations) has room, and release what does not fit after
     use (``False``): one all-gather a chunk a step instead of two wherever the payloads fit, as DeepSpeed ZeRO-3's
@@ -128,7 +128,7 @@ class ChunkConfig:
     offload_fraction: float = 0.5
     """``static`` placement only: the fraction of chunks whose shards live on the host."""
 
-    chunk_numel: Optional[int] = None
+    chunk_numel: int | None = None
     """Elements per chunk. ``None`` chooses it: the least padding waste between
     ``chunk_numel_min`` and ``chunk_numel_max`` such that two payloads plus the traced
     non-model peak fit under the device limit."""
@@ -145,7 +145,7 @@ class ChunkConfig:
     pin_memory: bool = True
     """Page-lock host-tier shards when the compute device is CUDA (ignored on CPU)."""
 
-    materialize_on_teardown: Optional[bool] = None  # None: where the whole model fits ([Note: the model after fit])
+    materialize_on_teardown: bool | None = None  # None: where the whole model fits ([Note: the model after fit])
     """When ``fit`` ends, give every parameter its full trained value back, on the host, streaming
     chunk by chunk (the peak is the model plus one chunk). Turn off for models larger than host
     memory: the parameters are then left empty, and the trained values are in the checkpoints."""
@@ -184,7 +184,7 @@ class ChunkConfig:
     syncs them in (``DDPStrategy(broadcast_buffers=True)``, its default; [Note: buffers as DDP syncs them] in
     ``buffers.py``). ``False``: each rank keeps its own after set-up."""
 
-    verify_collectives: Union[bool, str, None] = None
+    verify_collectives: bool | str | None = None
     """Several ranks: check that every rank issues the same chunk collectives (``CollectiveMismatchError`` on every
     rank otherwise). ``"batch"``: compared once a micro-batch, before a gradient is stepped or an evaluation step's
     outputs are returned ([Note: checking once a micro-batch] in ``agreement.py``); ``True`` or ``"each"``: before
@@ -197,7 +197,7 @@ class ChunkConfig:
     [Note: inputs that grow after the warm-up]). Costs one one-element all-reduce a micro-batch with several
     ranks. Off: the warm-up's trace stays, and larger inputs can push the device past the limit."""
 
-    step_in_backward: Optional[bool] = None
+    step_in_backward: bool | None = None
     """Step the optimizer on each chunk as soon as its gradients are final, during backward, and free its gradient
     shard right after: a rank then holds about 6 bytes a parameter of fp32 training state on two ranks instead of 8
     ([Note: stepping in backward] in ``early_step.py``). Bit-identical to the plain step. The price is plain
@@ -209,7 +209,7 @@ class ChunkConfig:
     otherwise ([Note: stepping in backward by default with the disk tier] in ``backward_step.py``); the engine
     alone steps after backward."""
 
-    leaf_modules: tuple[Union[type, str], ...] = ()
+    leaf_modules: tuple[type | str, ...] = ()
     """Module classes (or class names, ``"MyBlock"`` or ``"pkg.mod.MyBlock"``) whose forward reads its children's
     parameters without calling them: each such module gathers its whole subtree's parameters at its own forward, and
     its descendants get no hooks of their own (DeepSpeed's "ZeRO-3 leaf modules"). ``torch.nn.MultiheadAttention``
@@ -288,7 +288,7 @@ class ChunkConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
 
-    def replace(self, **changes: object) -> "ChunkConfig":
+    def replace(self, **changes: object) -> ChunkConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -297,7 +297,7 @@ def device_margin_bytes(total_bytes: int) -> int:
     return max(1 << 30, total_bytes // 10)
 
 
-def default_device_limit(device: torch.device) -> Optional[int]:
+def default_device_limit(device: torch.device) -> int | None:
     """``device_memory_limit=None`` made concrete: free memory now less ``device_margin_bytes``; ``None`` on CPU."""
     if device.type != "cuda":
         return None
@@ -338,10 +338,10 @@ class DtypePolicy:
     packed together, in first-use order, so a CNN gets one or two such chunks.
     """
 
-    compute_dtype: Optional[torch.dtype] = None
+    compute_dtype: torch.dtype | None = None
     """dtype of payloads (what modules compute with). ``None``: each parameter's own dtype."""
 
-    master_dtype: Optional[torch.dtype] = None
+    master_dtype: torch.dtype | None = None
     """dtype of master shards, gradient accumulators and optimizer state. ``None``: each
     parameter's own dtype."""
 

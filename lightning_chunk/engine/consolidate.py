@@ -8,8 +8,9 @@ memory is one chunk's worth beyond the result.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ def _pieces(mgr: ChunkManager, chunk: Chunk, info: TensorInfo) -> tuple[int, int
     return piece_range(chunk, info.offset, info.numel)
 
 
-def chunk_values(mgr: ChunkManager, c: Chunk, *, device: Optional[torch.device] = None,
+def chunk_values(mgr: ChunkManager, c: Chunk, *, device: torch.device | None = None,
                  grads: bool = False) -> dict[int, torch.Tensor]:
     """The whole trained value of each parameter of ``c`` (original dtype and shape, on ``device``, the host by
     default), keyed by parameter index; with ``grads``, the whole gradient in the gradient shards instead (what
@@ -36,7 +37,7 @@ def chunk_values(mgr: ChunkManager, c: Chunk, *, device: Optional[torch.device] 
                 device=device or _HOST, dtype=t.orig_dtype, copy=True) for t in c.tensors}
 
 
-def full_values(mgr: ChunkManager, *, device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
+def full_values(mgr: ChunkManager, *, device: torch.device | None = None) -> dict[int, torch.Tensor]:
     """Every parameter's whole trained value (original dtype and shape), gathering each chunk once."""
     out: dict[int, torch.Tensor] = {}
     for chunk in mgr.chunks:
@@ -44,7 +45,7 @@ def full_values(mgr: ChunkManager, *, device: Optional[torch.device] = None) -> 
     return out
 
 
-def unpack(mgr: ChunkManager, *, materialize: bool, device: Optional[torch.device] = None) -> None:
+def unpack(mgr: ChunkManager, *, materialize: bool, device: torch.device | None = None) -> None:
     """Drop every chunk, giving each parameter a plain tensor: its whole trained value (original dtype, on
     ``device``, the host by default) when ``materialize``, else an empty one.
 
@@ -62,7 +63,7 @@ def unpack(mgr: ChunkManager, *, materialize: bool, device: Optional[torch.devic
 
 
 def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool,
-                     room: Optional[int]) -> tuple[bool, int, Optional[int]]:
+                     room: int | None) -> tuple[bool, int, int | None]:
     """Whether the whole trained model (and, with ``optimizer_state``, its whole optimizer state) fits in this
     rank's share of ``room`` (what the host has available now) with a fifth kept free; the same answer on every
     rank (the smallest room decides). ``(fits, bytes needed, rank's share)``.
@@ -188,7 +189,7 @@ def local_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor],
                           whole: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """This rank's pieces of whole per-parameter state (flat, like the views)."""
     out: dict[int, dict[str, Any]] = {}
-    for i, v in views.items():
+    for i, _v in views.items():
         st = whole.get(i)
         if st is None:
             continue

@@ -7,7 +7,7 @@ chunks and by placement before a (re)pack.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -57,7 +57,7 @@ def chunk_view(c: Chunk) -> ChunkView:
                      grad, disk)
 
 
-def chunk_views(chunks: Sequence[Chunk], include: Optional[Iterable[int]] = None, *,
+def chunk_views(chunks: Sequence[Chunk], include: Iterable[int] | None = None, *,
                 resident: bool = True) -> list[ChunkView]:
     """A view of every chunk; with ``include``, only of those it names and (unless ``resident=False``) the
     resident ones ([Note: the views a plan reads] in ``placement.py``)."""

@@ -46,7 +46,6 @@ import weakref
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -65,7 +64,7 @@ _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL and the pag
 _MADV_POPULATE_WRITE = 23
 
 
-def _start_time(pid: int) -> Optional[str]:
+def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -86,7 +85,7 @@ def _alive(owner: dict) -> bool:
 class ScratchDir:
     """This process's directory under ``root``, removed at teardown or exit; dead runs' directories are removed."""
 
-    def __init__(self, root: "str | os.PathLike[str]", rank: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], rank: int) -> None:
         self.root = Path(root)
         if self.root.exists() and not self.root.is_dir():
             raise DiskTierError(f"disk_dir={str(self.root)!r} is not a directory.")
@@ -212,14 +211,14 @@ class MappedFile:
         finally:
             os.close(fd)
 
-    def read_into(self, buf: torch.Tensor, *, direct: bool = False, pool: Optional[Executor] = None) -> bool:
+    def read_into(self, buf: torch.Tensor, *, direct: bool = False, pool: Executor | None = None) -> bool:
         """The file's bytes into ``buf`` (a contiguous uint8 host tensor of ``nbytes``), with ``preadv``: a copy
         from the page cache, without mapping a page (the GIL is released). ``direct``: past the page cache where
         ``buf`` allows it ([Note: O_DIRECT where the page cache cannot hold the files]), in pieces on ``pool``
         when one is given; returns whether it went past the page cache."""
         return self._io(buf, write=False, direct=direct, pool=pool)
 
-    def write_from(self, buf: torch.Tensor, *, direct: bool = False, pool: Optional[Executor] = None) -> bool:
+    def write_from(self, buf: torch.Tensor, *, direct: bool = False, pool: Executor | None = None) -> bool:
         """``buf`` into the file with ``pwritev``; a mapping of the file sees it (one page cache; a ``direct``
         write drops the range's cached pages, so the mapping reads it from the file). ``direct`` and ``pool`` as
         in ``read_into``."""
@@ -232,7 +231,7 @@ class MappedFile:
         room = storage.nbytes() - (buf.data_ptr() - storage.data_ptr())
         return bool(_O_DIRECT) and buf.data_ptr() % _PAGE == 0 and room >= aligned(self.nbytes)
 
-    def _io(self, buf: torch.Tensor, *, write: bool, direct: bool, pool: Optional[Executor]) -> bool:
+    def _io(self, buf: torch.Tensor, *, write: bool, direct: bool, pool: Executor | None) -> bool:
         # a view of the tensor's memory through ctypes: ``Tensor.numpy()`` would make the storage unresizable for
         # good, and a payload's storage is resized at every gather and release
         assert buf.is_contiguous() and buf.device.type == "cpu" and buf.numel() * buf.element_size() >= self.nbytes

@@ -12,10 +12,10 @@ import contextlib
 import mmap
 import os
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class Staged:
     files: dict[str, MappedFile]
     bufs: dict[str, torch.Tensor]  # role -> uint8 buffer whose first ``files[role].nbytes`` bytes are the file's
     ready: Future  # every role read (the I/O thread runs in order: ``master_ready`` is done first)
-    master_ready: Optional[Future] = None  # the master read, first
+    master_ready: Future | None = None  # the master read, first
     set_index: int = -1  # which of the two staging sets holds it
 
     def holds(self, t: torch.Tensor, role: str) -> bool:
@@ -54,15 +54,15 @@ class DiskStorage(TierStorage):
 
     tier = Tier.DISK
 
-    def __init__(self, root: Optional[str], rank: int, host: HostStorage, *, io: str = "auto", ranks_here: int = 1,
-                 host_limit: Optional[int] = None) -> None:
+    def __init__(self, root: str | None, rank: int, host: HostStorage, *, io: str = "auto", ranks_here: int = 1,
+                 host_limit: int | None = None) -> None:
         self.root = None if root is None else Path(root)
         self.rank = rank
         self.host = host
         self.io, self.ranks_here, self.host_limit = io, ranks_here, host_limit
         self.direct = io == "direct"  # [Note: O_DIRECT where the page cache cannot hold the files]
-        self._pool: Optional[ThreadPoolExecutor] = None  # the O_DIRECT pieces in flight
-        self._dir: Optional[ScratchDir] = None
+        self._pool: ThreadPoolExecutor | None = None  # the O_DIRECT pieces in flight
+        self._dir: ScratchDir | None = None
         self._files: dict[int, dict[str, MappedFile]] = {}  # id(chunk) -> role -> file
         self._state_at: dict[int, dict[str, int]] = {}  # id(chunk) -> optimizer state key -> byte offset in its file
         self._used: dict[int, int] = {}  # id(chunk) -> bytes of its optimizer-state file given to keys
@@ -73,10 +73,10 @@ class DiskStorage(TierStorage):
         self._spare: list[tuple[torch.Tensor, Future]] = []
         self._grad_writes: dict[int, Future] = {}  # id(file) -> its gradient write-back on the I/O thread
         self._hinted: set[int] = set()  # id(file) of master files the kernel was asked to read ahead
-        self._reader: Optional[ThreadPoolExecutor] = None  # the read-ahead thread
+        self._reader: ThreadPoolExecutor | None = None  # the read-ahead thread
         self._ahead: dict[int, tuple[bool, Future]] = {}  # id(file) -> (writable, its read-ahead)
         self._sets: list[dict[str, torch.Tensor]] = [{}, {}]  # two staging sets: one in use, one being read
-        self._holders: list[Optional[Staged]] = [None, None]  # each set's staged files until written back or let go
+        self._holders: list[Staged | None] = [None, None]  # each set's staged files until written back or let go
         self._next_set = 0
         # id(chunk) of the disk chunks this backward will still step, in the order expected, and their roles: staged
         # at their gather or before ([Note: staging at the backward gather])
@@ -114,7 +114,7 @@ class DiskStorage(TierStorage):
             self.direct = use_direct(self.io, nbytes * self.ranks_here, (self.host_limit or 0) * self.ranks_here,
                                      page_cache_room() if self.io == "auto" else None)
 
-    def _pieces(self) -> Optional[ThreadPoolExecutor]:
+    def _pieces(self) -> ThreadPoolExecutor | None:
         """The pool an ``O_DIRECT`` transfer's pieces go to (None when the transfers are buffered: through the page
         cache each is a CPU copy, and more threads would take the cores the compute runs on)."""
         if not self.direct:
@@ -181,7 +181,7 @@ class DiskStorage(TierStorage):
             slot.copy_(value)
         return slot
 
-    def state_region(self, chunk: Chunk, key: str) -> Optional[torch.Tensor]:
+    def state_region(self, chunk: Chunk, key: str) -> torch.Tensor | None:
         f = self._files.get(id(chunk), {}).get("optim")
         at = self._state_at.get(id(chunk), {})
         if f is None or key not in at:
@@ -189,7 +189,7 @@ class DiskStorage(TierStorage):
         dtype = self._state_dtype[(id(chunk), key)]
         return f.tensor(chunk.shard_numel, dtype, offset=at[key])
 
-    def page_out(self, chunk: Optional[Chunk] = None) -> None:
+    def page_out(self, chunk: Chunk | None = None) -> None:
         for files in (self._files.values() if chunk is None else [self._files.get(id(chunk), {})]):
             for f in files.values():
                 f.advise(mmap.MADV_DONTNEED)
@@ -254,7 +254,7 @@ class DiskStorage(TierStorage):
         """The chunk's ``role`` file."""
         return self._files[id(chunk)][role]
 
-    def grads_in_memory(self, chunk: Chunk) -> Optional[torch.Tensor]:
+    def grads_in_memory(self, chunk: Chunk) -> torch.Tensor | None:
         """The uint8 host buffer this backward's gradients of ``chunk`` gathered in (``grad_target``), before
         ``grads_done`` writes it; ``None`` when there is none."""
         f = self._files.get(id(chunk), {}).get("grad")
@@ -381,7 +381,7 @@ class DiskStorage(TierStorage):
         finally:
             torch.set_num_threads(threads)
 
-    def stage_in(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Optional[Staged]:
+    def stage_in(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Staged | None:
         """Start reading the chunk's ``roles`` files into one of two staging sets, on the I/O thread.
 
         [Note: staged optimizer steps] The optimizer step reads every byte of a disk shard and
@@ -430,7 +430,7 @@ class DiskStorage(TierStorage):
         self._holders[index] = staged
         return staged
 
-    def _free_set(self) -> Optional[int]:
+    def _free_set(self) -> int | None:
         """A staging set no step still needs (the next in turn first), or None."""
         return next((i for i in (self._next_set, self._next_set ^ 1) if self._holders[i] is None), None)
 
@@ -438,11 +438,11 @@ class DiskStorage(TierStorage):
         """A staging set is free: ``stage_in`` would let go of no staged files."""
         return self._free_set() is not None
 
-    def held(self, chunk: Chunk) -> Optional[Staged]:
+    def held(self, chunk: Chunk) -> Staged | None:
         """The chunk's files staged and not yet written back or let go, or None."""
         return next((s for s in self._holders if s is not None and s.chunk is chunk), None)
 
-    def let_go(self, staged: Optional[Staged]) -> None:
+    def let_go(self, staged: Staged | None) -> None:
         """No step will use ``staged``: its set may be read into again once its reads are done."""
         if staged is not None and self._holders[staged.set_index] is staged:
             self.wait(staged)
@@ -470,7 +470,7 @@ class DiskStorage(TierStorage):
         if id(chunk) in self._will_step:
             self._will_step.remove(id(chunk))
 
-    def _stage_for_step(self, chunk: Chunk) -> Optional[Staged]:
+    def _stage_for_step(self, chunk: Chunk) -> Staged | None:
         """``chunk``'s files staged for its step in this backward: the staging that holds them, one started now if
         a set is free, else None."""
         if id(chunk) not in self._will_step:
@@ -573,7 +573,7 @@ class DiskStorage(TierStorage):
     @contextlib.contextmanager
     def _use(self, chunk: Chunk, roles: tuple[str, ...], *, write: bool) -> Iterator[None]:
         entered = []
-        for role, f in self._of(chunk, roles):
+        for _role, f in self._of(chunk, roles):
             key = (id(f), "w" if write else "r")
             self._depth[key] = self._depth.get(key, 0) + 1
             if self._depth[key] == 1:

@@ -56,7 +56,8 @@ as a released shard.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .chunk import Chunk, Tier
 from .disk_storage import Staged
@@ -116,7 +117,7 @@ class EarlyStep:
                 out = self._step(c, kwargs, in_backward=False)
         return out
 
-    def _step(self, chunk: Chunk, kwargs: dict[str, Any], *, in_backward: bool) -> Optional[Any]:
+    def _step(self, chunk: Chunk, kwargs: dict[str, Any], *, in_backward: bool) -> Any | None:
         """Step the chunk and give its gradient shard back: during backward to the manager's pool, whose block the
         next chunk's gradients take (so the gradient shards stop going through malloc, whose holes the resident
         set keeps); after backward, when the shards of every chunk may be let go at once (the warm-up), to the
@@ -204,7 +205,7 @@ class DiskSteps:
                 self.missed += 1
         storage.expect_steps([], ())
 
-    def _staged(self, chunk: Chunk) -> Optional[Staged]:
+    def _staged(self, chunk: Chunk) -> Staged | None:
         """``chunk``'s files staged: the read started ahead when the guess was right, else one started now (a set
         a wrong guess holds gives way)."""
         storage = self.manager.disk
@@ -224,7 +225,7 @@ class DiskSteps:
         known = [cid for cid in self.order if cid in on_disk]
         return known + sorted((cid for cid in on_disk if cid not in known), reverse=True)
 
-    def _expected(self, after: Optional[int]) -> Optional[Chunk]:
+    def _expected(self, after: int | None) -> Chunk | None:
         """The disk chunk this backward should finish after chunk ``after`` (first when ``None``)."""
         order = self._order()
         if after in order:

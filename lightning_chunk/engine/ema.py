@@ -26,7 +26,7 @@ compute-dtype copies and drop stale payloads as the end of a step does. Checkpoi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -39,7 +39,7 @@ KEY = "<ema>"  # its key among the shards a repack carries (optimizer state keys
 
 
 class ShardedEMA:
-    def __init__(self, manager: Any, buffers: Optional["BufferAverage"] = None) -> None:
+    def __init__(self, manager: Any, buffers: BufferAverage | None = None) -> None:
         self.manager = manager  # not with the disk tier: the strategy refuses it (the shards would sit in host memory)
         self.shards: dict[Chunk, torch.Tensor] = {}  # trainable chunk -> this rank's averaged master shard
         self._filled: dict[Chunk, torch.Tensor] = {}  # during a repack: which elements ``give`` filled
@@ -96,7 +96,7 @@ class ShardedEMA:
         self.manager.write_back(chunks=list(self.shards))
 
     # ------------------------------------------------------------- checkpoint
-    def shard(self, c: Chunk) -> Optional[torch.Tensor]:
+    def shard(self, c: Chunk) -> torch.Tensor | None:
         return self.shards.get(c)
 
     def whole(self) -> dict[int, torch.Tensor]:

@@ -41,14 +41,15 @@ Inside, the engine is closed: a forward (whose hooks would gather into the paylo
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
 from .chunk import Tier
-from .repack import piece_range
 from .consolidate import chunk_values, load_values
 from .errors import ChunkError
+from .repack import piece_range
 from .states import TensorState
 
 S = TensorState
@@ -56,7 +57,7 @@ _IN_A_STEP = (S.COMPUTE, S.HOLD_AFTER_FWD, S.READY_FOR_REDUCE, S.READY_FOR_REDUC
 
 
 @contextlib.contextmanager
-def full_parameters(engine: Any, params: Optional[Iterable[torch.nn.Parameter]] = None, *, writeback: bool = True,
+def full_parameters(engine: Any, params: Iterable[torch.nn.Parameter] | None = None, *, writeback: bool = True,
                     offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
     """Give ``params`` (every packed parameter when ``None``) their whole values while the block runs; with
     ``writeback``, what was written into them goes back into the shards. ``with_grads``: their ``.grad`` too
@@ -138,7 +139,7 @@ def _with_gradients(engine: Any, chunks: list[Any], wanted: set[int]) -> set[int
                          device=mgr.comm.tensor_device())
     if mgr.comm.world_size > 1 and order:
         mgr.comm.all_reduce(flags, op="max", what="the vote on which parameters' gradients full_parameters gathers")
-    return {t.slot.param_index for t, f in zip(order, flags.tolist()) if f}
+    return {t.slot.param_index for t, f in zip(order, flags.tolist(), strict=True) if f}
 
 
 def _write_grads(engine: Any, chunks: list[Any], wanted: set[int], given: dict[int, tuple[torch.Tensor, int]]) -> None:
@@ -172,7 +173,7 @@ def _write_grads(engine: Any, chunks: list[Any], wanted: set[int], given: dict[i
         b.attach_grads()
 
 
-def _indices(mgr: Any, params: Optional[Iterable[torch.nn.Parameter]]) -> set[int]:
+def _indices(mgr: Any, params: Iterable[torch.nn.Parameter] | None) -> set[int]:
     if params is None:
         return set(range(len(mgr.params)))
     out = set()

@@ -13,7 +13,7 @@ limit does not count them: one too tight for them is refused when it is met, wit
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .manager import ChunkManager
 from .states import TensorState

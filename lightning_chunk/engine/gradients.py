@@ -8,7 +8,8 @@ one disk shard's gradients in at a time while memory-resident ones go in one ``_
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 

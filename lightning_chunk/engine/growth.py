@@ -19,7 +19,7 @@ at most a few times. Without a device limit nothing is compared and nothing is e
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -44,7 +44,7 @@ class InputGrowth:
         t = torch.tensor([nbytes], dtype=torch.int64, device=self.comm.tensor_device())
         return int(self.comm.all_reduce(t, "max", what="the agreement on micro-batch input sizes").item())
 
-    def must_retrace(self, nbytes: Optional[int], *, recording: bool) -> bool:
+    def must_retrace(self, nbytes: int | None, *, recording: bool) -> bool:
         """Called by every rank at each training micro-batch; True when this one must be traced again."""
         if not self.enabled or nbytes is None:
             return False

@@ -62,22 +62,23 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .chunk import Tier
+from .chunk import nbytes as tensor_nbytes
 from .config import format_bytes
 from .errors import ChunkError, DeviceMemoryLimitError
 from .full_params import state_dict_hooks
 from .grad_graph import GradGraphKeeper
 from .leaves import LeafModules
-from .reads import __file__ as reads_file
-from .reads import ReleasedReads, reading, unwatch, unwatched, watch
-from .chunk import Tier
-from .chunk import nbytes as tensor_nbytes
 from .manager import ChunkManager
 from .placement import PlacementPolicy, activation_room, untraced_budget
+from .reads import ReleasedReads, reading, unwatch, unwatched, watch
+from .reads import __file__ as reads_file
 from .sequence import GRADIENTS, ModuleSequence
 from .states import TensorState
 from .tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentEvent, MomentKey, Trace
@@ -103,7 +104,7 @@ class ChunkHooks:
         self.module = module
         self.manager = manager
         self.policy = policy
-        self.trace: Optional[Trace] = None
+        self.trace: Trace | None = None
         self.tracer = MemoryTracer(self._is_model_storage, manager.device, manager.allocated_device_bytes)
         self.position = -1  # moment within the current micro-batch
         self._occurrences: dict[tuple[str, str], int] = {}  # moments of each kind and module so far this step
@@ -117,11 +118,11 @@ class ChunkHooks:
         self._grads_watched: set[int] = set()  # parameters whose gradient hook is installed
         self._backward_queued = False
         self._grads_arrived = False  # a parameter's gradient landed in the backward running now
-        self.on_trace_done: Optional[Callable[[Trace], None]] = None
-        self.on_backward_start: Optional[Callable[[], None]] = None  # before the first gradient of a backward lands
-        self.on_backward_end: Optional[Callable[[], None]] = None  # every gradient of the backward is in its shard
+        self.on_trace_done: Callable[[Trace], None] | None = None
+        self.on_backward_start: Callable[[], None] | None = None  # before the first gradient of a backward lands
+        self.on_backward_end: Callable[[], None] | None = None  # every gradient of the backward is in its shard
         # instrumentation is injected, never global: a callable that receives a MomentEvent per moment
-        self.recorder: Optional[Callable[[MomentEvent], None]] = None
+        self.recorder: Callable[[MomentEvent], None] | None = None
         # module key -> indices of the parameters it owns directly; -> its chunk ids (per layout)
         self._owned: dict[str, tuple[int, ...]] = {}
         self._chunks_of: dict[str, tuple[int, ...]] = {}
@@ -135,7 +136,7 @@ class ChunkHooks:
         # module key -> its parameters a backward had in use when a recomputation of the module began
         self._pinned_by_backward: dict[str, frozenset[int]] = {}
         # why no forward may run now ([Note: parameters outside a step] in full_params.py), or None
-        self.closed: Optional[str] = None
+        self.closed: str | None = None
         # parameters a backward with create_graph=True used, kept for the graph it built ([Note: double backward])
         self.grad_graph = GradGraphKeeper(manager)
         self._modules: dict[str, torch.nn.Module] = {}  # module key -> module (not those inside a leaf)
@@ -334,8 +335,8 @@ class ChunkHooks:
                     else:
                         mgr.disk.prefetch(c, ("master",))
 
-    def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Optional[Trace],
-              budget: Optional[int]) -> None:
+    def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Trace | None,
+              budget: int | None) -> None:
         """Ask the policy what to evict and prefetch at this moment, and do it; then gather what is needed."""
         mgr = self.manager
         # a plan reads the resident chunks only to evict them: with no limit and no releasing, it evicts none
@@ -467,7 +468,7 @@ class ChunkHooks:
                 self._gather_or_explain(chunk.chunk_id, (*self._chunks_of.get(key, ()), chunk.chunk_id))
             chunk.set_state(info, S.COMPUTE)
 
-    def _param_name(self, t: torch.Tensor) -> Optional[str]:
+    def _param_name(self, t: torch.Tensor) -> str | None:
         """The name of the parameter ``t`` is, or is a view of (``w.T``)."""
         for candidate in (t, t._base):
             if candidate is not None and id(candidate) in self.manager.index_of:
@@ -480,7 +481,7 @@ class ChunkHooks:
         self.manager.let_go(self._held, S.HOLD)
         self._held.clear()
 
-    def _reader(self) -> Optional[str]:
+    def _reader(self) -> str | None:
         """The key of the innermost module of the model whose code runs now (the root outside every other); ``None``
         while dynamo traces the code (it reads every parameter to make them graph inputs)."""
         f: Any = sys._getframe(2)
@@ -508,7 +509,7 @@ class ChunkHooks:
         _log.info("parameter %r is read by %s outside the module that holds it: gathered with it from now on",
                   mgr.lookup(mgr.params[index])[1].name, "the root module" if key == ROOT else f"module {key!r}")
 
-    def _plan_is_empty(self, all_resident: bool, trace: Optional[Trace], budget: Optional[int]) -> bool:
+    def _plan_is_empty(self, all_resident: bool, trace: Trace | None, budget: int | None) -> bool:
         """Whether the plan at this moment would release nothing and gather nothing, known from the moment before.
 
         [Note: moments with nothing to release]

@@ -39,7 +39,8 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -96,12 +97,12 @@ def _step_and_copy(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
 
 
 NATIVE = True  # the one pass is the hand-written loop of adam_native.py where it builds; False: torch.compile's only
-_compiled: Optional[Callable[..., None]] = None
-_broken: Optional[str] = None  # why the torch.compile kernel cannot run in this process
+_compiled: Callable[..., None] | None = None
+_broken: str | None = None  # why the torch.compile kernel cannot run in this process
 _warned = False
 
 
-def one_pass_kernel() -> Optional[Callable[..., None]]:
+def one_pass_kernel() -> Callable[..., None] | None:
     """The compiled one-pass kernel, or ``None`` when it cannot be compiled here (the reason is in ``_broken``)."""
     global _compiled, _broken
     if _compiled is None and _broken is None:
@@ -117,7 +118,7 @@ def one_pass_kernel() -> Optional[Callable[..., None]]:
     return _compiled if _broken is None else None
 
 
-def _unavailable(reason: str, forced: bool, cause: Optional[BaseException] = None) -> None:
+def _unavailable(reason: str, forced: bool, cause: BaseException | None = None) -> None:
     """The one pass cannot run here: an error when the user asked for it, else a warning (once) and torch's kernel."""
     global _broken, _warned
     if forced:
@@ -127,7 +128,7 @@ def _unavailable(reason: str, forced: bool, cause: Optional[BaseException] = Non
     if not _warned:
         _warned = True
         warnings.warn(f"chunk_offload: the one-pass host Adam kernel is not available ({reason}); stepping with "
-                      "torch's fused kernel and a separate write-back instead.")
+                      "torch's fused kernel and a separate write-back instead.", stacklevel=2)
 
 
 def _f32(x: float) -> torch.Tensor:
@@ -164,7 +165,7 @@ class HostAdam:
     def reset(self) -> None:
         """Forget the layout (the views and their state were rebuilt: bind, load, unbind). Nothing here holds
         a region: the views' state does, so a repack that takes the state frees it."""
-        self._runs: Optional[list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]] = None
+        self._runs: list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]] | None = None
         # per chunk: weak references to each view's moment slices as ``ensure_regions`` made them
         self._made: dict[int, list[weakref.ref]] = {}
         self._ready: dict[int, dict[str, torch.Tensor]] = {}  # this step's regions, by chunk (``ensure_regions``)
@@ -190,7 +191,7 @@ class HostAdam:
             runs = []
             for c, k, pieces in by_chunk.values():
                 pieces.sort(key=lambda x: x[2])
-                if all(x[3] == y[2] for x, y in zip(pieces, pieces[1:])):
+                if all(x[3] == y[2] for x, y in zip(pieces, pieces[1:], strict=False)):
                     runs.append((c, k, pieces))
             self._runs = sorted(runs, key=lambda r: r[0].chunk_id)
         return self._runs
@@ -214,7 +215,7 @@ class HostAdam:
             dtype = pieces[0][1].dtype
             regions = {key: torch.zeros(end - start, dtype=dtype) for key in keys}
             made = []
-            for (_, v, a, b), st in zip(pieces, have):
+            for (_, v, a, b), st in zip(pieces, have, strict=True):
                 slices = {key: regions[key][a - start : b - start] for key in keys}
                 if st:
                     for key in keys:
@@ -228,7 +229,7 @@ class HostAdam:
             self._ready[c.chunk_id] = regions
 
     def regions(self, c: Chunk, k: int, pieces: list[tuple[int, torch.Tensor, int, int]]
-                ) -> Optional[dict[str, torch.Tensor]]:
+                ) -> dict[str, torch.Tensor] | None:
         """The flat regions of chunk ``c``'s moments by key, or ``None`` when the views' state is not (or no
         longer) the slices ``ensure_regions`` made."""
         made = self._made.get(c.chunk_id)
@@ -256,7 +257,7 @@ class HostAdam:
         # "auto" without a vector ISA: either kernel would be scalar code, slower than torch's own
         return self.one_pass is True or (numel >= ONE_PASS_MIN_NUMEL and adam_native.vector_isa())
 
-    def step_one_pass(self, views: dict[int, torch.Tensor], only: Optional[set[int]] = None
+    def step_one_pass(self, views: dict[int, torch.Tensor], only: set[int] | None = None
                       ) -> tuple[set[int], set[int]]:
         """Step the eligible host chunks in one pass each; returns (ids of the views stepped, ids of the chunks
         whose compute copy is now fresh). ``views``: the binding's views, the whole layout (``"auto"`` weighs every

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
@@ -58,7 +58,7 @@ _USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_T
 _kept = False
 
 
-def _glibc(name: str, *args: int) -> Optional[int]:
+def _glibc(name: str, *args: int) -> int | None:
     """``name(*args)`` from glibc; ``None`` where there is no such library or function."""
     fn = getattr(libc(), name, None)
     return None if fn is None else fn(*(ctypes.c_int(a) for a in args))
@@ -68,7 +68,7 @@ def _mallopt(param: int, value: int) -> bool:
     return bool(_glibc("mallopt", param, value))
 
 
-def user_set_thresholds(environ: Optional[Mapping[str, str]] = None) -> bool:
+def user_set_thresholds(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the environment sets one of glibc's malloc thresholds (``GLIBC_TUNABLES`` or ``MALLOC_*_``)."""
     env = os.environ if environ is None else environ
     tunables = env.get("GLIBC_TUNABLES", "")

@@ -13,8 +13,6 @@ the chunk size to us is never told to lower it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .config import ChunkConfig, format_bytes
@@ -42,7 +40,7 @@ class LayoutChooser:
     def comm(self):  # noqa: ANN201 - the manager's Collectives
         return self.manager.comm
 
-    def choose(self, order: list[int], trace: Optional[Trace]) -> Layout:
+    def choose(self, order: list[int], trace: Trace | None) -> Layout:
         specs = self.manager.specs
         if self.config.chunk_numel is not None:
             return build_layout(specs, order, self.config.chunk_numel, self.comm.world_size)
@@ -73,7 +71,7 @@ class LayoutChooser:
                 return layout
             max_payload = max(cap // 2, largest)
 
-    def working_bytes(self, layout: Layout, trace: Optional[Trace]) -> int:
+    def working_bytes(self, layout: Layout, trace: Trace | None) -> int:
         """Device bytes ``layout`` needs at its busiest moment: its chunks (and activations, with a trace)."""
         views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
         if trace is None:
@@ -89,7 +87,7 @@ class LayoutChooser:
         chunks_b, nonmodel_b = smallest_working_limit(views, trace.remap({i: s.chunk_id for i, s in slot_of.items()}))
         return chunks_b + nonmodel_b
 
-    def _host_limit_numel(self) -> Optional[int]:
+    def _host_limit_numel(self) -> int | None:
         """With ``host_memory_limit``: the largest chunk whose disk shards, two paged in at once, take at most half
         the limit (the rest holds host shards), so the automatic chunk size never makes the limit too small."""
         limit = self.config.host_memory_limit

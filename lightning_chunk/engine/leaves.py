@@ -20,7 +20,8 @@ child hooked, its forward's end let the payload go and the parent's ``F.linear``
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.nn.utils import parametrize
@@ -63,7 +64,7 @@ class LeafModules:
         return [e for i, e in enumerate(self.extra) if i not in self.matched]
 
 
-def _import_class(name: str) -> Optional[type]:
+def _import_class(name: str) -> type | None:
     """``"pkg.mod.Class"`` imported, when it names an importable ``nn.Module`` subclass; else ``None``."""
     module, _, attr = name.rpartition(".")
     if not module:

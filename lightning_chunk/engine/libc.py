@@ -11,11 +11,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-from typing import Optional
 
 
-@functools.lru_cache(maxsize=None)
-def libc() -> Optional[ctypes.CDLL]:
+@functools.cache
+def libc() -> ctypes.CDLL | None:
     """The process's C library with ``errno`` kept for ``ctypes.get_errno``; ``None`` where there is none."""
     try:
         return ctypes.CDLL("libc.so.6", use_errno=True)  # glibc's name first: find_library may spawn a helper process

@@ -15,23 +15,24 @@ Policy lives elsewhere (``placement.py``): the manager executes plans.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
 from .chunk import Chunk, InFlight, TensorInfo, Tier, free_storage
 from .collectives import Collectives
 from .config import ChunkConfig, DtypePolicy, format_bytes
+from .costs import chunk_views, shard_cost
+from .disk_storage import DiskStorage
 from .errors import DeviceMemoryLimitError
 from .packing import ChunkKey, Layout, ParamSpec
-from .costs import chunk_views, shard_cost
 from .placement import ChunkView
 from .pool import BlockPool
 from .reduce import GradReducer, MakeRoom
 from .repack import ExtraShards, FromModule, OldChunks, build_chunk, piece_range
 from .states import TensorState, check_transition
-from .disk_storage import DiskStorage
 from .tiers import DeviceStorage, HostStorage, TierStorage
 from .timing import StepClock
 
@@ -57,7 +58,7 @@ class ChunkManager:
         config: ChunkConfig,
         dtypes: DtypePolicy,
         device: torch.device,
-        collectives: Optional[Collectives] = None,
+        collectives: Collectives | None = None,
         own_dtype: Collection[int] = (),
     ) -> None:
         """``own_dtype``: indices of the parameters whose payloads keep their dtype ([Note: normalisation in mixed
@@ -80,7 +81,7 @@ class ChunkManager:
         self.limit = config.device_memory_limit
         self._all_aliased = False
         self.chunks: list[Chunk] = []
-        self.layout: Optional[Layout] = None
+        self.layout: Layout | None = None
         self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
         self.ledger = {t: 0 for t in Tier}
         self.device_peak = 0
@@ -99,7 +100,7 @@ class ChunkManager:
         self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
         self.optim_state_made = False  # an optimizer stepped: its state exists
         # ([Note: optimizer state the warm-up does not see])
-        self.on_change: Optional[Callable[[], None]] = None  # test hook: called after every operation
+        self.on_change: Callable[[], None] | None = None  # test hook: called after every operation
 
     # ================================================================ accounting
     def tier_device(self, tier: Tier) -> torch.device:
@@ -169,7 +170,7 @@ class ChunkManager:
     def chunk_ids_of(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
         return tuple(sorted({self._where[id(p)][0].chunk_id for p in params if id(p) in self._where}))
 
-    def views(self, include: Optional[Iterable[int]] = None, *, resident: bool = True) -> list[ChunkView]:
+    def views(self, include: Iterable[int] | None = None, *, resident: bool = True) -> list[ChunkView]:
         return chunk_views(self.chunks, include, resident=resident)
 
     def device_shard_bytes(self, c: Chunk) -> int:
@@ -178,8 +179,8 @@ class ChunkManager:
                           c.optim_state_bytes)
 
     # ==================================================================== packing
-    def pack(self, layout: Layout, tiers: Mapping[int, Tier], *, extras: Optional[ExtraShards] = None,
-             source: Optional[FromModule] = None, optim_bytes: Optional[Mapping[int, int]] = None) -> None:
+    def pack(self, layout: Layout, tiers: Mapping[int, Tier], *, extras: ExtraShards | None = None,
+             source: FromModule | None = None, optim_bytes: Mapping[int, int] | None = None) -> None:
         """Build chunks for ``layout`` with shards on ``tiers``; parameters become views into payloads.
 
         Values come from the current chunks when there are some (a repack after the warm-up), else
@@ -444,7 +445,7 @@ class ChunkManager:
         for c in self.chunks:
             c.transition_all(S.HOLD, only_from=frozenset({S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}))
 
-    def clear_grads(self, indices: Optional[Iterable[int]] = None) -> None:
+    def clear_grads(self, indices: Iterable[int] | None = None) -> None:
         """Forget the gradients of the parameters ``indices`` (all when ``None``): the next gradient a
         parameter gets overwrites its range instead of adding to it. The buffers stay allocated."""
         if indices is None:
@@ -471,14 +472,14 @@ class ChunkManager:
                             chunk.grad[a - lo : b - lo].zero_()
 
     # ================================================================ optimizer
-    def master_view(self, param_index: int) -> Optional[torch.Tensor]:
+    def master_view(self, param_index: int) -> torch.Tensor | None:
         """This rank's piece of one parameter's master, flat; ``None`` when another rank owns all of it."""
         chunk, info = self._where[id(self.params[param_index])]
         lo, _ = chunk.shard_range
         a, b = piece_range(chunk, info.offset, info.numel)
         return chunk.master_tensor_for_read()[a - lo : b - lo] if a < b else None
 
-    def grad_slice(self, param_index: int) -> Optional[torch.Tensor]:
+    def grad_slice(self, param_index: int) -> torch.Tensor | None:
         """This rank's piece of one parameter's gradient shard, flat, whether or not it holds a gradient now."""
         chunk, info = self._where[id(self.params[param_index])]
         if chunk.grad is None:
@@ -487,7 +488,7 @@ class ChunkManager:
         a, b = piece_range(chunk, info.offset, info.numel)
         return chunk.grad[a - lo : b - lo] if a < b else None
 
-    def grad_view(self, param_index: int) -> Optional[torch.Tensor]:
+    def grad_view(self, param_index: int) -> torch.Tensor | None:
         """``grad_slice`` when the parameter got a gradient since it was last cleared, else ``None``."""
         return self.grad_slice(param_index) if self._where[id(self.params[param_index])][1].has_grad else None
 
@@ -522,8 +523,8 @@ class ChunkManager:
             with self.tracked(c):
                 c.optim_state_bytes = want
 
-    def write_back(self, groups: Optional[Iterable[int]] = None, *, fresh: Collection[int] = (),
-                   chunks: Optional[Collection[Chunk]] = None) -> None:
+    def write_back(self, groups: Iterable[int] | None = None, *, fresh: Collection[int] = (),
+                   chunks: Collection[Chunk] | None = None) -> None:
         """After a step: refresh the compute-dtype copies from the masters of the chunks of param groups
         ``groups`` (those of the optimizer that stepped; every chunk when ``None``) but the chunks in ``fresh``
         (ids: the step wrote their copies itself); drop their stale payloads. ``chunks``: these, frozen or not."""

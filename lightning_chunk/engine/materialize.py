@@ -34,20 +34,22 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 InitFn = Callable[[torch.nn.Module], None]
+_CPU = torch.device("cpu")
 
 
 class DeferredInitError(RuntimeError):
     """A tensor on the meta device that nothing can initialise, or an init that left one uninitialised."""
 
 
-def is_meta(t: Optional[torch.Tensor]) -> bool:
+def is_meta(t: torch.Tensor | None) -> bool:
     return t is not None and t.device.type == "meta"
 
 
@@ -63,8 +65,8 @@ def has_meta(module: torch.nn.Module) -> bool:
 class DeferredInit:
     """The modules of ``module`` that own tensors on the meta device, initialised as packing needs them."""
 
-    def __init__(self, module: torch.nn.Module, *, init_fn: Optional[InitFn] = None,
-                 buffer_device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, module: torch.nn.Module, *, init_fn: InitFn | None = None,
+                 buffer_device: torch.device = _CPU) -> None:
         self.module = module
         self.init_fn = init_fn
         self.buffer_device = torch.device(buffer_device)
@@ -92,8 +94,8 @@ class DeferredInit:
         self._walk: Iterator[torch.nn.Module] = iter(())
 
     @classmethod
-    def capture(cls, module: torch.nn.Module, *, init_fn: Optional[InitFn] = None,
-                buffer_device: torch.device = torch.device("cpu")) -> Optional["DeferredInit"]:
+    def capture(cls, module: torch.nn.Module, *, init_fn: InitFn | None = None,
+                buffer_device: torch.device = _CPU) -> DeferredInit | None:
         """``None`` when nothing in ``module`` is on the meta device; else replace its meta parameters by
         placeholders (before the optimizers are built) and return the object that will initialise them."""
         return cls(module, init_fn=init_fn, buffer_device=buffer_device) if has_meta(module) else None
@@ -214,7 +216,7 @@ class _MetricsOnHost(TorchFunctionMode):
     after training) and logged nothing meaningful before. They are a few scalars or class counts, so they are
     built for real, as plain Lightning builds them; the metric's parameters, if any, stay deferred with the rest."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _constructors() and kwargs.get("device") is None and _in_metric_init():
             kwargs["device"] = "cpu"
@@ -250,7 +252,7 @@ class _MetaWrites(TorchDispatchMode):
         super().__init__()
         self.writes: list[str] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
         if name.endswith("_") and name not in _NOT_WRITES and args and isinstance(args[0], torch.Tensor) \
                 and args[0].is_meta and not self._in_init():
@@ -276,7 +278,7 @@ class _MetaWrites(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def meta_init(*, check_writes: Union[bool, Callable[[], bool]] = True) -> Iterator[None]:
+def meta_init(*, check_writes: bool | Callable[[], bool] = True) -> Iterator[None]:
     """Build modules on the meta device. With ``check_writes``, values written in place outside a
     ``reset_parameters()`` (``self.apply(init_fn)``, ``nn.init.normal_(self.proj.weight)`` in ``__init__``) are
     an error when the block ends: on the meta device they do nothing, and deferred initialisation would

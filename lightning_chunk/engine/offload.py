@@ -27,19 +27,19 @@ asynchronous anyway, copies are plain and synchronous.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
 
 @dataclass
 class _Copy:
-    done: Optional[torch.cuda.Event]
+    done: torch.cuda.Event | None
     dst: torch.Tensor
-    staged: Optional[torch.Tensor]  # pinned host copy to add (or convert) into ``dst`` at drain
+    staged: torch.Tensor | None  # pinned host copy to add (or convert) into ``dst`` at drain
     add: bool
-    on_done: Optional[Callable[[], None]]
+    on_done: Callable[[], None] | None
 
 
 class GradOffload:
@@ -59,7 +59,7 @@ class GradOffload:
         return len(self._queue)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool,
-             on_done: Optional[Callable[[], None]] = None) -> None:
+             on_done: Callable[[], None] | None = None) -> None:
         """``dst (host) = src`` (``+= src`` when ``add``), flat; asynchronous on CUDA until ``drain``."""
         src = src.reshape(-1)
         if self.stream is None or src.device.type != "cuda" or dst.device.type == "cuda":

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from .chunk import Chunk, Tier
 from .config import ChunkConfig
+from .consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
 from .errors import UnsupportedOptimizerError
 from .host_adam import HostAdam
-from .consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
-from .manager import ChunkManager
 from .host_heap import release_freed_memory
+from .manager import ChunkManager
 
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
@@ -94,8 +95,8 @@ class OptimizerBinding:
         self._views: dict[int, torch.Tensor] = {}
         self._attached: set[int] = set()  # views whose gradient attach_grads set (see sync_zero_grad)
         # per view: (param index, view, its TensorInfo, its slice of the gradient shard), built on first attach
-        self._grad_slots: Optional[list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]] = None
-        self._by_chunk: Optional[dict[int, list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]]] = None
+        self._grad_slots: list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]] | None = None
+        self._by_chunk: dict[int, list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]] | None = None
         self._choose_kernel()
         one_pass = {"auto": "auto", "one_pass": True}.get(config.optimizer_kernel, False)
         self.host_adam = HostAdam(optimizer, manager, one_pass)
@@ -161,7 +162,7 @@ class OptimizerBinding:
             out[self.group_offset + k] = state_bytes_per_element(self.optimizer, g, dtype)
         return out
 
-    def bind(self, carried: Optional[dict[int, dict[str, Any]]] = None) -> None:
+    def bind(self, carried: dict[int, dict[str, Any]] | None = None) -> None:
         """Point every group at the current master views and give each view its optimizer state.
 
         ``carried``: this rank's pieces of the state, keyed by parameter index, as a repack carried them
@@ -211,7 +212,7 @@ class OptimizerBinding:
                 found[c.chunk_id] = c
         return dict(sorted(found.items()))
 
-    def keep_state(self, chunks: Optional[Sequence[Chunk]] = None) -> bool:
+    def keep_state(self, chunks: Sequence[Chunk] | None = None) -> bool:
         """Move the per-element state of views into disk shards (``chunks``, all when ``None``) into their files;
         True when some state moved (it had been created in memory)."""
         mgr = self.manager
@@ -289,11 +290,11 @@ class OptimizerBinding:
         groups = self.optimizer.param_groups
         full = [g["params"] for g in groups]
         try:
-            for g, params in zip(groups, full):
+            for g, params in zip(groups, full, strict=True):
                 g["params"] = [v for v in params if keep(v)]
             yield
         finally:
-            for g, params in zip(groups, full):
+            for g, params in zip(groups, full, strict=True):
                 g["params"] = params
 
     def _step_rest(self, **kwargs: Any) -> Any:
@@ -463,7 +464,7 @@ class OptimizerBinding:
                 v.grad = None
         self._attached = attached
 
-    def _slots(self) -> list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]:
+    def _slots(self) -> list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]:
         """(param index, view, its chunk, its TensorInfo, its slice of the gradient shard) of every view. Gradient
         buffers persist until the next repack (a released one keeps its storage object): the slices can be kept."""
         if self._grad_slots is None:
@@ -472,7 +473,7 @@ class OptimizerBinding:
         return self._grad_slots
 
     def _chunk_slots(self, chunk: Chunk, *, with_grad: bool = True
-                     ) -> list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]:
+                     ) -> list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]:
         """The slots (``_slots``) of ``chunk``'s views (``with_grad``: those that got a gradient this step)."""
         if self._by_chunk is None:
             self._by_chunk = {}
@@ -525,7 +526,7 @@ class OptimizerBinding:
             return True
 
     @contextlib.contextmanager
-    def _grads_for_the_call(self, mine: list[tuple[int, torch.Tensor, Chunk, Any, Optional[torch.Tensor]]]
+    def _grads_for_the_call(self, mine: list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]
                             ) -> Iterator[None]:
         """The slots' views hold their gradients for the block, and none after it (also on an error)."""
         for _i, v, _c, _info, g in mine:

@@ -13,8 +13,8 @@ Rules (DESIGN.md, "chunk"):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -117,7 +117,7 @@ def build_layout(params: Sequence[ParamSpec], order: Sequence[int], capacity_num
     bins = _bins(params, order, capacity)
     caps = _capacities(bins, capacity, world_size)
     chunks = []
-    for cid, ((key, ps), cap) in enumerate(zip(bins, caps)):
+    for cid, ((key, ps), cap) in enumerate(zip(bins, caps, strict=True)):
         offset, slots = 0, []
         for p in ps:
             slots.append(Slot(param_index=p.index, chunk_id=cid, offset=offset, numel=p.numel))
@@ -135,7 +135,7 @@ def _capacities(bins: list[tuple[ChunkKey, list[ParamSpec]]], capacity: int, wor
 
 def padding_waste(params: Sequence[ParamSpec], order: Sequence[int], capacity: int, world_size: int = 1) -> int:
     bins = _bins(params, order, capacity)
-    return sum(cap - sum(p.numel for p in ps) for (_, ps), cap in zip(bins, _capacities(bins, capacity, world_size)))
+    return sum(cap - sum(p.numel for p in ps) for (_, ps), cap in zip(bins, _capacities(bins, capacity, world_size), strict=True))
 
 
 TARGET_CHUNKS = 32
@@ -151,7 +151,7 @@ def choose_chunk_numel(
     world_size: int,
     numel_min: int,
     numel_max: int,
-    max_payload_numel: Optional[int] = None,
+    max_payload_numel: int | None = None,
     target_chunks: int = TARGET_CHUNKS,
     candidates: int = 96,
 ) -> int:
@@ -208,7 +208,7 @@ def choose_chunk_numel(
             break
         if running >= lo:
             sizes.add(running)
-    best: Optional[tuple[int, int]] = None
+    best: tuple[int, int] | None = None
     for size in sorted(sizes):
         cap = round_up(size, world_size)
         if cap < largest or cap > round_up(hi, world_size):

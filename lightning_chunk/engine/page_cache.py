@@ -28,13 +28,13 @@ a direct write drops the range's cached pages, and the tier never has both in fl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, get_args
+from typing import Literal, get_args
 
 DiskIO = Literal["auto", "direct", "buffered"]
 IO_MODES: tuple[str, ...] = get_args(DiskIO)
 
 
-def _read_int(path: Path) -> Optional[int]:
+def _read_int(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
     except OSError:
@@ -54,7 +54,7 @@ def _stat(path: Path) -> dict[str, int]:
     return out
 
 
-def _meminfo_available(proc: Path) -> Optional[int]:
+def _meminfo_available(proc: Path) -> int | None:
     try:
         for line in (proc / "meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -93,20 +93,20 @@ def _cgroup_rooms(proc: Path, sys_cgroup: Path) -> list[int]:
     return rooms
 
 
-def page_cache_room(proc: Path = Path("/proc"), sys_cgroup: Path = Path("/sys/fs/cgroup")) -> Optional[int]:
+def page_cache_room(proc: Path = Path("/proc"), sys_cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes the page cache could hold for this process now: ``MemAvailable``, bounded by its memory cgroups'
     limits less their anonymous memory; None where neither can be read (not Linux)."""
     rooms = [r for r in (_meminfo_available(proc), *_cgroup_rooms(proc, sys_cgroup)) if r is not None]
     return max(0, min(rooms)) if rooms else None
 
 
-def files_stay_cached(disk_bytes: int, resident_bytes: int, room: Optional[int]) -> bool:
+def files_stay_cached(disk_bytes: int, resident_bytes: int, room: int | None) -> bool:
     """Whether ``disk_bytes`` of files can stay in a page cache of ``room`` bytes once ``resident_bytes`` more of
     the process's own memory is in use (unknown room: assume they can, the kernel's default)."""
     return room is None or disk_bytes <= room - resident_bytes
 
 
-def use_direct(mode: str, disk_bytes: int, resident_bytes: int, room: Optional[int]) -> bool:
+def use_direct(mode: str, disk_bytes: int, resident_bytes: int, room: int | None) -> bool:
     """``disk_io``'s choice ([Note: O_DIRECT where the page cache cannot hold the files])."""
     if mode == "auto":
         return not files_stay_cached(disk_bytes, resident_bytes, room)

@@ -17,12 +17,12 @@ the least recently used goes first.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 from .chunk import Tier
 from .config import ChunkConfig, format_bytes
-from .tracer import FORWARD, BACKWARD, Trace
+from .tracer import BACKWARD, FORWARD, Trace
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
                 if m.kind in (FORWARD, BACKWARD)), default=max(size.values(), default=0))
 
 
-def smallest_working_limit(chunks: Sequence[ChunkView], trace: Optional[Trace]) -> tuple[int, int]:
+def smallest_working_limit(chunks: Sequence[ChunkView], trace: Trace | None) -> tuple[int, int]:
     """(largest working set of payload bytes, traced non-model peak); their sum is the smallest limit that works."""
     grads = max((c.grad_payload_bytes for c in chunks), default=0)
     if trace is None:
@@ -81,16 +81,16 @@ class PlacementPolicy:
         self.config = config
 
     # --------------------------------------------------------------- tiers
-    def shard_tiers(self, chunks: Sequence[ChunkView], trace: Optional[Trace], limit: Optional[int]) -> dict[int, Tier]:
+    def shard_tiers(self, chunks: Sequence[ChunkView], trace: Trace | None, limit: int | None) -> dict[int, Tier]:
         raise NotImplementedError
 
     # -------------------------------------------------------------- budget
-    def budget(self, limit: Optional[int], trace: Optional[Trace], position: int) -> Optional[int]:
+    def budget(self, limit: int | None, trace: Trace | None, position: int) -> int | None:
         """Device bytes chunks may use at ``position``: the hard limit (the manager enforces it anyway)."""
         return limit
 
-    def pool_room(self, limit: Optional[int], trace: Optional[Trace], position: int,
-                  device_bytes: int) -> Optional[int]:
+    def pool_room(self, limit: int | None, trace: Trace | None, position: int,
+                  device_bytes: int) -> int | None:
         """Bytes the payload pool may keep at ``position`` beside ``device_bytes`` of chunks; ``None``: no bound.
 
         [Note: the pool under a limit]
@@ -112,7 +112,7 @@ class PlacementPolicy:
         return None if room is None else max(room - device_bytes, 0)
 
     # ---------------------------------------------------------------- plan
-    def upcoming(self, position: int, trace: Optional[Trace]) -> frozenset[int]:
+    def upcoming(self, position: int, trace: Trace | None) -> frozenset[int]:
         """The chunks ``plan`` may prefetch at ``position``, when prefetching: those of the trace's next moment that
         uses any, and the first chunk used after them.
 
@@ -142,7 +142,7 @@ class PlacementPolicy:
         gathers from the file in a 12-step test where 84 had been, 11 from the staging where 55 had)."""
         return frozenset(trace.prefetch_window(position)) if (trace is not None and self.config.prefetch) else frozenset()
 
-    def idle(self, *, all_resident: bool, budget_bytes: Optional[int], device_bytes: int) -> bool:
+    def idle(self, *, all_resident: bool, budget_bytes: int | None, device_bytes: int) -> bool:
         """Whether ``plan`` would return an empty plan, known without a single view: nothing is released after
         use, the needed and upcoming chunks are all resident (``all_resident``: nothing to gather or prefetch),
         and the device is within its budget (nothing to evict). The hooks ask this first at every moment: with
@@ -157,8 +157,8 @@ class PlacementPolicy:
         position: int,
         needed: frozenset[int],
         chunks: Sequence[ChunkView],
-        trace: Optional[Trace],
-        budget_bytes: Optional[int],
+        trace: Trace | None,
+        budget_bytes: int | None,
         device_bytes: int,
     ) -> Plan:
         """What to evict and prefetch at ``position``.
@@ -193,7 +193,7 @@ class PlacementPolicy:
 
         for_room = False
 
-        def evict_down_to(bound: Optional[int], victims: Iterable[ChunkView]) -> None:
+        def evict_down_to(bound: int | None, victims: Iterable[ChunkView]) -> None:
             """Evict ``victims``, farthest next use first, until the device holds at most ``bound``."""
             nonlocal freed, for_room
             if bound is None or device_bytes - freed + missing <= bound:
@@ -225,7 +225,7 @@ class PlacementPolicy:
         return Plan(evict=tuple(evict), prefetch=tuple(prefetch), for_room=for_room)
 
     @staticmethod
-    def _eviction_rank(c: ChunkView, position: int, trace: Optional[Trace]) -> tuple[float, int]:
+    def _eviction_rank(c: ChunkView, position: int, trace: Trace | None) -> tuple[float, int]:
         """Larger means evict first: farthest next use, then least recently used."""
         if trace is not None:
             return (trace.next_use(c.chunk_id, position), -c.last_used)
@@ -241,7 +241,7 @@ class DevicePlacement(PlacementPolicy):
         return {c.chunk_id: Tier.DEVICE for c in chunks}
 
 
-def activation_room(limit: Optional[int], trace: Optional[Trace], position: int) -> Optional[int]:
+def activation_room(limit: int | None, trace: Trace | None, position: int) -> int | None:
     """The limit less the activations the trace saw at ``position`` and at the next moment: a plan's payloads stay
     until the next moment plans again, while the module that runs in between adds its outputs (on a CPU device
     nothing else charges them to this moment; see [Note: peaks between moments] for CUDA)."""
@@ -250,7 +250,7 @@ def activation_room(limit: Optional[int], trace: Optional[Trace], position: int)
     return max(limit - max(trace.nonmodel_at(position), trace.nonmodel_at(position + 1)), 0)
 
 
-def untraced_budget(limit: int, known: Optional[Trace]) -> int:
+def untraced_budget(limit: int, known: Trace | None) -> int:
     """The device bytes chunks may keep in a step no trace describes: an evaluation step, the warm-up, a micro-batch
     traced again after its inputs grew.
 
@@ -361,7 +361,7 @@ def disk_window_bytes(chunks: Sequence[ChunkView]) -> int:
     return 2 * max((c.disk_bytes for c in chunks), default=0)
 
 
-def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limit: Optional[int], *,
+def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limit: int | None, *,
                   device_is_host: bool = False, chunk_numel_chosen: bool = True) -> dict[int, Tier]:
     """Move host-tier shards to the disk tier until the host holds at most ``host_limit`` bytes of them; with
     ``device_is_host`` (a CPU device, whose tier is host memory too) device-tier shards count and spill as well.

@@ -39,7 +39,8 @@ carry nothing of the engine, and ``unwatch`` puts plain dicts back when the engi
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -50,7 +51,7 @@ from .errors import ChunkError
 
 Reader = Callable[[torch.Tensor, bool], None]  # (parameter, read by attribute: else by iteration)
 
-_reader: Optional[Reader] = None  # the engine whose step is running; one step runs at a time in a process
+_reader: Reader | None = None  # the engine whose step is running; one step runs at a time in a process
 
 
 class WatchedParameters(dict):
@@ -98,11 +99,11 @@ class ReleasedReads(TorchFunctionMode):
     """An op that reads a released parameter's placeholder raises ([Note: parameters read outside their owner]).
     ``name(tensor)``: the parameter's name, if ``tensor`` is a managed parameter."""
 
-    def __init__(self, name: Callable[[torch.Tensor], Optional[str]]) -> None:
+    def __init__(self, name: Callable[[torch.Tensor], str | None]) -> None:
         super().__init__()
         self.name = name
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") not in _NOT_READS:
             released = placeholder_storages()

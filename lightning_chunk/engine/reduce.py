@@ -13,7 +13,8 @@ device tier (``manager.room_for``), so the ledger stays the one account of chunk
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,11 +30,11 @@ if TYPE_CHECKING:  # the manager builds the reducer; no import at run time, so n
 
 S = TensorState
 _EMPTY, _RAW, _SCALED = object(), object(), object()  # a gradient payload range: unwritten, a raw sum, scaled
-MakeRoom = Optional[Callable[[int], None]]  # evict by the placement policy until this many more bytes fit
+MakeRoom = Callable[[int], None] | None  # evict by the placement policy until this many more bytes fit
 
 
 class GradReducer:
-    def __init__(self, manager: "ChunkManager", *, pinned: bool, in_flight: int = 2) -> None:
+    def __init__(self, manager: ChunkManager, *, pinned: bool, in_flight: int = 2) -> None:
         self.manager = manager
         self.offload = GradOffload(manager.device, pinned=pinned)
         self.in_flight = in_flight  # reduce-scatters allowed in flight: bounds the gradient payloads alive
@@ -43,12 +44,12 @@ class GradReducer:
         self._order: list[int] = []  # chunks reduce in this order on every rank
         # in a traced backward, the moment (``MomentKey``) at whose start each chunk reduces -> those chunks; None:
         # reduce each chunk as soon as every rank has all its gradients ([Note: when a chunk reduces])
-        self._due: Optional[dict[Hashable, list[int]]] = None
+        self._due: dict[Hashable, list[int]] | None = None
         self._traced = False  # this backward follows a trace with ``_due``
         self._launched: set[int] = set()  # chunks reduced in this backward (a later gradient for one is an error)
         self._filled: dict[int, dict[int, object]] = {}  # chunk id -> payload offset -> _RAW or _SCALED
         # called with a chunk whose gradients of this backward are final in its shard ([Note: stepping in backward])
-        self.on_final: Optional[Callable[[Chunk], None]] = None
+        self.on_final: Callable[[Chunk], None] | None = None
 
     # ================================================================== order
     def reset_order(self, chunks: Sequence[Chunk]) -> None:
@@ -56,7 +57,7 @@ class GradReducer:
         self._order = sorted((c.chunk_id for c in chunks if c.trainable), reverse=True)
         self._due = None
 
-    def set_moments(self, chunks: Sequence[Chunk], due: dict[int, Optional[Hashable]]) -> None:
+    def set_moments(self, chunks: Sequence[Chunk], due: dict[int, Hashable | None]) -> None:
         """Reduce each chunk at the start of the moment ``due`` names (None: at the end of backward), in the order
         the trace has them complete; see [Note: when a chunk reduces]."""
         trainable = [c.chunk_id for c in chunks if c.trainable]
@@ -291,7 +292,7 @@ def agree_on_grads(mgr: Any) -> None:
     placed = [(c, t) for c in mgr.chunks for t in c.tensors]  # the same order on every rank
     flags = torch.tensor([t.has_grad for _, t in placed], dtype=torch.uint8, device=mgr.comm.tensor_device())
     mgr.comm.all_reduce(flags, op="max", what="the vote on which parameters got gradients")
-    for (chunk, t), f in zip(placed, flags.tolist()):
+    for (chunk, t), f in zip(placed, flags.tolist(), strict=True):
         # a rank keeps the flag only where it holds a piece: elsewhere the flag served the vote alone, and
         # zero_grad() (seen through this rank's views) could never clear it before the next vote
         a, b = piece_range(chunk, t.offset, t.numel)

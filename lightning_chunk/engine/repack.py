@@ -37,15 +37,16 @@ that its new shard holds, sliced at once so nothing whole outlives its old chunk
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .chunk import Chunk, TensorInfo, Tier
-from .states import TensorState as S
-from .packing import ChunkSpec, Layout, Slot
 from .host_heap import release_freed_memory
 from .materialize import DeferredInit
+from .packing import ChunkSpec, Layout, Slot
+from .states import TensorState as S
 from .weights import ModuleWeights
 
 _HOST = torch.device("cpu")
@@ -66,7 +67,7 @@ class ExtraShards(Protocol):
         at element ``offset`` of ``chunk``'s shard."""
 
 
-def fill_whole(full: torch.Tensor, slots: "tuple[Slot, ...]", value: "Callable[[int], torch.Tensor]") -> None:
+def fill_whole(full: torch.Tensor, slots: tuple[Slot, ...], value: Callable[[int], torch.Tensor]) -> None:
     for s in slots:
         full[s.offset : s.offset + s.numel].copy_(value(s.param_index).reshape(-1))
 
@@ -85,8 +86,8 @@ class FromModule:
     pack reads only this rank's pieces of it and needs no broadcast. Otherwise a value is the tensor itself,
     after ``deferred`` initialised its module when it was built on the meta device."""
 
-    def __init__(self, params: list[torch.nn.Parameter], *, deferred: Optional[DeferredInit] = None,
-                 weights: Optional[ModuleWeights] = None) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], *, deferred: DeferredInit | None = None,
+                 weights: ModuleWeights | None = None) -> None:
         self.params = params
         self.deferred = deferred
         self.weights = weights
@@ -126,7 +127,7 @@ class FromModule:
             return self.deferred.value(p)
         return p.detach()
 
-    def grad(self, i: int) -> Optional[torch.Tensor]:
+    def grad(self, i: int) -> torch.Tensor | None:
         return None
 
     def has_grad(self, i: int) -> bool:
@@ -154,7 +155,7 @@ class FromModule:
         return True
 
 
-def _grads_anywhere(mgr: "ChunkManager", chunks: list[Chunk]) -> set[int]:
+def _grads_anywhere(mgr: ChunkManager, chunks: list[Chunk]) -> set[int]:
     """The parameters whose gradients a repack carries: those that got one on any rank. Every parameter of a chunk
     reduced this step once counted (its ``grad_written`` is the same on every rank), and a parameter no rank had
     used then stepped from a zero gradient after the repack: weight decay moved it where ``torch.optim`` skips it.
@@ -171,7 +172,7 @@ def _grads_anywhere(mgr: "ChunkManager", chunks: list[Chunk]) -> set[int]:
 class OldChunks:
     """The chunks of the layout being replaced, read one at a time (see [Note: streaming repack])."""
 
-    def __init__(self, mgr: "ChunkManager", chunks: list[Chunk], *, extras: Optional[ExtraShards] = None,
+    def __init__(self, mgr: ChunkManager, chunks: list[Chunk], *, extras: ExtraShards | None = None,
                  eager: bool = False) -> None:
         self.mgr = mgr
         self.extras = extras
@@ -183,7 +184,7 @@ class OldChunks:
         self._grads: dict[int, torch.Tensor] = {}
         self._extra: dict[int, dict[str, torch.Tensor]] = {}
         # an old device shard staged on the host: (master, gradient or None, extra state), this rank's pieces only
-        self._staged: dict[int, tuple[torch.Tensor, Optional[torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = {}
         if eager:
             for c in chunks:
                 if c.shard_tier is Tier.DEVICE:
@@ -246,7 +247,7 @@ class OldChunks:
     def has_grad(self, i: int) -> bool:
         return i in self.had_grad
 
-    def grad(self, i: int) -> Optional[torch.Tensor]:
+    def grad(self, i: int) -> torch.Tensor | None:
         if i not in self.had_grad:
             return None
         self._load(self.owner[i])
@@ -274,7 +275,7 @@ class OldChunks:
 
 
 # ================================================================ one chunk
-def build_chunk(mgr: "ChunkManager", spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
+def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
     """One chunk of a (re)pack: its values from ``source``, its shard on ``tier``, its parameters views of its payload."""
     # the parameters' own dtype is the layout key's, read when the manager first saw them: on a repack they are
     # views of the old payloads, in the compute dtype (bf16 under bf16-mixed), which would have become each

@@ -25,8 +25,9 @@ import contextlib
 import dataclasses
 import logging
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -34,29 +35,29 @@ from .buffers import BufferSync
 from .chunk import Tier
 from .collectives import CollectiveMismatchError, Collectives, first_difference
 from .config import ChunkConfig, DtypePolicy, default_device_limit, format_bytes, resolve_reshard_after_forward
-from .errors import ChunkError, DeviceMemoryLimitError, LayoutError
+from .consolidate import full_values, load_values, unpack, whole_model_fits
+from .costs import planned_views
 from .early_step import FP16_REFUSED, EarlyStep
 from .ema import Extras, ShardedEMA
+from .errors import ChunkError, DeviceMemoryLimitError, LayoutError
+from .full_params import check_stray_writes
+from .gradients import clip_grad_norm, unscale_and_check
 from .growth import InputGrowth
 from .hooks import ChunkHooks
+from .host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
+from .kept_state import KeptOptimizerState, keep_optimizer_state
 from .layout_choice import LayoutChooser
 from .manager import ChunkManager
 from .materialize import DeferredInit
-from .repack import FromModule
-from .weights import ModuleWeights
-from .consolidate import full_values, load_values, unpack, whole_model_fits
-from .kept_state import KeptOptimizerState, keep_optimizer_state
-from .full_params import check_stray_writes
-from .gradients import clip_grad_norm, unscale_and_check
-from .costs import planned_views
 from .optim import OptimizerBinding, OptimizerStateCarrier
-from .reduce import agree_on_grads
-from .page_cache import page_cache_room
 from .packing import Layout
-from .host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
+from .page_cache import page_cache_room
 from .placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
+from .reduce import agree_on_grads
+from .repack import FromModule
 from .scaler import DynamicLossScaler
 from .tracer import Trace
+from .weights import ModuleWeights
 
 _log = logging.getLogger(__name__)
 
@@ -68,12 +69,12 @@ class ShapePlan:
     layout: Layout
     views: list[ChunkView]
     tiers: dict[int, Tier]
-    limit: Optional[int]
+    limit: int | None
     need_before_activations: int  # device bytes the busiest module needs before activations
     param_numel: int
     optim_bytes_per_element: int = 0  # the optimizer state of the param group that keeps the most
 
-    def shard_bytes(self, tier: Optional[Tier] = None) -> int:
+    def shard_bytes(self, tier: Tier | None = None) -> int:
         """One rank's shard bytes (masters, compute copies, gradients, optimizer state), in memory on ``tier``
         (a disk shard's compute copy counts on the host) or in all."""
         if tier is None:
@@ -117,12 +118,12 @@ class ChunkEngine:
         module: torch.nn.Module,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         *,
-        config: Optional[ChunkConfig] = None,
-        dtypes: Optional[DtypePolicy] = None,
-        device: Optional[torch.device] = None,
-        collectives: Optional[Collectives] = None,
-        deferred: Optional[DeferredInit] = None,
-        weights: Optional[ModuleWeights] = None,
+        config: ChunkConfig | None = None,
+        dtypes: DtypePolicy | None = None,
+        device: torch.device | None = None,
+        collectives: Collectives | None = None,
+        deferred: DeferredInit | None = None,
+        weights: ModuleWeights | None = None,
     ) -> None:
         """``deferred``: the module was built on the meta device and is initialised chunk by chunk as it is
         packed ([Note: deferred initialisation]); ``weights``: values read from a file as the chunks are
@@ -147,8 +148,8 @@ class ChunkEngine:
             raise
 
     def _describe(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
-                  config: Optional[ChunkConfig], dtypes: Optional[DtypePolicy], device: Optional[torch.device],
-                  collectives: Optional[Collectives]) -> None:
+                  config: ChunkConfig | None, dtypes: DtypePolicy | None, device: torch.device | None,
+                  collectives: Collectives | None) -> None:
         """Everything that needs only shapes: the manager's parameter descriptions, the policy, the hooks (not
         installed) and the optimizer bindings (not bound). Allocates nothing."""
         config = config or ChunkConfig()
@@ -198,15 +199,15 @@ class ChunkEngine:
         self.hooks.on_trace_done = self._trace_done
         self.hooks.on_backward_start = self._backward_starts
         self.hooks.on_backward_end = self._backward_ends
-        self.bindings = [OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets)]
+        self.bindings = [OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets, strict=True)]
         self._optim_bytes: dict[int, int] = {}
         for b in self.bindings:
             self._optim_bytes.update(b.state_bytes())
         self.layouts = LayoutChooser(self.manager, self.config, self.hooks.owned, self._optim_bytes)
         # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
         self.early = EarlyStep(self.manager, self.bindings) if config.step_in_backward and self.bindings else None
-        self.scaler: Optional[DynamicLossScaler] = None
-        self.ema: Optional[ShardedEMA] = None  # an average of the weights, when asked for ([Note: a sharded EMA])
+        self.scaler: DynamicLossScaler | None = None
+        self.ema: ShardedEMA | None = None  # an average of the weights, when asked for ([Note: a sharded EMA])
         self.growth = InputGrowth(self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None)
         self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
@@ -214,12 +215,12 @@ class ChunkEngine:
         self._finalize_pending = False
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
         self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
-        self.last_grad_norm: Optional[float] = None
+        self.last_grad_norm: float | None = None
 
     @classmethod
     def plan_from_shapes(cls, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), *,
-                         config: Optional[ChunkConfig] = None, dtypes: Optional[DtypePolicy] = None,
-                         world_size: int = 1) -> "ShapePlan":
+                         config: ChunkConfig | None = None, dtypes: DtypePolicy | None = None,
+                         world_size: int = 1) -> ShapePlan:
         """The layout, each chunk's per-rank bytes and the shard tiers ``world_size`` ranks would start from, from
         the parameters' shapes alone: for a model too large to build (a meta-device one). Nothing is allocated, no
         process group is needed, and a too-small limit is reported, not raised."""
@@ -238,7 +239,7 @@ class ChunkEngine:
     def comm(self) -> Collectives:
         return self.manager.comm
 
-    def _plan_tiers(self, layout: Layout, trace: Optional[Trace]) -> tuple[list[ChunkView], dict[int, Tier]]:
+    def _plan_tiers(self, layout: Layout, trace: Trace | None) -> tuple[list[ChunkView], dict[int, Tier]]:
         """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
         views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
         tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
@@ -247,7 +248,7 @@ class ChunkEngine:
                                     chunk_numel_chosen=self.config.chunk_numel is not None)
 
     def _place(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *,
-               source: Optional[FromModule] = None) -> None:
+               source: FromModule | None = None) -> None:
         limit = self.manager.limit
         if limit is not None:
             on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
@@ -350,7 +351,7 @@ class ChunkEngine:
         Inside gradient accumulation a change is refused: the step's gradients so far are laid out by the old
         flags. Several ranks must change the same flags at the same micro-batch, as with any module they run."""
         mgr = self.manager
-        changed = [s.name for p, s in zip(mgr.params, mgr.specs) if p.requires_grad != s.key.requires_grad]
+        changed = [s.name for p, s in zip(mgr.params, mgr.specs, strict=True) if p.requires_grad != s.key.requires_grad]
         if not changed:
             return
         if not self._no_grads_held:
@@ -359,7 +360,7 @@ class ChunkEngine:
                 "inside a step whose gradients are being accumulated; change it before a step's first micro-batch "
                 "(in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary).")
         mgr.specs = [dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
-                     for p, s in zip(mgr.params, mgr.specs)]
+                     for p, s in zip(mgr.params, mgr.specs, strict=True)]
         trace = self.hooks.trace
         order = (trace.first_use_order(len(mgr.params)) if trace is not None else
                  list(mgr.layout.order))
@@ -414,7 +415,7 @@ class ChunkEngine:
 
     # ================================================================ steps
     @contextlib.contextmanager
-    def micro_batch(self, *, training: bool, input_bytes: Optional[int] = None) -> Iterator[Any]:
+    def micro_batch(self, *, training: bool, input_bytes: int | None = None) -> Iterator[Any]:
         """Wrap one training micro-batch or evaluation step. Yields ``outputs(obj)`` for the step's outputs.
 
         The warm-up is finalized at the first optimizer step (``prepare_step``), where every gradient
@@ -466,7 +467,7 @@ class ChunkEngine:
         finally:
             self._accumulating = False
 
-    def _bindings(self, optimizer: Optional[torch.optim.Optimizer]) -> list[OptimizerBinding]:
+    def _bindings(self, optimizer: torch.optim.Optimizer | None) -> list[OptimizerBinding]:
         """The binding of ``optimizer`` (the one being stepped), or every binding when ``None``."""
         if optimizer is None:
             return self.bindings
@@ -526,12 +527,12 @@ class ChunkEngine:
         self._gradients_kept(what)
         self.prepare_step()
 
-    def grads(self, optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
+    def grads(self, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
         self.grads_ready("reading the gradients after backward")
         return [g for b in self._bindings(optimizer) for g in b.grads()]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
+                        optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
         """Clip ``optimizer``'s gradients by their global norm over every shard of every rank; returns that norm
         (``gradients.clip_grad_norm``: bit-exact with ``torch.nn.utils.clip_grad_norm_`` on one rank)."""
         self._gradients_kept("clipping gradients by norm")
@@ -541,11 +542,11 @@ class ChunkEngine:
         self.last_grad_norm = float(total)
         return total
 
-    def clip_grad_value_(self, clip_value: float, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    def clip_grad_value_(self, clip_value: float, optimizer: torch.optim.Optimizer | None = None) -> None:
         for g in self.grads(optimizer):
             g.clamp_(min=-clip_value, max=clip_value)
 
-    def unscale_and_check(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """fp16: unscale ``optimizer``'s gradients; True when some rank overflowed (every rank then skips)."""
         assert self.scaler is not None
         self.prepare_step()
@@ -560,7 +561,7 @@ class ChunkEngine:
                 return self.early.step_rest(**kwargs)
             return self._bindings(optimizer)[0].step(**kwargs)
 
-    def finish_step(self, *, stepped: bool, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    def finish_step(self, *, stepped: bool, optimizer: torch.optim.Optimizer | None = None) -> None:
         """After ``optimizer`` stepped (or skipped): write its chunks' compute-dtype copies back. Gradients stay
         until ``zero_grad()``, as in plain PyTorch."""
         bindings = self._bindings(optimizer)
@@ -630,8 +631,8 @@ class ChunkEngine:
         rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
         self.module.load_state_dict(rest, strict=False)
 
-    def teardown(self, *, materialize: Optional[bool] = True, optimizer_state: Optional[bool] = None,
-                 device: Optional[torch.device] = None) -> None:
+    def teardown(self, *, materialize: bool | None = True, optimizer_state: bool | None = None,
+                 device: torch.device | None = None) -> None:
         """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off), on
         ``device`` (the host by default), chunk by chunk. ``optimizer_state`` (default: the config's
         ``materialize_optimizer_state``) also gives the optimizers their whole state back; without it they are

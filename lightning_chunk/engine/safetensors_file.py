@@ -21,7 +21,7 @@ import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import BinaryIO
 
 import torch
 
@@ -43,7 +43,7 @@ class StreamingSafetensors:
     """Declare every tensor with ``add``, then ``open`` writes the headers, ``write`` each tensor in declared order,
     and ``close`` checks that all arrived and writes the index. ``out_dir`` must exist."""
 
-    def __init__(self, out_dir: Path, *, max_shard_bytes: int, metadata: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, out_dir: Path, *, max_shard_bytes: int, metadata: dict[str, str] | None = None) -> None:
         if sys.byteorder != "little":
             raise RuntimeError("safetensors files are little-endian; writing them on a big-endian host is not supported.")
         self.out_dir = Path(out_dir)
@@ -53,7 +53,7 @@ class StreamingSafetensors:
         self._names: set[str] = set()
         self._files: list[_File] = []
         self._next = 0
-        self._handle: Optional[BinaryIO] = None
+        self._handle: BinaryIO | None = None
         self._handle_file = -1
 
     @property
@@ -120,7 +120,7 @@ class StreamingSafetensors:
         if self._next != len(self._order):
             raise RuntimeError(f"{len(self._order) - self._next} declared tensors were never written")
         paths = [self.out_dir / f.name for f in self._files]
-        for f, p in zip(self._files, paths):
+        for f, p in zip(self._files, paths, strict=True):
             have = p.stat().st_size
             header = 8 + struct.unpack("<Q", p.open("rb").read(8))[0]
             if have != header + f.nbytes:

@@ -15,8 +15,9 @@ it as before and read only this rank's pieces.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,7 +31,7 @@ from .host_heap import release_freed_memory
 from .repack import piece_range
 
 KEY = "chunk_checkpoint"  # the entry of a checkpoint's meta that describes its chunks
-Regions = Callable[[dict[str, Any]], Optional[tuple[int, int]]]  # a saved chunk's meta -> the span to read
+Regions = Callable[[dict[str, Any]], tuple[int, int] | None]  # a saved chunk's meta -> the span to read
 
 
 class _SpanPlanner(DefaultLoadPlanner):
@@ -51,7 +52,7 @@ class _SpanPlanner(DefaultLoadPlanner):
 
 
 def load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype,
-               span: Optional[tuple[int, int]] = None) -> torch.Tensor:
+               span: tuple[int, int] | None = None) -> torch.Tensor:
     """A saved chunk as a flat tensor of ``numel`` elements; with ``span``, only those elements are read (the rest
     is allocated, never written: [Note: a resume reads what the rank holds])."""
     t = torch.empty(numel, dtype=dtype)
@@ -69,8 +70,8 @@ def load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype,
 
 
 def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str],
-                      only: Optional[Collection[int]] = None,
-                      regions: Optional[Regions] = None) -> Iterator[tuple[int, dict[str, Any], torch.Tensor]]:
+                      only: Collection[int] | None = None,
+                      regions: Regions | None = None) -> Iterator[tuple[int, dict[str, Any], torch.Tensor]]:
     """Yield ``(chunk index, saved chunk meta, tensor)`` one saved chunk at a time (those in ``only``): the whole
     chunk, or with ``regions`` the span it names (a chunk it names no span of is skipped)."""
     for c, spec in enumerate(meta[KEY]["chunks"]):
@@ -87,9 +88,9 @@ def rank_regions(mgr: Any, index_of_name: dict[str, int]) -> Regions:
     """For a saved chunk's meta: the span of its elements that holds this rank's pieces of its parameters in the
     current layout, or None when the rank holds none of them."""
 
-    def span(spec: dict[str, Any]) -> Optional[tuple[int, int]]:
+    def span(spec: dict[str, Any]) -> tuple[int, int] | None:
         lo, hi = None, None
-        for name, off, numel, _ in spec["slots"]:
+        for name, off, _numel, _ in spec["slots"]:
             i = index_of_name.get(name)
             if i is None:
                 continue

@@ -9,7 +9,8 @@ after ``growth_interval`` clean steps in a row it grows by ``growth_factor``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ class DynamicLossScaler:
         return loss * self.scale
 
     def unscale_and_check(self, grads: Sequence[torch.Tensor], comm: Collectives,
-                          runs: Optional[Iterable[tuple[ContextManager, list[torch.Tensor]]]] = None) -> bool:
+                          runs: Iterable[tuple[contextlib.AbstractContextManager, list[torch.Tensor]]] | None = None) -> bool:
         """Divide ``grads`` by the scale in place; True when any rank saw inf or NaN. ``runs``: the gradients in
         groups of one device, each unscaled inside its context (a disk shard's gradients paged in around it)."""
         inv = 1.0 / self.scale

@@ -10,7 +10,8 @@ the sequences to name the first difference.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .collectives import CollectiveMismatchError, first_difference
 

@@ -17,12 +17,13 @@ their number.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.futures import Future
 
 Make = Callable[[], torch.Tensor]
 
@@ -32,7 +33,7 @@ def placeholder(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype).expand(numel)
 
 
-def chunk_of(fqn: str) -> Optional[int]:
+def chunk_of(fqn: str) -> int | None:
     """The chunk id of an item named ``chunk.<c>.…``, else ``None``."""
     name = fqn.split(".")
     return int(name[1]) if len(name) > 2 and name[0] == "chunk" and name[1].isdigit() else None
@@ -46,7 +47,7 @@ class StreamingPlanner(DefaultSavePlanner):
         super().__init__()
         self.mgr = mgr
         self.make = make
-        self._last: Optional[int] = None
+        self._last: int | None = None
 
     def resolve_data(self, write_item: Any) -> Any:
         fqn = write_item.index.fqn

@@ -8,14 +8,14 @@ the moment in use (never evicted) and every other resident payload evictable.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .chunk import Tier
 from .placement import ChunkView, PlacementPolicy
 from .tracer import POST_FORWARD, Trace
 
 
-def simulate_step(policy: PlacementPolicy, views: Sequence[ChunkView], trace: Trace, limit: Optional[int],
+def simulate_step(policy: PlacementPolicy, views: Sequence[ChunkView], trace: Trace, limit: int | None,
                   world_size: int = 1) -> tuple[int, int]:
     """Over one step of ``trace``: the peak of chunk bytes on the device tier, and the peak of chunk bytes
     plus the non-model bytes traced at the same moment (the two peaks rarely coincide: placement evicts

@@ -14,7 +14,7 @@ hold bytes.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -41,12 +41,12 @@ class TierStorage:
         """``keep_state`` for a piece that starts at element ``offset`` of the chunk's shard."""
         return value
 
-    def state_region(self, chunk: Chunk, key: str) -> Optional[torch.Tensor]:
+    def state_region(self, chunk: Chunk, key: str) -> torch.Tensor | None:
         """Per-element state ``key`` of the whole shard where this tier keeps it laid out like the master shard
         (zeros where a parameter has none), so a checkpoint can write it without a copy; else ``None``."""
         return None
 
-    def page_out(self, chunk: Optional[Chunk] = None) -> None:
+    def page_out(self, chunk: Chunk | None = None) -> None:
         """Drop the pages of ``chunk`` (every chunk when ``None``) from the process (after a pass over it)."""
 
     def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES, *, write: bool = False) -> None:

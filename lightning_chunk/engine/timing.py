@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 CAUSES = ("gather_wait", "reduce_wait", "sync_wait", "tier_copy", "grad_copy", "optimizer", "hooks")
 

@@ -15,8 +15,9 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -148,14 +149,14 @@ class Trace:
                     last[c] = i
         return sorted(last, key=last.__getitem__)
 
-    def remap(self, chunk_of: dict[int, int]) -> "Trace":
+    def remap(self, chunk_of: dict[int, int]) -> Trace:
         """The same moments with chunk ids of another layout (``param index -> chunk id``)."""
         return Trace(tuple(
             Moment(m.kind, m.module, tuple(sorted({chunk_of[i] for i in m.param_indices})), m.param_indices,
                    m.nonmodel_bytes, m.pinned_params, tuple(sorted({chunk_of[i] for i in m.pinned_params})))
             for m in self.moments), self.grad_positions)
 
-    def reduce_moments(self, chunks: dict[int, Sequence[int]]) -> dict[int, Optional[MomentKey]]:
+    def reduce_moments(self, chunks: dict[int, Sequence[int]]) -> dict[int, MomentKey | None]:
         """Chunk id -> the moment at whose start it reduces: the first after the one its trainable parameters
         (``chunks``: chunk id -> their indices) had all their gradients by in this trace, named by ``MomentKey``;
         None for the end of backward (a parameter got none, or the last gradient came after the last moment).
@@ -163,7 +164,7 @@ class Trace:
         if not self.grad_positions:
             return {}
         at, keys = self.grad_positions, self.moment_keys
-        out: dict[int, Optional[MomentKey]] = {}
+        out: dict[int, MomentKey | None] = {}
         for c, params in chunks.items():
             if params:
                 last = -1 if any(at[i] < 0 for i in params) else max(at[i] for i in params)
@@ -218,7 +219,7 @@ class _Saved:
 
     __slots__ = ("tensor", "key", "counter")
 
-    def __init__(self, tensor: torch.Tensor, key: Optional[tuple[str, int]], counter: "SavedBytesCounter") -> None:
+    def __init__(self, tensor: torch.Tensor, key: tuple[str, int] | None, counter: SavedBytesCounter) -> None:
         self.tensor, self.key, self.counter = tensor, key, counter
 
     def __del__(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -45,7 +45,7 @@ class Weights:
     def dtype(self, key: str) -> torch.dtype:
         raise NotImplementedError
 
-    def read(self, key: str, a: int = 0, b: Optional[int] = None) -> torch.Tensor:
+    def read(self, key: str, a: int = 0, b: int | None = None) -> torch.Tensor:
         """Flat elements ``[a, b)`` of ``key`` (all by default), on the host, in the file's dtype."""
         raise NotImplementedError
 
@@ -77,7 +77,7 @@ class TorchFileWeights(Weights):
     def dtype(self, key: str) -> torch.dtype:
         return self._t[key].dtype
 
-    def read(self, key: str, a: int = 0, b: Optional[int] = None) -> torch.Tensor:
+    def read(self, key: str, a: int = 0, b: int | None = None) -> torch.Tensor:
         return self._t[key].reshape(-1)[a:b]
 
 
@@ -110,7 +110,7 @@ class SafetensorsWeights(Weights):
             self._meta[key] = (torch.Size(sl.get_shape()), dt)
 
     @classmethod
-    def from_file(cls, file: Path) -> "SafetensorsWeights":
+    def from_file(cls, file: Path) -> SafetensorsWeights:
         from safetensors import safe_open
 
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -118,7 +118,7 @@ class SafetensorsWeights(Weights):
         return cls(file, {k: file for k in keys})
 
     @classmethod
-    def from_index(cls, index: Path) -> "SafetensorsWeights":
+    def from_index(cls, index: Path) -> SafetensorsWeights:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
@@ -134,7 +134,7 @@ class SafetensorsWeights(Weights):
     def dtype(self, key: str) -> torch.dtype:
         return self._meta[key][1]
 
-    def read(self, key: str, a: int = 0, b: Optional[int] = None) -> torch.Tensor:
+    def read(self, key: str, a: int = 0, b: int | None = None) -> torch.Tensor:
         shape = self.shape(key)
         numel = math.prod(shape)
         b = numel if b is None else b
@@ -146,7 +146,7 @@ class SafetensorsWeights(Weights):
         return f.get_slice(key)[r0:r1].reshape(-1)[a - r0 * row : b - r0 * row]
 
 
-def open_weights(path: Union[str, Path]) -> Weights:
+def open_weights(path: str | Path) -> Weights:
     """A weights file or directory, by what it holds (see the module docstring)."""
     p = Path(path)
     if p.is_dir():
@@ -188,7 +188,7 @@ class ModuleWeights:
     """
 
     def __init__(self, weights: Weights, module: torch.nn.Module, *, strict: bool = True,
-                 prefix: Optional[str] = None) -> None:
+                 prefix: str | None = None) -> None:
         self.weights = weights
         named = module.state_dict(keep_vars=True)  # parameters and persistent buffers, every name of a tied one
         file_keys = weights.keys()
@@ -225,5 +225,5 @@ class ModuleWeights:
     def provides(self, t: torch.Tensor) -> bool:
         return id(t) in self.key_of
 
-    def read(self, t: torch.Tensor, a: int = 0, b: Optional[int] = None) -> torch.Tensor:
+    def read(self, t: torch.Tensor, a: int = 0, b: int | None = None) -> torch.Tensor:
         return self.weights.read(self.key_of[id(t)], a, b)

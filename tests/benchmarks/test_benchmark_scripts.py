@@ -35,11 +35,11 @@ def test_optimizer_step_benchmark_runs_and_writes_its_table(tmp_path, capsys):
     # a ratio is the median of per-round ratios; the bf16 rows are measured against the 30-byte loop of the same
     # round, the scaled 28-byte floor shown beside it
     for name, floor in (("ours+bf16", "floor+bf16"), ("ours+bf16-2pass", "floor+bf16"), ("ours", "floor")):
-        per_round = [a / b for a, b in zip(rows[name]["rounds_s"], rows[floor]["rounds_s"])]
+        per_round = [a / b for a, b in zip(rows[name]["rounds_s"], rows[floor]["rounds_s"], strict=True)]
         assert rows[name]["vs_floor_rounds"] == pytest.approx(per_round)
         assert rows[name]["vs_floor"] == pytest.approx(sum(per_round) / 2)  # the median of two
     for name in ("ours+bf16", "ours+bf16-2pass"):
-        per_round = [a / (b * 30 / 28) for a, b in zip(rows[name]["rounds_s"], rows["floor"]["rounds_s"])]
+        per_round = [a / (b * 30 / 28) for a, b in zip(rows[name]["rounds_s"], rows["floor"]["rounds_s"], strict=True)]
         assert rows[name]["vs_floor_28_scaled"] == pytest.approx(sum(per_round) / 2)
     assert "vs_floor_28_scaled" not in rows["ours"]
     assert "skipped" in rows["deepspeed"] or rows["deepspeed"]["median_s"] > 0  # never faked
@@ -67,7 +67,7 @@ def test_step_overhead_in_one_process_alternates_and_gives_an_interval(tmp_path,
     chunk = rows["chunk resident"]
     assert len(chunk["rounds_ms"]) == len(rows["auto"]["rounds_ms"]) == 2
     assert chunk["vs_baseline_rounds"] == pytest.approx([a / b for a, b in zip(chunk["rounds_ms"],
-                                                                                rows["auto"]["rounds_ms"])])
+                                                                                rows["auto"]["rounds_ms"], strict=True)])
     low, high = chunk["vs_baseline_95"]
     assert low <= chunk["vs_baseline"] <= high
     assert "95% interval" in capsys.readouterr().out

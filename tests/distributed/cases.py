@@ -8,7 +8,8 @@ test that names none needs them all.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def cases_of(item: Any, marker: str) -> set[str] | None:

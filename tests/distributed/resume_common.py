@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -37,7 +37,7 @@ def resume_strategy(variant: str) -> ChunkOffloadStrategy:
     return ChunkOffloadStrategy(**kw)
 
 
-def resume_fit(strategy: Any, out_dir: Optional[Path], steps: int, ckpt_path: Any = None, devices: int = 2):
+def resume_fit(strategy: Any, out_dir: Path | None, steps: int, ckpt_path: Any = None, devices: int = 2):
     """One fit of ReorderedNet, saving a checkpoint at step 8 into ``out_dir`` when given; returns (trainer, model)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -671,7 +671,7 @@ def run_overflow(out: Path) -> None:
     t = trainer(strategy, steps=6, plugins=[ChunkPrecision("16-mixed")])
     t.fit(model, token_data())
     before, after = model.seen
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     (out / f"overflow.rank{t.global_rank}.json").write_text(json.dumps(
         {"unchanged": unchanged, "loss_scale": strategy.memory_stats()["loss_scale"]}))
     print(f"CASE-DONE fp16_overflow_one_rank rank={t.global_rank}", flush=True)

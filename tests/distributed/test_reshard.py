@@ -36,7 +36,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path):
         one_rank(strategy, 12, enable_checkpointing=False).fit(
             model, token_data(), ckpt_path=tmp_path / f"from2_{name}" / "step=8.ckpt")
         out[name] = model
-    for a, b in zip(out["ddp"].parameters(), out["chunk"].parameters()):
+    for a, b in zip(out["ddp"].parameters(), out["chunk"].parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
 
 

@@ -7,7 +7,6 @@ start is paid once; failure cases run in children of their own.
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -53,7 +52,7 @@ AS_NCCL = {"LIGHTNING_CHUNK_GLOO_AS_NCCL": "1"}  # [Note: gloo as NCCL]: one com
 GLOO_DEFAULTS = ["plain", "host", "limit", "rank_gated"]
 
 
-def run(out: Path, *cases: str, timeout: int, env: Optional[dict] = None) -> tuple[int, str, float]:
+def run(out: Path, *cases: str, timeout: int, env: dict | None = None) -> tuple[int, str, float]:
     """The runner's two ranks started at once, as torchrun starts them (``Ranks``): under Lightning's launcher the
     second rank would start importing torch and Lightning (about 5 s) only when the first reaches ``fit``.
     ``(return code, both ranks' output, seconds)``: the first non-zero code of a rank (-9 for one killed at
@@ -135,7 +134,7 @@ def test_stepping_in_backward_equals_stepping_after_it_and_gives_the_gradient_sh
     got, want = torch.load(out / f"{case}.pt")["got"], torch.load(out / f"{twin}.pt")["got"]
     for k in want:
         assert torch.equal(got[k], want[k]), f"{case} {k}"
-    for s, t in zip(stats(out, case), stats(out, twin)):
+    for s, t in zip(stats(out, case), stats(out, twin), strict=True):
         assert s["chunks_stepped_in_backward"] > 0
         # after the last step masters and Adam's two moments stay; the gradient shards (a quarter of the shard
         # bytes) are gone, but where a chunk got no gradient in the last step (early_unused's branch)
@@ -228,7 +227,7 @@ def test_accumulation_keeps_gradients_sharded_by_default(parity_run):
     """Micro-batches that do not step are reduce-scattered into the shards: a rank holds its share of the
     gradient plus a few chunks' payloads in flight, never the whole model's gradient."""
     out, _, _ = parity_run
-    for sharded, unsharded in zip(stats(out, "accumulate"), stats(out, "accumulate_unsharded")):
+    for sharded, unsharded in zip(stats(out, "accumulate"), stats(out, "accumulate_unsharded"), strict=True):
         whole = 2 * sharded["shard_numel"] * 4  # every chunk's fp32 gradient payload: the whole gradient
         chunk_bytes = sharded["chunk_numel"] * 4
         assert sharded["chunks"] >= 12 and whole >= 12 * chunk_bytes * 0.8
@@ -270,7 +269,7 @@ def test_disk_chunks_stepped_in_backward_move_no_gradient_file(parity_run, case,
     got, want = torch.load(out / f"{case}.pt")["got"], torch.load(out / f"{twin}.pt")["got"]
     for k in want:
         assert torch.equal(got[k], want[k]), f"{case} {k}"
-    for s, t in zip(stats(out, case), stats(out, twin)):
+    for s, t in zip(stats(out, case), stats(out, twin), strict=True):
         assert s["disk_shards"] == t["disk_shards"] and s["disk_grad_bytes"] == t["disk_grad_bytes"] > 0
         assert s["chunks_stepped_in_backward"] >= s["disk_shards"] * 20  # the runner's 24 steps but the first ones
         assert "chunks_stepped_in_backward" not in t
@@ -286,7 +285,7 @@ def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
     accelerator does by default) it keeps them within it: the peak stays under it, and what does not fit is
     released and gathered again."""
     out, _, _ = parity_run
-    for released, kept in zip(stats(out, "host"), stats(out, "host_kept")):
+    for released, kept in zip(stats(out, "host"), stats(out, "host_kept"), strict=True):
         assert kept["chunks"] == released["chunks"] > 2
         # one gather a chunk a step after the warm-up, against nearly two (only the last chunks of forward stay)
         assert kept["gathers"] < 0.65 * released["gathers"], (kept, released)
@@ -294,7 +293,7 @@ def test_host_placement_keeps_payloads_for_backward_when_asked(parity_run):
     # under a limit keeping holds only what fits beside the activations, and never at the cost of a payload
     # that releasing after use keeps: no more gathers than its twin released after use (the budget reduced by the
     # activations had made it 402 against 379), and the same values
-    for kept, released in zip(stats(out, "host_kept_limit"), stats(out, "host_released_limit")):
+    for kept, released in zip(stats(out, "host_kept_limit"), stats(out, "host_released_limit"), strict=True):
         assert kept["chunks"] == released["chunks"] and kept["gathers"] <= released["gathers"], (kept, released)
     got, twin = (torch.load(out / f"{c}.pt")["got"] for c in ("host_kept_limit", "host_released_limit"))
     for k, v in twin.items():

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -27,7 +26,7 @@ class Ranks:
     """Ranks of ``script`` started as separate processes, as torchrun or SLURM start them (no launcher that would
     kill the survivor); their output goes to files, so a long traceback cannot block them."""
 
-    def __init__(self, script: Path, out: Path, *args: str, world_size: int = 2, env: Optional[dict] = None) -> None:
+    def __init__(self, script: Path, out: Path, *args: str, world_size: int = 2, env: dict | None = None) -> None:
         port = str(free_port())
         self.out, self.procs, self.files = out, [], []
         out.mkdir(parents=True, exist_ok=True)
@@ -42,7 +41,7 @@ class Ranks:
             self.procs.append(subprocess.Popen([sys.executable, str(script), str(out), *args], env=e, stdout=so,
                                                stderr=se, cwd=ROOT))
 
-    def wait(self, timeout: float = 240, *, until_first: bool = False) -> list[tuple[Optional[int], str, str, float]]:
+    def wait(self, timeout: float = 240, *, until_first: bool = False) -> list[tuple[int | None, str, str, float]]:
         """``(returncode, stdout, stderr, time.time() at exit)`` per rank; ``until_first``: return once one rank
         exited, having killed the others (a stopped rank never exits by itself). A rank still running at
         ``timeout`` is killed and reported with returncode None."""
@@ -90,7 +89,8 @@ class Zygotes:
         for r, p in enumerate(self.procs):
             line = p.stdout.readline().split()
             assert line and line[0] == "RESULT", f"zygote {r} died"
-            read = lambda s: Path(f"{out}.rank{r}.{s}").read_text()
+            def read(s):
+                return Path(f"{out}.rank{r}.{s}").read_text()
             results.append((int(line[1]), read("out"), read("err"), float(line[2])))
         return results
 
@@ -117,7 +117,7 @@ def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def find_last(dirpath: Path) -> Optional[str]:
+def find_last(dirpath: Path) -> str | None:
     """What Lightning's ``fit(ckpt_path="last")`` picks in ``dirpath`` (its own code, not a copy of it)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint

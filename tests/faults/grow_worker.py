@@ -41,7 +41,7 @@ def batches(rank: int) -> DataLoader:
     return DataLoader(out, batch_size=None)
 
 
-def fit(strategy) -> tuple[L.Trainer, ParityNet]:
+def fit(strategy) -> tuple[L.Trainer, ReorderedNet]:
     L.seed_everything(7, verbose=False)
     model = ReorderedNet(**SHAPE)
     t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=BATCHES // 2, logger=False,

@@ -59,7 +59,7 @@ class Recorder(L.Callback):
             self._hook.remove()
             self._hook = None
         after = [c.master for c in trainer.strategy.engine.manager.chunks]
-        self.changed.append(any(not torch.equal(a, b) for a, b in zip(self._before, after)))
+        self.changed.append(any(not torch.equal(a, b) for a, b in zip(self._before, after, strict=True)))
 
     def on_train_end(self, trainer, module):
         eng = trainer.strategy.engine
@@ -74,7 +74,7 @@ class Recorder(L.Callback):
 
 
 def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+    mode = sys.argv[2]  # argv[1]: the output folder, unused here
     L.seed_everything(7, verbose=False)
     t = L.Trainer(accelerator="cpu", devices=2, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096,
                   collective_timeout_s=60), plugins=[ChunkPrecision("16-mixed")],

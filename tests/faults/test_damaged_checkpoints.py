@@ -94,4 +94,4 @@ def test_the_undamaged_checkpoint_loads(saved):
     eng, opt = engine(seed=5, steps=2)
     load_sharded(eng, saved / "good.ckpt", with_optimizer=True)
     ref, _ = engine(steps=1)
-    assert all(torch.equal(a, b) for a, b in zip(eng.full_state_dict().values(), ref.full_state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(eng.full_state_dict().values(), ref.full_state_dict().values(), strict=True))

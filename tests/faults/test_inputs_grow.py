@@ -78,7 +78,7 @@ def test_growing_inputs_are_traced_again_and_the_plan_stays_under_the_limit(runs
     model, w = runs[True]
     assert w.stats["replans"] == 1
     assert w.events and over_limit(w.events, w.trace) <= 0
-    for a, b in zip(model.parameters(), runs["plain"].parameters()):
+    for a, b in zip(model.parameters(), runs["plain"].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from lightning_chunk.engine.checkpoint import read_meta
 from tests.faults.common import Zygotes, find_last, same_tensors, saved_tensors
@@ -110,7 +109,7 @@ def test_killing_every_rank_at_20_points_of_a_save_always_leaves_a_complete_last
     points = schedule(saves["events"], 20, "all", seed=1)
     seen = kill_points(saves, tmp_path, points, "all")
     exchange_at = saves["events"][0].index("exchange") + 1
-    for rank, event, name, steps in seen:
+    for _rank, event, name, steps in seen:
         assert steps == (1 if event <= exchange_at else 2), (event, name, steps)  # the exchange is the commit
     assert {s for *_, s in seen} == {1, 2}
 

@@ -26,13 +26,13 @@ BIG = dict(dim=256, hidden=4096, depth=4)  # ~8.4M parameters: 134 MB of params 
 
 
 def assert_close_params(ref, got, tol=TOL):
-    for (n, a), b in zip(ref.named_parameters(), got.parameters()):
+    for (n, a), b in zip(ref.named_parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b.cpu(), a.cpu(), msg=lambda m: f"{n}: {m}", **tol)
 
 
 def relative_update_error(ref, got, init) -> float:
-    num = sum((b.float().cpu() - a.float().cpu()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters()))
-    den = sum((a.float().cpu() - i.float().cpu()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters()))
+    num = sum((b.float().cpu() - a.float().cpu()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters(), strict=True))
+    den = sum((a.float().cpu() - i.float().cpu()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters(), strict=True))
     return float((num / den).sqrt())
 
 
@@ -86,7 +86,7 @@ def test_the_one_pass_host_step_equals_torchs_fused_kernel_on_cuda(native, monke
         strategy = ChunkOffloadStrategy(placement="host", chunk_numel=40000, optimizer_kernel=kernel)
         runs[kernel] = fit(strategy, steps=12, accelerator="gpu", precision="bf16-mixed",
                            model_kwargs=dict(dim=64, hidden=512))
-    for (n, a), b in zip(runs["fused"].named_parameters(), runs["one_pass"].parameters()):
+    for (n, a), b in zip(runs["fused"].named_parameters(), runs["one_pass"].parameters(), strict=True):
         assert torch.equal(a.cpu(), b.cpu()), n
 
 

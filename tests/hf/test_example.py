@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_chunk.hf import export_hf  # noqa: E402
-from tests.hf.models import ROOT, load_example, save_pretrained  # noqa: E402
 from tests.children import child_env  # noqa: E402
+from tests.hf.models import ROOT, load_example, save_pretrained  # noqa: E402
 from tests.integration.test_examples import rows  # noqa: E402
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -81,7 +80,7 @@ def test_export_in_bf16_through_the_command_line(trained, tmp_path, capsys):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
     assert loaded.dtype == torch.bfloat16
-    for (n, a), (_, b) in zip(model.hf_model.named_parameters(), loaded.named_parameters()):
+    for (n, a), (_, b) in zip(model.hf_model.named_parameters(), loaded.named_parameters(), strict=True):
         torch.testing.assert_close(b, a.detach().to(torch.bfloat16), rtol=0, atol=0, msg=n)
 
 
@@ -208,7 +207,7 @@ def test_export_streams_with_bounded_memory(tmp_path):
     assert growth < 3 * chunk_bytes + 8 * 2**20, (growth / 2**20, chunk_bytes / 2**20)
     assert growth < model_bytes / 4
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    for (n, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters()):
+    for (n, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
 
 

@@ -48,7 +48,7 @@ def fit(example, strategy, steps: int = STEPS, **model_kw):
 
 
 def same_params(ref, got) -> None:
-    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters()):
+    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
 
 
@@ -63,7 +63,7 @@ def test_fine_tuning_from_save_pretrained_is_bit_exact_with_auto_under_a_limit(e
     assert strategy.weights == str(pretrained[kind])  # set by the module's configure_model
     stats = strategy.memory_stats()
     assert stats["evictions"] > 0 and stats["device_chunk_bytes_peak"] <= LIMITS[kind]
-    for (n, a), (_, b) in zip(ref.named_buffers(), got.named_buffers()):
+    for (n, a), (_, b) in zip(ref.named_buffers(), got.named_buffers(), strict=True):
         torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
 
 
@@ -121,7 +121,7 @@ def test_a_model_from_a_config_is_initialised_by_its_own_rules_on_the_meta_devic
             torch.testing.assert_close(value, ref.detach(), **EXACT, msg=name)
         else:  # another draw of the same init: same spread
             assert math.isclose(value.std().item(), ref.std().item(), rel_tol=0.2), (name, value.std(), ref.std())
-    for (name, ref), (_, b) in zip(eager.named_buffers(), model.hf_model.named_buffers()):
+    for (name, ref), (_, b) in zip(eager.named_buffers(), model.hf_model.named_buffers(), strict=True):
         torch.testing.assert_close(b, ref, **EXACT, msg=name)
     if kind == "gpt2":
         std = got["transformer.h.0.attn.c_proj.weight"].std().item()

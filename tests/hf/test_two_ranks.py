@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_chunk.hf import export_hf  # noqa: E402
-from tests.hf.models import save_pretrained  # noqa: E402
 from tests.faults.common import Ranks  # noqa: E402
+from tests.hf.models import save_pretrained  # noqa: E402
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
 

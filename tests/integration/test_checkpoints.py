@@ -78,7 +78,7 @@ def test_resume_is_deterministic_and_matches_auto(tmp_path):
         t.fit(m, token_data(), ckpt_path=path)
         runs.append(m)
         states.append(t.optimizers[0].state_dict()["state"])
-    for a, b, c in zip(*(r.parameters() for r in runs)):
+    for a, b, c in zip(*(r.parameters() for r in runs), strict=True):
         torch.testing.assert_close(b, a, **EXACT)  # another placement and a device limit on resume
         torch.testing.assert_close(c, b, **EXACT)  # resuming twice is bit-identical
     for k, st in states[0].items():  # optimizer state too, in parameter shapes after fit
@@ -94,7 +94,7 @@ def test_plain_lightning_checkpoint_continues_with_its_optimizer_state(tmp_path)
         m = ParityNet(variant="tied")
         trainer(strategy, 12).fit(m, token_data(), ckpt_path=tmp_path / "step=8.ckpt")
         out.append(m)
-    for a, b in zip(out[0].parameters(), out[1].parameters()):
+    for a, b in zip(out[0].parameters(), out[1].parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
 
 
@@ -211,7 +211,7 @@ def test_consolidate_output_loads_strict_and_equals_the_trained_model(tmp_path):
     full = torch.load(out, weights_only=False)
     plain = ParityNet(variant="tied")
     plain.load_state_dict(full["state_dict"], strict=True)
-    for a, b in zip(model.parameters(), plain.parameters()):
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
     assert len(full["optimizer_states"][0]["state"]) == len(list(plain.parameters()))
     t = trainer("auto", 10)
@@ -276,7 +276,7 @@ def test_consolidate_streams_with_bounded_memory(tmp_path):
     full = torch.load(tmp_path / "o.pt", weights_only=True)
     plain = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
     plain.load_state_dict(full["state_dict"], strict=True)
-    for a, b in zip(model.parameters(), plain.parameters()):
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
 
 

@@ -130,7 +130,7 @@ def test_parameters_hold_trained_values_after_fit_and_the_model_keeps_working():
                 max_steps=6, limit_val_batches=2)
     t.fit(model, datamodule=TokenData())
     trainer(strategy="auto", max_steps=6, limit_val_batches=2).fit(ref, datamodule=TokenData())
-    for (n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+    for (_n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
     x = torch.randint(0, 48, (2, 8))
     torch.testing.assert_close(model(x), ref(x), **EXACT)  # inference after training just works
@@ -148,7 +148,7 @@ def test_manual_optimization_matches_auto():
     trainer(strategy="auto", max_steps=10).fit(ref, token_data())
     trainer(strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"),
             max_steps=10).fit(got, token_data())
-    for a, b in zip(ref.parameters(), got.parameters()):
+    for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
 
 
@@ -174,7 +174,7 @@ def test_checkpoint_resume_matches_auto_resumed_the_same_way(tmp_path, state_dic
     got_ckpt, got = run_with_resume(
         lambda: ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop",
                                      state_dict_type=state_dict_type), tmp_path / "chunk")
-    for a, b in zip(ref.parameters(), got.parameters()):
+    for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
     if state_dict_type == "sharded":
         assert (tmp_path / "chunk" / "step=8.ckpt" / "meta.pt").is_file()
@@ -281,8 +281,8 @@ def test_sync_batchnorm_is_applied_for_fit_and_reverted_after_and_batchnorm_trai
               sync_batchnorm=True, callbacks=[seen])
     assert seen.during is torch.nn.SyncBatchNorm
     assert isinstance(got.bn, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(got.bn, torch.nn.SyncBatchNorm)
-    for (n, a), (_, b) in [*zip(ref.named_parameters(), got.named_parameters()),
-                           *zip(ref.named_buffers(), got.named_buffers())]:
+    for (n, a), (_, b) in [*zip(ref.named_parameters(), got.named_parameters(), strict=True),
+                           *zip(ref.named_buffers(), got.named_buffers(), strict=True)]:
         assert torch.equal(a, b), n
 
 

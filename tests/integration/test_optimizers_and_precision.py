@@ -26,8 +26,8 @@ def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true
 
 
 def relative_update_error(ref, got, init) -> float:
-    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters()))
-    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters()))
+    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters(), strict=True))
+    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters(), strict=True))
     return float((num / den).sqrt())
 
 
@@ -41,7 +41,7 @@ def test_two_optimizers_each_step_their_own_parameters_like_plain_lightning(plac
     ref = fit_model(TwoOptimizers, "auto")
     got = fit_model(TwoOptimizers, chunk(placement=placement))
     init = fit_model(TwoOptimizers, "auto", steps=0)
-    for (n, a), b, i in zip(ref.named_parameters(), got.parameters(), init.parameters()):
+    for (n, a), b, i in zip(ref.named_parameters(), got.parameters(), init.parameters(), strict=True):
         torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
         assert not torch.equal(b, i), f"{n} never stepped"
 
@@ -52,7 +52,7 @@ def test_two_optimizers_with_fp16_loss_scaling():
                     plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
     got = fit_model(TwoOptimizers, chunk(), plugins=[ChunkPrecision("16-mixed")])
     assert relative_update_error(ref, got, init) < 0.05
-    for (n, b), i in zip(got.named_parameters(), init.parameters()):
+    for (n, b), i in zip(got.named_parameters(), init.parameters(), strict=True):
         assert not torch.equal(b, i), f"{n} never stepped"
     # one scaler, updated after each optimizer's step as Lightning's AMP plugin does: no overflow, no change yet
     assert got.trainer_ref.strategy.memory_stats()["loss_scale"] == 2.0**16
@@ -81,7 +81,7 @@ def test_manual_clipping_before_step_sees_the_gradients():
     ref = fit_model(ClipBeforeStep, "auto")
     strategy = chunk(placement="host")
     got = fit_model(ClipBeforeStep, strategy)
-    for a, b in zip(ref.parameters(), got.parameters()):
+    for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
     assert strategy.memory_stats()["grad_norm"] > 0.05  # it did clip
 
@@ -105,7 +105,7 @@ class NoZeroGrad(ParityNet):
 def test_gradients_stay_until_zero_grad_as_in_torch():
     ref = fit_model(NoZeroGrad, "auto", steps=6)
     got = fit_model(NoZeroGrad, chunk(placement="host"), steps=6)
-    for a, b in zip(ref.parameters(), got.parameters()):
+    for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
 
 

@@ -88,7 +88,7 @@ def test_state_dict_between_steps_gives_the_master_values(placement, precision):
     assert all(v.dtype == torch.float32 for sd in got_cb.saved for v in sd.values() if v.is_floating_point())
     if precision == "32-true":
         fit("auto", steps=4, callbacks=[ref_cb])
-        for a, b in zip(ref_cb.saved, got_cb.saved):
+        for a, b in zip(ref_cb.saved, got_cb.saved, strict=True):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -178,7 +178,7 @@ def test_a_deep_copy_made_after_set_up_is_a_plain_module():
     strategy = chunked(placement="host")
     got = fit(strategy, steps=6, cls=CopiedTeacher)
     assert_same_params(ref, got, EXACT)
-    for a, b in zip(ref.teacher[1].parameters(), got.teacher[1].parameters()):
+    for a, b in zip(ref.teacher[1].parameters(), got.teacher[1].parameters(), strict=True):
         assert torch.equal(a, b)
     plain = chunked(placement="host")
     fit(plain, steps=6)

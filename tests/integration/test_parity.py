@@ -19,7 +19,7 @@ FUSED = dict(rtol=1e-4, atol=1e-5)
 
 
 def assert_same_params(ref, got, tol):
-    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters()):
+    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **tol)
 
 
@@ -318,8 +318,8 @@ def test_finetuning_callbacks_are_refused_with_what_to_do_instead():
 
 @torch.no_grad()
 def relative_update_error(ref, got, init):
-    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters()))
-    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters()))
+    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters(), strict=True))
+    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters(), strict=True))
     return float((num / den).sqrt())
 
 
@@ -366,7 +366,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
                         enable_model_summary=False, limit_val_batches=0)
     trainer.fit(model, token_data())
     before, after = model.seen  # parameters seen at the start of steps 3 and 4
-    for a, b in zip(before, after):
+    for a, b in zip(before, after, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     stats = strategy.memory_stats()
     assert stats["loss_scale"] == 2.0**15

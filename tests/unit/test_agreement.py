@@ -22,7 +22,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_chunk.engine.collectives import CollectiveMismatchError, CollectiveTimeoutError, Collectives
+    from lightning_chunk.engine.collectives import CollectiveMismatchError, Collectives, CollectiveTimeoutError
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     batch = case.startswith("batch")
@@ -52,7 +52,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
                 comm.agreement = Agreement(comm, lazy=False, mode="batch")
                 outs += [gather(c, n) for c, n in ((5, 8), (6, 2))]
                 seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n
-                                    for o, (c, n) in zip(outs, ((3, 8), (4, 8), (5, 8), (6, 2))))
+                                    for o, (c, n) in zip(outs, ((3, 8), (4, 8), (5, 8), (6, 2)), strict=True))
             else:
                 gather(3 if rank == 0 else (4 if case == "batch_swap" else 5), 8 if case == "batch_swap" or rank == 0 else 4)
                 gather(6, 8)
@@ -61,7 +61,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
         elif case == "agree":  # one size, another, the first again; then sizes past MAX_KEYS (4), checked every time
             sizes = ((0, 8), (1, 8), (2, 8), (3, 4), (4, 8), (5, 8), (6, 2), (7, 6), (8, 10), (9, 10), (10, 8))
             outs = [gather(c, n) for c, n in sizes]
-            seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n for o, (c, n) in zip(outs, sizes))
+            seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n for o, (c, n) in zip(outs, sizes, strict=True))
             full = torch.full((8,), float(rank + 1))
             comm.reduce_scatter(full[4 * rank: 4 * rank + 4], full, chunk=6).wait()
             seen["reduced"] = full[4 * rank: 4 * rank + 4].tolist()
@@ -116,7 +116,7 @@ def seen(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 def test_ranks_that_agree_check_each_size_once_and_get_the_right_data(seen):
-    for r, got in enumerate(seen["agree"]):
+    for _r, got in enumerate(seen["agree"]):
         assert got["error"] is None and got["right"], got
         # a barrier for each size the first time it is seen, none after; past four sizes, one every time
         assert got["barriers"] == [1, 1, 1, 2, 2, 2, 3, 4, 5, 6, 6], got

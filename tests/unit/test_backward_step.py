@@ -7,7 +7,7 @@ import torch
 
 from lightning_chunk import ChunkTelemetry
 from lightning_chunk.backward_step import choose_step_in_backward
-from tests.models import GradsAfterBackward, GradNormsAndEdits, ManualNet, ParityNet
+from tests.models import GradNormsAndEdits, GradsAfterBackward, ManualNet, ParityNet
 
 LIMIT = 1 << 20
 

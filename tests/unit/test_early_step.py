@@ -58,7 +58,7 @@ def test_stepping_in_backward_is_bit_identical_to_stepping_after_it(placement, c
         assert torch.equal(got[k], want[k]), k
     # the optimizer's state too: every step count and moment
     for va, vb in zip((p for g in opt_a.param_groups for p in g["params"]),
-                      (p for g in opt_b.param_groups for p in g["params"])):
+                      (p for g in opt_b.param_groups for p in g["params"]), strict=True):
         sa, sb = opt_a.state.get(va, {}), opt_b.state.get(vb, {})
         assert sa.keys() == sb.keys()
         for key in sa:

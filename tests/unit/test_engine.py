@@ -44,7 +44,8 @@ def test_warmup_repacks_in_first_use_order_and_keeps_training_exact():
     ref.load_state_dict(m.state_dict())
     opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
     eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
-    names = lambda: [t.name for c in eng.manager.chunks for t in c.tensors]
+    def names():
+        return [t.name for c in eng.manager.chunks for t in c.tensors]
     assert names()[:2] == ["last.weight", "last.bias"]  # registration order before the trace
     for i in range(4):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
@@ -87,7 +88,7 @@ def test_limit_too_small_for_the_traced_step_fails_before_the_first_step_with_nu
     needed = int(msg.split("would work is ")[1].split(" bytes")[0])
     assert needed > 8000
     eng.teardown()
-    for p, b in zip(m.parameters(), before):  # no step was taken
+    for p, b in zip(m.parameters(), before, strict=True):  # no step was taken
         torch.testing.assert_close(p.detach(), b)
 
 
@@ -107,7 +108,7 @@ def test_parameter_identity_survives_the_whole_life():
     ids = [id(p) for p in m.parameters()]
     opt = torch.optim.AdamW(m.parameters())
     eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300))
-    for i in range(2):
+    for _i in range(2):
         step(eng, m, opt, torch.randn(2, 8))
         assert [id(p) for p in m.parameters()] == ids
     eng.teardown()

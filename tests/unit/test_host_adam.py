@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_chunk.engine import ChunkConfig, ChunkEngine, DtypePolicy
-from lightning_chunk.engine import adam_native, host_adam
+from lightning_chunk.engine import ChunkConfig, ChunkEngine, DtypePolicy, adam_native, host_adam
 
 # sizes: multiples of 16 (torch's fused kernel steps each tensor's last numel % 16 elements in a scalar loop of
 # its own), and one that is not, where the one pass may differ in the last bit
@@ -40,7 +39,7 @@ def run(kernel, *, cls=torch.optim.AdamW, dtypes=None, steps=3, reload_after=Non
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         grads = [torch.randn(*s, generator=g) * 0.01 for s in SIZES]
-        for i, (p, gr) in enumerate(zip(ref, grads)):
+        for i, (p, gr) in enumerate(zip(ref, grads, strict=True)):
             p.grad = None if (step, i) in unused else gr.clone()
         oref.step()
         for i, gr in enumerate(grads):  # what a backward leaves in the gradient shards

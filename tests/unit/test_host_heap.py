@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_chunk.engine import ChunkConfig, ChunkEngine
-from lightning_chunk.engine import runtime
+from lightning_chunk.engine import ChunkConfig, ChunkEngine, runtime
 from lightning_chunk.engine.host_heap import user_set_thresholds
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ from lightning_chunk.engine.packing import build_layout
 from lightning_chunk.engine.states import TensorState as S
 
 
-def make(limit=None, dtypes=DtypePolicy(), tiers=None, capacity=64):
+def make(limit=None, dtypes=None, tiers=None, capacity=64):
+    dtypes = dtypes or DtypePolicy()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 2))
     named = list(net.named_parameters())
@@ -28,7 +29,7 @@ def make(limit=None, dtypes=DtypePolicy(), tiers=None, capacity=64):
 def test_pack_keeps_identity_and_values_and_frees_host_payloads():
     net, mgr, originals, checks = make()
     params = list(net.parameters())
-    assert [p is q for p, q in zip(params, mgr.params)] == [True] * len(params)
+    assert [p is q for p, q in zip(params, mgr.params, strict=True)] == [True] * len(params)
     assert len(mgr.chunks) == 2 and checks  # 40 + 36 elements do not share a 64-element chunk; 36 + 10 do
     for c in mgr.chunks:
         assert not c.is_resident and c.payload.untyped_storage().nbytes() == 0
@@ -161,7 +162,7 @@ def test_unpack_materializes_plain_parameters():
     net, mgr, originals, _ = make()
     unpack(mgr, materialize=True)
     assert mgr.ledger == {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
-    for p, orig in zip(net.parameters(), originals):
+    for p, orig in zip(net.parameters(), originals, strict=True):
         torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
         assert p.untyped_storage().nbytes() == p.numel() * 4
 
@@ -175,7 +176,7 @@ def test_unpack_streams_one_chunk_at_a_time():
     mgr.drop = lambda c: (events.append(("drop", c.chunk_id)), drop(c))[1]
     unpack(mgr, materialize=True)
     assert events == [("gather", 0), ("drop", 0), ("gather", 1), ("drop", 1)]
-    for p, orig in zip(net.parameters(), originals):
+    for p, orig in zip(net.parameters(), originals, strict=True):
         torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
 
 

@@ -2,8 +2,14 @@ import pytest
 
 from lightning_chunk.engine.chunk import Tier
 from lightning_chunk.engine.config import ChunkConfig
-from lightning_chunk.engine.placement import (AutoPlacement, ChunkView, HostPlacement, StaticPlacement,
-                                              smallest_working_limit, working_set_bytes)
+from lightning_chunk.engine.placement import (
+    AutoPlacement,
+    ChunkView,
+    HostPlacement,
+    StaticPlacement,
+    smallest_working_limit,
+    working_set_bytes,
+)
 from lightning_chunk.engine.tracer import BACKWARD, FORWARD, POST_FORWARD, Moment, Trace
 
 

@@ -41,7 +41,8 @@ def test_the_pool_does_nothing_off_the_host():
 def _train(pool_on: bool, monkeypatch) -> tuple[dict, dict, dict]:
     monkeypatch.setattr("lightning_chunk.engine.pool._CAN_SWAP", pool_on and _CAN_SWAP)
     torch.manual_seed(0)
-    make = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    def make():
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     m, ref = make(), make()
     ref.load_state_dict(m.state_dict())
     opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from lightning_chunk.ranks import (THREADS, barrier_device_ids, process_group_device, take_rank_threads,
-                                   threads_for_rank)
+from lightning_chunk.ranks import THREADS, barrier_device_ids, process_group_device, take_rank_threads, threads_for_rank
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"}
 

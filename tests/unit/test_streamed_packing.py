@@ -5,9 +5,8 @@ Measured in a child process: its peak resident set (VmHWM, reset just before the
 every block of 64 KiB or more on its own, so that freed memory leaves the resident set at once and the peak is
 what the code held, not what the allocator kept cached."""
 
-import os
-
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
