@@ -18,8 +18,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "PL_GLOBAL_SEED")
+DIST_VARS = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+)
 
 
 def clean_env() -> dict[str, str]:
@@ -33,8 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(cmd: list[str], ranks: int, env: dict[str, str], timeout: float,
-              watch: Callable[[int], bool] | None = None) -> tuple[int, str]:
+def run_ranks(
+    cmd: list[str], ranks: int, env: dict[str, str], timeout: float, watch: Callable[[int], bool] | None = None
+) -> tuple[int, str]:
     """Run ``ranks`` copies of a child that fits with ``devices=ranks``, started at once, each told its rank in the
     variables Lightning's launcher reads, as torchrun and SLURM start ranks: ``(return code, output)``, the first
     non-zero code of a rank if any. Left to Lightning's launcher, the second rank starts importing torch and
@@ -51,15 +60,38 @@ def run_ranks(cmd: list[str], ranks: int, env: dict[str, str], timeout: float,
     procs: list[subprocess.Popen] = []
     for r, log in enumerate(logs):
         group = procs[0].pid if procs else 0  # rank 0 leads a new group, the others join it
-        rank_env = env if ranks == 1 else {"OMP_NUM_THREADS": str(threads), **env, "RANK": str(r), "LOCAL_RANK": str(r),
-                                           "NODE_RANK": "0", "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                                           "MASTER_PORT": port}
-        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                      preexec_fn=lambda g=group: os.setpgid(0, g)))
+        rank_env = (
+            env
+            if ranks == 1
+            else {
+                "OMP_NUM_THREADS": str(threads),
+                **env,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "NODE_RANK": "0",
+                "WORLD_SIZE": str(ranks),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=rank_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+                preexec_fn=lambda g=group: os.setpgid(0, g),
+            )
+        )
     pgid, deadline = procs[0].pid, time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
-        if (time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs)
-                or (watch is not None and watch(pgid))):
+        if (
+            time.monotonic() > deadline
+            or any(p.poll() not in (None, 0) for p in procs)
+            or (watch is not None and watch(pgid))
+        ):
             break
         time.sleep(0.05)
     try:  # what is left of the group: the others after a failure, and anything a rank started
@@ -84,23 +116,31 @@ def load_gpt() -> Any:
 
 
 def make_gpt(args: argparse.Namespace, **kw: Any) -> Any:
-    return load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context, **kw)
+    return load_gpt().GPT(
+        width=args.width, depth=args.depth, heads=max(args.width // 64, 1), context=args.context, **kw
+    )
 
 
 def param_groups(model: Any) -> list[dict]:
     """Weight decay on matrices only, as the example GPT's ``configure_optimizers`` does: for the peers' own loops."""
-    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def deepspeed_offload_config(batch: int, cuda: bool) -> dict:
     """DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU (its ZeRO-Offload for ZeRO-3), AdamW as the
     example GPT's; bf16 and pinned host memory on CUDA, fp32 on CPU."""
     offload = {"device": "cpu", "pin_memory": cuda}
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-            "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": dict(offload)},
-            "bf16": {"enabled": cuda}, "steps_per_print": 10**9}
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": dict(offload)},
+        "bf16": {"enabled": cuda},
+        "steps_per_print": 10**9,
+    }
 
 
 def step_timer(times: list[float]) -> Any:
@@ -195,8 +235,12 @@ def median_interval(xs: list[float], confidence: float = 0.95) -> tuple[float, f
 def save_results(res: dict, out: str) -> dict:
     import torch
 
-    res["meta"] = {"machine": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                   "date": time.strftime("%Y-%m-%d")}
+    res["meta"] = {
+        "machine": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")

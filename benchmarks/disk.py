@@ -92,8 +92,13 @@ def child_chunk(args: argparse.Namespace) -> None:
     kw = dict(host_memory_limit=args.host_limit, disk_dir=args.dir, disk_io=args.disk_io) if on_disk else {}
     if args.child == "disk":  # the default steps in backward here ([Note: stepping disk chunks in backward])
         kw["step_in_backward"] = False
-    strategy = ChunkOffloadStrategy(placement="host", device_memory_limit=args.device_limit, log_memory_stats=False,
-                                    materialize_on_teardown=False, **kw)
+    strategy = ChunkOffloadStrategy(
+        placement="host",
+        device_memory_limit=args.device_limit,
+        log_memory_stats=False,
+        materialize_on_teardown=False,
+        **kw,
+    )
     L.seed_everything(0, verbose=False)
     model = make_gpt(args, deferred_init=True)
     data = _data(args)
@@ -107,23 +112,51 @@ def child_chunk(args: argparse.Namespace) -> None:
         def on_train_end(self, trainer: Any, *a: Any) -> None:
             stats["peak_rss"] = proc_bytes("VmHWM")
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[step_timer(times), Stats()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[step_timer(times), Stats()],
+    )
     baseline = proc_bytes("VmRSS")
     trainer.fit(model, data)
     last = stats["per_step"][-1]
     prev = stats["per_step"][-2] if len(stats["per_step"]) > 1 else {k: 0 for k in last}
     if args.child == "disk_early" and not last.get("chunks_stepped_in_backward"):
         raise SystemExit("the default did not step in backward on this model: the row would measure another path")
-    report = {"steps": trainer.global_step, "params": int(last["param_numel"]), "step_times": times,
-              "baseline_rss": baseline, "peak_rss": stats["peak_rss"],
-              "stats": {k: last[k] for k in ("host_chunk_bytes", "disk_chunk_bytes", "disk_shards", "chunks",
-                                              "device_chunk_bytes_peak", "nonmodel_peak_bytes", "chunk_numel")},
-              "disk_direct_io": bool(last.get("disk_direct_io", 0)),
-              "last_step": {k: last[k] - prev.get(k, 0) for k in last
-                            if k in ("disk_read_bytes", "disk_write_bytes", "disk_wait_s") or k.startswith("time_")},
-              "disk_roles": {r: last.get(f"disk_{r}_bytes", 0) for r in ("master", "grad", "optim")}}
+    report = {
+        "steps": trainer.global_step,
+        "params": int(last["param_numel"]),
+        "step_times": times,
+        "baseline_rss": baseline,
+        "peak_rss": stats["peak_rss"],
+        "stats": {
+            k: last[k]
+            for k in (
+                "host_chunk_bytes",
+                "disk_chunk_bytes",
+                "disk_shards",
+                "chunks",
+                "device_chunk_bytes_peak",
+                "nonmodel_peak_bytes",
+                "chunk_numel",
+            )
+        },
+        "disk_direct_io": bool(last.get("disk_direct_io", 0)),
+        "last_step": {
+            k: last[k] - prev.get(k, 0)
+            for k in last
+            if k in ("disk_read_bytes", "disk_write_bytes", "disk_wait_s") or k.startswith("time_")
+        },
+        "disk_roles": {r: last.get(f"disk_{r}_bytes", 0) for r in ("master", "grad", "optim")},
+    }
     Path(f"{args.out}.{args.child}").write_text(json.dumps(report))
     del torch
 
@@ -146,14 +179,23 @@ def child_deepspeed(args: argparse.Namespace) -> None:
         nvme = str(Path(args.dir) / "deepspeed")
         Path(nvme).mkdir(parents=True, exist_ok=True)
         config = {
-            "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
             # the swap buffers sized to this model, as a ZeRO-Infinity user bounding host memory sets them: by default
             # five 1e8-element parameter buffers and one optimizer sub-group of 1e9 elements (several GiB of buffers)
-            "zero_optimization": {"stage": 3, "sub_group_size": 10**7,
-                                  "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
-                                                    "buffer_count": 5, "buffer_size": 10**7},
-                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False}},
+            "zero_optimization": {
+                "stage": 3,
+                "sub_group_size": 10**7,
+                "offload_param": {
+                    "device": "nvme",
+                    "nvme_path": nvme,
+                    "pin_memory": False,
+                    "buffer_count": 5,
+                    "buffer_size": 10**7,
+                },
+                "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False},
+            },
             "aio": {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True},
             "steps_per_print": 10**9,
         }
@@ -173,8 +215,10 @@ def child_deepspeed(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         out = {"step_times": times, "peak_rss": proc_bytes("VmHWM"), "baseline_rss": baseline}
     except Exception as e:  # the reason it gave, never a faked row
-        out = {"skipped": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
-               "trace": traceback.format_exc()[-2000:]}
+        out = {
+            "skipped": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+            "trace": traceback.format_exc()[-2000:],
+        }
     finally:
         shutil.rmtree(Path(args.dir) / "deepspeed", ignore_errors=True)
     Path(f"{args.out}.deepspeed").write_text(json.dumps(out))
@@ -293,8 +337,9 @@ class MemoryCgroup:
                 pass
 
 
-def _run(name: str, args: argparse.Namespace, scratch: Path, cap: MemoryCgroup | None = None,
-         extra: list[str] | None = None) -> dict:
+def _run(
+    name: str, args: argparse.Namespace, scratch: Path, cap: MemoryCgroup | None = None, extra: list[str] | None = None
+) -> dict:
     os.sync()  # every row starts with no writeback left over from the one before
     if cap is not None and cap.why_not:
         return {"skipped": cap.why_not}
@@ -302,14 +347,34 @@ def _run(name: str, args: argparse.Namespace, scratch: Path, cap: MemoryCgroup |
     # a row run before under the same name (deepspeed, then deepspeed_capped) left its file: a child killed before
     # writing its own must not be read as having run
     Path(f"{out}.{name}").unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--child", name, "--out", str(out), "--dir", args.dir,
-           "--host-limit", str(args.host_limit), "--device-limit", str(args.device_limit), "--disk-io", args.disk_io,
-           *(extra or [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        name,
+        "--out",
+        str(out),
+        "--dir",
+        args.dir,
+        "--host-limit",
+        str(args.host_limit),
+        "--device-limit",
+        str(args.device_limit),
+        "--disk-io",
+        args.disk_io,
+        *(extra or []),
+    ]
     for k in ("width", "depth", "context", "batch", "steps"):
         cmd += [f"--{k}", str(getattr(args, k))]
     try:
-        r = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True,
-                           preexec_fn=None if cap is None else cap.enter)
+        r = subprocess.run(
+            cmd,
+            env=clean_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            preexec_fn=None if cap is None else cap.enter,
+        )
     except subprocess.SubprocessError as e:  # the child could not join the cgroup
         return {"skipped": f"no memory cgroup could be made here (joining it failed: {e})"}
     path = Path(f"{out}.{name}")
@@ -328,12 +393,17 @@ def measure(args: argparse.Namespace) -> dict:
     scratch = Path(tempfile.mkdtemp())
     rows = {name: _run(name, args, scratch) for name in ("memory", "disk", "disk_early")}
     disk = rows["disk"]
-    res: dict[str, Any] = {"args": {k: getattr(args, k) for k in ("width", "depth", "context", "batch", "steps",
-                                                                 "host_limit", "device_limit", "dir")},
-                           "rows": rows}
+    res: dict[str, Any] = {
+        "args": {
+            k: getattr(args, k)
+            for k in ("width", "depth", "context", "batch", "steps", "host_limit", "device_limit", "dir")
+        },
+        "rows": rows,
+    }
     if args.deepspeed:  # before its capped run, which then finds its ops built (the build is no part of the row)
-        rows["deepspeed"] = _run("deepspeed", args, scratch) if _importable("deepspeed") else \
-            {"skipped": "deepspeed is not installed"}
+        rows["deepspeed"] = (
+            _run("deepspeed", args, scratch) if _importable("deepspeed") else {"skipped": "deepspeed is not installed"}
+        )
     if "failed" not in disk:
         roles = disk["disk_roles"]
         must_read = roles.get("master", 0) * 3 + roles.get("grad", 0) + roles.get("optim", 0)
@@ -360,8 +430,9 @@ def measure(args: argparse.Namespace) -> dict:
                 try:
                     # the floor beside the resident set the disk tier had in the same cgroup (run just before)
                     hold = ["--floor-hold", str(rows.get("disk_capped", {}).get("peak_rss", 0))]
-                    rows[f"{name}_capped"] = _run(name, args, scratch, cap,
-                                                  extra=sizes + hold if name == "floor" else None)
+                    rows[f"{name}_capped"] = _run(
+                        name, args, scratch, cap, extra=sizes + hold if name == "floor" else None
+                    )
                 finally:
                     cap.remove()
             if args.rounds and "direct_seconds" in res.get("floor", {}):
@@ -423,14 +494,21 @@ def render(res: dict) -> str:
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     limit = parse_bytes(a["host_limit"], field="--host-limit") + parse_bytes(a["device_limit"], field="--device-limit")
-    lines = [f"GPT width {a['width']} depth {a['depth']}, context {a['context']}, batch {a['batch']}, {a['steps']} "
-             f"steps, 1 rank; host_memory_limit {a['host_limit']}, device_memory_limit {a['device_limit']} "
-             f"(limit {mib(limit)}), disk_dir {a['dir']}", ""]
+    lines = [
+        f"GPT width {a['width']} depth {a['depth']}, context {a['context']}, batch {a['batch']}, {a['steps']} "
+        f"steps, 1 rank; host_memory_limit {a['host_limit']}, device_memory_limit {a['device_limit']} "
+        f"(limit {mib(limit)}), disk_dir {a['dir']}",
+        "",
+    ]
     lines.append("| row | s a step | peak RSS | − baseline | under baseline + limit | state / host limit | notes |")
     lines.append("|---|---|---|---|---|---|---|")
     floor = res.get("floor")
-    for name, label in (("memory", "in memory (placement=host)"), ("disk", "disk tier, stepped after backward"),
-                        ("disk_early", "disk tier, stepped in backward (the default)"), ("deepspeed", "DeepSpeed ZeRO-Infinity (nvme)")):
+    for name, label in (
+        ("memory", "in memory (placement=host)"),
+        ("disk", "disk tier, stepped after backward"),
+        ("disk_early", "disk tier, stepped in backward (the default)"),
+        ("deepspeed", "DeepSpeed ZeRO-Infinity (nvme)"),
+    ):
         r = res["rows"].get(name)
         if r is None:
             continue
@@ -445,9 +523,11 @@ def render(res: dict) -> str:
         note = ""
         if name in ("disk", "disk_early"):
             s, last = r["stats"], r["last_step"]
-            note = (f"{s['disk_shards']}/{s['chunks']} shards on disk ({gib(s['disk_chunk_bytes'])}); last step read "
-                    f"{gib(last['disk_read_bytes'])}, wrote {gib(last['disk_write_bytes'])}, waited "
-                    f"{last['disk_wait_s']:.2f} s, {_io_mode(r)}")
+            note = (
+                f"{s['disk_shards']}/{s['chunks']} shards on disk ({gib(s['disk_chunk_bytes'])}); last step read "
+                f"{gib(last['disk_read_bytes'])}, wrote {gib(last['disk_write_bytes'])}, waited "
+                f"{last['disk_wait_s']:.2f} s, {_io_mode(r)}"
+            )
             mem = res["rows"].get("memory", {})
             own = res.get("floor_early") if name == "disk_early" else floor
             if own:
@@ -463,28 +543,41 @@ def render(res: dict) -> str:
             if "step_times" in disk_row:
                 note += f"; the disk tier's step is {_median_after_first(disk_row['step_times']) / step:.2f}× this one"
         fits = "yes" if over <= limit else "no"
-        lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {mib(over)} | "
-                     f"{fits if name.startswith('disk') else '—'} | {state / host:.1f}× | {note} |")
+        lines.append(
+            f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {mib(over)} | "
+            f"{fits if name.startswith('disk') else '—'} | {state / host:.1f}× | {note} |"
+        )
     for f, label in ((floor, "disk floor"), (res.get("floor_early"), "disk floor, stepped in backward")):
         if not f:
             continue
-        lines.append(f"| {label} | {f['seconds']:.2f} | | | | | reads {gib(f['read_bytes'])}, writes "
-                     f"{gib(f['write_bytes'])} with a plain loop in disk_dir (median of 5: "
-                     f"{min(f['all']):.2f}..{max(f['all']):.2f} s) |")
+        lines.append(
+            f"| {label} | {f['seconds']:.2f} | | | | | reads {gib(f['read_bytes'])}, writes "
+            f"{gib(f['write_bytes'])} with a plain loop in disk_dir (median of 5: "
+            f"{min(f['all']):.2f}..{max(f['all']):.2f} s) |"
+        )
         if "direct_seconds" in f:
-            lines.append(f"| {label}, O_DIRECT | {f['direct_seconds']:.2f} | | | | | the same bytes to and from "
-                         f"the disk itself (median of 5: {min(f['direct_all']):.2f}..{max(f['direct_all']):.2f}"
-                         " s): the floor where the page cache cannot hold the files |")
+            lines.append(
+                f"| {label}, O_DIRECT | {f['direct_seconds']:.2f} | | | | | the same bytes to and from "
+                f"the disk itself (median of 5: {min(f['direct_all']):.2f}..{max(f['direct_all']):.2f}"
+                " s): the floor where the page cache cannot hold the files |"
+            )
         elif "direct_skipped" in f:
             lines.append(f"| {label}, O_DIRECT | — | | | | | cannot run here: {f['direct_skipped']} |")
     if "memory_cap" in res:
-        lines += ["", f"In a memory cgroup of {mib(res['memory_cap'])} (resident set and page cache together):", "",
-                  "| row | s a step | peak RSS | − baseline | cgroup peak | notes |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"In a memory cgroup of {mib(res['memory_cap'])} (resident set and page cache together):",
+            "",
+            "| row | s a step | peak RSS | − baseline | cgroup peak | notes |",
+            "|---|---|---|---|---|---|",
+        ]
         capped_floor = res["rows"].get("floor_capped", {})
-        for name, label in (("disk_capped", "disk tier stepped after backward, memory capped"),
-                            ("floor_capped", "disk floor, memory capped"),
-                            ("disk_early_capped", "disk tier stepped in backward (the default), memory capped"),
-                            ("deepspeed_capped", "DeepSpeed ZeRO-Infinity (nvme), memory capped")):
+        for name, label in (
+            ("disk_capped", "disk tier stepped after backward, memory capped"),
+            ("floor_capped", "disk floor, memory capped"),
+            ("disk_early_capped", "disk tier stepped in backward (the default), memory capped"),
+            ("deepspeed_capped", "DeepSpeed ZeRO-Infinity (nvme), memory capped"),
+        ):
             if name not in res["rows"]:
                 continue
             r = res["rows"][name]
@@ -504,53 +597,90 @@ def render(res: dict) -> str:
                 if own and "direct_seconds" in own:
                     note += f", {step / own['direct_seconds']:.2f}× {'the' if own is floor else 'its'} O_DIRECT floor"
                 if name == "disk_early_capped" and "step_times" in res["rows"].get("disk_capped", {}):
-                    note += f"; {step / _median_after_first(res['rows']['disk_capped']['step_times']):.2f}× the " \
-                            "capped disk tier's step"
+                    note += (
+                        f"; {step / _median_after_first(res['rows']['disk_capped']['step_times']):.2f}× the "
+                        "capped disk tier's step"
+                    )
                 over = mib(r["peak_rss"] - r["baseline_rss"])
-                lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | {note} |")
+                lines.append(
+                    f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | {note} |"
+                )
             elif "seconds" in r:
                 held = f"; beside a resident set of {mib(r['held_rss'])}, the disk tier's" if r.get("held_rss") else ""
-                lines.append(f"| {label} | {r['seconds']:.2f} | | | {mib(r['cgroup_peak'])} | median of 5: "
-                             f"{min(r['all']):.2f}..{max(r['all']):.2f} s{held} |")
+                lines.append(
+                    f"| {label} | {r['seconds']:.2f} | | | {mib(r['cgroup_peak'])} | median of 5: "
+                    f"{min(r['all']):.2f}..{max(r['all']):.2f} s{held} |"
+                )
     if res.get("rounds"):
-        lines += ["", f"{len(res['rounds'])} more rounds, each capped row followed at once by the O_DIRECT floor of "
-                  "its own bytes (median of 3), the order shuffled each round:", "",
-                  "| row | s a step (min..max) | × its O_DIRECT floor, each round | median | 95% interval |",
-                  "|---|---|---|---|---|"]
-        for name, label in (("disk", "disk tier stepped after backward, memory capped"),
-                            ("disk_early", "disk tier stepped in backward (the default), memory capped")):
+        lines += [
+            "",
+            f"{len(res['rounds'])} more rounds, each capped row followed at once by the O_DIRECT floor of "
+            "its own bytes (median of 3), the order shuffled each round:",
+            "",
+            "| row | s a step (min..max) | × its O_DIRECT floor, each round | median | 95% interval |",
+            "|---|---|---|---|---|",
+        ]
+        for name, label in (
+            ("disk", "disk tier stepped after backward, memory capped"),
+            ("disk_early", "disk tier stepped in backward (the default), memory capped"),
+        ):
             got = [r[name] for r in res["rounds"] if "step_s" in r.get(name, {})]
             if not got:
                 continue
             steps = [g["step_s"] for g in got]
             ratios = [g["step_s"] / g["direct_floor_s"] for g in got]
             low, high = median_interval(ratios)
-            lines.append(f"| {label} | {statistics.median(steps):.2f} ({min(steps):.2f}..{max(steps):.2f}) | "
-                         f"{', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}** | "
-                         f"{low:.2f}..{high:.2f} |")
+            lines.append(
+                f"| {label} | {statistics.median(steps):.2f} ({min(steps):.2f}..{max(steps):.2f}) | "
+                f"{', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}** | "
+                f"{low:.2f}..{high:.2f} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = gpt_parser(__doc__, str(ROOT / "benchmarks/results/disk.json"), width=768, depth=12, context=64, batch=1,
-                   steps=6)
+    p = gpt_parser(
+        __doc__, str(ROOT / "benchmarks/results/disk.json"), width=768, depth=12, context=64, batch=1, steps=6
+    )
     p.add_argument("--host-limit", default="320MiB")
     p.add_argument("--device-limit", default="160MiB")
     p.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "lightning_chunk_disk_bench"))
-    p.add_argument("--disk-io", default="auto", choices=("auto", "direct", "buffered"),
-                   help="the disk tier's disk_io (auto: past the page cache where it cannot hold the files)")
+    p.add_argument(
+        "--disk-io",
+        default="auto",
+        choices=("auto", "direct", "buffered"),
+        help="the disk tier's disk_io (auto: past the page cache where it cannot hold the files)",
+    )
     p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
-    p.add_argument("--memory-cap", default=None, help="also run the disk tier and the floor in a memory cgroup of "
-                   "this size (resident set and page cache), e.g. 1100MiB")
-    p.add_argument("--rounds", type=int, default=0, help="with --memory-cap: this many more rounds of the capped "
-                   "disk-tier rows, each paired with an O_DIRECT floor measured right after it")
+    p.add_argument(
+        "--memory-cap",
+        default=None,
+        help="also run the disk tier and the floor in a memory cgroup of "
+        "this size (resident set and page cache), e.g. 1100MiB",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="with --memory-cap: this many more rounds of the capped "
+        "disk-tier rows, each paired with an O_DIRECT floor measured right after it",
+    )
     p.add_argument("--floor-read", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--floor-write", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--floor-hold", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    return run_or_child(args, {"memory": child_chunk, "disk": child_chunk, "disk_early": child_chunk,
-                               "deepspeed": child_deepspeed,
-                               "floor": child_floor}, measure, render)
+    return run_or_child(
+        args,
+        {
+            "memory": child_chunk,
+            "disk": child_chunk,
+            "disk_early": child_chunk,
+            "deepspeed": child_deepspeed,
+            "floor": child_floor,
+        },
+        measure,
+        render,
+    )
 
 
 if __name__ == "__main__":

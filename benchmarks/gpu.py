@@ -63,8 +63,13 @@ def _model_and_data(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     L.seed_everything(0, verbose=False)
-    model = load_gpt().GPT(width=args.width, depth=args.depth, heads=max(args.width // 128, 1), context=args.context,
-                           activation_checkpointing=True)
+    model = load_gpt().GPT(
+        width=args.width,
+        depth=args.depth,
+        heads=max(args.width // 128, 1),
+        context=args.context,
+        activation_checkpointing=True,
+    )
     return model, torch.randint(0, 256, (args.steps * args.batch, args.context + 1))
 
 
@@ -89,11 +94,12 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     model, data = _model_and_data(args)
     params = sum(p.numel() for p in model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, config=deepspeed_offload_config(args.batch, cuda),
-                                      model_parameters=param_groups(model))
+    engine, *_ = deepspeed.initialize(
+        model=model, config=deepspeed_offload_config(args.batch, cuda), model_parameters=param_groups(model)
+    )
     times = []
     for step in range(args.steps):
-        batch = data[step * args.batch:(step + 1) * args.batch].to(engine.device)
+        batch = data[step * args.batch : (step + 1) * args.batch].to(engine.device)
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -116,8 +122,11 @@ def child(args: argparse.Namespace) -> None:
 
     cuda = args.accelerator == "cuda"
     if args.child == "chunk_offload":
-        strategy = ChunkOffloadStrategy(placement="auto", log_memory_stats=False,
-                                        device_memory_limit=parse_bytes(args.device_limit, field="--device-limit"))
+        strategy = ChunkOffloadStrategy(
+            placement="auto",
+            log_memory_stats=False,
+            device_memory_limit=parse_bytes(args.device_limit, field="--device-limit"),
+        )
     elif args.child == "chunk_offload default":  # what a user gets: the limit is the device's free memory less a margin
         strategy = ChunkOffloadStrategy(log_memory_stats=False)
     elif args.child == "ddp":
@@ -130,10 +139,20 @@ def child(args: argparse.Namespace) -> None:
     model, data = _model_and_data(args)
     params = sum(p.numel() for p in model.parameters())
     times: list[float] = []
-    trainer = L.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, max_steps=args.steps,
-                        precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        num_sanity_val_steps=0, callbacks=[step_timer(times)])
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        strategy=strategy,
+        max_steps=args.steps,
+        precision="bf16-mixed" if cuda else "32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[step_timer(times)],
+    )
     if cuda:
         torch.cuda.synchronize()
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
@@ -157,12 +176,19 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         tail = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()][-1:] or ["no output"]
         return {"contender": name, "failed": tail[0][:300]}  # e.g. out of memory where the model does not fit
     res = json.loads(out.read_text())
-    steady = res["times"][args.skip:] or res["times"]
+    steady = res["times"][args.skip :] or res["times"]
     step = statistics.median(steady)
     tokens = args.batch * args.context / step
-    return {"contender": name, "median_s": step, "min_s": min(steady), "max_s": max(steady), "tokens_per_s": tokens,
-            "tflops": tokens * _flops_per_token(res["params"], args.depth, args.width, args.context) / 1e12,
-            "peak_device": res["peak_device"], "params": res["params"]}
+    return {
+        "contender": name,
+        "median_s": step,
+        "min_s": min(steady),
+        "max_s": max(steady),
+        "tokens_per_s": tokens,
+        "tflops": tokens * _flops_per_token(res["params"], args.depth, args.width, args.context) / 1e12,
+        "peak_device": res["peak_device"],
+        "params": res["params"],
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -175,9 +201,17 @@ def measure(args: argparse.Namespace) -> dict:
     for r in rows:
         if base and "median_s" in r:
             r["vs_ddp"] = r["median_s"] / base["median_s"]
-    res = {"params": next((r["params"] for r in rows if "params" in r), 0), "width": args.width, "depth": args.depth,
-           "context": args.context, "batch": args.batch, "steps": args.steps, "accelerator": args.accelerator,
-           "device_limit": args.device_limit, "rows": rows}
+    res = {
+        "params": next((r["params"] for r in rows if "params" in r), 0),
+        "width": args.width,
+        "depth": args.depth,
+        "context": args.context,
+        "batch": args.batch,
+        "steps": args.steps,
+        "accelerator": args.accelerator,
+        "device_limit": args.device_limit,
+        "rows": rows,
+    }
     if args.largest:
         import scale
 
@@ -186,25 +220,39 @@ def measure(args: argparse.Namespace) -> dict:
             import torch
 
             device_limit = str(int(0.92 * torch.cuda.get_device_properties(0).total_memory))
-        sargs = argparse.Namespace(width=args.width, context=args.context, batch=args.batch, steps=3, ranks=1,
-                                   accelerator=args.accelerator, host_limit=args.host_limit, device_limit=device_limit,
-                                   max_depth=args.max_depth)
+        sargs = argparse.Namespace(
+            width=args.width,
+            context=args.context,
+            batch=args.batch,
+            steps=3,
+            ranks=1,
+            accelerator=args.accelerator,
+            host_limit=args.host_limit,
+            device_limit=device_limit,
+            max_depth=args.max_depth,
+        )
         res["largest"] = [scale.largest(name, sargs, scratch) for name in scale.contenders(1)]
     return res
 
 
 def render(res: dict) -> str:
     gib = 2**30
-    lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
-             f"batch {res['batch']}), one {res['accelerator']} device, chunk_offload device limit {res['device_limit']}",
-             f"{'contender':<22} {'median s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'peak dev GiB':>13} {'x ddp':>6}"]
+    lines = [
+        f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
+        f"batch {res['batch']}), one {res['accelerator']} device, chunk_offload device limit {res['device_limit']}",
+        f"{'contender':<22} {'median s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'peak dev GiB':>13} {'x ddp':>6}",
+    ]
     for r in res["rows"]:
         if "median_s" not in r:
-            lines.append(f"{r['contender']:<22} {r.get('skipped') and 'skipped: ' + r['skipped'] or 'failed: ' + r['failed']}")
+            lines.append(
+                f"{r['contender']:<22} {r.get('skipped') and 'skipped: ' + r['skipped'] or 'failed: ' + r['failed']}"
+            )
             continue
         ratio = f"{r['vs_ddp']:.2f}" if "vs_ddp" in r else "-"
-        lines.append(f"{r['contender']:<22} {r['median_s']:>9.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
-                     f"{r['peak_device'] / gib:>13.2f} {ratio:>6}")
+        lines.append(
+            f"{r['contender']:<22} {r['median_s']:>9.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
+            f"{r['peak_device'] / gib:>13.2f} {ratio:>6}"
+        )
     for r in res.get("largest", []):
         lines.append(f"largest for {r['contender']}: depth {r['depth']}, {r['params']:,} parameters")
     return "\n".join(lines)
@@ -221,8 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-depth", type=int, default=512)
     p.add_argument("--out", default="benchmarks/results/gpu.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    return run_or_child(p.parse_args(argv), {"deepspeed zero-3 offload": child_deepspeed, "*": child}, measure,
-                        render)
+    return run_or_child(p.parse_args(argv), {"deepspeed zero-3 offload": child_deepspeed, "*": child}, measure, render)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,18 @@ def gpt_like_sizes(numel: int) -> list[int]:
     """Parameter sizes shaped like a GPT's: big matrices and small vectors, adding up to ``numel``."""
     sizes, total, width = [], 0, 1024
     while total < numel:
-        for n in (3 * width * width, 3 * width, width * width, width, 4 * width * width, 4 * width, 4 * width * width,
-                  width, width, width):
+        for n in (
+            3 * width * width,
+            3 * width,
+            width * width,
+            width,
+            4 * width * width,
+            4 * width,
+            4 * width * width,
+            width,
+            width,
+            width,
+        ):
             n = min(n, numel - total)
             if n <= 0:
                 break
@@ -71,8 +81,9 @@ def make_ours(numel: int, write_back: bool, kernel: str = "auto") -> Callable[[]
     params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n) * 0.02) for n in gpt_like_sizes(numel))
     opt = torch.optim.AdamW(params.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     dtypes = DtypePolicy(torch.bfloat16, torch.float32) if write_back else DtypePolicy()
-    engine = ChunkEngine(params, [opt], config=ChunkConfig(placement="host", chunk_numel=1 << 24,
-                                                                     optimizer_kernel=kernel), dtypes=dtypes)
+    engine = ChunkEngine(
+        params, [opt], config=ChunkConfig(placement="host", chunk_numel=1 << 24, optimizer_kernel=kernel), dtypes=dtypes
+    )
     for c in engine.manager.chunks:
         c.grad.normal_(0.0, 1e-3)
 
@@ -108,8 +119,14 @@ def make_torch(numel: int, kind: str) -> Callable[[], None]:
         p = torch.nn.Parameter(torch.randn(n) * 0.02)
         p.grad = torch.randn(n) * 1e-3
         params.append(p)
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                            **({"fused": True} if kind == "fused" else {"foreach": True}))
+    opt = torch.optim.AdamW(
+        params,
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        **({"fused": True} if kind == "fused" else {"foreach": True}),
+    )
     return opt.step
 
 
@@ -146,24 +163,42 @@ def make_floor(numel: int) -> tuple[Callable[[], None], Callable[[], None], str]
         compiled_bf16 = torch.compile(pattern_bf16, dynamic=False)
         compiled(p, g, m, v)  # compile now, not inside the timings
         compiled_bf16(p, g, m, v, low)
-        return ((lambda: compiled(p, g, m, v)), (lambda: compiled_bf16(p, g, m, v, low)),
-                "fused kernel (torch.compile): 28 B/parameter, 30 with the bf16 store")
+        return (
+            (lambda: compiled(p, g, m, v)),
+            (lambda: compiled_bf16(p, g, m, v, low)),
+            "fused kernel (torch.compile): 28 B/parameter, 30 with the bf16 store",
+        )
     except Exception:  # noqa: BLE001 - no compiler: fall back to measured streaming bandwidth
         a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
         best = 0.0
-        for fn, nbytes in ((lambda: c.copy_(a), 8), (lambda: torch.add(a, b, out=c), 12),
-                           (lambda: torch.add(a, b, alpha=2.0, out=c), 12)):
+        for fn, nbytes in (
+            (lambda: c.copy_(a), 8),
+            (lambda: torch.add(a, b, out=c), 12),
+            (lambda: torch.add(a, b, alpha=2.0, out=c), 12),
+        ):
             fn()
             t = time.perf_counter()
             fn()
             best = max(best, nbytes * numel / (time.perf_counter() - t))
         seconds = 28 * numel / best
-        return ((lambda: time.sleep(seconds)), (lambda: time.sleep(seconds * 30 / 28)),
-                f"28 B/parameter at the best streaming bandwidth ({best / 1e9:.1f} GB/s)")
+        return (
+            (lambda: time.sleep(seconds)),
+            (lambda: time.sleep(seconds * 30 / 28)),
+            f"28 B/parameter at the best streaming bandwidth ({best / 1e9:.1f} GB/s)",
+        )
 
 
-NAMES = ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours+bf16-2pass", "torch-fused",
-         "torch-foreach", "deepspeed")
+NAMES = (
+    "floor",
+    "floor+bf16",
+    "ours",
+    "ours+bf16",
+    "ours+bf16-compiled",
+    "ours+bf16-2pass",
+    "torch-fused",
+    "torch-foreach",
+    "deepspeed",
+)
 
 
 def measure(numel: int, repeats: int, seed: int = 0, only: list[str] | None = None) -> dict:
@@ -214,31 +249,46 @@ def measure(numel: int, repeats: int, seed: int = 0, only: list[str] | None = No
         measured = "floor+bf16" if bf16 and "floor+bf16" in times else "floor"
         scale = floor_bytes / 28 if measured == "floor" else 1.0
         vs_floor, per_round = round_ratios(times[name], [t * scale for t in times[measured]])
-        rows.append({
-            "contender": name, "median_s": med[name], "min_s": min(times[name]), "max_s": max(times[name]),
-            "rounds_s": times[name], "vs_floor": vs_floor, "vs_floor_rounds": per_round, "vs_floor_95": median_interval(per_round),
-            "vs_fastest_peer": med[name] / med[fastest_peer],
-            "GB_per_s": floor_bytes * numel / med[name] / 1e9,
-            **({"vs_floor_28_scaled": round_ratios(times[name], [t * 30 / 28 for t in times["floor"]])[0]}
-               if bf16 else {}),
-        })
+        rows.append(
+            {
+                "contender": name,
+                "median_s": med[name],
+                "min_s": min(times[name]),
+                "max_s": max(times[name]),
+                "rounds_s": times[name],
+                "vs_floor": vs_floor,
+                "vs_floor_rounds": per_round,
+                "vs_floor_95": median_interval(per_round),
+                "vs_fastest_peer": med[name] / med[fastest_peer],
+                "GB_per_s": floor_bytes * numel / med[name] / 1e9,
+                **(
+                    {"vs_floor_28_scaled": round_ratios(times[name], [t * 30 / 28 for t in times["floor"]])[0]}
+                    if bf16
+                    else {}
+                ),
+            }
+        )
     return {"numel": numel, "repeats": repeats, "floor": floor_kind, "fastest_peer": fastest_peer, "rows": rows}
 
 
 def render(result: dict) -> str:
-    lines = [f"N = {result['numel']:,} fp32 parameters, {result['repeats']} interleaved repeats; floor: "
-             f"{result['floor']}; fastest peer: {result['fastest_peer']}",
-             "x floor: the median of per-round ratios to the floor of the same round, and its 95% interval",
-             f"{'contender':<18} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'95% interval':>13}"
-             f" {'x peer':>7} {'x 28B floor*30/28':>18}"]
+    lines = [
+        f"N = {result['numel']:,} fp32 parameters, {result['repeats']} interleaved repeats; floor: "
+        f"{result['floor']}; fastest peer: {result['fastest_peer']}",
+        "x floor: the median of per-round ratios to the floor of the same round, and its 95% interval",
+        f"{'contender':<18} {'median ms':>10} {'min..max ms':>17} {'GB/s':>7} {'x floor':>8} {'95% interval':>13}"
+        f" {'x peer':>7} {'x 28B floor*30/28':>18}",
+    ]
     for r in result["rows"]:
         if "skipped" in r:
             lines.append(f"{r['contender']:<18} skipped: {r['skipped']}")
             continue
-        lines.append(f"{r['contender']:<18} {r['median_s'] * 1e3:>10.1f} {r['min_s'] * 1e3:>8.1f}..{r['max_s'] * 1e3:<7.1f} "
-                     f"{r['GB_per_s']:>7.1f} {r['vs_floor']:>8.3f} {r['vs_floor_95'][0]:>6.3f}..{r['vs_floor_95'][1]:<5.3f}"
-                     f" {r['vs_fastest_peer']:>7.2f}"
-                     + (f" {r['vs_floor_28_scaled']:>18.2f}" if "vs_floor_28_scaled" in r else ""))
+        lines.append(
+            f"{r['contender']:<18} {r['median_s'] * 1e3:>10.1f} {r['min_s'] * 1e3:>8.1f}..{r['max_s'] * 1e3:<7.1f} "
+            f"{r['GB_per_s']:>7.1f} {r['vs_floor']:>8.3f} {r['vs_floor_95'][0]:>6.3f}..{r['vs_floor_95'][1]:<5.3f}"
+            f" {r['vs_fastest_peer']:>7.2f}"
+            + (f" {r['vs_floor_28_scaled']:>18.2f}" if "vs_floor_28_scaled" in r else "")
+        )
     return "\n".join(lines)
 
 
@@ -247,9 +297,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--numel", type=float, nargs="+", default=[50e6, 200e6])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default="benchmarks/results/optimizer_step.json")
-    parser.add_argument("--only", nargs="+", choices=NAMES[1:], help="these contenders (and the floor) only: "
-                        "each holds its own parameters and state (16 bytes a parameter), so 200M with all of "
-                        "them needs about 20 GB")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=NAMES[1:],
+        help="these contenders (and the floor) only: "
+        "each holds its own parameters and state (16 bytes a parameter), so 200M with all of "
+        "them needs about 20 GB",
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     results = []
@@ -259,8 +314,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results.append(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "machine": platform.platform(),
+        "processor": platform.processor(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {out}")
     return results

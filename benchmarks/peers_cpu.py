@@ -77,8 +77,9 @@ def child_chunk(args: argparse.Namespace) -> None:
 
     telemetry = ChunkTelemetry(picture=False)
     extra = json.loads(args.strategy_json or "{}")  # e.g. '{"verify_collectives": false}', to measure one lever
-    strategy = ChunkOffloadStrategy(placement=args.placement, chunk_numel=args.chunk_numel, log_memory_stats=False,
-                                    **extra)
+    strategy = ChunkOffloadStrategy(
+        placement=args.placement, chunk_numel=args.chunk_numel, log_memory_stats=False, **extra
+    )
     _lightning_child(args, strategy, [telemetry], lambda: telemetry.breakdown)
 
 
@@ -94,12 +95,20 @@ def _lightning_child(args: argparse.Namespace, strategy: Any, callbacks: list, b
     peak: dict = {}
     L.seed_everything(0, verbose=False)
     model = make_gpt(args)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, strategy=strategy,
-                        callbacks=[step_timer(times), train_end_peak(peak), *callbacks])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        strategy=strategy,
+        callbacks=[step_timer(times), train_end_peak(peak), *callbacks],
+    )
     trainer.fit(model, torch.utils.data.DataLoader(_data(args, 2), batch_size=args.batch))
-    _report(args, trainer.global_rank, times, sum(p.numel() for p in model.parameters()), peak["peak_rss"],
-            breakdown())
+    _report(args, trainer.global_rank, times, sum(p.numel() for p in model.parameters()), peak["peak_rss"], breakdown())
     torch.distributed.destroy_process_group()
 
 
@@ -142,8 +151,9 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = make_gpt(args)
     n_params = sum(p.numel() for p in model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, config=deepspeed_offload_config(args.batch, cuda=False),
-                                      model_parameters=param_groups(model))
+    engine, *_ = deepspeed.initialize(
+        model=model, config=deepspeed_offload_config(args.batch, cuda=False), model_parameters=param_groups(model)
+    )
 
     def backward_and_step(loss: Any) -> None:
         engine.backward(loss)
@@ -168,21 +178,31 @@ def _timed_steps(args: argparse.Namespace, rank: int, forward: Any, backward_and
     return times
 
 
-def _report(args: argparse.Namespace, rank: int, times: list[float], n_params: int, peak: int = 0,
-            breakdown: list | None = None) -> None:
+def _report(
+    args: argparse.Namespace, rank: int, times: list[float], n_params: int, peak: int = 0, breakdown: list | None = None
+) -> None:
     """Peak RSS at the end of training: for chunk_offload before its teardown gathers the model back."""
-    Path(f"{args.out}.rank{rank}").write_text(json.dumps({"times": times, "peak_rss": peak or proc_bytes("VmHWM"),
-                                                         "params": n_params, "breakdown": breakdown or []}))
+    Path(f"{args.out}.rank{rank}").write_text(
+        json.dumps(
+            {"times": times, "peak_rss": peak or proc_bytes("VmHWM"), "params": n_params, "breakdown": breakdown or []}
+        )
+    )
 
 
-def run_contender(name: str, args: argparse.Namespace, chunk_numel: int | None = None,
-                  placement: str = "host", extra: dict | None = None) -> dict:
+def run_contender(
+    name: str,
+    args: argparse.Namespace,
+    chunk_numel: int | None = None,
+    placement: str = "host",
+    extra: dict | None = None,
+) -> dict:
     env = clean_env()
     out = Path(tempfile.mkdtemp(prefix="peers_cpu_")) / f"{name}{chunk_numel or ''}"  # scratch, not results
     for r in (0, 1):
         Path(f"{out}.rank{r}").unlink(missing_ok=True)
-    common = ["--child", name, "--out", str(out)] + [f"--{k}={getattr(args, k)}" for k in
-                                                     ("width", "depth", "context", "batch", "steps")]
+    common = ["--child", name, "--out", str(out)] + [
+        f"--{k}={getattr(args, k)}" for k in ("width", "depth", "context", "batch", "steps")
+    ]
     if chunk_numel:
         common.append(f"--chunk-numel={chunk_numel}")
     common.append(f"--placement={placement}")
@@ -190,8 +210,15 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: int | None =
     if strategy_kw:
         common.append(f"--strategy-json={json.dumps(strategy_kw)}")
     if name in ("fsdp2", "deepspeed"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29517",
-               str(Path(__file__).resolve()), *common]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--master-port=29517",
+            str(Path(__file__).resolve()),
+            *common,
+        ]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
         log = r.stdout + r.stderr
     else:  # Lightning's strategies: both ranks started at once, as torchrun does
@@ -203,13 +230,22 @@ def run_contender(name: str, args: argparse.Namespace, chunk_numel: int | None =
             raise RuntimeError(f"{name} failed on rank {rank}:\n{log[-3000:]}")
         ranks.append(json.loads(f.read_text()))
     steady = [t for rk in ranks for t in rk["times"][1:]] or [t for rk in ranks for t in rk["times"]]
-    return {"median_s": statistics.median(steady), "min_s": min(steady), "max_s": max(steady),
-            "peak_rss": [rk["peak_rss"] for rk in ranks], "params": ranks[0]["params"],
-            "breakdown": ranks[0].get("breakdown", [])}
+    return {
+        "median_s": statistics.median(steady),
+        "min_s": min(steady),
+        "max_s": max(steady),
+        "peak_rss": [rk["peak_rss"] for rk in ranks],
+        "params": ranks[0]["params"],
+        "breakdown": ranks[0].get("breakdown", []),
+    }
 
 
-LABELS = {"chunk": "chunk_offload (host)", "fsdp2": "FSDP2 + CPUOffloadPolicy", "deepspeed": "DeepSpeed ZeRO-3 offload",
-          "ddp": "DDP (everything replicated)"}
+LABELS = {
+    "chunk": "chunk_offload (host)",
+    "fsdp2": "FSDP2 + CPUOffloadPolicy",
+    "deepspeed": "DeepSpeed ZeRO-3 offload",
+    "ddp": "DDP (everything replicated)",
+}
 
 
 CONTENDERS = (  # (row, child, chunk_numel: None or "block", placement, further ChunkOffloadStrategy arguments)
@@ -235,8 +271,9 @@ def measure(args: argparse.Namespace) -> dict:
         order = [c for c in CONTENDERS if c[1] != "deepspeed" or has_ds]
         rng.shuffle(order)
         for row, child, numel, placement, extra in order:
-            runs[row].append(run_contender(child, args, block_numel if numel == "block" else None,
-                                           placement=placement, extra=extra))
+            runs[row].append(
+                run_contender(child, args, block_numel if numel == "block" else None, placement=placement, extra=extra)
+            )
     rows = []
     for row, _child, *_ in CONTENDERS:
         if not runs[row]:
@@ -244,36 +281,63 @@ def measure(args: argparse.Namespace) -> dict:
             continue
         r = runs[row]
         per_round = [x["median_s"] for x in r]
-        rows.append({"contender": row, "median_s": statistics.median(per_round), "min_s": min(x["min_s"] for x in r),
-                     "max_s": max(x["max_s"] for x in r), "rounds_s": per_round,
-                     "peak_rss": [max(x["peak_rss"][k] for x in r) for k in (0, 1)], "params": r[0]["params"],
-                     "breakdown": r[-1]["breakdown"]})
+        rows.append(
+            {
+                "contender": row,
+                "median_s": statistics.median(per_round),
+                "min_s": min(x["min_s"] for x in r),
+                "max_s": max(x["max_s"] for x in r),
+                "rounds_s": per_round,
+                "peak_rss": [max(x["peak_rss"][k] for x in r) for k in (0, 1)],
+                "params": r[0]["params"],
+                "breakdown": r[-1]["breakdown"],
+            }
+        )
     for r in rows:
         if "median_s" in r:
             for key, peer in (("vs_ddp", LABELS["ddp"]), ("vs_fsdp2", LABELS["fsdp2"])):
                 base = next(x for x in rows if x["contender"] == peer)["rounds_s"]
                 r[key], r[f"{key}_rounds"] = round_ratios(r["rounds_s"], base)
-    return {"params": rows[0]["params"], "block_numel": block_numel, "width": args.width, "depth": args.depth,
-            "context": args.context, "batch": args.batch, "steps": args.steps, "repeats": args.repeats, "rows": rows}
+    return {
+        "params": rows[0]["params"],
+        "block_numel": block_numel,
+        "width": args.width,
+        "depth": args.depth,
+        "context": args.context,
+        "batch": args.batch,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
 
 
 def render(res: dict) -> str:
     gib = 2**30
-    lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
-             f"batch {res['batch']} per rank), 2 gloo ranks, {res['steps']} steps (the first not timed), "
-             f"{res.get('repeats', 1)} interleaved round(s); ratios: median of the per-round ratios",
-             f"{'contender':<40} {'median s':>9} {'min..max s':>14} {'x DDP':>6} {'x FSDP2':>8} "
-             f"{'peak RSS GiB (rank 0, 1)':>26}"]
+    lines = [
+        f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
+        f"batch {res['batch']} per rank), 2 gloo ranks, {res['steps']} steps (the first not timed), "
+        f"{res.get('repeats', 1)} interleaved round(s); ratios: median of the per-round ratios",
+        f"{'contender':<40} {'median s':>9} {'min..max s':>14} {'x DDP':>6} {'x FSDP2':>8} "
+        f"{'peak RSS GiB (rank 0, 1)':>26}",
+    ]
     for r in res["rows"]:
         if "skipped" in r:
             lines.append(f"{r['contender']:<40} skipped: {r['skipped']}")
             continue
         rss = ", ".join(f"{b / gib:.2f}" for b in r["peak_rss"])
-        lines.append(f"{r['contender']:<40} {r['median_s']:>9.2f} {r['min_s']:>6.2f}..{r['max_s']:<6.2f} "
-                     f"{r['vs_ddp']:>6.2f} {r['vs_fsdp2']:>8.2f} {rss:>26}")
+        lines.append(
+            f"{r['contender']:<40} {r['median_s']:>9.2f} {r['min_s']:>6.2f}..{r['max_s']:<6.2f} "
+            f"{r['vs_ddp']:>6.2f} {r['vs_fsdp2']:>8.2f} {rss:>26}"
+        )
     if res.get("repeats", 1) > 1:
-        lines.append("x DDP per round: " + "; ".join(
-            f"{r['contender']}: " + ", ".join(f"{x:.2f}" for x in r["vs_ddp_rounds"]) for r in res["rows"] if "median_s" in r))
+        lines.append(
+            "x DDP per round: "
+            + "; ".join(
+                f"{r['contender']}: " + ", ".join(f"{x:.2f}" for x in r["vs_ddp_rounds"])
+                for r in res["rows"]
+                if "median_s" in r
+            )
+        )
     for r in res["rows"]:
         if r.get("breakdown"):
             from lightning_chunk.telemetry import breakdown_table
@@ -284,8 +348,12 @@ def render(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/peers_cpu.json", width=768, depth=14, context=64, batch=2, steps=4)
-    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every contender (3 or more to "
-                   "read a ratio on a shared machine)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="interleaved rounds of every contender (3 or more to read a ratio on a shared machine)",
+    )
     p.add_argument("--chunk-numel", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--placement", default="host", help=argparse.SUPPRESS)
     p.add_argument("--strategy-json", default=None, help=argparse.SUPPRESS)

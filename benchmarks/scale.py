@@ -51,10 +51,12 @@ BYTES_PER_PARAM = 16  # fp32 weight + gradient + Adam's two moments
 
 def contenders(ranks: int) -> dict[str, dict]:
     placement = "auto" if ranks == 1 else "host"
-    return {("auto" if ranks == 1 else "ddp"): {"strategy": "auto" if ranks == 1 else "ddp"},
-            "chunk_offload": {"strategy": "chunk", "placement": placement},
-            "chunk_deferred": {"strategy": "chunk", "placement": placement, "deferred": True},
-            "chunk_early": {"strategy": "chunk", "placement": placement, "deferred": True, "step_in_backward": True}}
+    return {
+        ("auto" if ranks == 1 else "ddp"): {"strategy": "auto" if ranks == 1 else "ddp"},
+        "chunk_offload": {"strategy": "chunk", "placement": placement},
+        "chunk_deferred": {"strategy": "chunk", "placement": placement, "deferred": True},
+        "chunk_early": {"strategy": "chunk", "placement": placement, "deferred": True, "step_in_backward": True},
+    }
 
 
 # ------------------------------------------------------------------------------------------ child
@@ -69,9 +71,13 @@ def child(args: argparse.Namespace) -> None:
     cuda = args.accelerator == "cuda"
     device_limit = parse_bytes(args.device_limit, field="--device-limit") if args.device_limit else None
     if spec["strategy"] == "chunk":
-        strategy = ChunkOffloadStrategy(placement=spec["placement"], device_memory_limit=device_limit,
-                                        log_memory_stats=False, materialize_on_teardown=False,
-                                        step_in_backward=spec.get("step_in_backward", False))
+        strategy = ChunkOffloadStrategy(
+            placement=spec["placement"],
+            device_memory_limit=device_limit,
+            log_memory_stats=False,
+            materialize_on_teardown=False,
+            step_in_backward=spec.get("step_in_backward", False),
+        )
     else:
         strategy = spec["strategy"]
     peak: dict = {}
@@ -79,21 +85,38 @@ def child(args: argparse.Namespace) -> None:
     before = proc_bytes("VmRSS")  # the marginal bytes a parameter count from here
     model = make_gpt(args, deferred_init=spec.get("deferred", False))
     data = torch.randint(0, 256, (args.steps * args.batch * args.ranks, args.context + 1))
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.ranks, strategy=strategy, max_steps=args.steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        callbacks=[train_end_peak(peak)])
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.ranks,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[train_end_peak(peak)],
+    )
     if cuda and device_limit and spec["strategy"] != "chunk":
         torch.cuda.set_per_process_memory_fraction(
             min(1.0, device_limit / torch.cuda.get_device_properties(trainer.local_rank).total_memory),
-            trainer.local_rank)
+            trainer.local_rank,
+        )
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
     # chunk_offload's teardown leaves the parameters empty (materialize_on_teardown=False); a deferred model had none
-    params = (int(strategy.memory_stats()["param_numel"]) if spec["strategy"] == "chunk"
-              else sum(p.numel() for p in model.parameters()))
-    report = {"steps": trainer.global_step, "params": params,
-              "peak_rss": peak["peak_rss"], "rss_before_model": before,
-              "peak_device": torch.cuda.max_memory_allocated() if cuda else 0}
+    params = (
+        int(strategy.memory_stats()["param_numel"])
+        if spec["strategy"] == "chunk"
+        else sum(p.numel() for p in model.parameters())
+    )
+    report = {
+        "steps": trainer.global_step,
+        "params": params,
+        "peak_rss": peak["peak_rss"],
+        "rss_before_model": before,
+        "peak_device": torch.cuda.max_memory_allocated() if cuda else 0,
+    }
     Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(report))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -139,11 +162,17 @@ def attempt(name: str, depth: int, args: argparse.Namespace, scratch: Path) -> d
 
     t0 = time.perf_counter()
     code, log = run_ranks(cmd, args.ranks, env, timeout=3600, watch=over_limit)
-    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(args.ranks) if Path(f"{out}.rank{r}").exists()]
-    res = {"depth": depth, "seconds": time.perf_counter() - t0, "params": ranks[0]["params"] if ranks else None,
-           "peak_rss": [r["peak_rss"] for r in ranks] or [watched_peak[0]],
-           "rss_before_model": [r["rss_before_model"] for r in ranks],
-           "peak_device": [r["peak_device"] for r in ranks]}
+    ranks = [
+        json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(args.ranks) if Path(f"{out}.rank{r}").exists()
+    ]
+    res = {
+        "depth": depth,
+        "seconds": time.perf_counter() - t0,
+        "params": ranks[0]["params"] if ranks else None,
+        "peak_rss": [r["peak_rss"] for r in ranks] or [watched_peak[0]],
+        "rss_before_model": [r["rss_before_model"] for r in ranks],
+        "peak_device": [r["peak_device"] for r in ranks],
+    }
     device_limit = parse_bytes(args.device_limit, field="--device-limit") if args.device_limit else None
     if killed:
         res["why"] = f"resident memory reached {killed[0] / 2**30:.2f} GiB > host limit"
@@ -155,8 +184,12 @@ def attempt(name: str, depth: int, args: argparse.Namespace, scratch: Path) -> d
     elif args.accelerator == "cuda" and device_limit and max(res["peak_device"]) > device_limit:
         res["why"] = f"peak device memory {max(res['peak_device']) / 2**30:.2f} GiB > device limit"
     res["fits"] = "why" not in res
-    print(f"  {name:<14} depth {depth:>4}: " + ("fits" if res["fits"] else res["why"])
-          + f" ({res['seconds']:.0f} s, peak RSS {max(res['peak_rss']) / 2**30:.2f} GiB)", flush=True)
+    print(
+        f"  {name:<14} depth {depth:>4}: "
+        + ("fits" if res["fits"] else res["why"])
+        + f" ({res['seconds']:.0f} s, peak RSS {max(res['peak_rss']) / 2**30:.2f} GiB)",
+        flush=True,
+    )
     return res
 
 
@@ -178,13 +211,24 @@ def largest(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         tried[mid] = attempt(name, mid, args, scratch)
         good, bad = (mid, bad) if tried[mid]["fits"] else (good, mid)
     best = tried.get(good)
-    row = {"contender": name, "depth": good, "params": best["params"] if best else 0,
-           "bytes_per_param": (max(p - b for p, b in zip(best["peak_rss"], best["rss_before_model"], strict=True)) / best["params"]
-                               if best and best.get("rss_before_model") else None),
-           "peak_rss": best["peak_rss"] if best else [], "peak_device": best["peak_device"] if best else [],
-           "first_failure": {"depth": bad, "why": tried[bad]["why"]} if bad is not None else None,
-           "capped_by_max_depth": bad is None, "attempts": len(tried)}
-    row["fraction_of_host_limit"] = row["params"] * BYTES_PER_PARAM / (parse_bytes(args.host_limit, field="--host-limit") * args.ranks)
+    row = {
+        "contender": name,
+        "depth": good,
+        "params": best["params"] if best else 0,
+        "bytes_per_param": (
+            max(p - b for p, b in zip(best["peak_rss"], best["rss_before_model"], strict=True)) / best["params"]
+            if best and best.get("rss_before_model")
+            else None
+        ),
+        "peak_rss": best["peak_rss"] if best else [],
+        "peak_device": best["peak_device"] if best else [],
+        "first_failure": {"depth": bad, "why": tried[bad]["why"]} if bad is not None else None,
+        "capped_by_max_depth": bad is None,
+        "attempts": len(tried),
+    }
+    row["fraction_of_host_limit"] = (
+        row["params"] * BYTES_PER_PARAM / (parse_bytes(args.host_limit, field="--host-limit") * args.ranks)
+    )
     return row
 
 
@@ -198,28 +242,40 @@ def measure(args: argparse.Namespace) -> dict:
     base = rows[0]["params"]
     for r in rows:
         r["vs_first"] = r["params"] / base if base else None
-    return {"width": args.width, "context": args.context, "batch": args.batch, "steps": args.steps,
-            "ranks": args.ranks, "accelerator": args.accelerator, "glibc_tunables": args.glibc_tunables,
-            "host_limit": parse_bytes(args.host_limit, field="--host-limit"),
-            "device_limit": parse_bytes(args.device_limit, field="--device-limit") if args.device_limit else None, "rows": rows}
+    return {
+        "width": args.width,
+        "context": args.context,
+        "batch": args.batch,
+        "steps": args.steps,
+        "ranks": args.ranks,
+        "accelerator": args.accelerator,
+        "glibc_tunables": args.glibc_tunables,
+        "host_limit": parse_bytes(args.host_limit, field="--host-limit"),
+        "device_limit": parse_bytes(args.device_limit, field="--device-limit") if args.device_limit else None,
+        "rows": rows,
+    }
 
 
 def render(res: dict) -> str:
     gib = 2**30
     dl = f", device limit {res['device_limit'] / gib:.1f} GiB" if res["device_limit"] else ""
     tun = f", GLIBC_TUNABLES={res['glibc_tunables']}" if res.get("glibc_tunables") else ""
-    lines = [f"GPT width {res['width']}, context {res['context']}, batch {res['batch']} a rank, {res['steps']} steps, "
-             f"{res['ranks']} rank(s) on {res['accelerator']}, host limit {res['host_limit'] / gib:.2f} GiB a rank{dl}{tun}",
-             f"{'contender':<14} {'depth':>6} {'parameters':>14} {'x first':>8} {'of host limit':>14} "
-             f"{'peak RSS GiB':>14} {'B/param':>8}  first failure"]
+    lines = [
+        f"GPT width {res['width']}, context {res['context']}, batch {res['batch']} a rank, {res['steps']} steps, "
+        f"{res['ranks']} rank(s) on {res['accelerator']}, host limit {res['host_limit'] / gib:.2f} GiB a rank{dl}{tun}",
+        f"{'contender':<14} {'depth':>6} {'parameters':>14} {'x first':>8} {'of host limit':>14} "
+        f"{'peak RSS GiB':>14} {'B/param':>8}  first failure",
+    ]
     for r in res["rows"]:
         fail = r["first_failure"]
         why = f"depth {fail['depth']}: {fail['why']}" if fail else "none up to --max-depth"
         rss = ", ".join(f"{b / gib:.2f}" for b in r["peak_rss"])
         ratio = f"{r['vs_first']:.2f}" if r["vs_first"] is not None else "-"
         bpp = f"{r['bytes_per_param']:.1f}" if r.get("bytes_per_param") else "-"
-        lines.append(f"{r['contender']:<14} {r['depth']:>6} {r['params']:>14,} {ratio:>8} "
-                     f"{100 * r['fraction_of_host_limit']:>13.1f}% {rss:>14} {bpp:>8}  {why}")
+        lines.append(
+            f"{r['contender']:<14} {r['depth']:>6} {r['params']:>14,} {ratio:>8} "
+            f"{100 * r['fraction_of_host_limit']:>13.1f}% {rss:>14} {bpp:>8}  {why}"
+        )
     return "\n".join(lines)
 
 
@@ -235,9 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device-limit", default=None, help="device memory a rank may use (chunk_offload's limit)")
     p.add_argument("--max-depth", type=int, default=256)
     p.add_argument("--only", default=None, help="comma-separated contenders to run (default: all)")
-    p.add_argument("--glibc-tunables", default=None,
-                   help="GLIBC_TUNABLES for every contender's processes, e.g. glibc.malloc.mmap_threshold=4194304 "
-                        "(blocks of 4 MiB or more mapped on their own: freed memory leaves the resident set at once)")
+    p.add_argument(
+        "--glibc-tunables",
+        default=None,
+        help="GLIBC_TUNABLES for every contender's processes, e.g. glibc.malloc.mmap_threshold=4194304 "
+        "(blocks of 4 MiB or more mapped on their own: freed memory leaves the resident set at once)",
+    )
     p.add_argument("--out", default="benchmarks/results/scale.json")
     p.add_argument("--depth", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)

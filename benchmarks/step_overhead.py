@@ -73,9 +73,9 @@ def child_in_process(args: argparse.Namespace) -> None:
     params = 0
     for r in range(args.in_process):
         got = {}
-        for name in (IN_PROCESS if r % 2 == 0 else IN_PROCESS[::-1]):
+        for name in IN_PROCESS if r % 2 == 0 else IN_PROCESS[::-1]:
             times, params, _ = fit(args, name)
-            got[name] = statistics.median(times[args.skip:] or times)
+            got[name] = statistics.median(times[args.skip :] or times)
         rounds.append(got)
     Path(args.out).write_text(json.dumps({"rounds": rounds, "params": params}))
 
@@ -94,9 +94,19 @@ def fit(args: argparse.Namespace, name: str) -> tuple[list[float], int, int]:
     model = make_gpt(args)
     data = torch.randint(0, 256, (args.steps * args.batch * devices, args.context + 1))
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[step_timer(times)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[step_timer(times)],
+    )
     trainer.fit(model, loader)
     return times, sum(p.numel() for p in model.parameters()), trainer.global_rank
 
@@ -127,19 +137,37 @@ def measure(args: argparse.Namespace) -> dict:
         for name in order:
             res = run_child(name, args, tmp / f"{rep}-{name.replace(' ', '_')}.json")
             params = res["params"]
-            steady = res["times"][args.skip:] or res["times"]
+            steady = res["times"][args.skip :] or res["times"]
             per_run[name].append(statistics.median(steady))
     rows = []
     for name, (devices, _) in CONTENDERS.items():
         if devices not in args.ranks:
             continue
         ratio, ratios = round_ratios(per_run[name], per_run[BASELINE[devices]])
-        rows.append({"contender": name, "ranks": devices, "median_ms": statistics.median(per_run[name]) * 1e3,
-                     "min_ms": min(per_run[name]) * 1e3, "max_ms": max(per_run[name]) * 1e3, "rounds_ms":
-                     [t * 1e3 for t in per_run[name]], "vs_baseline": ratio, "vs_baseline_rounds": ratios,
-                     "baseline": BASELINE[devices]})
-    return {"params": params, "width": args.width, "depth": args.depth, "context": args.context, "batch": args.batch,
-            "steps": args.steps, "skip": args.skip, "repeats": args.repeats, "rows": rows}
+        rows.append(
+            {
+                "contender": name,
+                "ranks": devices,
+                "median_ms": statistics.median(per_run[name]) * 1e3,
+                "min_ms": min(per_run[name]) * 1e3,
+                "max_ms": max(per_run[name]) * 1e3,
+                "rounds_ms": [t * 1e3 for t in per_run[name]],
+                "vs_baseline": ratio,
+                "vs_baseline_rounds": ratios,
+                "baseline": BASELINE[devices],
+            }
+        )
+    return {
+        "params": params,
+        "width": args.width,
+        "depth": args.depth,
+        "context": args.context,
+        "batch": args.batch,
+        "steps": args.steps,
+        "skip": args.skip,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
 
 
 def measure_in_process(args: argparse.Namespace) -> dict:
@@ -149,29 +177,56 @@ def measure_in_process(args: argparse.Namespace) -> dict:
     per_run = {n: [r[n] for r in res["rounds"]] for n in IN_PROCESS}
     ratio, ratios = round_ratios(per_run[name], per_run[base])
     low, high = median_interval(ratios)
-    rows = [{"contender": n, "ranks": 1, "median_ms": statistics.median(per_run[n]) * 1e3,
-             "min_ms": min(per_run[n]) * 1e3, "max_ms": max(per_run[n]) * 1e3,
-             "rounds_ms": [t * 1e3 for t in per_run[n]], "baseline": base,
-             **({"vs_baseline": ratio, "vs_baseline_rounds": ratios, "vs_baseline_95": [low, high]}
-                if n == name else {"vs_baseline": 1.0})} for n in IN_PROCESS]
-    return {"params": res["params"], "width": args.width, "depth": args.depth, "context": args.context,
-            "batch": args.batch, "steps": args.steps, "skip": args.skip, "repeats": args.in_process,
-            "in_process": True, "rows": rows}
+    rows = [
+        {
+            "contender": n,
+            "ranks": 1,
+            "median_ms": statistics.median(per_run[n]) * 1e3,
+            "min_ms": min(per_run[n]) * 1e3,
+            "max_ms": max(per_run[n]) * 1e3,
+            "rounds_ms": [t * 1e3 for t in per_run[n]],
+            "baseline": base,
+            **(
+                {"vs_baseline": ratio, "vs_baseline_rounds": ratios, "vs_baseline_95": [low, high]}
+                if n == name
+                else {"vs_baseline": 1.0}
+            ),
+        }
+        for n in IN_PROCESS
+    ]
+    return {
+        "params": res["params"],
+        "width": args.width,
+        "depth": args.depth,
+        "context": args.context,
+        "batch": args.batch,
+        "steps": args.steps,
+        "skip": args.skip,
+        "repeats": args.in_process,
+        "in_process": True,
+        "rows": rows,
+    }
 
 
 def render(res: dict) -> str:
-    lines = [f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
-             f"batch {res['batch']} per rank), {res['steps']} steps a run minus {res['skip']} warm-up, "
-             f"{res['repeats']} interleaved repeats; x baseline: the median of the per-round ratios",
-             f"{'contender':<30} {'median ms':>10} {'min..max ms':>17} {'x baseline':>11} {'per round':>18}"]
+    lines = [
+        f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
+        f"batch {res['batch']} per rank), {res['steps']} steps a run minus {res['skip']} warm-up, "
+        f"{res['repeats']} interleaved repeats; x baseline: the median of the per-round ratios",
+        f"{'contender':<30} {'median ms':>10} {'min..max ms':>17} {'x baseline':>11} {'per round':>18}",
+    ]
     for r in res["rows"]:
         rounds = r.get("vs_baseline_rounds", [])
         spread = f"{min(rounds):.3f}..{max(rounds):.3f}" if rounds else ""
-        lines.append(f"{r['contender']:<30} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f}..{r['max_ms']:<7.1f} "
-                     f"{r['vs_baseline']:>7.3f} ({r['baseline']}) {spread:>12}")
+        lines.append(
+            f"{r['contender']:<30} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f}..{r['max_ms']:<7.1f} "
+            f"{r['vs_baseline']:>7.3f} ({r['baseline']}) {spread:>12}"
+        )
         if "vs_baseline_95" in r:
-            lines.append(f"{'':<30} 95% interval of the median ratio: {r['vs_baseline_95'][0]:.3f}.."
-                         f"{r['vs_baseline_95'][1]:.3f} ({len(rounds)} rounds in one process)")
+            lines.append(
+                f"{'':<30} 95% interval of the median ratio: {r['vs_baseline_95'][0]:.3f}.."
+                f"{r['vs_baseline_95'][1]:.3f} ({len(rounds)} rounds in one process)"
+            )
     return "\n".join(lines)
 
 
@@ -179,10 +234,21 @@ def main(argv: list[str] | None = None) -> dict:
     p = gpt_parser(__doc__, "benchmarks/results/step_overhead.json", width=384, depth=6, context=128, batch=8, steps=30)
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ranks", type=int, nargs="+", choices=(1, 2), default=[1, 2],
-                   help="run only the contenders on these rank counts")
-    p.add_argument("--in-process", type=int, default=0, metavar="N",
-                   help="1 rank: auto and chunk resident alternated in one process, N rounds")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        choices=(1, 2),
+        default=[1, 2],
+        help="run only the contenders on these rank counts",
+    )
+    p.add_argument(
+        "--in-process",
+        type=int,
+        default=0,
+        metavar="N",
+        help="1 rank: auto and chunk resident alternated in one process, N rounds",
+    )
     return run_or_child(p.parse_args(argv), {"*": child}, measure, render)
 
 

@@ -41,7 +41,9 @@ def text_files(corpus: str | None) -> list[Path]:
     if not files:
         raise ValueError(f"data.corpus={str(root)!r} holds no files to read.")
     if corpus is not None and not any(_looks_like_text(f) for f in files[:50]):
-        raise ValueError(f"data.corpus={str(root)!r} holds no text files (the first {min(len(files), 50)} look binary).")
+        raise ValueError(
+            f"data.corpus={str(root)!r} holds no text files (the first {min(len(files), 50)} look binary)."
+        )
     return files
 
 
@@ -67,8 +69,10 @@ def read_split(corpus: str | None, max_bytes: int) -> dict[str, bytes]:
 
 def check_enough(split: dict[str, torch.Tensor], length: int, context: int) -> None:
     if min(len(t) for t in split.values()) <= length:
-        raise ValueError(f"data.corpus holds too little text ({sum(len(t) for t in split.values())} tokens) for a "
-                         f"context of {context}.")
+        raise ValueError(
+            f"data.corpus holds too little text ({sum(len(t) for t in split.values())} tokens) for a "
+            f"context of {context}."
+        )
 
 
 class WindowsData(L.LightningDataModule):

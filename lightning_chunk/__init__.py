@@ -16,6 +16,13 @@ __version__ = "0.1.0"
 
 ChunkOffloadStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ChunkConfig", "ChunkEMA", "ChunkEngine", "ChunkOffloadStrategy", "ChunkPrecision", "ChunkTelemetry",
-           "DeviceMemoryLimitError",
-           "__version__"]
+__all__ = [
+    "ChunkConfig",
+    "ChunkEMA",
+    "ChunkEngine",
+    "ChunkOffloadStrategy",
+    "ChunkPrecision",
+    "ChunkTelemetry",
+    "DeviceMemoryLimitError",
+    "__version__",
+]

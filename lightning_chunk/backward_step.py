@@ -1,19 +1,20 @@
-"""Whether a fit steps each chunk during backward: the checks of ``step_in_backward=True`` and the choice ``None`` makes.
+"""Whether a fit steps each chunk during backward: the checks of ``step_in_backward=True`` and the choice ``None``
+makes.
 
 [Note: stepping in backward by default with the disk tier]
 ``step_in_backward=True`` is bit-identical to stepping after backward, but after ``backward()`` the gradients of the
-chunks that stepped are gone ([Note: stepping in backward] in ``engine/early_step.py``). With the disk tier it is
-also the faster step by far: a disk chunk steps from the gradients backward left in memory while backward goes on,
-so no gradient file is written or read and its master and optimizer state are read while backward computes
-([Note: stepping disk chunks in backward]); on ``benchmarks/disk.py``'s GPT in a 1 GiB cgroup it took 1.51 s a step
-against 1.94 s (medians of ten paired rounds), with 60 MiB less peak memory. A ZeRO-Infinity user who set a host limit should not have to find a
-second flag for that, so ``step_in_backward=None`` (the default) turns it on where a host limit is set and nothing
-that Lightning lets read the gradients between backward and the optimizer step is there: no gradient clipping, no
-fp16 loss scaling, one optimizer, automatic optimization, and no override of the hooks that run in that window
-(``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``) on the
-module or on a callback other than this package's. Where one of them is there, the fit steps after backward and
-says which one held it back. Without a host limit ``None`` keeps stepping after backward: there the choice trades
-plain PyTorch's gradient semantics for memory, which is the user's to make. A read of the gradients the checks
+chunks that stepped are gone ([Note: stepping in backward] in ``engine/early_step.py``). With the disk tier it is also
+the faster step by far: a disk chunk steps from the gradients backward left in memory while backward goes on, so no
+gradient file is written or read and its master and optimizer state are read while backward computes ([Note: stepping
+disk chunks in backward]); on ``benchmarks/disk.py``'s GPT in a 1 GiB cgroup it took 1.51 s a step against 1.94 s
+(medians of ten paired rounds), with 60 MiB less peak memory. A ZeRO-Infinity user who set a host limit should not have
+to find a second flag for that, so ``step_in_backward=None`` (the default) turns it on where a host limit is set and
+nothing that Lightning lets read the gradients between backward and the optimizer step is there: no gradient clipping,
+no fp16 loss scaling, one optimizer, automatic optimization, and no override of the hooks that run in that window
+(``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``) on the module
+or on a callback other than this package's. Where one of them is there, the fit steps after backward and says which one
+held it back. Without a host limit ``None`` keeps stepping after backward: there the choice trades plain PyTorch's
+gradient semantics for memory, which is the user's to make. A read of the gradients the checks
 cannot see (``full_parameters(with_grads=True)`` from another hook) gets the engine's error, which names the flag.
 """
 
@@ -39,15 +40,19 @@ def _refused(trainer: pl.Trainer, module: pl.LightningModule, precision: str) ->
     if precision == "16-mixed":
         return "fp16 loss scaling (precision='16-mixed'), which skips a step that overflowed", FP16_REFUSED
     if not module.automatic_optimization:
-        return ("manual optimization (automatic_optimization=False)",
-                "step_in_backward=True is not allowed with manual optimization (automatic_optimization=False): the "
-                "chunks step during backward, before your training_step could read or change the gradients. Use "
-                "step_in_backward=False.")
+        return (
+            "manual optimization (automatic_optimization=False)",
+            "step_in_backward=True is not allowed with manual optimization (automatic_optimization=False): the "
+            "chunks step during backward, before your training_step could read or change the gradients. Use "
+            "step_in_backward=False.",
+        )
     if trainer.gradient_clip_val is not None:
-        return (f"gradient clipping (gradient_clip_val={trainer.gradient_clip_val!r})",
-                f"step_in_backward=True is not allowed with gradient_clip_val={trainer.gradient_clip_val!r}: clipping "
-                "by the global norm needs every gradient before any chunk steps. Set gradient_clip_val=None or "
-                "step_in_backward=False.")
+        return (
+            f"gradient clipping (gradient_clip_val={trainer.gradient_clip_val!r})",
+            f"step_in_backward=True is not allowed with gradient_clip_val={trainer.gradient_clip_val!r}: clipping "
+            "by the global norm needs every gradient before any chunk steps. Set gradient_clip_val=None or "
+            "step_in_backward=False.",
+        )
     return None
 
 
@@ -58,8 +63,7 @@ def check_step_in_backward(trainer: pl.Trainer, module: pl.LightningModule, prec
         raise ValueError(refused[1])
 
 
-def reads_gradients(trainer: pl.Trainer, module: pl.LightningModule, precision: str,
-                    optimizers: int) -> str | None:
+def reads_gradients(trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int) -> str | None:
     """What in this fit can read the gradients after backward (so its chunks must step after it), or ``None``."""
     refused = _refused(trainer, module, precision)
     if refused is not None:
@@ -80,8 +84,9 @@ def reads_gradients(trainer: pl.Trainer, module: pl.LightningModule, precision: 
     return None
 
 
-def choose_step_in_backward(trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int,
-                            host_memory_limit: int | None) -> tuple[bool, str | None]:
+def choose_step_in_backward(
+    trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int, host_memory_limit: int | None
+) -> tuple[bool, str | None]:
     """``step_in_backward=None`` made concrete for one fit ([Note: stepping in backward by default with the disk
     tier]): ``(True, None)`` with a host limit and nothing that reads gradients after backward; ``(False, why)``
     with a host limit and something that does; ``(False, None)`` without a host limit."""

@@ -31,8 +31,15 @@ MODEL_KEY = "state_dict"  # where a Lightning checkpoint keeps the model's state
 OPTIMIZERS_KEY = "optimizer_states"  # and the optimizers', one plain optimizer state dict each
 
 
-def consolidate(path: str | Path, out: str | Path, *, with_optimizer: bool = False,
-                progress: bool = True, ema: bool = False, force: bool = False) -> Path:
+def consolidate(
+    path: str | Path,
+    out: str | Path,
+    *,
+    with_optimizer: bool = False,
+    progress: bool = True,
+    ema: bool = False,
+    force: bool = False,
+) -> Path:
     """Write ``out``: one plain Lightning checkpoint whose ``state_dict`` ``model.load_state_dict`` accepts.
 
     Streams chunk by chunk (``StreamingTorchFile``), so peak memory stays near one saved chunk however
@@ -60,8 +67,10 @@ def consolidate(path: str | Path, out: str | Path, *, with_optimizer: bool = Fal
         obj = {k: v for k, v in meta.items() if k not in (KEY, OPTIMIZERS_KEY)}
         entries = ck.get("entries", {})  # what the saver's hooks put in ([Note: the state_dict of a sharded save])
         buffers = {**ck["buffers"], **(ck.get("ema_buffers", {}) if ema else {})}  # [Note: averaged buffers]
-        obj[MODEL_KEY] = {k: (entries[k] if k in entries else params[ck["aliases"][k]] if k in ck["aliases"]
-                              else buffers[k]) for k in ck["state_dict_keys"]}
+        obj[MODEL_KEY] = {
+            k: (entries[k] if k in entries else params[ck["aliases"][k]] if k in ck["aliases"] else buffers[k])
+            for k in ck["state_dict_keys"]
+        }
         optim_records = []
         if with_optimizer:
             obj[OPTIMIZERS_KEY] = []
@@ -76,8 +85,10 @@ def consolidate(path: str | Path, out: str | Path, *, with_optimizer: bool = Fal
                                 ph = writer.placeholder(tuple(shape), getattr(torch, dtype))
                                 state[pos[name]][key] = ph
                                 optim_records.append((o, key, c, name, ph))
-                groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [pos[n] for n in g["params"]]}
-                          for g in om["param_groups"]]
+                groups = [
+                    {**{k: v for k, v in g.items() if k != "params"}, "params": [pos[n] for n in g["params"]]}
+                    for g in om["param_groups"]
+                ]
                 obj[OPTIMIZERS_KEY].append({"state": dict(sorted(state.items())), "param_groups": groups})
         writer.write_object(obj)
         bar = _progress(len(params) + len(optim_records), progress, f"consolidating {path.name}")
@@ -92,8 +103,12 @@ def consolidate(path: str | Path, out: str | Path, *, with_optimizer: bool = Fal
             if (o, key, c) != loaded:
                 full = None
                 release_freed_memory()
-                full = _load_chunk(path, f"chunk.{c}.optim{o}.{key}", spec["capacity"],
-                                   getattr(torch, ck["optimizers"][o]["keys"][key]))
+                full = _load_chunk(
+                    path,
+                    f"chunk.{c}.optim{o}.{key}",
+                    spec["capacity"],
+                    getattr(torch, ck["optimizers"][o]["keys"][key]),
+                )
                 loaded = (o, key, c)
             _, off, numel, shape = next(s for s in spec["slots"] if s[0] == name)
             writer.write(ph, full[off : off + numel].view(shape))
@@ -117,8 +132,10 @@ def check_output(checkpoint: Path, out: str | Path, *, force: bool = False) -> P
         raise CheckpointError(f"the folder of the output {str(out)!r} does not exist.")
     empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
     if os.path.lexists(out) and not empty_dir and not force:
-        raise CheckpointError(f"output {str(out)!r} exists; name a new one, or pass --force (force=True) to replace "
-                              "it once the new one is complete.")
+        raise CheckpointError(
+            f"output {str(out)!r} exists; name a new one, or pass --force (force=True) to replace "
+            "it once the new one is complete."
+        )
     return out
 
 

@@ -31,9 +31,15 @@ class ChunkEMA(pl.Callback):
         average_at_end: at the end of training the averaged weights replace the trained ones.
     """
 
-    def __init__(self, decay: float = 0.999, update_every_n_steps: int = 1,
-                 update_starting_at_step: int | None = None, validate_with_average: bool = True,
-                 average_at_end: bool = True, use_buffers: bool = True) -> None:
+    def __init__(
+        self,
+        decay: float = 0.999,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        validate_with_average: bool = True,
+        average_at_end: bool = True,
+        use_buffers: bool = True,
+    ) -> None:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"ChunkEMA(decay={decay!r}): the decay must be in [0, 1].")
         if update_every_n_steps < 1:
@@ -51,8 +57,9 @@ class ChunkEMA(pl.Callback):
         self._swapped = False
 
     def should_update(self, step_idx: int) -> bool:
-        return ((self.update_starting_at_step is None or step_idx >= self.update_starting_at_step)
-                and step_idx % self.update_every_n_steps == 0)
+        return (
+            self.update_starting_at_step is None or step_idx >= self.update_starting_at_step
+        ) and step_idx % self.update_every_n_steps == 0
 
     @staticmethod
     def _ema(trainer: pl.Trainer) -> Any:
@@ -62,11 +69,14 @@ class ChunkEMA(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if getattr(trainer.strategy, "strategy_name", None) != "chunk_offload":  # ChunkOffloadStrategy (no import:
             # the strategy imports this module)
-            raise ValueError(f"ChunkEMA works with the chunk_offload strategy; this Trainer uses "
-                             f"{type(trainer.strategy).__name__}. Use Lightning's EMAWeightAveraging there.")
+            raise ValueError(
+                f"ChunkEMA works with the chunk_offload strategy; this Trainer uses "
+                f"{type(trainer.strategy).__name__}. Use Lightning's EMAWeightAveraging there."
+            )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step_idx = trainer.global_step - 1
         if trainer.global_step > self._latest_update_step and self.should_update(step_idx):
             self._ema(trainer).update(self.decay)
@@ -96,8 +106,9 @@ class ChunkEMA(pl.Callback):
         self._latest_update_step = state_dict["latest_update_step"]
         self._n_averaged = state_dict.get("n_averaged", self._n_averaged)
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """Sharded checkpoints carry the shards themselves. A full one is laid out as Lightning's ``WeightAveraging``
         lays out its own (every rank gathers): the average as ``state_dict`` (what ``load_from_checkpoint`` and
         ``validate(ckpt_path=...)`` read), the trained weights as ``current_model_state``, so plain Lightning with
@@ -108,26 +119,34 @@ class ChunkEMA(pl.Callback):
         mgr = ema.manager
         average = ema.whole()
         current = checkpoint["state_dict"]
-        owner = {k: mgr.index_of[id(v)] for k, v in pl_module.state_dict(keep_vars=True).items()
-                 if id(v) in mgr.index_of}
+        owner = {
+            k: mgr.index_of[id(v)] for k, v in pl_module.state_dict(keep_vars=True).items() if id(v) in mgr.index_of
+        }
         buffers = ema.buffers.saved(current) if ema.buffers is not None else {}  # [Note: averaged buffers]
         checkpoint["current_model_state"] = current
         checkpoint["state_dict"] = {k: average.get(owner.get(k, -1), buffers.get(k, v)) for k, v in current.items()}
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self._n_averaged, dtype=torch.long)}
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """A full checkpoint in Lightning's layout: the strategy loaded its ``state_dict`` (the average) into the
         model; the average goes into the shards and the trained weights back into the model."""
         ema = self._ema(trainer)
         if ema is None or "current_model_state" not in checkpoint:
             return
         mgr = ema.manager
-        owner = {k: mgr.index_of[id(v)] for k, v in pl_module.state_dict(keep_vars=True).items()
-                 if id(v) in mgr.index_of}
+        owner = {
+            k: mgr.index_of[id(v)] for k, v in pl_module.state_dict(keep_vars=True).items() if id(v) in mgr.index_of
+        }
         trainable = {t.slot.param_index for c in mgr.chunks if c.trainable for t in c.tensors}
-        ema.load({i: checkpoint["state_dict"][k] for k, i in owner.items()
-                  if i in trainable and k in checkpoint["state_dict"]})
+        ema.load(
+            {
+                i: checkpoint["state_dict"][k]
+                for k, i in owner.items()
+                if i in trainable and k in checkpoint["state_dict"]
+            }
+        )
         trainer.strategy.engine.load_full_state_dict(dict(checkpoint["current_model_state"]), strict=False)
         if ema.buffers is not None:  # the module's buffers are the trained ones now; the average keeps its own
             names = {n for n, _ in pl_module.named_buffers()}

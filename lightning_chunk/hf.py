@@ -43,8 +43,11 @@ class _LeaveAlone(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
         target = args[0] if args else None
-        if name.endswith("_") and isinstance(target, torch.Tensor) \
-                and target.untyped_storage().data_ptr() in self.storages:
+        if (
+            name.endswith("_")
+            and isinstance(target, torch.Tensor)
+            and target.untyped_storage().data_ptr() in self.storages
+        ):
             return target
         return func(*args, **(kwargs or {}))
 
@@ -59,21 +62,26 @@ class HFInit:
     time, as packing reaches its tensors. So for module ``m`` this runs ``_init_weights(m)`` and then
     ``_init_weights`` of each ancestor, nearest first, dropping the writes into the tensors of other modules
     (placeholders, or values already packed): each of ``m``'s tensors ends with the value of the last rule that
-    writes it, as in ``post_init``. Writes into anything else (an init's temporaries) go through. The random stream differs from an eager
-    ``from_config`` (whose constructors draw too), so the values are another draw of the same init; rotary
-    frequency buffers, norms and zeroed biases come out equal. ``padding_idx`` rows are zeroed as
+    writes it, as in ``post_init``. Writes into anything else (an init's temporaries) go through. The random stream
+    differs from an eager ``from_config`` (whose constructors draw too), so the values are another draw of the same
+    init; rotary frequency buffers, norms and zeroed biases come out equal. ``padding_idx`` rows are zeroed as
     ``_init_weights`` does.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         if not callable(getattr(model, "_init_weights", None)):
-            raise TypeError(f"HFInit takes a transformers PreTrainedModel (with _init_weights); got {type(model).__name__}.")
+            raise TypeError(
+                f"HFInit takes a transformers PreTrainedModel (with _init_weights); got {type(model).__name__}."
+            )
         self.model = model
         self._parent = {id(c): m for m in model.modules() for c in m.children()}
 
     def __call__(self, module: torch.nn.Module) -> None:
-        own = {t.untyped_storage().data_ptr() for t in (*module._parameters.values(), *module._buffers.values())
-               if t is not None}
+        own = {
+            t.untyped_storage().data_ptr()
+            for t in (*module._parameters.values(), *module._buffers.values())
+            if t is not None
+        }
         others = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())} - own
         chain = [module]
         while id(chain[-1]) in self._parent:
@@ -95,7 +103,8 @@ def _config(config: Any, meta: dict[str, Any], path: Path) -> Any:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} holds no Hugging Face config (no '{HF_CONFIG_KEY}' saved with it): pass the "
                 "model's config (--config DIR_OR_config.json), or save `checkpoint['hf_config'] = "
-                "model.config.to_dict()` in the LightningModule's on_save_checkpoint, as examples/hf/main.py does.")
+                "model.config.to_dict()` in the LightningModule's on_save_checkpoint, as examples/hf/main.py does."
+            )
     if isinstance(config, PretrainedConfig):
         return config
     if isinstance(config, dict):
@@ -155,8 +164,9 @@ def _listing(items: list[str], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _match(ck: dict[str, Any], keep: dict[str, tuple[int, ...]], known: set[str], path: Path,
-           config: Any) -> tuple[str, dict[str, list[str]], dict[str, str]]:
+def _match(
+    ck: dict[str, Any], keep: dict[str, tuple[int, ...]], known: set[str], path: Path, config: Any
+) -> tuple[str, dict[str, list[str]], dict[str, str]]:
     """(prefix, param name -> the exported names it fills, buffer key -> exported name), or an error listing every
     name the config's model and the checkpoint disagree on."""
     saved = list(ck["state_dict_keys"])
@@ -178,7 +188,7 @@ def _match(ck: dict[str, Any], keep: dict[str, tuple[int, ...]], known: set[str]
             continue
         if have != tuple(shape):
             other_shape.append(f"{k}: {have} in the checkpoint, {tuple(shape)} in the config's model")
-    extra = [k[len(prefix):] for k in saved if k.startswith(prefix) and k[len(prefix):] not in known]
+    extra = [k[len(prefix) :] for k in saved if k.startswith(prefix) and k[len(prefix) :] not in known]
     problems = []
     if missing:
         problems.append(f"missing from the checkpoint ({len(missing)}): {_listing(missing)}")
@@ -191,13 +201,23 @@ def _match(ck: dict[str, Any], keep: dict[str, tuple[int, ...]], known: set[str]
         raise CheckpointError(
             f"the config ({arch}, model_type={getattr(config, 'model_type', '?')!r}) does not match checkpoint "
             f"{str(path)!r} (checkpoint names = '{prefix}' + model names); nothing was written. Tensors "
-            + "; ".join(problems) + ".")
+            + "; ".join(problems)
+            + "."
+        )
     return prefix, fills, from_buffers
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, *, config: Any = None,
-              dtype: str | torch.dtype | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-              progress: bool = True, ema: bool = False, force: bool = False) -> Path:
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    config: Any = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = True,
+    ema: bool = False,
+    force: bool = False,
+) -> Path:
     """Write ``out_dir`` as ``save_pretrained`` would, from a sharded ``lightning-chunk`` checkpoint. An existing
     non-empty ``out_dir`` is refused unless ``force``, and then replaced only once the new one is complete.
 
@@ -276,4 +296,3 @@ def _write_configs(cfg: Any, model: torch.nn.Module, where: Path, dtype: torch.d
     can_generate = getattr(model, "can_generate", lambda: False)
     if gen is not None and can_generate():
         gen.save_pretrained(str(where))
-

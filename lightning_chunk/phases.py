@@ -85,32 +85,44 @@ class ClusterReport:
     def render(self) -> str:
         g = human_bytes
         ranks = self.nodes * self.devices
-        lines = [f"model        {self.model}, precision {self.precision}: {self.nodes} node(s) x {self.devices} "
-                 f"device(s) = {ranks} ranks; {self.chunks} chunks, {self.device_shards_after} shards on the device "
-                 "after the warm-up",
-                 f"a rank       training state {g(self.state)}; device limit "
-                 f"{'none' if self.device_limit is None else g(self.device_limit)}; host "
-                 f"{'unknown' if self.host_per_rank is None else g(self.host_per_rank)} (a node's share)",
-                 "",
-                 f"{'phase':<16}{'device a rank':>16}{'host a rank':>16}{'host a node':>16}",
-                 ]
+        lines = [
+            f"model        {self.model}, precision {self.precision}: {self.nodes} node(s) x {self.devices} "
+            f"device(s) = {ranks} ranks; {self.chunks} chunks, {self.device_shards_after} shards on the device "
+            "after the warm-up",
+            f"a rank       training state {g(self.state)}; device limit "
+            f"{'none' if self.device_limit is None else g(self.device_limit)}; host "
+            f"{'unknown' if self.host_per_rank is None else g(self.host_per_rank)} (a node's share)",
+            "",
+            f"{'phase':<16}{'device a rank':>16}{'host a rank':>16}{'host a node':>16}",
+        ]
         for p in self.phases:
             lines.append(f"{p.name:<16}{g(p.device):>16}{g(p.host):>16}{g(p.host * self.devices):>16}")
-        lines += ["", f"host bound   {g(self.bound)} a rank (training state + 4 whole chunks with their optimizer "
-                      "state); device bytes are before activations"]
+        lines += [
+            "",
+            f"host bound   {g(self.bound)} a rank (training state + 4 whole chunks with their optimizer "
+            "state); device bytes are before activations",
+        ]
         worst_d = max(self.phases, key=lambda p: p.device)
         worst_h = max(self.phases, key=lambda p: p.host)
         if self.binds:
-            lines.append("binds        " + " and ".join(
-                f"{b}: {worst_d.name if b == 'device' else worst_h.name} needs "
-                f"{g(worst_d.device if b == 'device' else worst_h.host)} of "
-                f"{g(self.device_limit if b == 'device' else self.host_per_rank)}"  # type: ignore[arg-type]
-                for b in self.binds))
+            lines.append(
+                "binds        "
+                + " and ".join(
+                    f"{b}: {worst_d.name if b == 'device' else worst_h.name} needs "
+                    f"{g(worst_d.device if b == 'device' else worst_h.host)} of "
+                    f"{g(self.device_limit if b == 'device' else self.host_per_rank)}"  # type: ignore[arg-type]
+                    for b in self.binds
+                )
+            )
         else:
-            left = [f"device {g(self.device_limit - worst_d.device)} left at {worst_d.name}"
-                    if self.device_limit is not None else "",
-                    f"host {g(self.host_per_rank - worst_h.host)} left at {worst_h.name}"
-                    if self.host_per_rank is not None else ""]
+            left = [
+                f"device {g(self.device_limit - worst_d.device)} left at {worst_d.name}"
+                if self.device_limit is not None
+                else "",
+                f"host {g(self.host_per_rank - worst_h.host)} left at {worst_h.name}"
+                if self.host_per_rank is not None
+                else "",
+            ]
             lines.append("fits         " + "; ".join(x for x in left if x) + " (before activations)")
         return "\n".join(lines)
 
@@ -122,8 +134,11 @@ def final_tiers(plan: ShapePlan, placement: str, activations: int = 0) -> dict[i
     if placement != "auto" or plan.limit is None:
         return dict(plan.tiers)
     views = plan.views
-    reserve = (plan.need_before_activations + max((v.payload_bytes for v in views), default=0)
-               + 3 * max((v.grad_payload_bytes for v in views), default=0))
+    reserve = (
+        plan.need_before_activations
+        + max((v.payload_bytes for v in views), default=0)
+        + 3 * max((v.grad_payload_bytes for v in views), default=0)
+    )
     room = plan.limit - reserve - activations
     tiers = {v.chunk_id: (Tier.DISK if plan.tiers[v.chunk_id] is Tier.DISK else Tier.HOST) for v in views}
     for v in sorted(views, key=lambda v: v.chunk_id, reverse=True):
@@ -133,9 +148,19 @@ def final_tiers(plan: ShapePlan, placement: str, activations: int = 0) -> dict[i
     return tiers
 
 
-def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: float, host_per_rank: int | None,
-           optim_share: float, ranks: int, staging: bool = True, releases: bool = False, activations: int = 0
-           ) -> tuple[list[Phase], int, int, dict[int, Tier]]:
+def phases(
+    plan: ShapePlan,
+    *,
+    placement: str,
+    model_bytes: int,
+    optim_ratio: float,
+    host_per_rank: int | None,
+    optim_share: float,
+    ranks: int,
+    staging: bool = True,
+    releases: bool = False,
+    activations: int = 0,
+) -> tuple[list[Phase], int, int, dict[int, Tier]]:
     """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
     warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``optim_share``: the
     part of a shard that is its optimizer state; ``staging``: gradients
@@ -146,8 +171,11 @@ def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: fl
     after = final_tiers(plan, placement, activations)
 
     def on(tiers: dict[int, Tier], tier: Tier) -> int:
-        return sum((v.host_bytes_on_disk if tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
-                   for v in views if (Tier.HOST if tiers[v.chunk_id] is Tier.DISK else tiers[v.chunk_id]) is tier)
+        return sum(
+            (v.host_bytes_on_disk if tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
+            for v in views
+            if (Tier.HOST if tiers[v.chunk_id] is Tier.DISK else tiers[v.chunk_id]) is tier
+        )
 
     host_first, dev_first = on(plan.tiers, Tier.HOST), on(plan.tiers, Tier.DEVICE)
     host_after, dev_after = on(after, Tier.HOST), on(after, Tier.DEVICE)
@@ -158,8 +186,12 @@ def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: fl
     busy = plan.need_before_activations + payload + 3 * max((v.grad_payload_bytes for v in views), default=0)
     step = dev_after + busy
     if not releases:  # payloads stay while the limit has room beside the activations (see the note)
-        kept = dev_after + busy - payload + sum(v.payload_bytes for v in views
-                                                 if not (ranks == 1 and after[v.chunk_id] is Tier.DEVICE))
+        kept = (
+            dev_after
+            + busy
+            - payload
+            + sum(v.payload_bytes for v in views if not (ranks == 1 and after[v.chunk_id] is Tier.DEVICE))
+        )
         step = max(step, kept if plan.limit is None else min(plan.limit - activations, kept))
     built = (3 + (ranks > 1)) * whole
     fits = host_per_rank is None or model_bytes + optim <= 0.8 * host_per_rank
@@ -174,11 +206,24 @@ def phases(plan: ShapePlan, *, placement: str, model_bytes: int, optim_ratio: fl
     else:
         end_host, end_together = host_after + whole, state + whole
     rows = [
-        Phase("set-up", int(dev_first * no_optim) + payload, int(host_first * no_optim) + built,
-              int(state * no_optim) + built),
-        Phase("warm-up step", dev_first + busy + activations, int(host_first * no_optim), int(state * no_optim) + busy + activations),
-        Phase("warm-up repack", dev_after + payload, host_first + dev_first + int(2 * whole * (2 + optim_ratio)),
-              state + int(2 * whole * (2 + optim_ratio))),
+        Phase(
+            "set-up",
+            int(dev_first * no_optim) + payload,
+            int(host_first * no_optim) + built,
+            int(state * no_optim) + built,
+        ),
+        Phase(
+            "warm-up step",
+            dev_first + busy + activations,
+            int(host_first * no_optim),
+            int(state * no_optim) + busy + activations,
+        ),
+        Phase(
+            "warm-up repack",
+            dev_after + payload,
+            host_first + dev_first + int(2 * whole * (2 + optim_ratio)),
+            state + int(2 * whole * (2 + optim_ratio)),
+        ),
         Phase("training step", step + activations, host_after + staged, host_after + step + activations),
         Phase("save", dev_after + plan.need_before_activations, host_after + written, state + written),
         Phase("resume", dev_first + payload, host_first + 3 * whole, state + 3 * whole),

@@ -44,8 +44,9 @@ def load_class(spec: str) -> type:
         path = Path(file)
         if not path.is_file():
             if file.endswith(".py") or "/" in file or "\\" in file:
-                raise ValueError(f"{spec!r}: {file!r} is not a file (a path is taken from the current folder, "
-                                 f"{str(Path.cwd())!r}).")
+                raise ValueError(
+                    f"{spec!r}: {file!r} is not a file (a path is taken from the current folder, {str(Path.cwd())!r})."
+                )
             return load_class(f"{file}.{name}")  # package.module:Class
         mod_name = f"_lightning_chunk_plan_{path.stem}"
         module = sys.modules.get(mod_name)
@@ -58,13 +59,17 @@ def load_class(spec: str) -> type:
     else:
         mod_path, _, name = spec.rpartition(".")
         if not mod_path:
-            raise ValueError(f"{spec!r} is not a class path: use package.module.Class, package.module:Class or "
-                             "path/to/file.py:Class.")
+            raise ValueError(
+                f"{spec!r} is not a class path: use package.module.Class, package.module:Class or "
+                "path/to/file.py:Class."
+            )
         try:
             module = importlib.import_module(mod_path)
         except ImportError as e:
-            raise ValueError(f"{spec!r}: cannot import {mod_path!r} ({e}); give an importable package.module, or "
-                             "path/to/file.py:Class.") from None
+            raise ValueError(
+                f"{spec!r}: cannot import {mod_path!r} ({e}); give an importable package.module, or "
+                "path/to/file.py:Class."
+            ) from None
     try:
         return getattr(module, name)
     except AttributeError:
@@ -100,22 +105,30 @@ class PlanReport:
         m = human_bytes
         limit = "none" if self.limit is None else m(self.limit)
         verdict = "fits" if self.fits else "does NOT fit"
-        return "\n".join([
-            f"model               {self.model}: {self.param_numel:,} parameters, precision {self.precision}",
-            f"chunks              {_chunk_line(self.chunks, self.chunk_numel, self.param_numel, self.padding_numel)} "
-            f"(largest payload {m(self.payload_bytes_max)})",
-            f"placement           {self.placement}: {self.device_shards} of {self.chunks} shards on the device",
-            f"device tier         {m(self.device_shard_bytes)} of shards (masters, gradients, optimizer state)",
-            f"host tier           {m(self.host_bytes)}"
-            + ("" if self.host_limit is None else f" (host_memory_limit {m(self.host_limit)}, with two disk shards "
-                                                   "paged in at once)"),
-            f"disk tier           {m(self.disk_bytes)} in {self.disk_shards} shards (masters, gradients, optimizer "
-            "state)" if self.disk_shards else "disk tier           none",
-            f"activations         {m(self.nonmodel_peak_bytes)} at the traced peak",
-            f"estimated peak      {m(self.estimated_device_peak_bytes)} of chunks on the device; "
-            f"{m(self.estimated_total_peak_bytes)} with the activations of the same moment",
-            f"device_memory_limit {limit}: {verdict}",
-        ])
+        return "\n".join(
+            [
+                f"model               {self.model}: {self.param_numel:,} parameters, precision {self.precision}",
+                "chunks              "
+                f"{_chunk_line(self.chunks, self.chunk_numel, self.param_numel, self.padding_numel)} "
+                f"(largest payload {m(self.payload_bytes_max)})",
+                f"placement           {self.placement}: {self.device_shards} of {self.chunks} shards on the device",
+                f"device tier         {m(self.device_shard_bytes)} of shards (masters, gradients, optimizer state)",
+                f"host tier           {m(self.host_bytes)}"
+                + (
+                    ""
+                    if self.host_limit is None
+                    else f" (host_memory_limit {m(self.host_limit)}, with two disk shards paged in at once)"
+                ),
+                f"disk tier           {m(self.disk_bytes)} in {self.disk_shards} shards (masters, gradients, optimizer "
+                "state)"
+                if self.disk_shards
+                else "disk tier           none",
+                f"activations         {m(self.nonmodel_peak_bytes)} at the traced peak",
+                f"estimated peak      {m(self.estimated_device_peak_bytes)} of chunks on the device; "
+                f"{m(self.estimated_total_peak_bytes)} with the activations of the same moment",
+                f"device_memory_limit {limit}: {verdict}",
+            ]
+        )
 
 
 class _Probe(L.Callback):
@@ -130,29 +143,54 @@ class _Probe(L.Callback):
         stats = mgr.stats()
         peaks = simulate_step(engine.policy, views, trace, mgr.limit, mgr.comm.world_size)
         self.report = PlanReport(
-            model=type(pl_module).__name__, param_numel=int(stats["param_numel"]),
-            precision=str(trainer.precision), placement=engine.config.placement, chunks=len(mgr.chunks),
-            chunk_numel=mgr.layout.capacity_numel, padding_numel=mgr.layout.padding_numel,
+            model=type(pl_module).__name__,
+            param_numel=int(stats["param_numel"]),
+            precision=str(trainer.precision),
+            placement=engine.config.placement,
+            chunks=len(mgr.chunks),
+            chunk_numel=mgr.layout.capacity_numel,
+            padding_numel=mgr.layout.padding_numel,
             device_shards=sum(v.shard_tier is Tier.DEVICE for v in views),
             device_shard_bytes=sum(v.device_shard_bytes for v in views if v.shard_tier is Tier.DEVICE),
-            host_bytes=mgr.ledger[Tier.HOST], disk_shards=sum(v.shard_tier is Tier.DISK for v in views),
-            disk_bytes=mgr.ledger[Tier.DISK], host_limit=engine.config.host_memory_limit,
+            host_bytes=mgr.ledger[Tier.HOST],
+            disk_shards=sum(v.shard_tier is Tier.DISK for v in views),
+            disk_bytes=mgr.ledger[Tier.DISK],
+            host_limit=engine.config.host_memory_limit,
             payload_bytes_max=max(v.payload_bytes for v in views),
             nonmodel_peak_bytes=trace.nonmodel_peak_bytes,
-            estimated_device_peak_bytes=peaks[0], estimated_total_peak_bytes=peaks[1], limit=mgr.limit,
+            estimated_device_peak_bytes=peaks[0],
+            estimated_total_peak_bytes=peaks[1],
+            limit=mgr.limit,
         )
 
 
-def make_plan(model_cls: type, model_args: dict[str, Any], data_cls: type | None, data_args: dict[str, Any],
-              strategy_args: dict[str, Any], precision: str = "32-true") -> PlanReport:
+def make_plan(
+    model_cls: type,
+    model_args: dict[str, Any],
+    data_cls: type | None,
+    data_args: dict[str, Any],
+    strategy_args: dict[str, Any],
+    precision: str = "32-true",
+) -> PlanReport:
     """Run the dry warm-up step and report. Raises ``DeviceMemoryLimitError`` when the limit is too small."""
     model = model_cls(**model_args)
     datamodule = data_cls(**data_args) if data_cls is not None else None
     probe = _Probe()
     strategy = ChunkOffloadStrategy(**{**strategy_args, "log_memory_stats": False})
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[probe],
+    )
     trainer.fit(model, datamodule=datamodule)
     assert probe.report is not None, "the dry run never reached an optimizer step"
     return probe.report
@@ -179,28 +217,39 @@ class ShapePlanReport:
         ideal = p.param_numel * 16 / self.ranks
         host_total = _host_memory()
         limit = "none" if p.limit is None else g(p.limit)
-        return "\n".join([
-            f"model               {self.model}: {p.param_numel:,} parameters, precision {self.precision}; planned for "
-            f"{self.ranks} rank(s) from shapes alone (nothing built)",
-            "chunks              "
-            + _chunk_line(len(p.layout.chunks), p.layout.capacity_numel, p.param_numel, p.layout.padding_numel),
-            f"shards a rank       {g(p.shard_bytes())} (masters, compute copies, gradients, optimizer state; "
-            f"16 bytes a parameter over {self.ranks} rank(s) would be {g(ideal)})",
-            f"placement           {self.placement}, before the warm-up: {g(p.shard_bytes(Tier.DEVICE))} on the device, "
-            f"{g(p.shard_bytes(Tier.HOST))} on the host"
-            + (f" (this machine has {g(host_total)} in all)" if host_total else "")
-            + (f", {g(p.disk_bytes())} on disk ({sum(t is Tier.DISK for t in p.tiers.values())} shards' masters, "
-               "gradients and optimizer state)" if p.disk_bytes() else ""),
-            f"device at least     {g(p.need_before_activations)} for the busiest module's chunks"
-            + (" and a gradient payload" if self.ranks > 1 else "") + ", plus activations (not estimated)",
-            f"device_memory_limit {limit}: " + ("fits before activations" if self.fits else "does NOT fit"),
-        ])
+        return "\n".join(
+            [
+                f"model               {self.model}: {p.param_numel:,} parameters, precision {self.precision}; "
+                "planned for "
+                f"{self.ranks} rank(s) from shapes alone (nothing built)",
+                "chunks              "
+                + _chunk_line(len(p.layout.chunks), p.layout.capacity_numel, p.param_numel, p.layout.padding_numel),
+                f"shards a rank       {g(p.shard_bytes())} (masters, compute copies, gradients, optimizer state; "
+                f"16 bytes a parameter over {self.ranks} rank(s) would be {g(ideal)})",
+                f"placement           {self.placement}, before the warm-up: {g(p.shard_bytes(Tier.DEVICE))} on the "
+                "device, "
+                f"{g(p.shard_bytes(Tier.HOST))} on the host"
+                + (f" (this machine has {g(host_total)} in all)" if host_total else "")
+                + (
+                    f", {g(p.disk_bytes())} on disk ({sum(t is Tier.DISK for t in p.tiers.values())} shards' masters, "
+                    "gradients and optimizer state)"
+                    if p.disk_bytes()
+                    else ""
+                ),
+                f"device at least     {g(p.need_before_activations)} for the busiest module's chunks"
+                + (" and a gradient payload" if self.ranks > 1 else "")
+                + ", plus activations (not estimated)",
+                f"device_memory_limit {limit}: " + ("fits before activations" if self.fits else "does NOT fit"),
+            ]
+        )
 
 
 def _chunk_line(chunks: int, capacity: int, params: int, padding: int) -> str:
     """The layout in numbers that add up: the last chunk of each kind is trimmed to what it holds."""
-    return (f"{chunks} of at most {capacity:,} elements: {params + padding:,} elements = {params:,} parameters + "
-            f"{padding:,} padding")
+    return (
+        f"{chunks} of at most {capacity:,} elements: {params + padding:,} elements = {params:,} parameters + "
+        f"{padding:,} padding"
+    )
 
 
 def _host_memory() -> int:
@@ -212,10 +261,16 @@ def _host_memory() -> int:
         return 0
 
 
-def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: dict[str, Any],
-                    precision: str = "32-true", ranks: int = 1,
-                    cluster: tuple[int, int, int | None] | None = None, staging: bool = True,
-                    activations: int = 0) -> Any:
+def make_shape_plan(
+    model_cls: type,
+    model_args: dict[str, Any],
+    strategy_args: dict[str, Any],
+    precision: str = "32-true",
+    ranks: int = 1,
+    cluster: tuple[int, int, int | None] | None = None,
+    staging: bool = True,
+    activations: int = 0,
+) -> Any:
     """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
     ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase]);
     ``staging``: the devices are GPUs, whose gradients leave through pinned staging; ``activations``: a step's
@@ -231,35 +286,69 @@ def make_shape_plan(model_cls: type, model_args: dict[str, Any], strategy_args: 
             model.configure_model()
     DeferredInit.capture(model)  # placeholders: optimizers (fused ones too) can be built over them
     strategy = ChunkOffloadStrategy(**{**strategy_args, "log_memory_stats": False})
-    model.trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=1,
-                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                              enable_model_summary=False)  # configure_optimizers may read the trainer
+    model.trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # configure_optimizers may read the trainer
     optimizers, _ = _init_optimizers_and_lr_schedulers(model)
-    plan = ChunkEngine.plan_from_shapes(model, optimizers, config=strategy.config,
-                                        dtypes=ChunkPrecision(precision).dtype_policy(), world_size=ranks)
-    report = ShapePlanReport(model=type(model).__name__, precision=precision, ranks=ranks,
-                             placement=strategy.config.placement, plan=plan)
+    plan = ChunkEngine.plan_from_shapes(
+        model, optimizers, config=strategy.config, dtypes=ChunkPrecision(precision).dtype_policy(), world_size=ranks
+    )
+    report = ShapePlanReport(
+        model=type(model).__name__, precision=precision, ranks=ranks, placement=strategy.config.placement, plan=plan
+    )
     if cluster is None:
         return report
     nodes, devices, host_memory = cluster
     low = 2 if precision.startswith(("bf16-mixed", "16-mixed")) else 0  # the compute copy beside an fp32 master
     optim = plan.optim_bytes_per_element
     rows, bound, state, after = phases(
-        plan, placement=strategy.config.placement, optim_ratio=optim / 4,
+        plan,
+        placement=strategy.config.placement,
+        optim_ratio=optim / 4,
         model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        host_per_rank=None if host_memory is None else host_memory // devices, optim_share=optim / (4 + low + 4 + optim),
-        ranks=nodes * devices, staging=staging, activations=activations,
-        releases=strategy.config.placement == "host" and strategy.config.reshard_after_forward is True)
-    return ClusterReport(model=type(model).__name__, precision=precision, nodes=nodes, devices=devices,
-                         device_limit=plan.limit, host_memory=host_memory, phases=rows, bound=bound, state=state,
-                         device_shards_after=sum(t is Tier.DEVICE for t in after.values()), chunks=len(plan.views))
+        host_per_rank=None if host_memory is None else host_memory // devices,
+        optim_share=optim / (4 + low + 4 + optim),
+        ranks=nodes * devices,
+        staging=staging,
+        activations=activations,
+        releases=strategy.config.placement == "host" and strategy.config.reshard_after_forward is True,
+    )
+    return ClusterReport(
+        model=type(model).__name__,
+        precision=precision,
+        nodes=nodes,
+        devices=devices,
+        device_limit=plan.limit,
+        host_memory=host_memory,
+        phases=rows,
+        bound=bound,
+        state=state,
+        device_shards_after=sum(t is Tier.DEVICE for t in after.values()),
+        chunks=len(plan.views),
+    )
 
 
-def plan_from_args(model: str, data: str | None, config: str | None, init_args: str | None,
-                   data_args: str | None, overrides: dict[str, Any], precision: str | None,
-                   shapes_only: bool = False, ranks: int = 1,
-                   cluster: tuple[int, int, int | None, int | None] | None = None,
-                   activations: int | None = None) -> Any:
+def plan_from_args(
+    model: str,
+    data: str | None,
+    config: str | None,
+    init_args: str | None,
+    data_args: str | None,
+    overrides: dict[str, Any],
+    precision: str | None,
+    shapes_only: bool = False,
+    ranks: int = 1,
+    cluster: tuple[int, int, int | None, int | None] | None = None,
+    activations: int | None = None,
+) -> Any:
     """``cluster``: ``(nodes, devices a node, device bytes, host bytes a node)``: plan from shapes for that many
     ranks, under the limit a device of that size gives (its memory less the margin ``device_memory_limit=None``
     keeps), unless a limit is given; ``activations``: a step's activation peak a rank, for the cluster view."""
@@ -281,15 +370,24 @@ def plan_from_args(model: str, data: str | None, config: str | None, init_args: 
             raise ValueError(f"--nodes {nodes} --devices {devices}: both must be at least 1.")
         if device_memory is not None and sargs.get("device_memory_limit") is None:
             sargs["device_memory_limit"] = device_memory - device_margin_bytes(device_memory)
-        return make_shape_plan(load_class(model), margs, sargs, prec, nodes * devices, (nodes, devices, host_memory),
-                               activations=activations or 0)
+        return make_shape_plan(
+            load_class(model),
+            margs,
+            sargs,
+            prec,
+            nodes * devices,
+            (nodes, devices, host_memory),
+            activations=activations or 0,
+        )
     if shapes_only:
         return make_shape_plan(load_class(model), margs, sargs, prec, ranks)
     model_cls = load_class(model)
     if data is None and not _has_train_dataloader(model_cls):
-        raise ValueError(f"{model_cls.__name__} defines no train_dataloader, and the dry run needs one batch: give "
-                         "--data with its LightningDataModule (package.module:Class or path/to/file.py:Class), or "
-                         "--shapes-only to plan from the shapes alone.")
+        raise ValueError(
+            f"{model_cls.__name__} defines no train_dataloader, and the dry run needs one batch: give "
+            "--data with its LightningDataModule (package.module:Class or path/to/file.py:Class), or "
+            "--shapes-only to plan from the shapes alone."
+        )
     return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec)
 
 

@@ -46,7 +46,7 @@ SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 _ALIASES = {"32": "32-true", 32: "32-true", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
 _REFUSED = {
     "16-true": "fp16 weights with no fp32 master lose every update smaller than fp16's resolution and cannot be "
-               "loss-scaled safely; use '16-mixed' (fp16 compute, fp32 masters, dynamic loss scaling) or 'bf16-true'",
+    "loss-scaled safely; use '16-mixed' (fp16 compute, fp32 masters, dynamic loss scaling) or 'bf16-true'",
     "64-true": "chunks are built for fp32 and lower; use '32-true'",
     "transformer-engine": "use 'bf16-mixed'",
 }
@@ -67,25 +67,36 @@ def normalize_precision(precision: str | int) -> str:
     if p in _REFUSED:
         raise ValueError(f"precision={precision!r} is not supported by chunk_offload: {_REFUSED[p]}.")
     if p not in SUPPORTED:
-        raise ValueError(f"precision={precision!r} is not supported by chunk_offload; choose one of {', '.join(SUPPORTED)}.")
+        raise ValueError(
+            f"precision={precision!r} is not supported by chunk_offload; choose one of {', '.join(SUPPORTED)}."
+        )
     return str(p)
 
 
 class ChunkPrecision(Precision):
-    def __init__(self, precision: str | int = "32-true", *, init_scale: float = 2.0**16,
-                 growth_interval: int = 2000, full_precision_modules: Sequence[type] = ()) -> None:
+    def __init__(
+        self,
+        precision: str | int = "32-true",
+        *,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        full_precision_modules: Sequence[type] = (),
+    ) -> None:
         """``full_precision_modules``: module classes whose parameters compute in their own dtype under mixed
         precision, beside BatchNorm and InstanceNorm, which always do ([Note: normalisation in mixed precision] in
         ``engine/config.py``; FSDP's ``MixedPrecision._module_classes_to_ignore``)."""
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
         bad = [m for m in full_precision_modules if not (isinstance(m, type) and issubclass(m, torch.nn.Module))]
         if bad or isinstance(full_precision_modules, (str, type)):
-            raise ValueError(f"full_precision_modules={full_precision_modules!r} is not allowed; it must be a list of "
-                             "torch.nn.Module subclasses.")
+            raise ValueError(
+                f"full_precision_modules={full_precision_modules!r} is not allowed; it must be a list of "
+                "torch.nn.Module subclasses."
+            )
         self.full_precision_modules = tuple(full_precision_modules)
         self.scaler: DynamicLossScaler | None = (
             DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval)
-            if self.precision == "16-mixed" else None
+            if self.precision == "16-mixed"
+            else None
         )
         self._engine: ChunkEngine | None = None
         self._device_type = "cpu"
@@ -110,7 +121,9 @@ class ChunkPrecision(Precision):
     @property
     def engine(self) -> ChunkEngine:
         if self._engine is None:
-            raise RuntimeError("ChunkPrecision is used outside ChunkOffloadStrategy's setup (no chunk engine attached).")
+            raise RuntimeError(
+                "ChunkPrecision is used outside ChunkOffloadStrategy's setup (no chunk engine attached)."
+            )
         return self._engine
 
     # --------------------------------------------------------------- module
@@ -165,10 +178,12 @@ class ChunkPrecision(Precision):
                 return
             if f.f_code.co_name == "grad_norm" and f.f_code.co_filename.endswith(_GRAD_NORM_FILE):
                 self._warned_grad_reads = True
-                rank_zero_warn("grad_norm() read no gradients: under chunk_offload they are in the shards between "
-                               "backward and the step, and param.grad is None there. Call it inside "
-                               "`with self.trainer.strategy.full_parameters(with_grads=True):`.",
-                               category=UserWarning)
+                rank_zero_warn(
+                    "grad_norm() read no gradients: under chunk_offload they are in the shards between "
+                    "backward and the step, and param.grad is None there. Call it inside "
+                    "`with self.trainer.strategy.full_parameters(with_grads=True):`.",
+                    category=UserWarning,
+                )
                 return
             f = f.f_back
 

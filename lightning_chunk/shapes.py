@@ -75,11 +75,16 @@ class Llama(L.LightningModule):
         if self.model is not None:
             return
         s = self.shape
-        self.model = nn.ModuleDict(dict(
-            embed=nn.Embedding(s["vocab"], s["hidden"]),
-            layers=nn.ModuleList(Layer(s["hidden"], s["intermediate"], s["heads"], s["kv_heads"])
-                                 for _ in range(s["layers"])),
-            norm=RMSNorm(s["hidden"]), head=nn.Linear(s["hidden"], s["vocab"], bias=False)))
+        self.model = nn.ModuleDict(
+            dict(
+                embed=nn.Embedding(s["vocab"], s["hidden"]),
+                layers=nn.ModuleList(
+                    Layer(s["hidden"], s["intermediate"], s["heads"], s["kv_heads"]) for _ in range(s["layers"])
+                ),
+                norm=RMSNorm(s["hidden"]),
+                head=nn.Linear(s["hidden"], s["vocab"], bias=False),
+            )
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         m = self.model

@@ -67,8 +67,18 @@ def _version() -> str:
 
 
 # the memory_stats() entries logged by default (with the time_*_s breakdown): where the bytes are and what moved
-LOGGED_STATS = frozenset({"device_chunk_bytes", "device_chunk_bytes_peak", "host_chunk_bytes", "disk_chunk_bytes",
-                          "evictions", "gathers", "loss_scale", "grad_norm"})
+LOGGED_STATS = frozenset(
+    {
+        "device_chunk_bytes",
+        "device_chunk_bytes_peak",
+        "host_chunk_bytes",
+        "disk_chunk_bytes",
+        "evictions",
+        "gathers",
+        "loss_scale",
+        "grad_norm",
+    }
+)
 # the ChunkConfig fields the strategy takes as arguments (all but the tests' invariant checking)
 CONFIG_ARGS = tuple(f.name for f in dataclasses.fields(ChunkConfig) if f.name != "check_invariants")
 
@@ -187,16 +197,23 @@ class ChunkOffloadStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         # every argument named like a ChunkConfig field goes to it (tests check the defaults agree)
         given = locals()
         self.config = ChunkConfig(**{f: given[f] for f in CONFIG_ARGS})
         if self.config.disk_dir is not None and self.config.host_memory_limit is None:
-            rank_zero_warn(f"disk_dir={self.config.disk_dir!r} does nothing without host_memory_limit: the disk tier "
-                           "holds what does not fit under that limit. Set host_memory_limit (for example '64GiB'), or "
-                           "drop disk_dir.", category=UserWarning)
+            rank_zero_warn(
+                f"disk_dir={self.config.disk_dir!r} does nothing without host_memory_limit: the disk tier "
+                "holds what does not fit under that limit. Set host_memory_limit (for example '64GiB'), or "
+                "drop disk_dir.",
+                category=UserWarning,
+            )
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
         self.state_dict_type = state_dict_type
@@ -206,8 +223,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self.weights = None if weights is None else os.fspath(weights)
         self._weights_loaded = False  # the weights seed the first setup only: a later test() keeps trained values
         if not (isinstance(log_memory_stats, bool) or log_memory_stats == "all"):
-            raise ValueError(f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True (a few "
-                             "chunk/* metrics), 'all' (every memory_stats() entry) or False.")
+            raise ValueError(
+                f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True (a few "
+                "chunk/* metrics), 'all' (every memory_stats() entry) or False."
+            )
         self.log_memory_stats = log_memory_stats
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -238,8 +257,12 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is not None and not isinstance(plugin, ChunkPrecision):
             precision = getattr(plugin, "precision", None)
-            if precision is None or type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision",
-                                                                 "DoublePrecision"):
+            if precision is None or type(plugin).__name__ not in (
+                "Precision",
+                "MixedPrecision",
+                "HalfPrecision",
+                "DoublePrecision",
+            ):
                 raise TypeError(
                     f"chunk_offload cannot use the precision plugin {type(plugin).__name__}; pass precision='32-true', "
                     "'bf16-mixed', 'bf16-true' or '16-mixed', or a lightning_chunk.ChunkPrecision instance."
@@ -300,8 +323,12 @@ class ChunkOffloadStrategy(ParallelStrategy):
             backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             self._process_group_backend = backend
             assert self.cluster_environment is not None
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
-                                  device_id=process_group_device(self.root_device))
+            _init_dist_connection(
+                self.cluster_environment,
+                backend,
+                timeout=self._timeout,
+                device_id=process_group_device(self.root_device),
+            )
         take_rank_threads()  # [Note: every rank's thread count] in ranks.py
 
     # ================================================================= setup
@@ -355,9 +382,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if fitting:
             self._check_callbacks(trainer)
             if self.config.host_memory_limit is not None and any(isinstance(cb, ChunkEMA) for cb in trainer.callbacks):
-                raise ValueError("ChunkEMA does not work with the disk tier (host_memory_limit="
-                                 f"{self.config.host_memory_limit!r}) yet: its shards would sit in host memory beside "
-                                 "the limit. Leave host_memory_limit unset, or drop ChunkEMA.")
+                raise ValueError(
+                    "ChunkEMA does not work with the disk tier (host_memory_limit="
+                    f"{self.config.host_memory_limit!r}) yet: its shards would sit in host memory beside "
+                    "the limit. Leave host_memory_limit unset, or drop ChunkEMA."
+                )
         if fitting and self.config.step_in_backward:
             check_step_in_backward(trainer, module, self.precision_plugin.precision)
         if fitting:
@@ -365,11 +394,21 @@ class ChunkOffloadStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         config = self._config_for(trainer, module) if fitting else self.config
         self.setup_precision_plugin()
-        comm = (Collectives(timeout_s=self.config.collective_timeout_s, verify=self.config.verify_collectives)
-                if self.world_size > 1 else Collectives.local())
-        self.engine = ChunkEngine(module, self.optimizers if fitting else [], config=config,
-                                  dtypes=self.precision_plugin.dtype_policy(), device=self.root_device,
-                                  collectives=comm, deferred=deferred, weights=weights)
+        comm = (
+            Collectives(timeout_s=self.config.collective_timeout_s, verify=self.config.verify_collectives)
+            if self.world_size > 1
+            else Collectives.local()
+        )
+        self.engine = ChunkEngine(
+            module,
+            self.optimizers if fitting else [],
+            config=config,
+            dtypes=self.precision_plugin.dtype_policy(),
+            device=self.root_device,
+            collectives=comm,
+            deferred=deferred,
+            weights=weights,
+        )
         self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
@@ -385,16 +424,21 @@ class ChunkOffloadStrategy(ParallelStrategy):
         the disk tier] in ``backward_step.py``), said once on rank 0 where a host limit makes it matter."""
         if self.config.step_in_backward is not None:
             return self.config
-        chosen, why = choose_step_in_backward(trainer, module, self.precision_plugin.precision, len(self.optimizers),
-                                              self.config.host_memory_limit)
+        chosen, why = choose_step_in_backward(
+            trainer, module, self.precision_plugin.precision, len(self.optimizers), self.config.host_memory_limit
+        )
         if chosen:
-            rank_zero_info("chunk_offload: with host_memory_limit set, each chunk steps during backward "
-                           "(step_in_backward=None: nothing in this fit reads the gradients after backward); "
-                           "step_in_backward=False keeps them.")
+            rank_zero_info(
+                "chunk_offload: with host_memory_limit set, each chunk steps during backward "
+                "(step_in_backward=None: nothing in this fit reads the gradients after backward); "
+                "step_in_backward=False keeps them."
+            )
         elif why is not None:
-            rank_zero_info(f"chunk_offload: the chunks step after backward, not during it, because of {why} "
-                           "(step_in_backward=None; with the disk tier stepping in backward is faster: "
-                           "docs/disk-tier.md).")
+            rank_zero_info(
+                f"chunk_offload: the chunks step after backward, not during it, because of {why} "
+                "(step_in_backward=None; with the disk tier stepping in backward is faster: "
+                "docs/disk-tier.md)."
+            )
         return self.config.replace(step_in_backward=chosen)
 
     def _follow_toggles(self, module: pl.LightningModule) -> None:
@@ -440,12 +484,14 @@ class ChunkOffloadStrategy(ParallelStrategy):
         from lightning.pytorch import callbacks
         from lightning.pytorch.callbacks import BaseFinetuning
 
-        averaging = tuple(getattr(callbacks, n) for n in ("StochasticWeightAveraging", "WeightAveraging")
-                          if hasattr(callbacks, n))
+        averaging = tuple(
+            getattr(callbacks, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, n)
+        )
         for cb in trainer.callbacks:
             if isinstance(cb, averaging):
                 raise ValueError(
-                    f"{type(cb).__name__} does not work with chunk_offload: it keeps a whole copy of the model on every "
+                    f"{type(cb).__name__} does not work with chunk_offload: it keeps a whole copy of the model on "
+                    "every "
                     "rank and reads and writes the module's parameters between steps, where chunk_offload's "
                     "parameters are views of chunk payloads (released, or stale until the next gather) and the "
                     "trained values live in the sharded master weights; the averaged weights it copies in would be "
@@ -453,12 +499,14 @@ class ChunkOffloadStrategy(ParallelStrategy):
                     "moving average use lightning_chunk.ChunkEMA (EMAWeightAveraging's behaviour, with the average "
                     "sharded like the weights); for another average, a callback of your own inside "
                     "`with trainer.strategy.full_parameters():` (docs/faq.md, 'Reading and writing parameters "
-                    "between steps').")
+                    "between steps')."
+                )
             if isinstance(cb, callbacks.ModelPruning):
                 raise ValueError(
                     "ModelPruning does not work with chunk_offload: torch's pruning replaces each pruned parameter by "
                     "`<name>_orig` and a whole-size mask while training, a new set of parameters the chunks were not "
-                    "packed for. Prune before or after training (torch.nn.utils.prune on the consolidated model).")
+                    "packed for. Prune before or after training (torch.nn.utils.prune on the consolidated model)."
+                )
             if isinstance(cb, BaseFinetuning):
                 raise ValueError(
                     f"{type(cb).__name__} (a BaseFinetuning callback) does not work with chunk_offload: it finds the "
@@ -466,11 +514,18 @@ class ChunkOffloadStrategy(ParallelStrategy):
                     "the optimizer here steps views of the chunk shards, and param groups are packed into chunks at "
                     "setup. Instead, put every parameter in configure_optimizers' param groups from the start and set "
                     "requires_grad in a callback (on_train_epoch_start or on_train_batch_start): chunk_offload "
-                    "repacks when it changes (docs/configuration.md, 'Freezing and unfreezing').")
+                    "repacks when it changes (docs/configuration.md, 'Freezing and unfreezing')."
+                )
 
     @contextlib.contextmanager
-    def full_parameters(self, module: torch.nn.Module | None = None, *, writeback: bool = True,
-                        offload_to_cpu: bool = False, with_grads: bool = False) -> Generator[None, None, None]:
+    def full_parameters(
+        self,
+        module: torch.nn.Module | None = None,
+        *,
+        writeback: bool = True,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Generator[None, None, None]:
         """The parameters of ``module`` (the whole LightningModule by default) hold their whole trained values
         inside the block; with ``writeback``, what you write into them goes back into the sharded weights
         (elements you leave as they were keep their master precision). FSDP's ``summon_full_params``.
@@ -490,8 +545,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
             yield
             return
         params = None if module is None else list(module.parameters())
-        with full_parameters(self.engine, params, writeback=writeback, offload_to_cpu=offload_to_cpu,
-                             with_grads=with_grads):
+        with full_parameters(
+            self.engine, params, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+        ):
             yield
 
     def memory_stats(self) -> dict[str, float]:
@@ -516,13 +572,19 @@ class ChunkOffloadStrategy(ParallelStrategy):
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         # only on the steps Lightning writes logs (every log_every_n_steps): self.log costs ~2 ms a call
-        if self.log_memory_stats and trainer is not None and trainer.loggers and \
-                getattr(trainer._logger_connector, "should_update_logs", True):
+        if (
+            self.log_memory_stats
+            and trainer is not None
+            and trainer.loggers
+            and getattr(trainer._logger_connector, "should_update_logs", True)
+        ):
             every = self.log_memory_stats == "all"
-            stats = {f"chunk/{k}": float(v) for k, v in self.memory_stats().items()
-                     if every or k in LOGGED_STATS or k.startswith("time_")}
-            module.log_dict(stats, on_step=True, on_epoch=False, prog_bar=False, logger=True,
-                                           batch_size=1)
+            stats = {
+                f"chunk/{k}": float(v)
+                for k, v in self.memory_stats().items()
+                if every or k in LOGGED_STATS or k.startswith("time_")
+            }
+            module.log_dict(stats, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)
         return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -546,7 +608,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if self.engine is None:
             yield
             return
-        with (self.engine.accumulating() if self.config.sharded_accumulation else self.engine.no_sync()):
+        with self.engine.accumulating() if self.config.sharded_accumulation else self.engine.no_sync():
             yield
 
     def on_exception(self, exception: BaseException) -> None:
@@ -566,8 +628,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
-               reduce_op: Any | str | None = "mean") -> Any:
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -596,11 +657,19 @@ class ChunkOffloadStrategy(ParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         assert self.engine is not None
         if storage_options is not None:
-            raise TypeError("chunk_offload's sharded checkpoints take no storage_options "
-                            f"(got {storage_options!r}); use state_dict_type='full' with a custom CheckpointIO.")
+            raise TypeError(
+                "chunk_offload's sharded checkpoints take no storage_options "
+                f"(got {storage_options!r}); use state_dict_type='full' with a custom CheckpointIO."
+            )
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(self.engine, filepath, extra, with_optimizer="optimizer_states" in checkpoint,
-                     version=_version(), state_dict=checkpoint.get("state_dict", {}))
+        save_sharded(
+            self.engine,
+            filepath,
+            extra,
+            with_optimizer="optimizer_states" in checkpoint,
+            version=_version(),
+            state_dict=checkpoint.get("state_dict", {}),
+        )
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """A sharded checkpoint is renamed to a hidden name before it is deleted: a kill midway through the
@@ -632,8 +701,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
             module = self.lightning_module
             self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
             if with_optimizer and meta.get("optimizer_states"):
-                for binding, state in zip(self.engine.bindings, _one_each(meta["optimizer_states"],
-                                                                         len(self.engine.bindings)), strict=True):
+                for binding, state in zip(
+                    self.engine.bindings, _one_each(meta["optimizer_states"], len(self.engine.bindings)), strict=True
+                ):
                     binding.load_plain_state_dict(state)
         meta["_chunk_loaded"] = True
         return meta
@@ -648,8 +718,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if checkpoint.get("_chunk_loaded"):
             return
-        for optimizer, state in zip(self.optimizers, _one_each(checkpoint["optimizer_states"], len(self.optimizers)),
-                                    strict=True):
+        for optimizer, state in zip(
+            self.optimizers, _one_each(checkpoint["optimizer_states"], len(self.optimizers)), strict=True
+        ):
             binding = self._binding_of(optimizer)
             if binding is None:
                 optimizer.load_state_dict(state)
@@ -686,7 +757,9 @@ class ChunkOffloadStrategy(ParallelStrategy):
 def _one_each(states: Any, optimizers: int) -> Any:
     """A checkpoint's optimizer states, when it holds one for each optimizer the run configured."""
     if len(states) != optimizers:
-        raise CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) but configure_optimizers "
-                              f"returned {optimizers} optimizer(s): a resume needs the optimizers it was saved with "
-                              "(or load the weights alone: ckpt_path=None and load_state_dict).")
+        raise CheckpointError(
+            f"the checkpoint holds {len(states)} optimizer state(s) but configure_optimizers "
+            f"returned {optimizers} optimizer(s): a resume needs the optimizers it was saved with "
+            "(or load the weights alone: ckpt_path=None and load_state_dict)."
+        )
     return states

@@ -58,8 +58,9 @@ class ChunkTelemetry(pl.Callback):
         self._folder = Path(trainer.log_dir or trainer.default_root_dir)
 
     # ----------------------------------------------------------------- hooks
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._t0 = time.perf_counter()
         engine = getattr(trainer.strategy, "engine", None)
         self._times0 = dict(engine.manager.clock.seconds) if engine is not None else {}
@@ -67,8 +68,9 @@ class ChunkTelemetry(pl.Callback):
             self._events = []
             engine.hooks.recorder = self._events.append
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         elapsed_ms = (time.perf_counter() - self._t0) * 1000.0
         values = {"chunk/step_time_ms": elapsed_ms}
         strategy = trainer.strategy
@@ -116,8 +118,10 @@ class ChunkTelemetry(pl.Callback):
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            rank_zero_warn("ChunkTelemetry: matplotlib is not installed, so there is no placement picture; "
-                           "`pip install 'lightning_chunk[plot]'` (or matplotlib) to get it. Training goes on.")
+            rank_zero_warn(
+                "ChunkTelemetry: matplotlib is not installed, so there is no placement picture; "
+                "`pip install 'lightning_chunk[plot]'` (or matplotlib) to get it. Training goes on."
+            )
             return None
         folder = self._folder or Path(trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -134,14 +138,24 @@ def breakdown_table(per_rank: list[dict[str, float]]) -> str:
     for r, t in enumerate(per_rank):
         step = t["step"] or 1.0
         rest = max(t["step"] - sum(t[c] for c in CAUSES), 0.0)
-        rows.append([str(r), f"{t['step']:.2f}"] + [f"{t[c]:.2f} ({100 * t[c] / step:.0f}%)" for c in CAUSES]
-                    + [f"{rest:.2f} ({100 * rest / step:.0f}%)"])
+        rows.append(
+            [str(r), f"{t['step']:.2f}"]
+            + [f"{t[c]:.2f} ({100 * t[c] / step:.0f}%)" for c in CAUSES]
+            + [f"{rest:.2f} ({100 * rest / step:.0f}%)"]
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
+
     def line(cells):
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-    return "\n".join(["ChunkTelemetry: where the training steps' time went after the warm-up (seconds, share of "
-                      "step time)",
-                      line(heads), line(["-" * w for w in widths])] + [line(row) for row in rows])
+
+    return "\n".join(
+        [
+            "ChunkTelemetry: where the training steps' time went after the warm-up (seconds, share of step time)",
+            line(heads),
+            line(["-" * w for w in widths]),
+        ]
+        + [line(row) for row in rows]
+    )
 
 
 def draw_step(events: list[MomentEvent], limit: int | None, n_chunks: int, path: Path, plt: Any) -> None:
@@ -153,13 +167,17 @@ def draw_step(events: list[MomentEvent], limit: int | None, n_chunks: int, path:
         for c in e.device_shards:
             top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, color="#2c7a2c", alpha=0.35, lw=0))
         for c in e.disk_shards:  # the third tier: shard in files, hatched where its payload is not resident
-            top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, fill=False, hatch="///", color="#7f6a4d",
-                                        alpha=0.5, lw=0))
+            top.add_patch(
+                plt.Rectangle((x - 0.5, c - 0.5), 1, 1, fill=False, hatch="///", color="#7f6a4d", alpha=0.5, lw=0)
+            )
         for c in e.resident:
             if c not in e.device_shards:
                 top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, color="#4a90d9", alpha=0.45, lw=0))
-    marks = {"evicted": ([], [], "x", "#c0392b"), "fetched for use": ([], [], "o", "black"),
-             "prefetched": ([], [], "^", "#8e44ad")}
+    marks = {
+        "evicted": ([], [], "x", "#c0392b"),
+        "fetched for use": ([], [], "o", "black"),
+        "prefetched": ([], [], "^", "#8e44ad"),
+    }
     for x, e in enumerate(events):
         for c in e.evicted:
             marks["evicted"][0].append(x), marks["evicted"][1].append(c)
@@ -172,8 +190,9 @@ def draw_step(events: list[MomentEvent], limit: int | None, n_chunks: int, path:
     top.add_patch(plt.Rectangle((0, 0), 0, 0, color="#2c7a2c", alpha=0.35, label="shard on device"))
     top.add_patch(plt.Rectangle((0, 0), 0, 0, color="#4a90d9", alpha=0.45, label="payload resident"))
     if any(e.disk_shards for e in events):
-        top.add_patch(plt.Rectangle((0, 0), 0, 0, fill=False, hatch="///", color="#7f6a4d", alpha=0.5,
-                                    label="shard on disk"))
+        top.add_patch(
+            plt.Rectangle((0, 0), 0, 0, fill=False, hatch="///", color="#7f6a4d", alpha=0.5, label="shard on disk")
+        )
     top.set_ylim(-0.5, n_chunks - 0.5)
     top.set_xlim(-0.5, len(events) - 0.5)
     top.set_ylabel("chunk")
@@ -187,13 +206,21 @@ def draw_step(events: list[MomentEvent], limit: int | None, n_chunks: int, path:
     chunk_b = [e.device_bytes / mib for e in events]
     nonmodel = [e.nonmodel_bytes / mib for e in events]
     bottom.fill_between(xs, 0, chunk_b, step="mid", color="#4a90d9", alpha=0.6, label="chunk bytes on device")
-    bottom.fill_between(xs, chunk_b, [a + b for a, b in zip(chunk_b, nonmodel, strict=True)], step="mid", color="#f39c12",
-                        alpha=0.5, label="traced non-model bytes")
+    bottom.fill_between(
+        xs,
+        chunk_b,
+        [a + b for a, b in zip(chunk_b, nonmodel, strict=True)],
+        step="mid",
+        color="#f39c12",
+        alpha=0.5,
+        label="traced non-model bytes",
+    )
     if limit is not None:
         bottom.axhline(limit / mib, color="#c0392b", lw=1.2, label="device_memory_limit")
     bottom.set_ylabel("MiB")
-    bottom.set_xlabel("moment (module hook: " + ", ".join(sorted({e.kind for e in events} & {FORWARD, BACKWARD}))
-                      + ", post_fwd)")
+    bottom.set_xlabel(
+        "moment (module hook: " + ", ".join(sorted({e.kind for e in events} & {FORWARD, BACKWARD})) + ", post_fwd)"
+    )
     bottom.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import os
 
-DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "PL_GLOBAL_SEED")
+DIST_VARS = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+)
 
 
 def child_env() -> dict[str, str]:

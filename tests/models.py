@@ -13,9 +13,17 @@ VOCAB, DIM, HIDDEN, SEQ = 48, 32, 64, 8
 
 
 class ParityNet(L.LightningModule):
-    def __init__(self, variant: str = "plain", lr: float = 1e-2, optimizer: str = "adamw",
-                 scheduler: bool = True, depth: int = 2, dim: int = DIM, hidden: int = HIDDEN,
-                 build: bool = True) -> None:
+    def __init__(
+        self,
+        variant: str = "plain",
+        lr: float = 1e-2,
+        optimizer: str = "adamw",
+        scheduler: bool = True,
+        depth: int = 2,
+        dim: int = DIM,
+        hidden: int = HIDDEN,
+        build: bool = True,
+    ) -> None:
         super().__init__()
         self.variant, self.lr, self.optimizer_name, self.use_scheduler = variant, lr, optimizer, scheduler
         self.shape = dict(depth=depth, dim=dim, hidden=hidden)
@@ -90,16 +98,42 @@ def token_data(n: int = 96, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
-def fit(strategy, *, variant: str = "plain", steps: int = 20, precision="32-true", plugins=None, seed: int = 7,
-        model_kwargs=None, accelerator: str = "cpu", cls=None, val_dataloaders=None, **trainer_kwargs) -> ParityNet:
+def fit(
+    strategy,
+    *,
+    variant: str = "plain",
+    steps: int = 20,
+    precision="32-true",
+    plugins=None,
+    seed: int = 7,
+    model_kwargs=None,
+    accelerator: str = "cpu",
+    cls=None,
+    val_dataloaders=None,
+    **trainer_kwargs,
+) -> ParityNet:
     """Train a fresh ParityNet (same init for every strategy; or ``cls``) and return it."""
     L.seed_everything(seed, verbose=False)
     model = (cls or ParityNet)(variant=variant, **(model_kwargs or {}))
-    trainer = L.Trainer(**{
-        **dict(accelerator=accelerator, devices=1, strategy=strategy, precision=None if plugins else precision,
-               plugins=plugins, max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0),
-        **trainer_kwargs})
+    trainer = L.Trainer(
+        **{
+            **dict(
+                accelerator=accelerator,
+                devices=1,
+                strategy=strategy,
+                precision=None if plugins else precision,
+                plugins=plugins,
+                max_steps=steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+            ),
+            **trainer_kwargs,
+        }
+    )
     trainer.fit(model, token_data(), val_dataloaders)
     model.trainer_ref = trainer
     return model
@@ -167,8 +201,10 @@ class TwoOptimizers(ParityNet):
         first = [*self.embed.parameters(), *self.blocks[0].parameters()]
         ids = {id(p) for p in first}
         rest = [p for p in self.parameters() if id(p) not in ids]
-        return (torch.optim.AdamW(first, lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1),
-                torch.optim.SGD(rest, lr=self.lr * 5, momentum=0.9))
+        return (
+            torch.optim.AdamW(first, lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1),
+            torch.optim.SGD(rest, lr=self.lr * 5, momentum=0.9),
+        )
 
     def training_step(self, batch, batch_idx):
         opt_a, opt_b = self.optimizers()
@@ -286,8 +322,10 @@ class AdapterNet(ParityNet):
     def build(self) -> None:
         super().build()
         dim = self.shape["dim"]
-        self.adapters = nn.ModuleList(nn.Sequential(nn.Linear(dim, 4, bias=False), nn.Linear(4, dim, bias=False))
-                                      for _ in range(self.shape["depth"]))
+        self.adapters = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4, bias=False), nn.Linear(4, dim, bias=False))
+            for _ in range(self.shape["depth"])
+        )
         for p in self.blocks.parameters():
             p.requires_grad_(False)
 
@@ -308,8 +346,9 @@ class FlipRequiresGrad(L.Callback):
 
     def frozen(self, pl_module, step: int) -> list:
         """The parameters frozen at ``step``."""
-        return ([*pl_module.blocks[0].parameters()] if step < self.unfreeze else []) + \
-            ([*pl_module.embed.parameters()] if self.unfreeze <= step < self.refreeze else [])
+        return ([*pl_module.blocks[0].parameters()] if step < self.unfreeze else []) + (
+            [*pl_module.embed.parameters()] if self.unfreeze <= step < self.refreeze else []
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         frozen = {id(p) for p in self.frozen(pl_module, trainer.global_step)}
@@ -343,7 +382,7 @@ class ClampFirstBlock(L.Callback):
 
         full = getattr(trainer.strategy, "full_parameters", None) if self.use_block else None
         self.seen_outside.append(bool(not torch.isnan(pl_module.head.weight).all()))
-        with (full() if full else contextlib.nullcontext()), torch.no_grad():
+        with full() if full else contextlib.nullcontext(), torch.no_grad():
             for p in pl_module.blocks[0].parameters():
                 p.clamp_(-self.bound, self.bound)
             self.norms.append(float(pl_module.head.weight.norm()))
@@ -417,7 +456,7 @@ class GradPenalty(ParityNet):
             out = out + blk(out)
         logits = self.head(self.norm(out))
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        g, = torch.autograd.grad(logits.float().pow(2).sum(), h, create_graph=True)
+        (g,) = torch.autograd.grad(logits.float().pow(2).sum(), h, create_graph=True)
         return loss + 0.01 * (g.norm(2, dim=-1) - 1).pow(2).mean()
 
 

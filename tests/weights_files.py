@@ -35,9 +35,17 @@ def write_weights(sd: dict[str, torch.Tensor], out: Path, fmt: str, *, variant: 
         model.load_state_dict(sd)
         strategy = "auto" if fmt == "lightning" else ChunkOffloadStrategy(chunk_numel=4096)
         ck = out / ("plain.ckpt" if fmt == "lightning" else "sharded.ckpt")
-        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  callbacks=[_SaveAtStart(ck)]).fit(model, token_data())
+        L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[_SaveAtStart(ck)],
+        ).fit(model, token_data())
         if fmt == "lightning":
             return ck
         return consolidate(ck, out / "consolidated.ckpt", progress=False)
@@ -49,8 +57,10 @@ def write_weights(sd: dict[str, torch.Tensor], out: Path, fmt: str, *, variant: 
             if v.untyped_storage().data_ptr() not in seen:
                 seen.add(v.untyped_storage().data_ptr())
                 keys.append(k)
-        halves = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
-                  "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+        halves = {
+            "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+            "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+        }
         for name, ks in halves.items():
             save_file({k: sd[k].contiguous() for k in ks}, str(out / name))
         index = {"metadata": {}, "weight_map": {k: name for name, ks in halves.items() for k in ks}}

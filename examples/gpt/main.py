@@ -72,9 +72,18 @@ class GPT(L.LightningModule):
     """``deferred_init=True`` builds the layers in ``configure_model``: under ``chunk_offload`` on the meta device,
     initialised chunk by chunk at setup (no rank ever holds the whole model); under other strategies as usual."""
 
-    def __init__(self, width: int = 256, depth: int = 4, heads: int = 4, context: int = 64, lr: float = 3e-3,
-                 weight_decay: float = 0.1, warmup_steps: int = 20, activation_checkpointing: bool = False,
-                 deferred_init: bool = False) -> None:
+    def __init__(
+        self,
+        width: int = 256,
+        depth: int = 4,
+        heads: int = 4,
+        context: int = 64,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        activation_checkpointing: bool = False,
+        deferred_init: bool = False,
+    ) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"model.width={width} must be a multiple of model.heads={heads}.")
@@ -118,8 +127,11 @@ class GPT(L.LightningModule):
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         other = [p for p in self.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
-                                 {"params": other, "weight_decay": 0.0}], lr=self.hparams.lr, betas=(0.9, 0.95))
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=(0.9, 0.95),
+        )
         total, warmup = max(self.trainer.max_steps, 1), max(self.hparams.warmup_steps, 1)
 
         def schedule(step: int) -> float:  # linear warm-up, then cosine decay to zero
@@ -131,8 +143,15 @@ class GPT(L.LightningModule):
 
 # ------------------------------------------------------------------------------ data
 class ByteCorpus(WindowsData):
-    def __init__(self, corpus: str | None = None, context: int = 64, batch_size: int = 4,
-                 max_bytes: int = 4_000_000, train_windows: int = 20_000, val_windows: int = 256) -> None:
+    def __init__(
+        self,
+        corpus: str | None = None,
+        context: int = 64,
+        batch_size: int = 4,
+        max_bytes: int = 4_000_000,
+        train_windows: int = 20_000,
+        val_windows: int = 256,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
 

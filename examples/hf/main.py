@@ -15,7 +15,6 @@
   (``data.tokenizer``: what ``AutoTokenizer.save_pretrained`` writes, e.g. the real model's).
 """
 
-
 import math
 import sys
 from pathlib import Path
@@ -37,13 +36,22 @@ class CausalLM(L.LightningModule):
     """``pretrained``: a local ``save_pretrained`` directory to start from (its config, then ``config``'s fields
     over it). Else ``config``: ``{"model_type": "llama", "hidden_size": 256, ...}`` for a model from scratch."""
 
-    def __init__(self, pretrained: str | None = None, config: dict[str, Any] | None = None, lr: float = 3e-4,
-                 weight_decay: float = 0.1, warmup_steps: int = 20, gradient_checkpointing: bool = False,
-                 compile: bool | str = False) -> None:
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        config: dict[str, Any] | None = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        gradient_checkpointing: bool = False,
+        compile: bool | str = False,
+    ) -> None:
         super().__init__()
         if pretrained is None and not (config or {}).get("model_type"):
-            raise ValueError("model.pretrained (a save_pretrained directory) or model.config with a 'model_type' "
-                             f"(e.g. {{'model_type': 'llama', ...}}) is needed; got pretrained=None, config={config!r}.")
+            raise ValueError(
+                "model.pretrained (a save_pretrained directory) or model.config with a 'model_type' "
+                f"(e.g. {{'model_type': 'llama', ...}}) is needed; got pretrained=None, config={config!r}."
+            )
         if pretrained is not None and not Path(pretrained, "config.json").is_file():
             raise ValueError(f"model.pretrained={pretrained!r} is not a save_pretrained directory (no config.json).")
         self.save_hyperparameters()
@@ -67,8 +75,9 @@ class CausalLM(L.LightningModule):
         chunked = isinstance(strategy, lightning_chunk.ChunkOffloadStrategy)
         on_meta = torch.empty(0).is_meta  # chunk_offload's configure_model, or `lightning-chunk plan --shapes-only`
         if self.hparams.pretrained is not None and not chunked and not on_meta:
-            model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained, local_files_only=True,
-                                                         config=self.hf_config())
+            model = AutoModelForCausalLM.from_pretrained(
+                self.hparams.pretrained, local_files_only=True, config=self.hf_config()
+            )
             model.train()  # from_pretrained gives a model in eval mode (no dropout), which Lightning keeps
         else:  # under chunk_offload: on the meta device, nothing allocated until setup
             model = AutoModelForCausalLM.from_config(self.hf_config())
@@ -109,8 +118,11 @@ class CausalLM(L.LightningModule):
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         other = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
-                                 {"params": other, "weight_decay": 0.0}], lr=self.hparams.lr, betas=(0.9, 0.95))
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=(0.9, 0.95),
+        )
         total, warmup = max(self.trainer.max_steps, 1), max(self.hparams.warmup_steps, 1)
 
         def schedule(step: int) -> float:  # linear warm-up, then cosine decay to zero
@@ -123,13 +135,17 @@ class CausalLM(L.LightningModule):
         data, config = self.trainer.datamodule, self.hf_model.config
         vocab = getattr(data, "vocab_size", None)
         if vocab is not None and vocab > config.vocab_size:
-            raise ValueError(f"the data has {vocab} token ids but the model's vocab_size is {config.vocab_size}: set "
-                             "model.config.vocab_size, or data.tokenizer to the model's own tokenizer.")
+            raise ValueError(
+                f"the data has {vocab} token ids but the model's vocab_size is {config.vocab_size}: set "
+                "model.config.vocab_size, or data.tokenizer to the model's own tokenizer."
+            )
         context = getattr(getattr(data, "hparams", None), "context", None)
         positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         if context is not None and positions is not None and context > positions:
-            raise ValueError(f"data.context={context} is longer than the model's {positions} positions "
-                             "(max_position_embeddings): lower data.context.")
+            raise ValueError(
+                f"data.context={context} is longer than the model's {positions} positions "
+                "(max_position_embeddings): lower data.context."
+            )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # what `lightning-chunk consolidate --format hf` needs to write config.json
@@ -145,9 +161,16 @@ class TextData(WindowsData):
 
     extra_tokens = 0
 
-    def __init__(self, corpus: str | None = None, tokenizer: str | None = None, context: int = 128,
-                 batch_size: int = 4, max_bytes: int = 4_000_000, train_windows: int = 20_000,
-                 val_windows: int = 256) -> None:
+    def __init__(
+        self,
+        corpus: str | None = None,
+        tokenizer: str | None = None,
+        context: int = 128,
+        batch_size: int = 4,
+        max_bytes: int = 4_000_000,
+        train_windows: int = 20_000,
+        val_windows: int = 256,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.vocab_size = 256

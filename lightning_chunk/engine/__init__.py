@@ -8,7 +8,18 @@ from .runtime import ChunkEngine
 from .states import LEGAL_TRANSITIONS, TensorState
 
 __all__ = [
-    "Chunk", "ChunkConfig", "ChunkEngine", "ChunkError", "Collectives", "DeviceMemoryLimitError", "DtypePolicy",
-    "IllegalTransitionError", "LEGAL_TRANSITIONS", "LayoutError", "TensorState", "Tier", "UnsupportedOptimizerError",
+    "Chunk",
+    "ChunkConfig",
+    "ChunkEngine",
+    "ChunkError",
+    "Collectives",
+    "DeviceMemoryLimitError",
+    "DtypePolicy",
+    "IllegalTransitionError",
+    "LEGAL_TRANSITIONS",
+    "LayoutError",
+    "TensorState",
+    "Tier",
+    "UnsupportedOptimizerError",
     "parse_bytes",
 ]

@@ -144,8 +144,9 @@ def _build() -> Callable[..., int]:
 
     lib = CppCodeCache.load(SOURCE)
     fn = lib.lc_adam_one_pass
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_float)] \
-        + [ctypes.c_int] * 3
+    fn.argtypes = (
+        [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_float)] + [ctypes.c_int] * 3
+    )
     fn.restype = ctypes.c_int  # the vector width it was built for
     return fn
 
@@ -170,9 +171,12 @@ def why_not() -> str | None:
 
 def supports(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor) -> bool:
     """Whether the native loop steps these tensors: contiguous float32 on the host, a bf16 or fp16 copy."""
-    return low.dtype in LOW_DTYPES and all(t.dtype == torch.float32 for t in (p, g, m, v)) \
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in (p, g, m, v, low)) \
+    return (
+        low.dtype in LOW_DTYPES
+        and all(t.dtype == torch.float32 for t in (p, g, m, v))
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (p, g, m, v, low))
         and p.numel() == g.numel() == m.numel() == v.numel() == low.numel()
+    )
 
 
 class NativeKernel:
@@ -189,7 +193,28 @@ class NativeKernel:
         array = (ctypes.c_float * len(values))(*(float(x) for x in values))  # float32 values: exact as floats
         return array, MODES[mode], int(maximize), int(small)
 
-    def __call__(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor,
-                 array: Any, mode: int, maximize: int, small: int) -> None:
-        self.fn(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), low.data_ptr(), LOW_DTYPES[low.dtype],
-                p.numel(), array, mode, maximize, small)
+    def __call__(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        low: torch.Tensor,
+        array: Any,
+        mode: int,
+        maximize: int,
+        small: int,
+    ) -> None:
+        self.fn(
+            p.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            low.data_ptr(),
+            LOW_DTYPES[low.dtype],
+            p.numel(),
+            array,
+            mode,
+            maximize,
+            small,
+        )

@@ -125,8 +125,11 @@ class Agreement:
         self._seq = 0
         self.barriers = 0  # chunk collectives checked with a barrier (the tests count them)
         # "batch" on gloo: a group of its own for explaining a timed-out wait ([Note: explaining a stuck wait])
-        self._explain_group = (gloo_group_over(comm.group, min(EXPLAIN_S, comm.timeout_s or EXPLAIN_S))
-                               if lazy and mode == "batch" else None)
+        self._explain_group = (
+            gloo_group_over(comm.group, min(EXPLAIN_S, comm.timeout_s or EXPLAIN_S))
+            if lazy and mode == "batch"
+            else None
+        )
 
     def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Check, Any]:
         """Note the collective about to be issued (``"each"``: issue its tag). Returns the check its wait must run
@@ -188,7 +191,7 @@ class Agreement:
                 self._disagree(f"on the next collective ({lines})")
 
     def verify_batch(self, value: int = 0) -> list[int]:
-        """"batch": compare the CRC of the collectives every rank issued since the last check; on a difference,
+        """ "batch": compare the CRC of the collectives every rank issued since the last check; on a difference,
         gather the lists to name the first collective where they differ. A rank that issued none still takes part:
         the points that call this are the same on every rank, whatever each issued. ``value`` travels in the same
         fixed-size exchange (``Collectives.agree_on_value``'s, at a backward's end); returns every rank's."""
@@ -203,8 +206,10 @@ class Agreement:
         if all(t[:2] == tags[0][:2] for t in tags):
             return [t[2] for t in tags]
         seqs = comm.all_gather_object_on(issued, self.tag_group)
-        self._disagree(f"on a chunk collective ({self._first_difference(seqs, 'nothing more')})",
-                       " verify_collectives=True checks before each collective's result is used, to stop at the first.")
+        self._disagree(
+            f"on a chunk collective ({self._first_difference(seqs, 'nothing more')})",
+            " verify_collectives=True checks before each collective's result is used, to stop at the first.",
+        )
 
     def _first_difference(self, seqs: list[Any], past_end: str) -> str:
         """Each rank's collective at the first position where the ranks' lists of issued ones differ."""
@@ -243,16 +248,19 @@ class Agreement:
         if all(s == seqs[0] for s in seqs):
             return ""
         lines = self._first_difference(seqs, "nothing more (waiting at the next check)")
-        return (f"the ranks issued different chunk collectives ({lines}): a "
-                "module ran on some ranks and not on others (data-dependent control flow, or a module used outside "
-                "its forward); every rank must run the same modules in the same order")
+        return (
+            f"the ranks issued different chunk collectives ({lines}): a "
+            "module ran on some ranks and not on others (data-dependent control flow, or a module used outside "
+            "its forward); every rank must run the same modules in the same order"
+        )
 
     def _disagree(self, where: str, hint: str = "") -> None:
         comm = self.comm
         error = CollectiveMismatchError(
             f"[rank {comm.rank}] ranks disagree {where}. A module ran on some ranks and not on others (data-dependent "
             "control flow, or a module used outside its forward); every rank must run the same modules in the same "
-            f"order.{hint}")
+            f"order.{hint}"
+        )
         if self.lazy:  # collectives of the other kinds may stay unmatched: see the Note
             comm.mark_broken(str(error))
         raise error

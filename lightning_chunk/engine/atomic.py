@@ -46,14 +46,25 @@ def exchange(a: Path, b: Path) -> bool:
     args = (_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
     fn = getattr(libc, "renameat2", None)
     if fn is not None:
-        rc = fn(ctypes.c_int(args[0]), ctypes.c_char_p(args[1]), ctypes.c_int(args[2]), ctypes.c_char_p(args[3]),
-                ctypes.c_uint(args[4]))
+        rc = fn(
+            ctypes.c_int(args[0]),
+            ctypes.c_char_p(args[1]),
+            ctypes.c_int(args[2]),
+            ctypes.c_char_p(args[3]),
+            ctypes.c_uint(args[4]),
+        )
     else:  # glibc before 2.28 has the system call but no wrapper
         number = _SYSCALL_RENAMEAT2.get(platform.machine())
         if number is None:
             return False
-        rc = libc.syscall(ctypes.c_long(number), ctypes.c_int(args[0]), ctypes.c_char_p(args[1]),
-                          ctypes.c_int(args[2]), ctypes.c_char_p(args[3]), ctypes.c_uint(args[4]))
+        rc = libc.syscall(
+            ctypes.c_long(number),
+            ctypes.c_int(args[0]),
+            ctypes.c_char_p(args[1]),
+            ctypes.c_int(args[2]),
+            ctypes.c_char_p(args[3]),
+            ctypes.c_uint(args[4]),
+        )
     if rc == 0:
         return True
     err = ctypes.get_errno()

@@ -74,8 +74,10 @@ def check_checkpoint_dir(path: str | Path) -> Path:
             "(rank 0 writes it last; an interrupted save leaves a '.NAME.partial' directory instead)."
         )
     if not index.is_file():
-        raise CheckpointError(f"{str(path)!r} is not a complete lightning_chunk checkpoint: the "
-                              f"torch.distributed.checkpoint index {str(index)!r} is missing.")
+        raise CheckpointError(
+            f"{str(path)!r} is not a complete lightning_chunk checkpoint: the "
+            f"torch.distributed.checkpoint index {str(index)!r} is missing."
+        )
     try:
         md = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unreadable index is the same problem to the user
@@ -89,8 +91,10 @@ def check_checkpoint_dir(path: str | Path) -> Path:
             raise CheckpointError(f"shard file {str(f)!r} is missing from checkpoint {str(path)!r}.")
         have = f.stat().st_size
         if have < size:
-            raise CheckpointError(f"shard file {str(f)!r} is truncated: it has {have} bytes, the index "
-                                  f"{str(index)!r} expects at least {size}.")
+            raise CheckpointError(
+                f"shard file {str(f)!r} is truncated: it has {have} bytes, the index "
+                f"{str(index)!r} expects at least {size}."
+            )
     return path
 
 
@@ -104,12 +108,16 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{str(path / META)!r} holds no '{KEY}' section: not a lightning_chunk checkpoint.")
     saved_hash = meta[KEY].get("index_sha256")
     if saved_hash is not None and saved_hash != _sha256(path / DCP_INDEX):
-        raise CheckpointError(f"{str(path / META)!r} and {str(path / DCP_INDEX)!r} come from different saves: "
-                              "meta.pt records another index than the one in the directory (files copied in from "
-                              "another checkpoint?). Use a complete checkpoint directory as it was written.")
+        raise CheckpointError(
+            f"{str(path / META)!r} and {str(path / DCP_INDEX)!r} come from different saves: "
+            "meta.pt records another index than the one in the directory (files copied in from "
+            "another checkpoint?). Use a complete checkpoint directory as it was written."
+        )
     if meta[KEY].get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{str(path / META)!r} has format version {meta[KEY]['format_version']}; this "
-                              f"lightning_chunk reads up to {FORMAT_VERSION}. Upgrade lightning_chunk.")
+        raise CheckpointError(
+            f"{str(path / META)!r} has format version {meta[KEY]['format_version']}; this "
+            f"lightning_chunk reads up to {FORMAT_VERSION}. Upgrade lightning_chunk."
+        )
     return meta
 
 
@@ -152,23 +160,30 @@ class Selection:
         if state_dict is None:  # the engine's own callers: everything as it is
             state_dict = placeholder_state_dict(engine)
         self.keys = list(state_dict)
-        self.aliases = {k: mgr.names[mgr.index_of[id(sd[k])]] for k in self.keys
-                        if k in sd and id(sd[k]) in mgr.index_of}
+        self.aliases = {
+            k: mgr.names[mgr.index_of[id(sd[k])]] for k in self.keys if k in sd and id(sd[k]) in mgr.index_of
+        }
         for k in self.aliases:  # a meta entry stands for the shards as they are: it cannot carry a conversion
             v, (_, info) = state_dict[k], mgr.lookup(sd[k])
             if torch.is_tensor(v) and v.is_meta and (v.dtype != info.orig_dtype or tuple(v.shape) != info.shape):
                 raise CheckpointError(
                     f"the checkpoint's state_dict entry {k!r} was changed to {str(v.dtype).replace('torch.', '')} "
                     f"{tuple(v.shape)} (in on_save_checkpoint), but a sharded checkpoint saves the weights from the "
-                    "shards as they are. Convert after `lightning-chunk consolidate`, or use state_dict_type='full'.")
+                    "shards as they are. Convert after `lightning-chunk consolidate`, or use state_dict_type='full'."
+                )
         kept = set(self.aliases.values())
         self.excluded = {i for i, n in enumerate(mgr.names) if n not in kept}
         mine = sorted(self.excluded)
         if mgr.comm.world_size > 1 and any(other != mine for other in mgr.comm.all_gather_object(mine)):
-            raise CheckpointError("the ranks left different parameters out of the checkpoint's state_dict (in "
-                                  "on_save_checkpoint): every rank must drop the same keys.")
-        given = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state_dict.items()
-                 if not (torch.is_tensor(v) and v.is_meta)}
+            raise CheckpointError(
+                "the ranks left different parameters out of the checkpoint's state_dict (in "
+                "on_save_checkpoint): every rank must drop the same keys."
+            )
+        given = {
+            k: (v.detach().cpu() if torch.is_tensor(v) else v)
+            for k, v in state_dict.items()
+            if not (torch.is_tensor(v) and v.is_meta)
+        }
         is_buffer = {k for k, v in sd.items() if id(v) not in mgr.index_of and torch.is_tensor(v)}
         self.buffers = {k: v for k, v in given.items() if k in is_buffer and torch.is_tensor(v)}
         self.entries = {k: v for k, v in given.items() if k not in self.buffers}  # replaced values, new keys
@@ -193,23 +208,38 @@ def describe_layout(engine: Any, selection: Selection) -> dict[str, Any]:
     mgr = engine.manager
     chunks = []
     for c in mgr.chunks:
-        chunks.append({
-            "capacity": c.capacity_numel,
-            "master_dtype": str(c.master_dtype).replace("torch.", ""),
-            "slots": [(t.name, t.offset, t.numel, tuple(t.shape)) for t in c.tensors
-                      if t.slot.param_index not in selection.excluded],
-            "written": selection.written(c),
-        })
+        chunks.append(
+            {
+                "capacity": c.capacity_numel,
+                "master_dtype": str(c.master_dtype).replace("torch.", ""),
+                "slots": [
+                    (t.name, t.offset, t.numel, tuple(t.shape))
+                    for t in c.tensors
+                    if t.slot.param_index not in selection.excluded
+                ],
+                "written": selection.written(c),
+            }
+        )
     kept = [i for i in range(len(mgr.params)) if i not in selection.excluded]
-    dtypes = {t.name: str(t.orig_dtype).replace("torch.", "") for c in mgr.chunks for t in c.tensors
-              if t.slot.param_index not in selection.excluded}
-    return {"chunks": chunks, "params": {mgr.names[i]: tuple(mgr.params[i].shape) for i in kept},
-            "param_dtypes": dtypes, "aliases": selection.aliases, "buffers": selection.buffers,
-            "entries": selection.entries,
-            "state_dict_keys": selection.keys, "excluded": [mgr.names[i] for i in sorted(selection.excluded)],
-            "ema_chunks": [c.chunk_id for c in mgr.chunks if selection.ema_shard(c) is not None],
-            "ema_buffers": selection.ema_buffers(),
-            "world_size": mgr.comm.world_size}
+    dtypes = {
+        t.name: str(t.orig_dtype).replace("torch.", "")
+        for c in mgr.chunks
+        for t in c.tensors
+        if t.slot.param_index not in selection.excluded
+    }
+    return {
+        "chunks": chunks,
+        "params": {mgr.names[i]: tuple(mgr.params[i].shape) for i in kept},
+        "param_dtypes": dtypes,
+        "aliases": selection.aliases,
+        "buffers": selection.buffers,
+        "entries": selection.entries,
+        "state_dict_keys": selection.keys,
+        "excluded": [mgr.names[i] for i in sorted(selection.excluded)],
+        "ema_chunks": [c.chunk_id for c in mgr.chunks if selection.ema_shard(c) is not None],
+        "ema_buffers": selection.ema_buffers(),
+        "world_size": mgr.comm.world_size,
+    }
 
 
 def offered_state_dict(ck: dict[str, Any], *, averaged: bool = False) -> dict[str, Any]:
@@ -230,19 +260,28 @@ def offered_state_dict(ck: dict[str, Any], *, averaged: bool = False) -> dict[st
     return out
 
 
-def _optimizer_shards(engine: Any, o: int, selection: Selection
-                      ) -> tuple[dict[str, tuple[Make, torch.Tensor]], dict[str, Any]]:
+def _optimizer_shards(
+    engine: Any, o: int, selection: Selection
+) -> tuple[dict[str, tuple[Make, torch.Tensor]], dict[str, Any]]:
     """This rank's per-chunk shards of optimizer ``o``'s per-element state, each a function that makes it when it
     is written and a placeholder ([Note: a save streams the shards]), and the optimizer's meta."""
     from .consolidate import optimizer_state_parts, state_shard
 
     b, mgr = engine.bindings[o], engine.manager
     parts = optimizer_state_parts(mgr, b.views(), b.optimizer.state)
-    out = {f"chunk.{chunk.chunk_id}.optim{o}.{key}": (functools.partial(state_shard, mgr, chunk, parts, key),
-                                                      placeholder(chunk.shard_numel, parts.keys[key]))
-           for chunk in mgr.chunks if selection.written(chunk) for key in sorted(parts.keys)}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
-              for n, g in enumerate(b.optimizer.param_groups)]
+    out = {
+        f"chunk.{chunk.chunk_id}.optim{o}.{key}": (
+            functools.partial(state_shard, mgr, chunk, parts, key),
+            placeholder(chunk.shard_numel, parts.keys[key]),
+        )
+        for chunk in mgr.chunks
+        if selection.written(chunk)
+        for key in sorted(parts.keys)
+    }
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
+        for n, g in enumerate(b.optimizer.param_groups)
+    ]
     keys = {k: str(dtype).replace("torch.", "") for k, dtype in parts.keys.items()}
     scalars = {mgr.names[i]: st for i, st in parts.scalars.items() if i not in selection.excluded}
     return out, {"param_groups": groups, "keys": keys, "scalars": scalars}
@@ -261,8 +300,10 @@ def _as_saved(local: dict[str, torch.Tensor], engine: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = DeviceMesh.from_group(comm.host_group(), "cpu")
-    return {k: DTensor.from_local(t, mesh, [Shard(0)], shape=(t.numel() * comm.world_size,), stride=(1,),
-                                  run_check=False) for k, t in local.items()}
+    return {
+        k: DTensor.from_local(t, mesh, [Shard(0)], shape=(t.numel() * comm.world_size,), stride=(1,), run_check=False)
+        for k, t in local.items()
+    }
 
 
 # ==================================================================== save
@@ -278,8 +319,15 @@ class CheckpointSaveError(ChunkError, RuntimeError):
     """A save that failed on some rank; the checkpoint previously at the path is untouched."""
 
 
-def save_sharded(engine: Any, path: str | Path, extra: dict[str, Any], *, with_optimizer: bool,
-                 version: str = "", state_dict: dict[str, Any] | None = None) -> None:
+def save_sharded(
+    engine: Any,
+    path: str | Path,
+    extra: dict[str, Any],
+    *,
+    with_optimizer: bool,
+    version: str = "",
+    state_dict: dict[str, Any] | None = None,
+) -> None:
     """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout].
     ``state_dict``: the one ``placeholder_state_dict`` offered, as the caller's hooks left it ([Note: the
     state_dict of a sharded save]); ``None``: the whole model.
@@ -295,10 +343,18 @@ def save_sharded(engine: Any, path: str | Path, extra: dict[str, Any], *, with_o
     optim_meta: list[dict[str, Any]] = []
     # each step raises on every rank if it failed on any, before the next begins
     _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial) if comm.rank == 0 else None)
-    _on_each_rank(comm, path, "writing its shards",
-                  lambda: optim_meta.extend(_write_shards(engine, partial, selection, with_optimizer=with_optimizer)))
-    _on_each_rank(comm, path, "finishing", lambda: _finish(engine, partial, path, extra, version, optim_meta,
-                                                           selection) if comm.rank == 0 else None)
+    _on_each_rank(
+        comm,
+        path,
+        "writing its shards",
+        lambda: optim_meta.extend(_write_shards(engine, partial, selection, with_optimizer=with_optimizer)),
+    )
+    _on_each_rank(
+        comm,
+        path,
+        "finishing",
+        lambda: _finish(engine, partial, path, extra, version, optim_meta, selection) if comm.rank == 0 else None,
+    )
 
 
 def _prepare(path: Path, partial: Path) -> None:
@@ -333,10 +389,13 @@ def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_opti
     try:
         with warnings.catch_warnings():  # one rank: "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            dcp.save(_as_saved(local, engine), storage_writer=GroupedWriter(str(partial), max(per_chunk.values(),
-                                                                                              default=0)),
-                     no_dist=comm.world_size == 1, process_group=comm.host_group() if comm.world_size > 1 else None,
-                     planner=StreamingPlanner(mgr, make))
+            dcp.save(
+                _as_saved(local, engine),
+                storage_writer=GroupedWriter(str(partial), max(per_chunk.values(), default=0)),
+                no_dist=comm.world_size == 1,
+                process_group=comm.host_group() if comm.world_size > 1 else None,
+                planner=StreamingPlanner(mgr, make),
+            )
     finally:
         del local, make
         mgr.disk.page_out()
@@ -347,12 +406,24 @@ def _master_on_host(c: Any) -> torch.Tensor:
     return c.master_tensor_for_read().detach().cpu()
 
 
-def _finish(engine: Any, partial: Path, path: Path, extra: dict[str, Any], version: str,
-            optim_meta: list[dict[str, Any]], selection: Selection) -> None:
+def _finish(
+    engine: Any,
+    partial: Path,
+    path: Path,
+    extra: dict[str, Any],
+    version: str,
+    optim_meta: list[dict[str, Any]],
+    selection: Selection,
+) -> None:
     layout = describe_layout(engine, selection)
     meta = dict(extra)
-    meta[KEY] = {"format_version": FORMAT_VERSION, "version": version, "optimizers": optim_meta,
-                 "index_sha256": _sha256(partial / DCP_INDEX), **layout}
+    meta[KEY] = {
+        "format_version": FORMAT_VERSION,
+        "version": version,
+        "optimizers": optim_meta,
+        "index_sha256": _sha256(partial / DCP_INDEX),
+        **layout,
+    }
     _write_meta(meta, partial / META)
     replace_dir(partial, path)
 
@@ -370,13 +441,20 @@ def _on_each_rank(comm: Any, path: Path, what: str, fn: Callable[[], Any]) -> No
     if comm.rank == 0:
         shutil.rmtree(partial_path(path), ignore_errors=True)
     comm.failed_ranks(True, what=f"removing the partial save of {str(path)!r}")  # gone before any rank returns
-    kept = (f"the checkpoint already at {str(path)!r} is untouched" if os.path.lexists(path)
-            else f"nothing was written at {str(path)!r}")
+    kept = (
+        f"the checkpoint already at {str(path)!r} is untouched"
+        if os.path.lexists(path)
+        else f"nothing was written at {str(path)!r}"
+    )
     if error is not None:
-        raise CheckpointSaveError(f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed while {what}: "
-                                  f"{_describe(error)}. {kept[0].upper() + kept[1:]}.") from error
-    raise CheckpointSaveError(f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed on rank(s) {failed} while "
-                              f"{what} (see their errors); {kept}.")
+        raise CheckpointSaveError(
+            f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed while {what}: "
+            f"{_describe(error)}. {kept[0].upper() + kept[1:]}."
+        ) from error
+    raise CheckpointSaveError(
+        f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed on rank(s) {failed} while "
+        f"{what} (see their errors); {kept}."
+    )
 
 
 def _describe(error: BaseException) -> str:
@@ -409,8 +487,11 @@ def check_compatible(meta: dict[str, Any], engine: Any, path: str | Path) -> Non
     # sharded save]), not a sign of another model
     missing = sorted(set(current) - set(saved) - set(meta[KEY].get("excluded", ())))
     extra = sorted(set(saved) - set(current))
-    shapes = [f"{n}: checkpoint {saved[n]} vs model {current[n]}" for n in sorted(set(saved) & set(current))
-              if tuple(saved[n]) != current[n]]
+    shapes = [
+        f"{n}: checkpoint {saved[n]} vs model {current[n]}"
+        for n in sorted(set(saved) & set(current))
+        if tuple(saved[n]) != current[n]
+    ]
     if not (missing or extra or shapes):
         _check_master_dtypes(meta, engine, path)
         return
@@ -436,12 +517,15 @@ def _check_master_dtypes(meta: dict[str, Any], engine: Any, path: str | Path) ->
             if name in mine and mine[name] != spec["master_dtype"]:
                 differ.setdefault((spec["master_dtype"], mine[name]), []).append(name)
     if differ:
-        parts = [f"{len(names)} parameters (e.g. {names[0]!r}) were saved as {saved}, this run keeps {run}"
-                 for (saved, run), names in sorted(differ.items())]
+        parts = [
+            f"{len(names)} parameters (e.g. {names[0]!r}) were saved as {saved}, this run keeps {run}"
+            for (saved, run), names in sorted(differ.items())
+        ]
         raise CheckpointError(
             f"checkpoint {str(path)!r} was written with another precision: " + "; ".join(parts) + ". Resume with "
             "the precision it was saved with, or start a run in the new precision from its weights "
-            "(`lightning-chunk consolidate` writes them to a file that `weights=` or `load_state_dict` reads).")
+            "(`lightning-chunk consolidate` writes them to a file that `weights=` or `load_state_dict` reads)."
+        )
 
 
 def weights_key(meta: dict[str, Any], path: str | Path, *, ema: bool = False) -> Callable[[int], str]:
@@ -467,13 +551,15 @@ def load_sharded(engine: Any, path: str | Path, *, with_optimizer: bool, average
     key_of = weights_key(meta, path, ema=True) if averaged and ck.get("ema_chunks") else lambda c: f"chunk.{c}.master"
     mine = rank_regions(mgr, index_of_name)  # [Note: a resume reads what the rank holds]
     for _, spec, full in iter_saved_chunks(path, meta, key_of, regions=mine):
-        load_values(mgr, {index_of_name[n]: full[off : off + numel].view(shape)
-                          for n, off, numel, shape in spec["slots"]})
+        load_values(
+            mgr, {index_of_name[n]: full[off : off + numel].view(shape) for n, off, numel, shape in spec["slots"]}
+        )
         mgr.disk.page_out()  # what this saved chunk wrote into disk shards leaves the process
     ema = getattr(engine, "ema", None)
     if ema is not None and ck.get("ema_chunks"):  # [Note: a sharded EMA]; ignored by a run without one
-        for _, spec, full in iter_saved_chunks(path, meta, lambda c: f"chunk.{c}.ema", only=set(ck["ema_chunks"]),
-                                               regions=mine):
+        for _, spec, full in iter_saved_chunks(
+            path, meta, lambda c: f"chunk.{c}.ema", only=set(ck["ema_chunks"]), regions=mine
+        ):
             ema.load({index_of_name[n]: full[off : off + numel] for n, off, numel, _ in spec["slots"]})
     buffers = dict(ck.get("buffers", {}))
     if averaged:  # the buffers averaged with the weights, where there are ([Note: averaged buffers])
@@ -484,24 +570,31 @@ def load_sharded(engine: Any, path: str | Path, *, with_optimizer: bool, average
         ema.buffers.load(ck["ema_buffers"])
     if with_optimizer and engine.bindings:
         if not ck["optimizers"]:  # as Lightning says for its own checkpoints
-            raise KeyError(f"Trying to restore optimizer state but checkpoint {str(path)!r} contains only the model. "
-                           "This is probably due to `ModelCheckpoint.save_weights_only` being set to `True`.")
+            raise KeyError(
+                f"Trying to restore optimizer state but checkpoint {str(path)!r} contains only the model. "
+                "This is probably due to `ModelCheckpoint.save_weights_only` being set to `True`."
+            )
         if len(ck["optimizers"]) != len(engine.bindings):
-            raise CheckpointError(f"checkpoint {str(path)!r} holds state for {len(ck['optimizers'])} optimizers, "
-                                  f"the run has {len(engine.bindings)}.")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds state for {len(ck['optimizers'])} optimizers, "
+                f"the run has {len(engine.bindings)}."
+            )
         for o, om in enumerate(ck["optimizers"]):
             _load_optimizer(engine, o, om, path, meta, index_of_name)
     return meta
 
 
-def _load_optimizer(engine: Any, o: int, om: dict[str, Any], path: Path, meta: dict[str, Any],
-                    index_of_name: dict[str, int]) -> None:
+def _load_optimizer(
+    engine: Any, o: int, om: dict[str, Any], path: Path, meta: dict[str, Any], index_of_name: dict[str, int]
+) -> None:
     from .consolidate import local_optimizer_state
 
     b, mgr = engine.bindings[o], engine.manager
     if len(om["param_groups"]) != len(b.optimizer.param_groups):
-        raise CheckpointError(f"checkpoint {str(path)!r}: optimizer {o} had {len(om['param_groups'])} param groups, "
-                              f"the run has {len(b.optimizer.param_groups)}.")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: optimizer {o} had {len(om['param_groups'])} param groups, "
+            f"the run has {len(b.optimizer.param_groups)}."
+        )
     views = b.views()
     local: dict[int, dict[str, Any]] = {}
     for name, st in om["scalars"].items():
@@ -509,10 +602,14 @@ def _load_optimizer(engine: Any, o: int, om: dict[str, Any], path: Path, meta: d
         if i in views:
             local[i] = dict(st)
     for key, _dtype in om["keys"].items():
-        for _c, spec, full in iter_saved_chunks(path, meta, lambda c, key=key: f"chunk.{c}.optim{o}.{key}",
-                                               regions=rank_regions(mgr, index_of_name)):
-            whole = {index_of_name[n]: {key: full[off : off + numel]} for n, off, numel, _ in spec["slots"]
-                     if index_of_name[n] in local}
+        for _c, spec, full in iter_saved_chunks(
+            path, meta, lambda c, key=key: f"chunk.{c}.optim{o}.{key}", regions=rank_regions(mgr, index_of_name)
+        ):
+            whole = {
+                index_of_name[n]: {key: full[off : off + numel]}
+                for n, off, numel, _ in spec["slots"]
+                if index_of_name[n] in local
+            }
             for i, st in local_optimizer_state(mgr, views, whole).items():
                 chunk = mgr.lookup(mgr.params[i])[0]
                 # a disk shard's piece goes straight into its file: no copy of the rank's whole state in memory

@@ -72,8 +72,9 @@ def released_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.de
     key = (dtype, device)
     one = _NOT_A_VALUE.get(key)
     if one is None:
-        one = _NOT_A_VALUE[key] = torch.full((), float("nan") if dtype.is_floating_point else 0, dtype=dtype,
-                                             device=device)
+        one = _NOT_A_VALUE[key] = torch.full(
+            (), float("nan") if dtype.is_floating_point else 0, dtype=dtype, device=device
+        )
     return one.expand(shape)
 
 
@@ -115,7 +116,9 @@ class TensorInfo:
     state: TensorState = TensorState.FREE
     has_grad: bool = False  # a gradient arrived since the last step
     view: torch.Tensor | None = field(default=None, repr=False)  # the parameter's view of the payload
-    version: int = 0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
+    version: int = (
+        0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
+    )
     released_value: torch.Tensor | None = field(default=None, repr=False)  # [Note: a released parameter]
 
     @property
@@ -156,7 +159,9 @@ class Chunk:
     pending: InFlight | None = field(default=None, repr=False)  # a prefetch in flight
     grad_payload: torch.Tensor | None = field(default=None, repr=False)  # several ranks: gradients to reduce
     grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
-    grad_released: bool = False  # the gradient shard's memory is given back until the next gradient ([Note: stepping in backward])
+    grad_released: bool = (
+        False  # the gradient shard's memory is given back until the next gradient ([Note: stepping in backward])
+    )
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
 
     # ----------------------------------------------------------------- identity
@@ -192,19 +197,18 @@ class Chunk:
     @property
     def is_evictable(self) -> bool:
         """Resident, not in use, not waiting to reduce, and not the shard itself."""
-        return (
-            not self.aliased
-            and self.is_resident
-            and not any(t.state in _PINNED for t in self.tensors)
-        )
+        return not self.aliased and self.is_resident and not any(t.state in _PINNED for t in self.tensors)
 
     @property
     def waits_only_to_reduce(self) -> bool:
         """Resident, pinned by gradients that wait to reduce and by nothing else: its payload may go under memory
         pressure ([Note: a gradient waits without its payload] in ``states.py``)."""
-        return (not self.aliased and self.is_resident
-                and any(t.state is TensorState.READY_FOR_REDUCE for t in self.tensors)
-                and not any(t.state is TensorState.COMPUTE for t in self.tensors))
+        return (
+            not self.aliased
+            and self.is_resident
+            and any(t.state is TensorState.READY_FOR_REDUCE for t in self.tensors)
+            and not any(t.state is TensorState.COMPUTE for t in self.tensors)
+        )
 
     def states(self) -> dict[str, TensorState]:
         return {t.name: t.state for t in self.tensors}
@@ -277,7 +281,7 @@ class Chunk:
         if self.grad is None or self.grad_released:
             return
         if self.shard_tier is Tier.DISK:  # a view of its file: no memory to give back, but used up all the same
-            self.grad_released = True    # ([Note: stepping disk chunks in backward] in ``early_step.py``)
+            self.grad_released = True  # ([Note: stepping disk chunks in backward] in ``early_step.py``)
             return
         try:
             if pool is None:

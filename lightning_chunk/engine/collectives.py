@@ -138,13 +138,18 @@ class Pending(NamedTuple):
                 _exit_after_a_failed_collective()
                 what = self.describe() if self.describe else "a collective"
                 lost = self.diagnose() if self.diagnose else ""
-                reason = (f"{lost}. " if lost else "Another rank stopped or issued a different collective: a module ran "
-                          "on some ranks and not on others (data-dependent control flow; verify_collectives=True "
-                          "names the first collective where the ranks differ), or another rank failed; "
-                          "see its error. ")
+                reason = (
+                    f"{lost}. "
+                    if lost
+                    else "Another rank stopped or issued a different collective: a module ran "
+                    "on some ranks and not on others (data-dependent control flow; verify_collectives=True "
+                    "names the first collective where the ranks differ), or another rank failed; "
+                    "see its error. "
+                )
                 error = CollectiveTimeoutError(
                     f"{what} did not complete (waited at most {self.timeout_s} s). {reason}"
-                    f"[{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}]")
+                    f"[{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}]"
+                )
                 _broken.append(str(error))
                 raise error from None
 
@@ -204,8 +209,9 @@ def _exit_after_a_failed_collective() -> None:
 
 
 class Collectives:
-    def __init__(self, group: Any | None = None, *, timeout_s: float | None = 300.0,
-                 verify: bool | str | None = None) -> None:
+    def __init__(
+        self, group: Any | None = None, *, timeout_s: float | None = 300.0, verify: bool | str | None = None
+    ) -> None:
         self.group = group
         self.timeout_s = timeout_s
         self.planning_only = False  # Collectives.planning: describes ranks, never communicates
@@ -228,7 +234,9 @@ class Collectives:
             # an NCCL wait with a timeout may block the host; plain waits are stream-ordered and the
             # process group's own timeout (NCCL's watchdog) bounds them instead
             self.timeout_s = None
-        self._tag_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._tag_device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
         self.names: Callable[[int, int], str] = lambda chunk, module: f"chunk {chunk}"
         self.peers: list[tuple[int, int]] = []
         self.clock: Any | None = None  # the engine's StepClock, once it has one
@@ -289,14 +297,18 @@ class Collectives:
         if gone:
             # a rank that raised first (its own timeout, a check) exits too: its error is the cause, and the
             # usual one is a module that ran on some ranks and not on others
-            return (f"lost {', '.join(gone)}: the process exited or was killed{where}; if it raised an error first, "
-                    "that error names the cause (often a module that ran on some ranks and not on others: "
-                    "data-dependent control flow)")
+            return (
+                f"lost {', '.join(gone)}: the process exited or was killed{where}; if it raised an error first, "
+                "that error names the cause (often a module that ran on some ranks and not on others: "
+                "data-dependent control flow)"
+            )
         if stopped:
             return f"{', '.join(stopped)} is stopped (SIGSTOP, or a debugger) and did not take part{where}"
         if remote:
-            return (f"every rank on this host is alive; ranks {remote} run on other hosts: one of them failed or "
-                    "stopped (see its log)")
+            return (
+                f"every rank on this host is alive; ranks {remote} run on other hosts: one of them failed or "
+                "stopped (see its log)"
+            )
         return ""
 
     @classmethod
@@ -394,8 +406,9 @@ class Collectives:
         return [r for r, v in enumerate(out.tolist()) if not v]
 
     # ----------------------------------------------------------- collectives
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, chunk: int = -1, module: int = -1,
-                   async_op: bool = False) -> Pending:
+    def all_gather(
+        self, out: torch.Tensor, shard: torch.Tensor, *, chunk: int = -1, module: int = -1, async_op: bool = False
+    ) -> Pending:
         """Fill ``out`` (world_size * shard.numel()) with every rank's ``shard``."""
         if self.world_size == 1:  # the copy from the shard's tier is the whole "gather"
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
@@ -407,8 +420,9 @@ class Collectives:
         work = _all_gather(out, shard, group=group, async_op=True)
         return self._pending(out, work, "all_gather", chunk, module, async_op, check)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, chunk: int = -1, module: int = -1,
-                       async_op: bool = False) -> Pending:
+    def reduce_scatter(
+        self, out: torch.Tensor, full: torch.Tensor, *, chunk: int = -1, module: int = -1, async_op: bool = False
+    ) -> Pending:
         """Sum ``full`` over ranks and leave this rank's slice in ``out``."""
         if self.world_size == 1:
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
@@ -435,15 +449,28 @@ class Collectives:
     def _is_own_slice(self, out: torch.Tensor, full: torch.Tensor) -> bool:
         """``out`` is this rank's slice of ``full``, in place: ``full[rank * n : (rank + 1) * n]``."""
         n = out.numel()
-        return (full.is_contiguous() and out.is_contiguous() and out.dtype == full.dtype
-                and n * self.world_size == full.numel()
-                and out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-                and out.storage_offset() == full.storage_offset() + self.rank * n)
+        return (
+            full.is_contiguous()
+            and out.is_contiguous()
+            and out.dtype == full.dtype
+            and n * self.world_size == full.numel()
+            and out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+            and out.storage_offset() == full.storage_offset() + self.rank * n
+        )
 
-    def _pending(self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool,
-                 check: Check = None) -> Pending:
-        p = Pending(out, work, lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}", self.timeout_s,
-                    self.why_stuck, self.clock, "gather_wait" if op == "all_gather" else "reduce_wait", check)
+    def _pending(
+        self, out: torch.Tensor, work: Any, op: str, chunk: int, module: int, async_op: bool, check: Check = None
+    ) -> Pending:
+        p = Pending(
+            out,
+            work,
+            lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}",
+            self.timeout_s,
+            self.why_stuck,
+            self.clock,
+            "gather_wait" if op == "all_gather" else "reduce_wait",
+            check,
+        )
         if not async_op:
             p.wait()
         return p
@@ -452,20 +479,24 @@ class Collectives:
         if self.world_size > 1:
             _refuse_if_broken(f"[rank {self.rank}] {what}")
             self._check_device(what, t)
-            work = dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                          "min": dist.ReduceOp.MIN}[op], group=self.group, async_op=True)
+            work = dist.all_reduce(
+                t,
+                op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
+                group=self.group,
+                async_op=True,
+            )
             Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return t
 
-    def broadcast(self, t: torch.Tensor, src: int = 0, *,
-                  what: str = "the broadcast of initial values") -> torch.Tensor:
+    def broadcast(
+        self, t: torch.Tensor, src: int = 0, *, what: str = "the broadcast of initial values"
+    ) -> torch.Tensor:
         """Rank ``src``'s ``t`` on every rank (in place; a timeout names ``what``)."""
         if self.world_size > 1:
             _refuse_if_broken(f"[rank {self.rank}] {what}")
             buf = t.to(self._tag_device)
             work = dist.broadcast(buf, src, group=self.group, async_op=True)
-            Pending(buf, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s,
-                    self.why_stuck, self.clock).wait()
+            Pending(buf, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
             t.copy_(buf)
         return t
 

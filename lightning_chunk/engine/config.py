@@ -27,14 +27,29 @@ OPTIMIZER_KERNELS: tuple[str, ...] = ("auto", "one_pass", "fused", "foreach", "l
 # number with a unit, any case, a space allowed. K, M, G, T and KB, MB, GB, TB are powers of 1000 (as disks and
 # Kubernetes count); Ki, Mi, Gi, Ti and KiB, MiB, GiB, TiB powers of 1024 (as memory is sold and torch reports it).
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
-SIZE_FORMS = ("an int of bytes, or a number with a unit, any case: K, M, G, T, KB, MB, GB, TB (powers of 1000) or "
-              "Ki, Mi, Gi, Ti, KiB, MiB, GiB, TiB (powers of 1024), for example '12GiB', '1.5 GB' or '512MiB'")
+SIZE_FORMS = (
+    "an int of bytes, or a number with a unit, any case: K, M, G, T, KB, MB, GB, TB (powers of 1000) or "
+    "Ki, Mi, Gi, Ti, KiB, MiB, GiB, TiB (powers of 1024), for example '12GiB', '1.5 GB' or '512MiB'"
+)
 
 
 def parse_bytes(value: int | float | str | None, *, field: str) -> int | None:
@@ -122,8 +137,9 @@ class ChunkConfig:
     default). ``None``: ``False`` on an accelerator, whose budget is known (its free memory at set-up less a
     margin, or ``device_memory_limit``) and seen whole by the trace; ``True`` on a CPU device, with or without a
     ``device_memory_limit``: the payloads would be one more copy of the model in host memory, and the CPU trace
-    does not count backward's gradients ([Note: keeping payloads for backward] in ``placement.py``). The other placements keep payloads
-    until the budget needs their room: ``False`` is what they do already, and ``True`` is refused with them."""
+    does not count backward's gradients ([Note: keeping payloads for backward] in ``placement.py``). The other
+    placements keep payloads until the budget needs their room: ``False`` is what they do already, and ``True`` is
+    refused with them."""
 
     offload_fraction: float = 0.5
     """``static`` placement only: the fraction of chunks whose shards live on the host."""
@@ -226,16 +242,26 @@ class ChunkConfig:
     """Re-derive the byte accounting from the chunks after every manager operation (slow; tests)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "device_memory_limit", parse_bytes(self.device_memory_limit, field="device_memory_limit"))
+        object.__setattr__(
+            self, "device_memory_limit", parse_bytes(self.device_memory_limit, field="device_memory_limit")
+        )
         object.__setattr__(self, "host_memory_limit", parse_bytes(self.host_memory_limit, field="host_memory_limit"))
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.fspath(self.disk_dir):
                 raise ValueError(f"disk_dir={self.disk_dir!r} is not allowed; it must be a directory path or None.")
             object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
-        if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)) or not all(
-                isinstance(m, str) and m or isinstance(m, type) and issubclass(m, torch.nn.Module) for m in self.leaf_modules):
-            raise ValueError(f"leaf_modules={self.leaf_modules!r} is not allowed; it must be a list of torch.nn.Module "
-                             "subclasses or class names (for example ['MyBlock']).")
+        if (
+            isinstance(self.leaf_modules, (str, type))
+            or not isinstance(self.leaf_modules, (tuple, list))
+            or not all(
+                isinstance(m, str) and m or isinstance(m, type) and issubclass(m, torch.nn.Module)
+                for m in self.leaf_modules
+            )
+        ):
+            raise ValueError(
+                f"leaf_modules={self.leaf_modules!r} is not allowed; it must be a list of torch.nn.Module "
+                "subclasses or class names (for example ['MyBlock'])."
+            )
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
         self._validate()
 
@@ -246,12 +272,17 @@ class ChunkConfig:
             raise ValueError(f"placement={self.placement!r} is not allowed; choose one of {', '.join(PLACEMENTS)}.")
         if self.optimizer_kernel not in OPTIMIZER_KERNELS:
             raise ValueError(
-                f"optimizer_kernel={self.optimizer_kernel!r} is not allowed; choose one of {', '.join(OPTIMIZER_KERNELS)}."
+                f"optimizer_kernel={self.optimizer_kernel!r} is not allowed; choose one of "
+                f"{', '.join(OPTIMIZER_KERNELS)}."
             )
-        if isinstance(self.offload_fraction, bool) or not isinstance(self.offload_fraction, (int, float)) or not (
-            0.0 <= self.offload_fraction <= 1.0
+        if (
+            isinstance(self.offload_fraction, bool)
+            or not isinstance(self.offload_fraction, (int, float))
+            or not (0.0 <= self.offload_fraction <= 1.0)
         ):
-            raise ValueError(f"offload_fraction={self.offload_fraction!r} is not allowed; it must be a number in [0, 1].")
+            raise ValueError(
+                f"offload_fraction={self.offload_fraction!r} is not allowed; it must be a number in [0, 1]."
+            )
         _positive_int("chunk_numel", self.chunk_numel, allow_none=True)
         _positive_int("chunk_numel_min", self.chunk_numel_min)
         _positive_int("chunk_numel_max", self.chunk_numel_max)
@@ -260,31 +291,54 @@ class ChunkConfig:
                 f"chunk_numel_min={self.chunk_numel_min} is larger than chunk_numel_max={self.chunk_numel_max}; "
                 "the minimum must not exceed the maximum."
             )
-        if isinstance(self.collective_timeout_s, bool) or not isinstance(self.collective_timeout_s, (int, float)) \
-                or self.collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} is not allowed; it must be a positive "
-                             "number of seconds.")
+        if (
+            isinstance(self.collective_timeout_s, bool)
+            or not isinstance(self.collective_timeout_s, (int, float))
+            or self.collective_timeout_s <= 0
+        ):
+            raise ValueError(
+                f"collective_timeout_s={self.collective_timeout_s!r} is not allowed; it must be a positive "
+                "number of seconds."
+            )
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} is not allowed; it must be True, "
-                             "False or None.")
+            raise ValueError(
+                f"reshard_after_forward={self.reshard_after_forward!r} is not allowed; it must be True, False or None."
+            )
         if self.reshard_after_forward is True and self.placement != "host":
             raise ValueError(
                 f"reshard_after_forward=True is not allowed with placement={self.placement!r}: only placement='host' "
                 "releases payloads after use. The other placements keep them until the device budget needs the room "
-                "(set device_memory_limit to bound it); use placement='host' to release every payload after use.")
-        if self.verify_collectives not in (None, True, False, "each", "batch") or \
-                isinstance(self.verify_collectives, (int, float)) and not isinstance(self.verify_collectives, bool):
-            raise ValueError(f"verify_collectives={self.verify_collectives!r} is not allowed; it must be None, True, "
-                             "False, 'each' or 'batch'.")
+                "(set device_memory_limit to bound it); use placement='host' to release every payload after use."
+            )
+        if (
+            self.verify_collectives not in (None, True, False, "each", "batch")
+            or isinstance(self.verify_collectives, (int, float))
+            and not isinstance(self.verify_collectives, bool)
+        ):
+            raise ValueError(
+                f"verify_collectives={self.verify_collectives!r} is not allowed; it must be None, True, "
+                "False, 'each' or 'batch'."
+            )
         if self.step_in_backward is not None and not isinstance(self.step_in_backward, bool):
-            raise ValueError(f"step_in_backward={self.step_in_backward!r} is not allowed; it must be True, False or "
-                             "None.")
+            raise ValueError(
+                f"step_in_backward={self.step_in_backward!r} is not allowed; it must be True, False or None."
+            )
         if self.materialize_on_teardown is not None and not isinstance(self.materialize_on_teardown, bool):
-            raise ValueError(f"materialize_on_teardown={self.materialize_on_teardown!r} is not allowed; it must be "
-                             "True, False or None.")
-        for name in ("broadcast_buffers", "prefetch", "pin_memory", "materialize_optimizer_state",
-                     "assume_elementwise_optimizer", "sharded_accumulation", "replan_when_inputs_grow",
-                     "keep_freed_heap", "check_invariants"):
+            raise ValueError(
+                f"materialize_on_teardown={self.materialize_on_teardown!r} is not allowed; it must be "
+                "True, False or None."
+            )
+        for name in (
+            "broadcast_buffers",
+            "prefetch",
+            "pin_memory",
+            "materialize_optimizer_state",
+            "assume_elementwise_optimizer",
+            "sharded_accumulation",
+            "replan_when_inputs_grow",
+            "keep_freed_heap",
+            "check_invariants",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
 
@@ -304,8 +358,10 @@ def default_device_limit(device: torch.device) -> int | None:
     free, total = torch.cuda.mem_get_info(device)
     limit = free - device_margin_bytes(total)
     if limit <= 0:
-        raise ValueError(f"device_memory_limit=None: {device} has {free} bytes free of {total}, less than the "
-                         f"{device_margin_bytes(total)}-byte margin; free device memory or set device_memory_limit.")
+        raise ValueError(
+            f"device_memory_limit=None: {device} has {free} bytes free of {total}, less than the "
+            f"{device_margin_bytes(total)}-byte margin; free device memory or set device_memory_limit."
+        )
     return limit
 
 
@@ -356,8 +412,12 @@ class DtypePolicy:
         another dtype than the parameters'."""
         if self.compute_dtype is None:
             return frozenset()
-        return frozenset(id(p) for m in module.modules() if isinstance(m, self.own_dtype_modules)
-                         for p in m.parameters(recurse=False))
+        return frozenset(
+            id(p)
+            for m in module.modules()
+            if isinstance(m, self.own_dtype_modules)
+            for p in m.parameters(recurse=False)
+        )
 
     def master_for(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.master_dtype or param_dtype

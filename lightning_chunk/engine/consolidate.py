@@ -26,15 +26,20 @@ def _pieces(mgr: ChunkManager, chunk: Chunk, info: TensorInfo) -> tuple[int, int
     return piece_range(chunk, info.offset, info.numel)
 
 
-def chunk_values(mgr: ChunkManager, c: Chunk, *, device: torch.device | None = None,
-                 grads: bool = False) -> dict[int, torch.Tensor]:
+def chunk_values(
+    mgr: ChunkManager, c: Chunk, *, device: torch.device | None = None, grads: bool = False
+) -> dict[int, torch.Tensor]:
     """The whole trained value of each parameter of ``c`` (original dtype and shape, on ``device``, the host by
     default), keyed by parameter index; with ``grads``, the whole gradient in the gradient shards instead (what
     the optimizer reads: averaged over the ranks). A collective with several ranks."""
     assert not grads or c.grad is not None
     full = mgr.gather_shard(c, c.grad if grads else c.master_tensor_for_read())
-    return {t.slot.param_index: full[t.offset : t.offset + t.numel].view(t.shape).to(
-                device=device or _HOST, dtype=t.orig_dtype, copy=True) for t in c.tensors}
+    return {
+        t.slot.param_index: full[t.offset : t.offset + t.numel]
+        .view(t.shape)
+        .to(device=device or _HOST, dtype=t.orig_dtype, copy=True)
+        for t in c.tensors
+    }
 
 
 def full_values(mgr: ChunkManager, *, device: torch.device | None = None) -> dict[int, torch.Tensor]:
@@ -62,8 +67,7 @@ def unpack(mgr: ChunkManager, *, materialize: bool, device: torch.device | None 
     mgr.forget_layout()
 
 
-def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool,
-                     room: int | None) -> tuple[bool, int, int | None]:
+def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool, room: int | None) -> tuple[bool, int, int | None]:
     """Whether the whole trained model (and, with ``optimizer_state``, its whole optimizer state) fits in this
     rank's share of ``room`` (what the host has available now) with a fifth kept free; the same answer on every
     rank (the smallest room decides). ``(fits, bytes needed, rank's share)``.
@@ -130,13 +134,16 @@ class OptimizerStateParts:
     scalars: dict[int, dict[str, Any]]  # param index -> scalar state (``step``), from whichever rank has a piece
 
 
-def optimizer_state_parts(mgr: ChunkManager, views: dict[int, torch.Tensor],
-                          state: dict[Any, dict[str, Any]]) -> OptimizerStateParts:
+def optimizer_state_parts(
+    mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]]
+) -> OptimizerStateParts:
     """A collective with several ranks (two small object all-gathers)."""
     local = {i: state[v] for i, v in views.items() if v in state and state[v]}
     keys = {k: v.dtype for i, st in local.items() for k, v in st.items() if _per_element(v, views[i].numel())}
-    scalars = {i: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()
-                   if not _per_element(v, views[i].numel())} for i, st in local.items()}
+    scalars = {
+        i: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items() if not _per_element(v, views[i].numel())}
+        for i, st in local.items()
+    }
     if mgr.comm.world_size > 1:
         for part in mgr.comm.all_gather_object(keys):
             keys.update(part)
@@ -165,8 +172,9 @@ def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key
     return shard
 
 
-def gather_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]],
-                           param_order: Iterable[int]) -> dict[int, dict[str, Any]]:
+def gather_optimizer_state(
+    mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]], param_order: Iterable[int]
+) -> dict[int, dict[str, Any]]:
     """Whole per-parameter optimizer state (parameter shapes), keyed by parameter index.
 
     Per-element state (Adam's moments) is gathered chunk by chunk like the values; scalar state
@@ -185,8 +193,9 @@ def gather_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor], st
     return out
 
 
-def local_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor],
-                          whole: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+def local_optimizer_state(
+    mgr: ChunkManager, views: dict[int, torch.Tensor], whole: dict[int, dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
     """This rank's pieces of whole per-parameter state (flat, like the views)."""
     out: dict[int, dict[str, Any]] = {}
     for i, _v in views.items():
@@ -196,6 +205,8 @@ def local_optimizer_state(mgr: ChunkManager, views: dict[int, torch.Tensor],
         chunk, info = mgr.lookup(mgr.params[i])
         a, b = _pieces(mgr, chunk, info)
         numel = info.numel
-        out[i] = {k: (val.reshape(-1)[a - info.offset : b - info.offset].clone() if _per_element(val, numel) else val)
-                  for k, val in st.items()}
+        out[i] = {
+            k: (val.reshape(-1)[a - info.offset : b - info.offset].clone() if _per_element(val, numel) else val)
+            for k, val in st.items()
+        }
     return out

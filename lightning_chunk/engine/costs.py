@@ -17,8 +17,9 @@ from .packing import Layout
 from .placement import ChunkView
 
 
-def shard_cost(capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool,
-               optim_bytes: int) -> int:
+def shard_cost(
+    capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool, optim_bytes: int
+) -> int:
     """Bytes a shard holds when it lives on the device tier (payload too, when one rank aliases it)."""
     n = capacity // world_size
     master_b = n * master.itemsize
@@ -41,24 +42,30 @@ def grad_payload_cost(capacity: int, world_size: int, master: torch.dtype, train
 
 
 @functools.lru_cache(maxsize=1024)
-def _static_costs(capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool,
-                  optim_bytes: int) -> tuple[int, int, int]:
+def _static_costs(
+    capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool, optim_bytes: int
+) -> tuple[int, int, int]:
     """(device shard, gradient payload, disk) bytes: the same for every chunk of one shape, asked at every moment."""
-    return (shard_cost(capacity, world_size, compute, master, trainable, optim_bytes),
-            grad_payload_cost(capacity, world_size, master, trainable),
-            disk_cost(capacity, world_size, master, trainable, optim_bytes))
+    return (
+        shard_cost(capacity, world_size, compute, master, trainable, optim_bytes),
+        grad_payload_cost(capacity, world_size, master, trainable),
+        disk_cost(capacity, world_size, master, trainable, optim_bytes),
+    )
 
 
 def chunk_view(c: Chunk) -> ChunkView:
     """What a policy may know about an existing chunk."""
-    shard, grad, disk = _static_costs(c.capacity_numel, c.world_size, c.compute_dtype, c.master_dtype, c.trainable,
-                                      c.optim_state_bytes)
-    return ChunkView(c.chunk_id, c.payload_bytes, shard, c.is_resident, c.is_evictable, c.shard_tier, c.last_used,
-                     grad, disk)
+    shard, grad, disk = _static_costs(
+        c.capacity_numel, c.world_size, c.compute_dtype, c.master_dtype, c.trainable, c.optim_state_bytes
+    )
+    return ChunkView(
+        c.chunk_id, c.payload_bytes, shard, c.is_resident, c.is_evictable, c.shard_tier, c.last_used, grad, disk
+    )
 
 
-def chunk_views(chunks: Sequence[Chunk], include: Iterable[int] | None = None, *,
-                resident: bool = True) -> list[ChunkView]:
+def chunk_views(
+    chunks: Sequence[Chunk], include: Iterable[int] | None = None, *, resident: bool = True
+) -> list[ChunkView]:
     """A view of every chunk; with ``include``, only of those it names and (unless ``resident=False``) the
     resident ones ([Note: the views a plan reads] in ``placement.py``)."""
     if include is None:
@@ -77,9 +84,16 @@ def planned_views(layout: Layout, dtypes: DtypePolicy, optim_bytes_per_element: 
         compute, master = dtypes.compute_for(spec.key.dtype), dtypes.master_for(spec.key.dtype)
         trainable = spec.key.requires_grad
         optim = spec.capacity_numel // ws * optim_bytes_per_element.get(spec.key.group, 0) if trainable else 0
-        out.append(ChunkView(spec.chunk_id, spec.capacity_numel * compute.itemsize,
-                             shard_cost(spec.capacity_numel, ws, compute, master, trainable, optim),
-                             resident=False, evictable=False, shard_tier=Tier.HOST,
-                             grad_payload_bytes=grad_payload_cost(spec.capacity_numel, ws, master, trainable),
-                             disk_bytes=disk_cost(spec.capacity_numel, ws, master, trainable, optim)))
+        out.append(
+            ChunkView(
+                spec.chunk_id,
+                spec.capacity_numel * compute.itemsize,
+                shard_cost(spec.capacity_numel, ws, compute, master, trainable, optim),
+                resident=False,
+                evictable=False,
+                shard_tier=Tier.HOST,
+                grad_payload_bytes=grad_payload_cost(spec.capacity_numel, ws, master, trainable),
+                disk_bytes=disk_cost(spec.capacity_numel, ws, master, trainable, optim),
+            )
+        )
     return out

@@ -97,8 +97,13 @@ class ScratchDir:
         self.path = self.root / f"{PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
         try:
             self.path.mkdir()
-            owner = {"host": socket.gethostname(), "machine": host_identity(), "pid": os.getpid(),
-                     "start": _start_time(os.getpid()), "rank": rank}
+            owner = {
+                "host": socket.gethostname(),
+                "machine": host_identity(),
+                "pid": os.getpid(),
+                "start": _start_time(os.getpid()),
+                "rank": rank,
+            }
             (self.path / "owner.json").write_text(json.dumps(owner))
         except OSError as e:
             shutil.rmtree(self.path, ignore_errors=True)
@@ -142,7 +147,8 @@ def check_room(root: Path, nbytes: int, what: str, ranks: int = 1) -> None:
         raise DiskTierError(
             f"the disk tier needs {format_bytes(nbytes)} in disk_dir={str(root)!r}{who} for {what}, but its "
             f"filesystem has {format_bytes(free)} free; free space, choose another disk_dir, or raise "
-            "host_memory_limit so fewer shards go to disk.")
+            "host_memory_limit so fewer shards go to disk."
+        )
 
 
 @dataclass(eq=False)
@@ -165,7 +171,8 @@ class MappedFile:
                     raise DiskTierError(
                         f"the disk tier could not reserve {size} bytes for {self.path.name} in "
                         f"{str(self.path.parent.parent)!r}: {e.strerror} (the filesystem cannot hold the shards that "
-                        "go to disk; free space, choose another disk_dir or raise host_memory_limit).") from None
+                        "go to disk; free space, choose another disk_dir or raise host_memory_limit)."
+                    ) from None
                 raise DiskTierError(f"the disk tier could not create {str(self.path)!r}: {e.strerror}.") from None
             self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -249,8 +256,10 @@ class MappedFile:
         view = memoryview((ctypes.c_char * total).from_address(buf.data_ptr())).cast("B")
         try:
             if went_direct and pool is not None and total > DIRECT_PIECE:
-                works = [pool.submit(self._move, fd, view, a, min(a + DIRECT_PIECE, total), write=write)
-                         for a in range(0, total, DIRECT_PIECE)]
+                works = [
+                    pool.submit(self._move, fd, view, a, min(a + DIRECT_PIECE, total), write=write)
+                    for a in range(0, total, DIRECT_PIECE)
+                ]
                 for w in works:  # every piece finishes before the descriptor closes, failed or not
                     w.exception()
                 for w in works:
@@ -267,8 +276,10 @@ class MappedFile:
             part = view[done:end]
             n = os.pwritev(fd, [part], done) if write else os.preadv(fd, [part], done)
             if n <= 0:
-                raise DiskTierError(f"the disk tier could not {'write' if write else 'read'} {str(self.path)!r} "
-                                    f"at byte {done} of {end - start} from {start}.")
+                raise DiskTierError(
+                    f"the disk tier could not {'write' if write else 'read'} {str(self.path)!r} "
+                    f"at byte {done} of {end - start} from {start}."
+                )
             done += n
 
     def close(self) -> None:

@@ -54,8 +54,16 @@ class DiskStorage(TierStorage):
 
     tier = Tier.DISK
 
-    def __init__(self, root: str | None, rank: int, host: HostStorage, *, io: str = "auto", ranks_here: int = 1,
-                 host_limit: int | None = None) -> None:
+    def __init__(
+        self,
+        root: str | None,
+        rank: int,
+        host: HostStorage,
+        *,
+        io: str = "auto",
+        ranks_here: int = 1,
+        host_limit: int | None = None,
+    ) -> None:
         self.root = None if root is None else Path(root)
         self.rank = rank
         self.host = host
@@ -99,8 +107,10 @@ class DiskStorage(TierStorage):
     def directory(self) -> ScratchDir:
         if self._dir is None:
             if self.root is None:
-                raise DiskTierError("shards must go to the disk tier but no disk_dir is set; pass disk_dir=PATH "
-                                    "(a directory on a fast local disk) or raise host_memory_limit.")
+                raise DiskTierError(
+                    "shards must go to the disk tier but no disk_dir is set; pass disk_dir=PATH "
+                    "(a directory on a fast local disk) or raise host_memory_limit."
+                )
             self._dir = ScratchDir(self.root, self.rank)
         return self._dir
 
@@ -111,8 +121,12 @@ class DiskStorage(TierStorage):
         (``disk_io``)."""
         if nbytes > 0:
             check_room(self.directory.root, (nbytes + self.bytes_held()) * self.ranks_here, what, self.ranks_here)
-            self.direct = use_direct(self.io, nbytes * self.ranks_here, (self.host_limit or 0) * self.ranks_here,
-                                     page_cache_room() if self.io == "auto" else None)
+            self.direct = use_direct(
+                self.io,
+                nbytes * self.ranks_here,
+                (self.host_limit or 0) * self.ranks_here,
+                page_cache_room() if self.io == "auto" else None,
+            )
 
     def _pieces(self) -> ThreadPoolExecutor | None:
         """The pool an ``O_DIRECT`` transfer's pieces go to (None when the transfers are buffered: through the page
@@ -155,8 +169,9 @@ class DiskStorage(TierStorage):
         if f is None or not torch.is_tensor(value) or value.dim() == 0 or value.numel() != view.numel():
             return value
         assert chunk.master is not None
-        return self.keep_piece(chunk, (view.data_ptr() - chunk.master.data_ptr()) // chunk.master.element_size(),
-                               key, value)
+        return self.keep_piece(
+            chunk, (view.data_ptr() - chunk.master.data_ptr()) // chunk.master.element_size(), key, value
+        )
 
     def keep_piece(self, chunk: Chunk, offset: int, key: str, value: torch.Tensor) -> torch.Tensor:
         f = self._files.get(id(chunk), {}).get("optim")
@@ -170,7 +185,8 @@ class DiskStorage(TierStorage):
                 raise DiskTierError(
                     f"chunk {chunk.chunk_id}'s optimizer state {key!r} ({value.dtype}) does not fit the "
                     f"{f.nbytes} bytes reserved for it on the disk tier: the optimizer keeps more state than its "
-                    "probe step showed.")
+                    "probe step showed."
+                )
             at[key] = base
             self._state_dtype[(id(chunk), key)] = value.dtype
             self._used[id(chunk)] = base + chunk.shard_numel * esz
@@ -190,7 +206,7 @@ class DiskStorage(TierStorage):
         return f.tensor(chunk.shard_numel, dtype, offset=at[key])
 
     def page_out(self, chunk: Chunk | None = None) -> None:
-        for files in (self._files.values() if chunk is None else [self._files.get(id(chunk), {})]):
+        for files in self._files.values() if chunk is None else [self._files.get(id(chunk), {})]:
             for f in files.values():
                 f.advise(mmap.MADV_DONTNEED)
 
@@ -243,8 +259,9 @@ class DiskStorage(TierStorage):
         if buf is not None:
             f = self._files[id(chunk)]["grad"]
             self.write_bytes += f.nbytes
-            writing = self._grad_writes[id(f)] = self._thread().submit(f.write_from, buf, direct=self.direct,
-                                                                           pool=self._pieces())
+            writing = self._grad_writes[id(f)] = self._thread().submit(
+                f.write_from, buf, direct=self.direct, pool=self._pieces()
+            )
             kept = sorted([*self._spare, (buf, writing)], key=lambda s: -s[0].numel())
             self._spare = kept[:2]  # the largest two are kept
             for _, dropped in kept[2:]:
@@ -421,10 +438,14 @@ class DiskStorage(TierStorage):
         if not direct:
             for f in files.values():
                 f.will_need()
-        master = self._thread().submit(files["master"].read_into, bufs["master"], direct=direct, pool=pool) \
-            if "master" in files else None
-        ready = self._thread().submit(lambda: [f.read_into(bufs[r], direct=direct, pool=pool)
-                                               for r, f in files.items() if r != "master"])
+        master = (
+            self._thread().submit(files["master"].read_into, bufs["master"], direct=direct, pool=pool)
+            if "master" in files
+            else None
+        )
+        ready = self._thread().submit(
+            lambda: [f.read_into(bufs[r], direct=direct, pool=pool) for r, f in files.items() if r != "master"]
+        )
         staged = Staged(chunk, files, bufs, ready, master, index)
         self._staged_now[id(chunk)] = staged
         self._holders[index] = staged
@@ -545,8 +566,11 @@ class DiskStorage(TierStorage):
         if self._holders[staged.set_index] is staged:  # the thread writes it back before it reads into the set again
             self._holders[staged.set_index] = None
         direct, pool = self.direct, self._pieces()
-        self._writes.append(self._thread().submit(
-            lambda: [f.write_from(staged.bufs[r], direct=direct, pool=pool) for r, f in files.items()]))
+        self._writes.append(
+            self._thread().submit(
+                lambda: [f.write_from(staged.bufs[r], direct=direct, pool=pool) for r, f in files.items()]
+            )
+        )
 
     def flush(self) -> None:
         """Wait for every read and write the I/O thread was given (raising what one of them raised)."""
@@ -600,8 +624,16 @@ class DiskStorage(TierStorage):
                     f.advise(mmap.MADV_DONTNEED)
 
     def stats(self) -> dict[str, float]:
-        by_role = {f"disk_{r}_bytes": sum(files[r].nbytes for files in self._files.values() if r in files)
-                   for r in ROLES}
-        return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes, "disk_wait_s": self.wait_s,
-                "disk_staged_steps": self.staged, "disk_direct_io": float(self.direct),
-                "disk_gathers_from_staging": self.gathers_staged, "disk_gathers_from_file": self.gathers_read, **by_role}
+        by_role = {
+            f"disk_{r}_bytes": sum(files[r].nbytes for files in self._files.values() if r in files) for r in ROLES
+        }
+        return {
+            "disk_read_bytes": self.read_bytes,
+            "disk_write_bytes": self.write_bytes,
+            "disk_wait_s": self.wait_s,
+            "disk_staged_steps": self.staged,
+            "disk_direct_io": float(self.direct),
+            "disk_gathers_from_staging": self.gathers_staged,
+            "disk_gathers_from_file": self.gathers_read,
+            **by_role,
+        }

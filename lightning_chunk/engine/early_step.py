@@ -68,9 +68,11 @@ from .optim import OptimizerBinding
 STAGED = ("master", "optim")  # a disk chunk's files read for a step in backward (its gradients are in memory)
 
 # the refusal of fp16 loss scaling, raised by the strategy at set-up and by the engine at the first backward
-FP16_REFUSED = ("step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): a step that "
-                "overflowed must be skipped, which is known only after every gradient. Use precision='bf16-mixed' "
-                "or '32-true', or step_in_backward=False.")
+FP16_REFUSED = (
+    "step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): a step that "
+    "overflowed must be skipped, which is known only after every gradient. Use precision='bf16-mixed' "
+    "or '32-true', or step_in_backward=False."
+)
 
 
 class EarlyStep:
@@ -80,7 +82,8 @@ class EarlyStep:
         if len(bindings) != 1:
             raise UnsupportedOptimizerError(
                 f"step_in_backward=True needs exactly one optimizer; got {len(bindings)}. Each chunk steps during "
-                "backward, before a second optimizer could step or read its gradients: use step_in_backward=False.")
+                "backward, before a second optimizer could step or read its gradients: use step_in_backward=False."
+            )
         self.manager = manager
         self.binding = bindings[0]
         self.active = False  # this backward may step: set when it starts (not in a warm-up or a traced step)
@@ -112,8 +115,12 @@ class EarlyStep:
         out = None
         mgr = self.manager
         for c in mgr.chunks:
-            if c.chunk_id not in self.stepped and c.trainable and not c.grad_released and \
-                    any(t.has_grad for t in c.tensors):
+            if (
+                c.chunk_id not in self.stepped
+                and c.trainable
+                and not c.grad_released
+                and any(t.has_grad for t in c.tensors)
+            ):
                 out = self._step(c, kwargs, in_backward=False)
         return out
 
@@ -166,8 +173,11 @@ class DiskSteps:
 
     def begin(self) -> None:
         self.end()
-        self.on_disk = {c.chunk_id: c for c in self.manager.chunks
-                        if c.shard_tier is Tier.DISK and c.trainable and self.binding.steps_on_this_rank(c)}
+        self.on_disk = {
+            c.chunk_id: c
+            for c in self.manager.chunks
+            if c.shard_tier is Tier.DISK and c.trainable and self.binding.steps_on_this_rank(c)
+        }
         storage = self.manager.disk
         storage.expect_steps([self.on_disk[cid] for cid in self._order()], STAGED)
         first = self._expected(None)
@@ -229,6 +239,6 @@ class DiskSteps:
         """The disk chunk this backward should finish after chunk ``after`` (first when ``None``)."""
         order = self._order()
         if after in order:
-            order = order[order.index(after) + 1:]
+            order = order[order.index(after) + 1 :]
         seen = set(self.seen)
         return next((self.on_disk[cid] for cid in order if cid not in seen), None)

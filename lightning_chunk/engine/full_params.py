@@ -57,8 +57,14 @@ _IN_A_STEP = (S.COMPUTE, S.HOLD_AFTER_FWD, S.READY_FOR_REDUCE, S.READY_FOR_REDUC
 
 
 @contextlib.contextmanager
-def full_parameters(engine: Any, params: Iterable[torch.nn.Parameter] | None = None, *, writeback: bool = True,
-                    offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+def full_parameters(
+    engine: Any,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    writeback: bool = True,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
     """Give ``params`` (every packed parameter when ``None``) their whole values while the block runs; with
     ``writeback``, what was written into them goes back into the shards. ``with_grads``: their ``.grad`` too
     ([Note: gradients in full_parameters]). A collective with several ranks."""
@@ -66,13 +72,17 @@ def full_parameters(engine: Any, params: Iterable[torch.nn.Parameter] | None = N
     if hooks.closed is not None:
         raise ChunkError("full_parameters() is already open: it cannot be nested.")
     if torch._C._current_graph_task_id() != -1:
-        raise ChunkError("full_parameters() cannot be entered inside a backward (a hook or an autograd function): "
-                         "enter it between steps, or in training_step before the forward or after the optimizer step.")
+        raise ChunkError(
+            "full_parameters() cannot be entered inside a backward (a hook or an autograd function): "
+            "enter it between steps, or in training_step before the forward or after the optimizer step."
+        )
     busy = sorted({t.name for c in mgr.chunks for t in c.tensors if t.state in _IN_A_STEP})
     if busy:
-        raise ChunkError(f"full_parameters() cannot be entered between a forward and its backward: {len(busy)} "
-                         f"parameters are in use ({', '.join(busy[:4])}{', ...' if len(busy) > 4 else ''}). Enter it "
-                         "between steps, or in training_step before the forward or after the optimizer step.")
+        raise ChunkError(
+            f"full_parameters() cannot be entered between a forward and its backward: {len(busy)} "
+            f"parameters are in use ({', '.join(busy[:4])}{', ...' if len(busy) > 4 else ''}). Enter it "
+            "between steps, or in training_step before the forward or after the optimizer step."
+        )
     wanted = _indices(mgr, params)
     chunks = [c for c in mgr.chunks if any(t.slot.param_index in wanted for t in c.tensors)]
     with_grad = _with_gradients(engine, chunks, wanted) if with_grads else set()
@@ -84,16 +94,21 @@ def full_parameters(engine: Any, params: Iterable[torch.nn.Parameter] | None = N
         for c in chunks:  # chunk-id order on every rank: the all-gathers pair up
             whole = chunk_values(mgr, c, device=device)
             mine = [t for t in c.tensors if t.slot.param_index in wanted]
-            whole_grads = chunk_values(mgr, c, device=device, grads=True) if any(
-                t.slot.param_index in with_grad for t in c.tensors) else {}
+            whole_grads = (
+                chunk_values(mgr, c, device=device, grads=True)
+                if any(t.slot.param_index in with_grad for t in c.tensors)
+                else {}
+            )
             for t in mine:
                 i = t.slot.param_index
                 values[i] = t.param.data = whole[i]
                 if i in with_grad:
                     t.param.grad = whole_grads[i]
                     grads[i] = (whole_grads[i], whole_grads[i]._version)
-        hooks.closed = ("a forward inside full_parameters(): leave the block first (the parameters hold their whole "
-                        "values there, not the chunks' payloads the hooks gather into).")
+        hooks.closed = (
+            "a forward inside full_parameters(): leave the block first (the parameters hold their whole "
+            "values there, not the chunks' payloads the hooks gather into)."
+        )
         yield
         ok = True
     finally:
@@ -132,11 +147,13 @@ def _with_gradients(engine: Any, chunks: list[Any], wanted: set[int]) -> set[int
         raise ChunkError(
             f"full_parameters(with_grads=True): the gradients of chunks {waiting[:8]} still wait in their gradient "
             "payloads (sharded_accumulation=False, inside gradient accumulation), not in the shards this block "
-            "reads. Read them at the step (on_before_optimizer_step) or set sharded_accumulation=True.")
+            "reads. Read them at the step (on_before_optimizer_step) or set sharded_accumulation=True."
+        )
     order = [t for c in chunks for t in c.tensors if t.slot.param_index in wanted]
     # after the vote a rank keeps the flag only where it holds a piece: the union over ranks is the parameter's
-    flags = torch.tensor([t.has_grad and t.requires_grad for t in order], dtype=torch.uint8,
-                         device=mgr.comm.tensor_device())
+    flags = torch.tensor(
+        [t.has_grad and t.requires_grad for t in order], dtype=torch.uint8, device=mgr.comm.tensor_device()
+    )
     if mgr.comm.world_size > 1 and order:
         mgr.comm.all_reduce(flags, op="max", what="the vote on which parameters' gradients full_parameters gathers")
     return {t.slot.param_index for t, f in zip(order, flags.tolist(), strict=True) if f}
@@ -154,9 +171,11 @@ def _write_grads(engine: Any, chunks: list[Any], wanted: set[int], given: dict[i
             now = t.param.grad
             if i not in given:
                 if now is not None:
-                    raise ChunkError(f"full_parameters(with_grads=True): parameter {t.name!r} got no gradient in "
-                                     "this step, and a gradient cannot be given to it here; change or remove the "
-                                     "gradients that exist.")
+                    raise ChunkError(
+                        f"full_parameters(with_grads=True): parameter {t.name!r} got no gradient in "
+                        "this step, and a gradient cannot be given to it here; change or remove the "
+                        "gradients that exist."
+                    )
                 continue
             a, b = piece_range(c, t.offset, t.numel)
             if now is None:
@@ -197,7 +216,9 @@ def check_stray_writes(mgr: Any) -> None:
                     f"{t.version} to {t.param._version}), into chunk {c.chunk_id}'s payload, a copy of the sharded "
                     "weights that the next gather or optimizer write-back overwrites: the write would be lost. Write "
                     "parameters between steps inside `with trainer.strategy.full_parameters():` "
-                    "(ChunkOffloadStrategy.full_parameters; docs/faq.md, 'Reading or writing parameters between steps').")
+                    "(ChunkOffloadStrategy.full_parameters; docs/faq.md, 'Reading or writing parameters between "
+                    "steps')."
+                )
 
 
 def state_dict_hooks(module: torch.nn.Module, mgr: Any, is_open: Callable[[], bool]) -> list[Any]:
@@ -220,8 +241,9 @@ def _master_entries(mgr: Any, mine: dict[str, int], is_open: Callable[[], bool])
     return hook
 
 
-def _fill_masters(mgr: Any, module: torch.nn.Module, mine: dict[str, int], state_dict: dict[str, Any],
-                  prefix: str) -> None:
+def _fill_masters(
+    mgr: Any, module: torch.nn.Module, mine: dict[str, int], state_dict: dict[str, Any], prefix: str
+) -> None:
     for name, i in mine.items():
         key = prefix + name
         v = state_dict.get(key)
@@ -238,7 +260,8 @@ def _fill_masters(mgr: Any, module: torch.nn.Module, mine: dict[str, int], state
                 f"state_dict() of a module trained by chunk_offload on {mgr.comm.world_size} ranks is not available "
                 f"between steps ({key!r} is sharded across the ranks; its payload is released or a stale copy). Save "
                 "through Lightning (trainer.save_checkpoint, ModelCheckpoint: every rank), or call state_dict() "
-                "inside `with trainer.strategy.full_parameters():` on every rank; after fit the module is whole.")
+                "inside `with trainer.strategy.full_parameters():` on every rank; after fit the module is whole."
+            )
         with mgr.storage_of(chunk).reading(chunk, ("master",)):  # a disk shard's file is paged in meanwhile
             value = chunk.master_tensor_for_read()[info.offset : info.offset + info.numel].view(info.shape)
             state_dict[key] = value.to(info.orig_dtype, copy=chunk.shard_tier is Tier.DISK).detach()

@@ -39,8 +39,9 @@ def paged_runs(grouped: dict[torch.device, list[tuple[Any, torch.Tensor]]]) -> I
             yield owner, run
 
 
-def clip_grad_norm(pairs: Sequence[tuple[Any, torch.Tensor]], max_norm: float, norm_type: float,
-                   manager: Any) -> torch.Tensor:
+def clip_grad_norm(
+    pairs: Sequence[tuple[Any, torch.Tensor]], max_norm: float, norm_type: float, manager: Any
+) -> torch.Tensor:
     """Clip by the global norm over every shard of every rank; returns that norm.
 
     On one rank the arithmetic is ``torch.nn.utils.clip_grad_norm_``'s, step for step (per-tensor norms grouped by
@@ -61,7 +62,9 @@ def clip_grad_norm(pairs: Sequence[tuple[Any, torch.Tensor]], max_norm: float, n
         if math.isinf(norm_type):
             total = comm.all_reduce(total.reshape(1).to(dev), op="max", what="the gradient norm")[0].to(first)
         else:
-            acc = comm.all_reduce(total.double().pow(norm_type).reshape(1).to(dev), op="sum", what="the gradient norm")[0]
+            acc = comm.all_reduce(total.double().pow(norm_type).reshape(1).to(dev), op="sum", what="the gradient norm")[
+                0
+            ]
             total = acc.pow(1.0 / norm_type).float().to(first)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for chunk, gs in paged_runs(grouped):

@@ -94,8 +94,11 @@ _DYNAMO = f"{os.sep}torch{os.sep}_dynamo{os.sep}"
 def _in_backward() -> bool:
     """Whether autograd is running a backward on this thread: a forward then is a recomputation."""
     return torch._C._current_graph_task_id() != -1
+
+
 _USABLE = frozenset({S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD, S.COMPUTE})
-# disk chunks whose master files a CPU gather reads ahead of use ([Note: the gathers' reads ahead of use] in disk_storage.py)
+# disk chunks whose master files a CPU gather reads ahead of use ([Note: the gathers' reads ahead of use] in
+# disk_storage.py)
 READ_AHEAD_CHUNKS = 4
 
 
@@ -175,9 +178,11 @@ class ChunkHooks:
         unmatched = is_leaf.unmatched()
         if unmatched:
             classes = sorted({type(m).__name__ for m in self.module.modules()})
-            raise ValueError(f"leaf_modules={list(is_leaf.extra)!r}: {unmatched!r} names no module of this model; give "
-                             "a module class, its name or an importable path (pkg.module.Class). The model's module "
-                             f"classes: {', '.join(classes)}.")
+            raise ValueError(
+                f"leaf_modules={list(is_leaf.extra)!r}: {unmatched!r} names no module of this model; give "
+                "a module class, its name or an importable path (pkg.module.Class). The model's module "
+                f"classes: {', '.join(classes)}."
+            )
 
     @property
     def owned(self) -> dict[str, tuple[int, ...]]:
@@ -208,8 +213,9 @@ class ChunkHooks:
         if mod is self.module:
             return  # the root: step_scope is its forward
         self._handles.append(mod.register_forward_pre_hook(self._make_pre_forward(key, mod)))
-        self._handles.append(mod.register_forward_hook(self._make_post_forward(key, mod), with_kwargs=True,
-                                                       always_call=True))
+        self._handles.append(
+            mod.register_forward_hook(self._make_post_forward(key, mod), with_kwargs=True, always_call=True)
+        )
 
     def watch_grads(self) -> None:
         """Hook every trainable parameter's gradient (once each): at install, and after parameters were unfrozen
@@ -225,10 +231,14 @@ class ChunkHooks:
         mgr = self.manager
         trace = self.trace if self.training else None
         budget = self.policy.budget(mgr.limit, trace, self.position)
-        plan = self.policy.plan(position=self.position, needed=frozenset(),
-                                chunks=mgr.views(include=self.policy.upcoming(self.position, trace)), trace=trace,
-                                budget_bytes=None if budget is None else budget - nbytes,
-                                device_bytes=mgr.ledger[Tier.DEVICE])
+        plan = self.policy.plan(
+            position=self.position,
+            needed=frozenset(),
+            chunks=mgr.views(include=self.policy.upcoming(self.position, trace)),
+            trace=trace,
+            budget_bytes=None if budget is None else budget - nbytes,
+            device_bytes=mgr.ledger[Tier.DEVICE],
+        )
         self._freed_room = True
         for cid in plan.evict:
             mgr.release(mgr.chunks[cid])
@@ -244,8 +254,10 @@ class ChunkHooks:
         trace = self.trace if self.training else None
         keep = set(keep)
         waiting = [c for c in mgr.chunks if c.chunk_id not in keep and c.waits_only_to_reduce]
-        waiting.sort(key=lambda c: (trace.next_use(c.chunk_id, self.position) if trace is not None else 0.0,
-                                    -c.last_used), reverse=True)
+        waiting.sort(
+            key=lambda c: (trace.next_use(c.chunk_id, self.position) if trace is not None else 0.0, -c.last_used),
+            reverse=True,
+        )
         for c in waiting:
             if mgr.ledger[Tier.DEVICE] + nbytes <= mgr.limit:
                 break
@@ -309,8 +321,9 @@ class ChunkHooks:
         if trace is None and budget is not None:
             budget = untraced_budget(budget, self.trace)
         all_resident = all(mgr.chunks[i].is_resident for i in include)
-        if self.policy.idle(all_resident=all_resident, budget_bytes=budget, device_bytes=mgr.ledger[Tier.DEVICE]) \
-                or self._plan_is_empty(all_resident, trace, budget):
+        if self.policy.idle(
+            all_resident=all_resident, budget_bytes=budget, device_bytes=mgr.ledger[Tier.DEVICE]
+        ) or self._plan_is_empty(all_resident, trace, budget):
             self._freed_room = False
         else:
             self._plan(needed, include, trace, budget)
@@ -326,8 +339,9 @@ class ChunkHooks:
         # starts reading it ahead ([Note: the gathers' reads ahead of use] in disk_storage.py)
         if trace is not None and mgr.disk_chunks:
             on_cpu = mgr.device.type == "cpu"
-            for cid in (trace.chunks_ahead(self.position, READ_AHEAD_CHUNKS) if on_cpu else
-                        trace.next_chunks(self.position)):
+            for cid in (
+                trace.chunks_ahead(self.position, READ_AHEAD_CHUNKS) if on_cpu else trace.next_chunks(self.position)
+            ):
                 c = mgr.chunks[cid]
                 if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
                     if on_cpu:
@@ -335,16 +349,19 @@ class ChunkHooks:
                     else:
                         mgr.disk.prefetch(c, ("master",))
 
-    def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Trace | None,
-              budget: int | None) -> None:
+    def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Trace | None, budget: int | None) -> None:
         """Ask the policy what to evict and prefetch at this moment, and do it; then gather what is needed."""
         mgr = self.manager
         # a plan reads the resident chunks only to evict them: with no limit and no releasing, it evicts none
         # (everything resident on several ranks: 8% of the hooks' time went to views of every resident chunk)
         evicts = budget is not None or self.policy.evict_after_use
         plan = self.policy.plan(
-            position=self.position, needed=frozenset(needed), chunks=mgr.views(include=include, resident=evicts),
-            trace=trace, budget_bytes=budget, device_bytes=mgr.ledger[Tier.DEVICE],
+            position=self.position,
+            needed=frozenset(needed),
+            chunks=mgr.views(include=include, resident=evicts),
+            trace=trace,
+            budget_bytes=budget,
+            device_bytes=mgr.ledger[Tier.DEVICE],
         )
         self._freed_room = plan.for_room
         for cid in plan.evict:
@@ -401,7 +418,7 @@ class ChunkHooks:
         """The module index the trace says uses ``chunk_id`` next (for collective tags)."""
         if self.trace is None:
             return -1
-        for m in self.trace.moments[self.position + 1:]:
+        for m in self.trace.moments[self.position + 1 :]:
             if chunk_id in m.chunk_ids and m.kind != POST_FORWARD:
                 return self._key_index.get(m.module, -1)
         return -1
@@ -506,8 +523,11 @@ class ChunkHooks:
         own = self._owned[key] = (*self._owned.get(key, ()), index)
         self._chunks_of[key] = mgr.chunk_ids_of([mgr.params[j] for j in own])
         self.owners_changed = True
-        _log.info("parameter %r is read by %s outside the module that holds it: gathered with it from now on",
-                  mgr.lookup(mgr.params[index])[1].name, "the root module" if key == ROOT else f"module {key!r}")
+        _log.info(
+            "parameter %r is read by %s outside the module that holds it: gathered with it from now on",
+            mgr.lookup(mgr.params[index])[1].name,
+            "the root module" if key == ROOT else f"module {key!r}",
+        )
 
     def _plan_is_empty(self, all_resident: bool, trace: Trace | None, budget: int | None) -> bool:
         """Whether the plan at this moment would release nothing and gather nothing, known from the moment before.
@@ -549,7 +569,11 @@ class ChunkHooks:
         if room is not None and self.manager.ledger[Tier.DEVICE] > room:
             return False
         if kind == POST_FORWARD and self._previous_moment == (FORWARD, key):
-            window, later, at = self.policy.upcoming(self.position, trace), self.policy.keeps_for_backward, self.position
+            window, later, at = (
+                self.policy.upcoming(self.position, trace),
+                self.policy.keeps_for_backward,
+                self.position,
+            )
             return all(c in window or later and trace.used_later(c, at) for c in self._chunks_of.get(key, ()))
         return kind == FORWARD and self._previous_moment[0] == POST_FORWARD and all_resident and not _in_backward()
 
@@ -560,14 +584,21 @@ class ChunkHooks:
         assert self.recorder is not None
         after = self._resident()
         mgr = self.manager
-        self.recorder(MomentEvent(
-            position=self.position, kind=kind, module=key, needed=needed, evicted=tuple(sorted(before - after)),
-            fetched=tuple(sorted(after - before)), resident=tuple(sorted(after)),
-            device_shards=tuple(c.chunk_id for c in mgr.chunks if c.shard_tier is Tier.DEVICE),
-            disk_shards=tuple(c.chunk_id for c in mgr.chunks if c.shard_tier is Tier.DISK),
-            device_bytes=mgr.ledger[Tier.DEVICE],
-            nonmodel_bytes=self.trace.nonmodel_at(self.position) if self.trace is not None else 0,
-        ))
+        self.recorder(
+            MomentEvent(
+                position=self.position,
+                kind=kind,
+                module=key,
+                needed=needed,
+                evicted=tuple(sorted(before - after)),
+                fetched=tuple(sorted(after - before)),
+                resident=tuple(sorted(after)),
+                device_shards=tuple(c.chunk_id for c in mgr.chunks if c.shard_tier is Tier.DEVICE),
+                disk_shards=tuple(c.chunk_id for c in mgr.chunks if c.shard_tier is Tier.DISK),
+                device_bytes=mgr.ledger[Tier.DEVICE],
+                nonmodel_bytes=self.trace.nonmodel_at(self.position) if self.trace is not None else 0,
+            )
+        )
 
     # =================================================================== hooks
     def _make_pre_forward(self, key: str, owner: torch.nn.Module) -> Callable[..., None]:
@@ -754,7 +785,8 @@ class ChunkHooks:
                 raise ChunkError(
                     f"the root module owns parameters directly ({', '.join(names)}), so a training step must register "
                     "its outputs before backward: `with engine.micro_batch(training=True) as outputs: loss = ...; "
-                    "outputs(loss)` (ChunkOffloadStrategy does this for training_step's result).")
+                    "outputs(loss)` (ChunkOffloadStrategy does this for training_step's result)."
+                )
             self._done_forward(ROOT)
         if not training:  # an evaluation step's outputs leave with it ([Note: checking once a micro-batch])
             self.manager.comm.verify_issued()

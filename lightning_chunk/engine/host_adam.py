@@ -58,14 +58,33 @@ ONE_PASS_MIN_NUMEL = 1 << 25
 def one_pass_ok(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """A group whose step the one-pass kernel reproduces: torch's own Adam or AdamW (not a subclass: it may step
     or keep state otherwise) with its fused kernel, without ``amsgrad``, ``capturable`` or ``differentiable``."""
-    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and bool(group.get("fused")) \
-        and not group.get("amsgrad") and not group.get("differentiable") and not group.get("capturable")
+    return (
+        type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+        and bool(group.get("fused"))
+        and not group.get("amsgrad")
+        and not group.get("differentiable")
+        and not group.get("capturable")
+    )
 
 
-def _adam_pass(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sign: torch.Tensor,
-               decay: torch.Tensor, wd: torch.Tensor, w: torch.Tensor, beta2: torch.Tensor, c2: torch.Tensor,
-               bc2_sqrt: torch.Tensor, eps: torch.Tensor, neg_step: torch.Tensor,
-               weight_decay: str, maximize: bool, small: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _adam_pass(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    sign: torch.Tensor,
+    decay: torch.Tensor,
+    wd: torch.Tensor,
+    w: torch.Tensor,
+    beta2: torch.Tensor,
+    c2: torch.Tensor,
+    bc2_sqrt: torch.Tensor,
+    eps: torch.Tensor,
+    neg_step: torch.Tensor,
+    weight_decay: str,
+    maximize: bool,
+    small: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch's fused CPU Adam(W) vector loop, as tensor operations: (param, exp_avg, exp_avg_sq).
 
     ``sign`` is -1 (torch multiplies by -1 with ``maximize``); ``weight_decay`` is ``"none"``, ``"decoupled"``
@@ -87,8 +106,9 @@ def _adam_pass(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     return p1, m1, v1
 
 
-def _step_and_copy(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor,
-                   *scalars: Any) -> None:
+def _step_and_copy(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor, *scalars: Any
+) -> None:
     p1, m1, v1 = _adam_pass(p, g, m, v, *scalars)
     m.copy_(m1)
     v.copy_(v1)
@@ -122,13 +142,18 @@ def _unavailable(reason: str, forced: bool, cause: BaseException | None = None) 
     """The one pass cannot run here: an error when the user asked for it, else a warning (once) and torch's kernel."""
     global _broken, _warned
     if forced:
-        raise RuntimeError(f"optimizer_kernel='one_pass' but the one-pass Adam kernel cannot run here ({reason}); "
-                           "use optimizer_kernel='auto' or 'fused'") from cause
+        raise RuntimeError(
+            f"optimizer_kernel='one_pass' but the one-pass Adam kernel cannot run here ({reason}); "
+            "use optimizer_kernel='auto' or 'fused'"
+        ) from cause
     _broken = reason
     if not _warned:
         _warned = True
-        warnings.warn(f"chunk_offload: the one-pass host Adam kernel is not available ({reason}); stepping with "
-                      "torch's fused kernel and a separate write-back instead.", stacklevel=2)
+        warnings.warn(
+            f"chunk_offload: the one-pass host Adam kernel is not available ({reason}); stepping with "
+            "torch's fused kernel and a separate write-back instead.",
+            stacklevel=2,
+        )
 
 
 def _f32(x: float) -> torch.Tensor:
@@ -141,13 +166,25 @@ def adam_scalars(group: dict[str, Any], step: float, optimizer: torch.optim.Opti
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
     wd, eps = float(group["weight_decay"]), float(group["eps"])
-    bc1 = 1 - beta1 ** step
-    bc2 = 1 - beta2 ** step
+    bc1 = 1 - beta1**step
+    bc2 = 1 - beta2**step
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
     mode = "none" if wd == 0 else "decoupled" if decoupled else "coupled"
     w = _f32(1 - beta1)
-    return (_f32(-1.0), _f32(1 - lr * wd), _f32(wd), w, _f32(beta2), _f32(1 - beta2), _f32(bc2 ** 0.5), _f32(eps),
-            _f32(-(lr / bc1)), mode, bool(group.get("maximize")), bool(w.abs() < 0.5))
+    return (
+        _f32(-1.0),
+        _f32(1 - lr * wd),
+        _f32(wd),
+        w,
+        _f32(beta2),
+        _f32(1 - beta2),
+        _f32(bc2**0.5),
+        _f32(eps),
+        _f32(-(lr / bc1)),
+        mode,
+        bool(group.get("maximize")),
+        bool(w.abs() < 0.5),
+    )
 
 
 class HostAdam:
@@ -171,7 +208,9 @@ class HostAdam:
         self._ready: dict[int, dict[str, torch.Tensor]] = {}  # this step's regions, by chunk (``ensure_regions``)
 
     # ----------------------------------------------------------------- layout
-    def _host_runs(self, views: dict[int, torch.Tensor]) -> list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]:
+    def _host_runs(
+        self, views: dict[int, torch.Tensor]
+    ) -> list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]:
         """Per host-tier chunk with a compute copy in a group the one pass can step: (chunk, group index,
         [(param, view, start, end)]) with the views' ranges in shard coordinates, in order. Only chunks whose
         views tile one contiguous run."""
@@ -182,8 +221,12 @@ class HostAdam:
             for i, v in views.items():
                 c, info = mgr.lookup(mgr.params[i])
                 k = group_of.get(id(v))
-                if c.shard_tier is not Tier.HOST or c.low is None or k is None \
-                        or not one_pass_ok(self.optimizer, self.optimizer.param_groups[k]):
+                if (
+                    c.shard_tier is not Tier.HOST
+                    or c.low is None
+                    or k is None
+                    or not one_pass_ok(self.optimizer, self.optimizer.param_groups[k])
+                ):
                     continue
                 lo, _ = c.shard_range
                 a = max(info.offset, lo) - lo
@@ -208,8 +251,9 @@ class HostAdam:
                 continue
             keys = MOMENTS
             have = [state.get(v) for _, v, _, _ in pieces]
-            if not all(st and all(key in st for key in keys) for st in have) and \
-                    (any(have) or any(v.grad is None for _, v, _, _ in pieces)):
+            if not all(st and all(key in st for key in keys) for st in have) and (
+                any(have) or any(v.grad is None for _, v, _, _ in pieces)
+            ):
                 continue  # torch creates state only with a gradient: a chunk with a view that has neither is left to it
             start, end = pieces[0][2], pieces[-1][3]
             dtype = pieces[0][1].dtype
@@ -228,8 +272,9 @@ class HostAdam:
             self._made[c.chunk_id] = made
             self._ready[c.chunk_id] = regions
 
-    def regions(self, c: Chunk, k: int, pieces: list[tuple[int, torch.Tensor, int, int]]
-                ) -> dict[str, torch.Tensor] | None:
+    def regions(
+        self, c: Chunk, k: int, pieces: list[tuple[int, torch.Tensor, int, int]]
+    ) -> dict[str, torch.Tensor] | None:
         """The flat regions of chunk ``c``'s moments by key, or ``None`` when the views' state is not (or no
         longer) the slices ``ensure_regions`` made."""
         made = self._made.get(c.chunk_id)
@@ -257,8 +302,7 @@ class HostAdam:
         # "auto" without a vector ISA: either kernel would be scalar code, slower than torch's own
         return self.one_pass is True or (numel >= ONE_PASS_MIN_NUMEL and adam_native.vector_isa())
 
-    def step_one_pass(self, views: dict[int, torch.Tensor], only: set[int] | None = None
-                      ) -> tuple[set[int], set[int]]:
+    def step_one_pass(self, views: dict[int, torch.Tensor], only: set[int] | None = None) -> tuple[set[int], set[int]]:
         """Step the eligible host chunks in one pass each; returns (ids of the views stepped, ids of the chunks
         whose compute copy is now fresh). ``views``: the binding's views, the whole layout (``"auto"`` weighs every
         host chunk, and the runs are cached for it); ``only``: ids of the views to step now (one chunk's, stepped
@@ -283,8 +327,15 @@ class HostAdam:
         state = self.optimizer.state
         scalars: dict[tuple[int, float], tuple[Any, ...]] = {}
         packed: dict[tuple[int, float], tuple[Any, ...]] = {}
-        calls: list[tuple[Chunk, list[tuple[int, torch.Tensor, int, int]], list[torch.Tensor], Callable[..., None],
-                          tuple[Any, ...]]] = []
+        calls: list[
+            tuple[
+                Chunk,
+                list[tuple[int, torch.Tensor, int, int]],
+                list[torch.Tensor],
+                Callable[..., None],
+                tuple[Any, ...],
+            ]
+        ] = []
         for c, k, pieces in runs:
             regions = self._ready.get(c.chunk_id)
             if regions is None or any(v.grad is None for _, v, _, _ in pieces):
@@ -296,8 +347,13 @@ class HostAdam:
             if (k, step) not in scalars:
                 scalars[(k, step)] = adam_scalars(self.optimizer.param_groups[k], step + 1, self.optimizer)
             start, end = pieces[0][2], pieces[-1][3]
-            tensors = (c.master[start:end], c.grad[start:end], regions["exp_avg"], regions["exp_avg_sq"],
-                       c.low[start:end])
+            tensors = (
+                c.master[start:end],
+                c.grad[start:end],
+                regions["exp_avg"],
+                regions["exp_avg_sq"],
+                c.low[start:end],
+            )
             if native is not None and adam_native.supports(*tensors):
                 if (k, step) not in packed:
                     packed[(k, step)] = native.pack(scalars[(k, step)])

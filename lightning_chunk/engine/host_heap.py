@@ -51,8 +51,12 @@ _DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's, before its adaptive raising
 KEEP_TRIM_THRESHOLD = 1 << 30
 KEEP_MMAP_THRESHOLD = 32 << 20
 
-_USER_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold", "glibc.malloc.top_pad",
-                  "glibc.malloc.mmap_max")
+_USER_TUNABLES = (
+    "glibc.malloc.trim_threshold",
+    "glibc.malloc.mmap_threshold",
+    "glibc.malloc.top_pad",
+    "glibc.malloc.mmap_max",
+)
 _USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 _kept = False

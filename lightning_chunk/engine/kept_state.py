@@ -81,11 +81,21 @@ def keep_optimizer_state(mgr: ChunkManager, binding: OptimizerBinding) -> KeptOp
             a, b = _pieces(mgr, chunk, t)
             if i in plain_pos and i in parts.scalars and a < b:
                 st = parts.local.get(i) or {}
-                pieces[plain_pos[i]] = (a - t.offset, {
-                    key: (st[key].reshape(-1).to("cpu", dtype=dtype, copy=not in_memory) if key in st
-                          else torch.zeros(b - a, dtype=dtype)) for key, dtype in parts.keys.items()})
+                pieces[plain_pos[i]] = (
+                    a - t.offset,
+                    {
+                        key: (
+                            st[key].reshape(-1).to("cpu", dtype=dtype, copy=not in_memory)
+                            if key in st
+                            else torch.zeros(b - a, dtype=dtype)
+                        )
+                        for key, dtype in parts.keys.items()
+                    },
+                )
     return KeptOptimizerState(
-        pieces=pieces, scalars={plain_pos[i]: st for i, st in parts.scalars.items() if i in plain_pos},
-        shapes={plain_pos[i]: mgr.params[i].shape for i in plain_pos}, dtypes=dict(parts.keys),
-        param_groups=binding.plain_param_groups(plain_pos))
-
+        pieces=pieces,
+        scalars={plain_pos[i]: st for i, st in parts.scalars.items() if i in plain_pos},
+        shapes={plain_pos[i]: mgr.params[i].shape for i in plain_pos},
+        dtypes=dict(parts.keys),
+        param_groups=binding.plain_param_groups(plain_pos),
+    )

@@ -29,8 +29,9 @@ class LayoutChooser:
     """Chooses layouts for one engine: its manager's parameters, its config, the parameters each module owns (from
     the hooks) and each optimizer group's state bytes a parameter (filled once the optimizers are bound)."""
 
-    def __init__(self, manager: ChunkManager, config: ChunkConfig, owned: dict[str, tuple[int, ...]],
-                 optim_bytes: dict[int, int]) -> None:
+    def __init__(
+        self, manager: ChunkManager, config: ChunkConfig, owned: dict[str, tuple[int, ...]], optim_bytes: dict[int, int]
+    ) -> None:
         self.manager = manager
         self.config = config
         self.owned = owned
@@ -58,9 +59,15 @@ class LayoutChooser:
         stays = self.comm.world_size == 1 and self.config.placement == "device"
         largest = max((s.numel for s in specs), default=1)
         while True:
-            cap = choose_chunk_numel(specs, order, world_size=self.comm.world_size,
-                                     numel_min=self.config.chunk_numel_min, numel_max=self.config.chunk_numel_max,
-                                     max_payload_numel=max_payload, **({"target_chunks": 0} if stays else {}))
+            cap = choose_chunk_numel(
+                specs,
+                order,
+                world_size=self.comm.world_size,
+                numel_min=self.config.chunk_numel_min,
+                numel_max=self.config.chunk_numel_max,
+                max_payload_numel=max_payload,
+                **({"target_chunks": 0} if stays else {}),
+            )
             layout = build_layout(specs, order, cap, self.comm.world_size)
             # [Note: an automatic chunk size that fits] "two payloads plus the activations" is a first guess:
             # a module whose parameters span three chunks (its weights, and the chunk of small tensors that
@@ -95,8 +102,11 @@ class LayoutChooser:
         if limit is None or not specs:
             return None
         dtypes = self.manager.dtypes
-        per_elem = max(2 * torch.empty((), dtype=dtypes.master_for(s.key.dtype)).element_size()
-                       + self._optim_bytes.get(s.key.group, 0) for s in specs)  # master, gradient, optimizer state
+        per_elem = max(
+            2 * torch.empty((), dtype=dtypes.master_for(s.key.dtype)).element_size()
+            + self._optim_bytes.get(s.key.group, 0)
+            for s in specs
+        )  # master, gradient, optimizer state
         return max(limit * self.comm.world_size // (4 * per_elem), max(s.numel for s in specs))
 
     def need_before_trace(self, layout: Layout, views: list[ChunkView], modules: int = 1) -> int:
@@ -128,6 +138,9 @@ class LayoutChooser:
                 + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
                 + f"), before any activations. The smallest limit that could work is {format_bytes(need)} plus the "
                 "activations, which the warm-up step measures"
-                + ("; or lower chunk_numel." if chosen else " (chunk_numel=None already chose chunks as small as the "
-                   "largest parameter).")
+                + (
+                    "; or lower chunk_numel."
+                    if chosen
+                    else " (chunk_numel=None already chose chunks as small as the largest parameter)."
+                )
             )

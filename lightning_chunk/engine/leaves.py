@@ -26,8 +26,11 @@ from typing import Any
 import torch
 from torch.nn.utils import parametrize
 
-ALWAYS_LEAVES: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
-                                   torch.nn.TransformerDecoderLayer)
+ALWAYS_LEAVES: tuple[type, ...] = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer,
+)
 
 
 class LeafModules:

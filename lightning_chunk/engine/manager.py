@@ -71,10 +71,16 @@ class ChunkManager:
         self.names = [n for n, _ in named_params]
         for name, p in named_params:
             if not p.is_floating_point():
-                raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be chunked.")
+                raise TypeError(
+                    f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be chunked."
+                )
         self.specs = [
-            ParamSpec(index=i, name=n, numel=p.numel(), key=ChunkKey(group_of.get(i, -1), p.requires_grad, p.dtype,
-                                                                           i in own_dtype))
+            ParamSpec(
+                index=i,
+                name=n,
+                numel=p.numel(),
+                key=ChunkKey(group_of.get(i, -1), p.requires_grad, p.dtype, i in own_dtype),
+            )
             for i, (n, p) in enumerate(named_params)
         ]
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
@@ -93,9 +99,17 @@ class ChunkManager:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         host = HostStorage(pinned=pin)
         self.storages: dict[Tier, TierStorage] = {
-            Tier.DEVICE: DeviceStorage(self.device), Tier.HOST: host,
-            Tier.DISK: DiskStorage(config.disk_dir, self.comm.rank, host, io=config.disk_io,
-                                   ranks_here=self.comm.ranks_on_this_host(), host_limit=config.host_memory_limit)}
+            Tier.DEVICE: DeviceStorage(self.device),
+            Tier.HOST: host,
+            Tier.DISK: DiskStorage(
+                config.disk_dir,
+                self.comm.rank,
+                host,
+                io=config.disk_io,
+                ranks_here=self.comm.ranks_on_this_host(),
+                host_limit=config.host_memory_limit,
+            ),
+        }
         self.pool = BlockPool(self.device)  # [Note: a pool of payload blocks]
         self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
         self.optim_state_made = False  # an optimizer stepped: its state exists
@@ -175,12 +189,20 @@ class ChunkManager:
 
     def device_shard_bytes(self, c: Chunk) -> int:
         """Bytes the chunk's shard holds when it lives on the device tier (payload too, when that aliases it)."""
-        return shard_cost(c.capacity_numel, self.comm.world_size, c.compute_dtype, c.master_dtype, c.trainable,
-                          c.optim_state_bytes)
+        return shard_cost(
+            c.capacity_numel, self.comm.world_size, c.compute_dtype, c.master_dtype, c.trainable, c.optim_state_bytes
+        )
 
     # ==================================================================== packing
-    def pack(self, layout: Layout, tiers: Mapping[int, Tier], *, extras: ExtraShards | None = None,
-             source: FromModule | None = None, optim_bytes: Mapping[int, int] | None = None) -> None:
+    def pack(
+        self,
+        layout: Layout,
+        tiers: Mapping[int, Tier],
+        *,
+        extras: ExtraShards | None = None,
+        source: FromModule | None = None,
+        optim_bytes: Mapping[int, int] | None = None,
+    ) -> None:
         """Build chunks for ``layout`` with shards on ``tiers``; parameters become views into payloads.
 
         Values come from the current chunks when there are some (a repack after the warm-up), else
@@ -200,8 +222,9 @@ class ChunkManager:
             self._retiring, self.chunks, self._where = self.chunks, [], {}
         self.layout = layout
         for spec in source.build_order(layout):
-            chunk = build_chunk(self, spec, tiers.get(spec.chunk_id, Tier.HOST), source,
-                                      broadcast=first and self.comm.world_size > 1)
+            chunk = build_chunk(
+                self, spec, tiers.get(spec.chunk_id, Tier.HOST), source, broadcast=first and self.comm.world_size > 1
+            )
             self.chunks.append(chunk)
             if optim_bytes is not None:  # before the state is carried in: a disk shard takes it into its file
                 self._reserve_state(chunk, optim_bytes)
@@ -223,7 +246,8 @@ class ChunkManager:
         order of its last use where the trace recorded no gradients ([Note: when a chunk reduces] in reduce.py)."""
         index_of = self.index_of
         due = trace.reduce_moments(
-            {c.chunk_id: [index_of[id(t.param)] for t in c.tensors if t.requires_grad] for c in self.chunks})
+            {c.chunk_id: [index_of[id(t.param)] for t in c.tensors if t.requires_grad] for c in self.chunks}
+        )
         if due:
             self.reducer.set_moments(self.chunks, due)
         else:
@@ -296,15 +320,18 @@ class ChunkManager:
         assert chunk.payload is not None
         side = self._copy_stream if prefetch and self.comm.world_size == 1 else None
         from_file = chunk.shard_tier is Tier.DISK and chunk.low is None  # an fp32 disk shard: read the master's file
-        with self.tracked(chunk), self.storage_of(chunk).reading(
-                chunk, ("master",) if from_file and self.device.type != "cpu" else ()):
+        with (
+            self.tracked(chunk),
+            self.storage_of(chunk).reading(chunk, ("master",) if from_file and self.device.type != "cpu" else ()),
+        ):
             self.reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
             self.pool.fill(chunk.payload.untyped_storage(), chunk.payload_bytes)
             src = chunk.low_tensor()
             if chunk.shard_tier is not Tier.DEVICE:
                 self.transfers.h2d_bytes += src.numel() * src.element_size()
-                if (self.comm.world_size > 1 and src.device != self.comm.tensor_device()) or \
-                        chunk.shard_tier is Tier.DISK:
+                if (
+                    self.comm.world_size > 1 and src.device != self.comm.tensor_device()
+                ) or chunk.shard_tier is Tier.DISK:
                     # collectives need device tensors: stage the host shard in this rank's slice of the
                     # payload and all-gather in place (as FSDP2 does), so no unaccounted buffer is made.
                     # A disk shard is staged too: on a CPU device its file is read straight into the slice
@@ -323,8 +350,9 @@ class ChunkManager:
                     event.record(side)
                 chunk.pending = InFlight(event=event)
             else:
-                pending = self.comm.all_gather(chunk.payload, src, chunk=chunk.chunk_id, module=module,
-                                               async_op=prefetch)
+                pending = self.comm.all_gather(
+                    chunk.payload, src, chunk=chunk.chunk_id, module=module, async_op=prefetch
+                )
                 if prefetch and pending.work is not None:
                     chunk.pending = InFlight(work=pending, source=src)  # the source must live until the gather lands
         self.transfers.gathers += 1
@@ -369,8 +397,9 @@ class ChunkManager:
         ``make_room``: evicts by the placement policy when a gradient payload needs device bytes."""
         chunk, info = self.lookup(param)
         assert chunk.grad is not None, f"chunk {chunk.chunk_id} holds no trainable parameters"
-        check_transition(info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id,
-                         rank=chunk.rank)  # before touching data: a refused gradient leaves nothing half-added
+        check_transition(
+            info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id, rank=chunk.rank
+        )  # before touching data: a refused gradient leaves nothing half-added
         if self.comm.world_size == 1:
             # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
             # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
@@ -463,7 +492,9 @@ class ChunkManager:
             chunk = self.chunks[cid]
             if not any(t.has_grad for t in chunk.tensors):
                 chunk.grad_written = False
-            elif chunk.grad_written and chunk.grad is not None and not chunk.grad_released:  # several ranks, some kept: the rest restart at 0
+            elif (
+                chunk.grad_written and chunk.grad is not None and not chunk.grad_released
+            ):  # several ranks, some kept: the rest restart at 0
                 lo, _ = chunk.shard_range
                 with self.storage_of(chunk).writing(chunk, ("grad",)):
                     for t in infos:
@@ -523,8 +554,13 @@ class ChunkManager:
             with self.tracked(c):
                 c.optim_state_bytes = want
 
-    def write_back(self, groups: Iterable[int] | None = None, *, fresh: Collection[int] = (),
-                   chunks: Collection[Chunk] | None = None) -> None:
+    def write_back(
+        self,
+        groups: Iterable[int] | None = None,
+        *,
+        fresh: Collection[int] = (),
+        chunks: Collection[Chunk] | None = None,
+    ) -> None:
         """After a step: refresh the compute-dtype copies from the masters of the chunks of param groups
         ``groups`` (those of the optimizer that stepped; every chunk when ``None``) but the chunks in ``fresh``
         (ids: the step wrote their copies itself); drop their stale payloads. ``chunks``: these, frozen or not."""
@@ -583,4 +619,3 @@ class ChunkManager:
             "padding_numel": self.layout.padding_numel if self.layout else 0,
             "shard_bytes": sum(c.bytes_on(c.shard_tier) - (c.payload_bytes if c.aliased else 0) for c in self.chunks),
         }
-

@@ -9,9 +9,9 @@ and for every module that shares it, by a new ``Parameter`` whose data is a *pla
 one-element CPU tensor expanded to the shape. It has the right shape, dtype and device for
 ``configure_optimizers`` (fused AdamW checks the device) and costs nothing; writing into it
 raises. Meta buffers become placeholders too, so that a set-up that fails half way leaves a
-module Lightning can still move to the CPU. The first pack then asks for each parameter's value in registration order, and
-``value(param)`` walks the modules in ``module.modules()`` order, initialising each module that
-directly owns a deferred tensor until that parameter has its value:
+module Lightning can still move to the CPU. The first pack then asks for each parameter's value
+in registration order, and ``value(param)`` walks the modules in ``module.modules()`` order,
+initialising each module that directly owns a deferred tensor until that parameter has its value:
 
 - the module's own deferred tensors get fresh CPU memory filled with NaN (CPU: the same random
   stream as an eager build on the host, so the values are bit for bit those of
@@ -65,8 +65,9 @@ def has_meta(module: torch.nn.Module) -> bool:
 class DeferredInit:
     """The modules of ``module`` that own tensors on the meta device, initialised as packing needs them."""
 
-    def __init__(self, module: torch.nn.Module, *, init_fn: InitFn | None = None,
-                 buffer_device: torch.device = _CPU) -> None:
+    def __init__(
+        self, module: torch.nn.Module, *, init_fn: InitFn | None = None, buffer_device: torch.device = _CPU
+    ) -> None:
         self.module = module
         self.init_fn = init_fn
         self.buffer_device = torch.device(buffer_device)
@@ -94,8 +95,9 @@ class DeferredInit:
         self._walk: Iterator[torch.nn.Module] = iter(())
 
     @classmethod
-    def capture(cls, module: torch.nn.Module, *, init_fn: InitFn | None = None,
-                buffer_device: torch.device = _CPU) -> DeferredInit | None:
+    def capture(
+        cls, module: torch.nn.Module, *, init_fn: InitFn | None = None, buffer_device: torch.device = _CPU
+    ) -> DeferredInit | None:
         """``None`` when nothing in ``module`` is on the meta device; else replace its meta parameters by
         placeholders (before the optimizers are built) and return the object that will initialise them."""
         return cls(module, init_fn=init_fn, buffer_device=buffer_device) if has_meta(module) else None
@@ -106,8 +108,9 @@ class DeferredInit:
 
     def _own(self, m: torch.nn.Module) -> list[tuple[str, bool, torch.Tensor]]:
         """(name, is_parameter, tensor) of the tensors ``m`` owns directly."""
-        return ([(n, True, p) for n, p in m._parameters.items() if p is not None]
-                + [(n, False, b) for n, b in m._buffers.items() if b is not None])
+        return [(n, True, p) for n, p in m._parameters.items() if p is not None] + [
+            (n, False, b) for n, b in m._buffers.items() if b is not None
+        ]
 
     def _needs_init(self, m: torch.nn.Module) -> bool:
         """``m`` owns a tensor built on the meta device that no file provides. Decided from what was deferred, not
@@ -126,7 +129,8 @@ class DeferredInit:
         if missing:
             raise DeferredInitError(
                 "these modules own tensors on the meta device and have no reset_parameters() to initialise them: "
-                + "; ".join(missing) + ". Give them a reset_parameters() that initialises their own tensors, pass "
+                + "; ".join(missing)
+                + ". Give them a reset_parameters() that initialises their own tensors, pass "
                 "ChunkOffloadStrategy(param_init_fn=...) (called with each such module), or build them outside "
                 "configure_model / the meta device."
             )
@@ -138,8 +142,10 @@ class DeferredInit:
         while id(p) in self.pending:
             m = next(self._walk, None)
             if m is None:
-                raise DeferredInitError(f"no module initialises the deferred tensor of shape {tuple(p.shape)}; "
-                                        "it is not owned by any module of the model.")
+                raise DeferredInitError(
+                    f"no module initialises the deferred tensor of shape {tuple(p.shape)}; "
+                    "it is not owned by any module of the model."
+                )
             self._init(m)
         return p.detach()
 
@@ -151,8 +157,12 @@ class DeferredInit:
         """Initialise every module still pending (buffer-only modules, those after the last parameter)."""
         for m in self._walk:
             self._init(m)
-        left = [f"{self.names[id(m)]}.{n}" for m in self.module.modules() for n, _, t in self._own(m)
-                if id(t) in self.pending and id(t) not in self.provided]
+        left = [
+            f"{self.names[id(m)]}.{n}"
+            for m in self.module.modules()
+            for n, _, t in self._own(m)
+            if id(t) in self.pending and id(t) not in self.provided
+        ]
         if left:
             raise DeferredInitError(f"tensors left without a value after deferred initialisation: {', '.join(left)}.")
 
@@ -199,11 +209,13 @@ class DeferredInit:
         if replaced:
             raise DeferredInitError(
                 f"{how} replaced {', '.join(f'{where}.{n}' for n in replaced)} with new Parameter objects; the "
-                "optimizers hold the old ones. Initialise parameters in place (torch.nn.init.*_, tensor.copy_).")
+                "optimizers hold the old ones. Initialise parameters in place (torch.nn.init.*_, tensor.copy_)."
+            )
         if bad:
             raise DeferredInitError(
                 f"{how} left {', '.join(f'{where}.{n}' for n in bad)} uninitialised (built on the meta device, "
-                "still NaN after the init): initialise every tensor the module owns directly there.")
+                "still NaN after the init): initialise every tensor the module owns directly there."
+            )
 
 
 class _MetricsOnHost(TorchFunctionMode):
@@ -254,8 +266,14 @@ class _MetaWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
-        if name.endswith("_") and name not in _NOT_WRITES and args and isinstance(args[0], torch.Tensor) \
-                and args[0].is_meta and not self._in_init():
+        if (
+            name.endswith("_")
+            and name not in _NOT_WRITES
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].is_meta
+            and not self._in_init()
+        ):
             self.writes.append(f"{name} at {self._caller()}")
         return func(*args, **(kwargs or {}))
 
@@ -292,8 +310,10 @@ def meta_init(*, check_writes: bool | Callable[[], bool] = True) -> Iterator[Non
     if mode.writes and check_writes:
         shown = "; ".join(dict.fromkeys(mode.writes))
         raise DeferredInitError(
-            f"the model was built on the meta device (deferred initialisation) and wrote values into {len(mode.writes)} "
+            "the model was built on the meta device (deferred initialisation) and wrote values into "
+            f"{len(mode.writes)} "
             f"meta tensor(s) outside reset_parameters(), which does nothing there: {shown[:600]}. Deferred "
             "initialisation calls each module's reset_parameters(); to initialise differently (e.g. GPT-2's "
             "normal(0, 0.02)), pass ChunkOffloadStrategy(param_init_fn=fn), fn(module) initialising the tensors that "
-            "module owns directly.")
+            "module owns directly."
+        )

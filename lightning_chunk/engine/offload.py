@@ -58,8 +58,9 @@ class GradOffload:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool,
-             on_done: Callable[[], None] | None = None) -> None:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, *, add: bool, on_done: Callable[[], None] | None = None
+    ) -> None:
         """``dst (host) = src`` (``+= src`` when ``add``), flat; asynchronous on CUDA until ``drain``."""
         src = src.reshape(-1)
         if self.stream is None or src.device.type != "cuda" or dst.device.type == "cuda":

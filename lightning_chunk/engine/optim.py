@@ -46,13 +46,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig) -> No
     is_torch = type(optimizer).__module__.startswith("torch.optim")
     if name in SHAPE_DEPENDENT:
         raise UnsupportedOptimizerError(
-            f"{type(optimizer).__qualname__} needs parameter shapes (or a closure over whole tensors), but chunk_offload "
-            f"steps flat shards of parameters; use one of {', '.join(sorted(ELEMENTWISE))}."
+            f"{type(optimizer).__qualname__} needs parameter shapes (or a closure over whole tensors), but "
+            f"chunk_offload steps flat shards of parameters; use one of {', '.join(sorted(ELEMENTWISE))}."
         )
     if not (is_torch and name in ELEMENTWISE) and not config.assume_elementwise_optimizer:
         raise UnsupportedOptimizerError(
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not known to update each element on its own; "
-            f"chunk_offload steps flat shards of parameters. Known element-wise optimizers: {', '.join(sorted(ELEMENTWISE))}. "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not known to update each element on its "
+            "own; chunk_offload steps flat shards of parameters. Known element-wise optimizers: "
+            f"{', '.join(sorted(ELEMENTWISE))}. "
             "If yours is element-wise, pass assume_elementwise_optimizer=True to the strategy."
         )
 
@@ -67,23 +68,27 @@ def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, A
         twin.step()
     except Exception:  # an unusual constructor: assume Adam's two moments
         return 2 * probe.element_size()
-    return sum(v.numel() * v.element_size() for v in twin.state[probe].values()
-               if torch.is_tensor(v) and v.numel() == 4) // 4
+    return (
+        sum(v.numel() * v.element_size() for v in twin.state[probe].values() if torch.is_tensor(v) and v.numel() == 4)
+        // 4
+    )
 
 
 def _split_at_cache_lines(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every group is stepped by torch's fused CPU Adam(W), which splits its work between threads at
     cache-line boundaries: its bits do not depend on the thread count (``DiskStorage.beside_io``). Other kernels
     split element-wise loops anywhere, and a scalar tail may round differently from the vector body."""
-    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and \
-        all(g.get("fused") for g in optimizer.param_groups)
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
+        g.get("fused") for g in optimizer.param_groups
+    )
 
 
 class OptimizerBinding:
     """Rebinds one optimizer's param groups to master-shard views and feeds them gradients."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, group_offset: int,
-                 config: ChunkConfig) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, manager: ChunkManager, group_offset: int, config: ChunkConfig
+    ) -> None:
         check_optimizer(optimizer, config)
         self.optimizer = optimizer
         self.manager = manager
@@ -181,8 +186,12 @@ class OptimizerBinding:
             g["params"] = views
         state = self.optimizer.state
         if carried is None:
-            whole = {i: state.pop(self.manager.params[i]) for g in self.group_params for i in g
-                     if self.manager.params[i] in state}
+            whole = {
+                i: state.pop(self.manager.params[i])
+                for g in self.group_params
+                for i in g
+                if self.manager.params[i] in state
+            }
             carried = local_optimizer_state(self.manager, new, whole)
         for k, g in enumerate(self.optimizer.param_groups):
             step_on_device = bool({**g, **self.kernel_flags[k]}.get("fused") or g.get("capturable"))
@@ -257,8 +266,10 @@ class OptimizerBinding:
                     tw.grad = staged.like(v.grad, "grad")
                 st = state.get(v)
                 if st:
-                    state[tw] = {k: (staged.like(x, "optim") if torch.is_tensor(x) and staged.holds(x, "optim") else x)
-                                 for k, x in st.items()}
+                    state[tw] = {
+                        k: (staged.like(x, "optim") if torch.is_tensor(x) and staged.holds(x, "optim") else x)
+                        for k, x in st.items()
+                    }
                 twins[id(tw)] = (v, tw)
                 new.append(tw)
             g["params"] = new
@@ -281,7 +292,7 @@ class OptimizerBinding:
             if not stepped:
                 return self._step_rest(**kwargs)
             with self._only(lambda v: id(v) not in stepped):  # the optimizer still steps (its hooks, an LR
-                return self._step_rest(**kwargs)               # scheduler's count), over the other views only
+                return self._step_rest(**kwargs)  # scheduler's count), over the other views only
 
     @contextlib.contextmanager
     def _only(self, keep: Callable[[torch.Tensor], bool]) -> Iterator[None]:
@@ -354,8 +365,10 @@ class OptimizerBinding:
             return val
         if val.dim() > 0:
             if val.numel() != like.numel():
-                raise ValueError(f"optimizer state of {val.numel()} elements for a shard piece of {like.numel()}: "
-                                 "state must be carried by piece, not by parameter")
+                raise ValueError(
+                    f"optimizer state of {val.numel()} elements for a shard piece of {like.numel()}: "
+                    "state must be carried by piece, not by parameter"
+                )
             return val.reshape(like.shape).to(device=like.device)
         return val.to(like.device if step_on_device else "cpu")
 
@@ -370,8 +383,10 @@ class OptimizerBinding:
         A collective with several ranks: every rank calls it and gets the whole state."""
         plain_pos = self.plain_positions()
         whole = gather_optimizer_state(self.manager, self._views, self.optimizer.state, plain_pos)
-        return {"state": {plain_pos[i]: st for i, st in sorted(whole.items(), key=lambda kv: plain_pos[kv[0]])},
-                "param_groups": self.plain_param_groups(plain_pos)}
+        return {
+            "state": {plain_pos[i]: st for i, st in sorted(whole.items(), key=lambda kv: plain_pos[kv[0]])},
+            "param_groups": self.plain_param_groups(plain_pos),
+        }
 
     def plain_positions(self) -> dict[int, int]:
         """Parameter index -> its position in the unchunked optimizer's ``state_dict``."""
@@ -379,23 +394,32 @@ class OptimizerBinding:
 
     def plain_param_groups(self, plain_pos: dict[int, int]) -> list[dict[str, Any]]:
         """The param groups as the unchunked optimizer's ``state_dict`` writes them (the user's kernel flags)."""
-        return [{**{key: v for key, v in g.items() if key != "params"},
-                 "params": [plain_pos[i] for i in self.group_params[k]]}
-                for k, g in enumerate(self.optimizer.param_groups)]
+        return [
+            {
+                **{key: v for key, v in g.items() if key != "params"},
+                "params": [plain_pos[i] for i in self.group_params[k]],
+            }
+            for k, g in enumerate(self.optimizer.param_groups)
+        ]
 
     def load_plain_state_dict(self, sd: dict[str, Any]) -> None:
-        """Load a state dict written by the unchunked optimizer (or by ``plain_state_dict``); each rank keeps its piece."""
+        """Load a state dict written by the unchunked optimizer (or by ``plain_state_dict``); each rank keeps its
+        piece."""
         order = [i for g in self.group_params for i in g]
         whole: dict[int, dict[str, Any]] = {}
         for k, st in sd["state"].items():
             k = int(k)
             if k >= len(order):
-                raise ValueError(f"optimizer state names parameter position {k}, but the optimizer has {len(order)} "
-                                 "parameters: the checkpoint was written for another model or optimizer")
+                raise ValueError(
+                    f"optimizer state names parameter position {k}, but the optimizer has {len(order)} "
+                    "parameters: the checkpoint was written for another model or optimizer"
+                )
             whole[order[k]] = st
         if len(sd["param_groups"]) != len(self.group_params):
-            raise ValueError(f"the optimizer state has {len(sd['param_groups'])} param groups, the optimizer has "
-                             f"{len(self.group_params)}: the checkpoint was written for another optimizer")
+            raise ValueError(
+                f"the optimizer state has {len(sd['param_groups'])} param groups, the optimizer has "
+                f"{len(self.group_params)}: the checkpoint was written for another optimizer"
+            )
         mine = local_optimizer_state(self.manager, self._views, whole)
         self.load_local_state(mine, [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]])
 
@@ -408,8 +432,9 @@ class OptimizerBinding:
             count = sum(1 for i in self.group_params[k] if i in self._views)
             local_groups.append({**g, "params": list(range(n, n + count))})
             n += count
-        self.optimizer.load_state_dict({"state": {p: mine[i] for p, i in enumerate(pos) if i in mine},
-                                        "param_groups": local_groups})
+        self.optimizer.load_state_dict(
+            {"state": {p: mine[i] for p, i in enumerate(pos) if i in mine}, "param_groups": local_groups}
+        )
         self._choose_kernel()  # the loaded groups carry the saver's kernel flags
         for g in self.optimizer.param_groups:
             on_device = bool(g.get("fused") or g.get("capturable"))
@@ -424,8 +449,11 @@ class OptimizerBinding:
         """Point the optimizer back at the module parameters, with whole state in their shapes (e.g. when ``fit``
         ends). Without ``whole_state`` (after a failure on another rank) the state is dropped: no collectives."""
         mgr = self.manager
-        whole = gather_optimizer_state(mgr, self._views, self.optimizer.state, range(len(mgr.params))) \
-            if whole_state else {}
+        whole = (
+            gather_optimizer_state(mgr, self._views, self.optimizer.state, range(len(mgr.params)))
+            if whole_state
+            else {}
+        )
         for k, g in enumerate(self.optimizer.param_groups):
             g["params"] = [mgr.params[i] for i in self.group_params[k]]
         self.optimizer.state.clear()
@@ -472,15 +500,17 @@ class OptimizerBinding:
             self._grad_slots = [(i, v, *mgr.lookup(mgr.params[i]), mgr.grad_slice(i)) for i, v in self._views.items()]
         return self._grad_slots
 
-    def _chunk_slots(self, chunk: Chunk, *, with_grad: bool = True
-                     ) -> list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]:
+    def _chunk_slots(
+        self, chunk: Chunk, *, with_grad: bool = True
+    ) -> list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]:
         """The slots (``_slots``) of ``chunk``'s views (``with_grad``: those that got a gradient this step)."""
         if self._by_chunk is None:
             self._by_chunk = {}
             for slot in self._slots():
                 self._by_chunk.setdefault(slot[2].chunk_id, []).append(slot)
-        return [s for s in self._by_chunk.get(chunk.chunk_id, ())
-                if not with_grad or (s[3].has_grad and s[4] is not None)]
+        return [
+            s for s in self._by_chunk.get(chunk.chunk_id, ()) if not with_grad or (s[3].has_grad and s[4] is not None)
+        ]
 
     def steps_on_this_rank(self, chunk: Chunk) -> bool:
         """This rank's shard of ``chunk`` holds a piece of a parameter this optimizer steps (not padding alone)."""
@@ -517,8 +547,9 @@ class OptimizerBinding:
             if not self._state_in_files(chunk):
                 return False
             storage.wait(staged)  # its read iterates ``staged.files``: the twin below is a new object
-            with_grads = dataclasses.replace(staged, files={**staged.files, "grad": storage.file(chunk, "grad")},
-                                             bufs={**staged.bufs, "grad": grads})
+            with_grads = dataclasses.replace(
+                staged, files={**staged.files, "grad": storage.file(chunk, "grad")}, bufs={**staged.bufs, "grad": grads}
+            )
             with self._only(lambda v: id(v) in ids), self.kernel():
                 with storage.beside_io() if _split_at_cache_lines(self.optimizer) else contextlib.nullcontext():
                     self._step_staged(with_grads, **kwargs)
@@ -526,8 +557,9 @@ class OptimizerBinding:
             return True
 
     @contextlib.contextmanager
-    def _grads_for_the_call(self, mine: list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]
-                            ) -> Iterator[None]:
+    def _grads_for_the_call(
+        self, mine: list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]
+    ) -> Iterator[None]:
         """The slots' views hold their gradients for the block, and none after it (also on an error)."""
         for _i, v, _c, _info, g in mine:
             v.grad = g

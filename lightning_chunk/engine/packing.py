@@ -104,7 +104,9 @@ def _bins(params: Sequence[ParamSpec], order: Sequence[int], capacity: int) -> l
 def build_layout(params: Sequence[ParamSpec], order: Sequence[int], capacity_numel: int, world_size: int) -> Layout:
     """Pack ``params`` in ``order`` into chunks of ``capacity_numel`` elements (rounded up to the world size)."""
     if not params:
-        return Layout(capacity_numel=round_up(max(capacity_numel, 1), world_size), world_size=world_size, chunks=(), order=())
+        return Layout(
+            capacity_numel=round_up(max(capacity_numel, 1), world_size), world_size=world_size, chunks=(), order=()
+        )
     if sorted(order) != sorted(p.index for p in params):
         raise LayoutError(f"order {list(order)} is not a permutation of the parameter indices")
     capacity = round_up(capacity_numel, world_size)
@@ -129,13 +131,18 @@ def build_layout(params: Sequence[ParamSpec], order: Sequence[int], capacity_num
 def _capacities(bins: list[tuple[ChunkKey, list[ParamSpec]]], capacity: int, world_size: int) -> list[int]:
     """Uniform capacity, except the last chunk of each key: trimmed to its contents (rounded to the world size)."""
     last = {key: i for i, (key, _) in enumerate(bins)}
-    return [round_up(sum(p.numel for p in ps), world_size) if last[key] == i else capacity
-            for i, (key, ps) in enumerate(bins)]
+    return [
+        round_up(sum(p.numel for p in ps), world_size) if last[key] == i else capacity
+        for i, (key, ps) in enumerate(bins)
+    ]
 
 
 def padding_waste(params: Sequence[ParamSpec], order: Sequence[int], capacity: int, world_size: int = 1) -> int:
     bins = _bins(params, order, capacity)
-    return sum(cap - sum(p.numel for p in ps) for (_, ps), cap in zip(bins, _capacities(bins, capacity, world_size), strict=True))
+    return sum(
+        cap - sum(p.numel for p in ps)
+        for (_, ps), cap in zip(bins, _capacities(bins, capacity, world_size), strict=True)
+    )
 
 
 TARGET_CHUNKS = 32
@@ -225,4 +232,3 @@ def describe(layout: Layout) -> str:
     total = sum(c.capacity_numel for c in layout.chunks)
     pct = 100.0 * (total - used) / total if total else 0.0
     return f"{len(layout.chunks)} chunks of {layout.capacity_numel} elements ({pct:.1f}% padding)"
-

@@ -78,7 +78,9 @@ def _cgroup_rooms(proc: Path, sys_cgroup: Path) -> list[int]:
         controllers, rel = parts[1].split(","), parts[2].lstrip("/")
         if "memory" in controllers:  # cgroup v1: the hierarchy's limit is in memory.stat
             stat = _stat(sys_cgroup / "memory" / rel / "memory.stat")
-            limit = stat.get("hierarchical_memory_limit") or _read_int(sys_cgroup / "memory" / rel / "memory.limit_in_bytes")
+            limit = stat.get("hierarchical_memory_limit") or _read_int(
+                sys_cgroup / "memory" / rel / "memory.limit_in_bytes"
+            )
             if limit is not None and limit < 1 << 60:
                 rooms.append(limit - stat.get("total_rss", stat.get("rss", 0)))
         elif parts[0] == "0" and parts[1] == "":  # cgroup v2: every ancestor's memory.max applies

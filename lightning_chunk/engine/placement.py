@@ -58,8 +58,14 @@ def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
     keeps in use."""
     size = {c.chunk_id: c.payload_bytes for c in chunks}
     root = trace.root_chunks
-    return max((sum(size.get(i, 0) for i in {*m.chunk_ids, *m.pinned_chunks, *root}) for m in trace.moments
-                if m.kind in (FORWARD, BACKWARD)), default=max(size.values(), default=0))
+    return max(
+        (
+            sum(size.get(i, 0) for i in {*m.chunk_ids, *m.pinned_chunks, *root})
+            for m in trace.moments
+            if m.kind in (FORWARD, BACKWARD)
+        ),
+        default=max(size.values(), default=0),
+    )
 
 
 def smallest_working_limit(chunks: Sequence[ChunkView], trace: Trace | None) -> tuple[int, int]:
@@ -89,8 +95,7 @@ class PlacementPolicy:
         """Device bytes chunks may use at ``position``: the hard limit (the manager enforces it anyway)."""
         return limit
 
-    def pool_room(self, limit: int | None, trace: Trace | None, position: int,
-                  device_bytes: int) -> int | None:
+    def pool_room(self, limit: int | None, trace: Trace | None, position: int, device_bytes: int) -> int | None:
         """Bytes the payload pool may keep at ``position`` beside ``device_bytes`` of chunks; ``None``: no bound.
 
         [Note: the pool under a limit]
@@ -140,7 +145,9 @@ class PlacementPolicy:
         backward that steps disk chunks ([Note: staging at the backward gather] in ``disk_storage.py``) are timed
         to that gather: gathered a chunk earlier, it found both sets still held and read the file again (106
         gathers from the file in a 12-step test where 84 had been, 11 from the staging where 55 had)."""
-        return frozenset(trace.prefetch_window(position)) if (trace is not None and self.config.prefetch) else frozenset()
+        return (
+            frozenset(trace.prefetch_window(position)) if (trace is not None and self.config.prefetch) else frozenset()
+        )
 
     def idle(self, *, all_resident: bool, budget_bytes: int | None, device_bytes: int) -> bool:
         """Whether ``plan`` would return an empty plan, known without a single view: nothing is released after
@@ -148,8 +155,7 @@ class PlacementPolicy:
         and the device is within its budget (nothing to evict). The hooks ask this first at every moment: with
         a limit, most moments find their chunks resident, and building views to learn that was most of the
         hooks' time on a Hugging Face model ([Note: the views a plan reads])."""
-        return (not self.evict_after_use and all_resident
-                and (budget_bytes is None or device_bytes <= budget_bytes))
+        return not self.evict_after_use and all_resident and (budget_bytes is None or device_bytes <= budget_bytes)
 
     def plan(
         self,
@@ -207,10 +213,13 @@ class PlacementPolicy:
 
         if extra:  # kept beyond what releasing after use keeps: only while the traced activations have room beside
             # them, and never at the cost of a payload that releasing would have kept
-            evict_down_to(activation_room(budget_bytes, trace, position),
-                          [by_id[i] for i in extra if by_id[i].evictable and i not in needed])
-        evict_down_to(budget_bytes, [c for c in chunks if c.evictable and c.chunk_id not in needed
-                                     and c.chunk_id not in evict])
+            evict_down_to(
+                activation_room(budget_bytes, trace, position),
+                [by_id[i] for i in extra if by_id[i].evictable and i not in needed],
+            )
+        evict_down_to(
+            budget_bytes, [c for c in chunks if c.evictable and c.chunk_id not in needed and c.chunk_id not in evict]
+        )
         prefetch: list[int] = []
         room = math.inf if budget_bytes is None else budget_bytes - (device_bytes - freed + missing)
         for i in sorted(upcoming, key=lambda i: (trace.next_use(i, position), i)):  # nearest use first
@@ -344,8 +353,9 @@ class AutoPlacement(PlacementPolicy):
             return {c.chunk_id: Tier.DEVICE for c in chunks}
         if trace is None:  # warm-up: the smallest footprint until we know the activations
             return {c.chunk_id: Tier.HOST for c in chunks}
-        reserve = working_set_bytes(chunks, trace) + (max((c.payload_bytes for c in chunks), default=0)
-                                                      if self.config.prefetch else 0)
+        reserve = working_set_bytes(chunks, trace) + (
+            max((c.payload_bytes for c in chunks), default=0) if self.config.prefetch else 0
+        )
         reserve += 3 * max((c.grad_payload_bytes for c in chunks), default=0)  # one filling, two reducing
         room = limit - trace.nonmodel_peak_bytes - reserve
         tiers = {c.chunk_id: Tier.HOST for c in chunks}
@@ -361,8 +371,14 @@ def disk_window_bytes(chunks: Sequence[ChunkView]) -> int:
     return 2 * max((c.disk_bytes for c in chunks), default=0)
 
 
-def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limit: int | None, *,
-                  device_is_host: bool = False, chunk_numel_chosen: bool = True) -> dict[int, Tier]:
+def spill_to_disk(
+    chunks: Sequence[ChunkView],
+    tiers: dict[int, Tier],
+    host_limit: int | None,
+    *,
+    device_is_host: bool = False,
+    chunk_numel_chosen: bool = True,
+) -> dict[int, Tier]:
     """Move host-tier shards to the disk tier until the host holds at most ``host_limit`` bytes of them; with
     ``device_is_host`` (a CPU device, whose tier is host memory too) device-tier shards count and spill as well.
     ``chunk_numel_chosen``: the user set ``chunk_numel`` (a limit too small may then name it as a remedy).
@@ -398,8 +414,13 @@ def spill_to_disk(chunks: Sequence[ChunkView], tiers: dict[int, Tier], host_limi
             f"optimizer state on the disk tier, the host still holds {used} bytes of shards (compute-dtype copies) "
             f"and pages in up to {disk_window_bytes(spilled)} bytes of disk shards at once. The smallest limit that "
             f"works is {format_bytes(need)}"
-            + ("; or lower chunk_numel." if chunk_numel_chosen else "; chunk_numel=None already keeps two disk shards "
-               "within half the limit where the model's largest parameter allows it."))
+            + (
+                "; or lower chunk_numel."
+                if chunk_numel_chosen
+                else "; chunk_numel=None already keeps two disk shards "
+                "within half the limit where the model's largest parameter allows it."
+            )
+        )
     return out
 
 

@@ -90,5 +90,10 @@ class BlockPool:
         self.pooled_bytes = 0
 
     def stats(self) -> dict[str, float]:
-        return {"pool_bytes": self.pooled_bytes, "pool_bytes_peak": self.pooled_peak,
-                "pool_reused": self.reused, "pool_allocated": self.allocated, "pool_trimmed": self.trimmed}
+        return {
+            "pool_bytes": self.pooled_bytes,
+            "pool_bytes_peak": self.pooled_peak,
+            "pool_reused": self.reused,
+            "pool_allocated": self.allocated,
+            "pool_trimmed": self.trimmed,
+        }

@@ -86,13 +86,49 @@ class WatchedParameters(dict):
 
 # torch functions that read no values: metadata, views (an op on the view is checked), hooks, the engine's own
 # ``param.data = ...``
-_NOT_READS = frozenset({
-    "__get__", "__set__", "size", "dim", "numel", "stride", "storage_offset", "untyped_storage", "data_ptr",
-    "element_size", "is_floating_point", "is_contiguous", "__hash__", "__len__", "register_hook",
-    "register_post_accumulate_grad_hook", "requires_grad_", "detach", "view", "view_as", "expand", "expand_as",
-    "t", "transpose", "permute", "reshape", "flatten", "unsqueeze", "squeeze", "as_strided", "__getitem__", "split",
-    "chunk", "narrow", "select", "unbind", "_is_view", "is_leaf", "get_device",
-})
+_NOT_READS = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "storage_offset",
+        "untyped_storage",
+        "data_ptr",
+        "element_size",
+        "is_floating_point",
+        "is_contiguous",
+        "__hash__",
+        "__len__",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "requires_grad_",
+        "detach",
+        "view",
+        "view_as",
+        "expand",
+        "expand_as",
+        "t",
+        "transpose",
+        "permute",
+        "reshape",
+        "flatten",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "__getitem__",
+        "split",
+        "chunk",
+        "narrow",
+        "select",
+        "unbind",
+        "_is_view",
+        "is_leaf",
+        "get_device",
+    }
+)
 
 
 class ReleasedReads(TorchFunctionMode):
@@ -118,7 +154,8 @@ class ReleasedReads(TorchFunctionMode):
                             "(a list or closure made before training, not a module attribute), so it would compute "
                             "with NaN. Read the parameter as an attribute of its module (self.tok.weight), or name "
                             "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
-                            "LightningModule itself included).")
+                            "LightningModule itself included)."
+                        )
         return func(*args, **kwargs)
 
 

@@ -109,7 +109,8 @@ class GradReducer:
                 f"{' ...' if len(chunk.tensors) > 4 else ''}) arrived after the chunk was reduced in this backward: "
                 "the warm-up traced every gradient of the chunk earlier in backward. A parameter used at another "
                 "point of the step than in the warm-up (data-dependent control flow) must be in a module the step "
-                "runs at the same point; name the module that reads it in leaf_modules, or report this.")
+                "runs at the same point; name the module that reads it in leaf_modules, or report this."
+            )
         self._ensure_payload(chunk, make_room)
         flat = grad.reshape(-1)
         dst = chunk.grad_payload[offset : offset + flat.numel()]  # type: ignore[index]
@@ -137,9 +138,11 @@ class GradReducer:
         mgr = self.manager
         what = f"chunk {chunk.chunk_id}'s gradient payload"
         if not self.sync:  # inside no_sync: every chunk's payload stays until the micro-batch that steps
-            what += (" (accumulating with sharded_accumulation=False: each chunk's whole gradient stays on the device "
-                     "from the first micro-batch to the step; sharded_accumulation=True keeps only this rank's "
-                     "shard, or raise device_memory_limit)")
+            what += (
+                " (accumulating with sharded_accumulation=False: each chunk's whole gradient stays on the device "
+                "from the first micro-batch to the step; sharded_accumulation=True keeps only this rank's "
+                "shard, or raise device_memory_limit)"
+            )
         mgr.room_for(chunk.capacity_numel * chunk.grad.element_size(), what, make_room)  # type: ignore[union-attr]
         with mgr.tracked(chunk):
             chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, chunk.master_dtype)
@@ -209,8 +212,9 @@ class GradReducer:
         if not waiting:
             return
         comm = self.manager.comm
-        complete = torch.tensor([int(chunks[cid].grads_complete()) for cid in waiting], dtype=torch.int32,
-                                device=comm.tensor_device())
+        complete = torch.tensor(
+            [int(chunks[cid].grads_complete()) for cid in waiting], dtype=torch.int32, device=comm.tensor_device()
+        )
         agreed = comm.all_reduce(complete, "min", what="the agreement on which chunks' gradients are complete")
         for cid, done in zip(waiting, agreed.tolist(), strict=True):
             if done:
@@ -229,8 +233,12 @@ class GradReducer:
                 # in place: this rank's slice of the payload is the output (NCCL and gloo both take
                 # ``out == full[rank * n : (rank + 1) * n]``), so no unaccounted buffer is allocated
                 lo, hi = chunk.shard_range
-                pending = mgr.comm.reduce_scatter(chunk.grad_payload[lo:hi], chunk.grad_payload,  # type: ignore[index]
-                                                  chunk=chunk.chunk_id, async_op=True)
+                pending = mgr.comm.reduce_scatter(
+                    chunk.grad_payload[lo:hi],
+                    chunk.grad_payload,  # type: ignore[index]
+                    chunk=chunk.chunk_id,
+                    async_op=True,
+                )
             self._inflight.append((chunk, pending))
             if len(self._inflight) > self.in_flight:
                 self.land(keep=self.in_flight)

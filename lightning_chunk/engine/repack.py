@@ -86,14 +86,21 @@ class FromModule:
     pack reads only this rank's pieces of it and needs no broadcast. Otherwise a value is the tensor itself,
     after ``deferred`` initialised its module when it was built on the meta device."""
 
-    def __init__(self, params: list[torch.nn.Parameter], *, deferred: DeferredInit | None = None,
-                 weights: ModuleWeights | None = None) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        deferred: DeferredInit | None = None,
+        weights: ModuleWeights | None = None,
+    ) -> None:
         self.params = params
         self.deferred = deferred
         self.weights = weights
         if deferred is not None:
-            deferred.start(provided=[t for t in params if weights is not None and weights.provides(t)]
-                           + [b for _, _, b in (weights.buffers if weights is not None else [])])
+            deferred.start(
+                provided=[t for t in params if weights is not None and weights.provides(t)]
+                + [b for _, _, b in (weights.buffers if weights is not None else [])]
+            )
 
     def exact(self, i: int) -> bool:
         return self.weights is not None and self.weights.provides(self.params[i])
@@ -142,7 +149,7 @@ class FromModule:
         """After the last chunk: initialise what is left (buffer-only modules) and load the file's buffers."""
         if self.deferred is not None:
             self.deferred.finish()
-        for m, name, b in (self.weights.buffers if self.weights is not None else []):
+        for m, name, b in self.weights.buffers if self.weights is not None else []:
             value = self.weights.read(b).reshape(b.shape)  # type: ignore[union-attr]
             if self.deferred is not None and self.deferred.is_deferred(b):
                 m._buffers[name] = value.to(device=buffer_device, dtype=b.dtype)
@@ -164,16 +171,21 @@ def _grads_anywhere(mgr: ChunkManager, chunks: list[Chunk]) -> set[int]:
     flags = [t.has_grad for t in moving]
     if mgr.comm.world_size > 1:  # the same chunks, in the same order, on every rank
         voted = torch.tensor([int(f) for f in flags] or [0], dtype=torch.int32, device=mgr.comm.tensor_device())
-        flags = [bool(f) for f in mgr.comm.all_reduce(voted, "max", what="the vote on gradients a repack carries"
-                                                      ).tolist()[: len(moving)]]
+        flags = [
+            bool(f)
+            for f in mgr.comm.all_reduce(voted, "max", what="the vote on gradients a repack carries").tolist()[
+                : len(moving)
+            ]
+        ]
     return {t.slot.param_index for t, f in zip(moving, flags, strict=True) if f}
 
 
 class OldChunks:
     """The chunks of the layout being replaced, read one at a time (see [Note: streaming repack])."""
 
-    def __init__(self, mgr: ChunkManager, chunks: list[Chunk], *, extras: ExtraShards | None = None,
-                 eager: bool = False) -> None:
+    def __init__(
+        self, mgr: ChunkManager, chunks: list[Chunk], *, extras: ExtraShards | None = None, eager: bool = False
+    ) -> None:
         self.mgr = mgr
         self.extras = extras
         self.owner = {t.slot.param_index: c for c in chunks for t in c.tensors}
@@ -263,8 +275,12 @@ class OldChunks:
             extra = self._extra.pop(i, None)
             a, b = piece_range(chunk, t.offset, t.numel)
             if extra and self.extras is not None and a < b:
-                self.extras.give(i, {k: v[a - t.offset : b - t.offset].clone() for k, v in extra.items()}, chunk,
-                                 a - chunk.shard_range[0])
+                self.extras.give(
+                    i,
+                    {k: v[a - t.offset : b - t.offset].clone() for k, v in extra.items()},
+                    chunk,
+                    a - chunk.shard_range[0],
+                )
             old = self.owner[i].chunk_id
             self.left[old] -= 1
             if not self.left[old]:
@@ -276,13 +292,17 @@ class OldChunks:
 
 # ================================================================ one chunk
 def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
-    """One chunk of a (re)pack: its values from ``source``, its shard on ``tier``, its parameters views of its payload."""
+    """One chunk of a (re)pack: its values from ``source``, its shard on ``tier``, its parameters views of its
+    payload."""
     # the parameters' own dtype is the layout key's, read when the manager first saw them: on a repack they are
     # views of the old payloads, in the compute dtype (bf16 under bf16-mixed), which would have become each
     # parameter's "original" dtype, the one it is given back in at the end of fit and saved in
     own_dtype = spec.key.dtype
     chunk = Chunk(
-        spec=spec, capacity_numel=spec.capacity_numel, rank=mgr.comm.rank, world_size=mgr.comm.world_size,
+        spec=spec,
+        capacity_numel=spec.capacity_numel,
+        rank=mgr.comm.rank,
+        world_size=mgr.comm.world_size,
         compute_dtype=mgr.dtypes.compute_for(own_dtype, own_dtype=spec.key.own_dtype),
         master_dtype=mgr.dtypes.master_for(own_dtype),
         shard_tier=tier,
@@ -303,8 +323,9 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
     # once unless it is the shard itself
     need = mgr.device_shard_bytes(chunk) if tier is Tier.DEVICE else 0
     need += 0 if chunk.aliased else chunk.payload_bytes
-    mgr.reserve_device(need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier"
-                                                                      if tier is Tier.DEVICE else ""))
+    mgr.reserve_device(
+        need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier" if tier is Tier.DEVICE else "")
+    )
     with mgr.tracked(chunk):
         chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=mgr.device)
         if chunk.aliased:
@@ -326,8 +347,15 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
         state = S.HOLD if chunk.aliased else S.FREE
         for s in spec.slots:  # views first: a view of a released storage cannot be made
             p = mgr.params[s.param_index]
-            info = TensorInfo(param=p, name=mgr.names[s.param_index], slot=s, shape=p.shape, orig_dtype=own_dtype,
-                              state=state, has_grad=source.has_grad(s.param_index))
+            info = TensorInfo(
+                param=p,
+                name=mgr.names[s.param_index],
+                slot=s,
+                shape=p.shape,
+                orig_dtype=own_dtype,
+                state=state,
+                has_grad=source.has_grad(s.param_index),
+            )
             chunk.tensors.append(info)
             p.data = info.view = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
             info.version = p._version
@@ -336,5 +364,3 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
             chunk.payload.untyped_storage().resize_(0)
             chunk.park_params()
     return chunk
-
-

@@ -79,8 +79,10 @@ class ShapePlan:
         (a disk shard's compute copy counts on the host) or in all."""
         if tier is None:
             return sum(v.device_shard_bytes for v in self.views)
-        held = {v.chunk_id: (v.host_bytes_on_disk if self.tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
-                for v in self.views}
+        held = {
+            v.chunk_id: (v.host_bytes_on_disk if self.tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
+            for v in self.views
+        }
         home = {cid: (Tier.HOST if t is Tier.DISK else t) for cid, t in self.tiers.items()}
         return sum(b for cid, b in held.items() if home[cid] is tier)
 
@@ -101,14 +103,23 @@ def agree_on_limits(config: ChunkConfig, comm: Collectives) -> ChunkConfig:
     ranks agree on the minimum of each limit (``None``, no limit, counts as the largest); the host limit too, since
     it decides which shards go to disk and whether chunks step in backward."""
     none = 2**62
-    t = torch.tensor([config.device_memory_limit or none, config.host_memory_limit or none], dtype=torch.int64,
-                     device=comm.tensor_device())
-    device, host = (None if v >= none else int(v) for v in comm.all_reduce(t, "min", what="the agreement on the "
-                                                                          "memory limits").tolist())
+    t = torch.tensor(
+        [config.device_memory_limit or none, config.host_memory_limit or none],
+        dtype=torch.int64,
+        device=comm.tensor_device(),
+    )
+    device, host = (
+        None if v >= none else int(v)
+        for v in comm.all_reduce(t, "min", what="the agreement on the memory limits").tolist()
+    )
     if (device, host) == (config.device_memory_limit, config.host_memory_limit):
         return config
-    _log.info("[rank %d] device_memory_limit %s and host_memory_limit %s: the smallest of every rank's", comm.rank,
-              device, host)
+    _log.info(
+        "[rank %d] device_memory_limit %s and host_memory_limit %s: the smallest of every rank's",
+        comm.rank,
+        device,
+        host,
+    )
     return config.replace(device_memory_limit=device, host_memory_limit=host)
 
 
@@ -147,9 +158,16 @@ class ChunkEngine:
             self.manager.close()  # a disk tier's scratch files go now, not at exit
             raise
 
-    def _describe(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
-                  config: ChunkConfig | None, dtypes: DtypePolicy | None, device: torch.device | None,
-                  collectives: Collectives | None) -> None:
+    def _describe(
+        self,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        config: ChunkConfig | None,
+        dtypes: DtypePolicy | None,
+        device: torch.device | None,
+        collectives: Collectives | None,
+    ) -> None:
         """Everything that needs only shapes: the manager's parameter descriptions, the policy, the hooks (not
         installed) and the optimizer bindings (not bound). Allocates nothing."""
         config = config or ChunkConfig()
@@ -168,12 +186,14 @@ class ChunkEngine:
         named = list(module.named_parameters())
         lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
         if lazy:  # torch's own error names neither the parameter nor the way out
-            raise ValueError(f"{len(lazy)} parameter{'s are' if len(lazy) > 1 else ' is'} not initialised yet "
-                             f"({', '.join(lazy[:4])}"
-                             f"{', ...' if len(lazy) > 4 else ''}): lazy modules (nn.LazyLinear, ...) learn their "
-                             "shapes at their first forward, and chunk_offload packs parameters by shape before any. "
-                             "Run the model once on a sample batch before fit (in __init__ or setup), or give the "
-                             "layers their sizes.")
+            raise ValueError(
+                f"{len(lazy)} parameter{'s are' if len(lazy) > 1 else ' is'} not initialised yet "
+                f"({', '.join(lazy[:4])}"
+                f"{', ...' if len(lazy) > 4 else ''}): lazy modules (nn.LazyLinear, ...) learn their "
+                "shapes at their first forward, and chunk_offload packs parameters by shape before any. "
+                "Run the model once on a sample batch before fit (in __init__ or setup), or give the "
+                "layers their sizes."
+            )
         index_of = {id(p): i for i, (_, p) in enumerate(named)}
         group_of: dict[int, int] = {}
         offsets, offset = [], 0
@@ -183,23 +203,33 @@ class ChunkEngine:
                 for p in g["params"]:
                     i = index_of.get(id(p))
                     if i is None:
-                        raise ValueError(f"{type(opt).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
-                                         "parameter of the module; chunk_offload can only step module parameters.")
+                        raise ValueError(
+                            f"{type(opt).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
+                            "parameter of the module; chunk_offload can only step module parameters."
+                        )
                     if i in group_of:
                         raise ValueError(f"parameter {named[i][0]!r} appears in two optimizer param groups.")
                     group_of[i] = offset
                 offset += 1
         dtypes = dtypes or DtypePolicy()
         keep = dtypes.own_dtype_params(module)
-        self.manager = ChunkManager(named, group_of, config=self.config, dtypes=dtypes, device=device,
-                                    collectives=collectives,
-                                    own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep})
+        self.manager = ChunkManager(
+            named,
+            group_of,
+            config=self.config,
+            dtypes=dtypes,
+            device=device,
+            collectives=collectives,
+            own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep},
+        )
         self.policy = make_policy(self.config)
         self.hooks = ChunkHooks(module, self.manager, self.policy)
         self.hooks.on_trace_done = self._trace_done
         self.hooks.on_backward_start = self._backward_starts
         self.hooks.on_backward_end = self._backward_ends
-        self.bindings = [OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets, strict=True)]
+        self.bindings = [
+            OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets, strict=True)
+        ]
         self._optim_bytes: dict[int, int] = {}
         for b in self.bindings:
             self._optim_bytes.update(b.state_bytes())
@@ -208,7 +238,9 @@ class ChunkEngine:
         self.early = EarlyStep(self.manager, self.bindings) if config.step_in_backward and self.bindings else None
         self.scaler: DynamicLossScaler | None = None
         self.ema: ShardedEMA | None = None  # an average of the weights, when asked for ([Note: a sharded EMA])
-        self.growth = InputGrowth(self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None)
+        self.growth = InputGrowth(
+            self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None
+        )
         self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
         self.warmed_up = False
@@ -218,21 +250,38 @@ class ChunkEngine:
         self.last_grad_norm: float | None = None
 
     @classmethod
-    def plan_from_shapes(cls, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), *,
-                         config: ChunkConfig | None = None, dtypes: DtypePolicy | None = None,
-                         world_size: int = 1) -> ShapePlan:
+    def plan_from_shapes(
+        cls,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        *,
+        config: ChunkConfig | None = None,
+        dtypes: DtypePolicy | None = None,
+        world_size: int = 1,
+    ) -> ShapePlan:
         """The layout, each chunk's per-rank bytes and the shard tiers ``world_size`` ranks would start from, from
         the parameters' shapes alone: for a model too large to build (a meta-device one). Nothing is allocated, no
         process group is needed, and a too-small limit is reported, not raised."""
         engine = cls.__new__(cls)
-        engine._describe(module, optimizers, config=config, dtypes=dtypes, device=torch.device("cpu"),
-                         collectives=Collectives.planning(world_size))
+        engine._describe(
+            module,
+            optimizers,
+            config=config,
+            dtypes=dtypes,
+            device=torch.device("cpu"),
+            collectives=Collectives.planning(world_size),
+        )
         layout = engine.layouts.choose(list(range(len(engine.manager.params))), trace=None)
         views, tiers = engine._plan_tiers(layout, trace=None)
-        return ShapePlan(layout=layout, views=views, tiers=tiers, limit=engine.manager.limit,
-                         need_before_activations=engine.layouts.need_before_trace(layout, views),
-                         param_numel=sum(s.numel for s in engine.manager.specs),
-                         optim_bytes_per_element=max(engine._optim_bytes.values(), default=0))
+        return ShapePlan(
+            layout=layout,
+            views=views,
+            tiers=tiers,
+            limit=engine.manager.limit,
+            need_before_activations=engine.layouts.need_before_trace(layout, views),
+            param_numel=sum(s.numel for s in engine.manager.specs),
+            optim_bytes_per_element=max(engine._optim_bytes.values(), default=0),
+        )
 
     # ================================================================= layout
     @property
@@ -243,12 +292,17 @@ class ChunkEngine:
         """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
         views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
         tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
-        return views, spill_to_disk(views, tiers, self.config.host_memory_limit,
-                                    device_is_host=self.manager.device.type == "cpu",
-                                    chunk_numel_chosen=self.config.chunk_numel is not None)
+        return views, spill_to_disk(
+            views,
+            tiers,
+            self.config.host_memory_limit,
+            device_is_host=self.manager.device.type == "cpu",
+            chunk_numel_chosen=self.config.chunk_numel is not None,
+        )
 
-    def _place(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *,
-               source: FromModule | None = None) -> None:
+    def _place(
+        self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *, source: FromModule | None = None
+    ) -> None:
         limit = self.manager.limit
         if limit is not None:
             on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
@@ -263,8 +317,11 @@ class ChunkEngine:
                 )
         on_disk = sum(v.disk_bytes for v in views if tiers[v.chunk_id] is Tier.DISK)
         if on_disk:  # before anything is written: the directory must be usable and hold the shards
-            self.manager.disk.check_room(on_disk, f"{sum(t is Tier.DISK for t in tiers.values())} of {len(views)} "
-                                                  "chunks' masters, gradient shards and optimizer state")
+            self.manager.disk.check_room(
+                on_disk,
+                f"{sum(t is Tier.DISK for t in tiers.values())} of {len(views)} "
+                "chunks' masters, gradient shards and optimizer state",
+            )
         if limit is not None:
             # a repack reads the old chunks' shards, never their payloads: those the last step left resident would
             # only crowd the new chunks, each built with its payload, under the limit
@@ -289,7 +346,8 @@ class ChunkEngine:
         """End of warm-up: check the limit, choose the chunk size, repack in first-use order, place from the trace."""
         self._finalize_pending = False
         self.warmed_up = True
-        release_freed_memory()  # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
+        # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
+        release_freed_memory()
         trace = self.hooks.trace
         assert trace is not None
         self._check_same_trace(trace)
@@ -358,12 +416,14 @@ class ChunkEngine:
             raise ChunkError(
                 f"requires_grad of {', '.join(map(repr, changed[:5]))}{' ...' if len(changed) > 5 else ''} changed "
                 "inside a step whose gradients are being accumulated; change it before a step's first micro-batch "
-                "(in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary).")
-        mgr.specs = [dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
-                     for p, s in zip(mgr.params, mgr.specs, strict=True)]
+                "(in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary)."
+            )
+        mgr.specs = [
+            dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
+            for p, s in zip(mgr.params, mgr.specs, strict=True)
+        ]
         trace = self.hooks.trace
-        order = (trace.first_use_order(len(mgr.params)) if trace is not None else
-                 list(mgr.layout.order))
+        order = trace.first_use_order(len(mgr.params)) if trace is not None else list(mgr.layout.order)
         layout = self.layouts.choose(order, trace)
         if trace is not None:
             trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
@@ -384,12 +444,16 @@ class ChunkEngine:
         if self.comm.world_size == 1 or not trace.moments:
             return trace
         n = len(trace.moments)
-        t = torch.tensor([m.nonmodel_bytes for m in trace.moments] + list(trace.grad_positions), dtype=torch.int64,
-                         device=self.comm.tensor_device())
+        t = torch.tensor(
+            [m.nonmodel_bytes for m in trace.moments] + list(trace.grad_positions),
+            dtype=torch.int64,
+            device=self.comm.tensor_device(),
+        )
         most = self.comm.all_reduce(t, "max", what="the agreement on traced activations").tolist()
-        return Trace(tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most[:n],
-                                                                                          strict=True)),
-                     tuple(int(p) for p in most[n:]))
+        return Trace(
+            tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most[:n], strict=True)),
+            tuple(int(p) for p in most[n:]),
+        )
 
     def _check_same_trace(self, trace: Trace) -> None:
         """Every rank must have used the same modules in the same order during the warm-up."""
@@ -400,12 +464,14 @@ class ChunkEngine:
         if all(s == seqs[0] for s in seqs):
             return
         i = first_difference(seqs)
+
         def at(r: int) -> str:
             if i >= len(seqs[r]):
                 return "nothing (its step ended)"
             kind, module = seqs[r][i]
             ids = self.manager.chunk_ids_of([self.manager.params[j] for j in self.hooks.owned.get(module, ())])
             return f"{kind} of module {module!r} (chunks {list(ids)})"
+
         detail = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
         raise CollectiveMismatchError(
             f"[rank {self.comm.rank}] the warm-up step used modules in different orders on different ranks; "
@@ -475,8 +541,10 @@ class ChunkEngine:
         for b in self.bindings:
             if b.optimizer is optimizer:
                 return [b]
-        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine was built with "
-                         "(chunk_offload can only step optimizers returned by configure_optimizers).")
+        raise ValueError(
+            f"{type(optimizer).__name__} is not one of the optimizers this engine was built with "
+            "(chunk_offload can only step optimizers returned by configure_optimizers)."
+        )
 
     def _backward_starts(self) -> None:
         """A backward starts: gradients that ``zero_grad()`` cleared since they were attached are forgotten
@@ -488,8 +556,12 @@ class ChunkEngine:
             if self.scaler is not None:
                 raise ValueError(FP16_REFUSED)
             # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
-            self.early.active = (self.warmed_up and not self._finalize_pending and not self.hooks.tracer.recording
-                                 and not self._accumulating)
+            self.early.active = (
+                self.warmed_up
+                and not self._finalize_pending
+                and not self.hooks.tracer.recording
+                and not self._accumulating
+            )
             self.early.begin()
 
     def _backward_ends(self) -> None:
@@ -517,10 +589,12 @@ class ChunkEngine:
 
     def _gradients_kept(self, what: str) -> None:
         if self.early is not None:
-            raise ValueError(f"{what} is not possible with step_in_backward=True: each chunk steps during backward and "
-                             "its gradients are gone after it ([Note: stepping in backward]). Turn the one or the "
-                             "other off (for Lightning's clipping: gradient_clip_val=None; with host_memory_limit set, "
-                             "step_in_backward=None turns it on: set step_in_backward=False).")
+            raise ValueError(
+                f"{what} is not possible with step_in_backward=True: each chunk steps during backward and "
+                "its gradients are gone after it ([Note: stepping in backward]). Turn the one or the "
+                "other off (for Lightning's clipping: gradient_clip_val=None; with host_memory_limit set, "
+                "step_in_backward=None turns it on: set step_in_backward=False)."
+            )
 
     def grads_ready(self, what: str) -> None:
         """Before gradients are read or written outside the step: agreed on, attached, and not stepped away."""
@@ -531,14 +605,16 @@ class ChunkEngine:
         self.grads_ready("reading the gradients after backward")
         return [g for b in self._bindings(optimizer) for g in b.grads()]
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor:
         """Clip ``optimizer``'s gradients by their global norm over every shard of every rank; returns that norm
         (``gradients.clip_grad_norm``: bit-exact with ``torch.nn.utils.clip_grad_norm_`` on one rank)."""
         self._gradients_kept("clipping gradients by norm")
         self.prepare_step()
-        total = clip_grad_norm([p for b in self._bindings(optimizer) for p in b.grad_chunks()], max_norm, norm_type,
-                               self.manager)
+        total = clip_grad_norm(
+            [p for b in self._bindings(optimizer) for p in b.grad_chunks()], max_norm, norm_type, self.manager
+        )
         self.last_grad_norm = float(total)
         return total
 
@@ -550,12 +626,14 @@ class ChunkEngine:
         """fp16: unscale ``optimizer``'s gradients; True when some rank overflowed (every rank then skips)."""
         assert self.scaler is not None
         self.prepare_step()
-        return unscale_and_check([p for b in self._bindings(optimizer) for p in b.grad_chunks()], self.scaler,
-                                 self.manager)
+        return unscale_and_check(
+            [p for b in self._bindings(optimizer) for p in b.grad_chunks()], self.scaler, self.manager
+        )
 
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)``, disk-tier chunks one at a time ([Note: stepping disk shards] in optim.py)."""
-        self.manager.comm.verify_issued()  # nothing a disagreement computed is kept ([Note: checking once a micro-batch])
+        # nothing a disagreement computed is kept ([Note: checking once a micro-batch])
+        self.manager.comm.verify_issued()
         with self.manager.clock.measure("optimizer"):
             if self.early is not None:
                 return self.early.step_rest(**kwargs)
@@ -574,8 +652,9 @@ class ChunkEngine:
         if stepped:
             self.manager.optim_state_made = True
             with self.manager.clock.measure("optimizer"):  # the compute-dtype copies are part of the step's cost
-                self.manager.write_back(None if optimizer is None else [g for b in bindings for g in b.chunk_groups()],
-                                        fresh=fresh)
+                self.manager.write_back(
+                    None if optimizer is None else [g for b in bindings for g in b.chunk_groups()], fresh=fresh
+                )
 
     # ================================================================ results
     def memory_stats(self) -> dict[str, float]:
@@ -601,8 +680,10 @@ class ChunkEngine:
         sd = self.module.state_dict(keep_vars=True)
         index_of = self.manager.index_of
         values = full_values(self.manager)  # a collective with several ranks: every rank calls it
-        return {k: (values[index_of[id(v)]] if id(v) in index_of else (v.detach() if torch.is_tensor(v) else v))
-                for k, v in sd.items()}
+        return {
+            k: (values[index_of[id(v)]] if id(v) in index_of else (v.detach() if torch.is_tensor(v) else v))
+            for k, v in sd.items()
+        }
 
     def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
         """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers. A meta tensor
@@ -614,8 +695,10 @@ class ChunkEngine:
         missing = [k for k in sd if k not in state_dict]
         unexpected = [k for k in state_dict if k not in sd]
         if strict and (missing or unexpected):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
-                               f"missing keys {missing}, unexpected keys {unexpected}")
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                f"missing keys {missing}, unexpected keys {unexpected}"
+            )
         values = {}
         for k in param_keys:
             if k not in state_dict:
@@ -623,16 +706,23 @@ class ChunkEngine:
             i = index_of[id(sd[k])]
             value = state_dict[k]
             if tuple(value.shape) != tuple(self.manager.params[i].shape):
-                raise RuntimeError(f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
-                                   f"the parameter in the current model has shape {tuple(self.manager.params[i].shape)}")
+                raise RuntimeError(
+                    f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
+                    f"the parameter in the current model has shape {tuple(self.manager.params[i].shape)}"
+                )
             if not value.is_meta:
                 values[i] = value
         load_values(self.manager, values)
         rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
         self.module.load_state_dict(rest, strict=False)
 
-    def teardown(self, *, materialize: bool | None = True, optimizer_state: bool | None = None,
-                 device: torch.device | None = None) -> None:
+    def teardown(
+        self,
+        *,
+        materialize: bool | None = True,
+        optimizer_state: bool | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off), on
         ``device`` (the host by default), chunk by chunk. ``optimizer_state`` (default: the config's
         ``materialize_optimizer_state``) also gives the optimizers their whole state back; without it they are
@@ -643,15 +733,18 @@ class ChunkEngine:
         if optimizer_state is None:
             optimizer_state = self.config.materialize_optimizer_state
         if materialize is None:  # [Note: the model after fit] in consolidate.py
-            materialize, need, share = whole_model_fits(self.manager, optimizer_state=optimizer_state,
-                                                        room=page_cache_room())
+            materialize, need, share = whole_model_fits(
+                self.manager, optimizer_state=optimizer_state, room=page_cache_room()
+            )
             if not materialize and self.comm.rank == 0:
                 warnings.warn(
                     f"the trained parameters were left empty at the end of fit: the whole model ("
                     f"{format_bytes(need)}) does not fit in a rank's share of the host memory available "
                     f"({format_bytes(share or 0)}). The weights are in the "
                     "checkpoints (`lightning-chunk consolidate` writes one file); materialize_on_teardown=True builds "
-                    "them anyway. [Note: the model after fit]", stacklevel=2)
+                    "them anyway. [Note: the model after fit]",
+                    stacklevel=2,
+                )
         self.hooks.remove()
         for b in self.bindings:
             b.detach_grads()

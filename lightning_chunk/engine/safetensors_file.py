@@ -25,9 +25,18 @@ from typing import BinaryIO
 
 import torch
 
-DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL"}
+DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -45,7 +54,9 @@ class StreamingSafetensors:
 
     def __init__(self, out_dir: Path, *, max_shard_bytes: int, metadata: dict[str, str] | None = None) -> None:
         if sys.byteorder != "little":
-            raise RuntimeError("safetensors files are little-endian; writing them on a big-endian host is not supported.")
+            raise RuntimeError(
+                "safetensors files are little-endian; writing them on a big-endian host is not supported."
+            )
         self.out_dir = Path(out_dir)
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
@@ -73,7 +84,11 @@ class StreamingSafetensors:
             raise ValueError(f"tensor {name!r} is declared twice.")
         self._names.add(name)
         f = self._files[-1]
-        f.entries[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [f.nbytes, f.nbytes + nbytes]}
+        f.entries[name] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [f.nbytes, f.nbytes + nbytes],
+        }
         f.nbytes += nbytes
         self._order.append((name, len(self._files) - 1, dtype))
 
@@ -126,8 +141,10 @@ class StreamingSafetensors:
             if have != header + f.nbytes:
                 raise RuntimeError(f"{p} has {have} bytes, its header says {header + f.nbytes}")
         if len(self._files) > 1:
-            index = {"metadata": {"total_size": sum(f.nbytes for f in self._files)},
-                     "weight_map": {n: self._files[i].name for n, i, _ in sorted(self._order, key=lambda o: o[0])}}
+            index = {
+                "metadata": {"total_size": sum(f.nbytes for f in self._files)},
+                "weight_map": {n: self._files[i].name for n, i, _ in sorted(self._order, key=lambda o: o[0])},
+            }
             (self.out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             paths.append(self.out_dir / INDEX)
         return paths

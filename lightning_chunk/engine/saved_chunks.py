@@ -51,8 +51,9 @@ class _SpanPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the buffer of the span: read items' offsets are relative to it
 
 
-def load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype,
-               span: tuple[int, int] | None = None) -> torch.Tensor:
+def load_chunk(
+    path: Path, key: str, numel: int, dtype: torch.dtype, span: tuple[int, int] | None = None
+) -> torch.Tensor:
     """A saved chunk as a flat tensor of ``numel`` elements; with ``span``, only those elements are read (the rest
     is allocated, never written: [Note: a resume reads what the rank holds])."""
     t = torch.empty(numel, dtype=dtype)
@@ -69,9 +70,13 @@ def load_chunk(path: Path, key: str, numel: int, dtype: torch.dtype,
     return t
 
 
-def iter_saved_chunks(path: Path, meta: dict[str, Any], key_of: Callable[[int], str],
-                      only: Collection[int] | None = None,
-                      regions: Regions | None = None) -> Iterator[tuple[int, dict[str, Any], torch.Tensor]]:
+def iter_saved_chunks(
+    path: Path,
+    meta: dict[str, Any],
+    key_of: Callable[[int], str],
+    only: Collection[int] | None = None,
+    regions: Regions | None = None,
+) -> Iterator[tuple[int, dict[str, Any], torch.Tensor]]:
     """Yield ``(chunk index, saved chunk meta, tensor)`` one saved chunk at a time (those in ``only``): the whole
     chunk, or with ``regions`` the span it names (a chunk it names no span of is skipped)."""
     for c, spec in enumerate(meta[KEY]["chunks"]):

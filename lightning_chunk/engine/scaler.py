@@ -18,8 +18,13 @@ from .collectives import Collectives
 
 
 class DynamicLossScaler:
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
         if init_scale <= 0 or growth_factor <= 1.0 or not (0.0 < backoff_factor < 1.0) or growth_interval < 1:
             raise ValueError(
                 f"loss scaler settings init_scale={init_scale}, growth_factor={growth_factor}, "
@@ -36,8 +41,12 @@ class DynamicLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale_and_check(self, grads: Sequence[torch.Tensor], comm: Collectives,
-                          runs: Iterable[tuple[contextlib.AbstractContextManager, list[torch.Tensor]]] | None = None) -> bool:
+    def unscale_and_check(
+        self,
+        grads: Sequence[torch.Tensor],
+        comm: Collectives,
+        runs: Iterable[tuple[contextlib.AbstractContextManager, list[torch.Tensor]]] | None = None,
+    ) -> bool:
         """Divide ``grads`` by the scale in place; True when any rank saw inf or NaN. ``runs``: the gradients in
         groups of one device, each unscaled inside its context (a disk shard's gradients paged in around it)."""
         inv = 1.0 / self.scale

@@ -15,8 +15,9 @@ from .placement import ChunkView, PlacementPolicy
 from .tracer import POST_FORWARD, Trace
 
 
-def simulate_step(policy: PlacementPolicy, views: Sequence[ChunkView], trace: Trace, limit: int | None,
-                  world_size: int = 1) -> tuple[int, int]:
+def simulate_step(
+    policy: PlacementPolicy, views: Sequence[ChunkView], trace: Trace, limit: int | None, world_size: int = 1
+) -> tuple[int, int]:
     """Over one step of ``trace``: the peak of chunk bytes on the device tier, and the peak of chunk bytes
     plus the non-model bytes traced at the same moment (the two peaks rarely coincide: placement evicts
     where activations peak)."""
@@ -31,12 +32,23 @@ def simulate_step(policy: PlacementPolicy, views: Sequence[ChunkView], trace: Tr
         needed = frozenset() if m.kind == POST_FORWARD else frozenset(m.chunk_ids)
         if m.kind == POST_FORWARD and not policy.evict_after_use:
             continue
-        now = [dataclasses.replace(v, resident=v.chunk_id in resident,
-                                   evictable=v.chunk_id in resident and v.chunk_id not in aliased
-                                   and v.chunk_id not in needed, last_used=last_used.get(v.chunk_id, -1))
-               for v in views]
-        plan = policy.plan(position=position, needed=needed, chunks=now, trace=trace,
-                           budget_bytes=policy.budget(limit, trace, position), device_bytes=device)
+        now = [
+            dataclasses.replace(
+                v,
+                resident=v.chunk_id in resident,
+                evictable=v.chunk_id in resident and v.chunk_id not in aliased and v.chunk_id not in needed,
+                last_used=last_used.get(v.chunk_id, -1),
+            )
+            for v in views
+        ]
+        plan = policy.plan(
+            position=position,
+            needed=needed,
+            chunks=now,
+            trace=trace,
+            budget_bytes=policy.budget(limit, trace, position),
+            device_bytes=device,
+        )
         for c in plan.evict:
             resident.discard(c)
             device -= size[c]

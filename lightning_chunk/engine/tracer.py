@@ -151,10 +151,21 @@ class Trace:
 
     def remap(self, chunk_of: dict[int, int]) -> Trace:
         """The same moments with chunk ids of another layout (``param index -> chunk id``)."""
-        return Trace(tuple(
-            Moment(m.kind, m.module, tuple(sorted({chunk_of[i] for i in m.param_indices})), m.param_indices,
-                   m.nonmodel_bytes, m.pinned_params, tuple(sorted({chunk_of[i] for i in m.pinned_params})))
-            for m in self.moments), self.grad_positions)
+        return Trace(
+            tuple(
+                Moment(
+                    m.kind,
+                    m.module,
+                    tuple(sorted({chunk_of[i] for i in m.param_indices})),
+                    m.param_indices,
+                    m.nonmodel_bytes,
+                    m.pinned_params,
+                    tuple(sorted({chunk_of[i] for i in m.pinned_params})),
+                )
+                for m in self.moments
+            ),
+            self.grad_positions,
+        )
 
     def reduce_moments(self, chunks: dict[int, Sequence[int]]) -> dict[int, MomentKey | None]:
         """Chunk id -> the moment at whose start it reduces: the first after the one its trainable parameters
@@ -287,8 +298,12 @@ class MemoryTracer:
     moment of that step.
     """
 
-    def __init__(self, is_model_storage: Callable[[torch.Tensor], bool], device: torch.device,
-                 chunk_device_bytes: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        is_model_storage: Callable[[torch.Tensor], bool],
+        device: torch.device,
+        chunk_device_bytes: Callable[[], int],
+    ) -> None:
         self.counter = SavedBytesCounter(is_model_storage)
         self._device = device
         self._chunk_device_bytes = chunk_device_bytes
@@ -315,14 +330,21 @@ class MemoryTracer:
         if self._moments and peak > self._moments[-1].nonmodel_bytes:
             self._moments[-1] = dataclasses.replace(self._moments[-1], nonmodel_bytes=peak)
 
-    def record(self, kind: str, module: str, chunk_ids: Sequence[int], param_indices: Sequence[int],
-               pinned: Callable[[], tuple[tuple[int, ...], tuple[int, ...]]] = lambda: ((), ())) -> None:
+    def record(
+        self,
+        kind: str,
+        module: str,
+        chunk_ids: Sequence[int],
+        param_indices: Sequence[int],
+        pinned: Callable[[], tuple[tuple[int, ...], tuple[int, ...]]] = lambda: ((), ()),
+    ) -> None:
         """One moment; ``pinned()`` gives the (parameters, chunks) other modules keep in use (asked only here)."""
         if self.recording:
             self._charge_previous(self._peak_since_last_moment())
             held = pinned() if kind != POST_FORWARD else ((), ())
-            self._moments.append(Moment(kind, module, tuple(chunk_ids), tuple(param_indices), self.nonmodel_bytes(),
-                                        *held))
+            self._moments.append(
+                Moment(kind, module, tuple(chunk_ids), tuple(param_indices), self.nonmodel_bytes(), *held)
+            )
 
     def forward_first_use(self) -> list[int]:
         """Chunk ids in the order the recording's forward moments first used them (so far)."""

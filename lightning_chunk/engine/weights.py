@@ -22,9 +22,18 @@ from typing import Any
 import torch
 
 INDEX_SUFFIX = ".safetensors.index.json"
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class WeightsError(ValueError):
@@ -64,8 +73,10 @@ class TorchFileWeights(Weights):
         if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
             obj = obj["state_dict"]
         if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
-            raise WeightsError(f"{path} holds a {type(obj).__name__}, not a state dict (names to tensors) or a "
-                               "checkpoint with a 'state_dict'.")
+            raise WeightsError(
+                f"{path} holds a {type(obj).__name__}, not a state dict (names to tensors) or a "
+                "checkpoint with a 'state_dict'."
+            )
         self._t = {k: v for k, v in obj.items() if torch.is_tensor(v)}
 
     def keys(self) -> list[str]:
@@ -88,8 +99,10 @@ class SafetensorsWeights(Weights):
         try:
             from safetensors import safe_open
         except ImportError:
-            raise WeightsError(f"{path} holds safetensors files; reading them needs the safetensors package: "
-                               "pip install 'lightning_chunk[hf]' (or pip install safetensors).") from None
+            raise WeightsError(
+                f"{path} holds safetensors files; reading them needs the safetensors package: "
+                "pip install 'lightning_chunk[hf]' (or pip install safetensors)."
+            ) from None
         self.path = path
         self._open: dict[Path, Any] = {}
         self._where: dict[str, Path] = {}
@@ -152,19 +165,24 @@ def open_weights(path: str | Path) -> Weights:
     if p.is_dir():
         indexes = sorted(p.glob(f"*{INDEX_SUFFIX}"))
         if len(indexes) > 1:
-            raise WeightsError(f"{p} holds several safetensors indexes ({', '.join(i.name for i in indexes)}); "
-                               "name the one to load.")
+            raise WeightsError(
+                f"{p} holds several safetensors indexes ({', '.join(i.name for i in indexes)}); name the one to load."
+            )
         if indexes:
             return SafetensorsWeights.from_index(indexes[0])
         singles = sorted(p.glob("*.safetensors"))
         if len(singles) == 1:
             return SafetensorsWeights.from_file(singles[0])
         if (p / "meta.pt").is_file():
-            raise WeightsError(f"{p} is a sharded lightning-chunk checkpoint: resume from it with ckpt_path=, or "
-                               "turn it into one file with `lightning-chunk consolidate` and load that.")
+            raise WeightsError(
+                f"{p} is a sharded lightning-chunk checkpoint: resume from it with ckpt_path=, or "
+                "turn it into one file with `lightning-chunk consolidate` and load that."
+            )
         what = f"{len(singles)} .safetensors files and no *{INDEX_SUFFIX}" if singles else "no weights"
-        raise WeightsError(f"{p} is a directory with {what}: expected a save_pretrained directory (safetensors "
-                           f"shards and a *{INDEX_SUFFIX}) or one model.safetensors.")
+        raise WeightsError(
+            f"{p} is a directory with {what}: expected a save_pretrained directory (safetensors "
+            f"shards and a *{INDEX_SUFFIX}) or one model.safetensors."
+        )
     if not p.is_file():
         raise WeightsError(f"weights {str(path)!r}: no such file or directory.")
     if p.name.endswith(INDEX_SUFFIX):
@@ -187,8 +205,9 @@ class ModuleWeights:
     persistent buffer must be in the file; otherwise the ones that are not keep their own values.
     """
 
-    def __init__(self, weights: Weights, module: torch.nn.Module, *, strict: bool = True,
-                 prefix: str | None = None) -> None:
+    def __init__(
+        self, weights: Weights, module: torch.nn.Module, *, strict: bool = True, prefix: str | None = None
+    ) -> None:
         self.weights = weights
         named = module.state_dict(keep_vars=True)  # parameters and persistent buffers, every name of a tied one
         file_keys = weights.keys()
@@ -217,10 +236,13 @@ class ModuleWeights:
             problems.append(f"of another shape ({len(shapes)}): {_listing(shapes, 6)}")
         if problems:
             where = f" (model names = '{prefix}' + file names)" if prefix else ""
-            raise WeightsError(f"weights {weights.path} do not match {type(module).__name__}{where}; nothing was "
-                               "loaded. Tensors " + "; ".join(problems) + ".")
-        self.buffers = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()
-                        if b is not None and id(b) in self.key_of]
+            raise WeightsError(
+                f"weights {weights.path} do not match {type(module).__name__}{where}; nothing was "
+                "loaded. Tensors " + "; ".join(problems) + "."
+            )
+        self.buffers = [
+            (m, n, b) for m in module.modules() for n, b in m._buffers.items() if b is not None and id(b) in self.key_of
+        ]
 
     def provides(self, t: torch.Tensor) -> bool:
         return id(t) in self.key_of

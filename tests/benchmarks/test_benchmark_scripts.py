@@ -24,10 +24,27 @@ def test_optimizer_step_benchmark_runs_and_writes_its_table(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["meta"]["torch"]
     rows = {r["contender"]: r for r in data["results"][0]["rows"]}
-    assert set(rows) == {"floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours+bf16-2pass", "torch-fused",
-                         "torch-foreach", "deepspeed"}
-    for name in ("floor", "floor+bf16", "ours", "ours+bf16", "ours+bf16-compiled", "ours+bf16-2pass", "torch-fused",
-                 "torch-foreach"):
+    assert set(rows) == {
+        "floor",
+        "floor+bf16",
+        "ours",
+        "ours+bf16",
+        "ours+bf16-compiled",
+        "ours+bf16-2pass",
+        "torch-fused",
+        "torch-foreach",
+        "deepspeed",
+    }
+    for name in (
+        "floor",
+        "floor+bf16",
+        "ours",
+        "ours+bf16",
+        "ours+bf16-compiled",
+        "ours+bf16-2pass",
+        "torch-fused",
+        "torch-foreach",
+    ):
         assert rows[name]["median_s"] > 0 and rows[name]["vs_floor"] > 0 and len(rows[name]["vs_floor_rounds"]) == 2
         low, high = rows[name]["vs_floor_95"]
         assert low <= rows[name]["vs_floor"] <= high
@@ -48,11 +65,33 @@ def test_optimizer_step_benchmark_runs_and_writes_its_table(tmp_path, capsys):
 
 def test_step_overhead_benchmark_runs_every_contender(tmp_path, capsys):
     out = tmp_path / "steps.json"
-    res = load("step_overhead").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "4", "--skip", "1",
-                                      "--repeats", "1", "--out", str(out)])
+    res = load("step_overhead").main(
+        [
+            "--width",
+            "64",
+            "--depth",
+            "2",
+            "--context",
+            "16",
+            "--steps",
+            "4",
+            "--skip",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     rows = {r["contender"]: r for r in res["rows"]}
-    assert set(rows) == {"auto", "chunk resident", "chunk half offloaded", "chunk resident, heap trimmed",
-                         "ddp (2 ranks)", "chunk resident (2 ranks)"}
+    assert set(rows) == {
+        "auto",
+        "chunk resident",
+        "chunk half offloaded",
+        "chunk resident, heap trimmed",
+        "ddp (2 ranks)",
+        "chunk resident (2 ranks)",
+    }
     assert rows["auto"]["vs_baseline"] == 1.0 and rows["ddp (2 ranks)"]["vs_baseline"] == 1.0
     assert all(r["median_ms"] > 0 for r in rows.values())
     assert json.loads(out.read_text())["meta"]["torch"]
@@ -60,14 +99,33 @@ def test_step_overhead_benchmark_runs_every_contender(tmp_path, capsys):
 
 
 def test_step_overhead_in_one_process_alternates_and_gives_an_interval(tmp_path, capsys):
-    res = load("step_overhead").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "4", "--skip", "1",
-                                      "--in-process", "2", "--ranks", "1", "--out", str(tmp_path / "s.json")])
+    res = load("step_overhead").main(
+        [
+            "--width",
+            "64",
+            "--depth",
+            "2",
+            "--context",
+            "16",
+            "--steps",
+            "4",
+            "--skip",
+            "1",
+            "--in-process",
+            "2",
+            "--ranks",
+            "1",
+            "--out",
+            str(tmp_path / "s.json"),
+        ]
+    )
     rows = {r["contender"]: r for r in res["rows"]}
     assert set(rows) == {"auto", "chunk resident"} and res["in_process"] and res["repeats"] == 2
     chunk = rows["chunk resident"]
     assert len(chunk["rounds_ms"]) == len(rows["auto"]["rounds_ms"]) == 2
-    assert chunk["vs_baseline_rounds"] == pytest.approx([a / b for a, b in zip(chunk["rounds_ms"],
-                                                                                rows["auto"]["rounds_ms"], strict=True)])
+    assert chunk["vs_baseline_rounds"] == pytest.approx(
+        [a / b for a, b in zip(chunk["rounds_ms"], rows["auto"]["rounds_ms"], strict=True)]
+    )
     low, high = chunk["vs_baseline_95"]
     assert low <= chunk["vs_baseline"] <= high
     assert "95% interval" in capsys.readouterr().out
@@ -84,12 +142,17 @@ def test_median_interval_is_the_distribution_free_one():
 
 
 def test_peers_cpu_benchmark_runs_every_peer(tmp_path, capsys):
-    res = load("peers_cpu").main(["--width", "64", "--depth", "2", "--context", "16", "--steps", "3",
-                                  "--out", str(tmp_path / "peers.json")])
+    res = load("peers_cpu").main(
+        ["--width", "64", "--depth", "2", "--context", "16", "--steps", "3", "--out", str(tmp_path / "peers.json")]
+    )
     rows = {r["contender"]: r for r in res["rows"]}
     assert rows["FSDP2 + CPUOffloadPolicy"]["vs_fsdp2"] == 1.0 and rows["DDP (everything replicated)"]["vs_ddp"] == 1.0
-    for name in ("chunk_offload (device, auto chunk size)", "chunk_offload (host, auto chunk size)",
-                 "chunk_offload (host, one block a chunk)", "chunk_offload (host, kept for backward)"):
+    for name in (
+        "chunk_offload (device, auto chunk size)",
+        "chunk_offload (host, auto chunk size)",
+        "chunk_offload (host, one block a chunk)",
+        "chunk_offload (host, kept for backward)",
+    ):
         assert rows[name]["median_s"] > 0 and all(b > 0 for b in rows[name]["peak_rss"])
         assert len(rows[name]["breakdown"]) == 2 and rows[name]["breakdown"][1]["gather_wait"] > 0  # both ranks
     ds = rows["DeepSpeed ZeRO-3 offload"]
@@ -116,8 +179,9 @@ def test_peers_cpu_interleaves_rounds_and_takes_the_median_of_per_round_ratios(m
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
     args = peers.argparse.Namespace(width=8, depth=1, context=4, batch=1, steps=2, repeats=3)
     res = peers.measure(args)
-    assert len(calls) == 18 and all(sorted(calls[6 * k:6 * k + 6]) == ["chunk"] * 4 + ["ddp", "fsdp2"]
-                                    for k in range(3))
+    assert len(calls) == 18 and all(
+        sorted(calls[6 * k : 6 * k + 6]) == ["chunk"] * 4 + ["ddp", "fsdp2"] for k in range(3)
+    )
     rows = {r["contender"]: r for r in res["rows"]}
     device = rows["chunk_offload (device, auto chunk size)"]
     assert device["vs_ddp_rounds"] == pytest.approx([1.1, 1.1, 1.1 / 1.5])
@@ -136,8 +200,9 @@ def test_step_overhead_takes_the_median_of_per_round_ratios(monkeypatch, tmp_pat
     def fake_run(name, args, out):
         calls.append(name)
         rnd = (len(calls) - 1) // 4  # four one-rank contenders a round
-        t = {"auto": 1.0, "chunk resident": 1.05, "chunk half offloaded": 1.2,
-             "chunk resident, heap trimmed": 1.1}[name] * (2.0 if rnd == 1 else 1.0)
+        t = {"auto": 1.0, "chunk resident": 1.05, "chunk half offloaded": 1.2, "chunk resident, heap trimmed": 1.1}[
+            name
+        ] * (2.0 if rnd == 1 else 1.0)
         if name == "auto" and rnd == 2:
             t *= 1.3  # the baseline alone disturbed in the third round
         return {"times": [9.9, t, t, t], "params": 10}
@@ -146,7 +211,7 @@ def test_step_overhead_takes_the_median_of_per_round_ratios(monkeypatch, tmp_pat
     args = so.argparse.Namespace(width=8, depth=1, context=4, batch=1, steps=4, skip=1, repeats=3, ranks=[1])
     res = so.measure(args)
     one_rank = ["auto", "chunk half offloaded", "chunk resident", "chunk resident, heap trimmed"]
-    assert len(calls) == 12 and all(sorted(calls[4 * k:4 * k + 4]) == one_rank for k in range(3))
+    assert len(calls) == 12 and all(sorted(calls[4 * k : 4 * k + 4]) == one_rank for k in range(3))
     rows = {r["contender"]: r for r in res["rows"]}
     resident = rows["chunk resident"]
     assert resident["vs_baseline_rounds"] == pytest.approx([1.05, 1.05, 1.05 / 1.3])
@@ -162,8 +227,14 @@ def test_scale_search_doubles_then_bisects(monkeypatch, tmp_path):
     def fake_attempt(name, depth, args, scratch):
         calls.append(depth)
         fits = depth <= 5
-        return {"depth": depth, "params": 1000 * depth, "peak_rss": [1], "peak_device": [], "fits": fits,
-                **({} if fits else {"why": "resident memory reached 1.00 GiB > host limit"})}
+        return {
+            "depth": depth,
+            "params": 1000 * depth,
+            "peak_rss": [1],
+            "peak_device": [],
+            "fits": fits,
+            **({} if fits else {"why": "resident memory reached 1.00 GiB > host limit"}),
+        }
 
     monkeypatch.setattr(scale, "attempt", fake_attempt)
     args = scale.argparse.Namespace(max_depth=256, host_limit="1GiB", ranks=2)
@@ -175,8 +246,20 @@ def test_scale_search_doubles_then_bisects(monkeypatch, tmp_path):
 
 def test_scale_benchmark_runs_and_reports_a_failure_with_its_reason(tmp_path, capsys):
     # one attempt a contender (the search itself is the test above): each is a two-rank launch of several seconds
-    res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "1GiB", "--max-depth", "1",
-                              "--out", str(tmp_path / "scale.json")])
+    res = load("scale").main(
+        [
+            "--width",
+            "32",
+            "--context",
+            "8",
+            "--host-limit",
+            "1GiB",
+            "--max-depth",
+            "1",
+            "--out",
+            str(tmp_path / "scale.json"),
+        ]
+    )
     rows = {r["contender"]: r for r in res["rows"]}
     assert set(rows) == {"ddp", "chunk_offload", "chunk_deferred", "chunk_early"}
     for r in rows.values():  # all fit at depth 1 within 1 GiB a rank, and the search stops at --max-depth
@@ -184,16 +267,48 @@ def test_scale_benchmark_runs_and_reports_a_failure_with_its_reason(tmp_path, ca
         assert r["bytes_per_param"] > 0
     # counted after fit, not before
     assert rows["chunk_deferred"]["params"] == rows["chunk_offload"]["params"] == rows["chunk_early"]["params"]
-    res = load("scale").main(["--width", "32", "--context", "8", "--host-limit", "64MiB", "--max-depth", "1",
-                              "--ranks", "1", "--out", str(tmp_path / "scale1.json")])
+    res = load("scale").main(
+        [
+            "--width",
+            "32",
+            "--context",
+            "8",
+            "--host-limit",
+            "64MiB",
+            "--max-depth",
+            "1",
+            "--ranks",
+            "1",
+            "--out",
+            str(tmp_path / "scale1.json"),
+        ]
+    )
     for r in res["rows"]:  # a Python process with torch is larger than 64 MiB: killed by the watchdog
         assert r["depth"] == 0 and "host limit" in r["first_failure"]["why"]
     assert "of host limit" in capsys.readouterr().out
 
 
 def test_gpu_benchmark_runs_its_contenders_at_a_tiny_size_on_cpu(tmp_path, capsys):
-    res = load("gpu").main(["--accelerator", "cpu", "--width", "64", "--depth", "2", "--context", "16", "--batch", "2",
-                            "--steps", "3", "--skip", "1", "--out", str(tmp_path / "gpu.json")])
+    res = load("gpu").main(
+        [
+            "--accelerator",
+            "cpu",
+            "--width",
+            "64",
+            "--depth",
+            "2",
+            "--context",
+            "16",
+            "--batch",
+            "2",
+            "--steps",
+            "3",
+            "--skip",
+            "1",
+            "--out",
+            str(tmp_path / "gpu.json"),
+        ]
+    )
     rows = {r["contender"]: r for r in res["rows"]}
     for name in ("chunk_offload", "chunk_offload default", "ddp"):
         assert rows[name]["tokens_per_s"] > 0 and rows[name]["tflops"] > 0
@@ -205,9 +320,28 @@ def test_gpu_benchmark_runs_its_contenders_at_a_tiny_size_on_cpu(tmp_path, capsy
 
 
 def test_disk_benchmark_runs_every_row(tmp_path, capsys):
-    res = load("disk").main(["--width", "128", "--depth", "4", "--context", "16", "--steps", "3", "--host-limit", "3MiB",
-                             "--device-limit", "4MiB", "--dir", str(tmp_path / "scratch"), "--out",
-                             str(tmp_path / "disk.json"), "--memory-cap", "1GiB"])
+    res = load("disk").main(
+        [
+            "--width",
+            "128",
+            "--depth",
+            "4",
+            "--context",
+            "16",
+            "--steps",
+            "3",
+            "--host-limit",
+            "3MiB",
+            "--device-limit",
+            "4MiB",
+            "--dir",
+            str(tmp_path / "scratch"),
+            "--out",
+            str(tmp_path / "disk.json"),
+            "--memory-cap",
+            "1GiB",
+        ]
+    )
     rows = res["rows"]
     assert rows["memory"]["stats"]["disk_shards"] == 0 and len(rows["memory"]["step_times"]) == 3
     disk = rows["disk"]
@@ -237,8 +371,17 @@ def test_a_disk_row_whose_child_wrote_nothing_is_failed_not_the_row_before_it(tm
     """The capped rows reuse the uncapped rows' result file names: a capped child killed before writing its own
     (DeepSpeed in a 1 GiB cgroup) once read the uncapped row's numbers as its own."""
     disk = load("disk")
-    args = disk.argparse.Namespace(dir=str(tmp_path / "scratch"), host_limit="1MiB", device_limit="1MiB", disk_io="auto",
-                                   width=8, depth=1, context=4, batch=1, steps=1)
+    args = disk.argparse.Namespace(
+        dir=str(tmp_path / "scratch"),
+        host_limit="1MiB",
+        device_limit="1MiB",
+        disk_io="auto",
+        width=8,
+        depth=1,
+        context=4,
+        batch=1,
+        steps=1,
+    )
     (tmp_path / "res.nosuchrow").write_text('{"step_times": [1.0]}')  # what an earlier run of the same name left
     row = disk._run("nosuchrow", args, tmp_path)
     assert "failed" in row and "step_times" not in row
@@ -276,14 +419,21 @@ def test_disk_rounds_pair_each_capped_step_with_the_floor_measured_right_after_i
     rounds = disk.capped_rounds(args, tmp_path, 2**30, {"disk": (30, 20), "disk_early": (10, 5)})
     assert len(rounds) == 3
     for k in range(3):  # in every round each row once, each followed by three floors of its own bytes
-        part = events[8 * k:8 * k + 8]
+        part = events[8 * k : 8 * k + 8]
         rows = [e[1] for e in part if e[0] == "row"]
         assert sorted(rows) == ["disk", "disk_early"]
         for i in (0, 4):
-            assert part[i + 1:i + 4] == [("floor", {"disk": 30, "disk_early": 10}[part[i][1]])] * 3
+            assert part[i + 1 : i + 4] == [("floor", {"disk": 30, "disk_early": 10}[part[i][1]])] * 3
     assert [r["disk"]["step_s"] / r["disk"]["direct_floor_s"] for r in rounds] == pytest.approx([1.2] * 3)
-    table = disk.render({"args": dict(width=8, depth=1, context=4, batch=1, steps=3, host_limit="1MiB",
-                                      device_limit="1MiB", dir=str(tmp_path)), "rows": {}, "rounds": rounds})
+    table = disk.render(
+        {
+            "args": dict(
+                width=8, depth=1, context=4, batch=1, steps=3, host_limit="1MiB", device_limit="1MiB", dir=str(tmp_path)
+            ),
+            "rows": {},
+            "rounds": rounds,
+        }
+    )
     assert "| **1.20** |" in table and "disk tier stepped in backward (the default), memory capped" in table
 
 
@@ -292,14 +442,21 @@ def test_disk_table_shows_deepspeed_beside_the_disk_tier_and_a_kill_in_the_cgrou
     ratio of the same GPT, and a capped child the OOM killer ended named as killed, never as a number."""
     disk = load("disk")
     row = lambda step, **kw: {"step_times": [9.0, step, step], "peak_rss": 2 << 30, "baseline_rss": 1 << 30, **kw}  # noqa: E731
-    res = {"args": dict(width=8, depth=1, context=4, batch=1, steps=3, host_limit="1MiB", device_limit="1MiB", dir="/x"),
-           "rows": {"memory": row(0.5, params=1 << 20),
-                    "disk": row(1.0, params=1 << 20, stats=dict(disk_shards=3, chunks=4, disk_chunk_bytes=1),
-                                last_step=dict(disk_read_bytes=1, disk_write_bytes=1, disk_wait_s=0.1)),
-                    "deepspeed": row(2.0),
-                    "deepspeed_capped": {"failed": "killed (SIGKILL) inside the 1024 MiB memory cgroup",
-                                         "returncode": -9}},
-           "memory_cap": 1 << 30}
+    res = {
+        "args": dict(width=8, depth=1, context=4, batch=1, steps=3, host_limit="1MiB", device_limit="1MiB", dir="/x"),
+        "rows": {
+            "memory": row(0.5, params=1 << 20),
+            "disk": row(
+                1.0,
+                params=1 << 20,
+                stats=dict(disk_shards=3, chunks=4, disk_chunk_bytes=1),
+                last_step=dict(disk_read_bytes=1, disk_write_bytes=1, disk_wait_s=0.1),
+            ),
+            "deepspeed": row(2.0),
+            "deepspeed_capped": {"failed": "killed (SIGKILL) inside the 1024 MiB memory cgroup", "returncode": -9},
+        },
+        "memory_cap": 1 << 30,
+    }
     out = disk.render(res)
     ds = next(line for line in out.splitlines() if line.startswith("| DeepSpeed ZeRO-Infinity (nvme) |"))
     assert "| 2.00 |" in ds and "| 16.0× |" in ds and "the disk tier's step is 0.50× this one" in ds

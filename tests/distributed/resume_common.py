@@ -32,8 +32,9 @@ def resume_strategy(variant: str) -> ChunkOffloadStrategy:
     if variant == "host_kept_limit":  # payloads kept for backward within a limit (an accelerator's default)
         kw.update(placement="host", device_memory_limit=RESUME_LIMIT, reshard_after_forward=False)
     if variant == "disk_early_limit":  # most shards in files, each disk chunk stepped during backward: the default
-        kw.update(chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT, host_memory_limit=600_000,
-                  disk_dir=DISK_ROOT)  # with a host limit ([Note: stepping in backward by default with the disk tier])
+        kw.update(
+            chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT, host_memory_limit=600_000, disk_dir=DISK_ROOT
+        )  # with a host limit ([Note: stepping in backward by default with the disk tier])
     return ChunkOffloadStrategy(**kw)
 
 
@@ -44,9 +45,19 @@ def resume_fit(strategy: Any, out_dir: Path | None, steps: int, ckpt_path: Any =
     L.seed_everything(11, verbose=False)
     model = ReorderedNet(**RESUME_MODEL)
     cbs = [ModelCheckpoint(dirpath=out_dir, every_n_train_steps=8, filename="{step}")] if out_dir else []
-    t = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-                  callbacks=cbs, enable_checkpointing=bool(cbs), enable_progress_bar=False,
-                  enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        callbacks=cbs,
+        enable_checkpointing=bool(cbs),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     t.fit(model, token_data(), ckpt_path=ckpt_path)
     if isinstance(strategy, ChunkOffloadStrategy) and strategy.config.host_memory_limit is not None:
         assert strategy.memory_stats().get("chunks_stepped_in_backward", 0) > 0, "the default steps in backward here"

@@ -33,8 +33,9 @@ WORLD = int(os.environ.get("WORLD_SIZE", 2))  # read once: Lightning's teardown 
 STEPS = 24  # a case's own "steps" shortens it: the wide models' cases run 8 (warm-up, repack, six steady steps)
 BIG = dict(dim=64, hidden=1024)
 # enough chunks that the whole gradient is many times the few payloads in flight
-ACCUMULATE = dict(trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6),
-                  strategy=dict(chunk_numel=20000))
+ACCUMULATE = dict(
+    trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=20000)
+)
 CASES = {
     "plain": dict(),
     "clip_norm": dict(trainer=dict(gradient_clip_val=0.05)),
@@ -46,28 +47,45 @@ CASES = {
     "unused": dict(variant="unused"),
     # the default on a CPU device: payloads released after use (FSDP2's reshard_after_forward=True),
     # each chunk gathered for forward and again for backward
-    "host": dict(model=dict(dim=64, hidden=256, depth=6), strategy=dict(placement="host", chunk_numel=20000),
-                 telemetry=True),
+    "host": dict(
+        model=dict(dim=64, hidden=256, depth=6), strategy=dict(placement="host", chunk_numel=20000), telemetry=True
+    ),
     # the agreement tag before each collective ([Note: agreeing without a barrier]), where the default checks once
     # a micro-batch ([Note: checking once a micro-batch]); accumulation and host placement give it many of each kind
-    "host_checked_each": dict(ACCUMULATE, strategy=dict(placement="host", chunk_numel=20000, sharded_accumulation=False,
-                                                        verify_collectives=True)),
+    "host_checked_each": dict(
+        ACCUMULATE,
+        strategy=dict(placement="host", chunk_numel=20000, sharded_accumulation=False, verify_collectives=True),
+    ),
     # payloads kept from forward to backward ([Note: keeping payloads for backward]), each gathered once a step
-    "host_kept": dict(model=dict(dim=64, hidden=256, depth=6),
-                      strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000)),
+    "host_kept": dict(
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000),
+    ),
     # kept under a limit below the model's payloads (an accelerator's default, explicit on CPU), with the automatic
     # chunk size: kept within the budget the limit leaves beside the traced activations, and what does not fit is
     # released and gathered again
-    "host_kept_limit": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
-                            strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096,
-                                          reshard_after_forward=False)),
+    "host_kept_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096, reshard_after_forward=False),
+    ),
     # its twin with the CPU default, released after use (FSDP2's reshard_after_forward=True): keeping must gather less
-    "host_released_limit": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
-                                strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)),
+    "host_released_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096),
+    ),
     # the same with chunks of 300,000 elements: the warm-up's backward (registration order) must let payloads go
     # while their gradients wait to reduce ([Note: a gradient waits without its payload])
-    "host_kept_waiting": dict(steps=8, cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
-                              strategy=dict(placement="host", chunk_numel=300000)),
+    "host_kept_waiting": dict(
+        steps=8,
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(placement="host", chunk_numel=300000),
+    ),
     # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
     "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
     # the defaults a user gets: automatic chunk size, on a model used in another order than registered
@@ -75,54 +93,110 @@ CASES = {
     # below a rank's share of the training state (16 bytes a parameter over 2 ranks: 2x the parameter bytes);
     # the automatic layout's backward working set (two half-reduced chunks and their gradient payloads) needs
     # about 0.8x here, so a limit below the parameter share alone would be refused with its numbers
-    "reordered_auto_limit": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3),
-                                 strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
+    "reordered_auto_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
     # the same defaults under a limit below half the parameter bytes, on a model whose activations are small beside
     # its parameters: the warm-up's registration-order layout pins more in backward than the trained one needs
     # ([Note: a gradient waits without its payload])
-    "reordered_auto_tight": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
-                                 strategy=dict(chunk_numel=None)),
+    "reordered_auto_tight": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(chunk_numel=None),
+    ),
     # bf16-mixed below a third of the parameter bytes: the warm-up's registration-order layout keeps a waiting
     # chunk's fp32 gradient payload beside the one filling (twice a bf16 payload each), so its size leaves room for two
-    "reordered_bf16_tight": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.3,
-                                 bf16=True, strategy=dict(chunk_numel=None)),
-    "reordered_bf16": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True,
-                           strategy=dict(chunk_numel=None)),  # its twin without a limit
+    "reordered_bf16_tight": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.3,
+        bf16=True,
+        strategy=dict(chunk_numel=None),
+    ),
+    "reordered_bf16": dict(
+        cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True, strategy=dict(chunk_numel=None)
+    ),  # its twin without a limit
     # host shards with a bf16 compute copy, stepped by the one-pass kernel ([Note: one pass over a host shard]) after
     # backward and, chunk by chunk as each reduce-scatter lands, in backward (the same DDP run as reordered_bf16)
-    "host_bf16_one_pass": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True,
-                               strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass")),
-    "early_host_bf16_one_pass": dict(cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True,
-                                     strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass",
-                                                   step_in_backward=True)),
+    "host_bf16_one_pass": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        bf16=True,
+        strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass"),
+    ),
+    "early_host_bf16_one_pass": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        bf16=True,
+        strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass", step_in_backward=True),
+    ),
     # activation checkpointing: each block's chunk is needed again when backward recomputes it
-    "checkpointed": dict(cls="CheckpointedNet", model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=None)),
-    "checkpointed_host": dict(cls="ReentrantCheckpointedNet", model=dict(dim=64, hidden=256, depth=6),
-                              strategy=dict(placement="host", chunk_numel=20000)),
-    "checkpointed_limit": dict(steps=8, cls="CheckpointedNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.45,
-                               strategy=dict(chunk_numel=None, placement="host")),
+    "checkpointed": dict(
+        cls="CheckpointedNet", model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=None)
+    ),
+    "checkpointed_host": dict(
+        cls="ReentrantCheckpointedNet",
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000),
+    ),
+    "checkpointed_limit": dict(
+        steps=8,
+        cls="CheckpointedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(chunk_numel=None, placement="host"),
+    ),
     # LoRA's shape under a limit: frozen weights must not stay pinned for the rest of backward
-    "adapters_limit": dict(steps=8, cls="AdapterNet", model=dict(dim=256, hidden=1024, depth=4), limit_fraction=0.3,
-                           strategy=dict(chunk_numel=None)),
+    "adapters_limit": dict(
+        steps=8,
+        cls="AdapterNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.3,
+        strategy=dict(chunk_numel=None),
+    ),
     # a block run twice a forward, frozen, and LoRA's shape under activation checkpointing: the defaults, a limit
-    "reused_frozen_limit": dict(steps=8, cls="ReusedBlockNet", variant="frozen", model=dict(dim=256, hidden=1024, depth=4),
-                                limit_fraction=0.45, strategy=dict(chunk_numel=None)),
-    "checkpointed_adapters_limit": dict(steps=8, cls="CheckpointedAdapterNet", model=dict(dim=256, hidden=1024, depth=4),
-                                        limit_fraction=0.3, strategy=dict(chunk_numel=None, placement="host")),
+    "reused_frozen_limit": dict(
+        steps=8,
+        cls="ReusedBlockNet",
+        variant="frozen",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(chunk_numel=None),
+    ),
+    "checkpointed_adapters_limit": dict(
+        steps=8,
+        cls="CheckpointedAdapterNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.3,
+        strategy=dict(chunk_numel=None, placement="host"),
+    ),
     # torch's TransformerEncoderLayer and MultiheadAttention ([Note: leaf modules]), released after use
-    "torch_transformer_host": dict(cls="TorchTransformerNet", strategy=dict(placement="host", chunk_numel=None,
-                                                                            chunk_numel_min=4096)),
+    "torch_transformer_host": dict(
+        cls="TorchTransformerNet", strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)
+    ),
     # a gradient penalty: the step's backward reads what a create_graph=True backward saved ([Note: double backward])
-    "grad_penalty_host": dict(steps=8, cls="GradPenalty", strategy=dict(placement="host", chunk_numel=None,
-                                                                         chunk_numel_min=4096)),
+    "grad_penalty_host": dict(
+        steps=8, cls="GradPenalty", strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)
+    ),
     # its first backward (autograd.grad of the inputs) delivers no parameter gradient, so it must not end the
     # micro-batch's gradients ([Note: a backward that delivers no gradient]): unsharded, DDP's sum bit for bit;
     # stepping in backward, the last micro-batch's chunks step after its own gradients (not at that first end)
-    "grad_penalty_accumulate_unsharded": dict(steps=8, cls="GradPenalty", trainer=dict(accumulate_grad_batches=2),
-                                              strategy=dict(chunk_numel=None, chunk_numel_min=4096,
-                                                            sharded_accumulation=False)),
-    "grad_penalty_early_accumulate": dict(steps=8, cls="GradPenalty", trainer=dict(accumulate_grad_batches=2),
-                                          strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True)),
+    "grad_penalty_accumulate_unsharded": dict(
+        steps=8,
+        cls="GradPenalty",
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, sharded_accumulation=False),
+    ),
+    "grad_penalty_early_accumulate": dict(
+        steps=8,
+        cls="GradPenalty",
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True),
+    ),
     "two_optimizers": dict(cls="TwoOptimizers"),
     "toggled_optimizers": dict(cls="ToggledOptimizers", ddp_unused=True, strategy=dict(chunk_numel=None)),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
@@ -130,69 +204,125 @@ CASES = {
     # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit
     "deferred": dict(chunk_cls="DeferredNet", variant="tied", strategy=dict(chunk_numel=None)),
     # the same under a device limit with the automatic chunk size (the settings of reordered_auto_limit)
-    "deferred_limit": dict(chunk_cls="DeferredNet", model=dict(dim=64, hidden=512, depth=3),
-                           strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
+    "deferred_limit": dict(
+        chunk_cls="DeferredNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
     # most of each rank's masters, gradient shards and optimizer state on the disk tier, in files (stepped in
     # backward: step_in_backward=None with a host limit and nothing reading the gradients after backward)
     "disk": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560), host_memory_limit="1.2MB"),
     # ... past the page cache (disk_io="direct": O_DIRECT, pieces in flight), gradients accumulated in the files
-    "disk_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, placement="host", disk_io="direct"),
-                            host_memory_limit="400kB",
-                            trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
+    "disk_accumulate": dict(
+        ACCUMULATE,
+        strategy=dict(chunk_numel=20000, placement="host", disk_io="direct"),
+        host_memory_limit="400kB",
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+    ),
     # the defaults with a host limit: automatic chunk size, placement="auto" under a device limit, a model used in
     # another order than registered, gradient accumulation; and step_in_backward=None, which steps each disk chunk
     # during backward here (nothing reads the gradients after it), its files read ahead: the first micro-batch's
     # gradients go to the files, the second's landing adds to them and steps from memory ([Note: stepping disk
     # chunks in backward], [Note: stepping in backward by default with the disk tier])
-    "disk_defaults": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
-                          strategy=dict(chunk_numel=None), host_memory_limit="1MB",
-                          trainer=dict(accumulate_grad_batches=2)),
+    "disk_defaults": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None),
+        host_memory_limit="1MB",
+        trainer=dict(accumulate_grad_batches=2),
+    ),
     # ... its twin stepping after backward, its gradients through their files, past the page cache
-    "disk_defaults_after": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
-                                strategy=dict(chunk_numel=None, step_in_backward=False, disk_io="direct"),
-                                host_memory_limit="1MB", trainer=dict(accumulate_grad_batches=2)),
+    "disk_defaults_after": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None, step_in_backward=False, disk_io="direct"),
+        host_memory_limit="1MB",
+        trainer=dict(accumulate_grad_batches=2),
+    ),
     # each chunk stepped as its reduce-scatter lands, its gradient shard given back ([Note: stepping in backward])
     "early": dict(strategy=dict(step_in_backward=True)),
     # a parameter no rank uses: its chunk waits for the vote and steps after backward
     "early_unused": dict(variant="unused", strategy=dict(step_in_backward=True)),
     "early_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, step_in_backward=True)),
-    "early_limit": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fraction=0.9,
-                        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True)),
+    "early_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True),
+    ),
     # a tied head read in the root forward ([Note: parameters read outside their owner]), released after use and
     # under a limit below this rank's share
     "root_tied_host": dict(cls="RootTiedNet", strategy=dict(placement="host")),
-    "root_tied_limit": dict(cls="RootTiedNet", variant="matmul", model=dict(dim=64, hidden=512, depth=3),
-                            strategy=dict(chunk_numel=33_000), limit_fraction=1.15),
+    "root_tied_limit": dict(
+        cls="RootTiedNet",
+        variant="matmul",
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=33_000),
+        limit_fraction=1.15,
+    ),
     # ranks whose limits differ (each GPU's free memory, on CUDA): they must plan under one limit, the smallest
     # ([Note: one limit for every rank]); with their own they evicted different chunks and paired different gathers
-    "limits_differ": dict(cls="ReorderedNet", model=dict(dim=64, hidden=512, depth=3), limit_fractions=(0.9, 1.3),
-                          strategy=dict(chunk_numel=None, chunk_numel_min=4096, placement="host",
-                                        reshard_after_forward=False, verify_collectives=False)),
+    "limits_differ": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fractions=(0.9, 1.3),
+        strategy=dict(
+            chunk_numel=None,
+            chunk_numel_min=4096,
+            placement="host",
+            reshard_after_forward=False,
+            verify_collectives=False,
+        ),
+    ),
     # a gate's own parameter used on some ranks and not others, differently each step, in the warm-up too (DDP's
     # find_unused_parameters=True): released after use, so backward gathers too ([Note: when a chunk reduces])
     "rank_gated": dict(cls="RankGatedNet", ddp_unused=True, strategy=dict(placement="host")),
-    "rank_gated_limit": dict(cls="RankGatedNet", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3),
-                             strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
+    "rank_gated_limit": dict(
+        cls="RankGatedNet",
+        ddp_unused=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
     # a layer no rank ever uses, under a limit with the automatic chunk size: its chunk, last in the reduce order,
     # once held every gradient payload back (a limit error in the warm-up), then the repack carried a zero gradient
     # for it and weight decay moved it where torch.optim skips it
-    "spare_limit": dict(cls="SpareNet", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3),
-                        strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9),
+    "spare_limit": dict(
+        cls="SpareNet",
+        ddp_unused=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
     # BatchNorm 1d/2d/3d in mixed precision ([Note: normalisation in mixed precision]): bf16 against DDP with bf16
     # autocast, released after use, and fp16 with loss scaling against DDP with GradScaler
     "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),
     "bn_cnn_bf16_host": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000, placement="host")),
     "bn_cnn_fp16": dict(cls="BatchNormCNN", fp16=True, strategy=dict(chunk_numel=10_000)),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
-    **{f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
-       for fmt in ("torch", "lightning", "consolidated", "safetensors")},
+    **{
+        f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
+        for fmt in ("torch", "lightning", "consolidated", "safetensors")
+    },
 }
 
 
 def trainer(strategy, steps=STEPS, **kw):
-    defaults = dict(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    limit_val_batches=0, num_sanity_val_steps=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     return L.Trainer(**{**defaults, **kw})
 
 
@@ -203,7 +333,9 @@ class CommMode(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         comm = trainer.strategy.engine.comm
-        self.seen = dict(as_nccl=comm.as_nccl, groups_per_kind=bool(comm._op_groups), checked=comm.agreement is not None)
+        self.seen = dict(
+            as_nccl=comm.as_nccl, groups_per_kind=bool(comm._op_groups), checked=comm.agreement is not None
+        )
 
 
 _DDP_RUNS: dict[str, tuple[dict[str, torch.Tensor], int]] = {}  # DDP's trained state and parameter bytes, by setup
@@ -217,18 +349,28 @@ def run_parity(case: str, out: Path) -> None:
     steps = spec.get("steps", STEPS)
     unused = variant == "unused" or spec.get("ddp_unused", False)
     # cases that differ only in chunk_offload's settings share one DDP run (the same bits: DDP is deterministic here)
-    key = json.dumps([cls.__name__, variant, model_kw, tkw, fp16, bf16, steps, unused, "weights" in spec],
-                     sort_keys=True, default=str)
+    key = json.dumps(
+        [cls.__name__, variant, model_kw, tkw, fp16, bf16, steps, unused, "weights" in spec],
+        sort_keys=True,
+        default=str,
+    )
     if key not in _DDP_RUNS:
         L.seed_everything(7, verbose=False)
         ref = cls(variant=variant, **model_kw)
         if "weights" in spec:
             ref.load_state_dict(torch.load(out / "start.pt"))
-        ref_plugins = ([MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if fp16 else
-                       [MixedPrecision("bf16-mixed", "cpu")] if bf16 else None)
+        ref_plugins = (
+            [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+            if fp16
+            else [MixedPrecision("bf16-mixed", "cpu")]
+            if bf16
+            else None
+        )
         trainer(DDPStrategy(find_unused_parameters=unused), steps, plugins=ref_plugins, **tkw).fit(ref, token_data())
-        _DDP_RUNS[key] = ({k: v.clone() for k, v in ref.state_dict().items()},
-                          sum(p.numel() * p.element_size() for p in ref.parameters()))
+        _DDP_RUNS[key] = (
+            {k: v.clone() for k, v in ref.state_dict().items()},
+            sum(p.numel() * p.element_size() for p in ref.parameters()),
+        )
     ref_state, param_bytes = _DDP_RUNS[key]
     skw = dict(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60)
     skw.update(spec.get("strategy", {}))
@@ -246,18 +388,28 @@ def run_parity(case: str, out: Path) -> None:
     strategy = ChunkOffloadStrategy(**skw)
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
     comm_mode = CommMode()
-    t = trainer(strategy, steps, plugins=[ChunkPrecision("16-mixed")] if fp16 else [ChunkPrecision("bf16-mixed")] if bf16 else None,
-                callbacks=[comm_mode, *([telemetry] if telemetry else [])], **tkw)
+    t = trainer(
+        strategy,
+        steps,
+        plugins=[ChunkPrecision("16-mixed")] if fp16 else [ChunkPrecision("bf16-mixed")] if bf16 else None,
+        callbacks=[comm_mode, *([telemetry] if telemetry else [])],
+        **tkw,
+    )
     t.fit(got, token_data())
     if telemetry is not None and t.global_rank == 0:
         (out / f"{case}.breakdown.json").write_text(json.dumps(telemetry.breakdown))
     rank = t.global_rank
-    stats = dict(strategy.memory_stats(), limit=skw.get("device_memory_limit"), comm=comm_mode.seen,
-                 disk_left=sorted(p.name for p in Path(skw["disk_dir"]).iterdir() if f"-rank{strategy.global_rank}-"
-                                  in p.name) if "disk_dir" in skw else [],
-                 host_memory_limit=strategy.config.host_memory_limit,
-                 param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()),
-                 buffers={n: b.float().sum().item() for n, b in got.named_buffers()})
+    stats = dict(
+        strategy.memory_stats(),
+        limit=skw.get("device_memory_limit"),
+        comm=comm_mode.seen,
+        disk_left=sorted(p.name for p in Path(skw["disk_dir"]).iterdir() if f"-rank{strategy.global_rank}-" in p.name)
+        if "disk_dir" in skw
+        else [],
+        host_memory_limit=strategy.config.host_memory_limit,
+        param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()),
+        buffers={n: b.float().sum().item() for n, b in got.named_buffers()},
+    )
     (out / f"{case}.stats{rank}.json").write_text(json.dumps(stats))
     if rank == 0:
         L.seed_everything(7, verbose=False)
@@ -291,10 +443,19 @@ def run_resume(out: Path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     results = {}
-    for name, make in [("ddp", lambda: "ddp"),
-                       ("chunk", lambda: ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop",
-                                                              placement="host", collective_timeout_s=60,
-                                                              materialize_optimizer_state=True))]:
+    for name, make in [
+        ("ddp", lambda: "ddp"),
+        (
+            "chunk",
+            lambda: ChunkOffloadStrategy(
+                chunk_numel=4096,
+                optimizer_kernel="loop",
+                placement="host",
+                collective_timeout_s=60,
+                materialize_optimizer_state=True,
+            ),
+        ),
+    ]:
         ckdir = out / f"ckpt_{name}"
         L.seed_everything(11, verbose=False)
         model = LogsRank()
@@ -338,9 +499,14 @@ def run_reshard_resume(out: Path) -> None:
     """2 ranks resume 1-rank checkpoints (written by the test) to step 12: DDP from the plain file,
     chunk_offload from the sharded directory, with another placement and a device limit."""
     results = {}
-    for name, make, path in [("ddp", lambda: "ddp", out / "from1_auto" / "step=8.ckpt"),
-                             ("chunk", lambda: reshard_strategy(placement="auto", device_memory_limit=120_000),
-                              out / "from1_chunk" / "step=8.ckpt")]:
+    for name, make, path in [
+        ("ddp", lambda: "ddp", out / "from1_auto" / "step=8.ckpt"),
+        (
+            "chunk",
+            lambda: reshard_strategy(placement="auto", device_memory_limit=120_000),
+            out / "from1_chunk" / "step=8.ckpt",
+        ),
+    ]:
         L.seed_everything(11, verbose=False)
         model = ParityNet(variant="tied")
         t = trainer(make(), steps=12)
@@ -395,11 +561,19 @@ def run_full_parameters(out: Path) -> None:
     for placement in ("auto", "host"):
         L.seed_everything(7, verbose=False)
         model, cb, grads = ParityNet(), models.ClampFirstBlock(), models.GradNormsAndEdits()
-        t = trainer(ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", collective_timeout_s=60), steps=12,
-                    callbacks=[cb, grads])
+        t = trainer(
+            ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", collective_timeout_s=60),
+            steps=12,
+            callbacks=[cb, grads],
+        )
         t.fit(model, token_data())
-        state[placement] = {"got": model.state_dict(), "norms": cb.norms, "seen_outside": cb.seen_outside,
-                            "saved_inside": cb.saved, "grad_norms": grads.norms}
+        state[placement] = {
+            "got": model.state_dict(),
+            "norms": cb.norms,
+            "seen_outside": cb.seen_outside,
+            "saved_inside": cb.saved,
+            "grad_norms": grads.norms,
+        }
     # the defaults under a limit below this rank's share, on a model used in another order than registered, with
     # gradient accumulation (the block runs between micro-batches, while gradients wait in the shards), against the
     # same run without the limit: what the block writes must not depend on what was evicted. (Against DDP, sharded
@@ -410,19 +584,26 @@ def run_full_parameters(out: Path) -> None:
         model = models.ReorderedNet(dim=256, hidden=1024, depth=4)
         limit = int(sum(p.numel() * p.element_size() for p in model.parameters()) * 0.45) if limited else None
         strategy = ChunkOffloadStrategy(device_memory_limit=limit, optimizer_kernel="loop", collective_timeout_s=60)
-        trainer(strategy, steps=8, callbacks=[models.ClampFirstBlock(), models.GradNormsAndEdits()],
-                accumulate_grad_batches=2).fit(model, token_data())
+        trainer(
+            strategy,
+            steps=8,
+            callbacks=[models.ClampFirstBlock(), models.GradNormsAndEdits()],
+            accumulate_grad_batches=2,
+        ).fit(model, token_data())
         hard[limited] = {"state": model.state_dict(), "evictions": strategy.memory_stats()["evictions"]}
     state["hard"] = hard
     try:  # outside the block, a state_dict needs every rank's shards: refused with the way to get it
-        t2 = trainer(ChunkOffloadStrategy(collective_timeout_s=60), steps=2,
-                     callbacks=[models.StateDictOutside()])
+        t2 = trainer(ChunkOffloadStrategy(collective_timeout_s=60), steps=2, callbacks=[models.StateDictOutside()])
         t2.fit(ParityNet(), token_data())
     except Exception as e:  # noqa: BLE001 -- the message is what the test reads
         state["outside_error"] = f"{type(e).__name__}: {e}"
     try:  # unsharded accumulation: between micro-batches the gradients wait in the payloads, not in the shards
-        trainer(ChunkOffloadStrategy(sharded_accumulation=False, collective_timeout_s=60), steps=2,
-                callbacks=[models.GradsAfterBackward()], accumulate_grad_batches=2).fit(ParityNet(), token_data())
+        trainer(
+            ChunkOffloadStrategy(sharded_accumulation=False, collective_timeout_s=60),
+            steps=2,
+            callbacks=[models.GradsAfterBackward()],
+            accumulate_grad_batches=2,
+        ).fit(ParityNet(), token_data())
     except Exception as e:  # noqa: BLE001 -- the message is what the test reads
         state["waiting_error"] = f"{type(e).__name__}: {e}"
     if t.global_rank == 0:
@@ -441,9 +622,15 @@ def run_edited_checkpoint(out: Path) -> None:
     kw = dict(dim=64, hidden=512, depth=3)
     limit = int(sum(p.numel() * p.element_size() for p in cls(**kw).parameters()) * 0.5)
     results = {}
-    for name, make in [("ddp", lambda: DDPStrategy()),
-                       ("chunk", lambda: ChunkOffloadStrategy(chunk_numel_min=4096, device_memory_limit=limit,
-                                                              optimizer_kernel="loop", collective_timeout_s=60))]:
+    for name, make in [
+        ("ddp", lambda: DDPStrategy()),
+        (
+            "chunk",
+            lambda: ChunkOffloadStrategy(
+                chunk_numel_min=4096, device_memory_limit=limit, optimizer_kernel="loop", collective_timeout_s=60
+            ),
+        ),
+    ]:
         L.seed_everything(11, verbose=False)
         first = cls(**kw)
         cb = ModelCheckpoint(dirpath=out / f"edited_{name}", every_n_train_steps=6, filename="{step}")
@@ -452,8 +639,11 @@ def run_edited_checkpoint(out: Path) -> None:
         model, strategy = cls(**kw), make()
         t = trainer(strategy, steps=10)
         t.fit(model, token_data(), ckpt_path=out / f"edited_{name}" / "step=6.ckpt")
-        results[name] = {"state": model.state_dict(), "entry": model.loaded_entry,
-                         "evictions": 0 if name == "ddp" else strategy.memory_stats()["evictions"]}
+        results[name] = {
+            "state": model.state_dict(),
+            "entry": model.loaded_entry,
+            "evictions": 0 if name == "ddp" else strategy.memory_stats()["evictions"],
+        }
     if t.global_rank == 0:
         torch.save(results, out / "edited_checkpoint.pt")
     print(f"CASE-DONE edited_checkpoint rank={t.global_rank}", flush=True)
@@ -466,15 +656,20 @@ def run_grad_penalty_limit(out: Path) -> None:
     kw = dict(dim=64, hidden=512, depth=3)
     limit = int(sum(p.numel() * p.element_size() for p in models.ReorderedGradPenalty(**kw).parameters()) * 1.8)
     results = {}
-    for name, extra in [("free", {}), ("limited", dict(device_memory_limit=limit)),
-                        ("limited_early", dict(device_memory_limit=limit, step_in_backward=True))]:
+    for name, extra in [
+        ("free", {}),
+        ("limited", dict(device_memory_limit=limit)),
+        ("limited_early", dict(device_memory_limit=limit, step_in_backward=True)),
+    ]:
         L.seed_everything(7, verbose=False)
         model = models.ReorderedGradPenalty(**kw)
         strategy = ChunkOffloadStrategy(chunk_numel_min=4096, optimizer_kernel="loop", collective_timeout_s=60, **extra)
         t = trainer(strategy, steps=6, accumulate_grad_batches=2)
         t.fit(model, token_data())
-        results[name] = {"state": model.state_dict(), **{k: v for k, v in strategy.memory_stats().items()
-                                                          if k in ("evictions", "chunks_stepped_in_backward")}}
+        results[name] = {
+            "state": model.state_dict(),
+            **{k: v for k, v in strategy.memory_stats().items() if k in ("evictions", "chunks_stepped_in_backward")},
+        }
     if t.global_rank == 0:
         torch.save(results, out / "grad_penalty_limit.pt")
     print(f"CASE-DONE grad_penalty_limit rank={t.global_rank}", flush=True)
@@ -489,9 +684,14 @@ def run_ema(out: Path) -> None:
     from lightning_chunk import ChunkEMA
 
     results = {}
-    for name, make, ema in [("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8)),
-                            ("chunk", lambda: ChunkOffloadStrategy(placement="host", optimizer_kernel="loop",
-                                                                   collective_timeout_s=60), lambda: ChunkEMA(decay=0.8))]:
+    for name, make, ema in [
+        ("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8)),
+        (
+            "chunk",
+            lambda: ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", collective_timeout_s=60),
+            lambda: ChunkEMA(decay=0.8),
+        ),
+    ]:
         val = dict(limit_val_batches=2, val_check_interval=3)
         L.seed_everything(7, verbose=False)
         model = models.LogsValLoss()
@@ -499,7 +699,8 @@ def run_ema(out: Path) -> None:
         L.seed_everything(7, verbose=False)
         cb = ModelCheckpoint(dirpath=out / f"ema_{name}", every_n_train_steps=4, filename="{step}")
         trainer(make(), steps=4, callbacks=[ema(), cb], enable_checkpointing=True, **val).fit(
-            models.LogsValLoss(), token_data(), token_data(16, seed=1))
+            models.LogsValLoss(), token_data(), token_data(16, seed=1)
+        )
         L.seed_everything(7, verbose=False)
         resumed = models.LogsValLoss()
         t = trainer(make(), steps=8, callbacks=[ema()], **val)
@@ -512,24 +713,35 @@ def run_ema(out: Path) -> None:
     kw = dict(dim=64, hidden=512, depth=3)
     limit = int(sum(p.numel() * p.element_size() for p in models.ReorderedNet(**kw).parameters()) * 0.9)
     for name, make, ema in [
-            ("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8)),
-            ("limited", lambda: ChunkOffloadStrategy(chunk_numel_min=4096, device_memory_limit=limit,
-                                                     optimizer_kernel="loop", collective_timeout_s=60),
-             lambda: ChunkEMA(decay=0.8)),
-            ("free", lambda: ChunkOffloadStrategy(chunk_numel_min=4096, optimizer_kernel="loop", collective_timeout_s=60),
-             lambda: ChunkEMA(decay=0.8))]:
+        ("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8)),
+        (
+            "limited",
+            lambda: ChunkOffloadStrategy(
+                chunk_numel_min=4096, device_memory_limit=limit, optimizer_kernel="loop", collective_timeout_s=60
+            ),
+            lambda: ChunkEMA(decay=0.8),
+        ),
+        (
+            "free",
+            lambda: ChunkOffloadStrategy(chunk_numel_min=4096, optimizer_kernel="loop", collective_timeout_s=60),
+            lambda: ChunkEMA(decay=0.8),
+        ),
+    ]:
         val = dict(limit_val_batches=2, val_check_interval=2, accumulate_grad_batches=2)
         L.seed_everything(7, verbose=False)
         first = models.ReorderedNet(**kw)
         cb = ModelCheckpoint(dirpath=out / f"ema_hard_{name}", every_n_train_steps=3, filename="{step}")
         trainer(make(), steps=3, callbacks=[ema(), cb], enable_checkpointing=True, **val).fit(
-            first, token_data(), token_data(16, seed=1))
+            first, token_data(), token_data(16, seed=1)
+        )
         L.seed_everything(7, verbose=False)
         resumed, strategy = models.ReorderedNet(**kw), make()
         t = trainer(strategy, steps=6, callbacks=[ema()], **val)
         t.fit(resumed, token_data(), token_data(16, seed=1), ckpt_path=out / f"ema_hard_{name}" / "step=3.ckpt")
-        results[f"hard_{name}"] = {"state": resumed.state_dict(),
-                                   "evictions": 0 if name == "ddp" else strategy.memory_stats()["evictions"]}
+        results[f"hard_{name}"] = {
+            "state": resumed.state_dict(),
+            "evictions": 0 if name == "ddp" else strategy.memory_stats()["evictions"],
+        }
     if t.global_rank == 0:
         torch.save(results, out / "ema.pt")
     print(f"CASE-DONE ema rank={t.global_rank}", flush=True)
@@ -559,7 +771,7 @@ class SwapOnRankOne(ParityNet):
     def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
         h = self.embed(x)
         swapped = self.global_step >= 3 and self.global_rank == 1
-        for blk in (reversed(self.blocks) if swapped else self.blocks):
+        for blk in reversed(self.blocks) if swapped else self.blocks:
             h = h + blk(h)
         return self.head(self.norm(h))
 
@@ -585,8 +797,10 @@ def run_save_after_fit(out: Path) -> None:
     """``trainer.save_checkpoint()`` after ``fit`` (and after a ``validate`` that followed it), then a resume from that
     file to step 12 ([Note: optimizer state after fit]): DDP's and chunk_offload's with the defaults."""
     results = {}
-    for name, make in [("ddp", lambda: "ddp"),
-                       ("chunk", lambda: ChunkOffloadStrategy(optimizer_kernel="loop", collective_timeout_s=60))]:
+    for name, make in [
+        ("ddp", lambda: "ddp"),
+        ("chunk", lambda: ChunkOffloadStrategy(optimizer_kernel="loop", collective_timeout_s=60)),
+    ]:
         path = out / f"save_after_fit_{name}.ckpt"
         L.seed_everything(11, verbose=False)
         model = ParityNet()
@@ -617,28 +831,50 @@ def run_batchnorm(out: Path) -> None:
         if name == "ddp" or name == "ddp_resumed":
             make = DDPStrategy
         elif name == "chunk":
+
             def make():
-                return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", sharded_accumulation=False,
-                                            collective_timeout_s=60)
+                return ChunkOffloadStrategy(
+                    chunk_numel=4096, optimizer_kernel="loop", sharded_accumulation=False, collective_timeout_s=60
+                )
         else:
+
             def make():
-                return ChunkOffloadStrategy(chunk_numel_min=4096, device_memory_limit=int(0.45 * params),
-                                            optimizer_kernel="loop", collective_timeout_s=60)
+                return ChunkOffloadStrategy(
+                    chunk_numel_min=4096,
+                    device_memory_limit=int(0.45 * params),
+                    optimizer_kernel="loop",
+                    collective_timeout_s=60,
+                )
+
         resumed = name.endswith("resumed")
         model_kw = dict(depth=4, dim=256, hidden=1024) if resumed else {}
         ckpt_path = None
         if resumed:  # the first half, with a checkpoint at step 4
             L.seed_everything(7, verbose=False)
             cb = ModelCheckpoint(dirpath=out / f"bn_{name}", every_n_train_steps=4, filename="{step}")
-            t = trainer(make(), steps=4, accumulate_grad_batches=2, limit_val_batches=2, val_check_interval=6,
-                        num_sanity_val_steps=1, callbacks=[cb], enable_checkpointing=True)
+            t = trainer(
+                make(),
+                steps=4,
+                accumulate_grad_batches=2,
+                limit_val_batches=2,
+                val_check_interval=6,
+                num_sanity_val_steps=1,
+                callbacks=[cb],
+                enable_checkpointing=True,
+            )
             t.fit(models.BatchNormNet(**model_kw), token_data(), token_data(n=16, seed=1))
             ckpt_path = out / f"bn_{name}" / "step=4.ckpt"
         L.seed_everything(7, verbose=False)
         model = models.BatchNormNet(**model_kw)
         strategy = make()
-        t = trainer(strategy, steps=8, accumulate_grad_batches=2, limit_val_batches=2, val_check_interval=6,
-                    num_sanity_val_steps=1)
+        t = trainer(
+            strategy,
+            steps=8,
+            accumulate_grad_batches=2,
+            limit_val_batches=2,
+            val_check_interval=6,
+            num_sanity_val_steps=1,
+        )
         t.fit(model, token_data(), token_data(n=16, seed=1), ckpt_path=ckpt_path)
         if isinstance(strategy, ChunkOffloadStrategy):
             with strategy.full_parameters():
@@ -672,8 +908,9 @@ def run_overflow(out: Path) -> None:
     t.fit(model, token_data())
     before, after = model.seen
     unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    (out / f"overflow.rank{t.global_rank}.json").write_text(json.dumps(
-        {"unchanged": unchanged, "loss_scale": strategy.memory_stats()["loss_scale"]}))
+    (out / f"overflow.rank{t.global_rank}.json").write_text(
+        json.dumps({"unchanged": unchanged, "loss_scale": strategy.memory_stats()["loss_scale"]})
+    )
     print(f"CASE-DONE fp16_overflow_one_rank rank={t.global_rank}", flush=True)
 
 

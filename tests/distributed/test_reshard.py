@@ -17,8 +17,17 @@ EXACT = dict(rtol=0, atol=0)
 
 
 def one_rank(strategy, steps, **kw):
-    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        **kw,
+    )
 
 
 def chunk(**kw):
@@ -34,7 +43,8 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path):
         L.seed_everything(11, verbose=False)
         model = ParityNet(variant="tied")
         one_rank(strategy, 12, enable_checkpointing=False).fit(
-            model, token_data(), ckpt_path=tmp_path / f"from2_{name}" / "step=8.ckpt")
+            model, token_data(), ckpt_path=tmp_path / f"from2_{name}" / "step=8.ckpt"
+        )
         out[name] = model
     for a, b in zip(out["ddp"].parameters(), out["chunk"].parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)

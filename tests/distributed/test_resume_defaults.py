@@ -6,7 +6,6 @@ most shards on the disk tier with each disk chunk stepped during backward (``dis
 2->2 and 1->2 run in a child (tests/distributed/runner.py), 2->1 and 1->1 here.
 """
 
-
 import pytest
 import torch
 

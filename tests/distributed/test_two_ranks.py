@@ -19,31 +19,97 @@ from tests.weights_files import FORMATS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
 RUNNER = Path(__file__).with_name("runner.py")
-PARITY = ["plain", "clip_norm", "clip_value", "accumulate", "accumulate_unsharded", "tied", "frozen", "unused", "host",
-          "host_checked_each", "host_kept", "host_kept_limit", "host_released_limit", "host_kept_waiting", "limit", "reordered_auto", "reordered_auto_limit", "reordered_auto_tight",
-          "reordered_bf16", "reordered_bf16_tight", "host_bf16_one_pass", "early_host_bf16_one_pass", "checkpointed", "checkpointed_host", "checkpointed_limit",
-          "adapters_limit", "reused_frozen_limit", "checkpointed_adapters_limit", "torch_transformer_host", "grad_penalty_host",
-          "grad_penalty_accumulate_unsharded", "grad_penalty_early_accumulate",
-          "two_optimizers", "toggled_optimizers", "two_optimizers_fp16", "rank_buffer", "deferred", "deferred_limit",
-          "disk", "disk_accumulate", "disk_defaults", "disk_defaults_after", "early", "early_unused", "early_accumulate", "early_limit",
-          "root_tied_host", "root_tied_limit", "bn_cnn_bf16", "bn_cnn_bf16_host", "bn_cnn_fp16", "limits_differ",
-          "rank_gated", "rank_gated_limit", "spare_limit"]
+PARITY = [
+    "plain",
+    "clip_norm",
+    "clip_value",
+    "accumulate",
+    "accumulate_unsharded",
+    "tied",
+    "frozen",
+    "unused",
+    "host",
+    "host_checked_each",
+    "host_kept",
+    "host_kept_limit",
+    "host_released_limit",
+    "host_kept_waiting",
+    "limit",
+    "reordered_auto",
+    "reordered_auto_limit",
+    "reordered_auto_tight",
+    "reordered_bf16",
+    "reordered_bf16_tight",
+    "host_bf16_one_pass",
+    "early_host_bf16_one_pass",
+    "checkpointed",
+    "checkpointed_host",
+    "checkpointed_limit",
+    "adapters_limit",
+    "reused_frozen_limit",
+    "checkpointed_adapters_limit",
+    "torch_transformer_host",
+    "grad_penalty_host",
+    "grad_penalty_accumulate_unsharded",
+    "grad_penalty_early_accumulate",
+    "two_optimizers",
+    "toggled_optimizers",
+    "two_optimizers_fp16",
+    "rank_buffer",
+    "deferred",
+    "deferred_limit",
+    "disk",
+    "disk_accumulate",
+    "disk_defaults",
+    "disk_defaults_after",
+    "early",
+    "early_unused",
+    "early_accumulate",
+    "early_limit",
+    "root_tied_host",
+    "root_tied_limit",
+    "bn_cnn_bf16",
+    "bn_cnn_bf16_host",
+    "bn_cnn_fp16",
+    "limits_differ",
+    "rank_gated",
+    "rank_gated_limit",
+    "spare_limit",
+]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
-EARLY_TWINS = {"early": "plain", "early_unused": "unused", "early_accumulate": "accumulate",
-               "early_limit": "reordered_auto_limit", "early_host_bf16_one_pass": "host_bf16_one_pass"}
+EARLY_TWINS = {
+    "early": "plain",
+    "early_unused": "unused",
+    "early_accumulate": "accumulate",
+    "early_limit": "reordered_auto_limit",
+    "early_host_bf16_one_pass": "host_bf16_one_pass",
+}
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
 # reduces once (a last-bit difference that Adam carries through 24 steps: the tolerance the one-rank suite
 # gives the fused kernel's rounding). sharded_accumulation=False sums as DDP does and is bit-exact.
-ROUNDING = {"clip_norm": dict(rtol=1e-5, atol=1e-6), "two_optimizers": dict(rtol=1e-5, atol=1e-6),
-            "accumulate": dict(rtol=1e-4, atol=1e-5), "early_accumulate": dict(rtol=1e-4, atol=1e-5),
-            "grad_penalty_early_accumulate": dict(rtol=1e-4, atol=1e-5),
-            "disk_accumulate": dict(rtol=1e-4, atol=1e-5),
-            "disk_defaults": dict(rtol=1e-4, atol=1e-5), "disk_defaults_after": dict(rtol=1e-4, atol=1e-5)}
+ROUNDING = {
+    "clip_norm": dict(rtol=1e-5, atol=1e-6),
+    "two_optimizers": dict(rtol=1e-5, atol=1e-6),
+    "accumulate": dict(rtol=1e-4, atol=1e-5),
+    "early_accumulate": dict(rtol=1e-4, atol=1e-5),
+    "grad_penalty_early_accumulate": dict(rtol=1e-4, atol=1e-5),
+    "disk_accumulate": dict(rtol=1e-4, atol=1e-5),
+    "disk_defaults": dict(rtol=1e-4, atol=1e-5),
+    "disk_defaults_after": dict(rtol=1e-4, atol=1e-5),
+}
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
-FP16 = {"two_optimizers_fp16", "reordered_bf16", "reordered_bf16_tight", "host_bf16_one_pass",
-        "early_host_bf16_one_pass", "bn_cnn_bf16", "bn_cnn_bf16_host", "bn_cnn_fp16"}  # bf16 against bf16 autocast too
+FP16 = {
+    "two_optimizers_fp16",
+    "reordered_bf16",
+    "reordered_bf16_tight",
+    "host_bf16_one_pass",
+    "early_host_bf16_one_pass",
+    "bn_cnn_bf16",
+    "bn_cnn_bf16_host",
+    "bn_cnn_fp16",
+}  # bf16 against bf16 autocast too
 WEIGHTS = [f"weights_{fmt}" for fmt in FORMATS]
 
 
@@ -79,8 +145,19 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
         assert s["time_gather_wait_s"] >= t["gather_wait"] > 0  # cumulative since set-up (warm-up included)
 
 
-LAUNCHED = [*PARITY, *WEIGHTS, "fp16_overflow_one_rank", "resume", "unfreeze", "full_parameters",
-            "edited_checkpoint", "ema", "grad_penalty_limit", "batchnorm", "save_after_fit"]
+LAUNCHED = [
+    *PARITY,
+    *WEIGHTS,
+    "fp16_overflow_one_rank",
+    "resume",
+    "unfreeze",
+    "full_parameters",
+    "edited_checkpoint",
+    "ema",
+    "grad_penalty_limit",
+    "batchnorm",
+    "save_after_fit",
+]
 
 
 @pytest.fixture(scope="module")
@@ -410,13 +487,24 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
         assert torch.equal(limited["state"][k], v), k
         torch.testing.assert_close(v, ddp["state"][k], **ROUNDING["accumulate"], msg=k)
     finals = []
-    for strategy, ema, ckpt in [("auto", EMAWeightAveraging(decay=0.8), "ema_ddp"),
-                                (ChunkOffloadStrategy(optimizer_kernel="loop"), ChunkEMA(decay=0.8), "ema_chunk")]:
+    for strategy, ema, ckpt in [
+        ("auto", EMAWeightAveraging(decay=0.8), "ema_ddp"),
+        (ChunkOffloadStrategy(optimizer_kernel="loop"), ChunkEMA(decay=0.8), "ema_chunk"),
+    ]:
         L.seed_everything(7, verbose=False)
         model = LogsValLoss()
-        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, callbacks=[ema]).fit(model, token_data(), ckpt_path=out / ckpt / "step=4.ckpt")
+        L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=8,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[ema],
+        ).fit(model, token_data(), ckpt_path=out / ckpt / "step=4.ckpt")
         finals.append(model.state_dict())
     for k, v in finals[0].items():
         assert torch.equal(finals[1][k], v), k
@@ -445,10 +533,19 @@ def test_buffers_start_from_rank_zero(parity_run):
     assert s0["buffers"]["offset"] == s1["buffers"]["offset"] == pytest.approx(0.05 * 32)
 
 
-@pytest.mark.parametrize("case,share", [("limit", 0.5), ("reordered_auto_limit", 2.0), ("deferred_limit", 2.0),
-                                        ("reordered_auto_tight", 0.5), ("checkpointed_limit", 0.5),
-                                        ("adapters_limit", 0.5), ("reused_frozen_limit", 0.5),
-                                        ("checkpointed_adapters_limit", 0.5)])
+@pytest.mark.parametrize(
+    "case,share",
+    [
+        ("limit", 0.5),
+        ("reordered_auto_limit", 2.0),
+        ("deferred_limit", 2.0),
+        ("reordered_auto_tight", 0.5),
+        ("checkpointed_limit", 0.5),
+        ("adapters_limit", 0.5),
+        ("reused_frozen_limit", 0.5),
+        ("checkpointed_adapters_limit", 0.5),
+    ],
+)
 def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, case, share):
     """``limit``: below this rank's share of the parameters alone; ``reordered_auto_limit`` (the automatic
     chunk size): below its share of the training state (parameters, gradients, Adam's moments);
@@ -487,9 +584,15 @@ def test_a_rank_that_skips_a_module_fails_fast_on_every_rank(tmp_path):
         # the branch's chunk is gathered ahead on both ranks ([Note: how far ahead to gather]), so the first
         # collective where they differ is its reduce-scatter, named by the parameters the chunk holds
         # (the check at the next collective, or the exchange after a timed-out wait)
-        assert any(("the ranks issued different chunk collectives (rank 0: " in e
-                    or "ranks disagree on a chunk collective (rank 0: " in e) and "'branch" in e
-                   or "lost rank" in e for e in errors), errors
+        assert any(
+            (
+                "the ranks issued different chunk collectives (rank 0: " in e
+                or "ranks disagree on a chunk collective (rank 0: " in e
+            )
+            and "'branch" in e
+            or "lost rank" in e
+            for e in errors
+        ), errors
     assert "'branch" in log, log[-3000:]
 
 
@@ -531,13 +634,17 @@ def test_by_default_ranks_running_modules_in_another_order_are_named_before_the_
     # a rank whose fit raised first may have Lightning's launcher kill the other before it prints: each rank's
     # own words are its line, or the error it raised
     assert caught, log[:3000] + " ... " + log[-3000:]
-    named = ("ranks disagree on a chunk collective (rank 0: all_gather of", "the ranks issued different chunk "
-             "collectives (rank 0: ")
+    named = (
+        "ranks disagree on a chunk collective (rank 0: all_gather of",
+        "the ranks issued different chunk collectives (rank 0: ",
+    )
     for line in caught:
         assert "global_step=3:" in line and any(n in line for n in named) and "since the last check" in line, line
     for r in (0, 1):
-        assert any(f"[rank {r}]" in line and any(n in line for n in named) for line in log.splitlines()), \
-            (r, log[:3000] + " ... " + log[-3000:])
+        assert any(f"[rank {r}]" in line and any(n in line for n in named) for line in log.splitlines()), (
+            r,
+            log[:3000] + " ... " + log[-3000:],
+        )
 
 
 @pytest.mark.cases("resume")

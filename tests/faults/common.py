@@ -32,14 +32,22 @@ class Ranks:
         out.mkdir(parents=True, exist_ok=True)
         for r in range(world_size):
             e = child_env()
-            e.update(RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0", WORLD_SIZE=str(world_size),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT),
-                     OMP_NUM_THREADS="1")  # as torchrun sets it: spinning thread pools of 2 ranks on 2 cores cost 3x
+            e.update(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                NODE_RANK="0",
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                PYTHONPATH=str(ROOT),
+                OMP_NUM_THREADS="1",
+            )  # as torchrun sets it: spinning thread pools of 2 ranks on 2 cores cost 3x
             e.update(env or {})
             so, se = open(out / f"rank{r}.out", "w"), open(out / f"rank{r}.err", "w")
             self.files += [so, se]
-            self.procs.append(subprocess.Popen([sys.executable, str(script), str(out), *args], env=e, stdout=so,
-                                               stderr=se, cwd=ROOT))
+            self.procs.append(
+                subprocess.Popen([sys.executable, str(script), str(out), *args], env=e, stdout=so, stderr=se, cwd=ROOT)
+            )
 
     def wait(self, timeout: float = 240, *, until_first: bool = False) -> list[tuple[int | None, str, str, float]]:
         """``(returncode, stdout, stderr, time.time() at exit)`` per rank; ``until_first``: return once one rank
@@ -74,10 +82,24 @@ class Zygotes:
         self.procs = []
         for r in range(world_size):
             e = child_env()
-            e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                     PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # as Ranks: one thread a rank
-            self.procs.append(subprocess.Popen([sys.executable, str(script), "--zygote"], env=e, cwd=ROOT, text=True,
-                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+            e.update(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                PYTHONPATH=str(ROOT),
+                OMP_NUM_THREADS="1",
+            )  # as Ranks: one thread a rank
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), "--zygote"],
+                    env=e,
+                    cwd=ROOT,
+                    text=True,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                )
+            )
 
     def run(self, out: Path, *args: str) -> list[tuple[int, str, str, float]]:
         """``(returncode, stdout, stderr, seconds)`` per rank of one job writing under ``out``."""
@@ -89,8 +111,10 @@ class Zygotes:
         for r, p in enumerate(self.procs):
             line = p.stdout.readline().split()
             assert line and line[0] == "RESULT", f"zygote {r} died"
+
             def read(s):
                 return Path(f"{out}.rank{r}.{s}").read_text()
+
             results.append((int(line[1]), read("out"), read("err"), float(line[2])))
         return results
 
@@ -103,8 +127,11 @@ class Zygotes:
 def saved_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a sharded checkpoint's DCP part, read whole on this process."""
     md = dcp.FileSystemReader(str(path)).read_metadata()
-    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-           if hasattr(m, "size")}
+    out = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if hasattr(m, "size")
+    }
     import warnings
 
     with warnings.catch_warnings():
@@ -123,7 +150,12 @@ def find_last(dirpath: Path) -> str | None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.trainer.states import TrainerFn
 
-    t = L.Trainer(callbacks=[ModelCheckpoint(dirpath=dirpath)], logger=False, enable_progress_bar=False,
-                  enable_model_summary=False)
-    return t._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
-                                                    model_connected=True)
+    t = L.Trainer(
+        callbacks=[ModelCheckpoint(dirpath=dirpath)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return t._checkpoint_connector._parse_ckpt_path(
+        TrainerFn.FITTING, "last", model_provided=True, model_connected=True
+    )

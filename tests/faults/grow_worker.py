@@ -44,9 +44,19 @@ def batches(rank: int) -> DataLoader:
 def fit(strategy) -> tuple[L.Trainer, ReorderedNet]:
     L.seed_everything(7, verbose=False)
     model = ReorderedNet(**SHAPE)
-    t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=BATCHES // 2, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, use_distributed_sampler=False, accumulate_grad_batches=2)
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=BATCHES // 2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        accumulate_grad_batches=2,
+    )
     t.fit(model, batches(int(os.environ["RANK"])))
     return t, model
 

@@ -35,7 +35,7 @@ def data(mode: str, rank: int) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (2, STEPS, BATCH, SEQ), generator=g)[rank]
     if mode == "reference":
-        x = torch.cat([x[:K], x[K + 1:]])
+        x = torch.cat([x[:K], x[K + 1 :]])
     x = x.reshape(-1, SEQ)
     return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=BATCH, shuffle=False)
 
@@ -68,20 +68,38 @@ class Recorder(L.Callback):
         for i, view in sorted(b.views().items()):
             for k, v in b.optimizer.state.get(view, {}).items():
                 state[f"{i}.{k}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
-        torch.save({"masters": [c.master.clone() for c in eng.manager.chunks], "state": state, "scales": self.scales,
-                    "changed": self.changed, "final_scale": trainer.strategy.precision_plugin.scaler.scale},
-                   Path(sys.argv[1]) / f"{self.mode}.rank{trainer.global_rank}.pt")
+        torch.save(
+            {
+                "masters": [c.master.clone() for c in eng.manager.chunks],
+                "state": state,
+                "scales": self.scales,
+                "changed": self.changed,
+                "final_scale": trainer.strategy.precision_plugin.scaler.scale,
+            },
+            Path(sys.argv[1]) / f"{self.mode}.rank{trainer.global_rank}.pt",
+        )
 
 
 def main() -> None:
     mode = sys.argv[2]  # argv[1]: the output folder, unused here
     L.seed_everything(7, verbose=False)
-    t = L.Trainer(accelerator="cpu", devices=2, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096,
-                  collective_timeout_s=60), plugins=[ChunkPrecision("16-mixed")],
-                  max_steps=STEPS if mode == "faulty" else STEPS - 1, logger=False, enable_progress_bar=False,
-                  enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                  callbacks=[Recorder(mode)], use_distributed_sampler=False)
-    t.fit(ParityNet(scheduler=False), data(mode, int(os.environ["RANK"])))  # Lightning steps a scheduler on a skipped step too
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, collective_timeout_s=60),
+        plugins=[ChunkPrecision("16-mixed")],
+        max_steps=STEPS if mode == "faulty" else STEPS - 1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=[Recorder(mode)],
+        use_distributed_sampler=False,
+    )
+    t.fit(
+        ParityNet(scheduler=False), data(mode, int(os.environ["RANK"]))
+    )  # Lightning steps a scheduler on a skipped step too
     print(f"DONE {mode} rank={t.global_rank}", flush=True)
     torch.distributed.destroy_process_group()
 

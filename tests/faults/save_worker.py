@@ -85,6 +85,7 @@ class Events:
             def hooked(*a, **k):
                 self(name)
                 return fn(*a, **k)
+
             setattr(owner, attr, hooked)
 
         wrap(os, "replace", "os.replace")
@@ -131,8 +132,10 @@ def save_fails_then_succeeds(eng, comm, out: Path, steps: int, how: str) -> None
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (8_000, old_limit[1]))  # a file holds 15 kB
         else:
+
             def full(*a, **k):
                 raise OSError(errno.ENOSPC, "No space left on device")
+
             dcp_fs._write_item = full
     try:
         checkpoint.save_sharded(eng, out / "last.ckpt", {"steps": steps}, with_optimizer=True)

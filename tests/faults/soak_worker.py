@@ -51,17 +51,46 @@ def main() -> None:
     x = torch.randint(0, VOCAB, (64, SEQ), generator=g)
     data = DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=4, shuffle=False)
     watch = Watch()
-    callbacks = [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=50, save_top_k=2, monitor="step",
-                                 mode="max", save_last=True, filename="{step}")] if mode == "save" else []
+    callbacks = (
+        [
+            ModelCheckpoint(
+                dirpath=out / "ckpt",
+                every_n_train_steps=50,
+                save_top_k=2,
+                monitor="step",
+                mode="max",
+                save_last=True,
+                filename="{step}",
+            )
+        ]
+        if mode == "save"
+        else []
+    )
     L.seed_everything(7, verbose=False)
-    t = L.Trainer(accelerator="cpu", devices=2, strategy=ChunkOffloadStrategy(placement="auto", chunk_numel=4096,
-                  device_memory_limit=LIMIT, optimizer_kernel="loop", collective_timeout_s=60, log_memory_stats=False),
-                  max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                  enable_checkpointing=mode == "save", limit_val_batches=0, callbacks=callbacks + [watch])
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ChunkOffloadStrategy(
+            placement="auto",
+            chunk_numel=4096,
+            device_memory_limit=LIMIT,
+            optimizer_kernel="loop",
+            collective_timeout_s=60,
+            log_memory_stats=False,
+        ),
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=mode == "save",
+        limit_val_batches=0,
+        callbacks=callbacks + [watch],
+    )
     model = ParityNet(scheduler=False, **SHAPE)
     t.fit(model, data)
-    (out / f"{mode}.rank{rank}.json").write_text(json.dumps(
-        {"rss_kib_after_save": watch.after_save, "fds_after_save": watch.fds, "evictions": watch.evictions}))
+    (out / f"{mode}.rank{rank}.json").write_text(
+        json.dumps({"rss_kib_after_save": watch.after_save, "fds_after_save": watch.fds, "evictions": watch.evictions})
+    )
     if rank == 0:
         torch.save(model.state_dict(), out / f"{mode}.pt")
     print(f"DONE {mode} rank={rank}", flush=True)

@@ -37,8 +37,11 @@ def arm(out: Path, where: str) -> None:
     rank, what, n, how = where.split(":")
     if int(rank) != int(os.environ["RANK"]):
         return
-    owner, attr = {"all_gather": (Collectives, "all_gather"), "reduce_scatter": (Collectives, "reduce_scatter"),
-                   "step": (OptimizerBinding, "step")}[what]
+    owner, attr = {
+        "all_gather": (Collectives, "all_gather"),
+        "reduce_scatter": (Collectives, "reduce_scatter"),
+        "step": (OptimizerBinding, "step"),
+    }[what]
     fn, count = getattr(owner, attr), [0]
 
     def hooked(*a, **k):
@@ -54,6 +57,7 @@ def arm(out: Path, where: str) -> None:
 def main() -> None:
     out, where = Path(sys.argv[1]), sys.argv[2]
     import faulthandler
+
     faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints its stack instead of nothing
     # only a net for a real hang (the test waits 180 s and measures the survivor from the fault, not from here): at
     # 25 s it could fire on a slow CI machine before the survivor's own bounded wait ended (a whole run takes
@@ -62,9 +66,17 @@ def main() -> None:
     arm(out, where)
     L.seed_everything(7, verbose=False)
     cb = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_last=True, filename="{step}")
-    t = L.Trainer(accelerator="cpu", devices=2, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096,
-                  collective_timeout_s=TIMEOUT_S), max_steps=12, logger=False, enable_progress_bar=False,
-                  enable_model_summary=False, limit_val_batches=0, callbacks=[cb])
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, collective_timeout_s=TIMEOUT_S),
+        max_steps=12,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[cb],
+    )
     t.fit(ParityNet(variant="tied"), token_data())
     print("FINISHED", flush=True)
 

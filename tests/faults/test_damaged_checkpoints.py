@@ -36,15 +36,22 @@ def state_of(eng, opt):
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("damaged")
-    for name, kw in {"good": {}, "later": dict(steps=3), "wider": dict(width=32),
-                     "bf16": dict(dtype=torch.bfloat16)}.items():
+    for name, kw in {
+        "good": {},
+        "later": dict(steps=3),
+        "wider": dict(width=32),
+        "bf16": dict(dtype=torch.bfloat16),
+    }.items():
         eng, _ = engine(**kw)
         save_sharded(eng, root / f"{name}.ckpt", {"name": name}, with_optimizer=True)
     return root
@@ -70,15 +77,30 @@ def damage(saved: Path, tmp_path: Path, case: str) -> tuple[Path, str]:
         (ck / "meta.pt").write_bytes(b"not a pickle")
         return ck, f"'{ck / 'meta.pt'}' cannot be read"
     if case == "another model":
-        return saved / "wider.ckpt", "was written for another model; shapes differ: .*'0.weight: checkpoint \\(32, 32\\) vs model \\(24, 24\\)'"
+        return (
+            saved / "wider.ckpt",
+            "was written for another model; shapes differ: .*'0.weight: checkpoint \\(32, 32\\) vs model \\(24, 24\\)'",
+        )
     if case == "another precision":
-        return saved / "bf16.ckpt", ("was written with another precision: 4 parameters \\(e.g. '0.weight'\\) were "
-                                     "saved as bfloat16, this run keeps float32")
+        return saved / "bf16.ckpt", (
+            "was written with another precision: 4 parameters \\(e.g. '0.weight'\\) were "
+            "saved as bfloat16, this run keeps float32"
+        )
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["truncated shard", "missing .metadata", "missing meta.pt", "meta.pt of another save",
-                                  "unreadable meta.pt", "another model", "another precision"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "truncated shard",
+        "missing .metadata",
+        "missing meta.pt",
+        "meta.pt of another save",
+        "unreadable meta.pt",
+        "another model",
+        "another precision",
+    ],
+)
 def test_a_damaged_or_foreign_checkpoint_is_refused_before_anything_is_overwritten(saved, tmp_path, case):
     path, match = damage(saved, tmp_path, case)
     eng, opt = engine(seed=5, steps=2)  # a run with its own values and optimizer state
@@ -94,4 +116,6 @@ def test_the_undamaged_checkpoint_loads(saved):
     eng, opt = engine(seed=5, steps=2)
     load_sharded(eng, saved / "good.ckpt", with_optimizer=True)
     ref, _ = engine(steps=1)
-    assert all(torch.equal(a, b) for a, b in zip(eng.full_state_dict().values(), ref.full_state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(eng.full_state_dict().values(), ref.full_state_dict().values(), strict=True)
+    )

@@ -29,7 +29,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank_as_if_it_never_happened
         assert got[r]["scales"] == got[0]["scales"] and got[r]["final_scale"] == got[0]["final_scale"]
         s0 = got[r]["scales"][0]
         assert got[r]["scales"] == [s0] * (K + 1) + [s0 / 2] * (len(got[r]["scales"]) - K - 1)
-        assert ref[r]["scales"] == got[r]["scales"][:K] + got[r]["scales"][K + 1:]
+        assert ref[r]["scales"] == got[r]["scales"][:K] + got[r]["scales"][K + 1 :]
         assert all(torch.equal(a, b) for a, b in zip(got[r]["masters"], ref[r]["masters"], strict=True)), r
         assert got[r]["state"].keys() == ref[r]["state"].keys() and got[r]["state"]
         for k in got[r]["state"]:

@@ -49,9 +49,18 @@ class Watch(L.Callback):
 def fit(strategy, callbacks=()):
     L.seed_everything(3, verbose=False)
     model = ParityNet(**SHAPE)
-    t = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, callbacks=list(callbacks))
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
     t.fit(model, batches())
     return model
 
@@ -61,9 +70,19 @@ def runs():
     out = {"plain": fit("auto")}
     for replan in (True, False):
         w = Watch()
-        out[replan] = (fit(ChunkOffloadStrategy(placement="auto", device_memory_limit=LIMIT, chunk_numel=None,
-                                                optimizer_kernel="loop",
-                                                replan_when_inputs_grow=replan), [w]), w)
+        out[replan] = (
+            fit(
+                ChunkOffloadStrategy(
+                    placement="auto",
+                    device_memory_limit=LIMIT,
+                    chunk_numel=None,
+                    optimizer_kernel="loop",
+                    replan_when_inputs_grow=replan,
+                ),
+                [w],
+            ),
+            w,
+        )
     return out
 
 

@@ -57,8 +57,13 @@ def _saves(tmp_path_factory):
     a = root / "a" / "last.ckpt"
     shutil.copytree(a, root / "b" / "last.ckpt")
     events = events_of(run(root / "b", 2, "count"))  # over an existing checkpoint, as in every kill run
-    return dict(root=root, a=a, b=root / "b" / "last.ckpt", events=events,
-                tensors={1: saved_tensors(a), 2: saved_tensors(root / "b" / "last.ckpt")})
+    return dict(
+        root=root,
+        a=a,
+        b=root / "b" / "last.ckpt",
+        events=events,
+        tensors={1: saved_tensors(a), 2: saved_tensors(root / "b" / "last.ckpt")},
+    )
 
 
 def schedule(events: list[list[str]], n: int, who: str, seed: int) -> list[tuple[int, int]]:

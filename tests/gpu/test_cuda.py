@@ -31,16 +31,23 @@ def assert_close_params(ref, got, tol=TOL):
 
 
 def relative_update_error(ref, got, init) -> float:
-    num = sum((b.float().cpu() - a.float().cpu()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters(), strict=True))
-    den = sum((a.float().cpu() - i.float().cpu()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters(), strict=True))
+    num = sum(
+        (b.float().cpu() - a.float().cpu()).pow(2).sum()
+        for a, b in zip(ref.parameters(), got.parameters(), strict=True)
+    )
+    den = sum(
+        (a.float().cpu() - i.float().cpu()).pow(2).sum()
+        for a, i in zip(ref.parameters(), init.parameters(), strict=True)
+    )
     return float((num / den).sqrt())
 
 
 @pytest.mark.parametrize("placement", ["device", "host", "auto"])
 def test_parity_on_cuda(placement):
     ref = fit("auto", steps=20, accelerator="gpu", gradient_clip_val=0.05)
-    got = fit(ChunkOffloadStrategy(placement=placement, chunk_numel=4096), steps=20, accelerator="gpu",
-              gradient_clip_val=0.05)
+    got = fit(
+        ChunkOffloadStrategy(placement=placement, chunk_numel=4096), steps=20, accelerator="gpu", gradient_clip_val=0.05
+    )
     assert_close_params(ref, got)
 
 
@@ -84,18 +91,27 @@ def test_the_one_pass_host_step_equals_torchs_fused_kernel_on_cuda(native, monke
     runs = {}
     for kernel in ("fused", "one_pass"):
         strategy = ChunkOffloadStrategy(placement="host", chunk_numel=40000, optimizer_kernel=kernel)
-        runs[kernel] = fit(strategy, steps=12, accelerator="gpu", precision="bf16-mixed",
-                           model_kwargs=dict(dim=64, hidden=512))
+        runs[kernel] = fit(
+            strategy, steps=12, accelerator="gpu", precision="bf16-mixed", model_kwargs=dict(dim=64, hidden=512)
+        )
     for (n, a), b in zip(runs["fused"].named_parameters(), runs["one_pass"].parameters(), strict=True):
         assert torch.equal(a.cpu(), b.cpu()), n
 
 
 def test_fp16_mixed_with_loss_scaling_on_cuda():
     init = fit("auto", steps=0, accelerator="gpu")
-    ref = fit("auto", steps=20, accelerator="gpu",
-              plugins=[MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda"))])
-    got = fit(ChunkOffloadStrategy(placement="auto", chunk_numel=4096, device_memory_limit="256MiB"), steps=20,
-              accelerator="gpu", plugins=[ChunkPrecision("16-mixed")])
+    ref = fit(
+        "auto",
+        steps=20,
+        accelerator="gpu",
+        plugins=[MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda"))],
+    )
+    got = fit(
+        ChunkOffloadStrategy(placement="auto", chunk_numel=4096, device_memory_limit="256MiB"),
+        steps=20,
+        accelerator="gpu",
+        plugins=[ChunkPrecision("16-mixed")],
+    )
     assert relative_update_error(ref, got, init) < 0.05
 
 
@@ -103,9 +119,17 @@ def test_two_optimizers_on_cuda():
     def run(strategy):
         L.seed_everything(7, verbose=False)
         m = TwoOptimizers()
-        L.Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=12, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0).fit(m, token_data())
+        L.Trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=12,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        ).fit(m, token_data())
         return m
 
     assert_close_params(run("auto"), run(ChunkOffloadStrategy(placement="host", chunk_numel=4096)))
@@ -150,8 +174,12 @@ def test_tracer_sees_a_peak_inside_a_module():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 64), Spiky(), nn.Linear(64, 64)).cuda()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="auto", chunk_numel=8192,
-                                                   device_memory_limit=512 << 20), device=torch.device("cuda"))
+    eng = ChunkEngine(
+        m,
+        [opt],
+        config=ChunkConfig(placement="auto", chunk_numel=8192, device_memory_limit=512 << 20),
+        device=torch.device("cuda"),
+    )
     with eng.micro_batch(training=True):
         loss = m(torch.randn(8, 64, device="cuda")).sum()
     loss.backward()
@@ -165,16 +193,28 @@ def test_checkpoint_from_pinned_host_shards_resumes_like_auto(tmp_path):
         L.seed_everything(11, verbose=False)
         m = ParityNet(variant="tied")
         cbs = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=8, filename="{step}")] if ckpt_dir else []
-        L.Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=steps, logger=False, callbacks=cbs,
-                  enable_checkpointing=bool(cbs), enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0).fit(m, token_data(), ckpt_path=ckpt_path)
+        L.Trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=steps,
+            logger=False,
+            callbacks=cbs,
+            enable_checkpointing=bool(cbs),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        ).fit(m, token_data(), ckpt_path=ckpt_path)
         return m
 
     run("auto", 8, ckpt_dir=tmp_path / "auto")
     run(ChunkOffloadStrategy(placement="host", chunk_numel=4096), 8, ckpt_dir=tmp_path / "chunk")
     ref = run("auto", 12, ckpt_path=tmp_path / "auto" / "step=8.ckpt")
-    got = run(ChunkOffloadStrategy(placement="auto", chunk_numel=4096, device_memory_limit="256MiB"), 12,
-              ckpt_path=tmp_path / "chunk" / "step=8.ckpt")
+    got = run(
+        ChunkOffloadStrategy(placement="auto", chunk_numel=4096, device_memory_limit="256MiB"),
+        12,
+        ckpt_path=tmp_path / "chunk" / "step=8.ckpt",
+    )
     assert_close_params(ref, got)
 
 
@@ -185,8 +225,13 @@ def test_the_disk_tier_on_cuda_trains_like_auto_and_steps_in_backward_by_default
     tier]); with ``step_in_backward=False`` after backward, through the gradient files. Both as plain Lightning."""
     kw = dict(steps=12, accelerator="gpu", model_kwargs=dict(dim=64, hidden=1024))
     ref = fit("auto", **kw)
-    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=66560, host_memory_limit="3MB",
-                                    disk_dir=tmp_path / "scratch", step_in_backward=step_in_backward)
+    strategy = ChunkOffloadStrategy(
+        placement="host",
+        chunk_numel=66560,
+        host_memory_limit="3MB",
+        disk_dir=tmp_path / "scratch",
+        step_in_backward=step_in_backward,
+    )
     got = fit(strategy, **kw)
     assert_close_params(ref, got)
     s = strategy.memory_stats()

@@ -15,14 +15,39 @@ VOCAB = 256
 
 CONFIGS: dict[str, dict[str, Any]] = {
     # tied input and output embeddings; Conv1D layers whose init lives in the model's _init_weights
-    "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                 bos_token_id=0, eos_token_id=0),
+    "gpt2": dict(
+        model_type="gpt2",
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
     # rotary frequencies (non-persistent buffers), grouped-query attention, untied head
-    "llama": dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False),
+    "llama": dict(
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    ),
     # learned positions with an offset, tied head
-    "opt": dict(model_type="opt", vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64),
+    "opt": dict(
+        model_type="opt",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        word_embed_proj_dim=64,
+    ),
 }
 
 

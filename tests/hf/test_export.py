@@ -33,10 +33,17 @@ def trained(tmp_path_factory):
     for kind in ("gpt2", "llama"):
         L.seed_everything(0, verbose=False)
         model = example.CausalLM(pretrained=str(save_pretrained(kind, root / f"{kind}.pre")), lr=1e-2, warmup_steps=1)
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0,
-                            strategy=ChunkOffloadStrategy(device_memory_limit=3_000_000, chunk_numel=16384),
-                            callbacks=[ModelCheckpoint(dirpath=root / kind, filename="last")])
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=4,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            strategy=ChunkOffloadStrategy(device_memory_limit=3_000_000, chunk_numel=16384),
+            callbacks=[ModelCheckpoint(dirpath=root / kind, filename="last")],
+        )
         trainer.fit(model, Batches())
         out[kind] = (model, root / kind / "last.ckpt")
     return out
@@ -135,8 +142,13 @@ def test_streaming_safetensors_matches_safetensors_own_reader(tmp_path):
     from safetensors.torch import load_file
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
-               "c": torch.randint(0, 9, (2, 2), generator=g), "d": torch.tensor(1.5), "e": torch.zeros(0, 4)}
+    tensors = {
+        "a": torch.randn(5, 3, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c": torch.randint(0, 9, (2, 2), generator=g),
+        "d": torch.tensor(1.5),
+        "e": torch.zeros(0, 4),
+    }
     w = StreamingSafetensors(tmp_path, max_shard_bytes=64)
     for k, v in tensors.items():
         w.add(k, tuple(v.shape), v.dtype)
@@ -188,8 +200,14 @@ def test_export_streams_with_bounded_memory(tmp_path):
 
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("needs Linux's /proc/self/clear_refs to measure peak memory of one phase")
-    cfg = config("llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=8,
-                 num_key_value_heads=8)
+    cfg = config(
+        "llama",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
     model = AutoModelForCausalLM.from_config(cfg)
     chunk_numel = sum(p.numel() for p in model.model.layers[0].parameters())
     engine = ChunkEngine(model, [], config=ChunkConfig(placement="host", chunk_numel=chunk_numel))
@@ -203,7 +221,10 @@ def test_export_streams_with_bounded_memory(tmp_path):
     growth = int(r.stdout.split("GROWTH")[1])
     chunk_bytes = chunk_numel * 4
     model_bytes = sum(p.numel() for p in model.parameters()) * 4
-    print(f"export growth {growth / 2**20:.1f} MiB, chunk {chunk_bytes / 2**20:.1f} MiB, model {model_bytes / 2**20:.1f} MiB")
+    print(
+        f"export growth {growth / 2**20:.1f} MiB, chunk {chunk_bytes / 2**20:.1f} MiB, "
+        f"model {model_bytes / 2**20:.1f} MiB"
+    )
     assert growth < 3 * chunk_bytes + 8 * 2**20, (growth / 2**20, chunk_bytes / 2**20)
     assert growth < model_bytes / 4
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -221,12 +242,34 @@ def test_export_of_the_average_chunk_ema_kept(tmp_path):
     example = load_example()
     L.seed_everything(0, verbose=False)
     model = example.CausalLM(pretrained=str(save_pretrained("gpt2", tmp_path / "pre")), lr=1e-2, warmup_steps=1)
-    L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, limit_val_batches=0, strategy=ChunkOffloadStrategy(chunk_numel=16384),
-              callbacks=[ChunkEMA(decay=0.5),  # before the checkpoint: the step-3 average is in it
-                         ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="last")]).fit(model, Batches())
-    assert main(["consolidate", "--format", "hf", str(tmp_path / "last.ckpt"), str(tmp_path / "hf"), "--ema",
-                 "--no-progress"]) == 0
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        strategy=ChunkOffloadStrategy(chunk_numel=16384),
+        callbacks=[
+            ChunkEMA(decay=0.5),  # before the checkpoint: the step-3 average is in it
+            ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="last"),
+        ],
+    ).fit(model, Batches())
+    assert (
+        main(
+            [
+                "consolidate",
+                "--format",
+                "hf",
+                str(tmp_path / "last.ckpt"),
+                str(tmp_path / "hf"),
+                "--ema",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     model.eval()

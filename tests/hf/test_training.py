@@ -40,9 +40,18 @@ def fit(example, strategy, steps: int = STEPS, **model_kw):
     torch._dynamo.reset()
     L.seed_everything(3, verbose=False)
     model = example.CausalLM(lr=1e-3, warmup_steps=1, **model_kw)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, Batches())
     return model
 
@@ -75,8 +84,13 @@ def test_hf_gradient_checkpointing_is_bit_exact(example, pretrained, placement):
     kw = dict(pretrained=str(pretrained["llama"]), gradient_checkpointing=True)
     ref = fit(example, "auto", **kw)
     assert ref.hf_model.is_gradient_checkpointing
-    got = fit(example, ChunkOffloadStrategy(placement=placement, device_memory_limit=LIMITS["llama"],
-                                            chunk_numel=16384, optimizer_kernel="loop"), **kw)
+    got = fit(
+        example,
+        ChunkOffloadStrategy(
+            placement=placement, device_memory_limit=LIMITS["llama"], chunk_numel=16384, optimizer_kernel="loop"
+        ),
+        **kw,
+    )
     same_params(ref, got)
     plain = fit(example, "auto", pretrained=str(pretrained["llama"]))  # recomputation changes nothing in fp32
     same_params(plain, got)
@@ -108,8 +122,14 @@ def test_a_model_from_a_config_is_initialised_by_its_own_rules_on_the_meta_devic
     deeper = {"n_layer": 8} if kind == "gpt2" else {"num_hidden_layers": 4}
     L.seed_everything(0, verbose=False)
     model = example.CausalLM(config={**CONFIGS[kind], **deeper})
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(chunk_numel=16384), logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ChunkOffloadStrategy(chunk_numel=16384),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.validate(model, Batches(n=4), verbose=False)  # setup initialises; teardown gives the values back
     torch.manual_seed(0)
     eager = AutoModelForCausalLM.from_config(config(kind, **deeper))
@@ -154,8 +174,12 @@ def test_broken_pretrained_directories_are_refused_before_training(example, tmp_
 def test_a_config_that_does_not_match_the_weights_names_the_tensors(example, pretrained):
     """The module's config says 3 layers, the files hold 2: one error listing what is missing, before any step."""
     with pytest.raises(WeightsError, match=r"missing from the file \(\d+\): model\.model\.layers\.2\.") as e:
-        fit(example, ChunkOffloadStrategy(chunk_numel=16384), pretrained=str(pretrained["llama"]),
-            config={"num_hidden_layers": 3})
+        fit(
+            example,
+            ChunkOffloadStrategy(chunk_numel=16384),
+            pretrained=str(pretrained["llama"]),
+            config={"num_hidden_layers": 3},
+        )
     assert "nothing was loaded" in str(e.value)
 
 

@@ -35,23 +35,39 @@ DEFAULTS_LIMIT = 1_600_000  # the tiny Llama's activations are 1.2 MB a rank: li
 def fit(strategy, pretrained: str, steps: int = STEPS, ckpt_path=None, **kw) -> tuple[L.Trainer, L.LightningModule]:
     L.seed_everything(3, verbose=False)  # every rank: the same dropout masks under both strategies
     model = load_example().CausalLM(pretrained=pretrained, lr=1e-3, warmup_steps=1)
-    t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                  **kw)
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        **kw,
+    )
     t.fit(model, Batches(n=64), ckpt_path=ckpt_path)
     return t, model
 
 
 def defaults_case(out: Path, pretrained: str) -> None:
     final = {}
-    for name, make in [("ddp", DDPStrategy),
-                       ("chunk", lambda: ChunkOffloadStrategy(device_memory_limit=DEFAULTS_LIMIT,
-                                                              collective_timeout_s=60))]:
+    for name, make in [
+        ("ddp", DDPStrategy),
+        ("chunk", lambda: ChunkOffloadStrategy(device_memory_limit=DEFAULTS_LIMIT, collective_timeout_s=60)),
+    ]:
         stop = ModelCheckpoint(dirpath=out / f"defaults_{name}", filename="{step}", every_n_train_steps=4)
         fit(make(), pretrained, steps=4, accumulate_grad_batches=2, callbacks=[stop])
         strategy = make()
-        t, model = fit(strategy, pretrained, steps=8, accumulate_grad_batches=2, enable_checkpointing=False,
-                       ckpt_path=out / f"defaults_{name}" / "step=4.ckpt")
+        t, model = fit(
+            strategy,
+            pretrained,
+            steps=8,
+            accumulate_grad_batches=2,
+            enable_checkpointing=False,
+            ckpt_path=out / f"defaults_{name}" / "step=4.ckpt",
+        )
         final[name] = model.state_dict()
     (out / f"defaults_stats{t.global_rank}.json").write_text(json.dumps(strategy.memory_stats()))
     if t.global_rank == 0:
@@ -62,8 +78,9 @@ def defaults_case(out: Path, pretrained: str) -> None:
 if __name__ == "__main__":
     out, pretrained, llama = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     _, ref = fit(DDPStrategy(), pretrained, enable_checkpointing=False)
-    strategy = ChunkOffloadStrategy(device_memory_limit=LIMIT, chunk_numel=16384, optimizer_kernel="loop",
-                                    collective_timeout_s=60)
+    strategy = ChunkOffloadStrategy(
+        device_memory_limit=LIMIT, chunk_numel=16384, optimizer_kernel="loop", collective_timeout_s=60
+    )
     t, got = fit(strategy, pretrained, callbacks=[ModelCheckpoint(dirpath=out, filename="last")])
     rank = t.global_rank
     (out / f"stats{rank}.json").write_text(json.dumps(strategy.memory_stats()))

@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -25,8 +26,16 @@ EXACT = dict(rtol=0, atol=0)
 
 def trainer(strategy, steps, **kw):
     kw = {"enable_checkpointing": False, "limit_val_batches": 0, **kw}
-    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
 
 
 def chunk(**kw):
@@ -42,8 +51,11 @@ def train_and_save(tmp_path, strategy, steps=8, variant="tied", **cb_kw):
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() + str(p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() + str(p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_layout_on_disk(tmp_path):
@@ -58,8 +70,11 @@ def test_layout_on_disk(tmp_path):
     ck = meta["chunk_checkpoint"]
     assert meta["global_step"] == 8 and "loops" in meta and "lr_schedulers" in meta
     assert "state_dict" not in meta and "optimizer_states" not in meta  # those are the shards
-    assert ck["world_size"] == 1 and ck["version"] and ck["optimizers"][0]["keys"] == {"exp_avg": "float32",
-                                                                                       "exp_avg_sq": "float32"}
+    assert (
+        ck["world_size"] == 1
+        and ck["version"]
+        and ck["optimizers"][0]["keys"] == {"exp_avg": "float32", "exp_avg_sq": "float32"}
+    )
     assert ck["aliases"]["head.weight"] == ck["aliases"]["embed.weight"]  # tied: one parameter
     assert not list(tmp_path.glob(".*partial"))
 
@@ -69,8 +84,11 @@ def test_resume_is_deterministic_and_matches_auto(tmp_path):
     train_and_save(tmp_path / "chunk", chunk(placement="device"))
     runs, states = [], []
     for path, make in [(tmp_path / "auto" / "step=8.ckpt", lambda: "auto")] + [
-            (tmp_path / "chunk" / "step=8.ckpt", lambda: chunk(placement="host", device_memory_limit=120_000,
-                                                              materialize_optimizer_state=True))] * 2:
+        (
+            tmp_path / "chunk" / "step=8.ckpt",
+            lambda: chunk(placement="host", device_memory_limit=120_000, materialize_optimizer_state=True),
+        )
+    ] * 2:
         strategy = make()
         L.seed_everything(11, verbose=False)
         m = ParityNet(variant="tied")
@@ -99,8 +117,9 @@ def test_plain_lightning_checkpoint_continues_with_its_optimizer_state(tmp_path)
 
 
 def test_save_top_k_and_last_as_a_link(tmp_path):
-    train_and_save(tmp_path, chunk(), steps=8, every_n_train_steps=2, save_top_k=2, monitor="step",
-                   mode="max", save_last="link")
+    train_and_save(
+        tmp_path, chunk(), steps=8, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last="link"
+    )
     dirs = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert dirs == ["last.ckpt", "step=6.ckpt", "step=8.ckpt"]
     assert (tmp_path / "last.ckpt").is_symlink() and os.readlink(tmp_path / "last.ckpt") == "step=8.ckpt"
@@ -117,8 +136,9 @@ def test_weights_only_checkpoints(tmp_path):
     ckpt = tmp_path / "step=8.ckpt"
     meta = torch.load(ckpt / "meta.pt", weights_only=False)
     assert meta["chunk_checkpoint"]["optimizers"] == []
-    out = trainer(chunk(), 1, limit_val_batches=2).validate(ParityNet(variant="tied"), token_data(8), ckpt_path=ckpt,
-                                                             verbose=False)
+    out = trainer(chunk(), 1, limit_val_batches=2).validate(
+        ParityNet(variant="tied"), token_data(8), ckpt_path=ckpt, verbose=False
+    )
     assert out
     with pytest.raises(KeyError, match="contains only the model"):
         trainer(chunk(), 12).fit(ParityNet(variant="tied"), token_data(), ckpt_path=ckpt)
@@ -193,7 +213,7 @@ def test_bad_input_is_a_clear_error_and_nothing_on_disk_changes(tmp_path, capsys
     for path, model, match in cases:
         with pytest.raises((CheckpointError, FileNotFoundError), match=match):
             trainer(chunk(), 12).fit(model, token_data(), ckpt_path=path)
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.UnpicklingError):  # not a checkpoint: torch.load says so, as with plain Lightning
         trainer(chunk(), 12).fit(ParityNet(variant="tied"), token_data(), ckpt_path=text)
     assert cli_main(["consolidate", str(truncated), str(tmp_path / "out.pt"), "--no-progress"]) == 2
     assert "is truncated" in capsys.readouterr().err
@@ -204,8 +224,21 @@ def test_bad_input_is_a_clear_error_and_nothing_on_disk_changes(tmp_path, capsys
 def test_consolidate_output_loads_strict_and_equals_the_trained_model(tmp_path):
     model, _ = train_and_save(tmp_path, chunk())
     out = tmp_path / "full.pt"
-    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "consolidate", str(tmp_path / "step=8.ckpt"), str(out),
-                        "--with-optimizer"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_chunk",
+            "consolidate",
+            str(tmp_path / "step=8.ckpt"),
+            str(out),
+            "--with-optimizer",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "consolidating" in r.stderr  # the progress bar
     full = torch.load(out, weights_only=False)
@@ -326,13 +359,16 @@ def test_a_strict_load_of_a_checkpoint_without_the_frozen_weights_names_them(tmp
 def test_a_conversion_of_the_offered_state_dict_is_refused_not_ignored(tmp_path):
     """``{k: v.half() ...}`` in on_save_checkpoint turns the meta entries into fp16 meta tensors: a sharded save
     cannot honour it and said nothing; it now names the entry and the ways out, and nothing is written."""
+
     class Halves(ParityNet):
         def on_save_checkpoint(self, checkpoint):
-            checkpoint["state_dict"] = {k: v.half() if v.is_floating_point() else v
-                                        for k, v in checkpoint["state_dict"].items()}
+            checkpoint["state_dict"] = {
+                k: v.half() if v.is_floating_point() else v for k, v in checkpoint["state_dict"].items()
+            }
 
     L.seed_everything(11, verbose=False)
     with pytest.raises(CheckpointError, match=r"entry 'embed\.weight' was changed to float16"):
-        trainer(chunk(), 2, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
-                enable_checkpointing=True).fit(Halves(), token_data())
+        trainer(
+            chunk(), 2, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)], enable_checkpointing=True
+        ).fit(Halves(), token_data())
     assert not list(tmp_path.glob("*.ckpt"))

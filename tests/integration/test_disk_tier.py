@@ -26,9 +26,19 @@ CHUNK = 66560  # BIG in 6 chunks
 def disk(tmp_path, limit="3MB", **kw):
     """The disk tier stepping after backward (its gradients through their files), what these tests were written for;
     ``step_in_backward=None`` would step in backward wherever nothing reads the gradients after it."""
-    return ChunkOffloadStrategy(**{**dict(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop",
-                                          host_memory_limit=limit, disk_dir=tmp_path / "scratch",
-                                          step_in_backward=False), **kw})
+    return ChunkOffloadStrategy(
+        **{
+            **dict(
+                placement="host",
+                chunk_numel=CHUNK,
+                optimizer_kernel="loop",
+                host_memory_limit=limit,
+                disk_dir=tmp_path / "scratch",
+                step_in_backward=False,
+            ),
+            **kw,
+        }
+    )
 
 
 CASES = {
@@ -46,8 +56,11 @@ def test_disk_tier_trains_bit_exact_with_memory(tmp_path, case):
     kw = dict(CASES[case], model_kwargs=BIG)
     mixed = kw.get("precision") in ("bf16-mixed", "16-mixed")
     # fp32: against plain Lightning; mixed: against the same strategy with every shard in host memory
-    ref = fit(ChunkOffloadStrategy(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop") if mixed else "auto",
-              steps=STEPS, **kw)
+    ref = fit(
+        ChunkOffloadStrategy(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop") if mixed else "auto",
+        steps=STEPS,
+        **kw,
+    )
     strategy = disk(tmp_path)
     got = fit(strategy, steps=STEPS, **kw)
     assert_same_params(ref, got, EXACT)
@@ -67,8 +80,9 @@ EARLY_CASES = {
     "bf16_mixed": dict(precision="bf16-mixed"),  # the compute copies written back from the stepped masters
     "accumulate_tied": dict(accumulate_grad_batches=2, variant="tied"),  # the first micro-batch's gradients in files
     # the defaults (placement="auto", the automatic chunk size) on a model used in another order than registered
-    "reordered_defaults": dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), chunk_numel=None,
-                               placement="auto"),
+    "reordered_defaults": dict(
+        cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), chunk_numel=None, placement="auto"
+    ),
 }
 
 
@@ -95,8 +109,9 @@ def test_disk_chunks_stepped_in_backward_train_bit_exact_and_write_no_gradient_f
 
     monkeypatch.setattr(MappedFile, "write_from", write_from)
     limit = "2MB" if "cls" in kw else "3MB"
-    strategy = ChunkOffloadStrategy(**base, host_memory_limit=limit, disk_dir=tmp_path / "scratch",
-                                    step_in_backward=True)
+    strategy = ChunkOffloadStrategy(
+        **base, host_memory_limit=limit, disk_dir=tmp_path / "scratch", step_in_backward=True
+    )
     got = fit(strategy, steps=STEPS, **kw)
     assert_same_params(ref, got, EXACT)
     s = strategy.memory_stats()
@@ -154,10 +169,16 @@ def test_resume_across_the_disk_tier(tmp_path, save_disk, resume_disk):
     """A checkpoint written with shards on disk resumes in memory, and the reverse, and one written with the files
     past the page cache (``disk_io="direct"``) resumes through it, exactly as a run that never used the disk tier
     saves and resumes. (``auto`` is buffered here: the page cache can hold these files.)"""
+
     def make(on_disk):
         # the automatic chunk size (the host limit bounds it) and placement="auto", as a user gets them
-        return ChunkOffloadStrategy(host_memory_limit="100kB", disk_dir=tmp_path / "scratch", optimizer_kernel="loop",
-                                    disk_io=on_disk) if on_disk else ChunkOffloadStrategy(optimizer_kernel="loop")
+        return (
+            ChunkOffloadStrategy(
+                host_memory_limit="100kB", disk_dir=tmp_path / "scratch", optimizer_kernel="loop", disk_io=on_disk
+            )
+            if on_disk
+            else ChunkOffloadStrategy(optimizer_kernel="loop")
+        )
 
     runs = []
     for name, save, resume in [("ref", False, False), ("got", save_disk, resume_disk)]:
@@ -204,8 +225,11 @@ def test_a_full_disk_is_refused_with_the_bytes_needed(tmp_path, monkeypatch):
     model = ParityNet(**BIG)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     t = trainer(disk(tmp_path), STEPS)
-    with pytest.raises(DiskTierError, match=r"the disk tier needs \d+ bytes .* in disk_dir='.*scratch'.* 1000000 "
-                                            r"bytes \(976.56 KiB\) free"):
+    with pytest.raises(
+        DiskTierError,
+        match=r"the disk tier needs \d+ bytes .* in disk_dir='.*scratch'.* 1000000 "
+        r"bytes \(976.56 KiB\) free",
+    ):
         t.fit(model, token_data())
     assert t.global_step == 0
     for n, p in model.named_parameters():
@@ -245,8 +269,11 @@ def test_the_room_check_counts_every_rank_that_shares_the_directory(tmp_path, mo
     alone = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False), ranks_here=1)
     alone.check_room(1_000_000, "the pack")  # one rank fits
     shared = DiskStorage(str(tmp_path), 1, HostStorage(pinned=False), ranks_here=2)
-    with pytest.raises(DiskTierError, match=r"needs 2000000 bytes \(1.91 MiB\) .*for the 2 ranks of this host, "
-                                            r"which share it.* 1500000 bytes \(1.43 MiB\) free"):
+    with pytest.raises(
+        DiskTierError,
+        match=r"needs 2000000 bytes \(1.91 MiB\) .*for the 2 ranks of this host, "
+        r"which share it.* 1500000 bytes \(1.43 MiB\) free",
+    ):
         shared.check_room(1_000_000, "the pack")
     for d in (alone, shared):
         d.close()
@@ -255,8 +282,13 @@ def test_the_room_check_counts_every_rank_that_shares_the_directory(tmp_path, mo
 def test_a_filesystem_that_cannot_hold_a_shard_is_refused(tmp_path):
     """A real failure, not a check: files may not exceed 100 kB (RLIMIT_FSIZE), so preallocating a shard's
     file fails; the error says how many bytes it needed and where, and nothing is left behind."""
-    r = subprocess.run([sys.executable, "-c", FSIZE.format(root=str(ROOT), tmp=str(tmp_path))], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", FSIZE.format(root=str(ROOT), tmp=str(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert "REFUSED the disk tier could not reserve" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
     assert "File too large" in r.stdout and str(tmp_path / "scratch") in r.stdout
     assert list((tmp_path / "scratch").iterdir()) == []
@@ -273,8 +305,9 @@ def test_a_dead_runs_scratch_is_removed_and_a_live_ones_kept(tmp_path):
     from lightning_chunk.engine.host_id import host_identity
 
     here = host_identity()
-    (dead / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "machine": here, "pid": 2**22 + 7,
-                                                 "start": "1"}))
+    (dead / "owner.json").write_text(
+        json.dumps({"host": socket.gethostname(), "machine": here, "pid": 2**22 + 7, "start": "1"})
+    )
     alive = ScratchDir(root, rank=0)  # this process: alive
     other_host = root / f"{PREFIX}elsewhere"
     other_host.mkdir()
@@ -284,8 +317,9 @@ def test_a_dead_runs_scratch_is_removed_and_a_live_ones_kept(tmp_path):
     container = root / f"{PREFIX}container"
     container.mkdir()
     hostname, boot, _ = here.split("/")
-    (container / "owner.json").write_text(json.dumps({"host": hostname, "machine": f"{hostname}/{boot}/4026531999",
-                                                      "pid": 2**22 + 7, "start": "1"}))
+    (container / "owner.json").write_text(
+        json.dumps({"host": hostname, "machine": f"{hostname}/{boot}/4026531999", "pid": 2**22 + 7, "start": "1"})
+    )
     second = ScratchDir(root, rank=1)
     assert not dead.exists()
     assert alive.exists and second.exists and other_host.exists() and container.exists()
@@ -429,8 +463,9 @@ def test_threads_are_lowered_only_for_kernels_whose_bits_ignore_them():
     assert not _split_at_cache_lines(torch.optim.AdamW(p, foreach=True))
     assert not _split_at_cache_lines(torch.optim.AdamW(p, foreach=False))
     assert not _split_at_cache_lines(torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    mixed = torch.optim.AdamW([{"params": p, "fused": True}, {"params": [torch.nn.Parameter(torch.zeros(2))],
-                                                                "foreach": True}])
+    mixed = torch.optim.AdamW(
+        [{"params": p, "fused": True}, {"params": [torch.nn.Parameter(torch.zeros(2))], "foreach": True}]
+    )
     assert not _split_at_cache_lines(mixed)
 
 
@@ -467,7 +502,8 @@ def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp
 
 
 def _grad_chunk(storage, numel):
-    """A stand-in for a disk chunk with a gradient file of ``numel`` fp32 elements (what ``DiskStorage`` reads of it)."""
+    """A stand-in for a disk chunk with a gradient file of ``numel`` fp32 elements (what ``DiskStorage`` reads of
+    it)."""
     from types import SimpleNamespace
 
     c = SimpleNamespace(chunk_id=0, shard_numel=numel, grad_written=False, world_size=1, tensors=[])
@@ -594,8 +630,7 @@ def test_o_direct_transfers_move_whole_pages_in_pieces_and_the_mapping_sees_them
 
 
 @pytest.mark.parametrize("disk_io", ["direct", "auto"])
-def test_o_direct_trains_bit_exact_with_memory_and_auto_takes_it_where_memory_is_short(tmp_path, monkeypatch,
-                                                                                    disk_io):
+def test_o_direct_trains_bit_exact_with_memory_and_auto_takes_it_where_memory_is_short(tmp_path, monkeypatch, disk_io):
     """The disk tier past the page cache equals plain Lightning bit for bit (with accumulation and tied weights:
     gradient files read back, written, staged); ``auto`` takes it where the page cache has no room for the files
     (faked) and stays buffered where it has."""

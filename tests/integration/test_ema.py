@@ -27,8 +27,16 @@ class Recording(BatchNormNet):
 
 def run(strategy, callbacks, steps=8, **kw):
     Recording.losses = []
-    model = fit(strategy, steps=steps, cls=Recording, callbacks=callbacks, limit_val_batches=2, val_check_interval=3,
-                val_dataloaders=token_data(16, seed=1), **kw)
+    model = fit(
+        strategy,
+        steps=steps,
+        cls=Recording,
+        callbacks=callbacks,
+        limit_val_batches=2,
+        val_check_interval=3,
+        val_dataloaders=token_data(16, seed=1),
+        **kw,
+    )
     return model, [float(x) for x in Recording.losses]
 
 
@@ -71,9 +79,10 @@ def test_without_use_buffers_the_buffers_are_copied_at_each_update_as_averaged_m
 def saved_at_step_4(tmp_path, state_dict_type):
     """Plain Lightning with EMAWeightAveraging, then chunk_offload (host) with ChunkEMA, each trained 4 steps with a
     checkpoint at the end: yields (name, a maker of its EMA callback, the checkpoint)."""
-    for name, make, ema in [("auto", lambda: "auto", lambda: EMAWeightAveraging(decay=0.8)),
-                            ("chunk", lambda: chunked(placement="host", state_dict_type=state_dict_type),
-                             lambda: ChunkEMA(decay=0.8))]:
+    for name, make, ema in [
+        ("auto", lambda: "auto", lambda: EMAWeightAveraging(decay=0.8)),
+        ("chunk", lambda: chunked(placement="host", state_dict_type=state_dict_type), lambda: ChunkEMA(decay=0.8)),
+    ]:
         cb = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, filename="{step}")
         run(make(), [ema(), cb], steps=4, enable_checkpointing=True)
         yield name, ema, tmp_path / name / "step=4.ckpt"
@@ -87,10 +96,19 @@ def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type
     for name, ema, ckpt in saved_at_step_4(tmp_path, state_dict_type):
         L.seed_everything(7, verbose=False)
         model = Recording()
-        L.Trainer(accelerator="cpu", devices=1, strategy=chunked() if name == "chunk" else "auto", max_steps=8,
-                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=2, val_check_interval=3, callbacks=[ema()]).fit(
-            model, token_data(), token_data(16, seed=1), ckpt_path=ckpt)
+        L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=chunked() if name == "chunk" else "auto",
+            max_steps=8,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=2,
+            val_check_interval=3,
+            callbacks=[ema()],
+        ).fit(model, token_data(), token_data(16, seed=1), ckpt_path=ckpt)
         finals.append(model)
     assert_same(*finals)
     ckpt = tmp_path / "chunk" / "step=4.ckpt"
@@ -114,18 +132,25 @@ def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type
         # so plain Lightning resumes from it as from its own
         L.seed_everything(7, verbose=False)
         plain = Recording()
-        L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2, val_check_interval=3,
-                  callbacks=[EMAWeightAveraging(decay=0.8)]).fit(
-            plain, token_data(), token_data(16, seed=1), ckpt_path=ckpt)
+        L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=8,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=2,
+            val_check_interval=3,
+            callbacks=[EMAWeightAveraging(decay=0.8)],
+        ).fit(plain, token_data(), token_data(16, seed=1), ckpt_path=ckpt)
         assert_same(finals[0], plain)
 
 
 def test_the_average_follows_a_repack_when_parameters_are_frozen_and_unfrozen():
     """A repack (requires_grad changed) carries the shards: the embedding, trained, frozen and trained again, is
     averaged throughout; the first block, frozen from the start, starts from its weights when it is unfrozen."""
-    ref, _ = run("auto", [EMAWeightAveraging(decay=0.9), FlipRequiresGrad(unfreeze=3, refreeze=6)],
-                 variant="frozen")
+    ref, _ = run("auto", [EMAWeightAveraging(decay=0.9), FlipRequiresGrad(unfreeze=3, refreeze=6)], variant="frozen")
     got, _ = run(chunked(), [ChunkEMA(decay=0.9), FlipRequiresGrad(unfreeze=3, refreeze=6)], variant="frozen")
     # AveragedModel also averages the first block with itself while it is frozen, which can move it by a last bit
     for k, v in ref.state_dict().items():
@@ -153,8 +178,14 @@ def test_evaluating_a_checkpoint_uses_the_average_as_lightning_s_does(tmp_path, 
     losses = []
     for name, _, ckpt in saved_at_step_4(tmp_path, state_dict_type):
         Recording.losses = []
-        L.Trainer(accelerator="cpu", devices=1, strategy=chunked() if name == "chunk" else "auto", logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2).validate(
-            Recording(), token_data(16, seed=1), ckpt_path=ckpt, verbose=False)
+        L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=chunked() if name == "chunk" else "auto",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=2,
+        ).validate(Recording(), token_data(16, seed=1), ckpt_path=ckpt, verbose=False)
         losses.append([float(x) for x in Recording.losses])
     assert losses[0] == losses[1] and len(losses[0]) == 2

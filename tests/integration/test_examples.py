@@ -34,16 +34,32 @@ def has_matplotlib() -> bool:
 
 
 def test_readme_main_job_end_to_end_at_reduced_size(tmp_path):
-    cli = load_example().main(["fit", "--config", str(CONFIGS / "cpu_tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
-                               "--trainer.max_steps=40", "--trainer.val_check_interval=20",
-                               "--trainer.limit_val_batches=4", "--trainer.enable_progress_bar=false",
-                               "--trainer.log_every_n_steps=5", "--model.depth=2",
-                               "--trainer.strategy.init_args.device_memory_limit=14MiB", *SMALL_DATA])
+    cli = load_example().main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "cpu_tiny.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=40",
+            "--trainer.val_check_interval=20",
+            "--trainer.limit_val_batches=4",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.log_every_n_steps=5",
+            "--model.depth=2",
+            "--trainer.strategy.init_args.device_memory_limit=14MiB",
+            *SMALL_DATA,
+        ]
+    )
     metrics = rows(tmp_path)
     vals = [float(r["val_loss"]) for r in metrics if r.get("val_loss")]
     assert len(vals) == 2 and vals[1] < vals[0]  # it learns
-    for col in ("chunk/device_chunk_bytes", "chunk/device_chunk_bytes_peak", "chunk/host_chunk_bytes",
-                "chunk/evictions", "chunk/step_time_ms"):
+    for col in (
+        "chunk/device_chunk_bytes",
+        "chunk/device_chunk_bytes_peak",
+        "chunk/host_chunk_bytes",
+        "chunk/evictions",
+        "chunk/step_time_ms",
+    ):
         assert col in metrics[0]
     stats = cli.trainer.strategy.memory_stats()
     assert stats["evictions"] > 0 and stats["device_chunk_bytes_peak"] <= 14 * 2**20
@@ -56,17 +72,30 @@ def test_readme_main_job_end_to_end_at_reduced_size(tmp_path):
         assert not pictures
 
 
-REDUCE_GPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.max_steps=3",
-              "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--model.width=64",
-              "--model.depth=2", "--model.heads=4", "--model.context=32", "--data.context=32", "--data.batch_size=2",
-              "--trainer.strategy.init_args.device_memory_limit=16MiB",
-              "--trainer.strategy.init_args.process_group_backend=null", *SMALL_DATA]
+REDUCE_GPU = [
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+    "--trainer.num_nodes=1",
+    "--trainer.max_steps=3",
+    "--trainer.limit_val_batches=0",
+    "--trainer.enable_progress_bar=false",
+    "--model.width=64",
+    "--model.depth=2",
+    "--model.heads=4",
+    "--model.context=32",
+    "--data.context=32",
+    "--data.batch_size=2",
+    "--trainer.strategy.init_args.device_memory_limit=16MiB",
+    "--trainer.strategy.init_args.process_group_backend=null",
+    *SMALL_DATA,
+]
 
 
 @pytest.mark.parametrize("config", ["gpu_offload_1b.yaml", "gpu_multi.yaml"])
 def test_gpu_configs_run_on_cpu_at_reduced_size(tmp_path, config):
-    cli = load_example().main(["fit", "--config", str(CONFIGS / config), f"--trainer.default_root_dir={tmp_path}",
-                               *REDUCE_GPU])
+    cli = load_example().main(
+        ["fit", "--config", str(CONFIGS / config), f"--trainer.default_root_dir={tmp_path}", *REDUCE_GPU]
+    )
     assert cli.trainer.global_step == 3
     assert cli.model.hparams.activation_checkpointing  # the GPU configs recompute blocks in backward
     assert cli.model.hparams.deferred_init  # and build the model on the meta device, initialised chunk by chunk
@@ -76,12 +105,29 @@ def test_gpu_configs_run_on_cpu_at_reduced_size(tmp_path, config):
 
 def test_cpu_2ranks_config_through_the_script(tmp_path):
     env = child_env()
-    r = subprocess.run([sys.executable, str(MAIN), "fit", "--config", str(CONFIGS / "cpu_2ranks.yaml"),
-                        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=6", "--trainer.limit_val_batches=2",
-                        "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false", "--model.depth=2",
-                        "--trainer.strategy.init_args.device_memory_limit=14MiB",
-                        "--trainer.strategy.init_args.collective_timeout_s=60", *SMALL_DATA],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(MAIN),
+            "fit",
+            "--config",
+            str(CONFIGS / "cpu_2ranks.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=6",
+            "--trainer.limit_val_batches=2",
+            "--trainer.val_check_interval=3",
+            "--trainer.enable_progress_bar=false",
+            "--model.depth=2",
+            "--trainer.strategy.init_args.device_memory_limit=14MiB",
+            "--trainer.strategy.init_args.collective_timeout_s=60",
+            *SMALL_DATA,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     ckpt = next(tmp_path.rglob("last.ckpt"))
     assert {p.name.split("_")[2] for p in ckpt.iterdir() if p.suffix == ".distcp"} == {"0", "1"}  # both ranks wrote
@@ -94,22 +140,58 @@ def test_plan_estimate_agrees_with_a_real_run(tmp_path):
     small = {"max_bytes": 300000, "train_windows": 2000, "val_windows": 64}
     import json
 
-    report = plan_from_args(f"{MAIN}:GPT", f"{MAIN}:ByteCorpus", str(CONFIGS / "cpu_tiny.yaml"),
-                            json.dumps({"depth": 2}), json.dumps(small), overrides, None)
+    report = plan_from_args(
+        f"{MAIN}:GPT",
+        f"{MAIN}:ByteCorpus",
+        str(CONFIGS / "cpu_tiny.yaml"),
+        json.dumps({"depth": 2}),
+        json.dumps(small),
+        overrides,
+        None,
+    )
     assert report.fits and report.chunks >= 4
-    cli = load_example().main(["fit", "--config", str(CONFIGS / "cpu_tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
-                               "--trainer.max_steps=6", "--trainer.limit_val_batches=0", "--model.depth=2",
-                               "--trainer.enable_progress_bar=false", "--trainer.strategy.init_args.device_memory_limit=14MiB",
-                               *SMALL_DATA])
+    cli = load_example().main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "cpu_tiny.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=6",
+            "--trainer.limit_val_batches=0",
+            "--model.depth=2",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.strategy.init_args.device_memory_limit=14MiB",
+            *SMALL_DATA,
+        ]
+    )
     measured = cli.trainer.strategy.memory_stats()["device_chunk_bytes_peak"]
     assert abs(report.estimated_device_peak_bytes - measured) <= 0.10 * measured, (report.render(), measured)
 
 
 def test_plan_command_exits_non_zero_with_the_smallest_working_limit():
-    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "plan", f"{MAIN}:GPT", "--data", f"{MAIN}:ByteCorpus",
-                        "--config", str(CONFIGS / "cpu_tiny.yaml"), "--init-args", '{"depth": 2}', "--data-args",
-                        '{"max_bytes": 300000, "train_windows": 2000}', "--device-memory-limit", "4MiB"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_chunk",
+            "plan",
+            f"{MAIN}:GPT",
+            "--data",
+            f"{MAIN}:ByteCorpus",
+            "--config",
+            str(CONFIGS / "cpu_tiny.yaml"),
+            "--init-args",
+            '{"depth": 2}',
+            "--data-args",
+            '{"max_bytes": 300000, "train_windows": 2000}',
+            "--device-memory-limit",
+            "4MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 1
     assert "smallest limit that would work is" in r.stderr and "Traceback" not in r.stderr
 
@@ -119,10 +201,28 @@ def test_plan_from_shapes_sizes_a_model_this_machine_could_not_build():
     than this machine; the plan builds nothing and reports what each rank would hold."""
     import resource
 
-    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "plan", f"{MAIN}:GPT", "--shapes-only", "--ranks", "8",
-                        "--init-args", '{"width": 4096, "depth": 32, "heads": 32, "context": 2048, "deferred_init": true}',
-                        "--device-memory-limit", "24GiB", "--precision", "bf16-mixed"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_chunk",
+            "plan",
+            f"{MAIN}:GPT",
+            "--shapes-only",
+            "--ranks",
+            "8",
+            "--init-args",
+            '{"width": 4096, "depth": 32, "heads": 32, "context": 2048, "deferred_init": true}',
+            "--device-memory-limit",
+            "24GiB",
+            "--precision",
+            "bf16-mixed",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "6,453,600,256 parameters" in r.stdout and "planned for 8 rank(s)" in r.stdout
     per_rank = float(r.stdout.split("shards a rank")[1].split("GiB")[0])
@@ -133,18 +233,34 @@ def test_plan_from_shapes_sizes_a_model_this_machine_could_not_build():
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 2 * 2**30
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--trainer.strategy.init_args.offload_everything=true"], "offload_everything"),
-    (["--trainer.strategy.init_args.device_memory_limit=-5"], "device_memory_limit=-5 must be a positive number"),
-    (["--data.corpus=EMPTY"], "holds no files to read"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--trainer.strategy.init_args.offload_everything=true"], "offload_everything"),
+        (["--trainer.strategy.init_args.device_memory_limit=-5"], "device_memory_limit=-5 must be a positive number"),
+        (["--data.corpus=EMPTY"], "holds no files to read"),
+    ],
+)
 def test_bad_cli_input_is_one_clear_message(tmp_path, args, needle):
     empty = tmp_path / "empty"
     empty.mkdir()
     args = [a.replace("EMPTY", str(empty)) for a in args]
-    r = subprocess.run([sys.executable, str(MAIN), "fit", "--config", str(CONFIGS / "cpu_tiny.yaml"),
-                        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2", *args],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(MAIN),
+            "fit",
+            "--config",
+            str(CONFIGS / "cpu_tiny.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=2",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode != 0
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
@@ -152,11 +268,32 @@ def test_bad_cli_input_is_one_clear_message(tmp_path, args, needle):
 
 def test_plan_from_shapes_reports_the_disk_tier():
     """The same 6.5B GPT on 8 ranks with 10 GiB of host memory a rank for shards: the rest goes to disk."""
-    r = subprocess.run([sys.executable, "-m", "lightning_chunk", "plan", f"{MAIN}:GPT", "--shapes-only", "--ranks", "8",
-                        "--init-args", '{"width": 4096, "depth": 32, "heads": 32, "context": 2048, "deferred_init": true}',
-                        "--placement", "host", "--host-memory-limit", "10GiB", "--disk-dir", "/nonexistent/never/made",
-                        "--precision", "bf16-mixed"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_chunk",
+            "plan",
+            f"{MAIN}:GPT",
+            "--shapes-only",
+            "--ranks",
+            "8",
+            "--init-args",
+            '{"width": 4096, "depth": 32, "heads": 32, "context": 2048, "deferred_init": true}',
+            "--placement",
+            "host",
+            "--host-memory-limit",
+            "10GiB",
+            "--disk-dir",
+            "/nonexistent/never/made",
+            "--precision",
+            "bf16-mixed",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     line = r.stdout.split("placement")[1].splitlines()[0]
     host = float(line.split("GiB on the host")[0].split(",")[-1])
@@ -168,10 +305,22 @@ def test_plan_from_shapes_reports_the_disk_tier():
 
 def test_disk_config_runs_at_reduced_size(tmp_path):
     scratch = tmp_path / "scratch"
-    cli = load_example().main(["fit", "--config", str(CONFIGS / "cpu_disk.yaml"), f"--trainer.default_root_dir={tmp_path}",
-                               "--trainer.max_steps=4", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-                               "--model.width=128", "--model.depth=4", "--trainer.strategy.init_args.host_memory_limit=3MiB",
-                               f"--trainer.strategy.init_args.disk_dir={scratch}", *SMALL_DATA])
+    cli = load_example().main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "cpu_disk.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=4",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
+            "--model.width=128",
+            "--model.depth=4",
+            "--trainer.strategy.init_args.host_memory_limit=3MiB",
+            f"--trainer.strategy.init_args.disk_dir={scratch}",
+            *SMALL_DATA,
+        ]
+    )
     stats = cli.trainer.strategy.memory_stats()
     assert cli.trainer.global_step == 4
     assert stats["disk_shards"] > 0 and stats["disk_chunk_bytes"] > 3 * 2**20 > stats["host_chunk_bytes"]

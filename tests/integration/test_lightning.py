@@ -20,8 +20,16 @@ EXACT = dict(rtol=0, atol=0)
 
 
 def trainer(tmp_path=None, **kw):
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     if tmp_path is not None:
         defaults["default_root_dir"] = tmp_path
     defaults.update(kw)
@@ -38,8 +46,8 @@ def test_presets_are_registered_with_their_placements():
 
 @pytest.mark.parametrize("started_by", ["the launcher", "rank 0's launcher", "torchrun"])
 def test_every_rank_gets_the_launcher_s_thread_count_as_ddp_s_ranks_do(monkeypatch, started_by):
-    """[Note: every rank's thread count]: a rank that rank 0's launcher started (its environment has ``LOCAL_RANK`` and no
-    ``OMP_NUM_THREADS``) gets ``cores // ranks`` threads, as DDP's ranks do, not torch's default of every core; where
+    """[Note: every rank's thread count]: a rank that rank 0's launcher started (its environment has ``LOCAL_RANK`` and
+    no ``OMP_NUM_THREADS``) gets ``cores // ranks`` threads, as DDP's ranks do, not torch's default of every core; where
     the starter set ``OMP_NUM_THREADS`` (torchrun: 1, read by torch as the process starts) the count is left alone."""
     from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
@@ -50,8 +58,10 @@ def test_every_rank_gets_the_launcher_s_thread_count_as_ddp_s_ranks_do(monkeypat
         monkeypatch.setenv("NODE_RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", "2")
     spawned = []
-    monkeypatch.setattr("lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher."
-                        "_call_children_scripts", lambda self: spawned.append(True))
+    monkeypatch.setattr(
+        "lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher._call_children_scripts",
+        lambda self: spawned.append(True),
+    )
     threads, default = torch.get_num_threads(), max(2, torch.get_num_threads())
     try:
         for strategy in (ChunkOffloadStrategy(), "ddp"):
@@ -82,12 +92,24 @@ def test_bad_strategy_knobs_name_the_value():
 @pytest.mark.parametrize("which", [True, "all"])
 def test_memory_stats_are_logged_every_step(tmp_path, which):
     """By default a few (where the bytes are, what moved, where the time went); every entry when asked."""
-    t = trainer(tmp_path, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, log_memory_stats=which),
-                max_steps=5, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1)
+    t = trainer(
+        tmp_path,
+        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, log_memory_stats=which),
+        max_steps=5,
+        logger=CSVLogger(tmp_path, name="csv"),
+        log_every_n_steps=1,
+    )
     t.fit(ParityNet(), token_data())
     rows = list(csv.DictReader(open(next(Path(tmp_path).rglob("metrics.csv")))))
-    for col in ("device_chunk_bytes", "device_chunk_bytes_peak", "host_chunk_bytes", "evictions", "gathers",
-                "time_gather_wait_s", "time_optimizer_s"):
+    for col in (
+        "device_chunk_bytes",
+        "device_chunk_bytes_peak",
+        "host_chunk_bytes",
+        "evictions",
+        "gathers",
+        "time_gather_wait_s",
+        "time_optimizer_s",
+    ):
         assert f"chunk/{col}" in rows[0]
     assert float(rows[-1]["chunk/gathers"]) > 0 and float(rows[-1]["chunk/host_chunk_bytes"]) > 0
     logged = [c for c in rows[0] if c.startswith("chunk/")]
@@ -101,8 +123,14 @@ def test_chunk_telemetry_logs_where_each_step_s_time_went_and_prints_the_totals(
     from lightning_chunk import ChunkTelemetry
 
     tel = ChunkTelemetry(picture=False)
-    t = trainer(tmp_path, strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, log_memory_stats=False),
-                max_steps=5, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1, callbacks=[tel])
+    t = trainer(
+        tmp_path,
+        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, log_memory_stats=False),
+        max_steps=5,
+        logger=CSVLogger(tmp_path, name="csv"),
+        log_every_n_steps=1,
+        callbacks=[tel],
+    )
     with caplog.at_level("INFO"):
         t.fit(ParityNet(), token_data())
     rows = list(csv.DictReader(open(next(Path(tmp_path).rglob("metrics.csv")))))
@@ -126,8 +154,11 @@ def test_parameters_hold_trained_values_after_fit_and_the_model_keeps_working():
     L.seed_everything(3)
     model = ParityNet()
     ref.load_state_dict(model.state_dict())
-    t = trainer(strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"),
-                max_steps=6, limit_val_batches=2)
+    t = trainer(
+        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"),
+        max_steps=6,
+        limit_val_batches=2,
+    )
     t.fit(model, datamodule=TokenData())
     trainer(strategy="auto", max_steps=6, limit_val_batches=2).fit(ref, datamodule=TokenData())
     for (_n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
@@ -146,8 +177,9 @@ def test_manual_optimization_matches_auto():
     L.seed_everything(5)
     got = ManualNet()
     trainer(strategy="auto", max_steps=10).fit(ref, token_data())
-    trainer(strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"),
-            max_steps=10).fit(got, token_data())
+    trainer(
+        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"), max_steps=10
+    ).fit(got, token_data())
     for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
 
@@ -158,8 +190,9 @@ def run_with_resume(strategy_factory, tmp_path: Path):
     model = ParityNet()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, save_top_k=-1, filename="{step}")
-    trainer(tmp_path, strategy=strategy_factory(), max_steps=8, callbacks=[ckpt], enable_checkpointing=True
-            ).fit(model, token_data())
+    trainer(tmp_path, strategy=strategy_factory(), max_steps=8, callbacks=[ckpt], enable_checkpointing=True).fit(
+        model, token_data()
+    )
     path = tmp_path / "step=8.ckpt"
     assert path.exists()
     resumed = ParityNet()
@@ -172,8 +205,11 @@ def run_with_resume(strategy_factory, tmp_path: Path):
 def test_checkpoint_resume_matches_auto_resumed_the_same_way(tmp_path, state_dict_type):
     ref_ckpt, ref = run_with_resume(lambda: "auto", tmp_path / "auto")
     got_ckpt, got = run_with_resume(
-        lambda: ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop",
-                                     state_dict_type=state_dict_type), tmp_path / "chunk")
+        lambda: ChunkOffloadStrategy(
+            placement="host", chunk_numel=4096, optimizer_kernel="loop", state_dict_type=state_dict_type
+        ),
+        tmp_path / "chunk",
+    )
     for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
     if state_dict_type == "sharded":
@@ -209,15 +245,21 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("strategy_yaml", [
-    "  strategy: chunk_offload\n",
-    "  strategy:\n    class_path: lightning_chunk.ChunkOffloadStrategy\n    init_args:\n      placement: host\n"
-    "      device_memory_limit: 4MiB\n      chunk_numel: 4096\n",
-])
+@pytest.mark.parametrize(
+    "strategy_yaml",
+    [
+        "  strategy: chunk_offload\n",
+        "  strategy:\n    class_path: lightning_chunk.ChunkOffloadStrategy\n    init_args:\n      placement: host\n"
+        "      device_memory_limit: 4MiB\n      chunk_numel: 4096\n",
+    ],
+)
 def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, strategy_yaml):
-    cfg = write(tmp_path / "cfg.yaml", "trainer:\n  accelerator: cpu\n  devices: 1\n  max_steps: 3\n"
-                "  logger: false\n  enable_checkpointing: false\n  enable_progress_bar: false\n"
-                f"  limit_val_batches: 0\n  default_root_dir: {tmp_path}\n" + strategy_yaml)  # the saved config goes there
+    cfg = write(
+        tmp_path / "cfg.yaml",
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  max_steps: 3\n"
+        "  logger: false\n  enable_checkpointing: false\n  enable_progress_bar: false\n"
+        f"  limit_val_batches: 0\n  default_root_dir: {tmp_path}\n" + strategy_yaml,
+    )  # the saved config goes there
     cli = LightningCLI(ParityNet, TokenData, args=["fit", "--config", str(cfg)], save_config_kwargs={"overwrite": True})
     assert isinstance(cli.trainer.strategy, ChunkOffloadStrategy)
     assert cli.trainer.global_step == 3
@@ -227,8 +269,11 @@ def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, strategy_yaml):
 
 
 def test_lightning_cli_rejects_an_unknown_knob(tmp_path, capsys):
-    cfg = write(tmp_path / "bad.yaml", "trainer:\n  strategy:\n    class_path: lightning_chunk.ChunkOffloadStrategy\n"
-                "    init_args:\n      offload_everything: true\n")
+    cfg = write(
+        tmp_path / "bad.yaml",
+        "trainer:\n  strategy:\n    class_path: lightning_chunk.ChunkOffloadStrategy\n"
+        "    init_args:\n      offload_everything: true\n",
+    )
     with pytest.raises(SystemExit) as e:
         LightningCLI(ParityNet, TokenData, args=["fit", "--config", str(cfg)])
     assert e.value.code != 0
@@ -237,6 +282,7 @@ def test_lightning_cli_rejects_an_unknown_knob(tmp_path, capsys):
 
 def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning():
     """One rank, bf16-mixed, placement="auto" with the defaults: the same parameters, bit for bit."""
+
     def fit(early):
         L.seed_everything(5, verbose=False)
         model = ParityNet()
@@ -251,16 +297,20 @@ def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning():
         torch.testing.assert_close(got[k], want[k], **EXACT, msg=k)
 
 
-@pytest.mark.parametrize("what,kw,match", [
-    ("clipping", dict(gradient_clip_val=1.0), "not allowed with gradient_clip_val=1.0"),
-    ("manual", dict(), "not allowed with manual optimization"),
-    ("fp16", dict(plugins=[ChunkPrecision("16-mixed")]), "not allowed with fp16 loss scaling"),
-])
+@pytest.mark.parametrize(
+    "what,kw,match",
+    [
+        ("clipping", dict(gradient_clip_val=1.0), "not allowed with gradient_clip_val=1.0"),
+        ("manual", dict(), "not allowed with manual optimization"),
+        ("fp16", dict(plugins=[ChunkPrecision("16-mixed")]), "not allowed with fp16 loss scaling"),
+    ],
+)
 def test_what_stepping_in_backward_cannot_do_is_refused_before_the_first_step(what, kw, match):
     model = ManualNet() if what == "manual" else ParityNet()
     with pytest.raises(ValueError, match=match):
-        trainer(strategy=ChunkOffloadStrategy(step_in_backward=True, log_memory_stats=False), max_steps=3,
-                **kw).fit(model, token_data())
+        trainer(strategy=ChunkOffloadStrategy(step_in_backward=True, log_memory_stats=False), max_steps=3, **kw).fit(
+            model, token_data()
+        )
     assert all(torch.isfinite(p).all() for p in model.parameters())  # refused before anything was built
 
 
@@ -277,12 +327,19 @@ def test_sync_batchnorm_is_applied_for_fit_and_reverted_after_and_batchnorm_trai
 
     ref = fit("auto", steps=8, cls=BatchNormNet)
     seen = SeesBatchNormType()
-    got = fit(ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop"), steps=8, cls=BatchNormNet,
-              sync_batchnorm=True, callbacks=[seen])
+    got = fit(
+        ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop"),
+        steps=8,
+        cls=BatchNormNet,
+        sync_batchnorm=True,
+        callbacks=[seen],
+    )
     assert seen.during is torch.nn.SyncBatchNorm
     assert isinstance(got.bn, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(got.bn, torch.nn.SyncBatchNorm)
-    for (n, a), (_, b) in [*zip(ref.named_parameters(), got.named_parameters(), strict=True),
-                           *zip(ref.named_buffers(), got.named_buffers(), strict=True)]:
+    for (n, a), (_, b) in [
+        *zip(ref.named_parameters(), got.named_parameters(), strict=True),
+        *zip(ref.named_buffers(), got.named_buffers(), strict=True),
+    ]:
         assert torch.equal(a, b), n
 
 
@@ -300,7 +357,10 @@ def test_a_lazy_module_is_refused_with_its_name_and_the_way_out():
     and torch's own error named neither the parameter nor what to do."""
     with pytest.raises(ValueError, match=r"1 parameter is not initialised yet \(head\.weight\).*sample batch"):
         trainer(strategy=ChunkOffloadStrategy(chunk_numel=4096, log_memory_stats=False), max_steps=1).fit(
-            LazyHead(), token_data())
+            LazyHead(), token_data()
+        )
     model = LazyHead()
     model(torch.zeros(2, 8, dtype=torch.long))  # the way out: one forward on a sample batch
-    trainer(strategy=ChunkOffloadStrategy(chunk_numel=4096, log_memory_stats=False), max_steps=1).fit(model, token_data())
+    trainer(strategy=ChunkOffloadStrategy(chunk_numel=4096, log_memory_stats=False), max_steps=1).fit(
+        model, token_data()
+    )

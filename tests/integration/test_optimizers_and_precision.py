@@ -17,9 +17,19 @@ EXACT = dict(rtol=0, atol=0)
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
     L.seed_everything(7, verbose=False)
     model = model_cls(**kw)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                        precision=None if plugins else precision, plugins=plugins, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        precision=None if plugins else precision,
+        plugins=plugins,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(model, token_data())
     model.trainer_ref = trainer
     return model
@@ -48,8 +58,9 @@ def test_two_optimizers_each_step_their_own_parameters_like_plain_lightning(plac
 
 def test_two_optimizers_with_fp16_loss_scaling():
     init = fit_model(TwoOptimizers, "auto", steps=0)
-    ref = fit_model(TwoOptimizers, "auto",
-                    plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    ref = fit_model(
+        TwoOptimizers, "auto", plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    )
     got = fit_model(TwoOptimizers, chunk(), plugins=[ChunkPrecision("16-mixed")])
     assert relative_update_error(ref, got, init) < 0.05
     for (n, b), i in zip(got.named_parameters(), init.parameters(), strict=True):
@@ -125,7 +136,8 @@ def test_optimizer_state_after_fit_is_left_out_unless_asked():
     assert dropped.trainer_ref.optimizers[0].state_dict()["state"] == {}
     opt = dropped.trainer_ref.optimizers[0]  # pointed back at the module's own parameters, in their groups
     assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
-        [id(p) for p in dropped.parameters() if (p.dim() >= 2) == decay] for decay in (True, False)]
+        [id(p) for p in dropped.parameters() if (p.dim() >= 2) == decay] for decay in (True, False)
+    ]
     kept = fit_model(ParityNet, chunk(materialize_optimizer_state=True))
     want = ref.trainer_ref.optimizers[0].state_dict()["state"]
     have = kept.trainer_ref.optimizers[0].state_dict()["state"]
@@ -147,17 +159,26 @@ def test_bf16_mixed_gives_fp32_parameters_back_after_a_repack(tmp_path):
 
     L.seed_everything(7, verbose=False)
     model = ReorderedNet()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, precision="bf16-mixed", logger=False,
-                        strategy=ChunkOffloadStrategy(device_memory_limit=200_000, log_memory_stats=False),
-                        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, filename="{step}")],
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        precision="bf16-mixed",
+        logger=False,
+        strategy=ChunkOffloadStrategy(device_memory_limit=200_000, log_memory_stats=False),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, filename="{step}")],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(model, token_data())
     params = dict(model.named_parameters())
     assert {p.dtype for p in params.values()} == {torch.float32}
     # the fp32 masters came back, not their bf16 copies: some values are not representable in bf16
     assert any(not torch.equal(p, p.to(torch.bfloat16).float()) for p in params.values())
-    full = torch.load(consolidate(tmp_path / "step=4.ckpt", tmp_path / "full.ckpt", progress=False),
-                      weights_only=False)["state_dict"]
+    full = torch.load(
+        consolidate(tmp_path / "step=4.ckpt", tmp_path / "full.ckpt", progress=False), weights_only=False
+    )["state_dict"]
     for name, p in params.items():
         assert full[name].dtype == torch.float32
         torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=0)

@@ -141,8 +141,14 @@ def test_a_forward_inside_and_entering_between_forward_and_backward_are_refused(
         fit(chunked(), steps=2, cls=EnterAfterForward)
 
 
-@pytest.mark.parametrize("callback", [
-    lambda: StochasticWeightAveraging(swa_lrs=1e-2), lambda: WeightAveraging(), lambda: ModelPruning("l1_unstructured")])
+@pytest.mark.parametrize(
+    "callback",
+    [
+        lambda: StochasticWeightAveraging(swa_lrs=1e-2),
+        lambda: WeightAveraging(),
+        lambda: ModelPruning("l1_unstructured"),
+    ],
+)
 def test_averaging_and_pruning_callbacks_are_refused_before_anything_is_built(callback):
     cb = callback()
     with pytest.raises(ValueError, match=f"{type(cb).__name__} does not work with chunk_offload"):
@@ -155,7 +161,10 @@ class CopiedTeacher(ParityNet):
     def on_fit_start(self):
         full = getattr(self.trainer.strategy, "full_parameters", None)
         with full() if full else contextlib.nullcontext():
-            self.teacher = [copy.deepcopy(self.embed), copy.deepcopy(self.blocks)]  # a list: never packed, never stepped
+            self.teacher = [
+                copy.deepcopy(self.embed),
+                copy.deepcopy(self.blocks),
+            ]  # a list: never packed, never stepped
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -185,10 +194,13 @@ def test_a_deep_copy_made_after_set_up_is_a_plain_module():
     assert strategy.memory_stats()["gathers"] == plain.memory_stats()["gathers"]
 
 
-@pytest.mark.parametrize("placement,precision,disk", [("auto", "32-true", False), ("host", "32-true", False),
-                                                      ("auto", "bf16-true", False), ("host", "32-true", True)])
-def test_grad_norm_and_gradient_edits_inside_full_parameters_with_grads_are_plain_lightning_s(placement, precision,
-                                                                                             disk, tmp_path):
+@pytest.mark.parametrize(
+    "placement,precision,disk",
+    [("auto", "32-true", False), ("host", "32-true", False), ("auto", "bf16-true", False), ("host", "32-true", True)],
+)
+def test_grad_norm_and_gradient_edits_inside_full_parameters_with_grads_are_plain_lightning_s(
+    placement, precision, disk, tmp_path
+):
     """[Note: gradients in full_parameters]: Lightning's ``grad_norm(self)`` in ``on_before_optimizer_step`` found
     no gradient at all (an empty dict: every ``.grad`` is ``None`` while gradients live in the shards). Inside the
     block it reads the gradients plain Lightning has, and what it changes (one block's halved, a parameter's

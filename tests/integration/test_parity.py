@@ -72,8 +72,9 @@ def test_host_payloads_kept_for_backward_are_bit_exact_and_fetched_once_a_step(c
     for reshard in (True, False):
         # six or seven chunks: with four, the prefetch window ([Note: how far ahead to gather]) keeps every payload
         # released after use through the turn into backward, and releasing gathers no more than keeping
-        strategy = ChunkOffloadStrategy(placement="host", chunk_numel=2048, optimizer_kernel="loop",
-                                        reshard_after_forward=reshard)
+        strategy = ChunkOffloadStrategy(
+            placement="host", chunk_numel=2048, optimizer_kernel="loop", reshard_after_forward=reshard
+        )
         got = fit(strategy, steps=STEPS, **kw)
         assert_same_params(ref, got, EXACT)
         runs[reshard] = strategy.memory_stats()
@@ -94,8 +95,9 @@ class RecordMoments(L.Callback):
         trainer.strategy.engine.hooks.recorder = self.events.append if trainer.global_step >= 2 else None
 
 
-@pytest.mark.parametrize("setting", ["released", "released_limit", "kept_limit", "reordered_accumulate",
-                                     "checkpointed_limit"])
+@pytest.mark.parametrize(
+    "setting", ["released", "released_limit", "kept_limit", "reordered_accumulate", "checkpointed_limit"]
+)
 def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_nothing(setting, monkeypatch):
     """[Note: moments with nothing to release]: the plans skipped at a module's end whose chunks stay kept, and at
     a module's start in forward whose chunks are all resident, would have released and gathered nothing. Every
@@ -104,8 +106,11 @@ def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_not
     payloads for backward under one, on a model that runs its blocks in another order than it registers them with
     accumulation, and under activation checkpointing (forward moments inside backward)."""
     cls = {"reordered_accumulate": models.ReorderedNet, "checkpointed_limit": models.CheckpointedNet}.get(setting)
-    limit = dict(device_memory_limit=int(4 * sum(p.numel() for p in ParityNet(**WIDE).parameters()) * 0.45)) \
-        if "limit" in setting else {}
+    limit = (
+        dict(device_memory_limit=int(4 * sum(p.numel() for p in ParityNet(**WIDE).parameters()) * 0.45))
+        if "limit" in setting
+        else {}
+    )
     reshard = dict(reshard_after_forward=setting != "kept_limit")
     extra = dict(accumulate_grad_batches=2) if "accumulate" in setting else {}
     runs, skipped = {}, []
@@ -143,8 +148,9 @@ def test_parity_under_a_device_limit_below_the_parameter_bytes(placement, extra,
     ref = fit("auto", steps=STEPS, variant=variant, model_kwargs=BIG, **kw)
     param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     limit = int(param_bytes * 0.9)
-    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, chunk_numel=66560,
-                                    optimizer_kernel="loop", **extra)
+    strategy = ChunkOffloadStrategy(
+        placement=placement, device_memory_limit=limit, chunk_numel=66560, optimizer_kernel="loop", **extra
+    )
     got = fit(strategy, steps=STEPS, variant=variant, model_kwargs=BIG, **kw)
     assert_same_params(ref, got, EXACT)
     stats = strategy.memory_stats()
@@ -196,10 +202,16 @@ def test_frozen_weights_under_a_limit_are_released_after_their_backward(placemen
     assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
 
 
-@pytest.mark.parametrize("cls,variant,placement,fraction", [
-    ("ReusedBlockNet", "plain", "auto", 0.45), ("ReusedBlockNet", "frozen", "auto", 0.45),
-    ("ReusedBlockNet", "frozen", "host", 0.3), ("CheckpointedAdapterNet", "plain", "auto", 0.45),
-    ("CheckpointedAdapterNet", "plain", "host", 0.3)])
+@pytest.mark.parametrize(
+    "cls,variant,placement,fraction",
+    [
+        ("ReusedBlockNet", "plain", "auto", 0.45),
+        ("ReusedBlockNet", "frozen", "auto", 0.45),
+        ("ReusedBlockNet", "frozen", "host", 0.3),
+        ("CheckpointedAdapterNet", "plain", "auto", 0.45),
+        ("CheckpointedAdapterNet", "plain", "host", 0.3),
+    ],
+)
 def test_reused_modules_and_checkpointed_adapters_with_the_defaults_under_a_limit(cls, variant, placement, fraction):
     """A block called twice a forward (with the defaults under a limit its warm-up once needed both its chunks
     beside the next module's and failed); the same with that block frozen (the repack after the warm-up built the new
@@ -224,13 +236,27 @@ def fit_with_validation(strategy, cls, **kw):
             loss = torch.nn.functional.cross_entropy(self(x).float().reshape(-1, models.VOCAB), y.reshape(-1))
             losses.append(loss.item())
 
-    model = fit(strategy, steps=STEPS, cls=Recording, limit_val_batches=2, val_check_interval=4,
-                val_dataloaders=models.token_data(16, seed=1), **kw)
+    model = fit(
+        strategy,
+        steps=STEPS,
+        cls=Recording,
+        limit_val_batches=2,
+        val_check_interval=4,
+        val_dataloaders=models.token_data(16, seed=1),
+        **kw,
+    )
     return model, losses
 
 
-@pytest.mark.parametrize("kw", [dict(placement="host"), dict(placement="host", chunk_numel=16384),
-                                dict(device_memory_limit=300_000, chunk_numel=16384)], ids=["host", "host-small", "limit"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(placement="host"),
+        dict(placement="host", chunk_numel=16384),
+        dict(device_memory_limit=300_000, chunk_numel=16384),
+    ],
+    ids=["host", "host-small", "limit"],
+)
 def test_torch_transformer_layers_train_and_validate_bit_exact(kw):
     """[Note: leaf modules]: nn.MultiheadAttention reads out_proj's weights without calling it (training failed with
     IllegalTransitionError), and the encoder layer's fast path in validation reads every child's ("setStorage ...
@@ -244,8 +270,11 @@ def test_torch_transformer_layers_train_and_validate_bit_exact(kw):
 @pytest.mark.parametrize("leaf", [models.Peek, "Peek", "tests.models.Peek"])
 def test_a_module_reading_its_child_s_weights_is_a_leaf_when_named(leaf):
     ref = fit("auto", steps=STEPS, cls=models.PeekNet)
-    got = fit(ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop", leaf_modules=[leaf]),
-              steps=STEPS, cls=models.PeekNet)
+    got = fit(
+        ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop", leaf_modules=[leaf]),
+        steps=STEPS,
+        cls=models.PeekNet,
+    )
     assert_same_params(ref, got, EXACT)
 
 
@@ -273,8 +302,11 @@ def test_toggle_optimizer_freezes_the_module_s_parameters(placement):
     assert "toggle_optimizer" not in got.__dict__
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(placement="host"), dict(device_memory_limit=90_000),
-                                dict(trainer=dict(accumulate_grad_batches=2))], ids=["auto", "host", "limit", "accumulate"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(placement="host"), dict(device_memory_limit=90_000), dict(trainer=dict(accumulate_grad_batches=2))],
+    ids=["auto", "host", "limit", "accumulate"],
+)
 def test_freezing_and_unfreezing_mid_training_is_bit_exact(kw):
     """[Note: requires_grad changed]: blocks[0] unfrozen at step 6, the embedding frozen from step 6 to 14, with the
     defaults. The unfrozen block used to stay as it was, silently."""
@@ -297,8 +329,13 @@ class FlipInsideAccumulation(models.FlipRequiresGrad):
 
 def test_changing_requires_grad_inside_gradient_accumulation_is_refused():
     with pytest.raises(Exception, match=r"requires_grad of 'blocks.0.0.weight'.* changed inside a step"):
-        fit(ChunkOffloadStrategy(), steps=8, variant="frozen", callbacks=[FlipInsideAccumulation()],
-            accumulate_grad_batches=2)
+        fit(
+            ChunkOffloadStrategy(),
+            steps=8,
+            variant="frozen",
+            callbacks=[FlipInsideAccumulation()],
+            accumulate_grad_batches=2,
+        )
 
 
 class WithBackbone(ParityNet):
@@ -313,7 +350,12 @@ def test_finetuning_callbacks_are_refused_with_what_to_do_instead():
     from lightning.pytorch.callbacks import BackboneFinetuning
 
     with pytest.raises(ValueError, match=r"BackboneFinetuning \(a BaseFinetuning callback\).*set requires_grad"):
-        fit(ChunkOffloadStrategy(), steps=2, cls=WithBackbone, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+        fit(
+            ChunkOffloadStrategy(),
+            steps=2,
+            cls=WithBackbone,
+            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+        )
 
 
 @torch.no_grad()
@@ -361,9 +403,18 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     model = Overflowing()
     model.seen = []
     strategy = ChunkOffloadStrategy(chunk_numel=4096)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, plugins=[ChunkPrecision("16-mixed")],
-                        max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        plugins=[ChunkPrecision("16-mixed")],
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(model, token_data())
     before, after = model.seen  # parameters seen at the start of steps 3 and 4
     for a, b in zip(before, after, strict=True):
@@ -384,9 +435,17 @@ def fit_compiled(strategy, steps: int = 8, **kw):
     torch._dynamo.reset()  # a fresh cache: each run compiles its own model
     L.seed_everything(7, verbose=False)
     model = ParityNet(**kw)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     model.forward = torch.compile(model.forward, backend="aot_eager")
     trainer.fit(model, token_data())
     return model
@@ -402,8 +461,9 @@ def test_compiled_model_trains_in_parity_under_a_device_limit(monkeypatch):
     monkeypatch.setattr(sys, "unraisablehook", lambda u: raised.append(f"{u.exc_type.__name__}: {u.exc_value}"))
     ref = fit_compiled("auto", variant="tied", dim=64, hidden=1024)
     param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
-    strategy = ChunkOffloadStrategy(device_memory_limit=int(param_bytes * 0.9), chunk_numel=66560,
-                                    optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        device_memory_limit=int(param_bytes * 0.9), chunk_numel=66560, optimizer_kernel="loop"
+    )
     got = fit_compiled(strategy, variant="tied", dim=64, hidden=1024)
     assert_same_params(ref, got, EXACT)
     assert strategy.memory_stats()["evictions"] > 0
@@ -432,7 +492,10 @@ def test_a_sparse_embedding_trains_like_its_dense_twin(placement):
     from tests.models import SparseEmbedding
 
     ref = fit("auto", steps=4, cls=SparseEmbedding, model_kwargs=dict(dense=True))
-    got = fit(ChunkOffloadStrategy(placement=placement, chunk_numel=4096, optimizer_kernel="loop"), steps=4,
-              cls=SparseEmbedding)
+    got = fit(
+        ChunkOffloadStrategy(placement=placement, chunk_numel=4096, optimizer_kernel="loop"),
+        steps=4,
+        cls=SparseEmbedding,
+    )
     assert got.embed.sparse
     assert_same_params(ref, got, EXACT)

@@ -30,8 +30,11 @@ def relative_update_error(ref, got, init) -> float:
 
 # ------------------------------------------------------------------ a tied head read in the root forward
 @pytest.mark.parametrize("variant", ["plain", "matmul"], ids=["F.linear", "matmul"])
-@pytest.mark.parametrize("kw", [dict(placement="host"), dict(device_memory_limit=600_000, chunk_numel=20_000)],
-                         ids=["host", "evicting_limit"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(placement="host"), dict(device_memory_limit=600_000, chunk_numel=20_000)],
+    ids=["host", "evicting_limit"],
+)
 def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, variant):
     """[Note: parameters read outside their owner]: the root's read of the embedding's weight found its payload
     released and trained to NaN, silently. Now the root adopts it: the same parameters as plain Lightning. The
@@ -39,8 +42,13 @@ def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, va
     model's payloads beside the activations, so payloads are evicted."""
     shape = dict(dim=64, hidden=256, depth=4)
     ref = fit("auto", steps=STEPS, cls=models.RootTiedNet, variant=variant, model_kwargs=shape)
-    got = fit(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), steps=STEPS, cls=models.RootTiedNet,
-              variant=variant, model_kwargs=shape)
+    got = fit(
+        ChunkOffloadStrategy(optimizer_kernel="loop", **kw),
+        steps=STEPS,
+        cls=models.RootTiedNet,
+        variant=variant,
+        model_kwargs=shape,
+    )
     assert_same_params(ref, got, EXACT)
     if "device_memory_limit" in kw:
         assert got.trainer_ref.strategy.memory_stats()["evictions"] > 0  # the limit did release payloads
@@ -59,8 +67,11 @@ def test_a_tied_head_read_in_the_root_forward_validates_like_plain_lightning():
 def test_the_root_module_is_accepted_in_leaf_modules(leaf):
     """The root as a leaf owns every parameter, gathered for the whole step (it was refused: "names no module")."""
     ref = fit("auto", steps=STEPS, cls=models.RootTiedNet)
-    got = fit(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", leaf_modules=[leaf]), steps=STEPS,
-              cls=models.RootTiedNet)
+    got = fit(
+        ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", leaf_modules=[leaf]),
+        steps=STEPS,
+        cls=models.RootTiedNet,
+    )
     assert_same_params(ref, got, EXACT)
 
 
@@ -71,8 +82,12 @@ def test_a_batchnorm_cnn_trains_in_bf16_mixed_like_plain_lightning(placement):
     found Float". BatchNorm's parameters compute in fp32 as under plain autocast; the rest in bf16."""
     init = fit("auto", steps=0, cls=models.BatchNormCNN)
     ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN, precision="bf16-mixed")
-    got = fit(ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", chunk_numel=10_000), steps=STEPS,
-              cls=models.BatchNormCNN, precision="bf16-mixed")
+    got = fit(
+        ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", chunk_numel=10_000),
+        steps=STEPS,
+        cls=models.BatchNormCNN,
+        precision="bf16-mixed",
+    )
     # payloads are bf16 where autocast casts fp32 weights per op: the embedding (which autocast leaves in fp32)
     # looks its rows up in bf16, so the update agrees to bf16's rounding, not bit for bit
     assert relative_update_error(ref, got, init) < 0.01
@@ -88,10 +103,18 @@ def test_a_batchnorm_cnn_trains_in_16_mixed_like_plain_lightning(placement):
     ``precision="16-mixed"`` into bf16 there): the update agrees with autocast and GradScaler to a few percent, as
     for the other fp16 cases (gradients of fp16 payloads are rounded to fp16 before the fp32 master)."""
     init = fit("auto", steps=0, cls=models.BatchNormCNN)
-    ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN,
-              plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
-    got = fit(ChunkOffloadStrategy(placement=placement, chunk_numel=10_000), steps=STEPS, cls=models.BatchNormCNN,
-              plugins=[ChunkPrecision("16-mixed")])
+    ref = fit(
+        "auto",
+        steps=STEPS,
+        cls=models.BatchNormCNN,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+    )
+    got = fit(
+        ChunkOffloadStrategy(placement=placement, chunk_numel=10_000),
+        steps=STEPS,
+        cls=models.BatchNormCNN,
+        plugins=[ChunkPrecision("16-mixed")],
+    )
     assert relative_update_error(ref, got, init) < 0.05
     assert all(p.dtype == torch.float32 and not p.isnan().any() for p in got.parameters())
 
@@ -100,9 +123,17 @@ def test_a_batchnorm_cnn_trains_in_16_mixed_like_plain_lightning(placement):
 def _fit_and_save(strategy, path, *, after_validate=False):
     L.seed_everything(7, verbose=False)
     model = ParityNet()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=2,
+    )
     trainer.fit(model, token_data(), token_data(16, seed=1))
     if after_validate:
         trainer.validate(model, token_data(16, seed=1), verbose=False)
@@ -113,21 +144,31 @@ def _fit_and_save(strategy, path, *, after_validate=False):
 def _resume(strategy, path):
     L.seed_everything(7, verbose=False)
     model = ParityNet()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=14, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=14,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(model, token_data(), ckpt_path=path)
     return model
 
 
 @pytest.mark.parametrize("after_validate", [False, True], ids=["after_fit", "after_validate"])
-def test_save_checkpoint_after_fit_keeps_the_optimizer_state_and_resumes_like_plain_lightning(tmp_path,
-                                                                                              after_validate):
+def test_save_checkpoint_after_fit_keeps_the_optimizer_state_and_resumes_like_plain_lightning(tmp_path, after_validate):
     """[Note: optimizer state after fit]: the checkpoint held no optimizer state, so a resume restarted Adam's
     moments silently. It now holds what plain Lightning's holds, and the resume trains to the same parameters."""
     ref = _fit_and_save("auto", tmp_path / "ref.ckpt", after_validate=after_validate)
-    got = _fit_and_save(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"), tmp_path / "got.ckpt",
-                        after_validate=after_validate)
+    got = _fit_and_save(
+        ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"),
+        tmp_path / "got.ckpt",
+        after_validate=after_validate,
+    )
     for key in ("epoch", "global_step", "loops", "callbacks", "lr_schedulers"):
         assert got[key] == ref[key], key
     (ro,), (go,) = ref["optimizer_states"], got["optimizer_states"]
@@ -174,9 +215,18 @@ class WithMetric(ParityNet):
 
 def _fit_deferred(strategy, *, empty_init):
     L.seed_everything(7, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=2, val_check_interval=4)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=2,
+        val_check_interval=4,
+    )
     with trainer.init_module(empty_init=empty_init):
         model = WithMetric()
     trainer.fit(model, token_data(), token_data(16, seed=1))
@@ -204,8 +254,16 @@ def test_a_meta_buffer_nothing_initialises_is_refused_at_setup_by_name():
             pass
 
     L.seed_everything(7, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ChunkOffloadStrategy(),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with trainer.init_module(empty_init=True):
         model = Unresettable()
     with pytest.raises(Exception, match=r"mask") as info:
@@ -221,9 +279,17 @@ def test_a_tied_head_read_in_a_compiled_root_forward_trains_like_plain_lightning
         torch._dynamo.reset()
         L.seed_everything(7, verbose=False)
         model = models.RootTiedNet()
-        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=8,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
         model.forward = torch.compile(model.forward, backend="aot_eager")
         trainer.fit(model, token_data())
         return model
@@ -258,8 +324,12 @@ class WithNeedsFp32(ParityNet):
 def test_modules_named_in_full_precision_modules_keep_fp32_parameters_in_bf16_mixed():
     with pytest.raises(AssertionError, match="fp32 weights expected"):
         fit(ChunkOffloadStrategy(), steps=2, cls=WithNeedsFp32, plugins=[ChunkPrecision("bf16-mixed")])
-    got = fit(ChunkOffloadStrategy(placement="host"), steps=4, cls=WithNeedsFp32,
-              plugins=[ChunkPrecision("bf16-mixed", full_precision_modules=[NeedsFp32])])
+    got = fit(
+        ChunkOffloadStrategy(placement="host"),
+        steps=4,
+        cls=WithNeedsFp32,
+        plugins=[ChunkPrecision("bf16-mixed", full_precision_modules=[NeedsFp32])],
+    )
     assert not got.fp32.scale.isnan().any() and not torch.equal(got.fp32.scale, torch.ones_like(got.fp32.scale))
 
 
@@ -278,13 +348,25 @@ def test_plan_takes_module_colon_class_and_says_in_one_line_that_it_needs_data()
 def test_plan_report_adds_up_and_prints_small_sizes_in_their_unit():
     from lightning_chunk.plan import plan_from_args
 
-    report = plan_from_args("tests.models:ParityNet", "tests.models:TokenData", None, None, None,
-                            {"device_memory_limit": "300 KiB", "chunk_numel": 4096}, None)
+    report = plan_from_args(
+        "tests.models:ParityNet",
+        "tests.models:TokenData",
+        None,
+        None,
+        None,
+        {"device_memory_limit": "300 KiB", "chunk_numel": 4096},
+        None,
+    )
     text = report.render()
     line = text.split("chunks")[1].splitlines()[0]
-    total, params, padding = (int(x.replace(",", "")) for x in
-                              (line.split(": ")[1].split(" elements")[0], line.split("= ")[1].split(" parameters")[0],
-                               line.split("+ ")[1].split(" padding")[0]))
+    total, params, padding = (
+        int(x.replace(",", ""))
+        for x in (
+            line.split(": ")[1].split(" elements")[0],
+            line.split("= ")[1].split(" parameters")[0],
+            line.split("+ ")[1].split(" padding")[0],
+        )
+    )
     assert total == params + padding and params == report.param_numel
     assert "0.00 GiB" not in text and "0.0 MiB" not in text and "300.00 KiB: fits" in text
 
@@ -308,8 +390,16 @@ def test_grad_norm_outside_full_parameters_warns_once_and_inside_it_gives_the_no
     L.seed_everything(7, verbose=False)
     model = LogsGradNorm()
     model.norms, model.inside = [], []
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ChunkOffloadStrategy(),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.warns(UserWarning, match=r"grad_norm\(\) read no gradients") as seen:
         trainer.fit(model, token_data())
     assert sum("grad_norm() read no gradients" in str(w.message) for w in seen) == 1
@@ -328,8 +418,9 @@ class L2Penalty(ParityNet):
         return loss + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
 
 
-@pytest.mark.parametrize("kw", [dict(placement="host"), dict(device_memory_limit=100_000, chunk_numel=4096)],
-                         ids=["host", "evicting_limit"])
+@pytest.mark.parametrize(
+    "kw", [dict(placement="host"), dict(device_memory_limit=100_000, chunk_numel=4096)], ids=["host", "evicting_limit"]
+)
 def test_parameters_iterated_in_training_step_are_read_and_differentiated_like_plain_lightning(kw, caplog):
     ref = fit("auto", steps=STEPS, cls=L2Penalty)
     with caplog.at_level("INFO", logger="lightning_chunk.engine.hooks"):
@@ -349,8 +440,16 @@ def test_the_default_kernel_is_not_written_into_the_user_s_optimizer_or_its_chec
     assert [g["fused"] for g in got["optimizer_states"][0]["param_groups"]] == [None, None]
     L.seed_everything(7, verbose=False)
     model = ParityNet()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(), max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ChunkOffloadStrategy(),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, token_data())
     assert all(g["fused"] is None and g["foreach"] is None for g in trainer.optimizers[0].param_groups)
 
@@ -359,8 +458,13 @@ def test_sync_batchnorm_trains_in_bf16_mixed_like_plain_lightning():
     """``Trainer(sync_batchnorm=True)``: the SyncBatchNorm layers keep fp32 payloads as BatchNorm's do."""
     init = fit("auto", steps=0, cls=models.BatchNormCNN)
     ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN, precision="bf16-mixed", sync_batchnorm=True)
-    got = fit(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", chunk_numel=10_000), steps=STEPS,
-              cls=models.BatchNormCNN, precision="bf16-mixed", sync_batchnorm=True)
+    got = fit(
+        ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", chunk_numel=10_000),
+        steps=STEPS,
+        cls=models.BatchNormCNN,
+        precision="bf16-mixed",
+        sync_batchnorm=True,
+    )
     assert relative_update_error(ref, got, init) < 0.01
 
 
@@ -376,8 +480,9 @@ class Reparametrised(ParityNet):
         parametrize.register_parametrization(self.head, "weight", torch.nn.Identity())
 
 
-@pytest.mark.parametrize("kw", [dict(placement="host"), dict(device_memory_limit=100_000, chunk_numel=4096)],
-                         ids=["host", "evicting_limit"])
+@pytest.mark.parametrize(
+    "kw", [dict(placement="host"), dict(device_memory_limit=100_000, chunk_numel=4096)], ids=["host", "evicting_limit"]
+)
 def test_reparametrised_weights_train_like_plain_lightning(kw):
     """[Note: leaf modules]: the identity's ``original`` was let go at its ParametrizationList's end and the head
     read NaN (host placement). A parametrized module is a leaf."""
@@ -404,11 +509,17 @@ class CapturedReference(ParityNet):
 
 def test_a_released_parameter_read_through_a_kept_reference_fails_at_once_naming_it_and_the_fix():
     """Never NaN: the warm-up's first forward raises, naming the parameter and leaf_modules, before any step."""
-    with pytest.raises(Exception, match=r"matmul read parameter 'embed.weight' while its chunk was released.*"
-                                        r"leaf_modules") as info:
+    with pytest.raises(
+        Exception,
+        match=r"matmul read parameter 'embed.weight' while its chunk was released.*"
+        r"leaf_modules",
+    ) as info:
         fit(ChunkOffloadStrategy(placement="host"), steps=4, cls=CapturedReference)
     assert info.value.__class__.__name__ == "ChunkError"
     ref = fit("auto", steps=STEPS, cls=CapturedReference)  # the fix it names: the root as a leaf
-    got = fit(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", leaf_modules=[CapturedReference]),
-              steps=STEPS, cls=CapturedReference)
+    got = fit(
+        ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", leaf_modules=[CapturedReference]),
+        steps=STEPS,
+        cls=CapturedReference,
+    )
     assert_same_params(ref, got, EXACT)

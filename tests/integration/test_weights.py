@@ -1,7 +1,6 @@
 """``ChunkOffloadStrategy(weights=...)``: a state dict file, a Lightning or consolidated checkpoint, or a
 safetensors directory, read straight into the chunks; bad files are refused before anything is written."""
 
-
 import lightning as L
 import pytest
 import torch
@@ -76,9 +75,16 @@ def _bad(tmp_path, edit):
     L.seed_everything(7, verbose=False)
     model = ParityNet()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(weights=tmp_path / "bad.pt"),
-                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ChunkOffloadStrategy(weights=tmp_path / "bad.pt"),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(WeightsError) as e:
         trainer.fit(model, token_data())
     assert trainer.global_step == 0
@@ -92,6 +98,7 @@ def test_missing_extra_and_misshaped_tensors_are_listed_before_anything_is_writt
         del sd["blocks.0.1.bias"], sd["calls"]
         sd["blocks.9.weight"] = torch.zeros(3)
         sd["norm.weight"] = torch.zeros(7)
+
     msg = _bad(tmp_path, edit)
     assert "nothing was loaded" in msg
     assert "missing from the file (2): calls, blocks.0.1.bias" in msg
@@ -114,13 +121,16 @@ def test_strict_loading_false_keeps_the_init_of_what_the_file_lacks(tmp_path):
             assert not init[k].isnan().any() and not torch.equal(init[k], want[k]) and init[k].std() > 0.01, k
 
 
-@pytest.mark.parametrize("layout,match", [
-    ("none", "no such file or directory"),
-    ("empty_dir", "a directory with no weights"),
-    ("two_files", "2 .safetensors files and no"),
-    ("index_missing_shard", "names model-00002-of-00002.safetensors for"),
-    ("not_a_dict", "not a state dict"),
-])
+@pytest.mark.parametrize(
+    "layout,match",
+    [
+        ("none", "no such file or directory"),
+        ("empty_dir", "a directory with no weights"),
+        ("two_files", "2 .safetensors files and no"),
+        ("index_missing_shard", "names model-00002-of-00002.safetensors for"),
+        ("not_a_dict", "not a state dict"),
+    ],
+)
 def test_unreadable_weights_are_clear_errors(tmp_path, layout, match):
     w = tmp_path / "w"
     if layout == "empty_dir":
@@ -133,8 +143,16 @@ def test_unreadable_weights_are_clear_errors(tmp_path, layout, match):
             (w / "model-00002-of-00002.safetensors").unlink()
     elif layout == "not_a_dict":
         torch.save([torch.zeros(2)], w)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(weights=w), max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ChunkOffloadStrategy(weights=w),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(WeightsError, match=match):
         trainer.fit(ParityNet(), token_data())
 
@@ -145,8 +163,16 @@ def test_weights_seed_the_first_fit_only_and_ckpt_path_still_wins(tmp_path):
     strategy = ChunkOffloadStrategy(weights=path)
     L.seed_everything(7, verbose=False)
     model = ParityNet()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, token_data())
     trained = {k: v.clone() for k, v in model.state_dict().items()}
     assert not torch.equal(trained["head.weight"], start["head.weight"])
@@ -156,8 +182,16 @@ def test_weights_seed_the_first_fit_only_and_ckpt_path_still_wins(tmp_path):
     ckpt = next(p for p in tmp_path.rglob("*.ckpt") if "w" not in p.parts)
     L.seed_everything(7, verbose=False)
     resumed = ParityNet()
-    t2 = L.Trainer(accelerator="cpu", devices=1, strategy=ChunkOffloadStrategy(weights=path), max_steps=4,
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    t2 = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ChunkOffloadStrategy(weights=path),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     t2.fit(resumed, token_data(), ckpt_path=ckpt)  # resumes at step 4: no step, the checkpoint's values
     for k, v in trained.items():
         assert torch.equal(resumed.state_dict()[k], v), k

@@ -27,8 +27,9 @@ from lightning_chunk.engine.runtime import ChunkEngine  # noqa: E402
 from lightning_chunk.shapes import Llama  # noqa: E402
 
 SHAPE = dict(hidden=128, layers=8, intermediate=256, heads=4, kv_heads=4, vocab=512)
-STRATEGY: dict[str, Any] = dict(device_memory_limit=10 << 20, chunk_numel=1 << 16, log_memory_stats=False,
-                                materialize_on_teardown=None)
+STRATEGY: dict[str, Any] = dict(
+    device_memory_limit=10 << 20, chunk_numel=1 << 16, log_memory_stats=False, materialize_on_teardown=None
+)
 STEPS, SAVE_AT = 4, 3
 
 
@@ -84,9 +85,17 @@ def fit(out: Path, first: bool, world: int) -> int:
     gc.collect()
     mark("set-up" if first else "resume")
     phases = Phases(out, first)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ChunkOffloadStrategy(**STRATEGY),
-                        max_steps=STEPS if first else STEPS + 2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[phases])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ChunkOffloadStrategy(**STRATEGY),
+        max_steps=STEPS if first else STEPS + 2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[phases],
+    )
     trainer.fit(Llama(SHAPE), train_dataloaders=data(), ckpt_path=None if first else str(out / "ckpt"))
     mark("done")
     return phases.activations
@@ -95,12 +104,18 @@ def fit(out: Path, first: bool, world: int) -> int:
 def peaks(prof: Any) -> dict[str, int]:
     """Each phase's peak live bytes, from the signed allocation events in time order (everything the profile saw
     begin: the model is built inside it)."""
-    events = sorted(((e.start_ns(), e.name(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]" or e.name().startswith("mark:")), key=lambda t: t[0])
+    events = sorted(
+        (
+            (e.start_ns(), e.name(), e.nbytes())
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" or e.name().startswith("mark:")
+        ),
+        key=lambda t: t[0],
+    )
     live, phase, out = 0, "before", {}
     for _, name, nbytes in events:
         if name.startswith("mark:"):
-            phase = name[len("mark:"):]
+            phase = name[len("mark:") :]
             out[phase] = max(out.get(phase, 0), live)
         else:
             live += nbytes

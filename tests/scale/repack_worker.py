@@ -38,6 +38,7 @@ def watch(fn):
         out = fn(self, *a, **k)
         peak["held"] = max(peak["held"], held(self))
         return out
+
     return wrapped
 
 
@@ -62,9 +63,13 @@ def run(out: Path, rank: int, placement: str, limit: int) -> None:
     torch.manual_seed(0)
     model = Reversed()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    eng = ChunkEngine(model, [opt], config=ChunkConfig(placement=placement, device_memory_limit=limit,
-                                                       chunk_numel=65536),
-                      device=torch.device("cpu"), collectives=Collectives(timeout_s=30))
+    eng = ChunkEngine(
+        model,
+        [opt],
+        config=ChunkConfig(placement=placement, device_memory_limit=limit, chunk_numel=65536),
+        device=torch.device("cpu"),
+        collectives=Collectives(timeout_s=30),
+    )
     for _ in range(2):  # the warm-up and its repack; a step in the new layout (Adam's state exists from here on)
         step(eng, model, opt, torch.randn(8, 256))
     shards = sum(c.shard_numel * 4 for c in eng.manager.chunks)

@@ -40,16 +40,33 @@ def rows(out: str) -> dict[str, list[float]]:
 
 def test_13b_on_two_nodes_of_eight_gpus(plan):
     """Llama 2 13B, 16 ranks of 80 GiB with 1 TiB a node: each phase a rank and a node, from shapes alone."""
-    r = plan("--init-args", '{"size": "13b"}', "--nodes", "2", "--devices", "8", "--device-memory", "80GiB",
-             "--host-memory", "1TiB")
+    r = plan(
+        "--init-args",
+        '{"size": "13b"}',
+        "--nodes",
+        "2",
+        "--devices",
+        "8",
+        "--device-memory",
+        "80GiB",
+        "--host-memory",
+        "1TiB",
+    )
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert "2 node(s) x 8 device(s) = 16 ranks" in r.stdout and "device limit 72.00 GiB" in r.stdout, r.stdout
     state = float(r.stdout.split("training state ")[1].split(" GiB")[0])
     # bf16-mixed: fp32 master 4 + bf16 copy 2 + fp32 gradient 4 + AdamW 8 = 18 bytes a parameter, over 16 ranks
     assert 18 * 13_015_864_320 / 16 / 2**30 <= state <= 1.05 * 18 * 13_015_864_320 / 16 / 2**30, r.stdout
     table = rows(r.stdout)
-    assert list(table) == ["set-up", "warm-up step", "warm-up repack", "training step", "save", "resume",
-                           "end of fit"], r.stdout
+    assert list(table) == [
+        "set-up",
+        "warm-up step",
+        "warm-up repack",
+        "training step",
+        "save",
+        "resume",
+        "end of fit",
+    ], r.stdout
     for name, (device, host, node) in table.items():
         assert abs(node - 8 * host) <= 0.01 * node + 1e-3, (name, r.stdout)
         assert device <= 72, (name, r.stdout)
@@ -61,8 +78,18 @@ def test_13b_on_two_nodes_of_eight_gpus(plan):
 def test_70b_on_one_node_says_the_host_binds(plan):
     """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB the warm-up repack, which starts from
     every shard on the host, cannot fit, nor a resume; the plan names the worst phase and exits 1."""
-    r = plan("--init-args", '{"size": "70b"}', "--nodes", "1", "--devices", "8", "--device-memory", "80GiB",
-             "--host-memory", "1TiB")
+    r = plan(
+        "--init-args",
+        '{"size": "70b"}',
+        "--nodes",
+        "1",
+        "--devices",
+        "8",
+        "--device-memory",
+        "80GiB",
+        "--host-memory",
+        "1TiB",
+    )
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
     assert "binds        host: warm-up repack" in r.stdout, r.stdout
     assert rows(r.stdout)["warm-up repack"][1] > 128, r.stdout

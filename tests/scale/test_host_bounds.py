@@ -22,8 +22,9 @@ def test_a_repack_under_a_device_limit_holds_only_this_rank_s_share_on_the_host(
     the end of the warm-up read every old chunk whole first: the whole model's values and gradients on every rank's
     host at once (4x the rank's master shards on 2 ranks, 8x on 4). Now a rank holds at most its own values and
     gradients (the old device shards, staged) and two chunks' whole values and gradients."""
-    ranks = Ranks(WORKER, tmp_path, *(f"{p}:{limit}" for p, limit in cases.items()), world_size=world,
-                  env=AS_NCCL).wait(timeout=180)
+    ranks = Ranks(
+        WORKER, tmp_path, *(f"{p}:{limit}" for p, limit in cases.items()), world_size=world, env=AS_NCCL
+    ).wait(timeout=180)
     assert all(rc == 0 for rc, *_ in ranks), "".join(so + se for _, so, se, _ in ranks)[-3000:]
     for placement in cases:
         for r in range(world):

@@ -22,8 +22,15 @@ WORKER = Path(__file__).with_name("phases_worker.py")
 # Below 1 (the largest rank): the plan erring safe; the last rank holds less (its shards hold the padding, which a
 # rank neither gathers nor steps). SLACK: collectives in flight, whose number varies with the ranks' timing (a
 # phase's peak moved by up to 1.3 MiB, five chunks, between two runs of the same code).
-AGREE = {"set-up": (0.7, 1.1), "warm-up step": (0.7, 1.25), "warm-up repack": (0.7, 1.1),
-         "training step": (0.7, 1.1), "save": (0.7, 1.1), "resume": (0.7, 1.1), "end of fit": (0.7, 1.1)}
+AGREE = {
+    "set-up": (0.7, 1.1),
+    "warm-up step": (0.7, 1.25),
+    "warm-up repack": (0.7, 1.1),
+    "training step": (0.7, 1.1),
+    "save": (0.7, 1.1),
+    "resume": (0.7, 1.1),
+    "end of fit": (0.7, 1.1),
+}
 SLACK = 6 * STRATEGY["chunk_numel"] * 4
 
 
@@ -37,8 +44,16 @@ def test_each_phase_s_peak_agrees_with_the_plan(tmp_path, world):
     ranks = Ranks(WORKER, tmp_path, world_size=world).wait(timeout=240)
     assert all(rc == 0 for rc, *_ in ranks), "".join(so + se for _, so, se, _ in ranks)[-3000:]
     got = [json.loads((tmp_path / f"phases.{r}.json").read_text()) for r in range(world)]
-    report = make_shape_plan(Llama, {"size": SHAPE}, dict(STRATEGY), "32-true", world, (1, world, None),
-                             staging=False, activations=max(g["traced activations"] for g in got))
+    report = make_shape_plan(
+        Llama,
+        {"size": SHAPE},
+        dict(STRATEGY),
+        "32-true",
+        world,
+        (1, world, None),
+        staging=False,
+        activations=max(g["traced activations"] for g in got),
+    )
     predicted = {p.name: p.together for p in report.phases}
     assert set(AGREE) == set(predicted)
     state = report.state

@@ -51,26 +51,33 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
 
                 comm.agreement = Agreement(comm, lazy=False, mode="batch")
                 outs += [gather(c, n) for c, n in ((5, 8), (6, 2))]
-                seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n
-                                    for o, (c, n) in zip(outs, ((3, 8), (4, 8), (5, 8), (6, 2)), strict=True))
+                seen["right"] = all(
+                    o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n
+                    for o, (c, n) in zip(outs, ((3, 8), (4, 8), (5, 8), (6, 2)), strict=True)
+                )
             else:
-                gather(3 if rank == 0 else (4 if case == "batch_swap" else 5), 8 if case == "batch_swap" or rank == 0 else 4)
+                gather(
+                    3 if rank == 0 else (4 if case == "batch_swap" else 5),
+                    8 if case == "batch_swap" or rank == 0 else 4,
+                )
                 gather(6, 8)
             comm.verify_issued()
             seen["error"] = "none"
         elif case == "agree":  # one size, another, the first again; then sizes past MAX_KEYS (4), checked every time
             sizes = ((0, 8), (1, 8), (2, 8), (3, 4), (4, 8), (5, 8), (6, 2), (7, 6), (8, 10), (9, 10), (10, 8))
             outs = [gather(c, n) for c, n in sizes]
-            seen["right"] = all(o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n for o, (c, n) in zip(outs, sizes, strict=True))
+            seen["right"] = all(
+                o.tolist() == [10.0 * c] * n + [10.0 * c + 1] * n for o, (c, n) in zip(outs, sizes, strict=True)
+            )
             full = torch.full((8,), float(rank + 1))
-            comm.reduce_scatter(full[4 * rank: 4 * rank + 4], full, chunk=6).wait()
-            seen["reduced"] = full[4 * rank: 4 * rank + 4].tolist()
+            comm.reduce_scatter(full[4 * rank : 4 * rank + 4], full, chunk=6).wait()
+            seen["reduced"] = full[4 * rank : 4 * rank + 4].tolist()
             # unchecked ([Note: a gloo group per kind of collective]): right data, on groups of their own
             comm = Collectives(timeout_s=20, verify=False)
             full = torch.full((8,), float(rank + 1))
-            comm.reduce_scatter(full[4 * rank: 4 * rank + 4], full, chunk=0, async_op=True).wait()
+            comm.reduce_scatter(full[4 * rank : 4 * rank + 4], full, chunk=0, async_op=True).wait()
             gathered = torch.empty(8)
-            comm.all_gather(gathered, full[4 * rank: 4 * rank + 4], chunk=0, async_op=True).wait()
+            comm.all_gather(gathered, full[4 * rank : 4 * rank + 4], chunk=0, async_op=True).wait()
             seen["unchecked"] = [gathered.tolist(), comm.agreement is None, len(set(map(id, comm._op_groups.values())))]
         else:
             gather(0, 8)
@@ -105,8 +112,11 @@ def seen(tmp_path_factory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("agreement")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_chunk.engine.collectives"])
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp / f"{c}.store"), str(tmp / f"{c}.{r}.json"), c))
-             for c in CASES for r in (0, 1)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, str(tmp / f"{c}.store"), str(tmp / f"{c}.{r}.json"), c))
+        for c in CASES
+        for r in (0, 1)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -145,8 +155,10 @@ def test_by_default_ranks_that_agree_check_once_a_batch(seen):
 def test_by_default_a_swap_of_two_same_size_collectives_is_named_at_the_next_check(seen):
     for r, got in enumerate(seen["batch_swap"]):
         assert got["error"].startswith(f"CollectiveMismatchError: [rank {r}] ranks disagree on a chunk collective"), got
-        assert "rank 0: all_gather of chunk 3; rank 1: all_gather of chunk 4; collective 1 since the last check" \
-            in got["error"], got
+        assert (
+            "rank 0: all_gather of chunk 3; rank 1: all_gather of chunk 4; collective 1 since the last check"
+            in got["error"]
+        ), got
 
 
 def test_by_default_ranks_left_waiting_on_different_sizes_time_out_instead_of_aborting(seen):

@@ -13,8 +13,15 @@ LIMIT = 1 << 20
 
 
 def trainer(**kw):
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
 
 
 class LogsGradients(ParityNet):
@@ -37,20 +44,36 @@ def test_without_a_host_limit_the_step_stays_after_backward():
     assert choose_step_in_backward(trainer(), ParityNet(), "32-true", 1, None) == (False, None)
 
 
-@pytest.mark.parametrize("what, trainer_kw, module, precision, optimizers, named", [
-    ("clipping", dict(gradient_clip_val=0.5), ParityNet, "32-true", 1, "gradient_clip_val=0.5"),
-    ("fp16", {}, ParityNet, "16-mixed", 1, "precision='16-mixed'"),
-    ("manual", {}, ManualNet, "32-true", 1, "automatic_optimization=False"),
-    ("two optimizers", {}, ParityNet, "32-true", 2, "2 optimizers"),
-    ("module hook", {}, LogsGradients, "32-true", 1, "LogsGradients.on_before_optimizer_step"),
-    ("optimizer_step", {}, StepsItsOwnWay, "32-true", 1, "StepsItsOwnWay.optimizer_step"),
-    ("callback after backward", dict(callbacks=[GradsAfterBackward()]), ParityNet, "32-true", 1,
-     "GradsAfterBackward.on_after_backward"),
-    ("callback before the step", dict(callbacks=[GradNormsAndEdits()]), ParityNet, "32-true", 1,
-     "GradNormsAndEdits.on_before_optimizer_step"),
-])
+@pytest.mark.parametrize(
+    "what, trainer_kw, module, precision, optimizers, named",
+    [
+        ("clipping", dict(gradient_clip_val=0.5), ParityNet, "32-true", 1, "gradient_clip_val=0.5"),
+        ("fp16", {}, ParityNet, "16-mixed", 1, "precision='16-mixed'"),
+        ("manual", {}, ManualNet, "32-true", 1, "automatic_optimization=False"),
+        ("two optimizers", {}, ParityNet, "32-true", 2, "2 optimizers"),
+        ("module hook", {}, LogsGradients, "32-true", 1, "LogsGradients.on_before_optimizer_step"),
+        ("optimizer_step", {}, StepsItsOwnWay, "32-true", 1, "StepsItsOwnWay.optimizer_step"),
+        (
+            "callback after backward",
+            dict(callbacks=[GradsAfterBackward()]),
+            ParityNet,
+            "32-true",
+            1,
+            "GradsAfterBackward.on_after_backward",
+        ),
+        (
+            "callback before the step",
+            dict(callbacks=[GradNormsAndEdits()]),
+            ParityNet,
+            "32-true",
+            1,
+            "GradNormsAndEdits.on_before_optimizer_step",
+        ),
+    ],
+)
 def test_whatever_reads_gradients_after_backward_keeps_the_step_after_it_and_is_named(
-        what, trainer_kw, module, precision, optimizers, named):
+    what, trainer_kw, module, precision, optimizers, named
+):
     chosen, why = choose_step_in_backward(trainer(**trainer_kw), module(), precision, optimizers, LIMIT)
     assert not chosen and named in why, (what, why)
 

@@ -30,8 +30,16 @@ def test_forwards_that_broadcast_follow_ddp():
     sync.enabled = True
     synced = []
     # (grad enabled, accumulating): a micro-batch that steps, two accumulating ones, evaluation twice, training
-    for grad, accumulating in [(True, False), (True, True), (True, True), (True, False), (False, False),
-                               (False, False), (True, False), (True, False)]:
+    for grad, accumulating in [
+        (True, False),
+        (True, True),
+        (True, True),
+        (True, False),
+        (False, False),
+        (False, False),
+        (True, False),
+        (True, False),
+    ]:
         before = len(comm.sizes)
         with contextlib.nullcontext() if grad else torch.no_grad():
             sync.before_forward(accumulating=accumulating)

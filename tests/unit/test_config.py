@@ -6,28 +6,34 @@ import torch
 from lightning_chunk.engine.config import ChunkConfig, parse_bytes, resolve_reshard_after_forward
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("placement", "gpu", "placement='gpu'"),
-    ("optimizer_kernel", "fast", "optimizer_kernel='fast'"),
-    ("offload_fraction", 1.5, "offload_fraction=1.5"),
-    ("offload_fraction", True, "offload_fraction=True"),
-    ("chunk_numel", 0, "chunk_numel=0"),
-    ("chunk_numel", -4, "chunk_numel=-4"),
-    ("chunk_numel_min", 2.5, "chunk_numel_min=2.5"),
-    ("device_memory_limit", -1, "device_memory_limit=-1"),
-    ("device_memory_limit", "lots", "device_memory_limit='lots'"),
-    ("device_memory_limit", "12 parsecs", "device_memory_limit='12 parsecs'"),
-    ("prefetch", "yes", "prefetch='yes'"),
-    ("reshard_after_forward", "no", "reshard_after_forward='no'"),
-    ("reshard_after_forward", True, "only placement='host' releases payloads after use"),  # with placement='auto'
-    ("leaf_modules", "MyBlock", "leaf_modules='MyBlock'"),  # a string, not a list of them
-    ("leaf_modules", [int], "list of torch.nn.Module subclasses or class names"),
-    ("leaf_modules", [""], "leaf_modules=['']"),
-    ("verify_collectives", "sometimes", "verify_collectives='sometimes' is not allowed; it must be None, True, False, "
-                                        "'each' or 'batch'"),
-    ("verify_collectives", 1, "verify_collectives=1"),
-    ("broadcast_buffers", None, "broadcast_buffers=None"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("placement", "gpu", "placement='gpu'"),
+        ("optimizer_kernel", "fast", "optimizer_kernel='fast'"),
+        ("offload_fraction", 1.5, "offload_fraction=1.5"),
+        ("offload_fraction", True, "offload_fraction=True"),
+        ("chunk_numel", 0, "chunk_numel=0"),
+        ("chunk_numel", -4, "chunk_numel=-4"),
+        ("chunk_numel_min", 2.5, "chunk_numel_min=2.5"),
+        ("device_memory_limit", -1, "device_memory_limit=-1"),
+        ("device_memory_limit", "lots", "device_memory_limit='lots'"),
+        ("device_memory_limit", "12 parsecs", "device_memory_limit='12 parsecs'"),
+        ("prefetch", "yes", "prefetch='yes'"),
+        ("reshard_after_forward", "no", "reshard_after_forward='no'"),
+        ("reshard_after_forward", True, "only placement='host' releases payloads after use"),  # with placement='auto'
+        ("leaf_modules", "MyBlock", "leaf_modules='MyBlock'"),  # a string, not a list of them
+        ("leaf_modules", [int], "list of torch.nn.Module subclasses or class names"),
+        ("leaf_modules", [""], "leaf_modules=['']"),
+        (
+            "verify_collectives",
+            "sometimes",
+            "verify_collectives='sometimes' is not allowed; it must be None, True, False, 'each' or 'batch'",
+        ),
+        ("verify_collectives", 1, "verify_collectives=1"),
+        ("broadcast_buffers", None, "broadcast_buffers=None"),
+    ],
+)
 def test_bad_values_name_field_value_and_choices(field, value, needle):
     with pytest.raises(ValueError) as e:
         ChunkConfig(**{field: value})
@@ -39,21 +45,43 @@ def test_min_above_max_is_rejected():
         ChunkConfig(chunk_numel_min=8, chunk_numel_max=4)
 
 
-@pytest.mark.parametrize("value,expected", [
-    (1000, 1000), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("2gib", 2 * 2**30), ("64", 64), (None, None),
-    ("12G", 12 * 10**9), ("12GB", 12 * 10**9), ("12 gib", 12 * 2**30), ("12Gi", 12 * 2**30), ("3 k", 3000),
-    (2e9, 2 * 10**9), ("1e3", 1000),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (1000, 1000),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("2gib", 2 * 2**30),
+        ("64", 64),
+        (None, None),
+        ("12G", 12 * 10**9),
+        ("12GB", 12 * 10**9),
+        ("12 gib", 12 * 2**30),
+        ("12Gi", 12 * 2**30),
+        ("3 k", 3000),
+        (2e9, 2 * 10**9),
+        ("1e3", 1000),
+    ],
+)
 def test_parse_bytes(value, expected):
     """[Note: memory sizes]: K/M/G/T and KB/MB/GB/TB are powers of 1000, Ki/Mi/Gi/Ti and KiB/... powers of 1024."""
     assert parse_bytes(value, field="x") == expected
 
 
-@pytest.mark.parametrize("value,needle", [
-    (0.5, "not a whole number of bytes"), (-5, "must be a positive number"), ("-1GiB", "must be a positive number"),
-    ("0.5", "must be a positive number"), (0, "must be a positive number"), ("twelve", "is not a memory size"),
-    ("12 GiBs", "is not a memory size"), (True, "is not a memory size"), (float("nan"), "must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        (0.5, "not a whole number of bytes"),
+        (-5, "must be a positive number"),
+        ("-1GiB", "must be a positive number"),
+        ("0.5", "must be a positive number"),
+        (0, "must be a positive number"),
+        ("twelve", "is not a memory size"),
+        ("12 GiBs", "is not a memory size"),
+        (True, "is not a memory size"),
+        (float("nan"), "must be a positive number"),
+    ],
+)
 def test_bad_memory_sizes_are_refused_with_the_accepted_forms(value, needle):
     with pytest.raises(ValueError) as e:
         parse_bytes(value, field="device_memory_limit")

@@ -10,21 +10,40 @@ from lightning_chunk.engine.errors import UnsupportedOptimizerError
 from tests.models import VOCAB, ParityNet, ReorderedNet
 
 
-def train(early, *, cls=ParityNet, placement="device", chunk_numel=4096, dtypes=None, accumulate=1, steps=5,
-          opt_cls=torch.optim.AdamW, unused=False, kernel="auto", fresh=None, model_kw=None):
+def train(
+    early,
+    *,
+    cls=ParityNet,
+    placement="device",
+    chunk_numel=4096,
+    dtypes=None,
+    accumulate=1,
+    steps=5,
+    opt_cls=torch.optim.AdamW,
+    unused=False,
+    kernel="auto",
+    fresh=None,
+    model_kw=None,
+):
     """``fresh``: a list that gets, per step, the chunks whose compute copy the one-pass kernel wrote."""
     torch.manual_seed(0)
     model = cls(variant="unused" if unused else "plain") if cls is ParityNet else cls(**(model_kw or {}))
     opt = opt_cls(model.parameters(), lr=1e-2, weight_decay=0.1)
-    eng = ChunkEngine(model, [opt], config=ChunkConfig(placement=placement, chunk_numel=chunk_numel,
-                                                       step_in_backward=early, optimizer_kernel=kernel), dtypes=dtypes)
+    eng = ChunkEngine(
+        model,
+        [opt],
+        config=ChunkConfig(
+            placement=placement, chunk_numel=chunk_numel, step_in_backward=early, optimizer_kernel=kernel
+        ),
+        dtypes=dtypes,
+    )
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         opt.zero_grad()
         for k in range(accumulate):
             x = torch.randint(0, VOCAB, (4, 8), generator=g)
             last = k == accumulate - 1
-            with (eng.accumulating() if not last else torch.enable_grad()):
+            with eng.accumulating() if not last else torch.enable_grad():
                 with eng.micro_batch(training=True):
                     # the branch of "unused" runs in some steps only (step 0, the warm-up, is one of them)
                     loss = model(x, use_branch=step % 3 == 0).float().pow(2).mean()
@@ -57,8 +76,11 @@ def test_stepping_in_backward_is_bit_identical_to_stepping_after_it(placement, c
     for k in want:
         assert torch.equal(got[k], want[k]), k
     # the optimizer's state too: every step count and moment
-    for va, vb in zip((p for g in opt_a.param_groups for p in g["params"]),
-                      (p for g in opt_b.param_groups for p in g["params"]), strict=True):
+    for va, vb in zip(
+        (p for g in opt_a.param_groups for p in g["params"]),
+        (p for g in opt_b.param_groups for p in g["params"]),
+        strict=True,
+    ):
         sa, sb = opt_a.state.get(va, {}), opt_b.state.get(vb, {})
         assert sa.keys() == sb.keys()
         for key in sa:
@@ -71,8 +93,12 @@ def test_each_host_chunk_stepped_in_backward_takes_the_one_pass(setting):
     chunk with a compute copy, as one step after backward does (it once took the first chunk it was called with
     and left the others to torch's kernel and a second pass). Also with the automatic chunk size, on a model used
     in another order than registered, with accumulation: the same bits both ways."""
-    kw = dict(placement="host", kernel="one_pass", steps=3,
-              dtypes=DtypePolicy(compute_dtype=torch.bfloat16, master_dtype=torch.float32))
+    kw = dict(
+        placement="host",
+        kernel="one_pass",
+        steps=3,
+        dtypes=DtypePolicy(compute_dtype=torch.bfloat16, master_dtype=torch.float32),
+    )
     if setting == "defaults_reordered_accumulate":
         kw.update(cls=ReorderedNet, chunk_numel=None, accumulate=2, model_kw=dict(dim=256, hidden=1024, depth=4))
     after, during = [], []

@@ -14,14 +14,24 @@ from tests.engine_steps import step
 
 
 def test_engine_imports_no_lightning():
-    code = ("import sys, lightning_chunk.engine as e; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]; "
-            "print('BAD', bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, lightning_chunk.engine as e; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]; "
+        "print('BAD', bad); sys.exit(1 if bad else 0)"
+    )
     # import the engine without the package __init__ (which registers the Lightning strategy)
-    r = subprocess.run([sys.executable, "-c", "import importlib.util, sys, pathlib, types;"
-                        "root = pathlib.Path('lightning_chunk');"
-                        "pkg = types.ModuleType('lightning_chunk'); pkg.__path__ = [str(root)];"
-                        "sys.modules['lightning_chunk'] = pkg;" + code], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util, sys, pathlib, types;"
+            "root = pathlib.Path('lightning_chunk');"
+            "pkg = types.ModuleType('lightning_chunk'); pkg.__path__ = [str(root)];"
+            "sys.modules['lightning_chunk'] = pkg;" + code,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -44,13 +54,17 @@ def test_warmup_repacks_in_first_use_order_and_keeps_training_exact():
     ref.load_state_dict(m.state_dict())
     opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
     eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
+
     def names():
         return [t.name for c in eng.manager.chunks for t in c.tensors]
+
     assert names()[:2] == ["last.weight", "last.bias"]  # registration order before the trace
     for i in range(4):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
         step(eng, m, opt, x)
-        oref.zero_grad(); ref(x).pow(2).mean().backward(); oref.step()
+        oref.zero_grad()
+        ref(x).pow(2).mean().backward()
+        oref.step()
     assert names() == ["first.weight", "first.bias", "middle.weight", "middle.bias", "last.weight", "last.bias"]
     assert eng.warmed_up and eng.hooks.trace is not None
     sd = eng.full_state_dict()
@@ -94,9 +108,12 @@ def test_limit_too_small_for_the_traced_step_fails_before_the_first_step_with_nu
 
 def test_limit_too_small_for_one_module_fails_at_construction():
     m = nn.Sequential(nn.Linear(64, 64))
-    with pytest.raises(DeviceMemoryLimitError, match=r"one module needs 16640 bytes \(16.25 KiB\) of chunks.*or lower chunk_numel"):
-        ChunkEngine(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
-                    config=ChunkConfig(device_memory_limit=1000, chunk_numel=4160))
+    with pytest.raises(
+        DeviceMemoryLimitError, match=r"one module needs 16640 bytes \(16.25 KiB\) of chunks.*or lower chunk_numel"
+    ):
+        ChunkEngine(
+            m, [torch.optim.SGD(m.parameters(), lr=0.1)], config=ChunkConfig(device_memory_limit=1000, chunk_numel=4160)
+        )
     # a user who left the chunk size to us is not told to lower it: it is as low as the largest parameter already
     with pytest.raises(DeviceMemoryLimitError) as e:
         ChunkEngine(m, [torch.optim.SGD(m.parameters(), lr=0.1)], config=ChunkConfig(device_memory_limit=1000))
@@ -139,8 +156,12 @@ def test_after_a_failed_collective_teardown_frees_nothing_a_queued_collective_ma
     eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host"))  # the automatic chunk size
     step(eng, m, opt, torch.randn(2, 8))
     # the shards, and the payloads gathered now (host placement released the others after the step)
-    held = [t for c in eng.manager.chunks for t in (c.payload, c.master)
-            if t is not None and t.untyped_storage().nbytes() > 0]
+    held = [
+        t
+        for c in eng.manager.chunks
+        for t in (c.payload, c.master)
+        if t is not None and t.untyped_storage().nbytes() > 0
+    ]
     assert len(held) >= len(eng.manager.chunks)
     if failed:
         monkeypatch.setattr(collectives, "_broken", ["a wait failed"])
@@ -265,12 +286,15 @@ def test_parameters_the_root_owns_train_like_torch(step_in_backward):
     ref.load_state_dict(m.state_dict())
     opt = torch.optim.AdamW(m.parameters(), lr=0.05, fused=True)
     oref = torch.optim.AdamW(ref.parameters(), lr=0.05, fused=True)
-    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", step_in_backward=step_in_backward,
-                                                   check_invariants=True))  # the automatic chunk size
+    eng = ChunkEngine(
+        m, [opt], config=ChunkConfig(placement="host", step_in_backward=step_in_backward, check_invariants=True)
+    )  # the automatic chunk size
     for i in range(4):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
         step(eng, m, opt, x)
-        oref.zero_grad(); ref(x).float().pow(2).mean().backward(); oref.step()
+        oref.zero_grad()
+        ref(x).float().pow(2).mean().backward()
+        oref.step()
     sd = eng.full_state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k], v), k
@@ -296,8 +320,9 @@ def test_the_first_layout_is_sized_with_each_module_s_chunks():
     counted as the gradient payload alone, and a limit that layout did not fit was accepted, then failed)."""
     net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     opt = torch.optim.AdamW(net.parameters())
-    plan = ChunkEngine.plan_from_shapes(net, [opt], config=ChunkConfig(device_memory_limit=10 * 2**20, chunk_numel_min=4096),
-                                        world_size=2)
+    plan = ChunkEngine.plan_from_shapes(
+        net, [opt], config=ChunkConfig(device_memory_limit=10 * 2**20, chunk_numel_min=4096), world_size=2
+    )
     payload = {v.chunk_id: v.payload_bytes for v in plan.views}
     slot_of = plan.layout.slot_of()
     weight_chunk = slot_of[0].chunk_id  # the first linear's weight
@@ -314,10 +339,18 @@ def test_the_warm_up_layout_of_several_ranks_leaves_room_for_a_second_gradient_p
     bf16-mixed and a limit of 0.3x the parameter bytes failed the first backward without it)."""
     net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 1024))
     limit = limit_mib * 2**20
-    plan = ChunkEngine.plan_from_shapes(net, [torch.optim.AdamW(net.parameters())], world_size=2,
-                                        config=ChunkConfig(device_memory_limit=limit, chunk_numel_min=4096))
+    plan = ChunkEngine.plan_from_shapes(
+        net,
+        [torch.optim.AdamW(net.parameters())],
+        world_size=2,
+        config=ChunkConfig(device_memory_limit=limit, chunk_numel_min=4096),
+    )
     grad = max(v.grad_payload_bytes for v in plan.views)
     largest = 1024 * 256
     # room for both, unless the chunks are already as small as the largest parameter (3 MiB: 263,168 elements before)
     assert plan.layout.capacity_numel <= largest or plan.need_before_activations + grad <= limit, (
-        plan.layout.capacity_numel, plan.need_before_activations, grad, limit)
+        plan.layout.capacity_numel,
+        plan.need_before_activations,
+        grad,
+        limit,
+    )

@@ -22,18 +22,26 @@ def model():
 
 def two_groups(params, cls, **kw):
     ps = list(params)
-    return cls([{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}],
-               **{"lr": 0.01, "betas": (0.9, 0.95), **kw})
+    return cls(
+        [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}],
+        **{"lr": 0.01, "betas": (0.9, 0.95), **kw},
+    )
 
 
 def run(kernel, *, cls=torch.optim.AdamW, dtypes=None, steps=3, reload_after=None, unused=(), **kw):
     """Step ChunkEngine (host tier) and torch's optimizer (fused, or the kernel ``kernel`` names) on the same
     gradients; returns both sides. ``unused``: (step, parameter) pairs that get no gradient."""
     ref, mine = model(), model()
-    oref, o = two_groups(ref, cls, **({"foreach": True} if kernel == "foreach" else {"fused": True}), **kw), \
-        two_groups(mine, cls, **kw)
-    eng = ChunkEngine(mine, [o], config=ChunkConfig(placement="host", chunk_numel=4096, optimizer_kernel=kernel),
-                      dtypes=dtypes or DtypePolicy())
+    oref, o = (
+        two_groups(ref, cls, **({"foreach": True} if kernel == "foreach" else {"fused": True}), **kw),
+        two_groups(mine, cls, **kw),
+    )
+    eng = ChunkEngine(
+        mine,
+        [o],
+        config=ChunkConfig(placement="host", chunk_numel=4096, optimizer_kernel=kernel),
+        dtypes=dtypes or DtypePolicy(),
+    )
     mgr = eng.manager
     fresh = []
     for step in range(steps):
@@ -63,9 +71,11 @@ def check_against_torch(eng, o, ref, oref, exact_tail=True):
         c, info = mgr.lookup(mgr.params[i])
         v = b.views()[i]
         st, st_ref = o.state[v], oref.state[p]
-        pairs = [(c.master[info.offset : info.offset + info.numel], p.detach().reshape(-1), "param"),
-                 (st["exp_avg"], st_ref["exp_avg"].reshape(-1), "exp_avg"),
-                 (st["exp_avg_sq"], st_ref["exp_avg_sq"].reshape(-1), "exp_avg_sq")]
+        pairs = [
+            (c.master[info.offset : info.offset + info.numel], p.detach().reshape(-1), "param"),
+            (st["exp_avg"], st_ref["exp_avg"].reshape(-1), "exp_avg"),
+            (st["exp_avg_sq"], st_ref["exp_avg_sq"].reshape(-1), "exp_avg_sq"),
+        ]
         if c.low is not None:
             pairs.append((c.low[info.offset : info.offset + info.numel], p.detach().reshape(-1).to(c.low.dtype), "low"))
         body = p.numel() - (0 if exact_tail else p.numel() % 16)
@@ -114,10 +124,15 @@ def count_native_calls(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "compiled"])
-@pytest.mark.parametrize("cls,low,kw", [(torch.optim.AdamW, torch.bfloat16, {}),
-                                        (torch.optim.Adam, torch.float16, {"maximize": True}),
-                                        # beta1 < 0.5: torch's lerp takes its other formula (weight 1 - beta1 >= 0.5)
-                                        (torch.optim.AdamW, torch.bfloat16, {"betas": (0.3, 0.95)})])
+@pytest.mark.parametrize(
+    "cls,low,kw",
+    [
+        (torch.optim.AdamW, torch.bfloat16, {}),
+        (torch.optim.Adam, torch.float16, {"maximize": True}),
+        # beta1 < 0.5: torch's lerp takes its other formula (weight 1 - beta1 >= 0.5)
+        (torch.optim.AdamW, torch.bfloat16, {"betas": (0.3, 0.95)}),
+    ],
+)
 def test_the_one_pass_steps_and_writes_the_compute_copy_as_torchs_fused_kernel(cls, low, kw, native, monkeypatch):
     """Both one-pass kernels: the native loop (``adam_native.py``, where it builds) and the ``torch.compile`` one."""
     monkeypatch.setattr(host_adam, "NATIVE", native)
@@ -148,8 +163,12 @@ def test_the_native_loop_equals_torchs_fused_kernel_wherever_its_copy_starts(low
             scalars = host_adam.adam_scalars(opt.param_groups[0], step, opt)
             kernel(p, grad * step, m, v, copy[offset:], *kernel.pack(scalars))
         body = n - n % 16
-        for got, want in [(p, ref.detach()), (m, opt.state[ref]["exp_avg"]), (v, opt.state[ref]["exp_avg_sq"]),
-                          (copy[offset:], ref.detach().to(low))]:
+        for got, want in [
+            (p, ref.detach()),
+            (m, opt.state[ref]["exp_avg"]),
+            (v, opt.state[ref]["exp_avg_sq"]),
+            (copy[offset:], ref.detach().to(low)),
+        ]:
             assert torch.equal(got[:body], want[:body]), (n, offset)
             torch.testing.assert_close(got.float(), want.float())
         assert torch.equal(copy[:offset], torch.zeros(offset, dtype=low))  # nothing written before the shard
@@ -158,8 +177,9 @@ def test_the_native_loop_equals_torchs_fused_kernel_wherever_its_copy_starts(low
 def test_a_chunk_with_a_parameter_that_got_no_gradient_is_left_to_torch():
     """Torch skips such a parameter (no state at first, its own ``step`` count after): its chunk cannot be
     stepped as one run, so torch's kernel steps it, and the other chunks still take the one pass."""
-    eng, o, ref, oref, fresh = run("one_pass", dtypes=DtypePolicy(torch.bfloat16, torch.float32),
-                                   unused={(0, 1), (2, 1)})
+    eng, o, ref, oref, fresh = run(
+        "one_pass", dtypes=DtypePolicy(torch.bfloat16, torch.float32), unused={(0, 1), (2, 1)}
+    )
     check_against_torch(eng, o, ref, oref, exact_tail=False)
     mgr = eng.manager
     skipped = mgr.lookup(mgr.params[1])[0].chunk_id

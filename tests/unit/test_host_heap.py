@@ -84,11 +84,14 @@ def test_user_set_thresholds_reads_glibc_tunables_and_malloc_variables():
     assert user_set_thresholds({"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
-@pytest.mark.parametrize("config, asked", [
-    (ChunkConfig(placement="device"), True),
-    (ChunkConfig(placement="device", keep_freed_heap=False), False),
-    (ChunkConfig(placement="host", host_memory_limit=1 << 30), False),  # map_large_blocks bounds memory there
-])
+@pytest.mark.parametrize(
+    "config, asked",
+    [
+        (ChunkConfig(placement="device"), True),
+        (ChunkConfig(placement="device", keep_freed_heap=False), False),
+        (ChunkConfig(placement="host", host_memory_limit=1 << 30), False),  # map_large_blocks bounds memory there
+    ],
+)
 def test_the_engine_asks_only_on_a_cpu_device_without_a_host_limit(monkeypatch, config, asked):
     calls = []
     monkeypatch.setattr(runtime, "keep_freed_heap", lambda: calls.append(1) or True)

@@ -17,8 +17,13 @@ def make(limit=None, dtypes=None, tiers=None, capacity=64):
     net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 2))
     named = list(net.named_parameters())
     originals = [p.detach().clone() for _, p in named]
-    mgr = ChunkManager(named, {i: 0 for i in range(len(named))}, config=ChunkConfig(device_memory_limit=limit),
-                       dtypes=dtypes, device=torch.device("cpu"))
+    mgr = ChunkManager(
+        named,
+        {i: 0 for i in range(len(named))},
+        config=ChunkConfig(device_memory_limit=limit),
+        dtypes=dtypes,
+        device=torch.device("cpu"),
+    )
     checks = []
     mgr.on_change = lambda: (mgr.check_accounting(), checks.append(1))
     layout = build_layout(mgr.specs, list(range(len(named))), capacity, 1)
@@ -74,8 +79,9 @@ def test_device_tier_aliases_payload_in_fp32_and_keeps_separate_master_in_bf16()
     c = mgr.chunks[0]
     assert c.aliased and c.is_resident and c.master is None  # the payload is the master
     assert mgr.ledger[Tier.DEVICE] == sum(mgr.device_shard_bytes(c) for c in mgr.chunks)
-    net, mgr, originals, _ = make(dtypes=DtypePolicy(torch.bfloat16, torch.float32),
-                                  tiers={0: Tier.DEVICE, 1: Tier.HOST, 2: Tier.HOST})
+    net, mgr, originals, _ = make(
+        dtypes=DtypePolicy(torch.bfloat16, torch.float32), tiers={0: Tier.DEVICE, 1: Tier.HOST, 2: Tier.HOST}
+    )
     assert mgr.chunks[0].master.dtype == torch.float32 and net[0].weight.dtype == torch.bfloat16
     assert mgr.chunks[1].low.dtype == torch.bfloat16 and mgr.ledger[Tier.HOST] > 0
 
@@ -127,8 +133,12 @@ def test_a_chunk_waiting_to_reduce_gives_its_payload_up_only_when_asked_and_keep
         mgr.release(chunk)  # a plain eviction never takes it
     mgr.release(chunk, waiting_grads=True)
     assert not chunk.is_resident and mgr.ledger[Tier.DEVICE] == 0
-    assert {t.name: t.state for t in chunk.tensors} == {"1.weight": S.READY_FOR_REDUCE_FREE, "1.bias": S.FREE,
-                                                        "2.weight": S.FREE, "2.bias": S.FREE}
+    assert {t.name: t.state for t in chunk.tensors} == {
+        "1.weight": S.READY_FOR_REDUCE_FREE,
+        "1.bias": S.FREE,
+        "2.weight": S.FREE,
+        "2.bias": S.FREE,
+    }
     assert not chunk.grads_complete() and chunk.has_waiting_grads()
     mgr.gather(chunk)  # backward comes back to the chunk's other tensors
     assert chunk.states()["1.weight"] is S.READY_FOR_REDUCE and chunk.states()["1.bias"] is S.HOLD
@@ -185,8 +195,13 @@ def test_building_a_chunk_reserves_the_payload_it_allocates_for_the_views():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
     named = list(net.named_parameters())
-    mgr = ChunkManager(named, {i: 0 for i in range(len(named))}, config=ChunkConfig(device_memory_limit=100),
-                       dtypes=DtypePolicy(), device=torch.device("cpu"))
+    mgr = ChunkManager(
+        named,
+        {i: 0 for i in range(len(named))},
+        config=ChunkConfig(device_memory_limit=100),
+        dtypes=DtypePolicy(),
+        device=torch.device("cpu"),
+    )
     layout = build_layout(mgr.specs, list(range(len(named))), 64, 1)
     with pytest.raises(DeviceMemoryLimitError, match="building chunk 0 needs 256 more bytes"):
         mgr.pack(layout, {c.chunk_id: Tier.HOST for c in layout.chunks})
@@ -211,8 +226,13 @@ def test_disk_shards_live_in_files_and_page_out_after_use(tmp_path):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     named = list(net.named_parameters())
-    mgr = ChunkManager(named, {i: 0 for i in range(len(named))}, config=ChunkConfig(disk_dir=str(tmp_path)),
-                       dtypes=DtypePolicy(torch.bfloat16, torch.float32), device=torch.device("cpu"))
+    mgr = ChunkManager(
+        named,
+        {i: 0 for i in range(len(named))},
+        config=ChunkConfig(disk_dir=str(tmp_path)),
+        dtypes=DtypePolicy(torch.bfloat16, torch.float32),
+        device=torch.device("cpu"),
+    )
     layout = build_layout(mgr.specs, list(range(len(named))), 4160, 1)
     values = [p.detach().clone() for _, p in named]
     mgr.pack(layout, {0: Tier.DISK, 1: Tier.HOST})
@@ -282,8 +302,9 @@ def test_the_warm_up_subtracts_only_the_optimizer_state_that_exists():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    eng = ChunkEngine(model, [opt], config=ChunkConfig(placement="device", chunk_numel=4096),
-                      device=torch.device("cpu"))
+    eng = ChunkEngine(
+        model, [opt], config=ChunkConfig(placement="device", chunk_numel=4096), device=torch.device("cpu")
+    )
     mgr = eng.manager
     state = sum(c.optim_state_bytes for c in mgr.chunks if c.shard_tier is Tier.DEVICE)
     assert state > 0

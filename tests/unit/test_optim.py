@@ -21,14 +21,17 @@ def groups(model, **extra):
 def run_steps(placement, make_opt, steps=6, unused_every=0, kernel="auto"):
     ref, m = net(), net()
     oref, o = make_opt(groups(ref)), make_opt(groups(m))
-    eng = ChunkEngine(m, [o], config=ChunkConfig(placement=placement, chunk_numel=200, optimizer_kernel=kernel,
-                                                 check_invariants=True))
+    eng = ChunkEngine(
+        m, [o], config=ChunkConfig(placement=placement, chunk_numel=200, optimizer_kernel=kernel, check_invariants=True)
+    )
     for step in range(steps):
         x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
         skip_last = unused_every and step % unused_every == 1
+
         def fwd(model):
             h = model[3](model[2](model[1](model[0](x))))
             return h.sum() if skip_last else model[4](h).pow(2).mean()
+
         oref.zero_grad()
         fwd(ref).backward()
         oref.step()
@@ -57,13 +60,17 @@ def test_adamw_matches_torch_on_both_tiers(placement, kernel):
         assert all(g["fused"] is None for g in o.param_groups)  # and the user's groups keep their own flags
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True),
-    lambda g: torch.optim.RMSprop(g, lr=0.01),
-    lambda g: torch.optim.Adagrad(g, lr=0.1),
-    lambda g: torch.optim.Adamax(g, lr=0.05),
-    lambda g: torch.optim.NAdam(g, lr=0.05),
-], ids=["sgd", "rmsprop", "adagrad", "adamax", "nadam"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True),
+        lambda g: torch.optim.RMSprop(g, lr=0.01),
+        lambda g: torch.optim.Adagrad(g, lr=0.1),
+        lambda g: torch.optim.Adamax(g, lr=0.05),
+        lambda g: torch.optim.NAdam(g, lr=0.05),
+    ],
+    ids=["sgd", "rmsprop", "adagrad", "adamax", "nadam"],
+)
 def test_other_elementwise_optimizers_match(make_opt):
     run_steps("host", make_opt)
 

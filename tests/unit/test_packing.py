@@ -51,8 +51,9 @@ def test_chunk_size_search_picks_least_waste_and_respects_bounds():
     best = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700, target_chunks=0)
     assert padding_waste(ps, order, best) == 0 and best % 100 == 0
     assert best == 700  # the largest zero-waste size within bounds (the tail is trimmed): fewer chunks
-    capped = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700, max_payload_numel=450,
-                                target_chunks=0)
+    capped = choose_chunk_numel(
+        ps, order, world_size=1, numel_min=150, numel_max=700, max_payload_numel=450, target_chunks=0
+    )
     assert capped <= 450 and padding_waste(ps, order, capped) == 0
 
 

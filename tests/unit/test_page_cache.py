@@ -25,16 +25,28 @@ def test_without_a_cgroup_limit_the_room_is_what_memory_has_available(tmp_path):
 
 
 def test_a_cgroup_v2_limit_anywhere_above_bounds_the_room_less_its_anonymous_memory(tmp_path):
-    proc, sys_cgroup = _tree(tmp_path, "0::/jobs/run1\n", {
-        "jobs/run1/memory.max": "max\n", "jobs/run1/memory.stat": f"anon {GiB}\nfile 5\n",
-        "jobs/memory.max": f"{3 * GiB}\n", "jobs/memory.stat": f"anon {2 * GiB}\nfile 7\n"})
+    proc, sys_cgroup = _tree(
+        tmp_path,
+        "0::/jobs/run1\n",
+        {
+            "jobs/run1/memory.max": "max\n",
+            "jobs/run1/memory.stat": f"anon {GiB}\nfile 5\n",
+            "jobs/memory.max": f"{3 * GiB}\n",
+            "jobs/memory.stat": f"anon {2 * GiB}\nfile 7\n",
+        },
+    )
     assert page_cache_room(proc, sys_cgroup) == GiB  # the parent's 3 GiB less its 2 GiB of anonymous memory
 
 
 def test_a_cgroup_v1_hierarchical_limit_bounds_the_room_less_its_rss(tmp_path):
-    proc, sys_cgroup = _tree(tmp_path, "12:cpu,cpuacct:/x\n7:memory:/bench\n", {
-        "memory/bench/memory.limit_in_bytes": f"{4 * GiB}\n",
-        "memory/bench/memory.stat": f"cache 1\nrss 5\nhierarchical_memory_limit {GiB}\ntotal_rss {GiB // 4}\n"})
+    proc, sys_cgroup = _tree(
+        tmp_path,
+        "12:cpu,cpuacct:/x\n7:memory:/bench\n",
+        {
+            "memory/bench/memory.limit_in_bytes": f"{4 * GiB}\n",
+            "memory/bench/memory.stat": f"cache 1\nrss 5\nhierarchical_memory_limit {GiB}\ntotal_rss {GiB // 4}\n",
+        },
+    )
     assert page_cache_room(proc, sys_cgroup) == GiB - GiB // 4
     # v1's "no limit" is a huge number: only MemAvailable then
     (sys_cgroup / "memory/bench/memory.stat").write_text(f"hierarchical_memory_limit {2**63 - 4096}\ntotal_rss 0\n")

@@ -68,14 +68,18 @@ def test_auto_evicts_farthest_next_use_and_prefetches_exactly():
 def test_lru_without_trace():
     policy = AutoPlacement(ChunkConfig(placement="auto", prefetch=False))
     chunks = [view(0, True, last=5), view(1, True, last=2), view(2)]
-    plan = policy.plan(position=0, needed=frozenset({2}), chunks=chunks, trace=None, budget_bytes=2000, device_bytes=2000)
+    plan = policy.plan(
+        position=0, needed=frozenset({2}), chunks=chunks, trace=None, budget_bytes=2000, device_bytes=2000
+    )
     assert plan == type(plan)(evict=(1,), prefetch=(), for_room=True)
 
 
 def test_chunks_in_use_are_never_evicted():
     policy = AutoPlacement(ChunkConfig(placement="auto"))
     chunks = [view(0, True, evictable=False), view(1)]
-    plan = policy.plan(position=0, needed=frozenset({1}), chunks=chunks, trace=None, budget_bytes=1000, device_bytes=1000)
+    plan = policy.plan(
+        position=0, needed=frozenset({1}), chunks=chunks, trace=None, budget_bytes=1000, device_bytes=1000
+    )
     assert plan.evict == ()
 
 
@@ -124,8 +128,10 @@ def test_host_policy_keeps_a_chunk_used_again_before_the_next_gather():
     policy = HostPlacement(ChunkConfig(placement="host", reshard_after_forward=True))
     # after fc1 (position 3): chunk 0 comes back at ln1b before any chunk must be gathered: kept
     chunks = [view(0, True), view(1, True), view(2)]
-    assert policy.plan(position=3, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None,
-                       device_bytes=2000).evict == ()
+    assert (
+        policy.plan(position=3, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None, device_bytes=2000).evict
+        == ()
+    )
     # after out1 (position 7): chunk 1 is not used again this step: released; chunk 0 (ln2, next) stays, and
     # chunk 2 (fc2, the chunk after the next moment's) is gathered ahead ([Note: how far ahead to gather])
     plan = policy.plan(position=7, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None, device_bytes=2000)
@@ -135,8 +141,10 @@ def test_host_policy_keeps_a_chunk_used_again_before_the_next_gather():
     plan = policy.plan(position=8, needed=frozenset({0}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=1000)
     assert plan.evict == () and plan.prefetch == (2,)
     chunks = [view(0, True), view(1), view(2, True)]
-    assert policy.plan(position=11, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None,
-                       device_bytes=2000).evict == ()  # position 11 = after fc2; ln2b (chunk 0) comes first
+    assert (
+        policy.plan(position=11, needed=frozenset(), chunks=chunks, trace=t, budget_bytes=None, device_bytes=2000).evict
+        == ()
+    )  # position 11 = after fc2; ln2b (chunk 0) comes first
     assert t.reused_before_gather(11, frozenset({0, 2})) == frozenset({0, 2})
     assert t.reused_before_gather(3, frozenset({0, 1})) == frozenset({0, 1})
     assert t.reused_before_gather(7, frozenset({0, 1})) == frozenset({0})  # ln2 uses 0, then fc2 needs 2
@@ -148,12 +156,15 @@ def test_static_offloads_the_first_fraction():
     assert tiers == {0: Tier.HOST, 1: Tier.HOST, 2: Tier.HOST, 3: Tier.DEVICE, 4: Tier.DEVICE}
 
 
-@pytest.mark.parametrize("limit,expected_device", [
-    (None, {0, 1, 2, 3}),  # no limit: everything resident
-    (1000 + 1000 + 350, set()),  # room for working set + prefetch + activations only
-    (1000 + 1000 + 350 + 4000, {3}),  # one shard's worth more: the last-used chunk stays
-    (1000 + 1000 + 350 + 8000, {2, 3}),
-])
+@pytest.mark.parametrize(
+    "limit,expected_device",
+    [
+        (None, {0, 1, 2, 3}),  # no limit: everything resident
+        (1000 + 1000 + 350, set()),  # room for working set + prefetch + activations only
+        (1000 + 1000 + 350 + 4000, {3}),  # one shard's worth more: the last-used chunk stays
+        (1000 + 1000 + 350 + 8000, {2, 3}),
+    ],
+)
 def test_auto_shard_tiers_from_trace(limit, expected_device):
     policy = AutoPlacement(ChunkConfig(placement="auto"))
     tiers = policy.shard_tiers([view(i) for i in range(4)], fake_trace(), limit)
@@ -167,8 +178,18 @@ def test_auto_before_trace_puts_everything_on_host_when_limited():
 
 def _shards(n, shard=1000, disk=800):
     """``n`` chunks whose shards cost ``shard`` bytes, ``disk`` of them movable to files (the rest: a bf16 copy)."""
-    return [ChunkView(i, payload_bytes=100, device_shard_bytes=shard, resident=False, evictable=False,
-                      shard_tier=Tier.HOST, disk_bytes=disk) for i in range(n)]
+    return [
+        ChunkView(
+            i,
+            payload_bytes=100,
+            device_shard_bytes=shard,
+            resident=False,
+            evictable=False,
+            shard_tier=Tier.HOST,
+            disk_bytes=disk,
+        )
+        for i in range(n)
+    ]
 
 
 def test_spill_to_disk_moves_the_first_chunks_until_the_host_fits():
@@ -192,12 +213,17 @@ def test_spill_to_disk_names_the_smallest_limit_that_works():
     from lightning_chunk.engine.placement import spill_to_disk
 
     views = _shards(6)
-    with pytest.raises(HostMemoryLimitError, match=r"host_memory_limit=2000 bytes \(1.95 KiB\) is too small.*holds "
-                                                   r"1200 bytes of shards.*up to 1600 bytes.*smallest "
-                                                   r"limit that works is 2800 bytes \(2.73 KiB\)"):
+    with pytest.raises(
+        HostMemoryLimitError,
+        match=r"host_memory_limit=2000 bytes \(1.95 KiB\) is too small.*holds "
+        r"1200 bytes of shards.*up to 1600 bytes.*smallest "
+        r"limit that works is 2800 bytes \(2.73 KiB\)",
+    ):
         spill_to_disk(views, {v.chunk_id: Tier.HOST for v in views}, 2000)
     # a user who left the chunk size to us is not told to lower it ([Note: an automatic chunk size that fits])
-    with pytest.raises(HostMemoryLimitError, match=r"works is 2800 bytes \(2.73 KiB\); chunk_numel=None already keeps") as e:
+    with pytest.raises(
+        HostMemoryLimitError, match=r"works is 2800 bytes \(2.73 KiB\); chunk_numel=None already keeps"
+    ) as e:
         spill_to_disk(views, {v.chunk_id: Tier.HOST for v in views}, 2000, chunk_numel_chosen=False)
     assert "lower chunk_numel" not in str(e.value)
 
@@ -209,8 +235,11 @@ def random_moments(policy_cls, seed, count, n_chunks, p_resident):
 
     rng = random.Random(seed)
     releases = (None, True) if policy_cls is HostPlacement else (None,)  # host: keeping for backward, and not
-    policies = [policy_cls(ChunkConfig(placement=policy_cls.name, prefetch=p, reshard_after_forward=r))
-                for p in (True, False) for r in releases]
+    policies = [
+        policy_cls(ChunkConfig(placement=policy_cls.name, prefetch=p, reshard_after_forward=r))
+        for p in (True, False)
+        for r in releases
+    ]
     for _ in range(count):
         policy = rng.choice(policies)
         t = rng.choice((fake_trace(), None))  # no trace: the warm-up, and evaluation
@@ -218,14 +247,25 @@ def random_moments(policy_cls, seed, count, n_chunks, p_resident):
         chunks = []
         for cid in range(n_chunks):
             resident = rng.random() < p_resident
-            chunks.append(view(cid, resident, evictable=resident and rng.random() < 0.7, last=rng.randrange(-1, 12),
-                               payload=rng.choice((500, 1000, 1500))))
+            chunks.append(
+                view(
+                    cid,
+                    resident,
+                    evictable=resident and rng.random() < 0.7,
+                    last=rng.randrange(-1, 12),
+                    payload=rng.choice((500, 1000, 1500)),
+                )
+            )
         needed = frozenset(rng.sample(range(n_chunks), rng.randrange(3)))
         budget = rng.choice((None, 1000, 2500, 4000))
         device = sum(c.payload_bytes for c in chunks if c.resident)
         wanted = policy.upcoming(position, t) | needed
-        yield policy, chunks, wanted, dict(position=position, needed=needed, trace=t, budget_bytes=budget,
-                                           device_bytes=device)
+        yield (
+            policy,
+            chunks,
+            wanted,
+            dict(position=position, needed=needed, trace=t, budget_bytes=budget, device_bytes=device),
+        )
 
 
 @pytest.mark.parametrize("policy_cls", [AutoPlacement, HostPlacement, StaticPlacement])
@@ -243,8 +283,11 @@ def test_a_moment_skipped_as_idle_would_have_planned_nothing(policy_cls):
     empty, and idle moments do occur (never with host placement, which releases after use)."""
     idle_seen = 0
     for policy, chunks, wanted, kwargs in random_moments(policy_cls, seed=1, count=600, n_chunks=4, p_resident=0.8):
-        if policy.idle(all_resident=all(chunks[i].resident for i in wanted), budget_bytes=kwargs["budget_bytes"],
-                       device_bytes=kwargs["device_bytes"]):
+        if policy.idle(
+            all_resident=all(chunks[i].resident for i in wanted),
+            budget_bytes=kwargs["budget_bytes"],
+            device_bytes=kwargs["device_bytes"],
+        ):
             idle_seen += 1
             plan = policy.plan(chunks=chunks, **kwargs)
             assert plan.evict == () and plan.prefetch == ()
@@ -274,25 +317,41 @@ def test_host_placement_keeps_payloads_for_backward_unless_told_to_release():
     plan = kept.plan(position=10, needed=frozenset({1}), chunks=chunks, trace=t, budget_bytes=None, device_bytes=3000)
     assert plan.evict == (2,)
     # without a trace (the warm-up, evaluation) both release after use
-    assert kept.plan(position=4, needed=frozenset({2}), chunks=chunks[:1] + [view(2)], trace=None, budget_bytes=None,
-                     device_bytes=1000).evict == (0,)
+    assert kept.plan(
+        position=4,
+        needed=frozenset({2}),
+        chunks=chunks[:1] + [view(2)],
+        trace=None,
+        budget_bytes=None,
+        device_bytes=1000,
+    ).evict == (0,)
     # keeping never evicts what releasing after use keeps: chunk 0 is used again at position 6 (reused before the
     # next gather), kept by both under a budget that has room for it but not for the activations beside it too
-    ms = [Moment(FORWARD, "a", (0,), (0,), 0), Moment(FORWARD, "b", (1,), (1,), 900), Moment(FORWARD, "c", (0,), (0,), 900),
-          Moment(BACKWARD, "b", (1,), (1,), 0), Moment(BACKWARD, "a", (0,), (0,), 0)]
+    ms = [
+        Moment(FORWARD, "a", (0,), (0,), 0),
+        Moment(FORWARD, "b", (1,), (1,), 900),
+        Moment(FORWARD, "c", (0,), (0,), 900),
+        Moment(BACKWARD, "b", (1,), (1,), 0),
+        Moment(BACKWARD, "a", (0,), (0,), 0),
+    ]
     t2 = Trace(tuple(ms))
     chunks = [view(0, True, last=0), view(1)]
     for policy in (kept, released):
-        assert policy.plan(position=1, needed=frozenset({1}), chunks=chunks, trace=t2, budget_bytes=2000,
-                           device_bytes=1000).evict == ()
+        assert (
+            policy.plan(
+                position=1, needed=frozenset({1}), chunks=chunks, trace=t2, budget_bytes=2000, device_bytes=1000
+            ).evict
+            == ()
+        )
     assert kept.budget(5000, t, 4) == released.budget(5000, t, 4) == 5000
 
 
 def test_chunks_ahead_are_the_next_distinct_chunks_in_first_use_order_within_the_step():
     """What the disk tier's gathers read ahead ([Note: the gathers' reads ahead of use] in disk_storage.py)."""
     m = lambda kind, *cids: Moment(kind, "m", tuple(cids), (), 0)  # noqa: E731
-    trace = Trace((m(FORWARD, 0), m(FORWARD, 1, 2), m(POST_FORWARD, 9), m(FORWARD, 2, 3), m(BACKWARD, 3),
-                   m(BACKWARD, 1, 0)))
+    trace = Trace(
+        (m(FORWARD, 0), m(FORWARD, 1, 2), m(POST_FORWARD, 9), m(FORWARD, 2, 3), m(BACKWARD, 3), m(BACKWARD, 1, 0))
+    )
     assert trace.chunks_ahead(0, 4) == [1, 2, 3, 0]
     assert trace.chunks_ahead(0, 2) == [1, 2]
     assert trace.chunks_ahead(3, 4) == [3, 1, 0]
@@ -314,8 +373,12 @@ def test_steps_without_a_trace_leave_the_activations_room_under_the_limit():
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(12)])  # 1 MiB a layer
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     limit = 8 << 20
-    eng = ChunkEngine(model, [opt], config=ChunkConfig(placement="auto", device_memory_limit=limit,
-                                                       chunk_numel=262144), device=torch.device("cpu"))
+    eng = ChunkEngine(
+        model,
+        [opt],
+        config=ChunkConfig(placement="auto", device_memory_limit=limit, chunk_numel=262144),
+        device=torch.device("cpu"),
+    )
     peak = [0]
     eng.manager.on_change = lambda: peak.__setitem__(0, max(peak[0], eng.manager.ledger[Tier.DEVICE]))
     x = torch.randn(128, 512)

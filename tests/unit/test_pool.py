@@ -6,8 +6,9 @@ from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.pool import _CAN_SWAP, BlockPool
 from tests.engine_steps import step
 
-needs_swap = pytest.mark.skipif(not hasattr(torch.UntypedStorage, "_swap_data_ptr_"),
-                                reason="this torch has no UntypedStorage._swap_data_ptr_")
+needs_swap = pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch has no UntypedStorage._swap_data_ptr_"
+)
 
 
 @needs_swap
@@ -41,8 +42,10 @@ def test_the_pool_does_nothing_off_the_host():
 def _train(pool_on: bool, monkeypatch) -> tuple[dict, dict, dict]:
     monkeypatch.setattr("lightning_chunk.engine.pool._CAN_SWAP", pool_on and _CAN_SWAP)
     torch.manual_seed(0)
+
     def make():
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
     m, ref = make(), make()
     ref.load_state_dict(m.state_dict())
     opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
@@ -50,7 +53,9 @@ def _train(pool_on: bool, monkeypatch) -> tuple[dict, dict, dict]:
     for i in range(4):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
         step(eng, m, opt, x)
-        oref.zero_grad(); ref(x).pow(2).mean().backward(); oref.step()
+        oref.zero_grad()
+        ref(x).pow(2).mean().backward()
+        oref.step()
     stats = eng.manager.stats()
     stats["payload_bytes"] = sum(c.payload_bytes for c in eng.manager.chunks)
     return eng.full_state_dict(), ref.state_dict(), stats
@@ -84,8 +89,17 @@ def _kept_under_a_limit(monkeypatch, bounded: bool) -> list[int]:
     # 8 chunks of 16,640 bytes: three payloads and a little beside the activations at forward's end (with the
     # prefetch reaching a chunk further ahead, [Note: how far ahead to gather], 60,000 left the pool nothing to keep)
     limit = 50_000
-    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=4160, device_memory_limit=limit,
-                                                   reshard_after_forward=False, check_invariants=True))
+    eng = ChunkEngine(
+        m,
+        [opt],
+        config=ChunkConfig(
+            placement="host",
+            chunk_numel=4160,
+            device_memory_limit=limit,
+            reshard_after_forward=False,
+            check_invariants=True,
+        ),
+    )
     over: list[int] = []
 
     def check(*_):
