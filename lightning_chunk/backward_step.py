@@ -75,7 +75,7 @@ def reads_gradients(trainer: pl.Trainer, module: pl.LightningModule, precision: 
     for hook in MODULE_HOOKS:
         if is_overridden(hook, module, pl.LightningModule):
             return f"{type(module).__name__}.{hook}, which runs between backward and the optimizer step"
-    for cb in trainer.callbacks:
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if type(cb).__module__.split(".")[0] == __name__.split(".")[0]:
             continue  # this package's callbacks read no gradient
         for hook in CALLBACK_HOOKS:

@@ -18,13 +18,13 @@ from .engine.atomic import replace_dir
 from .engine.checkpoint import (
     KEY,
     CheckpointError,
-    _load_chunk,
     check_checkpoint_dir,
     iter_saved_chunks,
     read_meta,
     weights_key,
 )
 from .engine.host_heap import release_freed_memory
+from .engine.saved_chunks import load_chunk
 from .engine.torchfile import StreamingTorchFile
 
 MODEL_KEY = "state_dict"  # where a Lightning checkpoint keeps the model's state
@@ -97,13 +97,14 @@ def consolidate(
                 writer.write(params[name], full[off : off + numel].view(shape))
                 bar.update(1)
             del full
-        loaded, full = None, None
+        loaded: tuple[int, str, int] | None = None
+        held: torch.Tensor | None = None
         for o, key, c, name, ph in optim_records:  # records go (optimizer, key, chunk): one chunk in memory
             spec = ck["chunks"][c]
             if (o, key, c) != loaded:
-                full = None
+                held = None
                 release_freed_memory()
-                full = _load_chunk(
+                held = load_chunk(
                     path,
                     f"chunk.{c}.optim{o}.{key}",
                     spec["capacity"],
@@ -111,7 +112,8 @@ def consolidate(
                 )
                 loaded = (o, key, c)
             _, off, numel, shape = next(s for s in spec["slots"] if s[0] == name)
-            writer.write(ph, full[off : off + numel].view(shape))
+            assert held is not None
+            writer.write(ph, held[off : off + numel].view(shape))
             bar.update(1)
         bar.close()
         writer.close()

@@ -147,7 +147,8 @@ class ChunkEMA(pl.Callback):
                 if i in trainable and k in checkpoint["state_dict"]
             }
         )
-        trainer.strategy.engine.load_full_state_dict(dict(checkpoint["current_model_state"]), strict=False)
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        engine.load_full_state_dict(dict(checkpoint["current_model_state"]), strict=False)
         if ema.buffers is not None:  # the module's buffers are the trained ones now; the average keeps its own
             names = {n for n, _ in pl_module.named_buffers()}
             ema.buffers.load({k: v for k, v in checkpoint["state_dict"].items() if k in names})

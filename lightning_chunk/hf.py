@@ -88,7 +88,7 @@ class HFInit:
             chain.append(self._parent[id(chain[-1])])
         with torch.no_grad(), _LeaveAlone(others):
             for m in chain:
-                self.model._init_weights(m)
+                self.model._init_weights(m)  # type: ignore[operator]
 
 
 # ===================================================================== export

@@ -137,7 +137,7 @@ class _Probe(L.Callback):
     report: PlanReport | None = None
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        engine = trainer.strategy.engine
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
         mgr, trace = engine.manager, engine.hooks.trace
         views = mgr.views()
         stats = mgr.stats()
@@ -181,7 +181,7 @@ def make_plan(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        precision=precision,
+        precision=precision,  # type: ignore[arg-type]
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -290,7 +290,7 @@ def make_shape_plan(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        precision=precision,
+        precision=precision,  # type: ignore[arg-type]
         max_steps=1,
         logger=False,
         enable_checkpointing=False,

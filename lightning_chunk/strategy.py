@@ -308,7 +308,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _configure_launcher(self) -> None:
         # [Note: every rank's thread count] in ranks.py
@@ -367,6 +367,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         # as Lightning's Strategy.setup: the precision plugin converts the module first (bf16-true: its buffers)
+        assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             # Trainer(sync_batchnorm=True), before the parameters are packed, as DDP and FSDP apply it (it was ignored)
@@ -381,7 +382,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_callbacks(trainer)
-            if self.config.host_memory_limit is not None and any(isinstance(cb, ChunkEMA) for cb in trainer.callbacks):
+            if self.config.host_memory_limit is not None and any(
+                isinstance(cb, ChunkEMA)
+                for cb in trainer.callbacks  # type: ignore[attr-defined]
+            ):
                 raise ValueError(
                     "ChunkEMA does not work with the disk tier (host_memory_limit="
                     f"{self.config.host_memory_limit!r}) yet: its shards would sit in host memory beside "
@@ -412,7 +416,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
-        emas = [cb for cb in trainer.callbacks if isinstance(cb, ChunkEMA)]
+        emas = [cb for cb in trainer.callbacks if isinstance(cb, ChunkEMA)]  # type: ignore[attr-defined]
         if fitting and emas:  # before a checkpoint loads into it
             self.engine.ema = ShardedEMA(self.engine.manager, BufferAverage(module, average=emas[0].use_buffers))
         self.precision_plugin.attach(self.engine, self.root_device)
@@ -487,7 +491,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         averaging = tuple(
             getattr(callbacks, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, n)
         )
-        for cb in trainer.callbacks:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(cb, averaging):
                 raise ValueError(
                     f"{type(cb).__name__} does not work with chunk_offload: it keeps a whole copy of the model on "
@@ -584,6 +588,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
                 for k, v in self.memory_stats().items()
                 if every or k in LOGGED_STATS or k.startswith("time_")
             }
+            assert module is not None
             module.log_dict(stats, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)
         return out
 
@@ -619,7 +624,10 @@ class ChunkOffloadStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
             ids = barrier_device_ids(self.root_device, torch.distributed.get_backend())
-            torch.distributed.barrier(**({"device_ids": ids} if ids is not None else {}))
+            if ids is not None:
+                torch.distributed.barrier(device_ids=ids)
+            else:
+                torch.distributed.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
@@ -750,6 +758,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
             DeferredInit.capture(self.lightning_module)
             trainer = self.lightning_module._trainer
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+                assert self.model is not None
                 self.model = self._layer_sync.revert(self.model)  # plain BatchNorm again, as DDP's teardown does
         super().teardown()
 

@@ -173,17 +173,19 @@ def draw_step(events: list[MomentEvent], limit: int | None, n_chunks: int, path:
         for c in e.resident:
             if c not in e.device_shards:
                 top.add_patch(plt.Rectangle((x - 0.5, c - 0.5), 1, 1, color="#4a90d9", alpha=0.45, lw=0))
-    marks = {
+    marks: dict[str, tuple[list[int], list[int], str, str]] = {
         "evicted": ([], [], "x", "#c0392b"),
         "fetched for use": ([], [], "o", "black"),
         "prefetched": ([], [], "^", "#8e44ad"),
     }
     for x, e in enumerate(events):
         for c in e.evicted:
-            marks["evicted"][0].append(x), marks["evicted"][1].append(c)
+            marks["evicted"][0].append(x)
+            marks["evicted"][1].append(c)
         for c in e.fetched:
             key = "fetched for use" if c in e.needed else "prefetched"
-            marks[key][0].append(x), marks[key][1].append(c)
+            marks[key][0].append(x)
+            marks[key][1].append(c)
     for label, (mx, my, m, color) in marks.items():
         if mx:
             top.scatter(mx, my, marker=m, color=color, s=18, label=label, zorder=3)

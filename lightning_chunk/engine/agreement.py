@@ -66,7 +66,7 @@ import datetime
 import struct
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -94,8 +94,8 @@ def gloo_group_over(group: Any, timeout_s: float | None = None) -> Any:
     """A new gloo group over the ranks of ``group`` (``None``: every rank); each of them must create it at the same
     point. Chunk collectives get groups of their own ([Note: a gloo group per kind of collective])."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **timeout)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    return dist.new_group(ranks=ranks, timeout=timeout, backend="gloo", use_local_synchronization=ranks is not None)
 
 
 Check = Callable[[], None] | None  # what a collective's wait must run first (None: checked already)
@@ -254,7 +254,7 @@ class Agreement:
             "its forward); every rank must run the same modules in the same order"
         )
 
-    def _disagree(self, where: str, hint: str = "") -> None:
+    def _disagree(self, where: str, hint: str = "") -> NoReturn:
         comm = self.comm
         error = CollectiveMismatchError(
             f"[rank {comm.rank}] ranks disagree {where}. A module ran on some ranks and not on others (data-dependent "

@@ -269,7 +269,7 @@ def _optimizer_shards(
 
     b, mgr = engine.bindings[o], engine.manager
     parts = optimizer_state_parts(mgr, b.views(), b.optimizer.state)
-    out = {
+    out: dict[str, tuple[Make, torch.Tensor]] = {
         f"chunk.{chunk.chunk_id}.optim{o}.{key}": (
             functools.partial(state_shard, mgr, chunk, parts, key),
             placeholder(chunk.shard_numel, parts.keys[key]),
@@ -301,7 +301,9 @@ def _as_saved(local: dict[str, torch.Tensor], engine: Any) -> dict[str, Any]:
 
     mesh = DeviceMesh.from_group(comm.host_group(), "cpu")
     return {
-        k: DTensor.from_local(t, mesh, [Shard(0)], shape=(t.numel() * comm.world_size,), stride=(1,), run_check=False)
+        k: DTensor.from_local(
+            t, mesh, [Shard(0)], shape=torch.Size((t.numel() * comm.world_size,)), stride=(1,), run_check=False
+        )
         for k, t in local.items()
     }
 
@@ -603,7 +605,7 @@ def _load_optimizer(
             local[i] = dict(st)
     for key, _dtype in om["keys"].items():
         for _c, spec, full in iter_saved_chunks(
-            path, meta, lambda c, key=key: f"chunk.{c}.optim{o}.{key}", regions=rank_regions(mgr, index_of_name)
+            path, meta, functools.partial(_optim_name, o, key), regions=rank_regions(mgr, index_of_name)
         ):
             whole = {
                 index_of_name[n]: {key: full[off : off + numel]}
@@ -621,3 +623,7 @@ def _load_optimizer(
 
 
 # ============================================================= consolidate
+
+
+def _optim_name(o: int, key: str, c: int) -> str:
+    return f"chunk.{c}.optim{o}.{key}"

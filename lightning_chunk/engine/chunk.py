@@ -260,9 +260,12 @@ class Chunk:
         """Each parameter's ``.data``: its payload view, or its placeholder while the payload is released; the
         version counter is taken again ([Note: parameters outside a step] in ``full_params.py``)."""
         for info in self.tensors:
+            assert info.view is not None
             if self.params_parked and info.released_value is None:
                 info.released_value = released_placeholder(info.shape, info.view.dtype, info.view.device)
-            info.param.data = info.released_value if self.params_parked else info.view
+            value = info.released_value if self.params_parked else info.view
+            assert value is not None
+            info.param.data = value
             info.version = info.param._version
 
     def reduced(self) -> None:

@@ -244,7 +244,7 @@ class Collectives:
         self._op_groups: dict[str, Any] = {}
         if self.world_size > 1:
             self._learn_peers()
-            if self.verify:
+            if mode is not None:
                 self.agreement = Agreement(self, lazy=self.gloo, mode=mode)
             elif self.gloo and not self.as_nccl:  # [Note: a gloo group per kind of collective]
                 self._op_groups = {op: gloo_group_over(group) for op in OPS[:2]}
@@ -283,7 +283,10 @@ class Collectives:
     def _look_for_lost_peers(self) -> str:
         if not self.peers:
             return ""
-        here, gone, stopped, remote = _host_id(), [], [], []
+        here = _host_id()
+        gone: list[str] = []
+        stopped: list[str] = []
+        remote: list[int] = []
         for r, (pid, host) in enumerate(self.peers):
             if r == self.rank:
                 continue

@@ -343,7 +343,7 @@ class ChunkConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True or False.")
 
     def replace(self, **changes: object) -> ChunkConfig:
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
 def device_margin_bytes(total_bytes: int) -> int:

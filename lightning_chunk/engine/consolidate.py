@@ -32,8 +32,9 @@ def chunk_values(
     """The whole trained value of each parameter of ``c`` (original dtype and shape, on ``device``, the host by
     default), keyed by parameter index; with ``grads``, the whole gradient in the gradient shards instead (what
     the optimizer reads: averaged over the ranks). A collective with several ranks."""
-    assert not grads or c.grad is not None
-    full = mgr.gather_shard(c, c.grad if grads else c.master_tensor_for_read())
+    shard = c.grad if grads else c.master_tensor_for_read()
+    assert shard is not None
+    full = mgr.gather_shard(c, shard)
     return {
         t.slot.param_index: full[t.offset : t.offset + t.numel]
         .view(t.shape)

@@ -240,6 +240,7 @@ class DiskStorage(TierStorage):
             else:
                 buf.zero_()
             self._grads[id(chunk)] = buf
+        assert chunk.grad is not None
         return buf.view(chunk.grad.dtype)[: chunk.shard_numel]
 
     def grads_done(self, chunk: Chunk) -> None:

@@ -52,7 +52,7 @@ def clip_grad_norm(
     norm_type = float(norm_type)
     grouped = by_device(pairs)
     first = pairs[0][1].device if pairs else torch.device("cpu")
-    norms = []
+    norms: list[torch.Tensor] = []
     for chunk, gs in paged_runs(grouped):
         with manager.storage_of(chunk).reading(chunk, ("grad",)):
             norms.extend(n.to(first) for n in torch._foreach_norm(gs, norm_type))

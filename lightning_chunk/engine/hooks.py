@@ -757,7 +757,7 @@ class ChunkHooks:
         self._occurrences = {}
         self._this_moment = self._previous_moment = ("", "")
         self.training = training
-        counting = contextlib.nullcontext()
+        counting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if record:
             self.tracer.start()
             counting = self.tracer.counter.counting()

@@ -258,7 +258,7 @@ class HostAdam:
             start, end = pieces[0][2], pieces[-1][3]
             dtype = pieces[0][1].dtype
             regions = {key: torch.zeros(end - start, dtype=dtype) for key in keys}
-            made = []
+            made: list[weakref.ref[torch.Tensor]] = []
             for (_, v, a, b), st in zip(pieces, have, strict=True):
                 slices = {key: regions[key][a - start : b - start] for key in keys}
                 if st:
@@ -347,6 +347,7 @@ class HostAdam:
             if (k, step) not in scalars:
                 scalars[(k, step)] = adam_scalars(self.optimizer.param_groups[k], step + 1, self.optimizer)
             start, end = pieces[0][2], pieces[-1][3]
+            assert c.master is not None and c.grad is not None and c.low is not None
             tensors = (
                 c.master[start:end],
                 c.grad[start:end],

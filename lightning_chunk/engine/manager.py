@@ -212,27 +212,27 @@ class ChunkManager:
         """
         first = not self.chunks  # values come from the module itself
         self.pool.clear()  # the old layout's block sizes
-        source: Any
+        values: Any
         if first:
-            source = source or FromModule(self.params)
+            values = source or FromModule(self.params)
         else:
             on_device = any(c.shard_tier is Tier.DEVICE for c in self.chunks) or Tier.DEVICE in tiers.values()
             eager = self.limit is not None and on_device  # old and new device shards must not overlap
-            source = OldChunks(self, self.chunks, extras=extras, eager=eager)
+            values = OldChunks(self, self.chunks, extras=extras, eager=eager)
             self._retiring, self.chunks, self._where = self.chunks, [], {}
         self.layout = layout
-        for spec in source.build_order(layout):
+        for spec in values.build_order(layout):
             chunk = build_chunk(
-                self, spec, tiers.get(spec.chunk_id, Tier.HOST), source, broadcast=first and self.comm.world_size > 1
+                self, spec, tiers.get(spec.chunk_id, Tier.HOST), values, broadcast=first and self.comm.world_size > 1
             )
             self.chunks.append(chunk)
             if optim_bytes is not None:  # before the state is carried in: a disk shard takes it into its file
                 self._reserve_state(chunk, optim_bytes)
-            source.placed(chunk)
+            values.placed(chunk)
             self.storage_of(chunk).page_out(chunk)  # what the build and the carried state wrote leaves the process
             self._changed()
         self.chunks.sort(key=lambda c: c.chunk_id)
-        assert source.done()
+        assert values.done()
         self._retiring = []
         self._all_aliased = bool(self.chunks) and all(c.aliased for c in self.chunks)
         self.reducer.reset_order(self.chunks)

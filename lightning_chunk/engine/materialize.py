@@ -194,7 +194,7 @@ class DeferredInit:
                 m.reset_parameters()  # type: ignore[operator]
         finally:
             for name, is_param, t in swapped:
-                (m._parameters if is_param else m._buffers)[name] = t  # type: ignore[index]
+                (m._parameters if is_param else m._buffers)[name] = t  # type: ignore[index,assignment]
         where = self.names[id(m)]
         bad, replaced = [], []
         for name, is_param, before in fresh:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -344,7 +345,7 @@ class OptimizerBinding:
                     else:
                         storage.prefetch(nxt, ("master", "optim"), write=True)
                         storage.prefetch(nxt, ("grad",))
-                with self._only(lambda v, cid=c.chunk_id: chunk_of.get(id(v)) == cid):
+                with self._only(functools.partial(_in_chunk, chunk_of, c.chunk_id)):
                     if current is not None:
                         storage.wait(current)
                         out = self._step_staged(current, **kwargs)
@@ -641,3 +642,7 @@ class OptimizerStateCarrier:
         for i, pieces in self.pieces[k].items():
             out.setdefault(i, {}).update(pieces)
         return out
+
+
+def _in_chunk(chunk_of: dict[int, int], cid: int, v: torch.Tensor) -> bool:
+    return chunk_of.get(id(v)) == cid

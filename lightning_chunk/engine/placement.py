@@ -81,7 +81,10 @@ class PlacementPolicy:
 
     name = "base"
     evict_after_use = False
-    keeps_for_backward = False  # only a policy that releases after use has anything to keep for backward
+
+    @property
+    def keeps_for_backward(self) -> bool:  # only a policy that releases after use has anything to keep for backward
+        return False
 
     def __init__(self, config: ChunkConfig) -> None:
         self.config = config
@@ -222,11 +225,12 @@ class PlacementPolicy:
         )
         prefetch: list[int] = []
         room = math.inf if budget_bytes is None else budget_bytes - (device_bytes - freed + missing)
-        for i in sorted(upcoming, key=lambda i: (trace.next_use(i, position), i)):  # nearest use first
+        assert trace is not None or not upcoming, "a prefetch window comes from a trace"
+        for i in sorted(upcoming, key=lambda i: (trace.next_use(i, position), i)):  # type: ignore[union-attr]
             c = by_id.get(i)
             if c is None or c.resident or i in needed or i in evict:
                 continue
-            if c.shard_tier is Tier.DISK and i not in trace.next_chunks(position):  # [Note: how far ahead to gather]
+            if c.shard_tier is Tier.DISK and i not in trace.next_chunks(position):  # type: ignore[union-attr]  # [Note: how far ahead to gather]
                 continue
             if c.payload_bytes <= room:
                 prefetch.append(i)

@@ -46,7 +46,7 @@ class BlockPool:
         """Give the empty ``storage`` ``nbytes`` of memory (contents undefined)."""
         blocks = self._free.get(nbytes) if self.enabled else None
         if blocks:
-            storage._swap_data_ptr_(blocks.pop())
+            storage._swap_data_ptr_(blocks.pop())  # type: ignore[attr-defined]
             self.pooled_bytes -= nbytes
             self.reused += 1
             return
@@ -60,7 +60,7 @@ class BlockPool:
             storage.resize_(0)
             return
         holder = torch.UntypedStorage(0, device=self.device)
-        storage._swap_data_ptr_(holder)
+        storage._swap_data_ptr_(holder)  # type: ignore[attr-defined]
         self._free.setdefault(n, []).append(holder)
         self.pooled_bytes += n
         self.pooled_peak = max(self.pooled_peak, self.pooled_bytes)
@@ -69,7 +69,7 @@ class BlockPool:
         """A new 1-d tensor of ``numel`` elements (contents undefined); give it back with ``empty``."""
         t = torch.empty(0, dtype=dtype, device=self.device)
         self.fill(t.untyped_storage(), numel * dtype.itemsize)
-        return t.set_(t.untyped_storage(), 0, (numel,))
+        return t.set_(t.untyped_storage(), 0, (numel,))  # type: ignore[call-overload]
 
     def trim(self, max_bytes: int) -> None:
         """Give kept blocks back to the allocator, largest first, until the pool holds at most ``max_bytes``."""

@@ -13,6 +13,7 @@ device tier (``manager.room_for``), so the ledger stays the one account of chunk
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -233,9 +234,10 @@ class GradReducer:
                 # in place: this rank's slice of the payload is the output (NCCL and gloo both take
                 # ``out == full[rank * n : (rank + 1) * n]``), so no unaccounted buffer is allocated
                 lo, hi = chunk.shard_range
+                assert chunk.grad_payload is not None
                 pending = mgr.comm.reduce_scatter(
                     chunk.grad_payload[lo:hi],
-                    chunk.grad_payload,  # type: ignore[index]
+                    chunk.grad_payload,
                     chunk=chunk.chunk_id,
                     async_op=True,
                 )
@@ -260,7 +262,7 @@ class GradReducer:
             if chunk.shard_tier is not Tier.DEVICE:
                 mgr.transfers.d2h_bytes += out.numel() * out.element_size()
             with mgr.clock.measure("tier_copy"):
-                self.offload.copy(target, out, add=add, on_done=lambda c=chunk: self._free_payload(c))
+                self.offload.copy(target, out, add=add, on_done=functools.partial(self._free_payload, chunk))
             if chunk.shard_tier is Tier.DISK:
                 self.offload.drain()  # landed: a disk shard's buffer is final
             self.offload.drain(keep=2)  # bound the payloads still being copied

@@ -386,6 +386,7 @@ class ChunkEngine:
         self.hooks.trace = None
         if self._no_grads_held:
             layout = self.manager.layout
+            assert layout is not None
             views, tiers = self._plan_tiers(layout, trace=None)
             if [c.shard_tier for c in self.manager.chunks] != [tiers[c.chunk_id] for c in layout.chunks]:
                 self._place(layout, views, tiers)
@@ -423,6 +424,7 @@ class ChunkEngine:
             for p, s in zip(mgr.params, mgr.specs, strict=True)
         ]
         trace = self.hooks.trace
+        assert mgr.layout is not None
         order = trace.first_use_order(len(mgr.params)) if trace is not None else list(mgr.layout.order)
         layout = self.layouts.choose(order, trace)
         if trace is not None:

@@ -120,7 +120,7 @@ class StreamingSafetensors:
             self._handle_file = i
         assert self._handle is not None
         if v.numel():
-            self._handle.write(memoryview(v.view(torch.uint8).numpy()))
+            self._handle.write(v.view(torch.uint8).numpy().data)
         self._next += 1
 
     def _close_handle(self) -> None:

@@ -87,7 +87,7 @@ class Trace:
     def used_later(self, chunk_id: int, position: int) -> bool:
         """Whether ``chunk_id`` is used again in this step after ``position``."""
         pos = self.use_positions.get(chunk_id)
-        return bool(pos) and pos[-1] > position
+        return bool(pos and pos[-1] > position)
 
     def next_chunks(self, position: int) -> tuple[int, ...]:
         """Chunks of the first moment after ``position`` that uses any."""
