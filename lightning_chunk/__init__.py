@@ -6,13 +6,12 @@ Importing the package registers the strategy names ``chunk_offload`` (placement
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from ._version import __version__
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
 from .telemetry import ChunkTelemetry
-
-__version__ = "0.1.0"
 
 ChunkOffloadStrategy.register_strategies(StrategyRegistry)
 

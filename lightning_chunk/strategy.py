@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._version import __version__
 from .backward_step import check_step_in_backward, choose_step_in_backward
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
@@ -61,8 +62,6 @@ from .ranks import barrier_device_ids, process_group_device, take_rank_threads
 
 
 def _version() -> str:
-    from . import __version__
-
     return __version__
 
 

@@ -65,7 +65,7 @@ import collections
 import datetime
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
@@ -213,8 +213,6 @@ class Agreement:
 
     def _first_difference(self, seqs: list[Any], past_end: str) -> str:
         """Each rank's collective at the first position where the ranks' lists of issued ones differ."""
-        from .collectives import first_difference  # the collectives import this module
-
         i = first_difference(seqs)
 
         def at(r: int) -> str:
@@ -264,3 +262,12 @@ class Agreement:
         if self.lazy:  # collectives of the other kinds may stay unmatched: see the Note
             comm.mark_broken(str(error))
         raise error
+
+
+def first_difference(seqs: Sequence[Sequence[Any]]) -> int:
+    """Index of the first position where the sequences differ (or the shorter length)."""
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != seqs[0][i] for s in seqs):
+            return i
+    return n

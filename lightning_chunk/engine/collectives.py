@@ -91,7 +91,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .agreement import OPS, Agreement, Check, CollectiveMismatchError, gloo_group_over  # noqa: F401 (re-exported)
+from .agreement import (  # noqa: F401 (re-exported)
+    OPS,
+    Agreement,
+    Check,
+    CollectiveMismatchError,
+    first_difference,
+    gloo_group_over,
+)
 from .errors import ChunkError
 from .host_id import host_number
 
@@ -524,12 +531,3 @@ class Collectives:
         if getattr(self, "_host_group", None) is None:
             self._host_group = gloo_group_over(self.group)
         return self._host_group
-
-
-def first_difference(seqs: Sequence[Sequence[Any]]) -> int:
-    """Index of the first position where the sequences differ (or the shorter length)."""
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        if any(s[i] != seqs[0][i] for s in seqs):
-            return i
-    return n
