@@ -189,6 +189,7 @@ print("GROWTH", rss("VmHWM:") - before)
 """
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_export_streams_with_bounded_memory(tmp_path):
     """A 12-layer Llama of 126 MB in fp32, one layer a chunk: exporting it holds about two chunks, not the model."""
     from transformers import AutoModelForCausalLM

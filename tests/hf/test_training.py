@@ -96,6 +96,7 @@ def test_hf_gradient_checkpointing_is_bit_exact(example, pretrained, placement):
     same_params(plain, got)
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_compiled_hf_model_is_bit_exact_and_quiet(example, pretrained, monkeypatch):
     """GPT-2 compiled (the dynamo graph breaks at the engine's hooks). The first compiled runs printed
     "AttributeError: '_Saved' object has no attribute 'key'" from the tracer at every step."""

@@ -279,6 +279,7 @@ def test_the_room_check_counts_every_rank_that_shares_the_directory(tmp_path, mo
         d.close()
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_a_filesystem_that_cannot_hold_a_shard_is_refused(tmp_path):
     """A real failure, not a check: files may not exceed 100 kB (RLIMIT_FSIZE), so preallocating a shard's
     file fails; the error says how many bytes it needed and where, and nothing is left behind."""
@@ -328,6 +329,7 @@ def test_a_dead_runs_scratch_is_removed_and_a_live_ones_kept(tmp_path):
     assert not alive.exists
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_a_killed_run_leaves_scratch_that_the_next_run_removes(tmp_path):
     code = f"""
 import os, signal, sys

@@ -451,6 +451,7 @@ def fit_compiled(strategy, steps: int = 8, **kw):
     return model
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_compiled_model_trains_in_parity_under_a_device_limit(monkeypatch):
     """The engine's hooks run eagerly (dynamo breaks the graph around them), and the warm-up's saved-tensor hooks
     count real storages; the first compiled runs printed "'_Saved' object has no attribute 'key'" every step,

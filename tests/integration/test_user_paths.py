@@ -272,6 +272,7 @@ def test_a_meta_buffer_nothing_initialises_is_refused_at_setup_by_name():
     assert "meta" in str(info.value) or "reset_parameters" in str(info.value)
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_a_tied_head_read_in_a_compiled_root_forward_trains_like_plain_lightning():
     """The root's ``forward`` compiled (dynamo reads every parameter while it traces: those reads adopt nothing)."""
 

@@ -125,6 +125,7 @@ def seen(tmp_path_factory) -> dict[str, list[dict]]:
     return {c: [json.loads((tmp / f"{c}.{r}.json").read_text()) for r in (0, 1)] for c in CASES}
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_ranks_that_agree_check_each_size_once_and_get_the_right_data(seen):
     for _r, got in enumerate(seen["agree"]):
         assert got["error"] is None and got["right"], got
@@ -134,6 +135,7 @@ def test_ranks_that_agree_check_each_size_once_and_get_the_right_data(seen):
         assert got["unchecked"] == [[3.0] * 8, True, 2], got
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 @pytest.mark.parametrize("case", ["new", "sizes"])
 def test_ranks_that_disagree_raise_instead_of_aborting(seen, case):
     """Rank 1 skips chunk 3 and gathers chunk 4, of a size never seen (``new``: it checks with a barrier) or of
@@ -145,6 +147,7 @@ def test_ranks_that_disagree_raise_instead_of_aborting(seen, case):
         assert "rank 0: all_gather of chunk 3; rank 1: all_gather of chunk 4" in got["error"]
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_by_default_ranks_that_agree_check_once_a_batch(seen):
     for got in seen["batch_agree"]:
         assert got["error"] == "none" and got["right"], got
@@ -152,6 +155,7 @@ def test_by_default_ranks_that_agree_check_once_a_batch(seen):
         assert got["barriers"] == [1, 2, 2, 2, 2, 0, 0], got
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_by_default_a_swap_of_two_same_size_collectives_is_named_at_the_next_check(seen):
     for r, got in enumerate(seen["batch_swap"]):
         assert got["error"].startswith(f"CollectiveMismatchError: [rank {r}] ranks disagree on a chunk collective"), got
@@ -161,6 +165,7 @@ def test_by_default_a_swap_of_two_same_size_collectives_is_named_at_the_next_che
         ), got
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 def test_by_default_ranks_left_waiting_on_different_sizes_time_out_instead_of_aborting(seen):
     """Rank 1 gathers chunk 5 of the other known size where rank 0 gathers chunk 3: each waits on a group the other
     does not use, and the bounded wait ends it (the fixture checks that neither process aborted)."""

@@ -54,6 +54,7 @@ def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
 def test_freed_blocks_stay_in_the_heap_for_the_next_step():
     kept = run_child(True, _clean_env())
@@ -69,6 +70,7 @@ def test_freed_blocks_stay_in_the_heap_for_the_next_step():
     assert kept["faults_again"] < default["faults_again"] / 2, (kept, default)
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
 def test_the_environment_s_own_thresholds_stand():
     env = dict(_clean_env(), GLIBC_TUNABLES="glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304")

@@ -59,6 +59,7 @@ def measure(mode: str, placement: str, chunk: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak")
 @pytest.mark.parametrize("mode", ["eager", "deferred"])
 @pytest.mark.parametrize("placement", ["device", "host"])
