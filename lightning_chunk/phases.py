@@ -183,13 +183,15 @@ def phases(
     payload = max((v.payload_bytes for v in views), default=0)
     state = sum(v.device_shard_bytes for v in views)
     optim = int(state * optim_share)
-    busy = plan.need_before_activations + payload + 3 * max((v.grad_payload_bytes for v in views), default=0)
+    grads = 3 * max((v.grad_payload_bytes for v in views), default=0)
+    busy = plan.need_before_activations + payload + grads
     step = dev_after + busy
     if not releases:  # payloads stay while the limit has room beside the activations (see the note)
+        # every payload not already a device shard (one rank: a device shard is its own payload), the busiest
+        # module's among them, and the gradients in flight
         kept = (
             dev_after
-            + busy
-            - payload
+            + grads
             + sum(v.payload_bytes for v in views if not (ranks == 1 and after[v.chunk_id] is Tier.DEVICE))
         )
         step = max(step, kept if plan.limit is None else min(plan.limit - activations, kept))
