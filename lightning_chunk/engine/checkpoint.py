@@ -6,7 +6,7 @@ A checkpoint is a directory ``NAME.ckpt/`` holding
 - ``.metadata`` and ``__<rank>_<group>_0.distcp``: a ``torch.distributed.checkpoint`` (DCP) save in which
   each rank wrote, for every chunk, its shard of the fp32 master (``chunk.<c>.master``) and of
   each per-element optimizer state (``chunk.<c>.optim<o>.<key>``, e.g. Adam's ``exp_avg``), as
-  DTensors sharded on dim 0 over the ranks (plain tensors with one rank), a few whole chunks a file
+  DTensors sharded on dim 0 over the ranks (plain tensors with one rank), a chunk or two a file
   ([Note: a save streams the shards] in shard_writer.py);
 - ``meta.pt``, written by rank 0 last: whatever the caller passed (Lightning: loops, callbacks, LR
   schedulers, precision state such as the loss scale), the library version, the chunk layout that

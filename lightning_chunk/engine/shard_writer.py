@@ -1,4 +1,4 @@
-"""How a rank's shards reach ``torch.distributed.checkpoint``: made one at a time, written a few chunks a file.
+"""How a rank's shards reach ``torch.distributed.checkpoint``: made one at a time, written a chunk or two a file.
 
 [Note: a save streams the shards]
 DCP plans a save from the tensors of the state dict it is given, then its writer asks the planner for each
@@ -7,8 +7,9 @@ Handing it every shard up front held, before the first byte was written, a host 
 optimizer state (per-parameter state is copied into one flat shard a key) and of every device master: up to
 the rank's whole optimizer state beyond its training state. So a save hands DCP a placeholder for each shard
 (a one-element tensor expanded to the shard's size: its shape and dtype, no bytes), the planner makes the
-shard when the writer asks for it, and the writer starts a new file every few chunks (``group_bytes``), so
-that at most one file's shards are held at once. A file holds whole chunks in id order; its name is
+shard when the writer asks for it, and the writer starts a new file once a file holds the largest chunk's shards
+(``group_bytes``), so that at most one file's shards, two chunks' at most, are held at once. A file holds whole
+chunks in id order (one where the chunks are alike); its name is
 ``__<rank>_<group>_0.distcp``. Disk-tier chunks are paged out once the writer moves past them, so only the
 chunk being written has pages in the process. Loading reads the files through DCP's metadata, whatever
 their number.
