@@ -101,7 +101,7 @@ def make_ours(numel: int, write_back: bool, kernel: str = "auto") -> Callable[[]
 
 def without_native(step: Callable[[], None]) -> Callable[[], None]:
     """``step`` with the one pass as the torch.compile kernel, not the native loop."""
-    from lightning_chunk.engine import host_adam
+    from lightning_chunk.engine.optim import host_adam
 
     def compiled() -> None:
         host_adam.NATIVE = False

@@ -66,7 +66,7 @@ def child(args: argparse.Namespace) -> None:
 
 def child_in_process(args: argparse.Namespace) -> None:
     """``auto`` and ``chunk resident`` alternated in this process, ``--in-process`` rounds."""
-    from lightning_chunk.engine.host_heap import keep_freed_heap
+    from lightning_chunk.engine.system.host_heap import keep_freed_heap
 
     keep_freed_heap()  # what the first chunk_offload fit would do for the whole process: both sides share it
     rounds: list[dict[str, float]] = []

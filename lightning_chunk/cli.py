@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from .consolidate import consolidate
-from .engine.checkpoint import CheckpointError
 from .engine.config import parse_bytes
+from .engine.state.checkpoint import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """``lightning-chunk consolidate``: a sharded checkpoint directory into one plain Lightning checkpoint file.
 
-The Lightning side of the checkpoint format: the engine (``engine/checkpoint.py``) writes and reads its
+The Lightning side of the checkpoint format: the engine (``engine/state/checkpoint.py``) writes and reads its
 own sections (the shards, and ``meta.pt``'s ``chunk_checkpoint``) and carries whatever else the caller
 gave it untouched; this module knows that a Lightning checkpoint keeps the model under ``state_dict``
 and the optimizers under ``optimizer_states``.
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .engine.atomic import replace_dir
-from .engine.checkpoint import (
+from .engine.files.torchfile import StreamingTorchFile
+from .engine.state.checkpoint import (
     KEY,
     CheckpointError,
     check_checkpoint_dir,
@@ -23,9 +23,9 @@ from .engine.checkpoint import (
     read_meta,
     weights_key,
 )
-from .engine.host_heap import release_freed_memory
-from .engine.saved_chunks import load_chunk
-from .engine.torchfile import StreamingTorchFile
+from .engine.state.saved_chunks import load_chunk
+from .engine.system.atomic import replace_dir
+from .engine.system.host_heap import release_freed_memory
 
 MODEL_KEY = "state_dict"  # where a Lightning checkpoint keeps the model's state
 OPTIMIZERS_KEY = "optimizer_states"  # and the optimizers', one plain optimizer state dict each

@@ -2,7 +2,7 @@
 
 Lightning's ``WeightAveraging`` callbacks keep a whole copy of the model on every rank and are refused by the
 strategy; this one keeps each rank's share of the average beside its master shards ([Note: a sharded EMA] in
-``engine/ema.py``) and does what ``EMAWeightAveraging`` does, bit for bit: the average is updated after optimizer
+``engine/optim/ema.py``) and does what ``EMAWeightAveraging`` does, bit for bit: the average is updated after optimizer
 steps (``update_every_n_steps``, ``update_starting_at_step``), the buffers (BatchNorm's running statistics) are
 averaged with the weights (``use_buffers=True``, Lightning's default) or copied at each update, validation during
 ``fit`` runs with the averaged weights and those buffers, and at the end of training they become the model's.

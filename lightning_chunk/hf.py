@@ -22,10 +22,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .consolidate import _progress, check_output
-from .engine.atomic import remove_dir, replace_dir
-from .engine.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta, weights_key
 from .engine.config import parse_bytes
-from .engine.safetensors_file import StreamingSafetensors
+from .engine.files.safetensors_file import StreamingSafetensors
+from .engine.state.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta, weights_key
+from .engine.system.atomic import remove_dir, replace_dir
 
 HF_CONFIG_KEY = "hf_config"  # where a LightningModule keeps ``model.config.to_dict()`` in its checkpoints
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as ``save_pretrained``
@@ -58,7 +58,7 @@ class HFInit:
     [Note: Hugging Face init, module by module] A ``PreTrainedModel`` initialises itself in ``post_init()``:
     ``model._init_weights(m)`` for every module ``m``, children before parents, so that a parent's rule wins
     (GPT-2 scales ``c_proj`` from its ``GPT2Attention``/``GPT2MLP``, which own no tensor themselves). On the meta
-    device that does nothing, and deferred initialisation (``engine/materialize.py``) initialises one module at a
+    device that does nothing, and deferred initialisation (``engine/chunks/materialize.py``) initialises one module at a
     time, as packing reaches its tensors. So for module ``m`` this runs ``_init_weights(m)`` and then
     ``_init_weights`` of each ancestor, nearest first, dropping the writes into the tensors of other modules
     (placeholders, or values already packed): each of ``m``'s tensors ends with the value of the last rule that

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engine.chunk import Tier
+from .engine.chunks.chunk import Tier
 from .engine.config import human_bytes
-from .engine.runtime import ShapePlan
+from .engine.runtime.engine import ShapePlan
 
 GRAD_STAGING = 256 << 20  # GradOffload's pinned staging in flight at most
 

@@ -3,7 +3,7 @@
 It builds the model and its data, runs one throwaway forward and backward on one batch through
 ``ChunkOffloadStrategy`` (the warm-up: activations traced, chunk size chosen, shards placed), and
 reports the chunks, the bytes per tier, and the device peak estimated by replaying the trace
-through the placement policy (``engine/simulate.py``). Nothing is saved. When the limit is too
+through the placement policy (``engine/schedule/simulate.py``). Nothing is saved. When the limit is too
 small, the message names the smallest limit that works and the command exits non-zero.
 
 ``--shapes-only`` (``make_shape_plan``) builds nothing: the model (and its ``configure_model``) runs on
@@ -26,11 +26,11 @@ import lightning as L
 import torch
 import yaml
 
-from .engine.chunk import Tier
+from .engine.chunks.chunk import Tier
+from .engine.chunks.materialize import DeferredInit
 from .engine.config import device_margin_bytes, human_bytes
-from .engine.materialize import DeferredInit
-from .engine.runtime import ChunkEngine, ShapePlan
-from .engine.simulate import simulate_step
+from .engine.runtime.engine import ChunkEngine, ShapePlan
+from .engine.schedule.simulate import simulate_step
 from .phases import ClusterReport, phases
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy

@@ -38,8 +38,8 @@ from torch.optim import Optimizer
 
 from .engine import ChunkEngine, DtypePolicy
 from .engine.config import OWN_DTYPE_MODULES
-from .engine.reads import reading
-from .engine.scaler import DynamicLossScaler
+from .engine.optim.scaler import DynamicLossScaler
+from .engine.runtime.reads import reading
 
 _GRAD_NORM_FILE = os.path.join("pytorch", "utilities", "grads.py")  # lightning.pytorch.utilities.grad_norm
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")

@@ -42,21 +42,21 @@ from ._version import __version__
 from .backward_step import check_step_in_backward, choose_step_in_backward
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
-from .engine.atomic import remove_dir
-from .engine.checkpoint import KEY as CHECKPOINT_KEY
-from .engine.checkpoint import (
+from .engine.chunks.materialize import DeferredInit, meta_init
+from .engine.errors import CheckpointError
+from .engine.files.weights import ModuleWeights, open_weights
+from .engine.memory.full_params import full_parameters
+from .engine.optim.ema import BufferAverage, ShardedEMA
+from .engine.schedule.growth import input_bytes
+from .engine.state.checkpoint import KEY as CHECKPOINT_KEY
+from .engine.state.checkpoint import (
     is_sharded_checkpoint,
     load_sharded,
     offered_state_dict,
     placeholder_state_dict,
     save_sharded,
 )
-from .engine.ema import BufferAverage, ShardedEMA
-from .engine.errors import CheckpointError
-from .engine.full_params import full_parameters
-from .engine.growth import input_bytes
-from .engine.materialize import DeferredInit, meta_init
-from .engine.weights import ModuleWeights, open_weights
+from .engine.system.atomic import remove_dir
 from .precision import ChunkPrecision
 from .ranks import barrier_device_ids, process_group_device, take_rank_threads
 
@@ -232,7 +232,8 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self._timeout = timeout
         self.engine: ChunkEngine | None = None
         self._final_stats: dict[str, float] = {}
-        self._kept_optimizer_states: dict[int, Any] = {}  # [Note: optimizer state after fit] in engine/kept_state.py
+        # [Note: optimizer state after fit] in engine/optim/kept_state.py
+        self._kept_optimizer_states: dict[int, Any] = {}
         self._failed = False
         self._deferred: DeferredInit | None = None
 
@@ -455,7 +456,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         other optimizers' parameters of the module do not require grad either (as in plain Lightning: no gradient,
         no work); ``untoggle_optimizer`` gives them back their flags. The module's own methods (a user's override
         included) still run first. A change of flags that outlives a training step is a repack
-        ([Note: requires_grad changed] in ``engine/runtime.py``)."""
+        ([Note: requires_grad changed] in ``engine/runtime/engine.py``)."""
         toggle, untoggle = module.toggle_optimizer, module.untoggle_optimizer
         saved: dict[int, bool] = {}
 
@@ -537,13 +538,13 @@ class ChunkOffloadStrategy(ParallelStrategy):
         cannot be entered between a forward and its backward. Every rank holds the parameters' whole values for
         the block's duration (on the host with ``offload_to_cpu``): ask for a submodule when the model is large.
         Outside a step, without this block, a parameter shows a stale copy or a placeholder of NaN that refuses
-        writes ([Note: parameters outside a step] in ``engine/full_params.py``). Before ``fit`` and after it the
+        writes ([Note: parameters outside a step] in ``engine/memory/full_params.py``). Before ``fit`` and after it the
         parameters are plain and the block does nothing.
 
         ``with_grads=True`` (between a backward and the optimizer step, e.g. in ``on_before_optimizer_step``) also
         gives each parameter that got a gradient its whole ``.grad``, the one the optimizer will read: Lightning's
         ``grad_norm(self)`` works inside. Gradients changed inside are written back, one set to ``None`` is
-        skipped by the step ([Note: gradients in full_parameters] in ``engine/full_params.py``)."""
+        skipped by the step ([Note: gradients in full_parameters] in ``engine/memory/full_params.py``)."""
         if self.engine is None:
             yield
             return

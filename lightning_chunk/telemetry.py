@@ -10,7 +10,7 @@
 - Where each step's time went on this rank (``chunk/time_<cause>_ms``: waiting on all-gathers, on
   reduce-scatters, on agreement collectives, tier copies, the optimizer, the engine's hooks, and the rest:
   the model's compute), and at the end of ``fit`` one table of every rank's totals, printed by rank 0 and
-  kept in ``breakdown`` ([Note: where a step's time goes] in ``engine/timing.py``).
+  kept in ``breakdown`` ([Note: where a step's time goes] in ``engine/system/timing.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from .engine.timing import CAUSES
-from .engine.tracer import BACKWARD, FORWARD, MomentEvent
+from .engine.schedule.tracer import BACKWARD, FORWARD, MomentEvent
+from .engine.system.timing import CAUSES
 
 
 class ChunkTelemetry(pl.Callback):

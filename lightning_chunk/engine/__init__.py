@@ -1,11 +1,11 @@
 """The chunk engine: plain torch, no ``lightning`` import (tests assert it)."""
 
-from .chunk import Chunk, Tier
-from .collectives import Collectives
+from .chunks.chunk import Chunk, Tier
+from .chunks.states import LEGAL_TRANSITIONS, TensorState
+from .comm.collectives import Collectives
 from .config import ChunkConfig, DtypePolicy, parse_bytes
 from .errors import ChunkError, DeviceMemoryLimitError, IllegalTransitionError, LayoutError, UnsupportedOptimizerError
-from .runtime import ChunkEngine
-from .states import LEGAL_TRANSITIONS, TensorState
+from .runtime.engine import ChunkEngine
 
 __all__ = [
     "Chunk",

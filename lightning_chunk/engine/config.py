@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from .page_cache import IO_MODES, DiskIO
+from .system.page_cache import IO_MODES, DiskIO
 
 PlacementName = Literal["auto", "device", "host", "static"]
 OptimizerKernel = Literal["auto", "one_pass", "fused", "foreach", "loop"]

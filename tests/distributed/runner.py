@@ -428,7 +428,7 @@ def run_resume(out: Path) -> None:
     rank counts the elements of saved chunks it asked to read, against those the checkpoint holds."""
     import shutil
 
-    from lightning_chunk.engine import saved_chunks
+    from lightning_chunk.engine.state import saved_chunks
 
     read = {"asked": 0, "saved": 0}
     whole = saved_chunks.load_chunk
@@ -778,7 +778,7 @@ class SwapOnRankOne(ParityNet):
 
 def run_swap(out: Path) -> None:
     """[Note: checking once a micro-batch]: the defaults name the disagreement before step 3 is taken."""
-    from lightning_chunk.engine.collectives import CollectiveMismatchError, CollectiveTimeoutError
+    from lightning_chunk.engine.comm.collectives import CollectiveMismatchError, CollectiveTimeoutError
 
     L.seed_everything(7, verbose=False)
     model = SwapOnRankOne()

@@ -37,7 +37,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint.filesystem as dcp_fs  # noqa: E402
 
-from lightning_chunk.engine import ChunkConfig, ChunkEngine, Collectives, atomic, checkpoint  # noqa: E402  # noqa: E402
+from lightning_chunk.engine import ChunkConfig, ChunkEngine, Collectives  # noqa: E402
+from lightning_chunk.engine.state import checkpoint  # noqa: E402
+from lightning_chunk.engine.system import atomic  # noqa: E402
 from tests.engine_steps import step  # noqa: E402
 
 TIMEOUT_S = 20.0

@@ -26,8 +26,8 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
-from lightning_chunk.engine.collectives import Collectives  # noqa: E402
-from lightning_chunk.engine.optim import OptimizerBinding  # noqa: E402
+from lightning_chunk.engine.comm.collectives import Collectives  # noqa: E402
+from lightning_chunk.engine.optim.binding import OptimizerBinding  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
 
 TIMEOUT_S = 6.0

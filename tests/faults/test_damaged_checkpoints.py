@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
-from lightning_chunk.engine.checkpoint import CheckpointError, load_sharded, save_sharded
+from lightning_chunk.engine.state.checkpoint import CheckpointError, load_sharded, save_sharded
 from tests.engine_steps import step
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's

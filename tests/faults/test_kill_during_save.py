@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_chunk.engine.checkpoint import read_meta
+from lightning_chunk.engine.state.checkpoint import read_meta
 from tests.faults.common import Zygotes, find_last, same_tensors, saved_tensors
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's

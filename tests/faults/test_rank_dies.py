@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_chunk.engine.checkpoint import check_checkpoint_dir
+from lightning_chunk.engine.state.checkpoint import check_checkpoint_dir
 from tests.faults.common import Ranks, find_last
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_chunk.engine.checkpoint import check_checkpoint_dir
+from lightning_chunk.engine.state.checkpoint import check_checkpoint_dir
 from tests.faults.common import Ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases

@@ -85,7 +85,7 @@ def test_the_one_pass_host_step_equals_torchs_fused_kernel_on_cuda(native, monke
     """Host shards of a bf16 run on a GPU: the pinned bf16 copy written inside the host Adam step (the native loop
     of adam_native.py, streamed past the caches, or the torch.compile kernel of host_adam.py) trains bit for bit
     like torch's fused kernel and the two-pass write-back."""
-    from lightning_chunk.engine import host_adam
+    from lightning_chunk.engine.optim import host_adam
 
     monkeypatch.setattr(host_adam, "NATIVE", native)
     runs = {}

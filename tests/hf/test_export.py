@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 pytest.importorskip("transformers")
 
 from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
-from lightning_chunk.engine.checkpoint import CheckpointError  # noqa: E402
-from lightning_chunk.engine.safetensors_file import StreamingSafetensors  # noqa: E402
+from lightning_chunk.engine.files.safetensors_file import StreamingSafetensors  # noqa: E402
+from lightning_chunk.engine.state.checkpoint import CheckpointError  # noqa: E402
 from lightning_chunk.hf import export_hf  # noqa: E402
 from tests.hf.models import ROOT, Batches, load_example, save_pretrained  # noqa: E402
 
@@ -171,7 +171,7 @@ MEMORY_SCRIPT = r"""
 import sys
 sys.path.insert(0, {root!r})
 import torch
-from lightning_chunk.engine.checkpoint import read_meta
+from lightning_chunk.engine.state.checkpoint import read_meta
 from lightning_chunk.hf import _config, _meta_model, export_hf
 
 
@@ -195,7 +195,7 @@ def test_export_streams_with_bounded_memory(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lightning_chunk import ChunkConfig, ChunkEngine
-    from lightning_chunk.engine.checkpoint import save_sharded
+    from lightning_chunk.engine.state.checkpoint import save_sharded
     from lightning_chunk.hf import HF_CONFIG_KEY
     from tests.hf.models import config
 

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
-from lightning_chunk.engine.weights import WeightsError  # noqa: E402
+from lightning_chunk.engine.files.weights import WeightsError  # noqa: E402
 from tests.hf.models import CONFIGS, Batches, config, load_example, save_pretrained  # noqa: E402
 
 EXACT = dict(rtol=0, atol=0)

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.cli import main as cli_main
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
-from lightning_chunk.engine.checkpoint import CheckpointError, check_checkpoint_dir, save_sharded
+from lightning_chunk.engine.state.checkpoint import CheckpointError, check_checkpoint_dir, save_sharded
 from tests.models import ParityNet, edited, token_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,7 +148,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-import lightning_chunk.engine.checkpoint as ckp
+import lightning_chunk.engine.state.checkpoint as ckp
 from lightning_chunk import ChunkOffloadStrategy
 from tests.models import ParityNet, token_data
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from lightning_chunk import ChunkOffloadStrategy
-from lightning_chunk.engine.materialize import DeferredInitError
+from lightning_chunk.engine.chunks.materialize import DeferredInitError
 from tests.integration.test_parity import EXACT, STEPS, assert_same_params
 from tests.models import DeferredNet, ParityNet, fit, token_data
 
@@ -275,7 +275,7 @@ class MidTied(nn.Module):
 
 def test_a_tied_module_in_the_middle_keeps_the_random_stream_of_an_eager_build():
     from lightning_chunk.engine import ChunkConfig, ChunkEngine
-    from lightning_chunk.engine.materialize import DeferredInit
+    from lightning_chunk.engine.chunks.materialize import DeferredInit
 
     torch.manual_seed(3)
     eager = MidTied()

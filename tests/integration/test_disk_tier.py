@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_chunk import ChunkOffloadStrategy
-from lightning_chunk.engine.disk import PREFIX, MappedFile, ScratchDir
 from lightning_chunk.engine.errors import DiskTierError, HostMemoryLimitError
+from lightning_chunk.engine.tiers.disk import PREFIX, MappedFile, ScratchDir
 from tests.integration.test_checkpoints import train_and_save, trainer
 from tests.integration.test_parity import BIG, EXACT, assert_same_params
 from tests.models import ParityNet, ReorderedNet, fit, token_data
@@ -213,7 +213,7 @@ def _args(tmp_path, **kw):
 
 def test_a_full_disk_is_refused_with_the_bytes_needed(tmp_path, monkeypatch):
     """Injected: a filesystem with 1 MB free. The error names the bytes the disk tier needs and where."""
-    import lightning_chunk.engine.disk as disk_mod
+    import lightning_chunk.engine.tiers.disk as disk_mod
 
     real = os.statvfs
 
@@ -258,9 +258,9 @@ def test_the_room_check_counts_every_rank_that_shares_the_directory(tmp_path, mo
     """Issue 49, defect 5: two ranks of a host that need 1 MB each of a filesystem with 1.5 MB free both passed a
     check of their own bytes; one then failed mid-pack while the other waited for it in a collective. Each rank
     now checks for all the ranks of its host, so both refuse before anything is written."""
-    import lightning_chunk.engine.disk as disk_mod
-    from lightning_chunk.engine.disk_storage import DiskStorage
-    from lightning_chunk.engine.tiers import HostStorage
+    import lightning_chunk.engine.tiers.disk as disk_mod
+    from lightning_chunk.engine.tiers.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers.storage import HostStorage
 
     class Free:
         f_frsize, f_bavail = 1, 1_500_000
@@ -303,7 +303,7 @@ def test_a_dead_runs_scratch_is_removed_and_a_live_ones_kept(tmp_path):
     (dead / "chunk0-1-master.bin").write_bytes(b"x" * 100)
     import socket
 
-    from lightning_chunk.engine.host_id import host_identity
+    from lightning_chunk.engine.system.host_id import host_identity
 
     here = host_identity()
     (dead / "owner.json").write_text(
@@ -405,8 +405,8 @@ def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
 def test_the_io_thread_gets_a_core_and_the_threads_come_back(tmp_path, monkeypatch):
     """While disk chunks step, torch's threads plus the I/O thread fit the cores; the count is restored after,
     also when the block raises, and left alone where the cores outnumber torch's threads."""
-    from lightning_chunk.engine.disk_storage import DiskStorage
-    from lightning_chunk.engine.tiers import HostStorage
+    from lightning_chunk.engine.tiers.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers.storage import HostStorage
 
     storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
     before = torch.get_num_threads()
@@ -457,7 +457,7 @@ def test_fused_adam_bits_do_not_depend_on_the_thread_count():
 def test_threads_are_lowered_only_for_kernels_whose_bits_ignore_them():
     """Fused Adam(W) splits at cache lines; torch's other kernels split element-wise loops anywhere, where a scalar
     tail may round otherwise, so with them the disk chunks step on torch's usual threads."""
-    from lightning_chunk.engine.optim import _split_at_cache_lines
+    from lightning_chunk.engine.optim.binding import _split_at_cache_lines
 
     p = [torch.nn.Parameter(torch.zeros(4))]
     assert _split_at_cache_lines(torch.optim.AdamW(p, fused=True))
@@ -477,7 +477,7 @@ def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp
     thread, and training equals the same strategy with every shard in memory, bit for bit."""
     import contextlib
 
-    from lightning_chunk.engine.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers.disk_storage import DiskStorage
     from tests.models import ReorderedNet
 
     seen: list[int] = []
@@ -519,9 +519,9 @@ def test_a_gradient_write_back_leaves_backward_running_and_every_reader_sees_it(
     write and raises the error of one that failed."""
     import threading
 
-    from lightning_chunk.engine import disk as disk_mod
-    from lightning_chunk.engine.disk_storage import DiskStorage
-    from lightning_chunk.engine.tiers import HostStorage
+    from lightning_chunk.engine.tiers import disk as disk_mod
+    from lightning_chunk.engine.tiers.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers.storage import HostStorage
 
     storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
     gate, written = threading.Event(), threading.Event()
@@ -561,9 +561,9 @@ def test_reads_ahead_are_asked_once_a_use_and_only_for_files_on_disk(tmp_path, m
     ahead once until a gather reads it; a chunk with no master file on disk asks nothing."""
     from types import SimpleNamespace
 
-    from lightning_chunk.engine import disk as disk_mod
-    from lightning_chunk.engine.disk_storage import DiskStorage
-    from lightning_chunk.engine.tiers import HostStorage
+    from lightning_chunk.engine.tiers import disk as disk_mod
+    from lightning_chunk.engine.tiers.disk_storage import DiskStorage
+    from lightning_chunk.engine.tiers.storage import HostStorage
 
     storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
     asked = []
@@ -603,7 +603,7 @@ def test_o_direct_transfers_move_whole_pages_in_pieces_and_the_mapping_sees_them
     other way round; a buffer that is not page-aligned goes through the page cache and says so."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from lightning_chunk.engine import disk as disk_mod
+    from lightning_chunk.engine.tiers import disk as disk_mod
 
     if not o_direct_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
@@ -636,7 +636,7 @@ def test_o_direct_trains_bit_exact_with_memory_and_auto_takes_it_where_memory_is
     """The disk tier past the page cache equals plain Lightning bit for bit (with accumulation and tied weights:
     gradient files read back, written, staged); ``auto`` takes it where the page cache has no room for the files
     (faked) and stays buffered where it has."""
-    from lightning_chunk.engine import disk_storage
+    from lightning_chunk.engine.tiers import disk_storage
 
     if not o_direct_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")

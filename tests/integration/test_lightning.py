@@ -134,7 +134,7 @@ def test_chunk_telemetry_logs_where_each_step_s_time_went_and_prints_the_totals(
     with caplog.at_level("INFO"):
         t.fit(ParityNet(), token_data())
     rows = list(csv.DictReader(open(next(Path(tmp_path).rglob("metrics.csv")))))
-    from lightning_chunk.engine.timing import CAUSES
+    from lightning_chunk.engine.system.timing import CAUSES
 
     causes = CAUSES + ("rest",)
     for row in rows:

@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
-from lightning_chunk.engine.hooks import ChunkHooks
+from lightning_chunk.engine.runtime.hooks import ChunkHooks
 from tests import models
 from tests.models import ParityNet, fit
 

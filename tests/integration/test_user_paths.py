@@ -424,7 +424,7 @@ class L2Penalty(ParityNet):
 )
 def test_parameters_iterated_in_training_step_are_read_and_differentiated_like_plain_lightning(kw, caplog):
     ref = fit("auto", steps=STEPS, cls=L2Penalty)
-    with caplog.at_level("INFO", logger="lightning_chunk.engine.hooks"):
+    with caplog.at_level("INFO", logger="lightning_chunk.engine.runtime.hooks"):
         got = fit(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), steps=STEPS, cls=L2Penalty)
     assert_same_params(ref, got, EXACT)
     for a, b in zip(ref.seen, got.seen, strict=True):

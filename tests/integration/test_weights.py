@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_chunk import ChunkOffloadStrategy
-from lightning_chunk.engine.weights import WeightsError
+from lightning_chunk.engine.files.weights import WeightsError
 from tests.integration.test_deferred_init import init_values
 from tests.integration.test_parity import EXACT, assert_same_params
 from tests.models import DeferredNet, ParityNet, fit, token_data

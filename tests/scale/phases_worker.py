@@ -22,8 +22,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
-from lightning_chunk.engine.pool import BlockPool  # noqa: E402
-from lightning_chunk.engine.runtime import ChunkEngine  # noqa: E402
+from lightning_chunk.engine.runtime.engine import ChunkEngine  # noqa: E402
+from lightning_chunk.engine.tiers.pool import BlockPool  # noqa: E402
 from lightning_chunk.shapes import Llama  # noqa: E402
 
 SHAPE = dict(hidden=128, layers=8, intermediate=256, heads=4, kv_heads=4, vocab=512)

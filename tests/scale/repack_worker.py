@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-import lightning_chunk.engine.repack as repack  # noqa: E402
+import lightning_chunk.engine.chunks.repack as repack  # noqa: E402
 from lightning_chunk.engine import ChunkConfig, ChunkEngine, Collectives  # noqa: E402
 from tests.engine_steps import step  # noqa: E402
 

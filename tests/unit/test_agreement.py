@@ -22,7 +22,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_chunk.engine.collectives import CollectiveMismatchError, Collectives, CollectiveTimeoutError
+    from lightning_chunk.engine.comm.collectives import CollectiveMismatchError, Collectives, CollectiveTimeoutError
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     batch = case.startswith("batch")
@@ -47,7 +47,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
                 outs = [gather(c, 8) for c in (3, 4)]
                 comm.verify_issued()
                 # NCCL's form (one stream-ordered group, no keyed groups to make): no barrier at all
-                from lightning_chunk.engine.agreement import Agreement
+                from lightning_chunk.engine.comm.agreement import Agreement
 
                 comm.agreement = Agreement(comm, lazy=False, mode="batch")
                 outs += [gather(c, n) for c, n in ((5, 8), (6, 2))]
@@ -111,7 +111,7 @@ def seen(tmp_path_factory) -> dict[str, list[dict]]:
     process imported it anew, and that was most of the time (34 s of the suite on two cores)."""
     tmp = tmp_path_factory.mktemp("agreement")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_chunk.engine.collectives"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_chunk.engine.comm.collectives"])
     procs = [
         ctx.Process(target=_rank, args=(r, str(tmp / f"{c}.store"), str(tmp / f"{c}.{r}.json"), c))
         for c in CASES

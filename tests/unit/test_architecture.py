@@ -1,8 +1,9 @@
 """The layering rule, read off the source ([docs/architecture.md](../../docs/architecture.md)): imports point down.
 
 Every ``import`` the package runs (at module level or inside a function) is an edge of a graph over its modules:
-the graph has no cycle, and nothing under ``lightning_chunk/engine`` imports the Lightning side of the package
-(``strategy``, ``precision``, ...) or Lightning itself. An import under ``if TYPE_CHECKING:`` is for annotations
+the graph has no cycle, nothing under ``lightning_chunk/engine`` imports the Lightning side of the package
+(``strategy``, ``precision``, ...) or Lightning itself, and the engine's sub-packages import only the layers below
+their own (``LAYERS``). An import under ``if TYPE_CHECKING:`` is for annotations
 only (a manager's reducer names the manager it serves) and runs nothing, so it is not an edge.
 """
 
@@ -114,3 +115,60 @@ def test_the_engine_imports_nothing_above_it():
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
         assert not {x for x in names if x.split(".")[0] in ("lightning", "pytorch_lightning")}, m
+
+
+# The engine's layers, bottom first: a module imports modules of its own unit or of a lower layer only. Units that
+# share a layer do not import each other. A new sub-package or a new module at the engine's root goes in here.
+LAYERS: list[tuple[str, ...]] = [
+    ("system",),
+    ("errors",),
+    ("config", "files"),
+    ("chunks",),
+    ("tiers",),
+    ("comm",),
+    ("schedule",),
+    ("memory",),
+    ("optim", "state"),
+    ("runtime",),
+]
+RANK = {unit: n for n, units in enumerate(LAYERS) for unit in units}
+ENGINE = "lightning_chunk.engine"
+
+
+def unit(module: str) -> str:
+    """``lightning_chunk.engine.chunks.repack`` -> ``chunks``; ``lightning_chunk.engine.config`` -> ``config``."""
+    return module[len(ENGINE) + 1 :].split(".")[0]
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    """Each import of an engine module that does not point to its own unit or a lower layer."""
+    bad = []
+    for m, targets in edges.items():
+        if not m.startswith(ENGINE + ".") or m == ENGINE:
+            continue
+        for t in sorted(targets):
+            if t.startswith(ENGINE + ".") and unit(t) != unit(m) and RANK[unit(t)] >= RANK[unit(m)]:
+                bad.append(f"{m} imports {t}: layer {RANK[unit(m)]} ({unit(m)}) reaching {RANK[unit(t)]} ({unit(t)})")
+    return bad
+
+
+def test_every_engine_module_belongs_to_a_layer():
+    engine = [m for m in modules() if m.startswith(ENGINE + ".")]
+    assert sorted({unit(m) for m in engine} - set(RANK)) == []
+    assert sorted(set(RANK) - {unit(m) for m in engine}) == []  # no layer left empty
+
+
+def test_the_engine_s_sub_packages_import_only_the_layers_below():
+    assert upward(graph()) == []
+
+
+def test_the_layer_check_sees_an_upward_or_sideways_import():
+    edges = {
+        f"{ENGINE}.chunks.chunk": {f"{ENGINE}.chunks.states", f"{ENGINE}.errors"},  # same unit, below: fine
+        f"{ENGINE}.tiers.storage": {f"{ENGINE}.memory.manager"},  # up
+        f"{ENGINE}.optim.binding": {f"{ENGINE}.state.checkpoint"},  # sideways
+    }
+    assert [b.split(":")[0] for b in upward(edges)] == [
+        f"{ENGINE}.tiers.storage imports {ENGINE}.memory.manager",
+        f"{ENGINE}.optim.binding imports {ENGINE}.state.checkpoint",
+    ]

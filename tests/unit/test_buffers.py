@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from lightning_chunk.engine.buffers import BufferSync
+from lightning_chunk.engine.comm.buffers import BufferSync
 
 
 class FakeComm:

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
-from lightning_chunk.engine.collectives import CollectiveDeviceError, Collectives
-from lightning_chunk.engine.scaler import DynamicLossScaler
+from lightning_chunk.engine.comm.collectives import CollectiveDeviceError, Collectives
+from lightning_chunk.engine.optim.scaler import DynamicLossScaler
 
 
 class FakeDeviceComm(Collectives):

@@ -149,7 +149,7 @@ def test_reshard_after_forward_goes_with_host_placement():
 def test_leaf_modules_own_their_subtree():
     """[Note: leaf modules]: torch's attention and encoder layers always, a user's class by type, by name or by an
     importable path (re-exported: ``torch.nn.Linear`` lives in ``torch.nn.modules.linear``)."""
-    from lightning_chunk.engine.leaves import LeafModules
+    from lightning_chunk.engine.runtime.leaves import LeafModules
 
     test = LeafModules(["Sequential"])
     assert test(torch.nn.MultiheadAttention(8, 2)) and test(torch.nn.TransformerEncoderLayer(8, 2, 16))
@@ -161,7 +161,7 @@ def test_leaf_modules_own_their_subtree():
 
 def test_a_leaf_module_the_model_lacks_is_an_error_that_lists_its_classes():
     from lightning_chunk.engine.config import ChunkConfig
-    from lightning_chunk.engine.runtime import ChunkEngine
+    from lightning_chunk.engine.runtime.engine import ChunkEngine
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     with pytest.raises(ValueError, match=r"\['MyBlok'\] names no module of this model.*LayerNorm, Linear, Sequential"):

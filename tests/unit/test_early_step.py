@@ -145,7 +145,7 @@ def test_what_stepping_in_backward_cannot_do_is_refused_with_a_reason():
         eng.clip_grad_norm_(1.0)
     with pytest.raises(ValueError, match="reading the gradients after backward is not possible"):
         eng.clip_grad_value_(1.0)
-    from lightning_chunk.engine.scaler import DynamicLossScaler
+    from lightning_chunk.engine.optim.scaler import DynamicLossScaler
 
     eng.scaler = DynamicLossScaler()  # what the fp16 precision plugin attaches
     model = eng.module

@@ -6,10 +6,10 @@ import torch
 import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
-from lightning_chunk.engine.chunk import Tier
+from lightning_chunk.engine.chunks.chunk import Tier
+from lightning_chunk.engine.chunks.packing import build_layout
 from lightning_chunk.engine.errors import ChunkError
-from lightning_chunk.engine.packing import build_layout
-from lightning_chunk.engine.tracer import SavedBytesCounter
+from lightning_chunk.engine.schedule.tracer import SavedBytesCounter
 from tests.engine_steps import step
 
 
@@ -149,7 +149,7 @@ def test_after_a_failed_collective_teardown_frees_nothing_a_queued_collective_ma
     """[Note: memory a failed collective may still use]: gloo may still run a queued gather into a payload, or
     read a shard, after the engine's teardown; once a collective failed, teardown lets go of the buffers
     without freeing them, so one still held (as a gloo work holds its tensors) keeps its memory."""
-    from lightning_chunk.engine import collectives
+    from lightning_chunk.engine.comm import collectives
 
     m = Reordered()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -199,7 +199,7 @@ def test_repack_streams_old_chunks_and_never_holds_the_model_twice(monkeypatch):
     mgr = eng.manager
     before = {k: v.clone() for k, v in eng.full_state_dict().items()}
     held: list[int] = []
-    import lightning_chunk.engine.manager as manager_mod
+    import lightning_chunk.engine.memory.manager as manager_mod
 
     build = manager_mod.build_chunk
 
@@ -218,7 +218,7 @@ def test_repack_streams_old_chunks_and_never_holds_the_model_twice(monkeypatch):
 
 def test_tracer_charges_the_peak_between_moments_to_the_module_that_ran():
     """[Note: peaks between moments]: what a module holds only while it runs belongs to the moment before it."""
-    from lightning_chunk.engine.tracer import FORWARD, POST_FORWARD, MemoryTracer
+    from lightning_chunk.engine.schedule.tracer import FORWARD, POST_FORWARD, MemoryTracer
 
     tracer = MemoryTracer(lambda t: False, torch.device("cpu"), lambda: 0)
     peaks = iter([0, 0, 5000, 0, 0])  # the allocator's peak read at start, at each moment, at finish
@@ -233,7 +233,7 @@ def test_tracer_charges_the_peak_between_moments_to_the_module_that_ran():
 
 
 def test_warmup_reduce_order_follows_reverse_first_use():
-    from lightning_chunk.engine.tracer import BACKWARD, FORWARD, MemoryTracer
+    from lightning_chunk.engine.schedule.tracer import BACKWARD, FORWARD, MemoryTracer
 
     tracer = MemoryTracer(lambda t: False, torch.device("cpu"), lambda: 0)
     tracer.start()

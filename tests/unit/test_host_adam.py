@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_chunk.engine import ChunkConfig, ChunkEngine, DtypePolicy, adam_native, host_adam
+from lightning_chunk.engine import ChunkConfig, ChunkEngine, DtypePolicy
+from lightning_chunk.engine.optim import adam_native, host_adam
 
 # sizes: multiples of 16 (torch's fused kernel steps each tensor's last numel % 16 elements in a scalar loop of
 # its own), and one that is not, where the one pass may differ in the last bit

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_chunk.engine import ChunkConfig, ChunkEngine, runtime
-from lightning_chunk.engine.host_heap import user_set_thresholds
+from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from lightning_chunk.engine.runtime import engine as runtime
+from lightning_chunk.engine.system.host_heap import user_set_thresholds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,7 @@ CHILD = r"""
 import ctypes, json, os, resource, sys
 sys.path.insert(0, ROOT)
 import torch
-from lightning_chunk.engine.host_heap import keep_freed_heap
+from lightning_chunk.engine.system.host_heap import keep_freed_heap
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -109,7 +110,7 @@ def test_keep_freed_heap_must_be_a_bool():
 
 
 def test_a_later_host_limit_takes_the_kept_trim_threshold_back(monkeypatch):
-    from lightning_chunk.engine import host_heap
+    from lightning_chunk.engine.system import host_heap
 
     calls = []
     monkeypatch.setattr(host_heap, "_mallopt", lambda param, value: calls.append((param, value)) or True)

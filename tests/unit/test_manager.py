@@ -2,13 +2,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_chunk.engine.chunk import Tier
+from lightning_chunk.engine.chunks.chunk import Tier
+from lightning_chunk.engine.chunks.packing import build_layout
+from lightning_chunk.engine.chunks.states import TensorState as S
 from lightning_chunk.engine.config import ChunkConfig, DtypePolicy
-from lightning_chunk.engine.consolidate import full_values, unpack
 from lightning_chunk.engine.errors import DeviceMemoryLimitError
-from lightning_chunk.engine.manager import ChunkManager
-from lightning_chunk.engine.packing import build_layout
-from lightning_chunk.engine.states import TensorState as S
+from lightning_chunk.engine.memory.consolidate import full_values, unpack
+from lightning_chunk.engine.memory.manager import ChunkManager
 
 
 def make(limit=None, dtypes=None, tiers=None, capacity=64):
@@ -208,7 +208,7 @@ def test_building_a_chunk_reserves_the_payload_it_allocates_for_the_views():
 
 
 def test_grad_offload_without_a_side_stream_copies_and_adds_at_once():
-    from lightning_chunk.engine.offload import GradOffload
+    from lightning_chunk.engine.tiers.offload import GradOffload
 
     off = GradOffload(torch.device("cpu"), pinned=True)
     assert not off.asynchronous
@@ -268,7 +268,7 @@ def test_a_gradient_payload_that_does_not_fit_while_accumulating_unsharded_names
     stepping micro-batch: a limit that holds the step but not that is told apart, with the way out."""
     from types import SimpleNamespace
 
-    from lightning_chunk.engine.reduce import GradReducer
+    from lightning_chunk.engine.comm.reduce import GradReducer
 
     class Full:  # a device tier with no room left
         device = torch.device("cpu")
@@ -296,7 +296,7 @@ def test_the_warm_up_subtracts_only_the_optimizer_state_that_exists():
     import torch
 
     from lightning_chunk.engine import ChunkConfig, ChunkEngine
-    from lightning_chunk.engine.chunk import Tier
+    from lightning_chunk.engine.chunks.chunk import Tier
     from tests.engine_steps import step
 
     torch.manual_seed(0)
@@ -322,7 +322,7 @@ def test_the_model_is_built_after_fit_only_where_it_fits(monkeypatch, room):
 
     import torch
 
-    import lightning_chunk.engine.runtime as runtime
+    import lightning_chunk.engine.runtime.engine as runtime
     from lightning_chunk.engine import ChunkConfig, ChunkEngine
 
     monkeypatch.setattr(runtime, "page_cache_room", lambda: room)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from lightning_chunk.engine.chunks.packing import ChunkKey, ParamSpec, build_layout, choose_chunk_numel, padding_waste
 from lightning_chunk.engine.errors import LayoutError
-from lightning_chunk.engine.packing import ChunkKey, ParamSpec, build_layout, choose_chunk_numel, padding_waste
 
 K0 = ChunkKey(0, True, torch.float32)
 K1 = ChunkKey(1, True, torch.float32)

@@ -3,7 +3,7 @@ cgroups (here fake trees under a temporary directory)."""
 
 from pathlib import Path
 
-from lightning_chunk.engine.page_cache import files_stay_cached, page_cache_room, use_direct
+from lightning_chunk.engine.system.page_cache import files_stay_cached, page_cache_room, use_direct
 
 GiB = 1 << 30
 

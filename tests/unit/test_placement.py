@@ -1,8 +1,8 @@
 import pytest
 
-from lightning_chunk.engine.chunk import Tier
+from lightning_chunk.engine.chunks.chunk import Tier
 from lightning_chunk.engine.config import ChunkConfig
-from lightning_chunk.engine.placement import (
+from lightning_chunk.engine.schedule.placement import (
     AutoPlacement,
     ChunkView,
     HostPlacement,
@@ -10,7 +10,7 @@ from lightning_chunk.engine.placement import (
     smallest_working_limit,
     working_set_bytes,
 )
-from lightning_chunk.engine.tracer import BACKWARD, FORWARD, POST_FORWARD, Moment, Trace
+from lightning_chunk.engine.schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, Moment, Trace
 
 
 def fake_trace():
@@ -193,7 +193,7 @@ def _shards(n, shard=1000, disk=800):
 
 
 def test_spill_to_disk_moves_the_first_chunks_until_the_host_fits():
-    from lightning_chunk.engine.placement import spill_to_disk
+    from lightning_chunk.engine.schedule.placement import spill_to_disk
 
     views = _shards(6)
     tiers = {v.chunk_id: Tier.HOST for v in views}
@@ -210,7 +210,7 @@ def test_spill_to_disk_moves_the_first_chunks_until_the_host_fits():
 
 def test_spill_to_disk_names_the_smallest_limit_that_works():
     from lightning_chunk.engine.errors import HostMemoryLimitError
-    from lightning_chunk.engine.placement import spill_to_disk
+    from lightning_chunk.engine.schedule.placement import spill_to_disk
 
     views = _shards(6)
     with pytest.raises(
@@ -366,7 +366,7 @@ def test_steps_without_a_trace_leave_the_activations_room_under_the_limit():
     import torch
 
     from lightning_chunk.engine import ChunkConfig, ChunkEngine
-    from lightning_chunk.engine.chunk import Tier
+    from lightning_chunk.engine.chunks.chunk import Tier
     from tests.engine_steps import step
 
     torch.manual_seed(0)

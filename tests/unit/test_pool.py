@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
-from lightning_chunk.engine.pool import _CAN_SWAP, BlockPool
+from lightning_chunk.engine.tiers.pool import _CAN_SWAP, BlockPool
 from tests.engine_steps import step
 
 needs_swap = pytest.mark.skipif(
@@ -40,7 +40,7 @@ def test_the_pool_does_nothing_off_the_host():
 
 
 def _train(pool_on: bool, monkeypatch) -> tuple[dict, dict, dict]:
-    monkeypatch.setattr("lightning_chunk.engine.pool._CAN_SWAP", pool_on and _CAN_SWAP)
+    monkeypatch.setattr("lightning_chunk.engine.tiers.pool._CAN_SWAP", pool_on and _CAN_SWAP)
     torch.manual_seed(0)
 
     def make():
@@ -78,8 +78,8 @@ def test_host_payloads_come_from_the_pool_and_training_is_unchanged(monkeypatch)
 def _kept_under_a_limit(monkeypatch, bounded: bool) -> list[int]:
     """Bytes over the limit at each forward moment after the warm-up: the device's chunks, the pool's blocks and the
     traced activations of host placement keeping payloads for backward (empty list: never over)."""
-    from lightning_chunk.engine.chunk import Tier
-    from lightning_chunk.engine.placement import PlacementPolicy, activation_room
+    from lightning_chunk.engine.chunks.chunk import Tier
+    from lightning_chunk.engine.schedule.placement import PlacementPolicy, activation_room
 
     if not bounded:
         monkeypatch.setattr(PlacementPolicy, "pool_room", lambda *a: None)

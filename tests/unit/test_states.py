@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 
+from lightning_chunk.engine.chunks.states import LEGAL_TRANSITIONS, TensorState, check_transition
 from lightning_chunk.engine.errors import IllegalTransitionError
-from lightning_chunk.engine.states import LEGAL_TRANSITIONS, TensorState, check_transition
 
 ALL_PAIRS = list(itertools.product(TensorState, TensorState))
 LEGAL = [(a, b) for a, b in ALL_PAIRS if b in LEGAL_TRANSITIONS[a]]
@@ -41,6 +41,6 @@ def test_a_waiting_gradient_lets_the_payload_go_and_comes_back_or_is_reduced():
     S = TensorState
     assert LEGAL_TRANSITIONS[S.READY_FOR_REDUCE] == frozenset({S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE_FREE})
     assert LEGAL_TRANSITIONS[S.READY_FOR_REDUCE_FREE] == frozenset({S.READY_FOR_REDUCE, S.FREE})
-    from lightning_chunk.engine.states import PINNED_STATES, RESIDENT_STATES
+    from lightning_chunk.engine.chunks.states import PINNED_STATES, RESIDENT_STATES
 
     assert S.READY_FOR_REDUCE_FREE not in RESIDENT_STATES and S.READY_FOR_REDUCE in PINNED_STATES

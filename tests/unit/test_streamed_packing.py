@@ -20,7 +20,7 @@ import ctypes, json, sys
 import torch
 sys.path.insert(0, ROOT)
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
-from lightning_chunk.engine.materialize import DeferredInit
+from lightning_chunk.engine.chunks.materialize import DeferredInit
 
 def status(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field + ":")).split()[1]) * 1024

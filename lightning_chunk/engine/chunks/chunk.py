@@ -1,0 +1,353 @@
+"""One chunk: a flat payload that parameters are views into, and this rank's shard.
+
+[Note: chunk tensors]
+``payload``  capacity_numel elements, compute dtype, on the compute device. Every
+             packed parameter is a view ``payload[offset:offset+numel].view(shape)``
+             (set through ``param.data``, so the ``Parameter`` object never changes).
+             Released by resizing its storage to 0; re-filled in place, so views and
+             tensors that autograd saved see the data again. While it is released the
+             parameters show a placeholder instead ([Note: a released parameter]).
+``master``   this rank's shard (``capacity_numel / world_size`` elements) in the master
+             dtype, on the shard's tier. The source of truth the optimizer steps.
+``low``      the compute-dtype copy of the shard that gathers read. It is ``master``
+             itself when the dtypes agree, and the payload itself when the chunk is
+             *aliased* (one rank, shard on the device: the payload *is* the shard, so
+             an all-resident fp32 run copies nothing at all).
+``grad_payload``  several ranks only: the whole chunk's gradients in the master dtype,
+             on the device, filled by this rank's backward and reduce-scattered into
+             every rank's ``grad`` (then freed).
+``grad``     gradient accumulator for the shard, master dtype, on the shard's tier;
+             allocated with the chunk and kept (no allocation churn per step). The
+             first gradient a parameter gets in a step overwrites its range, later
+             ones add; ``TensorInfo.has_grad`` says which ranges are live.
+Optimizer state (Adam's moments) is created by the optimizer next to ``master``;
+the chunk reserves its bytes (``optim_state_bytes``) on the shard's tier so the
+accounting sees it before it exists.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .packing import ChunkSpec, Slot
+from .states import PINNED_STATES, RESIDENT_STATES, TensorState, check_transition
+
+if TYPE_CHECKING:  # only a type here: the manager owns the pool
+    from ..tiers.pool import BlockPool
+
+_PINNED = tuple(PINNED_STATES)  # membership by identity: a frozenset hashes each enum member in Python
+_NOT_RESIDENT = tuple(s for s in TensorState if s not in RESIDENT_STATES)  # the table's, as a tuple (identity)
+_WAITING = (TensorState.READY_FOR_REDUCE, TensorState.READY_FOR_REDUCE_FREE)
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"  # master, gradient shard and optimizer state in files; the compute-dtype copy on the host
+
+
+_NOT_A_VALUE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def released_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a parameter shows while its chunk's payload is released ([Note: a released parameter]).
+
+    [Note: a released parameter]
+    A released payload's storage holds no bytes, and the views into it keep their shapes: code outside the
+    engine that read a parameter between its uses (a callback logging a weight's norm between steps, Lightning's
+    ``WeightAveraging``) read freed memory and crashed the process with a segmentation fault (host placement;
+    several ranks, where the payloads go after each step). While its chunk is released, a parameter's ``.data``
+    is instead one NaN (zero for integer dtypes) expanded to the parameter's shape, with its dtype and device:
+    no memory, a read gives NaN, not a crash, and any write into it raises ("more than one element of the
+    written-to tensor refers to a single memory location"), so nothing a user writes is silently lost. Gathering
+    the chunk points the parameter back at its view of the payload. Tensors autograd saved are the parameters
+    themselves (a node reads ``.data`` when it runs, after the pre-backward gather) or views of the payload's
+    storage (valid again once it is re-filled), so training never sees the placeholder. Reading and writing the
+    trained values between steps goes through ``ChunkOffloadStrategy.full_parameters()``."""
+    key = (dtype, device)
+    one = _NOT_A_VALUE.get(key)
+    if one is None:
+        one = _NOT_A_VALUE[key] = torch.full(
+            (), float("nan") if dtype.is_floating_point else 0, dtype=dtype, device=device
+        )
+    return one.expand(shape)
+
+
+_PLACEHOLDER_STORAGES: list[frozenset[int]] = [frozenset()]
+
+
+def placeholder_storages() -> frozenset[int]:
+    """The storages (``data_ptr``) that released parameters' placeholders view: one element each."""
+    if len(_PLACEHOLDER_STORAGES[0]) != len(_NOT_A_VALUE):  # a placeholder of a new dtype or device was made
+        _PLACEHOLDER_STORAGES[0] = frozenset(t.untyped_storage().data_ptr() for t in _NOT_A_VALUE.values())
+    return _PLACEHOLDER_STORAGES[0]
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A prefetch into a chunk's payload that has not landed: an asynchronous all-gather (with the source it
+    reads, which must live until it lands) or, on CUDA, a copy on the side stream marked by an event."""
+
+    work: Any | None = None  # collectives.Pending
+    source: torch.Tensor | None = None
+    event: Any | None = None  # torch.cuda.Event
+
+    def wait(self, device: torch.device) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
+
+
+@dataclass(eq=False)
+class TensorInfo:
+    """One parameter packed in a chunk."""
+
+    param: torch.nn.Parameter = field(repr=False)  # never print: its storage may be released
+    name: str
+    slot: Slot
+    shape: torch.Size
+    orig_dtype: torch.dtype
+    state: TensorState = TensorState.FREE
+    has_grad: bool = False  # a gradient arrived since the last step
+    view: torch.Tensor | None = field(default=None, repr=False)  # the parameter's view of the payload
+    version: int = (
+        0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
+    )
+    released_value: torch.Tensor | None = field(default=None, repr=False)  # [Note: a released parameter]
+
+    @property
+    def offset(self) -> int:
+        return self.slot.offset
+
+    @property
+    def numel(self) -> int:
+        return self.slot.numel
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass(eq=False)
+class Chunk:
+    spec: ChunkSpec
+    capacity_numel: int
+    rank: int
+    world_size: int
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype
+    # tensors stay out of repr: printing a released payload would read freed memory
+    tensors: list[TensorInfo] = field(default_factory=list, repr=False)
+    payload: torch.Tensor | None = field(default=None, repr=False)
+    shard_tier: Tier = Tier.HOST
+    aliased: bool = False
+    master: torch.Tensor | None = field(default=None, repr=False)
+    low: torch.Tensor | None = field(default=None, repr=False)  # only when it is a buffer of its own
+    grad: torch.Tensor | None = field(default=None, repr=False)
+    optim_state_bytes: int = 0
+    last_used: int = -1  # manager clock, for LRU when there is no trace
+    pending: InFlight | None = field(default=None, repr=False)  # a prefetch in flight
+    grad_payload: torch.Tensor | None = field(default=None, repr=False)  # several ranks: gradients to reduce
+    grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
+    grad_released: bool = (
+        False  # the gradient shard's memory is given back until the next gradient ([Note: stepping in backward])
+    )
+    params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def chunk_id(self) -> int:
+        return self.spec.chunk_id
+
+    @property
+    def shard_numel(self) -> int:
+        return self.capacity_numel // self.world_size
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.capacity_numel * self.compute_dtype.itemsize
+
+    @property
+    def trainable(self) -> bool:
+        return self.spec.key.requires_grad
+
+    # ------------------------------------------------------------ derived state
+    @property
+    def is_resident(self) -> bool:
+        return self.tensors[0].state not in _NOT_RESIDENT if self.tensors else False
+
+    @property
+    def payload_allocated(self) -> bool:
+        return self.payload is not None and self.payload.untyped_storage().nbytes() > 0
+
+    @property
+    def is_evictable(self) -> bool:
+        """Resident, not in use, not waiting to reduce, and not the shard itself."""
+        return not self.aliased and self.is_resident and not any(t.state in _PINNED for t in self.tensors)
+
+    @property
+    def waits_only_to_reduce(self) -> bool:
+        """Resident, pinned by gradients that wait to reduce and by nothing else: its payload may go under memory
+        pressure ([Note: a gradient waits without its payload] in ``states.py``)."""
+        return (
+            not self.aliased
+            and self.is_resident
+            and any(t.state is TensorState.READY_FOR_REDUCE for t in self.tensors)
+            and not any(t.state is TensorState.COMPUTE for t in self.tensors)
+        )
+
+    def states(self) -> dict[str, TensorState]:
+        return {t.name: t.state for t in self.tensors}
+
+    # ------------------------------------------------------------- transitions
+    def set_state(self, info: TensorInfo, new: TensorState) -> None:
+        check_transition(info.state, new, param_name=info.name, chunk_id=self.chunk_id, rank=self.rank)
+        info.state = new
+
+    def transition_all(self, new: TensorState, *, only_from: frozenset[TensorState] | None = None) -> None:
+        for info in self.tensors:
+            if only_from is None or info.state in only_from:
+                if info.state is not new or new is TensorState.COMPUTE:
+                    self.set_state(info, new)
+
+    def grads_complete(self) -> bool:
+        """Every tensor that expects a gradient has delivered it this backward."""
+        return all(t.state in _WAITING for t in self.tensors if t.requires_grad)
+
+    def has_waiting_grads(self) -> bool:
+        return any(t.state in _WAITING for t in self.tensors)
+
+    def gathered(self) -> None:
+        """The payload holds the parameters again: FREE -> HOLD, a waiting gradient's tensor -> READY_FOR_REDUCE;
+        the parameters are views of the payload again."""
+        for info in self.tensors:
+            new = TensorState.READY_FOR_REDUCE if info.state is TensorState.READY_FOR_REDUCE_FREE else TensorState.HOLD
+            if info.state is not new:
+                self.set_state(info, new)
+        if self.params_parked:
+            self.params_parked = False
+            self.point_params()
+
+    def released(self) -> None:
+        """The payload is gone: -> FREE, a waiting gradient's tensor -> READY_FOR_REDUCE_FREE; the parameters show
+        placeholders ([Note: a released parameter])."""
+        for info in self.tensors:
+            new = TensorState.READY_FOR_REDUCE_FREE if info.state in _WAITING else TensorState.FREE
+            if info.state is not new:
+                self.set_state(info, new)
+        self.park_params()
+
+    def park_params(self) -> None:
+        if not self.params_parked:
+            self.params_parked = True
+            self.point_params()
+
+    def point_params(self) -> None:
+        """Each parameter's ``.data``: its payload view, or its placeholder while the payload is released; the
+        version counter is taken again ([Note: parameters outside a step] in ``full_params.py``)."""
+        for info in self.tensors:
+            assert info.view is not None
+            if self.params_parked and info.released_value is None:
+                info.released_value = released_placeholder(info.shape, info.view.dtype, info.view.device)
+            value = info.released_value if self.params_parked else info.view
+            assert value is not None
+            info.param.data = value
+            info.version = info.param._version
+
+    def reduced(self) -> None:
+        """The chunk's gradients were reduced (or stay local inside ``no_sync``): nothing waits any more."""
+        for info in self.tensors:
+            if info.state is TensorState.READY_FOR_REDUCE:
+                self.set_state(info, TensorState.HOLD_AFTER_BWD)
+            elif info.state is TensorState.READY_FOR_REDUCE_FREE:
+                self.set_state(info, TensorState.FREE)
+
+    # -------------------------------------------------------------------- bytes
+    def release_grad(self, pool: BlockPool | None) -> None:
+        """Give the gradient shard's memory to ``pool`` (the manager's; to the allocator when ``None``); its views
+        stay valid (and empty) until ``restore_grad`` ([Note: stepping in backward] in ``early_step.py``).
+        Callers account it (``ChunkManager.tracked``)."""
+        if self.grad is None or self.grad_released:
+            return
+        if self.shard_tier is Tier.DISK:  # a view of its file: no memory to give back, but used up all the same
+            self.grad_released = True  # ([Note: stepping disk chunks in backward] in ``early_step.py``)
+            return
+        try:
+            if pool is None:
+                self.grad.untyped_storage().resize_(0)
+            else:
+                pool.empty(self.grad.untyped_storage())
+        except RuntimeError:  # a storage its allocator cannot resize (pinned memory): it keeps its bytes
+            return
+        self.grad_released = self.grad.untyped_storage().nbytes() == 0
+
+    def restore_grad(self, pool: BlockPool) -> None:
+        """Memory for the gradient shard again, before a gradient is written into it (its values are undefined:
+        the first gradient overwrites)."""
+        if self.grad_released:
+            assert self.grad is not None
+            if self.shard_tier is not Tier.DISK:
+                pool.fill(self.grad.untyped_storage(), nbytes(self.grad))
+            self.grad_released = False
+
+    def low_tensor(self) -> torch.Tensor:
+        """The compute-dtype shard that gathers read."""
+        if self.aliased:
+            assert self.payload is not None
+            lo, hi = self.shard_range
+            return self.payload[lo:hi]
+        if self.low is not None:
+            return self.low
+        assert self.master is not None
+        return self.master
+
+    def master_tensor_for_read(self) -> torch.Tensor:
+        """The master shard (a view of the payload when the chunk is aliased and dtypes agree)."""
+        if self.master_is_payload():
+            assert self.payload is not None
+            lo, hi = self.shard_range
+            return self.payload[lo:hi]
+        assert self.master is not None
+        return self.master
+
+    def master_is_payload(self) -> bool:
+        return self.aliased and self.master_dtype == self.compute_dtype
+
+    def bytes_on(self, tier: Tier) -> int:
+        """Bytes this chunk holds on ``tier``, read off its buffers (the accounting's ground truth)."""
+        total = 0
+        if tier is Tier.DEVICE and self.payload is not None:
+            total += self.payload.untyped_storage().nbytes() + nbytes(self.grad_payload)
+        if tier is self.shard_tier:
+            if not self.master_is_payload():
+                total += nbytes(self.master)
+            released = self.grad_released and self.shard_tier is not Tier.DISK  # a disk file keeps its bytes
+            total += (0 if released else nbytes(self.grad)) + self.optim_state_bytes
+        if tier is (Tier.HOST if self.shard_tier is Tier.DISK else self.shard_tier):
+            total += nbytes(self.low)
+        return total
+
+    def iter_tensors(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors)
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory even while views of it exist (they must not be read again)."""
+    try:
+        t.untyped_storage().resize_(0)
+    except RuntimeError:  # a storage its allocator cannot resize: freed when its last view goes
+        pass

@@ -1,0 +1,234 @@
+"""Packing parameters into chunks: the layout, and the automatic chunk-size search.
+
+Pure functions over parameter descriptions; nothing here touches tensors.
+
+Rules (DESIGN.md, "chunk"):
+- parameters go in first-use order (registration order before a trace exists);
+- a chunk never mixes dtypes, optimizer param groups, or trainable and frozen
+  parameters (a flat optimizer step over a frozen range would decay it);
+- a parameter never spans two chunks (it is one contiguous view of a payload);
+- capacity is padded to a multiple of the world size so every rank owns an
+  equal shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LayoutError
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """What must be equal for two parameters to share a chunk."""
+
+    group: int  # optimizer param group index, -1 when in no group
+    requires_grad: bool
+    dtype: torch.dtype
+    own_dtype: bool = False  # payloads in ``dtype`` under mixed precision ([Note: normalisation in mixed precision])
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    index: int  # registration order (position in ``module.named_parameters()``)
+    name: str
+    numel: int
+    key: ChunkKey
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives: ``chunk_id`` and the element range ``[offset, offset+numel)``."""
+
+    param_index: int
+    chunk_id: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    chunk_id: int
+    key: ChunkKey
+    slots: tuple[Slot, ...]
+    capacity_numel: int  # the layout's chunk size, or less for the last chunk of a key (trimmed)
+
+    @property
+    def used_numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Interior chunks all have ``capacity_numel`` elements (uniform sizes let the CUDA caching allocator
+    reuse freed payload blocks); the last chunk of each key is trimmed to what it holds, rounded up to
+    the world size, so a small param group (biases, norms) does not cost a whole chunk."""
+
+    capacity_numel: int  # elements per chunk, a multiple of world_size
+    world_size: int
+    chunks: tuple[ChunkSpec, ...]
+    order: tuple[int, ...]  # param indices in packing order
+
+    def slot_of(self) -> dict[int, Slot]:
+        return {s.param_index: s for c in self.chunks for s in c.slots}
+
+    @property
+    def padding_numel(self) -> int:
+        return sum(c.capacity_numel - c.used_numel for c in self.chunks)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return ((n + multiple - 1) // multiple) * multiple
+
+
+def _bins(params: Sequence[ParamSpec], order: Sequence[int], capacity: int) -> list[tuple[ChunkKey, list[ParamSpec]]]:
+    """Greedy sequential packing: one open chunk per key, a new one when the next parameter does not fit."""
+    by_index = {p.index: p for p in params}
+    open_bins: dict[ChunkKey, tuple[ChunkKey, list[ParamSpec], list[int]]] = {}
+    bins: list[tuple[ChunkKey, list[ParamSpec], list[int]]] = []
+    for i in order:
+        p = by_index[i]
+        b = open_bins.get(p.key)
+        if b is None or b[2][0] + p.numel > capacity:
+            b = (p.key, [], [0])
+            open_bins[p.key] = b
+            bins.append(b)
+        b[1].append(p)
+        b[2][0] += p.numel
+    return [(k, ps) for k, ps, _ in bins]
+
+
+def build_layout(params: Sequence[ParamSpec], order: Sequence[int], capacity_numel: int, world_size: int) -> Layout:
+    """Pack ``params`` in ``order`` into chunks of ``capacity_numel`` elements (rounded up to the world size)."""
+    if not params:
+        return Layout(
+            capacity_numel=round_up(max(capacity_numel, 1), world_size), world_size=world_size, chunks=(), order=()
+        )
+    if sorted(order) != sorted(p.index for p in params):
+        raise LayoutError(f"order {list(order)} is not a permutation of the parameter indices")
+    capacity = round_up(capacity_numel, world_size)
+    largest = max(params, key=lambda p: p.numel)
+    if largest.numel > capacity:
+        raise LayoutError(
+            f"parameter {largest.name!r} has {largest.numel} elements, more than chunk_numel={capacity}; "
+            f"a parameter never spans two chunks, so chunk_numel must be at least {largest.numel}."
+        )
+    bins = _bins(params, order, capacity)
+    caps = _capacities(bins, capacity, world_size)
+    chunks = []
+    for cid, ((key, ps), cap) in enumerate(zip(bins, caps, strict=True)):
+        offset, slots = 0, []
+        for p in ps:
+            slots.append(Slot(param_index=p.index, chunk_id=cid, offset=offset, numel=p.numel))
+            offset += p.numel
+        chunks.append(ChunkSpec(chunk_id=cid, key=key, slots=tuple(slots), capacity_numel=cap))
+    return Layout(capacity_numel=capacity, world_size=world_size, chunks=tuple(chunks), order=tuple(order))
+
+
+def _capacities(bins: list[tuple[ChunkKey, list[ParamSpec]]], capacity: int, world_size: int) -> list[int]:
+    """Uniform capacity, except the last chunk of each key: trimmed to its contents (rounded to the world size)."""
+    last = {key: i for i, (key, _) in enumerate(bins)}
+    return [
+        round_up(sum(p.numel for p in ps), world_size) if last[key] == i else capacity
+        for i, (key, ps) in enumerate(bins)
+    ]
+
+
+def padding_waste(params: Sequence[ParamSpec], order: Sequence[int], capacity: int, world_size: int = 1) -> int:
+    bins = _bins(params, order, capacity)
+    return sum(
+        cap - sum(p.numel for p in ps)
+        for (_, ps), cap in zip(bins, _capacities(bins, capacity, world_size), strict=True)
+    )
+
+
+TARGET_CHUNKS = 32
+"""The automatic size search keeps chunks at or below ``2 * total / TARGET_CHUNKS`` elements, so a
+model gets at least ``TARGET_CHUNKS / 2`` chunks unless ``chunk_numel_min`` or its largest
+parameter forces fewer (see [Note: chunk granularity])."""
+
+
+def choose_chunk_numel(
+    params: Sequence[ParamSpec],
+    order: Sequence[int],
+    *,
+    world_size: int,
+    numel_min: int,
+    numel_max: int,
+    max_payload_numel: int | None = None,
+    target_chunks: int = TARGET_CHUNKS,
+    candidates: int = 96,
+) -> int:
+    """The chunk capacity with the least padding waste in ``[numel_min, numel_max]``.
+
+    The lower bound is raised to the largest parameter (which must fit in one chunk), the
+    upper bound is capped at the model's size (a larger chunk only adds padding), at
+    ``max_payload_numel`` (two payloads plus the traced non-model peak must fit under the
+    device limit) and at twice ``total / target_chunks`` (see the note on granularity).
+    Ties go to the larger capacity: fewer chunks, fewer collectives.
+    """
+    if not params:
+        return round_up(max(numel_min, 1), world_size)
+    largest = max(p.numel for p in params)
+    total = sum(p.numel for p in params)
+    lo = max(numel_min, largest)
+    # ``numel_max`` bounds the search, not the model: a parameter never spans two chunks, so a larger one (a 7B
+    # Llama's 131M-element embedding, over the default 2**26) raises it, to twice its size (room to pack the
+    # rest without padding: one size of exactly the embedding padded a 7B Llama by 28%). Only the device limit
+    # is a hard bound.
+    hi = min(numel_max if numel_max >= largest else 2 * largest, total)
+    if max_payload_numel is not None:
+        hi = min(hi, max_payload_numel)
+    if hi < largest:
+        raise LayoutError(
+            f"no chunk size fits: the largest parameter has {largest} elements but chunks may hold at most {hi} "
+            "(two payloads plus the traced non-model memory must fit under the device limit)."
+        )
+    # [Note: chunk granularity] Least padding alone is a bad objective: trimming each key's
+    # last chunk makes "one chunk holding the whole model" waste nothing, and then every
+    # step gathers the whole model at once (no overlap of communication with compute,
+    # and a working set as large as the unsharded model). Measured on a 99.5M GPT with
+    # 2 gloo ranks and host placement (benchmarks/peers_cpu.py, docs/benchmarks.md): two
+    # 50M chunks stepped in 11.4 s; after [Note: releasing after use], chunks of 21.5M,
+    # 12.1M, 7.1M (one block) and 2.4M stepped in 2.76, 2.56, 2.05 and 2.27 s. So the
+    # search stays at or below twice ``total / target_chunks`` (32 by default: at least
+    # 16 chunks, so the gathered working set of current + prefetched chunk is at most an
+    # eighth of the model), or twice the lower bound when ``numel_min`` or the largest
+    # parameter is above that (a single size would force padding: 18% on a 10.8M GPT).
+    # Within that range least waste still decides, and ties go to the larger size.
+    if target_chunks > 0:
+        hi = min(hi, max(2 * lo, 2 * -(-total // target_chunks)))  # at least [lo, 2 lo]: room to avoid padding
+    lo = min(lo, hi)
+    # geometric sweep plus the exact sums of leading runs (which give zero waste on the first chunk)
+    sizes = {lo, hi}
+    if hi > lo:
+        ratio = (hi / lo) ** (1.0 / (candidates - 1))
+        sizes.update(int(lo * ratio**k) for k in range(candidates))
+    numel_of = {p.index: p.numel for p in params}
+    running = 0
+    for i in order:
+        running += numel_of[i]
+        if running > hi:
+            break
+        if running >= lo:
+            sizes.add(running)
+    best: tuple[int, int] | None = None
+    for size in sorted(sizes):
+        cap = round_up(size, world_size)
+        if cap < largest or cap > round_up(hi, world_size):
+            continue
+        waste = padding_waste(params, order, cap, world_size)
+        if best is None or waste < best[0] or (waste == best[0] and cap > best[1]):
+            best = (waste, cap)
+    assert best is not None
+    return best[1]
+
+
+def describe(layout: Layout) -> str:
+    used = sum(c.used_numel for c in layout.chunks)
+    total = sum(c.capacity_numel for c in layout.chunks)
+    pct = 100.0 * (total - used) / total if total else 0.0
+    return f"{len(layout.chunks)} chunks of {layout.capacity_numel} elements ({pct:.1f}% padding)"

@@ -1,0 +1,366 @@
+"""Where a new layout's chunks take their values from: the module itself, or the chunks of the layout
+being replaced.
+
+``ChunkManager.pack`` builds the new chunks one at a time and asks a *source* for each parameter's
+whole value (``value(i)``), its gradient so far (``grad(i)``, ``None`` when it has none) and whether
+it had one (``has_grad(i)``); after each new chunk it calls ``placed(chunk)``. The source also says
+in which order the chunks are built (``build_order``) and fills each one's values (``fill``): a
+value the same on every rank that can be read in pieces (from a weights file) is read only for the
+pieces this rank's shard holds.
+
+[Note: streaming repack] Snapshotting every chunk before building the new layout held the
+whole model's values and gradients unsharded on the host at once (8 bytes a fp32 parameter
+on top of the shards; on a 99.5M GPT on 2 ranks, 0.9 GiB of the 2.2 GiB peak RSS a rank).
+``OldChunks`` all-gathers an old chunk when the new layout first needs one of its parameters,
+drops it at once (its shards go), and frees its host copy when every parameter it held has been
+placed. New chunks are built in layout order on every rank, so the all-gathers run in one order
+everywhere. ``eager=True`` first moves every old device shard to the host (this rank's pieces only):
+used when a device limit is set and shards live on the device, where old and new shards must not
+overlap on the device ([Note: a repack under a device limit]). ``drop`` frees an old
+chunk's shard storage at once although the optimizers' param groups and the gradients attached to
+them still view it until the rebind: freed when the last view went, every old shard lived to the
+end of the repack (+425 MB at the peak of a 113.6M GPT on 2 ranks); and the heap's freed pages go
+back to the OS after each old chunk, which glibc did not reuse for the new chunks' shards.
+
+[Note: optimizer state through a repack] A repack moves shard boundaries (another chunk size,
+first-use order instead of registration order, another world size after a resume), so the piece
+of a parameter that a rank owns changes size and place. Values and gradients are all-gathered
+per old chunk and each rank copies out what its new shards hold; per-element optimizer state
+(Adam's moments) must travel the same way. Moved by parameter instead, a rank whose piece grew
+kept a state tensor of the old size (the fused kernel then read past its end: heap corruption
+on 2 ranks), pieces arriving on a rank started from zero state, and pieces leaving it were
+orphaned. So the state rides along as *extra shards*: ``ExtraShards.take(old_chunk)`` lays each
+per-element state key out like the old chunk's master shard (and lets go of the old state), the
+repack all-gathers it with the values, and ``give`` hands each rank the piece of each parameter
+that its new shard holds, sliced at once so nothing whole outlives its old chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ..files.weights import ModuleWeights
+from ..system.host_heap import release_freed_memory
+from .chunk import Chunk, TensorInfo, Tier
+from .materialize import DeferredInit
+from .packing import ChunkSpec, Layout, Slot
+from .states import TensorState as S
+
+_HOST = torch.device("cpu")
+
+if TYPE_CHECKING:  # the manager imports this module
+    from ..memory.manager import ChunkManager
+
+
+class ExtraShards(Protocol):
+    """Per-element state kept beside the chunks (the optimizers'), carried through a repack."""
+
+    def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """This rank's shard of each state key for ``chunk``, laid out like its master shard; the holder lets go
+        of the chunk's state. Every rank returns the same keys for the same chunk (the tensors are all-gathered)."""
+
+    def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
+        """This rank's new piece of each state key of one parameter (flat, like its new master view), which starts
+        at element ``offset`` of ``chunk``'s shard."""
+
+
+def fill_whole(full: torch.Tensor, slots: tuple[Slot, ...], value: Callable[[int], torch.Tensor]) -> None:
+    for s in slots:
+        full[s.offset : s.offset + s.numel].copy_(value(s.param_index).reshape(-1))
+
+
+def piece_range(chunk: Chunk, offset: int, numel: int) -> tuple[int, int]:
+    """The element range ``[a, b)`` of the chunk that this rank's shard holds of a parameter at
+    ``[offset, offset + numel)`` (empty when ``a >= b``)."""
+    lo, hi = chunk.shard_range
+    return max(offset, lo), min(offset + numel, hi)
+
+
+class FromModule:
+    """The first pack: values are the parameters' own, read from a weights file, or made by deferred init.
+
+    A value read from ``weights`` is the same on every rank, so ``exact(i)``: when a whole chunk is, the
+    pack reads only this rank's pieces of it and needs no broadcast. Otherwise a value is the tensor itself,
+    after ``deferred`` initialised its module when it was built on the meta device."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        deferred: DeferredInit | None = None,
+        weights: ModuleWeights | None = None,
+    ) -> None:
+        self.params = params
+        self.deferred = deferred
+        self.weights = weights
+        if deferred is not None:
+            deferred.start(
+                provided=[t for t in params if weights is not None and weights.provides(t)]
+                + [b for _, _, b in (weights.buffers if weights is not None else [])]
+            )
+
+    def exact(self, i: int) -> bool:
+        return self.weights is not None and self.weights.provides(self.params[i])
+
+    def build_order(self, layout: Layout) -> list[ChunkSpec]:
+        """Each chunk once all its parameters exist: in the order of its last parameter in registration order,
+        which is the order deferred initialisation makes them ([Note: deferred initialisation]). In layout
+        order, the one chunk of a param group's biases and norms, which spans the model, came second and made
+        every module before its last bias initialise first: the whole model at once."""
+        return sorted(layout.chunks, key=lambda spec: (max(s.param_index for s in spec.slots), spec.chunk_id))
+
+    def fill(self, full: torch.Tensor, chunk: Chunk) -> bool:
+        """Write ``chunk``'s values into ``full``; ``True`` when they are the same on every rank (all read from the
+        file), in which case only this rank's pieces are read."""
+        slots = chunk.spec.slots
+        if all(self.exact(s.param_index) for s in slots):
+            for s in slots:
+                a, b = piece_range(chunk, s.offset, s.numel)
+                if a < b:
+                    full[a:b].copy_(self.weights.read(self.params[s.param_index], a - s.offset, b - s.offset))  # type: ignore[union-attr]
+            return True
+        fill_whole(full, slots, self.value)
+        return False
+
+    def value(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        if self.exact(i):
+            assert self.weights is not None
+            return self.weights.read(p)
+        if self.deferred is not None and self.deferred.is_deferred(p):
+            return self.deferred.value(p)
+        return p.detach()
+
+    def grad(self, i: int) -> torch.Tensor | None:
+        return None
+
+    def has_grad(self, i: int) -> bool:
+        return False
+
+    def placed(self, chunk: Chunk) -> None:
+        if self.deferred is not None:
+            for t in chunk.tensors:
+                self.deferred.take(t.param)
+
+    def finish(self, buffer_device: torch.device) -> None:
+        """After the last chunk: initialise what is left (buffer-only modules) and load the file's buffers."""
+        if self.deferred is not None:
+            self.deferred.finish()
+        for m, name, b in self.weights.buffers if self.weights is not None else []:
+            value = self.weights.read(b).reshape(b.shape)  # type: ignore[union-attr]
+            if self.deferred is not None and self.deferred.is_deferred(b):
+                m._buffers[name] = value.to(device=buffer_device, dtype=b.dtype)
+                self.deferred.take(b)
+            else:
+                with torch.no_grad():
+                    b.copy_(value)
+
+    def done(self) -> bool:
+        return True
+
+
+def _grads_anywhere(mgr: ChunkManager, chunks: list[Chunk]) -> set[int]:
+    """The parameters whose gradients a repack carries: those that got one on any rank. Every parameter of a chunk
+    reduced this step once counted (its ``grad_written`` is the same on every rank), and a parameter no rank had
+    used then stepped from a zero gradient after the repack: weight decay moved it where ``torch.optim`` skips it.
+    A rank's flag covers the parameter, or (after the vote) its pieces of it, and some rank holds every piece."""
+    moving = [t for c in chunks if mgr.grads_to_move(c) for t in c.tensors]
+    flags = [t.has_grad for t in moving]
+    if mgr.comm.world_size > 1:  # the same chunks, in the same order, on every rank
+        voted = torch.tensor([int(f) for f in flags] or [0], dtype=torch.int32, device=mgr.comm.tensor_device())
+        flags = [
+            bool(f)
+            for f in mgr.comm.all_reduce(voted, "max", what="the vote on gradients a repack carries").tolist()[
+                : len(moving)
+            ]
+        ]
+    return {t.slot.param_index for t, f in zip(moving, flags, strict=True) if f}
+
+
+class OldChunks:
+    """The chunks of the layout being replaced, read one at a time (see [Note: streaming repack])."""
+
+    def __init__(
+        self, mgr: ChunkManager, chunks: list[Chunk], *, extras: ExtraShards | None = None, eager: bool = False
+    ) -> None:
+        self.mgr = mgr
+        self.extras = extras
+        self.owner = {t.slot.param_index: c for c in chunks for t in c.tensors}
+        self.left = {c.chunk_id: len(c.tensors) for c in chunks}
+        self.loaded: set[int] = set()  # old chunk ids already read (and dropped)
+        self.had_grad = _grads_anywhere(mgr, chunks)
+        self._values: dict[int, torch.Tensor] = {}
+        self._grads: dict[int, torch.Tensor] = {}
+        self._extra: dict[int, dict[str, torch.Tensor]] = {}
+        # an old device shard staged on the host: (master, gradient or None, extra state), this rank's pieces only
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = {}
+        if eager:
+            for c in chunks:
+                if c.shard_tier is Tier.DEVICE:
+                    self._stage(c)
+
+    # ------------------------------------------------------------------ reads
+    def _stage(self, c: Chunk) -> None:
+        """[Note: a repack under a device limit] Old and new device shards must not overlap on the device, so
+        before the first new chunk is built every old device shard goes to the host and its device memory is freed.
+        Reading every old chunk whole instead (all-gathered, per parameter) held the whole unsharded model's values
+        and gradients (and, on later repacks, its optimizer state) on every rank's host at once: 4x the rank's shard
+        on 2 ranks, 2 x world_size x in general, about 56 GB a rank for 7B on 8 GPUs. Staged, a rank holds only its
+        own shards, and the chunks are then read one at a time as without a limit ([Note: streaming repack])."""
+        mgr = self.mgr
+        master = c.master_tensor_for_read().to(_HOST, copy=True)
+        grad = c.grad.to(_HOST, copy=True) if mgr.grads_to_move(c) and c.grad is not None else None
+        extra = {k: v.to(_HOST, copy=True) for k, v in self.extras.take(c).items()} if self.extras else {}
+        self._staged[c.chunk_id] = (master, grad, extra)
+        mgr.drop(c)
+
+    def _load(self, c: Chunk) -> None:
+        """All-gather old chunk ``c`` (values, gradients, extra state) to the host per parameter, then drop it."""
+        if c.chunk_id in self.loaded:
+            return
+        mgr = self.mgr
+        staged = self._staged.pop(c.chunk_id, None)
+        if staged is not None:
+            master, grad, shards = staged
+            full = mgr.gather_shard(c, master)
+            full_grad = mgr.gather_shard(c, grad) if grad is not None else None
+            extra = {k: mgr.gather_shard(c, v) for k, v in shards.items()}
+            del master, grad, shards, staged
+        else:
+            full = mgr.gather_shard(c, c.master_tensor_for_read())
+            full_grad = mgr.gather_shard(c, c.grad) if mgr.grads_to_move(c) else None  # type: ignore[arg-type]
+            extra = {k: mgr.gather_shard(c, s) for k, s in self.extras.take(c).items()} if self.extras else {}
+        for t in c.tensors:
+            i, span = t.slot.param_index, slice(t.offset, t.offset + t.numel)
+            self._values[i] = full[span].clone()
+            if full_grad is not None and i in self.had_grad:
+                self._grads[i] = full_grad[span].clone()
+            if extra:
+                self._extra[i] = {k: v[span].clone() for k, v in extra.items()}
+        del full, full_grad, extra
+        mgr.drop(c)
+        release_freed_memory()  # freed heap blocks are not reused in this pattern of sizes: give them back now
+        self.loaded.add(c.chunk_id)
+
+    def build_order(self, layout: Layout) -> list[ChunkSpec]:
+        return list(layout.chunks)  # the order every rank all-gathers the old chunks in
+
+    def fill(self, full: torch.Tensor, chunk: Chunk) -> bool:
+        fill_whole(full, chunk.spec.slots, self.value)
+        return False
+
+    def value(self, i: int) -> torch.Tensor:
+        self._load(self.owner[i])
+        return self._values[i]
+
+    def has_grad(self, i: int) -> bool:
+        return i in self.had_grad
+
+    def grad(self, i: int) -> torch.Tensor | None:
+        if i not in self.had_grad:
+            return None
+        self._load(self.owner[i])
+        return self._grads.get(i)
+
+    # ----------------------------------------------------------------- writes
+    def placed(self, chunk: Chunk) -> None:
+        """``chunk`` of the new layout is built: hand out its extra-state pieces and forget its parameters."""
+        for t in chunk.tensors:
+            i = t.slot.param_index
+            self._values.pop(i, None)
+            self._grads.pop(i, None)
+            extra = self._extra.pop(i, None)
+            a, b = piece_range(chunk, t.offset, t.numel)
+            if extra and self.extras is not None and a < b:
+                self.extras.give(
+                    i,
+                    {k: v[a - t.offset : b - t.offset].clone() for k, v in extra.items()},
+                    chunk,
+                    a - chunk.shard_range[0],
+                )
+            old = self.owner[i].chunk_id
+            self.left[old] -= 1
+            if not self.left[old]:
+                del self.left[old]
+
+    def done(self) -> bool:
+        return not self.left and not self._values and not self._grads and not self._extra
+
+
+# ================================================================ one chunk
+def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
+    """One chunk of a (re)pack: its values from ``source``, its shard on ``tier``, its parameters views of its
+    payload."""
+    # the parameters' own dtype is the layout key's, read when the manager first saw them: on a repack they are
+    # views of the old payloads, in the compute dtype (bf16 under bf16-mixed), which would have become each
+    # parameter's "original" dtype, the one it is given back in at the end of fit and saved in
+    own_dtype = spec.key.dtype
+    chunk = Chunk(
+        spec=spec,
+        capacity_numel=spec.capacity_numel,
+        rank=mgr.comm.rank,
+        world_size=mgr.comm.world_size,
+        compute_dtype=mgr.dtypes.compute_for(own_dtype, own_dtype=spec.key.own_dtype),
+        master_dtype=mgr.dtypes.master_for(own_dtype),
+        shard_tier=tier,
+    )
+    lo, hi = chunk.shard_range
+    full = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype)
+    with_grad = any(source.has_grad(s.param_index) for s in spec.slots)
+    full_grad = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype) if with_grad else None
+    exact = source.fill(full, chunk)  # exact: the same on every rank, only this rank's pieces read
+    for s in spec.slots:
+        g = source.grad(s.param_index) if full_grad is not None else None
+        if g is not None:
+            full_grad[s.offset : s.offset + s.numel].copy_(g.reshape(-1))  # type: ignore[index]
+    if broadcast and not exact:
+        mgr.comm.broadcast(full)  # every rank starts from rank 0's values, as DDP does
+    chunk.aliased = mgr.comm.world_size == 1 and tier is Tier.DEVICE
+    # the shard, when it lives on the device, and the payload: allocated to make the views, and released at
+    # once unless it is the shard itself
+    need = mgr.device_shard_bytes(chunk) if tier is Tier.DEVICE else 0
+    need += 0 if chunk.aliased else chunk.payload_bytes
+    mgr.reserve_device(
+        need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier" if tier is Tier.DEVICE else "")
+    )
+    with mgr.tracked(chunk):
+        chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=mgr.device)
+        if chunk.aliased:
+            chunk.payload.copy_(full)
+            if not chunk.master_is_payload():
+                chunk.master = mgr.alloc_shard(chunk, "master", chunk.master_dtype)
+                chunk.master.copy_(full[lo:hi])
+        else:
+            chunk.master = mgr.alloc_shard(chunk, "master", chunk.master_dtype)
+            chunk.master.copy_(full[lo:hi])
+            if chunk.compute_dtype != chunk.master_dtype:
+                chunk.low = mgr.alloc_shard(chunk, "low", chunk.compute_dtype)
+                chunk.low.copy_(chunk.master)
+        if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
+            chunk.grad = mgr.alloc_shard(chunk, "grad", chunk.master_dtype)
+            if full_grad is not None:
+                chunk.grad.copy_(full_grad[lo:hi])
+                chunk.grad_written = mgr.comm.world_size > 1
+        state = S.HOLD if chunk.aliased else S.FREE
+        for s in spec.slots:  # views first: a view of a released storage cannot be made
+            p = mgr.params[s.param_index]
+            info = TensorInfo(
+                param=p,
+                name=mgr.names[s.param_index],
+                slot=s,
+                shape=p.shape,
+                orig_dtype=own_dtype,
+                state=state,
+                has_grad=source.has_grad(s.param_index),
+            )
+            chunk.tensors.append(info)
+            p.data = info.view = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
+            info.version = p._version
+            mgr.place_param(p, chunk, info)
+        if not chunk.aliased:
+            chunk.payload.untyped_storage().resize_(0)
+            chunk.park_params()
+    return chunk

@@ -1,0 +1,213 @@
+"""Whole values out of shards and back: parameters and optimizer state in the plain format.
+
+Off the hot path (checkpoints, the end of ``fit``). With several ranks every
+function here is a collective: all ranks call it, and chunks are visited in
+chunk-id order so the all-gathers pair up. Each chunk is gathered once, so peak
+memory is one chunk's worth beyond the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..chunks.chunk import Chunk, TensorInfo
+from ..chunks.repack import piece_range
+from .manager import ChunkManager
+
+_HOST = torch.device("cpu")
+
+
+def _pieces(mgr: ChunkManager, chunk: Chunk, info: TensorInfo) -> tuple[int, int]:
+    """The element range ``[a, b)`` of the chunk that this rank's shard holds of ``info`` (empty when a >= b)."""
+    return piece_range(chunk, info.offset, info.numel)
+
+
+def chunk_values(
+    mgr: ChunkManager, c: Chunk, *, device: torch.device | None = None, grads: bool = False
+) -> dict[int, torch.Tensor]:
+    """The whole trained value of each parameter of ``c`` (original dtype and shape, on ``device``, the host by
+    default), keyed by parameter index; with ``grads``, the whole gradient in the gradient shards instead (what
+    the optimizer reads: averaged over the ranks). A collective with several ranks."""
+    shard = c.grad if grads else c.master_tensor_for_read()
+    assert shard is not None
+    full = mgr.gather_shard(c, shard)
+    return {
+        t.slot.param_index: full[t.offset : t.offset + t.numel]
+        .view(t.shape)
+        .to(device=device or _HOST, dtype=t.orig_dtype, copy=True)
+        for t in c.tensors
+    }
+
+
+def full_values(mgr: ChunkManager, *, device: torch.device | None = None) -> dict[int, torch.Tensor]:
+    """Every parameter's whole trained value (original dtype and shape), gathering each chunk once."""
+    out: dict[int, torch.Tensor] = {}
+    for chunk in mgr.chunks:
+        out.update(chunk_values(mgr, chunk, device=device))
+    return out
+
+
+def unpack(mgr: ChunkManager, *, materialize: bool, device: torch.device | None = None) -> None:
+    """Drop every chunk, giving each parameter a plain tensor: its whole trained value (original dtype, on
+    ``device``, the host by default) when ``materialize``, else an empty one.
+
+    Streams: each chunk is gathered, its parameters take their values, and its shards are freed before
+    the next, so the peak is the model plus one chunk, not the model next to every shard. With several
+    ranks and ``materialize`` this is a collective (chunks go in id order on every rank)."""
+    for c in mgr.chunks:
+        values = chunk_values(mgr, c, device=device) if materialize else {}
+        for t in c.tensors:
+            empty = torch.empty(0, dtype=t.orig_dtype, device=t.param.device)
+            t.param.data = values.get(t.slot.param_index, empty)
+        del values
+        mgr.drop(c)
+    mgr.forget_layout()
+
+
+def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool, room: int | None) -> tuple[bool, int, int | None]:
+    """Whether the whole trained model (and, with ``optimizer_state``, its whole optimizer state) fits in this
+    rank's share of ``room`` (what the host has available now) with a fifth kept free; the same answer on every
+    rank (the smallest room decides). ``(fits, bytes needed, rank's share)``.
+
+    [Note: the model after fit]
+    With ``materialize_on_teardown=None`` (the default) the end of ``fit`` gives every rank's parameters their whole
+    trained values where they fit, as DDP leaves them, so ``state_dict()``, inference and ``trainer.validate`` just
+    work. Where they do not (13B in fp32 is 52 GB a rank, 416 GB for 8 ranks of a node), building them would end a
+    finished run in the out-of-memory killer; the parameters are left empty instead, rank 0 says so, and the
+    weights are in the checkpoints (``lightning-chunk consolidate`` writes one file). ``True`` always builds them,
+    ``False`` never. Chunks are gathered one at a time and their shards freed as they go, so what must fit is the
+    model and this rank's optimizer state, copied for a later save, not the model beside the training state.
+    ``host_memory_limit`` does not decide: it bounds the chunks' memory while training, and a model whose training
+    state needs the disk tier often fits whole once it is trained (7B in fp32 is 28 GB, its training state 112 GB)."""
+    need = sum(t.numel * t.orig_dtype.itemsize for c in mgr.chunks for t in c.tensors)
+    # the whole state, or this rank's pieces of it kept for a later save ([Note: optimizer state after fit])
+    need += sum(c.optim_state_bytes for c in mgr.chunks) * (mgr.comm.world_size if optimizer_state else 1)
+    share = None if room is None else int(room * 0.8) // max(mgr.comm.ranks_on_this_host(), 1)
+    fits = share is None or need <= share
+    if mgr.comm.world_size > 1:
+        flag = torch.tensor([int(fits)], dtype=torch.int32, device=mgr.comm.tensor_device())
+        fits = bool(mgr.comm.all_reduce(flag, "min", what="the agreement on building the whole model").item())
+    return fits, need, share
+
+
+def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unchanged: bool = False) -> None:
+    """Overwrite masters (and compute copies) with whole values; each rank keeps its own piece. ``keep_unchanged``:
+    an element equal to its master cast to the value's dtype keeps the master's (finer) value."""
+    for chunk in mgr.chunks:
+        lo, _ = chunk.shard_range
+        touched = False
+        for t in chunk.tensors:
+            value = values.get(t.slot.param_index)
+            if value is None:
+                continue
+            a, b = _pieces(mgr, chunk, t)
+            if a < b:
+                piece = value.reshape(-1)[a - t.offset : b - t.offset]
+                master = chunk.master_tensor_for_read()[a - lo : b - lo]
+                if keep_unchanged:
+                    piece = piece.to(master.device)
+                    piece = torch.where(piece == master.to(piece.dtype), master, piece.to(master.dtype))
+                master.copy_(piece)
+                if chunk.low is not None:
+                    chunk.low[a - lo : b - lo].copy_(piece)
+                if chunk.aliased and not chunk.master_is_payload():
+                    assert chunk.payload is not None
+                    chunk.payload[a:b].copy_(piece)
+            touched = True
+        if touched and chunk.is_resident and not chunk.aliased:
+            mgr.release(chunk, eviction=False)  # stale: re-gathered on next use
+
+
+def _per_element(v: Any, numel: int) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel
+
+
+@dataclass
+class OptimizerStateParts:
+    """One optimizer's state on this rank, split the way shards need it (every rank agrees on keys and scalars)."""
+
+    local: dict[int, dict[str, Any]]  # param index -> its state on this rank (flat pieces, like the views)
+    keys: dict[str, torch.dtype]  # per-element state keys (Adam's moments) and their dtypes, union over ranks
+    scalars: dict[int, dict[str, Any]]  # param index -> scalar state (``step``), from whichever rank has a piece
+
+
+def optimizer_state_parts(
+    mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]]
+) -> OptimizerStateParts:
+    """A collective with several ranks (two small object all-gathers)."""
+    local = {i: state[v] for i, v in views.items() if v in state and state[v]}
+    keys = {k: v.dtype for i, st in local.items() for k, v in st.items() if _per_element(v, views[i].numel())}
+    scalars = {
+        i: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items() if not _per_element(v, views[i].numel())}
+        for i, st in local.items()
+    }
+    if mgr.comm.world_size > 1:
+        for part in mgr.comm.all_gather_object(keys):
+            keys.update(part)
+        merged: dict[int, dict[str, Any]] = {}
+        for part in mgr.comm.all_gather_object(scalars):
+            for i, st in part.items():
+                merged.setdefault(i, st)
+        scalars = merged
+    return OptimizerStateParts(local, keys, scalars)
+
+
+def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key: str) -> torch.Tensor:
+    """This rank's shard of per-element state ``key`` for ``chunk``, laid out like the chunk's master shard."""
+    region = mgr.storage_of(chunk).state_region(chunk, key)
+    if region is not None and region.dtype == parts.keys[key]:
+        return region  # a disk shard's state is laid out like this already: no copy of the whole tier
+    lo, _ = chunk.shard_range
+    # on the host: checkpoints write it from there and repacks gather it from there; building it on the
+    # device would stage the whole optimizer state of an offloaded run in device memory
+    shard = torch.zeros(chunk.shard_numel, dtype=parts.keys[key])
+    for t in chunk.tensors:
+        st = parts.local.get(t.slot.param_index)
+        a, b = _pieces(mgr, chunk, t)
+        if st is not None and key in st and a < b:
+            shard[a - lo : b - lo].copy_(st[key].reshape(-1))
+    return shard
+
+
+def gather_optimizer_state(
+    mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]], param_order: Iterable[int]
+) -> dict[int, dict[str, Any]]:
+    """Whole per-parameter optimizer state (parameter shapes), keyed by parameter index.
+
+    Per-element state (Adam's moments) is gathered chunk by chunk like the values; scalar state
+    (``step``) comes from whichever rank holds a piece of the parameter.
+    """
+    parts = optimizer_state_parts(mgr, views, state)
+    out: dict[int, dict[str, Any]] = {i: dict(st) for i, st in parts.scalars.items()}
+    wanted = set(param_order)
+    for chunk in mgr.chunks:
+        for key in sorted(parts.keys):
+            full = mgr.gather_shard(chunk, state_shard(mgr, chunk, parts, key))
+            for t in chunk.tensors:
+                i = t.slot.param_index
+                if i in out and i in wanted:
+                    out[i][key] = full[t.offset : t.offset + t.numel].view(t.shape).clone()
+    return out
+
+
+def local_optimizer_state(
+    mgr: ChunkManager, views: dict[int, torch.Tensor], whole: dict[int, dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """This rank's pieces of whole per-parameter state (flat, like the views)."""
+    out: dict[int, dict[str, Any]] = {}
+    for i, _v in views.items():
+        st = whole.get(i)
+        if st is None:
+            continue
+        chunk, info = mgr.lookup(mgr.params[i])
+        a, b = _pieces(mgr, chunk, info)
+        numel = info.numel
+        out[i] = {
+            k: (val.reshape(-1)[a - info.offset : b - info.offset].clone() if _per_element(val, numel) else val)
+            for k, val in st.items()
+        }
+    return out

@@ -1,0 +1,267 @@
+"""The parameters' whole values between steps, and what was written into them back into the shards.
+
+[Note: parameters outside a step]
+Between its uses a parameter is a view of its chunk's payload, which is this rank's compute-dtype copy (stale
+until the next gather once the optimizer stepped the shards; released to a placeholder under host placement and
+with several ranks, [Note: a released parameter] in ``chunk.py``). So what a callback read between steps depended on
+the placement and the world size, and what it wrote (an EMA copied in at the end of training, a weight clamped
+after ``opt.step()``) was silently lost the next time the chunk was gathered from its shards.
+``full_parameters`` is the one way in, like FSDP's ``summon_full_params`` and DeepSpeed's ``GatheredParameters``:
+
+- each chunk holding one of the requested parameters is gathered from the master shards (a collective with several
+  ranks: every rank enters with the same parameters), and each parameter's ``.data`` becomes a fresh tensor with
+  its whole value in its own dtype, on the compute device (the host with ``offload_to_cpu``);
+- on leaving, with ``writeback``, each rank writes its piece of every value back into its master shard and the
+  compute-dtype copies, and a stale resident payload is released to be gathered again. An element the caller left
+  as it was keeps its master value, so a bf16 model whose masters are fp32 loses no precision by being looked at;
+- the parameters then point at their payload views (or placeholders) again. The optimizer's state is not touched.
+
+A write outside the block into a resident payload that is a copy of the shard (mixed precision, or several ranks
+between a gather and the next step) would be lost without a word when the payload is gathered or written back
+again. Written through the parameter (``p.clamp_()``, ``p.copy_()``, ``load_state_dict``, ``reset_parameters()``
+under ``no_grad``), it bumps the parameter's version counter: each micro-batch and evaluation step first compares
+the counters with those taken when the parameters were last pointed at their payloads (``check_stray_writes``) and
+raises ``ChunkError`` naming the parameter. Writes through ``.data`` leave no trace and are not caught. A chunk
+whose payload *is* its shard (one rank, the shard on the device, no mixed precision) keeps what is written into
+it, so it is not checked: the write trains.
+
+``module.state_dict()`` between steps read the same payloads: placeholders of NaN a user would save without a
+word (``torch.save(model.state_dict(), ...)`` in a callback), or a stale bf16 copy of an fp32 model. Every module
+that owns packed parameters gets a state-dict hook (``state_dict_hooks``): with one rank, whose master shards hold
+the whole model, each packed parameter's entry becomes its master value in its own dtype (a view when the dtypes
+agree and the shard is not on disk); with several ranks, where only a collective can assemble it, the call raises
+``ChunkError`` saying to save through Lightning or inside ``full_parameters()`` (every rank). ``keep_vars=True``
+entries (the parameters themselves, which the engine's own callers ask for) and calls inside the block are left
+alone.
+
+Inside, the engine is closed: a forward (whose hooks would gather into the payloads under the caller's feet) raises
+``ChunkError``, as does entering during a forward or backward, where autograd holds the payloads' values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ..chunks.chunk import Tier
+from ..chunks.repack import piece_range
+from ..chunks.states import TensorState
+from ..errors import ChunkError
+from .consolidate import chunk_values, load_values
+
+S = TensorState
+_IN_A_STEP = (S.COMPUTE, S.HOLD_AFTER_FWD, S.READY_FOR_REDUCE, S.READY_FOR_REDUCE_FREE)
+
+
+@contextlib.contextmanager
+def full_parameters(
+    engine: Any,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    writeback: bool = True,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """Give ``params`` (every packed parameter when ``None``) their whole values while the block runs; with
+    ``writeback``, what was written into them goes back into the shards. ``with_grads``: their ``.grad`` too
+    ([Note: gradients in full_parameters]). A collective with several ranks."""
+    mgr, hooks = engine.manager, engine.hooks
+    if hooks.closed is not None:
+        raise ChunkError("full_parameters() is already open: it cannot be nested.")
+    if torch._C._current_graph_task_id() != -1:
+        raise ChunkError(
+            "full_parameters() cannot be entered inside a backward (a hook or an autograd function): "
+            "enter it between steps, or in training_step before the forward or after the optimizer step."
+        )
+    busy = sorted({t.name for c in mgr.chunks for t in c.tensors if t.state in _IN_A_STEP})
+    if busy:
+        raise ChunkError(
+            f"full_parameters() cannot be entered between a forward and its backward: {len(busy)} "
+            f"parameters are in use ({', '.join(busy[:4])}{', ...' if len(busy) > 4 else ''}). Enter it "
+            "between steps, or in training_step before the forward or after the optimizer step."
+        )
+    wanted = _indices(mgr, params)
+    chunks = [c for c in mgr.chunks if any(t.slot.param_index in wanted for t in c.tensors)]
+    with_grad = _with_gradients(engine, chunks, wanted) if with_grads else set()
+    device = torch.device("cpu") if offload_to_cpu else mgr.device
+    values: dict[int, torch.Tensor] = {}
+    grads: dict[int, tuple[torch.Tensor, int]] = {}  # the gradient given and its version counter then
+    ok = False
+    try:  # a gather that fails part-way still points every parameter back at its payload
+        for c in chunks:  # chunk-id order on every rank: the all-gathers pair up
+            whole = chunk_values(mgr, c, device=device)
+            mine = [t for t in c.tensors if t.slot.param_index in wanted]
+            whole_grads = (
+                chunk_values(mgr, c, device=device, grads=True)
+                if any(t.slot.param_index in with_grad for t in c.tensors)
+                else {}
+            )
+            for t in mine:
+                i = t.slot.param_index
+                values[i] = t.param.data = whole[i]
+                if i in with_grad:
+                    t.param.grad = whole_grads[i]
+                    grads[i] = (whole_grads[i], whole_grads[i]._version)
+        hooks.closed = (
+            "a forward inside full_parameters(): leave the block first (the parameters hold their whole "
+            "values there, not the chunks' payloads the hooks gather into)."
+        )
+        yield
+        ok = True
+    finally:
+        hooks.closed = None
+        try:
+            if ok and writeback:  # after an exception the other ranks may not be here: no collective, no write
+                if with_grads:
+                    _write_grads(engine, chunks, wanted, grads)
+                load_values(mgr, values, keep_unchanged=True)
+                mgr.disk.page_out()
+        finally:
+            for c in chunks:
+                for t in c.tensors:
+                    if with_grads and t.slot.param_index in wanted:
+                        t.param.grad = None
+                c.point_params()
+
+
+def _with_gradients(engine: Any, chunks: list[Any], wanted: set[int]) -> set[int]:
+    """[Note: gradients in full_parameters]
+    Between a backward and the optimizer step (``on_before_optimizer_step``, where Lightning's ``grad_norm`` is
+    meant to run) a parameter's ``.grad`` is ``None``: its gradient lives in the chunks' gradient shards, each rank
+    holding a piece of the average over ranks. ``full_parameters(with_grads=True)`` (FSDP's ``summon_full_params``
+    argument) gathers them as it gathers the values: each wanted parameter that got a gradient on any rank gets its
+    whole gradient, the one the optimizer will read (after the ranks' vote, unscaled under fp16 once Lightning calls
+    ``on_before_optimizer_step``), in the parameter's dtype. On leaving, with ``writeback``, a gradient changed in
+    place or replaced goes back into this rank's piece of the shard (elements left as they were keep their fp32
+    value), and one set to ``None`` is skipped by the step, as ``torch.optim`` skips a parameter without a gradient.
+    A gradient cannot be given to a parameter that got none (it has no gradient to add to on the other ranks).
+    Refused while a micro-batch's gradients still wait in the gradient payloads (``sharded_accumulation=False``
+    inside accumulation) and with ``step_in_backward=True`` (gone after backward)."""
+    mgr = engine.manager
+    engine.grads_ready("full_parameters(with_grads=True)")
+    waiting = [c.chunk_id for c in chunks if c.grad_payload is not None]  # left there by no_sync()
+    if waiting:
+        raise ChunkError(
+            f"full_parameters(with_grads=True): the gradients of chunks {waiting[:8]} still wait in their gradient "
+            "payloads (sharded_accumulation=False, inside gradient accumulation), not in the shards this block "
+            "reads. Read them at the step (on_before_optimizer_step) or set sharded_accumulation=True."
+        )
+    order = [t for c in chunks for t in c.tensors if t.slot.param_index in wanted]
+    # after the vote a rank keeps the flag only where it holds a piece: the union over ranks is the parameter's
+    flags = torch.tensor(
+        [t.has_grad and t.requires_grad for t in order], dtype=torch.uint8, device=mgr.comm.tensor_device()
+    )
+    if mgr.comm.world_size > 1 and order:
+        mgr.comm.all_reduce(flags, op="max", what="the vote on which parameters' gradients full_parameters gathers")
+    return {t.slot.param_index for t, f in zip(order, flags.tolist(), strict=True) if f}
+
+
+def _write_grads(engine: Any, chunks: list[Any], wanted: set[int], given: dict[int, tuple[torch.Tensor, int]]) -> None:
+    """Each rank's piece of what the block left in the gradients ([Note: gradients in full_parameters])."""
+    mgr = engine.manager
+    for c in chunks:
+        lo, _ = c.shard_range
+        for t in c.tensors:
+            i = t.slot.param_index
+            if i not in wanted:
+                continue
+            now = t.param.grad
+            if i not in given:
+                if now is not None:
+                    raise ChunkError(
+                        f"full_parameters(with_grads=True): parameter {t.name!r} got no gradient in "
+                        "this step, and a gradient cannot be given to it here; change or remove the "
+                        "gradients that exist."
+                    )
+                continue
+            a, b = piece_range(c, t.offset, t.numel)
+            if now is None:
+                t.has_grad = False  # skipped by the step, as in torch.optim; pieces elsewhere: other ranks did it
+                continue
+            g, version = given[i]
+            if (now is g and now._version == version) or a >= b:
+                continue
+            with mgr.storage_of(c).writing(c, ("grad",)):
+                shard = c.grad[a - lo : b - lo]
+                piece = now.reshape(-1)[a - t.offset : b - t.offset].to(shard.device)
+                shard.copy_(torch.where(piece == shard.to(piece.dtype), shard, piece.to(shard.dtype)))
+    for b in engine.bindings:
+        b.attach_grads()
+
+
+def _indices(mgr: Any, params: Iterable[torch.nn.Parameter] | None) -> set[int]:
+    if params is None:
+        return set(range(len(mgr.params)))
+    out = set()
+    for p in params:
+        i = mgr.index_of.get(id(p))
+        if i is not None:  # not packed (a buffer-like parameter left on the module): it has its value already
+            out.add(i)
+    return out
+
+
+def check_stray_writes(mgr: Any) -> None:
+    """Raise if a parameter of a resident payload that is a copy of its shard was written in place since it was last
+    pointed at its payload: the write would be lost ([Note: parameters outside a step])."""
+    for c in mgr.chunks:
+        if c.params_parked or (c.aliased and c.master_is_payload()):
+            continue
+        for t in c.tensors:
+            if t.param._version != t.version:
+                raise ChunkError(
+                    f"parameter {t.name!r} was written in place outside a step (its version counter went from "
+                    f"{t.version} to {t.param._version}), into chunk {c.chunk_id}'s payload, a copy of the sharded "
+                    "weights that the next gather or optimizer write-back overwrites: the write would be lost. Write "
+                    "parameters between steps inside `with trainer.strategy.full_parameters():` "
+                    "(ChunkOffloadStrategy.full_parameters; docs/faq.md, 'Reading or writing parameters between "
+                    "steps')."
+                )
+
+
+def state_dict_hooks(module: torch.nn.Module, mgr: Any, is_open: Callable[[], bool]) -> list[Any]:
+    """Install the state-dict hooks ([Note: parameters outside a step]); returns their handles."""
+    handles = []
+    for mod in module.modules():
+        mine = {n: mgr.index_of[id(p)] for n, p in mod._parameters.items() if p is not None and id(p) in mgr.index_of}
+        if mine:
+            handles.append(mod.register_state_dict_post_hook(_master_entries(mgr, mine, is_open)))
+    return handles
+
+
+def _master_entries(mgr: Any, mine: dict[str, int], is_open: Callable[[], bool]) -> Callable[..., None]:
+    # a closure, not functools.partial: copy.deepcopy(module) copies a partial's arguments (the whole manager) but
+    # shares a function
+    def hook(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        if not is_open():
+            _fill_masters(mgr, module, mine, state_dict, prefix)
+
+    return hook
+
+
+def _fill_masters(
+    mgr: Any, module: torch.nn.Module, mine: dict[str, int], state_dict: dict[str, Any], prefix: str
+) -> None:
+    for name, i in mine.items():
+        key = prefix + name
+        v = state_dict.get(key)
+        if v is None or isinstance(v, torch.nn.Parameter):  # keep_vars=True: the parameter itself is asked for
+            continue
+        if module._parameters.get(name) is not mgr.params[i]:  # a deep copy of the module, which kept the hook
+            continue
+        try:
+            chunk, info = mgr.lookup(mgr.params[i])
+        except KeyError:  # not packed yet (set-up): the parameter holds its own value
+            continue
+        if mgr.comm.world_size > 1:
+            raise ChunkError(
+                f"state_dict() of a module trained by chunk_offload on {mgr.comm.world_size} ranks is not available "
+                f"between steps ({key!r} is sharded across the ranks; its payload is released or a stale copy). Save "
+                "through Lightning (trainer.save_checkpoint, ModelCheckpoint: every rank), or call state_dict() "
+                "inside `with trainer.strategy.full_parameters():` on every rank; after fit the module is whole."
+            )
+        with mgr.storage_of(chunk).reading(chunk, ("master",)):  # a disk shard's file is paged in meanwhile
+            value = chunk.master_tensor_for_read()[info.offset : info.offset + info.numel].view(info.shape)
+            state_dict[key] = value.to(info.orig_dtype, copy=chunk.shard_tier is Tier.DISK).detach()

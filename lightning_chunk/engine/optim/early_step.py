@@ -1,0 +1,244 @@
+"""``step_in_backward=True``: each chunk steps as soon as its gradients are final, and gives its gradient shard back.
+
+[Note: stepping in backward]
+ZeRO-3 holds a rank's gradient shard (in fp32 on two ranks, 2 of the 8 bytes a parameter of training state)
+from the reduce-scatter that fills it to the optimizer step that reads it, that is, across most of backward.
+Here a chunk steps the moment its gradients are final: with several ranks when its reduce-scatter lands, with
+one when its last parameter's gradient is copied in. Its gradient shard's memory is then given back
+(``Chunk.release_grad``: the storage shrinks to nothing and every view of it stays valid) until the next
+gradient, so a rank holds the gradients of a few chunks at a time instead of all of them.
+
+The update is the plain step's, bit for bit: the optimizer is element-wise (``check_optimizer``), so stepping a
+chunk's views alone computes what one ``step()`` over every view computes, with the same hyperparameters
+(the LR scheduler steps after ``optimizer.step()``, so the learning rate is the step's). It is exact only when
+nothing after backward may change the gradients or veto the step, hence what is refused up front:
+
+- gradient clipping and fp16 loss scaling read every gradient before any step (norm, overflow);
+- several optimizers and manual optimization step at times of the user's choosing.
+
+Which parameters got a gradient: the plain step skips a parameter that got none (no weight decay, no ``step``),
+and with several ranks the ranks vote on that after backward (one if it got one on any rank, DDP's rule). A chunk
+steps early only where this rank saw a gradient for each of its trainable parameters, which the vote can only
+confirm; a chunk with a parameter that got none (a branch not taken this step) waits for the vote and steps after
+backward, chunk by chunk, also giving its gradient shard back. (Every rank runs the same modules, which the
+module-sequence check enforces, so the ranks decide alike; the rule would stay exact if they did not, since a step
+touches this rank's shard alone and the agreement check before it, [Note: checking once a micro-batch] in
+``agreement.py``, runs before the decision.) The warm-up step, a micro-batch traced again and the micro-batches
+of gradient accumulation that do not step (``ChunkEngine.accumulating``) step after backward as usual.
+
+One more condition is the model's: the chunk's parameters must not be read by backward after their gradients
+are final. Autograd runs a parameter's last use before it accumulates its gradient, so that holds unless a
+module saves a detached alias of a parameter for a later backward (an in-place step would then be reported by
+autograd's version check on one rank; with several ranks the payload is a gathered copy and is not touched).
+
+Costs: ``optimizer.step()`` runs once per chunk (its step hooks too, as on the disk tier), and after
+``backward()`` the stepped parameters have no gradient to read (``on_before_optimizer_step`` sees ``None``).
+
+[Note: stepping disk chunks in backward]
+After backward, the disk tier's optimizer phase reads each disk chunk's master, gradient and optimizer state
+from its files, steps it and writes master and state back ([Note: staged optimizer steps] in
+``disk_storage.py``), beside no compute: where memory cannot cache the files that phase was most of the step
+(1.0-1.3 s of 1.7-2.2 on the 85M GPT of ``benchmarks/disk.py``). Stepped in backward, a disk chunk steps from
+the host buffer its gradients gathered in (``DiskStorage.grads_in_memory``), which is then kept for the next
+chunks without being written (``drop_grads``): the gradient file is neither written nor read back, 8 of the 40
+bytes a parameter the fp32 step moves. Its master and optimizer state are staged as the optimizer phase stages
+them (the same two sets, the same I/O thread, the same kernel and bits), but ahead of need: when a chunk steps,
+the disk chunk expected to finish next is already being read (in the order the last backward finished them;
+by descending id before there is one, as backward runs forward's first-use packing in reverse), and the first
+one is read when backward starts. So the reads and write-backs go on beside backward's compute. A wrong guess
+costs its read and nothing else: the read is waited for and the right chunk staged then. A view that has no
+state yet (its first step) cannot step on a staging buffer, nor a chunk whose gradients are not all in memory:
+those write their gradients to the file first and step as after backward. Everything written in backward is
+waited for at its end (``DiskStorage.settle_grads``), before anything reads the files again. A disk chunk's
+gradient is "released" by a flag alone (its file keeps its bytes), so ``attach_grads`` and ``finish`` treat it
+as a released shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..chunks.chunk import Chunk, Tier
+from ..errors import UnsupportedOptimizerError
+from ..memory.manager import ChunkManager
+from ..tiers.disk_storage import Staged
+from .binding import OptimizerBinding
+
+STAGED = ("master", "optim")  # a disk chunk's files read for a step in backward (its gradients are in memory)
+
+# the refusal of fp16 loss scaling, raised by the strategy at set-up and by the engine at the first backward
+FP16_REFUSED = (
+    "step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): a step that "
+    "overflowed must be skipped, which is known only after every gradient. Use precision='bf16-mixed' "
+    "or '32-true', or step_in_backward=False."
+)
+
+
+class EarlyStep:
+    """Steps each chunk of the one optimizer when its gradients are final; the rest after backward, chunk by chunk."""
+
+    def __init__(self, manager: ChunkManager, bindings: Sequence[OptimizerBinding]) -> None:
+        if len(bindings) != 1:
+            raise UnsupportedOptimizerError(
+                f"step_in_backward=True needs exactly one optimizer; got {len(bindings)}. Each chunk steps during "
+                "backward, before a second optimizer could step or read its gradients: use step_in_backward=False."
+            )
+        self.manager = manager
+        self.binding = bindings[0]
+        self.active = False  # this backward may step: set when it starts (not in a warm-up or a traced step)
+        self.stepped: set[int] = set()  # chunk ids stepped since the last ``finish``
+        self.early = 0  # chunks stepped during backward since set-up (the rest stepped after it)
+        self.disk = DiskSteps(manager, self.binding)
+        manager.reducer.on_final = self.grads_final
+
+    def begin(self) -> None:
+        """A backward that may step starts ([Note: stepping disk chunks in backward])."""
+        if self.active:
+            self.disk.begin()
+
+    def grads_final(self, chunk: Chunk) -> None:
+        """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
+        if not (self.active and self.manager.sync_grads) or chunk.chunk_id in self.stepped or not chunk.trainable:
+            return
+        # before anything is kept, and before this rank's own decision below ([Note: checking once a micro-batch])
+        self.manager.comm.verify_issued()
+        if not all(t.has_grad for t in chunk.tensors if t.requires_grad):
+            return  # the vote decides which of its parameters step: after backward
+        self._step(chunk, {}, in_backward=True)
+        self.early += 1
+
+    def step_rest(self, **kwargs: Any) -> Any:
+        """``optimizer.step()`` after backward: the chunks not stepped yet, one at a time, each giving its gradient
+        shard back as it goes (so the first step, which creates the optimizer state, never holds both)."""
+        self.disk.end()
+        out = None
+        mgr = self.manager
+        for c in mgr.chunks:
+            if (
+                c.chunk_id not in self.stepped
+                and c.trainable
+                and not c.grad_released
+                and any(t.has_grad for t in c.tensors)
+            ):
+                out = self._step(c, kwargs, in_backward=False)
+        return out
+
+    def _step(self, chunk: Chunk, kwargs: dict[str, Any], *, in_backward: bool) -> Any | None:
+        """Step the chunk and give its gradient shard back: during backward to the manager's pool, whose block the
+        next chunk's gradients take (so the gradient shards stop going through malloc, whose holes the resident
+        set keeps); after backward, when the shards of every chunk may be let go at once (the warm-up), to the
+        allocator, so that the pool never keeps a whole model's gradients. A disk chunk steps in backward from
+        its gradients in memory where it can ([Note: stepping disk chunks in backward])."""
+        mgr = self.manager
+        mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
+        out = None
+        with mgr.clock.measure("optimizer"):
+            if not (in_backward and chunk.shard_tier is Tier.DISK and self.disk.step(chunk)):
+                if chunk.shard_tier is Tier.DISK:
+                    mgr.disk.grads_done(chunk)  # the step below reads the gradients from the file
+                out = self.binding.step_chunk(chunk, **kwargs)
+        with mgr.tracked(chunk):
+            chunk.release_grad(mgr.pool if in_backward else None)
+        self.stepped.add(chunk.chunk_id)
+        return out
+
+    def finish(self) -> None:
+        """After the step: the released gradients are gone, as after ``zero_grad()``: the next backward writes
+        fresh ones (the flags say overwrite, not add)."""
+        mgr = self.manager
+        for c in mgr.chunks:
+            if c.grad_released:
+                c.grad_written = False
+                for t in c.tensors:
+                    t.has_grad = False
+        self.binding.detach_released()
+        self.disk.end()
+        self.stepped = set()
+        self.active = False
+
+
+class DiskSteps:
+    """Disk chunks stepped during backward, their files staged ahead of need ([Note: stepping disk chunks in
+    backward]); the storage may stage them at their backward gather ([Note: staging at the backward gather] in
+    ``disk_storage.py``)."""
+
+    def __init__(self, manager: ChunkManager, binding: OptimizerBinding) -> None:
+        self.manager = manager
+        self.binding = binding
+        self.order: list[int] = []  # disk chunk ids in the order the last backward stepped them
+        self.seen: list[int] = []  # this backward's, so far
+        self.missed = 0  # staged reads ahead that no step took (a wrong guess, read for nothing)
+        self.on_disk: dict[int, Chunk] = {}  # this backward's disk chunks with something to step on this rank
+
+    def begin(self) -> None:
+        self.end()
+        self.on_disk = {
+            c.chunk_id: c
+            for c in self.manager.chunks
+            if c.shard_tier is Tier.DISK and c.trainable and self.binding.steps_on_this_rank(c)
+        }
+        storage = self.manager.disk
+        storage.expect_steps([self.on_disk[cid] for cid in self._order()], STAGED)
+        first = self._expected(None)
+        if first is not None:
+            storage.stage_in(first, STAGED)
+
+    def step(self, chunk: Chunk) -> bool:
+        """Step disk chunk ``chunk`` now, from its gradients in memory; False when it must step from its files."""
+        storage = self.manager.disk
+        if not self.binding.steps_on_this_rank(chunk):  # padding alone here: nothing to read, step or write
+            storage.drop_grads(chunk)
+            return True
+        grads = storage.grads_in_memory(chunk)
+        staged = self._staged(chunk)
+        self.seen.append(chunk.chunk_id)
+        storage.stepped(chunk)
+        nxt = self._expected(chunk.chunk_id)
+        if nxt is not None and storage.held(nxt) is None and storage.can_stage():
+            storage.stage_in(nxt, STAGED)  # read while this one steps and backward goes on
+        if grads is None or staged is None or not self.binding.step_staged_chunk(chunk, staged, grads):
+            storage.let_go(staged)
+            return False
+        storage.drop_grads(chunk)
+        return True
+
+    def end(self) -> None:
+        """Backward is over (or starts again): keep its order; a staged read no step took is waited for."""
+        if self.seen:
+            self.order, self.seen = self.seen, []
+        storage = self.manager.disk
+        for c in self.on_disk.values():
+            staged = storage.held(c)
+            if staged is not None:
+                storage.let_go(staged)
+                self.missed += 1
+        storage.expect_steps([], ())
+
+    def _staged(self, chunk: Chunk) -> Staged | None:
+        """``chunk``'s files staged: the read started ahead when the guess was right, else one started now (a set
+        a wrong guess holds gives way)."""
+        storage = self.manager.disk
+        staged = storage.held(chunk)
+        if staged is not None:
+            return staged
+        held = [s for s in (storage.held(c) for c in self.on_disk.values()) if s is not None]
+        if held and not storage.can_stage():  # a wrong guess: the one expected last gives its set, its read wasted
+            order = self._order()
+            storage.let_go(max(held, key=lambda s: order.index(s.chunk.chunk_id)))
+            self.missed += 1
+        return storage.stage_in(chunk, STAGED)
+
+    def _order(self) -> list[int]:
+        """The disk chunks in the order the last backward stepped them (by descending id where it stepped none)."""
+        on_disk = self.on_disk
+        known = [cid for cid in self.order if cid in on_disk]
+        return known + sorted((cid for cid in on_disk if cid not in known), reverse=True)
+
+    def _expected(self, after: int | None) -> Chunk | None:
+        """The disk chunk this backward should finish after chunk ``after`` (first when ``None``)."""
+        order = self._order()
+        if after in order:
+            order = order[order.index(after) + 1 :]
+        seen = set(self.seen)
+        return next((self.on_disk[cid] for cid in order if cid not in seen), None)

@@ -1,0 +1,234 @@
+"""An exponential moving average of the weights, kept in shards beside the masters.
+
+[Note: a sharded EMA]
+Lightning's ``EMAWeightAveraging`` (``WeightAveraging`` with ``torch.optim.swa_utils.AveragedModel``) keeps a deep
+copy of the whole model on every rank and writes the module's parameters to swap it in: under ZeRO-3 it would hold
+the model the sharding exists to split, and the parameters it writes are payload views (refused at set-up, [Note:
+parameters outside a step]). The average is element-wise, ``ema = decay * ema + (1 - decay) * weight``, so each
+rank can keep it for the elements of its own master shards: one fp32 tensor per trainable chunk, the size of the
+rank's shard, in host memory (the masters' bytes over the ranks; a device-tier master is copied to the host for
+each update, so ``update_every_n_steps`` bounds that traffic). The arithmetic is ``get_ema_avg_fn``'s, op for op, on
+the same fp32 values, so the average equals ``AveragedModel``'s bit for bit; the first update copies, as
+``AveragedModel``'s does.
+
+Parameters frozen from the start are not averaged: they never change, so each is its own average (a LoRA run does
+not pay for an average of its frozen base; ``AveragedModel`` computes ``decay * p + (1 - decay) * p``, which can
+differ from ``p`` in the last bit). A chunk averaged once stays averaged if its parameters are frozen later (its
+average moves on towards the frozen weights, as ``AveragedModel``'s does). A repack (a parameter frozen or unfrozen,
+inputs that grew) carries the shards like the optimizers' state (``take``/``give``, the ``ExtraShards`` protocol);
+a parameter frozen from the start and trainable now starts from its weights.
+
+``swap`` exchanges the masters and the averages (validation with the averaged weights, then back: exact, nothing is
+recomputed) and ``copy_to_masters`` makes the average the weights (the end of training); both refresh the
+compute-dtype copies and drop stale payloads as the end of a step does. Checkpoints save the shards as
+``chunk.<c>.ema`` beside the masters and load them on any world size (``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..chunks.chunk import Chunk
+from ..chunks.repack import piece_range
+
+_HOST = torch.device("cpu")
+_BLOCK = 1 << 20  # elements an update step takes at a time (4 MB in fp32: the second pass reads from cache)
+KEY = "<ema>"  # its key among the shards a repack carries (optimizer state keys are names without brackets)
+
+
+class ShardedEMA:
+    def __init__(self, manager: Any, buffers: BufferAverage | None = None) -> None:
+        self.manager = manager  # not with the disk tier: the strategy refuses it (the shards would sit in host memory)
+        self.shards: dict[Chunk, torch.Tensor] = {}  # trainable chunk -> this rank's averaged master shard
+        self._filled: dict[Chunk, torch.Tensor] = {}  # during a repack: which elements ``give`` filled
+        self.buffers = buffers  # the module's buffers beside the average ([Note: averaged buffers])
+
+    @property
+    def started(self) -> bool:
+        return bool(self.shards)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.numel() * e.element_size() for e in self.shards.values())
+
+    def update(self, decay: float) -> None:
+        """One step of the average; the first copies the weights. A chunk frozen after it was averaged goes on
+        being averaged (its average moves on towards its frozen weights, as ``AveragedModel``'s).
+
+        ``get_ema_avg_fn``'s ``decay * e + (1 - decay) * m``, each op rounded as there, in place and a block at a
+        time through one scratch buffer: a chunk-sized temporary (130 MB for a chunk of a 100M model on one rank)
+        was a fresh mapping whose page faults cost 100 ms an update, against 9 ms for the arithmetic."""
+        if self.buffers is not None:
+            self.buffers.update(decay)
+        scratch: dict[torch.dtype, torch.Tensor] = {}
+        for c in self.manager.chunks:
+            m = c.master_tensor_for_read().detach()
+            e = self.shards.get(c)
+            if e is None:
+                if c.trainable:
+                    self.shards[c] = m.to(_HOST, copy=True)
+                continue
+            buf = scratch.setdefault(e.dtype, torch.empty(_BLOCK, dtype=e.dtype))
+            for a in range(0, e.numel(), _BLOCK):
+                b = min(a + _BLOCK, e.numel())
+                tmp = buf[: b - a]
+                torch.mul(m[a:b].to(_HOST), 1 - decay, out=tmp)
+                e[a:b].mul_(decay).add_(tmp)
+
+    def swap(self) -> None:
+        """The masters take the averages and the averages the masters (and the buffers theirs)."""
+        if self.buffers is not None:
+            self.buffers.swap()
+        for c, e in self.shards.items():
+            m = c.master_tensor_for_read()
+            old = m.to(_HOST, copy=True)
+            m.copy_(e)
+            self.shards[c] = old
+        self.manager.write_back(chunks=list(self.shards))
+
+    def copy_to_masters(self) -> None:
+        if self.buffers is not None:
+            self.buffers.copy_to_module()
+        for c, e in self.shards.items():
+            c.master_tensor_for_read().copy_(e)
+        self.manager.write_back(chunks=list(self.shards))
+
+    # ------------------------------------------------------------- checkpoint
+    def shard(self, c: Chunk) -> torch.Tensor | None:
+        return self.shards.get(c)
+
+    def whole(self) -> dict[int, torch.Tensor]:
+        """Each averaged parameter's whole value on the host, by index (a collective with several ranks)."""
+        out = {}
+        for c in self.manager.chunks:
+            e = self.shards.get(c)
+            if e is not None:
+                full = self.manager.gather_shard(c, e)
+                for t in c.tensors:
+                    out[t.slot.param_index] = full[t.offset : t.offset + t.numel].view(t.shape).clone()
+        return out
+
+    def load(self, values: dict[int, torch.Tensor]) -> None:
+        """Whole averaged values by parameter index: each rank keeps its pieces (a saved chunk at a time)."""
+        for c in self.manager.chunks:
+            lo, _ = c.shard_range
+            for t in c.tensors:
+                value = values.get(t.slot.param_index)
+                if value is None:
+                    continue
+                e = self.shards.get(c)
+                if e is None:  # elements no saved value reaches (padding) start from the weights
+                    e = self.shards[c] = c.master_tensor_for_read().detach().to(_HOST, copy=True)
+                a, b = piece_range(c, t.offset, t.numel)
+                if a < b:
+                    e[a - lo : b - lo].copy_(value.reshape(-1)[a - t.offset : b - t.offset])
+
+    # ----------------------------------------------------------------- repack
+    def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        e = self.shards.pop(chunk, None)
+        return {} if e is None else {KEY: e}
+
+    def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
+        """``offset``: where the piece starts in ``chunk``'s shard."""
+        piece = pieces.get(KEY)
+        if piece is None:
+            return
+        e = self.shards.get(chunk)
+        if e is None:
+            e = self.shards[chunk] = torch.empty(chunk.shard_numel, dtype=piece.dtype)
+            self._filled[chunk] = torch.zeros(chunk.shard_numel, dtype=torch.bool)
+        e[offset : offset + piece.numel()].copy_(piece.reshape(-1))
+        self._filled[chunk][offset : offset + piece.numel()] = True
+
+    def after_repack(self) -> None:
+        """What the repack left: elements no old average reached (a parameter frozen from the start and trainable
+        now, padding) start from the weights; a chunk of parameters never averaged and still frozen has none."""
+        started = self.started or bool(self._filled)
+        for c in list(self.shards):
+            if c not in self.manager.chunks:
+                del self.shards[c]
+        if started:
+            for c in self.manager.chunks:
+                e, filled = self.shards.get(c), self._filled.get(c)
+                if e is None and not c.trainable:
+                    continue
+                m = c.master_tensor_for_read().detach().to(_HOST)
+                if e is None:
+                    self.shards[c] = m.clone()
+                elif filled is not None:
+                    e.copy_(torch.where(filled, e, m))
+        self._filled = {}
+
+
+class BufferAverage:
+    """The module's buffers as ``AveragedModel`` keeps them beside its averaged parameters.
+
+    [Note: averaged buffers]
+    Buffers are not chunked: every rank holds them whole, on the device, and they change in forward (BatchNorm's
+    running statistics), not in the optimizer step. Lightning's ``EMAWeightAveraging`` (``use_buffers=True``, its
+    default) averages them with the weights: ``decay * avg + (1 - decay) * buffer`` after each update, the first
+    update a copy; with ``use_buffers=False`` ``AveragedModel`` copies them at each update instead. Either way its
+    validation swaps them in with the averaged weights and the end of training copies them into the model. This
+    keeps the same copy, one tensor per buffer on the buffer's own device, updated with the same expression
+    (``get_ema_avg_fn``'s, so an integer buffer such as ``num_batches_tracked`` is rounded towards zero as there),
+    and each rank averages its own buffers, as each DDP rank's ``AveragedModel`` does. Checkpoints carry the
+    persistent ones (``ema_buffers`` beside the masters' layout, read by ``consolidate --ema``)."""
+
+    def __init__(self, module: torch.nn.Module, *, average: bool) -> None:
+        self.module = module
+        self.average = average
+        self.values: dict[str, torch.Tensor] = {}  # named_buffers() name -> its average (or its copy)
+
+    def update(self, decay: float) -> None:
+        first = not self.values
+        for name, b in self.module.named_buffers():
+            kept = self.values.get(name)
+            if first or kept is None or not self.average or kept.shape != b.shape:
+                self.values[name] = b.detach().clone()
+            else:
+                kept.copy_(decay * kept + (1 - decay) * b.detach())
+
+    def swap(self) -> None:
+        for name, b in self.module.named_buffers():
+            kept = self.values.get(name)
+            if kept is not None and kept.shape == b.shape:
+                current = b.detach().clone()
+                b.detach().copy_(kept)
+                kept.copy_(current)
+
+    def copy_to_module(self) -> None:
+        for name, b in self.module.named_buffers():
+            kept = self.values.get(name)
+            if kept is not None and kept.shape == b.shape:
+                b.detach().copy_(kept)
+
+    def saved(self, keys: Any) -> dict[str, torch.Tensor]:
+        """The values of the buffers among ``keys`` (a state_dict's buffer keys), on the host."""
+        return {k: v.detach().cpu() for k, v in self.values.items() if k in keys}
+
+    def load(self, values: dict[str, torch.Tensor]) -> None:
+        """Saved values by buffer name (where the module still has that buffer), onto each buffer's device."""
+        current = dict(self.module.named_buffers())
+        if not self.values:  # buffers no saved value reaches start from the module's, as a first update would
+            self.values = {n: b.detach().clone() for n, b in current.items()}
+        for name, v in values.items():
+            if name in current:
+                self.values[name] = v.detach().to(device=current[name].device, dtype=current[name].dtype, copy=True)
+
+
+class Extras:
+    """Two ``ExtraShards`` carried through one repack: the optimizers' state and the EMA's, told apart by key."""
+
+    def __init__(self, carrier: Any, ema: ShardedEMA) -> None:
+        self.carrier, self.ema = carrier, ema
+
+    def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        return {**self.carrier.take(chunk), **self.ema.take(chunk)}
+
+    def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
+        theirs = {k: v for k, v in pieces.items() if k != KEY}
+        if theirs:
+            self.carrier.give(param_index, theirs, chunk, offset)
+        self.ema.give(param_index, pieces, chunk, offset)

@@ -1,0 +1,79 @@
+"""Passes over the gradient shards after backward: clipping by the global norm, fp16's unscale and overflow check.
+
+The gradients are the bound optimizers' views of the chunks' gradient shards, as ``(chunk, gradient)`` pairs in
+chunk order. A pass takes them per device, in runs split where a disk-tier chunk begins or ends, so that it pages
+one disk shard's gradients in at a time while memory-resident ones go in one ``_foreach`` call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..chunks.chunk import Tier
+
+
+def by_device(pairs: Sequence[tuple[Any, torch.Tensor]]) -> dict[torch.device, list[tuple[Any, torch.Tensor]]]:
+    out: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
+    for c, g in pairs:
+        out.setdefault(g.device, []).append((c, g))
+    return out
+
+
+def paged_runs(grouped: dict[torch.device, list[tuple[Any, torch.Tensor]]]) -> Iterator[tuple[Any, list]]:
+    """Gradients per device, in order, split where a disk-tier chunk begins or ends (the chunk that owns the run)."""
+    for pairs in grouped.values():
+        run: list[torch.Tensor] = []
+        key = owner = None
+        for c, g in pairs:
+            k = c.chunk_id if c.shard_tier is Tier.DISK else None
+            if run and k != key:
+                yield owner, run
+                run = []
+            key, owner = k, c
+            run.append(g)
+        if run:
+            yield owner, run
+
+
+def clip_grad_norm(
+    pairs: Sequence[tuple[Any, torch.Tensor]], max_norm: float, norm_type: float, manager: Any
+) -> torch.Tensor:
+    """Clip by the global norm over every shard of every rank; returns that norm.
+
+    On one rank the arithmetic is ``torch.nn.utils.clip_grad_norm_``'s, step for step (per-tensor norms grouped by
+    device, the norm of their stack, a clamped fp32 coefficient), so clipping is bit-exact with plain PyTorch.
+    Several ranks all-reduce the local ``norm ** p`` (max for inf) on the collectives' device (NCCL takes device
+    tensors only); every rank takes part, also one that holds no gradient piece."""
+    comm = manager.comm
+    norm_type = float(norm_type)
+    grouped = by_device(pairs)
+    first = pairs[0][1].device if pairs else torch.device("cpu")
+    norms: list[torch.Tensor] = []
+    for chunk, gs in paged_runs(grouped):
+        with manager.storage_of(chunk).reading(chunk, ("grad",)):
+            norms.extend(n.to(first) for n in torch._foreach_norm(gs, norm_type))
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=first)
+    if comm.world_size > 1:
+        dev = comm.tensor_device()
+        if math.isinf(norm_type):
+            total = comm.all_reduce(total.reshape(1).to(dev), op="max", what="the gradient norm")[0].to(first)
+        else:
+            acc = comm.all_reduce(total.double().pow(norm_type).reshape(1).to(dev), op="sum", what="the gradient norm")[
+                0
+            ]
+            total = acc.pow(1.0 / norm_type).float().to(first)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for chunk, gs in paged_runs(grouped):
+        with manager.storage_of(chunk).writing(chunk, ("grad",)):
+            torch._foreach_mul_(gs, coef.to(gs[0].device))
+    return total
+
+
+def unscale_and_check(pairs: Sequence[tuple[Any, torch.Tensor]], scaler: Any, manager: Any) -> bool:
+    """fp16: unscale the gradients; True when some rank overflowed (every rank then skips)."""
+    runs = ((manager.storage_of(c).writing(c, ("grad",)), gs) for c, gs in paged_runs(by_device(pairs)))
+    return scaler.unscale_and_check([], manager.comm, runs=runs)

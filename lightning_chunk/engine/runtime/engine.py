@@ -1,0 +1,760 @@
+"""``ChunkEngine``: one object that runs a module's training on chunks, with plain torch.
+
+It owns the manager, the placement policy, the hooks and the optimizer
+bindings, and says when each runs:
+
+1. ``__init__``: pack in registration order (no trace yet), place shards as the
+   policy says before a trace exists, bind the optimizers, install hooks, and
+   refuse a limit that cannot hold even one module's chunks.
+2. the first training micro-batch is the warm-up: the tracer records moments.
+3. ``_finalize`` (before the first optimizer step, or the next micro-batch):
+   check the limit against the traced working set and activations, choose the
+   chunk size, repack in first-use order, place shards from the trace, rebind
+   the optimizers (state moves along by parameter).
+4. each step: ``prepare_step`` (gradients onto the master views), unscale /
+   clip, the optimizer's own ``step()``, ``finish_step`` (write the
+   low-precision copies back, free gradients).
+5. ``teardown``: parameters get their full trained values back.
+
+No ``lightning`` import here or below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..chunks.chunk import Tier
+from ..chunks.materialize import DeferredInit
+from ..chunks.packing import Layout
+from ..chunks.repack import FromModule
+from ..comm.buffers import BufferSync
+from ..comm.collectives import CollectiveMismatchError, Collectives, first_difference
+from ..comm.reduce import agree_on_grads
+from ..config import ChunkConfig, DtypePolicy, default_device_limit, format_bytes, resolve_reshard_after_forward
+from ..errors import ChunkError, DeviceMemoryLimitError, LayoutError
+from ..files.weights import ModuleWeights
+from ..memory.consolidate import full_values, load_values, unpack, whole_model_fits
+from ..memory.full_params import check_stray_writes
+from ..memory.manager import ChunkManager
+from ..optim.binding import OptimizerBinding, OptimizerStateCarrier
+from ..optim.early_step import FP16_REFUSED, EarlyStep
+from ..optim.ema import Extras, ShardedEMA
+from ..optim.gradients import clip_grad_norm, unscale_and_check
+from ..optim.kept_state import KeptOptimizerState, keep_optimizer_state
+from ..optim.scaler import DynamicLossScaler
+from ..schedule.costs import planned_views
+from ..schedule.growth import InputGrowth
+from ..schedule.placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
+from ..schedule.tracer import Trace
+from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
+from ..system.page_cache import page_cache_room
+from .hooks import ChunkHooks
+from .layout_choice import LayoutChooser
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """What ``ChunkEngine.plan_from_shapes`` found: the first layout and the bytes of each chunk on one rank."""
+
+    layout: Layout
+    views: list[ChunkView]
+    tiers: dict[int, Tier]
+    limit: int | None
+    need_before_activations: int  # device bytes the busiest module needs before activations
+    param_numel: int
+    optim_bytes_per_element: int = 0  # the optimizer state of the param group that keeps the most
+
+    def shard_bytes(self, tier: Tier | None = None) -> int:
+        """One rank's shard bytes (masters, compute copies, gradients, optimizer state), in memory on ``tier``
+        (a disk shard's compute copy counts on the host) or in all."""
+        if tier is None:
+            return sum(v.device_shard_bytes for v in self.views)
+        held = {
+            v.chunk_id: (v.host_bytes_on_disk if self.tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
+            for v in self.views
+        }
+        home = {cid: (Tier.HOST if t is Tier.DISK else t) for cid, t in self.tiers.items()}
+        return sum(b for cid, b in held.items() if home[cid] is tier)
+
+    def disk_bytes(self) -> int:
+        """One rank's bytes in the disk tier's files."""
+        return sum(v.disk_bytes for v in self.views if self.tiers[v.chunk_id] is Tier.DISK)
+
+
+def agree_on_limits(config: ChunkConfig, comm: Collectives) -> ChunkConfig:
+    """Every rank plans under the smallest device and host limit any rank has.
+
+    [Note: one limit for every rank]
+    The device limit drives the chunk size, the shard tiers, every eviction and prefetch, and the limit checks, all
+    decided by each rank on its own. On CUDA its default is the device's free memory at set-up less a margin, which
+    differs from GPU to GPU (contexts, other tenants, another node): ranks whose limits differed by 300 KB (two
+    gloo ranks, the agreement check off as on NCCL) evicted different chunks, paired same-size all-gathers of
+    different chunks (payloads built from mixed shards, silently) and then hung. Before anything is planned the
+    ranks agree on the minimum of each limit (``None``, no limit, counts as the largest); the host limit too, since
+    it decides which shards go to disk and whether chunks step in backward."""
+    none = 2**62
+    t = torch.tensor(
+        [config.device_memory_limit or none, config.host_memory_limit or none],
+        dtype=torch.int64,
+        device=comm.tensor_device(),
+    )
+    device, host = (
+        None if v >= none else int(v)
+        for v in comm.all_reduce(t, "min", what="the agreement on the memory limits").tolist()
+    )
+    if (device, host) == (config.device_memory_limit, config.host_memory_limit):
+        return config
+    _log.info(
+        "[rank %d] device_memory_limit %s and host_memory_limit %s: the smallest of every rank's",
+        comm.rank,
+        device,
+        host,
+    )
+    return config.replace(device_memory_limit=device, host_memory_limit=host)
+
+
+class ChunkEngine:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        *,
+        config: ChunkConfig | None = None,
+        dtypes: DtypePolicy | None = None,
+        device: torch.device | None = None,
+        collectives: Collectives | None = None,
+        deferred: DeferredInit | None = None,
+        weights: ModuleWeights | None = None,
+    ) -> None:
+        """``deferred``: the module was built on the meta device and is initialised chunk by chunk as it is
+        packed ([Note: deferred initialisation]); ``weights``: values read from a file as the chunks are
+        built ([Note: streamed weight loading]). Either way no rank holds the whole model."""
+        self._describe(module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives)
+        # id(optimizer) -> its state on this rank, kept by ``teardown`` ([Note: optimizer state after fit])
+        self.kept_optimizer_states: dict[int, KeptOptimizerState] = {}
+        try:
+            device = self.manager.device
+            layout = self.layouts.choose(list(range(len(self.manager.params))), trace=None)
+            views, tiers = self._plan_tiers(layout, trace=None)
+            self.hooks.install()
+            self.layouts.check_limit_before_trace(layout, views)
+            source = FromModule(self.manager.params, deferred=deferred, weights=weights)
+            self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
+            source.finish(buffer_device=device)
+            # several ranks: every buffer starts from rank 0's value, as DDP (and FSDP's ``sync_module_states``) do
+            self.buffers.broadcast()
+        except BaseException:
+            self.hooks.remove()
+            self.manager.close()  # a disk tier's scratch files go now, not at exit
+            raise
+
+    def _describe(
+        self,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        config: ChunkConfig | None,
+        dtypes: DtypePolicy | None,
+        device: torch.device | None,
+        collectives: Collectives | None,
+    ) -> None:
+        """Everything that needs only shapes: the manager's parameter descriptions, the policy, the hooks (not
+        installed) and the optimizer bindings (not bound). Allocates nothing."""
+        config = config or ChunkConfig()
+        device = device or torch.device("cpu")
+        if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
+            config = config.replace(device_memory_limit=default_device_limit(device))
+        config = resolve_reshard_after_forward(config, device)
+        if collectives is not None and collectives.world_size > 1 and not collectives.planning_only:
+            config = agree_on_limits(config, collectives)
+        self.config = config
+        if config.host_memory_limit is not None:  # the user bounded host memory: keep chunk-sized blocks off the heap
+            map_large_blocks()
+        elif config.keep_freed_heap and device.type == "cpu":  # [Note: the heap between steps]
+            keep_freed_heap()
+        self.module = module
+        named = list(module.named_parameters())
+        lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+        if lazy:  # torch's own error names neither the parameter nor the way out
+            raise ValueError(
+                f"{len(lazy)} parameter{'s are' if len(lazy) > 1 else ' is'} not initialised yet "
+                f"({', '.join(lazy[:4])}"
+                f"{', ...' if len(lazy) > 4 else ''}): lazy modules (nn.LazyLinear, ...) learn their "
+                "shapes at their first forward, and chunk_offload packs parameters by shape before any. "
+                "Run the model once on a sample batch before fit (in __init__ or setup), or give the "
+                "layers their sizes."
+            )
+        index_of = {id(p): i for i, (_, p) in enumerate(named)}
+        group_of: dict[int, int] = {}
+        offsets, offset = [], 0
+        for opt in optimizers:
+            offsets.append(offset)
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    i = index_of.get(id(p))
+                    if i is None:
+                        raise ValueError(
+                            f"{type(opt).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
+                            "parameter of the module; chunk_offload can only step module parameters."
+                        )
+                    if i in group_of:
+                        raise ValueError(f"parameter {named[i][0]!r} appears in two optimizer param groups.")
+                    group_of[i] = offset
+                offset += 1
+        dtypes = dtypes or DtypePolicy()
+        keep = dtypes.own_dtype_params(module)
+        self.manager = ChunkManager(
+            named,
+            group_of,
+            config=self.config,
+            dtypes=dtypes,
+            device=device,
+            collectives=collectives,
+            own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep},
+        )
+        self.policy = make_policy(self.config)
+        self.hooks = ChunkHooks(module, self.manager, self.policy)
+        self.hooks.on_trace_done = self._trace_done
+        self.hooks.on_backward_start = self._backward_starts
+        self.hooks.on_backward_end = self._backward_ends
+        self.bindings = [
+            OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets, strict=True)
+        ]
+        self._optim_bytes: dict[int, int] = {}
+        for b in self.bindings:
+            self._optim_bytes.update(b.state_bytes())
+        self.layouts = LayoutChooser(self.manager, self.config, self.hooks.owned, self._optim_bytes)
+        # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
+        self.early = EarlyStep(self.manager, self.bindings) if config.step_in_backward and self.bindings else None
+        self.scaler: DynamicLossScaler | None = None
+        self.ema: ShardedEMA | None = None  # an average of the weights, when asked for ([Note: a sharded EMA])
+        self.growth = InputGrowth(
+            self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None
+        )
+        self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
+        self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
+        self.warmed_up = False
+        self._finalize_pending = False
+        self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
+        self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
+        self.last_grad_norm: float | None = None
+
+    @classmethod
+    def plan_from_shapes(
+        cls,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        *,
+        config: ChunkConfig | None = None,
+        dtypes: DtypePolicy | None = None,
+        world_size: int = 1,
+    ) -> ShapePlan:
+        """The layout, each chunk's per-rank bytes and the shard tiers ``world_size`` ranks would start from, from
+        the parameters' shapes alone: for a model too large to build (a meta-device one). Nothing is allocated, no
+        process group is needed, and a too-small limit is reported, not raised."""
+        engine = cls.__new__(cls)
+        engine._describe(
+            module,
+            optimizers,
+            config=config,
+            dtypes=dtypes,
+            device=torch.device("cpu"),
+            collectives=Collectives.planning(world_size),
+        )
+        layout = engine.layouts.choose(list(range(len(engine.manager.params))), trace=None)
+        views, tiers = engine._plan_tiers(layout, trace=None)
+        return ShapePlan(
+            layout=layout,
+            views=views,
+            tiers=tiers,
+            limit=engine.manager.limit,
+            need_before_activations=engine.layouts.need_before_trace(layout, views),
+            param_numel=sum(s.numel for s in engine.manager.specs),
+            optim_bytes_per_element=max(engine._optim_bytes.values(), default=0),
+        )
+
+    # ================================================================= layout
+    @property
+    def comm(self) -> Collectives:
+        return self.manager.comm
+
+    def _plan_tiers(self, layout: Layout, trace: Trace | None) -> tuple[list[ChunkView], dict[int, Tier]]:
+        """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
+        views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
+        tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
+        return views, spill_to_disk(
+            views,
+            tiers,
+            self.config.host_memory_limit,
+            device_is_host=self.manager.device.type == "cpu",
+            chunk_numel_chosen=self.config.chunk_numel is not None,
+        )
+
+    def _place(
+        self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *, source: FromModule | None = None
+    ) -> None:
+        limit = self.manager.limit
+        if limit is not None:
+            on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
+            host_payload = max((v.payload_bytes for v in views if tiers[v.chunk_id] is not Tier.DEVICE), default=0)
+            if on_device and on_device + host_payload > limit:
+                raise DeviceMemoryLimitError(
+                    f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
+                    f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks)"
+                    + (f" and must fetch host payloads of up to {host_payload} bytes" if host_payload else "")
+                    + f", more than device_memory_limit={format_bytes(limit)}; raise the limit, raise offload_fraction "
+                    "(static) or use placement='auto' or 'host'."
+                )
+        on_disk = sum(v.disk_bytes for v in views if tiers[v.chunk_id] is Tier.DISK)
+        if on_disk:  # before anything is written: the directory must be usable and hold the shards
+            self.manager.disk.check_room(
+                on_disk,
+                f"{sum(t is Tier.DISK for t in tiers.values())} of {len(views)} "
+                "chunks' masters, gradient shards and optimizer state",
+            )
+        if limit is not None:
+            # a repack reads the old chunks' shards, never their payloads: those the last step left resident would
+            # only crowd the new chunks, each built with its payload, under the limit
+            for c in self.manager.chunks:
+                if c.is_resident and c.is_evictable and not c.aliased:
+                    self.manager.release(c)
+        carrier = OptimizerStateCarrier(self.manager, self.bindings) if self.manager.chunks else None
+        extras = Extras(carrier, self.ema) if carrier is not None and self.ema is not None else carrier
+        self.manager.pack(layout, tiers, extras=extras, source=source, optim_bytes=self._optim_bytes)
+        if self.ema is not None:
+            self.ema.after_repack()
+        self.manager.reserve_optimizer_state(self._optim_bytes)
+        for k, b in enumerate(self.bindings):
+            b.bind(carrier.state_for(k) if carrier is not None else None)
+        release_pinned_cache()  # [Note: pinned blocks a repack leaves behind] in host_heap.py
+
+    # ================================================================ warm-up
+    def _trace_done(self, trace: Trace) -> None:
+        self._finalize_pending = True
+
+    def _finalize(self) -> None:
+        """End of warm-up: check the limit, choose the chunk size, repack in first-use order, place from the trace."""
+        self._finalize_pending = False
+        self.warmed_up = True
+        # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
+        release_freed_memory()
+        trace = self.hooks.trace
+        assert trace is not None
+        self._check_same_trace(trace)
+        trace = self._agree_on_activations(trace)
+        limit = self.manager.limit
+        order = trace.first_use_order(len(self.manager.params))
+        try:
+            layout = self.layouts.choose(order, trace)
+        except LayoutError as e:
+            raise DeviceMemoryLimitError(str(e)) from None
+        slot_of = layout.slot_of()
+        trace = trace.remap({i: s.chunk_id for i, s in slot_of.items()})
+        views, new_tiers = self._plan_tiers(layout, trace)
+        if limit is not None:
+            chunks_b, nonmodel_b = smallest_working_limit(views, trace)
+            if chunks_b + nonmodel_b > limit:
+                raise DeviceMemoryLimitError(
+                    f"device_memory_limit={format_bytes(limit)} is too small: the warm-up step needs "
+                    f"{format_bytes(chunks_b)} of chunks at once (the largest chunk is "
+                    f"{max((v.payload_bytes for v in views), default=0)} bytes) and traced {format_bytes(nonmodel_b)} "
+                    f"of non-model memory (activations). The smallest limit that would work is "
+                    f"{format_bytes(chunks_b + nonmodel_b)}."
+                )
+        old_tiers = [c.shard_tier for c in self.manager.chunks]
+        # same layout: chunk ids correspond, so the tiers compare position by position
+        if layout != self.manager.layout or old_tiers != [new_tiers[c.chunk_id] for c in layout.chunks]:
+            self._place(layout, views, new_tiers)
+            release_freed_memory()  # the warm-up's evict-everything gathers and the repack left freed heap pages
+        self.manager.follow_trace(trace)
+        self.hooks.trace = trace
+
+    def _trace_again(self) -> None:
+        """Start a new warm-up on this micro-batch; see [Note: inputs that grow after the warm-up]."""
+        self.warmed_up = False
+        self._finalize_pending = False
+        self.hooks.trace = None
+        if self._no_grads_held:
+            layout = self.manager.layout
+            assert layout is not None
+            views, tiers = self._plan_tiers(layout, trace=None)
+            if [c.shard_tier for c in self.manager.chunks] != [tiers[c.chunk_id] for c in layout.chunks]:
+                self._place(layout, views, tiers)
+                # the last step's gradients moved along: attach them again, so that the zero_grad() before this
+                # micro-batch's backward is seen to clear them ([Note: zero_grad on a rebound optimizer])
+                self._backward_ends()
+                release_freed_memory()
+
+    def _follow_requires_grad(self) -> None:
+        """Repack when parameters were frozen or unfrozen since the last layout ([Note: requires_grad changed]).
+
+        [Note: requires_grad changed]
+        A chunk holds trainable or frozen parameters, never both: only trainable chunks have gradient buffers and
+        gradient hooks. A parameter whose ``requires_grad`` a user flipped after packing (unfreezing a backbone at
+        some epoch) was silently never trained. Before each training micro-batch the flags are compared with the
+        layout's; on a change the model is repacked as at the end of the warm-up (the same chunk-size rule and
+        trace, the values and optimizer state moved by piece), the optimizers rebound and the new trainable
+        parameters' gradient hooks installed. A parameter in an optimizer's param groups steps from its first
+        gradient on, as in PyTorch; one frozen after it stepped keeps its value and its optimizer state (the carrier
+        moves state by parameter, whatever chunk it lands in), so unfrozen again it goes on where it stopped.
+        Inside gradient accumulation a change is refused: the step's gradients so far are laid out by the old
+        flags. Several ranks must change the same flags at the same micro-batch, as with any module they run."""
+        mgr = self.manager
+        changed = [s.name for p, s in zip(mgr.params, mgr.specs, strict=True) if p.requires_grad != s.key.requires_grad]
+        if not changed:
+            return
+        if not self._no_grads_held:
+            raise ChunkError(
+                f"requires_grad of {', '.join(map(repr, changed[:5]))}{' ...' if len(changed) > 5 else ''} changed "
+                "inside a step whose gradients are being accumulated; change it before a step's first micro-batch "
+                "(in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary)."
+            )
+        mgr.specs = [
+            dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
+            for p, s in zip(mgr.params, mgr.specs, strict=True)
+        ]
+        trace = self.hooks.trace
+        assert mgr.layout is not None
+        order = trace.first_use_order(len(mgr.params)) if trace is not None else list(mgr.layout.order)
+        layout = self.layouts.choose(order, trace)
+        if trace is not None:
+            trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
+        views, tiers = self._plan_tiers(layout, trace)
+        self._place(layout, views, tiers)
+        self.hooks.watch_grads()
+        if trace is not None:
+            mgr.follow_trace(trace)
+            self.hooks.trace = trace
+        self._backward_ends()  # the last step's gradients moved along: attach them again (as _trace_again does)
+        release_freed_memory()
+
+    def _agree_on_activations(self, trace: Trace) -> Trace:
+        """Every rank plans from the largest activations any rank measured at each moment: ranks whose budgets
+        differed would evict and gather different chunks, and so pair different collectives. In the same
+        all-reduce, every rank takes the latest moment any rank saw each parameter's gradient arrive after
+        ([Note: when a chunk reduces] in reduce.py)."""
+        if self.comm.world_size == 1 or not trace.moments:
+            return trace
+        n = len(trace.moments)
+        t = torch.tensor(
+            [m.nonmodel_bytes for m in trace.moments] + list(trace.grad_positions),
+            dtype=torch.int64,
+            device=self.comm.tensor_device(),
+        )
+        most = self.comm.all_reduce(t, "max", what="the agreement on traced activations").tolist()
+        return Trace(
+            tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most[:n], strict=True)),
+            tuple(int(p) for p in most[n:]),
+        )
+
+    def _check_same_trace(self, trace: Trace) -> None:
+        """Every rank must have used the same modules in the same order during the warm-up."""
+        if self.comm.world_size == 1:
+            return
+        mine = [(m.kind, m.module) for m in trace.moments]
+        seqs = self.comm.all_gather_object(mine)
+        if all(s == seqs[0] for s in seqs):
+            return
+        i = first_difference(seqs)
+
+        def at(r: int) -> str:
+            if i >= len(seqs[r]):
+                return "nothing (its step ended)"
+            kind, module = seqs[r][i]
+            ids = self.manager.chunk_ids_of([self.manager.params[j] for j in self.hooks.owned.get(module, ())])
+            return f"{kind} of module {module!r} (chunks {list(ids)})"
+
+        detail = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
+        raise CollectiveMismatchError(
+            f"[rank {self.comm.rank}] the warm-up step used modules in different orders on different ranks; "
+            f"first difference at moment {i}: {detail}. Every rank must run the same modules in the same order "
+            "(no data-dependent skipping of modules that own parameters)."
+        )
+
+    # ================================================================ steps
+    @contextlib.contextmanager
+    def micro_batch(self, *, training: bool, input_bytes: int | None = None) -> Iterator[Any]:
+        """Wrap one training micro-batch or evaluation step. Yields ``outputs(obj)`` for the step's outputs.
+
+        The warm-up is finalized at the first optimizer step (``prepare_step``), where every gradient
+        has been reduced into the shards, so a repack never has to move gradients still in flight.
+        ``input_bytes``: the size of what the step was handed; under a device limit a micro-batch larger than
+        any the trace saw is traced again ([Note: inputs that grow after the warm-up] in ``growth.py``).
+        """
+        if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
+            self.hooks.end_backward()
+        check_stray_writes(self.manager)  # [Note: parameters outside a step]
+        if training and torch.is_grad_enabled():
+            self._follow_requires_grad()
+        record = training and not self.warmed_up and torch.is_grad_enabled()
+        if training and torch.is_grad_enabled():
+            grew = self.growth.must_retrace(input_bytes, recording=record)
+            # a module adopted a parameter it read ([Note: parameters read outside their owner] in reads.py)
+            adopted = self.hooks.owners_changed and (self.warmed_up or self._finalize_pending)
+            self.hooks.owners_changed = False
+            if grew or adopted:
+                self._trace_again()
+                record = True
+            self._no_grads_held = False
+        self.buffers.before_forward(accumulating=self._accumulating)  # [Note: buffers as DDP syncs them]
+        with self.hooks.step_scope(training=training, record=record) as outputs:
+            yield outputs
+
+    def after_backward(self) -> None:
+        """Safety net for a backward in which no hook fired (idempotent)."""
+        if self.hooks.tracer.recording:
+            self.hooks.end_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches that do not step: gradients stay in each rank's gradient payloads, unreduced."""
+        self.manager.sync_grads = False
+        try:
+            with self.accumulating():
+                yield
+        finally:
+            self.manager.sync_grads = True
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Micro-batches whose backward is not followed by a step (gradient accumulation, reduced or not): no
+        chunk steps during their backward ([Note: stepping in backward] in ``early_step.py``)."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def _bindings(self, optimizer: torch.optim.Optimizer | None) -> list[OptimizerBinding]:
+        """The binding of ``optimizer`` (the one being stepped), or every binding when ``None``."""
+        if optimizer is None:
+            return self.bindings
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        for b in self.bindings:
+            if b.optimizer is optimizer:
+                return [b]
+        raise ValueError(
+            f"{type(optimizer).__name__} is not one of the optimizers this engine was built with "
+            "(chunk_offload can only step optimizers returned by configure_optimizers)."
+        )
+
+    def _backward_starts(self) -> None:
+        """A backward starts: gradients that ``zero_grad()`` cleared since they were attached are forgotten
+        ([Note: zero_grad on a rebound optimizer] in ``optim/binding.py``); the ranks will vote again."""
+        for b in self.bindings:
+            b.sync_zero_grad()
+        self._agreed = False
+        if self.early is not None:
+            if self.scaler is not None:
+                raise ValueError(FP16_REFUSED)
+            # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
+            self.early.active = (
+                self.warmed_up
+                and not self._finalize_pending
+                and not self.hooks.tracer.recording
+                and not self._accumulating
+            )
+            self.early.begin()
+
+    def _backward_ends(self) -> None:
+        """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
+        for b in self.bindings:
+            b.attach_grads()
+
+    def prepare_step(self) -> None:
+        """Before an optimizer is stepped or gradients are read: forget what ``zero_grad()`` cleared, finish the
+        warm-up (a repack rebinds every optimizer), agree across ranks on which parameters got gradients, and
+        attach them to the views of every optimizer. Idempotent until the next backward: clipping in a manual
+        ``training_step`` before ``opt.step()``, the step itself and a second optimizer's step may all ask."""
+        for b in self.bindings:
+            b.sync_zero_grad()
+        if self._finalize_pending:
+            self._finalize()
+            self._backward_ends()
+        if not self._agreed:
+            self._agreed = True
+            if self.comm.world_size > 1:  # the vote can add gradients other ranks got: attach again
+                agree_on_grads(self.manager)
+                self._backward_ends()
+            if self.config.host_memory_limit is not None:  # [Note: a fixed mmap threshold] in host_heap.py
+                release_freed_memory()  # backward freed the activations: give the heap's holes back before the step
+
+    def _gradients_kept(self, what: str) -> None:
+        if self.early is not None:
+            raise ValueError(
+                f"{what} is not possible with step_in_backward=True: each chunk steps during backward and "
+                "its gradients are gone after it ([Note: stepping in backward]). Turn the one or the "
+                "other off (for Lightning's clipping: gradient_clip_val=None; with host_memory_limit set, "
+                "step_in_backward=None turns it on: set step_in_backward=False)."
+            )
+
+    def grads_ready(self, what: str) -> None:
+        """Before gradients are read or written outside the step: agreed on, attached, and not stepped away."""
+        self._gradients_kept(what)
+        self.prepare_step()
+
+    def grads(self, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
+        self.grads_ready("reading the gradients after backward")
+        return [g for b in self._bindings(optimizer) for g in b.grads()]
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients by their global norm over every shard of every rank; returns that norm
+        (``gradients.clip_grad_norm``: bit-exact with ``torch.nn.utils.clip_grad_norm_`` on one rank)."""
+        self._gradients_kept("clipping gradients by norm")
+        self.prepare_step()
+        total = clip_grad_norm(
+            [p for b in self._bindings(optimizer) for p in b.grad_chunks()], max_norm, norm_type, self.manager
+        )
+        self.last_grad_norm = float(total)
+        return total
+
+    def clip_grad_value_(self, clip_value: float, optimizer: torch.optim.Optimizer | None = None) -> None:
+        for g in self.grads(optimizer):
+            g.clamp_(min=-clip_value, max=clip_value)
+
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """fp16: unscale ``optimizer``'s gradients; True when some rank overflowed (every rank then skips)."""
+        assert self.scaler is not None
+        self.prepare_step()
+        return unscale_and_check(
+            [p for b in self._bindings(optimizer) for p in b.grad_chunks()], self.scaler, self.manager
+        )
+
+    def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """``optimizer.step(**kwargs)``, disk-tier chunks one at a time.
+
+        [Note: stepping disk shards] in ``optim/binding.py``."""
+        # nothing a disagreement computed is kept ([Note: checking once a micro-batch])
+        self.manager.comm.verify_issued()
+        with self.manager.clock.measure("optimizer"):
+            if self.early is not None:
+                return self.early.step_rest(**kwargs)
+            return self._bindings(optimizer)[0].step(**kwargs)
+
+    def finish_step(self, *, stepped: bool, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """After ``optimizer`` stepped (or skipped): write its chunks' compute-dtype copies back. Gradients stay
+        until ``zero_grad()``, as in plain PyTorch."""
+        bindings = self._bindings(optimizer)
+        self._no_grads_held = True
+        if self.early is not None:
+            self.early.finish()
+        fresh = {c for b in bindings for c in b.fresh_low}
+        for b in bindings:
+            b.fresh_low = set()
+        if stepped:
+            self.manager.optim_state_made = True
+            with self.manager.clock.measure("optimizer"):  # the compute-dtype copies are part of the step's cost
+                self.manager.write_back(
+                    None if optimizer is None else [g for b in bindings for g in b.chunk_groups()], fresh=fresh
+                )
+
+    # ================================================================ results
+    def memory_stats(self) -> dict[str, float]:
+        out = self.manager.stats()
+        out["nonmodel_peak_bytes"] = self.hooks.trace.nonmodel_peak_bytes if self.hooks.trace else 0
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
+        if self.early is not None:
+            out["chunks_stepped_in_backward"] = self.early.early
+            if self.manager.disk_chunks:  # [Note: stepping disk chunks in backward]
+                out["disk_staged_ahead_missed"] = self.early.disk.missed
+        if self.ema is not None:
+            out["ema_host_bytes"] = self.ema.nbytes  # this rank's share of the average ([Note: a sharded EMA])
+        if self.last_grad_norm is not None:
+            out["grad_norm"] = self.last_grad_norm  # the global norm the last norm clipping saw
+        if self.growth.enabled:
+            out["replans"] = self.growth.replans  # traced again because the inputs grew
+        out.update(self.manager.clock.stats())  # seconds by cause since set-up ([Note: where a step's time goes])
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict`` with every parameter's full trained value (host tensors)."""
+        sd = self.module.state_dict(keep_vars=True)
+        index_of = self.manager.index_of
+        values = full_values(self.manager)  # a collective with several ranks: every rank calls it
+        return {
+            k: (values[index_of[id(v)]] if id(v) in index_of else (v.detach() if torch.is_tensor(v) else v))
+            for k, v in sd.items()
+        }
+
+    def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+        """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers. A meta tensor
+        stands for the value the chunks hold already (a sharded checkpoint's, [Note: the state_dict of a sharded
+        save] in ``checkpoint.py``): it counts as present and loads nothing."""
+        sd = self.module.state_dict(keep_vars=True)
+        index_of = self.manager.index_of
+        param_keys = {k for k, v in sd.items() if id(v) in index_of}
+        missing = [k for k in sd if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in sd]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                f"missing keys {missing}, unexpected keys {unexpected}"
+            )
+        values = {}
+        for k in param_keys:
+            if k not in state_dict:
+                continue
+            i = index_of[id(sd[k])]
+            value = state_dict[k]
+            if tuple(value.shape) != tuple(self.manager.params[i].shape):
+                raise RuntimeError(
+                    f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
+                    f"the parameter in the current model has shape {tuple(self.manager.params[i].shape)}"
+                )
+            if not value.is_meta:
+                values[i] = value
+        load_values(self.manager, values)
+        rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
+        self.module.load_state_dict(rest, strict=False)
+
+    def teardown(
+        self,
+        *,
+        materialize: bool | None = True,
+        optimizer_state: bool | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off), on
+        ``device`` (the host by default), chunk by chunk. ``optimizer_state`` (default: the config's
+        ``materialize_optimizer_state``) also gives the optimizers their whole state back; without it they are
+        pointed back at the parameters with no state.
+
+        With ``materialize`` off nothing here is a collective, so it is safe after another rank failed.
+        """
+        if optimizer_state is None:
+            optimizer_state = self.config.materialize_optimizer_state
+        if materialize is None:  # [Note: the model after fit] in consolidate.py
+            materialize, need, share = whole_model_fits(
+                self.manager, optimizer_state=optimizer_state, room=page_cache_room()
+            )
+            if not materialize and self.comm.rank == 0:
+                warnings.warn(
+                    f"the trained parameters were left empty at the end of fit: the whole model ("
+                    f"{format_bytes(need)}) does not fit in a rank's share of the host memory available "
+                    f"({format_bytes(share or 0)}). The weights are in the "
+                    "checkpoints (`lightning-chunk consolidate` writes one file); materialize_on_teardown=True builds "
+                    "them anyway. [Note: the model after fit]",
+                    stacklevel=2,
+                )
+        self.hooks.remove()
+        for b in self.bindings:
+            b.detach_grads()
+            if materialize and not optimizer_state:  # [Note: optimizer state after fit] in kept_state.py
+                self.kept_optimizer_states[id(b.optimizer)] = keep_optimizer_state(self.manager, b)
+            b.unbind(whole_state=materialize and optimizer_state)
+        unpack(self.manager, materialize=materialize, device=device)
+        self.manager.close()
+        release_pinned_cache()

@@ -1,0 +1,204 @@
+"""Parameters read outside the module that owns them.
+
+[Note: parameters read outside their owner]
+A module's parameters are gathered when its own forward runs (``hooks.py``). Code that reads a parameter by
+attribute somewhere else — a GPT-2 style tied head in the LightningModule's ``forward``
+(``F.linear(h, self.tok.weight)``, ``h @ self.wte.weight.T``), a table indexed in ``training_step``
+(``self.pos.weight[idx]``), a block that uses a child's weight without calling the child — read it after its
+module's forward had let it go. With the payload released, ``.data`` is the placeholder of
+[Note: a released parameter] in ``chunk.py``: the step computed with NaN and trained to NaN weights, silently.
+Resident but not in use, its backward could find it released later and compute with NaN there.
+
+While a step's forward runs, each managed module's ``_parameters`` is a ``WatchedParameters``: reading a
+parameter by attribute (``module.weight``) or by iteration (``module.parameters()``) tells the hooks. A parameter
+its own module's forward has in use (COMPUTE) needs nothing. Any other, read by attribute, is *adopted* by the
+innermost module of the model whose code runs (found on the Python stack; the root, for reads in
+``forward``/``training_step`` outside every child): gathered now, in use until that module's forward ends, and
+from then on owned by that module as a parameter tied by assignment is — gathered at its forward and before its
+backward, counted by the trace, the chunk size and the limit check. The warm-up is traced again at the next
+training micro-batch, since the moments changed. This is DeepSpeed's ``ZeROOrderedDict``, which registers such
+parameters as "external parameters" of the running module. A read by iteration (an L2 penalty over
+``self.parameters()``, values recorded in ``training_step``) is usually a one-off, and adopting every parameter
+for good would keep the whole model gathered for every later step: it is *held* instead, gathered and in use
+until this micro-batch's backward ends (its graph may read it there), and let go after.
+
+What the watch cannot see: a parameter reached other than as a module attribute (a reference kept in a plain list
+or a closure before training). Such a read finds the placeholder. While a warm-up micro-batch runs (and the first
+evaluation step), ``ReleasedReads`` looks at every torch function's tensor arguments: one that views a
+placeholder's storage (the parameter, or a view of it such as ``w.T``) raises at once, naming the parameter and
+the fix — read it as a module attribute, or name the module that reads it in ``leaf_modules``, so that it owns
+its subtree ([Note: leaf modules] in ``leaves.py``), the root included. Later steps run the same code, so a read
+the warm-up did not make is one a data-dependent branch makes; they are not checked (a Python call per torch
+function would cost every step).
+
+The watch costs a dictionary look-up per attribute read during a step, none outside one. A module is copied or
+pickled with a plain dict (``__reduce_ex__``), so copies (an EMA's, a deep copy in a callback) and saved modules
+carry nothing of the engine, and ``unwatch`` puts plain dicts back when the engine is torn down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..chunks.chunk import placeholder_storages
+from ..errors import ChunkError
+
+Reader = Callable[[torch.Tensor, bool], None]  # (parameter, read by attribute: else by iteration)
+
+_reader: Reader | None = None  # the engine whose step is running; one step runs at a time in a process
+
+
+class WatchedParameters(dict):
+    """A module's ``_parameters`` while the engine runs: reads by attribute or iteration go to the step's reader."""
+
+    __slots__ = ()
+
+    def __getitem__(self, name: str) -> Any:
+        p = dict.__getitem__(self, name)
+        if _reader is not None and p is not None:
+            _reader(p, True)
+        return p
+
+    def values(self) -> Any:  # type: ignore[override]
+        if _reader is None:
+            return dict.values(self)
+        return [v for _, v in self.items()]
+
+    def items(self) -> Any:  # type: ignore[override]
+        reader = _reader
+        if reader is None:
+            return dict.items(self)
+        out = list(dict.items(self))
+        for _, p in out:
+            if p is not None:
+                reader(p, False)
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return dict, (dict(dict.items(self)),)
+
+
+# torch functions that read no values: metadata, views (an op on the view is checked), hooks, the engine's own
+# ``param.data = ...``
+_NOT_READS = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "storage_offset",
+        "untyped_storage",
+        "data_ptr",
+        "element_size",
+        "is_floating_point",
+        "is_contiguous",
+        "__hash__",
+        "__len__",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "requires_grad_",
+        "detach",
+        "view",
+        "view_as",
+        "expand",
+        "expand_as",
+        "t",
+        "transpose",
+        "permute",
+        "reshape",
+        "flatten",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "__getitem__",
+        "split",
+        "chunk",
+        "narrow",
+        "select",
+        "unbind",
+        "_is_view",
+        "is_leaf",
+        "get_device",
+    }
+)
+
+
+class ReleasedReads(TorchFunctionMode):
+    """An op that reads a released parameter's placeholder raises ([Note: parameters read outside their owner]).
+    ``name(tensor)``: the parameter's name, if ``tensor`` is a managed parameter."""
+
+    def __init__(self, name: Callable[[torch.Tensor], str | None]) -> None:
+        super().__init__()
+        self.name = name
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _NOT_READS:
+            released = placeholder_storages()
+            if released:
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, torch.Tensor) and _storage(t) in released:
+                        what = self.name(t)
+                        raise ChunkError(
+                            f"{getattr(func, '__name__', func)} read "
+                            + (f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})")
+                            + " while its chunk was released: the code holds a reference the engine cannot follow "
+                            "(a list or closure made before training, not a module attribute), so it would compute "
+                            "with NaN. Read the parameter as an attribute of its module (self.tok.weight), or name "
+                            "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
+                            "LightningModule itself included)."
+                        )
+        return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # meta and fake tensors (dynamo tracing) hold no storage
+        return -1
+
+
+def watch(module: torch.nn.Module) -> None:
+    """Give every submodule of ``module`` a ``WatchedParameters`` (idempotent)."""
+    for mod in module.modules():
+        params = mod.__dict__.get("_parameters")
+        if params is not None and type(params) is dict:
+            mod.__dict__["_parameters"] = WatchedParameters(params)
+
+
+def unwatch(module: torch.nn.Module) -> None:
+    """Plain dicts again, with whatever the module holds now."""
+    for mod in module.modules():
+        params = mod.__dict__.get("_parameters")
+        if isinstance(params, WatchedParameters):
+            mod.__dict__["_parameters"] = dict(dict.items(params))
+
+
+@contextlib.contextmanager
+def reading(reader: Reader) -> Iterator[None]:
+    """Send attribute reads of watched parameters to ``reader`` inside this block (a step's forward)."""
+    global _reader
+    before, _reader = _reader, reader
+    try:
+        yield
+    finally:
+        _reader = before
+
+
+@contextlib.contextmanager
+def unwatched() -> Iterator[None]:
+    """No reads reported inside this block (the engine's own work during a read)."""
+    global _reader
+    before, _reader = _reader, None
+    try:
+        yield
+    finally:
+        _reader = before
