@@ -51,6 +51,19 @@ class Tier(enum.Enum):
     DISK = "disk"  # master, gradient shard and optimizer state in files; the compute-dtype copy on the host
 
 
+class Role(str, enum.Enum):
+    """Which of a shard's buffers a tier holds: the fp32 master, the compute-dtype copy, the gradient accumulator,
+    the optimizer's state. A ``str`` so that a role names its disk file (``chunk3-0-grad.bin``) as it is."""
+
+    MASTER = "master"
+    LOW = "low"
+    GRAD = "grad"
+    OPTIM = "optim"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 _NOT_A_VALUE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..chunks.chunk import Chunk, InFlight, TensorInfo, Tier, free_storage
+from ..chunks.chunk import Chunk, InFlight, Role, TensorInfo, Tier, free_storage
 from ..chunks.packing import ChunkKey, Layout, ParamSpec
 from ..chunks.repack import ExtraShards, FromModule, OldChunks, build_chunk, piece_range
 from ..chunks.states import TensorState, check_transition
@@ -274,7 +274,7 @@ class ChunkManager:
         """``p`` is now a view into ``chunk``'s payload, described by ``info``."""
         self._where[id(p)] = (chunk, info)
 
-    def alloc_shard(self, chunk: Chunk, role: str, dtype: torch.dtype) -> torch.Tensor:
+    def alloc_shard(self, chunk: Chunk, role: Role, dtype: torch.dtype) -> torch.Tensor:
         """Allocate one of the chunk's shard buffers on its tier. Device bytes must have been reserved by the caller."""
         return self.storage_of(chunk).alloc(chunk, role, chunk.shard_numel, dtype)
 
@@ -322,7 +322,7 @@ class ChunkManager:
         from_file = chunk.shard_tier is Tier.DISK and chunk.low is None  # an fp32 disk shard: read the master's file
         with (
             self.tracked(chunk),
-            self.storage_of(chunk).reading(chunk, ("master",) if from_file and self.device.type != "cpu" else ()),
+            self.storage_of(chunk).reading(chunk, (Role.MASTER,) if from_file and self.device.type != "cpu" else ()),
         ):
             self.reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
             self.pool.fill(chunk.payload.untyped_storage(), chunk.payload_bytes)
@@ -496,7 +496,7 @@ class ChunkManager:
                 chunk.grad_written and chunk.grad is not None and not chunk.grad_released
             ):  # several ranks, some kept: the rest restart at 0
                 lo, _ = chunk.shard_range
-                with self.storage_of(chunk).writing(chunk, ("grad",)):
+                with self.storage_of(chunk).writing(chunk, (Role.GRAD,)):
                     for t in infos:
                         a, b = piece_range(chunk, t.offset, t.numel)
                         if a < b:
@@ -576,7 +576,7 @@ class ChunkManager:
                 continue
             if c.low is not None and c.chunk_id not in fresh:
                 assert c.master is not None
-                with self.storage_of(c).reading(c, ("master",)):
+                with self.storage_of(c).reading(c, (Role.MASTER,)):
                     c.low.copy_(c.master)
             if c.is_resident:
                 self.release(c, eviction=False)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..chunks.chunk import Chunk, Tier
+from ..chunks.chunk import Chunk, Role, Tier
 from ..config import ChunkConfig
 from ..errors import UnsupportedOptimizerError
 from ..memory.consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
@@ -262,13 +262,13 @@ class OptimizerBinding:
         for g in self.optimizer.param_groups:
             new = []
             for v in g["params"]:
-                tw = staged.like(v, "master")
+                tw = staged.like(v, Role.MASTER)
                 if v.grad is not None:
-                    tw.grad = staged.like(v.grad, "grad")
+                    tw.grad = staged.like(v.grad, Role.GRAD)
                 st = state.get(v)
                 if st:
                     state[tw] = {
-                        k: (staged.like(x, "optim") if torch.is_tensor(x) and staged.holds(x, "optim") else x)
+                        k: (staged.like(x, Role.OPTIM) if torch.is_tensor(x) and staged.holds(x, Role.OPTIM) else x)
                         for k, x in st.items()
                     }
                 twins[id(tw)] = (v, tw)
@@ -343,15 +343,15 @@ class OptimizerBinding:
                     if staged[nxt.chunk_id]:
                         pending = storage.stage_in(nxt)
                     else:
-                        storage.prefetch(nxt, ("master", "optim"), write=True)
-                        storage.prefetch(nxt, ("grad",))
+                        storage.prefetch(nxt, (Role.MASTER, Role.OPTIM), write=True)
+                        storage.prefetch(nxt, (Role.GRAD,))
                 with self._only(functools.partial(_in_chunk, chunk_of, c.chunk_id)):
                     if current is not None:
                         storage.wait(current)
                         out = self._step_staged(current, **kwargs)
-                        storage.stage_out(current, ("master", "optim"))
+                        storage.stage_out(current, (Role.MASTER, Role.OPTIM))
                         continue
-                    with storage.writing(c, ("master", "optim")), storage.reading(c, ("grad",)):
+                    with storage.writing(c, (Role.MASTER, Role.OPTIM)), storage.reading(c, (Role.GRAD,)):
                         out = self.optimizer.step(**kwargs)
                         moved = self.keep_state([c])
                 if moved:  # the state this step created in memory went to the file: give its pages back
@@ -549,12 +549,14 @@ class OptimizerBinding:
                 return False
             storage.wait(staged)  # its read iterates ``staged.files``: the twin below is a new object
             with_grads = dataclasses.replace(
-                staged, files={**staged.files, "grad": storage.file(chunk, "grad")}, bufs={**staged.bufs, "grad": grads}
+                staged,
+                files={**staged.files, Role.GRAD: storage.file(chunk, Role.GRAD)},
+                bufs={**staged.bufs, Role.GRAD: grads},
             )
             with self._only(lambda v: id(v) in ids), self.kernel():
                 with storage.beside_io() if _split_at_cache_lines(self.optimizer) else contextlib.nullcontext():
                     self._step_staged(with_grads, **kwargs)
-            storage.stage_out(staged, ("master", "optim"))
+            storage.stage_out(staged, (Role.MASTER, Role.OPTIM))
             return True
 
     @contextlib.contextmanager

@@ -59,13 +59,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..chunks.chunk import Chunk, Tier
+from ..chunks.chunk import Chunk, Role, Tier
 from ..errors import UnsupportedOptimizerError
 from ..memory.manager import ChunkManager
 from ..tiers.disk_storage import Staged
 from .binding import OptimizerBinding
 
-STAGED = ("master", "optim")  # a disk chunk's files read for a step in backward (its gradients are in memory)
+STAGED = (Role.MASTER, Role.OPTIM)  # a disk chunk's files read for a step in backward (its gradients are in memory)
 
 # the refusal of fp16 loss scaling, raised by the strategy at set-up and by the engine at the first backward
 FP16_REFUSED = (

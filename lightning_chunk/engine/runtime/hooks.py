@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..chunks.chunk import Tier
+from ..chunks.chunk import Role, Tier
 from ..chunks.chunk import nbytes as tensor_nbytes
 from ..chunks.states import TensorState
 from ..comm.sequence import GRADIENTS, ModuleSequence
@@ -78,7 +78,17 @@ from ..memory.full_params import state_dict_hooks
 from ..memory.grad_graph import GradGraphKeeper
 from ..memory.manager import ChunkManager
 from ..schedule.placement import PlacementPolicy, activation_room, untraced_budget
-from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentEvent, MomentKey, Trace
+from ..schedule.tracer import (
+    BACKWARD,
+    FORWARD,
+    POST_FORWARD,
+    ROOT,
+    MemoryTracer,
+    MomentEvent,
+    MomentKey,
+    MomentKind,
+    Trace,
+)
 from .leaves import LeafModules
 from .reads import ReleasedReads, reading, unwatch, unwatched, watch
 from .reads import __file__ as reads_file
@@ -275,7 +285,7 @@ class ChunkHooks:
         return any(c.payload is not None and c.payload.untyped_storage().data_ptr() == ptr for c in self.manager.chunks)
 
     # ================================================================= moments
-    def _tick(self, kind: str, key: str) -> tuple[int, ...]:
+    def _tick(self, kind: MomentKind, key: str) -> tuple[int, ...]:
         """Advance the clock by one moment; return the chunks the module owns."""
         self._previous_moment = self._this_moment
         self._this_moment = (kind, key)
@@ -347,7 +357,7 @@ class ChunkHooks:
                     if on_cpu:
                         mgr.disk.read_ahead_master(c)
                     else:
-                        mgr.disk.prefetch(c, ("master",))
+                        mgr.disk.prefetch(c, (Role.MASTER,))
 
     def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Trace | None, budget: int | None) -> None:
         """Ask the policy what to evict and prefetch at this moment, and do it; then gather what is needed."""
@@ -423,7 +433,7 @@ class ChunkHooks:
                 return self._key_index.get(m.module, -1)
         return -1
 
-    def _use(self, key: str, kind: str) -> None:
+    def _use(self, key: str, kind: MomentKind) -> None:
         if self.closed is not None:
             raise ChunkError(self.closed)
         self._current_module = self._key_index.get(key, -1)
@@ -580,7 +590,7 @@ class ChunkHooks:
     def _resident(self) -> frozenset[int]:
         return frozenset(c.chunk_id for c in self.manager.chunks if c.is_resident)
 
-    def _record(self, kind: str, key: str, needed: tuple[int, ...], before: frozenset[int]) -> None:
+    def _record(self, kind: MomentKind, key: str, needed: tuple[int, ...], before: frozenset[int]) -> None:
         assert self.recorder is not None
         after = self._resident()
         mgr = self.manager

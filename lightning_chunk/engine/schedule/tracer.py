@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,13 +22,25 @@ from typing import NamedTuple
 
 import torch
 
-FORWARD, POST_FORWARD, BACKWARD = "fwd", "post_fwd", "bwd"
+
+class MomentKind(str, enum.Enum):
+    """Which hook a moment is: a module's pre-forward, its post-forward, or its pre-backward."""
+
+    FORWARD = "fwd"
+    POST_FORWARD = "post_fwd"
+    BACKWARD = "bwd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FORWARD, POST_FORWARD, BACKWARD = MomentKind.FORWARD, MomentKind.POST_FORWARD, MomentKind.BACKWARD
 ROOT = "<root>"  # the module key of the root module, whose moments are its step's start and its backward's start
 
 
 @dataclass(frozen=True)
 class Moment:
-    kind: str  # FORWARD, POST_FORWARD or BACKWARD
+    kind: MomentKind
     module: str
     chunk_ids: tuple[int, ...]
     param_indices: tuple[int, ...]
@@ -39,7 +52,7 @@ class Moment:
 
 
 class MomentKey(NamedTuple):
-    kind: str
+    kind: MomentKind
     module: str
     occurrence: int  # moments of this kind and module before it in the step
 
@@ -213,7 +226,7 @@ class MomentEvent:
     """What one moment did, for telemetry (see ``ChunkHooks.recorder``)."""
 
     position: int
-    kind: str
+    kind: MomentKind
     module: str
     needed: tuple[int, ...]
     evicted: tuple[int, ...]
@@ -332,7 +345,7 @@ class MemoryTracer:
 
     def record(
         self,
-        kind: str,
+        kind: MomentKind,
         module: str,
         chunk_ids: Sequence[int],
         param_indices: Sequence[int],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..chunks.chunk import Chunk, Tier
+from ..chunks.chunk import Chunk, Role, Tier
 from ..errors import DiskTierError
 from ..system.page_cache import page_cache_room, use_direct
 from .disk import POPULATE_READ, POPULATE_WRITE, MappedFile, ScratchDir, aligned_empty, check_room
@@ -33,17 +33,17 @@ class Staged:
     """A disk chunk's files read into host buffers for one use (the optimizer step), written back after it."""
 
     chunk: Chunk
-    files: dict[str, MappedFile]
-    bufs: dict[str, torch.Tensor]  # role -> uint8 buffer whose first ``files[role].nbytes`` bytes are the file's
+    files: dict[Role, MappedFile]
+    bufs: dict[Role, torch.Tensor]  # role -> uint8 buffer whose first ``files[role].nbytes`` bytes are the file's
     ready: Future  # every role read (the I/O thread runs in order: ``master_ready`` is done first)
     master_ready: Future | None = None  # the master read, first
     set_index: int = -1  # which of the two staging sets holds it
 
-    def holds(self, t: torch.Tensor, role: str) -> bool:
+    def holds(self, t: torch.Tensor, role: Role) -> bool:
         f = self.files.get(role)
         return f is not None and f.base <= t.data_ptr() < f.base + f.nbytes
 
-    def like(self, t: torch.Tensor, role: str) -> torch.Tensor:
+    def like(self, t: torch.Tensor, role: Role) -> torch.Tensor:
         """The staged twin of ``t``, a view of ``role``'s file: same dtype, shape and offset, in the buffer."""
         off = t.data_ptr() - self.files[role].base
         return self.bufs[role][off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
@@ -71,7 +71,7 @@ class DiskStorage(TierStorage):
         self.direct = io == "direct"  # [Note: O_DIRECT where the page cache cannot hold the files]
         self._pool: ThreadPoolExecutor | None = None  # the O_DIRECT pieces in flight
         self._dir: ScratchDir | None = None
-        self._files: dict[int, dict[str, MappedFile]] = {}  # id(chunk) -> role -> file
+        self._files: dict[int, dict[Role, MappedFile]] = {}  # id(chunk) -> role -> file
         self._state_at: dict[int, dict[str, int]] = {}  # id(chunk) -> optimizer state key -> byte offset in its file
         self._used: dict[int, int] = {}  # id(chunk) -> bytes of its optimizer-state file given to keys
         self._state_dtype: dict[tuple[int, str], torch.dtype] = {}
@@ -89,7 +89,7 @@ class DiskStorage(TierStorage):
         # id(chunk) of the disk chunks this backward will still step, in the order expected, and their roles: staged
         # at their gather or before ([Note: staging at the backward gather])
         self._will_step: list[int] = []
-        self._will_step_roles: tuple[str, ...] = ()
+        self._will_step_roles: tuple[Role, ...] = ()
         self._writes: list[Future] = []  # write-backs not yet known to have succeeded
         # id(chunk) -> its files staged in a set that still holds them, until the next flush: a gather may copy
         # the master from there ([Note: a gather from the staging set])
@@ -141,13 +141,13 @@ class DiskStorage(TierStorage):
         return sum(f.nbytes for files in self._files.values() for f in files.values())
 
     # ----------------------------------------------------------------- bytes
-    def _file(self, chunk: Chunk, role: str, nbytes: int) -> MappedFile:
+    def _file(self, chunk: Chunk, role: Role, nbytes: int) -> MappedFile:
         self._serial += 1
         f = MappedFile(self.directory.path / f"chunk{chunk.chunk_id}-{self._serial}-{role}.bin", nbytes)
         self._files.setdefault(id(chunk), {})[role] = f
         return f
 
-    def alloc(self, chunk: Chunk, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if role not in ROLES:  # the compute-dtype copy: read by every gather, it stays in host memory
             return self.host.alloc(chunk, role, numel, dtype)
         return self._file(chunk, role, numel * dtype.itemsize).tensor(numel, dtype)
@@ -155,17 +155,17 @@ class DiskStorage(TierStorage):
     def reserve_state(self, chunk: Chunk, nbytes: int) -> None:
         files = self._files.setdefault(id(chunk), {})
         nbytes = nbytes + 256 if nbytes else 0  # each key's region starts 16-byte aligned
-        if "optim" in files and files["optim"].nbytes == nbytes:
+        if Role.OPTIM in files and files[Role.OPTIM].nbytes == nbytes:
             return
-        if "optim" in files:
-            files.pop("optim").close()
+        if Role.OPTIM in files:
+            files.pop(Role.OPTIM).close()
         self._state_at.pop(id(chunk), None)
         self._used.pop(id(chunk), None)
         if nbytes:
-            self._file(chunk, "optim", nbytes)
+            self._file(chunk, Role.OPTIM, nbytes)
 
     def keep_state(self, chunk: Chunk, view: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
-        f = self._files.get(id(chunk), {}).get("optim")
+        f = self._files.get(id(chunk), {}).get(Role.OPTIM)
         if f is None or not torch.is_tensor(value) or value.dim() == 0 or value.numel() != view.numel():
             return value
         assert chunk.master is not None
@@ -174,7 +174,7 @@ class DiskStorage(TierStorage):
         )
 
     def keep_piece(self, chunk: Chunk, offset: int, key: str, value: torch.Tensor) -> torch.Tensor:
-        f = self._files.get(id(chunk), {}).get("optim")
+        f = self._files.get(id(chunk), {}).get(Role.OPTIM)
         if f is None or not torch.is_tensor(value) or value.dim() == 0:
             return value
         at = self._state_at.setdefault(id(chunk), {})
@@ -198,7 +198,7 @@ class DiskStorage(TierStorage):
         return slot
 
     def state_region(self, chunk: Chunk, key: str) -> torch.Tensor | None:
-        f = self._files.get(id(chunk), {}).get("optim")
+        f = self._files.get(id(chunk), {}).get(Role.OPTIM)
         at = self._state_at.get(id(chunk), {})
         if f is None or key not in at:
             return None
@@ -213,7 +213,7 @@ class DiskStorage(TierStorage):
     def grad_target(self, chunk: Chunk) -> torch.Tensor:
         """A host buffer the gradients gather in (zeros, or the file's gradients when some are being accumulated);
         ``grads_done`` writes it to the file with ``pwritev``: no page of the mapping is touched."""
-        f = self._files.get(id(chunk), {}).get("grad")
+        f = self._files.get(id(chunk), {}).get(Role.GRAD)
         if f is None:
             return super().grad_target(chunk)
         buf = self._grads.get(id(chunk))
@@ -258,7 +258,7 @@ class DiskStorage(TierStorage):
         can look at a gradient. A write that failed raises there, or at the latest in ``flush``."""
         buf = self._grads.pop(id(chunk), None)
         if buf is not None:
-            f = self._files[id(chunk)]["grad"]
+            f = self._files[id(chunk)][Role.GRAD]
             self.write_bytes += f.nbytes
             writing = self._grad_writes[id(f)] = self._thread().submit(
                 f.write_from, buf, direct=self.direct, pool=self._pieces()
@@ -268,14 +268,14 @@ class DiskStorage(TierStorage):
             for _, dropped in kept[2:]:
                 self._wait_for(dropped)  # no more than two buffers a step may be writing
 
-    def file(self, chunk: Chunk, role: str) -> MappedFile:
+    def file(self, chunk: Chunk, role: Role) -> MappedFile:
         """The chunk's ``role`` file."""
         return self._files[id(chunk)][role]
 
     def grads_in_memory(self, chunk: Chunk) -> torch.Tensor | None:
         """The uint8 host buffer this backward's gradients of ``chunk`` gathered in (``grad_target``), before
         ``grads_done`` writes it; ``None`` when there is none."""
-        f = self._files.get(id(chunk), {}).get("grad")
+        f = self._files.get(id(chunk), {}).get(Role.GRAD)
         buf = self._grads.get(id(chunk))
         return None if f is None or buf is None else buf[: f.nbytes]
 
@@ -311,7 +311,7 @@ class DiskStorage(TierStorage):
 
     def keeps(self, chunk: Chunk, t: torch.Tensor) -> bool:
         """``t`` is a view of the chunk's optimizer-state file."""
-        f = self._files.get(id(chunk), {}).get("optim")
+        f = self._files.get(id(chunk), {}).get(Role.OPTIM)
         return f is not None and f.base <= t.data_ptr() < f.base + f.nbytes
 
     def free(self, chunk: Chunk) -> None:
@@ -347,7 +347,7 @@ class DiskStorage(TierStorage):
             self._dir = None
 
     # ---------------------------------------------------------------- paging
-    def _of(self, chunk: Chunk, roles: tuple[str, ...]) -> list[tuple[str, MappedFile]]:
+    def _of(self, chunk: Chunk, roles: tuple[Role, ...]) -> list[tuple[Role, MappedFile]]:
         files = self._files.get(id(chunk), {})
         return [(r, files[r]) for r in roles if r in files]
 
@@ -357,7 +357,7 @@ class DiskStorage(TierStorage):
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_chunk-disk")
         return self._reader
 
-    def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES, *, write: bool = False) -> None:
+    def prefetch(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES, *, write: bool = False) -> None:
         """Fault the chunk's ``roles`` files in on the read-ahead thread (writable when ``write``)."""
         for _, f in self._of(chunk, roles):
             self._after_grad_write(f)
@@ -399,7 +399,7 @@ class DiskStorage(TierStorage):
         finally:
             torch.set_num_threads(threads)
 
-    def stage_in(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Staged | None:
+    def stage_in(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Staged | None:
         """Start reading the chunk's ``roles`` files into one of two staging sets, on the I/O thread.
 
         [Note: staged optimizer steps] The optimizer step reads every byte of a disk shard and
@@ -440,12 +440,12 @@ class DiskStorage(TierStorage):
             for f in files.values():
                 f.will_need()
         master = (
-            self._thread().submit(files["master"].read_into, bufs["master"], direct=direct, pool=pool)
-            if "master" in files
+            self._thread().submit(files[Role.MASTER].read_into, bufs[Role.MASTER], direct=direct, pool=pool)
+            if Role.MASTER in files
             else None
         )
         ready = self._thread().submit(
-            lambda: [f.read_into(bufs[r], direct=direct, pool=pool) for r, f in files.items() if r != "master"]
+            lambda: [f.read_into(bufs[r], direct=direct, pool=pool) for r, f in files.items() if r != Role.MASTER]
         )
         staged = Staged(chunk, files, bufs, ready, master, index)
         self._staged_now[id(chunk)] = staged
@@ -470,7 +470,7 @@ class DiskStorage(TierStorage):
             self.wait(staged)
             self._holders[staged.set_index] = None
 
-    def expect_steps(self, chunks: Sequence[Chunk], roles: tuple[str, ...]) -> None:
+    def expect_steps(self, chunks: Sequence[Chunk], roles: tuple[Role, ...]) -> None:
         """This backward steps ``chunks``, in this order as far as can be told, from their staged ``roles`` ([] when
         it is over); ``stepped`` takes each off.
 
@@ -524,7 +524,7 @@ class DiskStorage(TierStorage):
         is still writing the chunk before back (asked inside the thread's read, after that write,
         the step's disk waits were 1.46-1.61 s against 1.13-1.19). Where the files are cached
         both are page-cache lookups."""
-        f = self._files.get(id(chunk), {}).get("master")
+        f = self._files.get(id(chunk), {}).get(Role.MASTER)
         if f is not None and self._stage_for_step(chunk) is not None:
             return  # [Note: staging at the backward gather]
         if f is not None and id(f) not in self._hinted:
@@ -534,7 +534,7 @@ class DiskStorage(TierStorage):
     def read_master_into(self, chunk: Chunk, dst: torch.Tensor) -> bool:
         """Copy the chunk's master file into ``dst`` (contiguous, on the host, as many bytes) with ``preadv``, not
         through the mapping: what a gather on a CPU device does with an fp32 disk shard. False if not on disk."""
-        f = self._files.get(id(chunk), {}).get("master")
+        f = self._files.get(id(chunk), {}).get(Role.MASTER)
         if f is None:
             return False
         self._hinted.discard(id(f))
@@ -545,7 +545,7 @@ class DiskStorage(TierStorage):
             # or before where a set is free ([Note: staging at the backward gather]): the gather copies the master
             # the I/O thread read, and the file is read once for both
             self._wait_for(staged.master_ready)
-            dst.view(-1).view(torch.uint8).copy_(staged.bufs["master"][: f.nbytes])
+            dst.view(-1).view(torch.uint8).copy_(staged.bufs[Role.MASTER][: f.nbytes])
             self.gathers_staged += 1
             return True
         self.gathers_read += 1
@@ -560,7 +560,7 @@ class DiskStorage(TierStorage):
             self._wait_for(staged.master_ready)
         self._wait_for(staged.ready)
 
-    def stage_out(self, staged: Staged, roles: tuple[str, ...]) -> None:
+    def stage_out(self, staged: Staged, roles: tuple[Role, ...]) -> None:
         """Write the staged ``roles`` back to their files, on the I/O thread."""
         files = {r: f for r, f in staged.files.items() if r in roles}
         self.write_bytes += sum(f.nbytes for f in files.values())
@@ -586,17 +586,17 @@ class DiskStorage(TierStorage):
             self.wait_s += time.perf_counter() - t0
 
     @contextlib.contextmanager
-    def reading(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Iterator[None]:
+    def reading(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Iterator[None]:
         with self._use(chunk, roles, write=False):
             yield
 
     @contextlib.contextmanager
-    def writing(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Iterator[None]:
+    def writing(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Iterator[None]:
         with self._use(chunk, roles, write=True):
             yield
 
     @contextlib.contextmanager
-    def _use(self, chunk: Chunk, roles: tuple[str, ...], *, write: bool) -> Iterator[None]:
+    def _use(self, chunk: Chunk, roles: tuple[Role, ...], *, write: bool) -> Iterator[None]:
         entered = []
         for _role, f in self._of(chunk, roles):
             key = (id(f), "w" if write else "r")

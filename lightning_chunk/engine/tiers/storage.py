@@ -18,16 +18,16 @@ from collections.abc import Iterator
 
 import torch
 
-from ..chunks.chunk import Chunk, Tier
+from ..chunks.chunk import Chunk, Role, Tier
 
 _HOST = torch.device("cpu")
-ROLES = ("master", "grad", "optim")  # the buffers of a disk shard that live in files
+ROLES = (Role.MASTER, Role.GRAD, Role.OPTIM)  # the buffers of a disk shard that live in files
 
 
 class TierStorage:
     tier: Tier
 
-    def alloc(self, chunk: Chunk, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
     def reserve_state(self, chunk: Chunk, nbytes: int) -> None:
@@ -49,15 +49,15 @@ class TierStorage:
     def page_out(self, chunk: Chunk | None = None) -> None:
         """Drop the pages of ``chunk`` (every chunk when ``None``) from the process (after a pass over it)."""
 
-    def prefetch(self, chunk: Chunk, roles: tuple[str, ...] = ROLES, *, write: bool = False) -> None:
+    def prefetch(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES, *, write: bool = False) -> None:
         """The chunk's ``roles`` buffers will be used soon (and written, when ``write``)."""
 
     @contextlib.contextmanager
-    def reading(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Iterator[None]:
+    def reading(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Iterator[None]:
         yield
 
     @contextlib.contextmanager
-    def writing(self, chunk: Chunk, roles: tuple[str, ...] = ROLES) -> Iterator[None]:
+    def writing(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Iterator[None]:
         yield
 
     def grad_target(self, chunk: Chunk) -> torch.Tensor:
@@ -81,7 +81,7 @@ class DeviceStorage(TierStorage):
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def alloc(self, chunk: Chunk, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
 
@@ -91,5 +91,5 @@ class HostStorage(TierStorage):
     def __init__(self, *, pinned: bool) -> None:
         self.pinned = pinned
 
-    def alloc(self, chunk: Chunk, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self.pinned)
