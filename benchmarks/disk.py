@@ -86,18 +86,19 @@ def child_chunk(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
-    from lightning_chunk import ChunkOffloadStrategy
+    from lightning_chunk import CheckOptions, ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 
     on_disk = args.child in ("disk", "disk_early")
-    kw = dict(host_memory_limit=args.host_limit, disk_dir=args.dir, disk_io=args.disk_io) if on_disk else {}
+    kw: dict = dict(host_memory_limit=args.host_limit) if on_disk else {}
     if args.child == "disk":  # the default steps in backward here ([Note: stepping disk chunks in backward])
         kw["step_in_backward"] = False
     strategy = ChunkOffloadStrategy(
         placement="host",
         device_memory_limit=args.device_limit,
-        log_memory_stats=False,
-        materialize_on_teardown=False,
         **kw,
+        memory=MemoryOptions(materialize_on_teardown=False),
+        offload=OffloadOptions(disk_dir=args.dir, disk_io=args.disk_io) if on_disk else None,
+        checks=CheckOptions(log_memory_stats=False),
     )
     L.seed_everything(0, verbose=False)
     model = make_gpt(args, deferred_init=True)

@@ -117,18 +117,18 @@ def child(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
-    from lightning_chunk import ChunkOffloadStrategy
+    from lightning_chunk import CheckOptions, ChunkOffloadStrategy
     from lightning_chunk.engine.config import parse_bytes
 
     cuda = args.accelerator == "cuda"
     if args.child == "chunk_offload":
         strategy = ChunkOffloadStrategy(
             placement="auto",
-            log_memory_stats=False,
             device_memory_limit=parse_bytes(args.device_limit, field="--device-limit"),
+            checks=CheckOptions(log_memory_stats=False),
         )
     elif args.child == "chunk_offload default":  # what a user gets: the limit is the device's free memory less a margin
-        strategy = ChunkOffloadStrategy(log_memory_stats=False)
+        strategy = ChunkOffloadStrategy(checks=CheckOptions(log_memory_stats=False))
     elif args.child == "ddp":
         strategy = "auto"
     else:

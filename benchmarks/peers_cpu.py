@@ -74,12 +74,12 @@ def _data(args: argparse.Namespace, ranks: int) -> Any:
 
 def child_chunk(args: argparse.Namespace) -> None:
     from lightning_chunk import ChunkOffloadStrategy, ChunkTelemetry
+    from lightning_chunk.options import grouped
 
     telemetry = ChunkTelemetry(picture=False)
     extra = json.loads(args.strategy_json or "{}")  # e.g. '{"verify_collectives": false}', to measure one lever
-    strategy = ChunkOffloadStrategy(
-        placement=args.placement, chunk_numel=args.chunk_numel, log_memory_stats=False, **extra
-    )
+    given = {"placement": args.placement, "chunk_numel": args.chunk_numel, "log_memory_stats": False, **extra}
+    strategy = ChunkOffloadStrategy(**grouped(given))
     _lightning_child(args, strategy, [telemetry], lambda: telemetry.breakdown)
 
 

@@ -65,7 +65,7 @@ def child(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
-    from lightning_chunk import ChunkOffloadStrategy
+    from lightning_chunk import CheckOptions, ChunkOffloadStrategy, MemoryOptions
 
     spec = contenders(args.ranks)[args.child]
     cuda = args.accelerator == "cuda"
@@ -74,9 +74,9 @@ def child(args: argparse.Namespace) -> None:
         strategy = ChunkOffloadStrategy(
             placement=spec["placement"],
             device_memory_limit=device_limit,
-            log_memory_stats=False,
-            materialize_on_teardown=False,
             step_in_backward=spec.get("step_in_backward", False),
+            memory=MemoryOptions(materialize_on_teardown=False),
+            checks=CheckOptions(log_memory_stats=False),
         )
     else:
         strategy = spec["strategy"]

@@ -86,9 +86,10 @@ def fit(args: argparse.Namespace, name: str) -> tuple[list[float], int, int]:
     import torch
 
     from lightning_chunk import ChunkOffloadStrategy
+    from lightning_chunk.options import grouped
 
     devices, spec = CONTENDERS[name]
-    strategy = spec if isinstance(spec, str) else ChunkOffloadStrategy(**spec, log_memory_stats=False)
+    strategy = spec if isinstance(spec, str) else ChunkOffloadStrategy(**grouped({**spec, "log_memory_stats": False}))
     times: list[float] = []
     L.seed_everything(0, verbose=False)
     model = make_gpt(args)

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from ._version import __version__
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitError
+from .options import CheckOptions, MemoryOptions, OffloadOptions
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
 from .telemetry import ChunkTelemetry
@@ -16,6 +17,7 @@ from .telemetry import ChunkTelemetry
 ChunkOffloadStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "CheckOptions",
     "ChunkConfig",
     "ChunkEMA",
     "ChunkEngine",
@@ -23,5 +25,7 @@ __all__ = [
     "ChunkPrecision",
     "ChunkTelemetry",
     "DeviceMemoryLimitError",
+    "MemoryOptions",
+    "OffloadOptions",
     "__version__",
 ]

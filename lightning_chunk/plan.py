@@ -31,6 +31,7 @@ from .engine.chunks.materialize import DeferredInit
 from .engine.config import device_margin_bytes, human_bytes
 from .engine.runtime.engine import ChunkEngine, ShapePlan
 from .engine.schedule.simulate import simulate_step
+from .options import grouped
 from .phases import ClusterReport, phases
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
@@ -176,7 +177,7 @@ def make_plan(
     model = model_cls(**model_args)
     datamodule = data_cls(**data_args) if data_cls is not None else None
     probe = _Probe()
-    strategy = ChunkOffloadStrategy(**{**strategy_args, "log_memory_stats": False})
+    strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -285,7 +286,7 @@ def make_shape_plan(
         if is_overridden("configure_model", model, L.LightningModule):
             model.configure_model()
     DeferredInit.capture(model)  # placeholders: optimizers (fused ones too) can be built over them
-    strategy = ChunkOffloadStrategy(**{**strategy_args, "log_memory_stats": False})
+    strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
     model.trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

@@ -9,16 +9,14 @@ format. Everything that moves bytes lives in ``lightning_chunk.engine``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -27,8 +25,8 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from lightning.fabric.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -43,6 +41,7 @@ from .backward_step import check_step_in_backward, choose_step_in_backward
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.chunks.materialize import DeferredInit, meta_init
+from .engine.config import PlacementName
 from .engine.errors import CheckpointError
 from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory.full_params import full_parameters
@@ -57,6 +56,7 @@ from .engine.state.checkpoint import (
     save_sharded,
 )
 from .engine.system.atomic import remove_dir
+from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
 from .ranks import barrier_device_ids, process_group_device, take_rank_threads
 
@@ -78,8 +78,8 @@ LOGGED_STATS = frozenset(
         "grad_norm",
     }
 )
-# the ChunkConfig fields the strategy takes as arguments (all but the tests' invariant checking)
-CONFIG_ARGS = tuple(f.name for f in dataclasses.fields(ChunkConfig) if f.name != "check_invariants")
+# the arguments of Lightning's strategies that its connector may pass (it sets them as attributes otherwise)
+LIGHTNING_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 
 # name -> (placement, description)
 PRESETS = {
@@ -92,120 +92,63 @@ PRESETS = {
 class ChunkOffloadStrategy(ParallelStrategy):
     """Train any LightningModule with its parameters packed into chunks placed between device and host.
 
+    Every argument and group field is documented once, in ``lightning_chunk/options.py``, and in the tables of
+    ``docs/configuration.md`` generated from it ([Note: twelve arguments and three groups]).
+
     Args:
-        placement: ``"auto"``, ``"device"``, ``"host"`` or ``"static"`` (see ``docs/configuration.md``).
-        device_memory_limit: bytes of chunk memory allowed on the device (int, or a string such as ``"2GiB"``).
+        placement: ``"auto"``, ``"device"``, ``"host"`` or ``"static"``.
+        device_memory_limit: bytes of chunk memory and traced activations allowed on the device (``"12GiB"``).
         host_memory_limit: bytes of chunk memory allowed in host memory; shards beyond it go to the disk tier.
-        disk_dir: directory for the disk tier's scratch files (``docs/disk-tier.md``).
-        disk_io: ``"auto"`` (the default), ``"direct"`` or ``"buffered"``: whether the disk tier's files move past
-            the page cache (``O_DIRECT``); ``auto`` goes past it where it could not hold them.
-        reshard_after_forward: with ``placement="host"``, keep each payload from forward until backward has used
-            it while the device budget (``device_memory_limit`` less the traced activations) has room, releasing
-            what does not fit after use (``False``; one all-gather a chunk a step where the payloads
-            fit, as DeepSpeed ZeRO-3); ``True`` releases every payload after forward and gathers it again for
-            backward (FSDP2's default), the smallest device footprint. ``None`` keeps on an accelerator and releases on
-            a CPU device, with or without a ``device_memory_limit``. The other placements keep payloads until
-            the budget needs the room.
-        offload_fraction: with ``placement="static"``, the fraction of chunks whose shards live on the host.
-        chunk_numel: elements per chunk; ``None`` chooses it after the warm-up step.
-        chunk_numel_min: lower bound of the automatic chunk-size search.
-        chunk_numel_max: upper bound of the automatic chunk-size search.
-        prefetch: gather the next traced chunks ahead of use.
-        pin_memory: page-lock host shards on CUDA machines.
-        materialize_on_teardown: give the parameters their full trained values when ``fit`` ends; ``None``: where
-            the whole model fits in a rank's host memory, else leave them empty and say so.
-        materialize_optimizer_state: also give the optimizers their whole state back when ``fit`` ends.
-        optimizer_kernel: ``"auto"``, ``"one_pass"``, ``"fused"``, ``"foreach"`` or ``"loop"`` (see
-            ``ChunkConfig.optimizer_kernel``).
-        assume_elementwise_optimizer: accept an optimizer class the engine does not know.
-        sharded_accumulation: several ranks: reduce-scatter each micro-batch's gradients into the shards
-            (``True``, ZeRO-3); ``False`` keeps them unreduced until the stepping micro-batch, like ``no_sync``.
-        log_memory_stats: log a few ``memory_stats()`` entries (``LOGGED_STATS`` and the step-time breakdown
-            ``time_*_s``) as ``chunk/*`` to the Trainer's loggers on the steps Lightning logs; ``"all"``: every
-            entry; ``False``: none.
-        collective_timeout_s: several ranks: the longest any collective may wait before an error names it.
-        broadcast_buffers: several ranks, while fitting: rank 0's buffers before each forward DDP syncs them in
-            (``DDPStrategy``'s argument of the same name and default); ``False`` keeps each rank's own.
-        verify_collectives: several ranks: check that all ranks issue the same chunk collectives, in the same
-            order: ``"batch"`` once a micro-batch, before a gradient is stepped or an evaluation step's outputs are
-            returned; ``True`` (``"each"``) before each result is used, to find where ranks disagree; ``False``
-            off. ``None``: ``"batch"`` with gloo, off with NCCL.
-        replan_when_inputs_grow: under a device limit, trace again and re-plan placement when a training
-            micro-batch's inputs are larger than any the placement was planned with (``docs/reliability.md``).
-        step_in_backward: step the optimizer on each chunk as soon as its gradients are final, during backward,
-            and free its gradient shard then: 6 bytes a parameter of fp32 training state on two ranks instead of 8,
-            bit-identical updates. Gradients are gone after ``backward()``; refused with gradient clipping, fp16
-            loss scaling, several optimizers and manual optimization (``docs/faq.md``). ``None``: on where
-            ``host_memory_limit`` is set (the disk tier's faster step: no gradient file) and nothing in the fit reads
-            the gradients after backward (none of the above, no override of ``on_after_backward``,
-            ``on_before_optimizer_step``, ``configure_gradient_clipping`` or ``optimizer_step``), off otherwise.
-        leaf_modules: module classes (or class names) whose forward reads its children's parameters without calling
-            them: each gathers its whole subtree at its own forward (DeepSpeed's ZeRO-3 leaf modules; torch's
-            ``MultiheadAttention`` and ``TransformerEncoderLayer``/``DecoderLayer`` always are).
-        keep_freed_heap: on a CPU device with no ``host_memory_limit``, keep the heap pages a step frees for the next
-            step instead of page-faulting them in again (glibc, process-wide; ``ChunkConfig.keep_freed_heap``).
-        state_dict_type: ``"sharded"``: checkpoints are directories every rank writes its shards into, in
-            parallel (``docs/checkpoints.md``); ``"full"``: one plain Lightning file, gathered on every rank.
-        weights: a file or directory of weights to start from, read tensor by tensor into each rank's shards at the
-            first ``setup``: a ``state_dict`` file, a Lightning or consolidated ``lightning-chunk`` file, or a
-            ``save_pretrained`` directory (``safetensors`` shards and index). Names may carry the prefix of the
-            submodule that wraps the saved model (``model.``). Every parameter and persistent buffer must be there
-            unless the module sets ``strict_loading = False`` (``docs/deferred-init.md``).
-        param_init_fn: called with each module built on the meta device (in ``configure_model``, or under
-            ``Trainer.init_module(empty_init=True)``) to initialise the tensors it owns directly, in place, instead
-            of its ``reset_parameters()``.
+        step_in_backward: step each chunk as its gradients become final, during backward.
+        state_dict_type: ``"sharded"`` (a directory every rank writes) or ``"full"`` (one plain file).
+        weights: a file or directory of weights read into each rank's shards at the first ``setup``.
+        param_init_fn: ``fn(module)`` for each module built on the meta device, instead of ``reset_parameters()``.
+        memory: a ``MemoryOptions`` (or a dict of its fields): chunk sizes, what stays resident, the end of fit.
+        offload: an ``OffloadOptions``: the disk tier's directory and I/O, prefetch, pinning, the optimizer kernel.
+        checks: a ``CheckOptions``: agreement between ranks, timeouts, buffers, logged statistics.
+        process_group_backend: several ranks: ``None`` picks NCCL on GPU, gloo on CPU.
+        timeout: several ranks: the process group's timeout.
+        **kwargs: Lightning's own (``accelerator``, ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision_plugin``), and, deprecated, a group's field by its name.
     """
 
     strategy_name = "chunk_offload"
 
     def __init__(
         self,
-        placement: str = "auto",
+        placement: PlacementName = "auto",
         device_memory_limit: int | str | None = None,
         host_memory_limit: int | str | None = None,
-        disk_dir: str | os.PathLike[str] | None = None,
-        disk_io: str = "auto",
-        reshard_after_forward: bool | None = None,
-        offload_fraction: float = 0.5,
-        chunk_numel: int | None = None,
-        chunk_numel_min: int = 1 << 20,
-        chunk_numel_max: int = 1 << 26,
-        prefetch: bool = True,
-        pin_memory: bool = True,
-        materialize_on_teardown: bool | None = None,
-        materialize_optimizer_state: bool = False,
-        optimizer_kernel: str = "auto",
-        assume_elementwise_optimizer: bool = False,
-        sharded_accumulation: bool = True,
-        log_memory_stats: bool | str = True,
-        collective_timeout_s: float = 300.0,
-        broadcast_buffers: bool = True,
-        verify_collectives: bool | str | None = None,
-        replan_when_inputs_grow: bool = True,
         step_in_backward: bool | None = None,
-        leaf_modules: Sequence[type | str] = (),
-        keep_freed_heap: bool = True,
         state_dict_type: str = "sharded",
         weights: str | os.PathLike[str] | None = None,
         param_init_fn: Callable[[torch.nn.Module], None] | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+        memory: MemoryOptions | None = None,
+        offload: OffloadOptions | None = None,
+        checks: CheckOptions | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+        super().__init__(**{k: kwargs.pop(k) for k in LIGHTNING_ARGS if k in kwargs})
+        groups, deprecated = moved(
+            kwargs,
+            {
+                "memory": group("memory", memory),
+                "offload": group("offload", offload),
+                "checks": group("checks", checks),
+            },
         )
-        # every argument named like a ChunkConfig field goes to it (tests check the defaults agree)
-        given = locals()
-        self.config = ChunkConfig(**{f: given[f] for f in CONFIG_ARGS})
+        for message in deprecated:
+            rank_zero_deprecation(message)
+        self.memory, self.offload, self.checks = groups["memory"], groups["offload"], groups["checks"]
+        top = dict(
+            placement=placement,
+            device_memory_limit=device_memory_limit,
+            host_memory_limit=host_memory_limit,
+            step_in_backward=step_in_backward,
+        )
+        self.config = ChunkConfig(**flatten(top, self.memory, self.offload, self.checks))
         if self.config.disk_dir is not None and self.config.host_memory_limit is None:
             rank_zero_warn(
                 f"disk_dir={self.config.disk_dir!r} does nothing without host_memory_limit: the disk tier "
@@ -221,6 +164,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
         self.param_init_fn = param_init_fn
         self.weights = None if weights is None else os.fspath(weights)
         self._weights_loaded = False  # the weights seed the first setup only: a later test() keeps trained values
+        log_memory_stats = self.checks.log_memory_stats
         if not (isinstance(log_memory_stats, bool) or log_memory_stats == "all"):
             raise ValueError(
                 f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True (a few "

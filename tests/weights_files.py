@@ -28,12 +28,12 @@ def write_weights(sd: dict[str, torch.Tensor], out: Path, fmt: str, *, variant: 
         torch.save(sd, out / "weights.pt")
         return out / "weights.pt"
     if fmt in ("lightning", "consolidated"):  # a checkpoint written by a Trainer (the second one consolidated)
-        from lightning_chunk import ChunkOffloadStrategy
+        from lightning_chunk import ChunkOffloadStrategy, MemoryOptions
         from lightning_chunk.consolidate import consolidate
 
         model = ParityNet(variant=variant)
         model.load_state_dict(sd)
-        strategy = "auto" if fmt == "lightning" else ChunkOffloadStrategy(chunk_numel=4096)
+        strategy = "auto" if fmt == "lightning" else ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096))
         ck = out / ("plain.ckpt" if fmt == "lightning" else "sharded.ckpt")
         L.Trainer(
             accelerator="cpu",

@@ -96,147 +96,36 @@ def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """How parameters are packed into chunks and placed between the device and host tiers."""
+    """How parameters are packed into chunks and placed between the device and host tiers.
+
+    The strategy's arguments and its three groups, flattened; each field is documented once, in
+    ``lightning_chunk/options.py`` (``docs/configuration.md`` is generated from it). ``check_invariants`` is the
+    engine's alone."""
 
     placement: PlacementName = "auto"
-    """``device``: every shard and payload stays on the device. ``host``: every shard lives on
-    the host and payloads are fetched on use, kept until their last use in the step while the
-    budget has room or released after use (``reshard_after_forward``). ``static``: the first
-    ``offload_fraction`` of the chunks (in use order) live on the host. ``auto``: from the
-    warm-up trace, keep as many shards on the device as the limit minus the traced
-    non-model peak allows, evict the payload whose next use is farthest, prefetch."""
-
     device_memory_limit: int | None = None
-    """Bytes of chunk memory (payloads, shards, gradients, optimizer state) allowed on the
-    device tier. ``None``: on CUDA, the device's free memory when training starts less a
-    margin for the CUDA context, the caching allocator's slack and the collectives' buffers
-    (``device_margin_bytes``); unbounded on a CPU device. Strings such as ``"2GiB"`` are accepted."""
-
     host_memory_limit: int | None = None
-    """Bytes of chunk memory allowed in host memory: host-tier shards (device-tier ones too on a CPU device,
-    whose tier is host memory), the compute-dtype copies of disk-tier shards, and the disk shards paged in
-    at once (two chunks'). Shards that do not fit go to the disk tier
-    in ``disk_dir`` (masters, gradient shards and optimizer state; see ``docs/disk-tier.md``). ``None``:
-    unbounded, no disk tier. Strings such as ``"8GiB"`` are accepted."""
-
     disk_dir: str | None = None
-    """Directory for the disk tier's scratch files (a fast local disk). Each process makes its own
-    sub-directory there and removes it when training ends; a later run removes what a dead one left.
-    Needed when ``host_memory_limit`` sends shards to disk."""
-
     disk_io: DiskIO = "auto"
-    """How the disk tier's files move: ``"buffered"`` through the page cache, ``"direct"`` past it (``O_DIRECT``,
-    several requests in flight), ``"auto"``: direct where the page cache could not hold the files beside the host
-    limits of the ranks on this host, buffered where it could (``docs/disk-tier.md``)."""
-
     reshard_after_forward: bool | None = None
-    """``host`` placement: keep the payloads forward gathered until their last use in the step while the device
-    budget (``device_memory_limit`` less the traced activations) has room, and release what does not fit after
-    use (``False``): one all-gather a chunk a step instead of two wherever the payloads fit, as DeepSpeed ZeRO-3's
-    default; or release each payload after its use in forward and gather it again for backward (``True``, FSDP2's
-    default). ``None``: ``False`` on an accelerator, whose budget is known (its free memory at set-up less a
-    margin, or ``device_memory_limit``) and seen whole by the trace; ``True`` on a CPU device, with or without a
-    ``device_memory_limit``: the payloads would be one more copy of the model in host memory, and the CPU trace
-    does not count backward's gradients ([Note: keeping payloads for backward] in ``placement.py``). The other
-    placements keep payloads until the budget needs their room: ``False`` is what they do already, and ``True`` is
-    refused with them."""
-
     offload_fraction: float = 0.5
-    """``static`` placement only: the fraction of chunks whose shards live on the host."""
-
     chunk_numel: int | None = None
-    """Elements per chunk. ``None`` chooses it: the least padding waste between
-    ``chunk_numel_min`` and ``chunk_numel_max`` such that two payloads plus the traced
-    non-model peak fit under the device limit."""
-
     chunk_numel_min: int = 1 << 20
-    """Lower bound of the automatic chunk-size search (raised to the largest parameter)."""
-
     chunk_numel_max: int = 1 << 26
-    """Upper bound of the automatic chunk-size search (raised to the largest parameter: one never spans chunks)."""
-
     prefetch: bool = True
-    """Gather the chunks of the next traced moment ahead of use when they fit."""
-
     pin_memory: bool = True
-    """Page-lock host-tier shards when the compute device is CUDA (ignored on CPU)."""
-
     materialize_on_teardown: bool | None = None  # None: where the whole model fits ([Note: the model after fit])
-    """When ``fit`` ends, give every parameter its full trained value back, on the host, streaming
-    chunk by chunk (the peak is the model plus one chunk). Turn off for models larger than host
-    memory: the parameters are then left empty, and the trained values are in the checkpoints."""
-
     materialize_optimizer_state: bool = False
-    """When ``fit`` ends, also gather the whole optimizer state (Adam's moments: 8 bytes a parameter)
-    on every rank and give it back to the optimizer in the plain per-parameter form. Off by default:
-    the optimizer is pointed back at the module's parameters with no state, as the sharded state is
-    in the checkpoints and gathering it whole could run a rank out of memory at the end of a run."""
-
     optimizer_kernel: OptimizerKernel = "auto"
-    """How Adam-family optimizers step the shards: ``auto`` picks torch's fused kernels where
-    the optimizer supports them and the user did not choose, and steps large host shards with a
-    compute-dtype copy in one pass ([Note: one pass over a host shard] in ``host_adam.py``);
-    ``one_pass`` uses that pass whatever the size; ``fused``, ``foreach`` or ``loop`` force one of
-    torch's kernels everywhere."""
-
     assume_elementwise_optimizer: bool = False
-    """Accept an optimizer class the engine does not know. Only true for optimizers whose
-    update of each element depends on that element alone (no parameter shapes)."""
-
     sharded_accumulation: bool = True
-    """Several ranks, gradient accumulation: ``True`` reduce-scatters every micro-batch's gradients into
-    the shards, so a rank holds its share of the gradients plus a few chunks' gradient payloads in
-    flight (ZeRO-3, as DeepSpeed does). ``False`` keeps the gradients of micro-batches that do not
-    step unreduced in whole-chunk gradient payloads and reduces once per step, like DDP's and
-    FSDP's ``no_sync``: one reduce-scatter a step instead of one a micro-batch, at the price of the
-    whole model's gradient (in the master dtype) on every rank's device tier."""
-
     collective_timeout_s: float = 300.0
-    """Several ranks: the longest any collective may wait before ``CollectiveTimeoutError`` names the chunk and
-    module it waited in (a rank that skipped a module, or failed, no longer hangs the others)."""
-
     broadcast_buffers: bool = True
-    """Several ranks, while fitting: rank 0's buffers (a BatchNorm's running statistics) before each forward that DDP
-    syncs them in (``DDPStrategy(broadcast_buffers=True)``, its default; [Note: buffers as DDP syncs them] in
-    ``buffers.py``). ``False``: each rank keeps its own after set-up."""
-
     verify_collectives: bool | str | None = None
-    """Several ranks: check that every rank issues the same chunk collectives (``CollectiveMismatchError`` on every
-    rank otherwise). ``"batch"``: compared once a micro-batch, before a gradient is stepped or an evaluation step's
-    outputs are returned ([Note: checking once a micro-batch] in ``agreement.py``); ``True`` or ``"each"``: before
-    each collective's result is used (for debugging a run whose ranks disagree); ``False``: off. ``None``:
-    ``"batch"`` with gloo, off with NCCL (where reading a check back costs a stream sync)."""
-
     replan_when_inputs_grow: bool = True
-    """Under a device limit: a training micro-batch whose inputs are larger than any the placement was traced with
-    is traced again and placement re-planned from it (larger inputs mean larger activations; see
-    [Note: inputs that grow after the warm-up]). Costs one one-element all-reduce a micro-batch with several
-    ranks. Off: the warm-up's trace stays, and larger inputs can push the device past the limit."""
-
     step_in_backward: bool | None = None
-    """Step the optimizer on each chunk as soon as its gradients are final, during backward, and free its gradient
-    shard right after: a rank then holds about 6 bytes a parameter of fp32 training state on two ranks instead of 8
-    ([Note: stepping in backward] in ``early_step.py``). Bit-identical to the plain step. The price is plain
-    PyTorch's gradient semantics: after ``backward()`` the stepped parameters' gradients are gone, so gradient
-    clipping, fp16 loss scaling, several optimizers and manual optimization are refused with it. With the disk
-    tier, disk chunks step from their gradients in memory while backward goes on, their files read ahead
-    ([Note: stepping disk chunks in backward]): no gradient file is written or read. ``None``: the strategy turns it
-    on where ``host_memory_limit`` is set and nothing in the fit reads the gradients after backward, and off
-    otherwise ([Note: stepping in backward by default with the disk tier] in ``backward_step.py``); the engine
-    alone steps after backward."""
-
     leaf_modules: tuple[type | str, ...] = ()
-    """Module classes (or class names, ``"MyBlock"`` or ``"pkg.mod.MyBlock"``) whose forward reads its children's
-    parameters without calling them: each such module gathers its whole subtree's parameters at its own forward, and
-    its descendants get no hooks of their own (DeepSpeed's "ZeRO-3 leaf modules"). ``torch.nn.MultiheadAttention``
-    (which reads ``out_proj``'s weights) and ``torch.nn.TransformerEncoderLayer``/``TransformerDecoderLayer`` (whose
-    fast path in evaluation reads every child's) are leaves always ([Note: leaf modules] in ``leaves.py``)."""
-
     keep_freed_heap: bool = True
-    """On a CPU compute device with no ``host_memory_limit``: keep the heap pages a step frees for the next step
-    instead of giving them back to the OS and page-faulting them in again (glibc's ``mallopt``, process-wide; see
-    [Note: the heap between steps] in ``host_heap.py``). Skipped when the environment sets glibc's malloc
-    thresholds itself. ``False`` leaves glibc's settings alone."""
 
     check_invariants: bool = False
     """Re-derive the byte accounting from the chunks after every manager operation (slow; tests)."""

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 
 from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.options import grouped
 from tests.models import ReorderedNet, token_data
 
 RESUME_MODEL = dict(dim=64, hidden=256, depth=3)
@@ -35,7 +36,7 @@ def resume_strategy(variant: str) -> ChunkOffloadStrategy:
         kw.update(
             chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT, host_memory_limit=600_000, disk_dir=DISK_ROOT
         )  # with a host limit ([Note: stepping in backward by default with the disk tier])
-    return ChunkOffloadStrategy(**kw)
+    return ChunkOffloadStrategy(**grouped(kw))
 
 
 def resume_fit(strategy: Any, out_dir: Path | None, steps: int, ckpt_path: Any = None, devices: int = 2):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -24,7 +25,15 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, ChunkTelemetry  # noqa: E402
+from lightning_chunk import (  # noqa: E402  # noqa: E402
+    CheckOptions,
+    ChunkOffloadStrategy,
+    ChunkPrecision,
+    ChunkTelemetry,
+    MemoryOptions,
+    OffloadOptions,
+)
+from lightning_chunk.options import grouped  # noqa: E402
 from tests import models  # noqa: E402
 from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
@@ -385,7 +394,7 @@ def run_parity(case: str, out: Path) -> None:
         skw["weights"] = json.loads((out / "weights.json").read_text())[spec["weights"]]
     L.seed_everything(7, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
     got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
-    strategy = ChunkOffloadStrategy(**skw)
+    strategy = ChunkOffloadStrategy(**grouped(skw))
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
     comm_mode = CommMode()
     t = trainer(
@@ -448,11 +457,10 @@ def run_resume(out: Path) -> None:
         (
             "chunk",
             lambda: ChunkOffloadStrategy(
-                chunk_numel=4096,
-                optimizer_kernel="loop",
                 placement="host",
-                collective_timeout_s=60,
-                materialize_optimizer_state=True,
+                memory=MemoryOptions(chunk_numel=4096, materialize_optimizer_state=True),
+                offload=OffloadOptions(optimizer_kernel="loop"),
+                checks=CheckOptions(collective_timeout_s=60),
             ),
         ),
     ]:
@@ -480,7 +488,12 @@ def run_resume(out: Path) -> None:
 
 
 def reshard_strategy(**kw):
-    return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", collective_timeout_s=60, **kw)
+    return ChunkOffloadStrategy(
+        **kw,
+        memory=MemoryOptions(chunk_numel=4096),
+        offload=OffloadOptions(optimizer_kernel="loop"),
+        checks=CheckOptions(collective_timeout_s=60),
+    )
 
 
 def run_reshard_save(out: Path) -> None:
@@ -542,7 +555,9 @@ def run_unfreeze(out: Path) -> None:
     trainer(DDPStrategy(), steps=20, callbacks=[models.DropFrozenGrads()]).fit(ref, token_data())
     L.seed_everything(7, verbose=False)
     model = ParityNet(variant="frozen")
-    strategy = ChunkOffloadStrategy(optimizer_kernel="loop", collective_timeout_s=60)
+    strategy = ChunkOffloadStrategy(
+        offload=OffloadOptions(optimizer_kernel="loop"), checks=CheckOptions(collective_timeout_s=60)
+    )
     t = trainer(strategy, steps=20, callbacks=[models.FlipRequiresGrad()])
     t.fit(model, token_data())
     state = {"ref": ref.state_dict(), "got": model.state_dict(), "stats": strategy.memory_stats()}
@@ -562,7 +577,11 @@ def run_full_parameters(out: Path) -> None:
         L.seed_everything(7, verbose=False)
         model, cb, grads = ParityNet(), models.ClampFirstBlock(), models.GradNormsAndEdits()
         t = trainer(
-            ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", collective_timeout_s=60),
+            ChunkOffloadStrategy(
+                placement=placement,
+                offload=OffloadOptions(optimizer_kernel="loop"),
+                checks=CheckOptions(collective_timeout_s=60),
+            ),
             steps=12,
             callbacks=[cb, grads],
         )
@@ -583,7 +602,11 @@ def run_full_parameters(out: Path) -> None:
         L.seed_everything(7, verbose=False)
         model = models.ReorderedNet(dim=256, hidden=1024, depth=4)
         limit = int(sum(p.numel() * p.element_size() for p in model.parameters()) * 0.45) if limited else None
-        strategy = ChunkOffloadStrategy(device_memory_limit=limit, optimizer_kernel="loop", collective_timeout_s=60)
+        strategy = ChunkOffloadStrategy(
+            device_memory_limit=limit,
+            offload=OffloadOptions(optimizer_kernel="loop"),
+            checks=CheckOptions(collective_timeout_s=60),
+        )
         trainer(
             strategy,
             steps=8,
@@ -593,13 +616,19 @@ def run_full_parameters(out: Path) -> None:
         hard[limited] = {"state": model.state_dict(), "evictions": strategy.memory_stats()["evictions"]}
     state["hard"] = hard
     try:  # outside the block, a state_dict needs every rank's shards: refused with the way to get it
-        t2 = trainer(ChunkOffloadStrategy(collective_timeout_s=60), steps=2, callbacks=[models.StateDictOutside()])
+        t2 = trainer(
+            ChunkOffloadStrategy(checks=CheckOptions(collective_timeout_s=60)),
+            steps=2,
+            callbacks=[models.StateDictOutside()],
+        )
         t2.fit(ParityNet(), token_data())
     except Exception as e:  # noqa: BLE001 -- the message is what the test reads
         state["outside_error"] = f"{type(e).__name__}: {e}"
     try:  # unsharded accumulation: between micro-batches the gradients wait in the payloads, not in the shards
         trainer(
-            ChunkOffloadStrategy(sharded_accumulation=False, collective_timeout_s=60),
+            ChunkOffloadStrategy(
+                memory=MemoryOptions(sharded_accumulation=False), checks=CheckOptions(collective_timeout_s=60)
+            ),
             steps=2,
             callbacks=[models.GradsAfterBackward()],
             accumulate_grad_batches=2,
@@ -627,7 +656,10 @@ def run_edited_checkpoint(out: Path) -> None:
         (
             "chunk",
             lambda: ChunkOffloadStrategy(
-                chunk_numel_min=4096, device_memory_limit=limit, optimizer_kernel="loop", collective_timeout_s=60
+                device_memory_limit=limit,
+                memory=MemoryOptions(chunk_numel_min=4096),
+                offload=OffloadOptions(optimizer_kernel="loop"),
+                checks=CheckOptions(collective_timeout_s=60),
             ),
         ),
     ]:
@@ -663,7 +695,12 @@ def run_grad_penalty_limit(out: Path) -> None:
     ]:
         L.seed_everything(7, verbose=False)
         model = models.ReorderedGradPenalty(**kw)
-        strategy = ChunkOffloadStrategy(chunk_numel_min=4096, optimizer_kernel="loop", collective_timeout_s=60, **extra)
+        strategy = ChunkOffloadStrategy(
+            **extra,
+            memory=MemoryOptions(chunk_numel_min=4096),
+            offload=OffloadOptions(optimizer_kernel="loop"),
+            checks=CheckOptions(collective_timeout_s=60),
+        )
         t = trainer(strategy, steps=6, accumulate_grad_batches=2)
         t.fit(model, token_data())
         results[name] = {
@@ -688,7 +725,11 @@ def run_ema(out: Path) -> None:
         ("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8)),
         (
             "chunk",
-            lambda: ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", collective_timeout_s=60),
+            lambda: ChunkOffloadStrategy(
+                placement="host",
+                offload=OffloadOptions(optimizer_kernel="loop"),
+                checks=CheckOptions(collective_timeout_s=60),
+            ),
             lambda: ChunkEMA(decay=0.8),
         ),
     ]:
@@ -717,13 +758,20 @@ def run_ema(out: Path) -> None:
         (
             "limited",
             lambda: ChunkOffloadStrategy(
-                chunk_numel_min=4096, device_memory_limit=limit, optimizer_kernel="loop", collective_timeout_s=60
+                device_memory_limit=limit,
+                memory=MemoryOptions(chunk_numel_min=4096),
+                offload=OffloadOptions(optimizer_kernel="loop"),
+                checks=CheckOptions(collective_timeout_s=60),
             ),
             lambda: ChunkEMA(decay=0.8),
         ),
         (
             "free",
-            lambda: ChunkOffloadStrategy(chunk_numel_min=4096, optimizer_kernel="loop", collective_timeout_s=60),
+            lambda: ChunkOffloadStrategy(
+                memory=MemoryOptions(chunk_numel_min=4096),
+                offload=OffloadOptions(optimizer_kernel="loop"),
+                checks=CheckOptions(collective_timeout_s=60),
+            ),
             lambda: ChunkEMA(decay=0.8),
         ),
     ]:
@@ -760,7 +808,9 @@ class SkipOnRankOne(ParityNet):
 def run_skip(out: Path) -> None:
     L.seed_everything(7, verbose=False)
     model = SkipOnRankOne(variant="unused")
-    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=4096, collective_timeout_s=10)
+    strategy = ChunkOffloadStrategy(
+        placement="host", memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(collective_timeout_s=10)
+    )
     trainer(strategy).fit(model, token_data())
     print("UNEXPECTED-SUCCESS", flush=True)
 
@@ -783,7 +833,9 @@ def run_swap(out: Path) -> None:
     L.seed_everything(7, verbose=False)
     model = SwapOnRankOne()
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=block, collective_timeout_s=10)
+    strategy = ChunkOffloadStrategy(
+        placement="host", memory=MemoryOptions(chunk_numel=block), checks=CheckOptions(collective_timeout_s=10)
+    )
     t = trainer(strategy)
     try:
         t.fit(model, token_data())
@@ -799,7 +851,12 @@ def run_save_after_fit(out: Path) -> None:
     results = {}
     for name, make in [
         ("ddp", lambda: "ddp"),
-        ("chunk", lambda: ChunkOffloadStrategy(optimizer_kernel="loop", collective_timeout_s=60)),
+        (
+            "chunk",
+            lambda: ChunkOffloadStrategy(
+                offload=OffloadOptions(optimizer_kernel="loop"), checks=CheckOptions(collective_timeout_s=60)
+            ),
+        ),
     ]:
         path = out / f"save_after_fit_{name}.ckpt"
         L.seed_everything(11, verbose=False)
@@ -834,16 +891,18 @@ def run_batchnorm(out: Path) -> None:
 
             def make():
                 return ChunkOffloadStrategy(
-                    chunk_numel=4096, optimizer_kernel="loop", sharded_accumulation=False, collective_timeout_s=60
+                    memory=MemoryOptions(chunk_numel=4096, sharded_accumulation=False),
+                    offload=OffloadOptions(optimizer_kernel="loop"),
+                    checks=CheckOptions(collective_timeout_s=60),
                 )
         else:
 
             def make():
                 return ChunkOffloadStrategy(
-                    chunk_numel_min=4096,
                     device_memory_limit=int(0.45 * params),
-                    optimizer_kernel="loop",
-                    collective_timeout_s=60,
+                    memory=MemoryOptions(chunk_numel_min=4096),
+                    offload=OffloadOptions(optimizer_kernel="loop"),
+                    checks=CheckOptions(collective_timeout_s=60),
                 )
 
         resumed = name.endswith("resumed")
@@ -903,7 +962,9 @@ def run_overflow(out: Path) -> None:
     L.seed_everything(7, verbose=False)
     model = OverflowOnRankOne()
     model.seen = []
-    strategy = ChunkOffloadStrategy(chunk_numel=4096, collective_timeout_s=60)
+    strategy = ChunkOffloadStrategy(
+        memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(collective_timeout_s=60)
+    )
     t = trainer(strategy, steps=6, plugins=[ChunkPrecision("16-mixed")])
     t.fit(model, token_data())
     before, after = model.seen
@@ -918,6 +979,7 @@ if __name__ == "__main__":
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in sys.argv[2:]:
+        started = time.monotonic()
         if name == "skip_module":
             run_skip(out_dir)
         elif name == "swap_module":
@@ -948,5 +1010,6 @@ if __name__ == "__main__":
             run_grad_penalty_limit(out_dir)
         else:
             run_parity(name, out_dir)
+        print(f"CASE-TIME {name} {time.monotonic() - started:.1f} s", flush=True)  # which cases the launch spends on
     if torch.distributed.is_initialized():  # a clean exit: gloo aborts at interpreter exit otherwise
         torch.distributed.destroy_process_group()

@@ -468,7 +468,7 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
     import lightning as L
     from lightning.pytorch.callbacks import EMAWeightAveraging
 
-    from lightning_chunk import ChunkEMA, ChunkOffloadStrategy
+    from lightning_chunk import ChunkEMA, ChunkOffloadStrategy, OffloadOptions
     from tests.models import LogsValLoss, token_data
 
     out, _, log = parity_run
@@ -489,7 +489,7 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
     finals = []
     for strategy, ema, ckpt in [
         ("auto", EMAWeightAveraging(decay=0.8), "ema_ddp"),
-        (ChunkOffloadStrategy(optimizer_kernel="loop"), ChunkEMA(decay=0.8), "ema_chunk"),
+        (ChunkOffloadStrategy(offload=OffloadOptions(optimizer_kernel="loop")), ChunkEMA(decay=0.8), "ema_chunk"),
     ]:
         L.seed_everything(7, verbose=False)
         model = LogsValLoss()

@@ -24,7 +24,11 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk import (  # noqa: E402
+    CheckOptions,
+    ChunkOffloadStrategy,  # noqa: E402
+    OffloadOptions,
+)
 from tests.models import VOCAB, ReorderedNet  # noqa: E402
 
 SHAPE = dict(dim=64, hidden=256, depth=4)
@@ -64,7 +68,11 @@ def fit(strategy) -> tuple[L.Trainer, ReorderedNet]:
 def main() -> None:
     out = Path(sys.argv[1])
     _, ref = fit(DDPStrategy())
-    strategy = ChunkOffloadStrategy(device_memory_limit=LIMIT, optimizer_kernel="loop", collective_timeout_s=60)
+    strategy = ChunkOffloadStrategy(
+        device_memory_limit=LIMIT,
+        offload=OffloadOptions(optimizer_kernel="loop"),
+        checks=CheckOptions(collective_timeout_s=60),
+    )
     t, got = fit(strategy)
     (out / f"stats{t.global_rank}.json").write_text(json.dumps(strategy.memory_stats()))
     if t.global_rank == 0:

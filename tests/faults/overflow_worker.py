@@ -24,7 +24,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision  # noqa: E402
+from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions  # noqa: E402  # noqa: E402
 from tests.models import SEQ, VOCAB, ParityNet  # noqa: E402
 
 K, STEPS, BATCH = 3, 7, 4
@@ -86,7 +86,9 @@ def main() -> None:
     t = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, collective_timeout_s=60),
+        strategy=ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(collective_timeout_s=60)
+        ),
         plugins=[ChunkPrecision("16-mixed")],
         max_steps=STEPS if mode == "faulty" else STEPS - 1,
         logger=False,

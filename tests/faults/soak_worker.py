@@ -24,7 +24,12 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk import (  # noqa: E402
+    CheckOptions,
+    ChunkOffloadStrategy,  # noqa: E402
+    MemoryOptions,
+    OffloadOptions,
+)
 from tests.models import SEQ, VOCAB, ParityNet  # noqa: E402
 
 SHAPE = dict(dim=32, hidden=128, depth=3)
@@ -72,11 +77,10 @@ def main() -> None:
         devices=2,
         strategy=ChunkOffloadStrategy(
             placement="auto",
-            chunk_numel=4096,
             device_memory_limit=LIMIT,
-            optimizer_kernel="loop",
-            collective_timeout_s=60,
-            log_memory_stats=False,
+            memory=MemoryOptions(chunk_numel=4096),
+            offload=OffloadOptions(optimizer_kernel="loop"),
+            checks=CheckOptions(collective_timeout_s=60, log_memory_stats=False),
         ),
         max_steps=steps,
         logger=False,

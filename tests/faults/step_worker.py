@@ -25,7 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk import (  # noqa: E402
+    CheckOptions,
+    ChunkOffloadStrategy,  # noqa: E402
+    MemoryOptions,
+)
 from lightning_chunk.engine.comm.collectives import Collectives  # noqa: E402
 from lightning_chunk.engine.optim.binding import OptimizerBinding  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
@@ -69,7 +73,11 @@ def main() -> None:
     t = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, collective_timeout_s=TIMEOUT_S),
+        strategy=ChunkOffloadStrategy(
+            placement="host",
+            memory=MemoryOptions(chunk_numel=4096),
+            checks=CheckOptions(collective_timeout_s=TIMEOUT_S),
+        ),
         max_steps=12,
         logger=False,
         enable_progress_bar=False,

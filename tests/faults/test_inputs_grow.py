@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from tests.models import VOCAB, ParityNet
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
@@ -75,9 +75,8 @@ def runs():
                 ChunkOffloadStrategy(
                     placement="auto",
                     device_memory_limit=LIMIT,
-                    chunk_numel=None,
-                    optimizer_kernel="loop",
-                    replan_when_inputs_grow=replan,
+                    memory=MemoryOptions(chunk_numel=None, replan_when_inputs_grow=replan),
+                    offload=OffloadOptions(optimizer_kernel="loop"),
                 ),
                 [w],
             ),

@@ -14,7 +14,7 @@ import torch.nn as nn
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.config import device_margin_bytes
 from tests.models import ParityNet, TwoOptimizers, fit, token_data
@@ -46,7 +46,10 @@ def relative_update_error(ref, got, init) -> float:
 def test_parity_on_cuda(placement):
     ref = fit("auto", steps=20, accelerator="gpu", gradient_clip_val=0.05)
     got = fit(
-        ChunkOffloadStrategy(placement=placement, chunk_numel=4096), steps=20, accelerator="gpu", gradient_clip_val=0.05
+        ChunkOffloadStrategy(placement=placement, memory=MemoryOptions(chunk_numel=4096)),
+        steps=20,
+        accelerator="gpu",
+        gradient_clip_val=0.05,
     )
     assert_close_params(ref, got)
 
@@ -55,7 +58,7 @@ def test_default_device_limit_is_free_memory_less_the_margin():
     """Before: None meant no limit at all, so chunk_offload never offloaded on a GPU by default."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    strategy = ChunkOffloadStrategy(chunk_numel=4096)
+    strategy = ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096))
     fit(strategy, steps=2, accelerator="gpu")
     limit = strategy.memory_stats()["device_memory_limit"]
     assert limit == pytest.approx(free - device_margin_bytes(total), rel=0.02)
@@ -64,7 +67,7 @@ def test_default_device_limit_is_free_memory_less_the_margin():
 @pytest.mark.parametrize("extra", [{}, {"accumulate_grad_batches": 2}])
 def test_host_shards_take_gradients_on_a_side_stream_in_parity(extra):
     ref = fit("auto", steps=12, accelerator="gpu", **extra)
-    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=4096)
+    strategy = ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096))
     got = fit(strategy, steps=12, accelerator="gpu", **extra)
     assert_close_params(ref, got)
     stats = strategy.memory_stats()
@@ -74,7 +77,7 @@ def test_host_shards_take_gradients_on_a_side_stream_in_parity(extra):
 def test_bf16_mixed_host_gradients_convert_on_the_host():
     init = fit("auto", steps=0, accelerator="gpu")
     ref = fit("auto", steps=20, accelerator="gpu", precision="bf16-mixed")
-    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=4096)
+    strategy = ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096))
     got = fit(strategy, steps=20, accelerator="gpu", precision="bf16-mixed")
     assert relative_update_error(ref, got, init) < 0.10  # bf16 payloads; same bound as on CPU
     assert strategy.memory_stats()["d2h_async_bytes"] > 0
@@ -90,7 +93,9 @@ def test_the_one_pass_host_step_equals_torchs_fused_kernel_on_cuda(native, monke
     monkeypatch.setattr(host_adam, "NATIVE", native)
     runs = {}
     for kernel in ("fused", "one_pass"):
-        strategy = ChunkOffloadStrategy(placement="host", chunk_numel=40000, optimizer_kernel=kernel)
+        strategy = ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(chunk_numel=40000), offload=OffloadOptions(optimizer_kernel=kernel)
+        )
         runs[kernel] = fit(
             strategy, steps=12, accelerator="gpu", precision="bf16-mixed", model_kwargs=dict(dim=64, hidden=512)
         )
@@ -107,7 +112,7 @@ def test_fp16_mixed_with_loss_scaling_on_cuda():
         plugins=[MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda"))],
     )
     got = fit(
-        ChunkOffloadStrategy(placement="auto", chunk_numel=4096, device_memory_limit="256MiB"),
+        ChunkOffloadStrategy(placement="auto", device_memory_limit="256MiB", memory=MemoryOptions(chunk_numel=4096)),
         steps=20,
         accelerator="gpu",
         plugins=[ChunkPrecision("16-mixed")],
@@ -132,13 +137,15 @@ def test_two_optimizers_on_cuda():
         ).fit(m, token_data())
         return m
 
-    assert_close_params(run("auto"), run(ChunkOffloadStrategy(placement="host", chunk_numel=4096)))
+    assert_close_params(
+        run("auto"), run(ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096)))
+    )
 
 
 def test_model_state_larger_than_the_limit_trains_within_it():
     ref = fit("auto", steps=4, accelerator="gpu", model_kwargs=BIG)
     n = sum(p.numel() for p in ref.parameters())
-    probe = ChunkOffloadStrategy(device_memory_limit="1GiB", chunk_numel=1 << 20)
+    probe = ChunkOffloadStrategy(device_memory_limit="1GiB", memory=MemoryOptions(chunk_numel=1 << 20))
     fit(probe, steps=1, accelerator="gpu", model_kwargs=BIG)
     nonmodel = probe.memory_stats()["nonmodel_peak_bytes"]  # activations, cuBLAS workspaces, the batch
     room = 6 * (4 << 20)  # six 4 MiB payloads of room for chunks
@@ -147,7 +154,7 @@ def test_model_state_larger_than_the_limit_trains_within_it():
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    strategy = ChunkOffloadStrategy(device_memory_limit=limit, chunk_numel=1 << 20)
+    strategy = ChunkOffloadStrategy(device_memory_limit=limit, memory=MemoryOptions(chunk_numel=1 << 20))
     got = fit(strategy, steps=4, accelerator="gpu", model_kwargs=BIG)
     stats = strategy.memory_stats()
     peak = torch.cuda.max_memory_allocated() - base
@@ -208,10 +215,10 @@ def test_checkpoint_from_pinned_host_shards_resumes_like_auto(tmp_path):
         return m
 
     run("auto", 8, ckpt_dir=tmp_path / "auto")
-    run(ChunkOffloadStrategy(placement="host", chunk_numel=4096), 8, ckpt_dir=tmp_path / "chunk")
+    run(ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096)), 8, ckpt_dir=tmp_path / "chunk")
     ref = run("auto", 12, ckpt_path=tmp_path / "auto" / "step=8.ckpt")
     got = run(
-        ChunkOffloadStrategy(placement="auto", chunk_numel=4096, device_memory_limit="256MiB"),
+        ChunkOffloadStrategy(placement="auto", device_memory_limit="256MiB", memory=MemoryOptions(chunk_numel=4096)),
         12,
         ckpt_path=tmp_path / "chunk" / "step=8.ckpt",
     )
@@ -227,10 +234,10 @@ def test_the_disk_tier_on_cuda_trains_like_auto_and_steps_in_backward_by_default
     ref = fit("auto", **kw)
     strategy = ChunkOffloadStrategy(
         placement="host",
-        chunk_numel=66560,
         host_memory_limit="3MB",
-        disk_dir=tmp_path / "scratch",
         step_in_backward=step_in_backward,
+        memory=MemoryOptions(chunk_numel=66560),
+        offload=OffloadOptions(disk_dir=tmp_path / "scratch"),
     )
     got = fit(strategy, **kw)
     assert_close_params(ref, got)

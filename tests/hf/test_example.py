@@ -122,7 +122,7 @@ def test_two_ranks_config_through_the_script(tmp_path):
             "--model.config.num_hidden_layers=2",
             "--data.context=64",
             "--trainer.strategy.init_args.device_memory_limit=24MiB",
-            "--trainer.strategy.init_args.collective_timeout_s=60",
+            "--trainer.strategy.init_args.checks.collective_timeout_s=60",
             *SMALL_DATA,
         ],
         env=env,

@@ -16,7 +16,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 pytest.importorskip("transformers")
 
-from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk import (
+    ChunkOffloadStrategy,  # noqa: E402
+    MemoryOptions,  # noqa: E402
+)
 from lightning_chunk.engine.files.safetensors_file import StreamingSafetensors  # noqa: E402
 from lightning_chunk.engine.state.checkpoint import CheckpointError  # noqa: E402
 from lightning_chunk.hf import export_hf  # noqa: E402
@@ -41,7 +44,7 @@ def trained(tmp_path_factory):
             enable_progress_bar=False,
             enable_model_summary=False,
             limit_val_batches=0,
-            strategy=ChunkOffloadStrategy(device_memory_limit=3_000_000, chunk_numel=16384),
+            strategy=ChunkOffloadStrategy(device_memory_limit=3_000_000, memory=MemoryOptions(chunk_numel=16384)),
             callbacks=[ModelCheckpoint(dirpath=root / kind, filename="last")],
         )
         trainer.fit(model, Batches())
@@ -251,7 +254,7 @@ def test_export_of_the_average_chunk_ema_kept(tmp_path):
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        strategy=ChunkOffloadStrategy(chunk_numel=16384),
+        strategy=ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=16384)),
         callbacks=[
             ChunkEMA(decay=0.5),  # before the checkpoint: the step-3 average is in it
             ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="last"),

@@ -14,7 +14,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk import (  # noqa: E402
+    ChunkOffloadStrategy,  # noqa: E402
+    MemoryOptions,
+    OffloadOptions,
+)
 from lightning_chunk.engine.files.weights import WeightsError  # noqa: E402
 from tests.hf.models import CONFIGS, Batches, config, load_example, save_pretrained  # noqa: E402
 
@@ -66,7 +70,11 @@ def test_fine_tuning_from_save_pretrained_is_bit_exact_with_auto_under_a_limit(e
     """auto: ``from_pretrained``. chunk_offload: built on the meta device, the weights streamed from the shards into
     the chunks (what the files lack, Llama's rotary frequencies, initialised by HFInit)."""
     ref = fit(example, "auto", pretrained=str(pretrained[kind]))
-    strategy = ChunkOffloadStrategy(device_memory_limit=LIMITS[kind], chunk_numel=16384, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        device_memory_limit=LIMITS[kind],
+        memory=MemoryOptions(chunk_numel=16384),
+        offload=OffloadOptions(optimizer_kernel="loop"),
+    )
     got = fit(example, strategy, pretrained=str(pretrained[kind]))
     same_params(ref, got)
     assert strategy.weights == str(pretrained[kind])  # set by the module's configure_model
@@ -87,7 +95,10 @@ def test_hf_gradient_checkpointing_is_bit_exact(example, pretrained, placement):
     got = fit(
         example,
         ChunkOffloadStrategy(
-            placement=placement, device_memory_limit=LIMITS["llama"], chunk_numel=16384, optimizer_kernel="loop"
+            placement=placement,
+            device_memory_limit=LIMITS["llama"],
+            memory=MemoryOptions(chunk_numel=16384),
+            offload=OffloadOptions(optimizer_kernel="loop"),
         ),
         **kw,
     )
@@ -104,7 +115,11 @@ def test_compiled_hf_model_is_bit_exact_and_quiet(example, pretrained, monkeypat
     monkeypatch.setattr(sys, "unraisablehook", lambda u: raised.append(f"{u.exc_type.__name__}: {u.exc_value}"))
     kw = dict(pretrained=str(pretrained["gpt2"]), compile="aot_eager")
     ref = fit(example, "auto", **kw)
-    strategy = ChunkOffloadStrategy(device_memory_limit=LIMITS["gpt2"], chunk_numel=16384, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        device_memory_limit=LIMITS["gpt2"],
+        memory=MemoryOptions(chunk_numel=16384),
+        offload=OffloadOptions(optimizer_kernel="loop"),
+    )
     got = fit(example, strategy, **kw)
     assert type(got.model).__name__ == "OptimizedModule"
     same_params(ref, got)
@@ -126,7 +141,7 @@ def test_a_model_from_a_config_is_initialised_by_its_own_rules_on_the_meta_devic
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=ChunkOffloadStrategy(chunk_numel=16384),
+        strategy=ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=16384)),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -166,7 +181,7 @@ def test_broken_pretrained_directories_are_refused_before_training(example, tmp_
     d = save_pretrained("llama", tmp_path / "model", max_shard_size="200KB")
     assert len(list(d.glob("*.safetensors"))) >= 2
     needle = broken(d, kind)
-    strategy = ChunkOffloadStrategy(chunk_numel=16384)
+    strategy = ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=16384))
     with pytest.raises(WeightsError, match="safetensors") as e:
         fit(example, strategy, pretrained=str(d))
     assert needle in str(e.value)
@@ -177,7 +192,7 @@ def test_a_config_that_does_not_match_the_weights_names_the_tensors(example, pre
     with pytest.raises(WeightsError, match=r"missing from the file \(\d+\): model\.model\.layers\.2\.") as e:
         fit(
             example,
-            ChunkOffloadStrategy(chunk_numel=16384),
+            ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=16384)),
             pretrained=str(pretrained["llama"]),
             config={"num_hidden_layers": 3},
         )

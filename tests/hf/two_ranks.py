@@ -25,7 +25,12 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk import (  # noqa: E402
+    CheckOptions,
+    ChunkOffloadStrategy,  # noqa: E402
+    MemoryOptions,
+    OffloadOptions,
+)
 from tests.hf.models import Batches, load_example  # noqa: E402
 
 STEPS, LIMIT = 6, 3_000_000
@@ -55,7 +60,12 @@ def defaults_case(out: Path, pretrained: str) -> None:
     final = {}
     for name, make in [
         ("ddp", DDPStrategy),
-        ("chunk", lambda: ChunkOffloadStrategy(device_memory_limit=DEFAULTS_LIMIT, collective_timeout_s=60)),
+        (
+            "chunk",
+            lambda: ChunkOffloadStrategy(
+                device_memory_limit=DEFAULTS_LIMIT, checks=CheckOptions(collective_timeout_s=60)
+            ),
+        ),
     ]:
         stop = ModelCheckpoint(dirpath=out / f"defaults_{name}", filename="{step}", every_n_train_steps=4)
         fit(make(), pretrained, steps=4, accumulate_grad_batches=2, callbacks=[stop])
@@ -79,7 +89,10 @@ if __name__ == "__main__":
     out, pretrained, llama = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     _, ref = fit(DDPStrategy(), pretrained, enable_checkpointing=False)
     strategy = ChunkOffloadStrategy(
-        device_memory_limit=LIMIT, chunk_numel=16384, optimizer_kernel="loop", collective_timeout_s=60
+        device_memory_limit=LIMIT,
+        memory=MemoryOptions(chunk_numel=16384),
+        offload=OffloadOptions(optimizer_kernel="loop"),
+        checks=CheckOptions(collective_timeout_s=60),
     )
     t, got = fit(strategy, pretrained, callbacks=[ModelCheckpoint(dirpath=out, filename="last")])
     rank = t.global_rank

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.engine.chunks.materialize import DeferredInitError
 from tests.integration.test_parity import EXACT, STEPS, assert_same_params
 from tests.models import DeferredNet, ParityNet, fit, token_data
@@ -40,7 +40,7 @@ def test_configure_model_on_meta_equals_eager_init(variant, chunk_numel):
     want = eager_values(variant)
     L.seed_everything(7, verbose=False)
     model = DeferredNet(variant=variant)
-    got = init_values(model, ChunkOffloadStrategy(chunk_numel=chunk_numel))
+    got = init_values(model, ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=chunk_numel)))
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
@@ -81,7 +81,9 @@ def test_init_module_empty_init_builds_on_meta_and_initialises_at_setup():
 @pytest.mark.parametrize("placement,limit", [("auto", None), ("host", None), ("auto", 80_000)])
 def test_deferred_model_trains_like_an_eager_one(placement, limit):
     ref = fit("auto", steps=STEPS)
-    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        placement=placement, device_memory_limit=limit, offload=OffloadOptions(optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=STEPS, cls=DeferredNet)
     assert_same_params(ref, got, EXACT)
     assert int(got.calls) == int(ref.calls) > 0

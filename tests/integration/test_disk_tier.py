@@ -11,9 +11,10 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.engine.errors import DiskTierError, HostMemoryLimitError
 from lightning_chunk.engine.tiers.disk import PREFIX, MappedFile, ScratchDir
+from lightning_chunk.options import grouped
 from tests.integration.test_checkpoints import train_and_save, trainer
 from tests.integration.test_parity import BIG, EXACT, assert_same_params
 from tests.models import ParityNet, ReorderedNet, fit, token_data
@@ -57,7 +58,11 @@ def test_disk_tier_trains_bit_exact_with_memory(tmp_path, case):
     mixed = kw.get("precision") in ("bf16-mixed", "16-mixed")
     # fp32: against plain Lightning; mixed: against the same strategy with every shard in host memory
     ref = fit(
-        ChunkOffloadStrategy(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop") if mixed else "auto",
+        ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(chunk_numel=CHUNK), offload=OffloadOptions(optimizer_kernel="loop")
+        )
+        if mixed
+        else "auto",
         steps=STEPS,
         **kw,
     )
@@ -98,7 +103,9 @@ def test_disk_chunks_stepped_in_backward_train_bit_exact_and_write_no_gradient_f
     kw.setdefault("model_kwargs", BIG)
     base = {**dict(placement="host", chunk_numel=CHUNK, optimizer_kernel="loop"), **strategy_kw}
     # fp32: against plain Lightning; mixed: against the same strategy in memory, stepping after backward
-    ref = fit(ChunkOffloadStrategy(**base) if kw.get("precision") == "bf16-mixed" else "auto", steps=STEPS, **kw)
+    ref = fit(
+        ChunkOffloadStrategy(**grouped(base)) if kw.get("precision") == "bf16-mixed" else "auto", steps=STEPS, **kw
+    )
     grad_writes = []
     real = MappedFile.write_from
 
@@ -110,7 +117,7 @@ def test_disk_chunks_stepped_in_backward_train_bit_exact_and_write_no_gradient_f
     monkeypatch.setattr(MappedFile, "write_from", write_from)
     limit = "2MB" if "cls" in kw else "3MB"
     strategy = ChunkOffloadStrategy(
-        **base, host_memory_limit=limit, disk_dir=tmp_path / "scratch", step_in_backward=True
+        **base, host_memory_limit=limit, step_in_backward=True, offload=OffloadOptions(disk_dir=tmp_path / "scratch")
     )
     got = fit(strategy, steps=STEPS, **kw)
     assert_same_params(ref, got, EXACT)
@@ -174,10 +181,11 @@ def test_resume_across_the_disk_tier(tmp_path, save_disk, resume_disk):
         # the automatic chunk size (the host limit bounds it) and placement="auto", as a user gets them
         return (
             ChunkOffloadStrategy(
-                host_memory_limit="100kB", disk_dir=tmp_path / "scratch", optimizer_kernel="loop", disk_io=on_disk
+                host_memory_limit="100kB",
+                offload=OffloadOptions(disk_dir=tmp_path / "scratch", optimizer_kernel="loop", disk_io=on_disk),
             )
             if on_disk
-            else ChunkOffloadStrategy(optimizer_kernel="loop")
+            else ChunkOffloadStrategy(offload=OffloadOptions(optimizer_kernel="loop"))
         )
 
     runs = []
@@ -198,13 +206,13 @@ def test_errors_before_training(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(DiskTierError, match=r"disk_dir='.*a_file/sub' cannot be created"):
-        fit(ChunkOffloadStrategy(**_args(tmp_path, disk_dir=blocker / "sub")), steps=2, model_kwargs=BIG)
+        fit(ChunkOffloadStrategy(**grouped(_args(tmp_path, disk_dir=blocker / "sub"))), steps=2, model_kwargs=BIG)
     with pytest.raises(DiskTierError, match=r"disk_dir='.*a_file' is not a directory"):
-        fit(ChunkOffloadStrategy(**_args(tmp_path, disk_dir=blocker)), steps=2, model_kwargs=BIG)
+        fit(ChunkOffloadStrategy(**grouped(_args(tmp_path, disk_dir=blocker))), steps=2, model_kwargs=BIG)
     with pytest.raises(DiskTierError, match="no disk_dir is set"):
-        fit(ChunkOffloadStrategy(**_args(tmp_path, disk_dir=None)), steps=2, model_kwargs=BIG)
+        fit(ChunkOffloadStrategy(**grouped(_args(tmp_path, disk_dir=None))), steps=2, model_kwargs=BIG)
     with pytest.raises(HostMemoryLimitError, match=r"host_memory_limit=1000 bytes is too small.*smallest limit"):
-        fit(ChunkOffloadStrategy(**_args(tmp_path, host_memory_limit=1000)), steps=2, model_kwargs=BIG)
+        fit(ChunkOffloadStrategy(**grouped(_args(tmp_path, host_memory_limit=1000))), steps=2, model_kwargs=BIG)
 
 
 def _args(tmp_path, **kw):
@@ -393,7 +401,9 @@ def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
 
     kw = dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), accumulate_grad_batches=2)
     ref = fit("auto", steps=STEPS, **kw)
-    strategy = ChunkOffloadStrategy(host_memory_limit="2MB", disk_dir=tmp_path / "scratch", optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        host_memory_limit="2MB", offload=OffloadOptions(disk_dir=tmp_path / "scratch", optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=STEPS, **kw)
     assert_same_params(ref, got, EXACT)
     s = strategy.memory_stats()
@@ -493,7 +503,7 @@ def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp
     kw = dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), accumulate_grad_batches=2)
     ref = fit(ChunkOffloadStrategy(), steps=STEPS, **kw)
     assert not seen  # no disk tier, no I/O thread
-    strategy = ChunkOffloadStrategy(host_memory_limit="2MB", disk_dir=tmp_path / "scratch")
+    strategy = ChunkOffloadStrategy(host_memory_limit="2MB", offload=OffloadOptions(disk_dir=tmp_path / "scratch"))
     got = fit(strategy, steps=STEPS, **kw)
     assert_same_params(ref, got, EXACT)
     assert seen, "fused AdamW over disk chunks must step beside the I/O thread"

@@ -119,7 +119,7 @@ def test_cpu_2ranks_config_through_the_script(tmp_path):
             "--trainer.enable_progress_bar=false",
             "--model.depth=2",
             "--trainer.strategy.init_args.device_memory_limit=14MiB",
-            "--trainer.strategy.init_args.collective_timeout_s=60",
+            "--trainer.strategy.init_args.checks.collective_timeout_s=60",
             *SMALL_DATA,
         ],
         env=env,
@@ -317,7 +317,7 @@ def test_disk_config_runs_at_reduced_size(tmp_path):
             "--model.width=128",
             "--model.depth=4",
             "--trainer.strategy.init_args.host_memory_limit=3MiB",
-            f"--trainer.strategy.init_args.disk_dir={scratch}",
+            f"--trainer.strategy.init_args.offload.disk_dir={scratch}",
             *SMALL_DATA,
         ]
     )

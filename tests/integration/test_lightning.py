@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_chunk
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from tests.children import DIST_VARS
 from tests.models import ManualNet, ParityNet, TokenData, token_data
 
@@ -94,7 +94,9 @@ def test_memory_stats_are_logged_every_step(tmp_path, which):
     """By default a few (where the bytes are, what moved, where the time went); every entry when asked."""
     t = trainer(
         tmp_path,
-        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, log_memory_stats=which),
+        strategy=ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(log_memory_stats=which)
+        ),
         max_steps=5,
         logger=CSVLogger(tmp_path, name="csv"),
         log_every_n_steps=1,
@@ -125,7 +127,9 @@ def test_chunk_telemetry_logs_where_each_step_s_time_went_and_prints_the_totals(
     tel = ChunkTelemetry(picture=False)
     t = trainer(
         tmp_path,
-        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, log_memory_stats=False),
+        strategy=ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(log_memory_stats=False)
+        ),
         max_steps=5,
         logger=CSVLogger(tmp_path, name="csv"),
         log_every_n_steps=1,
@@ -155,7 +159,9 @@ def test_parameters_hold_trained_values_after_fit_and_the_model_keeps_working():
     model = ParityNet()
     ref.load_state_dict(model.state_dict())
     t = trainer(
-        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"),
+        strategy=ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+        ),
         max_steps=6,
         limit_val_batches=2,
     )
@@ -178,7 +184,10 @@ def test_manual_optimization_matches_auto():
     got = ManualNet()
     trainer(strategy="auto", max_steps=10).fit(ref, token_data())
     trainer(
-        strategy=ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop"), max_steps=10
+        strategy=ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+        ),
+        max_steps=10,
     ).fit(got, token_data())
     for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
@@ -206,7 +215,10 @@ def test_checkpoint_resume_matches_auto_resumed_the_same_way(tmp_path, state_dic
     ref_ckpt, ref = run_with_resume(lambda: "auto", tmp_path / "auto")
     got_ckpt, got = run_with_resume(
         lambda: ChunkOffloadStrategy(
-            placement="host", chunk_numel=4096, optimizer_kernel="loop", state_dict_type=state_dict_type
+            placement="host",
+            state_dict_type=state_dict_type,
+            memory=MemoryOptions(chunk_numel=4096),
+            offload=OffloadOptions(optimizer_kernel="loop"),
         ),
         tmp_path / "chunk",
     )
@@ -228,14 +240,16 @@ def test_checkpoint_resume_matches_auto_resumed_the_same_way(tmp_path, state_dic
 
 
 def test_fp16_loss_scale_is_saved_and_restored(tmp_path):
-    strategy = ChunkOffloadStrategy(chunk_numel=4096)
+    strategy = ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096))
     plugin = ChunkPrecision("16-mixed", init_scale=1024.0)
     t = trainer(tmp_path, strategy=strategy, plugins=[plugin], max_steps=3)
     t.fit(ParityNet(), token_data())
     plugin.scaler.scale = 123.0
     t.save_checkpoint(tmp_path / "s.ckpt")
     plugin2 = ChunkPrecision("16-mixed")
-    t2 = trainer(tmp_path, strategy=ChunkOffloadStrategy(chunk_numel=4096), plugins=[plugin2], max_steps=4)
+    t2 = trainer(
+        tmp_path, strategy=ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096)), plugins=[plugin2], max_steps=4
+    )
     t2.fit(ParityNet(), token_data(), ckpt_path=tmp_path / "s.ckpt")
     assert plugin2.scaler.scale == 123.0
 
@@ -250,7 +264,8 @@ def write(path: Path, text: str) -> Path:
     [
         "  strategy: chunk_offload\n",
         "  strategy:\n    class_path: lightning_chunk.ChunkOffloadStrategy\n    init_args:\n      placement: host\n"
-        "      device_memory_limit: 4MiB\n      chunk_numel: 4096\n",
+        "      device_memory_limit: 4MiB\n      memory:\n        chunk_numel: 4096\n      checks:\n"
+        "        log_memory_stats: all\n",
     ],
 )
 def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, strategy_yaml):
@@ -266,6 +281,7 @@ def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, strategy_yaml):
     if "host" in strategy_yaml:
         assert cli.trainer.strategy.config.placement == "host"
         assert cli.trainer.strategy.config.device_memory_limit == 4 * 2**20
+        assert cli.trainer.strategy.config.chunk_numel == 4096 and cli.trainer.strategy.log_memory_stats == "all"
 
 
 def test_lightning_cli_rejects_an_unknown_knob(tmp_path, capsys):
@@ -286,7 +302,7 @@ def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning():
     def fit(early):
         L.seed_everything(5, verbose=False)
         model = ParityNet()
-        strategy = ChunkOffloadStrategy(step_in_backward=early, log_memory_stats=False)
+        strategy = ChunkOffloadStrategy(step_in_backward=early, checks=CheckOptions(log_memory_stats=False))
         trainer(strategy=strategy, precision="bf16-mixed", max_steps=6).fit(model, token_data())
         return {k: v.clone() for k, v in model.state_dict().items()}, strategy.memory_stats()
 
@@ -308,9 +324,11 @@ def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning():
 def test_what_stepping_in_backward_cannot_do_is_refused_before_the_first_step(what, kw, match):
     model = ManualNet() if what == "manual" else ParityNet()
     with pytest.raises(ValueError, match=match):
-        trainer(strategy=ChunkOffloadStrategy(step_in_backward=True, log_memory_stats=False), max_steps=3, **kw).fit(
-            model, token_data()
-        )
+        trainer(
+            strategy=ChunkOffloadStrategy(step_in_backward=True, checks=CheckOptions(log_memory_stats=False)),
+            max_steps=3,
+            **kw,
+        ).fit(model, token_data())
     assert all(torch.isfinite(p).all() for p in model.parameters())  # refused before anything was built
 
 
@@ -328,7 +346,7 @@ def test_sync_batchnorm_is_applied_for_fit_and_reverted_after_and_batchnorm_trai
     ref = fit("auto", steps=8, cls=BatchNormNet)
     seen = SeesBatchNormType()
     got = fit(
-        ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop"),
+        ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")),
         steps=8,
         cls=BatchNormNet,
         sync_batchnorm=True,
@@ -356,11 +374,17 @@ def test_a_lazy_module_is_refused_with_its_name_and_the_way_out():
     """Plain Lightning trains a LazyLinear (its first forward sizes it); chunks are packed by shape before any forward,
     and torch's own error named neither the parameter nor what to do."""
     with pytest.raises(ValueError, match=r"1 parameter is not initialised yet \(head\.weight\).*sample batch"):
-        trainer(strategy=ChunkOffloadStrategy(chunk_numel=4096, log_memory_stats=False), max_steps=1).fit(
-            LazyHead(), token_data()
-        )
+        trainer(
+            strategy=ChunkOffloadStrategy(
+                memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(log_memory_stats=False)
+            ),
+            max_steps=1,
+        ).fit(LazyHead(), token_data())
     model = LazyHead()
     model(torch.zeros(2, 8, dtype=torch.long))  # the way out: one forward on a sample batch
-    trainer(strategy=ChunkOffloadStrategy(chunk_numel=4096, log_memory_stats=False), max_steps=1).fit(
-        model, token_data()
-    )
+    trainer(
+        strategy=ChunkOffloadStrategy(
+            memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(log_memory_stats=False)
+        ),
+        max_steps=1,
+    ).fit(model, token_data())

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, token_data
 
 EXACT = dict(rtol=0, atol=0)
@@ -42,7 +42,9 @@ def relative_update_error(ref, got, init) -> float:
 
 
 def chunk(**kw):
-    return ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", **kw)
+    return ChunkOffloadStrategy(
+        **kw, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+    )
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])
@@ -165,7 +167,7 @@ def test_bf16_mixed_gives_fp32_parameters_back_after_a_repack(tmp_path):
         max_steps=4,
         precision="bf16-mixed",
         logger=False,
-        strategy=ChunkOffloadStrategy(device_memory_limit=200_000, log_memory_stats=False),
+        strategy=ChunkOffloadStrategy(device_memory_limit=200_000, checks=CheckOptions(log_memory_stats=False)),
         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, filename="{step}")],
         enable_progress_bar=False,
         enable_model_summary=False,

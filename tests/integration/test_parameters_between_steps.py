@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 
-from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.engine import ChunkError
 from tests.integration.test_parity import assert_same_params
 from tests.models import ClampFirstBlock, ParityNet, fit
@@ -22,7 +22,9 @@ EXACT = dict(rtol=0, atol=0)
 
 
 def chunked(**kw):
-    return ChunkOffloadStrategy(optimizer_kernel="loop", chunk_numel=4096, **kw)
+    return ChunkOffloadStrategy(
+        **kw, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+    )
 
 
 class ReadBetweenSteps(L.Callback):

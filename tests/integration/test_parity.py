@@ -5,8 +5,9 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from lightning_chunk.engine.runtime.hooks import ChunkHooks
+from lightning_chunk.options import grouped
 from tests import models
 from tests.models import ParityNet, fit
 
@@ -38,7 +39,11 @@ CASES = {
 def test_parity_with_auto_is_bit_exact(case):
     kw = CASES[case]
     ref = fit("auto", steps=STEPS, **kw)
-    got = fit(ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop"), steps=STEPS, **kw)  # several chunks
+    got = fit(
+        ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")),
+        steps=STEPS,
+        **kw,
+    )  # several chunks
     assert_same_params(ref, got, EXACT)
     assert int(got.calls) == int(ref.calls) > 0  # buffers updated in training_step survive
 
@@ -47,7 +52,7 @@ def test_parity_with_auto_is_bit_exact(case):
 def test_parity_with_auto_fused_kernel(case):
     kw = CASES[case]
     ref = fit("auto", steps=STEPS, **kw)
-    got = fit(ChunkOffloadStrategy(chunk_numel=4096), steps=STEPS, **kw)
+    got = fit(ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096)), steps=STEPS, **kw)
     assert_same_params(ref, got, FUSED)
 
 
@@ -55,7 +60,9 @@ def test_parity_with_auto_fused_kernel(case):
 def test_parity_all_on_host(case):
     kw = CASES[case]
     ref = fit("auto", steps=STEPS, **kw)
-    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        placement="host", memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=STEPS, **kw)
     assert_same_params(ref, got, EXACT)
     stats = strategy.memory_stats()
@@ -73,7 +80,9 @@ def test_host_payloads_kept_for_backward_are_bit_exact_and_fetched_once_a_step(c
         # six or seven chunks: with four, the prefetch window ([Note: how far ahead to gather]) keeps every payload
         # released after use through the turn into backward, and releasing gathers no more than keeping
         strategy = ChunkOffloadStrategy(
-            placement="host", chunk_numel=2048, optimizer_kernel="loop", reshard_after_forward=reshard
+            placement="host",
+            memory=MemoryOptions(chunk_numel=2048, reshard_after_forward=reshard),
+            offload=OffloadOptions(optimizer_kernel="loop"),
         )
         got = fit(strategy, steps=STEPS, **kw)
         assert_same_params(ref, got, EXACT)
@@ -124,7 +133,9 @@ def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_not
     for skip in (False, True):
         monkeypatch.setattr(ChunkHooks, "_plan_is_empty", counting if skip else lambda self, *args: False)
         moments = RecordMoments()
-        strategy = ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", **limit, **reshard)
+        strategy = ChunkOffloadStrategy(
+            placement="host", **limit, **reshard, offload=OffloadOptions(optimizer_kernel="loop")
+        )
         model = fit(strategy, steps=8, model_kwargs=WIDE, callbacks=[moments], cls=cls, **extra)
         runs[skip] = (model, moments.events, strategy.memory_stats())
     (ref, ref_events, ref_stats), (got, events, stats) = runs[False], runs[True]
@@ -149,7 +160,11 @@ def test_parity_under_a_device_limit_below_the_parameter_bytes(placement, extra,
     param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     limit = int(param_bytes * 0.9)
     strategy = ChunkOffloadStrategy(
-        placement=placement, device_memory_limit=limit, chunk_numel=66560, optimizer_kernel="loop", **extra
+        placement=placement,
+        device_memory_limit=limit,
+        **extra,
+        memory=MemoryOptions(chunk_numel=66560),
+        offload=OffloadOptions(optimizer_kernel="loop"),
     )
     got = fit(strategy, steps=STEPS, variant=variant, model_kwargs=BIG, **kw)
     assert_same_params(ref, got, EXACT)
@@ -171,7 +186,9 @@ def test_activation_checkpointing_with_the_defaults_under_a_limit_is_bit_exact(c
     model_cls = getattr(models, cls)
     ref = fit("auto", steps=8, cls=model_cls, model_kwargs=WIDE)
     limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * 0.45)
-    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        placement=placement, device_memory_limit=limit, offload=OffloadOptions(optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=8, cls=model_cls, model_kwargs=WIDE)
     assert_same_params(ref, got, EXACT)
     stats = strategy.memory_stats()
@@ -184,7 +201,9 @@ def test_activation_checkpointing_on_the_host_with_a_chunk_a_module_is_bit_exact
     """Host placement releases each payload after use; the recomputation's forward must not release the chunk of
     the module whose backward runs it."""
     ref = fit("auto", steps=STEPS, cls=getattr(models, cls), model_kwargs=dict(depth=3))
-    strategy = ChunkOffloadStrategy(placement="host", chunk_numel=2048, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        placement="host", memory=MemoryOptions(chunk_numel=2048), offload=OffloadOptions(optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=STEPS, cls=getattr(models, cls), model_kwargs=dict(depth=3))
     assert_same_params(ref, got, EXACT)
 
@@ -196,7 +215,9 @@ def test_frozen_weights_under_a_limit_are_released_after_their_backward(placemen
     backward to the end of backward, and the first backward failed."""
     ref = fit("auto", steps=8, cls=models.AdapterNet, model_kwargs=WIDE)
     limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * 0.3)
-    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        placement=placement, device_memory_limit=limit, offload=OffloadOptions(optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=8, cls=models.AdapterNet, model_kwargs=WIDE)
     assert_same_params(ref, got, EXACT)
     assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
@@ -220,7 +241,9 @@ def test_reused_modules_and_checkpointed_adapters_with_the_defaults_under_a_limi
     model_cls = getattr(models, cls)
     ref = fit("auto", steps=8, cls=model_cls, variant=variant, model_kwargs=WIDE)
     limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * fraction)
-    strategy = ChunkOffloadStrategy(placement=placement, device_memory_limit=limit, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        placement=placement, device_memory_limit=limit, offload=OffloadOptions(optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=8, cls=model_cls, variant=variant, model_kwargs=WIDE)
     assert_same_params(ref, got, EXACT)
     assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
@@ -262,7 +285,9 @@ def test_torch_transformer_layers_train_and_validate_bit_exact(kw):
     IllegalTransitionError), and the encoder layer's fast path in validation reads every child's ("setStorage ...
     storage of size 0"). Both are leaves by default: the same parameters and validation losses as plain Lightning."""
     ref, ref_losses = fit_with_validation("auto", models.TorchTransformerNet)
-    got, losses = fit_with_validation(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), models.TorchTransformerNet)
+    got, losses = fit_with_validation(
+        ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})), models.TorchTransformerNet
+    )
     assert_same_params(ref, got, EXACT)
     assert losses == ref_losses and len(losses) == 2 * (STEPS // 4)
 
@@ -271,7 +296,11 @@ def test_torch_transformer_layers_train_and_validate_bit_exact(kw):
 def test_a_module_reading_its_child_s_weights_is_a_leaf_when_named(leaf):
     ref = fit("auto", steps=STEPS, cls=models.PeekNet)
     got = fit(
-        ChunkOffloadStrategy(placement="host", chunk_numel=4096, optimizer_kernel="loop", leaf_modules=[leaf]),
+        ChunkOffloadStrategy(
+            placement="host",
+            memory=MemoryOptions(chunk_numel=4096, leaf_modules=[leaf]),
+            offload=OffloadOptions(optimizer_kernel="loop"),
+        ),
         steps=STEPS,
         cls=models.PeekNet,
     )
@@ -284,7 +313,11 @@ def test_a_module_reading_its_child_s_weights_needs_no_leaf_modules(kw):
     which would keep it gathered for the whole step). It used to fail with an IllegalTransitionError naming
     leaf_modules."""
     ref = fit("auto", steps=STEPS, cls=models.PeekNet)
-    strategy = ChunkOffloadStrategy(chunk_numel=4096, optimizer_kernel="loop", materialize_on_teardown=True, **kw)
+    strategy = ChunkOffloadStrategy(
+        **kw,
+        memory=MemoryOptions(chunk_numel=4096, materialize_on_teardown=True),
+        offload=OffloadOptions(optimizer_kernel="loop"),
+    )
     got = fit(strategy, steps=STEPS, cls=models.PeekNet)
     assert_same_params(ref, got, EXACT)
 
@@ -295,7 +328,9 @@ def test_toggle_optimizer_freezes_the_module_s_parameters(placement):
     of the shards) only, so each phase's backward left gradients on the other optimizer's parameters, which it then
     stepped with (0.07 from plain Lightning after 12 steps)."""
     ref = fit("auto", steps=12, cls=models.ToggledOptimizers)
-    strategy = ChunkOffloadStrategy(placement=placement, chunk_numel=4096, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        placement=placement, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=12, cls=models.ToggledOptimizers)
     assert_same_params(ref, got, EXACT)
     assert all(p.requires_grad for p in got.parameters())  # untoggled, and the class's own methods again
@@ -313,7 +348,7 @@ def test_freezing_and_unfreezing_mid_training_is_bit_exact(kw):
     kw = dict(kw)
     tkw = kw.pop("trainer", {})
     ref = fit("auto", steps=STEPS, variant="frozen", callbacks=[models.FlipRequiresGrad()], **tkw)
-    strategy = ChunkOffloadStrategy(optimizer_kernel="loop", **kw)
+    strategy = ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"}))
     got = fit(strategy, steps=STEPS, variant="frozen", callbacks=[models.FlipRequiresGrad()], **tkw)
     assert_same_params(ref, got, EXACT)
     init = fit("auto", steps=0, variant="frozen")
@@ -402,7 +437,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     L.seed_everything(7, verbose=False)
     model = Overflowing()
     model.seen = []
-    strategy = ChunkOffloadStrategy(chunk_numel=4096)
+    strategy = ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -463,7 +498,9 @@ def test_compiled_model_trains_in_parity_under_a_device_limit(monkeypatch):
     ref = fit_compiled("auto", variant="tied", dim=64, hidden=1024)
     param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     strategy = ChunkOffloadStrategy(
-        device_memory_limit=int(param_bytes * 0.9), chunk_numel=66560, optimizer_kernel="loop"
+        device_memory_limit=int(param_bytes * 0.9),
+        memory=MemoryOptions(chunk_numel=66560),
+        offload=OffloadOptions(optimizer_kernel="loop"),
     )
     got = fit_compiled(strategy, variant="tied", dim=64, hidden=1024)
     assert_same_params(ref, got, EXACT)
@@ -478,7 +515,9 @@ def test_a_gradient_penalty_double_backward_trains_like_auto(placement):
     from tests.models import GradPenalty
 
     ref = fit("auto", steps=6, cls=GradPenalty)
-    strategy = ChunkOffloadStrategy(placement=placement, chunk_numel=4096, optimizer_kernel="loop")
+    strategy = ChunkOffloadStrategy(
+        placement=placement, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+    )
     got = fit(strategy, steps=6, cls=GradPenalty)
     assert_same_params(ref, got, EXACT)
     if placement == "host":
@@ -494,7 +533,9 @@ def test_a_sparse_embedding_trains_like_its_dense_twin(placement):
 
     ref = fit("auto", steps=4, cls=SparseEmbedding, model_kwargs=dict(dense=True))
     got = fit(
-        ChunkOffloadStrategy(placement=placement, chunk_numel=4096, optimizer_kernel="loop"),
+        ChunkOffloadStrategy(
+            placement=placement, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+        ),
         steps=4,
         cls=SparseEmbedding,
     )

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
+from lightning_chunk.options import grouped
 from tests import models
 from tests.models import ParityNet, fit, token_data
 
@@ -43,7 +44,7 @@ def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, va
     shape = dict(dim=64, hidden=256, depth=4)
     ref = fit("auto", steps=STEPS, cls=models.RootTiedNet, variant=variant, model_kwargs=shape)
     got = fit(
-        ChunkOffloadStrategy(optimizer_kernel="loop", **kw),
+        ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})),
         steps=STEPS,
         cls=models.RootTiedNet,
         variant=variant,
@@ -58,7 +59,12 @@ def test_a_tied_head_read_in_the_root_forward_validates_like_plain_lightning():
     """The first read comes in the sanity check's validation, before any training step traced the model."""
     dl = dict(val_dataloaders=token_data(16, seed=1), num_sanity_val_steps=2, limit_val_batches=2, val_check_interval=4)
     ref = fit("auto", steps=8, cls=models.RootTiedNet, **dl)
-    got = fit(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"), steps=8, cls=models.RootTiedNet, **dl)
+    got = fit(
+        ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop")),
+        steps=8,
+        cls=models.RootTiedNet,
+        **dl,
+    )
     assert_same_params(ref, got, EXACT)
     assert got.trainer_ref.callback_metrics["val_loss"] == ref.trainer_ref.callback_metrics["val_loss"]
 
@@ -68,7 +74,9 @@ def test_the_root_module_is_accepted_in_leaf_modules(leaf):
     """The root as a leaf owns every parameter, gathered for the whole step (it was refused: "names no module")."""
     ref = fit("auto", steps=STEPS, cls=models.RootTiedNet)
     got = fit(
-        ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", leaf_modules=[leaf]),
+        ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(leaf_modules=[leaf]), offload=OffloadOptions(optimizer_kernel="loop")
+        ),
         steps=STEPS,
         cls=models.RootTiedNet,
     )
@@ -83,7 +91,11 @@ def test_a_batchnorm_cnn_trains_in_bf16_mixed_like_plain_lightning(placement):
     init = fit("auto", steps=0, cls=models.BatchNormCNN)
     ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN, precision="bf16-mixed")
     got = fit(
-        ChunkOffloadStrategy(placement=placement, optimizer_kernel="loop", chunk_numel=10_000),
+        ChunkOffloadStrategy(
+            placement=placement,
+            memory=MemoryOptions(chunk_numel=10_000),
+            offload=OffloadOptions(optimizer_kernel="loop"),
+        ),
         steps=STEPS,
         cls=models.BatchNormCNN,
         precision="bf16-mixed",
@@ -110,7 +122,7 @@ def test_a_batchnorm_cnn_trains_in_16_mixed_like_plain_lightning(placement):
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
     )
     got = fit(
-        ChunkOffloadStrategy(placement=placement, chunk_numel=10_000),
+        ChunkOffloadStrategy(placement=placement, memory=MemoryOptions(chunk_numel=10_000)),
         steps=STEPS,
         cls=models.BatchNormCNN,
         plugins=[ChunkPrecision("16-mixed")],
@@ -165,7 +177,7 @@ def test_save_checkpoint_after_fit_keeps_the_optimizer_state_and_resumes_like_pl
     moments silently. It now holds what plain Lightning's holds, and the resume trains to the same parameters."""
     ref = _fit_and_save("auto", tmp_path / "ref.ckpt", after_validate=after_validate)
     got = _fit_and_save(
-        ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"),
+        ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop")),
         tmp_path / "got.ckpt",
         after_validate=after_validate,
     )
@@ -181,7 +193,9 @@ def test_save_checkpoint_after_fit_keeps_the_optimizer_state_and_resumes_like_pl
     for k, v in ref["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][k], v, **EXACT)
     resumed_ref = _resume("auto", tmp_path / "ref.ckpt")
-    resumed = _resume(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"), tmp_path / "got.ckpt")
+    resumed = _resume(
+        ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop")), tmp_path / "got.ckpt"
+    )
     assert_same_params(resumed_ref, resumed, EXACT)
 
 
@@ -237,7 +251,9 @@ def test_deferred_init_with_a_torchmetrics_metric_trains_and_logs_like_plain_lig
     """[Note: metrics under deferred init]: the metric's states were built on the meta device and the fit failed at
     its end with "Cannot copy out of meta tensor; no data!"."""
     ref, rt = _fit_deferred("auto", empty_init=False)  # plain Lightning's empty init leaves values unset
-    got, gt = _fit_deferred(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop"), empty_init=True)
+    got, gt = _fit_deferred(
+        ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop")), empty_init=True
+    )
     assert_same_params(ref, got, EXACT)
     for key in ("train_acc", "val_acc"):
         assert gt.callback_metrics[key] == rt.callback_metrics[key], key
@@ -295,7 +311,9 @@ def test_a_tied_head_read_in_a_compiled_root_forward_trains_like_plain_lightning
         trainer.fit(model, token_data())
         return model
 
-    assert_same_params(run("auto"), run(ChunkOffloadStrategy(placement="host", optimizer_kernel="loop")), EXACT)
+    assert_same_params(
+        run("auto"), run(ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop"))), EXACT
+    )
 
 
 class NeedsFp32(torch.nn.Module):
@@ -375,7 +393,7 @@ def test_plan_report_adds_up_and_prints_small_sizes_in_their_unit():
 # ------------------------------------------------------------------ silent no-ops say so, once
 def test_disk_dir_without_a_host_limit_warns_that_it_does_nothing(tmp_path):
     with pytest.warns(UserWarning, match=r"disk_dir=.* does nothing without host_memory_limit"):
-        ChunkOffloadStrategy(disk_dir=str(tmp_path))
+        ChunkOffloadStrategy(offload=OffloadOptions(disk_dir=str(tmp_path)))
 
 
 class LogsGradNorm(ParityNet):
@@ -425,7 +443,7 @@ class L2Penalty(ParityNet):
 def test_parameters_iterated_in_training_step_are_read_and_differentiated_like_plain_lightning(kw, caplog):
     ref = fit("auto", steps=STEPS, cls=L2Penalty)
     with caplog.at_level("INFO", logger="lightning_chunk.engine.runtime.hooks"):
-        got = fit(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), steps=STEPS, cls=L2Penalty)
+        got = fit(ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})), steps=STEPS, cls=L2Penalty)
     assert_same_params(ref, got, EXACT)
     for a, b in zip(ref.seen, got.seen, strict=True):
         torch.testing.assert_close(b, a, **EXACT)
@@ -460,7 +478,9 @@ def test_sync_batchnorm_trains_in_bf16_mixed_like_plain_lightning():
     init = fit("auto", steps=0, cls=models.BatchNormCNN)
     ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN, precision="bf16-mixed", sync_batchnorm=True)
     got = fit(
-        ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", chunk_numel=10_000),
+        ChunkOffloadStrategy(
+            placement="host", memory=MemoryOptions(chunk_numel=10_000), offload=OffloadOptions(optimizer_kernel="loop")
+        ),
         steps=STEPS,
         cls=models.BatchNormCNN,
         precision="bf16-mixed",
@@ -488,7 +508,7 @@ def test_reparametrised_weights_train_like_plain_lightning(kw):
     """[Note: leaf modules]: the identity's ``original`` was let go at its ParametrizationList's end and the head
     read NaN (host placement). A parametrized module is a leaf."""
     ref = fit("auto", steps=STEPS, cls=Reparametrised)
-    got = fit(ChunkOffloadStrategy(optimizer_kernel="loop", **kw), steps=STEPS, cls=Reparametrised)
+    got = fit(ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})), steps=STEPS, cls=Reparametrised)
     assert_same_params(ref, got, EXACT)
 
 
@@ -519,7 +539,11 @@ def test_a_released_parameter_read_through_a_kept_reference_fails_at_once_naming
     assert info.value.__class__.__name__ == "ChunkError"
     ref = fit("auto", steps=STEPS, cls=CapturedReference)  # the fix it names: the root as a leaf
     got = fit(
-        ChunkOffloadStrategy(placement="host", optimizer_kernel="loop", leaf_modules=[CapturedReference]),
+        ChunkOffloadStrategy(
+            placement="host",
+            memory=MemoryOptions(leaf_modules=[CapturedReference]),
+            offload=OffloadOptions(optimizer_kernel="loop"),
+        ),
         steps=STEPS,
         cls=CapturedReference,
     )

@@ -5,7 +5,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.engine.files.weights import WeightsError
 from tests.integration.test_deferred_init import init_values
 from tests.integration.test_parity import EXACT, assert_same_params
@@ -25,7 +25,7 @@ def test_weights_replace_the_init_in_every_format(tmp_path, fmt, deferred):
     path = write_weights(want, tmp_path / "w", fmt, variant="tied")
     L.seed_everything(7, verbose=False)  # another seed: every value must come from the file
     model = (DeferredNet if deferred else ParityNet)(variant="tied")
-    got = init_values(model, ChunkOffloadStrategy(weights=path, chunk_numel=2048))
+    got = init_values(model, ChunkOffloadStrategy(weights=path, memory=MemoryOptions(chunk_numel=2048)))
     for k, v in want.items():
         assert torch.equal(got[k], v), k
     assert model.head.weight is model.embed.weight
@@ -41,7 +41,7 @@ def test_training_from_loaded_weights_matches_training_from_those_values(tmp_pat
             self.load_state_dict(want)
 
     ref = fit("auto", cls=Loaded)
-    got = fit(ChunkOffloadStrategy(weights=path, optimizer_kernel="loop"), cls=DeferredNet)
+    got = fit(ChunkOffloadStrategy(weights=path, offload=OffloadOptions(optimizer_kernel="loop")), cls=DeferredNet)
     assert_same_params(ref, got, EXACT)
 
 

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
 from lightning_chunk.engine.runtime.engine import ChunkEngine  # noqa: E402
 from lightning_chunk.engine.tiers.pool import BlockPool  # noqa: E402
+from lightning_chunk.options import grouped  # noqa: E402
 from lightning_chunk.shapes import Llama  # noqa: E402
 
 SHAPE = dict(hidden=128, layers=8, intermediate=256, heads=4, kv_heads=4, vocab=512)
@@ -88,7 +89,7 @@ def fit(out: Path, first: bool, world: int) -> int:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=ChunkOffloadStrategy(**STRATEGY),
+        strategy=ChunkOffloadStrategy(**grouped(STRATEGY)),
         max_steps=STEPS if first else STEPS + 2,
         logger=False,
         enable_checkpointing=False,

@@ -107,20 +107,75 @@ def test_the_default_device_limit_is_none_on_cpu_and_leaves_a_stated_margin_on_c
     assert device_margin_bytes(4 * 2**30) == 2**30  # at least 1 GiB
 
 
-def test_strategy_takes_every_config_field_with_the_same_default():
-    """The strategy's flat arguments are derived into a ChunkConfig by name: a field it lacks, or a default that
-    drifted from the config's, would silently change what a user gets."""
+def test_the_strategy_s_arguments_and_groups_cover_every_config_field_with_its_default():
+    """The twelve arguments and the three groups are flattened into a ChunkConfig by name: a field neither has, or a
+    default that drifted from the config's, would silently change what a user gets."""
     import dataclasses
     import inspect
 
-    from lightning_chunk.strategy import CONFIG_ARGS, ChunkOffloadStrategy
+    from lightning_chunk.options import ARGUMENTS, GROUPS
+    from lightning_chunk.strategy import ChunkOffloadStrategy
 
-    params = inspect.signature(ChunkOffloadStrategy.__init__).parameters
+    params = {k: p for k, p in inspect.signature(ChunkOffloadStrategy.__init__).parameters.items() if k != "self"}
+    named = [k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert len(named) <= 12 and named == list(ARGUMENTS), named  # each argument documented, in the same order
+    given = {k: params[k].default for k in named}
+    given |= {f.name: f.default for g in GROUPS.values() for f in dataclasses.fields(g)}
     fields = {f.name: f.default for f in dataclasses.fields(ChunkConfig) if f.name != "check_invariants"}
-    assert set(CONFIG_ARGS) == set(fields)
     for name, default in fields.items():
-        assert name in params, name
-        assert params[name].default == default, (name, params[name].default, default)
+        assert name in given, name
+        assert given[name] == default, (name, given[name], default)
+    assert ChunkOffloadStrategy().config == ChunkConfig()
+
+
+def test_a_group_is_a_dataclass_or_a_dict_and_a_flat_name_still_works_with_a_deprecation_warning():
+    import warnings
+
+    from lightning_chunk import CheckOptions, ChunkOffloadStrategy, MemoryOptions
+
+    s = ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096), checks={"collective_timeout_s": 7})
+    assert s.config.chunk_numel == 4096 and s.config.collective_timeout_s == 7
+    assert s.checks == CheckOptions(collective_timeout_s=7)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        old = ChunkOffloadStrategy(chunk_numel=4096, verify_collectives=True, memory={"chunk_numel_min": 8})
+    messages = [str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)]
+    assert [m.split(")")[0] for m in messages] == [
+        "ChunkOffloadStrategy(chunk_numel=...",
+        "ChunkOffloadStrategy(verify_collectives=...",
+    ]
+    assert "memory=MemoryOptions(chunk_numel=...)" in messages[0] and "checks=CheckOptions(" in messages[1]
+    assert (old.config.chunk_numel, old.config.chunk_numel_min, old.config.verify_collectives) == (4096, 8, True)
+
+
+def test_a_misspelt_argument_or_group_field_names_what_is_allowed():
+    from lightning_chunk import ChunkOffloadStrategy
+
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'chunk_size'; its arguments are placement"):
+        ChunkOffloadStrategy(chunk_size=4096)
+    with pytest.raises(ValueError, match=r"memory=\{'chunk_size': 1\} names chunk_size, which MemoryOptions"):
+        ChunkOffloadStrategy(memory={"chunk_size": 1})
+    with pytest.raises(ValueError, match=r"offload=3 is not allowed; it must be a OffloadOptions"):
+        ChunkOffloadStrategy(offload=3)
+    with pytest.raises(ValueError, match=r"chunk_numel=0 is not allowed"):
+        ChunkOffloadStrategy(memory={"chunk_numel": 0})
+
+
+def test_grouped_moves_flat_names_into_their_groups_and_the_flat_name_wins():
+    from lightning_chunk import MemoryOptions
+    from lightning_chunk.options import grouped
+
+    assert grouped({"placement": "host", "chunk_numel": 8, "disk_io": "direct"}) == {
+        "placement": "host",
+        "memory": {"chunk_numel": 8},
+        "offload": {"disk_io": "direct"},
+    }
+    got = grouped({"memory": MemoryOptions(chunk_numel=8, offload_fraction=0.25), "chunk_numel": 16})
+    assert got["memory"] == MemoryOptions(chunk_numel=16, offload_fraction=0.25)
+    assert grouped({"memory": {"chunk_numel_min": 2}, "chunk_numel": 16})["memory"] == {
+        "chunk_numel_min": 2,
+        "chunk_numel": 16,
+    }
 
 
 def test_disk_tier_fields_are_validated():
