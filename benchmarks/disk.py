@@ -70,6 +70,7 @@ from _common import ROOT, clean_env, gpt_parser, make_gpt, median_interval, proc
 
 sys.path.insert(0, str(ROOT))
 from lightning_chunk.engine.config import parse_bytes  # noqa: E402
+from lightning_chunk.options import grouped  # noqa: E402
 
 BLOCK = 64 << 20
 
@@ -86,19 +87,23 @@ def child_chunk(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
-    from lightning_chunk import CheckOptions, ChunkOffloadStrategy, MemoryOptions, OffloadOptions
+    from lightning_chunk import ChunkOffloadStrategy, OffloadOptions
 
     on_disk = args.child in ("disk", "disk_early")
     kw: dict = dict(host_memory_limit=args.host_limit) if on_disk else {}
     if args.child == "disk":  # the default steps in backward here ([Note: stepping disk chunks in backward])
         kw["step_in_backward"] = False
     strategy = ChunkOffloadStrategy(
-        placement="host",
-        device_memory_limit=args.device_limit,
-        **kw,
-        memory=MemoryOptions(materialize_on_teardown=False),
-        offload=OffloadOptions(disk_dir=args.dir, disk_io=args.disk_io) if on_disk else None,
-        checks=CheckOptions(log_memory_stats=False),
+        **grouped(
+            {
+                "placement": "host",
+                "device_memory_limit": args.device_limit,
+                **kw,
+                "materialize_on_teardown": False,
+                "offload": OffloadOptions(disk_dir=args.dir, disk_io=args.disk_io) if on_disk else None,
+                "log_memory_stats": False,
+            }
+        )
     )
     L.seed_everything(0, verbose=False)
     model = make_gpt(args, deferred_init=True)

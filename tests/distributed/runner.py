@@ -489,10 +489,7 @@ def run_resume(out: Path) -> None:
 
 def reshard_strategy(**kw):
     return ChunkOffloadStrategy(
-        **kw,
-        memory=MemoryOptions(chunk_numel=4096),
-        offload=OffloadOptions(optimizer_kernel="loop"),
-        checks=CheckOptions(collective_timeout_s=60),
+        **grouped({**kw, "chunk_numel": 4096, "optimizer_kernel": "loop", "collective_timeout_s": 60})
     )
 
 
@@ -696,10 +693,7 @@ def run_grad_penalty_limit(out: Path) -> None:
         L.seed_everything(7, verbose=False)
         model = models.ReorderedGradPenalty(**kw)
         strategy = ChunkOffloadStrategy(
-            **extra,
-            memory=MemoryOptions(chunk_numel_min=4096),
-            offload=OffloadOptions(optimizer_kernel="loop"),
-            checks=CheckOptions(collective_timeout_s=60),
+            **grouped({**extra, "chunk_numel_min": 4096, "optimizer_kernel": "loop", "collective_timeout_s": 60})
         )
         t = trainer(strategy, steps=6, accumulate_grad_batches=2)
         t.fit(model, token_data())

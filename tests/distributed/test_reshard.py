@@ -7,7 +7,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.options import grouped
 from tests.distributed.test_two_ranks import run
 from tests.models import ParityNet, token_data
 
@@ -31,9 +32,7 @@ def one_rank(strategy, steps, **kw):
 
 
 def chunk(**kw):
-    return ChunkOffloadStrategy(
-        **kw, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
-    )
+    return ChunkOffloadStrategy(**grouped({**kw, "chunk_numel": 4096, "optimizer_kernel": "loop"}))
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path):

@@ -13,10 +13,11 @@ import torch
 import torch.nn as nn
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
+from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.cli import main as cli_main
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.state.checkpoint import CheckpointError, check_checkpoint_dir, save_sharded
+from lightning_chunk.options import grouped
 from tests.models import ParityNet, edited, token_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,9 +39,7 @@ def trainer(strategy, steps, **kw):
 
 
 def chunk(**kw):
-    return ChunkOffloadStrategy(
-        **kw, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
-    )
+    return ChunkOffloadStrategy(**grouped({**kw, "chunk_numel": 4096, "optimizer_kernel": "loop"}))
 
 
 def train_and_save(tmp_path, strategy, steps=8, variant="tied", **cb_kw):

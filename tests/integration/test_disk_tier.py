@@ -28,17 +28,17 @@ def disk(tmp_path, limit="3MB", **kw):
     """The disk tier stepping after backward (its gradients through their files), what these tests were written for;
     ``step_in_backward=None`` would step in backward wherever nothing reads the gradients after it."""
     return ChunkOffloadStrategy(
-        **{
-            **dict(
+        **grouped(
+            dict(
                 placement="host",
                 chunk_numel=CHUNK,
                 optimizer_kernel="loop",
                 host_memory_limit=limit,
                 disk_dir=tmp_path / "scratch",
                 step_in_backward=False,
-            ),
-            **kw,
-        }
+            )
+            | kw
+        )
     )
 
 
@@ -117,7 +117,7 @@ def test_disk_chunks_stepped_in_backward_train_bit_exact_and_write_no_gradient_f
     monkeypatch.setattr(MappedFile, "write_from", write_from)
     limit = "2MB" if "cls" in kw else "3MB"
     strategy = ChunkOffloadStrategy(
-        **base, host_memory_limit=limit, step_in_backward=True, offload=OffloadOptions(disk_dir=tmp_path / "scratch")
+        **grouped({**base, "host_memory_limit": limit, "step_in_backward": True, "disk_dir": tmp_path / "scratch"})
     )
     got = fit(strategy, steps=STEPS, **kw)
     assert_same_params(ref, got, EXACT)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
-from lightning_chunk import ChunkEMA, ChunkOffloadStrategy, MemoryOptions, OffloadOptions
+from lightning_chunk import ChunkEMA, ChunkOffloadStrategy
 from lightning_chunk.cli import main as cli_main
+from lightning_chunk.options import grouped
 from tests.models import BatchNormNet, FlipRequiresGrad, fit, token_data
 
 EXACT = dict(rtol=0, atol=0)
@@ -41,9 +42,7 @@ def run(strategy, callbacks, steps=8, **kw):
 
 
 def chunked(**kw):
-    return ChunkOffloadStrategy(
-        **kw, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
-    )
+    return ChunkOffloadStrategy(**grouped({**kw, "chunk_numel": 4096, "optimizer_kernel": "loop"}))
 
 
 def assert_same(ref, got):

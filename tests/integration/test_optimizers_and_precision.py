@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
+from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision
+from lightning_chunk.options import grouped
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, token_data
 
 EXACT = dict(rtol=0, atol=0)
@@ -42,9 +43,7 @@ def relative_update_error(ref, got, init) -> float:
 
 
 def chunk(**kw):
-    return ChunkOffloadStrategy(
-        **kw, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
-    )
+    return ChunkOffloadStrategy(**grouped({**kw, "chunk_numel": 4096, "optimizer_kernel": "loop"}))
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])

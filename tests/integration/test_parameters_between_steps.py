@@ -13,8 +13,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 
-from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
+from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine import ChunkError
+from lightning_chunk.options import grouped
 from tests.integration.test_parity import assert_same_params
 from tests.models import ClampFirstBlock, ParityNet, fit
 
@@ -22,9 +23,7 @@ EXACT = dict(rtol=0, atol=0)
 
 
 def chunked(**kw):
-    return ChunkOffloadStrategy(
-        **kw, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
-    )
+    return ChunkOffloadStrategy(**grouped({**kw, "chunk_numel": 4096, "optimizer_kernel": "loop"}))
 
 
 class ReadBetweenSteps(L.Callback):

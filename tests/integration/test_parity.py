@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
-from lightning_chunk.engine.runtime.hooks import ChunkHooks
+from lightning_chunk.engine.runtime.moments import MomentClock
 from lightning_chunk.options import grouped
 from tests import models
 from tests.models import ParityNet, fit
@@ -123,7 +123,7 @@ def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_not
     reshard = dict(reshard_after_forward=setting != "kept_limit")
     extra = dict(accumulate_grad_batches=2) if "accumulate" in setting else {}
     runs, skipped = {}, []
-    real = ChunkHooks._plan_is_empty
+    real = MomentClock._plan_is_empty
 
     def counting(self, *args):
         out = real(self, *args)
@@ -131,10 +131,10 @@ def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_not
         return out
 
     for skip in (False, True):
-        monkeypatch.setattr(ChunkHooks, "_plan_is_empty", counting if skip else lambda self, *args: False)
+        monkeypatch.setattr(MomentClock, "_plan_is_empty", counting if skip else lambda self, *args: False)
         moments = RecordMoments()
         strategy = ChunkOffloadStrategy(
-            placement="host", **limit, **reshard, offload=OffloadOptions(optimizer_kernel="loop")
+            **grouped({"placement": "host", **limit, **reshard, "optimizer_kernel": "loop"})
         )
         model = fit(strategy, steps=8, model_kwargs=WIDE, callbacks=[moments], cls=cls, **extra)
         runs[skip] = (model, moments.events, strategy.memory_stats())
@@ -160,11 +160,15 @@ def test_parity_under_a_device_limit_below_the_parameter_bytes(placement, extra,
     param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     limit = int(param_bytes * 0.9)
     strategy = ChunkOffloadStrategy(
-        placement=placement,
-        device_memory_limit=limit,
-        **extra,
-        memory=MemoryOptions(chunk_numel=66560),
-        offload=OffloadOptions(optimizer_kernel="loop"),
+        **grouped(
+            {
+                "placement": placement,
+                "device_memory_limit": limit,
+                **extra,
+                "chunk_numel": 66560,
+                "optimizer_kernel": "loop",
+            }
+        )
     )
     got = fit(strategy, steps=STEPS, variant=variant, model_kwargs=BIG, **kw)
     assert_same_params(ref, got, EXACT)
@@ -314,9 +318,7 @@ def test_a_module_reading_its_child_s_weights_needs_no_leaf_modules(kw):
     leaf_modules."""
     ref = fit("auto", steps=STEPS, cls=models.PeekNet)
     strategy = ChunkOffloadStrategy(
-        **kw,
-        memory=MemoryOptions(chunk_numel=4096, materialize_on_teardown=True),
-        offload=OffloadOptions(optimizer_kernel="loop"),
+        **grouped({**kw, "chunk_numel": 4096, "materialize_on_teardown": True, "optimizer_kernel": "loop"})
     )
     got = fit(strategy, steps=STEPS, cls=models.PeekNet)
     assert_same_params(ref, got, EXACT)
