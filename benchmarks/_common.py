@@ -11,6 +11,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,6 +29,10 @@ DIST_VARS = (
     "MASTER_PORT",
     "PL_GLOBAL_SEED",
 )
+
+
+# set by the test suite's smoke runs: ranks forked from a preloaded server ([Note: forked ranks] in tests/forked.py)
+FORK_SWITCH = "LIGHTNING_CHUNK_BENCH_FORK"
 
 
 def clean_env() -> dict[str, str]:
@@ -56,24 +61,27 @@ def run_ranks(
     others), at ``timeout``, or when ``watch(pgid)``, asked every 50 ms, says so."""
     port = str(free_port())
     threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # Lightning's _suggested_max_num_threads
+    envs = [
+        env
+        if ranks == 1
+        else {
+            "OMP_NUM_THREADS": str(threads),
+            **env,
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        for r in range(ranks)
+    ]
+    if os.environ.get(FORK_SWITCH) == "1" and watch is None and cmd[:1] == [sys.executable]:
+        return _run_forked(cmd[1:], envs, timeout)
     logs = [tempfile.TemporaryFile("w+") for _ in range(ranks)]
     procs: list[subprocess.Popen] = []
-    for r, log in enumerate(logs):
+    for rank_env, log in zip(envs, logs, strict=True):
         group = procs[0].pid if procs else 0  # rank 0 leads a new group, the others join it
-        rank_env = (
-            env
-            if ranks == 1
-            else {
-                "OMP_NUM_THREADS": str(threads),
-                **env,
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-                "NODE_RANK": "0",
-                "WORLD_SIZE": str(ranks),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            }
-        )
         procs.append(
             subprocess.Popen(
                 cmd,
@@ -105,6 +113,28 @@ def run_ranks(
         out.append(log.read())
         log.close()
     return next((p.returncode for p in procs if p.returncode), 0), "".join(out)
+
+
+def _run_forked(argv: list[str], envs: list[dict[str, str]], timeout: float) -> tuple[int, str]:
+    """``run_ranks`` for the test suite's smoke runs ([Note: forked ranks] in tests/forked.py): each rank forked from
+    a server that has imported torch and Lightning already, so a tiny run does not spend most of its time importing
+    them. What a child measures, its steps, is the same; a benchmark run for its numbers starts fresh processes."""
+    from tests.forked import ForkedProcess
+
+    logs = [Path(tempfile.mkstemp(suffix=".log")[1]) for _ in envs]
+    procs = [ForkedProcess(Path(argv[0]), argv[1:], e, ROOT, log, None) for e, log in zip(envs, logs, strict=True)]
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()
+        p.wait()
+    out = "".join(log.read_text() for log in logs)
+    for log in logs:
+        log.unlink()
+    return next((p.returncode for p in procs if p.returncode), 0), out
 
 
 def load_gpt() -> Any:

@@ -11,6 +11,13 @@ pytestmark = pytest.mark.slow  # several ranks or child processes: the full suit
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def forked_ranks(monkeypatch):
+    """The scripts' ranks forked from a preloaded server: a tiny run is mostly imports otherwise ([Note: forked
+    ranks] in tests/forked.py)."""
+    monkeypatch.setenv("LIGHTNING_CHUNK_BENCH_FORK", "1")
+
+
 def load(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)

@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.children import child_env
+from tests.forked import ForkedProcess, forkable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +30,8 @@ class Ranks:
 
     def __init__(self, script: Path, out: Path, *args: str, world_size: int = 2, env: dict | None = None) -> None:
         port = str(free_port())
-        self.out, self.procs, self.files = out, [], []
+        self.out, self.files = out, []
+        self.procs: list[Any] = []
         out.mkdir(parents=True, exist_ok=True)
         for r in range(world_size):
             e = child_env()
@@ -43,10 +46,16 @@ class Ranks:
                 OMP_NUM_THREADS="1",
             )  # as torchrun sets it: spinning thread pools of 2 ranks on 2 cores cost 3x
             e.update(env or {})
-            so, se = open(out / f"rank{r}.out", "w"), open(out / f"rank{r}.err", "w")
-            self.files += [so, se]
+            so, se = out / f"rank{r}.out", out / f"rank{r}.err"
+            if forkable(e):  # [Note: forked ranks] in tests/forked.py
+                self.procs.append(ForkedProcess(script, [str(out), *args], e, ROOT, so, se))
+                continue
+            files = [open(so, "w"), open(se, "w")]  # noqa: SIM115 (closed in wait)
+            self.files += files
             self.procs.append(
-                subprocess.Popen([sys.executable, str(script), str(out), *args], env=e, stdout=so, stderr=se, cwd=ROOT)
+                subprocess.Popen(
+                    [sys.executable, str(script), str(out), *args], env=e, stdout=files[0], stderr=files[1], cwd=ROOT
+                )
             )
 
     def wait(self, timeout: float = 240, *, until_first: bool = False) -> list[tuple[int | None, str, str, float]]:

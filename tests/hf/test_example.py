@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_chunk.hf import export_hf  # noqa: E402
+from tests import forked  # noqa: E402
 from tests.children import child_env  # noqa: E402
 from tests.hf.models import ROOT, load_example, save_pretrained  # noqa: E402
 from tests.integration.test_examples import rows  # noqa: E402
@@ -137,7 +138,7 @@ def test_two_ranks_config_through_the_script(tmp_path):
 
 
 def test_bad_cli_input_is_one_clear_message(tmp_path):
-    r = subprocess.run(
+    r = forked.run(
         [
             sys.executable,
             str(MAIN),
@@ -149,8 +150,6 @@ def test_bad_cli_input_is_one_clear_message(tmp_path):
             *SMALL_DATA,
             "--model.config=null",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
         cwd=ROOT,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
 from tests.children import child_env
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
@@ -169,7 +170,7 @@ def test_plan_estimate_agrees_with_a_real_run(tmp_path):
 
 
 def test_plan_command_exits_non_zero_with_the_smallest_working_limit():
-    r = subprocess.run(
+    r = forked.run(
         [
             sys.executable,
             "-m",
@@ -187,8 +188,6 @@ def test_plan_command_exits_non_zero_with_the_smallest_working_limit():
             "--device-memory-limit",
             "4MiB",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
         cwd=ROOT,
     )
@@ -245,7 +244,7 @@ def test_bad_cli_input_is_one_clear_message(tmp_path, args, needle):
     empty = tmp_path / "empty"
     empty.mkdir()
     args = [a.replace("EMPTY", str(empty)) for a in args]
-    r = subprocess.run(
+    r = forked.run(
         [
             sys.executable,
             str(MAIN),
@@ -256,8 +255,6 @@ def test_bad_cli_input_is_one_clear_message(tmp_path, args, needle):
             "--trainer.max_steps=2",
             *args,
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
         cwd=ROOT,
     )
@@ -268,7 +265,7 @@ def test_bad_cli_input_is_one_clear_message(tmp_path, args, needle):
 
 def test_plan_from_shapes_reports_the_disk_tier():
     """The same 6.5B GPT on 8 ranks with 10 GiB of host memory a rank for shards: the rest goes to disk."""
-    r = subprocess.run(
+    r = forked.run(
         [
             sys.executable,
             "-m",
@@ -289,8 +286,6 @@ def test_plan_from_shapes_reports_the_disk_tier():
             "--precision",
             "bf16-mixed",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
         cwd=ROOT,
     )
