@@ -7,10 +7,11 @@ bindings, and says when each runs:
    policy says before a trace exists, bind the optimizers, install hooks, and
    refuse a limit that cannot hold even one module's chunks.
 2. the first training micro-batch is the warm-up: the tracer records moments.
-3. ``_finalize`` (before the first optimizer step, or the next micro-batch):
-   check the limit against the traced working set and activations, choose the
-   chunk size, repack in first-use order, place shards from the trace, rebind
-   the optimizers (state moves along by parameter).
+3. ``warm_up.replan(Replan.WARM_UP)`` (at the first optimizer step): check the
+   limit against the traced working set and activations, choose the chunk
+   size, repack in first-use order, place shards from the trace, rebind the
+   optimizers (state moves along by parameter); [Note: the warm-up's phases]
+   in ``warmup.py`` for the phases and the other re-plans.
 4. each step: ``prepare_step`` (gradients onto the master views), unscale /
    clip, the optimizer's own ``step()``, ``finish_step`` (write the
    low-precision copies back, free gradients).
@@ -36,10 +37,10 @@ from ..chunks.materialize import DeferredInit
 from ..chunks.packing import Layout
 from ..chunks.repack import FromModule
 from ..comm.buffers import BufferSync
-from ..comm.collectives import CollectiveMismatchError, Collectives, first_difference
+from ..comm.collectives import Collectives
 from ..comm.reduce import agree_on_grads
 from ..config import ChunkConfig, DtypePolicy, default_device_limit, format_bytes, resolve_reshard_after_forward
-from ..errors import ChunkError, DeviceMemoryLimitError, LayoutError
+from ..errors import ChunkError, DeviceMemoryLimitError
 from ..files.weights import ModuleWeights
 from ..memory.consolidate import full_values, load_values, unpack, whole_model_fits
 from ..memory.full_params import check_stray_writes
@@ -52,12 +53,13 @@ from ..optim.kept_state import KeptOptimizerState, keep_optimizer_state
 from ..optim.scaler import DynamicLossScaler
 from ..schedule.costs import planned_views
 from ..schedule.growth import InputGrowth
-from ..schedule.placement import ChunkView, make_policy, smallest_working_limit, spill_to_disk
+from ..schedule.placement import ChunkView, make_policy, spill_to_disk
 from ..schedule.tracer import Trace
 from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from ..system.page_cache import page_cache_room
 from .hooks import ChunkHooks
 from .layout_choice import LayoutChooser
+from .warmup import Replan, WarmUp, WarmUpPlanner
 
 _log = logging.getLogger(__name__)
 
@@ -243,8 +245,7 @@ class ChunkEngine:
         )
         self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
-        self.warmed_up = False
-        self._finalize_pending = False
+        self.warm_up = WarmUpPlanner(self)  # [Note: the warm-up's phases] in warmup.py
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
         self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
         self.last_grad_norm: float | None = None
@@ -339,61 +340,13 @@ class ChunkEngine:
         release_pinned_cache()  # [Note: pinned blocks a repack leaves behind] in host_heap.py
 
     # ================================================================ warm-up
+    @property
+    def warmed_up(self) -> bool:
+        """Whether the chunks are packed and placed from a warm-up trace."""
+        return self.warm_up.phase is WarmUp.PLANNED
+
     def _trace_done(self, trace: Trace) -> None:
-        self._finalize_pending = True
-
-    def _finalize(self) -> None:
-        """End of warm-up: check the limit, choose the chunk size, repack in first-use order, place from the trace."""
-        self._finalize_pending = False
-        self.warmed_up = True
-        # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
-        release_freed_memory()
-        trace = self.hooks.trace
-        assert trace is not None
-        self._check_same_trace(trace)
-        trace = self._agree_on_activations(trace)
-        limit = self.manager.limit
-        order = trace.first_use_order(len(self.manager.params))
-        try:
-            layout = self.layouts.choose(order, trace)
-        except LayoutError as e:
-            raise DeviceMemoryLimitError(str(e)) from None
-        slot_of = layout.slot_of()
-        trace = trace.remap({i: s.chunk_id for i, s in slot_of.items()})
-        views, new_tiers = self._plan_tiers(layout, trace)
-        if limit is not None:
-            chunks_b, nonmodel_b = smallest_working_limit(views, trace)
-            if chunks_b + nonmodel_b > limit:
-                raise DeviceMemoryLimitError(
-                    f"device_memory_limit={format_bytes(limit)} is too small: the warm-up step needs "
-                    f"{format_bytes(chunks_b)} of chunks at once (the largest chunk is "
-                    f"{max((v.payload_bytes for v in views), default=0)} bytes) and traced {format_bytes(nonmodel_b)} "
-                    f"of non-model memory (activations). The smallest limit that would work is "
-                    f"{format_bytes(chunks_b + nonmodel_b)}."
-                )
-        old_tiers = [c.shard_tier for c in self.manager.chunks]
-        # same layout: chunk ids correspond, so the tiers compare position by position
-        if layout != self.manager.layout or old_tiers != [new_tiers[c.chunk_id] for c in layout.chunks]:
-            self._place(layout, views, new_tiers)
-            release_freed_memory()  # the warm-up's evict-everything gathers and the repack left freed heap pages
-        self.manager.follow_trace(trace)
-        self.hooks.trace = trace
-
-    def _trace_again(self) -> None:
-        """Start a new warm-up on this micro-batch; see [Note: inputs that grow after the warm-up]."""
-        self.warmed_up = False
-        self._finalize_pending = False
-        self.hooks.trace = None
-        if self._no_grads_held:
-            layout = self.manager.layout
-            assert layout is not None
-            views, tiers = self._plan_tiers(layout, trace=None)
-            if [c.shard_tier for c in self.manager.chunks] != [tiers[c.chunk_id] for c in layout.chunks]:
-                self._place(layout, views, tiers)
-                # the last step's gradients moved along: attach them again, so that the zero_grad() before this
-                # micro-batch's backward is seen to clear them ([Note: zero_grad on a rebound optimizer])
-                self._backward_ends()
-                release_freed_memory()
+        self.warm_up.enter(WarmUp.TRACED)
 
     def _follow_requires_grad(self) -> None:
         """Repack when parameters were frozen or unfrozen since the last layout ([Note: requires_grad changed]).
@@ -423,63 +376,7 @@ class ChunkEngine:
             dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
             for p, s in zip(mgr.params, mgr.specs, strict=True)
         ]
-        trace = self.hooks.trace
-        assert mgr.layout is not None
-        order = trace.first_use_order(len(mgr.params)) if trace is not None else list(mgr.layout.order)
-        layout = self.layouts.choose(order, trace)
-        if trace is not None:
-            trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
-        views, tiers = self._plan_tiers(layout, trace)
-        self._place(layout, views, tiers)
-        self.hooks.watch_grads()
-        if trace is not None:
-            mgr.follow_trace(trace)
-            self.hooks.trace = trace
-        self._backward_ends()  # the last step's gradients moved along: attach them again (as _trace_again does)
-        release_freed_memory()
-
-    def _agree_on_activations(self, trace: Trace) -> Trace:
-        """Every rank plans from the largest activations any rank measured at each moment: ranks whose budgets
-        differed would evict and gather different chunks, and so pair different collectives. In the same
-        all-reduce, every rank takes the latest moment any rank saw each parameter's gradient arrive after
-        ([Note: when a chunk reduces] in reduce.py)."""
-        if self.comm.world_size == 1 or not trace.moments:
-            return trace
-        n = len(trace.moments)
-        t = torch.tensor(
-            [m.nonmodel_bytes for m in trace.moments] + list(trace.grad_positions),
-            dtype=torch.int64,
-            device=self.comm.tensor_device(),
-        )
-        most = self.comm.all_reduce(t, "max", what="the agreement on traced activations").tolist()
-        return Trace(
-            tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most[:n], strict=True)),
-            tuple(int(p) for p in most[n:]),
-        )
-
-    def _check_same_trace(self, trace: Trace) -> None:
-        """Every rank must have used the same modules in the same order during the warm-up."""
-        if self.comm.world_size == 1:
-            return
-        mine = [(m.kind, m.module) for m in trace.moments]
-        seqs = self.comm.all_gather_object(mine)
-        if all(s == seqs[0] for s in seqs):
-            return
-        i = first_difference(seqs)
-
-        def at(r: int) -> str:
-            if i >= len(seqs[r]):
-                return "nothing (its step ended)"
-            kind, module = seqs[r][i]
-            ids = self.manager.chunk_ids_of([self.manager.params[j] for j in self.hooks.owned.get(module, ())])
-            return f"{kind} of module {module!r} (chunks {list(ids)})"
-
-        detail = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
-        raise CollectiveMismatchError(
-            f"[rank {self.comm.rank}] the warm-up step used modules in different orders on different ranks; "
-            f"first difference at moment {i}: {detail}. Every rank must run the same modules in the same order "
-            "(no data-dependent skipping of modules that own parameters)."
-        )
+        self.warm_up.replan(Replan.REQUIRES_GRAD)
 
     # ================================================================ steps
     @contextlib.contextmanager
@@ -496,16 +393,19 @@ class ChunkEngine:
         check_stray_writes(self.manager)  # [Note: parameters outside a step]
         if training and torch.is_grad_enabled():
             self._follow_requires_grad()
-        record = training and not self.warmed_up and torch.is_grad_enabled()
+        phase = self.warm_up.phase
+        record = training and phase is not WarmUp.PLANNED and torch.is_grad_enabled()
         if training and torch.is_grad_enabled():
             grew = self.growth.must_retrace(input_bytes, recording=record)
             # a module adopted a parameter it read ([Note: parameters read outside their owner] in reads.py)
-            adopted = self.hooks.owners_changed and (self.warmed_up or self._finalize_pending)
+            adopted = self.hooks.owners_changed and phase in (WarmUp.TRACED, WarmUp.PLANNED)
             self.hooks.owners_changed = False
             if grew or adopted:
-                self._trace_again()
+                self.warm_up.replan(Replan.INPUTS_GREW if grew else Replan.OWNERS_CHANGED)
                 record = True
             self._no_grads_held = False
+        if record:
+            self.warm_up.enter(WarmUp.RECORDING)
         self.buffers.before_forward(accumulating=self._accumulating)  # [Note: buffers as DDP syncs them]
         with self.hooks.step_scope(training=training, record=record) as outputs:
             yield outputs
@@ -558,12 +458,7 @@ class ChunkEngine:
             if self.scaler is not None:
                 raise ValueError(FP16_REFUSED)
             # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
-            self.early.active = (
-                self.warmed_up
-                and not self._finalize_pending
-                and not self.hooks.tracer.recording
-                and not self._accumulating
-            )
+            self.early.active = self.warm_up.phase is WarmUp.PLANNED and not self._accumulating
             self.early.begin()
 
     def _backward_ends(self) -> None:
@@ -578,8 +473,8 @@ class ChunkEngine:
         ``training_step`` before ``opt.step()``, the step itself and a second optimizer's step may all ask."""
         for b in self.bindings:
             b.sync_zero_grad()
-        if self._finalize_pending:
-            self._finalize()
+        if self.warm_up.phase is WarmUp.TRACED:
+            self.warm_up.replan(Replan.WARM_UP)
             self._backward_ends()
         if not self._agreed:
             self._agreed = True

@@ -1,0 +1,178 @@
+"""The warm-up's phases, and the one re-plan every change of layout or placement after set-up goes through.
+
+[Note: the warm-up's phases]
+A fit starts ``UNTRACED``: the chunks are packed in registration order and placed without a trace. The first
+training micro-batch with gradients is ``RECORDING``: the tracer records each moment's chunks and activations. When
+its backward ends the trace is ``TRACED``, and at the step that follows (``ChunkEngine.prepare_step``, where every
+gradient is in its shard, so no gradient in flight has to move) ``replan(Replan.WARM_UP)`` chooses the chunk size,
+repacks in first-use order and places from the trace: ``PLANNED``. Another micro-batch of the same step records
+again (``TRACED`` -> ``RECORDING``): the last one's trace is the one planned from. Inputs that grow past what the
+trace saw, or a module that adopts a parameter it read, send a traced or planned engine back to ``UNTRACED``
+(``replan(Replan.INPUTS_GREW)`` / ``Replan.OWNERS_CHANGED``: the trace is dropped and the tiers placed without one),
+and that micro-batch records a new trace. A change of ``requires_grad`` (``Replan.REQUIRES_GRAD``) repacks in any
+phase and leaves it as it was. The table ``NEXT`` lists the legal moves; any other raises
+``IllegalTransitionError``, as the chunks' own state table does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..comm.collectives import CollectiveMismatchError, first_difference
+from ..config import format_bytes
+from ..errors import DeviceMemoryLimitError, IllegalTransitionError, LayoutError
+from ..schedule.placement import smallest_working_limit
+from ..schedule.tracer import Trace
+from ..system.host_heap import release_freed_memory
+
+if TYPE_CHECKING:  # a type only: the planner serves the engine that owns it
+    from .engine import ChunkEngine
+
+
+class WarmUp(enum.Enum):
+    UNTRACED = "untraced"  # no trace: chunks in registration order, placed without one
+    RECORDING = "recording"  # a training micro-batch's moments are being traced
+    TRACED = "traced"  # a trace is taken; the next optimizer step plans from it
+    PLANNED = "planned"  # packed in first-use order and placed from the trace
+
+
+class Replan(enum.Enum):
+    WARM_UP = "the warm-up step's trace"
+    INPUTS_GREW = "inputs larger than any the trace saw"
+    OWNERS_CHANGED = "a module adopted a parameter it read"
+    REQUIRES_GRAD = "requires_grad changed"
+
+
+NEXT: dict[WarmUp, frozenset[WarmUp]] = {
+    WarmUp.UNTRACED: frozenset({WarmUp.RECORDING}),
+    WarmUp.RECORDING: frozenset({WarmUp.TRACED}),
+    WarmUp.TRACED: frozenset({WarmUp.RECORDING, WarmUp.PLANNED, WarmUp.UNTRACED}),
+    WarmUp.PLANNED: frozenset({WarmUp.UNTRACED}),
+}
+
+
+class WarmUpPlanner:
+    """The engine's warm-up phase and its re-plans ([Note: the warm-up's phases]); it works on the engine's own
+    parts (a friend of ``ChunkEngine``: its packing, placing and gradient attaching)."""
+
+    def __init__(self, engine: ChunkEngine) -> None:
+        self.engine = engine
+        self.phase = WarmUp.UNTRACED
+
+    def enter(self, phase: WarmUp) -> None:
+        if phase is not self.phase and phase not in NEXT[self.phase]:
+            raise IllegalTransitionError(f"the warm-up cannot go from {self.phase.value} to {phase.value}")
+        self.phase = phase
+
+    def replan(self, reason: Replan) -> None:
+        """Pack and place the chunks again for ``reason``; see [Note: the warm-up's phases]."""
+        eng = self.engine
+        mgr = eng.manager
+        assert mgr.layout is not None
+        retrace = reason in (Replan.INPUTS_GREW, Replan.OWNERS_CHANGED)
+        if reason is Replan.WARM_UP:
+            # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
+            release_freed_memory()
+            assert eng.hooks.trace is not None
+            self._check_same_trace(eng.hooks.trace)
+            trace: Trace | None = self._agree_on_activations(eng.hooks.trace)
+        else:
+            trace = None if retrace else eng.hooks.trace
+        if retrace:
+            layout = mgr.layout
+        else:
+            order = trace.first_use_order(len(mgr.params)) if trace is not None else list(mgr.layout.order)
+            try:
+                layout = eng.layouts.choose(order, trace)
+            except LayoutError as e:
+                if reason is not Replan.WARM_UP:
+                    raise
+                raise DeviceMemoryLimitError(str(e)) from None
+            if trace is not None:
+                trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
+        views, tiers = eng._plan_tiers(layout, trace)
+        if reason is Replan.WARM_UP and mgr.limit is not None:
+            assert trace is not None
+            chunks_b, nonmodel_b = smallest_working_limit(views, trace)
+            if chunks_b + nonmodel_b > mgr.limit:
+                raise DeviceMemoryLimitError(
+                    f"device_memory_limit={format_bytes(mgr.limit)} is too small: the warm-up step needs "
+                    f"{format_bytes(chunks_b)} of chunks at once (the largest chunk is "
+                    f"{max((v.payload_bytes for v in views), default=0)} bytes) and traced {format_bytes(nonmodel_b)} "
+                    f"of non-model memory (activations). The smallest limit that would work is "
+                    f"{format_bytes(chunks_b + nonmodel_b)}."
+                )
+        # same layout: chunk ids correspond, so the tiers compare position by position
+        moved = layout != mgr.layout or [c.shard_tier for c in mgr.chunks] != [tiers[c.chunk_id] for c in layout.chunks]
+        if reason is Replan.REQUIRES_GRAD:
+            moved = True  # the chunks' keys changed: always a repack
+        elif retrace and not eng._no_grads_held:
+            moved = False  # gradients of this step are in the shards: the step's end places them
+        if moved:
+            eng._place(layout, views, tiers)
+        if reason is Replan.REQUIRES_GRAD:
+            eng.hooks.watch_grads()
+        if trace is not None:
+            mgr.follow_trace(trace)
+        eng.hooks.trace = trace
+        if moved and reason is not Replan.WARM_UP:
+            # the last step's gradients moved along: attach them again, so that the zero_grad() before this
+            # micro-batch's backward is seen to clear them ([Note: zero_grad on a rebound optimizer]); the warm-up's
+            # step attaches them itself
+            eng._backward_ends()
+        if moved:
+            release_freed_memory()  # the repack left freed heap pages
+        if reason is Replan.WARM_UP:
+            self.enter(WarmUp.PLANNED)
+        elif retrace:
+            self.enter(WarmUp.UNTRACED)
+
+    def _agree_on_activations(self, trace: Trace) -> Trace:
+        """Every rank plans from the largest activations any rank measured at each moment: ranks whose budgets
+        differed would evict and gather different chunks, and so pair different collectives. In the same
+        all-reduce, every rank takes the latest moment any rank saw each parameter's gradient arrive after
+        ([Note: when a chunk reduces] in reduce.py)."""
+        comm = self.engine.comm
+        if comm.world_size == 1 or not trace.moments:
+            return trace
+        n = len(trace.moments)
+        t = torch.tensor(
+            [m.nonmodel_bytes for m in trace.moments] + list(trace.grad_positions),
+            dtype=torch.int64,
+            device=comm.tensor_device(),
+        )
+        most = comm.all_reduce(t, "max", what="the agreement on traced activations").tolist()
+        return Trace(
+            tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most[:n], strict=True)),
+            tuple(int(p) for p in most[n:]),
+        )
+
+    def _check_same_trace(self, trace: Trace) -> None:
+        """Every rank must have used the same modules in the same order during the warm-up."""
+        eng = self.engine
+        comm = eng.comm
+        if comm.world_size == 1:
+            return
+        mine = [(m.kind, m.module) for m in trace.moments]
+        seqs = comm.all_gather_object(mine)
+        if all(s == seqs[0] for s in seqs):
+            return
+        i = first_difference(seqs)
+
+        def at(r: int) -> str:
+            if i >= len(seqs[r]):
+                return "nothing (its step ended)"
+            kind, module = seqs[r][i]
+            ids = eng.manager.chunk_ids_of([eng.manager.params[j] for j in eng.hooks.owned.get(module, ())])
+            return f"{kind} of module {module!r} (chunks {list(ids)})"
+
+        detail = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
+        raise CollectiveMismatchError(
+            f"[rank {comm.rank}] the warm-up step used modules in different orders on different ranks; "
+            f"first difference at moment {i}: {detail}. Every rank must run the same modules in the same order "
+            "(no data-dependent skipping of modules that own parameters)."
+        )
