@@ -153,7 +153,7 @@ def test_optimizer_state_lives_in_the_files(tmp_path):
             opt = eng.bindings[0].optimizer
             for c in eng.manager.chunks:
                 if c.shard_tier.value == "disk":
-                    files = eng.manager.disk._files[id(c)]
+                    files = eng.manager.disk._chunks[id(c)].files
                     mm = files["optim"].mm
                     for t in c.tensors:
                         v = eng.bindings[0].views().get(t.slot.param_index)

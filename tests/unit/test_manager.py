@@ -242,7 +242,7 @@ def test_disk_shards_live_in_files_and_page_out_after_use(tmp_path):
     assert mgr.ledger[Tier.HOST] >= c.shard_numel * 2  # the bf16 copy gathers read
     mgr.check_accounting()
     storage = mgr.disk
-    files = storage._files[id(c)]
+    files = storage._chunks[id(c)].files
     assert set(files) == {"master", "grad", "optim"} and all(f.path.parent.parent == tmp_path for f in files.values())
     for t in c.tensors:  # the master holds the values the chunk was built from
         torch.testing.assert_close(c.master[t.offset : t.offset + t.numel], values[t.slot.param_index].reshape(-1))

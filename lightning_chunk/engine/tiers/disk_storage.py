@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,18 @@ class Staged:
         return self.bufs[role][off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
 
 
+@dataclass
+class DiskChunk:
+    """What the disk tier keeps for one chunk: its files by role, where each optimizer-state key starts in the state
+    file and its dtype, the bytes of that file given out, and this backward's gradients until they are written."""
+
+    files: dict[Role, MappedFile] = field(default_factory=dict)
+    state_at: dict[str, int] = field(default_factory=dict)  # optimizer state key -> byte offset in the state file
+    state_dtype: dict[str, torch.dtype] = field(default_factory=dict)
+    used: int = 0  # bytes of the state file given to keys
+    grads: torch.Tensor | None = None  # the host buffer this backward's gradients gathered in, until written
+
+
 class DiskStorage(TierStorage):
     """Masters, gradient shards and optimizer state in files; compute-dtype copies in host memory."""
 
@@ -71,12 +83,8 @@ class DiskStorage(TierStorage):
         self.direct = io == "direct"  # [Note: O_DIRECT where the page cache cannot hold the files]
         self._pool: ThreadPoolExecutor | None = None  # the O_DIRECT pieces in flight
         self._dir: ScratchDir | None = None
-        self._files: dict[int, dict[Role, MappedFile]] = {}  # id(chunk) -> role -> file
-        self._state_at: dict[int, dict[str, int]] = {}  # id(chunk) -> optimizer state key -> byte offset in its file
-        self._used: dict[int, int] = {}  # id(chunk) -> bytes of its optimizer-state file given to keys
-        self._state_dtype: dict[tuple[int, str], torch.dtype] = {}
+        self._chunks: dict[int, DiskChunk] = {}  # id(chunk) -> what the tier keeps for it
         self._depth: dict[tuple[int, str], int] = {}  # nested uses page in and out once
-        self._grads: dict[int, torch.Tensor] = {}  # id(chunk) -> this backward's gradients, until written
         # gradient buffers kept for the next chunks, each with the write-back that may still be reading it
         self._spare: list[tuple[torch.Tensor, Future]] = []
         self._grad_writes: dict[int, Future] = {}  # id(file) -> its gradient write-back on the I/O thread
@@ -138,13 +146,23 @@ class DiskStorage(TierStorage):
         return self._pool
 
     def bytes_held(self) -> int:
-        return sum(f.nbytes for files in self._files.values() for f in files.values())
+        return sum(f.nbytes for rec in self._chunks.values() for f in rec.files.values())
+
+    def _record(self, chunk: Chunk) -> DiskChunk:
+        rec = self._chunks.get(id(chunk))
+        if rec is None:
+            rec = self._chunks[id(chunk)] = DiskChunk()
+        return rec
+
+    def _file_of(self, chunk: Chunk, role: Role) -> MappedFile | None:
+        rec = self._chunks.get(id(chunk))
+        return None if rec is None else rec.files.get(role)
 
     # ----------------------------------------------------------------- bytes
     def _file(self, chunk: Chunk, role: Role, nbytes: int) -> MappedFile:
         self._serial += 1
         f = MappedFile(self.directory.path / f"chunk{chunk.chunk_id}-{self._serial}-{role}.bin", nbytes)
-        self._files.setdefault(id(chunk), {})[role] = f
+        self._record(chunk).files[role] = f
         return f
 
     def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -153,19 +171,20 @@ class DiskStorage(TierStorage):
         return self._file(chunk, role, numel * dtype.itemsize).tensor(numel, dtype)
 
     def reserve_state(self, chunk: Chunk, nbytes: int) -> None:
-        files = self._files.setdefault(id(chunk), {})
+        rec = self._record(chunk)
+        files = rec.files
         nbytes = nbytes + 256 if nbytes else 0  # each key's region starts 16-byte aligned
         if Role.OPTIM in files and files[Role.OPTIM].nbytes == nbytes:
             return
         if Role.OPTIM in files:
             files.pop(Role.OPTIM).close()
-        self._state_at.pop(id(chunk), None)
-        self._used.pop(id(chunk), None)
+        rec.state_at.clear()
+        rec.used = 0
         if nbytes:
             self._file(chunk, Role.OPTIM, nbytes)
 
     def keep_state(self, chunk: Chunk, view: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
-        f = self._files.get(id(chunk), {}).get(Role.OPTIM)
+        f = self._file_of(chunk, Role.OPTIM)
         if f is None or not torch.is_tensor(value) or value.dim() == 0 or value.numel() != view.numel():
             return value
         assert chunk.master is not None
@@ -174,13 +193,14 @@ class DiskStorage(TierStorage):
         )
 
     def keep_piece(self, chunk: Chunk, offset: int, key: str, value: torch.Tensor) -> torch.Tensor:
-        f = self._files.get(id(chunk), {}).get(Role.OPTIM)
+        f = self._file_of(chunk, Role.OPTIM)
         if f is None or not torch.is_tensor(value) or value.dim() == 0:
             return value
-        at = self._state_at.setdefault(id(chunk), {})
+        rec = self._record(chunk)
+        at = rec.state_at
         esz = value.element_size()
         if key not in at:
-            base = -(-self._used.get(id(chunk), 0) // 16) * 16
+            base = -(-rec.used // 16) * 16
             if base + chunk.shard_numel * esz > f.nbytes:
                 raise DiskTierError(
                     f"chunk {chunk.chunk_id}'s optimizer state {key!r} ({value.dtype}) does not fit the "
@@ -188,9 +208,9 @@ class DiskStorage(TierStorage):
                     "probe step showed."
                 )
             at[key] = base
-            self._state_dtype[(id(chunk), key)] = value.dtype
-            self._used[id(chunk)] = base + chunk.shard_numel * esz
-        if value.dtype != self._state_dtype[(id(chunk), key)] or offset + value.numel() > chunk.shard_numel:
+            rec.state_dtype[key] = value.dtype
+            rec.used = base + chunk.shard_numel * esz
+        if value.dtype != rec.state_dtype[key] or offset + value.numel() > chunk.shard_numel:
             return value  # not laid out like the shard: stays where it is
         slot = f.tensor(value.numel(), value.dtype, offset=at[key] + offset * esz).view(value.shape)
         if slot.data_ptr() != value.data_ptr():
@@ -198,25 +218,26 @@ class DiskStorage(TierStorage):
         return slot
 
     def state_region(self, chunk: Chunk, key: str) -> torch.Tensor | None:
-        f = self._files.get(id(chunk), {}).get(Role.OPTIM)
-        at = self._state_at.get(id(chunk), {})
-        if f is None or key not in at:
+        rec = self._chunks.get(id(chunk))
+        f = None if rec is None else rec.files.get(Role.OPTIM)
+        if rec is None or f is None or key not in rec.state_at:
             return None
-        dtype = self._state_dtype[(id(chunk), key)]
-        return f.tensor(chunk.shard_numel, dtype, offset=at[key])
+        return f.tensor(chunk.shard_numel, rec.state_dtype[key], offset=rec.state_at[key])
 
     def page_out(self, chunk: Chunk | None = None) -> None:
-        for files in self._files.values() if chunk is None else [self._files.get(id(chunk), {})]:
-            for f in files.values():
+        recs = self._chunks.values() if chunk is None else [self._chunks.get(id(chunk), DiskChunk())]
+        for rec in recs:
+            for f in rec.files.values():
                 f.advise(mmap.MADV_DONTNEED)
 
     def grad_target(self, chunk: Chunk) -> torch.Tensor:
         """A host buffer the gradients gather in (zeros, or the file's gradients when some are being accumulated);
         ``grads_done`` writes it to the file with ``pwritev``: no page of the mapping is touched."""
-        f = self._files.get(id(chunk), {}).get(Role.GRAD)
+        f = self._file_of(chunk, Role.GRAD)
         if f is None:
             return super().grad_target(chunk)
-        buf = self._grads.get(id(chunk))
+        rec = self._record(chunk)
+        buf = rec.grads
         if buf is None:
             spare = [s for s in self._spare if s[0].numel() >= f.nbytes]
             if spare:  # reused: no page faults anew, once its write-back has read it
@@ -239,7 +260,7 @@ class DiskStorage(TierStorage):
                 self.read_bytes += f.nbytes
             else:
                 buf.zero_()
-            self._grads[id(chunk)] = buf
+            rec.grads = buf
         assert chunk.grad is not None
         return buf.view(chunk.grad.dtype)[: chunk.shard_numel]
 
@@ -256,9 +277,9 @@ class DiskStorage(TierStorage):
         the gradients being accumulated (``grad_target``, after ``flush``) wait for it first; the
         end of backward waits for all of them (``settle_grads``), before anything outside the engine
         can look at a gradient. A write that failed raises there, or at the latest in ``flush``."""
-        buf = self._grads.pop(id(chunk), None)
+        buf = self._take_grads(chunk)
         if buf is not None:
-            f = self._files[id(chunk)][Role.GRAD]
+            f = self._chunks[id(chunk)].files[Role.GRAD]
             self.write_bytes += f.nbytes
             writing = self._grad_writes[id(f)] = self._thread().submit(
                 f.write_from, buf, direct=self.direct, pool=self._pieces()
@@ -270,19 +291,27 @@ class DiskStorage(TierStorage):
 
     def file(self, chunk: Chunk, role: Role) -> MappedFile:
         """The chunk's ``role`` file."""
-        return self._files[id(chunk)][role]
+        return self._chunks[id(chunk)].files[role]
+
+    def _take_grads(self, chunk: Chunk) -> torch.Tensor | None:
+        """This backward's gradient buffer of ``chunk``, no longer the chunk's."""
+        rec = self._chunks.get(id(chunk))
+        if rec is None:
+            return None
+        buf, rec.grads = rec.grads, None
+        return buf
 
     def grads_in_memory(self, chunk: Chunk) -> torch.Tensor | None:
         """The uint8 host buffer this backward's gradients of ``chunk`` gathered in (``grad_target``), before
         ``grads_done`` writes it; ``None`` when there is none."""
-        f = self._files.get(id(chunk), {}).get(Role.GRAD)
-        buf = self._grads.get(id(chunk))
-        return None if f is None or buf is None else buf[: f.nbytes]
+        rec = self._chunks.get(id(chunk))
+        f = None if rec is None else rec.files.get(Role.GRAD)
+        return None if rec is None or f is None or rec.grads is None else rec.grads[: f.nbytes]
 
     def drop_grads(self, chunk: Chunk) -> None:
         """The chunk's gradients were used from memory and are gone ([Note: stepping disk chunks in backward] in
         ``early_step.py``): keep the buffer for the next chunks without writing it to the file."""
-        buf = self._grads.pop(id(chunk), None)
+        buf = self._take_grads(chunk)
         if buf is not None:
             done: Future = Future()
             done.set_result(None)
@@ -311,21 +340,20 @@ class DiskStorage(TierStorage):
 
     def keeps(self, chunk: Chunk, t: torch.Tensor) -> bool:
         """``t`` is a view of the chunk's optimizer-state file."""
-        f = self._files.get(id(chunk), {}).get(Role.OPTIM)
+        f = self._file_of(chunk, Role.OPTIM)
         return f is not None and f.base <= t.data_ptr() < f.base + f.nbytes
 
     def free(self, chunk: Chunk) -> None:
-        self._grads.pop(id(chunk), None)
+        self._take_grads(chunk)
         self.flush()
-        for f in self._files.get(id(chunk), {}).values():
+        rec = self._chunks.pop(id(chunk), DiskChunk())
+        for f in rec.files.values():
             ahead = self._ahead.pop(id(f), None)
             if ahead is not None:
                 ahead[1].result()
-        for f in self._files.pop(id(chunk), {}).values():
+        for f in rec.files.values():
             self._hinted.discard(id(f))
             f.close()
-        self._state_at.pop(id(chunk), None)
-        self._used.pop(id(chunk), None)
 
     def close(self) -> None:
         if self._reader is not None:
@@ -338,17 +366,17 @@ class DiskStorage(TierStorage):
         self._grad_writes.clear()
         self._spare.clear()
         self._hinted.clear()
-        for files in self._files.values():
-            for f in files.values():
+        for rec in self._chunks.values():
+            for f in rec.files.values():
                 f.close()
-        self._files.clear()
+        self._chunks.clear()
         if self._dir is not None:
             self._dir.remove()
             self._dir = None
 
     # ---------------------------------------------------------------- paging
     def _of(self, chunk: Chunk, roles: tuple[Role, ...]) -> list[tuple[Role, MappedFile]]:
-        files = self._files.get(id(chunk), {})
+        files = self._chunks[id(chunk)].files if id(chunk) in self._chunks else {}
         return [(r, files[r]) for r in roles if r in files]
 
     def _thread(self) -> ThreadPoolExecutor:
@@ -524,7 +552,7 @@ class DiskStorage(TierStorage):
         is still writing the chunk before back (asked inside the thread's read, after that write,
         the step's disk waits were 1.46-1.61 s against 1.13-1.19). Where the files are cached
         both are page-cache lookups."""
-        f = self._files.get(id(chunk), {}).get(Role.MASTER)
+        f = self._file_of(chunk, Role.MASTER)
         if f is not None and self._stage_for_step(chunk) is not None:
             return  # [Note: staging at the backward gather]
         if f is not None and id(f) not in self._hinted:
@@ -534,7 +562,7 @@ class DiskStorage(TierStorage):
     def read_master_into(self, chunk: Chunk, dst: torch.Tensor) -> bool:
         """Copy the chunk's master file into ``dst`` (contiguous, on the host, as many bytes) with ``preadv``, not
         through the mapping: what a gather on a CPU device does with an fp32 disk shard. False if not on disk."""
-        f = self._files.get(id(chunk), {}).get(Role.MASTER)
+        f = self._file_of(chunk, Role.MASTER)
         if f is None:
             return False
         self._hinted.discard(id(f))
@@ -626,7 +654,8 @@ class DiskStorage(TierStorage):
 
     def stats(self) -> dict[str, float]:
         by_role = {
-            f"disk_{r}_bytes": sum(files[r].nbytes for files in self._files.values() if r in files) for r in ROLES
+            f"disk_{r}_bytes": sum(rec.files[r].nbytes for rec in self._chunks.values() if r in rec.files)
+            for r in ROLES
         }
         return {
             "disk_read_bytes": self.read_bytes,
