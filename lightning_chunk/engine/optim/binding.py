@@ -24,17 +24,28 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..chunks.chunk import Chunk, Role, Tier
+from ..chunks.chunk import Chunk, Role, TensorInfo, Tier
 from ..config import ChunkConfig
 from ..errors import UnsupportedOptimizerError
 from ..memory.consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
 from ..memory.manager import ChunkManager
 from ..system.host_heap import release_freed_memory
 from .host_adam import HostAdam
+
+
+class GradSlot(NamedTuple):
+    """A view the optimizer steps and where its gradient is."""
+
+    param: int  # the parameter's index in the manager
+    view: torch.Tensor  # the optimizer's view of the parameter's piece of the master shard
+    chunk: Chunk
+    info: TensorInfo  # the parameter's state in its chunk (whether it got a gradient this step)
+    grad: torch.Tensor | None  # its slice of the chunk's gradient shard
+
 
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
@@ -100,9 +111,9 @@ class OptimizerBinding:
         ]
         self._views: dict[int, torch.Tensor] = {}
         self._attached: set[int] = set()  # views whose gradient attach_grads set (see sync_zero_grad)
-        # per view: (param index, view, its TensorInfo, its slice of the gradient shard), built on first attach
-        self._grad_slots: list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]] | None = None
-        self._by_chunk: dict[int, list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]] | None = None
+        # per view: where its gradient is (GradSlot), built on first attach
+        self._grad_slots: list[GradSlot] | None = None
+        self._by_chunk: dict[int, list[GradSlot]] | None = None
         self._choose_kernel()
         one_pass = {"auto": "auto", "one_pass": True}.get(config.optimizer_kernel, False)
         self.host_adam = HostAdam(optimizer, manager, one_pass)
@@ -493,25 +504,24 @@ class OptimizerBinding:
                 v.grad = None
         self._attached = attached
 
-    def _slots(self) -> list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]:
-        """(param index, view, its chunk, its TensorInfo, its slice of the gradient shard) of every view. Gradient
-        buffers persist until the next repack (a released one keeps its storage object): the slices can be kept."""
+    def _slots(self) -> list[GradSlot]:
+        """The ``GradSlot`` of every view. Gradient buffers persist until the next repack (a released one keeps its
+        storage object): the slices can be kept."""
         if self._grad_slots is None:
             mgr = self.manager
-            self._grad_slots = [(i, v, *mgr.lookup(mgr.params[i]), mgr.grad_slice(i)) for i, v in self._views.items()]
+            self._grad_slots = [
+                GradSlot(i, v, *mgr.lookup(mgr.params[i]), mgr.grad_slice(i)) for i, v in self._views.items()
+            ]
         return self._grad_slots
 
-    def _chunk_slots(
-        self, chunk: Chunk, *, with_grad: bool = True
-    ) -> list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]:
+    def _chunk_slots(self, chunk: Chunk, *, with_grad: bool = True) -> list[GradSlot]:
         """The slots (``_slots``) of ``chunk``'s views (``with_grad``: those that got a gradient this step)."""
         if self._by_chunk is None:
             self._by_chunk = {}
             for slot in self._slots():
-                self._by_chunk.setdefault(slot[2].chunk_id, []).append(slot)
-        return [
-            s for s in self._by_chunk.get(chunk.chunk_id, ()) if not with_grad or (s[3].has_grad and s[4] is not None)
-        ]
+                self._by_chunk.setdefault(slot.chunk.chunk_id, []).append(slot)
+        slots = self._by_chunk.get(chunk.chunk_id, ())
+        return [s for s in slots if not with_grad or (s.info.has_grad and s.grad is not None)]
 
     def steps_on_this_rank(self, chunk: Chunk) -> bool:
         """This rank's shard of ``chunk`` holds a piece of a parameter this optimizer steps (not padding alone)."""
@@ -523,7 +533,7 @@ class OptimizerBinding:
         mine = self._chunk_slots(chunk)
         if not mine:
             return None
-        ids = {id(v) for _i, v, _c, _info, _g in mine}
+        ids = {id(s.view) for s in mine}
         with self._grads_for_the_call(mine), self.kernel():
             stepped, fresh = self.host_adam.step_one_pass(self._views, only=ids)
             self.fresh_low |= fresh
@@ -543,7 +553,7 @@ class OptimizerBinding:
         if not mine:
             return True
         storage = self.manager.disk
-        ids = {id(v) for _i, v, _c, _info, _g in mine}
+        ids = {id(s.view) for s in mine}
         with self._grads_for_the_call(mine):
             if not self._state_in_files(chunk):
                 return False
@@ -560,18 +570,16 @@ class OptimizerBinding:
             return True
 
     @contextlib.contextmanager
-    def _grads_for_the_call(
-        self, mine: list[tuple[int, torch.Tensor, Chunk, Any, torch.Tensor | None]]
-    ) -> Iterator[None]:
+    def _grads_for_the_call(self, mine: list[GradSlot]) -> Iterator[None]:
         """The slots' views hold their gradients for the block, and none after it (also on an error)."""
-        for _i, v, _c, _info, g in mine:
+        for _i, v, _c, _info, g in mine:  # GradSlot
             v.grad = g
         try:
             yield
         finally:
             for _i, v, _c, _info, _g in mine:
                 v.grad = None
-            self._attached.difference_update(i for i, *_ in mine)
+            self._attached.difference_update(s.param for s in mine)
 
     def detach_released(self) -> None:
         """Views whose chunk gave its gradient shard back hold no gradient (as after ``zero_grad()``)."""
