@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from .engine.chunks.chunk import Tier
 from .engine.config import human_bytes
-from .engine.runtime.engine import ShapePlan
+from .engine.runtime.description import ShapePlan
 
 GRAD_STAGING = 256 << 20  # GradOffload's pinned staging in flight at most
 

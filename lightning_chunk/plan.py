@@ -29,7 +29,8 @@ import yaml
 from .engine.chunks.chunk import Tier
 from .engine.chunks.materialize import DeferredInit
 from .engine.config import device_margin_bytes, human_bytes
-from .engine.runtime.engine import ChunkEngine, ShapePlan
+from .engine.runtime.description import ShapePlan
+from .engine.runtime.engine import ChunkEngine
 from .engine.schedule.simulate import simulate_step
 from .options import grouped
 from .phases import ClusterReport, phases

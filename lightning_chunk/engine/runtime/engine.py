@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,90 +38,26 @@ from ..chunks.repack import FromModule
 from ..comm.buffers import BufferSync
 from ..comm.collectives import Collectives
 from ..comm.reduce import agree_on_grads
-from ..config import ChunkConfig, DtypePolicy, default_device_limit, format_bytes, resolve_reshard_after_forward
+from ..config import ChunkConfig, DtypePolicy, format_bytes
 from ..errors import ChunkError, DeviceMemoryLimitError
 from ..files.weights import ModuleWeights
 from ..memory.consolidate import full_values, load_values, unpack, whole_model_fits
 from ..memory.full_params import check_stray_writes
-from ..memory.manager import ChunkManager
 from ..optim.binding import OptimizerBinding, OptimizerStateCarrier
 from ..optim.early_step import FP16_REFUSED, EarlyStep
 from ..optim.ema import Extras, ShardedEMA
 from ..optim.gradients import clip_grad_norm, unscale_and_check
 from ..optim.kept_state import KeptOptimizerState, keep_optimizer_state
 from ..optim.scaler import DynamicLossScaler
-from ..schedule.costs import planned_views
 from ..schedule.growth import InputGrowth
-from ..schedule.placement import ChunkView, make_policy, spill_to_disk
+from ..schedule.placement import ChunkView
 from ..schedule.tracer import Trace
 from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from ..system.page_cache import page_cache_room
-from .hooks import ChunkHooks
-from .layout_choice import LayoutChooser
+from .description import EngineDescription, ShapePlan
 from .warmup import Replan, WarmUp, WarmUpPlanner
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ShapePlan:
-    """What ``ChunkEngine.plan_from_shapes`` found: the first layout and the bytes of each chunk on one rank."""
-
-    layout: Layout
-    views: list[ChunkView]
-    tiers: dict[int, Tier]
-    limit: int | None
-    need_before_activations: int  # device bytes the busiest module needs before activations
-    param_numel: int
-    optim_bytes_per_element: int = 0  # the optimizer state of the param group that keeps the most
-
-    def shard_bytes(self, tier: Tier | None = None) -> int:
-        """One rank's shard bytes (masters, compute copies, gradients, optimizer state), in memory on ``tier``
-        (a disk shard's compute copy counts on the host) or in all."""
-        if tier is None:
-            return sum(v.device_shard_bytes for v in self.views)
-        held = {
-            v.chunk_id: (v.host_bytes_on_disk if self.tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
-            for v in self.views
-        }
-        home = {cid: (Tier.HOST if t is Tier.DISK else t) for cid, t in self.tiers.items()}
-        return sum(b for cid, b in held.items() if home[cid] is tier)
-
-    def disk_bytes(self) -> int:
-        """One rank's bytes in the disk tier's files."""
-        return sum(v.disk_bytes for v in self.views if self.tiers[v.chunk_id] is Tier.DISK)
-
-
-def agree_on_limits(config: ChunkConfig, comm: Collectives) -> ChunkConfig:
-    """Every rank plans under the smallest device and host limit any rank has.
-
-    [Note: one limit for every rank]
-    The device limit drives the chunk size, the shard tiers, every eviction and prefetch, and the limit checks, all
-    decided by each rank on its own. On CUDA its default is the device's free memory at set-up less a margin, which
-    differs from GPU to GPU (contexts, other tenants, another node): ranks whose limits differed by 300 KB (two
-    gloo ranks, the agreement check off as on NCCL) evicted different chunks, paired same-size all-gathers of
-    different chunks (payloads built from mixed shards, silently) and then hung. Before anything is planned the
-    ranks agree on the minimum of each limit (``None``, no limit, counts as the largest); the host limit too, since
-    it decides which shards go to disk and whether chunks step in backward."""
-    none = 2**62
-    t = torch.tensor(
-        [config.device_memory_limit or none, config.host_memory_limit or none],
-        dtype=torch.int64,
-        device=comm.tensor_device(),
-    )
-    device, host = (
-        None if v >= none else int(v)
-        for v in comm.all_reduce(t, "min", what="the agreement on the memory limits").tolist()
-    )
-    if (device, host) == (config.device_memory_limit, config.host_memory_limit):
-        return config
-    _log.info(
-        "[rank %d] device_memory_limit %s and host_memory_limit %s: the smallest of every rank's",
-        comm.rank,
-        device,
-        host,
-    )
-    return config.replace(device_memory_limit=device, host_memory_limit=host)
 
 
 class ChunkEngine:
@@ -141,7 +76,38 @@ class ChunkEngine:
         """``deferred``: the module was built on the meta device and is initialised chunk by chunk as it is
         packed ([Note: deferred initialisation]); ``weights``: values read from a file as the chunks are
         built ([Note: streamed weight loading]). Either way no rank holds the whole model."""
-        self._describe(module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives)
+        desc = self.description = EngineDescription.of(
+            module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives
+        )
+        self.config, self.module, self.manager, self.policy = desc.config, module, desc.manager, desc.policy
+        self.hooks, self.bindings, self._optim_bytes, self.layouts = (
+            desc.hooks,
+            desc.bindings,
+            desc.optim_bytes,
+            desc.layouts,
+        )
+        if (
+            self.config.host_memory_limit is not None
+        ):  # the user bounded host memory: keep chunk-sized blocks off the heap
+            map_large_blocks()
+        elif self.config.keep_freed_heap and self.manager.device.type == "cpu":  # [Note: the heap between steps]
+            keep_freed_heap()
+        self.hooks.on_trace_done = self._trace_done
+        self.hooks.on_backward_start = self._backward_starts
+        self.hooks.on_backward_end = self._backward_ends
+        # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
+        self.early = EarlyStep(self.manager, self.bindings) if self.config.step_in_backward and self.bindings else None
+        self.scaler: DynamicLossScaler | None = None
+        self.ema: ShardedEMA | None = None  # an average of the weights, when asked for ([Note: a sharded EMA])
+        self.growth = InputGrowth(
+            self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None
+        )
+        self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
+        self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
+        self.warm_up = WarmUpPlanner(self)  # [Note: the warm-up's phases] in warmup.py
+        self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
+        self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
+        self.last_grad_norm: float | None = None
         # id(optimizer) -> its state on this rank, kept by ``teardown`` ([Note: optimizer state after fit])
         self.kept_optimizer_states: dict[int, KeptOptimizerState] = {}
         try:
@@ -160,96 +126,6 @@ class ChunkEngine:
             self.manager.close()  # a disk tier's scratch files go now, not at exit
             raise
 
-    def _describe(
-        self,
-        module: torch.nn.Module,
-        optimizers: Sequence[torch.optim.Optimizer],
-        *,
-        config: ChunkConfig | None,
-        dtypes: DtypePolicy | None,
-        device: torch.device | None,
-        collectives: Collectives | None,
-    ) -> None:
-        """Everything that needs only shapes: the manager's parameter descriptions, the policy, the hooks (not
-        installed) and the optimizer bindings (not bound). Allocates nothing."""
-        config = config or ChunkConfig()
-        device = device or torch.device("cpu")
-        if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
-            config = config.replace(device_memory_limit=default_device_limit(device))
-        config = resolve_reshard_after_forward(config, device)
-        if collectives is not None and collectives.world_size > 1 and not collectives.planning_only:
-            config = agree_on_limits(config, collectives)
-        self.config = config
-        if config.host_memory_limit is not None:  # the user bounded host memory: keep chunk-sized blocks off the heap
-            map_large_blocks()
-        elif config.keep_freed_heap and device.type == "cpu":  # [Note: the heap between steps]
-            keep_freed_heap()
-        self.module = module
-        named = list(module.named_parameters())
-        lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
-        if lazy:  # torch's own error names neither the parameter nor the way out
-            raise ValueError(
-                f"{len(lazy)} parameter{'s are' if len(lazy) > 1 else ' is'} not initialised yet "
-                f"({', '.join(lazy[:4])}"
-                f"{', ...' if len(lazy) > 4 else ''}): lazy modules (nn.LazyLinear, ...) learn their "
-                "shapes at their first forward, and chunk_offload packs parameters by shape before any. "
-                "Run the model once on a sample batch before fit (in __init__ or setup), or give the "
-                "layers their sizes."
-            )
-        index_of = {id(p): i for i, (_, p) in enumerate(named)}
-        group_of: dict[int, int] = {}
-        offsets, offset = [], 0
-        for opt in optimizers:
-            offsets.append(offset)
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    i = index_of.get(id(p))
-                    if i is None:
-                        raise ValueError(
-                            f"{type(opt).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
-                            "parameter of the module; chunk_offload can only step module parameters."
-                        )
-                    if i in group_of:
-                        raise ValueError(f"parameter {named[i][0]!r} appears in two optimizer param groups.")
-                    group_of[i] = offset
-                offset += 1
-        dtypes = dtypes or DtypePolicy()
-        keep = dtypes.own_dtype_params(module)
-        self.manager = ChunkManager(
-            named,
-            group_of,
-            config=self.config,
-            dtypes=dtypes,
-            device=device,
-            collectives=collectives,
-            own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep},
-        )
-        self.policy = make_policy(self.config)
-        self.hooks = ChunkHooks(module, self.manager, self.policy)
-        self.hooks.on_trace_done = self._trace_done
-        self.hooks.on_backward_start = self._backward_starts
-        self.hooks.on_backward_end = self._backward_ends
-        self.bindings = [
-            OptimizerBinding(o, self.manager, off, self.config) for o, off in zip(optimizers, offsets, strict=True)
-        ]
-        self._optim_bytes: dict[int, int] = {}
-        for b in self.bindings:
-            self._optim_bytes.update(b.state_bytes())
-        self.layouts = LayoutChooser(self.manager, self.config, self.hooks.owned, self._optim_bytes)
-        # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
-        self.early = EarlyStep(self.manager, self.bindings) if config.step_in_backward and self.bindings else None
-        self.scaler: DynamicLossScaler | None = None
-        self.ema: ShardedEMA | None = None  # an average of the weights, when asked for ([Note: a sharded EMA])
-        self.growth = InputGrowth(
-            self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None
-        )
-        self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
-        self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
-        self.warm_up = WarmUpPlanner(self)  # [Note: the warm-up's phases] in warmup.py
-        self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
-        self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
-        self.last_grad_norm: float | None = None
-
     @classmethod
     def plan_from_shapes(
         cls,
@@ -263,8 +139,7 @@ class ChunkEngine:
         """The layout, each chunk's per-rank bytes and the shard tiers ``world_size`` ranks would start from, from
         the parameters' shapes alone: for a model too large to build (a meta-device one). Nothing is allocated, no
         process group is needed, and a too-small limit is reported, not raised."""
-        engine = cls.__new__(cls)
-        engine._describe(
+        desc = EngineDescription.of(
             module,
             optimizers,
             config=config,
@@ -272,16 +147,16 @@ class ChunkEngine:
             device=torch.device("cpu"),
             collectives=Collectives.planning(world_size),
         )
-        layout = engine.layouts.choose(list(range(len(engine.manager.params))), trace=None)
-        views, tiers = engine._plan_tiers(layout, trace=None)
+        layout = desc.layouts.choose(list(range(len(desc.manager.params))), trace=None)
+        views, tiers = desc.plan_tiers(layout, trace=None)
         return ShapePlan(
             layout=layout,
             views=views,
             tiers=tiers,
-            limit=engine.manager.limit,
-            need_before_activations=engine.layouts.need_before_trace(layout, views),
-            param_numel=sum(s.numel for s in engine.manager.specs),
-            optim_bytes_per_element=max(engine._optim_bytes.values(), default=0),
+            limit=desc.manager.limit,
+            need_before_activations=desc.layouts.need_before_trace(layout, views),
+            param_numel=sum(s.numel for s in desc.manager.specs),
+            optim_bytes_per_element=max(desc.optim_bytes.values(), default=0),
         )
 
     # ================================================================= layout
@@ -291,15 +166,7 @@ class ChunkEngine:
 
     def _plan_tiers(self, layout: Layout, trace: Trace | None) -> tuple[list[ChunkView], dict[int, Tier]]:
         """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
-        views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
-        tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
-        return views, spill_to_disk(
-            views,
-            tiers,
-            self.config.host_memory_limit,
-            device_is_host=self.manager.device.type == "cpu",
-            chunk_numel_chosen=self.config.chunk_numel is not None,
-        )
+        return self.description.plan_tiers(layout, trace)
 
     def _place(
         self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *, source: FromModule | None = None

@@ -1,0 +1,193 @@
+"""What a fit's engine is, from the parameters' shapes alone: ``EngineDescription`` builds the manager's parameter
+descriptions, the placement policy, the hooks (not installed), the optimizer bindings (not bound) and the layout
+chooser, and allocates nothing and changes nothing in the process. ``ChunkEngine`` starts from one, and
+``ChunkEngine.plan_from_shapes`` plans a model too large to build from one (``lightning-chunk plan``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..chunks.chunk import Tier
+from ..chunks.packing import Layout
+from ..comm.collectives import Collectives
+from ..config import ChunkConfig, DtypePolicy, default_device_limit, resolve_reshard_after_forward
+from ..memory.manager import ChunkManager
+from ..optim.binding import OptimizerBinding
+from ..schedule.costs import planned_views
+from ..schedule.placement import ChunkView, PlacementPolicy, make_policy, spill_to_disk
+from ..schedule.tracer import Trace
+from .hooks import ChunkHooks
+from .layout_choice import LayoutChooser
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """What ``ChunkEngine.plan_from_shapes`` found: the first layout and the bytes of each chunk on one rank."""
+
+    layout: Layout
+    views: list[ChunkView]
+    tiers: dict[int, Tier]
+    limit: int | None
+    need_before_activations: int  # device bytes the busiest module needs before activations
+    param_numel: int
+    optim_bytes_per_element: int = 0  # the optimizer state of the param group that keeps the most
+
+    def shard_bytes(self, tier: Tier | None = None) -> int:
+        """One rank's shard bytes (masters, compute copies, gradients, optimizer state), in memory on ``tier``
+        (a disk shard's compute copy counts on the host) or in all."""
+        if tier is None:
+            return sum(v.device_shard_bytes for v in self.views)
+        held = {
+            v.chunk_id: (v.host_bytes_on_disk if self.tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
+            for v in self.views
+        }
+        home = {cid: (Tier.HOST if t is Tier.DISK else t) for cid, t in self.tiers.items()}
+        return sum(b for cid, b in held.items() if home[cid] is tier)
+
+    def disk_bytes(self) -> int:
+        """One rank's bytes in the disk tier's files."""
+        return sum(v.disk_bytes for v in self.views if self.tiers[v.chunk_id] is Tier.DISK)
+
+
+def agree_on_limits(config: ChunkConfig, comm: Collectives) -> ChunkConfig:
+    """Every rank plans under the smallest device and host limit any rank has.
+
+    [Note: one limit for every rank]
+    The device limit drives the chunk size, the shard tiers, every eviction and prefetch, and the limit checks, all
+    decided by each rank on its own. On CUDA its default is the device's free memory at set-up less a margin, which
+    differs from GPU to GPU (contexts, other tenants, another node): ranks whose limits differed by 300 KB (two
+    gloo ranks, the agreement check off as on NCCL) evicted different chunks, paired same-size all-gathers of
+    different chunks (payloads built from mixed shards, silently) and then hung. Before anything is planned the
+    ranks agree on the minimum of each limit (``None``, no limit, counts as the largest); the host limit too, since
+    it decides which shards go to disk and whether chunks step in backward."""
+    none = 2**62
+    t = torch.tensor(
+        [config.device_memory_limit or none, config.host_memory_limit or none],
+        dtype=torch.int64,
+        device=comm.tensor_device(),
+    )
+    device, host = (
+        None if v >= none else int(v)
+        for v in comm.all_reduce(t, "min", what="the agreement on the memory limits").tolist()
+    )
+    if (device, host) == (config.device_memory_limit, config.host_memory_limit):
+        return config
+    _log.info(
+        "[rank %d] device_memory_limit %s and host_memory_limit %s: the smallest of every rank's",
+        comm.rank,
+        device,
+        host,
+    )
+    return config.replace(device_memory_limit=device, host_memory_limit=host)
+
+
+@dataclass
+class EngineDescription:
+    """Everything about a fit that needs only the parameters' shapes ([Note: a fit described from shapes])."""
+
+    config: ChunkConfig
+    module: torch.nn.Module
+    manager: ChunkManager
+    policy: PlacementPolicy
+    hooks: ChunkHooks
+    bindings: list[OptimizerBinding]
+    optim_bytes: dict[int, int]  # param group -> optimizer state bytes an element
+    layouts: LayoutChooser
+
+    @classmethod
+    def of(
+        cls,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        *,
+        config: ChunkConfig | None = None,
+        dtypes: DtypePolicy | None = None,
+        device: torch.device | None = None,
+        collectives: Collectives | None = None,
+    ) -> EngineDescription:
+        """[Note: a fit described from shapes]
+        ``plan_from_shapes`` used to build a half-initialised engine through ``cls.__new__`` and the engine's own
+        set-up method, which also set the process's heap thresholds (``mallopt``): planning a model changed how the
+        planning process allocated. The description is the part of the set-up that reads shapes only; the engine
+        adds the heap settings, the packing and the hooks' installation."""
+        config = config or ChunkConfig()
+        device = device or torch.device("cpu")
+        if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
+            config = config.replace(device_memory_limit=default_device_limit(device))
+        config = resolve_reshard_after_forward(config, device)
+        if collectives is not None and collectives.world_size > 1 and not collectives.planning_only:
+            config = agree_on_limits(config, collectives)
+        named = list(module.named_parameters())
+        lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+        if lazy:  # torch's own error names neither the parameter nor the way out
+            raise ValueError(
+                f"{len(lazy)} parameter{'s are' if len(lazy) > 1 else ' is'} not initialised yet "
+                f"({', '.join(lazy[:4])}"
+                f"{', ...' if len(lazy) > 4 else ''}): lazy modules (nn.LazyLinear, ...) learn their "
+                "shapes at their first forward, and chunk_offload packs parameters by shape before any. "
+                "Run the model once on a sample batch before fit (in __init__ or setup), or give the "
+                "layers their sizes."
+            )
+        group_of, offsets = _param_groups(named, optimizers)
+        dtypes = dtypes or DtypePolicy()
+        keep = dtypes.own_dtype_params(module)
+        manager = ChunkManager(
+            named,
+            group_of,
+            config=config,
+            dtypes=dtypes,
+            device=device,
+            collectives=collectives,
+            own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep},
+        )
+        policy = make_policy(config)
+        hooks = ChunkHooks(module, manager, policy)
+        bindings = [OptimizerBinding(o, manager, off, config) for o, off in zip(optimizers, offsets, strict=True)]
+        optim_bytes: dict[int, int] = {}
+        for b in bindings:
+            optim_bytes.update(b.state_bytes())
+        layouts = LayoutChooser(manager, config, hooks.owned, optim_bytes)
+        return cls(config, module, manager, policy, hooks, bindings, optim_bytes, layouts)
+
+    def plan_tiers(self, layout: Layout, trace: Trace | None) -> tuple[list[ChunkView], dict[int, Tier]]:
+        """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
+        views = planned_views(layout, self.manager.dtypes, self.optim_bytes)
+        tiers = self.policy.shard_tiers(views, trace, self.manager.limit)
+        return views, spill_to_disk(
+            views,
+            tiers,
+            self.config.host_memory_limit,
+            device_is_host=self.manager.device.type == "cpu",
+            chunk_numel_chosen=self.config.chunk_numel is not None,
+        )
+
+
+def _param_groups(
+    named: list[tuple[str, torch.nn.Parameter]], optimizers: Sequence[torch.optim.Optimizer]
+) -> tuple[dict[int, int], list[int]]:
+    """Parameter index -> its param group's number over every optimizer, and each optimizer's first number."""
+    index_of = {id(p): i for i, (_, p) in enumerate(named)}
+    group_of: dict[int, int] = {}
+    offsets, offset = [], 0
+    for opt in optimizers:
+        offsets.append(offset)
+        for g in opt.param_groups:
+            for p in g["params"]:
+                i = index_of.get(id(p))
+                if i is None:
+                    raise ValueError(
+                        f"{type(opt).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
+                        "parameter of the module; chunk_offload can only step module parameters."
+                    )
+                if i in group_of:
+                    raise ValueError(f"parameter {named[i][0]!r} appears in two optimizer param groups.")
+                group_of[i] = offset
+            offset += 1
+    return group_of, offsets
