@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
-from lightning_chunk.engine.runtime.engine import ChunkEngine  # noqa: E402
+from lightning_chunk.engine.runtime.warmup import Replan, WarmUpPlanner  # noqa: E402
 from lightning_chunk.engine.tiers.pool import BlockPool  # noqa: E402
 from lightning_chunk.options import grouped  # noqa: E402
 from lightning_chunk.shapes import Llama  # noqa: E402
@@ -43,14 +43,16 @@ def mark(name: str) -> None:
 def instrument() -> None:
     """Mark the repack; return payload memory to the allocator, as on a GPU ([Note: a pool of payload blocks] keeps
     it on the host)."""
-    finalize, pool_init = ChunkEngine._finalize, BlockPool.__init__
+    replan, pool_init = WarmUpPlanner.replan, BlockPool.__init__
 
-    def marked(self: ChunkEngine) -> None:
+    def marked(self: WarmUpPlanner, reason: Replan) -> None:
+        if reason is not Replan.WARM_UP:
+            return replan(self, reason)
         mark("warm-up repack")
-        finalize(self)
+        replan(self, reason)
         mark("training step")  # the rest of the step runs in the new layout, as every later step
 
-    ChunkEngine._finalize = marked  # type: ignore[method-assign]
+    WarmUpPlanner.replan = marked  # type: ignore[method-assign]
     BlockPool.__init__ = lambda self, device, enabled=True: pool_init(self, device, enabled=False)  # type: ignore
 
 
