@@ -200,7 +200,7 @@ class OffloadOptions:
             "`one_pass` uses that pass at any size (an error where it cannot be built); `fused`, `foreach`, "
             "`loop` force one of torch's kernels. The flags are set for the step alone: your optimizer's "
             "`param_groups`, its `state_dict()` and every checkpoint keep the `fused`/`foreach` you built it with"
-            " ([Note: the kernel and the user's param groups] in `engine/optim/binding.py`)"
+            " ([Note: the kernel and the user's param groups] in `engine/optim/kernels.py`)"
         ),
         when=(
             "`loop` for bit-exact agreement with plain Lightning on CPU (torch's own default there); with `auto` "

@@ -153,7 +153,7 @@ def test_optimizer_state_lives_in_the_files(tmp_path):
             opt = eng.bindings[0].optimizer
             for c in eng.manager.chunks:
                 if c.shard_tier.value == "disk":
-                    files = eng.manager.disk._chunks[id(c)].files
+                    files = eng.manager.tiers.disk.record(c).files
                     mm = files["optim"].mm
                     for t in c.tensors:
                         v = eng.bindings[0].views().get(t.slot.param_index)
@@ -415,30 +415,27 @@ def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
 def test_the_io_thread_gets_a_core_and_the_threads_come_back(tmp_path, monkeypatch):
     """While disk chunks step, torch's threads plus the I/O thread fit the cores; the count is restored after,
     also when the block raises, and left alone where the cores outnumber torch's threads."""
-    from lightning_chunk.engine.tiers.disk_storage import DiskStorage
-    from lightning_chunk.engine.tiers.storage import HostStorage
+    from lightning_chunk.engine.tiers.disk_io import beside_io
 
-    storage = DiskStorage(str(tmp_path), 0, HostStorage(pinned=False))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(4)
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
-        with storage.beside_io():
+        with beside_io():
             assert torch.get_num_threads() == 3
         assert torch.get_num_threads() == 4
-        with pytest.raises(RuntimeError, match="boom"), storage.beside_io():
+        with pytest.raises(RuntimeError, match="boom"), beside_io():
             assert torch.get_num_threads() == 3
             raise RuntimeError("boom")
         assert torch.get_num_threads() == 4
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-        with storage.beside_io():
+        with beside_io():
             assert torch.get_num_threads() == 1
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-        with storage.beside_io():
+        with beside_io():
             assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
-        storage.close()
 
 
 def test_fused_adam_bits_do_not_depend_on_the_thread_count():
@@ -467,18 +464,18 @@ def test_fused_adam_bits_do_not_depend_on_the_thread_count():
 def test_threads_are_lowered_only_for_kernels_whose_bits_ignore_them():
     """Fused Adam(W) splits at cache lines; torch's other kernels split element-wise loops anywhere, where a scalar
     tail may round otherwise, so with them the disk chunks step on torch's usual threads."""
-    from lightning_chunk.engine.optim.binding import _split_at_cache_lines
+    from lightning_chunk.engine.optim.kernels import split_at_cache_lines
 
     p = [torch.nn.Parameter(torch.zeros(4))]
-    assert _split_at_cache_lines(torch.optim.AdamW(p, fused=True))
-    assert _split_at_cache_lines(torch.optim.Adam(p, fused=True))
-    assert not _split_at_cache_lines(torch.optim.AdamW(p, foreach=True))
-    assert not _split_at_cache_lines(torch.optim.AdamW(p, foreach=False))
-    assert not _split_at_cache_lines(torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert split_at_cache_lines(torch.optim.AdamW(p, fused=True))
+    assert split_at_cache_lines(torch.optim.Adam(p, fused=True))
+    assert not split_at_cache_lines(torch.optim.AdamW(p, foreach=True))
+    assert not split_at_cache_lines(torch.optim.AdamW(p, foreach=False))
+    assert not split_at_cache_lines(torch.optim.SGD(p, lr=0.1, momentum=0.9))
     mixed = torch.optim.AdamW(
         [{"params": p, "fused": True}, {"params": [torch.nn.Parameter(torch.zeros(2))], "foreach": True}]
     )
-    assert not _split_at_cache_lines(mixed)
+    assert not split_at_cache_lines(mixed)
 
 
 def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp_path, monkeypatch):
@@ -487,19 +484,19 @@ def test_the_default_kernel_steps_disk_chunks_beside_the_io_thread_bit_exact(tmp
     thread, and training equals the same strategy with every shard in memory, bit for bit."""
     import contextlib
 
-    from lightning_chunk.engine.tiers.disk_storage import DiskStorage
+    from lightning_chunk.engine.optim import disk_stepper
     from tests.models import ReorderedNet
 
     seen: list[int] = []
-    inner = DiskStorage.beside_io
+    inner = disk_stepper.beside_io
 
     @contextlib.contextmanager
-    def spy(self):
-        with inner(self):
+    def spy():
+        with inner():
             seen.append(torch.get_num_threads())
             yield
 
-    monkeypatch.setattr(DiskStorage, "beside_io", spy)
+    monkeypatch.setattr(disk_stepper, "beside_io", spy)
     kw = dict(cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), accumulate_grad_batches=2)
     ref = fit(ChunkOffloadStrategy(), steps=STEPS, **kw)
     assert not seen  # no disk tier, no I/O thread
@@ -545,8 +542,8 @@ def test_a_gradient_write_back_leaves_backward_running_and_every_reader_sees_it(
     monkeypatch.setattr(disk_mod.MappedFile, "write_from", slow_write)
     try:
         c = _grad_chunk(storage, 1000)
-        storage.grad_target(c).copy_(torch.arange(1000, dtype=torch.float32))
-        storage.grads_done(c)  # returns with the write held at the gate
+        storage.grads.target(c).copy_(torch.arange(1000, dtype=torch.float32))
+        storage.grads.done(c)  # returns with the write held at the gate
         assert not written.is_set()
         threading.Timer(0.2, gate.set).start()
         with storage.reading(c, ("grad",)):
@@ -557,8 +554,8 @@ def test_a_gradient_write_back_leaves_backward_running_and_every_reader_sees_it(
             raise OSError(5, "Input/output error")
 
         monkeypatch.setattr(disk_mod.MappedFile, "write_from", failing_write)
-        storage.grad_target(c).fill_(1.0)
-        storage.grads_done(c)
+        storage.grads.target(c).fill_(1.0)
+        storage.grads.done(c)
         with pytest.raises(OSError, match="Input/output error"):
             storage.settle_grads()
     finally:

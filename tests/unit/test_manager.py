@@ -241,22 +241,22 @@ def test_disk_shards_live_in_files_and_page_out_after_use(tmp_path):
     assert mgr.ledger[Tier.DISK] == c.shard_numel * (4 + 4 + 8)  # master, gradient, Adam's moments
     assert mgr.ledger[Tier.HOST] >= c.shard_numel * 2  # the bf16 copy gathers read
     mgr.check_accounting()
-    storage = mgr.disk
-    files = storage._chunks[id(c)].files
+    storage = mgr.tiers.disk
+    files = storage.record(c).files
     assert set(files) == {"master", "grad", "optim"} and all(f.path.parent.parent == tmp_path for f in files.values())
     for t in c.tensors:  # the master holds the values the chunk was built from
         torch.testing.assert_close(c.master[t.offset : t.offset + t.numel], values[t.slot.param_index].reshape(-1))
     view = c.master[64:128]
     moment = torch.arange(64, dtype=torch.float32)
-    kept = storage.keep_state(c, view, "exp_avg", moment)
+    kept = mgr.tiers.keep_state(c, view, "exp_avg", moment)
     assert kept is not moment and torch.equal(kept, moment)
-    region = storage.state_region(c, "exp_avg")
+    region = mgr.tiers.state_region(c, "exp_avg")
     assert torch.equal(region[64:128], moment) and region[:64].abs().sum() == 0
     with storage.writing(c):
         c.master.add_(1)
     with storage.reading(c, ("master",)):
         assert c.master[0] == values[0].reshape(-1)[0] + 1  # written, paged out, read back from the file
-    assert storage.read_bytes > 0 and storage.write_bytes > 0
+    assert storage.io.read_bytes > 0 and storage.io.write_bytes > 0
     unpack(mgr, materialize=True)
     mgr.close()
     assert list(tmp_path.iterdir()) == []

@@ -256,8 +256,7 @@ class GradReducer:
             assert chunk.grad is not None
             with mgr.tracked(chunk):
                 chunk.restore_grad(mgr.pool)
-            storage = mgr.storage_of(chunk)
-            target = storage.grad_target(chunk)  # before the flag flips: it says whether to read what is there
+            target = mgr.tiers.grad_target(chunk)  # before the flag flips: it says whether to read what is there
             add, chunk.grad_written = chunk.grad_written, True
             if chunk.shard_tier is not Tier.DEVICE:
                 mgr.transfers.d2h_bytes += out.numel() * out.element_size()
@@ -268,8 +267,7 @@ class GradReducer:
             self.offload.drain(keep=2)  # bound the payloads still being copied
             if self.on_final is not None:  # it decides whether this backward steps (not when gradients stay local)
                 self.on_final(chunk)
-            if chunk.shard_tier is Tier.DISK:  # to its file, unless the chunk stepped from it just now
-                storage.grads_done(chunk)
+            mgr.tiers.grads_done(chunk)  # a disk shard's to its file, unless the chunk stepped from it just now
 
     def land_all(self) -> None:
         """Finish the reduce-scatters and gradient copies in flight: their gradient payloads go and their chunks

@@ -158,7 +158,7 @@ def optimizer_state_parts(
 
 def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key: str) -> torch.Tensor:
     """This rank's shard of per-element state ``key`` for ``chunk``, laid out like the chunk's master shard."""
-    region = mgr.storage_of(chunk).state_region(chunk, key)
+    region = mgr.tiers.state_region(chunk, key)
     if region is not None and region.dtype == parts.keys[key]:
         return region  # a disk shard's state is laid out like this already: no copy of the whole tier
     lo, _ = chunk.shard_range

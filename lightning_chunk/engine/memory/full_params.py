@@ -118,7 +118,7 @@ def full_parameters(
                 if with_grads:
                     _write_grads(engine, chunks, wanted, grads)
                 load_values(mgr, values, keep_unchanged=True)
-                mgr.disk.page_out()
+                mgr.tiers.page_out()
         finally:
             for c in chunks:
                 for t in c.tensors:
@@ -184,12 +184,12 @@ def _write_grads(engine: Any, chunks: list[Any], wanted: set[int], given: dict[i
             g, version = given[i]
             if (now is g and now._version == version) or a >= b:
                 continue
-            with mgr.storage_of(c).writing(c, (Role.GRAD,)):
+            with mgr.tiers.writing(c, (Role.GRAD,)):
                 shard = c.grad[a - lo : b - lo]
                 piece = now.reshape(-1)[a - t.offset : b - t.offset].to(shard.device)
                 shard.copy_(torch.where(piece == shard.to(piece.dtype), shard, piece.to(shard.dtype)))
     for b in engine.bindings:
-        b.attach_grads()
+        b.slots.attach()
 
 
 def _indices(mgr: Any, params: Iterable[torch.nn.Parameter] | None) -> set[int]:
@@ -262,6 +262,6 @@ def _fill_masters(
                 "through Lightning (trainer.save_checkpoint, ModelCheckpoint: every rank), or call state_dict() "
                 "inside `with trainer.strategy.full_parameters():` on every rank; after fit the module is whole."
             )
-        with mgr.storage_of(chunk).reading(chunk, (Role.MASTER,)):  # a disk shard's file is paged in meanwhile
+        with mgr.tiers.reading(chunk, (Role.MASTER,)):  # a disk shard's file is paged in meanwhile
             value = chunk.master_tensor_for_read()[info.offset : info.offset + info.numel].view(info.shape)
             state_dict[key] = value.to(info.orig_dtype, copy=chunk.shard_tier is Tier.DISK).detach()

@@ -32,9 +32,8 @@ from ..errors import DeviceMemoryLimitError
 from ..schedule.costs import chunk_views, shard_cost
 from ..schedule.placement import ChunkView
 from ..system.timing import StepClock
-from ..tiers.disk_storage import DiskStorage
 from ..tiers.pool import BlockPool
-from ..tiers.storage import DeviceStorage, HostStorage, TierStorage
+from ..tiers.tier_set import TierSet
 
 S = TensorState
 _HOST = torch.device("cpu")
@@ -97,19 +96,15 @@ class ChunkManager:
         self._retiring: list[Chunk] = []  # old chunks still holding bytes during a streaming repack
         pin = config.pin_memory and self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        host = HostStorage(pinned=pin)
-        self.storages: dict[Tier, TierStorage] = {
-            Tier.DEVICE: DeviceStorage(self.device),
-            Tier.HOST: host,
-            Tier.DISK: DiskStorage(
-                config.disk_dir,
-                self.comm.rank,
-                host,
-                io=config.disk_io,
-                ranks_here=self.comm.ranks_on_this_host(),
-                host_limit=config.host_memory_limit,
-            ),
-        }
+        self.tiers = TierSet(
+            self.device,
+            pinned=pin,
+            disk_dir=config.disk_dir,
+            rank=self.comm.rank,
+            disk_io=config.disk_io,
+            ranks_here=self.comm.ranks_on_this_host(),
+            host_limit=config.host_memory_limit,
+        )
         self.pool = BlockPool(self.device)  # [Note: a pool of payload blocks]
         self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
         self.optim_state_made = False  # an optimizer stepped: its state exists
@@ -120,16 +115,9 @@ class ChunkManager:
     def tier_device(self, tier: Tier) -> torch.device:
         return self.device if tier is Tier.DEVICE else _HOST
 
-    def storage_of(self, chunk: Chunk) -> TierStorage:
-        return self.storages[chunk.shard_tier]
-
     @property
     def disk_chunks(self) -> bool:
         return self.ledger[Tier.DISK] > 0
-
-    @property
-    def disk(self) -> DiskStorage:
-        return self.storages[Tier.DISK]  # type: ignore[return-value]
 
     @contextlib.contextmanager
     def tracked(self, chunk: Chunk) -> Iterator[None]:
@@ -229,7 +217,7 @@ class ChunkManager:
             if optim_bytes is not None:  # before the state is carried in: a disk shard takes it into its file
                 self._reserve_state(chunk, optim_bytes)
             values.placed(chunk)
-            self.storage_of(chunk).page_out(chunk)  # what the build and the carried state wrote leaves the process
+            self.tiers.page_out(chunk)  # what the build and the carried state wrote leaves the process
             self._changed()
         self.chunks.sort(key=lambda c: c.chunk_id)
         assert values.done()
@@ -261,9 +249,9 @@ class ChunkManager:
     def gather_shard(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
         """The whole chunk's worth of a per-rank shard buffer, on the host (used off the hot path)."""
         if self.comm.world_size == 1:
-            with self.storage_of(c).reading(c):
+            with self.tiers.reading(c):
                 return shard.to(_HOST, copy=True)
-        with self.storage_of(c).reading(c):
+        with self.tiers.reading(c):
             src = shard.to(self.comm.tensor_device(), copy=True)
         out = torch.empty(c.capacity_numel, dtype=shard.dtype, device=src.device)
         self.comm.all_gather(out, src, chunk=c.chunk_id).wait()
@@ -276,13 +264,13 @@ class ChunkManager:
 
     def alloc_shard(self, chunk: Chunk, role: Role, dtype: torch.dtype) -> torch.Tensor:
         """Allocate one of the chunk's shard buffers on its tier. Device bytes must have been reserved by the caller."""
-        return self.storage_of(chunk).alloc(chunk, role, chunk.shard_numel, dtype)
+        return self.tiers.alloc(chunk, role, dtype)
 
     def drop(self, c: Chunk) -> None:
         """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end). After a
         failed collective only the chunk's references go: collectives queued behind it may still use the buffers
         ([Note: memory a failed collective may still use] in ``collectives.py``)."""
-        self.storage_of(c).free(c)
+        self.tiers.free(c)
         with self.tracked(c):
             if not self.comm.broken:
                 for t in (t for t in (c.master, c.low, c.grad) if t is not None):  # optimizers still view them
@@ -322,7 +310,7 @@ class ChunkManager:
         from_file = chunk.shard_tier is Tier.DISK and chunk.low is None  # an fp32 disk shard: read the master's file
         with (
             self.tracked(chunk),
-            self.storage_of(chunk).reading(chunk, (Role.MASTER,) if from_file and self.device.type != "cpu" else ()),
+            self.tiers.reading(chunk, (Role.MASTER,) if from_file and self.device.type != "cpu" else ()),
         ):
             self.reserve_device(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
             self.pool.fill(chunk.payload.untyped_storage(), chunk.payload_bytes)
@@ -335,11 +323,11 @@ class ChunkManager:
                     # collectives need device tensors: stage the host shard in this rank's slice of the
                     # payload and all-gather in place (as FSDP2 does), so no unaccounted buffer is made.
                     # A disk shard is staged too: on a CPU device its file is read straight into the slice
-                    # ([Note: staged optimizer steps] in disk_storage.py); else its pages go out when this block ends
+                    # ([Note: staged optimizer steps] in disk_staging.py); else its pages go out when this block ends
                     lo, hi = chunk.shard_range
                     staged = chunk.payload[lo:hi]
                     with self.clock.measure("tier_copy"):
-                        if not (from_file and self.device.type == "cpu" and self.disk.read_master_into(chunk, staged)):
+                        if not (from_file and self.device.type == "cpu" and self.tiers.read_master_into(chunk, staged)):
                             staged.copy_(src, non_blocking=chunk.shard_tier is not Tier.DISK)
                     src = staged
             if side is not None:
@@ -407,7 +395,7 @@ class ChunkManager:
             if chunk.grad_released:
                 with self.tracked(chunk):
                     chunk.restore_grad(self.pool)
-            target = self.storage_of(chunk).grad_target(chunk)
+            target = self.tiers.grad_target(chunk)
             self.reducer.offload.copy(target[info.offset : info.offset + info.numel], grad, add=info.has_grad)
             if chunk.shard_tier is not Tier.DEVICE:
                 self.transfers.d2h_bytes += grad.numel() * grad.element_size()
@@ -432,7 +420,7 @@ class ChunkManager:
             if self.reducer.on_final is not None:  # before the write: a chunk stepped now needs no gradient file
                 self.reducer.on_final(chunk)
             if chunk.shard_tier is Tier.DISK:
-                self.storage_of(chunk).grads_done(chunk)
+                self.tiers.grads_done(chunk)
 
     def land_in_flight(self) -> None:
         """Land the reduce-scatters and gradient copies in flight (what a device limit needs before it evicts)."""
@@ -451,15 +439,15 @@ class ChunkManager:
             self.reducer.offload.drain()  # the optimizer and the next step read finished gradient shards
         for c in self.chunks:
             if grads_arrived:
-                self.storage_of(c).grads_done(c)
+                self.tiers.grads_done(c)
                 if c.has_waiting_grads():
                     if self.comm.world_size == 1:
                         self.reduce(c)
                     else:  # inside no_sync(): the gradients stay in the gradient payload for the next micro-batch
                         c.reduced()
             c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
-        if self.disk_chunks:  # [Note: gradient write-backs off the step] in disk_storage.py
-            self.disk.settle_grads()
+        if self.disk_chunks:  # [Note: gradient write-backs off the step] in disk_grads.py
+            self.tiers.settle_grads()
         self._changed()
 
     def let_go(self, indices: Iterable[int], new: TensorState) -> None:
@@ -496,7 +484,7 @@ class ChunkManager:
                 chunk.grad_written and chunk.grad is not None and not chunk.grad_released
             ):  # several ranks, some kept: the rest restart at 0
                 lo, _ = chunk.shard_range
-                with self.storage_of(chunk).writing(chunk, (Role.GRAD,)):
+                with self.tiers.writing(chunk, (Role.GRAD,)):
                     for t in infos:
                         a, b = piece_range(chunk, t.offset, t.numel)
                         if a < b:
@@ -550,7 +538,7 @@ class ChunkManager:
         if want != c.optim_state_bytes:
             if c.shard_tier is Tier.DEVICE:
                 self.reserve_device(want - c.optim_state_bytes, f"chunk {c.chunk_id}'s optimizer state")
-            self.storage_of(c).reserve_state(c, want)
+            self.tiers.reserve_state(c, want)
             with self.tracked(c):
                 c.optim_state_bytes = want
 
@@ -576,7 +564,7 @@ class ChunkManager:
                 continue
             if c.low is not None and c.chunk_id not in fresh:
                 assert c.master is not None
-                with self.storage_of(c).reading(c, (Role.MASTER,)):
+                with self.tiers.reading(c, (Role.MASTER,)):
                     c.low.copy_(c.master)
             if c.is_resident:
                 self.release(c, eviction=False)
@@ -594,8 +582,7 @@ class ChunkManager:
     def close(self) -> None:
         """The end of the run: the disk tier's scratch files go, and the pool's blocks."""
         self.pool.clear()
-        for storage in self.storages.values():
-            storage.close()
+        self.tiers.close()
 
     # ==================================================================== stats
     def stats(self) -> dict[str, float]:
@@ -607,7 +594,7 @@ class ChunkManager:
             "host_chunk_bytes": self.ledger[Tier.HOST],
             "disk_chunk_bytes": self.ledger[Tier.DISK],
             "disk_shards": sum(c.shard_tier is Tier.DISK for c in self.chunks),
-            **self.disk.stats(),
+            **self.tiers.disk.stats(),
             **self.pool.stats(),
             **asdict(self.transfers),  # bytes copied each way, evictions, gathers, waiting releases
             "d2h_async_bytes": self.reducer.offload.async_bytes,  # of which copied on the side stream (CUDA)

@@ -37,7 +37,7 @@ Costs: ``optimizer.step()`` runs once per chunk (its step hooks too, as on the d
 [Note: stepping disk chunks in backward]
 After backward, the disk tier's optimizer phase reads each disk chunk's master, gradient and optimizer state
 from its files, steps it and writes master and state back ([Note: staged optimizer steps] in
-``disk_storage.py``), beside no compute: where memory cannot cache the files that phase was most of the step
+``disk_staging.py``), beside no compute: where memory cannot cache the files that phase was most of the step
 (1.0-1.3 s of 1.7-2.2 on the 85M GPT of ``benchmarks/disk.py``). Stepped in backward, a disk chunk steps from
 the host buffer its gradients gathered in (``DiskStorage.grads_in_memory``), which is then kept for the next
 chunks without being written (``drop_grads``): the gradient file is neither written nor read back, 8 of the 40
@@ -62,7 +62,8 @@ from typing import Any
 from ..chunks.chunk import Chunk, Role, Tier
 from ..errors import UnsupportedOptimizerError
 from ..memory.manager import ChunkManager
-from ..tiers.disk_storage import Staged
+from ..tiers.disk_staging import Staged
+from ..tiers.disk_storage import DiskStorage
 from .binding import OptimizerBinding
 
 STAGED = (Role.MASTER, Role.OPTIM)  # a disk chunk's files read for a step in backward (its gradients are in memory)
@@ -89,7 +90,7 @@ class EarlyStep:
         self.active = False  # this backward may step: set when it starts (not in a warm-up or a traced step)
         self.stepped: set[int] = set()  # chunk ids stepped since the last ``finish``
         self.early = 0  # chunks stepped during backward since set-up (the rest stepped after it)
-        self.disk = DiskSteps(manager, self.binding)
+        self.disk = DiskSteps(manager, self.binding, manager.tiers.disk)
         manager.reducer.on_final = self.grads_final
 
     def begin(self) -> None:
@@ -136,7 +137,7 @@ class EarlyStep:
         with mgr.clock.measure("optimizer"):
             if not (in_backward and chunk.shard_tier is Tier.DISK and self.disk.step(chunk)):
                 if chunk.shard_tier is Tier.DISK:
-                    mgr.disk.grads_done(chunk)  # the step below reads the gradients from the file
+                    mgr.tiers.grads_done(chunk)  # the step below reads the gradients from the file
                 out = self.binding.step_chunk(chunk, **kwargs)
         with mgr.tracked(chunk):
             chunk.release_grad(mgr.pool if in_backward else None)
@@ -152,7 +153,7 @@ class EarlyStep:
                 c.grad_written = False
                 for t in c.tensors:
                     t.has_grad = False
-        self.binding.detach_released()
+        self.binding.slots.detach_released()
         self.disk.end()
         self.stepped = set()
         self.active = False
@@ -161,11 +162,13 @@ class EarlyStep:
 class DiskSteps:
     """Disk chunks stepped during backward, their files staged ahead of need ([Note: stepping disk chunks in
     backward]); the storage may stage them at their backward gather ([Note: staging at the backward gather] in
-    ``disk_storage.py``)."""
+    ``disk_staging.py``)."""
 
-    def __init__(self, manager: ChunkManager, binding: OptimizerBinding) -> None:
+    def __init__(self, manager: ChunkManager, binding: OptimizerBinding, disk: DiskStorage) -> None:
         self.manager = manager
         self.binding = binding
+        self.staging = disk.staging
+        self.grads = disk.grads
         self.order: list[int] = []  # disk chunk ids in the order the last backward stepped them
         self.seen: list[int] = []  # this backward's, so far
         self.missed = 0  # staged reads ahead that no step took (a wrong guess, read for nothing)
@@ -178,56 +181,54 @@ class DiskSteps:
             for c in self.manager.chunks
             if c.shard_tier is Tier.DISK and c.trainable and self.binding.steps_on_this_rank(c)
         }
-        storage = self.manager.disk
-        storage.expect_steps([self.on_disk[cid] for cid in self._order()], STAGED)
+        self.staging.expect_steps([self.on_disk[cid] for cid in self._order()], STAGED)
         first = self._expected(None)
         if first is not None:
-            storage.stage_in(first, STAGED)
+            self.staging.stage_in(first, STAGED)
 
     def step(self, chunk: Chunk) -> bool:
         """Step disk chunk ``chunk`` now, from its gradients in memory; False when it must step from its files."""
-        storage = self.manager.disk
+        staging = self.staging
         if not self.binding.steps_on_this_rank(chunk):  # padding alone here: nothing to read, step or write
-            storage.drop_grads(chunk)
+            self.grads.drop(chunk)
             return True
-        grads = storage.grads_in_memory(chunk)
+        grads = self.grads.in_memory(chunk)
         staged = self._staged(chunk)
         self.seen.append(chunk.chunk_id)
-        storage.stepped(chunk)
+        staging.stepped(chunk)
         nxt = self._expected(chunk.chunk_id)
-        if nxt is not None and storage.held(nxt) is None and storage.can_stage():
-            storage.stage_in(nxt, STAGED)  # read while this one steps and backward goes on
-        if grads is None or staged is None or not self.binding.step_staged_chunk(chunk, staged, grads):
-            storage.let_go(staged)
+        if nxt is not None and staging.held(nxt) is None and staging.can_stage():
+            staging.stage_in(nxt, STAGED)  # read while this one steps and backward goes on
+        if grads is None or staged is None or not self.binding.disk.step_staged_chunk(chunk, staged, grads):
+            staging.let_go(staged)
             return False
-        storage.drop_grads(chunk)
+        self.grads.drop(chunk)
         return True
 
     def end(self) -> None:
         """Backward is over (or starts again): keep its order; a staged read no step took is waited for."""
         if self.seen:
             self.order, self.seen = self.seen, []
-        storage = self.manager.disk
         for c in self.on_disk.values():
-            staged = storage.held(c)
+            staged = self.staging.held(c)
             if staged is not None:
-                storage.let_go(staged)
+                self.staging.let_go(staged)
                 self.missed += 1
-        storage.expect_steps([], ())
+        self.staging.expect_steps([], ())
 
     def _staged(self, chunk: Chunk) -> Staged | None:
         """``chunk``'s files staged: the read started ahead when the guess was right, else one started now (a set
         a wrong guess holds gives way)."""
-        storage = self.manager.disk
-        staged = storage.held(chunk)
+        staging = self.staging
+        staged = staging.held(chunk)
         if staged is not None:
             return staged
-        held = [s for s in (storage.held(c) for c in self.on_disk.values()) if s is not None]
-        if held and not storage.can_stage():  # a wrong guess: the one expected last gives its set, its read wasted
+        held = [s for s in (staging.held(c) for c in self.on_disk.values()) if s is not None]
+        if held and not staging.can_stage():  # a wrong guess: the one expected last gives its set, its read wasted
             order = self._order()
-            storage.let_go(max(held, key=lambda s: order.index(s.chunk.chunk_id)))
+            staging.let_go(max(held, key=lambda s: order.index(s.chunk.chunk_id)))
             self.missed += 1
-        return storage.stage_in(chunk, STAGED)
+        return staging.stage_in(chunk, STAGED)
 
     def _order(self) -> list[int]:
         """The disk chunks in the order the last backward stepped them (by descending id where it stepped none)."""

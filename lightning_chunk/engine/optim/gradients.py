@@ -54,7 +54,7 @@ def clip_grad_norm(
     first = pairs[0][1].device if pairs else torch.device("cpu")
     norms: list[torch.Tensor] = []
     for chunk, gs in paged_runs(grouped):
-        with manager.storage_of(chunk).reading(chunk, (Role.GRAD,)):
+        with manager.tiers.reading(chunk, (Role.GRAD,)):
             norms.extend(n.to(first) for n in torch._foreach_norm(gs, norm_type))
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=first)
     if comm.world_size > 1:
@@ -68,12 +68,12 @@ def clip_grad_norm(
             total = acc.pow(1.0 / norm_type).float().to(first)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for chunk, gs in paged_runs(grouped):
-        with manager.storage_of(chunk).writing(chunk, (Role.GRAD,)):
+        with manager.tiers.writing(chunk, (Role.GRAD,)):
             torch._foreach_mul_(gs, coef.to(gs[0].device))
     return total
 
 
 def unscale_and_check(pairs: Sequence[tuple[Any, torch.Tensor]], scaler: Any, manager: Any) -> bool:
     """fp16: unscale the gradients; True when some rank overflowed (every rank then skips)."""
-    runs = ((manager.storage_of(c).writing(c, (Role.GRAD,)), gs) for c, gs in paged_runs(by_device(pairs)))
+    runs = ((manager.tiers.writing(c, (Role.GRAD,)), gs) for c, gs in paged_runs(by_device(pairs)))
     return scaler.unscale_and_check([], manager.comm, runs=runs)

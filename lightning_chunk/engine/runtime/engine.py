@@ -185,7 +185,7 @@ class ChunkEngine:
                 )
         on_disk = sum(v.disk_bytes for v in views if tiers[v.chunk_id] is Tier.DISK)
         if on_disk:  # before anything is written: the directory must be usable and hold the shards
-            self.manager.disk.check_room(
+            self.manager.tiers.disk.check_room(
                 on_disk,
                 f"{sum(t is Tier.DISK for t in tiers.values())} of {len(views)} "
                 "chunks' masters, gradient shards and optimizer state",
@@ -317,9 +317,9 @@ class ChunkEngine:
 
     def _backward_starts(self) -> None:
         """A backward starts: gradients that ``zero_grad()`` cleared since they were attached are forgotten
-        ([Note: zero_grad on a rebound optimizer] in ``optim/binding.py``); the ranks will vote again."""
+        ([Note: zero_grad on a rebound optimizer] in ``optim/grad_slots.py``); the ranks will vote again."""
         for b in self.bindings:
-            b.sync_zero_grad()
+            b.slots.sync_zero_grad()
         self._agreed = False
         if self.early is not None:
             if self.scaler is not None:
@@ -331,7 +331,7 @@ class ChunkEngine:
     def _backward_ends(self) -> None:
         """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
         for b in self.bindings:
-            b.attach_grads()
+            b.slots.attach()
 
     def prepare_step(self) -> None:
         """Before an optimizer is stepped or gradients are read: forget what ``zero_grad()`` cleared, finish the
@@ -339,7 +339,7 @@ class ChunkEngine:
         attach them to the views of every optimizer. Idempotent until the next backward: clipping in a manual
         ``training_step`` before ``opt.step()``, the step itself and a second optimizer's step may all ask."""
         for b in self.bindings:
-            b.sync_zero_grad()
+            b.slots.sync_zero_grad()
         if self.warm_up.phase is WarmUp.TRACED:
             self.warm_up.replan(Replan.WARM_UP)
             self._backward_ends()
@@ -367,7 +367,7 @@ class ChunkEngine:
 
     def grads(self, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
         self.grads_ready("reading the gradients after backward")
-        return [g for b in self._bindings(optimizer) for g in b.grads()]
+        return [g for b in self._bindings(optimizer) for g in b.slots.grads()]
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, optimizer: torch.optim.Optimizer | None = None
@@ -377,7 +377,7 @@ class ChunkEngine:
         self._gradients_kept("clipping gradients by norm")
         self.prepare_step()
         total = clip_grad_norm(
-            [p for b in self._bindings(optimizer) for p in b.grad_chunks()], max_norm, norm_type, self.manager
+            [p for b in self._bindings(optimizer) for p in b.slots.grad_chunks()], max_norm, norm_type, self.manager
         )
         self.last_grad_norm = float(total)
         return total
@@ -391,13 +391,13 @@ class ChunkEngine:
         assert self.scaler is not None
         self.prepare_step()
         return unscale_and_check(
-            [p for b in self._bindings(optimizer) for p in b.grad_chunks()], self.scaler, self.manager
+            [p for b in self._bindings(optimizer) for p in b.slots.grad_chunks()], self.scaler, self.manager
         )
 
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)``, disk-tier chunks one at a time.
 
-        [Note: stepping disk shards] in ``optim/binding.py``."""
+        [Note: stepping disk shards] in ``optim/disk_stepper.py``."""
         # nothing a disagreement computed is kept ([Note: checking once a micro-batch])
         self.manager.comm.verify_issued()
         with self.manager.clock.measure("optimizer"):
@@ -513,7 +513,7 @@ class ChunkEngine:
                 )
         self.hooks.remove()
         for b in self.bindings:
-            b.detach_grads()
+            b.slots.detach()
             if materialize and not optimizer_state:  # [Note: optimizer state after fit] in kept_state.py
                 self.kept_optimizer_states[id(b.optimizer)] = keep_optimizer_state(self.manager, b)
             b.unbind(whole_state=materialize and optimizer_state)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..chunks.chunk import Role, Tier
+from ..chunks.chunk import Tier
 from ..chunks.chunk import nbytes as tensor_nbytes
 from ..chunks.states import TensorState
 from ..comm.sequence import ModuleSequence
@@ -160,7 +160,7 @@ class MomentClock:
             if room is not None:
                 mgr.pool.trim(room)
         # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead; on a
-        # CPU device the gather reads the file itself ([Note: staged optimizer steps] in disk_storage.py): the kernel
+        # CPU device the gather reads the file itself ([Note: staged optimizer steps] in disk_staging.py): the kernel
         # starts reading it ahead ([Note: the gathers' reads ahead of use] in disk_storage.py)
         if trace is not None and mgr.disk_chunks:
             on_cpu = mgr.device.type == "cpu"
@@ -169,10 +169,7 @@ class MomentClock:
             ):
                 c = mgr.chunks[cid]
                 if c.shard_tier is Tier.DISK and not c.is_resident and c.low is None:
-                    if on_cpu:
-                        mgr.disk.read_ahead_master(c)
-                    else:
-                        mgr.disk.prefetch(c, (Role.MASTER,))
+                    mgr.tiers.read_ahead_master(c)
 
     def _plan(self, needed: tuple[int, ...], include: frozenset[int], trace: Trace | None, budget: int | None) -> None:
         """Ask the policy what to evict and prefetch at this moment, and do it; then gather what is needed."""

@@ -145,7 +145,7 @@ class PlacementPolicy:
         rose by part of that; docs/benchmarks.md, 2026-11-26, session 43).
         A disk-tier chunk is gathered ahead one moment only, as before: on a CPU device its gather reads or copies
         its master on the calling thread, so starting it earlier overlaps nothing, and the two staging sets of a
-        backward that steps disk chunks ([Note: staging at the backward gather] in ``disk_storage.py``) are timed
+        backward that steps disk chunks ([Note: staging at the backward gather] in ``disk_staging.py``) are timed
         to that gather: gathered a chunk earlier, it found both sets still held and read the file again (106
         gathers from the file in a 12-step test where 84 had been, 11 from the staging where 55 had)."""
         return (

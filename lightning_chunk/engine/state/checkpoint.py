@@ -400,7 +400,7 @@ def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_opti
             )
     finally:
         del local, make
-        mgr.disk.page_out()
+        mgr.tiers.page_out()
     return optim_meta
 
 
@@ -556,7 +556,7 @@ def load_sharded(engine: Any, path: str | Path, *, with_optimizer: bool, average
         load_values(
             mgr, {index_of_name[n]: full[off : off + numel].view(shape) for n, off, numel, shape in spec["slots"]}
         )
-        mgr.disk.page_out()  # what this saved chunk wrote into disk shards leaves the process
+        mgr.tiers.page_out()  # what this saved chunk wrote into disk shards leaves the process
     ema = getattr(engine, "ema", None)
     if ema is not None and ck.get("ema_chunks"):  # [Note: a sharded EMA]; ignored by a run without one
         for _, spec, full in iter_saved_chunks(
@@ -615,9 +615,9 @@ def _load_optimizer(
             for i, st in local_optimizer_state(mgr, views, whole).items():
                 chunk = mgr.lookup(mgr.params[i])[0]
                 # a disk shard's piece goes straight into its file: no copy of the rank's whole state in memory
-                local[i][key] = mgr.storage_of(chunk).keep_state(chunk, views[i], key, st[key])
-            mgr.disk.page_out()
-    mgr.disk.page_out()
+                local[i][key] = mgr.tiers.keep_state(chunk, views[i], key, st[key])
+            mgr.tiers.page_out()
+    mgr.tiers.page_out()
     hypers = [{k: v for k, v in g.items() if k != "params"} for g in om["param_groups"]]
     b.load_local_state(local, hypers)
 

@@ -54,7 +54,7 @@ class StreamingPlanner(DefaultSavePlanner):
         fqn = write_item.index.fqn
         if self._last is not None and self._last < len(self.mgr.chunks) and self.mgr.disk_chunks:
             chunk = self.mgr.chunks[self._last]
-            self.mgr.storage_of(chunk).page_out(chunk)
+            self.mgr.tiers.page_out(chunk)
         self._last = chunk_of(fqn)
         if fqn in self.make:
             return self.make[fqn]()

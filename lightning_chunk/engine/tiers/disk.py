@@ -11,7 +11,7 @@ or writes a shard works unchanged, and bit for bit as with the shard in memory.
 
 The hot paths do not go through the mapping: every step's optimizer reads each disk shard into
 one of two staging buffers with ``preadv`` and writes it back with ``pwritev`` on an I/O thread
-while the chunk before steps ([Note: staged optimizer steps] in ``disk_storage.py``); backward's gradients
+while the chunk before steps ([Note: staged optimizer steps] in ``disk_staging.py``); backward's gradients
 gather in a host buffer written to the file when a chunk's are all in; a gather on a CPU device
 reads the master's file straight into the payload. Faulting pages in and out of the mapping had
 cost more than the bytes themselves (page faults, and ext4's ``page_mkwrite`` for each written

@@ -1,20 +1,16 @@
 """Tier storage: where a chunk's shard buffers live, one object per tier.
 
-Each object allocates a chunk's shard buffers (``alloc``), keeps the optimizer state the
-optimizer creates next to them (``keep_state``), says when a chunk is about to be used
-(``prefetch``) and brackets each use (``reading`` / ``writing``), and frees a chunk's
-buffers (``free``). Device and host memory need nothing around a use; the disk tier
-(``DiskStorage`` in ``disk_storage.py``) pages the chunk's files in and out there
-([Note: the disk tier] in ``disk.py``).
+The protocol is narrow: a tier allocates a chunk's shard buffers (``alloc``), frees them (``free``) and ends with
+the run (``close``). Device and host memory need nothing more. The disk tier (``DiskStorage`` in
+``disk_storage.py``) also pages files around each use, writes gradients back and keeps the optimizer state in a
+file; ``TierSet`` (``tier_set.py``) is the one place that asks it to, for the chunks that live there.
 
-The manager decides which tier a chunk lives on and keeps the ledger; these objects only
-hold bytes.
+The manager decides which tier a chunk lives on and keeps the ledger; these objects only hold bytes.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
@@ -24,49 +20,10 @@ _HOST = torch.device("cpu")
 ROLES = (Role.MASTER, Role.GRAD, Role.OPTIM)  # the buffers of a disk shard that live in files
 
 
-class TierStorage:
+class TierStorage(Protocol):
     tier: Tier
 
-    def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
-
-    def reserve_state(self, chunk: Chunk, nbytes: int) -> None:
-        """Optimizer state of ``nbytes`` will be kept next to the chunk's master (the optimizer creates it)."""
-
-    def keep_state(self, chunk: Chunk, view: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
-        """Where the optimizer's per-element state ``value`` of the master view ``view`` is kept: itself, here."""
-        return value
-
-    def keep_piece(self, chunk: Chunk, offset: int, key: str, value: torch.Tensor) -> torch.Tensor:
-        """``keep_state`` for a piece that starts at element ``offset`` of the chunk's shard."""
-        return value
-
-    def state_region(self, chunk: Chunk, key: str) -> torch.Tensor | None:
-        """Per-element state ``key`` of the whole shard where this tier keeps it laid out like the master shard
-        (zeros where a parameter has none), so a checkpoint can write it without a copy; else ``None``."""
-        return None
-
-    def page_out(self, chunk: Chunk | None = None) -> None:
-        """Drop the pages of ``chunk`` (every chunk when ``None``) from the process (after a pass over it)."""
-
-    def prefetch(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES, *, write: bool = False) -> None:
-        """The chunk's ``roles`` buffers will be used soon (and written, when ``write``)."""
-
-    @contextlib.contextmanager
-    def reading(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Iterator[None]:
-        yield
-
-    @contextlib.contextmanager
-    def writing(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Iterator[None]:
-        yield
-
-    def grad_target(self, chunk: Chunk) -> torch.Tensor:
-        """Where this backward's gradients of the chunk's shard go (its gradient shard), until ``grads_done``."""
-        assert chunk.grad is not None
-        return chunk.grad
-
-    def grads_done(self, chunk: Chunk) -> None:
-        """The chunk's gradients of this backward are all in ``grad_target``."""
+    def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
 
     def free(self, chunk: Chunk) -> None:
         """The chunk's buffers are no longer used (the manager frees what it allocated)."""
@@ -75,7 +32,7 @@ class TierStorage:
         """End of the run."""
 
 
-class DeviceStorage(TierStorage):
+class DeviceStorage:
     tier = Tier.DEVICE
 
     def __init__(self, device: torch.device) -> None:
@@ -84,8 +41,14 @@ class DeviceStorage(TierStorage):
     def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
+    def free(self, chunk: Chunk) -> None:
+        pass
 
-class HostStorage(TierStorage):
+    def close(self) -> None:
+        pass
+
+
+class HostStorage:
     tier = Tier.HOST
 
     def __init__(self, *, pinned: bool) -> None:
@@ -93,3 +56,9 @@ class HostStorage(TierStorage):
 
     def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self.pinned)
+
+    def free(self, chunk: Chunk) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

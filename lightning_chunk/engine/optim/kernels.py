@@ -1,0 +1,129 @@
+"""Which optimizers can step flat shards, how many bytes of state they keep an element, and the kernel each param
+group steps with ([Note: the kernel and the user's param groups])."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..config import ChunkConfig
+from ..errors import UnsupportedOptimizerError
+
+ELEMENTWISE = frozenset(
+    {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
+)
+SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig) -> None:
+    name = type(optimizer).__name__
+    is_torch = type(optimizer).__module__.startswith("torch.optim")
+    if name in SHAPE_DEPENDENT:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__qualname__} needs parameter shapes (or a closure over whole tensors), but "
+            f"chunk_offload steps flat shards of parameters; use one of {', '.join(sorted(ELEMENTWISE))}."
+        )
+    if not (is_torch and name in ELEMENTWISE) and not config.assume_elementwise_optimizer:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not known to update each element on its "
+            "own; chunk_offload steps flat shards of parameters. Known element-wise optimizers: "
+            f"{', '.join(sorted(ELEMENTWISE))}. "
+            "If yours is element-wise, pass assume_elementwise_optimizer=True to the strategy."
+        )
+
+
+def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes of optimizer state per parameter element, found by stepping a 4-element copy once."""
+    kwargs = {k: v for k, v in group.items() if k in optimizer.defaults and k not in ("params", "fused", "foreach")}
+    probe = torch.zeros(4, dtype=dtype)
+    probe.grad = torch.zeros(4, dtype=dtype)
+    try:
+        twin = type(optimizer)([probe], **kwargs)
+        twin.step()
+    except Exception:  # an unusual constructor: assume Adam's two moments
+        return 2 * probe.element_size()
+    return (
+        sum(v.numel() * v.element_size() for v in twin.state[probe].values() if torch.is_tensor(v) and v.numel() == 4)
+        // 4
+    )
+
+
+def split_at_cache_lines(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every group is stepped by torch's fused CPU Adam(W), which splits its work between threads at
+    cache-line boundaries: its bits do not depend on the thread count (``beside_io`` in ``tiers/disk_io.py``).
+    Other kernels split element-wise loops anywhere, and a scalar tail may round differently from the vector
+    body."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
+        g.get("fused") for g in optimizer.param_groups
+    )
+
+
+def kernel_flags(optimizer: torch.optim.Optimizer, kernel: str) -> list[dict[str, Any]]:
+    """The flags each param group steps with under ``optimizer_kernel=kernel``."""
+    out: list[dict[str, Any]] = []
+    for g in optimizer.param_groups:
+        has_fused = "fused" in g
+        flags: dict[str, Any] = {}
+        if kernel == "auto":
+            if has_fused and g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
+                flags["fused"] = True
+        elif kernel in ("fused", "one_pass"):  # one_pass: torch's fused kernel wherever the one pass does not run
+            if not has_fused:
+                raise UnsupportedOptimizerError(
+                    f"optimizer_kernel={kernel!r} but {type(optimizer).__name__} has no fused kernel; "
+                    "use optimizer_kernel='auto' or 'foreach'."
+                )
+            flags.update(fused=True, foreach=False)
+        elif kernel == "foreach":
+            flags["foreach"] = True
+            if has_fused:
+                flags["fused"] = False
+        else:  # loop
+            flags["foreach"] = False
+            if has_fused:
+                flags["fused"] = False
+        out.append(flags)
+    return out
+
+
+@contextlib.contextmanager
+def flags_set(optimizer: torch.optim.Optimizer, flags: list[dict[str, Any]]) -> Iterator[None]:
+    """The groups carry ``flags`` inside this block, the user's own outside it.
+
+    [Note: the kernel and the user's param groups]
+    ``optimizer_kernel="auto"`` steps Adam(W) with torch's fused kernel where the user chose none (torch's own
+    default on CPU tensors is the single-tensor loop, which rounds otherwise in the last bit). The flags that
+    select it are set for the step alone: ``optimizer.param_groups``, ``optimizer.state_dict()`` and every
+    checkpoint keep what the user built the optimizer with, so a checkpoint resumed under another strategy
+    steps with that strategy's default, and a user who reads the groups sees their own settings."""
+    groups = optimizer.param_groups
+    saved = [{k: g[k] for k in f if k in g} for g, f in zip(groups, flags, strict=True)]
+    for g, f in zip(groups, flags, strict=True):
+        g.update(f)
+    try:
+        yield
+    finally:
+        for g, f, old in zip(groups, flags, saved, strict=True):
+            for k in f:
+                if k in old:
+                    g[k] = old[k]
+                else:
+                    g.pop(k, None)
+
+
+@contextlib.contextmanager
+def only(optimizer: torch.optim.Optimizer, keep: Any) -> Iterator[None]:
+    """Narrow every param group to the views ``keep`` accepts, and restore them after (also on an error):
+    hyperparameters, LR schedulers and per-view state stay as they are."""
+    groups = optimizer.param_groups
+    full = [g["params"] for g in groups]
+    try:
+        for g, params in zip(groups, full, strict=True):
+            g["params"] = [v for v in params if keep(v)]
+        yield
+    finally:
+        for g, params in zip(groups, full, strict=True):
+            g["params"] = params
