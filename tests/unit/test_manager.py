@@ -54,7 +54,7 @@ def test_gather_release_roundtrip_and_accounting_after_every_operation():
     mgr.release(c)
     assert not c.is_resident and mgr.ledger[Tier.DEVICE] == 0 and mgr.transfers.evictions == 1
     assert len(checks) > before  # the invariant was re-derived after each operation
-    assert mgr.device_peak == c.payload_bytes
+    assert mgr.ledger.peak == c.payload_bytes
 
 
 def test_release_refuses_a_chunk_in_use():
@@ -93,27 +93,27 @@ def test_gradients_accumulate_and_the_chunk_reduces_when_complete():
     assert {t.name for t in chunk.tensors} == {"1.weight", "1.bias", "2.weight", "2.bias"}
     mgr.gather(chunk)
     chunk.transition_all(S.COMPUTE)
-    mgr.accumulate_grad(p, torch.ones_like(p))
+    mgr.grads.accumulate(p, torch.ones_like(p))
     with pytest.raises(Exception, match="READY_FOR_REDUCE -> READY_FOR_REDUCE"):
-        mgr.accumulate_grad(p, torch.ones_like(p))  # twice in one backward: a hook-order bug
-    mgr.accumulate_grad(net[1].bias, torch.ones_like(net[1].bias))
+        mgr.grads.accumulate(p, torch.ones_like(p))  # twice in one backward: a hook-order bug
+    mgr.grads.accumulate(net[1].bias, torch.ones_like(net[1].bias))
     assert info.state is S.READY_FOR_REDUCE and not chunk.is_evictable  # waits for net[2]
-    mgr.accumulate_grad(net[2].weight, torch.ones_like(net[2].weight))
-    mgr.accumulate_grad(net[2].bias, torch.ones_like(net[2].bias))
+    mgr.grads.accumulate(net[2].weight, torch.ones_like(net[2].weight))
+    mgr.grads.accumulate(net[2].bias, torch.ones_like(net[2].bias))
     assert all(t.state is S.HOLD_AFTER_BWD for t in chunk.tensors) and chunk.is_evictable
     mgr.reset_states()  # the next micro-batch adds to what the first left
     chunk.transition_all(S.COMPUTE)
-    mgr.accumulate_grad(p, torch.ones_like(p))
-    mgr.end_backward()  # net[1].bias and net[2] got no gradient this time: reduced at the end of backward
+    mgr.grads.accumulate(p, torch.ones_like(p))
+    mgr.grads.end_backward()  # net[1].bias and net[2] got no gradient this time: reduced at the end of backward
     assert all(t.state is S.HOLD_AFTER_BWD for t in chunk.tensors)
     idx = mgr.index_of[id(p)]
-    torch.testing.assert_close(mgr.grad_view(idx), torch.full((p.numel(),), 2.0))
-    mgr.clear_grads()
-    assert mgr.grad_view(idx) is None
+    torch.testing.assert_close(mgr.grads.view(idx), torch.full((p.numel(),), 2.0))
+    mgr.grads.clear()
+    assert mgr.grads.view(idx) is None
     mgr.reset_states()
     chunk.transition_all(S.COMPUTE)
-    mgr.accumulate_grad(p, torch.ones_like(p))  # the next step overwrites, it does not add to stale values
-    torch.testing.assert_close(mgr.grad_view(idx), torch.ones(p.numel()))
+    mgr.grads.accumulate(p, torch.ones_like(p))  # the next step overwrites, it does not add to stale values
+    torch.testing.assert_close(mgr.grads.view(idx), torch.ones(p.numel()))
 
 
 def test_a_chunk_waiting_to_reduce_gives_its_payload_up_only_when_asked_and_keeps_its_gradients():
@@ -123,7 +123,7 @@ def test_a_chunk_waiting_to_reduce_gives_its_payload_up_only_when_asked_and_keep
     chunk, _ = mgr.lookup(net[1].weight)
     mgr.gather(chunk)
     chunk.transition_all(S.COMPUTE)
-    mgr.accumulate_grad(net[1].weight, torch.full_like(net[1].weight, 3.0))
+    mgr.grads.accumulate(net[1].weight, torch.full_like(net[1].weight, 3.0))
     assert not chunk.waits_only_to_reduce  # the rest of the chunk is still in use
     for t in chunk.tensors:
         if t.state is S.COMPUTE:
@@ -144,10 +144,10 @@ def test_a_chunk_waiting_to_reduce_gives_its_payload_up_only_when_asked_and_keep
     assert chunk.states()["1.weight"] is S.READY_FOR_REDUCE and chunk.states()["1.bias"] is S.HOLD
     torch.testing.assert_close(net[2].weight.detach(), originals[4], rtol=0, atol=0)
     mgr.release(chunk, waiting_grads=True)
-    mgr.end_backward()  # the others got no gradient: reduced at the end, with the payload gone
+    mgr.grads.end_backward()  # the others got no gradient: reduced at the end, with the payload gone
     assert all(t.state is S.FREE for t in chunk.tensors) and not chunk.is_resident
     idx = mgr.index_of[id(net[1].weight)]
-    torch.testing.assert_close(mgr.grad_view(idx), torch.full((net[1].weight.numel(),), 3.0))
+    torch.testing.assert_close(mgr.grads.view(idx), torch.full((net[1].weight.numel(),), 3.0))
     assert checks  # the accounting was re-derived after every operation
 
 
@@ -157,21 +157,21 @@ def test_repack_moves_values_and_gradients():
     chunk, _ = mgr.lookup(p)
     mgr.gather(chunk)
     chunk.transition_all(S.COMPUTE)
-    mgr.accumulate_grad(p, torch.full_like(p, 3.0))
+    mgr.grads.accumulate(p, torch.full_like(p, 3.0))
     new = build_layout(mgr.specs, [4, 5, 2, 3, 0, 1], 200, 1)
     mgr.pack(new, {c.chunk_id: Tier.DEVICE for c in new.chunks})
     assert len(mgr.chunks) == 1 and mgr.chunks[0].aliased
     values = full_values(mgr)
     for i, orig in enumerate(originals):
         torch.testing.assert_close(values[i], orig, rtol=0, atol=0)
-    torch.testing.assert_close(mgr.grad_view(4), torch.full((8,), 3.0))
-    assert mgr.grad_view(0) is None
+    torch.testing.assert_close(mgr.grads.view(4), torch.full((8,), 3.0))
+    assert mgr.grads.view(0) is None
 
 
 def test_unpack_materializes_plain_parameters():
     net, mgr, originals, _ = make()
     unpack(mgr, materialize=True)
-    assert mgr.ledger == {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+    assert [mgr.ledger[t] for t in Tier] == [0, 0, 0]
     for p, orig in zip(net.parameters(), originals, strict=True):
         torch.testing.assert_close(p.detach(), orig, rtol=0, atol=0)
         assert p.untyped_storage().nbytes() == p.numel() * 4
@@ -270,11 +270,13 @@ def test_a_gradient_payload_that_does_not_fit_while_accumulating_unsharded_names
 
     from lightning_chunk.engine.comm.reduce import GradReducer
 
-    class Full:  # a device tier with no room left
-        device = torch.device("cpu")
-
+    class NoRoom:
         def room_for(self, nbytes, what, make_room=None):
             raise DeviceMemoryLimitError(f"{what} needs {nbytes} more bytes")
+
+    class Full:  # a device tier with no room left
+        device = torch.device("cpu")
+        grads = NoRoom()
 
     chunk = SimpleNamespace(grad_payload=None, capacity_numel=10, grad=torch.zeros(1), chunk_id=3)
     reducer = GradReducer(Full(), pinned=False)

@@ -293,7 +293,7 @@ class Chunk:
     def release_grad(self, pool: BlockPool | None) -> None:
         """Give the gradient shard's memory to ``pool`` (the manager's; to the allocator when ``None``); its views
         stay valid (and empty) until ``restore_grad`` ([Note: stepping in backward] in ``early_step.py``).
-        Callers account it (``ChunkManager.tracked``)."""
+        Callers account it (``ChunkManager.ledger.tracked``)."""
         if self.grad is None or self.grad_released:
             return
         if self.shard_tier is Tier.DISK:  # a view of its file: no memory to give back, but used up all the same

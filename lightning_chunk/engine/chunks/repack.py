@@ -167,7 +167,7 @@ def _grads_anywhere(mgr: ChunkManager, chunks: list[Chunk]) -> set[int]:
     reduced this step once counted (its ``grad_written`` is the same on every rank), and a parameter no rank had
     used then stepped from a zero gradient after the repack: weight decay moved it where ``torch.optim`` skips it.
     A rank's flag covers the parameter, or (after the vote) its pieces of it, and some rank holds every piece."""
-    moving = [t for c in chunks if mgr.grads_to_move(c) for t in c.tensors]
+    moving = [t for c in chunks if mgr.grads.to_move(c) for t in c.tensors]
     flags = [t.has_grad for t in moving]
     if mgr.comm.world_size > 1:  # the same chunks, in the same order, on every rank
         voted = torch.tensor([int(f) for f in flags] or [0], dtype=torch.int32, device=mgr.comm.tensor_device())
@@ -212,7 +212,7 @@ class OldChunks:
         own shards, and the chunks are then read one at a time as without a limit ([Note: streaming repack])."""
         mgr = self.mgr
         master = c.master_tensor_for_read().to(_HOST, copy=True)
-        grad = c.grad.to(_HOST, copy=True) if mgr.grads_to_move(c) and c.grad is not None else None
+        grad = c.grad.to(_HOST, copy=True) if mgr.grads.to_move(c) and c.grad is not None else None
         extra = {k: v.to(_HOST, copy=True) for k, v in self.extras.take(c).items()} if self.extras else {}
         self._staged[c.chunk_id] = (master, grad, extra)
         mgr.drop(c)
@@ -231,7 +231,7 @@ class OldChunks:
             del master, grad, shards, staged
         else:
             full = mgr.gather_shard(c, c.master_tensor_for_read())
-            full_grad = mgr.gather_shard(c, c.grad) if mgr.grads_to_move(c) else None  # type: ignore[arg-type]
+            full_grad = mgr.gather_shard(c, c.grad) if mgr.grads.to_move(c) else None  # type: ignore[arg-type]
             extra = {k: mgr.gather_shard(c, s) for k, s in self.extras.take(c).items()} if self.extras else {}
         for t in c.tensors:
             i, span = t.slot.param_index, slice(t.offset, t.offset + t.numel)
@@ -323,10 +323,10 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
     # once unless it is the shard itself
     need = mgr.device_shard_bytes(chunk) if tier is Tier.DEVICE else 0
     need += 0 if chunk.aliased else chunk.payload_bytes
-    mgr.reserve_device(
+    mgr.ledger.reserve(
         need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier" if tier is Tier.DEVICE else "")
     )
-    with mgr.tracked(chunk):
+    with mgr.ledger.tracked(chunk):
         chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=mgr.device)
         if chunk.aliased:
             chunk.payload.copy_(full)

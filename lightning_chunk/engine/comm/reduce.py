@@ -7,8 +7,8 @@ flight while backward goes on, and each lands through ``GradOffload`` (a side-st
 the shard lives on the host of a CUDA machine).
 
 The manager owns the bytes and their accounting; this module only schedules. It asks the
-manager to track every buffer it creates or frees (``manager.tracked``) and to find room on the
-device tier (``manager.room_for``), so the ledger stays the one account of chunk memory.
+manager to track every buffer it creates or frees (``manager.ledger.tracked``) and to find room on the
+device tier (``manager.grads.room_for``), so the ledger stays the one account of chunk memory.
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ class GradReducer:
                 "from the first micro-batch to the step; sharded_accumulation=True keeps only this rank's "
                 "shard, or raise device_memory_limit)"
             )
-        mgr.room_for(chunk.capacity_numel * chunk.grad.element_size(), what, make_room)  # type: ignore[union-attr]
-        with mgr.tracked(chunk):
+        mgr.grads.room_for(chunk.capacity_numel * chunk.grad.element_size(), what, make_room)  # type: ignore[union-attr]
+        with mgr.ledger.tracked(chunk):
             chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, chunk.master_dtype)
         self._filled[chunk.chunk_id] = {}
         live = sum(tensor_nbytes(c.grad_payload) for c in mgr.chunks)
@@ -229,7 +229,7 @@ class GradReducer:
         self._launched.add(chunk.chunk_id)
         if self.sync:
             self._ensure_payload(chunk, make_room)  # this rank got no gradient for the chunk: contribute zeros
-            with mgr.tracked(chunk):
+            with mgr.ledger.tracked(chunk):
                 self._finish_payload(chunk)
                 # in place: this rank's slice of the payload is the output (NCCL and gloo both take
                 # ``out == full[rank * n : (rank + 1) * n]``), so no unaccounted buffer is allocated
@@ -254,7 +254,7 @@ class GradReducer:
             chunk, pending = self._inflight.pop(0)
             out = pending.wait()
             assert chunk.grad is not None
-            with mgr.tracked(chunk):
+            with mgr.ledger.tracked(chunk):
                 chunk.restore_grad(mgr.pool)
             target = mgr.tiers.grad_target(chunk)  # before the flag flips: it says whether to read what is there
             add, chunk.grad_written = chunk.grad_written, True
@@ -276,7 +276,7 @@ class GradReducer:
         self.offload.drain()
 
     def _free_payload(self, chunk: Chunk) -> None:
-        with self.manager.tracked(chunk):
+        with self.manager.ledger.tracked(chunk):
             assert chunk.grad_payload is not None
             self.manager.pool.empty(chunk.grad_payload.untyped_storage())  # a view still held sees no bytes
             chunk.grad_payload = None

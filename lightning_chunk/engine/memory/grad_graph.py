@@ -33,7 +33,7 @@ class GradGraphKeeper:
         self.kept.update(params)
 
     def backward_ended(self) -> None:
-        """After ``ChunkManager.end_backward``: keep what a graph-building backward used in use; a backward that
+        """After ``ChunkManager.grads.end_backward``: keep what a graph-building backward used in use; a backward that
         built none consumed the graph, so its parameters may go."""
         if not self.building:
             self.release()

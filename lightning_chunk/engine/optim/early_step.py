@@ -100,7 +100,7 @@ class EarlyStep:
 
     def grads_final(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
-        if not (self.active and self.manager.sync_grads) or chunk.chunk_id in self.stepped or not chunk.trainable:
+        if not (self.active and self.manager.grads.sync) or chunk.chunk_id in self.stepped or not chunk.trainable:
             return
         # before anything is kept, and before this rank's own decision below ([Note: checking once a micro-batch])
         self.manager.comm.verify_issued()
@@ -139,7 +139,7 @@ class EarlyStep:
                 if chunk.shard_tier is Tier.DISK:
                     mgr.tiers.grads_done(chunk)  # the step below reads the gradients from the file
                 out = self.binding.step_chunk(chunk, **kwargs)
-        with mgr.tracked(chunk):
+        with mgr.ledger.tracked(chunk):
             chunk.release_grad(mgr.pool if in_backward else None)
         self.stepped.add(chunk.chunk_id)
         return out

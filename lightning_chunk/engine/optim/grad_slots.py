@@ -46,7 +46,9 @@ class GradSlots:
         storage object): the slices can be kept."""
         if self._slots is None:
             mgr = self.manager
-            self._slots = [GradSlot(i, v, *mgr.lookup(mgr.params[i]), mgr.grad_slice(i)) for i, v in self.views.items()]
+            self._slots = [
+                GradSlot(i, v, *mgr.lookup(mgr.params[i]), mgr.grads.slice(i)) for i, v in self.views.items()
+            ]
         return self._slots
 
     def of_chunk(self, chunk: Chunk, *, with_grad: bool = True) -> list[GradSlot]:
@@ -108,7 +110,7 @@ class GradSlots:
         self._attached.difference_update(cleared)
         if cleared:
             elsewhere = [i for g in self.group_params for i in g if i not in self.views]
-            self.manager.clear_grads(cleared + elsewhere)
+            self.manager.grads.clear(cleared + elsewhere)
 
     def detach(self) -> None:
         for v in self.views.values():

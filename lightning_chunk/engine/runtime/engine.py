@@ -285,12 +285,12 @@ class ChunkEngine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro-batches that do not step: gradients stay in each rank's gradient payloads, unreduced."""
-        self.manager.sync_grads = False
+        self.manager.grads.sync = False
         try:
             with self.accumulating():
                 yield
         finally:
-            self.manager.sync_grads = True
+            self.manager.grads.sync = True
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -430,7 +430,7 @@ class ChunkEngine:
             out["loss_scale"] = self.scaler.scale
         if self.early is not None:
             out["chunks_stepped_in_backward"] = self.early.early
-            if self.manager.disk_chunks:  # [Note: stepping disk chunks in backward]
+            if self.manager.ledger[Tier.DISK]:  # [Note: stepping disk chunks in backward]
                 out["disk_staged_ahead_missed"] = self.early.disk.missed
         if self.ema is not None:
             out["ema_host_bytes"] = self.ema.nbytes  # this rank's share of the average ([Note: a sharded EMA])

@@ -370,7 +370,7 @@ class ChunkHooks:
                 # for a dense embedding (SparseAdam, which needs sparse gradients, is refused at set-up)
                 grad = grad.to_dense()
             with self.manager.clock.measure("grad_copy"):
-                self.manager.accumulate_grad(param, grad, self.make_room)
+                self.manager.grads.accumulate(param, grad, self.make_room)
             param.grad = None
             if self.tracer.recording:
                 self.tracer.grad_arrived(self.manager.index_of[id(param)])
@@ -382,7 +382,7 @@ class ChunkHooks:
                 # the warm-up's backward: no trace yet, but this forward's moments (the same on every rank)
                 # say the order backward will complete the chunks in, near enough: reverse first use
                 # ([Note: reduce order] in reduce.py)
-                self.manager.set_reduce_order(self.tracer.forward_first_use()[::-1])
+                self.manager.grads.set_reduce_order(self.tracer.forward_first_use()[::-1])
             self.manager.reducer.begin_backward(traced=self.trace is not None and not self.tracer.recording)
             if self.on_backward_start is not None:
                 self.on_backward_start()
@@ -413,7 +413,7 @@ class ChunkHooks:
         self.moments.sequence.add(GRADIENTS, "delivered" if arrived else "none delivered")
         # reduce first: a chunk whose gradients this rank did not all get reduces here, and the other ranks may be
         # waiting for that reduce-scatter, not yet in the check's collective
-        self.manager.end_backward(self.make_room, grads_arrived=arrived)
+        self.manager.grads.end_backward(self.make_room, grads_arrived=arrived)
         self.moments.sequence.check(self.manager.comm, self.owners.chunks_of)
         self.grad_graph.backward_ended()
         if arrived and self.on_backward_end is not None:

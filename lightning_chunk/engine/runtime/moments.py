@@ -162,7 +162,7 @@ class MomentClock:
         # a gather to a CUDA device reads an fp32 disk shard through the mapping: fault the next ones in ahead; on a
         # CPU device the gather reads the file itself ([Note: staged optimizer steps] in disk_staging.py): the kernel
         # starts reading it ahead ([Note: the gathers' reads ahead of use] in disk_storage.py)
-        if trace is not None and mgr.disk_chunks:
+        if trace is not None and mgr.ledger[Tier.DISK]:
             on_cpu = mgr.device.type == "cpu"
             for cid in (
                 trace.chunks_ahead(self.position, READ_AHEAD_CHUNKS) if on_cpu else trace.next_chunks(self.position)
@@ -207,7 +207,7 @@ class MomentClock:
             return
         except DeviceMemoryLimitError:
             pass
-        mgr.land_in_flight()  # the plan was too optimistic: land the reduces in flight, free what may go, retry
+        mgr.grads.land_in_flight()  # the plan was too optimistic: land the reduces in flight, free what may go, retry
         self.freed_room = True
         for other in mgr.chunks:
             if other.chunk_id not in needed and other.is_evictable:
@@ -279,7 +279,7 @@ class MomentClock:
         beside the compute is most of the hooks' time (docs/benchmarks.md, 2026-11-27). On an accelerator, whose
         steps are shorter, the same Python is a larger part of the step."""
         kind, key = self._this_moment
-        if trace is None or self.manager.disk_chunks or self.freed_room:
+        if trace is None or self.manager.ledger[Tier.DISK] or self.freed_room:
             return False
         room = activation_room(budget, trace, self.position)
         if room is not None and self.manager.ledger[Tier.DEVICE] > room:

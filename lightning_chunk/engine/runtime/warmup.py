@@ -117,7 +117,7 @@ class WarmUpPlanner:
         if reason is Replan.REQUIRES_GRAD:
             eng.hooks.watch_grads()
         if trace is not None:
-            mgr.follow_trace(trace)
+            mgr.grads.follow_trace(trace)
         eng.hooks.trace = trace
         if moved and reason is not Replan.WARM_UP:
             # the last step's gradients moved along: attach them again, so that the zero_grad() before this

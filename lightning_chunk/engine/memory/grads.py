@@ -1,0 +1,186 @@
+"""A chunk's gradients, from backward to the optimizer: taken into the shard (one rank) or the gradient payload
+(several, reduced by ``GradReducer`` in ``comm/reduce.py``), made final at the end of backward, cleared as
+``zero_grad`` says, and sliced per parameter for the optimizer. Every byte moves under the manager's ledger."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..chunks.chunk import Chunk, Role, TensorInfo, Tier
+from ..chunks.repack import piece_range
+from ..chunks.states import TensorState, check_transition
+from ..comm.reduce import MakeRoom
+
+if TYPE_CHECKING:  # the manager builds it
+    from .manager import ChunkManager
+
+S = TensorState
+
+
+class ChunkGrads:
+    """The gradient side of the manager (``manager.grads``)."""
+
+    def __init__(self, manager: ChunkManager) -> None:
+        self.manager = manager
+
+    def room_for(self, nbytes: int, what: str, make_room: MakeRoom = None) -> None:
+        """Room on the device tier for ``nbytes`` more (a gradient payload): land the reduce-scatters and copies in
+        flight (their buffers go), then have ``make_room`` evict by the policy; raise when it still does not fit."""
+        mgr = self.manager
+        if not mgr.ledger.fits(nbytes):
+            mgr.reducer.land_all()
+            if not mgr.ledger.fits(nbytes) and make_room is not None:
+                make_room(nbytes)
+        mgr.ledger.reserve(nbytes, what)
+
+    def set_reduce_order(self, completion: Sequence[int]) -> None:
+        """Several ranks: reduce chunks in the order backward completes them ([Note: reduce order] in reduce.py)."""
+        mgr = self.manager
+        mgr.reducer.set_order(mgr.chunks, completion)
+
+    def follow_trace(self, trace: Any) -> None:
+        """Several ranks: reduce each chunk at the moment after the trace's gradients say it is complete, or in the
+        order of its last use where the trace recorded no gradients ([Note: when a chunk reduces] in reduce.py)."""
+        mgr = self.manager
+        index_of = mgr.index_of
+        due = trace.reduce_moments(
+            {c.chunk_id: [index_of[id(t.param)] for t in c.tensors if t.requires_grad] for c in mgr.chunks}
+        )
+        if due:
+            mgr.reducer.set_moments(mgr.chunks, due)
+        else:
+            mgr.reducer.set_order(mgr.chunks, trace.backward_completion_order())
+
+    def to_move(self, c: Chunk) -> bool:
+        """The chunk's gradient shard holds gradients of this step that a repack must carry."""
+        mgr = self.manager
+        written = c.grad_written if mgr.comm.world_size > 1 else any(t.has_grad for t in c.tensors)
+        return c.grad is not None and written and not c.grad_released
+
+    @property
+    def sync(self) -> bool:
+        return self.manager.reducer.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.manager.reducer.sync = value
+
+    def accumulate(self, param: torch.Tensor, grad: torch.Tensor, make_room: MakeRoom = None) -> Chunk:
+        """Take one parameter's gradient: into the shard (one rank) or the chunk's gradient payload (several).
+        ``make_room``: evicts by the placement policy when a gradient payload needs device bytes."""
+        mgr = self.manager
+        chunk, info = mgr.lookup(param)
+        assert chunk.grad is not None, f"chunk {chunk.chunk_id} holds no trainable parameters"
+        check_transition(
+            info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id, rank=chunk.rank
+        )  # before touching data: a refused gradient leaves nothing half-added
+        if mgr.comm.world_size == 1:
+            # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
+            # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
+            # a disk shard's gradients gather in a host buffer, written to its file at ``reduce``
+            if chunk.grad_released:
+                with mgr.ledger.tracked(chunk):
+                    chunk.restore_grad(mgr.pool)
+            target = mgr.tiers.grad_target(chunk)
+            mgr.reducer.offload.copy(target[info.offset : info.offset + info.numel], grad, add=info.has_grad)
+            if chunk.shard_tier is not Tier.DEVICE:
+                mgr.transfers.d2h_bytes += grad.numel() * grad.element_size()
+        else:
+            mgr.reducer.add(chunk, info.offset, grad, make_room)
+        info.has_grad = True
+        chunk.set_state(info, S.READY_FOR_REDUCE)
+        if chunk.grads_complete() and mgr.comm.world_size == 1:
+            self.reduce(chunk)  # several ranks reduce at moments ([Note: when a chunk reduces] in reduce.py)
+        mgr.changed()
+        return chunk
+
+    def reduce(self, chunk: Chunk, make_room: MakeRoom = None) -> None:
+        """The chunk's gradients are final for this backward: READY_FOR_REDUCE -> HOLD_AFTER_BWD. With one rank the
+        shard already holds them; several ranks launch the reduce-scatter ([Note: reduce order] in reduce.py)."""
+        mgr = self.manager
+        if mgr.comm.world_size > 1:
+            mgr.reducer.reduce(chunk, make_room)
+        else:
+            if chunk.shard_tier is Tier.DISK:
+                mgr.reducer.offload.drain()  # the copies land before the buffer is used or written to the file
+            chunk.reduced()
+            if mgr.reducer.on_final is not None:  # before the write: a chunk stepped now needs no gradient file
+                mgr.reducer.on_final(chunk)
+            if chunk.shard_tier is Tier.DISK:
+                mgr.tiers.grads_done(chunk)
+
+    def land_in_flight(self) -> None:
+        """Land the reduce-scatters and gradient copies in flight (what a device limit needs before it evicts)."""
+        self.manager.reducer.land_all()
+
+    @property
+    def payload_peak(self) -> int:
+        return self.manager.reducer.payload_peak
+
+    def end_backward(self, make_room: MakeRoom = None, *, grads_arrived: bool = True) -> None:
+        """Reduce what is left (tensors that got no gradient); everything used becomes HOLD_AFTER_BWD. A backward
+        that delivered no gradient reduces nothing ([Note: a backward that delivers no gradient] in hooks.py)."""
+        mgr = self.manager
+        if grads_arrived and mgr.comm.world_size > 1:
+            mgr.reducer.end_backward(make_room)
+        elif grads_arrived:
+            mgr.reducer.offload.drain()  # the optimizer and the next step read finished gradient shards
+        for c in mgr.chunks:
+            if grads_arrived:
+                mgr.tiers.grads_done(c)
+                if c.has_waiting_grads():
+                    if mgr.comm.world_size == 1:
+                        self.reduce(c)
+                    else:  # inside no_sync(): the gradients stay in the gradient payload for the next micro-batch
+                        c.reduced()
+            c.transition_all(S.HOLD_AFTER_BWD, only_from=frozenset({S.COMPUTE, S.HOLD_AFTER_FWD}))
+        if mgr.ledger[Tier.DISK]:  # [Note: gradient write-backs off the step] in disk_grads.py
+            mgr.tiers.settle_grads()
+        mgr.changed()
+
+    def clear(self, indices: Iterable[int] | None = None) -> None:
+        """Forget the gradients of the parameters ``indices`` (all when ``None``): the next gradient a
+        parameter gets overwrites its range instead of adding to it. The buffers stay allocated."""
+        mgr = self.manager
+        if indices is None:
+            for c in mgr.chunks:
+                c.grad_written = False
+                for t in c.tensors:
+                    t.has_grad = False
+            return
+        cleared: dict[int, list[TensorInfo]] = {}
+        for i in indices:
+            chunk, info = mgr.lookup(mgr.params[i])
+            info.has_grad = False
+            cleared.setdefault(chunk.chunk_id, []).append(info)
+        for cid, infos in cleared.items():
+            chunk = mgr.chunks[cid]
+            if not any(t.has_grad for t in chunk.tensors):
+                chunk.grad_written = False
+            elif (
+                chunk.grad_written and chunk.grad is not None and not chunk.grad_released
+            ):  # several ranks, some kept: the rest restart at 0
+                lo, _ = chunk.shard_range
+                with mgr.tiers.writing(chunk, (Role.GRAD,)):
+                    for t in infos:
+                        a, b = piece_range(chunk, t.offset, t.numel)
+                        if a < b:
+                            chunk.grad[a - lo : b - lo].zero_()
+
+    def slice(self, param_index: int) -> torch.Tensor | None:
+        """This rank's piece of one parameter's gradient shard, flat, whether or not it holds a gradient now."""
+        mgr = self.manager
+        chunk, info = mgr.lookup(mgr.params[param_index])
+        if chunk.grad is None:
+            return None
+        lo, _ = chunk.shard_range
+        a, b = piece_range(chunk, info.offset, info.numel)
+        return chunk.grad[a - lo : b - lo] if a < b else None
+
+    def view(self, param_index: int) -> torch.Tensor | None:
+        """``slice`` when the parameter got a gradient since it was last cleared, else ``None``."""
+        mgr = self.manager
+        return self.slice(param_index) if mgr.lookup(mgr.params[param_index])[1].has_grad else None
