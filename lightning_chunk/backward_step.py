@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from .engine.config import ChunkConfig
 from .engine.optim.early_step import FP16_REFUSED
 
 if TYPE_CHECKING:
@@ -93,3 +95,26 @@ def choose_step_in_backward(
         return False, None
     why = reads_gradients(trainer, module, precision, optimizers)
     return why is None, why
+
+
+def config_for_fit(
+    config: ChunkConfig, trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int
+) -> ChunkConfig:
+    """This fit's config: ``step_in_backward=None`` made concrete, said once on rank 0 where a host limit makes it
+    matter."""
+    if config.step_in_backward is not None:
+        return config
+    chosen, why = choose_step_in_backward(trainer, module, precision, optimizers, config.host_memory_limit)
+    if chosen:
+        rank_zero_info(
+            "chunk_offload: with host_memory_limit set, each chunk steps during backward "
+            "(step_in_backward=None: nothing in this fit reads the gradients after backward); "
+            "step_in_backward=False keeps them."
+        )
+    elif why is not None:
+        rank_zero_info(
+            f"chunk_offload: the chunks step after backward, not during it, because of {why} "
+            "(step_in_backward=None; with the disk tier stepping in backward is faster: "
+            "docs/disk-tier.md)."
+        )
+    return config.replace(step_in_backward=chosen)

@@ -10,60 +10,32 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
-from lightning.fabric.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
-from torch.optim import Optimizer
 
-from ._version import __version__
-from .backward_step import check_step_in_backward, choose_step_in_backward
+from .backward_step import check_step_in_backward, config_for_fit
+from .checkpointing import ChunkCheckpoints
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.chunks.materialize import DeferredInit, meta_init
 from .engine.config import PlacementName
-from .engine.errors import CheckpointError
 from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory.full_params import full_parameters
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.schedule.growth import input_bytes
-from .engine.state.checkpoint import KEY as CHECKPOINT_KEY
-from .engine.state.checkpoint import (
-    is_sharded_checkpoint,
-    load_sharded,
-    offered_state_dict,
-    placeholder_state_dict,
-    save_sharded,
-)
-from .engine.system.atomic import remove_dir
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
-from .ranks import barrier_device_ids, process_group_device, take_rank_threads
-
-
-def _version() -> str:
-    return __version__
-
+from .toggles import follow_toggles
+from .unsupported import check_callbacks
 
 # the memory_stats() entries logged by default (with the time_*_s breakdown): where the bytes are and what moved
 LOGGED_STATS = frozenset(
@@ -89,7 +61,7 @@ PRESETS = {
 }
 
 
-class ChunkOffloadStrategy(ParallelStrategy):
+class ChunkOffloadStrategy(ChunkCheckpoints):
     """Train any LightningModule with its parameters packed into chunks placed between device and host.
 
     Every argument and group field is documented once, in ``lightning_chunk/options.py``, and in the tables of
@@ -130,7 +102,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**{k: kwargs.pop(k) for k in LIGHTNING_ARGS if k in kwargs})
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **{k: kwargs.pop(k) for k in LIGHTNING_ARGS if k in kwargs},
+        )
         groups, deprecated = moved(
             kwargs,
             {
@@ -171,9 +147,6 @@ class ChunkOffloadStrategy(ParallelStrategy):
                 "chunk/* metrics), 'all' (every memory_stats() entry) or False."
             )
         self.log_memory_stats = log_memory_stats
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self.engine: ChunkEngine | None = None
         self._final_stats: dict[str, float] = {}
         # [Note: optimizer state after fit] in engine/optim/kept_state.py
@@ -213,67 +186,6 @@ class ChunkOffloadStrategy(ParallelStrategy):
                 )
             plugin = ChunkPrecision(precision)
         self._precision_plugin = plugin
-
-    # ====================================================== processes, ranks
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # checkpoints load into the engine's chunks, which exist only after setup
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores the optimizers itself, shard by shard
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    def _configure_launcher(self) -> None:
-        # [Note: every rank's thread count] in ranks.py
-        assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.set_world_ranks()
-        if self.world_size > 1:
-            reset_seed()
-            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-            self._process_group_backend = backend
-            assert self.cluster_environment is not None
-            _init_dist_connection(
-                self.cluster_environment,
-                backend,
-                timeout=self._timeout,
-                device_id=process_group_device(self.root_device),
-            )
-        take_rank_threads()  # [Note: every rank's thread count] in ranks.py
 
     # ================================================================= setup
     @contextlib.contextmanager
@@ -325,7 +237,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
             weights = ModuleWeights(open_weights(self.weights), module, strict=getattr(module, "strict_loading", True))
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._check_callbacks(trainer)
+            check_callbacks(trainer)
             if self.config.host_memory_limit is not None and any(
                 isinstance(cb, ChunkEMA)
                 for cb in trainer.callbacks  # type: ignore[attr-defined]
@@ -340,7 +252,11 @@ class ChunkOffloadStrategy(ParallelStrategy):
         if fitting:
             self._kept_optimizer_states = {}  # the last fit's optimizers are gone
             self.setup_optimizers(trainer)
-        config = self._config_for(trainer, module) if fitting else self.config
+        config = (
+            config_for_fit(self.config, trainer, module, self.precision_plugin.precision, len(self.optimizers))
+            if fitting
+            else self.config
+        )
         self.setup_precision_plugin()
         comm = (
             Collectives(timeout_s=self.config.collective_timeout_s, verify=self.config.verify_collectives)
@@ -365,105 +281,7 @@ class ChunkOffloadStrategy(ParallelStrategy):
             self.engine.ema = ShardedEMA(self.engine.manager, BufferAverage(module, average=emas[0].use_buffers))
         self.precision_plugin.attach(self.engine, self.root_device)
         if fitting and len(self.engine.bindings) > 1:
-            self._follow_toggles(module)
-
-    def _config_for(self, trainer: pl.Trainer, module: pl.LightningModule) -> ChunkConfig:
-        """This fit's config: ``step_in_backward=None`` made concrete ([Note: stepping in backward by default with
-        the disk tier] in ``backward_step.py``), said once on rank 0 where a host limit makes it matter."""
-        if self.config.step_in_backward is not None:
-            return self.config
-        chosen, why = choose_step_in_backward(
-            trainer, module, self.precision_plugin.precision, len(self.optimizers), self.config.host_memory_limit
-        )
-        if chosen:
-            rank_zero_info(
-                "chunk_offload: with host_memory_limit set, each chunk steps during backward "
-                "(step_in_backward=None: nothing in this fit reads the gradients after backward); "
-                "step_in_backward=False keeps them."
-            )
-        elif why is not None:
-            rank_zero_info(
-                f"chunk_offload: the chunks step after backward, not during it, because of {why} "
-                "(step_in_backward=None; with the disk tier stepping in backward is faster: "
-                "docs/disk-tier.md)."
-            )
-        return self.config.replace(step_in_backward=chosen)
-
-    def _follow_toggles(self, module: pl.LightningModule) -> None:
-        """Make ``toggle_optimizer`` freeze the module's parameters, not only the optimizers' tensors.
-
-        [Note: toggled optimizers]
-        The optimizers step views of the shards, so what Lightning's ``toggle_optimizer`` (its documented GAN
-        pattern) does to ``optimizer.param_groups`` happens to the views: it set ``requires_grad=False`` on tensors
-        autograd never sees, and the generator's loss left gradients on the discriminator's parameters, which then
-        stepped with them (silently: 0.07 from plain Lightning after 12 steps). While an optimizer is toggled, the
-        other optimizers' parameters of the module do not require grad either (as in plain Lightning: no gradient,
-        no work); ``untoggle_optimizer`` gives them back their flags. The module's own methods (a user's override
-        included) still run first. A change of flags that outlives a training step is a repack
-        ([Note: requires_grad changed] in ``engine/runtime/engine.py``)."""
-        toggle, untoggle = module.toggle_optimizer, module.untoggle_optimizer
-        saved: dict[int, bool] = {}
-
-        def toggle_optimizer(optimizer: Any) -> None:
-            toggle(optimizer)
-            mine = self._binding_of(optimizer)
-            if mine is None or self.engine is None:
-                return
-            params = self.engine.manager.params
-            for b in self.engine.bindings:  # a parameter is in one optimizer at most (checked at set-up)
-                for i in (i for g in b.group_params for i in g if b is not mine):
-                    saved.setdefault(i, params[i].requires_grad)
-                    params[i].requires_grad_(False)
-
-        def untoggle_optimizer(optimizer: Any) -> None:
-            untoggle(optimizer)
-            if self.engine is not None:
-                for i, flag in saved.items():
-                    self.engine.manager.params[i].requires_grad_(flag)
-            saved.clear()
-
-        module.__dict__["toggle_optimizer"] = toggle_optimizer
-        module.__dict__["untoggle_optimizer"] = untoggle_optimizer
-
-    @staticmethod
-    def _check_callbacks(trainer: pl.Trainer) -> None:
-        """Callbacks that cannot work on a rebound optimizer or on packed parameters, refused before anything is
-        built."""
-        from lightning.pytorch import callbacks
-        from lightning.pytorch.callbacks import BaseFinetuning
-
-        averaging = tuple(
-            getattr(callbacks, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, n)
-        )
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(cb, averaging):
-                raise ValueError(
-                    f"{type(cb).__name__} does not work with chunk_offload: it keeps a whole copy of the model on "
-                    "every "
-                    "rank and reads and writes the module's parameters between steps, where chunk_offload's "
-                    "parameters are views of chunk payloads (released, or stale until the next gather) and the "
-                    "trained values live in the sharded master weights; the averaged weights it copies in would be "
-                    "lost (Lightning refuses it for FSDP and DeepSpeed for the same reason). For an exponential "
-                    "moving average use lightning_chunk.ChunkEMA (EMAWeightAveraging's behaviour, with the average "
-                    "sharded like the weights); for another average, a callback of your own inside "
-                    "`with trainer.strategy.full_parameters():` (docs/faq.md, 'Reading and writing parameters "
-                    "between steps')."
-                )
-            if isinstance(cb, callbacks.ModelPruning):
-                raise ValueError(
-                    "ModelPruning does not work with chunk_offload: torch's pruning replaces each pruned parameter by "
-                    "`<name>_orig` and a whole-size mask while training, a new set of parameters the chunks were not "
-                    "packed for. Prune before or after training (torch.nn.utils.prune on the consolidated model)."
-                )
-            if isinstance(cb, BaseFinetuning):
-                raise ValueError(
-                    f"{type(cb).__name__} (a BaseFinetuning callback) does not work with chunk_offload: it finds the "
-                    "optimizer's parameters by identity with the module's and adds param groups while training, but "
-                    "the optimizer here steps views of the chunk shards, and param groups are packed into chunks at "
-                    "setup. Instead, put every parameter in configure_optimizers' param groups from the start and set "
-                    "requires_grad in a callback (on_train_epoch_start or on_train_batch_start): chunk_offload "
-                    "repacks when it changes (docs/configuration.md, 'Freezing and unfreezing')."
-                )
+            follow_toggles(module, self)
 
     @contextlib.contextmanager
     def full_parameters(
@@ -564,127 +382,6 @@ class ChunkOffloadStrategy(ParallelStrategy):
         # another rank may be stuck in a collective: teardown must not start new ones
         self._failed = True
 
-    # ======================================================== collectives
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            ids = barrier_device_ids(self.root_device, torch.distributed.get_backend())
-            if ids is not None:
-                torch.distributed.barrier(device_ids=ids)
-            else:
-                torch.distributed.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # ========================================================== checkpoints
-    @property
-    def _sharded(self) -> bool:
-        return self.engine is not None and self.state_dict_type == "sharded"
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.engine is None:
-            return super().lightning_module_state_dict()
-        if self._sharded:  # save_checkpoint writes the shards; nothing is gathered
-            return placeholder_state_dict(self.engine)  # [Note: the state_dict of a sharded save]
-        return self.engine.full_state_dict()
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        binding = self._binding_of(optimizer)
-        if binding is None:
-            kept = self._kept_optimizer_states.get(id(getattr(optimizer, "_optimizer", optimizer)))
-            return kept.plain_state_dict() if kept is not None else super().optimizer_state(optimizer)
-        return {} if self._sharded else binding.plain_state_dict()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if not self._sharded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        assert self.engine is not None
-        if storage_options is not None:
-            raise TypeError(
-                "chunk_offload's sharded checkpoints take no storage_options "
-                f"(got {storage_options!r}); use state_dict_type='full' with a custom CheckpointIO."
-            )
-        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(
-            self.engine,
-            filepath,
-            extra,
-            with_optimizer="optimizer_states" in checkpoint,
-            version=_version(),
-            state_dict=checkpoint.get("state_dict", {}),
-        )
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """A sharded checkpoint is renamed to a hidden name before it is deleted: a kill midway through the
-        deletion (ModelCheckpoint dropping an older top-k) never leaves a half-deleted directory that looks like a
-        checkpoint; see [Note: replacing a checkpoint directory]."""
-        if not is_sharded_checkpoint(filepath):
-            return super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            remove_dir(Path(filepath))
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory or a plain Lightning file straight into the chunks (any world size)."""
-        if self.engine is None:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        with_optimizer = bool(self.engine.bindings) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        # evaluating a checkpoint (validate, test, predict) uses the average ChunkEMA kept, as Lightning's
-        # EMAWeightAveraging checkpoints hold the average as their state_dict
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if is_sharded_checkpoint(checkpoint_path):
-            meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer, averaged=not fitting)
-            # loaded into the model after on_load_checkpoint, as Lightning does (load_model_state_dict)
-            meta["state_dict"] = offered_state_dict(meta[CHECKPOINT_KEY], averaged=not fitting)
-            meta = {k: v for k, v in meta.items() if k != CHECKPOINT_KEY}
-            meta["_chunk_loaded"] = "shards"  # the model's values given by state_dict are still to load
-            return meta
-        else:
-            meta = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            module = self.lightning_module
-            self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
-            if with_optimizer and meta.get("optimizer_states"):
-                for binding, state in zip(
-                    self.engine.bindings, _one_each(meta["optimizer_states"], len(self.engine.bindings)), strict=True
-                ):
-                    binding.load_plain_state_dict(state)
-        meta["_chunk_loaded"] = True
-        return meta
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if checkpoint.get("_chunk_loaded") is True:
-            return  # load_checkpoint put the values into the chunks already
-        if self.engine is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        self.engine.load_full_state_dict(dict(checkpoint["state_dict"]), strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if checkpoint.get("_chunk_loaded"):
-            return
-        for optimizer, state in zip(
-            self.optimizers, _one_each(checkpoint["optimizer_states"], len(self.optimizers)), strict=True
-        ):
-            binding = self._binding_of(optimizer)
-            if binding is None:
-                optimizer.load_state_dict(state)
-            else:
-                binding.load_plain_state_dict(state)
-
-    def _binding_of(self, optimizer: Optimizer) -> Any:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self.engine is None:
-            return None
-        return next((b for b in self.engine.bindings if b.optimizer is optimizer), None)
-
     # ============================================================= teardown
     def teardown(self) -> None:
         if self.engine is not None:
@@ -705,14 +402,3 @@ class ChunkOffloadStrategy(ParallelStrategy):
                 assert self.model is not None
                 self.model = self._layer_sync.revert(self.model)  # plain BatchNorm again, as DDP's teardown does
         super().teardown()
-
-
-def _one_each(states: Any, optimizers: int) -> Any:
-    """A checkpoint's optimizer states, when it holds one for each optimizer the run configured."""
-    if len(states) != optimizers:
-        raise CheckpointError(
-            f"the checkpoint holds {len(states)} optimizer state(s) but configure_optimizers "
-            f"returned {optimizers} optimizer(s): a resume needs the optimizers it was saved with "
-            "(or load the weights alone: ckpt_path=None and load_state_dict)."
-        )
-    return states

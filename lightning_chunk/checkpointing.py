@@ -1,0 +1,153 @@
+"""``ChunkCheckpoints``: what a Lightning checkpoint is under chunk_offload. A sharded directory every rank writes its
+own shards into (``state_dict_type="sharded"``, the default), or one plain file with the whole model and optimizer
+state (``"full"``); either loads straight into the chunks, on any world size ([Note: the state_dict of a sharded
+save] in ``engine/state/checkpoint.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+
+from ._version import __version__
+from .engine import ChunkEngine
+from .engine.errors import CheckpointError
+from .engine.state.checkpoint import KEY as CHECKPOINT_KEY
+from .engine.state.checkpoint import (
+    is_sharded_checkpoint,
+    load_sharded,
+    offered_state_dict,
+    placeholder_state_dict,
+    save_sharded,
+)
+from .engine.system.atomic import remove_dir
+from .parallel import OneProcessPerDevice
+
+
+class ChunkCheckpoints(OneProcessPerDevice):
+    """Lightning's checkpoint hooks over the engine's chunks; ``ChunkOffloadStrategy`` sets the attributes below."""
+
+    engine: ChunkEngine | None
+    state_dict_type: str
+    _kept_optimizer_states: dict[int, Any]  # [Note: optimizer state after fit] in engine/optim/kept_state.py
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints load into the engine's chunks, which exist only after setup
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself, shard by shard
+
+    @property
+    def _sharded(self) -> bool:
+        return self.engine is not None and self.state_dict_type == "sharded"
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        if self._sharded:  # save_checkpoint writes the shards; nothing is gathered
+            return placeholder_state_dict(self.engine)  # [Note: the state_dict of a sharded save]
+        return self.engine.full_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        binding = self._binding_of(optimizer)
+        if binding is None:
+            kept = self._kept_optimizer_states.get(id(getattr(optimizer, "_optimizer", optimizer)))
+            return kept.plain_state_dict() if kept is not None else super().optimizer_state(optimizer)
+        return {} if self._sharded else binding.plain_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        assert self.engine is not None
+        if storage_options is not None:
+            raise TypeError(
+                "chunk_offload's sharded checkpoints take no storage_options "
+                f"(got {storage_options!r}); use state_dict_type='full' with a custom CheckpointIO."
+            )
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(
+            self.engine,
+            filepath,
+            extra,
+            with_optimizer="optimizer_states" in checkpoint,
+            version=__version__,
+            state_dict=checkpoint.get("state_dict", {}),
+        )
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """A sharded checkpoint is renamed to a hidden name before it is deleted: a kill midway through the
+        deletion (ModelCheckpoint dropping an older top-k) never leaves a half-deleted directory that looks like a
+        checkpoint; see [Note: replacing a checkpoint directory]."""
+        if not is_sharded_checkpoint(filepath):
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_dir(Path(filepath))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded directory or a plain Lightning file straight into the chunks (any world size)."""
+        if self.engine is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        with_optimizer = bool(self.engine.bindings) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # evaluating a checkpoint (validate, test, predict) uses the average ChunkEMA kept, as Lightning's
+        # EMAWeightAveraging checkpoints hold the average as their state_dict
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if is_sharded_checkpoint(checkpoint_path):
+            meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer, averaged=not fitting)
+            # loaded into the model after on_load_checkpoint, as Lightning does (load_model_state_dict)
+            meta["state_dict"] = offered_state_dict(meta[CHECKPOINT_KEY], averaged=not fitting)
+            meta = {k: v for k, v in meta.items() if k != CHECKPOINT_KEY}
+            meta["_chunk_loaded"] = "shards"  # the model's values given by state_dict are still to load
+            return meta
+        else:
+            meta = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            module = self.lightning_module
+            self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
+            if with_optimizer and meta.get("optimizer_states"):
+                for binding, state in zip(
+                    self.engine.bindings, _one_each(meta["optimizer_states"], len(self.engine.bindings)), strict=True
+                ):
+                    binding.load_plain_state_dict(state)
+        meta["_chunk_loaded"] = True
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if checkpoint.get("_chunk_loaded") is True:
+            return  # load_checkpoint put the values into the chunks already
+        if self.engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self.engine.load_full_state_dict(dict(checkpoint["state_dict"]), strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if checkpoint.get("_chunk_loaded"):
+            return
+        for optimizer, state in zip(
+            self.optimizers, _one_each(checkpoint["optimizer_states"], len(self.optimizers)), strict=True
+        ):
+            binding = self._binding_of(optimizer)
+            if binding is None:
+                optimizer.load_state_dict(state)
+            else:
+                binding.load_plain_state_dict(state)
+
+    def _binding_of(self, optimizer: Optimizer) -> Any:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self.engine is None:
+            return None
+        return next((b for b in self.engine.bindings if b.optimizer is optimizer), None)
+
+
+def _one_each(states: Any, optimizers: int) -> Any:
+    """A checkpoint's optimizer states, when it holds one for each optimizer the run configured."""
+    if len(states) != optimizers:
+        raise CheckpointError(
+            f"the checkpoint holds {len(states)} optimizer state(s) but configure_optimizers "
+            f"returned {optimizers} optimizer(s): a resume needs the optimizers it was saved with "
+            "(or load the weights alone: ckpt_path=None and load_state_dict)."
+        )
+    return states

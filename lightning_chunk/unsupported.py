@@ -1,0 +1,46 @@
+"""What chunk_offload refuses from Lightning before anything is built: callbacks that read or replace the module's
+parameters between steps, or find the optimizer's parameters by identity."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+
+def check_callbacks(trainer: pl.Trainer) -> None:
+    """Callbacks that cannot work on a rebound optimizer or on packed parameters, refused before anything is
+    built."""
+    from lightning.pytorch import callbacks
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    averaging = tuple(
+        getattr(callbacks, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, n)
+    )
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, averaging):
+            raise ValueError(
+                f"{type(cb).__name__} does not work with chunk_offload: it keeps a whole copy of the model on "
+                "every "
+                "rank and reads and writes the module's parameters between steps, where chunk_offload's "
+                "parameters are views of chunk payloads (released, or stale until the next gather) and the "
+                "trained values live in the sharded master weights; the averaged weights it copies in would be "
+                "lost (Lightning refuses it for FSDP and DeepSpeed for the same reason). For an exponential "
+                "moving average use lightning_chunk.ChunkEMA (EMAWeightAveraging's behaviour, with the average "
+                "sharded like the weights); for another average, a callback of your own inside "
+                "`with trainer.strategy.full_parameters():` (docs/faq.md, 'Reading and writing parameters "
+                "between steps')."
+            )
+        if isinstance(cb, callbacks.ModelPruning):
+            raise ValueError(
+                "ModelPruning does not work with chunk_offload: torch's pruning replaces each pruned parameter by "
+                "`<name>_orig` and a whole-size mask while training, a new set of parameters the chunks were not "
+                "packed for. Prune before or after training (torch.nn.utils.prune on the consolidated model)."
+            )
+        if isinstance(cb, BaseFinetuning):
+            raise ValueError(
+                f"{type(cb).__name__} (a BaseFinetuning callback) does not work with chunk_offload: it finds the "
+                "optimizer's parameters by identity with the module's and adds param groups while training, but "
+                "the optimizer here steps views of the chunk shards, and param groups are packed into chunks at "
+                "setup. Instead, put every parameter in configure_optimizers' param groups from the start and set "
+                "requires_grad in a callback (on_train_epoch_start or on_train_batch_start): chunk_offload "
+                "repacks when it changes (docs/configuration.md, 'Freezing and unfreezing')."
+            )
