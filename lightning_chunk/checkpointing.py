@@ -1,7 +1,7 @@
 """``ChunkCheckpoints``: what a Lightning checkpoint is under chunk_offload. A sharded directory every rank writes its
 own shards into (``state_dict_type="sharded"``, the default), or one plain file with the whole model and optimizer
-state (``"full"``); either loads straight into the chunks, on any world size ([Note: the state_dict of a sharded
-save] in ``engine/state/checkpoint.py``)."""
+state (``"full"``); either loads straight into the chunks, on any world size ([Note: the checkpoint layout] in
+``engine/state/checkpoint.py``)."""
 
 from __future__ import annotations
 

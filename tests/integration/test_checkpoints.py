@@ -149,7 +149,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-import lightning_chunk.engine.state.checkpoint as ckp
+import lightning_chunk.engine.state.save as ckp
 from lightning_chunk import ChunkOffloadStrategy
 from tests.models import ParityNet, token_data
 
