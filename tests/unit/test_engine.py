@@ -149,7 +149,7 @@ def test_after_a_failed_collective_teardown_frees_nothing_a_queued_collective_ma
     """[Note: memory a failed collective may still use]: gloo may still run a queued gather into a payload, or
     read a shard, after the engine's teardown; once a collective failed, teardown lets go of the buffers
     without freeing them, so one still held (as a gloo work holds its tensors) keeps its memory."""
-    from lightning_chunk.engine.comm import collectives
+    from lightning_chunk.engine.comm import waits
 
     m = Reordered()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -164,7 +164,7 @@ def test_after_a_failed_collective_teardown_frees_nothing_a_queued_collective_ma
     ]
     assert len(held) >= len(eng.manager.chunks)
     if failed:
-        monkeypatch.setattr(collectives, "_broken", ["a wait failed"])
+        monkeypatch.setattr(waits, "_broken", ["a wait failed"])
     eng.teardown(materialize=False)
     assert all(p.numel() == 0 for p in m.parameters()) and eng.manager.chunks == []
     kept = [t.untyped_storage().nbytes() > 0 for t in held]

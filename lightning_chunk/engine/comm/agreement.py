@@ -73,8 +73,8 @@ import torch.distributed as dist
 
 from ..errors import ChunkError
 
-if TYPE_CHECKING:  # the collectives build their agreement; no import at run time, so no cycle
-    from .collectives import Collectives
+if TYPE_CHECKING:  # the group builds its agreement; no import at run time, so no cycle
+    from .group import RankGroup
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -108,7 +108,7 @@ MODES = ("each", "batch")
 class Agreement:
     """Issues and checks the tags of one ``Collectives``; see [Note: agreeing without a barrier]."""
 
-    def __init__(self, comm: Collectives, *, lazy: bool, mode: str = "each") -> None:
+    def __init__(self, comm: RankGroup, *, lazy: bool, mode: str = "each") -> None:
         if mode not in MODES:
             raise ValueError(f"agreement mode {mode!r} is not allowed; it must be one of {MODES}")
         self.comm = comm

@@ -173,7 +173,7 @@ class GradReducer:
 
     # [Note: when a chunk reduces]
     # Every rank must issue its chunk collectives in one sequence: NCCL pairs them by position on one communicator
-    # ([Note: gloo as NCCL] in collectives.py). A rank once launched a chunk's reduce-scatter when its gradients
+    # ([Note: gloo as NCCL] in group.py). A rank once launched a chunk's reduce-scatter when its gradients
     # were complete *on that rank*; a parameter that got a gradient on some ranks and not others (a module's own
     # parameter used only when the batch has images) made one rank launch it in the middle of backward and the
     # other only at the end, between different all-gathers: a deadlock, or two chunks' data mixed. So with several

@@ -204,7 +204,7 @@ class ChunkManager:
     def drop(self, c: Chunk) -> None:
         """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end). After a
         failed collective only the chunk's references go: collectives queued behind it may still use the buffers
-        ([Note: memory a failed collective may still use] in ``collectives.py``)."""
+        ([Note: memory a failed collective may still use] in ``waits.py``)."""
         self.tiers.free(c)
         with self.ledger.tracked(c):
             if not self.comm.broken:

@@ -1,0 +1,263 @@
+"""The data-parallel group as the engine sees it (``RankGroup``): this rank, the world size, the device its tensors
+live on, every rank's process and host, the gloo groups beside it, and whether a collective failed. ``Collectives``
+(``collectives.py``) issues the collectives over it.
+
+[Note: a gloo group per kind of collective]
+A gloo process group runs its collectives on its own few worker threads. With every chunk collective on the
+data-parallel group, a reduce-scatter launched during backward queued behind the all-gathers of host
+placement's re-gathers (and the other way round). With the agreement check on, each size of all-gather and
+reduce-scatter has a group of its own anyway ([Note: agreeing without a barrier]); with it off, all-gathers
+and reduce-scatters still get one group each, made at set-up: on the peers model with host placement the
+step was 2.87 and 3.05 s with one group for all, 2.74 and 2.47 s with the two (2026-11-24, two runs each).
+
+
+[Note: gloo as NCCL]
+NCCL runs every collective of a process group on one communicator, in issue order, and the agreement check is off
+by default there: ranks that issue different sequences hang, or pair two same-size collectives of different chunks
+and mix their data. On gloo the engine has two safety nets NCCL lacks (a group per kind of collective, and the
+check), so a CPU test could pass where 8 GPUs fail. With ``LIGHTNING_CHUNK_GLOO_AS_NCCL=1`` gloo runs as NCCL does:
+every collective on the data-parallel group, the check off unless ``verify_collectives`` asks for it; waits stay
+bounded, so a divergence fails the test with an error instead of hanging it. The multi-rank parity suite runs so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ChunkError
+from ..system.host_id import host_number
+from . import waits
+from .agreement import OPS, Agreement, gloo_group_over
+from .waits import Pending, refuse_if_broken_now
+
+GLOO_AS_NCCL = "LIGHTNING_CHUNK_GLOO_AS_NCCL"  # [Note: gloo as NCCL]
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch: the old name
+
+
+class CollectiveDeviceError(ChunkError, ValueError):
+    """A tensor handed to a collective is not on the device its process group works on."""
+
+
+def _host_id() -> int:
+    return host_number()  # [Note: telling hosts apart] in host_id.py
+
+
+def process_state(pid: int) -> str:
+    """``"gone"`` once ``pid`` has exited, been killed, or is a zombie waiting to be reaped; ``"stopped"`` for a
+    stopped process (SIGSTOP, a debugger); ``"alive"`` otherwise, or when this host cannot tell."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        return "alive"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        state, flags = fields[0], int(fields[6])
+    except (OSError, IndexError, ValueError):
+        return "alive"
+    if state in (b"Z", b"X") or flags & _PF_EXITING:  # a killed process closes its sockets while it exits
+        return "gone"
+    return "stopped" if state in (b"T", b"t") else "alive"
+
+
+_PF_EXITING = 0x4  # the kernel's flag for a task that is exiting (field 9 of /proc/<pid>/stat)
+
+
+G = TypeVar("G", bound="RankGroup")
+
+
+class RankGroup:
+    """This rank within the data-parallel group, and what the collectives over it need to know."""
+
+    def __init__(
+        self, group: Any | None = None, *, timeout_s: float | None = 300.0, verify: bool | str | None = None
+    ) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+        self.planning_only = False  # Collectives.planning: describes ranks, never communicates
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            backend = dist.get_backend(group)
+        else:
+            self.rank, self.world_size, backend = 0, 1, None
+        # [Note: gloo as NCCL]: one communicator for everything and no check, as NCCL runs by default
+        self.as_nccl = backend == "gloo" and os.environ.get(GLOO_AS_NCCL, "0") not in ("", "0")
+        # [Note: checking once a micro-batch]: None is "batch" on gloo and off on NCCL; True is "each"
+        if verify is None:
+            mode = "batch" if backend == "gloo" and not self.as_nccl else None
+        else:
+            mode = {True: "each", False: None}.get(verify, verify)  # type: ignore[arg-type]
+        self.verify = mode is not None
+        self.gloo = backend == "gloo"  # [Note: reduce-scatter on gloo]
+        if backend == "nccl":
+            # an NCCL wait with a timeout may block the host; plain waits are stream-ordered and the
+            # process group's own timeout (NCCL's watchdog) bounds them instead
+            self.timeout_s = None
+        self._tag_device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        self.names: Callable[[int, int], str] = lambda chunk, module: f"chunk {chunk}"
+        self.peers: list[tuple[int, int]] = []
+        self.clock: Any | None = None  # the engine's StepClock, once it has one
+        self.agreement: Agreement | None = None
+        self._op_groups: dict[str, Any] = {}
+        if self.world_size > 1:
+            self._learn_peers()
+            if mode is not None:
+                self.agreement = Agreement(self, lazy=self.gloo, mode=mode)
+            elif self.gloo and not self.as_nccl:  # [Note: a gloo group per kind of collective]
+                self._op_groups = {op: gloo_group_over(group) for op in OPS[:2]}
+
+    def _learn_peers(self) -> None:
+        """Every rank's ``(pid, host id)``; see [Note: naming a lost rank]."""
+        out, work = self.gather_ints([os.getpid(), _host_id()], group=self.group)
+        Pending(out, work, lambda: f"[rank {self.rank}] the start-up exchange of process ids", self.timeout_s).wait()
+        self.peers = [tuple(r) for r in out.view(self.world_size, 2).tolist()]
+
+    def ranks_on_this_host(self) -> int:
+        """How many ranks (this one included) run on this host, as the start-up exchange told."""
+        here = _host_id()
+        return max(1, sum(1 for _, host in self.peers if host == here))
+
+    def why_stuck(self) -> str:
+        """Why a wait timed out, as far as can be told: a rank gone or stopped, else ranks that issued different
+        chunk collectives ([Note: explaining a stuck wait]); "" when neither can be told."""
+        lost = self.lost_peers()
+        if lost or self.agreement is None:
+            return lost
+        return self.agreement.explain_stuck()
+
+    def lost_peers(self) -> str:
+        """Which other ranks are gone, as far as this host can tell ("" when it cannot tell). A peer whose
+        connection just closed may still be exiting: look again for up to a second before saying none is."""
+        if not self.peers:
+            return ""
+        deadline = time.monotonic() + 1.0
+        while True:
+            found = self._look_for_lost_peers()
+            if found.startswith(("lost", "rank")) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+    def _look_for_lost_peers(self) -> str:
+        if not self.peers:
+            return ""
+        here = _host_id()
+        gone: list[str] = []
+        stopped: list[str] = []
+        remote: list[int] = []
+        for r, (pid, host) in enumerate(self.peers):
+            if r == self.rank:
+                continue
+            if host != here:
+                remote.append(r)
+                continue
+            state = process_state(pid)
+            if state != "alive":
+                (gone if state == "gone" else stopped).append(f"rank {r} (pid {pid})")
+        where = f"; ranks {remote} on other hosts could not be checked from here" if remote else ""
+        if gone:
+            # a rank that raised first (its own timeout, a check) exits too: its error is the cause, and the
+            # usual one is a module that ran on some ranks and not on others
+            return (
+                f"lost {', '.join(gone)}: the process exited or was killed{where}; if it raised an error first, "
+                "that error names the cause (often a module that ran on some ranks and not on others: "
+                "data-dependent control flow)"
+            )
+        if stopped:
+            return f"{', '.join(stopped)} is stopped (SIGSTOP, or a debugger) and did not take part{where}"
+        if remote:
+            return (
+                f"every rank on this host is alive; ranks {remote} run on other hosts: one of them failed or "
+                "stopped (see its log)"
+            )
+        return ""
+
+    @classmethod
+    def local(cls: type[G]) -> G:
+        """One rank, whether or not a process group exists."""
+        c = cls.__new__(cls)
+        c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
+        c.gloo = c.as_nccl = False
+        c.planning_only = False
+        c._tag_device = torch.device("cpu")
+        c.names = lambda chunk, module: f"chunk {chunk}"
+        c.peers = []
+        c.clock = None
+        c.agreement = None
+        c._op_groups = {}
+        return c
+
+    @classmethod
+    def planning(cls: type[G], world_size: int) -> G:
+        """Describes ``world_size`` ranks (this one rank 0) for sizing shards; it must not communicate."""
+        c = cls.local()
+        c.world_size = world_size
+        c.planning_only = True
+        return c
+
+    def _check_device(self, what: str | Callable[[], str], *tensors: torch.Tensor) -> None:
+        """Every tensor of a collective must be on the group's device: NCCL rejects host tensors (and gloo
+        device ones) with an error that names neither the tensor nor the caller. Comparing device types
+        costs nothing next to the collective, so the check is always on (``what`` named only when it fails)."""
+        want = self._tag_device.type
+        for t in tensors:
+            if t.device.type != want:
+                what = what() if callable(what) else what
+                raise CollectiveDeviceError(
+                    f"[rank {self.rank}] {what} was handed a tensor on {t.device}, but this process group works on "
+                    f"{want} tensors; move it with .to(comm.tensor_device()) first."
+                )
+
+    def refuse_if_broken(self, what: str) -> None:
+        refuse_if_broken_now(what)
+
+    @property
+    def broken(self) -> bool:
+        """A collective of this process failed: collectives still queued may use any buffer handed to one, so
+        nothing may be freed explicitly ([Note: memory a failed collective may still use])."""
+        return waits.is_broken()
+
+    def mark_broken(self, error: str) -> None:
+        """The group can no longer be trusted (ranks disagreed with collectives left unmatched): refuse every later
+        collective and leave the process at exit without joining gloo's threads ([Note: naming a lost rank])."""
+        waits.mark_broken(error)
+
+    def gather_ints(self, values: Sequence[int], *, group: Any) -> tuple[torch.Tensor, Any]:
+        """Every rank's ``values`` (the same count on each), in one all-gather issued on ``group`` without waiting:
+        the output (``world_size * len(values)`` int64s, rank by rank) and its work."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self._tag_device)
+        out = torch.empty(self.world_size * len(mine), dtype=torch.int64, device=self._tag_device)
+        return out, _all_gather(out, mine, group=group, async_op=True)
+
+    def tensor_device(self) -> torch.device:
+        return self._tag_device
+
+    def host_group(self) -> Any:
+        """A process group over the same ranks that takes host tensors (for checkpoints written from the host):
+        the group itself on gloo; on NCCL a gloo twin, made on first use. Every rank must call it together."""
+        if self._tag_device.type == "cpu":
+            return self.group if self.group is not None else dist.group.WORLD
+        if getattr(self, "_host_group", None) is None:
+            self._host_group = gloo_group_over(self.group)
+        return self._host_group
+
+    def wait_for(self, work: Any, what: str) -> None:
+        """A bounded wait for a small collective (charged to ``sync_wait``)."""
+        Pending(None, work, lambda: what, self.timeout_s, self.why_stuck, self.clock).wait()  # type: ignore[arg-type]
+
+    def all_gather_object_on(self, obj: Any, group: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
