@@ -29,8 +29,7 @@ import yaml
 from .engine.chunks.chunk import Tier
 from .engine.chunks.materialize import DeferredInit
 from .engine.config import device_margin_bytes, human_bytes
-from .engine.runtime.description import ShapePlan
-from .engine.runtime.engine import ChunkEngine
+from .engine.runtime.description import ShapePlan, plan_from_shapes
 from .engine.schedule.simulate import simulate_step
 from .options import grouped
 from .phases import ClusterReport, phases
@@ -300,7 +299,7 @@ def make_shape_plan(
         enable_model_summary=False,
     )  # configure_optimizers may read the trainer
     optimizers, _ = _init_optimizers_and_lr_schedulers(model)
-    plan = ChunkEngine.plan_from_shapes(
+    plan = plan_from_shapes(
         model, optimizers, config=strategy.config, dtypes=ChunkPrecision(precision).dtype_policy(), world_size=ranks
     )
     report = ShapePlanReport(

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_chunk.engine.config import ChunkConfig, parse_bytes, resolve_reshard_after_forward
+from lightning_chunk.engine.runtime.description import plan_from_shapes
 
 
 @pytest.mark.parametrize(
@@ -216,11 +217,10 @@ def test_leaf_modules_own_their_subtree():
 
 def test_a_leaf_module_the_model_lacks_is_an_error_that_lists_its_classes():
     from lightning_chunk.engine.config import ChunkConfig
-    from lightning_chunk.engine.runtime.engine import ChunkEngine
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     with pytest.raises(ValueError, match=r"\['MyBlok'\] names no module of this model.*LayerNorm, Linear, Sequential"):
-        ChunkEngine.plan_from_shapes(model, config=ChunkConfig(leaf_modules=("MyBlok",)))
+        plan_from_shapes(model, config=ChunkConfig(leaf_modules=("MyBlok",)))
 
 
 @pytest.mark.parametrize("value", [None, True, False, "each", "batch"])

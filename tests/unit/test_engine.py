@@ -9,6 +9,7 @@ from lightning_chunk.engine import ChunkConfig, ChunkEngine, DeviceMemoryLimitEr
 from lightning_chunk.engine.chunks.chunk import Tier
 from lightning_chunk.engine.chunks.packing import build_layout
 from lightning_chunk.engine.errors import ChunkError
+from lightning_chunk.engine.runtime.description import plan_from_shapes
 from lightning_chunk.engine.schedule.tracer import SavedBytesCounter
 from tests.engine_steps import step
 
@@ -320,7 +321,7 @@ def test_the_first_layout_is_sized_with_each_module_s_chunks():
     counted as the gradient payload alone, and a limit that layout did not fit was accepted, then failed)."""
     net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     opt = torch.optim.AdamW(net.parameters())
-    plan = ChunkEngine.plan_from_shapes(
+    plan = plan_from_shapes(
         net, [opt], config=ChunkConfig(device_memory_limit=10 * 2**20, chunk_numel_min=4096), world_size=2
     )
     payload = {v.chunk_id: v.payload_bytes for v in plan.views}
@@ -339,7 +340,7 @@ def test_the_warm_up_layout_of_several_ranks_leaves_room_for_a_second_gradient_p
     bf16-mixed and a limit of 0.3x the parameter bytes failed the first backward without it)."""
     net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 1024))
     limit = limit_mib * 2**20
-    plan = ChunkEngine.plan_from_shapes(
+    plan = plan_from_shapes(
         net,
         [torch.optim.AdamW(net.parameters())],
         world_size=2,

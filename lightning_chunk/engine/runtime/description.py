@@ -1,7 +1,7 @@
 """What a fit's engine is, from the parameters' shapes alone: ``EngineDescription`` builds the manager's parameter
 descriptions, the placement policy, the hooks (not installed), the optimizer bindings (not bound) and the layout
 chooser, and allocates nothing and changes nothing in the process. ``ChunkEngine`` starts from one, and
-``ChunkEngine.plan_from_shapes`` plans a model too large to build from one (``lightning-chunk plan``).
+``plan_from_shapes`` plans a model too large to build from one (``lightning-chunk plan``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShapePlan:
-    """What ``ChunkEngine.plan_from_shapes`` found: the first layout and the bytes of each chunk on one rank."""
+    """What ``plan_from_shapes`` found: the first layout and the bytes of each chunk on one rank."""
 
     layout: Layout
     views: list[ChunkView]
@@ -191,3 +191,35 @@ def _param_groups(
                 group_of[i] = offset
             offset += 1
     return group_of, offsets
+
+
+def plan_from_shapes(
+    module: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    *,
+    config: ChunkConfig | None = None,
+    dtypes: DtypePolicy | None = None,
+    world_size: int = 1,
+) -> ShapePlan:
+    """The layout, each chunk's per-rank bytes and the shard tiers ``world_size`` ranks would start from, from
+    the parameters' shapes alone: for a model too large to build (a meta-device one). Nothing is allocated, no
+    process group is needed, and a too-small limit is reported, not raised."""
+    desc = EngineDescription.of(
+        module,
+        optimizers,
+        config=config,
+        dtypes=dtypes,
+        device=torch.device("cpu"),
+        collectives=Collectives.planning(world_size),
+    )
+    layout = desc.layouts.choose(list(range(len(desc.manager.params))), trace=None)
+    views, tiers = desc.plan_tiers(layout, trace=None)
+    return ShapePlan(
+        layout=layout,
+        views=views,
+        tiers=tiers,
+        limit=desc.manager.limit,
+        need_before_activations=desc.layouts.need_before_trace(layout, views),
+        param_numel=sum(s.numel for s in desc.manager.specs),
+        optim_bytes_per_element=max(desc.optim_bytes.values(), default=0),
+    )

@@ -23,7 +23,6 @@ No ``lightning`` import here or below.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
@@ -39,7 +38,7 @@ from ..comm.buffers import BufferSync
 from ..comm.collectives import Collectives
 from ..comm.reduce import agree_on_grads
 from ..config import ChunkConfig, DtypePolicy, format_bytes
-from ..errors import ChunkError, DeviceMemoryLimitError
+from ..errors import DeviceMemoryLimitError
 from ..files.weights import ModuleWeights
 from ..memory.consolidate import full_values, load_values, unpack, whole_model_fits
 from ..memory.full_params import check_stray_writes
@@ -51,10 +50,9 @@ from ..optim.kept_state import KeptOptimizerState, keep_optimizer_state
 from ..optim.scaler import DynamicLossScaler
 from ..schedule.growth import InputGrowth
 from ..schedule.placement import ChunkView
-from ..schedule.tracer import Trace
 from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from ..system.page_cache import page_cache_room
-from .description import EngineDescription, ShapePlan
+from .description import EngineDescription
 from .warmup import Replan, WarmUp, WarmUpPlanner
 
 _log = logging.getLogger(__name__)
@@ -92,7 +90,7 @@ class ChunkEngine:
             map_large_blocks()
         elif self.config.keep_freed_heap and self.manager.device.type == "cpu":  # [Note: the heap between steps]
             keep_freed_heap()
-        self.hooks.on_trace_done = self._trace_done
+        self.hooks.on_trace_done = lambda trace: self.warm_up.enter(WarmUp.TRACED)
         self.hooks.on_backward_start = self._backward_starts
         self.hooks.on_backward_end = self._backward_ends
         # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
@@ -104,7 +102,7 @@ class ChunkEngine:
         )
         self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
-        self.warm_up = WarmUpPlanner(self)  # [Note: the warm-up's phases] in warmup.py
+        self.warm_up: WarmUpPlanner = WarmUpPlanner(self)  # [Note: the warm-up's phases] in warmup.py
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
         self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
         self.last_grad_norm: float | None = None
@@ -113,7 +111,7 @@ class ChunkEngine:
         try:
             device = self.manager.device
             layout = self.layouts.choose(list(range(len(self.manager.params))), trace=None)
-            views, tiers = self._plan_tiers(layout, trace=None)
+            views, tiers = self.description.plan_tiers(layout, trace=None)
             self.hooks.install()
             self.layouts.check_limit_before_trace(layout, views)
             source = FromModule(self.manager.params, deferred=deferred, weights=weights)
@@ -126,47 +124,10 @@ class ChunkEngine:
             self.manager.close()  # a disk tier's scratch files go now, not at exit
             raise
 
-    @classmethod
-    def plan_from_shapes(
-        cls,
-        module: torch.nn.Module,
-        optimizers: Sequence[torch.optim.Optimizer] = (),
-        *,
-        config: ChunkConfig | None = None,
-        dtypes: DtypePolicy | None = None,
-        world_size: int = 1,
-    ) -> ShapePlan:
-        """The layout, each chunk's per-rank bytes and the shard tiers ``world_size`` ranks would start from, from
-        the parameters' shapes alone: for a model too large to build (a meta-device one). Nothing is allocated, no
-        process group is needed, and a too-small limit is reported, not raised."""
-        desc = EngineDescription.of(
-            module,
-            optimizers,
-            config=config,
-            dtypes=dtypes,
-            device=torch.device("cpu"),
-            collectives=Collectives.planning(world_size),
-        )
-        layout = desc.layouts.choose(list(range(len(desc.manager.params))), trace=None)
-        views, tiers = desc.plan_tiers(layout, trace=None)
-        return ShapePlan(
-            layout=layout,
-            views=views,
-            tiers=tiers,
-            limit=desc.manager.limit,
-            need_before_activations=desc.layouts.need_before_trace(layout, views),
-            param_numel=sum(s.numel for s in desc.manager.specs),
-            optim_bytes_per_element=max(desc.optim_bytes.values(), default=0),
-        )
-
     # ================================================================= layout
     @property
     def comm(self) -> Collectives:
         return self.manager.comm
-
-    def _plan_tiers(self, layout: Layout, trace: Trace | None) -> tuple[list[ChunkView], dict[int, Tier]]:
-        """What ``layout``'s chunks would cost, and the tiers the policy gives their shards."""
-        return self.description.plan_tiers(layout, trace)
 
     def _place(
         self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *, source: FromModule | None = None
@@ -212,39 +173,6 @@ class ChunkEngine:
         """Whether the chunks are packed and placed from a warm-up trace."""
         return self.warm_up.phase is WarmUp.PLANNED
 
-    def _trace_done(self, trace: Trace) -> None:
-        self.warm_up.enter(WarmUp.TRACED)
-
-    def _follow_requires_grad(self) -> None:
-        """Repack when parameters were frozen or unfrozen since the last layout ([Note: requires_grad changed]).
-
-        [Note: requires_grad changed]
-        A chunk holds trainable or frozen parameters, never both: only trainable chunks have gradient buffers and
-        gradient hooks. A parameter whose ``requires_grad`` a user flipped after packing (unfreezing a backbone at
-        some epoch) was silently never trained. Before each training micro-batch the flags are compared with the
-        layout's; on a change the model is repacked as at the end of the warm-up (the same chunk-size rule and
-        trace, the values and optimizer state moved by piece), the optimizers rebound and the new trainable
-        parameters' gradient hooks installed. A parameter in an optimizer's param groups steps from its first
-        gradient on, as in PyTorch; one frozen after it stepped keeps its value and its optimizer state (the carrier
-        moves state by parameter, whatever chunk it lands in), so unfrozen again it goes on where it stopped.
-        Inside gradient accumulation a change is refused: the step's gradients so far are laid out by the old
-        flags. Several ranks must change the same flags at the same micro-batch, as with any module they run."""
-        mgr = self.manager
-        changed = [s.name for p, s in zip(mgr.params, mgr.specs, strict=True) if p.requires_grad != s.key.requires_grad]
-        if not changed:
-            return
-        if not self._no_grads_held:
-            raise ChunkError(
-                f"requires_grad of {', '.join(map(repr, changed[:5]))}{' ...' if len(changed) > 5 else ''} changed "
-                "inside a step whose gradients are being accumulated; change it before a step's first micro-batch "
-                "(in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary)."
-            )
-        mgr.specs = [
-            dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
-            for p, s in zip(mgr.params, mgr.specs, strict=True)
-        ]
-        self.warm_up.replan(Replan.REQUIRES_GRAD)
-
     # ================================================================ steps
     @contextlib.contextmanager
     def micro_batch(self, *, training: bool, input_bytes: int | None = None) -> Iterator[Any]:
@@ -259,7 +187,7 @@ class ChunkEngine:
             self.hooks.end_backward()
         check_stray_writes(self.manager)  # [Note: parameters outside a step]
         if training and torch.is_grad_enabled():
-            self._follow_requires_grad()
+            self.warm_up.follow_requires_grad()
         phase = self.warm_up.phase
         record = training and phase is not WarmUp.PLANNED and torch.is_grad_enabled()
         if training and torch.is_grad_enabled():
@@ -351,7 +279,8 @@ class ChunkEngine:
             if self.config.host_memory_limit is not None:  # [Note: a fixed mmap threshold] in host_heap.py
                 release_freed_memory()  # backward freed the activations: give the heap's holes back before the step
 
-    def _gradients_kept(self, what: str) -> None:
+    def grads_ready(self, what: str) -> None:
+        """Before gradients are read or written outside the step: agreed on, attached, and not stepped away."""
         if self.early is not None:
             raise ValueError(
                 f"{what} is not possible with step_in_backward=True: each chunk steps during backward and "
@@ -359,10 +288,6 @@ class ChunkEngine:
                 "other off (for Lightning's clipping: gradient_clip_val=None; with host_memory_limit set, "
                 "step_in_backward=None turns it on: set step_in_backward=False)."
             )
-
-    def grads_ready(self, what: str) -> None:
-        """Before gradients are read or written outside the step: agreed on, attached, and not stepped away."""
-        self._gradients_kept(what)
         self.prepare_step()
 
     def grads(self, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
@@ -374,8 +299,7 @@ class ChunkEngine:
     ) -> torch.Tensor:
         """Clip ``optimizer``'s gradients by their global norm over every shard of every rank; returns that norm
         (``gradients.clip_grad_norm``: bit-exact with ``torch.nn.utils.clip_grad_norm_`` on one rank)."""
-        self._gradients_kept("clipping gradients by norm")
-        self.prepare_step()
+        self.grads_ready("clipping gradients by norm")
         total = clip_grad_norm(
             [p for b in self._bindings(optimizer) for p in b.slots.grad_chunks()], max_norm, norm_type, self.manager
         )

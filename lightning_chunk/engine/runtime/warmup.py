@@ -24,7 +24,7 @@ import torch
 
 from ..comm.collectives import CollectiveMismatchError, first_difference
 from ..config import format_bytes
-from ..errors import DeviceMemoryLimitError, IllegalTransitionError, LayoutError
+from ..errors import ChunkError, DeviceMemoryLimitError, IllegalTransitionError, LayoutError
 from ..schedule.placement import smallest_working_limit
 from ..schedule.tracer import Trace
 from ..system.host_heap import release_freed_memory
@@ -94,7 +94,7 @@ class WarmUpPlanner:
                 raise DeviceMemoryLimitError(str(e)) from None
             if trace is not None:
                 trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
-        views, tiers = eng._plan_tiers(layout, trace)
+        views, tiers = eng.description.plan_tiers(layout, trace)
         if reason is Replan.WARM_UP and mgr.limit is not None:
             assert trace is not None
             chunks_b, nonmodel_b = smallest_working_limit(views, trace)
@@ -176,3 +176,34 @@ class WarmUpPlanner:
             f"first difference at moment {i}: {detail}. Every rank must run the same modules in the same order "
             "(no data-dependent skipping of modules that own parameters)."
         )
+
+    def follow_requires_grad(self) -> None:
+        """Repack when parameters were frozen or unfrozen since the last layout ([Note: requires_grad changed]).
+
+        [Note: requires_grad changed]
+        A chunk holds trainable or frozen parameters, never both: only trainable chunks have gradient buffers and
+        gradient hooks. A parameter whose ``requires_grad`` a user flipped after packing (unfreezing a backbone at
+        some epoch) was silently never trained. Before each training micro-batch the flags are compared with the
+        layout's; on a change the model is repacked as at the end of the warm-up (the same chunk-size rule and
+        trace, the values and optimizer state moved by piece), the optimizers rebound and the new trainable
+        parameters' gradient hooks installed. A parameter in an optimizer's param groups steps from its first
+        gradient on, as in PyTorch; one frozen after it stepped keeps its value and its optimizer state (the carrier
+        moves state by parameter, whatever chunk it lands in), so unfrozen again it goes on where it stopped.
+        Inside gradient accumulation a change is refused: the step's gradients so far are laid out by the old
+        flags. Several ranks must change the same flags at the same micro-batch, as with any module they run."""
+        eng = self.engine
+        mgr = eng.manager
+        changed = [s.name for p, s in zip(mgr.params, mgr.specs, strict=True) if p.requires_grad != s.key.requires_grad]
+        if not changed:
+            return
+        if not eng._no_grads_held:
+            raise ChunkError(
+                f"requires_grad of {', '.join(map(repr, changed[:5]))}{' ...' if len(changed) > 5 else ''} changed "
+                "inside a step whose gradients are being accumulated; change it before a step's first micro-batch "
+                "(in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary)."
+            )
+        mgr.specs = [
+            dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
+            for p, s in zip(mgr.params, mgr.specs, strict=True)
+        ]
+        self.replan(Replan.REQUIRES_GRAD)
