@@ -139,7 +139,7 @@ class _Probe(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
-        mgr, trace = engine.manager, engine.hooks.trace
+        mgr, trace = engine.manager, engine.hooks.moments.trace
         views = mgr.views()
         stats = mgr.stats()
         peaks = simulate_step(engine.policy, views, trace, mgr.limit, mgr.comm.world_size)

@@ -66,7 +66,7 @@ class ChunkTelemetry(pl.Callback):
         self._times0 = dict(engine.manager.clock.seconds) if engine is not None else {}
         if self.picture and not self._done and engine is not None and engine.warmed_up and trainer.is_global_zero:
             self._events = []
-            engine.hooks.recorder = self._events.append
+            engine.hooks.moments.recorder = self._events.append
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -91,7 +91,7 @@ class ChunkTelemetry(pl.Callback):
         if trainer.loggers:
             pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
         if self._events is not None and engine is not None:
-            engine.hooks.recorder = None
+            engine.hooks.moments.recorder = None
             events, self._events = self._events, None
             self._done = True
             self.picture_path = self._draw(trainer, engine, events)

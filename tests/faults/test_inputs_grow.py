@@ -39,10 +39,10 @@ class Watch(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         eng = trainer.strategy.engine
-        eng.hooks.recorder = self.events.append if trainer.global_step > GROW_AT else None
+        eng.hooks.moments.recorder = self.events.append if trainer.global_step > GROW_AT else None
 
     def on_train_end(self, trainer, module):
-        self.trace = [m.nonmodel_bytes for m in trainer.strategy.engine.hooks.trace.moments]
+        self.trace = [m.nonmodel_bytes for m in trainer.strategy.engine.hooks.moments.trace.moments]
         self.stats = trainer.strategy.memory_stats()
 
 

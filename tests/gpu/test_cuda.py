@@ -191,7 +191,7 @@ def test_tracer_sees_a_peak_inside_a_module():
         loss = m(torch.randn(8, 64, device="cuda")).sum()
     loss.backward()
     eng.prepare_step()
-    assert eng.hooks.trace is not None and eng.hooks.trace.nonmodel_peak_bytes >= 64 << 20
+    assert eng.hooks.moments.trace is not None and eng.hooks.moments.trace.nonmodel_peak_bytes >= 64 << 20
     eng.teardown()
 
 

@@ -374,15 +374,15 @@ def test_telemetry_draws_the_third_tier(tmp_path):
     def spy(trainer, *a, **k):
         record(trainer, *a, **k)
         hooks = trainer.strategy.engine.hooks
-        if hooks.recorder is not None and not getattr(hooks.recorder, "spied", False):
-            inner = hooks.recorder
+        if hooks.moments.recorder is not None and not getattr(hooks.moments.recorder, "spied", False):
+            inner = hooks.moments.recorder
 
             def both(e):
                 events.append(e)
                 inner(e)
 
             both.spied = True
-            hooks.recorder = both
+            hooks.moments.recorder = both
 
     telemetry.on_train_batch_start = spy
     strategy = disk(tmp_path)

@@ -101,7 +101,7 @@ class RecordMoments(L.Callback):
         self.events = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        trainer.strategy.engine.hooks.recorder = self.events.append if trainer.global_step >= 2 else None
+        trainer.strategy.engine.hooks.moments.recorder = self.events.append if trainer.global_step >= 2 else None
 
 
 @pytest.mark.parametrize(

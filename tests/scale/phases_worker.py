@@ -68,8 +68,8 @@ class Phases(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         mark("between steps")
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
-        if self.first and engine.hooks.trace is not None:  # the activations the warm-up traced, for the plan
-            self.activations = engine.hooks.trace.nonmodel_peak_bytes
+        if self.first and engine.hooks.moments.trace is not None:  # the activations the warm-up traced, for the plan
+            self.activations = engine.hooks.moments.trace.nonmodel_peak_bytes
         if self.first and trainer.global_step == SAVE_AT:
             mark("save")
             trainer.save_checkpoint(self.out / "ckpt")

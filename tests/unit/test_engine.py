@@ -67,7 +67,7 @@ def test_warmup_repacks_in_first_use_order_and_keeps_training_exact():
         ref(x).pow(2).mean().backward()
         oref.step()
     assert names() == ["first.weight", "first.bias", "middle.weight", "middle.bias", "last.weight", "last.bias"]
-    assert eng.warmed_up and eng.hooks.trace is not None
+    assert eng.warmed_up and eng.hooks.moments.trace is not None
     sd = eng.full_state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)

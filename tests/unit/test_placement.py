@@ -387,7 +387,7 @@ def test_steps_without_a_trace_leave_the_activations_room_under_the_limit():
         peak[0] = 0
         step(eng, model, opt, x)
         peaks.append(peak[0])
-    activations = eng.hooks.trace.nonmodel_peak_bytes
+    activations = eng.hooks.moments.trace.nonmodel_peak_bytes
     assert activations >= 2 << 20
     assert peaks[0] <= 2 << 20  # the warm-up: a layer's payload and its gradient payload
     assert peaks[1] > limit - activations  # traced steps keep more where the activations have room at that moment

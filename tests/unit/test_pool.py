@@ -104,10 +104,10 @@ def _kept_under_a_limit(monkeypatch, bounded: bool) -> list[int]:
 
     def check(*_):
         hooks, mgr = eng.hooks, eng.manager
-        if hooks.trace is not None and mgr.pool.pooled_bytes:
+        if hooks.moments.trace is not None and mgr.pool.pooled_bytes:
             # what the limit leaves beside the chunks and the activations of this moment and the next (the chunks
             # themselves may take more: a payload that releasing after use keeps is never evicted for activations)
-            room = max(activation_room(limit, hooks.trace, hooks.position) - mgr.ledger[Tier.DEVICE], 0)
+            room = max(activation_room(limit, hooks.moments.trace, hooks.moments.position) - mgr.ledger[Tier.DEVICE], 0)
             if mgr.pool.pooled_bytes > room:
                 over.append(mgr.pool.pooled_bytes - room)
 

@@ -31,7 +31,7 @@ def test_a_fit_goes_through_the_phases_and_a_replan_for_inputs_that_grew_goes_ba
     eng.finish_step(stepped=True)
     assert seen == [WarmUp.UNTRACED, WarmUp.RECORDING, WarmUp.TRACED, WarmUp.PLANNED] and eng.warmed_up
     eng.warm_up.replan(Replan.INPUTS_GREW)  # as micro_batch does for a larger batch: the trace is dropped
-    assert eng.warm_up.phase is WarmUp.UNTRACED and eng.hooks.trace is None and not eng.warmed_up
+    assert eng.warm_up.phase is WarmUp.UNTRACED and eng.hooks.moments.trace is None and not eng.warmed_up
 
 
 def test_the_table_refuses_a_move_it_does_not_list():

@@ -153,7 +153,7 @@ class EngineDescription:
         optim_bytes: dict[int, int] = {}
         for b in bindings:
             optim_bytes.update(b.state_bytes())
-        layouts = LayoutChooser(manager, config, hooks.owned, optim_bytes)
+        layouts = LayoutChooser(manager, config, hooks.owners.owned, optim_bytes)
         return cls(config, module, manager, policy, hooks, bindings, optim_bytes, layouts)
 
     def plan_tiers(self, layout: Layout, trace: Trace | None) -> tuple[list[ChunkView], dict[int, Tier]]:

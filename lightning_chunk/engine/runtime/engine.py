@@ -349,7 +349,7 @@ class ChunkEngine:
     # ================================================================ results
     def memory_stats(self) -> dict[str, float]:
         out = self.manager.stats()
-        out["nonmodel_peak_bytes"] = self.hooks.trace.nonmodel_peak_bytes if self.hooks.trace else 0
+        out["nonmodel_peak_bytes"] = self.hooks.moments.trace.nonmodel_peak_bytes if self.hooks.moments.trace else 0
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.scale
         if self.early is not None:

@@ -59,6 +59,7 @@ the step's outputs as the root's outputs for backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,7 +79,6 @@ from ..schedule.tracer import (
     POST_FORWARD,
     ROOT,
     MemoryTracer,
-    MomentEvent,
     MomentKind,
     Trace,
 )
@@ -98,7 +98,9 @@ class ChunkHooks:
         self.module = module
         self.manager = manager
         self.policy = policy
-        self.tracer = MemoryTracer(self._is_model_storage, manager.device, manager.allocated_device_bytes)
+        self.tracer = MemoryTracer(
+            functools.partial(_is_model_storage, manager), manager.device, manager.allocated_device_bytes
+        )
         self.owners = ModuleOwners(module, manager, policy.config.leaf_modules)
         self.moments = MomentClock(manager, policy, self.owners, self.tracer)
         self._handles: list[Any] = []
@@ -124,37 +126,7 @@ class ChunkHooks:
         self._held: set[int] = set()  # parameters read by iteration in this micro-batch, in use to its backward's end
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
 
-    # the clock's state, read and set by the engine and by telemetry
-    @property
-    def trace(self) -> Trace | None:
-        return self.moments.trace
-
-    @trace.setter
-    def trace(self, trace: Trace | None) -> None:
-        self.moments.trace = trace
-
-    @property
-    def recorder(self) -> Callable[[MomentEvent], None] | None:
-        return self.moments.recorder
-
-    @recorder.setter
-    def recorder(self, recorder: Callable[[MomentEvent], None] | None) -> None:
-        self.moments.recorder = recorder
-
-    @property
-    def position(self) -> int:
-        return self.moments.position
-
-    def make_room(self, nbytes: int) -> None:
-        """Evict until ``nbytes`` more fit under the limit (``MomentClock.make_room``)."""
-        self.moments.make_room(nbytes)
-
     # ============================================================ installation
-    @property
-    def owned(self) -> dict[str, tuple[int, ...]]:
-        """Module key -> indices of the parameters it owns directly."""
-        return self.owners.owned
-
     def install(self) -> None:
         for key in self.owners.owned:
             self._hook_forward(key)
@@ -197,10 +169,6 @@ class ChunkHooks:
             h.remove()
         self._handles.clear()
         self._grads_watched.clear()
-
-    def _is_model_storage(self, t: torch.Tensor) -> bool:
-        ptr = t.untyped_storage().data_ptr()
-        return any(c.payload is not None and c.payload.untyped_storage().data_ptr() == ptr for c in self.manager.chunks)
 
     # ================================================================= moments
     def _use(self, key: str, kind: MomentKind) -> None:
@@ -275,12 +243,6 @@ class ChunkHooks:
             self._post_backward[key] = self._make_post_backward(key)
             self._hook_forward(key)
         self.owners_changed = True
-
-    def _let_go_of_held(self) -> None:
-        """Parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's,
-        whose backward never came) are free to go."""
-        self.manager.let_go(self._held, S.HOLD)
-        self._held.clear()
 
     # =================================================================== hooks
     def _make_pre_forward(self, key: str, owner: torch.nn.Module) -> Callable[..., None]:
@@ -370,7 +332,7 @@ class ChunkHooks:
                 # for a dense embedding (SparseAdam, which needs sparse gradients, is refused at set-up)
                 grad = grad.to_dense()
             with self.manager.clock.measure("grad_copy"):
-                self.manager.grads.accumulate(param, grad, self.make_room)
+                self.manager.grads.accumulate(param, grad, self.moments.make_room)
             param.grad = None
             if self.tracer.recording:
                 self.tracer.grad_arrived(self.manager.index_of[id(param)])
@@ -383,7 +345,7 @@ class ChunkHooks:
                 # say the order backward will complete the chunks in, near enough: reverse first use
                 # ([Note: reduce order] in reduce.py)
                 self.manager.grads.set_reduce_order(self.tracer.forward_first_use()[::-1])
-            self.manager.reducer.begin_backward(traced=self.trace is not None and not self.tracer.recording)
+            self.manager.reducer.begin_backward(traced=self.moments.trace is not None and not self.tracer.recording)
             if self.on_backward_start is not None:
                 self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
@@ -413,15 +375,15 @@ class ChunkHooks:
         self.moments.sequence.add(GRADIENTS, "delivered" if arrived else "none delivered")
         # reduce first: a chunk whose gradients this rank did not all get reduces here, and the other ranks may be
         # waiting for that reduce-scatter, not yet in the check's collective
-        self.manager.grads.end_backward(self.make_room, grads_arrived=arrived)
+        self.manager.grads.end_backward(self.moments.make_room, grads_arrived=arrived)
         self.moments.sequence.check(self.manager.comm, self.owners.chunks_of)
         self.grad_graph.backward_ended()
         if arrived and self.on_backward_end is not None:
             self.on_backward_end()
         if self.tracer.recording:
-            self.trace = self.tracer.finish(len(self.manager.params))
+            self.moments.trace = self.tracer.finish(len(self.manager.params))
             if self.on_trace_done is not None:
-                self.on_trace_done(self.trace)
+                self.on_trace_done(self.moments.trace)
         if self.policy.evict_after_use:
             self.moments.plan_and_run(())
 
@@ -430,7 +392,10 @@ class ChunkHooks:
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.grad_graph.reset()  # a graph built by a backward with create_graph=True that no backward consumed
-        self._let_go_of_held()
+        # parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's, whose
+        # backward never came) are free to go
+        self.manager.let_go(self._held, S.HOLD)
+        self._held.clear()
         self.manager.reset_states()
         self.moments.new_step(training=training)
         self._open_backward.clear()
@@ -472,3 +437,9 @@ class ChunkHooks:
             self._done_forward(ROOT)
         if not training:  # an evaluation step's outputs leave with it ([Note: checking once a micro-batch])
             self.manager.comm.verify_issued()
+
+
+def _is_model_storage(manager: ChunkManager, t: torch.Tensor) -> bool:
+    """``t`` is a view of a chunk's payload (the tracer leaves it out of non-model memory)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(c.payload is not None and c.payload.untyped_storage().data_ptr() == ptr for c in manager.chunks)

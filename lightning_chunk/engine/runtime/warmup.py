@@ -77,11 +77,11 @@ class WarmUpPlanner:
         if reason is Replan.WARM_UP:
             # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
             release_freed_memory()
-            assert eng.hooks.trace is not None
-            self._check_same_trace(eng.hooks.trace)
-            trace: Trace | None = self._agree_on_activations(eng.hooks.trace)
+            assert eng.hooks.moments.trace is not None
+            self._check_same_trace(eng.hooks.moments.trace)
+            trace: Trace | None = self._agree_on_activations(eng.hooks.moments.trace)
         else:
-            trace = None if retrace else eng.hooks.trace
+            trace = None if retrace else eng.hooks.moments.trace
         if retrace:
             layout = mgr.layout
         else:
@@ -118,7 +118,7 @@ class WarmUpPlanner:
             eng.hooks.watch_grads()
         if trace is not None:
             mgr.grads.follow_trace(trace)
-        eng.hooks.trace = trace
+        eng.hooks.moments.trace = trace
         if moved and reason is not Replan.WARM_UP:
             # the last step's gradients moved along: attach them again, so that the zero_grad() before this
             # micro-batch's backward is seen to clear them ([Note: zero_grad on a rebound optimizer]); the warm-up's
@@ -167,7 +167,7 @@ class WarmUpPlanner:
             if i >= len(seqs[r]):
                 return "nothing (its step ended)"
             kind, module = seqs[r][i]
-            ids = eng.manager.chunk_ids_of([eng.manager.params[j] for j in eng.hooks.owned.get(module, ())])
+            ids = eng.manager.chunk_ids_of([eng.manager.params[j] for j in eng.hooks.owners.owned.get(module, ())])
             return f"{kind} of module {module!r} (chunks {list(ids)})"
 
         detail = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
