@@ -331,16 +331,16 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
         if chunk.aliased:
             chunk.payload.copy_(full)
             if not chunk.master_is_payload():
-                chunk.master = mgr.alloc_shard(chunk, Role.MASTER, chunk.master_dtype)
+                chunk.master = mgr.tiers.alloc(chunk, Role.MASTER, chunk.master_dtype)
                 chunk.master.copy_(full[lo:hi])
         else:
-            chunk.master = mgr.alloc_shard(chunk, Role.MASTER, chunk.master_dtype)
+            chunk.master = mgr.tiers.alloc(chunk, Role.MASTER, chunk.master_dtype)
             chunk.master.copy_(full[lo:hi])
             if chunk.compute_dtype != chunk.master_dtype:
-                chunk.low = mgr.alloc_shard(chunk, Role.LOW, chunk.compute_dtype)
+                chunk.low = mgr.tiers.alloc(chunk, Role.LOW, chunk.compute_dtype)
                 chunk.low.copy_(chunk.master)
         if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
-            chunk.grad = mgr.alloc_shard(chunk, Role.GRAD, chunk.master_dtype)
+            chunk.grad = mgr.tiers.alloc(chunk, Role.GRAD, chunk.master_dtype)
             if full_grad is not None:
                 chunk.grad.copy_(full_grad[lo:hi])
                 chunk.grad_written = mgr.comm.world_size > 1

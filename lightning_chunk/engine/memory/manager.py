@@ -22,7 +22,7 @@ import torch
 
 from ..chunks.chunk import Chunk, InFlight, Role, TensorInfo, Tier, free_storage
 from ..chunks.packing import ChunkKey, Layout, ParamSpec
-from ..chunks.repack import ExtraShards, FromModule, OldChunks, build_chunk, piece_range
+from ..chunks.repack import ExtraShards, FromModule, OldChunks, build_chunk
 from ..chunks.states import TensorState
 from ..comm.collectives import Collectives
 from ..comm.reduce import GradReducer
@@ -197,10 +197,6 @@ class ChunkManager:
         """``p`` is now a view into ``chunk``'s payload, described by ``info``."""
         self._where[id(p)] = (chunk, info)
 
-    def alloc_shard(self, chunk: Chunk, role: Role, dtype: torch.dtype) -> torch.Tensor:
-        """Allocate one of the chunk's shard buffers on its tier. Device bytes must have been reserved by the caller."""
-        return self.tiers.alloc(chunk, role, dtype)
-
     def drop(self, c: Chunk) -> None:
         """Free every buffer of ``c`` (a chunk of a layout being replaced, or all of them at the end). After a
         failed collective only the chunk's references go: collectives queued behind it may still use the buffers
@@ -313,13 +309,6 @@ class ChunkManager:
             c.transition_all(S.HOLD, only_from=frozenset({S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}))
 
     # ================================================================ optimizer
-    def master_view(self, param_index: int) -> torch.Tensor | None:
-        """This rank's piece of one parameter's master, flat; ``None`` when another rank owns all of it."""
-        chunk, info = self._where[id(self.params[param_index])]
-        lo, _ = chunk.shard_range
-        a, b = piece_range(chunk, info.offset, info.numel)
-        return chunk.master_tensor_for_read()[a - lo : b - lo] if a < b else None
-
     def allocated_device_bytes(self) -> int:
         """The device tier's chunk bytes that exist now: the ledger less the optimizer state it reserves for device
         shards before the optimizer has made it (Adam makes its state at its first step, after the warm-up).

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..chunks.chunk import Chunk
+from ..chunks.repack import piece_range
 from ..config import ChunkConfig
 from ..memory.consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
 from ..memory.manager import ChunkManager
@@ -85,7 +86,7 @@ class OptimizerBinding:
         for k, g in enumerate(self.optimizer.param_groups):
             views = []
             for i in self.group_params[k]:
-                v = self.manager.master_view(i)
+                v = master_view(self.manager, i)
                 if v is None:
                     continue
                 new[i] = v
@@ -299,3 +300,11 @@ class OptimizerStateCarrier:
         for i, pieces in self.pieces[k].items():
             out.setdefault(i, {}).update(pieces)
         return out
+
+
+def master_view(mgr: ChunkManager, param_index: int) -> torch.Tensor | None:
+    """This rank's piece of one parameter's master, flat; ``None`` when another rank owns all of it."""
+    chunk, info = mgr.lookup(mgr.params[param_index])
+    lo, _ = chunk.shard_range
+    a, b = piece_range(chunk, info.offset, info.numel)
+    return chunk.master_tensor_for_read()[a - lo : b - lo] if a < b else None

@@ -7,7 +7,6 @@ tier only for chunks that live there, so no caller tests a tier to know whether 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 
@@ -54,23 +53,13 @@ class TierSet:
             storage.close()
 
     # ------------------------------------------------------------ uses
-    @contextlib.contextmanager
-    def reading(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Iterator[None]:
+    def reading(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> contextlib.AbstractContextManager[None]:
         """Bracket a read of the chunk's ``roles`` buffers (a disk shard's files are paged in, then out)."""
-        if chunk.shard_tier is not Tier.DISK:
-            yield
-            return
-        with self.disk.reading(chunk, roles):
-            yield
+        return self.disk.reading(chunk, roles) if chunk.shard_tier is Tier.DISK else contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def writing(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> Iterator[None]:
+    def writing(self, chunk: Chunk, roles: tuple[Role, ...] = ROLES) -> contextlib.AbstractContextManager[None]:
         """``reading`` for a write."""
-        if chunk.shard_tier is not Tier.DISK:
-            yield
-            return
-        with self.disk.writing(chunk, roles):
-            yield
+        return self.disk.writing(chunk, roles) if chunk.shard_tier is Tier.DISK else contextlib.nullcontext()
 
     def page_out(self, chunk: Chunk | None = None) -> None:
         """After a pass over ``chunk`` (every chunk when ``None``): its disk pages leave the process."""
