@@ -142,7 +142,7 @@ class PlacementPolicy:
         the step where it was; after the barrier went (a CRC once a micro-batch), the window above made the step
         0.89x with everything resident and 0.945x with host placement, medians of ten paired rounds whose
         intervals still reach 1.02 and 1.06 (the gather waits fell from 11-25% of the step to 2-7%, the compute
-        rose by part of that; docs/benchmarks.md, 2026-11-26, session 43).
+        rose by part of that; measured on 2026-11-26 at `9990e32`).
         A disk-tier chunk is gathered ahead one moment only, as before: on a CPU device its gather reads or copies
         its master on the calling thread, so starting it earlier overlaps nothing, and the two staging sets of a
         backward that steps disk chunks ([Note: staging at the backward gather] in ``disk_staging.py``) are timed
@@ -309,7 +309,7 @@ class HostPlacement(PlacementPolicy):
     - under a limit keeping fills the budget to the brim, and on a CPU device the budget does not see
       everything the step holds there: the trace counts the tensors autograd saved, not backward's
       gradients nor the heap a step grows (CUDA's trace reads the allocator, which sees them all).
-      Kept by default under a limit (session 36), the disk benchmark's 85M GPT under 160 MiB of
+      Kept by default under a limit (`1b2d4c2`, 2026-11-25), the disk benchmark's 85M GPT under 160 MiB of
       device limit and 320 MiB of host limit peaked at 548-587 MiB over its baseline, against 420-450
       released and the 480 of limits it had held to; the payload pool was 30 MiB of that
       ([Note: the pool under a limit]), the step was no faster.

@@ -36,7 +36,7 @@ _DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's, before its adaptive raising
 # 18,000 minor faults a step against plain Lightning's 1,500 to 3,000 (about 40 with the heap kept). The one-rank
 # step with the heap kept over the same without: median 0.944 in 6 alternated rounds, 0.991 in the 7 of
 # ``step_overhead.py``, whose runs fall into fast and slow modes 5% apart whatever their code. Two ranks: no change
-# in step time, everything resident peaks about 4% higher (docs/benchmarks.md, 2026-11-24, session 29).
+# in step time, everything resident peaks about 4% higher (2026-11-24, at `e92b0d8`).
 #
 # So on a CPU compute device with no ``host_memory_limit`` the engine raises the trim threshold to 1 GiB: the pages
 # a step frees stay with the process for the next step, as a caching allocator keeps device memory. Setting any

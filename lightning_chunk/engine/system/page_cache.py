@@ -12,7 +12,7 @@ copies are the disk's DMA and not the CPU's, several requests can be in flight a
 transfer (the optimizer's reads and write-backs, the gradient write-backs) goes in ``DIRECT_PIECE`` pieces on a
 pool of ``DIRECT_REQUESTS`` threads. In a 1 GiB memory cgroup the same GPT stepped in 2.12-2.35 s buffered,
 1.98-2.03 s with ``O_DIRECT`` one request at a time, and in six interleaved rounds 1.64-1.95 s (median 1.83)
-with eight 4 MiB pieces in flight, 1.64-1.90 s (median 1.70) with 32 of 1 MiB (docs/benchmarks.md, session 39).
+with eight 4 MiB pieces in flight, 1.64-1.90 s (median 1.70) with 32 of 1 MiB (2026-11-25, at `5b7750d`).
 
 So ``disk_io="auto"`` goes past the page cache exactly where it could not hold the files: when the disk bytes
 of the ranks on this host exceed what the page cache could use once their host limits are resident
