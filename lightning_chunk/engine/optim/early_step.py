@@ -35,23 +35,22 @@ Costs: ``optimizer.step()`` runs once per chunk (its step hooks too, as on the d
 ``backward()`` the stepped parameters have no gradient to read (``on_before_optimizer_step`` sees ``None``).
 
 [Note: stepping disk chunks in backward]
-After backward, the disk tier's optimizer phase reads each disk chunk's master, gradient and optimizer state
-from its files, steps it and writes master and state back ([Note: staged optimizer steps] in
-``disk_staging.py``), beside no compute: where memory cannot cache the files that phase was most of the step
-(1.0-1.3 s of 1.7-2.2 on the 85M GPT of ``benchmarks/disk.py``). Stepped in backward, a disk chunk steps from
-the host buffer its gradients gathered in (``DiskStorage.grads_in_memory``), which is then kept for the next
-chunks without being written (``drop_grads``): the gradient file is neither written nor read back, 8 of the 40
-bytes a parameter the fp32 step moves. Its master and optimizer state are staged as the optimizer phase stages
-them (the same two sets, the same I/O thread, the same kernel and bits), but ahead of need: when a chunk steps,
-the disk chunk expected to finish next is already being read (in the order the last backward finished them;
-by descending id before there is one, as backward runs forward's first-use packing in reverse), and the first
-one is read when backward starts. So the reads and write-backs go on beside backward's compute. A wrong guess
-costs its read and nothing else: the read is waited for and the right chunk staged then. A view that has no
-state yet (its first step) cannot step on a staging buffer, nor a chunk whose gradients are not all in memory:
-those write their gradients to the file first and step as after backward. Everything written in backward is
-waited for at its end (``DiskStorage.settle_grads``), before anything reads the files again. A disk chunk's
-gradient is "released" by a flag alone (its file keeps its bytes), so ``attach_grads`` and ``finish`` treat it
-as a released shard.
+After backward, the disk tier's optimizer phase reads each disk chunk's master, gradient and optimizer state from
+its files, steps it and writes master and state back ([Note: staged optimizer steps] in ``disk_staging.py``), beside
+no compute: where memory cannot cache the files that phase was most of the step (1.0-1.3 s of 1.7-2.2 on the 85M GPT
+of ``benchmarks/disk.py``). Stepped in backward, a disk chunk steps from the host buffer its gradients gathered in
+(``GradBuffers.in_memory`` in ``tiers/disk_grads.py``), which is then kept for the next chunks without being written
+(``GradBuffers.drop``): the gradient file is neither written nor read back, 8 of the 40 bytes a parameter the fp32
+step moves. Its master and optimizer state are staged as the optimizer phase stages them (the same two sets, the
+same I/O thread, the same kernel and bits), but ahead of need: when a chunk steps, the disk chunk expected to finish
+next is already being read (in the order the last backward finished them; by descending id before there is one, as
+backward runs forward's first-use packing in reverse), and the first one is read when backward starts. So the reads
+and write-backs go on beside backward's compute. A wrong guess costs its read and nothing else: the read is waited
+for and the right chunk staged then. A view that has no state yet (its first step) cannot step on a staging buffer,
+nor a chunk whose gradients are not all in memory: those write their gradients to the file first and step as after
+backward. Everything written in backward is waited for at its end (``DiskStorage.settle_grads``), before anything
+reads the files again. A disk chunk's gradient is "released" by a flag alone (its file keeps its bytes), so
+``GradSlots.attach`` and ``finish`` treat it as a released shard.
 """
 
 from __future__ import annotations
