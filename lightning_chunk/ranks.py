@@ -5,8 +5,7 @@ The launcher starts the other ranks only where the cluster environment does not 
 rank it gives torch its share of the cores (``cores // ranks`` threads) unless ``OMP_NUM_THREADS`` says otherwise. So
 it is made in every rank, as DDPStrategy makes it, not only where it starts processes, as FSDPStrategy does: there a
 rank the launcher started (its environment copied before the launcher set the variable in rank 0) kept torch's
-default, every core: on two CPU ranks three threads on two cores where DDP's ranks had one each (rank 1's fit 2.08 to
-2.26 s against 1.51 to 1.79 s, 2026-11-27).
+default, every core: on two CPU ranks three threads on two cores where DDP's ranks had one each, and a slower fit.
 
 torchrun sets ``OMP_NUM_THREADS=1`` in every rank it starts unless the variable is set already (it says so in a
 warning), a default meant for ranks that only launch GPU kernels. Here the host Adam, the one-pass kernel and the

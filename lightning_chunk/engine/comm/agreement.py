@@ -36,7 +36,7 @@ the barrier form stays: its collectives are stream-ordered, and the size rule ab
 [Note: checking once a micro-batch]
 A tag before every chunk collective is one more gloo collective each: 88 a step on the peers model with
 everything resident, 131 with host placement; resident on 2 ranks that was 1.12x DDP against 1.06x checked as
-below (medians of 14 interleaved rounds, 2026-11-25, docs/benchmarks.md). So by default
+below (docs/benchmarks.md). So by default
 (``verify_collectives=None`` on gloo, ``"batch"``) the tags are not exchanged one by one: each rank keeps the
 collectives it issued since the last check (and a CRC of them), and the ranks compare the CRCs at the points where
 a result would leave the micro-batch or be kept:

@@ -26,12 +26,11 @@ waited for, not before it is issued ([Note: agreeing without a barrier] in
 gloo has no reduce-scatter of its own: torch's ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``
 clones the whole input in the calling thread, all-reduces the clone in a worker thread and copies this
 rank's slice out on ``wait``. For a gradient payload that is a payload-sized allocation (page faults
-included) and a copy on the compute thread at every launch: 35 to 90 ms for a 37.7 MB payload on 2 ranks
-of the 2-core benchmark machine, against 1.5 to 3 ms to launch the all-reduce itself. The engine's
+included) and a copy on the compute thread at every launch, many times the cost of launching the all-reduce
+itself. The engine's
 reduce-scatters write in place (``out`` is this rank's slice of ``full``, and ``full`` is freed after), so
 on gloo with host tensors they all-reduce ``full`` in place instead: the same all-reduce on the same
-values, hence the same bits, without the clone or the copy (measured: 40 ms for the whole collective
-where gloo's reduce-scatter took 105). NCCL keeps its real reduce-scatter.
+values, hence the same bits, without the clone or the copy. NCCL keeps its real reduce-scatter.
 
 """
 

@@ -7,8 +7,8 @@ A gloo process group runs its collectives on its own few worker threads. With ev
 data-parallel group, a reduce-scatter launched during backward queued behind the all-gathers of host
 placement's re-gathers (and the other way round). With the agreement check on, each size of all-gather and
 reduce-scatter has a group of its own anyway ([Note: agreeing without a barrier]); with it off, all-gathers
-and reduce-scatters still get one group each, made at set-up: on the peers model with host placement the
-step was 2.87 and 3.05 s with one group for all, 2.74 and 2.47 s with the two (2026-11-24, two runs each).
+and reduce-scatters still get one group each, made at set-up (a few percent of a host-placement step on the
+peers model).
 
 
 [Note: gloo as NCCL]

@@ -9,9 +9,8 @@ sixth stream competing for bandwidth. A non-temporal store writes whole lines st
 without evicting the lines the loop still uses. Inductor never emits one, so this module is the same loop
 written by hand: the arithmetic is inductor's for ``_adam_pass`` (the same ``at::vec`` operations in the same
 order, built with the same flags, ``-ffp-contract=off`` among them), so its bits are the compiled kernel's and
-torch's fused kernel's; only the compute copy's store changes. Measured against the compiled kernel on one
-tensor, shuffled rounds on the 2-core CI machine: 0.885x the 30-byte floor against 1.014x at 50M elements,
-0.93x against 1.03x at 200M (docs/benchmarks.md).
+torch's fused kernel's; only the compute copy's store changes. On the 2-core CI machine that took the step
+under the 30-byte floor of the compiled kernel (docs/benchmarks.md, `benchmarks/optimizer_step.py`).
 
 The copy's stores must be aligned to the vector's width, so each call steps the elements before the first
 aligned one, and the last ``numel % width``, with the masked loads and stores inductor uses for its tail (the

@@ -274,10 +274,8 @@ class MomentClock:
         plan, nor at a forward start inside backward (a recomputation); a recomputed module's end right after its
         start is skipped as in forward, its chunks pinned by the backward that runs it as before. Tested by
         recording every moment of runs with and without the skip (tests/integration/test_parity.py).
-        On that model 89 of the 265 plans a step are skipped; what they cost is small (the plans' time 148 -> 134 ms
-        a step, 2.0-2.3 s steps), because the plans left are the ones that gather, and launching a gloo all-gather
-        beside the compute is most of the hooks' time (docs/benchmarks.md, 2026-11-27). On an accelerator, whose
-        steps are shorter, the same Python is a larger part of the step."""
+        On that model a third of the plans are skipped, a small part of a CPU step (the plans left are the ones
+        that gather); on an accelerator, whose steps are shorter, the same Python is a larger part of the step."""
         kind, key = self._this_moment
         if trace is None or self.manager.ledger[Tier.DISK] or self.freed_room:
             return False

@@ -105,17 +105,12 @@ class PlacementPolicy:
         On a CPU device released payload blocks stay in a pool for the next gather of their size ([Note: a pool of
         payload blocks] in pool.py): device memory the ledger does not count. The pool never holds more than the
         most payload bytes alive at once less those alive now, so pool and payloads together stay at the step's
-        payload peak. That peak is reached where activations are few (in backward, once the kept payloads of
-        forward are gone and those evicted at the turn are gathered again), and it stayed through the next
-        forward while the activations grew beside it: on the disk benchmark's 85M GPT under a 160 MiB limit,
-        153 MiB of payloads and pool beside 36 MiB of activations, 30 MiB over the limit and the resident set
-        past baseline + limits (548-568 MiB against 480). So under a limit the pool keeps at most what the
-        limit, less the chunks and the activations the trace saw at this moment and the next
-        (``activation_room``), leaves; the hooks trim it at every moment. Without a limit nothing bounds it
-        but the payload peak, as before. The price is a fresh block where a kept one would have served: the
-        README's job (auto placement, 32 MiB limit, 300 steps) gives back 299 blocks and asks the allocator 312
-        times instead of 14, with no change in its run time that two alternated runs each could show
-        (24.9-26.5 s against 24.3-28.4 s)."""
+        payload peak. That peak is reached where activations are few (in backward), and it stayed through the next
+        forward while the activations grew beside it, past the limit (the disk benchmark's GPT went 30 MiB over a
+        160 MiB limit). So under a limit the pool keeps at most what the limit, less the chunks and the activations
+        the trace saw at this moment and the next (``activation_room``), leaves; the hooks trim it at every moment.
+        Without a limit only the payload peak bounds it. The price is a fresh block where a kept one would have
+        served, with no run-time change the README's job could show."""
         room = activation_room(limit, trace, position)
         return None if room is None else max(room - device_bytes, 0)
 
@@ -127,27 +122,21 @@ class PlacementPolicy:
         [Note: how far ahead to gather]
         A prefetch issued one moment ahead overlaps its gather with one module's compute: where a chunk holds a
         transformer block, the next block's gather started at the block's last module (its MLP's output
-        projection) and the step then waited for most of it at the next block's first. On two gloo ranks that
-        wait was a quarter of a host-placement step on the 99.5M GPT (3.2 of 13.6 s over five steps) and an
-        eighth of an everything-resident one. So the window reaches one chunk past the next moment's: the next
+        projection) and the step then waited for most of it at the next block's first (a quarter of a
+        host-placement step on two gloo ranks). So the window reaches one chunk past the next moment's: the next
         chunk's gather starts where the current chunk's stretch of use begins (FSDP2 prefetches one module
         ahead, and its module is a block; DeepSpeed prefetches by a bucket of 5e7 elements), which holds at most
         one more payload at a time. Under a limit the plan prefetches only into room (nearest use first), so the
         deeper window never evicts anything; the one prefetch ``AutoPlacement`` reserves room for covers it.
         Releasing after use keeps what the window holds, so the chunk used before the last in forward now stays
         through the turn into backward instead of being released and gathered again a moment later.
-        On gloo the gathers' bytes cost the two cores the compute runs on, so what the earlier start buys is the
-        time the main thread sat idle waiting, not the transfer: three moments ahead, tried on 2026-11-24 while
-        every chunk collective still waited on an agreement barrier, moved the waits into the compute and left
-        the step where it was; after the barrier went (a CRC once a micro-batch), the window above made the step
-        0.89x with everything resident and 0.945x with host placement, medians of ten paired rounds whose
-        intervals still reach 1.02 and 1.06 (the gather waits fell from 11-25% of the step to 2-7%, the compute
-        rose by part of that; measured on 2026-11-26 at `9990e32`).
+        On gloo the gathers' bytes cost the cores the compute runs on, so what the earlier start buys is the time
+        the main thread sat idle waiting, not the transfer (`9990e32`: 0.89x the step with everything resident,
+        0.945x with host placement, on two gloo ranks).
         A disk-tier chunk is gathered ahead one moment only, as before: on a CPU device its gather reads or copies
         its master on the calling thread, so starting it earlier overlaps nothing, and the two staging sets of a
         backward that steps disk chunks ([Note: staging at the backward gather] in ``disk_staging.py``) are timed
-        to that gather: gathered a chunk earlier, it found both sets still held and read the file again (106
-        gathers from the file in a 12-step test where 84 had been, 11 from the staging where 55 had)."""
+        to that gather: gathered a chunk earlier, it found both sets still held and read the file again."""
         return (
             frozenset(trace.prefetch_window(position)) if (trace is not None and self.config.prefetch) else frozenset()
         )
@@ -287,35 +276,25 @@ class HostPlacement(PlacementPolicy):
     Released after use, a payload is all-gathered twice a step: for forward and again for backward
     (FSDP2's ``reshard_after_forward=True``). On a transport whose gathers cost the cores compute
     runs on (gloo) the second gather is most of what host placement pays over everything resident
-    (1.29x DDP against 1.10x on the 99.5M GPT on 2 ranks). So where there is a budget a payload stays from
-    its forward use until its last use in the step, read from the trace, and each chunk is
-    gathered once a step; shards, gradients and optimizer state stay on the host. What the device
-    holds at the turn into backward is bounded: what is kept beyond what releasing after use would
-    keep stays only while the activations the trace saw at this moment and the next have room
-    beside it under the limit (``activation_room``), and when it would not, the kept payload whose
-    next use is farthest goes first and is gathered again when backward needs it. Keeping never
-    evicts a payload that releasing would have kept: with the budget itself reduced by the
-    activations (tried first), a tight limit evicted chunks reused a moment later, and the kept run
-    gathered 402 times where the released one gathered 379 (a 2-rank case in the suite now holds
-    the kept run to no more than its released twin). Under a tight limit nothing extra is kept, and
-    the policy is FSDP2's; with room, it is DeepSpeed ZeRO-3's default (a parameter whose next use
-    is within ``stage3_max_reuse_distance``, 1e9 elements, is not released), bounded by memory
-    rather than by a count. Without a trace (the warm-up step, evaluation) payloads are released after use.
-    ``reshard_after_forward=True`` releases after use always. On a CPU device that is the default
-    (``resolve_reshard_after_forward`` in ``config.py``), with or without a ``device_memory_limit``:
-    - without a limit nothing bounds what keeping would hold, and the payloads kept at the turn into
-      backward are one more copy of the model in the memory the sharding exists to save (4 bytes a
-      parameter in fp32 beside the 6.7 that `scale.py` measured a rank on two ranks);
+    (docs/benchmarks.md). So where there is a budget a payload stays from its forward use until its
+    last use in the step, read from the trace, and each chunk is gathered once a step. What is kept
+    beyond what releasing after use would keep stays only while the activations the trace saw at this
+    moment and the next have room beside it (``activation_room``); when not, the kept payload whose
+    next use is farthest goes first. Keeping never evicts a payload that releasing would have kept
+    (with the budget itself reduced by the activations, a tight limit evicted chunks reused a moment
+    later; a 2-rank case in the suite holds the kept run to no more gathers than its released twin).
+    Under a tight limit this is FSDP2's policy; with room, DeepSpeed ZeRO-3's default
+    (``stage3_max_reuse_distance``), bounded by memory rather than by a count. Without a trace (the
+    warm-up, evaluation) payloads are released after use.
+    On a CPU device ``reshard_after_forward=True`` is the default (``resolve_reshard_after_forward``):
+    - without a limit nothing bounds what keeping holds, and the kept payloads are one more copy of the
+      model in the memory the sharding exists to save;
     - under a limit keeping fills the budget to the brim, and on a CPU device the budget does not see
-      everything the step holds there: the trace counts the tensors autograd saved, not backward's
-      gradients nor the heap a step grows (CUDA's trace reads the allocator, which sees them all).
-      Kept by default under a limit (`1b2d4c2`, 2026-11-25), the disk benchmark's 85M GPT under 160 MiB of
-      device limit and 320 MiB of host limit peaked at 548-587 MiB over its baseline, against 420-450
-      released and the 480 of limits it had held to; the payload pool was 30 MiB of that
-      ([Note: the pool under a limit]), the step was no faster.
-    On an accelerator the budget is known and seen whole, and what keeping holds is memory that would
-    otherwise stay idle: there it is the default. A CPU user with memory to spare passes ``False``
-    (1.10x DDP's step instead of 1.29x on the 2-rank CPU benchmark).
+      everything the step holds: the trace counts the tensors autograd saved, not backward's gradients
+      nor the heap a step grows (CUDA's trace reads the allocator, which sees them all). Kept by default
+      under a limit (``1b2d4c2``), the disk benchmark's GPT peaked 100 MiB over its limits, no faster.
+    On an accelerator the budget is known and seen whole, and keeping uses memory that would otherwise
+    stay idle: there it is the default.
     """
 
     name = "host"

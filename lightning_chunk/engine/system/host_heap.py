@@ -31,12 +31,9 @@ _DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's, before its adaptive raising
 # per-parameter gradients are allocated during backward and kept until the next ``zero_grad``, and they mostly
 # keep the heap's top in use. Under the engine they are copied into the chunks' flat gradients and freed at once,
 # and the chunks' buffers live outside the heap (mapped, or in the payload pool), so the heap holds little but
-# activations. Each backward then freed the heap's top (18 to 22 MB on the 10.8M GPT of
-# ``benchmarks/step_overhead.py``), and each forward grew it again, page-faulting every page it wrote: 7,000 to
-# 18,000 minor faults a step against plain Lightning's 1,500 to 3,000 (about 40 with the heap kept). The one-rank
-# step with the heap kept over the same without: median 0.944 in 6 alternated rounds, 0.991 in the 7 of
-# ``step_overhead.py``, whose runs fall into fast and slow modes 5% apart whatever their code. Two ranks: no change
-# in step time, everything resident peaks about 4% higher (2026-11-24, at `e92b0d8`).
+# activations. Each backward then freed the heap's top and each forward grew it again, page-faulting every page
+# it wrote: several times plain Lightning's minor faults a step on ``benchmarks/step_overhead.py``'s GPT, and a
+# few percent of its one-rank step (`e92b0d8`).
 #
 # So on a CPU compute device with no ``host_memory_limit`` the engine raises the trim threshold to 1 GiB: the pages
 # a step frees stay with the process for the next step, as a caching allocator keeps device memory. Setting any
@@ -99,17 +96,13 @@ def map_large_blocks(threshold: int = 4 << 20) -> bool:
     [Note: a fixed mmap threshold] By default glibc raises its mmap threshold to the size of each
     mapped block freed, up to 32 MiB, so chunk-sized buffers (payloads, gradient buffers) soon come
     from the heap, whose freed blocks the process keeps and fragments. Under CPU contention that
-    left a whole model's payloads in the resident set during a warm-up step with the disk tier
-    (949-989 MiB against 681, in 4 of 15 runs of an 85M GPT; under the same load 2 of 6 runs
-    without a fixed threshold, 1.5 of 6 with a fixed 32 MiB one, 0 of 6 with 4 MiB). It has a
-    price: every chunk-sized buffer is a fresh mapping whose pages fault in (the disk tier's step on
-    that GPT went from 1.2-1.8x to 1.9-2.3x the in-memory step). Process-wide, so the engine asks for
-    it only where the user bounded host memory (``host_memory_limit``), whose bound it makes hold.
-    Blocks under the threshold (activations, small gradients) still come from the heap, whose holes
-    the process keeps: there the engine also gives the heap's free pages back once a step, after
-    backward (``release_freed_memory`` in ``prepare_step``), which took the disk benchmark's peak
-    from 428-455 MiB over its baseline to 419-427 (three runs each, limits 480; the heap itself
-    from 172-229 MiB to 145-158) at no step time that its noise shows.
+    left a whole model's payloads in the resident set during a warm-up step with the disk tier (in
+    4 of 15 runs of an 85M GPT; none of 6 with a fixed 4 MiB threshold). It has a price: every
+    chunk-sized buffer is a fresh mapping whose pages fault in, so the engine asks for it only where
+    the user bounded host memory (``host_memory_limit``), whose bound it makes hold; it is
+    process-wide. Blocks under the threshold (activations, small gradients) still come from the
+    heap, so the engine also gives the heap's free pages back once a step, after backward
+    (``release_freed_memory`` in ``prepare_step``).
     A no-op where glibc is not the allocator."""
     global _kept
     if _kept:  # an earlier engine of this process kept the heap: its trim threshold must not outlive it here
@@ -132,7 +125,7 @@ def release_pinned_cache() -> None:
     pinned block for the next allocation of its power-of-two size class, never handing it back by itself. The
     warm-up places every shard on the host (``auto`` under a limit, always the case on a GPU); the repack at its end
     moves most of them to the device, and their pinned blocks stayed cached and page-locked for the whole run:
-    about 8 GiB a rank for 7B on 8 ranks (review of 2026-11-27, from the layout chooser's sizes). So after every
+    about 8 GiB a rank for 7B on 8 ranks, from the layout chooser's sizes. So after every
     repack and at teardown the cache is emptied. Blocks still in use keep their power-of-two rounding (up to +32%
     a rank for 7B, +69% for 13B); a pool of exact pinned buffers is the remedy for that. A no-op without CUDA."""
     empty = getattr(torch._C, "_host_emptyCache", None)

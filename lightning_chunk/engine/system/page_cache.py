@@ -1,18 +1,14 @@
 """How much the page cache could hold for this process, and so whether the disk tier's files can stay cached.
 
 [Note: O_DIRECT where the page cache cannot hold the files]
-Where memory can hold the disk tier's files, the kernel's page cache keeps them, and every "disk" read and
-write is a memory copy: buffered ``preadv``/``pwritev`` are the fastest there is (the 85M GPT of
-``benchmarks/disk.py``: 0.84-0.89 s a step buffered, 2.07-2.22 s with ``O_DIRECT``, which goes to the disk
-whatever memory there is). Where it cannot (the machine the disk tier is for: training state several times
-memory), buffered I/O pays twice: each read allocates page-cache pages the kernel must first reclaim, each
-write leaves dirty pages that reclaim waits on, and all of it is charged to the process's memory cgroup. There
-``O_DIRECT`` moves the bytes between the staging buffers and the disk with no page cache at all, and, as the
-copies are the disk's DMA and not the CPU's, several requests can be in flight at little CPU cost: each staged
-transfer (the optimizer's reads and write-backs, the gradient write-backs) goes in ``DIRECT_PIECE`` pieces on a
-pool of ``DIRECT_REQUESTS`` threads. In a 1 GiB memory cgroup the same GPT stepped in 2.12-2.35 s buffered,
-1.98-2.03 s with ``O_DIRECT`` one request at a time, and in six interleaved rounds 1.64-1.95 s (median 1.83)
-with eight 4 MiB pieces in flight, 1.64-1.90 s (median 1.70) with 32 of 1 MiB (2026-11-25, at `5b7750d`).
+Where memory can hold the disk tier's files, the page cache keeps them and every "disk" read and write is a memory
+copy: buffered ``preadv``/``pwritev`` are the fastest there is. Where it cannot (the machine the disk tier is for),
+buffered I/O pays twice: each read allocates page-cache pages the kernel must first reclaim, each write leaves
+dirty pages that reclaim waits on, all charged to the process's memory cgroup. ``O_DIRECT`` moves the bytes between
+the staging buffers and the disk with no page cache, and since the copies are the disk's DMA, several requests can
+be in flight at little CPU cost: each staged transfer goes in ``DIRECT_PIECE`` pieces on a pool of
+``DIRECT_REQUESTS`` threads (32 pieces of 1 MiB stepped the disk benchmark's GPT fastest in a 1 GiB cgroup; see
+docs/benchmarks.md).
 
 So ``disk_io="auto"`` goes past the page cache exactly where it could not hold the files: when the disk bytes
 of the ranks on this host exceed what the page cache could use once their host limits are resident

@@ -170,20 +170,16 @@ class DiskStorage:
         it now, once per use.
 
         [Note: the gathers' reads ahead of use] On a CPU device a gather reads an fp32 disk shard's
-        master file into its payload on the main thread, twice a step (forward and backward). Where
-        memory cannot cache the files that read waits for the disk: 0.41 s a step on the 85M GPT of
-        ``benchmarks/disk.py`` in a 1 GiB memory cgroup. The hooks know the coming chunks from the
-        trace, so at every moment they ask the kernel (``POSIX_FADV_WILLNEED``, which queues the
-        reads and returns) for the masters of the next ``READ_AHEAD_CHUNKS`` chunks; the read then
-        copies from the page cache. One chunk ahead was too late (a moment's compute is shorter than
-        a 9 MB read); four halved the wait. The asking runs on the I/O thread: under memory
-        pressure the kernel reclaims pages for the reads in the caller, which took 0.06-0.11 s a
-        step from the main thread's hooks. The optimizer's staged reads ask the same of their
-        files (``stage_in``), so the disk has the whole next chunk queued, not one request at a
-        time; that asking stays on the main thread, where it starts the reads while the I/O thread
-        is still writing the chunk before back (asked inside the thread's read, after that write,
-        the step's disk waits were 1.46-1.61 s against 1.13-1.19). Where the files are cached
-        both are page-cache lookups."""
+        master file into its payload on the main thread, twice a step (forward and backward); where memory
+        cannot cache the files that read waits for the disk. The hooks know the coming chunks from the
+        trace, so at every moment they ask the kernel (``POSIX_FADV_WILLNEED``, which queues the reads and
+        returns) for the masters of the next ``READ_AHEAD_CHUNKS`` chunks, and the read then copies from
+        the page cache. One chunk ahead was too late (a moment's compute is shorter than a chunk's read);
+        four halved the wait on ``benchmarks/disk.py``'s GPT in a 1 GiB cgroup. The asking runs on the I/O
+        thread, since under memory pressure the kernel reclaims pages for the reads in the caller. The
+        optimizer's staged reads ask the same of their files (``stage_in``) on the main thread, where it
+        starts the reads while the I/O thread is still writing the chunk before back. Where the files are
+        cached both are page-cache lookups."""
         f = self.files_of(chunk, (Role.MASTER,)).get(Role.MASTER)
         if f is not None and self.staging.for_step(chunk) is not None:
             return  # [Note: staging at the backward gather]
