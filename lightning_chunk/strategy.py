@@ -324,6 +324,22 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             return dict(self._final_stats)
         return self.engine.memory_stats()
 
+    def offload_states(self) -> None:
+        """Move this rank's training state off the device between steps: every shard on the device (weights,
+        gradients, optimizer state) goes to host memory and no parameter stays gathered, so the device holds no
+        chunk memory (DeepSpeed's ``offload_states``). For a generation engine, or another model, between training
+        phases. Every rank must call it at the same point, between optimizer steps. ``reload_states()`` brings the
+        state back; the next training or evaluation step does too if you do not ([Note: offloading states between
+        phases] in ``engine/runtime/state_offload.py``). Before and after ``fit`` it does nothing."""
+        if self.engine is not None:
+            self.engine.offload.offload()
+
+    def reload_states(self) -> None:
+        """Put what ``offload_states()`` moved back where placement keeps it; training goes on bit for bit as if it
+        had never moved. Every rank must call it at the same point."""
+        if self.engine is not None:
+            self.engine.offload.reload()
+
     # ================================================================= steps
     def _step(self, method: str, training: bool, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None

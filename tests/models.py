@@ -336,6 +336,24 @@ class AdapterNet(ParityNet):
         return self.head(self.norm(h))
 
 
+class OffloadAndReload(L.Callback):
+    """``offload_states()`` after the steps in ``offload_at`` and ``reload_states()`` before those in ``reload_at``
+    (an offload with no reload is reloaded by the next step); ``seen`` keeps the device chunk bytes after each call."""
+
+    def __init__(self, offload_at=(3, 9), reload_at=(6,)) -> None:
+        self.offload_at, self.reload_at, self.seen = offload_at, reload_at, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step in self.offload_at:
+            trainer.strategy.offload_states()
+            self.seen.append(("offloaded", trainer.strategy.memory_stats()["device_chunk_bytes"]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in self.reload_at:
+            trainer.strategy.reload_states()
+            self.seen.append(("reloaded", trainer.strategy.memory_stats()["device_chunk_bytes"]))
+
+
 class FlipRequiresGrad(L.Callback):
     """Progressive unfreezing and a re-freeze, set before every batch (so a resumed run sets them too): ``ParityNet``'s
     "frozen" variant trains blocks[0] from step ``unfreeze`` on, and freezes its embedding for steps

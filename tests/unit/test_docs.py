@@ -1,7 +1,8 @@
 """The docs check: every relative link in README.md and docs/ resolves, and every command marked runnable runs.
 
-A fenced block preceded by ``<!-- runnable -->`` runs as written; one preceded by ``<!-- runnable: COMMAND -->`` runs
-COMMAND instead, the reduced form of the block (fewer steps, a scratch directory). Commands run with bash from the
+A fenced block preceded by ``<!-- runnable -->`` runs as written (a ``python`` block with the interpreter); one
+preceded by ``<!-- runnable: COMMAND -->`` runs COMMAND instead, the reduced form of the block (fewer steps, a
+scratch directory). Commands run with bash from the
 repository's root, ``$SCRATCH`` a fresh directory, ``.venv/bin`` the interpreter running the tests.
 """
 
@@ -82,7 +83,10 @@ def _runnable() -> list[tuple[str, str]]:
                 continue
             assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{page.name}:{i + 1}: a mark needs a block"
             end = next(j for j in range(i + 2, len(lines)) if FENCE.match(lines[j]))
-            found.append((f"{page.relative_to(ROOT)}:{i + 1}", m.group(1) or "\n".join(lines[i + 2 : end])))
+            block = "\n".join(lines[i + 2 : end])
+            if m.group(1) is None and lines[i + 1].strip() == "```python":  # a Python block runs with the interpreter
+                block = f".venv/bin/python - <<'PYTHON'\n{block}\nPYTHON"
+            found.append((f"{page.relative_to(ROOT)}:{i + 1}", m.group(1) or block))
     return found
 
 

@@ -53,6 +53,7 @@ from ..schedule.placement import ChunkView
 from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from ..system.page_cache import page_cache_room
 from .description import EngineDescription
+from .state_offload import StateOffload
 from .warmup import Replan, WarmUp, WarmUpPlanner
 
 _log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class ChunkEngine:
         self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
         self.warm_up: WarmUpPlanner = WarmUpPlanner(self)  # [Note: the warm-up's phases] in warmup.py
+        self.offload = StateOffload(self)  # [Note: offloading states between phases] in state_offload.py
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
         self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
         self.last_grad_norm: float | None = None
@@ -186,6 +188,7 @@ class ChunkEngine:
         if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
             self.hooks.end_backward()
         check_stray_writes(self.manager)  # [Note: parameters outside a step]
+        self.offload.reload()
         if training and torch.is_grad_enabled():
             self.warm_up.follow_requires_grad()
         phase = self.warm_up.phase
