@@ -468,3 +468,15 @@ def test_disk_table_shows_deepspeed_beside_the_disk_tier_and_a_kill_in_the_cgrou
     ds = next(line for line in out.splitlines() if line.startswith("| DeepSpeed ZeRO-Infinity (nvme) |"))
     assert "| 2.00 |" in ds and "| 16.0× |" in ds and "the disk tier's step is 0.50× this one" in ds
     assert "| DeepSpeed ZeRO-Infinity (nvme), memory capped | — |" in out and "killed (SIGKILL)" in out
+
+
+def test_offload_states_benchmark_times_round_trips_on_one_and_two_ranks(tmp_path):
+    out = tmp_path / "offload.json"
+    res = load("offload_states").main(
+        ["--width", "64", "--depth", "2", "--context", "16", "--steps", "3", "--trips", "2", "--out", str(out)]
+    )
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    assert [r["ranks"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["device_bytes"] > 0 and r["offloaded_bytes"] == 0 and r["reloaded_bytes"] == r["device_bytes"]
+        assert len(r["trips"]) == 2 and r["vs_floor"] > 0

@@ -66,6 +66,8 @@ CASES = {
         strategy=dict(placement="host", chunk_numel=20000, sharded_accumulation=False, verify_collectives=True),
     ),
     # payloads kept from forward to backward ([Note: keeping payloads for backward]), each gathered once a step
+    # [Note: offloading states between phases]: every shard off the device after steps 3 and 9, back before 6 and 10
+    "offload_states": dict(strategy=dict(placement="device"), callbacks=["OffloadAndReload"]),
     "host_kept": dict(
         model=dict(dim=64, hidden=256, depth=6),
         strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000),
@@ -397,11 +399,12 @@ def run_parity(case: str, out: Path) -> None:
     strategy = ChunkOffloadStrategy(**grouped(skw))
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
     comm_mode = CommMode()
+    extra = [getattr(models, name)() for name in spec.get("callbacks", ())]
     t = trainer(
         strategy,
         steps,
         plugins=[ChunkPrecision("16-mixed")] if fp16 else [ChunkPrecision("bf16-mixed")] if bf16 else None,
-        callbacks=[comm_mode, *([telemetry] if telemetry else [])],
+        callbacks=[comm_mode, *extra, *([telemetry] if telemetry else [])],
         **tkw,
     )
     t.fit(got, token_data())
@@ -418,6 +421,7 @@ def run_parity(case: str, out: Path) -> None:
         host_memory_limit=strategy.config.host_memory_limit,
         param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()),
         buffers={n: b.float().sum().item() for n, b in got.named_buffers()},
+        seen=[getattr(cb, "seen", None) for cb in extra],
     )
     (out / f"{case}.stats{rank}.json").write_text(json.dumps(stats))
     if rank == 0:

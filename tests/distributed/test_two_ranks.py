@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a l
 RUNNER = Path(__file__).with_name("runner.py")
 PARITY = [
     "plain",
+    "offload_states",
     "clip_norm",
     "clip_value",
     "accumulate",
@@ -256,6 +257,16 @@ def check_parity(out, rc, log, case):
     tol = ROUNDING.get(case, dict(rtol=0, atol=0))
     for k, v in d["ref"].items():
         torch.testing.assert_close(d["got"][k], v, msg=lambda m: f"{case} {k}: {m}", **tol)
+
+
+@pytest.mark.cases("offload_states")
+def test_offloaded_states_leave_no_device_bytes_on_either_rank(parity_run):
+    """[Note: offloading states between phases]: the parity with DDP is test_parity_with_ddp[offload_states]."""
+    out, rc, log = parity_run
+    for s in stats(out, "offload_states"):
+        (seen,) = s["seen"]
+        assert [what for what, _ in seen] == ["offloaded", "reloaded", "offloaded"]
+        assert [b for what, b in seen if what == "offloaded"] == [0, 0] and dict(seen)["reloaded"] > 0
 
 
 @pytest.mark.cases("save_after_fit")
