@@ -6,6 +6,8 @@ imports them, and this module imports them only inside the functions that need t
 
 - ``HFInit(model)``: the ``param_init_fn`` for a ``PreTrainedModel`` built in ``configure_model`` (on the meta
   device under ``chunk_offload``). [Note: Hugging Face init, module by module]
+- ``keep_generation_in_step(module, on)``: ``generate()`` on several ranks keeps them in step.
+  [Note: generation on several ranks]
 - ``export_hf(checkpoint, out_dir)`` (``lightning-chunk consolidate --format hf``): ``safetensors`` shards, their
   index, ``config.json`` and ``generation_config.json``, streamed chunk by chunk.
   [Note: exporting to save_pretrained's layout]
@@ -14,6 +16,7 @@ imports them, and this module imports them only inside the functions that need t
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,33 @@ from .engine.system.atomic import remove_dir, replace_dir
 
 HF_CONFIG_KEY = "hf_config"  # where a LightningModule keeps ``model.config.to_dict()`` in its checkpoints
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as ``save_pretrained``
+
+
+# ================================================================ generation
+def keep_generation_in_step(module: torch.nn.Module, on: bool) -> None:
+    """Mark (``on``) or unmark every ``PreTrainedModel`` in ``module`` as holding sharded weights.
+
+    [Note: generation on several ranks]
+    ``generate()`` on several ranks keeps them in step (``synced_gpus``: a rank that has finished runs forward
+    passes with the others until every rank has) only where it believes the weights are sharded, under DeepSpeed
+    ZeRO-3 or FSDP, which it asks ``is_fsdp_managed_module``: the attribute ``_is_fsdp_managed_module`` FSDP2's
+    integration sets. Under ``chunk_offload`` the weights are sharded as under FSDP, and every forward all-gathers
+    them, so the rank that stopped first left the others waiting in an all-gather of the next token: an error after
+    ``collective_timeout_s`` on gloo, a hang on NCCL (DeepSpeed #5635, Lightning #18473 without ``synced_gpus``).
+    So on several ranks the strategy sets that attribute on every ``PreTrainedModel`` while its engine runs. The
+    attribute's other readers in ``transformers`` (layer drop in speech models) ask the same question: whether
+    every rank must run the same forward passes. ``transformers`` is not imported for a model that does not use it.
+    """
+    if "transformers" not in sys.modules:
+        return
+    from transformers import PreTrainedModel
+
+    for m in module.modules():
+        if isinstance(m, PreTrainedModel):
+            if on:
+                m.__dict__["_is_fsdp_managed_module"] = True
+            else:
+                m.__dict__.pop("_is_fsdp_managed_module", None)
 
 
 # ================================================================ initialisation

@@ -32,6 +32,7 @@ from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory.full_params import full_parameters
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.schedule.growth import input_bytes
+from .hf import keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
 from .toggles import follow_toggles
@@ -274,6 +275,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             weights=weights,
         )
         self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
+        if self.world_size > 1:  # [Note: generation on several ranks] in hf.py
+            keep_generation_in_step(module, True)
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
         emas = [cb for cb in trainer.callbacks if isinstance(cb, ChunkEMA)]  # type: ignore[attr-defined]
@@ -408,6 +411,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             self.precision_plugin.attach(None, self.root_device)
             self.engine = None
         if self.lightning_module is not None:
+            keep_generation_in_step(self.lightning_module, False)
             for name in ("toggle_optimizer", "untoggle_optimizer"):  # [Note: toggled optimizers]: the class's again
                 self.lightning_module.__dict__.pop(name, None)
             # configure_model or setup failed while tensors were on the meta device: Lightning's teardown moves the

@@ -60,3 +60,14 @@ def test_the_defaults_with_accumulation_and_a_resume_agree_with_ddp(run):
     for rank in (0, 1):
         stats = json.loads((tmp_path / "out" / f"defaults_stats{rank}.json").read_text())
         assert stats["evictions"] > 0 and stats["device_chunk_bytes_peak"] <= 1_600_000
+
+
+def test_generate_on_two_ranks_of_different_lengths_gives_the_plain_model_s_tokens(run):
+    """[Note: generation on several ranks]: 3 and 7 new tokens, greedy, under an evicting limit, equal to the plain
+    model's; with synced_gpus=False forced, every rank fails within the 10 s timeout, naming a chunk collective."""
+    _, log = run
+    assert "CASE-DONE hf_generate rank=0" in log and "CASE-DONE hf_generate rank=1" in log, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("UNSYNCED-ERROR")]
+    assert len(errors) == 2 and "UNSYNCED-NO-ERROR" not in log, log[-3000:]
+    for line in errors:
+        assert float(line.split()[2]) < 60 and "chunk" in line, line

@@ -3,6 +3,9 @@ every rank) against chunk_offload (built on the meta device, each rank reading i
 
 - ``hf_gpt2``: GPT-2 under a device limit that evicts, fixed chunk size; chunk_offload saves a sharded checkpoint
   at the end.
+- ``hf_generate``: ``generate()`` in ``validation_step``, each rank a different number of tokens, under an evicting
+  limit: the tokens the plain model generates ([Note: generation on several ranks]). Last, with ``synced_gpus=False``
+  passed as a user may: an error naming a chunk collective within the timeout, not a hang (the run ends there).
 - ``hf_defaults``: what a user gets by default (automatic chunk size, placement auto) on a Llama, whose norms are
   registered after the layers they run before, under a device limit, with gradient accumulation, stopped at step 4
   and resumed from that checkpoint to step 8, against DDP stopped and resumed the same way.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -85,6 +89,55 @@ def defaults_case(out: Path, pretrained: str) -> None:
     print(f"CASE-DONE hf_defaults rank={t.global_rank}", flush=True)
 
 
+def generating(synced: bool | None):
+    class Generates(load_example().CausalLM):
+        """Each rank generates ``3 + 4 * rank`` tokens from the first 8 of each validation batch."""
+
+        def on_validation_start(self) -> None:
+            self.generated = []
+
+        def validation_step(self, batch, batch_idx):
+            prompt, n = batch[:1, :8], 3 + 4 * self.global_rank
+            kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, synced_gpus=synced)
+            self.generated.append((prompt, n, self.model.generate(prompt, **kw)))
+
+    return Generates
+
+
+def validate(model: L.LightningModule, timeout_s: float) -> L.Trainer:
+    strategy = ChunkOffloadStrategy(
+        device_memory_limit=DEFAULTS_LIMIT,
+        memory=MemoryOptions(chunk_numel=16384),
+        checks=CheckOptions(collective_timeout_s=timeout_s),
+    )
+    t = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, limit_val_batches=2)
+    t.validate(model, Batches(n=64), verbose=False)
+    return t
+
+
+def generate_case(pretrained: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = generating(None)(pretrained=pretrained)
+    t = validate(model, 60)
+    plain = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    assert len(model.generated) == 2
+    for prompt, n, got in model.generated:
+        want = plain.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want), (got, want)
+        assert got.shape[1] == 8 + n
+    print(f"CASE-DONE hf_generate rank={t.global_rank}", flush=True)
+
+
+def unsynced_generate_case(pretrained: str) -> None:
+    start = time.monotonic()
+    try:
+        validate(generating(False)(pretrained=pretrained), 10)
+        print("UNSYNCED-NO-ERROR", flush=True)
+    except Exception as e:  # the ranks must fail, and say where
+        print(f"UNSYNCED-ERROR after {time.monotonic() - start:.1f} s: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
+
 if __name__ == "__main__":
     out, pretrained, llama = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     _, ref = fit(DDPStrategy(), pretrained, enable_checkpointing=False)
@@ -101,4 +154,5 @@ if __name__ == "__main__":
         torch.save({"ref": ref.state_dict(), "got": got.state_dict()}, out / "params.pt")
     print(f"CASE-DONE hf_gpt2 rank={rank}", flush=True)
     defaults_case(out, llama)
-    torch.distributed.destroy_process_group()
+    generate_case(llama)
+    unsynced_generate_case(llama)  # last: a failed collective ends the process when it exits
