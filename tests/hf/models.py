@@ -92,3 +92,18 @@ class Batches(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self.train_dataloader()
+
+
+def generating(synced: bool | None):
+    class Generates(load_example().CausalLM):
+        """Each rank generates ``3 + 4 * rank`` tokens from the first 8 of each validation batch."""
+
+        def on_validation_start(self) -> None:
+            self.generated = []
+
+        def validation_step(self, batch, batch_idx):
+            prompt, n = batch[:1, :8], 3 + 4 * self.global_rank
+            kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, synced_gpus=synced)
+            self.generated.append((prompt, n, self.model.generate(prompt, **kw)))
+
+    return Generates

@@ -227,3 +227,21 @@ def test_hf_init_applies_ancestor_rules_to_the_module_alone_and_lets_temporaries
     assert toy.block.a.weight.eq(3.0).all() and toy.block.b.weight.eq(0.0).all()
     init(toy.block.b)
     assert toy.block.b.weight.eq(7.0).all() and toy.block.a.weight.eq(3.0).all()
+
+
+def test_generate_under_an_evicting_limit_gives_the_plain_model_s_tokens(pretrained):
+    """One rank, ``generate()`` in ``validation_step`` with every chunk gathered for its module alone (an evaluation
+    without a training trace): greedy tokens equal to the plain model's. Two ranks: tests/hf/test_two_ranks.py."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf.models import generating
+
+    model = generating(None)(pretrained=str(pretrained["llama"]))
+    strategy = ChunkOffloadStrategy(device_memory_limit=LIMITS["llama"], memory=MemoryOptions(chunk_numel=16384))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, limit_val_batches=2)
+    trainer.validate(model, Batches(), verbose=False)
+    plain = AutoModelForCausalLM.from_pretrained(pretrained["llama"]).eval()
+    assert len(model.generated) == 2 and strategy.memory_stats()["evictions"] > 0
+    for prompt, n, got in model.generated:
+        want = plain.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want) and got.shape[1] == 8 + n

@@ -35,7 +35,7 @@ from lightning_chunk import (  # noqa: E402
     MemoryOptions,
     OffloadOptions,
 )
-from tests.hf.models import Batches, load_example  # noqa: E402
+from tests.hf.models import Batches, generating, load_example  # noqa: E402
 
 STEPS, LIMIT = 6, 3_000_000
 DEFAULTS_LIMIT = 1_600_000  # the tiny Llama's activations are 1.2 MB a rank: little room is left for chunks
@@ -87,21 +87,6 @@ def defaults_case(out: Path, pretrained: str) -> None:
     if t.global_rank == 0:
         torch.save(final, out / "defaults.pt")
     print(f"CASE-DONE hf_defaults rank={t.global_rank}", flush=True)
-
-
-def generating(synced: bool | None):
-    class Generates(load_example().CausalLM):
-        """Each rank generates ``3 + 4 * rank`` tokens from the first 8 of each validation batch."""
-
-        def on_validation_start(self) -> None:
-            self.generated = []
-
-        def validation_step(self, batch, batch_idx):
-            prompt, n = batch[:1, :8], 3 + 4 * self.global_rank
-            kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, synced_gpus=synced)
-            self.generated.append((prompt, n, self.model.generate(prompt, **kw)))
-
-    return Generates
 
 
 def validate(model: L.LightningModule, timeout_s: float) -> L.Trainer:
