@@ -126,6 +126,7 @@ class ChunkConfig:
     step_in_backward: bool | None = None
     leaf_modules: tuple[type | str, ...] = ()
     keep_freed_heap: bool = True
+    frozen_in_compute_dtype: bool = False  # [Note: frozen weights in the compute dtype]
 
     check_invariants: bool = False
     """Re-derive the byte accounting from the chunks after every manager operation (slow; tests)."""
@@ -226,6 +227,7 @@ class ChunkConfig:
             "sharded_accumulation",
             "replan_when_inputs_grow",
             "keep_freed_heap",
+            "frozen_in_compute_dtype",
             "check_invariants",
         ):
             if not isinstance(getattr(self, name), bool):
@@ -293,6 +295,9 @@ class DtypePolicy:
     own_dtype_modules: tuple[type, ...] = OWN_DTYPE_MODULES
     """modules whose parameters compute in their own dtype whatever ``compute_dtype`` says."""
 
+    frozen_in_compute_dtype: bool = False
+    """frozen chunks keep one copy, in the compute dtype ([Note: frozen weights in the compute dtype])."""
+
     def compute_for(self, param_dtype: torch.dtype, *, own_dtype: bool = False) -> torch.dtype:
         return param_dtype if own_dtype else self.compute_dtype or param_dtype
 
@@ -308,5 +313,19 @@ class DtypePolicy:
             for p in m.parameters(recurse=False)
         )
 
-    def master_for(self, param_dtype: torch.dtype) -> torch.dtype:
+    def master_for(self, param_dtype: torch.dtype, *, trainable: bool = True, own_dtype: bool = False) -> torch.dtype:
+        """The dtype of a chunk's master shard.
+
+        [Note: frozen weights in the compute dtype]
+        A frozen parameter is never stepped: its fp32 master serves only what reads the weights outside a forward
+        (checkpoints, the values after fit, a later unfreeze), since every forward reads the payload, in the
+        compute dtype. So under ``bf16-mixed`` a frozen chunk held 6 bytes a parameter (fp32 master, bf16 copy)
+        where its forward needs 2: a LoRA fine-tune's frozen base cost three times its compute copy (pytorch
+        #91165, DeepSpeed #3948). With ``frozen_in_compute_dtype`` a frozen chunk's master is its compute copy,
+        one buffer in the compute dtype, as a 32-true chunk's is: training is the same bit for bit (the payload
+        is the same rounding of the same values), but what is saved, consolidated or given back after fit for a
+        frozen parameter is that rounding, and a parameter unfrozen later starts from it. So it is the user's
+        choice, off by default: a checkpoint of frozen fp32 weights keeps them whole unless asked."""
+        if not trainable and self.frozen_in_compute_dtype:
+            return self.compute_for(param_dtype, own_dtype=own_dtype)
         return self.master_dtype or param_dtype

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions  # noqa: E402
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions  # noqa: E402
 from tests.hf.models import Batches, save_pretrained  # noqa: E402
 
 LIMIT = 1_700_000  # the tiny Llama's traced activations and a few chunks: placement evicts every step
@@ -34,7 +34,7 @@ class LoRA(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
-def fit(strategy, pretrained) -> tuple[LoRA, L.Trainer]:
+def fit(strategy, pretrained, **trainer_kw) -> tuple[LoRA, L.Trainer]:
     L.seed_everything(3, verbose=False)
     model = LoRA(str(pretrained))
     t = L.Trainer(
@@ -46,6 +46,7 @@ def fit(strategy, pretrained) -> tuple[LoRA, L.Trainer]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **trainer_kw,
     )
     t.fit(model, Batches())
     return model, t
@@ -73,3 +74,25 @@ def test_lora_with_peft_trains_like_plain_lightning_and_its_frozen_base_holds_no
     # a parameter; the LoRA run 5.1
     held = stats["device_chunk_bytes"] + stats["host_chunk_bytes"]
     assert held <= 4 * frozen + 16 * trainable + 16 * stats["padding_numel"], (held, trainable, frozen)
+
+
+def test_frozen_weights_in_the_compute_dtype_cost_a_third_and_train_the_same(tmp_path):
+    """[Note: frozen weights in the compute dtype]: under bf16-mixed the frozen base keeps one bf16 copy, 2 bytes a
+    parameter instead of 6 (an fp32 master beside it); the adapters train bit for bit as without it, and the frozen
+    weights come back after fit as the bf16 rounding of the pretrained ones."""
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+    runs = {}
+    for on in (False, True):
+        strategy = ChunkOffloadStrategy(
+            device_memory_limit=LIMIT, memory=MemoryOptions(chunk_numel=16384, frozen_in_compute_dtype=on)
+        )
+        model, _ = fit(strategy, pretrained, plugins=[ChunkPrecision("bf16-mixed")])
+        stats = strategy.memory_stats()
+        runs[on] = model, stats["device_chunk_bytes"] + stats["host_chunk_bytes"], stats["padding_numel"]
+    (off, held_off, _), (got, held_on, padding) = runs[False], runs[True]
+    frozen = sum(p.numel() for p in got.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in got.parameters() if p.requires_grad)
+    for (n, a), (_, b) in zip(off.named_parameters(), got.named_parameters(), strict=True):
+        want = a if a.requires_grad else a.to(torch.bfloat16).float()
+        torch.testing.assert_close(b, want, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+    assert held_on <= 2 * frozen + 16 * trainable + 6 * padding < held_off, (held_on, held_off, frozen, trainable)

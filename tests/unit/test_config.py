@@ -247,3 +247,21 @@ def test_reshard_after_forward_none_keeps_on_an_accelerator_only():
     assert resolve_reshard_after_forward(kept, cpu).reshard_after_forward is False
     assert resolve_reshard_after_forward(host.replace(reshard_after_forward=True), cuda).reshard_after_forward is True
     assert resolve_reshard_after_forward(ChunkConfig(placement="auto"), cpu).reshard_after_forward is None
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_a_frozen_chunk_costs_its_compute_copy_alone_when_asked(on):
+    """[Note: frozen weights in the compute dtype]: placement and `plan` see what the engine builds: under bf16-mixed
+    a frozen chunk of 1,024 elements on one rank is its bf16 payload (2 KiB) with the option, and that beside an fp32
+    master (6 KiB) without it; a trainable chunk keeps its fp32 master and gradient either way."""
+    from lightning_chunk.engine.chunks.packing import ChunkKey, ParamSpec, build_layout
+    from lightning_chunk.engine.config import DtypePolicy
+    from lightning_chunk.engine.schedule.costs import planned_views
+
+    frozen, trainable = ChunkKey(-1, False, torch.float32), ChunkKey(0, True, torch.float32)
+    specs = [ParamSpec(0, "base", 1024, frozen), ParamSpec(1, "adapter", 1024, trainable)]
+    layout = build_layout(specs, [0, 1], 1024, 1)
+    dtypes = DtypePolicy(torch.bfloat16, torch.float32, frozen_in_compute_dtype=on)
+    base, adapter = planned_views(layout, dtypes, {0: 8})
+    assert base.device_shard_bytes == (2 if on else 6) * 1024
+    assert adapter.device_shard_bytes == (2 + 4 + 4 + 8) * 1024  # payload, master, gradient, Adam's moments

@@ -304,7 +304,7 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
         rank=mgr.comm.rank,
         world_size=mgr.comm.world_size,
         compute_dtype=mgr.dtypes.compute_for(own_dtype, own_dtype=spec.key.own_dtype),
-        master_dtype=mgr.dtypes.master_for(own_dtype),
+        master_dtype=mgr.dtypes.master_for(own_dtype, trainable=spec.key.requires_grad, own_dtype=spec.key.own_dtype),
         shard_tier=tier,
     )
     lo, hi = chunk.shard_range

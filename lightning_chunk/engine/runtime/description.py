@@ -6,6 +6,7 @@ chooser, and allocates nothing and changes nothing in the process. ``ChunkEngine
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ class EngineDescription:
                 "layers their sizes."
             )
         group_of, offsets = _param_groups(named, optimizers)
-        dtypes = dtypes or DtypePolicy()
+        dtypes = dataclasses.replace(dtypes or DtypePolicy(), frozen_in_compute_dtype=config.frozen_in_compute_dtype)
         keep = dtypes.own_dtype_params(module)
         manager = ChunkManager(
             named,
