@@ -480,3 +480,16 @@ def test_offload_states_benchmark_times_round_trips_on_one_and_two_ranks(tmp_pat
     for r in res["rows"]:
         assert r["device_bytes"] > 0 and r["offloaded_bytes"] == 0 and r["reloaded_bytes"] == r["device_bytes"]
         assert len(r["trips"]) == 2 and r["vs_floor"] > 0
+
+
+def test_lora_benchmark_measures_bytes_a_parameter_against_a_full_fine_tune(tmp_path):
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    args = ["--hidden", "64", "--layers", "2", "--vocab", "512", "--context", "32", "--steps", "3", "--ranks", "1"]
+    res = load("lora").main([*args, "--out", str(out)])
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["full", "lora", "lora, frozen in bf16"] and rows["full"]["vs_full"] == 1.0
+    # fp32 master, gradient and Adam's moments beside a bf16 payload for the full fine-tune; the base's master and bf16
+    # copy for LoRA; one bf16 copy with the frozen weights in bf16
+    assert rows["lora, frozen in bf16"]["bytes_a_param"] < rows["lora"]["bytes_a_param"] < rows["full"]["bytes_a_param"]
+    assert res["rows"] == list(rows.values())
