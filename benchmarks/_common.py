@@ -194,6 +194,17 @@ def step_timer(times: list[float]) -> Any:
     return StepTimer()
 
 
+def quiet_trainer(ranks: int, strategy: Any, steps: int, **kw: Any) -> Any:
+    """A CPU ``Trainer`` that trains ``steps`` steps and writes, logs and validates nothing: what a script times."""
+    import lightning as L
+
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    evaluation = dict(limit_val_batches=0, num_sanity_val_steps=0)
+    return L.Trainer(
+        accelerator="cpu", devices=ranks, strategy=strategy, max_steps=steps, **{**quiet, **evaluation, **kw}
+    )
+
+
 def proc_bytes(field: str, pid: str = "self") -> int:
     """A byte count from /proc/PID/status (``VmHWM``: peak resident set; ``VmRSS``: resident now); 0 if gone."""
     try:

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import clean_env, run_or_child, run_ranks, step_timer  # noqa: E402
+from _common import clean_env, quiet_trainer, run_or_child, run_ranks, step_timer  # noqa: E402
 
 ROWS = ("full", "lora", "lora, frozen in bf16")
 
@@ -71,17 +71,8 @@ def child(args: argparse.Namespace) -> None:
     strategy = ChunkOffloadStrategy(
         memory=MemoryOptions(frozen_in_compute_dtype=row.endswith("bf16")), checks={"log_memory_stats": False}
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=ranks,
-        strategy=strategy,
-        plugins=[ChunkPrecision("bf16-mixed")],
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[step_timer(times)],
+    trainer = quiet_trainer(
+        ranks, strategy, args.steps, plugins=[ChunkPrecision("bf16-mixed")], callbacks=[step_timer(times)]
     )
     data = torch.randint(0, args.vocab, (args.steps * args.batch * ranks, args.context))
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import clean_env, gpt_parser, make_gpt, run_or_child, run_ranks  # noqa: E402
+from _common import clean_env, gpt_parser, make_gpt, quiet_trainer, run_or_child, run_ranks  # noqa: E402
 
 
 def child(args: argparse.Namespace) -> None:
@@ -60,19 +60,8 @@ def child(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     model = make_gpt(args)
     data = torch.randint(0, 256, (args.steps * args.batch * ranks, args.context + 1))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=ranks,
-        strategy=ChunkOffloadStrategy(placement="device", checks={"log_memory_stats": False}),
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[RoundTrips()],
-    )
+    strategy = ChunkOffloadStrategy(placement="device", checks={"log_memory_stats": False})
+    trainer = quiet_trainer(ranks, strategy, args.steps, callbacks=[RoundTrips()])
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
     if trainer.global_rank == 0:
         params = sum(p.numel() for p in model.parameters())
