@@ -485,7 +485,7 @@ def test_offload_states_benchmark_times_round_trips_on_one_and_two_ranks(tmp_pat
 def test_lora_benchmark_measures_bytes_a_parameter_against_a_full_fine_tune(tmp_path):
     pytest.importorskip("peft")
     out = tmp_path / "lora.json"
-    args = ["--hidden", "64", "--layers", "2", "--vocab", "512", "--context", "32", "--steps", "3", "--ranks", "1"]
+    args = ["--hidden", "64", "--layers", "2", "--vocab", "512", "--context", "32", "--steps", "2", "--ranks", "1"]
     res = load("lora").main([*args, "--out", str(out)])
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["full", "lora", "lora, frozen in bf16"] and rows["full"]["vs_full"] == 1.0

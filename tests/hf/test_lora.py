@@ -52,7 +52,12 @@ def fit(strategy, pretrained, **trainer_kw) -> tuple[LoRA, L.Trainer]:
     return model, t
 
 
-def test_lora_with_peft_trains_like_plain_lightning_and_its_frozen_base_holds_no_training_state(tmp_path):
+def test_lora_with_peft_trains_like_plain_lightning_holds_no_state_for_its_base_and_exports(tmp_path):
+    """Bit for bit plain Lightning's adapters under an evicting limit; the frozen base holds one copy; after fit the
+    module is plain, so peft's ``save_pretrained`` writes the adapters alone and ``merge_and_unload`` the merged
+    model, both loading back with the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
     pretrained = save_pretrained("llama", tmp_path / "llama")
     ref, _ = fit("auto", pretrained)
     strategy = ChunkOffloadStrategy(
@@ -74,6 +79,19 @@ def test_lora_with_peft_trains_like_plain_lightning_and_its_frozen_base_holds_no
     # a parameter; the LoRA run 5.1
     held = stats["device_chunk_bytes"] + stats["host_chunk_bytes"]
     assert held <= 4 * frozen + 16 * trainable + 16 * stats["padding_numel"], (held, trainable, frozen)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = got.model.eval()(input_ids=x).logits
+        got.model.save_pretrained(tmp_path / "adapters")
+        base = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+        adapters = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+        torch.testing.assert_close(adapters(input_ids=x).logits, want, rtol=0, atol=0)
+        got.model.merge_and_unload().save_pretrained(tmp_path / "merged")
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
+        torch.testing.assert_close(merged(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
+    adapter_file = tmp_path / "adapters" / "adapter_model.safetensors"  # the adapters alone, not the base
+    assert (tmp_path / "adapters" / "adapter_config.json").is_file()
+    assert adapter_file.stat().st_size < 4 * sum(p.numel() for p in got.parameters()) / 10
 
 
 def test_frozen_weights_in_the_compute_dtype_cost_a_third_and_train_the_same(tmp_path):
@@ -96,26 +114,3 @@ def test_frozen_weights_in_the_compute_dtype_cost_a_third_and_train_the_same(tmp
         want = a if a.requires_grad else a.to(torch.bfloat16).float()
         torch.testing.assert_close(b, want, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
     assert held_on <= 2 * frozen + 16 * trainable + 6 * padding < held_off, (held_on, held_off, frozen, trainable)
-
-
-def test_after_fit_the_adapters_and_the_merged_model_export_with_peft_s_own_calls(tmp_path):
-    """The module is plain after fit: peft's ``save_pretrained`` writes the adapters alone and ``merge_and_unload``
-    the merged model, and both load back with the trained model's logits."""
-    from transformers import AutoModelForCausalLM
-
-    pretrained = save_pretrained("llama", tmp_path / "llama")
-    strategy = ChunkOffloadStrategy(device_memory_limit=LIMIT, memory=MemoryOptions(chunk_numel=16384))
-    got, _ = fit(strategy, pretrained)
-    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = got.model.eval()(input_ids=x).logits
-        got.model.save_pretrained(tmp_path / "adapters")
-        base = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
-        adapters = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
-        torch.testing.assert_close(adapters(input_ids=x).logits, want, rtol=0, atol=0)
-        got.model.merge_and_unload().save_pretrained(tmp_path / "merged")
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
-        torch.testing.assert_close(merged(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
-    adapter_file = tmp_path / "adapters" / "adapter_model.safetensors"  # the adapters alone, not the base
-    assert (tmp_path / "adapters" / "adapter_config.json").is_file()
-    assert adapter_file.stat().st_size < 4 * sum(p.numel() for p in got.parameters()) / 10
