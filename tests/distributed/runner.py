@@ -39,7 +39,7 @@ from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume
 from tests.models import ParityNet, token_data  # noqa: E402
 
 WORLD = int(os.environ.get("WORLD_SIZE", 2))  # read once: Lightning's teardown deletes the variable
-STEPS = 24  # a case's own "steps" shortens it: the wide models' cases run 8 (warm-up, repack, six steady steps)
+STEPS = 16  # a case's own "steps" shortens it: the wide models' cases run 8 (warm-up, repack, six steady steps)
 BIG = dict(dim=64, hidden=1024)
 # enough chunks that the whole gradient is many times the few payloads in flight
 ACCUMULATE = dict(

@@ -3,7 +3,7 @@ most (shards of a quarter, a parameter used on some ranks only, ranks whose limi
 
 Two ranks' gradients sum bit-exactly in any order (a + b); four do not, and gloo's all-reduce sums a DDP bucket and
 a chunk's gradient payload in segments of their own, so an element's four terms meet in another order: parity is to
-fp32 rounding, which Adam carries through 24 steps: most elements agree to 2.4e-7, and one in ten thousand, whose
+fp32 rounding, which Adam carries through 16 steps: most elements agree to 2.4e-7, and one in ten thousand, whose
 second moment is tiny, moves by 2e-5. So each parameter's distance from DDP's is compared with how far training moved
 it: a thousandth of it at most (a wrong reduction, a chunk paired with another, moves it by its whole size)."""
 
