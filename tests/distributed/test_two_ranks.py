@@ -87,7 +87,7 @@ EARLY_TWINS = {
 }
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
-# reduces once (a last-bit difference that Adam carries through 24 steps: the tolerance the one-rank suite
+# reduces once (a last-bit difference that Adam carries through the steps: the tolerance the one-rank suite
 # gives the fused kernel's rounding). sharded_accumulation=False sums as DDP does and is bit-exact.
 ROUNDING = {
     "clip_norm": dict(rtol=1e-5, atol=1e-6),
