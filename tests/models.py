@@ -345,6 +345,8 @@ class OffloadAndReload(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step in self.offload_at:
+            reducer = trainer.strategy.engine.manager.reducer  # the traced reduce schedule survives the round trip
+            self.schedule = (list(reducer._order), reducer._due)
             trainer.strategy.offload_states()
             self.seen.append(("offloaded", trainer.strategy.memory_stats()["device_chunk_bytes"]))
 
@@ -352,6 +354,8 @@ class OffloadAndReload(L.Callback):
         if trainer.global_step in self.reload_at:
             trainer.strategy.reload_states()
             self.seen.append(("reloaded", trainer.strategy.memory_stats()["device_chunk_bytes"]))
+            reducer = trainer.strategy.engine.manager.reducer
+            assert (list(reducer._order), reducer._due) == self.schedule, "the reduce schedule was not kept"
 
 
 class FlipRequiresGrad(L.Callback):

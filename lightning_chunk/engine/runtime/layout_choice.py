@@ -103,7 +103,10 @@ class LayoutChooser:
             return None
         dtypes = self.manager.dtypes
         per_elem = max(
-            2 * torch.empty((), dtype=dtypes.master_for(s.key.dtype, trainable=s.key.requires_grad)).element_size()
+            2
+            * torch.empty(
+                (), dtype=dtypes.master_for(s.key.dtype, trainable=s.key.requires_grad, own_dtype=s.key.own_dtype)
+            ).element_size()
             + self._optim_bytes.get(s.key.group, 0)
             for s in specs
         )  # master, gradient, optimizer state

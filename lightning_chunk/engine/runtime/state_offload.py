@@ -71,7 +71,10 @@ class StateOffload:
         check_stray_writes(mgr)  # a write into a payload outside a step would be lost with it
         for b in eng.bindings:  # a zero_grad() since the last step cleared what the repack would carry
             b.slots.sync_zero_grad()
-        views, planned = eng.description.plan_tiers(mgr.layout, eng.hooks.moments.trace)
+        trace = eng.hooks.moments.trace
+        views, planned = eng.description.plan_tiers(mgr.layout, trace)
         eng._place(mgr.layout, views, planned if tiers is None else tiers)
+        if trace is not None:  # the pack reset the reduce schedule to its untraced default, as after any re-place
+            mgr.grads.follow_trace(trace)
         eng._backward_ends()  # the views hold the gradients they held, as after any repack
         release_freed_memory()
