@@ -5,10 +5,12 @@ state (``"full"``); either loads straight into the chunks, on any world size ([N
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
@@ -22,6 +24,7 @@ from .engine.state.checkpoint import (
     offered_state_dict,
     placeholder_state_dict,
     save_sharded,
+    when_saved,
 )
 from .engine.system.atomic import remove_dir
 from .parallel import OneProcessPerDevice
@@ -77,16 +80,24 @@ class ChunkCheckpoints(OneProcessPerDevice):
             with_optimizer="optimizer_states" in checkpoint,
             version=__version__,
             state_dict=checkpoint.get("state_dict", {}),
+            # Lightning's plugin for saves that do not hold training up: written beside it ([Note: training
+            # beside a save] in engine/state/background_save.py)
+            background=isinstance(self.checkpoint_io, AsyncCheckpointIO),
         )
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """A sharded checkpoint is renamed to a hidden name before it is deleted: a kill midway through the
         deletion (ModelCheckpoint dropping an older top-k) never leaves a half-deleted directory that looks like a
-        checkpoint; see [Note: replacing a checkpoint directory]."""
+        checkpoint; see [Note: replacing a checkpoint directory]. While a save is written in the background the
+        deletion waits for it to be complete, and is dropped if it fails."""
         if not is_sharded_checkpoint(filepath):
             return super().remove_checkpoint(filepath)
         if self.is_global_zero:
-            remove_dir(Path(filepath))
+            remove = functools.partial(remove_dir, Path(filepath))
+            if self.engine is not None:
+                when_saved(self.engine, remove)
+            else:
+                remove()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded directory or a plain Lightning file straight into the chunks (any world size)."""

@@ -493,3 +493,14 @@ def test_lora_benchmark_measures_bytes_a_parameter_against_a_full_fine_tune(tmp_
     # copy for LoRA; one bf16 copy with the frozen weights in bf16
     assert rows["lora, frozen in bf16"]["bytes_a_param"] < rows["lora"]["bytes_a_param"] < rows["full"]["bytes_a_param"]
     assert res["rows"] == list(rows.values())
+
+
+def test_checkpoint_stall_benchmark_times_a_save_synchronous_and_in_the_background(tmp_path):
+    out = tmp_path / "stall.json"
+    res = load("checkpoint_stall").main(
+        ["--width", "64", "--depth", "2", "--shapes", "16x2", "--steps", "4", "--out", str(out)]
+    )
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    (row,) = res["rows"]
+    assert row["none"]["stall_s"] == 0 < row["background"]["stall_s"] and row["sync"]["stall_s"] > 0
+    assert "aside_bytes" in row["background"] and row["stall_vs_sync"] > 0

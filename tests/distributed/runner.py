@@ -437,9 +437,13 @@ class LogsRank(ParityNet):
 
 
 def run_resume(out: Path) -> None:
-    """8 steps with a checkpoint written during fit (collectives on every rank, rank 0 writes), resumed to 12. Each
-    rank counts the elements of saved chunks it asked to read, against those the checkpoint holds."""
+    """8 steps with checkpoints written during fit at steps 4 and 8 (collectives on every rank, rank 0 writes),
+    resumed from step 4 to 12. chunk_offload writes them in the background (Lightning's ``AsyncCheckpointIO``),
+    so step 4's is written while steps 5 to 8 train. Each rank counts the elements of saved chunks it asked to
+    read, against those the checkpoint holds."""
     import shutil
+
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     from lightning_chunk.engine.state import saved_chunks
 
@@ -471,14 +475,15 @@ def run_resume(out: Path) -> None:
         ckdir = out / f"ckpt_{name}"
         L.seed_everything(11, verbose=False)
         model = LogsRank()
-        cb = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=8, save_top_k=-1, filename="{step}")
-        t = trainer(make(), steps=8, callbacks=[cb], enable_checkpointing=True, limit_val_batches=1.0)
+        cb = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+        plugins = [AsyncCheckpointIO()] if name == "chunk" else []
+        t = trainer(make(), steps=8, callbacks=[cb], enable_checkpointing=True, limit_val_batches=1.0, plugins=plugins)
         t.fit(model, token_data())
         metrics = t.validate(model, dataloaders=token_data(8), verbose=False)
         L.seed_everything(11, verbose=False)
         resumed = LogsRank()
         t2 = trainer(make(), steps=12)
-        t2.fit(resumed, token_data(), ckpt_path=ckdir / "step=8.ckpt")
+        t2.fit(resumed, token_data(), ckpt_path=ckdir / "step=4.ckpt")
         opt = {f"opt.{k}.{n}": v for k, st in t2.optimizers[0].state_dict()["state"].items() for n, v in st.items()}
         results[name] = ({**{k: v.clone() for k, v in resumed.state_dict().items()}, **opt}, metrics[0]["rank_mean"])
         if t2.global_rank == 0:

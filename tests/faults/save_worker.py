@@ -7,7 +7,9 @@ and saves it to ``DIR/last.ckpt``. ``KILL`` is ``none``, or ``<rank>:<event>:<wh
 reaches its ``<event>``-th file-system or collective event of the save, it SIGKILLs itself (``who=one``) or
 every rank (``who=all``) before that event happens. Append ``:fallback`` to refuse ``renameat2`` and exercise
 the two-rename fallback. With ``KILL=count`` the save runs to the end and each rank prints ``EVENTS <n>``
-and the name of each event. The engine is imported without the package's Lightning glue.
+and the name of each event. A ``KILL`` ending in ``+bg`` writes the save in the background while the ranks train
+one more step (which the checkpoint must not see), then waits for it. The engine is imported without the
+package's Lightning glue.
 
     RANK=r ... python save_worker.py --zygote
 
@@ -54,7 +56,7 @@ def build(steps: int):
     rank = comm.rank
     for i in range(steps):
         step(eng, model, opt, torch.randn(4, 40, generator=torch.Generator().manual_seed(100 * i + rank)))
-    return eng, comm
+    return eng, model, opt, comm
 
 
 class Events:
@@ -101,15 +103,26 @@ class Events:
         wrap(Collectives, "failed_ranks", "agreement")
 
 
+def save(eng, model, opt, comm, path: Path, steps: int, background: bool) -> None:
+    """Save the state after ``steps`` steps; ``background``: written beside one more training step, whose
+    changes the checkpoint must not see, then waited for (where a failure of the save is raised)."""
+    checkpoint.save_sharded(eng, path, {"steps": steps}, with_optimizer=True, background=background)
+    if background:
+        step(eng, model, opt, torch.randn(4, 40, generator=torch.Generator().manual_seed(100 * steps + comm.rank)))
+        eng.manager.readers.settle()
+
+
 def main(out: Path, steps: int, kill: str) -> None:
+    background = kill.endswith("+bg")
+    kill = kill.removesuffix("+bg")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    eng, comm = build(steps)
+    eng, model, opt, comm = build(steps)
     if kill.startswith(("fsize:", "enospc:")):
-        return save_fails_then_succeeds(eng, comm, out, steps, kill)
+        return save_fails_then_succeeds(eng, model, opt, comm, out, steps, kill, background)
     events = Events(comm, kill)
     events.install()
     try:
-        checkpoint.save_sharded(eng, out / "last.ckpt", {"steps": steps}, with_optimizer=True)
+        save(eng, model, opt, comm, out / "last.ckpt", steps, background)
     except Exception as e:  # noqa: BLE001 - the survivor of a killed peer reports and fails
         print(f"SAVE-FAILED rank={comm.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
@@ -119,7 +132,7 @@ def main(out: Path, steps: int, kill: str) -> None:
     dist.destroy_process_group()
 
 
-def save_fails_then_succeeds(eng, comm, out: Path, steps: int, how: str) -> None:
+def save_fails_then_succeeds(eng, model, opt, comm, out: Path, steps: int, how: str, background: bool) -> None:
     """``fsize:<rank>``: that rank may write only 8 kB a file (a real EFBIG from the kernel, as on a full disk);
     ``enospc:<rank>``: that rank's storage writer raises ENOSPC. The save must fail on every rank; then, with the
     limit gone, a second save of the same state must succeed."""
@@ -140,7 +153,7 @@ def save_fails_then_succeeds(eng, comm, out: Path, steps: int, how: str) -> None
 
             dcp_fs._write_item = full
     try:
-        checkpoint.save_sharded(eng, out / "last.ckpt", {"steps": steps}, with_optimizer=True)
+        save(eng, model, opt, comm, out / "last.ckpt", steps, background)
         print("UNEXPECTED-SUCCESS", flush=True)
     except checkpoint.CheckpointSaveError as e:
         print(f"SAVE-FAILED rank={comm.rank}: {e}", flush=True)
@@ -148,7 +161,9 @@ def save_fails_then_succeeds(eng, comm, out: Path, steps: int, how: str) -> None
     dcp_fs._write_item = original
     print("LEFT " + " ".join(sorted(p.name for p in out.iterdir())), flush=True)
     dist.barrier()  # every rank looked before rank 0 starts the next save's partial directory
-    checkpoint.save_sharded(eng, out / "last.ckpt", {"steps": steps}, with_optimizer=True)
+    if background:  # the training went on a step beside the failed save: back to the state the test expects
+        eng, model, opt, comm = build(steps)
+    save(eng, model, opt, comm, out / "last.ckpt", steps, background)
     print(f"SAVED rank={comm.rank}", flush=True)
     dist.destroy_process_group()
 

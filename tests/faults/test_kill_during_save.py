@@ -97,13 +97,13 @@ def check_after_kill(saves, out: Path, rank: int, event: int, who: str, results)
     return steps
 
 
-def kill_points(saves, tmp_path, points, who, mode=""):
-    names = saves["events"]
+def kill_points(saves, tmp_path, points, who, mode="", *, names=None, suffix=""):
+    names = names or saves["events"]
     seen = []
     for rank, event in points:
         out = tmp_path / f"{who}{mode}-{rank}-{event}"
         shutil.copytree(saves["a"], out / "last.ckpt")
-        results = run(out, 2, f"{rank}:{event}:{who}" + (f":{mode}" if mode else ""))
+        results = run(out, 2, f"{rank}:{event}:{who}" + (f":{mode}" if mode else "") + suffix)
         assert results[rank][0] != 0, f"rank {rank} was not killed at event {event}: {results[rank][2][-2000:]}"
         steps = check_after_kill(saves, out, rank, event, who, results)
         seen.append((rank, event, names[rank][event - 1] if event <= len(names[rank]) else "?", steps))
@@ -147,3 +147,16 @@ def test_the_next_save_after_a_kill_clears_what_it_left(saves, tmp_path):
     events_of(run(out, 2, "count"))
     assert sorted(p.name for p in out.iterdir()) == ["last.ckpt"]
     assert same_tensors(saved_tensors(out / "last.ckpt"), saves["tensors"][2])
+
+
+def test_a_save_written_in_the_background_is_as_safe_against_kills(saves, tmp_path):
+    # the save runs on its own thread while the ranks train a third step it must not see; killed at a sample of
+    # its events (every rank, then one), "last" is A or the two-step B, bit for bit, and the exchange commits
+    count = tmp_path / "count"
+    shutil.copytree(saves["a"], count / "last.ckpt")
+    events = events_of(run(count, 2, "count+bg"))
+    assert same_tensors(saved_tensors(count / "last.ckpt"), saves["tensors"][2])
+    seen = kill_points(saves, tmp_path, schedule(events, 8, "all", seed=3), "all", names=events, suffix="+bg")
+    exchange_at = events[0].index("exchange") + 1
+    assert all(steps == (1 if event <= exchange_at else 2) for _, event, _, steps in seen), seen
+    kill_points(saves, tmp_path, schedule(events, 6, "one", seed=4), "one", names=events, suffix="+bg")

@@ -22,6 +22,7 @@ bounded, so a divergence fails the test with an error instead of hanging it. The
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -250,6 +251,22 @@ class RankGroup:
         if getattr(self, "_host_group", None) is None:
             self._host_group = gloo_group_over(self.group)
         return self._host_group
+
+    def beside(self: G) -> G:
+        """This group's ranks over a gloo group of their own, made on first use (every rank calls it together):
+        for the collectives of a thread that runs beside training, such as a save written in the background,
+        which must never pair with the chunk collectives. No agreement tags and no step clock (the training
+        thread's)."""
+        if self.world_size == 1:
+            return self
+        side = getattr(self, "_beside", None)
+        if side is None:
+            side = copy.copy(self)
+            side.group = side._host_group = gloo_group_over(self.group, self.timeout_s)
+            side._tag_device = torch.device("cpu")
+            side.agreement, side._op_groups, side.clock = None, {}, None
+            self._beside = side
+        return side
 
     def wait_for(self, work: Any, what: str) -> None:
         """A bounded wait for a small collective (charged to ``sync_wait``)."""

@@ -97,6 +97,7 @@ def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool, room: int | No
 def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unchanged: bool = False) -> None:
     """Overwrite masters (and compute copies) with whole values; each rank keeps its own piece. ``keep_unchanged``:
     an element equal to its master cast to the value's dtype keeps the master's (finer) value."""
+    mgr.readers.before_change()  # a save running beside training has what it reads first
     for chunk in mgr.chunks:
         lo, _ = chunk.shard_range
         touched = False
@@ -164,12 +165,16 @@ def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key
     lo, _ = chunk.shard_range
     # on the host: checkpoints write it from there and repacks gather it from there; building it on the
     # device would stage the whole optimizer state of an offloaded run in device memory
-    shard = torch.zeros(chunk.shard_numel, dtype=parts.keys[key])
-    for t in chunk.tensors:
+    shard = torch.empty(chunk.shard_numel, dtype=parts.keys[key])
+    filled = 0  # the shard's elements are written once each: the pieces copied, the rest (padding, no state) zeroed
+    for t in sorted(chunk.tensors, key=lambda t: t.offset):
         st = parts.local.get(t.slot.param_index)
         a, b = _pieces(mgr, chunk, t)
         if st is not None and key in st and a < b:
+            shard[filled : a - lo].zero_()
             shard[a - lo : b - lo].copy_(st[key].reshape(-1))
+            filled = b - lo
+    shard[filled:].zero_()
     return shard
 
 

@@ -34,6 +34,7 @@ from ..tiers.pool import BlockPool
 from ..tiers.tier_set import TierSet
 from .grads import ChunkGrads
 from .ledger import Ledger
+from .shard_readers import ShardReaders
 
 S = TensorState
 _HOST = torch.device("cpu")
@@ -108,6 +109,7 @@ class ChunkManager:
         self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
         self.grads = ChunkGrads(self)  # from backward to the optimizer
         self.optim_state_made = False  # an optimizer stepped: its state exists
+        self.readers = ShardReaders()  # a save written beside training ([Note: training beside a save])
         # ([Note: optimizer state the warm-up does not see])
         self.on_change: Callable[[], None] | None = None  # test hook: called after every operation
 

@@ -60,6 +60,9 @@ class OptimizerBinding:
         one_pass = {"auto": "auto", "one_pass": True}.get(config.optimizer_kernel, False)
         self.host_adam = HostAdam(optimizer, manager, one_pass)
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
+        # a step called on the optimizer itself, not through the engine, also lets a save in flight finish with the
+        # shards first ([Note: training beside a save] in state/background_save.py)
+        self._before_step = optimizer.register_step_pre_hook(lambda *_: manager.readers.before_change())
 
     def kernel(self) -> contextlib.AbstractContextManager[None]:
         """The groups carry the chosen kernel's flags inside this block ([Note: the kernel and the user's param
@@ -231,6 +234,7 @@ class OptimizerBinding:
             self.optimizer.state[mgr.params[i]] = st
         self._views = {}
         self.host_adam.reset()
+        self._before_step.remove()
 
     def views(self) -> dict[int, torch.Tensor]:
         return self._views

@@ -60,6 +60,7 @@ class ShardedEMA:
         ``get_ema_avg_fn``'s ``decay * e + (1 - decay) * m``, each op rounded as there, in place and a block at a
         time through one scratch buffer: a chunk-sized temporary (130 MB for a chunk of a 100M model on one rank)
         was a fresh mapping whose page faults cost 100 ms an update, against 9 ms for the arithmetic."""
+        self.manager.readers.before_change()  # [Note: training beside a save] in state/background_save.py
         if self.buffers is not None:
             self.buffers.update(decay)
         scratch: dict[torch.dtype, torch.Tensor] = {}
@@ -79,6 +80,7 @@ class ShardedEMA:
 
     def swap(self) -> None:
         """The masters take the averages and the averages the masters (and the buffers theirs)."""
+        self.manager.readers.before_change()
         if self.buffers is not None:
             self.buffers.swap()
         for c, e in self.shards.items():

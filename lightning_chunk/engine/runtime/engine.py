@@ -134,6 +134,7 @@ class ChunkEngine:
     def _place(
         self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *, source: FromModule | None = None
     ) -> None:
+        self.manager.readers.settle()  # a save in flight reads the chunks a repack replaces
         limit = self.manager.limit
         if limit is not None:
             on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
@@ -257,6 +258,8 @@ class ChunkEngine:
                 raise ValueError(FP16_REFUSED)
             # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
             self.early.active = self.warm_up.phase is WarmUp.PLANNED and not self._accumulating
+            if self.early.active:
+                self.manager.readers.before_change()  # chunks step from here on
             self.early.begin()
 
     def _backward_ends(self) -> None:
@@ -327,6 +330,7 @@ class ChunkEngine:
         [Note: stepping disk shards] in ``optim/disk_stepper.py``."""
         # nothing a disagreement computed is kept ([Note: checking once a micro-batch])
         self.manager.comm.verify_issued()
+        self.manager.readers.before_change()  # [Note: training beside a save] in state/background_save.py
         with self.manager.clock.measure("optimizer"):
             if self.early is not None:
                 return self.early.step_rest(**kwargs)
@@ -423,6 +427,12 @@ class ChunkEngine:
 
         With ``materialize`` off nothing here is a collective, so it is safe after another rank failed.
         """
+        try:
+            self.manager.readers.settle()  # a save in flight reads the chunks unpacked here
+        except BaseException as e:  # noqa: BLE001 - raised once the parameters are back
+            save_failed: BaseException | None = e
+        else:
+            save_failed = None
         if optimizer_state is None:
             optimizer_state = self.config.materialize_optimizer_state
         if materialize is None:  # [Note: the model after fit] in consolidate.py
@@ -447,3 +457,5 @@ class ChunkEngine:
         unpack(self.manager, materialize=materialize, device=device)
         self.manager.close()
         release_pinned_cache()
+        if save_failed is not None:
+            raise save_failed

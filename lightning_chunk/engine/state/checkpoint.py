@@ -28,6 +28,7 @@ one saved chunk beyond this rank's shards.
 from __future__ import annotations
 
 from ..errors import CheckpointError
+from .background_save import BackgroundSave
 from .checkpoint_dir import (
     DCP_INDEX,
     FORMAT_VERSION,
@@ -40,7 +41,7 @@ from .checkpoint_dir import (
     weights_key,
 )
 from .load import load_sharded, offered_state_dict
-from .save import CheckpointSaveError, Selection, placeholder_state_dict, save_sharded
+from .save import CheckpointSaveError, Selection, placeholder_state_dict, save_sharded, when_saved
 from .saved_chunks import KEY, iter_saved_chunks, rank_regions
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "FORMAT_VERSION",
     "KEY",
     "META",
+    "BackgroundSave",
     "CheckpointError",
     "CheckpointSaveError",
     "Selection",
@@ -63,4 +65,5 @@ __all__ = [
     "read_meta",
     "save_sharded",
     "weights_key",
+    "when_saved",
 ]

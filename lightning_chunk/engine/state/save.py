@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import os
 import shutil
@@ -15,8 +17,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..chunks.chunk import Tier
 from ..errors import CheckpointError, ChunkError
 from ..system.atomic import clear_leftovers, replace_dir
+from .background_save import BackgroundSave
 from .checkpoint_dir import DCP_INDEX, FORMAT_VERSION, META, partial_path, sha256
 from .saved_chunks import KEY
 from .shard_writer import GroupedWriter, Make, StreamingPlanner, chunk_of, placeholder
@@ -169,13 +173,12 @@ def _optimizer_shards(
     return out, {"param_groups": groups, "keys": keys, "scalars": scalars}
 
 
-def _as_saved(local: dict[str, torch.Tensor], engine: Any) -> dict[str, Any]:
+def _as_saved(local: dict[str, torch.Tensor], comm: Any) -> dict[str, Any]:
     """Wrap each rank's shard as a DTensor sharded on dim 0 (plain tensors with one rank), left on the host.
 
-    The mesh is a CPU mesh over ``Collectives.host_group()``: ``DTensor.from_local`` moves a local tensor to
+    The mesh is a CPU mesh over ``comm.host_group()``: ``DTensor.from_local`` moves a local tensor to
     its mesh's device type, so a mesh of the NCCL group staged every shard (masters and the whole optimizer
     state of an offloaded run) in device memory at the first checkpoint."""
-    comm = engine.manager.comm
     if comm.world_size == 1:
         return local
     from torch.distributed.device_mesh import DeviceMesh
@@ -202,6 +205,123 @@ class CheckpointSaveError(ChunkError, RuntimeError):
     """A save that failed on some rank; the checkpoint previously at the path is untouched."""
 
 
+@dataclasses.dataclass
+class SaveJob:
+    """A sharded save as taken from the training state at one moment: a placeholder for each shard (what DCP
+    plans with), the function that makes the shard when the writer reaches it ([Note: a save streams the
+    shards]), and ``meta.pt``'s content but the index checksum. ``run`` writes it, on the calling thread or on a
+    thread beside training ([Note: training beside a save] in ``background_save.py``)."""
+
+    mgr: Any
+    path: Path
+    local: dict[str, torch.Tensor]
+    make: dict[str, Make]
+    fresh: set[str]  # items whose ``make`` returns a tensor of its own (a copy), not a view of the training state
+    extra: dict[str, Any]
+    head: dict[str, Any]  # format and package version, the optimizers' meta
+    layout: dict[str, Any]
+
+    def run(self, comm: Any) -> None:
+        """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout].
+
+        A failure on any rank (a full disk, a write error, an exception while reading the shards) raises on every
+        rank, removes the partial directory and leaves whatever was at ``path`` as it was; the training state in
+        memory is only read, so a later save can succeed."""
+        path, partial = self.path, partial_path(self.path)
+        # each step raises on every rank if it failed on any, before the next begins
+        _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial) if comm.rank == 0 else None)
+        _on_each_rank(comm, path, "writing its shards", lambda: self._write(comm, partial))
+        _on_each_rank(comm, path, "finishing", lambda: self._finish(partial) if comm.rank == 0 else None)
+
+    def _write(self, comm: Any, partial: Path) -> None:
+        per_chunk: dict[int | None, int] = {}
+        for name, t in self.local.items():
+            per_chunk[chunk_of(name)] = per_chunk.get(chunk_of(name), 0) + t.numel() * t.element_size()
+        try:
+            with warnings.catch_warnings():  # one rank: "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+                dcp.save(
+                    _as_saved(self.local, comm),
+                    storage_writer=GroupedWriter(str(partial), max(per_chunk.values(), default=0)),
+                    no_dist=comm.world_size == 1,
+                    process_group=comm.host_group() if comm.world_size > 1 else None,
+                    planner=StreamingPlanner(self.mgr, self.make),
+                )
+        finally:
+            self.local, self.make = {}, {}
+            self.mgr.tiers.page_out()
+
+    def _finish(self, partial: Path) -> None:
+        meta = dict(self.extra)
+        meta[KEY] = {**self.head, "index_sha256": sha256(partial / DCP_INDEX), **self.layout}
+        _write_meta(meta, partial / META)
+        replace_dir(partial, self.path)
+
+
+def stage_save(
+    engine: Any,
+    path: str | Path,
+    extra: dict[str, Any],
+    *,
+    with_optimizer: bool,
+    version: str = "",
+    state_dict: dict[str, Any] | None = None,
+    copy_meta: bool = False,
+) -> SaveJob:
+    """Every rank calls this (a collective with several ranks). The save of the training state as it is now;
+    ``state_dict``: the one ``placeholder_state_dict`` offered, as the caller's hooks left it ([Note: the
+    state_dict of a sharded save]); ``None``: the whole model. ``copy_meta``: every value the meta holds is
+    copied, for a save written while training goes on. A failure on any rank raises on every rank."""
+    staged: list[SaveJob] = []
+    _on_each_rank(
+        engine.manager.comm,
+        Path(path),
+        "staging",
+        lambda: staged.append(_stage(engine, path, extra, with_optimizer, version, state_dict, copy_meta)),
+    )
+    return staged[0]
+
+
+def _stage(
+    engine: Any,
+    path: str | Path,
+    extra: dict[str, Any],
+    with_optimizer: bool,
+    version: str,
+    state_dict: dict[str, Any] | None,
+    copy_meta: bool,
+) -> SaveJob:
+    mgr = engine.manager
+    selection = Selection(engine, state_dict)
+    local: dict[str, torch.Tensor] = {}
+    make: dict[str, Make] = {}
+    fresh: set[str] = set()
+    for c in mgr.chunks:
+        if selection.written(c):
+            make[f"chunk.{c.chunk_id}.master"] = functools.partial(_master, c)
+            local[f"chunk.{c.chunk_id}.master"] = placeholder(c.shard_numel, c.master_dtype)
+    for c in mgr.chunks:  # the average of the weights, beside the masters ([Note: a sharded EMA])
+        shard = selection.ema_shard(c)
+        if shard is not None:
+            make[f"chunk.{c.chunk_id}.ema"] = functools.partial(_detached, shard)
+            local[f"chunk.{c.chunk_id}.ema"] = placeholder(shard.numel(), shard.dtype)
+    optim_meta = []
+    tier_of = {c.chunk_id: c.shard_tier for c in mgr.chunks}
+    if with_optimizer:
+        for o in range(len(engine.bindings)):
+            shards, om = _optimizer_shards(engine, o, selection)
+            for name, (fn, shape) in shards.items():
+                make[name], local[name] = fn, shape
+                if tier_of[chunk_of(name)] is not Tier.DISK:  # a disk shard's state is read in place, any other
+                    fresh.add(name)  # copied into a shard of its own
+            optim_meta.append(om)
+    head = {"format_version": FORMAT_VERSION, "version": version, "optimizers": optim_meta}
+    layout = describe_layout(engine, selection)
+    if copy_meta:
+        extra, head, layout = copy.deepcopy((extra, head, layout))
+    return SaveJob(mgr, Path(path), local, make, fresh, dict(extra), head, layout)
+
+
 def save_sharded(
     engine: Any,
     path: str | Path,
@@ -210,34 +330,38 @@ def save_sharded(
     with_optimizer: bool,
     version: str = "",
     state_dict: dict[str, Any] | None = None,
-) -> None:
-    """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout].
-    ``state_dict``: the one ``placeholder_state_dict`` offered, as the caller's hooks left it ([Note: the
-    state_dict of a sharded save]); ``None``: the whole model.
+    background: bool = False,
+) -> BackgroundSave | None:
+    """Every rank calls this. Writes ``path`` atomically (``SaveJob.run``); with ``background`` on a thread beside
+    training, returned once the save is staged ([Note: training beside a save]). A save waits for the one before
+    it, and raises there if that one failed."""
+    engine.manager.readers.settle()
+    job = stage_save(
+        engine,
+        path,
+        extra,
+        with_optimizer=with_optimizer,
+        version=version,
+        state_dict=state_dict,
+        copy_meta=background,
+    )
+    if not background:
+        job.run(engine.manager.comm)
+        return None
+    save = BackgroundSave(job, engine.manager.comm.beside(), copy_aside=engine.config.host_memory_limit is None)
+    engine.manager.readers.add(save)
+    save.start()
+    return save
 
-    A failure on any rank (a full disk, a write error, an exception while reading the shards) raises on every
-    rank, removes the partial directory and leaves whatever was at ``path`` as it was; the training state in
-    memory is only read, so a later save can succeed."""
-    mgr = engine.manager
-    comm = mgr.comm
-    path = Path(path)
-    partial = partial_path(path)
-    selection = Selection(engine, state_dict)
-    optim_meta: list[dict[str, Any]] = []
-    # each step raises on every rank if it failed on any, before the next begins
-    _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial) if comm.rank == 0 else None)
-    _on_each_rank(
-        comm,
-        path,
-        "writing its shards",
-        lambda: optim_meta.extend(_write_shards(engine, partial, selection, with_optimizer=with_optimizer)),
-    )
-    _on_each_rank(
-        comm,
-        path,
-        "finishing",
-        lambda: _finish(engine, partial, path, extra, version, optim_meta, selection) if comm.rank == 0 else None,
-    )
+
+def when_saved(engine: Any, fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the save in flight has succeeded, now when none is; never when it fails (removing an older
+    checkpoint waits for the new one, so that a kill in between still leaves one to resume from)."""
+    running = [r for r in engine.manager.readers.running if isinstance(r, BackgroundSave)]
+    if running:
+        running[-1].then(fn)
+    else:
+        fn()
 
 
 def _prepare(path: Path, partial: Path) -> None:
@@ -246,69 +370,13 @@ def _prepare(path: Path, partial: Path) -> None:
     partial.mkdir(parents=True)
 
 
-def _write_shards(engine: Any, partial: Path, selection: Selection, *, with_optimizer: bool) -> list[dict[str, Any]]:
-    mgr = engine.manager
-    comm = mgr.comm
-    local: dict[str, torch.Tensor] = {}
-    make: dict[str, Make] = {}  # [Note: a save streams the shards]
-    for c in mgr.chunks:
-        if selection.written(c):
-            make[f"chunk.{c.chunk_id}.master"] = functools.partial(_master_on_host, c)
-            local[f"chunk.{c.chunk_id}.master"] = placeholder(c.shard_numel, c.master_dtype)
-    for c in mgr.chunks:  # the average of the weights, beside the masters ([Note: a sharded EMA])
-        shard = selection.ema_shard(c)
-        if shard is not None:
-            local[f"chunk.{c.chunk_id}.ema"] = shard
-    optim_meta = []
-    if with_optimizer:
-        for o in range(len(engine.bindings)):
-            shards, om = _optimizer_shards(engine, o, selection)
-            for name, (fn, shape) in shards.items():
-                make[name], local[name] = fn, shape
-            optim_meta.append(om)
-    per_chunk: dict[int | None, int] = {}
-    for name, t in local.items():
-        per_chunk[chunk_of(name)] = per_chunk.get(chunk_of(name), 0) + t.numel() * t.element_size()
-    try:
-        with warnings.catch_warnings():  # one rank: "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            dcp.save(
-                _as_saved(local, engine),
-                storage_writer=GroupedWriter(str(partial), max(per_chunk.values(), default=0)),
-                no_dist=comm.world_size == 1,
-                process_group=comm.host_group() if comm.world_size > 1 else None,
-                planner=StreamingPlanner(mgr, make),
-            )
-    finally:
-        del local, make
-        mgr.tiers.page_out()
-    return optim_meta
+def _master(c: Any) -> torch.Tensor:
+    """The master shard where it lives (the writer copies a device one to the host)."""
+    return c.master_tensor_for_read().detach()
 
 
-def _master_on_host(c: Any) -> torch.Tensor:
-    return c.master_tensor_for_read().detach().cpu()
-
-
-def _finish(
-    engine: Any,
-    partial: Path,
-    path: Path,
-    extra: dict[str, Any],
-    version: str,
-    optim_meta: list[dict[str, Any]],
-    selection: Selection,
-) -> None:
-    layout = describe_layout(engine, selection)
-    meta = dict(extra)
-    meta[KEY] = {
-        "format_version": FORMAT_VERSION,
-        "version": version,
-        "optimizers": optim_meta,
-        "index_sha256": sha256(partial / DCP_INDEX),
-        **layout,
-    }
-    _write_meta(meta, partial / META)
-    replace_dir(partial, path)
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
 
 
 def _on_each_rank(comm: Any, path: Path, what: str, fn: Callable[[], Any]) -> None:
@@ -329,10 +397,12 @@ def _on_each_rank(comm: Any, path: Path, what: str, fn: Callable[[], Any]) -> No
         if os.path.lexists(path)
         else f"nothing was written at {str(path)!r}"
     )
+    if isinstance(error, CheckpointError):  # the checkpoint asked for is refused (the same on every rank)
+        raise error
     if error is not None:
         raise CheckpointSaveError(
             f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed while {what}: "
-            f"{_describe(error)}. {kept[0].upper() + kept[1:]}."
+            f"{_describe(error).rstrip('.')}. {kept[0].upper() + kept[1:]}."
         ) from error
     raise CheckpointSaveError(
         f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed on rank(s) {failed} while "

@@ -1,0 +1,169 @@
+"""A sharded save written by a thread of its own while training goes on.
+
+[Note: training beside a save]
+A synchronous save of the 99.5M example GPT (1.2 GB of masters and Adam moments) holds training for about 6 s on
+the 2-core benchmark machine, most of it in ``write`` and ``fsync``: several training steps. Lightning's
+``AsyncCheckpointIO`` (what selects this path, see ``checkpointing.py``) writes on a thread after cloning every
+tensor of the checkpoint, which for this strategy would be a second copy of the whole training state in host
+memory. Here a save is *staged* on the training thread: the ranks agree on what is written, the meta (loop state,
+buffers, optimizer scalars, the layout) is copied, and a ``SaveJob`` holds, for each shard, a function that reads
+it when the writer reaches it. A thread then runs the whole save, DCP's collectives and the agreements included,
+on a gloo group of its own (``RankGroup.beside``), so that none of them pairs with a chunk collective.
+
+Host shards need no copy as long as they do not change, and nothing changes them until the next optimizer step,
+EMA update or load. Each of those first calls ``ShardReaders.before_change``, and for every chunk the writer has
+not finished the save then either copies the chunk's shards aside, the writer taking the copies (``PENDING`` ->
+``ASIDE``), or, when ``host_memory_limit`` bounds host memory, waits until the writer has written it. A chunk the
+writer is reading at that moment (``WRITING``) is always waited for: at most a file of two chunks. So a step
+normally stalls only for the copy of what the writer has not reached, and a save costs extra host memory only
+for that copy. Shards off the host (the device tier on a GPU) are copied aside when the save starts, into pinned
+host memory, as the copy has to happen anyway. A repack, a load, another save and teardown ``settle``: they wait
+until the save is over, and a save that failed raises there, on every rank at the same point (the ranks agreed on
+the failure in the thread). The directory is still swapped into place only once every rank wrote its shards, so
+a kill at any moment leaves the previous checkpoint or the new one; removing an older checkpoint (``top_k``)
+waits for the new one to be complete (``when_saved``), and does not happen when it fails.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..chunks.chunk import Tier
+from .shard_writer import chunk_of
+
+if TYPE_CHECKING:  # only a type here: save.py builds the jobs and starts the saves
+    from .save import SaveJob
+
+
+class ItemRead(enum.Enum):
+    """Where the writer is with one item of the save (a chunk's master, one of its optimizer states, its average)."""
+
+    PENDING = "pending"  # not reached: training must copy it aside or wait before changing its chunk
+    READING = "reading"  # being copied out of the training state by the writer
+    READ = "read"  # copied by the writer or aside by training (or the save is over): the chunk may change
+
+
+class BackgroundSave:
+    """One ``SaveJob`` run on a thread beside training; a ``ShardReader`` of the manager's
+    ([Note: training beside a save])."""
+
+    def __init__(self, job: SaveJob, comm: Any, *, copy_aside: bool) -> None:
+        self.job, self.comm, self.copy_aside = job, comm, copy_aside
+        self._cond = threading.Condition()
+        self._names: dict[int, list[str]] = {}
+        for name in job.make:
+            self._names.setdefault(chunk_of(name) or 0, []).append(name)
+        self._state = dict.fromkeys(job.make, ItemRead.PENDING)
+        self._makers = dict(job.make)
+        self._aside: dict[str, torch.Tensor] = {}
+        job.make = {name: functools.partial(self._resolve, name) for name in job.make}
+        self._then: list[Callable[[], None]] = []
+        self.error: BaseException | None = None
+        self.over = False
+        self.aside_bytes = 0  # copied aside by training: at most the training state the writer had not reached
+        self.waited_s = 0.0  # training's time in ``let_go``, copies aside included
+        self._thread = threading.Thread(target=self._run, name=f"lightning_chunk save {job.path.name}")
+
+    def start(self) -> None:
+        if self.copy_aside:  # shards off the host are copied now: the writer would copy them anyway
+            self.let_go(c for c in self.job.mgr.chunks if c.shard_tier is Tier.DEVICE and _off_host(c))
+        self._thread.start()
+
+    # ------------------------------------------------------------------ training's side
+    def let_go(self, chunks: Iterable[Any] | None) -> None:
+        ids = self._names if chunks is None else [c.chunk_id for c in chunks]
+        names = [n for cid in ids for n in self._names.get(cid, ())]
+        start = time.perf_counter()
+        with self._cond:
+            if self.copy_aside:
+                self._set_aside([n for n in names if self._state[n] is ItemRead.PENDING])
+            self._cond.wait_for(lambda: all(self._state[n] is ItemRead.READ for n in names))
+        self.waited_s += time.perf_counter() - start
+
+    def finish(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the save has succeeded (now if it has); never if it failed."""
+        with self._cond:
+            if not self.over:
+                self._then.append(fn)
+                return
+        if self.error is None:
+            fn()
+
+    def _set_aside(self, names: list[str]) -> None:
+        """Copy items ``names`` for the writer (under the lock: the writer waits for the copies)."""
+        off_host = False
+        for name in names:
+            t = self._copy(name)
+            off_host = off_host or t.is_pinned()
+            self._aside[name] = t
+            self._state[name] = ItemRead.READ
+            self.aside_bytes += t.numel() * t.element_size()
+        if off_host:
+            torch.cuda.synchronize()
+
+    def _copy(self, name: str) -> torch.Tensor:
+        """Item ``name`` in host memory of its own (pinned, copied asynchronously, when it is on a GPU)."""
+        t = self._makers.pop(name)()
+        if t.device.type != "cpu":
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available()).copy_(t, non_blocking=True)
+        return t if name in self.job.fresh else t.clone()
+
+    # ------------------------------------------------------------------ the writer's side
+    def _resolve(self, name: str) -> torch.Tensor:
+        """The item for the writer: copied aside already, or copied now (then training may change it)."""
+        with self._cond:
+            t = self._aside.pop(name, None)
+            if t is not None:
+                return t
+            self._state[name] = ItemRead.READING
+        try:
+            t = self._copy(name)
+            if t.is_pinned():
+                torch.cuda.synchronize()
+            return t
+        finally:
+            with self._cond:
+                self._state[name] = ItemRead.READ
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self.job.run(self.comm)
+        except BaseException as e:  # noqa: BLE001 - raised on the training thread where it settles the save
+            self.error = e
+        finally:
+            with self._cond:
+                self._state = dict.fromkeys(self._state, ItemRead.READ)  # nothing more is read
+                self._aside.clear()
+                self._makers.clear()
+                self._cond.notify_all()
+        while self.error is None:
+            with self._cond:
+                if not self._then:
+                    self.over = True
+                    return
+                fn = self._then.pop(0)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the save itself succeeded
+                warnings.warn(f"after the save of {str(self.job.path)!r}: {type(e).__name__}: {e}", stacklevel=1)
+        with self._cond:
+            self.over = True
+
+
+def _off_host(chunk: Any) -> bool:
+    """Whether the chunk's master shard is outside host memory (on a GPU)."""
+    return chunk.master_tensor_for_read().device.type != "cpu"

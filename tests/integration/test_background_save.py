@@ -1,0 +1,149 @@
+"""Saves written beside training ([Note: training beside a save]): the checkpoint is the state at the save, whatever
+the steps after it do, on one rank; two ranks are the ``resume`` case in tests/distributed/ and the ``+bg`` fault
+tests (kills and failed writes) in tests/faults/."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from lightning_chunk.engine.state import background_save, checkpoint
+from tests.engine_steps import step
+from tests.faults.common import same_tensors, saved_tensors
+from tests.models import fit
+
+
+def engine(**config):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(40, 40) for _ in range(8)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return ChunkEngine(model, [opt], config=ChunkConfig(chunk_numel=1700, **config)), model, opt
+
+
+def batches(n):
+    return [torch.randn(4, 40, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+class HeldWriter:
+    """Holds the writer before its first item until ``release``; counts the items it resolved."""
+
+    def __init__(self, monkeypatch):
+        self.gate = threading.Event()
+        self.items = 0
+        resolve = background_save.BackgroundSave._resolve
+
+        def held(save, name):
+            self.gate.wait(timeout=30)
+            self.items += 1
+            return resolve(save, name)
+
+        monkeypatch.setattr(background_save.BackgroundSave, "_resolve", held)
+
+    def release(self):
+        self.gate.set()
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_steps_beside_a_held_save_copy_aside_what_it_has_not_written(tmp_path, monkeypatch, placement):
+    eng, model, opt = engine(placement=placement)
+    xs = batches(5)
+    for x in xs[:2]:
+        step(eng, model, opt, x)
+    checkpoint.save_sharded(eng, tmp_path / "sync.ckpt", {"steps": 2}, with_optimizer=True)
+    held = HeldWriter(monkeypatch)
+    save = checkpoint.save_sharded(eng, tmp_path / "bg.ckpt", {"steps": 2}, with_optimizer=True, background=True)
+    assert save is not None
+    for x in xs[2:]:  # three steps while the writer has written nothing: each chunk is copied aside once
+        step(eng, model, opt, x)
+    held.release()
+    eng.manager.readers.settle()
+    state = sum(c.shard_numel * 4 * 3 for c in eng.manager.chunks)  # master and two moments a chunk, fp32
+    assert save.aside_bytes == state
+    assert same_tensors(saved_tensors(tmp_path / "bg.ckpt"), saved_tensors(tmp_path / "sync.ckpt"))
+    assert checkpoint.read_meta(tmp_path / "bg.ckpt")["steps"] == 2
+    eng.teardown()
+
+
+def test_under_a_host_memory_limit_a_step_waits_for_the_writer_instead(tmp_path, monkeypatch):
+    eng, model, opt = engine(placement="host", host_memory_limit=10**9)
+    xs = batches(3)
+    step(eng, model, opt, xs[0])
+    checkpoint.save_sharded(eng, tmp_path / "sync.ckpt", {}, with_optimizer=True)
+    held = HeldWriter(monkeypatch)
+    save = checkpoint.save_sharded(eng, tmp_path / "bg.ckpt", {}, with_optimizer=True, background=True)
+    threading.Timer(0.3, held.release).start()
+    step(eng, model, opt, xs[1])  # waits until the writer has read every chunk
+    assert save is not None and save.aside_bytes == 0 and save.waited_s >= 0.2
+    eng.manager.readers.settle()
+    assert same_tensors(saved_tensors(tmp_path / "bg.ckpt"), saved_tensors(tmp_path / "sync.ckpt"))
+    eng.teardown()
+
+
+def test_shards_off_the_host_are_copied_when_the_save_starts(tmp_path, monkeypatch):
+    # on a GPU the device tier's shards go to pinned host memory at once; here every device-tier shard is taken
+    # for one, and the writer, held, finds them all copied
+    monkeypatch.setattr(background_save, "_off_host", lambda chunk: True)
+    eng, model, opt = engine(placement="device")
+    step(eng, model, opt, batches(1)[0])
+    held = HeldWriter(monkeypatch)
+    save = checkpoint.save_sharded(eng, tmp_path / "bg.ckpt", {}, with_optimizer=True, background=True)
+    assert save is not None and save.aside_bytes == sum(c.shard_numel * 4 * 3 for c in eng.manager.chunks)
+    step(eng, model, opt, batches(2)[1])  # nothing left to copy: the step does not wait for the held writer
+    held.release()
+    eng.manager.readers.settle()
+    eng, model, opt = engine(placement="device")
+    step(eng, model, opt, batches(1)[0])
+    checkpoint.save_sharded(eng, tmp_path / "sync.ckpt", {}, with_optimizer=False)
+    assert same_tensors(
+        {k: v for k, v in saved_tensors(tmp_path / "bg.ckpt").items() if k.endswith("master")},
+        saved_tensors(tmp_path / "sync.ckpt"),
+    )
+    eng.teardown()
+
+
+def test_a_failed_background_save_raises_where_it_settles_and_keeps_the_older_checkpoint(tmp_path, monkeypatch):
+    eng, model, opt = engine(placement="host")
+    step(eng, model, opt, batches(1)[0])
+    checkpoint.save_sharded(eng, tmp_path / "old.ckpt", {}, with_optimizer=True)
+    before = saved_tensors(tmp_path / "old.ckpt")
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full)
+    checkpoint.save_sharded(eng, tmp_path / "new.ckpt", {}, with_optimizer=True, background=True)
+    removed = []
+    checkpoint.when_saved(eng, lambda: removed.append("old"))  # what ModelCheckpoint's top-k removal does
+    step(eng, model, opt, batches(2)[1])  # training goes on; the failure waits for a point every rank reaches
+    with pytest.raises(checkpoint.CheckpointSaveError, match="No space left on device"):
+        eng.manager.readers.settle()
+    assert removed == [] and not (tmp_path / "new.ckpt").exists()
+    assert same_tensors(saved_tensors(tmp_path / "old.ckpt"), before)
+    monkeypatch.undo()
+    checkpoint.save_sharded(eng, tmp_path / "new.ckpt", {}, with_optimizer=True, background=True)
+    checkpoint.when_saved(eng, lambda: removed.append("old"))
+    eng.teardown()  # settles: the save is complete and the removal ran
+    assert removed == ["old"] and checkpoint.read_meta(tmp_path / "new.ckpt") is not None
+
+
+def test_lightning_s_async_checkpoint_io_writes_the_same_checkpoints_and_keeps_top_k(tmp_path):
+    def run(out: Path, plugins, top_k):
+        cb = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=top_k, monitor="step", mode="max")
+        strategy = ChunkOffloadStrategy(placement="host", memory={"chunk_numel": 4096})
+        fit(strategy, steps=8, callbacks=[cb], enable_checkpointing=True, plugins=plugins)
+        return sorted(p.name for p in out.iterdir())
+
+    assert run(tmp_path / "sync", None, -1) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]
+    kept = run(tmp_path / "async", [AsyncCheckpointIO()], 2)
+    assert kept == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]  # older ones removed once the newer were complete
+    for name in kept:
+        assert same_tensors(saved_tensors(tmp_path / "async" / name), saved_tensors(tmp_path / "sync" / name))
