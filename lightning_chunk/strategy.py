@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
@@ -403,10 +404,14 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
 
     # ============================================================= teardown
     def teardown(self) -> None:
+        failed: BaseException | None = None  # raised once the rest is torn down (a save in the background failed)
         if self.engine is not None:
             self._final_stats = self.engine.memory_stats()
             materialize = False if self._failed else self.config.materialize_on_teardown
-            self.engine.teardown(materialize=materialize, device=torch.device("cpu"))
+            try:
+                self.engine.teardown(materialize=materialize, device=torch.device("cpu"))
+            except BaseException as e:  # noqa: BLE001
+                failed = e
             self._kept_optimizer_states.update(self.engine.kept_optimizer_states)
             self.precision_plugin.attach(None, self.root_device)
             self.engine = None
@@ -422,3 +427,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
                 assert self.model is not None
                 self.model = self._layer_sync.revert(self.model)  # plain BatchNorm again, as DDP's teardown does
         super().teardown()
+        if failed is not None and self._failed:  # the error that stopped the run is the one to see
+            warnings.warn(f"while tearing down after an error: {type(failed).__name__}: {failed}", stacklevel=2)
+        elif failed is not None:
+            raise failed

@@ -1,6 +1,6 @@
 """CUDA checks: parity, the device limit on real device memory, the default limit, gradient offload on a side
-stream, the one-pass host Adam step, the tracer's peaks inside a module, checkpoints from pinned host shards, the disk
-tier (stepped in backward by default, and after it).
+stream, the one-pass host Adam step, the tracer's peaks inside a module, checkpoints from pinned host shards and saves
+in the background, the disk tier (stepped in backward by default, and after it).
 Skipped cleanly without CUDA.
 
 One GPU runs one rank: the NCCL paths of several ranks (collectives on device tensors, in-place all-gather and
@@ -245,3 +245,32 @@ def test_the_disk_tier_on_cuda_trains_like_auto_and_steps_in_backward_by_default
     assert s["disk_shards"] >= 3 and s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
     assert (s.get("chunks_stepped_in_backward", 0) > 0) == (step_in_backward is None)
     assert list((tmp_path / "scratch").iterdir()) == []
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_a_save_in_the_background_holds_the_state_at_the_save(tmp_path, placement):
+    """Device-tier shards go to pinned host memory when the save starts, host ones are copied aside by the steps
+    beside it ([Note: training beside a save]): the checkpoint equals a synchronous one of the same state."""
+    from lightning_chunk.engine.state import checkpoint
+    from tests.engine_steps import step
+    from tests.faults.common import same_tensors, saved_tensors
+
+    def engine():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        config = ChunkConfig(placement=placement, chunk_numel=70_000)
+        return ChunkEngine(model, [opt], config=config, device=torch.device("cuda")), model, opt
+
+    xs = [torch.randn(8, 256, device="cuda") for _ in range(4)]
+    eng, model, opt = engine()
+    for x in xs[:2]:
+        step(eng, model, opt, x)
+    checkpoint.save_sharded(eng, tmp_path / "sync.ckpt", {}, with_optimizer=True)
+    save = checkpoint.save_sharded(eng, tmp_path / "bg.ckpt", {}, with_optimizer=True, background=True)
+    for x in xs[2:]:
+        step(eng, model, opt, x)
+    eng.manager.readers.settle()
+    assert save is not None and (placement == "host" or save.aside_bytes > 0)
+    assert same_tensors(saved_tensors(tmp_path / "bg.ckpt"), saved_tensors(tmp_path / "sync.ckpt"))
+    eng.teardown()

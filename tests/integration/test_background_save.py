@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from lightning_chunk.engine.chunks.chunk import Tier
 from lightning_chunk.engine.state import background_save, checkpoint
 from tests.engine_steps import step
 from tests.faults.common import same_tensors, saved_tensors
@@ -71,8 +72,11 @@ def test_steps_beside_a_held_save_copy_aside_what_it_has_not_written(tmp_path, m
     eng.teardown()
 
 
-def test_under_a_host_memory_limit_a_step_waits_for_the_writer_instead(tmp_path, monkeypatch):
-    eng, model, opt = engine(placement="host", host_memory_limit=10**9)
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk_tier"])
+def test_under_a_host_memory_limit_a_step_waits_for_the_writer_instead(tmp_path, monkeypatch, disk):
+    tier = dict(host_memory_limit=100_000, disk_dir=tmp_path / "scratch") if disk else dict(host_memory_limit=10**9)
+    eng, model, opt = engine(placement="host", **tier)
+    assert bool(eng.manager.ledger[Tier.DISK]) == disk
     xs = batches(3)
     step(eng, model, opt, xs[0])
     checkpoint.save_sharded(eng, tmp_path / "sync.ckpt", {}, with_optimizer=True)
@@ -147,3 +151,19 @@ def test_lightning_s_async_checkpoint_io_writes_the_same_checkpoints_and_keeps_t
     assert kept == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]  # older ones removed once the newer were complete
     for name in kept:
         assert same_tensors(saved_tensors(tmp_path / "async" / name), saved_tensors(tmp_path / "sync" / name))
+
+
+@pytest.mark.parametrize("steps", [4, 2], ids=["at_the_next_save", "at_the_end_of_fit"])
+def test_a_failed_save_in_the_background_fails_the_fit_where_it_settles(tmp_path, monkeypatch, steps):
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full)
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    strategy = ChunkOffloadStrategy(placement="host")
+    with pytest.raises(checkpoint.CheckpointSaveError, match="No space left on device"):
+        fit(strategy, steps=steps, callbacks=[cb], enable_checkpointing=True, plugins=[AsyncCheckpointIO()])
+    assert strategy.engine is None  # torn down all the same
+    assert not any(p.name.endswith(".ckpt") for p in tmp_path.iterdir())
