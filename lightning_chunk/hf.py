@@ -6,6 +6,8 @@ imports them, and this module imports them only inside the functions that need t
 
 - ``HFInit(model)``: the ``param_init_fn`` for a ``PreTrainedModel`` built in ``configure_model`` (on the meta
   device under ``chunk_offload``). [Note: Hugging Face init, module by module]
+- ``PeftAdapters``: LoRA adapters added by ``peft`` to a model built on the meta device.
+  [Note: LoRA adapters on the meta device]
 - ``keep_generation_in_step(module, on)``: ``generate()`` on several ranks keeps them in step.
   [Note: generation on several ranks]
 - ``export_hf(checkpoint, out_dir)`` (``lightning-chunk consolidate --format hf``): ``safetensors`` shards, their
@@ -15,6 +17,8 @@ imports them, and this module imports them only inside the functions that need t
 
 from __future__ import annotations
 
+import functools
+import math
 import shutil
 import sys
 from collections.abc import Iterable
@@ -119,6 +123,95 @@ class HFInit:
         with torch.no_grad(), _LeaveAlone(others):
             for m in chain:
                 self.model._init_weights(m)  # type: ignore[operator]
+
+
+# ================================================================== peft adapters
+class PeftAdapters:
+    """The LoRA adapters ``peft`` added to a model: their init on the meta device, and where a pretrained file's
+    weights went.
+
+    [Note: LoRA adapters on the meta device] ``get_peft_model`` on a model built in ``configure_model`` (so that no
+    rank holds the whole base) wraps each target layer: its weight moves to ``<layer>.base_layer.weight`` and
+    ``lora_A``/``lora_B`` (``lora_embedding_A``/``_B`` for an embedding) are added and initialised by
+    ``reset_lora_parameters``, which does nothing on the meta device. Deferred initialisation then initialises
+    each adapter module as ``reset_lora_parameters`` does (``init_lora_weights=True``: A as ``nn.Linear``'s
+    kaiming-uniform, B zero; ``"gaussian"``: A normal with std 1/r; an embedding's A zero and B normal), and the
+    base's weights come from the file under their moved names. Another draw of the same init as an eager build,
+    as for ``HFInit``. Inits that read the base weights (PiSSA, OLoRA, LoftQ, EVA, CorDA, DoRA's magnitude) cannot
+    run before the weights are loaded and are refused, naming the option."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        configs: dict[str, Any] = {}
+        for m in module.modules():
+            found = getattr(m, "peft_config", None)
+            if isinstance(found, dict):
+                configs.update(found)
+        self.inits: dict[int, Any] = {}
+        self.layers: list[Any] = [m for m in module.modules() if callable(getattr(m, "reset_lora_parameters", None))]
+        for layer in self.layers:
+            for name in layer.lora_A:
+                how = _lora_init(configs.get(name), name)
+                self.inits[id(layer.lora_A[name])] = functools.partial(_init_lora_a, how=how, r=layer.r[name])
+                self.inits[id(layer.lora_B[name])] = _init_zero
+            for name in layer.lora_embedding_A:
+                _lora_init(configs.get(name), name)
+            self.inits[id(layer.lora_embedding_A)] = _init_zero
+            self.inits[id(layer.lora_embedding_B)] = _init_normal
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> PeftAdapters | None:
+        found = cls(module)
+        return found if found.layers else None
+
+    def tensors(self) -> set[int]:
+        """Ids of the adapters' tensors (now: after deferred initialisation replaced the meta ones)."""
+        return {
+            id(t)
+            for layer in self.layers
+            for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+            for t in getattr(layer, part).parameters()
+        }
+
+    @staticmethod
+    def base_name(name: str) -> str | None:
+        """Where a pretrained file's ``<layer>.weight`` is in a model peft wrapped: ``<layer>.base_layer.weight``."""
+        layer, _, leaf = name.rpartition(".")
+        return f"{layer}.base_layer.{leaf}" if layer else None
+
+
+def _lora_init(config: Any, name: str) -> Any:
+    how = getattr(config, "init_lora_weights", True)
+    if getattr(config, "use_dora", False) or how not in (True, "gaussian"):
+        option = "use_dora=True" if getattr(config, "use_dora", False) else f"init_lora_weights={how!r}"
+        raise ValueError(
+            f"the LoRA adapter {name!r} has {option}, an init that reads the base weights; on a model built on the "
+            "meta device (configure_model) only init_lora_weights=True or 'gaussian' can be initialised (the base "
+            "weights are loaded later). Build the base model outside configure_model, or use one of those inits. "
+            "[Note: LoRA adapters on the meta device]"
+        )
+    return how
+
+
+def _init_lora_a(module: torch.nn.Module, *, how: Any, r: int) -> None:
+    with torch.no_grad():
+        if how is True:
+            torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))  # type: ignore[arg-type]
+        else:
+            torch.nn.init.normal_(module.weight, std=1 / r)  # type: ignore[arg-type]
+        if getattr(module, "bias", None) is not None:
+            torch.nn.init.zeros_(module.bias)  # type: ignore[arg-type]
+
+
+def _init_zero(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for t in module.parameters(recurse=False):
+            t.zero_()
+
+
+def _init_normal(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for t in module.parameters(recurse=False):
+            torch.nn.init.normal_(t)
 
 
 # ===================================================================== export

@@ -33,7 +33,7 @@ from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory.full_params import full_parameters
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.schedule.growth import input_bytes
-from .hf import keep_generation_in_step
+from .hf import PeftAdapters, keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
 from .toggles import follow_toggles
@@ -231,12 +231,24 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             # Trainer(sync_batchnorm=True), before the parameters are packed, as DDP and FSDP apply it (it was ignored)
             self.model = self._layer_sync.apply(self.model)
         # before configure_optimizers: meta tensors become placeholders the optimizers can hold
-        deferred = DeferredInit.capture(module, init_fn=self.param_init_fn, buffer_device=self.root_device)
+        adapters = PeftAdapters.of(module)  # [Note: LoRA adapters on the meta device] in hf.py
+        deferred = DeferredInit.capture(
+            module,
+            init_fn=self.param_init_fn,
+            init_for=adapters.inits if adapters else None,
+            buffer_device=self.root_device,
+        )
         self._deferred = deferred
         self.model_to_device()
         weights = None
         if self.weights is not None and not self._weights_loaded:
-            weights = ModuleWeights(open_weights(self.weights), module, strict=getattr(module, "strict_loading", True))
+            weights = ModuleWeights(
+                open_weights(self.weights),
+                module,
+                strict=getattr(module, "strict_loading", True),
+                optional=adapters.tensors() if adapters else (),
+                wrapped=PeftAdapters.base_name if adapters else None,
+            )
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_callbacks(trainer)

@@ -3,6 +3,8 @@ chunk_offload in parity with plain Lightning under a device limit that evicts.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import pytest
 import torch
@@ -34,9 +36,9 @@ class LoRA(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
-def fit(strategy, pretrained, **trainer_kw) -> tuple[LoRA, L.Trainer]:
+def fit(strategy, pretrained, model=None, **trainer_kw) -> tuple[LoRA, L.Trainer]:
     L.seed_everything(3, verbose=False)
-    model = LoRA(str(pretrained))
+    model = model or LoRA(str(pretrained))
     t = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -114,3 +116,80 @@ def test_frozen_weights_in_the_compute_dtype_cost_a_third_and_train_the_same(tmp
         want = a if a.requires_grad else a.to(torch.bfloat16).float()
         torch.testing.assert_close(b, want, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
     assert held_on <= 2 * frozen + 16 * trainable + 6 * padding < held_off, (held_on, held_off, frozen, trainable)
+
+
+class MetaLoRA(L.LightningModule):
+    """The same adapters on a base built in ``configure_model``: on the meta device under chunk_offload, the base's
+    weights streamed from the file into each rank's shards ([Note: LoRA adapters on the meta device])."""
+
+    def __init__(self, pretrained: str, **lora: Any) -> None:
+        super().__init__()
+        self.pretrained, self.lora, self.model = pretrained, lora, None
+
+    def configure_model(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from lightning_chunk.hf import HFInit
+
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.pretrained, local_files_only=True))
+        self.trainer.strategy.param_init_fn = HFInit(base)  # the rotary frequencies, which no file holds
+        config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **self.lora)
+        self.model = peft.get_peft_model(base, peft.LoraConfig(**config))
+
+    training_step = LoRA.training_step
+    configure_optimizers = LoRA.configure_optimizers
+
+
+class StartValues(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        with trainer.strategy.full_parameters():
+            self.values = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+def test_adapters_on_a_base_built_on_the_meta_device_start_as_peft_does_and_train_like_plain_lightning(tmp_path):
+    """No rank builds the base: its weights come from the file under peft's moved names, each adapter is initialised
+    as peft does (A kaiming-uniform, B zero), and training from those values is plain Lightning's bit for bit."""
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+    strategy = ChunkOffloadStrategy(
+        weights=pretrained,
+        device_memory_limit=LIMIT,
+        memory=MemoryOptions(chunk_numel=16384),
+        offload=OffloadOptions(optimizer_kernel="loop"),
+    )
+    start = StartValues()
+    L.seed_everything(3, verbose=False)
+    got = MetaLoRA(str(pretrained))
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[start],
+    ).fit(got, Batches())
+    L.seed_everything(3, verbose=False)
+    ref = LoRA(str(pretrained))
+    init = dict(ref.named_parameters())
+    for n, v in start.values.items():
+        if "lora_B" in n:
+            assert not v.any(), n
+        elif "lora_A" in n:
+            assert v.any() and v.abs().max() <= v.shape[1] ** -0.5, n  # kaiming-uniform(a=sqrt(5)): 1/sqrt(fan_in)
+        else:
+            torch.testing.assert_close(v, init[n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")  # the file's
+    ref.load_state_dict(start.values, strict=False)
+    ref, _ = fit("auto", pretrained, model=ref)
+    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_an_adapter_init_that_reads_the_base_weights_is_refused_on_the_meta_device(tmp_path):
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+    strategy = ChunkOffloadStrategy(weights=pretrained)
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa'.*\[Note: LoRA adapters on the meta device\]"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False).fit(
+            MetaLoRA(str(pretrained), init_lora_weights="pissa"), Batches()
+        )

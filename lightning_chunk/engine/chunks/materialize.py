@@ -66,10 +66,16 @@ class DeferredInit:
     """The modules of ``module`` that own tensors on the meta device, initialised as packing needs them."""
 
     def __init__(
-        self, module: torch.nn.Module, *, init_fn: InitFn | None = None, buffer_device: torch.device = _CPU
+        self,
+        module: torch.nn.Module,
+        *,
+        init_fn: InitFn | None = None,
+        init_for: dict[int, InitFn] | None = None,
+        buffer_device: torch.device = _CPU,
     ) -> None:
         self.module = module
         self.init_fn = init_fn
+        self.init_for = init_for or {}  # id(module) -> its own init, before init_fn and reset_parameters()
         self.buffer_device = torch.device(buffer_device)
         self.names = {id(m): n or "<root>" for n, m in module.named_modules(remove_duplicate=False)}
         self.pending: set[int] = set()  # ids of deferred tensors (placeholders / meta buffers) without values yet
@@ -96,11 +102,19 @@ class DeferredInit:
 
     @classmethod
     def capture(
-        cls, module: torch.nn.Module, *, init_fn: InitFn | None = None, buffer_device: torch.device = _CPU
+        cls,
+        module: torch.nn.Module,
+        *,
+        init_fn: InitFn | None = None,
+        init_for: dict[int, InitFn] | None = None,
+        buffer_device: torch.device = _CPU,
     ) -> DeferredInit | None:
         """``None`` when nothing in ``module`` is on the meta device; else replace its meta parameters by
-        placeholders (before the optimizers are built) and return the object that will initialise them."""
-        return cls(module, init_fn=init_fn, buffer_device=buffer_device) if has_meta(module) else None
+        placeholders (before the optimizers are built) and return the object that will initialise them.
+        ``init_for``: the init of particular modules (``id(module)`` -> ``fn(module)``), such as adapters."""
+        if not has_meta(module):
+            return None
+        return cls(module, init_fn=init_fn, init_for=init_for, buffer_device=buffer_device)
 
     # ------------------------------------------------------------------ queries
     def is_deferred(self, t: torch.Tensor) -> bool:
@@ -123,7 +137,12 @@ class DeferredInit:
         self.provided = {id(t) for t in provided if id(t) in self.pending}
         missing = []
         for m in self.module.modules():
-            if self._needs_init(m) and self.init_fn is None and not callable(getattr(m, "reset_parameters", None)):
+            if (
+                self._needs_init(m)
+                and self.init_fn is None
+                and id(m) not in self.init_for
+                and not callable(getattr(m, "reset_parameters", None))
+            ):
                 names = [n for n, _, t in self._own(m) if id(t) in self.deferred and id(t) not in self.provided]
                 missing.append(f"{self.names[id(m)]} ({type(m).__name__}): {', '.join(names)}")
         if missing:
@@ -188,8 +207,9 @@ class DeferredInit:
                     m._buffers[name] = scratch
                 swapped.append((name, is_param, t))
         try:
-            if self.init_fn is not None:
-                self.init_fn(m)
+            own = self.init_for.get(id(m), self.init_fn)
+            if own is not None:
+                own(m)
             else:
                 m.reset_parameters()  # type: ignore[operator]
         finally:
@@ -253,7 +273,8 @@ def _in_metric_init() -> bool:
     return False
 
 
-_INIT_FRAMES = ("reset_parameters", "_reset_parameters")
+# an init deferred initialisation reproduces: reset_parameters(), and peft's LoRA init (hf.py's peft_adapters)
+_INIT_FRAMES = ("reset_parameters", "_reset_parameters", "reset_lora_parameters")
 _NOT_WRITES = ("detach_", "set_", "resize_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -206,19 +207,35 @@ class ModuleWeights:
     """
 
     def __init__(
-        self, weights: Weights, module: torch.nn.Module, *, strict: bool = True, prefix: str | None = None
+        self,
+        weights: Weights,
+        module: torch.nn.Module,
+        *,
+        strict: bool = True,
+        prefix: str | None = None,
+        optional: Collection[int] = (),
+        wrapped: Callable[[str], str | None] | None = None,
     ) -> None:
+        """``optional``: ids of tensors the file need not hold (adapters added to a pretrained model);
+        ``wrapped(name)``: where a file name is found in the model when a wrapper moved it (``None``: nowhere else),
+        as ``peft`` moves ``q_proj.weight`` to ``q_proj.base_layer.weight``."""
         self.weights = weights
         named = module.state_dict(keep_vars=True)  # parameters and persistent buffers, every name of a tied one
         file_keys = weights.keys()
+
+        def find(name: str) -> torch.Tensor | None:
+            t = named.get(name)
+            moved = wrapped(name) if t is None and wrapped is not None else None
+            return named.get(moved) if moved is not None else t
+
         if prefix is None:
             candidates = [""] + [f"{n}." for n, _ in module.named_modules() if n]
-            prefix = max(candidates, key=lambda c: (sum(c + k in named for k in file_keys), -len(c)))
+            prefix = max(candidates, key=lambda c: (sum(find(c + k) is not None for k in file_keys), -len(c)))
         self.prefix = prefix
         self.key_of: dict[int, str] = {}  # id(tensor) -> file key
         unexpected, shapes = [], []
         for k in file_keys:
-            t = named.get(prefix + k)
+            t = find(prefix + k)
             if t is None:
                 unexpected.append(k)
             elif tuple(t.shape) != tuple(weights.shape(k)):
@@ -226,7 +243,11 @@ class ModuleWeights:
             else:
                 self.key_of.setdefault(id(t), k)
         in_file = {prefix + k for k in file_keys}
-        missing = [n for n, t in named.items() if id(t) not in self.key_of and n not in in_file] if strict else []
+        missing = (
+            [n for n, t in named.items() if id(t) not in self.key_of and n not in in_file and id(t) not in optional]
+            if strict
+            else []
+        )
         problems = []
         if missing:
             problems.append(f"missing from the file ({len(missing)}): {_listing(missing)}")
