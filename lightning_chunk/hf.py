@@ -148,13 +148,14 @@ class PeftAdapters:
                 configs.update(found)
         self.inits: dict[int, Any] = {}
         self.layers: list[Any] = [m for m in module.modules() if callable(getattr(m, "reset_lora_parameters", None))]
-        for layer in self.layers:
+        for layer in self.layers:  # each init runs only where its module was built on the meta device
             for name in layer.lora_A:
-                how = _lora_init(configs.get(name), name)
-                self.inits[id(layer.lora_A[name])] = functools.partial(_init_lora_a, how=how, r=layer.r[name])
+                config = configs.get(name)
+                init = functools.partial(_init_lora_a, name=name, config=config, r=layer.r[name])
+                self.inits[id(layer.lora_A[name])] = init
                 self.inits[id(layer.lora_B[name])] = _init_zero
-            for name in layer.lora_embedding_A:
-                _lora_init(configs.get(name), name)
+            for name in getattr(layer, "lora_magnitude_vector", {}):
+                self.inits[id(layer.lora_magnitude_vector[name])] = functools.partial(_refuse, name, "use_dora=True")
             self.inits[id(layer.lora_embedding_A)] = _init_zero
             self.inits[id(layer.lora_embedding_B)] = _init_normal
 
@@ -179,20 +180,19 @@ class PeftAdapters:
         return f"{layer}.base_layer.{leaf}" if layer else None
 
 
-def _lora_init(config: Any, name: str) -> Any:
+def _refuse(name: str, option: str, module: torch.nn.Module) -> None:
+    raise ValueError(
+        f"the LoRA adapter {name!r} has {option}, an init that reads the base weights; on a model built on the "
+        "meta device (configure_model) only init_lora_weights=True or 'gaussian' can be initialised (the base "
+        "weights are loaded later). Build the base model outside configure_model, or use one of those inits. "
+        "[Note: LoRA adapters on the meta device]"
+    )
+
+
+def _init_lora_a(module: torch.nn.Module, *, name: str, config: Any, r: int) -> None:
     how = getattr(config, "init_lora_weights", True)
     if getattr(config, "use_dora", False) or how not in (True, "gaussian"):
-        option = "use_dora=True" if getattr(config, "use_dora", False) else f"init_lora_weights={how!r}"
-        raise ValueError(
-            f"the LoRA adapter {name!r} has {option}, an init that reads the base weights; on a model built on the "
-            "meta device (configure_model) only init_lora_weights=True or 'gaussian' can be initialised (the base "
-            "weights are loaded later). Build the base model outside configure_model, or use one of those inits. "
-            "[Note: LoRA adapters on the meta device]"
-        )
-    return how
-
-
-def _init_lora_a(module: torch.nn.Module, *, how: Any, r: int) -> None:
+        _refuse(name, "use_dora=True" if getattr(config, "use_dora", False) else f"init_lora_weights={how!r}", module)
     with torch.no_grad():
         if how is True:
             torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))  # type: ignore[arg-type]

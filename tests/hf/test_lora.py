@@ -193,3 +193,19 @@ def test_an_adapter_init_that_reads_the_base_weights_is_refused_on_the_meta_devi
         L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False).fit(
             MetaLoRA(str(pretrained), init_lora_weights="pissa"), Batches()
         )
+
+
+def test_an_init_that_reads_the_base_weights_still_works_on_a_base_built_eagerly(tmp_path):
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+
+    class PiSSA(LoRA):
+        def __init__(self, pretrained: str) -> None:
+            L.LightningModule.__init__(self)
+            from transformers import AutoModelForCausalLM
+
+            base = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True).train()
+            lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="pissa")
+            self.model = peft.get_peft_model(base, lora)
+
+    model, _ = fit(ChunkOffloadStrategy(), pretrained, model=PiSSA(str(pretrained)))
+    assert all(not p.isnan().any() for p in model.parameters())
