@@ -157,19 +157,7 @@ def test_adapters_on_a_base_built_on_the_meta_device_start_as_peft_does_and_trai
         offload=OffloadOptions(optimizer_kernel="loop"),
     )
     start = StartValues()
-    L.seed_everything(3, verbose=False)
-    got = MetaLoRA(str(pretrained))
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[start],
-    ).fit(got, Batches())
+    got, _ = fit(strategy, pretrained, model=MetaLoRA(str(pretrained)), callbacks=[start])
     L.seed_everything(3, verbose=False)
     ref = LoRA(str(pretrained))
     init = dict(ref.named_parameters())

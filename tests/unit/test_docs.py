@@ -1,6 +1,7 @@
 """The docs check: every relative link in README.md and docs/ resolves, and every command marked runnable runs.
 
-A fenced block preceded by ``<!-- runnable -->`` runs as written (a ``python`` block with the interpreter); one
+A fenced block preceded by ``<!-- runnable -->`` runs as written (a ``python`` block as a script of its own, forked
+from an interpreter that imported torch and Lightning already: [Note: forked ranks] in tests/forked.py); one
 preceded by ``<!-- runnable: COMMAND -->`` runs COMMAND instead, the reduced form of the block (fewer steps, a
 scratch directory). Commands run with bash from the
 repository's root, ``$SCRATCH`` a fresh directory, ``.venv/bin`` the interpreter running the tests.
@@ -16,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 MARK = re.compile(r"^<!--\s*runnable(?::\s*(.*?))?\s*-->\s*$")
 FENCE = re.compile(r"^```")
+PYTHON = "# a python block"  # what _runnable puts before a python block's text
 
 
 def _anchors(page: Path) -> set[str]:
@@ -84,8 +88,8 @@ def _runnable() -> list[tuple[str, str]]:
             assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{page.name}:{i + 1}: a mark needs a block"
             end = next(j for j in range(i + 2, len(lines)) if FENCE.match(lines[j]))
             block = "\n".join(lines[i + 2 : end])
-            if m.group(1) is None and lines[i + 1].strip() == "```python":  # a Python block runs with the interpreter
-                block = f".venv/bin/python - <<'PYTHON'\n{block}\nPYTHON"
+            if m.group(1) is None and lines[i + 1].strip() == "```python":  # a Python block runs as a script
+                block = f"{PYTHON}\n{block}"
             found.append((f"{page.relative_to(ROOT)}:{i + 1}", m.group(1) or block))
     return found
 
@@ -101,6 +105,12 @@ def test_the_marks_are_found():
 def test_every_runnable_command_runs(where, command, tmp_path):
     bindir = Path(sys.executable).parent
     env = {**os.environ, "SCRATCH": str(tmp_path), "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if command.startswith(PYTHON):
+        script = tmp_path / "block.py"
+        script.write_text(command.removeprefix(PYTHON))
+        r = forked.run([sys.executable, str(script)], env=env, cwd=ROOT, timeout=900)
+        assert r.returncode == 0, f"{where} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        return
     script = command.replace(".venv/bin/", f"{bindir}/")
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, f"{where}: `{command}` exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
