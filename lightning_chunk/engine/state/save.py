@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import os
 import shutil
-import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -221,7 +220,6 @@ class SaveJob:
     extra: dict[str, Any]
     head: dict[str, Any]  # format and package version, the optimizers' meta
     layout: dict[str, Any]
-    gate: threading.Event | None = None  # file writes go on while set ([Note: the writer steps aside])
 
     def run(self, comm: Any) -> None:
         """Every rank calls this. Writes ``path`` (a directory) atomically; see [Note: the checkpoint layout].
@@ -244,7 +242,7 @@ class SaveJob:
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
                 dcp.save(
                     _as_saved(self.local, comm),
-                    storage_writer=GroupedWriter(str(partial), max(per_chunk.values(), default=0), self.gate),
+                    storage_writer=GroupedWriter(str(partial), max(per_chunk.values(), default=0)),
                     no_dist=comm.world_size == 1,
                     process_group=comm.host_group() if comm.world_size > 1 else None,
                     planner=StreamingPlanner(self.mgr, self.make),

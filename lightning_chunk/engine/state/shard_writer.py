@@ -17,18 +17,13 @@ their number.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import os
-import threading
-from collections.abc import Callable, Generator
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.futures import Future
 
 from ..chunks.chunk import Tier
@@ -75,14 +70,11 @@ class _Prefix:  # what FileSystemWriter.write_data reads of a plan's storage dat
 
 class GroupedWriter(FileSystemWriter):
     """DCP's file system writer, writing a rank's items in files of whole chunks, each at most ``group_bytes``
-    (or one chunk, where a chunk's items are larger), one file after another. ``gate``: file writes go on while it
-    is set, a slice at a time ([Note: the writer steps aside] in ``background_save.py``)."""
+    (or one chunk, where a chunk's items are larger), one file after another."""
 
-    def __init__(self, path: str, group_bytes: int, gate: threading.Event | None = None) -> None:
+    def __init__(self, path: str, group_bytes: int) -> None:
         super().__init__(path)
         self.group_bytes = group_bytes
-        if gate is not None:
-            self.fs = _GatedFileSystem(gate)
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[Any]]:
         groups: list[list[Any]] = []
@@ -111,34 +103,3 @@ def _item_bytes(item: Any) -> int:
     for n in data.chunk.sizes:
         numel *= n
     return numel * data.properties.dtype.itemsize
-
-
-SLICE_BYTES = 16 << 20  # a gated write goes on at most this long after its gate closed
-
-
-class _GatedFileSystem(FileSystem):
-    def __init__(self, gate: threading.Event) -> None:
-        super().__init__()
-        self.gate = gate
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        with super().create_stream(path, mode) as stream:
-            yield cast(io.IOBase, _GatedStream(stream, self.gate))
-
-
-class _GatedStream:
-    """A file whose writes go through in slices, each once ``gate`` is set."""
-
-    def __init__(self, stream: Any, gate: threading.Event) -> None:
-        self._stream, self._gate = stream, gate
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        for a in range(0, len(view), SLICE_BYTES):
-            self._gate.wait()
-            self._stream.write(view[a : a + SLICE_BYTES])
-        return len(view)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
