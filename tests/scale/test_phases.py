@@ -18,13 +18,14 @@ pytestmark = pytest.mark.slow  # several ranks or child processes: the full suit
 WORKER = Path(__file__).with_name("phases_worker.py")
 # measured / predicted, per phase, the plan given the activations the warm-up traced. Above 1: what the run holds
 # beyond the training state that no plan counts (gloo's and Lightning's buffers, the batch: about 0.7 MiB a rank
-# here), and in the warm-up step at 4 ranks about four chunk payloads more than the plan's, not yet accounted for.
+# here; the warm-up step at 4 ranks, once allowed 1.25 for four chunk payloads beyond the plan, now measures as the
+# other phases do: 1.05-1.19 on 2026-11-29).
 # Below 1 (the largest rank): the plan erring safe; the last rank holds less (its shards hold the padding, which a
 # rank neither gathers nor steps). SLACK: collectives in flight, whose number varies with the ranks' timing (a
 # phase's peak moved by up to 1.3 MiB, five chunks, between two runs of the same code).
 AGREE = {
     "set-up": (0.7, 1.1),
-    "warm-up step": (0.7, 1.25),
+    "warm-up step": (0.7, 1.1),
     "warm-up repack": (0.7, 1.1),
     "training step": (0.7, 1.1),
     "save": (0.7, 1.1),
