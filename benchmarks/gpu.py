@@ -10,6 +10,8 @@ Contenders, each a fresh ``Trainer.fit`` of ``--steps`` steps in its own process
 - ``chunk_offload``: ``placement="auto"`` with ``device_memory_limit=--device-limit`` (default 12 GiB,
   below the ~16 bytes a parameter the training state needs on the device without offload), so the
   placement policy must keep part of the shards, and of the Adam step, on the host.
+- ``chunk_offload step_in_backward``: the same with ``step_in_backward=True``: each chunk steps as its
+  gradients land.
 - ``chunk_offload default``: ``ChunkOffloadStrategy()`` as a user gets it: no limit given, so the limit is the
   device's free memory less a margin; on a GPU where the model fits, everything stays resident.
 - ``ddp``: plain Lightning on one device (``strategy="auto"``): the reference where the model fits.
@@ -21,7 +23,9 @@ Contenders, each a fresh ``Trainer.fit`` of ``--steps`` steps in its own process
 
 Per contender: median step time after ``--skip`` warm-up steps, tokens/s, model TFLOP/s (6 × parameters
 + 12 × depth × width × context FLOPs a token, the usual count for a decoder, checkpoint recompute not
-credited), and peak allocated device memory. ``--largest`` then runs ``scale.py``'s search on this GPU
+credited), peak allocated device memory and the child's peak resident host memory; for the ``chunk_offload``
+rows also the bytes copied each way a step and the parameters the host Adam steps, which
+``gpu_campaign.py`` turns into a step's bound. ``--largest`` then runs ``scale.py``'s search on this GPU
 (``--accelerator cuda --ranks 1``) for ``auto`` against ``chunk_offload``.
 """
 
@@ -46,11 +50,20 @@ from _common import (  # noqa: E402
     free_port,
     load_gpt,
     param_groups,
+    proc_bytes,
     run_or_child,
+    run_ranks,
     step_timer,
 )
 
-CONTENDERS = ("chunk_offload", "chunk_offload default", "ddp", "fsdp + cpu offload", "deepspeed zero-3 offload")
+CONTENDERS = (
+    "chunk_offload",
+    "chunk_offload step_in_backward",
+    "chunk_offload default",
+    "ddp",
+    "fsdp + cpu offload",
+    "deepspeed zero-3 offload",
+)
 
 
 def _flops_per_token(params: int, depth: int, width: int, context: int) -> int:
@@ -73,11 +86,36 @@ def _model_and_data(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, torch.randint(0, 256, (args.steps * args.batch, args.context + 1))
 
 
-def _write(args: argparse.Namespace, times: list[float], params: int) -> None:
+def _write(args: argparse.Namespace, times: list[float], params: int, **extra: Any) -> None:
     import torch
 
     peak = torch.cuda.max_memory_allocated() if args.accelerator == "cuda" else 0
-    Path(args.out).write_text(json.dumps({"times": times, "params": params, "peak_device": peak}))
+    out = {"times": times, "params": params, "peak_device": peak, "peak_host": proc_bytes("VmHWM"), **extra}
+    Path(args.out).write_text(json.dumps(out))
+
+
+def traffic(strategy: Any, skip: int, store: dict) -> Any:
+    """A callback putting into ``store`` the bytes ``strategy`` copied host to device and back a step after the
+    first ``skip`` steps, and the parameters its host Adam steps (a shard left on the host steps there)."""
+    import lightning as L
+
+    from lightning_chunk.engine.chunks.chunk import Tier
+
+    seen: list[tuple[int, int]] = []
+
+    class Traffic(L.Callback):
+        def on_train_batch_end(self, *a: Any) -> None:
+            mgr = strategy.engine.manager
+            seen.append((mgr.transfers.h2d_bytes, mgr.transfers.d2h_bytes))
+            steps = len(seen) - min(skip, len(seen) - 1)
+            first = seen[-steps - 1] if steps < len(seen) else (0, 0)
+            store["h2d_per_step"] = (seen[-1][0] - first[0]) / steps
+            store["d2h_per_step"] = (seen[-1][1] - first[1]) / steps
+            store["host_stepped"] = sum(
+                c.shard_numel for c in mgr.chunks if c.trainable and c.shard_tier is not Tier.DEVICE
+            )
+
+    return Traffic()
 
 
 def child_deepspeed(args: argparse.Namespace) -> None:
@@ -121,10 +159,11 @@ def child(args: argparse.Namespace) -> None:
     from lightning_chunk.engine.config import parse_bytes
 
     cuda = args.accelerator == "cuda"
-    if args.child == "chunk_offload":
+    if args.child.startswith("chunk_offload") and args.child != "chunk_offload default":
         strategy = ChunkOffloadStrategy(
             placement="auto",
             device_memory_limit=parse_bytes(args.device_limit, field="--device-limit"),
+            step_in_backward=args.child.endswith("step_in_backward"),
             checks=CheckOptions(log_memory_stats=False),
         )
     elif args.child == "chunk_offload default":  # what a user gets: the limit is the device's free memory less a margin
@@ -139,6 +178,10 @@ def child(args: argparse.Namespace) -> None:
     model, data = _model_and_data(args)
     params = sum(p.numel() for p in model.parameters())
     times: list[float] = []
+    moved: dict[str, float] = {}
+    callbacks = [step_timer(times)]
+    if isinstance(strategy, ChunkOffloadStrategy):
+        callbacks.append(traffic(strategy, args.skip, moved))
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=1,
@@ -151,12 +194,12 @@ def child(args: argparse.Namespace) -> None:
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[step_timer(times)],
+        callbacks=callbacks,
     )
     if cuda:
         torch.cuda.synchronize()
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
-    _write(args, times, params)
+    _write(args, times, params, **moved)
 
 
 def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
@@ -169,11 +212,20 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
     if deepspeed:  # one rank under torchrun: the environment deepspeed.init_distributed reads
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}"]
-    for k in ("width", "depth", "context", "batch", "steps", "accelerator", "device_limit"):
+    for k in ("width", "depth", "context", "batch", "steps", "skip", "accelerator", "device_limit"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    # a caller with a time budget (gpu_campaign.py) gives a deadline: a child still running then is stopped
+    timeout = max(getattr(args, "deadline", time.monotonic() + 3600) - time.monotonic(), 1)
+    if deepspeed:
+        try:
+            r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+            output = r.stdout + r.stderr
+        except subprocess.TimeoutExpired:
+            output = f"stopped at the time budget ({timeout:.0f} s)"
+    else:  # forked from a preloaded interpreter in the test suite's smoke runs
+        output = run_ranks(cmd, 1, clean_env(), timeout=timeout)[1]
     if not out.exists():
-        tail = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        tail = [ln for ln in output.strip().splitlines() if ln.strip()][-1:] or ["no output"]
         return {"contender": name, "failed": tail[0][:300]}  # e.g. out of memory where the model does not fit
     res = json.loads(out.read_text())
     steady = res["times"][args.skip :] or res["times"]
@@ -187,7 +239,9 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         "tokens_per_s": tokens,
         "tflops": tokens * _flops_per_token(res["params"], args.depth, args.width, args.context) / 1e12,
         "peak_device": res["peak_device"],
+        "peak_host": res["peak_host"],
         "params": res["params"],
+        **{k: res[k] for k in ("h2d_per_step", "d2h_per_step", "host_stepped") if k in res},
     }
 
 
@@ -240,18 +294,19 @@ def render(res: dict) -> str:
     lines = [
         f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
         f"batch {res['batch']}), one {res['accelerator']} device, chunk_offload device limit {res['device_limit']}",
-        f"{'contender':<22} {'median s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'peak dev GiB':>13} {'x ddp':>6}",
+        f"{'contender':<31} {'median s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'peak dev GiB':>13} "
+        f"{'peak host GiB':>14} {'x ddp':>6}",
     ]
     for r in res["rows"]:
         if "median_s" not in r:
             lines.append(
-                f"{r['contender']:<22} {r.get('skipped') and 'skipped: ' + r['skipped'] or 'failed: ' + r['failed']}"
+                f"{r['contender']:<31} {r.get('skipped') and 'skipped: ' + r['skipped'] or 'failed: ' + r['failed']}"
             )
             continue
         ratio = f"{r['vs_ddp']:.2f}" if "vs_ddp" in r else "-"
         lines.append(
-            f"{r['contender']:<22} {r['median_s']:>9.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
-            f"{r['peak_device'] / gib:>13.2f} {ratio:>6}"
+            f"{r['contender']:<31} {r['median_s']:>9.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
+            f"{r['peak_device'] / gib:>13.2f} {r['peak_host'] / gib:>14.2f} {ratio:>6}"
         )
     for r in res.get("largest", []):
         lines.append(f"largest for {r['contender']}: depth {r['depth']}, {r['params']:,} parameters")

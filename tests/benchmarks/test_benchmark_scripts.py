@@ -295,35 +295,37 @@ def test_scale_benchmark_runs_and_reports_a_failure_with_its_reason(tmp_path, ca
     assert "of host limit" in capsys.readouterr().out
 
 
-def test_gpu_benchmark_runs_its_contenders_at_a_tiny_size_on_cpu(tmp_path, capsys):
-    res = load("gpu").main(
-        [
-            "--accelerator",
-            "cpu",
-            "--width",
-            "64",
-            "--depth",
-            "2",
-            "--context",
-            "16",
-            "--batch",
-            "2",
-            "--steps",
-            "3",
-            "--skip",
-            "1",
-            "--out",
-            str(tmp_path / "gpu.json"),
-        ]
-    )
-    rows = {r["contender"]: r for r in res["rows"]}
-    for name in ("chunk_offload", "chunk_offload default", "ddp"):
-        assert rows[name]["tokens_per_s"] > 0 and rows[name]["tflops"] > 0
-    assert rows["ddp"]["vs_ddp"] == 1.0
-    assert "skipped" in rows["fsdp + cpu offload"]  # needs CUDA: reported, never faked
+def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
+    """The campaign a lent GPU runs ([Note: a step's bound] in benchmarks/gpu_campaign.py), every part at a tiny
+    size: what the GPU would measure is reported or skipped by name, never faked, and each bound is the longest of
+    its three streams."""
+    out = tmp_path / "campaign.json"
+    res = load("gpu_campaign").main(["--smoke", "--out", str(out)])
+    parts = res["parts"]
+    assert "skipped" in parts["tests"]["summary"] and parts["tests"]["rc"] == 0  # tests/gpu without CUDA
+    probes = parts["probes"]
+    assert probes["host_bandwidth_gbps"] > 0 and probes["host_adam_gbps"] > 0 and "needs CUDA" in probes["copies"]
+    rows = {r["contender"]: r for r in parts["contenders"]["rows"]}
+    assert rows["ddp"]["vs_ddp"] == 1.0 and "bound_s" not in rows["ddp"]
+    assert "skipped" in rows["fsdp + cpu offload"]
     ds = rows["deepspeed zero-3 offload"]
-    assert "skipped" in ds or ds["tokens_per_s"] > 0  # where deepspeed is installed it runs on CPU too; never faked
-    assert "TFLOP/s" in capsys.readouterr().out
+    assert "skipped" in ds or ds["tokens_per_s"] > 0
+    for name in ("chunk_offload", "chunk_offload step_in_backward"):
+        r = rows[name]  # the smoke's limit leaves shards on the host: the engine's counts are there
+        assert r["host_stepped"] > 0 and r["h2d_per_step"] > 0 and r["d2h_per_step"] > 0
+        assert r["bound_s"] == max(r["t_gpu"], r["t_cpu"], r["t_pcie"]) > 0
+        assert r["vs_bound"] == pytest.approx(r["median_s"] / r["bound_s"])
+    (largest,) = parts["largest"]["rows"]
+    assert largest["median_s"] > 0 and largest["params"] == 115_008  # the tiny Llama's count, built on meta
+    saved = json.loads(out.read_text())
+    assert set(saved["parts"]) == {"tests", "probes", "contenders", "largest"} and saved["meta"]["torch"]
+    table = out.with_suffix(".md").read_text()
+    assert "x bound" in table and "chunk_offload step_in_backward" in table and "Llama 2 layers" in table
+    capsys.readouterr()
+    late = load("gpu_campaign").main(
+        ["--smoke", "--parts", "probes", "--budget", "1", "--out", str(tmp_path / "x.json")]
+    )
+    assert late["parts"]["probes"]["failed"] == "no time left in --budget"
 
 
 def test_disk_benchmark_runs_every_row(tmp_path, capsys):

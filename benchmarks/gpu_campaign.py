@@ -1,0 +1,456 @@
+"""Everything a lent GPU should measure, in one command of at most 8 minutes: one JSON and one markdown table.
+
+    python benchmarks/gpu_campaign.py --out $OUT/gpu_campaign.json     # on the GPU machine (../shared/GPU.md)
+    python benchmarks/gpu_campaign.py --smoke --out /tmp/c.json        # all of it on CPU at a tiny size (the tests)
+
+Parts, in this order, each given what is left of ``--budget`` seconds; the JSON and the table are rewritten after
+each, so a run stopped part-way keeps what it measured (``--parts`` runs some again):
+
+- ``tests``: ``pytest tests/gpu``: passed, failed, skipped and the first failures.
+- ``probes``: the roofline's inputs. Host to device and back, pinned and pageable (GB/s, 512 MiB copies); host
+  memory bandwidth with the host Adam's access pattern (``optimizer_step.py``'s floor: read parameter, gradient
+  and both moments, write them and a bf16 copy, 30 bytes a parameter); the host Adam itself (``ours+bf16``) at
+  this process's thread count, which is one rank's share of the cores on a one-GPU machine; a bf16 matmul's
+  TFLOP/s.
+- ``contenders``: ``gpu.py``'s rows for the 1.0B GPT (DDP, ``chunk_offload`` under a limit with and without
+  ``step_in_backward``, its default, DeepSpeed ZeRO-3 offload, Lightning's FSDP with CPU offload), each with
+  its bound.
+- ``largest``: the largest Llama-shaped model (Llama-2 7B's widths, layers added) that ``lightning-chunk plan``
+  says fits this GPU and host with the device limit at 85% of the GPU, built on the meta device and streamed,
+  trained ``--largest-steps`` steps in bf16-mixed; a failure steps down a fifth of the layers (not below 7B)
+  while time is left. Its T_gpu takes the FLOP/s DDP achieved on the 1.0B GPT.
+
+[Note: a step's bound]
+With the optimizer state of some shards on the host, a step cannot take less than the longest of three streams
+that can all run at once: T_gpu = the model's FLOPs a step / the FLOP/s DDP achieves on the same GPU (its
+model TFLOP/s, the same kernels without offload), T_cpu = 30 bytes x the parameters the host Adam steps / the
+host bandwidth of that access pattern, and T_pcie = the bytes copied each way a step (the engine's own counts,
+averaged over the steps after ``--skip``) / the pinned bandwidth that way. The bound is their maximum; the
+first chunk's tail (its step cannot overlap the backward that ends with it) is left out, so the bound flatters
+the hardware a little. ZeRO-Offload's schedule pays their sum. Rows without the engine's counts (DeepSpeed,
+FSDP: every optimizer state on the host) are held to the same bound with every parameter stepped on the host
+and 2 bytes a parameter each way; DDP's own row has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, clean_env, proc_bytes, run_ranks, save_results, step_timer  # noqa: E402
+
+PARTS = ("tests", "probes", "contenders", "largest")
+GIB = 2**30
+ADAM_BYTES = 30  # a parameter the host Adam reads and writes, the bf16 copy included
+LLAMA = dict(hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000)  # Llama-2 7B's widths
+TINY_LLAMA = dict(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256)
+MIN_LAYERS = 32  # 7B
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def part_tests(args: argparse.Namespace, budget: float) -> dict:
+    t = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=ROOT, env=clean_env())
+    except subprocess.TimeoutExpired:
+        return {"failed": f"tests/gpu ran past {budget:.0f} s"}
+    lines = r.stdout.strip().splitlines()
+    summary = next((ln for ln in reversed(lines) if " in " in ln and ("passed" in ln or "skipped" in ln)), "")
+    return {
+        "rc": r.returncode,
+        "summary": summary.strip("= ") or (lines[-1:] or ["no output"])[0],
+        "failures": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:10],
+        "seconds": time.perf_counter() - t,
+    }
+
+
+def _copy_gbps(nbytes: int) -> dict[str, float]:
+    """Host to device and back, pinned and pageable: GB/s, the best of five."""
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for kind in ("pinned", "pageable"):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind == "pinned")
+        host.fill_(1)
+        for way, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+            best = float("inf")
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                dst.copy_(src, non_blocking=kind == "pinned")
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t)
+            out[f"{way}_{kind}"] = nbytes / best / 1e9
+    return out
+
+
+def _matmul_tflops(n: int) -> float:
+    import torch
+
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * n**3 / (time.perf_counter() - t) / 1e12
+
+
+def part_probes(args: argparse.Namespace, budget: float) -> dict:
+    import torch
+
+    cuda = args.accelerator == "cuda"
+    res = _load("optimizer_step").measure(args.probe_numel, args.probe_repeats, only=["ours+bf16"])
+    rows = {r["contender"]: r for r in res["rows"]}
+    out: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "host_floor": res["floor"],
+        "host_bandwidth_gbps": rows["floor+bf16"]["GB_per_s"],
+        "host_adam_gbps": rows["ours+bf16"]["GB_per_s"],
+        "host_adam_params_per_s": args.probe_numel / rows["ours+bf16"]["median_s"],
+    }
+    if cuda:
+        out.update(_copy_gbps(args.copy_bytes))
+        out["matmul_tflops"] = _matmul_tflops(8192)
+    else:
+        out["copies"] = "skipped: needs CUDA"
+    return out
+
+
+def bound(row: dict, probes: dict, ddp_tflops: float | None) -> dict:
+    """[Note: a step's bound] for one contender's row: its three times and their maximum, in seconds."""
+    if "median_s" not in row or row["contender"] == "ddp" or not ddp_tflops:
+        return {}
+    inf = float("inf")  # no copy probe (a CPU run): no copies to wait for
+    flops_per_step = row["tflops"] * row["median_s"] * 1e12
+    measured = "host_stepped" in row
+    host_params = row["host_stepped"] if measured else row["params"]
+    h2d = row["h2d_per_step"] if measured else 2 * row["params"]
+    d2h = row["d2h_per_step"] if measured else 2 * row["params"]
+    times = {
+        "t_gpu": flops_per_step / (ddp_tflops * 1e12),
+        "t_cpu": ADAM_BYTES * host_params / (probes["host_bandwidth_gbps"] * 1e9),
+        "t_pcie": max(h2d / (probes.get("h2d_pinned", inf) * 1e9), d2h / (probes.get("d2h_pinned", inf) * 1e9)),
+    }
+    step_bound = max(times.values())
+    return {**times, "bound_s": step_bound, "vs_bound": row["median_s"] / step_bound if step_bound else None}
+
+
+def part_contenders(args: argparse.Namespace, budget: float, probes: dict) -> dict:
+    gpu = _load("gpu")
+    ns = argparse.Namespace(**{k: getattr(args, k) for k in ("width", "depth", "context", "batch", "steps", "skip")})
+    ns.accelerator, ns.device_limit, ns.largest = args.accelerator, args.device_limit, False
+    ns.deadline = time.monotonic() + budget
+    res = gpu.measure(ns)
+    ddp = next((r for r in res["rows"] if r["contender"] == "ddp" and "tflops" in r), None)
+    for r in res["rows"]:
+        r.update(bound(r, probes, ddp and ddp["tflops"]))
+    return res
+
+
+def _host_bytes() -> int:
+    """The host memory a run may take: what the kernel says is available now (the total less what the system
+    and the page cache it cannot drop hold)."""
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fitting_layers(args: argparse.Namespace, device_limit: int | None) -> tuple[int, Any]:
+    """The most layers of Llama-2 7B's widths the plan says fit this device and host (at least ``MIN_LAYERS``)."""
+    from lightning_chunk.plan import make_shape_plan
+    from lightning_chunk.shapes import Llama
+
+    def plan(layers: int) -> Any:
+        return make_shape_plan(
+            Llama,
+            {"size": {**LLAMA, "layers": layers}},
+            {"placement": "auto", "device_memory_limit": device_limit},
+            "bf16-mixed",
+            1,
+            (1, 1, args.host_memory or _host_bytes()),
+            staging=args.accelerator == "cuda",
+        )
+
+    lo, hi = MIN_LAYERS, 2 * MIN_LAYERS
+    while plan(hi).fits and hi < 1024:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # plan(lo) fits (or is the floor), plan(hi) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan(mid).fits else (lo, mid)
+    return lo, plan(lo)
+
+
+def child_largest(args: argparse.Namespace) -> None:
+    """One ``Trainer.fit`` of a Llama shape built on the meta device (``configure_model``)."""
+    import lightning as L
+    import torch
+
+    from lightning_chunk import CheckOptions, ChunkOffloadStrategy
+    from lightning_chunk.shapes import Llama
+
+    shape = json.loads(args.shape)
+    cuda = args.accelerator == "cuda"
+    L.seed_everything(0, verbose=False)
+    model = Llama(size=shape)
+    data = torch.randint(0, shape["vocab"], (args.largest_steps * args.largest_batch, args.largest_context + 1))
+    times: list[float] = []
+    moved: dict[str, float] = {}
+    strategy = ChunkOffloadStrategy(
+        device_memory_limit=int(args.largest_limit) if args.largest_limit else None,
+        checks=CheckOptions(log_memory_stats=False),
+    )
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=args.largest_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[step_timer(times), _load("gpu").traffic(strategy, 1, moved)],
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.largest_batch))
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    res = {"times": times, "params": model_params(shape), "peak_device": peak, "peak_host": proc_bytes("VmHWM")}
+    Path(args.child_out).write_text(json.dumps({**res, **moved}))
+
+
+def model_params(shape: dict) -> int:
+    h, i, v, n = shape["hidden"], shape["intermediate"], shape["vocab"], shape["layers"]
+    kv = shape["kv_heads"] * (h // shape["heads"])
+    return 2 * v * h + h + n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
+
+
+def part_largest(args: argparse.Namespace, budget: float, probes: dict, ddp_tflops: float | None) -> dict:
+    deadline = time.monotonic() + budget
+    if args.smoke:
+        layers, limit, planned = 2, None, None
+        base = TINY_LLAMA
+    else:
+        import torch
+
+        limit = int(0.85 * torch.cuda.get_device_properties(0).total_memory) if args.accelerator == "cuda" else None
+        layers, report = fitting_layers(args, limit)
+        planned = max(p.host for p in report.phases)
+        base = LLAMA
+    capacity = (args.host_memory or _host_bytes()) / 12  # the issue's yardstick: 12 host bytes a parameter
+    tries = []
+    while True:
+        shape = {**base, "layers": layers}
+        out = Path(args.scratch) / f"largest_{layers}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "largest", "--child-out", str(out)]
+        cmd += ["--shape", json.dumps(shape), "--accelerator", args.accelerator, "--largest-limit", str(limit or "")]
+        for k in ("largest_steps", "largest_batch", "largest_context"):
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        left = deadline - time.monotonic()
+        rc, log = run_ranks(cmd, 1, clean_env(), timeout=max(left, 1))
+        row: dict[str, Any] = {
+            "contender": f"Llama {layers} layers",
+            "layers": layers,
+            "params": model_params(shape),
+            "planned_peak_host": planned,
+        }
+        if out.exists():
+            res = json.loads(out.read_text())
+            steady = res.pop("times")[1:]  # the first step is the warm-up's
+            step = statistics.median(steady)
+            tokens = args.largest_batch * args.largest_context
+            flops = 6 * res["params"] * tokens + 12 * layers * shape["hidden"] * args.largest_context * tokens
+            row.update(res, median_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12)
+            row["of_host_capacity"] = res["params"] / capacity
+            row.update(bound(row, probes, ddp_tflops))
+            tries.append(row)
+            return {"rows": tries}
+        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or [f"exit {rc}, no output"]
+        row["failed"] = tail[0][:300]
+        tries.append(row)
+        smaller = max(layers * 4 // 5, MIN_LAYERS)
+        if args.smoke or smaller == layers or deadline - time.monotonic() < 60:
+            return {"rows": tries}
+        layers = smaller
+
+
+def _machine(args: argparse.Namespace) -> dict:
+    import torch
+
+    info: dict[str, Any] = {"device": "cpu", "driver": None, "torch": torch.__version__}
+    if args.accelerator == "cuda":
+        info["device"] = torch.cuda.get_device_name(0)
+        try:
+            q = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            info["driver"] = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+        info["commit"] = sha.stdout.strip() or None
+    except OSError:
+        info["commit"] = None
+    info["host_memory"] = args.host_memory or _host_bytes()
+    return info
+
+
+def _num(x: Any, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    out = [
+        "| contender | params | s/step | tokens/s | model TFLOP/s | peak device GiB | peak host GiB | x DDP | "
+        "T_gpu / T_cpu / T_pcie s | x bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "median_s" not in r:
+            why = r.get("skipped") and "skipped: " + r["skipped"] or "failed: " + r.get("failed", "?")
+            out.append(f"| {r['contender']} | {r.get('params', 0):,} | {why} |  |  |  |  |  |  |  |")
+            continue
+        parts = " / ".join(_num(r.get(k), ".3f") for k in ("t_gpu", "t_cpu", "t_pcie")) if "bound_s" in r else "-"
+        out.append(
+            f"| {r['contender']} | {r['params']:,} | {r['median_s']:.3f} | {_num(r.get('tokens_per_s'), '.0f')} | "
+            f"{r['tflops']:.1f} | {r['peak_device'] / GIB:.2f} | {r['peak_host'] / GIB:.2f} | "
+            f"{_num(r.get('vs_ddp'), '.2f')} | {parts} | {_num(r.get('vs_bound'), '.2f')} |"
+        )
+    return out
+
+
+def render(res: dict) -> str:
+    m = res["machine"]
+    lines = [
+        f"GPU campaign on {m['device']} (driver {m['driver'] or '-'}), torch {m['torch']}, host "
+        f"{m['host_memory'] / GIB:.0f} GiB, commit {m['commit'] or '-'}",
+        "",
+    ]
+    parts = {k: v for k, v in res["parts"].items() if "failed" not in v or k == "tests"}
+    lines += [f"{k}: failed: {v['failed']}" for k, v in res["parts"].items() if k not in parts]
+    if "tests" in parts:
+        t = parts["tests"]
+        lines += [f"tests/gpu: {t.get('summary') or t.get('failed')}", *(f"  {f}" for f in t.get("failures", [])), ""]
+    if "probes" in parts:
+        p = parts["probes"]
+        ways = ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable")
+        copies = (
+            "copies "
+            + ", ".join(f"{k} {p[k]:.1f}" for k in ways)
+            + f" GB/s; bf16 matmul {p['matmul_tflops']:.0f} TFLOP/s"
+            if "h2d_pinned" in p
+            else "copies " + p.get("copies", "-")
+        )
+        lines += [
+            f"probes: {copies}; host memory {p['host_bandwidth_gbps']:.1f} GB/s (the Adam pattern, {p['host_floor']}); "
+            f"host Adam {p['host_adam_gbps']:.1f} GB/s on {p['threads']} threads",
+            "",
+        ]
+    if "contenders" in parts:
+        c = parts["contenders"]
+        if "rows" in c:
+            lines += [
+                f"GPT width {c['width']}, depth {c['depth']}, context {c['context']}, batch {c['batch']}; "
+                f"chunk_offload device limit {c['device_limit']}",
+                "",
+                *_table(c["rows"]),
+                "",
+            ]
+    if "largest" in parts and "rows" in parts["largest"]:
+        rows = parts["largest"]["rows"]
+        lines += ["Largest Llama-shaped model (bf16-mixed, built on the meta device):", "", *_table(rows)]
+        done = [r for r in rows if "of_host_capacity" in r]
+        if done:
+            share = done[-1]["of_host_capacity"]
+            lines.append(
+                f"\n{done[-1]['params'] / 1e9:.1f}B parameters: {share:.0%} of the host at 12 bytes a parameter"
+            )
+    return "\n".join(lines)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    deadline = time.monotonic() + args.budget
+    res: dict[str, Any] = {"machine": _machine(args), "smoke": args.smoke, "parts": {}}
+    parts = res["parts"]
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
+
+    def keep() -> None:  # after each part: a run stopped later keeps what it measured
+        save_results(res, args.out)
+        Path(args.out).with_suffix(".md").write_text(render(res) + "\n")
+
+    for name in args.parts:
+        left = deadline - time.monotonic()
+        if left < 5:
+            parts[name] = {"failed": "no time left in --budget"}
+            continue
+        t = time.perf_counter()
+        try:
+            if name == "tests":
+                parts[name] = part_tests(args, left)
+            elif name == "probes":
+                parts[name] = part_probes(args, left)
+            elif name == "contenders":
+                parts[name] = part_contenders(args, left, parts.get("probes", {}))
+            else:
+                ddp = next((r for r in parts.get("contenders", {}).get("rows", []) if r["contender"] == "ddp"), {})
+                parts[name] = part_largest(args, left, parts.get("probes", {}), ddp.get("tflops"))
+        except Exception as e:  # noqa: BLE001 - one part failing must not lose the others' numbers
+            parts[name] = {"failed": f"{type(e).__name__}: {e}"[:300]}
+        parts[name]["seconds"] = time.perf_counter() - t
+        print(f"{name}: {time.perf_counter() - t:.0f} s", flush=True)
+        keep()
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="every part on CPU at a tiny size")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--budget", type=float, default=480, help="seconds for all parts together")
+    p.add_argument("--out", default="benchmarks/results/gpu_campaign.json")
+    p.add_argument("--host-memory", type=int, default=0, help="bytes (default: what this machine has available)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    p.add_argument("--largest-limit", default="", help=argparse.SUPPRESS)
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cuda")
+    for name, default in (("largest-steps", 3), ("largest-batch", 1), ("largest-context", 2048)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    args = p.parse_args(argv)
+    if args.child:
+        child_largest(args)
+        return {}
+    gpt = dict(width=2048, depth=20, context=1024, batch=8, steps=8, skip=3)
+    args.device_limit, args.probe_numel, args.probe_repeats, args.copy_bytes = "12GiB", 200_000_000, 5, 512 * 2**20
+    if args.smoke:  # a tiny run of everything on CPU; the limit leaves shards on the host tier
+        gpt = dict(width=64, depth=2, context=16, batch=2, steps=3, skip=1)
+        args.accelerator, args.device_limit, args.probe_numel, args.probe_repeats = "cpu", "300KB", 100_000, 2
+        args.largest_context = 16
+    vars(args).update(gpt)
+    args.scratch = str(Path(args.out).with_suffix("")) + ".scratch"
+    res = measure(args)
+    print(render(res), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
