@@ -4,18 +4,19 @@ makes.
 [Note: stepping in backward by default with the disk tier]
 ``step_in_backward=True`` is bit-identical to stepping after backward, but after ``backward()`` the gradients of the
 chunks that stepped are gone ([Note: stepping in backward] in ``engine/optim/early_step.py``). With the disk tier it
-is also the faster step by far: a disk chunk steps from the gradients backward left in memory while backward goes on,
-so no gradient file is written or read and its master and optimizer state are read while backward computes ([Note:
-stepping disk chunks in backward]); on ``benchmarks/disk.py``'s GPT in a 1 GiB cgroup it took 1.51 s a step against
-1.94 s (medians of ten paired rounds), with 60 MiB less peak memory. A ZeRO-Infinity user who set a host limit should
-not have to find a second flag for that, so ``step_in_backward=None`` (the default) turns it on where a host limit is
-set and nothing that Lightning lets read the gradients between backward and the optimizer step is there: no gradient
-clipping, no fp16 loss scaling, one optimizer, automatic optimization, and no override of the hooks that run in that
-window (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``) on
-the module or on a callback other than this package's. Where one of them is there, the fit steps after backward and
-says which one held it back. Without a host limit ``None`` keeps stepping after backward: there the choice trades
-plain PyTorch's gradient semantics for memory, which is the user's to make. A read of the gradients the checks cannot
-see (``full_parameters(with_grads=True)`` from another hook) gets the engine's error, which names the flag."""
+is also the faster step by far: a disk chunk steps from the gradients backward left in memory while backward goes
+on, so no gradient file is written or read and its master and optimizer state are read while backward computes
+([Note: stepping disk chunks in backward]); on ``benchmarks/disk.py``'s GPT in a 1 GiB cgroup it took 1.51 s a step
+against 1.94 s (medians of ten paired rounds), with 60 MiB less peak memory. A ZeRO-Infinity user who set a host
+limit should not have to find a second flag for that, so ``step_in_backward=None`` (the default) turns it on where a
+host limit is set and nothing that Lightning lets read the gradients between backward and the optimizer step is
+there: no clipping by norm (clipping by value is applied chunk by chunk), no fp16 loss scaling, one optimizer,
+automatic optimization, and no override of the hooks that run in that window (``on_after_backward``,
+``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``) on the module or on a callback
+other than this package's. Where one of them is there, the fit steps after backward and says which one held it back.
+Without a host limit ``None`` keeps stepping after backward: there the choice trades plain PyTorch's gradient
+semantics for memory, which is the user's to make. A read of the gradients the checks cannot see
+(``full_parameters(with_grads=True)`` from another hook) gets the engine's error, which names the flag."""
 
 from __future__ import annotations
 
@@ -47,14 +48,26 @@ def _refused(trainer: pl.Trainer, module: pl.LightningModule, precision: str) ->
             "chunks step during backward, before your training_step could read or change the gradients. Use "
             "step_in_backward=False.",
         )
-    if trainer.gradient_clip_val is not None:
+    if trainer.gradient_clip_val and clip_value(trainer) is None:  # Lightning clips nothing at 0
         return (
-            f"gradient clipping (gradient_clip_val={trainer.gradient_clip_val!r})",
-            f"step_in_backward=True is not allowed with gradient_clip_val={trainer.gradient_clip_val!r}: clipping "
-            "by the global norm needs every gradient before any chunk steps. Set gradient_clip_val=None or "
-            "step_in_backward=False.",
+            f"gradient clipping by norm (gradient_clip_val={trainer.gradient_clip_val!r})",
+            f"step_in_backward=True is not allowed with gradient_clip_val={trainer.gradient_clip_val!r} and "
+            f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: clipping by the global norm needs every "
+            "gradient before any chunk steps. Clip by value (gradient_clip_algorithm='value'), set "
+            "gradient_clip_val=None, or step_in_backward=False.",
         )
     return None
+
+
+def clip_value(trainer: pl.Trainer) -> float | None:
+    """Lightning's clipping by value, which each chunk applies to its own gradients as it steps ([Note: clipping by
+    value in backward] in ``engine/optim/early_step.py``); ``None`` without it."""
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+
+    val = trainer.gradient_clip_val
+    if val is None or trainer.gradient_clip_algorithm != GradClipAlgorithmType.VALUE or float(val) <= 0:
+        return None
+    return float(val)
 
 
 def check_step_in_backward(trainer: pl.Trainer, module: pl.LightningModule, precision: str) -> None:

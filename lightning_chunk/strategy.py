@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
-from .backward_step import check_step_in_backward, config_for_fit
+from .backward_step import check_step_in_backward, clip_value, config_for_fit
 from .checkpointing import ChunkCheckpoints
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
@@ -288,6 +288,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             weights=weights,
         )
         self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
+        if fitting and self.engine.early is not None:
+            self.engine.early.clip_value = clip_value(trainer)
         if self.world_size > 1:  # [Note: generation on several ranks] in hf.py
             keep_generation_in_step(module, True)
         self._weights_loaded = self._weights_loaded or weights is not None

@@ -258,6 +258,10 @@ CASES = {
     # a parameter no rank uses: its chunk waits for the vote and steps after backward
     "early_unused": dict(variant="unused", strategy=dict(step_in_backward=True)),
     "early_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, step_in_backward=True)),
+    # each chunk clips its own gradient shard by value as it steps ([Note: clipping by value in backward])
+    "early_clip_value": dict(
+        trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), strategy=dict(step_in_backward=True)
+    ),
     "early_limit": dict(
         cls="ReorderedNet",
         model=dict(dim=64, hidden=512, depth=3),

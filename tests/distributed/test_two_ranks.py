@@ -67,6 +67,7 @@ PARITY = [
     "early_unused",
     "early_accumulate",
     "early_limit",
+    "early_clip_value",
     "root_tied_host",
     "root_tied_limit",
     "bn_cnn_bf16",
@@ -84,6 +85,7 @@ EARLY_TWINS = {
     "early_accumulate": "accumulate",
     "early_limit": "reordered_auto_limit",
     "early_host_bf16_one_pass": "host_bf16_one_pass",
+    "early_clip_value": "clip_value",
 }
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and

@@ -84,6 +84,8 @@ EARLY_CASES = {
     "fp32_direct": dict(disk_io="direct"),  # against plain Lightning; O_DIRECT pieces on the pool
     "bf16_mixed": dict(precision="bf16-mixed"),  # the compute copies written back from the stepped masters
     "accumulate_tied": dict(accumulate_grad_batches=2, variant="tied"),  # the first micro-batch's gradients in files
+    # each chunk clips its gradients as it steps: in the staging buffer, or in the file at its first step
+    "clip_value": dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"),
     # the defaults (placement="auto", the automatic chunk size) on a model used in another order than registered
     "reordered_defaults": dict(
         cls=ReorderedNet, model_kwargs=dict(dim=64, hidden=512, depth=3), chunk_numel=None, placement="auto"

@@ -296,27 +296,40 @@ def test_lightning_cli_rejects_an_unknown_knob(tmp_path, capsys):
     assert "offload_everything" in capsys.readouterr().err
 
 
-def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning():
-    """One rank, bf16-mixed, placement="auto" with the defaults: the same parameters, bit for bit."""
+CLIP_VALUE = dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")
 
-    def fit(early):
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), CLIP_VALUE, dict(CLIP_VALUE, accumulate_grad_batches=2)],
+    ids=["defaults", "clip_value", "clip_value_accumulate"],
+)
+def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning(kw):
+    """One rank, bf16-mixed, placement="auto" with the defaults: the same parameters, bit for bit; clipping by value
+    too, each chunk clipping its own gradients as it steps ([Note: clipping by value in backward]), also the sum
+    of accumulated micro-batches."""
+
+    def fit(early, **more):
         L.seed_everything(5, verbose=False)
         model = ParityNet()
         strategy = ChunkOffloadStrategy(step_in_backward=early, checks=CheckOptions(log_memory_stats=False))
-        trainer(strategy=strategy, precision="bf16-mixed", max_steps=6).fit(model, token_data())
+        trainer(strategy=strategy, precision="bf16-mixed", max_steps=6, **more).fit(model, token_data())
         return {k: v.clone() for k, v in model.state_dict().items()}, strategy.memory_stats()
 
-    want, _ = fit(False)
-    got, stats = fit(True)
+    want, _ = fit(False, **kw)
+    got, stats = fit(True, **kw)
     assert stats["chunks_stepped_in_backward"] > 0
     for k in want:
         torch.testing.assert_close(got[k], want[k], **EXACT, msg=k)
+    if kw:  # the clipping changed the run: a step that clipped nothing would pass without it
+        unclipped, _ = fit(True, **{k: v for k, v in kw.items() if not k.startswith("gradient_clip")})
+        assert any(not torch.equal(unclipped[k], got[k]) for k in got)
 
 
 @pytest.mark.parametrize(
     "what,kw,match",
     [
-        ("clipping", dict(gradient_clip_val=1.0), "not allowed with gradient_clip_val=1.0"),
+        ("clipping", dict(gradient_clip_val=1.0), "not allowed with gradient_clip_val=1.0 and gradient_clip_algo"),
         ("manual", dict(), "not allowed with manual optimization"),
         ("fp16", dict(plugins=[ChunkPrecision("16-mixed")]), "not allowed with fp16 loss scaling"),
     ],

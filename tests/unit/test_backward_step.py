@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_chunk import ChunkTelemetry
-from lightning_chunk.backward_step import choose_step_in_backward
+from lightning_chunk.backward_step import choose_step_in_backward, clip_value
 from tests.models import GradNormsAndEdits, GradsAfterBackward, ManualNet, ParityNet
 
 LIMIT = 1 << 20
@@ -38,6 +38,15 @@ def test_a_host_limit_with_nothing_reading_gradients_steps_in_backward(tmp_path)
     # Lightning's own callbacks (checkpoint, progress bar, summary) and this package's read no gradient
     default = L.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, callbacks=[ChunkTelemetry()])
     assert choose_step_in_backward(default, ParityNet(), "bf16-mixed", 1, LIMIT) == (True, None)
+
+
+@pytest.mark.parametrize("kw", [dict(gradient_clip_algorithm="value"), dict(gradient_clip_val=0)])
+def test_clipping_by_value_or_at_zero_still_steps_in_backward(kw):
+    """Clipping by value applies element by element, so each chunk clips as it steps ([Note: clipping by value in
+    backward]); Lightning clips nothing at ``gradient_clip_val=0``."""
+    t = trainer(**{"gradient_clip_val": 0.5, **kw})
+    assert choose_step_in_backward(t, ParityNet(), "32-true", 1, LIMIT) == (True, None)
+    assert clip_value(t) == (0.5 if kw.get("gradient_clip_algorithm") else None)
 
 
 def test_without_a_host_limit_the_step_stays_after_backward():

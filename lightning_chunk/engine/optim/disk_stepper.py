@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -161,12 +161,20 @@ class DiskStepper:
                             state[v][k] = x
                 tw.grad = None
 
-    def step_staged_chunk(self, chunk: Chunk, staged: Staged, grads: torch.Tensor, **kwargs: Any) -> bool:
+    def step_staged_chunk(
+        self,
+        chunk: Chunk,
+        staged: Staged,
+        grads: torch.Tensor,
+        clip: Callable[[list[torch.Tensor]], None] | None = None,
+        **kwargs: Any,
+    ) -> bool:
         """``step(**kwargs)`` over the views of disk chunk ``chunk`` alone, on ``staged`` (its master and optimizer
         state, being read by ``StagingSets.stage_in``) with ``grads`` (the uint8 buffer its gradients gathered in)
-        as the gradient file's twin, then the master and state written back on the I/O thread
-        ([Note: stepping disk chunks in backward] in ``early_step.py``). False, with nothing stepped, when a view
-        would step for the first time (its state would be created in the staging buffer): step it otherwise."""
+        as the gradient file's twin (``clip`` given the views' gradients in it first), then the master and state
+        written back on the I/O thread ([Note: stepping disk chunks in backward] in ``early_step.py``). False, with
+        nothing stepped, when a view would step for the first time (its state would be created in the staging
+        buffer): step it otherwise."""
         b = self.binding
         mine = b.slots.of_chunk(chunk)
         if not mine:
@@ -183,6 +191,8 @@ class DiskStepper:
                 files={**staged.files, Role.GRAD: rec.files[Role.GRAD]},
                 bufs={**staged.bufs, Role.GRAD: grads},
             )
+            if clip is not None:
+                clip([with_grads.like(s.grad, Role.GRAD) for s in mine])  # type: ignore[arg-type]
             with only(self._optimizer, lambda v: id(v) in ids), b.kernel(), self._beside_io():
                 self._step_on(with_grads, **kwargs)
             self.disk.staging.stage_out(staged, (Role.MASTER, Role.OPTIM))

@@ -13,7 +13,8 @@ chunk's views alone computes what one ``step()`` over every view computes, with 
 (the LR scheduler steps after ``optimizer.step()``, so the learning rate is the step's). It is exact only when
 nothing after backward may change the gradients or veto the step, hence what is refused up front:
 
-- gradient clipping and fp16 loss scaling read every gradient before any step (norm, overflow);
+- clipping by norm and fp16 loss scaling read every gradient before any step (the norm, an overflow); clipping by
+  value does not ([Note: clipping by value in backward]);
 - several optimizers and manual optimization step at times of the user's choosing.
 
 Which parameters got a gradient: the plain step skips a parameter that got none (no weight decay, no ``step``),
@@ -33,6 +34,18 @@ autograd's version check on one rank; with several ranks the payload is a gather
 
 Costs: ``optimizer.step()`` runs once per chunk (its step hooks too, as on the disk tier), and after
 ``backward()`` the stepped parameters have no gradient to read (``on_before_optimizer_step`` sees ``None``).
+
+[Note: clipping by value in backward]
+Lightning's ``gradient_clip_algorithm="value"`` clamps every gradient to ``[-v, v]`` after backward; a clamp reads
+one element, so each chunk clamps its own gradients just before it steps (``EarlyStep._clip``, the same
+``_foreach`` clamps as ``torch.nn.utils.clip_grad_value_``): in backward, after it, and for a disk chunk in the
+staging buffer its step reads (``step_staged_chunk``) or in its file. With several ranks the clamp is applied to the
+reduced shard, as DDP applies it to the all-reduced gradient; with accumulation, to the sum of the micro-batches.
+The call Lightning then makes (``clip_grad_value_`` with the same value) finds nothing left to clip. Clipping by
+norm cannot follow: the first chunk to step would need the norm of gradients not computed yet. Doing it anyway,
+step and roll back where the norm clips (SuperOffload's speculation), is bit-exact only with the chunk's pre-step
+master and moments kept until backward ends (12 bytes a parameter beside the 4 the gradient shard frees) and its
+gradient to step again: more memory than stepping after backward, so norm clipping and fp16 step after it.
 
 [Note: stepping disk chunks in backward]
 After backward, the disk tier's optimizer phase reads each disk chunk's master, gradient and optimizer state from
@@ -55,8 +68,10 @@ reads the files again. A disk chunk's gradient is "released" by a flag alone (it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from ..chunks.chunk import Chunk, Role, Tier
 from ..errors import UnsupportedOptimizerError
@@ -90,6 +105,7 @@ class EarlyStep:
         self.stepped: set[int] = set()  # chunk ids stepped since the last ``finish``
         self.early = 0  # chunks stepped during backward since set-up (the rest stepped after it)
         self.disk = DiskSteps(manager, self.binding, manager.tiers.disk)
+        self.clip_value: float | None = None  # Lightning's gradient_clip_val with algorithm "value", else None
         manager.reducer.on_final = self.grads_final
 
     def begin(self) -> None:
@@ -134,14 +150,24 @@ class EarlyStep:
         mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
         out = None
         with mgr.clock.measure("optimizer"):
-            if not (in_backward and chunk.shard_tier is Tier.DISK and self.disk.step(chunk)):
+            if not (in_backward and chunk.shard_tier is Tier.DISK and self.disk.step(chunk, self._clip)):
                 if chunk.shard_tier is Tier.DISK:
                     mgr.tiers.grads_done(chunk)  # the step below reads the gradients from the file
+                if self.clip_value is not None:
+                    with mgr.tiers.writing(chunk, (Role.GRAD,)):  # a disk shard's gradients paged in
+                        self._clip([s.grad for s in self.binding.slots.of_chunk(chunk)])  # type: ignore[misc]
                 out = self.binding.step_chunk(chunk, **kwargs)
         with mgr.ledger.tracked(chunk):
             chunk.release_grad(mgr.pool if in_backward else None)
         self.stepped.add(chunk.chunk_id)
         return out
+
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        """Clip by value, as Lightning's ``gradient_clip_algorithm="value"`` does after backward ([Note: clipping
+        by value in backward]): element by element, so one chunk's gradients clip alone, bit for bit."""
+        if self.clip_value is not None and grads:
+            torch._foreach_clamp_min_(grads, -self.clip_value)
+            torch._foreach_clamp_max_(grads, self.clip_value)
 
     def finish(self) -> None:
         """After the step: the released gradients are gone, as after ``zero_grad()``: the next backward writes
@@ -185,8 +211,9 @@ class DiskSteps:
         if first is not None:
             self.staging.stage_in(first, STAGED)
 
-    def step(self, chunk: Chunk) -> bool:
-        """Step disk chunk ``chunk`` now, from its gradients in memory; False when it must step from its files."""
+    def step(self, chunk: Chunk, clip: Callable[[list[torch.Tensor]], None]) -> bool:
+        """Step disk chunk ``chunk`` now, from its gradients in memory (``clip``ped first); False when it must step
+        from its files."""
         staging = self.staging
         if not self.binding.steps_on_this_rank(chunk):  # padding alone here: nothing to read, step or write
             self.grads.drop(chunk)
@@ -198,7 +225,7 @@ class DiskSteps:
         nxt = self._expected(chunk.chunk_id)
         if nxt is not None and staging.held(nxt) is None and staging.can_stage():
             staging.stage_in(nxt, STAGED)  # read while this one steps and backward goes on
-        if grads is None or staged is None or not self.binding.disk.step_staged_chunk(chunk, staged, grads):
+        if grads is None or staged is None or not self.binding.disk.step_staged_chunk(chunk, staged, grads, clip):
             staging.let_go(staged)
             return False
         self.grads.drop(chunk)

@@ -313,6 +313,8 @@ class ChunkEngine:
         return total
 
     def clip_grad_value_(self, clip_value: float, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if self.early is not None and self.early.clip_value == clip_value:
+            return  # each chunk clipped as it stepped, in backward or after it ([Note: clipping by value in backward])
         for g in self.grads(optimizer):
             g.clamp_(min=-clip_value, max=clip_value)
 
