@@ -81,6 +81,8 @@ class BackgroundSave:
 
     # ------------------------------------------------------------------ training's side
     def let_go(self, chunks: Iterable[Any] | None) -> None:
+        if self.over:  # nothing more is read: the steps until the next settle pay one attribute read
+            return
         ids = self._names if chunks is None else [c.chunk_id for c in chunks]
         names = [n for cid in ids for n in self._names.get(cid, ())]
         start = time.perf_counter()
