@@ -153,6 +153,11 @@ class OffloadOptions:
         ),
         when="`loop` for bit-exact agreement with plain Lightning on CPU; `auto` agrees to fp32 rounding",
     )
+    step_thread: bool | None = knob(
+        None,
+        doc="stepping in backward, host shards step on a thread beside it ([Note: the host Adam beside backward])",
+        when="`None`: on a GPU",
+    )
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,7 @@ class ChunkConfig:
     verify_collectives: bool | str | None = None
     replan_when_inputs_grow: bool = True
     step_in_backward: bool | None = None
+    step_thread: bool | None = None
     leaf_modules: tuple[type | str, ...] = ()
     keep_freed_heap: bool = True
     frozen_in_compute_dtype: bool = False  # [Note: frozen weights in the compute dtype]
@@ -213,6 +214,8 @@ class ChunkConfig:
             raise ValueError(
                 f"step_in_backward={self.step_in_backward!r} is not allowed; it must be True, False or None."
             )
+        if self.step_thread is not None and not isinstance(self.step_thread, bool):
+            raise ValueError(f"step_thread={self.step_thread!r} is not allowed; it must be True, False or None.")
         if self.materialize_on_teardown is not None and not isinstance(self.materialize_on_teardown, bool):
             raise ValueError(
                 f"materialize_on_teardown={self.materialize_on_teardown!r} is not allowed; it must be "

@@ -258,6 +258,11 @@ CASES = {
     # a parameter no rank uses: its chunk waits for the vote and steps after backward
     "early_unused": dict(variant="unused", strategy=dict(step_in_backward=True)),
     "early_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, step_in_backward=True)),
+    # host shards stepped on a worker thread beside backward ([Note: the host Adam beside backward])
+    "early_host_thread": dict(
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000, step_in_backward=True, step_thread=True),
+    ),
     # each chunk clips its own gradient shard by value as it steps ([Note: clipping by value in backward])
     "early_clip_value": dict(
         trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), strategy=dict(step_in_backward=True)

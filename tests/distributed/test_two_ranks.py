@@ -68,6 +68,7 @@ PARITY = [
     "early_accumulate",
     "early_limit",
     "early_clip_value",
+    "early_host_thread",
     "root_tied_host",
     "root_tied_limit",
     "bn_cnn_bf16",
@@ -86,6 +87,7 @@ EARLY_TWINS = {
     "early_limit": "reordered_auto_limit",
     "early_host_bf16_one_pass": "host_bf16_one_pass",
     "early_clip_value": "clip_value",
+    "early_host_thread": "host",
 }
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
@@ -216,6 +218,8 @@ def test_stepping_in_backward_equals_stepping_after_it_and_gives_the_gradient_sh
         assert torch.equal(got[k], want[k]), f"{case} {k}"
     for s, t in zip(stats(out, case), stats(out, twin), strict=True):
         assert s["chunks_stepped_in_backward"] > 0
+        if "thread" in case:  # every chunk stepped in backward stepped on the worker
+            assert s["chunks_stepped_on_thread"] == s["chunks_stepped_in_backward"]
         # after the last step masters and Adam's two moments stay; the gradient shards (a quarter of the shard
         # bytes) are gone, but where a chunk got no gradient in the last step (early_unused's branch)
         held, kept = (x["device_chunk_bytes"] + x["host_chunk_bytes"] for x in (s, t))

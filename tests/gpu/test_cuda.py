@@ -1,7 +1,7 @@
-"""CUDA checks: parity, the device limit on real device memory, the default limit, gradient offload on a side
-stream, the one-pass host Adam step, the tracer's peaks inside a module, checkpoints from pinned host shards and saves
-in the background, the disk tier (stepped in backward by default, and after it).
-Skipped cleanly without CUDA.
+"""CUDA checks: parity, the device limit on real device memory, the default limit, gradient offload on a side stream,
+the one-pass host Adam step (also on a thread beside backward), the tracer's peaks inside a module, checkpoints from
+pinned host shards and saves in the background, the disk tier (stepped in backward by default, and after it). Skipped
+cleanly without CUDA.
 
 One GPU runs one rank: the NCCL paths of several ranks (collectives on device tensors, in-place all-gather and
 reduce-scatter, DCP with host-resident DTensors) are covered on CPU with gloo and by the device checks in
@@ -245,6 +245,25 @@ def test_the_disk_tier_on_cuda_trains_like_auto_and_steps_in_backward_by_default
     assert s["disk_shards"] >= 3 and s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
     assert (s.get("chunks_stepped_in_backward", 0) > 0) == (step_in_backward is None)
     assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def test_host_chunks_step_on_a_thread_beside_backward_by_default_as_on_the_autograd_thread():
+    """[Note: the host Adam beside backward]: on a GPU, ``step_in_backward=True`` hands each host chunk's step to the
+    worker (``step_thread=None``); the parameters are those of stepping on the autograd thread, bit for bit."""
+    kw = dict(steps=8, accelerator="gpu", precision="bf16-mixed", model_kwargs=dict(dim=64, hidden=1024))
+
+    def run(thread):
+        strategy = ChunkOffloadStrategy(
+            placement="host",
+            step_in_backward=True,
+            memory=MemoryOptions(chunk_numel=66560),
+            offload=OffloadOptions(step_thread=thread),
+        )
+        return fit(strategy, **kw), strategy.memory_stats()
+
+    (want, _), (got, stats) = run(False), run(None)
+    assert stats["chunks_stepped_on_thread"] == stats["chunks_stepped_in_backward"] > 0
+    assert_close_params(want, got, dict(rtol=0, atol=0))
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])

@@ -327,6 +327,41 @@ def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning(kw):
 
 
 @pytest.mark.parametrize(
+    "kw,offload",
+    [
+        (dict(CLIP_VALUE, accumulate_grad_batches=2), dict(optimizer_kernel="loop")),
+        (dict(precision="bf16-mixed"), dict(optimizer_kernel="one_pass")),  # the native pass writes the copy
+    ],
+    ids=["clip_value_accumulate", "bf16_one_pass"],
+)
+def test_host_chunks_stepped_on_a_thread_beside_backward_train_as_on_the_autograd_thread(kw, offload):
+    """[Note: the host Adam beside backward]: with ``step_thread=True`` the host shards step on the worker while
+    backward goes on; the parameters are those of the steps on the autograd thread, bit for bit, and every chunk
+    stepped in backward gave its gradient shard back."""
+
+    def fit(thread):
+        L.seed_everything(5, verbose=False)
+        model = ParityNet()
+        strategy = ChunkOffloadStrategy(
+            placement="host",
+            step_in_backward=True,
+            memory=MemoryOptions(chunk_numel=20000),
+            offload=OffloadOptions(step_thread=thread, **offload),
+            checks=CheckOptions(log_memory_stats=False),
+        )
+        trainer(strategy=strategy, max_steps=6, **kw).fit(model, token_data())
+        return {k: v.clone() for k, v in model.state_dict().items()}, strategy.memory_stats()
+
+    want, plain = fit(False)
+    got, stats = fit(True)
+    assert "chunks_stepped_on_thread" not in plain  # off on a CPU device unless asked for
+    assert stats["chunks_stepped_on_thread"] == stats["chunks_stepped_in_backward"] > 0
+    assert stats["host_chunk_bytes"] == plain["host_chunk_bytes"]  # no gradient shard kept past its step
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **EXACT, msg=k)
+
+
+@pytest.mark.parametrize(
     "what,kw,match",
     [
         ("clipping", dict(gradient_clip_val=1.0), "not allowed with gradient_clip_val=1.0 and gradient_clip_algo"),

@@ -79,6 +79,7 @@ from ..memory.manager import ChunkManager
 from ..tiers.disk_staging import Staged
 from ..tiers.disk_storage import DiskStorage
 from .binding import OptimizerBinding
+from .step_thread import HostStepThread
 
 STAGED = (Role.MASTER, Role.OPTIM)  # a disk chunk's files read for a step in backward (its gradients are in memory)
 
@@ -106,12 +107,22 @@ class EarlyStep:
         self.early = 0  # chunks stepped during backward since set-up (the rest stepped after it)
         self.disk = DiskSteps(manager, self.binding, manager.tiers.disk)
         self.clip_value: float | None = None  # Lightning's gradient_clip_val with algorithm "value", else None
+        on = manager.config.step_thread
+        # [Note: the host Adam beside backward] in step_thread.py
+        self.thread = HostStepThread() if on or (on is None and manager.device.type == "cuda") else None
         manager.reducer.on_final = self.grads_final
 
     def begin(self) -> None:
         """A backward that may step starts ([Note: stepping disk chunks in backward])."""
         if self.active:
             self.disk.begin()
+            if self.thread is not None:
+                self.binding.slots.all()  # built here: the worker reads the slots of its chunks
+
+    def backward_ended(self) -> None:
+        """Every chunk handed to the worker has stepped and given its gradient shard back."""
+        if self.thread is not None:
+            self.thread.join(self._released)
 
     def grads_final(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
@@ -127,6 +138,7 @@ class EarlyStep:
     def step_rest(self, **kwargs: Any) -> Any:
         """``optimizer.step()`` after backward: the chunks not stepped yet, one at a time, each giving its gradient
         shard back as it goes (so the first step, which creates the optimizer state, never holds both)."""
+        self.backward_ended()
         self.disk.end()
         out = None
         mgr = self.manager
@@ -148,6 +160,11 @@ class EarlyStep:
         its gradients in memory where it can ([Note: stepping disk chunks in backward])."""
         mgr = self.manager
         mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
+        if in_backward and self.thread is not None and chunk.shard_tier is Tier.HOST:
+            self.stepped.add(chunk.chunk_id)
+            self.thread.submit(chunk, lambda: self._host_step(chunk), self._released)
+            return None
+        self.backward_ended()  # nothing else narrows the param groups while the worker steps
         out = None
         with mgr.clock.measure("optimizer"):
             if not (in_backward and chunk.shard_tier is Tier.DISK and self.disk.step(chunk, self._clip)):
@@ -162,6 +179,17 @@ class EarlyStep:
         self.stepped.add(chunk.chunk_id)
         return out
 
+    def _host_step(self, chunk: Chunk) -> None:
+        """On the worker: a host chunk's clip and step ([Note: the host Adam beside backward])."""
+        self._clip([s.grad for s in self.binding.slots.of_chunk(chunk)])  # type: ignore[misc]
+        self.binding.step_chunk(chunk)
+
+    def _released(self, chunk: Chunk) -> None:
+        """On the autograd thread, once the worker stepped ``chunk``: its gradient shard goes to the pool."""
+        mgr = self.manager
+        with mgr.ledger.tracked(chunk):
+            chunk.release_grad(mgr.pool)
+
     def _clip(self, grads: list[torch.Tensor]) -> None:
         """Clip by value, as Lightning's ``gradient_clip_algorithm="value"`` does after backward ([Note: clipping
         by value in backward]): element by element, so one chunk's gradients clip alone, bit for bit."""
@@ -172,6 +200,7 @@ class EarlyStep:
     def finish(self) -> None:
         """After the step: the released gradients are gone, as after ``zero_grad()``: the next backward writes
         fresh ones (the flags say overwrite, not add)."""
+        self.backward_ended()
         mgr = self.manager
         for c in mgr.chunks:
             if c.grad_released:

@@ -264,6 +264,8 @@ class ChunkEngine:
 
     def _backward_ends(self) -> None:
         """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
+        if self.early is not None:
+            self.early.backward_ended()
         for b in self.bindings:
             b.slots.attach()
 
@@ -363,6 +365,9 @@ class ChunkEngine:
             out["loss_scale"] = self.scaler.scale
         if self.early is not None:
             out["chunks_stepped_in_backward"] = self.early.early
+            if self.early.thread is not None:  # [Note: the host Adam beside backward]
+                out["chunks_stepped_on_thread"] = self.early.thread.stepped
+                out["time_step_thread_s"] = self.early.thread.seconds
             if self.manager.ledger[Tier.DISK]:  # [Note: stepping disk chunks in backward]
                 out["disk_staged_ahead_missed"] = self.early.disk.missed
         if self.ema is not None:
