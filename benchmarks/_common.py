@@ -194,14 +194,14 @@ def step_timer(times: list[float]) -> Any:
     return StepTimer()
 
 
-def quiet_trainer(ranks: int, strategy: Any, steps: int, **kw: Any) -> Any:
-    """A CPU ``Trainer`` that trains ``steps`` steps and writes, logs and validates nothing: what a script times."""
+def quiet_trainer(ranks: int, strategy: Any, steps: int, accelerator: str = "cpu", **kw: Any) -> Any:
+    """A ``Trainer`` that trains ``steps`` steps and writes, logs and validates nothing: what a script times."""
     import lightning as L
 
     quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     evaluation = dict(limit_val_batches=0, num_sanity_val_steps=0)
     return L.Trainer(
-        accelerator="cpu", devices=ranks, strategy=strategy, max_steps=steps, **{**quiet, **evaluation, **kw}
+        accelerator=accelerator, devices=ranks, strategy=strategy, max_steps=steps, **{**quiet, **evaluation, **kw}
     )
 
 

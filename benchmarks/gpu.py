@@ -51,6 +51,7 @@ from _common import (  # noqa: E402
     load_gpt,
     param_groups,
     proc_bytes,
+    quiet_trainer,
     run_or_child,
     run_ranks,
     step_timer,
@@ -152,7 +153,6 @@ def child_deepspeed(args: argparse.Namespace) -> None:
 
 
 def child(args: argparse.Namespace) -> None:
-    import lightning as L
     import torch
 
     from lightning_chunk import CheckOptions, ChunkOffloadStrategy
@@ -182,20 +182,8 @@ def child(args: argparse.Namespace) -> None:
     callbacks = [step_timer(times)]
     if isinstance(strategy, ChunkOffloadStrategy):
         callbacks.append(traffic(strategy, args.skip, moved))
-    trainer = L.Trainer(
-        accelerator=args.accelerator,
-        devices=1,
-        strategy=strategy,
-        max_steps=args.steps,
-        precision="bf16-mixed" if cuda else "32-true",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-    )
+    precision = "bf16-mixed" if cuda else "32-true"
+    trainer = quiet_trainer(1, strategy, args.steps, args.accelerator, precision=precision, callbacks=callbacks)
     if cuda:
         torch.cuda.synchronize()
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, proc_bytes, run_ranks, save_results, step_timer  # noqa: E402
+from _common import ROOT, clean_env, proc_bytes, quiet_trainer, run_ranks, save_results, step_timer  # noqa: E402
 
 PARTS = ("tests", "probes", "contenders", "largest")
 GIB = 2**30
@@ -219,18 +219,12 @@ def child_largest(args: argparse.Namespace) -> None:
         device_memory_limit=int(args.largest_limit) if args.largest_limit else None,
         checks=CheckOptions(log_memory_stats=False),
     )
-    trainer = L.Trainer(
-        accelerator=args.accelerator,
-        devices=1,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        1,
+        strategy,
+        args.largest_steps,
+        args.accelerator,
         precision="bf16-mixed",
-        max_steps=args.largest_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[step_timer(times), _load("gpu").traffic(strategy, 1, moved)],
     )
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.largest_batch))
