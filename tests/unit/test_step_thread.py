@@ -4,12 +4,13 @@ import threading
 import time
 
 import pytest
+import torch
 
 from lightning_chunk.engine.optim.step_thread import HostStepThread
 
 
 def test_chunks_step_in_order_on_one_worker_and_at_most_max_pending_wait():
-    worker = HostStepThread(max_pending=2)
+    worker = HostStepThread(torch.device("cpu"), max_pending=2)
     ran, done, threads = [], [], set()
     waiting = []
 
@@ -32,7 +33,7 @@ def test_chunks_step_in_order_on_one_worker_and_at_most_max_pending_wait():
 
 
 def test_a_failed_step_is_raised_at_the_join_after_the_others_finished():
-    worker = HostStepThread(max_pending=4)
+    worker = HostStepThread(torch.device("cpu"), max_pending=4)
     done, ran = [], []
 
     def ok(i):

@@ -109,7 +109,7 @@ class EarlyStep:
         self.clip_value: float | None = None  # Lightning's gradient_clip_val with algorithm "value", else None
         on = manager.config.step_thread
         # [Note: the host Adam beside backward] in step_thread.py
-        self.thread = HostStepThread() if on or (on is None and manager.device.type == "cuda") else None
+        self.thread = HostStepThread(manager.device) if on or (on is None and manager.device.type == "cuda") else None
         manager.reducer.on_final = self.grads_final
 
     def begin(self) -> None:
@@ -189,6 +189,19 @@ class EarlyStep:
         mgr = self.manager
         with mgr.ledger.tracked(chunk):
             chunk.release_grad(mgr.pool)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {"chunks_stepped_in_backward": self.early}
+        if self.thread is not None:  # [Note: the host Adam beside backward]
+            out.update(chunks_stepped_on_thread=self.thread.stepped, time_step_thread_s=self.thread.seconds)
+        if self.manager.ledger[Tier.DISK]:  # [Note: stepping disk chunks in backward]
+            out["disk_staged_ahead_missed"] = self.disk.missed
+        return out
+
+    def close(self) -> None:
+        """The end of the run: the worker thread, if one was started, ends."""
+        if self.thread is not None:
+            self.thread.close()
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
         """Clip by value, as Lightning's ``gradient_clip_algorithm="value"`` does after backward ([Note: clipping

@@ -36,12 +36,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 
 class HostStepThread:
     """One worker thread stepping chunks in the order they are handed over ([Note: the host Adam beside
     backward])."""
 
-    def __init__(self, max_pending: int = 4) -> None:
+    def __init__(self, device: torch.device, max_pending: int = 4) -> None:
+        self.device = device
         self.max_pending = max_pending
         self._pool: ThreadPoolExecutor | None = None
         self._pending: deque[tuple[Any, Future[float]]] = deque()
@@ -53,7 +56,9 @@ class HostStepThread:
         if len(self._pending) >= self.max_pending:
             self._reap(done, block=1)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_chunk host step")
+            self._pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lightning_chunk host step", initializer=self._on_device
+            )
         self._pending.append((chunk, self._pool.submit(_timed, step)))
         self._reap(done, block=0)
 
@@ -77,6 +82,13 @@ class HostStepThread:
             done(chunk)
         if error is not None:
             raise error
+
+    def _on_device(self) -> None:
+        """The worker's current GPU is the rank's: a thread starts on GPU 0, where anything a step hook does on
+        the GPU (a save's ``torch.cuda.synchronize()``) would make a context of its own and wait for another
+        rank's device."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def close(self) -> None:
         if self._pool is not None:

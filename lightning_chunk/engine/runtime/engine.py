@@ -364,12 +364,7 @@ class ChunkEngine:
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.scale
         if self.early is not None:
-            out["chunks_stepped_in_backward"] = self.early.early
-            if self.early.thread is not None:  # [Note: the host Adam beside backward]
-                out["chunks_stepped_on_thread"] = self.early.thread.stepped
-                out["time_step_thread_s"] = self.early.thread.seconds
-            if self.manager.ledger[Tier.DISK]:  # [Note: stepping disk chunks in backward]
-                out["disk_staged_ahead_missed"] = self.early.disk.missed
+            out.update(self.early.stats())
         if self.ema is not None:
             out["ema_host_bytes"] = self.ema.nbytes  # this rank's share of the average ([Note: a sharded EMA])
         if self.last_grad_norm is not None:
@@ -434,6 +429,8 @@ class ChunkEngine:
 
         With ``materialize`` off nothing here is a collective, so it is safe after another rank failed.
         """
+        if self.early is not None:
+            self.early.close()
         try:
             self.manager.readers.settle()  # a save in flight reads the chunks unpacked here
         except BaseException as e:  # noqa: BLE001 - raised once the parameters are back
