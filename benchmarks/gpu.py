@@ -11,7 +11,8 @@ Contenders, each a fresh ``Trainer.fit`` of ``--steps`` steps in its own process
   below the ~16 bytes a parameter the training state needs on the device without offload), so the
   placement policy must keep part of the shards, and of the Adam step, on the host.
 - ``chunk_offload step_in_backward``: the same with ``step_in_backward=True``: each chunk steps as its
-  gradients land.
+  gradients land, a host chunk on a worker thread beside backward (``step_thread``'s default on a GPU);
+  ``chunk_offload step_in_backward, no thread``: on the autograd thread (``step_thread=False``).
 - ``chunk_offload default``: ``ChunkOffloadStrategy()`` as a user gets it: no limit given, so the limit is the
   device's free memory less a margin; on a GPU where the model fits, everything stays resident.
 - ``ddp``: plain Lightning on one device (``strategy="auto"``): the reference where the model fits.
@@ -60,6 +61,7 @@ from _common import (  # noqa: E402
 CONTENDERS = (
     "chunk_offload",
     "chunk_offload step_in_backward",
+    "chunk_offload step_in_backward, no thread",
     "chunk_offload default",
     "ddp",
     "fsdp + cpu offload",
@@ -155,7 +157,7 @@ def child_deepspeed(args: argparse.Namespace) -> None:
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from lightning_chunk import CheckOptions, ChunkOffloadStrategy
+    from lightning_chunk import CheckOptions, ChunkOffloadStrategy, OffloadOptions
     from lightning_chunk.engine.config import parse_bytes
 
     cuda = args.accelerator == "cuda"
@@ -163,7 +165,8 @@ def child(args: argparse.Namespace) -> None:
         strategy = ChunkOffloadStrategy(
             placement="auto",
             device_memory_limit=parse_bytes(args.device_limit, field="--device-limit"),
-            step_in_backward=args.child.endswith("step_in_backward"),
+            step_in_backward="step_in_backward" in args.child,
+            offload=OffloadOptions(step_thread=False if args.child.endswith("no thread") else None),
             checks=CheckOptions(log_memory_stats=False),
         )
     elif args.child == "chunk_offload default":  # what a user gets: the limit is the device's free memory less a margin
@@ -282,18 +285,18 @@ def render(res: dict) -> str:
     lines = [
         f"GPT {res['params']:,} parameters (width {res['width']}, depth {res['depth']}, context {res['context']}, "
         f"batch {res['batch']}), one {res['accelerator']} device, chunk_offload device limit {res['device_limit']}",
-        f"{'contender':<31} {'median s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'peak dev GiB':>13} "
+        f"{'contender':<42} {'median s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'peak dev GiB':>13} "
         f"{'peak host GiB':>14} {'x ddp':>6}",
     ]
     for r in res["rows"]:
         if "median_s" not in r:
             lines.append(
-                f"{r['contender']:<31} {r.get('skipped') and 'skipped: ' + r['skipped'] or 'failed: ' + r['failed']}"
+                f"{r['contender']:<42} {r.get('skipped') and 'skipped: ' + r['skipped'] or 'failed: ' + r['failed']}"
             )
             continue
         ratio = f"{r['vs_ddp']:.2f}" if "vs_ddp" in r else "-"
         lines.append(
-            f"{r['contender']:<31} {r['median_s']:>9.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
+            f"{r['contender']:<42} {r['median_s']:>9.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
             f"{r['peak_device'] / gib:>13.2f} {r['peak_host'] / gib:>14.2f} {ratio:>6}"
         )
     for r in res.get("largest", []):
