@@ -116,8 +116,8 @@ class EarlyStep:
         """A backward that may step starts ([Note: stepping disk chunks in backward])."""
         if self.active:
             self.disk.begin()
-            if self.thread is not None:
-                self.binding.slots.all()  # built here: the worker reads the slots of its chunks
+            if self.thread is not None and self.manager.chunks:
+                self.binding.slots.of_chunk(self.manager.chunks[0])  # built here: the worker reads them too
 
     def backward_ended(self) -> None:
         """Every chunk handed to the worker has stepped and given its gradient shard back."""

@@ -53,10 +53,11 @@ class GradSlots:
 
     def of_chunk(self, chunk: Chunk, *, with_grad: bool = True) -> list[GradSlot]:
         """The slots of ``chunk``'s views (``with_grad``: those that got a gradient this step)."""
-        if self._by_chunk is None:
-            self._by_chunk = {}
+        if self._by_chunk is None:  # built whole, then published: the host step thread may read it too
+            by_chunk: dict[int, list[GradSlot]] = {}
             for slot in self.all():
-                self._by_chunk.setdefault(slot.chunk.chunk_id, []).append(slot)
+                by_chunk.setdefault(slot.chunk.chunk_id, []).append(slot)
+            self._by_chunk = by_chunk
         slots = self._by_chunk.get(chunk.chunk_id, ())
         return [s for s in slots if not with_grad or (s.info.has_grad and s.grad is not None)]
 
