@@ -326,6 +326,11 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
         ["--smoke", "--parts", "probes", "--budget", "1", "--out", str(tmp_path / "x.json")]
     )
     assert late["parts"]["probes"]["failed"] == "no time left in --budget"
+    # a host probe that fails (no compiler for its kernels) leaves the copies' numbers and no bound
+    probes = {"threads": 2, "copies": "skipped: needs CUDA", "host": "failed: no compiler"}
+    shown = load("gpu_campaign").render({"machine": saved["machine"], "parts": {"probes": probes}})
+    assert "host probes failed: no compiler" in shown
+    assert load("gpu_campaign").bound(rows["chunk_offload"], probes, 1.0) == {}
 
 
 def test_disk_benchmark_runs_every_row(tmp_path, capsys):
