@@ -19,6 +19,8 @@ autograd thread goes on with backward, and the step costs the longer of the two.
   (``reap``), in order.
 - At most ``max_pending`` chunks wait for the worker; one more makes the autograd thread wait for the oldest, so
   the gradient shards held stay a few chunks' worth when the host Adam is the slower of the two.
+- The worker runs its kernels on the rank's share of the cores and on the rank's GPU (``_start``): a new thread
+  starts with OpenMP teams as large as the machine and on GPU 0.
 - The worker's error is raised on the autograd thread at the next hand-over or join; the end of backward joins,
   so nothing steps past the backward that produced its gradients, and the vote and the steps after backward
   (``step_rest``) see every chunk stepped.
@@ -45,6 +47,7 @@ class HostStepThread:
 
     def __init__(self, device: torch.device, max_pending: int = 4) -> None:
         self.device = device
+        self.threads = torch.get_num_threads()  # the rank's share of the cores (``take_rank_threads``)
         self.max_pending = max_pending
         self._pool: ThreadPoolExecutor | None = None
         self._pending: deque[tuple[Any, Future[float]]] = deque()
@@ -57,7 +60,7 @@ class HostStepThread:
             self._reap(done, block=1)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="lightning_chunk host step", initializer=self._on_device
+                max_workers=1, thread_name_prefix="lightning_chunk host step", initializer=self._start
             )
         self._pending.append((chunk, self._pool.submit(_timed, step)))
         self._reap(done, block=0)
@@ -83,10 +86,13 @@ class HostStepThread:
         if error is not None:
             raise error
 
-    def _on_device(self) -> None:
-        """The worker's current GPU is the rank's: a thread starts on GPU 0, where anything a step hook does on
-        the GPU (a save's ``torch.cuda.synchronize()``) would make a context of its own and wait for another
-        rank's device."""
+    def _start(self) -> None:
+        """The worker takes the rank's share of the cores and its GPU. A new thread's OpenMP regions (the one-pass
+        kernel's) otherwise use every core of the machine, whatever ``torch.set_num_threads`` said on the thread
+        that set it (eight ranks of a node would each run a team as large as the node), and it starts on GPU 0,
+        where anything a step hook does on the GPU (a save's ``torch.cuda.synchronize()``) would make a context of
+        its own and wait for another rank's device."""
+        torch.set_num_threads(self.threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
