@@ -17,7 +17,8 @@ each, so a run stopped part-way keeps what it measured (``--parts`` runs some ag
   its bound.
 - ``largest``: the largest Llama-shaped model (Llama-2 7B's widths, layers added) that ``lightning-chunk plan``
   says fits this GPU and host with the device limit at 85% of the GPU, built on the meta device and streamed,
-  trained ``--largest-steps`` steps in bf16-mixed; a failure steps down a fifth of the layers (not below 7B)
+  trained ``--largest-steps`` steps in bf16-mixed, stepped in backward (the plan counts the gradient shards it then
+  frees, so it errs safe); a failure steps down a fifth of the layers (not below 7B)
   while time is left. Its T_gpu takes the FLOP/s DDP achieved on the 1.0B GPT.
 
 [Note: a step's bound]
@@ -218,8 +219,9 @@ def child_largest(args: argparse.Namespace) -> None:
     data = torch.randint(0, shape["vocab"], (args.largest_steps * args.largest_batch, args.largest_context + 1))
     times: list[float] = []
     moved: dict[str, float] = {}
-    strategy = ChunkOffloadStrategy(
+    strategy = ChunkOffloadStrategy(  # stepped in backward: no model's worth of gradient shards on the host
         device_memory_limit=int(args.largest_limit) if args.largest_limit else None,
+        step_in_backward=True,
         checks=CheckOptions(log_memory_stats=False),
     )
     trainer = quiet_trainer(
