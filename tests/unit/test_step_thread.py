@@ -78,3 +78,63 @@ def test_the_worker_s_openmp_team_is_the_rank_s_share_of_the_cores():
         assert seen == [1]
     finally:
         torch.set_num_threads(before)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(16, 64)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x, boom=False):
+        h = self.first(x)
+        if boom:  # backward reaches this after every later layer's gradients are final
+            h = _Boom.apply(h)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_a_save_after_a_backward_that_raised_waits_for_the_host_steps_it_left_running(tmp_path, monkeypatch):
+    """A backward that raises ends without joining the worker; a save then (Lightning's ``OnExceptionCheckpoint``)
+    must not read shards the worker is still stepping."""
+    from lightning_chunk.engine import ChunkConfig, ChunkEngine
+    from lightning_chunk.engine.state import checkpoint
+
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = ChunkConfig(placement="host", chunk_numel=4160, step_in_backward=True, step_thread=True)
+    eng = ChunkEngine(model, [opt], config=config)
+
+    def step(boom=False):
+        opt.zero_grad()
+        with eng.micro_batch(training=True):
+            loss = model(torch.randn(4, 16), boom=boom).pow(2).mean()
+        loss.backward()
+        eng.after_backward()
+        eng.prepare_step()
+        eng.step(opt)
+        eng.finish_step(stepped=True)
+
+    step()  # the warm-up
+    step()
+    binding = eng.bindings[0]
+    real = binding.step_chunk
+    monkeypatch.setattr(binding, "step_chunk", lambda c, **kw: (time.sleep(0.2), real(c, **kw))[1])
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        step(boom=True)
+    assert eng.early.thread._pending  # host steps still running when the error left backward
+    checkpoint.save_sharded(eng, tmp_path / "ckpt", {}, with_optimizer=True)
+    assert not eng.early.thread._pending
+    eng.teardown()

@@ -23,7 +23,8 @@ autograd thread goes on with backward, and the step costs the longer of the two.
   starts with OpenMP teams as large as the machine and on GPU 0.
 - The worker's error is raised on the autograd thread at the next hand-over or join; the end of backward joins,
   so nothing steps past the backward that produced its gradients, and the vote and the steps after backward
-  (``step_rest``) see every chunk stepped.
+  (``step_rest``) see every chunk stepped. A backward that raises ends without that join: a save joins first
+  (Lightning's ``OnExceptionCheckpoint`` saves then), and the engine's teardown waits for the worker.
 
 ``step_thread`` (``OffloadOptions``) turns it on; ``None`` does so when the compute device is a GPU. On a CPU device
 the worker shares the cores with backward's own kernels, so there it is a test of the schedule rather than a
