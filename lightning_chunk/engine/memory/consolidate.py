@@ -216,3 +216,48 @@ def local_optimizer_state(
             for k, val in st.items()
         }
     return out
+
+
+def module_state_dict(mgr: ChunkManager, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s ``state_dict`` with every parameter's full trained value (host tensors). A collective with
+    several ranks: every rank calls it."""
+    sd = module.state_dict(keep_vars=True)
+    index_of = mgr.index_of
+    values = full_values(mgr)
+    return {
+        k: (values[index_of[id(v)]] if id(v) in index_of else (v.detach() if torch.is_tensor(v) else v))
+        for k, v in sd.items()
+    }
+
+
+def load_module_state_dict(
+    mgr: ChunkManager, module: torch.nn.Module, state_dict: dict[str, Any], *, strict: bool = True
+) -> None:
+    """Load a plain ``state_dict`` (full tensors) into the masters and ``module``'s buffers. A meta tensor stands
+    for the value the chunks hold already (a sharded checkpoint's, [Note: the state_dict of a sharded save] in
+    ``state/checkpoint.py``): it counts as present and loads nothing."""
+    sd = module.state_dict(keep_vars=True)
+    index_of = mgr.index_of
+    param_keys = {k for k, v in sd.items() if id(v) in index_of}
+    missing = [k for k in sd if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in sd]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: "
+            f"missing keys {missing}, unexpected keys {unexpected}"
+        )
+    values = {}
+    for k in param_keys:
+        if k not in state_dict:
+            continue
+        i = index_of[id(sd[k])]
+        value = state_dict[k]
+        if tuple(value.shape) != tuple(mgr.params[i].shape):
+            raise RuntimeError(
+                f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
+                f"the parameter in the current model has shape {tuple(mgr.params[i].shape)}"
+            )
+        if not value.is_meta:
+            values[i] = value
+    load_values(mgr, values)
+    module.load_state_dict({k: v for k, v in state_dict.items() if k not in param_keys and k in sd}, strict=False)

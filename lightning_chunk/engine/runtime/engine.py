@@ -40,7 +40,7 @@ from ..comm.reduce import agree_on_grads
 from ..config import ChunkConfig, DtypePolicy, format_bytes
 from ..errors import DeviceMemoryLimitError
 from ..files.weights import ModuleWeights
-from ..memory.consolidate import full_values, load_values, unpack, whole_model_fits
+from ..memory.consolidate import load_module_state_dict, module_state_dict, unpack, whole_model_fits
 from ..memory.full_params import check_stray_writes
 from ..optim.binding import OptimizerBinding, OptimizerStateCarrier
 from ..optim.early_step import FP16_REFUSED, EarlyStep
@@ -375,45 +375,13 @@ class ChunkEngine:
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's ``state_dict`` with every parameter's full trained value (host tensors)."""
-        sd = self.module.state_dict(keep_vars=True)
-        index_of = self.manager.index_of
-        values = full_values(self.manager)  # a collective with several ranks: every rank calls it
-        return {
-            k: (values[index_of[id(v)]] if id(v) in index_of else (v.detach() if torch.is_tensor(v) else v))
-            for k, v in sd.items()
-        }
+        """The module's ``state_dict`` with every parameter's full trained value (host tensors); a collective."""
+        return module_state_dict(self.manager, self.module)
 
     def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
-        """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers. A meta tensor
-        stands for the value the chunks hold already (a sharded checkpoint's, [Note: the state_dict of a sharded
-        save] in ``checkpoint.py``): it counts as present and loads nothing."""
-        sd = self.module.state_dict(keep_vars=True)
-        index_of = self.manager.index_of
-        param_keys = {k for k, v in sd.items() if id(v) in index_of}
-        missing = [k for k in sd if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in sd]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self.module).__name__}: "
-                f"missing keys {missing}, unexpected keys {unexpected}"
-            )
-        values = {}
-        for k in param_keys:
-            if k not in state_dict:
-                continue
-            i = index_of[id(sd[k])]
-            value = state_dict[k]
-            if tuple(value.shape) != tuple(self.manager.params[i].shape):
-                raise RuntimeError(
-                    f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
-                    f"the parameter in the current model has shape {tuple(self.manager.params[i].shape)}"
-                )
-            if not value.is_meta:
-                values[i] = value
-        load_values(self.manager, values)
-        rest = {k: v for k, v in state_dict.items() if k not in param_keys and k in sd}
-        self.module.load_state_dict(rest, strict=False)
+        """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers
+        (``consolidate.load_module_state_dict``)."""
+        load_module_state_dict(self.manager, self.module, state_dict, strict=strict)
 
     def teardown(
         self,
