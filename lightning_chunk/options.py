@@ -155,7 +155,7 @@ class OffloadOptions:
     )
     step_thread: bool | None = knob(
         None,
-        doc="stepping in backward, host shards step on a thread beside it ([Note: the host Adam beside backward])",
+        doc="stepping in backward, chunks step on a thread beside it ([Note: the host Adam beside backward])",
         when="`None`: on a GPU",
     )
 

@@ -327,14 +327,15 @@ def test_stepping_in_backward_trains_like_stepping_after_it_under_lightning(kw):
 
 
 @pytest.mark.parametrize(
-    "kw,offload",
+    "kw,offload,placement",
     [
-        (dict(CLIP_VALUE, accumulate_grad_batches=2), dict(optimizer_kernel="loop")),
-        (dict(precision="bf16-mixed"), dict(optimizer_kernel="one_pass")),  # the native pass writes the copy
+        (dict(CLIP_VALUE, accumulate_grad_batches=2), dict(optimizer_kernel="loop"), "host"),
+        (dict(precision="bf16-mixed"), dict(optimizer_kernel="one_pass"), "host"),  # the native pass writes the copy
+        (dict(precision="bf16-mixed"), {}, "auto"),  # the defaults: device-tier chunks go to the worker too
     ],
-    ids=["clip_value_accumulate", "bf16_one_pass"],
+    ids=["clip_value_accumulate", "bf16_one_pass", "bf16_defaults"],
 )
-def test_host_chunks_stepped_on_a_thread_beside_backward_train_as_on_the_autograd_thread(kw, offload):
+def test_host_chunks_stepped_on_a_thread_beside_backward_train_as_on_the_autograd_thread(kw, offload, placement):
     """[Note: the host Adam beside backward]: with ``step_thread=True`` the host shards step on the worker while
     backward goes on; the parameters are those of the steps on the autograd thread, bit for bit, and every chunk
     stepped in backward gave its gradient shard back."""
@@ -343,9 +344,9 @@ def test_host_chunks_stepped_on_a_thread_beside_backward_train_as_on_the_autogra
         L.seed_everything(5, verbose=False)
         model = ParityNet()
         strategy = ChunkOffloadStrategy(
-            placement="host",
+            placement=placement,
             step_in_backward=True,
-            memory=MemoryOptions(chunk_numel=20000),
+            memory=MemoryOptions(chunk_numel=20000 if placement == "host" else None),
             offload=OffloadOptions(step_thread=thread, **offload),
             checks=CheckOptions(log_memory_stats=False),
         )

@@ -122,7 +122,7 @@ class EarlyStep:
     def backward_ended(self) -> None:
         """Every chunk handed to the worker has stepped and given its gradient shard back."""
         if self.thread is not None:
-            self.thread.join(self._released)
+            self.thread.join(self._release)
 
     def grads_final(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
@@ -160,9 +160,9 @@ class EarlyStep:
         its gradients in memory where it can ([Note: stepping disk chunks in backward])."""
         mgr = self.manager
         mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
-        if in_backward and self.thread is not None and chunk.shard_tier is Tier.HOST:
+        if in_backward and self.thread is not None and chunk.shard_tier is not Tier.DISK:
             self.stepped.add(chunk.chunk_id)
-            self.thread.submit(chunk, lambda: self._host_step(chunk), self._released)
+            self.thread.submit(chunk, lambda: self._host_step(chunk), self._release)
             return None
         self.backward_ended()  # nothing else narrows the param groups while the worker steps
         out = None
@@ -174,21 +174,21 @@ class EarlyStep:
                     with mgr.tiers.writing(chunk, (Role.GRAD,)):  # a disk shard's gradients paged in
                         self._clip([s.grad for s in self.binding.slots.of_chunk(chunk)])  # type: ignore[misc]
                 out = self.binding.step_chunk(chunk, **kwargs)
-        with mgr.ledger.tracked(chunk):
-            chunk.release_grad(mgr.pool if in_backward else None)
+        self._release(chunk, to_pool=in_backward)
         self.stepped.add(chunk.chunk_id)
         return out
 
     def _host_step(self, chunk: Chunk) -> None:
-        """On the worker: a host chunk's clip and step ([Note: the host Adam beside backward])."""
+        """On the worker: a chunk's clip and step ([Note: the host Adam beside backward])."""
         self._clip([s.grad for s in self.binding.slots.of_chunk(chunk)])  # type: ignore[misc]
         self.binding.step_chunk(chunk)
 
-    def _released(self, chunk: Chunk) -> None:
-        """On the autograd thread, once the worker stepped ``chunk``: its gradient shard goes to the pool."""
+    def _release(self, chunk: Chunk, *, to_pool: bool = True) -> None:
+        """On the autograd thread, once ``chunk`` stepped: its gradient shard goes to the pool (in backward) or to
+        the allocator (after it)."""
         mgr = self.manager
         with mgr.ledger.tracked(chunk):
-            chunk.release_grad(mgr.pool)
+            chunk.release_grad(mgr.pool if to_pool else None)
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"chunks_stepped_in_backward": self.early}

@@ -1,16 +1,20 @@
-"""Host-tier chunks stepped on a thread of their own while backward goes on (``step_in_backward``).
+"""Chunks stepped on a thread of their own while backward goes on (``step_in_backward``).
 
 [Note: the host Adam beside backward]
 Stepped in backward on the autograd thread, a host chunk's Adam (30 bytes a parameter through host memory: 24 ms
 for a 16M-element chunk at 20 GB/s) holds the thread that launches backward's next kernels, so on a GPU the
 device idles through every host step and a step costs the sum of backward and the host Adam. Here
 ``EarlyStep`` hands such a chunk to ``HostStepThread``: a single worker runs its clip and its step while the
-autograd thread goes on with backward, and the step costs the longer of the two. What keeps it exact and safe:
+autograd thread goes on with backward, and the step costs the longer of the two. A device-tier chunk goes to the
+worker too (its step only launches kernels): stepped on the autograd thread, each would first wait for every host
+step handed over before it, and under a device limit, where the tiers alternate, the overlap would be lost. Only a
+disk chunk steps on the autograd thread, after a join. What keeps it exact and safe:
 
-- The chunk's gradients are complete in its host shard before it is handed over (the gradient offload's copies
+- The chunk's gradients are complete in its shard before it is handed over (the gradient offload's copies
   drained, [Note: gradient offload] in ``tiers/offload.py``); backward never reads nor writes that shard again
   (its gradients are final) and the step touches that chunk's master, moments and compute copy alone, which
-  backward does not read either (a host chunk's payload was gathered from its compute copy before its last use).
+  backward does not read either (its payload was gathered before its last use). A device chunk's kernels go to the
+  worker's current stream, the device's default one, where backward produced its gradients.
 - One worker, steps in the order backward finished the chunks: the same kernels on the same bits as on the
   autograd thread. Everything else that narrows the optimizer's param groups (a disk chunk's step, the steps after
   backward) runs only once the worker is idle (``join``).
