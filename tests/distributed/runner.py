@@ -263,6 +263,14 @@ CASES = {
         model=dict(dim=64, hidden=256, depth=6),
         strategy=dict(placement="host", chunk_numel=20000, step_in_backward=True, step_thread=True),
     ),
+    # the same under a device limit that evicts payloads, with the automatic chunk size, on a model used in another
+    # order than registered
+    "early_limit_thread": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True, step_thread=True),
+    ),
     # each chunk clips its own gradient shard by value as it steps ([Note: clipping by value in backward])
     "early_clip_value": dict(
         trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), strategy=dict(step_in_backward=True)

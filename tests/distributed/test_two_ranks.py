@@ -69,6 +69,7 @@ PARITY = [
     "early_limit",
     "early_clip_value",
     "early_host_thread",
+    "early_limit_thread",
     "root_tied_host",
     "root_tied_limit",
     "bn_cnn_bf16",
@@ -88,6 +89,7 @@ EARLY_TWINS = {
     "early_host_bf16_one_pass": "host_bf16_one_pass",
     "early_clip_value": "clip_value",
     "early_host_thread": "host",
+    "early_limit_thread": "reordered_auto_limit",
 }
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
