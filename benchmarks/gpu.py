@@ -11,7 +11,7 @@ Contenders, each a fresh ``Trainer.fit`` of ``--steps`` steps in its own process
   below the ~16 bytes a parameter the training state needs on the device without offload), so the
   placement policy must keep part of the shards, and of the Adam step, on the host.
 - ``chunk_offload step_in_backward``: the same with ``step_in_backward=True``: each chunk steps as its
-  gradients land, a host chunk on a worker thread beside backward (``step_thread``'s default on a GPU);
+  gradients land, on a worker thread beside backward (``step_thread``'s default on a GPU);
   ``chunk_offload step_in_backward, no thread``: on the autograd thread (``step_thread=False``).
 - ``chunk_offload default``: ``ChunkOffloadStrategy()`` as a user gets it: no limit given, so the limit is the
   device's free memory less a margin; on a GPU where the model fits, everything stays resident.
