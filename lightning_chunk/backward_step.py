@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .engine.config import ChunkConfig
-from .engine.optim.early_step import FP16_REFUSED
+from .engine.optim.speculation import refusal
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -37,24 +37,34 @@ MODULE_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_grad
 CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
 
-def _refused(trainer: pl.Trainer, module: pl.LightningModule, precision: str) -> tuple[str, str] | None:
-    """What ``step_in_backward=True`` refuses in this fit, as ``(what it is, the error that refuses it)``."""
+def _speculates(trainer: pl.Trainer, precision: str) -> str | None:
+    """What in this fit makes chunks stepped in backward step on a guess ([Note: speculating past the norm and the
+    overflow] in ``engine/optim/speculation.py``), or ``None``."""
     if precision == "16-mixed":
-        return "fp16 loss scaling (precision='16-mixed'), which skips a step that overflowed", FP16_REFUSED
+        return "fp16 loss scaling (precision='16-mixed')"
+    if clips_by_norm(trainer):
+        return f"gradient clipping by norm (gradient_clip_val={trainer.gradient_clip_val!r})"
+    return None
+
+
+def clips_by_norm(trainer: pl.Trainer) -> bool:
+    """Lightning clips by the global norm in this fit (it clips nothing at 0)."""
+    return bool(trainer.gradient_clip_val) and clip_value(trainer) is None
+
+
+def _refused(
+    trainer: pl.Trainer, module: pl.LightningModule, precision: str, host_memory_limit: int | None
+) -> tuple[str, str] | None:
+    """What ``step_in_backward=True`` refuses in this fit, as ``(what it is, the error that refuses it)``."""
+    guess = _speculates(trainer, precision)
+    if guess is not None and host_memory_limit is not None:
+        return guess, refusal(guess, host_memory_limit)
     if not module.automatic_optimization:
         return (
             "manual optimization (automatic_optimization=False)",
             "step_in_backward=True is not allowed with manual optimization (automatic_optimization=False): the "
             "chunks step during backward, before your training_step could read or change the gradients. Use "
             "step_in_backward=False.",
-        )
-    if trainer.gradient_clip_val and clip_value(trainer) is None:  # Lightning clips nothing at 0
-        return (
-            f"gradient clipping by norm (gradient_clip_val={trainer.gradient_clip_val!r})",
-            f"step_in_backward=True is not allowed with gradient_clip_val={trainer.gradient_clip_val!r} and "
-            f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: clipping by the global norm needs every "
-            "gradient before any chunk steps. Clip by value (gradient_clip_algorithm='value'), set "
-            "gradient_clip_val=None, or step_in_backward=False.",
         )
     return None
 
@@ -70,16 +80,21 @@ def clip_value(trainer: pl.Trainer) -> float | None:
     return float(val)
 
 
-def check_step_in_backward(trainer: pl.Trainer, module: pl.LightningModule, precision: str) -> None:
+def check_step_in_backward(
+    trainer: pl.Trainer, module: pl.LightningModule, precision: str, host_memory_limit: int | None
+) -> None:
     """Before anything is built: what ``step_in_backward=True`` cannot do ([Note: stepping in backward])."""
-    refused = _refused(trainer, module, precision)
+    refused = _refused(trainer, module, precision, host_memory_limit)
     if refused is not None:
         raise ValueError(refused[1])
 
 
 def reads_gradients(trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int) -> str | None:
     """What in this fit can read the gradients after backward (so its chunks must step after it), or ``None``."""
-    refused = _refused(trainer, module, precision)
+    guess = _speculates(trainer, precision)  # stepping in backward would keep a copy of the state: not by default
+    if guess is not None:
+        return guess
+    refused = _refused(trainer, module, precision, None)
     if refused is not None:
         return refused[0]
     if optimizers != 1:

@@ -225,9 +225,10 @@ ARGUMENTS: dict[str, tuple[str, str]] = {
     "step_in_backward": (
         (
             "step each chunk as soon as its gradients are final and give its gradient shard back (6 bytes a "
-            "parameter instead of 8, bit-identical). Refused with norm clipping, fp16, several optimizers and "
-            "manual optimization. `None`: on where `host_memory_limit` is set and nothing in the fit reads gradients "
-            "after backward; rank 0 logs which and why"
+            "parameter instead of 8, bit-identical). With norm clipping or fp16, host chunks step on a guess undone "
+            "where wrong, which costs memory. Refused with several optimizers and manual optimization. `None`: on "
+            "where `host_memory_limit` is set and nothing in the fit reads gradients after backward; rank 0 logs "
+            "which and why"
         ),
         "the largest model a memory limit allows",
     ),

@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
-from .backward_step import check_step_in_backward, clip_value, config_for_fit
+from .backward_step import check_step_in_backward, clip_value, clips_by_norm, config_for_fit
 from .checkpointing import ChunkCheckpoints
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
@@ -262,7 +262,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
                     "the limit. Leave host_memory_limit unset, or drop ChunkEMA."
                 )
         if fitting and self.config.step_in_backward:
-            check_step_in_backward(trainer, module, self.precision_plugin.precision)
+            check_step_in_backward(trainer, module, self.precision_plugin.precision, self.config.host_memory_limit)
         if fitting:
             self._kept_optimizer_states = {}  # the last fit's optimizers are gone
             self.setup_optimizers(trainer)
@@ -288,8 +288,6 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             weights=weights,
         )
         self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
-        if fitting and self.engine.early is not None:
-            self.engine.early.clip_value = clip_value(trainer)
         if self.world_size > 1:  # [Note: generation on several ranks] in hf.py
             keep_generation_in_step(module, True)
         self._weights_loaded = self._weights_loaded or weights is not None
@@ -298,6 +296,9 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         if fitting and emas:  # before a checkpoint loads into it
             self.engine.ema = ShardedEMA(self.engine.manager, BufferAverage(module, average=emas[0].use_buffers))
         self.precision_plugin.attach(self.engine, self.root_device)
+        if fitting and self.engine.early is not None:
+            self.engine.early.clip_value = clip_value(trainer)
+            self.engine.early.speculate(clip_norm=clips_by_norm(trainer), scaler=self.engine.scaler)
         if fitting and len(self.engine.bindings) > 1:
             follow_toggles(module, self)
 

@@ -271,6 +271,24 @@ CASES = {
         limit_fraction=0.9,
         strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True, step_thread=True),
     ),
+    # host chunks step in backward on a guess, undone where the norm clips ([Note: speculating past the norm and the
+    # overflow]); and under fp16 loss scaling from a scale that overflows in the first steps, in some chunk shards
+    # of one rank and not the other's: the vote undoes the other's
+    "early_clip_norm": dict(
+        trainer=dict(gradient_clip_val=0.05), strategy=dict(placement="host", step_in_backward=True, step_thread=True)
+    ),
+    "host_fp16": dict(
+        fp16=True,
+        init_scale=1e7,
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000),
+    ),
+    "early_host_fp16": dict(
+        fp16=True,
+        init_scale=1e7,
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000, step_in_backward=True),
+    ),
     # each chunk clips its own gradient shard by value as it steps ([Note: clipping by value in backward])
     "early_clip_value": dict(
         trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), strategy=dict(step_in_backward=True)
@@ -374,11 +392,12 @@ def run_parity(case: str, out: Path) -> None:
     variant, model_kw, tkw = spec.get("variant", "plain"), spec.get("model", {}), spec.get("trainer", {})
     cls = getattr(models, spec.get("cls", "ParityNet"))
     fp16, bf16 = spec.get("fp16", False), spec.get("bf16", False)
+    init_scale = spec.get("init_scale", 2.0**16)
     steps = spec.get("steps", STEPS)
     unused = variant == "unused" or spec.get("ddp_unused", False)
     # cases that differ only in chunk_offload's settings share one DDP run (the same bits: DDP is deterministic here)
     key = json.dumps(
-        [cls.__name__, variant, model_kw, tkw, fp16, bf16, steps, unused, "weights" in spec],
+        [cls.__name__, variant, model_kw, tkw, fp16, init_scale, bf16, steps, unused, "weights" in spec],
         sort_keys=True,
         default=str,
     )
@@ -388,7 +407,7 @@ def run_parity(case: str, out: Path) -> None:
         if "weights" in spec:
             ref.load_state_dict(torch.load(out / "start.pt"))
         ref_plugins = (
-            [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+            [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]
             if fp16
             else [MixedPrecision("bf16-mixed", "cpu")]
             if bf16
@@ -420,7 +439,11 @@ def run_parity(case: str, out: Path) -> None:
     t = trainer(
         strategy,
         steps,
-        plugins=[ChunkPrecision("16-mixed")] if fp16 else [ChunkPrecision("bf16-mixed")] if bf16 else None,
+        plugins=[ChunkPrecision("16-mixed", init_scale=init_scale)]
+        if fp16
+        else [ChunkPrecision("bf16-mixed")]
+        if bf16
+        else None,
         callbacks=[comm_mode, *extra, *([telemetry] if telemetry else [])],
         **tkw,
     )

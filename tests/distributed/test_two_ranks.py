@@ -68,6 +68,9 @@ PARITY = [
     "early_accumulate",
     "early_limit",
     "early_clip_value",
+    "early_clip_norm",
+    "host_fp16",
+    "early_host_fp16",
     "early_host_thread",
     "early_limit_thread",
     "root_tied_host",
@@ -88,6 +91,8 @@ EARLY_TWINS = {
     "early_limit": "reordered_auto_limit",
     "early_host_bf16_one_pass": "host_bf16_one_pass",
     "early_clip_value": "clip_value",
+    "early_clip_norm": "clip_norm",
+    "early_host_fp16": "host_fp16",
     "early_host_thread": "host",
     "early_limit_thread": "reordered_auto_limit",
 }
@@ -97,6 +102,7 @@ EARLY_TWINS = {
 # gives the fused kernel's rounding). sharded_accumulation=False sums as DDP does and is bit-exact.
 ROUNDING = {
     "clip_norm": dict(rtol=1e-5, atol=1e-6),
+    "early_clip_norm": dict(rtol=1e-5, atol=1e-6),
     "two_optimizers": dict(rtol=1e-5, atol=1e-6),
     "accumulate": dict(rtol=1e-4, atol=1e-5),
     "early_accumulate": dict(rtol=1e-4, atol=1e-5),
@@ -109,6 +115,8 @@ ROUNDING = {
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py)
 FP16 = {
     "two_optimizers_fp16",
+    "host_fp16",
+    "early_host_fp16",
     "reordered_bf16",
     "reordered_bf16_tight",
     "host_bf16_one_pass",
@@ -226,6 +234,8 @@ def test_stepping_in_backward_equals_stepping_after_it_and_gives_the_gradient_sh
         # bytes) are gone, but where a chunk got no gradient in the last step (early_unused's branch)
         held, kept = (x["device_chunk_bytes"] + x["host_chunk_bytes"] for x in (s, t))
         assert 0.74 * kept <= held <= 0.9 * kept, (case, held, kept)
+    if case in ("early_clip_norm", "early_host_fp16"):  # a guess was undone ([Note: speculating past the norm ...])
+        assert max(s["speculation_rollbacks"] for s in stats(out, case)) > 0
 
 
 def write_start_weights(out: Path) -> None:

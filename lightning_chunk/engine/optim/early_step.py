@@ -11,11 +11,11 @@ gradient, so a rank holds the gradients of a few chunks at a time instead of all
 The update is the plain step's, bit for bit: the optimizer is element-wise (``check_optimizer``), so stepping a
 chunk's views alone computes what one ``step()`` over every view computes, with the same hyperparameters
 (the LR scheduler steps after ``optimizer.step()``, so the learning rate is the step's). It is exact only when
-nothing after backward may change the gradients or veto the step, hence what is refused up front:
-
-- clipping by norm and fp16 loss scaling read every gradient before any step (the norm, an overflow); clipping by
-  value does not ([Note: clipping by value in backward]);
-- several optimizers and manual optimization step at times of the user's choosing.
+nothing after backward may change the gradients or veto the step. Clipping by value changes each element alone
+([Note: clipping by value in backward]); clipping by norm and fp16 loss scaling read every gradient before any
+step (the norm, an overflow), so with them host chunks step on a guess that is checked after backward and undone
+where wrong ([Note: speculating past the norm and the overflow] in ``speculation.py``). Refused up front: several
+optimizers and manual optimization, which step at times of the user's choosing.
 
 Which parameters got a gradient: the plain step skips a parameter that got none (no weight decay, no ``step``),
 and with several ranks the ranks vote on that after backward (one if it got one on any rank, DDP's rule). A chunk
@@ -42,10 +42,7 @@ one element, so each chunk clamps its own gradients just before it steps (``Earl
 staging buffer its step reads (``step_staged_chunk``) or in its file. With several ranks the clamp is applied to the
 reduced shard, as DDP applies it to the all-reduced gradient; with accumulation, to the sum of the micro-batches.
 The call Lightning then makes (``clip_grad_value_`` with the same value) finds nothing left to clip. Clipping by
-norm cannot follow: the first chunk to step would need the norm of gradients not computed yet. Doing it anyway,
-step and roll back where the norm clips (SuperOffload's speculation), is bit-exact only with the chunk's pre-step
-master and moments kept until backward ends (12 bytes a parameter beside the 4 the gradient shard frees) and its
-gradient to step again: more memory than stepping after backward, so norm clipping and fp16 step after it.
+norm cannot follow: the first chunk to step would need the norm of gradients not computed yet (``speculation.py``).
 
 [Note: stepping disk chunks in backward]
 After backward, the disk tier's optimizer phase reads each disk chunk's master, gradient and optimizer state from
@@ -79,16 +76,11 @@ from ..memory.manager import ChunkManager
 from ..tiers.disk_staging import Staged
 from ..tiers.disk_storage import DiskStorage
 from .binding import OptimizerBinding
+from .scaler import DynamicLossScaler
+from .speculation import Speculation, refusal
 from .step_thread import HostStepThread
 
 STAGED = (Role.MASTER, Role.OPTIM)  # a disk chunk's files read for a step in backward (its gradients are in memory)
-
-# the refusal of fp16 loss scaling, raised by the strategy at set-up and by the engine at the first backward
-FP16_REFUSED = (
-    "step_in_backward=True is not allowed with fp16 loss scaling (precision='16-mixed'): a step that "
-    "overflowed must be skipped, which is known only after every gradient. Use precision='bf16-mixed' "
-    "or '32-true', or step_in_backward=False."
-)
 
 
 class EarlyStep:
@@ -107,10 +99,22 @@ class EarlyStep:
         self.early = 0  # chunks stepped during backward since set-up (the rest stepped after it)
         self.disk = DiskSteps(manager, self.binding, manager.tiers.disk)
         self.clip_value: float | None = None  # Lightning's gradient_clip_val with algorithm "value", else None
+        self.speculation: Speculation | None = None  # with clipping by norm or fp16 loss scaling (``speculate``)
         on = manager.config.step_thread
         # [Note: the host Adam beside backward] in step_thread.py
         self.thread = HostStepThread(manager.device) if on or (on is None and manager.device.type == "cuda") else None
         manager.reducer.on_final = self.grads_final
+
+    def speculate(self, *, clip_norm: bool, scaler: DynamicLossScaler | None) -> None:
+        """This fit clips by norm or scales the loss (fp16): chunks step on a guess ([Note: speculating past the norm
+        and the overflow] in ``speculation.py``)."""
+        if not (clip_norm or scaler):
+            self.speculation = None
+            return
+        limit = self.manager.config.host_memory_limit
+        if limit is not None:
+            raise ValueError(refusal("fp16 loss scaling" if scaler else "clipping by norm", limit))
+        self.speculation = Speculation(self.binding, scaler)
 
     def begin(self) -> None:
         """A backward that may step starts ([Note: stepping disk chunks in backward])."""
@@ -122,7 +126,7 @@ class EarlyStep:
     def backward_ended(self) -> None:
         """Every chunk handed to the worker has stepped and given its gradient shard back."""
         if self.thread is not None:
-            self.thread.join(self._release)
+            self.thread.join(self._reaped)
 
     def grads_final(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
@@ -132,6 +136,8 @@ class EarlyStep:
         self.manager.comm.verify_issued()
         if not all(t.has_grad for t in chunk.tensors if t.requires_grad):
             return  # the vote decides which of its parameters step: after backward
+        if self.speculation is not None and not self.speculation.takes(chunk):
+            return  # device and disk chunks do not speculate: after backward
         self._step(chunk, {}, in_backward=True)
         self.early += 1
 
@@ -142,6 +148,8 @@ class EarlyStep:
         self.disk.end()
         out = None
         mgr = self.manager
+        if self.speculation is not None:
+            self._settle(self.speculation)
         for c in mgr.chunks:
             if (
                 c.chunk_id not in self.stepped
@@ -160,9 +168,17 @@ class EarlyStep:
         its gradients in memory where it can ([Note: stepping disk chunks in backward])."""
         mgr = self.manager
         mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
+        spec = self.speculation if in_backward else None
         if in_backward and self.thread is not None and chunk.shard_tier is not Tier.DISK:
             self.stepped.add(chunk.chunk_id)
-            self.thread.submit(chunk, lambda: self._host_step(chunk), self._release)
+            job = (lambda: self._host_step(chunk)) if spec is None else (lambda: spec.step(chunk, self._clip))
+            self.thread.submit(chunk, job, self._reaped)
+            return None
+        if spec is not None:  # kept with its gradients until ``optimizer.step()``
+            self.backward_ended()
+            with mgr.clock.measure("optimizer"):
+                spec.step(chunk, self._clip)
+            self.stepped.add(chunk.chunk_id)
             return None
         self.backward_ended()  # nothing else narrows the param groups while the worker steps
         out = None
@@ -183,6 +199,33 @@ class EarlyStep:
         self._clip([s.grad for s in self.binding.slots.of_chunk(chunk)])  # type: ignore[misc]
         self.binding.step_chunk(chunk)
 
+    def _reaped(self, chunk: Chunk) -> None:
+        """On the autograd thread, once the worker stepped ``chunk``: its gradient shard goes to the pool, unless
+        the step was a guess, which keeps it until ``optimizer.step()``."""
+        if self.speculation is None:
+            self._release(chunk)
+
+    def _settle(self, spec: Speculation) -> None:
+        """``optimizer.step()``: a speculated chunk whose guess held keeps its step and gives its gradient shard back;
+        where the clip proved it wrong, it is put back and steps again after backward, with the clipped gradients."""
+        if spec.wrong and spec.undo:
+            spec.rollbacks += 1
+        for c in self.manager.chunks:
+            if c.chunk_id not in spec.undo:
+                continue
+            if spec.wrong:
+                spec.roll_back(c)
+                self.stepped.discard(c.chunk_id)
+            else:
+                spec.drop(c)
+                self._release(c, to_pool=False)
+
+    def roll_back(self) -> None:
+        """fp16: some rank overflowed, the step is skipped: the chunks stepped on the guess are put back."""
+        if self.speculation is not None:
+            self.backward_ended()
+            self.speculation.roll_back_all(self.manager.chunks)
+
     def _release(self, chunk: Chunk, *, to_pool: bool = True) -> None:
         """On the autograd thread, once ``chunk`` stepped: its gradient shard goes to the pool (in backward) or to
         the allocator (after it)."""
@@ -192,6 +235,11 @@ class EarlyStep:
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"chunks_stepped_in_backward": self.early}
+        if self.speculation is not None:  # [Note: speculating past the norm and the overflow]
+            out.update(
+                speculation_rollbacks=self.speculation.rollbacks,
+                speculation_peak_bytes=self.speculation.peak_bytes,
+            )
         if self.thread is not None:  # [Note: the host Adam beside backward]
             out.update(chunks_stepped_on_thread=self.thread.stepped, time_step_thread_s=self.thread.seconds)
         if self.manager.ledger[Tier.DISK]:  # [Note: stepping disk chunks in backward]
@@ -215,6 +263,8 @@ class EarlyStep:
         fresh ones (the flags say overwrite, not add)."""
         self.backward_ended()
         mgr = self.manager
+        if self.speculation is not None:  # a step not taken through ``step_rest`` (a skipped one) keeps nothing
+            self.speculation.reset()
         for c in mgr.chunks:
             if c.grad_released:
                 c.grad_written = False

@@ -41,8 +41,8 @@ def paged_runs(grouped: dict[torch.device, list[tuple[Any, torch.Tensor]]]) -> I
 
 def clip_grad_norm(
     pairs: Sequence[tuple[Any, torch.Tensor]], max_norm: float, norm_type: float, manager: Any
-) -> torch.Tensor:
-    """Clip by the global norm over every shard of every rank; returns that norm.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip by the global norm over every shard of every rank; returns that norm and the coefficient applied.
 
     On one rank the arithmetic is ``torch.nn.utils.clip_grad_norm_``'s, step for step (per-tensor norms grouped by
     device, the norm of their stack, a clamped fp32 coefficient), so clipping is bit-exact with plain PyTorch.
@@ -70,10 +70,13 @@ def clip_grad_norm(
     for chunk, gs in paged_runs(grouped):
         with manager.tiers.writing(chunk, (Role.GRAD,)):
             torch._foreach_mul_(gs, coef.to(gs[0].device))
-    return total
+    return total, coef
 
 
-def unscale_and_check(pairs: Sequence[tuple[Any, torch.Tensor]], scaler: Any, manager: Any) -> bool:
-    """fp16: unscale the gradients; True when some rank overflowed (every rank then skips)."""
+def unscale_and_check(
+    pairs: Sequence[tuple[Any, torch.Tensor]], scaler: Any, manager: Any, *, found: bool = False
+) -> bool:
+    """fp16: unscale the gradients; True when some rank overflowed (every rank then skips). ``found``: this rank
+    already saw an overflow (in gradients unscaled before, [Note: speculating past the norm and the overflow])."""
     runs = ((manager.tiers.writing(c, (Role.GRAD,)), gs) for c, gs in paged_runs(by_device(pairs)))
-    return scaler.unscale_and_check([], manager.comm, runs=runs)
+    return scaler.unscale_and_check([], manager.comm, runs=runs, found_before=found)

@@ -46,11 +46,13 @@ class DynamicLossScaler:
         grads: Sequence[torch.Tensor],
         comm: Collectives,
         runs: Iterable[tuple[contextlib.AbstractContextManager, list[torch.Tensor]]] | None = None,
+        found_before: bool = False,
     ) -> bool:
         """Divide ``grads`` by the scale in place; True when any rank saw inf or NaN. ``runs``: the gradients in
-        groups of one device, each unscaled inside its context (a disk shard's gradients paged in around it)."""
+        groups of one device, each unscaled inside its context (a disk shard's gradients paged in around it);
+        ``found_before``: this rank saw one already, in gradients unscaled earlier."""
         inv = 1.0 / self.scale
-        found = torch.zeros(1)
+        found = torch.full((1,), float(found_before))
         if runs is None:
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for g in grads:

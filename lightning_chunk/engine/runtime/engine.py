@@ -43,7 +43,7 @@ from ..files.weights import ModuleWeights
 from ..memory.consolidate import load_module_state_dict, module_state_dict, unpack, whole_model_fits
 from ..memory.full_params import check_stray_writes
 from ..optim.binding import OptimizerBinding, OptimizerStateCarrier
-from ..optim.early_step import FP16_REFUSED, EarlyStep
+from ..optim.early_step import EarlyStep
 from ..optim.ema import Extras, ShardedEMA
 from ..optim.gradients import clip_grad_norm, unscale_and_check
 from ..optim.kept_state import KeptOptimizerState, keep_optimizer_state
@@ -254,8 +254,6 @@ class ChunkEngine:
             b.slots.sync_zero_grad()
         self._agreed = False
         if self.early is not None:
-            if self.scaler is not None:
-                raise ValueError(FP16_REFUSED)
             # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
             self.early.active = self.warm_up.phase is WarmUp.PLANNED and not self._accumulating
             if self.early.active:
@@ -287,9 +285,11 @@ class ChunkEngine:
             if self.config.host_memory_limit is not None:  # [Note: a fixed mmap threshold] in host_heap.py
                 release_freed_memory()  # backward freed the activations: give the heap's holes back before the step
 
-    def grads_ready(self, what: str) -> None:
-        """Before gradients are read or written outside the step: agreed on, attached, and not stepped away."""
-        if self.early is not None:
+    def grads_ready(self, what: str, *, norm_clip: bool = False) -> None:
+        """Before gradients are read or written outside the step: agreed on, attached, and not stepped away. While
+        chunks step on a guess only the norm clip may touch them: it checks the guess ([Note: speculating past the
+        norm and the overflow]); a change made elsewhere would miss the chunks stepped already."""
+        if self.early is not None and not (norm_clip and self.early.speculation is not None):
             raise ValueError(
                 f"{what} is not possible with step_in_backward=True: each chunk steps during backward and "
                 "its gradients are gone after it ([Note: stepping in backward]). Turn the one or the "
@@ -307,10 +307,12 @@ class ChunkEngine:
     ) -> torch.Tensor:
         """Clip ``optimizer``'s gradients by their global norm over every shard of every rank; returns that norm
         (``gradients.clip_grad_norm``: bit-exact with ``torch.nn.utils.clip_grad_norm_`` on one rank)."""
-        self.grads_ready("clipping gradients by norm")
-        total = clip_grad_norm(
+        self.grads_ready("clipping gradients by norm", norm_clip=True)
+        total, coef = clip_grad_norm(
             [p for b in self._bindings(optimizer) for p in b.slots.grad_chunks()], max_norm, norm_type, self.manager
         )
+        if self.early is not None and self.early.speculation is not None:
+            self.early.speculation.clipped(coef)  # [Note: speculating past the norm and the overflow]
         self.last_grad_norm = float(total)
         return total
 
@@ -324,9 +326,13 @@ class ChunkEngine:
         """fp16: unscale ``optimizer``'s gradients; True when some rank overflowed (every rank then skips)."""
         assert self.scaler is not None
         self.prepare_step()
-        return unscale_and_check(
-            [p for b in self._bindings(optimizer) for p in b.slots.grad_chunks()], self.scaler, self.manager
-        )
+        spec = self.early.speculation if self.early is not None else None
+        done = spec.unscaled if spec is not None else set()  # [Note: speculating past the norm and the overflow]
+        pairs = [p for b in self._bindings(optimizer) for p in b.slots.grad_chunks() if p[0].chunk_id not in done]
+        found = unscale_and_check(pairs, self.scaler, self.manager, found=spec is not None and spec.overflowed)
+        if found and self.early is not None:
+            self.early.roll_back()
+        return found
 
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)``, disk-tier chunks one at a time.
