@@ -13,9 +13,9 @@ Rows, each in its own process, one rank, measured in one run:
   default) chooses; the notes say which. Every disk chunk steps after backward, its gradients through their file
   (what a fit with gradient clipping or fp16 loss scaling gets).
 - ``disk tier, stepped in backward (the default)``: the same with ``step_in_backward`` left at its default, which
-  with a host limit and nothing reading the gradients after backward steps each disk chunk during backward from
+  with nothing reading the gradients after backward steps each disk chunk during backward from
   its gradients in memory, its master and optimizer state read ahead ([Note: stepping disk chunks in backward],
-  [Note: stepping in backward by default with the disk tier]); compared with its own floor, the bytes its step
+  [Note: stepping in backward by default]); compared with its own floor, the bytes its step
   must move (no gradient file; a master read twice, forward and staged, the staging serving the backward
   gather). The child refuses to report a row that did not step in backward.
 - ``disk floor``: the bytes a step must move through the disk tier (every disk shard's master, gradient

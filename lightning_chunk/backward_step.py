@@ -1,22 +1,24 @@
 """Whether a fit steps each chunk during backward: the checks of ``step_in_backward=True`` and the choice ``None``
 makes.
 
-[Note: stepping in backward by default with the disk tier]
-``step_in_backward=True`` is bit-identical to stepping after backward, but after ``backward()`` the gradients of the
-chunks that stepped are gone ([Note: stepping in backward] in ``engine/optim/early_step.py``). With the disk tier it
-is also the faster step by far: a disk chunk steps from the gradients backward left in memory while backward goes
-on, so no gradient file is written or read and its master and optimizer state are read while backward computes
-([Note: stepping disk chunks in backward]); on ``benchmarks/disk.py``'s GPT in a 1 GiB cgroup it took 1.51 s a step
-against 1.94 s (medians of ten paired rounds), with 60 MiB less peak memory. A ZeRO-Infinity user who set a host
-limit should not have to find a second flag for that, so ``step_in_backward=None`` (the default) turns it on where a
-host limit is set and nothing that Lightning lets read the gradients between backward and the optimizer step is
-there: no clipping by norm (clipping by value is applied chunk by chunk), no fp16 loss scaling, one optimizer,
-automatic optimization, and no override of the hooks that run in that window (``on_after_backward``,
-``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``) on the module or on a callback
-other than this package's. Where one of them is there, the fit steps after backward and says which one held it back.
-Without a host limit ``None`` keeps stepping after backward: there the choice trades plain PyTorch's gradient
-semantics for memory, which is the user's to make. A read of the gradients the checks cannot see
-(``full_parameters(with_grads=True)`` from another hook) gets the engine's error, which names the flag."""
+[Note: stepping in backward by default]
+``step_in_backward=True`` is bit-identical to stepping after backward and costs less: each chunk gives its gradient
+shard back once it stepped, and on a GPU the host Adam runs beside backward on a worker thread ([Note: the host Adam
+beside backward] in ``engine/optim/step_thread.py``). With the disk tier it is also the faster step by far: a disk
+chunk steps from the gradients backward left in memory, so no gradient file is written or read and its master and
+optimizer state are read while backward computes ([Note: stepping disk chunks in backward]); on
+``benchmarks/disk.py``'s GPT in a 1 GiB cgroup it took 1.51 s a step against 1.94 s (medians of ten paired rounds),
+with 60 MiB less peak memory. What it changes is plain PyTorch's gradient semantics: after ``backward()`` the
+gradients of the chunks that stepped are gone ([Note: stepping in backward] in ``engine/optim/early_step.py``). So
+``step_in_backward=None`` (the default) turns it on where nothing that Lightning lets read the gradients between
+backward and the optimizer step is in the fit: no clipping by norm and no fp16 loss scaling (with them ``True``
+steps on a guess and keeps a copy of the state until the step, more memory than stepping after backward: the
+user's choice, [Note: speculating past the norm and the overflow]), one optimizer, automatic optimization, and no
+override of the hooks that run in that window (``on_after_backward``, ``on_before_optimizer_step``,
+``configure_gradient_clipping``, ``optimizer_step``) on the module or on a callback other than this package's.
+Clipping by value is applied chunk by chunk. Where one of them is there, the fit steps after backward and rank 0
+says which one held it back. A read of the gradients the checks cannot see (``full_parameters(with_grads=True)``
+after the step, or from another hook) gets the engine's error, which names the flag."""
 
 from __future__ import annotations
 
@@ -114,13 +116,10 @@ def reads_gradients(trainer: pl.Trainer, module: pl.LightningModule, precision: 
 
 
 def choose_step_in_backward(
-    trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int, host_memory_limit: int | None
+    trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int
 ) -> tuple[bool, str | None]:
-    """``step_in_backward=None`` made concrete for one fit ([Note: stepping in backward by default with the disk
-    tier]): ``(True, None)`` with a host limit and nothing that reads gradients after backward; ``(False, why)``
-    with a host limit and something that does; ``(False, None)`` without a host limit."""
-    if host_memory_limit is None:
-        return False, None
+    """``step_in_backward=None`` made concrete for one fit ([Note: stepping in backward by default]): ``(True,
+    None)`` where nothing reads gradients after backward, else ``(False, why)``."""
     why = reads_gradients(trainer, module, precision, optimizers)
     return why is None, why
 
@@ -128,21 +127,18 @@ def choose_step_in_backward(
 def config_for_fit(
     config: ChunkConfig, trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int
 ) -> ChunkConfig:
-    """This fit's config: ``step_in_backward=None`` made concrete, said once on rank 0 where a host limit makes it
-    matter."""
+    """This fit's config: ``step_in_backward=None`` made concrete, said once on rank 0."""
     if config.step_in_backward is not None:
         return config
-    chosen, why = choose_step_in_backward(trainer, module, precision, optimizers, config.host_memory_limit)
+    chosen, why = choose_step_in_backward(trainer, module, precision, optimizers)
     if chosen:
         rank_zero_info(
-            "chunk_offload: with host_memory_limit set, each chunk steps during backward "
-            "(step_in_backward=None: nothing in this fit reads the gradients after backward); "
-            "step_in_backward=False keeps them."
+            "chunk_offload: each chunk steps during backward (step_in_backward=None: nothing in this fit reads "
+            "the gradients after backward); step_in_backward=False keeps them."
         )
-    elif why is not None:
+    else:
         rank_zero_info(
             f"chunk_offload: the chunks step after backward, not during it, because of {why} "
-            "(step_in_backward=None; with the disk tier stepping in backward is faster: "
-            "docs/disk-tier.md)."
+            "(step_in_backward=None; docs/faq.md says what stepping in backward gives)."
         )
     return config.replace(step_in_backward=chosen)

@@ -225,12 +225,12 @@ ARGUMENTS: dict[str, tuple[str, str]] = {
     "step_in_backward": (
         (
             "step each chunk as soon as its gradients are final and give its gradient shard back (6 bytes a "
-            "parameter instead of 8, bit-identical). With norm clipping or fp16, host chunks step on a guess undone "
-            "where wrong, which costs memory. Refused with several optimizers and manual optimization. `None`: on "
-            "where `host_memory_limit` is set and nothing in the fit reads gradients after backward; rank 0 logs "
-            "which and why"
+            "parameter instead of 8, bit-identical; on a GPU the host Adam runs beside backward). With norm clipping "
+            "or fp16, host chunks step on a guess undone where wrong, which costs memory. Refused with several "
+            "optimizers and manual optimization. `None`: on where nothing in the fit reads gradients after "
+            "backward; rank 0 logs which and why"
         ),
-        "the largest model a memory limit allows",
+        "`False` to read gradients after backward",
     ),
     "state_dict_type": (
         "`sharded`: checkpoints are directories every rank writes into; `full`: one plain file written by rank 0",

@@ -35,7 +35,7 @@ def resume_strategy(variant: str) -> ChunkOffloadStrategy:
     if variant == "disk_early_limit":  # most shards in files, each disk chunk stepped during backward: the default
         kw.update(
             chunk_numel_min=4096, device_memory_limit=RESUME_LIMIT, host_memory_limit=600_000, disk_dir=DISK_ROOT
-        )  # with a host limit ([Note: stepping in backward by default with the disk tier])
+        )  # with a host limit ([Note: stepping in backward by default])
     return ChunkOffloadStrategy(**grouped(kw))
 
 

@@ -45,19 +45,24 @@ BIG = dict(dim=64, hidden=1024)
 ACCUMULATE = dict(
     trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=20000)
 )
+AFTER = dict(
+    step_in_backward=False
+)  # the twins of the early_* cases step after backward ([Note: stepping in backward])
 CASES = {
-    "plain": dict(),
+    "plain": dict(strategy=AFTER),
     "clip_norm": dict(trainer=dict(gradient_clip_val=0.05)),
-    "clip_value": dict(trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")),
-    "accumulate": ACCUMULATE,  # the default: every micro-batch reduce-scattered into the shards
+    "clip_value": dict(trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), strategy=AFTER),
+    "accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, **AFTER)),  # every micro-batch reduce-scattered
     "accumulate_unsharded": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, sharded_accumulation=False)),
     "tied": dict(variant="tied"),
     "frozen": dict(variant="frozen"),
-    "unused": dict(variant="unused"),
+    "unused": dict(variant="unused", strategy=AFTER),
     # the default on a CPU device: payloads released after use (FSDP2's reshard_after_forward=True),
     # each chunk gathered for forward and again for backward
     "host": dict(
-        model=dict(dim=64, hidden=256, depth=6), strategy=dict(placement="host", chunk_numel=20000), telemetry=True
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000, **AFTER),
+        telemetry=True,
     ),
     # the agreement tag before each collective ([Note: agreeing without a barrier]), where the default checks once
     # a micro-batch ([Note: checking once a micro-batch]); accumulation and host placement give it many of each kind
@@ -107,7 +112,7 @@ CASES = {
     "reordered_auto_limit": dict(
         cls="ReorderedNet",
         model=dict(dim=64, hidden=512, depth=3),
-        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, **AFTER),
         limit_fraction=0.9,
     ),
     # the same defaults under a limit below half the parameter bytes, on a model whose activations are small beside
@@ -137,7 +142,7 @@ CASES = {
         cls="ReorderedNet",
         model=dict(dim=256, hidden=1024, depth=4),
         bf16=True,
-        strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass"),
+        strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass", **AFTER),
     ),
     "early_host_bf16_one_pass": dict(
         cls="ReorderedNet",
@@ -235,7 +240,7 @@ CASES = {
     # another order than registered, gradient accumulation; and step_in_backward=None, which steps each disk chunk
     # during backward here (nothing reads the gradients after it), its files read ahead: the first micro-batch's
     # gradients go to the files, the second's landing adds to them and steps from memory ([Note: stepping disk
-    # chunks in backward], [Note: stepping in backward by default with the disk tier])
+    # chunks in backward], [Note: stepping in backward by default])
     "disk_defaults": dict(
         cls="ReorderedNet",
         model=dict(dim=64, hidden=512, depth=3),

@@ -75,6 +75,7 @@ def main() -> None:
         devices=2,
         strategy=ChunkOffloadStrategy(
             placement="host",
+            step_in_backward=False,  # the optimizer step a fault hits is the one after backward
             memory=MemoryOptions(chunk_numel=4096),
             checks=CheckOptions(collective_timeout_s=TIMEOUT_S),
         ),

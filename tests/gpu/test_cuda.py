@@ -228,8 +228,8 @@ def test_checkpoint_from_pinned_host_shards_resumes_like_auto(tmp_path):
 @pytest.mark.parametrize("step_in_backward", [None, False])
 def test_the_disk_tier_on_cuda_trains_like_auto_and_steps_in_backward_by_default(tmp_path, step_in_backward):
     """Shards beyond ``host_memory_limit`` in files, their gradients copied off the GPU into host buffers: by default
-    each disk chunk steps during backward from those buffers ([Note: stepping in backward by default with the disk
-    tier]); with ``step_in_backward=False`` after backward, through the gradient files. Both as plain Lightning."""
+    each disk chunk steps during backward from those buffers ([Note: stepping in backward by default]);
+    with ``step_in_backward=False`` after backward, through the gradient files. Both as plain Lightning."""
     kw = dict(steps=12, accelerator="gpu", model_kwargs=dict(dim=64, hidden=1024))
     ref = fit("auto", **kw)
     strategy = ChunkOffloadStrategy(
@@ -263,6 +263,28 @@ def test_host_chunks_step_on_a_thread_beside_backward_by_default_as_on_the_autog
 
     (want, _), (got, stats) = run(False), run(None)
     assert stats["chunks_stepped_on_thread"] == stats["chunks_stepped_in_backward"] > 0
+    assert_close_params(want, got, dict(rtol=0, atol=0))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(precision="bf16-mixed", gradient_clip_val=0.05), dict(plugins=[ChunkPrecision("16-mixed", init_scale=1e7)])],
+    ids=["clip_norm", "fp16"],
+)
+def test_a_guess_stepped_on_the_thread_beside_backward_trains_as_stepping_after_it(kw):
+    """[Note: speculating past the norm and the overflow] on a GPU: host chunks step on the worker on a guess,
+    undone where the norm clips or fp16 overflowed (the first steps from a scale of 1e7); the parameters are those
+    of stepping after backward, bit for bit."""
+
+    def run(early):
+        strategy = ChunkOffloadStrategy(
+            placement="host", step_in_backward=early, memory=MemoryOptions(chunk_numel=66560)
+        )
+        model = fit(strategy, steps=8, accelerator="gpu", model_kwargs=dict(dim=64, hidden=1024), **kw)
+        return model, strategy.memory_stats()
+
+    (want, _), (got, stats) = run(False), run(True)
+    assert stats["speculation_rollbacks"] > 0 and stats["chunks_stepped_on_thread"] > 0
     assert_close_params(want, got, dict(rtol=0, atol=0))
 
 

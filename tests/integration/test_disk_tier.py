@@ -397,7 +397,7 @@ def test_defaults_with_a_host_limit_spill_to_disk_bit_exact(tmp_path):
     """What a user gets by adding only host_memory_limit and disk_dir: placement="auto" (every shard on the device
     tier, which on a CPU machine is host memory), the automatic chunk size, a model used in another order than
     registered, with gradient accumulation: shards spill to disk, each chunk steps during backward (nothing here
-    reads the gradients after it: [Note: stepping in backward by default with the disk tier]) and training equals
+    reads the gradients after it: [Note: stepping in backward by default]) and training equals
     plain Lightning."""
     from tests.models import ReorderedNet
 

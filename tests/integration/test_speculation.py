@@ -133,6 +133,8 @@ class WritesGradients(L.Callback):
 def test_a_hook_that_would_change_gradients_a_guess_already_used_is_refused():
     """Speculating, the gradients are all kept, but only the norm clip may touch them: a change elsewhere would miss
     the chunks stepped on the guess, so reaching for them names the flag."""
-    strategy = ChunkOffloadStrategy(placement="host", step_in_backward=True, checks=CheckOptions(log_memory_stats=False))
+    strategy = ChunkOffloadStrategy(
+        placement="host", step_in_backward=True, checks=CheckOptions(log_memory_stats=False)
+    )
     with pytest.raises(ValueError, match=r"full_parameters\(with_grads=True\) is not possible with step_in_backward"):
         trainer(strategy=strategy, max_steps=3, callbacks=[WritesGradients()], **CLIPS).fit(ParityNet(), token_data())

@@ -1,5 +1,5 @@
-"""``step_in_backward=None``: on with a host limit where nothing in the fit reads the gradients after backward
-([Note: stepping in backward by default with the disk tier] in ``lightning_chunk/backward_step.py``)."""
+"""``step_in_backward=None``: on where nothing in the fit reads the gradients after backward ([Note: stepping in
+backward by default] in ``lightning_chunk/backward_step.py``)."""
 
 import lightning as L
 import pytest
@@ -8,8 +8,6 @@ import torch
 from lightning_chunk import ChunkTelemetry
 from lightning_chunk.backward_step import choose_step_in_backward, clip_value
 from tests.models import GradNormsAndEdits, GradsAfterBackward, ManualNet, ParityNet
-
-LIMIT = 1 << 20
 
 
 def trainer(**kw):
@@ -34,10 +32,10 @@ class StepsItsOwnWay(ParityNet):
         super().optimizer_step(*args, **kwargs)
 
 
-def test_a_host_limit_with_nothing_reading_gradients_steps_in_backward(tmp_path):
+def test_a_fit_with_nothing_reading_gradients_steps_in_backward(tmp_path):
     # Lightning's own callbacks (checkpoint, progress bar, summary) and this package's read no gradient
     default = L.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, callbacks=[ChunkTelemetry()])
-    assert choose_step_in_backward(default, ParityNet(), "bf16-mixed", 1, LIMIT) == (True, None)
+    assert choose_step_in_backward(default, ParityNet(), "bf16-mixed", 1) == (True, None)
 
 
 @pytest.mark.parametrize("kw", [dict(gradient_clip_algorithm="value"), dict(gradient_clip_val=0)])
@@ -45,12 +43,8 @@ def test_clipping_by_value_or_at_zero_still_steps_in_backward(kw):
     """Clipping by value applies element by element, so each chunk clips as it steps ([Note: clipping by value in
     backward]); Lightning clips nothing at ``gradient_clip_val=0``."""
     t = trainer(**{"gradient_clip_val": 0.5, **kw})
-    assert choose_step_in_backward(t, ParityNet(), "32-true", 1, LIMIT) == (True, None)
+    assert choose_step_in_backward(t, ParityNet(), "32-true", 1) == (True, None)
     assert clip_value(t) == (0.5 if kw.get("gradient_clip_algorithm") else None)
-
-
-def test_without_a_host_limit_the_step_stays_after_backward():
-    assert choose_step_in_backward(trainer(), ParityNet(), "32-true", 1, None) == (False, None)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +77,7 @@ def test_without_a_host_limit_the_step_stays_after_backward():
 def test_whatever_reads_gradients_after_backward_keeps_the_step_after_it_and_is_named(
     what, trainer_kw, module, precision, optimizers, named
 ):
-    chosen, why = choose_step_in_backward(trainer(**trainer_kw), module(), precision, optimizers, LIMIT)
+    chosen, why = choose_step_in_backward(trainer(**trainer_kw), module(), precision, optimizers)
     assert not chosen and named in why, (what, why)
 
 

@@ -168,6 +168,13 @@ class ChunkEngine:
         self.manager.reserve_optimizer_state(self._optim_bytes)
         for k, b in enumerate(self.bindings):
             b.bind(carrier.state_for(k) if carrier is not None else None)
+        if self.early is not None:  # a chunk that stepped in backward had given its gradient shard back: still so
+            for b in self.bindings:
+                b.slots.all()  # the views of the gradient shards, made while they have memory
+            for c in self.manager.chunks:
+                if c.trainable and not any(t.has_grad for t in c.tensors):
+                    with self.manager.ledger.tracked(c):
+                        c.release_grad(None)
         release_pinned_cache()  # [Note: pinned blocks a repack leaves behind] in host_heap.py
 
     # ================================================================ warm-up
