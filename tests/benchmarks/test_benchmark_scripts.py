@@ -489,6 +489,18 @@ def test_offload_states_benchmark_times_round_trips_on_one_and_two_ranks(tmp_pat
         assert len(r["trips"]) == 2 and r["vs_floor"] > 0
 
 
+def test_speculation_benchmark_times_guesses_kept_and_undone_against_stepping_after_backward(tmp_path):
+    out = tmp_path / "spec.json"
+    args = ["--width", "64", "--depth", "2", "--context", "16", "--batch", "2", "--steps", "4", "--rounds", "1"]
+    args += ["--precision", "bf16-mixed"]
+    res = load("speculation").main([*args, "--out", str(out)])
+    rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["after backward (holds)"]["ratio"] == rows["after backward (undone)"]["ratio"] == 1.0
+    assert rows["on a guess (holds)"]["undone"] == 0 and rows["on a guess (undone)"]["undone"] == 3  # not the warm-up
+    assert 14 <= rows["on a guess (holds)"]["copy_bytes_per_param"] < 14.1  # fp32 master, bf16 copy, two moments
+    assert res["rows"] == list(rows.values())
+
+
 def test_lora_benchmark_measures_bytes_a_parameter_against_a_full_fine_tune(tmp_path):
     pytest.importorskip("peft")
     out = tmp_path / "lora.json"
