@@ -282,6 +282,13 @@ CASES = {
     "early_clip_norm": dict(
         trainer=dict(gradient_clip_val=0.05), strategy=dict(placement="host", step_in_backward=True, step_thread=True)
     ),
+    # ... with gradient accumulation (the guess on the micro-batch that steps, the norm of the sum)
+    "clip_norm_accumulate": dict(ACCUMULATE, trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
+    "early_clip_norm_accumulate": dict(
+        ACCUMULATE,
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+        strategy=dict(chunk_numel=20000, placement="host", step_in_backward=True),
+    ),
     "host_fp16": dict(
         fp16=True,
         init_scale=1e7,
