@@ -26,6 +26,9 @@ placement reserves them ([Note: the pool under a limit] in placement.py).
 - end of fit: where the model fits ([Note: the model after fit]), the device part of O copied to the host for a
   later ``save_checkpoint`` ([Note: optimizer state after fit]; the host part is kept as it is), then the whole
   model, built chunk by chunk as the shards go; where it does not, the shards as they go.
+With ``step_in_backward=True`` the gradient shards are given back before the first backward and after each step:
+the training step, the save, the resume and the end of fit hold S less them, plus four chunks' gradient shards in
+a step. ``None`` is counted as stepping after backward: a fit that clips by norm does.
 The bound: S + 4C(1 + k). Every phase stays under it but the end of fit where the model fits: that holds the
 whole model beside O by design (the weights a user reads after ``fit``, as with DDP). Device bytes are before
 activations unless the caller gives them (a shapes-only plan traces none; ``plan --activations``).
@@ -160,13 +163,15 @@ def phases(
     staging: bool = True,
     releases: bool = False,
     activations: int = 0,
+    grad_share: float = 0.0,
 ) -> tuple[list[Phase], int, int, dict[int, Tier]]:
     """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
     warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``optim_share``: the
     part of a shard that is its optimizer state; ``staging``: gradients
     leave the device through pinned staging (CUDA); ``releases``: payloads go after each use (``host`` placement
     with ``reshard_after_forward=True``); ``activations``: a step's activation peak, a rank, when known (the
-    warm-up's trace), added to the steps' device bytes."""
+    warm-up's trace), added to the steps' device bytes; ``grad_share``: the part of a shard that is its gradient,
+    given back after each step where each chunk steps in backward (0: kept, stepping after backward)."""
     views = plan.views
     after = final_tiers(plan, placement, activations)
 
@@ -177,20 +182,30 @@ def phases(
             if (Tier.HOST if tiers[v.chunk_id] is Tier.DISK else tiers[v.chunk_id]) is tier
         )
 
-    host_first, dev_first = on(plan.tiers, Tier.HOST), on(plan.tiers, Tier.DEVICE)
-    host_after, dev_after = on(after, Tier.HOST), on(after, Tier.DEVICE)
     whole = max((v.grad_payload_bytes for v in views), default=0) or max((v.payload_bytes for v in views), default=0)
+    # stepping in backward, the gradient shards are given back after each step: a few chunks' are held in a step
+    # (those landing and those waiting for the step thread), none between steps nor before the first backward (the
+    # warm-up steps after backward)
+    in_flight = 4 * whole // ranks if grad_share else 0
+
+    def steady(nbytes: int) -> int:
+        return nbytes - int(nbytes * grad_share)
+
+    host_first, dev_first = on(plan.tiers, Tier.HOST), on(plan.tiers, Tier.DEVICE)
+    host_after, dev_after = steady(on(after, Tier.HOST)), steady(on(after, Tier.DEVICE))
     payload = max((v.payload_bytes for v in views), default=0)
     state = sum(v.device_shard_bytes for v in views)
+    steady_state = steady(state)
     optim = int(state * optim_share)
     grads = 3 * max((v.grad_payload_bytes for v in views), default=0)
     busy = plan.need_before_activations + payload + grads
-    step = dev_after + busy
+    step = dev_after + busy + in_flight
     if not releases:  # payloads stay while the limit has room beside the activations (see the note)
         # every payload not already a device shard (one rank: a device shard is its own payload), the busiest
         # module's among them, and the gradients in flight
         kept = (
             dev_after
+            + in_flight
             + grads
             + sum(v.payload_bytes for v in views if not (ranks == 1 and after[v.chunk_id] is Tier.DEVICE))
         )
@@ -204,9 +219,9 @@ def phases(
     no_optim = 1 - optim_share
     if fits:  # the device state copied beside the shards; then the kept state beside the model as it grows
         end_host = max(host_after + optim_dev, optim + max(host_after - optim_host, model_bytes) + 2 * whole)
-        end_together = max(state + optim_dev, optim + max(state - optim, model_bytes) + 2 * whole)
+        end_together = max(steady_state + optim_dev, optim + max(steady_state - optim, model_bytes) + 2 * whole)
     else:
-        end_host, end_together = host_after + whole, state + whole
+        end_host, end_together = host_after + whole, steady_state + whole
     rows = [
         Phase(
             "set-up",
@@ -226,9 +241,9 @@ def phases(
             host_first + dev_first + int(2 * whole * (2 + optim_ratio)),
             state + int(2 * whole * (2 + optim_ratio)),
         ),
-        Phase("training step", step + activations, host_after + staged, host_after + step + activations),
-        Phase("save", dev_after + plan.need_before_activations, host_after + written, state + written),
-        Phase("resume", dev_first + payload, host_first + 3 * whole, state + 3 * whole),
+        Phase("training step", step + activations, host_after + in_flight + staged, host_after + step + activations),
+        Phase("save", dev_after + plan.need_before_activations, host_after + written, steady_state + written),
+        Phase("resume", steady(dev_first) + payload, steady(host_first) + 3 * whole, steady_state + 3 * whole),
         Phase("end of fit", 0, end_host, end_together),
     ]
     bound = state + int(4 * whole * (1 + optim_ratio))

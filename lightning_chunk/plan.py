@@ -321,6 +321,8 @@ def make_shape_plan(
         staging=staging,
         activations=activations,
         releases=strategy.config.placement == "host" and strategy.config.reshard_after_forward is True,
+        # only ``True`` is sure to step in backward: ``None`` steps after it in a fit that clips by norm
+        grad_share=4 / (4 + low + 4 + optim) if strategy.config.step_in_backward is True else 0.0,
     )
     return ClusterReport(
         model=type(model).__name__,

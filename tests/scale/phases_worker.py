@@ -28,8 +28,14 @@ from lightning_chunk.options import grouped  # noqa: E402
 from lightning_chunk.shapes import Llama  # noqa: E402
 
 SHAPE = dict(hidden=128, layers=8, intermediate=256, heads=4, kv_heads=4, vocab=512)
+# stepping in backward (the default here, said outright so that the plan, which cannot know whether a fit clips by
+# norm, counts the gradient shards given back between steps)
 STRATEGY: dict[str, Any] = dict(
-    device_memory_limit=10 << 20, chunk_numel=1 << 16, log_memory_stats=False, materialize_on_teardown=None
+    device_memory_limit=10 << 20,
+    chunk_numel=1 << 16,
+    log_memory_stats=False,
+    materialize_on_teardown=None,
+    step_in_backward=True,
 )
 STEPS, SAVE_AT = 4, 3
 

@@ -98,3 +98,25 @@ def test_70b_on_one_node_says_the_host_binds(plan):
 def test_a_cluster_needs_its_size(plan):
     r = plan("--init-args", '{"size": "7b"}', "--host-memory", "1TiB")
     assert r.returncode == 2 and "give --nodes and --devices too" in r.stderr, r.stderr
+
+
+def test_stepping_in_backward_is_counted_where_the_gradient_shards_are_given_back():
+    """``step_in_backward=True`` gives the gradient shards back before the first backward and after each step: the
+    training step, the save, the resume and the end of fit hold the shards less them (four chunks' in a step); the
+    warm-up steps after backward. ``None`` is counted as stepping after backward (a fit that clips by norm does)."""
+    from lightning_chunk.plan import make_shape_plan
+    from lightning_chunk.shapes import Llama
+
+    def host(early):
+        args = {"step_in_backward": early, "device_memory_limit": "6GiB", "log_memory_stats": False}
+        report = make_shape_plan(Llama, {"size": "7b"}, args, "bf16-mixed", 8, (1, 8, 1 << 40))
+        return {p.name: p.host for p in report.phases}
+
+    kept, given = host(None), host(True)
+    assert host(False) == kept
+    assert given["warm-up step"] == kept["warm-up step"] and given["warm-up repack"] == kept["warm-up repack"]
+    for name in ("training step", "save", "resume"):
+        assert given[name] < kept[name], (name, given[name], kept[name])
+    # the save's difference is the host shards' gradients: 4 of their 18 bytes a parameter in bf16-mixed
+    host_grads = kept["save"] - given["save"]
+    assert 0.2 * kept["training step"] < host_grads < 0.25 * kept["training step"], (host_grads, kept)
