@@ -139,7 +139,7 @@ class EarlyStep:
         if self.speculation is not None and not self.speculation.takes(chunk):
             return  # device and disk chunks do not speculate: after backward
         self._step(chunk, {}, in_backward=True)
-        self.early += 1
+        self.early += self.speculation is None  # a guess counts once it stepped (``Speculation.guesses``)
 
     def step_rest(self, **kwargs: Any) -> Any:
         """``optimizer.step()`` after backward: the chunks not stepped yet, one at a time, each giving its gradient
@@ -237,6 +237,7 @@ class EarlyStep:
         out: dict[str, float] = {"chunks_stepped_in_backward": self.early}
         if self.speculation is not None:  # [Note: speculating past the norm and the overflow]
             out.update(
+                chunks_stepped_in_backward=self.early + self.speculation.guesses,
                 speculation_rollbacks=self.speculation.rollbacks,
                 speculation_peak_bytes=self.speculation.peak_bytes,
             )

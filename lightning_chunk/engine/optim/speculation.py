@@ -83,6 +83,7 @@ class Speculation:
         self.overflowed = False  # fp16: a chunk of this rank overflowed in backward
         self.wrong = False  # the clip's coefficient was not 1.0: every speculated chunk steps again
         self.rollbacks = 0  # steps whose speculation was undone
+        self.guesses = 0  # chunks stepped on a guess since set-up (those undone included)
         self.held_bytes = 0  # the copies' bytes now
         self.peak_bytes = 0  # the most bytes the copies held at once
 
@@ -112,6 +113,7 @@ class Speculation:
         self.held_bytes += undo.nbytes()
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         self.binding.step_chunk(chunk)
+        self.guesses += 1
 
     def clipped(self, coef: torch.Tensor) -> None:
         """The clip's coefficient: anything but exactly 1.0 (NaN included) proves the guess wrong."""
