@@ -208,15 +208,12 @@ class EarlyStep:
     def _settle(self, spec: Speculation) -> None:
         """``optimizer.step()``: a speculated chunk whose guess held keeps its step and gives its gradient shard back;
         where the clip proved it wrong, it is put back and steps again after backward, with the clipped gradients."""
-        if spec.wrong and spec.undo:
-            spec.rollbacks += 1
+        if spec.wrong:
+            self.stepped -= spec.undo.keys()  # stepped again below
+            spec.roll_back_all(self.manager.chunks)
+            return
         for c in self.manager.chunks:
-            if c.chunk_id not in spec.undo:
-                continue
-            if spec.wrong:
-                spec.roll_back(c)
-                self.stepped.discard(c.chunk_id)
-            else:
+            if c.chunk_id in spec.undo:
                 spec.drop(c)
                 self._release(c, to_pool=False)
 

@@ -149,7 +149,8 @@ class Speculation:
         return u
 
     def roll_back_all(self, chunks: list[Chunk]) -> None:
-        """The step is skipped (an fp16 overflow on some rank): every speculated chunk as before backward."""
+        """Every speculated chunk as before backward: the step is skipped (an fp16 overflow on some rank) or taken
+        again (the clip's coefficient was not 1.0)."""
         if self.undo:
             self.rollbacks += 1
         for c in chunks:
