@@ -289,6 +289,22 @@ CASES = {
         trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
         strategy=dict(chunk_numel=20000, placement="host", step_in_backward=True),
     ),
+    # ... the defaults a user gets under a device limit (automatic chunk size, placement="auto", every shard on the
+    # host here) on a model used in another order than registered, with accumulation
+    "clip_norm_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+    ),
+    "early_clip_norm_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True),
+    ),
     "host_fp16": dict(
         fp16=True,
         init_scale=1e7,

@@ -71,6 +71,8 @@ PARITY = [
     "early_clip_norm",
     "clip_norm_accumulate",
     "early_clip_norm_accumulate",
+    "clip_norm_limit",
+    "early_clip_norm_limit",
     "host_fp16",
     "early_host_fp16",
     "early_host_thread",
@@ -95,11 +97,12 @@ EARLY_TWINS = {
     "early_clip_value": "clip_value",
     "early_clip_norm": "clip_norm",
     "early_clip_norm_accumulate": "clip_norm_accumulate",
+    "early_clip_norm_limit": "clip_norm_limit",
     "early_host_fp16": "host_fp16",
     "early_host_thread": "host",
     "early_limit_thread": "reordered_auto_limit",
 }
-SPECULATED = ("early_clip_norm", "early_clip_norm_accumulate", "early_host_fp16")  # stepped on a guess
+SPECULATED = ("early_clip_norm", "early_clip_norm_accumulate", "early_clip_norm_limit", "early_host_fp16")  # stepped on a guess
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
 # reduces once (a last-bit difference that Adam carries through the steps: the tolerance the one-rank suite
@@ -109,6 +112,8 @@ ROUNDING = {
     "early_clip_norm": dict(rtol=1e-5, atol=1e-6),
     "clip_norm_accumulate": dict(rtol=1e-4, atol=1e-5),
     "early_clip_norm_accumulate": dict(rtol=1e-4, atol=1e-5),
+    "clip_norm_limit": dict(rtol=1e-4, atol=1e-5),
+    "early_clip_norm_limit": dict(rtol=1e-4, atol=1e-5),
     "two_optimizers": dict(rtol=1e-5, atol=1e-6),
     "accumulate": dict(rtol=1e-4, atol=1e-5),
     "early_accumulate": dict(rtol=1e-4, atol=1e-5),
