@@ -102,7 +102,8 @@ EARLY_TWINS = {
     "early_host_thread": "host",
     "early_limit_thread": "reordered_auto_limit",
 }
-SPECULATED = ("early_clip_norm", "early_clip_norm_accumulate", "early_clip_norm_limit", "early_host_fp16")  # stepped on a guess
+# stepped on a guess
+SPECULATED = ("early_clip_norm", "early_clip_norm_accumulate", "early_clip_norm_limit", "early_host_fp16")
 # Summed in another order than DDP's, so equal to fp32 rounding: norm clipping sums squared norms per rank,
 # then across ranks; sharded accumulation reduces each micro-batch where DDP adds the micro-batches locally and
 # reduces once (a last-bit difference that Adam carries through the steps: the tolerance the one-rank suite

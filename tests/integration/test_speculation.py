@@ -138,3 +138,37 @@ def test_a_hook_that_would_change_gradients_a_guess_already_used_is_refused():
     )
     with pytest.raises(ValueError, match=r"full_parameters\(with_grads=True\) is not possible with step_in_backward"):
         trainer(strategy=strategy, max_steps=3, callbacks=[WritesGradients()], **CLIPS).fit(ParityNet(), token_data())
+
+
+def test_a_run_stepping_on_guesses_saves_and_resumes_in_the_middle_as_one_stepping_after_backward(tmp_path):
+    """Saved between steps, a run that steps on guesses holds no copy and no guess: saved at step 3 (the guesses of
+    every step undone, fp16 overflows in the first ones) and resumed, it ends where the same save and resume of a run
+    stepping after backward does, parameters and loss scale."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(early, steps, ckpt_path=None):
+        L.seed_everything(5, verbose=False)
+        model = ParityNet()
+        strategy = ChunkOffloadStrategy(
+            placement="host", step_in_backward=early, checks=CheckOptions(log_memory_stats=False)
+        )
+        save = ckpt_path is None
+        t = trainer(
+            strategy=strategy,
+            max_steps=steps,
+            plugins=[ChunkPrecision("16-mixed", init_scale=1e7)],
+            enable_checkpointing=save,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path / str(early), every_n_train_steps=3)] if save else [],
+            **CLIPS,
+        )
+        t.fit(model, token_data(), ckpt_path=ckpt_path)
+        return {k: v.clone() for k, v in model.state_dict().items()}, strategy.memory_stats()
+
+    out = []
+    for early in (False, True):
+        run(early, 3)
+        out.append(run(early, STEPS, ckpt_path=tmp_path / str(early) / "epoch=0-step=3.ckpt"))
+    (want, plain), (got, stats) = out
+    assert stats["speculation_rollbacks"] > 0 and stats["loss_scale"] == plain["loss_scale"]
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **EXACT, msg=k)
