@@ -61,7 +61,10 @@ class ChunkCheckpoints(OneProcessPerDevice):
         if binding is None:
             kept = self._kept_optimizer_states.get(id(getattr(optimizer, "_optimizer", optimizer)))
             return kept.plain_state_dict() if kept is not None else super().optimizer_state(optimizer)
-        return {} if self._sharded else binding.plain_state_dict()
+        if self._sharded:
+            return {}
+        self.engine.settle_state()  # type: ignore[union-attr]  # [Note: optimizer state read after the warm-up]
+        return binding.plain_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._sharded:
@@ -109,7 +112,13 @@ class ChunkCheckpoints(OneProcessPerDevice):
         # EMAWeightAveraging checkpoints hold the average as their state_dict
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if is_sharded_checkpoint(checkpoint_path):
-            meta = load_sharded(self.engine, checkpoint_path, with_optimizer=with_optimizer, averaged=not fitting)
+            meta = load_sharded(
+                self.engine,
+                checkpoint_path,
+                with_optimizer=with_optimizer,
+                averaged=not fitting,
+                defer=not self.engine.warmed_up,  # [Note: optimizer state read after the warm-up]
+            )
             # loaded into the model after on_load_checkpoint, as Lightning does (load_model_state_dict)
             meta["state_dict"] = offered_state_dict(meta[CHECKPOINT_KEY], averaged=not fitting)
             meta = {k: v for k, v in meta.items() if k != CHECKPOINT_KEY}

@@ -50,6 +50,7 @@ from ..optim.kept_state import KeptOptimizerState, keep_optimizer_state
 from ..optim.scaler import DynamicLossScaler
 from ..schedule.growth import InputGrowth
 from ..schedule.placement import ChunkView
+from ..state.load import PendingOptimizerState
 from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from ..system.page_cache import page_cache_room
 from .description import EngineDescription
@@ -79,15 +80,9 @@ class ChunkEngine:
             module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives
         )
         self.config, self.module, self.manager, self.policy = desc.config, module, desc.manager, desc.policy
-        self.hooks, self.bindings, self._optim_bytes, self.layouts = (
-            desc.hooks,
-            desc.bindings,
-            desc.optim_bytes,
-            desc.layouts,
-        )
-        if (
-            self.config.host_memory_limit is not None
-        ):  # the user bounded host memory: keep chunk-sized blocks off the heap
+        self.hooks, self.bindings, self.layouts = desc.hooks, desc.bindings, desc.layouts
+        self._optim_bytes = desc.optim_bytes
+        if self.config.host_memory_limit is not None:  # the user bounded host memory: chunk-sized blocks off the heap
             map_large_blocks()
         elif self.config.keep_freed_heap and self.manager.device.type == "cpu":  # [Note: the heap between steps]
             keep_freed_heap()
@@ -110,6 +105,7 @@ class ChunkEngine:
         self.last_grad_norm: float | None = None
         # id(optimizer) -> its state on this rank, kept by ``teardown`` ([Note: optimizer state after fit])
         self.kept_optimizer_states: dict[int, KeptOptimizerState] = {}
+        self.pending_state: PendingOptimizerState | None = None  # [Note: optimizer state read after the warm-up]
         try:
             device = self.manager.device
             layout = self.layouts.choose(list(range(len(self.manager.params))), trace=None)
@@ -284,6 +280,7 @@ class ChunkEngine:
         if self.warm_up.phase is WarmUp.TRACED:
             self.warm_up.replan(Replan.WARM_UP)
             self._backward_ends()
+        self.settle_state()
         if not self._agreed:
             self._agreed = True
             if self.comm.world_size > 1:  # the vote can add gradients other ranks got: attach again
@@ -291,6 +288,12 @@ class ChunkEngine:
                 self._backward_ends()
             if self.config.host_memory_limit is not None:  # [Note: a fixed mmap threshold] in host_heap.py
                 release_freed_memory()  # backward freed the activations: give the heap's holes back before the step
+
+    def settle_state(self) -> None:
+        """Read a resumed optimizer state left for the first step ([Note: optimizer state read after the warm-up])."""
+        pending, self.pending_state = self.pending_state, None
+        if pending is not None:
+            pending.load(self)
 
     def grads_ready(self, what: str, *, norm_clip: bool = False) -> None:
         """Before gradients are read or written outside the step: agreed on, attached, and not stepped away. While
@@ -433,6 +436,8 @@ class ChunkEngine:
                     "them anyway. [Note: the model after fit]",
                     stacklevel=2,
                 )
+        if materialize:  # a resumed state no step read yet goes back with the model (no collective without it)
+            self.settle_state()
         self.hooks.remove()
         for b in self.bindings:
             b.slots.detach()

@@ -1,5 +1,21 @@
 """Loading a sharded checkpoint into the engine's chunks, on any world size: each rank reads the saved chunks that
-overlap what its own layout holds ([Note: a resume reads what the rank holds] in ``saved_chunks.py``)."""
+overlap what its own layout holds ([Note: a resume reads what the rank holds] in ``saved_chunks.py``).
+
+[Note: optimizer state read after the warm-up]
+A resume restores into the layout a fit starts in, which under a device limit keeps every shard on the host until
+the warm-up's trace places them. Read then, the optimizer state (8 of the 18 bytes a bf16-mixed parameter holds)
+sat on the host beside everything else, and the warm-up repack carried it chunk by chunk to where it belongs: a
+resumed rank held its whole training state on the host twice in a row (the resume, the repack), the phases that
+bound the largest model one GPU and its host can train (7B at most on 80 GB with 128 GiB). A fresh fit has no
+optimizer state until its first step, after the repack. So a resume does what a fresh fit does: it restores the
+values and the param groups' hyperparameters (a scheduler or a callback reads the learning rate before the first
+step), and reads each rank's pieces of the per-parameter state (Adam's moments and steps) at the first optimizer
+step, after the warm-up repack, straight into the tiers the trace chose (``ChunkEngine.settle_state``). Anything
+that reads the state before then reads it first: a save (the checkpoint it resumed from may be the one it
+overwrites), the end of fit. Hyperparameters are the optimizer's own then, not read again: a callback may have
+changed them. The checkpoint must stay where it is until then: its files are compared with what the restore saw,
+and a changed one raises rather than mixing two saves' state. The values cannot wait: the warm-up step runs them.
+"""
 
 from __future__ import annotations
 
@@ -32,9 +48,13 @@ def offered_state_dict(ck: dict[str, Any], *, averaged: bool = False) -> dict[st
     return out
 
 
-def load_sharded(engine: Any, path: str | Path, *, with_optimizer: bool, averaged: bool = False) -> dict[str, Any]:
+def load_sharded(
+    engine: Any, path: str | Path, *, with_optimizer: bool, averaged: bool = False, defer: bool = False
+) -> dict[str, Any]:
     """Every rank calls this. Loads values (and optimizer state) into the engine's current layout; returns meta.
-    ``averaged``: the weights are the average the checkpoint holds where it holds one ([Note: a sharded EMA])."""
+    ``averaged``: the weights are the average the checkpoint holds where it holds one ([Note: a sharded EMA]).
+    ``defer``: the per-parameter optimizer state is left to ``engine.settle_state()`` ([Note: optimizer state read
+    after the warm-up]); the hyperparameters load now."""
     from ..memory.consolidate import load_values
 
     path = check_checkpoint_dir(path)
@@ -75,8 +95,56 @@ def load_sharded(engine: Any, path: str | Path, *, with_optimizer: bool, average
                 f"the run has {len(engine.bindings)}."
             )
         for o, om in enumerate(ck["optimizers"]):
-            _load_optimizer(engine, o, om, path, meta, index_of_name)
+            _check_groups(engine.bindings[o], o, om, path)
+            engine.bindings[o].load_local_state({}, _hypers(om["param_groups"]))
+        pending = PendingOptimizerState(path, meta, index_of_name)
+        if defer:
+            engine.pending_state = pending
+        else:
+            pending.load(engine)
     return meta
+
+
+def _hypers(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _check_groups(b: Any, o: int, om: dict[str, Any], path: Path) -> None:
+    if len(om["param_groups"]) != len(b.optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: optimizer {o} had {len(om['param_groups'])} param groups, "
+            f"the run has {len(b.optimizer.param_groups)}."
+        )
+
+
+def _files(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Each file of a checkpoint directory and what identifies its contents: inode, size, modification time."""
+    out = {}
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            out[str(f.relative_to(path))] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+class PendingOptimizerState:
+    """A restored checkpoint's per-parameter optimizer state, read when first needed ([Note: optimizer state read
+    after the warm-up])."""
+
+    def __init__(self, path: Path, meta: dict[str, Any], index_of_name: dict[str, int]) -> None:
+        self.path, self.meta, self.index_of_name = path, meta, index_of_name
+        self.files = _files(path)
+
+    def load(self, engine: Any) -> None:
+        """This rank's pieces into the engine's current layout and tiers, the hyperparameters kept as they are."""
+        if _files(self.path) != self.files:
+            raise CheckpointError(
+                f"checkpoint {str(self.path)!r} changed between the restore and the first optimizer step, where "
+                "its optimizer state is read ([Note: optimizer state read after the warm-up]): keep it in place "
+                "until the first step, or resume from a copy."
+            )
+        for o, om in enumerate(self.meta[KEY]["optimizers"]):
+            _load_optimizer(engine, o, om, self.path, self.meta, self.index_of_name)
 
 
 def _load_optimizer(
@@ -85,11 +153,6 @@ def _load_optimizer(
     from ..memory.consolidate import local_optimizer_state
 
     b, mgr = engine.bindings[o], engine.manager
-    if len(om["param_groups"]) != len(b.optimizer.param_groups):
-        raise CheckpointError(
-            f"checkpoint {str(path)!r}: optimizer {o} had {len(om['param_groups'])} param groups, "
-            f"the run has {len(b.optimizer.param_groups)}."
-        )
     views = b.views()
     local: dict[int, dict[str, Any]] = {}
     for name, st in om["scalars"].items():
@@ -111,5 +174,4 @@ def _load_optimizer(
                 local[i][key] = mgr.tiers.keep_state(chunk, views[i], key, st[key])
             mgr.tiers.page_out()
     mgr.tiers.page_out()
-    hypers = [{k: v for k, v in g.items() if k != "params"} for g in om["param_groups"]]
-    b.load_local_state(local, hypers)
+    b.load_local_state(local, _hypers(b.optimizer.param_groups))

@@ -336,6 +336,7 @@ def save_sharded(
     training, returned once the save is staged ([Note: training beside a save]). A save waits for the one before
     it, and raises there if that one failed."""
     engine.manager.readers.settle()
+    engine.settle_state()  # a resumed state no step read yet: the save may overwrite the checkpoint it is in
     if engine.early is not None:  # a backward that raised may have left host steps running on their thread
         engine.early.backward_ended()
     job = stage_save(
