@@ -13,22 +13,27 @@ placement reserves them ([Note: the pool under a limit] in placement.py).
   others), then keep this rank's shard ([Note: deferred initialisation]).
 - warm-up step: S_host(first) less O on the host (under ``auto`` with a limit every shard starts there); G and the
   activations on the device.
-- warm-up repack: S_host(first) + S_dev(first) + 2C(2 + k), k the optimizer state's bytes per master byte: the
-  old device shards staged, the chunks streamed one at a time ([Note: a repack under a device limit]).
-- training step: S_host(after) + the gradient staging in flight (pinned, at most 256 MiB, on CUDA only). On the
+- warm-up repack: S_host(first) + S_dev(first) less O (no optimizer state yet, a resumed one included: [Note:
+  optimizer state read after the warm-up]) + 6C and a payload: the old device shards staged, the chunks streamed
+  one at a time ([Note: a repack under a device limit]), an old chunk's values and gradients whole and cut into its
+  parameters' (4C) while a new one is built from them (2C and its payload).
+- training step: S_host(after) + the gradient staging in flight (pinned, at most 256 MiB, on CUDA only), or, at a
+  resumed fit's first step, 3C: its optimizer state read one saved chunk's span at a time. On the
   device S_dev(after), the activations, and every payload the limit has room for beside them: a gathered payload
   stays until the budget needs its room (``auto``, ``static`` and ``device`` evict only then; ``host`` keeps it
   for backward, [Note: keeping payloads for backward]), so a step under a limit fills it. Only ``host`` with
   ``reshard_after_forward=True`` holds no more than G.
 - save: S_host(after) + one file's shards, two chunks' masters and optimizer state: each is made when the writer
   reaches it ([Note: a save streams the shards]).
-- resume: S_host(first) + 3C: one saved chunk's span at a time ([Note: a resume reads what the rank holds]).
+- resume: S_host(first) less O + 3C: the values one saved chunk's span at a time ([Note: a resume reads what the
+  rank holds]); the optimizer state waits for the first step. After the set-up's peak.
 - end of fit: where the model fits ([Note: the model after fit]), the device part of O copied to the host for a
   later ``save_checkpoint`` ([Note: optimizer state after fit]; the host part is kept as it is), then the whole
   model, built chunk by chunk as the shards go; where it does not, the shards as they go.
 With ``step_in_backward=True`` the gradient shards are given back before the first backward and after each step:
 the training step, the save, the resume and the end of fit hold S less them, plus four chunks' gradient shards in
-a step. ``None`` is counted as stepping after backward: a fit that clips by norm does.
+a step.
+``None`` is counted as stepping after backward: a fit that clips by norm does.
 The bound: S + 4C(1 + k). Every phase stays under it but the end of fit where the model fits: that holds the
 whole model beside O by design (the weights a user reads after ``fit``, as with DDP). Device bytes are before
 activations unless the caller gives them (a shapes-only plan traces none; ``plan --activations``).
@@ -217,6 +222,8 @@ def phases(
     written = 2 * int(whole / ranks * (1 + optim_ratio))
     optim_dev, optim_host = int(dev_after * optim_share), int(host_after * optim_share)
     no_optim = 1 - optim_share
+    no_kept = no_optim - grad_share  # a resume: no optimizer state yet, the gradient shards given back at set-up
+    repacking = 6 * whole + payload  # an old chunk whole and cut (4C) while a new one is built (2C, its payload)
     if fits:  # the device state copied beside the shards; then the kept state beside the model as it grows
         end_host = max(host_after + optim_dev, optim + max(host_after - optim_host, model_bytes) + 2 * whole)
         end_together = max(steady_state + optim_dev, optim + max(steady_state - optim, model_bytes) + 2 * whole)
@@ -237,13 +244,23 @@ def phases(
         ),
         Phase(
             "warm-up repack",
-            dev_after + payload,
-            host_first + dev_first + int(2 * whole * (2 + optim_ratio)),
-            state + int(2 * whole * (2 + optim_ratio)),
+            int(dev_after * no_optim) + payload,
+            int((host_first + dev_first) * no_optim) + repacking,
+            int(state * no_optim) + repacking,
         ),
-        Phase("training step", step + activations, host_after + in_flight + staged, host_after + step + activations),
+        Phase(
+            "training step",
+            step + activations,
+            host_after + max(in_flight + staged, 3 * whole),
+            host_after + step + activations,
+        ),
         Phase("save", dev_after + plan.need_before_activations, host_after + written, steady_state + written),
-        Phase("resume", steady(dev_first) + payload, steady(host_first) + 3 * whole, steady_state + 3 * whole),
+        Phase(
+            "resume",
+            int(dev_first * no_kept) + payload,
+            int(host_first * no_kept) + 3 * whole,
+            int(state * no_kept) + 3 * whole,
+        ),
         Phase("end of fit", 0, end_host, end_together),
     ]
     bound = state + int(4 * whole * (1 + optim_ratio))

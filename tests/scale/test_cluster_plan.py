@@ -75,24 +75,18 @@ def test_13b_on_two_nodes_of_eight_gpus(plan):
     assert "fits" in r.stdout.split("host bound")[1]
 
 
-def test_70b_on_one_node_says_the_host_binds(plan):
-    """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB the warm-up repack, which starts from
-    every shard on the host, cannot fit, nor a resume; the plan names the worst phase and exits 1."""
-    r = plan(
-        "--init-args",
-        '{"size": "70b"}',
-        "--nodes",
-        "1",
-        "--devices",
-        "8",
-        "--device-memory",
-        "80GiB",
-        "--host-memory",
-        "1TiB",
-    )
+def test_70b_on_one_node_fits_and_on_half_its_host_the_plan_says_the_host_binds(plan):
+    """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB it fits, since neither the warm-up
+    repack nor a resume holds the optimizer state ([Note: optimizer state read after the warm-up]; they needed
+    1.3 TiB when a resume read it first). With 512 GiB the plan names the worst phase and exits 1."""
+    args = ["--init-args", '{"size": "70b"}', "--nodes", "1", "--devices", "8", "--device-memory", "80GiB"]
+    r = plan(*args, "--host-memory", "1TiB")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    got = rows(r.stdout)
+    assert got["warm-up repack"][1] < 100 and got["resume"][1] < 100, r.stdout  # GiB a rank, of 128
+    r = plan(*args, "--host-memory", "512GiB")
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
-    assert "binds        host: warm-up repack" in r.stdout, r.stdout
-    assert rows(r.stdout)["warm-up repack"][1] > 128, r.stdout
+    assert "binds        host: training step" in r.stdout, r.stdout
 
 
 def test_a_cluster_needs_its_size(plan):
@@ -119,4 +113,4 @@ def test_stepping_in_backward_is_counted_where_the_gradient_shards_are_given_bac
         assert given[name] < kept[name], (name, given[name], kept[name])
     # the save's difference is the host shards' gradients: 4 of their 18 bytes a parameter in bf16-mixed
     host_grads = kept["save"] - given["save"]
-    assert 0.2 * kept["training step"] < host_grads < 0.25 * kept["training step"], (host_grads, kept)
+    assert 0.2 * kept["save"] < host_grads < 0.25 * kept["save"], (host_grads, kept)

@@ -21,8 +21,9 @@ WORKER = Path(__file__).with_name("phases_worker.py")
 # here; the warm-up step at 4 ranks, once allowed 1.25 for four chunk payloads beyond the plan, now measures as the
 # other phases do: 1.05-1.19 on 2026-11-29).
 # Below 1 (the largest rank): the plan erring safe; the last rank holds less (its shards hold the padding, which a
-# rank neither gathers nor steps). SLACK: collectives in flight, whose number varies with the ranks' timing (a
-# phase's peak moved by up to 1.3 MiB, five chunks, between two runs of the same code).
+# rank neither gathers nor steps). SLACK: collectives in flight, whose number varies with the ranks' timing (every
+# phase's peak on rank 0 at 2 ranks moved together by up to 2.3 MiB, nine chunks, between runs of the same code on
+# 2026-11-29: 14.6 to 16.9 MiB at the end of fit).
 AGREE = {
     "set-up": (0.7, 1.1),
     "warm-up step": (0.7, 1.1),
@@ -32,7 +33,7 @@ AGREE = {
     "resume": (0.7, 1.1),
     "end of fit": (0.7, 1.1),
 }
-SLACK = 6 * STRATEGY["chunk_numel"] * 4
+SLACK = 10 * STRATEGY["chunk_numel"] * 4
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -56,6 +57,8 @@ def test_each_phase_s_peak_agrees_with_the_plan(tmp_path, world):
         activations=max(g["traced activations"] for g in got),
     )
     predicted = {p.name: p.together for p in report.phases}
+    # the worker's resume spans the second fit's set-up too
+    predicted["resume"] = max(predicted["resume"], predicted["set-up"])
     assert set(AGREE) == set(predicted)
     state = report.state
     for name, (lo, _) in AGREE.items():  # the plan is not far above every rank (the last holds less: padding)
