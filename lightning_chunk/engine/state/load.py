@@ -13,7 +13,7 @@ step), and reads each rank's pieces of the per-parameter state (Adam's moments a
 step, after the warm-up repack, straight into the tiers the trace chose (``ChunkEngine.settle_state``). Anything
 that reads the state before then reads it first: a save (the checkpoint it resumed from may be the one it
 overwrites), the end of fit. Hyperparameters are the optimizer's own then, not read again: a callback may have
-changed them. The checkpoint must stay where it is until then: its files are compared with what the restore saw,
+changed them. The checkpoint must stay where it is until then: its index files are compared with what the restore saw,
 and a changed one raises rather than mixing two saves' state. The values cannot wait: the warm-up step runs them.
 """
 
@@ -26,7 +26,15 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .checkpoint_dir import check_checkpoint_dir, check_compatible, optim_name, read_meta, weights_key
+from .checkpoint_dir import (
+    DCP_INDEX,
+    META,
+    check_checkpoint_dir,
+    check_compatible,
+    optim_name,
+    read_meta,
+    weights_key,
+)
 from .saved_chunks import KEY, iter_saved_chunks, rank_regions
 
 
@@ -117,13 +125,18 @@ def _check_groups(b: Any, o: int, om: dict[str, Any], path: Path) -> None:
         )
 
 
-def _files(path: Path) -> dict[str, tuple[int, int, int]]:
-    """Each file of a checkpoint directory and what identifies its contents: inode, size, modification time."""
-    out = {}
-    for f in sorted(path.rglob("*")):
-        if f.is_file():
-            st = f.stat()
-            out[str(f.relative_to(path))] = (st.st_ino, st.st_size, st.st_mtime_ns)
+def _files(path: Path) -> dict[str, tuple[int, int, int] | None]:
+    """What identifies a checkpoint directory's contents: inode, size and modification time of the two files that
+    name every other and that a save writes last (a save renames a whole directory into place, [Note: the
+    checkpoint layout] in ``checkpoint.py``)."""
+    out: dict[str, tuple[int, int, int] | None] = {}
+    for name in (META, DCP_INDEX):
+        try:
+            st = (path / name).stat()
+        except FileNotFoundError:
+            out[name] = None
+        else:
+            out[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
     return out
 
 
