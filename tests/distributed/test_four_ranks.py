@@ -1,5 +1,6 @@
 """Four ranks on CPU, gloo run as NCCL runs ([Note: gloo as NCCL]): the parity cases where the world size matters
-most (shards of a quarter, a parameter used on some ranks only, ranks whose limits differ), in one launch.
+most (shards of a quarter, a parameter used on some ranks only, ranks whose limits differ, norm clipping on a guess
+that every rank undoes), in one launch.
 
 Two ranks' gradients sum bit-exactly in any order (a + b); four do not, and gloo's all-reduce sums a DDP bucket and
 a chunk's gradient payload in segments of their own, so an element's four terms meet in another order: parity is to
@@ -8,6 +9,8 @@ second moment is tiny, moves by 2e-5. So each parameter's distance from DDP's is
 it: a thousandth of it at most (a wrong reduction, a chunk paired with another, moves it by its whole size)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from tests.faults.common import Ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
-FOUR = ["plain", "host", "accumulate", "rank_gated", "limits_differ"]
+FOUR = ["plain", "host", "accumulate", "rank_gated", "limits_differ", "early_clip_norm"]
 RELATIVE = 1e-3  # of the distance training moved the parameter
 
 
@@ -44,3 +47,6 @@ def test_parity_with_ddp_on_four_ranks(four_ranks, case):
         moved = float((ref - init).norm())
         assert moved > 0 or k.endswith("running_var"), f"{case} {k} never trained"
         assert float((got - ref).norm()) <= RELATIVE * moved + 1e-7, (case, k, float((got - ref).norm()), moved)
+    if case == "early_clip_norm":  # guesses undone on every rank ([Note: speculating past the norm and the overflow])
+        for r in range(4):
+            assert json.loads((out / f"{case}.stats{r}.json").read_text())["speculation_rollbacks"] > 0
