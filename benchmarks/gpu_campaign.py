@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -49,14 +48,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, clean_env, proc_bytes, quiet_trainer, run_ranks, save_results, step_timer  # noqa: E402
+from _llama_size import LLAMA, MIN_LAYERS, fitting_layers, host_bytes, model_params  # noqa: E402
 
 PARTS = ("tests", "probes", "contenders", "largest")
 GIB = 2**30
 ADAM_BYTES = 30  # a parameter the host Adam reads and writes, the bf16 copy included
-LLAMA = dict(hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000)  # Llama-2 7B's widths
 TINY_LLAMA = dict(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256)
-MIN_LAYERS = 32  # 7B
-HOST_SHARE = 0.92  # of the host's available memory: the CUDA context, pinned staging, Python and Lightning beside
 
 
 def _load(name: str) -> Any:
@@ -172,51 +169,6 @@ def part_contenders(args: argparse.Namespace, budget: float, probes: dict) -> di
     return res
 
 
-def _host_bytes() -> int:
-    """The host memory a run may take: what the kernel says is available now (the total less what the system
-    and the page cache it cannot drop hold)."""
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def activation_bytes(shape: dict, batch: int, context: int) -> int:
-    """A step's activation peak for a Llama shape in bf16-mixed with SDPA's fused attention, nothing recomputed: per
-    token and layer the residual stream, the norms' outputs, q, k, v and the attention's output (about 16 bytes a
-    hidden unit), the MLP's gate, up and their product (8 an intermediate one); the logits in fp32 and their
-    gradient. The warm-up traced 0.85-1.17x of it on CPU (2026-11-29, widths 256-512, 4-8 layers); 1.2x it errs
-    safe."""
-    per_token = shape["layers"] * (16 * shape["hidden"] + 8 * shape["intermediate"]) + 12 * shape["vocab"]
-    return int(1.2 * batch * context * per_token)
-
-
-def fitting_layers(args: argparse.Namespace, device_limit: int | None) -> tuple[int, Any]:
-    """The most layers of Llama-2 7B's widths the plan says fit this device and host (at least ``MIN_LAYERS``)."""
-    from lightning_chunk.plan import make_shape_plan
-    from lightning_chunk.shapes import Llama
-
-    def plan(layers: int) -> Any:
-        return make_shape_plan(
-            Llama,
-            {"size": {**LLAMA, "layers": layers}},
-            {"placement": "auto", "device_memory_limit": device_limit},
-            "bf16-mixed",
-            1,
-            (1, 1, int(HOST_SHARE * (args.host_memory or _host_bytes()))),
-            staging=args.accelerator == "cuda",
-            activations=activation_bytes({**LLAMA, "layers": layers}, args.largest_batch, args.largest_context),
-        )
-
-    lo, hi = MIN_LAYERS, 2 * MIN_LAYERS
-    while plan(hi).fits and hi < 1024:
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:  # plan(lo) fits (or is the floor), plan(hi) does not
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if plan(mid).fits else (lo, mid)
-    return lo, plan(lo)
-
-
 def child_largest(args: argparse.Namespace) -> None:
     """One ``Trainer.fit`` of a Llama shape built on the meta device (``configure_model``)."""
     import lightning as L
@@ -251,12 +203,6 @@ def child_largest(args: argparse.Namespace) -> None:
     Path(args.child_out).write_text(json.dumps({**res, **moved}))
 
 
-def model_params(shape: dict) -> int:
-    h, i, v, n = shape["hidden"], shape["intermediate"], shape["vocab"], shape["layers"]
-    kv = shape["kv_heads"] * (h // shape["heads"])
-    return 2 * v * h + h + n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
-
-
 def part_largest(args: argparse.Namespace, budget: float, probes: dict, ddp_tflops: float | None) -> dict:
     deadline = time.monotonic() + budget
     if args.smoke:
@@ -269,7 +215,7 @@ def part_largest(args: argparse.Namespace, budget: float, probes: dict, ddp_tflo
         layers, report = fitting_layers(args, limit)
         planned = max(p.host for p in report.phases)
         base = LLAMA
-    capacity = (args.host_memory or _host_bytes()) / 12  # the issue's yardstick: 12 host bytes a parameter
+    capacity = (args.host_memory or host_bytes()) / 12  # the issue's yardstick: 12 host bytes a parameter
     tries = []
     while True:
         shape = {**base, "layers": layers}
@@ -322,7 +268,7 @@ def _machine(args: argparse.Namespace) -> dict:
         info["commit"] = sha.stdout.strip() or None
     except OSError:
         info["commit"] = None
-    info["host_memory"] = args.host_memory or _host_bytes()
+    info["host_memory"] = args.host_memory or host_bytes()
     return info
 
 

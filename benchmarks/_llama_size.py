@@ -1,0 +1,63 @@
+"""The largest Llama shape the plan says a GPU and its host can train: the campaign's ``largest`` part sizes its
+run with it (``gpu_campaign.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+LLAMA = dict(hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000)  # Llama-2 7B's widths
+MIN_LAYERS = 32  # 7B
+HOST_SHARE = 0.92  # of the host's available memory: the CUDA context, pinned staging, Python and Lightning beside
+
+
+def host_bytes() -> int:
+    """The host memory a run may take: what the kernel says is available now (the total less what the system
+    and the page cache it cannot drop hold)."""
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def activation_bytes(shape: dict, batch: int, context: int) -> int:
+    """A step's activation peak for a Llama shape in bf16-mixed with SDPA's fused attention, nothing recomputed: per
+    token and layer the residual stream, the norms' outputs, q, k, v and the attention's output (about 16 bytes a
+    hidden unit), the MLP's gate, up and their product (8 an intermediate one); the logits in fp32 and their
+    gradient. The warm-up traced 0.85-1.17x of it on CPU (2026-11-29, widths 256-512, 4-8 layers); 1.2x it errs
+    safe."""
+    per_token = shape["layers"] * (16 * shape["hidden"] + 8 * shape["intermediate"]) + 12 * shape["vocab"]
+    return int(1.2 * batch * context * per_token)
+
+
+def fitting_layers(args: argparse.Namespace, device_limit: int | None) -> tuple[int, Any]:
+    """The most layers of Llama-2 7B's widths the plan says fit this device and host (at least ``MIN_LAYERS``)."""
+    from lightning_chunk.plan import make_shape_plan
+    from lightning_chunk.shapes import Llama
+
+    def plan(layers: int) -> Any:
+        return make_shape_plan(
+            Llama,
+            {"size": {**LLAMA, "layers": layers}},
+            {"placement": "auto", "device_memory_limit": device_limit},
+            "bf16-mixed",
+            1,
+            (1, 1, int(HOST_SHARE * (args.host_memory or host_bytes()))),
+            staging=args.accelerator == "cuda",
+            activations=activation_bytes({**LLAMA, "layers": layers}, args.largest_batch, args.largest_context),
+        )
+
+    lo, hi = MIN_LAYERS, 2 * MIN_LAYERS
+    while plan(hi).fits and hi < 1024:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # plan(lo) fits (or is the floor), plan(hi) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan(mid).fits else (lo, mid)
+    return lo, plan(lo)
+
+
+def model_params(shape: dict) -> int:
+    h, i, v, n = shape["hidden"], shape["intermediate"], shape["vocab"], shape["layers"]
+    kv = shape["kv_heads"] * (h // shape["heads"])
+    return 2 * v * h + h + n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
