@@ -93,9 +93,8 @@ class ChunkEngine:
         self.early = EarlyStep(self.manager, self.bindings) if self.config.step_in_backward and self.bindings else None
         self.scaler: DynamicLossScaler | None = None
         self.ema: ShardedEMA | None = None  # an average of the weights, when asked for ([Note: a sharded EMA])
-        self.growth = InputGrowth(
-            self.comm, enabled=self.config.replan_when_inputs_grow and self.manager.limit is not None
-        )
+        grow = self.config.replan_when_inputs_grow and self.manager.limit is not None
+        self.growth = InputGrowth(self.comm, enabled=grow)
         self.buffers = BufferSync(self.module, self.comm)  # enabled by the strategy while fitting
         self._no_grads_held = True  # before the first micro-batch, and after each optimizer step
         self.warm_up: WarmUpPlanner = WarmUpPlanner(self)  # [Note: the warm-up's phases] in warmup.py
