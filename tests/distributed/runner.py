@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,12 +34,27 @@ from lightning_chunk import (  # noqa: E402  # noqa: E402
     MemoryOptions,
     OffloadOptions,
 )
+from lightning_chunk.engine.chunks.chunk import Tier  # noqa: E402
+from lightning_chunk.engine.runtime.moments import MomentClock  # noqa: E402
 from lightning_chunk.options import grouped  # noqa: E402
 from tests import models  # noqa: E402
 from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
 
 WORLD = int(os.environ.get("WORLD_SIZE", 2))  # read once: Lightning's teardown deletes the variable
+# the device bytes at every moment of a case's fit, which ranks plan evictions from: the same on every rank
+# ([Note: the same bytes on every rank after a step])
+DEVICE_BYTES: list[int] = []
+_tick = MomentClock.tick
+
+
+def _ticked(self: MomentClock, kind: Any, key: str) -> tuple[int, ...]:
+    out = _tick(self, kind, key)
+    DEVICE_BYTES.append(self.manager.ledger[Tier.DEVICE])
+    return out
+
+
+MomentClock.tick = _ticked  # type: ignore[method-assign]
 STEPS = 16  # a case's own "steps" shortens it: the wide models' cases run 8 (warm-up, repack, six steady steps)
 BIG = dict(dim=64, hidden=1024)
 # enough chunks that the whole gradient is many times the few payloads in flight
@@ -464,6 +480,7 @@ def run_parity(case: str, out: Path) -> None:
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
     comm_mode = CommMode()
     extra = [getattr(models, name)() for name in spec.get("callbacks", ())]
+    DEVICE_BYTES.clear()
     t = trainer(
         strategy,
         steps,
@@ -490,6 +507,7 @@ def run_parity(case: str, out: Path) -> None:
         param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()),
         buffers={n: b.float().sum().item() for n, b in got.named_buffers()},
         seen=[getattr(cb, "seen", None) for cb in extra],
+        device_bytes=DEVICE_BYTES,
     )
     (out / f"{case}.stats{rank}.json").write_text(json.dumps(stats))
     if rank == 0:

@@ -273,6 +273,11 @@ def test_weights_load_on_two_ranks_and_train_like_ddp(parity_run, fmt):
 def check_parity(out, rc, log, case):
     for r in (0, 1):
         assert f"CASE-DONE {case} rank={r}" in log, log[-3000:]
+    # the ranks plan evictions from their device bytes: the same at every moment ([Note: the same bytes on every
+    # rank after a step])
+    held = [s["device_bytes"] for s in stats(out, case)]
+    first = next((i for i, (a, b) in enumerate(zip(*held, strict=False)) if a != b), min(map(len, held)))
+    assert held[0] == held[1], f"{case}: the ranks' device bytes differ from moment {first} on"
     d = torch.load(out / f"{case}.pt")
     if case in FP16:
         init, ref, got = d["init"], d["ref"], d["got"]

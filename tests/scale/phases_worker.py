@@ -3,7 +3,7 @@ its CPU allocations recorded by torch's profiler: set-up, the warm-up step, its 
 end of fit, then a second fit that resumes from the save. Writes each phase's peak bytes this rank held at once, and
 the activation peak the warm-up traced.
 
-    RANK=.. WORLD_SIZE=.. python tests/scale/phases_worker.py OUTDIR
+    RANK=.. WORLD_SIZE=.. python tests/scale/phases_worker.py OUTDIR [PRECISION]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk.engine.chunks.chunk import Tier  # noqa: E402
+from lightning_chunk.engine.runtime.moments import MomentClock  # noqa: E402
 from lightning_chunk.engine.runtime.warmup import Replan, WarmUpPlanner  # noqa: E402
 from lightning_chunk.engine.tiers.pool import BlockPool  # noqa: E402
 from lightning_chunk.options import grouped  # noqa: E402
@@ -46,10 +48,20 @@ def mark(name: str) -> None:
         pass
 
 
+DEVICE_BYTES: list[int] = []  # at every moment: what ranks plan their evictions from, the same on every rank
+
+
 def instrument() -> None:
     """Mark the repack; return payload memory to the allocator, as on a GPU ([Note: a pool of payload blocks] keeps
-    it on the host)."""
-    replan, pool_init = WarmUpPlanner.replan, BlockPool.__init__
+    it on the host); record the device bytes at each moment ([Note: the same bytes on every rank after a step])."""
+    replan, pool_init, tick = WarmUpPlanner.replan, BlockPool.__init__, MomentClock.tick
+
+    def ticked(self: MomentClock, kind: Any, key: str) -> tuple[int, ...]:
+        out = tick(self, kind, key)
+        DEVICE_BYTES.append(self.manager.ledger[Tier.DEVICE])
+        return out
+
+    MomentClock.tick = ticked  # type: ignore[method-assign]
 
     def marked(self: WarmUpPlanner, reason: Replan) -> None:
         if reason is not Replan.WARM_UP:
@@ -90,13 +102,14 @@ def data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.randint(0, SHAPE["vocab"], (STEPS + 2, 9), generator=g), batch_size=1)
 
 
-def fit(out: Path, first: bool, world: int) -> int:
+def fit(out: Path, first: bool, world: int, precision: str = "32-true") -> int:
     gc.collect()
     mark("set-up" if first else "resume")
     phases = Phases(out, first)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
+        precision=precision,  # type: ignore[arg-type]
         strategy=ChunkOffloadStrategy(**grouped(STRATEGY)),
         max_steps=STEPS if first else STEPS + 2,
         logger=False,
@@ -132,14 +145,15 @@ def peaks(prof: Any) -> dict[str, int]:
     return out
 
 
-def main(out: Path) -> None:
+def main(out: Path, precision: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes the latter
     instrument()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        activations = fit(out, first=True, world=world)
-        fit(out, first=False, world=world)
-    (out / f"phases.{rank}.json").write_text(json.dumps({**peaks(prof), "traced activations": activations}))
+        activations = fit(out, first=True, world=world, precision=precision)
+        fit(out, first=False, world=world, precision=precision)
+    got = {**peaks(prof), "traced activations": activations, "device bytes by moment": DEVICE_BYTES}
+    (out / f"phases.{rank}.json").write_text(json.dumps(got))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "32-true")

@@ -27,6 +27,17 @@ touches this rank's shard alone and the agreement check before it, [Note: checki
 ``agreement.py``, runs before the decision.) The warm-up step, a micro-batch traced again and the micro-batches
 of gradient accumulation that do not step (``ChunkEngine.accumulating``) step after backward as usual.
 
+[Note: the same bytes on every rank after a step]
+Ranks plan their evictions and prefetches from the bytes each holds on the device, so those bytes must be the
+same on every rank, or the ranks gather and evict different chunks and pair different collectives (on NCCL:
+silently mixed weights). After the vote a rank keeps a parameter's gradient flag only where its shard holds a piece
+of it, so a chunk whose parameters all lie in another rank's half has no flag here: stepped after backward by that
+rule alone, it kept its gradient shard on this rank while the rank holding the pieces gave its own back: the
+warm-up step, and with speculation the device chunks of every step. A Llama of 8 layers in bf16-mixed on two ranks
+under a 10 MiB limit then failed the collective check in its second step (one 128 KiB gradient shard apart). So
+after backward a chunk reduced this step (``grad_written``, the same on every rank) gives its gradient shard back
+on every rank, stepped or not.
+
 One more condition is the model's: the chunk's parameters must not be read by backward after their gradients
 are final. Autograd runs a parameter's last use before it accumulates its gradient, so that holds unless a
 module saves a detached alias of a parameter for a later backward (an in-place step would then be reported by
@@ -151,13 +162,13 @@ class EarlyStep:
         if self.speculation is not None:
             self._settle(self.speculation)
         for c in mgr.chunks:
-            if (
-                c.chunk_id not in self.stepped
-                and c.trainable
-                and not c.grad_released
-                and any(t.has_grad for t in c.tensors)
-            ):
+            if c.chunk_id in self.stepped or not c.trainable or c.grad_released:
+                continue
+            if any(t.has_grad for t in c.tensors):
                 out = self._step(c, kwargs, in_backward=False)
+            elif mgr.comm.world_size > 1 and c.grad_written:  # [Note: the same bytes on every rank after a step]
+                self._release(c, to_pool=False)
+                self.stepped.add(c.chunk_id)
         return out
 
     def _step(self, chunk: Chunk, kwargs: dict[str, Any], *, in_backward: bool) -> Any | None:
