@@ -623,7 +623,7 @@ def run_reshard_resume(out: Path) -> None:
 
 
 def run_resume_defaults(out: Path) -> None:
-    results = {}
+    results, held = {}, {}
     t, _ = resume_fit("ddp", out / "from2_ddp", 8)
     for v in RESUME_VARIANTS:
         resume_fit(resume_strategy(v), out / f"from2_{v}", 8)
@@ -632,8 +632,11 @@ def run_resume_defaults(out: Path) -> None:
         t, m = resume_fit("ddp", None, 12, ckpt_path=ref_ckpt)
         results[f"{src}.ddp"] = final_state(t, m)
         for v in RESUME_VARIANTS:
+            DEVICE_BYTES.clear()
             t, m = resume_fit(resume_strategy(v), None, 12, ckpt_path=out / f"{src}_{v}" / "step=8.ckpt")
             results[f"{src}.{v}"] = final_state(t, m)
+            held[f"{src}.{v}"] = list(DEVICE_BYTES)
+    (out / f"resume_defaults.bytes{t.global_rank}.json").write_text(json.dumps(held))
     if t.global_rank == 0:
         torch.save(results, out / "resume_defaults.pt")
     print(f"CASE-DONE resume_defaults rank={t.global_rank}", flush=True)

@@ -6,6 +6,8 @@ most shards on the disk tier with each disk chunk stepped during backward (``dis
 2->2 and 1->2 run in a child (tests/distributed/runner.py), 2->1 and 1->1 here.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -34,6 +36,7 @@ def resumed(tmp_path_factory):
     for r in (0, 1):
         assert f"CASE-DONE resume_defaults rank={r}" in log, log[-4000:]
     results = torch.load(out / "resume_defaults.pt")
+    results["held"] = [json.loads((out / f"resume_defaults.bytes{r}.json").read_text()) for r in (0, 1)]
     for src, ref in (("from2", "from2_ddp"), ("from1", "from1_auto")):  # 2 -> 1 and 1 -> 1
         t, m = resume_fit("auto", None, 12, ckpt_path=out / ref / "step=8.ckpt", devices=1)
         results[f"{src}.to1.auto"] = final_state(t, m)
@@ -46,6 +49,15 @@ def resumed(tmp_path_factory):
 @pytest.mark.parametrize("variant", RESUME_VARIANTS)
 def test_two_rank_checkpoint_resumes_on_two_ranks_like_ddp(resumed, variant):
     assert_same_state(resumed["from2.ddp"], resumed[f"from2.{variant}"], f"2->2 {variant}")
+
+
+def test_resumed_ranks_hold_the_same_device_bytes_at_every_moment(resumed):
+    """What the ranks plan evictions from, through a resume's warm-up and the optimizer state read after it
+    ([Note: the same bytes on every rank after a step], [Note: optimizer state read after the warm-up])."""
+    held = resumed["held"]
+    assert held[0].keys() == held[1].keys() and len(held[0]) == 2 * len(RESUME_VARIANTS)
+    for fit, moments in held[0].items():
+        assert moments and moments == held[1][fit], fit
 
 
 @pytest.mark.parametrize("variant", RESUME_VARIANTS)
