@@ -4,7 +4,8 @@
     RANK=r ... python soak_worker.py DIR MODE STEPS     (MODE: save | nosave)
 
 Each rank writes ``DIR/<MODE>.rank<r>.json``: its peak RSS (KiB) after each save, its open file descriptors
-after each save, and the evictions per step; rank 0 saves the final parameters to ``DIR/<MODE>.pt``.
+after each save, and the evictions and device bytes after each step; rank 0 saves the final parameters to
+``DIR/<MODE>.pt``.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ LIMIT = 200_000  # the activations (~130 kB) leave room for fewer than all chunk
 class Watch(L.Callback):
     def __init__(self) -> None:
         self.after_save, self.fds, self.evictions, self._last = [], [], [], 0
+        self.device_bytes: list[int] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        ev = trainer.strategy.memory_stats()["evictions"]
+        stats = trainer.strategy.memory_stats()
+        ev = stats["evictions"]
+        self.device_bytes.append(int(stats["device_chunk_bytes"]))
         self.evictions.append(ev - self._last)
         self._last = ev
         if trainer.global_step % 50 == 0:  # ModelCheckpoint saved in this hook's batch, before this callback ran
@@ -93,7 +97,14 @@ def main() -> None:
     model = ParityNet(scheduler=False, **SHAPE)
     t.fit(model, data)
     (out / f"{mode}.rank{rank}.json").write_text(
-        json.dumps({"rss_kib_after_save": watch.after_save, "fds_after_save": watch.fds, "evictions": watch.evictions})
+        json.dumps(
+            {
+                "rss_kib_after_save": watch.after_save,
+                "fds_after_save": watch.fds,
+                "evictions": watch.evictions,
+                "device_bytes": watch.device_bytes,
+            }
+        )
     )
     if rank == 0:
         torch.save(model.state_dict(), out / f"{mode}.pt")

@@ -44,6 +44,11 @@ def test_a_thousand_steps_with_a_save_every_fifty_leak_nothing_and_change_nothin
         assert fds == [fds[0]] * len(fds), fds
         assert all(e > 0 for e in got["evictions"][1:])  # every step after the warm-up evicted something
         print(f"rank {r}: peak RSS after the saves {rss[0]} -> {rss[-1]} KiB; open fds {fds[0]}")
+    # both ranks evict alike and hold the same device bytes after every step, saves or not ([Note: the same bytes
+    # on every rank after a step])
+    for mode in ("save", "nosave"):
+        got = [json.loads((tmp_path / mode / f"{mode}.rank{r}.json").read_text()) for r in range(2)]
+        assert got[0]["evictions"] == got[1]["evictions"] and got[0]["device_bytes"] == got[1]["device_bytes"], mode
     ckpt = tmp_path / "save" / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["last.ckpt", "step=1000.ckpt", "step=950.ckpt"]
     for p in ckpt.iterdir():
