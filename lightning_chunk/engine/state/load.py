@@ -150,7 +150,11 @@ class PendingOptimizerState:
 
     def load(self, engine: Any) -> None:
         """This rank's pieces into the engine's current layout and tiers, the hyperparameters kept as they are."""
-        if _files(self.path) != self.files:
+        same = torch.tensor([int(_files(self.path) == self.files)], dtype=torch.int32)
+        comm = engine.manager.comm
+        if comm.world_size > 1:  # every rank raises, or none: a rank alone would leave the others in a collective
+            same = comm.all_reduce(same.to(comm.tensor_device()), "min", what="the check of the resumed checkpoint")
+        if not same.item():
             raise CheckpointError(
                 f"checkpoint {str(self.path)!r} changed between the restore and the first optimizer step, where "
                 "its optimizer state is read ([Note: optimizer state read after the warm-up]): keep it in place "
