@@ -110,3 +110,46 @@ def test_a_fit_resumed_with_no_step_left_keeps_the_state_for_a_save_after_it(tmp
     out, _ = resume(tmp_path / "after.ckpt", chunk(**LIMIT))
     for a, b in zip(ref.parameters(), out.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
+
+
+def test_with_the_defaults_accumulation_and_a_reordered_model_it_goes_on_as_plain_lightning_s(tmp_path):
+    """The defaults a user gets (automatic chunk size) under a device limit, a model used in another order than
+    registered (the resumed warm-up repacks every piece), two micro-batches a step, saved in the middle: the state
+    read after that repack continues as plain Lightning's resume does, bit for bit, optimizer state included."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_chunk import ChunkOffloadStrategy
+    from lightning_chunk.options import grouped
+    from tests.models import ReorderedNet
+
+    def fit(strategy, steps, ckpt_dir=None, ckpt_path=None):
+        L.seed_everything(11, verbose=False)
+        m = ReorderedNet(variant="tied", dim=64, hidden=256, depth=3)
+        cbs = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, filename="{step}")] if ckpt_dir else []
+        t = trainer(strategy, steps, callbacks=cbs, enable_checkpointing=bool(cbs), accumulate_grad_batches=2)
+        t.fit(m, token_data(), ckpt_path=ckpt_path)
+        return m, t
+
+    def chunked():
+        return ChunkOffloadStrategy(
+            **grouped(
+                dict(
+                    device_memory_limit=700_000,
+                    chunk_numel_min=4096,
+                    optimizer_kernel="loop",
+                    materialize_optimizer_state=True,  # the state after fit, to compare
+                )
+            )
+        )
+
+    fit("auto", 4, ckpt_dir=tmp_path / "auto")
+    fit(chunked(), 4, ckpt_dir=tmp_path / "chunk")
+    ref, rt = fit("auto", 8, ckpt_path=tmp_path / "auto" / "step=4.ckpt")
+    got, gt = fit(chunked(), 8, ckpt_path=tmp_path / "chunk" / "step=4.ckpt")
+    for a, b in zip(ref.parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(b, a, **EXACT)
+    want, have = rt.optimizers[0].state_dict()["state"], gt.optimizers[0].state_dict()["state"]
+    assert want.keys() == have.keys()
+    for k, st in want.items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(have[k][name], st[name], **EXACT)
