@@ -643,10 +643,12 @@ class Gate(nn.Module):
     """A module that owns a parameter directly and uses it only when told: ``image_newline`` in a vision-language
     model, used only when the batch has images."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, own_chunk: bool = False) -> None:
         super().__init__()
         self.proj = nn.Linear(dim, dim)
-        self.scale = nn.Parameter(torch.ones(dim))
+        # a row (1, dim) decays with the weights, so it is packed beside its module's weight, away from the vector
+        # params every rank uses: a chunk whose parameters one rank may all lack gradients for
+        self.scale = nn.Parameter(torch.ones(1, dim) if own_chunk else torch.ones(dim))
 
     def forward(self, h: torch.Tensor, use: bool) -> torch.Tensor:
         h = self.proj(h)
@@ -659,11 +661,13 @@ class Gate(nn.Module):
 class RankGatedNet(ParityNet):
     """Every rank runs the same modules, but a gate's own parameter gets a gradient on some ranks and not others,
     differently at each step (DDP's ``find_unused_parameters=True`` case): rank r uses it when ``r + batch_idx`` is
-    even, so in the warm-up too one rank has it and the other not."""
+    even, so in the warm-up too one rank has it and the other not. Variant ``own_chunk``: the gate's parameter is a
+    row, packed with the weights."""
 
     def build(self) -> None:
         super().build()
-        self.gates = nn.ModuleList(Gate(self.shape["dim"]) for _ in range(self.shape["depth"]))
+        own = self.variant == "own_chunk"
+        self.gates = nn.ModuleList(Gate(self.shape["dim"], own) for _ in range(self.shape["depth"]))
 
     def forward(self, x, use_branch=True):
         h = self.embed(x)

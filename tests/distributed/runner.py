@@ -377,6 +377,25 @@ CASES = {
         strategy=dict(chunk_numel=None, chunk_numel_min=4096),
         limit_fraction=0.9,
     ),
+    # the gate's row in a chunk of weights: a chunk that got gradients on one rank only, under a limit (the ranks once
+    # held its gradient payload and its tensors' states apart, so planned different evictions)
+    "rank_gated_own_chunk": dict(
+        cls="RankGatedNet",
+        variant="own_chunk",
+        ddp_unused=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=32768),
+        limit_fraction=0.9,
+    ),
+    # and with every shard on the device, stepped in backward: a rank that lacks the gradients steps the chunk as it
+    # lands all the same (its vote), so both give the gradient shard back there
+    "rank_gated_device": dict(
+        cls="RankGatedNet",
+        variant="own_chunk",
+        ddp_unused=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=32768, placement="device", step_in_backward=True),
+    ),
     # a layer no rank ever uses, under a limit with the automatic chunk size: its chunk, last in the reduce order,
     # once held every gradient payload back (a limit error in the warm-up), then the repack carried a zero gradient
     # for it and weight decay moved it where torch.optim skips it

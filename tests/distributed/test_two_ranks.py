@@ -85,6 +85,8 @@ PARITY = [
     "limits_differ",
     "rank_gated",
     "rank_gated_limit",
+    "rank_gated_own_chunk",
+    "rank_gated_device",
     "spare_limit",
 ]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward

@@ -343,3 +343,39 @@ def test_the_model_is_built_after_fit_only_where_it_fits(monkeypatch, room):
     else:
         assert said and "does not fit" in said[0] and "consolidate" in said[0]
         assert all(p.numel() == 0 for p in model.parameters())
+
+
+class _OtherRankHasItInUse:
+    """Two ranks' collectives, seen from rank 0, where the other rank has every chunk in use."""
+
+    world_size = 2
+
+    def tensor_device(self):
+        return torch.device("cpu")
+
+    def all_reduce(self, t, op, *, what):
+        assert op == "min"
+        return t.zero_()
+
+
+@pytest.mark.parametrize("other_rank_waits", [True, False])
+def test_the_last_resort_releases_a_waiting_chunk_only_where_it_waits_on_every_rank(monkeypatch, other_rank_waits):
+    """[Note: gradients some ranks lack]: a chunk waits to reduce on the rank its gradient reached and is in use on
+    one it did not; the last resort may release it on neither, or the ranks' device bytes part."""
+    from lightning_chunk.engine.runtime.moments import MomentClock
+
+    net, mgr, _, _ = make(limit=1024)
+    chunk, _ = mgr.lookup(net[1].weight)
+    mgr.gather(chunk)
+    chunk.transition_all(S.COMPUTE)
+    mgr.grads.accumulate(net[1].weight, torch.ones_like(net[1].weight))
+    for t in chunk.tensors:
+        if t.state is S.COMPUTE:
+            chunk.set_state(t, S.HOLD_AFTER_FWD)
+    assert chunk.waits_only_to_reduce
+    clock = MomentClock.__new__(MomentClock)
+    clock.manager, clock.trace, clock.training, clock.position = mgr, None, True, 0
+    if not other_rank_waits:
+        monkeypatch.setattr(mgr, "comm", _OtherRankHasItInUse())
+    clock.release_waiting(1024, keep=())
+    assert chunk.is_resident is not other_rank_waits

@@ -281,13 +281,18 @@ class Chunk:
             info.param.data = value
             info.version = info.param._version
 
-    def reduced(self) -> None:
-        """The chunk's gradients were reduced (or stay local inside ``no_sync``): nothing waits any more."""
+    def reduced(self, *, agreed: bool = False) -> None:
+        """The chunk's gradients were reduced (or stay local inside ``no_sync``): nothing waits any more.
+        ``agreed``: several ranks reduced it at a point they agree on; a trainable tensor still in use for a
+        gradient this rank did not get is let go as on the ranks that got one ([Note: gradients some ranks lack]
+        in ``reduce.py``)."""
         for info in self.tensors:
             if info.state is TensorState.READY_FOR_REDUCE:
                 self.set_state(info, TensorState.HOLD_AFTER_BWD)
             elif info.state is TensorState.READY_FOR_REDUCE_FREE:
                 self.set_state(info, TensorState.FREE)
+            elif agreed and info.state is TensorState.COMPUTE and info.requires_grad:
+                self.set_state(info, TensorState.HOLD_AFTER_BWD)
 
     # -------------------------------------------------------------------- bytes
     def release_grad(self, pool: BlockPool | None) -> None:

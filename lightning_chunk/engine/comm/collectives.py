@@ -164,17 +164,26 @@ class Collectives(RankGroup):
         return p
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce") -> torch.Tensor:
-        if self.world_size > 1:
-            refuse_if_broken_now(f"[rank {self.rank}] {what}")
+        return self.all_reduce_async(t, op, what=what).wait()
+
+    def all_reduce_async(
+        self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce", on_host: bool = False
+    ) -> Pending:
+        """``t`` reduced over the ranks in place, once the returned ``Pending`` is waited for. ``on_host``: ``t`` is
+        a host tensor, reduced over ``host_group()`` (on NCCL its gloo twin): a vote taken in backward neither
+        copies to the device nor reads back from it, either of which would wait for the compute stream."""
+        if self.world_size == 1:
+            return Pending(t, None)
+        refuse_if_broken_now(f"[rank {self.rank}] {what}")
+        if not on_host:
             self._check_device(what, t)
-            work = dist.all_reduce(
-                t,
-                op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
-                group=self.group,
-                async_op=True,
-            )
-            Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
-        return t
+        work = dist.all_reduce(
+            t,
+            op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
+            group=self.host_group() if on_host else self.group,
+            async_op=True,
+        )
+        return Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock)
 
     def broadcast(
         self, t: torch.Tensor, src: int = 0, *, what: str = "the broadcast of initial values"

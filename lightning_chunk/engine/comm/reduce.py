@@ -41,7 +41,11 @@ class GradReducer:
         self.in_flight = in_flight  # reduce-scatters allowed in flight: bounds the gradient payloads alive
         self.sync = True  # False inside no_sync(): keep gradients local (accumulation)
         self.payload_peak = 0  # most bytes of unreduced whole-chunk gradients alive at once
-        self._inflight: list[tuple[Chunk, Any]] = []  # reduce-scatters launched, not yet landed
+        self._inflight: list[tuple[Chunk, Any, Any]] = []  # reduce-scatters launched (and votes), not yet landed
+        # stepping in backward: each reduce also votes on which of the chunk's parameters got a gradient on some
+        # rank, so every rank decides alike whether the chunk steps when it lands ([Note: gradients some ranks lack])
+        self.vote = False
+        self.voted: dict[int, bool] = {}  # chunk id -> every trainable parameter got a gradient on some rank
         self._order: list[int] = []  # chunks reduce in this order on every rank
         # in a traced backward, the moment (``MomentKey``) at whose start each chunk reduces -> those chunks; None:
         # reduce each chunk as soon as every rank has all its gradients ([Note: when a chunk reduces])
@@ -92,6 +96,31 @@ class GradReducer:
         self._due = None
 
     # ============================================================== gradients
+    def expect(self, chunk: Chunk, make_room: MakeRoom) -> None:
+        """A module that owns some of ``chunk``'s trainable parameters begins its backward: the gradient payload
+        is made now, on every rank, whether or not this rank's gradients come ([Note: gradients some ranks
+        lack])."""
+        if chunk.chunk_id not in self._launched or not self.sync:
+            self._ensure_payload(chunk, make_room)
+
+    def drop_unwritten(self) -> None:
+        """A backward that delivered no gradient ended: the payloads it made and nothing wrote go."""
+        for chunk in self.manager.chunks:
+            if chunk.grad_payload is not None and not self._filled.get(chunk.chunk_id):
+                self._filled.pop(chunk.chunk_id, None)
+                self._free_payload(chunk)
+
+    def refuse_late(self, chunk: Chunk) -> None:
+        """Refuse a gradient for a chunk already reduced in this backward, before anything is changed."""
+        if self.sync and chunk.chunk_id in self._launched:
+            raise ChunkError(
+                f"a gradient for chunk {chunk.chunk_id} (parameters {', '.join(t.name for t in chunk.tensors[:4])}"
+                f"{' ...' if len(chunk.tensors) > 4 else ''}) arrived after the chunk was reduced in this backward: "
+                "the warm-up traced every gradient of the chunk earlier in backward. A parameter used at another "
+                "point of the step than in the warm-up (data-dependent control flow) must be in a module the step "
+                "runs at the same point; name the module that reads it in leaf_modules, or report this."
+            )
+
     def add(self, chunk: Chunk, offset: int, grad: torch.Tensor, make_room: MakeRoom) -> None:
         """Put one parameter's gradient into the chunk's gradient payload (allocated on first use, not zeroed).
 
@@ -104,14 +133,7 @@ class GradReducer:
         ranges hold raw sums, scaled once when the reducing micro-batch adds its gradient (or at ``reduce``
         for a range that got none then): (g1 + g2) / w, as DDP computes it. A second gradient for a range
         already scaled in the same micro-batch (reentrant checkpointing can deliver two) adds g / w."""
-        if self.sync and chunk.chunk_id in self._launched:
-            raise ChunkError(
-                f"a gradient for chunk {chunk.chunk_id} (parameters {', '.join(t.name for t in chunk.tensors[:4])}"
-                f"{' ...' if len(chunk.tensors) > 4 else ''}) arrived after the chunk was reduced in this backward: "
-                "the warm-up traced every gradient of the chunk earlier in backward. A parameter used at another "
-                "point of the step than in the warm-up (data-dependent control flow) must be in a module the step "
-                "runs at the same point; name the module that reads it in leaf_modules, or report this."
-            )
+        self.refuse_late(chunk)
         self._ensure_payload(chunk, make_room)
         flat = grad.reshape(-1)
         dst = chunk.grad_payload[offset : offset + flat.numel()]  # type: ignore[index]
@@ -192,6 +214,30 @@ class GradReducer:
     #   (min) which waiting chunks are complete, and those reduce. One small collective a moment, in these steps
     #   only. A chunk incomplete on one rank holds back only itself, not the chunks after it.
     # The vote after backward (``agree_on_grads``) still decides which parameters have a gradient at all.
+    #
+    # [Note: gradients some ranks lack]
+    # A gradient lands on one rank and not on another (DDP's find_unused_parameters case), but ranks plan evictions
+    # from their device bytes and tensor states, so nothing those hold may follow one rank's gradients. With a
+    # gate's row packed beside its module's weights (a chunk whose parameters one rank may all lack gradients for),
+    # under a limit, two ranks parted three ways in the first traced step and hung: the rank with the gradient made
+    # the chunk's gradient payload when it arrived, the other only at the reduce; the gradient's tensor waited to
+    # reduce on one rank and stayed in use to the end of backward on the other (its module's backward took it into
+    # use; no gradient took it out), so after the reduce one rank could evict the chunk and the other not; and
+    # stepping in backward, one rank stepped the chunk as it landed while the other waited for the vote, keeping its
+    # gradient shard. So, with several ranks:
+    # - a module's backward makes the gradient payloads of the chunks it owns trainable parameters of (``expect``),
+    #   on every rank, before any gradient comes; not in a backward that builds a graph (a gradient penalty's first
+    #   half), and a backward that delivered no gradient gives back those nothing wrote (``drop_unwritten``);
+    # - the reduce, at a moment every rank agrees on, lets go of the chunk's trainable tensors still in use, as the
+    #   ranks whose gradients arrived let go of theirs (``Chunk.reduced(agreed=True)``);
+    # - stepping in backward, the reduce of a chunk whose shard lives on the device carries a vote on its
+    #   parameters (a few bytes all-reduced on the host beside the reduce-scatter, on NCCL over its gloo twin, so
+    #   that no stream waits; read when the chunk lands): it steps as it lands on every rank or on none (and gives
+    #   its gradient shard back), and a parameter another rank got a gradient for steps here too, as after the vote
+    #   that follows backward. A host or disk chunk decides by this rank's gradients, as before: exact either way,
+    #   and no device byte follows (a vote for every chunk cost 6% of a step of 27 chunks on two CPU ranks);
+    # - the last resort that releases the payloads of chunks waiting to reduce takes only those that wait on every
+    #   rank (``MomentClock.release_waiting``).
 
     def begin_backward(self, *, traced: bool) -> None:
         """A backward starts: it follows the trace's reduce moments, or agrees at each moment."""
@@ -241,18 +287,25 @@ class GradReducer:
                     chunk=chunk.chunk_id,
                     async_op=True,
                 )
-            self._inflight.append((chunk, pending))
+            votes = None
+            if self.vote and chunk.shard_tier is Tier.DEVICE:
+                flags = torch.tensor([t.has_grad for t in chunk.tensors], dtype=torch.uint8)
+                what = f"the vote on chunk {chunk.chunk_id}'s gradients"
+                votes = mgr.comm.all_reduce_async(flags, "max", what=what, on_host=True)
+            self._inflight.append((chunk, pending, votes))
             if len(self._inflight) > self.in_flight:
                 self.land(keep=self.in_flight)
-        chunk.reduced()
+        chunk.reduced(agreed=self.sync)
 
     def land(self, keep: int = 0) -> None:
         """Land the oldest reduce-scatters until ``keep`` are in flight: their output goes into the gradient shard
         (a side-stream copy for a host shard on CUDA, which keeps the payload until it is done)."""
         mgr = self.manager
         while len(self._inflight) > keep:
-            chunk, pending = self._inflight.pop(0)
+            chunk, pending, votes = self._inflight.pop(0)
             out = pending.wait()
+            if votes is not None:
+                self.voted[chunk.chunk_id] = take_vote(chunk, votes.wait().tolist())
             assert chunk.grad is not None
             with mgr.ledger.tracked(chunk):
                 chunk.restore_grad(mgr.pool)
@@ -297,11 +350,22 @@ def agree_on_grads(mgr: Any) -> None:
     """Several ranks: a parameter has a gradient if it got one on any rank (DDP's rule for unused parameters)."""
     if mgr.comm.world_size == 1:
         return
-    placed = [(c, t) for c in mgr.chunks for t in c.tensors]  # the same order on every rank
-    flags = torch.tensor([t.has_grad for _, t in placed], dtype=torch.uint8, device=mgr.comm.tensor_device())
-    mgr.comm.all_reduce(flags, op="max", what="the vote on which parameters got gradients")
-    for (chunk, t), f in zip(placed, flags.tolist(), strict=True):
+    flags = torch.tensor(
+        [t.has_grad for c in mgr.chunks for t in c.tensors], dtype=torch.uint8, device=mgr.comm.tensor_device()
+    )
+    voted = mgr.comm.all_reduce(flags, op="max", what="the vote on which parameters got gradients").tolist()
+    at = 0
+    for chunk in mgr.chunks:  # the same order on every rank
+        take_vote(chunk, voted[at : at + len(chunk.tensors)])
+        at += len(chunk.tensors)
+
+
+def take_vote(chunk: Chunk, voted: Sequence[int]) -> bool:
+    """Each of the chunk's parameters has a gradient where some rank got one (``voted``, in the chunk's order);
+    True when every trainable one has."""
+    for t, f in zip(chunk.tensors, voted, strict=True):
         # a rank keeps the flag only where it holds a piece: elsewhere the flag served the vote alone, and
         # zero_grad() (seen through this rank's views) could never clear it before the next vote
         a, b = piece_range(chunk, t.offset, t.numel)
         t.has_grad = bool(f) and a < b
+    return all(f for t, f in zip(chunk.tensors, voted, strict=True) if t.requires_grad)

@@ -74,6 +74,8 @@ class ChunkGrads:
         mgr = self.manager
         chunk, info = mgr.lookup(param)
         assert chunk.grad is not None, f"chunk {chunk.chunk_id} holds no trainable parameters"
+        if mgr.comm.world_size > 1:
+            mgr.reducer.refuse_late(chunk)  # the clearer error, before the state's
         check_transition(
             info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id, rank=chunk.rank
         )  # before touching data: a refused gradient leaves nothing half-added
@@ -96,6 +98,16 @@ class ChunkGrads:
             self.reduce(chunk)  # several ranks reduce at moments ([Note: when a chunk reduces] in reduce.py)
         mgr.changed()
         return chunk
+
+    def expect(self, indices: Iterable[int], make_room: MakeRoom = None) -> None:
+        """Several ranks: the module owning parameters ``indices`` begins its backward; their chunks' gradient
+        payloads are made now on every rank ([Note: gradients some ranks lack] in reduce.py)."""
+        mgr = self.manager
+        if mgr.comm.world_size == 1:
+            return
+        params = [mgr.params[i] for i in indices]
+        for cid in dict.fromkeys(mgr.lookup(p)[0].chunk_id for p in params if p.requires_grad):
+            mgr.reducer.expect(mgr.chunks[cid], make_room)
 
     def reduce(self, chunk: Chunk, make_room: MakeRoom = None) -> None:
         """The chunk's gradients are final for this backward: READY_FOR_REDUCE -> HOLD_AFTER_BWD. With one rank the
@@ -126,6 +138,8 @@ class ChunkGrads:
         mgr = self.manager
         if grads_arrived and mgr.comm.world_size > 1:
             mgr.reducer.end_backward(make_room)
+        elif mgr.comm.world_size > 1:
+            mgr.reducer.drop_unwritten()
         elif grads_arrived:
             mgr.reducer.offload.drain()  # the optimizer and the next step read finished gradient shards
         for c in mgr.chunks:

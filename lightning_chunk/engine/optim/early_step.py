@@ -18,13 +18,13 @@ where wrong ([Note: speculating past the norm and the overflow] in ``speculation
 optimizers and manual optimization, which step at times of the user's choosing.
 
 Which parameters got a gradient: the plain step skips a parameter that got none (no weight decay, no ``step``),
-and with several ranks the ranks vote on that after backward (one if it got one on any rank, DDP's rule). A chunk
-steps early only where this rank saw a gradient for each of its trainable parameters, which the vote can only
-confirm; a chunk with a parameter that got none (a branch not taken this step) waits for the vote and steps after
-backward, chunk by chunk, also giving its gradient shard back. (Every rank runs the same modules, which the
-module-sequence check enforces, so the ranks decide alike; the rule would stay exact if they did not, since a step
-touches this rank's shard alone and the agreement check before it, [Note: checking once a micro-batch] in
-``agreement.py``, runs before the decision.) The warm-up step, a micro-batch traced again and the micro-batches
+and with several ranks the ranks vote on that (one if it got one on any rank, DDP's rule): each chunk's vote
+travels with its reduce-scatter where its shard is on the device ([Note: gradients some ranks lack] in
+``reduce.py``). A chunk steps early only where each of its trainable parameters got a gradient (by its vote on
+some rank, else on this rank); a chunk with a
+parameter that got none (a branch not taken this step) waits for the vote after backward and steps then, chunk by
+chunk, also giving its gradient shard back. The agreement check ([Note: checking once a micro-batch] in
+``agreement.py``) runs before the decision. The warm-up step, a micro-batch traced again and the micro-batches
 of gradient accumulation that do not step (``ChunkEngine.accumulating``) step after backward as usual.
 
 [Note: the same bytes on every rank after a step]
@@ -129,6 +129,8 @@ class EarlyStep:
 
     def begin(self) -> None:
         """A backward that may step starts ([Note: stepping disk chunks in backward])."""
+        self.manager.reducer.vote = self.active and self.manager.comm.world_size > 1
+        self.manager.reducer.voted.clear()
         if self.active:
             self.disk.begin()
             if self.thread is not None and self.manager.chunks:
@@ -145,8 +147,11 @@ class EarlyStep:
             return
         # before anything is kept, and before this rank's own decision below ([Note: checking once a micro-batch])
         self.manager.comm.verify_issued()
-        if not all(t.has_grad for t in chunk.tensors if t.requires_grad):
-            return  # the vote decides which of its parameters step: after backward
+        mgr = self.manager
+        voted = mgr.reducer.voted.get(chunk.chunk_id)  # the vote of a device chunk, taken as it landed
+        complete = all(t.has_grad for t in chunk.tensors if t.requires_grad) if voted is None else voted
+        if not complete:
+            return  # the vote after backward decides which of its parameters step: after it
         if self.speculation is not None and not self.speculation.takes(chunk):
             return  # device and disk chunks do not speculate: after backward
         self._step(chunk, {}, in_backward=True)
@@ -283,6 +288,7 @@ class EarlyStep:
         self.disk.end()
         self.stepped = set()
         self.active = False
+        mgr.reducer.vote = False
 
 
 class DiskSteps:

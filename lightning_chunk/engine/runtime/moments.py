@@ -94,7 +94,11 @@ class MomentClock:
             return
         trace = self.trace if self.training else None
         keep = set(keep)
-        waiting = [c for c in mgr.chunks if c.chunk_id not in keep and c.waits_only_to_reduce]
+        flags = [c.chunk_id not in keep and c.waits_only_to_reduce for c in mgr.chunks]
+        if mgr.comm.world_size > 1:  # a tensor waits on a rank that got its gradient, is in use on one that did not
+            agreed = torch.tensor(flags, dtype=torch.uint8, device=mgr.comm.tensor_device())
+            flags = [bool(f) for f in mgr.comm.all_reduce(agreed, "min", what="the agreement on what may go").tolist()]
+        waiting = [c for c, f in zip(mgr.chunks, flags, strict=True) if f]
         waiting.sort(
             key=lambda c: (trace.next_use(c.chunk_id, self.position) if trace is not None else 0.0, -c.last_used),
             reverse=True,
