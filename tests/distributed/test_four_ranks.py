@@ -21,7 +21,7 @@ from tests.faults.common import Ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
-FOUR = ["plain", "host", "accumulate", "rank_gated", "limits_differ", "early_clip_norm"]
+FOUR = ["plain", "host", "accumulate", "rank_gated", "rank_gated_own_chunk", "limits_differ", "early_clip_norm"]
 RELATIVE = 1e-3  # of the distance training moved the parameter
 
 
