@@ -230,12 +230,13 @@ class GradReducer:
     #   half), and a backward that delivered no gradient gives back those nothing wrote (``drop_unwritten``);
     # - the reduce, at a moment every rank agrees on, lets go of the chunk's trainable tensors still in use, as the
     #   ranks whose gradients arrived let go of theirs (``Chunk.reduced(agreed=True)``);
-    # - stepping in backward, the reduce of a chunk whose shard lives on the device carries a vote on its
-    #   parameters (a few bytes all-reduced on the host beside the reduce-scatter, on NCCL over its gloo twin, so
-    #   that no stream waits; read when the chunk lands): it steps as it lands on every rank or on none (and gives
-    #   its gradient shard back), and a parameter another rank got a gradient for steps here too, as after the vote
-    #   that follows backward. A host or disk chunk decides by this rank's gradients, as before: exact either way,
-    #   and no device byte follows (a vote for every chunk cost 6% of a step of 27 chunks on two CPU ranks);
+    # - stepping in backward under a device limit, the reduce of a chunk whose shard lives on the device carries a
+    #   vote on its parameters (a few bytes all-reduced on the host beside the reduce-scatter, on NCCL over its
+    #   gloo twin, so that no stream waits; read when the chunk lands): it steps as it lands on every rank or on
+    #   none (and gives its gradient shard back), and a parameter another rank got a gradient for steps here too,
+    #   as after the vote that follows backward. Elsewhere a chunk decides by this rank's gradients: exact either
+    #   way, and nothing plans from the bytes that differ (host shards; no limit, where no plan reads the device
+    #   bytes). The vote costs: a step of 27 device chunks on two CPU ranks took 10% longer with it;
     # - the last resort that releases the payloads of chunks waiting to reduce takes only those that wait on every
     #   rank (``MomentClock.release_waiting``).
 
@@ -288,7 +289,7 @@ class GradReducer:
                     async_op=True,
                 )
             votes = None
-            if self.vote and chunk.shard_tier is Tier.DEVICE:
+            if self.vote and chunk.shard_tier is Tier.DEVICE and mgr.limit is not None:
                 flags = torch.tensor([t.has_grad for t in chunk.tensors], dtype=torch.uint8)
                 what = f"the vote on chunk {chunk.chunk_id}'s gradients"
                 votes = mgr.comm.all_reduce_async(flags, "max", what=what, on_host=True)

@@ -19,8 +19,8 @@ optimizers and manual optimization, which step at times of the user's choosing.
 
 Which parameters got a gradient: the plain step skips a parameter that got none (no weight decay, no ``step``),
 and with several ranks the ranks vote on that (one if it got one on any rank, DDP's rule): each chunk's vote
-travels with its reduce-scatter where its shard is on the device ([Note: gradients some ranks lack] in
-``reduce.py``). A chunk steps early only where each of its trainable parameters got a gradient (by its vote on
+travels with its reduce-scatter where its shard is on the device under a limit ([Note: gradients some ranks
+lack] in ``reduce.py``). A chunk steps early only where each of its trainable parameters got a gradient (by its vote on
 some rank, else on this rank); a chunk with a
 parameter that got none (a branch not taken this step) waits for the vote after backward and steps then, chunk by
 chunk, also giving its gradient shard back. The agreement check ([Note: checking once a micro-batch] in
