@@ -50,6 +50,7 @@ class GradReducer:
         # in a traced backward, the moment (``MomentKey``) at whose start each chunk reduces -> those chunks; None:
         # reduce each chunk as soon as every rank has all its gradients ([Note: when a chunk reduces])
         self._due: dict[Hashable, list[int]] | None = None
+        self._payload_due: dict[Any, list[int]] = {}  # the same moments -> the chunks whose gradient payload is made
         self._traced = False  # this backward follows a trace with ``_due``
         self._launched: set[int] = set()  # chunks reduced in this backward (a later gradient for one is an error)
         self._filled: dict[int, dict[int, object]] = {}  # chunk id -> payload offset -> _RAW or _SCALED
@@ -62,9 +63,13 @@ class GradReducer:
         self._order = sorted((c.chunk_id for c in chunks if c.trainable), reverse=True)
         self._due = None
 
-    def set_moments(self, chunks: Sequence[Chunk], due: dict[int, Hashable | None]) -> None:
+    def set_moments(
+        self, chunks: Sequence[Chunk], due: dict[int, Hashable | None], payloads: dict[Any, list[int]]
+    ) -> None:
         """Reduce each chunk at the start of the moment ``due`` names (None: at the end of backward), in the order
-        the trace has them complete; see [Note: when a chunk reduces]."""
+        the trace has them complete ([Note: when a chunk reduces]); make the gradient payloads at the moments
+        ``payloads`` names ([Note: gradients some ranks lack])."""
+        self._payload_due = payloads
         trainable = [c.chunk_id for c in chunks if c.trainable]
         rank = {key: i for i, key in enumerate(dict.fromkeys(k for k in due.values() if k is not None))}
         self._order = sorted(trainable, key=lambda c: (rank.get(due.get(c), len(rank)), -c))
@@ -96,12 +101,21 @@ class GradReducer:
         self._due = None
 
     # ============================================================== gradients
+    @property
+    def traced(self) -> bool:
+        """This backward follows the trace's moments."""
+        return self._traced
+
     def expect(self, chunk: Chunk, make_room: MakeRoom) -> None:
-        """A module that owns some of ``chunk``'s trainable parameters begins its backward: the gradient payload
-        is made now, on every rank, whether or not this rank's gradients come ([Note: gradients some ranks
-        lack])."""
+        """``chunk``'s gradients may come from now on: its gradient payload is made now, on every rank, whether or
+        not this rank's gradients come ([Note: gradients some ranks lack])."""
         if chunk.chunk_id not in self._launched or not self.sync:
             self._ensure_payload(chunk, make_room)
+
+    def expect_at(self, key: Hashable, make_room: MakeRoom) -> None:
+        """The payloads of the chunks whose first gradient the trace saw arrive after moment ``key``."""
+        for cid in self._payload_due.get(key, ()):
+            self.expect(self.manager.chunks[cid], make_room)
 
     def drop_unwritten(self) -> None:
         """A backward that delivered no gradient ended: the payloads it made and nothing wrote go."""
@@ -225,9 +239,11 @@ class GradReducer:
     # use; no gradient took it out), so after the reduce one rank could evict the chunk and the other not; and
     # stepping in backward, one rank stepped the chunk as it landed while the other waited for the vote, keeping its
     # gradient shard. So, with several ranks:
-    # - a module's backward makes the gradient payloads of the chunks it owns trainable parameters of (``expect``),
-    #   on every rank, before any gradient comes; not in a backward that builds a graph (a gradient penalty's first
-    #   half), and a backward that delivered no gradient gives back those nothing wrote (``drop_unwritten``);
+    # - every rank makes a chunk's gradient payload at one moment, before any gradient comes: the moment after which
+    #   the trace saw its first gradient arrive on any rank (``expect_at``); in the warm-up, the backward of a module
+    #   owning its trainable parameters (``expect``; not the root's, whose backward spans the whole backward, nor in
+    #   a backward that builds a graph). A backward that delivered no gradient gives back what nothing wrote
+    #   (``drop_unwritten``); a gradient the trace did not foresee gets its payload when it arrives, as before;
     # - the reduce, at a moment every rank agrees on, lets go of the chunk's trainable tensors still in use, as the
     #   ranks whose gradients arrived let go of theirs (``Chunk.reduced(agreed=True)``);
     # - stepping in backward under a device limit, the reduce of a chunk whose shard lives on the device carries a

@@ -46,11 +46,10 @@ class ChunkGrads:
         order of its last use where the trace recorded no gradients ([Note: when a chunk reduces] in reduce.py)."""
         mgr = self.manager
         index_of = mgr.index_of
-        due = trace.reduce_moments(
-            {c.chunk_id: [index_of[id(t.param)] for t in c.tensors if t.requires_grad] for c in mgr.chunks}
-        )
+        params = {c.chunk_id: [index_of[id(t.param)] for t in c.tensors if t.requires_grad] for c in mgr.chunks}
+        due = trace.reduce_moments(params)
         if due:
-            mgr.reducer.set_moments(mgr.chunks, due)
+            mgr.reducer.set_moments(mgr.chunks, due, trace.payload_moments(params))
         else:
             mgr.reducer.set_order(mgr.chunks, trace.backward_completion_order())
 

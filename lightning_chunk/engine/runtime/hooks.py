@@ -191,11 +191,7 @@ class ChunkHooks:
                 chunk.set_state(info, S.COMPUTE)
         if recompute:
             self._pinned_by_backward[key] = frozenset(in_use)
-        elif kind == BACKWARD and self.moments.training and not torch.is_grad_enabled():
-            # gradient payloads made at the same moment on every rank ([Note: gradients some ranks lack] in
-            # reduce.py); not in a backward that builds a graph (a gradient penalty's first half), which
-            # accumulates no parameter's gradient
-            self.manager.grads.expect(self.owners.owned.get(key, ()), moments.make_room)
+        moments.expect_gradients(kind, key, self.owners.owned.get(key, ()))
         if before is not None:
             moments.record(kind, key, needed, before)
 
@@ -212,6 +208,7 @@ class ChunkHooks:
                 chunk.set_state(info, new)
         if self.policy.evict_after_use:
             moments.plan_and_run(())
+        moments.expect_gradients(POST_FORWARD, key, ())
         if before is not None:
             moments.record(POST_FORWARD, key, (), before)
 

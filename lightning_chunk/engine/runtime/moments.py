@@ -20,7 +20,17 @@ from ..config import format_bytes
 from ..errors import DeviceMemoryLimitError
 from ..memory.manager import ChunkManager
 from ..schedule.placement import PlacementPolicy, activation_room, untraced_budget
-from ..schedule.tracer import FORWARD, POST_FORWARD, MemoryTracer, MomentEvent, MomentKey, MomentKind, Trace
+from ..schedule.tracer import (
+    BACKWARD,
+    FORWARD,
+    POST_FORWARD,
+    ROOT,
+    MemoryTracer,
+    MomentEvent,
+    MomentKey,
+    MomentKind,
+    Trace,
+)
 from .owners import ModuleOwners
 
 S = TensorState
@@ -57,6 +67,7 @@ class MomentClock:
         self._occurrences: dict[tuple[str, str], int] = {}  # moments of each kind and module so far this step
         self._this_moment: tuple[str, str] = ("", "")  # (kind, module key) of the moment at ``position``
         self._previous_moment: tuple[str, str] = ("", "")  # and of the one before it
+        self.key: MomentKey | None = None  # several ranks: the moment's name ([Note: when a chunk reduces])
 
     def new_step(self, *, training: bool) -> None:
         """A micro-batch or an evaluation step begins: its moments count from the start."""
@@ -123,9 +134,25 @@ class MomentClock:
             self.sequence.add(kind, key)
             n = self._occurrences.get((kind, key), 0)
             self._occurrences[(kind, key)] = n + 1
+            self.key = MomentKey(kind, key, n)
             if self.backward_queued and self.training:  # [Note: when a chunk reduces] in reduce.py
-                self.manager.reducer.at_moment(MomentKey(kind, key, n), self.make_room)
+                self.manager.reducer.at_moment(self.key, self.make_room)
         return chunk_ids
+
+    def expect_gradients(self, kind: MomentKind, module: str, owned: Iterable[int]) -> None:
+        """Once this moment's chunks are in use: make the gradient payloads whose gradients may come from here on, on
+        every rank alike ([Note: gradients some ranks lack] in reduce.py). A traced backward makes those the trace
+        saw a first gradient for after this moment. An untraced one (the warm-up), at a module's backward, those of
+        the chunks holding the trainable parameters it owns (``owned``); not the root's, whose backward is the
+        whole backward (a tied head read in the LightningModule's forward held its payload through all of it), and
+        not in a backward that builds a graph (a gradient penalty's first half), which accumulates none."""
+        if self.manager.comm.world_size == 1 or not (self.backward_queued and self.training):
+            return
+        reducer = self.manager.reducer
+        if reducer.traced:
+            reducer.expect_at(self.key, self.make_room)
+        elif kind == BACKWARD and module != ROOT and not torch.is_grad_enabled():
+            self.manager.grads.expect(owned, self.make_room)
 
     def pinned(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """For the warm-up's trace, at a recomputation's moment: the (parameters, chunks) a backward has in use

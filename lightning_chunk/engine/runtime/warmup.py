@@ -135,20 +135,25 @@ class WarmUpPlanner:
         """Every rank plans from the largest activations any rank measured at each moment: ranks whose budgets
         differed would evict and gather different chunks, and so pair different collectives. In the same
         all-reduce, every rank takes the latest moment any rank saw each parameter's gradient arrive after
-        ([Note: when a chunk reduces] in reduce.py)."""
+        ([Note: when a chunk reduces] in reduce.py), and the earliest its first gradient did ([Note: gradients some
+        ranks lack])."""
         comm = self.engine.comm
         if comm.world_size == 1 or not trace.moments:
             return trace
-        n = len(trace.moments)
+        n, g = len(trace.moments), len(trace.grad_positions)
+        never = 1 << 40  # a first gradient no rank saw: below every negated position
         t = torch.tensor(
-            [m.nonmodel_bytes for m in trace.moments] + list(trace.grad_positions),
+            [m.nonmodel_bytes for m in trace.moments]
+            + list(trace.grad_positions)
+            + [-p if p >= 0 else -never for p in trace.first_grad_positions],  # the max of -p: the earliest
             dtype=torch.int64,
             device=comm.tensor_device(),
         )
         most = comm.all_reduce(t, "max", what="the agreement on traced activations").tolist()
         return Trace(
             tuple(dataclasses.replace(m, nonmodel_bytes=int(b)) for m, b in zip(trace.moments, most[:n], strict=True)),
-            tuple(int(p) for p in most[n:]),
+            tuple(int(p) for p in most[n : n + g]),
+            tuple(-int(p) if -p < never else -1 for p in most[n + g :]),
         )
 
     def _check_same_trace(self, trace: Trace) -> None:

@@ -63,6 +63,9 @@ class Trace:
     # parameter index -> the position of the moment after which its (last) gradient arrived; -1: none arrived.
     # Several ranks agree on it (the latest any rank saw): [Note: when a chunk reduces] in reduce.py
     grad_positions: tuple[int, ...] = ()
+    # and the moment after which its first gradient arrived (the earliest any rank saw): when every rank makes the
+    # gradient payload ([Note: gradients some ranks lack] in reduce.py)
+    first_grad_positions: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.moments)
@@ -178,6 +181,7 @@ class Trace:
                 for m in self.moments
             ),
             self.grad_positions,
+            self.first_grad_positions,
         )
 
     def reduce_moments(self, chunks: dict[int, Sequence[int]]) -> dict[int, MomentKey | None]:
@@ -193,6 +197,16 @@ class Trace:
             if params:
                 last = -1 if any(at[i] < 0 for i in params) else max(at[i] for i in params)
                 out[c] = keys[last + 1] if 0 <= last < len(keys) - 1 else None
+        return out
+
+    def payload_moments(self, chunks: dict[int, Sequence[int]]) -> dict[MomentKey, list[int]]:
+        """The moment at whose start each chunk's gradient payload is made (``chunks``: chunk id -> its trainable
+        parameters' indices): the one after which the first of their gradients arrived in this trace."""
+        out: dict[MomentKey, list[int]] = {}
+        for c, params in chunks.items():
+            first = [self.first_grad_positions[i] for i in params if self.first_grad_positions[i] >= 0]
+            if first and self.first_grad_positions:
+                out.setdefault(self.moment_keys[min(first)], []).append(c)
         return out
 
     @functools.cached_property
@@ -322,6 +336,7 @@ class MemoryTracer:
         self._chunk_device_bytes = chunk_device_bytes
         self._moments: list[Moment] = []
         self._grads: dict[int, int] = {}  # parameter index -> position of the moment its gradient arrived after
+        self._first: dict[int, int] = {}  # and its first gradient
         self.recording = False
 
     def nonmodel_bytes(self) -> int:
@@ -372,10 +387,12 @@ class MemoryTracer:
         """A parameter's gradient arrived (after the latest moment)."""
         if self.recording:
             self._grads[param_index] = len(self._moments) - 1
+            self._first.setdefault(param_index, len(self._moments) - 1)
 
     def start(self) -> None:
         self._moments.clear()
         self._grads.clear()
+        self._first.clear()
         self.recording = True
         self._peak_since_last_moment()  # the peak window opens here
 
@@ -383,4 +400,8 @@ class MemoryTracer:
         """The trace of the recording; ``num_params``: how many parameters ``grad_positions`` covers."""
         self._charge_previous(self._peak_since_last_moment())  # the last module's backward
         self.recording = False
-        return Trace(tuple(self._moments), tuple(self._grads.get(i, -1) for i in range(num_params)))
+        return Trace(
+            tuple(self._moments),
+            tuple(self._grads.get(i, -1) for i in range(num_params)),
+            tuple(self._first.get(i, -1) for i in range(num_params)),
+        )
