@@ -42,3 +42,19 @@ def test_the_table_refuses_a_move_it_does_not_list():
     planner.enter(WarmUp.RECORDING)
     with pytest.raises(IllegalTransitionError, match="from recording to planned"):
         planner.enter(WarmUp.PLANNED)
+
+
+def test_a_chunk_s_payload_comes_at_its_first_traced_gradient_and_it_reduces_after_its_last():
+    """[Note: gradients some ranks lack] and [Note: when a chunk reduces]: chunk 0's first gradient came after
+    moment 1 (on some rank) and its last after the last moment (so it reduces at the end); chunk 1 got none (no
+    payload moment); chunk 2's one gradient came after moment 2 (payload there, reduce at the next)."""
+    from lightning_chunk.engine.schedule.tracer import BACKWARD, FORWARD, Moment, MomentKey, Trace
+
+    moments = tuple(
+        Moment(kind, module, (), (), 0)
+        for kind, module in [(FORWARD, "a"), (FORWARD, "b"), (BACKWARD, "b"), (BACKWARD, "a")]
+    )
+    trace = Trace(moments, grad_positions=(2, 3, -1, 2), first_grad_positions=(2, 1, -1, 2))
+    chunks = {0: [0, 1], 1: [2], 2: [3]}
+    assert trace.payload_moments(chunks) == {MomentKey(FORWARD, "b", 0): [0], MomentKey(BACKWARD, "b", 0): [2]}
+    assert trace.reduce_moments(chunks) == {0: None, 1: None, 2: MomentKey(BACKWARD, "a", 0)}
