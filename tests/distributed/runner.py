@@ -55,6 +55,7 @@ def _ticked(self: MomentClock, kind: Any, key: str) -> tuple[int, ...]:
 
 
 MomentClock.tick = _ticked  # type: ignore[method-assign]
+OWN_CHUNK = dict(cls="RankGatedNet", variant="own_chunk", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3))
 STEPS = 16  # a case's own "steps" shortens it: the wide models' cases run 8 (warm-up, repack, six steady steps)
 BIG = dict(dim=64, hidden=1024)
 # enough chunks that the whole gradient is many times the few payloads in flight
@@ -379,23 +380,12 @@ CASES = {
     ),
     # the gate's row in a chunk of weights: a chunk that got gradients on one rank only, under a limit (the ranks once
     # held its gradient payload and its tensors' states apart, so planned different evictions)
-    "rank_gated_own_chunk": dict(
-        cls="RankGatedNet",
-        variant="own_chunk",
-        ddp_unused=True,
-        model=dict(dim=64, hidden=512, depth=3),
-        strategy=dict(chunk_numel=32768),
-        limit_fraction=0.9,
-    ),
+    "rank_gated_own_chunk": dict(OWN_CHUNK, strategy=dict(chunk_numel=32768), limit_fraction=0.9),
     # and with every shard on the device, stepped in backward: a rank that lacks the gradients steps the chunk as it
-    # lands all the same (its vote), so both give the gradient shard back there
+    # lands all the same (its vote), so both give the gradient shard back there (a limit: only then do plans read
+    # the device bytes)
     "rank_gated_device": dict(
-        cls="RankGatedNet",
-        variant="own_chunk",
-        ddp_unused=True,
-        model=dict(dim=64, hidden=512, depth=3),
-        strategy=dict(chunk_numel=32768, placement="device", step_in_backward=True),
-        limit_fraction=3.0,  # plans read the device bytes only under a limit
+        OWN_CHUNK, strategy=dict(chunk_numel=32768, placement="device", step_in_backward=True), limit_fraction=3.0
     ),
     # a layer no rank ever uses, under a limit with the automatic chunk size: its chunk, last in the reduce order,
     # once held every gradient payload back (a limit error in the warm-up), then the repack carried a zero gradient
