@@ -379,3 +379,20 @@ def test_the_last_resort_releases_a_waiting_chunk_only_where_it_waits_on_every_r
         monkeypatch.setattr(mgr, "comm", _OtherRankHasItInUse())
     clock.release_waiting(1024, keep=())
     assert chunk.is_resident is not other_rank_waits
+
+
+def test_a_gradient_payload_with_nothing_left_to_evict_names_the_smallest_limit_for_that_moment():
+    """A limit too small for the warm-up's backward used to end on "would be exceeded" alone; the user is told what
+    this moment needs and the two ways out."""
+    net, mgr, _, _ = make(limit=300)
+    chunk, _ = mgr.lookup(net[1].weight)
+    mgr.gather(chunk)
+    chunk.transition_all(S.COMPUTE)  # in use: nothing to evict
+    held = mgr.ledger[Tier.DEVICE]
+    with pytest.raises(DeviceMemoryLimitError, match="would be exceeded") as bare:
+        mgr.grads.room_for(256, "chunk 0's gradient payload")  # no policy to evict by (set-up): the bare message
+    assert "Nothing else could be evicted" not in str(bare.value)
+    with pytest.raises(DeviceMemoryLimitError) as told:
+        mgr.grads.room_for(256, "chunk 0's gradient payload", make_room=lambda n: None)
+    assert f"need {held + 256} bytes" in str(told.value)
+    assert "raise device_memory_limit above that" in str(told.value) and "lower chunk_numel" in str(told.value)

@@ -13,6 +13,8 @@ from ..chunks.chunk import Chunk, Role, TensorInfo, Tier
 from ..chunks.repack import piece_range
 from ..chunks.states import TensorState, check_transition
 from ..comm.reduce import MakeRoom
+from ..config import format_bytes
+from ..errors import DeviceMemoryLimitError
 
 if TYPE_CHECKING:  # the manager builds it
     from .manager import ChunkManager
@@ -34,7 +36,17 @@ class ChunkGrads:
             mgr.reducer.land_all()
             if not mgr.ledger.fits(nbytes) and make_room is not None:
                 make_room(nbytes)
-        mgr.ledger.reserve(nbytes, what)
+        try:
+            mgr.ledger.reserve(nbytes, what)
+        except DeviceMemoryLimitError as e:
+            if make_room is None:
+                raise
+            need = format_bytes(mgr.ledger[Tier.DEVICE] + nbytes)
+            raise DeviceMemoryLimitError(
+                f"{e} Nothing else could be evicted: the chunks in use, the gradients waiting to reduce and this "
+                f"payload need {need} at this moment, beside its activations; raise device_memory_limit above that "
+                "(the warm-up then measures the activations), or lower chunk_numel."
+            ) from None
 
     def set_reduce_order(self, completion: Sequence[int]) -> None:
         """Several ranks: reduce chunks in the order backward completes them ([Note: reduce order] in reduce.py)."""
