@@ -683,6 +683,29 @@ class RankGatedNet(ParityNet):
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
 
 
+class RootGatedNet(ParityNet):
+    """A table the LightningModule owns itself, read in its own ``forward`` on some ranks and not others, differently
+    at each step (rank r reads it when ``r + batch_idx`` is even): the root's backward spans the whole backward."""
+
+    def build(self) -> None:
+        super().build()
+        self.extra = nn.Parameter(torch.randn(8, self.shape["dim"]) * 0.02)
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        if use_branch:
+            h = h + self.extra.sum(0)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.calls += 1
+        logits = self(x, use_branch=(self.global_rank + batch_idx) % 2 == 0)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
 class SpareNet(ParityNet):
     """A layer no step ever uses (a head kept for later): it gets no gradient on any rank, so it never steps."""
 

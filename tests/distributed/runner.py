@@ -387,6 +387,15 @@ CASES = {
     "rank_gated_device": dict(
         OWN_CHUNK, strategy=dict(chunk_numel=32768, placement="device", step_in_backward=True), limit_fraction=3.0
     ),
+    # a parameter of the root, read in its forward on some ranks: in the warm-up its payload is made where its
+    # gradient arrives first, and on the other ranks at the next moment
+    "root_gated_limit": dict(
+        cls="RootGatedNet",
+        ddp_unused=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=32768),
+        limit_fraction=1.3,
+    ),
     # a layer no rank ever uses, under a limit with the automatic chunk size: its chunk, last in the reduce order,
     # once held every gradient payload back (a limit error in the warm-up), then the repack carried a zero gradient
     # for it and weight decay moved it where torch.optim skips it

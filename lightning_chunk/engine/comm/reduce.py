@@ -242,8 +242,10 @@ class GradReducer:
     # - every rank makes a chunk's gradient payload at one moment, before any gradient comes: the moment after which
     #   the trace saw its first gradient arrive on any rank (``expect_at``); in the warm-up, the backward of a module
     #   owning its trainable parameters (``expect``; not the root's, whose backward spans the whole backward, nor in
-    #   a backward that builds a graph). A backward that delivered no gradient gives back what nothing wrote
-    #   (``drop_unwritten``); a gradient the trace did not foresee gets its payload when it arrives, as before;
+    #   a backward that builds a graph), and at each moment every rank makes those another rank made on a gradient's
+    #   arrival (the root's), in the agreement on which chunks are complete. A backward that delivered no gradient
+    #   gives back what nothing wrote (``drop_unwritten``); in a traced step a gradient the trace did not foresee
+    #   gets its payload when it arrives, as before;
     # - the reduce, at a moment every rank agrees on, lets go of the chunk's trainable tensors still in use, as the
     #   ranks whose gradients arrived let go of theirs (``Chunk.reduced(agreed=True)``);
     # - stepping in backward under a device limit, the reduce of a chunk whose shard lives on the device carries a
@@ -276,12 +278,18 @@ class GradReducer:
         if not waiting:
             return
         comm = self.manager.comm
-        complete = torch.tensor(
-            [int(chunks[cid].grads_complete()) for cid in waiting], dtype=torch.int32, device=comm.tensor_device()
-        )
-        agreed = comm.all_reduce(complete, "min", what="the agreement on which chunks' gradients are complete")
-        for cid, done in zip(waiting, agreed.tolist(), strict=True):
-            if done:
+        # one all-reduce (max): which chunks some rank has not completed, and which have a gradient payload on some
+        # rank (made where a gradient came first: every rank makes it now, [Note: gradients some ranks lack])
+        flags = [int(not chunks[cid].grads_complete()) for cid in waiting]
+        flags += [int(chunks[cid].grad_payload is not None) for cid in waiting]
+        t = torch.tensor(flags, dtype=torch.int32, device=comm.tensor_device())
+        agreed = comm.all_reduce(t, "max", what="the agreement on which chunks' gradients are complete").tolist()
+        n = len(waiting)
+        for cid, made in zip(waiting, agreed[n:], strict=True):
+            if made:
+                self.expect(chunks[cid], make_room)
+        for cid, incomplete in zip(waiting, agreed[:n], strict=True):
+            if not incomplete:
                 self.reduce(chunks[cid], make_room)
 
     def reduce(self, chunk: Chunk, make_room: MakeRoom) -> None:
