@@ -387,6 +387,15 @@ CASES = {
     "rank_gated_device": dict(
         OWN_CHUNK, strategy=dict(chunk_numel=32768, placement="device", step_in_backward=True), limit_fraction=3.0
     ),
+    # with the automatic chunk size and two micro-batches a step, kept whole (no_sync): the second micro-batch of the
+    # warm-up step planned from each rank's own trace of the first (one rank had the gate's activations), so the ranks
+    # evicted different chunks and hung ([Note: the warm-up's phases])
+    "rank_gated_accumulate_unsharded": dict(
+        OWN_CHUNK,
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, sharded_accumulation=False),
+        limit_fraction=2.7,
+    ),
     # a parameter of the root, read in its forward on some ranks: in the warm-up its payload is made where its
     # gradient arrives first, and on the other ranks at the next moment
     "root_gated_limit": dict(

@@ -86,7 +86,7 @@ class ChunkEngine:
             map_large_blocks()
         elif self.config.keep_freed_heap and self.manager.device.type == "cpu":  # [Note: the heap between steps]
             keep_freed_heap()
-        self.hooks.on_trace_done = lambda trace: self.warm_up.enter(WarmUp.TRACED)
+        self.hooks.on_trace_done = lambda trace: self.warm_up.traced(trace)
         self.hooks.on_backward_start = self._backward_starts
         self.hooks.on_backward_end = self._backward_ends
         # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step

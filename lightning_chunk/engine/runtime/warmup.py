@@ -68,6 +68,15 @@ class WarmUpPlanner:
             raise IllegalTransitionError(f"the warm-up cannot go from {self.phase.value} to {phase.value}")
         self.phase = phase
 
+    def traced(self, trace: Trace) -> None:
+        """The warm-up's trace is taken: every rank checks it ran the same modules and takes the agreed activations
+        and gradient moments at once, not at the repack: the micro-batches between (accumulation) plan their
+        evictions from it, and with each rank's own activations (a branch one rank takes) they evicted different
+        chunks and hung in the next collective."""
+        self._check_same_trace(trace)
+        self.engine.hooks.moments.trace = self._agree_on_activations(trace)
+        self.enter(WarmUp.TRACED)
+
     def replan(self, reason: Replan) -> None:
         """Pack and place the chunks again for ``reason``; see [Note: the warm-up's phases]."""
         eng = self.engine
@@ -77,9 +86,8 @@ class WarmUpPlanner:
         if reason is Replan.WARM_UP:
             # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
             release_freed_memory()
-            assert eng.hooks.moments.trace is not None
-            self._check_same_trace(eng.hooks.moments.trace)
-            trace: Trace | None = self._agree_on_activations(eng.hooks.moments.trace)
+            trace: Trace | None = eng.hooks.moments.trace  # agreed by every rank when it was taken (``traced``)
+            assert trace is not None
         else:
             trace = None if retrace else eng.hooks.moments.trace
         if retrace:
