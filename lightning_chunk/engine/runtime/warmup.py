@@ -1,17 +1,17 @@
 """The warm-up's phases, and the one re-plan every change of layout or placement after set-up goes through.
 
 [Note: the warm-up's phases]
-A fit starts ``UNTRACED``: the chunks are packed in registration order and placed without a trace. The first
-training micro-batch with gradients is ``RECORDING``: the tracer records each moment's chunks and activations. When
-its backward ends the trace is ``TRACED``, and at the step that follows (``ChunkEngine.prepare_step``, where every
-gradient is in its shard, so no gradient in flight has to move) ``replan(Replan.WARM_UP)`` chooses the chunk size,
-repacks in first-use order and places from the trace: ``PLANNED``. Another micro-batch of the same step records
-again (``TRACED`` -> ``RECORDING``): the last one's trace is the one planned from. Inputs that grow past what the
-trace saw, or a module that adopts a parameter it read, send a traced or planned engine back to ``UNTRACED``
-(``replan(Replan.INPUTS_GREW)`` / ``Replan.OWNERS_CHANGED``: the trace is dropped and the tiers placed without one),
-and that micro-batch records a new trace. A change of ``requires_grad`` (``Replan.REQUIRES_GRAD``) repacks in any
-phase and leaves it as it was. The table ``NEXT`` lists the legal moves; any other raises
-``IllegalTransitionError``, as the chunks' own state table does.
+A fit starts ``UNTRACED``: the chunks are packed in registration order and placed without a trace. The first training
+micro-batch with gradients is ``RECORDING``: the tracer records each moment's chunks and activations. When its backward
+ends the ranks agree on the trace (``traced``) and it is ``TRACED``, and at the step that follows
+(``ChunkEngine.prepare_step``, where every gradient is in its shard, so no gradient in flight has to move)
+``replan(Replan.WARM_UP)`` chooses the chunk size, repacks in first-use order and places from the trace: ``PLANNED``.
+Another micro-batch of the same step records again (``TRACED`` -> ``RECORDING``): the last one's trace is the one
+planned from. Inputs that grow past what the trace saw, or a module that adopts a parameter it read, send a traced or
+planned engine back to ``UNTRACED`` (``replan(Replan.INPUTS_GREW)`` / ``Replan.OWNERS_CHANGED``: the trace is dropped
+and the tiers placed without one), and that micro-batch records a new trace. A change of ``requires_grad``
+(``Replan.REQUIRES_GRAD``) repacks in any phase and leaves it as it was. The table ``NEXT`` lists the legal moves; any
+other raises ``IllegalTransitionError``, as the chunks' own state table does.
 """
 
 from __future__ import annotations
