@@ -396,6 +396,11 @@ CASES = {
         strategy=dict(chunk_numel=None, chunk_numel_min=4096, sharded_accumulation=False),
         limit_fraction=2.7,
     ),
+    # resumed at step 3 of 8 from its own checkpoint, as DDP from its: the resumed warm-up traces, agrees and
+    # repacks with the optimizer state restored, a chunk's gradients on one rank only
+    "rank_gated_resume": dict(
+        OWN_CHUNK, strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9, resume_at=3, steps=8
+    ),
     # a parameter of the root, read in its forward on some ranks: in the warm-up its payload is made where its
     # gradient arrives first, and on the other ranks at the next moment
     "root_gated_limit": dict(
@@ -456,6 +461,25 @@ class CommMode(L.Callback):
         )
 
 
+def fit_or_resume(make: Any, steps: int, resume_at: int | None, ckdir: Path, callbacks=(), **kw: Any):
+    """``make()`` gives a fresh (model, strategy, plugins). One fit to ``steps``; with ``resume_at``, a fit to that
+    step that saves a checkpoint, then a fresh model resumed from it to ``steps`` (the one returned, with its
+    trainer and strategy; the device bytes recorded are the resumed fit's)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model, strategy, plugins = make()
+    if resume_at:
+        save = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=resume_at, filename="{step}", save_top_k=-1)
+        trainer(strategy, resume_at, plugins=plugins, callbacks=[save], enable_checkpointing=True, **kw).fit(
+            model, token_data()
+        )
+        DEVICE_BYTES.clear()
+        model, strategy, plugins = make()
+    t = trainer(strategy, steps, plugins=plugins, callbacks=list(callbacks), **kw)
+    t.fit(model, token_data(), ckpt_path=ckdir / f"step={resume_at}.ckpt" if resume_at else None)
+    return t, model, strategy
+
+
 _DDP_RUNS: dict[str, tuple[dict[str, torch.Tensor], int]] = {}  # DDP's trained state and parameter bytes, by setup
 
 
@@ -465,27 +489,31 @@ def run_parity(case: str, out: Path) -> None:
     cls = getattr(models, spec.get("cls", "ParityNet"))
     fp16, bf16 = spec.get("fp16", False), spec.get("bf16", False)
     init_scale = spec.get("init_scale", 2.0**16)
-    steps = spec.get("steps", STEPS)
+    steps, resume_at = spec.get("steps", STEPS), spec.get("resume_at")
     unused = variant == "unused" or spec.get("ddp_unused", False)
     # cases that differ only in chunk_offload's settings share one DDP run (the same bits: DDP is deterministic here)
     key = json.dumps(
-        [cls.__name__, variant, model_kw, tkw, fp16, init_scale, bf16, steps, unused, "weights" in spec],
+        [cls.__name__, variant, model_kw, tkw, fp16, init_scale, bf16, steps, unused, "weights" in spec, resume_at],
         sort_keys=True,
         default=str,
     )
     if key not in _DDP_RUNS:
-        L.seed_everything(7, verbose=False)
-        ref = cls(variant=variant, **model_kw)
-        if "weights" in spec:
-            ref.load_state_dict(torch.load(out / "start.pt"))
-        ref_plugins = (
-            [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]
-            if fp16
-            else [MixedPrecision("bf16-mixed", "cpu")]
-            if bf16
-            else None
-        )
-        trainer(DDPStrategy(find_unused_parameters=unused), steps, plugins=ref_plugins, **tkw).fit(ref, token_data())
+
+        def make_ref():
+            L.seed_everything(7, verbose=False)
+            ref = cls(variant=variant, **model_kw)
+            if "weights" in spec:
+                ref.load_state_dict(torch.load(out / "start.pt"))
+            plugins = (
+                [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]
+                if fp16
+                else [MixedPrecision("bf16-mixed", "cpu")]
+                if bf16
+                else None
+            )
+            return ref, DDPStrategy(find_unused_parameters=unused), plugins
+
+        _, ref, _ = fit_or_resume(make_ref, steps, resume_at, out / f"{case}.ddp_ckpt", **tkw)
         _DDP_RUNS[key] = (
             {k: v.clone() for k, v in ref.state_dict().items()},
             sum(p.numel() * p.element_size() for p in ref.parameters()),
@@ -502,25 +530,25 @@ def run_parity(case: str, out: Path) -> None:
         skw.update(host_memory_limit=spec["host_memory_limit"], disk_dir=str(out / f"{case}.disk"))
     if "weights" in spec:
         skw["weights"] = json.loads((out / "weights.json").read_text())[spec["weights"]]
-    L.seed_everything(7, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
-    got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
-    strategy = ChunkOffloadStrategy(**grouped(skw))
+
+    def make_chunk():
+        L.seed_everything(7, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
+        got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
+        plugins = (
+            [ChunkPrecision("16-mixed", init_scale=init_scale)]
+            if fp16
+            else [ChunkPrecision("bf16-mixed")]
+            if bf16
+            else None
+        )
+        return got, ChunkOffloadStrategy(**grouped(skw)), plugins
+
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
     comm_mode = CommMode()
     extra = [getattr(models, name)() for name in spec.get("callbacks", ())]
     DEVICE_BYTES.clear()
-    t = trainer(
-        strategy,
-        steps,
-        plugins=[ChunkPrecision("16-mixed", init_scale=init_scale)]
-        if fp16
-        else [ChunkPrecision("bf16-mixed")]
-        if bf16
-        else None,
-        callbacks=[comm_mode, *extra, *([telemetry] if telemetry else [])],
-        **tkw,
-    )
-    t.fit(got, token_data())
+    callbacks = [comm_mode, *extra, *([telemetry] if telemetry else [])]
+    t, got, strategy = fit_or_resume(make_chunk, steps, resume_at, out / f"{case}.ckpt", callbacks, **tkw)
     if telemetry is not None and t.global_rank == 0:
         (out / f"{case}.breakdown.json").write_text(json.dumps(telemetry.breakdown))
     rank = t.global_rank

@@ -89,6 +89,7 @@ PARITY = [
     "rank_gated_device",
     "root_gated_limit",
     "rank_gated_accumulate_unsharded",
+    "rank_gated_resume",
     "spare_limit",
 ]
 # step_in_backward=True ([Note: stepping in backward]) against the same case stepping after backward
