@@ -1,0 +1,384 @@
+"""The parity cases: a model, its trainer and chunk_offload's settings, each trained by DDP and by chunk_offload
+with the same global batch (``runner.run_parity``). A case's keys: ``cls`` (a model of ``tests.models``), ``variant``,
+``model`` (its shape), ``trainer``, ``strategy`` (chunk_offload's options, flat), ``limit_fraction`` (the device limit
+as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``host_memory_limit``, ``fp16``/``bf16``,
+``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints), ``ddp_unused``, ``callbacks``,
+``telemetry``, ``weights``, ``chunk_cls`` (another model for chunk_offload's run), ``init_scale``."""
+
+from __future__ import annotations
+
+OWN_CHUNK = dict(cls="RankGatedNet", variant="own_chunk", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3))
+BIG = dict(dim=64, hidden=1024)
+# enough chunks that the whole gradient is many times the few payloads in flight
+ACCUMULATE = dict(
+    trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=20000)
+)
+AFTER = dict(
+    step_in_backward=False
+)  # the twins of the early_* cases step after backward ([Note: stepping in backward])
+CASES = {
+    "plain": dict(strategy=AFTER),
+    "clip_norm": dict(trainer=dict(gradient_clip_val=0.05)),
+    "clip_value": dict(trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), strategy=AFTER),
+    "accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, **AFTER)),  # every micro-batch reduce-scattered
+    "accumulate_unsharded": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, sharded_accumulation=False)),
+    "tied": dict(variant="tied"),
+    "frozen": dict(variant="frozen"),
+    "unused": dict(variant="unused", strategy=AFTER),
+    # the default on a CPU device: payloads released after use (FSDP2's reshard_after_forward=True),
+    # each chunk gathered for forward and again for backward
+    "host": dict(
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000, **AFTER),
+        telemetry=True,
+    ),
+    # the agreement tag before each collective ([Note: agreeing without a barrier]), where the default checks once
+    # a micro-batch ([Note: checking once a micro-batch]); accumulation and host placement give it many of each kind
+    "host_checked_each": dict(
+        ACCUMULATE,
+        strategy=dict(placement="host", chunk_numel=20000, sharded_accumulation=False, verify_collectives=True),
+    ),
+    # payloads kept from forward to backward ([Note: keeping payloads for backward]), each gathered once a step
+    # [Note: offloading states between phases]: every shard off the device after steps 3 and 9, back before 6 and 10
+    "offload_states": dict(strategy=dict(placement="device"), callbacks=["OffloadAndReload"]),
+    "host_kept": dict(
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000),
+    ),
+    # kept under a limit below the model's payloads (an accelerator's default, explicit on CPU), with the automatic
+    # chunk size: kept within the budget the limit leaves beside the traced activations, and what does not fit is
+    # released and gathered again
+    "host_kept_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096, reshard_after_forward=False),
+    ),
+    # its twin with the CPU default, released after use (FSDP2's reshard_after_forward=True): keeping must gather less
+    "host_released_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096),
+    ),
+    # the same with chunks of 300,000 elements: the warm-up's backward (registration order) must let payloads go
+    # while their gradients wait to reduce ([Note: a gradient waits without its payload])
+    "host_kept_waiting": dict(
+        steps=8,
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(placement="host", chunk_numel=300000),
+    ),
+    # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
+    "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
+    # the defaults a user gets: automatic chunk size, on a model used in another order than registered
+    "reordered_auto": dict(cls="ReorderedNet", strategy=dict(chunk_numel=None)),
+    # below a rank's share of the training state (16 bytes a parameter over 2 ranks: 2x the parameter bytes);
+    # the automatic layout's backward working set (two half-reduced chunks and their gradient payloads) needs
+    # about 0.8x here, so a limit below the parameter share alone would be refused with its numbers
+    "reordered_auto_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, **AFTER),
+        limit_fraction=0.9,
+    ),
+    # the same defaults under a limit below half the parameter bytes, on a model whose activations are small beside
+    # its parameters: the warm-up's registration-order layout pins more in backward than the trained one needs
+    # ([Note: a gradient waits without its payload])
+    "reordered_auto_tight": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(chunk_numel=None),
+    ),
+    # bf16-mixed below a third of the parameter bytes: the warm-up's registration-order layout keeps a waiting
+    # chunk's fp32 gradient payload beside the one filling (twice a bf16 payload each), so its size leaves room for two
+    "reordered_bf16_tight": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.3,
+        bf16=True,
+        strategy=dict(chunk_numel=None),
+    ),
+    "reordered_bf16": dict(
+        cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True, strategy=dict(chunk_numel=None)
+    ),  # its twin without a limit
+    # host shards with a bf16 compute copy, stepped by the one-pass kernel ([Note: one pass over a host shard]) after
+    # backward and, chunk by chunk as each reduce-scatter lands, in backward (the same DDP run as reordered_bf16)
+    "host_bf16_one_pass": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        bf16=True,
+        strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass", **AFTER),
+    ),
+    "early_host_bf16_one_pass": dict(
+        cls="ReorderedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        bf16=True,
+        strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass", step_in_backward=True),
+    ),
+    # activation checkpointing: each block's chunk is needed again when backward recomputes it
+    "checkpointed": dict(
+        cls="CheckpointedNet", model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=None)
+    ),
+    "checkpointed_host": dict(
+        cls="ReentrantCheckpointedNet",
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000),
+    ),
+    "checkpointed_limit": dict(
+        steps=8,
+        cls="CheckpointedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(chunk_numel=None, placement="host"),
+    ),
+    # LoRA's shape under a limit: frozen weights must not stay pinned for the rest of backward
+    "adapters_limit": dict(
+        steps=8,
+        cls="AdapterNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.3,
+        strategy=dict(chunk_numel=None),
+    ),
+    # a block run twice a forward, frozen, and LoRA's shape under activation checkpointing: the defaults, a limit
+    "reused_frozen_limit": dict(
+        steps=8,
+        cls="ReusedBlockNet",
+        variant="frozen",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(chunk_numel=None),
+    ),
+    "checkpointed_adapters_limit": dict(
+        steps=8,
+        cls="CheckpointedAdapterNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.3,
+        strategy=dict(chunk_numel=None, placement="host"),
+    ),
+    # torch's TransformerEncoderLayer and MultiheadAttention ([Note: leaf modules]), released after use
+    "torch_transformer_host": dict(
+        cls="TorchTransformerNet", strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)
+    ),
+    # a gradient penalty: the step's backward reads what a create_graph=True backward saved ([Note: double backward])
+    "grad_penalty_host": dict(
+        steps=8, cls="GradPenalty", strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096)
+    ),
+    # its first backward (autograd.grad of the inputs) delivers no parameter gradient, so it must not end the
+    # micro-batch's gradients ([Note: a backward that delivers no gradient]): unsharded, DDP's sum bit for bit;
+    # stepping in backward, the last micro-batch's chunks step after its own gradients (not at that first end)
+    "grad_penalty_accumulate_unsharded": dict(
+        steps=8,
+        cls="GradPenalty",
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, sharded_accumulation=False),
+    ),
+    "grad_penalty_early_accumulate": dict(
+        steps=8,
+        cls="GradPenalty",
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True),
+    ),
+    "two_optimizers": dict(cls="TwoOptimizers"),
+    "toggled_optimizers": dict(cls="ToggledOptimizers", ddp_unused=True, strategy=dict(chunk_numel=None)),
+    "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
+    "rank_buffer": dict(cls="RankBuffer"),
+    # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit
+    "deferred": dict(chunk_cls="DeferredNet", variant="tied", strategy=dict(chunk_numel=None)),
+    # the same under a device limit with the automatic chunk size (the settings of reordered_auto_limit)
+    "deferred_limit": dict(
+        chunk_cls="DeferredNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
+    # most of each rank's masters, gradient shards and optimizer state on the disk tier, in files (stepped in
+    # backward: step_in_backward=None with a host limit and nothing reading the gradients after backward)
+    "disk": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560), host_memory_limit="1.2MB"),
+    # ... past the page cache (disk_io="direct": O_DIRECT, pieces in flight), gradients accumulated in the files
+    "disk_accumulate": dict(
+        ACCUMULATE,
+        strategy=dict(chunk_numel=20000, placement="host", disk_io="direct"),
+        host_memory_limit="400kB",
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+    ),
+    # the defaults with a host limit: automatic chunk size, placement="auto" under a device limit, a model used in
+    # another order than registered, gradient accumulation; and step_in_backward=None, which steps each disk chunk
+    # during backward here (nothing reads the gradients after it), its files read ahead: the first micro-batch's
+    # gradients go to the files, the second's landing adds to them and steps from memory ([Note: stepping disk
+    # chunks in backward], [Note: stepping in backward by default])
+    "disk_defaults": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None),
+        host_memory_limit="1MB",
+        trainer=dict(accumulate_grad_batches=2),
+    ),
+    # ... its twin stepping after backward, its gradients through their files, past the page cache
+    "disk_defaults_after": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None, step_in_backward=False, disk_io="direct"),
+        host_memory_limit="1MB",
+        trainer=dict(accumulate_grad_batches=2),
+    ),
+    # each chunk stepped as its reduce-scatter lands, its gradient shard given back ([Note: stepping in backward])
+    "early": dict(strategy=dict(step_in_backward=True)),
+    # a parameter no rank uses: its chunk waits for the vote and steps after backward
+    "early_unused": dict(variant="unused", strategy=dict(step_in_backward=True)),
+    "early_accumulate": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, step_in_backward=True)),
+    # host shards stepped on a worker thread beside backward ([Note: the host Adam beside backward])
+    "early_host_thread": dict(
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000, step_in_backward=True, step_thread=True),
+    ),
+    # the same under a device limit that evicts payloads, with the automatic chunk size, on a model used in another
+    # order than registered
+    "early_limit_thread": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True, step_thread=True),
+    ),
+    # host chunks step in backward on a guess, undone where the norm clips ([Note: speculating past the norm and the
+    # overflow]); and under fp16 loss scaling from a scale that overflows in the first steps, in some chunk shards
+    # of one rank and not the other's: the vote undoes the other's
+    "early_clip_norm": dict(
+        trainer=dict(gradient_clip_val=0.05), strategy=dict(placement="host", step_in_backward=True, step_thread=True)
+    ),
+    # ... with gradient accumulation (the guess on the micro-batch that steps, the norm of the sum)
+    "clip_norm_accumulate": dict(ACCUMULATE, trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
+    "early_clip_norm_accumulate": dict(
+        ACCUMULATE,
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+        strategy=dict(chunk_numel=20000, placement="host", step_in_backward=True),
+    ),
+    # ... the defaults a user gets under a device limit (automatic chunk size, placement="auto", every shard on the
+    # host here) on a model used in another order than registered, with accumulation
+    "clip_norm_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+    ),
+    "early_clip_norm_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True),
+    ),
+    "host_fp16": dict(
+        fp16=True,
+        init_scale=1e7,
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000),
+    ),
+    "early_host_fp16": dict(
+        fp16=True,
+        init_scale=1e7,
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="host", chunk_numel=20000, step_in_backward=True),
+    ),
+    # each chunk clips its own gradient shard by value as it steps ([Note: clipping by value in backward])
+    "early_clip_value": dict(
+        trainer=dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), strategy=dict(step_in_backward=True)
+    ),
+    "early_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True),
+    ),
+    # a tied head read in the root forward ([Note: parameters read outside their owner]), released after use and
+    # under a limit below this rank's share
+    "root_tied_host": dict(cls="RootTiedNet", strategy=dict(placement="host")),
+    "root_tied_limit": dict(
+        cls="RootTiedNet",
+        variant="matmul",
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=33_000),
+        limit_fraction=1.15,
+    ),
+    # ranks whose limits differ (each GPU's free memory, on CUDA): they must plan under one limit, the smallest
+    # ([Note: one limit for every rank]); with their own they evicted different chunks and paired different gathers
+    "limits_differ": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fractions=(0.9, 1.3),
+        strategy=dict(
+            chunk_numel=None,
+            chunk_numel_min=4096,
+            placement="host",
+            reshard_after_forward=False,
+            verify_collectives=False,
+        ),
+    ),
+    # a gate's own parameter used on some ranks and not others, differently each step, in the warm-up too (DDP's
+    # find_unused_parameters=True): released after use, so backward gathers too ([Note: when a chunk reduces])
+    "rank_gated": dict(cls="RankGatedNet", ddp_unused=True, strategy=dict(placement="host")),
+    "rank_gated_limit": dict(
+        cls="RankGatedNet",
+        ddp_unused=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
+    # the gate's row in a chunk of weights: a chunk that got gradients on one rank only, under a limit (the ranks once
+    # held its gradient payload and its tensors' states apart, so planned different evictions)
+    "rank_gated_own_chunk": dict(OWN_CHUNK, strategy=dict(chunk_numel=32768), limit_fraction=0.9),
+    # and with every shard on the device, stepped in backward: a rank that lacks the gradients steps the chunk as it
+    # lands all the same (its vote), so both give the gradient shard back there (a limit: only then do plans read
+    # the device bytes)
+    "rank_gated_device": dict(
+        OWN_CHUNK, strategy=dict(chunk_numel=32768, placement="device", step_in_backward=True), limit_fraction=3.0
+    ),
+    # with the automatic chunk size and two micro-batches a step, kept whole (no_sync): the second micro-batch of the
+    # warm-up step planned from each rank's own trace of the first (one rank had the gate's activations), so the ranks
+    # evicted different chunks and hung ([Note: the warm-up's phases])
+    "rank_gated_accumulate_unsharded": dict(
+        OWN_CHUNK,
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, sharded_accumulation=False),
+        limit_fraction=2.7,
+    ),
+    # resumed at step 3 of 8 from its own checkpoint, as DDP from its: the resumed warm-up traces, agrees and
+    # repacks with the optimizer state restored, a chunk's gradients on one rank only
+    "rank_gated_resume": dict(
+        OWN_CHUNK, strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9, resume_at=3, steps=8
+    ),
+    # a parameter of the root, read in its forward on some ranks: in the warm-up its payload is made where its
+    # gradient arrives first, and on the other ranks at the next moment
+    "root_gated_limit": dict(
+        cls="RootGatedNet",
+        ddp_unused=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=32768),
+        limit_fraction=1.3,
+    ),
+    # a layer no rank ever uses, under a limit with the automatic chunk size: its chunk, last in the reduce order,
+    # once held every gradient payload back (a limit error in the warm-up), then the repack carried a zero gradient
+    # for it and weight decay moved it where torch.optim skips it
+    "spare_limit": dict(
+        cls="SpareNet",
+        ddp_unused=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
+    # BatchNorm 1d/2d/3d in mixed precision ([Note: normalisation in mixed precision]): bf16 against DDP with bf16
+    # autocast, released after use, and fp16 with loss scaling against DDP with GradScaler
+    "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),
+    "bn_cnn_bf16_host": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000, placement="host")),
+    "bn_cnn_fp16": dict(cls="BatchNormCNN", fp16=True, strategy=dict(chunk_numel=10_000)),
+    # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
+    **{
+        f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
+        for fmt in ("torch", "lightning", "consolidated", "safetensors")
+    },
+}

@@ -1,0 +1,269 @@
+"""Two-rank cases beyond a plain fit, each against DDP or the same run without a limit: parameters unfrozen and
+frozen mid-run, parameters read and written outside a step, a gradient penalty under a limit, BatchNorm's buffers;
+and ranks that part, which must fail with a clear error or vote: a module one rank skips, blocks one rank swaps, an
+fp16 overflow on one rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions
+from tests import models
+from tests.distributed.harness import chunk_strategy, trainer
+from tests.models import ParityNet, token_data
+
+
+def run_unfreeze(out: Path) -> None:
+    """[Note: requires_grad changed]: blocks[0] unfrozen at step 6 and the embedding frozen from 6 to 14, with the
+    defaults; DDP trains everything and drops the gradients the schedule freezes (``DropFrozenGrads``)."""
+    L.seed_everything(7, verbose=False)
+    ref = ParityNet()
+    trainer(DDPStrategy(), steps=20, callbacks=[models.DropFrozenGrads()]).fit(ref, token_data())
+    L.seed_everything(7, verbose=False)
+    model = ParityNet(variant="frozen")
+    strategy = chunk_strategy()
+    t = trainer(strategy, steps=20, callbacks=[models.FlipRequiresGrad()])
+    t.fit(model, token_data())
+    state = {"ref": ref.state_dict(), "got": model.state_dict(), "stats": strategy.memory_stats()}
+    if t.global_rank == 0:
+        torch.save(state, out / "unfreeze.pt")
+    print(f"CASE-DONE unfreeze rank={t.global_rank}", flush=True)
+
+
+def run_full_parameters(out: Path) -> None:
+    """[Note: parameters outside a step]: weights clamped after every step and a norm read between steps, with the
+    defaults and with host placement, against DDP doing the same on its parameters."""
+    L.seed_everything(7, verbose=False)
+    ref, ref_cb, ref_grads = ParityNet(), models.ClampFirstBlock(), models.GradNormsAndEdits()
+    trainer(DDPStrategy(), steps=12, callbacks=[ref_cb, ref_grads]).fit(ref, token_data())
+    state: dict = {"ref": ref.state_dict(), "ref_norms": ref_cb.norms, "ref_grad_norms": ref_grads.norms}
+    for placement in ("auto", "host"):
+        L.seed_everything(7, verbose=False)
+        model, cb, grads = ParityNet(), models.ClampFirstBlock(), models.GradNormsAndEdits()
+        t = trainer(
+            chunk_strategy(placement=placement),
+            steps=12,
+            callbacks=[cb, grads],
+        )
+        t.fit(model, token_data())
+        state[placement] = {
+            "got": model.state_dict(),
+            "norms": cb.norms,
+            "seen_outside": cb.seen_outside,
+            "saved_inside": cb.saved,
+            "grad_norms": grads.norms,
+        }
+    # the defaults under a limit below this rank's share, on a model used in another order than registered, with
+    # gradient accumulation (the block runs between micro-batches, while gradients wait in the shards), against the
+    # same run without the limit: what the block writes must not depend on what was evicted. (Against DDP, sharded
+    # accumulation differs by its rounding: ROUNDING["accumulate"].)
+    hard: dict = {}
+    for limited in (False, True):
+        L.seed_everything(7, verbose=False)
+        model = models.ReorderedNet(dim=256, hidden=1024, depth=4)
+        limit = int(sum(p.numel() * p.element_size() for p in model.parameters()) * 0.45) if limited else None
+        strategy = chunk_strategy(device_memory_limit=limit)
+        trainer(
+            strategy,
+            steps=8,
+            callbacks=[models.ClampFirstBlock(), models.GradNormsAndEdits()],
+            accumulate_grad_batches=2,
+        ).fit(model, token_data())
+        hard[limited] = {"state": model.state_dict(), "evictions": strategy.memory_stats()["evictions"]}
+    state["hard"] = hard
+    try:  # outside the block, a state_dict needs every rank's shards: refused with the way to get it
+        t2 = trainer(
+            ChunkOffloadStrategy(checks=CheckOptions(collective_timeout_s=60)),
+            steps=2,
+            callbacks=[models.StateDictOutside()],
+        )
+        t2.fit(ParityNet(), token_data())
+    except Exception as e:  # noqa: BLE001 -- the message is what the test reads
+        state["outside_error"] = f"{type(e).__name__}: {e}"
+    try:  # unsharded accumulation: between micro-batches the gradients wait in the payloads, not in the shards
+        trainer(
+            ChunkOffloadStrategy(
+                memory=MemoryOptions(sharded_accumulation=False), checks=CheckOptions(collective_timeout_s=60)
+            ),
+            steps=2,
+            callbacks=[models.GradsAfterBackward()],
+            accumulate_grad_batches=2,
+        ).fit(ParityNet(), token_data())
+    except Exception as e:  # noqa: BLE001 -- the message is what the test reads
+        state["waiting_error"] = f"{type(e).__name__}: {e}"
+    if t.global_rank == 0:
+        torch.save(state, out / "full_parameters.pt")
+    print(f"CASE-DONE full_parameters rank={t.global_rank}", flush=True)
+
+
+def run_grad_penalty_limit(out: Path) -> None:
+    """[Note: a backward that delivers no gradient] with the defaults under a device limit (the automatic chunk size,
+    payloads evicted and gathered again), on a model used in another order than registered, with accumulation,
+    stepping in backward and after it: each as the same run without the limit, bit for bit."""
+    kw = dict(dim=64, hidden=512, depth=3)
+    limit = int(sum(p.numel() * p.element_size() for p in models.ReorderedGradPenalty(**kw).parameters()) * 1.8)
+    results = {}
+    for name, extra in [
+        ("free", {}),
+        ("limited", dict(device_memory_limit=limit)),
+        ("limited_early", dict(device_memory_limit=limit, step_in_backward=True)),
+    ]:
+        L.seed_everything(7, verbose=False)
+        model = models.ReorderedGradPenalty(**kw)
+        strategy = chunk_strategy(**extra, chunk_numel_min=4096)
+        t = trainer(strategy, steps=6, accumulate_grad_batches=2)
+        t.fit(model, token_data())
+        results[name] = {
+            "state": model.state_dict(),
+            **{k: v for k, v in strategy.memory_stats().items() if k in ("evictions", "chunks_stepped_in_backward")},
+        }
+    if t.global_rank == 0:
+        torch.save(results, out / "grad_penalty_limit.pt")
+    print(f"CASE-DONE grad_penalty_limit rank={t.global_rank}", flush=True)
+
+
+def run_batchnorm(out: Path) -> None:
+    """Buffers follow DDP's ``broadcast_buffers`` on every rank: rank 0's running statistics before each forward
+    in ``fit`` that DDP syncs (after a training forward outside ``no_sync``), none after evaluation or a
+    non-stepping micro-batch. Each rank saves its own buffers, parameters and validation losses: for a run DDP
+    matches bit for bit, and for the defaults (automatic chunk size, sharded accumulation) under a device limit
+    below the parameter bytes, resumed from a step-4 checkpoint as DDP is."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    params = sum(p.numel() * 4 for p in models.BatchNormNet(depth=4, dim=256, hidden=1024).parameters())
+    seen = {}
+    for name in ("ddp", "chunk", "ddp_resumed", "defaults_resumed"):
+        if name == "ddp" or name == "ddp_resumed":
+            make = DDPStrategy
+        elif name == "chunk":
+
+            def make():
+                return chunk_strategy(chunk_numel=4096, sharded_accumulation=False)
+        else:
+
+            def make():
+                return chunk_strategy(device_memory_limit=int(0.45 * params), chunk_numel_min=4096)
+
+        resumed = name.endswith("resumed")
+        model_kw = dict(depth=4, dim=256, hidden=1024) if resumed else {}
+        ckpt_path = None
+        if resumed:  # the first half, with a checkpoint at step 4
+            L.seed_everything(7, verbose=False)
+            cb = ModelCheckpoint(dirpath=out / f"bn_{name}", every_n_train_steps=4, filename="{step}")
+            t = trainer(
+                make(),
+                steps=4,
+                accumulate_grad_batches=2,
+                limit_val_batches=2,
+                val_check_interval=6,
+                num_sanity_val_steps=1,
+                callbacks=[cb],
+                enable_checkpointing=True,
+            )
+            t.fit(models.BatchNormNet(**model_kw), token_data(), token_data(n=16, seed=1))
+            ckpt_path = out / f"bn_{name}" / "step=4.ckpt"
+        L.seed_everything(7, verbose=False)
+        model = models.BatchNormNet(**model_kw)
+        strategy = make()
+        t = trainer(
+            strategy,
+            steps=8,
+            accumulate_grad_batches=2,
+            limit_val_batches=2,
+            val_check_interval=6,
+            num_sanity_val_steps=1,
+        )
+        t.fit(model, token_data(), token_data(n=16, seed=1), ckpt_path=ckpt_path)
+        if isinstance(strategy, ChunkOffloadStrategy):
+            with strategy.full_parameters():
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            evictions = strategy.memory_stats()["evictions"]
+        else:
+            state, evictions = {k: v.detach().clone() for k, v in model.state_dict().items()}, 0
+        seen[name] = {"state": state, "val": model.val_seen, "evictions": evictions}
+    torch.save(seen, out / f"batchnorm.rank{t.global_rank}.pt")
+    print(f"CASE-DONE batchnorm rank={t.global_rank}", flush=True)
+
+
+class SkipOnRankOne(ParityNet):
+    """From step 3 on, rank 1 skips the branch that rank 0 runs."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        use = not (self.global_step >= 3 and self.global_rank == 1)
+        logits = self(x, use_branch=use)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def run_skip(out: Path) -> None:
+    L.seed_everything(7, verbose=False)
+    model = SkipOnRankOne(variant="unused")
+    strategy = ChunkOffloadStrategy(
+        placement="host", memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(collective_timeout_s=10)
+    )
+    trainer(strategy).fit(model, token_data())
+    print("UNEXPECTED-SUCCESS", flush=True)
+
+
+class SwapOnRankOne(ParityNet):
+    """From step 3 on, rank 1 runs the two blocks (chunks of one size) in the other order."""
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.embed(x)
+        swapped = self.global_step >= 3 and self.global_rank == 1
+        for blk in reversed(self.blocks) if swapped else self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+
+def run_swap(out: Path) -> None:
+    """[Note: checking once a micro-batch]: the defaults name the disagreement before step 3 is taken."""
+    from lightning_chunk.engine.comm.collectives import CollectiveMismatchError, CollectiveTimeoutError
+
+    L.seed_everything(7, verbose=False)
+    model = SwapOnRankOne()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    strategy = ChunkOffloadStrategy(
+        placement="host", memory=MemoryOptions(chunk_numel=block), checks=CheckOptions(collective_timeout_s=10)
+    )
+    t = trainer(strategy)
+    try:
+        t.fit(model, token_data())
+    except (CollectiveMismatchError, CollectiveTimeoutError) as e:
+        print(f"SWAP-CAUGHT rank={t.global_rank} global_step={t.global_step}: {e}", flush=True)
+        raise
+    print("UNEXPECTED-SUCCESS", flush=True)
+
+
+class OverflowOnRankOne(ParityNet):
+    """At step 3, rank 1's loss overflows fp16; rank 0's does not."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 3 and self.global_rank == 1:
+            loss = loss * torch.tensor(float("inf"))
+        if self.global_step in (3, 4):
+            self.seen.append([p.detach().float().clone() for p in self.parameters()])
+        return loss
+
+
+def run_overflow(out: Path) -> None:
+    L.seed_everything(7, verbose=False)
+    model = OverflowOnRankOne()
+    model.seen = []
+    strategy = ChunkOffloadStrategy(
+        memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(collective_timeout_s=60)
+    )
+    t = trainer(strategy, steps=6, plugins=[ChunkPrecision("16-mixed")])
+    t.fit(model, token_data())
+    before, after = model.seen
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    (out / f"overflow.rank{t.global_rank}.json").write_text(
+        json.dumps({"unchanged": unchanged, "loss_scale": strategy.memory_stats()["loss_scale"]})
+    )
+    print(f"CASE-DONE fp16_overflow_one_rank rank={t.global_rank}", flush=True)
