@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.cases import needed
-from tests.distributed.test_two_ranks import AS_NCCL, RUNNER
+from tests.distributed.launch import AS_NCCL, RUNNER
 from tests.faults.common import Ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases

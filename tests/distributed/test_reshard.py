@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.options import grouped
-from tests.distributed.test_two_ranks import run
+from tests.distributed.launch import run
 from tests.models import ParityNet, token_data
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
+from tests.distributed.launch import run
 from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy
-from tests.distributed.test_two_ranks import run
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
 

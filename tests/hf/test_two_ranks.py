@@ -51,7 +51,7 @@ def test_gpt2_from_save_pretrained_on_two_ranks_is_bit_exact_with_ddp_and_export
 def test_the_defaults_with_accumulation_and_a_resume_agree_with_ddp(run):
     """Automatic chunk size, placement auto under a device limit, a Llama (norms registered after the layers they
     run before), accumulation of 2, stopped at step 4 and resumed to 8. Sharded accumulation sums in another order
-    than DDP: the suite's tolerance for it (tests/distributed/test_two_ranks.py, ROUNDING)."""
+    than DDP: the suite's tolerance for it (tests/distributed/launch.py, ROUNDING)."""
     tmp_path, log = run
     assert "CASE-DONE hf_defaults rank=0" in log and "CASE-DONE hf_defaults rank=1" in log, log[-3000:]
     final = torch.load(tmp_path / "out" / "defaults.pt")

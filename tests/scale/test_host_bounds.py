@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_two_ranks import AS_NCCL
+from tests.distributed.launch import AS_NCCL
 from tests.faults.common import Ranks
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's

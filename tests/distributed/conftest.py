@@ -1,0 +1,26 @@
+"""The two-rank launches, once a session: each runs the cases the selected tests read (``cases.needed``), in
+``test_two_ranks.py`` and ``test_two_rank_paths.py`` alike (each launch pays ~10 s of start-up on two ranks)."""
+
+import pytest
+
+from tests.distributed.cases import needed
+from tests.distributed.launch import AS_NCCL, GLOO_DEFAULTS, LAUNCHED, run, write_start_weights
+
+
+@pytest.fixture(scope="session")
+def parity_run(tmp_path_factory, request):
+    """Every case that trains to completion that the selected tests read (all of them in a full run), in one
+    launch (each launch pays ~10 s of start-up on two ranks), with gloo run as NCCL runs ([Note: gloo as NCCL]):
+    ranks whose collective sequences part fail here."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    write_start_weights(out)
+    rc, log, _ = run(out, *needed(request, "parity_run", LAUNCHED), timeout=900, env=AS_NCCL)
+    return out, rc, log
+
+
+@pytest.fixture(scope="session")
+def gloo_defaults_run(tmp_path_factory, request):
+    """A few cases with gloo's own defaults: a group per kind of collective and the check once a micro-batch."""
+    out = tmp_path_factory.mktemp("two_ranks_gloo")
+    rc, log, _ = run(out, *needed(request, "gloo_defaults_run", GLOO_DEFAULTS, marker="gloo_cases"), timeout=600)
+    return out, rc, log
