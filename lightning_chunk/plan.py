@@ -165,6 +165,22 @@ class _Probe(L.Callback):
         )
 
 
+def _one_step_trainer(strategy: ChunkOffloadStrategy, precision: Any, **kw: Any) -> L.Trainer:
+    """One rank on the CPU, one step, nothing logged, saved or shown."""
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+
+
 def make_plan(
     model_cls: type,
     model_args: dict[str, Any],
@@ -178,20 +194,7 @@ def make_plan(
     datamodule = data_cls(**data_args) if data_cls is not None else None
     probe = _Probe()
     strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        precision=precision,  # type: ignore[arg-type]
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[probe],
-    )
+    trainer = _one_step_trainer(strategy, precision, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
     trainer.fit(model, datamodule=datamodule)
     assert probe.report is not None, "the dry run never reached an optimizer step"
     return probe.report
@@ -287,17 +290,7 @@ def make_shape_plan(
             model.configure_model()
     DeferredInit.capture(model)  # placeholders: optimizers (fused ones too) can be built over them
     strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
-    model.trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        precision=precision,  # type: ignore[arg-type]
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # configure_optimizers may read the trainer
+    model.trainer = _one_step_trainer(strategy, precision)  # configure_optimizers may read the trainer
     optimizers, _ = _init_optimizers_and_lr_schedulers(model)
     plan = plan_from_shapes(
         model, optimizers, config=strategy.config, dtypes=ChunkPrecision(precision).dtype_policy(), world_size=ranks
