@@ -3,6 +3,8 @@ tied weights, frozen layers, a branch unused in some steps, buffers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
 import torch.nn as nn
@@ -91,6 +93,22 @@ class ParityNet(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+# a Trainer that logs, saves and shows nothing, on one CPU device unless told
+QUIET = dict(
+    accelerator="cpu",
+    devices=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+
+
+def quiet_trainer(**kw: Any) -> L.Trainer:
+    """``L.Trainer`` with ``QUIET``'s settings, each overridden by ``kw``."""
+    return L.Trainer(**{**QUIET, **kw})
+
+
 def token_data(n: int = 96, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
@@ -115,19 +133,14 @@ def fit(
     """Train a fresh ParityNet (same init for every strategy; or ``cls``) and return it."""
     L.seed_everything(seed, verbose=False)
     model = (cls or ParityNet)(variant=variant, **(model_kwargs or {}))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         **{
             **dict(
                 accelerator=accelerator,
-                devices=1,
                 strategy=strategy,
                 precision=None if plugins else precision,
                 plugins=plugins,
                 max_steps=steps,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
                 num_sanity_val_steps=0,
                 limit_val_batches=0,
             ),

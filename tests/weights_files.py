@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from tests.models import ParityNet, token_data
+from tests.models import ParityNet, quiet_trainer, token_data
 
 FORMATS = ("torch", "lightning", "consolidated", "safetensors")
 
@@ -35,17 +35,7 @@ def write_weights(sd: dict[str, torch.Tensor], out: Path, fmt: str, *, variant: 
         model.load_state_dict(sd)
         strategy = "auto" if fmt == "lightning" else ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096))
         ck = out / ("plain.ckpt" if fmt == "lightning" else "sharded.ckpt")
-        L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy,
-            max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[_SaveAtStart(ck)],
-        ).fit(model, token_data())
+        quiet_trainer(strategy=strategy, max_steps=1, callbacks=[_SaveAtStart(ck)]).fit(model, token_data())
         if fmt == "lightning":
             return ck
         return consolidate(ck, out / "consolidated.ckpt", progress=False)

@@ -14,7 +14,7 @@ from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine.chunks.chunk import Tier
 from lightning_chunk.engine.runtime.moments import MomentClock
 from lightning_chunk.options import grouped
-from tests.models import token_data
+from tests.models import quiet_trainer, token_data
 
 WORLD = int(os.environ.get("WORLD_SIZE", 2))  # read once: Lightning's teardown deletes the variable
 # the device bytes at every moment of a case's fit, which ranks plan evictions from: the same on every rank
@@ -34,19 +34,8 @@ STEPS = 16  # a case's own "steps" shortens it: the wide models' cases run 8 (wa
 
 
 def trainer(strategy, steps=STEPS, **kw):
-    defaults = dict(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    return L.Trainer(**{**defaults, **kw})
+    defaults = dict(devices=WORLD, strategy=strategy, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0)
+    return quiet_trainer(**{**defaults, **kw})
 
 
 def chunk_strategy(**flat: Any) -> ChunkOffloadStrategy:

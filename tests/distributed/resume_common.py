@@ -13,7 +13,7 @@ import torch
 
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.options import grouped
-from tests.models import ReorderedNet, token_data
+from tests.models import ReorderedNet, quiet_trainer, token_data
 
 RESUME_MODEL = dict(dim=64, hidden=256, depth=3)
 RESUME_VARIANTS = ("auto_size", "auto_size_limit", "host_kept_limit", "disk_early_limit")
@@ -46,18 +46,14 @@ def resume_fit(strategy: Any, out_dir: Path | None, steps: int, ckpt_path: Any =
     L.seed_everything(11, verbose=False)
     model = ReorderedNet(**RESUME_MODEL)
     cbs = [ModelCheckpoint(dirpath=out_dir, every_n_train_steps=8, filename="{step}")] if out_dir else []
-    t = L.Trainer(
-        accelerator="cpu",
+    t = quiet_trainer(
         devices=devices,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
         callbacks=cbs,
-        enable_checkpointing=bool(cbs),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
+        enable_checkpointing=bool(cbs),
     )
     t.fit(model, token_data(), ckpt_path=ckpt_path)
     if isinstance(strategy, ChunkOffloadStrategy) and strategy.config.host_memory_limit is not None:

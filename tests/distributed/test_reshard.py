@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.options import grouped
 from tests.distributed.launch import run
-from tests.models import ParityNet, token_data
+from tests.models import ParityNet, quiet_trainer, token_data
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
 
@@ -18,16 +18,8 @@ EXACT = dict(rtol=0, atol=0)
 
 
 def one_rank(strategy, steps, **kw):
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        **kw,
+    return quiet_trainer(
+        strategy=strategy, max_steps=steps, limit_val_batches=0, **{"enable_checkpointing": True, **kw}
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import ROUNDING, check_parity, stats
+from tests.models import quiet_trainer
 from tests.weights_files import FORMATS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
@@ -136,18 +137,9 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
     ]:
         L.seed_everything(7, verbose=False)
         model = LogsValLoss()
-        L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy,
-            max_steps=8,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            callbacks=[ema],
-        ).fit(model, token_data(), ckpt_path=out / ckpt / "step=4.ckpt")
+        quiet_trainer(strategy=strategy, max_steps=8, limit_val_batches=0, callbacks=[ema]).fit(
+            model, token_data(), ckpt_path=out / ckpt / "step=4.ckpt"
+        )
         finals.append(model.state_dict())
     for k, v in finals[0].items():
         assert torch.equal(finals[1][k], v), k

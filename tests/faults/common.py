@@ -155,16 +155,12 @@ def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
 
 def find_last(dirpath: Path) -> str | None:
     """What Lightning's ``fit(ckpt_path="last")`` picks in ``dirpath`` (its own code, not a copy of it)."""
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.trainer.states import TrainerFn
 
-    t = L.Trainer(
-        callbacks=[ModelCheckpoint(dirpath=dirpath)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    from tests.models import quiet_trainer
+
+    t = quiet_trainer(callbacks=[ModelCheckpoint(dirpath=dirpath)], enable_checkpointing=True)
     return t._checkpoint_connector._parse_ckpt_path(
         TrainerFn.FITTING, "last", model_provided=True, model_connected=True
     )

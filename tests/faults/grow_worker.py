@@ -29,7 +29,7 @@ from lightning_chunk import (  # noqa: E402
     ChunkOffloadStrategy,  # noqa: E402
     OffloadOptions,
 )
-from tests.models import VOCAB, ReorderedNet  # noqa: E402
+from tests.models import VOCAB, ReorderedNet, quiet_trainer  # noqa: E402
 
 SHAPE = dict(dim=64, hidden=256, depth=4)
 GROW_AT, BATCHES, LIMIT = 5, 12, 2_200_000
@@ -48,15 +48,10 @@ def batches(rank: int) -> DataLoader:
 def fit(strategy) -> tuple[L.Trainer, ReorderedNet]:
     L.seed_everything(7, verbose=False)
     model = ReorderedNet(**SHAPE)
-    t = L.Trainer(
-        accelerator="cpu",
+    t = quiet_trainer(
         devices=2,
         strategy=strategy,
         max_steps=BATCHES // 2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         use_distributed_sampler=False,
         accumulate_grad_batches=2,

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions  # noqa: E402  # noqa: E402
-from tests.models import SEQ, VOCAB, ParityNet  # noqa: E402
+from tests.models import SEQ, VOCAB, ParityNet, quiet_trainer  # noqa: E402
 
 K, STEPS, BATCH = 3, 7, 4
 
@@ -83,18 +83,13 @@ class Recorder(L.Callback):
 def main() -> None:
     mode = sys.argv[2]  # argv[1]: the output folder, unused here
     L.seed_everything(7, verbose=False)
-    t = L.Trainer(
-        accelerator="cpu",
+    t = quiet_trainer(
         devices=2,
         strategy=ChunkOffloadStrategy(
             placement="host", memory=MemoryOptions(chunk_numel=4096), checks=CheckOptions(collective_timeout_s=60)
         ),
         plugins=[ChunkPrecision("16-mixed")],
         max_steps=STEPS if mode == "faulty" else STEPS - 1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         limit_val_batches=0,
         callbacks=[Recorder(mode)],
         use_distributed_sampler=False,

@@ -31,7 +31,7 @@ from lightning_chunk import (  # noqa: E402
     MemoryOptions,
     OffloadOptions,
 )
-from tests.models import SEQ, VOCAB, ParityNet  # noqa: E402
+from tests.models import SEQ, VOCAB, ParityNet, quiet_trainer  # noqa: E402
 
 SHAPE = dict(dim=32, hidden=128, depth=3)
 LIMIT = 200_000  # the activations (~130 kB) leave room for fewer than all chunks: some are evicted every step
@@ -76,8 +76,7 @@ def main() -> None:
         else []
     )
     L.seed_everything(7, verbose=False)
-    t = L.Trainer(
-        accelerator="cpu",
+    t = quiet_trainer(
         devices=2,
         strategy=ChunkOffloadStrategy(
             placement="auto",
@@ -87,12 +86,9 @@ def main() -> None:
             checks=CheckOptions(collective_timeout_s=60, log_memory_stats=False),
         ),
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=mode == "save",
         limit_val_batches=0,
         callbacks=callbacks + [watch],
+        enable_checkpointing=mode == "save",
     )
     model = ParityNet(scheduler=False, **SHAPE)
     t.fit(model, data)

@@ -32,7 +32,7 @@ from lightning_chunk import (  # noqa: E402
 )
 from lightning_chunk.engine.comm.collectives import Collectives  # noqa: E402
 from lightning_chunk.engine.optim.binding import OptimizerBinding  # noqa: E402
-from tests.models import ParityNet, token_data  # noqa: E402
+from tests.models import ParityNet, quiet_trainer, token_data  # noqa: E402
 
 TIMEOUT_S = 6.0
 
@@ -70,8 +70,7 @@ def main() -> None:
     arm(out, where)
     L.seed_everything(7, verbose=False)
     cb = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_last=True, filename="{step}")
-    t = L.Trainer(
-        accelerator="cpu",
+    t = quiet_trainer(
         devices=2,
         strategy=ChunkOffloadStrategy(
             placement="host",
@@ -80,11 +79,9 @@ def main() -> None:
             checks=CheckOptions(collective_timeout_s=TIMEOUT_S),
         ),
         max_steps=12,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[cb],
+        enable_checkpointing=True,
     )
     t.fit(ParityNet(variant="tied"), token_data())
     print("FINISHED", flush=True)

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
-from tests.models import VOCAB, ParityNet
+from tests.models import VOCAB, ParityNet, quiet_trainer
 
 pytestmark = pytest.mark.slow  # several ranks or child processes: the full suite's, not the fast tier's
 
@@ -49,18 +49,7 @@ class Watch(L.Callback):
 def fit(strategy, callbacks=()):
     L.seed_everything(3, verbose=False)
     model = ParityNet(**SHAPE)
-    t = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=list(callbacks),
-    )
+    t = quiet_trainer(strategy=strategy, max_steps=STEPS, limit_val_batches=0, callbacks=list(callbacks))
     t.fit(model, batches())
     return model
 

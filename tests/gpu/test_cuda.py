@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.config import device_margin_bytes
-from tests.models import ParityNet, TwoOptimizers, fit, token_data
+from tests.models import ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -124,17 +124,7 @@ def test_two_optimizers_on_cuda():
     def run(strategy):
         L.seed_everything(7, verbose=False)
         m = TwoOptimizers()
-        L.Trainer(
-            accelerator="gpu",
-            devices=1,
-            strategy=strategy,
-            max_steps=12,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-        ).fit(m, token_data())
+        quiet_trainer(accelerator="gpu", strategy=strategy, max_steps=12, limit_val_batches=0).fit(m, token_data())
         return m
 
     assert_close_params(
@@ -200,17 +190,13 @@ def test_checkpoint_from_pinned_host_shards_resumes_like_auto(tmp_path):
         L.seed_everything(11, verbose=False)
         m = ParityNet(variant="tied")
         cbs = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=8, filename="{step}")] if ckpt_dir else []
-        L.Trainer(
+        quiet_trainer(
             accelerator="gpu",
-            devices=1,
             strategy=strategy,
             max_steps=steps,
-            logger=False,
             callbacks=cbs,
-            enable_checkpointing=bool(cbs),
-            enable_progress_bar=False,
-            enable_model_summary=False,
             limit_val_batches=0,
+            enable_checkpointing=bool(cbs),
         ).fit(m, token_data(), ckpt_path=ckpt_path)
         return m
 

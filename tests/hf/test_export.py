@@ -24,6 +24,7 @@ from lightning_chunk.engine.files.safetensors_file import StreamingSafetensors  
 from lightning_chunk.engine.state.checkpoint import CheckpointError  # noqa: E402
 from lightning_chunk.hf import export_hf  # noqa: E402
 from tests.hf.models import ROOT, Batches, load_example, save_pretrained  # noqa: E402
+from tests.models import quiet_trainer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +37,12 @@ def trained(tmp_path_factory):
     for kind in ("gpt2", "llama"):
         L.seed_everything(0, verbose=False)
         model = example.CausalLM(pretrained=str(save_pretrained(kind, root / f"{kind}.pre")), lr=1e-2, warmup_steps=1)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
+        trainer = quiet_trainer(
             max_steps=4,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             limit_val_batches=0,
             strategy=ChunkOffloadStrategy(device_memory_limit=3_000_000, memory=MemoryOptions(chunk_numel=16384)),
             callbacks=[ModelCheckpoint(dirpath=root / kind, filename="last")],
+            enable_checkpointing=True,
         )
         trainer.fit(model, Batches())
         out[kind] = (model, root / kind / "last.ckpt")
@@ -246,19 +243,15 @@ def test_export_of_the_average_chunk_ema_kept(tmp_path):
     example = load_example()
     L.seed_everything(0, verbose=False)
     model = example.CausalLM(pretrained=str(save_pretrained("gpt2", tmp_path / "pre")), lr=1e-2, warmup_steps=1)
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    quiet_trainer(
         max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         strategy=ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=16384)),
         callbacks=[
             ChunkEMA(decay=0.5),  # before the checkpoint: the step-3 average is in it
             ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="last"),
         ],
+        enable_checkpointing=True,
     ).fit(model, Batches())
     assert (
         main(

@@ -14,6 +14,7 @@ peft = pytest.importorskip("peft")
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions  # noqa: E402
 from tests.hf.models import Batches, save_pretrained  # noqa: E402
+from tests.models import quiet_trainer  # noqa: E402
 
 LIMIT = 1_700_000  # the tiny Llama's traced activations and a few chunks: placement evicts every step
 
@@ -39,17 +40,7 @@ class LoRA(L.LightningModule):
 def fit(strategy, pretrained, model=None, **trainer_kw) -> tuple[LoRA, L.Trainer]:
     L.seed_everything(3, verbose=False)
     model = model or LoRA(str(pretrained))
-    t = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kw,
-    )
+    t = quiet_trainer(strategy=strategy, max_steps=6, **trainer_kw)
     t.fit(model, Batches())
     return model, t
 

@@ -21,6 +21,7 @@ from lightning_chunk import (  # noqa: E402
 )
 from lightning_chunk.engine.files.weights import WeightsError  # noqa: E402
 from tests.hf.models import CONFIGS, Batches, config, load_example, save_pretrained  # noqa: E402
+from tests.models import quiet_trainer  # noqa: E402
 
 EXACT = dict(rtol=0, atol=0)
 STEPS = 6
@@ -44,18 +45,7 @@ def fit(example, strategy, steps: int = STEPS, **model_kw):
     torch._dynamo.reset()
     L.seed_everything(3, verbose=False)
     model = example.CausalLM(lr=1e-3, warmup_steps=1, **model_kw)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(strategy=strategy, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(model, Batches())
     return model
 
@@ -138,13 +128,8 @@ def test_a_model_from_a_config_is_initialised_by_its_own_rules_on_the_meta_devic
     deeper = {"n_layer": 8} if kind == "gpt2" else {"num_hidden_layers": 4}
     L.seed_everything(0, verbose=False)
     model = example.CausalLM(config={**CONFIGS[kind], **deeper})
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=16384)),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        strategy=ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=16384)), enable_checkpointing=True
     )
     trainer.validate(model, Batches(n=4), verbose=False)  # setup initialises; teardown gives the values back
     torch.manual_seed(0)

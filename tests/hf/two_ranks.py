@@ -36,6 +36,7 @@ from lightning_chunk import (  # noqa: E402
     OffloadOptions,
 )
 from tests.hf.models import Batches, generating, load_example  # noqa: E402
+from tests.models import quiet_trainer  # noqa: E402
 
 STEPS, LIMIT = 6, 3_000_000
 DEFAULTS_LIMIT = 1_600_000  # the tiny Llama's activations are 1.2 MB a rank: little room is left for chunks
@@ -44,17 +45,13 @@ DEFAULTS_LIMIT = 1_600_000  # the tiny Llama's activations are 1.2 MB a rank: li
 def fit(strategy, pretrained: str, steps: int = STEPS, ckpt_path=None, **kw) -> tuple[L.Trainer, L.LightningModule]:
     L.seed_everything(3, verbose=False)  # every rank: the same dropout masks under both strategies
     model = load_example().CausalLM(pretrained=pretrained, lr=1e-3, warmup_steps=1)
-    t = L.Trainer(
-        accelerator="cpu",
+    t = quiet_trainer(
         devices=2,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        **kw,
+        **{"enable_checkpointing": True, **kw},
     )
     t.fit(model, Batches(n=64), ckpt_path=ckpt_path)
     return t, model

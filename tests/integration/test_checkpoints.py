@@ -18,24 +18,14 @@ from lightning_chunk.cli import main as cli_main
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.state.checkpoint import CheckpointError, check_checkpoint_dir, save_sharded
 from lightning_chunk.options import grouped
-from tests.models import ParityNet, edited, token_data
+from tests.models import ParityNet, edited, quiet_trainer, token_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXACT = dict(rtol=0, atol=0)
 
 
 def trainer(strategy, steps, **kw):
-    kw = {"enable_checkpointing": False, "limit_val_batches": 0, **kw}
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
+    return quiet_trainer(strategy=strategy, max_steps=steps, **{"limit_val_batches": 0, **kw})
 
 
 def chunk(**kw):

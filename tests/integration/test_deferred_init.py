@@ -9,22 +9,12 @@ import torch.nn as nn
 from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.engine.chunks.materialize import DeferredInitError
 from tests.integration.test_parity import EXACT, STEPS, assert_same_params
-from tests.models import DeferredNet, ParityNet, fit, token_data
+from tests.models import DeferredNet, ParityNet, fit, quiet_trainer, token_data
 
 
 def init_values(model: L.LightningModule, strategy, **trainer_kw) -> dict:
     """``fit`` with no step: setup (deferred init, packing), then teardown gives the values back."""
-    t = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kw,
-    )
+    t = quiet_trainer(strategy=strategy, max_steps=0, **trainer_kw)
     t.fit(model, token_data())
     return model.state_dict()
 
@@ -57,16 +47,7 @@ def test_init_module_empty_init_builds_on_meta_and_initialises_at_setup():
     want = eager_values()
     L.seed_everything(7, verbose=False)
     strategy = ChunkOffloadStrategy()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=strategy, max_steps=0)
     with trainer.init_module(empty_init=True):
         model = WithReset()
     assert all(p.is_meta for p in model.parameters()) and model.calls.is_meta
@@ -93,16 +74,7 @@ def test_deferred_model_trains_like_an_eager_one(placement, limit):
 
 def test_a_tensor_with_no_init_is_named_before_training():
     L.seed_everything(7, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=1)
     with trainer.init_module(empty_init=True):
         model = ParityNet()  # owns the buffer `calls` itself and has no reset_parameters()
     with pytest.raises(DeferredInitError, match=r"<root> \(ParityNet\): calls.*param_init_fn"):
@@ -146,16 +118,7 @@ class ScaledNet(L.LightningModule):
 
 
 def test_an_init_that_forgets_a_tensor_is_an_error_naming_it():
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=1)
     with pytest.raises(DeferredInitError, match=r"Scaled.reset_parameters\(\) left layer.scale uninitialised"):
         trainer.fit(ScaledNet(), token_data())
 
@@ -172,16 +135,7 @@ def test_param_init_fn_initialises_what_reset_parameters_does_not():
             m.reset_parameters()
 
     model = ScaledNet()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(param_init_fn=init),
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(param_init_fn=init), max_steps=3)
     trainer.fit(model, token_data())
     assert trainer.global_step == 3
     assert seen == ["Embedding", "Scaled", "Linear", "Linear"]  # modules() order, each once
@@ -203,16 +157,7 @@ class CustomInit(DeferredNet):
 
 
 def test_an_init_that_would_be_lost_on_the_meta_device_is_refused_unless_param_init_fn_says_how():
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=1)
     with pytest.raises(DeferredInitError, match=r"outside reset_parameters\(\).*normal_ at .*test_deferred_init.py"):
         trainer.fit(CustomInit(), token_data())
 
@@ -233,31 +178,15 @@ def test_a_deferred_model_resumes_from_a_checkpoint_like_an_eager_one(tmp_path):
 
     L.seed_everything(7, verbose=False)
     cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, filename="{step}")
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(),
-        max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    ).fit(ParityNet(), token_data())
+    quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=4, callbacks=[cb], enable_checkpointing=True).fit(
+        ParityNet(), token_data()
+    )
     ckpt = tmp_path / "step=4.ckpt"
     out = {}
     for cls in (ParityNet, DeferredNet):
         L.seed_everything(11, verbose=False)
         model = cls()
-        L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=ChunkOffloadStrategy(),
-            max_steps=8,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        ).fit(model, token_data(), ckpt_path=ckpt)
+        quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=8).fit(model, token_data(), ckpt_path=ckpt)
         out[cls.__name__] = model.state_dict()
     for k, v in out["ParityNet"].items():
         assert torch.equal(out["DeferredNet"][k], v), k

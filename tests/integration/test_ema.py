@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning_chunk import ChunkEMA, ChunkOffloadStrategy
 from lightning_chunk.cli import main as cli_main
 from lightning_chunk.options import grouped
-from tests.models import BatchNormNet, FlipRequiresGrad, fit, token_data
+from tests.models import BatchNormNet, FlipRequiresGrad, fit, quiet_trainer, token_data
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -97,15 +97,9 @@ def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type
     for name, ema, ckpt in saved_at_step_4(tmp_path, state_dict_type):
         L.seed_everything(7, verbose=False)
         model = Recording()
-        L.Trainer(
-            accelerator="cpu",
-            devices=1,
+        quiet_trainer(
             strategy=chunked() if name == "chunk" else "auto",
             max_steps=8,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             limit_val_batches=2,
             val_check_interval=3,
             callbacks=[ema()],
@@ -133,17 +127,8 @@ def test_a_resumed_average_goes_on_as_lightning_s_does(tmp_path, state_dict_type
         # so plain Lightning resumes from it as from its own
         L.seed_everything(7, verbose=False)
         plain = Recording()
-        L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=8,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=2,
-            val_check_interval=3,
-            callbacks=[EMAWeightAveraging(decay=0.8)],
+        quiet_trainer(
+            max_steps=8, limit_val_batches=2, val_check_interval=3, callbacks=[EMAWeightAveraging(decay=0.8)]
         ).fit(plain, token_data(), token_data(16, seed=1), ckpt_path=ckpt)
         assert_same(finals[0], plain)
 
@@ -179,14 +164,8 @@ def test_evaluating_a_checkpoint_uses_the_average_as_lightning_s_does(tmp_path, 
     losses = []
     for name, _, ckpt in saved_at_step_4(tmp_path, state_dict_type):
         Recording.losses = []
-        L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=chunked() if name == "chunk" else "auto",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=2,
+        quiet_trainer(
+            strategy=chunked() if name == "chunk" else "auto", limit_val_batches=2, enable_checkpointing=True
         ).validate(Recording(), token_data(16, seed=1), ckpt_path=ckpt, verbose=False)
         losses.append([float(x) for x in Recording.losses])
     assert losses[0] == losses[1] and len(losses[0]) == 2

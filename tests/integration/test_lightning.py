@@ -14,26 +14,15 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_chunk
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from tests.children import DIST_VARS
-from tests.models import ManualNet, ParityNet, TokenData, token_data
+from tests.models import ManualNet, ParityNet, TokenData, quiet_trainer, token_data
 
 EXACT = dict(rtol=0, atol=0)
 
 
 def trainer(tmp_path=None, **kw):
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
     if tmp_path is not None:
-        defaults["default_root_dir"] = tmp_path
-    defaults.update(kw)
-    return L.Trainer(**defaults)
+        kw = {"default_root_dir": tmp_path, **kw}
+    return quiet_trainer(**{"limit_val_batches": 0, "num_sanity_val_steps": 0, **kw})
 
 
 def test_presets_are_registered_with_their_placements():

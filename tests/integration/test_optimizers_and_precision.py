@@ -10,7 +10,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision
 from lightning_chunk.options import grouped
-from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, token_data
+from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, quiet_trainer, token_data
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -18,17 +18,11 @@ EXACT = dict(rtol=0, atol=0)
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
     L.seed_everything(7, verbose=False)
     model = model_cls(**kw)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         strategy=strategy,
         max_steps=steps,
-        logger=False,
         precision=None if plugins else precision,
         plugins=plugins,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
     )
     trainer.fit(model, token_data())
@@ -160,17 +154,13 @@ def test_bf16_mixed_gives_fp32_parameters_back_after_a_repack(tmp_path):
 
     L.seed_everything(7, verbose=False)
     model = ReorderedNet()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_steps=4,
         precision="bf16-mixed",
-        logger=False,
         strategy=ChunkOffloadStrategy(device_memory_limit=200_000, checks=CheckOptions(log_memory_stats=False)),
         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, filename="{step}")],
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
+        enable_checkpointing=True,
     )
     trainer.fit(model, token_data())
     params = dict(model.named_parameters())

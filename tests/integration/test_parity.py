@@ -9,7 +9,7 @@ from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions,
 from lightning_chunk.engine.runtime.moments import MomentClock
 from lightning_chunk.options import grouped
 from tests import models
-from tests.models import ParityNet, fit
+from tests.models import ParityNet, fit, quiet_trainer
 
 STEPS = 24
 EXACT = dict(rtol=0, atol=0)
@@ -440,18 +440,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     model = Overflowing()
     model.seen = []
     strategy = ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=4096))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        plugins=[ChunkPrecision("16-mixed")],
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(strategy=strategy, plugins=[ChunkPrecision("16-mixed")], max_steps=6, limit_val_batches=0)
     trainer.fit(model, token_data())
     before, after = model.seen  # parameters seen at the start of steps 3 and 4
     for a, b in zip(before, after, strict=True):
@@ -472,17 +461,7 @@ def fit_compiled(strategy, steps: int = 8, **kw):
     torch._dynamo.reset()  # a fresh cache: each run compiles its own model
     L.seed_everything(7, verbose=False)
     model = ParityNet(**kw)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(strategy=strategy, max_steps=steps, limit_val_batches=0)
     model.forward = torch.compile(model.forward, backend="aot_eager")
     trainer.fit(model, token_data())
     return model

@@ -11,7 +11,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from lightning_chunk.options import grouped
 from tests import models
-from tests.models import ParityNet, fit, token_data
+from tests.models import ParityNet, fit, quiet_trainer, token_data
 
 STEPS = 12
 EXACT = dict(rtol=0, atol=0)
@@ -135,17 +135,7 @@ def test_a_batchnorm_cnn_trains_in_16_mixed_like_plain_lightning(placement):
 def _fit_and_save(strategy, path, *, after_validate=False):
     L.seed_everything(7, verbose=False)
     model = ParityNet()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=2,
-    )
+    trainer = quiet_trainer(strategy=strategy, max_steps=8, limit_val_batches=2)
     trainer.fit(model, token_data(), token_data(16, seed=1))
     if after_validate:
         trainer.validate(model, token_data(16, seed=1), verbose=False)
@@ -156,17 +146,7 @@ def _fit_and_save(strategy, path, *, after_validate=False):
 def _resume(strategy, path):
     L.seed_everything(7, verbose=False)
     model = ParityNet()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=14,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(strategy=strategy, max_steps=14, limit_val_batches=0)
     trainer.fit(model, token_data(), ckpt_path=path)
     return model
 
@@ -229,18 +209,7 @@ class WithMetric(ParityNet):
 
 def _fit_deferred(strategy, *, empty_init):
     L.seed_everything(7, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=2,
-        val_check_interval=4,
-    )
+    trainer = quiet_trainer(strategy=strategy, max_steps=8, limit_val_batches=2, val_check_interval=4)
     with trainer.init_module(empty_init=empty_init):
         model = WithMetric()
     trainer.fit(model, token_data(), token_data(16, seed=1))
@@ -270,16 +239,7 @@ def test_a_meta_buffer_nothing_initialises_is_refused_at_setup_by_name():
             pass
 
     L.seed_everything(7, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(),
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=2)
     with trainer.init_module(empty_init=True):
         model = Unresettable()
     with pytest.raises(Exception, match=r"mask") as info:
@@ -296,17 +256,7 @@ def test_a_tied_head_read_in_a_compiled_root_forward_trains_like_plain_lightning
         torch._dynamo.reset()
         L.seed_everything(7, verbose=False)
         model = models.RootTiedNet()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy,
-            max_steps=8,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-        )
+        trainer = quiet_trainer(strategy=strategy, max_steps=8, limit_val_batches=0)
         model.forward = torch.compile(model.forward, backend="aot_eager")
         trainer.fit(model, token_data())
         return model
@@ -409,16 +359,7 @@ def test_grad_norm_outside_full_parameters_warns_once_and_inside_it_gives_the_no
     L.seed_everything(7, verbose=False)
     model = LogsGradNorm()
     model.norms, model.inside = [], []
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(),
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=3)
     with pytest.warns(UserWarning, match=r"grad_norm\(\) read no gradients") as seen:
         trainer.fit(model, token_data())
     assert sum("grad_norm() read no gradients" in str(w.message) for w in seen) == 1
@@ -459,16 +400,7 @@ def test_the_default_kernel_is_not_written_into_the_user_s_optimizer_or_its_chec
     assert [g["fused"] for g in got["optimizer_states"][0]["param_groups"]] == [None, None]
     L.seed_everything(7, verbose=False)
     model = ParityNet()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(),
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=2)
     trainer.fit(model, token_data())
     assert all(g["fused"] is None and g["foreach"] is None for g in trainer.optimizers[0].param_groups)
 

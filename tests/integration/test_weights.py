@@ -9,7 +9,7 @@ from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.engine.files.weights import WeightsError
 from tests.integration.test_deferred_init import init_values
 from tests.integration.test_parity import EXACT, assert_same_params
-from tests.models import DeferredNet, ParityNet, fit, token_data
+from tests.models import DeferredNet, ParityNet, fit, quiet_trainer, token_data
 from tests.weights_files import FORMATS, write_weights
 
 
@@ -75,16 +75,7 @@ def _bad(tmp_path, edit):
     L.seed_everything(7, verbose=False)
     model = ParityNet()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(weights=tmp_path / "bad.pt"),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(weights=tmp_path / "bad.pt"), max_steps=1)
     with pytest.raises(WeightsError) as e:
         trainer.fit(model, token_data())
     assert trainer.global_step == 0
@@ -143,16 +134,7 @@ def test_unreadable_weights_are_clear_errors(tmp_path, layout, match):
             (w / "model-00002-of-00002.safetensors").unlink()
     elif layout == "not_a_dict":
         torch.save([torch.zeros(2)], w)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(weights=w),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(weights=w), max_steps=1)
     with pytest.raises(WeightsError, match=match):
         trainer.fit(ParityNet(), token_data())
 
@@ -163,16 +145,7 @@ def test_weights_seed_the_first_fit_only_and_ckpt_path_still_wins(tmp_path):
     strategy = ChunkOffloadStrategy(weights=path)
     L.seed_everything(7, verbose=False)
     model = ParityNet()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(strategy=strategy, max_steps=4, default_root_dir=tmp_path, enable_checkpointing=True)
     trainer.fit(model, token_data())
     trained = {k: v.clone() for k, v in model.state_dict().items()}
     assert not torch.equal(trained["head.weight"], start["head.weight"])
@@ -182,16 +155,7 @@ def test_weights_seed_the_first_fit_only_and_ckpt_path_still_wins(tmp_path):
     ckpt = next(p for p in tmp_path.rglob("*.ckpt") if "w" not in p.parts)
     L.seed_everything(7, verbose=False)
     resumed = ParityNet()
-    t2 = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ChunkOffloadStrategy(weights=path),
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    t2 = quiet_trainer(strategy=ChunkOffloadStrategy(weights=path), max_steps=4)
     t2.fit(resumed, token_data(), ckpt_path=ckpt)  # resumes at step 4: no step, the checkpoint's values
     for k, v in trained.items():
         assert torch.equal(resumed.state_dict()[k], v), k

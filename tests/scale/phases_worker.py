@@ -28,6 +28,7 @@ from lightning_chunk.engine.runtime.warmup import Replan, WarmUpPlanner  # noqa:
 from lightning_chunk.engine.tiers.pool import BlockPool  # noqa: E402
 from lightning_chunk.options import grouped  # noqa: E402
 from lightning_chunk.shapes import Llama  # noqa: E402
+from tests.models import quiet_trainer  # noqa: E402
 
 SHAPE = dict(hidden=128, layers=8, intermediate=256, heads=4, kv_heads=4, vocab=512)
 # stepping in backward (the default here, said outright so that the plan, which cannot know whether a fit clips by
@@ -106,16 +107,11 @@ def fit(out: Path, first: bool, world: int, precision: str = "32-true") -> int:
     gc.collect()
     mark("set-up" if first else "resume")
     phases = Phases(out, first)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world,
-        precision=precision,  # type: ignore[arg-type]
+        precision=precision,
         strategy=ChunkOffloadStrategy(**grouped(STRATEGY)),
         max_steps=STEPS if first else STEPS + 2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[phases],
     )
     trainer.fit(Llama(SHAPE), train_dataloaders=data(), ckpt_path=None if first else str(out / "ckpt"))

@@ -7,19 +7,11 @@ import torch
 
 from lightning_chunk import ChunkTelemetry
 from lightning_chunk.backward_step import choose_step_in_backward, clip_value
-from tests.models import GradNormsAndEdits, GradsAfterBackward, ManualNet, ParityNet
+from tests.models import GradNormsAndEdits, GradsAfterBackward, ManualNet, ParityNet, quiet_trainer
 
 
 def trainer(**kw):
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
+    return quiet_trainer(**kw)
 
 
 class LogsGradients(ParityNet):
