@@ -253,23 +253,6 @@ class FloatBuffer(ParityNet):
         return self.head(self.norm(h))
 
 
-class RankBuffer(ParityNet):
-    """A buffer initialised differently on each rank and used in forward: ranks must start from rank 0's."""
-
-    def __init__(self, **kw) -> None:
-        import os
-
-        super().__init__(**kw)
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.register_buffer("offset", torch.full((self.embed.embedding_dim,), 0.05 * (rank + 1)))
-
-    def forward(self, x, use_branch=True):
-        h = self.embed(x) + self.offset
-        for blk in self.blocks:
-            h = h + blk(h)
-        return self.head(self.norm(h))
-
-
 class BatchNormNet(ParityNet):
     """A BatchNorm after the embedding: running statistics that each rank's batches move, read in evaluation. The
     blocks run in the reverse of their registration order (the first layout is not the order of use)."""
@@ -349,111 +332,6 @@ class AdapterNet(ParityNet):
         return self.head(self.norm(h))
 
 
-class OffloadAndReload(L.Callback):
-    """``offload_states()`` after the steps in ``offload_at`` and ``reload_states()`` before those in ``reload_at``
-    (an offload with no reload is reloaded by the next step); ``seen`` keeps the device chunk bytes after each call."""
-
-    def __init__(self, offload_at=(3, 9), reload_at=(6,)) -> None:
-        self.offload_at, self.reload_at, self.seen = offload_at, reload_at, []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step in self.offload_at:
-            reducer = trainer.strategy.engine.manager.reducer  # the traced reduce schedule survives the round trip
-            self.schedule = (list(reducer._order), reducer._due)
-            trainer.strategy.offload_states()
-            self.seen.append(("offloaded", trainer.strategy.memory_stats()["device_chunk_bytes"]))
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step in self.reload_at:
-            trainer.strategy.reload_states()
-            self.seen.append(("reloaded", trainer.strategy.memory_stats()["device_chunk_bytes"]))
-            reducer = trainer.strategy.engine.manager.reducer
-            assert (list(reducer._order), reducer._due) == self.schedule, "the reduce schedule was not kept"
-
-
-class FlipRequiresGrad(L.Callback):
-    """Progressive unfreezing and a re-freeze, set before every batch (so a resumed run sets them too): ``ParityNet``'s
-    "frozen" variant trains blocks[0] from step ``unfreeze`` on, and freezes its embedding for steps
-    ``unfreeze`` to ``refreeze``."""
-
-    def __init__(self, unfreeze: int = 6, refreeze: int = 14) -> None:
-        self.unfreeze, self.refreeze = unfreeze, refreeze
-
-    def frozen(self, pl_module, step: int) -> list:
-        """The parameters frozen at ``step``."""
-        return ([*pl_module.blocks[0].parameters()] if step < self.unfreeze else []) + (
-            [*pl_module.embed.parameters()] if self.unfreeze <= step < self.refreeze else []
-        )
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        frozen = {id(p) for p in self.frozen(pl_module, trainer.global_step)}
-        for p in [*pl_module.blocks[0].parameters(), *pl_module.embed.parameters()]:
-            p.requires_grad_(id(p) not in frozen)
-
-
-class DropFrozenGrads(FlipRequiresGrad):
-    """The same schedule for DDP, whose reducer only all-reduces the parameters that required grad when it was built:
-    everything trains, and the gradients of the parameters the schedule freezes are dropped before each step (so the
-    optimizer skips them, as it skips a frozen parameter)."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        pass
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        for p in self.frozen(pl_module, trainer.global_step):
-            p.grad = None
-
-
-class ClampFirstBlock(L.Callback):
-    """WGAN's weight clipping after every step, and a weight's norm read between steps: plain Lightning on the
-    parameters, chunk_offload inside ``trainer.strategy.full_parameters()`` ([Note: parameters outside a step]).
-    ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block."""
-
-    def __init__(self, bound: float = 0.05, use_block: bool = True) -> None:
-        self.bound, self.norms, self.seen_outside, self.use_block = bound, [], [], use_block
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        import contextlib
-
-        full = getattr(trainer.strategy, "full_parameters", None) if self.use_block else None
-        self.seen_outside.append(bool(not torch.isnan(pl_module.head.weight).all()))
-        with full() if full else contextlib.nullcontext(), torch.no_grad():
-            for p in pl_module.blocks[0].parameters():
-                p.clamp_(-self.bound, self.bound)
-            self.norms.append(float(pl_module.head.weight.norm()))
-            self.saved = pl_module.blocks[0].state_dict()["0.weight"].clone()  # a whole value, clamped
-
-
-class GradNormsAndEdits(L.Callback):
-    """Lightning's ``grad_norm`` in ``on_before_optimizer_step``, then the gradients edited: one block's halved in
-    place, ``norm.bias``'s dropped every other step (so the step skips it). Plain Lightning on the parameters,
-    chunk_offload inside ``full_parameters(with_grads=True)`` ([Note: gradients in full_parameters])."""
-
-    def __init__(self) -> None:
-        self.norms: list[dict[str, float]] = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        import contextlib
-
-        from lightning.pytorch.utilities import grad_norm
-
-        full = getattr(trainer.strategy, "full_parameters", None)
-        with full(with_grads=True) if full else contextlib.nullcontext():
-            self.norms.append({k: float(v) for k, v in grad_norm(pl_module, norm_type=2).items()})
-            blocks = pl_module.blocks if hasattr(pl_module, "blocks") else pl_module.blocks_reversed
-            for p in blocks[1].parameters():
-                if p.grad is not None:  # frozen (AdapterNet's blocks): none, as in plain Lightning
-                    p.grad.mul_(0.5)
-            if trainer.global_step % 2 == 0:
-                pl_module.norm.bias.grad = None
-
-
-class GradsAfterBackward(L.Callback):
-    def on_after_backward(self, trainer, pl_module):
-        with trainer.strategy.full_parameters(with_grads=True):
-            pass
-
-
 class SparseEmbedding(ParityNet):
     """``nn.Embedding(sparse=True)``, stepped by SGD (which takes sparse gradients in plain PyTorch); ``dense``: the
     same model with a dense embedding."""
@@ -497,11 +375,6 @@ class GradPenalty(ParityNet):
 
 class ReorderedGradPenalty(GradPenalty, ReorderedNet):
     """The gradient penalty on a model registered in another order than it is used."""
-
-
-class StateDictOutside(L.Callback):
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        pl_module.state_dict()
 
 
 class ReusedBlockNet(ParityNet):
@@ -650,74 +523,3 @@ class BatchNormCNN(ParityNet):
         h = F.relu(self.bn2(self.conv2(h.unsqueeze(-1)))).squeeze(-1)
         h = self.bn3(h[..., None, None]).flatten(2)
         return self.head(h.transpose(1, 2))
-
-
-class Gate(nn.Module):
-    """A module that owns a parameter directly and uses it only when told: ``image_newline`` in a vision-language
-    model, used only when the batch has images."""
-
-    def __init__(self, dim: int, own_chunk: bool = False) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        # a row (1, dim) decays with the weights, so it is packed beside its module's weight, away from the vector
-        # params every rank uses: a chunk whose parameters one rank may all lack gradients for
-        self.scale = nn.Parameter(torch.ones(1, dim) if own_chunk else torch.ones(dim))
-
-    def forward(self, h: torch.Tensor, use: bool) -> torch.Tensor:
-        h = self.proj(h)
-        # a new tensor either way: returning ``h`` itself would put the gate's backward hook on the projection's
-        # output, where it runs before or after the projection's by the order they were added, so ranks would run
-        # the two backward moments in different orders (which the module check refuses)
-        return h * self.scale if use else h * 1.0
-
-
-class RankGatedNet(ParityNet):
-    """Every rank runs the same modules, but a gate's own parameter gets a gradient on some ranks and not others,
-    differently at each step (DDP's ``find_unused_parameters=True`` case): rank r uses it when ``r + batch_idx`` is
-    even, so in the warm-up too one rank has it and the other not. Variant ``own_chunk``: the gate's parameter is a
-    row, packed with the weights."""
-
-    def build(self) -> None:
-        super().build()
-        own = self.variant == "own_chunk"
-        self.gates = nn.ModuleList(Gate(self.shape["dim"], own) for _ in range(self.shape["depth"]))
-
-    def forward(self, x, use_branch=True):
-        h = self.embed(x)
-        for blk, gate in zip(self.blocks, self.gates, strict=True):
-            h = h + blk(h)
-            h = h + gate(h, use_branch)
-        return self.head(self.norm(h))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.calls += 1
-        logits = self(x, use_branch=(self.global_rank + batch_idx) % 2 == 0)
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
-
-
-class RootGatedNet(ParityNet):
-    """A table the LightningModule owns itself, read in its own ``forward`` on some ranks and not others, differently
-    at each step (rank r reads it when ``r + batch_idx`` is even): the root's backward spans the whole backward."""
-
-    def build(self) -> None:
-        super().build()
-        self.extra = nn.Parameter(torch.randn(8, self.shape["dim"]) * 0.02)
-
-    def forward(self, x, use_branch=True):
-        h = self.embed(x)
-        if use_branch:
-            h = h + self.extra.sum(0)
-        for blk in self.blocks:
-            h = h + blk(h)
-        return self.head(self.norm(h))
-
-    training_step = RankGatedNet.training_step
-
-
-class SpareNet(ParityNet):
-    """A layer no step ever uses (a head kept for later): it gets no gradient on any rank, so it never steps."""
-
-    def build(self) -> None:
-        super().build()
-        self.spare = nn.Linear(self.shape["dim"], self.shape["dim"])

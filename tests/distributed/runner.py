@@ -26,8 +26,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_chunk import ChunkPrecision, ChunkTelemetry  # noqa: E402
-from tests import models  # noqa: E402
+from tests import callbacks, models  # noqa: E402
 from tests.distributed import checkpoint_cases as ck  # noqa: E402
+from tests.distributed import rank_models  # noqa: E402
 from tests.distributed import training_cases as tr  # noqa: E402
 from tests.distributed.harness import DEVICE_BYTES, STEPS, CommMode, chunk_strategy, fit_or_resume  # noqa: E402
 from tests.distributed.parity_cases import CASES  # noqa: E402
@@ -51,13 +52,18 @@ RUNS = {
 }
 
 
+def model_class(name: str) -> type:
+    """A case's model, by name: from ``tests.models`` or, where its use differs across ranks, ``rank_models``."""
+    return getattr(rank_models, name, None) or getattr(models, name)
+
+
 _DDP_RUNS: dict[str, tuple[dict[str, torch.Tensor], int]] = {}  # DDP's trained state and parameter bytes, by setup
 
 
 def run_parity(case: str, out: Path) -> None:
     spec = CASES[case]
     variant, model_kw, tkw = spec.get("variant", "plain"), spec.get("model", {}), spec.get("trainer", {})
-    cls = getattr(models, spec.get("cls", "ParityNet"))
+    cls = model_class(spec.get("cls", "ParityNet"))
     fp16, bf16 = spec.get("fp16", False), spec.get("bf16", False)
     init_scale = spec.get("init_scale", 2.0**16)
     steps, resume_at = spec.get("steps", STEPS), spec.get("resume_at")
@@ -103,7 +109,7 @@ def run_parity(case: str, out: Path) -> None:
 
     def make_chunk():
         L.seed_everything(7, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
-        got = getattr(models, spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
+        got = model_class(spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
         plugins = (
             [ChunkPrecision("16-mixed", init_scale=init_scale)]
             if fp16
@@ -115,10 +121,10 @@ def run_parity(case: str, out: Path) -> None:
 
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
     comm_mode = CommMode()
-    extra = [getattr(models, name)() for name in spec.get("callbacks", ())]
+    extra = [getattr(callbacks, name)() for name in spec.get("callbacks", ())]
     DEVICE_BYTES.clear()
-    callbacks = [comm_mode, *extra, *([telemetry] if telemetry else [])]
-    t, got, strategy = fit_or_resume(make_chunk, steps, resume_at, out / f"{case}.ckpt", callbacks, **tkw)
+    cbs = [comm_mode, *extra, *([telemetry] if telemetry else [])]
+    t, got, strategy = fit_or_resume(make_chunk, steps, resume_at, out / f"{case}.ckpt", cbs, **tkw)
     if telemetry is not None and t.global_rank == 0:
         (out / f"{case}.breakdown.json").write_text(json.dumps(telemetry.breakdown))
     rank = t.global_rank

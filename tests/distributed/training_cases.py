@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions
-from tests import models
+from tests import callbacks, models
 from tests.distributed.harness import chunk_strategy, trainer
 from tests.models import ParityNet, token_data
 
@@ -23,11 +23,11 @@ def run_unfreeze(out: Path) -> None:
     defaults; DDP trains everything and drops the gradients the schedule freezes (``DropFrozenGrads``)."""
     L.seed_everything(7, verbose=False)
     ref = ParityNet()
-    trainer(DDPStrategy(), steps=20, callbacks=[models.DropFrozenGrads()]).fit(ref, token_data())
+    trainer(DDPStrategy(), steps=20, callbacks=[callbacks.DropFrozenGrads()]).fit(ref, token_data())
     L.seed_everything(7, verbose=False)
     model = ParityNet(variant="frozen")
     strategy = chunk_strategy()
-    t = trainer(strategy, steps=20, callbacks=[models.FlipRequiresGrad()])
+    t = trainer(strategy, steps=20, callbacks=[callbacks.FlipRequiresGrad()])
     t.fit(model, token_data())
     state = {"ref": ref.state_dict(), "got": model.state_dict(), "stats": strategy.memory_stats()}
     if t.global_rank == 0:
@@ -39,12 +39,12 @@ def run_full_parameters(out: Path) -> None:
     """[Note: parameters outside a step]: weights clamped after every step and a norm read between steps, with the
     defaults and with host placement, against DDP doing the same on its parameters."""
     L.seed_everything(7, verbose=False)
-    ref, ref_cb, ref_grads = ParityNet(), models.ClampFirstBlock(), models.GradNormsAndEdits()
+    ref, ref_cb, ref_grads = ParityNet(), callbacks.ClampFirstBlock(), callbacks.GradNormsAndEdits()
     trainer(DDPStrategy(), steps=12, callbacks=[ref_cb, ref_grads]).fit(ref, token_data())
     state: dict = {"ref": ref.state_dict(), "ref_norms": ref_cb.norms, "ref_grad_norms": ref_grads.norms}
     for placement in ("auto", "host"):
         L.seed_everything(7, verbose=False)
-        model, cb, grads = ParityNet(), models.ClampFirstBlock(), models.GradNormsAndEdits()
+        model, cb, grads = ParityNet(), callbacks.ClampFirstBlock(), callbacks.GradNormsAndEdits()
         t = trainer(
             chunk_strategy(placement=placement),
             steps=12,
@@ -71,7 +71,7 @@ def run_full_parameters(out: Path) -> None:
         trainer(
             strategy,
             steps=8,
-            callbacks=[models.ClampFirstBlock(), models.GradNormsAndEdits()],
+            callbacks=[callbacks.ClampFirstBlock(), callbacks.GradNormsAndEdits()],
             accumulate_grad_batches=2,
         ).fit(model, token_data())
         hard[limited] = {"state": model.state_dict(), "evictions": strategy.memory_stats()["evictions"]}
@@ -80,7 +80,7 @@ def run_full_parameters(out: Path) -> None:
         t2 = trainer(
             ChunkOffloadStrategy(checks=CheckOptions(collective_timeout_s=60)),
             steps=2,
-            callbacks=[models.StateDictOutside()],
+            callbacks=[callbacks.StateDictOutside()],
         )
         t2.fit(ParityNet(), token_data())
     except Exception as e:  # noqa: BLE001 -- the message is what the test reads
@@ -91,7 +91,7 @@ def run_full_parameters(out: Path) -> None:
                 memory=MemoryOptions(sharded_accumulation=False), checks=CheckOptions(collective_timeout_s=60)
             ),
             steps=2,
-            callbacks=[models.GradsAfterBackward()],
+            callbacks=[callbacks.GradsAfterBackward()],
             accumulate_grad_batches=2,
         ).fit(ParityNet(), token_data())
     except Exception as e:  # noqa: BLE001 -- the message is what the test reads

@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning_chunk import ChunkEMA, ChunkOffloadStrategy
 from lightning_chunk.cli import main as cli_main
 from lightning_chunk.options import grouped
-from tests.models import BatchNormNet, FlipRequiresGrad, fit, quiet_trainer, token_data
+from tests.callbacks import FlipRequiresGrad
+from tests.models import BatchNormNet, fit, quiet_trainer, token_data
 
 EXACT = dict(rtol=0, atol=0)
 

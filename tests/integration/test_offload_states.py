@@ -7,7 +7,7 @@ import torch
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
 from lightning_chunk.engine.errors import ChunkError
 from lightning_chunk.options import grouped
-from tests import models
+from tests import callbacks
 from tests.models import fit
 
 STEPS = 12
@@ -27,7 +27,7 @@ def test_offloaded_states_leave_no_device_bytes_and_training_goes_on_bit_for_bit
     device while offloaded, the device's bytes back after a reload, and the parameters of plain Lightning."""
     plugins = dict(plugins=[ChunkPrecision("bf16-mixed")]) if bf16 else {}
     ref = fit(ChunkOffloadStrategy(**grouped({**kw, **LOOP})), steps=STEPS, **plugins)
-    cb = models.OffloadAndReload()
+    cb = callbacks.OffloadAndReload()
     got = fit(ChunkOffloadStrategy(**grouped({**kw, **LOOP})), steps=STEPS, callbacks=[cb], **plugins)
     assert [what for what, _ in cb.seen] == ["offloaded", "reloaded", "offloaded"]
     assert [b for what, b in cb.seen if what == "offloaded"] == [0, 0]
@@ -41,7 +41,7 @@ def test_offloaded_states_leave_no_device_bytes_and_training_goes_on_bit_for_bit
 
 
 def test_offloading_inside_gradient_accumulation_is_refused_with_the_reason():
-    class Early(models.OffloadAndReload):  # after the first micro-batch of two: the step has not happened
+    class Early(callbacks.OffloadAndReload):  # after the first micro-batch of two: the step has not happened
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 0:
                 trainer.strategy.offload_states()

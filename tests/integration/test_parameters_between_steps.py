@@ -16,8 +16,9 @@ from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging,
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine import ChunkError
 from lightning_chunk.options import grouped
+from tests.callbacks import ClampFirstBlock
 from tests.integration.test_parity import assert_same_params
-from tests.models import ClampFirstBlock, ParityNet, fit
+from tests.models import ParityNet, fit
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -206,7 +207,7 @@ def test_grad_norm_and_gradient_edits_inside_full_parameters_with_grads_are_plai
     no gradient at all (an empty dict: every ``.grad`` is ``None`` while gradients live in the shards). Inside the
     block it reads the gradients plain Lightning has, and what it changes (one block's halved, a parameter's
     dropped) is what the step uses."""
-    from tests.models import GradNormsAndEdits
+    from tests.callbacks import GradNormsAndEdits
 
     ref_cb, got_cb = GradNormsAndEdits(), GradNormsAndEdits()
     ref = fit("auto", steps=6, precision=precision, callbacks=[ref_cb])
@@ -227,7 +228,7 @@ def test_what_full_parameters_with_grads_cannot_do_is_refused():
 
     with pytest.raises(ChunkError, match=r"'embed\.weight' got no gradient in this step"):
         fit(chunked(), variant="frozen", steps=2, callbacks=[GivesAGradient()])
-    from tests.models import GradNormsAndEdits
+    from tests.callbacks import GradNormsAndEdits
 
     with pytest.raises(ValueError, match="not possible with step_in_backward=True"):
         fit(chunked(step_in_backward=True), steps=3, callbacks=[GradNormsAndEdits()])

@@ -8,7 +8,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from lightning_chunk.engine.runtime.moments import MomentClock
 from lightning_chunk.options import grouped
-from tests import models
+from tests import callbacks, models
 from tests.models import ParityNet, fit, quiet_trainer
 
 STEPS = 24
@@ -349,15 +349,15 @@ def test_freezing_and_unfreezing_mid_training_is_bit_exact(kw):
     defaults. The unfrozen block used to stay as it was, silently."""
     kw = dict(kw)
     tkw = kw.pop("trainer", {})
-    ref = fit("auto", steps=STEPS, variant="frozen", callbacks=[models.FlipRequiresGrad()], **tkw)
+    ref = fit("auto", steps=STEPS, variant="frozen", callbacks=[callbacks.FlipRequiresGrad()], **tkw)
     strategy = ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"}))
-    got = fit(strategy, steps=STEPS, variant="frozen", callbacks=[models.FlipRequiresGrad()], **tkw)
+    got = fit(strategy, steps=STEPS, variant="frozen", callbacks=[callbacks.FlipRequiresGrad()], **tkw)
     assert_same_params(ref, got, EXACT)
     init = fit("auto", steps=0, variant="frozen")
     assert not torch.equal(got.blocks[0][1].weight, init.blocks[0][1].weight)
 
 
-class FlipInsideAccumulation(models.FlipRequiresGrad):
+class FlipInsideAccumulation(callbacks.FlipRequiresGrad):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 5:  # the second micro-batch of a step
             for p in pl_module.blocks[0].parameters():

@@ -7,7 +7,8 @@ import torch
 
 from lightning_chunk import ChunkTelemetry
 from lightning_chunk.backward_step import choose_step_in_backward, clip_value
-from tests.models import GradNormsAndEdits, GradsAfterBackward, ManualNet, ParityNet, quiet_trainer
+from tests.callbacks import GradNormsAndEdits, GradsAfterBackward
+from tests.models import ManualNet, ParityNet, quiet_trainer
 
 
 def trainer(**kw):

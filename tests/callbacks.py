@@ -1,0 +1,117 @@
+"""Lightning callbacks the tests train with: they change what is trained mid-run (``requires_grad`` flipped, states
+offloaded), or read and edit parameters and gradients between steps, as users' callbacks do."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+
+class OffloadAndReload(L.Callback):
+    """``offload_states()`` after the steps in ``offload_at`` and ``reload_states()`` before those in ``reload_at``
+    (an offload with no reload is reloaded by the next step); ``seen`` keeps the device chunk bytes after each call."""
+
+    def __init__(self, offload_at=(3, 9), reload_at=(6,)) -> None:
+        self.offload_at, self.reload_at, self.seen = offload_at, reload_at, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step in self.offload_at:
+            reducer = trainer.strategy.engine.manager.reducer  # the traced reduce schedule survives the round trip
+            self.schedule = (list(reducer._order), reducer._due)
+            trainer.strategy.offload_states()
+            self.seen.append(("offloaded", trainer.strategy.memory_stats()["device_chunk_bytes"]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in self.reload_at:
+            trainer.strategy.reload_states()
+            self.seen.append(("reloaded", trainer.strategy.memory_stats()["device_chunk_bytes"]))
+            reducer = trainer.strategy.engine.manager.reducer
+            assert (list(reducer._order), reducer._due) == self.schedule, "the reduce schedule was not kept"
+
+
+class FlipRequiresGrad(L.Callback):
+    """Progressive unfreezing and a re-freeze, set before every batch (so a resumed run sets them too): ``ParityNet``'s
+    "frozen" variant trains blocks[0] from step ``unfreeze`` on, and freezes its embedding for steps
+    ``unfreeze`` to ``refreeze``."""
+
+    def __init__(self, unfreeze: int = 6, refreeze: int = 14) -> None:
+        self.unfreeze, self.refreeze = unfreeze, refreeze
+
+    def frozen(self, pl_module, step: int) -> list:
+        """The parameters frozen at ``step``."""
+        return ([*pl_module.blocks[0].parameters()] if step < self.unfreeze else []) + (
+            [*pl_module.embed.parameters()] if self.unfreeze <= step < self.refreeze else []
+        )
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        frozen = {id(p) for p in self.frozen(pl_module, trainer.global_step)}
+        for p in [*pl_module.blocks[0].parameters(), *pl_module.embed.parameters()]:
+            p.requires_grad_(id(p) not in frozen)
+
+
+class DropFrozenGrads(FlipRequiresGrad):
+    """The same schedule for DDP, whose reducer only all-reduces the parameters that required grad when it was built:
+    everything trains, and the gradients of the parameters the schedule freezes are dropped before each step (so the
+    optimizer skips them, as it skips a frozen parameter)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pass
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for p in self.frozen(pl_module, trainer.global_step):
+            p.grad = None
+
+
+class ClampFirstBlock(L.Callback):
+    """WGAN's weight clipping after every step, and a weight's norm read between steps: plain Lightning on the
+    parameters, chunk_offload inside ``trainer.strategy.full_parameters()`` ([Note: parameters outside a step]).
+    ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block."""
+
+    def __init__(self, bound: float = 0.05, use_block: bool = True) -> None:
+        self.bound, self.norms, self.seen_outside, self.use_block = bound, [], [], use_block
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import contextlib
+
+        full = getattr(trainer.strategy, "full_parameters", None) if self.use_block else None
+        self.seen_outside.append(bool(not torch.isnan(pl_module.head.weight).all()))
+        with full() if full else contextlib.nullcontext(), torch.no_grad():
+            for p in pl_module.blocks[0].parameters():
+                p.clamp_(-self.bound, self.bound)
+            self.norms.append(float(pl_module.head.weight.norm()))
+            self.saved = pl_module.blocks[0].state_dict()["0.weight"].clone()  # a whole value, clamped
+
+
+class GradNormsAndEdits(L.Callback):
+    """Lightning's ``grad_norm`` in ``on_before_optimizer_step``, then the gradients edited: one block's halved in
+    place, ``norm.bias``'s dropped every other step (so the step skips it). Plain Lightning on the parameters,
+    chunk_offload inside ``full_parameters(with_grads=True)`` ([Note: gradients in full_parameters])."""
+
+    def __init__(self) -> None:
+        self.norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        import contextlib
+
+        from lightning.pytorch.utilities import grad_norm
+
+        full = getattr(trainer.strategy, "full_parameters", None)
+        with full(with_grads=True) if full else contextlib.nullcontext():
+            self.norms.append({k: float(v) for k, v in grad_norm(pl_module, norm_type=2).items()})
+            blocks = pl_module.blocks if hasattr(pl_module, "blocks") else pl_module.blocks_reversed
+            for p in blocks[1].parameters():
+                if p.grad is not None:  # frozen (AdapterNet's blocks): none, as in plain Lightning
+                    p.grad.mul_(0.5)
+            if trainer.global_step % 2 == 0:
+                pl_module.norm.bias.grad = None
+
+
+class GradsAfterBackward(L.Callback):
+    def on_after_backward(self, trainer, pl_module):
+        with trainer.strategy.full_parameters(with_grads=True):
+            pass
+
+
+class StateDictOutside(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.state_dict()
