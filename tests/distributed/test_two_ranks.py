@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import GLOO_DEFAULTS, PARITY, check_parity, run, stats
-from tests.integration.test_disk_tier import o_direct_works
+from tests.integration.test_disk_io import o_direct_works
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
