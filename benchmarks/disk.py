@@ -56,7 +56,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,13 +65,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, median_interval, proc_bytes, run_or_child, step_timer  # noqa: E402
+from _common import ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, run_or_child, step_timer  # noqa: E402
+from _disk_floor import BLOCK, MemoryCgroup, disk_floor, floors  # noqa: E402
+from _disk_table import median_after_first, render  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from lightning_chunk.engine.config import parse_bytes  # noqa: E402
 from lightning_chunk.options import grouped  # noqa: E402
-
-BLOCK = 64 << 20
 
 
 def _data(args: argparse.Namespace) -> Any:
@@ -230,52 +229,6 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     Path(f"{args.out}.deepspeed").write_text(json.dumps(out))
 
 
-def disk_floor(directory: Path, read_bytes: int, write_bytes: int, *, direct: bool = False) -> float:
-    """Seconds a plain loop takes to write ``write_bytes`` then read ``read_bytes`` through one file in
-    ``directory``, 64 MiB a call (the file is as large as the larger of the two; reads wrap around). ``direct``:
-    with ``O_DIRECT`` from a page-aligned buffer, so every byte goes to and comes from the disk itself (the
-    floor of a machine whose page cache cannot hold the files)."""
-    import mmap
-
-    size = -(-max(read_bytes, write_bytes, BLOCK) // BLOCK) * BLOCK
-    buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
-    buf.write(b"\x01" * BLOCK)
-    path = directory / "floor.bin"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o600)
-    align = 4096 if direct else 1
-    try:
-        os.posix_fallocate(fd, 0, size)
-        t0 = time.perf_counter()
-        for total, io in ((write_bytes, "write"), (read_bytes, "read")):
-            done = 0
-            while done < total:
-                n = -(-min(BLOCK, total - done) // align) * align
-                part = memoryview(buf)[:n]
-                os.pwrite(fd, part, done % size) if io == "write" else os.preadv(fd, [part], done % size)
-                done += n
-        return time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        os.unlink(path)
-
-
-def floors(directory: Path, read_bytes: int, write_bytes: int, *, with_direct: bool = True) -> dict:
-    """The floor 5 times, each after ``os.sync()``, then (``with_direct``) 5 times with ``O_DIRECT`` where the
-    filesystem allows it."""
-    out: dict = {}
-    for key, direct in (("", False), ("direct_", True))[: 2 if with_direct else 1]:
-        runs = []
-        try:
-            for _ in range(5):
-                os.sync()
-                runs.append(disk_floor(directory, read_bytes, write_bytes, direct=direct))
-        except OSError as e:
-            out[f"{key}skipped"] = f"{e.strerror} ({'O_DIRECT' if direct else 'buffered'} I/O in {directory})"
-            continue
-        out[f"{key}seconds"], out[f"{key}all"] = sorted(runs)[2], runs
-    return out
-
-
 def child_floor(args: argparse.Namespace) -> None:
     """The buffered floor in a process of its own, inside the memory cgroup (``O_DIRECT`` bypasses the page cache:
     the parent's measure of it stands for both). ``--floor-hold``: first make this process's resident set that
@@ -292,55 +245,6 @@ def child_floor(args: argparse.Namespace) -> None:
     out["held_rss"] = proc_bytes("VmRSS")
     held.close()
     Path(f"{args.out}.{args.child}").write_text(json.dumps(out))
-
-
-class MemoryCgroup:
-    """A fresh memory cgroup below this process's own (cgroup v1 or v2), capping a child's resident set and page
-    cache together; ``why_not`` says why one cannot be made here."""
-
-    def __init__(self, limit: int, name: str) -> None:
-        self.limit, self.path, self.why_not, self.v1 = limit, None, None, False
-        try:
-            self.path = self._make(name)
-        except OSError as e:
-            self.why_not = f"no memory cgroup could be made here ({e.strerror}: {e.filename})"
-        except (StopIteration, IndexError):
-            self.why_not = "no memory cgroup could be made here (/proc/self/cgroup names no memory controller)"
-
-    def _make(self, name: str) -> Path:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        v1 = [ln.split(":", 2)[2] for ln in lines if ln.split(":", 2)[1].split(",").count("memory")]
-        if v1:
-            self.v1 = True
-            base, limit_file = Path("/sys/fs/cgroup/memory") / v1[0].lstrip("/"), "memory.limit_in_bytes"
-        else:
-            own = next(ln.split(":", 2)[2] for ln in lines if ln.startswith("0::"))
-            base, limit_file = Path("/sys/fs/cgroup") / own.lstrip("/"), "memory.max"
-        path = base / f"lightning_chunk-bench-{name}-{os.getpid()}"
-        path.mkdir()
-        try:
-            (path / limit_file).write_text(str(self.limit))
-        except OSError:
-            path.rmdir()
-            raise
-        return path
-
-    def enter(self) -> None:  # in the child, before it runs anything
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
-
-    def peak(self) -> int:
-        f = "memory.max_usage_in_bytes" if self.v1 else "memory.peak"
-        try:
-            return int((self.path / f).read_text())
-        except (OSError, ValueError):
-            return 0
-
-    def remove(self) -> None:
-        if self.path is not None:
-            try:
-                self.path.rmdir()
-            except OSError:
-                pass
 
 
 def _run(
@@ -472,7 +376,7 @@ def capped_rounds(args: argparse.Namespace, scratch: Path, cap_bytes: int, sizes
             for _ in range(3):
                 os.sync()
                 floors_s.append(disk_floor(Path(args.dir), *sizes[name], direct=True))
-            rnd[name] = {"step_s": _median_after_first(r["step_times"]), "direct_floor_s": sorted(floors_s)[1]}
+            rnd[name] = {"step_s": median_after_first(r["step_times"]), "direct_floor_s": sorted(floors_s)[1]}
         out.append(rnd)
     return out
 
@@ -481,167 +385,6 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
-
-
-def _median_after_first(times: list[float]) -> float:
-    rest = sorted(times[1:] or times)
-    return rest[len(rest) // 2]
-
-
-def _io_mode(row: dict) -> str:
-    """What ``disk_io="auto"`` chose for a disk-tier row."""
-    if "disk_direct_io" not in row:
-        return "disk_io not recorded"
-    return "past the page cache (O_DIRECT)" if row["disk_direct_io"] else "through the page cache"
-
-
-def render(res: dict) -> str:
-    a = res["args"]
-    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
-    limit = parse_bytes(a["host_limit"], field="--host-limit") + parse_bytes(a["device_limit"], field="--device-limit")
-    lines = [
-        f"GPT width {a['width']} depth {a['depth']}, context {a['context']}, batch {a['batch']}, {a['steps']} "
-        f"steps, 1 rank; host_memory_limit {a['host_limit']}, device_memory_limit {a['device_limit']} "
-        f"(limit {mib(limit)}), disk_dir {a['dir']}",
-        "",
-    ]
-    lines.append("| row | s a step | peak RSS | − baseline | under baseline + limit | state / host limit | notes |")
-    lines.append("|---|---|---|---|---|---|---|")
-    floor = res.get("floor")
-    for name, label in (
-        ("memory", "in memory (placement=host)"),
-        ("disk", "disk tier, stepped after backward"),
-        ("disk_early", "disk tier, stepped in backward (the default)"),
-        ("deepspeed", "DeepSpeed ZeRO-Infinity (nvme)"),
-    ):
-        r = res["rows"].get(name)
-        if r is None:
-            continue
-        if "failed" in r or "skipped" in r:
-            reason = r.get("skipped") or r["failed"].strip().splitlines()[-1]
-            lines.append(f"| {label} | — | — | — | — | — | cannot run here: {reason} |")
-            continue
-        step = _median_after_first(r["step_times"])
-        over = r["peak_rss"] - r["baseline_rss"]
-        state = (r.get("params") or res["rows"].get("memory", {}).get("params", 0)) * 16  # the same GPT
-        host = parse_bytes(a["host_limit"], field="--host-limit")
-        note = ""
-        if name in ("disk", "disk_early"):
-            s, last = r["stats"], r["last_step"]
-            note = (
-                f"{s['disk_shards']}/{s['chunks']} shards on disk ({gib(s['disk_chunk_bytes'])}); last step read "
-                f"{gib(last['disk_read_bytes'])}, wrote {gib(last['disk_write_bytes'])}, waited "
-                f"{last['disk_wait_s']:.2f} s, {_io_mode(r)}"
-            )
-            mem = res["rows"].get("memory", {})
-            own = res.get("floor_early") if name == "disk_early" else floor
-            if own:
-                note += f"; {step / own['seconds']:.2f}× {'its' if name == 'disk_early' else 'the'} disk floor"
-                if "step_times" in mem:
-                    extra = step - _median_after_first(mem["step_times"])
-                    note += f", its {extra:.2f} s over the in-memory step = {extra / own['seconds']:.2f}× the floor"
-        if name == "memory":
-            note = f"{r['params'] / 1e6:.1f}M parameters"
-        if name == "deepspeed":
-            note = "built under zero.Init, swap buffers sized to the model"
-            disk_row = res["rows"].get("disk", {})
-            if "step_times" in disk_row:
-                note += f"; the disk tier's step is {_median_after_first(disk_row['step_times']) / step:.2f}× this one"
-        fits = "yes" if over <= limit else "no"
-        lines.append(
-            f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {mib(over)} | "
-            f"{fits if name.startswith('disk') else '—'} | {state / host:.1f}× | {note} |"
-        )
-    for f, label in ((floor, "disk floor"), (res.get("floor_early"), "disk floor, stepped in backward")):
-        if not f:
-            continue
-        lines.append(
-            f"| {label} | {f['seconds']:.2f} | | | | | reads {gib(f['read_bytes'])}, writes "
-            f"{gib(f['write_bytes'])} with a plain loop in disk_dir (median of 5: "
-            f"{min(f['all']):.2f}..{max(f['all']):.2f} s) |"
-        )
-        if "direct_seconds" in f:
-            lines.append(
-                f"| {label}, O_DIRECT | {f['direct_seconds']:.2f} | | | | | the same bytes to and from "
-                f"the disk itself (median of 5: {min(f['direct_all']):.2f}..{max(f['direct_all']):.2f}"
-                " s): the floor where the page cache cannot hold the files |"
-            )
-        elif "direct_skipped" in f:
-            lines.append(f"| {label}, O_DIRECT | — | | | | | cannot run here: {f['direct_skipped']} |")
-    if "memory_cap" in res:
-        lines += [
-            "",
-            f"In a memory cgroup of {mib(res['memory_cap'])} (resident set and page cache together):",
-            "",
-            "| row | s a step | peak RSS | − baseline | cgroup peak | notes |",
-            "|---|---|---|---|---|---|",
-        ]
-        capped_floor = res["rows"].get("floor_capped", {})
-        for name, label in (
-            ("disk_capped", "disk tier stepped after backward, memory capped"),
-            ("floor_capped", "disk floor, memory capped"),
-            ("disk_early_capped", "disk tier stepped in backward (the default), memory capped"),
-            ("deepspeed_capped", "DeepSpeed ZeRO-Infinity (nvme), memory capped"),
-        ):
-            if name not in res["rows"]:
-                continue
-            r = res["rows"][name]
-            if "failed" in r or "skipped" in r:
-                reason = r.get("skipped") or r["failed"].strip().splitlines()[-1]
-                lines.append(f"| {label} | — | — | — | — | cannot run here: {reason} |")
-            elif name == "deepspeed_capped":
-                step = _median_after_first(r["step_times"])
-                over = mib(r["peak_rss"] - r["baseline_rss"])
-                lines.append(f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | |")
-            elif name in ("disk_capped", "disk_early_capped"):
-                step, last = _median_after_first(r["step_times"]), r["last_step"]
-                note = f"waited {last['disk_wait_s']:.2f} s on the disk in the last step, {_io_mode(r)}"
-                if name == "disk_capped" and "seconds" in capped_floor:
-                    note += f"; {step / capped_floor['seconds']:.2f}× the capped floor"
-                own = floor if name == "disk_capped" else res.get("floor_early")
-                if own and "direct_seconds" in own:
-                    note += f", {step / own['direct_seconds']:.2f}× {'the' if own is floor else 'its'} O_DIRECT floor"
-                if name == "disk_early_capped" and "step_times" in res["rows"].get("disk_capped", {}):
-                    note += (
-                        f"; {step / _median_after_first(res['rows']['disk_capped']['step_times']):.2f}× the "
-                        "capped disk tier's step"
-                    )
-                over = mib(r["peak_rss"] - r["baseline_rss"])
-                lines.append(
-                    f"| {label} | {step:.2f} | {gib(r['peak_rss'])} | {over} | {mib(r['cgroup_peak'])} | {note} |"
-                )
-            elif "seconds" in r:
-                held = f"; beside a resident set of {mib(r['held_rss'])}, the disk tier's" if r.get("held_rss") else ""
-                lines.append(
-                    f"| {label} | {r['seconds']:.2f} | | | {mib(r['cgroup_peak'])} | median of 5: "
-                    f"{min(r['all']):.2f}..{max(r['all']):.2f} s{held} |"
-                )
-    if res.get("rounds"):
-        lines += [
-            "",
-            f"{len(res['rounds'])} more rounds, each capped row followed at once by the O_DIRECT floor of "
-            "its own bytes (median of 3), the order shuffled each round:",
-            "",
-            "| row | s a step (min..max) | × its O_DIRECT floor, each round | median | 95% interval |",
-            "|---|---|---|---|---|",
-        ]
-        for name, label in (
-            ("disk", "disk tier stepped after backward, memory capped"),
-            ("disk_early", "disk tier stepped in backward (the default), memory capped"),
-        ):
-            got = [r[name] for r in res["rounds"] if "step_s" in r.get(name, {})]
-            if not got:
-                continue
-            steps = [g["step_s"] for g in got]
-            ratios = [g["step_s"] / g["direct_floor_s"] for g in got]
-            low, high = median_interval(ratios)
-            lines.append(
-                f"| {label} | {statistics.median(steps):.2f} ({min(steps):.2f}..{max(steps):.2f}) | "
-                f"{', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}** | "
-                f"{low:.2f}..{high:.2f} |"
-            )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
