@@ -377,6 +377,22 @@ class ReorderedGradPenalty(GradPenalty, ReorderedNet):
     """The gradient penalty on a model registered in another order than it is used."""
 
 
+class ReusedCheckpointedNet(ParityNet):
+    """The first block applied three times, as ALBERT shares its layers: twice inside reentrant activation
+    checkpointing (``use_reentrant=True``, Hugging Face's default before transformers 5) and once outside, so its
+    gradient arrives in three pieces, one from each checkpoint's own backward ([Note: gradients in pieces])."""
+
+    def forward(self, x, use_branch=True):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(x)
+        h = h + checkpoint(self.blocks[0], h, use_reentrant=True)
+        for blk in self.blocks:
+            h = h + checkpoint(blk, h, use_reentrant=True)
+        h = h + self.blocks[0](h)
+        return self.head(self.norm(h))
+
+
 class ReusedBlockNet(ParityNet):
     """The first block runs twice a forward (weights shared by calling one module again, as ALBERT does)."""
 

@@ -352,6 +352,16 @@ CASES = {
     "rank_gated_resume": dict(
         OWN_CHUNK, strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9, resume_at=3, steps=8
     ),
+    # a block used three times, twice inside reentrant activation checkpointing: its gradient arrives in three pieces
+    # ([Note: gradients in pieces]); DDP takes them with static_graph=True, and refuses them without
+    "reused_reentrant": dict(cls="ReusedCheckpointedNet", ddp_static_graph=True, strategy=dict(chunk_numel=2048)),
+    "reused_reentrant_limit": dict(
+        cls="ReusedCheckpointedNet",
+        ddp_static_graph=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
     # a parameter of the root, read in its forward on some ranks: in the warm-up its payload is made where its
     # gradient arrives first, and on the other ranks at the next moment
     "root_gated_limit": dict(

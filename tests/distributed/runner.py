@@ -88,7 +88,11 @@ def run_parity(case: str, out: Path) -> None:
                 if bf16
                 else None
             )
-            return ref, DDPStrategy(find_unused_parameters=unused), plugins
+            return (
+                ref,
+                DDPStrategy(find_unused_parameters=unused, static_graph=spec.get("ddp_static_graph", False)),
+                plugins,
+            )
 
         _, ref, _ = fit_or_resume(make_ref, steps, resume_at, out / f"{case}.ddp_ckpt", **tkw)
         _DDP_RUNS[key] = (

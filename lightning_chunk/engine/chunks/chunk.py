@@ -128,6 +128,8 @@ class TensorInfo:
     orig_dtype: torch.dtype
     state: TensorState = TensorState.FREE
     has_grad: bool = False  # a gradient arrived since the last step
+    grads_due: int = 1  # the pieces this backward brings its gradient in, and those that came ([Note: gradients in
+    grads_got: int = 0  # pieces] in runtime/pieces.py)
     view: torch.Tensor | None = field(default=None, repr=False)  # the parameter's view of the payload
     version: int = (
         0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
@@ -238,8 +240,12 @@ class Chunk:
                     self.set_state(info, new)
 
     def grads_complete(self) -> bool:
-        """Every tensor that expects a gradient has delivered it this backward."""
-        return all(t.state in _WAITING for t in self.tensors if t.requires_grad)
+        """Every tensor that expects a gradient has delivered it this backward, in all its pieces."""
+        return all(
+            t.state in _WAITING and (t.grads_due == 1 or t.grads_got >= t.grads_due)
+            for t in self.tensors
+            if t.requires_grad
+        )
 
     def has_waiting_grads(self) -> bool:
         return any(t.state in _WAITING for t in self.tensors)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the manager builds it
     from .manager import ChunkManager
 
 S = TensorState
+_WAITING = (S.READY_FOR_REDUCE, S.READY_FOR_REDUCE_FREE)
 
 
 class ChunkGrads:
@@ -87,9 +88,11 @@ class ChunkGrads:
         assert chunk.grad is not None, f"chunk {chunk.chunk_id} holds no trainable parameters"
         if mgr.comm.world_size > 1:
             mgr.reducer.refuse_late(chunk)  # the clearer error, before the state's
-        check_transition(
-            info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id, rank=chunk.rank
-        )  # before touching data: a refused gradient leaves nothing half-added
+        piece = info.state in _WAITING and info.grads_due > 1  # a later piece ([Note: gradients in pieces])
+        if not piece:
+            check_transition(
+                info.state, S.READY_FOR_REDUCE, param_name=info.name, chunk_id=chunk.chunk_id, rank=chunk.rank
+            )  # before touching data: a refused gradient leaves nothing half-added
         if mgr.comm.world_size == 1:
             # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
             # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
@@ -104,7 +107,8 @@ class ChunkGrads:
         else:
             mgr.reducer.add(chunk, info.offset, grad, make_room)
         info.has_grad = True
-        chunk.set_state(info, S.READY_FOR_REDUCE)
+        if not piece:
+            chunk.set_state(info, S.READY_FOR_REDUCE)
         if chunk.grads_complete() and mgr.comm.world_size == 1:
             self.reduce(chunk)  # several ranks reduce at moments ([Note: when a chunk reduces] in reduce.py)
         mgr.changed()

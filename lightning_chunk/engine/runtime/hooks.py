@@ -1,24 +1,20 @@
 """Runtime hooks: where module execution meets the chunk manager.
 
 [Note: hooks and autograd with freed storage]
-- A forward pre-hook on every module that owns parameters ticks the clock and
-  asks for its chunks: the placement plan evicts and prefetches, the manager
-  gathers, the module's tensors go to COMPUTE.
-- The forward post-hook moves them to HOLD_AFTER_FWD (HOLD without grad mode)
-  and puts a hook on each output tensor that requires grad. That tensor hook
-  fires when the gradient for the output is ready, i.e. right *before* the
+- A forward pre-hook on every module that owns parameters ticks the clock and asks for its chunks: the placement
+  plan evicts and prefetches, the manager gathers, the module's tensors go to COMPUTE.
+- The forward post-hook moves them to HOLD_AFTER_FWD (HOLD without grad mode) and puts a hook on each output tensor
+  that requires grad. That tensor hook fires when the gradient for the output is ready, i.e. right *before* the
   module's backward: it re-gathers the chunks (pre-backward).
-- Autograd saved the parameters themselves (views of the payload). Releasing a
-  payload resizes its storage to 0 without touching the views; re-gathering
-  resizes it back and copies in place, so saved tensors see valid data again.
-  Parameter version counters are not bumped by the copy (``param.data`` has its
-  own counter), so autograd's saved-tensor checks stay quiet.
-- A post-accumulate-grad hook on each trainable parameter moves ``param.grad``
-  into the chunk's gradient shard and clears it, so gradients never pile up on
-  the module. The last hook of a chunk (or the end of backward, for parameters
-  that got none) reduces the chunk.
-- The end of backward is a callback queued on the autograd engine by the first
-  backward hook; ``end_backward`` is idempotent so callers may call it again.
+- Autograd saved the parameters themselves (views of the payload). Releasing a payload resizes its storage to 0
+  without touching the views; re-gathering resizes it back and copies in place, so saved tensors see valid data
+  again. Parameter version counters are not bumped by the copy (``param.data`` has its own counter), so autograd's
+  saved-tensor checks stay quiet.
+- A post-accumulate-grad hook on each trainable parameter moves ``param.grad`` into the chunk's gradient shard and
+  clears it, so gradients never pile up on the module. The last hook of a chunk (or the end of backward, for
+  parameters that got none) reduces the chunk.
+- The end of backward is a callback queued on the autograd engine by the first backward hook; ``end_backward`` is
+  idempotent so callers may call it again.
 
 [Note: recomputation]
 Activation checkpointing (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable()``) runs a
@@ -84,6 +80,7 @@ from ..schedule.tracer import (
 )
 from .moments import MomentClock, in_backward
 from .owners import ModuleOwners
+from .pieces import GradPieces
 from .reads import ReleasedReads, reading, unwatch, unwatched, watch
 
 S = TensorState
@@ -122,6 +119,7 @@ class ChunkHooks:
         self.closed: str | None = None
         # parameters a backward with create_graph=True used, kept for the graph it built ([Note: double backward])
         self.grad_graph = GradGraphKeeper(manager)
+        self.pieces = GradPieces(manager)  # [Note: gradients in pieces]
         self.owners_changed = False  # a module adopted a parameter it read: the trace must be taken again
         self._held: set[int] = set()  # parameters read by iteration in this micro-batch, in use to its backward's end
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
@@ -191,6 +189,8 @@ class ChunkHooks:
                 chunk.set_state(info, S.COMPUTE)
         if recompute:
             self._pinned_by_backward[key] = frozenset(in_use)
+        if kind == FORWARD and not recompute and moments.training:
+            self.pieces.forward(key, self.owners.owned.get(key, ()))
         moments.expect_gradients(kind, key, self.owners.owned.get(key, ()))
         if before is not None:
             moments.record(kind, key, needed, before)
@@ -333,6 +333,7 @@ class ChunkHooks:
                 # batch did not touch get zeros, which every dense-capable optimizer steps as plain PyTorch does
                 # for a dense embedding (SparseAdam, which needs sparse gradients, is refused at set-up)
                 grad = grad.to_dense()
+            self.pieces.arrived(self.manager.lookup(param)[1])
             with self.manager.clock.measure("grad_copy"):
                 self.manager.grads.accumulate(param, grad, self.moments.make_room)
             param.grad = None
@@ -372,6 +373,7 @@ class ChunkHooks:
         self.moments.backward_queued = False
         self._open_backward.clear()
         self._pinned_by_backward.clear()
+        self.pieces.backward_ended()
         # [Note: a backward that delivers no gradient]
         arrived, self._grads_arrived = self._grads_arrived, False
         self.moments.sequence.add(GRADIENTS, "delivered" if arrived else "none delivered")
@@ -399,6 +401,7 @@ class ChunkHooks:
         self.manager.let_go(self._held, S.HOLD)
         self._held.clear()
         self.manager.reset_states()
+        self.pieces.reset()
         self.moments.new_step(training=training)
         self._open_backward.clear()
         self._pinned_by_backward.clear()
