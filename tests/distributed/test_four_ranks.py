@@ -1,6 +1,6 @@
 """Four ranks on CPU, gloo run as NCCL runs ([Note: gloo as NCCL]): the parity cases where the world size matters
 most (shards of a quarter, a parameter used on some ranks only, ranks whose limits differ, norm clipping on a guess
-that every rank undoes), in one launch.
+that every rank undoes, a gradient in pieces), in one launch.
 
 Two ranks' gradients sum bit-exactly in any order (a + b); four do not, and gloo's all-reduce sums a DDP bucket and
 a chunk's gradient payload in segments of their own, so an element's four terms meet in another order: parity is to
@@ -21,7 +21,16 @@ from tests.faults.common import Ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
-FOUR = ["plain", "host", "accumulate", "rank_gated", "rank_gated_own_chunk", "limits_differ", "early_clip_norm"]
+FOUR = [
+    "plain",
+    "host",
+    "accumulate",
+    "rank_gated",
+    "rank_gated_own_chunk",
+    "limits_differ",
+    "early_clip_norm",
+    "reused_reentrant_limit",
+]
 RELATIVE = 1e-3  # of the distance training moved the parameter
 
 
