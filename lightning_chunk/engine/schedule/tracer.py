@@ -203,9 +203,11 @@ class Trace:
         """The moment at whose start each chunk's gradient payload is made (``chunks``: chunk id -> its trainable
         parameters' indices): the one after which the first of their gradients arrived in this trace."""
         out: dict[MomentKey, list[int]] = {}
+        if not self.first_grad_positions:
+            return out
         for c, params in chunks.items():
             first = [self.first_grad_positions[i] for i in params if self.first_grad_positions[i] >= 0]
-            if first and self.first_grad_positions:
+            if first:
                 out.setdefault(self.moment_keys[min(first)], []).append(c)
         return out
 
