@@ -362,6 +362,16 @@ CASES = {
         strategy=dict(chunk_numel=None, chunk_numel_min=4096),
         limit_fraction=0.9,
     ),
+    # the same with ranks whose limits differ (0.9x and 1.4x), resumed at step 3 from its own checkpoint
+    "reused_reentrant_resume": dict(
+        cls="ReusedCheckpointedNet",
+        ddp_static_graph=True,
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fractions=(0.9, 1.4),
+        resume_at=3,
+        steps=8,
+    ),
     # a parameter of the root, read in its forward on some ranks: in the warm-up its payload is made where its
     # gradient arrives first, and on the other ranks at the next moment
     "root_gated_limit": dict(
