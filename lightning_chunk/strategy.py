@@ -33,6 +33,7 @@ from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory.full_params import full_parameters
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.schedule.growth import input_bytes
+from .evaluation import check_same_batches
 from .hf import PeftAdapters, keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
@@ -109,14 +110,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             timeout=timeout,
             **{k: kwargs.pop(k) for k in LIGHTNING_ARGS if k in kwargs},
         )
-        groups, deprecated = moved(
-            kwargs,
-            {
-                "memory": group("memory", memory),
-                "offload": group("offload", offload),
-                "checks": group("checks", checks),
-            },
-        )
+        given = {"memory": memory, "offload": offload, "checks": checks}
+        groups, deprecated = moved(kwargs, {name: group(name, value) for name, value in given.items()})
         for message in deprecated:
             rank_zero_deprecation(message)
         self.memory, self.offload, self.checks = groups["memory"], groups["offload"], groups["checks"]
@@ -362,6 +357,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     # ================================================================= steps
     def _step(self, method: str, training: bool, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
+        if not training:  # [Note: evaluation batches on every rank]
+            check_same_batches(self.lightning_module and self.lightning_module._trainer, self.engine.comm)
         nbytes = input_bytes(*args, **kwargs) if training else None
         with self.engine.micro_batch(training=training, input_bytes=nbytes) as outputs:
             out = getattr(super(), method)(*args, **kwargs)

@@ -55,6 +55,7 @@ LAUNCHED = [
     "grad_penalty_limit",
     "batchnorm",
     "save_after_fit",
+    "uneven_batches",
 ]
 
 

@@ -42,6 +42,7 @@ RUNS = {
     "unfreeze": tr.run_unfreeze,
     "full_parameters": tr.run_full_parameters,
     "grad_penalty_limit": tr.run_grad_penalty_limit,
+    "uneven_batches": tr.run_uneven_batches,
     "save_after_fit": ck.run_save_after_fit,
     "resume": ck.run_resume,
     "reshard_save": ck.run_reshard_save,

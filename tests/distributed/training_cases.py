@@ -6,6 +6,7 @@ fp16 overflow on one rank."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning as L
@@ -267,3 +268,46 @@ def run_overflow(out: Path) -> None:
         json.dumps({"unchanged": unchanged, "loss_scale": strategy.memory_stats()["loss_scale"]})
     )
     print(f"CASE-DONE fp16_overflow_one_rank rank={t.global_rank}", flush=True)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """``n`` samples of ``token_data`` with no length, as a stream's shard gives them."""
+
+    def __init__(self, n: int) -> None:
+        self.samples = token_data(n).dataset
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
+def run_uneven_batches(out: Path) -> None:
+    """[Note: evaluation batches on every rank]: rank 0 has 3 validation batches and rank 1 has 2 (a sized dataloader
+    without the distributed sampler), then a stream with no length for predict: every rank raises at the batch where
+    one's batches end, before running it. ``limit_val_batches`` giving both ranks 2 runs. Each rank saves what each
+    stage did: ``"ran"`` or the error's words."""
+    from lightning_chunk.engine.comm.agreement import CollectiveMismatchError
+
+    rank = int(os.environ.get("RANK", 0))
+    n = [12, 8][rank]  # samples: 3 and 2 batches of 4
+    done: dict[str, str] = {}
+
+    def attempt(stage: str, **kw) -> L.Trainer:
+        L.seed_everything(7, verbose=False)
+        t = trainer(chunk_strategy(placement="host"), use_distributed_sampler=False, **kw)
+        try:
+            getattr(t, stage)(ParityNet(), *loaders[stage])
+            done[stage] = "ran"
+        except CollectiveMismatchError as e:
+            done[stage] = str(e)
+        return t
+
+    loaders = {
+        "fit": (token_data(), token_data(n, seed=1)),
+        "validate": (token_data(n, seed=1),),
+        "predict": (torch.utils.data.DataLoader(_Stream(n), batch_size=4),),
+    }
+    attempt("fit", steps=2, limit_val_batches=1.0, val_check_interval=2)
+    attempt("validate", limit_val_batches=2)
+    attempt("predict")
+    (out / f"uneven_batches.rank{rank}.json").write_text(json.dumps(done))
+    print(f"CASE-DONE uneven_batches rank={rank}", flush=True)

@@ -64,17 +64,21 @@ class Collectives(RankGroup):
 
     def agree_on_value(self, value: int, *, what: str) -> bool:
         """True when every rank passed the same ``value`` (one fixed-size all-gather)."""
+        values = self.values_of_ranks(value, what=what)
+        return all(v == values[0] for v in values)
+
+    def values_of_ranks(self, value: int, *, what: str) -> list[int]:
+        """Every rank's ``value``, rank by rank (one fixed-size all-gather; every rank must call it together)."""
         if self.world_size == 1:
-            return True
+            return [value]
         refuse_if_broken_now(f"[rank {self.rank}] {what}")
         if self.agreement is not None and self.agreement.mode == "batch":  # the value rides on the check's exchange
-            values = self.agreement.verify_batch(value)
-            return all(v == values[0] for v in values)
+            return self.agreement.verify_batch(value)
         if self.agreement is not None:  # a disagreement on a chunk collective is the better error
             self.agreement.verify_through()
         out, work = self.gather_ints([value], group=self.group)
         Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
-        return bool((out == out[0]).all())
+        return [int(v) for v in out.tolist()]
 
     def verify_issued(self) -> None:
         """Check now that every rank issued the same chunk collectives so far (``CollectiveMismatchError`` if not).
