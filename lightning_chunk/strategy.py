@@ -33,10 +33,10 @@ from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory.full_params import full_parameters
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.schedule.growth import input_bytes
-from .evaluation import check_same_batches
 from .hf import PeftAdapters, keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
+from .same_batches import check_same_batches
 from .toggles import follow_toggles
 from .unsupported import check_callbacks
 
@@ -357,8 +357,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     # ================================================================= steps
     def _step(self, method: str, training: bool, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
-        if not training:  # [Note: evaluation batches on every rank]
-            check_same_batches(self.lightning_module and self.lightning_module._trainer, self.engine.comm)
+        # every rank runs as many batches as the others (same_batches.py)
+        check_same_batches(self.lightning_module and self.lightning_module._trainer, self.engine.comm)
         nbytes = input_bytes(*args, **kwargs) if training else None
         with self.engine.micro_batch(training=training, input_bytes=nbytes) as outputs:
             out = getattr(super(), method)(*args, **kwargs)

@@ -206,19 +206,23 @@ def test_weights_load_on_two_ranks_and_train_like_ddp(parity_run, fmt):
 
 
 @pytest.mark.cases("uneven_batches")
-def test_ranks_with_different_numbers_of_evaluation_batches_stop_together_naming_the_counts(parity_run):
-    """[Note: evaluation batches on every rank]: rank 0 has 3 validation batches and rank 1 has 2. Before, rank 0's
-    third forward waited in an all-gather that rank 1 never issued (a timeout blaming control flow after
-    ``collective_timeout_s``; a hang on NCCL), or ran where every chunk happened to be gathered. Now both ranks raise
-    at batch 1, before running it, naming each rank's count; a stream with no length in ``predict`` too; the same
-    loader under ``limit_val_batches=2`` runs."""
+def test_ranks_with_different_numbers_of_batches_stop_together_naming_the_counts(parity_run):
+    """[Note: the same number of batches on every rank]: rank 0 has 3 batches and rank 1 has 2. Before, rank 0's
+    third forward waited in an all-gather that rank 1 never issued: a timeout after ``collective_timeout_s`` blaming
+    control flow at a collective far from the cause (a hang on NCCL), or in evaluation it ran where every chunk
+    happened to be gathered. Now both ranks raise at batch 1, before running it, naming each rank's count: in
+    training, in validation, and for a stream with no length in ``predict``; the same loader under
+    ``limit_val_batches=2`` runs."""
     out, _, log = parity_run
     for r in (0, 1):
         assert f"CASE-DONE uneven_batches rank={r}" in log, log[-3000:]
         done = json.loads((out / f"uneven_batches.rank{r}.json").read_text())
-        assert done["validate"] == "ran"
-        assert "validation batches (rank 0: 3, rank 1: 2): at the loop's batch 1" in done["fit"], done
+        assert done["validate_limited"] == "ran"
+        assert "training batches (rank 0: 3, rank 1: 2): at the loop's batch 1" in done["train"], done
+        assert "limit_train_batches or max_steps" in done["train"]
+        assert "validation batches (rank 0: 3, rank 1: 2): at the loop's batch 1" in done["validation"], done
+        assert "limit_val_batches" in done["validation"]
         assert "predict batches (the dataloaders have no length): at the loop's batch 1" in done["predict"], done
-        for stage in ("fit", "predict"):
+        for stage in ("train", "validation", "predict"):
             assert done[stage].startswith(f"[rank {r}]") and "rank 1's dataloader ends" in done[stage]
             assert "use_distributed_sampler=True" in done[stage]

@@ -281,33 +281,30 @@ class _Stream(torch.utils.data.IterableDataset):
 
 
 def run_uneven_batches(out: Path) -> None:
-    """[Note: evaluation batches on every rank]: rank 0 has 3 validation batches and rank 1 has 2 (a sized dataloader
-    without the distributed sampler), then a stream with no length for predict: every rank raises at the batch where
-    one's batches end, before running it. ``limit_val_batches`` giving both ranks 2 runs. Each rank saves what each
-    stage did: ``"ran"`` or the error's words."""
+    """[Note: the same number of batches on every rank]: rank 0 has 3 batches and rank 1 has 2 (sized dataloaders
+    without the distributed sampler), in training and in validation, then a stream with no length for predict: every
+    rank raises at the batch where one's batches end, before running it. ``limit_val_batches`` giving both ranks 2
+    runs. Each rank saves what each stage did: ``"ran"`` or the error's words."""
     from lightning_chunk.engine.comm.agreement import CollectiveMismatchError
 
     rank = int(os.environ.get("RANK", 0))
     n = [12, 8][rank]  # samples: 3 and 2 batches of 4
     done: dict[str, str] = {}
 
-    def attempt(stage: str, **kw) -> L.Trainer:
+    def attempt(stage: str, call: str, *loaders, **kw) -> None:
         L.seed_everything(7, verbose=False)
         t = trainer(chunk_strategy(placement="host"), use_distributed_sampler=False, **kw)
         try:
-            getattr(t, stage)(ParityNet(), *loaders[stage])
+            getattr(t, call)(ParityNet(), *loaders)
             done[stage] = "ran"
         except CollectiveMismatchError as e:
             done[stage] = str(e)
-        return t
 
-    loaders = {
-        "fit": (token_data(), token_data(n, seed=1)),
-        "validate": (token_data(n, seed=1),),
-        "predict": (torch.utils.data.DataLoader(_Stream(n), batch_size=4),),
-    }
-    attempt("fit", steps=2, limit_val_batches=1.0, val_check_interval=2)
-    attempt("validate", limit_val_batches=2)
-    attempt("predict")
+    attempt("train", "fit", token_data(n), steps=-1, max_epochs=1)
+    attempt(
+        "validation", "fit", token_data(), token_data(n, seed=1), steps=2, limit_val_batches=1.0, val_check_interval=2
+    )
+    attempt("validate_limited", "validate", token_data(n, seed=1), limit_val_batches=2)
+    attempt("predict", "predict", torch.utils.data.DataLoader(_Stream(n), batch_size=4))
     (out / f"uneven_batches.rank{rank}.json").write_text(json.dumps(done))
     print(f"CASE-DONE uneven_batches rank={rank}", flush=True)

@@ -27,12 +27,9 @@ CASES = {
     # (rank that fails, what it enters, the how-many-th, how): what the survivor reports
     "killed at an all-gather": ("1:all_gather:40:kill", "lost rank 1", "all_gather of chunk"),
     "killed at a reduce-scatter": ("0:reduce_scatter:30:kill", "lost rank 0", "reduce_scatter of chunk"),
-    # the survivor steps and waits at its next forward, for rank 0's buffers ([Note: buffers as DDP syncs them])
-    "killed in the optimizer step": (
-        "1:step:5:kill",
-        "lost rank 1",
-        "the broadcast of rank 0's buffers before a forward",
-    ),
+    # the survivor steps and waits at its next batch, in the exchange that every rank has one ([Note: the same number
+    # of batches on every rank])
+    "killed in the optimizer step": ("1:step:5:kill", "lost rank 1", "the check that every rank runs training batch"),
     "stopped at an all-gather": ("1:all_gather:40:stop", "rank 1 (pid", "all_gather of chunk"),
 }
 

@@ -190,14 +190,15 @@ class Agreement:
                 lines = "; ".join(f"rank {r}: {OPS[t[0]]} of {comm.names(t[1], t[2])}" for r, t in enumerate(tags))
                 self._disagree(f"on the next collective ({lines})")
 
-    def verify_batch(self, value: int = 0) -> list[int]:
+    def verify_batch(self, value: int = 0, purpose: str = "") -> list[int]:
         """ "batch": compare the CRC of the collectives every rank issued since the last check; on a difference,
         gather the lists to name the first collective where they differ. A rank that issued none still takes part:
         the points that call this are the same on every rank, whatever each issued. ``value`` travels in the same
-        fixed-size exchange (``Collectives.agree_on_value``'s, at a backward's end); returns every rank's."""
+        fixed-size exchange (``Collectives.values_of_ranks``'s, named by ``purpose``); returns every rank's."""
         comm = self.comm
         issued, crc = self._issued, self._crc
         what = f"the agreement check of the {len(issued)} chunk collectives issued since the last one"
+        what = f"{purpose} (riding on {what})" if purpose else what
         comm.refuse_if_broken(f"[rank {comm.rank}] {what}")
         out, work = comm.gather_ints([len(issued), crc, value], group=self.tag_group)
         comm.wait_for(work, f"[rank {comm.rank}] {what}")

@@ -73,7 +73,7 @@ class Collectives(RankGroup):
             return [value]
         refuse_if_broken_now(f"[rank {self.rank}] {what}")
         if self.agreement is not None and self.agreement.mode == "batch":  # the value rides on the check's exchange
-            return self.agreement.verify_batch(value)
+            return self.agreement.verify_batch(value, what)
         if self.agreement is not None:  # a disagreement on a chunk collective is the better error
             self.agreement.verify_through()
         out, work = self.gather_ints([value], group=self.group)
