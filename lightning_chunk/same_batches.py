@@ -54,9 +54,10 @@ def check_same_batches(trainer: Any, comm: Collectives) -> None:
         return
     progress = loop.batch_progress
     index = progress.current.ready - 1  # this batch's position in the loop (ready counts it already)
+    skipped = " or that skipped the rest of its epoch (on_train_batch_start returned -1)" if kind == "training" else ""
     last = comm.values_of_ranks(
         int(progress.is_last_batch),
-        what=f"the check that every rank runs {kind} batch {index} (a rank with no batches left does not)",
+        what=f"the check that every rank runs {kind} batch {index} (not a rank whose batches ended{skipped})",
     )
     if len(set(last)) == 1:
         return
