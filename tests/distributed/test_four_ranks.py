@@ -31,13 +31,16 @@ FOUR = [
     "early_clip_norm",
     "reused_reentrant_limit",
 ]
+CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together
 RELATIVE = 1e-3  # of the distance training moved the parameter
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("four_ranks")
-    ranks = Ranks(RUNNER, out, *needed(request, "four_ranks", FOUR), world_size=4, env=AS_NCCL).wait(timeout=900)
+    ranks = Ranks(RUNNER, out, *needed(request, "four_ranks", FOUR + CHECKS), world_size=4, env=AS_NCCL).wait(
+        timeout=900
+    )
     rc = next((-9 if code is None else code for code, *_ in ranks if code != 0), 0)
     return out, rc, "".join(so + se for _, so, se, _ in ranks)
 
@@ -61,3 +64,21 @@ def test_parity_with_ddp_on_four_ranks(four_ranks, case):
     assert all(s["device_bytes"] == stats[0]["device_bytes"] for s in stats), case
     if case == "early_clip_norm":  # guesses undone on every rank ([Note: speculating past the norm and the overflow])
         assert all(s["speculation_rollbacks"] > 0 for s in stats)
+
+
+@pytest.mark.cases("uneven_batches")
+def test_four_ranks_whose_batch_counts_differ_stop_together_naming_each(four_ranks):
+    """[Note: the same number of batches on every rank] on one communicator of four: ranks 1 and 3 have 2 batches,
+    0 and 2 have 3; every rank raises at batch 1 naming the four counts and both ranks whose batches end."""
+    out, _, log = four_ranks
+    for r in range(4):
+        assert f"CASE-DONE uneven_batches rank={r}" in log, log[-3000:]
+        done = json.loads((out / f"uneven_batches.rank{r}.json").read_text())
+        assert done["validate_limited"] == "ran"
+        for stage, kind in (("train", "training"), ("validation", "validation")):
+            assert done[stage].startswith(
+                f"[rank {r}] the ranks run different numbers of {kind} batches (rank 0: 3, "
+                "rank 1: 2, rank 2: 3, rank 3: 2): at the loop's batch 1"
+            ), done[stage]
+        for stage in ("train", "validation", "predict"):
+            assert "the dataloaders of ranks 1, 3 end" in done[stage], done[stage]
