@@ -72,6 +72,43 @@ def test_a_write_outside_the_block_is_refused_where_it_would_be_lost_and_trains_
         fit(chunked(placement="host"), steps=4, callbacks=[ClampFirstBlock(use_block=False)])
 
 
+class MaxNormEmbedding(ParityNet):
+    """``nn.Embedding(max_norm=0.5)``: its forward renormalises the rows it looks up in place, a write during a step."""
+
+    def build(self) -> None:
+        super().build()
+        self.embed.max_norm = 0.5
+
+
+class RenormLookedUpRows(L.Callback):
+    """The way out the error names: ``max_norm=None`` and the same renormalisation before the forward, in the block."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with trainer.strategy.full_parameters(pl_module.embed), torch.no_grad():
+            torch.embedding_renorm_(pl_module.embed.weight, batch[0].reshape(-1), 0.5, 2.0)
+
+
+@pytest.mark.parametrize(
+    "kw,kept",
+    [(dict(placement="host"), False), (dict(device_memory_limit=100_000), False), ({}, True)],
+    ids=["host", "evicting_limit", "payload_is_master"],
+)
+def test_a_write_during_a_step_is_refused_where_it_would_be_lost_and_the_way_out_trains_like_plain_lightning(kw, kept):
+    """The embedding's renormalised rows went with the released payload and the model trained away from plain
+    Lightning without a word (8 steps: 3.6 apart). Where the payload is the master (one rank, fp32, resident) the
+    write is kept and trains; elsewhere the release raises, naming the parameter and the way out."""
+    ref = fit("auto", steps=8, cls=MaxNormEmbedding)
+    if kept:
+        assert_same_params(ref, fit(chunked(**kw), steps=8, cls=MaxNormEmbedding), EXACT)
+    else:
+        with pytest.raises(ChunkError, match=r"'embed\.weight' was written in place during a step.*max_norm=None"):
+            fit(chunked(**kw), steps=2, cls=MaxNormEmbedding)
+    assert_same_params(ref, fit(chunked(**kw), steps=8, callbacks=[RenormLookedUpRows()]), EXACT)
+    if kept:  # resident, but a bf16 copy of the master: the next step's check sees it
+        with pytest.raises(ChunkError, match=r"'embed\.weight' was written in place outside a step or in the last"):
+            fit(chunked(**kw), steps=2, precision="bf16-mixed", cls=MaxNormEmbedding)
+
+
 class SavesStateDicts(L.Callback):
     def __init__(self) -> None:
         self.saved = []

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import ChunkError
 from .packing import ChunkSpec, Slot
 from .states import PINNED_STATES, RESIDENT_STATES, TensorState, check_transition
 
@@ -115,6 +116,19 @@ class InFlight:
             self.work.wait()
         if self.event is not None:
             torch.cuda.current_stream(device).wait_event(self.event)
+
+
+def lost_write(info: TensorInfo, chunk_id: int, when: str) -> ChunkError:
+    """A parameter written in place into a payload that is a copy of its shard ([Note: parameters outside a step]
+    in ``full_params.py``): the write would be lost when the payload is gathered, written back or released."""
+    return ChunkError(
+        f"parameter {info.name!r} was written in place {when} (its version counter went from {info.version} to "
+        f"{info.param._version}), into chunk {chunk_id}'s payload, a copy of the sharded weights that the next "
+        "gather, release or optimizer write-back overwrites: the write would be lost. In a forward, "
+        "nn.Embedding(max_norm=...) renormalises the rows it looks up in place: leave max_norm=None and renormalise "
+        "in on_train_batch_start. Write parameters inside `with trainer.strategy.full_parameters():` "
+        "(ChunkOffloadStrategy.full_parameters; docs/faq.md, 'Reading or writing parameters between steps')."
+    )
 
 
 @dataclass(eq=False)
@@ -275,9 +289,15 @@ class Chunk:
             self.params_parked = True
             self.point_params()
 
-    def point_params(self) -> None:
+    def point_params(self, *, written_back: bool = False) -> None:
         """Each parameter's ``.data``: its payload view, or its placeholder while the payload is released; the
-        version counter is taken again ([Note: parameters outside a step] in ``full_params.py``)."""
+        version counter is taken again ([Note: parameters outside a step] in ``full_params.py``). A parameter written
+        in place since it was last pointed raises, unless the payload keeps what is written (``master_is_payload``)
+        or the caller wrote it back into the shards (``written_back``)."""
+        if not written_back and not self.master_is_payload():
+            for info in self.tensors:
+                if info.param._version != info.version:
+                    raise lost_write(info, self.chunk_id, "during a step")
         for info in self.tensors:
             assert info.view is not None
             if self.params_parked and info.released_value is None:

@@ -21,7 +21,9 @@ between a gather and the next step) would be lost without a word when the payloa
 again. Written through the parameter (``p.clamp_()``, ``p.copy_()``, ``load_state_dict``, ``reset_parameters()``
 under ``no_grad``), it bumps the parameter's version counter: each micro-batch and evaluation step first compares
 the counters with those taken when the parameters were last pointed at their payloads (``check_stray_writes``) and
-raises ``ChunkError`` naming the parameter. Writes through ``.data`` leave no trace and are not caught. A chunk
+raises ``ChunkError`` naming the parameter. A write during a step (``nn.Embedding(max_norm=...)`` renormalises the
+rows its forward looks up) is caught when the payload is released, before the counter is taken again
+(``Chunk.point_params``); in a resident copy, by the next step's check. Writes through ``.data`` leave no trace. A chunk
 whose payload *is* its shard (one rank, the shard on the device, no mixed precision) keeps what is written into
 it, so it is not checked: the write trains.
 
@@ -46,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..chunks.chunk import Role, Tier
+from ..chunks.chunk import Role, Tier, lost_write
 from ..chunks.repack import piece_range
 from ..chunks.states import TensorState
 from ..errors import ChunkError
@@ -124,7 +126,7 @@ def full_parameters(
                 for t in c.tensors:
                     if with_grads and t.slot.param_index in wanted:
                         t.param.grad = None
-                c.point_params()
+                c.point_params(written_back=True)
 
 
 def _with_gradients(engine: Any, chunks: list[Any], wanted: set[int]) -> set[int]:
@@ -211,14 +213,7 @@ def check_stray_writes(mgr: Any) -> None:
             continue
         for t in c.tensors:
             if t.param._version != t.version:
-                raise ChunkError(
-                    f"parameter {t.name!r} was written in place outside a step (its version counter went from "
-                    f"{t.version} to {t.param._version}), into chunk {c.chunk_id}'s payload, a copy of the sharded "
-                    "weights that the next gather or optimizer write-back overwrites: the write would be lost. Write "
-                    "parameters between steps inside `with trainer.strategy.full_parameters():` "
-                    "(ChunkOffloadStrategy.full_parameters; docs/faq.md, 'Reading or writing parameters between "
-                    "steps')."
-                )
+                raise lost_write(t, c.chunk_id, "outside a step or in the last step's forward")
 
 
 def state_dict_hooks(module: torch.nn.Module, mgr: Any, is_open: Callable[[], bool]) -> list[Any]:
