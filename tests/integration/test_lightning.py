@@ -418,3 +418,14 @@ def test_a_lazy_module_is_refused_with_its_name_and_the_way_out():
         ),
         max_steps=1,
     ).fit(model, token_data())
+
+
+class IntegerParameter(ParityNet):
+    def build(self) -> None:
+        super().build()
+        self.seen = torch.nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
+
+
+def test_an_integer_parameter_is_refused_naming_it_and_the_way_out():
+    with pytest.raises(TypeError, match=r"'seen' has dtype torch\.int64.*register_buffer\('seen'"):
+        trainer(strategy=ChunkOffloadStrategy(), max_steps=1).fit(IntegerParameter(), token_data())

@@ -72,7 +72,9 @@ class ChunkManager:
         for name, p in named_params:
             if not p.is_floating_point():
                 raise TypeError(
-                    f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be chunked."
+                    f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be chunked. A value "
+                    f"that never trains is a buffer: register_buffer({name.rsplit('.', 1)[-1]!r}, ...) on its "
+                    "module (buffers stay on the module, as under DDP)."
                 )
         self.specs = [
             ParamSpec(
