@@ -289,12 +289,11 @@ class Chunk:
             self.params_parked = True
             self.point_params()
 
-    def point_params(self, *, written_back: bool = False) -> None:
+    def point_params(self) -> None:
         """Each parameter's ``.data``: its payload view, or its placeholder while the payload is released; the
         version counter is taken again ([Note: parameters outside a step] in ``full_params.py``). A parameter written
-        in place since it was last pointed raises, unless the payload keeps what is written (``master_is_payload``)
-        or the caller wrote it back into the shards (``written_back``)."""
-        if not written_back and not self.master_is_payload():
+        in place since it was last pointed raises, unless the payload keeps what is written (``master_is_payload``)."""
+        if not self.master_is_payload():
             for info in self.tensors:
                 if info.param._version != info.version:
                     raise lost_write(info, self.chunk_id, "during a step")

@@ -115,6 +115,9 @@ def full_parameters(
         ok = True
     finally:
         hooks.closed = None
+        for c in chunks:  # what was written inside goes back below (with writeback=False it is let go, as asked)
+            for t in c.tensors:
+                t.version = t.param._version
         try:
             if ok and writeback:  # after an exception the other ranks may not be here: no collective, no write
                 if with_grads:
@@ -126,7 +129,7 @@ def full_parameters(
                 for t in c.tensors:
                     if with_grads and t.slot.param_index in wanted:
                         t.param.grad = None
-                c.point_params(written_back=True)
+                c.point_params()
 
 
 def _with_gradients(engine: Any, chunks: list[Any], wanted: set[int]) -> set[int]:
