@@ -285,6 +285,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         self.engine.buffers.enabled = fitting and self.config.broadcast_buffers  # DDP wraps the model to fit only
         if self.world_size > 1:  # [Note: generation on several ranks] in hf.py
             keep_generation_in_step(module, True)
+            self.engine.hooks.where = lambda: module._current_fx_name  # [Note: a forward outside a step]
         self._weights_loaded = self._weights_loaded or weights is not None
         self._deferred = None
         emas = [cb for cb in trainer.callbacks if isinstance(cb, ChunkEMA)]  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ bounded, so a divergence fails the test with an error instead of hanging it. The
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,16 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class CollectiveDeviceError(ChunkError, ValueError):
     """A tensor handed to a collective is not on the device its process group works on."""
+
+
+def _own_timeout_s(group: Any) -> float:
+    """The process group's own timeout in seconds (``init_process_group(timeout=...)``), or 30 minutes where torch does
+    not say."""
+    try:
+        pg: Any = group if group is not None else dist.group.WORLD
+        return float(pg._get_backend(torch.device("cuda")).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        return 1800.0
 
 
 def _host_id() -> int:
@@ -99,6 +110,8 @@ class RankGroup:
             mode = {True: "each", False: None}.get(verify, verify)  # type: ignore[arg-type]
         self.verify = mode is not None
         self.gloo = backend == "gloo"  # [Note: reduce-scatter on gloo]
+        # [Note: a forward outside a step]: no sooner than NCCL's watchdog would end a wait on NCCL
+        self.roll_call_s = _own_timeout_s(group) if backend == "nccl" else timeout_s
         if backend == "nccl":
             # an NCCL wait with a timeout may block the host; plain waits are stream-ordered and the
             # process group's own timeout (NCCL's watchdog) bounds them instead
@@ -111,8 +124,10 @@ class RankGroup:
         self.clock: Any | None = None  # the engine's StepClock, once it has one
         self.agreement: Agreement | None = None
         self._op_groups: dict[str, Any] = {}
+        self._roll_group: Any | None = None
         if self.world_size > 1:
             self._learn_peers()
+            self._roll_group = gloo_group_over(group, self.roll_call_s)
             if mode is not None:
                 self.agreement = Agreement(self, lazy=self.gloo, mode=mode)
             elif self.gloo and not self.as_nccl:  # [Note: a gloo group per kind of collective]
@@ -188,6 +203,7 @@ class RankGroup:
         """One rank, whether or not a process group exists."""
         c = cls.__new__(cls)
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
+        c.roll_call_s, c._roll_group = None, None
         c.gloo = c.as_nccl = False
         c.planning_only = False
         c._tag_device = torch.device("cpu")
@@ -267,6 +283,36 @@ class RankGroup:
             side.agreement, side._op_groups, side.clock = None, {}, None
             self._beside = side
         return side
+
+    def roll_call(self, where: str | None = None) -> None:
+        """[Note: a forward outside a step]
+        In a step every rank runs the same forwards: Lightning calls ``training_step`` on each, and every rank runs as
+        many batches ([Note: the same number of batches on every rank]). Outside one (a callback drawing samples at
+        the end of an epoch, ``if trainer.is_global_zero:`` around it, as works under DDP) a forward's gathers
+        waited for ranks that were already in the next batch's collectives: on NCCL a hang until its watchdog ended
+        the job, on gloo a timeout that blamed data-dependent control flow. So the first forward after a step
+        (or before the first) runs a roll call: ``monitored_barrier`` on a gloo group of its own, made at set-up,
+        which pairs with nothing else. Where every rank runs the forward it costs one small exchange; where one
+        does not, the ranks that came raise ``CollectiveTimeoutError`` naming the caller's hook (``where``), the
+        ranks missing and the way out, after ``collective_timeout_s`` on gloo and the process group's own timeout
+        on NCCL (so a rank that is merely slow, finishing work of its own first, fails no sooner than NCCL would
+        have failed it)."""
+        if self._roll_group is None:
+            return
+        what = f"a forward outside a training or evaluation step{f' (in {where})' if where else ''}"
+        refuse_if_broken_now(what)
+        try:
+            timeout = None if self.roll_call_s is None else datetime.timedelta(seconds=self.roll_call_s)
+            dist.monitored_barrier(group=self._roll_group, timeout=timeout, wait_all_ranks=True)
+        except RuntimeError as e:
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = (
+                f"[rank {self.rank}] {what} did not find every rank running one ({detail}). Each forward gathers "
+                "parameters from every rank, as under ZeRO-3 and FSDP, so every rank must run it: one under `if "
+                "trainer.is_global_zero:` waits for ranks that never come. Run it on every rank; print or save on one."
+            )
+            waits.mark_broken(error)
+            raise waits.CollectiveTimeoutError(error) from None
 
     def wait_for(self, work: Any, what: str) -> None:
         """A bounded wait for a small collective (charged to ``sync_wait``)."""

@@ -69,15 +69,7 @@ from ..memory.full_params import state_dict_hooks
 from ..memory.grad_graph import GradGraphKeeper
 from ..memory.manager import ChunkManager
 from ..schedule.placement import PlacementPolicy
-from ..schedule.tracer import (
-    BACKWARD,
-    FORWARD,
-    POST_FORWARD,
-    ROOT,
-    MemoryTracer,
-    MomentKind,
-    Trace,
-)
+from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
 from .moments import MomentClock, in_backward
 from .owners import ModuleOwners
 from .pieces import GradPieces
@@ -117,6 +109,8 @@ class ChunkHooks:
         self._pinned_by_backward: dict[str, frozenset[int]] = {}
         # why no forward may run now ([Note: parameters outside a step] in full_params.py), or None
         self.closed: str | None = None
+        self.where: Callable[[], str | None] = lambda: None  # the caller's hook, for a forward outside a step
+        self._rolled = False  # [Note: a forward outside a step] in group.py: this forward's roll call is done
         # parameters a backward with create_graph=True used, kept for the graph it built ([Note: double backward])
         self.grad_graph = GradGraphKeeper(manager)
         self.pieces = GradPieces(manager)  # [Note: gradients in pieces]
@@ -172,6 +166,9 @@ class ChunkHooks:
     def _use(self, key: str, kind: MomentKind) -> None:
         if self.closed is not None:
             raise ChunkError(self.closed)
+        if not self._rolled and kind == FORWARD and not in_backward():
+            self._rolled = True
+            self.manager.comm.roll_call(self.where())
         moments = self.moments
         moments.current_module = self.owners.index.get(key, -1)
         before = moments.resident() if moments.recorder else None
@@ -396,6 +393,7 @@ class ChunkHooks:
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.grad_graph.reset()  # a graph built by a backward with create_graph=True that no backward consumed
+        self._rolled = True  # in a step every rank runs the same forwards
         # parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's, whose
         # backward never came) are free to go
         self.manager.let_go(self._held, S.HOLD)
@@ -428,6 +426,7 @@ class ChunkHooks:
             ReleasedReads(self.owners.param_name) if check else contextlib.nullcontext(),
         ):
             yield outputs
+        self._rolled = False  # the next forward outside a step holds a roll call
         if ROOT in self.owners.owned:
             if training and torch.is_grad_enabled() and not registered:
                 # backward would find the root's payload released after this step's forward, and read freed memory
