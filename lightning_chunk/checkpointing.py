@@ -29,6 +29,12 @@ from .engine.state.checkpoint import (
 from .engine.system.atomic import remove_dir
 from .parallel import OneProcessPerDevice
 
+_SAVE_ADVICE = (
+    "A save gathers or writes every rank's shards, so every rank calls it, as Lightning asks of strategies that "
+    "checkpoint in a distributed way: `trainer.save_checkpoint` under `if trainer.is_global_zero:` waits for ranks "
+    "that never come. Call it on every rank; Lightning writes the files where they belong."
+)
+
 
 class ChunkCheckpoints(OneProcessPerDevice):
     """Lightning's checkpoint hooks over the engine's chunks; ``ChunkOffloadStrategy`` sets the attributes below."""
@@ -52,6 +58,8 @@ class ChunkCheckpoints(OneProcessPerDevice):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.engine is None:
             return super().lightning_module_state_dict()
+        # a save's first step on every rank: one on some ranks only waits in a roll call, not in a collective
+        self.engine.comm.roll_call(self.engine.hooks.where(), what="a checkpoint save", advice=_SAVE_ADVICE)
         if self._sharded:  # save_checkpoint writes the shards; nothing is gathered
             return placeholder_state_dict(self.engine)  # [Note: the state_dict of a sharded save]
         return self.engine.full_state_dict()

@@ -46,6 +46,12 @@ class CollectiveDeviceError(ChunkError, ValueError):
     """A tensor handed to a collective is not on the device its process group works on."""
 
 
+_FORWARD_ADVICE = (
+    "Each forward gathers parameters from every rank, as under ZeRO-3 and FSDP, so every rank must run it: one under "
+    "`if trainer.is_global_zero:` waits for ranks that never come. Run it on every rank; print or save on one."
+)
+
+
 def _own_timeout_s(group: Any) -> float:
     """The process group's own timeout in seconds (``init_process_group(timeout=...)``), or 30 minutes where torch does
     not say."""
@@ -284,7 +290,13 @@ class RankGroup:
             self._beside = side
         return side
 
-    def roll_call(self, where: str | None = None) -> None:
+    def roll_call(
+        self,
+        where: str | None = None,
+        *,
+        what: str = "a forward outside a training or evaluation step",
+        advice: str = _FORWARD_ADVICE,
+    ) -> None:
         """[Note: a forward outside a step]
         In a step every rank runs the same forwards: Lightning calls ``training_step`` on each, and every rank runs as
         many batches ([Note: the same number of batches on every rank]). Outside one (a callback drawing samples at
@@ -292,25 +304,22 @@ class RankGroup:
         waited for ranks that were already in the next batch's collectives: on NCCL a hang until its watchdog ended
         the job, on gloo a timeout that blamed data-dependent control flow. So the first forward after a step
         (or before the first) runs a roll call: ``monitored_barrier`` on a gloo group of its own, made at set-up,
-        which pairs with nothing else. Where every rank runs the forward it costs one small exchange; where one
-        does not, the ranks that came raise ``CollectiveTimeoutError`` naming the caller's hook (``where``), the
+        which pairs with nothing else; a save begins with one too (``ChunkCheckpoints``, whose object exchange
+        waited unbounded). Where every rank comes it costs one small exchange; where one does not, the ranks that
+        came raise ``CollectiveTimeoutError`` naming the caller's hook (``where``), the
         ranks missing and the way out, after ``collective_timeout_s`` on gloo and the process group's own timeout
         on NCCL (so a rank that is merely slow, finishing work of its own first, fails no sooner than NCCL would
         have failed it)."""
         if self._roll_group is None:
             return
-        what = f"a forward outside a training or evaluation step{f' (in {where})' if where else ''}"
+        what += f" (in {where})" if where else ""
         refuse_if_broken_now(what)
         try:
             timeout = None if self.roll_call_s is None else datetime.timedelta(seconds=self.roll_call_s)
             dist.monitored_barrier(group=self._roll_group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as e:
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            error = (
-                f"[rank {self.rank}] {what} did not find every rank running one ({detail}). Each forward gathers "
-                "parameters from every rank, as under ZeRO-3 and FSDP, so every rank must run it: one under `if "
-                "trainer.is_global_zero:` waits for ranks that never come. Run it on every rank; print or save on one."
-            )
+            error = f"[rank {self.rank}] {what} did not find every rank running one ({detail}). {advice}"
             waits.mark_broken(error)
             raise waits.CollectiveTimeoutError(error) from None
 

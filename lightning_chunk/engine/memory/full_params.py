@@ -56,6 +56,10 @@ from .consolidate import chunk_values, load_values
 
 S = TensorState
 _IN_A_STEP = (S.COMPUTE, S.HOLD_AFTER_FWD, S.READY_FOR_REDUCE, S.READY_FOR_REDUCE_FREE)
+_ALONE = (
+    "The block gathers every rank's shards, as FSDP's summon_full_params does, so every rank enters it: one under "
+    "`if trainer.is_global_zero:` waits for ranks that never come. Enter it on every rank; save or print on one."
+)
 
 
 @contextlib.contextmanager
@@ -85,6 +89,8 @@ def full_parameters(
             f"parameters are in use ({', '.join(busy[:4])}{', ...' if len(busy) > 4 else ''}). Enter it "
             "between steps, or in training_step before the forward or after the optimizer step."
         )
+    # one rank alone would wait in the gathers below ([Note: a forward outside a step] in group.py)
+    mgr.comm.roll_call(hooks.where(), what="full_parameters()", advice=_ALONE)
     wanted = _indices(mgr, params)
     chunks = [c for c in mgr.chunks if any(t.slot.param_index in wanted for t in c.tensors)]
     with_grad = _with_gradients(engine, chunks, wanted) if with_grads else set()
