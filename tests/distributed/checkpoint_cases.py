@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from tests import models
+from tests import backward_models, models
 from tests.distributed.harness import DEVICE_BYTES, chunk_strategy, trainer
 from tests.distributed.resume_common import RESUME_VARIANTS, final_state, resume_fit, resume_strategy
 from tests.models import ParityNet, token_data
@@ -142,7 +142,7 @@ def run_edited_checkpoint(out: Path) -> None:
     (adapters registered after the blocks, used between them)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    cls = models.edited(replace_head=True)
+    cls = backward_models.edited(replace_head=True)
     kw = dict(dim=64, hidden=512, depth=3)
     limit = int(sum(p.numel() * p.element_size() for p in cls(**kw).parameters()) * 0.5)
     results = {}

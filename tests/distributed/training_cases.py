@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions
-from tests import callbacks, models
+from tests import backward_models, callbacks, models
 from tests.distributed.harness import chunk_strategy, trainer
 from tests.models import ParityNet, token_data
 
@@ -107,7 +107,8 @@ def run_grad_penalty_limit(out: Path) -> None:
     payloads evicted and gathered again), on a model used in another order than registered, with accumulation,
     stepping in backward and after it: each as the same run without the limit, bit for bit."""
     kw = dict(dim=64, hidden=512, depth=3)
-    limit = int(sum(p.numel() * p.element_size() for p in models.ReorderedGradPenalty(**kw).parameters()) * 1.8)
+    params = backward_models.ReorderedGradPenalty(**kw).parameters()
+    limit = int(sum(p.numel() * p.element_size() for p in params) * 1.8)
     results = {}
     for name, extra in [
         ("free", {}),
@@ -115,7 +116,7 @@ def run_grad_penalty_limit(out: Path) -> None:
         ("limited_early", dict(device_memory_limit=limit, step_in_backward=True)),
     ]:
         L.seed_everything(7, verbose=False)
-        model = models.ReorderedGradPenalty(**kw)
+        model = backward_models.ReorderedGradPenalty(**kw)
         strategy = chunk_strategy(**extra, chunk_numel_min=4096)
         t = trainer(strategy, steps=6, accumulate_grad_batches=2)
         t.fit(model, token_data())

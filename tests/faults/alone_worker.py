@@ -1,10 +1,11 @@
 """One rank of a two-rank fit whose callback runs a forward (``WHAT=forward``), saves a checkpoint (``WHAT=save``)
-or reads a weight inside ``full_parameters()`` (``WHAT=full_parameters``) at the end of each epoch: on every rank after the first epoch, on rank 0 alone after the second
-([Note: a forward outside a step] in ``engine/comm/group.py``).
+or reads a weight inside ``full_parameters()`` (``WHAT=full_parameters``) at the end of each epoch: on every rank
+after the first epoch, on rank 0 alone after the second ([Note: a forward outside a step] in
+``engine/comm/group.py``).
 
     RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python alone_worker.py DIR WHAT
 
-Each rank prints ``DONE <epoch> <value>`` for each forward or save it finished; gloo runs as NCCL does (one
+Each rank prints ``DONE <epoch> <value>`` for each call it finished; gloo runs as NCCL does (one
 communicator, no agreement check), so nothing but the roll call stands between rank 0's lone call and a hang.
 """
 

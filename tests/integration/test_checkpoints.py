@@ -18,7 +18,8 @@ from lightning_chunk.cli import main as cli_main
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.state.checkpoint import CheckpointError, check_checkpoint_dir, save_sharded
 from lightning_chunk.options import grouped
-from tests.models import ParityNet, edited, quiet_trainer, token_data
+from tests.backward_models import edited
+from tests.models import ParityNet, quiet_trainer, token_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXACT = dict(rtol=0, atol=0)

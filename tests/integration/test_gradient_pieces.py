@@ -8,8 +8,9 @@ import torch
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine.errors import ChunkError
 from lightning_chunk.options import grouped
+from tests.backward_models import ReusedCheckpointedNet
 from tests.integration.test_parity import EXACT, assert_same_params
-from tests.models import ParityNet, ReusedCheckpointedNet, fit
+from tests.models import ParityNet, fit
 
 WIDE = dict(dim=256, hidden=1024, depth=4)
 

@@ -9,7 +9,8 @@ from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions,
 from lightning_chunk.engine.runtime.moments import MomentClock
 from lightning_chunk.options import grouped
 from tests import models
-from tests.models import ParityNet, fit, quiet_trainer
+from tests.backward_models import GradPenalty, model_class
+from tests.models import ParityNet, SparseEmbedding, fit, quiet_trainer, token_data
 
 STEPS = 24
 EXACT = dict(rtol=0, atol=0)
@@ -114,7 +115,8 @@ def test_moments_known_to_have_nothing_to_release_skip_their_plan_and_change_not
     every moment, and so is the training; with the automatic chunk size, without a limit, under a limit, keeping
     payloads for backward under one, on a model that runs its blocks in another order than it registers them with
     accumulation, and under activation checkpointing (forward moments inside backward)."""
-    cls = {"reordered_accumulate": models.ReorderedNet, "checkpointed_limit": models.CheckpointedNet}.get(setting)
+    cls = {"reordered_accumulate": "ReorderedNet", "checkpointed_limit": "CheckpointedNet"}.get(setting)
+    cls = cls and model_class(cls)
     limit = (
         dict(device_memory_limit=int(4 * sum(p.numel() for p in ParityNet(**WIDE).parameters()) * 0.45))
         if "limit" in setting
@@ -187,7 +189,7 @@ def test_activation_checkpointing_with_the_defaults_under_a_limit_is_bit_exact(c
     below the parameter bytes, the recomputed blocks gather their chunks beside the chunk of the module whose
     backward asked for them, and nothing a running backward reads is released (with ``use_reentrant=False`` host
     placement released the last layer's payload under its backward: "setStorage ... storage of size 0")."""
-    model_cls = getattr(models, cls)
+    model_cls = model_class(cls)
     ref = fit("auto", steps=8, cls=model_cls, model_kwargs=WIDE)
     limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * 0.45)
     strategy = ChunkOffloadStrategy(
@@ -204,11 +206,11 @@ def test_activation_checkpointing_with_the_defaults_under_a_limit_is_bit_exact(c
 def test_activation_checkpointing_on_the_host_with_a_chunk_a_module_is_bit_exact(cls):
     """Host placement releases each payload after use; the recomputation's forward must not release the chunk of
     the module whose backward runs it."""
-    ref = fit("auto", steps=STEPS, cls=getattr(models, cls), model_kwargs=dict(depth=3))
+    ref = fit("auto", steps=STEPS, cls=model_class(cls), model_kwargs=dict(depth=3))
     strategy = ChunkOffloadStrategy(
         placement="host", memory=MemoryOptions(chunk_numel=2048), offload=OffloadOptions(optimizer_kernel="loop")
     )
-    got = fit(strategy, steps=STEPS, cls=getattr(models, cls), model_kwargs=dict(depth=3))
+    got = fit(strategy, steps=STEPS, cls=model_class(cls), model_kwargs=dict(depth=3))
     assert_same_params(ref, got, EXACT)
 
 
@@ -217,12 +219,12 @@ def test_frozen_weights_under_a_limit_are_released_after_their_backward(placemen
     """[Note: frozen parameters in backward]: LoRA's shape (frozen blocks, trainable adapters) under a limit below
     the parameter bytes. The frozen weights never get a gradient; they used to stay pinned from their module's
     backward to the end of backward, and the first backward failed."""
-    ref = fit("auto", steps=8, cls=models.AdapterNet, model_kwargs=WIDE)
+    ref = fit("auto", steps=8, cls=model_class("AdapterNet"), model_kwargs=WIDE)
     limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * 0.3)
     strategy = ChunkOffloadStrategy(
         placement=placement, device_memory_limit=limit, offload=OffloadOptions(optimizer_kernel="loop")
     )
-    got = fit(strategy, steps=8, cls=models.AdapterNet, model_kwargs=WIDE)
+    got = fit(strategy, steps=8, cls=model_class("AdapterNet"), model_kwargs=WIDE)
     assert_same_params(ref, got, EXACT)
     assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
 
@@ -242,7 +244,7 @@ def test_reused_modules_and_checkpointed_adapters_with_the_defaults_under_a_limi
     beside the next module's and failed); the same with that block frozen (the repack after the warm-up built the new
     chunks beside the payloads the warm-up left resident, over the limit); LoRA's shape under activation
     checkpointing (both fixes of the frozen and recomputed paths at once)."""
-    model_cls = getattr(models, cls)
+    model_cls = model_class(cls)
     ref = fit("auto", steps=8, cls=model_cls, variant=variant, model_kwargs=WIDE)
     limit = int(sum(p.numel() * p.element_size() for p in ref.parameters()) * fraction)
     strategy = ChunkOffloadStrategy(
@@ -363,8 +365,6 @@ class Overflowing(ParityNet):
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     import lightning as L
 
-    from tests.models import token_data
-
     L.seed_everything(7, verbose=False)
     model = Overflowing()
     model.seen = []
@@ -384,8 +384,6 @@ def fit_compiled(strategy, steps: int = 8, **kw):
     strategies outside its own list; compiling the module's forward or a submodule is the way with chunk_offload).
     AOTAutograd with the eager backend: dynamo's graph breaks and autograd functions, no C compiler needed."""
     import lightning as L
-
-    from tests.models import token_data
 
     torch._dynamo.reset()  # a fresh cache: each run compiles its own model
     L.seed_everything(7, verbose=False)
@@ -422,8 +420,6 @@ def test_compiled_model_trains_in_parity_under_a_device_limit(monkeypatch):
 def test_a_gradient_penalty_double_backward_trains_like_auto(placement):
     """[Note: double backward]: with host placement the payloads that the create_graph=True backward's graph saved
     were released at its end, and the step's backward read freed memory (a segmentation fault)."""
-    from tests.models import GradPenalty
-
     ref = fit("auto", steps=6, cls=GradPenalty)
     strategy = ChunkOffloadStrategy(
         placement=placement, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
@@ -439,8 +435,6 @@ def test_a_sparse_embedding_trains_like_its_dense_twin(placement):
     """A sparse gradient (``nn.Embedding(sparse=True)``) failed in the engine's copy ("reshape is not implemented for
     sparse tensors"). It is made dense on arrival, so the run equals plain Lightning with a dense embedding bit for
     bit (plain PyTorch's sparse path itself rounds the repeated rows' sum differently)."""
-    from tests.models import SparseEmbedding
-
     ref = fit("auto", steps=4, cls=SparseEmbedding, model_kwargs=dict(dense=True))
     got = fit(
         ChunkOffloadStrategy(

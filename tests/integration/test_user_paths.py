@@ -302,44 +302,6 @@ def test_modules_named_in_full_precision_modules_keep_fp32_parameters_in_bf16_mi
     assert not got.fp32.scale.isnan().any() and not torch.equal(got.fp32.scale, torch.ones_like(got.fp32.scale))
 
 
-# ------------------------------------------------------------------ lightning-chunk plan
-def test_plan_takes_module_colon_class_and_says_in_one_line_that_it_needs_data():
-    from lightning_chunk.plan import load_class, plan_from_args
-
-    assert load_class("tests.models:ParityNet") is ParityNet and load_class("tests.models.ParityNet") is ParityNet
-    with pytest.raises(ValueError, match=r"no train_dataloader.*--data") as e:
-        plan_from_args("tests.models:ParityNet", None, None, None, None, {}, None)
-    assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"is not a file \(a path is taken from the current folder"):
-        plan_from_args("no/such/file.py:Model", None, None, None, None, {}, None)
-
-
-def test_plan_report_adds_up_and_prints_small_sizes_in_their_unit():
-    from lightning_chunk.plan import plan_from_args
-
-    report = plan_from_args(
-        "tests.models:ParityNet",
-        "tests.models:TokenData",
-        None,
-        None,
-        None,
-        {"device_memory_limit": "300 KiB", "chunk_numel": 4096},
-        None,
-    )
-    text = report.render()
-    line = text.split("chunks")[1].splitlines()[0]
-    total, params, padding = (
-        int(x.replace(",", ""))
-        for x in (
-            line.split(": ")[1].split(" elements")[0],
-            line.split("= ")[1].split(" parameters")[0],
-            line.split("+ ")[1].split(" padding")[0],
-        )
-    )
-    assert total == params + padding and params == report.param_numel
-    assert "0.00 GiB" not in text and "0.0 MiB" not in text and "300.00 KiB: fits" in text
-
-
 # ------------------------------------------------------------------ silent no-ops say so, once
 def test_disk_dir_without_a_host_limit_warns_that_it_does_nothing(tmp_path):
     with pytest.warns(UserWarning, match=r"disk_dir=.* does nothing without host_memory_limit"):

@@ -1,0 +1,143 @@
+"""Models whose backward is out of the ordinary: activation checkpointing (a module's forward runs again inside
+backward), a block run twice a step, frozen layers beside trainable adapters (LoRA's shape, and a checkpoint that
+keeps the adapters only), a gradient penalty (a backward through the graph of another)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests import models
+from tests.models import ParityNet, ReorderedNet
+
+
+class CheckpointedNet(ParityNet):
+    """Activation checkpointing (``torch.utils.checkpoint``) around each block, as Hugging Face's
+    ``gradient_checkpointing_enable()`` does: backward runs each block's forward again, so its chunk is needed a
+    third time in a step, after the forward that released it. ``reentrant`` picks the older autograd.Function form,
+    whose recomputation runs inside the backward of a node the engine's hooks never saw."""
+
+    reentrant = False
+
+    def forward(self, x, use_branch=True):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(x)
+        for blk in self.blocks:
+            h = h + checkpoint(blk, h, use_reentrant=self.reentrant)
+        return self.head(self.norm(h))
+
+
+class ReentrantCheckpointedNet(CheckpointedNet):
+    reentrant = True
+
+
+class AdapterNet(ParityNet):
+    """LoRA's shape: every block's layers frozen, a trainable low-rank adapter beside each block. The frozen
+    weights are most of the parameters and never get a gradient, yet backward reads each of them once."""
+
+    def build(self) -> None:
+        super().build()
+        dim = self.shape["dim"]
+        self.adapters = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4, bias=False), nn.Linear(4, dim, bias=False))
+            for _ in range(self.shape["depth"])
+        )
+        for p in self.blocks.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        for blk, adapter in zip(self.blocks, self.adapters, strict=True):
+            h = h + blk(h) + adapter(h)
+        return self.head(self.norm(h))
+
+
+class GradPenalty(ParityNet):
+    """WGAN-GP's shape: the gradient of the logits with respect to the embeddings, taken with create_graph=True, and
+    its norm penalised, so the step's backward runs through the graph that the first backward built
+    ([Note: double backward])."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        out = h
+        for blk in self.blocks:
+            out = out + blk(out)
+        logits = self.head(self.norm(out))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        (g,) = torch.autograd.grad(logits.float().pow(2).sum(), h, create_graph=True)
+        return loss + 0.01 * (g.norm(2, dim=-1) - 1).pow(2).mean()
+
+
+class ReorderedGradPenalty(GradPenalty, ReorderedNet):
+    """The gradient penalty on a model registered in another order than it is used."""
+
+
+class ReusedCheckpointedNet(ParityNet):
+    """The first block applied three times, as ALBERT shares its layers: twice inside reentrant activation
+    checkpointing (``use_reentrant=True``, Hugging Face's default before transformers 5) and once outside, so its
+    gradient arrives in three pieces, one from each checkpoint's own backward ([Note: gradients in pieces])."""
+
+    def forward(self, x, use_branch=True):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(x)
+        h = h + checkpoint(self.blocks[0], h, use_reentrant=True)
+        for blk in self.blocks:
+            h = h + checkpoint(blk, h, use_reentrant=True)
+        h = h + self.blocks[0](h)
+        return self.head(self.norm(h))
+
+
+class ReusedBlockNet(ParityNet):
+    """The first block runs twice a forward (weights shared by calling one module again, as ALBERT does)."""
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        h = h + self.blocks[0](h)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+
+class CheckpointedAdapterNet(AdapterNet):
+    """LoRA's shape with activation checkpointing around each frozen block and its adapter (PEFT with
+    ``gradient_checkpointing_enable()``)."""
+
+    def forward(self, x, use_branch=True):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(x)
+        for blk, adapter in zip(self.blocks, self.adapters, strict=True):
+            h = checkpoint(lambda t, b=blk, a=adapter: t + b(t) + a(t), h, use_reentrant=False)
+        return self.head(self.norm(h))
+
+
+class KeepsAdaptersOnly:
+    """LoRA's checkpoint: ``on_save_checkpoint`` drops the frozen weights' keys and adds an entry of its own (an EMA's,
+    say); ``on_load_checkpoint`` takes the entry back. Mixed into a model class by ``edited``."""
+
+    strict_loading = False  # the frozen weights come from the model's own initialisation (pretrained, for LoRA)
+
+    def on_save_checkpoint(self, checkpoint):
+        sd = checkpoint["state_dict"]
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                del sd[name]
+        sd["ema.scale"] = torch.tensor([3.0, 4.0])
+        if self.replace_head:
+            sd["head.weight"] = torch.full_like(self.head.weight, 0.25, device="cpu")
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded_entry = checkpoint["state_dict"].pop("ema.scale")
+
+
+def edited(strict: bool = False, replace_head: bool = False):
+    return type("Edited", (KeepsAdaptersOnly, AdapterNet), {"strict_loading": strict, "replace_head": replace_head})
+
+
+def model_class(name: str) -> type:
+    """A test model by its class name, from this module or ``tests.models``."""
+    return globals().get(name) or getattr(models, name)

@@ -1,0 +1,42 @@
+"""``lightning-chunk plan`` from a user's side: a model named as ``module:Class``, a report that adds up."""
+
+import pytest
+
+from tests.models import ParityNet
+
+
+def test_plan_takes_module_colon_class_and_says_in_one_line_that_it_needs_data():
+    from lightning_chunk.plan import load_class, plan_from_args
+
+    assert load_class("tests.models:ParityNet") is ParityNet and load_class("tests.models.ParityNet") is ParityNet
+    with pytest.raises(ValueError, match=r"no train_dataloader.*--data") as e:
+        plan_from_args("tests.models:ParityNet", None, None, None, None, {}, None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"is not a file \(a path is taken from the current folder"):
+        plan_from_args("no/such/file.py:Model", None, None, None, None, {}, None)
+
+
+def test_plan_report_adds_up_and_prints_small_sizes_in_their_unit():
+    from lightning_chunk.plan import plan_from_args
+
+    report = plan_from_args(
+        "tests.models:ParityNet",
+        "tests.models:TokenData",
+        None,
+        None,
+        None,
+        {"device_memory_limit": "300 KiB", "chunk_numel": 4096},
+        None,
+    )
+    text = report.render()
+    line = text.split("chunks")[1].splitlines()[0]
+    total, params, padding = (
+        int(x.replace(",", ""))
+        for x in (
+            line.split(": ")[1].split(" elements")[0],
+            line.split("= ")[1].split(" parameters")[0],
+            line.split("+ ")[1].split(" padding")[0],
+        )
+    )
+    assert total == params + padding and params == report.param_numel
+    assert "0.00 GiB" not in text and "0.0 MiB" not in text and "300.00 KiB: fits" in text
