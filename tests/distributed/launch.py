@@ -56,6 +56,7 @@ LAUNCHED = [
     "batchnorm",
     "save_after_fit",
     "uneven_batches",
+    "fits_again",
 ]
 
 

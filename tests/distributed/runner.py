@@ -43,6 +43,7 @@ RUNS = {
     "full_parameters": tr.run_full_parameters,
     "grad_penalty_limit": tr.run_grad_penalty_limit,
     "uneven_batches": tr.run_uneven_batches,
+    "fits_again": tr.run_fits_again,
     "save_after_fit": ck.run_save_after_fit,
     "resume": ck.run_resume,
     "reshard_save": ck.run_reshard_save,

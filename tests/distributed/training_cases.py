@@ -309,3 +309,17 @@ def run_uneven_batches(out: Path) -> None:
     attempt("predict", "predict", torch.utils.data.DataLoader(_Stream(n), batch_size=4))
     (out / f"uneven_batches.rank{rank}.json").write_text(json.dumps(done))
     print(f"CASE-DONE uneven_batches rank={rank}", flush=True)
+
+
+def run_fits_again(out: Path) -> None:
+    """Six fits in one process (a sweep, or fit then test): each fit's engine made gloo groups (sockets to every peer
+    and threads) that were never destroyed, until the process ran out of descriptors. Each rank saves its open
+    descriptors and threads after each fit."""
+    rank = int(os.environ.get("RANK", 0))
+    seen = []
+    for _ in range(6):
+        L.seed_everything(7, verbose=False)
+        trainer(chunk_strategy(placement="host"), steps=2).fit(ParityNet(), token_data())
+        seen.append((len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))))
+    (out / f"fits_again.rank{rank}.json").write_text(json.dumps(seen))
+    print(f"CASE-DONE fits_again rank={rank}", flush=True)

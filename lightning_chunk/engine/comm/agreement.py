@@ -120,15 +120,13 @@ class Agreement:
         self._groups: dict[tuple[str, str, int], Any] = {}  # (op, gloo operation, bytes) -> its group
         self._checked_every_time: dict[str, Any] = {}  # op -> the group of its keys past MAX_KEYS
         if lazy:
-            self.tag_group = gloo_group_over(comm.group)
+            self.tag_group = comm.gloo_group()
         self._open: collections.deque[_Tag] = collections.deque()  # issued, not yet compared
         self._seq = 0
         self.barriers = 0  # chunk collectives checked with a barrier (the tests count them)
         # "batch" on gloo: a group of its own for explaining a timed-out wait ([Note: explaining a stuck wait])
         self._explain_group = (
-            gloo_group_over(comm.group, min(EXPLAIN_S, comm.timeout_s or EXPLAIN_S))
-            if lazy and mode == "batch"
-            else None
+            comm.gloo_group(min(EXPLAIN_S, comm.timeout_s or EXPLAIN_S)) if lazy and mode == "batch" else None
         )
 
     def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Check, Any]:
@@ -154,10 +152,10 @@ class Agreement:
             return None, self.comm.group
         # every rank is here (the barrier passed): make the key's group, or the one for keys past the cap
         if sum(k[0] == op for k in self._groups) < MAX_KEYS:
-            self._groups[key] = gloo_group_over(self.comm.group)
+            self._groups[key] = self.comm.gloo_group()
             return None, self._groups[key]
         if op not in self._checked_every_time:
-            self._checked_every_time[op] = gloo_group_over(self.comm.group)
+            self._checked_every_time[op] = self.comm.gloo_group()
         return None, self._checked_every_time[op]
 
     def _note(self, op: str, chunk: int, module: int) -> None:

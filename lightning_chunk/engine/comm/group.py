@@ -131,13 +131,33 @@ class RankGroup:
         self.agreement: Agreement | None = None
         self._op_groups: dict[str, Any] = {}
         self._roll_group: Any | None = None
+        self.made: list[Any] = []  # the gloo groups made for this run, destroyed by ``close``
         if self.world_size > 1:
             self._learn_peers()
-            self._roll_group = gloo_group_over(group, self.roll_call_s)
+            self._roll_group = self.gloo_group(self.roll_call_s)
             if mode is not None:
                 self.agreement = Agreement(self, lazy=self.gloo, mode=mode)
             elif self.gloo and not self.as_nccl:  # [Note: a gloo group per kind of collective]
-                self._op_groups = {op: gloo_group_over(group) for op in OPS[:2]}
+                self._op_groups = {op: self.gloo_group() for op in OPS[:2]}
+
+    def gloo_group(self, timeout_s: float | None = None) -> Any:
+        """A new gloo group over this group's ranks, which every rank makes at the same point; ``close`` destroys it."""
+        made = gloo_group_over(self.group, timeout_s)
+        self.made.append(made)
+        return made
+
+    def close(self) -> None:
+        """The end of the run: destroy the gloo groups made for it. Each holds sockets to every peer and threads, so a
+        process that fits again and again gathered them (on two ranks with gloo's defaults 35 descriptors and 21
+        threads a fit, until the descriptors ran out). After a failed collective they stay: a group's thread may be
+        stuck on a live peer, and the process is on its way out ([Note: naming a lost rank] in ``waits.py``)."""
+        made, self.made[:] = list(self.made), []
+        self._roll_group, self._op_groups = None, {}
+        for made_on_first_use in ("_host_group", "_beside"):
+            self.__dict__.pop(made_on_first_use, None)
+        if not waits.is_broken():
+            for g in made:
+                dist.destroy_process_group(g)
 
     def _learn_peers(self) -> None:
         """Every rank's ``(pid, host id)``; see [Note: naming a lost rank]."""
@@ -209,7 +229,7 @@ class RankGroup:
         """One rank, whether or not a process group exists."""
         c = cls.__new__(cls)
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
-        c.roll_call_s, c._roll_group = None, None
+        c.roll_call_s, c._roll_group, c.made = None, None, []
         c.gloo = c.as_nccl = False
         c.planning_only = False
         c._tag_device = torch.device("cpu")
@@ -271,7 +291,7 @@ class RankGroup:
         if self._tag_device.type == "cpu":
             return self.group if self.group is not None else dist.group.WORLD
         if getattr(self, "_host_group", None) is None:
-            self._host_group = gloo_group_over(self.group)
+            self._host_group = self.gloo_group()
         return self._host_group
 
     def beside(self: G) -> G:
@@ -284,7 +304,7 @@ class RankGroup:
         side = getattr(self, "_beside", None)
         if side is None:
             side = copy.copy(self)
-            side.group = side._host_group = gloo_group_over(self.group, self.timeout_s)
+            side.group = side._host_group = self.gloo_group(self.timeout_s)
             side._tag_device = torch.device("cpu")
             side.agreement, side._op_groups, side.clock = None, {}, None
             self._beside = side

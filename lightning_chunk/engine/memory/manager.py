@@ -380,9 +380,11 @@ class ChunkManager:
         self.changed()
 
     def close(self) -> None:
-        """The end of the run: the disk tier's scratch files go, and the pool's blocks."""
+        """The end of the run: the disk tier's scratch files go, the pool's blocks, and the groups the collectives
+        made."""
         self.pool.clear()
         self.tiers.close()
+        self.comm.close()
 
     # ==================================================================== stats
     def stats(self) -> dict[str, float]:
