@@ -293,11 +293,10 @@ class Chunk:
         """Each parameter's ``.data``: its payload view, or its placeholder while the payload is released; the
         version counter is taken again ([Note: parameters outside a step] in ``full_params.py``). A parameter written
         in place since it was last pointed raises, unless the payload keeps what is written (``master_is_payload``)."""
-        if not self.master_is_payload():
-            for info in self.tensors:
-                if info.param._version != info.version:
-                    raise lost_write(info, self.chunk_id, "during a step")
+        check = not self.master_is_payload()
         for info in self.tensors:
+            if check and info.param._version != info.version:
+                raise lost_write(info, self.chunk_id, "during a step")
             assert info.view is not None
             if self.params_parked and info.released_value is None:
                 info.released_value = released_placeholder(info.shape, info.view.dtype, info.view.device)

@@ -326,10 +326,9 @@ class RankGroup:
         (or before the first) runs a roll call: ``monitored_barrier`` on a gloo group of its own, made at set-up,
         which pairs with nothing else; a save begins with one too (``ChunkCheckpoints``, whose object exchange
         waited unbounded). Where every rank comes it costs one small exchange; where one does not, the ranks that
-        came raise ``CollectiveTimeoutError`` naming the caller's hook (``where``), the
-        ranks missing and the way out, after ``collective_timeout_s`` on gloo and the process group's own timeout
-        on NCCL (so a rank that is merely slow, finishing work of its own first, fails no sooner than NCCL would
-        have failed it)."""
+        came raise ``CollectiveTimeoutError`` naming the caller's hook (``where``), the ranks missing and the way
+        out, after ``collective_timeout_s`` on gloo and the process group's own timeout on NCCL (so a rank that is
+        merely slow, finishing work of its own first, fails no sooner than NCCL would have failed it)."""
         if self._roll_group is None:
             return
         what += f" (in {where})" if where else ""
