@@ -100,9 +100,18 @@ class ChunkCheckpoints(OneProcessPerDevice):
         """A sharded checkpoint is renamed to a hidden name before it is deleted: a kill midway through the
         deletion (ModelCheckpoint dropping an older top-k) never leaves a half-deleted directory that looks like a
         checkpoint; see [Note: replacing a checkpoint directory]. While a save is written in the background the
-        deletion waits for it to be complete, and is dropped if it fails."""
+        deletion waits for it to be complete, and is dropped if it fails.
+
+        Every rank calls this. A checkpoint restored before the warm-up still holds the optimizer state the first
+        step reads ([Note: optimizer state read after the warm-up]); Lightning's tuners (``BatchSizeFinder``,
+        ``LearningRateFinder``) restore their checkpoint and remove it at once, so it is read first, on every rank,
+        before rank 0 deletes it."""
         if not is_sharded_checkpoint(filepath):
             return super().remove_checkpoint(filepath)
+        pending = self.engine.pending_state if self.engine is not None else None
+        if pending is not None and pending.path.resolve() == Path(filepath).resolve():
+            self.engine.settle_state()  # type: ignore[union-attr]
+            self.barrier("remove_checkpoint")  # every rank has read its pieces before they go
         if self.is_global_zero:
             remove = functools.partial(remove_dir, Path(filepath))
             if self.engine is not None:

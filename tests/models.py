@@ -413,3 +413,27 @@ class BatchNormCNN(ParityNet):
         h = F.relu(self.bn2(self.conv2(h.unsqueeze(-1)))).squeeze(-1)
         h = self.bn3(h[..., None, None]).flatten(2)
         return self.head(h.transpose(1, 2))
+
+
+class SizedNet(ParityNet):
+    """Reads ``batch_size`` for its loaders, as the tuner asks. ``fits``: the largest batch whose forward does not
+    raise the allocator's out-of-memory; ``None``: every batch fits."""
+
+    def __init__(self, fits: int | None) -> None:
+        super().__init__(scheduler=False)
+        self.batch_size, self.fits = 2, fits
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        for blk in self.blocks:
+            h = h + blk(h)
+            if self.fits is not None and x.shape[0] > self.fits:  # after a module ran: chunks are in use
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.head(self.norm(h))
+
+    def train_dataloader(self):
+        x = torch.randint(0, VOCAB, (256, 8), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, (x * 3 + 1) % VOCAB), batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return self.train_dataloader()

@@ -14,7 +14,8 @@ step, after the warm-up repack, straight into the tiers the trace chose (``Chunk
 that reads the state before then reads it first: a save (the checkpoint it resumed from may be the one it
 overwrites), the end of fit. Hyperparameters are the optimizer's own then, not read again: a callback may have
 changed them. The checkpoint must stay where it is until then: its index files are compared with what the restore saw,
-and a changed one raises rather than mixing two saves' state. The values cannot wait: the warm-up step runs them.
+and a changed one raises rather than mixing two saves' state. Removed through the strategy (Lightning's tuners
+restore theirs and remove it at once) it is read first. The values cannot wait: the warm-up step runs them.
 """
 
 from __future__ import annotations

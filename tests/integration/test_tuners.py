@@ -1,0 +1,57 @@
+"""Lightning's tuners from the user's side, one rank against plain Lightning. ``BatchSizeFinder`` doubles the batch
+until a trial runs out of memory, halves it, then restores the weights from a checkpoint it saved before the trials
+and removes at once; ``LearningRateFinder`` restores and removes the same way after its sweep."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.options import grouped
+from tests.models import SizedNet, quiet_trainer
+
+EXACT = dict(rtol=0, atol=0)
+LIMITED = dict(chunk_numel=4000, optimizer_kernel="loop")  # a limit evicts; the loop kernel is plain Adam's bits
+
+
+def _fit(strategy, callback, fits=None):
+    L.seed_everything(7, verbose=False)
+    model = SizedNet(fits)
+    trainer = quiet_trainer(
+        accelerator="cpu", strategy=strategy, max_steps=6, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(model)
+    return model
+
+
+def _same(ref, got):
+    assert got.batch_size == ref.batch_size and got.lr == ref.lr
+    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
+
+
+def _finder():
+    return BatchSizeFinder(steps_per_trial=2, max_trials=5)
+
+
+def test_the_batch_size_finder_halves_after_an_out_of_memory_and_trains_like_plain_lightning():
+    """The trial at 32 runs out of memory in its forward. Its grown inputs had sent the engine back to a warm-up,
+    so the restore left the optimizer state to the first step, and the finder removed the checkpoint before it:
+    the run failed there, on every GPU, where a limit is always set. Now the removal reads it first."""
+    ref = _fit("auto", _finder(), fits=16)
+    got = _fit(ChunkOffloadStrategy(**grouped({**LIMITED, "device_memory_limit": 600_000})), _finder(), fits=16)
+    assert ref.batch_size == 16
+    _same(ref, got)
+
+
+@pytest.mark.parametrize("limit", [None, 400_000], ids=["no_limit", "evicting_limit"])
+def test_the_learning_rate_finder_suggests_and_trains_like_plain_lightning(limit):
+    def finder():
+        return LearningRateFinder(num_training_steps=20, early_stop_threshold=None, update_attr=True, attr_name="lr")
+
+    ref = _fit("auto", finder())
+    got = _fit(ChunkOffloadStrategy(**grouped({**LIMITED, "device_memory_limit": limit})), finder())
+    assert got.lr != 1e-2  # the suggestion was taken
+    _same(ref, got)
