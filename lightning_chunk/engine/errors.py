@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class ChunkError(RuntimeError):
     """Base class of every error raised by the engine."""
@@ -11,8 +13,17 @@ class IllegalTransitionError(ChunkError):
     """A tensor moved between two states that the legal table does not connect."""
 
 
-class DeviceMemoryLimitError(ChunkError):
-    """Chunk memory on the device tier would exceed ``device_memory_limit``."""
+class DeviceMemoryLimitError(ChunkError, torch.OutOfMemoryError):
+    """Chunk memory on the device tier would exceed ``device_memory_limit``: an out-of-memory, so that
+    ``except torch.OutOfMemoryError`` (a loop that skips a batch too long) catches it as it catches the allocator's.
+    On a CUDA device the message begins as the allocator's does: Lightning's ``BatchSizeFinder`` and
+    ``Tuner.scale_batch_size`` recognise an out-of-memory by those words, and halve the batch rather than stop."""
+
+    PREFIX = "CUDA out of memory under device_memory_limit: "
+
+    def __init__(self, message: str, device: torch.device | None = None) -> None:
+        cuda = device is not None and device.type == "cuda"
+        super().__init__(self.PREFIX + message if cuda and not message.startswith(self.PREFIX) else message)
 
 
 class UnsupportedOptimizerError(ChunkError, TypeError):

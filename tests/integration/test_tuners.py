@@ -3,11 +3,13 @@ until a trial runs out of memory, halves it, then restores the weights from a ch
 and removes at once; ``LearningRateFinder`` restores and removes the same way after its sweep."""
 
 import lightning as L
+import lightning.pytorch.tuner.batch_size_scaling as batch_size_scaling
 import pytest
 import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+from lightning.pytorch.utilities.memory import is_oom_error
 
-from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk import ChunkOffloadStrategy, DeviceMemoryLimitError
 from lightning_chunk.options import grouped
 from tests.models import SizedNet, quiet_trainer
 
@@ -43,6 +45,20 @@ def test_the_batch_size_finder_halves_after_an_out_of_memory_and_trains_like_pla
     ref = _fit("auto", _finder(), fits=16)
     got = _fit(ChunkOffloadStrategy(**grouped({**LIMITED, "device_memory_limit": 600_000})), _finder(), fits=16)
     assert ref.batch_size == 16
+    _same(ref, got)
+
+
+def test_the_device_limit_is_an_out_of_memory_the_batch_size_finder_halves_after(monkeypatch):
+    """The limit, not the allocator, stops the trial at 32: the warm-up traced more than it. Lightning recognises
+    an out-of-memory by the CUDA allocator's words, which the error has on a CUDA device; on this CPU run the
+    finder is told to recognise the type instead."""
+    cuda = DeviceMemoryLimitError("a warm-up needs more", torch.device("cuda", 0))
+    assert is_oom_error(cuda) and str(cuda).startswith("CUDA out of memory")
+    cpu = DeviceMemoryLimitError("a warm-up needs more", torch.device("cpu"))
+    assert isinstance(cpu, torch.OutOfMemoryError) and "CUDA" not in str(cpu)
+    monkeypatch.setattr(batch_size_scaling, "is_oom_error", lambda e: isinstance(e, torch.OutOfMemoryError))
+    ref = _fit("auto", _finder(), fits=16)
+    got = _fit(ChunkOffloadStrategy(**grouped({**LIMITED, "device_memory_limit": 400_000})), _finder())
     _same(ref, got)
 
 

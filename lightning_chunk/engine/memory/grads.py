@@ -46,7 +46,8 @@ class ChunkGrads:
             raise DeviceMemoryLimitError(
                 f"{e} Nothing else could be evicted: the chunks in use, the gradients waiting to reduce and this "
                 f"payload need {need} at this moment, beside its activations; raise device_memory_limit above that "
-                "(the warm-up then measures the activations), or lower chunk_numel."
+                "(the warm-up then measures the activations), or lower chunk_numel.",
+                mgr.device,
             ) from None
 
     def set_reduce_order(self, completion: Sequence[int]) -> None:

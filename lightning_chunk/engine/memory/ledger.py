@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
+import torch
+
 from ..chunks.chunk import Chunk, Tier
 from ..config import format_bytes
 from ..errors import DeviceMemoryLimitError
@@ -14,9 +16,10 @@ from ..errors import DeviceMemoryLimitError
 class Ledger:
     """Chunk bytes per tier (``ledger[tier]``), the device peak, and the device limit they must stay under."""
 
-    def __init__(self, limit: int | None, rank: int) -> None:
+    def __init__(self, limit: int | None, rank: int, device: torch.device) -> None:
         self.limit = limit
         self.rank = rank
+        self.device = device  # a CUDA one makes the error read as an out-of-memory (DeviceMemoryLimitError)
         self._bytes = {t: 0 for t in Tier}
         self.peak = 0  # the device tier's most
 
@@ -43,7 +46,8 @@ class Ledger:
             raise DeviceMemoryLimitError(
                 f"[rank {self.rank}] {what} needs {nbytes} more bytes on the device tier, which already holds "
                 f"{format_bytes(self._bytes[Tier.DEVICE])} of chunk memory; "
-                f"device_memory_limit={format_bytes(self.limit or 0)} would be exceeded."
+                f"device_memory_limit={format_bytes(self.limit or 0)} would be exceeded.",
+                self.device,
             )
 
     def check(self, chunks: Iterable[Chunk]) -> None:

@@ -91,7 +91,7 @@ class ChunkManager:
         self.chunks: list[Chunk] = []
         self.layout: Layout | None = None
         self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
-        self.ledger = Ledger(self.limit, self.comm.rank)  # chunk bytes per tier, the device's within the limit
+        self.ledger = Ledger(self.limit, self.comm.rank, self.device)  # chunk bytes per tier, within the limit
         self.transfers = TransferStats()
         self.clock = StepClock()  # [Note: where a step's time goes]; the collectives charge their waits to it
         self.comm.clock = self.clock

@@ -140,7 +140,8 @@ class ChunkEngine:
                     f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks)"
                     + (f" and must fetch host payloads of up to {host_payload} bytes" if host_payload else "")
                     + f", more than device_memory_limit={format_bytes(limit)}; raise the limit, raise offload_fraction "
-                    "(static) or use placement='auto' or 'host'."
+                    "(static) or use placement='auto' or 'host'.",
+                    self.manager.device,
                 )
         on_disk = sum(v.disk_bytes for v in views if tiers[v.chunk_id] is Tier.DISK)
         if on_disk:  # before anything is written: the directory must be usable and hold the shards
@@ -228,8 +229,7 @@ class ChunkEngine:
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
-        """Micro-batches whose backward is not followed by a step (gradient accumulation, reduced or not): no
-        chunk steps during their backward ([Note: stepping in backward] in ``early_step.py``)."""
+        """Micro-batches not followed by a step: no chunk steps in their backward ([Note: stepping in backward])."""
         self._accumulating = True
         try:
             yield

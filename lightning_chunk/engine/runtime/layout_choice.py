@@ -145,5 +145,6 @@ class LayoutChooser:
                     "; or lower chunk_numel."
                     if chosen
                     else " (chunk_numel=None already chose chunks as small as the largest parameter)."
-                )
+                ),
+                self.manager.device,
             )

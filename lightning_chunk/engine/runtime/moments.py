@@ -264,7 +264,8 @@ class MomentClock:
                 + ". The smallest limit that would work is "
                 + format_bytes(shards + pinned + grads + missing + nonmodel)
                 + ("" if self.trace is not None else " plus the activations, which the warm-up step measures")
-                + ("; or lower chunk_numel." if self.policy.config.chunk_numel is not None else ".")
+                + ("; or lower chunk_numel." if self.policy.config.chunk_numel is not None else "."),
+                mgr.device,
             ) from None
 
     def _module_of_next(self, chunk_id: int) -> int:

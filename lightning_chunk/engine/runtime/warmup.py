@@ -99,7 +99,7 @@ class WarmUpPlanner:
             except LayoutError as e:
                 if reason is not Replan.WARM_UP:
                     raise
-                raise DeviceMemoryLimitError(str(e)) from None
+                raise DeviceMemoryLimitError(str(e), mgr.device) from None
             if trace is not None:
                 trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
         views, tiers = eng.description.plan_tiers(layout, trace)
@@ -112,7 +112,8 @@ class WarmUpPlanner:
                     f"{format_bytes(chunks_b)} of chunks at once (the largest chunk is "
                     f"{max((v.payload_bytes for v in views), default=0)} bytes) and traced {format_bytes(nonmodel_b)} "
                     f"of non-model memory (activations). The smallest limit that would work is "
-                    f"{format_bytes(chunks_b + nonmodel_b)}."
+                    f"{format_bytes(chunks_b + nonmodel_b)}.",
+                    mgr.device,
                 )
         # same layout: chunk ids correspond, so the tiers compare position by position
         moved = layout != mgr.layout or [c.shard_tier for c in mgr.chunks] != [tiers[c.chunk_id] for c in layout.chunks]
