@@ -1,7 +1,21 @@
 """``ChunkCheckpoints``: what a Lightning checkpoint is under chunk_offload. A sharded directory every rank writes its
 own shards into (``state_dict_type="sharded"``, the default), or one plain file with the whole model and optimizer
 state (``"full"``); either loads straight into the chunks, on any world size ([Note: the checkpoint layout] in
-``engine/state/checkpoint.py``)."""
+``engine/state/checkpoint.py``).
+
+[Note: a save inside a step]
+With ``step_in_backward`` a chunk steps as soon as its gradients are final: from the first such step until the
+optimizer step ends, the chunks hold the next step's weights and optimizer state while Lightning's counters still
+say the last step. Lightning saves there when a signal lands (``SLURMEnvironment``'s auto-requeue saves in its
+SIGUSR1 handler, which on a GPU runs as soon as ``backward()`` returns), or when a hook inside the step saves. Such
+a checkpoint held a step its counters did not count: a resume took that step again, silently (16 of 16 parameters
+away from plain Lightning's resume after 10 steps), and one asked for half-way through backward held some chunks of
+each step. Plain Lightning has no such window: its weights change only in ``optimizer.step()``. So a save asked
+for in the window is written when the step is whole: at the next batch's start, at the end of training, or, when
+the run stops by SIGTERM (Lightning stops at the end of the batch), in ``on_exception``; it is then the checkpoint
+a save at that point writes. A run that fails inside the step writes none of them and says so: the step is half
+taken, and the checkpoints written before are the ones to resume from.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
 from ._version import __version__
@@ -55,9 +71,46 @@ class ChunkCheckpoints(OneProcessPerDevice):
     def _sharded(self) -> bool:
         return self.engine is not None and self.state_dict_type == "sharded"
 
+    def _stepped_ahead(self) -> bool:
+        """Chunks of this step stepped in backward, ahead of Lightning's step ([Note: a save inside a step])."""
+        early = self.engine.early if self.engine is not None else None
+        return early is not None and bool(early.stepped)
+
+    def _write_deferred_saves(self) -> None:
+        """The saves asked for inside the last step, now that it is whole ([Note: a save inside a step])."""
+        saves, self.__dict__["_deferred_saves"] = self.__dict__.get("_deferred_saves", []), []
+        for filepath, weights_only, storage_options in saves:
+            self.lightning_module.trainer.save_checkpoint(filepath, weights_only, storage_options)  # type: ignore[union-attr]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._write_deferred_saves()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._write_deferred_saves()
+
+    def _deferred_saves_on_exception(self, exception: BaseException) -> None:
+        """The run stops: by SIGTERM every rank stops at the end of a batch, where the saves can be written; a
+        failure inside the step leaves it half taken, and they are not ([Note: a save inside a step])."""
+        saves = self.__dict__.get("_deferred_saves", [])
+        if not saves:
+            return
+        if isinstance(exception, SIGTERMException) and not self._stepped_ahead():
+            self._write_deferred_saves()
+            return
+        self.__dict__["_deferred_saves"] = []
+        rank_zero_warn(
+            f"chunk_offload: not written: {', '.join(repr(str(s[0])) for s in saves)}, asked for while the chunks "
+            f"were stepping in backward, to be written when the step was whole; the run failed inside it "
+            f"({type(exception).__name__}). The checkpoints written before are the ones to resume from."
+        )
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.engine is None:
             return super().lightning_module_state_dict()
+        if self._stepped_ahead():  # written when the step is whole: nothing is gathered now
+            return placeholder_state_dict(self.engine)
         # a save's first step on every rank: one on some ranks only waits in a roll call, not in a collective
         self.engine.comm.roll_call(self.engine.hooks.where(), what="a checkpoint save", advice=_SAVE_ADVICE)
         if self._sharded:  # save_checkpoint writes the shards; nothing is gathered
@@ -69,12 +122,21 @@ class ChunkCheckpoints(OneProcessPerDevice):
         if binding is None:
             kept = self._kept_optimizer_states.get(id(getattr(optimizer, "_optimizer", optimizer)))
             return kept.plain_state_dict() if kept is not None else super().optimizer_state(optimizer)
-        if self._sharded:
+        if self._sharded or self._stepped_ahead():
             return {}
         self.engine.settle_state()  # type: ignore[union-attr]  # [Note: optimizer state read after the warm-up]
         return binding.plain_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._stepped_ahead():  # [Note: a save inside a step]
+            self.__dict__.setdefault("_deferred_saves", []).append(
+                (filepath, "optimizer_states" not in checkpoint, storage_options)
+            )
+            rank_zero_info(
+                f"chunk_offload: {str(filepath)!r} was asked for while the chunks were stepping in backward, ahead of "
+                "Lightning's step: it is written when the step is whole, before the next batch."
+            )
+            return
         if not self._sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         assert self.engine is not None

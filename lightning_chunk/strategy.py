@@ -412,6 +412,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             yield
 
     def on_exception(self, exception: BaseException) -> None:
+        self._deferred_saves_on_exception(exception)  # [Note: a save inside a step] in checkpointing.py
         # another rank may be stuck in a collective: teardown must not start new ones
         self._failed = True
 

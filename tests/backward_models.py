@@ -1,6 +1,7 @@
 """Models whose backward is out of the ordinary: activation checkpointing (a module's forward runs again inside
 backward), a block run twice a step, frozen layers beside trainable adapters (LoRA's shape, and a checkpoint that
-keeps the adapters only), a gradient penalty (a backward through the graph of another)."""
+keeps the adapters only), a gradient penalty (a backward through the graph of another), a save asked for in
+backward."""
 
 from __future__ import annotations
 
@@ -132,6 +133,41 @@ class KeepsAdaptersOnly:
 
     def on_load_checkpoint(self, checkpoint):
         self.loaded_entry = checkpoint["state_dict"].pop("ema.scale")
+
+
+AT = 4  # SavesInsideAStep asks for its save inside the step that takes global_step from 4 to 5
+
+
+class SavesInsideAStep(ParityNet):
+    """Asks for a checkpoint once, at global step ``at``: in a tensor hook half-way through backward (``"backward"``),
+    or when ``backward()`` has returned (``"after_backward"``); ``"batch_start"`` is where plain Lightning is asked,
+    at the start of the next batch, where the deferred save is written."""
+
+    def __init__(self, where: str, path=None, at: int = AT, then=None) -> None:
+        super().__init__()
+        self.where, self.path, self.at, self.then, self.saved = where, str(path), at, then, False
+
+    def _save(self, where: str) -> None:
+        if where == self.where and self.global_step == self.at and not self.saved:
+            self.saved = True
+            self.trainer.save_checkpoint(self.path)
+            if self.then is not None:
+                self.then(self.trainer)
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        for i, blk in enumerate(self.blocks):
+            h = h + blk(h)
+            if i == 0 and torch.is_grad_enabled():  # its gradient comes after the head's chunk stepped
+                h.register_hook(lambda g: (self._save("backward"), g)[1])
+        return self.head(self.norm(h))
+
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(*args, **kwargs)
+        self._save("after_backward")
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._save("batch_start")
 
 
 def edited(strict: bool = False, replace_head: bool = False):

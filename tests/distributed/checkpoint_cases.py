@@ -266,3 +266,27 @@ def run_ema(out: Path) -> None:
     if t.global_rank == 0:
         torch.save(results, out / "ema.pt")
     print(f"CASE-DONE ema rank={t.global_rank}", flush=True)
+
+
+def run_save_inside_a_step(out: Path) -> None:
+    """[Note: a save inside a step] on two ranks run as NCCL: chunk_offload asked for a checkpoint when backward has
+    returned at step 4 (the chunks stepped in it), DDP at the start of the next batch, where the deferred save is
+    written; each resumed to step 10."""
+    results = {}
+    for name, make, where, at in [
+        ("ddp", lambda: DDPStrategy(), "batch_start", backward_models.AT + 1),
+        ("chunk", lambda: chunk_strategy(chunk_numel=4000), "after_backward", backward_models.AT),
+    ]:
+        path = out / f"save_inside_a_step_{name}.ckpt"
+        L.seed_everything(7, verbose=False)
+        trainer(make(), steps=backward_models.AT + 2).fit(
+            backward_models.SavesInsideAStep(where, path, at=at), token_data()
+        )
+        L.seed_everything(7, verbose=False)
+        resumed = backward_models.SavesInsideAStep("none")
+        t = trainer(make(), steps=10)
+        t.fit(resumed, token_data(), ckpt_path=path)
+        results[name] = resumed.state_dict()
+    if t.global_rank == 0:
+        torch.save({"ref": results["ddp"], "got": results["chunk"]}, out / "save_inside_a_step.pt")
+    print(f"CASE-DONE save_inside_a_step rank={t.global_rank}", flush=True)

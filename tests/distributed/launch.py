@@ -55,6 +55,7 @@ LAUNCHED = [
     "grad_penalty_limit",
     "batchnorm",
     "save_after_fit",
+    "save_inside_a_step",
     "uneven_batches",
     "fits_again",
 ]

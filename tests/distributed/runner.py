@@ -45,6 +45,7 @@ RUNS = {
     "uneven_batches": tr.run_uneven_batches,
     "fits_again": tr.run_fits_again,
     "save_after_fit": ck.run_save_after_fit,
+    "save_inside_a_step": ck.run_save_inside_a_step,
     "resume": ck.run_resume,
     "reshard_save": ck.run_reshard_save,
     "reshard_resume": ck.run_reshard_resume,

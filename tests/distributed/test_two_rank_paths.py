@@ -200,6 +200,18 @@ def test_checkpoint_written_on_two_ranks_resumes_like_ddp_and_sync_dist_reduces(
         torch.testing.assert_close(d["got"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.cases("save_inside_a_step")
+def test_a_save_inside_a_step_resumes_like_ddp_saving_at_the_next_batch(parity_run):
+    """[Note: a save inside a step]: both ranks defer the save asked for after backward to the next batch's start,
+    the point where DDP was asked; resumed from each to step 10, the parameters are DDP's."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE save_inside_a_step rank={r}" in log, log[-3000:]
+    d = torch.load(out / "save_inside_a_step.pt")
+    for k, v in d["ref"].items():
+        torch.testing.assert_close(d["got"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+
+
 @pytest.mark.parametrize("fmt", [pytest.param(fmt, marks=pytest.mark.cases(f"weights_{fmt}")) for fmt in FORMATS])
 def test_weights_load_on_two_ranks_and_train_like_ddp(parity_run, fmt):
     check_parity(*parity_run, f"weights_{fmt}")
