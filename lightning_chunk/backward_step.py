@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from .engine import ChunkEngine
 from .engine.config import ChunkConfig
 from .engine.optim.speculation import refusal
 
@@ -142,3 +143,25 @@ def config_for_fit(
             "(step_in_backward=None; docs/faq.md says what stepping in backward gives)."
         )
     return config.replace(step_in_backward=chosen)
+
+
+def after_failure(engine: ChunkEngine, alone: bool) -> str | None:
+    """What to say of the module's parameters after a fit that failed, where they are not what plain Lightning
+    leaves (the values of the last step): on several ranks they stay empty, since a rank may be stuck in a
+    collective; on one, a failure inside a step whose chunks had begun stepping in backward leaves that step half
+    taken ([Note: a save inside a step] in ``checkpointing.py``)."""
+    if not alone:
+        return (
+            "chunk_offload: the fit failed, and the module's parameters are left empty on this rank: gathering them "
+            "would need every rank, one of which may be stuck. The weights are in the checkpoints "
+            "(`lightning-chunk consolidate` writes one file)."
+        )
+    stepped = len(engine.early.stepped) if engine.early is not None else 0
+    if not stepped:
+        return None
+    trainable = sum(c.trainable for c in engine.manager.chunks)
+    held = "for those chunks only" if stepped < trainable else "although Lightning did not count it"
+    return (
+        f"chunk_offload: the fit failed inside a step, after {stepped} of {trainable} trainable chunks had stepped "
+        f"in backward: the module's parameters hold that step's update {held}. The checkpoints hold whole steps."
+    )

@@ -14,7 +14,10 @@ each step. Plain Lightning has no such window: its weights change only in ``opti
 for in the window is written when the step is whole: at the next batch's start, at the end of training, or, when
 the run stops by SIGTERM (Lightning stops at the end of the batch), in ``on_exception``; it is then the checkpoint
 a save at that point writes. A run that fails inside the step writes none of them and says so: the step is half
-taken, and the checkpoints written before are the ones to resume from.
+taken, and the checkpoints written before are the ones to resume from. The module after a failed fit holds what
+the chunks hold, as plain Lightning's holds its last values (on one rank: Ctrl-C in a notebook left it empty
+before), and a failure inside the step says which chunks took it (``backward_step.after_failure``); on several
+ranks nothing is gathered, since one may be stuck in a collective.
 """
 
 from __future__ import annotations

@@ -193,6 +193,13 @@ class CheckOptions:
         when="third-party element-wise optimizers",
     )
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.log_memory_stats, bool) or self.log_memory_stats == "all"):
+            raise ValueError(
+                f"log_memory_stats={self.log_memory_stats!r} is not allowed; it must be True (a few "
+                "chunk/* metrics), 'all' (every memory_stats() entry) or False."
+            )
+
 
 GROUPS: dict[str, type[Any]] = {"memory": MemoryOptions, "offload": OffloadOptions, "checks": CheckOptions}
 GROUP_OF: dict[str, str] = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}

@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
-from .backward_step import check_step_in_backward, clip_value, clips_by_norm, config_for_fit
+from .backward_step import after_failure, check_step_in_backward, clip_value, clips_by_norm, config_for_fit
 from .checkpointing import ChunkCheckpoints
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
@@ -137,13 +137,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         self.param_init_fn = param_init_fn
         self.weights = None if weights is None else os.fspath(weights)
         self._weights_loaded = False  # the weights seed the first setup only: a later test() keeps trained values
-        log_memory_stats = self.checks.log_memory_stats
-        if not (isinstance(log_memory_stats, bool) or log_memory_stats == "all"):
-            raise ValueError(
-                f"log_memory_stats={log_memory_stats!r} is not allowed; it must be True (a few "
-                "chunk/* metrics), 'all' (every memory_stats() entry) or False."
-            )
-        self.log_memory_stats = log_memory_stats
+        self.log_memory_stats = self.checks.log_memory_stats
         self.engine: ChunkEngine | None = None
         self._final_stats: dict[str, float] = {}
         # [Note: optimizer state after fit] in engine/optim/kept_state.py
@@ -421,7 +415,12 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         failed: BaseException | None = None  # raised once the rest is torn down (a save in the background failed)
         if self.engine is not None:
             self._final_stats = self.engine.memory_stats()
-            materialize = False if self._failed else self.config.materialize_on_teardown
+            # after a failure: one rank gathers nothing from others; on several one may be stuck in a collective
+            alone = self.engine.comm.world_size == 1
+            materialize = self.config.materialize_on_teardown if alone or not self._failed else False
+            said = after_failure(self.engine, alone) if self._failed else None
+            if said is not None:
+                warnings.warn(said, stacklevel=2)
             try:
                 self.engine.teardown(materialize=materialize, device=torch.device("cpu"))
             except BaseException as e:  # noqa: BLE001

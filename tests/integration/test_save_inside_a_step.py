@@ -33,9 +33,9 @@ def _same(ref, got):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
 
 
-def _model(*args, **kw):
+def _model(*args, cls=SavesInsideAStep, **kw):
     L.seed_everything(7, verbose=False)
-    return SavesInsideAStep(*args, **kw)
+    return cls(*args, **kw)
 
 
 @pytest.mark.parametrize("where", ["backward", "after_backward"])
@@ -75,6 +75,58 @@ def test_a_failure_inside_the_step_writes_no_half_taken_checkpoint_and_says_so(t
     def fail(trainer):
         raise RuntimeError("lost a node")
 
-    with pytest.warns(UserWarning, match="not written: .*got.ckpt.*failed inside it"), pytest.raises(RuntimeError):
+    with (
+        pytest.warns(UserWarning, match="not written: .*got.ckpt.*failed inside it"),
+        pytest.warns(UserWarning, match="after 5 of 5 trainable chunks had stepped .* although Lightning did not"),
+        pytest.raises(RuntimeError),
+    ):
         _fit(_strategy(), _model("after_backward", tmp_path / "got.ckpt", then=fail))
     assert not (tmp_path / "got.ckpt").exists()
+
+
+class Interrupted(SavesInsideAStep):
+    """Ctrl-C at global step ``AT``: between two steps, half-way through a forward, or in backward after the head's
+    chunks stepped."""
+
+    def _save(self, where):
+        if where == self.where and self.global_step == AT and not self.saved:
+            self.saved = True
+            raise KeyboardInterrupt
+
+    def on_train_batch_end(self, *args):
+        self._save("batch_end")
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        for i, blk in enumerate(self.blocks):
+            h = h + blk(h)
+            if i == 0:
+                self._save("forward")
+                if torch.is_grad_enabled():
+                    h.register_hook(lambda g: (self._save("backward"), g)[1])
+        return self.head(self.norm(h))
+
+
+def _interrupted(strategy, where):
+    model = _model(where, cls=Interrupted)
+    with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C
+        _fit(strategy, model)
+    return model
+
+
+@pytest.mark.parametrize("where", ["batch_end", "forward"])
+@pytest.mark.parametrize("kw", [{}, dict(device_memory_limit=400_000)], ids=["auto", "evicting_limit"])
+def test_an_interrupted_fit_leaves_the_trained_parameters_as_plain_lightning_does(where, kw):
+    """On one rank the teardown after a failure gives the parameters their values, as after a fit that ended:
+    before, they were left empty (``model(x)`` raised "'weight' must be 2-D", the trained values gone)."""
+    ref, got = _interrupted("auto", where), _interrupted(_strategy(**kw), where)
+    _same(ref, got)
+    x = token_data().dataset.tensors[0][:4]
+    with torch.no_grad():
+        torch.testing.assert_close(got(x), ref(x), rtol=0, atol=0)
+
+
+def test_an_interrupt_inside_backward_says_which_chunks_took_the_step():
+    with pytest.warns(UserWarning, match=r"after 2 of 5 trainable chunks had stepped .* for those chunks only"):
+        got = _interrupted(_strategy(), "backward")
+    assert all(p.isfinite().all() for p in got.parameters())
