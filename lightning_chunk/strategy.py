@@ -32,7 +32,7 @@ from .engine.config import PlacementName
 from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory.full_params import full_parameters
 from .engine.optim.ema import BufferAverage, ShardedEMA
-from .engine.schedule.growth import input_bytes
+from .engine.runtime.batches import input_bytes
 from .hf import PeftAdapters, keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision

@@ -60,7 +60,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from ..chunks.states import TensorState
 from ..comm.sequence import GRADIENTS
@@ -70,6 +69,7 @@ from ..memory.grad_graph import GradGraphKeeper
 from ..memory.manager import ChunkManager
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
+from .batches import tensors_in
 from .moments import MomentClock, in_backward
 from .owners import ModuleOwners
 from .pieces import GradPieces
@@ -276,7 +276,7 @@ class ChunkHooks:
             return
         if in_backward() and self._open_backward.get(key, 0):
             return  # a recomputation whose backward never runs: the first forward's hook is the one that fires
-        leaves = [t for t in tree_flatten(inputs)[0] if torch.is_tensor(t) and t.requires_grad]
+        leaves = [t for t in tensors_in(inputs) if t.requires_grad]
         if not leaves:
             return  # no backward reaches its inputs: its frozen parameters are never pinned by one
         self._open_backward[key] = self._open_backward.get(key, 0) + 1
@@ -302,9 +302,8 @@ class ChunkHooks:
     def _hook_outputs(self, key: str, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        leaves, _ = tree_flatten(output)
-        for t in leaves:
-            if torch.is_tensor(t) and t.requires_grad:
+        for t in tensors_in(output):  # a dataclass or a UserDict too (batches.py)
+            if t.requires_grad:
                 t.register_hook(self._pre_backward[key])
 
     def _make_pre_backward(self, key: str) -> Callable[[torch.Tensor], None]:

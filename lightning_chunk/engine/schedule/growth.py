@@ -19,17 +19,9 @@ at most a few times. Without a device limit nothing is compared and nothing is e
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch.utils._pytree import tree_leaves
 
 from ..comm.collectives import Collectives
-
-
-def input_bytes(*args: Any, **kwargs: Any) -> int:
-    """Bytes of every tensor in a step's arguments (nested lists, tuples and dicts included)."""
-    return sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t))
 
 
 class InputGrowth:
