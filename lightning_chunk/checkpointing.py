@@ -61,6 +61,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
     engine: ChunkEngine | None
     state_dict_type: str
     _kept_optimizer_states: dict[int, Any]  # [Note: optimizer state after fit] in engine/optim/kept_state.py
+    _deferred_saves: list[tuple[Any, bool, Any]]  # (path, weights_only, storage_options): [Note: a save inside a step]
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -81,7 +82,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
 
     def _write_deferred_saves(self) -> None:
         """The saves asked for inside the last step, now that it is whole ([Note: a save inside a step])."""
-        saves, self.__dict__["_deferred_saves"] = self.__dict__.get("_deferred_saves", []), []
+        saves, self._deferred_saves = self._deferred_saves, []
         for filepath, weights_only, storage_options in saves:
             self.lightning_module.trainer.save_checkpoint(filepath, weights_only, storage_options)  # type: ignore[union-attr]
 
@@ -96,13 +97,13 @@ class ChunkCheckpoints(OneProcessPerDevice):
     def _deferred_saves_on_exception(self, exception: BaseException) -> None:
         """The run stops: by SIGTERM every rank stops at the end of a batch, where the saves can be written; a
         failure inside the step leaves it half taken, and they are not ([Note: a save inside a step])."""
-        saves = self.__dict__.get("_deferred_saves", [])
+        saves = self._deferred_saves
         if not saves:
             return
         if isinstance(exception, SIGTERMException) and not self._stepped_ahead():
             self._write_deferred_saves()
             return
-        self.__dict__["_deferred_saves"] = []
+        self._deferred_saves = []
         rank_zero_warn(
             f"chunk_offload: not written: {', '.join(repr(str(s[0])) for s in saves)}, asked for while the chunks "
             f"were stepping in backward, to be written when the step was whole; the run failed inside it "
@@ -132,9 +133,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self._stepped_ahead():  # [Note: a save inside a step]
-            self.__dict__.setdefault("_deferred_saves", []).append(
-                (filepath, "optimizer_states" not in checkpoint, storage_options)
-            )
+            self._deferred_saves.append((filepath, "optimizer_states" not in checkpoint, storage_options))
             rank_zero_info(
                 f"chunk_offload: {str(filepath)!r} was asked for while the chunks were stepping in backward, ahead of "
                 "Lightning's step: it is written when the step is whole, before the next batch."

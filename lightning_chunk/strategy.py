@@ -142,6 +142,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         self._final_stats: dict[str, float] = {}
         # [Note: optimizer state after fit] in engine/optim/kept_state.py
         self._kept_optimizer_states: dict[int, Any] = {}
+        self._deferred_saves = []  # [Note: a save inside a step] in checkpointing.py
         self._failed = False
         self._deferred: DeferredInit | None = None
 
