@@ -170,6 +170,10 @@ class SavesInsideAStep(ParityNet):
         self._save("batch_start")
 
 
+class ReorderedSavesInsideAStep(SavesInsideAStep, ReorderedNet):
+    """SavesInsideAStep on ReorderedNet's registration order."""
+
+
 def edited(strict: bool = False, replace_head: bool = False):
     return type("Edited", (KeepsAdaptersOnly, AdapterNet), {"strict_loading": strict, "replace_head": replace_head})
 

@@ -5,6 +5,7 @@ a save after fit, a sharded EMA saved and resumed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning as L
@@ -271,19 +272,21 @@ def run_ema(out: Path) -> None:
 def run_save_inside_a_step(out: Path) -> None:
     """[Note: a save inside a step] on two ranks run as NCCL: chunk_offload asked for a checkpoint when backward has
     returned at step 4 (the chunks stepped in it), DDP at the start of the next batch, where the deferred save is
-    written; each resumed to step 10."""
+    written; each resumed to step 10. The automatic chunk size under device limits that differ by rank, on a model
+    used in another order than it is registered."""
+    rank = int(os.environ.get("RANK", 0))
+    limit = 250_000 + 40_000 * rank
+    cls = backward_models.ReorderedSavesInsideAStep
     results = {}
     for name, make, where, at in [
         ("ddp", lambda: DDPStrategy(), "batch_start", backward_models.AT + 1),
-        ("chunk", lambda: chunk_strategy(chunk_numel=4000), "after_backward", backward_models.AT),
+        ("chunk", lambda: chunk_strategy(device_memory_limit=limit), "after_backward", backward_models.AT),
     ]:
         path = out / f"save_inside_a_step_{name}.ckpt"
         L.seed_everything(7, verbose=False)
-        trainer(make(), steps=backward_models.AT + 2).fit(
-            backward_models.SavesInsideAStep(where, path, at=at), token_data()
-        )
+        trainer(make(), steps=backward_models.AT + 2).fit(cls(where, path, at=at), token_data())
         L.seed_everything(7, verbose=False)
-        resumed = backward_models.SavesInsideAStep("none")
+        resumed = cls("none")
         t = trainer(make(), steps=10)
         t.fit(resumed, token_data(), ckpt_path=path)
         results[name] = resumed.state_dict()
