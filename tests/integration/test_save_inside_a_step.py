@@ -46,8 +46,8 @@ def test_a_save_inside_a_step_is_the_save_at_the_next_batch_and_resumes_like_pla
     resumed to step 10, the same parameters as plain Lightning saving there."""
     _fit("auto", _model("batch_start", tmp_path / "ref.ckpt", at=AT + 1), steps=AT + 2)
     _fit(_strategy(**kw), _model(where, tmp_path / "got.ckpt"), steps=AT + 2)
-    saved = torch.load(tmp_path / "ref.ckpt", weights_only=False)["global_step"]
-    assert saved == AT + 1
+    assert torch.load(tmp_path / "ref.ckpt", weights_only=False)["global_step"] == AT + 1
+    assert torch.load(tmp_path / "got.ckpt" / "meta.pt", weights_only=False)["global_step"] == AT + 1
     ref = _fit("auto", _model("none", None), ckpt_path=tmp_path / "ref.ckpt")
     got = _fit(_strategy(**kw), _model("none", None), ckpt_path=tmp_path / "got.ckpt")
     _same(ref, got)
