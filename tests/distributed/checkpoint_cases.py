@@ -23,6 +23,13 @@ class LogsRank(ParityNet):
         self.log("rank_mean", float(self.global_rank), sync_dist=True)
 
 
+def _finish(out: Path, case: str, rank: int, saved: dict) -> None:
+    """Rank 0 saves what the test compares; every rank says the case is done."""
+    if rank == 0:
+        torch.save(saved, out / f"{case}.pt")
+    print(f"CASE-DONE {case} rank={rank}", flush=True)
+
+
 def run_resume(out: Path) -> None:
     """8 steps with checkpoints written during fit at steps 4 and 8 (collectives on every rank, rank 0 writes),
     resumed from step 4 to 12. chunk_offload writes them in the background (Lightning's ``AsyncCheckpointIO``),
@@ -111,9 +118,7 @@ def run_reshard_resume(out: Path) -> None:
         t = trainer(make(), steps=12)
         t.fit(model, token_data(), ckpt_path=path)
         results[name] = model.state_dict()
-    if t.global_rank == 0:
-        torch.save({"ref": results["ddp"], "got": results["chunk"]}, out / "reshard_resume.pt")
-    print(f"CASE-DONE reshard_resume rank={t.global_rank}", flush=True)
+    _finish(out, "reshard_resume", t.global_rank, {"ref": results["ddp"], "got": results["chunk"]})
 
 
 def run_resume_defaults(out: Path) -> None:
@@ -131,9 +136,7 @@ def run_resume_defaults(out: Path) -> None:
             results[f"{src}.{v}"] = final_state(t, m)
             held[f"{src}.{v}"] = list(DEVICE_BYTES)
     (out / f"resume_defaults.bytes{t.global_rank}.json").write_text(json.dumps(held))
-    if t.global_rank == 0:
-        torch.save(results, out / "resume_defaults.pt")
-    print(f"CASE-DONE resume_defaults rank={t.global_rank}", flush=True)
+    _finish(out, "resume_defaults", t.global_rank, results)
 
 
 def run_edited_checkpoint(out: Path) -> None:
@@ -167,9 +170,7 @@ def run_edited_checkpoint(out: Path) -> None:
             "entry": model.loaded_entry,
             "evictions": 0 if name == "ddp" else strategy.memory_stats()["evictions"],
         }
-    if t.global_rank == 0:
-        torch.save(results, out / "edited_checkpoint.pt")
-    print(f"CASE-DONE edited_checkpoint rank={t.global_rank}", flush=True)
+    _finish(out, "edited_checkpoint", t.global_rank, results)
 
 
 def run_save_after_fit(out: Path) -> None:
@@ -194,9 +195,7 @@ def run_save_after_fit(out: Path) -> None:
         resumed = ParityNet()
         trainer(make(), steps=12).fit(resumed, token_data(), ckpt_path=path)
         results[name] = {"resumed": resumed.state_dict(), "saved": torch.load(path, weights_only=False)}
-    if t.global_rank == 0:
-        torch.save({"ref": results["ddp"], "got": results["chunk"]}, out / "save_after_fit.pt")
-    print(f"CASE-DONE save_after_fit rank={t.global_rank}", flush=True)
+    _finish(out, "save_after_fit", t.global_rank, {"ref": results["ddp"], "got": results["chunk"]})
 
 
 def run_ema(out: Path) -> None:
@@ -264,9 +263,7 @@ def run_ema(out: Path) -> None:
             "state": resumed.state_dict(),
             "evictions": 0 if name == "ddp" else strategy.memory_stats()["evictions"],
         }
-    if t.global_rank == 0:
-        torch.save(results, out / "ema.pt")
-    print(f"CASE-DONE ema rank={t.global_rank}", flush=True)
+    _finish(out, "ema", t.global_rank, results)
 
 
 def run_save_inside_a_step(out: Path) -> None:
@@ -290,6 +287,4 @@ def run_save_inside_a_step(out: Path) -> None:
         t = trainer(make(), steps=10)
         t.fit(resumed, token_data(), ckpt_path=path)
         results[name] = resumed.state_dict()
-    if t.global_rank == 0:
-        torch.save({"ref": results["ddp"], "got": results["chunk"]}, out / "save_inside_a_step.pt")
-    print(f"CASE-DONE save_inside_a_step rank={t.global_rank}", flush=True)
+    _finish(out, "save_inside_a_step", t.global_rank, {"ref": results["ddp"], "got": results["chunk"]})
