@@ -37,22 +37,10 @@ from .hf import PeftAdapters, keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
 from .same_batches import check_same_batches
+from .telemetry import log_memory_stats
 from .toggles import follow_toggles
 from .unsupported import check_callbacks
 
-# the memory_stats() entries logged by default (with the time_*_s breakdown): where the bytes are and what moved
-LOGGED_STATS = frozenset(
-    {
-        "device_chunk_bytes",
-        "device_chunk_bytes_peak",
-        "host_chunk_bytes",
-        "disk_chunk_bytes",
-        "evictions",
-        "gathers",
-        "loss_scale",
-        "grad_norm",
-    }
-)
 # the arguments of Lightning's strategies that its connector may pass (it sets them as attributes otherwise)
 LIGHTNING_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 
@@ -363,23 +351,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = self._step("training_step", True, *args, **kwargs)
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        # only on the steps Lightning writes logs (every log_every_n_steps): self.log costs ~2 ms a call
-        if (
-            self.log_memory_stats
-            and trainer is not None
-            and trainer.loggers
-            and getattr(trainer._logger_connector, "should_update_logs", True)
-        ):
-            every = self.log_memory_stats == "all"
-            stats = {
-                f"chunk/{k}": float(v)
-                for k, v in self.memory_stats().items()
-                if every or k in LOGGED_STATS or k.startswith("time_")
-            }
-            assert module is not None
-            module.log_dict(stats, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)
+        if self.log_memory_stats and self.lightning_module is not None:
+            log_memory_stats(self.lightning_module, self.memory_stats, every=self.log_memory_stats == "all")
         return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
