@@ -10,15 +10,28 @@ from the cause (a buffer broadcast, the teardown's), or a hang or mixed chunks o
 every chunk gathered ran, leaving that rank's cache ahead of the others'. So at the start of every batch the ranks
 exchange whether it is their last of the loop (Lightning's loop knows, having fetched the next batch ahead:
 ``batch_progress.is_last_batch``): one small all-gather, riding on the agreement check's where that is on. Where they
-differ, every rank raises ``CollectiveMismatchError`` at that batch, before any rank runs it, naming each rank's count
-where its dataloader has a length. A rank with no batch at all, or that skips the rest of an epoch
+differ in training, validation or test, every rank raises ``CollectiveMismatchError`` at that batch, before any rank
+runs it, naming each rank's count where its dataloader has a length.
+
+Predict is where counts differ by default: Lightning splits its data without padding
+(``UnrepeatedDistributedSamplerWrapper``, so that no sample is predicted twice): 5 samples on 2 ranks are 3 and 2.
+There a rank whose last batch comes first runs it, then runs it again, output dropped, a turn for each batch the
+others still run (``Turn.REPEAT`` in the exchange), and leaves the loop with them: the forward passes, and so the
+collectives, stay paired, as Hugging Face's ``synced_gpus`` keeps ranks generating different lengths in step. The
+repeats call ``predict_step`` (its output goes nowhere: no hook, no writer sees it) with the batch's inputs, whose
+forward issues the same collectives as the others' when the model takes the same path for any batch. Training,
+validation and test are not repeated: a repeated step would count twice in metrics, logs and gradients.
+
+A rank with no batch at all (a stream shorter than the ranks), or that skips the rest of an epoch
 (``on_train_batch_start`` returning -1), never starts one: the others time out naming this exchange. A step that
 takes ``dataloader_iter`` fetches its own batches; it is not checked.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
@@ -37,30 +50,41 @@ _LIMIT = {
     "training": "limit_train_batches or max_steps",
     "validation": "limit_val_batches",
     "test": "limit_test_batches",
-    "predict": "limit_predict_batches",
 }
 
 
-def check_same_batches(trainer: Any, comm: Collectives) -> None:
-    """Every rank calls this at the start of each batch ([Note: the same number of batches on every rank])."""
+class Turn(enum.IntEnum):
+    """What a rank says at the start of a batch ([Note: the same number of batches on every rank])."""
+
+    MORE = 0  # batches follow this one
+    LAST = 1  # this is the rank's last batch
+    REPEAT = 2  # predict only: the rank's batches ended; it repeats its last while the others run theirs
+
+
+def check_same_batches(trainer: Any, comm: Collectives) -> bool:
+    """Every rank calls this at the start of each batch ([Note: the same number of batches on every rank]). True
+    where this rank must repeat the batch after running it (``repeat_while_others_run``): predict, when it is
+    this rank's last and another rank has more."""
     if comm.world_size == 1 or trainer is None:
-        return
+        return False
     kind = next((k for a, k in _KIND.items() if getattr(trainer, a, False)), None)
     if kind is None:
-        return
+        return False
     loop = trainer.fit_loop.epoch_loop if kind == "training" else trainer._active_loop
     fetcher = (trainer.fit_loop if kind == "training" else loop)._data_fetcher
     if isinstance(fetcher, _DataLoaderIterDataFetcher):
-        return
+        return False
     progress = loop.batch_progress
     index = progress.current.ready - 1  # this batch's position in the loop (ready counts it already)
     skipped = " or that skipped the rest of its epoch (on_train_batch_start returned -1)" if kind == "training" else ""
+    turn = Turn.LAST if progress.is_last_batch else Turn.MORE
     last = comm.values_of_ranks(
-        int(progress.is_last_batch),
-        what=f"the check that every rank runs {kind} batch {index} (not a rank whose batches ended{skipped})",
+        turn, what=f"the check that every rank runs {kind} batch {index} (not a rank whose batches ended{skipped})"
     )
     if len(set(last)) == 1:
-        return
+        return False
+    if kind == "predict":
+        return turn == Turn.LAST and Turn.MORE in last
     count = trainer.num_training_batches if kind == "training" else sum(loop.max_batches)
     counts = comm.all_gather_object_on(count, comm.host_group())
     named = (
@@ -78,3 +102,15 @@ def check_same_batches(trainer: Any, comm: Collectives) -> None:
         "distributed sampler (use_distributed_sampler=True, the default), or give every rank the same count "
         f"({_LIMIT[kind]}, or equal shards)."
     )
+
+
+def repeat_while_others_run(comm: Collectives, step: Callable[[], object]) -> None:
+    """Predict, after this rank's last batch: run ``step`` again, its output dropped, once for each batch another
+    rank still runs, then return with them ([Note: the same number of batches on every rank])."""
+    while True:
+        turns = comm.values_of_ranks(
+            Turn.REPEAT, what="a rank whose predict batches ended, repeating its last while the others run theirs"
+        )
+        step()
+        if Turn.MORE not in turns:
+            return

@@ -36,7 +36,7 @@ from .engine.runtime.batches import input_bytes
 from .hf import PeftAdapters, keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
-from .same_batches import check_same_batches
+from .same_batches import check_same_batches, repeat_while_others_run
 from .telemetry import log_memory_stats
 from .toggles import follow_toggles
 from .unsupported import check_callbacks
@@ -341,12 +341,19 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     # ================================================================= steps
     def _step(self, method: str, training: bool, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
-        # every rank runs as many batches as the others (same_batches.py)
-        check_same_batches(self.lightning_module and self.lightning_module._trainer, self.engine.comm)
-        nbytes = input_bytes(*args, **kwargs) if training else None
-        with self.engine.micro_batch(training=training, input_bytes=nbytes) as outputs:
-            out = getattr(super(), method)(*args, **kwargs)
-            outputs(out)
+        # every rank runs as many batches as the others; in predict, one whose batches end repeats (same_batches.py)
+        repeat = check_same_batches(self.lightning_module and self.lightning_module._trainer, self.engine.comm)
+        nbytes, step, engine = input_bytes(*args, **kwargs) if training else None, getattr(super(), method), self.engine
+
+        def run() -> Any:
+            with engine.micro_batch(training=training, input_bytes=nbytes) as outputs:
+                out = step(*args, **kwargs)
+                outputs(out)
+            return out
+
+        out = run()
+        if repeat:
+            repeat_while_others_run(engine.comm, run)
         return out
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

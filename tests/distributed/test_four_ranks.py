@@ -69,7 +69,8 @@ def test_parity_with_ddp_on_four_ranks(four_ranks, case):
 @pytest.mark.cases("uneven_batches")
 def test_four_ranks_whose_batch_counts_differ_stop_together_naming_each(four_ranks):
     """[Note: the same number of batches on every rank] on one communicator of four: ranks 1 and 3 have 2 batches,
-    0 and 2 have 3; every rank raises at batch 1 naming the four counts and both ranks whose batches end."""
+    0 and 2 have 3; every rank raises at batch 1 naming the four counts and both ranks whose batches end. Predict
+    returns DDP's predictions, ranks 1 and 3 (and for Lightning's sampler 1 to 3) repeating their last batch."""
     out, _, log = four_ranks
     for r in range(4):
         assert f"CASE-DONE uneven_batches rank={r}" in log, log[-3000:]
@@ -80,5 +81,7 @@ def test_four_ranks_whose_batch_counts_differ_stop_together_naming_each(four_ran
                 f"[rank {r}] the ranks run different numbers of {kind} batches (rank 0: 3, "
                 "rank 1: 2, rank 2: 3, rank 3: 2): at the loop's batch 1"
             ), done[stage]
-        for stage in ("train", "validation", "predict"):
+        for stage in ("train", "validation"):
             assert "the dataloaders of ranks 1, 3 end" in done[stage], done[stage]
+        assert done["predict"] == {"batches": 3 - r % 2, "same_as_ddp": True, "calls": 3}, done
+        assert done["predict_sampled"] == {"batches": 2 if r == 0 else 1, "same_as_ddp": True, "calls": 2}, done

@@ -223,8 +223,9 @@ def test_ranks_with_different_numbers_of_batches_stop_together_naming_the_counts
     third forward waited in an all-gather that rank 1 never issued: a timeout after ``collective_timeout_s`` blaming
     control flow at a collective far from the cause (a hang on NCCL), or in evaluation it ran where every chunk
     happened to be gathered. Now both ranks raise at batch 1, before running it, naming each rank's count: in
-    training, in validation, and for a stream with no length in ``predict``; the same loader under
-    ``limit_val_batches=2`` runs."""
+    training and in validation; the same loader under ``limit_val_batches=2`` runs. Predict, whose counts differ
+    with Lightning's own sampler (it failed so), returns DDP's predictions on each rank: rank 1 repeats its last
+    batch while rank 0 runs its third."""
     out, _, log = parity_run
     for r in (0, 1):
         assert f"CASE-DONE uneven_batches rank={r}" in log, log[-3000:]
@@ -234,8 +235,9 @@ def test_ranks_with_different_numbers_of_batches_stop_together_naming_the_counts
         assert "limit_train_batches or max_steps" in done["train"]
         assert "validation batches (rank 0: 3, rank 1: 2): at the loop's batch 1" in done["validation"], done
         assert "limit_val_batches" in done["validation"]
-        assert "predict batches (the dataloaders have no length): at the loop's batch 1" in done["predict"], done
-        for stage in ("train", "validation", "predict"):
+        for stage in ("predict", "predict_sampled"):  # rank 0: 3 batches; rank 1: 2, and its last once more
+            assert done[stage] == {"batches": 3 - r, "same_as_ddp": True, "calls": 3}, (stage, done)
+        for stage in ("train", "validation"):
             assert done[stage].startswith(f"[rank {r}]") and "rank 1's dataloader ends" in done[stage]
             assert "use_distributed_sampler=True" in done[stage]
 

@@ -281,11 +281,35 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(self.samples)
 
 
+class _Logits(ParityNet):
+    """Predicts its logits, and counts its ``predict_step`` calls."""
+
+    predicted = 0
+
+    def predict_step(self, batch, batch_idx):
+        self.predicted += 1
+        return self(batch[0])
+
+
+def _predict_like_ddp(loader, **kw) -> dict:
+    """DDP's and chunk_offload's predictions of the same loader: how many batches each returned, whether they are
+    equal, and how many times chunk_offload's ``predict_step`` ran."""
+    L.seed_everything(7, verbose=False)
+    ref = trainer(DDPStrategy()).predict(_Logits(), loader())
+    L.seed_everything(7, verbose=False)
+    model = _Logits()
+    got = trainer(chunk_strategy(**kw)).predict(model, loader())
+    same = len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    return {"batches": len(got), "same_as_ddp": same, "calls": model.predicted}
+
+
 def run_uneven_batches(out: Path) -> None:
     """[Note: the same number of batches on every rank]: rank 0 has 3 batches and rank 1 has 2 (sized dataloaders
-    without the distributed sampler), in training and in validation, then a stream with no length for predict: every
-    rank raises at the batch where one's batches end, before running it. ``limit_val_batches`` giving both ranks 2
-    runs. Each rank saves what each stage did: ``"ran"`` or the error's words."""
+    without the distributed sampler), in training and in validation: every rank raises at the batch where one's
+    batches end, before running it. ``limit_val_batches`` giving both ranks 2 runs. Predict, where Lightning's own
+    sampler does not pad (17 samples: 9 and 8 on two ranks, 5, 4, 4, 4 on four), under an evicting limit, and a
+    stream with no length, against DDP. Each rank saves what each stage did: ``"ran"``, the error's words, or
+    predict's batches."""
     from lightning_chunk.engine.comm.agreement import CollectiveMismatchError
 
     rank = int(os.environ.get("RANK", 0))
@@ -306,7 +330,9 @@ def run_uneven_batches(out: Path) -> None:
         "validation", "fit", token_data(), token_data(n, seed=1), steps=2, limit_val_batches=1.0, val_check_interval=2
     )
     attempt("validate_limited", "validate", token_data(n, seed=1), limit_val_batches=2)
-    attempt("predict", "predict", torch.utils.data.DataLoader(_Stream(n), batch_size=4))
+    done["predict"] = _predict_like_ddp(lambda: torch.utils.data.DataLoader(_Stream(n), batch_size=4), placement="host")
+    limit = dict(device_memory_limit=100_000, chunk_numel=4096)
+    done["predict_sampled"] = _predict_like_ddp(lambda: token_data(17), **limit)
     (out / f"uneven_batches.rank{rank}.json").write_text(json.dumps(done))
     print(f"CASE-DONE uneven_batches rank={rank}", flush=True)
 
