@@ -149,8 +149,8 @@ def _plan(args: argparse.Namespace) -> int:
         cluster = None
         if args.nodes is not None or args.devices is not None:
             cluster = (
-                args.nodes or 1,
-                args.devices or 1,
+                1 if args.nodes is None else args.nodes,  # 0 is refused, not taken for "not given"
+                1 if args.devices is None else args.devices,
                 parse_bytes(args.device_memory, field="--device-memory"),
                 parse_bytes(args.host_memory, field="--host-memory"),
             )

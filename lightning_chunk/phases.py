@@ -131,7 +131,8 @@ class ClusterReport:
                 if self.host_per_rank is not None
                 else "",
             ]
-            lines.append("fits         " + "; ".join(x for x in left if x) + " (before activations)")
+            said = "; ".join(x for x in left if x) or "no limit to check: give --device-memory and --host-memory"
+            lines.append(f"fits         {said} (before activations)")
         return "\n".join(lines)
 
 

@@ -92,6 +92,17 @@ def test_70b_on_one_node_fits_and_on_half_its_host_the_plan_says_the_host_binds(
 def test_a_cluster_needs_its_size(plan):
     r = plan("--init-args", '{"size": "7b"}', "--host-memory", "1TiB")
     assert r.returncode == 2 and "give --nodes and --devices too" in r.stderr, r.stderr
+    # 0 was taken for "not given" and the plan made for one node, or one device a node
+    for nodes, devices in (("0", "8"), ("2", "0")):
+        r = plan("--init-args", '{"size": "7b"}', "--nodes", nodes, "--devices", devices, "--device-memory", "80GiB")
+        assert r.returncode == 2, r.stdout
+        assert f"--nodes {nodes} --devices {devices}: both must be at least 1." in r.stderr, r.stderr
+
+
+def test_a_cluster_without_memory_sizes_says_there_is_nothing_to_check(plan):
+    r = plan("--init-args", '{"size": "7b"}', "--nodes", "2", "--devices", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fits         no limit to check: give --device-memory and --host-memory" in r.stdout, r.stdout
 
 
 def test_stepping_in_backward_is_counted_where_the_gradient_shards_are_given_back():
