@@ -352,6 +352,11 @@ CASES = {
     "rank_gated_resume": dict(
         OWN_CHUNK, strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9, resume_at=3, steps=8
     ),
+    # a mixture of experts running only the experts its tokens chose (which differ across ranks), as a leaf: DDP
+    # needs find_unused_parameters=True; with the experts as modules of their own the ranks' gathers differed
+    "mixture_of_experts": dict(
+        cls="MixtureNet", ddp_unused=True, strategy=dict(leaf_modules=["Experts"], placement="host")
+    ),
     # a block used three times, twice inside reentrant activation checkpointing: its gradient arrives in three pieces
     # ([Note: gradients in pieces]); DDP takes them with static_graph=True, and refuses them without
     "reused_reentrant": dict(cls="ReusedCheckpointedNet", ddp_static_graph=True, strategy=dict(chunk_numel=2048)),

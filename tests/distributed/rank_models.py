@@ -1,6 +1,6 @@
 """Models whose use differs across ranks, for the multi-rank cases (``parity_cases.CASES`` names them as it names
 ``tests.models``' ones): a buffer each rank starts differently, a parameter some ranks use and others not (DDP's
-``find_unused_parameters=True`` case), a layer no rank uses."""
+``find_unused_parameters=True`` case), a layer no rank uses, a mixture of experts."""
 
 from __future__ import annotations
 
@@ -97,3 +97,42 @@ class SpareNet(ParityNet):
     def build(self) -> None:
         super().build()
         self.spare = nn.Linear(self.shape["dim"], self.shape["dim"])
+
+
+class Experts(nn.Module):
+    """A mixture of experts as written by hand: each token goes to its router's top expert, and an expert no token
+    chose is not run, so which experts run differs across ranks and steps (DDP's ``find_unused_parameters=True``).
+    As a leaf (``leaf_modules=["Experts"]``) it is gathered whole at its forward, whichever experts then run."""
+
+    def __init__(self, dim: int, hidden: int, n: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, n, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(n)
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = h.reshape(-1, h.shape[-1])
+        weights = self.router(flat).softmax(-1)
+        top = weights.argmax(-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = (top == e).nonzero().flatten()
+            if rows.numel():
+                out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, e : e + 1])
+        return out.reshape(h.shape)
+
+
+class MixtureNet(ParityNet):
+    """ParityNet with a mixture of experts after each block."""
+
+    def build(self) -> None:
+        super().build()
+        self.mixtures = nn.ModuleList(Experts(self.shape["dim"], self.shape["hidden"]) for _ in self.blocks)
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        for blk, mixture in zip(self.blocks, self.mixtures, strict=True):
+            h = h + blk(h)
+            h = h + mixture(h)
+        return self.head(self.norm(h))

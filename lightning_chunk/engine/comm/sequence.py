@@ -28,8 +28,11 @@ class ModuleSequence:
     def clear(self) -> None:
         self.moments = []
 
-    def check(self, comm: Any, chunks_of: Callable[[str], tuple[int, ...]]) -> None:
-        """Raise ``CollectiveMismatchError`` naming the first moment where the ranks differ; start a new sequence."""
+    def check(
+        self, comm: Any, chunks_of: Callable[[str], tuple[int, ...]], hint: Callable[[list[str]], str] = lambda _: ""
+    ) -> None:
+        """Raise ``CollectiveMismatchError`` naming the first moment where the ranks differ, and ``hint`` of the
+        modules the ranks ran there; start a new sequence."""
         seq, self.moments = self.moments, []
         if comm.world_size == 1:
             return
@@ -52,4 +55,5 @@ class ModuleSequence:
             + "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
             + ". Every rank must run the same modules that own parameters, in the same order (no data-dependent "
             "skipping): with sharded chunks a skipped module desynchronises the all-gathers."
+            + hint(sorted({s[i][1] for s in seqs if i < len(s) and s[i][0] != GRADIENTS}))
         )

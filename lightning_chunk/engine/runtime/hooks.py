@@ -71,7 +71,7 @@ from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
 from .batches import tensors_in
 from .moments import MomentClock, in_backward
-from .owners import ModuleOwners
+from .owners import ModuleOwners, leaf_hint
 from .pieces import GradPieces
 from .reads import ReleasedReads, reading, unwatch, unwatched, watch
 
@@ -376,7 +376,7 @@ class ChunkHooks:
         # reduce first: a chunk whose gradients this rank did not all get reduces here, and the other ranks may be
         # waiting for that reduce-scatter, not yet in the check's collective
         self.manager.grads.end_backward(self.moments.make_room, grads_arrived=arrived)
-        self.moments.sequence.check(self.manager.comm, self.owners.chunks_of)
+        self.moments.sequence.check(self.manager.comm, self.owners.chunks_of, lambda keys: leaf_hint(self.module, keys))
         self.grad_graph.backward_ended()
         if arrived and self.on_backward_end is not None:
             self.on_backward_end()

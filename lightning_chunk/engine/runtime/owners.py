@@ -114,3 +114,29 @@ class ModuleOwners:
             if candidate is not None and id(candidate) in self.manager.index_of:
                 return self.manager.lookup(candidate)[1].name
         return None
+
+
+def leaf_hint(root: torch.nn.Module, keys: list[str]) -> str:
+    """For ranks that ran different modules ``keys``: the module nearest above all of them that runs code of its
+    own (a mixture of experts choosing its experts from the data), offered as a leaf, which gathers its whole
+    subtree at its forward whichever children then run; "" where that is the root."""
+    parts = [k.split(".") for k in keys if k != ROOT]
+    common: list[str] = []
+    for names in zip(*parts, strict=False):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    while common:  # a ModuleList or ModuleDict has no forward: the module that holds it chooses
+        mod = root.get_submodule(".".join(common))
+        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            break
+        common.pop()
+    if len(parts) < 2 or not common:
+        return ""
+    name = type(root.get_submodule(".".join(common))).__name__
+    return (
+        f" If {'.'.join(common)!r} ({name}) chooses from the data which of its children run (a mixture of "
+        "experts), run every child, on no rows where none was chosen (each then gets a zero gradient, as a fused "
+        "experts tensor does), or make it a leaf, gathered whole at its forward whichever children run: "
+        f'MemoryOptions(leaf_modules=["{name}"]).'
+    )
