@@ -213,7 +213,7 @@ class RankGroup:
             return (
                 f"lost {', '.join(gone)}: the process exited or was killed{where}; if it raised an error first, "
                 "that error names the cause (often a module that ran on some ranks and not on others: "
-                "data-dependent control flow)"
+                "data-dependent control flow, such as a mixture of experts running only the chosen experts)"
             )
         if stopped:
             return f"{', '.join(stopped)} is stopped (SIGSTOP, or a debugger) and did not take part{where}"

@@ -128,9 +128,9 @@ class Pending(NamedTuple):
                     f"{lost}. "
                     if lost
                     else "Another rank stopped or issued a different collective: a module ran "
-                    "on some ranks and not on others (data-dependent control flow; verify_collectives=True "
-                    "names the first collective where the ranks differ), or another rank failed; "
-                    "see its error. "
+                    "on some ranks and not on others (data-dependent control flow, such as a mixture of experts "
+                    "running only the experts its tokens chose; verify_collectives=True names the first "
+                    "collective where the ranks differ), or another rank failed; see its error. "
                 )
                 error = CollectiveTimeoutError(
                     f"{what} did not complete (waited at most {self.timeout_s} s). {reason}"
