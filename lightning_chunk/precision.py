@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from .engine import ChunkEngine, DtypePolicy
 from .engine.config import OWN_DTYPE_MODULES
 from .engine.optim.scaler import DynamicLossScaler
-from .engine.runtime.reads import reading
+from .engine.runtime.reads import reading, refuse_clipping_without_gradients
 
 _GRAD_NORM_FILE = os.path.join("pytorch", "utilities", "grads.py")  # lightning.pytorch.utilities.grad_norm
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
@@ -167,9 +167,15 @@ class ChunkPrecision(Precision):
     def _watch_grad_reads(self, param: Tensor, by_attribute: bool) -> None:
         """[Note: gradients read where they are not]
         Between backward and the step the gradients are in the shards, and ``param.grad`` is ``None``: Lightning's
-        ``grad_norm(self)`` in ``on_before_optimizer_step`` then returned nothing to log, silently. While
+        ``grad_norm(self)`` in ``on_before_optimizer_step`` then returned nothing to log, and torch's
+        ``clip_grad_norm_(self.parameters(), ...)`` there clipped nothing and returned a norm of 0, silently. While
         ``on_before_optimizer_step`` and clipping run, a parameter iterated with ``.grad`` missing from within
-        ``grad_norm`` says so once. Inside ``strategy.full_parameters(with_grads=True)`` the gradients are there."""
+        ``grad_norm`` says so once; from within torch's ``clip_grad_*`` it raises, since the step would differ.
+        Inside ``strategy.full_parameters(with_grads=True)`` the gradients are there (a parameter without one there
+        got none this step: nothing is said)."""
+        if self.engine.hooks.closed is not None:  # inside full_parameters(): the gradients are there
+            return
+        refuse_clipping_without_gradients(param, self.engine.manager.params)
         if self._warned_grad_reads or not param.requires_grad or param.grad is not None:
             return
         f: Any = sys._getframe(2)

@@ -91,6 +91,8 @@ def full_parameters(
         )
     # one rank alone would wait in the gathers below ([Note: a forward outside a step] in group.py)
     mgr.comm.roll_call(hooks.where(), what="full_parameters()", advice=_ALONE)
+    if with_grads:  # before the chunks are listed: in the first step this is the warm-up's repack (new chunks)
+        engine.grads_ready("full_parameters(with_grads=True)")
     wanted = _indices(mgr, params)
     chunks = [c for c in mgr.chunks if any(t.slot.param_index in wanted for t in c.tensors)]
     with_grad = _with_gradients(engine, chunks, wanted) if with_grads else set()
@@ -152,7 +154,6 @@ def _with_gradients(engine: Any, chunks: list[Any], wanted: set[int]) -> set[int
     Refused while a micro-batch's gradients still wait in the gradient payloads (``sharded_accumulation=False``
     inside accumulation) and with ``step_in_backward=True`` (gone after backward)."""
     mgr = engine.manager
-    engine.grads_ready("full_parameters(with_grads=True)")
     waiting = [c.chunk_id for c in chunks if c.grad_payload is not None]  # left there by no_sync()
     if waiting:
         raise ChunkError(

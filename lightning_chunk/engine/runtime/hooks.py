@@ -73,7 +73,7 @@ from .batches import tensors_in
 from .moments import MomentClock, in_backward
 from .owners import ModuleOwners, leaf_hint
 from .pieces import GradPieces
-from .reads import ReleasedReads, reading, unwatch, unwatched, watch
+from .reads import ReleasedReads, reading, refuse_clipping_without_gradients, unwatch, unwatched, watch
 
 S = TensorState
 _eager = torch.compiler.disable  # see [Note: hooks under torch.compile]
@@ -212,10 +212,12 @@ class ChunkHooks:
     def _read(self, param: torch.Tensor, by_attribute: bool) -> None:
         """A parameter was read during a step's forward: one no module has in use is adopted by the innermost
         running module (read by attribute) or held to the end of this micro-batch's backward (read by iteration)
-        ([Note: parameters read outside their owner] in reads.py)."""
+        ([Note: parameters read outside their owner] in reads.py). Inside full_parameters() every one is whole."""
         mgr = self.manager
+        if not by_attribute:  # torch's clip_grad_norm_ after a manual backward: its gradients are in the shards
+            refuse_clipping_without_gradients(param, mgr.params)
         i = mgr.index_of.get(id(param))
-        if i is None:
+        if i is None or self.closed is not None:
             return
         chunk, info = mgr.lookup(param)
         if info.state is S.COMPUTE or not (info.state in _USABLE or info.state is S.FREE):

@@ -39,7 +39,9 @@ carry nothing of the engine, and ``unwatch`` puts plain dicts back when the engi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +52,8 @@ from ..chunks.chunk import placeholder_storages
 from ..errors import ChunkError
 
 Reader = Callable[[torch.Tensor, bool], None]  # (parameter, read by attribute: else by iteration)
+_CLIP_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
+_CLIPPERS = frozenset({"clip_grad_norm_", "clip_grad_norm", "clip_grad_value_"})
 
 _reader: Reader | None = None  # the engine whose step is running; one step runs at a time in a process
 
@@ -202,3 +206,27 @@ def unwatched() -> Iterator[None]:
         yield
     finally:
         _reader = before
+
+
+def refuse_clipping_without_gradients(param: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """Raise where torch's ``clip_grad_norm_``/``clip_grad_value_`` is reading ``param``, which has no ``.grad``, and
+    no parameter of ``params`` has one: the gradients are in the shards, so it would clip nothing and return a norm
+    of 0, silently ([Note: gradients read where they are not] in ``precision.py``). Inside
+    ``full_parameters(with_grads=True)`` the gradients are there: a parameter without one got none this step."""
+    if param.grad is not None or not param.requires_grad:
+        return
+    f: Any = sys._getframe(1)
+    for _ in range(12):
+        if f is None:
+            return
+        if f.f_code.co_name in _CLIPPERS and f.f_code.co_filename.endswith(_CLIP_FILE):
+            if any(p.grad is not None for p in params):
+                return
+            raise ChunkError(
+                f"torch.nn.utils.{f.f_code.co_name} found no gradients: under chunk_offload they are in the shards "
+                "between backward and the step, and param.grad is None there, so it would clip nothing (and return "
+                "a norm of 0). Clip the shards with Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, "
+                "gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value'); or call it inside `with "
+                "self.trainer.strategy.full_parameters(with_grads=True):`, which gathers every gradient."
+            )
+        f = f.f_back
