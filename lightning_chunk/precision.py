@@ -164,15 +164,19 @@ class ChunkPrecision(Precision):
             tensor = self.scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
 
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        with reading(self._watch_grad_reads):  # on_after_backward ([Note: gradients read where they are not])
+            return super().post_backward(tensor, module)
+
     def _watch_grad_reads(self, param: Tensor, by_attribute: bool) -> None:
         """[Note: gradients read where they are not]
         Between backward and the step the gradients are in the shards, and ``param.grad`` is ``None``: Lightning's
         ``grad_norm(self)`` in ``on_before_optimizer_step`` then returned nothing to log, and torch's
         ``clip_grad_norm_(self.parameters(), ...)`` there clipped nothing and returned a norm of 0, silently. While
-        ``on_before_optimizer_step`` and clipping run, a parameter iterated with ``.grad`` missing from within
-        ``grad_norm`` says so once; from within torch's ``clip_grad_*`` it raises, since the step would differ.
-        Inside ``strategy.full_parameters(with_grads=True)`` the gradients are there (a parameter without one there
-        got none this step: nothing is said)."""
+        ``on_after_backward``, ``on_before_optimizer_step`` and clipping run, a parameter iterated with ``.grad``
+        missing from within ``grad_norm`` says so once; from within torch's ``clip_grad_*`` it raises, since the step
+        would differ. Inside ``strategy.full_parameters(with_grads=True)`` the gradients are there (a parameter without
+        one there got none this step: nothing is said)."""
         if self.engine.hooks.closed is not None:  # inside full_parameters(): the gradients are there
             return
         refuse_clipping_without_gradients(param, self.engine.manager.params)

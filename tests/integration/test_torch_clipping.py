@@ -1,11 +1,11 @@
 """torch's ``clip_grad_norm_``/``clip_grad_value_`` on ``self.parameters()`` between backward and the step, where a
-Lightning user clips by hand ([Note: gradients read where they are not] in precision.py). The gradients are in the
-shards there and ``param.grad`` is ``None``: it clipped nothing and returned a norm of 0, and training went on
-unclipped, silently. Now it raises naming the ways that work, and each of them trains as plain Lightning does.
-Two of those ways failed inside the engine in manual optimization: ``full_parameters`` in ``training_step`` under
-host placement (the step's watch held the parameters read inside the block, which then could not let them go), and
-``with_grads=True`` in the first step of a model used in another order than registered (the chunks were listed
-before the warm-up's repack replaced them)."""
+Lightning user clips by hand (``on_before_optimizer_step``, ``on_after_backward``, after a manual backward):
+[Note: gradients read where they are not] in precision.py. The gradients are in the shards there and ``param.grad`` is
+``None``: it clipped nothing and returned a norm of 0, and training went on unclipped, silently. Now it raises naming
+the ways that work, and each of them trains as plain Lightning does. Two of those ways failed inside the engine in
+manual optimization: ``full_parameters`` in ``training_step`` under host placement (the step's watch held the
+parameters read inside the block, which then could not let them go), and ``with_grads=True`` in the first step of a
+model used in another order than registered (the chunks were listed before the warm-up's repack replaced them)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ class ClipsBeforeTheStep(ParityNet):
         clip(self, optimizer)
 
 
+class ClipsAfterBackward(ParityNet):
+    def on_after_backward(self):
+        clip(self, self.trainer.optimizers[0])
+
+
 class ClipsInManualOptimization(ParityNet):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -57,6 +62,9 @@ class ClipsInManualOptimization(ParityNet):
         self.manual_backward(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
         clip(self, optimizer)
         optimizer.step()
+
+
+CLASSES = [ClipsBeforeTheStep, ClipsAfterBackward, ClipsInManualOptimization]
 
 
 def train(strategy, cls, how, variant="plain"):
@@ -75,7 +83,7 @@ def chunk() -> ChunkOffloadStrategy:
     return ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop"))
 
 
-@pytest.mark.parametrize("cls", [ClipsBeforeTheStep, ClipsInManualOptimization], ids=["hook", "manual"])
+@pytest.mark.parametrize("cls", CLASSES, ids=["before_step", "after_backward", "manual"])
 @pytest.mark.parametrize("how", ["norm", "value"])
 def test_torch_clipping_outside_full_parameters_raises_naming_what_works(cls, how):
     name = "clip_grad_norm_" if how == "norm" else "clip_grad_value_"
@@ -85,7 +93,7 @@ def test_torch_clipping_outside_full_parameters_raises_naming_what_works(cls, ho
     assert "gradient_clip_val" in said and "self.clip_gradients(" in said and "full_parameters(with_grads=True)" in said
 
 
-@pytest.mark.parametrize("cls", [ClipsBeforeTheStep, ClipsInManualOptimization], ids=["hook", "manual"])
+@pytest.mark.parametrize("cls", CLASSES, ids=["before_step", "after_backward", "manual"])
 @pytest.mark.parametrize(
     "how, variant",
     [
