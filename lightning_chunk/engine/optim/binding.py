@@ -209,8 +209,9 @@ class OptimizerBinding:
             {"state": {p: mine[i] for p, i in enumerate(pos) if i in mine}, "param_groups": local_groups}
         )
         self.kernel_flags = kernel_flags(self.optimizer, self.config.optimizer_kernel)  # as the loaded groups say
-        for g in self.optimizer.param_groups:
-            on_device = bool(g.get("fused") or g.get("capturable"))
+        for k, g in enumerate(self.optimizer.param_groups):
+            # the kernel's flags, as rebind reads them: a device view stepped by the fused kernel wants its step there
+            on_device = bool({**g, **self.kernel_flags[k]}.get("fused") or g.get("capturable"))
             for v in g["params"]:
                 st = self.optimizer.state.get(v)
                 if st and torch.is_tensor(st.get("step")):
