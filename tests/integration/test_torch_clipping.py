@@ -23,7 +23,7 @@ from tests.models import ParityNet, fit
 STEPS = 4
 
 
-def clip(module: ParityNet, optimizer) -> None:
+def clip(module: Clips, optimizer) -> None:
     """What the case asks for: torch's function, inside ``full_parameters(with_grads=True)`` or not, or
     Lightning's ``clip_gradients``. Records the norm torch's function returned."""
     how, inside = module.how
@@ -39,20 +39,29 @@ def clip(module: ParityNet, optimizer) -> None:
             torch.nn.utils.clip_grad_value_(module.parameters(), 1e-3)
 
 
-class ClipsBeforeTheStep(ParityNet):
+class Clips(ParityNet):
+    """``how``: what ``clip`` does (torch's function and whether inside the block, or ``clip_gradients``)."""
+
+    manual = False
+
+    def __init__(self, how: tuple[str, bool], **kw) -> None:
+        super().__init__(**kw)
+        self.how, self.norms = how, []
+        self.automatic_optimization = not self.manual
+
+
+class ClipsBeforeTheStep(Clips):
     def on_before_optimizer_step(self, optimizer):
         clip(self, optimizer)
 
 
-class ClipsAfterBackward(ParityNet):
+class ClipsAfterBackward(Clips):
     def on_after_backward(self):
         clip(self, self.trainer.optimizers[0])
 
 
-class ClipsInManualOptimization(ParityNet):
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.automatic_optimization = False
+class ClipsInManualOptimization(Clips):
+    manual = True
 
     def training_step(self, batch, batch_idx):
         optimizer = self.optimizers()
@@ -68,15 +77,7 @@ CLASSES = [ClipsBeforeTheStep, ClipsAfterBackward, ClipsInManualOptimization]
 
 
 def train(strategy, cls, how, variant="plain"):
-    original = cls.__init__
-
-    def init(self, **kw):
-        original(self, **kw)
-        self.how, self.norms = how, []
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cls, "__init__", init)
-        return fit(strategy, steps=STEPS, cls=cls, variant=variant)
+    return fit(strategy, steps=STEPS, cls=cls, variant=variant, model_kwargs={"how": how})
 
 
 def chunk() -> ChunkOffloadStrategy:
