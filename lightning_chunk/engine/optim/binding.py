@@ -104,8 +104,8 @@ class OptimizerBinding:
                 if self.manager.params[i] in state
             }
             carried = local_optimizer_state(self.manager, new, whole)
-        for k, g in enumerate(self.optimizer.param_groups):
-            step_on_device = bool({**g, **self.kernel_flags[k]}.get("fused") or g.get("capturable"))
+        for k in range(len(self.optimizer.param_groups)):
+            step_on_device = self._steps_on_device(k)
             for i in self.group_params[k]:
                 v = new.get(i)
                 if v is not None and i in carried:
@@ -130,6 +130,13 @@ class OptimizerBinding:
         them the disk stepper's call a chunk ([Note: stepping disk shards] in ``disk_stepper.py``)."""
         disk = self.disk.chunks()
         return self.disk.step(disk, **kwargs) if disk else self.optimizer.step(**kwargs)
+
+    def _steps_on_device(self, k: int) -> bool:
+        """Whether group ``k``'s step counters live beside its views: the kernel's flags (``kernel_flags``) over the
+        group's own, since a device view stepped by the fused kernel wants its ``step`` there (reading the group's
+        own flag alone, a resume of host shards onto the device failed in torch's fused AdamW on CUDA)."""
+        g = self.optimizer.param_groups[k]
+        return bool({**g, **self.kernel_flags[k]}.get("fused") or g.get("capturable"))
 
     @staticmethod
     def _move(val: Any, like: torch.Tensor, step_on_device: bool) -> Any:
@@ -210,8 +217,7 @@ class OptimizerBinding:
         )
         self.kernel_flags = kernel_flags(self.optimizer, self.config.optimizer_kernel)  # as the loaded groups say
         for k, g in enumerate(self.optimizer.param_groups):
-            # the kernel's flags, as rebind reads them: a device view stepped by the fused kernel wants its step there
-            on_device = bool({**g, **self.kernel_flags[k]}.get("fused") or g.get("capturable"))
+            on_device = self._steps_on_device(k)
             for v in g["params"]:
                 st = self.optimizer.state.get(v)
                 if st and torch.is_tensor(st.get("step")):
