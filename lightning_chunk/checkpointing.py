@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from ._version import __version__
 from .engine import ChunkEngine
 from .engine.errors import CheckpointError
+from .engine.memory.full_params import check_stray_writes
 from .engine.state.checkpoint import KEY as CHECKPOINT_KEY
 from .engine.state.checkpoint import (
     is_sharded_checkpoint,
@@ -117,6 +118,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
             return placeholder_state_dict(self.engine)
         # a save's first step on every rank: one on some ranks only waits in a roll call, not in a collective
         self.engine.comm.roll_call(self.engine.hooks.where(), what="a checkpoint save", advice=_SAVE_ADVICE)
+        check_stray_writes(self.engine.manager, "before a checkpoint save")  # it would not be in the checkpoint
         if self._sharded:  # save_checkpoint writes the shards; nothing is gathered
             return placeholder_state_dict(self.engine)  # [Note: the state_dict of a sharded save]
         return self.engine.full_state_dict()

@@ -65,10 +65,11 @@ class DropFrozenGrads(FlipRequiresGrad):
 class ClampFirstBlock(L.Callback):
     """WGAN's weight clipping after every step, and a weight's norm read between steps: plain Lightning on the
     parameters, chunk_offload inside ``trainer.strategy.full_parameters()`` ([Note: parameters outside a step]).
-    ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block."""
+    ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block. ``assign``:
+    ``p.data = p.data.clamp(...)`` (MoCo's momentum update writes so) in place of ``p.clamp_(...)``."""
 
-    def __init__(self, bound: float = 0.05, use_block: bool = True) -> None:
-        self.bound, self.norms, self.seen_outside, self.use_block = bound, [], [], use_block
+    def __init__(self, bound: float = 0.05, use_block: bool = True, assign: bool = False) -> None:
+        self.bound, self.norms, self.seen_outside, self.use_block, self.assign = bound, [], [], use_block, assign
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         import contextlib
@@ -77,7 +78,10 @@ class ClampFirstBlock(L.Callback):
         self.seen_outside.append(bool(not torch.isnan(pl_module.head.weight).all()))
         with full() if full else contextlib.nullcontext(), torch.no_grad():
             for p in pl_module.blocks[0].parameters():
-                p.clamp_(-self.bound, self.bound)
+                if self.assign:
+                    p.data = p.data.clamp(-self.bound, self.bound)
+                else:
+                    p.clamp_(-self.bound, self.bound)
             self.norms.append(float(pl_module.head.weight.norm()))
             self.saved = pl_module.blocks[0].state_dict()["0.weight"].clone()  # a whole value, clamped
 

@@ -44,3 +44,20 @@ class DiskTierError(ChunkError):
 
 class CheckpointError(ChunkError, ValueError):
     """A path that is not a usable checkpoint, or one written for another model."""
+
+
+_PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a single memory location"
+
+
+def explain_placeholder_write(exception: BaseException) -> None:
+    """torch's error for a write into a released parameter's placeholder ([Note: a released parameter] in
+    ``chunks/chunk.py``) advises a ``clone()``, which would lose the write: say what it means here (a note, shown
+    under the traceback, Python 3.11 and later)."""
+    if isinstance(exception, RuntimeError) and _PLACEHOLDER_WRITE in str(exception) and hasattr(exception, "add_note"):
+        exception.add_note(
+            "chunk_offload: if this was a write into a parameter between its uses (weights clamped in a callback, a "
+            "momentum encoder updated), the parameter's chunk was released and its .data is a placeholder, one NaN "
+            "expanded to its shape, that refuses writes; a clone would lose the write. Write inside `with "
+            "trainer.strategy.full_parameters():` on every rank (docs/faq.md, 'Reading or writing parameters "
+            "between steps')."
+        )

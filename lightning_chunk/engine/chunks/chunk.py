@@ -131,6 +131,24 @@ def lost_write(info: TensorInfo, chunk_id: int, when: str) -> ChunkError:
     )
 
 
+def replaced_data(info: TensorInfo, chunk_id: int, when: str) -> ChunkError:
+    """``p.data = x`` where the payload is a copy of the shard ([Note: a replaced .data])."""
+    new = info.param.data
+    shape = "" if new.shape == info.shape else f" with shape {tuple(new.shape)} (its own is {tuple(info.shape)})"
+    return ChunkError(
+        f"parameter {info.name!r} had its .data replaced {when}{shape}: between its uses a parameter's .data "
+        f"is a view of chunk {chunk_id}'s payload, a copy of the sharded weights (or a placeholder of NaN once "
+        "released), and the next gather points it back there, so the value assigned would be lost. Assign inside "
+        "`with trainer.strategy.full_parameters():` on every rank, where `p.data = ...` and in-place writes under "
+        "torch.no_grad() go into the shards (docs/faq.md, 'Reading or writing parameters between steps')."
+    )
+
+
+def storage_of(t: torch.Tensor) -> int:
+    """The storage ``t`` views: the same across a resize or a pool swap, another after ``p.data = x``."""
+    return int(t.untyped_storage()._cdata)
+
+
 @dataclass(eq=False)
 class TensorInfo:
     """One parameter packed in a chunk."""
@@ -148,7 +166,17 @@ class TensorInfo:
     version: int = (
         0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
     )
+    storage: int = 0  # the storage its .data viewed then ([Note: a replaced .data])
     released_value: torch.Tensor | None = field(default=None, repr=False)  # [Note: a released parameter]
+
+    def pointed(self) -> None:
+        """The parameter's ``.data`` was just set by the engine: take its version counter and storage."""
+        self.version = self.param._version
+        self.storage = storage_of(self.param)
+
+    def replaced(self) -> bool:
+        """Whether ``.data`` was assigned since the engine last set it ([Note: a replaced .data])."""
+        return storage_of(self.param) != self.storage
 
     @property
     def offset(self) -> int:
@@ -295,6 +323,9 @@ class Chunk:
         in place since it was last pointed raises, unless the payload keeps what is written (``master_is_payload``)."""
         check = not self.master_is_payload()
         for info in self.tensors:
+            lost = self.keep_replaced(info, "during a step") if info.replaced() else None
+            if lost is not None:
+                raise lost
             if check and info.param._version != info.version:
                 raise lost_write(info, self.chunk_id, "during a step")
             assert info.view is not None
@@ -303,7 +334,26 @@ class Chunk:
             value = info.released_value if self.params_parked else info.view
             assert value is not None
             info.param.data = value
-            info.version = info.param._version
+            info.pointed()
+
+    def keep_replaced(self, info: TensorInfo, when: str) -> ChunkError | None:
+        """[Note: a replaced .data]
+        ``p.data = x`` (MoCo's momentum encoder, ``p.data = p.data.clamp(...)``) gives the parameter another storage
+        and leaves its version counter as it was, so the check of in-place writes ([Note: parameters outside a
+        step] in ``full_params.py``) never saw it: the next gather pointed ``.data`` back at the payload and the
+        value was lost, or, on a resident payload, the forward read the assigned tensor while the optimizer stepped
+        the shard. Each ``TensorInfo`` keeps the storage its parameter was last pointed at (``pointed``), compared
+        where the version counters are. Where the payload *is* the master (one rank, fp32, on the device) the value
+        is copied into it and trains, as in plain PyTorch; elsewhere the ``ChunkError`` returned names the parameter
+        and ``full_parameters()``, which takes an assigned ``.data`` as the block's new value."""
+        new = info.param.data
+        if not (self.master_is_payload() and info.view is not None and new.shape == info.shape):
+            return replaced_data(info, self.chunk_id, when)
+        with torch.no_grad():
+            info.view.copy_(new)
+        info.param.data = info.view
+        info.pointed()
+        return None
 
     def reduced(self, *, agreed: bool = False) -> None:
         """The chunk's gradients were reduced (or stay local inside ``no_sync``): nothing waits any more.

@@ -358,7 +358,7 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
             )
             chunk.tensors.append(info)
             p.data = info.view = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
-            info.version = p._version
+            info.pointed()
             mgr.place_param(p, chunk, info)
         if not chunk.aliased:
             chunk.payload.untyped_storage().resize_(0)

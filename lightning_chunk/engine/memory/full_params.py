@@ -11,9 +11,10 @@ after ``opt.step()``) was silently lost the next time the chunk was gathered fro
 - each chunk holding one of the requested parameters is gathered from the master shards (a collective with several
   ranks: every rank enters with the same parameters), and each parameter's ``.data`` becomes a fresh tensor with
   its whole value in its own dtype, on the compute device (the host with ``offload_to_cpu``);
-- on leaving, with ``writeback``, each rank writes its piece of every value back into its master shard and the
-  compute-dtype copies, and a stale resident payload is released to be gathered again. An element the caller left
-  as it was keeps its master value, so a bf16 model whose masters are fp32 loses no precision by being looked at;
+- on leaving, with ``writeback``, each rank writes its piece of every value (or of a ``.data`` assigned inside) back
+  into its master shard and the compute-dtype copies, and a stale resident payload is released to be gathered
+  again. An element the caller left as it was keeps its master value, so a bf16 model whose masters are fp32 loses
+  no precision by being looked at;
 - the parameters then point at their payload views (or placeholders) again. The optimizer's state is not touched.
 
 A write outside the block into a resident payload that is a copy of the shard (mixed precision, or several ranks
@@ -21,11 +22,12 @@ between a gather and the next step) would be lost without a word when the payloa
 again. Written through the parameter (``p.clamp_()``, ``p.copy_()``, ``load_state_dict``, ``reset_parameters()``
 under ``no_grad``), it bumps the parameter's version counter: each micro-batch and evaluation step first compares
 the counters with those taken when the parameters were last pointed at their payloads (``check_stray_writes``) and
-raises ``ChunkError`` naming the parameter. A write during a step (``nn.Embedding(max_norm=...)`` renormalises the
-rows its forward looks up) is caught when the payload is released, before the counter is taken again
-(``Chunk.point_params``); in a resident copy, by the next step's check. Writes through ``.data`` leave no trace. A chunk
-whose payload *is* its shard (one rank, the shard on the device, no mixed precision) keeps what is written into
-it, so it is not checked: the write trains.
+raises ``ChunkError`` naming the parameter; so do a save and the end of ``fit``, which no micro-batch follows. A write
+during a step (``nn.Embedding(max_norm=...)`` renormalises the rows its forward looks up) is caught when the payload is
+released, before the counter is taken again (``Chunk.point_params``); in a resident copy, by the next check. An
+assignment ``p.data = x`` is caught by its storage ([Note: a replaced .data] in ``chunk.py``); a write through
+``p.data`` (``p.data.mul_()``) leaves no trace. A chunk whose payload *is* its shard (one rank, the shard on the device,
+no mixed precision) keeps what is written into it, so it is not checked: the write trains.
 
 ``module.state_dict()`` between steps read the same payloads: placeholders of NaN a user would save without a
 word (``torch.save(model.state_dict(), ...)`` in a callback), or a stale bf16 copy of an fp32 model. Every module
@@ -48,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..chunks.chunk import Role, Tier, lost_write
+from ..chunks.chunk import Role, Tier, lost_write, storage_of
 from ..chunks.repack import piece_range
 from ..chunks.states import TensorState
 from ..errors import ChunkError
@@ -99,6 +101,7 @@ def full_parameters(
     device = torch.device("cpu") if offload_to_cpu else mgr.device
     values: dict[int, torch.Tensor] = {}
     grads: dict[int, tuple[torch.Tensor, int]] = {}  # the gradient given and its version counter then
+    assigned: list[tuple[Any, torch.Tensor]] = []  # parameters whose .data the block replaced, and the new value
     ok = False
     try:  # a gather that fails part-way still points every parameter back at its payload
         for c in chunks:  # chunk-id order on every rank: the all-gathers pair up
@@ -125,9 +128,16 @@ def full_parameters(
         hooks.closed = None
         for c in chunks:  # what was written inside goes back below (with writeback=False it is let go, as asked)
             for t in c.tensors:
-                t.version = t.param._version
+                value = values.get(t.slot.param_index)
+                if value is None:
+                    t.version = t.param._version
+                    continue
+                if storage_of(t.param) != storage_of(value):
+                    assigned.append((t, t.param.data))
+                t.pointed()  # the block's value or one assigned to .data: not a stray write
         try:
             if ok and writeback:  # after an exception the other ranks may not be here: no collective, no write
+                _take_assigned(assigned, values)
                 if with_grads:
                     _write_grads(engine, chunks, wanted, grads)
                 load_values(mgr, values, keep_unchanged=True)
@@ -204,6 +214,18 @@ def _write_grads(engine: Any, chunks: list[Any], wanted: set[int], given: dict[i
         b.slots.attach()
 
 
+def _take_assigned(assigned: list[tuple[Any, torch.Tensor]], values: dict[int, torch.Tensor]) -> None:
+    """``p.data = x`` inside the block (MoCo's momentum update): ``x`` is the value written back, as an in-place write
+    would be ([Note: a replaced .data] in ``chunk.py``)."""
+    for t, new in assigned:
+        if new.shape != t.shape:
+            raise ChunkError(
+                f"full_parameters(): parameter {t.name!r} was given a .data of shape {tuple(new.shape)}; its shape "
+                f"is {tuple(t.shape)}, and a packed parameter keeps its shape."
+            )
+        values[t.slot.param_index] = new
+
+
 def _indices(mgr: Any, params: Iterable[torch.nn.Parameter] | None) -> set[int]:
     if params is None:
         return set(range(len(mgr.params)))
@@ -215,15 +237,29 @@ def _indices(mgr: Any, params: Iterable[torch.nn.Parameter] | None) -> set[int]:
     return out
 
 
-def check_stray_writes(mgr: Any) -> None:
-    """Raise if a parameter of a resident payload that is a copy of its shard was written in place since it was last
-    pointed at its payload: the write would be lost ([Note: parameters outside a step])."""
+def check_stray_writes(mgr: Any, when: str = "outside a step or in the last step's forward") -> None:
+    """Raise ``stray_write``'s error, if any."""
+    lost = stray_write(mgr, when)
+    if lost is not None:
+        raise lost
+
+
+def stray_write(mgr: Any, when: str) -> ChunkError | None:
+    """The error for a parameter of a resident payload that is a copy of its shard written in place since it was last
+    pointed at its payload, or one whose ``.data`` was replaced where that is not kept: the write would be lost
+    ([Note: parameters outside a step], [Note: a replaced .data] in ``chunk.py``). Checked before each micro-batch,
+    a save and the end of ``fit``."""
     for c in mgr.chunks:
+        for t in c.tensors:
+            lost = c.keep_replaced(t, when) if t.replaced() else None
+            if lost is not None:
+                return lost
         if c.params_parked or (c.aliased and c.master_is_payload()):
             continue
         for t in c.tensors:
             if t.param._version != t.version:
-                raise lost_write(t, c.chunk_id, "outside a step or in the last step's forward")
+                return lost_write(t, c.chunk_id, when)
+    return None
 
 
 def state_dict_hooks(module: torch.nn.Module, mgr: Any, is_open: Callable[[], bool]) -> list[Any]:

@@ -41,7 +41,7 @@ from ..config import ChunkConfig, DtypePolicy, format_bytes
 from ..errors import DeviceMemoryLimitError
 from ..files.weights import ModuleWeights
 from ..memory.consolidate import load_module_state_dict, module_state_dict, unpack, whole_model_fits
-from ..memory.full_params import check_stray_writes
+from ..memory.full_params import check_stray_writes, stray_write
 from ..optim.binding import OptimizerBinding, OptimizerStateCarrier
 from ..optim.early_step import EarlyStep
 from ..optim.ema import Extras, ShardedEMA
@@ -414,12 +414,11 @@ class ChunkEngine:
         """
         if self.early is not None:
             self.early.close()
+        save_failed: BaseException | None = None
         try:
             self.manager.readers.settle()  # a save in flight reads the chunks unpacked here
         except BaseException as e:  # noqa: BLE001 - raised once the parameters are back
-            save_failed: BaseException | None = e
-        else:
-            save_failed = None
+            save_failed = e
         if optimizer_state is None:
             optimizer_state = self.config.materialize_optimizer_state
         if materialize is None:  # [Note: the model after fit] in consolidate.py
@@ -435,6 +434,7 @@ class ChunkEngine:
                     "them anyway. [Note: the model after fit]",
                     stacklevel=2,
                 )
+        lost = stray_write(self.manager, "after the last step") if materialize else None  # raised once torn down
         if materialize:  # a resumed state no step read yet goes back with the model (no collective without it)
             self.settle_state()
         self.hooks.remove()
@@ -446,5 +446,5 @@ class ChunkEngine:
         unpack(self.manager, materialize=materialize, device=device)
         self.manager.close()
         release_pinned_cache()
-        if save_failed is not None:
-            raise save_failed
+        if save_failed is not None or lost is not None:
+            raise save_failed or lost  # type: ignore[misc]
