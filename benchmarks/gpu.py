@@ -99,6 +99,49 @@ def _write(args: argparse.Namespace, times: list[float], params: int, **extra: A
     Path(args.out).write_text(json.dumps(out))
 
 
+# [Note: where a row's time goes]
+# A row of the 1.0B GPT took about 100 s on an H200 for 8 steps of 0.3 s. Each child notes when it reached each
+# phase (``time.perf_counter()``: CLOCK_MONOTONIC, one clock for every process of the machine) and the parent,
+# which notes the launch and the exit, turns the marks into seconds a phase: ``phases`` in each row.
+PHASES = (  # (name, the mark that ends it); each phase starts at the mark before
+    ("launch", "started"),  # the interpreter and this script's imports
+    ("imports", "imported"),  # torch, Lightning, the strategy's package (CUDA's start-up is in setup)
+    ("build", "built"),  # the model, initialised on the host, and its data
+    ("setup", "setup_done"),  # the Trainer and fit's setup: packing, placement, the optimizer
+    ("first step", "first_step_done"),  # the warm-up step, its trace and repack
+    ("other steps", "last_step_done"),
+    ("teardown", "fit_done"),  # the end of fit: parameters given their values back
+    ("exit", "ended"),  # results written, the process gone (memory given back)
+)
+
+
+def phase_marks(marks: dict[str, float]) -> Any:
+    """A Lightning callback putting into ``marks`` when fit's setup ended and the first and last steps ended
+    ([Note: where a row's time goes]); placed after ``step_timer``, which waits for the device."""
+    import lightning as L
+
+    class Marks(L.Callback):
+        def on_train_start(self, *a: Any) -> None:
+            marks["setup_done"] = time.perf_counter()
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            marks.setdefault("first_step_done", time.perf_counter())
+            marks["last_step_done"] = time.perf_counter()
+
+    return Marks()
+
+
+def phases(marks: dict[str, float]) -> dict[str, float]:
+    """Seconds a phase from a child's marks and the parent's ``launched`` and ``ended`` (a mark a child did not
+    reach is left out, and its phase with it)."""
+    out, last = {}, marks.get("launched")
+    for name, mark in PHASES:
+        if mark in marks and last is not None:
+            out[name] = marks[mark] - last
+        last = marks.get(mark, last)
+    return out
+
+
 def traffic(strategy: Any, skip: int, store: dict) -> Any:
     """A callback putting into ``store`` the bytes ``strategy`` copied host to device and back a step after the
     first ``skip`` steps, and the parameters its host Adam steps (a shard left on the host steps there)."""
@@ -127,6 +170,7 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     """DeepSpeed's own loop, one rank under torchrun: forward, ``engine.backward``, ``engine.step``, timed a step."""
     import os
 
+    marks = {"started": time.perf_counter()}
     cuda = args.accelerator == "cuda"
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -134,12 +178,15 @@ def child_deepspeed(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
+    marks["imported"] = time.perf_counter()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     model, data = _model_and_data(args)
     params = sum(p.numel() for p in model.parameters())
+    marks["built"] = time.perf_counter()
     engine, *_ = deepspeed.initialize(
         model=model, config=deepspeed_offload_config(args.batch, cuda), model_parameters=param_groups(model)
     )
+    marks["setup_done"] = time.perf_counter()
     times = []
     for step in range(args.steps):
         batch = data[step * args.batch : (step + 1) * args.batch].to(engine.device)
@@ -152,16 +199,21 @@ def child_deepspeed(args: argparse.Namespace) -> None:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    _write(args, times, params)
+        marks.setdefault("first_step_done", time.perf_counter())
+    marks["last_step_done"] = marks["fit_done"] = time.perf_counter()
+    _write(args, times, params, marks=marks)
     torch.distributed.destroy_process_group()
 
 
 def child(args: argparse.Namespace) -> None:
+    marks = {"started": time.perf_counter()}
+    import lightning  # noqa: F401  (timed with the imports)
     import torch
 
     from lightning_chunk import CheckOptions, ChunkOffloadStrategy, OffloadOptions
     from lightning_chunk.engine.config import parse_bytes
 
+    marks["imported"] = time.perf_counter()
     cuda = args.accelerator == "cuda"
     if args.child.startswith("chunk_offload") and args.child != "chunk_offload default":
         strategy = ChunkOffloadStrategy(
@@ -182,9 +234,10 @@ def child(args: argparse.Namespace) -> None:
         strategy = FSDPStrategy(cpu_offload=True, auto_wrap_policy={gpt.Block})
     model, data = _model_and_data(args)
     params = sum(p.numel() for p in model.parameters())
+    marks["built"] = time.perf_counter()
     times: list[float] = []
     moved: dict[str, float] = {}
-    callbacks = [step_timer(times)]
+    callbacks = [step_timer(times), phase_marks(marks)]
     if isinstance(strategy, ChunkOffloadStrategy):
         callbacks.append(traffic(strategy, args.skip, moved))
     precision = "bf16-mixed" if cuda else "32-true"
@@ -192,7 +245,8 @@ def child(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.synchronize()
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
-    _write(args, times, params, **moved)
+    marks["fit_done"] = time.perf_counter()
+    _write(args, times, params, marks=marks, **moved)
 
 
 def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
@@ -209,6 +263,7 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     # a caller with a time budget (gpu_campaign.py) gives a deadline: a child still running then is stopped
     timeout = max(getattr(args, "deadline", time.monotonic() + 3600) - time.monotonic(), 1)
+    launched = time.perf_counter()
     if deepspeed:
         try:
             r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -217,10 +272,12 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
             output = f"stopped at the time budget ({timeout:.0f} s)"
     else:  # forked from a preloaded interpreter in the test suite's smoke runs
         output = run_ranks(cmd, 1, clean_env(), timeout=timeout)[1]
+    ended = time.perf_counter()
     if not out.exists():
         tail = [ln for ln in output.strip().splitlines() if ln.strip()][-1:] or ["no output"]
         return {"contender": name, "failed": tail[0][:300]}  # e.g. out of memory where the model does not fit
     res = json.loads(out.read_text())
+    spent = phases({**res.get("marks", {}), "launched": launched, "ended": ended})
     steady = res["times"][args.skip :] or res["times"]
     step = statistics.median(steady)
     tokens = args.batch * args.context / step
@@ -235,6 +292,8 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         "peak_host": res["peak_host"],
         "params": res["params"],
         **{k: res[k] for k in ("h2d_per_step", "d2h_per_step", "host_stepped") if k in res},
+        "wall_s": ended - launched,
+        "phases": spent,
     }
 
 

@@ -299,12 +299,25 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
         assert r["host_stepped"] > 0 and r["h2d_per_step"] > 0 and r["d2h_per_step"] > 0
         assert r["bound_s"] == max(r["t_gpu"], r["t_cpu"], r["t_pcie"]) > 0
         assert r["vs_bound"] == pytest.approx(r["median_s"] / r["bound_s"])
+    for r in (rows["ddp"], rows["chunk_offload"]):  # where a row's wall time went, phase by phase, adding up
+        assert set(r["phases"]) == {
+            "launch",
+            "imports",
+            "build",
+            "setup",
+            "first step",
+            "other steps",
+            "teardown",
+            "exit",
+        }
+        assert min(r["phases"].values()) >= 0 and sum(r["phases"].values()) == pytest.approx(r["wall_s"])
     (largest,) = parts["largest"]["rows"]
     assert largest["median_s"] > 0 and largest["params"] == 115_008  # the tiny Llama's count, built on meta
     saved = json.loads(out.read_text())
     assert set(saved["parts"]) == {"tests", "probes", "contenders", "largest"} and saved["meta"]["torch"]
     table = out.with_suffix(".md").read_text()
     assert "x bound" in table and "chunk_offload step_in_backward" in table and "Llama 2 layers" in table
+    assert "by phase: chunk_offload step_in_backward" in table
     capsys.readouterr()
     late = load("gpu_campaign").main(
         ["--smoke", "--parts", "probes", "--budget", "1", "--out", str(tmp_path / "x.json")]
