@@ -65,11 +65,12 @@ class DropFrozenGrads(FlipRequiresGrad):
 class ClampFirstBlock(L.Callback):
     """WGAN's weight clipping after every step, and a weight's norm read between steps: plain Lightning on the
     parameters, chunk_offload inside ``trainer.strategy.full_parameters()`` ([Note: parameters outside a step]).
-    ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block. ``assign``:
-    ``p.data = p.data.clamp(...)`` (MoCo's momentum update writes so) in place of ``p.clamp_(...)``."""
+    ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block. ``write``:
+    ``"in place"`` (``p.clamp_(...)``), ``"assign"`` (``p.data = p.data.clamp(...)``, as MoCo's momentum update writes)
+    or ``"through .data"`` (``p.data.clamp_(...)``, WGAN's clipping as first published)."""
 
-    def __init__(self, bound: float = 0.05, use_block: bool = True, assign: bool = False) -> None:
-        self.bound, self.norms, self.seen_outside, self.use_block, self.assign = bound, [], [], use_block, assign
+    def __init__(self, bound: float = 0.05, use_block: bool = True, write: str = "in place") -> None:
+        self.bound, self.norms, self.seen_outside, self.use_block, self.write = bound, [], [], use_block, write
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         import contextlib
@@ -78,8 +79,10 @@ class ClampFirstBlock(L.Callback):
         self.seen_outside.append(bool(not torch.isnan(pl_module.head.weight).all()))
         with full() if full else contextlib.nullcontext(), torch.no_grad():
             for p in pl_module.blocks[0].parameters():
-                if self.assign:
+                if self.write == "assign":
                     p.data = p.data.clamp(-self.bound, self.bound)
+                elif self.write == "through .data":
+                    p.data.clamp_(-self.bound, self.bound)
                 else:
                     p.clamp_(-self.bound, self.bound)
             self.norms.append(float(pl_module.head.weight.norm()))

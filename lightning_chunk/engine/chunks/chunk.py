@@ -118,15 +118,20 @@ class InFlight:
             torch.cuda.current_stream(device).wait_event(self.event)
 
 
-def lost_write(info: TensorInfo, chunk_id: int, when: str) -> ChunkError:
+def lost_write(info: TensorInfo, chunk_id: int, when: str, *, through_data: bool = False) -> ChunkError:
     """A parameter written in place into a payload that is a copy of its shard ([Note: parameters outside a step]
-    in ``full_params.py``): the write would be lost when the payload is gathered, written back or released."""
+    in ``full_params.py``): the write would be lost when the payload is gathered, written back or released.
+    ``through_data``: seen by its values, not its version counter ([Note: writes through .data] there)."""
+    how, seen = (
+        ("through .data", "p.data.clamp_(), p.data.mul_(): its values changed where the engine wrote nothing")
+        if through_data
+        else ("in place", f"its version counter went from {info.version} to {info.param._version}")
+    )
     return ChunkError(
-        f"parameter {info.name!r} was written in place {when} (its version counter went from {info.version} to "
-        f"{info.param._version}), into chunk {chunk_id}'s payload, a copy of the sharded weights that the next "
-        "gather, release or optimizer write-back overwrites: the write would be lost. In a forward, "
-        "nn.Embedding(max_norm=...) renormalises the rows it looks up in place: leave max_norm=None and renormalise "
-        "in on_train_batch_start. Write parameters inside `with trainer.strategy.full_parameters():` "
+        f"parameter {info.name!r} was written {how} {when} ({seen}), into chunk {chunk_id}'s payload, a copy of the "
+        "sharded weights that the next gather, release or optimizer write-back overwrites: the write would be lost. "
+        "In a forward, nn.Embedding(max_norm=...) renormalises the rows it looks up in place: leave max_norm=None and "
+        "renormalise in on_train_batch_start. Write parameters inside `with trainer.strategy.full_parameters():` "
         "(ChunkOffloadStrategy.full_parameters; docs/faq.md, 'Reading or writing parameters between steps')."
     )
 
@@ -167,6 +172,7 @@ class TensorInfo:
         0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
     )
     storage: int = 0  # the storage its .data viewed then ([Note: a replaced .data])
+    looked: torch.Tensor | None = field(default=None, repr=False)  # its view's bits when read between steps
     released_value: torch.Tensor | None = field(default=None, repr=False)  # [Note: a released parameter]
 
     def pointed(self) -> None:
@@ -335,6 +341,7 @@ class Chunk:
             assert value is not None
             info.param.data = value
             info.pointed()
+            info.looked = None  # refilled or let go: [Note: writes through .data] in full_params.py
 
     def keep_replaced(self, info: TensorInfo, when: str) -> ChunkError | None:
         """[Note: a replaced .data]

@@ -118,6 +118,7 @@ def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unch
                 if chunk.aliased and not chunk.master_is_payload():
                     assert chunk.payload is not None
                     chunk.payload[a:b].copy_(piece)
+                    t.looked = None  # [Note: writes through .data] in full_params.py
             touched = True
         if touched and chunk.is_resident and not chunk.aliased:
             mgr.release(chunk, eviction=False)  # stale: re-gathered on next use

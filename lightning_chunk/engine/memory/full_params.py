@@ -25,9 +25,10 @@ the counters with those taken when the parameters were last pointed at their pay
 raises ``ChunkError`` naming the parameter; so do a save and the end of ``fit``, which no micro-batch follows. A write
 during a step (``nn.Embedding(max_norm=...)`` renormalises the rows its forward looks up) is caught when the payload is
 released, before the counter is taken again (``Chunk.point_params``); in a resident copy, by the next check. An
-assignment ``p.data = x`` is caught by its storage ([Note: a replaced .data] in ``chunk.py``); a write through
-``p.data`` (``p.data.mul_()``) leaves no trace. A chunk whose payload *is* its shard (one rank, the shard on the device,
-no mixed precision) keeps what is written into it, so it is not checked: the write trains.
+assignment ``p.data = x`` is caught by its storage ([Note: a replaced .data] in ``chunk.py``), a write through
+``p.data`` (``p.data.mul_()``) by its values ([Note: writes through .data]). A chunk whose payload *is* its shard
+(one rank, the shard on the device, no mixed precision) keeps what is written into it, so it is not checked: the
+write trains.
 
 ``module.state_dict()`` between steps read the same payloads: placeholders of NaN a user would save without a
 word (``torch.save(model.state_dict(), ...)`` in a callback), or a stale bf16 copy of an fp32 model. Every module
@@ -45,6 +46,8 @@ Inside, the engine is closed: a forward (whose hooks would gather into the paylo
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -247,19 +250,66 @@ def check_stray_writes(mgr: Any, when: str = "outside a step or in the last step
 def stray_write(mgr: Any, when: str) -> ChunkError | None:
     """The error for a parameter of a resident payload that is a copy of its shard written in place since it was last
     pointed at its payload, or one whose ``.data`` was replaced where that is not kept: the write would be lost
-    ([Note: parameters outside a step], [Note: a replaced .data] in ``chunk.py``). Checked before each micro-batch,
-    a save and the end of ``fit``."""
+    ([Note: parameters outside a step], [Note: a replaced .data] in ``chunk.py``), or one written through ``.data``
+    ([Note: writes through .data]). Checked before each micro-batch, a save and the end of ``fit``."""
+    lost: ChunkError | None = None
     for c in mgr.chunks:
         for t in c.tensors:
-            lost = c.keep_replaced(t, when) if t.replaced() else None
-            if lost is not None:
-                return lost
-        if c.params_parked or (c.aliased and c.master_is_payload()):
-            continue
-        for t in c.tensors:
+            looked, t.looked = t.looked, None  # each note is compared once
+            if lost is None and t.replaced():
+                lost = c.keep_replaced(t, when)
+            if lost is not None or c.params_parked or c.master_is_payload():
+                continue  # a placeholder refuses writes; a payload that is the master keeps them
             if t.param._version != t.version:
-                return lost_write(t, c.chunk_id, when)
-    return None
+                lost = lost_write(t, c.chunk_id, when)
+            elif looked is not None and t.view is not None and not torch.equal(bits(t.view), looked):
+                lost = lost_write(t, c.chunk_id, when, through_data=True)
+    return lost
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t``'s elements' bit patterns as integers: another value in any element changes it (a change that
+    another exactly offsets aside)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().view(ints).sum(dtype=torch.int64)
+
+
+def looked_at(mgr: Any, is_open: Callable[[], bool]) -> Callable[[torch.Tensor, bool], None]:
+    """[Note: writes through .data]
+    ``p.data.clamp_(-c, c)`` (WGAN's weight clipping as first published), ``pk.data.mul_(m).add_(pq.data, ...)``
+    (momentum encoders) write through a tensor that ``.data`` makes afresh, with a version counter of its own: the
+    parameter's never moves, and in bf16-mixed on one rank, where the payload is a bf16 copy the step rewrites from
+    the fp32 master, the clamp was lost at the next step without a word (0.2 off plain Lightning after 4 steps).
+    Between steps (while no step's reader is set, [Note: parameters read outside their owner] in ``reads.py``)
+    reading a packed parameter by attribute or iteration notes the bits of its payload view (``bits``), once, where
+    the payload is a copy of the shard and resident; the next check (``stray_write``: a micro-batch, a save, the end
+    of ``fit``) compares, and a change the engine did not make raises as an in-place write does. The engine's own
+    writes into payloads (``write_back``, ``load_values``, a gather's ``point_params``) drop the notes. Code that
+    touches no parameter between steps pays nothing; one that does pays a read of what it touched, twice. Reads made
+    by this package (a save's ``module.state_dict(keep_vars=True)``) are not noted: the first caller on the stack
+    past torch's module code is looked at."""
+
+    def reader(param: torch.Tensor, by_attribute: bool) -> None:
+        where = mgr.find(param)
+        if where is None or is_open():
+            return
+        chunk, t = where
+        if t.looked is None and t.view is not None and not chunk.params_parked and not chunk.master_is_payload():
+            if not _read_by_this_package():
+                t.looked = bits(t.view)
+
+    return reader
+
+
+_THIS_PACKAGE = os.sep + "lightning_chunk" + os.sep
+_MODULE_CODE = (os.path.join("torch", "nn", "modules", "module.py"), os.path.join("engine", "runtime", "reads.py"))
+
+
+def _read_by_this_package() -> bool:
+    f: Any = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.endswith(_MODULE_CODE):
+        f = f.f_back
+    return f is not None and _THIS_PACKAGE in f.f_code.co_filename
 
 
 def state_dict_hooks(module: torch.nn.Module, mgr: Any, is_open: Callable[[], bool]) -> list[Any]:

@@ -129,6 +129,10 @@ class ChunkManager:
     def lookup(self, param: torch.Tensor) -> tuple[Chunk, TensorInfo]:
         return self._where[id(param)]
 
+    def find(self, param: torch.Tensor) -> tuple[Chunk, TensorInfo] | None:
+        """``lookup``, or ``None`` for a parameter in no chunk (not packed, or not yet)."""
+        return self._where.get(id(param))
+
     def chunk_ids_of(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
         return tuple(sorted({self._where[id(p)][0].chunk_id for p in params if id(p) in self._where}))
 
@@ -361,6 +365,8 @@ class ChunkManager:
                     lo, hi = c.shard_range
                     assert c.payload is not None and c.master is not None
                     c.payload[lo:hi].copy_(c.master)
+                    for t in c.tensors:  # [Note: writes through .data] in full_params.py
+                        t.looked = None
                 continue
             if c.low is not None and c.chunk_id not in fresh:
                 assert c.master is not None

@@ -64,7 +64,7 @@ import torch
 from ..chunks.states import TensorState
 from ..comm.sequence import GRADIENTS
 from ..errors import ChunkError
-from ..memory.full_params import state_dict_hooks
+from ..memory.full_params import looked_at, state_dict_hooks
 from ..memory.grad_graph import GradGraphKeeper
 from ..memory.manager import ChunkManager
 from ..schedule.placement import PlacementPolicy
@@ -123,7 +123,7 @@ class ChunkHooks:
         for key in self.owners.owned:
             self._hook_forward(key)
         self._handles += state_dict_hooks(self.module, self.manager, lambda: self.closed is not None)
-        watch(self.module)  # [Note: parameters read outside their owner] in reads.py
+        watch(self.module, idle=looked_at(self.manager, lambda: self.closed is not None))  # reads.py, full_params.py
         self.watch_grads()
         keys = list(self.owners.index)
 

@@ -56,6 +56,14 @@ _CLIP_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
 _CLIPPERS = frozenset({"clip_grad_norm_", "clip_grad_norm", "clip_grad_value_"})
 
 _reader: Reader | None = None  # the engine whose step is running; one step runs at a time in a process
+_idle: Reader | None = None  # the reader between steps, when no step's reader is set
+
+
+def _set_idle(reader: Reader | None) -> None:
+    global _reader, _idle
+    if _reader is _idle:
+        _reader = reader
+    _idle = reader
 
 
 class WatchedParameters(dict):
@@ -170,8 +178,10 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
-def watch(module: torch.nn.Module) -> None:
-    """Give every submodule of ``module`` a ``WatchedParameters`` (idempotent)."""
+def watch(module: torch.nn.Module, idle: Reader | None = None) -> None:
+    """Give every submodule of ``module`` a ``WatchedParameters`` (idempotent); ``idle`` takes the reads made while
+    no step's reader is set ([Note: writes through .data] in ``memory/full_params.py``)."""
+    _set_idle(idle)
     for mod in module.modules():
         params = mod.__dict__.get("_parameters")
         if params is not None and type(params) is dict:
@@ -180,6 +190,7 @@ def watch(module: torch.nn.Module) -> None:
 
 def unwatch(module: torch.nn.Module) -> None:
     """Plain dicts again, with whatever the module holds now."""
+    _set_idle(None)
     for mod in module.modules():
         params = mod.__dict__.get("_parameters")
         if isinstance(params, WatchedParameters):
