@@ -23,7 +23,8 @@ WORKER = Path(__file__).with_name("phases_worker.py")
 # Below 1 (the largest rank): the plan erring safe; the last rank holds less (its shards hold the padding, which a
 # rank neither gathers nor steps). SLACK: collectives in flight, whose number varies with the ranks' timing (every
 # phase's peak on rank 0 at 2 ranks moved together by up to 2.3 MiB, nine chunks, between runs of the same code on
-# 2026-11-29: 14.6 to 16.9 MiB at the end of fit).
+# 2026-11-29: 14.6 to 16.9 MiB at the end of fit; rank 1's warm-up repack at 2 ranks, planned at 8.5 MiB, measured
+# 1.07 to 1.32 of it in eight runs of one tree on 2026-11-30, and 1.41 once in CI, 10.6 chunks above 1.1).
 AGREE = {
     "set-up": (0.7, 1.1),
     "warm-up step": (0.7, 1.1),
@@ -33,7 +34,7 @@ AGREE = {
     "resume": (0.7, 1.1),
     "end of fit": (0.7, 1.1),
 }
-SLACK = 10 * STRATEGY["chunk_numel"] * 4
+SLACK = 12 * STRATEGY["chunk_numel"] * 4
 
 
 @pytest.mark.parametrize(("world", "precision"), [(2, "32-true"), (4, "32-true"), (2, "bf16-mixed")])
