@@ -17,29 +17,13 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.config import device_margin_bytes
+from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 BIG = dict(dim=256, hidden=4096, depth=4)  # ~8.4M parameters: 134 MB of params + grads + Adam state
-
-
-def assert_close_params(ref, got, tol=TOL):
-    for (n, a), b in zip(ref.named_parameters(), got.parameters(), strict=True):
-        torch.testing.assert_close(b.cpu(), a.cpu(), msg=lambda m: f"{n}: {m}", **tol)
-
-
-def relative_update_error(ref, got, init) -> float:
-    num = sum(
-        (b.float().cpu() - a.float().cpu()).pow(2).sum()
-        for a, b in zip(ref.parameters(), got.parameters(), strict=True)
-    )
-    den = sum(
-        (a.float().cpu() - i.float().cpu()).pow(2).sum()
-        for a, i in zip(ref.parameters(), init.parameters(), strict=True)
-    )
-    return float((num / den).sqrt())
 
 
 @pytest.mark.parametrize("placement", ["device", "host", "auto"])
@@ -51,7 +35,7 @@ def test_parity_on_cuda(placement):
         accelerator="gpu",
         gradient_clip_val=0.05,
     )
-    assert_close_params(ref, got)
+    assert_same_params(ref, got, TOL)
 
 
 def test_default_device_limit_is_free_memory_less_the_margin():
@@ -69,7 +53,7 @@ def test_host_shards_take_gradients_on_a_side_stream_in_parity(extra):
     ref = fit("auto", steps=12, accelerator="gpu", **extra)
     strategy = ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096))
     got = fit(strategy, steps=12, accelerator="gpu", **extra)
-    assert_close_params(ref, got)
+    assert_same_params(ref, got, TOL)
     stats = strategy.memory_stats()
     assert stats["d2h_async_bytes"] == stats["d2h_bytes"] > 0  # every gradient copy left the compute stream
 
@@ -127,8 +111,8 @@ def test_two_optimizers_on_cuda():
         quiet_trainer(accelerator="gpu", strategy=strategy, max_steps=12, limit_val_batches=0).fit(m, token_data())
         return m
 
-    assert_close_params(
-        run("auto"), run(ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096)))
+    assert_same_params(
+        run("auto"), run(ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096))), TOL
     )
 
 
@@ -151,7 +135,7 @@ def test_model_state_larger_than_the_limit_trains_within_it():
     assert stats["device_chunk_bytes_peak"] <= limit and stats["evictions"] > 0
     # chunk memory stays under the limit less the traced activations, so everything together stays near it
     assert peak <= limit * 1.1 + 16 * 2**20, (peak, limit, stats)
-    assert_close_params(ref, got)
+    assert_same_params(ref, got, TOL)
 
 
 class Spiky(nn.Module):
@@ -208,7 +192,7 @@ def test_checkpoint_from_pinned_host_shards_resumes_like_auto(tmp_path):
         12,
         ckpt_path=tmp_path / "chunk" / "step=8.ckpt",
     )
-    assert_close_params(ref, got)
+    assert_same_params(ref, got, TOL)
 
 
 @pytest.mark.parametrize("step_in_backward", [None, False])
@@ -226,7 +210,7 @@ def test_the_disk_tier_on_cuda_trains_like_auto_and_steps_in_backward_by_default
         offload=OffloadOptions(disk_dir=tmp_path / "scratch"),
     )
     got = fit(strategy, **kw)
-    assert_close_params(ref, got)
+    assert_same_params(ref, got, TOL)
     s = strategy.memory_stats()
     assert s["disk_shards"] >= 3 and s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
     assert (s.get("chunks_stepped_in_backward", 0) > 0) == (step_in_backward is None)
@@ -249,7 +233,7 @@ def test_host_chunks_step_on_a_thread_beside_backward_by_default_as_on_the_autog
 
     (want, _), (got, stats) = run(False), run(None)
     assert stats["chunks_stepped_on_thread"] == stats["chunks_stepped_in_backward"] > 0
-    assert_close_params(want, got, dict(rtol=0, atol=0))
+    assert_same_params(want, got, EXACT)
 
 
 @pytest.mark.parametrize(
@@ -273,7 +257,7 @@ def test_a_guess_stepped_on_the_thread_beside_backward_trains_as_stepping_after_
     (want, _), (got, stats) = run(False), run(True)
     assert stats["chunks_stepped_on_thread"] > 0
     assert stats["speculation_rollbacks"] > 0 or "plugins" in kw
-    assert_close_params(want, got, dict(rtol=0, atol=0))
+    assert_same_params(want, got, EXACT)
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])

@@ -10,9 +10,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision
 from lightning_chunk.options import grouped
+from tests.compare import EXACT, relative_update_error
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, quiet_trainer, token_data
-
-EXACT = dict(rtol=0, atol=0)
 
 
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
@@ -28,12 +27,6 @@ def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true
     trainer.fit(model, token_data())
     model.trainer_ref = trainer
     return model
-
-
-def relative_update_error(ref, got, init) -> float:
-    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters(), strict=True))
-    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters(), strict=True))
-    return float((num / den).sqrt())
 
 
 def chunk(**kw):

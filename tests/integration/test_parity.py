@@ -10,19 +10,14 @@ from lightning_chunk.engine.runtime.moments import MomentClock
 from lightning_chunk.options import grouped
 from tests import models
 from tests.backward_models import GradPenalty, model_class
+from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import ParityNet, SparseEmbedding, fit, quiet_trainer, token_data
 
 STEPS = 24
-EXACT = dict(rtol=0, atol=0)
 # The default kernel is torch's fused Adam; plain Lightning on CPU runs the single-tensor loop. The two
 # round differently in the last bit, and Adam carries that along: 24 steps leave ~1e-6 differences.
 # With optimizer_kernel="loop" the same runs are bit-exact (EXACT), which pins the difference on the kernel.
 FUSED = dict(rtol=1e-4, atol=1e-5)
-
-
-def assert_same_params(ref, got, tol):
-    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
-        torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **tol)
 
 
 CASES = {
@@ -324,13 +319,6 @@ def test_a_module_reading_its_child_s_weights_needs_no_leaf_modules(kw):
     )
     got = fit(strategy, steps=STEPS, cls=models.PeekNet)
     assert_same_params(ref, got, EXACT)
-
-
-@torch.no_grad()
-def relative_update_error(ref, got, init):
-    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters(), strict=True))
-    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters(), strict=True))
-    return float((num / den).sqrt())
 
 
 @pytest.mark.parametrize("precision,bound", [("bf16-mixed", 0.10), ("bf16-true", 0.15)])

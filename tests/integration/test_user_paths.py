@@ -6,27 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
+from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.options import grouped
 from tests import models
+from tests.compare import EXACT, assert_same_params
 from tests.models import ParityNet, fit, quiet_trainer, token_data
 
 STEPS = 12
-EXACT = dict(rtol=0, atol=0)
-
-
-def assert_same_params(ref, got, tol):
-    for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
-        assert not b.isnan().any(), f"{n} is NaN"
-        torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **tol)
-
-
-def relative_update_error(ref, got, init) -> float:
-    num = sum((b.float() - a.float()).pow(2).sum() for a, b in zip(ref.parameters(), got.parameters(), strict=True))
-    den = sum((a.float() - i.float()).pow(2).sum() for a, i in zip(ref.parameters(), init.parameters(), strict=True))
-    return float((num / den).sqrt())
 
 
 # ------------------------------------------------------------------ a tied head read in the root forward
@@ -81,54 +68,6 @@ def test_the_root_module_is_accepted_in_leaf_modules(leaf):
         cls=models.RootTiedNet,
     )
     assert_same_params(ref, got, EXACT)
-
-
-# ------------------------------------------------------------------ BatchNorm in mixed precision
-@pytest.mark.parametrize("placement", ["auto", "device", "host", "static"])
-def test_a_batchnorm_cnn_trains_in_bf16_mixed_like_plain_lightning(placement):
-    """[Note: normalisation in mixed precision]: the first step failed with "expected scalar type BFloat16 but
-    found Float". BatchNorm's parameters compute in fp32 as under plain autocast; the rest in bf16."""
-    init = fit("auto", steps=0, cls=models.BatchNormCNN)
-    ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN, precision="bf16-mixed")
-    got = fit(
-        ChunkOffloadStrategy(
-            placement=placement,
-            memory=MemoryOptions(chunk_numel=10_000),
-            offload=OffloadOptions(optimizer_kernel="loop"),
-        ),
-        steps=STEPS,
-        cls=models.BatchNormCNN,
-        precision="bf16-mixed",
-    )
-    # payloads are bf16 where autocast casts fp32 weights per op: the embedding (which autocast leaves in fp32)
-    # looks its rows up in bf16, so the update agrees to bf16's rounding, not bit for bit
-    assert relative_update_error(ref, got, init) < 0.01
-    for (n, a), (_, b) in zip(ref.named_buffers(), got.named_buffers(), strict=True):
-        assert b.dtype == a.dtype, n
-        torch.testing.assert_close(b.float(), a.float(), rtol=0.02, atol=0.02, msg=lambda m: f"{n}: {m}")
-    assert all(p.dtype == torch.float32 for p in got.parameters())
-
-
-@pytest.mark.parametrize("placement", ["auto", "host"])
-def test_a_batchnorm_cnn_trains_in_16_mixed_like_plain_lightning(placement):
-    """fp16 payloads with dynamic loss scaling (on CPU through the plugin instance, as Lightning's connector turns
-    ``precision="16-mixed"`` into bf16 there): the update agrees with autocast and GradScaler to a few percent, as
-    for the other fp16 cases (gradients of fp16 payloads are rounded to fp16 before the fp32 master)."""
-    init = fit("auto", steps=0, cls=models.BatchNormCNN)
-    ref = fit(
-        "auto",
-        steps=STEPS,
-        cls=models.BatchNormCNN,
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
-    )
-    got = fit(
-        ChunkOffloadStrategy(placement=placement, memory=MemoryOptions(chunk_numel=10_000)),
-        steps=STEPS,
-        cls=models.BatchNormCNN,
-        plugins=[ChunkPrecision("16-mixed")],
-    )
-    assert relative_update_error(ref, got, init) < 0.05
-    assert all(p.dtype == torch.float32 and not p.isnan().any() for p in got.parameters())
 
 
 # ------------------------------------------------------------------ every save complete
@@ -266,42 +205,6 @@ def test_a_tied_head_read_in_a_compiled_root_forward_trains_like_plain_lightning
     )
 
 
-class NeedsFp32(torch.nn.Module):
-    """A layer whose kernel takes fp32 weights only (a custom CUDA or C++ op, here an assertion)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        assert self.scale.dtype == torch.float32, f"fp32 weights expected, got {self.scale.dtype}"
-        return x * self.scale.to(x.dtype)
-
-
-class WithNeedsFp32(ParityNet):
-    def build(self) -> None:
-        super().build()
-        self.fp32 = NeedsFp32(self.shape["dim"])
-
-    def forward(self, x, use_branch=True):
-        h = self.fp32(self.embed(x))
-        for blk in self.blocks:
-            h = h + blk(h)
-        return self.head(self.norm(h))
-
-
-def test_modules_named_in_full_precision_modules_keep_fp32_parameters_in_bf16_mixed():
-    with pytest.raises(AssertionError, match="fp32 weights expected"):
-        fit(ChunkOffloadStrategy(), steps=2, cls=WithNeedsFp32, plugins=[ChunkPrecision("bf16-mixed")])
-    got = fit(
-        ChunkOffloadStrategy(placement="host"),
-        steps=4,
-        cls=WithNeedsFp32,
-        plugins=[ChunkPrecision("bf16-mixed", full_precision_modules=[NeedsFp32])],
-    )
-    assert not got.fp32.scale.isnan().any() and not torch.equal(got.fp32.scale, torch.ones_like(got.fp32.scale))
-
-
 # ------------------------------------------------------------------ silent no-ops say so, once
 def test_disk_dir_without_a_host_limit_warns_that_it_does_nothing(tmp_path):
     with pytest.warns(UserWarning, match=r"disk_dir=.* does nothing without host_memory_limit"):
@@ -365,22 +268,6 @@ def test_the_default_kernel_is_not_written_into_the_user_s_optimizer_or_its_chec
     trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=2)
     trainer.fit(model, token_data())
     assert all(g["fused"] is None and g["foreach"] is None for g in trainer.optimizers[0].param_groups)
-
-
-def test_sync_batchnorm_trains_in_bf16_mixed_like_plain_lightning():
-    """``Trainer(sync_batchnorm=True)``: the SyncBatchNorm layers keep fp32 payloads as BatchNorm's do."""
-    init = fit("auto", steps=0, cls=models.BatchNormCNN)
-    ref = fit("auto", steps=STEPS, cls=models.BatchNormCNN, precision="bf16-mixed", sync_batchnorm=True)
-    got = fit(
-        ChunkOffloadStrategy(
-            placement="host", memory=MemoryOptions(chunk_numel=10_000), offload=OffloadOptions(optimizer_kernel="loop")
-        ),
-        steps=STEPS,
-        cls=models.BatchNormCNN,
-        precision="bf16-mixed",
-        sync_batchnorm=True,
-    )
-    assert relative_update_error(ref, got, init) < 0.01
 
 
 class Reparametrised(ParityNet):
