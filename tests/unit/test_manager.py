@@ -11,7 +11,7 @@ from lightning_chunk.engine.memory.consolidate import full_values, unpack
 from lightning_chunk.engine.memory.manager import ChunkManager
 
 
-def make(limit=None, dtypes=None, tiers=None, capacity=64):
+def make(limit=None, dtypes=None, tiers=None, capacity=72):
     dtypes = dtypes or DtypePolicy()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 2))
@@ -35,7 +35,10 @@ def test_pack_keeps_identity_and_values_and_frees_host_payloads():
     net, mgr, originals, checks = make()
     params = list(net.parameters())
     assert [p is q for p, q in zip(params, mgr.params, strict=True)] == [True] * len(params)
-    assert len(mgr.chunks) == 2 and checks  # 40 + 36 elements do not share a 64-element chunk; 36 + 10 do
+    # 40 and 32 elements do not share a 72-element chunk (the second starts at 48: [Note: aligned parameters]);
+    # 36, 8 and 2 do (at 0, 48 and 64)
+    assert len(mgr.chunks) == 2 and checks
+    assert [s.offset for c in mgr.layout.chunks for s in c.slots] == [0, 32, 0, 32, 48, 64]
     for c in mgr.chunks:
         assert not c.is_resident and c.payload.untyped_storage().nbytes() == 0
     values = full_values(mgr)
@@ -67,11 +70,11 @@ def test_release_refuses_a_chunk_in_use():
 
 
 def test_device_limit_is_never_exceeded():
-    net, mgr, *_ = make(limit=64 * 4 + 10)
+    net, mgr, *_ = make(limit=72 * 4 + 10)
     mgr.gather(mgr.chunks[0])
-    with pytest.raises(DeviceMemoryLimitError, match="device_memory_limit=266 bytes would be exceeded"):
+    with pytest.raises(DeviceMemoryLimitError, match="device_memory_limit=298 bytes would be exceeded"):
         mgr.gather(mgr.chunks[1])
-    assert mgr.ledger[Tier.DEVICE] <= 266 and not mgr.chunks[1].is_resident
+    assert mgr.ledger[Tier.DEVICE] <= 298 and not mgr.chunks[1].is_resident
 
 
 def test_device_tier_aliases_payload_in_fp32_and_keeps_separate_master_in_bf16():

@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from lightning_chunk.engine.chunks.packing import ChunkKey, ParamSpec, build_layout, choose_chunk_numel, padding_waste
+from lightning_chunk.engine.chunks.packing import (
+    ALIGN_NUMEL,
+    ChunkKey,
+    ParamSpec,
+    build_layout,
+    choose_chunk_numel,
+    padding_waste,
+)
 from lightning_chunk.engine.errors import LayoutError
 
 K0 = ChunkKey(0, True, torch.float32)
@@ -21,23 +28,36 @@ def test_keys_never_share_a_chunk_and_order_is_kept():
         assert len({ps[s.param_index].key for s in c.slots}) == 1
     k0 = next(c for c in layout.chunks if c.key == K0)
     assert [s.param_index for s in k0.slots] == [0, 2, 5]
-    assert [s.offset for s in k0.slots] == [0, 10, 20]
+    assert [s.offset for s in k0.slots] == [0, 16, 32]  # [Note: aligned parameters]
+
+
+def test_every_parameter_starts_at_an_aligned_offset_and_the_gaps_count_as_padding():
+    """A 3-element parameter no longer puts the ones after it at odd offsets (``torch.view_as_complex`` refused
+    them; vectorised kernels take their scalar path)."""
+    ps = specs((3, K0), (64, K0), (5, K0), (16, K0), (1, K0))
+    layout = build_layout(ps, list(range(5)), 1000, world_size=2)
+    (chunk,) = layout.chunks
+    assert [s.offset for s in chunk.slots] == [0, 16, 80, 96, 112]
+    assert all(s.offset % ALIGN_NUMEL == 0 for s in chunk.slots)
+    assert chunk.capacity_numel == 114 and layout.padding_numel == 114 - 89
+    # a parameter that fits only without its gap opens the next chunk
+    assert [[s.param_index for s in c.slots] for c in build_layout(ps[:2], [0, 1], 70, 1).chunks] == [[0], [1]]
 
 
 def test_capacity_padded_to_world_size_and_params_never_span():
-    ps = specs((7, K0), (7, K0), (7, K0))
-    layout = build_layout(ps, [2, 1, 0], 15, world_size=4)
-    assert layout.capacity_numel == 16
+    ps = specs((46, K0), (46, K0), (46, K0))
+    layout = build_layout(ps, [2, 1, 0], 110, world_size=4)
+    assert layout.capacity_numel == 112
     assert [[s.param_index for s in c.slots] for c in layout.chunks] == [[2, 1], [0]]
     # the last chunk of a key is trimmed to its contents, rounded up to the world size
-    assert [c.capacity_numel for c in layout.chunks] == [16, 8]
-    assert layout.padding_numel == 2 + 1
+    assert [c.capacity_numel for c in layout.chunks] == [112, 48]
+    assert layout.padding_numel == (112 - 92) + 2
 
 
 def test_small_groups_do_not_cost_a_whole_chunk():
-    ps = specs((100, K0), (100, K0), (100, K0), (3, K1), (3, K1))
+    ps = specs((96, K0), (96, K0), (96, K0), (3, K1), (3, K1))
     layout = build_layout(ps, list(range(5)), 200, world_size=2)
-    assert [(c.key, c.capacity_numel) for c in layout.chunks] == [(K0, 200), (K0, 100), (K1, 6)]
+    assert [(c.key, c.capacity_numel) for c in layout.chunks] == [(K0, 200), (K0, 96), (K1, 20)]
 
 
 def test_parameter_larger_than_chunk_is_refused_with_sizes():
@@ -46,11 +66,11 @@ def test_parameter_larger_than_chunk_is_refused_with_sizes():
 
 
 def test_chunk_size_search_picks_least_waste_and_respects_bounds():
-    ps = specs(*[(100, K0)] * 12)
+    ps = specs(*[(96, K0)] * 12)
     order = list(range(12))
     best = choose_chunk_numel(ps, order, world_size=1, numel_min=150, numel_max=700, target_chunks=0)
-    assert padding_waste(ps, order, best) == 0 and best % 100 == 0
-    assert best == 700  # the largest zero-waste size within bounds (the tail is trimmed): fewer chunks
+    assert padding_waste(ps, order, best) == 0 and best % 96 == 0
+    assert best == 672  # the largest zero-waste size within bounds (the tail is trimmed): fewer chunks
     capped = choose_chunk_numel(
         ps, order, world_size=1, numel_min=150, numel_max=700, max_payload_numel=450, target_chunks=0
     )
@@ -76,12 +96,12 @@ def test_chunk_size_search_takes_a_parameter_larger_than_chunk_numel_max():
 def test_chunk_size_search_keeps_the_model_in_several_chunks():
     # 32 "blocks" of 3 params each: without the granularity bound, one chunk of the whole
     # model wastes nothing (the tail is trimmed) and would win the tie.
-    ps = specs(*[(n, K0) for _ in range(32) for n in (300, 100, 100)])
+    ps = specs(*[(n, K0) for _ in range(32) for n in (304, 96, 96)])
     order = list(range(len(ps)))
     whole = choose_chunk_numel(ps, order, world_size=1, numel_min=1, numel_max=20_000, target_chunks=0)
-    assert whole == 16000
+    assert whole == 15872
     best = choose_chunk_numel(ps, order, world_size=1, numel_min=1, numel_max=20_000)
-    assert best <= 2 * 16000 // 32 and padding_waste(ps, order, best) == 0
+    assert best <= 2 * 15872 // 32 and padding_waste(ps, order, best) == 0
     assert len(build_layout(ps, order, best, world_size=1).chunks) >= 16
     # numel_min is a floor the granularity bound never overrides
     assert choose_chunk_numel(ps, order, world_size=1, numel_min=4000, numel_max=20_000) >= 4000

@@ -7,6 +7,7 @@ Rules (DESIGN.md, "chunk"):
 - a chunk never mixes dtypes, optimizer param groups, or trainable and frozen
   parameters (a flat optimizer step over a frozen range would decay it);
 - a parameter never spans two chunks (it is one contiguous view of a payload);
+- a parameter starts at a multiple of ``ALIGN_NUMEL`` elements ([Note: aligned parameters]);
 - capacity is padded to a multiple of the world size so every rank owns an
   equal shard.
 """
@@ -84,6 +85,29 @@ def round_up(n: int, multiple: int) -> int:
     return ((n + multiple - 1) // multiple) * multiple
 
 
+ALIGN_NUMEL = 16
+"""Every parameter's offset in its chunk is a multiple of this many elements.
+
+[Note: aligned parameters]
+Parameters were packed back to back, so one of an odd size (a 50,257-entry bias, a 3-element scale) left every
+parameter after it at an odd element offset. A parameter's data pointer is its payload's plus that offset, and
+what a plain module's parameter never is, misaligned, broke user code and slowed kernels: ``torch.view_as_complex``
+on a real pair (the usual way to train complex weights, as Fourier neural operators do) raised "Tensor must have a
+storage_offset divisible by 2" where plain Lightning trained, and vectorised CPU and CUDA kernels fall back to
+their scalar paths on an address that is not a multiple of the vector's width. Padding each offset to 16 elements
+puts every parameter on 32 bytes in bf16 and 64 in fp32 (payload blocks come from the allocator, aligned wider),
+as FSDP aligns each original parameter in its flat parameter; it costs at most 15 elements a parameter, zeroed as
+the chunk's tail padding is."""
+
+
+def _extent(numels: Sequence[int]) -> int:
+    """Elements from a chunk's start to the end of its last parameter when ``numels`` are packed in order."""
+    end = 0
+    for n in numels:
+        end = round_up(end, ALIGN_NUMEL) + n
+    return end
+
+
 def _bins(params: Sequence[ParamSpec], order: Sequence[int], capacity: int) -> list[tuple[ChunkKey, list[ParamSpec]]]:
     """Greedy sequential packing: one open chunk per key, a new one when the next parameter does not fit."""
     by_index = {p.index: p for p in params}
@@ -92,12 +116,12 @@ def _bins(params: Sequence[ParamSpec], order: Sequence[int], capacity: int) -> l
     for i in order:
         p = by_index[i]
         b = open_bins.get(p.key)
-        if b is None or b[2][0] + p.numel > capacity:
+        if b is None or round_up(b[2][0], ALIGN_NUMEL) + p.numel > capacity:
             b = (p.key, [], [0])
             open_bins[p.key] = b
             bins.append(b)
         b[1].append(p)
-        b[2][0] += p.numel
+        b[2][0] = round_up(b[2][0], ALIGN_NUMEL) + p.numel
     return [(k, ps) for k, ps, _ in bins]
 
 
@@ -122,6 +146,7 @@ def build_layout(params: Sequence[ParamSpec], order: Sequence[int], capacity_num
     for cid, ((key, ps), cap) in enumerate(zip(bins, caps, strict=True)):
         offset, slots = 0, []
         for p in ps:
+            offset = round_up(offset, ALIGN_NUMEL)
             slots.append(Slot(param_index=p.index, chunk_id=cid, offset=offset, numel=p.numel))
             offset += p.numel
         chunks.append(ChunkSpec(chunk_id=cid, key=key, slots=tuple(slots), capacity_numel=cap))
@@ -132,7 +157,7 @@ def _capacities(bins: list[tuple[ChunkKey, list[ParamSpec]]], capacity: int, wor
     """Uniform capacity, except the last chunk of each key: trimmed to its contents (rounded to the world size)."""
     last = {key: i for i, (key, _) in enumerate(bins)}
     return [
-        round_up(sum(p.numel for p in ps), world_size) if last[key] == i else capacity
+        round_up(_extent([p.numel for p in ps]), world_size) if last[key] == i else capacity
         for i, (key, ps) in enumerate(bins)
     ]
 
@@ -210,7 +235,7 @@ def choose_chunk_numel(
     numel_of = {p.index: p.numel for p in params}
     running = 0
     for i in order:
-        running += numel_of[i]
+        running = round_up(running, ALIGN_NUMEL) + numel_of[i]
         if running > hi:
             break
         if running >= lo:

@@ -70,6 +70,13 @@ class ChunkManager:
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
         for name, p in named_params:
+            if p.is_complex():
+                attr = name.rsplit(".", 1)[-1]
+                raise TypeError(
+                    f"parameter {name!r} is complex ({p.dtype}); chunks hold real numbers. Keep it as its real "
+                    f"pair, nn.Parameter(torch.view_as_real(w)), and read torch.view_as_complex(self.{attr}) in "
+                    "forward: torch's optimizers step a complex parameter as that pair, so it trains the same."
+                )
             if not p.is_floating_point():
                 raise TypeError(
                     f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be chunked. A value "
