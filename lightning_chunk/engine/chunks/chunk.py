@@ -168,17 +168,17 @@ class TensorInfo:
     grads_due: int = 1  # the pieces this backward brings its gradient in, and those that came ([Note: gradients in
     grads_got: int = 0  # pieces] in runtime/pieces.py)
     view: torch.Tensor | None = field(default=None, repr=False)  # the parameter's view of the payload
-    version: int = (
-        0  # the parameter's version counter when it was last pointed at its view ([Note: parameters outside a step])
-    )
+    version: int = 0  # the parameter's _version when last pointed at its view ([Note: parameters outside a step])
     storage: int = 0  # the storage its .data viewed then ([Note: a replaced .data])
     looked: torch.Tensor | None = field(default=None, repr=False)  # its view's bits when read between steps
     released_value: torch.Tensor | None = field(default=None, repr=False)  # [Note: a released parameter]
 
     def pointed(self) -> None:
-        """The parameter's ``.data`` was just set by the engine: take its version counter and storage."""
+        """The parameter's ``.data`` was just set by the engine: take its version counter and storage, and drop
+        the note of what a read between steps saw ([Note: writes through .data] in full_params.py)."""
         self.version = self.param._version
         self.storage = storage_of(self.param)
+        self.looked = None
 
     def replaced(self) -> bool:
         """Whether ``.data`` was assigned since the engine last set it ([Note: a replaced .data])."""
@@ -341,7 +341,6 @@ class Chunk:
             assert value is not None
             info.param.data = value
             info.pointed()
-            info.looked = None  # refilled or let go: [Note: writes through .data] in full_params.py
 
     def keep_replaced(self, info: TensorInfo, when: str) -> ChunkError | None:
         """[Note: a replaced .data]
