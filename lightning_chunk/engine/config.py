@@ -340,14 +340,26 @@ class DtypePolicy:
 
     def own_dtype_params(self, module: torch.nn.Module) -> frozenset[int]:
         """``id``s of the parameters that keep their own dtype when payloads are in another dtype than the
-        parameters': those of ``own_dtype_modules`` and of reparametrized weights (``reparametrized_params``)."""
+        parameters': those of ``own_dtype_modules``, of reparametrized weights (``reparametrized_params``) and
+        those wider than the master dtype (float64: ``_wider``)."""
         if self.compute_dtype is None:
             return frozenset()
         keep: set[int] = set()
         for m in module.modules():
             own = m.parameters(recurse=False) if isinstance(m, self.own_dtype_modules) else ()
             keep.update(id(p) for p in [*own, *reparametrized_params(m)])
+            keep.update(id(p) for p in m.parameters(recurse=False) if self._wider(p.dtype, self.master_dtype))
         return frozenset(keep)
+
+    @staticmethod
+    def _wider(param_dtype: torch.dtype, policy_dtype: torch.dtype | None) -> bool:
+        """[Note: float64 parameters under mixed precision]
+        Autocast leaves float64 tensors alone, and Lightning's mixed precision never changes a parameter's dtype:
+        a float64 parameter (a physical constant fitted beside a network) computes and steps in float64. In bf16
+        payloads over fp32 masters it computed in bf16 and was stepped and saved in fp32, silently: after six
+        steps its values agreed with plain Lightning's to 2e-5, fp32's rounding. A parameter wider than the
+        precision's master dtype keeps its own dtype for both."""
+        return policy_dtype is not None and param_dtype.itemsize > policy_dtype.itemsize
 
     def master_for(self, param_dtype: torch.dtype, *, trainable: bool = True, own_dtype: bool = False) -> torch.dtype:
         """The dtype of a chunk's master shard.
@@ -364,4 +376,6 @@ class DtypePolicy:
         choice, off by default: a checkpoint of frozen fp32 weights keeps them whole unless asked."""
         if not trainable and self.frozen_in_compute_dtype:
             return self.compute_for(param_dtype, own_dtype=own_dtype)
-        return self.master_dtype or param_dtype
+        if self.master_dtype is None or self._wider(param_dtype, self.master_dtype):
+            return param_dtype
+        return self.master_dtype

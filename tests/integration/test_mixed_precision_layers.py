@@ -157,3 +157,37 @@ def test_reparametrized_weights_train_in_bf16_mixed_like_plain_lightning(name):
         precision="bf16-mixed",
     )
     assert_same_params(ref, got, EXACT)
+
+
+# ------------------------------------------------------------------ float64 parameters
+class WithFloat64(ParityNet):
+    """A float64 parameter (a fitted constant) beside fp32 linears, which autocast leaves in float64."""
+
+    def build(self) -> None:
+        d = self.shape["dim"]
+        self.body = nn.Sequential(nn.Linear(VOCAB, d), nn.Tanh(), nn.Linear(d, VOCAB))
+        self.offset = nn.Parameter(torch.linspace(-1, 1, VOCAB, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def forward(self, x, use_branch=True):
+        assert self.offset.dtype == torch.float64, self.offset.dtype
+        return self.body(F.one_hot(x, VOCAB).float()).double() + self.offset
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_float64_parameter_computes_and_steps_in_float64_under_mixed_precision(precision):
+    """[Note: float64 parameters under mixed precision]: it computed in the low precision and was stepped in fp32."""
+    plugin = ChunkPrecision(precision)
+    ref_plugin = MixedPrecision(
+        precision, "cpu", scaler=torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    )
+    ref = fit("auto", steps=STEPS, cls=WithFloat64, plugins=[ref_plugin])
+    got = fit(
+        ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop")),
+        steps=STEPS,
+        cls=WithFloat64,
+        plugins=[plugin],
+    )
+    assert got.offset.dtype == torch.float64
+    assert_same_params(ref, got, EXACT)
