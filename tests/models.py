@@ -128,6 +128,7 @@ def fit(
     accelerator: str = "cpu",
     cls=None,
     val_dataloaders=None,
+    ckpt_path: str | None = None,
     **trainer_kwargs,
 ) -> ParityNet:
     """Train a fresh ParityNet (same init for every strategy; or ``cls``) and return it."""
@@ -147,7 +148,7 @@ def fit(
             **trainer_kwargs,
         }
     )
-    trainer.fit(model, token_data(), val_dataloaders)
+    trainer.fit(model, token_data(), val_dataloaders, ckpt_path=ckpt_path)
     model.trainer_ref = trainer
     return model
 

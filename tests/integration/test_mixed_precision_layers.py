@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
@@ -191,3 +192,53 @@ def test_a_float64_parameter_computes_and_steps_in_float64_under_mixed_precision
     )
     assert got.offset.dtype == torch.float64
     assert_same_params(ref, got, EXACT)
+
+
+# ------------------------------------------------------------------ parameters already in low precision
+class LowPrecisionBase(ParityNet):
+    """A base loaded in bf16 and frozen (an embedding and an MLP) with fp32 LoRA adapters, and a head cast to bf16
+    and trained: three master dtypes in one optimizer."""
+
+    def build(self) -> None:
+        d, h = self.shape["dim"], self.shape["hidden"]
+        self.embed = nn.Embedding(VOCAB, d)
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+        for m in (self.embed, self.up, self.down):
+            m.to(torch.bfloat16).requires_grad_(False)
+        self.lora_a, self.lora_b = nn.Linear(d, 4, bias=False), nn.Linear(4, h, bias=False)
+        self.head = nn.Linear(d, VOCAB).to(torch.bfloat16)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x)
+        u = self.up(h) + self.lora_b(self.lora_a(h.float())).to(h.dtype)
+        return self.head(h + self.down(F.gelu(u)))
+
+
+class MasterDtypes(Callback):
+    def on_train_batch_end(self, trainer, *args):
+        self.seen = {t.name: c.master_dtype for c in trainer.strategy.engine.manager.chunks for t in c.tensors}
+
+
+def test_parameters_already_in_bf16_keep_bf16_masters_and_train_as_plain_lightning_through_a_resume(tmp_path):
+    """[Note: low-precision parameters under mixed precision]: the frozen bf16 base held fp32 masters (6 bytes a
+    parameter for what 2 hold exactly) and the bf16 head was stepped in fp32 (0.002 off plain Lightning); with the
+    masters' dtypes mixed in one optimizer, the warm-up repack cast the adapters' Adam moments to bf16, and the next
+    step failed ("expected dtype c10::BFloat16")."""
+    strategy = dict(offload=OffloadOptions(optimizer_kernel="loop"))
+    ref = fit("auto", steps=STEPS, cls=LowPrecisionBase, precision="bf16-mixed")
+    dtypes = MasterDtypes()
+    got = fit(
+        ChunkOffloadStrategy(**strategy), steps=STEPS, cls=LowPrecisionBase, precision="bf16-mixed", callbacks=[dtypes]
+    )
+    assert_same_params(ref, got, EXACT)
+    assert dtypes.seen["up.weight"] == dtypes.seen["head.weight"] == torch.bfloat16
+    assert dtypes.seen["lora_a.weight"] == torch.float32
+    kw = dict(cls=LowPrecisionBase, precision="bf16-mixed")
+    for strategy_, where in [("auto", tmp_path / "auto"), (ChunkOffloadStrategy(**strategy), tmp_path)]:
+        save = ModelCheckpoint(dirpath=where, every_n_train_steps=STEPS // 2, filename="half")
+        fit(strategy_, steps=STEPS // 2, callbacks=[save], enable_checkpointing=True, **kw)
+    plain = fit("auto", steps=STEPS, ckpt_path=str(tmp_path / "auto" / "half.ckpt"), **kw)
+    resumed = fit(ChunkOffloadStrategy(**strategy), steps=STEPS, ckpt_path=str(tmp_path / "half.ckpt"), **kw)
+    assert_same_params(plain, resumed, EXACT)

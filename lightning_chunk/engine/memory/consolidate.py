@@ -133,8 +133,15 @@ class OptimizerStateParts:
     """One optimizer's state on this rank, split the way shards need it (every rank agrees on keys and scalars)."""
 
     local: dict[int, dict[str, Any]]  # param index -> its state on this rank (flat pieces, like the views)
-    keys: dict[str, torch.dtype]  # per-element state keys (Adam's moments) and their dtypes, union over ranks
+    # per-element state keys (Adam's moments), union over ranks, each with its dtype by the master's dtype: one
+    # optimizer can step fp32 masters beside bf16 or float64 ones ([Note: low-precision parameters under mixed
+    # precision] in config.py), and one dtype a key cast the moments of the others to it in every repack and save
+    keys: dict[str, dict[torch.dtype, torch.dtype]]
     scalars: dict[int, dict[str, Any]]  # param index -> scalar state (``step``), from whichever rank has a piece
+
+    def dtype(self, key: str, chunk: Chunk) -> torch.dtype:
+        """The dtype of ``key``'s state for ``chunk``'s masters (theirs, where no parameter of theirs has it)."""
+        return self.keys[key].get(chunk.master_dtype, chunk.master_dtype)
 
 
 def optimizer_state_parts(
@@ -142,14 +149,19 @@ def optimizer_state_parts(
 ) -> OptimizerStateParts:
     """A collective with several ranks (two small object all-gathers)."""
     local = {i: state[v] for i, v in views.items() if v in state and state[v]}
-    keys = {k: v.dtype for i, st in local.items() for k, v in st.items() if _per_element(v, views[i].numel())}
+    keys: dict[str, dict[torch.dtype, torch.dtype]] = {}
+    for i, st in local.items():
+        for k, v in st.items():
+            if _per_element(v, views[i].numel()):
+                keys.setdefault(k, {})[views[i].dtype] = v.dtype
     scalars = {
         i: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items() if not _per_element(v, views[i].numel())}
         for i, st in local.items()
     }
     if mgr.comm.world_size > 1:
         for part in mgr.comm.all_gather_object(keys):
-            keys.update(part)
+            for k, by_master in part.items():
+                keys.setdefault(k, {}).update(by_master)
         merged: dict[int, dict[str, Any]] = {}
         for part in mgr.comm.all_gather_object(scalars):
             for i, st in part.items():
@@ -161,12 +173,12 @@ def optimizer_state_parts(
 def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key: str) -> torch.Tensor:
     """This rank's shard of per-element state ``key`` for ``chunk``, laid out like the chunk's master shard."""
     region = mgr.tiers.state_region(chunk, key)
-    if region is not None and region.dtype == parts.keys[key]:
+    if region is not None and region.dtype == parts.dtype(key, chunk):
         return region  # a disk shard's state is laid out like this already: no copy of the whole tier
     lo, _ = chunk.shard_range
     # on the host: checkpoints write it from there and repacks gather it from there; building it on the
     # device would stage the whole optimizer state of an offloaded run in device memory
-    shard = torch.empty(chunk.shard_numel, dtype=parts.keys[key])
+    shard = torch.empty(chunk.shard_numel, dtype=parts.dtype(key, chunk))
     filled = 0  # the shard's elements are written once each: the pieces copied, the rest (padding, no state) zeroed
     for t in sorted(chunk.tensors, key=lambda t: t.offset):
         st = parts.local.get(t.slot.param_index)

@@ -33,7 +33,7 @@ class KeptOptimizerState:
     pieces: dict[int, tuple[int, dict[str, torch.Tensor]]]  # position -> (first element, key -> flat piece)
     scalars: dict[int, dict[str, Any]]  # position -> scalar state (``step``); the same on every rank
     shapes: dict[int, torch.Size]
-    dtypes: dict[str, torch.dtype]
+    keys: tuple[str, ...]  # per-element state keys; each piece keeps its own dtype
     param_groups: list[dict[str, Any]]
 
     def plain_state_dict(self) -> dict[str, Any]:
@@ -51,17 +51,14 @@ class KeptOptimizerState:
         for pos in sorted(self.scalars):
             st = dict(self.scalars[pos])
             shape = self.shapes[pos]
-            for key, dtype in self.dtypes.items():
-                flat = torch.empty(shape.numel(), dtype=dtype)
-                filled = 0
-                for part in parts:
-                    if pos in part and key in part[pos][1]:
-                        start, values = part[pos]
-                        piece = values[key]
-                        flat[start : start + piece.numel()].copy_(piece)
-                        filled += piece.numel()
-                if filled:
-                    st[key] = flat.view(shape)
+            for key in self.keys:
+                found = [part[pos] for part in parts if pos in part and key in part[pos][1]]
+                if not found:
+                    continue
+                flat = torch.empty(shape.numel(), dtype=found[0][1][key].dtype)
+                for start, values in found:
+                    flat[start : start + values[key].numel()].copy_(values[key])
+                st[key] = flat.view(shape)
             state[pos] = st
         return {"state": state, "param_groups": self.param_groups}
 
@@ -85,17 +82,17 @@ def keep_optimizer_state(mgr: ChunkManager, binding: OptimizerBinding) -> KeptOp
                     a - t.offset,
                     {
                         key: (
-                            st[key].reshape(-1).to("cpu", dtype=dtype, copy=not in_memory)
+                            st[key].reshape(-1).to("cpu", copy=not in_memory)
                             if key in st
-                            else torch.zeros(b - a, dtype=dtype)
+                            else torch.zeros(b - a, dtype=parts.dtype(key, chunk))
                         )
-                        for key, dtype in parts.keys.items()
+                        for key in parts.keys
                     },
                 )
     return KeptOptimizerState(
         pieces=pieces,
         scalars={plain_pos[i]: st for i, st in parts.scalars.items() if i in plain_pos},
         shapes={plain_pos[i]: mgr.params[i].shape for i in plain_pos},
-        dtypes=dict(parts.keys),
+        keys=tuple(parts.keys),
         param_groups=binding.plain_param_groups(plain_pos),
     )

@@ -158,7 +158,7 @@ def _optimizer_shards(
     out: dict[str, tuple[Make, torch.Tensor]] = {
         f"chunk.{chunk.chunk_id}.optim{o}.{key}": (
             functools.partial(state_shard, mgr, chunk, parts, key),
-            placeholder(chunk.shard_numel, parts.keys[key]),
+            placeholder(chunk.shard_numel, parts.dtype(key, chunk)),
         )
         for chunk in mgr.chunks
         if selection.written(chunk)
@@ -168,7 +168,7 @@ def _optimizer_shards(
         {**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
         for n, g in enumerate(b.optimizer.param_groups)
     ]
-    keys = {k: str(dtype).replace("torch.", "") for k, dtype in parts.keys.items()}
+    keys = {k: ",".join(sorted({str(d).replace("torch.", "") for d in by.values()})) for k, by in parts.keys.items()}
     scalars = {mgr.names[i]: st for i, st in parts.scalars.items() if i not in selection.excluded}
     return out, {"param_groups": groups, "keys": keys, "scalars": scalars}
 
