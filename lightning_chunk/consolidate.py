@@ -21,6 +21,7 @@ from .engine.state.checkpoint import (
     check_checkpoint_dir,
     iter_saved_chunks,
     read_meta,
+    saved_state_dtype,
     weights_key,
 )
 from .engine.state.saved_chunks import load_chunk
@@ -78,11 +79,12 @@ def consolidate(
                 order = [n for g in om["param_groups"] for n in g["params"]]
                 pos = {n: k for k, n in enumerate(order)}
                 state: dict[int, dict[str, Any]] = {pos[n]: dict(st) for n, st in om["scalars"].items()}
-                for key, dtype in sorted(om["keys"].items()):
+                for key in sorted(om["keys"]):
                     for c, spec in enumerate(ck["chunks"]):
+                        dtype = saved_state_dtype(om["keys"], key, spec["master_dtype"])
                         for name, _, _, shape in spec["slots"]:
                             if name in om["scalars"]:
-                                ph = writer.placeholder(tuple(shape), getattr(torch, dtype))
+                                ph = writer.placeholder(tuple(shape), dtype)
                                 state[pos[name]][key] = ph
                                 optim_records.append((o, key, c, name, ph))
                 groups = [
@@ -108,7 +110,7 @@ def consolidate(
                     path,
                     f"chunk.{c}.optim{o}.{key}",
                     spec["capacity"],
-                    getattr(torch, ck["optimizers"][o]["keys"][key]),
+                    saved_state_dtype(ck["optimizers"][o]["keys"], key, spec["master_dtype"]),
                 )
                 loaded = (o, key, c)
             _, off, numel, shape = next(s for s in spec["slots"] if s[0] == name)

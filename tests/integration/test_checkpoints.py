@@ -16,7 +16,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.cli import main as cli_main
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
-from lightning_chunk.engine.state.checkpoint import CheckpointError, check_checkpoint_dir, save_sharded
+from lightning_chunk.engine.state.checkpoint import (
+    CheckpointError,
+    check_checkpoint_dir,
+    save_sharded,
+    saved_state_dtype,
+)
 from lightning_chunk.options import grouped
 from tests.backward_models import edited
 from tests.models import ParityNet, quiet_trainer, token_data
@@ -64,8 +69,10 @@ def test_layout_on_disk(tmp_path):
     assert (
         ck["world_size"] == 1
         and ck["version"]
-        and ck["optimizers"][0]["keys"] == {"exp_avg": "float32", "exp_avg_sq": "float32"}
+        and ck["optimizers"][0]["keys"] == {"exp_avg": {"float32": "float32"}, "exp_avg_sq": {"float32": "float32"}}
     )
+    # each state key's dtype by the masters' dtype; a checkpoint of before 2026-11-30 names one for all
+    assert saved_state_dtype({"exp_avg": "float32"}, "exp_avg", "bfloat16") is torch.float32
     assert ck["aliases"]["head.weight"] == ck["aliases"]["embed.weight"]  # tied: one parameter
     assert not list(tmp_path.glob(".*partial"))
 

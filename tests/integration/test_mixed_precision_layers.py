@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
+from lightning_chunk.consolidate import consolidate
 from tests import models
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import VOCAB, ParityNet, fit
@@ -242,3 +243,11 @@ def test_parameters_already_in_bf16_keep_bf16_masters_and_train_as_plain_lightni
     plain = fit("auto", steps=STEPS, ckpt_path=str(tmp_path / "auto" / "half.ckpt"), **kw)
     resumed = fit(ChunkOffloadStrategy(**strategy), steps=STEPS, ckpt_path=str(tmp_path / "half.ckpt"), **kw)
     assert_same_params(plain, resumed, EXACT)
+    # consolidated with the optimizer: plain Lightning's checkpoint, the moments in their own dtypes
+    want = torch.load(tmp_path / "auto" / "half.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    out = consolidate(tmp_path / "half.ckpt", tmp_path / "half.pt", with_optimizer=True, progress=False)
+    got = torch.load(out, weights_only=False)["optimizer_states"][0]["state"]
+    assert got.keys() == want.keys() and {v["exp_avg"].dtype for v in got.values()} == {torch.bfloat16, torch.float32}
+    for i, st in want.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got[i][key], st[key], rtol=0, atol=0, msg=f"{i} {key}")

@@ -42,7 +42,7 @@ from .checkpoint_dir import (
 )
 from .load import load_sharded, offered_state_dict
 from .save import CheckpointSaveError, Selection, placeholder_state_dict, save_sharded, when_saved
-from .saved_chunks import KEY, iter_saved_chunks, rank_regions
+from .saved_chunks import KEY, iter_saved_chunks, rank_regions, saved_state_dtype
 
 __all__ = [
     "DCP_INDEX",
@@ -64,6 +64,7 @@ __all__ = [
     "rank_regions",
     "read_meta",
     "save_sharded",
+    "saved_state_dtype",
     "weights_key",
     "when_saved",
 ]

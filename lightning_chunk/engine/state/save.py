@@ -168,7 +168,10 @@ def _optimizer_shards(
         {**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
         for n, g in enumerate(b.optimizer.param_groups)
     ]
-    keys = {k: ",".join(sorted({str(d).replace("torch.", "") for d in by.values()})) for k, by in parts.keys.items()}
+    keys = {  # by master dtype, as saved_state_dtype reads them
+        k: {str(m).removeprefix("torch."): str(d).removeprefix("torch.") for m, d in by.items()}
+        for k, by in parts.keys.items()
+    }
     scalars = {mgr.names[i]: st for i, st in parts.scalars.items() if i not in selection.excluded}
     return out, {"param_groups": groups, "keys": keys, "scalars": scalars}
 

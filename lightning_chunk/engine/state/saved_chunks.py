@@ -51,6 +51,14 @@ class _SpanPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the buffer of the span: read items' offsets are relative to it
 
 
+def saved_state_dtype(keys: dict[str, Any], key: str, master_dtype: str) -> torch.dtype:
+    """The dtype optimizer state ``key`` was saved in for a chunk of ``master_dtype`` masters: an optimizer's
+    ``keys`` in ``meta.pt`` map each master dtype to its state's ([Note: low-precision parameters under mixed
+    precision] in config.py); checkpoints written before 2026-11-30 name one dtype for all."""
+    entry = keys[key]
+    return getattr(torch, entry if isinstance(entry, str) else entry.get(master_dtype, master_dtype))
+
+
 def load_chunk(
     path: Path, key: str, numel: int, dtype: torch.dtype, span: tuple[int, int] | None = None
 ) -> torch.Tensor:
