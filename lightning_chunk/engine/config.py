@@ -348,18 +348,25 @@ class DtypePolicy:
         for m in module.modules():
             own = m.parameters(recurse=False) if isinstance(m, self.own_dtype_modules) else ()
             keep.update(id(p) for p in [*own, *reparametrized_params(m)])
-            keep.update(id(p) for p in m.parameters(recurse=False) if self._wider(p.dtype, self.master_dtype))
+            keep.update(id(p) for p in m.parameters(recurse=False) if self._wider(p.dtype))
         return frozenset(keep)
 
-    @staticmethod
-    def _wider(param_dtype: torch.dtype, policy_dtype: torch.dtype | None) -> bool:
+    @property
+    def mixed(self) -> bool:
+        """Payloads in a lower precision than masters (``bf16-mixed``, ``16-mixed``)."""
+        return (
+            self.compute_dtype is not None and self.master_dtype is not None and self.compute_dtype != self.master_dtype
+        )
+
+    def _wider(self, param_dtype: torch.dtype) -> bool:
         """[Note: float64 parameters under mixed precision]
         Autocast leaves float64 tensors alone, and Lightning's mixed precision never changes a parameter's dtype:
         a float64 parameter (a physical constant fitted beside a network) computes and steps in float64. In bf16
         payloads over fp32 masters it computed in bf16 and was stepped and saved in fp32, silently: after six
         steps its values agreed with plain Lightning's to 2e-5, fp32's rounding. A parameter wider than the
-        precision's master dtype keeps its own dtype for both."""
-        return policy_dtype is not None and param_dtype.itemsize > policy_dtype.itemsize
+        mixed precision's master dtype keeps its own dtype for both (``bf16-true`` rounds every parameter, as
+        Lightning's does)."""
+        return self.mixed and param_dtype.itemsize > self.master_dtype.itemsize  # type: ignore[union-attr]
 
     def master_for(self, param_dtype: torch.dtype, *, trainable: bool = True, own_dtype: bool = False) -> torch.dtype:
         """The dtype of a chunk's master shard.
@@ -376,23 +383,19 @@ class DtypePolicy:
         choice, off by default: a checkpoint of frozen fp32 weights keeps them whole unless asked."""
         if not trainable and self.frozen_in_compute_dtype:
             return self.compute_for(param_dtype, own_dtype=own_dtype)
-        if self.master_dtype is None or self._wider(param_dtype, self.master_dtype):
+        if self.master_dtype is None or self._wider(param_dtype):
             return param_dtype
-        if self._narrow_already(param_dtype):
+        if not trainable and self._narrow_already(param_dtype):
             return param_dtype
         return self.master_dtype
 
     def _narrow_already(self, param_dtype: torch.dtype) -> bool:
         """[Note: low-precision parameters under mixed precision]
-        A model often holds parameters already in bf16 under ``bf16-mixed``: a base loaded with
-        ``torch_dtype=torch.bfloat16`` and frozen beside fp32 adapters, a head cast to bf16. Lightning's mixed
-        precision leaves them so: the optimizer steps a trainable one in bf16, and a frozen one costs 2 bytes. They
-        were given fp32 masters: a frozen bf16 base held 6 bytes a parameter for values its 2 hold exactly, and a
-        trainable bf16 head was stepped in fp32 and rounded (0.002 off plain Lightning after six steps), its Adam
-        state twice plain Lightning's. Under a mixed precision a parameter no wider than the compute dtype keeps
-        its own dtype as its master; the payload is still the compute dtype."""
-        return (
-            self.compute_dtype is not None
-            and self.compute_dtype != self.master_dtype
-            and param_dtype.itemsize <= self.compute_dtype.itemsize
-        )
+        A fine-tune often loads its frozen base already in bf16 (``torch_dtype=torch.bfloat16``) beside fp32
+        adapters under ``bf16-mixed``. Lightning's mixed precision leaves the base so, 2 bytes a parameter; here
+        it was given fp32 masters: 6 bytes a parameter for values its 2 hold exactly. Under a mixed precision a
+        frozen parameter no wider than the compute dtype keeps its own dtype as its master. A *trainable* bf16
+        parameter still gets an fp32 master, gradient and optimizer state, as DeepSpeed's bf16 mode gives it:
+        plain Lightning steps it in bf16, where an update smaller than half a bf16 step of the weight is lost
+        (training stalls silently); ``bf16-true`` is that pure-bf16 run, when it is wanted."""
+        return self.mixed and param_dtype.itemsize <= self.compute_dtype.itemsize  # type: ignore[union-attr]

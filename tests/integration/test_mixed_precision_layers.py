@@ -197,8 +197,8 @@ def test_a_float64_parameter_computes_and_steps_in_float64_under_mixed_precision
 
 # ------------------------------------------------------------------ parameters already in low precision
 class LowPrecisionBase(ParityNet):
-    """A base loaded in bf16 and frozen (an embedding and an MLP) with fp32 LoRA adapters, and a head cast to bf16
-    and trained: three master dtypes in one optimizer."""
+    """A base loaded in bf16 and frozen (an embedding and an MLP) with fp32 LoRA adapters and head, and a float64
+    temperature: masters of three dtypes, optimizer state of two in one optimizer."""
 
     def build(self) -> None:
         d, h = self.shape["dim"], self.shape["hidden"]
@@ -207,14 +207,15 @@ class LowPrecisionBase(ParityNet):
         for m in (self.embed, self.up, self.down):
             m.to(torch.bfloat16).requires_grad_(False)
         self.lora_a, self.lora_b = nn.Linear(d, 4, bias=False), nn.Linear(4, h, bias=False)
-        self.head = nn.Linear(d, VOCAB).to(torch.bfloat16)
+        self.head = nn.Linear(d, VOCAB)
+        self.temperature = nn.Parameter(torch.ones(VOCAB, dtype=torch.float64))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.built = True
 
     def forward(self, x, use_branch=True):
         h = self.embed(x)
         u = self.up(h) + self.lora_b(self.lora_a(h.float())).to(h.dtype)
-        return self.head(h + self.down(F.gelu(u)))
+        return self.head(h + self.down(F.gelu(u))).double() * self.temperature
 
 
 class MasterDtypes(Callback):
@@ -222,11 +223,12 @@ class MasterDtypes(Callback):
         self.seen = {t.name: c.master_dtype for c in trainer.strategy.engine.manager.chunks for t in c.tensors}
 
 
-def test_parameters_already_in_bf16_keep_bf16_masters_and_train_as_plain_lightning_through_a_resume(tmp_path):
+def test_a_frozen_bf16_base_keeps_bf16_masters_and_mixed_state_dtypes_train_as_plain_lightning_through_a_resume(
+    tmp_path,
+):
     """[Note: low-precision parameters under mixed precision]: the frozen bf16 base held fp32 masters (6 bytes a
-    parameter for what 2 hold exactly) and the bf16 head was stepped in fp32 (0.002 off plain Lightning); with the
-    masters' dtypes mixed in one optimizer, the warm-up repack cast the adapters' Adam moments to bf16, and the next
-    step failed ("expected dtype c10::BFloat16")."""
+    parameter for what 2 hold exactly). With state of two dtypes in one optimizer, the warm-up repack cast all the
+    Adam moments to one ("expected dtype" at the next step, or rounded moments), and consolidate failed."""
     strategy = dict(offload=OffloadOptions(optimizer_kernel="loop"))
     ref = fit("auto", steps=STEPS, cls=LowPrecisionBase, precision="bf16-mixed")
     dtypes = MasterDtypes()
@@ -234,8 +236,7 @@ def test_parameters_already_in_bf16_keep_bf16_masters_and_train_as_plain_lightni
         ChunkOffloadStrategy(**strategy), steps=STEPS, cls=LowPrecisionBase, precision="bf16-mixed", callbacks=[dtypes]
     )
     assert_same_params(ref, got, EXACT)
-    assert dtypes.seen["up.weight"] == dtypes.seen["head.weight"] == torch.bfloat16
-    assert dtypes.seen["lora_a.weight"] == torch.float32
+    assert dtypes.seen["up.weight"] == torch.bfloat16 and dtypes.seen["lora_a.weight"] == torch.float32
     kw = dict(cls=LowPrecisionBase, precision="bf16-mixed")
     for strategy_, where in [("auto", tmp_path / "auto"), (ChunkOffloadStrategy(**strategy), tmp_path)]:
         save = ModelCheckpoint(dirpath=where, every_n_train_steps=STEPS // 2, filename="half")
@@ -247,7 +248,7 @@ def test_parameters_already_in_bf16_keep_bf16_masters_and_train_as_plain_lightni
     want = torch.load(tmp_path / "auto" / "half.ckpt", weights_only=False)["optimizer_states"][0]["state"]
     out = consolidate(tmp_path / "half.ckpt", tmp_path / "half.pt", with_optimizer=True, progress=False)
     got = torch.load(out, weights_only=False)["optimizer_states"][0]["state"]
-    assert got.keys() == want.keys() and {v["exp_avg"].dtype for v in got.values()} == {torch.bfloat16, torch.float32}
+    assert got.keys() == want.keys() and {v["exp_avg"].dtype for v in got.values()} == {torch.float32, torch.float64}
     for i, st in want.items():
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(got[i][key], st[key], rtol=0, atol=0, msg=f"{i} {key}")

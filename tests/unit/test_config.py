@@ -265,3 +265,20 @@ def test_a_frozen_chunk_costs_its_compute_copy_alone_when_asked(on):
     base, adapter = planned_views(layout, dtypes, {0: 8})
     assert base.device_shard_bytes == (2 if on else 6) * 1024
     assert adapter.device_shard_bytes == (2 + 4 + 4 + 8) * 1024  # payload, master, gradient, Adam's moments
+
+
+def test_mixed_precision_gives_each_parameter_dtype_its_master():
+    """fp32 parameters get fp32 masters and bf16 payloads; a float64 one keeps float64 for both ([Note: float64
+    parameters under mixed precision]); a frozen bf16 one keeps bf16, a trainable one gets an fp32 master ([Note:
+    low-precision parameters under mixed precision]); 32-true and bf16-true keep what they always did."""
+    from lightning_chunk.engine.config import DtypePolicy
+
+    f32, f64, bf16 = torch.float32, torch.float64, torch.bfloat16
+    mixed, true_bf16, full = DtypePolicy(bf16, f32), DtypePolicy(bf16, bf16), DtypePolicy()
+    assert [mixed.master_for(d) for d in (f32, f64, bf16)] == [f32, f64, f32]
+    assert [mixed.master_for(d, trainable=False) for d in (f32, f64, bf16)] == [f32, f64, bf16]
+    assert [true_bf16.master_for(d, trainable=t) for d in (bf16, f32) for t in (True, False)] == [bf16] * 4
+    assert [full.master_for(d) for d in (f32, f64, bf16)] == [f32, f64, bf16]
+    model = torch.nn.Linear(2, 2)
+    model.scale = torch.nn.Parameter(torch.ones(2, dtype=f64))
+    assert mixed.own_dtype_params(model) == {id(model.scale)} and not full.own_dtype_params(model)
