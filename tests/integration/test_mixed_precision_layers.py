@@ -119,11 +119,30 @@ def test_modules_named_in_full_precision_modules_keep_fp32_parameters_in_bf16_mi
 
 
 # ------------------------------------------------------------------ weight reparametrizations
+class LoRA(nn.Module):
+    """A low-rank update as a parametrization, over a frozen base (minLoRA's way)."""
+
+    def __init__(self, fan_out: int, fan_in: int, rank: int = 4) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(rank, fan_in) * 0.1)
+        self.b = nn.Parameter(torch.randn(fan_out, rank) * 0.01)
+
+    def forward(self, w):
+        return w + (self.b @ self.a).to(w.dtype)
+
+
+def lora(m: nn.Linear) -> nn.Linear:
+    torch.nn.utils.parametrize.register_parametrization(m, "weight", LoRA(*m.weight.shape))
+    m.parametrizations.weight.original.requires_grad_(False)
+    return m
+
+
 REPARAMETRIZATIONS = {
     "weight_norm": nn.utils.weight_norm,  # torch's forward pre-hook, as HiFi-GAN and WaveNet vocoders use it
     "spectral_norm": nn.utils.spectral_norm,  # as SNGAN and BigGAN discriminators use it
     "parametrizations.weight_norm": nn.utils.parametrizations.weight_norm,
     "parametrizations.spectral_norm": nn.utils.parametrizations.spectral_norm,
+    "lora": lora,
 }
 
 
@@ -147,9 +166,9 @@ class Reparametrized(ParityNet):
 @pytest.mark.parametrize("name", list(REPARAMETRIZATIONS))
 def test_reparametrized_weights_train_in_bf16_mixed_like_plain_lightning(name):
     """[Note: reparametrized weights in mixed precision]: spectral norm's power iteration failed in its first
-    forward ("addmv input tensors must have the same dtype"), and weight norm ran its norm and the norm's backward
-    in bf16. Their parameters compute in fp32 as autocast computes them, and the layers' matmuls in bf16: plain
-    Lightning's bf16-mixed, bit for bit."""
+    forward ("addmv input tensors must have the same dtype"); weight norm ran its norm and the norm's backward in
+    bf16, a LoRA its sum with the base (10 times autocast's own error). Their parameters compute in fp32 as autocast
+    computes them, and the layers' matmuls in bf16: plain Lightning's bf16-mixed, bit for bit."""
     ref = fit("auto", steps=STEPS, cls=Reparametrized, variant=name, precision="bf16-mixed")
     got = fit(
         ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop")),
