@@ -93,8 +93,8 @@ Parameters were packed back to back, so one of an odd size (a 50,257-entry bias,
 parameter after it at an odd element offset. A parameter's data pointer is its payload's plus that offset, and
 what a plain module's parameter never is, misaligned, broke user code and slowed kernels: ``torch.view_as_complex``
 on a real pair (the usual way to train complex weights, as Fourier neural operators do) raised "Tensor must have a
-storage_offset divisible by 2" where plain Lightning trained, and vectorised CPU and CUDA kernels fall back to
-their scalar paths on an address that is not a multiple of the vector's width. Padding each offset to 16 elements
+storage_offset divisible by 2" where plain Lightning trained, and CUDA's vectorised elementwise kernels fall back
+to their scalar paths on an address that is not a multiple of the vector's width. Padding each offset to 16 elements
 puts every parameter on 32 bytes in bf16 and 64 in fp32 (payload blocks come from the allocator, aligned wider),
 as FSDP aligns each original parameter in its flat parameter; it costs at most 15 elements a parameter, zeroed as
 the chunk's tail padding is."""

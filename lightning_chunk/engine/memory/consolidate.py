@@ -134,8 +134,8 @@ class OptimizerStateParts:
 
     local: dict[int, dict[str, Any]]  # param index -> its state on this rank (flat pieces, like the views)
     # per-element state keys (Adam's moments), union over ranks, each with its dtype by the master's dtype: one
-    # optimizer can step fp32 masters beside bf16 or float64 ones ([Note: low-precision parameters under mixed
-    # precision] in config.py), and one dtype a key cast the moments of the others to it in every repack and save
+    # optimizer can step fp32 masters beside float64 ones ([Note: float64 parameters under mixed precision] in
+    # config.py), and one dtype a key cast the moments of the others to it in every repack and save
     keys: dict[str, dict[torch.dtype, torch.dtype]]
     scalars: dict[int, dict[str, Any]]  # param index -> scalar state (``step``), from whichever rank has a piece
 

@@ -53,8 +53,8 @@ class _SpanPlanner(DefaultLoadPlanner):
 
 def saved_state_dtype(keys: dict[str, Any], key: str, master_dtype: str) -> torch.dtype:
     """The dtype optimizer state ``key`` was saved in for a chunk of ``master_dtype`` masters: an optimizer's
-    ``keys`` in ``meta.pt`` map each master dtype to its state's ([Note: low-precision parameters under mixed
-    precision] in config.py); checkpoints written before 2026-11-30 name one dtype for all."""
+    ``keys`` in ``meta.pt`` map each master dtype to its state's (``OptimizerStateParts.keys``); checkpoints
+    written before 2026-11-30 name one dtype for all."""
     entry = keys[key]
     return getattr(torch, entry if isinstance(entry, str) else entry.get(master_dtype, master_dtype))
 
