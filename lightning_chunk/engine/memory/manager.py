@@ -74,8 +74,9 @@ class ChunkManager:
                 attr = name.rsplit(".", 1)[-1]
                 raise TypeError(
                     f"parameter {name!r} is complex ({p.dtype}); chunks hold real numbers. Keep it as its real "
-                    f"pair, nn.Parameter(torch.view_as_real(w)), and read torch.view_as_complex(self.{attr}) in "
-                    "forward: torch's optimizers step a complex parameter as that pair, so it trains the same."
+                    f"pair, nn.Parameter(torch.view_as_real(w)), and read torch.view_as_complex(self.{attr}.float()) "
+                    "in forward (.float(): under mixed precision the pair computes in bf16, which has no complex "
+                    "type): torch's optimizers step a complex parameter as that pair, so it trains the same."
                 )
             if not p.is_floating_point():
                 raise TypeError(
