@@ -110,7 +110,8 @@ class ChunkPrecision(Precision):
             "16-mixed": (torch.float16, torch.float32),
             "bf16-true": (torch.bfloat16, torch.bfloat16),
         }[self.precision]
-        return DtypePolicy(compute, master, own_dtype_modules=OWN_DTYPE_MODULES + self.full_precision_modules)
+        own = OWN_DTYPE_MODULES + self.full_precision_modules
+        return DtypePolicy(compute, master, own_dtype_modules=own, autocast=self.precision.endswith("-mixed"))
 
     def attach(self, engine: ChunkEngine | None, device: torch.device) -> None:
         self._engine = engine

@@ -332,6 +332,10 @@ class DtypePolicy:
     frozen_in_compute_dtype: bool = False
     """frozen chunks keep one copy, in the compute dtype ([Note: frozen weights in the compute dtype])."""
 
+    autocast: bool = False
+    """steps run under autocast to the compute dtype (Lightning's mixed precisions): a parameter an op reads where
+    the user turned autocast off keeps its own dtype ([Note: parameters read outside autocast])."""
+
     def compute_for(self, param_dtype: torch.dtype, *, own_dtype: bool = False) -> torch.dtype:
         return param_dtype if own_dtype else self.compute_dtype or param_dtype
 

@@ -401,6 +401,11 @@ CASES = {
     "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),
     "bn_cnn_bf16_host": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000, placement="host")),
     "bn_cnn_fp16": dict(cls="BatchNormCNN", fp16=True, strategy=dict(chunk_numel=10_000)),
+    # parameters read with autocast off ([Note: parameters read outside autocast]): every rank's sanity check finds
+    # them, the ranks agree, and the resume moves them before its first step as the checkpoint names them
+    "autocast_off_bf16": dict(
+        cls="AutocastOff", bf16=True, trainer=dict(limit_val_batches=1, num_sanity_val_steps=1), resume_at=8
+    ),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{
         f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")

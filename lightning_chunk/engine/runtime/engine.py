@@ -193,8 +193,7 @@ class ChunkEngine:
             self.hooks.end_backward()
         check_stray_writes(self.manager)  # [Note: parameters outside a step]
         self.offload.reload()
-        if training and torch.is_grad_enabled():
-            self.warm_up.follow_requires_grad()
+        self.warm_up.follow_keys(training=training and torch.is_grad_enabled())
         phase = self.warm_up.phase
         record = training and phase is not WarmUp.PLANNED and torch.is_grad_enabled()
         if training and torch.is_grad_enabled():

@@ -47,9 +47,8 @@ whatever storage the parameter had at trace time. Between the hooks the graphs s
 storage the hook has just filled. The warm-up's saved-tensor hooks (``tracer.py``) are disabled the same way:
 they must count the real storages autograd keeps, not run as a compiled frame of their own.
 
-The root module's own parameters (a LightningModule that holds parameters
-directly) are gathered for the whole step by ``step_scope``, which also treats
-the step's outputs as the root's outputs for backward.
+The root module's own parameters (a LightningModule that holds parameters directly) are gathered for the whole
+step by ``step_scope``, which also treats the step's outputs as the root's outputs for backward.
 """
 
 from __future__ import annotations
@@ -71,6 +70,7 @@ from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
 from .batches import tensors_in
 from .moments import MomentClock, in_backward
+from .outside_autocast import OutsideAutocast
 from .owners import ModuleOwners, leaf_hint
 from .pieces import GradPieces
 from .reads import ReleasedReads, reading, refuse_clipping_without_gradients, unwatch, unwatched, watch
@@ -117,6 +117,7 @@ class ChunkHooks:
         self.owners_changed = False  # a module adopted a parameter it read: the trace must be taken again
         self._held: set[int] = set()  # parameters read by iteration in this micro-batch, in use to its backward's end
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
+        self.outside_autocast = OutsideAutocast(manager)  # [Note: parameters read outside autocast]
 
     # ============================================================ installation
     def install(self) -> None:
@@ -269,8 +270,7 @@ class ChunkHooks:
         return hook
 
     def _hook_inputs(self, key: str, inputs: Any) -> None:
-        """A module that owns frozen parameters: let them go when its backward is done ([Note: frozen parameters
-        in backward])."""
+        """A module owning frozen parameters lets them go when its backward is done ([Note: frozen parameters ...])."""
         if not torch.is_grad_enabled():
             return
         params = self.manager.params
@@ -342,9 +342,8 @@ class ChunkHooks:
         if not self.moments.backward_queued:
             self.moments.backward_queued = True
             if self.tracer.recording:
-                # the warm-up's backward: no trace yet, but this forward's moments (the same on every rank)
-                # say the order backward will complete the chunks in, near enough: reverse first use
-                # ([Note: reduce order] in reduce.py)
+                # the warm-up's backward has no trace, but this forward's moments (the same on every rank) say
+                # the order backward completes the chunks in, near enough: reverse first use ([Note: reduce order])
                 self.manager.grads.set_reduce_order(self.tracer.forward_first_use()[::-1])
             self.manager.reducer.begin_backward(traced=self.moments.trace is not None and not self.tracer.recording)
             if self.on_backward_start is not None:
@@ -418,15 +417,16 @@ class ChunkHooks:
                 self._hook_outputs(ROOT, out)
 
         # the warm-up (and the first evaluation step) also checks every op for released parameters the watch
-        # cannot see ([Note: parameters read outside their owner] in reads.py)
+        # cannot see ([Note: parameters read outside their owner] in reads.py), and under mixed precision for
+        # parameters read with autocast off ([Note: parameters read outside autocast])
         check = record or (not training and not self._evaluated)
         self._evaluated = self._evaluated or not training
-        with (
-            counting,
-            reading(self._read),
-            ReleasedReads(self.owners.param_name) if check else contextlib.nullcontext(),
-        ):
+        marks = self.outside_autocast if check and self.outside_autocast.active else None
+        checks = ReleasedReads(self.owners.param_name, marks) if check else contextlib.nullcontext()
+        with counting, reading(self._read), checks:
             yield outputs
+        if marks is not None:
+            marks.agree(self.manager.comm)
         self._rolled = False  # the next forward outside a step holds a roll call
         if ROOT in self.owners.owned:
             if training and torch.is_grad_enabled() and not registered:

@@ -46,10 +46,11 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..chunks.chunk import placeholder_storages
 from ..errors import ChunkError
+from .outside_autocast import OutsideAutocast
 
 Reader = Callable[[torch.Tensor, bool], None]  # (parameter, read by attribute: else by iteration)
 _CLIP_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
@@ -145,18 +146,21 @@ _NOT_READS = frozenset(
 
 class ReleasedReads(TorchFunctionMode):
     """An op that reads a released parameter's placeholder raises ([Note: parameters read outside their owner]).
-    ``name(tensor)``: the parameter's name, if ``tensor`` is a managed parameter."""
+    ``name(tensor)``: the parameter's name, if ``tensor`` is a managed parameter. ``marks``: under mixed precision,
+    what marks the parameters ops read with autocast off ([Note: parameters read outside autocast])."""
 
-    def __init__(self, name: Callable[[torch.Tensor], str | None]) -> None:
+    def __init__(self, name: Callable[[torch.Tensor], str | None], marks: OutsideAutocast | None = None) -> None:
         super().__init__()
         self.name = name
+        self.marks = marks
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") not in _NOT_READS:
+            flat, spec = tree_flatten((args, kwargs))
             released = placeholder_storages()
             if released:
-                for t in tree_flatten((args, kwargs))[0]:
+                for t in flat:
                     if isinstance(t, torch.Tensor) and _storage(t) in released:
                         what = self.name(t)
                         raise ChunkError(
@@ -168,6 +172,9 @@ class ReleasedReads(TorchFunctionMode):
                             "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
                             "LightningModule itself included)."
                         )
+            converted = self.marks.convert(flat) if self.marks is not None else None
+            if converted is not None:
+                args, kwargs = tree_unflatten(converted, spec)
         return func(*args, **kwargs)
 
 

@@ -10,8 +10,9 @@ Another micro-batch of the same step records again (``TRACED`` -> ``RECORDING``)
 planned from. Inputs that grow past what the trace saw, or a module that adopts a parameter it read, send a traced or
 planned engine back to ``UNTRACED`` (``replan(Replan.INPUTS_GREW)`` / ``Replan.OWNERS_CHANGED``: the trace is dropped
 and the tiers placed without one), and that micro-batch records a new trace. A change of ``requires_grad``
-(``Replan.REQUIRES_GRAD``) repacks in any phase and leaves it as it was. The table ``NEXT`` lists the legal moves; any
-other raises ``IllegalTransitionError``, as the chunks' own state table does.
+(``Replan.REQUIRES_GRAD``) repacks in any phase and leaves it as it was, as do parameters read with autocast off
+(``Replan.OUTSIDE_AUTOCAST``) between steps before and after the warm-up (within it, its own repack moves them). The
+table ``NEXT`` lists the legal moves; any other raises ``IllegalTransitionError``, as the chunks' own state table does.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Replan(enum.Enum):
     INPUTS_GREW = "inputs larger than any the trace saw"
     OWNERS_CHANGED = "a module adopted a parameter it read"
     REQUIRES_GRAD = "requires_grad changed"
+    OUTSIDE_AUTOCAST = "parameters read with autocast off"  # [Note: parameters read outside autocast]
 
 
 NEXT: dict[WarmUp, frozenset[WarmUp]] = {
@@ -84,6 +86,7 @@ class WarmUpPlanner:
         assert mgr.layout is not None
         retrace = reason in (Replan.INPUTS_GREW, Replan.OWNERS_CHANGED)
         if reason is Replan.WARM_UP:
+            eng.hooks.outside_autocast.take()  # moved with the rest ([Note: parameters read outside autocast])
             # the warm-up's gathers and gradient payloads left freed heap pages: not at the repack's peak
             release_freed_memory()
             trace: Trace | None = eng.hooks.moments.trace  # agreed by every rank when it was taken (``traced``)
@@ -117,7 +120,7 @@ class WarmUpPlanner:
                 )
         # same layout: chunk ids correspond, so the tiers compare position by position
         moved = layout != mgr.layout or [c.shard_tier for c in mgr.chunks] != [tiers[c.chunk_id] for c in layout.chunks]
-        if reason is Replan.REQUIRES_GRAD:
+        if reason in (Replan.REQUIRES_GRAD, Replan.OUTSIDE_AUTOCAST):
             moved = True  # the chunks' keys changed: always a repack
         elif retrace and not eng._no_grads_held:
             moved = False  # gradients of this step are in the shards: the step's end places them
@@ -190,6 +193,17 @@ class WarmUpPlanner:
             f"first difference at moment {i}: {detail}. Every rank must run the same modules in the same order "
             "(no data-dependent skipping of modules that own parameters)."
         )
+
+    def follow_keys(self, *, training: bool) -> None:
+        """Repack for parameters whose chunk key changed since the last layout: ``requires_grad`` flipped (before a
+        training micro-batch), or read with autocast off ([Note: parameters read outside autocast]; before any
+        micro-batch that holds no gradients, outside the warm-up, whose own repack moves them)."""
+        if training:
+            self.follow_requires_grad()
+        marks = self.engine.hooks.outside_autocast
+        if marks.pending and self.engine._no_grads_held and self.phase in (WarmUp.UNTRACED, WarmUp.PLANNED):
+            marks.take()
+            self.replan(Replan.OUTSIDE_AUTOCAST)
 
     def follow_requires_grad(self) -> None:
         """Repack when parameters were frozen or unfrozen since the last layout ([Note: requires_grad changed]).

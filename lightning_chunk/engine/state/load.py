@@ -79,6 +79,7 @@ def load_sharded(
             mgr, {index_of_name[n]: full[off : off + numel].view(shape) for n, off, numel, shape in spec["slots"]}
         )
         mgr.tiers.page_out()  # what this saved chunk wrote into disk shards leaves the process
+    engine.hooks.outside_autocast.restore(ck.get("outside_autocast", ()))  # [Note: parameters read outside autocast]
     ema = getattr(engine, "ema", None)
     if ema is not None and ck.get("ema_chunks"):  # [Note: a sharded EMA]; ignored by a run without one
         for _, spec, full in iter_saved_chunks(

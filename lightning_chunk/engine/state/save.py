@@ -140,6 +140,7 @@ def describe_layout(engine: Any, selection: Selection) -> dict[str, Any]:
         "entries": selection.entries,
         "state_dict_keys": selection.keys,
         "excluded": [mgr.names[i] for i in sorted(selection.excluded)],
+        "outside_autocast": [mgr.names[i] for i in sorted(engine.hooks.outside_autocast.moved)],
         "ema_chunks": [c.chunk_id for c in mgr.chunks if selection.ema_shard(c) is not None],
         "ema_buffers": selection.ema_buffers(),
         "world_size": mgr.comm.world_size,

@@ -1,0 +1,109 @@
+"""Parameters read where the user turned autocast off.
+
+[Note: parameters read outside autocast]
+Under ``bf16-mixed`` and ``16-mixed`` payloads are in the compute dtype, where Lightning keeps fp32 parameters and
+autocast casts per op. Code that turns autocast off to compute in fp32 — a mixture of experts' router
+(``with torch.autocast("cuda", enabled=False): self.gate(x.float())``), a vector quantiser's codebook distances
+under ``@torch.autocast("cuda", enabled=False)`` — met a bf16 weight beside its fp32 input and failed ("expected
+m1 and m2 to have the same dtype") where plain Lightning trains; an op with no other tensor (``self.scale.exp()``)
+computed in bf16 what plain Lightning computes in fp32.
+
+While a checked step runs (the warm-up's micro-batches and the first evaluation step, under the torch-function
+mode that looks for released parameters, ``reads.py``), an op run with autocast off for the engine's device that
+reads a parameter whose payload is narrower than the parameter's own dtype (or a view of one) marks it: from the
+next repack on it keeps its own dtype, in chunks of their own, as BatchNorm's parameters do ([Note: normalisation
+in mixed precision] in ``engine/config.py``), and so computes as under plain Lightning. Until then the op gets the
+payload cast up to the widest floating dtype among its other tensors: the weights rounded to the compute dtype, as
+FSDP's ``MixedPrecision`` hands them, the gradient flowing back through the cast. The ranks agree on the marked
+parameters (a union) at the end of each checked step; they move at the next micro-batch that holds no gradients
+before or after the warm-up, else at the warm-up's own repack. With Lightning's validation sanity check before
+training they move before the first training step, and training equals plain Lightning's from it; without one, the
+first step computes those ops with rounded weights. A sharded checkpoint names them (``outside_autocast`` in its
+``meta.pt``), so a resume, which runs no sanity check, moves them before its first step. An op only a later step
+runs (a branch the checked steps did not take) is not seen: ``ChunkPrecision(full_precision_modules=[...])`` names
+such a module's class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..comm.collectives import Collectives
+from ..memory.manager import ChunkManager
+
+
+class OutsideAutocast:
+    """Marks the parameters ops read with autocast off ([Note: parameters read outside autocast]) and casts their
+    payloads up for those ops until they move. ``pending``: marked by every rank, not yet moved."""
+
+    def __init__(self, manager: ChunkManager) -> None:
+        self.manager = manager
+        self.device_type = manager.device.type
+        self._found: set[int] = set()  # marked on this rank since the last agreement
+        self.pending: set[int] = set()
+        self.moved: set[int] = set()  # given their own dtype; a checkpoint names them, for its resume to move
+
+    @property
+    def active(self) -> bool:
+        """Whether steps run under autocast over payloads narrower than their parameters (a mixed precision)."""
+        return self.manager.dtypes.mixed and self.manager.dtypes.autocast
+
+    def _narrowed(self, i: int) -> bool:
+        key = self.manager.specs[i].key
+        return not key.own_dtype and self.manager.dtypes.compute_for(key.dtype) != key.dtype
+
+    def convert(self, flat: list[Any]) -> list[Any] | None:
+        """The tensors of one op's arguments, with the marked parameters cast up; ``None`` when none changed."""
+        if torch.is_autocast_enabled(self.device_type):
+            return None
+        index_of = self.manager.index_of
+        hits: list[int] = []
+        widest: torch.dtype | None = None
+        for k, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                continue
+            i = index_of.get(id(t))
+            if i is None and t._base is not None:
+                i = index_of.get(id(t._base))
+            if i is not None and self._narrowed(i):
+                self._found.add(i)
+                hits.append(k)
+            elif t.is_floating_point() and (widest is None or t.dtype.itemsize > widest.itemsize):
+                widest = t.dtype
+        if not hits or widest is None or widest.itemsize <= flat[hits[0]].dtype.itemsize:
+            return None
+        out = list(flat)
+        for k in hits:
+            out[k] = flat[k].to(widest)
+        return out
+
+    def agree(self, comm: Collectives) -> None:
+        """At the end of a checked step (every rank's): the parameters any rank marked become ``pending``."""
+        found = sorted(self._found)
+        self._found.clear()
+        if comm.world_size > 1:
+            found = sorted({i for part in comm.all_gather_object(found) for i in part})
+        self.pending.update(found)
+
+    def take(self) -> list[str]:
+        """Give the pending parameters their own dtype in the layout keys (the caller repacks); their names."""
+        mgr = self.manager
+        names = [mgr.specs[i].name for i in sorted(self.pending)]
+        mgr.specs = [
+            dataclasses.replace(s, key=dataclasses.replace(s.key, own_dtype=True)) if i in self.pending else s
+            for i, s in enumerate(mgr.specs)
+        ]
+        self.moved |= self.pending
+        self.pending.clear()
+        return names
+
+    def restore(self, names: Iterable[str]) -> None:
+        """A resumed checkpoint's ``moved``: pending here, to move before the first step as in the run that saved it
+        (a resumed fit runs no sanity check to find them)."""
+        if self.active:
+            index = {n: i for i, n in enumerate(self.manager.names)}
+            self.pending.update(index[n] for n in names if n in index and self._narrowed(index[n]))

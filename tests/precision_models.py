@@ -1,0 +1,46 @@
+"""Models with parameters a mixed precision must compute in their own dtype, for the single-process tests and the
+two-rank parity cases alike."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests import models
+from tests.models import VOCAB, ParityNet
+
+
+class Codebook(nn.Module):
+    """A soft vector-quantiser look-up whose forward runs with autocast off, as VQ-VAE codebooks' do."""
+
+    def __init__(self, n: int, dim: int) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(n, dim))
+
+    @torch.autocast("cpu", enabled=False)
+    def forward(self, h):
+        return torch.softmax(-torch.cdist(h.float(), self.embed), -1) @ self.embed
+
+
+class AutocastOff(ParityNet):
+    """Linears under autocast beside a router, a codebook and a temperature computed with autocast off (mixture of
+    experts recipes keep their router in fp32 so): every op rounds as under plain Lightning's bf16-mixed."""
+
+    def build(self) -> None:
+        d = self.shape["dim"]
+        self.proj, self.head = nn.Linear(VOCAB, d), nn.Linear(d, VOCAB)
+        self.router, self.codebook = nn.Linear(d, 4, bias=False), Codebook(8, d)
+        self.temperature = nn.Parameter(torch.zeros(()))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def forward(self, x, use_branch=True):
+        h = self.proj(F.one_hot(x, VOCAB).float())
+        with torch.autocast("cpu", enabled=False):
+            gate = torch.softmax(self.router(h.float()) * self.temperature.exp(), -1)
+        return self.head(self.codebook(h) * gate[..., :1] + h)
+
+    def val_dataloader(self):
+        """For a validation sanity check (``num_sanity_val_steps``), which finds what is read with autocast off."""
+        return models.token_data(8)
