@@ -181,6 +181,16 @@ def test_reparametrized_weights_train_in_bf16_mixed_like_plain_lightning(name):
     assert_same_params(ref, got, EXACT)
 
 
+def resumed_halfway(tmp_path, strategy: dict, **kw) -> tuple:
+    """Plain Lightning and chunk_offload (``strategy``'s options) stopped half-way, each saving a checkpoint there, and
+    resumed from it: ``(plain, resumed)``."""
+    for strategy_, where in [("auto", tmp_path / "auto"), (ChunkOffloadStrategy(**strategy), tmp_path)]:
+        save = ModelCheckpoint(dirpath=where, every_n_train_steps=STEPS // 2, filename="half")
+        fit(strategy_, steps=STEPS // 2, callbacks=[save], enable_checkpointing=True, **kw)
+    plain = fit("auto", steps=STEPS, ckpt_path=str(tmp_path / "auto" / "half.ckpt"), **kw)
+    return plain, fit(ChunkOffloadStrategy(**strategy), steps=STEPS, ckpt_path=str(tmp_path / "half.ckpt"), **kw)
+
+
 # ------------------------------------------------------------------ float64 parameters
 class WithFloat64(ParityNet):
     """A float64 parameter (a fitted constant) beside fp32 linears, which autocast leaves in float64."""
@@ -258,12 +268,7 @@ def test_a_frozen_bf16_base_keeps_bf16_masters_and_mixed_state_dtypes_train_as_p
     assert_same_params(ref, got, EXACT)
     assert dtypes.seen["up.weight"] == torch.bfloat16 and dtypes.seen["lora_a.weight"] == torch.float32
     kw = dict(cls=LowPrecisionBase, precision="bf16-mixed")
-    for strategy_, where in [("auto", tmp_path / "auto"), (ChunkOffloadStrategy(**strategy), tmp_path)]:
-        save = ModelCheckpoint(dirpath=where, every_n_train_steps=STEPS // 2, filename="half")
-        fit(strategy_, steps=STEPS // 2, callbacks=[save], enable_checkpointing=True, **kw)
-    plain = fit("auto", steps=STEPS, ckpt_path=str(tmp_path / "auto" / "half.ckpt"), **kw)
-    resumed = fit(ChunkOffloadStrategy(**strategy), steps=STEPS, ckpt_path=str(tmp_path / "half.ckpt"), **kw)
-    assert_same_params(plain, resumed, EXACT)
+    assert_same_params(*resumed_halfway(tmp_path, strategy, **kw), EXACT)
     # consolidated with the optimizer: plain Lightning's checkpoint, the moments in their own dtypes
     want = torch.load(tmp_path / "auto" / "half.ckpt", weights_only=False)["optimizer_states"][0]["state"]
     out = consolidate(tmp_path / "half.ckpt", tmp_path / "half.pt", with_optimizer=True, progress=False)
@@ -300,14 +305,6 @@ def test_parameters_read_with_autocast_off_compute_in_fp32_as_plain_lightning(sa
         trainer.validate(ref, models.token_data(12))
         return
     assert_same_params(ref, got, EXACT)
-    assert {n for n, dt in payloads.seen.items() if dt == torch.float32} == {
-        "router.weight",
-        "codebook.embed",
-        "temperature",
-    }
-    for strategy_, where in [("auto", tmp_path / "auto"), (ChunkOffloadStrategy(**strategy), tmp_path)]:
-        save = ModelCheckpoint(dirpath=where, every_n_train_steps=STEPS // 2, filename="half")
-        fit(strategy_, steps=STEPS // 2, callbacks=[save], enable_checkpointing=True, **kw)
-    plain = fit("auto", steps=STEPS, ckpt_path=str(tmp_path / "auto" / "half.ckpt"), **kw)
-    resumed = fit(ChunkOffloadStrategy(**strategy), steps=STEPS, ckpt_path=str(tmp_path / "half.ckpt"), **kw)
-    assert_same_params(plain, resumed, EXACT)
+    fp32_payloads = {n for n, dt in payloads.seen.items() if dt == torch.float32}
+    assert fp32_payloads == {"router.weight", "codebook.embed", "temperature"}
+    assert_same_params(*resumed_halfway(tmp_path, strategy, **kw), EXACT)
