@@ -25,7 +25,8 @@ class Codebook(nn.Module):
 
 class AutocastOff(ParityNet):
     """Linears under autocast beside a router, a codebook and a temperature computed with autocast off (mixture of
-    experts recipes keep their router in fp32 so): every op rounds as under plain Lightning's bf16-mixed."""
+    experts recipes keep their router in fp32 so): every op rounds as under plain Lightning's bf16-mixed.
+    ``variant="checkpointed"``: the router and the codebook under activation checkpointing."""
 
     def build(self) -> None:
         d = self.shape["dim"]
@@ -37,9 +38,14 @@ class AutocastOff(ParityNet):
 
     def forward(self, x, use_branch=True):
         h = self.proj(F.one_hot(x, VOCAB).float())
+        if self.variant == "checkpointed":
+            return self.head(torch.utils.checkpoint.checkpoint(self.routed, h, use_reentrant=False))
+        return self.head(self.routed(h))
+
+    def routed(self, h):
         with torch.autocast("cpu", enabled=False):
             gate = torch.softmax(self.router(h.float()) * self.temperature.exp(), -1)
-        return self.head(self.codebook(h) * gate[..., :1] + h)
+        return self.codebook(h) * gate[..., :1] + h
 
     def val_dataloader(self):
         """For a validation sanity check (``num_sanity_val_steps``), which finds what is read with autocast off."""

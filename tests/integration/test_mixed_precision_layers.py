@@ -285,17 +285,18 @@ class PayloadDtypes(Callback):
         self.seen = {t.name: c.compute_dtype for c in trainer.strategy.engine.manager.chunks for t in c.tensors}
 
 
-@pytest.mark.parametrize("sanity_check", [True, False])
-def test_parameters_read_with_autocast_off_compute_in_fp32_as_plain_lightning(sanity_check, tmp_path):
+@pytest.mark.parametrize("sanity_check, variant", [(True, "plain"), (False, "plain"), (False, "checkpointed")])
+def test_parameters_read_with_autocast_off_compute_in_fp32_as_plain_lightning(sanity_check, variant, tmp_path):
     """[Note: parameters read outside autocast]: the router's fp32 input met its bf16 payload ("expected m1 and m2
     to have the same dtype"). What the checked steps read with autocast off gets fp32 payloads: moved before the
     first training step by the sanity check's find, plain Lightning's bf16-mixed bit for bit, and so is a resume (no
     sanity check: the checkpoint names them); without one, the first step computes those ops with bf16-rounded
-    weights cast up: 0.12% off plain Lightning's update, a third of its own bf16-mixed error (0.32% off fp32)."""
-    kw = dict(cls=AutocastOff, precision="bf16-mixed", limit_val_batches=int(sanity_check))
+    weights cast up (also where activation checkpointing runs them again in backward): 0.12% off plain Lightning's
+    update, a third of its own bf16-mixed error (0.32% off fp32)."""
+    kw = dict(cls=AutocastOff, variant=variant, precision="bf16-mixed", limit_val_batches=int(sanity_check))
     kw.update(num_sanity_val_steps=int(sanity_check))
     strategy = dict(offload=OffloadOptions(optimizer_kernel="loop"))
-    init, fp32 = fit("auto", steps=0, cls=AutocastOff), fit("auto", steps=STEPS, **{**kw, "precision": "32-true"})
+    init, fp32 = fit("auto", steps=0, **kw), fit("auto", steps=STEPS, **{**kw, "precision": "32-true"})
     ref, payloads = fit("auto", steps=STEPS, **kw), PayloadDtypes()
     got = fit(ChunkOffloadStrategy(**strategy), steps=STEPS, callbacks=[payloads], **kw)
     if not sanity_check:

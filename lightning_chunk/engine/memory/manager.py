@@ -137,6 +137,11 @@ class ChunkManager:
     def lookup(self, param: torch.Tensor) -> tuple[Chunk, TensorInfo]:
         return self._where[id(param)]
 
+    def is_payload_view(self, t: torch.Tensor) -> bool:
+        """``t`` is a view of a chunk's payload (the tracer leaves it out of non-model memory)."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(c.payload is not None and c.payload.untyped_storage().data_ptr() == ptr for c in self.chunks)
+
     def find(self, param: torch.Tensor) -> tuple[Chunk, TensorInfo] | None:
         """``lookup``, or ``None`` for a parameter in no chunk (not packed, or not yet)."""
         return self._where.get(id(param))

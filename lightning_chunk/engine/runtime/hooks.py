@@ -54,7 +54,6 @@ step by ``step_scope``, which also treats the step's outputs as the root's outpu
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,9 +86,7 @@ class ChunkHooks:
         self.module = module
         self.manager = manager
         self.policy = policy
-        self.tracer = MemoryTracer(
-            functools.partial(_is_model_storage, manager), manager.device, manager.allocated_device_bytes
-        )
+        self.tracer = MemoryTracer(manager.is_payload_view, manager.device, manager.allocated_device_bytes)
         self.owners = ModuleOwners(module, manager, policy.config.leaf_modules)
         self.moments = MomentClock(manager, policy, self.owners, self.tracer)
         self._handles: list[Any] = []
@@ -254,6 +251,8 @@ class ChunkHooks:
                 return  # a deep copy of the module, which kept the hook: its parameters are plain tensors
             with self.manager.clock.measure("hooks"):
                 self._use(key, FORWARD)
+            if in_backward():  # [Note: parameters read outside autocast]
+                self.outside_autocast.recomputing(True)
 
         return hook
 
@@ -262,6 +261,8 @@ class ChunkHooks:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if module is not owner:
                 return
+            if in_backward():
+                self.outside_autocast.recomputing(False)
             with self.manager.clock.measure("hooks"):
                 self._done_forward(key)
                 self._hook_outputs(key, output)
@@ -442,9 +443,3 @@ class ChunkHooks:
             self._done_forward(ROOT)
         if not training:  # an evaluation step's outputs leave with it ([Note: checking once a micro-batch])
             self.manager.comm.verify_issued()
-
-
-def _is_model_storage(manager: ChunkManager, t: torch.Tensor) -> bool:
-    """``t`` is a view of a chunk's payload (the tracer leaves it out of non-model memory)."""
-    ptr = t.untyped_storage().data_ptr()
-    return any(c.payload is not None and c.payload.untyped_storage().data_ptr() == ptr for c in manager.chunks)

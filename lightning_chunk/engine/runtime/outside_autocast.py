@@ -8,20 +8,21 @@ under ``@torch.autocast("cuda", enabled=False)`` — met a bf16 weight beside it
 m1 and m2 to have the same dtype") where plain Lightning trains; an op with no other tensor (``self.scale.exp()``)
 computed in bf16 what plain Lightning computes in fp32.
 
-While a checked step runs (the warm-up's micro-batches and the first evaluation step, under the torch-function
-mode that looks for released parameters, ``reads.py``), an op run with autocast off for the engine's device that
-reads a parameter whose payload is narrower than the parameter's own dtype (or a view of one) marks it: from the
-next repack on it keeps its own dtype, in chunks of their own, as BatchNorm's parameters do ([Note: normalisation
-in mixed precision] in ``engine/config.py``), and so computes as under plain Lightning. Until then the op gets the
-payload cast up to the widest floating dtype among its other tensors: the weights rounded to the compute dtype, as
-FSDP's ``MixedPrecision`` hands them, the gradient flowing back through the cast. The ranks agree on the marked
-parameters (a union) at the end of each checked step; they move at the next micro-batch that holds no gradients
-before or after the warm-up, else at the warm-up's own repack. With Lightning's validation sanity check before
-training they move before the first training step, and training equals plain Lightning's from it; without one, the
-first step computes those ops with rounded weights. A sharded checkpoint names them (``outside_autocast`` in its
-``meta.pt``), so a resume, which runs no sanity check, moves them before its first step. An op only a later step
-runs (a branch the checked steps did not take) is not seen: ``ChunkPrecision(full_precision_modules=[...])`` names
-such a module's class.
+While a checked step runs (the warm-up's micro-batches and the first evaluation step, under the torch-function mode that
+looks for released parameters, ``reads.py``), an op run with autocast off for the engine's device that reads a parameter
+whose payload is narrower than the parameter's own dtype (or a view of one) marks it: from the next repack on it keeps
+its own dtype, in chunks of their own, as BatchNorm's parameters do ([Note: normalisation in mixed precision] in
+``engine/config.py``), and so computes as under plain Lightning. Until then the op gets the payload cast up to the
+widest floating dtype among its other tensors: the weights rounded to the compute dtype, as FSDP's ``MixedPrecision``
+hands them, the gradient flowing back through the cast; so does a module's forward that activation checkpointing runs
+again in that step's backward (``recomputing``: a mode pushed and popped by the module's own hooks, since a mode entered
+around ``backward()`` is popped while its handler runs the call). The ranks agree on the marked parameters (a union) at
+the end of each checked step; they move at the next micro-batch that holds no gradients before or after the warm-up,
+else at the warm-up's own repack. With Lightning's validation sanity check before training they move before the first
+training step, and training equals plain Lightning's from it; without one, the first step computes those ops with
+rounded weights. A sharded checkpoint names them (``outside_autocast`` in its ``meta.pt``), so a resume, which runs no
+sanity check, moves them before its first step. An op only a later step runs (a branch the checked steps did not take)
+is not seen: ``ChunkPrecision(full_precision_modules=[...])`` names such a module's class.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from ..comm.collectives import Collectives
 from ..memory.manager import ChunkManager
+from .reads import CastUp
 
 
 class OutsideAutocast:
@@ -45,6 +47,7 @@ class OutsideAutocast:
         self.device_type = manager.device.type
         self._found: set[int] = set()  # marked on this rank since the last agreement
         self.pending: set[int] = set()
+        self._recomputing: list[CastUp | None] = []  # the modes of the recomputed forwards running, innermost last
         self.moved: set[int] = set()  # given their own dtype; a checkpoint names them, for its resume to move
 
     @property
@@ -80,6 +83,17 @@ class OutsideAutocast:
         for k in hits:
             out[k] = flat[k].to(widest)
         return out
+
+    def recomputing(self, started: bool) -> None:
+        """A module's forward starts (or ends) again in backward (activation checkpointing): while marked parameters
+        wait to move, it runs under the cast, as the step's own forward did."""
+        if started:
+            mode = CastUp(self) if self.active and (self._found or self.pending) else None
+            if mode is not None:
+                mode.__enter__()
+            self._recomputing.append(mode)
+        elif self._recomputing and (mode := self._recomputing.pop()) is not None:
+            mode.__exit__(None, None, None)
 
     def agree(self, comm: Collectives) -> None:
         """At the end of a checked step (every rank's): the parameters any rank marked become ``pending``."""

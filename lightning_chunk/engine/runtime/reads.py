@@ -42,7 +42,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -50,7 +50,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..chunks.chunk import placeholder_storages
 from ..errors import ChunkError
-from .outside_autocast import OutsideAutocast
+
+if TYPE_CHECKING:  # a type only: outside_autocast.py enters CastUp
+    from .outside_autocast import OutsideAutocast
 
 Reader = Callable[[torch.Tensor, bool], None]  # (parameter, read by attribute: else by iteration)
 _CLIP_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
@@ -173,6 +175,24 @@ class ReleasedReads(TorchFunctionMode):
                             "LightningModule itself included)."
                         )
             converted = self.marks.convert(flat) if self.marks is not None else None
+            if converted is not None:
+                args, kwargs = tree_unflatten(converted, spec)
+        return func(*args, **kwargs)
+
+
+class CastUp(TorchFunctionMode):
+    """``marks``' cast alone, for a backward that runs a checkpointed block's forward again before the parameters
+    its first run marked have moved ([Note: parameters read outside autocast])."""
+
+    def __init__(self, marks: OutsideAutocast) -> None:
+        super().__init__()
+        self.marks = marks
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _NOT_READS:
+            flat, spec = tree_flatten((args, kwargs))
+            converted = self.marks.convert(flat)
             if converted is not None:
                 args, kwargs = tree_unflatten(converted, spec)
         return func(*args, **kwargs)
