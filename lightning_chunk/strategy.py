@@ -29,7 +29,7 @@ from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.chunks.materialize import DeferredInit, meta_init
 from .engine.config import PlacementName
-from .engine.errors import explain_placeholder_write
+from .engine.errors import explain_dtype_mismatch, explain_placeholder_write
 from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory.full_params import full_parameters
 from .engine.optim.ema import BufferAverage, ShardedEMA
@@ -390,6 +390,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     def on_exception(self, exception: BaseException) -> None:
         self._deferred_saves_on_exception(exception)  # [Note: a save inside a step] in checkpointing.py
         explain_placeholder_write(exception)
+        explain_dtype_mismatch(exception, self.precision_plugin.precision)
         # another rank may be stuck in a collective: teardown must not start new ones
         self._failed = True
 

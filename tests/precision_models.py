@@ -26,7 +26,8 @@ class Codebook(nn.Module):
 class AutocastOff(ParityNet):
     """Linears under autocast beside a router, a codebook and a temperature computed with autocast off (mixture of
     experts recipes keep their router in fp32 so): every op rounds as under plain Lightning's bf16-mixed.
-    ``variant="checkpointed"``: the router and the codebook under activation checkpointing."""
+    ``variant="checkpointed"``: the router and the codebook under activation checkpointing; ``"late"``: the router
+    under autocast until step 2 (after the warm-up), without it from there."""
 
     def build(self) -> None:
         d = self.shape["dim"]
@@ -43,7 +44,7 @@ class AutocastOff(ParityNet):
         return self.head(self.routed(h))
 
     def routed(self, h):
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast("cpu", enabled=self.variant == "late" and self.trainer.global_step < 2):
             gate = torch.softmax(self.router(h.float()) * self.temperature.exp(), -1)
         return self.codebook(h) * gate[..., :1] + h
 

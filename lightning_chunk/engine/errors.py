@@ -61,3 +61,22 @@ def explain_placeholder_write(exception: BaseException) -> None:
             "trainer.strategy.full_parameters():` on every rank (docs/faq.md, 'Reading or writing parameters "
             "between steps')."
         )
+
+
+_LOW = {"bf16-mixed": "BFloat16", "16-mixed": "Half"}
+
+
+def explain_dtype_mismatch(exception: BaseException, precision: str) -> None:
+    """torch's error for an op that met a compute-dtype payload beside float32 tensors names neither the parameter's
+    dtype policy nor the way out ([Note: parameters read outside autocast] in ``runtime/outside_autocast.py``)."""
+    low, said = _LOW.get(precision), str(exception)
+    if low is None or not isinstance(exception, RuntimeError) or not hasattr(exception, "add_note"):
+        return
+    if low in said and ("dtype" in said or "scalar type" in said):
+        exception.add_note(
+            f"chunk_offload: under {precision} parameters compute in {low} payloads, where plain Lightning keeps "
+            "float32 parameters and autocast casts per op. Parameters read with autocast off in the warm-up or the "
+            "first evaluation step keep float32 by themselves; if this op reads one elsewhere (a branch those steps "
+            "did not take, or an op autocast does not cast), keep its module's parameters in float32: "
+            f"plugins=[ChunkPrecision({precision!r}, full_precision_modules=[ThatModule])]."
+        )

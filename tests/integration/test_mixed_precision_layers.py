@@ -309,3 +309,9 @@ def test_parameters_read_with_autocast_off_compute_in_fp32_as_plain_lightning(sa
     fp32_payloads = {n for n, dt in payloads.seen.items() if dt == torch.float32}
     assert fp32_payloads == {"router.weight", "codebook.embed", "temperature"}
     assert_same_params(*resumed_halfway(tmp_path, strategy, **kw), EXACT)
+
+
+def test_an_op_that_reads_a_parameter_with_autocast_off_only_after_the_warm_up_fails_naming_the_way_out():
+    with pytest.raises(RuntimeError, match="same dtype") as raised:
+        fit(ChunkOffloadStrategy(), steps=4, cls=AutocastOff, variant="late", precision="bf16-mixed")
+    assert "full_precision_modules=[ThatModule]" in "\n".join(getattr(raised.value, "__notes__", []))

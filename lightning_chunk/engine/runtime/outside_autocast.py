@@ -22,7 +22,8 @@ else at the warm-up's own repack. With Lightning's validation sanity check befor
 training step, and training equals plain Lightning's from it; without one, the first step computes those ops with
 rounded weights. A sharded checkpoint names them (``outside_autocast`` in its ``meta.pt``), so a resume, which runs no
 sanity check, moves them before its first step. An op only a later step runs (a branch the checked steps did not take)
-is not seen: ``ChunkPrecision(full_precision_modules=[...])`` names such a module's class.
+is not seen: its error gets a note naming the way out (``explain_dtype_mismatch`` in ``errors.py``),
+``ChunkPrecision(full_precision_modules=[...])`` with the module's class.
 """
 
 from __future__ import annotations
