@@ -72,7 +72,7 @@ def explain_dtype_mismatch(exception: BaseException, precision: str) -> None:
     low, said = _LOW.get(precision), str(exception)
     if low is None or not isinstance(exception, RuntimeError) or not hasattr(exception, "add_note"):
         return
-    if low in said and ("dtype" in said or "scalar type" in said):
+    if (low in said and any(w in said for w in ("dtype", "scalar type", "same type"))) or "mixed dtype" in said:
         exception.add_note(
             f"chunk_offload: under {precision} parameters compute in {low} payloads, where plain Lightning keeps "
             "float32 parameters and autocast casts per op. Parameters read with autocast off in the warm-up or the "
