@@ -51,3 +51,22 @@ class AutocastOff(ParityNet):
     def val_dataloader(self):
         """For a validation sanity check (``num_sanity_val_steps``), which finds what is read with autocast off."""
         return models.token_data(8)
+
+
+class FourierFeatures(ParityNet):
+    """A spectral branch (``torch.fft`` computes in fp32) into a LayerNorm, which CPU autocast does not cast: plain
+    Lightning's fp32 weights take the fp32 input, a bf16 payload failed ("mixed dtype (CPU)")."""
+
+    def build(self) -> None:
+        d = self.shape["dim"]
+        self.proj, self.norm, self.head = nn.Linear(VOCAB, d), nn.LayerNorm(d), nn.Linear(d, VOCAB)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def forward(self, x, use_branch=True):
+        h = self.proj(F.one_hot(x, VOCAB).float())
+        spectrum = torch.fft.fft(h.float(), dim=1).abs()
+        return self.head(self.norm(spectrum))
+
+    def val_dataloader(self):
+        return models.token_data(8)

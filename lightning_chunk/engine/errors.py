@@ -63,18 +63,26 @@ def explain_placeholder_write(exception: BaseException) -> None:
         )
 
 
-_LOW = {"bf16-mixed": "BFloat16", "16-mixed": "Half"}
+_LOW = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_LOW_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half"}
+
+
+def dtype_mismatch(exception: BaseException, low: torch.dtype) -> bool:
+    """Whether ``exception`` is torch's error for an op given tensors of ``low`` beside wider ones."""
+    said, name = str(exception), _LOW_NAMES.get(low, "?")
+    if not isinstance(exception, RuntimeError):
+        return False
+    return (name in said and any(w in said for w in ("dtype", "scalar type", "same type"))) or "mixed dtype" in said
 
 
 def explain_dtype_mismatch(exception: BaseException, precision: str) -> None:
     """torch's error for an op that met a compute-dtype payload beside float32 tensors names neither the parameter's
     dtype policy nor the way out ([Note: parameters read outside autocast] in ``runtime/outside_autocast.py``)."""
-    low, said = _LOW.get(precision), str(exception)
-    if low is None or not isinstance(exception, RuntimeError) or not hasattr(exception, "add_note"):
-        return
-    if (low in said and any(w in said for w in ("dtype", "scalar type", "same type"))) or "mixed dtype" in said:
+    low = _LOW.get(precision)
+    if low is not None and hasattr(exception, "add_note") and dtype_mismatch(exception, low):
+        low_name = _LOW_NAMES[low]
         exception.add_note(
-            f"chunk_offload: under {precision} parameters compute in {low} payloads, where plain Lightning keeps "
+            f"chunk_offload: under {precision} parameters compute in {low_name} payloads, where plain Lightning keeps "
             "float32 parameters and autocast casts per op. Parameters read with autocast off in the warm-up or the "
             "first evaluation step keep float32 by themselves; if this op reads one elsewhere (a branch those steps "
             "did not take, or an op autocast does not cast), keep its module's parameters in float32: "

@@ -16,14 +16,16 @@ its own dtype, in chunks of their own, as BatchNorm's parameters do ([Note: norm
 widest floating dtype among its other tensors: the weights rounded to the compute dtype, as FSDP's ``MixedPrecision``
 hands them, the gradient flowing back through the cast; so does a module's forward that activation checkpointing runs
 again in that step's backward (``recomputing``: a mode pushed and popped by the module's own hooks, since a mode entered
-around ``backward()`` is popped while its handler runs the call). The ranks agree on the marked parameters (a union) at
-the end of each checked step; they move at the next micro-batch that holds no gradients before or after the warm-up,
-else at the warm-up's own repack. With Lightning's validation sanity check before training they move before the first
-training step, and training equals plain Lightning's from it; without one, the first step computes those ops with
-rounded weights. A sharded checkpoint names them (``outside_autocast`` in its ``meta.pt``), so a resume, which runs no
-sanity check, moves them before its first step. An op only a later step runs (a branch the checked steps did not take)
-is not seen: its error gets a note naming the way out (``explain_dtype_mismatch`` in ``errors.py``),
-``ChunkPrecision(full_precision_modules=[...])`` with the module's class.
+around ``backward()`` is popped while its handler runs the call). An op that raises on a payload's dtype beside wider
+tensors with autocast on (one autocast does not cast: ``layer_norm`` on CPU given an fp32 spectrum) marks its parameters
+the same way and runs again cast up. The ranks agree on the marked parameters (a union) at the end of each checked step;
+they move at the next micro-batch that holds no gradients before or after the warm-up, else at the warm-up's own repack.
+With Lightning's validation sanity check before training they move before the first training step, and training equals
+plain Lightning's from it; without one, the first step computes those ops with rounded weights. A sharded checkpoint
+names them (``outside_autocast`` in its ``meta.pt``), so a resume, which runs no sanity check, moves them before its
+first step. An op only a later step runs (a branch the checked steps did not take) is not seen: its error gets a note
+naming the way out (``explain_dtype_mismatch`` in ``errors.py``), ``ChunkPrecision(full_precision_modules=[...])`` with
+the module's class.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_unflatten
 
 from ..comm.collectives import Collectives
+from ..errors import dtype_mismatch
 from ..memory.manager import ChunkManager
 from .reads import CastUp
 
@@ -60,9 +64,29 @@ class OutsideAutocast:
         key = self.manager.specs[i].key
         return not key.own_dtype and self.manager.dtypes.compute_for(key.dtype) != key.dtype
 
-    def convert(self, flat: list[Any]) -> list[Any] | None:
-        """The tensors of one op's arguments, with the marked parameters cast up; ``None`` when none changed."""
-        if torch.is_autocast_enabled(self.device_type):
+    def call(self, func: Any, args: tuple, kwargs: dict, flat: list[Any], spec: Any) -> Any:
+        """Run one op (``flat``, ``spec``: its arguments flattened) under the marks' cast; an op that failed on a
+        payload's dtype beside wider tensors with autocast on (one autocast does not cast: ``layer_norm`` on CPU)
+        marks its parameters and runs again cast up."""
+        converted = self.convert(flat)
+        if converted is not None:
+            args, kwargs = tree_unflatten(converted, spec)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            again = None if converted is not None else self.convert(flat, failed=e)
+            if again is None:
+                raise
+            args, kwargs = tree_unflatten(again, spec)
+            return func(*args, **kwargs)
+
+    def convert(self, flat: list[Any], failed: BaseException | None = None) -> list[Any] | None:
+        """The tensors of one op's arguments, with the marked parameters cast up; ``None`` when none changed.
+        ``failed``: what the op raised as it was (with autocast on), cast up only for a dtype mismatch."""
+        if failed is None and torch.is_autocast_enabled(self.device_type):
+            return None
+        low = self.manager.dtypes.compute_dtype
+        if failed is not None and (low is None or not dtype_mismatch(failed, low)):
             return None
         index_of = self.manager.index_of
         hits: list[int] = []

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..chunks.chunk import placeholder_storages
 from ..errors import ChunkError
@@ -174,9 +174,8 @@ class ReleasedReads(TorchFunctionMode):
                             "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
                             "LightningModule itself included)."
                         )
-            converted = self.marks.convert(flat) if self.marks is not None else None
-            if converted is not None:
-                args, kwargs = tree_unflatten(converted, spec)
+            if self.marks is not None:
+                return self.marks.call(func, args, kwargs, flat, spec)
         return func(*args, **kwargs)
 
 
@@ -191,10 +190,7 @@ class CastUp(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") not in _NOT_READS:
-            flat, spec = tree_flatten((args, kwargs))
-            converted = self.marks.convert(flat)
-            if converted is not None:
-                args, kwargs = tree_unflatten(converted, spec)
+            return self.marks.call(func, args, kwargs, *tree_flatten((args, kwargs)))
         return func(*args, **kwargs)
 
 
