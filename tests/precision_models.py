@@ -55,18 +55,20 @@ class AutocastOff(ParityNet):
 
 class FourierFeatures(ParityNet):
     """A spectral branch (``torch.fft`` computes in fp32) into a LayerNorm, which CPU autocast does not cast: plain
-    Lightning's fp32 weights take the fp32 input, a bf16 payload failed ("mixed dtype (CPU)")."""
+    Lightning's fp32 weights take the fp32 input, a bf16 payload failed ("mixed dtype (CPU)"). A gain after it
+    promotes to fp32 where plain Lightning's fp32 gain computes whole."""
 
     def build(self) -> None:
         d = self.shape["dim"]
         self.proj, self.norm, self.head = nn.Linear(VOCAB, d), nn.LayerNorm(d), nn.Linear(d, VOCAB)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, d))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.built = True
 
     def forward(self, x, use_branch=True):
         h = self.proj(F.one_hot(x, VOCAB).float())
         spectrum = torch.fft.fft(h.float(), dim=1).abs()
-        return self.head(self.norm(spectrum))
+        return self.head(self.norm(spectrum) * self.gain)
 
     def val_dataloader(self):
         return models.token_data(8)

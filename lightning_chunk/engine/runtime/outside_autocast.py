@@ -18,14 +18,17 @@ hands them, the gradient flowing back through the cast; so does a module's forwa
 again in that step's backward (``recomputing``: a mode pushed and popped by the module's own hooks, since a mode entered
 around ``backward()`` is popped while its handler runs the call). An op that raises on a payload's dtype beside wider
 tensors with autocast on (one autocast does not cast: ``layer_norm`` on CPU given an fp32 spectrum) marks its parameters
-the same way and runs again cast up. The ranks agree on the marked parameters (a union) at the end of each checked step;
-they move at the next micro-batch that holds no gradients before or after the warm-up, else at the warm-up's own repack.
-With Lightning's validation sanity check before training they move before the first training step, and training equals
-plain Lightning's from it; without one, the first step computes those ops with rounded weights. A sharded checkpoint
-names them (``outside_autocast`` in its ``meta.pt``), so a resume, which runs no sanity check, moves them before its
-first step. An op only a later step runs (a branch the checked steps did not take) is not seen: its error gets a note
-naming the way out (``explain_dtype_mismatch`` in ``errors.py``), ``ChunkPrecision(full_precision_modules=[...])`` with
-the module's class.
+the same way and runs again cast up. And a vector or scalar parameter (a norm's weight, a temperature) read by an op
+whose result is wider than the compute dtype (autocast ran it in fp32, as CUDA's does ``layer_norm`` and ``exp``, or it
+promoted to an fp32 operand) is marked too: plain Lightning's op reads it whole, and such payloads cost little in fp32
+(a matrix is left in the compute dtype: an L2 penalty's ``norm`` would move whole models). The ranks agree on the marked
+parameters (a union) at the end of each checked step; they move at the next micro-batch that holds no gradients before
+or after the warm-up, else at the warm-up's own repack. With Lightning's validation sanity check before training they
+move before the first training step, and training equals plain Lightning's from it; without one, the first step computes
+those ops with rounded weights. A sharded checkpoint names them (``outside_autocast`` in its ``meta.pt``), so a resume,
+which runs no sanity check, moves them before its first step. An op only a later step runs (a branch the checked steps
+did not take) is not seen: its error gets a note naming the way out (``explain_dtype_mismatch`` in ``errors.py``),
+``ChunkPrecision(full_precision_modules=[...])`` with the module's class.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm.collectives import Collectives
 from ..errors import dtype_mismatch
@@ -72,13 +75,35 @@ class OutsideAutocast:
         if converted is not None:
             args, kwargs = tree_unflatten(converted, spec)
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         except RuntimeError as e:
             again = None if converted is not None else self.convert(flat, failed=e)
             if again is None:
                 raise
             args, kwargs = tree_unflatten(again, spec)
             return func(*args, **kwargs)
+        if converted is None:
+            self._mark_widened(flat, out)
+        return out
+
+    def _mark_widened(self, flat: list[Any], out: Any) -> None:
+        """A vector or scalar parameter (a norm's weight, a temperature) read by an op whose result is wider than the
+        compute dtype (autocast runs it in fp32, as CUDA's does ``layer_norm`` and ``exp``, or it promoted to an fp32
+        operand) is marked: plain Lightning's op reads it whole, and its payload costs little in fp32."""
+        small = [i for t in flat if (i := self._index(t)) is not None and t.dim() <= 1 and self._narrowed(i)]
+        if not small:
+            return
+        low = self.manager.dtypes.compute_dtype
+        first = next((o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()), None)
+        if low is not None and first is not None and first.dtype.itemsize > low.itemsize:
+            self._found.update(small)
+
+    def _index(self, t: Any) -> int | None:
+        """The managed parameter ``t`` is, or is a view of."""
+        if not isinstance(t, torch.Tensor):
+            return None
+        i = self.manager.index_of.get(id(t))
+        return self.manager.index_of.get(id(t._base)) if i is None and t._base is not None else i
 
     def convert(self, flat: list[Any], failed: BaseException | None = None) -> list[Any] | None:
         """The tensors of one op's arguments, with the marked parameters cast up; ``None`` when none changed.
@@ -88,15 +113,12 @@ class OutsideAutocast:
         low = self.manager.dtypes.compute_dtype
         if failed is not None and (low is None or not dtype_mismatch(failed, low)):
             return None
-        index_of = self.manager.index_of
         hits: list[int] = []
         widest: torch.dtype | None = None
         for k, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
                 continue
-            i = index_of.get(id(t))
-            if i is None and t._base is not None:
-                i = index_of.get(id(t._base))
+            i = self._index(t)
             if i is not None and self._narrowed(i):
                 self._found.add(i)
                 hits.append(k)
