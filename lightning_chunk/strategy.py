@@ -390,7 +390,9 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     def on_exception(self, exception: BaseException) -> None:
         self._deferred_saves_on_exception(exception)  # [Note: a save inside a step] in checkpointing.py
         explain_placeholder_write(exception)
-        explain_dtype_mismatch(exception, self.precision_plugin.precision)
+        policy = self.precision_plugin.dtype_policy()
+        low = policy.compute_dtype if policy.mixed else None  # the payloads' dtype under a mixed precision
+        explain_dtype_mismatch(exception, self.precision_plugin.precision, low)
         # another rank may be stuck in a collective: teardown must not start new ones
         self._failed = True
 

@@ -63,7 +63,6 @@ def explain_placeholder_write(exception: BaseException) -> None:
         )
 
 
-_LOW = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _LOW_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half"}
 
 
@@ -75,10 +74,10 @@ def dtype_mismatch(exception: BaseException, low: torch.dtype) -> bool:
     return (name in said and any(w in said for w in ("dtype", "scalar type", "same type"))) or "mixed dtype" in said
 
 
-def explain_dtype_mismatch(exception: BaseException, precision: str) -> None:
-    """torch's error for an op that met a compute-dtype payload beside float32 tensors names neither the parameter's
-    dtype policy nor the way out ([Note: parameters read outside autocast] in ``runtime/outside_autocast.py``)."""
-    low = _LOW.get(precision)
+def explain_dtype_mismatch(exception: BaseException, precision: str, low: torch.dtype | None) -> None:
+    """torch's error for an op that met a payload of ``low`` (the compute dtype of a mixed ``precision``, else
+    ``None``) beside float32 tensors names neither the parameter's dtype policy nor the way out ([Note: parameters
+    read outside autocast] in ``runtime/outside_autocast.py``)."""
     if low is not None and hasattr(exception, "add_note") and dtype_mismatch(exception, low):
         low_name = _LOW_NAMES[low]
         exception.add_note(

@@ -150,17 +150,15 @@ class OutsideAutocast:
             found = sorted({i for part in comm.all_gather_object(found) for i in part})
         self.pending.update(found)
 
-    def take(self) -> list[str]:
-        """Give the pending parameters their own dtype in the layout keys (the caller repacks); their names."""
+    def take(self) -> None:
+        """Give the pending parameters their own dtype in the layout keys (the caller repacks)."""
         mgr = self.manager
-        names = [mgr.specs[i].name for i in sorted(self.pending)]
         mgr.specs = [
             dataclasses.replace(s, key=dataclasses.replace(s.key, own_dtype=True)) if i in self.pending else s
             for i, s in enumerate(mgr.specs)
         ]
         self.moved |= self.pending
         self.pending.clear()
-        return names
 
     def restore(self, names: Iterable[str]) -> None:
         """A resumed checkpoint's ``moved``: pending here, to move before the first step as in the run that saved it
