@@ -34,6 +34,21 @@ class ReentrantCheckpointedNet(CheckpointedNet):
     reentrant = True
 
 
+class ComposableCheckpointedNet(ParityNet):
+    """Activation checkpointing applied from outside the model's code, as torchtitan does beside FSDP2: torch's
+    composable ``checkpoint(module)`` hooks each block (its parameter names unchanged), and backward calls the block
+    again. Each block drops out, so the recomputation must draw the forward's masks (torch restores the random
+    state) and the engine must neither run a forward twice nor draw random numbers of its own."""
+
+    def build(self) -> None:
+        from torch.distributed._composable import checkpoint
+
+        super().build()
+        for blk in self.blocks:
+            blk.insert(3, nn.Dropout(0.1))  # after the GELU: no parameters, so the initial values are unchanged
+            checkpoint(blk)
+
+
 class AdapterNet(ParityNet):
     """LoRA's shape: every block's layers frozen, a trainable low-rank adapter beside each block. The frozen
     weights are most of the parameters and never get a gradient, yet backward reads each of them once."""

@@ -134,6 +134,14 @@ CASES = {
         limit_fraction=0.45,
         strategy=dict(chunk_numel=None, placement="host"),
     ),
+    # torch's composable checkpoint(module) on blocks that drop out: the recomputation draws the forward's masks
+    "composable_checkpointed_limit": dict(
+        steps=8,
+        cls="ComposableCheckpointedNet",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.45,
+        strategy=dict(chunk_numel=None),
+    ),
     # LoRA's shape under a limit: frozen weights must not stay pinned for the rest of backward
     "adapters_limit": dict(
         steps=8,

@@ -177,7 +177,7 @@ def test_parity_under_a_device_limit_below_the_parameter_bytes(placement, extra,
 WIDE = dict(dim=256, hidden=1024, depth=4)  # each weight matrix 1 MB: a chunk of its own under the limits below
 
 
-@pytest.mark.parametrize("cls", ["CheckpointedNet", "ReentrantCheckpointedNet"])
+@pytest.mark.parametrize("cls", ["CheckpointedNet", "ReentrantCheckpointedNet", "ComposableCheckpointedNet"])
 @pytest.mark.parametrize("placement", ["auto", "host"])
 def test_activation_checkpointing_with_the_defaults_under_a_limit_is_bit_exact(cls, placement):
     """[Note: recomputation]: backward runs each block's forward again. With the automatic chunk size under a limit
