@@ -122,3 +122,32 @@ class GradsAfterBackward(L.Callback):
 class StateDictOutside(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.state_dict()
+
+
+class LoadsWeights(L.Callback):
+    """``load_state_dict`` where users call it after set-up, each rank with the same values (another seed's
+    ParityNet): the whole model in ``on_fit_start`` (pretrained weights), a submodule's keys only before step 3
+    (``strict=False``, a missing key among them) and, with ``at_end``, the whole model in ``on_train_end`` (restoring
+    the best weights)."""
+
+    def __init__(self, variant: str = "tied", at_end: bool = False) -> None:
+        from tests.models import ParityNet
+
+        self.at_end = at_end
+        with torch.random.fork_rng():
+            torch.manual_seed(11)
+            self.state = {k: v.detach().clone() for k, v in ParityNet(variant=variant).state_dict().items()}
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.load_state_dict(self.state)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 3:
+            part = {k[len("blocks.") :]: 0.5 * v for k, v in self.state.items() if k.startswith("blocks.")}
+            del part["0.1.bias"]
+            missing = pl_module.blocks.load_state_dict(part, strict=False).missing_keys
+            assert missing == ["0.1.bias"], missing
+
+    def on_train_end(self, trainer, pl_module):
+        if self.at_end:
+            pl_module.load_state_dict(self.state)

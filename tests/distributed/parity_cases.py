@@ -2,8 +2,9 @@
 with the same global batch (``runner.run_parity``). A case's keys: ``cls`` (a model of ``tests.models``), ``variant``,
 ``model`` (its shape), ``trainer``, ``strategy`` (chunk_offload's options, flat), ``limit_fraction`` (the device limit
 as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``host_memory_limit``, ``fp16``/``bf16``,
-``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints), ``ddp_unused``, ``callbacks``,
-``telemetry``, ``weights``, ``chunk_cls`` (another model for chunk_offload's run), ``init_scale``."""
+``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints), ``ddp_unused``, ``callbacks``
+(chunk_offload's run only; ``both_callbacks``: DDP's too), ``telemetry``, ``weights``, ``chunk_cls`` (another model
+for chunk_offload's run), ``init_scale``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ CASES = {
     # payloads kept from forward to backward ([Note: keeping payloads for backward]), each gathered once a step
     # [Note: offloading states between phases]: every shard off the device after steps 3 and 9, back before 6 and 10
     "offload_states": dict(strategy=dict(placement="device"), callbacks=["OffloadAndReload"]),
+    # load_state_dict after set-up: each rank writes its piece of the values it loads, no collective
+    "load_state_dict": dict(variant="tied", strategy=dict(placement="host"), both_callbacks=["LoadsWeights"]),
     "host_kept": dict(
         model=dict(dim=64, hidden=256, depth=6),
         strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000),

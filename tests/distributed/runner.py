@@ -74,9 +74,23 @@ def run_parity(case: str, out: Path) -> None:
     init_scale = spec.get("init_scale", 2.0**16)
     steps, resume_at = spec.get("steps", STEPS), spec.get("resume_at")
     unused = variant == "unused" or spec.get("ddp_unused", False)
+    both = spec.get("both_callbacks", ())  # callbacks that change what is trained: DDP's run has them too
     # cases that differ only in chunk_offload's settings share one DDP run (the same bits: DDP is deterministic here)
     key = json.dumps(
-        [cls.__name__, variant, model_kw, tkw, fp16, init_scale, bf16, steps, unused, "weights" in spec, resume_at],
+        [
+            cls.__name__,
+            variant,
+            model_kw,
+            tkw,
+            fp16,
+            init_scale,
+            bf16,
+            steps,
+            unused,
+            "weights" in spec,
+            resume_at,
+            both,
+        ],
         sort_keys=True,
         default=str,
     )
@@ -100,7 +114,8 @@ def run_parity(case: str, out: Path) -> None:
                 plugins,
             )
 
-        _, ref, _ = fit_or_resume(make_ref, steps, resume_at, out / f"{case}.ddp_ckpt", **tkw)
+        shared = [getattr(callbacks, name)() for name in both]
+        _, ref, _ = fit_or_resume(make_ref, steps, resume_at, out / f"{case}.ddp_ckpt", shared, **tkw)
         _DDP_RUNS[key] = (
             {k: v.clone() for k, v in ref.state_dict().items()},
             sum(p.numel() * p.element_size() for p in ref.parameters()),
@@ -131,7 +146,7 @@ def run_parity(case: str, out: Path) -> None:
 
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
     comm_mode = CommMode()
-    extra = [getattr(callbacks, name)() for name in spec.get("callbacks", ())]
+    extra = [getattr(callbacks, name)() for name in (*spec.get("callbacks", ()), *both)]
     DEVICE_BYTES.clear()
     cbs = [comm_mode, *extra, *([telemetry] if telemetry else [])]
     t, got, strategy = fit_or_resume(make_chunk, steps, resume_at, out / f"{case}.ckpt", cbs, **tkw)

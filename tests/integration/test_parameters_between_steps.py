@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, Stochasti
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine import ChunkError
 from lightning_chunk.options import grouped
-from tests.callbacks import ClampFirstBlock
+from tests.callbacks import ClampFirstBlock, LoadsWeights
 from tests.integration.test_parity import assert_same_params
 from tests.models import ParityNet, fit, token_data
 
@@ -209,6 +209,28 @@ def test_state_dict_between_steps_gives_the_master_values(placement, precision):
         fit("auto", steps=4, callbacks=[ref_cb])
         for a, b in zip(ref_cb.saved, got_cb.saved, strict=True):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kw", [dict(placement="host"), dict(device_memory_limit=100_000), {}])
+def test_load_state_dict_after_set_up_trains_like_plain_lightning(kw):
+    """[Note: a module's state dict between steps]: ``load_state_dict`` in ``on_fit_start`` or between steps failed
+    ("more than one element of the written-to tensor refers to a single memory location": host placement) or was
+    refused (bf16-mixed). Each loaded value now goes into the shards: the whole tied model, then a submodule's keys
+    with one missing; plain Lightning's parameters bit for bit; in bf16-mixed the fp32 masters take the values
+    whole (restored in ``on_train_end``, the model after ``fit`` is the state dict to the bit)."""
+    ref = fit("auto", variant="tied", steps=6, callbacks=[LoadsWeights()])
+    assert_same_params(ref, fit(chunked(**kw), variant="tied", steps=6, callbacks=[LoadsWeights()]), EXACT)
+    restores = LoadsWeights(at_end=True)
+    got = fit(chunked(**kw), variant="tied", steps=4, precision="bf16-mixed", callbacks=[restores])
+    assert got.state_dict().keys() == restores.state.keys()
+    assert all(torch.equal(v, restores.state[k]) for k, v in got.state_dict().items())
+    with pytest.raises(ChunkError, match=r"assign=True\) would replace 'embed\.weight'"):
+        got = fit(chunked(**kw), variant="tied", steps=1, callbacks=[AssignsWeights()])
+
+
+class AssignsWeights(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        pl_module.load_state_dict(pl_module.state_dict(), assign=True)
 
 
 class LookOnly(L.Callback):

@@ -30,14 +30,8 @@ assignment ``p.data = x`` is caught by its storage ([Note: a replaced .data] in 
 (one rank, the shard on the device, no mixed precision) keeps what is written into it, so it is not checked: the
 write trains.
 
-``module.state_dict()`` between steps read the same payloads: placeholders of NaN a user would save without a
-word (``torch.save(model.state_dict(), ...)`` in a callback), or a stale bf16 copy of an fp32 model. Every module
-that owns packed parameters gets a state-dict hook (``state_dict_hooks``): with one rank, whose master shards hold
-the whole model, each packed parameter's entry becomes its master value in its own dtype (a view when the dtypes
-agree and the shard is not on disk); with several ranks, where only a collective can assemble it, the call raises
-``ChunkError`` saying to save through Lightning or inside ``full_parameters()`` (every rank). ``keep_vars=True``
-entries (the parameters themselves, which the engine's own callers ask for) and calls inside the block are left
-alone.
+``module.state_dict()`` and ``module.load_state_dict()`` between steps go through hooks instead
+([Note: a module's state dict between steps] in ``module_state.py``).
 
 Inside, the engine is closed: a forward (whose hooks would gather into the payloads under the caller's feet) raises
 ``ChunkError``, as does entering during a forward or backward, where autograd holds the payloads' values.
@@ -53,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ..chunks.chunk import Role, Tier, lost_write, storage_of
+from ..chunks.chunk import Role, lost_write, storage_of
 from ..chunks.repack import piece_range
 from ..chunks.states import TensorState
 from ..errors import ChunkError
@@ -310,49 +304,3 @@ def _read_by_this_package() -> bool:
     while f is not None and f.f_code.co_filename.endswith(_MODULE_CODE):
         f = f.f_back
     return f is not None and _THIS_PACKAGE in f.f_code.co_filename
-
-
-def state_dict_hooks(module: torch.nn.Module, mgr: Any, is_open: Callable[[], bool]) -> list[Any]:
-    """Install the state-dict hooks ([Note: parameters outside a step]); returns their handles."""
-    handles = []
-    for mod in module.modules():
-        mine = {n: mgr.index_of[id(p)] for n, p in mod._parameters.items() if p is not None and id(p) in mgr.index_of}
-        if mine:
-            handles.append(mod.register_state_dict_post_hook(_master_entries(mgr, mine, is_open)))
-    return handles
-
-
-def _master_entries(mgr: Any, mine: dict[str, int], is_open: Callable[[], bool]) -> Callable[..., None]:
-    # a closure, not functools.partial: copy.deepcopy(module) copies a partial's arguments (the whole manager) but
-    # shares a function
-    def hook(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        if not is_open():
-            _fill_masters(mgr, module, mine, state_dict, prefix)
-
-    return hook
-
-
-def _fill_masters(
-    mgr: Any, module: torch.nn.Module, mine: dict[str, int], state_dict: dict[str, Any], prefix: str
-) -> None:
-    for name, i in mine.items():
-        key = prefix + name
-        v = state_dict.get(key)
-        if v is None or isinstance(v, torch.nn.Parameter):  # keep_vars=True: the parameter itself is asked for
-            continue
-        if module._parameters.get(name) is not mgr.params[i]:  # a deep copy of the module, which kept the hook
-            continue
-        try:
-            chunk, info = mgr.lookup(mgr.params[i])
-        except KeyError:  # not packed yet (set-up): the parameter holds its own value
-            continue
-        if mgr.comm.world_size > 1:
-            raise ChunkError(
-                f"state_dict() of a module trained by chunk_offload on {mgr.comm.world_size} ranks is not available "
-                f"between steps ({key!r} is sharded across the ranks; its payload is released or a stale copy). Save "
-                "through Lightning (trainer.save_checkpoint, ModelCheckpoint: every rank), or call state_dict() "
-                "inside `with trainer.strategy.full_parameters():` on every rank; after fit the module is whole."
-            )
-        with mgr.tiers.reading(chunk, (Role.MASTER,)):  # a disk shard's file is paged in meanwhile
-            value = chunk.master_tensor_for_read()[info.offset : info.offset + info.numel].view(info.shape)
-            state_dict[key] = value.to(info.orig_dtype, copy=chunk.shard_tier is Tier.DISK).detach()

@@ -62,9 +62,10 @@ import torch
 from ..chunks.states import TensorState
 from ..comm.sequence import GRADIENTS
 from ..errors import ChunkError
-from ..memory.full_params import looked_at, state_dict_hooks
+from ..memory.full_params import looked_at
 from ..memory.grad_graph import GradGraphKeeper
 from ..memory.manager import ChunkManager
+from ..memory.module_state import state_dict_hooks
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
 from .batches import tensors_in
@@ -72,7 +73,7 @@ from .moments import MomentClock, in_backward
 from .outside_autocast import OutsideAutocast
 from .owners import ModuleOwners, leaf_hint
 from .pieces import GradPieces
-from .reads import ReleasedReads, reading, refuse_clipping_without_gradients, unwatch, unwatched, watch
+from .reads import ReleasedReads, current_reader, reading, refuse_clipping_without_gradients, unwatch, unwatched, watch
 
 S = TensorState
 _eager = torch.compiler.disable  # see [Note: hooks under torch.compile]
@@ -120,7 +121,9 @@ class ChunkHooks:
     def install(self) -> None:
         for key in self.owners.owned:
             self._hook_forward(key)
-        self._handles += state_dict_hooks(self.module, self.manager, lambda: self.closed is not None)
+        self._handles += state_dict_hooks(
+            self.module, self.manager, lambda: self.closed is not None, lambda: current_reader() == self._read
+        )
         watch(self.module, idle=looked_at(self.manager, lambda: self.closed is not None))  # reads.py, full_params.py
         self.watch_grads()
         keys = list(self.owners.index)

@@ -220,6 +220,11 @@ def unwatch(module: torch.nn.Module) -> None:
             mod.__dict__["_parameters"] = dict(dict.items(params))
 
 
+def current_reader() -> Reader | None:
+    """The reader reads go to now: a step's, the one between steps, or ``None``."""
+    return _reader
+
+
 @contextlib.contextmanager
 def reading(reader: Reader) -> Iterator[None]:
     """Send attribute reads of watched parameters to ``reader`` inside this block (a step's forward)."""
