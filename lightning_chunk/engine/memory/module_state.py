@@ -132,7 +132,8 @@ class _Loading:
                         f"load_state_dict(assign=True) would replace {prefix + name!r}, a parameter chunk_offload "
                         "packed into its chunks; call it without assign=True (the values are copied into the shards)."
                     )
-                self.first = self.first or module
+                if self.first is None:  # not `or`: a module with __len__ (an empty ModuleList) is falsy
+                    self.first = module
                 self.opened[i] = param.data = value.detach().to(info.orig_dtype, copy=True)
 
         return hook
