@@ -1,0 +1,152 @@
+"""A random sweep of two-rank configurations against DDP, run by hand (not collected by pytest):
+
+    .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40
+
+Each run draws a test model, a precision, accumulation, clipping and chunk_offload's options (placement, kernel,
+chunk size, ``step_in_backward``, ``reshard_after_forward``, ``sharded_accumulation``, a device limit as a fraction
+of the parameter bytes), trains it on two gloo ranks with Lightning's launcher and compares the parameters with
+DDP's (one DDP run per model, precision, accumulation and clipping). A line a run: ``OK`` within the tolerance (fp32
+1e-4 absolute, the mixed and bf16 precisions 2% relative), ``BAD`` beyond it, ``FAIL`` with the error where the run
+stopped (a limit too small names the smallest that works; some option combinations are refused). The hand-written
+parity cases (``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = [
+    ("ParityNet", "tied"),
+    ("ParityNet", "unused"),
+    ("ParityNet", "frozen"),
+    ("CheckpointedNet", "plain"),
+    ("ReentrantCheckpointedNet", "plain"),
+    ("ReusedBlockNet", "plain"),
+    ("AdapterNet", "plain"),
+    ("ComposableCheckpointedNet", "plain"),
+    ("ReorderedNet", "tied"),
+    ("BatchNormNet", "plain"),
+]
+
+
+def draw(rng: random.Random) -> tuple[dict, dict]:
+    """(what DDP trains too, chunk_offload's options)."""
+    cls, variant = rng.choice(MODELS)
+    base = dict(
+        cls=cls,
+        variant=variant,
+        precision=rng.choice(["32-true", "bf16-mixed", "bf16-true"]),
+        acc=rng.choice([1, 1, 2, 3]),
+        clip=rng.choice([None, None, 0.5]),
+        steps=rng.choice([6, 8, 9]),
+    )
+    opts: dict = dict(
+        placement=rng.choice(["auto", "host", "device", "static"]),
+        optimizer_kernel=rng.choice(["loop", "auto"]),
+        chunk_numel=rng.choice([None, 2048, 4096, 20000]),
+    )
+    for name in ("step_in_backward", "reshard_after_forward", "sharded_accumulation"):
+        if rng.random() < 0.3 and (name != "reshard_after_forward" or opts["placement"] == "host"):
+            opts[name] = rng.choice([True, False])  # reshard_after_forward: host placement's alone
+    if rng.random() < 0.4 and opts["placement"] != "device":
+        opts["limit"] = rng.choice([0.8, 1.0, 1.3])
+    return base, opts
+
+
+def train(spec: dict, out: str) -> None:
+    """One rank's fit (Lightning's launcher starts the other); rank 0 saves the state dict to ``out``."""
+    sys.path.insert(0, str(ROOT))
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_chunk import ChunkOffloadStrategy
+    from lightning_chunk.options import grouped
+    from tests.backward_models import model_class
+    from tests.models import token_data
+
+    L.seed_everything(7, verbose=False)
+    model = model_class(spec["cls"])(variant=spec["variant"])
+    opts = dict(spec.get("opts") or {})
+    if "limit" in opts:
+        opts["device_memory_limit"] = int(
+            opts.pop("limit") * sum(p.numel() * p.element_size() for p in model.parameters())
+        )
+    strategy = (
+        ChunkOffloadStrategy(**grouped(opts))
+        if spec.get("opts") is not None
+        else DDPStrategy(find_unused_parameters=spec["variant"] == "unused")
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision=spec["precision"],
+        max_steps=spec["steps"],
+        accumulate_grad_batches=spec["acc"],
+        gradient_clip_val=spec["clip"],
+        limit_val_batches=2,
+        val_check_interval=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, token_data(), token_data(16))
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+
+
+def verdict(spec: dict, ref: Path, got: Path) -> str:
+    import torch
+
+    a, b = torch.load(ref), torch.load(got)
+    keys = [k for k in a if a[k].is_floating_point()]
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
+    num = sum((a[k].float() - b[k].float()).pow(2).sum() for k in keys) ** 0.5
+    rel = float(num / sum(a[k].float().pow(2).sum() for k in keys) ** 0.5)
+    ok = diff < 1e-4 if spec["precision"] == "32-true" else rel < 0.02
+    return f"{'OK ' if ok else 'BAD'} maxdiff={diff:.1e} rel={rel:.1e}"
+
+
+def sweep(seed: int, runs: int, out: Path) -> None:
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    for _ in range(runs):
+        base, opts = draw(rng)
+        ref = out / f"ddp_{hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]}.pt"
+        for spec, path in ((base, ref), ({**base, "opts": opts}, out / "got.pt")):
+            if path == ref and ref.exists():
+                continue
+            cmd = [sys.executable, __file__, "--one", json.dumps(spec), str(path)]
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+            if r.returncode:
+                errors = [line.strip()[:300] for line in r.stderr.splitlines() if "Error" in line][-1:]
+                print(f"FAIL {json.dumps(spec)}\n    {' '.join(errors)}", flush=True)
+                break
+        else:
+            print(f"{verdict(base, ref, out / 'got.pt')} {json.dumps({**base, 'opts': opts})}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/lightning_chunk_sweep"))
+    parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        train(json.loads(args.one[0]), args.one[1])
+    else:
+        sweep(args.seed, args.runs, args.out)
+
+
+if __name__ == "__main__":
+    main()
