@@ -125,28 +125,34 @@ class StateDictOutside(L.Callback):
 
 
 class LoadsWeights(L.Callback):
-    """``load_state_dict`` where users call it after set-up, each rank with the same values (another seed's
-    ParityNet): the whole model in ``on_fit_start`` (pretrained weights), a submodule's keys only before step 3
-    (``strict=False``, a missing key among them) and, with ``at_end``, the whole model in ``on_train_end`` (restoring
-    the best weights)."""
+    """``load_state_dict`` where users call it after set-up, each rank with the same values (drawn from a seed, one
+    for each parameter, tied ones alike): the whole model in ``on_fit_start`` (pretrained weights), a submodule's keys
+    only before step 3 (the first ``ModuleList``'s, at half the values, ``strict=False`` with a key missing) and, with
+    ``at_end``, the whole model in ``on_train_end`` (restoring the best weights). Only parameter and buffer names and
+    shapes are read from the module, as anything more between steps would need ``full_parameters()``."""
 
-    def __init__(self, variant: str = "tied", at_end: bool = False) -> None:
-        from tests.models import ParityNet
-
-        self.at_end = at_end
-        with torch.random.fork_rng():
-            torch.manual_seed(11)
-            self.state = {k: v.detach().clone() for k, v in ParityNet(variant=variant).state_dict().items()}
+    def __init__(self, at_end: bool = False) -> None:
+        self.at_end, self.state = at_end, {}
 
     def on_fit_start(self, trainer, pl_module):
-        pl_module.load_state_dict(self.state)
+        g = torch.Generator().manual_seed(11)
+        drawn: dict[int, torch.Tensor] = {}
+        for name, p in pl_module.named_parameters(remove_duplicate=False):
+            if id(p) not in drawn:
+                drawn[id(p)] = (0.1 * torch.randn(p.shape, generator=g)).to(p.dtype)
+            self.state[name] = drawn[id(p)]
+        self.state.update({n: b.detach().clone() for n, b in pl_module.named_buffers()})
+        if trainer.ckpt_path is None:  # a resume: the checkpoint holds what training made of the loaded values
+            pl_module.load_state_dict(self.state)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 3:
-            part = {k[len("blocks.") :]: 0.5 * v for k, v in self.state.items() if k.startswith("blocks.")}
-            del part["0.1.bias"]
-            missing = pl_module.blocks.load_state_dict(part, strict=False).missing_keys
-            assert missing == ["0.1.bias"], missing
+            name, sub = next((n, m) for n, m in pl_module.named_children() if isinstance(m, torch.nn.ModuleList))
+            part = {k[len(name) + 1 :]: 0.5 * v for k, v in self.state.items() if k.startswith(name + ".")}
+            dropped = next(k for k in part if k.endswith("bias"))
+            del part[dropped]
+            missing = sub.load_state_dict(part, strict=False).missing_keys
+            assert missing == [dropped], missing
 
     def on_train_end(self, trainer, pl_module):
         if self.at_end:
