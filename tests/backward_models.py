@@ -194,5 +194,7 @@ def edited(strict: bool = False, replace_head: bool = False):
 
 
 def model_class(name: str) -> type:
-    """A test model by its class name, from this module or ``tests.models``."""
-    return globals().get(name) or getattr(models, name)
+    """A test model by its class name, from this module, ``tests.models`` or ``tests.layer_models``."""
+    from tests import layer_models
+
+    return globals().get(name) or getattr(models, name, None) or getattr(layer_models, name)
