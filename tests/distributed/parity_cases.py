@@ -162,6 +162,16 @@ CASES = {
         limit_fraction=0.45,
         strategy=dict(chunk_numel=None),
     ),
+    # R-Drop: the model called twice a step, both calls in backward, under a limit below the model's payloads (its
+    # two forwards' activations take 0.35 of it; [Note: a module called again before its backward])
+    "called_twice_limit": dict(
+        steps=8,
+        cls="TwoPassNet",
+        variant="rdrop",
+        model=dict(dim=256, hidden=1024, depth=4),
+        limit_fraction=0.7,
+        strategy=dict(chunk_numel=None),
+    ),
     "checkpointed_adapters_limit": dict(
         steps=8,
         cls="CheckpointedAdapterNet",

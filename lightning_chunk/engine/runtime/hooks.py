@@ -29,14 +29,9 @@ storage. At each recomputation moment the warm-up trace records the parameters t
 limit check count them beside the recomputed module's; before the trace the automatic chunk size leaves room for
 two modules' chunks for the same reason.
 
-[Note: frozen parameters in backward]
-A trainable parameter leaves COMPUTE when its gradient lands. A frozen one (LoRA's base weights, a frozen
-encoder in the middle of a model) never gets a gradient, so it used to stay in use from its module's
-pre-backward to the end of backward: every frozen chunk pinned at once, and under a device limit the first
-backward failed. So a module owning frozen parameters hooks its inputs that require grad (all of them at once,
-``register_multi_grad_hook``): when their gradients are computed its backward is done, and its frozen
-parameters go to HOLD_AFTER_BWD, free to be evicted. A count per module covers a module called several
-times; a non-reentrant recomputation (whose inputs never get gradients) does not add to it.
+A module owning frozen parameters, or called more than once a step, lets them go as each call's backward ends
+([Note: frozen parameters in backward] and [Note: a module called again before its backward] in
+``module_backward.py``).
 
 [Note: hooks under torch.compile]
 A compiled module (``torch.compile(model)`` of a submodule, or of the LightningModule's ``forward``) still runs
@@ -69,6 +64,7 @@ from ..memory.module_state import state_dict_hooks
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
 from .batches import tensors_in
+from .module_backward import ModuleBackwards
 from .moments import MomentClock, in_backward
 from .outside_autocast import OutsideAutocast
 from .owners import ModuleOwners, leaf_hint
@@ -97,12 +93,8 @@ class ChunkHooks:
         self.on_backward_start: Callable[[], None] | None = None  # before the first gradient of a backward lands
         self.on_backward_end: Callable[[], None] | None = None  # every gradient of the backward is in its shard
         self._pre_backward: dict[str, Callable[[torch.Tensor], None]] = {}  # module key -> its output tensors' hook
-        self._post_backward: dict[str, Callable[[Any], None]] = {}  # module key -> its inputs' hook
         for key in self.owners.owned:
             self._pre_backward[key] = self._make_pre_backward(key)  # the root's too: step_scope hooks its outputs
-            self._post_backward[key] = self._make_post_backward(key)
-        # module key -> calls with frozen parameters whose backward has not finished ([Note: frozen parameters ...])
-        self._open_backward: dict[str, int] = {}
         # module key -> its parameters a backward had in use when a recomputation of the module began
         self._pinned_by_backward: dict[str, frozenset[int]] = {}
         # why no forward may run now ([Note: parameters outside a step] in full_params.py), or None
@@ -114,6 +106,7 @@ class ChunkHooks:
         self.pieces = GradPieces(manager)  # [Note: gradients in pieces]
         self.owners_changed = False  # a module adopted a parameter it read: the trace must be taken again
         self._held: set[int] = set()  # parameters read by iteration in this micro-batch, in use to its backward's end
+        self.backwards = ModuleBackwards(manager, self.owners, self._held)  # each call's backward end, where it matters
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
         self.outside_autocast = OutsideAutocast(manager)  # [Note: parameters read outside autocast]
 
@@ -189,7 +182,10 @@ class ChunkHooks:
             self._pinned_by_backward[key] = frozenset(in_use)
         if kind == FORWARD and not recompute and moments.training:
             self.pieces.forward(key, self.owners.owned.get(key, ()))
-        moments.expect_gradients(kind, key, self.owners.owned.get(key, ()))
+            if torch.is_grad_enabled():
+                self.backwards.forward(key)
+        # a module called again makes its gradient payloads as its gradients land ([Note: a module called again ...])
+        moments.expect_gradients(kind, key, () if key in self.backwards.reused else self.owners.owned.get(key, ()))
         if before is not None:
             moments.record(kind, key, needed, before)
 
@@ -197,6 +193,8 @@ class ChunkHooks:
         moments = self.moments
         before = moments.resident() if moments.recorder else None
         moments.tick(POST_FORWARD, key)
+        if not in_backward():
+            self.backwards.done_forward(key)
         new = S.HOLD_AFTER_FWD if torch.is_grad_enabled() else S.HOLD
         keep = self._pinned_by_backward.pop(key, frozenset())
         held = self._held
@@ -242,7 +240,7 @@ class ChunkHooks:
         on (this call keeps the parameter in use to its end)."""
         if self.owners.adopt(key, index):
             self._pre_backward[key] = self._make_pre_backward(key)
-            self._post_backward[key] = self._make_post_backward(key)
+            self.backwards.add(key)
             self._hook_forward(key)
         self.owners_changed = True
 
@@ -269,39 +267,7 @@ class ChunkHooks:
             with self.manager.clock.measure("hooks"):
                 self._done_forward(key)
                 self._hook_outputs(key, output)
-                self._hook_inputs(key, (args, kwargs))
-
-        return hook
-
-    def _hook_inputs(self, key: str, inputs: Any) -> None:
-        """A module owning frozen parameters lets them go when its backward is done ([Note: frozen parameters ...])."""
-        if not torch.is_grad_enabled():
-            return
-        params = self.manager.params
-        if all(params[i].requires_grad for i in self.owners.owned.get(key, ())):
-            return
-        if in_backward() and self._open_backward.get(key, 0):
-            return  # a recomputation whose backward never runs: the first forward's hook is the one that fires
-        leaves = [t for t in tensors_in(inputs) if t.requires_grad]
-        if not leaves:
-            return  # no backward reaches its inputs: its frozen parameters are never pinned by one
-        self._open_backward[key] = self._open_backward.get(key, 0) + 1
-        torch.autograd.graph.register_multi_grad_hook(leaves, self._post_backward[key], mode="all")
-
-    def _make_post_backward(self, key: str) -> Callable[[Any], None]:
-        @_eager
-        def hook(grads: Any) -> None:
-            with self.manager.clock.measure("hooks"):
-                left = self._open_backward.get(key, 0) - 1
-                self._open_backward[key] = max(left, 0)
-                if left > 0:
-                    return  # another call of the module still has its backward ahead
-                params = self.manager.params
-                for i in self.owners.owned.get(key, ()):
-                    if not params[i].requires_grad and i not in self._held:
-                        chunk, info = self.manager.lookup(params[i])
-                        if info.state is S.COMPUTE:
-                            chunk.set_state(info, S.HOLD_AFTER_BWD)
+                self.backwards.hook_inputs(key, (args, kwargs))
 
         return hook
 
@@ -372,7 +338,7 @@ class ChunkHooks:
         part of the sequence the ranks compare, since one that reduces while another does not would pair
         collectives wrongly."""
         self.moments.backward_queued = False
-        self._open_backward.clear()
+        self.backwards.backward_ended()
         self._pinned_by_backward.clear()
         self.pieces.backward_ended()
         # [Note: a backward that delivers no gradient]
@@ -405,7 +371,7 @@ class ChunkHooks:
         self.manager.reset_states()
         self.pieces.reset()
         self.moments.new_step(training=training)
-        self._open_backward.clear()
+        self.backwards.reset()
         self._pinned_by_backward.clear()
         counting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if record:
