@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrizations
 
-from tests.models import VOCAB, ParityNet
+from tests.models import VOCAB, ParityNet, ReorderedNet
 
 
 class RecurrentNet(ParityNet):
@@ -87,3 +87,8 @@ class TwoPassNet(ParityNet):
         a, b = self(x), self(x)
         kl = F.kl_div(a.float().log_softmax(-1), b.float().log_softmax(-1), log_target=True, reduction="batchmean")
         return ce(a) + ce(b) + kl
+
+
+class ReorderedTwoPassNet(TwoPassNet, ReorderedNet):
+    """TwoPassNet registered in another order than it runs (ReorderedNet's: head, norm, the blocks backwards,
+    embed)."""

@@ -162,14 +162,16 @@ CASES = {
         limit_fraction=0.45,
         strategy=dict(chunk_numel=None),
     ),
-    # R-Drop: the model called twice a step, both calls in backward, under a limit below the model's payloads (its
-    # two forwards' activations take 0.35 of it; [Note: a module called again before its backward])
+    # R-Drop: the model called twice a step, both calls in backward, registered in another order than it runs, under
+    # limits below the model's payloads that differ by rank (its two forwards' activations take 0.35 of the parameter
+    # bytes), with a resume ([Note: a module called again before its backward])
     "called_twice_limit": dict(
         steps=8,
-        cls="TwoPassNet",
+        cls="ReorderedTwoPassNet",
         variant="rdrop",
         model=dict(dim=256, hidden=1024, depth=4),
-        limit_fraction=0.7,
+        limit_fractions=(0.7, 0.9),
+        resume_at=3,
         strategy=dict(chunk_numel=None),
     ),
     "checkpointed_adapters_limit": dict(

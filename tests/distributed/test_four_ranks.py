@@ -30,6 +30,7 @@ FOUR = [
     "limits_differ",
     "early_clip_norm",
     "reused_reentrant_limit",
+    "called_twice_limit",  # R-Drop under limits that differ by rank, registered out of use order, resumed
     "autocast_off_bf16",  # the marks agreed on one communicator of four, and moved again on the resume
 ]
 CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together
