@@ -57,6 +57,7 @@ LAUNCHED = [
     "save_after_fit",
     "save_inside_a_step",
     "uneven_batches",
+    "static_limits",
     "fits_again",
 ]
 

@@ -43,6 +43,7 @@ RUNS = {
     "full_parameters": tr.run_full_parameters,
     "grad_penalty_limit": tr.run_grad_penalty_limit,
     "uneven_batches": tr.run_uneven_batches,
+    "static_limits": tr.run_static_limits,
     "fits_again": tr.run_fits_again,
     "save_after_fit": ck.run_save_after_fit,
     "save_inside_a_step": ck.run_save_inside_a_step,

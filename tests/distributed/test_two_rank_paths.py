@@ -253,3 +253,28 @@ def test_fit_after_fit_leaves_no_sockets_or_threads_behind(parity_run):
         seen = json.loads((out / f"fits_again.rank{r}.json").read_text())
         (fds, threads), (fds_last, threads_last) = seen[1], seen[-1]
         assert fds_last <= fds + 8 and threads_last <= threads + 4, seen
+
+
+@pytest.mark.cases("static_limits")
+def test_static_placement_counts_its_device_shards_in_every_limit_check(parity_run):
+    """[Note: the shards a placement keeps on the device]: under 1.3x the parameter bytes ``static`` passed set-up
+    and stopped in the sanity check's first forward, naming as the smallest limit one below the limit given; under
+    2x it trained, its shards, payloads and traced activations past the limit. Now the first is refused at set-up
+    and the second after the warm-up, each naming a limit above the one given; at the one the second names, the
+    run is DDP's bit for bit."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE static_limits rank={r}" in log, log[-3000:]
+        done = torch.load(out / f"static_limits.rank{r}.pt")
+        for stage, fraction, words in (
+            ("set-up", 1.3, "before any activations"),
+            ("warm-up", 2.0, "the warm-up step needs"),
+        ):
+            error = done[stage]
+            assert isinstance(error, str) and words in error, (stage, error)
+            assert "of shards placement='static' keeps on the device" in error and "offload_fraction" in error
+            smallest = int(error.split("The smallest limit that ")[1].split("work is ")[1].split(" bytes")[0])
+            assert smallest > int(done["param_bytes"] * fraction), error
+        assert done["named_limit"] > 2 * done["param_bytes"]
+        assert isinstance(done["named"], dict), done["named"]
+        assert all(torch.equal(v, done["named"][k]) for k, v in done["ddp"].items())

@@ -349,3 +349,36 @@ def run_fits_again(out: Path) -> None:
         seen.append((len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))))
     (out / f"fits_again.rank{rank}.json").write_text(json.dumps(seen))
     print(f"CASE-DONE fits_again rank={rank}", flush=True)
+
+
+def run_static_limits(out: Path) -> None:
+    """[Note: the shards a placement keeps on the device]: ``static`` under 1.3x the parameter bytes (shards on the
+    device and a module's payloads beside them do not fit) and under 2x (they fit, but not with the activations
+    too), with a sanity check; then at the limit the second error names, beside DDP."""
+    import re
+
+    from lightning_chunk import DeviceMemoryLimitError
+
+    param_bytes = sum(p.numel() * p.element_size() for p in ParityNet().parameters())
+    done: dict = {}
+
+    def attempt(stage: str, strategy) -> None:
+        L.seed_everything(7, verbose=False)
+        model = ParityNet()
+        t = trainer(strategy, steps=4, limit_val_batches=2, num_sanity_val_steps=1, val_check_interval=2)
+        try:
+            t.fit(model, token_data(), token_data(16))
+            done[stage] = model.state_dict()
+        except DeviceMemoryLimitError as e:
+            done[stage] = str(e)
+
+    for stage, fraction in (("set-up", 1.3), ("warm-up", 2.0)):
+        attempt(stage, chunk_strategy(placement="static", device_memory_limit=int(param_bytes * fraction)))
+    named = re.search(r"The smallest limit that would work is (\d+) bytes", str(done["warm-up"]))
+    done["named_limit"] = int(named.group(1)) if named else None
+    if named:
+        attempt("named", chunk_strategy(placement="static", device_memory_limit=done["named_limit"]))
+    attempt("ddp", DDPStrategy())
+    rank = int(os.environ.get("RANK", 0))
+    torch.save({"param_bytes": param_bytes, **done}, out / f"static_limits.rank{rank}.pt")
+    print(f"CASE-DONE static_limits rank={rank}", flush=True)

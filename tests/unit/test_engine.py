@@ -1,3 +1,4 @@
+import copy
 import subprocess
 import sys
 
@@ -105,6 +106,36 @@ def test_limit_too_small_for_the_traced_step_fails_before_the_first_step_with_nu
     eng.teardown()
     for p, b in zip(m.parameters(), before, strict=True):  # no step was taken
         torch.testing.assert_close(p.detach(), b)
+
+
+def test_static_placement_counts_its_device_shards_beside_the_traced_step():
+    """[Note: the shards a placement keeps on the device]: a limit that held the traced step's chunks and
+    activations passed, though ``static`` kept a third of the model's state on the device beside them; now it is
+    refused after the warm-up with the limit that works, and that limit trains as the run without one."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*(nn.Linear(32, 32) for _ in range(3)))
+    x = torch.randn(64, 32)
+
+    def run(limit):
+        model = copy.deepcopy(m)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = ChunkConfig(placement="static", offload_fraction=0.6, chunk_numel=1056, device_memory_limit=limit)
+        eng = ChunkEngine(model, [opt], config=config)
+        for _ in range(3):
+            step(eng, model, opt, x)
+        eng.teardown()
+        return model
+
+    free = run(None)
+    with pytest.raises(DeviceMemoryLimitError) as e:
+        run(30000)  # the chunks and activations of the traced step alone fit
+    msg = str(e.value)
+    assert "8448 bytes (8.25 KiB) of shards placement='static' keeps on the device (1 of 3 chunks)" in msg
+    assert "raise offload_fraction (static)" in msg
+    needed = int(msg.split("would work is ")[1].split(" bytes")[0])
+    assert needed > 30000
+    for p, q in zip(run(needed).parameters(), free.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 def test_limit_too_small_for_one_module_fails_at_construction():

@@ -386,7 +386,8 @@ def test_the_last_resort_releases_a_waiting_chunk_only_where_it_waits_on_every_r
 
 def test_a_gradient_payload_with_nothing_left_to_evict_names_the_smallest_limit_for_that_moment():
     """A limit too small for the warm-up's backward used to end on "would be exceeded" alone; the user is told what
-    this moment needs and the two ways out."""
+    this moment needs and the ways out: a smaller chunk only where the user chose the size, and the placement where
+    its shards on the device take the room ([Note: the shards a placement keeps on the device])."""
     net, mgr, _, _ = make(limit=300)
     chunk, _ = mgr.lookup(net[1].weight)
     mgr.gather(chunk)
@@ -398,4 +399,19 @@ def test_a_gradient_payload_with_nothing_left_to_evict_names_the_smallest_limit_
     with pytest.raises(DeviceMemoryLimitError) as told:
         mgr.grads.room_for(256, "chunk 0's gradient payload", make_room=lambda n: None)
     assert f"need {held + 256} bytes" in str(told.value)
-    assert "raise device_memory_limit above that" in str(told.value) and "lower chunk_numel" in str(told.value)
+    assert "raise device_memory_limit above that" in str(told.value) and "chunk_numel" not in str(told.value)
+    mgr.config = mgr.config.replace(chunk_numel=72, placement="static")
+    with pytest.raises(DeviceMemoryLimitError) as told:
+        mgr.grads.room_for(256, "chunk 0's gradient payload", make_room=lambda n: None)
+    assert "lower chunk_numel" in str(told.value) and "offload_fraction" not in str(told.value)
+
+    net, mgr, _, _ = make(limit=1000, tiers={0: Tier.HOST, 1: Tier.DEVICE})
+    chunk, _ = mgr.lookup(net[0].weight)
+    mgr.gather(chunk)
+    chunk.transition_all(S.COMPUTE)
+    mgr.config = mgr.config.replace(placement="static")
+    shards = mgr.device_shard_bytes(mgr.chunks[1])
+    with pytest.raises(DeviceMemoryLimitError) as told:
+        mgr.grads.room_for(256, "chunk 0's gradient payload", make_room=lambda n: None)
+    assert f"{shards} bytes of shards placement='static' keeps on the device" in str(told.value)
+    assert "raise offload_fraction (static)" in str(told.value)

@@ -43,10 +43,20 @@ class ChunkGrads:
             if make_room is None:
                 raise
             need = format_bytes(mgr.ledger[Tier.DEVICE] + nbytes)
+            shards = sum(mgr.device_shard_bytes(c) for c in mgr.chunks if c.shard_tier is Tier.DEVICE)
+            placement = mgr.config.placement
             raise DeviceMemoryLimitError(
-                f"{e} Nothing else could be evicted: the chunks in use, the gradients waiting to reduce and this "
-                f"payload need {need} at this moment, beside its activations; raise device_memory_limit above that "
-                "(the warm-up then measures the activations), or lower chunk_numel.",
+                f"{e} Nothing else could be evicted: the chunks in use, the gradients waiting to reduce"
+                + (f", {format_bytes(shards)} of shards placement={placement!r} keeps on the device" if shards else "")
+                + f" and this payload need {need} at this moment, beside its activations; raise device_memory_limit "
+                "above that (the warm-up then measures the activations)"
+                + (", or lower chunk_numel" if mgr.config.chunk_numel is not None else "")
+                + (
+                    ", raise offload_fraction (static) or use placement='auto' or 'host'"
+                    if shards and placement != "auto"
+                    else ""
+                )
+                + ".",
                 mgr.device,
             ) from None
 

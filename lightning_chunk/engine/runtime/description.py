@@ -20,7 +20,7 @@ from ..config import ChunkConfig, DtypePolicy, default_device_limit, resolve_res
 from ..memory.manager import ChunkManager
 from ..optim.binding import OptimizerBinding
 from ..schedule.costs import planned_views
-from ..schedule.placement import ChunkView, PlacementPolicy, make_policy, spill_to_disk
+from ..schedule.placement import ChunkView, PlacementPolicy, device_shards, make_policy, spill_to_disk
 from ..schedule.tracer import Trace
 from .hooks import ChunkHooks
 from .layout_choice import LayoutChooser
@@ -154,7 +154,7 @@ class EngineDescription:
         optim_bytes: dict[int, int] = {}
         for b in bindings:
             optim_bytes.update(b.state_bytes())
-        layouts = LayoutChooser(manager, config, hooks.owners.owned, optim_bytes)
+        layouts = LayoutChooser(manager, config, hooks.owners.owned, optim_bytes, policy)
         return cls(config, module, manager, policy, hooks, bindings, optim_bytes, layouts)
 
     def plan_tiers(self, layout: Layout, trace: Trace | None) -> tuple[list[ChunkView], dict[int, Tier]]:
@@ -220,7 +220,9 @@ def plan_from_shapes(
         views=views,
         tiers=tiers,
         limit=desc.manager.limit,
-        need_before_activations=desc.layouts.need_before_trace(layout, views),
+        need_before_activations=desc.layouts.need_before_trace(
+            layout, views, held=device_shards(views, tiers, world_size)[1]
+        ),
         param_numel=sum(s.numel for s in desc.manager.specs),
         optim_bytes_per_element=max(desc.optim_bytes.values(), default=0),
     )

@@ -110,7 +110,7 @@ class ChunkEngine:
             layout = self.layouts.choose(list(range(len(self.manager.params))), trace=None)
             views, tiers = self.description.plan_tiers(layout, trace=None)
             self.hooks.install()
-            self.layouts.check_limit_before_trace(layout, views)
+            self.layouts.check_limit_before_trace(layout, views, tiers)
             source = FromModule(self.manager.params, deferred=deferred, weights=weights)
             self._place(layout, views, tiers, source=source)  # several ranks: parameters start from rank 0's values
             source.finish(buffer_device=device)

@@ -15,27 +15,35 @@ from __future__ import annotations
 
 import torch
 
+from ..chunks.chunk import Tier
 from ..chunks.packing import Layout, build_layout, choose_chunk_numel, describe
 from ..config import ChunkConfig, format_bytes
 from ..errors import DeviceMemoryLimitError
 from ..memory.manager import ChunkManager
 from ..schedule.costs import planned_views
-from ..schedule.placement import ChunkView, smallest_working_limit
+from ..schedule.placement import ChunkView, PlacementPolicy, device_shards, shards_note, smallest_working_limit
 from ..schedule.tracer import Trace
 from .hooks import ROOT
 
 
 class LayoutChooser:
     """Chooses layouts for one engine: its manager's parameters, its config, the parameters each module owns (from
-    the hooks) and each optimizer group's state bytes a parameter (filled once the optimizers are bound)."""
+    the hooks), each optimizer group's state bytes a parameter (filled once the optimizers are bound) and the
+    placement policy, whose shards on the device a layout's chunks must fit beside."""
 
     def __init__(
-        self, manager: ChunkManager, config: ChunkConfig, owned: dict[str, tuple[int, ...]], optim_bytes: dict[int, int]
+        self,
+        manager: ChunkManager,
+        config: ChunkConfig,
+        owned: dict[str, tuple[int, ...]],
+        optim_bytes: dict[int, int],
+        policy: PlacementPolicy,
     ) -> None:
         self.manager = manager
         self.config = config
         self.owned = owned
         self._optim_bytes = optim_bytes
+        self.policy = policy
 
     @property
     def comm(self):  # noqa: ANN201 - the manager's Collectives
@@ -79,8 +87,14 @@ class LayoutChooser:
             max_payload = max(cap // 2, largest)
 
     def working_bytes(self, layout: Layout, trace: Trace | None) -> int:
-        """Device bytes ``layout`` needs at its busiest moment: its chunks (and activations, with a trace)."""
+        """Device bytes ``layout`` needs at its busiest moment: the shards the policy keeps on the device, the
+        moment's chunks (and activations, with a trace) ([Note: the shards a placement keeps on the device])."""
         views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
+        if trace is not None:
+            trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
+        shards, held = device_shards(
+            views, self.policy.shard_tiers(views, trace, self.manager.limit), self.comm.world_size
+        )
         if trace is None:
             # the warm-up's layout is in registration order: in its backward a chunk whose gradients wait for the
             # rest of its tensors keeps its gradient payload while the next chunk fills one (its parameters' payload
@@ -89,10 +103,9 @@ class LayoutChooser:
             # and for two modules' chunks at once: with activation checkpointing, the module whose backward asked
             # for a recomputation keeps its chunks while each module of the recomputed block gathers its own
             # ([Note: recomputation] in hooks.py)
-            return self.need_before_trace(layout, views, modules=2) + second
-        slot_of = layout.slot_of()
-        chunks_b, nonmodel_b = smallest_working_limit(views, trace.remap({i: s.chunk_id for i, s in slot_of.items()}))
-        return chunks_b + nonmodel_b
+            return shards + self.need_before_trace(layout, views, modules=2, held=held) + second
+        chunks_b, nonmodel_b = smallest_working_limit(views, trace, held)
+        return shards + chunks_b + nonmodel_b
 
     def _host_limit_numel(self) -> int | None:
         """With ``host_memory_limit``: the largest chunk whose disk shards, two paged in at once, take at most half
@@ -112,11 +125,14 @@ class LayoutChooser:
         )  # master, gradient, optimizer state
         return max(limit * self.comm.world_size // (4 * per_elem), max(s.numel for s in specs))
 
-    def need_before_trace(self, layout: Layout, views: list[ChunkView], modules: int = 1) -> int:
+    def need_before_trace(
+        self, layout: Layout, views: list[ChunkView], modules: int = 1, held: frozenset[int] = frozenset()
+    ) -> int:
         """Device bytes the busiest module needs before any activation: its chunks (and the root's), plus a
-        whole chunk's gradient payload with several ranks; with ``modules=2``, the two busiest modules' chunks."""
+        whole chunk's gradient payload with several ranks; with ``modules=2``, the two busiest modules' chunks.
+        ``held``: chunks whose payload a device shard holds ([Note: the shards a placement keeps on the device])."""
         slot_of = layout.slot_of()
-        payload = {v.chunk_id: v.payload_bytes for v in views}
+        payload = {v.chunk_id: 0 if v.chunk_id in held else v.payload_bytes for v in views}
 
         def chunk_bytes(params: tuple[int, ...]) -> int:
             return sum(payload[c] for c in {slot_of[i].chunk_id for i in params})
@@ -125,26 +141,31 @@ class LayoutChooser:
         need = sum(sorted((chunk_bytes(own) for own in self.owned.values()), reverse=True)[:modules]) + root_bytes
         return need + max((v.grad_payload_bytes for v in views), default=0)
 
-    def check_limit_before_trace(self, layout: Layout, views: list[ChunkView]) -> None:
-        """Before anything is allocated: a limit that cannot hold even one module's chunks is refused."""
+    def check_limit_before_trace(self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier]) -> None:
+        """Before anything is allocated: a limit that cannot hold one module's chunks beside the shards the placement
+        keeps on the device is refused."""
         limit = self.manager.limit
         if limit is None:
             return
-        need = self.need_before_trace(layout, views)
-        if need > limit:
+        shards, held = device_shards(views, tiers, self.comm.world_size)
+        need = self.need_before_trace(layout, views, held=held)
+        if shards + need > limit:
             # the automatic size was already lowered as far as it goes (to the largest parameter) before this
             chosen = self.config.chunk_numel is not None
+            beside, remedy = shards_note(
+                self.config.placement, shards, sum(t is Tier.DEVICE for t in tiers.values()), len(views)
+            )
             raise DeviceMemoryLimitError(
                 f"device_memory_limit={format_bytes(limit)} is too small: one module needs {format_bytes(need)} of "
-                "chunks at once "
-                f"({describe(layout)}"
+                f"chunks at once ({describe(layout)} in all"
                 + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
-                + f"), before any activations. The smallest limit that could work is {format_bytes(need)} plus the "
-                "activations, which the warm-up step measures"
+                + f"){beside}, before any activations. The smallest limit that could work is "
+                f"{format_bytes(shards + need)} plus the activations, which the warm-up step measures"
                 + (
-                    "; or lower chunk_numel."
+                    "; or lower chunk_numel"
                     if chosen
-                    else " (chunk_numel=None already chose chunks as small as the largest parameter)."
-                ),
+                    else " (chunk_numel=None already chose chunks as small as the largest parameter)"
+                )
+                + f"{remedy}.",
                 self.manager.device,
             )

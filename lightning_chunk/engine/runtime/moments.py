@@ -249,7 +249,12 @@ class MomentClock:
         except DeviceMemoryLimitError as e:
             views = mgr.views()
             shards = sum(v.device_shard_bytes for v in views if v.shard_tier is Tier.DEVICE)
-            in_use = [v.chunk_id for v in views if v.resident and not v.evictable and v.shard_tier is not Tier.DEVICE]
+            # payloads beside the shards (one rank's device shard is its payload): in use, or needed now
+            in_use = [
+                v.chunk_id
+                for v in views
+                if v.resident and (not v.evictable or v.chunk_id in needed) and not mgr.chunks[v.chunk_id].aliased
+            ]
             pinned = sum(mgr.chunks[c].payload_bytes for c in in_use)
             grads = sum(tensor_nbytes(c.grad_payload) for c in mgr.chunks)
             missing = sum(mgr.chunks[c].payload_bytes for c in needed if not mgr.chunks[c].is_resident)

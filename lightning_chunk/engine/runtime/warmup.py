@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..chunks.chunk import Tier
 from ..comm.collectives import CollectiveMismatchError, first_difference
 from ..config import format_bytes
 from ..errors import ChunkError, DeviceMemoryLimitError, IllegalTransitionError, LayoutError
-from ..schedule.placement import smallest_working_limit
+from ..schedule.placement import device_shards, shards_note, smallest_working_limit
 from ..schedule.tracer import Trace
 from ..system.host_heap import release_freed_memory
 
@@ -108,14 +109,18 @@ class WarmUpPlanner:
         views, tiers = eng.description.plan_tiers(layout, trace)
         if reason is Replan.WARM_UP and mgr.limit is not None:
             assert trace is not None
-            chunks_b, nonmodel_b = smallest_working_limit(views, trace)
-            if chunks_b + nonmodel_b > mgr.limit:
+            shards_b, held = device_shards(views, tiers, mgr.comm.world_size)
+            chunks_b, nonmodel_b = smallest_working_limit(views, trace, held)
+            if shards_b + chunks_b + nonmodel_b > mgr.limit:
+                beside, remedy = shards_note(
+                    eng.config.placement, shards_b, sum(t is Tier.DEVICE for t in tiers.values()), len(views)
+                )
                 raise DeviceMemoryLimitError(
                     f"device_memory_limit={format_bytes(mgr.limit)} is too small: the warm-up step needs "
                     f"{format_bytes(chunks_b)} of chunks at once (the largest chunk is "
-                    f"{max((v.payload_bytes for v in views), default=0)} bytes) and traced {format_bytes(nonmodel_b)} "
-                    f"of non-model memory (activations). The smallest limit that would work is "
-                    f"{format_bytes(chunks_b + nonmodel_b)}.",
+                    f"{max((v.payload_bytes for v in views), default=0)} bytes){beside} and traced "
+                    f"{format_bytes(nonmodel_b)} of non-model memory (activations). The smallest limit that would "
+                    f"work is {format_bytes(shards_b + chunks_b + nonmodel_b)}{remedy}.",
                     mgr.device,
                 )
         # same layout: chunk ids correspond, so the tiers compare position by position

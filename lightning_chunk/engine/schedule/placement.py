@@ -52,11 +52,12 @@ class Plan:
     for_room: bool = False  # some of ``evict`` went for memory: payloads the plan would otherwise have kept
 
 
-def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
+def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace, held: Iterable[int] = ()) -> int:
     """The most payload bytes any one moment of the trace needs at once: its module's chunks, the root module's
     (in use through the whole step), and at an activation recomputation's moment those the backward it runs inside
-    keeps in use."""
-    size = {c.chunk_id: c.payload_bytes for c in chunks}
+    keeps in use. ``held``: chunks whose payload a device shard already holds (``device_shards``)."""
+    held = set(held)
+    size = {c.chunk_id: 0 if c.chunk_id in held else c.payload_bytes for c in chunks}
     root = trace.root_chunks
     return max(
         (
@@ -68,12 +69,41 @@ def working_set_bytes(chunks: Sequence[ChunkView], trace: Trace) -> int:
     )
 
 
-def smallest_working_limit(chunks: Sequence[ChunkView], trace: Trace | None) -> tuple[int, int]:
-    """(largest working set of payload bytes, traced non-model peak); their sum is the smallest limit that works."""
+def smallest_working_limit(
+    chunks: Sequence[ChunkView], trace: Trace | None, held: Iterable[int] = ()
+) -> tuple[int, int]:
+    """(largest working set of payload bytes, traced non-model peak): with the device shards (``device_shards``),
+    their sum is the smallest limit that works."""
     grads = max((c.grad_payload_bytes for c in chunks), default=0)
     if trace is None:
         return max((c.payload_bytes for c in chunks), default=0) + grads, 0
-    return working_set_bytes(chunks, trace) + grads, trace.nonmodel_peak_bytes
+    return working_set_bytes(chunks, trace, held) + grads, trace.nonmodel_peak_bytes
+
+
+def device_shards(chunks: Sequence[ChunkView], tiers: dict[int, Tier], world_size: int) -> tuple[int, frozenset[int]]:
+    """Bytes of the shards ``tiers`` keeps on the device, and the chunks whose payload they hold: on one rank a
+    device shard *is* its payload (aliased), on several each payload is gathered beside the shards.
+
+    [Note: the shards a placement keeps on the device]
+    ``static`` and ``device`` keep shards on the device whatever the limit; ``auto`` keeps them only in the room
+    the working set and the activations leave. Every limit check counts them beside the payloads a moment needs:
+    once they were counted only against one host payload, so ``static`` on two ranks under 1.3x the parameter
+    bytes passed set-up and stopped in the sanity check's first forward (naming a smallest limit below the one
+    given), and the check after the warm-up passed a limit that held the working set and the activations but not
+    the shards beside them."""
+    on = [c for c in chunks if tiers[c.chunk_id] is Tier.DEVICE]
+    return sum(c.device_shard_bytes for c in on), frozenset(c.chunk_id for c in on) if world_size == 1 else frozenset()
+
+
+def shards_note(placement: str, shard_bytes: int, count: int, total: int) -> tuple[str, str]:
+    """(what the shards on the device take, the remedy) for a limit error; empty where none stay there."""
+    if not shard_bytes:
+        return "", ""
+    return (
+        f" beside {format_bytes(shard_bytes)} of shards placement={placement!r} keeps on the device ({count} of "
+        f"{total} chunks)",
+        "; or raise offload_fraction (static) or use placement='auto' or 'host'" if placement != "auto" else "",
+    )
 
 
 class PlacementPolicy:
