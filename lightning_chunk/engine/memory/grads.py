@@ -15,6 +15,7 @@ from ..chunks.states import TensorState, check_transition
 from ..comm.reduce import MakeRoom
 from ..config import format_bytes
 from ..errors import DeviceMemoryLimitError
+from ..schedule.placement import shards_note
 
 if TYPE_CHECKING:  # the manager builds it
     from .manager import ChunkManager
@@ -44,18 +45,14 @@ class ChunkGrads:
                 raise
             need = format_bytes(mgr.ledger[Tier.DEVICE] + nbytes)
             shards = sum(mgr.device_shard_bytes(c) for c in mgr.chunks if c.shard_tier is Tier.DEVICE)
-            placement = mgr.config.placement
+            on_device, remedy = shards_note(mgr.config.placement, shards, (c.shard_tier for c in mgr.chunks))
             raise DeviceMemoryLimitError(
                 f"{e} Nothing else could be evicted: the chunks in use, the gradients waiting to reduce"
-                + (f", {format_bytes(shards)} of shards placement={placement!r} keeps on the device" if shards else "")
+                + (f", {on_device}" if on_device else "")
                 + f" and this payload need {need} at this moment, beside its activations; raise device_memory_limit "
                 "above that (the warm-up then measures the activations)"
                 + (", or lower chunk_numel" if mgr.config.chunk_numel is not None else "")
-                + (
-                    ", raise offload_fraction (static) or use placement='auto' or 'host'"
-                    if shards and placement != "auto"
-                    else ""
-                )
+                + (f", {remedy}" if remedy else "")
                 + ".",
                 mgr.device,
             ) from None

@@ -152,20 +152,21 @@ class LayoutChooser:
         if shards + need > limit:
             # the automatic size was already lowered as far as it goes (to the largest parameter) before this
             chosen = self.config.chunk_numel is not None
-            beside, remedy = shards_note(
-                self.config.placement, shards, sum(t is Tier.DEVICE for t in tiers.values()), len(views)
-            )
+            on_device, remedy = shards_note(self.config.placement, shards, tiers.values())
             raise DeviceMemoryLimitError(
                 f"device_memory_limit={format_bytes(limit)} is too small: one module needs {format_bytes(need)} of "
                 f"chunks at once ({describe(layout)} in all"
                 + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
-                + f"){beside}, before any activations. The smallest limit that could work is "
-                f"{format_bytes(shards + need)} plus the activations, which the warm-up step measures"
+                + ")"
+                + (f" beside {on_device}" if on_device else "")
+                + ", before any activations. The smallest limit that could work is "
+                + f"{format_bytes(shards + need)} plus the activations, which the warm-up step measures"
                 + (
                     "; or lower chunk_numel"
                     if chosen
                     else " (chunk_numel=None already chose chunks as small as the largest parameter)"
                 )
-                + f"{remedy}.",
+                + (f"; or {remedy}" if remedy else "")
+                + ".",
                 self.manager.device,
             )

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..chunks.chunk import Tier
 from ..comm.collectives import CollectiveMismatchError, first_difference
 from ..config import format_bytes
 from ..errors import ChunkError, DeviceMemoryLimitError, IllegalTransitionError, LayoutError
@@ -112,15 +111,16 @@ class WarmUpPlanner:
             shards_b, held = device_shards(views, tiers, mgr.comm.world_size)
             chunks_b, nonmodel_b = smallest_working_limit(views, trace, held)
             if shards_b + chunks_b + nonmodel_b > mgr.limit:
-                beside, remedy = shards_note(
-                    eng.config.placement, shards_b, sum(t is Tier.DEVICE for t in tiers.values()), len(views)
-                )
+                on_device, remedy = shards_note(eng.config.placement, shards_b, tiers.values())
                 raise DeviceMemoryLimitError(
                     f"device_memory_limit={format_bytes(mgr.limit)} is too small: the warm-up step needs "
                     f"{format_bytes(chunks_b)} of chunks at once (the largest chunk is "
-                    f"{max((v.payload_bytes for v in views), default=0)} bytes){beside} and traced "
-                    f"{format_bytes(nonmodel_b)} of non-model memory (activations). The smallest limit that would "
-                    f"work is {format_bytes(shards_b + chunks_b + nonmodel_b)}{remedy}.",
+                    f"{max((v.payload_bytes for v in views), default=0)} bytes)"
+                    + (f" beside {on_device}" if on_device else "")
+                    + f" and traced {format_bytes(nonmodel_b)} of non-model memory (activations). The smallest "
+                    f"limit that would work is {format_bytes(shards_b + chunks_b + nonmodel_b)}"
+                    + (f"; or {remedy}" if remedy else "")
+                    + ".",
                     mgr.device,
                 )
         # same layout: chunk ids correspond, so the tiers compare position by position

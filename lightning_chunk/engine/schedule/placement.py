@@ -95,14 +95,17 @@ def device_shards(chunks: Sequence[ChunkView], tiers: dict[int, Tier], world_siz
     return sum(c.device_shard_bytes for c in on), frozenset(c.chunk_id for c in on) if world_size == 1 else frozenset()
 
 
-def shards_note(placement: str, shard_bytes: int, count: int, total: int) -> tuple[str, str]:
-    """(what the shards on the device take, the remedy) for a limit error; empty where none stay there."""
+def shards_note(placement: str, shard_bytes: int, tiers: Iterable[Tier]) -> tuple[str, str]:
+    """(the shards on the device as a limit error names them, the remedy), for chunks on ``tiers``; empty where no
+    shard stays there, and no remedy under ``auto``, which keeps only those that fit."""
+    tiers = list(tiers)
     if not shard_bytes:
         return "", ""
+    count = sum(t is Tier.DEVICE for t in tiers)
     return (
-        f" beside {format_bytes(shard_bytes)} of shards placement={placement!r} keeps on the device ({count} of "
-        f"{total} chunks)",
-        "; or raise offload_fraction (static) or use placement='auto' or 'host'" if placement != "auto" else "",
+        f"{format_bytes(shard_bytes)} of shards placement={placement!r} keeps on the device ({count} of "
+        f"{len(tiers)} chunks)",
+        "raise offload_fraction (static) or use placement='auto' or 'host'" if placement != "auto" else "",
     )
 
 
