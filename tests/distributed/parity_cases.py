@@ -330,6 +330,17 @@ CASES = {
     ),
     # ranks whose limits differ (each GPU's free memory, on CUDA): they must plan under one limit, the smallest
     # ([Note: one limit for every rank]); with their own they evicted different chunks and paired different gathers
+    # [Note: the shards a placement keeps on the device] as a user meets it: static placement under limits that
+    # differ by rank (the ranks agree on the smaller), the automatic chunk size, a model used in another order than
+    # registered, accumulation (sharded: ROUNDING), a resume in the middle
+    "static_limit": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fractions=(2.0, 2.5),
+        resume_at=5,
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None, placement="static"),
+    ),
     "limits_differ": dict(
         cls="ReorderedNet",
         model=dict(dim=64, hidden=512, depth=3),

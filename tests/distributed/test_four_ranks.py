@@ -31,6 +31,7 @@ FOUR = [
     "early_clip_norm",
     "reused_reentrant_limit",
     "called_twice_limit",  # R-Drop under limits that differ by rank, registered out of use order, resumed
+    "static_limit",  # static placement: its device shards counted in every limit check, ranks limited apart
     "autocast_off_bf16",  # the marks agreed on one communicator of four, and moved again on the resume
 ]
 CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together
