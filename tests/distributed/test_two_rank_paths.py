@@ -261,7 +261,8 @@ def test_static_placement_counts_its_device_shards_in_every_limit_check(parity_r
     and stopped in the sanity check's first forward, naming as the smallest limit one below the limit given; under
     2x it trained, its shards, payloads and traced activations past the limit. Now the first is refused at set-up
     and the second after the warm-up, each naming a limit above the one given; at the one the second names, the
-    run is DDP's bit for bit."""
+    run is DDP's bit for bit. Rank 1 asks 2.2x for the second: its error names the ranks' smallest limit, and
+    its own."""
     out, _, log = parity_run
     for r in (0, 1):
         assert f"CASE-DONE static_limits rank={r}" in log, log[-3000:]
@@ -275,6 +276,9 @@ def test_static_placement_counts_its_device_shards_in_every_limit_check(parity_r
             assert "of shards placement='static' keeps on the device" in error and "offload_fraction" in error
             smallest = int(error.split("The smallest limit that ")[1].split("work is ")[1].split(" bytes")[0])
             assert smallest > int(done["param_bytes"] * fraction), error
+            assert error.startswith(f"device_memory_limit={int(done['param_bytes'] * fraction)} bytes"), error
+        own = f"(the smallest of the ranks' limits; this rank's was {int(done['param_bytes'] * 2.2)} bytes"
+        assert (own in done["warm-up"]) == (r == 1), done["warm-up"]
         assert done["named_limit"] > 2 * done["param_bytes"]
         assert isinstance(done["named"], dict), done["named"]
         assert all(torch.equal(v, done["named"][k]) for k, v in done["ddp"].items())

@@ -16,12 +16,19 @@ from ..errors import DeviceMemoryLimitError
 class Ledger:
     """Chunk bytes per tier (``ledger[tier]``), the device peak, and the device limit they must stay under."""
 
-    def __init__(self, limit: int | None, rank: int, device: torch.device) -> None:
+    def __init__(self, limit: int | None, rank: int, device: torch.device, origin: str = "") -> None:
         self.limit = limit
+        self.origin = origin  # where the limit came from when not from this rank's device_memory_limit
         self.rank = rank
         self.device = device  # a CUDA one makes the error read as an out-of-memory (DeviceMemoryLimitError)
         self._bytes = {t: 0 for t in Tier}
         self.peak = 0  # the device tier's most
+
+    def named_limit(self) -> str:
+        """The limit as errors name it, with where its value came from when this rank did not set it: the default
+        from free memory, or another rank's smaller limit ([Note: one limit for every rank])."""
+        named = f"device_memory_limit={format_bytes(self.limit or 0)}"
+        return f"{named} ({self.origin})" if self.origin else named
 
     def __getitem__(self, tier: Tier) -> int:
         return self._bytes[tier]
@@ -46,7 +53,7 @@ class Ledger:
             raise DeviceMemoryLimitError(
                 f"[rank {self.rank}] {what} needs {nbytes} more bytes on the device tier, which already holds "
                 f"{format_bytes(self._bytes[Tier.DEVICE])} of chunk memory; "
-                f"device_memory_limit={format_bytes(self.limit or 0)} would be exceeded.",
+                f"{self.named_limit()} would be exceeded.",
                 self.device,
             )
 

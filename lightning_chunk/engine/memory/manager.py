@@ -60,9 +60,11 @@ class ChunkManager:
         device: torch.device,
         collectives: Collectives | None = None,
         own_dtype: Collection[int] = (),
+        limit_origin: str = "",
     ) -> None:
         """``own_dtype``: indices of the parameters whose payloads keep their dtype ([Note: normalisation in mixed
-        precision] in ``config.py``)."""
+        precision] in ``config.py``); ``limit_origin``: where ``config.device_memory_limit`` came from when this
+        rank did not set it (``Ledger.named_limit``)."""
         self.config = config
         self.dtypes = dtypes
         self.device = torch.device(device)
@@ -99,7 +101,7 @@ class ChunkManager:
         self.chunks: list[Chunk] = []
         self.layout: Layout | None = None
         self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
-        self.ledger = Ledger(self.limit, self.comm.rank, self.device)  # chunk bytes per tier, within the limit
+        self.ledger = Ledger(self.limit, self.comm.rank, self.device, limit_origin)  # chunk bytes a tier, in the limit
         self.transfers = TransferStats()
         self.clock = StepClock()  # [Note: where a step's time goes]; the collectives charge their waits to it
         self.comm.clock = self.clock

@@ -16,7 +16,7 @@ import torch
 from ..chunks.chunk import Tier
 from ..chunks.packing import Layout
 from ..comm.collectives import Collectives
-from ..config import ChunkConfig, DtypePolicy, default_device_limit, resolve_reshard_after_forward
+from ..config import ChunkConfig, DtypePolicy, default_device_limit, format_bytes, resolve_reshard_after_forward
 from ..memory.manager import ChunkManager
 from ..optim.binding import OptimizerBinding
 from ..schedule.costs import planned_views
@@ -67,7 +67,8 @@ def agree_on_limits(config: ChunkConfig, comm: Collectives) -> ChunkConfig:
     gloo ranks, the agreement check off as on NCCL) evicted different chunks, paired same-size all-gathers of
     different chunks (payloads built from mixed shards, silently) and then hung. Before anything is planned the
     ranks agree on the minimum of each limit (``None``, no limit, counts as the largest); the host limit too, since
-    it decides which shards go to disk and whether chunks step in backward."""
+    it decides which shards go to disk and whether chunks step in backward. A limit error on a rank whose own limit
+    was larger names both (``Ledger.named_limit``): the limit it names is not the one that rank was given."""
     none = 2**62
     t = torch.tensor(
         [config.device_memory_limit or none, config.host_memory_limit or none],
@@ -120,11 +121,18 @@ class EngineDescription:
         adds the heap settings, the packing and the hooks' installation."""
         config = config or ChunkConfig()
         device = device or torch.device("cpu")
+        origin = ""  # where the device limit came from, for the errors that name it (Ledger.named_limit)
         if config.device_memory_limit is None and device.type == "cuda":  # the caller's config is left alone
             config = config.replace(device_memory_limit=default_device_limit(device))
+            origin = "the default: free memory at set-up less a margin"
         config = resolve_reshard_after_forward(config, device)
         if collectives is not None and collectives.world_size > 1 and not collectives.planning_only:
+            own = config.device_memory_limit
             config = agree_on_limits(config, collectives)
+            if config.device_memory_limit != own:
+                origin = "the smallest of the ranks' limits; this rank's " + (
+                    f"{'default ' if origin else ''}was {format_bytes(own)}" if own is not None else "set none"
+                )
         named = list(module.named_parameters())
         lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
         if lazy:  # torch's own error names neither the parameter nor the way out
@@ -147,6 +155,7 @@ class EngineDescription:
             device=device,
             collectives=collectives,
             own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep},
+            limit_origin=origin,
         )
         policy = make_policy(config)
         hooks = ChunkHooks(module, manager, policy)

@@ -139,7 +139,7 @@ class ChunkEngine:
                     f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
                     f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks)"
                     + (f" and must fetch host payloads of up to {host_payload} bytes" if host_payload else "")
-                    + f", more than device_memory_limit={format_bytes(limit)}; raise the limit, raise offload_fraction "
+                    + f", more than {self.manager.ledger.named_limit()}; raise the limit, raise offload_fraction "
                     "(static) or use placement='auto' or 'host'.",
                     self.manager.device,
                 )

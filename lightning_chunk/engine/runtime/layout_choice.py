@@ -154,7 +154,7 @@ class LayoutChooser:
             chosen = self.config.chunk_numel is not None
             on_device, remedy = shards_note(self.config.placement, shards, tiers.values())
             raise DeviceMemoryLimitError(
-                f"device_memory_limit={format_bytes(limit)} is too small: one module needs {format_bytes(need)} of "
+                f"{self.manager.ledger.named_limit()} is too small: one module needs {format_bytes(need)} of "
                 f"chunks at once ({describe(layout)} in all"
                 + (", with a gradient payload for backward" if self.comm.world_size > 1 else "")
                 + ")"

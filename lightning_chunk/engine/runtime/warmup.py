@@ -113,7 +113,7 @@ class WarmUpPlanner:
             if shards_b + chunks_b + nonmodel_b > mgr.limit:
                 on_device, remedy = shards_note(eng.config.placement, shards_b, tiers.values())
                 raise DeviceMemoryLimitError(
-                    f"device_memory_limit={format_bytes(mgr.limit)} is too small: the warm-up step needs "
+                    f"{mgr.ledger.named_limit()} is too small: the warm-up step needs "
                     f"{format_bytes(chunks_b)} of chunks at once (the largest chunk is "
                     f"{max((v.payload_bytes for v in views), default=0)} bytes)"
                     + (f" beside {on_device}" if on_device else "")
