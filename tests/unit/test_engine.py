@@ -1,4 +1,5 @@
 import copy
+import gc
 import subprocess
 import sys
 
@@ -84,6 +85,19 @@ def test_saved_bytes_counter_counts_activations_once_and_releases_them():
     assert counter.live_bytes == 32 * 64 * 4 * 2
     y.backward()
     del h, y
+    assert counter.live_bytes == 0
+
+
+def test_saved_bytes_counter_lets_a_forward_without_backward_go():
+    """[Note: a saved tensor held without its graph]: tanh saves its own output; the counter held it with its
+    ``grad_fn``, a cycle no collection breaks, so a forward never followed by a backward stayed alive."""
+    counter = SavedBytesCounter(lambda t: False)
+    x = torch.randn(32, 64, requires_grad=True)
+    with counter.counting():
+        y = torch.tanh(x).sum()
+    assert counter.live_bytes == 32 * 64 * 4
+    del y
+    gc.collect()
     assert counter.live_bytes == 0
 
 

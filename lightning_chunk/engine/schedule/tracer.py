@@ -255,7 +255,18 @@ class MomentEvent:
 
 
 class _Saved:
-    """What the pack hook hands autograd: the tensor, and a receipt that un-counts it when autograd drops it."""
+    """What the pack hook hands autograd: the tensor, detached, and a receipt that un-counts it when autograd drops
+    it.
+
+    [Note: a saved tensor held without its graph]
+    Autograd keeps what a pack hook returns in the node that saved the tensor. An op that saves its own output
+    (LayerNorm's statistics, softmax, an exp) then held, through this receipt, a tensor whose ``grad_fn`` is that
+    node: a cycle through C++ that Python's collector cannot see. A backward frees the saved tensors and breaks
+    it, so no test saw it; a forward with grad and no backward in the warm-up step (a ``training_step`` returning
+    ``None`` to skip a batch, an auxiliary forward outside the loss) kept that forward's activations for the rest
+    of the process, even across ``gc.collect()``, and the warm-up counted them beside the next step's: the limit
+    the error named was 2.1x the step's need. The receipt keeps ``t.detach()``, as PyTorch does inside for a saved
+    output: the same storage, and autograd attaches the graph again on unpack."""
 
     __slots__ = ("tensor", "key", "counter")
 
@@ -281,7 +292,7 @@ class SavedBytesCounter:
     @torch.compiler.disable  # counts real storages, in eager: see [Note: hooks under torch.compile] in hooks.py
     def _pack(self, t: torch.Tensor) -> _Saved:
         if isinstance(t, torch.nn.Parameter) or self._is_model(t):
-            return _Saved(t, None, self)
+            return _Saved(t if t.is_leaf else t.detach(), None, self)
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
         ref = self._refs.get(key)
@@ -290,7 +301,7 @@ class SavedBytesCounter:
             self.live_bytes += storage.nbytes()
         else:
             ref[0] += 1
-        return _Saved(t, key, self)
+        return _Saved(t.detach(), key, self)
 
     @staticmethod
     @torch.compiler.disable
