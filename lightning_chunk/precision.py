@@ -203,7 +203,10 @@ class ChunkPrecision(Precision):
     ) -> Any:
         engine = self.engine
         closure_result = closure()
+        # ``training_step`` returned None: no backward. As Lightning's precisions do, step with what the earlier
+        # micro-batches of an accumulation left (nothing, without one); skip the step only under a loss scaler
         skipped_backward = closure_result is None and model.automatic_optimization
+        skip_step = skipped_backward and self.scaler is not None
         # everything below concerns this optimizer alone: with several (manual optimization) each steps its own
         engine.prepare_step()
         found_inf = False
@@ -211,7 +214,7 @@ class ChunkPrecision(Precision):
             found_inf = engine.unscale_and_check(optimizer)
         with reading(self._watch_grad_reads):  # [Note: gradients read where they are not]
             self._after_closure(model, optimizer)
-        stepped = not skipped_backward and not found_inf
+        stepped = not skip_step and not found_inf
         if stepped:
             engine.step(optimizer, **kwargs)
         if self.scaler is not None and not skipped_backward:

@@ -375,3 +375,31 @@ def test_a_complex_weight_is_refused_naming_its_real_pair_which_trains_as_plain_
     ref = fit("auto", steps=STEPS, cls=SpectralMixer, variant="pair", precision="bf16-mixed")
     got = fit(ChunkOffloadStrategy(), steps=STEPS, cls=SpectralMixer, variant="pair", precision="bf16-mixed")
     assert relative_update_error(ref, got, init) < 0.05
+
+
+# ------------------------------------------------------------------ a training_step that returns None
+class SkipsBatches(ParityNet):
+    """Skips batches 0 and 3 as a user skips a bad one: ``None`` from ``training_step``, no backward."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx in (0, 3) else loss
+
+
+@pytest.mark.parametrize("acc", [1, 2])
+@pytest.mark.parametrize(
+    "kw", [dict(placement="host"), dict(device_memory_limit=100_000, chunk_numel=4000)], ids=["host", "limit"]
+)
+def test_a_training_step_returning_none_skips_its_batch_as_plain_lightning_does(kw, acc):
+    """Under accumulation Lightning still steps when the last micro-batch returns ``None``, with what the others
+    left (it skips only under a loss scaler); chunk_offload skipped the step. And the first batch's forward, with
+    no backward in the warm-up, stayed alive ([Note: a saved tensor held without its graph]): the warm-up counted
+    its activations beside the next step's and refused this limit, which holds the step at 75,904 bytes."""
+    ref = fit("auto", steps=6, cls=SkipsBatches, accumulate_grad_batches=acc)
+    got = fit(
+        ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})),
+        steps=6,
+        cls=SkipsBatches,
+        accumulate_grad_batches=acc,
+    )
+    assert_same_params(ref, got, EXACT)
