@@ -2,13 +2,14 @@
 
     .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40
 
-Each run draws a test model, a precision, accumulation, clipping and chunk_offload's options (placement, kernel,
-chunk size, ``step_in_backward``, ``reshard_after_forward``, ``sharded_accumulation``, a device limit as a fraction
-of the parameter bytes), trains it on two gloo ranks with Lightning's launcher and compares the parameters with
-DDP's (one DDP run per model, precision, accumulation and clipping). A line a run: ``OK`` within the tolerance (fp32
-1e-4 absolute, the mixed and bf16 precisions 2% relative), ``BAD`` beyond it, ``FAIL`` with the error where the run
-stopped (a limit too small names the smallest that works; some option combinations are refused). The hand-written
-parity cases (``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
+Each run draws a test model, a precision, accumulation, clipping (by norm or value), an optimizer and
+chunk_offload's options (placement, kernel, chunk size, ``step_in_backward``, ``reshard_after_forward``,
+``sharded_accumulation``, a device limit as a fraction of the parameter bytes, sometimes one a rank), trains it on
+two gloo ranks with Lightning's launcher and compares the parameters with DDP's (one DDP run per model, precision,
+accumulation, clipping and optimizer). A line a run: ``OK`` within the tolerance (fp32 1e-4 absolute, the mixed and
+bf16 precisions 2% relative), ``BAD`` beyond it, ``FAIL`` with the error where the run stopped (a limit too small
+names the smallest that works; some option combinations are refused). The hand-written parity cases
+(``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -55,6 +57,8 @@ def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]
         acc=rng.choice([1, 1, 2, 3]),
         clip=rng.choice([None, None, 0.5]),
         steps=rng.choice([6, 8, 9]),
+        optimizer=rng.choice(["adamw", "adamw", "sgd", "Adam", "rmsprop"]),
+        clip_by=rng.choice(["norm", "norm", "value"]),
     )
     opts: dict = dict(
         placement=rng.choice(["auto", "host", "device", "static"]),
@@ -66,6 +70,8 @@ def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]
             opts[name] = rng.choice([True, False])  # reshard_after_forward: host placement's alone
     if rng.random() < 0.4 and opts["placement"] != "device":
         opts["limit"] = rng.choice([0.8, 1.0, 1.3])
+        if rng.random() < 0.3:  # ranks whose free device memory differs: a limit each
+            opts["limit"] = [opts["limit"], rng.choice([1.0, 1.5, 2.0])]
     return base, opts
 
 
@@ -82,12 +88,13 @@ def train(spec: dict, out: str) -> None:
     from tests.models import token_data
 
     L.seed_everything(7, verbose=False)
-    model = model_class(spec["cls"])(variant=spec["variant"])
+    model = model_class(spec["cls"])(variant=spec["variant"], optimizer=spec.get("optimizer", "adamw"))
     opts = dict(spec.get("opts") or {})
     if "limit" in opts:
-        opts["device_memory_limit"] = int(
-            opts.pop("limit") * sum(p.numel() * p.element_size() for p in model.parameters())
-        )
+        limit = opts.pop("limit")
+        if isinstance(limit, list):  # this rank's: Lightning's launcher starts rank 1 with LOCAL_RANK set
+            limit = limit[int(os.environ.get("LOCAL_RANK", 0))]
+        opts["device_memory_limit"] = int(limit * sum(p.numel() * p.element_size() for p in model.parameters()))
     strategy = (
         ChunkOffloadStrategy(**grouped(opts))
         if spec.get("opts") is not None
@@ -101,6 +108,7 @@ def train(spec: dict, out: str) -> None:
         max_steps=spec["steps"],
         accumulate_grad_batches=spec["acc"],
         gradient_clip_val=spec["clip"],
+        gradient_clip_algorithm=spec.get("clip_by", "norm"),
         limit_val_batches=2,
         val_check_interval=4,
         logger=False,
