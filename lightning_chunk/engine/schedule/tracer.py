@@ -264,9 +264,9 @@ class _Saved:
     node: a cycle through C++ that Python's collector cannot see. A backward frees the saved tensors and breaks
     it, so no test saw it; a forward with grad and no backward in the warm-up step (a ``training_step`` returning
     ``None`` to skip a batch, an auxiliary forward outside the loss) kept that forward's activations for the rest
-    of the process, even across ``gc.collect()``, and the warm-up counted them beside the next step's: the limit
-    the error named was 2.1x the step's need. The receipt keeps ``t.detach()``, as PyTorch does inside for a saved
-    output: the same storage, and autograd attaches the graph again on unpack."""
+    of the process, even across ``gc.collect()``, and the warm-up counted them beside the next step's (2.1x the
+    step's activations: a limit that held the step was refused). The receipt keeps ``t.detach()``, as PyTorch
+    does inside for a saved output: the same storage, and autograd attaches the graph again on unpack."""
 
     __slots__ = ("tensor", "key", "counter")
 
