@@ -4,21 +4,23 @@ makes.
 [Note: stepping in backward by default]
 ``step_in_backward=True`` is bit-identical to stepping after backward and costs less: each chunk gives its gradient
 shard back once it stepped, and on a GPU the host Adam runs beside backward on a worker thread ([Note: the host Adam
-beside backward] in ``engine/optim/step_thread.py``). With the disk tier it is also the faster step by far: a disk
-chunk steps from the gradients backward left in memory, so no gradient file is written or read and its master and
-optimizer state are read while backward computes ([Note: stepping disk chunks in backward]); on
-``benchmarks/disk.py``'s GPT in a 1 GiB cgroup it took 1.51 s a step against 1.94 s (medians of ten paired rounds),
-with 60 MiB less peak memory. What it changes is plain PyTorch's gradient semantics: after ``backward()`` the
-gradients of the chunks that stepped are gone ([Note: stepping in backward] in ``engine/optim/early_step.py``). So
-``step_in_backward=None`` (the default) turns it on where nothing that Lightning lets read the gradients between
-backward and the optimizer step is in the fit: no clipping by norm and no fp16 loss scaling (with them ``True``
-steps on a guess and keeps a copy of the state until the step, more memory than stepping after backward: the
-user's choice, [Note: speculating past the norm and the overflow]), one optimizer, automatic optimization, and no
-override of the hooks that run in that window (``on_after_backward``, ``on_before_optimizer_step``,
-``configure_gradient_clipping``, ``optimizer_step``) on the module or on a callback other than this package's.
-Clipping by value is applied chunk by chunk. Where one of them is there, the fit steps after backward and rank 0
-says which one held it back. A read of the gradients the checks cannot see (``full_parameters(with_grads=True)``
-after the step, or from another hook) gets the engine's error, which names the flag."""
+beside backward] in ``engine/optim/step_thread.py``). With the disk tier it is also the faster step by far: a disk chunk
+steps from the gradients backward left in memory, so no gradient file is written or read and its master and optimizer
+state are read while backward computes ([Note: stepping disk chunks in backward]); on ``benchmarks/disk.py``'s GPT in a
+1 GiB cgroup it took 1.51 s a step against 1.94 s (medians of ten paired rounds), with 60 MiB less peak memory. What it
+changes is plain PyTorch's gradient semantics: after ``backward()`` the gradients of the chunks that stepped are gone
+([Note: stepping in backward] in ``engine/optim/early_step.py``). So ``step_in_backward=None`` (the default) turns it on
+where nothing that Lightning lets read the gradients between backward and the optimizer step is in the fit: no clipping
+by norm and no fp16 loss scaling (with them ``True`` steps on a guess and keeps a copy of the state until the step, more
+memory than stepping after backward: the user's choice, [Note: speculating past the norm and the overflow]), one
+optimizer, automatic optimization, and no override of the hooks that run in that window (``on_after_backward``,
+``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``) on the module or on a callback other
+than this package's, and no ``optimizer_zero_grad`` of the module's own: ``zero_grad(set_to_none=False)`` keeps a zero
+gradient, which steps a parameter that gets none in the next backward (Adam's moments and weight decay move it), where a
+chunk that stepped in backward has no gradient left to keep. Clipping by value is applied chunk by chunk. Where one of
+them is there, the fit steps after backward and rank 0 says which one held it back. A read of the gradients the checks
+cannot see (``full_parameters(with_grads=True)`` after the step, or from another hook) gets the engine's error, which
+names the flag."""
 
 from __future__ import annotations
 
@@ -107,6 +109,8 @@ def reads_gradients(trainer: pl.Trainer, module: pl.LightningModule, precision: 
     for hook in MODULE_HOOKS:
         if is_overridden(hook, module, pl.LightningModule):
             return f"{type(module).__name__}.{hook}, which runs between backward and the optimizer step"
+    if is_overridden("optimizer_zero_grad", module, pl.LightningModule):
+        return f"{type(module).__name__}.optimizer_zero_grad, which may keep gradients as zeros (set_to_none=False)"
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if type(cb).__module__.split(".")[0] == __name__.split(".")[0]:
             continue  # this package's callbacks read no gradient

@@ -25,6 +25,11 @@ class StepsItsOwnWay(ParityNet):
         super().optimizer_step(*args, **kwargs)
 
 
+class ZeroesInPlace(ParityNet):
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+
+
 def test_a_fit_with_nothing_reading_gradients_steps_in_backward(tmp_path):
     # Lightning's own callbacks (checkpoint, progress bar, summary) and this package's read no gradient
     default = L.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, callbacks=[ChunkTelemetry()])
@@ -49,6 +54,7 @@ def test_clipping_by_value_or_at_zero_still_steps_in_backward(kw):
         ("two optimizers", {}, ParityNet, "32-true", 2, "2 optimizers"),
         ("module hook", {}, LogsGradients, "32-true", 1, "LogsGradients.on_before_optimizer_step"),
         ("optimizer_step", {}, StepsItsOwnWay, "32-true", 1, "StepsItsOwnWay.optimizer_step"),
+        ("optimizer_zero_grad", {}, ZeroesInPlace, "32-true", 1, "ZeroesInPlace.optimizer_zero_grad"),
         (
             "callback after backward",
             dict(callbacks=[GradsAfterBackward()]),
