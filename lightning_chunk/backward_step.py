@@ -15,15 +15,17 @@ by norm and no fp16 loss scaling (with them ``True`` steps on a guess and keeps 
 memory than stepping after backward: the user's choice, [Note: speculating past the norm and the overflow]), one
 optimizer, automatic optimization, and no override of the hooks that run in that window (``on_after_backward``,
 ``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``) on the module or on a callback other
-than this package's, and no ``optimizer_zero_grad`` of the module's own: ``zero_grad(set_to_none=False)`` keeps a zero
+than this package's; no ``optimizer_zero_grad`` of the module's own, since ``zero_grad(set_to_none=False)`` keeps a zero
 gradient, which steps a parameter that gets none in the next backward (Adam's moments and weight decay move it), where a
-chunk that stepped in backward has no gradient left to keep. Clipping by value is applied chunk by chunk. Where one of
-them is there, the fit steps after backward and rank 0 says which one held it back. A read of the gradients the checks
-cannot see (``full_parameters(with_grads=True)`` after the step, or from another hook) gets the engine's error, which
-names the flag."""
+chunk that stepped in backward has no gradient left to keep; and no step hooks on the optimizer, which ``step()`` runs
+around each call, once a chunk when stepping in backward. Clipping by value is applied chunk by chunk. Where one of them
+is there, the fit steps after backward and rank 0 says which one held it back. A read of the gradients the checks cannot
+see (``full_parameters(with_grads=True)`` after the step, or from another hook) gets the engine's error, which names the
+flag."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lightning.pytorch.callbacks import Callback
@@ -32,10 +34,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .engine import ChunkEngine
 from .engine.config import ChunkConfig
+from .engine.optim.binding import ENGINE_HOOK
 from .engine.optim.speculation import refusal
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch.optim import Optimizer
 
 # the hooks that run between backward and the optimizer step, where a user can read or change the gradients
 MODULE_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
@@ -129,13 +133,36 @@ def choose_step_in_backward(
     return why is None, why
 
 
+def step_hooks(optimizers: Sequence[Optimizer]) -> str | None:
+    """The step hooks a user registered on ``optimizers`` or on every optimizer, which ``step()`` runs around each
+    call: stepping in backward calls it once a chunk, with the other chunks not stepped yet; ``None`` without."""
+    from torch.optim import optimizer as torch_optimizer
+
+    if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+        return "step hooks registered for every optimizer (register_optimizer_step_pre_hook or _post_hook)"
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)  # a LightningOptimizer wraps it
+        hooks = [*getattr(opt, "_optimizer_step_pre_hooks", {}).values()]
+        hooks += getattr(opt, "_optimizer_step_post_hooks", {}).values()
+        if any(not getattr(h, ENGINE_HOOK, False) for h in hooks):
+            return f"step hooks on {type(opt).__name__} (register_step_pre_hook or _post_hook), which run once a step"
+    return None
+
+
 def config_for_fit(
-    config: ChunkConfig, trainer: pl.Trainer, module: pl.LightningModule, precision: str, optimizers: int
+    config: ChunkConfig,
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    precision: str,
+    optimizers: Sequence[Optimizer],
 ) -> ChunkConfig:
     """This fit's config: ``step_in_backward=None`` made concrete, said once on rank 0."""
     if config.step_in_backward is not None:
         return config
-    chosen, why = choose_step_in_backward(trainer, module, precision, optimizers)
+    chosen, why = choose_step_in_backward(trainer, module, precision, len(optimizers))
+    hooked = step_hooks(optimizers) if chosen else None
+    if hooked is not None:
+        chosen, why = False, hooked
     if chosen:
         rank_zero_info(
             "chunk_offload: each chunk steps during backward (step_in_backward=None: nothing in this fit reads "

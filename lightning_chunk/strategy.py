@@ -246,7 +246,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             self._kept_optimizer_states = {}  # the last fit's optimizers are gone
             self.setup_optimizers(trainer)
         config = (
-            config_for_fit(self.config, trainer, module, self.precision_plugin.precision, len(self.optimizers))
+            config_for_fit(self.config, trainer, module, self.precision_plugin.precision, self.optimizers)
             if fitting
             else self.config
         )

@@ -426,3 +426,29 @@ def test_gradients_zeroed_in_place_step_an_unused_branch_as_plain_lightning_does
         accumulate_grad_batches=acc,
     )
     assert_same_params(ref, got, EXACT)
+
+
+# ------------------------------------------------------------------ hooks on the optimizer's step
+class StepHooked(ParityNet):
+    """Counts its optimizer's steps with torch's step hooks (an average kept by a post-hook, a step logger)."""
+
+    def configure_optimizers(self):
+        out = super().configure_optimizers()
+        self.step_calls = {"pre": 0, "post": 0}
+
+        def count(when):
+            return lambda *_: self.step_calls.__setitem__(when, self.step_calls[when] + 1)
+
+        out["optimizer"].register_step_pre_hook(count("pre"))
+        out["optimizer"].register_step_post_hook(count("post"))
+        return out
+
+
+def test_step_hooks_on_the_optimizer_run_once_a_step_as_in_plain_lightning():
+    """The default stepped each chunk in backward, one ``step()`` a chunk: the hooks ran 5 times a step here, each
+    with some chunks stepped and the others not (30 against 6). Hooks now keep the step after backward
+    ([Note: stepping in backward by default])."""
+    kw = dict(steps=6, cls=StepHooked)
+    ref = fit("auto", **kw)
+    got = fit(ChunkOffloadStrategy(device_memory_limit=100_000, chunk_numel=4000), **kw)
+    assert got.step_calls == ref.step_calls == {"pre": 6, "post": 6}

@@ -39,6 +39,10 @@ from .kernels import check_optimizer, flags_set, kernel_flags, only, state_bytes
 __all__ = ["GradSlot", "OptimizerBinding", "OptimizerStateCarrier", "check_optimizer"]
 
 
+# marks the step hooks the engine registers on an optimizer, to tell them from a user's
+ENGINE_HOOK = "_lightning_chunk_engine_hook"
+
+
 class OptimizerBinding:
     """Rebinds one optimizer's param groups to master-shard views and feeds them gradients."""
 
@@ -60,9 +64,14 @@ class OptimizerBinding:
         one_pass = {"auto": "auto", "one_pass": True}.get(config.optimizer_kernel, False)
         self.host_adam = HostAdam(optimizer, manager, one_pass)
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
+
         # a step called on the optimizer itself, not through the engine, also lets a save in flight finish with the
         # shards first ([Note: training beside a save] in state/background_save.py)
-        self._before_step = optimizer.register_step_pre_hook(lambda *_: manager.readers.before_change())
+        def before_step(*_: Any) -> None:
+            manager.readers.before_change()
+
+        setattr(before_step, ENGINE_HOOK, True)  # not the user's (``backward_step.step_hooks``)
+        self._before_step = optimizer.register_step_pre_hook(before_step)
 
     def kernel(self) -> contextlib.AbstractContextManager[None]:
         """The groups carry the chosen kernel's flags inside this block ([Note: the kernel and the user's param

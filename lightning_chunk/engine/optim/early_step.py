@@ -43,8 +43,9 @@ are final. Autograd runs a parameter's last use before it accumulates its gradie
 module saves a detached alias of a parameter for a later backward (an in-place step would then be reported by
 autograd's version check on one rank; with several ranks the payload is a gathered copy and is not touched).
 
-Costs: ``optimizer.step()`` runs once per chunk (its step hooks too, as on the disk tier), and after
-``backward()`` the stepped parameters have no gradient to read (``on_before_optimizer_step`` sees ``None``).
+Costs: ``optimizer.step()`` runs once per chunk (its step hooks too, as on the disk tier: so ``step_in_backward=None``
+keeps a fit whose optimizer has hooks stepping after backward), and after ``backward()`` the stepped parameters have
+no gradient to read (``on_before_optimizer_step`` sees ``None``).
 
 [Note: clipping by value in backward]
 Lightning's ``gradient_clip_algorithm="value"`` clamps every gradient to ``[-v, v]`` after backward; a clamp reads
