@@ -89,7 +89,11 @@ class CausalLM(L.LightningModule):
             if self.hparams.pretrained is not None and strategy.weights is None:
                 strategy.weights = self.hparams.pretrained
         if self.hparams.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kw = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # the new name; the old one goes in transformers 6
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         model.config.use_cache = False  # training: no key/value cache
         if self.hparams.compile:  # True: torch's default backend; or a backend's name ("aot_eager" needs no compiler)
             backend = self.hparams.compile if isinstance(self.hparams.compile, str) else "inductor"

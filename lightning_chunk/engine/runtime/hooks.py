@@ -17,7 +17,7 @@
   idempotent so callers may call it again.
 
 [Note: recomputation]
-Activation checkpointing (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable()``) runs a
+Activation checkpointing (``torch.utils.checkpoint``, Hugging Face's ``activation_checkpointing_enable()``) runs a
 block's forward again inside backward, so the forward hooks fire while autograd runs a backward
 (``moments.in_backward``). Each recomputed module gathers its chunks as in any forward, and its post-forward lets them
 go as usual, with one exception: tensors that a backward had in use (COMPUTE) when the recomputation of their
