@@ -1,13 +1,18 @@
 """The paths a Lightning user takes first, written from the user's side (a LightningModule and a Trainer, no engine
 internals), one rank against plain Lightning. The two-rank versions run in tests/distributed/."""
 
+import contextlib
+import copy
+
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
+from lightning_chunk.engine import ChunkError
 from lightning_chunk.options import grouped
 from tests import models
 from tests.compare import EXACT, assert_same_params, relative_update_error
@@ -452,3 +457,38 @@ def test_step_hooks_on_the_optimizer_run_once_a_step_as_in_plain_lightning():
     ref = fit("auto", **kw)
     got = fit(ChunkOffloadStrategy(device_memory_limit=100_000, chunk_numel=4000), **kw)
     assert got.step_calls == ref.step_calls == {"pre": 6, "post": 6}
+
+
+# ------------------------------------------------------------------ a deep copy between steps
+class AveragesByTorch(L.Callback):
+    """torch's EMA recipe: ``AveragedModel`` copies the module at the start, then averages after each step."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.ema = AveragedModel(pl_module, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=False)
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.ema.update_parameters(pl_module)
+
+
+class CopiesAfterAStep(L.Callback):
+    """A frozen teacher copied once training has begun, inside ``full_parameters`` where the strategy has it."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 2:
+            full = getattr(trainer.strategy, "full_parameters", None)
+            with full(writeback=False) if full else contextlib.nullcontext():
+                self.copy = copy.deepcopy(pl_module.blocks[1])
+
+
+@pytest.mark.parametrize("kw", [dict(placement="host"), dict(device_memory_limit=100_000, chunk_numel=4000)])
+def test_a_deep_copy_of_released_parameters_is_refused_by_name_and_one_inside_full_parameters_is_whole(kw):
+    """[Note: a deep copy between steps]: ``AveragedModel`` copied placeholders, and every averaged weight was NaN
+    after 6 steps on one rank, silently (with ``placement="device"`` the values are there: it trains as plain
+    Lightning)."""
+    strategy = ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"}))
+    with pytest.raises(ChunkError, match=r"copy\.deepcopy would copy parameter 'embed\.weight' as NaN.*ChunkEMA"):
+        fit(strategy, steps=6, callbacks=[AveragesByTorch()])
+    ref, got = CopiesAfterAStep(), CopiesAfterAStep()
+    fit("auto", steps=6, callbacks=[ref])
+    fit(ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})), steps=6, callbacks=[got])
+    assert_same_params(ref.copy, got.copy, EXACT)

@@ -30,10 +30,21 @@ rank's compute-dtype copy, stale once the optimizer stepped ([Note: parameters o
 
 Calls inside ``full_parameters()``, where the parameters hold their whole values, are left to torch, as are modules
 not packed yet (set-up) and deep copies of a module, which keep its hooks.
+
+[Note: a deep copy between steps]
+``copy.deepcopy`` of a module whose parameters are released copies their placeholders: a model of NaN, silently.
+That is how torch's EMA recipe starts (``AveragedModel(pl_module)`` in a callback's ``on_fit_start``, then
+``update_parameters`` after each step), and how a frozen teacher or a DPO reference model is made once training
+has begun: on one rank under host placement every averaged weight was NaN after the first step. Each module that
+owns packed parameters gets a ``__deepcopy__`` of its own (``_CopyGuard``, in its instance ``__dict__``, which
+``copy.deepcopy`` looks up first): while one of those parameters is released and ``full_parameters()`` is not open,
+it raises ``ChunkError`` naming the parameter, ``full_parameters()`` and ``ChunkEMA``; otherwise (resident values, a
+copy inside the block) it copies as torch does, without itself. A pickled module carries no guard.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +69,47 @@ def state_dict_hooks(
             handles.append(mod.register_state_dict_post_hook(_master_entries(mgr, mine, is_open)))
             handles.append(mod.register_load_state_dict_pre_hook(loading.opener(mine, is_open, in_a_step)))
             handles.append(mod.register_load_state_dict_post_hook(loading.closer()))
+            handles.append(_CopyGuard(mod, mgr, mine, is_open))
     return handles
+
+
+def _no_guard() -> None:
+    """What a pickled ``_CopyGuard`` becomes: ``__deepcopy__ = None``, which ``copy.deepcopy`` skips."""
+    return None
+
+
+class _CopyGuard:
+    """A module's ``__deepcopy__`` while its parameters are packed ([Note: a deep copy between steps])."""
+
+    def __init__(self, module: torch.nn.Module, mgr: Any, mine: dict[str, int], is_open: Callable[[], bool]) -> None:
+        self.module, self.mgr, self.mine, self.is_open = module, mgr, mine, is_open
+        module.__dict__["__deepcopy__"] = self
+
+    def __call__(self, memo: dict[int, Any]) -> torch.nn.Module:
+        mgr, module = self.mgr, self.module
+        if not self.is_open():
+            for name, i in self.mine.items():
+                if module._parameters.get(name) is mgr.params[i] and mgr.lookup(mgr.params[i])[0].params_parked:
+                    raise ChunkError(
+                        f"copy.deepcopy would copy parameter {mgr.specs[i].name!r} as NaN: chunk_offload released its "
+                        "chunk after use, and a parameter shows a placeholder until the next gather. Copy inside "
+                        "`with trainer.strategy.full_parameters():` (every rank), or before fit (__init__, setup, "
+                        "configure_model); for an average of the weights use lightning_chunk.ChunkEMA, which keeps "
+                        "each rank's share beside the shards (torch's AveragedModel reads the parameters after each "
+                        "step, where they are released)."
+                    )
+        del module.__dict__["__deepcopy__"]
+        try:
+            return copy.deepcopy(module, memo)
+        finally:
+            module.__dict__["__deepcopy__"] = self
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _no_guard, ()
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("__deepcopy__") is self:
+            del self.module.__dict__["__deepcopy__"]
 
 
 def _master_entries(mgr: Any, mine: dict[str, int], is_open: Callable[[], bool]) -> Callable[..., None]:
