@@ -166,3 +166,14 @@ def test_bf16_mixed_gives_fp32_parameters_back_after_a_repack(tmp_path):
     for name, p in params.items():
         assert full[name].dtype == torch.float32
         torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_bf16_true_steps_with_the_default_kernel_exactly_as_plain_lightning(optimizer):
+    """[Note: the kernel and the user's param groups]: the default kernel chose torch's fused one for every optimizer
+    that has it, and on bf16 masters fused SGD with momentum and weight decay strays 7x as far from fp32 as its
+    loop: 2.4% from DDP after 9 steps on two ranks. Such a group now steps with torch's own default."""
+    kw = dict(precision="bf16-true", optimizer=optimizer if optimizer == "sgd" else "Adagrad")
+    ref = fit_model(ParityNet, "auto", **kw)
+    got = fit_model(ParityNet, ChunkOffloadStrategy(chunk_numel=4096), **kw)
+    torch.testing.assert_close(dict(got.named_parameters()), dict(ref.named_parameters()), **EXACT)
