@@ -146,8 +146,9 @@ class OffloadOptions:
     optimizer_kernel: OptimizerKernel = knob(
         "auto",
         doc=(
-            "`auto`: torch's fused kernels, and for Adam/AdamW with a compute copy on host shards of at least 2^25 "
-            "elements a rank one pass that steps and writes the copy (`host_adam.py`); `one_pass` at any size; "
+            "`auto`: torch's fused kernels (SGD's and Adagrad's on fp32 only), and for Adam/AdamW with a compute "
+            "copy on host shards of at least 2^25 elements a rank one pass that steps and writes the copy "
+            "(`host_adam.py`); `one_pass` at any size; "
             "`fused`, `foreach`, `loop` force torch's. Your optimizer's `param_groups` and checkpoints keep the "
             "flags you built it with ([Note: the kernel and the user's param groups])"
         ),
