@@ -69,9 +69,9 @@ def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]
         if rng.random() < 0.3 and (name != "reshard_after_forward" or opts["placement"] == "host"):
             opts[name] = rng.choice([True, False])  # reshard_after_forward: host placement's alone
     if rng.random() < 0.4 and opts["placement"] != "device":
-        opts["limit"] = rng.choice([0.8, 1.0, 1.3])
+        opts["limit"] = rng.choice([0.8, 1.0, 1.3, 2.0, 3.0])
         if rng.random() < 0.3:  # ranks whose free device memory differs: a limit each
-            opts["limit"] = [opts["limit"], rng.choice([1.0, 1.5, 2.0])]
+            opts["limit"] = [opts["limit"], rng.choice([1.0, 1.5, 2.0, 3.0])]
     return base, opts
 
 
