@@ -92,7 +92,7 @@ def kernel_flags(optimizer: torch.optim.Optimizer, kernel: str) -> list[dict[str
 
 def _fused_rounds_as_well(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether torch's fused kernel is no less exact than its loop for ``group``: Adam(W) always; the others (SGD,
-    Adagrad) on fp32 parameters, where their bits agree ([Note: the kernel and the user's param groups])."""
+    Adagrad) on fp32 parameters ([Note: the kernel and the user's param groups])."""
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
         return True
     return all(p.dtype == torch.float32 for p in group["params"])
@@ -105,12 +105,13 @@ def flags_set(optimizer: torch.optim.Optimizer, flags: list[dict[str, Any]]) -> 
     [Note: the kernel and the user's param groups]
     ``optimizer_kernel="auto"`` steps Adam(W) with torch's fused kernel where the user chose none (torch's own
     default on CPU tensors is the single-tensor loop, which rounds otherwise in the last bit), and the other
-    optimizers that have one (SGD, Adagrad) on fp32 groups only, where it gives the loop's bits. On bf16 masters
-    (``bf16-true``) torch's fused CPU SGD with momentum and weight decay strays from fp32 seven times as far as its
-    loop (3.8% against 0.54% relative after 9 steps), so such a group steps with the loop, as plain Lightning does.
-    The flags that select it are set for the step alone: ``optimizer.param_groups``, ``optimizer.state_dict()`` and
-    every checkpoint keep what the user built the optimizer with, so a checkpoint resumed under another strategy
-    steps with that strategy's default, and a user who reads the groups sees their own settings."""
+    optimizers that have one (SGD, Adagrad) on fp32 groups only, where it gives the loop's bits (SGD) or differs in
+    the last one (Adagrad). On bf16 masters (``bf16-true``) torch's fused CPU SGD with momentum and weight decay
+    strays from fp32 seven times as far as its loop (3.8% against 0.54% relative after 9 steps), so such a group
+    steps with the loop, as plain Lightning does. The flags that select it are set for the step alone:
+    ``optimizer.param_groups``, ``optimizer.state_dict()`` and every checkpoint keep what the user built the
+    optimizer with, so a checkpoint resumed under another strategy steps with that strategy's default, and a user
+    who reads the groups sees their own settings."""
     groups = optimizer.param_groups
     saved = [{k: g[k] for k in f if k in g} for g, f in zip(groups, flags, strict=True)]
     for g, f in zip(groups, flags, strict=True):
