@@ -470,13 +470,30 @@ class AveragesByTorch(L.Callback):
         self.ema.update_parameters(pl_module)
 
 
+def _whole(trainer):
+    """``full_parameters(writeback=False)`` under chunk_offload; nothing under a plain strategy."""
+    full = getattr(trainer.strategy, "full_parameters", None)
+    return full(writeback=False) if full else contextlib.nullcontext()
+
+
+class AveragesInsideTheBlock(AveragesByTorch):
+    """The same recipe as the error says it works: made and updated inside ``full_parameters``."""
+
+    def on_fit_start(self, trainer, pl_module):
+        with _whole(trainer):
+            super().on_fit_start(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        with _whole(trainer):
+            super().on_train_batch_end(trainer, pl_module, *args)
+
+
 class CopiesAfterAStep(L.Callback):
     """A frozen teacher copied once training has begun, inside ``full_parameters`` where the strategy has it."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 2:
-            full = getattr(trainer.strategy, "full_parameters", None)
-            with full(writeback=False) if full else contextlib.nullcontext():
+            with _whole(trainer):
                 self.copy = copy.deepcopy(pl_module.blocks[1])
 
 
@@ -484,11 +501,12 @@ class CopiesAfterAStep(L.Callback):
 def test_a_deep_copy_of_released_parameters_is_refused_by_name_and_one_inside_full_parameters_is_whole(kw):
     """[Note: a deep copy between steps]: ``AveragedModel`` copied placeholders, and every averaged weight was NaN
     after 6 steps on one rank, silently (with ``placement="device"`` the values are there: it trains as plain
-    Lightning)."""
+    Lightning). Made and updated inside ``full_parameters``, as the error says, the average is plain Lightning's."""
     strategy = ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"}))
     with pytest.raises(ChunkError, match=r"copy\.deepcopy would copy parameter 'embed\.weight' as NaN.*ChunkEMA"):
         fit(strategy, steps=6, callbacks=[AveragesByTorch()])
-    ref, got = CopiesAfterAStep(), CopiesAfterAStep()
-    fit("auto", steps=6, callbacks=[ref])
-    fit(ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})), steps=6, callbacks=[got])
-    assert_same_params(ref.copy, got.copy, EXACT)
+    ref, got = [CopiesAfterAStep(), AveragesInsideTheBlock()], [CopiesAfterAStep(), AveragesInsideTheBlock()]
+    fit("auto", steps=6, callbacks=ref)
+    fit(ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})), steps=6, callbacks=got)
+    assert_same_params(ref[0].copy, got[0].copy, EXACT)
+    assert_same_params(ref[1].ema.module, got[1].ema.module, EXACT)

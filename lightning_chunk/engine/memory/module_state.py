@@ -95,8 +95,9 @@ class _CopyGuard:
                         "chunk after use, and a parameter shows a placeholder until the next gather. Copy inside "
                         "`with trainer.strategy.full_parameters():` (every rank), or before fit (__init__, setup, "
                         "configure_model); for an average of the weights use lightning_chunk.ChunkEMA, which keeps "
-                        "each rank's share beside the shards (torch's AveragedModel reads the parameters after each "
-                        "step, where they are released)."
+                        "each rank's share beside the shards, or make and update torch's AveragedModel inside that "
+                        "block too (its update_parameters reads the parameters after each step, where they are "
+                        "released)."
                     )
         del module.__dict__["__deepcopy__"]
         try:
