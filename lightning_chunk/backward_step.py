@@ -135,10 +135,15 @@ def choose_step_in_backward(
 
 def step_hooks(optimizers: Sequence[Optimizer]) -> str | None:
     """The step hooks a user registered on ``optimizers`` or on every optimizer, which ``step()`` runs around each
-    call: stepping in backward calls it once a chunk, with the other chunks not stepped yet; ``None`` without."""
+    call: stepping in backward calls it once a chunk, with the other chunks not stepped yet; ``None`` without.
+    torch's own (the profiler's step counter, under ``KINETO_USE_DAEMON``) reads nothing and is left out."""
     from torch.optim import optimizer as torch_optimizer
 
-    if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+    every = [
+        *torch_optimizer._global_optimizer_pre_hooks.values(),
+        *torch_optimizer._global_optimizer_post_hooks.values(),
+    ]
+    if any(not getattr(h, "__module__", "").startswith("torch.") for h in every):
         return "step hooks registered for every optimizer (register_optimizer_step_pre_hook or _post_hook)"
     for opt in optimizers:
         opt = getattr(opt, "_optimizer", opt)  # a LightningOptimizer wraps it

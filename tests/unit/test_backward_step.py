@@ -87,3 +87,28 @@ def test_the_engine_alone_steps_after_backward():
     model = ParityNet()
     engine = ChunkEngine(model, [torch.optim.AdamW(model.parameters())], config=ChunkConfig(placement="device"))
     assert engine.early is None
+
+
+def test_a_global_step_hook_of_the_user_is_named_and_torch_s_own_profiler_counter_is_not():
+    """torch's profiler registers a global post-hook under ``KINETO_USE_DAEMON`` (a step counter): every fit on such a
+    cluster would lose stepping in backward to it."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from lightning_chunk.backward_step import step_hooks
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    def counter(*_):
+        pass
+
+    counter.__module__ = "torch.profiler"
+    handle = register_optimizer_step_post_hook(counter)
+    try:
+        assert step_hooks([opt]) is None
+        mine = register_optimizer_step_post_hook(lambda *_: None)
+        try:
+            assert "every optimizer" in (step_hooks([opt]) or "")
+        finally:
+            mine.remove()
+    finally:
+        handle.remove()
