@@ -89,7 +89,7 @@ class _CopyGuard:
         mgr, module = self.mgr, self.module
         if not self.is_open():
             for name, i in self.mine.items():
-                if module._parameters.get(name) is mgr.params[i] and mgr.lookup(mgr.params[i])[0].params_parked:
+                if module._parameters.get(name) is mgr.params[i] and self._released(i):
                     raise ChunkError(
                         f"copy.deepcopy would copy parameter {mgr.specs[i].name!r} as NaN: chunk_offload released its "
                         "chunk after use, and a parameter shows a placeholder until the next gather. Copy inside "
@@ -104,6 +104,12 @@ class _CopyGuard:
             return copy.deepcopy(module, memo)
         finally:
             module.__dict__["__deepcopy__"] = self
+
+    def _released(self, i: int) -> bool:
+        try:
+            return bool(self.mgr.lookup(self.mgr.params[i])[0].params_parked)
+        except KeyError:  # not packed (set-up, a repack): the parameter holds its own value
+            return False
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _no_guard, ()
