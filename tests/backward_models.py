@@ -1,7 +1,7 @@
 """Models whose backward is out of the ordinary: activation checkpointing (a module's forward runs again inside
 backward), a block run twice a step, frozen layers beside trainable adapters (LoRA's shape, and a checkpoint that
 keeps the adapters only), a gradient penalty (a backward through the graph of another), a save asked for in
-backward."""
+backward, gradients zeroed in place rather than set to ``None``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,17 @@ class GradPenalty(ParityNet):
 
 class ReorderedGradPenalty(GradPenalty, ReorderedNet):
     """The gradient penalty on a model registered in another order than it is used."""
+
+
+class ZeroesInPlace(ParityNet):
+    """``zero_grad(set_to_none=False)``: a parameter unused in a step keeps a zero gradient, which AdamW steps."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+
+
+class ReorderedZeroesInPlace(ZeroesInPlace, ReorderedNet):
+    """The same, registered in another order than it is used (with ``variant="unused"`` the branch comes first)."""
 
 
 class ReusedCheckpointedNet(ParityNet):

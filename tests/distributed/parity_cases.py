@@ -440,6 +440,16 @@ CASES = {
     "autocast_off_bf16": dict(
         cls="AutocastOff", bf16=True, trainer=dict(limit_val_batches=1, num_sanity_val_steps=1), resume_at=8
     ),
+    # an own zero_grad(set_to_none=False): an unused branch's zero gradient steps (so the default steps after backward)
+    "zeroed_in_place": dict(
+        cls="ReorderedZeroesInPlace",
+        variant="unused",
+        model=dict(dim=64, hidden=512, depth=3),
+        resume_at=5,
+        limit_fractions=(2.0, 3.0),
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None),
+    ),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{
         f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")

@@ -32,6 +32,7 @@ FOUR = [
     "reused_reentrant_limit",
     "called_twice_limit",  # R-Drop under limits that differ by rank, registered out of use order, resumed
     "static_limit",  # static placement: its device shards counted in every limit check, ranks limited apart
+    "zeroed_in_place",  # gradients zeroed in place: an unused branch steps with zeros, as on DDP
     "autocast_off_bf16",  # the marks agreed on one communicator of four, and moved again on the resume
 ]
 CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together

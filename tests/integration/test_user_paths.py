@@ -15,6 +15,7 @@ from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.engine import ChunkError
 from lightning_chunk.options import grouped
 from tests import models
+from tests.backward_models import ZeroesInPlace
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import ParityNet, fit, quiet_trainer, token_data
 
@@ -411,11 +412,6 @@ def test_a_training_step_returning_none_skips_its_batch_as_plain_lightning_does(
 
 
 # ------------------------------------------------------------------ gradients zeroed, not set to None
-class ZeroesInPlace(ParityNet):
-    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
-        optimizer.zero_grad(set_to_none=False)
-
-
 @pytest.mark.parametrize("acc", [1, 2])
 def test_gradients_zeroed_in_place_step_an_unused_branch_as_plain_lightning_does(acc):
     """With ``zero_grad(set_to_none=False)`` a branch unused in a step keeps a zero gradient, and AdamW moves it

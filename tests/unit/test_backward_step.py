@@ -7,6 +7,7 @@ import torch
 
 from lightning_chunk import ChunkTelemetry
 from lightning_chunk.backward_step import choose_step_in_backward, clip_value
+from tests.backward_models import ZeroesInPlace
 from tests.callbacks import GradNormsAndEdits, GradsAfterBackward
 from tests.models import ManualNet, ParityNet, quiet_trainer
 
@@ -23,11 +24,6 @@ class LogsGradients(ParityNet):
 class StepsItsOwnWay(ParityNet):
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
-
-
-class ZeroesInPlace(ParityNet):
-    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
-        optimizer.zero_grad(set_to_none=False)
 
 
 def test_a_fit_with_nothing_reading_gradients_steps_in_backward(tmp_path):
