@@ -175,5 +175,5 @@ def test_bf16_true_steps_with_the_default_kernel_exactly_as_plain_lightning(opti
     loop: 2.4% from DDP after 9 steps on two ranks. Such a group now steps with torch's own default."""
     kw = dict(precision="bf16-true", optimizer=optimizer if optimizer == "sgd" else "Adagrad")
     ref = fit_model(ParityNet, "auto", **kw)
-    got = fit_model(ParityNet, ChunkOffloadStrategy(chunk_numel=4096), **kw)
+    got = fit_model(ParityNet, ChunkOffloadStrategy(), **kw)  # the defaults a user gets
     torch.testing.assert_close(dict(got.named_parameters()), dict(ref.named_parameters()), **EXACT)
