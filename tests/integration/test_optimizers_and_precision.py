@@ -10,8 +10,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision
 from lightning_chunk.options import grouped
-from tests.compare import EXACT, relative_update_error
-from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, quiet_trainer, token_data
+from tests.compare import EXACT, assert_same_params, relative_update_error
+from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
 
 
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
@@ -177,3 +177,61 @@ def test_bf16_true_steps_with_the_default_kernel_exactly_as_plain_lightning(opti
     ref = fit_model(ParityNet, "auto", **kw)
     got = fit_model(ParityNet, ChunkOffloadStrategy(), **kw)  # the defaults a user gets
     torch.testing.assert_close(dict(got.named_parameters()), dict(ref.named_parameters()), **EXACT)
+
+
+class GroupCountedSGD(torch.optim.Optimizer):
+    """SGD whose learning rate warms up by a count kept in each param group, as schedule-free AdamW keeps ``k`` and
+    ``weight_sum`` there: an update that reads the group's own state, advanced by every ``step()`` call."""
+
+    def __init__(self, params, lr=1e-2, warmup=8):
+        super().__init__(params, dict(lr=lr, warmup=warmup, k=0))
+        for g in self.param_groups:
+            g["weight_sum"] = torch.zeros(())  # a tensor each call changes in place
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            g["k"] += 1
+            g["weight_sum"].add_(min(1.0, g["k"] / g["warmup"]))
+            g["scheduled_lr"] = g["lr"] * g["weight_sum"].item() / g["k"]  # an entry the first call adds
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["scheduled_lr"])
+        return loss
+
+
+class GroupCounted(ParityNet):
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        return GroupCountedSGD([{"params": decay}, {"params": [p for p in self.parameters() if p.dim() < 2]}])
+
+
+@pytest.mark.parametrize("case", ["in_backward", "clip_norm_in_backward", "disk"])
+def test_an_optimizer_keeping_state_in_its_param_groups_counts_one_step_a_step(case, tmp_path):
+    """Stepping in backward (the default) calls ``step()`` once a chunk, a speculated chunk undone by the clip again
+    after backward, the disk tier once a disk chunk: each call advanced the groups' counters, so the learning rate
+    warmed up once a chunk, silently ([Note: group state in partial steps])."""
+    kw = {"gradient_clip_val": 0.05} if case == "clip_norm_in_backward" else {}
+    opts = dict(assume_elementwise_optimizer=True)
+    if case == "disk":
+        opts |= dict(placement="host", host_memory_limit="160KB", disk_dir=tmp_path, step_in_backward=False)
+    else:  # on host shards a chunk steps on the guess that the clip leaves it alone, undone where it does not
+        opts |= dict(step_in_backward=True, placement="host" if kw else "device")
+    ref = fit("auto", cls=GroupCounted, steps=12, **kw)
+    strategy = chunk(**opts)
+    got = fit(strategy, cls=GroupCounted, steps=12, **kw)
+    assert_same_params(ref, got, EXACT)
+    got_groups = got.trainer_ref.optimizers[0].param_groups
+    for a, b in zip(ref.trainer_ref.optimizers[0].param_groups, got_groups, strict=True):
+        assert (b["k"], b["scheduled_lr"], float(b["weight_sum"])) == (
+            a["k"],
+            a["scheduled_lr"],
+            float(a["weight_sum"]),
+        )
+    stats = strategy.memory_stats()
+    seen = {"in_backward": "chunks_stepped_in_backward", "clip_norm_in_backward": "speculation_rollbacks"}
+    assert stats[seen.get(case, "disk_shards")] >= 2

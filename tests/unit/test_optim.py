@@ -110,3 +110,30 @@ def test_optimizer_state_round_trips_through_the_plain_format():
     eng.bindings[0].load_plain_state_dict(ref)
     for k, v in enumerate(o.param_groups[0]["params"]):
         torch.testing.assert_close(o.state[v]["exp_avg_sq"], ref["state"][k]["exp_avg_sq"].reshape(-1))
+
+
+def test_a_step_of_several_calls_leaves_the_groups_as_one_call_and_a_skipped_one_as_none():
+    """[Note: group state in partial steps]: every call starts from the entries the step began with (a counter, a
+    tensor changed in place, an entry a call adds), the last call's stay, and a step undone puts the first back."""
+    from lightning_chunk.engine.optim.partial_steps import PartialSteps, only
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))], lr=0.1)
+    g = opt.param_groups[0]
+    g.update(k=0, total=torch.zeros(()))
+    steps = PartialSteps(opt)
+
+    def call(keep):
+        with only(opt, keep, steps):
+            g["k"] += 1
+            g["total"].add_(1)
+            g["added"] = len(g["params"])
+
+    for keep in (lambda v: v is g["params"][0], lambda v: True, lambda v: False):
+        call(keep)
+    steps.ended()
+    assert (g["k"], float(g["total"]), g["added"], len(g["params"])) == (1, 1.0, 0, 2)
+    call(lambda v: True)
+    call(lambda v: True)
+    steps.undone()
+    assert (g["k"], float(g["total"]), "lr" in g) == (1, 1.0, True)
+    assert g["added"] == 0  # present when the step began, so kept as it was

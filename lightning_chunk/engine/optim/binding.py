@@ -34,7 +34,8 @@ from ..memory.manager import ChunkManager
 from .disk_stepper import DiskStepper
 from .grad_slots import GradSlot, GradSlots
 from .host_adam import HostAdam
-from .kernels import check_optimizer, flags_set, kernel_flags, only, state_bytes_per_element
+from .kernels import check_optimizer, flags_set, kernel_flags, state_bytes_per_element
+from .partial_steps import PartialSteps, only
 
 __all__ = ["GradSlot", "OptimizerBinding", "OptimizerStateCarrier", "check_optimizer"]
 
@@ -64,6 +65,7 @@ class OptimizerBinding:
         one_pass = {"auto": "auto", "one_pass": True}.get(config.optimizer_kernel, False)
         self.host_adam = HostAdam(optimizer, manager, one_pass)
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
+        self.partial = PartialSteps(optimizer)  # [Note: group state in partial steps]
 
         # a step called on the optimizer itself, not through the engine, also lets a save in flight finish with the
         # shards first ([Note: training beside a save] in state/background_save.py)
@@ -131,8 +133,13 @@ class OptimizerBinding:
             stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
             if not stepped:
                 return self._step_rest(**kwargs)
-            with only(self.optimizer, lambda v: id(v) not in stepped):  # the optimizer still steps (its hooks, an LR
+            with self.narrowed(lambda v: id(v) not in stepped):  # the optimizer still steps (its hooks, an LR
                 return self._step_rest(**kwargs)  # scheduler's count), over the other views only
+
+    def narrowed(self, keep: Any) -> contextlib.AbstractContextManager[None]:
+        """A ``step()`` call of this step over the views ``keep`` accepts ([Note: a group's own state in a step made
+        of several calls] in ``partial_steps.py``)."""
+        return only(self.optimizer, keep, self.partial)
 
     def _step_rest(self, **kwargs: Any) -> Any:
         """``optimizer.step(**kwargs)`` over the views in ``param_groups``: one call, or with disk chunks among
@@ -277,7 +284,7 @@ class OptimizerBinding:
             rest = ids - stepped
             if not rest:
                 return None
-            with only(self.optimizer, lambda v: id(v) in rest):
+            with self.narrowed(lambda v: id(v) in rest):
                 return self._step_rest(**kwargs)
 
 

@@ -16,7 +16,7 @@ from ..system.host_heap import release_freed_memory
 from ..tiers.disk_io import beside_io
 from ..tiers.disk_staging import Staged
 from ..tiers.disk_storage import DiskStorage
-from .kernels import only, split_at_cache_lines
+from .kernels import split_at_cache_lines
 
 if TYPE_CHECKING:
     from .binding import OptimizerBinding
@@ -98,7 +98,7 @@ class DiskStepper:
         mgr, opt, storage = self.binding.manager, self._optimizer, self.disk
         chunk_of = {id(v): mgr.lookup(mgr.params[i])[0].chunk_id for i, v in self.binding.views().items()}
         out = None
-        with only(opt, lambda v: chunk_of.get(id(v)) not in disk):
+        with self.binding.narrowed(lambda v: chunk_of.get(id(v)) not in disk):
             if any(g["params"] for g in opt.param_groups):
                 out = opt.step(**kwargs)
         order = list(disk.values())
@@ -114,7 +114,7 @@ class DiskStepper:
                     else:
                         storage.prefetch(nxt, (Role.MASTER, Role.OPTIM), write=True)
                         storage.prefetch(nxt, (Role.GRAD,))
-                with only(opt, functools.partial(_in_chunk, chunk_of, c.chunk_id)):
+                with self.binding.narrowed(functools.partial(_in_chunk, chunk_of, c.chunk_id)):
                     if current is not None:
                         storage.staging.wait(current)
                         out = self._step_on(current, **kwargs)
@@ -193,7 +193,7 @@ class DiskStepper:
             )
             if clip is not None:
                 clip([with_grads.like(s.grad, Role.GRAD) for s in mine])  # type: ignore[arg-type]
-            with only(self._optimizer, lambda v: id(v) in ids), b.kernel(), self._beside_io():
+            with b.narrowed(lambda v: id(v) in ids), b.kernel(), self._beside_io():
                 self._step_on(with_grads, **kwargs)
             self.disk.staging.stage_out(staged, (Role.MASTER, Role.OPTIM))
             return True

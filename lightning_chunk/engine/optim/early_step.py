@@ -10,8 +10,9 @@ gradient, so a rank holds the gradients of a few chunks at a time instead of all
 
 The update is the plain step's, bit for bit: the optimizer is element-wise (``check_optimizer``), so stepping a
 chunk's views alone computes what one ``step()`` over every view computes, with the same hyperparameters
-(the LR scheduler steps after ``optimizer.step()``, so the learning rate is the step's). It is exact only when
-nothing after backward may change the gradients or veto the step. Clipping by value changes each element alone
+(the LR scheduler steps after ``optimizer.step()``, so the learning rate is the step's), and what an optimizer keeps
+in its param groups advances once a step ([Note: group state in partial steps] in ``partial_steps.py``). It is exact
+only when nothing after backward may change the gradients or veto the step. Clipping by value changes each element alone
 ([Note: clipping by value in backward]); clipping by norm and fp16 loss scaling read every gradient before any
 step (the norm, an overflow), so with them host chunks step on a guess that is checked after backward and undone
 where wrong ([Note: speculating past the norm and the overflow] in ``speculation.py``). Refused up front: several

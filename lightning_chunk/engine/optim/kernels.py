@@ -125,18 +125,3 @@ def flags_set(optimizer: torch.optim.Optimizer, flags: list[dict[str, Any]]) -> 
                     g[k] = old[k]
                 else:
                     g.pop(k, None)
-
-
-@contextlib.contextmanager
-def only(optimizer: torch.optim.Optimizer, keep: Any) -> Iterator[None]:
-    """Narrow every param group to the views ``keep`` accepts, and restore them after (also on an error):
-    hyperparameters, LR schedulers and per-view state stay as they are."""
-    groups = optimizer.param_groups
-    full = [g["params"] for g in groups]
-    try:
-        for g, params in zip(groups, full, strict=True):
-            g["params"] = [v for v in params if keep(v)]
-        yield
-    finally:
-        for g, params in zip(groups, full, strict=True):
-            g["params"] = params

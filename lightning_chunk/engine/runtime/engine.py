@@ -362,8 +362,9 @@ class ChunkEngine:
         if self.early is not None:
             self.early.finish()
         fresh = {c for b in bindings for c in b.fresh_low}
-        for b in bindings:
+        for b in bindings:  # [Note: group state in partial steps] in optim/partial_steps.py
             b.fresh_low = set()
+            b.partial.ended() if stepped else b.partial.undone()
         if stepped:
             self.manager.optim_state_made = True
             with self.manager.clock.measure("optimizer"):  # the compute-dtype copies are part of the step's cost
