@@ -61,30 +61,32 @@ class Turn(enum.IntEnum):
     REPEAT = 2  # predict only: the rank's batches ended; it repeats its last while the others run theirs
 
 
-def check_same_batches(trainer: Any, comm: Collectives) -> bool:
-    """Every rank calls this at the start of each batch ([Note: the same number of batches on every rank]). True
-    where this rank must repeat the batch after running it (``repeat_while_others_run``): predict, when it is
-    this rank's last and another rank has more."""
-    if comm.world_size == 1 or trainer is None:
-        return False
-    kind = next((k for a, k in _KIND.items() if getattr(trainer, a, False)), None)
-    if kind is None:
-        return False
-    loop = trainer.fit_loop.epoch_loop if kind == "training" else trainer._active_loop
-    fetcher = (trainer.fit_loop if kind == "training" else loop)._data_fetcher
-    if isinstance(fetcher, _DataLoaderIterDataFetcher):
-        return False
+def check_same_batches(trainer: Any, comm: Collectives, written: bool) -> tuple[bool, bool]:
+    """Every rank calls this at the start of each batch ([Note: the same number of batches on every rank]). First:
+    True where this rank must repeat the batch after running it (``repeat_while_others_run``): predict, when it is
+    this rank's last and another rank has more. Second: whether any rank's masters were ``written`` outside a step
+    ([Note: the optimizer's views written outside its step] in ``engine/memory/master_writes.py``), told with it."""
+    if comm.world_size == 1:
+        return False, written
+    kind = None if trainer is None else next((k for a, k in _KIND.items() if getattr(trainer, a, False)), None)
+    loop = None if kind is None else trainer.fit_loop.epoch_loop if kind == "training" else trainer._active_loop
+    fetcher = None if loop is None else (trainer.fit_loop if kind == "training" else loop)._data_fetcher
+    if loop is None or isinstance(fetcher, _DataLoaderIterDataFetcher):
+        return False, any(comm.values_of_ranks(written, what="the ranks telling whether their masters were written"))
+    assert kind is not None
     progress = loop.batch_progress
     index = progress.current.ready - 1  # this batch's position in the loop (ready counts it already)
     skipped = " or that skipped the rest of its epoch (on_train_batch_start returned -1)" if kind == "training" else ""
     turn = Turn.LAST if progress.is_last_batch else Turn.MORE
-    last = comm.values_of_ranks(
-        turn, what=f"the check that every rank runs {kind} batch {index} (not a rank whose batches ended{skipped})"
+    told = comm.values_of_ranks(
+        turn | written << 2,
+        what=f"the check that every rank runs {kind} batch {index} (not a rank whose batches ended{skipped})",
     )
+    last, written = [v & 3 for v in told], any(v >> 2 for v in told)
     if len(set(last)) == 1:
-        return False
+        return False, written
     if kind == "predict":
-        return turn == Turn.LAST and Turn.MORE in last
+        return turn == Turn.LAST and Turn.MORE in last, written
     count = trainer.num_training_batches if kind == "training" else sum(loop.max_batches)
     counts = comm.all_gather_object_on(count, comm.host_group())
     named = (

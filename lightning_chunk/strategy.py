@@ -31,6 +31,7 @@ from .engine.chunks.materialize import DeferredInit, meta_init
 from .engine.config import PlacementName
 from .engine.errors import explain_dtype_mismatch, explain_placeholder_write
 from .engine.files.weights import ModuleWeights, open_weights
+from .engine.memory import master_writes
 from .engine.memory.full_params import full_parameters
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.runtime.batches import input_bytes
@@ -343,8 +344,11 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     def _step(self, method: str, training: bool, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
         # every rank runs as many batches as the others; in predict, one whose batches end repeats (same_batches.py)
-        repeat = check_same_batches(self.lightning_module and self.lightning_module._trainer, self.engine.comm)
-        nbytes, step, engine = input_bytes(*args, **kwargs) if training else None, getattr(super(), method), self.engine
+        trainer, engine = self.lightning_module and self.lightning_module._trainer, self.engine
+        repeat, written = check_same_batches(trainer, engine.comm, master_writes.written(engine.manager))
+        if written:  # [Note: the optimizer's views written outside its step]
+            master_writes.refresh(engine.manager)
+        nbytes, step = input_bytes(*args, **kwargs) if training else None, getattr(super(), method)
 
         def run() -> Any:
             with engine.micro_batch(training=training, input_bytes=nbytes) as outputs:

@@ -17,6 +17,12 @@ ACCUMULATE = dict(
 AFTER = dict(
     step_in_backward=False
 )  # the twins of the early_* cases step after backward ([Note: stepping in backward])
+SCHEDULE_FREE = dict(
+    cls="ScheduleFreeNet",
+    model=dict(dim=64, hidden=512, depth=3),
+    trainer=dict(val_check_interval=4, limit_val_batches=2),
+    strategy=dict(assume_elementwise_optimizer=True, chunk_numel=None, chunk_numel_min=4096),
+)
 CASES = {
     "plain": dict(strategy=AFTER),
     "clip_norm": dict(trainer=dict(gradient_clip_val=0.05)),
@@ -450,6 +456,9 @@ CASES = {
         trainer=dict(accumulate_grad_batches=2),
         strategy=dict(chunk_numel=None),
     ),
+    # schedule-free: eval() and train() around each validation write the masters through the optimizer's views
+    # ([Note: the optimizer's views written outside its step]); its counters live in the param groups
+    "schedule_free_limit": dict(SCHEDULE_FREE, limit_fraction=1.2),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{
         f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")

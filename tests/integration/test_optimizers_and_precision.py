@@ -12,6 +12,7 @@ from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
+from tests.optimizer_models import ScheduleFreeNet
 
 
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
@@ -235,3 +236,18 @@ def test_an_optimizer_keeping_state_in_its_param_groups_counts_one_step_a_step(c
     stats = strategy.memory_stats()
     seen = {"in_backward": "chunks_stepped_in_backward", "clip_norm_in_backward": "speculation_rollbacks"}
     assert stats[seen.get(case, "disk_shards")] >= 2
+    assert stats["masters_written"] == 0  # nothing wrote a master outside a step
+
+
+def test_an_optimizer_writing_its_parameters_outside_step_is_what_the_next_forward_computes_with():
+    """Schedule-free's ``optimizer.eval()`` before validation and ``.train()`` after write the masters through the
+    optimizer's views; under a device limit the compute copies kept the old values where resident and took the new
+    ones where gathered: validation and training left plain Lightning's ([Note: the optimizer's views written
+    outside its step])."""
+    kw = dict(cls=ScheduleFreeNet, steps=12, val_check_interval=4, limit_val_batches=2)
+    ref = fit("auto", **kw)
+    strategy = chunk(assume_elementwise_optimizer=True, device_memory_limit=200_000)
+    got = fit(strategy, **kw)
+    assert got.val_losses == ref.val_losses and len(ref.val_losses) == 6
+    assert_same_params(ref, got, EXACT)
+    assert strategy.memory_stats()["masters_written"] == 5  # after each eval() and train() but the last

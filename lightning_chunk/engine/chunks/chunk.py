@@ -226,6 +226,7 @@ class Chunk:
         False  # the gradient shard's memory is given back until the next gradient ([Note: stepping in backward])
     )
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
+    master_seen: tuple[int, int] | None = None  # [Note: the optimizer's views written outside its step]
 
     # ----------------------------------------------------------------- identity
     @property

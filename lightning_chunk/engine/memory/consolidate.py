@@ -17,6 +17,7 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.repack import piece_range
 from .manager import ChunkManager
+from .master_writes import copies_made
 
 _HOST = torch.device("cpu")
 
@@ -122,6 +123,8 @@ def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unch
             touched = True
         if touched and chunk.is_resident and not chunk.aliased:
             mgr.release(chunk, eviction=False)  # stale: re-gathered on next use
+        if touched:
+            copies_made(chunk)  # [Note: the optimizer's views written outside its step] in master_writes.py
 
 
 def _per_element(v: Any, numel: int) -> bool:

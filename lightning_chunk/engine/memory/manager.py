@@ -34,6 +34,7 @@ from ..tiers.pool import BlockPool
 from ..tiers.tier_set import TierSet
 from .grads import ChunkGrads
 from .ledger import Ledger
+from .master_writes import copies_made
 from .shard_readers import ShardReaders
 
 S = TensorState
@@ -47,6 +48,7 @@ class TransferStats:
     evictions: int = 0
     gathers: int = 0
     waiting_releases: int = 0  # payloads released while their gradients waited to reduce (the last resort)
+    masters_written: int = 0  # batches before which the compute copies were made again ([Note: the optimizer's ...])
 
 
 class ChunkManager:
@@ -197,6 +199,7 @@ class ChunkManager:
                 self.reserve_optimizer_state(optim_bytes, [chunk])
             values.placed(chunk)
             self.tiers.page_out(chunk)  # what the build and the carried state wrote leaves the process
+            copies_made(chunk)
             self.changed()
         self.chunks.sort(key=lambda c: c.chunk_id)
         assert values.done()
@@ -367,14 +370,17 @@ class ChunkManager:
         *,
         fresh: Collection[int] = (),
         chunks: Collection[Chunk] | None = None,
+        waiting_grads: bool = False,
     ) -> None:
         """After a step: refresh the compute-dtype copies from the masters of the chunks of param groups
         ``groups`` (those of the optimizer that stepped; every chunk when ``None``) but the chunks in ``fresh``
-        (ids: the step wrote their copies itself); drop their stale payloads. ``chunks``: these, frozen or not."""
+        (ids: the step wrote their copies itself); drop their stale payloads. ``chunks``: these, frozen or not.
+        ``waiting_grads``: a payload whose gradients wait to reduce goes too (between accumulated micro-batches)."""
         stepped = None if groups is None else set(groups)
         for c in self.chunks if chunks is None else chunks:
             if chunks is None and (not c.trainable or (stepped is not None and c.spec.key.group not in stepped)):
                 continue
+            copies_made(c)  # [Note: the optimizer's views written outside its step] in master_writes.py
             if c.aliased:
                 if not c.master_is_payload():
                     lo, hi = c.shard_range
@@ -388,7 +394,7 @@ class ChunkManager:
                 with self.tiers.reading(c, (Role.MASTER,)):
                     c.low.copy_(c.master)
             if c.is_resident:
-                self.release(c, eviction=False)
+                self.release(c, eviction=False, waiting_grads=waiting_grads)
         self.changed()
 
     def forget_layout(self) -> None:

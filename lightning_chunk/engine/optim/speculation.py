@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ..chunks.chunk import Chunk, Tier
+from ..memory.master_writes import copies_made
 from .binding import OptimizerBinding
 from .grad_slots import GradSlot
 from .scaler import DynamicLossScaler
@@ -127,6 +128,7 @@ class Speculation:
         if u.low is not None:
             assert chunk.low is not None
             chunk.low.copy_(u.low)
+        copies_made(chunk)  # master and compute copy as before the step: no write of the user's
         state = self.binding.optimizer.state
         for view, before in u.state:
             if before is None:  # its first step made the state: torch makes it again
