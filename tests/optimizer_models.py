@@ -9,7 +9,52 @@ import torch.nn.functional as F
 from tests.models import VOCAB, ParityNet, token_data
 
 
-class ScheduleFreeSGD(torch.optim.Optimizer):
+class _Stepped(torch.optim.Optimizer):
+    """``step(closure)`` as torch's optimizers take it (Lightning passes the closure); ``update`` steps."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.update()
+        return loss
+
+    def update(self) -> None:
+        raise NotImplementedError
+
+
+class GroupCountedSGD(_Stepped):
+    """SGD whose learning rate warms up by a count kept in each param group, as schedule-free AdamW keeps ``k`` and
+    ``weight_sum`` there: an update that reads the group's own state, advanced by every ``step()`` call."""
+
+    def __init__(self, params, lr: float = 1e-2, warmup: int = 8) -> None:
+        super().__init__(params, dict(lr=lr, warmup=warmup, k=0))
+        for g in self.param_groups:
+            g["weight_sum"] = torch.zeros(())  # a tensor each call changes in place
+
+    def update(self) -> None:
+        for g in self.param_groups:
+            g["k"] += 1
+            g["weight_sum"].add_(min(1.0, g["k"] / g["warmup"]))
+            g["scheduled_lr"] = g["lr"] * g["weight_sum"].item() / g["k"]  # an entry the first call adds
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["scheduled_lr"])
+
+
+class GroupCounted(ParityNet):
+    def configure_optimizers(self):
+        return GroupCountedSGD(_two_groups(self))
+
+
+def _two_groups(model: torch.nn.Module) -> list[dict]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    return [{"params": decay}, {"params": [p for p in model.parameters() if p.dim() < 2]}]
+
+
+class ScheduleFreeSGD(_Stepped):
     """Schedule-free SGD as ``schedulefree.SGDScheduleFree`` steps it (Defazio et al., 2024), without warm-up: the
     parameter is ``y`` while training and its average ``x`` while evaluating; ``eval()`` and ``train()`` move every
     parameter between the two in place, outside ``step()``, and the step count and averaging weights live in the
@@ -36,12 +81,7 @@ class ScheduleFreeSGD(torch.optim.Optimizer):
                     p.lerp_(z, 1 - g["beta"] if train else 1 - 1 / g["beta"])
             g["train_mode"] = train
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def update(self) -> None:
         for g in self.param_groups:
             g["k"] += 1
             g["weight_sum"] += g["lr"] ** 2
@@ -53,7 +93,6 @@ class ScheduleFreeSGD(torch.optim.Optimizer):
                 p.lerp_(z, ckp1)
                 p.add_(p.grad, alpha=g["lr"] * (g["beta"] * (1 - ckp1) - 1))
                 z.sub_(p.grad, alpha=g["lr"])
-        return loss
 
 
 class ScheduleFreeNet(ParityNet):
@@ -65,8 +104,7 @@ class ScheduleFreeNet(ParityNet):
         self.val_losses: list[float] = []
 
     def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        return ScheduleFreeSGD([{"params": decay}, {"params": [p for p in self.parameters() if p.dim() < 2]}])
+        return ScheduleFreeSGD(_two_groups(self))
 
     def on_validation_epoch_start(self) -> None:
         self.optimizers().optimizer.eval()

@@ -12,7 +12,7 @@ from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
-from tests.optimizer_models import ScheduleFreeNet
+from tests.optimizer_models import GroupCounted, ScheduleFreeNet
 
 
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
@@ -178,37 +178,6 @@ def test_bf16_true_steps_with_the_default_kernel_exactly_as_plain_lightning(opti
     ref = fit_model(ParityNet, "auto", **kw)
     got = fit_model(ParityNet, ChunkOffloadStrategy(), **kw)  # the defaults a user gets
     torch.testing.assert_close(dict(got.named_parameters()), dict(ref.named_parameters()), **EXACT)
-
-
-class GroupCountedSGD(torch.optim.Optimizer):
-    """SGD whose learning rate warms up by a count kept in each param group, as schedule-free AdamW keeps ``k`` and
-    ``weight_sum`` there: an update that reads the group's own state, advanced by every ``step()`` call."""
-
-    def __init__(self, params, lr=1e-2, warmup=8):
-        super().__init__(params, dict(lr=lr, warmup=warmup, k=0))
-        for g in self.param_groups:
-            g["weight_sum"] = torch.zeros(())  # a tensor each call changes in place
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for g in self.param_groups:
-            g["k"] += 1
-            g["weight_sum"].add_(min(1.0, g["k"] / g["warmup"]))
-            g["scheduled_lr"] = g["lr"] * g["weight_sum"].item() / g["k"]  # an entry the first call adds
-            for p in g["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-g["scheduled_lr"])
-        return loss
-
-
-class GroupCounted(ParityNet):
-    def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        return GroupCountedSGD([{"params": decay}, {"params": [p for p in self.parameters() if p.dim() < 2]}])
 
 
 @pytest.mark.parametrize("case", ["in_backward", "clip_norm_in_backward", "disk"])
