@@ -457,8 +457,8 @@ CASES = {
         strategy=dict(chunk_numel=None),
     ),
     # schedule-free: eval() and train() around each validation write the masters through the optimizer's views
-    # ([Note: the optimizer's views written outside its step]); its counters live in the param groups
-    "schedule_free_limit": dict(SCHEDULE_FREE, limit_fraction=1.2),
+    # ([Note: the optimizer's views written outside its step]); its counters live in the param groups; resumed
+    "schedule_free_limit": dict(SCHEDULE_FREE, limit_fraction=1.2, resume_at=6),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{
         f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")

@@ -34,7 +34,7 @@ FOUR = [
     "static_limit",  # static placement: its device shards counted in every limit check, ranks limited apart
     "zeroed_in_place",  # gradients zeroed in place: an unused branch steps with zeros, as on DDP
     "autocast_off_bf16",  # the marks agreed on one communicator of four, and moved again on the resume
-    "schedule_free_limit",  # masters written outside the step on some ranks: every rank makes its copies again
+    "schedule_free_limit",  # masters written outside the step, every rank makes its copies again; resumed
 ]
 CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together
 RELATIVE = 1e-3  # of the distance training moved the parameter
