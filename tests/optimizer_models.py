@@ -44,6 +44,36 @@ class GroupCountedSGD(_Stepped):
                     p.add_(p.grad, alpha=-g["scheduled_lr"])
 
 
+class TrustRatioSGD(_Stepped):
+    """SGD scaled by each parameter's trust ratio ``|p| / |g|``, as LAMB and LARS scale theirs: not element-wise, its
+    update of an element reads the whole parameter."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    def update(self) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] * float(p.norm() / (p.grad.norm() + 1e-12)))
+
+
+class GroupNormalizedSGD(_Stepped):
+    """SGD on gradients divided by the norm of the whole group's, as Prodigy's step size sums over the group: its
+    update of an element reads every parameter of the group."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    def update(self) -> None:
+        for g in self.param_groups:
+            grads = [p.grad for p in g["params"] if p.grad is not None]
+            norm = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads]))) if grads else 1.0
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] / (norm + 1e-12))
+
+
 class GroupCounted(ParityNet):
     def configure_optimizers(self):
         return GroupCountedSGD(_two_groups(self))

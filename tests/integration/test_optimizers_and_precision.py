@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision
+from lightning_chunk.engine.errors import UnsupportedOptimizerError
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
-from tests.optimizer_models import GroupCounted, ScheduleFreeNet
+from tests.optimizer_models import GroupCounted, GroupNormalizedSGD, ScheduleFreeNet
 
 
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
@@ -220,3 +221,18 @@ def test_an_optimizer_writing_its_parameters_outside_step_is_what_the_next_forwa
     assert got.val_losses == ref.val_losses and len(ref.val_losses) == 6
     assert_same_params(ref, got, EXACT)
     assert strategy.memory_stats()["masters_written"] == 5  # after each eval() and train() but the last
+
+
+class GroupNormalized(ParityNet):
+    def configure_optimizers(self):
+        return GroupNormalizedSGD(self.parameters(), lr=0.05)
+
+
+def test_an_optimizer_wrongly_taken_as_element_wise_is_refused_where_it_would_train_otherwise():
+    """A group-wide gradient norm (Prodigy's kind) stepped a chunk at a time under the default step_in_backward
+    computed each chunk's own norm, silently; it is refused there, and steps as plain Lightning's in one call."""
+    with pytest.raises(UnsupportedOptimizerError, match=r"GroupNormalizedSGD.*across the parameters of a group"):
+        fit(chunk(assume_elementwise_optimizer=True), cls=GroupNormalized, steps=2)
+    ref = fit("auto", cls=GroupNormalized, steps=6)
+    got = fit(chunk(assume_elementwise_optimizer=True, step_in_backward=False), cls=GroupNormalized, steps=6)
+    assert_same_params(ref, got, EXACT)

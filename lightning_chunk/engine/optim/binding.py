@@ -50,7 +50,7 @@ class OptimizerBinding:
     def __init__(
         self, optimizer: torch.optim.Optimizer, manager: ChunkManager, group_offset: int, config: ChunkConfig
     ) -> None:
-        check_optimizer(optimizer, config)
+        check_optimizer(optimizer, config, manager.comm.world_size)
         self.optimizer = optimizer
         self.manager = manager
         self.config = config

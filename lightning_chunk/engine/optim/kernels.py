@@ -11,6 +11,7 @@ import torch
 
 from ..config import ChunkConfig
 from ..errors import UnsupportedOptimizerError
+from .elementwise import ACROSS, WITHIN, dependence
 
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
@@ -18,7 +19,9 @@ ELEMENTWISE = frozenset(
 SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world_size: int = 1) -> None:
+    """Refuse an optimizer that cannot step flat pieces of parameters, or one taken as element-wise whose twins show
+    otherwise where this run would split its update ([Note: an optimizer said to be element-wise])."""
     name = type(optimizer).__name__
     is_torch = type(optimizer).__module__.startswith("torch.optim")
     if name in SHAPE_DEPENDENT:
@@ -33,6 +36,29 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig) -> No
             f"{', '.join(sorted(ELEMENTWISE))}. "
             "If yours is element-wise, pass assume_elementwise_optimizer=True to the strategy."
         )
+    if not (is_torch and name in ELEMENTWISE):
+        _check_the_word(optimizer, config, world_size)
+
+
+def _check_the_word(optimizer: torch.optim.Optimizer, config: ChunkConfig, world_size: int) -> None:
+    found = dependence(optimizer)
+    splits = [f"{world_size} ranks each step their own pieces"] if world_size > 1 else []
+    if found == ACROSS:
+        splits += ["step_in_backward=True steps each chunk in a call of its own"] if config.step_in_backward else []
+        if config.host_memory_limit is not None:
+            splits.append("a host_memory_limit may put chunks on the disk tier, stepped one at a time")
+    if found is None or not splits:
+        return
+    cls = type(optimizer)
+    alone = "one rank" if found == WITHIN else "one rank with step_in_backward=False and no host_memory_limit"
+    raise UnsupportedOptimizerError(
+        f"{cls.__module__}.{cls.__qualname__} was taken as element-wise (assume_elementwise_optimizer=True), but its "
+        f"update of an element reads other elements {found}: stepped on twins, 64 elements as one parameter, as two "
+        "parameters and in two optimizers gave different updates (a norm over a parameter as in LAMB or LARS, a sum "
+        f"over the group as in Prodigy). Here {' and '.join(splits)}, so each would compute another update, "
+        f"silently. Use an element-wise optimizer ({', '.join(sorted(ELEMENTWISE))}); on {alone} this one steps "
+        "as in plain PyTorch ([Note: an optimizer said to be element-wise] in engine/optim/elementwise.py)."
+    )
 
 
 def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
