@@ -142,14 +142,14 @@ def test_a_step_of_several_calls_leaves_the_groups_as_one_call_and_a_skipped_one
 def test_an_optimizer_taken_as_element_wise_is_refused_where_its_twins_show_it_would_compute_otherwise():
     """[Note: an optimizer said to be element-wise]: a trust ratio (LAMB) reads its parameter, refused on several
     ranks; a group norm (Prodigy) reads its group, refused wherever a group is stepped in several calls."""
-    from lightning_chunk.engine.optim.elementwise import ACROSS, WITHIN, dependence
+    from lightning_chunk.engine.optim.elementwise import Dependence, dependence
     from lightning_chunk.engine.optim.kernels import check_optimizer
     from tests.optimizer_models import GroupCountedSGD, GroupNormalizedSGD, ScheduleFreeSGD, TrustRatioSGD
 
     def opt(cls):
         return cls(groups(net()))
 
-    assert [dependence(opt(c)) for c in (TrustRatioSGD, GroupNormalizedSGD)] == [WITHIN, ACROSS]
+    assert [dependence(opt(c)) for c in (TrustRatioSGD, GroupNormalizedSGD)] == [Dependence.WITHIN, Dependence.ACROSS]
     assert [dependence(opt(c)) for c in (ScheduleFreeSGD, GroupCountedSGD, torch.optim.SGD)] == [None] * 3
     taken = dict(assume_elementwise_optimizer=True, placement="host")
     check_optimizer(opt(TrustRatioSGD), ChunkConfig(**taken, step_in_backward=True))  # whole parameters on one rank

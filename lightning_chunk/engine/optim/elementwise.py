@@ -17,16 +17,24 @@ update that depends on a parameter's shape (Shampoo's preconditioners) cannot be
 
 from __future__ import annotations
 
+import enum
 import inspect
 from typing import Any
 
 import torch
 
-WITHIN = "within a parameter"
-ACROSS = "across the parameters of a group"
+
+class Dependence(enum.Enum):
+    """What an element's update read beside the element, on the twins."""
+
+    ACROSS = "across the parameters of a group"  # refused where a group is stepped in several calls
+    WITHIN = "within a parameter"  # refused where a parameter is stepped in pieces (several ranks)
+
+    def __str__(self) -> str:
+        return self.value
 
 
-def dependence(optimizer: torch.optim.Optimizer) -> str | None:
+def dependence(optimizer: torch.optim.Optimizer) -> Dependence | None:
     """``ACROSS`` or else ``WITHIN`` where a group's update of an element read other elements on the twins, else
     ``None`` (element-wise as far as twins show, or twins that could not be built)."""
     cls = type(optimizer)
@@ -46,9 +54,9 @@ def dependence(optimizer: torch.optim.Optimizer) -> str | None:
         except Exception:  # a constructor or step the twins cannot satisfy
             return None
         if not _close(together, apart):  # first: refused wherever the other is, and more
-            return ACROSS
+            return Dependence.ACROSS
         if not _close(whole, together):
-            return WITHIN
+            return Dependence.WITHIN
     return None
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..config import ChunkConfig
 from ..errors import UnsupportedOptimizerError
-from .elementwise import ACROSS, WITHIN, dependence
+from .elementwise import Dependence, dependence
 
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
@@ -43,14 +43,16 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
 def _check_the_word(optimizer: torch.optim.Optimizer, config: ChunkConfig, world_size: int) -> None:
     found = dependence(optimizer)
     splits = [f"{world_size} ranks each step their own pieces"] if world_size > 1 else []
-    if found == ACROSS:
+    if found is Dependence.ACROSS:
         splits += ["step_in_backward=True steps each chunk in a call of its own"] if config.step_in_backward else []
         if config.host_memory_limit is not None:
             splits.append("a host_memory_limit may put chunks on the disk tier, stepped one at a time")
     if found is None or not splits:
         return
     cls = type(optimizer)
-    alone = "one rank" if found == WITHIN else "one rank with step_in_backward=False and no host_memory_limit"
+    alone = (
+        "one rank" if found is Dependence.WITHIN else "one rank with step_in_backward=False and no host_memory_limit"
+    )
     raise UnsupportedOptimizerError(
         f"{cls.__module__}.{cls.__qualname__} was taken as element-wise (assume_elementwise_optimizer=True), but its "
         f"update of an element reads other elements {found}: stepped on twins, 64 elements as one parameter, as two "
