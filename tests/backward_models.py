@@ -205,7 +205,9 @@ def edited(strict: bool = False, replace_head: bool = False):
 
 
 def model_class(name: str) -> type:
-    """A test model by its class name, from this module, ``tests.models`` or ``tests.layer_models``."""
-    from tests import layer_models
+    """A test model by its class name, from this module, ``tests.models``, ``tests.layer_models`` or
+    ``tests.optimizer_models``."""
+    from tests import layer_models, optimizer_models
 
-    return globals().get(name) or getattr(models, name, None) or getattr(layer_models, name)
+    found = globals().get(name) or getattr(models, name, None) or getattr(layer_models, name, None)
+    return found or getattr(optimizer_models, name)

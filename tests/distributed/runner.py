@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_chunk import ChunkPrecision, ChunkTelemetry  # noqa: E402
-from tests import backward_models, callbacks, optimizer_models, precision_models  # noqa: E402
+from tests import backward_models, callbacks, precision_models  # noqa: E402
 from tests.distributed import checkpoint_cases as ck  # noqa: E402
 from tests.distributed import rank_models  # noqa: E402
 from tests.distributed import training_cases as tr  # noqa: E402
@@ -58,11 +58,10 @@ RUNS = {
 
 def model_class(name: str) -> type:
     """A case's model, by name: from ``tests.models``, ``precision_models``, ``optimizer_models`` or, where its use
-    differs across ranks, ``rank_models``."""
-    for module in (rank_models, precision_models, optimizer_models):
-        if hasattr(module, name):
-            return getattr(module, name)
-    return backward_models.model_class(name)
+    differs across ranks, ``rank_models`` (``backward_models.model_class`` looks in the others)."""
+    return (
+        getattr(rank_models, name, None) or getattr(precision_models, name, None) or backward_models.model_class(name)
+    )
 
 
 _DDP_RUNS: dict[str, tuple[dict[str, torch.Tensor], int]] = {}  # DDP's trained state and parameter bytes, by setup

@@ -40,6 +40,7 @@ MODELS = [
     ("ParametrizedNet", "plain"),
     ("TwoPassNet", "rdrop"),
     ("TwoPassNet", "teacher"),
+    ("ScheduleFreeNet", "plain"),  # its counters in the param groups; eval() and train() around each validation
 ]
 
 # where DDP itself cannot train: torch's CPU LSTM and GRU refuse bf16 under autocast; an orthogonal map computed in
@@ -65,6 +66,8 @@ def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]
         optimizer_kernel=rng.choice(["loop", "auto"]),
         chunk_numel=rng.choice([None, 2048, 4096, 20000]),
     )
+    if cls == "ScheduleFreeNet":  # not torch's: taken as element-wise, checked on twins
+        opts["assume_elementwise_optimizer"] = True
     for name in ("step_in_backward", "reshard_after_forward", "sharded_accumulation"):
         if rng.random() < 0.3 and (name != "reshard_after_forward" or opts["placement"] == "host"):
             opts[name] = rng.choice([True, False])  # reshard_after_forward: host placement's alone
