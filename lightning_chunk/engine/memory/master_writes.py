@@ -12,15 +12,15 @@ the new ones. Under a device limit a schedule-free run validated on a mixture of
 and then trained on averaged ones a chunk at a time: its losses and weights left plain Lightning's, silently.
 
 A write through a view moves the version counter it shares with its master. So every time the compute copies are
-made from the masters (``ChunkManager.write_back`` after a step, an EMA swap, a speculated step undone, a load) the
-chunk notes its master's storage and version (``copies_made``), and before every training and evaluation batch
-``written`` looks for a master whose counter moved since. Where one did on any rank (the ranks tell each other
-with the batch exchange, [Note: the same number of batches on every rank] in ``same_batches.py``: a rank whose
-shard holds no piece of a parameter sees no write), every rank makes every compute copy again from its masters,
-as after a step (``refresh``), so the ranks keep the same chunks resident. A new chunk (a repack) notes its master
-at its first check. A write through ``.data`` (``p.data.lerp_(...)``) has a version counter of its own and is not
-seen: the kernels of the optimizers we know write through the views. A master that is the payload (one rank, fp32,
-shard on the device) needs none of this: the write is in the compute copy already.
+made from the masters (``ChunkManager.pack``, ``write_back`` after a step, an EMA swap, a speculated step undone, a
+load) the chunk notes its master's storage and version (``copies_made``), and before every training and evaluation
+batch ``written`` looks for a master whose counter moved since. Where one did on any rank (the ranks tell each other
+with the batch exchange, [Note: the same number of batches on every rank] in ``same_batches.py``: a rank whose shard
+holds no piece of a parameter sees no write), every rank makes every compute copy again from its masters, as after a
+step (``refresh``), so the ranks keep the same chunks resident. A write through ``.data`` (``p.data.lerp_(...)``)
+has a version counter of its own and is not seen: the kernels of the optimizers we know write through the views. A
+master that is the payload (one rank, fp32, shard on the device) needs none of this: the write is in the compute
+copy already.
 """
 
 from __future__ import annotations
@@ -48,16 +48,8 @@ def copies_made(c: Chunk) -> None:
 
 
 def written(mgr: ChunkManager) -> bool:
-    """Whether some master of this rank was written since its compute copies were made (a new chunk notes its
-    master now)."""
-    out = False
-    for c in mgr.chunks:
-        key = master_key(c)
-        if c.master_seen is None:
-            c.master_seen = key
-        elif key != c.master_seen:
-            out = True
-    return out
+    """Whether some master of this rank was written since its compute copies were made."""
+    return any(master_key(c) != c.master_seen for c in mgr.chunks)
 
 
 def refresh(mgr: ChunkManager) -> None:

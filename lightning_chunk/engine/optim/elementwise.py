@@ -65,8 +65,7 @@ def _stepped(cls: type, kwargs: dict[str, Any], split: list[list[int]]) -> torch
     g = torch.Generator().manual_seed(0)
     start, grads = torch.randn(64, generator=g), [torch.randn(64, generator=g) for _ in range(3)]
     sizes = [n for ns in split for n in ns]
-    tensors = list(start.split(sizes))
-    tensors = [t.clone() for t in tensors]
+    tensors = [t.clone() for t in start.split(sizes)]
     twins, k = [], 0
     for ns in split:
         twins.append(cls(tensors[k : k + len(ns)], **kwargs))

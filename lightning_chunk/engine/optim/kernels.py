@@ -23,20 +23,20 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
     """Refuse an optimizer that cannot step flat pieces of parameters, or one taken as element-wise whose twins show
     otherwise where this run would split its update ([Note: an optimizer said to be element-wise])."""
     name = type(optimizer).__name__
-    is_torch = type(optimizer).__module__.startswith("torch.optim")
+    known = type(optimizer).__module__.startswith("torch.optim") and name in ELEMENTWISE
     if name in SHAPE_DEPENDENT:
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__qualname__} needs parameter shapes (or a closure over whole tensors), but "
             f"chunk_offload steps flat shards of parameters; use one of {', '.join(sorted(ELEMENTWISE))}."
         )
-    if not (is_torch and name in ELEMENTWISE) and not config.assume_elementwise_optimizer:
+    if not known and not config.assume_elementwise_optimizer:
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not known to update each element on its "
             "own; chunk_offload steps flat shards of parameters. Known element-wise optimizers: "
             f"{', '.join(sorted(ELEMENTWISE))}. "
             "If yours is element-wise, pass assume_elementwise_optimizer=True to the strategy."
         )
-    if not (is_torch and name in ELEMENTWISE):
+    if not known:
         _check_the_word(optimizer, config, world_size)
 
 

@@ -50,8 +50,7 @@ _Entries = list[dict[str, tuple[Any, Any]]]  # per group: key -> (the value, a c
 
 
 class PartialSteps:
-    """The groups' own entries as the current step found them ([Note: a group's own state in a step made of several
-    calls])."""
+    """The groups' own entries as the current step found them ([Note: group state in partial steps])."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
