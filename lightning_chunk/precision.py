@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 from .engine import ChunkEngine, DtypePolicy
 from .engine.config import OWN_DTYPE_MODULES
+from .engine.optim import shard_norms
 from .engine.optim.scaler import DynamicLossScaler
 from .engine.runtime.reads import reading, refuse_clipping_without_gradients
 
@@ -101,6 +102,7 @@ class ChunkPrecision(Precision):
         self._engine: ChunkEngine | None = None
         self._device_type = "cpu"
         self._warned_grad_reads = False
+        self._manual_norms = shard_norms.ManualWindow()  # [Note: a norm over the optimizer's gradient shards]
 
     # --------------------------------------------------------------- wiring
     def dtype_policy(self) -> DtypePolicy:
@@ -160,14 +162,30 @@ class ChunkPrecision(Precision):
         return data
 
     # ------------------------------------------------------------- backward
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        with super().train_step_context(), self._manual_norms.closed_after():
+            yield
+
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        self._manual_norms.close()
         if self.scaler is not None:
             tensor = self.scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
 
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        with reading(self._watch_grad_reads):  # on_after_backward ([Note: gradients read where they are not])
-            return super().post_backward(tensor, module)
+        with reading(self._watch_grad_reads), self._shard_norms():  # on_after_backward
+            out = super().post_backward(tensor, module)
+        if not module.automatic_optimization:  # the user's code up to opt.step()
+            self._manual_norms.open(self._view_grads, self.engine.comm.world_size)
+        return out
+
+    def _shard_norms(self) -> contextlib.AbstractContextManager[Any]:
+        """[Note: a norm over the optimizer's gradient shards] in ``engine/optim/shard_norms.py``."""
+        return shard_norms.watched(self._view_grads, self.engine.comm.world_size)
+
+    def _view_grads(self) -> list[Tensor]:
+        return [g for b in self.engine.bindings for g in b.slots.grads()]
 
     def _watch_grad_reads(self, param: Tensor, by_attribute: bool) -> None:
         """[Note: gradients read where they are not]
@@ -202,6 +220,7 @@ class ChunkPrecision(Precision):
         self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         engine = self.engine
+        self._manual_norms.close()  # a manual step: its own window below
         closure_result = closure()
         # ``training_step`` returned None: no backward. As Lightning's precisions do, step with what the earlier
         # micro-batches of an accumulation left (nothing, without one); skip the step only under a loss scaler
@@ -212,7 +231,7 @@ class ChunkPrecision(Precision):
         found_inf = False
         if self.scaler is not None and not skipped_backward:
             found_inf = engine.unscale_and_check(optimizer)
-        with reading(self._watch_grad_reads):  # [Note: gradients read where they are not]
+        with reading(self._watch_grad_reads), self._shard_norms():  # [Note: gradients read where they are not]
             self._after_closure(model, optimizer)
         stepped = not skip_step and not found_inf
         if stepped:

@@ -148,3 +148,39 @@ class ScheduleFreeNet(ParityNet):
 
     def val_dataloader(self):
         return token_data(16, seed=3)
+
+
+class ClipsOptimizerParams(ParityNet):
+    """torch's clipping over the optimizer's own parameters (``optimizer.param_groups``), not the module's, as a
+    training loop written for plain PyTorch does: ``how`` is ``group_norms`` (a norm a param group, in
+    ``on_before_optimizer_step``), ``total_norm`` (``get_total_norm`` in ``on_after_backward``), ``manual`` (norm
+    clipping after a manual backward) or ``value``."""
+
+    def __init__(self, how: str = "value", **kw) -> None:
+        super().__init__(**kw)
+        self.how = how
+        self.automatic_optimization = how != "manual"
+
+    def _params(self, optimizer) -> list[torch.Tensor]:
+        return [p for g in optimizer.param_groups for p in g["params"]]
+
+    def on_after_backward(self):
+        if self.how == "total_norm":
+            torch.nn.utils.get_total_norm([p.grad for p in self._params(self.optimizers()) if p.grad is not None])
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.how == "group_norms":
+            for g in optimizer.param_groups:
+                torch.nn.utils.clip_grad_norm_(g["params"], 0.05)
+        elif self.how == "value":
+            torch.nn.utils.clip_grad_value_(self._params(optimizer), 2e-3)
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1)))
+        torch.nn.utils.clip_grad_norm_(self._params(opt), 0.05)
+        opt.step()

@@ -61,6 +61,7 @@ LAUNCHED = [
     "uneven_batches",
     "static_limits",
     "fits_again",
+    "clip_over_optimizer",
 ]
 
 

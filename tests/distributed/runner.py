@@ -45,6 +45,7 @@ RUNS = {
     "uneven_batches": tr.run_uneven_batches,
     "static_limits": tr.run_static_limits,
     "fits_again": tr.run_fits_again,
+    "clip_over_optimizer": tr.run_clip_over_optimizer,
     "save_after_fit": ck.run_save_after_fit,
     "save_inside_a_step": ck.run_save_inside_a_step,
     "resume": ck.run_resume,

@@ -242,6 +242,25 @@ def test_ranks_with_different_numbers_of_batches_stop_together_naming_the_counts
             assert "use_distributed_sampler=True" in done[stage]
 
 
+@pytest.mark.cases("clip_over_optimizer")
+def test_torch_s_norm_clipping_over_the_optimizer_s_parameters_is_refused_and_clipping_by_value_trains_as_ddp(
+    parity_run,
+):
+    """[Note: a norm over the optimizer's gradient shards]: on two ranks the optimizer's parameters are each rank's
+    shards. torch's ``clip_grad_norm_`` over them took this rank's norm, and each rank clipped by its own factor:
+    0.0016 off DDP after a few steps (a third of an update), silently. Now it raises on every rank, before the step
+    (a call a param group, ``get_total_norm`` after backward, after a manual backward), naming the ways that take
+    the norm over every rank; clipping by value, element-wise, trains as DDP to the bit."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE clip_over_optimizer rank={r}" in log, log[-3000:]
+        done = json.loads((out / f"clip_over_optimizer.rank{r}.json").read_text())
+        for how in ("group_norms", "total_norm", "manual"):
+            assert "this rank's shards" in done[how] and "on 2 ranks" in done[how], (how, done)
+            assert "gradient_clip_val" in done[how] and "full_parameters(with_grads=True)" in done[how]
+        assert done["value_as_ddp"] is True
+
+
 @pytest.mark.cases("fits_again")
 def test_fit_after_fit_leaves_no_sockets_or_threads_behind(parity_run):
     """Each fit's gloo groups are destroyed at its teardown: the descriptors and threads after the sixth fit are

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions
-from tests import backward_models, callbacks, models
+from tests import backward_models, callbacks, models, optimizer_models
 from tests.distributed.harness import chunk_strategy, trainer
 from tests.models import ParityNet, token_data
 
@@ -383,3 +383,30 @@ def run_static_limits(out: Path) -> None:
     attempt("ddp", DDPStrategy())
     torch.save({"param_bytes": param_bytes, **done}, out / f"static_limits.rank{rank}.pt")
     print(f"CASE-DONE static_limits rank={rank}", flush=True)
+
+
+def run_clip_over_optimizer(out: Path) -> None:
+    """[Note: a norm over the optimizer's gradient shards]: torch's norm clipping over the optimizer's own parameters
+    (a call a param group before the step, ``get_total_norm`` after backward, after a manual backward) raises on
+    every rank; clipping by value there trains as DDP. Each rank saves what each did: the error's words, or the
+    value run's parameters beside DDP's."""
+    from lightning_chunk.engine import ChunkError
+
+    rank = int(os.environ.get("RANK", 0))
+    done: dict = {}
+    for how in ("group_norms", "total_norm", "manual"):
+        L.seed_everything(7, verbose=False)
+        try:
+            trainer(chunk_strategy(), steps=2).fit(optimizer_models.ClipsOptimizerParams(how), token_data())
+            done[how] = "ran"
+        except ChunkError as e:
+            done[how] = str(e)
+    states = []
+    for strategy in (DDPStrategy(), chunk_strategy()):
+        L.seed_everything(7, verbose=False)
+        model = optimizer_models.ClipsOptimizerParams("value")
+        trainer(strategy, steps=6).fit(model, token_data())
+        states.append(model.state_dict())
+    done["value_as_ddp"] = all(torch.equal(states[0][k], v) for k, v in states[1].items())
+    (out / f"clip_over_optimizer.rank{rank}.json").write_text(json.dumps(done))
+    print(f"CASE-DONE clip_over_optimizer rank={rank}", flush=True)

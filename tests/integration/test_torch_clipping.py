@@ -112,3 +112,15 @@ def test_the_ways_the_error_names_clip_as_plain_lightning_does(cls, how, variant
     got = train(chunk(), cls, how, variant)
     assert_same_params(ref, got, EXACT)
     assert got.norms == ref.norms and (how[0] != "norm" or min(ref.norms) > 0.05)  # the norms clipping saw
+
+
+@pytest.mark.parametrize("how", ["group_norms", "total_norm", "manual", "value"])
+def test_clipping_over_the_optimizer_s_parameters_on_one_rank_is_plain_lightning_s(how):
+    """[Note: a norm over the optimizer's gradient shards]: on one rank the optimizer's views are the parameters
+    whole, so torch's functions over ``optimizer.param_groups`` clip as in plain Lightning (two ranks refuse the
+    norm: ``test_two_rank_paths.py``)."""
+    from tests.optimizer_models import ClipsOptimizerParams
+
+    ref = fit("auto", steps=STEPS, cls=ClipsOptimizerParams, model_kwargs={"how": how})
+    got = fit(chunk(), steps=STEPS, cls=ClipsOptimizerParams, model_kwargs={"how": how})
+    assert_same_params(ref, got, EXACT)

@@ -162,3 +162,26 @@ def test_an_optimizer_taken_as_element_wise_is_refused_where_its_twins_show_it_w
     ):
         with pytest.raises(UnsupportedOptimizerError, match=rf"across the parameters of a group.*{why}"):
             check_optimizer(opt(GroupNormalizedSGD), ChunkConfig(**taken, **config))
+
+
+def test_the_manual_window_leaves_torch_s_mode_stack_as_the_user_s_code_left_it():
+    """[Note: a norm over the optimizer's gradient shards]: the window opens after a manual backward and closes at
+    the step; a mode the user's code entered in between and has not left stays, and only the window's goes."""
+    from torch.overrides import TorchFunctionMode
+
+    from lightning_chunk.engine.optim.shard_norms import ManualWindow, ShardNorms
+
+    def stack() -> list:
+        return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+    window, user = ManualWindow(), TorchFunctionMode()
+    window.open(list, world_size=1)  # one rank: nothing to watch
+    assert window.mode is None and stack() == []
+    window.open(list, world_size=2)
+    user.__enter__()
+    assert [type(m) for m in stack()] == [ShardNorms, TorchFunctionMode]
+    window.close()
+    assert stack() == [user]
+    user.__exit__(None, None, None)
+    window.close()  # closed twice: nothing more
+    assert stack() == []

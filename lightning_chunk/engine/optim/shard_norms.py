@@ -1,0 +1,116 @@
+"""torch's norm clipping over the optimizer's own parameters, on several ranks.
+
+[Note: a norm over the optimizer's gradient shards]
+The optimizer steps views of this rank's master shards (``binding.py``), and between backward and the step each view
+holds its slice of the gradient shard (``grad_slots.py``), as ``param.grad`` does in plain PyTorch. On one rank the
+views cover every parameter whole, and ``torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], ...)``
+(or one call a param group) is plain PyTorch's to the bit. On several ranks each rank holds its own pieces: the norm
+torch took was this rank's alone, each rank scaled its shard by a factor of its own, and training went away from DDP
+without a word (a third of an update off on two ranks after four steps).
+
+``ShardNorms`` watches where user code runs between backward and the step on several ranks: ``on_after_backward``,
+``on_before_optimizer_step`` with the clipping Lightning does after it, and a manual ``training_step`` from its
+backward to ``opt.step()`` (``ManualWindow``). A norm that torch's ``clip_grad.py`` (``clip_grad_norm_``,
+``get_total_norm``) takes of a view's gradient raises, naming the ways that take the norm over every rank. Clipping
+by value is element-wise, the same on shards, and runs. The engine's own clip (``gradients.py``) is not torch's file
+and runs. A norm taken by hand (``vector_norm(v.grad)``) is not looked at.
+
+The watch is a ``TorchFunctionMode``, so it costs a Python call per torch function inside the window: the hooks,
+and the few lines of a manual step between its backward and its step, never a forward. The manual window opens in
+one call (the backward's end) and closes in another (the step, the next backward, the end of ``training_step``);
+``ManualWindow.close`` takes the mode off torch's stack wherever it is there, and puts back any the user's code left
+above it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..errors import ChunkError
+
+_CLIP_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
+_NORMS = frozenset({"_foreach_norm", "vector_norm", "norm"})
+
+
+class ShardNorms(TorchFunctionMode):
+    """Raise where torch's ``clip_grad.py`` takes a norm of one of ``grads()`` (the views' gradients now)."""
+
+    def __init__(self, grads: Callable[[], Iterable[torch.Tensor]], world_size: int) -> None:
+        super().__init__()
+        self.grads = grads
+        self.world_size = world_size
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _NORMS and _called_from_clip_grad():
+            mine = {id(g) for g in self.grads()}
+            if any(isinstance(t, torch.Tensor) and id(t) in mine for t in tree_flatten((args, kwargs))[0]):
+                raise ChunkError(
+                    f"torch.nn.utils.clip_grad_norm_ (or get_total_norm) took the norm of the optimizer's own "
+                    f"parameters' gradients: under chunk_offload on {self.world_size} ranks those are this rank's "
+                    "shards (pieces of each parameter), so the norm would be this rank's alone and every rank would "
+                    "clip by a different factor. Clip with Trainer(gradient_clip_val=...) or "
+                    "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm='norm'), which "
+                    "take the norm over every rank's shards; or call torch's function on module parameters inside "
+                    "`with self.trainer.strategy.full_parameters(with_grads=True):` (a norm a param group: pick "
+                    "that group's parameters by name)."
+                )
+        return func(*args, **kwargs)
+
+
+def _called_from_clip_grad() -> bool:
+    f: Any = sys._getframe(2)  # past __torch_function__: the frame that called the torch function
+    for _ in range(3):
+        if f is None:
+            return False
+        if f.f_code.co_filename.endswith(_CLIP_FILE):
+            return True
+        f = f.f_back
+    return False
+
+
+def watched(grads: Callable[[], Iterable[torch.Tensor]], world_size: int) -> contextlib.AbstractContextManager[Any]:
+    """``ShardNorms`` for the block on several ranks; nothing on one."""
+    return ShardNorms(grads, world_size) if world_size > 1 else contextlib.nullcontext()
+
+
+class ManualWindow:
+    """``ShardNorms`` from a manual backward's end to whichever comes first: the step, the next backward, the end
+    of ``training_step``."""
+
+    def __init__(self) -> None:
+        self.mode: ShardNorms | None = None
+
+    def open(self, grads: Callable[[], Iterable[torch.Tensor]], world_size: int) -> None:
+        if self.mode is None and world_size > 1:
+            self.mode = ShardNorms(grads, world_size)
+            self.mode.__enter__()
+
+    def close(self) -> None:
+        mode, self.mode = self.mode, None
+        if mode is None:
+            return
+        above = []  # modes the user's code entered after ours and has not left: off the stack, and back after
+        while torch._C._len_torch_function_stack() > 0:
+            top = torch._C._pop_torch_function_stack()
+            if top is mode:
+                break
+            above.append(top)
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)
+
+    @contextlib.contextmanager
+    def closed_after(self) -> Iterator[None]:
+        """The block (a ``training_step``), and the window closed after it, also on an error."""
+        try:
+            yield
+        finally:
+            self.close()
