@@ -373,3 +373,41 @@ def test_a_conversion_of_the_offered_state_dict_is_refused_not_ignored(tmp_path)
             chunk(), 2, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)], enable_checkpointing=True
         ).fit(Halves(), token_data())
     assert not list(tmp_path.glob("*.ckpt"))
+
+
+class Tested(ParityNet):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch))
+
+    def _loss(self, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x).float().reshape(-1, self.head.out_features), y.reshape(-1))
+
+
+@pytest.mark.parametrize("limit", [None, 120_000], ids=["resident", "evicting"])
+def test_the_best_checkpoint_tests_as_plain_lightning_s(tmp_path, limit):
+    """``trainer.test(ckpt_path="best")`` after fit, and a fresh trainer and model given the directory: the losses
+    of the weights ``ModelCheckpoint`` kept (the worst of three here, so not the last), as in plain Lightning."""
+
+    def losses(strategy, root):
+        L.seed_everything(7, verbose=False)
+        best = ModelCheckpoint(dirpath=root, monitor="val_loss", mode="max", save_top_k=1)
+        t = trainer(
+            strategy(), 12, val_check_interval=4, limit_val_batches=3, callbacks=[best], enable_checkpointing=True
+        )
+        t.fit(Tested(), token_data(), token_data(24, seed=1))
+        test = token_data(24, seed=2)
+        out = [t.test(ckpt_path="best", dataloaders=test, verbose=False)[0]["test_loss"]]
+        L.seed_everything(3, verbose=False)  # other initial weights: the checkpoint replaces them
+        out += [
+            trainer(strategy(), 1).test(Tested(), test, ckpt_path=best.best_model_path, verbose=False)[0]["test_loss"]
+        ]
+        return best.best_model_path, out
+
+    ref_path, ref = losses(lambda: "auto", tmp_path / "ref")
+    got_path, got = losses(lambda: chunk(device_memory_limit=limit), tmp_path / "got")
+    assert Path(ref_path).name == Path(got_path).name != "epoch=0-step=12.ckpt" and Path(got_path).is_dir()
+    assert got == ref
