@@ -166,22 +166,33 @@ def test_an_optimizer_taken_as_element_wise_is_refused_where_its_twins_show_it_w
 
 def test_the_manual_window_leaves_torch_s_mode_stack_as_the_user_s_code_left_it():
     """[Note: a norm over the optimizer's gradient shards]: the window opens after a manual backward and closes at
-    the step; a mode the user's code entered in between and has not left stays, and only the window's goes."""
+    the step. A mode the user's code entered in between and has not left stays, and only the window's goes; blocks
+    of the user's around the backward that ended before the step (each popped the top, ours first) leave the stack
+    as they found it."""
     from torch.overrides import TorchFunctionMode
 
-    from lightning_chunk.engine.optim.shard_norms import ManualWindow, ShardNorms
-
-    def stack() -> list:
-        return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    from lightning_chunk.engine.optim.shard_norms import ManualWindow, ShardNorms, _stack
 
     window, user = ManualWindow(), TorchFunctionMode()
     window.open(list, world_size=1)  # one rank: nothing to watch
-    assert window.mode is None and stack() == []
+    assert window.mode is None and _stack() == []
     window.open(list, world_size=2)
     user.__enter__()
-    assert [type(m) for m in stack()] == [ShardNorms, TorchFunctionMode]
+    assert [type(m) for m in _stack()] == [ShardNorms, TorchFunctionMode]
     window.close()
-    assert stack() == [user]
+    assert _stack() == [user]
     user.__exit__(None, None, None)
     window.close()  # closed twice: nothing more
-    assert stack() == []
+    assert _stack() == []
+    for around in (1, 2):  # user blocks around the backward, left before the step
+        kept, blocks = TorchFunctionMode(), [TorchFunctionMode() for _ in range(around)]
+        kept.__enter__()
+        for b in blocks:
+            b.__enter__()
+        window.open(list, world_size=2)
+        for b in reversed(blocks):
+            b.__exit__(None, None, None)
+        window.close()
+        assert _stack() == [kept], around
+        kept.__exit__(None, None, None)
+        assert _stack() == []

@@ -16,10 +16,12 @@ by value is element-wise, the same on shards, and runs. The engine's own clip (`
 and runs. A norm taken by hand (``vector_norm(v.grad)``) is not looked at.
 
 The watch is a ``TorchFunctionMode``, so it costs a Python call per torch function inside the window: the hooks,
-and the few lines of a manual step between its backward and its step, never a forward. The manual window opens in
-one call (the backward's end) and closes in another (the step, the next backward, the end of ``training_step``);
-``ManualWindow.close`` takes the mode off torch's stack wherever it is there, and puts back any the user's code left
-above it.
+and the few lines of a manual step between its backward and its step, never a forward (a mode there would also
+break a compiled forward's graph at every op). The manual window opens in one call (the backward's end) and closes
+in another (the step, the next backward, the end of ``training_step``), so torch's mode stack may have changed in
+between. ``ManualWindow.close`` takes the mode off wherever it is, and puts back any the user's code entered above it
+and has not left. A ``with`` block of the user's around the backward that ended before the step popped the top of
+the stack, ours, in place of its own: then its own is taken off instead.
 """
 
 from __future__ import annotations
@@ -88,9 +90,11 @@ class ManualWindow:
 
     def __init__(self) -> None:
         self.mode: ShardNorms | None = None
+        self._below: list[Any] = []  # torch's mode stack when the window opened
 
     def open(self, grads: Callable[[], Iterable[torch.Tensor]], world_size: int) -> None:
         if self.mode is None and world_size > 1:
+            self._below = _stack()
             self.mode = ShardNorms(grads, world_size)
             self.mode.__enter__()
 
@@ -98,11 +102,14 @@ class ManualWindow:
         mode, self.mode = self.mode, None
         if mode is None:
             return
+        stack = _stack()
+        if not any(m is mode for m in stack):  # a user's block that ended popped ours in place of its own
+            below = self._below
+            if stack and len(stack) <= len(below) and all(a is b for a, b in zip(stack, below, strict=False)):
+                torch._C._pop_torch_function_stack()
+            return
         above = []  # modes the user's code entered after ours and has not left: off the stack, and back after
-        while torch._C._len_torch_function_stack() > 0:
-            top = torch._C._pop_torch_function_stack()
-            if top is mode:
-                break
+        while (top := torch._C._pop_torch_function_stack()) is not mode:
             above.append(top)
         for m in reversed(above):
             torch._C._push_on_torch_function_stack(m)
@@ -114,3 +121,7 @@ class ManualWindow:
             yield
         finally:
             self.close()
+
+
+def _stack() -> list[Any]:
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
