@@ -4,12 +4,18 @@ with the same global batch (``runner.run_parity``). A case's keys: ``cls`` (a mo
 as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``host_memory_limit``, ``fp16``/``bf16``,
 ``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints), ``ddp_unused``, ``callbacks``
 (chunk_offload's run only; ``both_callbacks``: DDP's too), ``telemetry``, ``weights``, ``chunk_cls`` (another model
-for chunk_offload's run), ``init_scale``."""
+for chunk_offload's run), ``init_scale``, ``rank_seeds`` (each rank seeds ``7 + rank`` before building)."""
 
 from __future__ import annotations
 
 OWN_CHUNK = dict(cls="RankGatedNet", variant="own_chunk", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3))
 BIG = dict(dim=64, hidden=1024)
+DEFERRED_LIMIT = dict(
+    chunk_cls="DeferredNet",
+    model=dict(dim=64, hidden=512, depth=3),
+    strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+    limit_fraction=0.9,
+)
 # enough chunks that the whole gradient is many times the few payloads in flight
 ACCUMULATE = dict(
     trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=20000)
@@ -217,12 +223,10 @@ CASES = {
     # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit
     "deferred": dict(chunk_cls="DeferredNet", variant="tied", strategy=dict(chunk_numel=None)),
     # the same under a device limit with the automatic chunk size (the settings of reordered_auto_limit)
-    "deferred_limit": dict(
-        chunk_cls="DeferredNet",
-        model=dict(dim=64, hidden=512, depth=3),
-        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
-        limit_fraction=0.9,
-    ),
+    "deferred_limit": DEFERRED_LIMIT,
+    # no common seed: each rank builds other weights, and both runs train from rank 0's (DDP syncs them as it wraps)
+    "rank_seeds": dict(variant="tied", rank_seeds=True),
+    "rank_seeds_deferred_limit": dict(**{**DEFERRED_LIMIT, "rank_seeds": True}),
     # most of each rank's masters, gradient shards and optimizer state on the disk tier, in files (stepped in
     # backward: step_in_backward=None with a host limit and nothing reading the gradients after backward)
     "disk": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560), host_memory_limit="1.2MB"),

@@ -76,6 +76,7 @@ def run_parity(case: str, out: Path) -> None:
     init_scale = spec.get("init_scale", 2.0**16)
     steps, resume_at = spec.get("steps", STEPS), spec.get("resume_at")
     unused = variant == "unused" or spec.get("ddp_unused", False)
+    seed = 7 + (int(os.environ.get("RANK", 0)) if spec.get("rank_seeds") else 0)
     both = spec.get("both_callbacks", ())  # callbacks that change what is trained: DDP's run has them too
     # cases that differ only in chunk_offload's settings share one DDP run (the same bits: DDP is deterministic here)
     key = json.dumps(
@@ -90,6 +91,7 @@ def run_parity(case: str, out: Path) -> None:
             steps,
             unused,
             "weights" in spec,
+            seed,
             resume_at,
             both,
         ],
@@ -99,7 +101,7 @@ def run_parity(case: str, out: Path) -> None:
     if key not in _DDP_RUNS:
 
         def make_ref():
-            L.seed_everything(7, verbose=False)
+            L.seed_everything(seed, verbose=False)
             ref = cls(variant=variant, **model_kw)
             if "weights" in spec:
                 ref.load_state_dict(torch.load(out / "start.pt"))
@@ -135,7 +137,7 @@ def run_parity(case: str, out: Path) -> None:
         skw["weights"] = json.loads((out / "weights.json").read_text())[spec["weights"]]
 
     def make_chunk():
-        L.seed_everything(7, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
+        L.seed_everything(seed, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
         got = model_class(spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
         plugins = (
             [ChunkPrecision("16-mixed", init_scale=init_scale)]
