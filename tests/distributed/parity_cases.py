@@ -4,18 +4,14 @@ with the same global batch (``runner.run_parity``). A case's keys: ``cls`` (a mo
 as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``host_memory_limit``, ``fp16``/``bf16``,
 ``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints), ``ddp_unused``, ``callbacks``
 (chunk_offload's run only; ``both_callbacks``: DDP's too), ``telemetry``, ``weights``, ``chunk_cls`` (another model
-for chunk_offload's run), ``init_scale``, ``rank_seeds`` (each rank seeds ``7 + rank`` before building)."""
+for chunk_offload's run), ``init_scale``, ``rank_seeds`` (each rank seeds ``7 + rank`` before
+building). The cases whose ranks differ are ``rank_cases.py``'s."""
 
 from __future__ import annotations
 
-OWN_CHUNK = dict(cls="RankGatedNet", variant="own_chunk", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3))
+from tests.distributed.rank_cases import RANK_CASES
+
 BIG = dict(dim=64, hidden=1024)
-DEFERRED_LIMIT = dict(
-    chunk_cls="DeferredNet",
-    model=dict(dim=64, hidden=512, depth=3),
-    strategy=dict(chunk_numel=None, chunk_numel_min=4096),
-    limit_fraction=0.9,
-)
 # enough chunks that the whole gradient is many times the few payloads in flight
 ACCUMULATE = dict(
     trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=20000)
@@ -219,14 +215,15 @@ CASES = {
     "two_optimizers": dict(cls="TwoOptimizers"),
     "toggled_optimizers": dict(cls="ToggledOptimizers", ddp_unused=True, strategy=dict(chunk_numel=None)),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
-    "rank_buffer": dict(cls="RankBuffer"),
     # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit
     "deferred": dict(chunk_cls="DeferredNet", variant="tied", strategy=dict(chunk_numel=None)),
     # the same under a device limit with the automatic chunk size (the settings of reordered_auto_limit)
-    "deferred_limit": DEFERRED_LIMIT,
-    # no common seed: each rank builds other weights, and both runs train from rank 0's (DDP syncs them as it wraps)
-    "rank_seeds": dict(variant="tied", rank_seeds=True),
-    "rank_seeds_deferred_limit": dict(**{**DEFERRED_LIMIT, "rank_seeds": True}),
+    "deferred_limit": dict(
+        chunk_cls="DeferredNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=0.9,
+    ),
     # most of each rank's masters, gradient shards and optimizer state on the disk tier, in files (stepped in
     # backward: step_in_backward=None with a host limit and nothing reading the gradients after backward)
     "disk": dict(model=BIG, strategy=dict(placement="host", chunk_numel=66560), host_memory_limit="1.2MB"),
@@ -338,69 +335,6 @@ CASES = {
         strategy=dict(chunk_numel=33_000),
         limit_fraction=1.15,
     ),
-    # ranks whose limits differ (each GPU's free memory, on CUDA): they must plan under one limit, the smallest
-    # ([Note: one limit for every rank]); with their own they evicted different chunks and paired different gathers
-    # [Note: the shards a placement keeps on the device] as a user meets it: static placement under limits that
-    # differ by rank (the ranks agree on the smaller), the automatic chunk size, a model used in another order than
-    # registered, accumulation (sharded: ROUNDING), a resume in the middle
-    "static_limit": dict(
-        cls="ReorderedNet",
-        model=dict(dim=64, hidden=512, depth=3),
-        limit_fractions=(2.0, 2.5),
-        resume_at=5,
-        trainer=dict(accumulate_grad_batches=2),
-        strategy=dict(chunk_numel=None, placement="static"),
-    ),
-    "limits_differ": dict(
-        cls="ReorderedNet",
-        model=dict(dim=64, hidden=512, depth=3),
-        limit_fractions=(0.9, 1.3),
-        strategy=dict(
-            chunk_numel=None,
-            chunk_numel_min=4096,
-            placement="host",
-            reshard_after_forward=False,
-            verify_collectives=False,
-        ),
-    ),
-    # a gate's own parameter used on some ranks and not others, differently each step, in the warm-up too (DDP's
-    # find_unused_parameters=True): released after use, so backward gathers too ([Note: when a chunk reduces])
-    "rank_gated": dict(cls="RankGatedNet", ddp_unused=True, strategy=dict(placement="host")),
-    "rank_gated_limit": dict(
-        cls="RankGatedNet",
-        ddp_unused=True,
-        model=dict(dim=64, hidden=512, depth=3),
-        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
-        limit_fraction=0.9,
-    ),
-    # the gate's row in a chunk of weights: a chunk that got gradients on one rank only, under a limit (the ranks once
-    # held its gradient payload and its tensors' states apart, so planned different evictions)
-    "rank_gated_own_chunk": dict(OWN_CHUNK, strategy=dict(chunk_numel=32768), limit_fraction=0.9),
-    # and with every shard on the device, stepped in backward: a rank that lacks the gradients steps the chunk as it
-    # lands all the same (its vote), so both give the gradient shard back there (a limit: only then do plans read
-    # the device bytes; one that holds the shards, the payloads and the activations at once)
-    "rank_gated_device": dict(
-        OWN_CHUNK, strategy=dict(chunk_numel=32768, placement="device", step_in_backward=True), limit_fraction=4.0
-    ),
-    # with the automatic chunk size and two micro-batches a step, kept whole (no_sync): the second micro-batch of the
-    # warm-up step planned from each rank's own trace of the first (one rank had the gate's activations), so the ranks
-    # evicted different chunks and hung ([Note: the warm-up's phases])
-    "rank_gated_accumulate_unsharded": dict(
-        OWN_CHUNK,
-        trainer=dict(accumulate_grad_batches=2),
-        strategy=dict(chunk_numel=None, chunk_numel_min=4096, sharded_accumulation=False),
-        limit_fraction=2.7,
-    ),
-    # resumed at step 3 of 8 from its own checkpoint, as DDP from its: the resumed warm-up traces, agrees and
-    # repacks with the optimizer state restored, a chunk's gradients on one rank only
-    "rank_gated_resume": dict(
-        OWN_CHUNK, strategy=dict(chunk_numel=None, chunk_numel_min=4096), limit_fraction=0.9, resume_at=3, steps=8
-    ),
-    # a mixture of experts running only the experts its tokens chose (which differ across ranks), as a leaf: DDP
-    # needs find_unused_parameters=True; with the experts as modules of their own the ranks' gathers differed
-    "mixture_of_experts": dict(
-        cls="MixtureNet", ddp_unused=True, strategy=dict(leaf_modules=["Experts"], placement="host")
-    ),
     # a block used three times, twice inside reentrant activation checkpointing: its gradient arrives in three pieces
     # ([Note: gradients in pieces]); DDP takes them with static_graph=True, and refuses them without
     "reused_reentrant": dict(cls="ReusedCheckpointedNet", ddp_static_graph=True, strategy=dict(chunk_numel=2048)),
@@ -420,15 +354,6 @@ CASES = {
         limit_fractions=(0.9, 1.4),
         resume_at=3,
         steps=8,
-    ),
-    # a parameter of the root, read in its forward on some ranks: in the warm-up its payload is made where its
-    # gradient arrives first, and on the other ranks at the next moment
-    "root_gated_limit": dict(
-        cls="RootGatedNet",
-        ddp_unused=True,
-        model=dict(dim=64, hidden=512, depth=3),
-        strategy=dict(chunk_numel=32768),
-        limit_fraction=1.3,
     ),
     # a layer no rank ever uses, under a limit with the automatic chunk size: its chunk, last in the reduce order,
     # once held every gradient payload back (a limit error in the warm-up), then the repack carried a zero gradient
@@ -468,4 +393,5 @@ CASES = {
         f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
         for fmt in ("torch", "lightning", "consolidated", "safetensors")
     },
+    **RANK_CASES,
 }

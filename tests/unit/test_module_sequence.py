@@ -1,7 +1,7 @@
 """The check that every rank ran the same modules (``engine/comm/sequence.py``): where ranks ran different children
 of one module, as a mixture of experts running only the experts its tokens chose does, the error names that module
 and the two ways out. The ranks' sequences are given by a stand-in for the collectives; the two-rank run of such a
-model is ``mixture_of_experts`` in tests/distributed/parity_cases.py."""
+model is ``mixture_of_experts`` in tests/distributed/rank_cases.py."""
 
 from __future__ import annotations
 
