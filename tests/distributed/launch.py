@@ -62,6 +62,7 @@ LAUNCHED = [
     "static_limits",
     "fits_again",
     "clip_over_optimizer",
+    "models_differ",
 ]
 
 

@@ -46,6 +46,7 @@ RUNS = {
     "static_limits": tr.run_static_limits,
     "fits_again": tr.run_fits_again,
     "clip_over_optimizer": tr.run_clip_over_optimizer,
+    "models_differ": tr.run_models_differ,
     "save_after_fit": ck.run_save_after_fit,
     "save_inside_a_step": ck.run_save_inside_a_step,
     "resume": ck.run_resume,
@@ -91,7 +92,7 @@ def run_parity(case: str, out: Path) -> None:
             steps,
             unused,
             "weights" in spec,
-            seed,
+            spec.get("rank_seeds", False),  # the same key on every rank: they must all run DDP or none
             resume_at,
             both,
         ],

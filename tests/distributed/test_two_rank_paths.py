@@ -261,6 +261,30 @@ def test_torch_s_norm_clipping_over_the_optimizer_s_parameters_is_refused_and_cl
         assert done["value_as_ddp"] is True
 
 
+@pytest.mark.cases("models_differ")
+def test_ranks_that_built_different_models_fail_together_naming_the_first_parameter_that_differs(parity_run):
+    """[Note: the same model on every rank]: rank 1's block is wider, then rank 1 has a block more, as DDP refuses
+    as it wraps. Before, run as NCCL, rank 0 aborted in the first broadcast (gloo: ``EnforceNotMet``, sizes 12288 vs
+    11264) and rank 1 timed out blaming control flow; on NCCL, a hang or values read past a buffer."""
+    out, _, log = parity_run
+    said = []
+    for r in (0, 1):
+        assert f"CASE-DONE models_differ rank={r}" in log, log[-3000:]
+        said.append(json.loads((out / f"models_differ.rank{r}.json").read_text()))
+    assert said[0] == said[1]  # every rank raises the same error
+    wider, deeper = said[0]["wider"], said[0]["deeper"]
+    assert "differ first at entry 3" in wider
+    assert (
+        "rank 0: 'blocks.0.1.weight' of shape (64, 32)" in wider
+        and "rank 1: 'blocks.0.1.weight' of shape (72, 32)" in wider
+    )
+    assert (
+        "(rank 0: 17, rank 1: 23)" in deeper
+        and "rank 1: parameter 'blocks.2.0.weight'" in deeper
+        and "as DDP requires" in deeper
+    )
+
+
 @pytest.mark.cases("fits_again")
 def test_fit_after_fit_leaves_no_sockets_or_threads_behind(parity_run):
     """Each fit's gloo groups are destroyed at its teardown: the descriptors and threads after the sixth fit are

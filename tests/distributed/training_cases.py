@@ -410,3 +410,22 @@ def run_clip_over_optimizer(out: Path) -> None:
     done["value_as_ddp"] = all(torch.equal(states[0][k], v) for k, v in states[1].items())
     (out / f"clip_over_optimizer.rank{rank}.json").write_text(json.dumps(done))
     print(f"CASE-DONE clip_over_optimizer rank={rank}", flush=True)
+
+
+def run_models_differ(out: Path) -> None:
+    """[Note: the same model on every rank]: rank 1 builds a wider block, then a block more. Before, the first
+    broadcast of unequal size aborted rank 0 (gloo's ``EnforceNotMet``), or rank 1 waited for a broadcast nobody sent.
+    Each rank saves the error each fit raised."""
+    from lightning_chunk.engine.runtime.same_model import ModelsDifferError
+
+    rank = int(os.environ.get("RANK", 0))
+    done = {}
+    for name, shape in (("wider", dict(hidden=64 + 8 * rank)), ("deeper", dict(depth=2 + rank))):
+        L.seed_everything(7, verbose=False)
+        try:
+            trainer(chunk_strategy(), steps=2).fit(ParityNet(**shape), token_data())
+            done[name] = "ran"
+        except ModelsDifferError as e:
+            done[name] = str(e)
+    (out / f"models_differ.rank{rank}.json").write_text(json.dumps(done))
+    print(f"CASE-DONE models_differ rank={rank}", flush=True)

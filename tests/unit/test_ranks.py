@@ -64,3 +64,24 @@ def test_the_pinned_blocks_a_repack_frees_go_back_to_the_os(monkeypatch):
     repacked = len(emptied)
     eng.teardown()
     assert after_setup >= 1 and repacked > after_setup and len(emptied) > repacked
+
+
+def test_models_that_differ_are_described_by_their_first_difference_and_the_ranks_on_each_side():
+    """[Note: the same model on every rank]: what every rank's error says, from every rank's parameters and buffers."""
+    from lightning_chunk.engine.runtime.same_model import describe
+
+    a = [("parameter", "w", (4, 4), "torch.float32", True, 0), ("parameter", "b", (4,), "torch.float32", True, 1)]
+    bf16 = [a[0], ("parameter", "b", (4,), "torch.bfloat16", True, 1)]
+    said = describe([a, bf16, a])
+    assert "differ first at entry 1 (from 0" in said and "(rank" not in said.split(".")[0]
+    assert (
+        "ranks 0, 2: parameter 'b' of shape (4,), float32, trainable, param group 1; rank 1: parameter 'b' of shape "
+        "(4,), bfloat16" in said
+    )
+    said = describe([a, a[:1] + [("parameter", "b", (4,), "torch.float32", False, None)], a[:1]])
+    assert "(rank 0: 2, rank 1: 2, rank 2: 1)" in said
+    assert "rank 1: parameter 'b' of shape (4,), float32, frozen, in no param group; rank 2: nothing there" in said
+    said = describe(
+        [[*a, ("buffer", "n", (), "torch.int64", False, None)], [*a, ("buffer", "n", (2,), "torch.int64", False, None)]]
+    )
+    assert "rank 0: buffer 'n' of shape (), int64; rank 1: buffer 'n' of shape (2,), int64" in said

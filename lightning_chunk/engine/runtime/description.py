@@ -24,6 +24,7 @@ from ..schedule.placement import ChunkView, PlacementPolicy, device_shards, make
 from ..schedule.tracer import Trace
 from .hooks import ChunkHooks
 from .layout_choice import LayoutChooser
+from .same_model import check_same_model, rows_of
 
 _log = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ class EngineDescription:
                 "layers their sizes."
             )
         group_of, offsets = _param_groups(named, optimizers)
+        if collectives is not None and collectives.world_size > 1 and not collectives.planning_only:
+            check_same_model(rows_of(named, group_of, module), collectives)  # [Note: the same model on every rank]
         dtypes = dataclasses.replace(dtypes or DtypePolicy(), frozen_in_compute_dtype=config.frozen_in_compute_dtype)
         keep = dtypes.own_dtype_params(module)
         manager = ChunkManager(
