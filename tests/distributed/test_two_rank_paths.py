@@ -275,8 +275,8 @@ def test_ranks_that_built_different_models_fail_together_naming_the_first_parame
     wider, deeper = said[0]["wider"], said[0]["deeper"]
     assert "differ first at entry 3" in wider
     assert (
-        "rank 0: 'blocks.0.1.weight' of shape (64, 32)" in wider
-        and "rank 1: 'blocks.0.1.weight' of shape (72, 32)" in wider
+        "rank 0: parameter 'blocks.0.1.weight' of shape (64, 32)" in wider
+        and "rank 1: parameter 'blocks.0.1.weight' of shape (72, 32)" in wider
     )
     assert (
         "(rank 0: 17, rank 1: 23)" in deeper
