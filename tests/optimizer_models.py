@@ -74,6 +74,44 @@ class GroupNormalizedSGD(_Stepped):
                     p.add_(p.grad, alpha=-g["lr"] / (norm + 1e-12))
 
 
+class ClosureFirstSGD(torch.optim.Optimizer):
+    """SGD whose ``step`` calls its closure whatever it is given (``loss = closure()``), as some third-party
+    optimizers do; ``again``: then moves the weights and calls it a second time to step with the gradients there, as
+    SAM does (Foret et al. 2021, its Lightning-ready form: the first call takes the gradients at the weights)."""
+
+    def __init__(self, params, lr: float = 0.05, again: bool = False) -> None:
+        super().__init__(params, dict(lr=lr))
+        self.again = again
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure()
+        if self.again:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=0.01)
+            with torch.enable_grad():
+                closure()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+        return loss
+
+
+class ClosureFirst(ParityNet):
+    again = False
+
+    def configure_optimizers(self):
+        return ClosureFirstSGD(self.parameters(), again=self.again)
+
+
+class SharpnessAware(ClosureFirst):
+    again = True
+
+
 class GroupCounted(ParityNet):
     def configure_optimizers(self):
         return GroupCountedSGD(_two_groups(self))

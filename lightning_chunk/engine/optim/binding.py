@@ -31,10 +31,11 @@ from ..chunks.repack import piece_range
 from ..config import ChunkConfig
 from ..memory.consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
 from ..memory.manager import ChunkManager
+from .closure import closure_for
 from .disk_stepper import DiskStepper
 from .grad_slots import GradSlot, GradSlots
 from .host_adam import HostAdam
-from .kernels import check_optimizer, flags_set, kernel_flags, state_bytes_per_element
+from .kernels import check_optimizer, flags_set, is_known, kernel_flags, state_bytes_per_element
 from .partial_steps import PartialSteps, only
 
 __all__ = ["GradSlot", "OptimizerBinding", "OptimizerStateCarrier", "check_optimizer"]
@@ -66,11 +67,14 @@ class OptimizerBinding:
         self.host_adam = HostAdam(optimizer, manager, one_pass)
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
         self.partial = PartialSteps(optimizer)  # [Note: group state in partial steps]
+        closure = self.closure = closure_for(optimizer, is_known(optimizer))  # [Note: the closure of a step ...]
 
         # a step called on the optimizer itself, not through the engine, also lets a save in flight finish with the
         # shards first ([Note: training beside a save] in state/background_save.py)
         def before_step(*_: Any) -> None:
             manager.readers.before_change()
+            if closure is not None:
+                closure.reset()
 
         setattr(before_step, ENGINE_HOOK, True)  # not the user's (``backward_step.step_hooks``)
         self._before_step = optimizer.register_step_pre_hook(before_step)
@@ -129,12 +133,18 @@ class OptimizerBinding:
     def step(self, **kwargs: Any) -> Any:
         """The optimizer's own ``step(**kwargs)``: large host chunks with a compute copy in one pass ([Note: one
         pass over a host shard] in ``host_adam.py``), disk chunks one at a time, the rest in one call."""
+        kwargs = self._with_closure(kwargs)
         with self.kernel():
             stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
             if not stepped:
                 return self._step_rest(**kwargs)
             with self.narrowed(lambda v: id(v) not in stepped):  # the optimizer still steps (its hooks, an LR
                 return self._step_rest(**kwargs)  # scheduler's count), over the other views only
+
+    def _with_closure(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with ``AlreadyRun`` as the closure, where this optimizer gets one ([Note: the closure of a step
+        the engine runs] in ``closure.py``)."""
+        return {**kwargs, "closure": self.closure} if self.closure is not None and "closure" not in kwargs else kwargs
 
     def narrowed(self, keep: Any) -> contextlib.AbstractContextManager[None]:
         """A ``step()`` call of this step over the views ``keep`` accepts ([Note: a group's own state in a step made
@@ -277,6 +287,7 @@ class OptimizerBinding:
         mine = self.slots.of_chunk(chunk)
         if not mine:
             return None
+        kwargs = self._with_closure(kwargs)
         ids = {id(s.view) for s in mine}
         with self.slots.for_the_call(mine), self.kernel():
             stepped, fresh = self.host_adam.step_one_pass(self._views, only=ids)

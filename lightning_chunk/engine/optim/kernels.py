@@ -19,11 +19,16 @@ ELEMENTWISE = frozenset(
 SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
 
 
+def is_known(optimizer: torch.optim.Optimizer) -> bool:
+    """One of torch's element-wise optimizers."""
+    return type(optimizer).__module__.startswith("torch.optim") and type(optimizer).__name__ in ELEMENTWISE
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world_size: int = 1) -> None:
     """Refuse an optimizer that cannot step flat pieces of parameters, or one taken as element-wise whose twins show
     otherwise where this run would split its update ([Note: an optimizer said to be element-wise])."""
     name = type(optimizer).__name__
-    known = type(optimizer).__module__.startswith("torch.optim") and name in ELEMENTWISE
+    known = is_known(optimizer)
     if name in SHAPE_DEPENDENT:
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__qualname__} needs parameter shapes (or a closure over whole tensors), but "
