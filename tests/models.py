@@ -315,6 +315,15 @@ class LogsValLoss(ParityNet):
         self.val_losses.append(float(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))))
 
 
+class CompiledNet(ParityNet):
+    """Its forward compiled in place as training starts (AOTAutograd with the eager backend: no C compiler), as a
+    user of DDP compiles: dynamo breaks the graph around the engine's hooks, whose gathers then run eagerly."""
+
+    def on_fit_start(self) -> None:
+        torch._dynamo.reset()  # a fresh cache: each run compiles its own model
+        self.forward = torch.compile(ParityNet.forward.__get__(self), backend="aot_eager")  # type: ignore[method-assign]
+
+
 class TorchTransformerNet(ParityNet):
     """torch's own nn.TransformerEncoder: MultiheadAttention reads ``out_proj``'s weights without calling it, and the
     encoder layer's fast path (evaluation) reads every child's tensors in one fused op."""

@@ -218,6 +218,15 @@ CASES = {
     # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit
     "deferred": dict(chunk_cls="DeferredNet", variant="tied", strategy=dict(chunk_numel=None)),
     # the same under a device limit with the automatic chunk size (the settings of reordered_auto_limit)
+    # the forward compiled (aot_eager) under a limit, with the automatic chunk size: the hooks' gathers and
+    # reduce-scatters between dynamo's graphs, in the same order on both ranks
+    "compiled_limit": dict(
+        cls="CompiledNet",
+        variant="tied",
+        model=dict(dim=64, hidden=512, depth=3),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+        limit_fraction=1.0,
+    ),
     "deferred_limit": dict(
         chunk_cls="DeferredNet",
         model=dict(dim=64, hidden=512, depth=3),

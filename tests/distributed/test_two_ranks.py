@@ -228,6 +228,7 @@ def test_buffers_start_from_rank_zero(parity_run):
         ("limit", 0.5),
         ("reordered_auto_limit", 2.0),
         ("deferred_limit", 2.0),
+        ("compiled_limit", 2.0),
         ("reordered_auto_tight", 0.5),
         ("checkpointed_limit", 0.5),
         ("adapters_limit", 0.5),
@@ -241,7 +242,8 @@ def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, c
     ``reordered_auto_tight``: the defaults below this rank's share of the parameters (the first layout's chunk size
     was once chosen without the modules' chunks, and its first step failed); ``checkpointed_limit``: activation
     checkpointing with the defaults ([Note: recomputation]); ``adapters_limit``: LoRA's shape, frozen weights that
-    must not stay pinned through backward ([Note: frozen parameters in backward])."""
+    must not stay pinned through backward ([Note: frozen parameters in backward]); ``compiled_limit``: the forward
+    compiled by dynamo."""
     out, _, _ = parity_run
     for s in stats(out, case):
         assert s["limit"] < s["param_bytes"] * share
