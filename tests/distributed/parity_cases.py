@@ -397,6 +397,14 @@ CASES = {
     # schedule-free: eval() and train() around each validation write the masters through the optimizer's views
     # ([Note: the optimizer's views written outside its step]); its counters live in the param groups; resumed
     "schedule_free_limit": dict(SCHEDULE_FREE, limit_fraction=1.2, resume_at=6),
+    # ranks whose limits differ, two micro-batches a step kept whole (no_sync) and validated in the middle of one
+    # (eval() and train() write the masters while gradients wait in the payloads)
+    "schedule_free_accumulate": dict(
+        SCHEDULE_FREE,
+        limit_fractions=(2.2, 3.0),
+        trainer=dict(val_check_interval=3, limit_val_batches=2, accumulate_grad_batches=2),
+        strategy=dict(SCHEDULE_FREE["strategy"], sharded_accumulation=False),
+    ),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
     **{
         f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
