@@ -74,24 +74,30 @@ class GroupNormalizedSGD(_Stepped):
                     p.add_(p.grad, alpha=-g["lr"] / (norm + 1e-12))
 
 
-class ClosureFirstSGD(torch.optim.Optimizer):
+class ClosureSGD(torch.optim.Optimizer):
     """SGD whose ``step`` calls its closure whatever it is given (``loss = closure()``), as some third-party
-    optimizers do; ``again``: then moves the weights and calls it a second time to step with the gradients there, as
-    SAM does (Foret et al. 2021, its Lightning-ready form: the first call takes the gradients at the weights)."""
+    optimizers do. ``when``: ``first`` (then steps with the gradients), ``again`` (then moves the weights and calls it
+    a second time to step with the gradients there, as SAM does, Foret et al. 2021, in its Lightning-ready form), or
+    ``moved`` (moves the weights first and calls it once there, as schedule-free's closure variants do)."""
 
-    def __init__(self, params, lr: float = 0.05, again: bool = False) -> None:
+    def __init__(self, params, lr: float = 0.05, when: str = "first") -> None:
         super().__init__(params, dict(lr=lr))
-        self.again = again
+        self.when = when
+
+    def _move(self) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=0.01)
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.when == "moved":
+            self._move()
         with torch.enable_grad():
             loss = closure()
-        if self.again:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=0.01)
+        if self.when == "again":
+            self._move()
             with torch.enable_grad():
                 closure()
         for g in self.param_groups:
@@ -101,15 +107,13 @@ class ClosureFirstSGD(torch.optim.Optimizer):
         return loss
 
 
-class ClosureFirst(ParityNet):
-    again = False
+class ClosureNet(ParityNet):
+    def __init__(self, when: str = "first", **kw) -> None:
+        super().__init__(**kw)
+        self.when = when
 
     def configure_optimizers(self):
-        return ClosureFirstSGD(self.parameters(), again=self.again)
-
-
-class SharpnessAware(ClosureFirst):
-    again = True
+        return ClosureSGD(self.parameters(), when=self.when)
 
 
 class GroupCounted(ParityNet):

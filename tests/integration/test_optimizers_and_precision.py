@@ -13,7 +13,7 @@ from lightning_chunk.engine.errors import UnsupportedOptimizerError
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
-from tests.optimizer_models import ClosureFirst, GroupCounted, GroupNormalizedSGD, ScheduleFreeNet, SharpnessAware
+from tests.optimizer_models import ClosureNet, GroupCounted, GroupNormalizedSGD, ScheduleFreeNet
 
 
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
@@ -239,13 +239,15 @@ def test_an_optimizer_wrongly_taken_as_element_wise_is_refused_where_it_would_tr
 
 
 @pytest.mark.parametrize("kw", [{}, dict(step_in_backward=False)], ids=["in_backward", "after_backward"])
-def test_an_optimizer_calling_its_closure_once_trains_and_one_calling_it_twice_is_refused_naming_why(kw):
+def test_an_optimizer_calling_its_closure_trains_and_one_wanting_gradients_elsewhere_is_refused_naming_why(kw):
     """[Note: the closure of a step the engine runs]: the engine runs Lightning's closure before ``step()`` and gave
     none: an optimizer that calls it whatever it is given failed with ``'NoneType' object is not callable``. Now
-    its first call in a step returns at once and it trains as plain Lightning's, once a chunk or after backward; a
-    second call (SAM's, at moved weights) raises, naming the optimizer and why."""
-    ref = fit("auto", cls=ClosureFirst, steps=6)
-    got = fit(chunk(assume_elementwise_optimizer=True, **kw), cls=ClosureFirst, steps=6)
+    its first call in a step returns at once and it trains as plain Lightning's, once a chunk or after backward. One
+    that moved the weights before the call (schedule-free's closure variants), or calls it again (SAM), wants the
+    gradients elsewhere: it raises, naming the optimizer and why, where taking the old gradients trained otherwise."""
+    ref = fit("auto", cls=ClosureNet, steps=6)
+    got = fit(chunk(assume_elementwise_optimizer=True, **kw), cls=ClosureNet, steps=6)
     assert_same_params(ref, got, EXACT)
-    with pytest.raises(UnsupportedOptimizerError, match=r"ClosureFirstSGD\.step\(\) called its closure a second time"):
-        fit(chunk(assume_elementwise_optimizer=True, **kw), cls=SharpnessAware, steps=2)
+    for when, why in [("again", "called its closure a second time"), ("moved", "wrote its parameters and then called")]:
+        with pytest.raises(UnsupportedOptimizerError, match=rf"ClosureSGD\.step\(\) {why}"):
+            fit(chunk(assume_elementwise_optimizer=True, **kw), cls=ClosureNet, steps=2, model_kwargs=dict(when=when))
