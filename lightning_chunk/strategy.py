@@ -33,6 +33,7 @@ from .engine.errors import explain_dtype_mismatch, explain_placeholder_write
 from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory import master_writes
 from .engine.memory.full_params import full_parameters
+from .engine.optim.binding import refuse_detached_views
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.runtime.batches import input_bytes
 from .hf import PeftAdapters, keep_generation_in_step
@@ -345,6 +346,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         assert self.engine is not None
         # every rank runs as many batches as the others; in predict, one whose batches end repeats (same_batches.py)
         trainer, engine = self.lightning_module and self.lightning_module._trainer, self.engine
+        if training:  # [Note: an optimizer's parameter given another tensor] in engine/optim/binding.py
+            refuse_detached_views(engine.bindings)
         repeat, written = check_same_batches(trainer, engine.comm, master_writes.written(engine.manager))
         if written:  # [Note: the optimizer's views written outside its step]
             master_writes.refresh(engine.manager)

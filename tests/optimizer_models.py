@@ -116,6 +116,58 @@ class ClosureNet(ParityNet):
         return ClosureSGD(self.parameters(), when=self.when)
 
 
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its widely copied implementation steps (``first_step`` moves the weights up the
+    gradient, a second forward and backward there, ``second_step`` puts them back and steps a base SGD), with the
+    weights put back by ``p.data = old`` as there, or in place (``in_place``)."""
+
+    def __init__(self, params, lr: float = 0.05, rho: float = 0.05, in_place: bool = False) -> None:
+        super().__init__(params, dict(lr=lr, rho=rho))
+        self.base = torch.optim.SGD(self.param_groups, lr=lr, momentum=0.9)
+        self.param_groups = self.base.param_groups
+        self.in_place = in_place
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self._with_grads()]))
+        for p in self._with_grads():
+            self.state[p]["old"] = p.detach().clone()
+            p.add_(p.grad * (self.param_groups[0]["rho"] / (norm + 1e-12)))
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for p in self._with_grads():
+            if self.in_place:
+                p.copy_(self.state[p]["old"])
+            else:
+                p.data = self.state[p]["old"]
+        self.base.step()
+        self.zero_grad()
+
+    def _with_grads(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+
+class SharpnessAwareManual(ParityNet):
+    """SAM in manual optimization, as Lightning's users write it: two forward and backward passes a step."""
+
+    def __init__(self, in_place: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        self.in_place = in_place
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return SAM(self.parameters(), in_place=self.in_place)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers().optimizer
+        x, y = batch
+        for second in (False, True):
+            self.manual_backward(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1)))
+            opt.second_step() if second else opt.first_step()
+
+
 class GroupCounted(ParityNet):
     def configure_optimizers(self):
         return GroupCountedSGD(_two_groups(self))

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision
-from lightning_chunk.engine.errors import UnsupportedOptimizerError
+from lightning_chunk.engine.errors import ChunkError, UnsupportedOptimizerError
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
-from tests.optimizer_models import ClosureNet, GroupCounted, GroupNormalizedSGD, ScheduleFreeNet
+from tests.optimizer_models import ClosureNet, GroupCounted, GroupNormalizedSGD, ScheduleFreeNet, SharpnessAwareManual
 
 
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
@@ -251,3 +251,21 @@ def test_an_optimizer_calling_its_closure_trains_and_one_wanting_gradients_elsew
     for when, why in [("again", "called its closure a second time"), ("moved", "wrote its parameters and then called")]:
         with pytest.raises(UnsupportedOptimizerError, match=rf"ClosureSGD\.step\(\) {why}"):
             fit(chunk(assume_elementwise_optimizer=True, **kw), cls=ClosureNet, steps=2, model_kwargs=dict(when=when))
+
+
+def test_sam_in_manual_optimization_is_refused_where_it_would_train_otherwise():
+    """[Note: an optimizer's parameter given another tensor] in ``optim/binding.py`` and the end of [Note: the
+    optimizer's views written outside its step]: SAM's manual recipe, one rank. Its ``p.data = old`` left the
+    optimizer stepping tensors of its own (0.035 off plain Lightning after four steps, silently): refused at the
+    next batch. Under a limit its second forward computed with copies made before ``first_step`` moved the weights:
+    refused at that forward. Where the weights are the compute copy (fp32, on the device) and put back in place,
+    it trains as plain Lightning."""
+    steps = dict(steps=-1, max_epochs=1, limit_train_batches=4)
+    kw = dict(assume_elementwise_optimizer=True)
+    with pytest.raises(ChunkError, match=r"SAM's parameter 'embed.weight' \(and 15 more\) was given another tensor"):
+        fit(chunk(**kw), cls=SharpnessAwareManual, **steps)
+    with pytest.raises(ChunkError, match=r"were written during this training step, before a forward"):
+        fit(chunk(**kw, chunk_numel=3000, device_memory_limit=120_000), cls=SharpnessAwareManual, **steps)
+    ref = fit("auto", cls=SharpnessAwareManual, model_kwargs=dict(in_place=True), **steps)
+    got = fit(chunk(**kw), cls=SharpnessAwareManual, model_kwargs=dict(in_place=True), **steps)
+    assert_same_params(ref, got, EXACT)

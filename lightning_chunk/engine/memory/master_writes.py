@@ -21,13 +21,20 @@ step (``refresh``), so the ranks keep the same chunks resident. A write through 
 has a version counter of its own and is not seen: the kernels of the optimizers we know write through the views. A
 master that is the payload (one rank, fp32, shard on the device) needs none of this: the write is in the compute
 copy already.
+
+Between two forwards of one training micro-batch the copies are not made again: a write there is a step that moves
+the weights to take gradients elsewhere (SAM's ``first_step`` in the manual recipe Lightning's users follow), and
+the second forward computed with the old copies while plain PyTorch computes at the moved weights, silently.
+``refuse_written_in_a_step`` raises where a forward's chunks were written since their copies were made.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..chunks.chunk import Chunk, Tier, storage_of
+from ..errors import ChunkError
 
 if TYPE_CHECKING:
     from .manager import ChunkManager
@@ -56,3 +63,19 @@ def refresh(mgr: ChunkManager) -> None:
     """Make every compute copy again from its master, on every rank alike (some rank's masters were written)."""
     mgr.write_back(chunks=[c for c in mgr.chunks if master_key(c) is not None], waiting_grads=True)
     mgr.transfers.masters_written += 1
+
+
+def refuse_written_in_a_step(mgr: ChunkManager, chunk_ids: Sequence[int], module: str) -> None:
+    """Raise where a training forward is about to compute with copies of masters written since the copies were made
+    (by the user's code in this micro-batch: between batches they are made again first)."""
+    for cid in chunk_ids:
+        c = mgr.chunks[cid]
+        if master_key(c) != c.master_seen:
+            raise ChunkError(
+                f"the optimizer's parameters in chunk {cid} (module {module!r}) were written during this training "
+                "step, before a forward that reads them: an optimizer that moves the weights between two forward "
+                "and backward passes of one step (SAM's first_step, then a second forward) wants gradients at weights "
+                "chunk_offload has not gathered; it makes the modules' copies of the weights again only between "
+                "steps. Such optimizers cannot step under chunk_offload; write the optimizer's parameters (eval(), "
+                "train()) between steps only."
+            )

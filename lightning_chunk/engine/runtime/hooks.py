@@ -60,6 +60,7 @@ from ..errors import ChunkError
 from ..memory.full_params import looked_at
 from ..memory.grad_graph import GradGraphKeeper
 from ..memory.manager import ChunkManager
+from ..memory.master_writes import refuse_written_in_a_step
 from ..memory.module_state import state_dict_hooks
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
@@ -167,8 +168,10 @@ class ChunkHooks:
         moments.current_module = self.owners.index.get(key, -1)
         before = moments.resident() if moments.recorder else None
         needed = moments.tick(kind, key)
-        moments.plan_and_run(needed)
         recompute = kind == FORWARD and in_backward()
+        if kind == FORWARD and moments.training and not recompute:  # [Note: the optimizer's views written ...]
+            refuse_written_in_a_step(self.manager, needed, key)
+        moments.plan_and_run(needed)
         if kind == BACKWARD and torch.is_grad_enabled():  # create_graph=True: [Note: double backward]
             self.grad_graph.used(self.owners.owned.get(key, ()))
         in_use = []
