@@ -221,11 +221,7 @@ CASES = {
     # the forward compiled (aot_eager) under a limit, with the automatic chunk size: the hooks' gathers and
     # reduce-scatters between dynamo's graphs, in the same order on both ranks
     "compiled_limit": dict(
-        cls="CompiledNet",
-        variant="tied",
-        model=dict(dim=64, hidden=512, depth=3),
-        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
-        limit_fraction=1.0,
+        cls="CompiledNet", variant="tied", strategy=dict(chunk_numel=None, chunk_numel_min=2048), limit_fraction=2.2
     ),
     "deferred_limit": dict(
         chunk_cls="DeferredNet",

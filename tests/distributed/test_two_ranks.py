@@ -228,7 +228,7 @@ def test_buffers_start_from_rank_zero(parity_run):
         ("limit", 0.5),
         ("reordered_auto_limit", 2.0),
         ("deferred_limit", 2.0),
-        ("compiled_limit", 2.0),
+        ("compiled_limit", 2.5),
         ("reordered_auto_tight", 0.5),
         ("checkpointed_limit", 0.5),
         ("adapters_limit", 0.5),
