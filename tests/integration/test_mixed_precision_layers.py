@@ -17,6 +17,10 @@ from tests.models import VOCAB, ParityNet, fit
 from tests.precision_models import AutocastOff, FourierFeatures
 
 STEPS = 12
+# how far a bf16-mixed BatchNormCNN's 12 steps may be from plain Lightning's, relative to the update: bf16's rounding
+# in other places (payloads against per-op casts). It depends on the CPU's bf16 kernels: 0.028 with AVX512-BF16
+# (measured 2026-12-01), under 0.01 on others; bf16-mixed itself is 0.24 from fp32 there
+BF16_AGREEMENT = 0.05
 
 
 # ------------------------------------------------------------------ BatchNorm in mixed precision
@@ -38,7 +42,7 @@ def test_a_batchnorm_cnn_trains_in_bf16_mixed_like_plain_lightning(placement):
     )
     # payloads are bf16 where autocast casts fp32 weights per op: the embedding (which autocast leaves in fp32)
     # looks its rows up in bf16, so the update agrees to bf16's rounding, not bit for bit
-    assert relative_update_error(ref, got, init) < 0.01
+    assert relative_update_error(ref, got, init) < BF16_AGREEMENT
     for (n, a), (_, b) in zip(ref.named_buffers(), got.named_buffers(), strict=True):
         assert b.dtype == a.dtype, n
         torch.testing.assert_close(b.float(), a.float(), rtol=0.02, atol=0.02, msg=lambda m: f"{n}: {m}")
@@ -80,7 +84,7 @@ def test_sync_batchnorm_trains_in_bf16_mixed_like_plain_lightning():
         precision="bf16-mixed",
         sync_batchnorm=True,
     )
-    assert relative_update_error(ref, got, init) < 0.01
+    assert relative_update_error(ref, got, init) < BF16_AGREEMENT
 
 
 class NeedsFp32(torch.nn.Module):
