@@ -71,10 +71,10 @@ class MemoryOptions:
         ),
         when="`True` always; `False` never (the values are in the checkpoints)",
     )
-    materialize_optimizer_state: bool = knob(
-        False,
-        doc="when `fit` ends, also gather the whole optimizer state on every rank into the optimizer",
-        when="to use `trainer.optimizers[i].state` after `fit`",
+    materialize_optimizer_state: bool | None = knob(
+        None,
+        doc="when `fit` ends, give the optimizer its whole state too. `None`: on one rank (no copy)",
+        when="`True` to use `trainer.optimizers[i]` after `fit` on several ranks",
     )
     leaf_modules: Sequence[type | str] = knob(
         (),

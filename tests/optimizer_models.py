@@ -244,6 +244,14 @@ class ScheduleFreeNet(ParityNet):
         return token_data(16, seed=3)
 
 
+class ScheduleFreeAveragedAtTheEnd(ScheduleFreeNet):
+    """Moved to its average when fit ends, as schedule-free asks before the weights are used (``on_fit_end`` comes
+    after the strategy's teardown)."""
+
+    def on_fit_end(self) -> None:
+        self.trainer.optimizers[0].eval()
+
+
 class ClipsOptimizerParams(ParityNet):
     """torch's clipping over the optimizer's own parameters (``optimizer.param_groups``), not the module's, as a
     training loop written for plain PyTorch does: ``how`` is ``group_norms`` (a norm a param group, in

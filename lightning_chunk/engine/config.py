@@ -117,7 +117,7 @@ class ChunkConfig:
     prefetch: bool = True
     pin_memory: bool = True
     materialize_on_teardown: bool | None = None  # None: where the whole model fits ([Note: the model after fit])
-    materialize_optimizer_state: bool = False
+    materialize_optimizer_state: bool | None = None  # None: on one rank ([Note: optimizer state after fit])
     optimizer_kernel: OptimizerKernel = "auto"
     assume_elementwise_optimizer: bool = False
     sharded_accumulation: bool = True
@@ -218,16 +218,13 @@ class ChunkConfig:
             )
         if self.step_thread is not None and not isinstance(self.step_thread, bool):
             raise ValueError(f"step_thread={self.step_thread!r} is not allowed; it must be True, False or None.")
-        if self.materialize_on_teardown is not None and not isinstance(self.materialize_on_teardown, bool):
-            raise ValueError(
-                f"materialize_on_teardown={self.materialize_on_teardown!r} is not allowed; it must be "
-                "True, False or None."
-            )
+        for name in ("materialize_on_teardown", "materialize_optimizer_state"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True, False or None.")
         for name in (
             "broadcast_buffers",
             "prefetch",
             "pin_memory",
-            "materialize_optimizer_state",
             "assume_elementwise_optimizer",
             "sharded_accumulation",
             "replan_when_inputs_grow",

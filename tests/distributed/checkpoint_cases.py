@@ -4,9 +4,11 @@ a save after fit, a sharded EMA saved and resumed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -175,14 +177,16 @@ def run_edited_checkpoint(out: Path) -> None:
 
 def run_save_after_fit(out: Path) -> None:
     """``trainer.save_checkpoint()`` after ``fit`` (and after a ``validate`` that followed it), then a resume from that
-    file to step 12 ([Note: optimizer state after fit]): DDP's and chunk_offload's with the defaults."""
-    results = {}
+    file to step 12 ([Note: optimizer state after fit]): DDP's and chunk_offload's with the defaults. After the save,
+    what the optimizer itself holds: DDP's whole state; with the defaults, a read that raises; with
+    ``materialize_optimizer_state=True``, DDP's state on every rank."""
+    from lightning_chunk.engine import ChunkError
+
+    results: dict = {}
     for name, make in [
         ("ddp", lambda: "ddp"),
-        (
-            "chunk",
-            lambda: chunk_strategy(),
-        ),
+        ("chunk", lambda: chunk_strategy()),
+        ("whole", lambda: chunk_strategy(materialize_optimizer_state=True)),
     ]:
         path = out / f"save_after_fit_{name}.ckpt"
         L.seed_everything(11, verbose=False)
@@ -190,11 +194,24 @@ def run_save_after_fit(out: Path) -> None:
         t = trainer(make(), steps=8, limit_val_batches=2)
         t.fit(model, token_data(), token_data(n=16, seed=1))
         t.validate(model, token_data(n=16, seed=1), verbose=False)
+        optimizer = t.optimizers[0]
+        try:
+            held: Any = optimizer.state_dict()
+        except ChunkError as e:
+            held = str(e)
+        results.setdefault("held", {})[name] = held
+        if name == "chunk":
+            with contextlib.suppress(ChunkError):  # the first parameter's state: raises as state_dict did
+                results["held"]["chunk_param"] = optimizer.state[model.embed.weight]
+        if name == "whole":
+            continue
         t.save_checkpoint(path)
         L.seed_everything(11, verbose=False)
         resumed = ParityNet()
         trainer(make(), steps=12).fit(resumed, token_data(), ckpt_path=path)
         results[name] = {"resumed": resumed.state_dict(), "saved": torch.load(path, weights_only=False)}
+    held = results["held"]
+    torch.save(held, out / f"save_after_fit.held.rank{t.global_rank}.pt")
     _finish(out, "save_after_fit", t.global_rank, {"ref": results["ddp"], "got": results["chunk"]})
 
 

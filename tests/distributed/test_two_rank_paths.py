@@ -28,7 +28,9 @@ def test_offloaded_states_leave_no_device_bytes_on_either_rank(parity_run):
 @pytest.mark.cases("save_after_fit")
 def test_a_checkpoint_saved_after_fit_holds_ddp_s_optimizer_state_and_resumes_like_it(parity_run):
     """[Note: optimizer state after fit]: each rank kept its pieces of Adam's moments; the save gathered them to
-    rank 0 in the plain format, as DDP's rank 0 writes them, and the resume goes on from them."""
+    rank 0 in the plain format, as DDP's rank 0 writes them, and the resume goes on from them. The optimizer itself
+    holds no state there, and reading it raises naming ``materialize_optimizer_state=True``, which gives every rank
+    DDP's whole state."""
     out, rc, log = parity_run
     for r in (0, 1):
         assert f"CASE-DONE save_after_fit rank={r}" in log, log[-3000:]
@@ -43,6 +45,14 @@ def test_a_checkpoint_saved_after_fit_holds_ddp_s_optimizer_state_and_resumes_li
         assert got[key] == ref[key], key
     for k, v in d["ref"]["resumed"].items():
         torch.testing.assert_close(d["got"]["resumed"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    for r in (0, 1):  # what the optimizer itself holds after fit, on every rank
+        held = torch.load(out / f"save_after_fit.held.rank{r}.pt", weights_only=False)
+        assert "materialize_optimizer_state=True" in held["chunk"] and "chunk_param" not in held, held["chunk"]
+        assert held["whole"]["param_groups"] == held["ddp"]["param_groups"]
+        assert held["whole"]["state"].keys() == held["ddp"]["state"].keys() and held["ddp"]["state"]
+        for k, st in held["ddp"]["state"].items():
+            for name, v in st.items():
+                torch.testing.assert_close(held["whole"]["state"][k][name], v, rtol=0, atol=0)
 
 
 @pytest.mark.cases("unfreeze", "plain")

@@ -13,7 +13,14 @@ from lightning_chunk.engine.errors import ChunkError, UnsupportedOptimizerError
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import VOCAB, FloatBuffer, ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
-from tests.optimizer_models import ClosureNet, GroupCounted, GroupNormalizedSGD, ScheduleFreeNet, SharpnessAwareManual
+from tests.optimizer_models import (
+    ClosureNet,
+    GroupCounted,
+    GroupNormalizedSGD,
+    ScheduleFreeAveragedAtTheEnd,
+    ScheduleFreeNet,
+    SharpnessAwareManual,
+)
 
 
 def fit_model(model_cls, strategy, *, steps=12, plugins=None, precision="32-true", **kw):
@@ -120,21 +127,50 @@ def test_bf16_true_converts_float_buffers_like_lightning():
     assert relative_update_error(ref, got, init) < 0.15
 
 
-def test_optimizer_state_after_fit_is_left_out_unless_asked():
-    ref = fit_model(ParityNet, "auto")
-    dropped = fit_model(ParityNet, chunk())
-    assert dropped.trainer_ref.optimizers[0].state_dict()["state"] == {}
-    opt = dropped.trainer_ref.optimizers[0]  # pointed back at the module's own parameters, in their groups
+class HeldState(ParityNet):
+    """Notes where the optimizer's per-element state lives when training ends, before the teardown."""
+
+    def on_train_end(self) -> None:
+        state = self.trainer.optimizers[0].state
+        self.held = {v.data_ptr() for st in state.values() for k, v in st.items() if k != "step"}
+
+
+@pytest.mark.parametrize("kw", [dict(placement="host"), dict(), dict(materialize_optimizer_state=True)])
+def test_the_optimizer_after_fit_on_one_rank_holds_plain_lightning_s_state(kw):
+    """[Note: optimizer state after fit]: it held none, and ``state_dict()`` after fit was silently empty. On one
+    rank each piece is a parameter's whole state: given back in place (host placement: the tensors training used)."""
+    want = fit_model(ParityNet, "auto").trainer_ref.optimizers[0].state_dict()
+    got = fit_model(HeldState, chunk(**kw))
+    opt = got.trainer_ref.optimizers[0]  # pointed back at the module's own parameters, in their groups
     assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
-        [id(p) for p in dropped.parameters() if (p.dim() >= 2) == decay] for decay in (True, False)
+        [id(p) for p in got.parameters() if (p.dim() >= 2) == decay] for decay in (True, False)
     ]
-    kept = fit_model(ParityNet, chunk(materialize_optimizer_state=True))
-    want = ref.trainer_ref.optimizers[0].state_dict()["state"]
-    have = kept.trainer_ref.optimizers[0].state_dict()["state"]
-    assert want.keys() == have.keys()
-    for k in want:
+    have = opt.state_dict()
+    assert want["state"].keys() == have["state"].keys() and want["param_groups"] == have["param_groups"]
+    for k in want["state"]:
         for name in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(have[k][name], want[k][name], **EXACT)
+            torch.testing.assert_close(have["state"][k][name], want["state"][k][name], **EXACT)
+    if kw.get("placement") == "host":
+        assert {v.data_ptr() for st in opt.state.values() for k, v in st.items() if k != "step"} == got.held
+
+
+def test_an_optimizer_left_without_its_state_after_fit_says_so_where_it_is_read():
+    dropped = fit_model(ParityNet, chunk(materialize_optimizer_state=False)).trainer_ref.optimizers[0]
+    for read in (dropped.state_dict, lambda: dropped.state[dropped.param_groups[0]["params"][0]]):
+        with pytest.raises(
+            ChunkError, match=r"AdamW's state after fit is kept apart.*materialize_optimizer_state=True"
+        ):
+            read()
+
+
+def test_schedule_free_moved_to_its_average_after_fit_is_plain_lightning_s():
+    """``optimizer.eval()`` in ``on_fit_end``: the optimizer had no state there (its ``z``), so the weights stayed
+    where training left them, silently."""
+    kw = dict(cls=ScheduleFreeAveragedAtTheEnd, steps=12, val_check_interval=4, limit_val_batches=2)
+    ref = fit("auto", **kw)
+    got = fit(chunk(assume_elementwise_optimizer=True, device_memory_limit=200_000), **kw)
+    assert_same_params(ref, got, EXACT)
+    assert not ref.trainer_ref.optimizers[0].param_groups[0]["train_mode"]
 
 
 def test_bf16_mixed_gives_fp32_parameters_back_after_a_repack(tmp_path):

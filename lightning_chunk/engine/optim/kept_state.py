@@ -1,19 +1,27 @@
 """An optimizer's state kept past the engine's teardown, for a checkpoint saved after ``fit``.
 
 [Note: optimizer state after fit]
-At the end of ``fit`` the engine gives the parameters their whole values and points each optimizer back at them,
-by default with no state: building every rank's whole optimizer state there would hold it all on every rank. But
-``trainer.save_checkpoint()`` after ``fit`` (or after a ``validate`` that followed it) writes the optimizers' states,
-as plain Lightning does, and a resume from that file must go on with Adam's moments, not restart them. So the
-teardown keeps this rank's pieces of each optimizer's state on the host (what the rank held during training, no
-more), and a save gathers them to rank 0 in the plain format (parameter shapes, the plain optimizer's positions):
-rank 0 alone, and only while the checkpoint is being written, holds the whole state, as with DDP. The pieces are
-the state itself where it was in host memory, not a copy (the optimizers let go of it), and go when the next
-``fit`` sets up its own optimizers.
+At the end of ``fit`` the engine gives the parameters their whole values and points each optimizer back at them.
+Plain Lightning's optimizer keeps its state there, and users go on with it: ``trainer.save_checkpoint()`` writes it,
+``optimizer.state_dict()`` reads it, schedule-free's ``optimizer.eval()`` (``on_fit_end``, or after ``fit``) moves
+each parameter to its average with the state's ``z``. An optimizer left without state did nothing there, silently:
+the model kept its unaveraged weights.
+
+On one rank each of the rank's pieces is a whole parameter's state, so the optimizer gets it back in the
+parameters' shapes as views of the pieces (``KeptOptimizerState.into``): the state the rank held, on the host, no
+byte copied where it was in host memory. On several ranks the whole state on every rank would hold it all on every
+rank, so by default (``materialize_optimizer_state=None``) the teardown keeps this rank's pieces on the host (what
+the rank held during training, no more) and a save gathers them to rank 0 in the plain format (parameter shapes,
+the plain optimizer's positions): rank 0 alone, and only while the checkpoint is being written, holds the whole
+state, as with DDP. The optimizer's own ``state`` there is ``StateKeptInPieces``: reading a parameter's state
+(``optimizer.state[p]``, as every torch optimizer's ``step`` and schedule-free's ``eval()`` do) or
+``optimizer.state_dict()`` raises naming ``materialize_optimizer_state=True``, which gathers the whole state into
+every rank's optimizer. The pieces go when the next ``fit`` sets up its own optimizers.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..chunks.chunk import Tier
+from ..errors import ChunkError
 from ..memory.consolidate import _pieces, optimizer_state_parts
 from ..memory.manager import ChunkManager
 from .binding import OptimizerBinding
@@ -62,6 +71,55 @@ class KeptOptimizerState:
             state[pos] = st
         return {"state": state, "param_groups": self.param_groups}
 
+    def into(self, optimizer: torch.optim.Optimizer) -> None:
+        """One rank: give ``optimizer`` (pointed back at its parameters) this state, each piece viewed in its
+        parameter's shape: a piece there is the whole parameter's state, so nothing is copied."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for pos, scalars in self.scalars.items():
+            start, values = self.pieces.get(pos, (0, {}))
+            shape, p = self.shapes[pos], params[pos]
+            whole = {key: v.view(shape) for key, v in values.items() if start == 0 and v.numel() == shape.numel()}
+            missing = [key for key in self.keys if key not in whole]
+            if missing and shape.numel():
+                raise AssertionError(f"state {missing} of parameter {pos} is not whole on one rank")
+            optimizer.state[p] = {**scalars, **whole, **{key: torch.zeros(shape, dtype=p.dtype) for key in missing}}
+
+
+class StateKeptInPieces(defaultdict):
+    """An optimizer's ``state`` after ``fit`` on several ranks, its pieces kept elsewhere ([Note: optimizer state
+    after fit]): reading a parameter's state raises; iterating it (Lightning's teardown moves state) finds none."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(dict)
+        self.message = message
+
+    def __missing__(self, key: Any) -> Any:
+        raise ChunkError(self.message)
+
+    def __reduce__(self) -> Any:  # a copy of the optimizer (``copy.deepcopy``) keeps the mark
+        return (type(self), (self.message,), None, None, iter(self.items()))
+
+
+def _refuse_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(optimizer.state, StateKeptInPieces):  # a ``load_state_dict`` since gave it a state of its own
+        raise ChunkError(optimizer.state.message)
+
+
+def mark_state_kept_in_pieces(optimizer: torch.optim.Optimizer, world_size: int) -> None:
+    """``optimizer`` holds no state after ``fit`` (several ranks, or ``materialize_optimizer_state=False``); reading
+    it raises, saying where it is."""
+    cls = type(optimizer)
+    where = f"in pieces, one on each of the {world_size} ranks" if world_size > 1 else "kept apart from it"
+    optimizer.state = StateKeptInPieces(
+        f"{cls.__module__}.{cls.__qualname__}'s state after fit is {where} (trainer.save_checkpoint writes it "
+        "whole); the optimizer itself holds none, where plain Lightning's holds it. Pass "
+        "materialize_optimizer_state=True to the strategy to give every rank's optimizer the whole state when fit "
+        "ends, or load it from a checkpoint ([Note: optimizer state after fit] in "
+        "lightning_chunk/engine/optim/kept_state.py)."
+    )
+    if _refuse_state_dict not in optimizer._optimizer_state_dict_pre_hooks.values():
+        optimizer.register_state_dict_pre_hook(_refuse_state_dict)
+
 
 def keep_optimizer_state(mgr: ChunkManager, binding: OptimizerBinding) -> KeptOptimizerState:
     """This rank's pieces of ``binding``'s optimizer state on the host: the state itself where it is in host memory
@@ -96,3 +154,20 @@ def keep_optimizer_state(mgr: ChunkManager, binding: OptimizerBinding) -> KeptOp
         keys=tuple(parts.keys),
         param_groups=binding.plain_param_groups(plain_pos),
     )
+
+
+def unbind_after_fit(
+    mgr: ChunkManager, binding: OptimizerBinding, *, materialize: bool, whole_state: bool
+) -> KeptOptimizerState | None:
+    """Point ``binding``'s optimizer back at its parameters, with its whole state where ``whole_state`` (in place on
+    one rank); else this rank's pieces, returned for a save, and a state that raises where it is read ([Note:
+    optimizer state after fit]). Without ``materialize`` (the parameters left empty) the state is dropped."""
+    alone = mgr.comm.world_size == 1
+    kept = keep_optimizer_state(mgr, binding) if materialize and (alone or not whole_state) else None
+    binding.unbind(whole_state=materialize and whole_state and not alone)
+    if kept is not None and whole_state:
+        kept.into(binding.optimizer)
+        return None
+    if kept is not None:
+        mark_state_kept_in_pieces(binding.optimizer, mgr.comm.world_size)
+    return kept

@@ -46,7 +46,7 @@ from ..optim.binding import OptimizerBinding, OptimizerStateCarrier
 from ..optim.early_step import EarlyStep
 from ..optim.ema import Extras, ShardedEMA
 from ..optim.gradients import clip_grad_norm, unscale_and_check
-from ..optim.kept_state import KeptOptimizerState, keep_optimizer_state
+from ..optim.kept_state import KeptOptimizerState, unbind_after_fit
 from ..optim.scaler import DynamicLossScaler
 from ..schedule.growth import InputGrowth
 from ..schedule.placement import ChunkView
@@ -406,12 +406,9 @@ class ChunkEngine:
         device: torch.device | None = None,
     ) -> None:
         """Remove hooks and give the parameters their full values back (empty when ``materialize`` is off), on
-        ``device`` (the host by default), chunk by chunk. ``optimizer_state`` (default: the config's
-        ``materialize_optimizer_state``) also gives the optimizers their whole state back; without it they are
-        pointed back at the parameters with no state.
-
-        With ``materialize`` off nothing here is a collective, so it is safe after another rank failed.
-        """
+        ``device`` (the host by default), chunk by chunk; the optimizers their state as ``optimizer_state`` (default:
+        the config's) says ([Note: optimizer state after fit]). Without ``materialize`` nothing here is a collective,
+        so it is safe after another rank failed."""
         if self.early is not None:
             self.early.close()
         save_failed: BaseException | None = None
@@ -421,6 +418,8 @@ class ChunkEngine:
             save_failed = e
         if optimizer_state is None:
             optimizer_state = self.config.materialize_optimizer_state
+        if optimizer_state is None:  # where it is the state the rank held: [Note: optimizer state after fit]
+            optimizer_state = self.comm.world_size == 1
         if materialize is None:  # [Note: the model after fit] in consolidate.py
             materialize, need, share = whole_model_fits(
                 self.manager, optimizer_state=optimizer_state, room=page_cache_room()
@@ -440,9 +439,9 @@ class ChunkEngine:
         self.hooks.remove()
         for b in self.bindings:
             b.slots.detach()
-            if materialize and not optimizer_state:  # [Note: optimizer state after fit] in kept_state.py
-                self.kept_optimizer_states[id(b.optimizer)] = keep_optimizer_state(self.manager, b)
-            b.unbind(whole_state=materialize and optimizer_state)
+            kept = unbind_after_fit(self.manager, b, materialize=materialize, whole_state=optimizer_state)
+            if kept is not None:
+                self.kept_optimizer_states[id(b.optimizer)] = kept
         unpack(self.manager, materialize=materialize, device=device)
         self.manager.close()
         release_pinned_cache()
