@@ -189,3 +189,33 @@ def test_a_deep_copy_of_released_parameters_is_refused_by_name_and_one_inside_fu
     fit(ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})), steps=6, callbacks=got)
     assert_same_params(ref[0].copy, got[0].copy, EXACT)
     assert_same_params(ref[1].ema.module, got[1].ema.module, EXACT)
+
+
+# ------------------------------------------------------------------ a tensor the optimizer steps beside the module's
+class LearnedTemperature(ParityNet):
+    """A learned log-temperature scaling the logits (SAC's ``log_alpha`` is held the same way): a plain tensor with
+    ``requires_grad`` in its own param group, or registered as a parameter (``variant="registered"``)."""
+
+    def build(self) -> None:
+        super().build()
+        t = torch.zeros((), requires_grad=True)
+        self.log_t = torch.nn.Parameter(t) if self.variant == "registered" else t
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x) * self.log_t.exp()
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def configure_optimizers(self):
+        rest = [p for p in self.parameters() if p is not self.log_t]
+        return torch.optim.AdamW([{"params": rest}, {"params": [self.log_t], "lr": 0.1}], lr=1e-2)
+
+
+def test_a_tensor_outside_the_module_in_the_optimizer_is_refused_naming_the_way_in():
+    with pytest.raises(ValueError, match=r"AdamW holds a tensor of shape \(\) .* torch\.nn\.Parameter\(tensor\)"):
+        fit(ChunkOffloadStrategy(placement="host"), steps=1, cls=LearnedTemperature)
+    ref = fit("auto", steps=STEPS, cls=LearnedTemperature, variant="registered")
+    strategy = ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop"))
+    got = fit(strategy, steps=STEPS, cls=LearnedTemperature, variant="registered")
+    assert_same_params(ref, got, EXACT)
+    assert got.log_t.item() != 0

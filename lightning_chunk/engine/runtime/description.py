@@ -197,7 +197,8 @@ def _param_groups(
                 if i is None:
                     raise ValueError(
                         f"{type(opt).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
-                        "parameter of the module; chunk_offload can only step module parameters."
+                        "parameter of the module; chunk_offload can only step module parameters: register it "
+                        "(`self.name = torch.nn.Parameter(tensor)` in the LightningModule)."
                     )
                 if i in group_of:
                     raise ValueError(f"parameter {named[i][0]!r} appears in two optimizer param groups.")
