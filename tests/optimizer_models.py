@@ -252,6 +252,23 @@ class ScheduleFreeAveragedAtTheEnd(ScheduleFreeNet):
         self.trainer.optimizers[0].eval()
 
 
+class ScheduleFreeEvaluatedByHand(ScheduleFreeNet):
+    """Evaluated at its average by hand at the end of each epoch, between ``optimizer.eval()`` and ``.train()``: a
+    forward outside any step, as a callback's sample is; with ``modes``, the module in eval mode for it."""
+
+    modes = False
+
+    def on_train_epoch_end(self) -> None:
+        optimizer = self.trainer.optimizers[0]
+        optimizer.eval()
+        self.train(not self.modes)
+        x, y = next(iter(token_data(8, seed=5)))
+        with torch.no_grad():
+            self.val_losses.append(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1)).item())
+        self.train()
+        optimizer.train()
+
+
 class ClipsOptimizerParams(ParityNet):
     """torch's clipping over the optimizer's own parameters (``optimizer.param_groups``), not the module's, as a
     training loop written for plain PyTorch does: ``how`` is ``group_norms`` (a norm a param group, in

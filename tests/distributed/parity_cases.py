@@ -394,9 +394,11 @@ CASES = {
     # ([Note: the optimizer's views written outside its step]); its counters live in the param groups; resumed
     "schedule_free_limit": dict(SCHEDULE_FREE, limit_fraction=1.2, resume_at=6),
     # ranks whose limits differ, two micro-batches a step kept whole (no_sync) and validated in the middle of one
-    # (eval() and train() write the masters while gradients wait in the payloads)
+    # (eval() and train() write the masters while gradients wait in the payloads); at the epoch's end evaluated by
+    # hand, a forward outside any step between eval() and train()
     "schedule_free_accumulate": dict(
         SCHEDULE_FREE,
+        cls="ScheduleFreeEvaluatedByHand",
         limit_fractions=(2.2, 3.0),
         trainer=dict(val_check_interval=3, limit_val_batches=2, accumulate_grad_batches=2),
         strategy=dict(SCHEDULE_FREE["strategy"], sharded_accumulation=False),

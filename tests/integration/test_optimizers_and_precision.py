@@ -18,6 +18,7 @@ from tests.optimizer_models import (
     GroupCounted,
     GroupNormalizedSGD,
     ScheduleFreeAveragedAtTheEnd,
+    ScheduleFreeEvaluatedByHand,
     ScheduleFreeNet,
     SharpnessAwareManual,
 )
@@ -256,6 +257,27 @@ def test_an_optimizer_writing_its_parameters_outside_step_is_what_the_next_forwa
     got = fit(strategy, **kw)
     assert got.val_losses == ref.val_losses and len(ref.val_losses) == 6
     assert_same_params(ref, got, EXACT)
+    assert strategy.memory_stats()["masters_written"] == 5  # after each eval() and train() but the last
+
+
+@pytest.mark.parametrize("modes", [True, False], ids=["module_eval", "module_train"])
+@pytest.mark.parametrize("kw", [dict(device_memory_limit=200_000), dict(placement="host", precision="bf16-mixed")])
+def test_a_forward_outside_a_step_after_the_optimizer_wrote_its_parameters_computes_with_what_it_wrote(kw, modes):
+    """``eval()``, a forward and ``train()`` in ``on_train_epoch_end`` (the module in eval mode for it or not): the
+    copies were made again only before batches, so the forward was refused as if SAM wrote the weights inside a
+    training step. Now it computes at the average as plain Lightning does."""
+    kw = dict(kw)
+    precision = kw.pop("precision", "32-true")
+    cls = type("Evaluated", (ScheduleFreeEvaluatedByHand,), {"modes": modes})
+    run = dict(cls=cls, steps=30, limit_train_batches=10, precision=precision)
+    ref = fit("auto", **run)
+    strategy = chunk(assume_elementwise_optimizer=True, **kw)
+    got = fit(strategy, **run)
+    if precision == "32-true":
+        assert got.val_losses == ref.val_losses and len(ref.val_losses) == 3
+        assert_same_params(ref, got, EXACT)
+    else:  # bf16 payloads against autocast's casts: the losses agree to bf16's rounding, not to the bit
+        torch.testing.assert_close(got.val_losses, ref.val_losses, rtol=0.01, atol=0)
     assert strategy.memory_stats()["masters_written"] == 5  # after each eval() and train() but the last
 
 

@@ -22,6 +22,10 @@ has a version counter of its own and is not seen: the kernels of the optimizers 
 master that is the payload (one rank, fp32, shard on the device) needs none of this: the write is in the compute
 copy already.
 
+A forward outside a step (a callback's sample or a hand-written evaluation in ``on_train_epoch_end``, between
+``optimizer.eval()`` and ``.train()``) looks as a batch does, after its roll call ([Note: a forward outside a step] in
+``comm/group.py``) has every rank there: ``refresh_outside_a_step`` (one all-reduce of a flag on several ranks).
+
 Between two forwards of one training micro-batch the copies are not made again: a write there is a step that moves
 the weights to take gradients elsewhere (SAM's ``first_step`` in the manual recipe Lightning's users follow), and
 the second forward computed with the old copies while plain PyTorch computes at the moved weights, silently.
@@ -32,6 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import torch
 
 from ..chunks.chunk import Chunk, Tier, storage_of
 from ..errors import ChunkError
@@ -63,6 +69,17 @@ def refresh(mgr: ChunkManager) -> None:
     """Make every compute copy again from its master, on every rank alike (some rank's masters were written)."""
     mgr.write_back(chunks=[c for c in mgr.chunks if master_key(c) is not None], waiting_grads=True)
     mgr.transfers.masters_written += 1
+
+
+def refresh_outside_a_step(mgr: ChunkManager) -> None:
+    """Before the first forward outside a step, with every rank there: make the compute copies again where some
+    rank's masters were written since they were made."""
+    seen = written(mgr)
+    if mgr.comm.world_size > 1:
+        flag = torch.tensor([int(seen)], dtype=torch.int32, device=mgr.comm.tensor_device())
+        seen = bool(mgr.comm.all_reduce(flag, "max", what="the masters written before a forward outside a step"))
+    if seen:
+        refresh(mgr)
 
 
 def refuse_written_in_a_step(mgr: ChunkManager, chunk_ids: Sequence[int], module: str) -> None:

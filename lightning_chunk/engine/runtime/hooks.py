@@ -60,7 +60,7 @@ from ..errors import ChunkError
 from ..memory.full_params import looked_at
 from ..memory.grad_graph import GradGraphKeeper
 from ..memory.manager import ChunkManager
-from ..memory.master_writes import refuse_written_in_a_step
+from ..memory.master_writes import refresh_outside_a_step, refuse_written_in_a_step
 from ..memory.module_state import state_dict_hooks
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
@@ -164,6 +164,7 @@ class ChunkHooks:
         if not self._rolled and kind == FORWARD and not in_backward():
             self._rolled = True
             self.manager.comm.roll_call(self.where())
+            refresh_outside_a_step(self.manager)  # [Note: the optimizer's views written outside its step]
         moments = self.moments
         moments.current_module = self.owners.index.get(key, -1)
         before = moments.resident() if moments.recorder else None
