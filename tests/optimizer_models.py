@@ -254,16 +254,19 @@ class ScheduleFreeAveragedAtTheEnd(ScheduleFreeNet):
 
 class ScheduleFreeEvaluatedByHand(ScheduleFreeNet):
     """Evaluated at its average by hand at the end of each epoch, between ``optimizer.eval()`` and ``.train()``: a
-    forward outside any step, as a callback's sample is; with ``modes``, the module in eval mode for it."""
+    forward outside any step, as a callback's sample is; with ``modes``, the module in eval mode for it; with
+    ``twice``, evaluated at the training weights first."""
 
-    modes = False
+    modes = twice = False
 
     def on_train_epoch_end(self) -> None:
         optimizer = self.trainer.optimizers[0]
-        optimizer.eval()
-        self.train(not self.modes)
         x, y = next(iter(token_data(8, seed=5)))
+        self.train(not self.modes)
         with torch.no_grad():
+            if self.twice:
+                self.val_losses.append(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1)).item())
+            optimizer.eval()
             self.val_losses.append(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1)).item())
         self.train()
         optimizer.train()

@@ -63,6 +63,7 @@ LAUNCHED = [
     "fits_again",
     "clip_over_optimizer",
     "models_differ",
+    "written_after_a_forward",
 ]
 
 

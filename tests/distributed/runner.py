@@ -47,6 +47,7 @@ RUNS = {
     "fits_again": tr.run_fits_again,
     "clip_over_optimizer": tr.run_clip_over_optimizer,
     "models_differ": tr.run_models_differ,
+    "written_after_a_forward": tr.run_written_after_a_forward,
     "save_after_fit": ck.run_save_after_fit,
     "save_inside_a_step": ck.run_save_inside_a_step,
     "resume": ck.run_resume,

@@ -335,3 +335,15 @@ def test_static_placement_counts_its_device_shards_in_every_limit_check(parity_r
         assert done["named_limit"] > 2 * done["param_bytes"]
         assert isinstance(done["named"], dict), done["named"]
         assert all(torch.equal(v, done["named"][k]) for k, v in done["ddp"].items())
+
+
+@pytest.mark.cases("written_after_a_forward")
+def test_parameters_written_after_a_forward_outside_a_step_are_refused_on_every_rank(parity_run):
+    """Two ranks agree to make the copies again at the first forward after a step; a write after it (eval() between
+    two forwards in on_train_epoch_end) is named on both, not computed with stale copies (one rank makes the copies
+    again at every forward: test_optimizers_and_precision.py)."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE written_after_a_forward rank={r}" in log, log[-3000:]
+        said = json.loads((out / f"written_after_a_forward.rank{r}.json").read_text())
+        assert "written after the first forward since the last step" in said and "optimizer.eval()" in said, said

@@ -429,3 +429,21 @@ def run_models_differ(out: Path) -> None:
             done[name] = str(e)
     (out / f"models_differ.rank{rank}.json").write_text(json.dumps(done))
     print(f"CASE-DONE models_differ rank={rank}", flush=True)
+
+
+def run_written_after_a_forward(out: Path) -> None:
+    """[Note: the optimizer's views written outside its step]: outside a step the ranks agree to make the copies
+    again at the first forward only; at the epoch's end a forward at the training weights, ``optimizer.eval()``, then
+    a forward at the average. Each rank saves the error the fit raised."""
+    from lightning_chunk.engine import ChunkError
+
+    rank = int(os.environ.get("RANK", 0))
+    model = type("Twice", (optimizer_models.ScheduleFreeEvaluatedByHand,), {"twice": True})()
+    strategy = chunk_strategy(assume_elementwise_optimizer=True, device_memory_limit=150_000, chunk_numel=4096)
+    try:
+        trainer(strategy, steps=3, limit_train_batches=2).fit(model, token_data())
+        said = "ran"
+    except ChunkError as e:
+        said = str(e)
+    (out / f"written_after_a_forward.rank{rank}.json").write_text(json.dumps(said))
+    print(f"CASE-DONE written_after_a_forward rank={rank}", flush=True)

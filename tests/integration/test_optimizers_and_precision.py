@@ -260,21 +260,24 @@ def test_an_optimizer_writing_its_parameters_outside_step_is_what_the_next_forwa
     assert strategy.memory_stats()["masters_written"] == 5  # after each eval() and train() but the last
 
 
-@pytest.mark.parametrize("modes", [True, False], ids=["module_eval", "module_train"])
+@pytest.mark.parametrize("modes, twice", [(True, False), (False, False), (True, True)], ids=["eval", "train", "twice"])
 @pytest.mark.parametrize("kw", [dict(device_memory_limit=200_000), dict(placement="host", precision="bf16-mixed")])
-def test_a_forward_outside_a_step_after_the_optimizer_wrote_its_parameters_computes_with_what_it_wrote(kw, modes):
+def test_a_forward_outside_a_step_after_the_optimizer_wrote_its_parameters_computes_with_what_it_wrote(
+    kw, modes, twice
+):
     """``eval()``, a forward and ``train()`` in ``on_train_epoch_end`` (the module in eval mode for it or not): the
     copies were made again only before batches, so the forward was refused as if SAM wrote the weights inside a
-    training step. Now it computes at the average as plain Lightning does."""
+    training step. Now it computes at the average as plain Lightning does, on one rank after a forward at the
+    training weights too (``twice``: two ranks refuse that, test_two_rank_paths.py)."""
     kw = dict(kw)
     precision = kw.pop("precision", "32-true")
-    cls = type("Evaluated", (ScheduleFreeEvaluatedByHand,), {"modes": modes})
+    cls = type("Evaluated", (ScheduleFreeEvaluatedByHand,), {"modes": modes, "twice": twice})
     run = dict(cls=cls, steps=30, limit_train_batches=10, precision=precision)
     ref = fit("auto", **run)
     strategy = chunk(assume_elementwise_optimizer=True, **kw)
     got = fit(strategy, **run)
     if precision == "32-true":
-        assert got.val_losses == ref.val_losses and len(ref.val_losses) == 3
+        assert got.val_losses == ref.val_losses and len(ref.val_losses) == 3 * (1 + twice)
         assert_same_params(ref, got, EXACT)
     else:  # bf16 payloads against autocast's casts: the losses agree to bf16's rounding, not to the bit
         torch.testing.assert_close(got.val_losses, ref.val_losses, rtol=0.01, atol=0)

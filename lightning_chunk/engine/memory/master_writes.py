@@ -29,7 +29,8 @@ A forward outside a step (a callback's sample or a hand-written evaluation in ``
 Between two forwards of one training micro-batch the copies are not made again: a write there is a step that moves
 the weights to take gradients elsewhere (SAM's ``first_step`` in the manual recipe Lightning's users follow), and
 the second forward computed with the old copies while plain PyTorch computes at the moved weights, silently.
-``refuse_written_in_a_step`` raises where a forward's chunks were written since their copies were made.
+``refuse_written_in_a_step`` raises where a forward's chunks were written since their copies were made (outside a
+step on several ranks: after the first forward since the last step, where the ranks agreed).
 """
 
 from __future__ import annotations
@@ -82,11 +83,18 @@ def refresh_outside_a_step(mgr: ChunkManager) -> None:
         refresh(mgr)
 
 
-def refuse_written_in_a_step(mgr: ChunkManager, chunk_ids: Sequence[int], module: str) -> None:
+def refuse_written_in_a_step(mgr: ChunkManager, chunk_ids: Sequence[int], module: str, *, in_step: bool) -> None:
     """Raise where a training forward is about to compute with copies of masters written since the copies were made
-    (by the user's code in this micro-batch: between batches they are made again first)."""
+    (by the user's code in this micro-batch: between batches they are made again first; outside a step on several
+    ranks, since the first forward after the last step)."""
     for cid in chunk_ids:
         c = mgr.chunks[cid]
+        if master_key(c) != c.master_seen and not in_step:
+            raise ChunkError(
+                f"the optimizer's parameters in chunk {cid} (module {module!r}) were written after the first forward "
+                "since the last step: outside a step, the ranks agree to make the modules' copies of the weights "
+                "again at that first forward only. Write them (optimizer.eval(), .train()) before it."
+            )
         if master_key(c) != c.master_seen:
             raise ChunkError(
                 f"the optimizer's parameters in chunk {cid} (module {module!r}) were written during this training "

@@ -102,6 +102,7 @@ class ChunkHooks:
         self.closed: str | None = None
         self.where: Callable[[], str | None] = lambda: None  # the caller's hook, for a forward outside a step
         self._rolled = False  # [Note: a forward outside a step] in group.py: this forward's roll call is done
+        self._in_step = False  # inside ``step_scope``
         # parameters a backward with create_graph=True used, kept for the graph it built ([Note: double backward])
         self.grad_graph = GradGraphKeeper(manager)
         self.pieces = GradPieces(manager)  # [Note: gradients in pieces]
@@ -161,17 +162,20 @@ class ChunkHooks:
     def _use(self, key: str, kind: MomentKind) -> None:
         if self.closed is not None:
             raise ChunkError(self.closed)
-        if not self._rolled and kind == FORWARD and not in_backward():
+        outside = kind == FORWARD and not in_backward() and not self._in_step
+        first = outside and not self._rolled
+        if first:
             self._rolled = True
             self.manager.comm.roll_call(self.where())
+        if first or (outside and self.manager.comm.world_size == 1):  # the ranks agree at the first; one is alone
             refresh_outside_a_step(self.manager)  # [Note: the optimizer's views written outside its step]
         moments = self.moments
         moments.current_module = self.owners.index.get(key, -1)
         before = moments.resident() if moments.recorder else None
         needed = moments.tick(kind, key)
         recompute = kind == FORWARD and in_backward()
-        if kind == FORWARD and moments.training and not recompute:  # [Note: the optimizer's views written ...]
-            refuse_written_in_a_step(self.manager, needed, key)
+        if kind == FORWARD and (moments.training or not self._in_step) and not recompute:  # [Note: the optimizer's ..
+            refuse_written_in_a_step(self.manager, needed, key, in_step=self._in_step)
         moments.plan_and_run(needed)
         if kind == BACKWARD and torch.is_grad_enabled():  # create_graph=True: [Note: double backward]
             self.grad_graph.used(self.owners.owned.get(key, ()))
@@ -367,7 +371,7 @@ class ChunkHooks:
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.grad_graph.reset()  # a graph built by a backward with create_graph=True that no backward consumed
-        self._rolled = True  # in a step every rank runs the same forwards
+        self._rolled = self._in_step = True  # in a step every rank runs the same forwards
         # parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's, whose
         # backward never came) are free to go
         self.manager.let_go(self._held, S.HOLD)
@@ -401,7 +405,7 @@ class ChunkHooks:
             yield outputs
         if marks is not None:
             marks.agree(self.manager.comm)
-        self._rolled = False  # the next forward outside a step holds a roll call
+        self._rolled = self._in_step = False  # the next forward outside a step holds a roll call
         if ROOT in self.owners.owned:
             if training and torch.is_grad_enabled() and not registered:
                 # backward would find the root's payload released after this step's forward, and read freed memory
