@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from .engine import ChunkEngine
 from .engine.config import ChunkConfig
 from .engine.optim.binding import ENGINE_HOOK
+from .engine.optim.muon import is_muon
 from .engine.optim.speculation import refusal
 
 if TYPE_CHECKING:
@@ -168,6 +169,8 @@ def config_for_fit(
     hooked = step_hooks(optimizers) if chosen else None
     if hooked is not None:
         chosen, why = False, hooked
+    if chosen and any(is_muon(getattr(o, "_optimizer", o)) for o in optimizers):
+        chosen, why = False, "torch.optim.Muon, which orthogonalizes each matrix whole after backward"
     if chosen:
         rank_zero_info(
             "chunk_offload: each chunk steps during backward (step_in_backward=None: nothing in this fit reads "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.models import VOCAB, ParityNet, token_data
@@ -306,3 +307,45 @@ class ClipsOptimizerParams(ParityNet):
         self.manual_backward(F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1)))
         torch.nn.utils.clip_grad_norm_(self._params(opt), 0.05)
         opt.step()
+
+
+class MuonNet(ParityNet):
+    """Matrices only (no norms, no biases), trained by ``torch.optim.Muon`` alone in automatic optimization."""
+
+    def build(self) -> None:
+        d, hidden = self.shape["dim"], self.shape["hidden"]
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, hidden, bias=False), nn.GELU(), nn.Linear(hidden, d, bias=False))
+            for _ in range(self.shape["depth"])
+        )
+        self.norm = nn.Identity()
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def configure_optimizers(self):
+        return torch.optim.Muon(self.parameters(), lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+
+
+class MuonWithAdamW(ParityNet):
+    """Muon for the blocks' matrices and AdamW for the rest, as Muon is used: two optimizers, manual optimization."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        matrices = [p for n, p in self.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+        rest = [p for n, p in self.named_parameters() if not (n.startswith("blocks.") and p.dim() == 2)]
+        return [torch.optim.Muon(matrices, lr=0.02, nesterov=False), torch.optim.AdamW(rest, lr=1e-2)]
+
+    def training_step(self, batch, batch_idx):
+        muon, adamw = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        muon.zero_grad()
+        adamw.zero_grad()
+        self.manual_backward(loss)
+        muon.step()
+        adamw.step()
+        return loss

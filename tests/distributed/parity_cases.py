@@ -12,6 +12,7 @@ from __future__ import annotations
 from tests.distributed.rank_cases import RANK_CASES
 
 BIG = dict(dim=64, hidden=1024)
+MUON = dict(dim=64, hidden=256, depth=3)  # matrices of 16,384 elements, shards of 12,000
 # enough chunks that the whole gradient is many times the few payloads in flight
 ACCUMULATE = dict(
     trainer=dict(accumulate_grad_batches=2), model=dict(dim=64, hidden=256, depth=6), strategy=dict(chunk_numel=20000)
@@ -213,6 +214,17 @@ CASES = {
         strategy=dict(chunk_numel=None, chunk_numel_min=4096, step_in_backward=True),
     ),
     "two_optimizers": dict(cls="TwoOptimizers"),
+    # torch's Muon, each matrix orthogonalized whole from pieces on both ranks ([Note: Muon over sharded matrices]):
+    # matrices cut at the shard boundary, under a limit, resumed (its momentum); two micro-batches a step
+    # (orthogonalized once, at the step); and beside AdamW in manual optimization, as Muon is used
+    "muon_limit": dict(cls="MuonNet", model=MUON, strategy=dict(chunk_numel=24000), limit_fraction=1.2, resume_at=6),
+    "muon_accumulate": dict(
+        cls="MuonNet",
+        model=MUON,
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=24000, sharded_accumulation=False),
+    ),
+    "muon_with_adamw": dict(cls="MuonWithAdamW", strategy=dict(chunk_numel=3000)),
     "toggled_optimizers": dict(cls="ToggledOptimizers", ddp_unused=True, strategy=dict(chunk_numel=None)),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit

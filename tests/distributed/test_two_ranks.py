@@ -234,6 +234,7 @@ def test_buffers_start_from_rank_zero(parity_run):
         ("adapters_limit", 0.5),
         ("reused_frozen_limit", 0.5),
         ("checkpointed_adapters_limit", 0.5),
+        ("muon_limit", 1.5),
     ],
 )
 def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, case, share):
@@ -243,7 +244,7 @@ def test_device_limit_below_the_per_rank_share_evicts_on_each_rank(parity_run, c
     was once chosen without the modules' chunks, and its first step failed); ``checkpointed_limit``: activation
     checkpointing with the defaults ([Note: recomputation]); ``adapters_limit``: LoRA's shape, frozen weights that
     must not stay pinned through backward ([Note: frozen parameters in backward]); ``compiled_limit``: the forward
-    compiled by dynamo."""
+    compiled by dynamo; ``muon_limit``: torch's Muon ([Note: Muon over sharded matrices])."""
     out, _, _ = parity_run
     for s in stats(out, case):
         assert s["limit"] < s["param_bytes"] * share

@@ -14,8 +14,8 @@ parameter, so checkpoints map one to one onto the plain format.
 Adam-family steps run torch's fused kernels (``fused=True``), which group the
 tensors by device: host shards go through the fused CPU kernel and device
 shards through the fused device kernel in the same ``step()``: that is the
-hybrid Adam. Optimizers whose update needs parameter shapes (LBFGS, Adafactor,
-Muon, ...) cannot step flat views and are refused.
+hybrid Adam. Optimizers whose update needs parameter shapes (LBFGS, Adafactor, ...) cannot step flat views and
+are refused; torch's Muon is stepped by the engine ([Note: Muon over sharded matrices] in ``muon.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from .disk_stepper import DiskStepper
 from .grad_slots import GradSlot, GradSlots
 from .host_adam import HostAdam
 from .kernels import check_optimizer, flags_set, is_known, kernel_flags, state_bytes_per_element
+from .muon import MuonStep, is_muon
 from .partial_steps import PartialSteps, only
 
 __all__ = ["GradSlot", "OptimizerBinding", "OptimizerStateCarrier", "check_optimizer"]
@@ -68,7 +69,8 @@ class OptimizerBinding:
         self.host_adam = HostAdam(optimizer, manager, one_pass)
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
         self.partial = PartialSteps(optimizer)  # [Note: group state in partial steps]
-        closure = self.closure = closure_for(optimizer, is_known(optimizer))  # [Note: the closure of a step ...]
+        self.muon = MuonStep(self) if is_muon(optimizer) else None  # [Note: Muon over sharded matrices]
+        closure = self.closure = closure_for(optimizer, is_known(optimizer) or self.muon is not None)
 
         # a step called on the optimizer itself, not through the engine, also lets a save in flight finish with the
         # shards first ([Note: training beside a save] in state/background_save.py)
@@ -136,6 +138,10 @@ class OptimizerBinding:
         pass over a host shard] in ``host_adam.py``), disk chunks one at a time, the rest in one call."""
         kwargs = self._with_closure(kwargs)
         with self.kernel():
+            if self.muon is not None:  # the update is the engine's; step() runs over no view for its hooks
+                self.muon.step(self._views)
+                with self.narrowed(lambda v: False):
+                    return self._step_rest(**kwargs)
             stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
             if not stepped:
                 return self._step_rest(**kwargs)

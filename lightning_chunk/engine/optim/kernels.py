@@ -12,11 +12,12 @@ import torch
 from ..config import ChunkConfig
 from ..errors import UnsupportedOptimizerError
 from .elementwise import Dependence, dependence
+from .muon import is_muon
 
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
 )
-SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
+SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam", "Adafactor"})
 
 
 def is_known(optimizer: torch.optim.Optimizer) -> bool:
@@ -29,6 +30,16 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
     otherwise where this run would split its update ([Note: an optimizer said to be element-wise])."""
     name = type(optimizer).__name__
     known = is_known(optimizer)
+    if is_muon(optimizer):  # [Note: Muon over sharded matrices] in muon.py
+        where = "step_in_backward=True" if config.step_in_backward else None
+        where = where or ("a host_memory_limit (the disk tier)" if config.host_memory_limit is not None else None)
+        if where is not None:
+            raise UnsupportedOptimizerError(
+                f"torch.optim.Muon orthogonalizes each matrix whole after backward, with one gather a chunk over "
+                f"the ranks; {where} steps chunks one at a time. Use step_in_backward=False and no "
+                "host_memory_limit with Muon."
+            )
+        return
     if name in SHAPE_DEPENDENT:
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__qualname__} needs parameter shapes (or a closure over whole tensors), but "
@@ -71,8 +82,8 @@ def _check_the_word(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
 def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
     """Bytes of optimizer state per parameter element, found by stepping a 4-element copy once."""
     kwargs = {k: v for k, v in group.items() if k in optimizer.defaults and k not in ("params", "fused", "foreach")}
-    probe = torch.zeros(4, dtype=dtype)
-    probe.grad = torch.zeros(4, dtype=dtype)
+    probe = torch.zeros(2, 2, dtype=dtype) if is_muon(optimizer) else torch.zeros(4, dtype=dtype)  # Muon: matrices
+    probe.grad = torch.zeros_like(probe)
     try:
         twin = type(optimizer)([probe], **kwargs)
         twin.step()

@@ -1,0 +1,57 @@
+"""torch's Muon under chunk_offload, one rank against plain Lightning ([Note: Muon over sharded matrices]): alone in
+automatic optimization and beside AdamW in manual optimization. Two ranks against DDP: the ``muon_*`` parity cases."""
+
+import pytest
+import torch
+
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.engine.errors import UnsupportedOptimizerError
+from lightning_chunk.options import grouped
+from tests.compare import EXACT, assert_same_params
+from tests.models import fit
+from tests.optimizer_models import MuonNet, MuonWithAdamW
+
+STEPS = 10
+LIMIT = dict(device_memory_limit=150_000, chunk_numel=4096)
+
+
+def chunk(**kw) -> ChunkOffloadStrategy:
+    return ChunkOffloadStrategy(**grouped({"optimizer_kernel": "loop", **kw}))
+
+
+@pytest.mark.parametrize(
+    "cls, kw, trainer",
+    [
+        (MuonNet, {}, {}),
+        (MuonNet, dict(placement="host"), dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
+        (MuonNet, LIMIT, {}),
+        (MuonWithAdamW, dict(placement="host"), {}),
+        (MuonWithAdamW, LIMIT, {}),
+    ],
+    ids=["alone", "host_accumulate_clip", "alone_limit", "with_adamw_host", "with_adamw_limit"],
+)
+def test_muon_trains_like_plain_lightning(cls, kw, trainer):
+    """It was refused ("needs parameter shapes"): the optimizer steps flat pieces of the master shards."""
+    ref = fit("auto", cls=cls, steps=STEPS, **trainer)
+    strategy = chunk(**kw)
+    got = fit(strategy, cls=cls, steps=STEPS, **trainer)
+    assert_same_params(ref, got, EXACT)
+    if "device_memory_limit" in kw:
+        assert strategy.memory_stats()["evictions"] > 0
+    # the optimizer after fit: plain Lightning's state, Muon's momentum in the parameters' shapes
+    want, have = (m.trainer_ref.optimizers[0].state_dict()["state"] for m in (ref, got))
+    assert want.keys() == have.keys() and want
+    for k in want:
+        torch.testing.assert_close(have[k]["momentum_buffer"], want[k]["momentum_buffer"], **EXACT)
+
+
+def test_muon_steps_after_backward_by_default_and_refuses_what_steps_a_chunk_at_a_time(tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        fit(chunk(), cls=MuonNet, steps=1)
+    assert "because of torch.optim.Muon, which orthogonalizes each matrix whole" in caplog.text
+    for kw, said in [
+        (dict(step_in_backward=True), "step_in_backward=True steps chunks one at a time"),
+        (dict(host_memory_limit="1MB", disk_dir=str(tmp_path)), "a host_memory_limit .the disk tier."),
+    ]:
+        with pytest.raises(UnsupportedOptimizerError, match=rf"torch\.optim\.Muon orthogonalizes .*{said}"):
+            fit(chunk(**kw), cls=MuonNet, steps=1)
