@@ -35,9 +35,15 @@ FOUR = [
     "zeroed_in_place",  # gradients zeroed in place: an unused branch steps with zeros, as on DDP
     "autocast_off_bf16",  # the marks agreed on one communicator of four, and moved again on the resume
     "schedule_free_limit",  # masters written outside the step, every rank makes its copies again; resumed
+    "muon_limit",  # torch's Muon: each matrix's pieces on three ranks gathered whole; resumed
 ]
 CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together
 RELATIVE = 1e-3  # of the distance training moved the parameter
+# Muon orthogonalizes in bf16 (torch's Newton-Schulz), so the last-bit differences of four ranks' reductions come out
+# bf16-sized and grow: after one step 7.7e-3 in the one matrix whose reduced gradient differed (the others exact),
+# after six up to 5.3e-2, where DDP against DDP with other buckets is 4.4e-2 (measured 2026-12-01); 4.2e-2 here
+# after 16. A piece put in the wrong place is off by the whole update. Two ranks are bit-exact (test_two_ranks.py)
+RELATIVE_OF = {"muon_limit": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,8 @@ def test_parity_with_ddp_on_four_ranks(four_ranks, case):
             continue
         moved = float((ref - init).norm())
         assert moved > 0 or k.endswith("running_var"), f"{case} {k} never trained"
-        assert float((got - ref).norm()) <= RELATIVE * moved + 1e-7, (case, k, float((got - ref).norm()), moved)
+        bound = RELATIVE_OF.get(case, RELATIVE)
+        assert float((got - ref).norm()) <= bound * moved + 1e-7, (case, k, float((got - ref).norm()), moved)
     stats = [json.loads((out / f"{case}.stats{r}.json").read_text()) for r in range(4)]
     # the ranks plan evictions from their device bytes ([Note: the same bytes on every rank after a step])
     assert all(s["device_bytes"] == stats[0]["device_bytes"] for s in stats), case
