@@ -24,7 +24,9 @@ copy already.
 
 A forward outside a step (a callback's sample or a hand-written evaluation in ``on_train_epoch_end``, between
 ``optimizer.eval()`` and ``.train()``) looks as a batch does, after its roll call ([Note: a forward outside a step] in
-``comm/group.py``) has every rank there: ``refresh_outside_a_step`` (one all-reduce of a flag on several ranks).
+``comm/group.py``) has every rank there: ``refresh_outside_a_step`` (one all-reduce of a flag on several ranks). One
+rank, with no rank to agree with, also looks before each later module's forward outside a step, at that module's
+chunks (``refresh_where_written``).
 
 Between two forwards of one training micro-batch the copies are not made again: a write there is a step that moves
 the weights to take gradients elsewhere (SAM's ``first_step`` in the manual recipe Lightning's users follow), and
@@ -35,7 +37,7 @@ step on several ranks: after the first forward since the last step, where the ra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,24 +85,33 @@ def refresh_outside_a_step(mgr: ChunkManager) -> None:
         refresh(mgr)
 
 
+def refresh_where_written(mgr: ChunkManager, chunk_ids: Iterable[int]) -> None:
+    """One rank, before a later forward outside a step (no rank to agree with): make the compute copies again where
+    one of ``chunk_ids`` (the module's) was written since they were made. The module's chunks alone, not every chunk:
+    this runs for every module of every forward outside a step (a generation loop's)."""
+    if any(master_key(mgr.chunks[i]) != mgr.chunks[i].master_seen for i in chunk_ids):
+        refresh(mgr)
+
+
 def refuse_written_in_a_step(mgr: ChunkManager, chunk_ids: Sequence[int], module: str, *, in_step: bool) -> None:
     """Raise where a training forward is about to compute with copies of masters written since the copies were made
     (by the user's code in this micro-batch: between batches they are made again first; outside a step on several
     ranks, since the first forward after the last step)."""
     for cid in chunk_ids:
         c = mgr.chunks[cid]
-        if master_key(c) != c.master_seen and not in_step:
+        if master_key(c) == c.master_seen:
+            continue
+        if not in_step:
             raise ChunkError(
                 f"the optimizer's parameters in chunk {cid} (module {module!r}) were written after the first forward "
                 "since the last step: outside a step, the ranks agree to make the modules' copies of the weights "
                 "again at that first forward only. Write them (optimizer.eval(), .train()) before it."
             )
-        if master_key(c) != c.master_seen:
-            raise ChunkError(
-                f"the optimizer's parameters in chunk {cid} (module {module!r}) were written during this training "
-                "step, before a forward that reads them: an optimizer that moves the weights between two forward "
-                "and backward passes of one step (SAM's first_step, then a second forward) wants gradients at weights "
-                "chunk_offload has not gathered; it makes the modules' copies of the weights again only between "
-                "steps. Such optimizers cannot step under chunk_offload; write the optimizer's parameters (eval(), "
-                "train()) between steps only."
-            )
+        raise ChunkError(
+            f"the optimizer's parameters in chunk {cid} (module {module!r}) were written during this training "
+            "step, before a forward that reads them: an optimizer that moves the weights between two forward "
+            "and backward passes of one step (SAM's first_step, then a second forward) wants gradients at weights "
+            "chunk_offload has not gathered; it makes the modules' copies of the weights again only between "
+            "steps. Such optimizers cannot step under chunk_offload; write the optimizer's parameters (eval(), "
+            "train()) between steps only."
+        )

@@ -60,7 +60,7 @@ from ..errors import ChunkError
 from ..memory.full_params import looked_at
 from ..memory.grad_graph import GradGraphKeeper
 from ..memory.manager import ChunkManager
-from ..memory.master_writes import refresh_outside_a_step, refuse_written_in_a_step
+from ..memory.master_writes import refresh_outside_a_step, refresh_where_written, refuse_written_in_a_step
 from ..memory.module_state import state_dict_hooks
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
@@ -167,8 +167,9 @@ class ChunkHooks:
         if first:
             self._rolled = True
             self.manager.comm.roll_call(self.where())
-        if first or (outside and self.manager.comm.world_size == 1):  # the ranks agree at the first; one is alone
             refresh_outside_a_step(self.manager)  # [Note: the optimizer's views written outside its step]
+        elif outside and self.manager.comm.world_size == 1:  # no rank to agree with: this module's chunks
+            refresh_where_written(self.manager, self.owners.chunks_of(key))
         moments = self.moments
         moments.current_module = self.owners.index.get(key, -1)
         before = moments.resident() if moments.recorder else None
