@@ -5,6 +5,17 @@ trained by DDP and by chunk_offload (``runner.run_parity``; a case's keys: ``par
 OWN_CHUNK = dict(cls="RankGatedNet", variant="own_chunk", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3))
 
 RANK_CASES = {
+    # torch's Muon as a user meets it ([Note: Muon over sharded matrices]): the automatic chunk size, limits that
+    # differ by rank (4 chunks, 65 evictions a rank), a resume in the middle. With sharded accumulation too it is
+    # 0.0074 of the update off DDP (the accumulation's last-bit rounding, ROUNDING["accumulate"], through bf16
+    # Newton-Schulz); muon_accumulate, accumulating whole, is exact
+    "muon_limits_differ": dict(
+        cls="MuonNet",
+        model=dict(dim=64, hidden=256, depth=3),
+        limit_fractions=(1.2, 2.0),
+        resume_at=6,
+        strategy=dict(chunk_numel=None),
+    ),
     # ranks whose limits differ (each GPU's free memory, on CUDA): they must plan under one limit, the smallest
     # ([Note: one limit for every rank]); with their own they evicted different chunks and paired different gathers
     # [Note: the shards a placement keeps on the device] as a user meets it: static placement under limits that
