@@ -19,6 +19,10 @@ same bits. The result is torch's ``Muon.step`` on whole parameters to the bit: o
 matrix and nothing is gathered. ``optimizer.step()`` then runs over no parameter, so its hooks and an LR scheduler's
 count see one step.
 
+Newton-Schulz runs in bf16, so last-bit differences in its input come out bf16-sized: where the reduction itself
+differs from DDP's in the last bits (sharded accumulation, four ranks' sums) the update does too, by a few tenths
+of a percent a step, as two DDP runs with other buckets differ from each other.
+
 Muon steps after backward (the gather is a collective the autograd thread should not wait in), and not on the disk
 tier (whose chunks step one at a time through ``step()``): both are refused by ``check_optimizer``.
 """
