@@ -35,8 +35,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from .engine import ChunkEngine
 from .engine.config import ChunkConfig
 from .engine.optim.binding import ENGINE_HOOK
-from .engine.optim.muon import is_muon
 from .engine.optim.speculation import refusal
+from .engine.optim.whole import needs_whole
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -169,8 +169,9 @@ def config_for_fit(
     hooked = step_hooks(optimizers) if chosen else None
     if hooked is not None:
         chosen, why = False, hooked
-    if chosen and any(is_muon(getattr(o, "_optimizer", o)) for o in optimizers):
-        chosen, why = False, "torch.optim.Muon, which orthogonalizes each matrix whole after backward"
+    whole = [w for o in optimizers if (w := needs_whole(getattr(o, "_optimizer", o))) is not None]
+    if chosen and whole:  # [Note: optimizers that need whole parameters] in engine/optim/whole.py
+        chosen, why = False, f"{whole[0]} after backward"
     if chosen:
         rank_zero_info(
             "chunk_offload: each chunk steps during backward (step_in_backward=None: nothing in this fit reads "

@@ -349,3 +349,31 @@ class MuonWithAdamW(ParityNet):
         muon.step()
         adamw.step()
         return loss
+
+
+class AdafactorNet(ParityNet):
+    """``torch.optim.Adafactor`` with weight decay on the matrices, over matrices, vectors (norms, biases) and two
+    matrices whose factored state has the parameter's own shape: a gate ``(1, dim)`` (its ``col_var``) and a lift
+    ``(dim, 1)`` (its ``row_var``)."""
+
+    def build(self) -> None:
+        super().build()
+        d = self.shape["dim"]
+        self.gate = nn.Linear(d, 1)
+        self.lift = nn.Linear(1, d, bias=False)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.embed(x)
+        for blk in self.blocks:
+            h = h + blk(h)
+        h = h + self.lift(torch.sigmoid(self.gate(h)))
+        return self.head(self.norm(h))
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
+        vectors = [p for p in self.parameters() if p.dim() < 2]
+        return torch.optim.Adafactor(
+            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors}], lr=self.lr, foreach=self.foreach
+        )
+
+    foreach: bool | None = None

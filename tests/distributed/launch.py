@@ -31,6 +31,7 @@ ROUNDING = {
     "two_optimizers": dict(rtol=1e-5, atol=1e-6),
     "accumulate": dict(rtol=1e-4, atol=1e-5),
     "static_limit": dict(rtol=1e-4, atol=1e-5),
+    "adafactor_limits_differ": dict(rtol=1e-4, atol=1e-5),
     "zeroed_in_place": dict(rtol=1e-4, atol=1e-5),
     "early_accumulate": dict(rtol=1e-4, atol=1e-5),
     "grad_penalty_early_accumulate": dict(rtol=1e-4, atol=1e-5),

@@ -225,6 +225,12 @@ CASES = {
         strategy=dict(chunk_numel=24000, sharded_accumulation=False),
     ),
     "muon_with_adamw": dict(cls="MuonWithAdamW", strategy=dict(chunk_numel=3000)),
+    # torch's Adafactor, each parameter stepped whole from pieces on both ranks ([Note: Adafactor over sharded
+    # matrices]): matrices cut at the shard boundary and a (1, dim) and a (dim, 1) one, whose factored state has
+    # the parameter's shape, under a limit, resumed (row_var, col_var and variance carried whole)
+    "adafactor_limit": dict(
+        cls="AdafactorNet", model=MUON, strategy=dict(chunk_numel=24000), limit_fraction=1.2, resume_at=6
+    ),
     "toggled_optimizers": dict(cls="ToggledOptimizers", ddp_unused=True, strategy=dict(chunk_numel=None)),
     "two_optimizers_fp16": dict(cls="TwoOptimizers", fp16=True),
     # built on the meta device in configure_model, initialised chunk by chunk: DDP's eager values, bit for bit

@@ -16,6 +16,17 @@ RANK_CASES = {
         resume_at=6,
         strategy=dict(chunk_numel=None),
     ),
+    # torch's Adafactor with the defaults a user gets: the automatic chunk size, limits that differ by rank, two
+    # micro-batches a step accumulated in shards (ROUNDING; accumulated whole under limits of 2.2 and 3.0 it was
+    # bit-exact), a resume in the middle
+    "adafactor_limits_differ": dict(
+        cls="AdafactorNet",
+        model=dict(dim=64, hidden=256, depth=3),
+        limit_fractions=(1.2, 2.0),
+        resume_at=5,
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None),
+    ),
     # ranks whose limits differ (each GPU's free memory, on CUDA): they must plan under one limit, the smallest
     # ([Note: one limit for every rank]); with their own they evicted different chunks and paired different gathers
     # [Note: the shards a placement keeps on the device] as a user meets it: static placement under limits that

@@ -36,6 +36,7 @@ FOUR = [
     "autocast_off_bf16",  # the marks agreed on one communicator of four, and moved again on the resume
     "schedule_free_limit",  # masters written outside the step, every rank makes its copies again; resumed
     "muon_limit",  # torch's Muon: each matrix's pieces on three ranks gathered whole; resumed
+    "adafactor_limit",  # torch's Adafactor: the same, its factored state whole on each rank holding a piece
 ]
 CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together
 RELATIVE = 1e-3  # of the distance training moved the parameter

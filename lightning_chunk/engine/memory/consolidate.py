@@ -127,8 +127,11 @@ def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unch
             copies_made(chunk)  # [Note: the optimizer's views written outside its step] in master_writes.py
 
 
-def _per_element(v: Any, numel: int) -> bool:
-    return torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel
+def _per_element(key: str, v: Any, numel: int, whole_keys: frozenset[str]) -> bool:
+    """Per-element state (Adam's moments), cut into pieces as the values are. ``whole_keys`` name an optimizer's
+    state of a whole parameter, kept beside ``step`` on every rank holding a piece (Adafactor's ``row_var``, which
+    for a ``(R, 1)`` matrix has the parameter's own shape: the key tells them apart, not the shape)."""
+    return key not in whole_keys and torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel
 
 
 @dataclass
@@ -148,17 +151,24 @@ class OptimizerStateParts:
 
 
 def optimizer_state_parts(
-    mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]]
+    mgr: ChunkManager,
+    views: dict[int, torch.Tensor],
+    state: dict[Any, dict[str, Any]],
+    whole_keys: frozenset[str] = frozenset(),
 ) -> OptimizerStateParts:
     """A collective with several ranks (two small object all-gathers)."""
     local = {i: state[v] for i, v in views.items() if v in state and state[v]}
     keys: dict[str, dict[torch.dtype, torch.dtype]] = {}
     for i, st in local.items():
         for k, v in st.items():
-            if _per_element(v, views[i].numel()):
+            if _per_element(k, v, views[i].numel(), whole_keys):
                 keys.setdefault(k, {})[views[i].dtype] = v.dtype
     scalars = {
-        i: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items() if not _per_element(v, views[i].numel())}
+        i: {
+            k: (v.cpu() if torch.is_tensor(v) else v)
+            for k, v in st.items()
+            if not _per_element(k, v, views[i].numel(), whole_keys)
+        }
         for i, st in local.items()
     }
     if mgr.comm.world_size > 1:
@@ -195,14 +205,18 @@ def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key
 
 
 def gather_optimizer_state(
-    mgr: ChunkManager, views: dict[int, torch.Tensor], state: dict[Any, dict[str, Any]], param_order: Iterable[int]
+    mgr: ChunkManager,
+    views: dict[int, torch.Tensor],
+    state: dict[Any, dict[str, Any]],
+    param_order: Iterable[int],
+    whole_keys: frozenset[str] = frozenset(),
 ) -> dict[int, dict[str, Any]]:
     """Whole per-parameter optimizer state (parameter shapes), keyed by parameter index.
 
     Per-element state (Adam's moments) is gathered chunk by chunk like the values; scalar state
     (``step``) comes from whichever rank holds a piece of the parameter.
     """
-    parts = optimizer_state_parts(mgr, views, state)
+    parts = optimizer_state_parts(mgr, views, state, whole_keys)
     out: dict[int, dict[str, Any]] = {i: dict(st) for i, st in parts.scalars.items()}
     wanted = set(param_order)
     for chunk in mgr.chunks:
@@ -216,7 +230,10 @@ def gather_optimizer_state(
 
 
 def local_optimizer_state(
-    mgr: ChunkManager, views: dict[int, torch.Tensor], whole: dict[int, dict[str, Any]]
+    mgr: ChunkManager,
+    views: dict[int, torch.Tensor],
+    whole: dict[int, dict[str, Any]],
+    whole_keys: frozenset[str] = frozenset(),
 ) -> dict[int, dict[str, Any]]:
     """This rank's pieces of whole per-parameter state (flat, like the views)."""
     out: dict[int, dict[str, Any]] = {}
@@ -228,7 +245,11 @@ def local_optimizer_state(
         a, b = _pieces(mgr, chunk, info)
         numel = info.numel
         out[i] = {
-            k: (val.reshape(-1)[a - info.offset : b - info.offset].clone() if _per_element(val, numel) else val)
+            k: (
+                val.reshape(-1)[a - info.offset : b - info.offset].clone()
+                if _per_element(k, val, numel, whole_keys)
+                else val
+            )
             for k, val in st.items()
         }
     return out

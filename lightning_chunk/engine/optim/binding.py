@@ -14,8 +14,8 @@ parameter, so checkpoints map one to one onto the plain format.
 Adam-family steps run torch's fused kernels (``fused=True``), which group the
 tensors by device: host shards go through the fused CPU kernel and device
 shards through the fused device kernel in the same ``step()``: that is the
-hybrid Adam. Optimizers whose update needs parameter shapes (LBFGS, Adafactor, ...) cannot step flat views and
-are refused; torch's Muon is stepped by the engine ([Note: Muon over sharded matrices] in ``muon.py``).
+hybrid Adam. Optimizers whose update needs parameter shapes (LBFGS, ...) cannot step flat views and are refused;
+torch's Muon and Adafactor are stepped by the engine ([Note: optimizers that need whole parameters] in ``whole.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,14 @@ from ..chunks.chunk import Chunk, storage_of
 from ..chunks.repack import piece_range
 from ..config import ChunkConfig
 from ..errors import ChunkError
-from ..memory.consolidate import gather_optimizer_state, local_optimizer_state, optimizer_state_parts, state_shard
+from ..memory.consolidate import (
+    gather_optimizer_state,
+    local_optimizer_state,
+    optimizer_state_parts,
+    state_shard,
+)
 from ..memory.manager import ChunkManager
+from .adafactor import AdafactorStep, is_adafactor
 from .closure import closure_for
 from .disk_stepper import DiskStepper
 from .grad_slots import GradSlot, GradSlots
@@ -39,6 +45,7 @@ from .host_adam import HostAdam
 from .kernels import check_optimizer, flags_set, is_known, kernel_flags, state_bytes_per_element
 from .muon import MuonStep, is_muon
 from .partial_steps import PartialSteps, only
+from .whole import whole_state_keys
 
 __all__ = ["GradSlot", "OptimizerBinding", "OptimizerStateCarrier", "check_optimizer"]
 
@@ -69,8 +76,12 @@ class OptimizerBinding:
         self.host_adam = HostAdam(optimizer, manager, one_pass)
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
         self.partial = PartialSteps(optimizer)  # [Note: group state in partial steps]
-        self.muon = MuonStep(self) if is_muon(optimizer) else None  # [Note: Muon over sharded matrices]
-        closure = self.closure = closure_for(optimizer, is_known(optimizer) or self.muon is not None)
+        # [Note: optimizers that need whole parameters] in whole.py
+        self.whole: MuonStep | AdafactorStep | None = (
+            MuonStep(self) if is_muon(optimizer) else AdafactorStep(self) if is_adafactor(optimizer) else None
+        )
+        self.whole_keys = whole_state_keys(optimizer)  # state of a whole parameter, not cut into pieces
+        closure = self.closure = closure_for(optimizer, is_known(optimizer) or self.whole is not None)
 
         # a step called on the optimizer itself, not through the engine, also lets a save in flight finish with the
         # shards first ([Note: training beside a save] in state/background_save.py)
@@ -121,13 +132,13 @@ class OptimizerBinding:
                 for i in g
                 if self.manager.params[i] in state
             }
-            carried = local_optimizer_state(self.manager, new, whole)
+            carried = local_optimizer_state(self.manager, new, whole, self.whole_keys)
         for k in range(len(self.optimizer.param_groups)):
             step_on_device = self._steps_on_device(k)
             for i in self.group_params[k]:
                 v = new.get(i)
                 if v is not None and i in carried:
-                    state[v] = {key: self._move(val, v, step_on_device) for key, val in carried[i].items()}
+                    state[v] = {key: self._move(key, val, v, step_on_device) for key, val in carried[i].items()}
         self._views = new
         self.slots.rebind(new)
         self.host_adam.reset()
@@ -138,8 +149,8 @@ class OptimizerBinding:
         pass over a host shard] in ``host_adam.py``), disk chunks one at a time, the rest in one call."""
         kwargs = self._with_closure(kwargs)
         with self.kernel():
-            if self.muon is not None:  # the update is the engine's; step() runs over no view for its hooks
-                self.muon.step(self._views)
+            if self.whole is not None:  # the update is the engine's; step() runs over no view for its hooks
+                self.whole.step(self._views)
                 with self.narrowed(lambda v: False):
                     return self._step_rest(**kwargs)
             stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
@@ -171,11 +182,13 @@ class OptimizerBinding:
         g = self.optimizer.param_groups[k]
         return bool({**g, **self.kernel_flags[k]}.get("fused") or g.get("capturable"))
 
-    @staticmethod
-    def _move(val: Any, like: torch.Tensor, step_on_device: bool) -> Any:
-        """Per-element state follows the view (flat, on its device); scalar ``step`` where the kernel wants it."""
+    def _move(self, key: str, val: Any, like: torch.Tensor, step_on_device: bool) -> Any:
+        """Per-element state follows the view (flat, on its device); scalar ``step`` where the kernel wants it; a
+        whole parameter's state (Adafactor's ``row_var``) to the view's device, in its own shape."""
         if not torch.is_tensor(val):
             return val
+        if key in self.whole_keys:
+            return val.to(device=like.device)
         if val.dim() > 0:
             if val.numel() != like.numel():
                 raise ValueError(
@@ -195,7 +208,7 @@ class OptimizerBinding:
 
         A collective with several ranks: every rank calls it and gets the whole state."""
         plain_pos = self.plain_positions()
-        whole = gather_optimizer_state(self.manager, self._views, self.optimizer.state, plain_pos)
+        whole = gather_optimizer_state(self.manager, self._views, self.optimizer.state, plain_pos, self.whole_keys)
         return {
             "state": {plain_pos[i]: st for i, st in sorted(whole.items(), key=lambda kv: plain_pos[kv[0]])},
             "param_groups": self.plain_param_groups(plain_pos),
@@ -233,7 +246,7 @@ class OptimizerBinding:
                 f"the optimizer state has {len(sd['param_groups'])} param groups, the optimizer has "
                 f"{len(self.group_params)}: the checkpoint was written for another optimizer"
             )
-        mine = local_optimizer_state(self.manager, self._views, whole)
+        mine = local_optimizer_state(self.manager, self._views, whole, self.whole_keys)
         self.load_local_state(mine, [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]])
 
     def load_local_state(self, mine: dict[int, dict[str, Any]], hypers: list[dict[str, Any]]) -> None:
@@ -263,7 +276,7 @@ class OptimizerBinding:
         ends). Without ``whole_state`` (after a failure on another rank) the state is dropped: no collectives."""
         mgr = self.manager
         whole = (
-            gather_optimizer_state(mgr, self._views, self.optimizer.state, range(len(mgr.params)))
+            gather_optimizer_state(mgr, self._views, self.optimizer.state, range(len(mgr.params)), self.whole_keys)
             if whole_state
             else {}
         )
@@ -326,7 +339,7 @@ class OptimizerStateCarrier:
         self.manager = manager
         self.bindings = list(bindings)
         # every rank agrees on the state keys and on each parameter's scalar state (``step``)
-        self.parts = [optimizer_state_parts(manager, b.views(), b.optimizer.state) for b in self.bindings]
+        self.parts = [optimizer_state_parts(manager, b.views(), b.optimizer.state, b.whole_keys) for b in self.bindings]
         self.owner = {g: k for k, b in enumerate(self.bindings) for g in b.chunk_groups()}
         self.pieces: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in self.bindings]
 

@@ -127,7 +127,7 @@ def keep_optimizer_state(mgr: ChunkManager, binding: OptimizerBinding) -> KeptOp
     device or in a disk file. A collective with several ranks (the scalar state and the keys are agreed as for a
     checkpoint)."""
     plain_pos = binding.plain_positions()
-    parts = optimizer_state_parts(mgr, binding.views(), binding.optimizer.state)
+    parts = optimizer_state_parts(mgr, binding.views(), binding.optimizer.state, binding.whole_keys)
     pieces: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
     for chunk in mgr.chunks:
         in_memory = chunk.shard_tier is Tier.HOST

@@ -12,12 +12,12 @@ import torch
 from ..config import ChunkConfig
 from ..errors import UnsupportedOptimizerError
 from .elementwise import Dependence, dependence
-from .muon import is_muon
+from .whole import needs_whole
 
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
 )
-SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam", "Adafactor"})
+SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam"})
 
 
 def is_known(optimizer: torch.optim.Optimizer) -> bool:
@@ -30,14 +30,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
     otherwise where this run would split its update ([Note: an optimizer said to be element-wise])."""
     name = type(optimizer).__name__
     known = is_known(optimizer)
-    if is_muon(optimizer):  # [Note: Muon over sharded matrices] in muon.py
+    whole = needs_whole(optimizer)
+    if whole is not None:  # [Note: optimizers that need whole parameters] in whole.py
         where = "step_in_backward=True" if config.step_in_backward else None
         where = where or ("a host_memory_limit (the disk tier)" if config.host_memory_limit is not None else None)
         if where is not None:
             raise UnsupportedOptimizerError(
-                f"torch.optim.Muon orthogonalizes each matrix whole after backward, with one gather a chunk over "
-                f"the ranks; {where} steps chunks one at a time. Use step_in_backward=False and no "
-                "host_memory_limit with Muon."
+                f"{whole} after backward, with one gather a chunk over the ranks; {where} steps chunks one at a "
+                f"time. Use step_in_backward=False and no host_memory_limit with {type(optimizer).__name__}."
             )
         return
     if name in SHAPE_DEPENDENT:
@@ -82,7 +82,8 @@ def _check_the_word(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
 def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
     """Bytes of optimizer state per parameter element, found by stepping a 4-element copy once."""
     kwargs = {k: v for k, v in group.items() if k in optimizer.defaults and k not in ("params", "fused", "foreach")}
-    probe = torch.zeros(2, 2, dtype=dtype) if is_muon(optimizer) else torch.zeros(4, dtype=dtype)  # Muon: matrices
+    # Muon steps matrices alone; Adafactor's state for a matrix is a row and a column, next to nothing an element
+    probe = torch.zeros(2, 2, dtype=dtype) if needs_whole(optimizer) else torch.zeros(4, dtype=dtype)
     probe.grad = torch.zeros_like(probe)
     try:
         twin = type(optimizer)([probe], **kwargs)

@@ -187,7 +187,7 @@ def _load_optimizer(
                 for n, off, numel, _ in spec["slots"]
                 if index_of_name[n] in local
             }
-            for i, st in local_optimizer_state(mgr, views, whole).items():
+            for i, st in local_optimizer_state(mgr, views, whole, b.whole_keys).items():
                 chunk = mgr.lookup(mgr.params[i])[0]
                 # a disk shard's piece goes straight into its file: no copy of the rank's whole state in memory
                 local[i][key] = mgr.tiers.keep_state(chunk, views[i], key, st[key])

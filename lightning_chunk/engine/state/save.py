@@ -155,7 +155,7 @@ def _optimizer_shards(
     from ..memory.consolidate import optimizer_state_parts, state_shard
 
     b, mgr = engine.bindings[o], engine.manager
-    parts = optimizer_state_parts(mgr, b.views(), b.optimizer.state)
+    parts = optimizer_state_parts(mgr, b.views(), b.optimizer.state, b.whole_keys)
     out: dict[str, tuple[Make, torch.Tensor]] = {
         f"chunk.{chunk.chunk_id}.optim{o}.{key}": (
             functools.partial(state_shard, mgr, chunk, parts, key),

@@ -1,0 +1,95 @@
+"""Optimizers whose update reads whole parameters, stepped by the engine over this rank's pieces.
+
+[Note: optimizers that need whole parameters]
+The optimizer steps flat pieces of this rank's master shards ([Note: per-parameter views of the master shards] in
+``binding.py``). That is exact for an element-wise update, and wrong for two of torch's optimizers whose update of
+an element reads the rest of its parameter: ``Muon`` orthogonalizes each matrix ([Note: Muon over sharded
+matrices] in ``muon.py``), ``Adafactor`` factors each matrix's second moment into row and column means and scales
+each update by norms over the parameter ([Note: Adafactor over sharded matrices] in ``adafactor.py``). Stepped on
+flat pieces, Muon refuses a 1-D tensor and Adafactor silently takes every matrix for a vector: it keeps a full
+second moment and normalises by the piece, another optimizer. (DeepSpeed's ZeRO and FSDP's flat parameters hand
+the optimizer flat shards too.)
+
+So the engine runs these updates itself, chunk by chunk in chunk order. For each chunk holding such parameters,
+every rank takes part in one all-gather of the pieces the update reads (``gather_whole``; none on one rank, where a
+piece is the whole parameter), each rank computes the whole update of each parameter it holds a piece of with
+torch's own functions, and keeps its own slice. A parameter cut at a shard boundary is computed by each rank that
+holds a piece, from the same inputs, to the same bits, so the result is torch's step on whole parameters to the bit.
+``optimizer.step()`` then runs over no view, so its hooks and an LR scheduler's count see one step.
+
+Both step after backward (a gather is a collective the autograd thread should not wait in) and not on the disk tier
+(whose chunks step one at a time through ``step()``): ``check_optimizer`` refuses ``step_in_backward=True`` and a
+``host_memory_limit``, and ``step_in_backward=None`` chooses after backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..chunks.repack import piece_range
+
+if TYPE_CHECKING:
+    from ..chunks.chunk import Chunk, TensorInfo
+    from ..memory.manager import ChunkManager
+
+# what each reads whole, as the messages say it
+_WHOLE = {
+    "Muon": "orthogonalizes each matrix whole",
+    "Adafactor": "factors each matrix's second moment by rows and columns",
+}
+
+
+# the state each keeps of a whole parameter rather than per element (Adafactor's factored and vector second moments)
+_WHOLE_STATE = {"Adafactor": frozenset({"row_var", "col_var", "variance"})}
+
+
+def whole_state_keys(optimizer: torch.optim.Optimizer) -> frozenset[str]:
+    """The keys of ``optimizer``'s state that hold a whole parameter's state, kept beside ``step`` on every rank
+    holding a piece of it (checkpoints, repacks and the plain format carry them whole); the rest is per element."""
+    return _WHOLE_STATE.get(type(optimizer).__name__, frozenset()) if needs_whole(optimizer) else frozenset()
+
+
+def needs_whole(optimizer: torch.optim.Optimizer) -> str | None:
+    """``"torch.optim.X, which ..."`` for torch's optimizers the engine steps whole, else ``None``."""
+    name = type(optimizer).__name__
+    if name in _WHOLE and isinstance(optimizer, getattr(torch.optim, name, ())):
+        return f"torch.optim.{name}, which {_WHOLE[name]}"
+    return None
+
+
+def gather_whole(
+    manager: ChunkManager, chunk: Chunk, pieces: dict[int, tuple[TensorInfo, list[torch.Tensor]]], count: int
+) -> dict[int, list[torch.Tensor]]:
+    """For each parameter index in ``pieces`` (its tensor info and ``count`` flat pieces this rank holds: values,
+    gradient, state), the ``count`` whole tensors in the parameter's shape. One rank: the pieces themselves, viewed
+    (they are whole). Several: one all-gather of the chunk's ``count`` stacked shards, every rank taking part with
+    zeros where it holds nothing; the tensors returned are scratch on the collectives' device."""
+    comm = manager.comm
+    if comm.world_size == 1:
+        return {i: [p.view(t.shape) for p in ps] for i, (t, ps) in pieces.items()}
+    lo, _ = chunk.shard_range
+    n, device = chunk.shard_numel, comm.tensor_device()
+    shard = torch.zeros(count, n, dtype=chunk.master_dtype, device=device)
+    for t, ps in pieces.values():
+        a, b = piece_range(chunk, t.offset, t.numel)
+        for k, p in enumerate(ps):
+            shard[k, a - lo : b - lo].copy_(p)
+    out = torch.empty(comm.world_size, count, n, dtype=shard.dtype, device=device)
+    comm.all_gather(out.view(-1), shard.view(-1), chunk=chunk.chunk_id).wait()
+    full = out.transpose(0, 1).reshape(count, -1)  # each row laid out as the chunk is: rank by rank
+    return {
+        i: [full[k, t.offset : t.offset + t.numel].view(t.shape) for k in range(count)] for i, (t, _) in pieces.items()
+    }
+
+
+def own_slice(chunk: Chunk, t: TensorInfo, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``whole`` (a tensor in parameter ``t``'s shape), flat like its view."""
+    a, b = piece_range(chunk, t.offset, t.numel)
+    return whole.reshape(-1)[a - t.offset : b - t.offset]
+
+
+def params_in(chunk: Chunk, group_of: dict[int, Any]) -> list[TensorInfo]:
+    """The chunk's tensors that are this optimizer's parameters."""
+    return [t for t in chunk.tensors if t.slot.param_index in group_of]
