@@ -88,6 +88,19 @@ def test_shape_dependent_optimizers_are_refused(cls):
         ChunkEngine(m, [cls(m.parameters())])
 
 
+def test_an_adafactor_not_torch_s_stays_refused_when_declared_elementwise():
+    """Hugging Face's ``Adafactor`` factors by shape as torch's does, but only torch's is stepped whole; on the flat
+    twins it looks element-wise within a group on one rank, so the word would let it keep a full second moment."""
+
+    class Adafactor(torch.optim.SGD):  # the name is what is refused, as transformers.optimization.Adafactor
+        pass
+
+    m = net()
+    config = ChunkConfig(assume_elementwise_optimizer=True)
+    with pytest.raises(UnsupportedOptimizerError, match=r"Adafactor needs parameter shapes.*torch\.optim\.Adafactor"):
+        ChunkEngine(m, [Adafactor(m.parameters(), lr=0.1)], config=config)
+
+
 def test_unknown_optimizer_is_refused_unless_declared_elementwise():
     class MyAdam(torch.optim.Adam):
         pass

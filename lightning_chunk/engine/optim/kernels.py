@@ -17,7 +17,8 @@ from .whole import needs_whole
 ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
 )
-SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam"})
+# by name: Hugging Face's Adafactor too (torch's returns before, stepped whole)
+SHAPE_DEPENDENT = frozenset({"LBFGS", "SparseAdam", "Adafactor"})
 
 
 def is_known(optimizer: torch.optim.Optimizer) -> bool:
@@ -42,8 +43,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
         return
     if name in SHAPE_DEPENDENT:
         raise UnsupportedOptimizerError(
-            f"{type(optimizer).__qualname__} needs parameter shapes (or a closure over whole tensors), but "
-            f"chunk_offload steps flat shards of parameters; use one of {', '.join(sorted(ELEMENTWISE))}."
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} needs parameter shapes (or a closure over "
+            "whole tensors), but chunk_offload steps flat shards of parameters; use one of "
+            f"{', '.join(sorted(ELEMENTWISE))}, or torch.optim.Adafactor or Muon, which it steps whole."
         )
     if not known and not config.assume_elementwise_optimizer:
         raise UnsupportedOptimizerError(
