@@ -58,7 +58,7 @@ def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]
         acc=rng.choice([1, 1, 2, 3]),
         clip=rng.choice([None, None, 0.5]),
         steps=rng.choice([6, 8, 9]),
-        optimizer=rng.choice(["adamw", "adamw", "sgd", "Adam", "rmsprop"]),
+        optimizer=rng.choice(["adamw", "adamw", "sgd", "Adam", "rmsprop", "Adafactor"]),
         clip_by=rng.choice(["norm", "norm", "value"]),
     )
     opts: dict = dict(

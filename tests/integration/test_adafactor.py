@@ -1,5 +1,8 @@
 """torch's Adafactor under chunk_offload, one rank against plain Lightning ([Note: Adafactor over sharded matrices]):
-trained, resumed, consolidated. Two and four ranks against DDP: the ``adafactor_*`` parity cases."""
+trained, resumed, consolidated; it and Muon stepped in backward on one rank. Two and four ranks against DDP: the
+``adafactor_*`` parity cases."""
+
+import re
 
 import pytest
 import torch
@@ -7,11 +10,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.consolidate import consolidate
+from lightning_chunk.engine.config import ChunkConfig
 from lightning_chunk.engine.errors import UnsupportedOptimizerError
+from lightning_chunk.engine.optim.kernels import check_optimizer
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params
 from tests.models import fit
-from tests.optimizer_models import AdafactorNet
+from tests.optimizer_models import AdafactorNet, MuonNet
 
 STEPS = 10
 LIMIT = dict(device_memory_limit=150_000, chunk_numel=4096)
@@ -82,13 +87,39 @@ def test_adafactor_resumes_and_consolidates_as_plain_lightning(tmp_path):
     assert_plain_state(want, have)
 
 
-def test_adafactor_steps_after_backward_by_default_and_refuses_what_steps_a_chunk_at_a_time(tmp_path, caplog):
-    with caplog.at_level("INFO"):
-        fit(chunk(), cls=AdafactorNet, steps=1)
-    assert "because of torch.optim.Adafactor, which factors each matrix's second moment" in caplog.text
-    for kw, said in [
-        (dict(step_in_backward=True), "step_in_backward=True steps chunks one at a time"),
-        (dict(host_memory_limit="1MB", disk_dir=str(tmp_path)), "a host_memory_limit .the disk tier."),
-    ]:
-        with pytest.raises(UnsupportedOptimizerError, match=rf"torch\.optim\.Adafactor, which factors .*{said}"):
-            fit(chunk(**kw), cls=AdafactorNet, steps=1)
+@pytest.mark.parametrize("cls", [AdafactorNet, MuonNet])
+@pytest.mark.parametrize(
+    "kw, trainer",
+    [
+        (dict(placement="host", step_in_backward=True), dict(gradient_clip_val=0.05)),
+        (dict(LIMIT, step_in_backward=True), dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")),
+        ({}, {}),
+    ],
+    ids=["host_clip_norm", "limit_clip_value", "default"],
+)
+def test_on_one_rank_each_chunk_steps_in_backward_as_plain_lightning(cls, kw, trainer):
+    """Nothing is gathered on one rank, so a chunk steps as its gradients are final and gives its gradient shard
+    back, as with Adam; the default chooses it. Clipping by norm at 0.05 clips every step: each guess is undone and
+    the chunk steps again after backward ([Note: speculating past the norm and the overflow])."""
+    ref = fit("auto", cls=cls, steps=STEPS, **trainer)
+    strategy = chunk(**kw)
+    got = fit(strategy, cls=cls, steps=STEPS, **trainer)
+    assert_same_params(ref, got, EXACT)
+    stats = strategy.memory_stats()
+    assert stats["chunks_stepped_in_backward"] > 0
+    if "gradient_clip_val" in trainer and "gradient_clip_algorithm" not in trainer:
+        assert stats["speculation_rollbacks"] == STEPS - 1  # the warm-up step steps after backward
+
+
+@pytest.mark.parametrize(
+    "cls, said",
+    [(AdafactorNet, "torch.optim.Adafactor, which factors"), (MuonNet, "torch.optim.Muon, which orthogonalizes")],
+)
+def test_several_ranks_step_them_after_backward_and_the_disk_tier_is_refused(tmp_path, cls, said):
+    """With several ranks each chunk's step is a gather, which the autograd thread should not wait in."""
+    opt = cls().configure_optimizers()
+    with pytest.raises(UnsupportedOptimizerError, match=rf"{re.escape(said)}.*step_in_backward=True on several ranks"):
+        check_optimizer(opt, ChunkConfig(step_in_backward=True), world_size=2)
+    check_optimizer(opt, ChunkConfig(step_in_backward=True), world_size=1)
+    with pytest.raises(UnsupportedOptimizerError, match=rf"{re.escape(said)}.*a host_memory_limit .the disk tier."):
+        fit(chunk(host_memory_limit="1MB", disk_dir=str(tmp_path)), cls=cls, steps=1)

@@ -1,11 +1,11 @@
 """torch's Muon under chunk_offload, one rank against plain Lightning ([Note: Muon over sharded matrices]): alone in
-automatic optimization and beside AdamW in manual optimization. Two ranks against DDP: the ``muon_*`` parity cases."""
+automatic optimization and beside AdamW in manual optimization (stepped in backward: test_adafactor.py). Two ranks
+against DDP: the ``muon_*`` parity cases."""
 
 import pytest
 import torch
 
 from lightning_chunk import ChunkOffloadStrategy
-from lightning_chunk.engine.errors import UnsupportedOptimizerError
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import fit
@@ -43,18 +43,6 @@ def test_muon_trains_like_plain_lightning(cls, kw, trainer):
     assert want.keys() == have.keys() and want
     for k in want:
         torch.testing.assert_close(have[k]["momentum_buffer"], want[k]["momentum_buffer"], **EXACT)
-
-
-def test_muon_steps_after_backward_by_default_and_refuses_what_steps_a_chunk_at_a_time(tmp_path, caplog):
-    with caplog.at_level("INFO"):
-        fit(chunk(), cls=MuonNet, steps=1)
-    assert "because of torch.optim.Muon, which orthogonalizes each matrix whole" in caplog.text
-    for kw, said in [
-        (dict(step_in_backward=True), "step_in_backward=True steps chunks one at a time"),
-        (dict(host_memory_limit="1MB", disk_dir=str(tmp_path)), "a host_memory_limit .the disk tier."),
-    ]:
-        with pytest.raises(UnsupportedOptimizerError, match=rf"torch\.optim\.Muon, which orthogonalizes .*{said}"):
-            fit(chunk(**kw), cls=MuonNet, steps=1)
 
 
 @pytest.mark.parametrize("cls", [MuonNet, MuonWithAdamW])

@@ -22,6 +22,7 @@ numbers, not Adam's ``2 R C``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +32,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from .whole import gather_whole, own_slice, params_in
 
 if TYPE_CHECKING:
+    from ..chunks.chunk import Chunk
     from .binding import OptimizerBinding
 
 
@@ -46,10 +48,11 @@ class AdafactorStep:
         self.group_of = {i: k for k, idx in enumerate(binding.group_params) for i in idx}
 
     @torch.no_grad()
-    def step(self, views: dict[int, torch.Tensor]) -> None:
+    def step(self, views: dict[int, torch.Tensor], chunks: Sequence[Chunk] | None = None) -> None:
+        """Step the parameters of ``chunks`` (every chunk: ``None``) that have a gradient."""
         mgr, opt = self.binding.manager, self.binding.optimizer
         alone = mgr.comm.world_size == 1  # the pieces are the parameters: stepped in place
-        for chunk in mgr.chunks:
+        for chunk in mgr.chunks if chunks is None else chunks:
             tensors = params_in(chunk, self.group_of)
             if not tensors:
                 continue

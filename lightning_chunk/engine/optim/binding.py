@@ -322,6 +322,10 @@ class OptimizerBinding:
         kwargs = self._with_closure(kwargs)
         ids = {id(s.view) for s in mine}
         with self.slots.for_the_call(mine), self.kernel():
+            if self.whole is not None:  # one rank: the chunk's parameters are whole, nothing is gathered
+                self.whole.step(self._views, [chunk])
+                with self.narrowed(lambda v: False):
+                    return self._step_rest(**kwargs)
             stepped, fresh = self.host_adam.step_one_pass(self._views, only=ids)
             self.fresh_low |= fresh
             rest = ids - stepped

@@ -33,12 +33,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
     known = is_known(optimizer)
     whole = needs_whole(optimizer)
     if whole is not None:  # [Note: optimizers that need whole parameters] in whole.py
-        where = "step_in_backward=True" if config.step_in_backward else None
+        where = "step_in_backward=True on several ranks" if config.step_in_backward and world_size > 1 else None
         where = where or ("a host_memory_limit (the disk tier)" if config.host_memory_limit is not None else None)
         if where is not None:
             raise UnsupportedOptimizerError(
                 f"{whole} after backward, with one gather a chunk over the ranks; {where} steps chunks one at a "
-                f"time. Use step_in_backward=False and no host_memory_limit with {type(optimizer).__name__}."
+                f"time. Use step_in_backward=False (on one rank it may be True) and no host_memory_limit with "
+                f"{type(optimizer).__name__}."
             )
         return
     if name in SHAPE_DEPENDENT:

@@ -20,6 +20,7 @@ of a percent a step, as two DDP runs with other buckets differ from each other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from .whole import gather_whole, own_slice, params_in
 
 if TYPE_CHECKING:
+    from ..chunks.chunk import Chunk
     from .binding import OptimizerBinding
 
 
@@ -43,9 +45,10 @@ class MuonStep:
         self.group_of = {i: k for k, idx in enumerate(binding.group_params) for i in idx}
 
     @torch.no_grad()
-    def step(self, views: dict[int, torch.Tensor]) -> None:
+    def step(self, views: dict[int, torch.Tensor], chunks: Sequence[Chunk] | None = None) -> None:
+        """Step the matrices of ``chunks`` (every chunk: ``None``) that have a gradient."""
         mgr, opt = self.binding.manager, self.binding.optimizer
-        for chunk in mgr.chunks:
+        for chunk in mgr.chunks if chunks is None else chunks:
             tensors = params_in(chunk, self.group_of)
             if not tensors:
                 continue

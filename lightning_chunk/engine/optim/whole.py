@@ -17,9 +17,12 @@ torch's own functions, and keeps its own slice. A parameter cut at a shard bound
 holds a piece, from the same inputs, to the same bits, so the result is torch's step on whole parameters to the bit.
 ``optimizer.step()`` then runs over no view, so its hooks and an LR scheduler's count see one step.
 
-Both step after backward (a gather is a collective the autograd thread should not wait in) and not on the disk tier
-(whose chunks step one at a time through ``step()``): ``check_optimizer`` refuses ``step_in_backward=True`` and a
-``host_memory_limit``, and ``step_in_backward=None`` chooses after backward.
+On several ranks both step after backward: a chunk's gather is a collective the autograd thread should not wait in
+(``check_optimizer`` refuses ``step_in_backward=True`` there, and ``step_in_backward=None`` chooses after). On one
+rank nothing is gathered, so a chunk steps in backward as with Adam ([Note: stepping in backward]), its parameters
+whole, and gives its gradient shard back: Adafactor then holds 4 bytes a parameter in fp32 (the master; its state
+is a row and a column a matrix) where AdamW holds 12, and 6 in bf16-mixed where AdamW holds 14. Neither runs on the
+disk tier, whose chunks step one at a time through ``step()``: a ``host_memory_limit`` is refused.
 """
 
 from __future__ import annotations
