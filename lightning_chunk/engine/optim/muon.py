@@ -60,8 +60,10 @@ class MuonStep:
                     buf = opt.state[v].setdefault("momentum_buffer", torch.zeros_like(v.grad))
                     buf.lerp_(v.grad, 1 - g["momentum"])
                     mine[t.slot.param_index] = (t, v, v.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf)
-            # every rank gathers, with zeros where it holds nothing: the whole U of each matrix it holds a piece of
-            whole = gather_whole(mgr, chunk, {i: (t, [u]) for i, (t, _, u) in mine.items()}, 1)
+            # every rank gathers, with zeros where it holds nothing: the whole U of each matrix it holds a piece of,
+            # in bf16, the first thing Newton-Schulz casts it to: half the bytes, the same bits
+            pieces = {i: (t, [u]) for i, (t, _, u) in mine.items()}
+            whole = gather_whole(mgr, chunk, pieces, 1, torch.bfloat16)
             for i, (t, v, _) in mine.items():
                 g = opt.param_groups[self.group_of[i]]
                 lr = float(g["lr"])

@@ -63,18 +63,23 @@ def needs_whole(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def gather_whole(
-    manager: ChunkManager, chunk: Chunk, pieces: dict[int, tuple[TensorInfo, list[torch.Tensor]]], count: int
+    manager: ChunkManager,
+    chunk: Chunk,
+    pieces: dict[int, tuple[TensorInfo, list[torch.Tensor]]],
+    count: int,
+    dtype: torch.dtype | None = None,
 ) -> dict[int, list[torch.Tensor]]:
     """For each parameter index in ``pieces`` (its tensor info and ``count`` flat pieces this rank holds: values,
     gradient, state), the ``count`` whole tensors in the parameter's shape. One rank: the pieces themselves, viewed
     (they are whole). Several: one all-gather of the chunk's ``count`` stacked shards, every rank taking part with
-    zeros where it holds nothing; the tensors returned are scratch on the collectives' device."""
+    zeros where it holds nothing, in ``dtype`` (the master's by default); the tensors returned are scratch on the
+    collectives' device."""
     comm = manager.comm
     if comm.world_size == 1:
         return {i: [p.view(t.shape) for p in ps] for i, (t, ps) in pieces.items()}
     lo, _ = chunk.shard_range
     n, device = chunk.shard_numel, comm.tensor_device()
-    shard = torch.zeros(count, n, dtype=chunk.master_dtype, device=device)
+    shard = torch.zeros(count, n, dtype=dtype or chunk.master_dtype, device=device)
     for t, ps in pieces.values():
         a, b = piece_range(chunk, t.offset, t.numel)
         for k, p in enumerate(ps):
