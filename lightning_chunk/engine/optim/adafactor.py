@@ -22,71 +22,59 @@ numbers, not Adam's ``2 R C``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim._adafactor import adafactor
 from torch.optim.optimizer import _get_scalar_dtype
 
-from .whole import gather_whole, own_slice, params_in
+from .whole import WholeStep, gather_whole, own_slice
 
 if TYPE_CHECKING:
-    from ..chunks.chunk import Chunk
-    from .binding import OptimizerBinding
+    from ..chunks.chunk import Chunk, TensorInfo
 
 
 def is_adafactor(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adafactor)
 
 
-class AdafactorStep:
+class AdafactorStep(WholeStep):
     """Adafactor's update of one optimizer's views ([Note: Adafactor over sharded matrices])."""
 
-    def __init__(self, binding: OptimizerBinding) -> None:
-        self.binding = binding
-        self.group_of = {i: k for k, idx in enumerate(binding.group_params) for i in idx}
-
-    @torch.no_grad()
-    def step(self, views: dict[int, torch.Tensor], chunks: Sequence[Chunk] | None = None) -> None:
-        """Step the parameters of ``chunks`` (every chunk: ``None``) that have a gradient."""
+    def step_chunk(self, chunk: Chunk, tensors: list[TensorInfo], views: dict[int, torch.Tensor]) -> None:
         mgr, opt = self.binding.manager, self.binding.optimizer
         alone = mgr.comm.world_size == 1  # the pieces are the parameters: stepped in place
-        for chunk in mgr.chunks if chunks is None else chunks:
-            tensors = params_in(chunk, self.group_of)
-            if not tensors:
-                continue
-            mine: dict[int, tuple[Any, torch.Tensor, dict[str, Any]]] = {}
-            pieces = {}
-            for t in tensors:
-                v = views.get(t.slot.param_index)
-                if v is not None and v.grad is not None:
-                    mine[t.slot.param_index] = (t, v, _state(opt.state[v], v.grad, t.shape))
-                    pieces[t.slot.param_index] = (t, [v, v.grad])
-            # every rank gathers, with zeros where it holds nothing: the values and gradient of each parameter it
-            # holds a piece of, whole
-            whole = gather_whole(mgr, chunk, pieces, 2)
-            for i, (t, v, st) in mine.items():
-                g = opt.param_groups[self.group_of[i]]
-                param, grad = (w.to(v.device) for w in whole[i])
-                adafactor(
-                    [param],
-                    [grad],
-                    [st.get("row_var")],
-                    [st.get("col_var")],
-                    [st.get("variance")],
-                    [st["step"]],
-                    foreach=g["foreach"],
-                    d=g["d"],
-                    lr=g["lr"],
-                    beta2_decay=g["beta2_decay"],
-                    weight_decay=g["weight_decay"],
-                    eps1=g["eps"][0],
-                    eps2=g["eps"][1],
-                    maximize=g["maximize"],
-                )
-                if not alone:  # the whole values were scratch: keep this rank's slice
-                    v.copy_(own_slice(chunk, t, param))
+        mine: dict[int, tuple[Any, torch.Tensor, dict[str, Any]]] = {}
+        pieces = {}
+        for t in tensors:
+            v = views.get(t.slot.param_index)
+            if v is not None and v.grad is not None:
+                mine[t.slot.param_index] = (t, v, _state(opt.state[v], v.grad, t.shape))
+                pieces[t.slot.param_index] = (t, [v, v.grad])
+        # every rank gathers, with zeros where it holds nothing: the values and gradient of each parameter it
+        # holds a piece of, whole
+        whole = gather_whole(mgr, chunk, pieces, 2)
+        for i, (t, v, st) in mine.items():
+            g = opt.param_groups[self.group_of[i]]
+            param, grad = (w.to(v.device) for w in whole[i])
+            adafactor(
+                [param],
+                [grad],
+                [st.get("row_var")],
+                [st.get("col_var")],
+                [st.get("variance")],
+                [st["step"]],
+                foreach=g["foreach"],
+                d=g["d"],
+                lr=g["lr"],
+                beta2_decay=g["beta2_decay"],
+                weight_decay=g["weight_decay"],
+                eps1=g["eps"][0],
+                eps2=g["eps"][1],
+                maximize=g["maximize"],
+            )
+            if not alone:  # the whole values were scratch: keep this rank's slice
+                v.copy_(own_slice(chunk, t, param))
 
 
 def _state(st: dict[str, Any], grad: torch.Tensor, shape: torch.Size) -> dict[str, Any]:

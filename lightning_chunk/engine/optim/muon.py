@@ -20,57 +20,45 @@ of a percent a step, as two DDP runs with other buckets differ from each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from .whole import gather_whole, own_slice, params_in
+from .whole import WholeStep, gather_whole, own_slice
 
 if TYPE_CHECKING:
-    from ..chunks.chunk import Chunk
-    from .binding import OptimizerBinding
+    from ..chunks.chunk import Chunk, TensorInfo
 
 
 def is_muon(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Muon)
 
 
-class MuonStep:
+class MuonStep(WholeStep):
     """Muon's update of one optimizer's views ([Note: Muon over sharded matrices])."""
 
-    def __init__(self, binding: OptimizerBinding) -> None:
-        self.binding = binding
-        self.group_of = {i: k for k, idx in enumerate(binding.group_params) for i in idx}
-
-    @torch.no_grad()
-    def step(self, views: dict[int, torch.Tensor], chunks: Sequence[Chunk] | None = None) -> None:
-        """Step the matrices of ``chunks`` (every chunk: ``None``) that have a gradient."""
+    def step_chunk(self, chunk: Chunk, tensors: list[TensorInfo], views: dict[int, torch.Tensor]) -> None:
         mgr, opt = self.binding.manager, self.binding.optimizer
-        for chunk in mgr.chunks if chunks is None else chunks:
-            tensors = params_in(chunk, self.group_of)
-            if not tensors:
-                continue
-            mine = {}  # param index -> (its tensor info, its view, this rank's piece of U)
-            for t in tensors:
-                v = views.get(t.slot.param_index)
-                if v is not None and v.grad is not None:
-                    g = opt.param_groups[self.group_of[t.slot.param_index]]
-                    buf = opt.state[v].setdefault("momentum_buffer", torch.zeros_like(v.grad))
-                    buf.lerp_(v.grad, 1 - g["momentum"])
-                    mine[t.slot.param_index] = (t, v, v.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf)
-            # every rank gathers, with zeros where it holds nothing: the whole U of each matrix it holds a piece of,
-            # in bf16, the first thing Newton-Schulz casts it to: half the bytes, the same bits
-            pieces = {i: (t, [u]) for i, (t, _, u) in mine.items()}
-            whole = gather_whole(mgr, chunk, pieces, 1, torch.bfloat16)
-            for i, (t, v, _) in mine.items():
-                g = opt.param_groups[self.group_of[i]]
-                lr = float(g["lr"])
-                u = whole[i][0].to(mgr.device)  # orthogonalized where the module computes, as plain PyTorch does
-                ortho = _zeropower_via_newtonschulz(u, g["ns_coefficients"], g["ns_steps"], g["eps"])
-                v.mul_(1 - lr * g["weight_decay"])
-                v.add_(
-                    own_slice(chunk, t, ortho).to(v.device),
-                    alpha=-_adjust_lr(lr, g["adjust_lr_fn"], t.shape),
-                )
+        mine = {}  # param index -> (its tensor info, its view, this rank's piece of U)
+        for t in tensors:
+            v = views.get(t.slot.param_index)
+            if v is not None and v.grad is not None:
+                g = opt.param_groups[self.group_of[t.slot.param_index]]
+                buf = opt.state[v].setdefault("momentum_buffer", torch.zeros_like(v.grad))
+                buf.lerp_(v.grad, 1 - g["momentum"])
+                mine[t.slot.param_index] = (t, v, v.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf)
+        # every rank gathers, with zeros where it holds nothing: the whole U of each matrix it holds a piece of,
+        # in bf16, the first thing Newton-Schulz casts it to: half the bytes, the same bits
+        pieces = {i: (t, [u]) for i, (t, _, u) in mine.items()}
+        whole = gather_whole(mgr, chunk, pieces, 1, torch.bfloat16)
+        for i, (t, v, _) in mine.items():
+            g = opt.param_groups[self.group_of[i]]
+            lr = float(g["lr"])
+            u = whole[i][0].to(mgr.device)  # orthogonalized where the module computes, as plain PyTorch does
+            ortho = _zeropower_via_newtonschulz(u, g["ns_coefficients"], g["ns_steps"], g["eps"])
+            v.mul_(1 - lr * g["weight_decay"])
+            v.add_(
+                own_slice(chunk, t, ortho).to(v.device),
+                alpha=-_adjust_lr(lr, g["adjust_lr_fn"], t.shape),
+            )

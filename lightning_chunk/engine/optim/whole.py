@@ -27,7 +27,8 @@ disk tier, whose chunks step one at a time through ``step()``: a ``host_memory_l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,7 @@ from ..chunks.repack import piece_range
 if TYPE_CHECKING:
     from ..chunks.chunk import Chunk, TensorInfo
     from ..memory.manager import ChunkManager
+    from .binding import OptimizerBinding
 
 # what each reads whole, as the messages say it
 _WHOLE = {
@@ -98,6 +100,21 @@ def own_slice(chunk: Chunk, t: TensorInfo, whole: torch.Tensor) -> torch.Tensor:
     return whole.reshape(-1)[a - t.offset : b - t.offset]
 
 
-def params_in(chunk: Chunk, group_of: dict[int, Any]) -> list[TensorInfo]:
-    """The chunk's tensors that are this optimizer's parameters."""
-    return [t for t in chunk.tensors if t.slot.param_index in group_of]
+class WholeStep:
+    """One optimizer's update, computed whole chunk by chunk: each subclass steps one chunk's parameters."""
+
+    def __init__(self, binding: OptimizerBinding) -> None:
+        self.binding = binding
+        self.group_of = {i: k for k, idx in enumerate(binding.group_params) for i in idx}
+
+    @torch.no_grad()
+    def step(self, views: dict[int, torch.Tensor], chunks: Sequence[Chunk] | None = None) -> None:
+        """Step the parameters of ``chunks`` (every chunk: ``None``) that have a gradient; every rank calls it with
+        the same chunks, in chunk order (the gathers pair up)."""
+        for chunk in self.binding.manager.chunks if chunks is None else chunks:
+            tensors = [t for t in chunk.tensors if t.slot.param_index in self.group_of]
+            if tensors:
+                self.step_chunk(chunk, tensors, views)
+
+    def step_chunk(self, chunk: Chunk, tensors: list[TensorInfo], views: dict[int, torch.Tensor]) -> None:
+        raise NotImplementedError
