@@ -14,6 +14,8 @@ Contenders, each attempt a fresh ``Trainer.fit`` of ``--steps`` steps in its own
   on the meta device, initialised chunk by chunk, so no rank ever holds the whole model.
 - ``chunk_early``: ``chunk_deferred`` with ``step_in_backward=True``: each chunk steps as its gradients land
   and gives its gradient shard back ([Note: stepping in backward]).
+- ``chunk_adafactor``: ``chunk_deferred`` with torch's Adafactor in place of AdamW (``step_in_backward=None``: in
+  backward on one rank, after it on several; [Note: optimizers that need whole parameters]).
 
 ``B/param``: the marginal bytes a parameter of the largest model that fits: the rank's peak resident set
 minus its resident set just before the model was built, over the parameter count (ideal for ZeRO-3 on two
@@ -41,7 +43,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, make_gpt, proc_bytes, run_or_child, run_ranks, train_end_peak  # noqa: E402
+from _common import (  # noqa: E402
+    ROOT,
+    clean_env,
+    make_gpt,
+    param_groups,
+    proc_bytes,
+    run_or_child,
+    run_ranks,
+    train_end_peak,
+)
 
 sys.path.insert(0, str(ROOT))
 from lightning_chunk.engine.config import parse_bytes  # noqa: E402
@@ -56,6 +67,8 @@ def contenders(ranks: int) -> dict[str, dict]:
         "chunk_offload": {"strategy": "chunk", "placement": placement},
         "chunk_deferred": {"strategy": "chunk", "placement": placement, "deferred": True},
         "chunk_early": {"strategy": "chunk", "placement": placement, "deferred": True, "step_in_backward": True},
+        # torch's Adafactor in place of AdamW: a row and a column of state a matrix; in backward on one rank only
+        "chunk_adafactor": {"strategy": "chunk", "placement": placement, "deferred": True, "optimizer": "adafactor"},
     }
 
 
@@ -74,7 +87,7 @@ def child(args: argparse.Namespace) -> None:
         strategy = ChunkOffloadStrategy(
             placement=spec["placement"],
             device_memory_limit=device_limit,
-            step_in_backward=spec.get("step_in_backward", False),
+            step_in_backward=spec.get("step_in_backward", False if "optimizer" not in spec else None),
             memory=MemoryOptions(materialize_on_teardown=False),
             checks=CheckOptions(log_memory_stats=False),
         )
@@ -84,6 +97,8 @@ def child(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     before = proc_bytes("VmRSS")  # the marginal bytes a parameter count from here
     model = make_gpt(args, deferred_init=spec.get("deferred", False))
+    if spec.get("optimizer") == "adafactor":  # the example's groups and learning rate, no schedule
+        model.configure_optimizers = lambda: torch.optim.Adafactor(param_groups(model), lr=model.hparams.lr)
     data = torch.randint(0, 256, (args.steps * args.batch * args.ranks, args.context + 1))
     trainer = L.Trainer(
         accelerator=args.accelerator,
