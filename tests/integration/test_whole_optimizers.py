@@ -15,6 +15,7 @@ from lightning_chunk.engine.config import ChunkConfig
 from lightning_chunk.engine.errors import UnsupportedOptimizerError
 from lightning_chunk.engine.optim.kernels import check_optimizer
 from lightning_chunk.options import grouped
+from tests import callbacks
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import fit
 from tests.optimizer_models import AdafactorNet, MuonNet, MuonWithAdamW
@@ -114,6 +115,17 @@ def test_adafactor_resumes_and_consolidates_as_plain_lightning(tmp_path):
         for p in (tmp_path / "auto" / "step=5.ckpt", out)
     )
     assert_plain_state(want, have)
+
+
+def test_adafactor_s_whole_state_is_carried_through_the_repacks_freezing_and_unfreezing_make():
+    """blocks[0] unfrozen at step 6, the embedding frozen from 6 to 14 ([Note: requires_grad changed]): each change
+    repacks with the state there, ``row_var``, ``col_var`` and ``variance`` carried whole, not cut as per-element
+    state; plain Lightning's parameters and state."""
+    kw = dict(steps=20, variant="frozen", model_kwargs=dict(optimizer="Adafactor"))
+    ref = fit("auto", callbacks=[callbacks.FlipRequiresGrad()], **kw)
+    got = fit(chunk(device_memory_limit=90_000), callbacks=[callbacks.FlipRequiresGrad()], **kw)
+    assert_same_params(ref, got, EXACT)
+    assert_plain_state(*(m.trainer_ref.optimizers[0].state_dict()["state"] for m in (ref, got)))
 
 
 @pytest.mark.parametrize("cls", [AdafactorNet, MuonNet])
