@@ -1,5 +1,5 @@
 """CUDA checks: parity, the device limit on real device memory, the default limit, gradient offload on a side stream,
-the one-pass host Adam step (also on a thread beside backward), the tracer's peaks inside a module, checkpoints from
+the one-pass host Adam step (also on a thread beside backward), Adafactor and Muon, the tracer's peaks, checkpoints from
 pinned host shards and saves in the background, the disk tier (stepped in backward by default, and after it). Skipped
 cleanly without CUDA.
 
@@ -287,3 +287,26 @@ def test_a_save_in_the_background_holds_the_state_at_the_save(tmp_path, placemen
     assert save is not None and (placement == "host" or save.aside_bytes > 0)
     assert same_tensors(saved_tensors(tmp_path / "bg.ckpt"), saved_tensors(tmp_path / "sync.ckpt"))
     eng.teardown()
+
+
+@pytest.mark.parametrize("name", ["AdafactorNet", "MuonNet"])
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_whole_parameter_optimizers_on_cuda_step_in_backward_as_after_it(name, placement):
+    """[Note: optimizers that need whole parameters] on a GPU: torch's Adafactor and Muon on one rank step each
+    chunk in backward (host chunks on the worker thread, Muon's Newton-Schulz on the device) to the bits of stepping
+    after backward, and after backward to plain Lightning's within fp32 rounding."""
+    from tests import optimizer_models
+
+    cls = getattr(optimizer_models, name)
+    kw = dict(steps=8, accelerator="gpu", cls=cls, model_kwargs=dict(dim=64, hidden=1024))
+
+    def run(early):
+        strategy = ChunkOffloadStrategy(
+            placement=placement, step_in_backward=early, memory=MemoryOptions(chunk_numel=66560)
+        )
+        return fit(strategy, **kw), strategy.memory_stats()
+
+    (after, _), (early, stats) = run(False), run(True)
+    assert stats["chunks_stepped_in_backward"] > 0
+    assert_same_params(after, early, EXACT)
+    assert_same_params(fit("auto", **kw), after, TOL)
