@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
 from lightning_chunk.consolidate import consolidate
 from lightning_chunk.engine.config import ChunkConfig
 from lightning_chunk.engine.errors import UnsupportedOptimizerError
@@ -21,6 +21,7 @@ from tests.models import fit
 from tests.optimizer_models import AdafactorNet, MuonNet, MuonWithAdamW
 
 STEPS = 10
+ADAFACTOR = dict(model_kwargs=dict(optimizer="Adafactor"))  # ParityNet's two groups, weight decay on one
 LIMIT = dict(device_memory_limit=150_000, chunk_numel=4096)
 
 
@@ -121,7 +122,7 @@ def test_adafactor_s_whole_state_is_carried_through_the_repacks_freezing_and_unf
     """blocks[0] unfrozen at step 6, the embedding frozen from 6 to 14 ([Note: requires_grad changed]): each change
     repacks with the state there, ``row_var``, ``col_var`` and ``variance`` carried whole, not cut as per-element
     state; plain Lightning's parameters and state."""
-    kw = dict(steps=20, variant="frozen", model_kwargs=dict(optimizer="Adafactor"))
+    kw = dict(steps=20, variant="frozen", **ADAFACTOR)
     ref = fit("auto", callbacks=[callbacks.FlipRequiresGrad()], **kw)
     got = fit(chunk(device_memory_limit=90_000), callbacks=[callbacks.FlipRequiresGrad()], **kw)
     assert_same_params(ref, got, EXACT)
@@ -150,6 +151,20 @@ def test_on_one_rank_each_chunk_steps_in_backward_as_plain_lightning(cls, kw, tr
     assert stats["chunks_stepped_in_backward"] > 0
     if "gradient_clip_val" in trainer and "gradient_clip_algorithm" not in trainer:
         assert stats["speculation_rollbacks"] == STEPS - 1  # the warm-up step steps after backward
+
+
+def test_adafactor_in_fp16_steps_in_backward_on_a_thread_as_after_it():
+    """fp16 loss scaling from 1e7 overflows in some steps after chunks stepped on the guess: those are put back, the
+    step skipped, the loss scale halved, as stepping after backward does, bit for bit."""
+
+    def run(early):
+        strategy = chunk(placement="host", chunk_numel=20000, step_in_backward=early, step_thread=early)
+        got = fit(strategy, steps=12, plugins=[ChunkPrecision("16-mixed", init_scale=1e7)], **ADAFACTOR)
+        return got, strategy.memory_stats()
+
+    (want, plain), (got, stats) = run(False), run(True)
+    assert_same_params(want, got, EXACT)
+    assert stats["speculation_rollbacks"] > 0 and stats["loss_scale"] == plain["loss_scale"] < 1e7
 
 
 @pytest.mark.parametrize(
