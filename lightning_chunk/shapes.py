@@ -59,16 +59,22 @@ class Layer(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-class Llama(L.LightningModule):
-    """``size``: a name of ``SIZES`` or the fields themselves. Built in ``configure_model`` (on the meta device under
-    chunk_offload: no rank holds the whole model)."""
+# AdamW keeps two moments a parameter; Adafactor a row and a column a matrix ([Note: Adafactor over sharded matrices])
+OPTIMIZERS: dict[str, Any] = {"adamw": torch.optim.AdamW, "adafactor": torch.optim.Adafactor}
 
-    def __init__(self, size: str | dict[str, Any] = "7b", lr: float = 3e-4) -> None:
+
+class Llama(L.LightningModule):
+    """``size``: a name of ``SIZES`` or the fields themselves; ``optimizer``: a name of ``OPTIMIZERS``. Built in
+    ``configure_model`` (on the meta device under chunk_offload: no rank holds the whole model)."""
+
+    def __init__(self, size: str | dict[str, Any] = "7b", lr: float = 3e-4, optimizer: str = "adamw") -> None:
         super().__init__()
         if isinstance(size, str) and size not in SIZES:
             raise ValueError(f"size={size!r} is not one of {sorted(SIZES)}; or give the fields as a dict.")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZERS)}.")
         self.shape = dict(SIZES[size]) if isinstance(size, str) else dict(size)
-        self.lr = lr
+        self.lr, self.optimizer = lr, optimizer
         self.model: Any = None
 
     def configure_model(self) -> None:
@@ -99,4 +105,4 @@ class Llama(L.LightningModule):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        return OPTIMIZERS[self.optimizer](self.parameters(), lr=self.lr, weight_decay=0.1)
