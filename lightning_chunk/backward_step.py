@@ -171,7 +171,7 @@ def config_for_fit(
         chosen, why = False, hooked
     whole = [w for o in optimizers if (w := needs_whole(getattr(o, "_optimizer", o))) is not None]
     if chosen and whole and trainer.world_size > 1:  # [Note: optimizers that need whole parameters] in whole.py
-        chosen, why = False, f"{whole[0]} after backward on several ranks"
+        chosen, why = False, f"{whole[0]}, stepped whole after backward on several ranks"
     if chosen:
         rank_zero_info(
             "chunk_offload: each chunk steps during backward (step_in_backward=None: nothing in this fit reads "

@@ -37,9 +37,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
         where = where or ("a host_memory_limit (the disk tier)" if config.host_memory_limit is not None else None)
         if where is not None:
             raise UnsupportedOptimizerError(
-                f"{whole} after backward, with one gather a chunk over the ranks; {where} steps chunks one at a "
-                f"time. Use step_in_backward=False (on one rank it may be True) and no host_memory_limit with "
-                f"{type(optimizer).__name__}."
+                f"{whole}, is stepped whole: on several ranks after backward, with one gather a chunk over the "
+                f"ranks, and never through the disk tier's steps of one chunk at a time; here {where} would step it "
+                f"otherwise. Use step_in_backward=False or None (on one rank True works too) and no host_memory_limit "
+                f"with {type(optimizer).__name__}."
             )
         return
     if name in SHAPE_DEPENDENT:
