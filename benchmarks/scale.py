@@ -68,7 +68,13 @@ def contenders(ranks: int) -> dict[str, dict]:
         "chunk_deferred": {"strategy": "chunk", "placement": placement, "deferred": True},
         "chunk_early": {"strategy": "chunk", "placement": placement, "deferred": True, "step_in_backward": True},
         # torch's Adafactor in place of AdamW: a row and a column of state a matrix; in backward on one rank only
-        "chunk_adafactor": {"strategy": "chunk", "placement": placement, "deferred": True, "optimizer": "adafactor"},
+        "chunk_adafactor": {
+            "strategy": "chunk",
+            "placement": placement,
+            "deferred": True,
+            "step_in_backward": None,
+            "optimizer": "adafactor",
+        },
     }
 
 
@@ -87,7 +93,7 @@ def child(args: argparse.Namespace) -> None:
         strategy = ChunkOffloadStrategy(
             placement=spec["placement"],
             device_memory_limit=device_limit,
-            step_in_backward=spec.get("step_in_backward", False if "optimizer" not in spec else None),
+            step_in_backward=spec.get("step_in_backward", False),
             memory=MemoryOptions(materialize_on_teardown=False),
             checks=CheckOptions(log_memory_stats=False),
         )
