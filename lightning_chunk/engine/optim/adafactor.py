@@ -13,7 +13,7 @@ every parameter it holds a piece of, whole; torch's own ``adafactor`` function s
 ``foreach`` as ``step()`` would; the rank keeps its slice of the values. The state is a whole parameter's, kept on
 every rank that holds a piece, the same bits on each, updated there from the same whole gradient: ``row_var`` and
 ``col_var`` (``R + C`` numbers a matrix) and a vector's ``variance`` (norms' and biases' few elements). Checkpoints,
-repacks and the plain format carry these keys whole beside ``step`` (``whole_state_keys`` in ``whole.py``): a
+repacks and the plain format carry these keys whole beside ``step`` (``WholeStep.state_keys`` in ``whole.py``): a
 ``(R, 1)`` matrix's ``row_var`` has the parameter's own shape, so the key tells them from per-element state, not the
 shape, and no matrix gets a ``variance`` of zeros. On one rank the pieces are the parameters and the step runs in
 place. The result is torch's ``Adafactor.step`` on whole parameters, to the bit; a matrix's state costs ``R + C``
@@ -34,12 +34,11 @@ if TYPE_CHECKING:
     from ..chunks.chunk import Chunk, TensorInfo
 
 
-def is_adafactor(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.Adafactor)
-
-
 class AdafactorStep(WholeStep):
     """Adafactor's update of one optimizer's views ([Note: Adafactor over sharded matrices])."""
+
+    optimizer_class = torch.optim.Adafactor
+    state_keys = frozenset({"row_var", "col_var", "variance"})  # its factored and its vectors' second moments
 
     def step_chunk(self, chunk: Chunk, tensors: list[TensorInfo], views: dict[int, torch.Tensor]) -> None:
         mgr, opt = self.binding.manager, self.binding.optimizer

@@ -37,15 +37,15 @@ from ..memory.consolidate import (
     state_shard,
 )
 from ..memory.manager import ChunkManager
-from .adafactor import AdafactorStep, is_adafactor
+from .adafactor import AdafactorStep
 from .closure import closure_for
 from .disk_stepper import DiskStepper
 from .grad_slots import GradSlot, GradSlots
 from .host_adam import HostAdam
 from .kernels import check_optimizer, flags_set, is_known, kernel_flags, state_bytes_per_element
-from .muon import MuonStep, is_muon
+from .muon import MuonStep
 from .partial_steps import PartialSteps, only
-from .whole import whole_state_keys
+from .whole import WholeStep
 
 __all__ = ["GradSlot", "OptimizerBinding", "OptimizerStateCarrier", "check_optimizer"]
 
@@ -77,10 +77,9 @@ class OptimizerBinding:
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
         self.partial = PartialSteps(optimizer)  # [Note: group state in partial steps]
         # [Note: optimizers that need whole parameters] in whole.py
-        self.whole: MuonStep | AdafactorStep | None = (
-            MuonStep(self) if is_muon(optimizer) else AdafactorStep(self) if is_adafactor(optimizer) else None
-        )
-        self.whole_keys = whole_state_keys(optimizer)  # state of a whole parameter, not cut into pieces
+        stepper = next((s for s in (MuonStep, AdafactorStep) if isinstance(optimizer, s.optimizer_class)), None)
+        self.whole: WholeStep | None = stepper(self) if stepper is not None else None
+        self.whole_keys = stepper.state_keys if stepper is not None else frozenset()  # not cut into pieces
         closure = self.closure = closure_for(optimizer, is_known(optimizer) or self.whole is not None)
 
         # a step called on the optimizer itself, not through the engine, also lets a save in flight finish with the
@@ -149,15 +148,21 @@ class OptimizerBinding:
         pass over a host shard] in ``host_adam.py``), disk chunks one at a time, the rest in one call."""
         kwargs = self._with_closure(kwargs)
         with self.kernel():
-            if self.whole is not None:  # the update is the engine's; step() runs over no view for its hooks
-                self.whole.step(self._views)
-                with self.narrowed(lambda v: False):
-                    return self._step_rest(**kwargs)
+            if self.whole is not None:
+                return self._step_whole(None, kwargs)
             stepped, self.fresh_low = self.host_adam.step_one_pass(self._views)
             if not stepped:
                 return self._step_rest(**kwargs)
             with self.narrowed(lambda v: id(v) not in stepped):  # the optimizer still steps (its hooks, an LR
                 return self._step_rest(**kwargs)  # scheduler's count), over the other views only
+
+    def _step_whole(self, chunks: list[Chunk] | None, kwargs: dict[str, Any]) -> Any:
+        """The engine's update of ``chunks`` (all: ``None``) for an optimizer stepped whole, then ``step()`` over no
+        view, for its hooks ([Note: optimizers that need whole parameters] in ``whole.py``)."""
+        assert self.whole is not None
+        self.whole.step(self._views, chunks)
+        with self.narrowed(lambda v: False):
+            return self._step_rest(**kwargs)
 
     def _with_closure(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` with ``AlreadyRun`` as the closure, where this optimizer gets one ([Note: the closure of a step
@@ -322,10 +327,8 @@ class OptimizerBinding:
         kwargs = self._with_closure(kwargs)
         ids = {id(s.view) for s in mine}
         with self.slots.for_the_call(mine), self.kernel():
-            if self.whole is not None:  # one rank: the chunk's parameters are whole, nothing is gathered
-                self.whole.step(self._views, [chunk])
-                with self.narrowed(lambda v: False):
-                    return self._step_rest(**kwargs)
+            if self.whole is not None:  # one rank (check_optimizer): nothing is gathered
+                return self._step_whole([chunk], kwargs)
             stepped, fresh = self.host_adam.step_one_pass(self._views, only=ids)
             self.fresh_low |= fresh
             rest = ids - stepped

@@ -31,12 +31,10 @@ if TYPE_CHECKING:
     from ..chunks.chunk import Chunk, TensorInfo
 
 
-def is_muon(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.Muon)
-
-
 class MuonStep(WholeStep):
     """Muon's update of one optimizer's views ([Note: Muon over sharded matrices])."""
+
+    optimizer_class = torch.optim.Muon
 
     def step_chunk(self, chunk: Chunk, tensors: list[TensorInfo], views: dict[int, torch.Tensor]) -> None:
         mgr, opt = self.binding.manager, self.binding.optimizer

@@ -46,16 +46,6 @@ _WHOLE = {
 }
 
 
-# the state each keeps of a whole parameter rather than per element (Adafactor's factored and vector second moments)
-_WHOLE_STATE = {"Adafactor": frozenset({"row_var", "col_var", "variance"})}
-
-
-def whole_state_keys(optimizer: torch.optim.Optimizer) -> frozenset[str]:
-    """The keys of ``optimizer``'s state that hold a whole parameter's state, kept beside ``step`` on every rank
-    holding a piece of it (checkpoints, repacks and the plain format carry them whole); the rest is per element."""
-    return _WHOLE_STATE.get(type(optimizer).__name__, frozenset()) if needs_whole(optimizer) else frozenset()
-
-
 def needs_whole(optimizer: torch.optim.Optimizer) -> str | None:
     """``"torch.optim.X, which ..."`` for torch's optimizers the engine steps whole, else ``None``."""
     name = type(optimizer).__name__
@@ -88,10 +78,15 @@ def gather_whole(
             shard[k, a - lo : b - lo].copy_(p)
     out = torch.empty(comm.world_size, count, n, dtype=shard.dtype, device=device)
     comm.all_gather(out.view(-1), shard.view(-1), chunk=chunk.chunk_id).wait()
-    full = out.transpose(0, 1).reshape(count, -1)  # each row laid out as the chunk is: rank by rank
-    return {
-        i: [full[k, t.offset : t.offset + t.numel].view(t.shape) for k in range(count)] for i, (t, _) in pieces.items()
-    }
+
+    def whole(t: TensorInfo, k: int) -> torch.Tensor:
+        """Row ``k`` of ``t``'s elements, laid out rank by rank as the chunk is: a view where one rank's shard
+        holds them all, else a copy of this parameter's alone (not of the whole chunk)."""
+        end = t.offset + t.numel
+        parts = [out[r, k, max(t.offset - r * n, 0) : min(end - r * n, n)] for r in range(t.offset // n, -(-end // n))]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(t.shape)
+
+    return {i: [whole(t, k) for k in range(count)] for i, (t, _) in pieces.items()}
 
 
 def own_slice(chunk: Chunk, t: TensorInfo, whole: torch.Tensor) -> torch.Tensor:
@@ -102,6 +97,11 @@ def own_slice(chunk: Chunk, t: TensorInfo, whole: torch.Tensor) -> torch.Tensor:
 
 class WholeStep:
     """One optimizer's update, computed whole chunk by chunk: each subclass steps one chunk's parameters."""
+
+    optimizer_class: type[torch.optim.Optimizer]  # the torch optimizer a subclass steps
+    # the keys of its state that hold a whole parameter's state, kept beside ``step`` on every rank holding a piece
+    # (checkpoints, repacks and the plain format carry them whole); the rest is per element
+    state_keys: frozenset[str] = frozenset()
 
     def __init__(self, binding: OptimizerBinding) -> None:
         self.binding = binding
