@@ -63,6 +63,17 @@ class MemoryOptions:
         ),
         when="`False` for fewer collectives when the whole fp32 gradient fits on every rank's device",
     )
+    shard_size: int | str | None = knob(
+        None,
+        doc=(
+            "several ranks: chunks are sharded over groups of this many consecutive ranks and replicated across the "
+            "groups (FSDP's `HYBRID_SHARD`); `'node'`: a node's devices. `None`: over every rank"
+        ),
+        when=(
+            "`'node'` on several nodes whose host memory holds a node's share: only one all-reduce a chunk a step "
+            "crosses nodes"
+        ),
+    )
     materialize_on_teardown: bool | None = knob(
         None,
         doc=(

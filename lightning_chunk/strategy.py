@@ -253,8 +253,12 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             else self.config
         )
         self.setup_precision_plugin()
+        shard_size = self.num_processes if self.config.shard_size == "node" else self.config.shard_size
+        assert not isinstance(shard_size, str)  # "node", the one string the config allows, is resolved above
         comm = (
-            Collectives(timeout_s=self.config.collective_timeout_s, verify=self.config.verify_collectives)
+            Collectives.over(
+                shard_size, timeout_s=self.config.collective_timeout_s, verify=self.config.verify_collectives
+            )
             if self.world_size > 1
             else Collectives.local()
         )

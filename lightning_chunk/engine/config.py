@@ -121,6 +121,7 @@ class ChunkConfig:
     optimizer_kernel: OptimizerKernel = "auto"
     assume_elementwise_optimizer: bool = False
     sharded_accumulation: bool = True
+    shard_size: int | str | None = None  # [Note: replicas of the shard group] in comm/group.py
     collective_timeout_s: float = 300.0
     broadcast_buffers: bool = True
     verify_collectives: bool | str | None = None
@@ -215,6 +216,13 @@ class ChunkConfig:
         if self.step_in_backward is not None and not isinstance(self.step_in_backward, bool):
             raise ValueError(
                 f"step_in_backward={self.step_in_backward!r} is not allowed; it must be True, False or None."
+            )
+        if self.shard_size not in (None, "node") and (
+            isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 2
+        ):
+            raise ValueError(
+                f"shard_size={self.shard_size!r} is not allowed; it must be None (every rank), 'node' (the devices of "
+                "a node) or a number of ranks of at least 2."
             )
         if self.step_thread is not None and not isinstance(self.step_thread, bool):
             raise ValueError(f"step_thread={self.step_thread!r} is not allowed; it must be True, False or None.")

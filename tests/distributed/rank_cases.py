@@ -2,6 +2,7 @@
 a parameter or an expert used on some ranks only, a buffer or the weights built differently on each rank. Each is
 trained by DDP and by chunk_offload (``runner.run_parity``; a case's keys: ``parity_cases.py``)."""
 
+FOUR_ONLY = ("hybrid_limits_differ", "hybrid_rank_gated")  # shard groups of two: four ranks at least
 OWN_CHUNK = dict(cls="RankGatedNet", variant="own_chunk", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3))
 
 RANK_CASES = {
@@ -39,6 +40,22 @@ RANK_CASES = {
         resume_at=5,
         trainer=dict(accumulate_grad_batches=2),
         strategy=dict(chunk_numel=None, placement="static"),
+    ),
+    # [Note: replicas of the shard group] on four ranks: two shard groups of two. Limits that would give the groups
+    # different layouts if agreed within each (0.9 against 1.3 of the parameters), a model used in another order than
+    # registered, norm clipping (a sum over the shard group alone), sharded accumulation, a resume in the middle
+    "hybrid_limits_differ": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fractions=(0.9, 1.3, 1.3, 1.3),
+        resume_at=5,
+        trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096, placement="host", shard_size=2),
+    ),
+    # a gate's parameter used by one shard group and not the other, differently each step: the vote on which
+    # parameters got gradients goes over every rank (within the groups, one group skipped the step the other took)
+    "hybrid_rank_gated": dict(
+        cls="RankGatedNet", variant="pairs", ddp_unused=True, strategy=dict(placement="host", shard_size=2)
     ),
     "limits_differ": dict(
         cls="ReorderedNet",

@@ -51,7 +51,8 @@ class RankGatedNet(ParityNet):
     """Every rank runs the same modules, but a gate's own parameter gets a gradient on some ranks and not others,
     differently at each step (DDP's ``find_unused_parameters=True`` case): rank r uses it when ``r + batch_idx`` is
     even, so in the warm-up too one rank has it and the other not. Variant ``own_chunk``: the gate's parameter is a
-    row, packed with the weights."""
+    row, packed with the weights; ``pairs``: ranks 2p and 2p + 1 use it when ``p + batch_idx`` is even, so on four
+    ranks in shard groups of two one group has it and the other not."""
 
     def build(self) -> None:
         super().build()
@@ -68,7 +69,8 @@ class RankGatedNet(ParityNet):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.calls += 1
-        logits = self(x, use_branch=(self.global_rank + batch_idx) % 2 == 0)
+        who = self.global_rank // 2 if self.variant == "pairs" else self.global_rank
+        logits = self(x, use_branch=(who + batch_idx) % 2 == 0)
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
 
 

@@ -37,6 +37,8 @@ FOUR = [
     "schedule_free_limit",  # masters written outside the step, every rank makes its copies again; resumed
     "muon_limit",  # torch's Muon: each matrix's pieces on three ranks gathered whole; resumed
     "adafactor_limit",  # torch's Adafactor: the same, its factored state whole on each rank holding a piece
+    "hybrid_limits_differ",  # two shard groups of two, replicas of each other ([Note: replicas of the shard group])
+    "hybrid_rank_gated",
 ]
 CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together
 RELATIVE = 1e-3  # of the distance training moved the parameter

@@ -13,7 +13,7 @@ from lightning_chunk.engine.comm.buffers import BufferSync
 class FakeComm:
     """Two ranks seen from rank 1: ``broadcast`` returns rank 0's values (twice this rank's)."""
 
-    world_size = 2
+    world_size = all_size = 2
 
     def __init__(self) -> None:
         self.sizes: list[int] = []

@@ -23,7 +23,7 @@ class FakeDeviceComm(Collectives):
         self.world_size, self._tag_device = 2, torch.device("meta")
         self.seen: list[torch.device] = []
 
-    def all_reduce(self, t, op="sum", *, what="all_reduce"):
+    def all_reduce(self, t, op="sum", *, what="all_reduce", shards=False):
         self._check_device(what, t)  # the real check
         self.seen.append(t.device)
         return torch.zeros(t.shape, dtype=t.dtype)

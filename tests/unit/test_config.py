@@ -33,6 +33,9 @@ from lightning_chunk.engine.runtime.description import plan_from_shapes
         ),
         ("verify_collectives", 1, "verify_collectives=1"),
         ("broadcast_buffers", None, "broadcast_buffers=None"),
+        ("shard_size", 1, "shard_size=1 is not allowed; it must be None (every rank), 'node'"),
+        ("shard_size", "rack", "shard_size='rack'"),
+        ("shard_size", True, "shard_size=True"),
     ],
 )
 def test_bad_values_name_field_value_and_choices(field, value, needle):

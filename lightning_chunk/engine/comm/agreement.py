@@ -116,17 +116,19 @@ class Agreement:
         self.mode = mode
         self._issued: list[tuple[int, int, int]] = []  # "batch": (op, chunk, module) since the last check
         self._crc = 0  # "batch": a CRC of ``_issued``
-        self.tag_group = comm.group
+        self.tag_group = comm.all_group  # tags go to every rank: replicas issue the same collectives as their shards
         self._groups: dict[tuple[str, str, int], Any] = {}  # (op, gloo operation, bytes) -> its group
         self._checked_every_time: dict[str, Any] = {}  # op -> the group of its keys past MAX_KEYS
         if lazy:
-            self.tag_group = comm.gloo_group()
+            self.tag_group = comm.gloo_group(over_all=True)
         self._open: collections.deque[_Tag] = collections.deque()  # issued, not yet compared
         self._seq = 0
         self.barriers = 0  # chunk collectives checked with a barrier (the tests count them)
         # "batch" on gloo: a group of its own for explaining a timed-out wait ([Note: explaining a stuck wait])
         self._explain_group = (
-            comm.gloo_group(min(EXPLAIN_S, comm.timeout_s or EXPLAIN_S)) if lazy and mode == "batch" else None
+            comm.gloo_group(min(EXPLAIN_S, comm.timeout_s or EXPLAIN_S), over_all=True)
+            if lazy and mode == "batch"
+            else None
         )
 
     def before(self, op: str, chunk: int, module: int, kind: tuple[str, int]) -> tuple[Check, Any]:
@@ -182,7 +184,7 @@ class Agreement:
         while self._open and (seq is None or self._open[0].seq <= seq):
             tag = self._open.popleft()
             comm.wait_for(tag.work, f"[rank {comm.rank}] {tag.what}")
-            tags = tag.out.view(comm.world_size, 3).tolist()
+            tags = tag.out.view(comm.all_size, 3).tolist()
             if any(t != tags[0] for t in tags):
                 self._open.clear()
                 lines = "; ".join(f"rank {r}: {OPS[t[0]]} of {comm.names(t[1], t[2])}" for r, t in enumerate(tags))
@@ -201,7 +203,7 @@ class Agreement:
         out, work = comm.gather_ints([len(issued), crc, value], group=self.tag_group)
         comm.wait_for(work, f"[rank {comm.rank}] {what}")
         self._issued, self._crc = [], 0
-        tags = out.view(comm.world_size, 3).tolist()
+        tags = out.view(comm.all_size, 3).tolist()
         if all(t[:2] == tags[0][:2] for t in tags):
             return [t[2] for t in tags]
         seqs = comm.all_gather_object_on(issued, self.tag_group)
@@ -237,7 +239,7 @@ class Agreement:
         group, self._explain_group = self._explain_group, None
         if group is None:
             return ""
-        seqs: list[Any] = [None] * self.comm.world_size
+        seqs: list[Any] = [None] * self.comm.all_size
         try:
             dist.all_gather_object(seqs, list(self._issued), group=group)
         except Exception:  # noqa: BLE001 - a rank that never offers: nothing more to tell

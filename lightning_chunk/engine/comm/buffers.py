@@ -30,7 +30,7 @@ class BufferSync:
 
     def broadcast(self, when: str = "at set-up") -> None:
         """Every buffer takes rank 0's value (one broadcast per dtype)."""
-        if self.comm.world_size == 1:
+        if self.comm.all_size == 1:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
         for buf in self.module.buffers():

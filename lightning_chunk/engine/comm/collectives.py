@@ -69,14 +69,14 @@ class Collectives(RankGroup):
 
     def values_of_ranks(self, value: int, *, what: str) -> list[int]:
         """Every rank's ``value``, rank by rank (one fixed-size all-gather; every rank must call it together)."""
-        if self.world_size == 1:
+        if self.all_size == 1:
             return [value]
         refuse_if_broken_now(f"[rank {self.rank}] {what}")
         if self.agreement is not None and self.agreement.mode == "batch":  # the value rides on the check's exchange
             return self.agreement.verify_batch(value, what)
         if self.agreement is not None:  # a disagreement on a chunk collective is the better error
             self.agreement.verify_through()
-        out, work = self.gather_ints([value], group=self.group)
+        out, work = self.gather_ints([value], group=self.all_group)
         Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return [int(v) for v in out.tolist()]
 
@@ -90,10 +90,10 @@ class Collectives(RankGroup):
 
     def failed_ranks(self, ok: bool, *, what: str) -> list[int]:
         """Every rank says whether its part of ``what`` worked; the ranks whose part failed (a bounded barrier)."""
-        if self.world_size == 1:
+        if self.all_size == 1:
             return [] if ok else [0]
         refuse_if_broken_now(f"[rank {self.rank}] {what}")
-        out, work = self.gather_ints([int(bool(ok))], group=self.group)
+        out, work = self.gather_ints([int(bool(ok))], group=self.all_group)
         Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return [r for r, v in enumerate(out.tolist()) if not v]
 
@@ -167,39 +167,57 @@ class Collectives(RankGroup):
             p.wait()
         return p
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce") -> torch.Tensor:
-        return self.all_reduce_async(t, op, what=what).wait()
+    def all_reduce(
+        self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce", shards: bool = False
+    ) -> torch.Tensor:
+        return self.all_reduce_async(t, op, what=what, shards=shards).wait()
 
     def all_reduce_async(
-        self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce", on_host: bool = False
+        self, t: torch.Tensor, op: str = "sum", *, what: str = "all_reduce", on_host: bool = False, shards: bool = False
     ) -> Pending:
-        """``t`` reduced over the ranks in place, once the returned ``Pending`` is waited for. ``on_host``: ``t`` is
-        a host tensor, reduced over ``host_group()`` (on NCCL its gloo twin): a vote taken in backward neither
-        copies to the device nor reads back from it, either of which would wait for the compute stream."""
-        if self.world_size == 1:
+        """``t`` reduced over every rank in place, once the returned ``Pending`` is waited for: a vote or an agreement.
+        ``shards``: over the shard group only, for a sum of what each rank's shards hold ([Note: replicas of the shard
+        group]). ``on_host``: ``t`` is a host tensor, reduced over a gloo group (on NCCL a twin): a vote taken in
+        backward neither copies to the device nor reads back from it, either of which would wait for the compute
+        stream."""
+        if (self.world_size if shards else self.all_size) == 1:
             return Pending(t, None)
         refuse_if_broken_now(f"[rank {self.rank}] {what}")
         if not on_host:
             self._check_device(what, t)
+        if on_host:
+            group = self.host_group() if shards else self.all_host_group()
+        else:
+            group = self.group if shards else self.all_group
         work = dist.all_reduce(
             t,
             op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
-            group=self.host_group() if on_host else self.group,
+            group=group,
             async_op=True,
         )
         return Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock)
+
+    def replicate(self, shard: torch.Tensor, *, chunk: int = -1) -> None:
+        """Sum a reduced gradient shard over the ranks holding the same shard, in place ([Note: replicas of the shard
+        group]); nothing without replicas."""
+        if self.replicas is None:
+            return
+        refuse_if_broken_now(lambda: f"[rank {self.rank}] the all-reduce of {self.names(chunk, -1)} over replicas")
+        work = dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replicas, async_op=True)
+        self._pending(shard, work, "all_reduce over replicas", chunk, -1, async_op=False)
 
     def broadcast(
         self, t: torch.Tensor, src: int = 0, *, what: str = "the broadcast of initial values"
     ) -> torch.Tensor:
         """Rank ``src``'s ``t`` on every rank (in place; a timeout names ``what``)."""
-        if self.world_size > 1:
+        if self.all_size > 1:
             refuse_if_broken_now(f"[rank {self.rank}] {what}")
             buf = t.to(self._tag_device)
-            work = dist.broadcast(buf, src, group=self.group, async_op=True)
+            work = dist.broadcast(buf, src, group=self.all_group, async_op=True)
             Pending(buf, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
             t.copy_(buf)
         return t
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.all_gather_object_on(obj, self.group)
+        """Every rank's ``obj`` (``all_group``'s ranks)."""
+        return self.all_gather_object_on(obj, self.all_group)

@@ -18,6 +18,19 @@ and mix their data. On gloo the engine has two safety nets NCCL lacks (a group p
 check), so a CPU test could pass where 8 GPUs fail. With ``LIGHTNING_CHUNK_GLOO_AS_NCCL=1`` gloo runs as NCCL does:
 every collective on the data-parallel group, the check off unless ``verify_collectives`` asks for it; waits stay
 bounded, so a divergence fails the test with an error instead of hanging it. The multi-rank parity suite runs so.
+
+
+[Note: replicas of the shard group]
+With ``shard_size`` (FSDP's HYBRID_SHARD, DeepSpeed's MiCS) each chunk is sharded over a group of ``shard_size``
+consecutive ranks, a node's devices, and every such group holds the same shards: a replica. Forward's all-gathers
+and backward's reduce-scatters stay in the shard group, on the node's fast links; the only collective that crosses
+groups is one all-reduce of each reduced gradient shard over its replicas (``Collectives.replicate``), and the payload
+is scaled by one over every rank, so the shard ends as DDP's mean. ``rank`` and ``world_size`` are within the shard
+group, and the layout, the optimizer and checkpoints see only it: a checkpoint is a ``shard_size``-rank one, written
+by the first group alone. What must be the same on every rank is agreed over all of them (``all_group``): the
+memory limits (they set the layout), the votes on which parameters got gradients, the agreement check's tags, the
+order of reduces, saves' outcomes; a sum of what each rank's shards hold (the gradient norm) stays in the shard
+group (``shards=True``).
 """
 
 from __future__ import annotations
@@ -96,9 +109,15 @@ class RankGroup:
     """This rank within the data-parallel group, and what the collectives over it need to know."""
 
     def __init__(
-        self, group: Any | None = None, *, timeout_s: float | None = 300.0, verify: bool | str | None = None
+        self,
+        group: Any | None = None,
+        *,
+        replicas: Any | None = None,
+        timeout_s: float | None = 300.0,
+        verify: bool | str | None = None,
     ) -> None:
-        self.group = group
+        self.group = group  # the ranks each chunk is sharded over: ``rank`` and ``world_size`` are within it
+        self.replicas = replicas  # [Note: replicas of the shard group]: the ranks holding this rank's shard too
         self.timeout_s = timeout_s
         self.planning_only = False  # Collectives.planning: describes ranks, never communicates
         if dist.is_available() and dist.is_initialized():
@@ -107,6 +126,13 @@ class RankGroup:
             backend = dist.get_backend(group)
         else:
             self.rank, self.world_size, backend = 0, 1, None
+        # the group every rank agrees over (votes, limits, saves): the shard group, or with replicas all ranks
+        self.all_group = None if replicas is not None else group
+        self.all_rank, self.all_size = (
+            (dist.get_rank(), dist.get_world_size()) if replicas is not None else (self.rank, self.world_size)
+        )
+        self.replica_index = dist.get_rank(replicas) if replicas is not None else 0
+        self.replica_count = dist.get_world_size(replicas) if replicas is not None else 1
         # [Note: gloo as NCCL]: one communicator for everything and no check, as NCCL runs by default
         self.as_nccl = backend == "gloo" and os.environ.get(GLOO_AS_NCCL, "0") not in ("", "0")
         # [Note: checking once a micro-batch]: None is "batch" on gloo and off on NCCL; True is "each"
@@ -132,17 +158,18 @@ class RankGroup:
         self._op_groups: dict[str, Any] = {}
         self._roll_group: Any | None = None
         self.made: list[Any] = []  # the gloo groups made for this run, destroyed by ``close``
-        if self.world_size > 1:
+        if self.all_size > 1:
             self._learn_peers()
-            self._roll_group = self.gloo_group(self.roll_call_s)
+            self._roll_group = self.gloo_group(self.roll_call_s, over_all=True)
             if mode is not None:
                 self.agreement = Agreement(self, lazy=self.gloo, mode=mode)
             elif self.gloo and not self.as_nccl:  # [Note: a gloo group per kind of collective]
                 self._op_groups = {op: self.gloo_group() for op in OPS[:2]}
 
-    def gloo_group(self, timeout_s: float | None = None) -> Any:
-        """A new gloo group over this group's ranks, which every rank makes at the same point; ``close`` destroys it."""
-        made = gloo_group_over(self.group, timeout_s)
+    def gloo_group(self, timeout_s: float | None = None, *, over_all: bool = False) -> Any:
+        """A new gloo group over this group's ranks (``over_all``: ``all_group``'s), which each of them makes at the
+        same point; ``close`` destroys it."""
+        made = gloo_group_over(self.all_group if over_all else self.group, timeout_s)
         self.made.append(made)
         return made
 
@@ -153,7 +180,7 @@ class RankGroup:
         stuck on a live peer, and the process is on its way out ([Note: naming a lost rank] in ``waits.py``)."""
         made, self.made[:] = list(self.made), []
         self._roll_group, self._op_groups = None, {}
-        for made_on_first_use in ("_host_group", "_beside"):
+        for made_on_first_use in ("_host_group", "_all_host_group", "_beside"):
             self.__dict__.pop(made_on_first_use, None)
         if not waits.is_broken():
             for g in made:
@@ -161,9 +188,9 @@ class RankGroup:
 
     def _learn_peers(self) -> None:
         """Every rank's ``(pid, host id)``; see [Note: naming a lost rank]."""
-        out, work = self.gather_ints([os.getpid(), _host_id()], group=self.group)
+        out, work = self.gather_ints([os.getpid(), _host_id()], group=self.all_group)
         Pending(out, work, lambda: f"[rank {self.rank}] the start-up exchange of process ids", self.timeout_s).wait()
-        self.peers = [tuple(r) for r in out.view(self.world_size, 2).tolist()]
+        self.peers = [tuple(r) for r in out.view(self.all_size, 2).tolist()]
 
     def ranks_on_this_host(self) -> int:
         """How many ranks (this one included) run on this host, as the start-up exchange told."""
@@ -198,7 +225,7 @@ class RankGroup:
         stopped: list[str] = []
         remote: list[int] = []
         for r, (pid, host) in enumerate(self.peers):
-            if r == self.rank:
+            if r == self.all_rank:
                 continue
             if host != here:
                 remote.append(r)
@@ -225,10 +252,38 @@ class RankGroup:
         return ""
 
     @classmethod
+    def over(cls: type[G], shard_size: int | None = None, **kwargs: Any) -> G:
+        """Every rank of the default process group; with ``shard_size`` below their number, chunks are sharded over
+        groups of that many consecutive ranks and replicated across the groups ([Note: replicas of the shard
+        group]). Every rank calls it together."""
+        world = dist.get_world_size()
+        if shard_size is None or shard_size >= world:
+            return cls(**kwargs)
+        if shard_size < 2 or world % shard_size:
+            raise ValueError(
+                f"shard_size={shard_size} is not allowed with {world} ranks; it must divide the number of ranks and "
+                "be at least 2 (or None to shard over every rank)."
+            )
+        rank, made = dist.get_rank(), []
+        shards = replicas = None
+        for first in range(0, world, shard_size):  # every rank makes every group, in the same order
+            g = dist.new_group(list(range(first, first + shard_size)))
+            made.append(g)
+            shards = g if first <= rank < first + shard_size else shards
+        for at in range(shard_size):
+            g = dist.new_group(list(range(at, world, shard_size)))
+            made.append(g)
+            replicas = g if rank % shard_size == at else replicas
+        c = cls(shards, replicas=replicas, **kwargs)
+        c.made.extend(made)
+        return c
+
+    @classmethod
     def local(cls: type[G]) -> G:
         """One rank, whether or not a process group exists."""
         c = cls.__new__(cls)
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
+        c.replicas, c.all_group, c.all_rank, c.all_size, c.replica_index, c.replica_count = None, None, 0, 1, 0, 1
         c.roll_call_s, c._roll_group, c.made = None, None, []
         c.gloo = c.as_nccl = False
         c.planning_only = False
@@ -277,9 +332,9 @@ class RankGroup:
 
     def gather_ints(self, values: Sequence[int], *, group: Any) -> tuple[torch.Tensor, Any]:
         """Every rank's ``values`` (the same count on each), in one all-gather issued on ``group`` without waiting:
-        the output (``world_size * len(values)`` int64s, rank by rank) and its work."""
+        the output (``len(values)`` int64s for each of ``group``'s ranks, rank by rank) and its work."""
         mine = torch.tensor(list(values), dtype=torch.int64, device=self._tag_device)
-        out = torch.empty(self.world_size * len(mine), dtype=torch.int64, device=self._tag_device)
+        out = torch.empty(dist.get_world_size(group) * len(mine), dtype=torch.int64, device=self._tag_device)
         return out, _all_gather(out, mine, group=group, async_op=True)
 
     def tensor_device(self) -> torch.device:
@@ -294,6 +349,16 @@ class RankGroup:
             self._host_group = self.gloo_group()
         return self._host_group
 
+    def all_host_group(self) -> Any:
+        """``host_group()`` over ``all_group``'s ranks: the same group without replicas."""
+        if self.replicas is None:
+            return self.host_group()
+        if self._tag_device.type == "cpu":
+            return self.all_group if self.all_group is not None else dist.group.WORLD
+        if getattr(self, "_all_host_group", None) is None:
+            self._all_host_group = self.gloo_group(over_all=True)
+        return self._all_host_group
+
     def beside(self: G) -> G:
         """This group's ranks over a gloo group of their own, made on first use (every rank calls it together):
         for the collectives of a thread that runs beside training, such as a save written in the background,
@@ -305,6 +370,8 @@ class RankGroup:
         if side is None:
             side = copy.copy(self)
             side.group = side._host_group = self.gloo_group(self.timeout_s)
+            if self.replicas is not None:
+                side.all_group = side._all_host_group = self.gloo_group(self.timeout_s, over_all=True)
             side._tag_device = torch.device("cpu")
             side.agreement, side._op_groups, side.clock = None, {}, None
             self._beside = side
@@ -347,8 +414,8 @@ class RankGroup:
         Pending(None, work, lambda: what, self.timeout_s, self.why_stuck, self.clock).wait()  # type: ignore[arg-type]
 
     def all_gather_object_on(self, obj: Any, group: Any) -> list[Any]:
-        if self.world_size == 1:
+        if self.all_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        out: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(out, obj, group=group)
         return out

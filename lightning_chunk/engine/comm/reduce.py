@@ -153,7 +153,7 @@ class GradReducer:
         dst = chunk.grad_payload[offset : offset + flat.numel()]  # type: ignore[index]
         filled = self._filled.setdefault(chunk.chunk_id, {})
         state = filled.get(offset, _EMPTY)
-        scale = 1.0 / self.manager.comm.world_size
+        scale = 1.0 / self.manager.comm.all_size  # DDP's mean over every rank
         if state is _EMPTY:
             if self.sync and flat.dtype == dst.dtype:
                 torch.mul(flat, scale, out=dst)
@@ -193,7 +193,7 @@ class GradReducer:
         payload = chunk.grad_payload
         assert payload is not None
         filled = self._filled.pop(chunk.chunk_id, {})
-        scale = 1.0 / self.manager.comm.world_size
+        scale = 1.0 / self.manager.comm.all_size  # DDP's mean over every rank
         end = 0
         for t in sorted(chunk.tensors, key=lambda t: t.offset):
             state = filled.get(t.offset, _EMPTY)
@@ -329,6 +329,7 @@ class GradReducer:
         while len(self._inflight) > keep:
             chunk, pending, votes = self._inflight.pop(0)
             out = pending.wait()
+            mgr.comm.replicate(out, chunk=chunk.chunk_id)  # [Note: replicas of the shard group]
             if votes is not None:
                 self.voted[chunk.chunk_id] = take_vote(chunk, votes.wait().tolist())
             assert chunk.grad is not None

@@ -34,7 +34,7 @@ class ModuleSequence:
         """Raise ``CollectiveMismatchError`` naming the first moment where the ranks differ, and ``hint`` of the
         modules the ranks ran there; start a new sequence."""
         seq, self.moments = self.moments, []
-        if comm.world_size == 1:
+        if comm.all_size == 1:
             return
         crc = zlib.crc32(repr(seq).encode())
         if comm.agree_on_value(crc, what="the check that every rank ran the same modules"):

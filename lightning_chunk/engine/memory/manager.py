@@ -114,7 +114,7 @@ class ChunkManager:
             self.device,
             pinned=pin,
             disk_dir=config.disk_dir,
-            rank=self.comm.rank,
+            rank=self.comm.all_rank,  # replicas on one host keep scratch files of their own
             disk_io=config.disk_io,
             ranks_here=self.comm.ranks_on_this_host(),
             host_limit=config.host_memory_limit,

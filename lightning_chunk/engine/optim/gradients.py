@@ -60,11 +60,13 @@ def clip_grad_norm(
     if comm.world_size > 1:
         dev = comm.tensor_device()
         if math.isinf(norm_type):
-            total = comm.all_reduce(total.reshape(1).to(dev), op="max", what="the gradient norm")[0].to(first)
+            total = comm.all_reduce(total.reshape(1).to(dev), op="max", what="the gradient norm", shards=True)[0].to(
+                first
+            )
         else:
-            acc = comm.all_reduce(total.double().pow(norm_type).reshape(1).to(dev), op="sum", what="the gradient norm")[
-                0
-            ]
+            acc = comm.all_reduce(
+                total.double().pow(norm_type).reshape(1).to(dev), op="sum", what="the gradient norm", shards=True
+            )[0]
             total = acc.pow(1.0 / norm_type).float().to(first)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for chunk, gs in paged_runs(grouped):

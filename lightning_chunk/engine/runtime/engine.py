@@ -424,7 +424,7 @@ class ChunkEngine:
             materialize, need, share = whole_model_fits(
                 self.manager, optimizer_state=optimizer_state, room=page_cache_room()
             )
-            if not materialize and self.comm.rank == 0:
+            if not materialize and self.comm.all_rank == 0:
                 warnings.warn(
                     f"the trained parameters were left empty at the end of fit: the whole model ("
                     f"{format_bytes(need)}) does not fit in a rank's share of the host memory available "

@@ -233,15 +233,18 @@ class SaveJob:
         memory is only read, so a later save can succeed."""
         path, partial = self.path, partial_path(self.path)
         # each step raises on every rank if it failed on any, before the next begins
-        _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial) if comm.rank == 0 else None)
-        _on_each_rank(comm, path, "writing its shards", lambda: self._write(comm, partial))
-        _on_each_rank(comm, path, "finishing", lambda: self._finish(partial) if comm.rank == 0 else None)
+        # with replicas, the first shard group writes the shards ([Note: replicas of the shard group])
+        _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial) if comm.all_rank == 0 else None)
+        _on_each_rank(comm, path, "writing its shards", lambda: self._write(comm, partial, comm.replica_index == 0))
+        _on_each_rank(comm, path, "finishing", lambda: self._finish(partial) if comm.all_rank == 0 else None)
 
-    def _write(self, comm: Any, partial: Path) -> None:
+    def _write(self, comm: Any, partial: Path, writes: bool) -> None:
         per_chunk: dict[int | None, int] = {}
         for name, t in self.local.items():
             per_chunk[chunk_of(name)] = per_chunk.get(chunk_of(name), 0) + t.numel() * t.element_size()
         try:
+            if not writes:
+                return
             with warnings.catch_warnings():  # one rank: "assuming the intent is to save in a single process": it is
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
                 dcp.save(
@@ -396,7 +399,7 @@ def _on_each_rank(comm: Any, path: Path, what: str, fn: Callable[[], Any]) -> No
     failed = comm.failed_ranks(error is None, what=f"saving checkpoint {str(path)!r} ({what})")
     if not failed:
         return
-    if comm.rank == 0:
+    if comm.all_rank == 0:
         shutil.rmtree(partial_path(path), ignore_errors=True)
     comm.failed_ranks(True, what=f"removing the partial save of {str(path)!r}")  # gone before any rank returns
     kept = (
