@@ -88,7 +88,7 @@ def check_same_batches(trainer: Any, comm: Collectives, written: bool) -> tuple[
     if kind == "predict":
         return turn == Turn.LAST and Turn.MORE in last, written
     count = trainer.num_training_batches if kind == "training" else sum(loop.max_batches)
-    counts = comm.all_gather_object_on(count, comm.host_group())
+    counts = comm.all_gather_object_on(count, comm.all_host_group())
     named = (
         ", ".join(f"rank {r}: {f'{c:.0f}' if math.isfinite(c) else 'no length'}" for r, c in enumerate(counts))
         if any(math.isfinite(c) for c in counts)

@@ -370,8 +370,9 @@ class RankGroup:
         if side is None:
             side = copy.copy(self)
             side.group = side._host_group = self.gloo_group(self.timeout_s)
-            if self.replicas is not None:
-                side.all_group = side._all_host_group = self.gloo_group(self.timeout_s, over_all=True)
+            side.all_group = side._all_host_group = (
+                side.group if self.replicas is None else self.gloo_group(self.timeout_s, over_all=True)
+            )
             side._tag_device = torch.device("cpu")
             side.agreement, side._op_groups, side.clock = None, {}, None
             self._beside = side
