@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         "each phase's peak device and host bytes a rank and a node",
     )
     p.add_argument("--devices", type=int, help="the cluster's devices (ranks) a node")
+    p.add_argument(
+        "--shard-size",
+        help="with --nodes: shard each chunk over this many ranks ('node': a node's devices), replicated across groups",
+    )
     p.add_argument("--device-memory", help="each device's memory, e.g. 80GiB (the limit leaves the default margin)")
     p.add_argument("--host-memory", help="each node's host memory, e.g. 1TiB")
     p.add_argument(
@@ -144,6 +148,7 @@ def _plan(args: argparse.Namespace) -> int:
         "chunk_numel": args.chunk_numel,
         "host_memory_limit": args.host_memory_limit,
         "disk_dir": args.disk_dir,
+        "shard_size": int(args.shard_size) if args.shard_size and args.shard_size.isdigit() else args.shard_size,
     }
     try:
         cluster = None

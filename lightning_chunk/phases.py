@@ -72,6 +72,7 @@ class ClusterReport:
     state: int  # S
     device_shards_after: int
     chunks: int
+    shard_size: int | None = None  # ranks a chunk is sharded over, where fewer than every rank
 
     @property
     def host_per_rank(self) -> int | None:
@@ -95,8 +96,9 @@ class ClusterReport:
         ranks = self.nodes * self.devices
         lines = [
             f"model        {self.model}, precision {self.precision}: {self.nodes} node(s) x {self.devices} "
-            f"device(s) = {ranks} ranks; {self.chunks} chunks, {self.device_shards_after} shards on the device "
-            "after the warm-up",
+            f"device(s) = {ranks} ranks"
+            + (f" in shard groups of {self.shard_size}" if self.shard_size else "")
+            + f"; {self.chunks} chunks, {self.device_shards_after} shards on the device after the warm-up",
             f"a rank       training state {g(self.state)}; device limit "
             f"{'none' if self.device_limit is None else g(self.device_limit)}; host "
             f"{'unknown' if self.host_per_rank is None else g(self.host_per_rank)} (a node's share)",

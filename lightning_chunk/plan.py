@@ -310,7 +310,7 @@ def make_shape_plan(
         model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         host_per_rank=None if host_memory is None else host_memory // devices,
         optim_share=optim / (4 + low + 4 + optim),
-        ranks=nodes * devices,
+        ranks=ranks,
         staging=staging,
         activations=activations,
         releases=strategy.config.placement == "host" and strategy.config.reshard_after_forward is True,
@@ -329,6 +329,7 @@ def make_shape_plan(
         state=state,
         device_shards_after=sum(t is Tier.DEVICE for t in after.values()),
         chunks=len(plan.views),
+        shard_size=ranks if ranks < nodes * devices else None,
     )
 
 
@@ -360,6 +361,8 @@ def plan_from_args(
     sargs = dict(strategy_cfg.get("init_args") or {}) if isinstance(strategy_cfg, dict) else {}
     sargs.update({k: v for k, v in overrides.items() if v is not None})
     prec = precision or str((cfg.get("trainer") or {}).get("precision") or "32-true")
+    memory = sargs.get("memory")
+    shard_size = sargs.get("shard_size", memory.get("shard_size") if isinstance(memory, dict) else None)
     if cluster is not None:
         nodes, devices, device_memory, host_memory = cluster
         if nodes < 1 or devices < 1:
@@ -371,12 +374,12 @@ def plan_from_args(
             margs,
             sargs,
             prec,
-            nodes * devices,
+            sharded_over(shard_size, nodes, devices),
             (nodes, devices, host_memory),
             activations=activations or 0,
         )
     if shapes_only:
-        return make_shape_plan(load_class(model), margs, sargs, prec, ranks)
+        return make_shape_plan(load_class(model), margs, sargs, prec, sharded_over(shard_size, 1, ranks))
     model_cls = load_class(model)
     if data is None and not _has_train_dataloader(model_cls):
         raise ValueError(
@@ -385,6 +388,20 @@ def plan_from_args(
             "--shapes-only to plan from the shapes alone."
         )
     return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec)
+
+
+def sharded_over(shard_size: int | str | None, nodes: int, devices: int) -> int:
+    """The ranks each chunk is sharded over on ``nodes`` x ``devices`` ([Note: replicas of the shard group])."""
+    ranks = nodes * devices
+    size = devices if shard_size == "node" else shard_size
+    if size is None or isinstance(size, int) and not isinstance(size, bool) and size >= ranks:
+        return ranks
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2 or ranks % size:
+        raise ValueError(
+            f"shard_size={shard_size!r} is not allowed with {ranks} ranks; it must be 'node' or a number of ranks "
+            "of at least 2 that divides it."
+        )
+    return size
 
 
 def _has_train_dataloader(model_cls: type) -> bool:

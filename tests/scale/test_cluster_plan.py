@@ -140,3 +140,24 @@ def test_stepping_in_backward_is_counted_where_the_gradient_shards_are_given_bac
     # the save's difference is the host shards' gradients: 4 of their 18 bytes a parameter in bf16-mixed
     host_grads = kept["save"] - given["save"]
     assert 0.2 * kept["save"] < host_grads < 0.25 * kept["save"], (host_grads, kept)
+
+
+def test_shard_groups_of_a_node_give_each_rank_a_node_s_share(plan):
+    """``--shard-size node`` ([Note: replicas of the shard group]): on two nodes each rank holds what a rank of one
+    node would, twice what sharding over both nodes gives; a size that does not divide the ranks is refused."""
+    args = ["--init-args", '{"size": "7b"}', "--devices", "8", "--device-memory", "80GiB", "--host-memory", "1TiB"]
+    one, two, node = (
+        plan(*args, "--nodes", "1"),
+        plan(*args, "--nodes", "2"),
+        plan(*args, "--nodes", "2", "--shard-size", "node"),
+    )
+    assert one.returncode == two.returncode == node.returncode == 0, node.stdout + node.stderr[-2000:]
+    assert "16 ranks in shard groups of 8" in node.stdout, node.stdout
+    state = {
+        k: float(r.stdout.split("training state ")[1].split(" GiB")[0])
+        for k, r in (("1", one), ("2", two), ("n", node))
+    }
+    assert state["n"] == state["1"] and abs(state["n"] - 2 * state["2"]) <= 0.01 * state["n"], state
+    assert rows(node.stdout) == rows(one.stdout)
+    r = plan(*args, "--nodes", "2", "--shard-size", "3")
+    assert r.returncode == 2 and "shard_size=3 is not allowed with 16 ranks" in r.stderr, r.stderr
