@@ -1,11 +1,12 @@
-"""The parity cases: a model, its trainer and chunk_offload's settings, each trained by DDP and by chunk_offload
-with the same global batch (``runner.run_parity``). A case's keys: ``cls`` (a model of ``tests.models``), ``variant``,
-``model`` (its shape), ``trainer``, ``strategy`` (chunk_offload's options, flat), ``limit_fraction`` (the device limit
-as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``host_memory_limit``, ``fp16``/``bf16``,
-``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints), ``ddp_unused``, ``callbacks``
-(chunk_offload's run only; ``both_callbacks``: DDP's too), ``telemetry``, ``weights``, ``chunk_cls`` (another model
-for chunk_offload's run), ``init_scale``, ``rank_seeds`` (each rank seeds ``7 + rank`` before
-building). The cases whose ranks differ are ``rank_cases.py``'s."""
+"""The parity cases: a model, its trainer and chunk_offload's settings, each trained by DDP and by chunk_offload with
+the same global batch (``runner.run_parity``). A case's keys: ``cls`` (a model of ``tests.models``), ``variant``,
+``model`` (its shape), ``trainer``, ``strategy`` (chunk_offload's options, flat), ``limit_fraction`` (the device
+limit as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``host_memory_limit``,
+``fp16``/``bf16``, ``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints),
+``ddp_unused``, ``callbacks`` (chunk_offload's run only; ``both_callbacks``: DDP's too), ``telemetry``, ``weights``,
+``chunk_cls`` (another model for chunk_offload's run), ``init_scale``, ``rank_seeds`` (each rank seeds ``7 + rank``
+before building), ``async_save`` (chunk_offload's checkpoints written in the background). The cases whose ranks
+differ are ``rank_cases.py``'s."""
 
 from __future__ import annotations
 

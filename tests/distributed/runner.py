@@ -148,6 +148,10 @@ def run_parity(case: str, out: Path) -> None:
             if bf16
             else None
         )
+        if spec.get("async_save"):  # checkpoints written beside training ([Note: training beside a save])
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+            plugins = [*(plugins or []), AsyncCheckpointIO()]
         return got, chunk_strategy(**skw), plugins
 
     telemetry = ChunkTelemetry(picture=False) if spec.get("telemetry") else None
