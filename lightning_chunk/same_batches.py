@@ -98,7 +98,7 @@ def check_same_batches(trainer: Any, comm: Collectives, written: bool) -> tuple[
     who = f"rank {ends[0]}'s dataloader ends" if len(ends) == 1 else f"the dataloaders of ranks {', '.join(ends)} end"
     peers = "DDP, ZeRO-3 or FSDP" if kind == "training" else "ZeRO-3 or FSDP"
     raise CollectiveMismatchError(
-        f"[rank {comm.rank}] the ranks run different numbers of {kind} batches ({named}): at the loop's batch "
+        f"[rank {comm.all_rank}] the ranks run different numbers of {kind} batches ({named}): at the loop's batch "
         f"{index} (from 0): {who} and the others' go on. chunk_offload gathers every sharded chunk from every rank "
         f"in each forward, so every rank must run the same number of batches (as under {peers}): keep Lightning's "
         "distributed sampler (use_distributed_sampler=True, the default), or give every rank the same count "

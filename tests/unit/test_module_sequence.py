@@ -31,7 +31,7 @@ class Net(nn.Module):
 class TwoRanks:
     """What ``ModuleSequence.check`` asks of the collectives, with the ranks' sequences given."""
 
-    world_size, all_size, rank = 2, 2, 0
+    world_size, all_size, rank, all_rank = 2, 2, 0, 0
 
     def __init__(self, seqs: list[list[tuple[str, str]]]) -> None:
         self.seqs = seqs

@@ -168,7 +168,7 @@ class Agreement:
     def _issue(self, op: str, chunk: int, module: int) -> int:
         comm = self.comm
         what = f"the agreement check before {op} of {comm.names(chunk, module)}"
-        comm.refuse_if_broken(f"[rank {comm.rank}] {what}")
+        comm.refuse_if_broken(f"[rank {comm.all_rank}] {what}")
         out, work = comm.gather_ints([OPS.index(op), chunk, module], group=self.tag_group)
         self._seq += 1
         self._open.append(_Tag(self._seq, out, work, what))
@@ -183,7 +183,7 @@ class Agreement:
             return
         while self._open and (seq is None or self._open[0].seq <= seq):
             tag = self._open.popleft()
-            comm.wait_for(tag.work, f"[rank {comm.rank}] {tag.what}")
+            comm.wait_for(tag.work, f"[rank {comm.all_rank}] {tag.what}")
             tags = tag.out.view(comm.all_size, 3).tolist()
             if any(t != tags[0] for t in tags):
                 self._open.clear()
@@ -199,9 +199,9 @@ class Agreement:
         issued, crc = self._issued, self._crc
         what = f"the agreement check of the {len(issued)} chunk collectives issued since the last one"
         what = f"{purpose} (riding on {what})" if purpose else what
-        comm.refuse_if_broken(f"[rank {comm.rank}] {what}")
+        comm.refuse_if_broken(f"[rank {comm.all_rank}] {what}")
         out, work = comm.gather_ints([len(issued), crc, value], group=self.tag_group)
-        comm.wait_for(work, f"[rank {comm.rank}] {what}")
+        comm.wait_for(work, f"[rank {comm.all_rank}] {what}")
         self._issued, self._crc = [], 0
         tags = out.view(comm.all_size, 3).tolist()
         if all(t[:2] == tags[0][:2] for t in tags):
@@ -256,9 +256,9 @@ class Agreement:
     def _disagree(self, where: str, hint: str = "") -> NoReturn:
         comm = self.comm
         error = CollectiveMismatchError(
-            f"[rank {comm.rank}] ranks disagree {where}. A module ran on some ranks and not on others (data-dependent "
-            "control flow, or a module used outside its forward); every rank must run the same modules in the same "
-            f"order.{hint}"
+            f"[rank {comm.all_rank}] ranks disagree {where}. A module ran on some ranks and not on others "
+            "(data-dependent control flow, or a module used outside its forward); every rank must run the same modules "
+            f"in the same order.{hint}"
         )
         if self.lazy:  # collectives of the other kinds may stay unmatched: see the Note
             comm.mark_broken(str(error))

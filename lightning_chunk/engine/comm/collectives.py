@@ -71,13 +71,13 @@ class Collectives(RankGroup):
         """Every rank's ``value``, rank by rank (one fixed-size all-gather; every rank must call it together)."""
         if self.all_size == 1:
             return [value]
-        refuse_if_broken_now(f"[rank {self.rank}] {what}")
+        refuse_if_broken_now(f"[rank {self.all_rank}] {what}")
         if self.agreement is not None and self.agreement.mode == "batch":  # the value rides on the check's exchange
             return self.agreement.verify_batch(value, what)
         if self.agreement is not None:  # a disagreement on a chunk collective is the better error
             self.agreement.verify_through()
         out, work = self.gather_ints([value], group=self.all_group)
-        Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
+        Pending(out, work, lambda: f"[rank {self.all_rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return [int(v) for v in out.tolist()]
 
     def verify_issued(self) -> None:
@@ -92,9 +92,9 @@ class Collectives(RankGroup):
         """Every rank says whether its part of ``what`` worked; the ranks whose part failed (a bounded barrier)."""
         if self.all_size == 1:
             return [] if ok else [0]
-        refuse_if_broken_now(f"[rank {self.rank}] {what}")
+        refuse_if_broken_now(f"[rank {self.all_rank}] {what}")
         out, work = self.gather_ints([int(bool(ok))], group=self.all_group)
-        Pending(out, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
+        Pending(out, work, lambda: f"[rank {self.all_rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return [r for r, v in enumerate(out.tolist()) if not v]
 
     # ----------------------------------------------------------- collectives
@@ -106,7 +106,7 @@ class Collectives(RankGroup):
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
                 out.copy_(shard, non_blocking=True)
             return Pending(out, None)
-        refuse_if_broken_now(lambda: f"[rank {self.rank}] all_gather of {self.names(chunk, module)}")
+        refuse_if_broken_now(lambda: f"[rank {self.all_rank}] all_gather of {self.names(chunk, module)}")
         self._check_device(lambda: f"all_gather of {self.names(chunk, module)}", out, shard)
         check, group = self._agree("all_gather", chunk, module, ("all_gather", out.numel() * out.element_size()))
         work = _all_gather(out, shard, group=group, async_op=True)
@@ -120,7 +120,7 @@ class Collectives(RankGroup):
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
                 out.copy_(full, non_blocking=True)
             return Pending(out, None)
-        refuse_if_broken_now(lambda: f"[rank {self.rank}] reduce_scatter of {self.names(chunk, module)}")
+        refuse_if_broken_now(lambda: f"[rank {self.all_rank}] reduce_scatter of {self.names(chunk, module)}")
         self._check_device(lambda: f"reduce_scatter of {self.names(chunk, module)}", out, full)
         in_place = self.gloo and full.device.type == "cpu" and self._is_own_slice(out, full)
         kind = ("all_reduce" if in_place else "reduce_scatter", full.numel() * full.element_size())
@@ -156,7 +156,7 @@ class Collectives(RankGroup):
         p = Pending(
             out,
             work,
-            lambda: f"[rank {self.rank}] {op} of {self.names(chunk, module)}",
+            lambda: f"[rank {self.all_rank}] {op} of {self.names(chunk, module)}",
             self.timeout_s,
             self.why_stuck,
             self.clock,
@@ -182,7 +182,7 @@ class Collectives(RankGroup):
         stream."""
         if (self.world_size if shards else self.all_size) == 1:
             return Pending(t, None)
-        refuse_if_broken_now(f"[rank {self.rank}] {what}")
+        refuse_if_broken_now(f"[rank {self.all_rank}] {what}")
         if not on_host:
             self._check_device(what, t)
         if on_host:
@@ -195,14 +195,14 @@ class Collectives(RankGroup):
             group=group,
             async_op=True,
         )
-        return Pending(t, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock)
+        return Pending(t, work, lambda: f"[rank {self.all_rank}] {what}", self.timeout_s, self.why_stuck, self.clock)
 
     def replicate(self, shard: torch.Tensor, *, chunk: int = -1) -> None:
         """Sum a reduced gradient shard over the ranks holding the same shard, in place ([Note: replicas of the shard
         group]); nothing without replicas."""
         if self.replicas is None:
             return
-        refuse_if_broken_now(lambda: f"[rank {self.rank}] the all-reduce of {self.names(chunk, -1)} over replicas")
+        refuse_if_broken_now(lambda: f"[rank {self.all_rank}] the all-reduce of {self.names(chunk, -1)} over replicas")
         work = dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replicas, async_op=True)
         self._pending(shard, work, "all_reduce over replicas", chunk, -1, async_op=False)
 
@@ -211,10 +211,12 @@ class Collectives(RankGroup):
     ) -> torch.Tensor:
         """Rank ``src``'s ``t`` on every rank (in place; a timeout names ``what``)."""
         if self.all_size > 1:
-            refuse_if_broken_now(f"[rank {self.rank}] {what}")
+            refuse_if_broken_now(f"[rank {self.all_rank}] {what}")
             buf = t.to(self._tag_device)
             work = dist.broadcast(buf, src, group=self.all_group, async_op=True)
-            Pending(buf, work, lambda: f"[rank {self.rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
+            Pending(
+                buf, work, lambda: f"[rank {self.all_rank}] {what}", self.timeout_s, self.why_stuck, self.clock
+            ).wait()
             t.copy_(buf)
         return t
 

@@ -189,7 +189,9 @@ class RankGroup:
     def _learn_peers(self) -> None:
         """Every rank's ``(pid, host id)``; see [Note: naming a lost rank]."""
         out, work = self.gather_ints([os.getpid(), _host_id()], group=self.all_group)
-        Pending(out, work, lambda: f"[rank {self.rank}] the start-up exchange of process ids", self.timeout_s).wait()
+        Pending(
+            out, work, lambda: f"[rank {self.all_rank}] the start-up exchange of process ids", self.timeout_s
+        ).wait()
         self.peers = [tuple(r) for r in out.view(self.all_size, 2).tolist()]
 
     def ranks_on_this_host(self) -> int:
@@ -312,7 +314,7 @@ class RankGroup:
             if t.device.type != want:
                 what = what() if callable(what) else what
                 raise CollectiveDeviceError(
-                    f"[rank {self.rank}] {what} was handed a tensor on {t.device}, but this process group works on "
+                    f"[rank {self.all_rank}] {what} was handed a tensor on {t.device}, but this process group works on "
                     f"{want} tensors; move it with .to(comm.tensor_device()) first."
                 )
 
@@ -406,7 +408,7 @@ class RankGroup:
             dist.monitored_barrier(group=self._roll_group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as e:
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            error = f"[rank {self.rank}] {what} did not find every rank running one ({detail}). {advice}"
+            error = f"[rank {self.all_rank}] {what} did not find every rank running one ({detail}). {advice}"
             waits.mark_broken(error)
             raise waits.CollectiveTimeoutError(error) from None
 

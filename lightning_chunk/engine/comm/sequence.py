@@ -51,7 +51,7 @@ class ModuleSequence:
             return f"{kind} of module {key!r} (chunks {list(chunks_of(key))})"
 
         raise CollectiveMismatchError(
-            f"[rank {comm.rank}] ranks ran different modules in this micro-batch; first difference at moment {i}: "
+            f"[rank {comm.all_rank}] ranks ran different modules in this micro-batch; first difference at moment {i}: "
             + "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
             + ". Every rank must run the same modules that own parameters, in the same order (no data-dependent "
             "skipping): with sharded chunks a skipped module desynchronises the all-gathers."

@@ -103,7 +103,9 @@ class ChunkManager:
         self.chunks: list[Chunk] = []
         self.layout: Layout | None = None
         self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
-        self.ledger = Ledger(self.limit, self.comm.rank, self.device, limit_origin)  # chunk bytes a tier, in the limit
+        self.ledger = Ledger(
+            self.limit, self.comm.all_rank, self.device, limit_origin
+        )  # chunk bytes a tier, in the limit
         self.transfers = TransferStats()
         self.clock = StepClock()  # [Note: where a step's time goes]; the collectives charge their waits to it
         self.comm.clock = self.clock

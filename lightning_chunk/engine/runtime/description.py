@@ -84,7 +84,7 @@ def agree_on_limits(config: ChunkConfig, comm: Collectives) -> ChunkConfig:
         return config
     _log.info(
         "[rank %d] device_memory_limit %s and host_memory_limit %s: the smallest of every rank's",
-        comm.rank,
+        comm.all_rank,
         device,
         host,
     )

@@ -194,7 +194,7 @@ class WarmUpPlanner:
 
         detail = "; ".join(f"rank {r}: {at(r)}" for r in range(len(seqs)))
         raise CollectiveMismatchError(
-            f"[rank {comm.rank}] the warm-up step used modules in different orders on different ranks; "
+            f"[rank {comm.all_rank}] the warm-up step used modules in different orders on different ranks; "
             f"first difference at moment {i}: {detail}. Every rank must run the same modules in the same order "
             "(no data-dependent skipping of modules that own parameters)."
         )

@@ -411,11 +411,11 @@ def _on_each_rank(comm: Any, path: Path, what: str, fn: Callable[[], Any]) -> No
         raise error
     if error is not None:
         raise CheckpointSaveError(
-            f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed while {what}: "
+            f"[rank {comm.all_rank}] saving checkpoint {str(path)!r} failed while {what}: "
             f"{_describe(error).rstrip('.')}. {kept[0].upper() + kept[1:]}."
         ) from error
     raise CheckpointSaveError(
-        f"[rank {comm.rank}] saving checkpoint {str(path)!r} failed on rank(s) {failed} while "
+        f"[rank {comm.all_rank}] saving checkpoint {str(path)!r} failed on rank(s) {failed} while "
         f"{what} (see their errors); {kept}."
     )
 
