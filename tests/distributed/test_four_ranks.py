@@ -77,6 +77,13 @@ def test_parity_with_ddp_on_four_ranks(four_ranks, case):
     stats = [json.loads((out / f"{case}.stats{r}.json").read_text()) for r in range(4)]
     # the ranks plan evictions from their device bytes ([Note: the same bytes on every rank after a step])
     assert all(s["device_bytes"] == stats[0]["device_bytes"] for s in stats), case
+    # [Note: replicas of the shard group]: what crosses groups is each reduced shard (half a chunk in groups of two)
+    for st in stats:
+        moved = (st["replica_all_reduce_bytes"], st["reduce_scatter_bytes"])
+        if case.startswith("hybrid"):
+            assert 2 * moved[0] == moved[1] > 0, (case, moved)
+        else:
+            assert moved[0] == 0 < moved[1], (case, moved)
     if case == "early_clip_norm":  # guesses undone on every rank ([Note: speculating past the norm and the overflow])
         assert all(s["speculation_rollbacks"] > 0 for s in stats)
 

@@ -108,8 +108,10 @@ class Collectives(RankGroup):
             return Pending(out, None)
         refuse_if_broken_now(lambda: f"[rank {self.all_rank}] all_gather of {self.names(chunk, module)}")
         self._check_device(lambda: f"all_gather of {self.names(chunk, module)}", out, shard)
-        check, group = self._agree("all_gather", chunk, module, ("all_gather", out.numel() * out.element_size()))
+        nbytes = out.numel() * out.element_size()
+        check, group = self._agree("all_gather", chunk, module, ("all_gather", nbytes))
         work = _all_gather(out, shard, group=group, async_op=True)
+        self.moved["all_gather_bytes"] += nbytes
         return self._pending(out, work, "all_gather", chunk, module, async_op, check)
 
     def reduce_scatter(
@@ -125,6 +127,7 @@ class Collectives(RankGroup):
         in_place = self.gloo and full.device.type == "cpu" and self._is_own_slice(out, full)
         kind = ("all_reduce" if in_place else "reduce_scatter", full.numel() * full.element_size())
         check, group = self._agree("reduce_scatter", chunk, module, kind)
+        self.moved["reduce_scatter_bytes"] += kind[1]
         if in_place:
             work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         else:
@@ -204,6 +207,7 @@ class Collectives(RankGroup):
             return
         refuse_if_broken_now(lambda: f"[rank {self.all_rank}] the all-reduce of {self.names(chunk, -1)} over replicas")
         work = dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replicas, async_op=True)
+        self.moved["replica_all_reduce_bytes"] += shard.numel() * shard.element_size()
         self._pending(shard, work, "all_reduce over replicas", chunk, -1, async_op=False)
 
     def broadcast(

@@ -102,6 +102,10 @@ def process_state(pid: int) -> str:
 _PF_EXITING = 0x4  # the kernel's flag for a task that is exiting (field 9 of /proc/<pid>/stat)
 
 
+# the bytes of each kind of chunk collective this rank took part in: the whole gathered or reduced chunk, and the
+# shard all-reduced over replicas ([Note: replicas of the shard group]); what crosses nodes with node shard groups
+MOVED = ("all_gather_bytes", "reduce_scatter_bytes", "replica_all_reduce_bytes")
+
 G = TypeVar("G", bound="RankGroup")
 
 
@@ -133,6 +137,7 @@ class RankGroup:
         )
         self.replica_index = dist.get_rank(replicas) if replicas is not None else 0
         self.replica_count = dist.get_world_size(replicas) if replicas is not None else 1
+        self.moved = dict.fromkeys(MOVED, 0)  # bytes of chunk collectives issued, by kind (``memory_stats()``)
         # [Note: gloo as NCCL]: one communicator for everything and no check, as NCCL runs by default
         self.as_nccl = backend == "gloo" and os.environ.get(GLOO_AS_NCCL, "0") not in ("", "0")
         # [Note: checking once a micro-batch]: None is "batch" on gloo and off on NCCL; True is "each"
@@ -286,6 +291,7 @@ class RankGroup:
         c = cls.__new__(cls)
         c.group, c.rank, c.world_size, c.timeout_s, c.verify = None, 0, 1, None, False
         c.replicas, c.all_group, c.all_rank, c.all_size, c.replica_index, c.replica_count = None, None, 0, 1, 0, 1
+        c.moved = dict.fromkeys(MOVED, 0)
         c.roll_call_s, c._roll_group, c.made = None, None, []
         c.gloo = c.as_nccl = False
         c.planning_only = False

@@ -386,6 +386,7 @@ class ChunkEngine:
             out["grad_norm"] = self.last_grad_norm  # the global norm the last norm clipping saw
         if self.growth.enabled:
             out["replans"] = self.growth.replans  # traced again because the inputs grew
+        out.update(self.comm.moved)  # bytes of chunk collectives since set-up, by kind
         out.update(self.manager.clock.stats())  # seconds by cause since set-up ([Note: where a step's time goes])
         return out
 
