@@ -63,3 +63,16 @@ def test_the_fp16_overflow_vote_runs_on_the_group_device():
     comm = FakeDeviceComm()
     DynamicLossScaler().unscale_and_check(eng.grads(), comm)
     assert comm.seen == [torch.device("meta")]
+
+
+@pytest.mark.parametrize("size", [3, 1])
+def test_shard_groups_that_do_not_tile_the_ranks_are_refused_before_any_group_is_made(monkeypatch, size):
+    """[Note: replicas of the shard group]: every rank raises the same error at set-up, none waits in ``new_group``."""
+    import torch.distributed as dist
+
+    made = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: made.append(a))
+    with pytest.raises(ValueError, match=f"shard_size={size} is not allowed with 4 ranks; it must divide"):
+        Collectives.over(size)
+    assert made == []
