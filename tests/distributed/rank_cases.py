@@ -2,7 +2,7 @@
 a parameter or an expert used on some ranks only, a buffer or the weights built differently on each rank. Each is
 trained by DDP and by chunk_offload (``runner.run_parity``; a case's keys: ``parity_cases.py``)."""
 
-FOUR_ONLY = ("hybrid_limits_differ", "hybrid_rank_gated")  # shard groups of two: four ranks at least
+FOUR_ONLY = ("hybrid_limits_differ", "hybrid_rank_gated", "hybrid_disk")  # shard groups of two: four ranks at least
 OWN_CHUNK = dict(cls="RankGatedNet", variant="own_chunk", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3))
 
 RANK_CASES = {
@@ -58,6 +58,17 @@ RANK_CASES = {
     # parameters got gradients goes over every rank (within the groups, one group skipped the step the other took)
     "hybrid_rank_gated": dict(
         cls="RankGatedNet", variant="pairs", ddp_unused=True, strategy=dict(placement="host", shard_size=2)
+    ),
+    # the disk tier's defaults (disk_defaults) in shard groups: two ranks of a host with the same shards keep scratch
+    # files of their own and step their copies of each file alike; a resume from the first group's checkpoint
+    "hybrid_disk": dict(
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fraction=0.9,
+        strategy=dict(chunk_numel=None, shard_size=2),
+        host_memory_limit="1MB",
+        resume_at=5,
+        trainer=dict(accumulate_grad_batches=2),
     ),
     "limits_differ": dict(
         cls="ReorderedNet",

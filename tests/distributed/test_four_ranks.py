@@ -39,6 +39,7 @@ FOUR = [
     "adafactor_limit",  # torch's Adafactor: the same, its factored state whole on each rank holding a piece
     "hybrid_limits_differ",  # two shard groups of two, replicas of each other ([Note: replicas of the shard group])
     "hybrid_rank_gated",
+    "hybrid_disk",  # the disk tier in shard groups
 ]
 CHECKS = ["uneven_batches"]  # not parity: ranks whose batch counts differ stop together
 RELATIVE = 1e-3  # of the distance training moved the parameter
