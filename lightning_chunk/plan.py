@@ -28,6 +28,7 @@ import yaml
 
 from .engine.chunks.chunk import Tier
 from .engine.chunks.materialize import DeferredInit
+from .engine.comm.group import shard_ranks
 from .engine.config import device_margin_bytes, human_bytes
 from .engine.runtime.description import ShapePlan, plan_from_shapes
 from .engine.schedule.simulate import simulate_step
@@ -374,12 +375,12 @@ def plan_from_args(
             margs,
             sargs,
             prec,
-            sharded_over(shard_size, nodes, devices),
+            shard_ranks(shard_size, nodes * devices, devices),
             (nodes, devices, host_memory),
             activations=activations or 0,
         )
     if shapes_only:
-        return make_shape_plan(load_class(model), margs, sargs, prec, sharded_over(shard_size, 1, ranks))
+        return make_shape_plan(load_class(model), margs, sargs, prec, shard_ranks(shard_size, ranks, ranks))
     model_cls = load_class(model)
     if data is None and not _has_train_dataloader(model_cls):
         raise ValueError(
@@ -388,20 +389,6 @@ def plan_from_args(
             "--shapes-only to plan from the shapes alone."
         )
     return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec)
-
-
-def sharded_over(shard_size: int | str | None, nodes: int, devices: int) -> int:
-    """The ranks each chunk is sharded over on ``nodes`` x ``devices`` ([Note: replicas of the shard group])."""
-    ranks = nodes * devices
-    size = devices if shard_size == "node" else shard_size
-    if size is None or isinstance(size, int) and not isinstance(size, bool) and size >= ranks:
-        return ranks
-    if isinstance(size, bool) or not isinstance(size, int) or size < 2 or ranks % size:
-        raise ValueError(
-            f"shard_size={shard_size!r} is not allowed with {ranks} ranks; it must be 'node' or a number of ranks "
-            "of at least 2 that divides it."
-        )
-    return size
 
 
 def _has_train_dataloader(model_cls: type) -> bool:

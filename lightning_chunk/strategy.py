@@ -28,6 +28,7 @@ from .checkpointing import ChunkCheckpoints
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.chunks.materialize import DeferredInit, meta_init
+from .engine.comm.group import shard_ranks
 from .engine.config import PlacementName
 from .engine.errors import explain_dtype_mismatch, explain_placeholder_write
 from .engine.files.weights import ModuleWeights, open_weights
@@ -253,11 +254,11 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             else self.config
         )
         self.setup_precision_plugin()
-        shard_size = self.num_processes if self.config.shard_size == "node" else self.config.shard_size
-        assert not isinstance(shard_size, str)  # "node", the one string the config allows, is resolved above
         comm = (
             Collectives.over(
-                shard_size, timeout_s=self.config.collective_timeout_s, verify=self.config.verify_collectives
+                shard_ranks(self.config.shard_size, self.world_size, self.num_processes),
+                timeout_s=self.config.collective_timeout_s,
+                verify=self.config.verify_collectives,
             )
             if self.world_size > 1
             else Collectives.local()

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.comm.collectives import CollectiveDeviceError, Collectives
+from lightning_chunk.engine.comm.group import shard_ranks
 from lightning_chunk.engine.optim.scaler import DynamicLossScaler
 
 
@@ -65,14 +66,11 @@ def test_the_fp16_overflow_vote_runs_on_the_group_device():
     assert comm.seen == [torch.device("meta")]
 
 
-@pytest.mark.parametrize("size", [3, 1])
-def test_shard_groups_that_do_not_tile_the_ranks_are_refused_before_any_group_is_made(monkeypatch, size):
-    """[Note: replicas of the shard group]: every rank raises the same error at set-up, none waits in ``new_group``."""
-    import torch.distributed as dist
-
-    made = []
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
-    monkeypatch.setattr(dist, "new_group", lambda *a, **k: made.append(a))
-    with pytest.raises(ValueError, match=f"shard_size={size} is not allowed with 4 ranks; it must divide"):
-        Collectives.over(size)
-    assert made == []
+@pytest.mark.parametrize("size", [3, 1, "rack"])
+def test_shard_groups_that_do_not_tile_the_ranks_are_refused(size):
+    """[Note: replicas of the shard group]: the strategy resolves the size with ``shard_ranks`` before any group is
+    made, so every rank raises the same error at set-up and none waits in ``new_group``."""
+    with pytest.raises(ValueError, match=f"shard_size={size!r} is not allowed with 4 ranks; it must divide"):
+        shard_ranks(size, 4, 2)
+    assert shard_ranks("node", 4, 2) == 2 and shard_ranks(2, 4, 4) == 2
+    assert shard_ranks(None, 4, 2) == shard_ranks(8, 4, 2) == shard_ranks("node", 4, 4) == 4  # every rank

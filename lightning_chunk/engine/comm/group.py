@@ -109,6 +109,20 @@ MOVED = ("all_gather_bytes", "reduce_scatter_bytes", "replica_all_reduce_bytes")
 G = TypeVar("G", bound="RankGroup")
 
 
+def shard_ranks(shard_size: int | str | None, world: int, per_node: int) -> int:
+    """The ranks each chunk is sharded over among ``world`` ranks, ``per_node`` a node: ``world`` for ``None``
+    ([Note: replicas of the shard group]). A size that does not tile the ranks is refused before any group is made."""
+    size = per_node if shard_size == "node" else shard_size
+    if size is None or isinstance(size, int) and not isinstance(size, bool) and size >= world:
+        return world
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2 or world % size:
+        raise ValueError(
+            f"shard_size={shard_size!r} is not allowed with {world} ranks; it must divide the number of ranks and be "
+            "at least 2 ('node': a node's devices; None: every rank)."
+        )
+    return size
+
+
 class RankGroup:
     """This rank within the data-parallel group, and what the collectives over it need to know."""
 
@@ -259,18 +273,13 @@ class RankGroup:
         return ""
 
     @classmethod
-    def over(cls: type[G], shard_size: int | None = None, **kwargs: Any) -> G:
-        """Every rank of the default process group; with ``shard_size`` below their number, chunks are sharded over
-        groups of that many consecutive ranks and replicated across the groups ([Note: replicas of the shard
-        group]). Every rank calls it together."""
+    def over(cls: type[G], shard_size: int, **kwargs: Any) -> G:
+        """Every rank of the default process group; with ``shard_size`` (``shard_ranks``'s) below their number, chunks
+        are sharded over groups of that many consecutive ranks and replicated across the groups ([Note: replicas of
+        the shard group]). Every rank calls it together."""
         world = dist.get_world_size()
-        if shard_size is None or shard_size >= world:
+        if shard_size >= world:
             return cls(**kwargs)
-        if shard_size < 2 or world % shard_size:
-            raise ValueError(
-                f"shard_size={shard_size} is not allowed with {world} ranks; it must divide the number of ranks and "
-                "be at least 2 (or None to shard over every rank)."
-            )
         rank, made = dist.get_rank(), []
         shards = replicas = None
         for first in range(0, world, shard_size):  # every rank makes every group, in the same order

@@ -239,12 +239,12 @@ class SaveJob:
         _on_each_rank(comm, path, "finishing", lambda: self._finish(partial) if comm.all_rank == 0 else None)
 
     def _write(self, comm: Any, partial: Path, writes: bool) -> None:
-        per_chunk: dict[int | None, int] = {}
-        for name, t in self.local.items():
-            per_chunk[chunk_of(name)] = per_chunk.get(chunk_of(name), 0) + t.numel() * t.element_size()
         try:
-            if not writes:
+            if not writes:  # a replica of the first shard group: its shards are the same ones
                 return
+            per_chunk: dict[int | None, int] = {}
+            for name, t in self.local.items():
+                per_chunk[chunk_of(name)] = per_chunk.get(chunk_of(name), 0) + t.numel() * t.element_size()
             with warnings.catch_warnings():  # one rank: "assuming the intent is to save in a single process": it is
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
                 dcp.save(
