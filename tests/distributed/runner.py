@@ -10,6 +10,7 @@ case runs with, in ``harness.py``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -173,6 +174,10 @@ def run_parity(case: str, out: Path) -> None:
         host_memory_limit=strategy.config.host_memory_limit,
         param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()),
         buffers={n: b.float().sum().item() for n, b in got.named_buffers()},
+        # every rank ends with the same model (replicas of a shard group too): compared across ranks
+        digest=hashlib.sha256(
+            b"".join(v.detach().float().numpy().tobytes() for v in got.state_dict().values())
+        ).hexdigest(),
         seen=[getattr(cb, "seen", None) for cb in extra],
         device_bytes=DEVICE_BYTES,
     )

@@ -17,6 +17,7 @@ import torch
 
 from tests.distributed.cases import needed
 from tests.distributed.launch import AS_NCCL, RUNNER
+from tests.distributed.parity_cases import CASES
 from tests.faults.common import Ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
@@ -78,13 +79,19 @@ def test_parity_with_ddp_on_four_ranks(four_ranks, case):
     stats = [json.loads((out / f"{case}.stats{r}.json").read_text()) for r in range(4)]
     # the ranks plan evictions from their device bytes ([Note: the same bytes on every rank after a step])
     assert all(s["device_bytes"] == stats[0]["device_bytes"] for s in stats), case
-    # [Note: replicas of the shard group]: what crosses groups is each reduced shard (half a chunk in groups of two)
+    assert all(s["digest"] == stats[0]["digest"] for s in stats), case  # replicas of a shard group stay alike
+    # [Note: replicas of the shard group]: what crosses groups is each reduced shard (half a chunk in groups of two),
+    # once a step ([Note: replicas summed once a step]): of k micro-batches the last, but every one of the warm-up's
+    # (12 micro-batches of the resumed fit's 22 with k = 2: 0.545 of the reduced bytes; 1.0 before)
+    k = CASES[case].get("trainer", {}).get("accumulate_grad_batches", 1)
     for st in stats:
         moved = (st["replica_all_reduce_bytes"], st["reduce_scatter_bytes"])
-        if case.startswith("hybrid"):
+        if not case.startswith("hybrid"):
+            assert moved[0] == 0 < moved[1], (case, moved)
+        elif k == 1:
             assert 2 * moved[0] == moved[1] > 0, (case, moved)
         else:
-            assert moved[0] == 0 < moved[1], (case, moved)
+            assert moved[1] / k < 2 * moved[0] <= 0.55 * moved[1], (case, moved)
     if case == "early_clip_norm":  # guesses undone on every rank ([Note: speculating past the norm and the overflow])
         assert all(s["speculation_rollbacks"] > 0 for s in stats)
 

@@ -5,6 +5,8 @@ on a machine whose compute device is not the host. Its transport is stubbed; the
 real one, so any engine path that hands it a host tensor raises ``CollectiveDeviceError``.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -12,6 +14,8 @@ import torch.nn as nn
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.comm.collectives import CollectiveDeviceError, Collectives
 from lightning_chunk.engine.comm.group import shard_ranks
+from lightning_chunk.engine.comm.replicas import ReplicaSums, spare_slice
+from lightning_chunk.engine.errors import ChunkError
 from lightning_chunk.engine.optim.scaler import DynamicLossScaler
 
 
@@ -74,3 +78,26 @@ def test_shard_groups_that_do_not_tile_the_ranks_are_refused(size):
         shard_ranks(size, 4, 2)
     assert shard_ranks("node", 4, 2) == 2 and shard_ranks(2, 4, 4) == 2
     assert shard_ranks(None, 4, 2) == shard_ranks(8, 4, 2) == shard_ranks("node", 4, 4) == 4  # every rank
+
+
+def test_replicas_sum_a_shard_once_a_step_with_what_their_group_accumulated():
+    """[Note: replicas summed once a step], with two replicas whose all-reduce doubles: a micro-batch that does not
+    step lands its shard unsummed and owes it; the next adds the owed accumulation into what it lands first, so the
+    one all-reduce covers both, and its sum replaces the shard. A step with a shard still owed is refused."""
+    summed = []
+    comm = SimpleNamespace(replicas=object(), all_rank=3, replicate=lambda t, chunk: summed.append(chunk) or t.mul_(2))
+    sums = ReplicaSums(SimpleNamespace(comm=comm))
+    chunk = SimpleNamespace(chunk_id=5, shard_range=(4, 8), capacity_numel=8, grad_payload=torch.zeros(8))
+    sums.defer = True
+    out, shard = torch.full((4,), 1.0), torch.full((4,), 3.0)
+    assert sums.land(chunk, out, shard, add=True) and sums.owed == {5} and summed == []
+    with pytest.raises(ChunkError, match=r"\[rank 3\] .* chunks \[5\] summed within this rank's shard group only"):
+        sums.refuse_owed()
+    sums.defer = False
+    assert not sums.land(chunk, out, shard, add=True)  # out replaces the shard
+    assert out.tolist() == [8.0] * 4 and sums.owed == set() and summed == [5]
+    sums.refuse_owed()
+    out = torch.full((4,), 1.0)
+    assert sums.land(chunk, out, shard, add=True) and out.tolist() == [2.0] * 4  # not owed: summed, then added
+    assert ReplicaSums(SimpleNamespace(comm=SimpleNamespace(replicas=None))).land(chunk, out, shard, add=True)
+    assert spare_slice(4, 8, 8) == slice(0, 4) and spare_slice(0, 4, 8) == slice(4, 8)

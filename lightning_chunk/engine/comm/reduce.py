@@ -25,6 +25,7 @@ from ..chunks.repack import piece_range
 from ..chunks.states import TensorState
 from ..errors import ChunkError
 from ..tiers.offload import GradOffload
+from .replicas import ReplicaSums
 
 if TYPE_CHECKING:  # the manager builds the reducer; no import at run time, so no cycle
     from ..memory.manager import ChunkManager
@@ -56,6 +57,7 @@ class GradReducer:
         self._filled: dict[int, dict[int, object]] = {}  # chunk id -> payload offset -> _RAW or _SCALED
         # called with a chunk whose gradients of this backward are final in its shard ([Note: stepping in backward])
         self.on_final: Callable[[Chunk], None] | None = None
+        self.replicas = ReplicaSums(manager)
 
     # ================================================================== order
     def reset_order(self, chunks: Sequence[Chunk]) -> None:
@@ -329,14 +331,14 @@ class GradReducer:
         while len(self._inflight) > keep:
             chunk, pending, votes = self._inflight.pop(0)
             out = pending.wait()
-            mgr.comm.replicate(out, chunk=chunk.chunk_id)  # [Note: replicas of the shard group]
-            if votes is not None:
-                self.voted[chunk.chunk_id] = take_vote(chunk, votes.wait().tolist())
             assert chunk.grad is not None
             with mgr.ledger.tracked(chunk):
                 chunk.restore_grad(mgr.pool)
             target = mgr.tiers.grad_target(chunk)  # before the flag flips: it says whether to read what is there
             add, chunk.grad_written = chunk.grad_written, True
+            add = self.replicas.land(chunk, out, target, add)  # [Note: replicas summed once a step]
+            if votes is not None:
+                self.voted[chunk.chunk_id] = take_vote(chunk, votes.wait().tolist())
             if chunk.shard_tier is not Tier.DEVICE:
                 mgr.transfers.d2h_bytes += out.numel() * out.element_size()
             with mgr.clock.measure("tier_copy"):

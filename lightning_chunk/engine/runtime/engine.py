@@ -1,20 +1,16 @@
 """``ChunkEngine``: one object that runs a module's training on chunks, with plain torch.
 
-It owns the manager, the placement policy, the hooks and the optimizer
-bindings, and says when each runs:
+It owns the manager, the placement policy, the hooks and the optimizer bindings, and says when each runs:
 
-1. ``__init__``: pack in registration order (no trace yet), place shards as the
-   policy says before a trace exists, bind the optimizers, install hooks, and
-   refuse a limit that cannot hold even one module's chunks.
+1. ``__init__``: pack in registration order (no trace yet), place shards as the policy says before a trace exists,
+   bind the optimizers, install hooks, and refuse a limit that cannot hold even one module's chunks.
 2. the first training micro-batch is the warm-up: the tracer records moments.
-3. ``warm_up.replan(Replan.WARM_UP)`` (at the first optimizer step): check the
-   limit against the traced working set and activations, choose the chunk
-   size, repack in first-use order, place shards from the trace, rebind the
-   optimizers (state moves along by parameter); [Note: the warm-up's phases]
-   in ``warmup.py`` for the phases and the other re-plans.
-4. each step: ``prepare_step`` (gradients onto the master views), unscale /
-   clip, the optimizer's own ``step()``, ``finish_step`` (write the
-   low-precision copies back, free gradients).
+3. ``warm_up.replan(Replan.WARM_UP)`` (at the first optimizer step): check the limit against the traced working set
+   and activations, choose the chunk size, repack in first-use order, place shards from the trace, rebind the
+   optimizers (state moves along by parameter); [Note: the warm-up's phases] in ``warmup.py`` for the phases and
+   the other re-plans.
+4. each step: ``prepare_step`` (gradients onto the master views), unscale / clip, the optimizer's own ``step()``,
+   ``finish_step`` (write the low-precision copies back, free gradients).
 5. ``teardown``: parameters get their full trained values back.
 
 No ``lightning`` import here or below.
@@ -254,9 +250,11 @@ class ChunkEngine:
         for b in self.bindings:
             b.slots.sync_zero_grad()
         self._agreed = False
+        # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
+        planned = self.warm_up.phase is WarmUp.PLANNED
+        self.manager.reducer.replicas.defer = planned and self._accumulating  # [Note: replicas summed once a step]
         if self.early is not None:
-            # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
-            self.early.active = self.warm_up.phase is WarmUp.PLANNED and not self._accumulating
+            self.early.active = planned and not self._accumulating
             if self.early.active:
                 self.manager.readers.before_change()  # chunks step from here on
             self.early.begin()
@@ -348,6 +346,7 @@ class ChunkEngine:
         [Note: stepping disk shards] in ``optim/disk_stepper.py``."""
         # nothing a disagreement computed is kept ([Note: checking once a micro-batch])
         self.manager.comm.verify_issued()
+        self.manager.reducer.replicas.refuse_owed()
         self.manager.readers.before_change()  # [Note: training beside a save] in state/background_save.py
         with self.manager.clock.measure("optimizer"):
             if self.early is not None:
