@@ -104,9 +104,11 @@ def check_parity(out, rc, log, case):
         assert f"CASE-DONE {case} rank={r}" in log, log[-3000:]
     # the ranks plan evictions from their device bytes: the same at every moment ([Note: the same bytes on every
     # rank after a step])
-    held = [s["device_bytes"] for s in stats(out, case)]
+    per_rank = stats(out, case)
+    held = [s["device_bytes"] for s in per_rank]
     first = next((i for i, (a, b) in enumerate(zip(*held, strict=False)) if a != b), min(map(len, held)))
     assert held[0] == held[1], f"{case}: the ranks' device bytes differ from moment {first} on"
+    assert per_rank[0]["digest"] == per_rank[1]["digest"], f"{case}: the ranks end with different models"
     d = torch.load(out / f"{case}.pt")
     if case in FP16:
         init, ref, got = d["init"], d["ref"], d["got"]

@@ -174,10 +174,9 @@ def run_parity(case: str, out: Path) -> None:
         host_memory_limit=strategy.config.host_memory_limit,
         param_bytes=sum(p.numel() * p.element_size() for p in got.parameters()),
         buffers={n: b.float().sum().item() for n, b in got.named_buffers()},
-        # every rank ends with the same model (replicas of a shard group too): compared across ranks
-        digest=hashlib.sha256(
-            b"".join(v.detach().float().numpy().tobytes() for v in got.state_dict().values())
-        ).hexdigest(),
+        # every rank ends with the same parameters (replicas of a shard group too; buffers as BatchNorm's running
+        # statistics differ after the last forward, as under DDP): compared across ranks
+        digest=hashlib.sha256(b"".join(p.detach().float().numpy().tobytes() for p in got.parameters())).hexdigest(),
         seen=[getattr(cb, "seen", None) for cb in extra],
         device_bytes=DEVICE_BYTES,
     )
