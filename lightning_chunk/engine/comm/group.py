@@ -24,13 +24,13 @@ bounded, so a divergence fails the test with an error instead of hanging it. The
 With ``shard_size`` (FSDP's HYBRID_SHARD, DeepSpeed's MiCS) each chunk is sharded over a group of ``shard_size``
 consecutive ranks, a node's devices, and every such group holds the same shards: a replica. Forward's all-gathers
 and backward's reduce-scatters stay in the shard group, on the node's fast links; the only collective that crosses
-groups is one all-reduce of each reduced gradient shard over its replicas (``Collectives.replicate``), and the payload
-is scaled by one over every rank, so the shard ends as DDP's mean. ``rank`` and ``world_size`` are within the shard
-group, and the layout, the optimizer and checkpoints see only it: a checkpoint is a ``shard_size``-rank one, written
-by the first group alone. What must be the same on every rank is agreed over all of them (``all_group``): the
-memory limits (they set the layout), the votes on which parameters got gradients, the agreement check's tags, the
-order of reduces, saves' outcomes; a sum of what each rank's shards hold (the gradient norm) stays in the shard
-group (``shards=True``).
+groups is one all-reduce of each gradient shard over its replicas a step (``Collectives.replicate``; [Note: replicas
+summed once a step] in ``replicas.py``), and the payload is scaled by one over every rank, so the shard ends as
+DDP's mean. ``rank`` and ``world_size`` are within the shard group, and the layout, the optimizer and checkpoints
+see only it: a checkpoint is a ``shard_size``-rank one, written by the first group alone. What must be the same on
+every rank is agreed over all of them (``all_group``): the memory limits (they set the layout), the votes on which
+parameters got gradients, the agreement check's tags, the order of reduces, saves' outcomes; a sum of what each
+rank's shards hold (the gradient norm) stays in the shard group (``shards=True``).
 """
 
 from __future__ import annotations
