@@ -54,7 +54,9 @@ class ReplicaSums:
             acc = target.reshape(-1)
             if acc.device != out.device:
                 assert chunk.grad_payload is not None
-                acc = chunk.grad_payload[spare_slice(*chunk.shard_range, chunk.capacity_numel)].copy_(acc)
+                # queued on the compute stream (a pinned host shard): the offload stream's copy back waits for it
+                spare = chunk.grad_payload[spare_slice(*chunk.shard_range, chunk.capacity_numel)]
+                acc = spare.copy_(acc, non_blocking=True)
             out.add_(acc)
             add = False
         self.owed.discard(chunk.chunk_id)
