@@ -390,3 +390,20 @@ def test_checkpoint_stall_benchmark_times_saves_synchronous_and_in_the_backgroun
     assert row["none"]["saves"] == [] and len(row["sync"]["saves"]) == len(row["background"]["saves"]) == 2
     assert all(s["stall_s"] > 0 and "aside_bytes" in s for s in row["background"]["saves"])
     assert len(row["stall_vs_sync"]) == 2
+
+
+def test_shard_groups_benchmark_counts_what_crosses_nodes(tmp_path, capsys):
+    """[Note: replicas summed once a step]: in groups only the replica all-reduce crosses nodes, half of each reduced
+    chunk (groups of two) once a step however many micro-batches; sharded over every rank everything crosses."""
+    args = ["--width", "64", "--depth", "2", "--context", "16", "--batch", "2", "--steps", "3", "--accumulate", "2"]
+    res = load("shard_groups").main([*args, "--out", str(tmp_path / "groups.json")])
+    rows = {(r["shard_size"], r["accumulate"]): r for r in res["results"][0]["rows"]}
+    for k in (1, 2):
+        full, groups = rows[None, k], rows[2, k]
+        assert full["replica_all_reduce_bytes"] == 0 and full["across_vs_every_rank"] == 1.0
+        assert full["across_nodes_bytes"] == full["all_gather_bytes"] + full["reduce_scatter_bytes"] > 0
+        assert groups["across_nodes_bytes"] == groups["replica_all_reduce_bytes"] > 0
+        assert 2 * k * groups["replica_all_reduce_bytes"] == groups["reduce_scatter_bytes"]
+        assert groups["shard_bytes"] > 1.5 * full["shard_bytes"]  # a replica a node: twice the chunks a rank
+    assert rows[2, 2]["across_vs_every_rank"] < rows[2, 1]["across_vs_every_rank"] < 1
+    assert "across nodes MB" in capsys.readouterr().out
