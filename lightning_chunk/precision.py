@@ -82,11 +82,16 @@ class ChunkPrecision(Precision):
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
         full_precision_modules: Sequence[type] = (),
+        reduce_dtype: torch.dtype | str | None = None,
     ) -> None:
         """``full_precision_modules``: module classes whose parameters compute in their own dtype under mixed
         precision, beside BatchNorm and InstanceNorm, which always do ([Note: normalisation in mixed precision] in
-        ``engine/config.py``; FSDP's ``MixedPrecision._module_classes_to_ignore``)."""
+        ``engine/config.py``; FSDP's ``MixedPrecision._module_classes_to_ignore``). ``reduce_dtype``: with several
+        ranks, the dtype gradients of fp32 masters are summed across ranks in (``torch.bfloat16``: half the
+        reduce-scatter bytes and gradient payload memory, FSDP's ``MixedPrecision(reduce_dtype=...)``); ``None``:
+        fp32, as DDP sums."""
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        self.reduce_dtype = _reduce_dtype(reduce_dtype)
         bad = [m for m in full_precision_modules if not (isinstance(m, type) and issubclass(m, torch.nn.Module))]
         if bad or isinstance(full_precision_modules, (str, type)):
             raise ValueError(
@@ -113,7 +118,8 @@ class ChunkPrecision(Precision):
             "bf16-true": (torch.bfloat16, torch.bfloat16),
         }[self.precision]
         own = OWN_DTYPE_MODULES + self.full_precision_modules
-        return DtypePolicy(compute, master, own_dtype_modules=own, autocast=self.precision.endswith("-mixed"))
+        autocast = self.precision.endswith("-mixed")
+        return DtypePolicy(compute, master, own_dtype_modules=own, autocast=autocast, reduce_dtype=self.reduce_dtype)
 
     def attach(self, engine: ChunkEngine | None, device: torch.device) -> None:
         self._engine = engine
@@ -258,3 +264,16 @@ class ChunkPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+
+_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _reduce_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    if value is not None and dtype not in _REDUCE_DTYPES:
+        raise ValueError(
+            f"reduce_dtype={value!r} is not allowed; it must be None (the master dtype, fp32 as DDP sums), "
+            "torch.bfloat16, torch.float16 or torch.float32, or one of their names ('bfloat16')."
+        )
+    return dtype

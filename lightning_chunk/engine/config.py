@@ -341,6 +341,14 @@ class DtypePolicy:
     """steps run under autocast to the compute dtype (Lightning's mixed precisions): a parameter an op reads where
     the user turned autocast off keeps its own dtype ([Note: parameters read outside autocast])."""
 
+    reduce_dtype: torch.dtype | None = None
+    """several ranks: the dtype fp32 gradients are summed across ranks in, the gradient payload's (FSDP's
+    ``MixedPrecision.reduce_dtype``, DeepSpeed's ``communication_data_type``). ``None``: the master dtype."""
+
+    def reduce_for(self, master: torch.dtype) -> torch.dtype:
+        """The gradient payload's dtype of a chunk whose master is ``master``: only fp32 masters narrow."""
+        return self.reduce_dtype if self.reduce_dtype is not None and master == torch.float32 else master
+
     def compute_for(self, param_dtype: torch.dtype, *, own_dtype: bool = False) -> torch.dtype:
         return param_dtype if own_dtype else self.compute_dtype or param_dtype
 

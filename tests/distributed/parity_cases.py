@@ -389,6 +389,10 @@ CASES = {
         strategy=dict(chunk_numel=None, chunk_numel_min=4096),
         limit_fraction=0.9,
     ),
+    # gradients summed across ranks in bf16 (ChunkPrecision(reduce_dtype=torch.bfloat16), FSDP's reduce_dtype), against
+    # DDP with torch's bf16_compress_hook (runner.DDP_HOOKS): each rank's fp32 gradient rounded to bf16 and halved, the
+    # sum rounded once: bit-exact
+    "reduce_bf16": dict(reduce_dtype="bfloat16", ddp_comm_hook="bf16"),
     # BatchNorm 1d/2d/3d in mixed precision ([Note: normalisation in mixed precision]): bf16 against DDP with bf16
     # autocast, released after use, and fp16 with loss scaling against DDP with GradScaler
     "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),

@@ -71,6 +71,31 @@ def model_class(name: str) -> type:
 _DDP_RUNS: dict[str, tuple[dict[str, torch.Tensor], int]] = {}  # DDP's trained state and parameter bytes, by setup
 
 
+def _bf16_sum(state, bucket):
+    """torch's ``bf16_compress_hook`` (which refuses a CPU): each rank's bucket rounded to bf16 and divided by the
+    ranks there, summed in bf16, written back into the fp32 bucket."""
+    buffer = bucket.buffer()
+    low = buffer.to(torch.bfloat16).div_(torch.distributed.get_world_size())
+
+    def back(fut):
+        return buffer.copy_(fut.value()[0])
+
+    return torch.distributed.all_reduce(low, async_op=True).get_future().then(back)
+
+
+DDP_HOOKS = {"bf16": _bf16_sum}
+
+
+def _hooked(hook):
+    """DDPStrategy with a comm hook on CPU too: Lightning registers ``ddp_comm_hook`` on CUDA only."""
+
+    class HookedDDP(DDPStrategy):
+        def _register_ddp_hooks(self) -> None:
+            self.model.register_comm_hook(None, hook)
+
+    return HookedDDP
+
+
 def run_parity(case: str, out: Path) -> None:
     spec = CASES[case]
     variant, model_kw, tkw = spec.get("variant", "plain"), spec.get("model", {}), spec.get("trainer", {})
@@ -97,6 +122,7 @@ def run_parity(case: str, out: Path) -> None:
             spec.get("rank_seeds", False),  # the same key on every rank: they must all run DDP or none
             resume_at,
             both,
+            spec.get("ddp_comm_hook"),
         ],
         sort_keys=True,
         default=str,
@@ -115,9 +141,11 @@ def run_parity(case: str, out: Path) -> None:
                 if bf16
                 else None
             )
+            hook = spec.get("ddp_comm_hook")  # "bf16": DDP's gradients summed in bf16
+            ddp = DDPStrategy if hook is None else _hooked(DDP_HOOKS[hook])
             return (
                 ref,
-                DDPStrategy(find_unused_parameters=unused, static_graph=spec.get("ddp_static_graph", False)),
+                ddp(find_unused_parameters=unused, static_graph=spec.get("ddp_static_graph", False)),
                 plugins,
             )
 
@@ -149,6 +177,10 @@ def run_parity(case: str, out: Path) -> None:
             if bf16
             else None
         )
+        if "reduce_dtype" in spec:  # gradients summed across ranks in another dtype
+            plugins = [
+                ChunkPrecision(plugins[0].precision if plugins else "32-true", reduce_dtype=spec["reduce_dtype"])
+            ]
         if spec.get("async_save"):  # checkpoints written beside training ([Note: training beside a save])
             from lightning.pytorch.plugins.io import AsyncCheckpointIO
 

@@ -55,6 +55,17 @@ def test_parity_with_ddp(parity_run, case):
     check_parity(*parity_run, case)
 
 
+@pytest.mark.cases("plain", "reduce_bf16")
+def test_gradients_summed_in_bf16_halve_the_reduce_scatters_and_the_payloads(parity_run):
+    """``ChunkPrecision(reduce_dtype=torch.bfloat16)``: the same model as ``plain`` (bit-exact with DDP under a bf16
+    comm hook, above) hands half the bytes to its reduce-scatters and holds half the gradient payload bytes."""
+    out, rc, log = parity_run
+    plain, low = (stats(out, case)[0] for case in ("plain", "reduce_bf16"))
+    assert low["all_gather_bytes"] == plain["all_gather_bytes"]
+    for key in ("reduce_scatter_bytes", "grad_payload_bytes_peak"):
+        assert 2 * low[key] == plain[key] > 0, key
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.gloo_cases(c)) for c in GLOO_DEFAULTS])
 def test_parity_with_ddp_with_gloo_s_own_defaults(gloo_defaults_run, case):
     check_parity(*gloo_defaults_run, case)

@@ -285,3 +285,28 @@ def test_mixed_precision_gives_each_parameter_dtype_its_master():
     model = torch.nn.Linear(2, 2)
     model.scale = torch.nn.Parameter(torch.ones(2, dtype=f64))
     assert mixed.own_dtype_params(model) == {id(model.scale)} and not full.own_dtype_params(model)
+
+
+@pytest.mark.parametrize("value", ["bf16", torch.int8, torch.float64, 16])
+def test_a_reduce_dtype_that_is_not_a_float_of_32_bits_or_fewer_is_refused(value):
+    from lightning_chunk import ChunkPrecision
+
+    with pytest.raises(ValueError, match=rf"reduce_dtype={value!r} is not allowed; it must be None"):
+        ChunkPrecision("bf16-mixed", reduce_dtype=value)
+
+
+def test_the_reduce_dtype_narrows_fp32_gradient_payloads_only():
+    """FSDP's ``reduce_dtype``: an fp32 master's gradients are summed in bf16 (half the payload's bytes for placement);
+    a float64 master's are not narrowed, nor a bf16-true master's widened."""
+    from lightning_chunk import ChunkPrecision
+    from lightning_chunk.engine.chunks.packing import ChunkKey, ParamSpec, build_layout
+    from lightning_chunk.engine.schedule.costs import planned_views
+
+    policy = ChunkPrecision("bf16-mixed", reduce_dtype="bfloat16").dtype_policy()
+    assert [policy.reduce_for(d) for d in (torch.float32, torch.float64)] == [torch.bfloat16, torch.float64]
+    assert ChunkPrecision("bf16-true", reduce_dtype=torch.float32).dtype_policy().reduce_for(torch.bfloat16) == (
+        torch.bfloat16
+    )
+    layout = build_layout([ParamSpec(0, "w", 1024, ChunkKey(0, True, torch.float32))], [0], 1024, 2)
+    (narrow,), (whole,) = (planned_views(layout, p, {}) for p in (policy, ChunkPrecision("bf16-mixed").dtype_policy()))
+    assert 2 * narrow.grad_payload_bytes == whole.grad_payload_bytes == 4 * 1024

@@ -1,28 +1,23 @@
 """One chunk: a flat payload that parameters are views into, and this rank's shard.
 
 [Note: chunk tensors]
-``payload``  capacity_numel elements, compute dtype, on the compute device. Every
-             packed parameter is a view ``payload[offset:offset+numel].view(shape)``
-             (set through ``param.data``, so the ``Parameter`` object never changes).
-             Released by resizing its storage to 0; re-filled in place, so views and
-             tensors that autograd saved see the data again. While it is released the
-             parameters show a placeholder instead ([Note: a released parameter]).
-``master``   this rank's shard (``capacity_numel / world_size`` elements) in the master
-             dtype, on the shard's tier. The source of truth the optimizer steps.
-``low``      the compute-dtype copy of the shard that gathers read. It is ``master``
-             itself when the dtypes agree, and the payload itself when the chunk is
-             *aliased* (one rank, shard on the device: the payload *is* the shard, so
-             an all-resident fp32 run copies nothing at all).
-``grad_payload``  several ranks only: the whole chunk's gradients in the master dtype,
-             on the device, filled by this rank's backward and reduce-scattered into
-             every rank's ``grad`` (then freed).
-``grad``     gradient accumulator for the shard, master dtype, on the shard's tier;
-             allocated with the chunk and kept (no allocation churn per step). The
-             first gradient a parameter gets in a step overwrites its range, later
-             ones add; ``TensorInfo.has_grad`` says which ranges are live.
-Optimizer state (Adam's moments) is created by the optimizer next to ``master``;
-the chunk reserves its bytes (``optim_state_bytes``) on the shard's tier so the
-accounting sees it before it exists.
+``payload``  capacity_numel elements, compute dtype, on the compute device. Every packed parameter is a view
+             ``payload[offset:offset+numel].view(shape)`` (set through ``param.data``, so the ``Parameter`` object
+             never changes). Released by resizing its storage to 0; re-filled in place, so views and tensors that
+             autograd saved see the data again. While it is released the parameters show a placeholder instead
+             ([Note: a released parameter]).
+``master``   this rank's shard (``capacity_numel / world_size`` elements) in the master dtype, on the shard's
+             tier. The source of truth the optimizer steps.
+``low``      the compute-dtype copy of the shard that gathers read. It is ``master`` itself when the dtypes agree,
+             and the payload itself when the chunk is *aliased* (one rank, shard on the device: the payload *is*
+             the shard, so an all-resident fp32 run copies nothing at all).
+``grad_payload``  several ranks only: the whole chunk's gradients in the master dtype (or ``reduce_dtype``), on
+             the device, filled by this rank's backward and reduce-scattered into every rank's ``grad`` (then freed).
+``grad``     gradient accumulator for the shard, master dtype, on the shard's tier; allocated with the chunk and
+             kept (no allocation churn per step). The first gradient a parameter gets in a step overwrites its
+             range, later ones add; ``TensorInfo.has_grad`` says which ranges are live.
+Optimizer state (Adam's moments) is created by the optimizer next to ``master``; the chunk reserves its bytes
+(``optim_state_bytes``) on the shard's tier so the accounting sees it before it exists.
 """
 
 from __future__ import annotations
@@ -227,6 +222,11 @@ class Chunk:
     )
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
     master_seen: tuple[int, int] | None = None  # [Note: the optimizer's views written outside its step]
+    reduce_dtype: torch.dtype | None = None  # several ranks: the gradient payload's dtype; None: the master's
+
+    @property
+    def grad_payload_dtype(self) -> torch.dtype:
+        return self.reduce_dtype or self.master_dtype
 
     # ----------------------------------------------------------------- identity
     @property

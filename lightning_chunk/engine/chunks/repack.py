@@ -307,6 +307,7 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
         master_dtype=mgr.dtypes.master_for(own_dtype, trainable=spec.key.requires_grad, own_dtype=spec.key.own_dtype),
         shard_tier=tier,
     )
+    chunk.reduce_dtype = mgr.dtypes.reduce_for(chunk.master_dtype)
     lo, hi = chunk.shard_range
     full = torch.zeros(chunk.capacity_numel, dtype=chunk.master_dtype)
     with_grad = any(source.has_grad(s.param_index) for s in spec.slots)

@@ -182,9 +182,10 @@ class GradReducer:
                 "from the first micro-batch to the step; sharded_accumulation=True keeps only this rank's "
                 "shard, or raise device_memory_limit)"
             )
-        mgr.grads.room_for(chunk.capacity_numel * chunk.grad.element_size(), what, make_room)  # type: ignore[union-attr]
+        dtype = chunk.grad_payload_dtype
+        mgr.grads.room_for(chunk.capacity_numel * dtype.itemsize, what, make_room)
         with mgr.ledger.tracked(chunk):
-            chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, chunk.master_dtype)
+            chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, dtype)
         self._filled[chunk.chunk_id] = {}
         live = sum(tensor_nbytes(c.grad_payload) for c in mgr.chunks)
         self.payload_peak = max(self.payload_peak, live)

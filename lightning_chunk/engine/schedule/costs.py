@@ -36,19 +36,25 @@ def disk_cost(capacity: int, world_size: int, master: torch.dtype, trainable: bo
     return n + (n if trainable else 0) + optim_bytes
 
 
-def grad_payload_cost(capacity: int, world_size: int, master: torch.dtype, trainable: bool) -> int:
-    """Several ranks: the whole-chunk gradient buffer backward needs on the device."""
-    return 0 if world_size == 1 or not trainable else capacity * master.itemsize
+def grad_payload_cost(capacity: int, world_size: int, dtype: torch.dtype, trainable: bool) -> int:
+    """Several ranks: the whole-chunk gradient buffer backward needs on the device, in the reduce dtype."""
+    return 0 if world_size == 1 or not trainable else capacity * dtype.itemsize
 
 
 @functools.lru_cache(maxsize=1024)
 def _static_costs(
-    capacity: int, world_size: int, compute: torch.dtype, master: torch.dtype, trainable: bool, optim_bytes: int
+    capacity: int,
+    world_size: int,
+    compute: torch.dtype,
+    master: torch.dtype,
+    trainable: bool,
+    optim_bytes: int,
+    reduce: torch.dtype,
 ) -> tuple[int, int, int]:
     """(device shard, gradient payload, disk) bytes: the same for every chunk of one shape, asked at every moment."""
     return (
         shard_cost(capacity, world_size, compute, master, trainable, optim_bytes),
-        grad_payload_cost(capacity, world_size, master, trainable),
+        grad_payload_cost(capacity, world_size, reduce, trainable),
         disk_cost(capacity, world_size, master, trainable, optim_bytes),
     )
 
@@ -56,7 +62,13 @@ def _static_costs(
 def chunk_view(c: Chunk) -> ChunkView:
     """What a policy may know about an existing chunk."""
     shard, grad, disk = _static_costs(
-        c.capacity_numel, c.world_size, c.compute_dtype, c.master_dtype, c.trainable, c.optim_state_bytes
+        c.capacity_numel,
+        c.world_size,
+        c.compute_dtype,
+        c.master_dtype,
+        c.trainable,
+        c.optim_state_bytes,
+        c.grad_payload_dtype,
     )
     return ChunkView(
         c.chunk_id, c.payload_bytes, shard, c.is_resident, c.is_evictable, c.shard_tier, c.last_used, grad, disk
@@ -93,7 +105,7 @@ def planned_views(layout: Layout, dtypes: DtypePolicy, optim_bytes_per_element: 
                 resident=False,
                 evictable=False,
                 shard_tier=Tier.HOST,
-                grad_payload_bytes=grad_payload_cost(spec.capacity_numel, ws, master, trainable),
+                grad_payload_bytes=grad_payload_cost(spec.capacity_numel, ws, dtypes.reduce_for(master), trainable),
                 disk_bytes=disk_cost(spec.capacity_numel, ws, master, trainable, optim),
             )
         )
