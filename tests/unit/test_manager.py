@@ -281,7 +281,7 @@ def test_a_gradient_payload_that_does_not_fit_while_accumulating_unsharded_names
         device = torch.device("cpu")
         grads = NoRoom()
 
-    chunk = SimpleNamespace(grad_payload=None, capacity_numel=10, grad=torch.zeros(1), chunk_id=3)
+    chunk = SimpleNamespace(grad_payload=None, capacity_numel=10, grad_payload_dtype=torch.float32, chunk_id=3)
     reducer = GradReducer(Full(), pinned=False)
     with pytest.raises(DeviceMemoryLimitError) as synced:
         reducer._ensure_payload(chunk, None)
