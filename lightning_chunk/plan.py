@@ -361,7 +361,8 @@ def plan_from_args(
     strategy_cfg = (cfg.get("trainer") or {}).get("strategy") or {}
     sargs = dict(strategy_cfg.get("init_args") or {}) if isinstance(strategy_cfg, dict) else {}
     sargs.update({k: v for k, v in overrides.items() if v is not None})
-    prec = precision or str((cfg.get("trainer") or {}).get("precision") or "32-true")
+    trainer_cfg = cfg.get("trainer") or {}
+    prec = precision or str(trainer_cfg.get("precision") or _plugin_precision(trainer_cfg) or "32-true")
     memory = sargs.get("memory")
     shard_size = sargs.get("shard_size", memory.get("shard_size") if isinstance(memory, dict) else None)
     if cluster is not None:
@@ -389,6 +390,16 @@ def plan_from_args(
             "--shapes-only to plan from the shapes alone."
         )
     return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec)
+
+
+def _plugin_precision(trainer: dict[str, Any]) -> str | None:
+    """The precision of a ``ChunkPrecision`` among a config's ``trainer.plugins``, which sets it in place of
+    ``trainer.precision`` (``None``: there is none)."""
+    plugins = trainer.get("plugins") or []
+    for p in plugins if isinstance(plugins, list) else [plugins]:
+        if isinstance(p, dict) and str(p.get("class_path", "")).endswith("ChunkPrecision"):
+            return str((p.get("init_args") or {}).get("precision", "32-true"))
+    return None
 
 
 def _has_train_dataloader(model_cls: type) -> bool:

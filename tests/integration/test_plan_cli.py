@@ -40,3 +40,18 @@ def test_plan_report_adds_up_and_prints_small_sizes_in_their_unit():
     )
     assert total == params + padding and params == report.param_numel
     assert "0.00 GiB" not in text and "0.0 MiB" not in text and "300.00 KiB: fits" in text
+
+
+def test_plan_reads_the_precision_of_a_chunk_precision_plugin_in_the_config(tmp_path):
+    """A LightningCLI config may set the precision through ``trainer.plugins`` (``ChunkPrecision`` with its other
+    arguments) instead of ``trainer.precision``: it was planned as 32-true."""
+    from lightning_chunk.plan import plan_from_args
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  plugins:\n    - class_path: lightning_chunk.ChunkPrecision\n      init_args:\n"
+        "        precision: bf16-mixed\n        reduce_dtype: bfloat16\n"
+    )
+    args = ("lightning_chunk.shapes:Llama", None, str(config), '{"size": "7b"}', None, {})
+    assert plan_from_args(*args, None, shapes_only=True, ranks=8).precision == "bf16-mixed"
+    assert plan_from_args(*args, "32-true", shapes_only=True, ranks=8).precision == "32-true"  # the flag wins
