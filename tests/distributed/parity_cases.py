@@ -393,6 +393,17 @@ CASES = {
     # DDP with torch's bf16_compress_hook (runner.DDP_HOOKS): each rank's fp32 gradient rounded to bf16 and halved, the
     # sum rounded once: bit-exact
     "reduce_bf16": dict(reduce_dtype="bfloat16", ddp_comm_hook="bf16"),
+    # the same as a user meets it: the automatic chunk size, limits that differ by rank, a model used in another order
+    # than registered, a resume in the middle
+    "reduce_bf16_limits": dict(
+        reduce_dtype="bfloat16",
+        ddp_comm_hook="bf16",
+        cls="ReorderedNet",
+        model=dict(dim=64, hidden=512, depth=3),
+        limit_fractions=(0.9, 1.3),
+        resume_at=5,
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+    ),
     # BatchNorm 1d/2d/3d in mixed precision ([Note: normalisation in mixed precision]): bf16 against DDP with bf16
     # autocast, released after use, and fp16 with loss scaling against DDP with GradScaler
     "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),
