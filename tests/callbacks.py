@@ -157,3 +157,36 @@ class LoadsWeights(L.Callback):
     def on_train_end(self, trainer, pl_module):
         if self.at_end:
             pl_module.load_state_dict(self.state)
+
+
+class AddHeadGroup(L.Callback):
+    """[Note: param groups added while training]: ``HeadAddedLater``'s head joins the optimizer as a param group of
+    its own (a tenth of the learning rate, no weight decay) before step ``at``, unfrozen first where ``unfreeze``
+    (a backbone unfrozen and added at once, as Lightning's finetuning callbacks do)."""
+
+    def __init__(self, at: int = 3, unfreeze: bool = True) -> None:
+        self.at, self.unfreeze = at, unfreeze
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at and batch_idx % trainer.accumulate_grad_batches == 0:
+            if self.unfreeze:
+                pl_module.head.requires_grad_(True)
+            opt = trainer.optimizers[0]
+            opt.add_param_group({"params": [pl_module.head.weight], "lr": pl_module.lr / 10, "weight_decay": 0.0})
+
+
+class AddHeadGroupAsDDP(AddHeadGroup):
+    """The same for DDP, whose reducer only all-reduces the parameters that required grad when it was built: the head
+    trains from the start, and its gradient is dropped before each step until it joins the optimizer."""
+
+    def setup(self, trainer, pl_module, stage):
+        pl_module.head.requires_grad_(True)  # before DDP wraps the module
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        unfreeze, self.unfreeze = self.unfreeze, False
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.unfreeze = unfreeze
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step < self.at:
+            pl_module.head.weight.grad = None

@@ -377,3 +377,20 @@ class AdafactorNet(ParityNet):
         )
 
     foreach: bool | None = None
+
+
+class HeadAddedLater(ParityNet):
+    """The head is in no param group at first (``callbacks.AddHeadGroup`` adds one), and frozen where ``frozen``;
+    ``head_group``: the group that callback adds is there from the start (a run resumed after it was added)."""
+
+    def __init__(self, frozen: bool = True, head_group: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        self.head.requires_grad_(not frozen)
+        self.head_group = head_group
+
+    def configure_optimizers(self):
+        rest = [p for n, p in self.named_parameters() if not n.startswith("head.")]
+        opt = torch.optim.AdamW(rest, lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        if self.head_group:
+            opt.add_param_group({"params": [self.head.weight], "lr": self.lr / 10, "weight_decay": 0.0})
+        return opt

@@ -46,6 +46,12 @@ class CheckpointError(ChunkError, ValueError):
     """A path that is not a usable checkpoint, or one written for another model."""
 
 
+# what a checkpoint's param groups that outnumber the optimizer's mean ([Note: param groups added while training])
+GROUPS_ADDED_HINT = (
+    "a group added while training (optimizer.add_param_group) must be built again before the checkpoint loads, in "
+    "configure_optimizers, as plain PyTorch's load_state_dict asks"
+)
+
 _PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a single memory location"
 
 

@@ -3,7 +3,8 @@ the same global batch (``runner.run_parity``). A case's keys: ``cls`` (a model o
 ``model`` (its shape), ``trainer``, ``strategy`` (chunk_offload's options, flat), ``limit_fraction`` (the device
 limit as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``host_memory_limit``,
 ``fp16``/``bf16``, ``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints),
-``ddp_unused``, ``callbacks`` (chunk_offload's run only; ``both_callbacks``: DDP's too), ``telemetry``, ``weights``,
+``ddp_unused``, ``callbacks`` (chunk_offload's run only; ``both_callbacks``: DDP's too; ``ddp_callbacks``: DDP's
+only), ``telemetry``, ``weights``,
 ``chunk_cls`` (another model for chunk_offload's run), ``init_scale``, ``rank_seeds`` (each rank seeds ``7 + rank``
 before building), ``async_save`` (chunk_offload's checkpoints written in the background). The cases whose ranks
 differ are ``rank_cases.py``'s."""
@@ -35,6 +36,8 @@ CASES = {
     "accumulate_unsharded": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, sharded_accumulation=False)),
     "tied": dict(variant="tied"),
     "frozen": dict(variant="frozen"),
+    # [Note: param groups added while training]: the frozen head unfrozen and added with its own learning rate
+    "added_group": dict(cls="HeadAddedLater", callbacks=["AddHeadGroup"], ddp_callbacks=["AddHeadGroupAsDDP"]),
     "unused": dict(variant="unused", strategy=AFTER),
     # the default on a CPU device: payloads released after use (FSDP2's reshard_after_forward=True),
     # each chunk gathered for forward and again for backward

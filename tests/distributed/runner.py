@@ -106,6 +106,7 @@ def run_parity(case: str, out: Path) -> None:
     unused = variant == "unused" or spec.get("ddp_unused", False)
     seed = 7 + (int(os.environ.get("RANK", 0)) if spec.get("rank_seeds") else 0)
     both = spec.get("both_callbacks", ())  # callbacks that change what is trained: DDP's run has them too
+    ddp_only = spec.get("ddp_callbacks", ())  # the same change as DDP makes it
     # cases that differ only in chunk_offload's settings share one DDP run (the same bits: DDP is deterministic here)
     key = json.dumps(
         [
@@ -122,6 +123,7 @@ def run_parity(case: str, out: Path) -> None:
             spec.get("rank_seeds", False),  # the same key on every rank: they must all run DDP or none
             resume_at,
             both,
+            ddp_only,
             spec.get("ddp_comm_hook"),
         ],
         sort_keys=True,
@@ -149,7 +151,7 @@ def run_parity(case: str, out: Path) -> None:
                 plugins,
             )
 
-        shared = [getattr(callbacks, name)() for name in both]
+        shared = [getattr(callbacks, name)() for name in (*both, *ddp_only)]
         _, ref, _ = fit_or_resume(make_ref, steps, resume_at, out / f"{case}.ddp_ckpt", shared, **tkw)
         _DDP_RUNS[key] = (
             {k: v.clone() for k, v in ref.state_dict().items()},

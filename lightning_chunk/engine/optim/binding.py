@@ -29,7 +29,7 @@ import torch
 from ..chunks.chunk import Chunk, storage_of
 from ..chunks.repack import piece_range
 from ..config import ChunkConfig
-from ..errors import ChunkError
+from ..errors import GROUPS_ADDED_HINT, ChunkError
 from ..memory.consolidate import (
     gather_optimizer_state,
     local_optimizer_state,
@@ -64,10 +64,12 @@ class OptimizerBinding:
         self.optimizer = optimizer
         self.manager = manager
         self.config = config
-        self.group_offset = group_offset
         self.group_params: list[list[int]] = [
             [manager.index_of[id(p)] for p in g["params"]] for g in optimizer.param_groups
         ]
+        # each param group's number over every optimizer (a chunk's key): consecutive from ``group_offset`` at
+        # set-up, then one past every number in use for a group added while training (``adopt_added_groups``)
+        self.groups = list(range(group_offset, group_offset + len(self.group_params)))
         self._views: dict[int, torch.Tensor] = {}
         self.slots = GradSlots(manager, self.group_params)  # where each view's gradient is
         self.kernel_flags = kernel_flags(optimizer, config.optimizer_kernel)
@@ -95,6 +97,13 @@ class OptimizerBinding:
     def kernel(self) -> contextlib.AbstractContextManager[None]:
         """The groups carry the chosen kernel's flags inside this block ([Note: the kernel and the user's param
         groups] in ``kernels.py``)."""
+        if len(self.optimizer.param_groups) != len(self.group_params):
+            raise ChunkError(
+                f"{type(self.optimizer).__name__} has {len(self.optimizer.param_groups)} param groups at this step "
+                f"but had {len(self.group_params)} when the step began: add param groups before a step's first "
+                "micro-batch (in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary), not "
+                "between its backward and its optimizer step."
+            )
         return flags_set(self.optimizer, self.kernel_flags)
 
     def state_bytes(self) -> dict[int, int]:
@@ -103,7 +112,7 @@ class OptimizerBinding:
         for k, g in enumerate(self.optimizer.param_groups):
             idx = self.group_params[k]
             dtype = self.manager.dtypes.master_for(self.manager.params[idx[0]].dtype) if idx else torch.float32
-            out[self.group_offset + k] = state_bytes_per_element(self.optimizer, g, dtype)
+            out[self.groups[k]] = state_bytes_per_element(self.optimizer, g, dtype)
         return out
 
     def bind(self, carried: dict[int, dict[str, Any]] | None = None) -> None:
@@ -236,6 +245,12 @@ class OptimizerBinding:
     def load_plain_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a state dict written by the unchunked optimizer (or by ``plain_state_dict``); each rank keeps its
         piece."""
+        if len(sd["param_groups"]) != len(self.group_params):
+            raise ValueError(
+                f"the optimizer state has {len(sd['param_groups'])} param groups, the optimizer has "
+                f"{len(self.group_params)}: the checkpoint was written for another optimizer"
+                + (f"; or {GROUPS_ADDED_HINT}" if len(sd["param_groups"]) > len(self.group_params) else "")
+            )
         order = [i for g in self.group_params for i in g]
         whole: dict[int, dict[str, Any]] = {}
         for k, st in sd["state"].items():
@@ -246,11 +261,6 @@ class OptimizerBinding:
                     "parameters: the checkpoint was written for another model or optimizer"
                 )
             whole[order[k]] = st
-        if len(sd["param_groups"]) != len(self.group_params):
-            raise ValueError(
-                f"the optimizer state has {len(sd['param_groups'])} param groups, the optimizer has "
-                f"{len(self.group_params)}: the checkpoint was written for another optimizer"
-            )
         mine = local_optimizer_state(self.manager, self._views, whole, self.whole_keys)
         self.load_local_state(mine, [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]])
 
@@ -309,9 +319,9 @@ class OptimizerBinding:
                 out.append(i)
         return out
 
-    def chunk_groups(self) -> range:
+    def chunk_groups(self) -> list[int]:
         """The global param-group indices of this optimizer (a chunk belongs to exactly one group)."""
-        return range(self.group_offset, self.group_offset + len(self.group_params))
+        return self.groups
 
     # ------------------------------------------------------------ gradients
     def steps_on_this_rank(self, chunk: Chunk) -> bool:

@@ -105,7 +105,11 @@ class WholeStep:
 
     def __init__(self, binding: OptimizerBinding) -> None:
         self.binding = binding
-        self.group_of = {i: k for k, idx in enumerate(binding.group_params) for i in idx}
+        self.regroup()
+
+    def regroup(self) -> None:
+        """Each parameter's param group (again after a group was added while training)."""
+        self.group_of = {i: k for k, idx in enumerate(self.binding.group_params) for i in idx}
 
     @torch.no_grad()
     def step(self, views: dict[int, torch.Tensor], chunks: Sequence[Chunk] | None = None) -> None:

@@ -29,6 +29,7 @@ from ..errors import ChunkError, DeviceMemoryLimitError, IllegalTransitionError,
 from ..schedule.placement import device_shards, shards_note, smallest_working_limit
 from ..schedule.tracer import Trace
 from ..system.host_heap import release_freed_memory
+from .added_groups import follow_added_groups
 
 if TYPE_CHECKING:  # a type only: the planner serves the engine that owns it
     from .engine import ChunkEngine
@@ -46,6 +47,7 @@ class Replan(enum.Enum):
     INPUTS_GREW = "inputs larger than any the trace saw"
     OWNERS_CHANGED = "a module adopted a parameter it read"
     REQUIRES_GRAD = "requires_grad changed"
+    PARAM_GROUPS = "param groups added"  # [Note: param groups added while training] in added_groups.py
     OUTSIDE_AUTOCAST = "parameters read with autocast off"  # [Note: parameters read outside autocast]
 
 
@@ -125,13 +127,13 @@ class WarmUpPlanner:
                 )
         # same layout: chunk ids correspond, so the tiers compare position by position
         moved = layout != mgr.layout or [c.shard_tier for c in mgr.chunks] != [tiers[c.chunk_id] for c in layout.chunks]
-        if reason in (Replan.REQUIRES_GRAD, Replan.OUTSIDE_AUTOCAST):
+        if reason in (Replan.REQUIRES_GRAD, Replan.PARAM_GROUPS, Replan.OUTSIDE_AUTOCAST):
             moved = True  # the chunks' keys changed: always a repack
         elif retrace and not eng._no_grads_held:
             moved = False  # gradients of this step are in the shards: the step's end places them
         if moved:
             eng._place(layout, views, tiers)
-        if reason is Replan.REQUIRES_GRAD:
+        if reason in (Replan.REQUIRES_GRAD, Replan.PARAM_GROUPS):
             eng.hooks.watch_grads()
         if trace is not None:
             mgr.grads.follow_trace(trace)
@@ -204,14 +206,17 @@ class WarmUpPlanner:
         training micro-batch), or read with autocast off ([Note: parameters read outside autocast]; before any
         micro-batch that holds no gradients, outside the warm-up, whose own repack moves them)."""
         if training:
-            self.follow_requires_grad()
+            added = follow_added_groups(self.engine)
+            if self.follow_requires_grad() or added:  # one repack for both (a group added with its unfreezing)
+                self.replan(Replan.REQUIRES_GRAD if not added else Replan.PARAM_GROUPS)
         marks = self.engine.hooks.outside_autocast
         if marks.pending and self.engine._no_grads_held and self.phase in (WarmUp.UNTRACED, WarmUp.PLANNED):
             marks.take()
             self.replan(Replan.OUTSIDE_AUTOCAST)
 
-    def follow_requires_grad(self) -> None:
-        """Repack when parameters were frozen or unfrozen since the last layout ([Note: requires_grad changed]).
+    def follow_requires_grad(self) -> bool:
+        """The chunk keys of parameters frozen or unfrozen since the last layout, for a repack ([Note: requires_grad
+        changed]); whether any changed.
 
         [Note: requires_grad changed]
         A chunk holds trainable or frozen parameters, never both: only trainable chunks have gradient buffers and
@@ -228,7 +233,7 @@ class WarmUpPlanner:
         mgr = eng.manager
         changed = [s.name for p, s in zip(mgr.params, mgr.specs, strict=True) if p.requires_grad != s.key.requires_grad]
         if not changed:
-            return
+            return False
         if not eng._no_grads_held:
             raise ChunkError(
                 f"requires_grad of {', '.join(map(repr, changed[:5]))}{' ...' if len(changed) > 5 else ''} changed "
@@ -239,4 +244,4 @@ class WarmUpPlanner:
             dataclasses.replace(s, key=dataclasses.replace(s.key, requires_grad=p.requires_grad))
             for p, s in zip(mgr.params, mgr.specs, strict=True)
         ]
-        self.replan(Replan.REQUIRES_GRAD)
+        return True

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import GROUPS_ADDED_HINT, CheckpointError
 from .checkpoint_dir import (
     DCP_INDEX,
     META,
@@ -123,7 +123,7 @@ def _check_groups(b: Any, o: int, om: dict[str, Any], path: Path) -> None:
     if len(om["param_groups"]) != len(b.optimizer.param_groups):
         raise CheckpointError(
             f"checkpoint {str(path)!r}: optimizer {o} had {len(om['param_groups'])} param groups, "
-            f"the run has {len(b.optimizer.param_groups)}."
+            f"the run has {len(b.optimizer.param_groups)}: {GROUPS_ADDED_HINT}."
         )
 
 

@@ -1,0 +1,144 @@
+"""[Note: param groups added while training]: ``optimizer.add_param_group`` mid-fit on one rank, bit-exact with plain
+Lightning (the group's parameters unfrozen with it or trainable before it, under a limit, inside accumulation's
+boundaries, through a checkpoint); what cannot be followed is refused naming where to add the group instead. Two
+ranks: ``tests/distributed`` (case ``unfreeze``)."""
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_chunk import ChunkOffloadStrategy, OffloadOptions
+from lightning_chunk.engine import ChunkError
+from lightning_chunk.options import grouped
+from tests import callbacks
+from tests.compare import EXACT, assert_same_params
+from tests.models import TwoOptimizers, fit
+from tests.optimizer_models import HeadAddedLater
+
+LOOP = OffloadOptions(optimizer_kernel="loop")  # torch's own kernel, as plain Lightning steps AdamW on the CPU
+
+
+@pytest.mark.parametrize(
+    "frozen, accumulate, limit",
+    [(True, 1, {}), (False, 1, {}), (True, 2, dict(device_memory_limit=90_000, chunk_numel=2048))],
+    ids=["unfrozen-with-it", "trainable-before", "accumulating-under-a-limit"],
+)
+def test_a_param_group_added_mid_fit_trains_as_in_plain_lightning(frozen, accumulate, limit):
+    """The head joins the optimizer before step 3 with a learning rate of its own. The next step failed in a zip
+    inside the engine ("zip() argument 2 is shorter than argument 1")."""
+    kw = dict(steps=8, cls=HeadAddedLater, model_kwargs=dict(frozen=frozen), accumulate_grad_batches=accumulate)
+    ref = fit("auto", callbacks=[callbacks.AddHeadGroup(at=3)], **kw)
+    strategy = ChunkOffloadStrategy(**grouped({**limit, "optimizer_kernel": "loop"}))
+    got = fit(strategy, callbacks=[callbacks.AddHeadGroup(at=3)], **kw)
+    assert_same_params(ref, got, EXACT)
+    opt = got.trainer_ref.optimizers[0]
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == got.lr / 10
+    assert opt.param_groups[1]["params"] == [got.head.weight]  # the module's again after fit, with whole state
+    assert int(opt.state[got.head.weight]["step"]) == 8 - 3
+
+
+class HeadLaterTwoOptimizers(TwoOptimizers):
+    """``TwoOptimizers`` (manual optimization, AdamW then SGD a batch, each clipping) with the head frozen and in
+    neither; ``AddHeadGroup`` adds it to the AdamW, whose new group takes a number past the SGD's."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.head.requires_grad_(False)
+
+    def configure_optimizers(self):
+        adamw, sgd = super().configure_optimizers()
+        sgd.param_groups[0]["params"] = [p for p in sgd.param_groups[0]["params"] if p is not self.head.weight]
+        return adamw, sgd
+
+
+class ChunkGroups(L.Callback):
+    """Each optimizer's group numbers and each chunk's, at the end of training."""
+
+    def on_train_end(self, trainer, pl_module):
+        eng = trainer.strategy.engine
+        self.groups = [list(b.groups) for b in eng.bindings]
+        self.keys = {
+            c.spec.key.group: [eng.manager.names[t.slot.param_index] for t in c.tensors] for c in eng.manager.chunks
+        }
+
+
+def test_a_group_added_to_the_first_of_two_optimizers_trains_as_in_plain_lightning():
+    """The AdamW's new group takes number 2, past the SGD's 1: a chunk holds the parameters of one group."""
+    kw = dict(steps=12, cls=HeadLaterTwoOptimizers)
+    ref = fit("auto", callbacks=[callbacks.AddHeadGroup(at=4)], **kw)
+    seen = ChunkGroups()
+    limit = dict(device_memory_limit=200_000, chunk_numel=2048, optimizer_kernel="loop")
+    got = fit(ChunkOffloadStrategy(**grouped(limit)), callbacks=[callbacks.AddHeadGroup(at=4), seen], **kw)
+    assert_same_params(ref, got, EXACT)
+    assert not torch.equal(got.head.weight, fit("auto", **kw).head.weight)
+    assert seen.groups == [[0, 2], [1]]
+    assert seen.keys[2] == ["head.weight"]
+
+
+def test_a_checkpoint_after_a_group_was_added_resumes_with_it_or_names_the_count(tmp_path):
+    """The group's state is saved by parameter name; a run that builds the group in ``configure_optimizers`` resumes
+    as plain Lightning does, and one that does not is told how many groups the checkpoint had."""
+    paths = {}
+    for name, strategy in (("ref", "auto"), ("got", ChunkOffloadStrategy(offload=LOOP))):
+        m = fit(strategy, steps=5, cls=HeadAddedLater, callbacks=[callbacks.AddHeadGroup(at=3)])
+        paths[name] = str(tmp_path / f"{name}.ckpt")
+        m.trainer_ref.save_checkpoint(paths[name])
+    resumed = dict(steps=9, cls=HeadAddedLater, model_kwargs=dict(frozen=False, head_group=True))
+    ref = fit("auto", ckpt_path=paths["ref"], **resumed)
+    got = fit(ChunkOffloadStrategy(offload=LOOP), ckpt_path=paths["got"], **resumed)
+    assert_same_params(ref, got, EXACT)
+    with pytest.raises(ValueError, match=r"has 2 param groups, the optimizer has 1.*add_param_group"):
+        fit(ChunkOffloadStrategy(offload=LOOP), ckpt_path=paths["got"], steps=9, cls=HeadAddedLater)
+
+
+class AddInsideAccumulation(callbacks.AddHeadGroup):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 3:
+            trainer.optimizers[0].add_param_group({"params": [pl_module.head.weight]})
+
+
+class AddBeforeTheStep(callbacks.AddHeadGroup):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pass
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 2:
+            optimizer.add_param_group({"params": [pl_module.head.weight]})
+
+
+class AddTwice(callbacks.AddHeadGroup):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            trainer.optimizers[0].add_param_group({"params": [pl_module.head.weight, pl_module.embed.weight]})
+
+
+class AddATensor(callbacks.AddHeadGroup):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            trainer.optimizers[0].add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, 5))]})
+
+
+@pytest.mark.parametrize(
+    "callback, error, match",
+    [
+        (
+            AddInsideAccumulation,
+            ChunkError,
+            "inside a step whose gradients are being accumulated",
+        ),
+        (AddBeforeTheStep, ChunkError, "has 2 param groups at this step but had 1 when the step began"),
+        (AddTwice, ValueError, "'embed.weight' is in a param group already"),
+        (AddATensor, ValueError, r"a tensor of shape \(3, 5\) that is not a parameter of the module"),
+    ],
+    ids=["inside-accumulation", "before-the-step", "a-parameter-twice", "not-a-parameter"],
+)
+def test_a_param_group_that_cannot_be_followed_is_refused_naming_why(callback, error, match):
+    with pytest.raises(error, match=match):
+        fit(
+            ChunkOffloadStrategy(),
+            steps=5,
+            cls=HeadAddedLater,
+            model_kwargs=dict(frozen=False),
+            callbacks=[callback()],
+            accumulate_grad_batches=2 if callback is AddInsideAccumulation else 1,
+        )
