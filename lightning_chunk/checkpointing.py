@@ -47,6 +47,7 @@ from .engine.state.checkpoint import (
     when_saved,
 )
 from .engine.system.atomic import remove_dir
+from .finetuning import restore_finetuning_groups
 from .parallel import OneProcessPerDevice
 
 _SAVE_ADVICE = (
@@ -194,6 +195,11 @@ class ChunkCheckpoints(OneProcessPerDevice):
         # evaluating a checkpoint (validate, test, predict) uses the average ChunkEMA kept, as Lightning's
         # EMAWeightAveraging checkpoints hold the average as their state_dict
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+        def regroup(meta: dict[str, Any]) -> None:  # [Note: finetuning callbacks]
+            if trainer is not None:
+                restore_finetuning_groups(trainer, meta.get("callbacks") or {})
+
         if is_sharded_checkpoint(checkpoint_path):
             meta = load_sharded(
                 self.engine,
@@ -201,6 +207,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
                 with_optimizer=with_optimizer,
                 averaged=not fitting,
                 defer=not self.engine.warmed_up,  # [Note: optimizer state read after the warm-up]
+                before_optimizer=regroup,
             )
             # loaded into the model after on_load_checkpoint, as Lightning does (load_model_state_dict)
             meta["state_dict"] = offered_state_dict(meta[CHECKPOINT_KEY], averaged=not fitting)
@@ -212,6 +219,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
             module = self.lightning_module
             self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
             if with_optimizer and meta.get("optimizer_states"):
+                regroup(meta)
                 for binding, state in zip(
                     self.engine.bindings, _one_each(meta["optimizer_states"], len(self.engine.bindings)), strict=True
                 ):

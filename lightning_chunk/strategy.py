@@ -37,6 +37,7 @@ from .engine.memory.full_params import full_parameters
 from .engine.optim.binding import refuse_detached_views
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.runtime.batches import input_bytes
+from .finetuning import follow_finetuning, unfollow_finetuning
 from .hf import PeftAdapters, keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
@@ -288,6 +289,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             self.engine.early.speculate(clip_norm=clips_by_norm(trainer), scaler=self.engine.scaler)
         if fitting and len(self.engine.bindings) > 1:
             follow_toggles(module, self)
+        if fitting:
+            follow_finetuning(trainer, self.engine)  # [Note: finetuning callbacks]
 
     @contextlib.contextmanager
     def full_parameters(
@@ -434,6 +437,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             # module to the CPU, which meta tensors refuse; placeholders hold no memory and can be moved
             DeferredInit.capture(self.lightning_module)
             trainer = self.lightning_module._trainer
+            if trainer is not None:
+                unfollow_finetuning(trainer)
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
                 assert self.model is not None
                 self.model = self._layer_sync.revert(self.model)  # plain BatchNorm again, as DDP's teardown does

@@ -1,5 +1,5 @@
 """What chunk_offload refuses from Lightning before anything is built: callbacks that read or replace the module's
-parameters between steps, or find the optimizer's parameters by identity."""
+parameters between steps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ def check_callbacks(trainer: pl.Trainer) -> None:
     """Callbacks that cannot work on a rebound optimizer or on packed parameters, refused before anything is
     built."""
     from lightning.pytorch import callbacks
-    from lightning.pytorch.callbacks import BaseFinetuning
 
     averaging = tuple(
         getattr(callbacks, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, n)
@@ -34,13 +33,4 @@ def check_callbacks(trainer: pl.Trainer) -> None:
                 "ModelPruning does not work with chunk_offload: torch's pruning replaces each pruned parameter by "
                 "`<name>_orig` and a whole-size mask while training, a new set of parameters the chunks were not "
                 "packed for. Prune before or after training (torch.nn.utils.prune on the consolidated model)."
-            )
-        if isinstance(cb, BaseFinetuning):
-            raise ValueError(
-                f"{type(cb).__name__} (a BaseFinetuning callback) does not work with chunk_offload: it finds the "
-                "optimizer's parameters by identity with the module's and adds param groups while training, but "
-                "the optimizer here steps views of the chunk shards, and param groups are packed into chunks at "
-                "setup. Instead, put every parameter in configure_optimizers' param groups from the start and set "
-                "requires_grad in a callback (on_train_epoch_start or on_train_batch_start): chunk_offload "
-                "repacks when it changes (docs/configuration.md, 'Freezing and unfreezing')."
             )

@@ -3,6 +3,8 @@ Lightning (the group's parameters unfrozen with it or trainable before it, under
 boundaries, through a checkpoint); what cannot be followed is refused naming where to add the group instead. Two
 ranks: ``tests/distributed`` (case ``unfreeze``)."""
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -142,3 +144,51 @@ def test_a_param_group_that_cannot_be_followed_is_refused_naming_why(callback, e
             callbacks=[callback()],
             accumulate_grad_batches=2 if callback is AddInsideAccumulation else 1,
         )
+
+
+class WithBackbone(HeadAddedLater):
+    """What Lightning's ``BackboneFinetuning`` asks of a module: a ``backbone``, frozen by the callback at set-up, and
+    an optimizer over the parameters that require grad."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(frozen=False, **kw)
+
+    @property
+    def backbone(self):
+        return self.blocks
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.1)
+
+
+def _backbone_fit(strategy, tmp_path, name, steps, **kw):
+    """Saved at ``steps`` inside the fit (a sharded directory where the strategy writes one), as ``name``."""
+    from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+
+    cb = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)
+    saves = ModelCheckpoint(dirpath=tmp_path, filename=name, every_n_train_steps=steps, save_top_k=-1)
+    m = fit(strategy, cls=WithBackbone, steps=steps, callbacks=[cb, saves], enable_checkpointing=True, **kw)
+    return m, str(tmp_path / f"{name}.ckpt")
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_backbone_finetuning_trains_and_resumes_as_in_plain_lightning(tmp_path, sharded):
+    """[Note: finetuning callbacks]: ``BackboneFinetuning`` froze the backbone at set-up, then unfroze it at epoch 1
+    with a param group of its own whose learning rate it raises every epoch. It was refused: it finds the optimizer's
+    parameters by identity (a ``KeyError`` on the views) and adds a param group while training. Now it trains as in
+    plain Lightning, and a resume after the unfreezing adds its group back before the optimizer state loads."""
+    kw = dict(limit_train_batches=4, default_root_dir=str(tmp_path))
+    ref, ref_ckpt = _backbone_fit("auto", tmp_path, "ref", 10, **kw)
+    chunk = dict(optimizer_kernel="loop", state_dict_type="sharded" if sharded else "full")
+    got, got_ckpt = _backbone_fit(ChunkOffloadStrategy(**grouped(chunk)), tmp_path, "got", 10, **kw)
+    assert_same_params(ref, got, EXACT)
+    groups = got.trainer_ref.optimizers[0].param_groups
+    assert len(groups) == 2 and {id(p) for p in groups[1]["params"]} == {id(p) for p in got.blocks.parameters()}
+    assert not torch.equal(got.blocks[0][1].weight, fit("auto", steps=0, cls=WithBackbone).blocks[0][1].weight)
+    ref, _ = _backbone_fit("auto", tmp_path, "ref2", 18, ckpt_path=ref_ckpt, **kw)
+    got, _ = _backbone_fit(ChunkOffloadStrategy(**grouped(chunk)), tmp_path, "got2", 18, ckpt_path=got_ckpt, **kw)
+    assert_same_params(ref, got, EXACT)
+    assert got.trainer_ref.optimizers[0].param_groups[1]["lr"] == ref.trainer_ref.optimizers[0].param_groups[1]["lr"]
+    (cb,) = [c for c in got.trainer_ref.callbacks if type(c).__name__ == "BackboneFinetuning"]
+    assert "_store" not in cb.__dict__ and not cb._restarting  # its own methods again after fit, nothing pending
+    assert Path(got_ckpt).is_dir() == sharded

@@ -1,6 +1,6 @@
 """Parameters frozen, unfrozen and toggled mid-training on one rank, bit-exact with plain Lightning; what cannot
-change that way (inside gradient accumulation, through Lightning's finetuning callbacks) is refused with what to do
-instead. Two ranks: ``tests/distributed`` (case ``unfreeze``)."""
+change that way (inside gradient accumulation) is refused with what to do instead. Two ranks: ``tests/distributed``
+(case ``unfreeze``). Lightning's finetuning callbacks: ``test_added_param_groups.py``."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.options import grouped
 from tests import callbacks, models
 from tests.integration.test_parity import EXACT, STEPS, assert_same_params
-from tests.models import ParityNet, fit
+from tests.models import fit
 
 
 @pytest.mark.parametrize("placement", ["auto", "host"])
@@ -60,24 +60,4 @@ def test_changing_requires_grad_inside_gradient_accumulation_is_refused():
             variant="frozen",
             callbacks=[FlipInsideAccumulation()],
             accumulate_grad_batches=2,
-        )
-
-
-class WithBackbone(ParityNet):
-    @property
-    def backbone(self):
-        return self.blocks
-
-
-def test_finetuning_callbacks_are_refused_with_what_to_do_instead():
-    """Lightning's BaseFinetuning maps the optimizer's parameters to the module's by identity: it failed with a
-    KeyError, and printing the key (a parameter whose payload was released) raised again."""
-    from lightning.pytorch.callbacks import BackboneFinetuning
-
-    with pytest.raises(ValueError, match=r"BackboneFinetuning \(a BaseFinetuning callback\).*set requires_grad"):
-        fit(
-            ChunkOffloadStrategy(),
-            steps=2,
-            cls=WithBackbone,
-            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
         )

@@ -21,6 +21,7 @@ restore theirs and remove it at once) it is read first. The values cannot wait: 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,16 @@ def offered_state_dict(ck: dict[str, Any], *, averaged: bool = False) -> dict[st
 
 
 def load_sharded(
-    engine: Any, path: str | Path, *, with_optimizer: bool, averaged: bool = False, defer: bool = False
+    engine: Any,
+    path: str | Path,
+    *,
+    with_optimizer: bool,
+    averaged: bool = False,
+    defer: bool = False,
+    before_optimizer: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Every rank calls this. Loads values (and optimizer state) into the engine's current layout; returns meta.
+    ``before_optimizer(meta)`` runs between the two (param groups added back: [Note: finetuning callbacks]).
     ``averaged``: the weights are the average the checkpoint holds where it holds one ([Note: a sharded EMA]).
     ``defer``: the per-parameter optimizer state is left to ``engine.settle_state()`` ([Note: optimizer state read
     after the warm-up]); the hyperparameters load now."""
@@ -93,6 +101,8 @@ def load_sharded(
         engine.module.load_state_dict(buffers, strict=False)
     if ema is not None and ema.buffers is not None and ck.get("ema_buffers"):
         ema.buffers.load(ck["ema_buffers"])
+    if with_optimizer and before_optimizer is not None:
+        before_optimizer(meta)
     if with_optimizer and engine.bindings:
         if not ck["optimizers"]:  # as Lightning says for its own checkpoints
             raise KeyError(
