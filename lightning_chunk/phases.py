@@ -190,7 +190,8 @@ def phases(
             if (Tier.HOST if tiers[v.chunk_id] is Tier.DISK else tiers[v.chunk_id]) is tier
         )
 
-    whole = max((v.grad_payload_bytes for v in views), default=0) or max((v.payload_bytes for v in views), default=0)
+    # C: several ranks build a trainable chunk whole in its master dtype (a gradient summed in bf16 is half that)
+    whole = (plan.master_chunk_bytes if ranks > 1 else 0) or max((v.payload_bytes for v in views), default=0)
     # stepping in backward, the gradient shards are given back after each step: a few chunks' are held in a step
     # (those landing and those waiting for the step thread), none between steps nor before the first backward (the
     # warm-up steps after backward)

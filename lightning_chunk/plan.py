@@ -275,11 +275,12 @@ def make_shape_plan(
     cluster: tuple[int, int, int | None] | None = None,
     staging: bool = True,
     activations: int = 0,
+    reduce_dtype: str | torch.dtype | None = None,
 ) -> Any:
     """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
     ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase]);
     ``staging``: the devices are GPUs, whose gradients leave through pinned staging; ``activations``: a step's
-    activation peak a rank, where known."""
+    activation peak a rank, where known; ``reduce_dtype``: ``ChunkPrecision``'s, the dtype of gradient payloads."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -294,7 +295,11 @@ def make_shape_plan(
     model.trainer = _one_step_trainer(strategy, precision)  # configure_optimizers may read the trainer
     optimizers, _ = _init_optimizers_and_lr_schedulers(model)
     plan = plan_from_shapes(
-        model, optimizers, config=strategy.config, dtypes=ChunkPrecision(precision).dtype_policy(), world_size=ranks
+        model,
+        optimizers,
+        config=strategy.config,
+        dtypes=ChunkPrecision(precision, reduce_dtype=reduce_dtype).dtype_policy(),
+        world_size=ranks,
     )
     report = ShapePlanReport(
         model=type(model).__name__, precision=precision, ranks=ranks, placement=strategy.config.placement, plan=plan
@@ -362,7 +367,9 @@ def plan_from_args(
     sargs = dict(strategy_cfg.get("init_args") or {}) if isinstance(strategy_cfg, dict) else {}
     sargs.update({k: v for k, v in overrides.items() if v is not None})
     trainer_cfg = cfg.get("trainer") or {}
-    prec = precision or str(trainer_cfg.get("precision") or _plugin_precision(trainer_cfg) or "32-true")
+    plugin = _chunk_precision_args(trainer_cfg)
+    prec = precision or str(trainer_cfg.get("precision") or plugin.get("precision", "32-true"))
+    reduce_dtype = plugin.get("reduce_dtype")
     memory = sargs.get("memory")
     shard_size = sargs.get("shard_size", memory.get("shard_size") if isinstance(memory, dict) else None)
     if cluster is not None:
@@ -379,9 +386,11 @@ def plan_from_args(
             shard_ranks(shard_size, nodes * devices, devices),
             (nodes, devices, host_memory),
             activations=activations or 0,
+            reduce_dtype=reduce_dtype,
         )
     if shapes_only:
-        return make_shape_plan(load_class(model), margs, sargs, prec, shard_ranks(shard_size, ranks, ranks))
+        ranks = shard_ranks(shard_size, ranks, ranks)
+        return make_shape_plan(load_class(model), margs, sargs, prec, ranks, reduce_dtype=reduce_dtype)
     model_cls = load_class(model)
     if data is None and not _has_train_dataloader(model_cls):
         raise ValueError(
@@ -392,14 +401,14 @@ def plan_from_args(
     return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec)
 
 
-def _plugin_precision(trainer: dict[str, Any]) -> str | None:
-    """The precision of a ``ChunkPrecision`` among a config's ``trainer.plugins``, which sets it in place of
-    ``trainer.precision`` (``None``: there is none)."""
+def _chunk_precision_args(trainer: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a ``ChunkPrecision`` among a config's ``trainer.plugins`` (its ``precision`` sets it in place
+    of ``trainer.precision``, and ``reduce_dtype`` the gradient payloads' dtype); ``{}``: there is none."""
     plugins = trainer.get("plugins") or []
     for p in plugins if isinstance(plugins, list) else [plugins]:
         if isinstance(p, dict) and str(p.get("class_path", "")).endswith("ChunkPrecision"):
-            return str((p.get("init_args") or {}).get("precision", "32-true"))
-    return None
+            return {"precision": "32-true", **(p.get("init_args") or {})}
+    return {}
 
 
 def _has_train_dataloader(model_cls: type) -> bool:

@@ -55,3 +55,29 @@ def test_plan_reads_the_precision_of_a_chunk_precision_plugin_in_the_config(tmp_
     args = ("lightning_chunk.shapes:Llama", None, str(config), '{"size": "7b"}', None, {})
     assert plan_from_args(*args, None, shapes_only=True, ranks=8).precision == "bf16-mixed"
     assert plan_from_args(*args, "32-true", shapes_only=True, ranks=8).precision == "32-true"  # the flag wins
+
+
+def test_plan_sizes_gradient_payloads_in_the_reduce_dtype_of_the_config_and_whole_chunks_in_the_master_dtype(tmp_path):
+    """``ChunkPrecision(reduce_dtype=...)`` halves the gradient payloads: the plan ignored it (fp32 payloads), and the
+    host terms took the payload's size for a whole chunk's fp32 values, so reading it alone would have halved them
+    too. With it read, every payload is half, and every host peak of an 8-GPU node is the same."""
+    from lightning_chunk.plan import plan_from_args
+
+    reports = {}
+    for name, extra in (("fp32", ""), ("bf16", "        reduce_dtype: bfloat16\n")):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(
+            "trainer:\n  plugins:\n    - class_path: lightning_chunk.ChunkPrecision\n      init_args:\n"
+            "        precision: bf16-mixed\n" + extra
+        )
+        args = ("lightning_chunk.shapes:Llama", None, str(config), '{"size": "7b"}', None, {}, None)
+        reports[name] = (
+            plan_from_args(*args, shapes_only=True, ranks=8).plan,
+            plan_from_args(*args, cluster=(1, 8, 80 << 30, 1 << 40)),
+        )
+    (full, full_node), (half, half_node) = reports["fp32"], reports["bf16"]
+    assert [2 * v.grad_payload_bytes for v in half.views] == [v.grad_payload_bytes for v in full.views]
+    assert min(v.grad_payload_bytes for v in half.views if v.grad_payload_bytes) > 0
+    assert half.master_chunk_bytes == full.master_chunk_bytes == max(v.grad_payload_bytes for v in full.views)
+    assert [p.host for p in half_node.phases] == [p.host for p in full_node.phases]
+    assert sum(p.device for p in half_node.phases) < sum(p.device for p in full_node.phases)
