@@ -23,8 +23,6 @@ update the scale -> write the low-precision copies back.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
@@ -40,9 +38,8 @@ from .engine import ChunkEngine, DtypePolicy
 from .engine.config import OWN_DTYPE_MODULES
 from .engine.optim import shard_norms
 from .engine.optim.scaler import DynamicLossScaler
-from .engine.runtime.reads import reading, refuse_clipping_without_gradients
+from .engine.runtime.reads import MissingGrads, reading, refuse_clipping_without_gradients
 
-_GRAD_NORM_FILE = os.path.join("pytorch", "utilities", "grads.py")  # lightning.pytorch.utilities.grad_norm
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 _ALIASES = {"32": "32-true", 32: "32-true", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
 _REFUSED = {
@@ -180,7 +177,7 @@ class ChunkPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        with reading(self._watch_grad_reads), self._shard_norms():  # on_after_backward
+        with self._grad_window():  # on_after_backward
             out = super().post_backward(tensor, module)
         if not module.automatic_optimization:  # the user's code up to opt.step()
             self._manual_norms.open(self._view_grads, self.engine.comm.world_size)
@@ -196,31 +193,39 @@ class ChunkPrecision(Precision):
     def _watch_grad_reads(self, param: Tensor, by_attribute: bool) -> None:
         """[Note: gradients read where they are not]
         Between backward and the step the gradients are in the shards, and ``param.grad`` is ``None``: Lightning's
-        ``grad_norm(self)`` in ``on_before_optimizer_step`` then returned nothing to log, and torch's
-        ``clip_grad_norm_(self.parameters(), ...)`` there clipped nothing and returned a norm of 0, silently. While
-        ``on_after_backward``, ``on_before_optimizer_step`` and clipping run, a parameter iterated with ``.grad``
-        missing from within ``grad_norm`` says so once; from within torch's ``clip_grad_*`` it raises, since the step
-        would differ. Inside ``strategy.full_parameters(with_grads=True)`` the gradients are there (a parameter without
-        one there got none this step: nothing is said)."""
-        if self.engine.hooks.closed is not None:  # inside full_parameters(): the gradients are there
+        ``grad_norm(self)`` in ``on_before_optimizer_step`` then returned nothing to log, a user's own sum of
+        ``p.grad.norm()`` over ``self.parameters()`` skipped every parameter (or failed on an empty list), and
+        torch's ``clip_grad_norm_(self.parameters(), ...)`` there clipped nothing and returned a norm of 0, silently.
+        While ``on_after_backward``, ``on_before_optimizer_step`` and clipping run, a ``None`` read of a trainable
+        parameter's ``.grad`` says so once (``MissingGrads``, a torch function mode over those hooks alone), naming the
+        parameter; torch's ``clip_grad_*`` raises instead, since the step would differ. Inside
+        ``strategy.full_parameters(with_grads=True)`` the gradients are there (a parameter without one there got none
+        this step: nothing is said)."""
+        if self.engine.hooks.closed is None:  # outside full_parameters(): the gradients are in the shards
+            refuse_clipping_without_gradients(param, self.engine.manager.params)
+
+    def _missing_grad(self, param: Tensor) -> None:
+        engine = self.engine
+        if self._warned_grad_reads or engine.hooks.closed is not None:
             return
-        refuse_clipping_without_gradients(param, self.engine.manager.params)
-        if self._warned_grad_reads or not param.requires_grad or param.grad is not None:
-            return
-        f: Any = sys._getframe(2)
-        for _ in range(10):
-            if f is None:
-                return
-            if f.f_code.co_name == "grad_norm" and f.f_code.co_filename.endswith(_GRAD_NORM_FILE):
-                self._warned_grad_reads = True
-                rank_zero_warn(
-                    "grad_norm() read no gradients: under chunk_offload they are in the shards between "
-                    "backward and the step, and param.grad is None there. Call it inside "
-                    "`with self.trainer.strategy.full_parameters(with_grads=True):`.",
-                    category=UserWarning,
-                )
-                return
-            f = f.f_back
+        self._warned_grad_reads = True
+        name = engine.manager.names[engine.manager.index_of[id(param)]]
+        rank_zero_warn(
+            f"param.grad of {name!r} was read between backward and the optimizer step, and is None: under "
+            "chunk_offload the gradients are in the chunks' shards there (grad_norm(self) reads no gradients "
+            "either). Read them inside `with self.trainer.strategy.full_parameters(with_grads=True):` (every rank); "
+            "clip with Trainer(gradient_clip_val=...).",
+            category=UserWarning,
+        )
+
+    @contextlib.contextmanager
+    def _grad_window(self) -> Generator[None, None, None]:
+        """Between backward and the step: reads of parameters and of their ``.grad`` watched, norms over the
+        optimizer's shards refused ([Note: gradients read where they are not]; [Note: a norm over the optimizer's
+        gradient shards] in ``engine/optim/shard_norms.py``)."""
+        grads = MissingGrads(self.engine.manager.params, self._missing_grad)
+        with reading(self._watch_grad_reads), self._shard_norms(), grads:
+            yield
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
@@ -237,7 +242,7 @@ class ChunkPrecision(Precision):
         found_inf = False
         if self.scaler is not None and not skipped_backward:
             found_inf = engine.unscale_and_check(optimizer)
-        with reading(self._watch_grad_reads), self._shard_norms():  # [Note: gradients read where they are not]
+        with self._grad_window():  # on_before_optimizer_step, the clipping
             self._after_closure(model, optimizer)
         stepped = not skip_step and not found_inf
         if stepped:

@@ -1,6 +1,9 @@
 """The paths a Lightning user takes first, written from the user's side (a LightningModule and a Trainer, no engine
 internals), one rank against plain Lightning. The two-rank versions run in tests/distributed/."""
 
+import contextlib
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -225,11 +228,45 @@ def test_grad_norm_outside_full_parameters_warns_once_and_inside_it_gives_the_no
     model = LogsGradNorm()
     model.norms, model.inside = [], []
     trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=3)
-    with pytest.warns(UserWarning, match=r"grad_norm\(\) read no gradients") as seen:
+    with pytest.warns(UserWarning, match=r"reads no gradients") as seen:
         trainer.fit(model, token_data())
-    assert sum("grad_norm() read no gradients" in str(w.message) for w in seen) == 1
+    assert sum("reads no gradients" in str(w.message) for w in seen) == 1
     assert model.norms == [{}, {}, {}]  # what grad_norm sees outside: nothing, as before, but now said
     assert all(d["grad_2.0_norm_total"] > 0 for d in model.inside)
+
+
+class SumsGradNorms(ParityNet):
+    """A norm of the gradients by hand over ``self.parameters()``, as a user logs it: outside the block (nothing to
+    read under chunk_offload) and inside it."""
+
+    def on_before_optimizer_step(self, optimizer):
+        self.outside.append([n for n, p in self.named_parameters() if p.grad is not None])
+        strategy = self.trainer.strategy
+        block = strategy.full_parameters(with_grads=True) if hasattr(strategy, "engine") else contextlib.nullcontext()
+        with block:
+            self.inside.append(
+                float(torch.stack([p.grad.norm() for p in self.parameters() if p.grad is not None]).norm())
+            )
+
+
+def test_a_gradient_read_by_hand_outside_full_parameters_warns_once_naming_it_and_inside_is_plain_lightning_s():
+    """[Note: gradients read where they are not]: ``p.grad`` read between backward and the step was ``None`` without
+    a word (only ``grad_norm`` said so): a norm summed by hand skipped every parameter."""
+    models_ = {}
+    for name, strategy in (
+        ("ref", "auto"),
+        ("got", ChunkOffloadStrategy(offload=OffloadOptions(optimizer_kernel="loop"))),
+    ):
+        L.seed_everything(7, verbose=False)
+        model = models_[name] = SumsGradNorms()
+        model.outside, model.inside = [], []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quiet_trainer(strategy=strategy, max_steps=3, limit_val_batches=0).fit(model, token_data())
+        said = [str(w.message) for w in seen if "was read between backward and the optimizer step" in str(w.message)]
+        assert len(said) == (name == "got") and (not said or "param.grad of 'embed.weight'" in said[0]), said
+    assert models_["got"].outside == [[], [], []] and len(models_["ref"].outside[0]) == 16
+    assert models_["got"].inside == pytest.approx(models_["ref"].inside, rel=1e-6)
 
 
 class L2Penalty(ParityNet):
