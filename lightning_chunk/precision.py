@@ -38,7 +38,7 @@ from .engine import ChunkEngine, DtypePolicy
 from .engine.config import OWN_DTYPE_MODULES
 from .engine.optim import shard_norms
 from .engine.optim.scaler import DynamicLossScaler
-from .engine.runtime.reads import MissingGrads, reading, refuse_clipping_without_gradients
+from .engine.runtime.reads import reading, refuse_clipping_without_gradients
 
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 _ALIASES = {"32": "32-true", 32: "32-true", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
@@ -180,12 +180,15 @@ class ChunkPrecision(Precision):
         with self._grad_window():  # on_after_backward
             out = super().post_backward(tensor, module)
         if not module.automatic_optimization:  # the user's code up to opt.step()
-            self._manual_norms.open(self._view_grads, self.engine.comm.world_size)
+            self._manual_norms.open(self._view_grads, self.engine.comm.world_size, self._missing())
         return out
 
     def _shard_norms(self) -> contextlib.AbstractContextManager[Any]:
         """[Note: a norm over the optimizer's gradient shards] in ``engine/optim/shard_norms.py``."""
-        return shard_norms.watched(self._view_grads, self.engine.comm.world_size)
+        return shard_norms.watched(self._view_grads, self.engine.comm.world_size, self._missing())
+
+    def _missing(self) -> shard_norms.Missing:
+        return shard_norms.Missing(self.engine.manager.params, self._missing_grad)
 
     def _view_grads(self) -> list[Tensor]:
         return [g for b in self.engine.bindings for g in b.slots.grads()]
@@ -223,8 +226,7 @@ class ChunkPrecision(Precision):
         """Between backward and the step: reads of parameters and of their ``.grad`` watched, norms over the
         optimizer's shards refused ([Note: gradients read where they are not]; [Note: a norm over the optimizer's
         gradient shards] in ``engine/optim/shard_norms.py``)."""
-        grads = MissingGrads(self.engine.manager.params, self._missing_grad)
-        with reading(self._watch_grad_reads), self._shard_norms(), grads:
+        with reading(self._watch_grad_reads), self._shard_norms():
             yield
 
     def optimizer_step(  # type: ignore[override]

@@ -237,29 +237,47 @@ def test_grad_norm_outside_full_parameters_warns_once_and_inside_it_gives_the_no
 
 class SumsGradNorms(ParityNet):
     """A norm of the gradients by hand over ``self.parameters()``, as a user logs it: outside the block (nothing to
-    read under chunk_offload) and inside it."""
+    read under chunk_offload) and inside it; after backward in ``on_before_optimizer_step``, or in a manual
+    ``training_step`` between its backward and its step."""
 
-    def on_before_optimizer_step(self, optimizer):
-        self.outside.append([n for n, p in self.named_parameters() if p.grad is not None])
+    def __init__(self, manual: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = not manual
+        self.outside, self.inside = [], []
+
+    def read_grads(self):
         strategy = self.trainer.strategy
         block = strategy.full_parameters(with_grads=True) if hasattr(strategy, "engine") else contextlib.nullcontext()
         with block:
-            self.inside.append(
-                float(torch.stack([p.grad.norm() for p in self.parameters() if p.grad is not None]).norm())
-            )
+            norms = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+            self.inside.append(float(torch.stack(norms).norm()))
+        # after the block: in a manual step, parameters read after backward are held to the next one's end, and
+        # full_parameters() refuses to gather while they are
+        self.outside.append([n for n, p in self.named_parameters() if p.grad is not None])
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.automatic_optimization:
+            self.read_grads()
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.read_grads()
+        opt.step()
 
 
-def test_a_gradient_read_by_hand_outside_full_parameters_warns_once_naming_it_and_inside_is_plain_lightning_s():
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_a_gradient_read_by_hand_outside_full_parameters_warns_once_naming_it_and_inside_is_plain_lightning_s(manual):
     """[Note: gradients read where they are not]: ``p.grad`` read between backward and the step was ``None`` without
     a word (only ``grad_norm`` said so): a norm summed by hand skipped every parameter."""
     models_ = {}
-    for name, strategy in (
-        ("ref", "auto"),
-        ("got", ChunkOffloadStrategy(offload=OffloadOptions(optimizer_kernel="loop"))),
-    ):
+    loop = OffloadOptions(optimizer_kernel="loop")
+    for name, strategy in (("ref", "auto"), ("got", ChunkOffloadStrategy(offload=loop))):
         L.seed_everything(7, verbose=False)
-        model = models_[name] = SumsGradNorms()
-        model.outside, model.inside = [], []
+        model = models_[name] = SumsGradNorms(manual=manual, scheduler=False)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             quiet_trainer(strategy=strategy, max_steps=3, limit_val_batches=0).fit(model, token_data())

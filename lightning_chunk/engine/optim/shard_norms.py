@@ -1,4 +1,5 @@
-"""torch's norm clipping over the optimizer's own parameters, on several ranks.
+"""torch's norm clipping over the optimizer's own parameters, on several ranks; module gradients read where there
+are none.
 
 [Note: a norm over the optimizer's gradient shards]
 The optimizer steps views of this rank's master shards (``binding.py``), and between backward and the step each view
@@ -13,7 +14,9 @@ without a word (a third of an update off on two ranks after four steps).
 backward to ``opt.step()`` (``ManualWindow``). A norm that torch's ``clip_grad.py`` (``clip_grad_norm_``,
 ``get_total_norm``) takes of a view's gradient raises, naming the ways that take the norm over every rank. Clipping
 by value is element-wise, the same on shards, and runs. The engine's own clip (``gradients.py``) is not torch's file
-and runs. A norm taken by hand (``vector_norm(v.grad)``) is not looked at.
+and runs. A norm taken by hand (``vector_norm(v.grad)``) is not looked at. The same watch, on any number of ranks,
+sees a read of a module parameter's ``.grad`` that finds ``None`` there (``Missing``: [Note: gradients read where
+they are not] in ``precision.py``).
 
 The watch is a ``TorchFunctionMode``, so it costs a Python call per torch function inside the window: the hooks,
 and the few lines of a manual step between its backward and its step, never a forward (a mode there would also
@@ -29,8 +32,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -40,19 +43,40 @@ from ..errors import ChunkError
 
 _CLIP_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
 _NORMS = frozenset({"_foreach_norm", "vector_norm", "norm"})
+_GRAD_GET: Any = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # what a mode is handed for ``p.grad``
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lightning_chunk/
+
+
+class Missing(NamedTuple):
+    """The module's parameters, and what to call where code outside this package reads ``.grad`` of a trainable one
+    and finds ``None`` ([Note: gradients read where they are not] in ``precision.py``)."""
+
+    params: Sequence[torch.Tensor]
+    said: Callable[[torch.Tensor], None]
 
 
 class ShardNorms(TorchFunctionMode):
-    """Raise where torch's ``clip_grad.py`` takes a norm of one of ``grads()`` (the views' gradients now)."""
+    """Raise where torch's ``clip_grad.py`` takes a norm of one of ``grads()`` (the views' gradients now), on
+    several ranks; tell ``missing`` of a ``None`` read of a module parameter's ``.grad``."""
 
-    def __init__(self, grads: Callable[[], Iterable[torch.Tensor]], world_size: int) -> None:
+    def __init__(
+        self, grads: Callable[[], Iterable[torch.Tensor]], world_size: int, missing: Missing | None = None
+    ) -> None:
         super().__init__()
         self.grads = grads
         self.world_size = world_size
+        self.missing = missing
+        self._ids = {id(p) for p in missing.params} if missing is not None else set()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _NORMS and _called_from_clip_grad():
+        if self.missing is not None and func == _GRAD_GET:
+            out = func(*args, **kwargs)
+            if out is None and id(args[0]) in self._ids and args[0].requires_grad:
+                if not sys._getframe(1).f_code.co_filename.startswith(_PACKAGE):
+                    self.missing.said(args[0])
+            return out
+        if self.world_size > 1 and getattr(func, "__name__", "") in _NORMS and _called_from_clip_grad():
             mine = {id(g) for g in self.grads()}
             if any(isinstance(t, torch.Tensor) and id(t) in mine for t in tree_flatten((args, kwargs))[0]):
                 raise ChunkError(
@@ -79,9 +103,11 @@ def _called_from_clip_grad() -> bool:
     return False
 
 
-def watched(grads: Callable[[], Iterable[torch.Tensor]], world_size: int) -> contextlib.AbstractContextManager[Any]:
-    """``ShardNorms`` for the block on several ranks; nothing on one."""
-    return ShardNorms(grads, world_size) if world_size > 1 else contextlib.nullcontext()
+def watched(
+    grads: Callable[[], Iterable[torch.Tensor]], world_size: int, missing: Missing | None = None
+) -> contextlib.AbstractContextManager[Any]:
+    """``ShardNorms`` for the block, where there is something to watch."""
+    return ShardNorms(grads, world_size, missing) if world_size > 1 or missing else contextlib.nullcontext()
 
 
 class ManualWindow:
@@ -92,10 +118,12 @@ class ManualWindow:
         self.mode: ShardNorms | None = None
         self._below: list[Any] = []  # torch's mode stack when the window opened
 
-    def open(self, grads: Callable[[], Iterable[torch.Tensor]], world_size: int) -> None:
-        if self.mode is None and world_size > 1:
+    def open(
+        self, grads: Callable[[], Iterable[torch.Tensor]], world_size: int, missing: Missing | None = None
+    ) -> None:
+        if self.mode is None and (world_size > 1 or missing):
             self._below = _stack()
-            self.mode = ShardNorms(grads, world_size)
+            self.mode = ShardNorms(grads, world_size, missing)
             self.mode.__enter__()
 
     def close(self) -> None:

@@ -269,25 +269,3 @@ def refuse_clipping_without_gradients(param: torch.Tensor, params: Sequence[torc
                 "self.trainer.strategy.full_parameters(with_grads=True):`, which gathers every gradient."
             )
         f = f.f_back
-
-
-_GRAD_GET: Any = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # what a mode is handed for ``p.grad``
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lightning_chunk/
-
-
-class MissingGrads(TorchFunctionMode):
-    """``said(param)`` where code outside this package reads ``.grad`` of one of ``params`` that requires grad and
-    finds ``None`` ([Note: gradients read where they are not] in ``precision.py``)."""
-
-    def __init__(self, params: Sequence[torch.Tensor], said: Callable[[torch.Tensor], None]) -> None:
-        super().__init__()
-        self.ids = {id(p) for p in params}
-        self.said = said
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if out is None and func == _GRAD_GET and id(args[0]) in self.ids and args[0].requires_grad:
-            caller: Any = sys._getframe(1)
-            if not caller.f_code.co_filename.startswith(_PACKAGE):
-                self.said(args[0])
-        return out
