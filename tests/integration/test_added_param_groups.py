@@ -120,6 +120,13 @@ class AddATensor(callbacks.AddHeadGroup):
             trainer.optimizers[0].add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, 5))]})
 
 
+class AddALateParameter(callbacks.AddHeadGroup):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            pl_module.extra = torch.nn.Linear(3, 3)
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.extra.parameters())})
+
+
 @pytest.mark.parametrize(
     "callback, error, match",
     [
@@ -131,8 +138,9 @@ class AddATensor(callbacks.AddHeadGroup):
         (AddBeforeTheStep, ChunkError, "has 2 param groups at this step but had 1 when the step began"),
         (AddTwice, ValueError, "'embed.weight' is in a param group already"),
         (AddATensor, ValueError, r"a tensor of shape \(3, 5\) that is not a parameter of the module"),
+        (AddALateParameter, ValueError, r"shape \(3, 3\) that became a parameter of the module after fit began"),
     ],
-    ids=["inside-accumulation", "before-the-step", "a-parameter-twice", "not-a-parameter"],
+    ids=["inside-accumulation", "before-the-step", "a-parameter-twice", "not-a-parameter", "a-late-parameter"],
 )
 def test_a_param_group_that_cannot_be_followed_is_refused_naming_why(callback, error, match):
     with pytest.raises(error, match=match):

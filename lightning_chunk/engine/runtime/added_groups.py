@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..errors import ChunkError
 from ..optim.binding import OptimizerBinding
 from ..optim.kernels import check_optimizer, kernel_flags
@@ -44,7 +46,7 @@ def follow_added_groups(engine: ChunkEngine) -> bool:
         )
     next_group = 1 + max((g for b in engine.bindings for g in b.groups), default=-1)
     for b in grown:
-        for i, group in adopt_added_groups(b, next_group).items():
+        for i, group in adopt_added_groups(b, next_group, engine.module).items():
             spec = mgr.specs[i]
             mgr.specs[i] = dataclasses.replace(spec, key=dataclasses.replace(spec.key, group=group))
         next_group = 1 + max(b.groups)
@@ -52,7 +54,7 @@ def follow_added_groups(engine: ChunkEngine) -> bool:
     return True
 
 
-def adopt_added_groups(b: OptimizerBinding, next_group: int) -> dict[int, int]:
+def adopt_added_groups(b: OptimizerBinding, next_group: int, module: torch.nn.Module) -> dict[int, int]:
     """The param groups added to ``b``'s optimizer since the bind, numbered from ``next_group`` on: parameter index ->
     its group's number. Nothing changes where a group is refused."""
     mgr, opt = b.manager, b.optimizer
@@ -68,9 +70,15 @@ def adopt_added_groups(b: OptimizerBinding, next_group: int) -> dict[int, int]:
         for p in g["params"]:
             i = mgr.index_of.get(id(p))
             if i is None:
+                late = any(p is q for q in module.parameters())
                 raise ValueError(
-                    f"the param group added to {name} holds a tensor of shape {tuple(p.shape)} that is not a "
-                    "parameter of the module; chunk_offload can only step module parameters."
+                    f"the param group added to {name} holds a tensor of shape {tuple(p.shape)} that "
+                    + (
+                        "became a parameter of the module after fit began; chunk_offload packs the module's "
+                        "parameters at set-up: create it in __init__ or configure_model (frozen until it trains)."
+                        if late
+                        else "is not a parameter of the module; chunk_offload can only step module parameters."
+                    )
                 )
             if mgr.specs[i].key.group != -1 or any(i in idx for idx in added):
                 raise ValueError(
