@@ -251,8 +251,8 @@ class SumsGradNorms(ParityNet):
         with block:
             norms = [p.grad.norm() for p in self.parameters() if p.grad is not None]
             self.inside.append(float(torch.stack(norms).norm()))
-        # after the block: in a manual step, parameters read after backward are held to the next one's end, and
-        # full_parameters() refuses to gather while they are
+        # after the block: in a manual step, parameters read after backward are held to the next micro-batch, and
+        # full_parameters() refuses to gather while they are (``test_full_parameters_after_parameters_were_...``)
         self.outside.append([n for n, p in self.named_parameters() if p.grad is not None])
 
     def on_before_optimizer_step(self, optimizer):
@@ -285,6 +285,24 @@ def test_a_gradient_read_by_hand_outside_full_parameters_warns_once_naming_it_an
         assert len(said) == (name == "got") and (not said or "param.grad of 'embed.weight'" in said[0]), said
     assert models_["got"].outside == [[], [], []] and len(models_["ref"].outside[0]) == 16
     assert models_["got"].inside == pytest.approx(models_["ref"].inside, rel=1e-6)
+
+
+class ReadsThenGathers(SumsGradNorms):
+    def read_grads(self):
+        self.outside.append([n for n, p in self.named_parameters() if p.grad is not None])
+        with self.trainer.strategy.full_parameters(with_grads=True):
+            pass
+
+
+def test_full_parameters_after_parameters_were_iterated_in_a_manual_step_names_that_read():
+    """The parameters a manual step iterates after its backward are held to the next micro-batch: the block refused
+    saying it was entered between a forward and its backward, which had ended."""
+    from lightning_chunk.engine import ChunkError
+
+    L.seed_everything(7, verbose=False)
+    model = ReadsThenGathers(manual=True, scheduler=False)
+    with pytest.raises(ChunkError, match=r"16 parameters read by iteration in this training_step are in use"):
+        quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=2, limit_val_batches=0).fit(model, token_data())
 
 
 class L2Penalty(ParityNet):

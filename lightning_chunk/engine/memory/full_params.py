@@ -82,6 +82,14 @@ def full_parameters(
             "enter it between steps, or in training_step before the forward or after the optimizer step."
         )
     busy = sorted({t.name for c in mgr.chunks for t in c.tensors if t.state in _IN_A_STEP})
+    held = {mgr.names[i] for i in hooks.held()}
+    if busy and set(busy) <= held:
+        raise ChunkError(
+            f"full_parameters() cannot be entered while {len(busy)} parameters read by iteration in this "
+            f"training_step are in use ({', '.join(busy[:4])}{', ...' if len(busy) > 4 else ''}): a read of "
+            "self.parameters() holds them to the end of the micro-batch's backward, and after it to the next "
+            "micro-batch. Enter the block first and read them inside it."
+        )
     if busy:
         raise ChunkError(
             f"full_parameters() cannot be entered between a forward and its backward: {len(busy)} "

@@ -367,6 +367,11 @@ class ChunkHooks:
         if self.policy.evict_after_use:
             self.moments.plan_and_run(())
 
+    def held(self) -> frozenset[int]:
+        """The parameters held by a read by iteration in this micro-batch ([Note: parameters read outside their
+        owner] in reads.py)."""
+        return frozenset(self._held)
+
     # ============================================================== step scope
     @contextlib.contextmanager
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
