@@ -1,6 +1,7 @@
 """Two-rank cases about checkpoints, each against DDP doing the same: written in the background during fit and
 resumed, saved at 2 ranks and resumed at 1 (and back), the defaults resumed, a state_dict the LightningModule edits,
-a save after fit, a sharded EMA saved and resumed."""
+a save after fit, a sharded EMA saved and resumed; and ``BackboneFinetuning`` resumed after its unfreezing, where DDP is
+no reference."""
 
 from __future__ import annotations
 
@@ -305,3 +306,33 @@ def run_save_inside_a_step(out: Path) -> None:
         t.fit(resumed, token_data(), ckpt_path=path)
         results[name] = resumed.state_dict()
     _finish(out, "save_inside_a_step", t.global_rank, {"ref": results["ddp"], "got": results["chunk"]})
+
+
+def run_backbone_resume(out: Path) -> None:
+    """[Note: finetuning callbacks]: ``BackboneFinetuning`` unfreezes the backbone at epoch 1 (step 4) with a param
+    group of its own; a sharded checkpoint at step 6 resumes to step 10, its group added back as it loads (inside
+    the sharded load, whose repack is collective). With the shards on the host and under a device limit (other chunks,
+    another repack), and on both ranks: the same bits. DDP is no reference here: its reducer, built while the backbone
+    was frozen, never averages the backbone's gradients, and its ranks end with different backbones."""
+    from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+
+    from tests.integration.test_added_param_groups import WithBackbone
+
+    rank = int(os.environ.get("RANK", 0))
+    saved: dict = {}
+    for name, kw in (("host", dict(placement="host")), ("limit", dict(device_memory_limit=100_000, chunk_numel=2048))):
+        for steps, ckpt in ((6, None), (10, str(out / f"backbone_{name}.ckpt"))):
+            L.seed_everything(7, verbose=False)
+            model = WithBackbone()
+            callbacks = [
+                BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5),
+                ModelCheckpoint(dirpath=out, filename=f"backbone_{name}", every_n_train_steps=6, save_top_k=-1),
+            ]
+            t = trainer(
+                chunk_strategy(**kw), steps=steps, callbacks=callbacks, limit_train_batches=4, enable_checkpointing=True
+            )
+            t.fit(model, token_data(), ckpt_path=ckpt)
+        groups = t.optimizers[0].param_groups
+        saved[name] = {"state": model.state_dict(), "groups": len(groups), "dir": Path(ckpt).is_dir()}
+    torch.save(saved, out / f"backbone_resume.rank{rank}.pt")
+    print(f"CASE-DONE backbone_resume rank={rank}", flush=True)

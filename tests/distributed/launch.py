@@ -66,6 +66,7 @@ LAUNCHED = [
     "clip_over_optimizer",
     "models_differ",
     "written_after_a_forward",
+    "backbone_resume",
 ]
 
 

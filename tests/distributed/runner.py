@@ -57,6 +57,7 @@ RUNS = {
     "resume_defaults": ck.run_resume_defaults,
     "edited_checkpoint": ck.run_edited_checkpoint,
     "ema": ck.run_ema,
+    "backbone_resume": ck.run_backbone_resume,
 }
 
 

@@ -347,3 +347,19 @@ def test_parameters_written_after_a_forward_outside_a_step_are_refused_on_every_
         assert f"CASE-DONE written_after_a_forward rank={r}" in log, log[-3000:]
         said = json.loads((out / f"written_after_a_forward.rank{r}.json").read_text())
         assert "written after the first forward since the last step" in said and "optimizer.eval()" in said, said
+
+
+@pytest.mark.cases("backbone_resume")
+def test_backbone_finetuning_resumed_from_a_sharded_directory_after_the_unfreezing_agrees_on_every_rank(parity_run):
+    """[Note: finetuning callbacks] on two ranks: the group the callback added is added back inside the sharded load
+    (a collective repack), whatever the placement, and both ranks end with the same bits."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE backbone_resume rank={r}" in log, log[-3000:]
+    ranks = [torch.load(out / f"backbone_resume.rank{r}.pt") for r in (0, 1)]
+    for got in ranks:
+        assert got["host"]["groups"] == got["limit"]["groups"] == 2 and got["host"]["dir"]
+        for k, v in got["host"]["state"].items():
+            assert torch.equal(got["limit"]["state"][k], v), k
+    for k, v in ranks[0]["host"]["state"].items():
+        assert torch.equal(ranks[1]["host"]["state"][k], v), k
