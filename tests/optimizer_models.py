@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models import VOCAB, ParityNet, token_data
+from tests.models import VOCAB, ParityNet, ReorderedNet, token_data
 
 
 class _Stepped(torch.optim.Optimizer):
@@ -394,3 +394,7 @@ class HeadAddedLater(ParityNet):
         if self.head_group:
             opt.add_param_group({"params": [self.head.weight], "lr": self.lr / 10, "weight_decay": 0.0})
         return opt
+
+
+class HeadAddedLaterReordered(HeadAddedLater, ReorderedNet):
+    """``HeadAddedLater`` registered in another order than it is used (``ReorderedNet``'s)."""

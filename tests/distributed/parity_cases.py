@@ -28,6 +28,15 @@ SCHEDULE_FREE = dict(
     trainer=dict(val_check_interval=4, limit_val_batches=2),
     strategy=dict(assume_elementwise_optimizer=True, chunk_numel=None, chunk_numel_min=4096),
 )
+# the settings a user meets: the automatic chunk size, limits that differ by rank (a model used in another order than
+# registered gives each case its ``cls``)
+USER = dict(
+    model=dict(dim=64, hidden=512, depth=3),
+    limit_fractions=(0.9, 1.3),
+    strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+)
+# [Note: param groups added while training]: the frozen head unfrozen and added with its own learning rate
+ADDED = dict(callbacks=["AddHeadGroup"], ddp_callbacks=["AddHeadGroupAsDDP"])
 CASES = {
     "plain": dict(strategy=AFTER),
     "clip_norm": dict(trainer=dict(gradient_clip_val=0.05)),
@@ -36,8 +45,11 @@ CASES = {
     "accumulate_unsharded": dict(ACCUMULATE, strategy=dict(chunk_numel=20000, sharded_accumulation=False)),
     "tied": dict(variant="tied"),
     "frozen": dict(variant="frozen"),
-    # [Note: param groups added while training]: the frozen head unfrozen and added with its own learning rate
-    "added_group": dict(cls="HeadAddedLater", callbacks=["AddHeadGroup"], ddp_callbacks=["AddHeadGroupAsDDP"]),
+    "added_group": dict(cls="HeadAddedLater", **ADDED),
+    # as a user meets it (USER), with accumulation and a resume before the group is added
+    "added_group_limits": dict(
+        USER, cls="HeadAddedLaterReordered", trainer=dict(accumulate_grad_batches=2), resume_at=2, **ADDED
+    ),
     "unused": dict(variant="unused", strategy=AFTER),
     # the default on a CPU device: payloads released after use (FSDP2's reshard_after_forward=True),
     # each chunk gathered for forward and again for backward
@@ -398,15 +410,7 @@ CASES = {
     "reduce_bf16": dict(reduce_dtype="bfloat16", ddp_comm_hook="bf16"),
     # the same as a user meets it: the automatic chunk size, limits that differ by rank, a model used in another order
     # than registered, a resume in the middle
-    "reduce_bf16_limits": dict(
-        reduce_dtype="bfloat16",
-        ddp_comm_hook="bf16",
-        cls="ReorderedNet",
-        model=dict(dim=64, hidden=512, depth=3),
-        limit_fractions=(0.9, 1.3),
-        resume_at=5,
-        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
-    ),
+    "reduce_bf16_limits": dict(USER, reduce_dtype="bfloat16", ddp_comm_hook="bf16", cls="ReorderedNet", resume_at=5),
     # BatchNorm 1d/2d/3d in mixed precision ([Note: normalisation in mixed precision]): bf16 against DDP with bf16
     # autocast, released after use, and fp16 with loss scaling against DDP with GradScaler
     "bn_cnn_bf16": dict(cls="BatchNormCNN", bf16=True, strategy=dict(chunk_numel=10_000)),
