@@ -188,7 +188,7 @@ class ChunkPrecision(Precision):
         return shard_norms.watched(self._view_grads, self.engine.comm.world_size, self._missing())
 
     def _missing(self) -> shard_norms.Missing:
-        return shard_norms.Missing(self.engine.manager.params, self._missing_grad)
+        return shard_norms.Missing(self.engine.manager.index_of, self._missing_grad)
 
     def _view_grads(self) -> list[Tensor]:
         return [g for b in self.engine.bindings for g in b.slots.grads()]
@@ -200,8 +200,8 @@ class ChunkPrecision(Precision):
         ``p.grad.norm()`` over ``self.parameters()`` skipped every parameter (or failed on an empty list), and
         torch's ``clip_grad_norm_(self.parameters(), ...)`` there clipped nothing and returned a norm of 0, silently.
         While ``on_after_backward``, ``on_before_optimizer_step`` and clipping run, a ``None`` read of a trainable
-        parameter's ``.grad`` says so once (``MissingGrads``, a torch function mode over those hooks alone), naming the
-        parameter; torch's ``clip_grad_*`` raises instead, since the step would differ. Inside
+        parameter's ``.grad`` says so once (``shard_norms.Missing``, in the torch function mode over those hooks),
+        naming the parameter; torch's ``clip_grad_*`` raises instead, since the step would differ. Inside
         ``strategy.full_parameters(with_grads=True)`` the gradients are there (a parameter without one there got none
         this step: nothing is said)."""
         if self.engine.hooks.closed is None:  # outside full_parameters(): the gradients are in the shards

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -48,10 +48,11 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 class Missing(NamedTuple):
-    """The module's parameters, and what to call where code outside this package reads ``.grad`` of a trainable one
-    and finds ``None`` ([Note: gradients read where they are not] in ``precision.py``)."""
+    """The module's parameters (the manager's ``index_of``: ``id`` -> index), and what to call where code outside
+    this package reads ``.grad`` of a trainable one and finds ``None`` ([Note: gradients read where they are not] in
+    ``precision.py``)."""
 
-    params: Sequence[torch.Tensor]
+    index_of: Mapping[int, int]
     said: Callable[[torch.Tensor], None]
 
 
@@ -66,13 +67,12 @@ class ShardNorms(TorchFunctionMode):
         self.grads = grads
         self.world_size = world_size
         self.missing = missing
-        self._ids = {id(p) for p in missing.params} if missing is not None else set()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self.missing is not None and func == _GRAD_GET:
             out = func(*args, **kwargs)
-            if out is None and id(args[0]) in self._ids and args[0].requires_grad:
+            if out is None and id(args[0]) in self.missing.index_of and args[0].requires_grad:
                 if not sys._getframe(1).f_code.co_filename.startswith(_PACKAGE):
                     self.missing.said(args[0])
             return out
