@@ -235,6 +235,7 @@ class ChunkPrecision(Precision):
         engine = self.engine
         self._manual_norms.close()  # a manual step: its own window below
         closure_result = closure()
+        engine.hooks.between.disarm()  # the step reads no placeholder ([Note: released parameters read between steps])
         # ``training_step`` returned None: no backward. As Lightning's precisions do, step with what the earlier
         # micro-batches of an accumulation left (nothing, without one); skip the step only under a loss scaler
         skipped_backward = closure_result is None and model.automatic_optimization

@@ -65,7 +65,8 @@ class DropFrozenGrads(FlipRequiresGrad):
 class ClampFirstBlock(L.Callback):
     """WGAN's weight clipping after every step, and a weight's norm read between steps: plain Lightning on the
     parameters, chunk_offload inside ``trainer.strategy.full_parameters()`` ([Note: parameters outside a step]).
-    ``seen_outside``: whether ``head.weight`` showed anything but NaN between steps, outside the block. ``write``:
+    ``seen_outside``: what reading ``head.weight`` between steps, outside the block, gave: ``"value"``, ``"nan"``, or
+    ``"refused"`` (a released parameter's read raises, [Note: released parameters read between steps]). ``write``:
     ``"in place"`` (``p.clamp_(...)``), ``"assign"`` (``p.data = p.data.clamp(...)``, as MoCo's momentum update writes)
     or ``"through .data"`` (``p.data.clamp_(...)``, WGAN's clipping as first published)."""
 
@@ -76,7 +77,11 @@ class ClampFirstBlock(L.Callback):
         import contextlib
 
         full = getattr(trainer.strategy, "full_parameters", None) if self.use_block else None
-        self.seen_outside.append(bool(not torch.isnan(pl_module.head.weight).all()))
+        try:
+            self.seen_outside.append("nan" if torch.isnan(pl_module.head.weight).all() else "value")
+        except RuntimeError as e:
+            assert "'head.weight' between steps" in str(e), e
+            self.seen_outside.append("refused")
         with full() if full else contextlib.nullcontext(), torch.no_grad():
             for p in pl_module.blocks[0].parameters():
                 if self.write == "assign":

@@ -73,7 +73,8 @@ def test_unfreezing_and_refreezing_mid_training_train_as_ddp(parity_run):
 def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parity_run):
     """[Note: parameters outside a step]: with the defaults and with host placement. Before, a callback reading a
     weight between steps crashed both ranks (a segmentation fault: the payloads are released after each step with
-    several ranks); outside the block it now reads NaN."""
+    several ranks); outside the block a read of it now raises, naming it ([Note: released parameters read between
+    steps])."""
     out, _, log = parity_run
     for r in (0, 1):
         assert f"CASE-DONE full_parameters rank={r}" in log, log[-3000:]
@@ -83,7 +84,7 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
         assert got["norms"] == d["ref_norms"], placement
         # Lightning's grad_norm inside full_parameters(with_grads=True): DDP's averaged gradients, bit for bit
         assert got["grad_norms"] == d["ref_grad_norms"], placement
-        assert got["seen_outside"] == [False] * 12, placement
+        assert got["seen_outside"] == ["refused"] * 12, placement
         assert torch.equal(got["saved_inside"], d["ref"]["blocks.0.0.weight"]), placement  # state_dict() inside
         for k, v in d["ref"].items():
             torch.testing.assert_close(got["got"][k], v, msg=lambda m: f"{placement} {k}: {m}", rtol=0, atol=0)

@@ -276,7 +276,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(ints).sum(dtype=torch.int64)
 
 
-def looked_at(mgr: Any, is_open: Callable[[], bool]) -> Callable[[torch.Tensor, bool], None]:
+def looked_at(
+    mgr: Any, is_open: Callable[[], bool], arm: Callable[[torch.Tensor], None] = lambda p: None
+) -> Callable[[torch.Tensor, bool], None]:
     """[Note: writes through .data]
     ``p.data.clamp_(-c, c)`` (WGAN's weight clipping as first published), ``pk.data.mul_(m).add_(pq.data, ...)``
     (momentum encoders) write through a tensor that ``.data`` makes afresh, with a version counter of its own: the
@@ -289,14 +291,18 @@ def looked_at(mgr: Any, is_open: Callable[[], bool]) -> Callable[[torch.Tensor, 
     writes into payloads (``write_back``, ``load_values``, a gather's ``point_params``) drop the notes. Code that
     touches no parameter between steps pays nothing; one that does pays a read of what it touched, twice. Reads made
     by this package (a save's ``module.state_dict(keep_vars=True)``) are not noted: the first caller on the stack
-    past torch's module code is looked at."""
+    past torch's module code is looked at. Reading a released parameter calls ``arm`` instead ([Note: released
+    parameters read between steps] in ``runtime/reads.py``)."""
 
     def reader(param: torch.Tensor, by_attribute: bool) -> None:
         where = mgr.find(param)
         if where is None or is_open():
             return
         chunk, t = where
-        if t.looked is None and t.view is not None and not chunk.params_parked and not chunk.master_is_payload():
+        if chunk.params_parked:
+            if not _read_by_this_package():
+                arm(param)
+        elif t.looked is None and t.view is not None and not chunk.master_is_payload():
             if not _read_by_this_package():
                 t.looked = bits(t.view)
 

@@ -70,7 +70,16 @@ from .moments import MomentClock, in_backward
 from .outside_autocast import OutsideAutocast
 from .owners import ModuleOwners, leaf_hint
 from .pieces import GradPieces
-from .reads import ReleasedReads, current_reader, reading, refuse_clipping_without_gradients, unwatch, unwatched, watch
+from .reads import (
+    BetweenSteps,
+    ReleasedReads,
+    current_reader,
+    reading,
+    refuse_clipping_without_gradients,
+    unwatch,
+    unwatched,
+    watch,
+)
 
 S = TensorState
 _eager = torch.compiler.disable  # see [Note: hooks under torch.compile]
@@ -111,6 +120,7 @@ class ChunkHooks:
         self.backwards = ModuleBackwards(manager, self.owners, self._held)  # each call's backward end, where it matters
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
         self.outside_autocast = OutsideAutocast(manager)  # [Note: parameters read outside autocast]
+        self.between = BetweenSteps(self.owners.param_name)  # [Note: released parameters read between steps]
 
     # ============================================================ installation
     def install(self) -> None:
@@ -119,7 +129,8 @@ class ChunkHooks:
         self._handles += state_dict_hooks(
             self.module, self.manager, lambda: self.closed is not None, lambda: current_reader() == self._read
         )
-        watch(self.module, idle=looked_at(self.manager, lambda: self.closed is not None))  # reads.py, full_params.py
+        is_open = lambda: self.closed is not None  # noqa: E731
+        watch(self.module, idle=looked_at(self.manager, is_open, self.between.arm))  # reads.py, full_params.py
         self.watch_grads()
         keys = list(self.owners.index)
 
@@ -152,6 +163,7 @@ class ChunkHooks:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def remove(self) -> None:
+        self.between.disarm()
         unwatch(self.module)
         for h in self._handles:
             h.remove()
@@ -325,6 +337,7 @@ class ChunkHooks:
                 # the order backward completes the chunks in, near enough: reverse first use ([Note: reduce order])
                 self.manager.grads.set_reduce_order(self.tracer.forward_first_use()[::-1])
             self.manager.reducer.begin_backward(traced=self.moments.trace is not None and not self.tracer.recording)
+            self.between.disarm()  # backward reads no placeholder ([Note: released parameters read between steps])
             if self.on_backward_start is not None:
                 self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
@@ -376,6 +389,7 @@ class ChunkHooks:
     @contextlib.contextmanager
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
+        self.between.disarm()
         self.grad_graph.reset()  # a graph built by a backward with create_graph=True that no backward consumed
         self._rolled = self._in_step = True  # in a step every rank runs the same forwards
         # parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's, whose

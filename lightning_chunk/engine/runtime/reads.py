@@ -41,10 +41,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._C import _len_torch_function_stack, _pop_torch_function_stack, _push_on_torch_function_stack
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -142,6 +144,15 @@ _NOT_READS = frozenset(
         "_is_view",
         "is_leaf",
         "get_device",
+        "_has_compatible_shallow_copy_type",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "new_empty",
+        "new_zeros",
+        "new_ones",
+        "new_full",
     }
 )
 
@@ -151,32 +162,119 @@ class ReleasedReads(TorchFunctionMode):
     ``name(tensor)``: the parameter's name, if ``tensor`` is a managed parameter. ``marks``: under mixed precision,
     what marks the parameters ops read with autocast off ([Note: parameters read outside autocast])."""
 
-    def __init__(self, name: Callable[[torch.Tensor], str | None], marks: OutsideAutocast | None = None) -> None:
+    def __init__(
+        self, name: Callable[[torch.Tensor], str | None], marks: OutsideAutocast | None = None, between: bool = False
+    ) -> None:
         super().__init__()
         self.name = name
         self.marks = marks
+        self.between = between  # armed between steps ([Note: released parameters read between steps])
+        self.read: dict[tuple[int, ...], torch.Tensor] = {}  # between steps: the last parameter read, by shape
+        self.off = False  # disarmed while another mode stood above it: passes every op through
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _NOT_READS:
-            flat, spec = tree_flatten((args, kwargs))
+        if not self.off and getattr(func, "__name__", "") not in _NOT_READS:
+            flat, spec = tree_flatten((args, kwargs)) if self.marks is not None else (_tensors(args, kwargs), None)
             released = placeholder_storages()
             if released:
                 for t in flat:
                     if isinstance(t, torch.Tensor) and _storage(t) in released:
-                        what = self.name(t)
-                        raise ChunkError(
-                            f"{getattr(func, '__name__', func)} read "
-                            + (f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})")
-                            + " while its chunk was released: the code holds a reference the engine cannot follow "
-                            "(a list or closure made before training, not a module attribute), so it would compute "
-                            "with NaN. Read the parameter as an attribute of its module (self.tok.weight), or name "
-                            "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
-                            "LightningModule itself included)."
-                        )
+                        raise self._refusal(func, t)
             if self.marks is not None:
                 return self.marks.call(func, args, kwargs, flat, spec)
         return func(*args, **kwargs)
+
+    def _refusal(self, func: Any, t: torch.Tensor) -> ChunkError:
+        what = self.name(t)
+        if what is None and tuple(t.shape) in self.read:  # a view or detached copy (``p.detach().clone()``)
+            what = self.name(self.read[tuple(t.shape)])
+        fn = getattr(func, "__name__", str(func))
+        param = f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})"
+        read = f"{fn} read {param}"
+        if self.between:
+            writes = fn.endswith("_") and not fn.startswith("_")
+            return ChunkError(
+                (f"{fn} wrote into {param}" if writes else read)
+                + " between steps, where its chunk is released and the parameter holds a placeholder, so "
+                + ("the write would be lost" if writes else "it would compute with NaN")
+                + ". Read or write parameters between steps inside `with trainer.strategy.full_parameters():` "
+                "(every rank; ChunkOffloadStrategy.full_parameters, docs/faq.md, 'Reading or writing parameters "
+                "between steps'), or before fit; for an average of the weights use lightning_chunk.ChunkEMA."
+            )
+        return ChunkError(
+            f"{read} while its chunk was released: the code holds a reference the engine cannot follow "
+            "(a list or closure made before training, not a module attribute), so it would compute "
+            "with NaN. Read the parameter as an attribute of its module (self.tok.weight), or name "
+            "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
+            "LightningModule itself included)."
+        )
+
+
+class BetweenSteps:
+    """[Note: released parameters read between steps]
+    Between steps a parameter whose chunk is released holds the placeholder of [Note: a released parameter] in
+    ``chunk.py``, which refuses writes but reads as NaN: an exponential average kept by hand
+    (``ema[n].lerp_(p, 0.1)`` over ``named_parameters()`` in ``on_train_batch_end``), a clone taken in
+    ``on_fit_start``, a weight's norm logged from a callback, all computed with NaN without a word. Where DeepSpeed
+    and FSDP leave an empty tensor, whose reads fail, a read here gave a wrong answer.
+
+    Reading such a parameter by attribute or iteration between steps (the reader of [Note: writes through .data] in
+    ``memory/full_params.py``, code outside this package) ``arm``s a ``ReleasedReads`` on that thread: until the next
+    micro-batch, backward, optimizer step or the end of ``fit`` (``disarm``), a torch op that reads or writes a
+    placeholder raises, naming the parameter (a detached copy, by the shape of the last one read) and
+    ``full_parameters()``. Code that touches no released parameter between steps pays nothing; code that iterates them
+    without reading values (Lightning's ``zero_grad`` as a stage starts and before validation, ``ModelSummary``) pays
+    a Python call per torch op until the next micro-batch. The engine's own work between steps (a save, a repack)
+    reads no placeholder: the fast tier passes with the check armed after every micro-batch. A reference kept from
+    before training (not a module attribute) is not seen; the placeholder still refuses writes through it.
+
+    Modes form a stack per thread, and ``with SomeMode():`` pops whatever is on top when it ends: the armed mode goes
+    in at the bottom of the stack and is taken out from wherever it is, so a mode the user's code enters and leaves
+    meanwhile (``with torch.device(...)``) comes and goes as it would without it."""
+
+    def __init__(self, name: Callable[[torch.Tensor], str | None]) -> None:
+        self.name = name
+        self._mode: ReleasedReads | None = None
+        self._thread = 0  # the thread whose stack holds it
+        self._stale: list[ReleasedReads] = []  # disarmed from another thread (CUDA's backward): removed on its own
+
+    @property
+    def armed(self) -> bool:
+        return self._mode is not None
+
+    def arm(self, param: torch.Tensor) -> None:
+        """``param``, a released parameter, was read by attribute or iteration."""
+        self._remove_stale()
+        if self._mode is not None:
+            self._mode.read[tuple(param.shape)] = param
+            return
+        self._mode, self._thread = ReleasedReads(self.name, between=True), threading.get_ident()
+        self._mode.read[tuple(param.shape)] = param
+        above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack())]
+        for m in [self._mode, *reversed(above)]:
+            _push_on_torch_function_stack(m)
+
+    def disarm(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.off = True  # passes every op through until it is out of the stack
+            self._stale.append(mode)
+        self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        if not self._stale or threading.get_ident() != self._thread:
+            return
+        above: list[Any] = []
+        while self._stale and _len_torch_function_stack():
+            top = _pop_torch_function_stack()
+            if top in self._stale:
+                self._stale.remove(top)
+            else:
+                above.append(top)
+        self._stale.clear()  # not in the stack any more
+        for m in reversed(above):
+            _push_on_torch_function_stack(m)
 
 
 class CastUp(TorchFunctionMode):
@@ -192,6 +290,18 @@ class CastUp(TorchFunctionMode):
         if getattr(func, "__name__", "") not in _NOT_READS:
             return self.marks.call(func, args, kwargs, *tree_flatten((args, kwargs)))
         return func(*args, **kwargs)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[Any]:
+    """The tensors among a torch function's arguments and one level into lists and tuples (``torch.cat([a, b])``):
+    ``tree_flatten`` costs several microseconds an op."""
+    out: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(a)
+    return out
 
 
 def _storage(t: torch.Tensor) -> int:
