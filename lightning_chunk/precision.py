@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from .engine import ChunkEngine, DtypePolicy
 from .engine.config import OWN_DTYPE_MODULES
+from .engine.memory.full_params import released_read
 from .engine.optim import shard_norms
 from .engine.optim.scaler import DynamicLossScaler
 from .engine.runtime.reads import reading, refuse_clipping_without_gradients
@@ -206,6 +207,8 @@ class ChunkPrecision(Precision):
         this step: nothing is said)."""
         if self.engine.hooks.closed is None:  # outside full_parameters(): the gradients are in the shards
             refuse_clipping_without_gradients(param, self.engine.manager.params)
+            if released_read(self.engine.manager, param):  # its value: [Note: released parameters read between steps]
+                self.engine.hooks.between.arm(param, "between the backward and the optimizer step")
 
     def _missing_grad(self, param: Tensor) -> None:
         engine = self.engine
@@ -226,8 +229,11 @@ class ChunkPrecision(Precision):
         """Between backward and the step: reads of parameters and of their ``.grad`` watched, norms over the
         optimizer's shards refused ([Note: gradients read where they are not]; [Note: a norm over the optimizer's
         gradient shards] in ``engine/optim/shard_norms.py``)."""
-        with reading(self._watch_grad_reads), self._shard_norms():
-            yield
+        try:
+            with reading(self._watch_grad_reads), self._shard_norms():
+                yield
+        finally:
+            self.engine.hooks.between.disarm()
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any

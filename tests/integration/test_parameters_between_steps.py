@@ -103,6 +103,38 @@ def test_an_average_of_the_weights_kept_by_hand_is_refused_naming_the_parameter_
         torch.testing.assert_close(got.ema[n], v, msg=lambda m: f"{n}: {m}", **EXACT)
 
 
+class NormBeforeTheStep(ParityNet):
+    """A weight's norm taken in ``on_after_backward`` or ``on_before_optimizer_step``, where the gradients are in the
+    shards and the parameter may be released; inside ``full_parameters`` when ``block``."""
+
+    def __init__(self, hook: str = "on_after_backward", block: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        self.hook, self.block, self.norms = hook, block, []
+
+    def _norm(self, hook: str) -> None:
+        if hook == self.hook:
+            full = getattr(self.trainer.strategy, "full_parameters", None)
+            with full(writeback=False) if self.block and full else contextlib.nullcontext():
+                self.norms.append(float(self.head.weight.norm()))
+
+    def on_after_backward(self):
+        self._norm("on_after_backward")
+
+    def on_before_optimizer_step(self, optimizer):
+        self._norm("on_before_optimizer_step")
+
+
+@pytest.mark.parametrize("hook", ["on_after_backward", "on_before_optimizer_step"])
+def test_a_released_weight_read_between_backward_and_the_step_is_refused_and_inside_the_block_is_plain(hook):
+    """Before: NaN, without a word."""
+    with pytest.raises(ChunkError, match="norm read parameter 'head.weight' between the backward and the optimizer"):
+        fit(chunked(placement="host"), steps=2, cls=NormBeforeTheStep, model_kwargs=dict(hook=hook))
+    run = dict(steps=4, cls=NormBeforeTheStep, model_kwargs=dict(hook=hook, block=True))
+    ref, got = fit("auto", **run), fit(chunked(placement="host"), **run)
+    assert got.norms == ref.norms and len(ref.norms) == 4
+    assert_same_params(ref, got, EXACT)
+
+
 class ReadsUnderAMode(L.Callback):
     """A released weight read inside another torch function mode the callback enters and leaves, then after it."""
 

@@ -313,8 +313,16 @@ _THIS_PACKAGE = os.sep + "lightning_chunk" + os.sep
 _MODULE_CODE = (os.path.join("torch", "nn", "modules", "module.py"), os.path.join("engine", "runtime", "reads.py"))
 
 
-def _read_by_this_package() -> bool:
-    f: Any = sys._getframe(2)
+def released_read(mgr: Any, param: torch.Tensor) -> bool:
+    """``param`` is a parameter of a released chunk, read by attribute or iteration by code outside this package
+    ([Note: released parameters read between steps] in ``runtime/reads.py``); for a reader called by the watch."""
+    where = mgr.find(param)
+    return where is not None and where[0].params_parked and not _read_by_this_package(depth=3)
+
+
+def _read_by_this_package(depth: int = 2) -> bool:
+    """The first caller past torch's module code and the watch, ``depth`` frames up from here, is this package's."""
+    f: Any = sys._getframe(depth)
     while f is not None and f.f_code.co_filename.endswith(_MODULE_CODE):
         f = f.f_back
     return f is not None and _THIS_PACKAGE in f.f_code.co_filename

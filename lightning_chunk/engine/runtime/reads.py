@@ -169,6 +169,7 @@ class ReleasedReads(TorchFunctionMode):
         self.name = name
         self.marks = marks
         self.between = between  # armed between steps ([Note: released parameters read between steps])
+        self.where = "between steps"  # or between a backward and its step, for the message
         self.read: dict[tuple[int, ...], torch.Tensor] = {}  # between steps: the last parameter read, by shape
         self.off = False  # disarmed while another mode stood above it: passes every op through
 
@@ -196,7 +197,7 @@ class ReleasedReads(TorchFunctionMode):
             writes = fn.endswith("_") and not fn.startswith("_")
             return ChunkError(
                 (f"{fn} wrote into {param}" if writes else read)
-                + " between steps, where its chunk is released and the parameter holds a placeholder, so "
+                + f" {self.where}, where its chunk is released and the parameter holds a placeholder, so "
                 + ("the write would be lost" if writes else "it would compute with NaN")
                 + ". Read or write parameters between steps inside `with trainer.strategy.full_parameters():` "
                 "(every rank; ChunkOffloadStrategy.full_parameters, docs/faq.md, 'Reading or writing parameters "
@@ -220,8 +221,10 @@ class BetweenSteps:
     and FSDP leave an empty tensor, whose reads fail, a read here gave a wrong answer.
 
     Reading such a parameter by attribute or iteration between steps (the reader of [Note: writes through .data] in
-    ``memory/full_params.py``, code outside this package) ``arm``s a ``ReleasedReads`` on that thread: until the next
-    micro-batch, backward, optimizer step or the end of ``fit`` (``disarm``), a torch op that reads or writes a
+    ``memory/full_params.py``) or between a backward and its step (``on_after_backward``, ``on_before_optimizer_step``:
+    the reader of [Note: gradients read where they are not] in ``precision.py``), from code outside this package,
+    ``arm``s a ``ReleasedReads`` on that thread: until the next micro-batch, backward, the end of that window, the
+    optimizer step or the end of ``fit`` (``disarm``), a torch op that reads or writes a
     placeholder raises, naming the parameter (a detached copy, by the shape of the last one read) and
     ``full_parameters()``. Code that touches no released parameter between steps pays nothing; code that iterates them
     without reading values (Lightning's ``zero_grad`` as a stage starts and before validation, ``ModelSummary``) pays
@@ -243,17 +246,16 @@ class BetweenSteps:
     def armed(self) -> bool:
         return self._mode is not None
 
-    def arm(self, param: torch.Tensor) -> None:
-        """``param``, a released parameter, was read by attribute or iteration."""
+    def arm(self, param: torch.Tensor, where: str = "between steps") -> None:
+        """``param``, a released parameter, was read by attribute or iteration ``where``."""
         self._remove_stale()
-        if self._mode is not None:
-            self._mode.read[tuple(param.shape)] = param
-            return
-        self._mode, self._thread = ReleasedReads(self.name, between=True), threading.get_ident()
+        if self._mode is None:
+            self._mode, self._thread = ReleasedReads(self.name, between=True), threading.get_ident()
+            above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack())]
+            for m in [self._mode, *reversed(above)]:
+                _push_on_torch_function_stack(m)
         self._mode.read[tuple(param.shape)] = param
-        above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack())]
-        for m in [self._mode, *reversed(above)]:
-            _push_on_torch_function_stack(m)
+        self._mode.where = where
 
     def disarm(self) -> None:
         mode, self._mode = self._mode, None
