@@ -165,6 +165,8 @@ def config_for_fit(
     """This fit's config: ``step_in_backward=None`` made concrete, said once on rank 0."""
     if config.step_in_backward is not None:
         return config
+    if not optimizers:  # configure_optimizers() returned None: nothing steps
+        return config.replace(step_in_backward=False)
     chosen, why = choose_step_in_backward(trainer, module, precision, len(optimizers))
     hooked = step_hooks(optimizers) if chosen else None
     if hooked is not None:

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.optim import Optimizer
@@ -241,6 +242,10 @@ class ChunkPrecision(Precision):
         engine = self.engine
         self._manual_norms.close()  # a manual step: its own window below
         closure_result = closure()
+        if isinstance(optimizer, _MockOptimizer):  # configure_optimizers() returned None: a backward, no step
+            with self._grad_window():
+                self._after_closure(model, optimizer)
+            return closure_result
         engine.hooks.between.disarm()  # the step reads no placeholder ([Note: released parameters read between steps])
         # ``training_step`` returned None: no backward. As Lightning's precisions do, step with what the earlier
         # micro-batches of an accumulation left (nothing, without one); skip the step only under a loss scaler
@@ -263,10 +268,12 @@ class ChunkPrecision(Precision):
 
     # ------------------------------------------------------------- clipping
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self.engine.clip_grad_norm_(clip_val, optimizer=optimizer)
+        if not isinstance(optimizer, _MockOptimizer):  # no optimizer: no parameters to clip, as in plain Lightning
+            self.engine.clip_grad_norm_(clip_val, optimizer=optimizer)
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self.engine.clip_grad_value_(clip_val, optimizer=optimizer)
+        if not isinstance(optimizer, _MockOptimizer):
+            self.engine.clip_grad_value_(clip_val, optimizer=optimizer)
 
     def main_params(self, optimizer: Optimizer) -> Any:
         return [p for g in optimizer.param_groups for p in g["params"]]

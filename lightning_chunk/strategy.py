@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -249,11 +250,10 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         if fitting:
             self._kept_optimizer_states = {}  # the last fit's optimizers are gone
             self.setup_optimizers(trainer)
-        config = (
-            config_for_fit(self.config, trainer, module, self.precision_plugin.precision, self.optimizers)
-            if fitting
-            else self.config
-        )
+        # configure_optimizers() returned None: Lightning's placeholder steps nothing, and nothing is bound to it
+        optimizers = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else []
+        precision = self.precision_plugin.precision
+        config = config_for_fit(self.config, trainer, module, precision, optimizers) if fitting else self.config
         self.setup_precision_plugin()
         comm = (
             Collectives.over(
@@ -266,7 +266,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         )
         self.engine = ChunkEngine(
             module,
-            self.optimizers if fitting else [],
+            optimizers,
             config=config,
             dtypes=self.precision_plugin.dtype_policy(),
             device=self.root_device,

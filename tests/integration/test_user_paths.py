@@ -402,3 +402,36 @@ def test_a_released_parameter_read_through_a_kept_reference_fails_at_once_naming
         cls=CapturedReference,
     )
     assert_same_params(ref, got, EXACT)
+
+
+# ------------------------------------------------------------------ configure_optimizers returning None
+class NoOptimizer(ParityNet):
+    """``configure_optimizers`` returns None: Lightning fits "with no optimizer", running every forward, backward and
+    ``on_before_optimizer_step``, and changes no weight."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.before_step = 0
+
+    def configure_optimizers(self):
+        return None
+
+    def on_before_optimizer_step(self, optimizer):
+        self.before_step += 1
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(placement="host")], ids=["defaults", "host"])
+def test_a_fit_with_no_optimizer_runs_saves_and_resumes_as_plain_lightning_s(tmp_path, kw):
+    """Before: UnsupportedOptimizerError on Lightning's placeholder for the missing optimizer."""
+    L.seed_everything(7, verbose=False)
+    initial = {k: v.clone() for k, v in NoOptimizer().state_dict().items() if k != "calls"}
+    run = dict(steps=4, cls=NoOptimizer, gradient_clip_val=1.0, enable_checkpointing=True, default_root_dir=tmp_path)
+    ref, got = fit("auto", **run), fit(ChunkOffloadStrategy(**grouped(kw)), **run)
+    assert got.before_step == ref.before_step == 4
+    assert_same_params(ref, got, EXACT)
+    for k, v in initial.items():
+        assert torch.equal(got.state_dict()[k], v), k
+    ckpt = got.trainer_ref.checkpoint_callback.best_model_path
+    resumed = fit(ChunkOffloadStrategy(**grouped(kw)), steps=6, cls=NoOptimizer, ckpt_path=ckpt)
+    assert resumed.trainer_ref.global_step == 6
+    assert_same_params(ref, resumed, EXACT)
