@@ -31,14 +31,17 @@ def follow_finetuning(trainer: pl.Trainer, engine: ChunkEngine) -> None:
     - Where it does replace the groups at ``on_fit_start`` (a fit after a fit), the bound groups get their views
       back and the added ones are followed at once.
     Its check that a parameter is not in the optimizer already (``filter_on_optimizer``, which compares values)
-    compares the module's parameters with views, as the other steps of the callback run unchanged.
+    compares the module's parameters with views, as the other steps of the callback run unchanged. A released
+    parameter's placeholder compares unequal to every view, so the check finds it new, as it is; the reads it makes
+    are not refused ([Note: released parameters read between steps] in ``engine/runtime/reads.py``): its
+    ``finetune_function`` runs with that check suspended.
     """
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(cb, BaseFinetuning):
             _Adapted(cb, engine)
 
 
-_WRAPPED = ("_store", "on_fit_start", "load_state_dict")
+_WRAPPED = ("_store", "on_fit_start", "load_state_dict", "finetune_function")
 
 
 def unfollow_finetuning(trainer: pl.Trainer) -> None:
@@ -62,6 +65,10 @@ class _Adapted:
     def _store(self, *args: Any) -> None:
         with module_params_in_groups(self.engine):
             self._orig["_store"](*args)
+
+    def finetune_function(self, *args: Any) -> None:
+        with self.engine.hooks.between.suspended():
+            self._orig["finetune_function"](*args)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restarting = self.cb._restarting

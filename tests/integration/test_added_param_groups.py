@@ -179,15 +179,21 @@ def _backbone_fit(strategy, tmp_path, name, steps, **kw):
     return m, str(tmp_path / f"{name}.ckpt")
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
-def test_backbone_finetuning_trains_and_resumes_as_in_plain_lightning(tmp_path, sharded):
+@pytest.mark.parametrize(
+    "saves",
+    [dict(state_dict_type="full"), dict(state_dict_type="sharded"), dict(placement="host")],
+    ids=["file", "sharded", "released"],
+)
+def test_backbone_finetuning_trains_and_resumes_as_in_plain_lightning(tmp_path, saves):
     """[Note: finetuning callbacks]: ``BackboneFinetuning`` froze the backbone at set-up, then unfroze it at epoch 1
     with a param group of its own whose learning rate it raises every epoch. It was refused: it finds the optimizer's
     parameters by identity (a ``KeyError`` on the views) and adds a param group while training. Now it trains as in
-    plain Lightning, and a resume after the unfreezing adds its group back before the optimizer state loads."""
+    plain Lightning, and a resume after the unfreezing adds its group back before the optimizer state loads. With the
+    backbone released between steps (host placement), its check of which parameters the optimizer holds compares
+    their placeholders' values, and is not refused."""
     kw = dict(limit_train_batches=4, default_root_dir=str(tmp_path))
     ref, ref_ckpt = _backbone_fit("auto", tmp_path, "ref", 10, **kw)
-    chunk = dict(optimizer_kernel="loop", state_dict_type="sharded" if sharded else "full")
+    chunk = dict(optimizer_kernel="loop", **saves)
     got, got_ckpt = _backbone_fit(ChunkOffloadStrategy(**grouped(chunk)), tmp_path, "got", 10, **kw)
     assert_same_params(ref, got, EXACT)
     groups = got.trainer_ref.optimizers[0].param_groups
@@ -199,4 +205,4 @@ def test_backbone_finetuning_trains_and_resumes_as_in_plain_lightning(tmp_path, 
     assert got.trainer_ref.optimizers[0].param_groups[1]["lr"] == ref.trainer_ref.optimizers[0].param_groups[1]["lr"]
     (cb,) = [c for c in got.trainer_ref.callbacks if type(c).__name__ == "BackboneFinetuning"]
     assert "_store" not in cb.__dict__ and not cb._restarting  # its own methods again after fit, nothing pending
-    assert Path(got_ckpt).is_dir() == sharded
+    assert Path(got_ckpt).is_dir() == (saves.get("state_dict_type") != "full")

@@ -241,6 +241,7 @@ class BetweenSteps:
         self._mode: ReleasedReads | None = None
         self._thread = 0  # the thread whose stack holds it
         self._stale: list[ReleasedReads] = []  # disarmed from another thread (CUDA's backward): removed on its own
+        self._suspended = 0  # inside ``suspended``: nothing arms
 
     @property
     def armed(self) -> bool:
@@ -249,6 +250,8 @@ class BetweenSteps:
     def arm(self, param: torch.Tensor, where: str = "between steps") -> None:
         """``param``, a released parameter, was read by attribute or iteration ``where``."""
         self._remove_stale()
+        if self._suspended:
+            return
         if self._mode is None:
             self._mode, self._thread = ReleasedReads(self.name, between=True), threading.get_ident()
             above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack())]
@@ -263,6 +266,16 @@ class BetweenSteps:
             mode.off = True  # passes every op through until it is out of the stack
             self._stale.append(mode)
         self._remove_stale()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Nothing armed inside: code of Lightning's that compares released parameters' values on purpose."""
+        self.disarm()
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
 
     def _remove_stale(self) -> None:
         if not self._stale or threading.get_ident() != self._thread:
