@@ -93,6 +93,7 @@ def test_an_average_of_the_weights_kept_by_hand_is_refused_naming_the_parameter_
     between steps (the model summary, ``zero_grad`` before validation) still pass."""
     with pytest.raises(ChunkError, match=r"clone read parameter '[\w.]+' between steps.*full_parameters\(\)"):
         fit(chunked(**kw), steps=4, cls=OwnEma)
+    assert torch._C._len_torch_function_stack() == 0  # the failed fit's teardown took the check out
     run = dict(
         steps=6, val_dataloaders=token_data(16, seed=1), limit_val_batches=2, val_check_interval=2,
         enable_model_summary=True, model_kwargs=dict(block=True), cls=OwnEma,

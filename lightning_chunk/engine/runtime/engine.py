@@ -394,8 +394,7 @@ class ChunkEngine:
         return module_state_dict(self.manager, self.module)
 
     def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
-        """Load a plain ``state_dict`` (full tensors) into the masters and the module's buffers
-        (``consolidate.load_module_state_dict``)."""
+        """A plain ``state_dict`` (full tensors) into the masters and the buffers (``load_module_state_dict``)."""
         load_module_state_dict(self.manager, self.module, state_dict, strict=strict)
 
     def teardown(
@@ -409,6 +408,7 @@ class ChunkEngine:
         ``device`` (the host by default), chunk by chunk; the optimizers their state as ``optimizer_state`` (default:
         the config's) says ([Note: optimizer state after fit]). Without ``materialize`` nothing here is a collective,
         so it is safe after another rank failed."""
+        self.hooks.between.disarm()  # first: nothing below may leave the check in the thread's modes
         if self.early is not None:
             self.early.close()
         save_failed: BaseException | None = None
