@@ -50,8 +50,7 @@ class MemoryOptions:
         doc=(
             "`host` only: `False` keeps forward's payloads until their last use in the step while the device budget "
             "has room (one all-gather a chunk a step, DeepSpeed ZeRO-3's default); `True` releases each after its "
-            "forward use (FSDP2's default). `None`: `False` on an accelerator, `True` on a CPU device, where kept "
-            "payloads are another copy of the model in host memory"
+            "forward use (FSDP2's default). `None`: `False` on an accelerator, `True` on a CPU device"
         ),
         when="`False` on a CPU device with memory to spare; `True` on an accelerator shared with something else",
     )
@@ -90,7 +89,7 @@ class MemoryOptions:
     leaf_modules: Sequence[type | str] = knob(
         (),
         doc=(
-            'module classes or class names (`"MyBlock"`) that gather their whole subtree at their own forward, '
+            'module classes or names (`"MyBlock"`) that gather their whole subtree at their own forward, '
             "DeepSpeed's leaf modules. `MultiheadAttention`, `Transformer*Layer` and parametrized modules always "
             "are ([Note: leaf modules])"
         ),
@@ -98,6 +97,14 @@ class MemoryOptions:
             "a module that reaches its children's parameters through a reference kept elsewhere; the warm-up names "
             "it. Reads by attribute (a tied head) need nothing"
         ),
+    )
+    activation_checkpointing: Sequence[type | str] = knob(
+        (),
+        doc=(
+            "module classes (or names) whose activations are recomputed in backward (torch's composable "
+            "`checkpoint`, FSDP's `activation_checkpointing_policy`)"
+        ),
+        when="activations fill the device: name the transformer block",
     )
     replan_when_inputs_grow: bool = knob(
         True,
@@ -157,11 +164,10 @@ class OffloadOptions:
     optimizer_kernel: OptimizerKernel = knob(
         "auto",
         doc=(
-            "`auto`: torch's fused kernels (SGD's and Adagrad's on fp32 only), and for Adam/AdamW with a compute "
+            "`auto`: torch's fused kernels (SGD and Adagrad: fp32 only), and for Adam/AdamW with a compute "
             "copy on host shards of at least 2^25 elements a rank one pass that steps and writes the copy "
             "(`host_adam.py`); `one_pass` at any size; "
-            "`fused`, `foreach`, `loop` force torch's. Your optimizer's `param_groups` and checkpoints keep the "
-            "flags you built it with ([Note: the kernel and the user's param groups])"
+            "`fused`, `foreach`, `loop` force torch's ([Note: the kernel and the user's param groups])"
         ),
         when="`loop` for bit-exact agreement with plain Lightning on CPU; `auto` agrees to fp32 rounding",
     )
@@ -247,7 +253,7 @@ ARGUMENTS: dict[str, tuple[str, str]] = {
             "parameter instead of 8, bit-identical; on a GPU the host Adam runs beside backward). With norm clipping "
             "or fp16, host chunks step on a guess undone where wrong, which costs memory. Refused with several "
             "optimizers and manual optimization. `None`: on where nothing in the fit reads gradients after "
-            "backward; rank 0 logs which and why"
+            "backward; rank 0 says why"
         ),
         "`False` to read gradients after backward",
     ),

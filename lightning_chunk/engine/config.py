@@ -129,6 +129,7 @@ class ChunkConfig:
     step_in_backward: bool | None = None
     step_thread: bool | None = None
     leaf_modules: tuple[type | str, ...] = ()
+    activation_checkpointing: tuple[type | str, ...] = ()  # [Note: activation checkpointing by class]
     keep_freed_heap: bool = True
     frozen_in_compute_dtype: bool = False  # [Note: frozen weights in the compute dtype]
 
@@ -144,19 +145,20 @@ class ChunkConfig:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.fspath(self.disk_dir):
                 raise ValueError(f"disk_dir={self.disk_dir!r} is not allowed; it must be a directory path or None.")
             object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
-        if (
-            isinstance(self.leaf_modules, (str, type))
-            or not isinstance(self.leaf_modules, (tuple, list))
-            or not all(
-                isinstance(m, str) and m or isinstance(m, type) and issubclass(m, torch.nn.Module)
-                for m in self.leaf_modules
-            )
-        ):
-            raise ValueError(
-                f"leaf_modules={self.leaf_modules!r} is not allowed; it must be a list of torch.nn.Module "
-                "subclasses or class names (for example ['MyBlock'])."
-            )
-        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
+        for field in ("leaf_modules", "activation_checkpointing"):
+            classes = getattr(self, field)
+            if (
+                isinstance(classes, (str, type))
+                or not isinstance(classes, (tuple, list))
+                or not all(
+                    isinstance(m, str) and m or isinstance(m, type) and issubclass(m, torch.nn.Module) for m in classes
+                )
+            ):
+                raise ValueError(
+                    f"{field}={classes!r} is not allowed; it must be a list of torch.nn.Module subclasses or class "
+                    "names (for example ['MyBlock'])."
+                )
+            object.__setattr__(self, field, tuple(classes))
         self._validate()
 
     def _validate(self) -> None:

@@ -50,6 +50,7 @@ from ..state.load import PendingOptimizerState
 from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from ..system.page_cache import page_cache_room
 from .description import EngineDescription
+from .recompute import apply_activation_checkpointing
 from .state_offload import StateOffload
 from .warmup import Replan, WarmUp, WarmUpPlanner
 
@@ -69,9 +70,9 @@ class ChunkEngine:
         deferred: DeferredInit | None = None,
         weights: ModuleWeights | None = None,
     ) -> None:
-        """``deferred``: the module was built on the meta device and is initialised chunk by chunk as it is
-        packed ([Note: deferred initialisation]); ``weights``: values read from a file as the chunks are
-        built ([Note: streamed weight loading]). Either way no rank holds the whole model."""
+        """``deferred``: a meta-device model initialised chunk by chunk as packed ([Note: deferred initialisation]);
+        ``weights``: values read as the chunks are built ([Note: streamed weight loading]): no rank holds it whole."""
+        apply_activation_checkpointing(module, (config or ChunkConfig()).activation_checkpointing)  # before the hooks
         desc = self.description = EngineDescription.of(
             module, optimizers, config=config, dtypes=dtypes, device=device, collectives=collectives
         )
@@ -98,8 +99,7 @@ class ChunkEngine:
         self._agreed = False  # the ranks voted on which parameters got gradients since the last backward began
         self._accumulating = False  # inside ``accumulating()``: this micro-batch's backward is not followed by a step
         self.last_grad_norm: float | None = None
-        # id(optimizer) -> its state on this rank, kept by ``teardown`` ([Note: optimizer state after fit])
-        self.kept_optimizer_states: dict[int, KeptOptimizerState] = {}
+        self.kept_optimizer_states: dict[int, KeptOptimizerState] = {}  # [Note: optimizer state after fit]
         self.pending_state: PendingOptimizerState | None = None  # [Note: optimizer state read after the warm-up]
         try:
             device = self.manager.device

@@ -33,10 +33,10 @@ ALWAYS_LEAVES: tuple[type, ...] = (
 )
 
 
-class LeafModules:
-    """Which modules are leaves: instances of ``ALWAYS_LEAVES``, or of the classes ``ChunkConfig.leaf_modules`` names
-    (a class, its ``__name__``, or an importable dotted path such as ``"torch.nn.TransformerEncoderLayer"``, which
-    is also matched by ``module.qualname``). Remembers which of the user's entries matched a module."""
+class ModuleClasses:
+    """Which modules are instances of the classes a user named (a class, its ``__name__``, or an importable dotted
+    path such as ``"torch.nn.TransformerEncoderLayer"``, which is also matched by ``module.qualname``). Remembers
+    which entries matched a module."""
 
     def __init__(self, extra: Iterable[Any]) -> None:
         self.extra = tuple(extra)
@@ -51,8 +51,6 @@ class LeafModules:
         self.matched: set[int] = set()  # indices into ``extra``
 
     def __call__(self, mod: torch.nn.Module) -> bool:
-        if isinstance(mod, ALWAYS_LEAVES) or parametrize.is_parametrized(mod):
-            return True
         hit = [e for cls, e in self._types.items() if isinstance(mod, cls)]
         if self._names:
             for c in type(mod).__mro__:
@@ -65,6 +63,26 @@ class LeafModules:
     def unmatched(self) -> list[Any]:
         """The user's entries that named no module of the model seen so far."""
         return [e for i, e in enumerate(self.extra) if i not in self.matched]
+
+    def refuse_unmatched(self, field: str, module: torch.nn.Module) -> None:
+        """Raise, naming ``field`` and the model's module classes, if an entry named no module of ``module``."""
+        unmatched = self.unmatched()
+        if unmatched:
+            classes = sorted({type(m).__name__ for m in module.modules()})
+            raise ValueError(
+                f"{field}={list(self.extra)!r}: {unmatched!r} names no module of this model; give a module class, "
+                f"its name or an importable path (pkg.module.Class). The model's module classes: {', '.join(classes)}."
+            )
+
+
+class LeafModules(ModuleClasses):
+    """Which modules are leaves: instances of ``ALWAYS_LEAVES``, parametrized modules, or instances of the classes
+    ``ChunkConfig.leaf_modules`` names."""
+
+    def __call__(self, mod: torch.nn.Module) -> bool:
+        if isinstance(mod, ALWAYS_LEAVES) or parametrize.is_parametrized(mod):
+            return True
+        return super().__call__(mod)
 
 
 def _import_class(name: str) -> type | None:

@@ -52,14 +52,7 @@ class ModuleOwners:
             if own:
                 self.owned[key] = own
                 self.index[key] = len(self.index)
-        unmatched = is_leaf.unmatched()
-        if unmatched:
-            classes = sorted({type(m).__name__ for m in module.modules()})
-            raise ValueError(
-                f"leaf_modules={list(is_leaf.extra)!r}: {unmatched!r} names no module of this model; give "
-                "a module class, its name or an importable path (pkg.module.Class). The model's module "
-                f"classes: {', '.join(classes)}."
-            )
+        is_leaf.refuse_unmatched("leaf_modules", module)
 
     def chunks_of(self, key: str) -> tuple[int, ...]:
         """The chunks that hold the parameters ``key`` owns, in the current layout."""
