@@ -11,5 +11,5 @@ def test_the_configuration_page_is_current():
 
 def test_every_argument_and_group_field_has_a_row_with_its_meaning():
     rows = [line for line in tables().splitlines() if line.startswith("| `")]
-    assert len(rows) == 12 + 13 + 6 + 5  # the arguments, then MemoryOptions, OffloadOptions, CheckOptions
+    assert len(rows) == 12 + 14 + 6 + 5  # the arguments, then MemoryOptions, OffloadOptions, CheckOptions
     assert all(line.split(" | ")[2].strip() for line in rows)  # a meaning in every row
