@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from .engine.files.torchfile import StreamingTorchFile
 from .engine.state.checkpoint import (
@@ -124,6 +125,31 @@ def consolidate(
         raise
     replace_dir(tmp, out) if out.is_dir() else os.replace(tmp, out)
     return out
+
+
+def read_checkpoint(path: str | Path, map_location: Any = None) -> dict[str, Any]:
+    """A sharded checkpoint as ``torch.load`` gives a plain Lightning checkpoint file, without the optimizer state:
+    the whole weights under ``state_dict`` and what else the saver put in beside them (hyperparameters, callbacks'
+    and loops' states). Weights left out of the save (keys deleted in ``on_save_checkpoint``) are left out here.
+    ``map_location``, a device or its name, moves every tensor; otherwise they stay on the CPU."""
+    path = check_checkpoint_dir(path)
+    meta = read_meta(path)
+    ck = meta[KEY]
+    params: dict[str, torch.Tensor] = {}
+    for _, spec, full in iter_saved_chunks(path, meta, weights_key(meta, path)):
+        for name, off, numel, shape in spec["slots"]:
+            params[name] = full[off : off + numel].view(shape).to(getattr(torch, ck["param_dtypes"][name]), copy=True)
+        del full
+    entries, aliases = ck.get("entries", {}), ck["aliases"]
+    obj = {k: v for k, v in meta.items() if k not in (KEY, OPTIMIZERS_KEY)}
+    obj[MODEL_KEY] = {
+        k: entries[k] if k in entries else params[aliases[k]] if k in aliases else ck["buffers"][k]
+        for k in ck["state_dict_keys"]
+        if k in entries or aliases.get(k, "") in params or k in ck["buffers"]
+    }
+    if isinstance(map_location, (str, torch.device)):
+        obj = apply_to_collection(obj, torch.Tensor, lambda t: t.to(map_location))
+    return obj
 
 
 def check_output(checkpoint: Path, out: str | Path, *, force: bool = False) -> Path:
