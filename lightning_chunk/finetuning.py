@@ -33,7 +33,7 @@ def follow_finetuning(trainer: pl.Trainer, engine: ChunkEngine) -> None:
     Its check that a parameter is not in the optimizer already (``filter_on_optimizer``, which compares values)
     compares the module's parameters with views, as the other steps of the callback run unchanged. A released
     parameter's placeholder compares unequal to every view, so the check finds it new, as it is; the reads it makes
-    are not refused ([Note: released parameters read between steps] in ``engine/runtime/reads.py``): its
+    are not refused ([Note: released parameters read between steps] in ``engine/runtime/between_steps.py``): its
     ``finetune_function`` runs with that check suspended.
     """
     for cb in trainer.callbacks:  # type: ignore[attr-defined]

@@ -75,7 +75,7 @@ def released_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.de
     no memory, a read gives NaN, not a crash, and any write into it raises ("more than one element of the
     written-to tensor refers to a single memory location"), so nothing a user writes is silently lost. Read by
     attribute between steps, a read raises too ([Note: released parameters read between steps] in
-    ``runtime/reads.py``). Gathering
+    ``runtime/between_steps.py``). Gathering
     the chunk points the parameter back at its view of the payload. Tensors autograd saved are the parameters
     themselves (a node reads ``.data`` when it runs, after the pre-backward gather) or views of the payload's
     storage (valid again once it is re-filled), so training never sees the placeholder. Reading and writing the

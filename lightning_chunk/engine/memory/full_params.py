@@ -315,7 +315,7 @@ _MODULE_CODE = (os.path.join("torch", "nn", "modules", "module.py"), os.path.joi
 
 def released_read(mgr: Any, param: torch.Tensor) -> bool:
     """``param`` is a parameter of a released chunk, read by attribute or iteration by code outside this package
-    ([Note: released parameters read between steps] in ``runtime/reads.py``); for a reader called by the watch."""
+    ([Note: released parameters read between steps] in ``runtime/between_steps.py``); for a watch reader."""
     where = mgr.find(param)
     return where is not None and where[0].params_parked and not _read_by_this_package(depth=3)
 

@@ -65,13 +65,13 @@ from ..memory.module_state import state_dict_hooks
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
 from .batches import tensors_in
+from .between_steps import BetweenSteps
 from .module_backward import ModuleBackwards
 from .moments import MomentClock, in_backward
 from .outside_autocast import OutsideAutocast
 from .owners import ModuleOwners, leaf_hint
 from .pieces import GradPieces
 from .reads import (
-    BetweenSteps,
     ReleasedReads,
     current_reader,
     reading,
