@@ -209,7 +209,7 @@ class ChunkPrecision(Precision):
         if self.engine.hooks.closed is None:  # outside full_parameters(): the gradients are in the shards
             refuse_clipping_without_gradients(param, self.engine.manager.params)
             if released_read(self.engine.manager, param):  # its value: [Note: released parameters read between steps]
-                self.engine.hooks.between.arm(param, "between the backward and the optimizer step")
+                self.engine.hooks.between.arm(param, where="between the backward and the optimizer step")
 
     def _missing_grad(self, param: Tensor) -> None:
         engine = self.engine

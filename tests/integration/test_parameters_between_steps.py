@@ -7,6 +7,7 @@ crashed on two ranks or left the raw weights where the averaged ones belonged.""
 
 import contextlib
 import copy
+import warnings
 
 import lightning as L
 import pytest
@@ -251,6 +252,8 @@ def test_reading_weights_between_steps_is_not_taken_for_a_write(tmp_path):
         **{**kw, "callbacks": [ReadsEveryWeight(), ModelCheckpoint(tmp_path / "b", every_n_train_steps=2)]},
     )
     assert_same_params(ref, got, EXACT)
+    # read between the forward and its backward: the check armed there left the thread's modes with the backward
+    assert torch._C._len_torch_function_stack() == 0
 
 
 @pytest.mark.parametrize("write", ["in place", "assign", "through .data"])
@@ -491,3 +494,37 @@ def test_what_full_parameters_with_grads_cannot_do_is_refused():
 
     with pytest.raises(ValueError, match="not possible with step_in_backward=True"):
         fit(chunked(step_in_backward=True), steps=3, callbacks=[GradNormsAndEdits()])
+
+
+class GradsAfterTheStep(L.Callback):
+    """Counts the parameters with a gradient after each step, as a callback logging gradient histograms reads them
+    (``grads``: the counts), or only reads the weights' shapes (``grads=False``)."""
+
+    def __init__(self, grads: bool = True) -> None:
+        self.grads, self.counts = grads, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.grads:
+            self.counts.append(sum(p.grad is not None for p in pl_module.parameters()))
+        else:
+            self.counts.append(sum(p.numel() for p in pl_module.parameters()))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(placement="host")], ids=["defaults", "host"])
+def test_gradients_read_after_the_step_warn_once_naming_where_they_are(kw):
+    """Plain Lightning keeps each step's gradients on the parameters until the next backward; here they are in the
+    shards, and a callback reading them after the step found none, without a word ([Note: gradients read after the
+    step]). Lightning's own reads between steps (the model summary, ``zero_grad`` before validation) say nothing."""
+    ref_cb, got_cb = GradsAfterTheStep(), GradsAfterTheStep()
+    fit("auto", steps=3, callbacks=[ref_cb])
+    with pytest.warns(UserWarning, match=r"param\.grad of 'embed\.weight' was read between steps and is None") as w:
+        fit(chunked(**kw), steps=3, callbacks=[got_cb])
+    assert ref_cb.counts == [16] * 3 and got_cb.counts == [0] * 3
+    assert sum("param.grad of" in str(x.message) for x in w) == 1
+    quiet = dict(
+        steps=4, callbacks=[GradsAfterTheStep(grads=False)], enable_model_summary=True,
+        val_dataloaders=token_data(16, seed=1), limit_val_batches=1, val_check_interval=2,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="param.grad of")
+        fit(chunked(**kw), **quiet)

@@ -277,7 +277,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def looked_at(
-    mgr: Any, is_open: Callable[[], bool], arm: Callable[[torch.Tensor], None] = lambda p: None
+    mgr: Any, is_open: Callable[[], bool], arm: Callable[[torch.Tensor, bool], None] = lambda p, released: None
 ) -> Callable[[torch.Tensor, bool], None]:
     """[Note: writes through .data]
     ``p.data.clamp_(-c, c)`` (WGAN's weight clipping as first published), ``pk.data.mul_(m).add_(pq.data, ...)``
@@ -291,20 +291,19 @@ def looked_at(
     writes into payloads (``write_back``, ``load_values``, a gather's ``point_params``) drop the notes. Code that
     touches no parameter between steps pays nothing; one that does pays a read of what it touched, twice. Reads made
     by this package (a save's ``module.state_dict(keep_vars=True)``) are not noted: the first caller on the stack
-    past torch's module code is looked at. Reading a released parameter calls ``arm`` instead ([Note: released
-    parameters read between steps] in ``runtime/reads.py``)."""
+    past torch's module code is looked at. Every such read also calls ``arm(param, released)`` ([Note: released
+    parameters read between steps] in ``runtime/between_steps.py``)."""
 
     def reader(param: torch.Tensor, by_attribute: bool) -> None:
         where = mgr.find(param)
         if where is None or is_open():
             return
         chunk, t = where
-        if chunk.params_parked:
-            if not _read_by_this_package():
-                arm(param)
-        elif t.looked is None and t.view is not None and not chunk.master_is_payload():
-            if not _read_by_this_package():
-                t.looked = bits(t.view)
+        if _read_by_this_package():
+            return
+        arm(param, chunk.params_parked)
+        if t.looked is None and t.view is not None and not chunk.params_parked and not chunk.master_is_payload():
+            t.looked = bits(t.view)
 
     return reader
 

@@ -4,7 +4,10 @@ read between steps], [Note: gradients read after the step])."""
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +15,34 @@ import torch
 from torch._C import _len_torch_function_stack, _pop_torch_function_stack, _push_on_torch_function_stack
 
 from .reads import ReleasedReads
+
+_GRAD_GET: Any = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # what a mode is handed for ``p.grad``
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lightning_chunk/
+
+
+class BetweenReads(ReleasedReads):
+    """``ReleasedReads`` between steps, which also tells ``missing`` of a ``None`` read of a trainable parameter's
+    ``.grad`` by code outside this package ([Note: gradients read after the step])."""
+
+    def __init__(self, name: Callable[[torch.Tensor], str | None], missing: Callable[[torch.Tensor], None]) -> None:
+        super().__init__(name, between=True)
+        self.missing = missing
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func == _GRAD_GET and not self.off and self.where == "between steps":
+            out = func(*args, **(kwargs or {}))
+            p, code = args[0], sys._getframe(1).f_code
+            # this package's reads, and zero_grad's (Lightning's before validation), look for no value
+            if (
+                out is None
+                and p.requires_grad
+                and code.co_name != "zero_grad"
+                and not code.co_filename.startswith(_PACKAGE)
+            ):
+                if self.name(p) is not None:
+                    self.missing(p)
+            return out
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 class BetweenSteps:
@@ -38,36 +69,65 @@ class BetweenSteps:
     in at the bottom of the stack and is taken out from wherever it is, so a mode the user's code enters and leaves
     meanwhile (``with torch.device(...)``) comes and goes as it would without it."""
 
-    def __init__(self, name: Callable[[torch.Tensor], str | None]) -> None:
+    def __init__(self, name: Callable[[torch.Tensor], str | None], *, speaks: bool = True) -> None:
         self.name = name
-        self._mode: ReleasedReads | None = None
+        self.speaks = speaks  # the rank that warns (rank 0)
+        self.grads_expected = False  # a backward ran in this fit: plain PyTorch's parameters hold gradients now
+        self._said_missing = False
+        self._mode: BetweenReads | None = None
         self._thread = 0  # the thread whose stack holds it
-        self._stale: list[ReleasedReads] = []  # disarmed from another thread (CUDA's backward): removed on its own
+        self._stale: list[BetweenReads] = []  # disarmed from another thread (CUDA's backward): removed on its own
         self._suspended = 0  # inside ``suspended``: nothing arms
 
     @property
     def armed(self) -> bool:
         return self._mode is not None
 
-    def arm(self, param: torch.Tensor, where: str = "between steps") -> None:
-        """``param``, a released parameter, was read by attribute or iteration ``where``."""
+    def arm(self, param: torch.Tensor, released: bool = True, where: str = "between steps") -> None:
+        """``param`` was read by attribute or iteration ``where``: a released parameter, or (``released=False``)
+        one whose ``.grad`` may be looked for next."""
         self._remove_stale()
-        if self._suspended:
+        if self._suspended or not (released or self.grads_expected):
             return
         if self._mode is None:
-            self._mode, self._thread = ReleasedReads(self.name, between=True), threading.get_ident()
+            self._mode, self._thread = BetweenReads(self.name, self._missing), threading.get_ident()
             above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack())]
             for m in [self._mode, *reversed(above)]:
                 _push_on_torch_function_stack(m)
         self._mode.read[tuple(param.shape)] = param
         self._mode.where = where
 
-    def disarm(self) -> None:
+    def disarm(self, *, remove: bool = True) -> None:
+        """Nothing more is checked. ``remove=False`` where the thread's mode stack is not the one the mode went into
+        (a backward hook: autograd runs it with a stack of its own); the next ``disarm`` takes it out."""
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.off = True  # passes every op through until it is out of the stack
             self._stale.append(mode)
-        self._remove_stale()
+        if remove:
+            self._remove_stale()
+
+    def _missing(self, param: torch.Tensor) -> None:
+        """[Note: gradients read after the step]
+        In plain PyTorch a parameter keeps its gradient from backward until the next ``zero_grad()``, which Lightning
+        calls just before the next backward: a callback reading ``p.grad`` in ``on_train_batch_end`` (a histogram, a
+        norm) finds this step's gradients. Here they are in the chunks' shards, and ``p.grad`` is ``None``: the
+        callback logged nothing, without a word. Once a backward has run, a read of a parameter between steps arms
+        ``BetweenReads`` (a resident one too), and a ``None`` read of a trainable parameter's ``.grad`` warns once,
+        naming it and where the gradients can be read. (After a ``zero_grad()`` by hand in manual optimization plain
+        PyTorch reads ``None`` as well; the warning says so.)"""
+        if self._said_missing or not self.speaks:
+            return
+        self._said_missing = True
+        warnings.warn(
+            f"param.grad of {self.name(param)!r} was read between steps and is None: under chunk_offload the "
+            "gradients are in the chunks' shards, not on the parameters, after the optimizer step and between the "
+            "micro-batches of an accumulation, where plain PyTorch keeps them until the next zero_grad(). Read "
+            "them in on_before_optimizer_step (or on_after_backward) inside `with "
+            "trainer.strategy.full_parameters(with_grads=True):` (every rank).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -82,13 +142,12 @@ class BetweenSteps:
     def _remove_stale(self) -> None:
         if not self._stale or threading.get_ident() != self._thread:
             return
-        above: list[Any] = []
-        while self._stale and _len_torch_function_stack():
+        kept: list[Any] = []
+        for _ in range(_len_torch_function_stack()):
             top = _pop_torch_function_stack()
-            if top in self._stale:
-                self._stale.remove(top)
+            if any(top is m for m in self._stale):
+                self._stale = [m for m in self._stale if m is not top]
             else:
-                above.append(top)
-        self._stale.clear()  # not in the stack any more
-        for m in reversed(above):
+                kept.append(top)
+        for m in reversed(kept):
             _push_on_torch_function_stack(m)

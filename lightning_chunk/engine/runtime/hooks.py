@@ -120,7 +120,7 @@ class ChunkHooks:
         self.backwards = ModuleBackwards(manager, self.owners, self._held)  # each call's backward end, where it matters
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
         self.outside_autocast = OutsideAutocast(manager)  # [Note: parameters read outside autocast]
-        self.between = BetweenSteps(self.owners.param_name)  # [Note: released parameters read between steps]
+        self.between = BetweenSteps(self.owners.param_name, speaks=manager.comm.all_rank == 0)  # between_steps.py
 
     # ============================================================ installation
     def install(self) -> None:
@@ -337,7 +337,8 @@ class ChunkHooks:
                 # the order backward completes the chunks in, near enough: reverse first use ([Note: reduce order])
                 self.manager.grads.set_reduce_order(self.tracer.forward_first_use()[::-1])
             self.manager.reducer.begin_backward(traced=self.moments.trace is not None and not self.tracer.recording)
-            self.between.disarm()  # backward reads no placeholder ([Note: released parameters read between steps])
+            self.between.disarm(remove=False)  # backward reads no placeholder (between_steps.py)
+            self.between.grads_expected = True  # [Note: gradients read after the step]
             if self.on_backward_start is not None:
                 self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
