@@ -509,22 +509,28 @@ class GradsAfterTheStep(L.Callback):
         else:
             self.counts.append(sum(p.numel() for p in pl_module.parameters()))
 
+    def on_validation_batch_end(self, trainer, pl_module, *args):
+        # after Lightning's zero_grad before validation: None in plain Lightning too
+        self.in_validation = sum(p.grad is not None for p in pl_module.parameters())
+
 
 @pytest.mark.parametrize("kw", [dict(), dict(placement="host")], ids=["defaults", "host"])
 def test_gradients_read_after_the_step_warn_once_naming_where_they_are(kw):
     """Plain Lightning keeps each step's gradients on the parameters until the next backward; here they are in the
     shards, and a callback reading them after the step found none, without a word ([Note: gradients read after the
-    step]). Lightning's own reads between steps (the model summary, ``zero_grad`` before validation) say nothing."""
+    step]). Lightning's own reads between steps (the model summary, ``zero_grad`` before validation) and reads after
+    that ``zero_grad`` (in validation, where plain Lightning has none either) say nothing."""
     ref_cb, got_cb = GradsAfterTheStep(), GradsAfterTheStep()
     fit("auto", steps=3, callbacks=[ref_cb])
     with pytest.warns(UserWarning, match=r"param\.grad of 'embed\.weight' was read between steps and is None") as w:
         fit(chunked(**kw), steps=3, callbacks=[got_cb])
     assert ref_cb.counts == [16] * 3 and got_cb.counts == [0] * 3
     assert sum("param.grad of" in str(x.message) for x in w) == 1
-    quiet = dict(
+    quiet: dict = dict(
         steps=4, callbacks=[GradsAfterTheStep(grads=False)], enable_model_summary=True,
         val_dataloaders=token_data(16, seed=1), limit_val_batches=1, val_check_interval=2,
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="param.grad of")
         fit(chunked(**kw), **quiet)
+    assert quiet["callbacks"][0].in_validation == 0

@@ -116,7 +116,7 @@ class BetweenSteps:
         ``BetweenReads`` (a resident one too), and a ``None`` read of a trainable parameter's ``.grad`` warns once,
         naming it and where the gradients can be read. (After a ``zero_grad()`` by hand in manual optimization plain
         PyTorch reads ``None`` as well; the warning says so.)"""
-        if self._said_missing or not self.speaks:
+        if self._said_missing or not self.speaks or not self.grads_expected:
             return
         self._said_missing = True
         warnings.warn(

@@ -391,6 +391,7 @@ class ChunkHooks:
     def step_scope(self, *, training: bool, record: bool = False) -> Iterator[Callable[[Any], None]]:
         """One micro-batch (training) or one evaluation step. Yields ``outputs(obj)`` to register the step's outputs."""
         self.between.disarm()
+        self.between.grads_expected &= training  # Lightning's zero_grad before validation: none in plain either
         self.grad_graph.reset()  # a graph built by a backward with create_graph=True that no backward consumed
         self._rolled = self._in_step = True  # in a step every rank runs the same forwards
         # parameters held by an iteration in the last micro-batch that are still in use (an evaluation step's, whose
