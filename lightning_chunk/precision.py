@@ -40,6 +40,7 @@ from .engine.config import OWN_DTYPE_MODULES
 from .engine.memory.full_params import released_read
 from .engine.optim import shard_norms
 from .engine.optim.scaler import DynamicLossScaler
+from .engine.runtime.between_steps import Window
 from .engine.runtime.reads import reading, refuse_clipping_without_gradients
 
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
@@ -209,7 +210,7 @@ class ChunkPrecision(Precision):
         if self.engine.hooks.closed is None:  # outside full_parameters(): the gradients are in the shards
             refuse_clipping_without_gradients(param, self.engine.manager.params)
             if released_read(self.engine.manager, param):  # its value: [Note: released parameters read between steps]
-                self.engine.hooks.between.arm(param, where="between the backward and the optimizer step")
+                self.engine.hooks.between.arm(param, where=Window.BEFORE_THE_STEP)
 
     def _missing_grad(self, param: Tensor) -> None:
         engine = self.engine

@@ -43,7 +43,7 @@ from ..errors import ChunkError
 
 _CLIP_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
 _NORMS = frozenset({"_foreach_norm", "vector_norm", "norm"})
-_GRAD_GET: Any = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # what a mode is handed for ``p.grad``
+GRAD_GET: Any = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # what a mode is handed for ``p.grad``
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lightning_chunk/
 
 
@@ -54,6 +54,17 @@ class Missing(NamedTuple):
 
     index_of: Mapping[int, int]
     said: Callable[[torch.Tensor], None]
+
+    def read(self, args: tuple, kwargs: dict) -> Any:
+        """``p.grad`` for a mode handed ``GRAD_GET``, telling ``said`` where it is ``None`` on a trainable module
+        parameter and the reader (two frames up: past the mode) is not this package nor a ``zero_grad``, whose reads
+        look for no value."""
+        out = GRAD_GET(*args, **kwargs)
+        p, code = args[0], sys._getframe(2).f_code
+        if out is None and id(p) in self.index_of and p.requires_grad and code.co_name != "zero_grad":
+            if not code.co_filename.startswith(_PACKAGE):
+                self.said(p)
+        return out
 
 
 class ShardNorms(TorchFunctionMode):
@@ -70,12 +81,8 @@ class ShardNorms(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.missing is not None and func == _GRAD_GET:
-            out = func(*args, **kwargs)
-            if out is None and id(args[0]) in self.missing.index_of and args[0].requires_grad:
-                if not sys._getframe(1).f_code.co_filename.startswith(_PACKAGE):
-                    self.missing.said(args[0])
-            return out
+        if self.missing is not None and func == GRAD_GET:
+            return self.missing.read(args, kwargs)
         if self.world_size > 1 and getattr(func, "__name__", "") in _NORMS and _called_from_clip_grad():
             mine = {id(g) for g in self.grads()}
             if any(isinstance(t, torch.Tensor) and id(t) in mine for t in tree_flatten((args, kwargs))[0]):

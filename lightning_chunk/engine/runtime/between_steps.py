@@ -4,45 +4,60 @@ read between steps], [Note: gradients read after the step])."""
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
+import enum
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch._C import _len_torch_function_stack, _pop_torch_function_stack, _push_on_torch_function_stack
 
+from ..errors import ChunkError
+from ..optim.shard_norms import GRAD_GET, Missing
 from .reads import ReleasedReads
 
-_GRAD_GET: Any = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # what a mode is handed for ``p.grad``
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # lightning_chunk/
+
+class Window(enum.Enum):
+    """Where a released parameter was read, as the refusal says it."""
+
+    BETWEEN_STEPS = "between steps"
+    BEFORE_THE_STEP = "between the backward and the optimizer step"  # on_after_backward, on_before_optimizer_step
 
 
 class BetweenReads(ReleasedReads):
-    """``ReleasedReads`` between steps, which also tells ``missing`` of a ``None`` read of a trainable parameter's
-    ``.grad`` by code outside this package ([Note: gradients read after the step])."""
+    """``ReleasedReads`` armed between steps ([Note: released parameters read between steps]), which also tells
+    ``missing`` of a ``None`` read of a trainable parameter's ``.grad`` ([Note: gradients read after the step])."""
 
-    def __init__(self, name: Callable[[torch.Tensor], str | None], missing: Callable[[torch.Tensor], None]) -> None:
-        super().__init__(name, between=True)
+    def __init__(self, name: Callable[[torch.Tensor], str | None], missing: Missing) -> None:
+        super().__init__(name)
         self.missing = missing
+        self.where = Window.BETWEEN_STEPS
+        self.read: dict[tuple[int, ...], torch.Tensor] = {}  # the last parameter read, by shape
+        self.off = False  # disarmed while another mode stood above it: passes every op through
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func == _GRAD_GET and not self.off and self.where == "between steps":
-            out = func(*args, **(kwargs or {}))
-            p, code = args[0], sys._getframe(1).f_code
-            # this package's reads, and zero_grad's (Lightning's before validation), look for no value
-            if (
-                out is None
-                and p.requires_grad
-                and code.co_name != "zero_grad"
-                and not code.co_filename.startswith(_PACKAGE)
-            ):
-                if self.name(p) is not None:
-                    self.missing(p)
-            return out
+        if self.off:
+            return func(*args, **(kwargs or {}))
+        if func == GRAD_GET and self.where is Window.BETWEEN_STEPS:
+            return self.missing.read(args, kwargs or {})
         return super().__torch_function__(func, types, args, kwargs)
+
+    def _refusal(self, func: Any, t: torch.Tensor) -> ChunkError:
+        what = self.name(t)
+        if what is None and tuple(t.shape) in self.read:  # a view or detached copy (``p.detach().clone()``)
+            what = self.name(self.read[tuple(t.shape)])
+        fn = getattr(func, "__name__", str(func))
+        param = f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})"
+        writes = fn.endswith("_") and not fn.startswith("_")
+        return ChunkError(
+            (f"{fn} wrote into {param}" if writes else f"{fn} read {param}")
+            + f" {self.where.value}, where its chunk is released and the parameter holds a placeholder, so "
+            + ("the write would be lost" if writes else "it would compute with NaN")
+            + ". Read or write parameters between steps inside `with trainer.strategy.full_parameters():` "
+            "(every rank; ChunkOffloadStrategy.full_parameters, docs/faq.md, 'Reading or writing parameters "
+            "between steps'), or before fit; for an average of the weights use lightning_chunk.ChunkEMA."
+        )
 
 
 class BetweenSteps:
@@ -69,8 +84,11 @@ class BetweenSteps:
     in at the bottom of the stack and is taken out from wherever it is, so a mode the user's code enters and leaves
     meanwhile (``with torch.device(...)``) comes and goes as it would without it."""
 
-    def __init__(self, name: Callable[[torch.Tensor], str | None], *, speaks: bool = True) -> None:
+    def __init__(
+        self, name: Callable[[torch.Tensor], str | None], index_of: Mapping[int, int], *, speaks: bool = True
+    ) -> None:
         self.name = name
+        self.index_of = index_of  # the module's parameters: id -> index
         self.speaks = speaks  # the rank that warns (rank 0)
         self.grads_expected = False  # a backward ran in this fit: plain PyTorch's parameters hold gradients now
         self._said_missing = False
@@ -79,18 +97,15 @@ class BetweenSteps:
         self._stale: list[BetweenReads] = []  # disarmed from another thread (CUDA's backward): removed on its own
         self._suspended = 0  # inside ``suspended``: nothing arms
 
-    @property
-    def armed(self) -> bool:
-        return self._mode is not None
-
-    def arm(self, param: torch.Tensor, released: bool = True, where: str = "between steps") -> None:
+    def arm(self, param: torch.Tensor, released: bool = True, where: Window = Window.BETWEEN_STEPS) -> None:
         """``param`` was read by attribute or iteration ``where``: a released parameter, or (``released=False``)
         one whose ``.grad`` may be looked for next."""
         self._remove_stale()
         if self._suspended or not (released or self.grads_expected):
             return
         if self._mode is None:
-            self._mode, self._thread = BetweenReads(self.name, self._missing), threading.get_ident()
+            self._mode = BetweenReads(self.name, Missing(self.index_of, self._missing))
+            self._thread = threading.get_ident()
             above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack())]
             for m in [self._mode, *reversed(above)]:
                 _push_on_torch_function_stack(m)

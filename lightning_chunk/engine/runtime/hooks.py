@@ -120,7 +120,7 @@ class ChunkHooks:
         self.backwards = ModuleBackwards(manager, self.owners, self._held)  # each call's backward end, where it matters
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
         self.outside_autocast = OutsideAutocast(manager)  # [Note: parameters read outside autocast]
-        self.between = BetweenSteps(self.owners.param_name, speaks=manager.comm.all_rank == 0)  # between_steps.py
+        self.between = BetweenSteps(self.owners.param_name, manager.index_of, speaks=manager.comm.all_rank == 0)
 
     # ============================================================ installation
     def install(self) -> None:

@@ -160,20 +160,14 @@ class ReleasedReads(TorchFunctionMode):
     ``name(tensor)``: the parameter's name, if ``tensor`` is a managed parameter. ``marks``: under mixed precision,
     what marks the parameters ops read with autocast off ([Note: parameters read outside autocast])."""
 
-    def __init__(
-        self, name: Callable[[torch.Tensor], str | None], marks: OutsideAutocast | None = None, between: bool = False
-    ) -> None:
+    def __init__(self, name: Callable[[torch.Tensor], str | None], marks: OutsideAutocast | None = None) -> None:
         super().__init__()
         self.name = name
         self.marks = marks
-        self.between = between  # armed between steps ([Note: released parameters read between steps])
-        self.where = "between steps"  # or between a backward and its step, for the message
-        self.read: dict[tuple[int, ...], torch.Tensor] = {}  # between steps: the last parameter read, by shape
-        self.off = False  # disarmed while another mode stood above it: passes every op through
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.off and getattr(func, "__name__", "") not in _NOT_READS:
+        if getattr(func, "__name__", "") not in _NOT_READS:
             flat, spec = tree_flatten((args, kwargs)) if self.marks is not None else (_tensors(args, kwargs), None)
             released = placeholder_storages()
             if released:
@@ -186,23 +180,10 @@ class ReleasedReads(TorchFunctionMode):
 
     def _refusal(self, func: Any, t: torch.Tensor) -> ChunkError:
         what = self.name(t)
-        if what is None and tuple(t.shape) in self.read:  # a view or detached copy (``p.detach().clone()``)
-            what = self.name(self.read[tuple(t.shape)])
-        fn = getattr(func, "__name__", str(func))
-        param = f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})"
-        read = f"{fn} read {param}"
-        if self.between:
-            writes = fn.endswith("_") and not fn.startswith("_")
-            return ChunkError(
-                (f"{fn} wrote into {param}" if writes else read)
-                + f" {self.where}, where its chunk is released and the parameter holds a placeholder, so "
-                + ("the write would be lost" if writes else "it would compute with NaN")
-                + ". Read or write parameters between steps inside `with trainer.strategy.full_parameters():` "
-                "(every rank; ChunkOffloadStrategy.full_parameters, docs/faq.md, 'Reading or writing parameters "
-                "between steps'), or before fit; for an average of the weights use lightning_chunk.ChunkEMA."
-            )
         return ChunkError(
-            f"{read} while its chunk was released: the code holds a reference the engine cannot follow "
+            f"{getattr(func, '__name__', func)} read "
+            + (f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})")
+            + " while its chunk was released: the code holds a reference the engine cannot follow "
             "(a list or closure made before training, not a module attribute), so it would compute "
             "with NaN. Read the parameter as an attribute of its module (self.tok.weight), or name "
             "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
