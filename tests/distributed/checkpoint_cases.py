@@ -56,7 +56,7 @@ def run_resume(out: Path) -> None:
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    results = {}
+    results, loaded = {}, {}
     for name, make in [
         ("ddp", lambda: "ddp"),
         (
@@ -78,11 +78,14 @@ def run_resume(out: Path) -> None:
         t2.fit(resumed, token_data(), ckpt_path=ckdir / "step=4.ckpt")
         opt = {f"opt.{k}.{n}": v for k, st in t2.optimizers[0].state_dict()["state"].items() for n, v in st.items()}
         results[name] = ({**{k: v.clone() for k, v in resumed.state_dict().items()}, **opt}, metrics[0]["rank_mean"])
-        if t2.global_rank == 0:
+        if t2.global_rank == 0:  # as a user reads the model back: [Note: load_from_checkpoint on a directory]
+            saved_chunks.load_chunk = whole  # a whole read of every chunk, not the resume's reads counted above
+            loaded[name] = LogsRank.load_from_checkpoint(ckdir / "step=4.ckpt").state_dict()
+            saved_chunks.load_chunk = counting
             shutil.rmtree(ckdir, ignore_errors=True)
     rank = t2.global_rank
     if rank == 0:
-        torch.save({"ref": results["ddp"][0], "got": results["chunk"][0]}, out / "resume.pt")
+        torch.save({"ref": results["ddp"][0], "got": results["chunk"][0], "loaded": loaded}, out / "resume.pt")
     (out / f"resume.rank{rank}.json").write_text(json.dumps({k: v[1] for k, v in results.items()}))
     (out / f"resume.read{rank}.json").write_text(json.dumps(read))
     print(f"CASE-DONE resume rank={rank}", flush=True)

@@ -209,6 +209,11 @@ def test_checkpoint_written_on_two_ranks_resumes_like_ddp_and_sync_dist_reduces(
     d = torch.load(out / "resume.pt")
     for k, v in d["ref"].items():
         torch.testing.assert_close(d["got"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    # LightningModule.load_from_checkpoint of the directory both ranks wrote: DDP's file's values, bit for bit
+    ddp, chunk = d["loaded"]["ddp"], d["loaded"]["chunk"]
+    assert list(chunk) == list(ddp)
+    for k, v in ddp.items():
+        torch.testing.assert_close(chunk[k], v, rtol=0, atol=0, msg=lambda m: f"loaded {k}: {m}")
 
 
 @pytest.mark.cases("save_inside_a_step")

@@ -45,19 +45,38 @@ def test_blocks_named_in_the_config_are_recomputed_and_train_like_plain_lightnin
     assert got.trainer_ref.strategy.memory_stats()["nonmodel_peak_bytes"] < plain["nonmodel_peak_bytes"]
 
 
-def test_a_second_fit_and_a_model_that_checkpoints_itself_are_left_as_they_are():
+def _built(checkpointed: bool) -> DropoutBlocks:
+    """DropoutBlocks with the seed ``fit`` uses, its second block checkpointed by the model itself if asked."""
     from torch.distributed._composable import checkpoint
 
-    got = DropoutBlocks(build=False)
+    model = DropoutBlocks(build=False)
     torch.manual_seed(7)
-    got.build()
-    checkpoint(got.blocks[1])  # the model's own
-    strategy = _chunked(activation_checkpointing=["Sequential"])
-    fit(strategy, steps=2, cls=lambda **_: got)
-    fit(_chunked(activation_checkpointing=["Sequential"]), steps=4, cls=lambda **_: got)  # checkpointed already
-    assert got.trainer_ref.global_step == 4 and got.calls_first == 2 * (2 + 4)
+    model.build()
+    if checkpointed:
+        checkpoint(model.blocks[1])
+    return model
+
+
+def test_a_second_fit_and_a_model_that_checkpoints_itself_are_left_as_they_are_and_train_like_plain_lightning():
+    from torch.distributed._composable import checkpoint
+
+    ref, got = _built(False), _built(True)
+    for steps in (2, 4):  # a second fit on the same model: its blocks are checkpointed already
+        fit("auto", steps=steps, cls=lambda **_: ref)
+        fit(_chunked(activation_checkpointing=["Sequential"]), steps=steps, cls=lambda **_: got)
+    assert_same_params(ref, got, EXACT)
+    assert got.calls_first == 2 * ref.calls_first == 2 * (2 + 4)
     assert checkpoint.state(got.blocks[0]) is not None and checkpoint.state(got.norm) is None
-    assert torch.isfinite(torch.stack([p.float().norm() for p in got.parameters()])).all()
+
+
+def test_the_automatic_chunk_size_a_device_limit_and_accumulation_train_like_plain_lightning():
+    run = dict(steps=4, cls=DropoutBlocks, accumulate_grad_batches=2)
+    ref = fit("auto", **run)
+    kw = dict(optimizer_kernel="loop", device_memory_limit=80_000, activation_checkpointing=["Sequential"])
+    got = fit(ChunkOffloadStrategy(**grouped(kw)), **run)
+    assert_same_params(ref, got, EXACT)
+    assert got.calls_first == 2 * ref.calls_first == 2 * 8
+    assert got.trainer_ref.strategy.memory_stats()["evictions"] > 0  # the limit binds
 
 
 @pytest.mark.parametrize(
