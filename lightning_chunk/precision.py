@@ -182,6 +182,7 @@ class ChunkPrecision(Precision):
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         with self._grad_window():  # on_after_backward
             out = super().post_backward(tensor, module)
+        self.engine.hooks.between.guard()  # [Note: released parameters read between steps]
         if not module.automatic_optimization:  # the user's code up to opt.step()
             self._manual_norms.open(self._view_grads, self.engine.comm.world_size, self._missing())
         return out
@@ -231,6 +232,7 @@ class ChunkPrecision(Precision):
         """Between backward and the step: reads of parameters and of their ``.grad`` watched, norms over the
         optimizer's shards refused ([Note: gradients read where they are not]; [Note: a norm over the optimizer's
         gradient shards] in ``engine/optim/shard_norms.py``)."""
+        self.engine.hooks.between.guard(Window.BEFORE_THE_STEP)
         try:
             with reading(self._watch_grad_reads), self._shard_norms():
                 yield
@@ -246,6 +248,7 @@ class ChunkPrecision(Precision):
         if isinstance(optimizer, _MockOptimizer):  # configure_optimizers() returned None: a backward, no step
             with self._grad_window():
                 self._after_closure(model, optimizer)
+            engine.hooks.between.guard()
             return closure_result
         engine.hooks.between.disarm()  # the step reads no placeholder ([Note: released parameters read between steps])
         # ``training_step`` returned None: no backward. As Lightning's precisions do, step with what the earlier
@@ -265,6 +268,7 @@ class ChunkPrecision(Precision):
         if self.scaler is not None and not skipped_backward:
             self.scaler.update(found_inf)
         engine.finish_step(stepped=stepped, optimizer=optimizer)
+        engine.hooks.between.guard()
         return closure_result
 
     # ------------------------------------------------------------- clipping

@@ -1,9 +1,8 @@
 """``ChunkOffloadStrategy``: chunk-based ZeRO-3 with CPU offload as a Lightning strategy.
 
-The Lightning glue only: it builds a ``ChunkEngine`` over the LightningModule
-and the optimizers from ``configure_optimizers``, wraps each step in the
-engine's micro-batch scope, and converts checkpoints to and from the plain
-format. Everything that moves bytes lives in ``lightning_chunk.engine``.
+The Lightning glue only: it builds a ``ChunkEngine`` over the LightningModule and the optimizers from
+``configure_optimizers``, wraps each step in the engine's micro-batch scope, and converts checkpoints to and from the
+plain format. Everything that moves bytes lives in ``lightning_chunk.engine``.
 """
 
 from __future__ import annotations
@@ -56,6 +55,9 @@ PRESETS = {
     "chunk": ("device", "Chunk-based ZeRO-3 with every shard on the device (no offload)"),
     "chunk_offload_cpu": ("host", "Chunk-based ZeRO-3 with every shard on the host, payloads fetched on use"),
 }
+
+
+_LIGHTNING_PRECISIONS = frozenset({"Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision"})
 
 
 class ChunkOffloadStrategy(ChunkCheckpoints):
@@ -160,12 +162,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is not None and not isinstance(plugin, ChunkPrecision):
             precision = getattr(plugin, "precision", None)
-            if precision is None or type(plugin).__name__ not in (
-                "Precision",
-                "MixedPrecision",
-                "HalfPrecision",
-                "DoublePrecision",
-            ):
+            if precision is None or type(plugin).__name__ not in _LIGHTNING_PRECISIONS:
                 raise TypeError(
                     f"chunk_offload cannot use the precision plugin {type(plugin).__name__}; pass precision='32-true', "
                     "'bf16-mixed', 'bf16-true' or '16-mixed', or a lightning_chunk.ChunkPrecision instance."
@@ -291,6 +288,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             follow_toggles(module, self)
         if fitting:
             follow_finetuning(trainer, self.engine)  # [Note: finetuning callbacks]
+        self.engine.hooks.between.guard()  # [Note: released parameters read between steps]
 
     @contextlib.contextmanager
     def full_parameters(
@@ -352,6 +350,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     # ================================================================= steps
     def _step(self, method: str, training: bool, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
+        self.engine.hooks.between.disarm()  # what runs up to the step's own check reads no placeholder
         # every rank runs as many batches as the others; in predict, one whose batches end repeats (same_batches.py)
         trainer, engine = self.lightning_module and self.lightning_module._trainer, self.engine
         if training:  # [Note: an optimizer's parameter given another tensor] in engine/optim/binding.py
@@ -370,6 +369,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         out = run()
         if repeat:
             repeat_while_others_run(engine.comm, run)
+        if not training:
+            engine.hooks.between.guard()  # [Note: released parameters read between steps]
         return out
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

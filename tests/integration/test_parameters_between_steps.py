@@ -29,8 +29,8 @@ def chunked(**kw):
 
 
 class ReadBetweenSteps(L.Callback):
-    """Reads ``head.weight``'s metadata, its values and writes into it, between steps; a write through a reference
-    kept from before training too."""
+    """Reads ``head.weight``'s metadata, its values and writes into it, between steps; through a reference kept from
+    before training too (which the watch on module attributes does not see)."""
 
     def __init__(self) -> None:
         self.seen, self.errors = [], {}
@@ -39,10 +39,11 @@ class ReadBetweenSteps(L.Callback):
         self.kept = [pl_module.head.weight]  # before the engine is set up
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == 0:  # first thing after the step: no attribute read yet, the placeholder itself refuses
-            with pytest.raises(RuntimeError) as e, torch.no_grad():
-                self.kept[0].mul_(0)
-            self.errors["kept"] = str(e.value)
+        if batch_idx == 0:  # first thing after the step: no attribute read yet
+            for what, op in (("kept read", lambda: self.kept[0].norm()), ("kept", lambda: self.kept[0].mul_(0))):
+                with pytest.raises(ChunkError) as e, torch.no_grad():
+                    op()
+                self.errors[what] = str(e.value)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         w = pl_module.head.weight
@@ -62,7 +63,49 @@ def test_a_released_parameter_keeps_its_metadata_and_refuses_reads_and_writes_na
     assert cb.errors["read"].startswith("isnan read parameter 'head.weight' between steps")
     assert cb.errors["write"].startswith("mul_ wrote into parameter 'head.weight' between steps")
     assert "full_parameters()" in cb.errors["read"] and "the write would be lost" in cb.errors["write"]
-    assert "single memory location" in cb.errors["kept"]
+    assert cb.errors["kept read"].startswith("norm read parameter 'head.weight' between steps")  # was NaN, silently
+    assert cb.errors["kept"].startswith("mul_ wrote into parameter 'head.weight' between steps")
+
+
+class ReadsAKeptReference(L.Callback):
+    """Reads a weight through a list made before training, in ``hook``: the watch on module attributes sees nothing."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook, self.errors = hook, []
+
+    def setup(self, trainer, pl_module, stage):
+        self.kept = [pl_module.head.weight]
+
+    def __getattribute__(self, name):
+        if name == object.__getattribute__(self, "hook"):
+            return lambda *a, **k: self._read()
+        return object.__getattribute__(self, name)
+
+    def _read(self):
+        try:
+            self.kept[0].sum()
+        except ChunkError as e:
+            self.errors.append(str(e))
+
+
+@pytest.mark.parametrize(
+    "hook, where",
+    [
+        ("on_fit_start", "between steps"),
+        ("on_train_batch_end", "between steps"),  # after a micro-batch of an accumulation, and after the step
+        ("on_after_backward", "between the backward and the optimizer step"),
+        ("on_before_optimizer_step", "between the backward and the optimizer step"),
+        ("on_validation_batch_end", "between steps"),
+    ],
+)
+def test_a_released_weight_read_through_a_kept_reference_is_refused_wherever_the_user_code_runs(hook, where):
+    """Before: NaN, without a word, in every one of these hooks (the watch sees reads by attribute or iteration)."""
+    cb = ReadsAKeptReference(hook)
+    val = dict(val_dataloaders=token_data(16, seed=1), limit_val_batches=2, val_check_interval=4)
+    fit(chunked(placement="host"), steps=4, callbacks=[cb], accumulate_grad_batches=2, **val)
+    calls = {"on_fit_start": 1, "on_before_optimizer_step": 4, "on_validation_batch_end": 4}.get(hook, 8)
+    assert len(cb.errors) == calls
+    assert all(e.startswith(f"sum read parameter 'head.weight' {where}") for e in cb.errors), cb.errors[0]
 
 
 class OwnEma(ParityNet):
@@ -160,13 +203,13 @@ class ReadsUnderAMode(L.Callback):
 
 
 def test_the_check_between_steps_leaves_other_torch_function_modes_as_they_were():
-    """The check is a mode that goes in under the ones open; leaving the user's mode leaves the check, which the
-    next micro-batch removes."""
+    """The check is a mode that goes in under the ones open (it is there as the step ends, with parameters
+    released); leaving the user's mode leaves the check, which the next micro-batch removes."""
     cb = ReadsUnderAMode()
     fit(chunked(placement="host"), steps=3, callbacks=[cb])
     from torch._C import _len_torch_function_stack
 
-    assert cb.stack == [0, 2, 1] and cb.stack_in_step == 0 and _len_torch_function_stack() == 0
+    assert cb.stack == [1, 2, 1] and cb.stack_in_step == 0 and _len_torch_function_stack() == 0
 
 
 @pytest.mark.parametrize("placement", ["auto", "host"])

@@ -35,12 +35,15 @@ class BetweenReads(ReleasedReads):
         self.where = Window.BETWEEN_STEPS
         self.read: dict[tuple[int, ...], torch.Tensor] = {}  # the last parameter read, by shape
         self.off = False  # disarmed while another mode stood above it: passes every op through
+        self.grads = False  # a parameter was read by attribute or iteration: ``.grad`` reads are looked at
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if self.off:
             return func(*args, **(kwargs or {}))
-        if func == GRAD_GET and self.where is Window.BETWEEN_STEPS:
-            return self.missing.read(args, kwargs or {})
+        if func == GRAD_GET:
+            if self.grads and self.where is Window.BETWEEN_STEPS:
+                return self.missing.read(args, kwargs or {})
+            return func(*args, **(kwargs or {}))
         return super().__torch_function__(func, types, args, kwargs)
 
     def _refusal(self, func: Any, t: torch.Tensor) -> ChunkError:
@@ -68,26 +71,37 @@ class BetweenSteps:
     ``on_fit_start``, a weight's norm logged from a callback, all computed with NaN without a word. Where DeepSpeed
     and FSDP leave an empty tensor, whose reads fail, a read here gave a wrong answer.
 
-    Reading such a parameter by attribute or iteration between steps (the reader of [Note: writes through .data] in
-    ``memory/full_params.py``) or between a backward and its step (``on_after_backward``, ``on_before_optimizer_step``:
-    the reader of [Note: gradients read where they are not] in ``precision.py``), from code outside this package,
-    ``arm``s a ``ReleasedReads`` on that thread: until the next micro-batch, backward, the end of that window, the
-    optimizer step or the end of ``fit`` (``disarm``), a torch op that reads or writes a
-    placeholder raises, naming the parameter (a detached copy, by the shape of the last one read) and
-    ``full_parameters()``. Code that touches no released parameter between steps pays nothing; code that iterates them
-    without reading values (Lightning's ``zero_grad`` as a stage starts and before validation, ``ModelSummary``) pays
-    a Python call per torch op until the next micro-batch. The engine's own work between steps (a save, a repack)
-    reads no placeholder: the fast tier passes with the check armed after every micro-batch. A reference kept from
-    before training (not a module attribute) is not seen; the placeholder still refuses writes through it.
+    Whenever control goes back to the user's code with some parameter released (``guard``: the end of setup, of a
+    backward, of an optimizer step, of an evaluation step; between a backward and its step for
+    ``on_after_backward`` and ``on_before_optimizer_step``), a ``BetweenReads`` goes on that thread: until the next
+    micro-batch, the optimizer step or the end of ``fit`` (``disarm``), a torch op that reads or writes a placeholder
+    raises, naming the parameter (a detached copy, by the shape of the last one read) and ``full_parameters()``,
+    however the code reached it: by attribute, by iteration, or through a reference kept from before training, which
+    no watch on module attributes sees (it read NaN, silently, while the check waited for an attribute read). Each
+    torch op between steps then pays a Python call, about 2.6 us: 104 ops a step in a loop that logs every step with
+    a progress bar (most of them Lightning's logging and the collation of the batch), 0.3 ms a step. With every
+    parameter resident (nothing released) nothing is armed and nothing is paid. The engine's own work between steps
+    (a save, a repack) reads no placeholder, and ``disarm`` runs first as a step starts.
+
+    A read of a parameter by attribute or iteration from code outside this package (the reader of [Note: writes
+    through .data] in ``memory/full_params.py``, and of [Note: gradients read where they are not] in
+    ``precision.py``) ``arm``s the same mode, which then also looks at ``.grad`` reads ([Note: gradients read after
+    the step]); a guard alone leaves them be (``optimizer.zero_grad()`` reads every ``.grad``).
 
     Modes form a stack per thread, and ``with SomeMode():`` pops whatever is on top when it ends: the armed mode goes
     in at the bottom of the stack and is taken out from wherever it is, so a mode the user's code enters and leaves
     meanwhile (``with torch.device(...)``) comes and goes as it would without it."""
 
     def __init__(
-        self, name: Callable[[torch.Tensor], str | None], index_of: Mapping[int, int], *, speaks: bool = True
+        self,
+        name: Callable[[torch.Tensor], str | None],
+        index_of: Mapping[int, int],
+        parked: Callable[[], bool],
+        *,
+        speaks: bool = True,
     ) -> None:
         self.name = name
+        self.parked = parked  # some parameter shows a placeholder
         self.index_of = index_of  # the module's parameters: id -> index
         self.speaks = speaks  # the rank that warns (rank 0)
         self.grads_expected = False  # a backward ran in this fit: plain PyTorch's parameters hold gradients now
@@ -100,17 +114,31 @@ class BetweenSteps:
     def arm(self, param: torch.Tensor, released: bool = True, where: Window = Window.BETWEEN_STEPS) -> None:
         """``param`` was read by attribute or iteration ``where``: a released parameter, or (``released=False``)
         one whose ``.grad`` may be looked for next."""
-        self._remove_stale()
-        if self._suspended or not (released or self.grads_expected):
+        if not (released or self.grads_expected):
             return
+        mode = self._push(where)
+        if mode is not None:
+            mode.read[tuple(param.shape)] = param
+            mode.grads = True
+
+    def guard(self, where: Window = Window.BETWEEN_STEPS) -> None:
+        """Control goes back to the user's code ``where``: while a parameter shows a placeholder, an op that reads one
+        raises, however the code reached it (a reference kept from before training as well)."""
+        if self.parked():
+            self._push(where)
+
+    def _push(self, where: Window) -> BetweenReads | None:
+        self._remove_stale()
+        if self._suspended:
+            return None
         if self._mode is None:
             self._mode = BetweenReads(self.name, Missing(self.index_of, self._missing))
             self._thread = threading.get_ident()
             above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack())]
             for m in [self._mode, *reversed(above)]:
                 _push_on_torch_function_stack(m)
-        self._mode.read[tuple(param.shape)] = param
         self._mode.where = where
+        return self._mode
 
     def disarm(self, *, remove: bool = True) -> None:
         """Nothing more is checked. ``remove=False`` where the thread's mode stack is not the one the mode went into

@@ -120,7 +120,8 @@ class ChunkHooks:
         self.backwards = ModuleBackwards(manager, self.owners, self._held)  # each call's backward end, where it matters
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
         self.outside_autocast = OutsideAutocast(manager)  # [Note: parameters read outside autocast]
-        self.between = BetweenSteps(self.owners.param_name, manager.index_of, speaks=manager.comm.all_rank == 0)
+        parked = lambda: any(c.params_parked for c in manager.chunks)  # noqa: E731
+        self.between = BetweenSteps(self.owners.param_name, manager.index_of, parked, speaks=manager.comm.all_rank == 0)
 
     # ============================================================ installation
     def install(self) -> None:
