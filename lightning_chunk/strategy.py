@@ -30,7 +30,7 @@ from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.chunks.materialize import DeferredInit, meta_init
 from .engine.comm.group import shard_ranks
 from .engine.config import PlacementName
-from .engine.errors import explain_dtype_mismatch, explain_placeholder_write
+from .engine.errors import explain_dtype_mismatch, explain_user_error
 from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory import master_writes
 from .engine.memory.full_params import full_parameters
@@ -405,7 +405,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
 
     def on_exception(self, exception: BaseException) -> None:
         self._deferred_saves_on_exception(exception)  # [Note: a save inside a step] in checkpointing.py
-        explain_placeholder_write(exception)
+        explain_user_error(exception)
         policy = self.precision_plugin.dtype_policy()
         low = policy.compute_dtype if policy.mixed else None  # the payloads' dtype under a mixed precision
         explain_dtype_mismatch(exception, self.precision_plugin.precision, low)

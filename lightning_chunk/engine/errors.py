@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
 import torch
 
 
@@ -55,18 +58,44 @@ GROUPS_ADDED_HINT = (
 _PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a single memory location"
 
 
-def explain_placeholder_write(exception: BaseException) -> None:
-    """torch's error for a write into a released parameter's placeholder ([Note: a released parameter] in
-    ``chunks/chunk.py``) advises a ``clone()``, which would lose the write: say what it means here (a note, shown
-    under the traceback, Python 3.11 and later)."""
-    if isinstance(exception, RuntimeError) and _PLACEHOLDER_WRITE in str(exception) and hasattr(exception, "add_note"):
-        exception.add_note(
+def explain_user_error(exception: BaseException) -> None:
+    """Add what an error of torch's or pickle's means here (a note, shown under the traceback, Python 3.11 and later):
+    a write into a released parameter's placeholder ([Note: a released parameter] in ``chunks/chunk.py``), whose
+    error advises a ``clone()`` that would lose the write; ``torch.save(module)`` during ``fit``, which cannot pickle
+    the engine's hooks on the module."""
+    said, add_note = str(exception), getattr(exception, "add_note", None)
+    if add_note is None:
+        return
+    if isinstance(exception, RuntimeError) and _PLACEHOLDER_WRITE in said:
+        add_note(
             "chunk_offload: if this was a write into a parameter between its uses (weights clamped in a callback, a "
             "momentum encoder updated), the parameter's chunk was released and its .data is a placeholder, one NaN "
             "expanded to its shape, that refuses writes; a clone would lose the write. Write inside `with "
             "trainer.strategy.full_parameters():` on every rank (docs/faq.md, 'Reading or writing parameters "
             "between steps')."
         )
+    local = _LOCAL_OBJECT.search(said)
+    if local is not None and _ours(local.group(1)):
+        add_note(
+            "chunk_offload: while fit runs, the modules carry the engine's hooks, which cannot be pickled, and "
+            "their parameters hold chunk views or placeholders rather than whole values, so torch.save(module) or "
+            "pickle cannot save the model then. Save the weights: torch.save(module.state_dict(), path) (one rank), "
+            "inside `with trainer.strategy.full_parameters():` (every rank), or trainer.save_checkpoint(path); or "
+            "save the module after fit returns, when it is plain again."
+        )
+
+
+_LOCAL_OBJECT = re.compile(r"(?:pickle|get) local object '(\w+)\.")
+
+
+def _ours(name: str) -> bool:
+    """A class or function of that name is defined in this package (a hook's closure's owner)."""
+    package = __name__.split(".")[0]
+    return any(
+        getattr(getattr(m, name, None), "__module__", "") == k
+        for k, m in list(sys.modules.items())
+        if k.split(".")[0] == package
+    )
 
 
 _LOW_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half"}

@@ -2,6 +2,7 @@
 internals), one rank against plain Lightning. The two-rank versions run in tests/distributed/."""
 
 import contextlib
+import sys
 import warnings
 
 import lightning as L
@@ -435,3 +436,28 @@ def test_a_fit_with_no_optimizer_runs_saves_and_resumes_as_plain_lightning_s(tmp
     resumed = fit(ChunkOffloadStrategy(**grouped(kw)), steps=6, cls=NoOptimizer, ckpt_path=ckpt)
     assert resumed.trainer_ref.global_step == 6
     assert_same_params(ref, resumed, EXACT)
+
+
+# ------------------------------------------------------------------ the whole module pickled
+class PicklesItself(ParityNet):
+    def __init__(self, path: str = "", **kw) -> None:
+        super().__init__(**kw)
+        self.path = path
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        torch.save(self, self.path)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11's")
+def test_torch_save_of_the_module_during_fit_says_why_and_what_to_save_and_after_fit_works(tmp_path):
+    """Plain Lightning pickles the module mid-fit; here the engine's hooks are on it and its parameters are chunk
+    views: the error was pickle's alone ("Can't pickle local object 'ChunkHooks...'"). Now a note says what to save."""
+    path = str(tmp_path / "m.pt")
+    with pytest.raises(AttributeError, match="local object") as e:
+        fit(ChunkOffloadStrategy(), steps=2, cls=PicklesItself, model_kwargs=dict(path=path))
+    notes = getattr(e.value, "__notes__", [])
+    assert any("torch.save(module.state_dict(), path)" in n and "after fit returns" in n for n in notes), notes
+    model = fit(ChunkOffloadStrategy(placement="host"), steps=2)
+    torch.save(model, path)
+    again = torch.load(path, weights_only=False)
+    assert_same_params(model, again, EXACT)
