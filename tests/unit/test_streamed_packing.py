@@ -71,5 +71,7 @@ def test_set_up_peak_is_the_model_plus_about_two_chunks(mode, placement):
     # eager: the values exist before the pack, so only the pack's own buffers count; deferred: the values appear
     # during the pack, chunk by chunk
     grown = m["peak"] - m["before"]
-    allowed = (0 if mode == "eager" else model) + m["padding"] + 2 * chunk * 4 + 4 * MiB  # + the allocator's slack
+    # + the allocator's and Python's slack: deferred on the host leaves 0.1-0.2 MiB of 4 MiB unused, and went 16 KiB
+    # over once on a loaded machine (2026-12-02)
+    allowed = (0 if mode == "eager" else model) + m["padding"] + 2 * chunk * 4 + 6 * MiB
     assert grown <= allowed, (m, grown / MiB, allowed / MiB)
