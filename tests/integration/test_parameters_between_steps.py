@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, StochasticWeightAveraging, WeightAveraging
+from torch._C import _len_torch_function_stack
 
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine import ChunkError
@@ -106,6 +107,34 @@ def test_a_released_weight_read_through_a_kept_reference_is_refused_wherever_the
     calls = {"on_fit_start": 1, "on_before_optimizer_step": 4, "on_validation_batch_end": 4}.get(hook, 8)
     assert len(cb.errors) == calls
     assert all(e.startswith(f"sum read parameter 'head.weight' {where}") for e in cb.errors), cb.errors[0]
+
+
+class ForwardOutsideAStep(L.Callback):
+    """A forward in ``on_train_batch_end`` (a sample generated every step), then a read through a kept reference."""
+
+    def __init__(self) -> None:
+        self.after, self.outputs = [], []
+
+    def setup(self, trainer, pl_module, stage):
+        self.kept = [pl_module.head.weight]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with torch.no_grad():
+            self.outputs.append(pl_module(batch[0]))
+        self.after.append(_len_torch_function_stack())
+        if isinstance(trainer.strategy, ChunkOffloadStrategy):
+            with pytest.raises(ChunkError, match="'head.weight' between steps"):
+                self.kept[0].sum()
+
+
+def test_a_forward_outside_a_step_under_the_check_computes_plain_lightning_s_outputs_and_leaves_the_check_on():
+    """Its modules' hooks gather what the forward reads while the check looks at every op."""
+    ref_cb, got_cb = ForwardOutsideAStep(), ForwardOutsideAStep()
+    ref, got = fit("auto", steps=3, callbacks=[ref_cb]), fit(chunked(placement="host"), steps=3, callbacks=[got_cb])
+    assert_same_params(ref, got, EXACT)
+    for a, b in zip(ref_cb.outputs, got_cb.outputs, strict=True):
+        torch.testing.assert_close(b, a, **EXACT)
+    assert ref_cb.after == [0] * 3 and got_cb.after == [1] * 3
 
 
 class OwnEma(ParityNet):

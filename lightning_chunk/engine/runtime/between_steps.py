@@ -79,9 +79,11 @@ class BetweenSteps:
     however the code reached it: by attribute, by iteration, or through a reference kept from before training, which
     no watch on module attributes sees (it read NaN, silently, while the check waited for an attribute read). Each
     torch op between steps then pays a Python call, about 2.6 us: 104 ops a step in a loop that logs every step with
-    a progress bar (most of them Lightning's logging and the collation of the batch), 0.3 ms a step. With every
-    parameter resident (nothing released) nothing is armed and nothing is paid. The engine's own work between steps
-    (a save, a repack) reads no placeholder, and ``disarm`` runs first as a step starts.
+    a progress bar (most of them Lightning's logging and the collation of the batch), 0.3 ms a step. A forward outside
+    a step (a sample generated in a callback) pays it on each op as well, beside gathering every released chunk it
+    reads, which costs far more. With every parameter resident (nothing released) nothing is armed or paid. The
+    engine's own work between steps (a save, a repack) reads no placeholder, and ``disarm`` runs first as a step
+    starts.
 
     A read of a parameter by attribute or iteration from code outside this package (the reader of [Note: writes
     through .data] in ``memory/full_params.py``, and of [Note: gradients read where they are not] in
