@@ -49,6 +49,8 @@ class ReadBetweenSteps(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         w = pl_module.head.weight
         self.seen.append((tuple(w.shape), w.dtype, w.device, w.requires_grad, w.numel()))
+        # what code that counts, lists or checks parameters asks (``type()``, ``is_pinned()``... were refused)
+        self.seen.append((w.type(), w.is_complex(), w.is_signed(), w.is_pinned(), w.is_inference(), w.dim_order()))
         for what, op in (("read", lambda: torch.isnan(w).all()), ("write", lambda: w.mul_(0))):
             with pytest.raises(ChunkError) as e, torch.no_grad():
                 op()
@@ -60,7 +62,14 @@ def test_a_released_parameter_keeps_its_metadata_and_refuses_reads_and_writes_na
     by the placeholder ([Note: a released parameter]), which still refuses one through a reference kept from before."""
     cb = ReadBetweenSteps()
     fit(chunked(placement="host"), steps=4, callbacks=[cb])
-    assert cb.seen == [((48, 32), torch.float32, torch.device("cpu"), True, 48 * 32)] * 4
+    assert (
+        cb.seen
+        == [
+            ((48, 32), torch.float32, torch.device("cpu"), True, 48 * 32),
+            ("torch.FloatTensor", False, True, False, False, (0, 1)),
+        ]
+        * 4
+    )
     assert cb.errors["read"].startswith("isnan read parameter 'head.weight' between steps")
     assert cb.errors["write"].startswith("mul_ wrote into parameter 'head.weight' between steps")
     assert "full_parameters()" in cb.errors["read"] and "the write would be lost" in cb.errors["write"]

@@ -114,6 +114,18 @@ _NOT_READS = frozenset(
         "data_ptr",
         "element_size",
         "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "is_inference",
+        "is_pinned",
+        "is_shared",
+        "is_set_to",
+        "is_same_size",
+        "is_conj",
+        "is_neg",
+        "dim_order",
+        "storage",
+        "retain_grad",
         "is_contiguous",
         "__hash__",
         "__len__",
@@ -167,7 +179,8 @@ class ReleasedReads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _NOT_READS:
+        name = getattr(func, "__name__", "")
+        if name not in _NOT_READS and not (name == "type" and len(args) == 1 and not kwargs):  # p.type(): a name
             flat, spec = tree_flatten((args, kwargs)) if self.marks is not None else (_tensors(args, kwargs), None)
             released = placeholder_storages()
             if released:
@@ -201,7 +214,8 @@ class CastUp(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _NOT_READS:
+        name = getattr(func, "__name__", "")
+        if name not in _NOT_READS and not (name == "type" and len(args) == 1 and not kwargs):  # p.type(): a name
             return self.marks.call(func, args, kwargs, *tree_flatten((args, kwargs)))
         return func(*args, **kwargs)
 
