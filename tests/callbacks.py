@@ -71,17 +71,27 @@ class ClampFirstBlock(L.Callback):
     or ``"through .data"`` (``p.data.clamp_(...)``, WGAN's clipping as first published)."""
 
     def __init__(self, bound: float = 0.05, use_block: bool = True, write: str = "in place") -> None:
-        self.bound, self.norms, self.seen_outside, self.use_block, self.write = bound, [], [], use_block, write
+        self.bound, self.norms, self.use_block, self.write = bound, [], use_block, write
+        self.seen_outside: list[str] = []
+        self.seen_kept: list[str] = []  # the same read first, through a reference kept from before training
+
+    def setup(self, trainer, pl_module, stage):
+        self.kept = [pl_module.head.weight]
+
+    @staticmethod
+    def _read(weight: torch.Tensor, seen: list[str]) -> None:
+        try:
+            seen.append("nan" if torch.isnan(weight).all() else "value")
+        except RuntimeError as e:
+            assert "'head.weight' between steps" in str(e), e
+            seen.append("refused")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         import contextlib
 
         full = getattr(trainer.strategy, "full_parameters", None) if self.use_block else None
-        try:
-            self.seen_outside.append("nan" if torch.isnan(pl_module.head.weight).all() else "value")
-        except RuntimeError as e:
-            assert "'head.weight' between steps" in str(e), e
-            self.seen_outside.append("refused")
+        self._read(self.kept[0], self.seen_kept)
+        self._read(pl_module.head.weight, self.seen_outside)
         with full() if full else contextlib.nullcontext(), torch.no_grad():
             for p in pl_module.blocks[0].parameters():
                 if self.write == "assign":

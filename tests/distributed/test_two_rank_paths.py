@@ -85,6 +85,7 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
         # Lightning's grad_norm inside full_parameters(with_grads=True): DDP's averaged gradients, bit for bit
         assert got["grad_norms"] == d["ref_grad_norms"], placement
         assert got["seen_outside"] == ["refused"] * 12, placement
+        assert got["seen_kept"] == ["refused"] * 12, placement  # NaN before: no attribute read armed the check
         assert torch.equal(got["saved_inside"], d["ref"]["blocks.0.0.weight"]), placement  # state_dict() inside
         for k, v in d["ref"].items():
             torch.testing.assert_close(got["got"][k], v, msg=lambda m: f"{placement} {k}: {m}", rtol=0, atol=0)

@@ -56,6 +56,7 @@ def run_full_parameters(out: Path) -> None:
             "got": model.state_dict(),
             "norms": cb.norms,
             "seen_outside": cb.seen_outside,
+            "seen_kept": cb.seen_kept,
             "saved_inside": cb.saved,
             "grad_norms": grads.norms,
         }

@@ -261,6 +261,7 @@ def test_full_parameters_reads_and_writes_like_plain_lightning(placement):
     # outside the block: resident payloads (one rank, fp32: the payload is the shard), or placeholders, whose reads
     # raise
     assert got_cb.seen_outside == ["value" if placement == "auto" else "refused"] * 10
+    assert got_cb.seen_kept == got_cb.seen_outside and ref_cb.seen_kept == ["value"] * 10
 
 
 def test_a_write_outside_the_block_is_refused_where_it_would_be_lost_and_trains_where_it_is_kept():
