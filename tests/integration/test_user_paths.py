@@ -461,3 +461,18 @@ def test_torch_save_of_the_module_during_fit_says_why_and_what_to_save_and_after
     torch.save(model, path)
     again = torch.load(path, weights_only=False)
     assert_same_params(model, again, EXACT)
+
+
+# ------------------------------------------------------------------ channels_last
+class ChannelsLastCNN(models.BatchNormCNN):
+    def build(self) -> None:
+        super().build()
+        self.to(memory_format=torch.channels_last)
+
+
+def test_a_channels_last_model_is_said_to_train_contiguous_and_trains_as_plain_lightning_s_contiguous_model():
+    """Chunks hold parameters contiguous: the layout was dropped without a word (the values train as without it)."""
+    ref = fit("auto", steps=6, cls=models.BatchNormCNN)
+    with pytest.warns(UserWarning, match=r"1 parameter is channels_last \(conv2.weight\).*on_after_batch_transfer"):
+        got = fit(ChunkOffloadStrategy(offload=OffloadOptions(optimizer_kernel="loop")), steps=6, cls=ChannelsLastCNN)
+    assert_same_params(ref, got, EXACT)

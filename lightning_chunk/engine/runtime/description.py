@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -147,6 +148,8 @@ class EngineDescription:
                 "Run the model once on a sample batch before fit (in __init__ or setup), or give the "
                 "layers their sizes."
             )
+        if collectives is None or collectives.all_rank == 0:
+            _say_channels_last(named)
         group_of, offsets = _param_groups(named, optimizers)
         if collectives is not None and collectives.world_size > 1 and not collectives.planning_only:
             check_same_model(rows_of(named, group_of, module), collectives)  # [Note: the same model on every rank]
@@ -181,6 +184,26 @@ class EngineDescription:
             self.config.host_memory_limit,
             device_is_host=self.manager.device.type == "cpu",
             chunk_numel_chosen=self.config.chunk_numel is not None,
+        )
+
+
+def _say_channels_last(named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    """A chunk holds each parameter contiguous: one made channels_last (``model.to(memory_format=...)``) trains as the
+    same model without that call does, bit for bit, and its convolutions ran contiguous without a word."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    names = [
+        n
+        for n, p in named
+        if p.dim() in formats and not p.is_contiguous() and p.is_contiguous(memory_format=formats[p.dim()])
+    ]
+    if names:
+        warnings.warn(
+            f"chunk_offload: {len(names)} parameter{'s are' if len(names) > 1 else ' is'} channels_last "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); a chunk holds each parameter contiguous, "
+            "so they train contiguous, as without .to(memory_format=torch.channels_last). Convolutions still run "
+            "channels_last when their inputs are: convert each batch (in on_after_batch_transfer).",
+            UserWarning,
+            stacklevel=4,
         )
 
 
