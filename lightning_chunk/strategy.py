@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -293,20 +293,21 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     @contextlib.contextmanager
     def full_parameters(
         self,
-        module: torch.nn.Module | None = None,
+        module: torch.nn.Module | Tensor | Iterable[Tensor] | None = None,
         *,
         writeback: bool = True,
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> Generator[None, None, None]:
-        """The parameters of ``module`` (the whole LightningModule by default) hold their whole trained values
-        inside the block; with ``writeback``, what you write into them goes back into the sharded weights
-        (elements you leave as they were keep their master precision). FSDP's ``summon_full_params``.
+        """The parameters of ``module`` (the whole LightningModule by default, or parameters given as one or a list
+        as DeepSpeed's ``GatheredParameters`` takes them: a scale to clamp) hold their whole trained values inside
+        the block; with ``writeback``, what you write into them goes back into the sharded weights (elements you
+        leave as they were keep their master precision). FSDP's ``summon_full_params``.
 
         With several ranks every rank must enter, with the same ``module``. No forward may run inside, and it
         cannot be entered between a forward and its backward. Every rank holds the parameters' whole values for
         the block's duration (on the host with ``offload_to_cpu``): ask for a submodule when the model is large.
-        Outside a step, without this block, a parameter shows a stale copy or a placeholder of NaN that refuses
+        Outside a step, without this block, a parameter shows a stale copy or a placeholder that refuses reads and
         writes ([Note: parameters outside a step] in ``engine/memory/full_params.py``). Before ``fit`` and after it the
         parameters are plain and the block does nothing.
 
@@ -317,9 +318,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         if self.engine is None:
             yield
             return
-        params = None if module is None else list(module.parameters())
         with full_parameters(
-            self.engine, params, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+            self.engine, module, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=with_grads
         ):
             yield
 

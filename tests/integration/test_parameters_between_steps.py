@@ -7,6 +7,7 @@ crashed on two ranks or left the raw weights where the averaged ones belonged.""
 
 import contextlib
 import copy
+import math
 import warnings
 
 import lightning as L
@@ -144,6 +145,37 @@ def test_a_forward_outside_a_step_under_the_check_computes_plain_lightning_s_out
     for a, b in zip(ref_cb.outputs, got_cb.outputs, strict=True):
         torch.testing.assert_close(b, a, **EXACT)
     assert ref_cb.after == [0] * 3 and got_cb.after == [1] * 3
+
+
+class ClampsItsScale(ParityNet):
+    """CLIP's learned temperature, clamped after every step; under chunk_offload inside ``full_parameters`` given the
+    parameter itself (``"one"``) or a list of it (``"list"``)."""
+
+    def __init__(self, given: str = "one", **kw) -> None:
+        super().__init__(**kw)
+        self.given = given
+        self.logit_scale = torch.nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x) * self.logit_scale.exp() / 14.0
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        full = getattr(self.trainer.strategy, "full_parameters", None)
+        what = self.logit_scale if self.given == "one" else [self.logit_scale]
+        with full(what) if full else contextlib.nullcontext(), torch.no_grad():
+            self.logit_scale.clamp_(0, 2.62)
+
+
+@pytest.mark.parametrize("given", ["one", "list"])
+def test_full_parameters_of_one_parameter_clamps_it_like_plain_lightning(given):
+    """Before, ``full_parameters`` took a module only: a scale on the LightningModule itself meant gathering the
+    whole model to clamp one number."""
+    run = dict(steps=6, cls=ClampsItsScale, model_kwargs=dict(given=given))
+    ref, got = fit("auto", **run), fit(chunked(placement="host"), **run)
+    assert_same_params(ref, got, EXACT)
+    assert float(got.logit_scale) <= 2.62
 
 
 class OwnEma(ParityNet):

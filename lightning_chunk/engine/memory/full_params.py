@@ -64,13 +64,14 @@ _ALONE = (
 @contextlib.contextmanager
 def full_parameters(
     engine: Any,
-    params: Iterable[torch.nn.Parameter] | None = None,
+    params: torch.nn.Module | torch.Tensor | Iterable[torch.Tensor] | None = None,
     *,
     writeback: bool = True,
     offload_to_cpu: bool = False,
     with_grads: bool = False,
 ) -> Iterator[None]:
-    """Give ``params`` (every packed parameter when ``None``) their whole values while the block runs; with
+    """Give ``params`` (a module's parameters, one parameter or several; every packed parameter when ``None``) their
+    whole values while the block runs; with
     ``writeback``, what was written into them goes back into the shards. ``with_grads``: their ``.grad`` too
     ([Note: gradients in full_parameters]). A collective with several ranks."""
     mgr, hooks = engine.manager, engine.hooks
@@ -231,9 +232,13 @@ def _take_assigned(assigned: list[tuple[Any, torch.Tensor]], values: dict[int, t
         values[t.slot.param_index] = new
 
 
-def _indices(mgr: Any, params: Iterable[torch.nn.Parameter] | None) -> set[int]:
+def _indices(mgr: Any, params: torch.nn.Module | torch.Tensor | Iterable[torch.Tensor] | None) -> set[int]:
     if params is None:
         return set(range(len(mgr.params)))
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    elif isinstance(params, torch.Tensor):
+        params = [params]
     out = set()
     for p in params:
         i = mgr.index_of.get(id(p))
