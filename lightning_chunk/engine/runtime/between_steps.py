@@ -58,8 +58,8 @@ class BetweenReads(ReleasedReads):
             + f" {self.where.value}, where its chunk is released and the parameter holds a placeholder, so "
             + ("the write would be lost" if writes else "it would compute with NaN")
             + ". Read or write parameters between steps inside `with trainer.strategy.full_parameters():` "
-            "(every rank; ChunkOffloadStrategy.full_parameters, docs/faq.md, 'Reading or writing parameters "
-            "between steps'), or before fit; for an average of the weights use lightning_chunk.ChunkEMA."
+            "(every rank; given a module or parameters, it gathers only theirs; docs/faq.md, 'Reading or writing "
+            "parameters between steps'), or before fit; for an average of the weights use lightning_chunk.ChunkEMA."
         )
 
 
