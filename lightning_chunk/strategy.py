@@ -369,7 +369,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         out = run()
         if repeat:
             repeat_while_others_run(engine.comm, run)
-        if not training:
+        if not training or not getattr(self.lightning_module, "automatic_optimization", True):  # else: after backward
             engine.hooks.between.guard()  # [Note: released parameters read between steps]
         return out
 

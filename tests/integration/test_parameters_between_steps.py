@@ -147,6 +147,44 @@ def test_a_forward_outside_a_step_under_the_check_computes_plain_lightning_s_out
     assert ref_cb.after == [0] * 3 and got_cb.after == [1] * 3
 
 
+class ManualSteps(ParityNet):
+    """Manual optimization with a step every other micro-batch; whether the check is armed after the backward and
+    the step, inside ``training_step``, and a read through a kept reference in ``on_train_batch_end``."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+        self.in_step, self.refused = [], []
+
+    def setup(self, stage):
+        self.kept = [self.head.weight]
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        between = getattr(getattr(self.trainer.strategy, "engine", None), "hooks", None)
+        self.in_step.append(between is not None and between.between._mode is not None)  # the check, armed
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if isinstance(self.trainer.strategy, ChunkOffloadStrategy):
+            with pytest.raises(ChunkError, match="'head.weight' between steps"):
+                self.kept[0].sum()
+            self.refused.append(batch_idx)
+
+
+def test_manual_optimization_is_checked_after_its_training_step_and_not_inside_it():
+    """The check went on after the first ``manual_backward``, inside the step, and every later op of the step paid
+    for it (a GAN's second forward and backward); after the step it is on."""
+    ref, got = fit("auto", steps=6, cls=ManualSteps), fit(chunked(placement="host"), steps=6, cls=ManualSteps)
+    assert_same_params(ref, got, EXACT)
+    assert got.in_step == [False] * 12 and got.refused == list(range(12))
+
+
 class ClampsItsScale(ParityNet):
     """CLIP's learned temperature, clamped after every step; under chunk_offload inside ``full_parameters`` given the
     parameter itself (``"one"``) or a list of it (``"list"``)."""

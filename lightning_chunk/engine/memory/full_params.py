@@ -71,9 +71,8 @@ def full_parameters(
     with_grads: bool = False,
 ) -> Iterator[None]:
     """Give ``params`` (a module's parameters, one parameter or several; every packed parameter when ``None``) their
-    whole values while the block runs; with
-    ``writeback``, what was written into them goes back into the shards. ``with_grads``: their ``.grad`` too
-    ([Note: gradients in full_parameters]). A collective with several ranks."""
+    whole values while the block runs; with ``writeback``, what was written into them goes back into the shards.
+    ``with_grads``: their ``.grad`` too ([Note: gradients in full_parameters]). A collective with several ranks."""
     mgr, hooks = engine.manager, engine.hooks
     if hooks.closed is not None:
         raise ChunkError("full_parameters() is already open: it cannot be nested.")

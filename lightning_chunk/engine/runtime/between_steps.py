@@ -71,9 +71,10 @@ class BetweenSteps:
     ``on_fit_start``, a weight's norm logged from a callback, all computed with NaN without a word. Where DeepSpeed
     and FSDP leave an empty tensor, whose reads fail, a read here gave a wrong answer.
 
-    Whenever control goes back to the user's code with some parameter released (``guard``: the end of setup, of a
-    backward, of an optimizer step, of an evaluation step; between a backward and its step for
-    ``on_after_backward`` and ``on_before_optimizer_step``), a ``BetweenReads`` goes on that thread: until the next
+    Whenever control goes back to the user's code with some parameter released and no step running (``guard``: the
+    end of setup, of a backward, of an optimizer step, of an evaluation step or a manually optimized training step;
+    between a backward and its step for ``on_after_backward`` and ``on_before_optimizer_step``; inside a manually
+    optimized ``training_step`` nothing is armed), a ``BetweenReads`` goes on that thread: until the next
     micro-batch, the optimizer step or the end of ``fit`` (``disarm``), a torch op that reads or writes a placeholder
     raises, naming the parameter (a detached copy, by the shape of the last one read) and ``full_parameters()``,
     however the code reached it: by attribute, by iteration, or through a reference kept from before training, which

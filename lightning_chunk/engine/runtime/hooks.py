@@ -120,7 +120,7 @@ class ChunkHooks:
         self.backwards = ModuleBackwards(manager, self.owners, self._held)  # each call's backward end, where it matters
         self._evaluated = False  # an evaluation step ran (the first is checked for reads of released parameters)
         self.outside_autocast = OutsideAutocast(manager)  # [Note: parameters read outside autocast]
-        parked = lambda: any(c.params_parked for c in manager.chunks)  # noqa: E731
+        parked = lambda: not self._in_step and any(c.params_parked for c in manager.chunks)  # noqa: E731
         self.between = BetweenSteps(self.owners.param_name, manager.index_of, parked, speaks=manager.comm.all_rank == 0)
 
     # ============================================================ installation
