@@ -21,7 +21,7 @@ from lightning_chunk.engine import ChunkError
 from lightning_chunk.options import grouped
 from tests.callbacks import ClampFirstBlock, LoadsWeights
 from tests.integration.test_parity import assert_same_params
-from tests.models import ParityNet, fit, token_data
+from tests.models import ManualNet, ParityNet, fit, token_data
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -147,25 +147,19 @@ def test_a_forward_outside_a_step_under_the_check_computes_plain_lightning_s_out
     assert ref_cb.after == [0] * 3 and got_cb.after == [1] * 3
 
 
-class ManualSteps(ParityNet):
+class ManualSteps(ManualNet):
     """Manual optimization with a step every other micro-batch; whether the check is armed after the backward and
     the step, inside ``training_step``, and a read through a kept reference in ``on_train_batch_end``."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.automatic_optimization = False
         self.in_step, self.refused = [], []
 
     def setup(self, stage):
         self.kept = [self.head.weight]
 
     def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
         loss = super().training_step(batch, batch_idx)
-        self.manual_backward(loss)
-        if batch_idx % 2 == 1:
-            opt.step()
-            opt.zero_grad()
         between = getattr(getattr(self.trainer.strategy, "engine", None), "hooks", None)
         self.in_step.append(between is not None and between.between._mode is not None)  # the check, armed
         return loss
