@@ -167,6 +167,13 @@ _NOT_READS = frozenset(
 )
 
 
+def _reads_values(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a torch function reads its tensors' values: not one of ``_NOT_READS``, nor ``p.type()`` asked for the
+    type's name."""
+    name = getattr(func, "__name__", "")
+    return name not in _NOT_READS and not (name == "type" and len(args) == 1 and not kwargs)
+
+
 class ReleasedReads(TorchFunctionMode):
     """An op that reads a released parameter's placeholder raises ([Note: parameters read outside their owner]).
     ``name(tensor)``: the parameter's name, if ``tensor`` is a managed parameter. ``marks``: under mixed precision,
@@ -179,8 +186,7 @@ class ReleasedReads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name not in _NOT_READS and not (name == "type" and len(args) == 1 and not kwargs):  # p.type(): a name
+        if _reads_values(func, args, kwargs):
             flat, spec = tree_flatten((args, kwargs)) if self.marks is not None else (_tensors(args, kwargs), None)
             released = placeholder_storages()
             if released:
@@ -214,8 +220,7 @@ class CastUp(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name not in _NOT_READS and not (name == "type" and len(args) == 1 and not kwargs):  # p.type(): a name
+        if _reads_values(func, args, kwargs):
             return self.marks.call(func, args, kwargs, *tree_flatten((args, kwargs)))
         return func(*args, **kwargs)
 
