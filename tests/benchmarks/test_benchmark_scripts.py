@@ -270,10 +270,13 @@ def test_scale_benchmark_runs_and_reports_a_failure_with_its_reason(tmp_path, ca
             "1",
             "--ranks",
             "1",
+            "--only",
+            "chunk_offload",
             "--out",
             str(tmp_path / "scale1.json"),
         ]
     )
+    assert [r["contender"] for r in res["rows"]] == ["chunk_offload"]
     for r in res["rows"]:  # a Python process with torch is larger than 64 MiB: killed by the watchdog
         assert r["depth"] == 0 and "host limit" in r["first_failure"]["why"]
     assert "of host limit" in capsys.readouterr().out
