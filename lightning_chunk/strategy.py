@@ -232,16 +232,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             )
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            check_callbacks(trainer)
-            if self.config.host_memory_limit is not None and any(
-                isinstance(cb, ChunkEMA)
-                for cb in trainer.callbacks  # type: ignore[attr-defined]
-            ):
-                raise ValueError(
-                    "ChunkEMA does not work with the disk tier (host_memory_limit="
-                    f"{self.config.host_memory_limit!r}) yet: its shards would sit in host memory beside "
-                    "the limit. Leave host_memory_limit unset, or drop ChunkEMA."
-                )
+            check_callbacks(trainer, self.config.host_memory_limit)
         if fitting and self.config.step_in_backward:
             check_step_in_backward(trainer, module, self.precision_plugin.precision, self.config.host_memory_limit)
         if fitting:

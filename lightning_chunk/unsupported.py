@@ -1,12 +1,14 @@
 """What chunk_offload refuses from Lightning before anything is built: callbacks that read or replace the module's
-parameters between steps."""
+parameters between steps, and ChunkEMA beside the disk tier."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
 
+from .ema import ChunkEMA
 
-def check_callbacks(trainer: pl.Trainer) -> None:
+
+def check_callbacks(trainer: pl.Trainer, host_memory_limit: int | None) -> None:
     """Callbacks that cannot work on a rebound optimizer or on packed parameters, refused before anything is
     built."""
     from lightning.pytorch import callbacks
@@ -33,4 +35,9 @@ def check_callbacks(trainer: pl.Trainer) -> None:
                 "ModelPruning does not work with chunk_offload: torch's pruning replaces each pruned parameter by "
                 "`<name>_orig` and a whole-size mask while training, a new set of parameters the chunks were not "
                 "packed for. Prune before or after training (torch.nn.utils.prune on the consolidated model)."
+            )
+        if isinstance(cb, ChunkEMA) and host_memory_limit is not None:
+            raise ValueError(
+                f"ChunkEMA does not work with the disk tier (host_memory_limit={host_memory_limit!r}) yet: its "
+                "shards would sit in host memory beside the limit. Leave host_memory_limit unset, or drop ChunkEMA."
             )
