@@ -207,7 +207,8 @@ class ChunkPrecision(Precision):
         parameter's ``.grad`` says so once (``shard_norms.Missing``, in the torch function mode over those hooks),
         naming the parameter; torch's ``clip_grad_*`` raises instead, since the step would differ. Inside
         ``strategy.full_parameters(with_grads=True)`` the gradients are there (a parameter without one there got none
-        this step: nothing is said)."""
+        this step: nothing is said); ``strategy.grad_norm(p)`` gives their norms without gathering ([Note: gradient
+        norms from the shards] in ``engine/optim/gradients.py``)."""
         if self.engine.hooks.closed is None:  # outside full_parameters(): the gradients are in the shards
             refuse_clipping_without_gradients(param, self.engine.manager.params)
             if released_read(self.engine.manager, param):  # its value: [Note: released parameters read between steps]
@@ -222,8 +223,9 @@ class ChunkPrecision(Precision):
         rank_zero_warn(
             f"param.grad of {name!r} was read between backward and the optimizer step, and is None: under "
             "chunk_offload the gradients are in the chunks' shards there (grad_norm(self) reads no gradients "
-            "either). Read them inside `with self.trainer.strategy.full_parameters(with_grads=True):` (every rank); "
-            "clip with Trainer(gradient_clip_val=...).",
+            "either). For their norms call self.trainer.strategy.grad_norm(2) (no gather); read them whole inside "
+            "`with self.trainer.strategy.full_parameters(with_grads=True):` (every rank); clip with "
+            "Trainer(gradient_clip_val=...).",
             category=UserWarning,
         )
 

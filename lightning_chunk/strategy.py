@@ -38,6 +38,7 @@ from .engine.optim.binding import refuse_detached_views
 from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.runtime.batches import input_bytes
 from .finetuning import follow_finetuning, unfollow_finetuning
+from .grad_norms import sharded_grad_norm
 from .hf import PeftAdapters, keep_generation_in_step
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
@@ -313,6 +314,16 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             self.engine, module, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=with_grads
         ):
             yield
+
+    def grad_norm(
+        self, norm_type: float | str = 2.0, group_separator: str = "/", module: torch.nn.Module | None = None
+    ) -> dict[str, Tensor]:
+        """Lightning's ``grad_norm(self, norm_type)`` (of ``module``, the LightningModule by default), from the
+        gradient shards without gathering them: ``self.log_dict(self.trainer.strategy.grad_norm(2))`` in
+        ``on_before_optimizer_step``. Every rank calls it (one all-reduce on several); bit-exact on one rank."""
+        target = module if module is not None else self.lightning_module
+        assert target is not None
+        return sharded_grad_norm(self.engine, target, norm_type, group_separator)
 
     def memory_stats(self) -> dict[str, float]:
         """Chunk memory and traffic of this rank: bytes per tier, peak, copies, evictions, loss scale.

@@ -105,18 +105,22 @@ class ClampFirstBlock(L.Callback):
 
 
 class GradNormsAndEdits(L.Callback):
-    """Lightning's ``grad_norm`` in ``on_before_optimizer_step``, then the gradients edited: one block's halved in
-    place, ``norm.bias``'s dropped every other step (so the step skips it). Plain Lightning on the parameters,
-    chunk_offload inside ``full_parameters(with_grads=True)`` ([Note: gradients in full_parameters])."""
+    """Lightning's ``grad_norm`` in ``on_before_optimizer_step`` (and the strategy's, from the shards), then the
+    gradients edited: one block's halved in place, ``norm.bias``'s dropped every other step (so the step skips it).
+    Plain Lightning on the parameters, chunk_offload inside ``full_parameters(with_grads=True)`` ([Note: gradients
+    in full_parameters])."""
 
     def __init__(self) -> None:
         self.norms: list[dict[str, float]] = []
+        self.sharded: list[dict[str, float]] = []  # strategy.grad_norm (2 and inf) without gathering; DDP: Lightning's
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         import contextlib
 
         from lightning.pytorch.utilities import grad_norm
 
+        norms = getattr(trainer.strategy, "grad_norm", lambda p: grad_norm(pl_module, p))
+        self.sharded.append({k: float(v) for p in (2, "inf") for k, v in norms(p).items()})
         full = getattr(trainer.strategy, "full_parameters", None)
         with full(with_grads=True) if full else contextlib.nullcontext():
             self.norms.append({k: float(v) for k, v in grad_norm(pl_module, norm_type=2).items()})

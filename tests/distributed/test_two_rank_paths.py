@@ -84,6 +84,12 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
         assert got["norms"] == d["ref_norms"], placement
         # Lightning's grad_norm inside full_parameters(with_grads=True): DDP's averaged gradients, bit for bit
         assert got["grad_norms"] == d["ref_grad_norms"], placement
+        # strategy.grad_norm, from the shards without a gather ([Note: gradient norms from the shards]): the same
+        # names; the 2-norms the root of the ranks' summed squares (DDP's up to rounding), the inf-norms exact
+        for ref_step, got_step in zip(d["ref_sharded_norms"], got["sharded_norms"], strict=True):
+            assert got_step.keys() == ref_step.keys() and any("inf_norm/" in k for k in got_step), placement
+            for k, v in ref_step.items():
+                assert got_step[k] == (v if "inf" in k else pytest.approx(v, rel=1e-5, abs=1e-7)), (placement, k)
         assert got["seen_outside"] == ["refused"] * 12, placement
         assert got["seen_kept"] == ["refused"] * 12, placement  # NaN before: no attribute read armed the check
         assert torch.equal(got["saved_inside"], d["ref"]["blocks.0.0.weight"]), placement  # state_dict() inside

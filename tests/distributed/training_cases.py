@@ -43,6 +43,7 @@ def run_full_parameters(out: Path) -> None:
     ref, ref_cb, ref_grads = ParityNet(), callbacks.ClampFirstBlock(), callbacks.GradNormsAndEdits()
     trainer(DDPStrategy(), steps=12, callbacks=[ref_cb, ref_grads]).fit(ref, token_data())
     state: dict = {"ref": ref.state_dict(), "ref_norms": ref_cb.norms, "ref_grad_norms": ref_grads.norms}
+    state["ref_sharded_norms"] = ref_grads.sharded
     for placement in ("auto", "host"):
         L.seed_everything(7, verbose=False)
         model, cb, grads = ParityNet(), callbacks.ClampFirstBlock(), callbacks.GradNormsAndEdits()
@@ -59,6 +60,7 @@ def run_full_parameters(out: Path) -> None:
             "seen_kept": cb.seen_kept,
             "saved_inside": cb.saved,
             "grad_norms": grads.norms,
+            "sharded_norms": grads.sharded,
         }
     # the defaults under a limit below this rank's share, on a model used in another order than registered, with
     # gradient accumulation (the block runs between micro-batches, while gradients wait in the shards), against the

@@ -1,4 +1,5 @@
-"""Passes over the gradient shards after backward: clipping by the global norm, fp16's unscale and overflow check.
+"""Passes over the gradient shards after backward: clipping by the global norm, fp16's unscale and overflow check,
+each parameter's norm.
 
 The gradients are the bound optimizers' views of the chunks' gradient shards, as ``(chunk, gradient)`` pairs in
 chunk order. A pass takes them per device, in runs split where a disk-tier chunk begins or ends, so that it pages
@@ -82,3 +83,43 @@ def unscale_and_check(
     already saw an overflow (in gradients unscaled before, [Note: speculating past the norm and the overflow])."""
     runs = ((manager.tiers.writing(c, (Role.GRAD,)), gs) for c, gs in paged_runs(by_device(pairs)))
     return scaler.unscale_and_check([], manager.comm, runs=runs, found_before=found)
+
+
+def grad_norms(manager: Any, norm_type: float) -> dict[int, torch.Tensor]:
+    """Each parameter's gradient ``norm_type``-norm (positive or inf) by its index in ``manager``, for those that
+    got a gradient on some rank.
+
+    [Note: gradient norms from the shards]
+    Lightning's ``grad_norm(module)`` reads every ``param.grad``, which under chunk_offload is ``None``: the gradients
+    are pieces of the chunks' gradient shards ([Note: gradients read where they are not] in ``precision.py``), and
+    gathering them whole (``full_parameters(with_grads=True)``) costs a whole model of gradients on every rank. The
+    norms need no gather: each rank takes the norm of each piece it holds (``torch._foreach_norm``, one disk shard
+    paged in at a time), and several ranks all-reduce ``norm ** p`` (max for inf, the count for 0) with a flag per
+    parameter in one tensor, so that a parameter is named where any rank holds a gradient of it (the vote's rule).
+    On one rank a piece is the whole gradient, and its norm is ``param.grad.norm(p)``'s bit for bit; on several the
+    root of a sum, as DDP's norm of the reduced gradient up to rounding."""
+    pairs: list[tuple[Any, torch.Tensor]] = []
+    index: dict[int, int] = {}  # id of a gradient piece -> its parameter
+    for i, p in enumerate(manager.params):
+        g = manager.grads.view(i)
+        if g is not None and g.numel():
+            pairs.append((manager.lookup(p)[0], g))
+            index[id(g)] = i
+    local: dict[int, torch.Tensor] = {}
+    for chunk, gs in paged_runs(by_device(pairs)):
+        with manager.tiers.reading(chunk, (Role.GRAD,)):
+            local.update((index[id(g)], n) for g, n in zip(gs, torch._foreach_norm(gs, norm_type), strict=True))
+    comm = manager.comm
+    if comm.world_size == 1:
+        return local
+    first = pairs[0][1].device if pairs else torch.device("cpu")
+    inf = math.isinf(norm_type)
+    both = torch.zeros(2, len(manager.params), dtype=torch.float64)
+    for i, n in local.items():
+        both[0, i] = n.double() if inf else n.double().pow(norm_type)
+        both[1, i] = 1.0
+    both = comm.all_reduce(
+        both.to(comm.tensor_device()), op="max" if inf else "sum", what="the gradient norms", shards=True
+    ).cpu()
+    sums = both[0] if inf else both[0].pow(1.0 / norm_type)
+    return {i: sums[i].float().to(first) for i in range(len(manager.params)) if both[1, i] > 0}

@@ -169,8 +169,8 @@ class BetweenSteps:
             f"param.grad of {self.name(param)!r} was read between steps and is None: under chunk_offload the "
             "gradients are in the chunks' shards, not on the parameters, after the optimizer step and between the "
             "micro-batches of an accumulation, where plain PyTorch keeps them until the next zero_grad(). Read "
-            "them in on_before_optimizer_step (or on_after_backward) inside `with "
-            "trainer.strategy.full_parameters(with_grads=True):` (every rank).",
+            "them in on_before_optimizer_step (or on_after_backward): their norms with trainer.strategy.grad_norm(2) "
+            "(no gather), whole inside `with trainer.strategy.full_parameters(with_grads=True):` (every rank).",
             UserWarning,
             stacklevel=3,
         )

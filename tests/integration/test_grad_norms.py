@@ -1,0 +1,101 @@
+"""``strategy.grad_norm``: Lightning's ``grad_norm(self)`` from the gradient shards, without gathering ([Note: gradient
+norms from the shards] in ``engine/optim/gradients.py``). Before it, ``grad_norm(self)`` logged nothing under
+chunk_offload (``param.grad`` is ``None`` there), and the only way to the norms gathered the whole model with its
+gradients on every rank (two ranks: ``test_two_rank_paths.py``'s ``full_parameters`` case)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities import grad_norm
+
+from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
+from tests.compare import EXACT, assert_same_params
+from tests.models import ParityNet, fit, quiet_trainer, token_data
+
+LOOP = OffloadOptions(optimizer_kernel="loop")
+
+
+class LogsGradNorms(ParityNet):
+    """Logs the gradient norms as Lightning's docs do, in ``on_before_optimizer_step``, or in a manual
+    ``training_step`` between its backward and its step: the strategy's where it has one, else Lightning's."""
+
+    def __init__(self, norm_type: float | str = 2, manual: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        self.norm_type, self.automatic_optimization = norm_type, not manual
+        self.seen: list[dict[str, float]] = []
+
+    def read(self) -> None:
+        norms = getattr(self.trainer.strategy, "grad_norm", lambda p: grad_norm(self, p))(self.norm_type)
+        self.log_dict(norms)
+        self.seen.append({k: float(v) for k, v in norms.items()})
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.automatic_optimization:
+            self.read()
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.read()
+        opt.step()
+
+
+CASES = {  # strategy, the model's arguments, the Trainer's
+    "resident": (dict(), dict(), dict()),
+    "host_accumulated": (dict(placement="host"), dict(), dict(accumulate_grad_batches=2)),
+    "limit_unused_branch_inf": (dict(device_memory_limit="80KB"), dict(variant="unused", norm_type="inf"), dict()),
+    "disk_tied_l1": (
+        dict(placement="host", host_memory_limit="70KB", memory=MemoryOptions(chunk_numel=2048)),
+        dict(variant="tied", norm_type=1),
+        dict(gradient_clip_val=0.05),
+    ),
+    "frozen_manual": (dict(), dict(variant="frozen", manual=True), dict()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_strategy_s_grad_norm_is_lightning_s_bit_for_bit_on_one_rank(case, tmp_path):
+    strategy_kw, model_kw, trainer_kw = CASES[case]
+    model_kw = dict(model_kw)
+    trainer_kw = dict(trainer_kw, variant=model_kw.pop("variant", "plain"))
+    if "host_memory_limit" in strategy_kw:
+        strategy_kw = {**strategy_kw, "offload": OffloadOptions(optimizer_kernel="loop", disk_dir=str(tmp_path))}
+    ref = fit("auto", cls=LogsGradNorms, model_kwargs=model_kw, **trainer_kw)
+    strategy = ChunkOffloadStrategy(**{"offload": LOOP, **strategy_kw})
+    got = fit(strategy, cls=LogsGradNorms, model_kwargs=model_kw, **trainer_kw)
+    assert len(got.seen) == len(ref.seen) == 20 and got.seen[0]
+    assert got.seen == ref.seen  # the same names (a parameter without a gradient left out), the same values
+    assert_same_params(ref, got, EXACT)
+    if "host_memory_limit" in strategy_kw:
+        assert strategy.memory_stats()["disk_shards"] > 0
+
+
+def test_bad_norm_types_and_stepping_in_backward_are_refused_naming_what_to_do():
+    class Asks(ParityNet):
+        def __init__(self, norm_type):
+            super().__init__()
+            self.norm_type = norm_type
+
+        def on_before_optimizer_step(self, optimizer):
+            self.trainer.strategy.grad_norm(self.norm_type)
+
+    with pytest.raises(ValueError, match=r"`norm_type` must be a positive number or 'inf' \(infinity norm\)\. Got 0"):
+        quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=1).fit(Asks(0), token_data())
+    L.seed_everything(7, verbose=False)
+    early = ChunkOffloadStrategy(step_in_backward=True)
+    with pytest.raises(ValueError, match="reading the gradient norms is not possible with step_in_backward=True"):
+        quiet_trainer(strategy=early, max_steps=2).fit(Asks(2), token_data())
+
+
+def test_before_and_after_fit_it_is_lightning_s_own():
+    model = ParityNet()
+    strategy = ChunkOffloadStrategy()
+    quiet_trainer(strategy=strategy, max_steps=2).fit(model, token_data())
+    assert strategy.grad_norm(2, module=model) == {}  # no engine, no gradient on the plain parameters
+    model.head.weight.grad = torch.ones_like(model.head.weight)
+    assert strategy.grad_norm(2, module=model) == grad_norm(model, 2)
