@@ -447,3 +447,28 @@ class SizedNet(ParityNet):
 
     def val_dataloader(self):
         return self.train_dataloader()
+
+
+class ReadsGrads(ParityNet):
+    """Reads the gradients (``read_grads``, a subclass's) where a user does: in ``on_before_optimizer_step``, or with
+    ``manual`` in a manually optimized ``training_step`` between its backward and its step."""
+
+    def __init__(self, manual: bool = False, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = not manual
+
+    def read_grads(self) -> None:
+        raise NotImplementedError
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.automatic_optimization:
+            self.read_grads()
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.read_grads()
+        opt.step()

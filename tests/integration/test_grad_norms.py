@@ -12,37 +12,24 @@ from lightning.pytorch.utilities import grad_norm
 
 from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from tests.compare import EXACT, assert_same_params
-from tests.models import ParityNet, fit, quiet_trainer, token_data
+from tests.models import ParityNet, ReadsGrads, fit, quiet_trainer, token_data
 
 LOOP = OffloadOptions(optimizer_kernel="loop")
 
 
-class LogsGradNorms(ParityNet):
-    """Logs the gradient norms as Lightning's docs do, in ``on_before_optimizer_step``, or in a manual
-    ``training_step`` between its backward and its step: the strategy's where it has one, else Lightning's."""
+class LogsGradNorms(ReadsGrads):
+    """Logs the gradient norms as Lightning's docs do: the strategy's ``grad_norm`` where it has one, else
+    Lightning's."""
 
     def __init__(self, norm_type: float | str = 2, manual: bool = False, **kw) -> None:
-        super().__init__(**kw)
-        self.norm_type, self.automatic_optimization = norm_type, not manual
+        super().__init__(manual, **kw)
+        self.norm_type = norm_type
         self.seen: list[dict[str, float]] = []
 
-    def read(self) -> None:
+    def read_grads(self) -> None:
         norms = getattr(self.trainer.strategy, "grad_norm", lambda p: grad_norm(self, p))(self.norm_type)
         self.log_dict(norms)
         self.seen.append({k: float(v) for k, v in norms.items()})
-
-    def on_before_optimizer_step(self, optimizer):
-        if self.automatic_optimization:
-            self.read()
-
-    def training_step(self, batch, batch_idx):
-        if self.automatic_optimization:
-            return super().training_step(batch, batch_idx)
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(super().training_step(batch, batch_idx))
-        self.read()
-        opt.step()
 
 
 CASES = {  # strategy, the model's arguments, the Trainer's

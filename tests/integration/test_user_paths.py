@@ -15,7 +15,7 @@ from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.options import grouped
 from tests import models
 from tests.compare import EXACT, assert_same_params
-from tests.models import ParityNet, fit, quiet_trainer, token_data
+from tests.models import ParityNet, ReadsGrads, fit, quiet_trainer, token_data
 
 STEPS = 12
 
@@ -236,14 +236,12 @@ def test_grad_norm_outside_full_parameters_warns_once_and_inside_it_gives_the_no
     assert all(d["grad_2.0_norm_total"] > 0 for d in model.inside)
 
 
-class SumsGradNorms(ParityNet):
+class SumsGradNorms(ReadsGrads):
     """A norm of the gradients by hand over ``self.parameters()``, as a user logs it: outside the block (nothing to
-    read under chunk_offload) and inside it; after backward in ``on_before_optimizer_step``, or in a manual
-    ``training_step`` between its backward and its step."""
+    read under chunk_offload) and inside it."""
 
     def __init__(self, manual: bool = False, **kw) -> None:
-        super().__init__(**kw)
-        self.automatic_optimization = not manual
+        super().__init__(manual, **kw)
         self.outside, self.inside = [], []
 
     def read_grads(self):
@@ -255,19 +253,6 @@ class SumsGradNorms(ParityNet):
         # after the block: in a manual step, parameters read after backward are held to the next micro-batch, and
         # full_parameters() refuses to gather while they are (``test_full_parameters_after_parameters_were_...``)
         self.outside.append([n for n, p in self.named_parameters() if p.grad is not None])
-
-    def on_before_optimizer_step(self, optimizer):
-        if self.automatic_optimization:
-            self.read_grads()
-
-    def training_step(self, batch, batch_idx):
-        if self.automatic_optimization:
-            return super().training_step(batch, batch_idx)
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(super().training_step(batch, batch_idx))
-        self.read_grads()
-        opt.step()
 
 
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
