@@ -625,6 +625,7 @@ def test_grad_norm_and_gradient_edits_inside_full_parameters_with_grads_are_plai
     assert (strategy.memory_stats().get("disk_grad_bytes", 0) > 0) == disk
     assert len(ref_cb.norms[0]) == 17  # 16 parameters and the total
     assert got_cb.norms == ref_cb.norms
+    assert got_cb.sharded == ref_cb.sharded  # strategy.grad_norm, without the block ([Note: gradient norms from...])
     assert_same_params(ref, got, EXACT)
 
 
