@@ -94,10 +94,10 @@ def grad_norms(manager: Any, norm_type: float) -> dict[int, torch.Tensor]:
     are pieces of the chunks' gradient shards ([Note: gradients read where they are not] in ``precision.py``), and
     gathering them whole (``full_parameters(with_grads=True)``) costs a whole model of gradients on every rank. The
     norms need no gather: each rank takes the norm of each piece it holds (``torch._foreach_norm``, one disk shard
-    paged in at a time), and several ranks all-reduce ``norm ** p`` (max for inf, the count for 0) with a flag per
-    parameter in one tensor, so that a parameter is named where any rank holds a gradient of it (the vote's rule).
-    On one rank a piece is the whole gradient, and its norm is ``param.grad.norm(p)``'s bit for bit; on several the
-    root of a sum, as DDP's norm of the reduced gradient up to rounding."""
+    paged in at a time), and several ranks all-reduce ``norm ** p`` (max for inf) with a flag per parameter in one
+    tensor, so that a parameter is named where any rank holds a gradient of it (the vote's rule). On one rank a
+    piece is the whole gradient, and its norm is ``param.grad.norm(p)``'s bit for bit; on several the root of a sum,
+    as DDP's norm of the reduced gradient up to rounding, in the gradient shards' dtype."""
     pairs: list[tuple[Any, torch.Tensor]] = []
     index: dict[int, int] = {}  # id of a gradient piece -> its parameter
     for i, p in enumerate(manager.params):
@@ -122,4 +122,5 @@ def grad_norms(manager: Any, norm_type: float) -> dict[int, torch.Tensor]:
         both.to(comm.tensor_device()), op="max" if inf else "sum", what="the gradient norms", shards=True
     ).cpu()
     sums = both[0] if inf else both[0].pow(1.0 / norm_type)
-    return {i: sums[i].float().to(first) for i in range(len(manager.params)) if both[1, i] > 0}
+    dtypes = [manager.lookup(p)[0].master_dtype for p in manager.params]  # the gradient shards' (bf16-true: bf16)
+    return {i: sums[i].to(first, dtypes[i]) for i in range(len(manager.params)) if both[1, i] > 0}
