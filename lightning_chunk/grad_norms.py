@@ -21,6 +21,13 @@ def sharded_grad_norm(
     p = float(norm_type)
     if not p > 0:  # Lightning's check, before any rank takes part in the all-reduce
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type!r}")
+    if engine.early is not None:  # [Note: stepping in backward]: each chunk's gradients are gone once it stepped
+        raise ValueError(
+            "strategy.grad_norm() reads the gradients after backward, and this fit steps each chunk during backward "
+            "(step_in_backward=True, or None choosing it where no hook it knows of reads gradients), after which "
+            "they are gone. Call it in on_before_optimizer_step or on_after_backward (overriding either keeps the "
+            "step after backward under step_in_backward=None), or pass step_in_backward=False."
+        )
     engine.grads_ready("reading the gradient norms")
     norms, index_of = grad_norms(engine.manager, p), engine.manager.index_of
     out = {

@@ -119,8 +119,6 @@ class GradNormsAndEdits(L.Callback):
 
         from lightning.pytorch.utilities import grad_norm
 
-        norms = getattr(trainer.strategy, "grad_norm", lambda p: grad_norm(pl_module, p))
-        self.sharded.append({k: float(v) for p in (2, "inf") for k, v in norms(p).items()})
         full = getattr(trainer.strategy, "full_parameters", None)
         with full(with_grads=True) if full else contextlib.nullcontext():
             self.norms.append({k: float(v) for k, v in grad_norm(pl_module, norm_type=2).items()})
@@ -130,6 +128,8 @@ class GradNormsAndEdits(L.Callback):
                     p.grad.mul_(0.5)
             if trainer.global_step % 2 == 0:
                 pl_module.norm.bias.grad = None
+        norms = getattr(trainer.strategy, "grad_norm", lambda p: grad_norm(pl_module, p))  # after the edits
+        self.sharded.append({k: float(v) for p in (2, "inf") for k, v in norms(p).items()})
 
 
 class GradsAfterBackward(L.Callback):

@@ -62,21 +62,47 @@ def test_the_strategy_s_grad_norm_is_lightning_s_bit_for_bit_on_one_rank(case, t
         assert strategy.memory_stats()["disk_shards"] > 0
 
 
-def test_bad_norm_types_and_stepping_in_backward_are_refused_naming_what_to_do():
-    class Asks(ParityNet):
-        def __init__(self, norm_type):
-            super().__init__()
-            self.norm_type = norm_type
+class Asks(ParityNet):
+    """Asks for the norms in ``on_before_optimizer_step``."""
 
-        def on_before_optimizer_step(self, optimizer):
-            self.trainer.strategy.grad_norm(self.norm_type)
+    def __init__(self, norm_type):
+        super().__init__()
+        self.norm_type = norm_type
 
+    def on_before_optimizer_step(self, optimizer):
+        self.trainer.strategy.grad_norm(self.norm_type)
+
+
+class AsksAfterTheStep(ParityNet):
+    """Asks for the norms in ``on_train_batch_end`` only: no hook ``step_in_backward=None`` looks at."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        norms = getattr(self.trainer.strategy, "grad_norm", lambda p: grad_norm(self, p))(2)
+        self.seen.append({k: float(v) for k, v in norms.items()})
+
+
+def test_bad_norm_types_and_gradients_stepped_away_are_refused_naming_what_to_do():
     with pytest.raises(ValueError, match=r"`norm_type` must be a positive number or 'inf' \(infinity norm\)\. Got 0"):
         quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=1).fit(Asks(0), token_data())
-    L.seed_everything(7, verbose=False)
-    early = ChunkOffloadStrategy(step_in_backward=True)
-    with pytest.raises(ValueError, match="reading the gradient norms is not possible with step_in_backward=True"):
-        quiet_trainer(strategy=early, max_steps=2).fit(Asks(2), token_data())
+    # stepping in backward, asked for or chosen by the default (nothing it knows of reads the gradients after the
+    # step): the gradients are gone, and the error says where the call works and what to pass
+    for strategy, model in (
+        (ChunkOffloadStrategy(step_in_backward=True), Asks(2)),
+        (ChunkOffloadStrategy(), AsksAfterTheStep()),
+    ):
+        with pytest.raises(ValueError, match=r"Call it in on_before_optimizer_step .* or pass step_in_backward=False"):
+            quiet_trainer(strategy=strategy, max_steps=2).fit(model, token_data())
+    # after the step, with step_in_backward=False: the step's gradients, as plain Lightning's grad_norm there
+    ref, got = AsksAfterTheStep(), AsksAfterTheStep()
+    for model, strategy in ((ref, "auto"), (got, ChunkOffloadStrategy(step_in_backward=False, offload=LOOP))):
+        L.seed_everything(7, verbose=False)
+        model.load_state_dict(ParityNet().state_dict())
+        quiet_trainer(strategy=strategy, max_steps=3).fit(model, token_data())
+    assert got.seen == ref.seen and len(got.seen[0]) == 17
 
 
 def test_before_and_after_fit_it_is_lightning_s_own():
