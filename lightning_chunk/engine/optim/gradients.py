@@ -115,12 +115,14 @@ def grad_norms(manager: Any, norm_type: float) -> dict[int, torch.Tensor]:
     first = pairs[0][1].device if pairs else torch.device("cpu")
     inf = math.isinf(norm_type)
     both = torch.zeros(2, len(manager.params), dtype=torch.float64)
-    for i, n in local.items():
-        both[0, i] = n.double() if inf else n.double().pow(norm_type)
-        both[1, i] = 1.0
+    if local:  # one copy off the gradients' device, not one a parameter
+        held = torch.tensor(list(local))
+        values = torch.stack([n.to(first) for n in local.values()]).double().cpu()
+        both[0, held] = values if inf else values.pow(norm_type)
+        both[1, held] = 1.0
     both = comm.all_reduce(
         both.to(comm.tensor_device()), op="max" if inf else "sum", what="the gradient norms", shards=True
     ).cpu()
-    sums = both[0] if inf else both[0].pow(1.0 / norm_type)
+    sums = (both[0] if inf else both[0].pow(1.0 / norm_type)).to(first)
     dtypes = [manager.lookup(p)[0].master_dtype for p in manager.params]  # the gradient shards' (bf16-true: bf16)
-    return {i: sums[i].to(first, dtypes[i]) for i in range(len(manager.params)) if both[1, i] > 0}
+    return {i: sums[i].to(dtypes[i]) for i in range(len(manager.params)) if both[1, i] > 0}
