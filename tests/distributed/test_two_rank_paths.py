@@ -86,10 +86,7 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
         assert got["grad_norms"] == d["ref_grad_norms"], placement
         # strategy.grad_norm, from the shards without a gather ([Note: gradient norms from the shards]): the same
         # names; the 2-norms the root of the ranks' summed squares (DDP's up to rounding), the inf-norms exact
-        for ref_step, got_step in zip(d["ref_sharded_norms"], got["sharded_norms"], strict=True):
-            assert got_step.keys() == ref_step.keys() and any("inf_norm/" in k for k in got_step), placement
-            for k, v in ref_step.items():
-                assert got_step[k] == (v if "inf" in k else pytest.approx(v, rel=1e-5, abs=1e-7)), (placement, k)
+        _same_norms(d["ref_sharded_norms"], got["sharded_norms"], placement)
         assert got["seen_outside"] == ["refused"] * 12, placement
         assert got["seen_kept"] == ["refused"] * 12, placement  # NaN before: no attribute read armed the check
         assert torch.equal(got["saved_inside"], d["ref"]["blocks.0.0.weight"]), placement  # state_dict() inside
@@ -104,6 +101,21 @@ def test_weights_clamped_between_steps_inside_full_parameters_train_as_ddp(parit
     for k, v in free["state"].items():
         assert torch.equal(limited["state"][k], v), k
     assert all(v.abs().max() <= 0.05 for k, v in limited["state"].items() if k.startswith("blocks_reversed.3."))
+    # strategy.grad_norm: the same gradients, split into other pieces by the limit's chunk size: the same names and
+    # inf-norms, 2-norms summed from other pieces (rounding)
+    assert len(free["sharded_norms"]) == 8  # one an optimizer step
+    _same_norms(free["sharded_norms"], limited["sharded_norms"], "limited")
+    # a gate's parameter with a gradient on one rank only, each step: named on both, as DDP's grad_norm names it
+    ref, got = d["gated"]["ref"], d["gated"]["got"]
+    assert len(got) == len(ref) == 8 and all(any(".scale" in k for k in step) for step in got)
+    _same_norms(ref, got, "gated")
+
+
+def _same_norms(ref: list[dict], got: list[dict], what: str) -> None:
+    for ref_step, got_step in zip(ref, got, strict=True):
+        assert got_step.keys() == ref_step.keys() and any("inf_norm/" in k for k in got_step), what
+        for k, v in ref_step.items():
+            assert got_step[k] == (v if "inf" in k else pytest.approx(v, rel=1e-5, abs=1e-7)), (what, k)
 
 
 @pytest.mark.cases("edited_checkpoint")

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_chunk import CheckOptions, ChunkOffloadStrategy, ChunkPrecision, MemoryOptions
 from tests import backward_models, callbacks, models, optimizer_models
+from tests.distributed import rank_models
 from tests.distributed.harness import chunk_strategy, trainer
 from tests.models import ParityNet, token_data
 
@@ -72,14 +73,25 @@ def run_full_parameters(out: Path) -> None:
         model = models.ReorderedNet(dim=256, hidden=1024, depth=4)
         limit = int(sum(p.numel() * p.element_size() for p in model.parameters()) * 0.45) if limited else None
         strategy = chunk_strategy(device_memory_limit=limit)
-        trainer(
-            strategy,
-            steps=8,
-            callbacks=[callbacks.ClampFirstBlock(), callbacks.GradNormsAndEdits()],
-            accumulate_grad_batches=2,
-        ).fit(model, token_data())
-        hard[limited] = {"state": model.state_dict(), "evictions": strategy.memory_stats()["evictions"]}
+        grads = callbacks.GradNormsAndEdits()
+        trainer(strategy, steps=8, callbacks=[callbacks.ClampFirstBlock(), grads], accumulate_grad_batches=2).fit(
+            model, token_data()
+        )
+        hard[limited] = {
+            "state": model.state_dict(),
+            "evictions": strategy.memory_stats()["evictions"],
+            "sharded_norms": grads.sharded,
+        }
     state["hard"] = hard
+    # ranks that differ: a gate's parameter gets a gradient on one rank and not the other, a different one each
+    # step; strategy.grad_norm names it as DDP's grad_norm does (the vote's rule), with the defaults
+    gated: dict = {}
+    for name, make in (("ref", lambda: DDPStrategy(find_unused_parameters=True)), ("got", chunk_strategy)):
+        L.seed_everything(7, verbose=False)
+        grads = callbacks.GradNormsAndEdits()
+        trainer(make(), steps=8, callbacks=[grads]).fit(rank_models.RankGatedNet(), token_data())
+        gated[name] = grads.sharded
+    state["gated"] = gated
     try:  # outside the block, a state_dict needs every rank's shards: refused with the way to get it
         t2 = trainer(
             ChunkOffloadStrategy(checks=CheckOptions(collective_timeout_s=60)),

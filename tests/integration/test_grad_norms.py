@@ -8,6 +8,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
 
 from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
@@ -60,6 +61,19 @@ def test_the_strategy_s_grad_norm_is_lightning_s_bit_for_bit_on_one_rank(case, t
     assert_same_params(ref, got, EXACT)
     if "host_memory_limit" in strategy_kw:
         assert strategy.memory_stats()["disk_shards"] > 0
+
+
+def test_after_a_resume_in_the_middle_the_norms_are_plain_lightning_s(tmp_path):
+    """Host placement, accumulation, an unused branch: resumed from step 5 (mid-epoch: Lightning starts the epoch's
+    batches again), the norms logged after the resume are plain Lightning's resumed the same way, bit for bit."""
+    kw = dict(variant="unused", steps=10, accumulate_grad_batches=2, default_root_dir=tmp_path)
+    seen = {}
+    for name, make in (("ref", lambda: "auto"), ("got", lambda: ChunkOffloadStrategy(placement="host", offload=LOOP))):
+        saves = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=5, save_top_k=-1, filename="{step}")
+        fit(make(), cls=LogsGradNorms, callbacks=[saves], enable_checkpointing=True, **kw)
+        seen[name] = fit(make(), cls=LogsGradNorms, ckpt_path=str(tmp_path / name / "step=5.ckpt"), **kw)
+    assert len(seen["ref"].seen) == 5 and seen["got"].seen == seen["ref"].seen
+    assert_same_params(seen["ref"], seen["got"], EXACT)
 
 
 class Asks(ParityNet):
