@@ -29,6 +29,7 @@ from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
@@ -142,6 +143,12 @@ class ChunkCheckpoints(OneProcessPerDevice):
                 "Lightning's step: it is written when the step is whole, before the next batch."
             )
             return
+        if self.engine is None and isinstance(self.launcher, _MultiProcessingLauncher):  # [Note: the launcher]
+            rank_zero_warn(
+                f"chunk_offload: {str(filepath)!r} is saved by the notebook's process, which did not train: the fit "
+                "ran in processes forked for its devices, which sent back the weights and metrics only. It holds no "
+                "optimizer state and no progress to resume from; a ModelCheckpoint callback saves those during fit."
+            )
         if not self._sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         assert self.engine is not None

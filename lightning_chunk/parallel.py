@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.utilities import imports as _lightning_imports
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -17,7 +18,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -39,6 +40,12 @@ class OneProcessPerDevice(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property
+    def local_rank(self) -> int:
+        """0 where this is the only process ([Note: the launcher]), whatever ``LOCAL_RANK`` another ``Trainer``'s
+        launcher set: its rank 1 runs the script again from the top, this fit included."""
+        return super().local_rank if self.num_processes * self.num_nodes > 1 else 0
 
     @property
     def num_processes(self) -> int:
@@ -67,9 +74,23 @@ class OneProcessPerDevice(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _configure_launcher(self) -> None:
-        # [Note: every rank's thread count] in ranks.py
+        """[Note: the launcher]
+        One process in all (one device, one node) needs no launcher, as Lightning's single-device strategy has none:
+        Lightning's script launcher refused a notebook ("not compatible with an interactive environment") even where
+        it would start nothing, and left ``LOCAL_RANK`` and ``WORLD_SIZE`` in the environment, so a later
+        ``Trainer(devices=2)`` in the same process took its ranks as started outside and waited for a rank 1 that
+        never came. In a notebook (``python -i``, Jupyter) several devices are started by forking, as
+        ``strategy="ddp_notebook"`` starts them (CUDA must not be initialised before ``fit``; Lightning checks); rank 0
+        sends the trained weights and the metrics back to the notebook's process. Elsewhere the script launcher starts
+        the script again for each device, as DDP's does ([Note: every rank's thread count] in ranks.py)."""
         assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self.num_processes * self.num_nodes == 1:
+            self.cluster_environment.validate_settings(num_devices=1, num_nodes=1)  # torchrun's or SLURM's count
+            self._launcher = None
+        elif _lightning_imports._IS_INTERACTIVE:
+            self._launcher = _MultiProcessingLauncher(self, start_method="fork")
+        else:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

@@ -4,7 +4,7 @@ which then set their rank variables and one thread each.
 
 [Note: a child's thread count]
 Lightning's launchers give each rank ``cores // ranks`` threads only where ``OMP_NUM_THREADS`` is unset
-(``_set_num_threads_if_needed``), and a one-rank fit in this process sets it to every core ([Note: the thread count a
+(``_set_num_threads_if_needed``), and a launcher run in this process sets it to every core ([Note: the thread count a
 test leaves behind] in ``conftest.py``). A test that fits on one rank and then launches two (writing the start
 weights, a checkpoint to resume, a reference) would hand ``OMP_NUM_THREADS=2`` to both ranks: four spinning threads on
 two cores, where every wait on a collective costs a time slice. The two-rank parity launch took 239 s so against
