@@ -45,7 +45,7 @@ from .precision import ChunkPrecision
 from .same_batches import check_same_batches, repeat_while_others_run
 from .telemetry import log_memory_stats
 from .toggles import follow_toggles
-from .unsupported import check_callbacks
+from .unsupported import check_callbacks, check_device
 
 # the arguments of Lightning's strategies that its connector may pass (it sets them as attributes otherwise)
 LIGHTNING_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
@@ -123,8 +123,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             rank_zero_warn(
                 f"disk_dir={self.config.disk_dir!r} does nothing without host_memory_limit: the disk tier "
                 "holds what does not fit under that limit. Set host_memory_limit (for example '64GiB'), or "
-                "drop disk_dir.",
-                category=UserWarning,
+                "drop disk_dir."
             )
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
@@ -137,8 +136,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         self.log_memory_stats = self.checks.log_memory_stats
         self.engine: ChunkEngine | None = None
         self._final_stats: dict[str, float] = {}
-        # [Note: optimizer state after fit] in engine/optim/kept_state.py
-        self._kept_optimizer_states: dict[int, Any] = {}
+        self._kept_optimizer_states: dict[int, Any] = {}  # [Note: optimizer state after fit] in optim/kept_state.py
         self._deferred_saves = []  # [Note: a save inside a step] in checkpointing.py
         self._failed = False
         self._deferred: DeferredInit | None = None
@@ -202,6 +200,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
+        check_device(self.root_device)
         self.accelerator.setup(trainer)
         self._failed = False
         module = self.lightning_module

@@ -1,11 +1,23 @@
-"""What chunk_offload refuses from Lightning before anything is built: callbacks that read or replace the module's
-parameters between steps, and ChunkEMA beside the disk tier."""
+"""What chunk_offload refuses from Lightning before anything is built: a device other than a CUDA GPU or the CPU,
+callbacks that read or replace the module's parameters between steps, and ChunkEMA beside the disk tier."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 
 from .ema import ChunkEMA
+
+
+def check_device(device: torch.device) -> None:
+    """The engine's tiers are a CUDA device's memory, the host's and a disk; Apple's MPS (which Lightning picks on a
+    Mac when ``accelerator`` is left to it), XLA and the others are refused before anything is moved."""
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"chunk_offload runs on CUDA GPUs and on the CPU, not on this Trainer's {device.type!r} device "
+            f"({device}). Pass accelerator='cpu' (on Apple silicon the GPU shares the host's memory: there is nothing "
+            "to offload to), or run on a CUDA GPU."
+        )
 
 
 def check_callbacks(trainer: pl.Trainer, host_memory_limit: int | None) -> None:

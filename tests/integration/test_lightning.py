@@ -71,6 +71,22 @@ def test_unsupported_precisions_are_refused_with_a_reason(precision):
         trainer(strategy="chunk_offload", precision=precision)
 
 
+def test_a_mac_s_mps_device_is_refused_naming_it_and_the_cpu(monkeypatch):
+    """Lightning picks MPS on a Mac when ``accelerator`` is left to it; the fit failed inside the first buffer's move
+    ("Could not run 'aten::empty_strided' with arguments from the 'MPS' backend" where MPS is faked here). Refused
+    before anything moves, naming the device and what to pass."""
+    from lightning.fabric.accelerators.mps import MPSAccelerator
+
+    monkeypatch.setattr(MPSAccelerator, "is_available", staticmethod(lambda: True))
+    t = trainer(accelerator="mps", strategy="chunk_offload", max_steps=1)
+    with pytest.raises(
+        ValueError,
+        match=r"runs on CUDA GPUs and on the CPU, not on this Trainer's 'mps' device.*"
+        r"accelerator='cpu'",
+    ):
+        t.fit(ParityNet(), token_data())
+
+
 def test_bad_strategy_knobs_name_the_value():
     with pytest.raises(ValueError, match="placement='everywhere'"):
         ChunkOffloadStrategy(placement="everywhere")
