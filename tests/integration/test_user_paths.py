@@ -390,6 +390,43 @@ def test_a_released_parameter_read_through_a_kept_reference_fails_at_once_naming
     assert_same_params(ref, got, EXACT)
 
 
+class PenaltyEveryFifth(ParityNet):
+    """An L2 penalty through a reference kept in a plain list, on every fifth step only: after the warm-up."""
+
+    def build(self) -> None:
+        super().build()
+        self.refs = [self.blocks[0][1].weight]
+
+    def penalised(self):
+        return self.refs[0]
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 1e-3 * self.penalised().pow(2).sum() if batch_idx % 5 == 4 else loss
+
+
+class PenaltyByAttribute(PenaltyEveryFifth):
+    def penalised(self):
+        return self.blocks[0][1].weight
+
+
+def test_a_kept_reference_read_only_after_the_warm_up_fails_naming_it_and_never_trains_to_nan():
+    """[Note: a parked parameter's class]: the warm-up's check of every op never saw the read, and under an evicting
+    limit (always set on a GPU) the step computed with NaN and trained every weight to NaN, silently. The
+    parameters' own class is back after fit, and reading by attribute (the fix named) trains as plain Lightning."""
+    limit = dict(device_memory_limit=90_000, chunk_numel=2_100, optimizer_kernel="loop")
+    with pytest.raises(
+        Exception, match=r"pow read parameter 'blocks.0.1.weight' while its chunk was released.*as an attribute"
+    ) as info:
+        fit(ChunkOffloadStrategy(**grouped(limit)), steps=8, cls=PenaltyEveryFifth)
+    assert info.value.__class__.__name__ == "ChunkError"
+    ref = fit("auto", steps=8, cls=PenaltyByAttribute)
+    got = fit(ChunkOffloadStrategy(**grouped(limit)), steps=8, cls=PenaltyByAttribute)
+    assert_same_params(ref, got, EXACT)
+    assert got.trainer_ref.strategy.memory_stats()["evictions"] > 0
+    assert {type(p) for p in got.parameters()} == {torch.nn.Parameter}
+
+
 # ------------------------------------------------------------------ configure_optimizers returning None
 class NoOptimizer(ParityNet):
     """``configure_optimizers`` returns None: Lightning fits "with no optimizer", running every forward, backward and

@@ -31,6 +31,7 @@ import torch
 
 from ..errors import ChunkError
 from .packing import ChunkSpec, Slot
+from .parked import show
 from .states import PINNED_STATES, RESIDENT_STATES, TensorState, check_transition
 
 if TYPE_CHECKING:  # only a type here: the manager owns the pool
@@ -342,7 +343,7 @@ class Chunk:
                 info.released_value = released_placeholder(info.shape, info.view.dtype, info.view.device)
             value = info.released_value if self.params_parked else info.view
             assert value is not None
-            info.param.data = value
+            show(info.param, value, parked=self.params_parked)  # [Note: a parked parameter's class]
             info.pointed()
 
     def keep_replaced(self, info: TensorInfo, when: str) -> ChunkError | None:
@@ -360,7 +361,7 @@ class Chunk:
             return replaced_data(info, self.chunk_id, when)
         with torch.no_grad():
             info.view.copy_(new)
-        info.param.data = info.view
+        show(info.param, info.view)
         info.pointed()
         return None
 

@@ -47,6 +47,7 @@ from ..system.host_heap import release_freed_memory
 from .chunk import Chunk, Role, TensorInfo, Tier
 from .materialize import DeferredInit
 from .packing import ChunkSpec, Layout, Slot
+from .parked import show
 from .states import TensorState as S
 
 _HOST = torch.device("cpu")
@@ -358,7 +359,8 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
                 has_grad=source.has_grad(s.param_index),
             )
             chunk.tensors.append(info)
-            p.data = info.view = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
+            info.view = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
+            show(p, info.view)
             info.pointed()
             mgr.place_param(p, chunk, info)
         if not chunk.aliased:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..chunks.chunk import Chunk, TensorInfo
+from ..chunks.parked import show
 from ..chunks.repack import piece_range
 from .manager import ChunkManager
 from .master_writes import copies_made
@@ -63,7 +64,7 @@ def unpack(mgr: ChunkManager, *, materialize: bool, device: torch.device | None 
         values = chunk_values(mgr, c, device=device) if materialize else {}
         for t in c.tensors:
             empty = torch.empty(0, dtype=t.orig_dtype, device=t.param.device)
-            t.param.data = values.get(t.slot.param_index, empty)
+            show(t.param, values.get(t.slot.param_index, empty))
         del values
         mgr.drop(c)
     mgr.forget_layout()

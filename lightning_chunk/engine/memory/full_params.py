@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ..chunks.chunk import Role, lost_write, storage_of
+from ..chunks.parked import show
 from ..chunks.repack import piece_range
 from ..chunks.states import TensorState
 from ..errors import ChunkError
@@ -119,7 +120,8 @@ def full_parameters(
             )
             for t in mine:
                 i = t.slot.param_index
-                values[i] = t.param.data = whole[i]
+                values[i] = whole[i]
+                show(t.param, whole[i])
                 if i in with_grad:
                     t.param.grad = whole_grads[i]
                     grads[i] = (whole_grads[i], whole_grads[i]._version)

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from ..chunks.chunk import Role, Tier
+from ..chunks.parked import show
 from ..errors import ChunkError
 from .consolidate import load_values
 from .full_params import _IN_A_STEP
@@ -192,7 +193,8 @@ class _Loading:
                     )
                 if self.first is None:  # not `or`: a module with __len__ (an empty ModuleList) is falsy
                     self.first = module
-                self.opened[i] = param.data = value.detach().to(info.orig_dtype, copy=True)
+                self.opened[i] = value.detach().to(info.orig_dtype, copy=True)
+                show(param, self.opened[i])
 
         return hook
 

@@ -13,9 +13,14 @@ from typing import Any
 import torch
 from torch._C import _len_torch_function_stack, _pop_torch_function_stack, _push_on_torch_function_stack
 
+from ..chunks.parked import READERS
 from ..errors import ChunkError
 from ..optim.shard_norms import GRAD_GET, Missing
 from .reads import ReleasedReads
+
+
+def _read_anything(func: Any, args: tuple, kwargs: dict) -> None:
+    """The parked class's check while ``suspended``."""
 
 
 class Window(enum.Enum):
@@ -177,12 +182,15 @@ class BetweenSteps:
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """Nothing armed inside: code of Lightning's that compares released parameters' values on purpose."""
+        """Nothing armed inside: code of Lightning's that compares released parameters' values on purpose (nor
+        their parked class's check, [Note: a parked parameter's class])."""
         self.disarm()
         self._suspended += 1
+        READERS.append(_read_anything)
         try:
             yield
         finally:
+            READERS.remove(_read_anything)
             self._suspended -= 1
 
     def _remove_stale(self) -> None:

@@ -131,7 +131,7 @@ class ChunkHooks:
             self.module, self.manager, lambda: self.closed is not None, lambda: current_reader() == self._read
         )
         is_open = lambda: self.closed is not None  # noqa: E731
-        watch(self.module, idle=looked_at(self.manager, is_open, self.between.arm))  # reads.py, full_params.py
+        watch(self.module, looked_at(self.manager, is_open, self.between.arm), self.owners.param_name)  # reads.py
         self.watch_grads()
         keys = list(self.owners.index)
 

@@ -28,8 +28,10 @@ evaluation step), ``ReleasedReads`` looks at every torch function's tensor argum
 placeholder's storage (the parameter, or a view of it such as ``w.T``) raises at once, naming the parameter and
 the fix — read it as a module attribute, or name the module that reads it in ``leaf_modules``, so that it owns
 its subtree ([Note: leaf modules] in ``leaves.py``), the root included. Later steps run the same code, so a read
-the warm-up did not make is one a data-dependent branch makes; they are not checked (a Python call per torch
-function would cost every step).
+the warm-up did not make is one a data-dependent branch makes (a penalty every tenth step); they are not checked
+op by op (a Python call per torch function would cost every step), but by the released parameter's class, which
+costs nothing ([Note: a parked parameter's class] in ``chunks/parked.py``): an op on the parameter itself raises
+the same error (one on a view taken of it, ``w.T``, is seen in the warm-up only).
 
 The watch costs a dictionary look-up per attribute read during a step, none outside one. A module is copied or
 pickled with a plain dict (``__reduce_ex__``), so copies (an EMA's, a deep copy in a callback) and saved modules
@@ -49,11 +51,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..chunks.chunk import placeholder_storages
+from ..chunks.parked import READERS, is_parked
 from ..errors import ChunkError
 
 if TYPE_CHECKING:  # a type only: outside_autocast.py enters CastUp
     from .outside_autocast import OutsideAutocast
 
+_PARKED_READS: dict[int, Callable[[Any, tuple, dict], None]] = {}  # by the id of the module watched
 Reader = Callable[[torch.Tensor, bool], None]  # (parameter, read by attribute: else by iteration)
 _CLIP_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
 _CLIPPERS = frozenset({"clip_grad_norm_", "clip_grad_norm", "clip_grad_value_"})
@@ -198,16 +202,33 @@ class ReleasedReads(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _refusal(self, func: Any, t: torch.Tensor) -> ChunkError:
-        what = self.name(t)
-        return ChunkError(
-            f"{getattr(func, '__name__', func)} read "
-            + (f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})")
-            + " while its chunk was released: the code holds a reference the engine cannot follow "
-            "(a list or closure made before training, not a module attribute), so it would compute "
-            "with NaN. Read the parameter as an attribute of its module (self.tok.weight), or name "
-            "the module whose forward reads it in ChunkOffloadStrategy(leaf_modules=[...]) (the "
-            "LightningModule itself included)."
-        )
+        return _kept_reference(f"{getattr(func, '__name__', func)} read {_named(self.name(t), t)}")
+
+
+def parked_reads(name: Callable[[torch.Tensor], str | None]) -> Callable[[Any, tuple, dict], None]:
+    """The check a parked parameter's class hands its ops to ([Note: a parked parameter's class] in
+    ``chunks/parked.py``): an op that reads its values raises, naming it."""
+
+    def check(func: Any, args: tuple, kwargs: dict) -> None:
+        if _reads_values(func, args, kwargs):
+            flat = [t for t in tree_flatten((args, kwargs))[0] if is_parked(t)]
+            what = f"{getattr(func, '__name__', func)} read {_named(name(flat[0]), flat[0]) if flat else 'a parameter'}"
+            raise _kept_reference(what)
+
+    return check
+
+
+def _named(what: str | None, t: torch.Tensor) -> str:
+    return f"parameter {what!r}" if what else f"a released parameter (shape {tuple(t.shape)})"
+
+
+def _kept_reference(happened: str) -> ChunkError:
+    return ChunkError(
+        f"{happened} while its chunk was released: the code holds a reference the engine cannot follow (a list or "
+        "closure made before training, not a module attribute), so it would compute with NaN. Read the parameter "
+        "as an attribute of its module (self.tok.weight), or name the module whose forward reads it in "
+        "ChunkOffloadStrategy(leaf_modules=[...]) (the LightningModule itself included)."
+    )
 
 
 class CastUp(TorchFunctionMode):
@@ -244,10 +265,16 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
-def watch(module: torch.nn.Module, idle: Reader | None = None) -> None:
+def watch(
+    module: torch.nn.Module, idle: Reader | None = None, name: Callable[[torch.Tensor], str | None] | None = None
+) -> None:
     """Give every submodule of ``module`` a ``WatchedParameters`` (idempotent); ``idle`` takes the reads made while
-    no step's reader is set ([Note: writes through .data] in ``memory/full_params.py``)."""
+    no step's reader is set ([Note: writes through .data] in ``memory/full_params.py``); ``name`` names the
+    parameters whose parked class refuses a read ([Note: a parked parameter's class])."""
     _set_idle(idle)
+    if name is not None and id(module) not in _PARKED_READS:
+        _PARKED_READS[id(module)] = parked_reads(name)
+        READERS.append(_PARKED_READS[id(module)])
     for mod in module.modules():
         params = mod.__dict__.get("_parameters")
         if params is not None and type(params) is dict:
@@ -257,6 +284,9 @@ def watch(module: torch.nn.Module, idle: Reader | None = None) -> None:
 def unwatch(module: torch.nn.Module) -> None:
     """Plain dicts again, with whatever the module holds now."""
     _set_idle(None)
+    check = _PARKED_READS.pop(id(module), None)
+    if check in READERS:
+        READERS.remove(check)
     for mod in module.modules():
         params = mod.__dict__.get("_parameters")
         if isinstance(params, WatchedParameters):

@@ -1,0 +1,63 @@
+"""A released parameter's class ([Note: a parked parameter's class]).
+
+[Note: a parked parameter's class]
+While its chunk is released a parameter shows a NaN placeholder ([Note: a released parameter] in ``chunk.py``). The
+warm-up checks every op for it ([Note: parameters read outside their owner] in ``runtime/reads.py``), but a read
+through a reference the engine cannot follow (a list made before training) that only a later step makes — a
+penalty every tenth step — computed with NaN and trained to NaN weights, silently: a check of every op costs a
+Python call per op in every step. The parameter's class costs nothing: while parked it is a subclass of its own
+class (``isinstance`` holds) whose ``__torch_function__`` hands each op to ``READERS``, which the runtime fills
+with a check that refuses a read of values, naming the parameter; gathered, it is its own class again, with no
+``__torch_function__`` of its own, so the ops of a step pay nothing. The engine changes ``.data`` and the class
+together through ``show`` and nowhere else. Views taken of a parked parameter are plain tensors: ``refs[0].T @ x``
+passes unseen after the warm-up (the warm-up's check sees it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# the runtime's checks, newest last: each raises for an op that reads a parked parameter's values
+READERS: list[Callable[[Any, tuple, dict], None]] = []
+
+
+class _Parked:
+    _parked_base: type
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if READERS:
+            READERS[-1](func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def parked_class(base: type) -> type:
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(f"Parked{base.__name__}", (_Parked, base), {"_parked_base": base})
+    return cls
+
+
+def own_class(t: torch.Tensor) -> type:
+    return getattr(type(t), "_parked_base", type(t))
+
+
+def is_parked(t: Any) -> bool:
+    return isinstance(t, _Parked)
+
+
+def show(param: torch.Tensor, value: torch.Tensor, *, parked: bool = False) -> None:
+    """``param.data = value``, the parameter's class parked or its own ([Note: a parked parameter's class])."""
+    base = own_class(param)
+    if type(param) is not base:
+        param.__class__ = base
+    param.data = value
+    if parked:
+        param.__class__ = parked_class(base)
