@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.states import TensorState
 from ..comm.sequence import GRADIENTS
 from ..errors import ChunkError
@@ -243,10 +244,14 @@ class ChunkHooks:
         chunk, info = mgr.lookup(param)
         if info.state is S.COMPUTE or not (info.state in _USABLE or info.state is S.FREE):
             return
+        key = self.owners.reader(_NOT_READERS)  # from the stack here: _take's has dynamo's frame of its disable
+        if key is not None:
+            self._take(key, chunk, info, i, by_attribute)
+
+    @_eager  # a compiled forward's read gathers eagerly, as the hooks do ([Note: hooks under torch.compile])
+    def _take(self, key: str, chunk: Chunk, info: TensorInfo, i: int, by_attribute: bool) -> None:
+        mgr = self.manager
         with unwatched(), mgr.clock.measure("hooks"):
-            key = self.owners.reader(_NOT_READERS)
-            if key is None:
-                return
             if by_attribute:
                 self._adopt(key, i)
             else:
