@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ChunkError
 from .packing import ChunkSpec, Slot
-from .parked import show
+from .parked import engine_reads, show
 from .states import PINNED_STATES, RESIDENT_STATES, TensorState, check_transition
 
 if TYPE_CHECKING:  # only a type here: the manager owns the pool
@@ -327,6 +327,7 @@ class Chunk:
             self.params_parked = True
             self.point_params()
 
+    @engine_reads
     def point_params(self) -> None:
         """Each parameter's ``.data``: its payload view, or its placeholder while the payload is released; the
         version counter is taken again ([Note: parameters outside a step] in ``full_params.py``). A parameter written

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ..chunks.chunk import Role, lost_write, storage_of
-from ..chunks.parked import show
+from ..chunks.parked import engine_reads, show
 from ..chunks.repack import piece_range
 from ..chunks.states import TensorState
 from ..errors import ChunkError
@@ -255,6 +255,7 @@ def check_stray_writes(mgr: Any, when: str = "outside a step or in the last step
         raise lost
 
 
+@engine_reads
 def stray_write(mgr: Any, when: str) -> ChunkError | None:
     """The error for a parameter of a resident payload that is a copy of its shard written in place since it was last
     pointed at its payload, or one whose ``.data`` was replaced where that is not kept: the write would be lost

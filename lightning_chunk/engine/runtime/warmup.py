@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..chunks.parked import engine_reads
 from ..comm.collectives import CollectiveMismatchError, first_difference
 from ..config import format_bytes
 from ..errors import ChunkError, DeviceMemoryLimitError, IllegalTransitionError, LayoutError
@@ -214,6 +215,7 @@ class WarmUpPlanner:
             marks.take()
             self.replan(Replan.OUTSIDE_AUTOCAST)
 
+    @engine_reads
     def follow_requires_grad(self) -> bool:
         """The chunk keys of parameters frozen or unfrozen since the last layout, for a repack ([Note: requires_grad
         changed]); whether any changed.
