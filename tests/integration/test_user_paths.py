@@ -410,7 +410,15 @@ class PenaltyByAttribute(PenaltyEveryFifth):
         return self.blocks[0][1].weight
 
 
-def test_a_kept_reference_read_only_after_the_warm_up_fails_naming_it_and_never_trains_to_nan():
+class PenaltyOnAView(PenaltyEveryFifth):
+    """The kept reference's view (``.T``) read: the view reads no values, the op on it does."""
+
+    def penalised(self):
+        return self.refs[0].T
+
+
+@pytest.mark.parametrize("cls", [PenaltyEveryFifth, PenaltyOnAView], ids=["the_parameter", "a_view"])
+def test_a_kept_reference_read_only_after_the_warm_up_fails_naming_it_and_never_trains_to_nan(cls):
     """[Note: a parked parameter's class]: the warm-up's check of every op never saw the read, and under an evicting
     limit (always set on a GPU) the step computed with NaN and trained every weight to NaN, silently. The
     parameters' own class is back after fit, and reading by attribute (the fix named) trains as plain Lightning."""
@@ -418,7 +426,7 @@ def test_a_kept_reference_read_only_after_the_warm_up_fails_naming_it_and_never_
     with pytest.raises(
         Exception, match=r"pow read parameter 'blocks.0.1.weight' while its chunk was released.*as an attribute"
     ) as info:
-        fit(ChunkOffloadStrategy(**grouped(limit)), steps=8, cls=PenaltyEveryFifth)
+        fit(ChunkOffloadStrategy(**grouped(limit)), steps=8, cls=cls)
     assert info.value.__class__.__name__ == "ChunkError"
     ref = fit("auto", steps=8, cls=PenaltyByAttribute)
     got = fit(ChunkOffloadStrategy(**grouped(limit)), steps=8, cls=PenaltyByAttribute)

@@ -11,8 +11,10 @@ with a check that refuses a read of values, naming the parameter; gathered, it i
 ``__torch_function__`` of its own, so the ops of a step pay nothing. The engine changes ``.data`` and the class
 together through ``show`` and nowhere else, and reads a parked parameter's version counter, storage and
 ``requires_grad`` in its loops under ``engine_reads``: dispatched through the class each read cost 2.5 us, ten of
-them a parameter a step, where the plain read costs 0.1-0.5 us. Views taken of a parked parameter are plain
-tensors: ``refs[0].T @ x`` passes unseen after the warm-up (the warm-up's check sees it)."""
+them a parameter a step, where the plain read costs 0.1-0.5 us. A view taken of a parked parameter (``.T``,
+``.data``, ``detach()``, ``[0]``) reads no values, so it passes, but it shows the placeholder's NaN for good: it
+is parked too, with the parameter it came from (``parked_from``) for the refusal to name — a plain view computed
+``refs[0].T.pow(2).sum()`` with NaN after the warm-up and trained to NaN, unseen."""
 
 from __future__ import annotations
 
@@ -35,7 +37,35 @@ class _Parked:
         if READERS:
             READERS[-1](func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                _park_view(out, args)
+            elif isinstance(out, (tuple, list)):  # split, chunk, unbind
+                for o in out:
+                    if isinstance(o, torch.Tensor):
+                        _park_view(o, args)
+            return out
+
+
+def _park_view(out: torch.Tensor, args: tuple) -> None:
+    """``out`` parked too if it views a parked argument's placeholder ([Note: a parked parameter's class])."""
+    if isinstance(out, _Parked):
+        return
+    for a in args:
+        if isinstance(a, torch.Tensor) and isinstance(a, _Parked) and a is not out:
+            try:
+                same = out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # meta and fake tensors hold no storage
+                return
+            if same:
+                out.__class__ = parked_class(type(out))
+                out.parked_from = parked_from(a)  # type: ignore[attr-defined]
+            return
+
+
+def parked_from(t: torch.Tensor) -> torch.Tensor:
+    """The parameter a parked tensor is, or is a view of."""
+    return getattr(t, "parked_from", t)
 
 
 _CLASSES: dict[type, type] = {}

@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..chunks.chunk import placeholder_storages
-from ..chunks.parked import READERS, is_parked
+from ..chunks.parked import READERS, is_parked, parked_from
 from ..errors import ChunkError
 
 if TYPE_CHECKING:  # a type only: outside_autocast.py enters CastUp
@@ -212,7 +212,9 @@ def parked_reads(name: Callable[[torch.Tensor], str | None]) -> Callable[[Any, t
     def check(func: Any, args: tuple, kwargs: dict) -> None:
         if _reads_values(func, args, kwargs):
             flat = [t for t in tree_flatten((args, kwargs))[0] if is_parked(t)]
-            what = f"{getattr(func, '__name__', func)} read {_named(name(flat[0]), flat[0]) if flat else 'a parameter'}"
+            param = parked_from(flat[0]) if flat else None
+            read = _named(name(param), param) if param is not None else "a parameter"
+            what = f"{getattr(func, '__name__', func)} read {read}"
             raise _kept_reference(what)
 
     return check
