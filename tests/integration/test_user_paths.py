@@ -417,8 +417,17 @@ class PenaltyOnAView(PenaltyEveryFifth):
         return self.refs[0].T
 
 
-@pytest.mark.parametrize("cls", [PenaltyEveryFifth, PenaltyOnAView], ids=["the_parameter", "a_view"])
-def test_a_kept_reference_read_only_after_the_warm_up_fails_naming_it_and_never_trains_to_nan(cls):
+class PenaltyOnAViewByAttribute(PenaltyEveryFifth):
+    def penalised(self):
+        return self.blocks[0][1].weight.T
+
+
+@pytest.mark.parametrize(
+    "cls, by_attribute",
+    [(PenaltyEveryFifth, PenaltyByAttribute), (PenaltyOnAView, PenaltyOnAViewByAttribute)],
+    ids=["the_parameter", "a_view"],
+)
+def test_a_kept_reference_read_only_after_the_warm_up_fails_naming_it_and_never_trains_to_nan(cls, by_attribute):
     """[Note: a parked parameter's class]: the warm-up's check of every op never saw the read, and under an evicting
     limit (always set on a GPU) the step computed with NaN and trained every weight to NaN, silently. The
     parameters' own class is back after fit, and reading by attribute (the fix named) trains as plain Lightning."""
@@ -428,8 +437,8 @@ def test_a_kept_reference_read_only_after_the_warm_up_fails_naming_it_and_never_
     ) as info:
         fit(ChunkOffloadStrategy(**grouped(limit)), steps=8, cls=cls)
     assert info.value.__class__.__name__ == "ChunkError"
-    ref = fit("auto", steps=8, cls=PenaltyByAttribute)
-    got = fit(ChunkOffloadStrategy(**grouped(limit)), steps=8, cls=PenaltyByAttribute)
+    ref = fit("auto", steps=8, cls=by_attribute)
+    got = fit(ChunkOffloadStrategy(**grouped(limit)), steps=8, cls=by_attribute)
     assert_same_params(ref, got, EXACT)
     assert got.trainer_ref.strategy.memory_stats()["evictions"] > 0
     assert {type(p) for p in got.parameters()} == {torch.nn.Parameter}

@@ -52,7 +52,7 @@ def _park_view(out: torch.Tensor, args: tuple) -> None:
     if isinstance(out, _Parked):
         return
     for a in args:
-        if isinstance(a, torch.Tensor) and isinstance(a, _Parked) and a is not out:
+        if isinstance(a, torch.Tensor) and isinstance(a, _Parked):
             try:
                 same = out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
             except (RuntimeError, NotImplementedError):  # meta and fake tensors hold no storage
