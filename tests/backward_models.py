@@ -205,9 +205,10 @@ def edited(strict: bool = False, replace_head: bool = False):
 
 
 def model_class(name: str) -> type:
-    """A test model by its class name, from this module, ``tests.models``, ``tests.layer_models`` or
-    ``tests.optimizer_models``."""
+    """A test model by its class name, from this module, ``tests.models``, ``tests.layer_models``,
+    ``tests.optimizer_models`` or ``tests.distributed.rank_models``."""
     from tests import layer_models, optimizer_models
+    from tests.distributed import rank_models
 
     found = globals().get(name) or getattr(models, name, None) or getattr(layer_models, name, None)
-    return found or getattr(optimizer_models, name)
+    return found or getattr(optimizer_models, name, None) or getattr(rank_models, name)

@@ -1,17 +1,17 @@
 """A random sweep of two-rank configurations against DDP, run by hand (not collected by pytest):
 
-    .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40 [--as-nccl]
+    .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40 [--as-nccl] [--devices 4]
 
 Each run draws a test model, a precision, accumulation, clipping (by norm or value), an optimizer and
 chunk_offload's options (placement, kernel, chunk size, ``step_in_backward``, ``reshard_after_forward``,
 ``sharded_accumulation``, a device limit as a fraction of the parameter bytes, sometimes one a rank), trains it on
-two gloo ranks with Lightning's launcher and compares the parameters with DDP's (one DDP run per model, precision,
-accumulation, clipping and optimizer). A line a run: ``OK`` within the tolerance (fp32 1e-4 absolute, the mixed and
-bf16 precisions 2% relative), ``BAD`` beyond it, ``FAIL`` with the error where the run stopped (a limit too small
-names the smallest that works; some option combinations are refused), ``HANG`` past five minutes. ``--as-nccl``
-runs gloo as NCCL runs ([Note: gloo as NCCL]: one communicator in issue order, no agreement check), where ranks
-whose collectives part hang or mix chunks instead of failing together. The hand-written parity cases
-(``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
+two gloo ranks (``--devices``) with Lightning's launcher and compares the parameters with DDP's (one DDP run per
+model, precision, accumulation, clipping and optimizer). A line a run: ``OK`` within the tolerance (fp32 1e-4
+absolute, the mixed and bf16 precisions 2% relative), ``BAD`` beyond it, ``FAIL`` with the error where the run
+stopped (a limit too small names the smallest that works; some option combinations are refused), ``HANG`` past
+five minutes. ``--as-nccl`` runs gloo as NCCL runs ([Note: gloo as NCCL]: one communicator in issue order, no
+agreement check), where ranks whose collectives part hang or mix chunks instead of failing together. The
+hand-written parity cases (``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
 """
 
 from __future__ import annotations
@@ -43,11 +43,19 @@ MODELS = [
     ("TwoPassNet", "rdrop"),
     ("TwoPassNet", "teacher"),
     ("ScheduleFreeNet", "plain"),  # its counters in the param groups; eval() and train() around each validation
+    ("RankGatedNet", "plain"),  # a gate's parameter used on some ranks and not others, differently each step
+    ("RankGatedNet", "own_chunk"),  # the same gate a row packed with the weights
+    ("MixtureNet", "plain"),  # experts no token chose are not run: which run differs across ranks and steps
 ]
+UNUSED = {"RankGatedNet", "MixtureNet"}  # DDP needs find_unused_parameters=True, as for ParityNet's "unused"
 
 # where DDP itself cannot train: torch's CPU LSTM and GRU refuse bf16 under autocast; an orthogonal map computed in
-# bf16 goes to NaN within a few steps
-PRECISIONS = {"RecurrentNet": ["32-true", "bf16-true"], "ParametrizedNet": ["32-true", "bf16-mixed"]}
+# bf16 goes to NaN within a few steps; the hand-written experts add bf16 rows into an fp32 sum
+PRECISIONS = {
+    "RecurrentNet": ["32-true", "bf16-true"],
+    "ParametrizedNet": ["32-true", "bf16-mixed"],
+    "MixtureNet": ["32-true", "bf16-true"],  # index_add of autocast's bf16 rows into fp32 fails in DDP too
+}
 
 
 def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]:
@@ -70,6 +78,8 @@ def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]
     )
     if cls == "ScheduleFreeNet":  # not torch's: taken as element-wise, checked on twins
         opts["assume_elementwise_optimizer"] = True
+    if cls == "MixtureNet":  # gathered whole at its forward, whichever experts run (docs/faq.md: without the leaf
+        opts["leaf_modules"] = ["Experts"]  # the ranks' gathers part, a hang on NCCL)
     for name in ("step_in_backward", "reshard_after_forward", "sharded_accumulation"):
         if rng.random() < 0.3 and (name != "reshard_after_forward" or opts["placement"] == "host"):
             opts[name] = rng.choice([True, False])  # reshard_after_forward: host placement's alone
@@ -97,17 +107,17 @@ def train(spec: dict, out: str) -> None:
     opts = dict(spec.get("opts") or {})
     if "limit" in opts:
         limit = opts.pop("limit")
-        if isinstance(limit, list):  # this rank's: Lightning's launcher starts rank 1 with LOCAL_RANK set
-            limit = limit[int(os.environ.get("LOCAL_RANK", 0))]
+        if isinstance(limit, list):  # this rank's, in turn: Lightning's launcher starts the others with LOCAL_RANK set
+            limit = limit[int(os.environ.get("LOCAL_RANK", 0)) % len(limit)]
         opts["device_memory_limit"] = int(limit * sum(p.numel() * p.element_size() for p in model.parameters()))
     strategy = (
         ChunkOffloadStrategy(**grouped(opts))
         if spec.get("opts") is not None
-        else DDPStrategy(find_unused_parameters=spec["variant"] == "unused")
+        else DDPStrategy(find_unused_parameters=spec["variant"] == "unused" or spec["cls"] in UNUSED)
     )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=spec.get("devices", 2),
         strategy=strategy,
         precision=spec["precision"],
         max_steps=spec["steps"],
@@ -138,12 +148,16 @@ def verdict(spec: dict, ref: Path, got: Path) -> str:
     return f"{'OK ' if ok else 'BAD'} maxdiff={diff:.1e} rel={rel:.1e}"
 
 
-def sweep(seed: int, runs: int, out: Path, only: set[str] | None = None, *, as_nccl: bool = False) -> None:
+def sweep(
+    seed: int, runs: int, out: Path, only: set[str] | None = None, *, as_nccl: bool = False, devices: int = 2
+) -> None:
     rng = random.Random(seed)
     env = {**os.environ, **({"LIGHTNING_CHUNK_GLOO_AS_NCCL": "1"} if as_nccl else {})}
     out.mkdir(parents=True, exist_ok=True)
     for _ in range(runs):
         base, opts = draw(rng, [m for m in MODELS if only is None or m[0] in only])
+        if devices != 2:  # the same draws as two ranks give, so a seed's runs compare across rank counts
+            base["devices"] = devices
         ref = out / f"ddp_{hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]}.pt"
         for spec, path in ((base, ref), ({**base, "opts": opts}, out / "got.pt")):
             if path == ref and ref.exists():
@@ -169,6 +183,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/lightning_chunk_sweep"))
     parser.add_argument("--models", help="draw only these classes, comma-separated (RecurrentNet,TwoPassNet)")
     parser.add_argument("--as-nccl", action="store_true", help="gloo run as NCCL runs: one communicator, no check")
+    parser.add_argument("--devices", type=int, default=2, help="ranks a run (4: shards of a quarter)")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -180,6 +195,7 @@ def main() -> None:
             args.out,
             set(args.models.split(",")) if args.models else None,
             as_nccl=args.as_nccl,
+            devices=args.devices,
         )
 
 
