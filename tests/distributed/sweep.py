@@ -151,8 +151,11 @@ def verdict(spec: dict, ref: Path, got: Path) -> str:
 def sweep(
     seed: int, runs: int, out: Path, only: set[str] | None = None, *, as_nccl: bool = False, devices: int = 2
 ) -> None:
+    sys.path.insert(0, str(ROOT))
+    from tests.distributed.launch import AS_NCCL
+
     rng = random.Random(seed)
-    env = {**os.environ, **({"LIGHTNING_CHUNK_GLOO_AS_NCCL": "1"} if as_nccl else {})}
+    env = {**os.environ, **(AS_NCCL if as_nccl else {})}
     out.mkdir(parents=True, exist_ok=True)
     for _ in range(runs):
         base, opts = draw(rng, [m for m in MODELS if only is None or m[0] in only])
