@@ -15,10 +15,8 @@ from torch._C import _len_torch_function_stack
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine import ChunkError
 from lightning_chunk.options import grouped
-from tests.integration.test_parity import assert_same_params
+from tests.compare import EXACT, assert_same_params
 from tests.models import ManualNet, ParityNet, fit, token_data
-
-EXACT = dict(rtol=0, atol=0)
 
 
 def chunked(**kw):

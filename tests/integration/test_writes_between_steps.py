@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, Stochasti
 
 from lightning_chunk.engine import ChunkError
 from tests.callbacks import ClampFirstBlock, LoadsWeights
-from tests.integration.test_parameters_between_steps import EXACT, chunked
-from tests.integration.test_parity import assert_same_params
+from tests.compare import EXACT, assert_same_params
+from tests.integration.test_parameters_between_steps import chunked
 from tests.models import ParityNet, fit, token_data
 
 
