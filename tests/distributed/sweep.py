@@ -1,6 +1,6 @@
 """A random sweep of two-rank configurations against DDP, run by hand (not collected by pytest):
 
-    .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40 [--as-nccl] [--devices 4]
+    .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40 [--as-nccl] [--devices 4] [--resume]
 
 Each run draws a test model, a precision, accumulation, clipping (by norm or value), an optimizer and
 chunk_offload's options (placement, kernel, chunk size, ``step_in_backward``, ``reshard_after_forward``,
@@ -12,6 +12,8 @@ stopped (a limit too small names the smallest that works; some option combinatio
 five minutes. ``--as-nccl`` runs gloo as NCCL runs ([Note: gloo as NCCL]: one communicator in issue order, no
 agreement check), where ranks whose collectives part hang or mix chunks instead of failing together. The
 hand-written parity cases (``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
+``--resume`` saves a checkpoint after a drawn number of optimizer steps and resumes from it with options drawn afresh
+(placement, chunk size, limits), against DDP saved and resumed at the same step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +74,11 @@ def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]
         optimizer=rng.choice(["adamw", "adamw", "sgd", "Adam", "rmsprop", "Adafactor"]),
         clip_by=rng.choice(["norm", "norm", "value"]),
     )
+    return base, draw_options(rng, cls)
+
+
+def draw_options(rng: random.Random, cls: str) -> dict:
+    """chunk_offload's options for a model of class ``cls``."""
     opts: dict = dict(
         placement=rng.choice(["auto", "host", "device", "static"]),
         optimizer_kernel=rng.choice(["loop", "auto"]),
@@ -87,7 +95,7 @@ def draw(rng: random.Random, models: list[tuple[str, str]]) -> tuple[dict, dict]
         opts["limit"] = rng.choice([0.8, 1.0, 1.3, 2.0, 3.0])
         if rng.random() < 0.3:  # ranks whose free device memory differs: a limit each
             opts["limit"] = [opts["limit"], rng.choice([1.0, 1.5, 2.0, 3.0])]
-    return base, opts
+    return opts
 
 
 def train(spec: dict, out: str) -> None:
@@ -95,6 +103,7 @@ def train(spec: dict, out: str) -> None:
     sys.path.insert(0, str(ROOT))
     import lightning as L
     import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_chunk import ChunkOffloadStrategy
@@ -115,6 +124,10 @@ def train(spec: dict, out: str) -> None:
         if spec.get("opts") is not None
         else DDPStrategy(find_unused_parameters=spec["variant"] == "unused" or spec["cls"] in UNUSED)
     )
+    saves = spec.get("save_at") is not None
+    callbacks = (
+        [ModelCheckpoint(spec["ckpt_dir"], filename="{step}", every_n_train_steps=spec["save_at"])] if saves else []
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec.get("devices", 2),
@@ -127,11 +140,12 @@ def train(spec: dict, out: str) -> None:
         limit_val_batches=2,
         val_check_interval=4,
         logger=False,
-        enable_checkpointing=False,
+        callbacks=callbacks,
+        enable_checkpointing=saves,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, token_data(), token_data(16))
+    trainer.fit(model, token_data(), token_data(16), ckpt_path=spec.get("ckpt_path"))
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
 
@@ -148,8 +162,31 @@ def verdict(spec: dict, ref: Path, got: Path) -> str:
     return f"{'OK ' if ok else 'BAD'} maxdiff={diff:.1e} rel={rel:.1e}"
 
 
+def legs(base: dict, opts: dict | None, resumed: dict | None, out: Path, name: str) -> list[tuple[dict, Path]]:
+    """The fits of one side (``opts`` None: DDP), each a (spec, state-dict path), the last the one compared: one fit,
+    or with ``resumed`` one that saves at ``base["resume_at"]`` and one resumed from that save with ``resumed``'s
+    options (DDP: its own again)."""
+    spec = base if opts is None else {**base, "opts": opts}
+    if "resume_at" not in base:
+        return [(spec, out / f"{name}.pt")]
+    ckpt_dir = out / f"{name}_ckpt"
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # a save over an older one is renamed: step=3-v1.ckpt
+    save = {**spec, "save_at": base["resume_at"], "ckpt_dir": str(ckpt_dir)}
+    resume = {**spec, "ckpt_path": str(ckpt_dir / f"step={base['resume_at']}.ckpt")}
+    if opts is not None:
+        resume["opts"] = resumed
+    return [(save, ckpt_dir / "uninterrupted.pt"), (resume, out / f"{name}.pt")]
+
+
 def sweep(
-    seed: int, runs: int, out: Path, only: set[str] | None = None, *, as_nccl: bool = False, devices: int = 2
+    seed: int,
+    runs: int,
+    out: Path,
+    only: set[str] | None = None,
+    *,
+    as_nccl: bool = False,
+    devices: int = 2,
+    resume: bool = False,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.distributed.launch import AS_NCCL
@@ -161,10 +198,13 @@ def sweep(
         base, opts = draw(rng, [m for m in MODELS if only is None or m[0] in only])
         if devices != 2:  # the same draws as two ranks give, so a seed's runs compare across rank counts
             base["devices"] = devices
-        ref = out / f"ddp_{hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]}.pt"
-        for spec, path in ((base, ref), ({**base, "opts": opts}, out / "got.pt")):
-            if path == ref and ref.exists():
-                continue
+        resumed = None
+        if resume:  # saved after this many optimizer steps, resumed with options drawn afresh
+            base["resume_at"] = rng.randrange(2, base["steps"])
+            resumed = draw_options(rng, base["cls"])
+        ref = f"ddp_{hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]}"
+        todo = [] if (out / f"{ref}.pt").exists() else legs(base, None, None, out, ref)
+        for spec, path in todo + legs(base, opts, resumed, out, "got"):
             cmd = [sys.executable, __file__, "--one", json.dumps(spec), str(path)]
             try:  # a tiny model trains in well under a minute; ranks whose collectives part hang as NCCL
                 r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -176,7 +216,8 @@ def sweep(
                 print(f"FAIL {json.dumps(spec)}\n    {' '.join(errors)}", flush=True)
                 break
         else:
-            print(f"{verdict(base, ref, out / 'got.pt')} {json.dumps({**base, 'opts': opts})}", flush=True)
+            drawn = {**base, "opts": opts, **({"resumed_opts": resumed} if resume else {})}
+            print(f"{verdict(base, out / f'{ref}.pt', out / 'got.pt')} {json.dumps(drawn)}", flush=True)
 
 
 def main() -> None:
@@ -187,6 +228,7 @@ def main() -> None:
     parser.add_argument("--models", help="draw only these classes, comma-separated (RecurrentNet,TwoPassNet)")
     parser.add_argument("--as-nccl", action="store_true", help="gloo run as NCCL runs: one communicator, no check")
     parser.add_argument("--devices", type=int, default=2, help="ranks a run (4: shards of a quarter)")
+    parser.add_argument("--resume", action="store_true", help="save mid-run, resume with options drawn afresh")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -199,6 +241,7 @@ def main() -> None:
             set(args.models.split(",")) if args.models else None,
             as_nccl=args.as_nccl,
             devices=args.devices,
+            resume=args.resume,
         )
 
 
