@@ -125,9 +125,8 @@ def train(spec: dict, out: str) -> None:
         else DDPStrategy(find_unused_parameters=spec["variant"] == "unused" or spec["cls"] in UNUSED)
     )
     saves = spec.get("save_at") is not None
-    callbacks = (
-        [ModelCheckpoint(spec["ckpt_dir"], filename="{step}", every_n_train_steps=spec["save_at"])] if saves else []
-    )
+    every = dict(every_n_train_steps=spec.get("save_at"), save_top_k=-1)  # kept: the one resumed from is the first
+    callbacks = [ModelCheckpoint(spec["ckpt_dir"], filename="{step}", **every)] if saves else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec.get("devices", 2),
