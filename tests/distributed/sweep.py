@@ -211,8 +211,9 @@ def sweep(
                 print(f"HANG {json.dumps(spec)}", flush=True)
                 break
             if r.returncode:
-                errors = [line.strip()[:300] for line in r.stderr.splitlines() if "Error" in line][-1:]
-                print(f"FAIL {json.dumps(spec)}\n    {' '.join(errors)}", flush=True)
+                lines = [line.strip()[:300] for line in r.stderr.splitlines() if line.strip()]
+                said = ([line for line in lines if "Error" in line] or lines or [""])[-1]  # else: killed by a signal?
+                print(f"FAIL {json.dumps(spec)}\n    exit {r.returncode}: {said}", flush=True)
                 break
         else:
             drawn = {**base, "opts": opts, **({"resumed_opts": resumed} if resume else {})}
