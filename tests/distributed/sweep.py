@@ -1,6 +1,7 @@
 """A random sweep of two-rank configurations against DDP, run by hand (not collected by pytest):
 
     .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40 [--as-nccl] [--devices 4] [--resume]
+                                            [--resume-devices 4]
 
 Each run draws a test model, a precision, accumulation, clipping (by norm or value), an optimizer and
 chunk_offload's options (placement, kernel, chunk size, ``step_in_backward``, ``reshard_after_forward``,
@@ -13,7 +14,8 @@ five minutes. ``--as-nccl`` runs gloo as NCCL runs ([Note: gloo as NCCL]: one co
 agreement check), where ranks whose collectives part hang or mix chunks instead of failing together. The
 hand-written parity cases (``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
 ``--resume`` saves a checkpoint after a drawn number of optimizer steps and resumes from it with options drawn afresh
-(placement, chunk size, limits), against DDP saved and resumed at the same step.
+(placement, chunk size, limits), against DDP saved and resumed at the same step; ``--resume-devices 4`` resumes on
+four ranks (or one) what two saved.
 """
 
 from __future__ import annotations
@@ -172,6 +174,8 @@ def legs(base: dict, opts: dict | None, resumed: dict | None, out: Path, name: s
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # a save over an older one is renamed: step=3-v1.ckpt
     save = {**spec, "save_at": base["resume_at"], "ckpt_dir": str(ckpt_dir)}
     resume = {**spec, "ckpt_path": str(ckpt_dir / f"step={base['resume_at']}.ckpt")}
+    if "resume_devices" in base:  # resharded: DDP's checkpoint has no ranks in it; the global batch changes for both
+        resume["devices"] = base["resume_devices"]
     if opts is not None:
         resume["opts"] = resumed
     return [(save, ckpt_dir / "uninterrupted.pt"), (resume, out / f"{name}.pt")]
@@ -186,6 +190,7 @@ def sweep(
     as_nccl: bool = False,
     devices: int = 2,
     resume: bool = False,
+    resume_devices: int | None = None,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.distributed.launch import AS_NCCL
@@ -201,6 +206,8 @@ def sweep(
         if resume:  # saved after this many optimizer steps, resumed with options drawn afresh
             base["resume_at"] = rng.randrange(2, base["steps"])
             resumed = draw_options(rng, base["cls"])
+            if resume_devices is not None:
+                base["resume_devices"] = resume_devices
         ref = f"ddp_{hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]}"
         todo = [] if (out / f"{ref}.pt").exists() else legs(base, None, None, out, ref)
         for spec, path in todo + legs(base, opts, resumed, out, "got"):
@@ -229,6 +236,7 @@ def main() -> None:
     parser.add_argument("--as-nccl", action="store_true", help="gloo run as NCCL runs: one communicator, no check")
     parser.add_argument("--devices", type=int, default=2, help="ranks a run (4: shards of a quarter)")
     parser.add_argument("--resume", action="store_true", help="save mid-run, resume with options drawn afresh")
+    parser.add_argument("--resume-devices", type=int, help="with --resume: resume on this many ranks")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -241,7 +249,8 @@ def main() -> None:
             set(args.models.split(",")) if args.models else None,
             as_nccl=args.as_nccl,
             devices=args.devices,
-            resume=args.resume,
+            resume=args.resume or args.resume_devices is not None,
+            resume_devices=args.resume_devices,
         )
 
 
