@@ -15,7 +15,8 @@ agreement check), where ranks whose collectives part hang or mix chunks instead 
 hand-written parity cases (``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
 ``--resume`` saves a checkpoint after a drawn number of optimizer steps and resumes from it with options drawn afresh
 (placement, chunk size, limits), against DDP saved and resumed at the same step; ``--resume-devices 4`` resumes on
-four ranks (or one) what two saved.
+four ranks (or one) what two saved. ``--reduce-dtype bfloat16`` sums chunk_offload's gradients across ranks in bf16
+(``ChunkPrecision(reduce_dtype=...)``), compared as the bf16 precisions are.
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def train(spec: dict, out: str) -> None:
         if isinstance(limit, list):  # this rank's, in turn: Lightning's launcher starts the others with LOCAL_RANK set
             limit = limit[int(os.environ.get("LOCAL_RANK", 0)) % len(limit)]
         opts["device_memory_limit"] = int(limit * sum(p.numel() * p.element_size() for p in model.parameters()))
+    low = {"precision": spec["precision"]}
+    if "reduce_dtype" in opts:  # gradients summed across ranks in this dtype (FSDP's MixedPrecision.reduce_dtype)
+        from lightning_chunk import ChunkPrecision
+
+        low = {"plugins": [ChunkPrecision(spec["precision"], reduce_dtype=opts.pop("reduce_dtype"))]}
     strategy = (
         ChunkOffloadStrategy(**grouped(opts))
         if spec.get("opts") is not None
@@ -133,7 +139,7 @@ def train(spec: dict, out: str) -> None:
         accelerator="cpu",
         devices=spec.get("devices", 2),
         strategy=strategy,
-        precision=spec["precision"],
+        **low,
         max_steps=spec["steps"],
         accumulate_grad_batches=spec["acc"],
         gradient_clip_val=spec["clip"],
@@ -159,7 +165,8 @@ def verdict(spec: dict, ref: Path, got: Path) -> str:
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
     num = sum((a[k].float() - b[k].float()).pow(2).sum() for k in keys) ** 0.5
     rel = float(num / sum(a[k].float().pow(2).sum() for k in keys) ** 0.5)
-    ok = diff < 1e-4 if spec["precision"] == "32-true" else rel < 0.02
+    exact = spec["precision"] == "32-true" and "reduce_dtype" not in (spec.get("opts") or {})
+    ok = diff < 1e-4 if exact else rel < 0.02
     return f"{'OK ' if ok else 'BAD'} maxdiff={diff:.1e} rel={rel:.1e}"
 
 
@@ -191,6 +198,7 @@ def sweep(
     devices: int = 2,
     resume: bool = False,
     resume_devices: int | None = None,
+    reduce_dtype: str | None = None,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.distributed.launch import AS_NCCL
@@ -202,10 +210,12 @@ def sweep(
         base, opts = draw(rng, [m for m in MODELS if only is None or m[0] in only])
         if devices != 2:  # the same draws as two ranks give, so a seed's runs compare across rank counts
             base["devices"] = devices
+        if reduce_dtype is not None:  # every chunk_offload fit, after the draws: a seed draws what it drew before
+            opts["reduce_dtype"] = reduce_dtype
         resumed = None
         if resume:  # saved after this many optimizer steps, resumed with options drawn afresh
             base["resume_at"] = rng.randrange(2, base["steps"])
-            resumed = draw_options(rng, base["cls"])
+            resumed = draw_options(rng, base["cls"]) | ({"reduce_dtype": reduce_dtype} if reduce_dtype else {})
             if resume_devices is not None:
                 base["resume_devices"] = resume_devices
         ref = f"ddp_{hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]}"
@@ -237,6 +247,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="ranks a run (4: shards of a quarter)")
     parser.add_argument("--resume", action="store_true", help="save mid-run, resume with options drawn afresh")
     parser.add_argument("--resume-devices", type=int, help="with --resume: resume on this many ranks")
+    parser.add_argument("--reduce-dtype", help="chunk_offload sums gradients across ranks in this dtype (bfloat16)")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -251,6 +262,7 @@ def main() -> None:
             devices=args.devices,
             resume=args.resume or args.resume_devices is not None,
             resume_devices=args.resume_devices,
+            reduce_dtype=args.reduce_dtype,
         )
 
 
