@@ -234,7 +234,7 @@ def sweep(
                 break
         else:
             drawn = {**base, "opts": opts, **({"resumed_opts": resumed} if resume else {})}
-            print(f"{verdict(base, out / f'{ref}.pt', out / 'got.pt')} {json.dumps(drawn)}", flush=True)
+            print(f"{verdict(drawn, out / f'{ref}.pt', out / 'got.pt')} {json.dumps(drawn)}", flush=True)
 
 
 def main() -> None:
