@@ -127,17 +127,20 @@ def train(spec: dict, out: str) -> None:
         from lightning_chunk import ChunkPrecision
 
         low = {"plugins": [ChunkPrecision(spec["precision"], reduce_dtype=opts.pop("reduce_dtype"))]}
+    devices = spec.get("devices", 2)
     strategy = (
         ChunkOffloadStrategy(**grouped(opts))
         if spec.get("opts") is not None
         else DDPStrategy(find_unused_parameters=spec["variant"] == "unused" or spec["cls"] in UNUSED)
+        if devices > 1
+        else "auto"  # DDP on one device swaps in a DistributedSampler, whose order differs: plain Lightning's loader
     )
     saves = spec.get("save_at") is not None
     every = dict(every_n_train_steps=spec.get("save_at"), save_top_k=-1)  # kept: the one resumed from is the first
     callbacks = [ModelCheckpoint(spec["ckpt_dir"], filename="{step}", **every)] if saves else []
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=spec.get("devices", 2),
+        devices=devices,
         strategy=strategy,
         **low,
         max_steps=spec["steps"],
