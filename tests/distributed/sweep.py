@@ -14,9 +14,10 @@ five minutes. ``--as-nccl`` runs gloo as NCCL runs ([Note: gloo as NCCL]: one co
 agreement check), where ranks whose collectives part hang or mix chunks instead of failing together. The
 hand-written parity cases (``parity_cases.py``) pin what a sweep found; this looks for combinations nobody wrote down.
 ``--resume`` saves a checkpoint after a drawn number of optimizer steps and resumes from it with options drawn afresh
-(placement, chunk size, limits), against DDP saved and resumed at the same step; ``--resume-devices 4`` resumes on
-four ranks (or one) what two saved. ``--reduce-dtype bfloat16`` sums chunk_offload's gradients across ranks in bf16
-(``ChunkPrecision(reduce_dtype=...)``), compared as the bf16 precisions are.
+(placement, chunk size, limits), against DDP saved and resumed at the same step; ``--resume-devices 4`` (which
+implies ``--resume``) resumes on four ranks, or one, what ``--devices`` saved. ``--reduce-dtype bfloat16`` sums
+chunk_offload's gradients across ranks in bf16 (``ChunkPrecision(reduce_dtype=...)``), compared as the bf16
+precisions are.
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ def main() -> None:
     parser.add_argument("--as-nccl", action="store_true", help="gloo run as NCCL runs: one communicator, no check")
     parser.add_argument("--devices", type=int, default=2, help="ranks a run (4: shards of a quarter)")
     parser.add_argument("--resume", action="store_true", help="save mid-run, resume with options drawn afresh")
-    parser.add_argument("--resume-devices", type=int, help="with --resume: resume on this many ranks")
+    parser.add_argument("--resume-devices", type=int, help="resume on this many ranks (implies --resume)")
     parser.add_argument("--reduce-dtype", help="chunk_offload sums gradients across ranks in this dtype (bfloat16)")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
