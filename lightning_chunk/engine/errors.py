@@ -60,7 +60,7 @@ _PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a
 
 def explain_user_error(exception: BaseException) -> None:
     """Add what an error of torch's or pickle's means here (a note, shown under the traceback, Python 3.11 and later):
-    a write into a released parameter's placeholder ([Note: a released parameter] in ``chunks/chunk.py``), whose
+    a write into a released parameter's placeholder ([Note: a released parameter] in ``chunks/parked.py``), whose
     error advises a ``clone()`` that would lose the write; ``torch.save(module)`` during ``fit``, which cannot pickle
     the engine's hooks on the module."""
     said, add_note = str(exception), getattr(exception, "add_note", None)

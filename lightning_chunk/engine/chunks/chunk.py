@@ -5,7 +5,7 @@
              ``payload[offset:offset+numel].view(shape)`` (set through ``param.data``, so the ``Parameter`` object
              never changes). Released by resizing its storage to 0; re-filled in place, so views and tensors that
              autograd saved see the data again. While it is released the parameters show a placeholder instead
-             ([Note: a released parameter]).
+             ([Note: a released parameter] in ``parked.py``).
 ``master``   this rank's shard (``capacity_numel / world_size`` elements) in the master dtype, on the shard's
              tier. The source of truth the optimizer steps.
 ``low``      the compute-dtype copy of the shard that gathers read. It is ``master`` itself when the dtypes agree,
@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ChunkError
 from .packing import ChunkSpec, Slot
-from .parked import engine_reads, show
+from .parked import engine_reads, released_placeholder, show
 from .states import PINNED_STATES, RESIDENT_STATES, TensorState, check_transition
 
 if TYPE_CHECKING:  # only a type here: the manager owns the pool
@@ -59,45 +59,6 @@ class Role(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-_NOT_A_VALUE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def released_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """What a parameter shows while its chunk's payload is released ([Note: a released parameter]).
-
-    [Note: a released parameter]
-    A released payload's storage holds no bytes, and the views into it keep their shapes: code outside the
-    engine that read a parameter between its uses (a callback logging a weight's norm between steps, Lightning's
-    ``WeightAveraging``) read freed memory and crashed the process with a segmentation fault (host placement;
-    several ranks, where the payloads go after each step). While its chunk is released, a parameter's ``.data``
-    is instead one NaN (zero for integer dtypes) expanded to the parameter's shape, with its dtype and device:
-    no memory, a read gives NaN, not a crash, and any write into it raises ("more than one element of the
-    written-to tensor refers to a single memory location"), so nothing a user writes is silently lost. Read by
-    attribute between steps, a read raises too ([Note: released parameters read between steps] in
-    ``runtime/between_steps.py``). Gathering
-    the chunk points the parameter back at its view of the payload. Tensors autograd saved are the parameters
-    themselves (a node reads ``.data`` when it runs, after the pre-backward gather) or views of the payload's
-    storage (valid again once it is re-filled), so training never sees the placeholder. Reading and writing the
-    trained values between steps goes through ``ChunkOffloadStrategy.full_parameters()``."""
-    key = (dtype, device)
-    one = _NOT_A_VALUE.get(key)
-    if one is None:
-        one = _NOT_A_VALUE[key] = torch.full(
-            (), float("nan") if dtype.is_floating_point else 0, dtype=dtype, device=device
-        )
-    return one.expand(shape)
-
-
-_PLACEHOLDER_STORAGES: list[frozenset[int]] = [frozenset()]
-
-
-def placeholder_storages() -> frozenset[int]:
-    """The storages (``data_ptr``) that released parameters' placeholders view: one element each."""
-    if len(_PLACEHOLDER_STORAGES[0]) != len(_NOT_A_VALUE):  # a placeholder of a new dtype or device was made
-        _PLACEHOLDER_STORAGES[0] = frozenset(t.untyped_storage().data_ptr() for t in _NOT_A_VALUE.values())
-    return _PLACEHOLDER_STORAGES[0]
 
 
 @dataclass(eq=False)

@@ -3,9 +3,9 @@
 [Note: parameters outside a step]
 Between its uses a parameter is a view of its chunk's payload, which is this rank's compute-dtype copy (stale
 until the next gather once the optimizer stepped the shards; released to a placeholder under host placement and
-with several ranks, [Note: a released parameter] in ``chunk.py``). So what a callback read between steps depended on
-the placement and the world size, and what it wrote (an EMA copied in at the end of training, a weight clamped
-after ``opt.step()``) was silently lost the next time the chunk was gathered from its shards.
+with several ranks, [Note: a released parameter] in ``chunks/parked.py``). So what a callback read between steps
+depended on the placement and the world size, and what it wrote (an EMA copied in at the end of training, a weight
+clamped after ``opt.step()``) was silently lost the next time the chunk was gathered from its shards.
 ``full_parameters`` is the one way in, like FSDP's ``summon_full_params`` and DeepSpeed's ``GatheredParameters``:
 
 - each chunk holding one of the requested parameters is gathered from the master shards (a collective with several

@@ -71,7 +71,7 @@ class BetweenReads(ReleasedReads):
 class BetweenSteps:
     """[Note: released parameters read between steps]
     Between steps a parameter whose chunk is released holds the placeholder of [Note: a released parameter] in
-    ``chunk.py``, which refuses writes but reads as NaN: an exponential average kept by hand
+    ``chunks/parked.py``, which refuses writes but reads as NaN: an exponential average kept by hand
     (``ema[n].lerp_(p, 0.1)`` over ``named_parameters()`` in ``on_train_batch_end``), a clone taken in
     ``on_fit_start``, a weight's norm logged from a callback, all computed with NaN without a word. Where DeepSpeed
     and FSDP leave an empty tensor, whose reads fail, a read here gave a wrong answer.

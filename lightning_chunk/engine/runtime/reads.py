@@ -6,7 +6,7 @@ attribute somewhere else — a GPT-2 style tied head in the LightningModule's ``
 (``F.linear(h, self.tok.weight)``, ``h @ self.wte.weight.T``), a table indexed in ``training_step``
 (``self.pos.weight[idx]``), a block that uses a child's weight without calling the child — read it after its
 module's forward had let it go. With the payload released, ``.data`` is the placeholder of
-[Note: a released parameter] in ``chunk.py``: the step computed with NaN and trained to NaN weights, silently.
+[Note: a released parameter] in ``chunks/parked.py``: the step computed with NaN and trained to NaN weights, silently.
 Resident but not in use, its backward could find it released later and compute with NaN there.
 
 While a step's forward runs, each managed module's ``_parameters`` is a ``WatchedParameters``: reading a
@@ -50,8 +50,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..chunks.chunk import placeholder_storages
-from ..chunks.parked import READERS, is_parked, parked_from
+from ..chunks.parked import READERS, is_parked, parked_from, placeholder_storages
 from ..errors import ChunkError
 
 if TYPE_CHECKING:  # a type only: outside_autocast.py enters CastUp
