@@ -193,7 +193,7 @@ def _shards(n, shard=1000, disk=800):
 
 
 def test_spill_to_disk_moves_the_first_chunks_until_the_host_fits():
-    from lightning_chunk.engine.schedule.placement import spill_to_disk
+    from lightning_chunk.engine.schedule.spill import spill_to_disk
 
     views = _shards(6)
     tiers = {v.chunk_id: Tier.HOST for v in views}
@@ -210,7 +210,7 @@ def test_spill_to_disk_moves_the_first_chunks_until_the_host_fits():
 
 def test_spill_to_disk_names_the_smallest_limit_that_works():
     from lightning_chunk.engine.errors import HostMemoryLimitError
-    from lightning_chunk.engine.schedule.placement import spill_to_disk
+    from lightning_chunk.engine.schedule.spill import spill_to_disk
 
     views = _shards(6)
     with pytest.raises(

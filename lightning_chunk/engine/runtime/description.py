@@ -21,7 +21,8 @@ from ..config import ChunkConfig, DtypePolicy, default_device_limit, format_byte
 from ..memory.manager import ChunkManager
 from ..optim.binding import OptimizerBinding
 from ..schedule.costs import planned_views
-from ..schedule.placement import ChunkView, PlacementPolicy, device_shards, make_policy, spill_to_disk
+from ..schedule.placement import ChunkView, PlacementPolicy, device_shards, make_policy
+from ..schedule.spill import spill_to_disk
 from ..schedule.tracer import Trace
 from .hooks import ChunkHooks
 from .layout_choice import LayoutChooser
