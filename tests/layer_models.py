@@ -1,7 +1,8 @@
 """Models a user writes with torch layers that keep their own hold on their parameters, or that call the model more
 than once a step: recurrent layers (a list of their weights made at construction, read by one fused kernel),
 parametrizations (``weight`` computed from ``original0``/``original1`` in the forward), two forwards whose outputs
-meet in one loss (R-Drop), and a teacher pass of the same model under ``no_grad`` in eval mode."""
+meet in one loss (R-Drop), a teacher pass of the same model under ``no_grad`` in eval mode; and modules that read a
+child's weight, or the root's forward an embedding's, without calling the module that owns it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrizations
 
-from tests.models import VOCAB, ParityNet, ReorderedNet
+from tests.models import SEQ, VOCAB, ParityNet, ReorderedNet
 
 
 class RecurrentNet(ParityNet):
@@ -92,3 +93,39 @@ class TwoPassNet(ParityNet):
 class ReorderedTwoPassNet(TwoPassNet, ReorderedNet):
     """TwoPassNet registered in another order than it runs (ReorderedNet's: head, norm, the blocks backwards,
     embed)."""
+
+
+class Peek(nn.Module):
+    """Reads its child's weight in its own forward (``F.linear``) instead of calling the child."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return F.linear(self.norm(x), self.proj.weight, self.proj.bias)
+
+
+class PeekNet(ParityNet):
+    def build(self) -> None:
+        super().build()
+        self.blocks = nn.ModuleList(Peek(self.shape["dim"]) for _ in range(self.shape["depth"]))
+
+
+class RootTiedNet(ParityNet):
+    """GPT-2's tied head written in the LightningModule's own ``forward``: ``F.linear(h, self.embed.weight)``
+    (variant "matmul": ``h @ self.embed.weight.T``), beside a position table read by index there. Nothing is tied
+    by assignment, so only the reads say that the root uses the embedding's weight."""
+
+    def build(self) -> None:
+        super().build()
+        del self.head
+        self.pos = nn.Embedding(SEQ, self.shape["dim"])
+
+    def forward(self, x, use_branch=True):
+        h = self.embed(x) + self.pos.weight[: x.shape[1]]
+        for blk in self.blocks:
+            h = h + blk(h)
+        h = self.norm(h)
+        return h @ self.embed.weight.T if self.variant == "matmul" else F.linear(h, self.embed.weight)

@@ -342,24 +342,6 @@ class TorchTransformerNet(ParityNet):
         return self.head(self.norm(self.encoder(self.embed(x))))
 
 
-class Peek(nn.Module):
-    """Reads its child's weight in its own forward (``F.linear``) instead of calling the child."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return F.linear(self.norm(x), self.proj.weight, self.proj.bias)
-
-
-class PeekNet(ParityNet):
-    def build(self) -> None:
-        super().build()
-        self.blocks = nn.ModuleList(Peek(self.shape["dim"]) for _ in range(self.shape["depth"]))
-
-
 class ToggledOptimizers(TwoOptimizers):
     """Lightning's documented GAN pattern: ``toggle_optimizer`` freezes the other optimizer's parameters for each phase,
     with no ``zero_grad()`` in between to hide what a phase left on them."""
@@ -383,24 +365,6 @@ class ToggledOptimizers(TwoOptimizers):
 
     def on_before_optimizer_step(self, optimizer):
         pass
-
-
-class RootTiedNet(ParityNet):
-    """GPT-2's tied head written in the LightningModule's own ``forward``: ``F.linear(h, self.embed.weight)``
-    (variant "matmul": ``h @ self.embed.weight.T``), beside a position table read by index there. Nothing is tied
-    by assignment, so only the reads say that the root uses the embedding's weight."""
-
-    def build(self) -> None:
-        super().build()
-        del self.head
-        self.pos = nn.Embedding(SEQ, self.shape["dim"])
-
-    def forward(self, x, use_branch=True):
-        h = self.embed(x) + self.pos.weight[: x.shape[1]]
-        for blk in self.blocks:
-            h = h + blk(h)
-        h = self.norm(h)
-        return h @ self.embed.weight.T if self.variant == "matmul" else F.linear(h, self.embed.weight)
 
 
 class BatchNormCNN(ParityNet):

@@ -4,8 +4,8 @@
 
 For each parity case (``parity_cases.CASES``): a DDP run and a chunk_offload run with the same global batch; rank 0
 saves both parameter sets, every rank saves its memory stats; each rank prints ``CASE-DONE <case> rank=<r>`` when
-the case finished. The other cases (``RUNS``) live in ``checkpoint_cases.py`` and ``training_cases.py``; what every
-case runs with, in ``harness.py``.
+the case finished. The other cases (``RUNS``) live in ``checkpoint_cases.py``, ``training_cases.py`` and
+``parting_cases.py``; what every case runs with, in ``harness.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning_chunk import ChunkPrecision, ChunkTelemetry  # noqa: E402
 from tests import backward_models, callbacks, precision_models  # noqa: E402
 from tests.distributed import checkpoint_cases as ck  # noqa: E402
+from tests.distributed import parting_cases as pa  # noqa: E402
 from tests.distributed import rank_models  # noqa: E402
 from tests.distributed import training_cases as tr  # noqa: E402
 from tests.distributed.harness import DEVICE_BYTES, STEPS, CommMode, chunk_strategy, fit_or_resume  # noqa: E402
@@ -36,10 +37,10 @@ from tests.distributed.parity_cases import CASES  # noqa: E402
 
 # the cases that are not parity cases (``CASES``), by name
 RUNS = {
-    "skip_module": tr.run_skip,
-    "swap_module": tr.run_swap,
+    "skip_module": pa.run_skip,
+    "swap_module": pa.run_swap,
     "batchnorm": tr.run_batchnorm,
-    "fp16_overflow_one_rank": tr.run_overflow,
+    "fp16_overflow_one_rank": pa.run_overflow,
     "unfreeze": tr.run_unfreeze,
     "full_parameters": tr.run_full_parameters,
     "grad_penalty_limit": tr.run_grad_penalty_limit,
@@ -47,7 +48,7 @@ RUNS = {
     "static_limits": tr.run_static_limits,
     "fits_again": tr.run_fits_again,
     "clip_over_optimizer": tr.run_clip_over_optimizer,
-    "models_differ": tr.run_models_differ,
+    "models_differ": pa.run_models_differ,
     "written_after_a_forward": tr.run_written_after_a_forward,
     "save_after_fit": ck.run_save_after_fit,
     "save_inside_a_step": ck.run_save_inside_a_step,

@@ -8,7 +8,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from lightning_chunk.engine.runtime.moments import MomentClock
 from lightning_chunk.options import grouped
-from tests import models
+from tests import layer_models, models
 from tests.backward_models import GradPenalty, model_class
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import ParityNet, SparseEmbedding, fit, quiet_trainer, token_data
@@ -293,9 +293,9 @@ def test_torch_transformer_layers_train_and_validate_bit_exact(kw):
     assert losses == ref_losses and len(losses) == 2 * (STEPS // 4)
 
 
-@pytest.mark.parametrize("leaf", [models.Peek, "Peek", "tests.models.Peek"])
+@pytest.mark.parametrize("leaf", [layer_models.Peek, "Peek", "tests.layer_models.Peek"])
 def test_a_module_reading_its_child_s_weights_is_a_leaf_when_named(leaf):
-    ref = fit("auto", steps=STEPS, cls=models.PeekNet)
+    ref = fit("auto", steps=STEPS, cls=layer_models.PeekNet)
     got = fit(
         ChunkOffloadStrategy(
             placement="host",
@@ -303,7 +303,7 @@ def test_a_module_reading_its_child_s_weights_is_a_leaf_when_named(leaf):
             offload=OffloadOptions(optimizer_kernel="loop"),
         ),
         steps=STEPS,
-        cls=models.PeekNet,
+        cls=layer_models.PeekNet,
     )
     assert_same_params(ref, got, EXACT)
 
@@ -313,11 +313,11 @@ def test_a_module_reading_its_child_s_weights_needs_no_leaf_modules(kw):
     """[Note: parameters read outside their owner]: the block that reads its child's weight adopts it (not the root,
     which would keep it gathered for the whole step). It used to fail with an IllegalTransitionError naming
     leaf_modules."""
-    ref = fit("auto", steps=STEPS, cls=models.PeekNet)
+    ref = fit("auto", steps=STEPS, cls=layer_models.PeekNet)
     strategy = ChunkOffloadStrategy(
         **grouped({**kw, "chunk_numel": 4096, "materialize_on_teardown": True, "optimizer_kernel": "loop"})
     )
-    got = fit(strategy, steps=STEPS, cls=models.PeekNet)
+    got = fit(strategy, steps=STEPS, cls=layer_models.PeekNet)
     assert_same_params(ref, got, EXACT)
 
 

@@ -11,7 +11,7 @@ import torchmetrics
 
 from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 from lightning_chunk.options import grouped
-from tests import models
+from tests import layer_models, models
 from tests.compare import EXACT, assert_same_params
 from tests.models import ParityNet, fit, quiet_trainer, token_data
 
@@ -31,11 +31,11 @@ def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, va
     limit is just above the smallest that holds the root's chunk through the step (587,268 bytes) and below the
     model's payloads beside the activations, so payloads are evicted."""
     shape = dict(dim=64, hidden=256, depth=4)
-    ref = fit("auto", steps=STEPS, cls=models.RootTiedNet, variant=variant, model_kwargs=shape)
+    ref = fit("auto", steps=STEPS, cls=layer_models.RootTiedNet, variant=variant, model_kwargs=shape)
     got = fit(
         ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"})),
         steps=STEPS,
-        cls=models.RootTiedNet,
+        cls=layer_models.RootTiedNet,
         variant=variant,
         model_kwargs=shape,
     )
@@ -47,27 +47,27 @@ def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, va
 def test_a_tied_head_read_in_the_root_forward_validates_like_plain_lightning():
     """The first read comes in the sanity check's validation, before any training step traced the model."""
     dl = dict(val_dataloaders=token_data(16, seed=1), num_sanity_val_steps=2, limit_val_batches=2, val_check_interval=4)
-    ref = fit("auto", steps=8, cls=models.RootTiedNet, **dl)
+    ref = fit("auto", steps=8, cls=layer_models.RootTiedNet, **dl)
     got = fit(
         ChunkOffloadStrategy(placement="host", offload=OffloadOptions(optimizer_kernel="loop")),
         steps=8,
-        cls=models.RootTiedNet,
+        cls=layer_models.RootTiedNet,
         **dl,
     )
     assert_same_params(ref, got, EXACT)
     assert got.trainer_ref.callback_metrics["val_loss"] == ref.trainer_ref.callback_metrics["val_loss"]
 
 
-@pytest.mark.parametrize("leaf", [models.RootTiedNet, "RootTiedNet"])
+@pytest.mark.parametrize("leaf", [layer_models.RootTiedNet, "RootTiedNet"])
 def test_the_root_module_is_accepted_in_leaf_modules(leaf):
     """The root as a leaf owns every parameter, gathered for the whole step (it was refused: "names no module")."""
-    ref = fit("auto", steps=STEPS, cls=models.RootTiedNet)
+    ref = fit("auto", steps=STEPS, cls=layer_models.RootTiedNet)
     got = fit(
         ChunkOffloadStrategy(
             placement="host", memory=MemoryOptions(leaf_modules=[leaf]), offload=OffloadOptions(optimizer_kernel="loop")
         ),
         steps=STEPS,
-        cls=models.RootTiedNet,
+        cls=layer_models.RootTiedNet,
     )
     assert_same_params(ref, got, EXACT)
 
@@ -196,7 +196,7 @@ def test_a_tied_head_read_in_a_compiled_root_forward_trains_like_plain_lightning
     def run(strategy):
         torch._dynamo.reset()
         L.seed_everything(7, verbose=False)
-        model = models.RootTiedNet()
+        model = layer_models.RootTiedNet()
         trainer = quiet_trainer(strategy=strategy, max_steps=8, limit_val_batches=0)
         model.forward = torch.compile(model.forward, backend="aot_eager")
         trainer.fit(model, token_data())
