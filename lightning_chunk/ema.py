@@ -2,7 +2,8 @@
 
 Lightning's ``WeightAveraging`` callbacks keep a whole copy of the model on every rank and are refused by the
 strategy; this one keeps each rank's share of the average beside its master shards ([Note: a sharded EMA] in
-``engine/optim/ema.py``) and does what ``EMAWeightAveraging`` does, bit for bit: the average is updated after optimizer
+``engine/optim/ema.py``; in files under ``disk_dir`` with ``host_memory_limit``, [Note: the average under a host
+limit]) and does what ``EMAWeightAveraging`` does, bit for bit: the average is updated after optimizer
 steps (``update_every_n_steps``, ``update_starting_at_step``), the buffers (BatchNorm's running statistics) are
 averaged with the weights (``use_buffers=True``, Lightning's default) or copied at each update, validation during
 ``fit`` runs with the averaged weights and those buffers, and at the end of training they become the model's.
@@ -16,6 +17,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from .engine.optim.ema import BufferAverage, ShardedEMA
 
 
 class ChunkEMA(pl.Callback):
@@ -55,6 +58,11 @@ class ChunkEMA(pl.Callback):
         self._latest_update_step = 0
         self._n_averaged = 0  # updates so far (AveragedModel's n_averaged, for full checkpoints in its layout)
         self._swapped = False
+
+    def average(self, manager: Any, module: torch.nn.Module, in_files: bool) -> ShardedEMA:
+        """The engine's average for this callback ([Note: a sharded EMA]); ``in_files`` under a host limit ([Note:
+        the average under a host limit])."""
+        return ShardedEMA(manager, BufferAverage(module, average=self.use_buffers), in_files=in_files)
 
     def should_update(self, step_idx: int) -> bool:
         return (

@@ -35,7 +35,6 @@ from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory import master_writes
 from .engine.memory.full_params import full_parameters
 from .engine.optim.binding import refuse_detached_views
-from .engine.optim.ema import BufferAverage, ShardedEMA
 from .engine.runtime.batches import input_bytes
 from .finetuning import follow_finetuning, unfollow_finetuning
 from .grad_norms import sharded_grad_norm
@@ -232,7 +231,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             )
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            check_callbacks(trainer, self.config.host_memory_limit)
+            check_callbacks(trainer, self.config.host_memory_limit, self.config.disk_dir)
         if fitting and self.config.step_in_backward:
             check_step_in_backward(trainer, module, self.precision_plugin.precision, self.config.host_memory_limit)
         if fitting:
@@ -270,7 +269,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         self._deferred = None
         emas = [cb for cb in trainer.callbacks if isinstance(cb, ChunkEMA)]  # type: ignore[attr-defined]
         if fitting and emas:  # before a checkpoint loads into it
-            self.engine.ema = ShardedEMA(self.engine.manager, BufferAverage(module, average=emas[0].use_buffers))
+            self.engine.ema = emas[0].average(self.engine.manager, module, self.config.host_memory_limit is not None)
         self.precision_plugin.attach(self.engine, self.root_device)
         if fitting and self.engine.early is not None:
             self.engine.early.clip_value = clip_value(trainer)

@@ -1,5 +1,6 @@
 """What chunk_offload refuses from Lightning before anything is built: a device other than a CUDA GPU or the CPU,
-callbacks that read or replace the module's parameters between steps, and ChunkEMA beside the disk tier."""
+callbacks that read or replace the module's parameters between steps, and ChunkEMA under a host limit without
+``disk_dir``."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ def check_device(device: torch.device) -> None:
         )
 
 
-def check_callbacks(trainer: pl.Trainer, host_memory_limit: int | None) -> None:
+def check_callbacks(trainer: pl.Trainer, host_memory_limit: int | None, disk_dir: str | None) -> None:
     """Callbacks that cannot work on a rebound optimizer or on packed parameters, refused before anything is
-    built."""
+    built; ChunkEMA under a host limit without a directory for its files ([Note: the average under a host
+    limit] in ``engine/optim/ema.py``)."""
     from lightning.pytorch import callbacks
 
     averaging = tuple(
@@ -48,8 +50,9 @@ def check_callbacks(trainer: pl.Trainer, host_memory_limit: int | None) -> None:
                 "`<name>_orig` and a whole-size mask while training, a new set of parameters the chunks were not "
                 "packed for. Prune before or after training (torch.nn.utils.prune on the consolidated model)."
             )
-        if isinstance(cb, ChunkEMA) and host_memory_limit is not None:
+        if isinstance(cb, ChunkEMA) and host_memory_limit is not None and disk_dir is None:
             raise ValueError(
-                f"ChunkEMA does not work with the disk tier (host_memory_limit={host_memory_limit!r}) yet: its "
-                "shards would sit in host memory beside the limit. Leave host_memory_limit unset, or drop ChunkEMA."
+                f"ChunkEMA with host_memory_limit={host_memory_limit!r} keeps the average in files under disk_dir, "
+                "outside the host memory the limit bounds, and no disk_dir is set: pass "
+                "offload=OffloadOptions(disk_dir=PATH) (a fast local disk), or leave host_memory_limit unset."
             )

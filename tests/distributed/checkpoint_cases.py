@@ -219,10 +219,14 @@ def run_save_after_fit(out: Path) -> None:
     _finish(out, "save_after_fit", t.global_rank, {"ref": results["ddp"], "got": results["chunk"]})
 
 
+HOST_LIMIT = "100kB"  # run_ema's "files": below the shards' bytes, so some go to disk
+
+
 def run_ema(out: Path) -> None:
     """[Note: a sharded EMA] on two ranks: ChunkEMA against DDP with Lightning's EMAWeightAveraging, validating with
     the average every 3 steps; saved at step 4 and resumed to 8 on two ranks (the test resumes the same checkpoints
-    on one)."""
+    on one); "files": under a host limit, the average in files and the shards on disk ([Note: the average under a
+    host limit])."""
     from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
     from lightning_chunk import ChunkEMA
@@ -233,6 +237,11 @@ def run_ema(out: Path) -> None:
         (
             "chunk",
             lambda: chunk_strategy(placement="host"),
+            lambda: ChunkEMA(decay=0.8),
+        ),
+        (
+            "files",
+            lambda: chunk_strategy(placement="host", host_memory_limit=HOST_LIMIT, disk_dir=str(out / "scratch")),
             lambda: ChunkEMA(decay=0.8),
         ),
     ]:
@@ -250,6 +259,8 @@ def run_ema(out: Path) -> None:
         t = trainer(make(), steps=8, callbacks=[ema()], **val)
         t.fit(resumed, token_data(), token_data(16, seed=1), ckpt_path=out / f"ema_{name}" / "step=4.ckpt")
         results[name] = {"state": model.state_dict(), "val": model.val_losses, "resumed": resumed.state_dict()}
+        stats = t.strategy.memory_stats() if name != "ddp" else {}
+        results[name].update({k: v for k, v in stats.items() if k.startswith(("ema", "disk_s"))})
     # the defaults a user gets, on a model used in another order than registered: the automatic chunk size, a
     # device limit (payloads evicted and gathered again), accumulation, validation with the average every 2 steps,
     # saved at step 3 and resumed to 6; under the limit and without it alike, and as DDP to sharded accumulation's

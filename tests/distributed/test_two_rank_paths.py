@@ -149,10 +149,13 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
     for r in (0, 1):
         assert f"CASE-DONE ema rank={r}" in log, log[-3000:]
     d = torch.load(out / "ema.pt")
-    assert d["chunk"]["val"] == d["ddp"]["val"] and len(d["ddp"]["val"]) == 4
-    for part in ("state", "resumed"):
-        for k, v in d["ddp"][part].items():
-            assert torch.equal(d["chunk"][part][k], v), (part, k)
+    for name in ("chunk", "files"):  # files: [Note: the average under a host limit], the shards on disk too
+        assert d[name]["val"] == d["ddp"]["val"] and len(d["ddp"]["val"]) == 4
+        for part in ("state", "resumed"):
+            for k, v in d["ddp"][part].items():
+                assert torch.equal(d[name][part][k], v), (name, part, k)
+    assert d["files"]["ema_host_bytes"] == 0 < d["files"]["ema_disk_bytes"] and d["files"]["disk_shards"] > 0
+    assert d["chunk"]["ema_host_bytes"] > 0 == d["chunk"]["disk_shards"]
     # the defaults under a limit, a reordered model, accumulation, a resume at step 3: as without the limit, bit
     # for bit, and as DDP to sharded accumulation's rounding
     limited, free, ddp = (d[f"hard_{n}"] for n in ("limited", "free", "ddp"))

@@ -50,12 +50,14 @@ class Tier(enum.Enum):
 
 class Role(str, enum.Enum):
     """Which of a shard's buffers a tier holds: the fp32 master, the compute-dtype copy, the gradient accumulator,
-    the optimizer's state. A ``str`` so that a role names its disk file (``chunk3-0-grad.bin``) as it is."""
+    the optimizer's state, the average of the weights (``ChunkEMA``'s, in a file under a host limit). A ``str`` so
+    that a role names its disk file (``chunk3-0-grad.bin``) as it is."""
 
     MASTER = "master"
     LOW = "low"
     GRAD = "grad"
     OPTIM = "optim"
+    EMA = "ema"
 
     def __str__(self) -> str:
         return self.value

@@ -22,16 +22,28 @@ a parameter frozen from the start and trainable now starts from its weights.
 recomputed) and ``copy_to_masters`` makes the average the weights (the end of training); both refresh the
 compute-dtype copies and drop stale payloads as the end of a step does. Checkpoints save the shards as
 ``chunk.<c>.ema`` beside the masters and load them on any world size (``checkpoint.py``).
+
+[Note: the average under a host limit]
+With ``host_memory_limit`` the host holds what the placement counted and no more, so an average in host memory
+(4 bytes a trainable parameter over the ranks) would break the bound it promises. There each chunk's average is a
+file under ``disk_dir`` (``DiskStorage.alloc_beside``, role ``ema``), whatever tier the chunk's shard lives on, and
+every use pages it in and out as the disk tier pages its own files (``DiskStorage.reading``/``writing``; the repack
+writes it through the mapping and the build pages it out): the host holds a chunk's average while it is used. An
+update reads and writes each file once (8 bytes a parameter over the ranks, from the page cache where it holds them),
+which ``update_every_n_steps`` bounds. The arithmetic is the same on a view of the file, so the average is the same
+bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
-from ..chunks.chunk import Chunk
+from ..chunks.chunk import Chunk, Role
 from ..chunks.repack import piece_range
+from ..tiers.disk import check_room
 
 _HOST = torch.device("cpu")
 _BLOCK = 1 << 20  # elements an update step takes at a time (4 MB in fp32: the second pass reads from cache)
@@ -39,11 +51,13 @@ KEY = "<ema>"  # its key among the shards a repack carries (optimizer state keys
 
 
 class ShardedEMA:
-    def __init__(self, manager: Any, buffers: BufferAverage | None = None) -> None:
-        self.manager = manager  # not with the disk tier: the strategy refuses it (the shards would sit in host memory)
+    def __init__(self, manager: Any, buffers: BufferAverage | None = None, *, in_files: bool = False) -> None:
+        self.manager = manager
         self.shards: dict[Chunk, torch.Tensor] = {}  # trainable chunk -> this rank's averaged master shard
         self._filled: dict[Chunk, torch.Tensor] = {}  # during a repack: which elements ``give`` filled
         self.buffers = buffers  # the module's buffers beside the average ([Note: averaged buffers])
+        # the disk tier, where the averages are files ([Note: the average under a host limit]); else host memory
+        self._disk = manager.tiers.disk if in_files else None
 
     @property
     def started(self) -> bool:
@@ -52,6 +66,47 @@ class ShardedEMA:
     @property
     def nbytes(self) -> int:
         return sum(e.numel() * e.element_size() for e in self.shards.values())
+
+    def stats(self) -> dict[str, int]:
+        """This rank's share of the average: in host memory, or in files ([Note: the average under a host limit])."""
+        in_files = self._disk is not None
+        return {"ema_host_bytes": 0 if in_files else self.nbytes, "ema_disk_bytes": self.nbytes if in_files else 0}
+
+    # ------------------------------------------------------------ storage
+    def _new(self, c: Chunk, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._disk is None:
+            return torch.empty(numel, dtype=dtype)
+        return self._disk.alloc_beside(c, Role.EMA, numel, dtype)
+
+    def _from_master(self, c: Chunk) -> torch.Tensor:
+        """A new average for the chunk, a copy of its master (a first update copies, as ``AveragedModel``'s)."""
+        with self.manager.tiers.reading(c, (Role.MASTER,)):
+            m = c.master_tensor_for_read().detach()
+            e = self.shards[c] = self._new(c, m.numel(), m.dtype)
+            with self._paged(c, write=True):
+                e.copy_(m)
+        return e
+
+    def _drop(self, c: Chunk) -> torch.Tensor | None:
+        """The chunk's average leaves ``shards``; its file goes (a tensor viewing it stays readable)."""
+        e = self.shards.pop(c, None)
+        if self._disk is not None:
+            self._disk.drop(c, Role.EMA)
+        return e
+
+    def _paged(self, c: Chunk, *, write: bool) -> contextlib.AbstractContextManager[Any]:
+        """Bracket a use of the chunk's average: a file is paged in, then out."""
+        if self._disk is None:
+            return contextlib.nullcontext()
+        return (self._disk.writing if write else self._disk.reading)(c, (Role.EMA,))
+
+    def _check_room(self) -> None:
+        """Before the first file: the filesystem holds every trainable chunk's average, for each rank of the host."""
+        if self._disk is None or self.shards:
+            return
+        total = sum(c.shard_numel * c.master_dtype.itemsize for c in self.manager.chunks if c.trainable)
+        ranks = self._disk.ranks_here
+        check_room(self._disk.directory.root, total * ranks, "the average of the weights (ChunkEMA)", ranks)
 
     def update(self, decay: float) -> None:
         """One step of the average; the first copies the weights. A chunk frozen after it was averaged goes on
@@ -63,38 +118,45 @@ class ShardedEMA:
         self.manager.readers.before_change()  # [Note: training beside a save] in state/background_save.py
         if self.buffers is not None:
             self.buffers.update(decay)
+        self._check_room()
         scratch: dict[torch.dtype, torch.Tensor] = {}
         for c in self.manager.chunks:
-            m = c.master_tensor_for_read().detach()
             e = self.shards.get(c)
             if e is None:
                 if c.trainable:
-                    self.shards[c] = m.to(_HOST, copy=True)
+                    self._from_master(c)
                 continue
             buf = scratch.setdefault(e.dtype, torch.empty(_BLOCK, dtype=e.dtype))
-            for a in range(0, e.numel(), _BLOCK):
-                b = min(a + _BLOCK, e.numel())
-                tmp = buf[: b - a]
-                torch.mul(m[a:b].to(_HOST), 1 - decay, out=tmp)
-                e[a:b].mul_(decay).add_(tmp)
+            with self.manager.tiers.reading(c, (Role.MASTER,)), self._paged(c, write=True):
+                m = c.master_tensor_for_read().detach()
+                for a in range(0, e.numel(), _BLOCK):
+                    b = min(a + _BLOCK, e.numel())
+                    tmp = buf[: b - a]
+                    torch.mul(m[a:b].to(_HOST), 1 - decay, out=tmp)
+                    e[a:b].mul_(decay).add_(tmp)
 
     def swap(self) -> None:
-        """The masters take the averages and the averages the masters (and the buffers theirs)."""
+        """The masters take the averages and the averages the masters (and the buffers theirs), a block at a time
+        in place."""
         self.manager.readers.before_change()
         if self.buffers is not None:
             self.buffers.swap()
         for c, e in self.shards.items():
-            m = c.master_tensor_for_read()
-            old = m.to(_HOST, copy=True)
-            m.copy_(e)
-            self.shards[c] = old
+            with self.manager.tiers.writing(c, (Role.MASTER,)), self._paged(c, write=True):
+                m = c.master_tensor_for_read()
+                for a in range(0, e.numel(), _BLOCK):
+                    b = min(a + _BLOCK, e.numel())
+                    old = m[a:b].to(_HOST, copy=True)
+                    m[a:b].copy_(e[a:b])
+                    e[a:b].copy_(old)
         self.manager.write_back(chunks=list(self.shards))
 
     def copy_to_masters(self) -> None:
         if self.buffers is not None:
             self.buffers.copy_to_module()
         for c, e in self.shards.items():
-            c.master_tensor_for_read().copy_(e)
+            with self.manager.tiers.writing(c, (Role.MASTER,)), self._paged(c, write=False):
+                c.master_tensor_for_read().copy_(e)
         self.manager.write_back(chunks=list(self.shards))
 
     # ------------------------------------------------------------- checkpoint
@@ -107,29 +169,32 @@ class ShardedEMA:
         for c in self.manager.chunks:
             e = self.shards.get(c)
             if e is not None:
-                full = self.manager.gather_shard(c, e)
+                with self._paged(c, write=False):
+                    full = self.manager.gather_shard(c, e)
                 for t in c.tensors:
                     out[t.slot.param_index] = full[t.offset : t.offset + t.numel].view(t.shape).clone()
         return out
 
     def load(self, values: dict[int, torch.Tensor]) -> None:
         """Whole averaged values by parameter index: each rank keeps its pieces (a saved chunk at a time)."""
+        self._check_room()
         for c in self.manager.chunks:
             lo, _ = c.shard_range
-            for t in c.tensors:
-                value = values.get(t.slot.param_index)
-                if value is None:
-                    continue
-                e = self.shards.get(c)
-                if e is None:  # elements no saved value reaches (padding) start from the weights
-                    e = self.shards[c] = c.master_tensor_for_read().detach().to(_HOST, copy=True)
-                a, b = piece_range(c, t.offset, t.numel)
-                if a < b:
-                    e[a - lo : b - lo].copy_(value.reshape(-1)[a - t.offset : b - t.offset])
+            pieces = [(t, values[t.slot.param_index]) for t in c.tensors if t.slot.param_index in values]
+            if not pieces:
+                continue
+            e = self.shards.get(c)
+            if e is None:  # elements no saved value reaches (padding) start from the weights
+                e = self._from_master(c)
+            with self._paged(c, write=True):
+                for t, value in pieces:
+                    a, b = piece_range(c, t.offset, t.numel)
+                    if a < b:
+                        e[a - lo : b - lo].copy_(value.reshape(-1)[a - t.offset : b - t.offset])
 
     # ----------------------------------------------------------------- repack
     def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:
-        e = self.shards.pop(chunk, None)
+        e = self._drop(chunk)
         return {} if e is None else {KEY: e}
 
     def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
@@ -138,8 +203,8 @@ class ShardedEMA:
         if piece is None:
             return
         e = self.shards.get(chunk)
-        if e is None:
-            e = self.shards[chunk] = torch.empty(chunk.shard_numel, dtype=piece.dtype)
+        if e is None:  # a file's pages are written through the mapping; the build pages the chunk out after
+            e = self.shards[chunk] = self._new(chunk, chunk.shard_numel, piece.dtype)
             self._filled[chunk] = torch.zeros(chunk.shard_numel, dtype=torch.bool)
         e[offset : offset + piece.numel()].copy_(piece.reshape(-1))
         self._filled[chunk][offset : offset + piece.numel()] = True
@@ -150,17 +215,18 @@ class ShardedEMA:
         started = self.started or bool(self._filled)
         for c in list(self.shards):
             if c not in self.manager.chunks:
-                del self.shards[c]
+                self._drop(c)
         if started:
             for c in self.manager.chunks:
                 e, filled = self.shards.get(c), self._filled.get(c)
                 if e is None and not c.trainable:
                     continue
-                m = c.master_tensor_for_read().detach().to(_HOST)
                 if e is None:
-                    self.shards[c] = m.clone()
+                    self._from_master(c)
                 elif filled is not None:
-                    e.copy_(torch.where(filled, e, m))
+                    with self.manager.tiers.reading(c, (Role.MASTER,)), self._paged(c, write=True):
+                        m = c.master_tensor_for_read().detach().to(_HOST)
+                        e.copy_(torch.where(filled, e, m))
         self._filled = {}
 
 

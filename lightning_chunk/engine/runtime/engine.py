@@ -380,7 +380,7 @@ class ChunkEngine:
         if self.early is not None:
             out.update(self.early.stats())
         if self.ema is not None:
-            out["ema_host_bytes"] = self.ema.nbytes  # this rank's share of the average ([Note: a sharded EMA])
+            out.update(self.ema.stats())  # this rank's share of the average ([Note: a sharded EMA])
         if self.last_grad_norm is not None:
             out["grad_norm"] = self.last_grad_norm  # the global norm the last norm clipping saw
         if self.growth.enabled:

@@ -111,6 +111,32 @@ class DiskStorage:
             return self.host.alloc(chunk, role, numel, dtype)
         return self._file(chunk, role, numel * dtype.itemsize).tensor(numel, dtype)
 
+    def alloc_beside(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer kept beside the chunk in a file whatever tier its shard lives on (the average of the weights
+        under a host limit, [Note: a sharded EMA] in ``optim/ema.py``); ``drop`` lets it go. ``page_out`` and
+        ``reading``/``writing`` with its role page it as the shard's own files."""
+        self.drop(chunk, role)
+        return self._file(chunk, role, numel * dtype.itemsize).tensor(numel, dtype)
+
+    def drop(self, chunk: Chunk, role: Role) -> None:
+        """The chunk's ``role`` file goes (a tensor viewing it stays readable: the mapping outlives the file)."""
+        rec = self._chunks.get(id(chunk))
+        f = None if rec is None else rec.files.pop(role, None)
+        if f is None:
+            return
+        self.flush()
+        ahead = self._ahead.pop(id(f), None)
+        if ahead is not None:
+            ahead[1].result()
+        self._hinted.discard(id(f))
+        f.close()
+        if rec is not None and not rec.files:
+            del self._chunks[id(chunk)]
+
+    @property
+    def holds_files(self) -> bool:
+        return bool(self._chunks)
+
     def reserve_state(self, chunk: Chunk, nbytes: int) -> None:
         """Optimizer state of ``nbytes`` will be kept in a file beside the chunk's master."""
         rec = self._chunks.setdefault(id(chunk), DiskChunk())

@@ -62,8 +62,9 @@ class TierSet:
         return self.disk.writing(chunk, roles) if chunk.shard_tier is Tier.DISK else contextlib.nullcontext()
 
     def page_out(self, chunk: Chunk | None = None) -> None:
-        """After a pass over ``chunk`` (every chunk when ``None``): its disk pages leave the process."""
-        if chunk is None or chunk.shard_tier is Tier.DISK:
+        """After a pass over ``chunk`` (every chunk when ``None``): its disk pages leave the process (a chunk of
+        another tier has a file when the average of the weights is kept in one)."""
+        if chunk is None or self.disk.record(chunk) is not None:
             self.disk.page_out(chunk)
 
     def read_ahead_master(self, chunk: Chunk) -> None:
