@@ -30,8 +30,10 @@ file under ``disk_dir`` (``DiskStorage.alloc_beside``, role ``ema``), whatever t
 every use pages it in and out as the disk tier pages its own files (``DiskStorage.reading``/``writing``; the repack
 writes it through the mapping and the build pages it out): the host holds a chunk's average while it is used. An
 update reads and writes each file once (8 bytes a parameter over the ranks, from the page cache where it holds them),
-which ``update_every_n_steps`` bounds. The arithmetic is the same on a view of the file, so the average is the same
-bit for bit.
+which ``update_every_n_steps`` bounds: 64 ms an update for a 71.5 MB average against 12 ms in memory (one rank,
+files cached, 2026-12-03); reading each file into a buffer and writing it back (``preadv``/``pwritev``, as the
+optimizer steps disk shards) took 54-62 ms, not worth a chunk-sized buffer. The arithmetic is the same on a view of
+the file, so the average is the same bit for bit.
 """
 
 from __future__ import annotations
