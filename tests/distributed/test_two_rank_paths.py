@@ -137,8 +137,9 @@ def test_a_checkpoint_holds_what_on_save_checkpoint_left_and_resumes_as_ddp(pari
 @pytest.mark.cases("ema")
 def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one(parity_run):
     """[Note: a sharded EMA]: each rank averages its own shards; validation, the final weights and a resume from a
-    step-4 checkpoint equal DDP with Lightning's EMAWeightAveraging bit for bit. The two-rank sharded checkpoint
-    then resumes on one rank as DDP's plain file does with strategy="auto"."""
+    step-4 checkpoint equal DDP with Lightning's EMAWeightAveraging bit for bit, with the average in files and the
+    shards on disk too ([Note: the average under a host limit]). The two-rank sharded checkpoints then resume on one
+    rank as DDP's plain file does with strategy="auto"."""
     import lightning as L
     from lightning.pytorch.callbacks import EMAWeightAveraging
 
@@ -164,9 +165,11 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
         assert torch.equal(limited["state"][k], v), k
         torch.testing.assert_close(v, ddp["state"][k], **ROUNDING["accumulate"], msg=k)
     finals = []
+    in_files = dict(host_memory_limit="300kB", offload=OffloadOptions(optimizer_kernel="loop", disk_dir=out / "one"))
     for strategy, ema, ckpt in [
         ("auto", EMAWeightAveraging(decay=0.8), "ema_ddp"),
         (ChunkOffloadStrategy(offload=OffloadOptions(optimizer_kernel="loop")), ChunkEMA(decay=0.8), "ema_chunk"),
+        (ChunkOffloadStrategy(**in_files), ChunkEMA(decay=0.8), "ema_files"),  # from files on 2 ranks to files on 1
     ]:
         L.seed_everything(7, verbose=False)
         model = LogsValLoss()
@@ -175,7 +178,7 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
         )
         finals.append(model.state_dict())
     for k, v in finals[0].items():
-        assert torch.equal(finals[1][k], v), k
+        assert torch.equal(finals[1][k], v) and torch.equal(finals[2][k], v), k
 
 
 @pytest.mark.cases("grad_penalty_limit")
