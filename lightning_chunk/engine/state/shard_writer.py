@@ -26,8 +26,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.futures import Future
 
-from ..chunks.chunk import Tier
-
 Make = Callable[[], torch.Tensor]
 
 
@@ -54,7 +52,7 @@ class StreamingPlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: Any) -> Any:
         fqn = write_item.index.fqn
-        if self._last is not None and self._last < len(self.mgr.chunks) and self.mgr.ledger[Tier.DISK]:
+        if self._last is not None and self._last < len(self.mgr.chunks) and self.mgr.tiers.disk.holds_files:
             chunk = self.mgr.chunks[self._last]
             self.mgr.tiers.page_out(chunk)
         self._last = chunk_of(fqn)

@@ -121,20 +121,21 @@ class DiskStorage:
     def drop(self, chunk: Chunk, role: Role) -> None:
         """The chunk's ``role`` file goes (a tensor viewing it stays readable: the mapping outlives the file)."""
         rec = self._chunks.get(id(chunk))
-        f = None if rec is None else rec.files.pop(role, None)
-        if f is None:
+        if rec is None or role not in rec.files:
             return
+        f = rec.files.pop(role)
         self.flush()
         ahead = self._ahead.pop(id(f), None)
         if ahead is not None:
             ahead[1].result()
         self._hinted.discard(id(f))
         f.close()
-        if rec is not None and not rec.files:
+        if not rec.files:
             del self._chunks[id(chunk)]
 
     @property
     def holds_files(self) -> bool:
+        """Some chunk has files: disk shards, or averages kept in files ([Note: the average under a host limit])."""
         return bool(self._chunks)
 
     def reserve_state(self, chunk: Chunk, nbytes: int) -> None:
