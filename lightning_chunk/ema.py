@@ -155,6 +155,7 @@ class ChunkEMA(pl.Callback):
                 if i in trainable and k in checkpoint["state_dict"]
             }
         )
+        ema.after_load()
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
         engine.load_full_state_dict(dict(checkpoint["current_model_state"]), strict=False)
         if ema.buffers is not None:  # the module's buffers are the trained ones now; the average keeps its own

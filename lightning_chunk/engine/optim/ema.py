@@ -23,6 +23,15 @@ recomputed) and ``copy_to_masters`` makes the average the weights (the end of tr
 compute-dtype copies and drop stale payloads as the end of a step does. Checkpoints save the shards as
 ``chunk.<c>.ema`` beside the masters and load them on any world size (``checkpoint.py``).
 
+[Note: the same averages on every rank]
+Every rank must hold an average for the same chunks: a repack all-gathers each chunk's (``take``), and a full save
+gathers each one, so a chunk averaged on one rank and not on another pairs one rank's gather with the next chunk's
+on the other (a hang on NCCL, or payloads built from different chunks). Updates give every trainable chunk one.
+A resume reads on each rank only the saved chunks its shards reach ([Note: a resume reads what the rank holds]), so
+a chunk whose shard on a rank is padding alone (a small parameter alone in a chunk that is not the last of its kind,
+as a Llama's final norm between its last layer and its head) got none there: the resumed warm-up's repack hung on two
+ranks. ``after_load`` gives each such chunk its weights, as an update would.
+
 [Note: the average under a host limit]
 With ``host_memory_limit`` the host holds what the placement counted and no more, so an average in host memory
 (4 bytes a trainable parameter over the ranks) would break the bound it promises. There each chunk's average is a
@@ -193,6 +202,14 @@ class ShardedEMA:
                     a, b = piece_range(c, t.offset, t.numel)
                     if a < b:
                         e[a - lo : b - lo].copy_(value.reshape(-1)[a - t.offset : b - t.offset])
+
+    def after_load(self) -> None:
+        """Once every saved average is read: every trainable chunk has one on every rank ([Note: the same averages
+        on every rank])."""
+        self._check_room()
+        for c in self.manager.chunks:
+            if c.trainable and c not in self.shards:
+                self._from_master(c)
 
     # ----------------------------------------------------------------- repack
     def take(self, chunk: Chunk) -> dict[str, torch.Tensor]:

@@ -94,6 +94,7 @@ def load_sharded(
             path, meta, lambda c: f"chunk.{c}.ema", only=set(ck["ema_chunks"]), regions=mine
         ):
             ema.load({index_of_name[n]: full[off : off + numel] for n, off, numel, _ in spec["slots"]})
+        ema.after_load()  # [Note: the same averages on every rank]
     buffers = dict(ck.get("buffers", {}))
     if averaged:  # the buffers averaged with the weights, where there are ([Note: averaged buffers])
         buffers.update(ck.get("ema_buffers", {}))
