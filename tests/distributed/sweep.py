@@ -1,13 +1,15 @@
 """A random sweep of two-rank configurations against DDP, run by hand (not collected by pytest):
 
     .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40 [--as-nccl] [--devices 4] [--resume]
-                                            [--resume-devices 4]
+                                            [--resume-devices 4] [--ema]
 
 Each run draws a test model, a precision, accumulation, clipping (by norm or value), an optimizer and
 chunk_offload's options (placement, kernel, chunk size, ``step_in_backward``, ``reshard_after_forward``,
 ``sharded_accumulation``, a device limit as a fraction of the parameter bytes, sometimes one a rank), trains it on
 two gloo ranks (``--devices``) with Lightning's launcher and compares the parameters with DDP's (one DDP run per
-model, precision, accumulation, clipping and optimizer). A line a run: ``OK`` within the tolerance (fp32 1e-4
+model, precision, accumulation, clipping and optimizer). ``--ema`` adds an average of the weights to both sides
+(Lightning's ``EMAWeightAveraging`` to DDP, ``ChunkEMA`` to chunk_offload, decay 0.8): validation sees it and the
+final weights are it. A line a run: ``OK`` within the tolerance (fp32 1e-4
 absolute, the mixed and bf16 precisions 2% relative), ``BAD`` beyond it, ``FAIL`` with the error where the run
 stopped (a limit too small names the smallest that works; some option combinations are refused), ``HANG`` past
 five minutes. ``--as-nccl`` runs gloo as NCCL runs ([Note: gloo as NCCL]: one communicator in issue order, no
@@ -139,6 +141,12 @@ def train(spec: dict, out: str) -> None:
     saves = spec.get("save_at") is not None
     every = dict(every_n_train_steps=spec.get("save_at"), save_top_k=-1)  # kept: the one resumed from is the first
     callbacks = [ModelCheckpoint(spec["ckpt_dir"], filename="{step}", **every)] if saves else []
+    if spec.get("ema"):
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        from lightning_chunk import ChunkEMA
+
+        callbacks.append(ChunkEMA(decay=0.8) if spec.get("opts") is not None else EMAWeightAveraging(decay=0.8))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -203,6 +211,7 @@ def sweep(
     resume: bool = False,
     resume_devices: int | None = None,
     reduce_dtype: str | None = None,
+    ema: bool = False,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.distributed.launch import AS_NCCL
@@ -214,6 +223,8 @@ def sweep(
         base, opts = draw(rng, [m for m in MODELS if only is None or m[0] in only])
         if devices != 2:  # the same draws as two ranks give, so a seed's runs compare across rank counts
             base["devices"] = devices
+        if ema:  # after the draws, as below
+            base["ema"] = True
         if reduce_dtype is not None:  # every chunk_offload fit, after the draws: a seed draws what it drew before
             opts["reduce_dtype"] = reduce_dtype
         resumed = None
@@ -252,6 +263,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="save mid-run, resume with options drawn afresh")
     parser.add_argument("--resume-devices", type=int, help="resume on this many ranks (implies --resume)")
     parser.add_argument("--reduce-dtype", help="chunk_offload sums gradients across ranks in this dtype (bfloat16)")
+    parser.add_argument("--ema", action="store_true", help="both average the weights (ChunkEMA; EMAWeightAveraging)")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -267,6 +279,7 @@ def main() -> None:
             resume=args.resume or args.resume_devices is not None,
             resume_devices=args.resume_devices,
             reduce_dtype=args.reduce_dtype,
+            ema=args.ema,
         )
 
 
