@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build nothing (meta device): per-rank bytes from shapes, for models too large to build here",
     )
+    p.add_argument(
+        "--ema",
+        action="store_true",
+        help="count a ChunkEMA's average (as a --config whose trainer.callbacks hold one does)",
+    )
     p.add_argument("--ranks", type=int, default=1, help="with --shapes-only: the number of ranks to plan for")
     p.add_argument(
         "--nodes",
@@ -175,6 +180,7 @@ def _plan(args: argparse.Namespace) -> int:
             ranks=args.ranks,
             cluster=cluster,
             activations=parse_bytes(args.activations, field="--activations"),
+            ema=args.ema,
         )
     except ChunkError as e:
         print(f"lightning-chunk plan: does not fit: {e}", file=sys.stderr)

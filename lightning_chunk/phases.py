@@ -34,9 +34,17 @@ With ``step_in_backward=True`` the gradient shards are given back before the fir
 the training step, the save, the resume and the end of fit hold S less them, plus four chunks' gradient shards in
 a step.
 ``None`` is counted as stepping after backward: a fit that clips by norm does.
-The bound: S + 4C(1 + k). Every phase stays under it but the end of fit where the model fits: that holds the
-whole model beside O by design (the weights a user reads after ``fit``, as with DDP). Device bytes are before
-activations unless the caller gives them (a shapes-only plan traces none; ``plan --activations``).
+With a ChunkEMA (``plan --ema``, or one among a config's callbacks) its average E, each trainable chunk's shard in
+its master dtype (4 bytes a trainable parameter over the ranks in fp32), is held from the first update on: the
+training step (with the update's 4 MiB block), the save, the resume and the end of fit hold E more; a resumed fit's
+repack carries it (E, an old chunk's average whole and cut, 2C, and a byte an element marking what was filled,
+E/4). Under a host limit E is in files ([Note: the average under a host limit]) and those phases hold one chunk's
+average paged in instead; the masks stay in memory. Not counted: a save written in the background while training
+goes on copies an average before an update changes what the writer has not read yet, up to E more for the write.
+The bound: S + 4C(1 + k), + 1.25E with a ChunkEMA (in files: E/4 and a chunk's average). Every phase stays under
+it but the end of fit where the model fits: that holds the whole model beside O by design (the weights a user reads
+after ``fit``, as with DDP). Device bytes are before activations unless the caller gives them (a shapes-only plan
+traces none; ``plan --activations``).
 ``together``: the peak of the two at once, what one memory holds where the device is the host (a CPU run).
 """
 
@@ -46,6 +54,7 @@ from dataclasses import dataclass
 
 from .engine.chunks.chunk import Tier
 from .engine.config import human_bytes
+from .engine.optim.ema import BLOCK as EMA_BLOCK
 from .engine.runtime.description import ShapePlan
 
 GRAD_STAGING = 256 << 20  # GradOffload's pinned staging in flight at most
@@ -73,6 +82,8 @@ class ClusterReport:
     device_shards_after: int
     chunks: int
     shard_size: int | None = None  # ranks a chunk is sharded over, where fewer than every rank
+    average: int = 0  # a ChunkEMA's bytes a rank (E)
+    average_in_files: bool = False
 
     @property
     def host_per_rank(self) -> int | None:
@@ -101,7 +112,13 @@ class ClusterReport:
             + f"; {self.chunks} chunks, {self.device_shards_after} shards on the device after the warm-up",
             f"a rank       training state {g(self.state)}; device limit "
             f"{'none' if self.device_limit is None else g(self.device_limit)}; host "
-            f"{'unknown' if self.host_per_rank is None else g(self.host_per_rank)} (a node's share)",
+            f"{'unknown' if self.host_per_rank is None else g(self.host_per_rank)} (a node's share)"
+            + (
+                f"; ChunkEMA's average {g(self.average)} "
+                + ("in files under disk_dir" if self.average_in_files else "in host memory")
+                if self.average
+                else ""
+            ),
             "",
             f"{'phase':<16}{'device a rank':>16}{'host a rank':>16}{'host a node':>16}",
         ]
@@ -172,6 +189,8 @@ def phases(
     releases: bool = False,
     activations: int = 0,
     grad_share: float = 0.0,
+    average: int = 0,
+    average_in_files: bool = False,
 ) -> tuple[list[Phase], int, int, dict[int, Tier]]:
     """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
     warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``optim_share``: the
@@ -179,7 +198,8 @@ def phases(
     leave the device through pinned staging (CUDA); ``releases``: payloads go after each use (``host`` placement
     with ``reshard_after_forward=True``); ``activations``: a step's activation peak, a rank, when known (the
     warm-up's trace), added to the steps' device bytes; ``grad_share``: the part of a shard that is its gradient,
-    given back after each step where each chunk steps in backward (0: kept, stepping after backward)."""
+    given back after each step where each chunk steps in backward (0: kept, stepping after backward); ``average``: a
+    ChunkEMA's bytes a rank (``ShapePlan.average_bytes``), in files under a host limit with ``average_in_files``."""
     views = plan.views
     after = final_tiers(plan, placement, activations)
 
@@ -228,11 +248,18 @@ def phases(
     no_optim = 1 - optim_share
     no_kept = no_optim - grad_share  # a resume: no optimizer state yet, the gradient shards given back at set-up
     repacking = 6 * whole + payload  # an old chunk whole and cut (4C) while a new one is built (2C, its payload)
+    # a ChunkEMA's average (see the note): held in memory, or one chunk's paged in from its file at a time
+    ema = (plan.master_chunk_bytes // ranks if average_in_files else average) if average else 0
+    scratch = min(average, EMA_BLOCK * 4)  # an update's block
+    if average:
+        # a resumed fit's repack carries it, an old chunk's whole and cut, and a byte an element of which were filled
+        repacking += ema + average // 4 + 2 * whole
     if fits:  # the device state copied beside the shards; then the kept state beside the model as it grows
         end_host = max(host_after + optim_dev, optim + max(host_after - optim_host, model_bytes) + 2 * whole)
         end_together = max(steady_state + optim_dev, optim + max(steady_state - optim, model_bytes) + 2 * whole)
     else:
         end_host, end_together = host_after + whole, steady_state + whole
+    end_host, end_together = end_host + ema, end_together + ema  # the average stays until the engine goes
     rows = [
         Phase(
             "set-up",
@@ -255,17 +282,19 @@ def phases(
         Phase(
             "training step",
             step + activations,
-            host_after + max(in_flight + staged, 3 * whole),
-            host_after + step + activations,
+            host_after + max(in_flight + staged, 3 * whole) + ema + scratch,
+            host_after + step + activations + ema + scratch,
         ),
-        Phase("save", dev_after + plan.need_before_activations, host_after + written, steady_state + written),
+        Phase(
+            "save", dev_after + plan.need_before_activations, host_after + written + ema, steady_state + written + ema
+        ),
         Phase(
             "resume",
             int(dev_first * no_kept) + payload,
-            int(host_first * no_kept) + 3 * whole,
-            int(state * no_kept) + 3 * whole,
+            int(host_first * no_kept) + 3 * whole + ema,
+            int(state * no_kept) + 3 * whole + ema,
         ),
         Phase("end of fit", 0, end_host, end_together),
     ]
-    bound = state + int(4 * whole * (1 + optim_ratio))
+    bound = state + int(4 * whole * (1 + optim_ratio)) + ema + average // 4
     return rows, bound, state, after

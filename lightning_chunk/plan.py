@@ -14,12 +14,8 @@ from a laptop). Activations need a real step and are not estimated.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -34,48 +30,9 @@ from .engine.runtime.description import ShapePlan, plan_from_shapes
 from .engine.schedule.simulate import simulate_step
 from .options import grouped
 from .phases import ClusterReport, phases
+from .plan_inputs import chunk_precision_args, has_chunk_ema, has_train_dataloader, load_class
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
-
-
-def load_class(spec: str) -> type:
-    """``package.module.Class``, ``package.module:Class`` or ``path/to/file.py:Class`` (relative to the current
-    folder)."""
-    if ":" in spec:
-        file, name = spec.rsplit(":", 1)
-        path = Path(file)
-        if not path.is_file():
-            if file.endswith(".py") or "/" in file or "\\" in file:
-                raise ValueError(
-                    f"{spec!r}: {file!r} is not a file (a path is taken from the current folder, {str(Path.cwd())!r})."
-                )
-            return load_class(f"{file}.{name}")  # package.module:Class
-        mod_name = f"_lightning_chunk_plan_{path.stem}"
-        module = sys.modules.get(mod_name)
-        if module is None:
-            s = importlib.util.spec_from_file_location(mod_name, path)
-            assert s is not None and s.loader is not None
-            module = importlib.util.module_from_spec(s)
-            sys.modules[mod_name] = module
-            s.loader.exec_module(module)
-    else:
-        mod_path, _, name = spec.rpartition(".")
-        if not mod_path:
-            raise ValueError(
-                f"{spec!r} is not a class path: use package.module.Class, package.module:Class or "
-                "path/to/file.py:Class."
-            )
-        try:
-            module = importlib.import_module(mod_path)
-        except ImportError as e:
-            raise ValueError(
-                f"{spec!r}: cannot import {mod_path!r} ({e}); give an importable package.module, or "
-                "path/to/file.py:Class."
-            ) from None
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise ValueError(f"{spec!r}: no {name!r} there.") from None
 
 
 @dataclass
@@ -98,6 +55,7 @@ class PlanReport:
     estimated_device_peak_bytes: int
     estimated_total_peak_bytes: int  # chunks plus the activations of the same moment
     limit: int | None
+    average_bytes: int = 0  # a ChunkEMA's share on this rank, where one is planned for (0: none)
 
     @property
     def fits(self) -> bool:
@@ -125,6 +83,7 @@ class PlanReport:
                 "state)"
                 if self.disk_shards
                 else "disk tier           none",
+                *_average_line(self.average_bytes, self.host_limit is not None),
                 f"activations         {m(self.nonmodel_peak_bytes)} at the traced peak",
                 f"estimated peak      {m(self.estimated_device_peak_bytes)} of chunks on the device; "
                 f"{m(self.estimated_total_peak_bytes)} with the activations of the same moment",
@@ -133,10 +92,21 @@ class PlanReport:
         )
 
 
+def _average_line(nbytes: int, in_files: bool) -> list[str]:
+    """A ChunkEMA's average, where one is planned for ([Note: host memory by phase])."""
+    if not nbytes:
+        return []
+    where = "in files under disk_dir (host_memory_limit)" if in_files else "in host memory, beside the host tier"
+    return [f"ChunkEMA average    {human_bytes(nbytes)} {where}"]
+
+
 class _Probe(L.Callback):
     """Reads the engine right before the dry run's optimizer step (after the warm-up was finalized)."""
 
     report: PlanReport | None = None
+
+    def __init__(self, ema: bool = False) -> None:
+        self.ema = ema
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
@@ -163,6 +133,9 @@ class _Probe(L.Callback):
             estimated_device_peak_bytes=peaks[0],
             estimated_total_peak_bytes=peaks[1],
             limit=mgr.limit,
+            average_bytes=sum(c.shard_numel * c.master_dtype.itemsize for c in mgr.chunks if c.trainable)
+            if self.ema
+            else 0,
         )
 
 
@@ -189,11 +162,13 @@ def make_plan(
     data_args: dict[str, Any],
     strategy_args: dict[str, Any],
     precision: str = "32-true",
+    ema: bool = False,
 ) -> PlanReport:
-    """Run the dry warm-up step and report. Raises ``DeviceMemoryLimitError`` when the limit is too small."""
+    """Run the dry warm-up step and report. Raises ``DeviceMemoryLimitError`` when the limit is too small.
+    ``ema``: count a ChunkEMA's average."""
     model = model_cls(**model_args)
     datamodule = data_cls(**data_args) if data_cls is not None else None
-    probe = _Probe()
+    probe = _Probe(ema)
     strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
     trainer = _one_step_trainer(strategy, precision, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
     trainer.fit(model, datamodule=datamodule)
@@ -208,6 +183,8 @@ class ShapePlanReport:
     ranks: int
     placement: str
     plan: ShapePlan
+    ema: bool = False
+    in_files: bool = False  # the average, under a host limit
 
     @property
     def fits(self) -> bool:
@@ -241,6 +218,7 @@ class ShapePlanReport:
                     if p.disk_bytes()
                     else ""
                 ),
+                *_average_line(p.average_bytes if self.ema else 0, self.in_files),
                 f"device at least     {g(p.need_before_activations)} for the busiest module's chunks"
                 + (" and a gradient payload" if self.ranks > 1 else "")
                 + ", plus activations (not estimated)",
@@ -276,11 +254,13 @@ def make_shape_plan(
     staging: bool = True,
     activations: int = 0,
     reduce_dtype: str | torch.dtype | None = None,
+    ema: bool = False,
 ) -> Any:
     """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
     ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase]);
     ``staging``: the devices are GPUs, whose gradients leave through pinned staging; ``activations``: a step's
-    activation peak a rank, where known; ``reduce_dtype``: ``ChunkPrecision``'s, the dtype of gradient payloads."""
+    activation peak a rank, where known; ``reduce_dtype``: ``ChunkPrecision``'s, the dtype of gradient payloads;
+    ``ema``: count a ChunkEMA's average ([Note: host memory by phase])."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -301,8 +281,15 @@ def make_shape_plan(
         dtypes=ChunkPrecision(precision, reduce_dtype=reduce_dtype).dtype_policy(),
         world_size=ranks,
     )
+    in_files = strategy.config.host_memory_limit is not None  # [Note: the average under a host limit]
     report = ShapePlanReport(
-        model=type(model).__name__, precision=precision, ranks=ranks, placement=strategy.config.placement, plan=plan
+        model=type(model).__name__,
+        precision=precision,
+        ranks=ranks,
+        placement=strategy.config.placement,
+        plan=plan,
+        ema=ema,
+        in_files=in_files,
     )
     if cluster is None:
         return report
@@ -322,6 +309,8 @@ def make_shape_plan(
         releases=strategy.config.placement == "host" and strategy.config.reshard_after_forward is True,
         # only ``True`` is sure to step in backward: ``None`` steps after it in a fit that clips by norm
         grad_share=4 / (4 + low + 4 + optim) if strategy.config.step_in_backward is True else 0.0,
+        average=plan.average_bytes if ema else 0,
+        average_in_files=in_files,
     )
     return ClusterReport(
         model=type(model).__name__,
@@ -336,6 +325,8 @@ def make_shape_plan(
         device_shards_after=sum(t is Tier.DEVICE for t in after.values()),
         chunks=len(plan.views),
         shard_size=ranks if ranks < nodes * devices else None,
+        average=plan.average_bytes if ema else 0,
+        average_in_files=in_files,
     )
 
 
@@ -351,10 +342,12 @@ def plan_from_args(
     ranks: int = 1,
     cluster: tuple[int, int, int | None, int | None] | None = None,
     activations: int | None = None,
+    ema: bool = False,
 ) -> Any:
     """``cluster``: ``(nodes, devices a node, device bytes, host bytes a node)``: plan from shapes for that many
     ranks, under the limit a device of that size gives (its memory less the margin ``device_memory_limit=None``
-    keeps), unless a limit is given; ``activations``: a step's activation peak a rank, for the cluster view."""
+    keeps), unless a limit is given; ``activations``: a step's activation peak a rank, for the cluster view; ``ema``:
+    count a ChunkEMA's average, as a config whose ``trainer.callbacks`` hold one does."""
     cfg: dict[str, Any] = {}
     if config:
         with open(config) as f:
@@ -367,9 +360,10 @@ def plan_from_args(
     sargs = dict(strategy_cfg.get("init_args") or {}) if isinstance(strategy_cfg, dict) else {}
     sargs.update({k: v for k, v in overrides.items() if v is not None})
     trainer_cfg = cfg.get("trainer") or {}
-    plugin = _chunk_precision_args(trainer_cfg)
+    plugin = chunk_precision_args(trainer_cfg)
     prec = precision or str(trainer_cfg.get("precision") or plugin.get("precision", "32-true"))
     reduce_dtype = plugin.get("reduce_dtype")
+    ema = ema or has_chunk_ema(trainer_cfg)
     memory = sargs.get("memory")
     shard_size = sargs.get("shard_size", memory.get("shard_size") if isinstance(memory, dict) else None)
     if cluster is not None:
@@ -387,29 +381,16 @@ def plan_from_args(
             (nodes, devices, host_memory),
             activations=activations or 0,
             reduce_dtype=reduce_dtype,
+            ema=ema,
         )
     if shapes_only:
         ranks = shard_ranks(shard_size, ranks, ranks)
-        return make_shape_plan(load_class(model), margs, sargs, prec, ranks, reduce_dtype=reduce_dtype)
+        return make_shape_plan(load_class(model), margs, sargs, prec, ranks, reduce_dtype=reduce_dtype, ema=ema)
     model_cls = load_class(model)
-    if data is None and not _has_train_dataloader(model_cls):
+    if data is None and not has_train_dataloader(model_cls):
         raise ValueError(
             f"{model_cls.__name__} defines no train_dataloader, and the dry run needs one batch: give "
             "--data with its LightningDataModule (package.module:Class or path/to/file.py:Class), or "
             "--shapes-only to plan from the shapes alone."
         )
-    return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec)
-
-
-def _chunk_precision_args(trainer: dict[str, Any]) -> dict[str, Any]:
-    """The arguments of a ``ChunkPrecision`` among a config's ``trainer.plugins`` (its ``precision`` sets it in place
-    of ``trainer.precision``, and ``reduce_dtype`` the gradient payloads' dtype); ``{}``: there is none."""
-    plugins = trainer.get("plugins") or []
-    for p in plugins if isinstance(plugins, list) else [plugins]:
-        if isinstance(p, dict) and str(p.get("class_path", "")).endswith("ChunkPrecision"):
-            return {"precision": "32-true", **(p.get("init_args") or {})}
-    return {}
-
-
-def _has_train_dataloader(model_cls: type) -> bool:
-    return getattr(model_cls, "train_dataloader", None) is not getattr(L.LightningModule, "train_dataloader", None)
+    return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec, ema)

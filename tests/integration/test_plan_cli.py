@@ -81,3 +81,16 @@ def test_plan_sizes_gradient_payloads_in_the_reduce_dtype_of_the_config_and_whol
     assert half.master_chunk_bytes == full.master_chunk_bytes == max(v.grad_payload_bytes for v in full.views)
     assert [p.host for p in half_node.phases] == [p.host for p in full_node.phases]
     assert sum(p.device for p in half_node.phases) < sum(p.device for p in full_node.phases)
+
+
+def test_the_dry_run_counts_a_chunk_ema_s_average_where_asked():
+    """``plan --ema`` on a model it builds: the average is each trainable chunk's shard in fp32, in host memory, or in
+    files with a host limit ([Note: the average under a host limit])."""
+    from lightning_chunk.plan import plan_from_args
+
+    args = ("tests.models:ParityNet", "tests.models:TokenData", None, None, None)
+    plain = plan_from_args(*args, {"chunk_numel": 4096}, None)
+    report = plan_from_args(*args, {"chunk_numel": 4096}, None, ema=True)
+    assert plain.average_bytes == 0 and "ChunkEMA" not in plain.render()
+    assert report.average_bytes == 4 * (report.param_numel + report.padding_numel), report.render()
+    assert "in host memory" in report.render()

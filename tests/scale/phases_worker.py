@@ -3,7 +3,9 @@ its CPU allocations recorded by torch's profiler: set-up, the warm-up step, its 
 end of fit, then a second fit that resumes from the save. Writes each phase's peak bytes this rank held at once, and
 the activation peak the warm-up traced.
 
-    RANK=.. WORLD_SIZE=.. python tests/scale/phases_worker.py OUTDIR [PRECISION]
+    RANK=.. WORLD_SIZE=.. python tests/scale/phases_worker.py OUTDIR [PRECISION [ema]]
+
+``ema``: with a ChunkEMA (decay 0.9), whose average is saved and resumed with the rest.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from lightning_chunk import ChunkOffloadStrategy  # noqa: E402
+from lightning_chunk import ChunkEMA, ChunkOffloadStrategy  # noqa: E402
 from lightning_chunk.engine.chunks.chunk import Tier  # noqa: E402
 from lightning_chunk.engine.runtime.moments import MomentClock  # noqa: E402
 from lightning_chunk.engine.runtime.warmup import Replan, WarmUpPlanner  # noqa: E402
@@ -103,7 +105,7 @@ def data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.randint(0, SHAPE["vocab"], (STEPS + 2, 9), generator=g), batch_size=1)
 
 
-def fit(out: Path, first: bool, world: int, precision: str = "32-true") -> int:
+def fit(out: Path, first: bool, world: int, precision: str = "32-true", ema: bool = False) -> int:
     gc.collect()
     mark("set-up" if first else "resume")
     phases = Phases(out, first)
@@ -112,7 +114,7 @@ def fit(out: Path, first: bool, world: int, precision: str = "32-true") -> int:
         precision=precision,
         strategy=ChunkOffloadStrategy(**grouped(STRATEGY)),
         max_steps=STEPS if first else STEPS + 2,
-        callbacks=[phases],
+        callbacks=[phases, *([ChunkEMA(decay=0.9)] if ema else [])],
     )
     trainer.fit(Llama(SHAPE), train_dataloaders=data(), ckpt_path=None if first else str(out / "ckpt"))
     mark("done")
@@ -141,15 +143,15 @@ def peaks(prof: Any) -> dict[str, int]:
     return out
 
 
-def main(out: Path, precision: str) -> None:
+def main(out: Path, precision: str, ema: bool) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes the latter
     instrument()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        activations = fit(out, first=True, world=world, precision=precision)
-        fit(out, first=False, world=world, precision=precision)
+        activations = fit(out, first=True, world=world, precision=precision, ema=ema)
+        fit(out, first=False, world=world, precision=precision, ema=ema)
     got = {**peaks(prof), "traced activations": activations, "device bytes by moment": DEVICE_BYTES}
     (out / f"phases.{rank}.json").write_text(json.dumps(got))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "32-true")
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "32-true", sys.argv[3:] == ["ema"])

@@ -37,16 +37,21 @@ AGREE = {
 SLACK = 12 * STRATEGY["chunk_numel"] * 4
 
 
-@pytest.mark.parametrize(("world", "precision"), [(2, "32-true"), (4, "32-true"), (2, "bf16-mixed")])
-def test_each_phase_s_peak_agrees_with_the_plan(tmp_path, world, precision):
+@pytest.mark.parametrize(
+    ("world", "precision", "ema"),
+    [(2, "32-true", False), (4, "32-true", False), (2, "bf16-mixed", False), (2, "32-true", True)],
+)
+def test_each_phase_s_peak_agrees_with_the_plan(tmp_path, world, precision, ema):
     """A Lightning run (deferred init, a limit that leaves some shards on the host, a save, a resume) with every
     CPU allocation recorded: each phase's peak a rank, against the plan for the same model and ranks. On a CPU the
     device is the host, so the plan's ``together`` (both at once) is what one memory holds. The plan had counted
     the optimizer state at set-up (Adam makes it at its first step) and missed its copies at a save and at the end
     of fit: set-up 0.6x, the end of fit 4.8x; the steps' payloads kept while the limit has room: 0.75x.
     Every rank holds the same device bytes at every moment, which the ranks plan from ([Note: the same bytes on
-    every rank after a step]): in bf16-mixed a gradient shard kept on one rank alone failed the collective check."""
-    ranks = Ranks(WORKER, tmp_path, precision, world_size=world).wait(timeout=240)
+    every rank after a step]): in bf16-mixed a gradient shard kept on one rank alone failed the collective check.
+    With a ChunkEMA its average is planned for too (``plan --ema``); a resume with one hung once (a chunk whose shard
+    on rank 1 is padding alone got no average there: [Note: the same averages on every rank])."""
+    ranks = Ranks(WORKER, tmp_path, precision, *(["ema"] if ema else []), world_size=world).wait(timeout=240)
     assert all(rc == 0 for rc, *_ in ranks), "".join(so + se for _, so, se, _ in ranks)[-3000:]
     got = [json.loads((tmp_path / f"phases.{r}.json").read_text()) for r in range(world)]
     moments = [g.pop("device bytes by moment") for g in got]
@@ -62,12 +67,17 @@ def test_each_phase_s_peak_agrees_with_the_plan(tmp_path, world, precision):
         (1, world, None),
         staging=False,
         activations=max(g["traced activations"] for g in got),
+        ema=ema,
     )
     predicted = {p.name: p.together for p in report.phases}
     # the worker's resume spans the second fit's set-up too
     predicted["resume"] = max(predicted["resume"], predicted["set-up"])
     assert set(AGREE) == set(predicted)
     state = report.state
+    # the average (E) beside the state; between steps also the update's block and, while the background save writes,
+    # the averages copied before the update changes them (up to E more: not planned, see the note)
+    average = report.average
+    held = {"between steps": 2 * average + min(average, 4 << 20), "save": average}
     for name, (lo, _) in AGREE.items():  # the plan is not far above every rank (the last holds less: padding)
         assert max(g[name] for g in got) >= lo * predicted[name], (name, [g[name] for g in got], predicted[name])
     # rank 0 roots the broadcasts and holds up to 2 MiB more than its peers in every phase, none of it in a tensor
@@ -83,13 +93,14 @@ def test_each_phase_s_peak_agrees_with_the_plan(tmp_path, world, precision):
             assert got[r][name] <= allowed, (r, name, got[r][name], predicted[name], ratios)
         # between steps a rank holds its state and a few chunks (gloo's and the last save's buffers: up to 2 MiB
         # here, eight chunks)
-        assert got[r]["between steps"] <= state + 12 * STRATEGY["chunk_numel"] * 4 + (extra if r == 0 else 0), (
+        allowed = state + held["between steps"] + 12 * STRATEGY["chunk_numel"] * 4 + (extra if r == 0 else 0)
+        assert got[r]["between steps"] <= allowed, (
             r,
             got[r]["between steps"],
             state,
         )
         # a save holds at most a file's shards beyond the state; it held the whole optimizer state once
-        assert got[r]["save"] <= state + 12 * STRATEGY["chunk_numel"] * 4 + (extra if r == 0 else 0), (
+        assert got[r]["save"] <= state + held["save"] + 12 * STRATEGY["chunk_numel"] * 4 + (extra if r == 0 else 0), (
             r,
             got[r]["save"],
             state,

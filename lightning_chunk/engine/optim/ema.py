@@ -57,7 +57,7 @@ from ..chunks.repack import piece_range
 from ..tiers.disk import check_room
 
 _HOST = torch.device("cpu")
-_BLOCK = 1 << 20  # elements an update step takes at a time (4 MB in fp32: the second pass reads from cache)
+BLOCK = 1 << 20  # elements an update step takes at a time (4 MB in fp32: the second pass reads from cache)
 KEY = "<ema>"  # its key among the shards a repack carries (optimizer state keys are names without brackets)
 
 
@@ -137,11 +137,11 @@ class ShardedEMA:
                 if c.trainable:
                     self._from_master(c)
                 continue
-            buf = scratch.setdefault(e.dtype, torch.empty(_BLOCK, dtype=e.dtype))
+            buf = scratch.setdefault(e.dtype, torch.empty(BLOCK, dtype=e.dtype))
             with self.manager.tiers.reading(c, (Role.MASTER,)), self._paged(c, write=True):
                 m = c.master_tensor_for_read().detach()
-                for a in range(0, e.numel(), _BLOCK):
-                    b = min(a + _BLOCK, e.numel())
+                for a in range(0, e.numel(), BLOCK):
+                    b = min(a + BLOCK, e.numel())
                     tmp = buf[: b - a]
                     torch.mul(m[a:b].to(_HOST), 1 - decay, out=tmp)
                     e[a:b].mul_(decay).add_(tmp)
@@ -155,8 +155,8 @@ class ShardedEMA:
         for c, e in self.shards.items():
             with self.manager.tiers.writing(c, (Role.MASTER,)), self._paged(c, write=True):
                 m = c.master_tensor_for_read()
-                for a in range(0, e.numel(), _BLOCK):
-                    b = min(a + _BLOCK, e.numel())
+                for a in range(0, e.numel(), BLOCK):
+                    b = min(a + BLOCK, e.numel())
                     old = m[a:b].to(_HOST, copy=True)
                     m[a:b].copy_(e[a:b])
                     e[a:b].copy_(old)

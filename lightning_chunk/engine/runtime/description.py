@@ -44,6 +44,8 @@ class ShapePlan:
     optim_bytes_per_element: int = 0  # the optimizer state of the param group that keeps the most
     # the largest trainable chunk whole in its master dtype, whatever dtype gradients are summed in (0: none)
     master_chunk_bytes: int = 0
+    # one rank's share of an average of the weights (ChunkEMA): each trainable chunk's shard in its master dtype
+    average_bytes: int = 0
 
     def shard_bytes(self, tier: Tier | None = None) -> int:
         """One rank's shard bytes (masters, compute copies, gradients, optimizer state), in memory on ``tier``
@@ -255,6 +257,11 @@ def plan_from_shapes(
     layout = desc.layouts.choose(list(range(len(desc.manager.params))), trace=None)
     views, tiers = desc.plan_tiers(layout, trace=None)
     dtypes_used = desc.manager.dtypes
+    trainable = [c for c in layout.chunks if c.key.requires_grad]
+    master = {
+        c.chunk_id: dtypes_used.master_for(c.key.dtype, trainable=True, own_dtype=c.key.own_dtype).itemsize
+        for c in trainable
+    }
     return ShapePlan(
         layout=layout,
         views=views,
@@ -265,13 +272,6 @@ def plan_from_shapes(
         ),
         param_numel=sum(s.numel for s in desc.manager.specs),
         optim_bytes_per_element=max(desc.optim_bytes.values(), default=0),
-        master_chunk_bytes=max(
-            (
-                c.capacity_numel
-                * dtypes_used.master_for(c.key.dtype, trainable=True, own_dtype=c.key.own_dtype).itemsize
-                for c in layout.chunks
-                if c.key.requires_grad
-            ),
-            default=0,
-        ),
+        master_chunk_bytes=max((c.capacity_numel * master[c.chunk_id] for c in trainable), default=0),
+        average_bytes=sum(c.capacity_numel // world_size * master[c.chunk_id] for c in trainable),
     )
