@@ -59,10 +59,11 @@ class ChunkEMA(pl.Callback):
         self._n_averaged = 0  # updates so far (AveragedModel's n_averaged, for full checkpoints in its layout)
         self._swapped = False
 
-    def average(self, manager: Any, module: torch.nn.Module, in_files: bool) -> ShardedEMA:
-        """The engine's average for this callback ([Note: a sharded EMA]); ``in_files`` under a host limit ([Note:
-        the average under a host limit])."""
-        return ShardedEMA(manager, BufferAverage(module, average=self.use_buffers), in_files=in_files)
+    def average(self, engine: Any, module: torch.nn.Module) -> ShardedEMA:
+        """The engine's average for this callback ([Note: a sharded EMA]); in files under the engine's host limit,
+        the one every rank agreed on ([Note: the average under a host limit], [Note: one limit for every rank])."""
+        in_files = engine.config.host_memory_limit is not None
+        return ShardedEMA(engine.manager, BufferAverage(module, average=self.use_buffers), in_files=in_files)
 
     def should_update(self, step_idx: int) -> bool:
         return (

@@ -269,7 +269,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         self._deferred = None
         emas = [cb for cb in trainer.callbacks if isinstance(cb, ChunkEMA)]  # type: ignore[attr-defined]
         if fitting and emas:  # before a checkpoint loads into it
-            self.engine.ema = emas[0].average(self.engine.manager, module, self.config.host_memory_limit is not None)
+            self.engine.ema = emas[0].average(self.engine, module)
         self.precision_plugin.attach(self.engine, self.root_device)
         if fitting and self.engine.early is not None:
             self.engine.early.clip_value = clip_value(trainer)
