@@ -26,6 +26,7 @@ from .engine.chunks.chunk import Tier
 from .engine.chunks.materialize import DeferredInit
 from .engine.comm.group import shard_ranks
 from .engine.config import device_margin_bytes, human_bytes
+from .engine.optim.ema import average_bytes
 from .engine.runtime.description import ShapePlan, plan_from_shapes
 from .engine.schedule.simulate import simulate_step
 from .options import grouped
@@ -133,9 +134,7 @@ class _Probe(L.Callback):
             estimated_device_peak_bytes=peaks[0],
             estimated_total_peak_bytes=peaks[1],
             limit=mgr.limit,
-            average_bytes=sum(c.shard_numel * c.master_dtype.itemsize for c in mgr.chunks if c.trainable)
-            if self.ema
-            else 0,
+            average_bytes=average_bytes(mgr) if self.ema else 0,
         )
 
 

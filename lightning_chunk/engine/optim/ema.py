@@ -61,6 +61,11 @@ BLOCK = 1 << 20  # elements an update step takes at a time (4 MB in fp32: the se
 KEY = "<ema>"  # its key among the shards a repack carries (optimizer state keys are names without brackets)
 
 
+def average_bytes(manager: Any) -> int:
+    """This rank's share of an average of the weights: each trainable chunk's shard in its master dtype."""
+    return sum(c.shard_numel * c.master_dtype.itemsize for c in manager.chunks if c.trainable)
+
+
 class ShardedEMA:
     def __init__(self, manager: Any, buffers: BufferAverage | None = None, *, in_files: bool = False) -> None:
         self.manager = manager
@@ -115,9 +120,13 @@ class ShardedEMA:
         """Before the first file: the filesystem holds every trainable chunk's average, for each rank of the host."""
         if self._disk is None or self.shards:
             return
-        total = sum(c.shard_numel * c.master_dtype.itemsize for c in self.manager.chunks if c.trainable)
         ranks = self._disk.ranks_here
-        check_room(self._disk.directory.root, total * ranks, "the average of the weights (ChunkEMA)", ranks)
+        check_room(
+            self._disk.directory.root,
+            average_bytes(self.manager) * ranks,
+            "the average of the weights (ChunkEMA)",
+            ranks,
+        )
 
     def update(self, decay: float) -> None:
         """One step of the average; the first copies the weights. A chunk frozen after it was averaged goes on
