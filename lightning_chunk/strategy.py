@@ -36,6 +36,7 @@ from .engine.memory import master_writes
 from .engine.memory.full_params import full_parameters
 from .engine.optim.binding import refuse_detached_views
 from .engine.runtime.batches import input_bytes
+from .engine.runtime.description import agree_on_limits
 from .finetuning import follow_finetuning, unfollow_finetuning
 from .grad_norms import sharded_grad_norm
 from .hf import PeftAdapters, keep_generation_in_step
@@ -229,12 +230,15 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
                 optional=adapters.tensors() if adapters else (),
                 wrapped=PeftAdapters.base_name if adapters else None,
             )
+        ranks = shard_ranks(self.config.shard_size, self.world_size, self.num_processes)
+        timeout, verify = self.config.collective_timeout_s, self.config.verify_collectives
+        comm = Collectives.over(ranks, timeout_s=timeout, verify=verify) if self.world_size > 1 else Collectives.local()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            check_callbacks(trainer, self.config.host_memory_limit, self.config.disk_dir)
-        if fitting and self.config.step_in_backward:
-            check_step_in_backward(trainer, module, self.precision_plugin.precision, self.config.host_memory_limit)
-        if fitting:
+        if fitting:  # refused on every rank or on none: under the host limit every rank agrees on
+            host_limit = agree_on_limits(self.config, comm).host_memory_limit  # [Note: one limit for every rank]
+            check_callbacks(trainer, host_limit, self.config.disk_dir)
+            if self.config.step_in_backward:
+                check_step_in_backward(trainer, module, self.precision_plugin.precision, host_limit)
             self._kept_optimizer_states = {}  # the last fit's optimizers are gone
             self.setup_optimizers(trainer)
         # configure_optimizers() returned None: Lightning's placeholder steps nothing, and nothing is bound to it
@@ -242,15 +246,6 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         precision = self.precision_plugin.precision
         config = config_for_fit(self.config, trainer, module, precision, optimizers) if fitting else self.config
         self.setup_precision_plugin()
-        comm = (
-            Collectives.over(
-                shard_ranks(self.config.shard_size, self.world_size, self.num_processes),
-                timeout_s=self.config.collective_timeout_s,
-                verify=self.config.verify_collectives,
-            )
-            if self.world_size > 1
-            else Collectives.local()
-        )
         self.engine = ChunkEngine(
             module,
             optimizers,

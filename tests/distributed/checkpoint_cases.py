@@ -234,6 +234,11 @@ def run_ema(out: Path) -> None:
     results = {}
     # every rank takes the smallest limit ([Note: one limit for every rank]), so rank 0 keeps its average in files too
     host_limit = HOST_LIMIT if int(os.environ.get("RANK", 0)) == 1 else None
+    try:  # without disk_dir: refused on rank 0 too, under the limit it agreed on (once rank 1 alone refused)
+        t = trainer(chunk_strategy(placement="host", host_memory_limit=host_limit), steps=1, callbacks=[ChunkEMA()])
+        t.fit(models.LogsValLoss(), token_data())
+    except ValueError as e:
+        print(f"EMA-REFUSED rank={t.global_rank}: {e}", flush=True)
     for name, make, ema in [
         ("ddp", lambda: DDPStrategy(), lambda: EMAWeightAveraging(decay=0.8)),
         (

@@ -149,6 +149,8 @@ def test_chunk_ema_on_two_ranks_is_ddp_s_ema_weight_averaging_and_resumes_on_one
     out, _, log = parity_run
     for r in (0, 1):
         assert f"CASE-DONE ema rank={r}" in log, log[-3000:]
+        # a host limit given to rank 1 alone, no disk_dir: refused on both ranks ([Note: one limit for every rank])
+        assert f"EMA-REFUSED rank={r}: ChunkEMA with host_memory_limit=100000 keeps" in log, log[-3000:]
     d = torch.load(out / "ema.pt")
     for name in ("chunk", "files"):  # files: [Note: the average under a host limit], the shards on disk too
         assert d[name]["val"] == d["ddp"]["val"] and len(d["ddp"]["val"]) == 4

@@ -75,7 +75,10 @@ def agree_on_limits(config: ChunkConfig, comm: Collectives) -> ChunkConfig:
     different chunks (payloads built from mixed shards, silently) and then hung. Before anything is planned the
     ranks agree on the minimum of each limit (``None``, no limit, counts as the largest); the host limit too, since
     it decides which shards go to disk and whether chunks step in backward. A limit error on a rank whose own limit
-    was larger names both (``Ledger.named_limit``): the limit it names is not the one that rank was given."""
+    was larger names both (``Ledger.named_limit``): the limit it names is not the one that rank was given. The
+    strategy's checks before the engine (ChunkEMA and stepping in backward under a host limit) read the agreed host
+    limit too: a limit given to some ranks alone was refused on those ranks, and the others waited in the engine's
+    first collective."""
     none = 2**62
     t = torch.tensor(
         [config.device_memory_limit or none, config.host_memory_limit or none],
