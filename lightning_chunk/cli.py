@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="count a ChunkEMA's average (as a --config whose trainer.callbacks hold one does)",
     )
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="with --nodes: saves written in the background, beside training (as a --config whose trainer.plugins "
+        "hold AsyncCheckpointIO makes them)",
+    )
     p.add_argument("--ranks", type=int, default=1, help="with --shapes-only: the number of ranks to plan for")
     p.add_argument(
         "--nodes",
@@ -181,6 +187,7 @@ def _plan(args: argparse.Namespace) -> int:
             cluster=cluster,
             activations=parse_bytes(args.activations, field="--activations"),
             ema=args.ema,
+            background_save=args.async_save,
         )
     except ChunkError as e:
         print(f"lightning-chunk plan: does not fit: {e}", file=sys.stderr)

@@ -39,12 +39,16 @@ its master dtype (4 bytes a trainable parameter over the ranks in fp32), is held
 training step (with the update's 4 MiB block), the save, the resume and the end of fit hold E more; a resumed fit's
 repack carries it (E, an old chunk's average whole and cut, 2C, and a byte an element marking what was filled,
 E/4). Under a host limit E is in files ([Note: the average under a host limit]) and those phases hold one chunk's
-average paged in instead; the masks stay in memory. Not counted: a save written in the background while training
-goes on copies an average before an update changes what the writer has not read yet, up to E more for the write.
+average paged in instead; the masks stay in memory.
+A save written in the background (Lightning's ``AsyncCheckpointIO``; ``plan --async-save``, or one among a config's
+``trainer.plugins``) returns once staged, and the next step copies aside every item the writer has not read before
+it changes it ([Note: training beside a save]): the save row is a training step beside up to the whole saved state
+(each shard's master and optimizer state, and E) copied, as DCP's own asynchronous save stages a whole copy. Under
+a host limit training waits for the writer instead, and the row is the synchronous save's.
 The bound: S + 4C(1 + k), + 1.25E with a ChunkEMA (in files: E/4 and a chunk's average). Every phase stays under
-it but the end of fit where the model fits: that holds the whole model beside O by design (the weights a user reads
-after ``fit``, as with DDP). Device bytes are before activations unless the caller gives them (a shapes-only plan
-traces none; ``plan --activations``).
+it but the end of fit where the model fits, which holds the whole model beside O by design (the weights a user
+reads after ``fit``, as with DDP), and a background save's copies aside. Device bytes are before activations
+unless the caller gives them (a shapes-only plan traces none; ``plan --activations``).
 ``together``: the peak of the two at once, what one memory holds where the device is the host (a CPU run).
 """
 
@@ -84,6 +88,7 @@ class ClusterReport:
     shard_size: int | None = None  # ranks a chunk is sharded over, where fewer than every rank
     average: int = 0  # a ChunkEMA's bytes a rank (E)
     average_in_files: bool = False
+    background_save: bool = False  # the save row is a step beside a background save's copies aside
 
     @property
     def host_per_rank(self) -> int | None:
@@ -118,7 +123,8 @@ class ClusterReport:
                 + ("in files under disk_dir" if self.average_in_files else "in host memory")
                 if self.average
                 else ""
-            ),
+            )
+            + ("; saves in the background, their shards copied aside by the next step" if self.background_save else ""),
             "",
             f"{'phase':<16}{'device a rank':>16}{'host a rank':>16}{'host a node':>16}",
         ]
@@ -191,6 +197,8 @@ def phases(
     grad_share: float = 0.0,
     average: int = 0,
     average_in_files: bool = False,
+    save_share: float = 0.0,
+    background_save: bool = False,
 ) -> tuple[list[Phase], int, int, dict[int, Tier]]:
     """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
     warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``optim_share``: the
@@ -199,7 +207,9 @@ def phases(
     with ``reshard_after_forward=True``); ``activations``: a step's activation peak, a rank, when known (the
     warm-up's trace), added to the steps' device bytes; ``grad_share``: the part of a shard that is its gradient,
     given back after each step where each chunk steps in backward (0: kept, stepping after backward); ``average``: a
-    ChunkEMA's bytes a rank (``ShapePlan.average_bytes``), in files under a host limit with ``average_in_files``."""
+    ChunkEMA's bytes a rank (``ShapePlan.average_bytes``), in files under a host limit with ``average_in_files``;
+    ``save_share``: the part of a shard a save writes (its master and optimizer state); ``background_save``: saves
+    are written beside training, which copies aside what the writer has not read (never under a host limit)."""
     views = plan.views
     after = final_tiers(plan, placement, activations)
 
@@ -260,6 +270,14 @@ def phases(
     else:
         end_host, end_together = host_after + whole, steady_state + whole
     end_host, end_together = end_host + ema, end_together + ema  # the average stays until the engine goes
+    step_host = host_after + max(in_flight + staged, 3 * whole) + ema + scratch
+    step_together = host_after + step + activations + ema + scratch
+    save = Phase(
+        "save", dev_after + plan.need_before_activations, host_after + written + ema, steady_state + written + ema
+    )
+    if background_save:  # the next step beside every saved item copied aside (see the note)
+        aside = int(save_share * state) + average
+        save = Phase("save", step + activations, step_host + aside, step_together + aside)
     rows = [
         Phase(
             "set-up",
@@ -279,15 +297,8 @@ def phases(
             int((host_first + dev_first) * no_optim) + repacking,
             int(state * no_optim) + repacking,
         ),
-        Phase(
-            "training step",
-            step + activations,
-            host_after + max(in_flight + staged, 3 * whole) + ema + scratch,
-            host_after + step + activations + ema + scratch,
-        ),
-        Phase(
-            "save", dev_after + plan.need_before_activations, host_after + written + ema, steady_state + written + ema
-        ),
+        Phase("training step", step + activations, step_host, step_together),
+        save,
         Phase(
             "resume",
             int(dev_first * no_kept) + payload,

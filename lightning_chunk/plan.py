@@ -31,7 +31,7 @@ from .engine.runtime.description import ShapePlan, plan_from_shapes
 from .engine.schedule.simulate import simulate_step
 from .options import grouped
 from .phases import ClusterReport, phases
-from .plan_inputs import chunk_precision_args, has_chunk_ema, has_train_dataloader, load_class
+from .plan_inputs import chunk_precision_args, has_async_save, has_chunk_ema, has_train_dataloader, load_class
 from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
 
@@ -254,12 +254,14 @@ def make_shape_plan(
     activations: int = 0,
     reduce_dtype: str | torch.dtype | None = None,
     ema: bool = False,
+    background_save: bool = False,
 ) -> Any:
     """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
     ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase]);
     ``staging``: the devices are GPUs, whose gradients leave through pinned staging; ``activations``: a step's
     activation peak a rank, where known; ``reduce_dtype``: ``ChunkPrecision``'s, the dtype of gradient payloads;
-    ``ema``: count a ChunkEMA's average ([Note: host memory by phase])."""
+    ``ema``: count a ChunkEMA's average; ``background_save``: saves are written in the background, beside training
+    (``AsyncCheckpointIO``) ([Note: host memory by phase])."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -310,6 +312,8 @@ def make_shape_plan(
         grad_share=4 / (4 + low + 4 + optim) if strategy.config.step_in_backward is True else 0.0,
         average=plan.average_bytes if ema else 0,
         average_in_files=in_files,
+        save_share=(4 + optim) / (4 + low + 4 + optim),
+        background_save=background_save and not in_files,  # under a host limit training waits for the writer
     )
     return ClusterReport(
         model=type(model).__name__,
@@ -326,6 +330,7 @@ def make_shape_plan(
         shard_size=ranks if ranks < nodes * devices else None,
         average=plan.average_bytes if ema else 0,
         average_in_files=in_files,
+        background_save=background_save and not in_files,
     )
 
 
@@ -342,11 +347,14 @@ def plan_from_args(
     cluster: tuple[int, int, int | None, int | None] | None = None,
     activations: int | None = None,
     ema: bool = False,
+    background_save: bool = False,
 ) -> Any:
     """``cluster``: ``(nodes, devices a node, device bytes, host bytes a node)``: plan from shapes for that many
     ranks, under the limit a device of that size gives (its memory less the margin ``device_memory_limit=None``
     keeps), unless a limit is given; ``activations``: a step's activation peak a rank, for the cluster view; ``ema``:
-    count a ChunkEMA's average, as a config whose ``trainer.callbacks`` hold one does."""
+    count a ChunkEMA's average, as a config whose ``trainer.callbacks`` hold one does; ``background_save``: with
+    ``cluster``, saves written beside training, as a config whose ``trainer.plugins`` hold ``AsyncCheckpointIO``
+    makes them."""
     cfg: dict[str, Any] = {}
     if config:
         with open(config) as f:
@@ -363,6 +371,7 @@ def plan_from_args(
     prec = precision or str(trainer_cfg.get("precision") or plugin.get("precision", "32-true"))
     reduce_dtype = plugin.get("reduce_dtype")
     ema = ema or has_chunk_ema(trainer_cfg)
+    background_save = background_save or has_async_save(trainer_cfg)
     memory = sargs.get("memory")
     shard_size = sargs.get("shard_size", memory.get("shard_size") if isinstance(memory, dict) else None)
     if cluster is not None:
@@ -381,6 +390,7 @@ def plan_from_args(
             activations=activations or 0,
             reduce_dtype=reduce_dtype,
             ema=ema,
+            background_save=background_save,
         )
     if shapes_only:
         ranks = shard_ranks(shard_size, ranks, ranks)

@@ -52,24 +52,35 @@ def load_class(spec: str) -> type:
         raise ValueError(f"{spec!r}: no {name!r} there.") from None
 
 
+def _entries(trainer: dict[str, Any], key: str) -> list[tuple[str, dict[str, Any]]]:
+    """A config's ``trainer.plugins`` or ``trainer.callbacks`` as ``(class name, init_args)`` (a ``class_path``
+    entry, or the class path alone)."""
+    given = trainer.get(key) or []
+    out = []
+    for c in given if isinstance(given, list) else [given]:
+        path = c.get("class_path", "") if isinstance(c, dict) else c
+        if isinstance(path, str):
+            out.append((path.rsplit(".", 1)[-1], (c.get("init_args") or {}) if isinstance(c, dict) else {}))
+    return out
+
+
 def chunk_precision_args(trainer: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a ``ChunkPrecision`` among a config's ``trainer.plugins`` (its ``precision`` sets it in place
     of ``trainer.precision``, and ``reduce_dtype`` the gradient payloads' dtype); ``{}``: there is none."""
-    plugins = trainer.get("plugins") or []
-    for p in plugins if isinstance(plugins, list) else [plugins]:
-        if isinstance(p, dict) and str(p.get("class_path", "")).endswith("ChunkPrecision"):
-            return {"precision": "32-true", **(p.get("init_args") or {})}
+    for name, args in _entries(trainer, "plugins"):
+        if name == "ChunkPrecision":
+            return {"precision": "32-true", **args}
     return {}
 
 
+def has_async_save(trainer: dict[str, Any]) -> bool:
+    """Lightning's ``AsyncCheckpointIO`` among a config's ``trainer.plugins``: saves written beside training."""
+    return any(name == "AsyncCheckpointIO" for name, _ in _entries(trainer, "plugins"))
+
+
 def has_chunk_ema(trainer: dict[str, Any]) -> bool:
-    """A ``ChunkEMA`` among a config's ``trainer.callbacks`` (a ``class_path`` entry, or the class path alone)."""
-    callbacks = trainer.get("callbacks") or []
-    for c in callbacks if isinstance(callbacks, list) else [callbacks]:
-        path = c.get("class_path", "") if isinstance(c, dict) else c
-        if isinstance(path, str) and path.rsplit(".", 1)[-1] == "ChunkEMA":
-            return True
-    return False
+    """A ``ChunkEMA`` among a config's ``trainer.callbacks``."""
+    return any(name == "ChunkEMA" for name, _ in _entries(trainer, "callbacks"))
 
 
 def has_train_dataloader(model_cls: type) -> bool:

@@ -3,9 +3,12 @@ its CPU allocations recorded by torch's profiler: set-up, the warm-up step, its 
 end of fit, then a second fit that resumes from the save. Writes each phase's peak bytes this rank held at once, and
 the activation peak the warm-up traced.
 
-    RANK=.. WORLD_SIZE=.. python tests/scale/phases_worker.py OUTDIR [PRECISION [ema]]
+    RANK=.. WORLD_SIZE=.. python tests/scale/phases_worker.py OUTDIR [PRECISION [ema] [background]]
 
-``ema``: with a ChunkEMA (decay 0.9), whose average is saved and resumed with the rest.
+``ema``: with a ChunkEMA (decay 0.9), whose average is saved and resumed with the rest. ``background``: the save is
+written in the background (``AsyncCheckpointIO``), its writer held until the step after it has copied aside every
+item it changes (the most a background save holds); the "save" phase is that step. The writer frees those copies
+on its own thread, where the profiler sees no frees: the run stops after the first fit.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from lightning_chunk import ChunkEMA, ChunkOffloadStrategy  # noqa: E402
 from lightning_chunk.engine.chunks.chunk import Tier  # noqa: E402
 from lightning_chunk.engine.runtime.moments import MomentClock  # noqa: E402
 from lightning_chunk.engine.runtime.warmup import Replan, WarmUpPlanner  # noqa: E402
+from lightning_chunk.engine.state.background_save import BackgroundSave  # noqa: E402
 from lightning_chunk.engine.tiers.pool import BlockPool  # noqa: E402
 from lightning_chunk.options import grouped  # noqa: E402
 from lightning_chunk.shapes import Llama  # noqa: E402
@@ -52,6 +57,8 @@ def mark(name: str) -> None:
 
 
 DEVICE_BYTES: list[int] = []  # at every moment: what ranks plan their evictions from, the same on every rank
+HELD: list[BackgroundSave] = []  # background saves whose writer waits for the step after the save
+START = BackgroundSave.start
 
 
 def instrument() -> None:
@@ -81,20 +88,29 @@ class Phases(L.Callback):
     def __init__(self, out: Path, first: bool) -> None:
         self.out, self.first = out, first
         self.activations = 0
+        self.beside = False  # the next step runs beside a background save: it is the save's phase
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        if self.beside:
+            self.beside = False
+            return
         # by the step, not the batch: an epoch here is a few batches a rank
         mark(("training step" if trainer.global_step else "warm-up step") if self.first else "resumed step")
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         mark("between steps")
+        for save in HELD:  # the step beside the save has copied aside what it changed
+            START(save)
+        HELD.clear()
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
         if self.first and engine.hooks.moments.trace is not None:  # the activations the warm-up traced, for the plan
             self.activations = engine.hooks.moments.trace.nonmodel_peak_bytes
         if self.first and trainer.global_step == SAVE_AT:
             mark("save")
             trainer.save_checkpoint(self.out / "ckpt")
-            mark("between steps")
+            self.beside = bool(HELD)
+            if not self.beside:
+                mark("between steps")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         mark("end of fit")
@@ -105,7 +121,7 @@ def data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.randint(0, SHAPE["vocab"], (STEPS + 2, 9), generator=g), batch_size=1)
 
 
-def fit(out: Path, first: bool, world: int, precision: str = "32-true", ema: bool = False) -> int:
+def fit(out: Path, first: bool, world: int, precision: str = "32-true", ema: bool = False, bg: bool = False) -> int:
     gc.collect()
     mark("set-up" if first else "resume")
     phases = Phases(out, first)
@@ -115,6 +131,7 @@ def fit(out: Path, first: bool, world: int, precision: str = "32-true", ema: boo
         strategy=ChunkOffloadStrategy(**grouped(STRATEGY)),
         max_steps=STEPS if first else STEPS + 2,
         callbacks=[phases, *([ChunkEMA(decay=0.9)] if ema else [])],
+        plugins=[AsyncCheckpointIO()] if bg else None,
     )
     trainer.fit(Llama(SHAPE), train_dataloaders=data(), ckpt_path=None if first else str(out / "ckpt"))
     mark("done")
@@ -143,15 +160,19 @@ def peaks(prof: Any) -> dict[str, int]:
     return out
 
 
-def main(out: Path, precision: str, ema: bool) -> None:
+def main(out: Path, precision: str, ema: bool, background: bool) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes the latter
     instrument()
+    if background:
+        BackgroundSave.start = lambda self: HELD.append(self)  # type: ignore[method-assign]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        activations = fit(out, first=True, world=world, precision=precision, ema=ema)
-        fit(out, first=False, world=world, precision=precision, ema=ema)
+        activations = fit(out, first=True, world=world, precision=precision, ema=ema, bg=background)
+        if not background:
+            fit(out, first=False, world=world, precision=precision, ema=ema)
     got = {**peaks(prof), "traced activations": activations, "device bytes by moment": DEVICE_BYTES}
     (out / f"phases.{rank}.json").write_text(json.dumps(got))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "32-true", sys.argv[3:] == ["ema"])
+    flags = sys.argv[3:]
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "32-true", "ema" in flags, "background" in flags)
