@@ -15,6 +15,10 @@ class ShardReader(Protocol):
     def finish(self) -> None:
         """Return once the work is over; raise its error if it failed."""
 
+    @property
+    def done(self) -> bool:
+        """The work is over and succeeded: nothing is left to wait for or to raise."""
+
 
 class ShardReaders:
     """The readers running now. ``before_change`` comes before a step, an EMA update or anything else that writes
@@ -34,6 +38,12 @@ class ShardReaders:
     def before_change(self, chunks: Iterable[Any] | None = None) -> None:
         for r in self._readers:
             r.let_go(chunks)
+
+    def drop_done(self) -> bool:
+        """Forget the readers whose work is over and succeeded; whether there were any (what they held is free)."""
+        kept = [r for r in self._readers if not r.done]
+        dropped, self._readers = len(kept) < len(self._readers), kept
+        return dropped
 
     def settle(self) -> None:
         """Wait for every reader; raise the first failure once all are over."""

@@ -180,11 +180,10 @@ class ChunkEngine:
     def micro_batch(self, *, training: bool, input_bytes: int | None = None) -> Iterator[Any]:
         """Wrap one training micro-batch or evaluation step. Yields ``outputs(obj)`` for the step's outputs.
 
-        The warm-up is finalized at the first optimizer step (``prepare_step``), where every gradient
-        has been reduced into the shards, so a repack never has to move gradients still in flight.
-        ``input_bytes``: the size of what the step was handed; under a device limit a micro-batch larger than
-        any the trace saw is traced again ([Note: inputs that grow after the warm-up] in ``growth.py``).
-        """
+        The warm-up is finalized at the first optimizer step (``prepare_step``), where every gradient has been
+        reduced into the shards, so a repack never has to move gradients still in flight. ``input_bytes``: the size
+        of what the step was handed; under a device limit a micro-batch larger than any the trace saw is traced
+        again ([Note: inputs that grow after the warm-up] in ``growth.py``)."""
         if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
             self.hooks.end_backward()
         check_stray_writes(self.manager)  # [Note: parameters outside a step]
@@ -284,6 +283,8 @@ class ChunkEngine:
                 self._backward_ends()
             if self.config.host_memory_limit is not None:  # [Note: a fixed mmap threshold] in host_heap.py
                 release_freed_memory()  # backward freed the activations: give the heap's holes back before the step
+            if self.manager.readers.drop_done():  # [Note: pinned blocks a repack leaves behind]
+                release_pinned_cache()
 
     def settle_state(self) -> None:
         """Read a resumed optimizer state left for the first step ([Note: optimizer state read after the warm-up])."""

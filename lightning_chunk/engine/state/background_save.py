@@ -92,6 +92,10 @@ class BackgroundSave:
             self._cond.wait_for(lambda: all(self._state[n] is ItemRead.READ for n in names))
         self.waited_s += time.perf_counter() - start
 
+    @property
+    def done(self) -> bool:
+        return self.over and self.error is None
+
     def finish(self) -> None:
         self._thread.join()
         if self.error is not None:
