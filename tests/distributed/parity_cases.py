@@ -14,6 +14,7 @@ from __future__ import annotations
 from tests.distributed.rank_cases import RANK_CASES
 
 BIG = dict(dim=64, hidden=1024)
+UNDER_LIMITS = dict(dim=256, hidden=1024, depth=4)  # the cases under a device limit
 MUON = dict(dim=64, hidden=256, depth=3)  # matrices of 16,384 elements, shards of 12,000
 # enough chunks that the whole gradient is many times the few payloads in flight
 ACCUMULATE = dict(
@@ -78,14 +79,14 @@ CASES = {
     # released and gathered again
     "host_kept_limit": dict(
         cls="ReorderedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         limit_fraction=0.45,
         strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096, reshard_after_forward=False),
     ),
     # its twin with the CPU default, released after use (FSDP2's reshard_after_forward=True): keeping must gather less
     "host_released_limit": dict(
         cls="ReorderedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         limit_fraction=0.45,
         strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096),
     ),
@@ -94,12 +95,12 @@ CASES = {
     "host_kept_waiting": dict(
         steps=8,
         cls="ReorderedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         limit_fraction=0.45,
         strategy=dict(placement="host", chunk_numel=300000),
     ),
     # a device limit below this rank's share of the parameter bytes (2 ranks: half of them)
-    "limit": dict(model=dict(dim=256, hidden=1024, depth=4), strategy=dict(chunk_numel=270000), limit_fraction=0.45),
+    "limit": dict(model=UNDER_LIMITS, strategy=dict(chunk_numel=270000), limit_fraction=0.45),
     # the defaults a user gets: automatic chunk size, on a model used in another order than registered
     "reordered_auto": dict(cls="ReorderedNet", strategy=dict(chunk_numel=None)),
     # below a rank's share of the training state (16 bytes a parameter over 2 ranks: 2x the parameter bytes);
@@ -115,34 +116,27 @@ CASES = {
     # its parameters: the warm-up's registration-order layout pins more in backward than the trained one needs
     # ([Note: a gradient waits without its payload])
     "reordered_auto_tight": dict(
-        cls="ReorderedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
-        limit_fraction=0.45,
-        strategy=dict(chunk_numel=None),
+        cls="ReorderedNet", model=UNDER_LIMITS, limit_fraction=0.45, strategy=dict(chunk_numel=None)
     ),
     # bf16-mixed below a third of the parameter bytes: the warm-up's registration-order layout keeps a waiting
     # chunk's fp32 gradient payload beside the one filling (twice a bf16 payload each), so its size leaves room for two
     "reordered_bf16_tight": dict(
-        cls="ReorderedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
-        limit_fraction=0.3,
-        bf16=True,
-        strategy=dict(chunk_numel=None),
+        cls="ReorderedNet", model=UNDER_LIMITS, limit_fraction=0.3, bf16=True, strategy=dict(chunk_numel=None)
     ),
     "reordered_bf16": dict(
-        cls="ReorderedNet", model=dict(dim=256, hidden=1024, depth=4), bf16=True, strategy=dict(chunk_numel=None)
+        cls="ReorderedNet", model=UNDER_LIMITS, bf16=True, strategy=dict(chunk_numel=None)
     ),  # its twin without a limit
     # host shards with a bf16 compute copy, stepped by the one-pass kernel ([Note: one pass over a host shard]) after
     # backward and, chunk by chunk as each reduce-scatter lands, in backward (the same DDP run as reordered_bf16)
     "host_bf16_one_pass": dict(
         cls="ReorderedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         bf16=True,
         strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass", **AFTER),
     ),
     "early_host_bf16_one_pass": dict(
         cls="ReorderedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         bf16=True,
         strategy=dict(chunk_numel=None, placement="host", optimizer_kernel="one_pass", step_in_backward=True),
     ),
@@ -158,7 +152,7 @@ CASES = {
     "checkpointed_limit": dict(
         steps=8,
         cls="CheckpointedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         limit_fraction=0.45,
         strategy=dict(chunk_numel=None, placement="host"),
     ),
@@ -166,24 +160,20 @@ CASES = {
     "composable_checkpointed_limit": dict(
         steps=8,
         cls="ComposableCheckpointedNet",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         limit_fraction=0.45,
         strategy=dict(chunk_numel=None),
     ),
     # LoRA's shape under a limit: frozen weights must not stay pinned for the rest of backward
     "adapters_limit": dict(
-        steps=8,
-        cls="AdapterNet",
-        model=dict(dim=256, hidden=1024, depth=4),
-        limit_fraction=0.3,
-        strategy=dict(chunk_numel=None),
+        steps=8, cls="AdapterNet", model=UNDER_LIMITS, limit_fraction=0.3, strategy=dict(chunk_numel=None)
     ),
     # a block run twice a forward, frozen, and LoRA's shape under activation checkpointing: the defaults, a limit
     "reused_frozen_limit": dict(
         steps=8,
         cls="ReusedBlockNet",
         variant="frozen",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         limit_fraction=0.45,
         strategy=dict(chunk_numel=None),
     ),
@@ -194,7 +184,7 @@ CASES = {
         steps=8,
         cls="ReorderedTwoPassNet",
         variant="rdrop",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         limit_fractions=(0.7, 0.9),
         resume_at=3,
         strategy=dict(chunk_numel=None),
@@ -202,7 +192,7 @@ CASES = {
     "checkpointed_adapters_limit": dict(
         steps=8,
         cls="CheckpointedAdapterNet",
-        model=dict(dim=256, hidden=1024, depth=4),
+        model=UNDER_LIMITS,
         limit_fraction=0.3,
         strategy=dict(chunk_numel=None, placement="host"),
     ),
