@@ -91,7 +91,7 @@ def test_each_phase_s_peak_agrees_with_the_plan(tmp_path, world, precision, ema,
         agree = AGREE
     state = report.state
     # the average (E) beside the state; between steps also the update's block and, while the background save writes,
-    # the averages copied before the update changes them (up to E more: not planned, see the note)
+    # the averages copied before the update changes them (up to E more; planned with --async-save)
     average = report.average
     held = {"between steps": 2 * average + min(average, 4 << 20), "save": average}
     for name, (lo, _) in agree.items():  # the plan is not far above every rank (the last holds less: padding)
