@@ -45,7 +45,10 @@ A save written in the background (Lightning's ``AsyncCheckpointIO``; ``plan --as
 it changes it ([Note: training beside a save]): the save row is a training step beside up to the whole saved state
 (each shard's master and optimizer state, and E) copied, as DCP's own asynchronous save stages a whole copy. Under
 a host limit training waits for the writer instead, and the row is the synchronous save's.
-The bound: S + 4C(1 + k), + 1.25E with a ChunkEMA (in files: E/4 and a chunk's average). Every phase stays under
+On a GPU the host shards' master, compute copy and gradient are pinned, in torch's power-of-two blocks (P more,
+which every phase holding them counts: 2.5 GiB a rank for Llama 2 7B on 8 ranks, 63 GiB for 70B), and a pinned
+gradient shard cannot be given back when stepping in backward ([Note: pinned blocks a repack leaves behind]).
+The bound: S + P + 4C(1 + k), + 1.25E with a ChunkEMA (in files: E/4 and a chunk's average). Every phase stays under
 it but the end of fit where the model fits, which holds the whole model beside O by design (the weights a user
 reads after ``fit``, as with DDP), and a background save's copies aside. Device bytes are before activations
 unless the caller gives them (a shapes-only plan traces none; ``plan --activations``).
@@ -62,6 +65,25 @@ from .engine.optim.ema import BLOCK as EMA_BLOCK
 from .engine.runtime.description import ShapePlan
 
 GRAD_STAGING = 256 << 20  # GradOffload's pinned staging in flight at most
+
+
+def pinned_rounding(plan: ShapePlan, low_bytes: int) -> dict[int, tuple[int, int]]:
+    """Bytes torch's caching host allocator adds to each chunk's shard on a GPU, ``(in host memory, on disk)``: a
+    host shard's master, compute copy and gradient are pinned (a disk shard's compute copy alone), and it rounds
+    every pinned block up to a power of two ([Note: pinned blocks a repack leaves behind] in
+    ``engine/system/host_heap.py``); the optimizer state is pageable. ``low_bytes``: the compute copy's bytes an
+    element (0: none)."""
+
+    def extra(blocks: list[int]) -> int:
+        return sum((1 << (b - 1).bit_length()) - b for b in blocks if b)
+
+    out = {}
+    for spec in plan.layout.chunks:
+        n = spec.capacity_numel // plan.layout.world_size
+        master = n * spec.key.dtype.itemsize
+        low = 0 if spec.key.own_dtype else n * low_bytes
+        out[spec.chunk_id] = (extra([master, low, master if spec.key.requires_grad else 0]), extra([low]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -89,6 +111,7 @@ class ClusterReport:
     average: int = 0  # a ChunkEMA's bytes a rank (E)
     average_in_files: bool = False
     background_save: bool = False  # the save row is a step beside a background save's copies aside
+    pinned_rounding: int = 0  # host bytes a rank torch's pinned allocator adds to the host shards, at most
 
     @property
     def host_per_rank(self) -> int | None:
@@ -132,9 +155,15 @@ class ClusterReport:
             lines.append(f"{p.name:<16}{g(p.device):>16}{g(p.host):>16}{g(p.host * self.devices):>16}")
         lines += [
             "",
-            f"host bound   {g(self.bound)} a rank (training state + 4 whole chunks with their optimizer "
-            "state); device bytes are before activations",
+            f"host bound   {g(self.bound)} a rank (training state"
+            + (" + its pinned blocks' rounding" if self.pinned_rounding else "")
+            + " + 4 whole chunks with their optimizer state); device bytes are before activations",
         ]
+        if self.pinned_rounding:
+            lines.append(
+                f"pinned       host shards in torch's power-of-two pinned blocks: up to {g(self.pinned_rounding)} a "
+                "rank more, counted above (offload=OffloadOptions(pin_memory=False): pageable, exact, slower copies)"
+            )
         worst_d = max(self.phases, key=lambda p: p.device)
         worst_h = max(self.phases, key=lambda p: p.host)
         if self.binds:
@@ -199,17 +228,19 @@ def phases(
     average_in_files: bool = False,
     save_share: float = 0.0,
     background_save: bool = False,
-) -> tuple[list[Phase], int, int, dict[int, Tier]]:
-    """The rows of [Note: host memory by phase], the host bound and the training state, and the tiers after the
-    warm-up. ``optim_ratio``: optimizer state bytes per master byte (Adam in fp32: 2); ``optim_share``: the
-    part of a shard that is its optimizer state; ``staging``: gradients
+    pinned_low_bytes: int | None = None,
+) -> tuple[list[Phase], int, int, dict[int, Tier], int]:
+    """The rows of [Note: host memory by phase], the host bound and the training state, the tiers after the
+    warm-up, and the pinned allocator's rounding at most. ``optim_ratio``: optimizer state bytes per master byte
+    (Adam in fp32: 2); ``optim_share``: the part of a shard that is its optimizer state; ``staging``: gradients
     leave the device through pinned staging (CUDA); ``releases``: payloads go after each use (``host`` placement
     with ``reshard_after_forward=True``); ``activations``: a step's activation peak, a rank, when known (the
     warm-up's trace), added to the steps' device bytes; ``grad_share``: the part of a shard that is its gradient,
     given back after each step where each chunk steps in backward (0: kept, stepping after backward); ``average``: a
     ChunkEMA's bytes a rank (``ShapePlan.average_bytes``), in files under a host limit with ``average_in_files``;
     ``save_share``: the part of a shard a save writes (its master and optimizer state); ``background_save``: saves
-    are written beside training, which copies aside what the writer has not read (never under a host limit)."""
+    are written beside training, which copies aside what the writer has not read (never under a host limit);
+    ``pinned_low_bytes``: host shards are pinned (a GPU), their compute copy this many bytes an element."""
     views = plan.views
     after = final_tiers(plan, placement, activations)
 
@@ -218,6 +249,15 @@ def phases(
             (v.host_bytes_on_disk if tiers[v.chunk_id] is Tier.DISK else v.device_shard_bytes)
             for v in views
             if (Tier.HOST if tiers[v.chunk_id] is Tier.DISK else tiers[v.chunk_id]) is tier
+        )
+
+    rounding = {} if pinned_low_bytes is None else pinned_rounding(plan, pinned_low_bytes)
+
+    def pinned_extra(tiers: dict[int, Tier]) -> int:  # the pinned allocator's rounding of the shards in memory
+        return sum(
+            rounding.get(cid, (0, 0))[(Tier.HOST, Tier.DISK).index(t)]
+            for cid, t in tiers.items()
+            if t is not Tier.DEVICE
         )
 
     # C: several ranks build a trainable chunk whole in its master dtype (a gradient summed in bf16 is half that)
@@ -231,7 +271,9 @@ def phases(
         return nbytes - int(nbytes * grad_share)
 
     host_first, dev_first = on(plan.tiers, Tier.HOST), on(plan.tiers, Tier.DEVICE)
-    host_after, dev_after = steady(on(after, Tier.HOST)), steady(on(after, Tier.DEVICE))
+    # a pinned gradient shard cannot be resized: it keeps its bytes ([Note: stepping in backward] in early_step.py)
+    host_kept = on(after, Tier.HOST) if rounding else steady(on(after, Tier.HOST))
+    host_after, dev_after = host_kept, steady(on(after, Tier.DEVICE))
     payload = max((v.payload_bytes for v in views), default=0)
     state = sum(v.device_shard_bytes for v in views)
     steady_state = steady(state)
@@ -270,10 +312,16 @@ def phases(
     else:
         end_host, end_together = host_after + whole, steady_state + whole
     end_host, end_together = end_host + ema, end_together + ema  # the average stays until the engine goes
-    step_host = host_after + max(in_flight + staged, 3 * whole) + ema + scratch
+    # on a GPU the pinned allocator's rounding of the host shards, in the first tiers and after the warm-up
+    pin_first, pin_after = pinned_extra(plan.tiers), pinned_extra(after)
+    pin_most = max(pin_first, pin_after)
+    step_host = host_after + pin_after + max(in_flight + staged, 3 * whole) + ema + scratch
     step_together = host_after + step + activations + ema + scratch
     save = Phase(
-        "save", dev_after + plan.need_before_activations, host_after + written + ema, steady_state + written + ema
+        "save",
+        dev_after + plan.need_before_activations,
+        host_after + pin_after + written + ema,
+        steady_state + written + ema,
     )
     if background_save:  # the next step beside every saved item copied aside (see the note)
         aside = int(save_share * state) + average
@@ -282,19 +330,19 @@ def phases(
         Phase(
             "set-up",
             int(dev_first * no_optim) + payload,
-            int(host_first * no_optim) + built,
+            int(host_first * no_optim) + pin_first + built,
             int(state * no_optim) + built,
         ),
         Phase(
             "warm-up step",
             dev_first + busy + activations,
-            int(host_first * no_optim),
+            int(host_first * no_optim) + pin_first,
             int(state * no_optim) + busy + activations,
         ),
         Phase(
             "warm-up repack",
             int(dev_after * no_optim) + payload,
-            int((host_first + dev_first) * no_optim) + repacking,
+            int((host_first + dev_first) * no_optim) + pin_most + repacking,
             int(state * no_optim) + repacking,
         ),
         Phase("training step", step + activations, step_host, step_together),
@@ -302,10 +350,10 @@ def phases(
         Phase(
             "resume",
             int(dev_first * no_kept) + payload,
-            int(host_first * no_kept) + 3 * whole + ema,
+            int(host_first * (no_optim if rounding else no_kept)) + pin_first + 3 * whole + ema,
             int(state * no_kept) + 3 * whole + ema,
         ),
-        Phase("end of fit", 0, end_host, end_together),
+        Phase("end of fit", 0, end_host + pin_after, end_together),
     ]
-    bound = state + int(4 * whole * (1 + optim_ratio)) + ema + average // 4
-    return rows, bound, state, after
+    bound = state + pin_most + int(4 * whole * (1 + optim_ratio)) + ema + average // 4
+    return rows, bound, state, after, pin_most

@@ -297,7 +297,7 @@ def make_shape_plan(
     nodes, devices, host_memory = cluster
     low = 2 if precision.startswith(("bf16-mixed", "16-mixed")) else 0  # the compute copy beside an fp32 master
     optim = plan.optim_bytes_per_element
-    rows, bound, state, after = phases(
+    rows, bound, state, after, pinned = phases(
         plan,
         placement=strategy.config.placement,
         optim_ratio=optim / 4,
@@ -314,6 +314,7 @@ def make_shape_plan(
         average_in_files=in_files,
         save_share=(4 + optim) / (4 + low + 4 + optim),
         background_save=background_save and not in_files,  # under a host limit training waits for the writer
+        pinned_low_bytes=low if staging and strategy.config.pin_memory else None,
     )
     return ClusterReport(
         model=type(model).__name__,
@@ -331,6 +332,7 @@ def make_shape_plan(
         average=plan.average_bytes if ema else 0,
         average_in_files=in_files,
         background_save=background_save and not in_files,
+        pinned_rounding=pinned,
     )
 
 
