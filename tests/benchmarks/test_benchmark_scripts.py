@@ -333,16 +333,18 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
     assert load("gpu_campaign").bound(rows["chunk_offload"], probes, 1.0) == {}
 
 
-def test_the_campaign_s_largest_model_for_80_gb_and_128_gib_is_past_9b_and_its_plan_fits():
+def test_the_campaign_s_largest_model_for_80_gb_and_128_gib_is_past_7b_and_its_plan_fits():
     """The issue's yardstick, in the plan the campaign sizes its largest run by: one 80 GB GPU at an 85% limit, 92% of
     128 GiB of host, a 2048-token step's activations. 32 layers (6.7B) when the warm-up repack and a resume held the
-    optimizer state on the host; 44 (9.2B) since it is read after the repack."""
+    optimizer state on the host; 44 (9.2B) since it is read after the repack; 36 (7.5B) once the plan counts the
+    pinned host shards in torch's power-of-two blocks, as a GPU holds them (an exact pinned pool would give back
+    the 8 layers)."""
     import argparse
 
     campaign = load("gpu_campaign")
     args = argparse.Namespace(host_memory=128 << 30, accelerator="cuda", largest_batch=1, largest_context=2048)
     layers, report = campaign.fitting_layers(args, int(0.85 * 80e9))
-    assert campaign.model_params({**campaign.LLAMA, "layers": layers}) > 9e9, layers
+    assert campaign.model_params({**campaign.LLAMA, "layers": layers}) > 7e9, layers
     assert report.fits and max(p.host for p in report.phases) <= 0.92 * (128 << 30)
 
 
