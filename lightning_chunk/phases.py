@@ -272,8 +272,8 @@ def phases(
 
     host_first, dev_first = on(plan.tiers, Tier.HOST), on(plan.tiers, Tier.DEVICE)
     # a pinned gradient shard cannot be resized: it keeps its bytes ([Note: stepping in backward] in early_step.py)
-    host_kept = on(after, Tier.HOST) if rounding else steady(on(after, Tier.HOST))
-    host_after, dev_after = host_kept, steady(on(after, Tier.DEVICE))
+    host_after = on(after, Tier.HOST) if rounding else steady(on(after, Tier.HOST))
+    dev_after = steady(on(after, Tier.DEVICE))
     payload = max((v.payload_bytes for v in views), default=0)
     state = sum(v.device_shard_bytes for v in views)
     steady_state = steady(state)

@@ -297,23 +297,25 @@ def make_shape_plan(
     nodes, devices, host_memory = cluster
     low = 2 if precision.startswith(("bf16-mixed", "16-mixed")) else 0  # the compute copy beside an fp32 master
     optim = plan.optim_bytes_per_element
+    element = 4 + low + 4 + optim  # a shard's bytes an element: master, compute copy, gradient, optimizer state
+    in_background = background_save and not in_files  # under a host limit training waits for the writer
     rows, bound, state, after, pinned = phases(
         plan,
         placement=strategy.config.placement,
         optim_ratio=optim / 4,
         model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         host_per_rank=None if host_memory is None else host_memory // devices,
-        optim_share=optim / (4 + low + 4 + optim),
+        optim_share=optim / element,
         ranks=ranks,
         staging=staging,
         activations=activations,
         releases=strategy.config.placement == "host" and strategy.config.reshard_after_forward is True,
         # only ``True`` is sure to step in backward: ``None`` steps after it in a fit that clips by norm
-        grad_share=4 / (4 + low + 4 + optim) if strategy.config.step_in_backward is True else 0.0,
+        grad_share=4 / element if strategy.config.step_in_backward is True else 0.0,
         average=plan.average_bytes if ema else 0,
         average_in_files=in_files,
-        save_share=(4 + optim) / (4 + low + 4 + optim),
-        background_save=background_save and not in_files,  # under a host limit training waits for the writer
+        save_share=(4 + optim) / element,
+        background_save=in_background,
         pinned_low_bytes=low if staging and strategy.config.pin_memory else None,
     )
     return ClusterReport(
@@ -331,7 +333,7 @@ def make_shape_plan(
         shard_size=ranks if ranks < nodes * devices else None,
         average=plan.average_bytes if ema else 0,
         average_in_files=in_files,
-        background_save=background_save and not in_files,
+        background_save=in_background,
         pinned_rounding=pinned,
     )
 
