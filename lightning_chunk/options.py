@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.config import OptimizerKernel
+from .engine.config import OptimizerKernel, PinMemory
 from .engine.system.page_cache import DiskIO
 
 
@@ -158,15 +158,16 @@ class OffloadOptions:
         doc="gather the next moments' chunks ahead of use when they fit ([Note: how far ahead to gather])",
         when="off to save device memory at the cost of stalls",
     )
-    pin_memory: bool = knob(
-        True, doc="page-lock host shards when computing on CUDA", when="off when host memory is tight"
+    pin_memory: PinMemory = knob(
+        True,
+        doc="page-lock host shards on CUDA: `True` in torch's power-of-two blocks, `exact` to the byte",
+        when="`exact` where `plan` shows the rounding binding; off where host memory is tighter still",
     )
     optimizer_kernel: OptimizerKernel = knob(
         "auto",
         doc=(
-            "`auto`: torch's fused kernels (SGD and Adagrad: fp32 only), and for Adam/AdamW with a compute "
-            "copy on host shards of at least 2^25 elements a rank one pass that steps and writes the copy "
-            "(`host_adam.py`); `one_pass` at any size; "
+            "`auto`: torch's fused kernels (SGD, Adagrad: fp32 only); Adam(W) host shards of 2^25+ elements a rank "
+            "with a compute copy step and write it in one pass (`host_adam.py`); `one_pass` at any size; "
             "`fused`, `foreach`, `loop` force torch's ([Note: the kernel and the user's param groups])"
         ),
         when="`loop` for bit-exact agreement with plain Lightning on CPU; `auto` agrees to fp32 rounding",

@@ -21,6 +21,7 @@ from .system.page_cache import IO_MODES, DiskIO
 
 PlacementName = Literal["auto", "device", "host", "static"]
 OptimizerKernel = Literal["auto", "one_pass", "fused", "foreach", "loop"]
+PinMemory = bool | Literal["exact"]  # [Note: exact pinned memory] in system/exact_pinned.py
 
 PLACEMENTS: tuple[str, ...] = ("auto", "device", "host", "static")
 OPTIMIZER_KERNELS: tuple[str, ...] = ("auto", "one_pass", "fused", "foreach", "loop")
@@ -115,7 +116,7 @@ class ChunkConfig:
     chunk_numel_min: int = 1 << 20
     chunk_numel_max: int = 1 << 26
     prefetch: bool = True
-    pin_memory: bool = True
+    pin_memory: PinMemory = True
     materialize_on_teardown: bool | None = None  # None: where the whole model fits ([Note: the model after fit])
     materialize_optimizer_state: bool | None = None  # None: on one rank ([Note: optimizer state after fit])
     optimizer_kernel: OptimizerKernel = "auto"
@@ -228,13 +229,17 @@ class ChunkConfig:
             )
         if self.step_thread is not None and not isinstance(self.step_thread, bool):
             raise ValueError(f"step_thread={self.step_thread!r} is not allowed; it must be True, False or None.")
+        if not (isinstance(self.pin_memory, bool) or self.pin_memory == "exact"):
+            raise ValueError(
+                f"pin_memory={self.pin_memory!r} is not allowed; it must be True (torch's pinned allocator), "
+                "'exact' (page-locked to the byte) or False (pageable)."
+            )
         for name in ("materialize_on_teardown", "materialize_optimizer_state"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; it must be True, False or None.")
         for name in (
             "broadcast_buffers",
             "prefetch",
-            "pin_memory",
             "assume_elementwise_optimizer",
             "sharded_accumulation",
             "replan_when_inputs_grow",

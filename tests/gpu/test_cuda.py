@@ -1,7 +1,7 @@
 """CUDA checks: parity, the device limit on real device memory, the default limit, gradient offload on a side stream,
 the one-pass host Adam step (also on a thread beside backward), Adafactor and Muon, the tracer's peaks, checkpoints from
-pinned host shards and saves in the background, the disk tier (stepped in backward by default, and after it). Skipped
-cleanly without CUDA.
+pinned host shards and saves in the background, host shards pinned to the byte, the disk tier (stepped in backward by
+default, and after it). Skipped cleanly without CUDA.
 
 One GPU runs one rank: the NCCL paths of several ranks (collectives on device tensors, in-place all-gather and
 reduce-scatter, DCP with host-resident DTensors) are covered on CPU with gloo and by the device checks in
@@ -310,3 +310,59 @@ def test_whole_parameter_optimizers_on_cuda_step_in_backward_as_after_it(name, p
     assert stats["chunks_stepped_in_backward"] > 0
     assert_same_params(after, early, EXACT)
     assert_same_params(fit("auto", **kw), after, TOL)
+
+
+def test_exact_pinned_tensors_are_page_locked_copy_asynchronously_and_unregister():
+    """[Note: exact pinned memory]: a tensor registered with cudaHostRegister is pinned as torch sees it, copies both
+    ways, and its registration goes with it (the next mapping, often at the same address, registers again)."""
+    from lightning_chunk.engine.system.exact_pinned import ExactPinned
+
+    pinned = ExactPinned()
+    for _ in range(3):
+        t = pinned.empty((64 << 20) // 2 + 1, torch.bfloat16)  # torch's allocator would take 128 MiB
+        assert t.is_pinned() and pinned.live_bytes == t.numel() * 2
+        t.copy_(torch.arange(t.numel()) % 251)
+        d = t.to("cuda", non_blocking=True)
+        back = pinned.empty(t.numel(), torch.bfloat16)
+        back.copy_(d, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(back, t)
+        del t, d, back
+        assert pinned.live_bytes == 0
+
+
+def test_host_shards_pinned_to_the_byte_train_as_torch_s_pinned_blocks():
+    """``pin_memory="exact"``: every host buffer is page-locked, exactly its bytes are registered, gradients leave on
+    the side stream, training matches torch's pinned blocks to the bit, and nothing stays registered after."""
+    import gc
+
+    from lightning_chunk.engine.chunks.chunk import Tier
+    from tests.engine_steps import step
+
+    xs = [torch.randn(8, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+
+    def run(pin):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        config = ChunkConfig(placement="host", chunk_numel=70_000, pin_memory=pin)
+        eng = ChunkEngine(model, [opt], config=config, device=torch.device("cuda"))
+        for x in xs:
+            step(eng, model, opt, x)
+        return eng
+
+    ref = run(True)
+    want = ref.full_state_dict()
+    ref.teardown()
+    eng = run("exact")
+    exact = eng.manager.tiers.host.exact
+    buffers = [t for c in eng.manager.chunks for t in (c.master, c.low, c.grad) if t is not None]
+    assert all(c.shard_tier is Tier.HOST for c in eng.manager.chunks) and all(t.is_pinned() for t in buffers)
+    assert exact is not None and exact.live_bytes == sum(t.untyped_storage().nbytes() for t in buffers)
+    assert eng.memory_stats()["d2h_async_bytes"] > 0
+    got = eng.full_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    eng.teardown()
+    del eng, buffers
+    gc.collect()
+    assert exact.live_bytes == 0

@@ -110,7 +110,7 @@ class ChunkManager:
         self.clock = StepClock()  # [Note: where a step's time goes]; the collectives charge their waits to it
         self.comm.clock = self.clock
         self._retiring: list[Chunk] = []  # old chunks still holding bytes during a streaming repack
-        pin = config.pin_memory and self.device.type == "cuda"
+        pin = config.pin_memory if self.device.type == "cuda" else False
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.tiers = TierSet(
             self.device,
@@ -122,7 +122,7 @@ class ChunkManager:
             host_limit=config.host_memory_limit,
         )
         self.pool = BlockPool(self.device)  # [Note: a pool of payload blocks]
-        self.reducer = GradReducer(self, pinned=pin)  # several ranks: when each chunk's gradients reduce
+        self.reducer = GradReducer(self, pinned=bool(pin))  # several ranks: when each chunk's gradients reduce
         self.grads = ChunkGrads(self)  # from backward to the optimizer
         self.optim_state_made = False  # an optimizer stepped: its state exists
         self.readers = ShardReaders()  # a save written beside training ([Note: training beside a save])

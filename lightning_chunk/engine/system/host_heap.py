@@ -129,8 +129,8 @@ def release_pinned_cache() -> None:
     the device shards it writes into pinned blocks (11.8 GiB a rank for 7B on 8 ranks of 80 GiB, ``plan
     --async-save``), which stayed cached after the save. So after every repack, at the first step after a
     background save is over, and at teardown the cache is emptied. Blocks still in use keep their power-of-two
-    rounding (up to +32% a rank for 7B, +69% for 13B); a pool of exact pinned buffers is the remedy for that. A
-    no-op without CUDA."""
+    rounding (up to +32% a rank for 7B, +69% for 13B); ``pin_memory="exact"`` is the remedy for that ([Note: exact
+    pinned memory] in ``exact_pinned.py``: nothing cached, nothing rounded). A no-op without CUDA."""
     empty = getattr(torch._C, "_host_emptyCache", None)
     if empty is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         empty()

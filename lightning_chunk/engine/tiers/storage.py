@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 
 from ..chunks.chunk import Chunk, Role, Tier
+from ..config import PinMemory
+from ..system.exact_pinned import ExactPinned
 
 _HOST = torch.device("cpu")
 ROLES = (Role.MASTER, Role.GRAD, Role.OPTIM)  # the buffers of a disk shard that live in files
@@ -51,10 +53,15 @@ class DeviceStorage:
 class HostStorage:
     tier = Tier.HOST
 
-    def __init__(self, *, pinned: bool) -> None:
-        self.pinned = pinned
+    def __init__(self, *, pinned: PinMemory, exact: ExactPinned | None = None) -> None:
+        """``pinned``: page-lock the buffers (a CUDA device), ``"exact"`` to the byte ([Note: exact pinned memory]
+        in ``system/exact_pinned.py``; ``exact``: its allocator, a test's with registration faked)."""
+        self.pinned = bool(pinned)
+        self.exact = (exact or ExactPinned()) if pinned == "exact" else None
 
     def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.exact is not None:
+            return self.exact.empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self.pinned)
 
     def free(self, chunk: Chunk) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from ..chunks.chunk import Chunk, Role, Tier
+from ..config import PinMemory
 from .disk_chunk import DiskChunk
 from .disk_storage import DiskStorage
 from .storage import ROLES, DeviceStorage, HostStorage, TierStorage
@@ -23,7 +24,7 @@ class TierSet:
         self,
         device: torch.device,
         *,
-        pinned: bool,
+        pinned: PinMemory,
         disk_dir: str | None,
         rank: int,
         disk_io: str,
@@ -31,7 +32,7 @@ class TierSet:
         host_limit: int | None,
     ) -> None:
         self.device = device
-        host = HostStorage(pinned=pinned)
+        self.host = host = HostStorage(pinned=pinned)
         self.disk = DiskStorage(disk_dir, rank, host, io=disk_io, ranks_here=ranks_here, host_limit=host_limit)
         self._by_tier: dict[Tier, TierStorage] = {Tier.DEVICE: DeviceStorage(device), Tier.HOST: host}
         self._by_tier[Tier.DISK] = self.disk

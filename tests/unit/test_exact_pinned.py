@@ -1,0 +1,130 @@
+"""``pin_memory="exact"``: host tensors page-locked to the byte, registered once and unregistered when their last
+view goes ([Note: exact pinned memory]). CUDA's registration is faked here to follow the lifetime on a CPU; the real
+one runs in tests/gpu/test_cuda.py."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from lightning_chunk.engine.chunks.chunk import Tier
+from lightning_chunk.engine.system.exact_pinned import ExactPinned
+from lightning_chunk.engine.tiers.storage import HostStorage
+from tests.engine_steps import step
+
+
+class Registry:
+    """What a fake ``cudaHostRegister`` saw: ranges registered now, and every call."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        assert all(ptr + nbytes <= p or p + n <= ptr for p, n in self.live.items()), "overlaps a registered range"
+        self.live[ptr] = nbytes
+        self.calls.append(("register", ptr))
+
+    def unregister(self, ptr: int) -> None:
+        assert ptr in self.live, "unregistered twice, or never registered"
+        del self.live[ptr]
+        self.calls.append(("unregister", ptr))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_a_tensor_is_registered_to_the_byte_and_unregistered_with_its_last_view(dtype):
+    reg = Registry()
+    pinned = ExactPinned(reg.register, reg.unregister)
+    t = pinned.empty(1001, dtype)
+    assert t.shape == (1001,) and t.dtype == dtype and t.device.type == "cpu"
+    assert list(reg.live.values()) == [1001 * dtype.itemsize] == [pinned.live_bytes]
+    assert reg.live.keys() == {t.data_ptr()}
+    t.fill_(3)
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert reg.live and torch.equal(view, torch.full((10,), 3, dtype=dtype))  # a view keeps it registered
+    del view
+    assert not reg.live and pinned.live_bytes == 0
+    assert [c for c, _ in reg.calls] == ["register", "unregister"]
+
+
+def test_its_storage_keeps_its_bytes_when_asked_to_resize_as_a_pinned_block_does():
+    reg = Registry()
+    t = ExactPinned(reg.register, reg.unregister).empty(64, torch.float32)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        t.untyped_storage().resize_(0)  # ``free_storage`` and ``Chunk.release_grad`` leave it to the last view
+    assert t.untyped_storage().nbytes() == 256 and reg.live
+
+
+def test_a_failed_registration_raises_and_leaves_nothing_registered():
+    reg = Registry()
+
+    def refuse(ptr: int, nbytes: int) -> None:
+        raise RuntimeError(f"pin_memory='exact': cudaHostRegister of {nbytes} bytes failed")
+
+    pinned = ExactPinned(refuse, reg.unregister)
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 400 bytes failed"):
+        pinned.empty(100, torch.float32)
+    gc.collect()
+    assert not reg.calls and pinned.live_bytes == 0
+
+
+def test_an_empty_tensor_registers_nothing():
+    reg = Registry()
+    assert ExactPinned(reg.register, reg.unregister).empty(0, torch.float32).numel() == 0 and not reg.calls
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, "Exact", None])
+def test_pin_memory_names_what_is_allowed(bad):
+    with pytest.raises(ValueError, match=rf"pin_memory={bad!r} is not allowed; it must be True .* 'exact'"):
+        ChunkConfig(pin_memory=bad)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_host_shards_in_exact_pinned_memory_train_as_torch_and_are_all_unregistered(monkeypatch):
+    """The host tier's buffers (master and gradient here) come from the exact allocator: training is unchanged, the
+    registered bytes are the host shards' to the byte while training (the warm-up's repack freed the first layout's
+    as it went), and nothing stays registered once the engine and the model are gone."""
+    reg = Registry()
+    exact = ExactPinned(reg.register, reg.unregister)
+    init = HostStorage.__init__
+
+    def exact_host(self, *, pinned, exact_=None):  # noqa: ANN001 - the engine's CPU device never pins
+        init(self, pinned="exact", exact=exact)
+
+    monkeypatch.setattr(HostStorage, "__init__", exact_host)
+    torch.manual_seed(0)
+    m, ref = Net(), Net()
+    ref.load_state_dict(m.state_dict())
+    opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
+    for i in range(4):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+        step(eng, m, opt, x)
+        oref.zero_grad()
+        ref(x).pow(2).mean().backward()
+        oref.step()
+    chunks = eng.manager.chunks
+    assert all(c.shard_tier is Tier.HOST for c in chunks)
+    held = sum(t.untyped_storage().nbytes() for c in chunks for t in (c.master, c.low, c.grad) if t is not None)
+    assert exact.live_bytes == sum(reg.live.values()) == held > 0
+    assert reg.calls.count(("register", chunks[0].master.data_ptr())) == 1
+    sd = eng.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+    eng.teardown()
+    del eng, opt, chunks, m
+    gc.collect()
+    assert not reg.live and exact.live_bytes == 0
+    assert sum(c == "register" for c, _ in reg.calls) == sum(c == "unregister" for c, _ in reg.calls) > 2
