@@ -31,8 +31,11 @@ def activation_bytes(shape: dict, batch: int, context: int) -> int:
     return int(1.2 * batch * context * per_token)
 
 
-def fitting_layers(args: argparse.Namespace, device_limit: int | None) -> tuple[int, Any]:
-    """The most layers of Llama-2 7B's widths the plan says fit this device and host (at least ``MIN_LAYERS``)."""
+def fitting_layers(
+    args: argparse.Namespace, device_limit: int | None, pin_memory: bool | str = True
+) -> tuple[int, Any]:
+    """The most layers of Llama-2 7B's widths the plan says fit this device and host (at least ``MIN_LAYERS``), its
+    host shards pinned as ``pin_memory`` says (``OffloadOptions``)."""
     from lightning_chunk.plan import make_shape_plan
     from lightning_chunk.shapes import Llama
 
@@ -40,7 +43,7 @@ def fitting_layers(args: argparse.Namespace, device_limit: int | None) -> tuple[
         return make_shape_plan(
             Llama,
             {"size": {**LLAMA, "layers": layers}},
-            {"placement": "auto", "device_memory_limit": device_limit},
+            {"placement": "auto", "device_memory_limit": device_limit, "pin_memory": pin_memory},
             "bf16-mixed",
             1,
             (1, 1, int(HOST_SHARE * (args.host_memory or host_bytes()))),

@@ -20,7 +20,10 @@ each, so a run stopped part-way keeps what it measured (``--parts`` runs some ag
   activations ``activation_bytes`` estimates, built on the meta device and streamed,
   trained ``--largest-steps`` steps in bf16-mixed, stepped in backward (the plan counts the gradient shards it then
   frees, so it errs safe); a failure steps down a fifth of the layers (not below 7B)
-  while time is left. Its T_gpu takes the FLOP/s DDP achieved on the 1.0B GPT.
+  while time is left. Its T_gpu takes the FLOP/s DDP achieved on the 1.0B GPT. Its host shards are pinned to the
+  byte (``pin_memory="exact"``, 8 layers more than torch's power-of-two blocks allow on 80 GB and 128 GiB) where
+  ``tests/gpu``'s checks of that pinning passed in this run (they run first when ``tests`` is not among the parts),
+  else by torch's allocator.
 
 [Note: a step's bound]
 With the optimizer state of some shards on the host, a step cannot take less than the longest of three streams
@@ -63,9 +66,9 @@ def _load(name: str) -> Any:
     return mod
 
 
-def part_tests(args: argparse.Namespace, budget: float) -> dict:
+def part_tests(args: argparse.Namespace, budget: float, select: list[str] | None = None) -> dict:
     t = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", *(select or [])]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=ROOT, env=clean_env())
     except subprocess.TimeoutExpired:
@@ -174,7 +177,7 @@ def child_largest(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
-    from lightning_chunk import CheckOptions, ChunkOffloadStrategy
+    from lightning_chunk import CheckOptions, ChunkOffloadStrategy, OffloadOptions
     from lightning_chunk.shapes import Llama
 
     shape = json.loads(args.shape)
@@ -188,6 +191,7 @@ def child_largest(args: argparse.Namespace) -> None:
         device_memory_limit=int(args.largest_limit) if args.largest_limit else None,
         step_in_backward=True,
         checks=CheckOptions(log_memory_stats=False),
+        offload=OffloadOptions(pin_memory="exact" if args.largest_pin == "exact" else True),
     )
     trainer = quiet_trainer(
         1,
@@ -203,8 +207,24 @@ def child_largest(args: argparse.Namespace) -> None:
     Path(args.child_out).write_text(json.dumps({**res, **moved}))
 
 
-def part_largest(args: argparse.Namespace, budget: float, probes: dict, ddp_tflops: float | None) -> dict:
+EXACT_TESTS = "exact_pinned or pinned_to_the_byte"  # tests/gpu's checks of pin_memory="exact"
+
+
+def exact_pinning_passed(args: argparse.Namespace, tests: dict | None, budget: float) -> bool:
+    """Whether ``tests/gpu``'s checks of ``pin_memory="exact"`` passed: in this run's ``tests`` part, or run now."""
+    if args.accelerator != "cuda":
+        return False
+    if tests is None or "summary" not in tests:
+        tests = part_tests(args, min(budget, 120), ["-k", EXACT_TESTS])
+    passed = "passed" in tests.get("summary", "")
+    return passed and not any("exact" in f or "pinned_to_the_byte" in f for f in tests.get("failures", []))
+
+
+def part_largest(
+    args: argparse.Namespace, budget: float, probes: dict, ddp_tflops: float | None, tests: dict | None = None
+) -> dict:
     deadline = time.monotonic() + budget
+    pin = "true"
     if args.smoke:
         layers, limit, planned = 2, None, None
         base = TINY_LLAMA
@@ -212,7 +232,8 @@ def part_largest(args: argparse.Namespace, budget: float, probes: dict, ddp_tflo
         import torch
 
         limit = int(0.85 * torch.cuda.get_device_properties(0).total_memory) if args.accelerator == "cuda" else None
-        layers, report = fitting_layers(args, limit)
+        pin = "exact" if exact_pinning_passed(args, tests, budget / 4) else "true"
+        layers, report = fitting_layers(args, limit, "exact" if pin == "exact" else True)
         planned = max(p.host for p in report.phases)
         base = LLAMA
     capacity = (args.host_memory or host_bytes()) / 12  # the issue's yardstick: 12 host bytes a parameter
@@ -222,6 +243,7 @@ def part_largest(args: argparse.Namespace, budget: float, probes: dict, ddp_tflo
         out = Path(args.scratch) / f"largest_{layers}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "largest", "--child-out", str(out)]
         cmd += ["--shape", json.dumps(shape), "--accelerator", args.accelerator, "--largest-limit", str(limit or "")]
+        cmd += ["--largest-pin", pin]
         for k in ("largest_steps", "largest_batch", "largest_context"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         left = deadline - time.monotonic()
@@ -231,6 +253,7 @@ def part_largest(args: argparse.Namespace, budget: float, probes: dict, ddp_tflo
             "layers": layers,
             "params": model_params(shape),
             "planned_peak_host": planned,
+            "pin_memory": pin,
         }
         if out.exists():
             res = json.loads(out.read_text())
@@ -390,7 +413,8 @@ def measure(args: argparse.Namespace) -> dict:
                 parts[name] = part_contenders(args, left, parts.get("probes", {}))
             else:
                 ddp = next((r for r in parts.get("contenders", {}).get("rows", []) if r["contender"] == "ddp"), {})
-                parts[name] = part_largest(args, left, parts.get("probes", {}), ddp.get("tflops"))
+                tests = parts.get("tests")
+                parts[name] = part_largest(args, left, parts.get("probes", {}), ddp.get("tflops"), tests)
         except Exception as e:  # noqa: BLE001 - one part failing must not lose the others' numbers
             parts[name] = {"failed": f"{type(e).__name__}: {e}"[:300]}
         parts[name]["seconds"] = time.perf_counter() - t
@@ -410,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--largest-limit", default="", help=argparse.SUPPRESS)
+    p.add_argument("--largest-pin", choices=("true", "exact"), default="true", help=argparse.SUPPRESS)
     p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cuda")
     for name, default in (("largest-steps", 3), ("largest-batch", 1), ("largest-context", 2048)):
         p.add_argument(f"--{name}", type=int, default=default)

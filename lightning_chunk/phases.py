@@ -46,8 +46,9 @@ it changes it ([Note: training beside a save]): the save row is a training step 
 (each shard's master and optimizer state, and E) copied, as DCP's own asynchronous save stages a whole copy. Under
 a host limit training waits for the writer instead, and the row is the synchronous save's.
 On a GPU the host shards' master, compute copy and gradient are pinned, in torch's power-of-two blocks (P more,
-which every phase holding them counts: 2.5 GiB a rank for Llama 2 7B on 8 ranks, 63 GiB for 70B), and a pinned
-gradient shard cannot be given back when stepping in backward ([Note: pinned blocks a repack leaves behind]).
+which every phase holding them counts: 2.5 GiB a rank for Llama 2 7B on 8 ranks, 63 GiB for 70B; none with
+``pin_memory="exact"``), and a pinned gradient shard cannot be given back when stepping in backward ([Note: pinned
+blocks a repack leaves behind], [Note: exact pinned memory]).
 The bound: S + P + 4C(1 + k), + 1.25E with a ChunkEMA (in files: E/4 and a chunk's average). Every phase stays under
 it but the end of fit where the model fits, which holds the whole model beside O by design (the weights a user
 reads after ``fit``, as with DDP), and a background save's copies aside. Device bytes are before activations
@@ -162,7 +163,7 @@ class ClusterReport:
         if self.pinned_rounding:
             lines.append(
                 f"pinned       host shards in torch's power-of-two pinned blocks: up to {g(self.pinned_rounding)} a "
-                "rank more, counted above (offload=OffloadOptions(pin_memory=False): pageable, exact, slower copies)"
+                "rank more, counted above (offload=OffloadOptions(pin_memory='exact'): to the byte)"
             )
         worst_d = max(self.phases, key=lambda p: p.device)
         worst_h = max(self.phases, key=lambda p: p.host)
@@ -229,6 +230,7 @@ def phases(
     save_share: float = 0.0,
     background_save: bool = False,
     pinned_low_bytes: int | None = None,
+    exact_pinning: bool = False,
 ) -> tuple[list[Phase], int, int, dict[int, Tier], int]:
     """The rows of [Note: host memory by phase], the host bound and the training state, the tiers after the
     warm-up, and the pinned allocator's rounding at most. ``optim_ratio``: optimizer state bytes per master byte
@@ -240,7 +242,8 @@ def phases(
     ChunkEMA's bytes a rank (``ShapePlan.average_bytes``), in files under a host limit with ``average_in_files``;
     ``save_share``: the part of a shard a save writes (its master and optimizer state); ``background_save``: saves
     are written beside training, which copies aside what the writer has not read (never under a host limit);
-    ``pinned_low_bytes``: host shards are pinned (a GPU), their compute copy this many bytes an element."""
+    ``pinned_low_bytes``: host shards are pinned (a GPU), their compute copy this many bytes an element, in torch's
+    power-of-two blocks, or to the byte with ``exact_pinning`` (``pin_memory="exact"``)."""
     views = plan.views
     after = final_tiers(plan, placement, activations)
 
@@ -251,7 +254,7 @@ def phases(
             if (Tier.HOST if tiers[v.chunk_id] is Tier.DISK else tiers[v.chunk_id]) is tier
         )
 
-    rounding = {} if pinned_low_bytes is None else pinned_rounding(plan, pinned_low_bytes)
+    rounding = {} if pinned_low_bytes is None or exact_pinning else pinned_rounding(plan, pinned_low_bytes)
 
     def pinned_extra(tiers: dict[int, Tier]) -> int:  # the pinned allocator's rounding of the shards in memory
         return sum(
@@ -272,7 +275,7 @@ def phases(
 
     host_first, dev_first = on(plan.tiers, Tier.HOST), on(plan.tiers, Tier.DEVICE)
     # a pinned gradient shard cannot be resized: it keeps its bytes ([Note: stepping in backward] in early_step.py)
-    host_after = on(after, Tier.HOST) if rounding else steady(on(after, Tier.HOST))
+    host_after = on(after, Tier.HOST) if pinned_low_bytes is not None else steady(on(after, Tier.HOST))
     dev_after = steady(on(after, Tier.DEVICE))
     payload = max((v.payload_bytes for v in views), default=0)
     state = sum(v.device_shard_bytes for v in views)

@@ -317,6 +317,7 @@ def make_shape_plan(
         save_share=(4 + optim) / element,
         background_save=in_background,
         pinned_low_bytes=low if staging and strategy.config.pin_memory else None,
+        exact_pinning=strategy.config.pin_memory == "exact",
     )
     return ClusterReport(
         model=type(model).__name__,

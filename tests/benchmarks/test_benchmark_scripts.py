@@ -337,15 +337,29 @@ def test_the_campaign_s_largest_model_for_80_gb_and_128_gib_is_past_7b_and_its_p
     """The issue's yardstick, in the plan the campaign sizes its largest run by: one 80 GB GPU at an 85% limit, 92% of
     128 GiB of host, a 2048-token step's activations. 32 layers (6.7B) when the warm-up repack and a resume held the
     optimizer state on the host; 44 (9.2B) since it is read after the repack; 36 (7.5B) once the plan counts the
-    pinned host shards in torch's power-of-two blocks, as a GPU holds them (an exact pinned pool would give back
-    the 8 layers)."""
+    pinned host shards in torch's power-of-two blocks, as a GPU holds them; 44 again pinned to the byte
+    (``pin_memory="exact"``, which the campaign takes where tests/gpu's checks of it passed)."""
     import argparse
 
     campaign = load("gpu_campaign")
     args = argparse.Namespace(host_memory=128 << 30, accelerator="cuda", largest_batch=1, largest_context=2048)
-    layers, report = campaign.fitting_layers(args, int(0.85 * 80e9))
-    assert campaign.model_params({**campaign.LLAMA, "layers": layers}) > 7e9, layers
-    assert report.fits and max(p.host for p in report.phases) <= 0.92 * (128 << 30)
+    for pin, most in ((True, 7e9), ("exact", 9e9)):
+        layers, report = campaign.fitting_layers(args, int(0.85 * 80e9), pin)
+        assert campaign.model_params({**campaign.LLAMA, "layers": layers}) > most, (pin, layers)
+        assert report.fits and max(p.host for p in report.phases) <= 0.92 * (128 << 30)
+
+
+def test_the_campaign_pins_to_the_byte_only_where_the_gpu_checks_of_it_passed():
+    import argparse
+
+    campaign = load("gpu_campaign")
+    cuda = argparse.Namespace(accelerator="cuda")
+    ok = {"summary": "29 passed in 80.1s", "failures": []}
+    failed = {"summary": "1 failed, 28 passed", "failures": ["FAILED tests/gpu/test_cuda.py::test_exact_pinned_x"]}
+    other = {"summary": "1 failed, 28 passed", "failures": ["FAILED tests/gpu/test_cuda.py::test_parity_on_cuda"]}
+    assert campaign.exact_pinning_passed(cuda, ok, 60) and campaign.exact_pinning_passed(cuda, other, 60)
+    assert not campaign.exact_pinning_passed(cuda, failed, 60)
+    assert not campaign.exact_pinning_passed(argparse.Namespace(accelerator="cpu"), ok, 60)
 
 
 def test_offload_states_benchmark_times_round_trips_on_one_and_two_ranks(tmp_path):

@@ -75,20 +75,20 @@ def test_13b_on_two_nodes_of_eight_gpus(plan):
     assert "fits" in r.stdout.split("host bound")[1]
 
 
-def test_70b_on_one_node_fits_with_pageable_host_shards_and_on_half_its_host_the_plan_says_the_host_binds(
+def test_70b_on_one_node_fits_with_host_shards_pinned_to_the_byte_and_on_half_its_host_the_plan_says_the_host_binds(
     plan, tmp_path
 ):
-    """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB it fits with pageable host shards,
-    since neither the warm-up repack nor a resume holds the optimizer state ([Note: optimizer state read after the
-    warm-up]; they needed 1.3 TiB when a resume read it first). Pinned, as by default on a GPU, torch's power-of-two
-    blocks add 63 GiB a rank: the warm-up repack binds, and the plan names the remedy. With 512 GiB the plan names
-    the worst phase and exits 1."""
+    """70B's training state is 1.3 TiB: on one node of 8 x 80 GiB with 1 TiB it fits with host shards pinned to the
+    byte (``pin_memory="exact"``, as pageable ones), since neither the warm-up repack nor a resume holds the
+    optimizer state ([Note: optimizer state read after the warm-up]; they needed 1.3 TiB when a resume read it
+    first). Pinned by torch's allocator, as by default on a GPU, its power-of-two blocks add 63 GiB a rank: the
+    warm-up repack binds, and the plan names the remedy. With 512 GiB the plan names the worst phase and exits 1."""
     args = ["--init-args", '{"size": "70b"}', "--nodes", "1", "--devices", "8", "--device-memory", "80GiB"]
     pinned = plan(*args, "--host-memory", "1TiB")
     assert pinned.returncode == 1 and "binds        host: warm-up repack" in pinned.stdout, pinned.stdout
-    assert "OffloadOptions(pin_memory=False)" in pinned.stdout, pinned.stdout
-    config = tmp_path / "pageable.yaml"
-    config.write_text("trainer:\n  strategy:\n    init_args:\n      offload:\n        pin_memory: false\n")
+    assert "OffloadOptions(pin_memory='exact')" in pinned.stdout, pinned.stdout
+    config = tmp_path / "exact.yaml"
+    config.write_text("trainer:\n  strategy:\n    init_args:\n      offload:\n        pin_memory: exact\n")
     r = plan(*args, "--host-memory", "1TiB", "--config", str(config))
     assert r.returncode == 0 and "pinned " not in r.stdout, r.stdout + r.stderr[-2000:]
     got = rows(r.stdout)
@@ -102,14 +102,19 @@ def test_pinned_host_shards_are_counted_in_torch_s_power_of_two_blocks(plan, tmp
     """On a GPU a host shard's master, compute copy and gradient are pinned, and torch's caching host allocator
     rounds each block up to a power of two. The plan had counted the bytes asked: for Llama 2 7B on 8 ranks in
     bf16-mixed every shard starts on the host, 7.95 GiB a rank asked and 10.47 GiB held (the review of the first
-    multi-GPU run computed both from the layout chooser, shared/reviews/probes/exp_pinned.py)."""
+    multi-GPU run computed both from the layout chooser, shared/reviews/probes/exp_pinned.py). Pinned to the byte
+    (``pin_memory="exact"``) they hold what pageable ones do."""
     args = ["--init-args", '{"size": "7b"}', "--nodes", "1", "--devices", "8", "--device-memory", "80GiB"]
     args += ["--host-memory", "1TiB"]
     config = tmp_path / "pageable.yaml"
     config.write_text("trainer:\n  strategy:\n    init_args:\n      offload:\n        pin_memory: false\n")
+    exact_config = tmp_path / "exact.yaml"
+    exact_config.write_text("trainer:\n  strategy:\n    init_args:\n      offload:\n        pin_memory: exact\n")
     pinned, pageable = plan(*args), plan(*args, "--config", str(config))
-    assert pinned.returncode == pageable.returncode == 0, pinned.stdout + pinned.stderr[-2000:]
+    exact = plan(*args, "--config", str(exact_config))
+    assert pinned.returncode == pageable.returncode == exact.returncode == 0, pinned.stdout + pinned.stderr[-2000:]
     a, b = rows(pageable.stdout), rows(pinned.stdout)
+    assert rows(exact.stdout) == a and "pinned " not in exact.stdout, exact.stdout
     assert round(a["warm-up step"][1], 2) == 7.95 and round(b["warm-up step"][1], 2) == 10.47, (a, b)
     assert "up to 2.52 GiB a rank more" in pinned.stdout, pinned.stdout
     for name in ("set-up", "warm-up repack", "resume"):  # every shard on the host
