@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from lightning_chunk.engine import ChunkConfig
 from lightning_chunk.engine.chunks.chunk import Tier
 from lightning_chunk.engine.system.exact_pinned import ExactPinned
 from lightning_chunk.engine.tiers.storage import HostStorage
-from tests.engine_steps import step
+from tests.engine_steps import train_beside_torch
 
 
 class Registry:
@@ -106,15 +106,7 @@ def test_host_shards_in_exact_pinned_memory_train_as_torch_and_are_all_unregiste
     monkeypatch.setattr(HostStorage, "__init__", exact_host)
     torch.manual_seed(0)
     m, ref = Net(), Net()
-    ref.load_state_dict(m.state_dict())
-    opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
-    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
-    for i in range(4):
-        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
-        step(eng, m, opt, x)
-        oref.zero_grad()
-        ref(x).pow(2).mean().backward()
-        oref.step()
+    eng, opt = train_beside_torch(m, ref, ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
     chunks = eng.manager.chunks
     assert all(c.shard_tier is Tier.HOST for c in chunks)
     held = sum(t.untyped_storage().nbytes() for c in chunks for t in (c.master, c.low, c.grad) if t is not None)

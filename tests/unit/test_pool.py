@@ -4,7 +4,7 @@ import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.tiers.pool import _CAN_SWAP, BlockPool
-from tests.engine_steps import step
+from tests.engine_steps import step, train_beside_torch
 
 needs_swap = pytest.mark.skipif(
     not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch has no UntypedStorage._swap_data_ptr_"
@@ -47,15 +47,7 @@ def _train(pool_on: bool, monkeypatch) -> tuple[dict, dict, dict]:
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 
     m, ref = make(), make()
-    ref.load_state_dict(m.state_dict())
-    opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
-    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
-    for i in range(4):
-        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
-        step(eng, m, opt, x)
-        oref.zero_grad()
-        ref(x).pow(2).mean().backward()
-        oref.step()
+    eng, _ = train_beside_torch(m, ref, ChunkConfig(placement="host", chunk_numel=300, check_invariants=True))
     stats = eng.manager.stats()
     stats["payload_bytes"] = sum(c.payload_bytes for c in eng.manager.chunks)
     return eng.full_state_dict(), ref.state_dict(), stats
