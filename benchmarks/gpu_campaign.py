@@ -23,7 +23,7 @@ each, so a run stopped part-way keeps what it measured (``--parts`` runs some ag
   while time is left. Its T_gpu takes the FLOP/s DDP achieved on the 1.0B GPT. Its host shards are pinned to the
   byte (``pin_memory="exact"``, 8 layers more than torch's power-of-two blocks allow on 80 GB and 128 GiB) where
   ``tests/gpu``'s checks of that pinning passed in this run (they run first when ``tests`` is not among the parts),
-  else by torch's allocator.
+  else, and after a failed try pinned to the byte, by torch's allocator.
 
 [Note: a step's bound]
 With the optimizer state of some shards on the host, a step cannot take less than the longest of three streams
@@ -270,6 +270,10 @@ def part_largest(
         row["failed"] = tail[0][:300]
         tries.append(row)
         smaller = max(layers * 4 // 5, MIN_LAYERS)
+        if pin == "exact":  # the next try in torch's pinned blocks, at the size their plan allows
+            pin = "true"
+            smaller, report = fitting_layers(args, limit, True)
+            planned = max(p.host for p in report.phases)
         if args.smoke or smaller == layers or deadline - time.monotonic() < 60:
             return {"rows": tries}
         layers = smaller

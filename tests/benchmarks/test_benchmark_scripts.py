@@ -362,6 +362,34 @@ def test_the_campaign_pins_to_the_byte_only_where_the_gpu_checks_of_it_passed():
     assert not campaign.exact_pinning_passed(argparse.Namespace(accelerator="cpu"), ok, 60)
 
 
+def test_after_a_failed_try_pinned_to_the_byte_the_campaign_tries_torch_s_pinning_at_its_planned_size(
+    tmp_path, monkeypatch
+):
+    import argparse
+    import types
+
+    campaign = load("gpu_campaign")
+    report = types.SimpleNamespace(phases=[types.SimpleNamespace(host=1)])
+    monkeypatch.setattr(
+        campaign, "fitting_layers", lambda args, limit, pin=True: (44 if pin == "exact" else 36, report)
+    )
+    monkeypatch.setattr(campaign, "exact_pinning_passed", lambda *a: True)
+    monkeypatch.setattr(campaign, "run_ranks", lambda *a, **k: (1, "CUDA error\n"))
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))
+    args = argparse.Namespace(
+        smoke=False,
+        accelerator="cuda",
+        host_memory=128 << 30,
+        scratch=str(tmp_path),
+        largest_steps=3,
+        largest_batch=1,
+        largest_context=2048,
+    )
+    rows = campaign.part_largest(args, 600, {}, None)["rows"]
+    assert [(r["layers"], r["pin_memory"]) for r in rows] == [(44, "exact"), (36, "true"), (32, "true")]
+    assert all(r["failed"] == "CUDA error" for r in rows)
+
+
 def test_offload_states_benchmark_times_round_trips_on_one_and_two_ranks(tmp_path):
     out = tmp_path / "offload.json"
     res = load("offload_states").main(
