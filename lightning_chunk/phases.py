@@ -43,8 +43,9 @@ average paged in instead; the masks stay in memory.
 A save written in the background (Lightning's ``AsyncCheckpointIO``; ``plan --async-save``, or one among a config's
 ``trainer.plugins``) returns once staged, and the next step copies aside every item the writer has not read before
 it changes it ([Note: training beside a save]): the save row is a training step beside up to the whole saved state
-(each shard's master and optimizer state, and E) copied, as DCP's own asynchronous save stages a whole copy. Under
-a host limit training waits for the writer instead, and the row is the synchronous save's.
+(each shard's master and optimizer state, and E) copied, as DCP's own asynchronous save stages a whole copy (on a GPU
+the device shards' copies pinned, as the host shards are). Under a host limit training waits for the writer instead,
+and the row is the synchronous save's.
 On a GPU the host shards' master, compute copy and gradient are pinned, in torch's power-of-two blocks (P more,
 which every phase holding them counts: 2.5 GiB a rank for Llama 2 7B on 8 ranks, 63 GiB for 70B; none with
 ``pin_memory="exact"``), and a pinned gradient shard cannot be given back when stepping in backward ([Note: pinned
@@ -74,17 +75,29 @@ def pinned_rounding(plan: ShapePlan, low_bytes: int) -> dict[int, tuple[int, int
     every pinned block up to a power of two ([Note: pinned blocks a repack leaves behind] in
     ``engine/system/host_heap.py``); the optimizer state is pageable. ``low_bytes``: the compute copy's bytes an
     element (0: none)."""
-
-    def extra(blocks: list[int]) -> int:
-        return sum((1 << (b - 1).bit_length()) - b for b in blocks if b)
-
     out = {}
     for spec in plan.layout.chunks:
         n = spec.capacity_numel // plan.layout.world_size
         master = n * spec.key.dtype.itemsize
         low = 0 if spec.key.own_dtype else n * low_bytes
-        out[spec.chunk_id] = (extra([master, low, master if spec.key.requires_grad else 0]), extra([low]))
+        out[spec.chunk_id] = (_rounding([master, low, master if spec.key.requires_grad else 0]), _rounding([low]))
     return out
+
+
+def save_copy_rounding(plan: ShapePlan, tiers: dict[int, Tier], states: int) -> int:
+    """Bytes torch's caching host allocator adds to a background save's pinned copies of the device shards
+    ([Note: training beside a save]): a chunk's master and each of its ``states`` optimizer states, master-sized."""
+    total = 0
+    for spec in plan.layout.chunks:
+        if tiers[spec.chunk_id] is Tier.DEVICE:
+            master = spec.capacity_numel // plan.layout.world_size * spec.key.dtype.itemsize
+            total += _rounding([master] * (1 + (states if spec.key.requires_grad else 0)))
+    return total
+
+
+def _rounding(blocks: list[int]) -> int:
+    """What rounding each block up to a power of two adds."""
+    return sum((1 << (b - 1).bit_length()) - b for b in blocks if b)
 
 
 @dataclass(frozen=True)
@@ -328,6 +341,8 @@ def phases(
     )
     if background_save:  # the next step beside every saved item copied aside (see the note)
         aside = int(save_share * state) + average
+        if rounding:  # the device shards' copies are pinned blocks too
+            aside += save_copy_rounding(plan, after, round(optim_ratio))
         save = Phase("save", step + activations, step_host + aside, step_together + aside)
     rows = [
         Phase(

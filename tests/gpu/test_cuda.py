@@ -260,10 +260,12 @@ def test_a_guess_stepped_on_the_thread_beside_backward_trains_as_stepping_after_
     assert_same_params(want, got, EXACT)
 
 
+@pytest.mark.parametrize("pin", [True, "exact", False])
 @pytest.mark.parametrize("placement", ["device", "host"])
-def test_a_save_in_the_background_holds_the_state_at_the_save(tmp_path, placement):
-    """Device-tier shards go to pinned host memory when the save starts, host ones are copied aside by the steps
-    beside it ([Note: training beside a save]): the checkpoint equals a synchronous one of the same state."""
+def test_a_save_in_the_background_holds_the_state_at_the_save(tmp_path, placement, pin):
+    """Device-tier shards go to host memory pinned as ``pin_memory`` says when the save starts, host ones are copied
+    aside by the steps beside it ([Note: training beside a save]): the checkpoint equals a synchronous one of the
+    same state."""
     from lightning_chunk.engine.state import checkpoint
     from tests.engine_steps import step
     from tests.faults.common import same_tensors, saved_tensors
@@ -272,7 +274,7 @@ def test_a_save_in_the_background_holds_the_state_at_the_save(tmp_path, placemen
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).cuda()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        config = ChunkConfig(placement=placement, chunk_numel=70_000)
+        config = ChunkConfig(placement=placement, chunk_numel=70_000, pin_memory=pin)
         return ChunkEngine(model, [opt], config=config, device=torch.device("cuda")), model, opt
 
     xs = [torch.randn(8, 256, device="cuda") for _ in range(4)]

@@ -120,3 +120,21 @@ def test_host_shards_in_exact_pinned_memory_train_as_torch_and_are_all_unregiste
     gc.collect()
     assert not reg.live and exact.live_bytes == 0
     assert sum(c == "register" for c, _ in reg.calls) == sum(c == "unregister" for c, _ in reg.calls) > 2
+
+
+def test_a_background_save_copies_device_shards_into_host_memory_pinned_as_the_host_shards_are():
+    """Before, they were pinned by torch's allocator whatever ``pin_memory`` said, ``False`` included."""
+    import types
+
+    from lightning_chunk.engine.state.background_save import BackgroundSave
+
+    def host_like(host: HostStorage) -> torch.Tensor:
+        save = BackgroundSave.__new__(BackgroundSave)
+        save.job = types.SimpleNamespace(mgr=types.SimpleNamespace(tiers=types.SimpleNamespace(host=host)))
+        return save._host_like(torch.empty(3, 5, dtype=torch.bfloat16))
+
+    reg = Registry()
+    t = host_like(HostStorage(pinned="exact", exact=ExactPinned(reg.register, reg.unregister)))
+    assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and list(reg.live.values()) == [30]
+    t = host_like(HostStorage(pinned=False))
+    assert t.shape == (3, 5) and not t.is_pinned()

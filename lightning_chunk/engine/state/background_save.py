@@ -18,12 +18,12 @@ while that copy runs. Every item the writer has not reached when training is abo
 aside by training (``PENDING`` -> ``READ``), and the writer takes the copy; where ``host_memory_limit`` bounds host
 memory, training waits for the writer to read it instead. A step then stalls only for the copy of what the writer
 has not reached, and a save costs extra host memory only for that copy and the item being written. Shards off the
-host (the device tier on a GPU) are copied aside when the save starts, into pinned host memory, as the copy has to
-happen anyway. A repack, a load, another save and teardown ``settle``: they wait until the save is over, and a
-save that failed raises there, on every rank at the same point (the ranks agreed on the failure in the thread).
-The directory is still swapped into place only once every rank wrote its shards, so a kill at any moment leaves
-the previous checkpoint or the new one; removing an older checkpoint (``top_k``) waits for the new one to be
-complete (``when_saved``), and does not happen when it fails.
+host (the device tier on a GPU) are copied aside when the save starts, into host memory pinned as the host shards
+are (``pin_memory``), as the copy has to happen anyway. A repack, a load, another save and teardown ``settle``: they
+wait until the save is over, and a save that failed raises there, on every rank at the same point (the ranks
+agreed on the failure in the thread). The directory is still swapped into place only once every rank wrote its
+shards, so a kill at any moment leaves the previous checkpoint or the new one; removing an older checkpoint
+(``top_k``) waits for the new one to be complete (``when_saved``), and does not happen when it fails.
 """
 
 from __future__ import annotations
@@ -131,8 +131,15 @@ class BackgroundSave:
         """Item ``name`` in host memory of its own (pinned, copied asynchronously, when it is on a GPU)."""
         t = self._makers.pop(name)()
         if t.device.type != "cpu":
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available()).copy_(t, non_blocking=True)
+            return self._host_like(t).copy_(t, non_blocking=True)
         return t if name in self.job.fresh else t.clone()
+
+    def _host_like(self, t: torch.Tensor) -> torch.Tensor:
+        """Host memory for a copy of device tensor ``t``, pinned as the host shards are (``pin_memory``)."""
+        exact = self.job.mgr.tiers.host.exact
+        if exact is not None:
+            return exact.empty(t.numel(), t.dtype).view(t.shape)
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.job.mgr.tiers.host.pinned)
 
     # ------------------------------------------------------------------ the writer's side
     def _resolve(self, name: str) -> torch.Tensor:
