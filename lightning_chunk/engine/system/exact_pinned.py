@@ -11,10 +11,10 @@ private mapping (exact to the page), page-locked with ``cudaHostRegister``:
   lets it go when the storage is freed, whatever the path (the last view dropped, a repack, the end of the run);
 - the mapping object unregisters its range in ``__del__``, which runs before its memory is unmapped, after a
   device synchronisation: a copy still in flight from or into it finishes first (torch's allocator waits for
-  recorded events; a storage freed here is rare, at a repack or the end of the run, so one synchronisation is
-  cheap);
-- such a storage cannot be resized, as a block of torch's pinned allocator: ``free_storage`` and
-  ``Chunk.release_grad`` leave its bytes to the last view (``phases.py`` counts a pinned gradient shard so);
+  recorded events; a storage freed here is rare: at a repack, after a background save has written a copy, at the
+  end of the run);
+- such a storage cannot be resized: ``free_storage`` and ``Chunk.release_grad`` leave its bytes to the last view,
+  as ``phases.py`` counts a pinned gradient shard;
 - a forked process (a data loader's worker) does not inherit the mapping (``MADV_DONTFORK``), as it does not
   inherit torch's pinned blocks: none of its pages is ever copied on write away from the device's view of it;
 - ``is_pinned()`` is true for registered memory, so copies with ``non_blocking=True`` run asynchronously, and
