@@ -65,7 +65,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, clean_env, gpt_parser, make_gpt, proc_bytes, run_or_child, step_timer  # noqa: E402
+from _common import (  # noqa: E402
+    ROOT,
+    clean_env,
+    gpt_parser,
+    make_gpt,
+    proc_bytes,
+    quiet_trainer,
+    run_or_child,
+    step_timer,
+)
 from _disk_floor import BLOCK, MemoryCgroup, disk_floor, floors  # noqa: E402
 from _disk_table import median_after_first, render  # noqa: E402
 
@@ -117,19 +126,7 @@ def child_chunk(args: argparse.Namespace) -> None:
         def on_train_end(self, trainer: Any, *a: Any) -> None:
             stats["peak_rss"] = proc_bytes("VmHWM")
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[step_timer(times), Stats()],
-    )
+    trainer = quiet_trainer(1, strategy, args.steps, callbacks=[step_timer(times), Stats()])
     baseline = proc_bytes("VmRSS")
     trainer.fit(model, data)
     last = stats["per_step"][-1]

@@ -49,6 +49,7 @@ from _common import (  # noqa: E402
     make_gpt,
     param_groups,
     proc_bytes,
+    quiet_trainer,
     run_or_child,
     run_ranks,
     train_end_peak,
@@ -106,19 +107,7 @@ def child(args: argparse.Namespace) -> None:
     if spec.get("optimizer") == "adafactor":  # the example's groups and learning rate, no schedule
         model.configure_optimizers = lambda: torch.optim.Adafactor(param_groups(model), lr=model.hparams.lr)
     data = torch.randint(0, 256, (args.steps * args.batch * args.ranks, args.context + 1))
-    trainer = L.Trainer(
-        accelerator=args.accelerator,
-        devices=args.ranks,
-        strategy=strategy,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[train_end_peak(peak)],
-    )
+    trainer = quiet_trainer(args.ranks, strategy, args.steps, args.accelerator, callbacks=[train_end_peak(peak)])
     if cuda and device_limit and spec["strategy"] != "chunk":
         torch.cuda.set_per_process_memory_fraction(
             min(1.0, device_limit / torch.cuda.get_device_properties(trainer.local_rank).total_memory),

@@ -37,7 +37,17 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import clean_env, gpt_parser, make_gpt, median_interval, round_ratios, run_or_child, run_ranks, step_timer  # noqa: E402
+from _common import (  # noqa: E402
+    clean_env,
+    gpt_parser,
+    make_gpt,
+    median_interval,
+    quiet_trainer,
+    round_ratios,
+    run_or_child,
+    run_ranks,
+    step_timer,
+)
 
 CONTENDERS = {  # name -> (devices, strategy spec)
     "auto": (1, "auto"),
@@ -95,19 +105,7 @@ def fit(args: argparse.Namespace, name: str) -> tuple[list[float], int, int]:
     model = make_gpt(args)
     data = torch.randint(0, 256, (args.steps * args.batch * devices, args.context + 1))
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[step_timer(times)],
-    )
+    trainer = quiet_trainer(devices, strategy, args.steps, callbacks=[step_timer(times)])
     trainer.fit(model, loader)
     return times, sum(p.numel() for p in model.parameters()), trainer.global_rank
 
