@@ -429,6 +429,8 @@ class ChunkManager:
             **self.pool.stats(),
             **asdict(self.transfers),  # bytes copied each way, evictions, gathers, waiting releases
             "d2h_async_bytes": self.reducer.offload.async_bytes,  # of which copied on the side stream (CUDA)
+            # host bytes page-locked to the byte now (``pin_memory="exact"``): the host shards, a save's copies
+            "exact_pinned_bytes": self.tiers.host.exact.live_bytes if self.tiers.host.exact is not None else 0,
             "chunks": len(self.chunks),
             "chunk_numel": self.layout.capacity_numel if self.layout else 0,
             "device_shards": sum(c.shard_tier is Tier.DEVICE for c in self.chunks),
