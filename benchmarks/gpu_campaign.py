@@ -207,7 +207,7 @@ def child_largest(args: argparse.Namespace) -> None:
     Path(args.child_out).write_text(json.dumps({**res, **moved}))
 
 
-EXACT_TESTS = "exact_pinned or pinned_to_the_byte"  # tests/gpu's checks of pin_memory="exact"
+EXACT_TESTS = "exact or pinned_to_the_byte"  # tests/gpu's checks of pin_memory="exact"
 
 
 def exact_pinning_passed(args: argparse.Namespace, tests: dict | None, budget: float) -> bool:

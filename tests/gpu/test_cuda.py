@@ -48,20 +48,28 @@ def test_default_device_limit_is_free_memory_less_the_margin():
     assert limit == pytest.approx(free - device_margin_bytes(total), rel=0.02)
 
 
+@pytest.mark.parametrize("pin", [True, "exact"])
 @pytest.mark.parametrize("extra", [{}, {"accumulate_grad_batches": 2}])
-def test_host_shards_take_gradients_on_a_side_stream_in_parity(extra):
+def test_host_shards_take_gradients_on_a_side_stream_in_parity(extra, pin):
+    """Accumulating, gradients are staged and added on the host: in torch's pinned blocks, or in the ring pinned to
+    the byte ([Note: staging in a ring])."""
     ref = fit("auto", steps=12, accelerator="gpu", **extra)
-    strategy = ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096))
+    strategy = ChunkOffloadStrategy(
+        placement="host", memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(pin_memory=pin)
+    )
     got = fit(strategy, steps=12, accelerator="gpu", **extra)
     assert_same_params(ref, got, TOL)
     stats = strategy.memory_stats()
     assert stats["d2h_async_bytes"] == stats["d2h_bytes"] > 0  # every gradient copy left the compute stream
 
 
-def test_bf16_mixed_host_gradients_convert_on_the_host():
+@pytest.mark.parametrize("pin", [True, "exact"])
+def test_bf16_mixed_host_gradients_convert_on_the_host(pin):
     init = fit("auto", steps=0, accelerator="gpu")
     ref = fit("auto", steps=20, accelerator="gpu", precision="bf16-mixed")
-    strategy = ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096))
+    strategy = ChunkOffloadStrategy(
+        placement="host", memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(pin_memory=pin)
+    )
     got = fit(strategy, steps=20, accelerator="gpu", precision="bf16-mixed")
     assert relative_update_error(ref, got, init) < 0.10  # bf16 payloads; same bound as on CPU
     assert strategy.memory_stats()["d2h_async_bytes"] > 0

@@ -29,6 +29,7 @@ from .replicas import ReplicaSums
 
 if TYPE_CHECKING:  # the manager builds the reducer; no import at run time, so no cycle
     from ..memory.manager import ChunkManager
+    from ..system.exact_pinned import ExactPinned
 
 S = TensorState
 _EMPTY, _RAW, _SCALED = object(), object(), object()  # a gradient payload range: unwritten, a raw sum, scaled
@@ -36,9 +37,11 @@ MakeRoom = Callable[[int], None] | None  # evict by the placement policy until t
 
 
 class GradReducer:
-    def __init__(self, manager: ChunkManager, *, pinned: bool, in_flight: int = 2) -> None:
+    def __init__(
+        self, manager: ChunkManager, *, pinned: bool, in_flight: int = 2, exact: ExactPinned | None = None
+    ) -> None:
         self.manager = manager
-        self.offload = GradOffload(manager.device, pinned=pinned)
+        self.offload = GradOffload(manager.device, pinned=pinned, exact=exact)  # exact: staging pinned to the byte
         self.in_flight = in_flight  # reduce-scatters allowed in flight: bounds the gradient payloads alive
         self.sync = True  # False inside no_sync(): keep gradients local (accumulation)
         self.payload_peak = 0  # most bytes of unreduced whole-chunk gradients alive at once

@@ -122,7 +122,8 @@ class ChunkManager:
             host_limit=config.host_memory_limit,
         )
         self.pool = BlockPool(self.device)  # [Note: a pool of payload blocks]
-        self.reducer = GradReducer(self, pinned=bool(pin))  # several ranks: when each chunk's gradients reduce
+        # several ranks: when each chunk's gradients reduce
+        self.reducer = GradReducer(self, pinned=bool(pin), exact=self.tiers.host.exact)
         self.grads = ChunkGrads(self)  # from backward to the optimizer
         self.optim_state_made = False  # an optimizer stepped: its state exists
         self.readers = ShardReaders()  # a save written beside training ([Note: training beside a save])

@@ -11,7 +11,9 @@ the gradient:
 
 - a gradient that overwrites (the first of a step) and already has the destination's dtype goes
   straight into the pinned host shard; otherwise it lands in a pinned staging buffer (from
-  torch's caching host allocator) and is added, or converted, on the host when it is drained;
+  torch's caching host allocator, or with ``pin_memory="exact"`` a slice of one buffer pinned
+  to the byte: [Note: staging in a ring] in ``staging_ring.py``) and is added, or converted, on
+  the host when it is drained;
 - the source stays valid until its copy is done: ``record_stream`` tells the caching allocator
   not to hand its block out before the side stream has read it, so a parameter's gradient can
   still be dropped at once (``param.grad = None``), and a gradient payload of several ranks is
@@ -32,6 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..system.exact_pinned import ExactPinned
+from .staging_ring import StagingRing
+
 
 @dataclass
 class _Copy:
@@ -40,12 +45,24 @@ class _Copy:
     staged: torch.Tensor | None  # pinned host copy to add (or convert) into ``dst`` at drain
     add: bool
     on_done: Callable[[], None] | None
+    in_ring: bool = False  # ``staged`` is a slice of the ring
 
 
 class GradOffload:
-    def __init__(self, device: torch.device, *, pinned: bool, max_staged_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        pinned: bool,
+        max_staged_bytes: int = 256 << 20,
+        exact: ExactPinned | None = None,
+    ) -> None:
+        """``exact``: stage in a ring pinned to the byte ([Note: staging in a ring] in ``staging_ring.py``)."""
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and pinned else None
+        self.ring = None
+        if exact is not None and self.stream is not None:
+            self.ring = StagingRing(max_staged_bytes, lambda n: exact.empty(n, torch.uint8))
         self._queue: deque[_Copy] = deque()
         self._staged_bytes = 0
         self.max_staged_bytes = max_staged_bytes  # pinned staging alive at once (accumulating micro-batches)
@@ -71,12 +88,11 @@ class GradOffload:
             if on_done is not None:
                 on_done()
             return
+        staged, in_ring = self._stage(src) if add or dst.dtype != src.dtype else (None, False)
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # the gradient was produced on the compute stream
-        staged = None
         with torch.cuda.stream(self.stream):
-            if add or dst.dtype != src.dtype:
-                staged = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+            if staged is not None:
                 staged.copy_(src, non_blocking=True)
             else:
                 dst.copy_(src, non_blocking=True)
@@ -84,11 +100,22 @@ class GradOffload:
             done.record(self.stream)
         src.record_stream(self.stream)
         self.async_bytes += src.numel() * src.element_size()
-        self._queue.append(_Copy(done, dst, staged, add, on_done))
+        self._queue.append(_Copy(done, dst, staged, add, on_done, in_ring))
         if staged is not None:
             self._staged_bytes += staged.numel() * staged.element_size()
             while self._staged_bytes > self.max_staged_bytes and len(self._queue) > 1:
                 self.drain(keep=len(self._queue) - 1)
+
+    def _stage(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Pinned host memory for a copy of ``src``: a slice of the ring where there is one and it fits (the oldest
+        copies land first until it has room), else torch's; and whether it is the ring's."""
+        ring = self.ring
+        if ring is not None and ring.fits(src.numel() * src.element_size()):
+            while (staged := ring.take(src.numel(), src.dtype)) is None:
+                assert self._queue, "a ring slice outlived its copy"
+                self.drain(keep=len(self._queue) - 1)  # the oldest copy lands: its slice, if any, goes back
+            return staged, True
+        return torch.empty(src.numel(), dtype=src.dtype, pin_memory=True), False
 
     def drain(self, keep: int = 0) -> None:
         """Wait for the oldest copies until ``keep`` remain; finish their host-side adds and callbacks."""
@@ -102,5 +129,8 @@ class GradOffload:
                 else:
                     c.dst.copy_(c.staged)
                 self._staged_bytes -= c.staged.numel() * c.staged.element_size()
+                if c.in_ring:
+                    assert self.ring is not None
+                    self.ring.give_back()
             if c.on_done is not None:
                 c.on_done()
