@@ -184,8 +184,8 @@ class Chunk:
     grad_payload: torch.Tensor | None = field(default=None, repr=False)  # several ranks: gradients to reduce
     grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
     grad_released: bool = (
-        False  # the gradient shard's memory is given back until the next gradient ([Note: stepping in backward])
-    )
+        False  # the gradient shard's values are gone, its memory given back where it can be, until the next
+    )  # gradient ([Note: stepping in backward]); a disk file or a storage that cannot be resized keeps its bytes
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
     master_seen: tuple[int, int] | None = None  # [Note: the optimizer's views written outside its step]
     reduce_dtype: torch.dtype | None = None  # several ranks: the gradient payload's dtype; None: the master's
@@ -349,24 +349,26 @@ class Chunk:
         Callers account it (``ChunkManager.ledger.tracked``)."""
         if self.grad is None or self.grad_released:
             return
-        if self.shard_tier is Tier.DISK:  # a view of its file: no memory to give back, but used up all the same
-            self.grad_released = True  # ([Note: stepping disk chunks in backward] in ``early_step.py``)
+        self.grad_released = True  # used up, whether or not its memory can go
+        storage = self.grad.untyped_storage()
+        # a disk shard's is a view of its file ([Note: stepping disk chunks in backward] in ``early_step.py``), an
+        # exact pinned one cannot be resized ([Note: exact pinned memory]): they keep their bytes
+        if self.shard_tier is Tier.DISK or not storage.resizable():
             return
         try:
             if pool is None:
-                self.grad.untyped_storage().resize_(0)
+                storage.resize_(0)
             else:
-                pool.empty(self.grad.untyped_storage())
-        except RuntimeError:  # a storage its allocator cannot resize (pinned memory): it keeps its bytes
-            return
-        self.grad_released = self.grad.untyped_storage().nbytes() == 0
+                pool.empty(storage)
+        except RuntimeError:  # an allocator that cannot resize it: it keeps its bytes
+            pass
 
     def restore_grad(self, pool: BlockPool) -> None:
         """Memory for the gradient shard again, before a gradient is written into it (its values are undefined:
         the first gradient overwrites)."""
         if self.grad_released:
             assert self.grad is not None
-            if self.shard_tier is not Tier.DISK:
+            if self.grad.untyped_storage().nbytes() == 0:  # given back (not a file's, nor one that kept its bytes)
                 pool.fill(self.grad.untyped_storage(), nbytes(self.grad))
             self.grad_released = False
 
@@ -401,8 +403,8 @@ class Chunk:
         if tier is self.shard_tier:
             if not self.master_is_payload():
                 total += nbytes(self.master)
-            released = self.grad_released and self.shard_tier is not Tier.DISK  # a disk file keeps its bytes
-            total += (0 if released else nbytes(self.grad)) + self.optim_state_bytes
+            given_back = self.grad is not None and self.grad.untyped_storage().nbytes() == 0
+            total += (0 if given_back else nbytes(self.grad)) + self.optim_state_bytes
         if tier is (Tier.HOST if self.shard_tier is Tier.DISK else self.shard_tier):
             total += nbytes(self.low)
         return total
