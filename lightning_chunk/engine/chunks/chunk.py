@@ -183,9 +183,9 @@ class Chunk:
     pending: InFlight | None = field(default=None, repr=False)  # a prefetch in flight
     grad_payload: torch.Tensor | None = field(default=None, repr=False)  # several ranks: gradients to reduce
     grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
-    grad_released: bool = (
-        False  # the gradient shard's values are gone, its memory given back where it can be, until the next
-    )  # gradient ([Note: stepping in backward]); a disk file or a storage that cannot be resized keeps its bytes
+    # the gradient shard's values are gone, its memory given back where it can be (a disk file, or a storage that
+    # cannot be resized, keeps its bytes), until the next gradient ([Note: stepping in backward])
+    grad_released: bool = False
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
     master_seen: tuple[int, int] | None = None  # [Note: the optimizer's views written outside its step]
     reduce_dtype: torch.dtype | None = None  # several ranks: the gradient payload's dtype; None: the master's
