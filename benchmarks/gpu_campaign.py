@@ -207,7 +207,7 @@ def child_largest(args: argparse.Namespace) -> None:
     Path(args.child_out).write_text(json.dumps({**res, **moved}))
 
 
-EXACT_TESTS = "exact or pinned_to_the_byte"  # tests/gpu's checks of pin_memory="exact"
+EXACT_TESTS = ("exact", "pinned_to_the_byte")  # what tests/gpu's checks of pin_memory="exact" are named by
 
 
 def exact_pinning_passed(args: argparse.Namespace, tests: dict | None, budget: float) -> bool:
@@ -215,16 +215,16 @@ def exact_pinning_passed(args: argparse.Namespace, tests: dict | None, budget: f
     if args.accelerator != "cuda":
         return False
     if tests is None or "summary" not in tests:
-        tests = part_tests(args, min(budget, 120), ["-k", EXACT_TESTS])
+        tests = part_tests(args, min(budget, 120), ["-k", " or ".join(EXACT_TESTS)])
     passed = "passed" in tests.get("summary", "")
-    return passed and not any("exact" in f or "pinned_to_the_byte" in f for f in tests.get("failures", []))
+    return passed and not any(name in f for f in tests.get("failures", []) for name in EXACT_TESTS)
 
 
 def part_largest(
     args: argparse.Namespace, budget: float, probes: dict, ddp_tflops: float | None, tests: dict | None = None
 ) -> dict:
     deadline = time.monotonic() + budget
-    pin = "true"
+    pin: bool | str = True  # pin_memory
     if args.smoke:
         layers, limit, planned = 2, None, None
         base = TINY_LLAMA
@@ -232,8 +232,8 @@ def part_largest(
         import torch
 
         limit = int(0.85 * torch.cuda.get_device_properties(0).total_memory) if args.accelerator == "cuda" else None
-        pin = "exact" if exact_pinning_passed(args, tests, budget / 4) else "true"
-        layers, report = fitting_layers(args, limit, "exact" if pin == "exact" else True)
+        pin = "exact" if exact_pinning_passed(args, tests, budget / 4) else True
+        layers, report = fitting_layers(args, limit, pin)
         planned = max(p.host for p in report.phases)
         base = LLAMA
     capacity = (args.host_memory or host_bytes()) / 12  # the yardstick: 12 host bytes a parameter
@@ -243,7 +243,7 @@ def part_largest(
         out = Path(args.scratch) / f"largest_{layers}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "largest", "--child-out", str(out)]
         cmd += ["--shape", json.dumps(shape), "--accelerator", args.accelerator, "--largest-limit", str(limit or "")]
-        cmd += ["--largest-pin", pin]
+        cmd += ["--largest-pin", str(pin).lower()]
         for k in ("largest_steps", "largest_batch", "largest_context"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         left = deadline - time.monotonic()
@@ -271,8 +271,8 @@ def part_largest(
         tries.append(row)
         smaller = max(layers * 4 // 5, MIN_LAYERS)
         if pin == "exact":  # the next try in torch's pinned blocks, at the size their plan allows
-            pin = "true"
-            smaller, report = fitting_layers(args, limit, True)
+            pin = True
+            smaller, report = fitting_layers(args, limit, pin)
             planned = max(p.host for p in report.phases)
         if args.smoke or smaller == layers or deadline - time.monotonic() < 60:
             return {"rows": tries}

@@ -386,7 +386,7 @@ def test_after_a_failed_try_pinned_to_the_byte_the_campaign_tries_torch_s_pinnin
         largest_context=2048,
     )
     rows = campaign.part_largest(args, 600, {}, None)["rows"]
-    assert [(r["layers"], r["pin_memory"]) for r in rows] == [(44, "exact"), (36, "true"), (32, "true")]
+    assert [(r["layers"], r["pin_memory"]) for r in rows] == [(44, "exact"), (36, True), (32, True)]
     assert all(r["failed"] == "CUDA error" for r in rows)
 
 
