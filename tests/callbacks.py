@@ -209,3 +209,77 @@ class AddHeadGroupAsDDP(AddHeadGroup):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step < self.at:
             pl_module.head.weight.grad = None
+
+
+class CudaStreamsOnCpu(L.Callback):
+    """[Note: streams and prefetch] with several ranks, played on a CPU device: the engine gets a stand-in copy
+    stream, and while fitting ``torch.cuda``'s ``current_stream``, ``stream`` and ``Event`` are stand-ins that record
+    on which stream each all-gather was issued (``seen["issued"]``: stream, asynchronous, count), every event
+    recorded, and every event the compute stream waited on. Tensors still run on the CPU; only the stream calls are
+    recorded."""
+
+    def __init__(self) -> None:
+        self.seen: dict = {}
+        self._saved: dict | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._saved is None:
+            self._install(trainer.strategy.engine.manager)
+
+    def on_fit_end(self, trainer, pl_module):
+        if self._saved is not None:
+            for name, fn in self._saved.items():
+                setattr(torch.cuda, name, fn)
+            self._saved = None
+        self.seen["waited"] = len(self.compute.waited)
+        self.seen["waited_recorded_on"] = sorted({e.stream for e in self.compute.waited})
+        self.seen["events"] = len(self.events)
+        self.seen["side_waited_compute"] = self.side.waited_streams
+
+    def _install(self, manager) -> None:
+        import contextlib
+
+        self.compute, self.side = _Stream("compute"), _Stream("side")
+        self.current, self.events, issued = self.compute, [], {}
+        self.seen["issued"] = issued
+        cb = self
+
+        class Event:
+            def __init__(self) -> None:
+                self.stream = None
+                cb.events.append(self)
+
+            def record(self, stream=None) -> None:
+                self.stream = (stream or cb.current).name
+
+        @contextlib.contextmanager
+        def stream(s):
+            before, cb.current = cb.current, s
+            try:
+                yield
+            finally:
+                cb.current = before
+
+        self._saved = {n: getattr(torch.cuda, n) for n in ("current_stream", "stream", "Event")}
+        torch.cuda.current_stream = lambda device=None: cb.current
+        torch.cuda.stream, torch.cuda.Event = stream, Event
+        manager._copy_stream = self.side
+        gather = manager.comm.all_gather
+
+        def all_gather(out, shard, **kw):
+            key = f"{cb.current.name} async={bool(kw.get('async_op'))}"
+            issued[key] = issued.get(key, 0) + 1
+            return gather(out, shard, **kw)
+
+        manager.comm.all_gather = all_gather
+
+
+class _Stream:
+    def __init__(self, name: str) -> None:
+        self.name, self.waited, self.waited_streams = name, [], 0
+
+    def wait_stream(self, other) -> None:
+        self.waited_streams += other.name == "compute"
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)

@@ -58,6 +58,7 @@ CASES = {
         model=dict(dim=64, hidden=256, depth=6),
         strategy=dict(placement="host", chunk_numel=20000, **AFTER),
         telemetry=True,
+        callbacks=["CudaStreamsOnCpu"],  # [Note: streams and prefetch] as it would run on CUDA
     ),
     # the agreement tag before each collective ([Note: agreeing without a barrier]), where the default checks once
     # a micro-batch ([Note: checking once a micro-batch]); accumulation and host placement give it many of each kind

@@ -50,6 +50,23 @@ def test_the_time_breakdown_names_each_rank_s_waits(parity_run):
         assert s["time_gather_wait_s"] >= t["gather_wait"] > 0  # cumulative since set-up (warm-up included)
 
 
+@pytest.mark.cases("host")
+def test_prefetches_copy_and_issue_their_all_gathers_off_the_compute_stream(parity_run):
+    """[Note: streams and prefetch] with two ranks, the CUDA stream calls played on CPU (``CudaStreamsOnCpu``): every
+    prefetch stages its host shard and issues its all-gather on the copy stream, after that stream waited for the
+    compute stream, and the compute stream waits for each before use. Before, with several ranks the host shard's
+    copy to the device and the issue ran on the compute stream, holding back every kernel queued after them."""
+    out, rc, log = parity_run
+    assert rc == 0, log[-3000:]
+    for r, s in enumerate(stats(out, "host")):
+        (seen,) = s["seen"]
+        issued = seen["issued"]
+        assert set(issued) == {"side async=True", "compute async=False"}, (r, issued)
+        assert issued["side async=True"] > 100, (r, issued)  # every chunk but the first, each pass
+        assert seen["side_waited_compute"] == seen["events"] == issued["side async=True"], (r, seen)
+        assert seen["waited"] == seen["events"] and seen["waited_recorded_on"] == ["side"], (r, seen)
+
+
 @pytest.mark.parametrize("case", PARITY)
 def test_parity_with_ddp(parity_run, case):
     check_parity(*parity_run, case)

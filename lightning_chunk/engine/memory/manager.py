@@ -14,6 +14,7 @@ Policy lives elsewhere (``placement.py``): the manager executes plans.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -245,61 +246,67 @@ class ChunkManager:
         """Make the payload resident (FREE -> HOLD): host-to-device copy, or all-gather of the shards.
 
         [Note: streams and prefetch]
-        On CUDA a prefetch copies on a side stream and records an event in ``chunk.pending``;
-        the compute stream waits on that event before the chunk is first used (``wait_ready``) and
-        before its payload is released, so the caching allocator never hands the block out while a
-        copy into it is in flight. The payload is allocated on the compute stream, and the side
-        stream first waits for the compute stream, so the copy never overtakes earlier frees.
+        On CUDA a prefetch runs on a side stream: the copy of a host shard to the device (with one rank, the whole
+        "gather"; with several, into this rank's slice of the payload) and the all-gather's issue, which NCCL orders
+        after that copy. An event recorded there and, with several ranks, the all-gather's work go in
+        ``chunk.pending``; the compute stream waits on both before the chunk is first used (``wait_ready``) and
+        before its payload is released, so the caching allocator never hands the block out while a copy into it is
+        in flight. The payload is allocated on the compute stream, and the side stream first waits for the compute
+        stream, so the copy never overtakes earlier frees. A host shard's copy to the device thus overlaps compute
+        with any number of ranks; on the compute stream it held back every kernel queued after it.
         Demand gathers run on the compute stream: the module needs the data at once anyway.
-        With several ranks a prefetch is an asynchronous all-gather whose ``Pending`` (buffer and
-        work handle together) is kept in ``chunk.pending`` until first use; gloo runs it on its
-        own thread, so it overlaps with compute on CPU too.
-        On CPU one-rank copies are synchronous and events are not used. A disk shard is read
+        With several ranks on CPU a prefetch is an asynchronous all-gather whose ``Pending`` (buffer and work handle
+        together) is kept in ``chunk.pending`` until first use; gloo runs it on its own thread, so it overlaps with
+        compute there too. On CPU one-rank copies are synchronous and events are not used. A disk shard is read
         (paged in) here, on the calling thread, and paged out once the copy has read it.
         """
         if chunk.is_resident:
             return
         assert chunk.payload is not None
-        side = self._copy_stream if prefetch and self.comm.world_size == 1 else None
-        from_file = chunk.shard_tier is Tier.DISK and chunk.low is None  # an fp32 disk shard: read the master's file
-        with (
-            self.ledger.tracked(chunk),
-            self.tiers.reading(chunk, (Role.MASTER,) if from_file and self.device.type != "cpu" else ()),
-        ):
+        side = self._copy_stream if prefetch else None
+        with self.ledger.tracked(chunk):
             self.ledger.reserve(chunk.payload_bytes, f"gathering chunk {chunk.chunk_id}")
             self.pool.fill(chunk.payload.untyped_storage(), chunk.payload_bytes)
-            src = chunk.low_tensor()
-            if chunk.shard_tier is not Tier.DEVICE:
-                self.transfers.h2d_bytes += src.numel() * src.element_size()
-                if (
-                    self.comm.world_size > 1 and src.device != self.comm.tensor_device()
-                ) or chunk.shard_tier is Tier.DISK:
-                    # collectives need device tensors: stage the host shard in this rank's slice of the
-                    # payload and all-gather in place (as FSDP2 does), so no unaccounted buffer is made.
-                    # A disk shard is staged too: on a CPU device its file is read straight into the slice
-                    # ([Note: staged optimizer steps] in disk_staging.py); else its pages go out when this block ends
-                    lo, hi = chunk.shard_range
-                    staged = chunk.payload[lo:hi]
-                    with self.clock.measure("tier_copy"):
-                        if not (from_file and self.device.type == "cpu" and self.tiers.read_master_into(chunk, staged)):
-                            staged.copy_(src, non_blocking=chunk.shard_tier is not Tier.DISK)
-                    src = staged
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    self.comm.all_gather(chunk.payload, src)
-                    event = torch.cuda.Event()
-                    event.record(side)
-                chunk.pending = InFlight(event=event)
-            else:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                src = self._stage(chunk)
                 pending = self.comm.all_gather(
                     chunk.payload, src, chunk=chunk.chunk_id, module=module, async_op=prefetch
                 )
-                if prefetch and pending.work is not None:
-                    chunk.pending = InFlight(work=pending, source=src)  # the source must live until the gather lands
+                event = torch.cuda.Event() if side is not None else None
+                if event is not None:
+                    event.record(side)
+            if event is not None or (prefetch and pending.work is not None):
+                # the source must live until the gather lands
+                chunk.pending = InFlight(work=pending if pending.work is not None else None, source=src, event=event)
         self.transfers.gathers += 1
         chunk.gathered()
         self.changed()
+
+    def _stage(self, chunk: Chunk) -> torch.Tensor:
+        """What this rank gives the gather of ``chunk``: its shard where it lies, or staged in this rank's slice of
+        the payload when the collective cannot read it there, on the current stream. Collectives need device
+        tensors: a host shard is staged in place, as FSDP2 does, so no unaccounted buffer is made. A disk shard is
+        staged too: on a CPU device its file is read straight into the slice ([Note: staged optimizer steps] in
+        disk_staging.py); else its pages go out once this copy has read them."""
+        assert chunk.payload is not None
+        from_file = chunk.shard_tier is Tier.DISK and chunk.low is None  # an fp32 disk shard: read the master's file
+        with self.tiers.reading(chunk, (Role.MASTER,) if from_file and self.device.type != "cpu" else ()):
+            src = chunk.low_tensor()
+            if chunk.shard_tier is Tier.DEVICE:
+                return src
+            self.transfers.h2d_bytes += src.numel() * src.element_size()
+            if not (
+                (self.comm.world_size > 1 and src.device != self.comm.tensor_device()) or chunk.shard_tier is Tier.DISK
+            ):
+                return src
+            lo, hi = chunk.shard_range
+            staged = chunk.payload[lo:hi]
+            with self.clock.measure("tier_copy"):
+                if not (from_file and self.device.type == "cpu" and self.tiers.read_master_into(chunk, staged)):
+                    staged.copy_(src, non_blocking=not from_file)  # a mapped file's pages go at the end
+            return staged
 
     def wait_ready(self, chunk: Chunk) -> None:
         """Wait for a prefetch into ``chunk``: its all-gather, or (CUDA) make the compute stream wait for its copy."""
