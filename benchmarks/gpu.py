@@ -142,23 +142,51 @@ def phases(marks: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def time_spent(rows: list[dict]) -> list[str]:
+    """Each row's wall time by phase ([Note: where a row's time goes]) and, for chunk_offload's rows, the host's
+    seconds a timed step by cause ([Note: where a step's time goes]; ``traffic``)."""
+    spent = [r for r in rows if r.get("phases")]
+    waits = [r for r in rows if r.get("host_s_per_step")]
+    out = []
+    if spent:
+        wall = "; ".join(
+            f"{r['contender']} {r['wall_s']:.0f} ("
+            + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if v >= 0.05)
+            + ")"
+            for r in spent
+        )
+        out += [f"Seconds a row, by phase: {wall}", ""]
+    if waits:
+        host = "; ".join(
+            f"{r['contender']} ("
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["host_s_per_step"].items() if v >= 0.0005)
+            + f" of {r['median_s']:.3f})"
+            for r in waits
+        )
+        out += [f"Host seconds a step, by cause: {host}", ""]
+    return out
+
+
 def traffic(strategy: Any, skip: int, store: dict) -> Any:
     """A callback putting into ``store`` the bytes ``strategy`` copied host to device and back a step after the
-    first ``skip`` steps, and the parameters its host Adam steps (a shard left on the host steps there)."""
+    first ``skip`` steps, the seconds a step the host spent on each cause of [Note: where a step's time goes]
+    (``host_s_per_step``: on CUDA the host's waits, as for gradient copies before each step in backward), and the
+    parameters its host Adam steps (a shard left on the host steps there)."""
     import lightning as L
 
     from lightning_chunk.engine.chunks.chunk import Tier
 
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, dict[str, float]]] = []
 
     class Traffic(L.Callback):
         def on_train_batch_end(self, *a: Any) -> None:
             mgr = strategy.engine.manager
-            seen.append((mgr.transfers.h2d_bytes, mgr.transfers.d2h_bytes))
+            seen.append((mgr.transfers.h2d_bytes, mgr.transfers.d2h_bytes, dict(mgr.clock.seconds)))
             steps = len(seen) - min(skip, len(seen) - 1)
-            first = seen[-steps - 1] if steps < len(seen) else (0, 0)
+            first = seen[-steps - 1] if steps < len(seen) else (0, 0, dict.fromkeys(seen[-1][2], 0.0))
             store["h2d_per_step"] = (seen[-1][0] - first[0]) / steps
             store["d2h_per_step"] = (seen[-1][1] - first[1]) / steps
+            store["host_s_per_step"] = {k: (v - first[2][k]) / steps for k, v in seen[-1][2].items()}
             store["host_stepped"] = sum(
                 c.shard_numel for c in mgr.chunks if c.trainable and c.shard_tier is not Tier.DEVICE
             )
@@ -291,7 +319,7 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         "peak_device": res["peak_device"],
         "peak_host": res["peak_host"],
         "params": res["params"],
-        **{k: res[k] for k in ("h2d_per_step", "d2h_per_step", "host_stepped") if k in res},
+        **{k: res[k] for k in ("h2d_per_step", "d2h_per_step", "host_stepped", "host_s_per_step") if k in res},
         "wall_s": ended - launched,
         "phases": spent,
     }

@@ -323,23 +323,6 @@ def _table(rows: list[dict]) -> list[str]:
     return out
 
 
-def _time_spent(rows: list[dict]) -> list[str]:
-    """Each row's wall time by phase ([Note: where a row's time goes] in ``gpu.py``)."""
-    spent = [r for r in rows if r.get("phases")]
-    if not spent:
-        return []
-    return [
-        "Seconds a row, by phase: "
-        + "; ".join(
-            f"{r['contender']} {r['wall_s']:.0f} ("
-            + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if v >= 0.05)
-            + ")"
-            for r in spent
-        ),
-        "",
-    ]
-
-
 def render(res: dict) -> str:
     m = res["machine"]
     lines = [
@@ -378,7 +361,7 @@ def render(res: dict) -> str:
                 "",
                 *_table(c["rows"]),
                 "",
-                *_time_spent(c["rows"]),
+                *_load("gpu").time_spent(c["rows"]),
             ]
     if "largest" in parts and "rows" in parts["largest"]:
         rows = parts["largest"]["rows"]

@@ -222,6 +222,27 @@ def test_grad_offload_without_a_side_stream_copies_and_adds_at_once():
     torch.testing.assert_close(dst, torch.full((4,), 3.0))
 
 
+def test_the_host_s_waits_for_gradient_copies_are_charged_to_tier_copy():
+    """[Note: where a step's time goes] on CUDA: a drain that waits for a copy to land is ``tier_copy`` (stepping in
+    backward drains before each chunk's step), played here with an event that takes 50 ms to land."""
+    import time
+
+    from lightning_chunk.engine.system.timing import StepClock
+    from lightning_chunk.engine.tiers.offload import GradOffload, _Copy
+
+    class Landing:
+        def synchronize(self):
+            time.sleep(0.05)
+
+    off, dst = GradOffload(torch.device("cpu"), pinned=False), torch.zeros(4)
+    off.clock = StepClock()
+    off._queue.extend(_Copy(Landing(), dst, None, False, None) for _ in range(2))  # type: ignore[arg-type]
+    off.drain(keep=1)
+    assert len(off) == 1 and 0.05 <= off.clock.seconds["tier_copy"] < 0.1
+    off.drain()
+    assert off.clock.seconds["tier_copy"] >= 0.1
+
+
 def test_disk_shards_live_in_files_and_page_out_after_use(tmp_path):
     """A chunk on the disk tier: master, gradient and optimizer state are views of mapped files (the ledger counts
     them on the disk tier, a bf16 compute copy on the host), a use pages them in and out, state kept in the file

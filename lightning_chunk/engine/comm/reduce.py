@@ -42,6 +42,7 @@ class GradReducer:
     ) -> None:
         self.manager = manager
         self.offload = GradOffload(manager.device, pinned=pinned, exact=exact)  # exact: staging pinned to the byte
+        self.offload.clock = manager.clock
         self.in_flight = in_flight  # reduce-scatters allowed in flight: bounds the gradient payloads alive
         self.sync = True  # False inside no_sync(): keep gradients local (accumulation)
         self.payload_peak = 0  # most bytes of unreduced whole-chunk gradients alive at once

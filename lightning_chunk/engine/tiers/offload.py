@@ -28,9 +28,11 @@ asynchronous anyway, copies are plain and synchronous.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,6 +69,7 @@ class GradOffload:
         self._staged_bytes = 0
         self.max_staged_bytes = max_staged_bytes  # pinned staging alive at once (accumulating micro-batches)
         self.async_bytes = 0  # bytes copied off the compute stream's critical path (telemetry)
+        self.clock: Any | None = None  # a StepClock: the host's waits for copies to land are ``tier_copy``
 
     @property
     def asynchronous(self) -> bool:
@@ -122,7 +125,8 @@ class GradOffload:
         while len(self._queue) > keep:
             c = self._queue.popleft()
             if c.done is not None:
-                c.done.synchronize()
+                with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
+                    c.done.synchronize()
             if c.staged is not None:
                 if c.add:
                     c.dst.add_(c.staged)
