@@ -211,6 +211,28 @@ class AddHeadGroupAsDDP(AddHeadGroup):
             pl_module.head.weight.grad = None
 
 
+class LateGradientCopies(L.Callback):
+    """Gradient copies to host shards land late, as on CUDA (``tests.late_copies``), from the first batch on;
+    ``seen``: the threads that landed the copies after the warm-up step, and how many each."""
+
+    def __init__(self) -> None:
+        self.seen: dict = {}
+        self.late = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.late is None:
+            from tests.late_copies import late_copies
+
+            self.late = late_copies(trainer.strategy.engine.manager)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step > 1:  # after the warm-up step
+            for e in self.late.events:
+                self.seen[e.by] = self.seen.get(e.by, 0) + 1
+        self.late.events.clear()
+        self.late.handed.clear()
+
+
 class CudaStreamsOnCpu(L.Callback):
     """[Note: streams and prefetch] with several ranks, played on a CPU device: the engine gets a stand-in copy
     stream, and while fitting ``torch.cuda``'s ``current_stream``, ``stream`` and ``Event`` are stand-ins that record

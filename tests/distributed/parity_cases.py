@@ -295,6 +295,7 @@ CASES = {
     "early_host_thread": dict(
         model=dict(dim=64, hidden=256, depth=6),
         strategy=dict(placement="host", chunk_numel=20000, step_in_backward=True, step_thread=True),
+        callbacks=["LateGradientCopies"],  # the copies to the host land late, as on CUDA
     ),
     # the same under a device limit that evicts payloads, with the automatic chunk size, on a model used in another
     # order than registered

@@ -9,6 +9,7 @@ import torch
 
 from tests.distributed.launch import GLOO_DEFAULTS, PARITY, check_parity, run, stats
 from tests.integration.test_disk_io import o_direct_works
+from tests.late_copies import WORKER
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # several ranks; a launch of many cases
 
@@ -65,6 +66,19 @@ def test_prefetches_copy_and_issue_their_all_gathers_off_the_compute_stream(pari
         assert issued["side async=True"] > 100, (r, issued)  # every chunk but the first, each pass
         assert seen["side_waited_compute"] == seen["events"] == issued["side async=True"], (r, seen)
         assert seen["waited"] == seen["events"] and seen["waited_recorded_on"] == ["side"], (r, seen)
+
+
+@pytest.mark.cases("early_host_thread")
+def test_the_worker_lands_the_reduced_gradients_it_steps_on_both_ranks(parity_run):
+    """[Note: gradients landed beside backward] on two ranks, the reduce-scatters' copies to the host landing late
+    as on CUDA (``LateGradientCopies``): the autograd thread waits for none before its chunk is handed over (it
+    waits for older ones, its bound on the payloads being copied), and training is DDP's
+    (test_parity_with_ddp[early_host_thread])."""
+    out, rc, log = parity_run
+    assert rc == 0, log[-3000:]
+    for r, s in enumerate(stats(out, "early_host_thread")):
+        (seen,) = s["seen"]
+        assert set(seen) <= {WORKER, "main, handed over"} and seen.get(WORKER, 0) > 10, (r, seen)
 
 
 @pytest.mark.parametrize("case", PARITY)

@@ -301,6 +301,7 @@ def test_a_gradient_payload_that_does_not_fit_while_accumulating_unsharded_names
     class Full:  # a device tier with no room left
         device = torch.device("cpu")
         grads = NoRoom()
+        clock = None
 
     chunk = SimpleNamespace(grad_payload=None, capacity_numel=10, grad_payload_dtype=torch.float32, chunk_id=3)
     reducer = GradReducer(Full(), pinned=False)

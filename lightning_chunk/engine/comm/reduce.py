@@ -347,7 +347,9 @@ class GradReducer:
             if chunk.shard_tier is not Tier.DEVICE:
                 mgr.transfers.d2h_bytes += out.numel() * out.element_size()
             with mgr.clock.measure("tier_copy"):
-                self.offload.copy(target, out, add=add, on_done=functools.partial(self._free_payload, chunk))
+                self.offload.copy(
+                    target, out, add=add, on_done=functools.partial(self._free_payload, chunk), key=chunk.chunk_id
+                )
             if chunk.shard_tier is Tier.DISK:
                 self.offload.drain()  # landed: a disk shard's buffer is final
             self.offload.drain(keep=2)  # bound the payloads still being copied

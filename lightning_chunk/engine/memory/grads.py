@@ -109,7 +109,9 @@ class ChunkGrads:
                 with mgr.ledger.tracked(chunk):
                     chunk.restore_grad(mgr.pool)
             target = mgr.tiers.grad_target(chunk)
-            mgr.reducer.offload.copy(target[info.offset : info.offset + info.numel], grad, add=info.has_grad)
+            mgr.reducer.offload.copy(
+                target[info.offset : info.offset + info.numel], grad, add=info.has_grad, key=chunk.chunk_id
+            )
             if chunk.shard_tier is not Tier.DEVICE:
                 mgr.transfers.d2h_bytes += grad.numel() * grad.element_size()
         else:

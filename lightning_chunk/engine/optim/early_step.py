@@ -185,13 +185,20 @@ class EarlyStep:
         allocator, so that the pool never keeps a whole model's gradients. A disk chunk steps in backward from
         its gradients in memory where it can ([Note: stepping disk chunks in backward])."""
         mgr = self.manager
-        mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
         spec = self.speculation if in_backward else None
         if in_backward and self.thread is not None and chunk.shard_tier is not Tier.DISK:
+            # CUDA: the worker lands the chunk's gradient copies, then steps ([Note: gradients landed beside
+            # backward] in offload.py)
+            land = mgr.reducer.offload.hand_over(chunk.chunk_id)
             self.stepped.add(chunk.chunk_id)
-            job = (lambda: self._host_step(chunk)) if spec is None else (lambda: spec.step(chunk, self._clip))
-            self.thread.submit(chunk, job, self._reaped)
+            step = (lambda: self._host_step(chunk)) if spec is None else (lambda: spec.step(chunk, self._clip))
+            try:
+                self.thread.submit(chunk, lambda: (land(), step())[1], self._reaped)
+            except BaseException:
+                land()  # perhaps never handed to the worker (an earlier chunk's error): the copies land all the same
+                raise
             return None
+        mgr.reducer.offload.drain()  # CUDA: a gradient copied to a host shard on the side stream must be in
         if spec is not None:  # kept with its gradients until ``optimizer.step()``
             self.backward_ended()
             with mgr.clock.measure("optimizer"):

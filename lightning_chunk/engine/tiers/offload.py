@@ -22,15 +22,26 @@ the gradient:
   at the end of backward, so the optimizer, clipping and the next step read finished gradients,
   and when it needs the device bytes of payloads still being copied.
 
-On CPU, and with ``pin_memory=False`` where an asynchronous copy into pageable memory would not be
-asynchronous anyway, copies are plain and synchronous.
+[Note: gradients landed beside backward]
+Stepping in backward, a chunk's host step runs on a worker thread ([Note: the host Adam beside backward] in
+``step_thread.py``). Had the autograd thread drained the copies before handing the chunk over, it would wait,
+once a chunk, for the GPU to finish everything queued so far and then the chunk's last copy, with no kernel
+queued behind: the GPU idles until backward launches again. ``hand_over(key)`` gives the worker the chunk's
+copies still in flight instead: it waits for their events and makes their host-side adds, then steps. They
+stay in the queue, marked: a later drain on the autograd thread still waits for their events (its bound on the
+payloads being copied, and their ``on_done``, hold as before) but leaves the adds to the worker. A full drain
+(``keep=0``, after which gradients are read as final) lands them itself where the worker has not come to them
+yet: landing is done once, by whichever thread comes first, so neither thread ever waits for the other's other
+work. A copy staged in the ring is never handed over: the ring takes its slices back in order, on this thread,
+while the worker might still be reading one; a chunk with such a copy is drained up to it here, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +53,14 @@ from .staging_ring import StagingRing
 
 @dataclass
 class _Copy:
-    done: torch.cuda.Event | None
+    done: Any  # a torch.cuda.Event
     dst: torch.Tensor
     staged: torch.Tensor | None  # pinned host copy to add (or convert) into ``dst`` at drain
     add: bool
     on_done: Callable[[], None] | None
     in_ring: bool = False  # ``staged`` is a slice of the ring
+    key: Hashable | None = None  # whose gradient it is (a chunk id): what ``hand_over`` takes
+    land: Callable[[], None] | None = None  # handed over: waits for it and makes its add (the first call only)
 
 
 class GradOffload:
@@ -79,11 +92,18 @@ class GradOffload:
         return len(self._queue)
 
     def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, *, add: bool, on_done: Callable[[], None] | None = None
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        add: bool,
+        on_done: Callable[[], None] | None = None,
+        key: Hashable | None = None,
     ) -> None:
-        """``dst (host) = src`` (``+= src`` when ``add``), flat; asynchronous on CUDA until ``drain``."""
+        """``dst (host) = src`` (``+= src`` when ``add``), flat; asynchronous on CUDA until ``drain``, or until the
+        thread given ``key``'s copies (``hand_over``) has landed them."""
         src = src.reshape(-1)
-        if self.stream is None or src.device.type != "cuda" or dst.device.type == "cuda":
+        if not self._crosses(dst, src):
             if add:
                 dst.add_(src.to(dst.device))
             else:
@@ -92,22 +112,51 @@ class GradOffload:
                 on_done()
             return
         staged, in_ring = self._stage(src) if add or dst.dtype != src.dtype else (None, False)
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)  # the gradient was produced on the compute stream
-        with torch.cuda.stream(self.stream):
-            if staged is not None:
-                staged.copy_(src, non_blocking=True)
-            else:
-                dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        src.record_stream(self.stream)
+        done = self._launch(dst if staged is None else staged, src)
         self.async_bytes += src.numel() * src.element_size()
-        self._queue.append(_Copy(done, dst, staged, add, on_done, in_ring))
+        self._queue.append(_Copy(done, dst, staged, add, on_done, in_ring, key))
         if staged is not None:
             self._staged_bytes += staged.numel() * staged.element_size()
             while self._staged_bytes > self.max_staged_bytes and len(self._queue) > 1:
-                self.drain(keep=len(self._queue) - 1)
+                self._drain(len(self._queue) - 1, settle=False)
+
+    def _crosses(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Whether the copy goes device to host on the side stream (else it is plain and synchronous)."""
+        return self.stream is not None and src.device.type == "cuda" and dst.device.type != "cuda"
+
+    def _launch(self, to: torch.Tensor, src: torch.Tensor) -> Any:
+        """Copy ``src`` into pinned ``to`` on the side stream once the compute stream has produced it; the event
+        that marks the copy done."""
+        assert self.stream is not None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            to.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        src.record_stream(self.stream)
+        return done
+
+    def hand_over(self, key: Hashable) -> Callable[[], None]:
+        """[Note: gradients landed beside backward]: ``key``'s copies in flight, landed by whoever calls what this
+        returns (the worker, before it steps the chunk; a second call does nothing); drained here first if one is
+        staged in the ring."""
+        last = max((i for i, c in enumerate(self._queue) if c.key == key and c.in_ring), default=None)
+        if last is not None:
+            self._drain(len(self._queue) - last - 1, settle=False)
+        mine = [c for c in self._queue if c.key == key and c.land is None]
+        lock, landed = threading.Lock(), list[bool]()
+
+        def land() -> None:
+            with lock:
+                if not landed:
+                    landed.append(True)
+                    for c in mine:
+                        c.done.synchronize()
+                        self._finish(c)
+
+        for c in mine:
+            c.land = land
+        return land
 
     def _stage(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Pinned host memory for a copy of ``src``: a slice of the ring where there is one and it fits (the oldest
@@ -116,25 +165,37 @@ class GradOffload:
         if ring is not None and ring.fits(src.numel() * src.element_size()):
             while (staged := ring.take(src.numel(), src.dtype)) is None:
                 assert self._queue, "a ring slice outlived its copy"
-                self.drain(keep=len(self._queue) - 1)  # the oldest copy lands: its slice, if any, goes back
+                self._drain(len(self._queue) - 1, settle=False)  # the oldest lands: its slice goes back
             return staged, True
         return torch.empty(src.numel(), dtype=src.dtype, pin_memory=True), False
 
     def drain(self, keep: int = 0) -> None:
-        """Wait for the oldest copies until ``keep`` remain; finish their host-side adds and callbacks."""
+        """Wait for the oldest copies until ``keep`` remain; finish their host-side adds and callbacks. With
+        ``keep=0`` every gradient is final after it: copies handed over are landed here if the worker has not."""
+        self._drain(keep, settle=keep == 0)
+
+    def _drain(self, keep: int, *, settle: bool) -> None:
         while len(self._queue) > keep:
             c = self._queue.popleft()
-            if c.done is not None:
-                with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
-                    c.done.synchronize()
+            with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
+                c.done.synchronize()
+                if c.land is not None and settle:
+                    c.land()  # made here if the worker has not come to it yet
+            if c.land is None:
+                self._finish(c)
             if c.staged is not None:
-                if c.add:
-                    c.dst.add_(c.staged)
-                else:
-                    c.dst.copy_(c.staged)
                 self._staged_bytes -= c.staged.numel() * c.staged.element_size()
                 if c.in_ring:
                     assert self.ring is not None
                     self.ring.give_back()
             if c.on_done is not None:
                 c.on_done()
+
+    @staticmethod
+    def _finish(c: _Copy) -> None:
+        """A landed copy's host-side add (or conversion) from its staging buffer."""
+        if c.staged is not None:
+            if c.add:
+                c.dst.add_(c.staged)
+            else:
+                c.dst.copy_(c.staged)
