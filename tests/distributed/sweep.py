@@ -1,7 +1,7 @@
 """A random sweep of two-rank configurations against DDP, run by hand (not collected by pytest):
 
     .venv/bin/python tests/distributed/sweep.py --seed 1 --runs 40 [--as-nccl] [--devices 4] [--resume]
-                                            [--resume-devices 4] [--ema]
+                                            [--resume-devices 4] [--ema] [--late-copies]
 
 Each run draws a test model, a precision, accumulation, clipping (by norm or value), an optimizer and
 chunk_offload's options (placement, kernel, chunk size, ``step_in_backward``, ``reshard_after_forward``,
@@ -19,7 +19,8 @@ hand-written parity cases (``parity_cases.py``) pin what a sweep found; this loo
 (placement, chunk size, limits), against DDP saved and resumed at the same step; ``--resume-devices 4`` (which
 implies ``--resume``) resumes on four ranks, or one, what ``--devices`` saved. ``--reduce-dtype bfloat16`` sums
 chunk_offload's gradients across ranks in bf16 (``ChunkPrecision(reduce_dtype=...)``), compared as the bf16
-precisions are.
+precisions are. ``--late-copies`` makes chunk_offload's gradient copies to host shards land late, as on CUDA, with
+chunks stepped in backward on the worker thread (``tests.callbacks.LateGradientCopies``).
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def train(spec: dict, out: str) -> None:
         if isinstance(limit, list):  # this rank's, in turn: Lightning's launcher starts the others with LOCAL_RANK set
             limit = limit[int(os.environ.get("LOCAL_RANK", 0)) % len(limit)]
         opts["device_memory_limit"] = int(limit * sum(p.numel() * p.element_size() for p in model.parameters()))
+    late = opts.pop("late_copies", False)
+    if late:
+        opts["step_thread"] = True
     low = {"precision": spec["precision"]}
     if "reduce_dtype" in opts:  # gradients summed across ranks in this dtype (FSDP's MixedPrecision.reduce_dtype)
         from lightning_chunk import ChunkPrecision
@@ -147,6 +151,10 @@ def train(spec: dict, out: str) -> None:
         from lightning_chunk import ChunkEMA
 
         callbacks.append(ChunkEMA(decay=0.8) if spec.get("opts") is not None else EMAWeightAveraging(decay=0.8))
+    if late:
+        from tests.callbacks import LateGradientCopies
+
+        callbacks.append(LateGradientCopies())
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -212,6 +220,7 @@ def sweep(
     resume_devices: int | None = None,
     reduce_dtype: str | None = None,
     ema: bool = False,
+    late_copies: bool = False,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.distributed.launch import AS_NCCL
@@ -227,10 +236,13 @@ def sweep(
             base["ema"] = True
         if reduce_dtype is not None:  # every chunk_offload fit, after the draws: a seed draws what it drew before
             opts["reduce_dtype"] = reduce_dtype
+        if late_copies:
+            opts["late_copies"] = True
         resumed = None
         if resume:  # saved after this many optimizer steps, resumed with options drawn afresh
             base["resume_at"] = rng.randrange(2, base["steps"])
             resumed = draw_options(rng, base["cls"]) | ({"reduce_dtype": reduce_dtype} if reduce_dtype else {})
+            resumed |= {"late_copies": True} if late_copies else {}
             if resume_devices is not None:
                 base["resume_devices"] = resume_devices
         ref = f"ddp_{hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]}"
@@ -264,6 +276,7 @@ def main() -> None:
     parser.add_argument("--resume-devices", type=int, help="resume on this many ranks (implies --resume)")
     parser.add_argument("--reduce-dtype", help="chunk_offload sums gradients across ranks in this dtype (bfloat16)")
     parser.add_argument("--ema", action="store_true", help="both average the weights (ChunkEMA; EMAWeightAveraging)")
+    parser.add_argument("--late-copies", action="store_true", help="gradient copies to the host land late, as on CUDA")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -280,6 +293,7 @@ def main() -> None:
             resume_devices=args.resume_devices,
             reduce_dtype=args.reduce_dtype,
             ema=args.ema,
+            late_copies=args.late_copies,
         )
 
 
