@@ -11,6 +11,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from lightning_chunk.engine.tiers.offload import GradOffload
+from lightning_chunk.engine.tiers.staging_ring import StagingRing
 
 WORKER = "lightning_chunk host step_0"  # the worker thread's name (HostStepThread)
 
@@ -67,14 +68,17 @@ class LateCopies(GradOffload):
         return super().hand_over(key)
 
     def _stage(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        return torch.empty_like(src), False
+        return super()._stage(src) if self.ring is not None else (torch.empty_like(src), False)
 
 
-def late_copies(manager: object) -> LateCopies:
-    """``manager``'s gradient copies land late from now on."""
+def late_copies(manager: object, ring_bytes: int | None = None) -> LateCopies:
+    """``manager``'s gradient copies land late from now on; ``ring_bytes``: staged in a ring of that many bytes, as
+    with ``pin_memory="exact"`` ([Note: staging in a ring] in ``tiers/staging_ring.py``)."""
     old = manager.reducer.offload  # type: ignore[attr-defined]
     assert not len(old), "copies in flight"
     late = LateCopies(old.device)
+    if ring_bytes is not None:
+        late.ring = StagingRing(ring_bytes, lambda n: torch.empty(n, dtype=torch.uint8))
     late.clock = old.clock
     manager.reducer.offload = late  # type: ignore[attr-defined]
     return late

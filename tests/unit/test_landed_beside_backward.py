@@ -23,18 +23,20 @@ class Net(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_the_worker_lands_each_chunk_s_gradient_copies_and_the_steps_are_torch_s(accumulate):
+@pytest.mark.parametrize("accumulate,ring", [(1, None), (2, None), (2, 1280)])
+def test_the_worker_lands_each_chunk_s_gradient_copies_and_the_steps_are_torch_s(accumulate, ring):
     """Before, the autograd thread drained every copy before handing each chunk to the worker: it waited, once a
     chunk, for the GPU to finish all it had queued. With accumulation the last micro-batch's copies are added on
-    the host from their staging buffers: the worker does that too."""
+    the host from their staging buffers: the worker does that too. A ring of 1280 bytes (``pin_memory="exact"``)
+    holds about two chunks' staged copies: the autograd thread lands the oldest handed ones itself to take their
+    slices back."""
     torch.manual_seed(0)
     model, ref = Net(), Net()
     ref.load_state_dict(model.state_dict())
     opt, oref = torch.optim.Adam(model.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
     config = ChunkConfig(placement="host", chunk_numel=150, step_in_backward=True, step_thread=True)
     eng = ChunkEngine(model, [opt], config=config)
-    late = late_copies(eng.manager)
+    late = late_copies(eng.manager, ring)
     landed_by = []
     for i in range(5):
         xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * i + j)) for j in range(accumulate)]

@@ -32,8 +32,8 @@ stay in the queue, marked: a later drain on the autograd thread still waits for 
 payloads being copied, and their ``on_done``, hold as before) but leaves the adds to the worker. A full drain
 (``keep=0``, after which gradients are read as final) lands them itself where the worker has not come to them
 yet: landing is done once, by whichever thread comes first, so neither thread ever waits for the other's other
-work. A copy staged in the ring is never handed over: the ring takes its slices back in order, on this thread,
-while the worker might still be reading one; a chunk with such a copy is drained up to it here, as before.
+work. So does any drain of a copy staged in the ring, which takes its slices back in order, on this thread: a
+slice goes back only once its add has read it.
 """
 
 from __future__ import annotations
@@ -138,11 +138,7 @@ class GradOffload:
 
     def hand_over(self, key: Hashable) -> Callable[[], None]:
         """[Note: gradients landed beside backward]: ``key``'s copies in flight, landed by whoever calls what this
-        returns (the worker, before it steps the chunk; a second call does nothing); drained here first if one is
-        staged in the ring."""
-        last = max((i for i, c in enumerate(self._queue) if c.key == key and c.in_ring), default=None)
-        if last is not None:
-            self._drain(len(self._queue) - last - 1, settle=False)
+        returns first (the worker, before it steps the chunk; a drain that must have them landed)."""
         mine = [c for c in self._queue if c.key == key and c.land is None]
         lock, landed = threading.Lock(), list[bool]()
 
@@ -179,8 +175,8 @@ class GradOffload:
             c = self._queue.popleft()
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
                 c.done.synchronize()
-                if c.land is not None and settle:
-                    c.land()  # made here if the worker has not come to it yet
+                if c.land is not None and (settle or c.in_ring):
+                    c.land()  # made here if the worker has not come to it yet: the ring's slice goes back below
             if c.land is None:
                 self._finish(c)
             if c.staged is not None:
