@@ -309,7 +309,9 @@ CASES = {
     # overflow]); and under fp16 loss scaling from a scale that overflows in the first steps, in some chunk shards
     # of one rank and not the other's: the vote undoes the other's
     "early_clip_norm": dict(
-        trainer=dict(gradient_clip_val=0.05), strategy=dict(placement="host", step_in_backward=True, step_thread=True)
+        trainer=dict(gradient_clip_val=0.05),
+        strategy=dict(placement="host", step_in_backward=True, step_thread=True),
+        callbacks=["LateGradientCopies"],  # the guesses step on the worker from copies that land late, as on CUDA
     ),
     # ... with gradient accumulation (the guess on the micro-batch that steps, the norm of the sum)
     "clip_norm_accumulate": dict(ACCUMULATE, trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
