@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -46,17 +47,9 @@ class LateCopies(GradOffload):
     def _crosses(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         return True
 
-    def copy(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        add: bool,
-        on_done: Callable[[], None] | None = None,
-        key: Hashable | None = None,
-    ) -> None:
-        self.key = key
-        super().copy(dst, src, add=add, on_done=on_done, key=key)
+    def copy(self, *args: Any, **kwargs: Any) -> None:
+        self.key = kwargs.get("key")  # the next ``_launch``'s
+        super().copy(*args, **kwargs)
 
     def _launch(self, to: torch.Tensor, src: torch.Tensor) -> Late:
         to.fill_(float("nan"))  # not landed yet
