@@ -68,6 +68,8 @@ def test_the_worker_lands_each_chunk_s_gradient_copies_and_the_steps_are_torch_s
     assert landed_by[0] == {"main, before hand-over"}, landed_by
     assert all(by <= {WORKER, "main, handed over"} for by in landed_by[1:]), landed_by
     assert WORKER in set().union(*landed_by[1:]), landed_by  # the end of backward may come first to some
+    stats = eng.memory_stats()
+    assert stats["grad_copies_handed_over"] >= stats["grad_copies_landed_by_drain"] and stats["grad_copies_handed_over"]
     sd = eng.full_state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)

@@ -436,7 +436,7 @@ class ChunkManager:
             **self.tiers.disk.stats(),
             **self.pool.stats(),
             **asdict(self.transfers),  # bytes copied each way, evictions, gathers, waiting releases
-            "d2h_async_bytes": self.reducer.offload.async_bytes,  # of which copied on the side stream (CUDA)
+            **self.reducer.offload.stats(),  # of those bytes, copied on the side stream (CUDA); the worker's part
             # host bytes page-locked to the byte now (``pin_memory="exact"``): the host shards, a save's copies
             "exact_pinned_bytes": self.tiers.host.exact.live_bytes if self.tiers.host.exact is not None else 0,
             "chunks": len(self.chunks),

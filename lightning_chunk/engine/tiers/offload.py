@@ -60,7 +60,7 @@ class _Copy:
     on_done: Callable[[], None] | None
     in_ring: bool = False  # ``staged`` is a slice of the ring
     key: Hashable | None = None  # whose gradient it is (a chunk id): what ``hand_over`` takes
-    land: Callable[[], None] | None = None  # handed over: waits for it and makes its add (the first call only)
+    land: Callable[[bool], None] | None = None  # handed over: waits for it and makes its add (the first call only)
 
 
 class GradOffload:
@@ -82,6 +82,8 @@ class GradOffload:
         self._staged_bytes = 0
         self.max_staged_bytes = max_staged_bytes  # pinned staging alive at once (accumulating micro-batches)
         self.async_bytes = 0  # bytes copied off the compute stream's critical path (telemetry)
+        self.handed_over = 0  # copies handed to the worker to land ([Note: gradients landed beside backward])
+        self.landed_by_drain = 0  # of those, copies a drain landed because the worker had not come to them yet
         self.clock: Any | None = None  # a StepClock: the host's waits for copies to land are ``tier_copy``
 
     @property
@@ -120,6 +122,13 @@ class GradOffload:
             while self._staged_bytes > self.max_staged_bytes and len(self._queue) > 1:
                 self._drain(len(self._queue) - 1, settle=False)
 
+    def stats(self) -> dict[str, int]:
+        return {
+            "d2h_async_bytes": self.async_bytes,
+            "grad_copies_handed_over": self.handed_over,
+            "grad_copies_landed_by_drain": self.landed_by_drain,
+        }
+
     def _crosses(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Whether the copy goes device to host on the side stream (else it is plain and synchronous)."""
         return self.stream is not None and src.device.type == "cuda" and dst.device.type != "cuda"
@@ -142,16 +151,18 @@ class GradOffload:
         mine = [c for c in self._queue if c.key == key and c.land is None]
         lock, landed = threading.Lock(), list[bool]()
 
-        def land() -> None:
+        def land(drained: bool = False) -> None:
             with lock:
                 if not landed:
                     landed.append(True)
+                    self.landed_by_drain += len(mine) if drained else 0
                     for c in mine:
                         c.done.synchronize()
                         self._finish(c)
 
         for c in mine:
             c.land = land
+        self.handed_over += len(mine)
         return land
 
     def _stage(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -176,7 +187,7 @@ class GradOffload:
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
                 c.done.synchronize()
                 if c.land is not None and (settle or c.in_ring):
-                    c.land()  # made here if the worker has not come to it yet: the ring's slice goes back below
+                    c.land(True)  # made here if the worker has not come to it yet: the ring's slice goes back below
             if c.land is None:
                 self._finish(c)
             if c.staged is not None:
