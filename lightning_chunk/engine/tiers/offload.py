@@ -22,6 +22,9 @@ the gradient:
   at the end of backward, so the optimizer, clipping and the next step read finished gradients,
   and when it needs the device bytes of payloads still being copied.
 
+On CPU, and with ``pin_memory=False`` where an asynchronous copy into pageable memory would not be
+asynchronous anyway, copies are plain and synchronous.
+
 [Note: gradients landed beside backward]
 Stepping in backward, a chunk's host step runs on a worker thread ([Note: the host Adam beside backward] in
 ``step_thread.py``). Had the autograd thread drained the copies before handing the chunk over, it would wait,
