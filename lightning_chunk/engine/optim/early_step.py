@@ -191,9 +191,16 @@ class EarlyStep:
             # backward] in offload.py)
             land = mgr.reducer.offload.hand_over(chunk.chunk_id)
             self.stepped.add(chunk.chunk_id)
-            step = (lambda: self._host_step(chunk)) if spec is None else (lambda: spec.step(chunk, self._clip))
+
+            def job() -> None:
+                land()
+                if spec is None:
+                    self._host_step(chunk)
+                else:
+                    spec.step(chunk, self._clip)
+
             try:
-                self.thread.submit(chunk, lambda: (land(), step())[1], self._reaped)
+                self.thread.submit(chunk, job, self._reaped)
             except BaseException:
                 land()  # perhaps never handed to the worker (an earlier chunk's error): the copies land all the same
                 raise

@@ -13,8 +13,8 @@ measurement, small next to a hook.
 
 On CUDA the collectives and copies are stream-ordered: the host does not wait for them, so their causes show
 host time only (launching), and a stream's wait appears where the host next synchronises; the host's waits for
-gradient copies to land (``GradOffload.drain``, which stepping in backward does before each chunk's step) are
-``tier_copy``. Use the profiler there; these counts are exact on CPU devices, where every wait blocks the host.
+gradient copies to land (``GradOffload.drain``: at the end of backward, and where a bound or a step needs them)
+are ``tier_copy``. Use the profiler there; these counts are exact on CPU devices, where every wait blocks the host.
 """
 
 from __future__ import annotations

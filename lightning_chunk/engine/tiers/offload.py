@@ -35,8 +35,8 @@ stay in the queue, marked: a later drain on the autograd thread still waits for 
 payloads being copied, and their ``on_done``, hold as before) but leaves the adds to the worker. A full drain
 (``keep=0``, after which gradients are read as final) lands them itself where the worker has not come to them
 yet: landing is done once, by whichever thread comes first, so neither thread ever waits for the other's other
-work. So does any drain of a copy staged in the ring, which takes its slices back in order, on this thread: a
-slice goes back only once its add has read it.
+work. So does any drain of a staged copy, which lets its staging buffer go (a ring slice back, in order, on this
+thread): a buffer goes only once its add has read it, and ``max_staged_bytes`` bounds the staging alive.
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ class GradOffload:
             c = self._queue.popleft()
             with self.clock.measure("tier_copy") if self.clock is not None else contextlib.nullcontext():
                 c.done.synchronize()
-                if c.land is not None and (settle or c.in_ring):
-                    c.land(True)  # made here if the worker has not come to it yet: the ring's slice goes back below
+                if c.land is not None and (settle or c.staged is not None):
+                    c.land(True)  # made here if the worker has not come to it yet: its staging goes below
             if c.land is None:
                 self._finish(c)
             if c.staged is not None:
