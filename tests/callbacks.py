@@ -220,10 +220,11 @@ class LateGradientCopies(L.Callback):
         self.late = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.late is None:
+        manager = trainer.strategy.engine.manager
+        if self.late is None or manager.reducer.offload is not self.late:  # a resumed fit's engine is a new one
             from tests.late_copies import late_copies
 
-            self.late = late_copies(trainer.strategy.engine.manager)
+            self.late = late_copies(manager)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step > 1:  # after the warm-up step

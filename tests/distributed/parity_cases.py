@@ -299,6 +299,16 @@ CASES = {
     ),
     # the same under a device limit that evicts payloads, with the automatic chunk size, on a model used in another
     # order than registered
+    # ... as a user meets it (USER: automatic chunk size, limits that differ by rank, a model used in another order
+    # than registered) with sharded accumulation, copies to the host that land late as on CUDA, a resume in the middle
+    "early_user_late": dict(
+        USER,
+        cls="ReorderedNet",
+        trainer=dict(accumulate_grad_batches=2),
+        resume_at=5,
+        strategy=dict(USER["strategy"], step_in_backward=True, step_thread=True),
+        callbacks=["LateGradientCopies"],
+    ),
     "early_limit_thread": dict(
         cls="ReorderedNet",
         model=dict(dim=64, hidden=512, depth=3),

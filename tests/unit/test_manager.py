@@ -223,24 +223,27 @@ def test_grad_offload_without_a_side_stream_copies_and_adds_at_once():
 
 
 def test_the_host_s_waits_for_gradient_copies_are_charged_to_tier_copy():
-    """[Note: where a step's time goes] on CUDA: a drain that waits for a copy to land is ``tier_copy`` (stepping in
-    backward drains before each chunk's step), played here with an event that takes 50 ms to land."""
+    """[Note: where a step's time goes] on CUDA: a drain that waits for a copy to land is ``tier_copy`` (the end of
+    backward drains them all), played here with events that take 50 and 500 ms to land."""
     import time
 
     from lightning_chunk.engine.system.timing import StepClock
     from lightning_chunk.engine.tiers.offload import GradOffload, _Copy
 
     class Landing:
+        def __init__(self, s):
+            self.s = s
+
         def synchronize(self):
-            time.sleep(0.05)
+            time.sleep(self.s)
 
     off, dst = GradOffload(torch.device("cpu"), pinned=False), torch.zeros(4)
     off.clock = StepClock()
-    off._queue.extend(_Copy(Landing(), dst, None, False, None) for _ in range(2))  # type: ignore[arg-type]
-    off.drain(keep=1)
-    assert len(off) == 1 and 0.05 <= off.clock.seconds["tier_copy"] < 0.1
+    off._queue.extend(_Copy(Landing(s), dst, None, False, None) for s in (0.05, 0.5))  # type: ignore[arg-type]
+    off.drain(keep=1)  # the older copy only
+    assert len(off) == 1 and 0.05 <= off.clock.seconds["tier_copy"] < 0.5
     off.drain()
-    assert off.clock.seconds["tier_copy"] >= 0.1
+    assert off.clock.seconds["tier_copy"] >= 0.55
 
 
 def test_disk_shards_live_in_files_and_page_out_after_use(tmp_path):
