@@ -297,10 +297,7 @@ CASES = {
         strategy=dict(placement="host", chunk_numel=20000, step_in_backward=True, step_thread=True),
         callbacks=["LateGradientCopies"],  # the copies to the host land late, as on CUDA
     ),
-    # the same under a device limit that evicts payloads, with the automatic chunk size, on a model used in another
-    # order than registered
-    # ... as a user meets it (USER: automatic chunk size, limits that differ by rank, a model used in another order
-    # than registered) with sharded accumulation, copies to the host that land late as on CUDA, a resume in the middle
+    # ... as a user meets it (USER) with sharded accumulation, copies landing late as on CUDA, a resume in the middle
     "early_user_late": dict(
         USER,
         cls="ReorderedNet",
@@ -309,6 +306,8 @@ CASES = {
         strategy=dict(USER["strategy"], step_in_backward=True, step_thread=True),
         callbacks=["LateGradientCopies"],
     ),
+    # the same under a device limit that evicts payloads, with the automatic chunk size, on a model used in another
+    # order than registered
     "early_limit_thread": dict(
         cls="ReorderedNet",
         model=dict(dim=64, hidden=512, depth=3),
