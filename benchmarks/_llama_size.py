@@ -64,3 +64,14 @@ def model_params(shape: dict) -> int:
     h, i, v, n = shape["hidden"], shape["intermediate"], shape["vocab"], shape["layers"]
     kv = shape["kv_heads"] * (h // shape["heads"])
     return 2 * v * h + h + n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
+
+
+def llama_init(module: Any) -> None:
+    """Llama's own initialisation (normal, std 0.02; norms at one) for deferred init: torch's kaiming_uniform_ draws
+    some 35M numbers a second on one core, minutes of a lent GPU's time at 10B parameters; normal_ is ten times
+    faster."""
+    for name, t in module.named_parameters(recurse=False):
+        if name == "weight" and t.dim() == 1:
+            t.data.fill_(1.0)
+        else:
+            t.data.normal_(0.0, 0.02)

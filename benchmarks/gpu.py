@@ -20,7 +20,8 @@ Contenders, each a fresh ``Trainer.fit`` of ``--steps`` steps in its own process
   as skipped otherwise, never faked).
 - ``deepspeed zero-3 offload``: DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU
   (``DeepSpeedCPUAdam``), bf16 on CUDA, the same GPT, data and activation checkpointing in DeepSpeed's own loop,
-  started by torchrun; skipped where deepspeed is not installed (``pip install --no-build-isolation deepspeed``).
+  one rank told so in the variables torchrun sets; skipped where deepspeed is not installed
+  (``pip install --no-build-isolation deepspeed``).
 
 Per contender: median step time after ``--skip`` warm-up steps, tokens/s, model TFLOP/s (6 × parameters
 + 12 × depth × width × context FLOPs a token, the usual count for a decoder, checkpoint recompute not
@@ -36,7 +37,6 @@ import argparse
 import importlib.util
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +45,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    ROOT,
     clean_env,
     deepspeed_offload_config,
     free_port,
@@ -285,21 +284,16 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         return {"contender": name, "skipped": "deepspeed is not installed"}
     out = scratch / f"{name.replace(' ', '_')}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
-    if deepspeed:  # one rank under torchrun: the environment deepspeed.init_distributed reads
-        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}"]
     for k in ("width", "depth", "context", "batch", "steps", "skip", "accelerator", "device_limit"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    env = clean_env()
+    if deepspeed:  # one rank, told so as torchrun would (deepspeed.init_distributed reads it); no torchrun, whose
+        # worker leads a session of its own and so outlived a stop at the budget, holding the GPU
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     # a caller with a time budget (gpu_campaign.py) gives a deadline: a child still running then is stopped
     timeout = max(getattr(args, "deadline", time.monotonic() + 3600) - time.monotonic(), 1)
     launched = time.perf_counter()
-    if deepspeed:
-        try:
-            r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-            output = r.stdout + r.stderr
-        except subprocess.TimeoutExpired:
-            output = f"stopped at the time budget ({timeout:.0f} s)"
-    else:  # forked from a preloaded interpreter in the test suite's smoke runs
-        output = run_ranks(cmd, 1, clean_env(), timeout=timeout)[1]
+    output = run_ranks(cmd, 1, env, timeout=timeout)[1]
     ended = time.perf_counter()
     if not out.exists():
         tail = [ln for ln in output.strip().splitlines() if ln.strip()][-1:] or ["no output"]
@@ -328,7 +322,8 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
 def measure(args: argparse.Namespace) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="gpu_"))
     rows = []
-    for name in CONTENDERS:  # each row as it lands: a run stopped part-way still reports what it measured
+    # each row as it lands: a run stopped part-way still reports what it measured
+    for name in getattr(args, "contenders", None) or CONTENDERS:
         rows.append(run(name, args, scratch))
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["contender"] == "ddp" and "median_s" in r), None)

@@ -51,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, clean_env, proc_bytes, quiet_trainer, run_ranks, save_results, step_timer  # noqa: E402
-from _llama_size import LLAMA, MIN_LAYERS, fitting_layers, host_bytes, model_params  # noqa: E402
+from _llama_size import LLAMA, MIN_LAYERS, fitting_layers, host_bytes, llama_init, model_params  # noqa: E402
 
 PARTS = ("tests", "probes", "contenders", "largest")
 GIB = 2**30
@@ -164,6 +164,7 @@ def part_contenders(args: argparse.Namespace, budget: float, probes: dict) -> di
     gpu = _load("gpu")
     ns = argparse.Namespace(**{k: getattr(args, k) for k in ("width", "depth", "context", "batch", "steps", "skip")})
     ns.accelerator, ns.device_limit, ns.largest = args.accelerator, args.device_limit, False
+    ns.contenders = args.contenders
     ns.deadline = time.monotonic() + budget
     res = gpu.measure(ns)
     ddp = next((r for r in res["rows"] if r["contender"] == "ddp" and "tflops" in r), None)
@@ -190,6 +191,7 @@ def child_largest(args: argparse.Namespace) -> None:
     strategy = ChunkOffloadStrategy(  # stepped in backward: no model's worth of gradient shards on the host
         device_memory_limit=int(args.largest_limit) if args.largest_limit else None,
         step_in_backward=True,
+        param_init_fn=llama_init,
         checks=CheckOptions(log_memory_stats=False),
         offload=OffloadOptions(pin_memory="exact" if args.largest_pin == "exact" else True),
     )
@@ -351,7 +353,9 @@ def render(res: dict) -> str:
             if "host_adam_gbps" in p
             else f"host probes {p.get('host')}"
         )
-        lines += [f"probes: {copies}; {host}", ""]
+        earlier = p.get("from")  # --probes-from
+        whence = f" (from {earlier['commit']} on {earlier['device']})" if earlier else ""
+        lines += [f"probes{whence}: {copies}; {host}", ""]
     if "contenders" in parts:
         c = parts["contenders"]
         if "rows" in c:
@@ -385,8 +389,12 @@ def measure(args: argparse.Namespace) -> dict:
         save_results(res, args.out)
         Path(args.out).with_suffix(".md").write_text(render(res) + "\n")
 
+    if args.probes_from:  # an earlier run's probes on the same kind of machine, named as such
+        earlier = json.loads(Path(args.probes_from).read_text())
+        parts["probes"] = {**earlier["parts"]["probes"], "from": {"file": args.probes_from, **earlier["machine"]}}
+    caps = dict((k, float(v)) for k, v in (c.split("=") for c in args.cap))
     for name in args.parts:
-        left = deadline - time.monotonic()
+        left = min(deadline - time.monotonic(), caps.get(name, args.budget))
         if left < 5:
             parts[name] = {"failed": "no time left in --budget"}
             continue
@@ -415,6 +423,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="every part on CPU at a tiny size")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--budget", type=float, default=480, help="seconds for all parts together")
+    p.add_argument("--cap", nargs="*", default=[], metavar="PART=SECONDS", help="at most this long for a part")
+    p.add_argument("--contenders", nargs="+", help="these rows of gpu.py, in this order (default: all of them)")
+    p.add_argument("--probes-from", help="take the probes from this earlier campaign JSON instead of running them")
     p.add_argument("--out", default="benchmarks/results/gpu_campaign.json")
     p.add_argument("--host-memory", type=int, default=0, help="bytes (default: what this machine has available)")
     p.add_argument("--child", help=argparse.SUPPRESS)
