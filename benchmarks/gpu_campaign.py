@@ -3,8 +3,15 @@
     python benchmarks/gpu_campaign.py --out $OUT/gpu_campaign.json     # on the GPU machine (../shared/GPU.md)
     python benchmarks/gpu_campaign.py --smoke --out /tmp/c.json        # all of it on CPU at a tiny size (the tests)
 
-Parts, in this order, each given what is left of ``--budget`` seconds; the JSON and the table are rewritten after
-each, so a run stopped part-way keeps what it measured (``--parts`` runs some again):
+Parts, in this order, each given what is left of ``--budget`` seconds (at most ``--cap PART=SECONDS``); the JSON
+and the table are rewritten after each, so a run stopped part-way keeps what it measured (``--parts`` runs some
+again, ``--contenders`` picks rows, ``--probes-from`` reuses an earlier run's probes on the same kind of machine).
+Every part at once does not fit one 10-minute command (on an H200 on 2026-11-30: ``tests`` 90 s, ``probes`` 76 s,
+a contender's row about 100 s), so a lease measures first what the committed results lack, for example:
+
+    python benchmarks/gpu_campaign.py --parts tests contenders largest --contenders "chunk_offload step_in_backward" \
+      ddp "deepspeed zero-3 offload" --cap contenders=290 --probes-from benchmarks/results/gpu_campaign.json \
+      --budget 560 --out $OUT/gpu_campaign.json
 
 - ``tests``: ``pytest tests/gpu``: passed, failed, skipped and the first failures.
 - ``probes``: the roofline's inputs. Host to device and back, pinned and pageable (GB/s, 512 MiB copies); host
@@ -50,11 +57,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _campaign_table import render  # noqa: E402
 from _common import ROOT, clean_env, proc_bytes, quiet_trainer, run_ranks, save_results, step_timer  # noqa: E402
 from _llama_size import LLAMA, MIN_LAYERS, fitting_layers, host_bytes, llama_init, model_params  # noqa: E402
 
 PARTS = ("tests", "probes", "contenders", "largest")
-GIB = 2**30
 ADAM_BYTES = 30  # a parameter the host Adam reads and writes, the bf16 copy included
 TINY_LLAMA = dict(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256)
 
@@ -181,6 +188,7 @@ def child_largest(args: argparse.Namespace) -> None:
     from lightning_chunk import CheckOptions, ChunkOffloadStrategy, OffloadOptions
     from lightning_chunk.shapes import Llama
 
+    marks = {"started": time.perf_counter()}
     shape = json.loads(args.shape)
     cuda = args.accelerator == "cuda"
     L.seed_everything(0, verbose=False)
@@ -195,18 +203,27 @@ def child_largest(args: argparse.Namespace) -> None:
         checks=CheckOptions(log_memory_stats=False),
         offload=OffloadOptions(pin_memory="exact" if args.largest_pin == "exact" else True),
     )
-    trainer = quiet_trainer(
-        1,
-        strategy,
-        args.largest_steps,
-        args.accelerator,
-        precision="bf16-mixed",
-        callbacks=[step_timer(times), _load("gpu").traffic(strategy, 1, moved)],
-    )
+
+    def report(done: bool) -> None:  # at each step: a child stopped at the budget keeps its set-up and steps
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        res = {"times": times, "params": model_params(shape), "peak_device": peak, "peak_host": proc_bytes("VmHWM")}
+        out = Path(args.child_out)
+        out.with_suffix(".tmp").write_text(json.dumps({**res, **moved, "marks": marks, "done": done}))
+        out.with_suffix(".tmp").replace(out)
+
+    class Progress(L.Callback):
+        def on_train_start(self, *_: Any) -> None:
+            marks["set_up"] = time.perf_counter()
+            report(False)
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            report(False)
+
+    callbacks = [step_timer(times), _load("gpu").traffic(strategy, 1, moved), Progress()]
+    precision = "bf16-mixed"
+    trainer = quiet_trainer(1, strategy, args.largest_steps, args.accelerator, precision=precision, callbacks=callbacks)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.largest_batch))
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
-    res = {"times": times, "params": model_params(shape), "peak_device": peak, "peak_host": proc_bytes("VmHWM")}
-    Path(args.child_out).write_text(json.dumps({**res, **moved}))
+    report(True)
 
 
 EXACT_TESTS = ("exact", "pinned_to_the_byte")  # what tests/gpu's checks of pin_memory="exact" are named by
@@ -257,9 +274,13 @@ def part_largest(
             "planned_peak_host": planned,
             "pin_memory": pin,
         }
-        if out.exists():
-            res = json.loads(out.read_text())
-            steady = res.pop("times")[1:]  # the first step is the warm-up's
+        res = json.loads(out.read_text()) if out.exists() else {}
+        marks, times = res.pop("marks", {}), res.pop("times", [])
+        if "set_up" in marks:  # seconds from the child's start to the first step, and that (warm-up) step's
+            row.update(set_up_s=marks["set_up"] - marks["started"], first_step_s=(times or [None])[0])
+        steady = times[1:]  # the first step is the warm-up's
+        if steady:  # all of them, or those done when the budget stopped it
+            row["steps_done"] = len(times)
             step = statistics.median(steady)
             tokens = args.largest_batch * args.largest_context
             flops = 6 * res["params"] * tokens + 12 * layers * shape["hidden"] * args.largest_context * tokens
@@ -269,7 +290,7 @@ def part_largest(
             tries.append(row)
             return {"rows": tries}
         tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or [f"exit {rc}, no output"]
-        row["failed"] = tail[0][:300]
+        row["failed"] = f"after {len(times)} steps: " * bool(marks) + tail[0][:300]
         tries.append(row)
         smaller = max(layers * 4 // 5, MIN_LAYERS)
         if pin == "exact":  # the next try in torch's pinned blocks, at the size their plan allows
@@ -299,84 +320,6 @@ def _machine(args: argparse.Namespace) -> dict:
         info["commit"] = None
     info["host_memory"] = args.host_memory or host_bytes()
     return info
-
-
-def _num(x: Any, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _table(rows: list[dict]) -> list[str]:
-    out = [
-        "| contender | params | s/step | tokens/s | model TFLOP/s | peak device GiB | peak host GiB | x DDP | "
-        "T_gpu / T_cpu / T_pcie s | x bound |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        if "median_s" not in r:
-            why = r.get("skipped") and "skipped: " + r["skipped"] or "failed: " + r.get("failed", "?")
-            out.append(f"| {r['contender']} | {r.get('params', 0):,} | {why} |  |  |  |  |  |  |  |")
-            continue
-        parts = " / ".join(_num(r.get(k), ".3f") for k in ("t_gpu", "t_cpu", "t_pcie")) if "bound_s" in r else "-"
-        out.append(
-            f"| {r['contender']} | {r['params']:,} | {r['median_s']:.3f} | {_num(r.get('tokens_per_s'), '.0f')} | "
-            f"{r['tflops']:.1f} | {r['peak_device'] / GIB:.2f} | {r['peak_host'] / GIB:.2f} | "
-            f"{_num(r.get('vs_ddp'), '.2f')} | {parts} | {_num(r.get('vs_bound'), '.2f')} |"
-        )
-    return out
-
-
-def render(res: dict) -> str:
-    m = res["machine"]
-    lines = [
-        f"GPU campaign on {m['device']} (driver {m['driver'] or '-'}), torch {m['torch']}, host "
-        f"{m['host_memory'] / GIB:.0f} GiB, commit {m['commit'] or '-'}",
-        "",
-    ]
-    parts = {k: v for k, v in res["parts"].items() if "failed" not in v or k == "tests"}
-    lines += [f"{k}: failed: {v['failed']}" for k, v in res["parts"].items() if k not in parts]
-    if "tests" in parts:
-        t = parts["tests"]
-        lines += [f"tests/gpu: {t.get('summary') or t.get('failed')}", *(f"  {f}" for f in t.get("failures", [])), ""]
-    if "probes" in parts:
-        p = parts["probes"]
-        ways = ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable")
-        copies = (
-            "copies "
-            + ", ".join(f"{k} {p[k]:.1f}" for k in ways)
-            + f" GB/s; bf16 matmul {p['matmul_tflops']:.0f} TFLOP/s"
-            if "h2d_pinned" in p
-            else "copies " + p.get("copies", "-")
-        )
-        host = (
-            f"host memory {p['host_bandwidth_gbps']:.1f} GB/s (the Adam pattern, {p['host_floor']}); "
-            f"host Adam {p['host_adam_gbps']:.1f} GB/s on {p['threads']} threads"
-            if "host_adam_gbps" in p
-            else f"host probes {p.get('host')}"
-        )
-        earlier = p.get("from")  # --probes-from
-        whence = f" (from {earlier['commit']} on {earlier['device']})" if earlier else ""
-        lines += [f"probes{whence}: {copies}; {host}", ""]
-    if "contenders" in parts:
-        c = parts["contenders"]
-        if "rows" in c:
-            lines += [
-                f"GPT width {c['width']}, depth {c['depth']}, context {c['context']}, batch {c['batch']}; "
-                f"chunk_offload device limit {c['device_limit']}",
-                "",
-                *_table(c["rows"]),
-                "",
-                *_load("gpu").time_spent(c["rows"]),
-            ]
-    if "largest" in parts and "rows" in parts["largest"]:
-        rows = parts["largest"]["rows"]
-        lines += ["Largest Llama-shaped model (bf16-mixed, built on the meta device):", "", *_table(rows)]
-        done = [r for r in rows if "of_host_capacity" in r]
-        if done:
-            share = done[-1]["of_host_capacity"]
-            lines.append(
-                f"\n{done[-1]['params'] / 1e9:.1f}B parameters: {share:.0%} of the host at 12 bytes a parameter"
-            )
-    return "\n".join(lines)
 
 
 def measure(args: argparse.Namespace) -> dict:

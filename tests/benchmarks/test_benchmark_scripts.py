@@ -1,6 +1,7 @@
 """Each benchmark script at a tiny size (seconds), so they cannot rot. No timing is asserted."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -390,6 +391,51 @@ def test_after_a_failed_try_pinned_to_the_byte_the_campaign_tries_torch_s_pinnin
     rows = campaign.part_largest(args, 600, {}, None)["rows"]
     assert [(r["layers"], r["pin_memory"]) for r in rows] == [(44, "exact"), (36, True), (32, True)]
     assert all(r["failed"] == "CUDA error" for r in rows)
+
+
+def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_its_set_up_and_steps(
+    tmp_path, monkeypatch
+):
+    """A short lease: only the rows asked for, the committed probes of the same kind of machine named as such; a
+    largest try the budget stops keeps its set-up's seconds and the steps it finished (each written as it ends)."""
+    import argparse
+    import types
+
+    campaign = load("gpu_campaign")
+    earlier = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu_campaign.json"
+    out = tmp_path / "lease.json"
+    res = campaign.main(["--smoke", "--parts", "contenders", "--contenders", "ddp", "--cap", "contenders=120"]
+                        + ["--probes-from", str(earlier), "--out", str(out)])  # fmt: skip
+    assert [r["contender"] for r in res["parts"]["contenders"]["rows"]] == ["ddp"]
+    machine = json.loads(earlier.read_text())["machine"]
+    assert res["parts"]["probes"]["from"]["device"] == machine["device"]
+    assert f"probes (from {machine['commit']} on {machine['device']})" in out.with_suffix(".md").read_text()
+
+    report = types.SimpleNamespace(phases=[types.SimpleNamespace(host=1)])
+    monkeypatch.setattr(campaign, "fitting_layers", lambda args, limit, pin=True: (36, report))
+    monkeypatch.setattr(campaign, "exact_pinning_passed", lambda *a: False)
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))
+    written = {"params": 7, "peak_device": 1, "peak_host": 2, "marks": {"started": 10.0, "set_up": 70.0}}
+
+    def stopped_after(times):
+        def run_ranks(cmd, *a, **k):  # the child's last report before the budget stopped it
+            Path(cmd[cmd.index("--child-out") + 1]).write_text(json.dumps({**written, "times": times, "done": False}))
+            return -9, "stopped\n"
+
+        return run_ranks
+
+    args = argparse.Namespace(smoke=False, accelerator="cuda", host_memory=128 << 30, scratch=str(tmp_path))
+    vars(args).update(largest_steps=3, largest_batch=1, largest_context=2048)
+    monkeypatch.setattr(campaign, "run_ranks", stopped_after([30.0, 2.0]))
+    (row,) = campaign.part_largest(args, 600, {}, None)["rows"]
+    assert (row["set_up_s"], row["first_step_s"], row["median_s"], row["steps_done"]) == (60.0, 30.0, 2.0, 2)
+    assert row["done"] is False and "failed" not in row
+    monkeypatch.setattr(campaign, "run_ranks", stopped_after([]))
+    rows = campaign.part_largest(args, 600, {}, None)["rows"]
+    assert rows[0]["set_up_s"] == 60.0 and rows[0]["failed"] == "after 0 steps: stopped"
+    assert "Llama 36 layers: set-up 60.0 s, warm-up step 30.0 s" in campaign.render(
+        {"machine": machine, "parts": {"largest": {"rows": [row]}}}
+    )
 
 
 def test_offload_states_benchmark_times_round_trips_on_one_and_two_ranks(tmp_path):

@@ -1,0 +1,91 @@
+"""The GPU campaign's report (``gpu_campaign.py``): its JSON as the markdown that docs/benchmarks.md takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu import time_spent
+
+GIB = 2**30
+
+
+def _num(x: Any, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    out = [
+        "| contender | params | s/step | tokens/s | model TFLOP/s | peak device GiB | peak host GiB | x DDP | "
+        "T_gpu / T_cpu / T_pcie s | x bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "median_s" not in r:
+            why = r.get("skipped") and "skipped: " + r["skipped"] or "failed: " + r.get("failed", "?")
+            out.append(f"| {r['contender']} | {r.get('params', 0):,} | {why} |  |  |  |  |  |  |  |")
+            continue
+        parts = " / ".join(_num(r.get(k), ".3f") for k in ("t_gpu", "t_cpu", "t_pcie")) if "bound_s" in r else "-"
+        out.append(
+            f"| {r['contender']} | {r['params']:,} | {r['median_s']:.3f} | {_num(r.get('tokens_per_s'), '.0f')} | "
+            f"{r['tflops']:.1f} | {r['peak_device'] / GIB:.2f} | {r['peak_host'] / GIB:.2f} | "
+            f"{_num(r.get('vs_ddp'), '.2f')} | {parts} | {_num(r.get('vs_bound'), '.2f')} |"
+        )
+    return out
+
+
+def render(res: dict) -> str:
+    m = res["machine"]
+    lines = [
+        f"GPU campaign on {m['device']} (driver {m['driver'] or '-'}), torch {m['torch']}, host "
+        f"{m['host_memory'] / GIB:.0f} GiB, commit {m['commit'] or '-'}",
+        "",
+    ]
+    parts = {k: v for k, v in res["parts"].items() if "failed" not in v or k == "tests"}
+    lines += [f"{k}: failed: {v['failed']}" for k, v in res["parts"].items() if k not in parts]
+    if "tests" in parts:
+        t = parts["tests"]
+        lines += [f"tests/gpu: {t.get('summary') or t.get('failed')}", *(f"  {f}" for f in t.get("failures", [])), ""]
+    if "probes" in parts:
+        p = parts["probes"]
+        ways = ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable")
+        copies = (
+            "copies "
+            + ", ".join(f"{k} {p[k]:.1f}" for k in ways)
+            + f" GB/s; bf16 matmul {p['matmul_tflops']:.0f} TFLOP/s"
+            if "h2d_pinned" in p
+            else "copies " + p.get("copies", "-")
+        )
+        host = (
+            f"host memory {p['host_bandwidth_gbps']:.1f} GB/s (the Adam pattern, {p['host_floor']}); "
+            f"host Adam {p['host_adam_gbps']:.1f} GB/s on {p['threads']} threads"
+            if "host_adam_gbps" in p
+            else f"host probes {p.get('host')}"
+        )
+        earlier = p.get("from")  # --probes-from
+        whence = f" (from {earlier['commit']} on {earlier['device']})" if earlier else ""
+        lines += [f"probes{whence}: {copies}; {host}", ""]
+    if "contenders" in parts:
+        c = parts["contenders"]
+        if "rows" in c:
+            lines += [
+                f"GPT width {c['width']}, depth {c['depth']}, context {c['context']}, batch {c['batch']}; "
+                f"chunk_offload device limit {c['device_limit']}",
+                "",
+                *_table(c["rows"]),
+                "",
+                *time_spent(c["rows"]),
+            ]
+    if "largest" in parts and "rows" in parts["largest"]:
+        rows = parts["largest"]["rows"]
+        lines += ["Largest Llama-shaped model (bf16-mixed, built on the meta device):", "", *_table(rows)]
+        for r in rows:  # where a lease's minutes went
+            if "set_up_s" in r:
+                first = _num(r["first_step_s"], ".1f")
+                lines.append(f"\n{r['contender']}: set-up {r['set_up_s']:.1f} s, warm-up step {first} s")
+        done = [r for r in rows if "of_host_capacity" in r]
+        if done:
+            share = done[-1]["of_host_capacity"]
+            lines.append(
+                f"\n{done[-1]['params'] / 1e9:.1f}B parameters: {share:.0%} of the host at 12 bytes a parameter"
+            )
+    return "\n".join(lines)
