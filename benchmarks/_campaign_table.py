@@ -61,6 +61,8 @@ def render(res: dict) -> str:
             if "host_adam_gbps" in p
             else f"host probes {p.get('host')}"
         )
+        if "host_first_touch_gbps" in p:
+            host += f"; fresh host pages written at {p['host_first_touch_gbps']:.2f} GB/s"
         earlier = p.get("from")  # --probes-from
         whence = f" (from {earlier['commit']} on {earlier['device']})" if earlier else ""
         lines += [f"probes{whence}: {copies}; {host}", ""]

@@ -293,6 +293,7 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
     assert "skipped" in parts["tests"]["summary"] and parts["tests"]["rc"] == 0  # tests/gpu without CUDA
     probes = parts["probes"]
     assert probes["host_bandwidth_gbps"] > 0 and probes["host_adam_gbps"] > 0 and "needs CUDA" in probes["copies"]
+    assert probes["host_first_touch_gbps"] > 0  # fresh pages: the pace of a large model's set-up
     rows = {r["contender"]: r for r in parts["contenders"]["rows"]}
     assert rows["ddp"]["vs_ddp"] == 1.0 and "bound_s" not in rows["ddp"]
     assert "skipped" in rows["fsdp + cpu offload"]
@@ -319,6 +320,7 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
         assert min(r["phases"].values()) >= 0 and sum(r["phases"].values()) == pytest.approx(r["wall_s"])
     (largest,) = parts["largest"]["rows"]
     assert largest["median_s"] > 0 and largest["params"] == 115_008  # the tiny Llama's count, built on meta
+    assert largest["done"] and largest["steps_done"] == 3 and largest["set_up_s"] > 0  # the child ends at its step
     saved = json.loads(out.read_text())
     assert set(saved["parts"]) == {"tests", "probes", "contenders", "largest"} and saved["meta"]["torch"]
     table = out.with_suffix(".md").read_text()
