@@ -350,6 +350,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.probes_from:  # an earlier run's probes on the same kind of machine, named as such
         earlier = json.loads(Path(args.probes_from).read_text())
         parts["probes"] = {**earlier["parts"]["probes"], "from": {"file": args.probes_from, **earlier["machine"]}}
+        parts["probes"]["host_first_touch_gbps"] = _first_touch_gbps(1 << 30)  # this machine's: seconds, not a bound
     caps = dict((k, float(v)) for k, v in (c.split("=") for c in args.cap))
     for name in args.parts:
         left = min(deadline - time.monotonic(), caps.get(name, args.budget))

@@ -411,6 +411,7 @@ def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_
     assert [r["contender"] for r in res["parts"]["contenders"]["rows"]] == ["ddp"]
     machine = json.loads(earlier.read_text())["machine"]
     assert res["parts"]["probes"]["from"]["device"] == machine["device"]
+    assert res["parts"]["probes"]["host_first_touch_gbps"] > 0  # measured here, where set-up's seconds are spent
     assert f"probes (from {machine['commit']} on {machine['device']})" in out.with_suffix(".md").read_text()
 
     report = types.SimpleNamespace(phases=[types.SimpleNamespace(host=1)])
