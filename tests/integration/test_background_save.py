@@ -83,9 +83,10 @@ def test_under_a_host_memory_limit_a_step_waits_for_the_writer_instead(tmp_path,
     checkpoint.save_sharded(eng, tmp_path / "sync.ckpt", {}, with_optimizer=True)
     held = HeldWriter(monkeypatch)
     save = checkpoint.save_sharded(eng, tmp_path / "bg.ckpt", {}, with_optimizer=True, background=True)
-    threading.Timer(0.3, held.release).start()
-    step(eng, model, opt, xs[1])  # waits until the writer has read every chunk
-    assert save is not None and save.aside_bytes == 0 and save.waited_s >= 0.2
+    released = threading.Event()
+    threading.Timer(0.3, lambda: (released.set(), held.release())).start()
+    step(eng, model, opt, xs[1])  # waits until the writer has read every chunk: it ends after the release
+    assert released.is_set() and save is not None and save.aside_bytes == 0 and save.waited_s > 0
     eng.manager.readers.settle()
     assert same_tensors(saved_tensors(tmp_path / "bg.ckpt"), saved_tensors(tmp_path / "sync.ckpt"))
     eng.teardown()
