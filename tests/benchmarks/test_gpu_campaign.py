@@ -1,0 +1,169 @@
+"""The GPU campaign (``benchmarks/gpu_campaign.py``) on CPU: its smoke run of every part, the plan that sizes its
+largest model, and how a short lease picks and keeps what it measures."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.scripts import load
+
+pytestmark = pytest.mark.slow  # child processes: the full suite's, not the fast tier's
+
+
+def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
+    """The campaign a lent GPU runs ([Note: a step's bound] in benchmarks/gpu_campaign.py), every part at a tiny
+    size: what the GPU would measure is reported or skipped by name, never faked, and each bound is the longest of
+    its three streams."""
+    out = tmp_path / "campaign.json"
+    res = load("gpu_campaign").main(["--smoke", "--out", str(out)])
+    parts = res["parts"]
+    assert "skipped" in parts["tests"]["summary"] and parts["tests"]["rc"] == 0  # tests/gpu without CUDA
+    probes = parts["probes"]
+    assert probes["host_bandwidth_gbps"] > 0 and probes["host_adam_gbps"] > 0 and "needs CUDA" in probes["copies"]
+    assert probes["host_first_touch_gbps"] > 0  # fresh pages: the pace of a large model's set-up
+    rows = {r["contender"]: r for r in parts["contenders"]["rows"]}
+    assert rows["ddp"]["vs_ddp"] == 1.0 and "bound_s" not in rows["ddp"]
+    assert "skipped" in rows["fsdp + cpu offload"]
+    ds = rows["deepspeed zero-3 offload"]
+    assert "skipped" in ds or ds["tokens_per_s"] > 0
+    for name in ("chunk_offload", "chunk_offload step_in_backward", "chunk_offload step_in_backward, no thread"):
+        r = rows[name]  # the smoke's limit leaves shards on the host: the engine's counts are there
+        assert r["host_stepped"] > 0 and r["h2d_per_step"] > 0 and r["d2h_per_step"] > 0
+        # the host's seconds a timed step by cause: on CUDA its waits (gradient copies before a step in backward)
+        assert 0 < r["host_s_per_step"]["optimizer"] < r["median_s"], r["host_s_per_step"]
+        assert r["bound_s"] == max(r["t_gpu"], r["t_cpu"], r["t_pcie"]) > 0
+        assert r["vs_bound"] == pytest.approx(r["median_s"] / r["bound_s"])
+    for r in (rows["ddp"], rows["chunk_offload"]):  # where a row's wall time went, phase by phase, adding up
+        assert set(r["phases"]) == {
+            "launch",
+            "imports",
+            "build",
+            "setup",
+            "first step",
+            "other steps",
+            "teardown",
+            "exit",
+        }
+        assert min(r["phases"].values()) >= 0 and sum(r["phases"].values()) == pytest.approx(r["wall_s"])
+    (largest,) = parts["largest"]["rows"]
+    assert largest["median_s"] > 0 and largest["params"] == 115_008  # the tiny Llama's count, built on meta
+    assert largest["done"] and largest["steps_done"] == 3 and largest["set_up_s"] > 0  # the child ends at its step
+    saved = json.loads(out.read_text())
+    assert set(saved["parts"]) == {"tests", "probes", "contenders", "largest"} and saved["meta"]["torch"]
+    table = out.with_suffix(".md").read_text()
+    assert "x bound" in table and "chunk_offload step_in_backward" in table and "Llama 2 layers" in table
+    assert "by phase: chunk_offload step_in_backward" in table and "by cause: chunk_offload step_in_backward (" in table
+    capsys.readouterr()
+    late = load("gpu_campaign").main(
+        ["--smoke", "--parts", "probes", "--budget", "1", "--out", str(tmp_path / "x.json")]
+    )
+    assert late["parts"]["probes"]["failed"] == "no time left in --budget"
+    # a host probe that fails (no compiler for its kernels) leaves the copies' numbers and no bound
+    probes = {"threads": 2, "copies": "skipped: needs CUDA", "host": "failed: no compiler"}
+    shown = load("gpu_campaign").render({"machine": saved["machine"], "parts": {"probes": probes}})
+    assert "host probes failed: no compiler" in shown
+    assert load("gpu_campaign").bound(rows["chunk_offload"], probes, 1.0) == {}
+
+
+def test_the_campaign_s_largest_model_for_80_gb_and_128_gib_is_past_7b_and_its_plan_fits():
+    """The issue's yardstick, in the plan the campaign sizes its largest run by: one 80 GB GPU at an 85% limit, 92% of
+    128 GiB of host, a 2048-token step's activations. 32 layers (6.7B) when the warm-up repack and a resume held the
+    optimizer state on the host; 44 (9.2B) since it is read after the repack; 36 (7.5B) once the plan counts the
+    pinned host shards in torch's power-of-two blocks, as a GPU holds them; 44 again pinned to the byte
+    (``pin_memory="exact"``, which the campaign takes where tests/gpu's checks of it passed)."""
+    import argparse
+
+    campaign = load("gpu_campaign")
+    args = argparse.Namespace(host_memory=128 << 30, accelerator="cuda", largest_batch=1, largest_context=2048)
+    for pin, most in ((True, 7e9), ("exact", 9e9)):
+        layers, report = campaign.fitting_layers(args, int(0.85 * 80e9), pin)
+        assert campaign.model_params({**campaign.LLAMA, "layers": layers}) > most, (pin, layers)
+        assert report.fits and max(p.host for p in report.phases) <= 0.92 * (128 << 30)
+
+
+def test_the_campaign_pins_to_the_byte_only_where_the_gpu_checks_of_it_passed():
+    import argparse
+
+    campaign = load("gpu_campaign")
+    cuda = argparse.Namespace(accelerator="cuda")
+    ok = {"summary": "29 passed in 80.1s", "failures": []}
+    failed = {"summary": "1 failed, 28 passed", "failures": ["FAILED tests/gpu/test_cuda.py::test_exact_pinned_x"]}
+    other = {"summary": "1 failed, 28 passed", "failures": ["FAILED tests/gpu/test_cuda.py::test_parity_on_cuda"]}
+    assert campaign.exact_pinning_passed(cuda, ok, 60) and campaign.exact_pinning_passed(cuda, other, 60)
+    assert not campaign.exact_pinning_passed(cuda, failed, 60)
+    assert not campaign.exact_pinning_passed(argparse.Namespace(accelerator="cpu"), ok, 60)
+
+
+def test_after_a_failed_try_pinned_to_the_byte_the_campaign_tries_torch_s_pinning_at_its_planned_size(
+    tmp_path, monkeypatch
+):
+    import argparse
+    import types
+
+    campaign = load("gpu_campaign")
+    report = types.SimpleNamespace(phases=[types.SimpleNamespace(host=1)])
+    monkeypatch.setattr(
+        campaign, "fitting_layers", lambda args, limit, pin=True: (44 if pin == "exact" else 36, report)
+    )
+    monkeypatch.setattr(campaign, "exact_pinning_passed", lambda *a: True)
+    monkeypatch.setattr(campaign, "run_ranks", lambda *a, **k: (1, "CUDA error\n"))
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))
+    args = argparse.Namespace(
+        smoke=False,
+        accelerator="cuda",
+        host_memory=128 << 30,
+        scratch=str(tmp_path),
+        largest_steps=3,
+        largest_batch=1,
+        largest_context=2048,
+    )
+    rows = campaign.part_largest(args, 600, {}, None)["rows"]
+    assert [(r["layers"], r["pin_memory"]) for r in rows] == [(44, "exact"), (36, True), (32, True)]
+    assert all(r["failed"] == "CUDA error" for r in rows)
+
+
+def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_its_set_up_and_steps(
+    tmp_path, monkeypatch
+):
+    """A short lease: only the rows asked for, the committed probes of the same kind of machine named as such; a
+    largest try the budget stops keeps its set-up's seconds and the steps it finished (each written as it ends)."""
+    import argparse
+    import types
+
+    campaign = load("gpu_campaign")
+    earlier = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu_campaign.json"
+    out = tmp_path / "lease.json"
+    res = campaign.main(["--smoke", "--parts", "contenders", "--contenders", "ddp", "--cap", "contenders=120"]
+                        + ["--probes-from", str(earlier), "--out", str(out)])  # fmt: skip
+    assert [r["contender"] for r in res["parts"]["contenders"]["rows"]] == ["ddp"]
+    machine = json.loads(earlier.read_text())["machine"]
+    assert res["parts"]["probes"]["from"]["device"] == machine["device"]
+    assert res["parts"]["probes"]["host_first_touch_gbps"] > 0  # measured here, where set-up's seconds are spent
+    assert f"probes (from {machine['commit']} on {machine['device']})" in out.with_suffix(".md").read_text()
+
+    report = types.SimpleNamespace(phases=[types.SimpleNamespace(host=1)])
+    monkeypatch.setattr(campaign, "fitting_layers", lambda args, limit, pin=True: (36, report))
+    monkeypatch.setattr(campaign, "exact_pinning_passed", lambda *a: False)
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))
+    written = {"params": 7, "peak_device": 1, "peak_host": 2, "marks": {"started": 10.0, "set_up": 70.0}}
+
+    def stopped_after(times):
+        def run_ranks(cmd, *a, **k):  # the child's last report before the budget stopped it
+            Path(cmd[cmd.index("--child-out") + 1]).write_text(json.dumps({**written, "times": times, "done": False}))
+            return -9, "stopped\n"
+
+        return run_ranks
+
+    args = argparse.Namespace(smoke=False, accelerator="cuda", host_memory=128 << 30, scratch=str(tmp_path))
+    vars(args).update(largest_steps=3, largest_batch=1, largest_context=2048)
+    monkeypatch.setattr(campaign, "run_ranks", stopped_after([30.0, 2.0]))
+    (row,) = campaign.part_largest(args, 600, {}, None)["rows"]
+    assert (row["set_up_s"], row["first_step_s"], row["median_s"], row["steps_done"]) == (60.0, 30.0, 2.0, 2)
+    assert row["done"] is False and "failed" not in row
+    monkeypatch.setattr(campaign, "run_ranks", stopped_after([]))
+    rows = campaign.part_largest(args, 600, {}, None)["rows"]
+    assert rows[0]["set_up_s"] == 60.0 and rows[0]["failed"] == "after 0 steps: stopped"
+    assert "Llama 36 layers: set-up 60.0 s, warm-up step 30.0 s" in campaign.render(
+        {"machine": machine, "parts": {"largest": {"rows": [row]}}}
+    )
