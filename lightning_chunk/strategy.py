@@ -40,6 +40,7 @@ from .engine.runtime.description import agree_on_limits
 from .finetuning import follow_finetuning, unfollow_finetuning
 from .grad_norms import sharded_grad_norm
 from .hf import PeftAdapters, keep_generation_in_step
+from .hf_weights import converted
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
 from .same_batches import check_same_batches, repeat_while_others_run
@@ -224,7 +225,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         weights = None
         if self.weights is not None and not self._weights_loaded:
             weights = ModuleWeights(
-                open_weights(self.weights),
+                converted(open_weights(self.weights), module),  # [Note: converted checkpoints] in hf_weights.py
                 module,
                 strict=getattr(module, "strict_loading", True),
                 optional=adapters.tensors() if adapters else (),

@@ -6,11 +6,13 @@ every rank) against chunk_offload (built on the meta device, each rank reading i
 - ``hf_generate``: ``generate()`` in ``validation_step``, each rank a different number of tokens, under an evicting
   limit: the tokens the plain model generates ([Note: generation on several ranks]). Last, with ``synced_gpus=False``
   passed as a user may: an error naming a chunk collective within the timeout, not a hang (the run ends there).
+- ``hf_moe``: a Mixtral whose checkpoint holds a tensor per expert, merged into 3D experts as ``from_pretrained``
+  merges them ([Note: converted checkpoints]), each rank taking its pieces, under an evicting limit, the defaults.
 - ``hf_defaults``: what a user gets by default (automatic chunk size, placement auto) on a Llama, whose norms are
   registered after the layers they run before, under a device limit, with gradient accumulation, stopped at step 4
   and resumed from that checkpoint to step 8, against DDP stopped and resumed the same way.
 
-    python tests/hf/two_ranks.py OUTDIR GPT2_DIR LLAMA_DIR
+    python tests/hf/two_ranks.py OUTDIR GPT2_DIR LLAMA_DIR MIXTRAL_DIR
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tests.models import quiet_trainer  # noqa: E402
 
 STEPS, LIMIT = 6, 3_000_000
 DEFAULTS_LIMIT = 1_600_000  # the tiny Llama's activations are 1.2 MB a rank: little room is left for chunks
+MOE_LIMIT = 2_200_000  # the tiny Mixtral's: 1.5 MB
 
 
 def fit(strategy, pretrained: str, steps: int = STEPS, ckpt_path=None, **kw) -> tuple[L.Trainer, L.LightningModule]:
@@ -86,6 +89,16 @@ def defaults_case(out: Path, pretrained: str) -> None:
     print(f"CASE-DONE hf_defaults rank={t.global_rank}", flush=True)
 
 
+def moe_case(out: Path, pretrained: str) -> None:
+    _, ref = fit(DDPStrategy(), pretrained, enable_checkpointing=False)
+    strategy = ChunkOffloadStrategy(device_memory_limit=MOE_LIMIT, checks=CheckOptions(collective_timeout_s=60))
+    t, got = fit(strategy, pretrained, enable_checkpointing=False)
+    (out / f"moe_stats{t.global_rank}.json").write_text(json.dumps(strategy.memory_stats()))
+    if t.global_rank == 0:
+        torch.save({"ddp": ref.state_dict(), "chunk": got.state_dict()}, out / "moe.pt")
+    print(f"CASE-DONE hf_moe rank={t.global_rank}", flush=True)
+
+
 def validate(model: L.LightningModule, timeout_s: float) -> L.Trainer:
     strategy = ChunkOffloadStrategy(
         device_memory_limit=DEFAULTS_LIMIT,
@@ -121,7 +134,7 @@ def unsynced_generate_case(pretrained: str) -> None:
 
 
 if __name__ == "__main__":
-    out, pretrained, llama = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    out, pretrained, llama, mixtral = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     _, ref = fit(DDPStrategy(), pretrained, enable_checkpointing=False)
     strategy = ChunkOffloadStrategy(
         device_memory_limit=LIMIT,
@@ -136,5 +149,6 @@ if __name__ == "__main__":
         torch.save({"ref": ref.state_dict(), "got": got.state_dict()}, out / "params.pt")
     print(f"CASE-DONE hf_gpt2 rank={rank}", flush=True)
     defaults_case(out, llama)
+    moe_case(out, mixtral)
     generate_case(llama)
     unsynced_generate_case(llama)  # last: a failed collective ends the process when it exits

@@ -1,0 +1,133 @@
+"""A ``save_pretrained`` directory in the layout transformers converts when it loads, read as the model's own names.
+
+[Note: converted checkpoints]
+transformers 5 keeps some models' weights in another layout than their checkpoints: a mixture of experts (Mixtral,
+Qwen-MoE, DeepSeek, OLMoE, ...) holds each layer's experts as one 3D tensor (``mlp.experts.gate_up_proj``) where the
+checkpoint has a tensor per expert and projection (``block_sparse_moe.experts.0.w1.weight``), and legacy names
+(``gamma``, ``beta``) are renamed. ``from_pretrained`` converts on load with the model's conversion mapping
+(``transformers.conversion_mapping``), and ``save_pretrained`` writes the checkpoint layout back. Streamed into the
+chunks by name, such a checkpoint matched nothing of the model ("Tensors missing from the file: ...gate_up_proj"),
+so every Mixtral, Qwen-MoE or DeepSeek checkpoint was refused.
+
+``converted(weights, module)`` reads the file through that mapping, planned up front as ``from_pretrained`` plans it
+(``rename_source_key`` for each checkpoint key, grouped per converter): a renamed tensor is read as before, in pieces;
+a converted one (experts merged, gate and up concatenated) is made by the converter itself from its whole source
+tensors when the pack first asks for it, kept while the pack reads its pieces, and let go for the next. Its shape is
+known before any read by running the converter on meta tensors, so ``ModuleWeights`` checks every name and shape
+first, as for any file. A rank reads a converted tensor's sources whole, where it reads only its own piece of a
+plain one. Where the installed transformers has no conversion API, the file is read by its own names.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import torch
+
+from .engine.files.weights import Weights, WeightsError
+
+_GROUPS_KEPT = 2  # converted groups whose tensors stay made: the pack reads a tensor's pieces in a row
+
+
+class _Group:
+    """The checkpoint tensors one converter turns into one or more of the model's tensors."""
+
+    def __init__(self, converter: Any, first: str) -> None:
+        self.converter = converter  # the mapping's template, copied for each conversion
+        self.first = first  # the name the converter is asked for (its first target)
+        self.sources: list[tuple[str, str]] = []  # (source pattern, checkpoint key), in the checkpoint's order
+        self.targets: dict[str, torch.Tensor] = {}  # the model's name -> a meta tensor of its shape and dtype
+
+
+class HFConvertedWeights(Weights):
+    """``inner`` read as ``model``'s names through its transformers conversion mapping ([Note: converted
+    checkpoints])."""
+
+    def __init__(self, inner: Weights, model: torch.nn.Module, mapping: list[Any]) -> None:
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        self.inner, self.model, self.path = inner, model, inner.path
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        named = model.state_dict(keep_vars=True)
+        prefix = getattr(model, "base_model_prefix", None)
+        self._plain: dict[str, str] = {}  # the model's name (or an unmatched checkpoint key) -> checkpoint key
+        groups: dict[str, _Group] = {}
+        for key in sorted(inner.keys(), key=dot_natural_key):  # as from_pretrained orders them (experts 0, 1, .. 10)
+            name, pattern = rename_source_key(key, renamings, converters, prefix, named)
+            if name not in named and key in named:
+                name, pattern = key, None
+            if pattern is None or name not in named:
+                self._plain.setdefault(name if name in named else key, key)
+                continue
+            groups.setdefault(name, _Group(by_pattern[pattern], name)).sources.append((pattern, key))
+        self._group_of: dict[str, _Group] = {}
+        for group in groups.values():
+            for target, t in self._convert(group, meta=True).items():
+                group.targets[target] = t
+                self._group_of[target] = group
+        self._made: dict[int, dict[str, torch.Tensor]] = {}  # id(group) -> its tensors, the latest last
+
+    def _convert(self, group: _Group, *, meta: bool) -> dict[str, torch.Tensor]:
+        conv = copy.deepcopy(group.converter)
+        for pattern, key in group.sources:
+            shape, dtype = self.inner.shape(key), self.inner.dtype(key)
+
+            def make(k: str = key, s: torch.Size = shape, d: torch.dtype = dtype) -> torch.Tensor:
+                return torch.empty(s, dtype=d, device="meta") if meta else self.inner.read(k).view(s)
+
+            conv.add_tensor(group.first, key, pattern, make)
+        try:
+            out = conv.convert(group.first, model=self.model, config=getattr(self.model, "config", None))
+        except Exception as e:  # noqa: BLE001 - named with the tensors it was converting
+            keys = ", ".join(k for _, k in group.sources[:4]) + (" ..." if len(group.sources) > 4 else "")
+            raise WeightsError(
+                f"weights {self.path}: transformers' conversion of {keys} into {group.first} failed "
+                f"({type(e).__name__}: {e}); load the model with from_pretrained outside configure_model instead."
+            ) from None
+        return {k: (v[0] if isinstance(v, list) else v) for k, v in out.items()}
+
+    def keys(self) -> list[str]:
+        return [*self._plain, *self._group_of]
+
+    def shape(self, key: str) -> torch.Size:
+        group = self._group_of.get(key)
+        return group.targets[key].shape if group is not None else self.inner.shape(self._plain[key])
+
+    def dtype(self, key: str) -> torch.dtype:
+        group = self._group_of.get(key)
+        return group.targets[key].dtype if group is not None else self.inner.dtype(self._plain[key])
+
+    def read(self, key: str, a: int = 0, b: int | None = None) -> torch.Tensor:
+        group = self._group_of.get(key)
+        if group is None:
+            return self.inner.read(self._plain[key], a, b)
+        made = self._made.pop(id(group), None)
+        if made is None:
+            made = {k: v.contiguous() for k, v in self._convert(group, meta=False).items()}
+            while len(self._made) >= _GROUPS_KEPT:
+                del self._made[next(iter(self._made))]
+        self._made[id(group)] = made  # the latest last
+        return made[key].reshape(-1)[a:b]
+
+
+def converted(weights: Weights, module: torch.nn.Module) -> Weights:
+    """``weights`` read through the conversion mapping of the transformers model in ``module`` (the outermost one,
+    where every outermost one is of one class), or ``weights`` itself where there is none or it converts nothing."""
+    if "transformers" not in sys.modules:  # no transformers model can be in the module
+        return weights
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # a transformers without the conversion API: read the file by its names
+        return weights
+    outer = [m for n, m in module.named_modules() if isinstance(m, PreTrainedModel)]
+    outer = [m for m in outer if not any(o is not m and any(s is m for s in o.modules()) for o in outer)]
+    if not outer or len({type(m) for m in outer}) > 1:
+        return weights
+    view = HFConvertedWeights(weights, outer[0], get_model_conversion_mapping(outer[0]))
+    unchanged = not view._group_of and all(k == v for k, v in view._plain.items())
+    return weights if unchanged else view
