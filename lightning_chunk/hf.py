@@ -33,6 +33,7 @@ from .engine.config import parse_bytes
 from .engine.files.safetensors_file import StreamingSafetensors
 from .engine.state.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta, weights_key
 from .engine.system.atomic import remove_dir, replace_dir
+from .hf_weights import as_saved, saved_layout
 
 HF_CONFIG_KEY = "hf_config"  # where a LightningModule keeps ``model.config.to_dict()`` in its checkpoints
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as ``save_pretrained``
@@ -349,7 +350,9 @@ def export_hf(
     without the tied copies (``lm_head.weight`` when it is the input embedding; ``from_pretrained`` ties it
     again). The checkpoint's names carry the prefix of the submodule that holds the model (``model.``), found by
     matching; every name and shape is checked before anything is written. The fp32 masters stream out one saved
-    chunk at a time into ``safetensors`` files laid out up front ([Note: streaming safetensors]), in ``dtype``
+    chunk at a time into ``safetensors`` files laid out up front ([Note: streaming safetensors]), each tensor in the
+    layout ``save_pretrained`` writes (a mixture of experts' 3D tensors expert by expert, [Note: converted
+    checkpoints] in ``hf_weights.py``), in ``dtype``
     (default: the parameters' own), so memory stays near one chunk whatever the model's size. Everything is
     written into ``.NAME.partial`` beside ``out_dir`` and renamed into place once complete; an existing non-empty
     ``out_dir`` is refused.
@@ -381,22 +384,31 @@ def export_hf(
     tmp.mkdir()
     try:
         writer = StreamingSafetensors(tmp, max_shard_bytes=max_shard_bytes)
+        saved = saved_layout(model, keep)  # experts one by one, as save_pretrained writes them ([Note: converted ...])
+
+        def add(k: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+            for n, s in saved[k].items() if saved else [(k, shape)]:
+                writer.add(n, tuple(s), dtype)
+
+        def write(k: str, value: torch.Tensor) -> None:
+            for n, v in as_saved(model, k, value).items() if saved else [(k, value)]:
+                writer.write(n, v)
+            bar.update(1)
+
         for key, k in from_buffers.items():
-            writer.add(k, keep[k], dtype_of(ck["buffers"][key].dtype))
+            add(k, keep[k], dtype_of(ck["buffers"][key].dtype))
         for spec in ck["chunks"]:  # in the order the saved chunks will stream in
             for name, _, _, shape in spec["slots"]:
                 for k in fills.get(name, ()):
-                    writer.add(k, tuple(shape), dtype_of(param_dtypes[name]))
+                    add(k, tuple(shape), dtype_of(param_dtypes[name]))
         writer.open()
-        bar = _progress(writer.count, progress, f"exporting {path.name}")
+        bar = _progress(sum(map(len, fills.values())) + len(from_buffers), progress, f"exporting {path.name}")
         for key, k in from_buffers.items():
-            writer.write(k, ck["buffers"][key])
-            bar.update(1)
+            write(k, ck["buffers"][key])
         for _, spec, full in iter_saved_chunks(path, meta, weights_key(meta, path, ema=ema)):  # ema: ChunkEMA's
             for name, off, numel, shape in spec["slots"]:
                 for k in fills.get(name, ()):
-                    writer.write(k, full[off : off + numel].view(shape))
-                    bar.update(1)
+                    write(k, full[off : off + numel].view(shape))
             del full
         writer.close()
         bar.close()

@@ -16,12 +16,17 @@ tensors when the pack first asks for it, kept while the pack reads its pieces, a
 known before any read by running the converter on meta tensors, so ``ModuleWeights`` checks every name and shape
 first, as for any file. A rank reads a converted tensor's sources whole, where it reads only its own piece of a
 plain one. Where the installed transformers has no conversion API, the file is read by its own names.
+
+The export goes back (``saved_layout``, ``as_saved``): each of the model's tensors streams out as the tensors
+``save_pretrained`` writes for it (transformers' own reverse conversion, planned on meta tensors), so the export
+has the names and layout of the checkpoint the model came from, which tools other than transformers 5 read.
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -131,3 +136,34 @@ def converted(weights: Weights, module: torch.nn.Module) -> Weights:
     view = HFConvertedWeights(weights, outer[0], get_model_conversion_mapping(outer[0]))
     unchanged = not view._group_of and all(k == v for k, v in view._plain.items())
     return weights if unchanged else view
+
+
+def saved_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, torch.Size]] | None:
+    """Each of ``model``'s names (``shapes``: those ``save_pretrained`` keeps) as the names and shapes
+    ``save_pretrained`` writes it, where transformers reverts a conversion for this model on save (experts one by
+    one); ``None`` where it writes the model's own names, or where a saved tensor needs several of the model's at once
+    (then the model's own names, which transformers 5 loads, are written: a warning says so)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    whole = {n: t.shape for n, t in revert_weight_conversion(model, dict(meta)).items()}
+    if whole == {k: t.shape for k, t in meta.items()}:
+        return None
+    alone = {k: {n: t.shape for n, t in revert_weight_conversion(model, {k: t}).items()} for k, t in meta.items()}
+    if {n: s for d in alone.values() for n, s in d.items()} != whole:
+        warnings.warn(
+            f"{type(model).__name__}: save_pretrained writes some tensors from several of the model's at once, which "
+            "a streamed export does not hold together; the model's own names are written (transformers 5 loads them).",
+            stacklevel=3,
+        )
+        return None
+    return alone
+
+
+def as_saved(model: Any, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``value`` of ``model``'s ``name`` as the tensors ``save_pretrained`` writes for it (``saved_layout``)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {n: v[0] if isinstance(v, list) else v for n, v in revert_weight_conversion(model, {name: value}).items()}

@@ -29,18 +29,20 @@ from tests.models import quiet_trainer  # noqa: E402
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """GPT-2 (tied head) and Llama (untied, rotary buffers) fine-tuned 4 steps under a device limit, with the sharded
-    checkpoint taken at the end."""
+    """GPT-2 (tied head), Llama (untied, rotary buffers) and Mixtral (3D experts, saved expert by expert) fine-tuned 4
+    steps under a device limit, with the sharded checkpoint taken at the end."""
     example = load_example()
     root = tmp_path_factory.mktemp("trained")
     out = {}
-    for kind in ("gpt2", "llama"):
+    for kind in ("gpt2", "llama", "mixtral"):
         L.seed_everything(0, verbose=False)
         model = example.CausalLM(pretrained=str(save_pretrained(kind, root / f"{kind}.pre")), lr=1e-2, warmup_steps=1)
         trainer = quiet_trainer(
             max_steps=4,
             limit_val_batches=0,
-            strategy=ChunkOffloadStrategy(device_memory_limit=3_000_000, memory=MemoryOptions(chunk_numel=16384)),
+            strategy=ChunkOffloadStrategy(
+                device_memory_limit=3_000_000, memory=MemoryOptions(chunk_numel=32768 if kind == "mixtral" else 16384)
+            ),
             callbacks=[ModelCheckpoint(dirpath=root / kind, filename="last")],
             enable_checkpointing=True,
         )
@@ -54,7 +56,7 @@ def logits(model, x):
         return model(input_ids=x).logits
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
 def test_export_loads_with_from_pretrained_and_gives_the_same_logits(trained, tmp_path, kind):
     from transformers import AutoModelForCausalLM
 
@@ -74,6 +76,10 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logits(trained, tm
         assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
     else:
         assert "lm_head.weight" in weight_map
+    loaded.save_pretrained(tmp_path / "resaved", max_shard_size="100KB")  # Mixtral's experts: one by one
+    resaved = json.loads((tmp_path / "resaved" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map) == set(resaved)
+    assert ("model.layers.0.block_sparse_moe.experts.3.w2.weight" in weight_map) == (kind == "mixtral")
 
 
 def test_export_in_bf16_through_the_command_line(trained, tmp_path, capsys):
