@@ -61,8 +61,10 @@ class HFConvertedWeights(Weights):
         prefix = getattr(model, "base_model_prefix", None)
         self._plain: dict[str, str] = {}  # the model's name (or an unmatched checkpoint key) -> checkpoint key
         groups: dict[str, _Group] = {}
+        self.converts = False  # a transform, not only the base model's prefix, changed a name
         for key in sorted(inner.keys(), key=dot_natural_key):  # as from_pretrained orders them (experts 0, 1, .. 10)
             name, pattern = rename_source_key(key, renamings, converters, prefix, named)
+            self.converts |= pattern is not None or rename_source_key(key, renamings, converters)[0] != key
             if name not in named and key in named:
                 name, pattern = key, None
             if pattern is None or name not in named:
@@ -134,8 +136,9 @@ def converted(weights: Weights, module: torch.nn.Module) -> Weights:
     if not outer or len({type(m) for m in outer}) > 1:
         return weights
     view = HFConvertedWeights(weights, outer[0], get_model_conversion_mapping(outer[0]))
-    unchanged = not view._group_of and all(k == v for k, v in view._plain.items())
-    return weights if unchanged else view
+    # a file no transform changes is read by its own names: a consolidated checkpoint of a module holding the model
+    # beside other parameters ("model.model.layers..", "head.weight") keeps the names ModuleWeights matches whole
+    return view if view.converts else weights
 
 
 def saved_layout(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, torch.Size]] | None:

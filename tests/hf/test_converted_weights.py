@@ -48,3 +48,20 @@ def test_a_checkpoint_in_the_model_s_own_layout_is_read_as_it_is(tmp_path):
     file = open_weights(save_pretrained("llama", tmp_path / "llama"))
     assert converted(file, held("llama")) is file
     assert converted(file, torch.nn.Linear(2, 2)) is file  # no transformers model at all
+
+
+def test_a_file_of_the_module_s_own_names_beside_other_parameters_is_read_as_it_is(tmp_path):
+    """A consolidated checkpoint of a module holding the model beside a head of its own: transformers' base-prefix
+    handling renames ``model.model.layers...`` to the model's names, but no transform applies, so the file keeps
+    its names and every tensor, the head's included, matches under no prefix."""
+    from transformers import AutoModelForCausalLM
+
+    whole = torch.nn.Module()
+    whole.model, whole.head = AutoModelForCausalLM.from_config(config("mixtral")), torch.nn.Linear(2, 2)
+    torch.save(whole.state_dict(), tmp_path / "whole.pt")
+    file = open_weights(tmp_path / "whole.pt")
+    module = held("mixtral")
+    module.head = torch.nn.Linear(2, 2, device="meta")
+    assert converted(file, module) is file
+    matched = ModuleWeights(file, module)
+    assert matched.prefix == "" and matched.provides(module.head.weight)
