@@ -118,7 +118,7 @@ def test_compiled_hf_model_is_bit_exact_and_quiet(example, pretrained, monkeypat
     assert raised == []
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
 def test_a_model_from_a_config_is_initialised_by_its_own_rules_on_the_meta_device(example, kind):
     """Built from a config in configure_model under chunk_offload (meta device), initialised module by module by
     HFInit: buffers, norms and biases equal an eager ``from_config``; every weight has the spread of the model's own
@@ -129,8 +129,9 @@ def test_a_model_from_a_config_is_initialised_by_its_own_rules_on_the_meta_devic
     deeper = {"n_layer": 8} if kind == "gpt2" else {"num_hidden_layers": 4}
     L.seed_everything(0, verbose=False)
     model = example.CausalLM(config={**CONFIGS[kind], **deeper})
+    chunk_numel = 32768 if kind == "mixtral" else 16384  # a layer's experts: 32768 elements
     trainer = quiet_trainer(
-        strategy=ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=16384)), enable_checkpointing=True
+        strategy=ChunkOffloadStrategy(memory=MemoryOptions(chunk_numel=chunk_numel)), enable_checkpointing=True
     )
     trainer.validate(model, Batches(n=4), verbose=False)  # setup initialises; teardown gives the values back
     torch.manual_seed(0)
