@@ -1,4 +1,4 @@
-"""Everything a lent GPU should measure, in one command of at most 8 minutes: one JSON and one markdown table.
+"""Everything a lent GPU should measure, by parts that fit a lease: one JSON and one markdown table.
 
     python benchmarks/gpu_campaign.py --out $OUT/gpu_campaign.json     # on the GPU machine (../shared/GPU.md)
     python benchmarks/gpu_campaign.py --smoke --out /tmp/c.json        # all of it on CPU at a tiny size (the tests)
