@@ -37,21 +37,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=64,
         tie_word_embeddings=False,
     ),
-    # a mixture of experts: the checkpoint holds a tensor per expert and projection, the model each layer's experts
-    # as 3D tensors ([Note: converted checkpoints] in lightning_chunk/hf_weights.py)
-    "mixtral": dict(
-        model_type="mixtral",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    ),
     # learned positions with an offset, tied head
     "opt": dict(
         model_type="opt",
@@ -63,6 +48,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=64,
         word_embed_proj_dim=64,
     ),
+}
+
+
+# a mixture of experts, Llama's widths: the checkpoint holds a tensor per expert and projection, the model each layer's
+# experts as 3D tensors ([Note: converted checkpoints] in lightning_chunk/hf_weights.py)
+CONFIGS["mixtral"] = {
+    **CONFIGS["llama"],
+    "model_type": "mixtral",
+    "intermediate_size": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
 }
 
 
