@@ -51,7 +51,12 @@ class HFConvertedWeights(Weights):
     checkpoints])."""
 
     def __init__(self, inner: Weights, model: torch.nn.Module, mapping: list[Any]) -> None:
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+        from transformers.core_model_loading import (  # converted() checked that they import
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
 
         self.inner, self.model, self.path = inner, model, inner.path
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
@@ -129,10 +134,16 @@ def converted(weights: Weights, module: torch.nn.Module) -> Weights:
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (  # noqa: F401 - what HFConvertedWeights uses
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
     except ImportError:  # a transformers without the conversion API: read the file by its names
         return weights
-    outer = [m for n, m in module.named_modules() if isinstance(m, PreTrainedModel)]
-    outer = [m for m in outer if not any(o is not m and any(s is m for s in o.modules()) for o in outer)]
+    found = {n: m for n, m in module.named_modules() if isinstance(m, PreTrainedModel)}
+    outer = [m for n, m in found.items() if not any(n.startswith(f"{o}.") or (o == "" != n) for o in found)]
     if not outer or len({type(m) for m in outer}) > 1:
         return weights
     view = HFConvertedWeights(weights, outer[0], get_model_conversion_mapping(outer[0]))
