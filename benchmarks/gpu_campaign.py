@@ -337,6 +337,16 @@ def _machine(args: argparse.Namespace) -> dict:
     return info
 
 
+def _cap(text: str) -> tuple[str, float]:
+    part, _, seconds = text.partition("=")
+    try:
+        if part in PARTS and float(seconds) > 0:
+            return part, float(seconds)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not PART=SECONDS with PART one of {', '.join(PARTS)}")
+
+
 def measure(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.budget
     res: dict[str, Any] = {"machine": _machine(args), "smoke": args.smoke, "parts": {}}
@@ -351,7 +361,7 @@ def measure(args: argparse.Namespace) -> dict:
         earlier = json.loads(Path(args.probes_from).read_text())
         parts["probes"] = {**earlier["parts"]["probes"], "from": {"file": args.probes_from, **earlier["machine"]}}
         parts["probes"]["host_first_touch_gbps"] = _first_touch_gbps(1 << 30)  # this machine's: seconds, not a bound
-    caps = dict((k, float(v)) for k, v in (c.split("=") for c in args.cap))
+    caps = dict(args.cap)
     for name in args.parts:
         left = min(deadline - time.monotonic(), caps.get(name, args.budget))
         if left < 5:
@@ -382,8 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="every part on CPU at a tiny size")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--budget", type=float, default=480, help="seconds for all parts together")
-    p.add_argument("--cap", nargs="*", default=[], metavar="PART=SECONDS", help="at most this long for a part")
-    p.add_argument("--contenders", nargs="+", help="these rows of gpu.py, in this order (default: all of them)")
+    p.add_argument("--cap", nargs="*", type=_cap, default=[], metavar="PART=SECONDS", help="a part's most seconds")
+    p.add_argument("--contenders", nargs="+", choices=_load("gpu").CONTENDERS, help="gpu.py's rows (default: all)")
     p.add_argument("--probes-from", help="take the probes from this earlier campaign JSON instead of running them")
     p.add_argument("--out", default="benchmarks/results/gpu_campaign.json")
     p.add_argument("--host-memory", type=int, default=0, help="bytes (default: what this machine has available)")

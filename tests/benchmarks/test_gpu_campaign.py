@@ -124,7 +124,7 @@ def test_after_a_failed_try_pinned_to_the_byte_the_campaign_tries_torch_s_pinnin
 
 
 def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_its_set_up_and_steps(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     """A short lease: only the rows asked for, the committed probes of the same kind of machine named as such; a
     largest try the budget stops keeps its set-up's seconds and the steps it finished (each written as it ends)."""
@@ -140,6 +140,10 @@ def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_
     machine = json.loads(earlier.read_text())["machine"]
     assert res["parts"]["probes"]["from"]["device"] == machine["device"]
     assert res["parts"]["probes"]["host_first_touch_gbps"] > 0  # measured here, where set-up's seconds are spent
+    for bad in ("contenders", "probe=5", "tests=soon", "largest=-1"):  # named, with what is allowed
+        with pytest.raises(SystemExit):
+            campaign.main(["--smoke", "--cap", bad, "--out", str(out)])
+        assert f"{bad!r} is not PART=SECONDS with PART one of tests, probes" in capsys.readouterr().err
     assert f"probes (from {machine['commit']} on {machine['device']})" in out.with_suffix(".md").read_text()
 
     report = types.SimpleNamespace(phases=[types.SimpleNamespace(host=1)])
