@@ -1,0 +1,242 @@
+"""Tiny ``transformers`` models of many architectures, each with its batches, and a sweep of them against plain
+Lightning, run by hand (not collected by pytest; ``test_architectures.py`` runs a few):
+
+    .venv/bin/python tests/hf/architectures.py [KIND ...] [--devices 2 [--as-nccl]] [--out DIR]
+
+One rank: each model trains a few steps under plain Lightning and under chunk_offload with every shard on the host
+(each chunk gathered at each use and released after it) in ``32-true`` with the loop kernel, and a line says ``OK``
+(the same parameters to the bit), ``DIFF`` (how far), ``ERROR`` (chunk_offload's error) or ``SKIP`` (plain Lightning
+itself failed: a config this file shrinks wrongly for that kind). ``--devices 2``: DDP against chunk_offload on two
+gloo ranks, each fit in a child process (``--as-nccl``: gloo run as NCCL runs).
+
+The decoder-only LMs are ``AutoConfig.for_model(kind)`` shrunk (``SMALL``); encoder-decoders, encoders, vision,
+contrastive and speech models are built from configs written here. Together they read parameters in the ways users'
+models do: a relative position bias computed by the first layer and passed to the others (T5), one layer run at
+every depth (ALBERT), a temperature read by the root's forward (CLIP), relative embeddings every layer reads
+(DeBERTa), recurrences and selective scans (RWKV, Mamba, Jamba), mixtures of experts with 3D expert weights.
+Measured on 2026-12-04 (transformers 5.25): every kind here trained to the same bits on one rank and on two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, STEPS = 128, 4
+
+# a decoder-only config shrunk: each key set where the kind's config has it
+SMALL: dict[str, Any] = dict(
+    hidden_size=32, n_embd=32, d_model=32, num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2,
+    num_attention_heads=4, n_head=4, n_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, ffn_dim=64,
+    n_inner=64, ffn_hidden_size=64, vocab_size=VOCAB, max_position_embeddings=64, n_positions=64, rotary_dim=4,
+    moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    shared_expert_intermediate_size=32, sliding_window=16, attention_window_size=16, state_size=8, expand=2,
+    conv_kernel=4, time_step_rank=4, ssm_state_size=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    use_cache=False, tie_word_embeddings=True,
+)  # fmt: skip
+CAUSAL = (
+    "gpt2 gpt_neo gpt_neox gptj gpt_bigcode codegen ctrl openai-gpt bloom falcon mpt opt xglm biogpt persimmon phi "
+    "phi3 llama mistral gemma gemma2 gemma3_text qwen2 qwen3 starcoder2 olmo2 cohere cohere2 stablelm granite "
+    "nemotron glm glm4 smollm3 exaone4 helium hunyuan_v1_dense ernie4_5 seed_oss arcee apertus mixtral qwen2_moe "
+    "qwen3_moe granitemoe olmoe phimoe jetmoe gpt_oss llama4_text minimax mamba falcon_mamba jamba recurrent_gemma "
+    "rwkv falcon_h1 lfm2"
+).split()
+# encoder-decoders, encoders and others: (config class, model class, config keywords, the batch's kind)
+SEQ2SEQ = dict(
+    d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    encoder_ffn_dim=64, decoder_ffn_dim=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_ff=64, d_kv=8,
+)  # fmt: skip
+ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+TOWERS = dict(
+    text_config=dict(vocab_size=VOCAB, max_position_embeddings=16, **ENCODER),
+    vision_config=dict(image_size=16, patch_size=4, **ENCODER),
+)
+OTHERS: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "t5": ("T5Config", "T5ForConditionalGeneration", SEQ2SEQ, "seq2seq"),
+    "bart": ("BartConfig", "BartForConditionalGeneration", SEQ2SEQ, "seq2seq"),
+    "mbart": ("MBartConfig", "MBartForConditionalGeneration", SEQ2SEQ, "seq2seq"),
+    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", SEQ2SEQ, "seq2seq"),
+    "marian": ("MarianConfig", "MarianMTModel", SEQ2SEQ, "seq2seq"),
+    "bert": ("BertConfig", "BertForMaskedLM", ENCODER, "masked"),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", ENCODER, "masked"),
+    "electra": ("ElectraConfig", "ElectraForMaskedLM", {**ENCODER, "embedding_size": 16}, "masked"),
+    "albert": ("AlbertConfig", "AlbertForMaskedLM", {**ENCODER, "embedding_size": 16}, "masked"),
+    "deberta_v2": ("DebertaV2Config", "DebertaV2ForMaskedLM", ENCODER, "masked"),
+    "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM", ENCODER, "masked"),
+    "vit": ("ViTConfig", "ViTForImageClassification", {**ENCODER, "image_size": 16, "patch_size": 4}, "image"),
+    "clip": ("CLIPConfig", "CLIPModel", {**TOWERS, "projection_dim": 16}, "contrastive"),
+    "siglip": ("SiglipConfig", "SiglipModel", TOWERS, "contrastive"),
+    "whisper": (
+        "WhisperConfig",
+        "WhisperForConditionalGeneration",
+        {**SEQ2SEQ, "num_mel_bins": 8, "max_source_positions": 16, "max_target_positions": 32},
+        "speech",
+    ),
+}
+KINDS = [*CAUSAL, *OTHERS]
+
+
+def build(kind: str) -> torch.nn.Module:
+    """The tiny model of ``kind``, its weights drawn from torch's seed."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if kind in OTHERS:
+        cfg_cls, model_cls, kw, _ = OTHERS[kind]
+        ids = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        cfg = getattr(transformers, cfg_cls)(**({} if "text_config" in kw else ids), **kw)
+        return getattr(transformers, model_cls)(cfg)
+    cfg = transformers.AutoConfig.for_model(kind)
+    for key, value in SMALL.items():
+        if hasattr(cfg, key):
+            with contextlib.suppress(AttributeError):  # derived from others (Falcon's head_dim)
+                setattr(cfg, key, value)
+    for key in ("layer_types", "layers_block_type"):  # one entry a layer, where it is not derived
+        if getattr(cfg, key, None) is not None:
+            with contextlib.suppress(AttributeError):
+                setattr(cfg, key, getattr(cfg, key)[: SMALL["num_hidden_layers"]])
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+
+def batch(kind: str, g: torch.Generator) -> dict[str, Any]:
+    """A batch of 4 for ``kind``, drawn from ``g``."""
+    what = OTHERS[kind][3] if kind in OTHERS else "causal"
+    ids = torch.randint(3, VOCAB, (4, 12), generator=g)
+    if what in ("causal", "masked"):
+        return dict(input_ids=ids, labels=ids)
+    if what == "seq2seq":
+        return dict(input_ids=ids, labels=torch.randint(3, VOCAB, (4, 8), generator=g))
+    if what == "image":
+        return dict(pixel_values=torch.randn(4, 3, 16, 16, generator=g), labels=torch.randint(0, 2, (4,), generator=g))
+    if what == "contrastive":
+        return dict(input_ids=ids[:, :10], pixel_values=torch.randn(4, 3, 16, 16, generator=g), return_loss=True)
+    return dict(input_features=torch.randn(4, 8, 32, generator=g), labels=ids[:, :8])  # speech
+
+
+class Tiny(L.LightningModule):
+    """``kind``'s tiny model; each batch of the loader is a seed its inputs are drawn from (so ranks differ)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        torch.manual_seed(0)
+        self.model = build(kind)
+
+    def training_step(self, seeds: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch(self.kind, torch.Generator().manual_seed(int(seeds.sum())))).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def fit(kind: str, strategy: Any, devices: int = 1) -> dict[str, torch.Tensor]:
+    """``kind``'s parameters after ``STEPS`` steps under ``strategy`` ("chunk": chunk_offload, every shard on the
+    host, chunks as large as the largest parameter, the loop kernel)."""
+    from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
+
+    model = Tiny(kind)
+    if strategy == "chunk":
+        largest = max(4096, *(p.numel() for p in model.parameters()))
+        strategy = ChunkOffloadStrategy(
+            placement="host",
+            memory=MemoryOptions(chunk_numel=largest),
+            offload=OffloadOptions(optimizer_kernel="loop"),
+        )
+    elif strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(find_unused_parameters=True)  # a mixture's experts no token chose
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(torch.arange(8 * STEPS * devices), batch_size=2))
+    if hasattr(trainer.strategy, "full_parameters"):
+        with trainer.strategy.full_parameters():
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def verdict(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> str:
+    diff = max((ref[n] - got[n]).abs().max().item() for n in ref)
+    return f"{'OK ' if diff == 0 else 'DIFF'} maxdiff={diff:.1e} params={sum(t.numel() for t in ref.values())}"
+
+
+def one_rank(kind: str) -> str:
+    try:
+        ref = fit(kind, "auto")
+    except Exception as e:  # noqa: BLE001 - a config this file shrinks wrongly for the kind
+        return f"SKIP plain Lightning failed: {type(e).__name__}: {str(e)[:200]}"
+    try:
+        return verdict(ref, fit(kind, "chunk"))
+    except Exception as e:  # noqa: BLE001 - the line says which
+        return f"ERROR {type(e).__name__}: {str(e)[:400]}"
+
+
+def two_ranks(kind: str, out: Path, as_nccl: bool) -> str:
+    """DDP, then chunk_offload, each two ranks started by Lightning's launcher from a child of this script."""
+    from tests.distributed.launch import AS_NCCL
+
+    paths = {}
+    for side in ("ddp", "chunk"):
+        paths[side] = out / f"{kind}.{side}.pt"
+        env = {**os.environ, **(AS_NCCL if as_nccl and side == "chunk" else {})}
+        cmd = [sys.executable, __file__, "--one", kind, side, str(paths[side])]
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return f"HANG ({side})"
+        if r.returncode:
+            said = [line.strip()[:400] for line in r.stderr.splitlines() if "Error" in line] or ["killed?"]
+            return f"{'SKIP DDP failed' if side == 'ddp' else 'ERROR'}: {said[-1]}"
+    return verdict(torch.load(paths["ddp"]), torch.load(paths["chunk"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kinds", nargs="*", help=f"default: all {len(KINDS)}", metavar="KIND")
+    parser.add_argument("--devices", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--as-nccl", action="store_true", help="with --devices 2: gloo run as NCCL runs")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/lightning_chunk_architectures"))
+    parser.add_argument("--one", nargs=3, metavar=("KIND", "SIDE", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    unknown = [k for k in args.kinds if k not in KINDS]
+    if unknown:
+        parser.error(f"unknown kinds {unknown}; known: {' '.join(KINDS)}")
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_chunk"):  # a table of lines, not their banners
+        logging.getLogger(name).setLevel(logging.ERROR)
+    sys.path.insert(0, str(ROOT))
+    if args.one:
+        kind, side, path = args.one
+        params = fit(kind, side, devices=2)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            torch.save(params, path)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    for kind in args.kinds or KINDS:
+        line = one_rank(kind) if args.devices == 1 else two_ranks(kind, args.out, args.as_nccl)
+        print(f"{kind:18s} {line}", flush=True)
+    print(json.dumps({"transformers": __import__("transformers").__version__, "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Tiny ``transformers`` models whose parameters are read in different ways, trained from the user's side (the model
+in a LightningModule, a Trainer) against plain Lightning: every shard on the host, so each chunk is gathered at each
+use and released after it. ``architectures.py`` runs all of its kinds by hand, on one rank or two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.hf.architectures import fit  # noqa: E402
+
+KINDS = {
+    "gpt2": "Conv1D layers, the head tied to the embedding",
+    "t5": "a relative position bias the first layer computes and every later one adds",
+    "bart": "encoder and decoder sharing one embedding, tied to the head",
+    "albert": "one layer run at every depth",
+    "deberta_v2": "relative embeddings every layer reads",
+    "clip": "two towers and a temperature the root's forward reads",
+    "whisper": "convolutions over audio features, sinusoidal positions",
+    "mixtral": "3D expert weights, experts no token chose left unused",
+    "gpt_oss": "experts with biases, attention sinks",
+    "jamba": "selective-scan layers beside attention and experts",
+    "rwkv": "a recurrence over time-mixing parameters",
+    "recurrent_gemma": "recurrent blocks beside local attention",
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_transformers_architecture_trains_like_plain_lightning(kind):
+    ref = fit(kind, "auto")
+    got = fit(kind, "chunk")
+    assert ref.keys() == got.keys()
+    for name, value in ref.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{kind} {n}: {m}")
