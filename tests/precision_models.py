@@ -72,3 +72,42 @@ class FourierFeatures(ParityNet):
 
     def val_dataloader(self):
         return models.token_data(8)
+
+
+class ShiftedNorm(nn.LayerNorm):
+    """Nemotron's ``LayerNorm1P`` on CPU: the weight shifted by one where autocast is on, then ``layer_norm`` with
+    autocast off. Reading the bias with autocast off moved it to fp32, beside the shifted weight left in bf16."""
+
+    def forward(self, x):
+        weight = self.weight + 1.0
+        with torch.autocast("cpu", enabled=False):
+            return F.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+
+
+class MaskedLinear(nn.Linear):
+    """A weight pruned by a fixed boolean mask where autocast is on, applied with autocast off."""
+
+    def forward(self, x):
+        weight = self.weight * self.mask
+        with torch.autocast("cpu", enabled=False):
+            return F.linear(x.float(), weight, self.bias)
+
+
+class DerivedWeights(ParityNet):
+    """Weights computed from parameters by ops under autocast (bf16 from bf16 payloads), then read by ops with
+    autocast off, which failed ("self and mat2 must have the same dtype")."""
+
+    def build(self) -> None:
+        d = self.shape["dim"]
+        self.proj, self.norm, self.head = nn.Linear(VOCAB, d), ShiftedNorm(d), nn.Linear(d, VOCAB)
+        self.masked = MaskedLinear(d, d)
+        self.masked.register_buffer("mask", torch.arange(d * d).reshape(d, d) % 3 != 0)  # bool: keeps the dtype
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def forward(self, x, use_branch=True):
+        h = self.proj(F.one_hot(x, VOCAB).float())
+        return self.head(self.masked(self.norm(h)) + h)
+
+    def val_dataloader(self):
+        return models.token_data(8)

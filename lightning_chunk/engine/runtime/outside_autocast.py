@@ -26,14 +26,18 @@ parameters (a union) at the end of each checked step; they move at the next micr
 or after the warm-up, else at the warm-up's own repack. With Lightning's validation sanity check before training they
 move before the first training step, and training equals plain Lightning's from it; without one, the first step computes
 those ops with rounded weights. A sharded checkpoint names them (``outside_autocast`` in its ``meta.pt``), so a resume,
-which runs no sanity check, moves them before its first step. An op only a later step runs (a branch the checked steps
-did not take) is not seen: its error gets a note naming the way out (``explain_dtype_mismatch`` in ``errors.py``),
-``ChunkPrecision(full_precision_modules=[...])`` with the module's class.
+which runs no sanity check, moves them before its first step. A tensor made from payloads that keeps one's shape
+(``self.weight + 1.0`` under autocast, handed to ``layer_norm`` with autocast off, as Nemotron's norm does) counts as
+those parameters: an op with autocast off marks them, and one that fails on its dtype runs again with it cast up
+(Nemotron's bias, read as it is, moved to fp32 and left the shifted weight in bf16 beside it). An op only a later
+step runs (a branch the checked steps did not take) is not seen: its error gets a note naming the way out
+(``explain_dtype_mismatch`` in ``errors.py``), ``ChunkPrecision(full_precision_modules=[...])`` with the module's class.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,6 +60,9 @@ class OutsideAutocast:
         self._found: set[int] = set()  # marked on this rank since the last agreement
         self.pending: set[int] = set()
         self._recomputing: list[CastUp | None] = []  # the modes of the recomputed forwards running, innermost last
+        # id -> (the tensor, weakly; the narrowed parameters it was computed from): shape-keeping results of ops on
+        # payloads (``weight + 1``, ``weight * mask``) made since the last agreement
+        self._derived: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
         self.moved: set[int] = set()  # given their own dtype; a checkpoint names them, for its resume to move
 
     @property
@@ -77,14 +84,40 @@ class OutsideAutocast:
         try:
             out = func(*args, **kwargs)
         except RuntimeError as e:
-            again = None if converted is not None else self.convert(flat, failed=e)
+            made = any(self._sources(t, derived=True) - self._sources(t) for t in flat)  # from payloads
+            again = None if converted is not None and not made else self.convert(flat, failed=e)
             if again is None:
                 raise
             args, kwargs = tree_unflatten(again, spec)
             return func(*args, **kwargs)
         if converted is None:
             self._mark_widened(flat, out)
+            self._derive(flat, out)
         return out
+
+    def _derive(self, flat: list[Any], out: Any) -> None:
+        """Remember ``out`` as computed from the narrowed parameters among ``flat`` where it keeps the shape and the
+        compute dtype of one of them (``weight + 1.0`` under autocast, then read with autocast off: Nemotron's
+        ``LayerNorm1P``), so that an op reading it with autocast off marks them (``convert``)."""
+        if not isinstance(out, torch.Tensor) or out.dtype != self.manager.dtypes.compute_dtype:
+            return
+        sources: set[int] = set()
+        shaped = False
+        for t in flat:
+            found = self._sources(t, derived=True)
+            if found:
+                sources |= found
+                shaped = shaped or t.shape == out.shape
+        if sources and shaped:
+            self._derived[id(out)] = (weakref.ref(out), frozenset(sources))
+
+    def _sources(self, t: Any, *, derived: bool = False) -> frozenset[int]:
+        """The narrowed parameters ``t`` is (or views), or with ``derived`` was computed from (``_derive``)."""
+        i = self._index(t)
+        if i is not None:
+            return frozenset((i,)) if self._narrowed(i) else frozenset()
+        entry = self._derived.get(id(t)) if derived and isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is t else frozenset()
 
     def _mark_widened(self, flat: list[Any], out: Any) -> None:
         """A vector or scalar parameter (a norm's weight, a temperature) read by an op whose result is wider than the
@@ -107,7 +140,11 @@ class OutsideAutocast:
 
     def convert(self, flat: list[Any], failed: BaseException | None = None) -> list[Any] | None:
         """The tensors of one op's arguments, with the marked parameters cast up; ``None`` when none changed.
-        ``failed``: what the op raised as it was (with autocast on), cast up only for a dtype mismatch."""
+        ``failed``: what the op raised as it was, cast up only for a dtype mismatch, then with the tensors made from
+        payloads (``_derive``) too. Those mark their parameters in any case (an op that reads one beside a marked
+        parameter would meet it in the compute dtype beside the moved one) but are cast up only where the op failed:
+        cast where it promotes them, they would change what it saves for backward, which activation checkpointing's
+        recomputation, outside any module's cast, compares."""
         if failed is None and torch.is_autocast_enabled(self.device_type):
             return None
         low = self.manager.dtypes.compute_dtype
@@ -118,10 +155,11 @@ class OutsideAutocast:
         for k, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
                 continue
-            i = self._index(t)
-            if i is not None and self._narrowed(i):
-                self._found.add(i)
-                hits.append(k)
+            sources = self._sources(t, derived=True)
+            if sources:
+                self._found.update(sources)
+                if failed is not None or self._index(t) is not None:  # one made from payloads: where the op failed
+                    hits.append(k)
             elif t.is_floating_point() and (widest is None or t.dtype.itemsize > widest.itemsize):
                 widest = t.dtype
         if not hits or widest is None or widest.itemsize <= flat[hits[0]].dtype.itemsize:
@@ -146,6 +184,7 @@ class OutsideAutocast:
         """At the end of a checked step (every rank's): the parameters any rank marked become ``pending``."""
         found = sorted(self._found)
         self._found.clear()
+        self._derived.clear()
         if comm.world_size > 1:
             found = sorted({i for part in comm.all_gather_object(found) for i in part})
         self.pending.update(found)
