@@ -178,3 +178,45 @@ def test_a_failed_save_in_the_background_fails_the_fit_where_it_settles(tmp_path
         fit(strategy, steps=steps, callbacks=[cb], enable_checkpointing=True, plugins=[AsyncCheckpointIO()])
     assert strategy.engine is None  # torn down all the same
     assert not any(p.name.endswith(".ckpt") for p in tmp_path.iterdir())
+
+
+def test_the_writer_thread_works_on_the_rank_s_gpu_and_waits_for_its_copies_there(monkeypatch):
+    """A new thread starts on GPU 0: on rank 3 the writer's bare ``torch.cuda.synchronize()`` waited for GPU 0, not
+    for its own copy of a device shard (the file could get bytes the copy had not landed), and its pinned buffers
+    made a CUDA context on GPU 0. Faked here (no GPU): what the writer thread asks of CUDA."""
+    calls: list[tuple[str, object, str]] = []
+    here = threading.current_thread().name
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d, here_or(here))))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("synchronize", d, here_or(here))))
+    monkeypatch.setattr(background_save.BackgroundSave, "_copy", lambda self, name: PinnedCopy())
+    gpu = torch.device("cuda", 3)
+    job = FakeJob(gpu)
+    save = background_save.BackgroundSave(job, comm=None, copy_aside=False)  # type: ignore[arg-type]
+    save.start()
+    save.finish()
+    assert job.made == ["chunk.0.master"]
+    assert calls == [("set_device", gpu, "writer"), ("synchronize", gpu, "writer")]
+
+
+def here_or(main: str) -> str:
+    return "main" if threading.current_thread().name == main else "writer"
+
+
+class PinnedCopy:
+    def is_pinned(self) -> bool:
+        return True
+
+
+class FakeJob:
+    """A save of one device item: ``run`` asks for it as the writer does."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.make = {"chunk.0.master": lambda: None}
+        self.path = Path("ckpt")
+        self.mgr = type("Manager", (), {"device": device, "chunks": []})()
+        self.made: list[str] = []
+
+    def run(self, comm) -> None:
+        for name, make in self.make.items():
+            make()
+            self.made.append(name)

@@ -125,7 +125,7 @@ class BackgroundSave:
             self._state[name] = ItemRead.READ
             self.aside_bytes += t.numel() * t.element_size()
         if off_host:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.job.mgr.device)
 
     def _copy(self, name: str) -> torch.Tensor:
         """Item ``name`` in host memory of its own (pinned, copied asynchronously, when it is on a GPU)."""
@@ -152,7 +152,7 @@ class BackgroundSave:
         try:
             t = self._copy(name)
             if t.is_pinned():
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self.job.mgr.device)  # this thread's current device is set in ``_run``
             return t
         finally:
             with self._cond:
@@ -160,6 +160,11 @@ class BackgroundSave:
                 self._cond.notify_all()
 
     def _run(self) -> None:
+        """The writer: on the rank's GPU, as training is. A new thread starts on GPU 0, where its copies' pinned
+        buffers, a synchronisation or an unregistration would make a CUDA context of its own (memory of GPU 0 that
+        rank 0's limit never counted), and a bare ``synchronize()`` would wait for GPU 0, not for this rank's copy."""
+        if self.job.mgr.device.type == "cuda":
+            torch.cuda.set_device(self.job.mgr.device)
         try:
             self.job.run(self.comm)
         except BaseException as e:  # noqa: BLE001 - raised on the training thread where it settles the save
