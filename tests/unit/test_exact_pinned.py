@@ -100,7 +100,7 @@ def exact_host(monkeypatch) -> tuple[Registry, ExactPinned]:
     exact = ExactPinned(reg.register, reg.unregister)
     init = HostStorage.__init__
 
-    def host(self, *, pinned, exact_=None):  # noqa: ANN001
+    def host(self, *, pinned, exact_=None, device=None):  # noqa: ANN001
         init(self, pinned="exact", exact=exact)
 
     monkeypatch.setattr(HostStorage, "__init__", host)
@@ -178,3 +178,26 @@ def test_a_background_save_copies_device_shards_into_host_memory_pinned_as_the_h
     assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and list(reg.live.values()) == [30]
     t = host_like(HostStorage(pinned=False))
     assert t.shape == (3, 5) and not t.is_pinned()
+
+
+def test_cuda_registration_is_portable_and_unregistration_waits_for_the_rank_s_gpu(monkeypatch):
+    """``__del__`` runs on whichever thread drops the last view, whose current device may be GPU 0: the wait before
+    unregistering names the rank's GPU, and the registration holds for every device's context. CUDA faked."""
+    calls: list[tuple] = []
+
+    class CudaRT:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", nbytes, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister",))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", CudaRT)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    gpu = torch.device("cuda", 5)
+    t = ExactPinned(device=gpu).empty(10, torch.float32)
+    del t
+    gc.collect()
+    assert calls == [("register", 40, 1), ("synchronize", gpu), ("unregister",)]  # 1: cudaHostRegisterPortable

@@ -5,12 +5,14 @@
 power of two and keeps freed blocks cached ([Note: pinned blocks a repack leaves behind] in ``host_heap.py``). A
 host shard of 2^k + 1 bytes takes 2^(k+1): for Llama 2 7B on 8 ranks the host shards took 2.5 GiB a rank more than
 asked, for 70B on one node 63 GiB (``lightning-chunk plan`` counts it). Here each tensor is its own anonymous
-private mapping (exact to the page), page-locked with ``cudaHostRegister``:
+private mapping (exact to the page), page-locked with ``cudaHostRegister`` (portable: pinned for every device's
+context, whichever is current on the thread that allocates):
 
 - the tensor views the mapping through ``torch.frombuffer``, whose storage holds the mapping object alive and
   lets it go when the storage is freed, whatever the path (the last view dropped, a repack, the end of the run);
 - the mapping object unregisters its range in ``__del__``, which runs before its memory is unmapped, after a
-  device synchronisation: a copy still in flight from or into it finishes first (torch's allocator waits for
+  synchronisation of the rank's GPU (named: ``__del__`` may run on any thread, whose current device may be GPU 0): a
+  copy still in flight from or into it finishes first (torch's allocator waits for
   recorded events; a storage freed here is rare: at a repack, after a background save has written a copy, at the
   end of the run);
 - such a storage cannot be resized: ``free_storage`` and ``Chunk.release_grad`` leave its bytes to the last view,
@@ -26,11 +28,13 @@ asked for page-locked. ``register`` and ``unregister`` are parameters so that a 
 
 from __future__ import annotations
 
+import functools
 import mmap
 from collections.abc import Callable
 
 import torch
 
+_PORTABLE = 1  # cudaHostRegisterPortable
 Register = Callable[[int, int], None]
 Unregister = Callable[[int], None]
 
@@ -50,9 +54,16 @@ class _Mapping(mmap.mmap):
 class ExactPinned:
     """Allocates page-locked host tensors of exactly the bytes asked; ``live_bytes`` is what is registered now."""
 
-    def __init__(self, register: Register | None = None, unregister: Unregister | None = None) -> None:
+    def __init__(
+        self,
+        register: Register | None = None,
+        unregister: Unregister | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """``device``: the GPU whose copies use these tensors, synchronised before one is unregistered (``None``:
+        the current device of the thread that unregisters)."""
         self._register = register if register is not None else _cuda_register
-        self._unregister = unregister if unregister is not None else _cuda_unregister
+        self._unregister = unregister if unregister is not None else functools.partial(_cuda_unregister, device=device)
         self.live_bytes = 0
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +87,7 @@ class ExactPinned:
 
 
 def _cuda_register(ptr: int, nbytes: int) -> None:
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE)
     if int(err) != 0:
         raise RuntimeError(
             f"pin_memory='exact': cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)} "
@@ -85,9 +96,9 @@ def _cuda_register(ptr: int, nbytes: int) -> None:
         )
 
 
-def _cuda_unregister(ptr: int) -> None:
+def _cuda_unregister(ptr: int, device: torch.device | None = None) -> None:
     try:  # a copy in flight finishes first; at interpreter exit CUDA may be gone already, and then so is the lock
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # noqa: BLE001 - a destructor must not raise
         pass

@@ -53,11 +53,14 @@ class DeviceStorage:
 class HostStorage:
     tier = Tier.HOST
 
-    def __init__(self, *, pinned: PinMemory, exact: ExactPinned | None = None) -> None:
+    def __init__(
+        self, *, pinned: PinMemory, exact: ExactPinned | None = None, device: torch.device | None = None
+    ) -> None:
         """``pinned``: page-lock the buffers (a CUDA device), ``"exact"`` to the byte ([Note: exact pinned memory]
-        in ``system/exact_pinned.py``; ``exact``: its allocator, a test's with registration faked)."""
+        in ``system/exact_pinned.py``; ``exact``: its allocator, a test's with registration faked; ``device``: the
+        GPU whose copies use them)."""
         self.pinned = bool(pinned)
-        self.exact = (exact or ExactPinned()) if pinned == "exact" else None
+        self.exact = (exact or ExactPinned(device=device)) if pinned == "exact" else None
 
     def alloc(self, chunk: Chunk, role: Role, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.exact is not None:

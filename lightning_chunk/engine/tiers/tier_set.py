@@ -32,7 +32,7 @@ class TierSet:
         host_limit: int | None,
     ) -> None:
         self.device = device
-        self.host = host = HostStorage(pinned=pinned)
+        self.host = host = HostStorage(pinned=pinned, device=device if device.type == "cuda" else None)
         self.disk = DiskStorage(disk_dir, rank, host, io=disk_io, ranks_here=ranks_here, host_limit=host_limit)
         self._by_tier: dict[Tier, TierStorage] = {Tier.DEVICE: DeviceStorage(device), Tier.HOST: host}
         self._by_tier[Tier.DISK] = self.disk
