@@ -1,12 +1,13 @@
 """Tiny ``transformers`` models of many architectures, each with its batches, and a sweep of them against plain
 Lightning, run by hand (not collected by pytest; ``test_architectures.py`` runs a few):
 
-    .venv/bin/python tests/hf/architectures.py [KIND ...] [--devices 2 [--as-nccl]] [--precision P] [--out DIR]
+    .venv/bin/python tests/hf/architectures.py [KIND ...] [--tight] [--devices 2 [--as-nccl]] [--precision P]
 
 One rank: each model trains a few steps under plain Lightning and under chunk_offload with every shard on the host
-(each chunk gathered at each use and released after it) in ``32-true`` with the loop kernel, and a line says ``OK``
-(the same parameters to the bit), ``DIFF`` (how far), ``ERROR`` (chunk_offload's error) or ``SKIP`` (plain Lightning
-itself failed: a config this file shrinks wrongly for that kind). ``--devices 2``: DDP against chunk_offload on two
+(each chunk gathered at each use and released after it; ``--tight``: under the smallest device limit that fits, found
+from the limits the refusals name, evicting) in ``32-true`` with the loop kernel, and a line says ``OK`` (the same
+parameters to the bit), ``DIFF`` (how far), ``ERROR`` (chunk_offload's error) or ``SKIP`` (plain Lightning itself
+failed: a config this file shrinks wrongly for that kind). ``--devices 2``: DDP against chunk_offload on two
 gloo ranks, each fit in a child process (``--as-nccl``: gloo run as NCCL runs). ``--precision bf16-mixed`` (or
 ``bf16-true``), where payloads round by design: ``OK`` where chunk_offload is off the reference's update by at most
 twice what the reference itself is off fp32, else ``BAD``.
@@ -31,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -50,7 +52,8 @@ SMALL: dict[str, Any] = dict(
     n_inner=64, ffn_hidden_size=64, vocab_size=VOCAB, max_position_embeddings=64, n_positions=64, rotary_dim=4,
     moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
     shared_expert_intermediate_size=32, sliding_window=16, attention_window_size=16, state_size=8, expand=2,
-    conv_kernel=4, time_step_rank=4, ssm_state_size=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    conv_kernel=4, time_step_rank=4, ssm_state_size=8, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32,
+    mamba_d_state=8, mamba_chunk_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     use_cache=False, tie_word_embeddings=True,
 )  # fmt: skip
 CAUSAL = (
@@ -148,16 +151,20 @@ class Tiny(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def fit(kind: str, strategy: Any, devices: int = 1, precision: str = "32-true") -> dict[str, torch.Tensor]:
+def fit(
+    kind: str, strategy: Any, devices: int = 1, precision: str = "32-true", limit: int | None = None
+) -> dict[str, torch.Tensor]:
     """``kind``'s parameters after ``STEPS`` steps under ``strategy`` ("chunk": chunk_offload, every shard on the
-    host, chunks as large as the largest parameter, the loop kernel), in fp32."""
+    host, or under ``limit`` device bytes placed by the trace; chunks as large as the largest parameter; the loop
+    kernel), in fp32."""
     from lightning_chunk import ChunkOffloadStrategy, MemoryOptions, OffloadOptions
 
     model = Tiny(kind)
     if strategy == "chunk":
         largest = max(4096, *(p.numel() for p in model.parameters()))
         strategy = ChunkOffloadStrategy(
-            placement="host",
+            placement="auto" if limit else "host",
+            device_memory_limit=limit,
             memory=MemoryOptions(chunk_numel=largest),
             offload=OffloadOptions(optimizer_kernel="loop"),
         )
@@ -200,16 +207,25 @@ def verdict(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], kind: st
     return f"{'OK ' if ok else 'BAD'} off the reference's update {err:.3f}, the reference off fp32 {own:.3f} {size}"
 
 
-def one_rank(kind: str, precision: str) -> str:
+def one_rank(kind: str, precision: str, tight: bool = False) -> str:
+    """``tight``: under the smallest device limit that fits, found from the limits chunk_offload's refusals name."""
     try:
         ref = fit(kind, "auto", precision=precision)
         fp32 = fit(kind, "auto") if precision != "32-true" else None
     except Exception as e:  # noqa: BLE001 - a config this file shrinks wrongly for the kind
         return f"SKIP plain Lightning failed: {type(e).__name__}: {str(e)[:200]}"
-    try:
-        return verdict(ref, fit(kind, "chunk", precision=precision), kind, fp32)
-    except Exception as e:  # noqa: BLE001 - the line says which
-        return f"ERROR {type(e).__name__}: {str(e)[:400]}"
+    limit = 1 if tight else None
+    for _ in range(6):
+        try:
+            line = verdict(ref, fit(kind, "chunk", precision=precision, limit=limit), kind, fp32)
+            return line + (f" limit={limit}" if tight else "")
+        except Exception as e:  # noqa: BLE001 - the line says which
+            named = re.search(r"smallest limit that (would|could) work is (\d+)", str(e))
+            if limit is None or named is None:
+                return f"ERROR {type(e).__name__}: {str(e)[:400]}"
+            # "could": before any activations were traced; "would ... plus the activations": before the warm-up
+            limit = int(named[2]) * 11 // 10 + (0 if named[1] == "would" and "plus the" not in str(e) else 1 << 18)
+    return f"ERROR no limit fitted in six tries, the last {limit}"
 
 
 def two_ranks(kind: str, out: Path, as_nccl: bool, precision: str) -> str:
@@ -239,6 +255,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, choices=(1, 2), default=1)
     parser.add_argument("--as-nccl", action="store_true", help="with --devices 2: gloo run as NCCL runs")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed", "bf16-true"), default="32-true")
+    parser.add_argument("--tight", action="store_true", help="one rank: the smallest device limit that fits, evicting")
     parser.add_argument("--out", type=Path, default=Path("/tmp/lightning_chunk_architectures"))
     parser.add_argument("--one", nargs=3, metavar=("KIND", "SIDE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -258,7 +275,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for kind in args.kinds or KINDS:
         line = (
-            one_rank(kind, args.precision)
+            one_rank(kind, args.precision, args.tight)
             if args.devices == 1
             else two_ranks(kind, args.out, args.as_nccl, args.precision)
         )
