@@ -29,6 +29,13 @@ class DeviceMemoryLimitError(ChunkError, torch.OutOfMemoryError):
         super().__init__(self.PREFIX + message if cuda and not message.startswith(self.PREFIX) else message)
 
 
+# a limit refused before the warm-up traced the activations names a lower bound: each retry costs a model's set-up
+PLUS_ACTIVATIONS = (
+    " plus the activations, which the warm-up step measures (`lightning-chunk plan` measures both in one dry run, "
+    "naming the smallest limit that fits)"
+)
+
+
 class UnsupportedOptimizerError(ChunkError, TypeError):
     """The optimizer cannot step flat shards (it needs parameter shapes)."""
 

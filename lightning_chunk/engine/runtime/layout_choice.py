@@ -18,7 +18,7 @@ import torch
 from ..chunks.chunk import Tier
 from ..chunks.packing import Layout, build_layout, choose_chunk_numel, describe
 from ..config import ChunkConfig, format_bytes
-from ..errors import DeviceMemoryLimitError
+from ..errors import PLUS_ACTIVATIONS, DeviceMemoryLimitError
 from ..memory.manager import ChunkManager
 from ..schedule.costs import planned_views
 from ..schedule.placement import ChunkView, PlacementPolicy, device_shards, shards_note, smallest_working_limit
@@ -160,7 +160,7 @@ class LayoutChooser:
                 + ")"
                 + (f" beside {on_device}" if on_device else "")
                 + ", before any activations. The smallest limit that could work is "
-                + f"{format_bytes(shards + need)} plus the activations, which the warm-up step measures"
+                + f"{format_bytes(shards + need)}{PLUS_ACTIVATIONS}"
                 + (
                     "; or lower chunk_numel"
                     if chosen

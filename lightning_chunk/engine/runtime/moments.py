@@ -17,7 +17,7 @@ from ..chunks.chunk import nbytes as tensor_nbytes
 from ..chunks.states import TensorState
 from ..comm.sequence import ModuleSequence
 from ..config import format_bytes
-from ..errors import DeviceMemoryLimitError
+from ..errors import PLUS_ACTIVATIONS, DeviceMemoryLimitError
 from ..memory.manager import ChunkManager
 from ..schedule.placement import PlacementPolicy, activation_room, untraced_budget
 from ..schedule.tracer import (
@@ -268,7 +268,7 @@ class MomentClock:
                 + (f", next to {nonmodel} bytes of traced activations" if nonmodel else "")
                 + ". The smallest limit that would work is "
                 + format_bytes(shards + pinned + grads + missing + nonmodel)
-                + ("" if self.trace is not None else " plus the activations, which the warm-up step measures")
+                + ("" if self.trace is not None else PLUS_ACTIVATIONS)
                 + ("; or lower chunk_numel." if self.policy.config.chunk_numel is not None else "."),
                 mgr.device,
             ) from None
