@@ -71,6 +71,10 @@ class ChunkManager:
         self.config = config
         self.dtypes = dtypes
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # the GPU current here, named: threads of the engine's own (a save's writer, the step worker) start on
+            # GPU 0 and take this device by its index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.comm = collectives or Collectives.local()
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
