@@ -359,7 +359,8 @@ def measure(args: argparse.Namespace) -> dict:
 
     if args.probes_from:  # an earlier run's probes on the same kind of machine, named as such
         earlier = json.loads(Path(args.probes_from).read_text())
-        parts["probes"] = {**earlier["parts"]["probes"], "from": {"file": args.probes_from, **earlier["machine"]}}
+        probes = earlier["parts"]["probes"]  # a file that reused probes itself names where they were measured
+        parts["probes"] = {**probes, "from": probes.get("from") or {"file": args.probes_from, **earlier["machine"]}}
         parts["probes"]["host_first_touch_gbps"] = _first_touch_gbps(1 << 30)  # this machine's: seconds, not a bound
     caps = dict(args.cap)
     for name in args.parts:

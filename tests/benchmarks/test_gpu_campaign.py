@@ -137,7 +137,8 @@ def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_
     res = campaign.main(["--smoke", "--parts", "contenders", "--contenders", "ddp", "--cap", "contenders=120"]
                         + ["--probes-from", str(earlier), "--out", str(out)])  # fmt: skip
     assert [r["contender"] for r in res["parts"]["contenders"]["rows"]] == ["ddp"]
-    machine = json.loads(earlier.read_text())["machine"]
+    saved = json.loads(earlier.read_text())
+    machine = saved["parts"]["probes"].get("from") or saved["machine"]  # where they were measured, kept along reuses
     assert res["parts"]["probes"]["from"]["device"] == machine["device"]
     assert res["parts"]["probes"]["host_first_touch_gbps"] > 0  # measured here, where set-up's seconds are spent
     for bad in ("contenders", "probe=5", "tests=soon", "largest=-1"):  # named, with what is allowed
