@@ -48,8 +48,9 @@ the device shards' copies pinned, as the host shards are). Under a host limit tr
 and the row is the synchronous save's.
 On a GPU the host shards' master, compute copy and gradient are pinned, in torch's power-of-two blocks (P more,
 which every phase holding them counts: 2.5 GiB a rank for Llama 2 7B on 8 ranks, 63 GiB for 70B; none with
-``pin_memory="exact"``), and a pinned gradient shard cannot be given back when stepping in backward ([Note: pinned
-blocks a repack leaves behind], [Note: exact pinned memory]).
+``pin_memory="exact"``; [Note: pinned blocks a repack leaves behind]). Stepping in backward, a pinned gradient
+shard is given back as a pageable one is, into a host pool that keeps at most four of a size between steps (the four
+chunks' gradient shards above, held through the save too: [Note: gradient shards pinned to the byte]).
 The bound: S + P + 4C(1 + k), + 1.25E with a ChunkEMA (in files: E/4 and a chunk's average). Every phase stays under
 it but the end of fit where the model fits, which holds the whole model beside O by design (the weights a user
 reads after ``fit``, as with DDP), and a background save's copies aside. Device bytes are before activations
@@ -287,8 +288,7 @@ def phases(
         return nbytes - int(nbytes * grad_share)
 
     host_first, dev_first = on(plan.tiers, Tier.HOST), on(plan.tiers, Tier.DEVICE)
-    # a pinned gradient shard cannot be resized: it keeps its bytes ([Note: stepping in backward] in early_step.py)
-    host_after = on(after, Tier.HOST) if pinned_low_bytes is not None else steady(on(after, Tier.HOST))
+    host_after = steady(on(after, Tier.HOST))
     dev_after = steady(on(after, Tier.DEVICE))
     payload = max((v.payload_bytes for v in views), default=0)
     state = sum(v.device_shard_bytes for v in views)
@@ -336,8 +336,8 @@ def phases(
     save = Phase(
         "save",
         dev_after + plan.need_before_activations,
-        host_after + pin_after + written + ema,
-        steady_state + written + ema,
+        host_after + pin_after + in_flight + written + ema,
+        steady_state + in_flight + written + ema,
     )
     if background_save:  # the next step beside every saved item copied aside (see the note)
         aside = int(save_share * state) + average
@@ -368,7 +368,7 @@ def phases(
         Phase(
             "resume",
             int(dev_first * no_kept) + payload,
-            int(host_first * (no_optim if rounding else no_kept)) + pin_first + 3 * whole + ema,
+            int(host_first * no_kept) + pin_first + 3 * whole + ema,
             int(state * no_kept) + 3 * whole + ema,
         ),
         Phase("end of fit", 0, end_host + pin_after, end_together),

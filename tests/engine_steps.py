@@ -17,9 +17,10 @@ def step(eng, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
     eng.finish_step(stepped=True)
 
 
-def train_beside_torch(model: torch.nn.Module, ref: torch.nn.Module, config, steps: int = 4):  # noqa: ANN001, ANN201
+def train_beside_torch(model: torch.nn.Module, ref: torch.nn.Module, config, steps: int = 4, after_step=None):  # noqa: ANN001, ANN201
     """``steps`` Adam steps of ``model`` on a ``ChunkEngine`` under ``config`` and of ``ref`` (given ``model``'s
-    values) in plain torch, on the same batches of 3 x 8; returns the engine and its optimizer."""
+    values) in plain torch, on the same batches of 3 x 8 (``after_step()`` after each); returns the engine and its
+    optimizer."""
     from lightning_chunk.engine import ChunkEngine
 
     ref.load_state_dict(model.state_dict())
@@ -28,6 +29,8 @@ def train_beside_torch(model: torch.nn.Module, ref: torch.nn.Module, config, ste
     for i in range(steps):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
         step(eng, model, opt, x)
+        if after_step is not None:
+            after_step()
         oref.zero_grad()
         ref(x).pow(2).mean().backward()
         oref.step()

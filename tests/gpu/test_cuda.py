@@ -378,3 +378,38 @@ def test_host_shards_pinned_to_the_byte_train_as_torch_s_pinned_blocks():
     del eng, buffers
     gc.collect()
     assert exact.live_bytes == 0
+
+
+def test_host_gradient_shards_pinned_to_the_byte_are_given_back_stepping_in_backward():
+    """[Note: gradient shards pinned to the byte] on a GPU: stepping in backward, each host gradient shard's registered
+    block goes to the host pool (at most four of a size) and back, gradients still land in it on the side stream, and
+    training matches stepping after backward in torch's pinned blocks to the bit."""
+    from lightning_chunk.engine.chunks.chunk import Tier
+    from tests.engine_steps import step
+
+    xs = [torch.randn(8, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+
+    def run(pin, early):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        config = ChunkConfig(placement="host", chunk_numel=70_000, pin_memory=pin, step_in_backward=early)
+        eng = ChunkEngine(model, [opt], config=config, device=torch.device("cuda"))
+        for x in xs:
+            step(eng, model, opt, x)
+        return eng
+
+    ref = run(True, False)
+    want = ref.full_state_dict()
+    ref.teardown()
+    eng = run("exact", True)
+    chunks, stats = eng.manager.chunks, eng.memory_stats()
+    assert len(chunks) == 8 and all(c.shard_tier is Tier.HOST for c in chunks)
+    assert stats["chunks_stepped_in_backward"] > 0 and stats["d2h_async_bytes"] > 0
+    assert all(c.grad_released and c.grad.untyped_storage().nbytes() == 0 for c in chunks)
+    held = sum(t.untyped_storage().nbytes() for c in chunks for t in (c.master, c.low) if t is not None)
+    pooled = eng.manager.grads.host_pool.pooled_bytes
+    assert stats["exact_pinned_bytes"] == held + pooled and 0 < pooled <= 4 * chunks[0].grad.numel() * 4
+    got = eng.full_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    eng.teardown()

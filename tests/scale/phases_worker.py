@@ -63,7 +63,7 @@ START = BackgroundSave.start
 
 def instrument() -> None:
     """Mark the repack; return payload memory to the allocator, as on a GPU ([Note: a pool of payload blocks] keeps
-    it on the host); record the device bytes at each moment ([Note: the same bytes on every rank after a step])."""
+    it on a CPU device); record the device bytes at each moment ([Note: the same bytes on every rank after a step])."""
     replan, pool_init, tick = WarmUpPlanner.replan, BlockPool.__init__, MomentClock.tick
 
     def ticked(self: MomentClock, kind: Any, key: str) -> tuple[int, ...]:
@@ -81,7 +81,13 @@ def instrument() -> None:
         mark("training step")  # the rest of the step runs in the new layout, as every later step
 
     WarmUpPlanner.replan = marked  # type: ignore[method-assign]
-    BlockPool.__init__ = lambda self, device, enabled=True: pool_init(self, device, enabled=False)  # type: ignore
+
+    def pool(self: BlockPool, device: Any, enabled: bool = True, per_size: int | None = None) -> None:
+        # the payloads' pool off, as on a GPU; the host gradient shards' on, as on a GPU ([Note: gradient shards
+        # pinned to the byte])
+        pool_init(self, device, enabled=per_size is not None, per_size=per_size)
+
+    BlockPool.__init__ = pool  # type: ignore[method-assign]
 
 
 class Phases(L.Callback):

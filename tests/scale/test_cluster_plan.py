@@ -164,16 +164,18 @@ def test_stepping_in_backward_is_counted_where_the_gradient_shards_are_given_bac
         report = make_shape_plan(Llama, {"size": "7b"}, args, "bf16-mixed", 8, (1, 8, 1 << 40), staging=staging)
         return {p.name: p.host for p in report.phases}
 
-    # on GPUs the host shards are pinned, and a pinned gradient shard cannot be resized: it keeps its bytes
-    assert host(True, staging=True)["save"] == host(None, staging=True)["save"]
+    # on GPUs too, where the host shards are pinned: a pinned gradient shard goes to the host pool, which keeps four
+    # of a size ([Note: gradient shards pinned to the byte])
+    assert host(True, staging=True)["save"] < host(None, staging=True)["save"]
     kept, given = host(None), host(True)
     assert host(False) == kept
     assert given["warm-up step"] == kept["warm-up step"] and given["warm-up repack"] == kept["warm-up repack"]
     for name in ("training step", "save", "resume"):
         assert given[name] < kept[name], (name, given[name], kept[name])
-    # the save's difference is the host shards' gradients: 4 of their 18 bytes a parameter in bf16-mixed
+    # the save's difference is the host shards' gradients (4 of their 18 bytes a parameter in bf16-mixed) less the
+    # four chunks' the pool keeps
     host_grads = kept["save"] - given["save"]
-    assert 0.2 * kept["save"] < host_grads < 0.25 * kept["save"], (host_grads, kept)
+    assert 0.15 * kept["save"] < host_grads < 0.25 * kept["save"], (host_grads, kept)
 
 
 def test_shard_groups_of_a_node_give_each_rank_a_node_s_share(plan):

@@ -2,6 +2,7 @@
 view goes ([Note: exact pinned memory]). CUDA's registration is faked here to follow the lifetime on a CPU; the real
 one runs in tests/gpu/test_cuda.py."""
 
+import collections
 import gc
 
 import pytest
@@ -201,3 +202,37 @@ def test_cuda_registration_is_portable_and_unregistration_waits_for_the_rank_s_g
     del t
     gc.collect()
     assert calls == [("register", 40, 1), ("synchronize", gpu), ("unregister",)]  # 1: cudaHostRegisterPortable
+
+
+def test_host_gradient_shards_pinned_to_the_byte_are_given_back_when_stepping_in_backward(exact_host):
+    """[Note: gradient shards pinned to the byte]: stepping in backward, a host gradient shard's registered block moves
+    to the host pool and back, so between steps the registered bytes are the masters and the pool's few blocks, not
+    every gradient shard (before, all of them); the steps after the first register nothing; training is torch's."""
+    reg, exact = exact_host
+    torch.manual_seed(0)
+
+    def deep() -> nn.Module:  # a chunk a layer (300 elements at most): eight of one size
+        return nn.Sequential(nn.Linear(8, 16), *(nn.Linear(16, 16) for _ in range(8)), nn.Linear(16, 8))
+
+    m, ref = deep(), deep()
+    config = ChunkConfig(placement="host", chunk_numel=300, step_in_backward=True, check_invariants=True)
+    registered: list[int] = []
+    eng, opt = train_beside_torch(m, ref, config, steps=4, after_step=lambda: registered.append(len(reg.calls)))
+    chunks = eng.manager.chunks
+    assert len(chunks) == 10 and all(c.shard_tier is Tier.HOST and c.grad_released for c in chunks)
+    assert eng.memory_stats()["chunks_stepped_in_backward"] > 0
+    masters = sum(c.master.untyped_storage().nbytes() for c in chunks)
+    grads = sum(c.grad.numel() * 4 for c in chunks)
+    pooled = eng.manager.grads.host_pool.pooled_bytes
+    assert all(c.grad.untyped_storage().nbytes() == 0 for c in chunks)
+    sizes = collections.Counter(c.grad.numel() * 4 for c in chunks)
+    assert max(sizes.values()) > 4  # the pool keeps at most four blocks of a size, the rest went to the allocator
+    assert exact.live_bytes == masters + pooled and pooled == sum(n * min(k, 4) for n, k in sizes.items()) < grads
+    assert registered[1] == registered[2] == registered[3]  # the pool served every gradient shard
+    sd = eng.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+    eng.teardown()
+    del eng, opt, chunks, m
+    gc.collect()
+    assert not reg.live and exact.live_bytes == 0

@@ -23,7 +23,7 @@ Optimizer state (Adam's moments) is created by the optimizer next to ``master``;
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -183,8 +183,8 @@ class Chunk:
     pending: InFlight | None = field(default=None, repr=False)  # a prefetch in flight
     grad_payload: torch.Tensor | None = field(default=None, repr=False)  # several ranks: gradients to reduce
     grad_written: bool = False  # several ranks: the gradient shard holds this step's reduced gradients
-    # the gradient shard's values are gone, its memory given back where it can be (a disk file, or a storage that
-    # cannot be resized, keeps its bytes), until the next gradient ([Note: stepping in backward])
+    # the gradient shard's values are gone, its memory given back where it can be (a disk file keeps its bytes, and so
+    # does a pinned one after a speculated step), until the next gradient ([Note: stepping in backward])
     grad_released: bool = False
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
     master_seen: tuple[int, int] | None = None  # [Note: the optimizer's views written outside its step]
@@ -344,32 +344,31 @@ class Chunk:
 
     # -------------------------------------------------------------------- bytes
     def release_grad(self, pool: BlockPool | None) -> None:
-        """Give the gradient shard's memory to ``pool`` (the manager's; to the allocator when ``None``); its views
-        stay valid (and empty) until ``restore_grad`` ([Note: stepping in backward] in ``early_step.py``).
-        Callers account it (``ChunkManager.ledger.tracked``)."""
+        """Give the gradient shard's memory to ``pool`` (kept for the next ``restore_grad`` of its size; to the
+        allocator when ``None``); its views stay valid (and empty) until ``restore_grad`` ([Note: stepping in
+        backward] in ``early_step.py``). Callers account it (``ChunkManager.ledger.tracked``)."""
         if self.grad is None or self.grad_released:
             return
         self.grad_released = True  # used up, whether or not its memory can go
-        storage = self.grad.untyped_storage()
-        # a disk shard's is a view of its file ([Note: stepping disk chunks in backward] in ``early_step.py``), an
-        # exact pinned one cannot be resized ([Note: exact pinned memory]): they keep their bytes
-        if self.shard_tier is Tier.DISK or not storage.resizable():
+        if self.shard_tier is Tier.DISK:  # a view of its file ([Note: stepping disk chunks in backward]): kept
             return
+        storage = self.grad.untyped_storage()
         try:
             if pool is None:
-                storage.resize_(0)
+                give_back(storage)
             else:
                 pool.empty(storage)
-        except RuntimeError:  # an allocator that cannot resize it: it keeps its bytes
+        except RuntimeError:  # an allocator that cannot resize it, and no swapping: it keeps its bytes
             pass
 
-    def restore_grad(self, pool: BlockPool) -> None:
+    def restore_grad(self, pool: BlockPool, make: Callable[[], torch.UntypedStorage] | None = None) -> None:
         """Memory for the gradient shard again, before a gradient is written into it (its values are undefined:
-        the first gradient overwrites)."""
+        the first gradient overwrites): a block ``pool`` kept, else new memory (``make``'s, for a storage that
+        cannot be resized: [Note: gradient shards pinned to the byte] in ``memory/grads.py``)."""
         if self.grad_released:
             assert self.grad is not None
             if self.grad.untyped_storage().nbytes() == 0:  # given back (not a file's, nor one that kept its bytes)
-                pool.fill(self.grad.untyped_storage(), nbytes(self.grad))
+                pool.fill(self.grad.untyped_storage(), nbytes(self.grad), make)
             self.grad_released = False
 
     def low_tensor(self) -> torch.Tensor:
@@ -411,6 +410,16 @@ class Chunk:
 
     def iter_tensors(self) -> Iterator[TensorInfo]:
         return iter(self.tensors)
+
+
+def give_back(storage: torch.UntypedStorage) -> None:
+    """Return ``storage``'s memory to its allocator now; it then holds no bytes and its views stay valid (empty). One
+    that cannot be resized (page-locked to the byte) gives its memory to a holder dropped at once, which
+    unregisters and unmaps it ([Note: exact pinned memory]). Raises ``RuntimeError`` where neither works."""
+    if storage.resizable() or not hasattr(storage, "_swap_data_ptr_"):
+        storage.resize_(0)
+    else:
+        storage._swap_data_ptr_(torch.UntypedStorage(0))
 
 
 def free_storage(t: torch.Tensor) -> None:

@@ -337,8 +337,7 @@ class GradReducer:
             chunk, pending, votes = self._inflight.pop(0)
             out = pending.wait()
             assert chunk.grad is not None
-            with mgr.ledger.tracked(chunk):
-                chunk.restore_grad(mgr.pool)
+            mgr.grads.restore(chunk)
             target = mgr.tiers.grad_target(chunk)  # before the flag flips: it says whether to read what is there
             add, chunk.grad_written = chunk.grad_written, True
             add = self.replicas.land(chunk, out, target, add)  # [Note: replicas summed once a step]

@@ -16,11 +16,13 @@ from ..comm.reduce import MakeRoom
 from ..config import format_bytes
 from ..errors import DeviceMemoryLimitError
 from ..schedule.placement import shards_note
+from ..tiers.pool import BlockPool
 
 if TYPE_CHECKING:  # the manager builds it
     from .manager import ChunkManager
 
 S = TensorState
+IN_FLIGHT = 4  # gradient shards a step holds at once stepping in backward, at most (``phases.py`` counts as many)
 _WAITING = (S.READY_FOR_REDUCE, S.READY_FOR_REDUCE_FREE)
 
 
@@ -29,6 +31,48 @@ class ChunkGrads:
 
     def __init__(self, manager: ChunkManager) -> None:
         self.manager = manager
+        # host gradient shards given back while stepping in backward ([Note: gradient shards pinned to the byte]),
+        # kept apart from the payloads' even on a CPU device: a payload never takes a pinned block, nor a gradient shard
+        # a pageable one
+        self.host_pool = BlockPool(torch.device("cpu"), per_size=IN_FLIGHT)
+
+    def _pool(self, chunk: Chunk) -> BlockPool:
+        return self.manager.pool if chunk.shard_tier is Tier.DEVICE else self.host_pool
+
+    def restore(self, chunk: Chunk) -> None:
+        """Memory for a gradient shard given back, before a gradient is written into it: a block its tier's pool
+        kept, else new memory of its tier's kind (page-locked as the host shards are)."""
+        mgr = self.manager
+        dtype = chunk.grad.dtype if chunk.grad is not None else chunk.master_dtype
+        with mgr.ledger.tracked(chunk):
+            chunk.restore_grad(self._pool(chunk), lambda: mgr.tiers.alloc(chunk, Role.GRAD, dtype).untyped_storage())
+
+    def release(self, chunk: Chunk, *, to_pool: bool = True) -> None:
+        """Give a gradient shard back: to its tier's pool (in backward) or to the allocator (``to_pool=False``).
+
+        [Note: gradient shards pinned to the byte]
+        On a GPU the host shards are page-locked. torch's pinned blocks resize, but one page-locked to the byte
+        (``pin_memory="exact"``, [Note: exact pinned memory]) does not, so a host gradient shard stepped in backward
+        kept its bytes: 4 bytes a parameter of every host shard for the whole run, which for Llama shapes on one
+        80 GB GPU with 128 GiB of host memory capped the largest model ``plan`` fits at 44 layers (9.2B), where
+        given back it fits 53 (11.0B). Now, given back in backward, its memory moves out of the storage into a host
+        pool of its own (never the payloads' on a CPU device, so a payload never takes a pinned block, nor a
+        gradient shard a pageable one) and back in at the chunk's next gradient, or into the next chunk's. The pool
+        keeps at most ``IN_FLIGHT`` blocks of a size, what a step holds at once (those landing and those waiting for
+        the step thread); one beyond (the warm-up stepped after backward, so its gradient shards were all alive
+        when the next backward gave them back) goes to its allocator, for an exact one unregistered and unmapped.
+        So nothing is registered in a steady step. Given back after backward (a speculated step's, [Note:
+        speculating past the norm and the overflow]: every shard is held until ``optimizer.step()`` anyway) an
+        exact one keeps its bytes, as before: registering it again at the next backward would cost more."""
+        mgr = self.manager
+        storage = chunk.grad.untyped_storage() if chunk.grad is not None else None
+        with mgr.ledger.tracked(chunk):
+            if to_pool:
+                chunk.release_grad(self._pool(chunk))
+            elif storage is not None and not storage.resizable() and chunk.shard_tier is Tier.HOST:
+                chunk.grad_released = True  # kept bytes: ``restore`` finds them there
+            else:
+                chunk.release_grad(None)
 
     def room_for(self, nbytes: int, what: str, make_room: MakeRoom = None) -> None:
         """Room on the device tier for ``nbytes`` more (a gradient payload): land the reduce-scatters and copies in
@@ -106,8 +150,7 @@ class ChunkGrads:
             # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
             # a disk shard's gradients gather in a host buffer, written to its file at ``reduce``
             if chunk.grad_released:
-                with mgr.ledger.tracked(chunk):
-                    chunk.restore_grad(mgr.pool)
+                self.restore(chunk)
             target = mgr.tiers.grad_target(chunk)
             mgr.reducer.offload.copy(
                 target[info.offset : info.offset + info.numel], grad, add=info.has_grad, key=chunk.chunk_id

@@ -1,13 +1,10 @@
 """The chunk manager: the mechanism that moves bytes, and the one owner of their accounting.
 
-It packs parameters into chunks (``pack``), gathers and releases payloads,
-accumulates gradients into shards, exposes the master shards to the optimizer,
-and keeps, per tier, a ledger of chunk bytes. Every operation that changes a
-chunk's buffers runs inside ``ledger.tracked(chunk)``, which moves the ledger by what
-the chunk's buffers say changed; ``check_accounting`` re-derives the sum from
-the chunks (tests call it after every operation). Device-tier allocations are
-reserved against ``device_memory_limit`` *before* they happen, so chunk memory
-never exceeds it.
+It packs parameters into chunks (``pack``), gathers and releases payloads, accumulates gradients into shards,
+exposes the master shards to the optimizer, and keeps, per tier, a ledger of chunk bytes. Every operation that changes
+a chunk's buffers runs inside ``ledger.tracked(chunk)``, which moves the ledger by what the chunk's buffers say
+changed; ``check_accounting`` re-derives the sum from the chunks (tests call it after every operation). Device-tier
+allocations are reserved against ``device_memory_limit`` *before* they happen, so chunk memory never exceeds it.
 
 Policy lives elsewhere (``placement.py``): the manager executes plans.
 """
@@ -418,12 +415,13 @@ class ChunkManager:
         self.layout = None
         self.all_aliased = False
         self.pool.clear()
+        self.grads.host_pool.clear()
         self.changed()
 
     def close(self) -> None:
-        """The end of the run: the disk tier's scratch files go, the pool's blocks, and the groups the collectives
-        made."""
+        """The end of the run: the disk tier's scratch files go, the pools' blocks, the collectives' groups."""
         self.pool.clear()
+        self.grads.host_pool.clear()
         self.tiers.close()
         self.comm.close()
 
@@ -439,6 +437,7 @@ class ChunkManager:
             "disk_shards": sum(c.shard_tier is Tier.DISK for c in self.chunks),
             **self.tiers.disk.stats(),
             **self.pool.stats(),
+            "host_grad_pool_bytes_peak": self.grads.host_pool.pooled_peak,  # [Note: gradient shards pinned to the byte]
             **asdict(self.transfers),  # bytes copied each way, evictions, gathers, waiting releases
             **self.reducer.offload.stats(),  # of those bytes, copied on the side stream (CUDA); the worker's part
             # host bytes page-locked to the byte now (``pin_memory="exact"``): the host shards, a save's copies

@@ -258,9 +258,7 @@ class EarlyStep:
     def _release(self, chunk: Chunk, *, to_pool: bool = True) -> None:
         """On the autograd thread, once ``chunk`` stepped: its gradient shard goes to the pool (in backward) or to
         the allocator (after it)."""
-        mgr = self.manager
-        with mgr.ledger.tracked(chunk):
-            chunk.release_grad(mgr.pool if to_pool else None)
+        self.manager.grads.release(chunk, to_pool=to_pool)
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"chunks_stepped_in_backward": self.early}

@@ -15,8 +15,8 @@ context, whichever is current on the thread that allocates):
   copy still in flight from or into it finishes first (torch's allocator waits for
   recorded events; a storage freed here is rare: at a repack, after a background save has written a copy, at the
   end of the run);
-- such a storage cannot be resized: ``free_storage`` and ``Chunk.release_grad`` leave its bytes to the last view,
-  as ``phases.py`` counts a pinned gradient shard;
+- such a storage cannot be resized: ``free_storage`` leaves its bytes to the last view; a gradient shard given back
+  moves its memory out of the storage instead ([Note: gradient shards pinned to the byte] in ``memory/grads.py``);
 - a forked process (a data loader's worker) does not inherit the mapping (``MADV_DONTFORK``), as it does not
   inherit torch's pinned blocks: none of its pages is ever copied on write away from the device's view of it;
 - ``is_pinned()`` is true for registered memory, so copies with ``non_blocking=True`` run asynchronously, and

@@ -26,15 +26,21 @@ and the traced activations ([Note: the pool under a limit] in placement.py). Whe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from ..chunks.chunk import give_back
 
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class BlockPool:
-    def __init__(self, device: torch.device, *, enabled: bool = True) -> None:
+    def __init__(self, device: torch.device, *, enabled: bool = True, per_size: int | None = None) -> None:
+        """``per_size``: keep at most this many blocks of one size; one given back beyond goes to its allocator."""
         self.device = torch.device(device)
         self.enabled = enabled and _CAN_SWAP and self.device.type == "cpu"
+        self.per_size = per_size
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self.pooled_bytes = 0  # held here, in no chunk
         self.pooled_peak = 0
@@ -42,22 +48,32 @@ class BlockPool:
         self.allocated = 0  # fills that asked the allocator
         self.trimmed = 0  # blocks given back to the allocator by ``trim``
 
-    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """Give the empty ``storage`` ``nbytes`` of memory (contents undefined)."""
+    def fill(
+        self, storage: torch.UntypedStorage, nbytes: int, make: Callable[[], torch.UntypedStorage] | None = None
+    ) -> None:
+        """Give the empty ``storage`` ``nbytes`` of memory (contents undefined): a kept block, else ``make``'s new
+        memory (of the kind its tier allocates: a swap moves the memory's allocator with it, so an emptied storage
+        resized would get pageable memory where the tier pins: [Note: gradient shards pinned to the byte]), else
+        memory from the storage's own allocator."""
         blocks = self._free.get(nbytes) if self.enabled else None
         if blocks:
             storage._swap_data_ptr_(blocks.pop())  # type: ignore[attr-defined]
             self.pooled_bytes -= nbytes
             self.reused += 1
             return
-        storage.resize_(nbytes)
+        if make is not None:
+            fresh = make()
+            assert fresh.nbytes() == nbytes, (fresh.nbytes(), nbytes)
+            storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]
+        else:
+            storage.resize_(nbytes)
         self.allocated += 1
 
     def empty(self, storage: torch.UntypedStorage) -> None:
         """Take ``storage``'s memory (it then holds no bytes); keep it for the next ``fill`` of that size."""
         n = storage.nbytes()
-        if not self.enabled or n == 0:
-            storage.resize_(0)
+        if not self.enabled or n == 0 or (self.per_size is not None and len(self._free.get(n, ())) >= self.per_size):
+            give_back(storage)
             return
         holder = torch.UntypedStorage(0, device=self.device)
         storage._swap_data_ptr_(holder)  # type: ignore[attr-defined]
