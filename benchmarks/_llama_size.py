@@ -9,16 +9,30 @@ from typing import Any
 
 LLAMA = dict(hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000)  # Llama-2 7B's widths
 MIN_LAYERS = 32  # 7B
+IN_BACKWARD = {"step_in_backward": True}
 HOST_SHARE = 0.92  # of the host's available memory: the CUDA context, pinned staging, Python and Lightning beside
+
+
+CGROUP_MEMORY = (  # (limit, usage): cgroup v2, v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
 
 
 def host_bytes() -> int:
     """The host memory a run may take: what the kernel says is available now (the total less what the system
-    and the page cache it cannot drop hold)."""
+    and the page cache it cannot drop hold), and no more than a container's memory limit leaves (its usage counts
+    its page cache too, so this errs low)."""
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for line in open("/proc/meminfo"):
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            avail = int(line.split()[1]) * 1024
+    for limit, usage in CGROUP_MEMORY:
+        try:
+            avail = min(avail, int(open(limit).read()) - int(open(usage).read()))
+        except (OSError, ValueError):  # no such file, or "max": no limit
+            continue
+    return avail
 
 
 def activation_bytes(shape: dict, batch: int, context: int) -> int:
@@ -43,7 +57,8 @@ def fitting_layers(
         return make_shape_plan(
             Llama,
             {"size": {**LLAMA, "layers": layers}},
-            {"placement": "auto", "device_memory_limit": device_limit, "pin_memory": pin_memory},
+            # as the run is: stepped in backward, its gradient shards given back
+            {"placement": "auto", "device_memory_limit": device_limit, "pin_memory": pin_memory, **IN_BACKWARD},
             "bf16-mixed",
             1,
             (1, 1, int(HOST_SHARE * (args.host_memory or host_bytes()))),

@@ -23,14 +23,15 @@ a contender's row about 100 s), so a lease measures first what the committed res
   ``step_in_backward``, its default, DeepSpeed ZeRO-3 offload, Lightning's FSDP with CPU offload), each with
   its bound.
 - ``largest``: the largest Llama-shaped model (Llama-2 7B's widths, layers added) that ``lightning-chunk plan``
-  says fits this GPU and 92% of the host's available memory with the device limit at 85% of the GPU and the
-  activations ``activation_bytes`` estimates, built on the meta device and streamed,
-  trained ``--largest-steps`` steps in bf16-mixed, stepped in backward (the plan counts the gradient shards it then
-  frees, so it errs safe); a failure steps down a fifth of the layers (not below 7B)
-  while time is left. Its T_gpu takes the FLOP/s DDP achieved on the 1.0B GPT. Its host shards are pinned to the
-  byte (``pin_memory="exact"``, 8 layers more than torch's power-of-two blocks allow on 80 GB and 128 GiB) where
-  ``tests/gpu``'s checks of that pinning passed in this run (they run first when ``tests`` is not among the parts),
-  else, and after a failed try pinned to the byte, by torch's allocator.
+  says fits this GPU and 92% of the host's available memory (within a container's limit) with the device limit at
+  85% of the GPU and the activations ``activation_bytes`` estimates, built on the meta device and streamed, trained
+  ``--largest-steps`` steps in bf16-mixed, stepped in backward (as the plan counts it: the gradient shards given
+  back); the row keeps the resident set every 5 s, so a run killed for memory says how far it got; a failure steps
+  down a fifth of the layers (not below 7B) while time is left. Its T_gpu takes the FLOP/s DDP achieved on the
+  1.0B GPT. Its host shards are pinned to the byte (``pin_memory="exact"``: 53 layers, 11.0B, on 80 GB and 128
+  GiB, where torch's power-of-two blocks allow 38) where ``tests/gpu``'s checks of that pinning passed in this run
+  (they run first when ``tests`` is not among the parts), else, and after a failed try pinned to the byte, by
+  torch's allocator.
 
 [Note: a step's bound]
 With the optimizer state of some shards on the host, a step cannot take less than the longest of three streams
@@ -53,6 +54,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -215,12 +217,25 @@ def child_largest(args: argparse.Namespace) -> None:
         offload=OffloadOptions(pin_memory="exact" if args.largest_pin == "exact" else True),
     )
 
+    resident: list[tuple[float, float]] = []  # (seconds since the start, GB resident), every 5 s
+    lock = threading.Lock()
+
     def report(done: bool) -> None:  # at each step: a child stopped at the budget keeps its set-up and steps
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         res = {"times": times, "params": model_params(shape), "peak_device": peak, "peak_host": proc_bytes("VmHWM")}
         out = Path(args.child_out)
-        out.with_suffix(".tmp").write_text(json.dumps({**res, **moved, "marks": marks, "done": done}))
-        out.with_suffix(".tmp").replace(out)
+        with lock:  # the sampler below writes too
+            res.update(moved, marks=marks, done=done, rss=resident)
+            out.with_suffix(".tmp").write_text(json.dumps(res))
+            out.with_suffix(".tmp").replace(out)
+
+    def sample() -> None:  # a child killed for memory still says how high it got, and when (set-up, first step)
+        while True:
+            time.sleep(5)
+            resident.append((round(time.perf_counter() - marks["started"], 1), round(proc_bytes("VmRSS") / 1e9, 2)))
+            report(False)
+
+    threading.Thread(target=sample, daemon=True).start()
 
     class Progress(L.Callback):
         def on_train_start(self, *_: Any) -> None:
@@ -291,6 +306,9 @@ def part_largest(
         }
         res = json.loads(out.read_text()) if out.exists() else {}
         marks, times = res.pop("marks", {}), res.pop("times", [])
+        rss = res.pop("rss", [])
+        if rss:  # the resident set every 5 s: where a child killed for memory got to
+            row.update(peak_resident_gb=max(r for _, r in rss), resident_gb=rss)
         if "set_up" in marks:  # seconds from the child's start to the first step, and that (warm-up) step's
             row.update(set_up_s=marks["set_up"] - marks["started"], first_step_s=(times or [None])[0])
         steady = times[1:]  # the first step is the warm-up's
