@@ -236,3 +236,32 @@ def test_host_gradient_shards_pinned_to_the_byte_are_given_back_when_stepping_in
     del eng, opt, chunks, m
     gc.collect()
     assert not reg.live and exact.live_bytes == 0
+
+
+def test_a_speculated_step_keeps_the_gradient_shards_pinned_to_the_byte_and_trains_as_plain_lightning(exact_host):
+    """Clipping by norm while stepping in backward speculates ([Note: speculating past the norm and the overflow]):
+    every gradient shard is held until ``optimizer.step()``, after which one pinned to the byte keeps its bytes
+    (registering it again at the next backward would cost more): nothing is registered after the warm-up's repack,
+    and the parameters are plain Lightning's."""
+    import lightning as L
+
+    from lightning_chunk import ChunkOffloadStrategy, OffloadOptions
+    from tests.compare import EXACT, assert_same_params
+    from tests.models import fit
+
+    reg, _ = exact_host
+    calls: list[int] = []
+
+    class Count(L.Callback):
+        def on_train_batch_end(self, *_: object) -> None:
+            calls.append(sum(c == "register" for c, _ in reg.calls))
+
+    kw = dict(steps=6, gradient_clip_val=0.05)
+    ref = fit("auto", **kw)
+    strategy = ChunkOffloadStrategy(
+        placement="host", step_in_backward=True, offload=OffloadOptions(optimizer_kernel="loop")
+    )
+    got = fit(strategy, callbacks=[Count()], **kw)
+    assert strategy.memory_stats()["speculation_rollbacks"] > 0
+    assert calls[1] == calls[-1]
+    assert_same_params(ref, got, EXACT)
