@@ -194,6 +194,42 @@ def step_timer(times: list[float]) -> Any:
     return StepTimer()
 
 
+def profiled_step(store: dict, at: int) -> Any:
+    """A Lightning callback profiling training step ``at`` (from 0) with torch's profiler into ``store["profile"]``: the
+    25 ops and ranges (the engine's ``lc:CAUSE``, [Note: where a step's time goes]) that took most of the host's own
+    time, and the 10 kernels and copies that took most of the device's, in ms, with their counts. A lease's table
+    then says what a cause's seconds were spent on, without a second run."""
+    import lightning as L
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    class Profiled(L.Callback):
+        prof: Any = None
+
+        def on_train_batch_start(self, trainer: Any, *a: Any) -> None:
+            if trainer.global_step == at and self.prof is None:
+                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+                self.prof = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+            if self.prof is None or "profile" in store:
+                return
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            ops = self.prof.key_averages()
+
+            def top(attr: str, n: int) -> list[list[Any]]:
+                rows = sorted(ops, key=lambda e: getattr(e, attr, 0), reverse=True)[:n]
+                return [[e.key, round(getattr(e, attr, 0) / 1e3, 3), e.count] for e in rows if getattr(e, attr, 0)]
+
+            host, device = top("self_cpu_time_total", 25), top("self_device_time_total", 10)
+            store["profile"] = dict(host_self_ms=host, device_ms=device)
+
+    return Profiled()
+
+
 def quiet_trainer(ranks: int, strategy: Any, steps: int, accelerator: str = "cpu", **kw: Any) -> Any:
     """A ``Trainer`` that trains ``steps`` steps and writes, logs and validates nothing: what a script times."""
     import lightning as L

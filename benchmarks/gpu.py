@@ -51,6 +51,7 @@ from _common import (  # noqa: E402
     load_gpt,
     param_groups,
     proc_bytes,
+    profiled_step,
     quiet_trainer,
     run_or_child,
     run_ranks,
@@ -163,6 +164,10 @@ def time_spent(rows: list[dict]) -> list[str]:
             for r in waits
         )
         out += [f"Host seconds a step, by cause: {host}", ""]
+    for r in rows:  # ``--profile``: what the host's own time in one step went to
+        if r.get("profile", {}).get("host_self_ms"):
+            ops = ", ".join(f"{k} {ms:.1f} ({n})" for k, ms, n in r["profile"]["host_self_ms"][:8])
+            out += [f"{r['contender']}, a profiled step, the host's own ms (calls): {ops}", ""]
     return out
 
 
@@ -265,15 +270,22 @@ def child(args: argparse.Namespace) -> None:
     times: list[float] = []
     moved: dict[str, float] = {}
     callbacks = [step_timer(times), phase_marks(marks)]
+    profiled = args.profile and isinstance(strategy, ChunkOffloadStrategy)  # one step more, profiled and not timed
     if isinstance(strategy, ChunkOffloadStrategy):
         callbacks.append(traffic(strategy, args.skip, moved))
+    if profiled:
+        callbacks.append(profiled_step(moved, args.steps))
     precision = "bf16-mixed" if cuda else "32-true"
-    trainer = quiet_trainer(1, strategy, args.steps, args.accelerator, precision=precision, callbacks=callbacks)
+    steps = args.steps + profiled
+    trainer = quiet_trainer(1, strategy, steps, args.accelerator, precision=precision, callbacks=callbacks)
     if cuda:
         torch.cuda.synchronize()
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
     marks["fit_done"] = time.perf_counter()
-    _write(args, times, params, marks=marks, **moved)
+    _write(args, times[: args.steps], params, marks=marks, **moved)
+
+
+ENGINE_KEYS = ("h2d_per_step", "d2h_per_step", "host_stepped", "host_s_per_step", "profile")  # chunk_offload rows
 
 
 def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
@@ -286,6 +298,7 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
     for k in ("width", "depth", "context", "batch", "steps", "skip", "accelerator", "device_limit"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    cmd += ["--profile"] * bool(getattr(args, "profile", False))
     env = clean_env()
     if deepspeed:  # one rank, told so as torchrun would (deepspeed.init_distributed reads it); no torchrun, whose
         # worker leads a session of its own and so outlived a stop at the budget, holding the GPU
@@ -313,7 +326,7 @@ def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:
         "peak_device": res["peak_device"],
         "peak_host": res["peak_host"],
         "params": res["params"],
-        **{k: res[k] for k in ("h2d_per_step", "d2h_per_step", "host_stepped", "host_s_per_step") if k in res},
+        **{k: res[k] for k in ENGINE_KEYS if k in res},
         "wall_s": ended - launched,
         "phases": spent,
     }
@@ -398,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--host-limit", default="100GiB", help="host memory the --largest search may use")
     p.add_argument("--max-depth", type=int, default=512)
     p.add_argument("--out", default="benchmarks/results/gpu.json")
+    p.add_argument("--profile", action="store_true", help="chunk_offload rows: one step more, under torch's profiler")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return run_or_child(p.parse_args(argv), {"deepspeed zero-3 offload": child_deepspeed, "*": child}, measure, render)
 

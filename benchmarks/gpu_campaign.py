@@ -183,7 +183,7 @@ def bound(row: dict, probes: dict, ddp_tflops: float | None) -> dict:
 def part_contenders(args: argparse.Namespace, budget: float, probes: dict) -> dict:
     gpu = _load("gpu")
     ns = argparse.Namespace(**{k: getattr(args, k) for k in ("width", "depth", "context", "batch", "steps", "skip")})
-    ns.accelerator, ns.device_limit, ns.largest = args.accelerator, args.device_limit, False
+    ns.accelerator, ns.device_limit, ns.largest, ns.profile = args.accelerator, args.device_limit, False, True
     ns.contenders = args.contenders
     ns.deadline = time.monotonic() + budget
     res = gpu.measure(ns)
@@ -218,22 +218,25 @@ def child_largest(args: argparse.Namespace) -> None:
     )
 
     resident: list[tuple[float, float]] = []  # (seconds since the start, GB resident), every 5 s
-    lock = threading.Lock()
+    lock, finished = threading.Lock(), list[bool]()
 
     def report(done: bool) -> None:  # at each step: a child stopped at the budget keeps its set-up and steps
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         res = {"times": times, "params": model_params(shape), "peak_device": peak, "peak_host": proc_bytes("VmHWM")}
         out = Path(args.child_out)
-        with lock:  # the sampler below writes too
+        with lock:  # the sampler below writes too, never after the last step's report
+            if finished:
+                return
+            finished.extend([True] * done)
             res.update(moved, marks=marks, done=done, rss=resident)
             out.with_suffix(".tmp").write_text(json.dumps(res))
             out.with_suffix(".tmp").replace(out)
 
     def sample() -> None:  # a child killed for memory still says how high it got, and when (set-up, first step)
         while True:
-            time.sleep(5)
             resident.append((round(time.perf_counter() - marks["started"], 1), round(proc_bytes("VmRSS") / 1e9, 2)))
             report(False)
+            time.sleep(5)
 
     threading.Thread(target=sample, daemon=True).start()
 

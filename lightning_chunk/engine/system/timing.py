@@ -9,7 +9,7 @@ wall time of each on this rank since the engine started. Measurements nest, and 
 one cause only, the innermost: a gather waited for inside a forward hook is ``gather_wait``, and ``hooks`` is
 what the hooks spent on their own (planning, bookkeeping, launching collectives). What no cause claims is
 the model's own compute (and Lightning's loop). Reading the clock costs two ``perf_counter`` calls per
-measurement, small next to a hook.
+measurement, small next to a hook; under torch's profiler each measurement is also a range named ``lc:CAUSE``.
 
 On CUDA the collectives and copies are stream-ordered: the host does not wait for them, so their causes show
 host time only (launching), and a stream's wait appears where the host next synchronises; the host's waits for
@@ -23,6 +23,10 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import torch
+
+_profiling = torch._C._autograd._profiler_enabled
+
 CAUSES = ("gather_wait", "reduce_wait", "sync_wait", "tier_copy", "grad_copy", "optimizer", "hooks")
 
 
@@ -33,10 +37,13 @@ class StepClock:
 
     @contextlib.contextmanager
     def measure(self, cause: str) -> Iterator[None]:
+        # under torch's profiler each measurement is a range too (``lc:CAUSE``): what the ops inside cost, by name
+        marked = torch.autograd.profiler.record_function(f"lc:{cause}") if _profiling() else contextlib.nullcontext()
         start = time.perf_counter()
         self._inner.append(0.0)
         try:
-            yield
+            with marked:
+                yield
         finally:
             took = time.perf_counter() - start
             nested = self._inner.pop()
