@@ -74,3 +74,38 @@ def test_the_worker_lands_each_chunk_s_gradient_copies_and_the_steps_are_torch_s
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
     eng.teardown()
+
+
+def test_a_landed_copy_lets_its_staging_buffer_go_without_the_cycle_collector():
+    """A copy handed over referenced its landing function, which referenced the chunk's copies: a cycle, so each
+    staging buffer (on CUDA a pinned block of torch's caching host allocator) outlived its drain until the cycle
+    collector ran, and the next copies had to pin new blocks. With the collector off, no copy outlives its step."""
+    import gc
+    import weakref
+
+    from lightning_chunk.engine.tiers.offload import _Copy
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    config = ChunkConfig(placement="host", chunk_numel=150, step_in_backward=True, step_thread=True)
+    eng = ChunkEngine(model, [opt], config=config)
+    late = late_copies(eng.manager)
+    made: list[weakref.ref] = []
+    init = _Copy.__init__
+
+    def track(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    gc.collect()
+    gc.disable()
+    try:
+        _Copy.__init__ = track  # type: ignore[method-assign]
+        for i in range(3):
+            step(eng, model, opt, torch.randn(3, 8, generator=torch.Generator().manual_seed(i)))
+        assert made and late.handed
+        assert [r for r in made if r() is not None] == []
+    finally:
+        _Copy.__init__ = init  # type: ignore[method-assign]
+        gc.enable()

@@ -37,6 +37,13 @@ payloads being copied, and their ``on_done``, hold as before) but leaves the add
 yet: landing is done once, by whichever thread comes first, so neither thread ever waits for the other's other
 work. So does any drain of a staged copy, which lets its staging buffer go (a ring slice back, in order, on this
 thread): a buffer goes only once its add has read it, and ``max_staged_bytes`` bounds the staging alive.
+
+[Note: a copy outlives no drain]
+A copy handed over refers to its landing function, which refers to the chunk's copies: a reference cycle. Each
+staging buffer then lived past its drain until Python's cycle collector ran, so torch's caching host allocator had
+none free for the next copies and page-locked new blocks (``cudaHostAlloc``, milliseconds for tens of MB, on the
+autograd thread: counted as ``grad_copy``), and pinned memory grew past ``max_staged_bytes`` meanwhile. Landing
+clears the function's list, and a drain clears the copy's reference, so refcounting frees each buffer at its drain.
 """
 
 from __future__ import annotations
@@ -162,6 +169,7 @@ class GradOffload:
                     for c in mine:
                         c.done.synchronize()
                         self._finish(c)
+                    mine.clear()  # each copy refers to this function: see [Note: a copy outlives no drain]
 
         for c in mine:
             c.land = land
@@ -200,6 +208,7 @@ class GradOffload:
                     self.ring.give_back()
             if c.on_done is not None:
                 c.on_done()
+            c.land = None  # [Note: a copy outlives no drain]
 
     @staticmethod
     def _finish(c: _Copy) -> None:
