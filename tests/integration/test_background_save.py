@@ -180,12 +180,15 @@ def test_a_failed_save_in_the_background_fails_the_fit_where_it_settles(tmp_path
     assert not any(p.name.endswith(".ckpt") for p in tmp_path.iterdir())
 
 
-def test_the_writer_thread_works_on_the_rank_s_gpu_and_waits_for_its_copies_there(monkeypatch):
+def test_the_writer_thread_works_on_the_rank_s_gpu_and_cores_and_waits_for_its_copies_there(monkeypatch):
     """A new thread starts on GPU 0: on rank 3 the writer's bare ``torch.cuda.synchronize()`` waited for GPU 0, not
     for its own copy of a device shard (the file could get bytes the copy had not landed), and its pinned buffers
-    made a CUDA context on GPU 0. Faked here (no GPU): what the writer thread asks of CUDA."""
+    made a CUDA context on GPU 0. And with torch's default thread count: its clones ran an OpenMP team as large as
+    the machine. Faked here (no GPU): what the writer thread asks of CUDA and of torch's thread pool."""
     calls: list[tuple[str, object, str]] = []
     here = threading.current_thread().name
+    threads = torch.get_num_threads()  # the rank's share, as the training thread has it
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(("threads", n, here_or(here))))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d, here_or(here))))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("synchronize", d, here_or(here))))
     monkeypatch.setattr(background_save.BackgroundSave, "_copy", lambda self, name: PinnedCopy())
@@ -195,7 +198,7 @@ def test_the_writer_thread_works_on_the_rank_s_gpu_and_waits_for_its_copies_ther
     save.start()
     save.finish()
     assert job.made == ["chunk.0.master"]
-    assert calls == [("set_device", gpu, "writer"), ("synchronize", gpu, "writer")]
+    assert calls == [("threads", threads, "writer"), ("set_device", gpu, "writer"), ("synchronize", gpu, "writer")]
 
 
 def here_or(main: str) -> str:

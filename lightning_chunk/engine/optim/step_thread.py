@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from ..system.threads import enter_rank
+
 
 class HostStepThread:
     """One worker thread stepping chunks in the order they are handed over ([Note: the host Adam beside
@@ -92,14 +94,8 @@ class HostStepThread:
             raise error
 
     def _start(self) -> None:
-        """The worker takes the rank's share of the cores and its GPU. A new thread's OpenMP regions (the one-pass
-        kernel's) otherwise use every core of the machine, whatever ``torch.set_num_threads`` said on the thread
-        that set it (eight ranks of a node would each run a team as large as the node), and it starts on GPU 0,
-        where anything a step hook does on the GPU (a save's ``torch.cuda.synchronize()``) would make a context of
-        its own and wait for another rank's device."""
-        torch.set_num_threads(self.threads)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        """The worker takes the rank's share of the cores and its GPU ([Note: the engine's own threads])."""
+        enter_rank(self.device, self.threads)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..chunks.chunk import Tier
+from ..system.threads import enter_rank
 from .shard_writer import chunk_of
 
 if TYPE_CHECKING:  # only a type here: save.py builds the jobs and starts the saves
@@ -73,6 +74,7 @@ class BackgroundSave:
         self.aside_bytes = 0  # copied aside by training: at most the training state the writer had not reached
         self.waited_s = 0.0  # training's time in ``let_go``, copies aside included
         self._thread = threading.Thread(target=self._run, name=f"lightning_chunk save {job.path.name}")
+        self._threads = torch.get_num_threads()  # the rank's share of the cores, for the writer
 
     def start(self) -> None:
         if self.copy_aside:  # shards off the host are copied now: the writer would copy them anyway
@@ -160,11 +162,9 @@ class BackgroundSave:
                 self._cond.notify_all()
 
     def _run(self) -> None:
-        """The writer: on the rank's GPU, as training is. A new thread starts on GPU 0, where its copies' pinned
-        buffers, a synchronisation or an unregistration would make a CUDA context of its own (memory of GPU 0 that
-        rank 0's limit never counted), and a bare ``synchronize()`` would wait for GPU 0, not for this rank's copy."""
-        if self.job.mgr.device.type == "cuda":
-            torch.cuda.set_device(self.job.mgr.device)
+        """The writer: on the rank's GPU and its share of the cores, as training is ([Note: the engine's own
+        threads]): its clones of large shards ran an OpenMP team as large as the machine."""
+        enter_rank(self.job.mgr.device, self._threads)
         try:
             self.job.run(self.comm)
         except BaseException as e:  # noqa: BLE001 - raised on the training thread where it settles the save
