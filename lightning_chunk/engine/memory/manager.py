@@ -27,6 +27,7 @@ from ..comm.reduce import GradReducer
 from ..config import ChunkConfig, DtypePolicy
 from ..schedule.costs import chunk_views, shard_cost
 from ..schedule.placement import ChunkView
+from ..system.threads import indexed
 from ..system.timing import StepClock
 from ..tiers.pool import BlockPool
 from ..tiers.tier_set import TierSet
@@ -67,11 +68,7 @@ class ChunkManager:
         rank did not set it (``Ledger.named_limit``)."""
         self.config = config
         self.dtypes = dtypes
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # the GPU current here, named: threads of the engine's own (a save's writer, the step worker) start on
-            # GPU 0 and take this device by its index
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = indexed(device)  # [Note: the engine's own threads]
         self.comm = collectives or Collectives.local()
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]

@@ -15,6 +15,15 @@ from __future__ import annotations
 import torch
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the GPU current on this thread (the rank's, where the engine is
+    built), so that the engine's own threads can be given it by index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def enter_rank(device: torch.device, threads: int) -> None:
     """Called first on an engine thread: ``threads`` for torch's intra-op pool, ``device`` current if a GPU."""
     torch.set_num_threads(threads)
