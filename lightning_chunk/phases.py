@@ -66,6 +66,7 @@ from .engine.chunks.chunk import Tier
 from .engine.config import human_bytes
 from .engine.optim.ema import BLOCK as EMA_BLOCK
 from .engine.runtime.description import ShapePlan
+from .engine.schedule.placement import device_first
 
 GRAD_STAGING = 256 << 20  # GradOffload's pinned staging in flight at most
 
@@ -205,10 +206,12 @@ class ClusterReport:
         return "\n".join(lines)
 
 
-def final_tiers(plan: ShapePlan, placement: str, activations: int = 0) -> dict[int, Tier]:
-    """The tiers after the warm-up, without its trace: ``auto`` under a limit puts shards on the device, the last
-    chunks first, while they leave the busiest module, a prefetch, three gradient payloads and ``activations`` room;
-    other placements keep their first tiers."""
+def final_tiers(
+    plan: ShapePlan, placement: str, activations: int = 0, *, beside_backward: bool = False
+) -> dict[int, Tier]:
+    """The tiers after the warm-up, without its trace: ``auto`` under a limit puts shards on the device in
+    ``device_first``'s order ([Note: which chunks the host gets]) while they leave the busiest module, a prefetch,
+    three gradient payloads and ``activations`` room; other placements keep their first tiers."""
     if placement != "auto" or plan.limit is None:
         return dict(plan.tiers)
     views = plan.views
@@ -219,7 +222,7 @@ def final_tiers(plan: ShapePlan, placement: str, activations: int = 0) -> dict[i
     )
     room = plan.limit - reserve - activations
     tiers = {v.chunk_id: (Tier.DISK if plan.tiers[v.chunk_id] is Tier.DISK else Tier.HOST) for v in views}
-    for v in sorted(views, key=lambda v: v.chunk_id, reverse=True):
+    for v in device_first(views, beside_backward=beside_backward):
         if tiers[v.chunk_id] is Tier.HOST and v.device_shard_bytes <= room:
             tiers[v.chunk_id] = Tier.DEVICE
             room -= v.device_shard_bytes
@@ -245,6 +248,7 @@ def phases(
     background_save: bool = False,
     pinned_low_bytes: int | None = None,
     exact_pinning: bool = False,
+    beside_backward: bool = False,
 ) -> tuple[list[Phase], int, int, dict[int, Tier], int]:
     """The rows of [Note: host memory by phase], the host bound and the training state, the tiers after the
     warm-up, and the pinned allocator's rounding at most. ``optim_ratio``: optimizer state bytes per master byte
@@ -257,9 +261,10 @@ def phases(
     ``save_share``: the part of a shard a save writes (its master and optimizer state); ``background_save``: saves
     are written beside training, which copies aside what the writer has not read (never under a host limit);
     ``pinned_low_bytes``: host shards are pinned (a GPU), their compute copy this many bytes an element, in torch's
-    power-of-two blocks, or to the byte with ``exact_pinning`` (``pin_memory="exact"``)."""
+    power-of-two blocks, or to the byte with ``exact_pinning`` (``pin_memory="exact"``); ``beside_backward``: host
+    chunks step beside backward (``final_tiers``)."""
     views = plan.views
-    after = final_tiers(plan, placement, activations)
+    after = final_tiers(plan, placement, activations, beside_backward=beside_backward)
 
     def on(tiers: dict[int, Tier], tier: Tier) -> int:
         return sum(

@@ -318,6 +318,7 @@ def make_shape_plan(
         background_save=in_background,
         pinned_low_bytes=low if staging and strategy.config.pin_memory else None,
         exact_pinning=strategy.config.pin_memory == "exact",
+        beside_backward=strategy.config.steps_beside_backward("cuda" if staging else "cpu"),
     )
     return ClusterReport(
         model=type(model).__name__,

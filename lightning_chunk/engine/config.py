@@ -253,6 +253,12 @@ class ChunkConfig:
     def replace(self, **changes: object) -> ChunkConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def steps_beside_backward(self, device_type: str) -> bool:
+        """Host chunks step on a worker beside backward ([Note: the host Adam beside backward]): stepping in backward
+        (``None`` counted as not), on a thread (``step_thread=None``: on a GPU)."""
+        thread = self.step_thread if self.step_thread is not None else device_type == "cuda"
+        return self.step_in_backward is True and thread
+
 
 def device_margin_bytes(total_bytes: int) -> int:
     """What ``device_memory_limit=None`` leaves free on a CUDA device: 10% of its memory, at least 1 GiB."""

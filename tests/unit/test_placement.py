@@ -395,3 +395,31 @@ def test_steps_without_a_trace_leave_the_activations_room_under_the_limit():
     with torch.no_grad(), eng.micro_batch(training=False) as outputs:
         outputs(model(x))
     assert 0 < peak[0] <= limit - activations
+
+
+def test_auto_gives_the_host_the_chunks_backward_finishes_first_where_they_step_beside_it():
+    """[Note: which chunks the host gets]: stepping after backward the last chunks in use order stay on the device;
+    stepping beside backward on a worker, the first ones, so that the host chunks' gradients are final early in
+    backward and their steps overlap the rest of it. Either way training is the same, bit for bit."""
+    import torch
+    import torch.nn as nn
+
+    from lightning_chunk.engine import ChunkEngine
+    from tests.engine_steps import step
+
+    def run(thread: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        config = ChunkConfig(
+            placement="auto", chunk_numel=300, device_memory_limit=16000, step_in_backward=True, step_thread=thread
+        )
+        eng = ChunkEngine(model, [opt], config=config)
+        assert eng.policy.beside_backward is thread
+        for i in range(3):
+            step(eng, model, opt, torch.randn(3, 16, generator=torch.Generator().manual_seed(i)))
+        return "".join(c.shard_tier.name[0] for c in eng.manager.chunks), eng.full_state_dict()
+
+    (beside, got), (after, want) = run(True), run(False)
+    assert beside == "DDHHHHHH" and after == "HHHHHHDD"
+    assert all(torch.equal(got[k], v) for k, v in want.items())

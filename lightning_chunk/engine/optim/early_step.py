@@ -113,9 +113,9 @@ class EarlyStep:
         self.disk = DiskSteps(manager, self.binding, manager.tiers.disk)
         self.clip_value: float | None = None  # Lightning's gradient_clip_val with algorithm "value", else None
         self.speculation: Speculation | None = None  # with clipping by norm or fp16 loss scaling (``speculate``)
-        on = manager.config.step_thread
         # [Note: the host Adam beside backward] in step_thread.py
-        self.thread = HostStepThread(manager.device) if on or (on is None and manager.device.type == "cuda") else None
+        on = manager.config.replace(step_in_backward=True).steps_beside_backward(manager.device.type)
+        self.thread = HostStepThread(manager.device) if on else None
         manager.reducer.on_final = self.grads_final
 
     def speculate(self, *, clip_norm: bool, scaler: DynamicLossScaler | None) -> None:

@@ -171,7 +171,7 @@ class EngineDescription:
             own_dtype={i for i, (_, p) in enumerate(named) if id(p) in keep},
             limit_origin=origin,
         )
-        policy = make_policy(config)
+        policy = make_policy(config, beside_backward=config.steps_beside_backward(manager.device.type))
         hooks = ChunkHooks(module, manager, policy)
         bindings = [OptimizerBinding(o, manager, off, config) for o, off in zip(optimizers, offsets, strict=True)]
         optim_bytes: dict[int, int] = {}
