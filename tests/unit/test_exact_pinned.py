@@ -93,6 +93,13 @@ class Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def same_as_torch_then_torn_down(eng, ref: nn.Module) -> None:  # noqa: ANN001
+    sd = eng.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+    eng.teardown()
+
+
 @pytest.fixture
 def exact_host(monkeypatch) -> tuple[Registry, ExactPinned]:
     """Every engine's host tier allocates from one exact allocator whose registration is faked (a CPU device never
@@ -120,10 +127,7 @@ def test_host_shards_in_exact_pinned_memory_train_as_torch_and_are_all_unregiste
     assert all(c.shard_tier is Tier.HOST for c in chunks)
     held = sum(t.untyped_storage().nbytes() for c in chunks for t in (c.master, c.low, c.grad) if t is not None)
     assert exact.live_bytes == sum(reg.live.values()) == held == eng.memory_stats()["exact_pinned_bytes"] > 0
-    sd = eng.full_state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
-    eng.teardown()
+    same_as_torch_then_torn_down(eng, ref)
     del eng, opt, chunks, m
     gc.collect()
     assert not reg.live and exact.live_bytes == 0
@@ -229,10 +233,7 @@ def test_host_gradient_shards_pinned_to_the_byte_are_given_back_when_stepping_in
     assert max(sizes.values()) > 4  # the pool keeps at most four blocks of a size, the rest went to the allocator
     assert exact.live_bytes == masters + pooled and pooled == sum(n * min(k, 4) for n, k in sizes.items()) < grads
     assert registered[1] == registered[2] == registered[3]  # the pool served every gradient shard
-    sd = eng.full_state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
-    eng.teardown()
+    same_as_torch_then_torn_down(eng, ref)
     del eng, opt, chunks, m
     gc.collect()
     assert not reg.live and exact.live_bytes == 0
