@@ -413,3 +413,32 @@ def test_host_gradient_shards_pinned_to_the_byte_are_given_back_stepping_in_back
     got = eng.full_state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())
     eng.teardown()
+
+
+def test_auto_leaves_the_chunks_backward_finishes_first_on_the_host_when_they_step_beside_it():
+    """[Note: which chunks the host gets] on a GPU: stepping in backward the worker is on by default, and auto gives
+    the device's room to the first chunks in use order; the host chunks, the last ones, step on the worker. Within
+    fp32 rounding of stepping after backward, whose host chunks are the first ones (the host and the GPU round their
+    Adam steps apart)."""
+    kw = dict(steps=6, accelerator="gpu", model_kwargs=BIG)
+    probe = ChunkOffloadStrategy(device_memory_limit="1GiB", memory=MemoryOptions(chunk_numel=1 << 20))
+    fit(probe, steps=1, **{k: v for k, v in kw.items() if k != "steps"})
+    limit = probe.memory_stats()["nonmodel_peak_bytes"] + 24 * (4 << 20)  # room for about half the shards (16 MiB each)
+
+    def run(early):
+        tiers: list[str] = []
+
+        class Tiers(L.Callback):
+            def on_train_end(self, *_: object) -> None:
+                tiers.append("".join(c.shard_tier.name[0] for c in strategy.engine.manager.chunks))
+
+        strategy = ChunkOffloadStrategy(
+            device_memory_limit=limit, step_in_backward=early, memory=MemoryOptions(chunk_numel=1 << 20)
+        )
+        return fit(strategy, callbacks=[Tiers()], **kw), strategy.memory_stats(), tiers[0]
+
+    (want, _, after), (got, stats, beside) = run(False), run(True)
+    assert stats["chunks_stepped_on_thread"] > 0 and "H" in beside and "D" in beside
+    # in use order; a small chunk may take room the greedy fill left, wherever it is
+    assert beside.startswith("DD") and after.startswith("H") and after.endswith("DD"), (beside, after)
+    assert_same_params(want, got, TOL)
