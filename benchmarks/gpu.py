@@ -171,11 +171,12 @@ def time_spent(rows: list[dict]) -> list[str]:
     return out
 
 
-def traffic(strategy: Any, skip: int, store: dict) -> Any:
+def traffic(strategy: Any, skip: int, store: dict, until: int | None = None) -> Any:
     """A callback putting into ``store`` the bytes ``strategy`` copied host to device and back a step after the
     first ``skip`` steps, the seconds a step the host spent on each cause of [Note: where a step's time goes]
     (``host_s_per_step``: on CUDA the host's waits, as for gradient copies before each step in backward), and the
-    parameters its host Adam steps (a shard left on the host steps there)."""
+    parameters its host Adam steps (a shard left on the host steps there); over the first ``until`` steps only
+    (the timed ones: a profiled step after them runs slower)."""
     import lightning as L
 
     from lightning_chunk.engine.chunks.chunk import Tier
@@ -184,6 +185,8 @@ def traffic(strategy: Any, skip: int, store: dict) -> Any:
 
     class Traffic(L.Callback):
         def on_train_batch_end(self, *a: Any) -> None:
+            if until is not None and len(seen) >= until:
+                return
             mgr = strategy.engine.manager
             seen.append((mgr.transfers.h2d_bytes, mgr.transfers.d2h_bytes, dict(mgr.clock.seconds)))
             steps = len(seen) - min(skip, len(seen) - 1)
@@ -272,7 +275,7 @@ def child(args: argparse.Namespace) -> None:
     callbacks = [step_timer(times), phase_marks(marks)]
     profiled = args.profile and isinstance(strategy, ChunkOffloadStrategy)  # one step more, profiled and not timed
     if isinstance(strategy, ChunkOffloadStrategy):
-        callbacks.append(traffic(strategy, args.skip, moved))
+        callbacks.append(traffic(strategy, args.skip, moved, args.steps))
     if profiled:
         callbacks.append(profiled_step(moved, args.steps))
     precision = "bf16-mixed" if cuda else "32-true"
