@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def step(eng, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+def step(eng, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, *, through_engine=False) -> None:  # noqa: ANN001
+    """``through_engine``: the optimizer steps as Lightning's precision steps it (``eng.step``: with
+    ``step_in_backward`` the chunks left, one at a time), else by its own ``step()``."""
     opt.zero_grad()  # as the reference loop does: gradients stay after a step until zero_grad, as in torch
     with eng.micro_batch(training=True) as outputs:
         loss = model(x).float().pow(2).mean()
@@ -13,14 +15,17 @@ def step(eng, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
     loss.backward()
     eng.after_backward()
     eng.prepare_step()
-    opt.step()
+    if through_engine:
+        eng.step(opt)
+    else:
+        opt.step()
     eng.finish_step(stepped=True)
 
 
-def train_beside_torch(model: torch.nn.Module, ref: torch.nn.Module, config, steps: int = 4, after_step=None):  # noqa: ANN001, ANN201
+def train_beside_torch(model: torch.nn.Module, ref: torch.nn.Module, config, steps: int = 4, after_step=None, **kw):  # noqa: ANN001, ANN003, ANN201
     """``steps`` Adam steps of ``model`` on a ``ChunkEngine`` under ``config`` and of ``ref`` (given ``model``'s
-    values) in plain torch, on the same batches of 3 x 8 (``after_step()`` after each); returns the engine and its
-    optimizer."""
+    values) in plain torch, on the same batches of 3 x 8 (``after_step()`` after each; ``kw`` to ``step``); returns
+    the engine and its optimizer."""
     from lightning_chunk.engine import ChunkEngine
 
     ref.load_state_dict(model.state_dict())
@@ -28,7 +33,7 @@ def train_beside_torch(model: torch.nn.Module, ref: torch.nn.Module, config, ste
     eng = ChunkEngine(model, [opt], config=config)
     for i in range(steps):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
-        step(eng, model, opt, x)
+        step(eng, model, opt, x, **kw)
         if after_step is not None:
             after_step()
         oref.zero_grad()

@@ -47,8 +47,9 @@ class ChunkGrads:
         with mgr.ledger.tracked(chunk):
             chunk.restore_grad(self._pool(chunk), lambda: mgr.tiers.alloc(chunk, Role.GRAD, dtype).untyped_storage())
 
-    def release(self, chunk: Chunk, *, to_pool: bool = True) -> None:
-        """Give a gradient shard back: to its tier's pool (in backward) or to the allocator (``to_pool=False``).
+    def release(self, chunk: Chunk, *, to_pool: bool = True, keep_pinned: bool = False) -> None:
+        """Give a gradient shard back: to its tier's pool (in backward) or to the allocator (``to_pool=False``); with
+        ``keep_pinned`` a host one pinned to the byte keeps its bytes instead.
 
         [Note: gradient shards pinned to the byte]
         On a GPU the host shards are page-locked. torch's pinned blocks resize, but one page-locked to the byte
@@ -61,15 +62,18 @@ class ChunkGrads:
         keeps at most ``IN_FLIGHT`` blocks of a size, what a step holds at once (those landing and those waiting for
         the step thread); one beyond (the warm-up stepped after backward, so its gradient shards were all alive
         when the next backward gave them back) goes to its allocator, for an exact one unregistered and unmapped.
-        So nothing is registered in a steady step. Given back after backward (a speculated step's, [Note:
-        speculating past the norm and the overflow]: every shard is held until ``optimizer.step()`` anyway) an
-        exact one keeps its bytes, as before: registering it again at the next backward would cost more."""
+        So nothing is registered in a steady step. Given back after backward it goes to its allocator: the warm-up
+        steps after backward, and kept there its bytes stood beside the optimizer state the step makes, which
+        ``phases.py`` does not count. But where a fit speculates ([Note: speculating past the norm and the
+        overflow]: every shard is held until ``optimizer.step()`` anyway, and a clipped guess steps again after
+        backward) an exact one keeps its bytes (``keep_pinned``): registering it again at every backward would
+        cost more."""
         mgr = self.manager
         storage = chunk.grad.untyped_storage() if chunk.grad is not None else None
         with mgr.ledger.tracked(chunk):
             if to_pool:
                 chunk.release_grad(self._pool(chunk))
-            elif storage is not None and not storage.resizable() and chunk.shard_tier is Tier.HOST:
+            elif keep_pinned and storage is not None and not storage.resizable() and chunk.shard_tier is Tier.HOST:
                 chunk.grad_released = True  # kept bytes: ``restore`` finds them there
             else:
                 chunk.release_grad(None)

@@ -257,8 +257,9 @@ class EarlyStep:
 
     def _release(self, chunk: Chunk, *, to_pool: bool = True) -> None:
         """On the autograd thread, once ``chunk`` stepped: its gradient shard goes to the pool (in backward) or to
-        the allocator (after it)."""
-        self.manager.grads.release(chunk, to_pool=to_pool)
+        the allocator (after it; a pinned one stays where a fit speculates, [Note: gradient shards pinned to the
+        byte])."""
+        self.manager.grads.release(chunk, to_pool=to_pool, keep_pinned=self.speculation is not None)
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"chunks_stepped_in_backward": self.early}
