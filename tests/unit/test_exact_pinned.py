@@ -278,3 +278,23 @@ def test_a_speculated_step_keeps_the_gradient_shards_pinned_to_the_byte_and_trai
     assert strategy.memory_stats()["speculation_rollbacks"] > 0
     assert calls[1] == calls[-1]
     assert_same_params(ref, got, EXACT)
+
+
+def test_torch_s_pinned_cache_is_emptied_after_the_first_step_in_a_fit_stepping_in_backward(monkeypatch):
+    """The first step (the warm-up's, after backward) gives each gradient shard back as it makes the optimizer state;
+    torch's pinned blocks go to its cache, which kept them beside that state until emptied. Once after that step (the
+    repack's own emptying comes before it), never in a steady step. Counted, not run (no CUDA here)."""
+    from lightning_chunk.engine.runtime import engine as engine_module
+    from tests.engine_steps import step
+
+    calls: list[int] = []
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    eng = engine_module.ChunkEngine(model, [opt], config=ChunkConfig(placement="host", step_in_backward=True))
+    monkeypatch.setattr(engine_module, "release_pinned_cache", lambda: calls.append(len(calls)))
+    counts = []
+    for i in range(3):
+        step(eng, model, opt, torch.randn(3, 8, generator=torch.Generator().manual_seed(i)), through_engine=True)
+        counts.append(len(calls))
+    assert counts == [1, 1, 1]  # after the first step only (the layout stayed: no repack emptied it)

@@ -64,7 +64,8 @@ class ChunkGrads:
         when the next backward gave them back) goes to its allocator, for an exact one unregistered and unmapped.
         So nothing is registered in a steady step. Given back after backward it goes to its allocator: the warm-up
         steps after backward, and kept there its bytes stood beside the optimizer state the step makes, which
-        ``phases.py`` does not count. But where a fit speculates ([Note: speculating past the norm and the
+        ``phases.py`` does not count (torch's pinned blocks go to its cache, which the engine empties after that
+        first step). But where a fit speculates ([Note: speculating past the norm and the
         overflow]: every shard is held until ``optimizer.step()`` anyway, and a clipped guess steps again after
         backward) an exact one keeps its bytes (``keep_pinned``): registering it again at every backward would
         cost more."""

@@ -365,6 +365,8 @@ class ChunkEngine:
         for b in bindings:  # [Note: group state in partial steps] in optim/partial_steps.py
             b.fresh_low = set()
             b.partial.ended() if stepped else b.partial.undone()
+        if stepped and self.early is not None and not self.manager.optim_state_made:
+            release_pinned_cache()  # what this first step gave back ([Note: gradient shards pinned to the byte])
         if stepped:
             self.manager.optim_state_made = True
             with self.manager.clock.measure("optimizer"):  # the compute-dtype copies are part of the step's cost
