@@ -396,7 +396,7 @@ def test_host_gradient_shards_pinned_to_the_byte_are_given_back_stepping_in_back
         config = ChunkConfig(placement="host", chunk_numel=70_000, pin_memory=pin, step_in_backward=early)
         eng = ChunkEngine(model, [opt], config=config, device=torch.device("cuda"))
         for x in xs:
-            step(eng, model, opt, x)
+            step(eng, model, opt, x, through_engine=True)  # as Lightning's precision steps it
         return eng
 
     ref = run(True, False)
