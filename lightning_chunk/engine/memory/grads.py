@@ -41,11 +41,16 @@ class ChunkGrads:
 
     def restore(self, chunk: Chunk) -> None:
         """Memory for a gradient shard given back, before a gradient is written into it: a block its tier's pool
-        kept, else new memory of its tier's kind (page-locked as the host shards are)."""
+        kept, else new memory: a host shard's of the host tier's kind (page-locked as the host shards are), a
+        device shard's from its storage's allocator."""
         mgr = self.manager
         dtype = chunk.grad.dtype if chunk.grad is not None else chunk.master_dtype
+
+        def make() -> torch.UntypedStorage:
+            return mgr.tiers.alloc(chunk, Role.GRAD, dtype).untyped_storage()
+
         with mgr.ledger.tracked(chunk):
-            chunk.restore_grad(self._pool(chunk), lambda: mgr.tiers.alloc(chunk, Role.GRAD, dtype).untyped_storage())
+            chunk.restore_grad(self._pool(chunk), make if chunk.shard_tier is Tier.HOST else None)
 
     def release(self, chunk: Chunk, *, to_pool: bool = True, keep_pinned: bool = False) -> None:
         """Give a gradient shard back: to its tier's pool (in backward) or to the allocator (``to_pool=False``); with
