@@ -65,8 +65,9 @@ class ChunkGrads:
         pool of its own (never the payloads' on a CPU device, so a payload never takes a pinned block, nor a
         gradient shard a pageable one) and back in at the chunk's next gradient, or into the next chunk's. The pool
         keeps at most ``IN_FLIGHT`` blocks of a size, what a step holds at once (those landing and those waiting for
-        the step thread); one beyond (the warm-up stepped after backward, so its gradient shards were all alive
-        when the next backward gave them back) goes to its allocator, for an exact one unregistered and unmapped.
+        the step thread); one beyond (where more were alive at once: an engine whose optimizer steps by its own
+        ``step()`` keeps every shard from the warm-up on) goes to its allocator, for an exact one unregistered and
+        unmapped.
         So nothing is registered in a steady step. Given back after backward it goes to its allocator: the warm-up
         steps after backward, and kept there its bytes stood beside the optimizer state the step makes, which
         ``phases.py`` does not count (torch's pinned blocks go to its cache, which the engine empties after that
