@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 from .engine.chunks.chunk import Tier
 from .engine.config import human_bytes
+from .engine.memory.grads import IN_FLIGHT
 from .engine.optim.ema import BLOCK as EMA_BLOCK
 from .engine.runtime.description import ShapePlan
 from .engine.schedule.placement import device_first
@@ -287,7 +288,7 @@ def phases(
     # stepping in backward, the gradient shards are given back after each step: a few chunks' are held in a step
     # (those landing and those waiting for the step thread), none between steps nor before the first backward (the
     # warm-up steps after backward)
-    in_flight = 4 * whole // ranks if grad_share else 0
+    in_flight = IN_FLIGHT * whole // ranks if grad_share else 0
 
     def steady(nbytes: int) -> int:
         return nbytes - int(nbytes * grad_share)

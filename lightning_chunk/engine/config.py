@@ -253,11 +253,15 @@ class ChunkConfig:
     def replace(self, **changes: object) -> ChunkConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def step_thread_on(self, device_type: str) -> bool:
+        """Stepping in backward, host chunks step on a worker ([Note: the host Adam beside backward]):
+        ``step_thread``, where ``None`` means on a GPU."""
+        return self.step_thread if self.step_thread is not None else device_type == "cuda"
+
     def steps_beside_backward(self, device_type: str) -> bool:
-        """Host chunks step on a worker beside backward ([Note: the host Adam beside backward]): stepping in backward
-        (``None`` counted as not), on a thread (``step_thread=None``: on a GPU)."""
-        thread = self.step_thread if self.step_thread is not None else device_type == "cuda"
-        return self.step_in_backward is True and thread
+        """Host chunks step on a worker beside backward: stepping in backward (``None`` counted as not), on a
+        thread (``step_thread_on``)."""
+        return self.step_in_backward is True and self.step_thread_on(device_type)
 
 
 def device_margin_bytes(total_bytes: int) -> int:

@@ -363,8 +363,9 @@ class Chunk:
 
     def restore_grad(self, pool: BlockPool, make: Callable[[], torch.UntypedStorage] | None = None) -> None:
         """Memory for the gradient shard again, before a gradient is written into it (its values are undefined:
-        the first gradient overwrites): a block ``pool`` kept, else new memory (``make``'s, for a storage that
-        cannot be resized: [Note: gradient shards pinned to the byte] in ``memory/grads.py``)."""
+        the first gradient overwrites): a block ``pool`` kept, else new memory: ``make``'s where given (a host
+        shard's, of its tier's kind: [Note: gradient shards pinned to the byte] in ``memory/grads.py``), else from
+        the storage's own allocator."""
         if self.grad_released:
             assert self.grad is not None
             if self.grad.untyped_storage().nbytes() == 0:  # given back (not a file's, nor one that kept its bytes)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the manager builds it
     from .manager import ChunkManager
 
 S = TensorState
-IN_FLIGHT = 4  # gradient shards a step holds at once stepping in backward, at most (``phases.py`` counts as many)
+IN_FLIGHT = 4  # gradient shards a step holds at once stepping in backward, at most (``phases.py`` counts them)
 _WAITING = (S.READY_FOR_REDUCE, S.READY_FOR_REDUCE_FREE)
 
 
@@ -59,22 +59,20 @@ class ChunkGrads:
         [Note: gradient shards pinned to the byte]
         On a GPU the host shards are page-locked. torch's pinned blocks resize, but one page-locked to the byte
         (``pin_memory="exact"``, [Note: exact pinned memory]) does not, so a host gradient shard stepped in backward
-        kept its bytes: 4 bytes a parameter of every host shard for the whole run, which for Llama shapes on one
-        80 GB GPU with 128 GiB of host memory capped the largest model ``plan`` fits at 44 layers (9.2B), where
-        given back it fits 53 (11.0B). Now, given back in backward, its memory moves out of the storage into a host
-        pool of its own (never the payloads' on a CPU device, so a payload never takes a pinned block, nor a
-        gradient shard a pageable one) and back in at the chunk's next gradient, or into the next chunk's. The pool
-        keeps at most ``IN_FLIGHT`` blocks of a size, what a step holds at once (those landing and those waiting for
-        the step thread); one beyond (where more were alive at once: an engine whose optimizer steps by its own
-        ``step()`` keeps every shard from the warm-up on) goes to its allocator, for an exact one unregistered and
-        unmapped.
-        So nothing is registered in a steady step. Given back after backward it goes to its allocator: the warm-up
-        steps after backward, and kept there its bytes stood beside the optimizer state the step makes, which
-        ``phases.py`` does not count (torch's pinned blocks go to its cache, which the engine empties after that
-        first step). But where a fit speculates ([Note: speculating past the norm and the
-        overflow]: every shard is held until ``optimizer.step()`` anyway, and a clipped guess steps again after
-        backward) an exact one keeps its bytes (``keep_pinned``): registering it again at every backward would
-        cost more."""
+        kept its bytes: 4 bytes a parameter of every host shard for the whole run, which for Llama shapes on one 80 GB
+        GPU with 128 GiB of host memory capped the largest model ``plan`` fits at 44 layers (9.2B), where given back it
+        fits 53 (11.0B). Now, given back in backward, its memory moves out of the storage into a host pool of its own
+        (never the payloads' on a CPU device, so a payload never takes a pinned block, nor a gradient shard a pageable
+        one) and back in at the chunk's next gradient, or into the next chunk's. The pool keeps at most ``IN_FLIGHT``
+        blocks of a size, what a step holds at once (those landing and those waiting for the step thread); one beyond
+        (where more were alive at once: an engine whose optimizer steps by its own ``step()`` keeps every shard from the
+        warm-up on) goes to its allocator, for an exact one unregistered and unmapped. So nothing is registered in a
+        steady step. Given back after backward it goes to its allocator: the warm-up steps after backward, and kept
+        there its bytes stood beside the optimizer state the step makes, which ``phases.py`` does not count (torch's
+        pinned blocks go to its cache, which the engine empties after that first step). But where a fit speculates
+        ([Note: speculating past the norm and the overflow]: every shard is held until ``optimizer.step()`` anyway, and
+        a clipped guess steps again after backward) an exact one keeps its bytes (``keep_pinned``): registering it again
+        at every backward would cost more."""
         mgr = self.manager
         storage = chunk.grad.untyped_storage() if chunk.grad is not None else None
         with mgr.ledger.tracked(chunk):

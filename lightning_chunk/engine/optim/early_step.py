@@ -114,8 +114,7 @@ class EarlyStep:
         self.clip_value: float | None = None  # Lightning's gradient_clip_val with algorithm "value", else None
         self.speculation: Speculation | None = None  # with clipping by norm or fp16 loss scaling (``speculate``)
         # [Note: the host Adam beside backward] in step_thread.py
-        on = manager.config.replace(step_in_backward=True).steps_beside_backward(manager.device.type)
-        self.thread = HostStepThread(manager.device) if on else None
+        self.thread = HostStepThread(manager.device) if manager.config.step_thread_on(manager.device.type) else None
         manager.reducer.on_final = self.grads_final
 
     def speculate(self, *, clip_norm: bool, scaler: DynamicLossScaler | None) -> None:
