@@ -9,7 +9,6 @@ from typing import Any
 
 LLAMA = dict(hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000)  # Llama-2 7B's widths
 MIN_LAYERS = 32  # 7B
-IN_BACKWARD = {"step_in_backward": True}
 # of the host's available memory: the CUDA context, pinned staging, Python and Lightning beside. 0.92 until a 9.0B
 # try planned at 122.3 of 133.9 GB died in its warm-up on an H200 (2026-12-04): at least 11.6 GB outside the plan
 HOST_SHARE = 0.8
@@ -59,8 +58,12 @@ def fitting_layers(
         return make_shape_plan(
             Llama,
             {"size": {**LLAMA, "layers": layers}},
-            # as the run is: stepped in backward, its gradient shards given back
-            {"placement": "auto", "device_memory_limit": device_limit, "pin_memory": pin_memory, **IN_BACKWARD},
+            {  # as the run is: stepped in backward, its gradient shards given back
+                "placement": "auto",
+                "device_memory_limit": device_limit,
+                "pin_memory": pin_memory,
+                "step_in_backward": True,
+            },
             "bf16-mixed",
             1,
             (1, 1, int(HOST_SHARE * (args.host_memory or host_bytes()))),

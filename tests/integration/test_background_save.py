@@ -223,13 +223,3 @@ class FakeJob:
         for name, make in self.make.items():
             make()
             self.made.append(name)
-
-
-def test_a_bare_cuda_device_is_named_by_the_index_current_where_the_engine_is_built(monkeypatch):
-    """The writer and the step worker take the engine's GPU by index; ``torch.cuda.set_device`` refused a bare
-    ``cuda`` on an H200 (2026-12-04). Faked here (no GPU): rank 3's current GPU."""
-    from lightning_chunk.engine.system.threads import indexed
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert indexed("cuda") == torch.device("cuda", 3) and indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
-    assert indexed("cpu") == torch.device("cpu")

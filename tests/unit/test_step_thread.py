@@ -1,4 +1,5 @@
-"""``HostStepThread``: the worker that steps host chunks beside backward ([Note: the host Adam beside backward])."""
+"""``HostStepThread``: the worker that steps host chunks beside backward ([Note: the host Adam beside backward]), and
+the GPU the engine's own threads take ([Note: the engine's own threads])."""
 
 import ctypes
 import glob
@@ -138,3 +139,13 @@ def test_a_save_after_a_backward_that_raised_waits_for_the_host_steps_it_left_ru
     checkpoint.save_sharded(eng, tmp_path / "ckpt", {}, with_optimizer=True)
     assert not eng.early.thread._pending
     eng.teardown()
+
+
+def test_a_bare_cuda_device_is_named_by_the_index_current_where_the_engine_is_built(monkeypatch):
+    """The writer and the step worker take the engine's GPU by index; ``torch.cuda.set_device`` refused a bare
+    ``cuda`` on an H200 (2026-12-04). Faked here (no GPU): rank 3's current GPU."""
+    from lightning_chunk.engine.system.threads import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed("cuda") == torch.device("cuda", 3) and indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert indexed("cpu") == torch.device("cpu")
