@@ -44,7 +44,10 @@ def render(res: dict) -> str:
     lines += [f"{k}: failed: {v['failed']}" for k, v in res["parts"].items() if k not in parts]
     if "tests" in parts:
         t = parts["tests"]
-        lines += [f"tests/gpu: {t.get('summary') or t.get('failed')}", *(f"  {f}" for f in t.get("failures", [])), ""]
+        lines += [f"tests/gpu: {t.get('summary') or t.get('failed')}", *(f"  {f}" for f in t.get("failures", []))]
+        for test, why in t.get("reasons", {}).items():  # where each failure was raised and its first error lines
+            lines += [f"  {test}:", *(f"    {w}" for w in why[:4])]
+        lines.append("")
     if "probes" in parts:
         p = parts["probes"]
         ways = ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable")

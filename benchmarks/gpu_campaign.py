@@ -13,7 +13,7 @@ a contender's row about 100 s), so a lease measures first what the committed res
       ddp "deepspeed zero-3 offload" --cap contenders=290 --probes-from benchmarks/results/gpu_campaign.json \
       --budget 560 --out $OUT/gpu_campaign.json
 
-- ``tests``: ``pytest tests/gpu``: passed, failed, skipped and the first failures.
+- ``tests``: ``pytest tests/gpu``: passed, failed, skipped, and why the first failures failed (where, the error).
 - ``probes``: the roofline's inputs. Host to device and back, pinned and pageable (GB/s, 512 MiB copies); host
   memory bandwidth with the host Adam's access pattern (``optimizer_step.py``'s floor: read parameter, gradient
   and both moments, write them and a bf16 copy, 30 bytes a parameter); the host Adam itself (``ours+bf16``) at
@@ -78,7 +78,7 @@ def _load(name: str) -> Any:
 
 def part_tests(args: argparse.Namespace, budget: float, select: list[str] | None = None) -> dict:
     t = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", *(select or [])]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "tests/gpu", *(select or [])]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=ROOT, env=clean_env())
     except subprocess.TimeoutExpired:
@@ -89,8 +89,32 @@ def part_tests(args: argparse.Namespace, budget: float, select: list[str] | None
         "rc": r.returncode,
         "summary": summary.strip("= ") or (lines[-1:] or ["no output"])[0],
         "failures": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:10],
+        "reasons": failure_reasons(lines),
         "seconds": time.perf_counter() - t,
     }
+
+
+def failure_reasons(lines: list[str], most: int = 10, per_test: int = 8) -> dict[str, list[str]]:
+    """Why each test failed, from pytest's ``--tb=short`` report: per test (its section's title), the line the error
+    was raised at and the first ``E`` lines of the error. A lease's JSON must say why, since no one can rerun it."""
+    reasons: dict[str, list[str]] = {}
+    test, where = None, ""
+    for ln in lines:
+        title = ln.strip("_ ")
+        if ln.startswith("____") and title:
+            test, where = (title if len(reasons) < most else None), ""
+            if test is not None:
+                reasons[test] = []
+        elif ln.startswith(("====", "FAILED", "ERROR")):
+            test = None
+        elif test is not None and ln.startswith("E "):
+            if not reasons[test] and where:
+                reasons[test].append(where)
+            if len(reasons[test]) < per_test:
+                reasons[test].append(ln[1:].strip())
+        elif test is not None and not reasons[test] and ln and not ln.startswith(" "):
+            where = ln.strip()  # ``path:line: in function``, the innermost frame before the error
+    return reasons
 
 
 def _copy_gbps(nbytes: int) -> dict[str, float]:

@@ -101,6 +101,42 @@ def test_the_campaign_pins_to_the_byte_only_where_the_gpu_checks_of_it_passed():
     assert not campaign.exact_pinning_passed(argparse.Namespace(accelerator="cpu"), ok, 60)
 
 
+def test_the_campaign_keeps_why_each_gpu_test_failed():
+    """Before, a lease's JSON named the failed tests only (pytest cuts the reason off its summary lines), so a test
+    that failed on a GPU could not be diagnosed without another lease."""
+    report = """FF.                                                                      [100%]
+=================================== FAILURES ===================================
+_____ test_guess[fp16] _____
+tests/gpu/test_cuda.py:270: in test_guess
+    assert_same_params(want, got, EXACT)
+tests/compare.py:20: in assert_same_params
+    torch.testing.assert_close(a, b, **tol)
+E   AssertionError: Tensor-likes are not close!
+E   Mismatched elements: 3 / 4096 (0.1%)
+_____ test_save[host-True] _____
+tests/gpu/test_cuda.py:300: in test_save
+    eng.teardown()
+E   RuntimeError: CUDA error: an illegal memory access was encountered
+----------------------------- Captured stderr call -----------------------------
+warning text
+=========================== short test summary info ============================
+FAILED tests/gpu/test_cuda.py::test_guess[fp16] - AssertionError: Tensor-lik...
+FAILED tests/gpu/test_cuda.py::test_save[host-True] - RuntimeError: CUDA err...
+2 failed, 1 passed in 3.10s""".splitlines()
+    campaign = load("gpu_campaign")
+    assert campaign.failure_reasons(report) == {
+        "test_guess[fp16]": [
+            "tests/compare.py:20: in assert_same_params",
+            "AssertionError: Tensor-likes are not close!",
+            "Mismatched elements: 3 / 4096 (0.1%)",
+        ],
+        "test_save[host-True]": [
+            "tests/gpu/test_cuda.py:300: in test_save",
+            "RuntimeError: CUDA error: an illegal memory access was encountered",
+        ],
+    }
+
+
 def test_after_a_failed_try_pinned_to_the_byte_the_campaign_tries_torch_s_pinning_at_its_planned_size(
     tmp_path, monkeypatch
 ):
