@@ -388,3 +388,28 @@ def test_gradients_read_after_the_step_warn_once_naming_where_they_are(kw):
         warnings.filterwarnings("error", message="param.grad of")
         fit(chunked(**kw), **quiet)
     assert quiet["callbacks"][0].in_validation == 0
+
+
+def test_a_checkpointed_block_recomputed_in_backward_is_not_taken_for_reads_between_steps(monkeypatch):
+    """Lightning runs backward after ``training_step`` returns, where no step's reader is set, so a checkpointed
+    block's recomputation read its parameters as between steps: each read noted its payload's bits (a kernel a
+    parameter, dropped unread by the step's write-back) and armed the between-steps mode, through which every op of
+    the recomputation then went in Python."""
+    from lightning_chunk.engine.memory import full_params
+    from tests.precision_models import AutocastOff
+
+    in_backward = lambda: torch._C._current_graph_task_id() != -1  # noqa: E731
+    noted, modes = [], []
+    bits = full_params.bits
+    monkeypatch.setattr(full_params, "bits", lambda t: noted.append(in_backward()) or bits(t))
+
+    class Watched(AutocastOff):
+        def routed(self, h):
+            scale = self.codebook.embed.shape[-1]  # a read by attribute
+            if in_backward():  # the recomputation (torch stops it once it has what backward needs: before the end)
+                modes.append(torch._C._len_torch_function_stack())
+            return super().routed(h) * (scale / scale)
+
+    fit(chunked(), steps=4, variant="checkpointed", precision="bf16-mixed", cls=Watched)
+    assert len(modes) == 4 and not any(modes)
+    assert not any(noted)

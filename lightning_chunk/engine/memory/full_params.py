@@ -299,9 +299,15 @@ def looked_at(
     touches no parameter between steps pays nothing; one that does pays a read of what it touched, twice. Reads made
     by this package (a save's ``module.state_dict(keep_vars=True)``) are not noted: the first caller on the stack
     past torch's module code is looked at. Every such read also calls ``arm(param, released)`` ([Note: released
-    parameters read between steps] in ``runtime/between_steps.py``)."""
+    parameters read between steps] in ``runtime/between_steps.py``). A read inside a backward is the step's, not one
+    between steps, though no step's reader is set there (Lightning runs backward after ``training_step`` returns): a
+    checkpointed block's recomputation reads its parameters again. Before, each such read noted its bits (a kernel a
+    parameter, 96 a step for a 20-block GPT, every note dropped by the step's own write-back) and armed the
+    between-steps mode, through which each op of the rest of backward then went in Python."""
 
     def reader(param: torch.Tensor, by_attribute: bool) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # in a backward: the step's (see above)
         where = mgr.find(param)
         if where is None or is_open():
             return
