@@ -47,6 +47,8 @@ class Tier(enum.Enum):
     HOST = "host"
     DISK = "disk"  # master, gradient shard and optimizer state in files; the compute-dtype copy on the host
 
+    __hash__ = object.__hash__  # the ledger's keys: as ``TensorState``'s (states.py)
+
 
 class Role(str, enum.Enum):
     """Which of a shard's buffers a tier holds: the fp32 master, the compute-dtype copy, the gradient accumulator,

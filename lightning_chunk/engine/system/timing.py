@@ -19,9 +19,8 @@ are ``tier_copy``. Use the profiler there; these counts are exact on CPU devices
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -33,23 +32,40 @@ CAUSES = ("gather_wait", "reduce_wait", "sync_wait", "tier_copy", "grad_copy", "
 class StepClock:
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(CAUSES, 0.0)
-        self._inner: list[float] = []  # per open measurement: seconds its nested measurements took
+        self._open: list[list[Any]] = []  # per open measurement: [its start, seconds its nested ones took, range]
+        self._measures = {cause: _Measure(self, cause) for cause in CAUSES}
 
-    @contextlib.contextmanager
-    def measure(self, cause: str) -> Iterator[None]:
-        # under torch's profiler each measurement is a range too (``lc:CAUSE``): what the ops inside cost, by name
-        marked = torch.autograd.profiler.record_function(f"lc:{cause}") if _profiling() else contextlib.nullcontext()
-        start = time.perf_counter()
-        self._inner.append(0.0)
-        try:
-            with marked:
-                yield
-        finally:
-            took = time.perf_counter() - start
-            nested = self._inner.pop()
-            self.seconds[cause] += took - nested
-            if self._inner:
-                self._inner[-1] += took
+    def measure(self, cause: str) -> _Measure:
+        """A context that charges its wall time, less its nested measurements', to ``cause``. One object per cause,
+        made once: the hooks open about a thousand a step, and a ``contextlib.contextmanager`` generator cost three
+        times as much as this (1.7 us against 0.5 on CPU)."""
+        return self._measures[cause]
 
     def stats(self) -> dict[str, float]:
         return {f"time_{k}_s": v for k, v in self.seconds.items()}
+
+
+class _Measure:
+    """``StepClock.measure(cause)``: reentrant, since what is open lives on the clock's stack, not here."""
+
+    __slots__ = ("clock", "cause")
+
+    def __init__(self, clock: StepClock, cause: str) -> None:
+        self.clock, self.cause = clock, cause
+
+    def __enter__(self) -> None:
+        marked = None
+        if _profiling():  # under torch's profiler each measurement is a range too (``lc:CAUSE``)
+            marked = torch.autograd.profiler.record_function(f"lc:{self.cause}")
+            marked.__enter__()
+        self.clock._open.append([time.perf_counter(), 0.0, marked])
+
+    def __exit__(self, *exc: object) -> None:
+        clock = self.clock
+        start, nested, marked = clock._open.pop()
+        took = time.perf_counter() - start
+        if marked is not None:
+            marked.__exit__(*exc)
+        clock.seconds[self.cause] += took - nested
+        if clock._open:
+            clock._open[-1][1] += took
