@@ -51,8 +51,8 @@ def test_default_device_limit_is_free_memory_less_the_margin():
 @pytest.mark.parametrize("pin", [True, "exact"])
 @pytest.mark.parametrize("extra", [{}, {"accumulate_grad_batches": 2}])
 def test_host_shards_take_gradients_on_a_side_stream_in_parity(extra, pin):
-    """Accumulating, gradients are staged and added on the host: in torch's pinned blocks, or in the ring pinned to
-    the byte ([Note: staging in a ring])."""
+    """Accumulating, gradients are staged and added on the host, in a ring: one block of torch's pinned memory, or
+    one pinned to the byte ([Note: staging in a ring])."""
     ref = fit("auto", steps=12, accelerator="gpu", **extra)
     strategy = ChunkOffloadStrategy(
         placement="host", memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(pin_memory=pin)

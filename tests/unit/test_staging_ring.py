@@ -54,3 +54,36 @@ def test_the_start_is_used_only_once_the_oldest_slice_left_room_there(first):
     c = ring.take(first * ALIGN, torch.uint8)
     assert c is not None and c.data_ptr() == a.data_ptr()
     assert ring.take(1, torch.uint8) is None  # b and c fill it again
+
+
+def test_with_torch_s_pinning_too_every_staged_copy_of_a_run_takes_a_slice_of_one_block(monkeypatch):
+    """``pin_memory=True`` on a GPU (CUDA faked): before, each gradient staged for a conversion or an add asked torch's
+    pinned allocator for a block of its own, rounded to a power of two; now one block of ``max_staged_bytes`` is
+    asked for once, and the copies land right through it."""
+    from lightning_chunk.engine.tiers import offload
+
+    made: list[int] = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+    monkeypatch.setattr(offload, "torch_pinned", lambda n: made.append(n) or torch.empty(n, dtype=torch.uint8))
+
+    class Landed:  # a copy done at once
+        def synchronize(self) -> None:
+            pass
+
+    class Copies(offload.GradOffload):
+        def _launch(self, to, src):
+            to.copy_(src)
+            return Landed()
+
+    off = Copies(torch.device("cuda"), pinned=True, max_staged_bytes=4096)
+    off._crosses = lambda dst, src: True  # type: ignore[method-assign]
+    for step in range(3):
+        dst = [torch.zeros(300) for _ in range(8)]
+        src = [torch.randn(300, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(8)]
+        for d, s in zip(dst, src, strict=True):
+            off.copy(d, s.bfloat16(), add=False)  # converted on the host: staged
+            off.copy(d, s.bfloat16(), add=True)  # added on the host: staged
+        off.drain()
+        for d, s in zip(dst, src, strict=True):
+            assert torch.equal(d, 2 * s.bfloat16().float())
+    assert made == [4096] and off.ring is not None and len(off.ring) == 0

@@ -10,10 +10,9 @@ stream's host-to-device copies), after that stream waited for the compute stream
 the gradient:
 
 - a gradient that overwrites (the first of a step) and already has the destination's dtype goes
-  straight into the pinned host shard; otherwise it lands in a pinned staging buffer (from
-  torch's caching host allocator, or with ``pin_memory="exact"`` a slice of one buffer pinned
-  to the byte: [Note: staging in a ring] in ``staging_ring.py``) and is added, or converted, on
-  the host when it is drained;
+  straight into the pinned host shard; otherwise it lands in a pinned staging buffer (a slice of
+  one buffer pinned once, to the byte with ``pin_memory="exact"``: [Note: staging in a ring] in
+  ``staging_ring.py``) and is added, or converted, on the host when it is drained;
 - the source stays valid until its copy is done: ``record_stream`` tells the caching allocator
   not to hand its block out before the side stream has read it, so a parameter's gradient can
   still be dropped at once (``param.grad = None``), and a gradient payload of several ranks is
@@ -73,6 +72,11 @@ class _Copy:
     land: Callable[[bool], None] | None = None  # handed over: waits for it and makes its add (the first call only)
 
 
+def torch_pinned(nbytes: int) -> torch.Tensor:
+    """A block of torch's pinned host memory."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
 class GradOffload:
     def __init__(
         self,
@@ -82,12 +86,16 @@ class GradOffload:
         max_staged_bytes: int = 256 << 20,
         exact: ExactPinned | None = None,
     ) -> None:
-        """``exact``: stage in a ring pinned to the byte ([Note: staging in a ring] in ``staging_ring.py``)."""
+        """Staged copies take slices of one pinned ring ([Note: staging in a ring] in ``staging_ring.py``): pinned to
+        the byte with ``exact``, else one block of torch's."""
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and pinned else None
         self.ring = None
-        if exact is not None and self.stream is not None:
-            self.ring = StagingRing(max_staged_bytes, lambda n: exact.empty(n, torch.uint8))
+        if self.stream is not None:
+            self.ring = StagingRing(
+                max_staged_bytes,
+                (lambda n: exact.empty(n, torch.uint8)) if exact is not None else torch_pinned,
+            )
         self._queue: deque[_Copy] = deque()
         self._staged_bytes = 0
         self.max_staged_bytes = max_staged_bytes  # pinned staging alive at once (accumulating micro-batches)

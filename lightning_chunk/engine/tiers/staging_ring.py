@@ -2,14 +2,16 @@
 
 [Note: staging in a ring]
 ``GradOffload`` stages a gradient that must be added, or converted, on the host in a pinned buffer until the copy
-has landed ([Note: gradient offload] in ``offload.py``). From torch's caching host allocator each staging buffer is
-rounded up to a power of two. With ``pin_memory="exact"`` ([Note: exact pinned memory] in
-``system/exact_pinned.py``) the staging comes from one buffer of exactly ``GradOffload.max_staged_bytes``, pinned
-once, the first time a gradient is staged. Copies are drained in the order they were made, so their slices go back
-in that order too: a ring. A slice is taken at the end of the slices in use, or at the buffer's start when the end
-has no room and the start does; when neither has room, the caller drains its oldest copy and asks again. Slices
-start at multiples of ``ALIGN`` bytes, for any dtype's view and for the copy engine. A request larger than the
-buffer gets ``None``: the caller stages it in torch's pinned memory, as without the ring.
+has landed ([Note: gradient offload] in ``offload.py``). Taken from torch's caching host allocator at each gradient,
+each staging buffer was rounded up to a power of two, and every gradient of a step asked the allocator for a block
+(a new pinned allocation wherever its cache had none of that size free yet, on the autograd thread). Instead the
+staging comes from one buffer of exactly ``GradOffload.max_staged_bytes``, pinned once, the first time a gradient is
+staged: pinned to the byte with ``pin_memory="exact"`` ([Note: exact pinned memory] in ``system/exact_pinned.py``),
+else one block of torch's (256 MiB, a power of two: nothing rounded). Copies are drained in the order they were
+made, so their slices go back in that order too: a ring. A slice is taken at the end of the slices in use, or at
+the buffer's start when the end has no room and the start does; when neither has room, the caller drains its
+oldest copy and asks again. Slices start at multiples of ``ALIGN`` bytes, for any dtype's view and for the copy
+engine. A request larger than the buffer gets ``None``: the caller stages it in a block of torch's of its own.
 """
 
 from __future__ import annotations
