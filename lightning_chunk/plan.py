@@ -4,7 +4,8 @@ It builds the model and its data, runs one throwaway forward and backward on one
 ``ChunkOffloadStrategy`` (the warm-up: activations traced, chunk size chosen, shards placed), and
 reports the chunks, the bytes per tier, and the device peak estimated by replaying the trace
 through the placement policy (``engine/schedule/simulate.py``). Nothing is saved. When the limit is too
-small, the message names the smallest limit that works and the command exits non-zero.
+small, a dry run without it traces what the smallest limit must hold, and the message names that limit, checked by a
+dry run under it ([Note: the smallest limit plan names]); the command exits non-zero.
 
 ``--shapes-only`` (``make_shape_plan``) builds nothing: the model (and its ``configure_model``) runs on
 the meta device, the optimizers hold placeholders, and the per-rank bytes of ``--ranks`` ranks come
@@ -22,10 +23,12 @@ import lightning as L
 import torch
 import yaml
 
+from .dry_run import dry_run, one_step_trainer, smallest_limit
 from .engine.chunks.chunk import Tier
 from .engine.chunks.materialize import DeferredInit
 from .engine.comm.group import shard_ranks
 from .engine.config import device_margin_bytes, human_bytes
+from .engine.errors import PLUS_ACTIVATIONS, DeviceMemoryLimitError
 from .engine.optim.ema import average_bytes
 from .engine.runtime.description import ShapePlan, plan_from_shapes
 from .engine.schedule.simulate import simulate_step
@@ -138,22 +141,6 @@ class _Probe(L.Callback):
         )
 
 
-def _one_step_trainer(strategy: ChunkOffloadStrategy, precision: Any, **kw: Any) -> L.Trainer:
-    """One rank on the CPU, one step, nothing logged, saved or shown."""
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        precision=precision,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
-
-
 def make_plan(
     model_cls: type,
     model_args: dict[str, Any],
@@ -165,12 +152,15 @@ def make_plan(
 ) -> PlanReport:
     """Run the dry warm-up step and report. Raises ``DeviceMemoryLimitError`` when the limit is too small.
     ``ema``: count a ChunkEMA's average."""
-    model = model_cls(**model_args)
-    datamodule = data_cls(**data_args) if data_cls is not None else None
     probe = _Probe(ema)
-    strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
-    trainer = _one_step_trainer(strategy, precision, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
-    trainer.fit(model, datamodule=datamodule)
+    try:
+        dry_run(model_cls, model_args, data_cls, data_args, strategy_args, precision, probe)
+    except DeviceMemoryLimitError as refused:
+        if strategy_args.get("device_memory_limit") is None:
+            raise
+        said = str(refused).replace(PLUS_ACTIVATIONS, " plus the activations")  # its pointer to plan is this
+        smallest = smallest_limit(model_cls, model_args, data_cls, data_args, strategy_args, precision)
+        raise DeviceMemoryLimitError(f"{said} {smallest}") from None
     assert probe.report is not None, "the dry run never reached an optimizer step"
     return probe.report
 
@@ -273,7 +263,7 @@ def make_shape_plan(
             model.configure_model()
     DeferredInit.capture(model)  # placeholders: optimizers (fused ones too) can be built over them
     strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
-    model.trainer = _one_step_trainer(strategy, precision)  # configure_optimizers may read the trainer
+    model.trainer = one_step_trainer(strategy, precision)  # configure_optimizers may read the trainer
     optimizers, _ = _init_optimizers_and_lr_schedulers(model)
     plan = plan_from_shapes(
         model,

@@ -94,3 +94,24 @@ def test_the_dry_run_counts_a_chunk_ema_s_average_where_asked():
     assert plain.average_bytes == 0 and "ChunkEMA" not in plain.render()
     assert report.average_bytes == 4 * (report.param_numel + report.padding_numel), report.render()
     assert "in host memory" in report.render()
+
+
+def test_under_a_limit_too_small_plan_names_one_that_a_fit_then_trains_under():
+    """Before, plan's dry run was refused where the fit was, before anything was traced, and printed the same lower
+    bound "plus the activations" whose error sends the user to plan: the example GPT took three tries. Now a dry run
+    without the limit traces what it must hold, and the limit named is checked by a dry run under it."""
+    import re
+
+    from lightning_chunk import ChunkOffloadStrategy
+    from lightning_chunk.engine import ChunkError
+    from lightning_chunk.plan import plan_from_args
+    from tests.models import fit
+
+    args = ("tests.models:ParityNet", "tests.models:TokenData", None, '{"variant": "tied"}', None)
+    with pytest.raises(ChunkError, match=r"too small") as refused:
+        plan_from_args(*args, {"device_memory_limit": 20_000}, None)
+    said = str(refused.value)
+    assert "`lightning-chunk plan`" not in said and "(a dry run under it fit)." in said, said
+    named = int(re.search(r"it fits under device_memory_limit=(\d+)", said).group(1))
+    assert plan_from_args(*args, {"device_memory_limit": named}, None).fits
+    fit(ChunkOffloadStrategy(device_memory_limit=named), steps=3, variant="tied")  # trains under it

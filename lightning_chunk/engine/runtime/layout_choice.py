@@ -107,6 +107,32 @@ class LayoutChooser:
         chunks_b, nonmodel_b = smallest_working_limit(views, trace, held)
         return shards + chunks_b + nonmodel_b
 
+    def smallest_limit(self, trace: Trace) -> tuple[int, int, int]:
+        """The smallest device limit a fit works under, from a warm-up traced without one: ``(shards, chunks,
+        activations)``, their sum the limit.
+
+        [Note: the smallest limit plan names]
+        A limit refused before the warm-up has traced anything names a lower bound, "plus the activations", and sends
+        the user to ``lightning-chunk plan`` for the smallest limit that fits. But plan's dry run ran under the same
+        limit, was refused at the same place and printed the same bound: the example GPT (tied head, 4 blocks of
+        width 128) named 289,792 bytes, then 551,936 at the first gather in backward (the tied chunk is in use from the
+        head's backward to the embedding's), then 4,629,792 once a warm-up traced its activations: three tries.
+        So a refused dry run is followed by one without the limit, and this is computed from its trace: the layout
+        the automatic size falls to under a tight limit (chunks as small as the largest parameter; the user's
+        ``chunk_numel`` where one is set) packed in the traced order of use, the shards the placement keeps on the
+        device whatever the limit (``static``, ``device``; none for ``auto`` and ``host`` at their smallest), the
+        chunks the busiest moment needs at once with a gradient payload, and the traced activations: what the
+        check after a warm-up under that limit asks, so a fit under it passes that check with this layout or a
+        coarser one that also fits. ``plan`` then checks the number with a dry run at it."""
+        specs = self.manager.specs
+        cap = self.config.chunk_numel or max((s.numel for s in specs), default=1)
+        layout = build_layout(specs, trace.first_use_order(len(self.manager.params)), cap, self.comm.world_size)
+        views = planned_views(layout, self.manager.dtypes, self._optim_bytes)
+        trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
+        shards, held = device_shards(views, self.policy.shard_tiers(views, trace, 0), self.comm.world_size)
+        chunks, activations = smallest_working_limit(views, trace, held)
+        return shards, chunks, activations
+
     def _host_limit_numel(self) -> int | None:
         """With ``host_memory_limit``: the largest chunk whose disk shards, two paged in at once, take at most half
         the limit (the rest holds host shards), so the automatic chunk size never makes the limit too small."""
