@@ -4,6 +4,7 @@ limit was refused, the smallest limit that fits ([Note: the smallest limit plan 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -30,20 +31,50 @@ def one_step_trainer(strategy: ChunkOffloadStrategy, precision: Any, **kw: Any) 
     )
 
 
-def dry_run(
-    model_cls: type,
-    model_args: dict[str, Any],
-    data_cls: type | None,
-    data_args: dict[str, Any],
-    strategy_args: dict[str, Any],
-    precision: str,
-    probe: L.Callback,
-) -> None:
-    model = model_cls(**model_args)
-    datamodule = data_cls(**data_args) if data_cls is not None else None
-    strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
-    trainer = one_step_trainer(strategy, precision, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
-    trainer.fit(model, datamodule=datamodule)
+@dataclass(frozen=True)
+class DryRun:
+    """One throwaway step of ``model_cls(**model_args)`` on ``data_cls(**data_args)``'s first batch, under
+    ``ChunkOffloadStrategy(**strategy_args)``: what ``plan`` measures a model by."""
+
+    model_cls: type
+    model_args: dict[str, Any]
+    data_cls: type | None
+    data_args: dict[str, Any]
+    strategy_args: dict[str, Any]
+    precision: str
+
+    def run(self, probe: L.Callback, **strategy_args: Any) -> None:
+        """The step, ``probe`` among its callbacks; ``strategy_args`` over this run's own."""
+        model = self.model_cls(**self.model_args)
+        datamodule = self.data_cls(**self.data_args) if self.data_cls is not None else None
+        args = {**self.strategy_args, **strategy_args, "log_memory_stats": False}
+        trainer = one_step_trainer(
+            ChunkOffloadStrategy(**grouped(args)),
+            self.precision,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[probe],
+        )
+        trainer.fit(model, datamodule=datamodule)
+
+    def smallest_limit(self) -> str:
+        """What follows a refusal: the smallest limit a dry run without it allows, checked by a dry run under it
+        ([Note: the smallest limit plan names] in ``engine/runtime/layout_choice.py``)."""
+        traced = _Smallest()
+        self.run(traced, device_memory_limit=None)
+        assert traced.parts is not None, "the dry run never reached an optimizer step"
+        shards, chunks, activations = traced.parts
+        limit = shards + chunks + activations
+        said = (
+            f"A dry run without the limit needs {format_bytes(chunks)} of chunks at once"
+            + (f" beside {format_bytes(shards)} of shards the placement keeps on the device" if shards else "")
+            + f" and traced {format_bytes(activations)} of activations: it fits under device_memory_limit={limit}"
+        )
+        try:
+            self.run(L.Callback(), device_memory_limit=limit)
+        except DeviceMemoryLimitError as again:
+            return f"{said}, but a dry run under it was refused too: {again}"
+        return said + " (a dry run under it fit)."
 
 
 class _Smallest(L.Callback):
@@ -54,34 +85,3 @@ class _Smallest(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
         self.parts = engine.layouts.smallest_limit(engine.hooks.moments.trace)
-
-
-def smallest_limit(*args: Any) -> str:
-    """What follows a refusal: the smallest limit a dry run without it allows, checked by a dry run at it
-    ([Note: the smallest limit plan names] in ``engine/runtime/layout_choice.py``)."""
-    model_cls, model_args, data_cls, data_args, strategy_args, precision = args
-    traced = _Smallest()
-    dry_run(
-        model_cls, model_args, data_cls, data_args, {**strategy_args, "device_memory_limit": None}, precision, traced
-    )
-    assert traced.parts is not None, "the dry run never reached an optimizer step"
-    shards, chunks, activations = traced.parts
-    limit = shards + chunks + activations
-    said = (
-        f"A dry run without the limit needs {format_bytes(chunks)} of chunks at once"
-        + (f" beside {format_bytes(shards)} of shards the placement keeps on the device" if shards else "")
-        + f" and traced {format_bytes(activations)} of activations: it fits under device_memory_limit={limit}"
-    )
-    try:
-        dry_run(
-            model_cls,
-            model_args,
-            data_cls,
-            data_args,
-            {**strategy_args, "device_memory_limit": limit},
-            precision,
-            L.Callback(),
-        )
-    except DeviceMemoryLimitError as again:
-        return f"{said}, but a dry run under it was refused too: {again}"
-    return said + " (a dry run under it fit)."

@@ -23,7 +23,7 @@ import lightning as L
 import torch
 import yaml
 
-from .dry_run import dry_run, one_step_trainer, smallest_limit
+from .dry_run import DryRun, one_step_trainer
 from .engine.chunks.chunk import Tier
 from .engine.chunks.materialize import DeferredInit
 from .engine.comm.group import shard_ranks
@@ -152,15 +152,14 @@ def make_plan(
 ) -> PlanReport:
     """Run the dry warm-up step and report. Raises ``DeviceMemoryLimitError`` when the limit is too small.
     ``ema``: count a ChunkEMA's average."""
-    probe = _Probe(ema)
+    probe, dry = _Probe(ema), DryRun(model_cls, model_args, data_cls, data_args, strategy_args, precision)
     try:
-        dry_run(model_cls, model_args, data_cls, data_args, strategy_args, precision, probe)
+        dry.run(probe)
     except DeviceMemoryLimitError as refused:
         if strategy_args.get("device_memory_limit") is None:
             raise
         said = str(refused).replace(PLUS_ACTIVATIONS, " plus the activations")  # its pointer to plan is this
-        smallest = smallest_limit(model_cls, model_args, data_cls, data_args, strategy_args, precision)
-        raise DeviceMemoryLimitError(f"{said} {smallest}") from None
+        raise DeviceMemoryLimitError(f"{said} {dry.smallest_limit()}") from None
     assert probe.report is not None, "the dry run never reached an optimizer step"
     return probe.report
 
