@@ -395,6 +395,7 @@ def test_a_checkpointed_block_recomputed_in_backward_is_not_taken_for_reads_betw
     block's recomputation read its parameters as between steps: each read noted its payload's bits (a kernel a
     parameter, dropped unread by the step's write-back) and armed the between-steps mode, through which every op of
     the recomputation then went in Python."""
+    from lightning_chunk import ChunkOffloadStrategy
     from lightning_chunk.engine.memory import full_params
     from tests.precision_models import AutocastOff
 
@@ -410,6 +411,14 @@ def test_a_checkpointed_block_recomputed_in_backward_is_not_taken_for_reads_betw
                 modes.append(torch._C._len_torch_function_stack())
             return super().routed(h) * (scale / scale)
 
-    fit(chunked(), steps=4, variant="checkpointed", precision="bf16-mixed", cls=Watched)
-    assert len(modes) == 4 and not any(modes)
+    # a user's defaults (chunk size chosen, every shard where auto puts it), accumulating two micro-batches a step
+    fit(
+        ChunkOffloadStrategy(),
+        steps=4,
+        variant="checkpointed",
+        precision="bf16-mixed",
+        cls=Watched,
+        accumulate_grad_batches=2,
+    )
+    assert len(modes) == 8 and not any(modes)
     assert not any(noted)
