@@ -15,8 +15,9 @@ placement reserves them ([Note: the pool under a limit] in placement.py).
   activations on the device.
 - warm-up repack: S_host(first) + S_dev(first) less O (no optimizer state yet, a resumed one included: [Note:
   optimizer state read after the warm-up]) + 6C and a payload: the old device shards staged, the chunks streamed
-  one at a time ([Note: a repack under a device limit]), an old chunk's values and gradients whole and cut into its
-  parameters' (4C) while a new one is built from them (2C and its payload).
+  one at a time ([Note: a repack under a device limit]), up to two old chunks' values and gradients whole (4C: all-
+  gathered with several ranks, read in place with one) while a new one is built beside them (its shard, written in
+  place, and its payload; [Note: reading an old chunk in place]).
 - training step: S_host(after) + the gradient staging in flight (pinned, at most 256 MiB, on CUDA only), or, at a
   resumed fit's first step, 3C: its optimizer state read one saved chunk's span at a time. On the
   device S_dev(after), the activations, and every payload the limit has room for beside them: a gathered payload
@@ -321,7 +322,7 @@ def phases(
     optim_dev, optim_host = int(dev_after * optim_share), int(host_after * optim_share)
     no_optim = 1 - optim_share
     no_kept = no_optim - grad_share  # a resume: no optimizer state yet, the gradient shards given back at set-up
-    repacking = 6 * whole + payload  # an old chunk whole and cut (4C) while a new one is built (2C, its payload)
+    repacking = 6 * whole + payload  # two old chunks whole (4C) while a new one is built (its shard, its payload)
     # a ChunkEMA's average (see the note): held in memory, or one chunk's paged in from its file at a time
     ema = (plan.master_chunk_bytes // ranks if average_in_files else average) if average else 0
     scratch = min(average, EMA_BLOCK * 4)  # an update's block

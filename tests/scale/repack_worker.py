@@ -30,7 +30,8 @@ def held(self) -> int:
     tensors = [*self._values.values(), *self._grads.values(), *(t for e in self._extra.values() for t in e.values())]
     for master, grad, extra in self._staged.values():
         tensors += [master, *([grad] if grad is not None else []), *extra.values()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    # views of a gathered chunk keep all of it ([Note: reading an old chunk in place]): count each buffer once, whole
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def watch(fn):
