@@ -83,6 +83,9 @@ def render(res: dict) -> str:
     if "largest" in parts and "rows" in parts["largest"]:
         rows = parts["largest"]["rows"]
         lines += ["Largest Llama-shaped model (bf16-mixed, built on the meta device):", "", *_table(rows)]
+        if "ddp_from" in parts["largest"]:  # no DDP row in this run
+            src = parts["largest"]["ddp_from"]
+            lines.append(f"\nT_gpu from DDP's TFLOP/s of {src.get('commit')} on {src.get('device')}")
         for r in rows:  # where a lease's minutes went
             if "set_up_s" in r:
                 first = _num(r["first_step_s"], ".1f")

@@ -1,16 +1,22 @@
-"""The largest Llama shape the plan says a GPU and its host can train: the campaign's ``largest`` part sizes its
-run with it (``gpu_campaign.py``)."""
+"""The largest Llama shape the plan says a GPU and its host can train, and its run: the campaign's ``largest`` part
+sizes a child with it and runs ``train_largest`` there (``gpu_campaign.py``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 LLAMA = dict(hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000)  # Llama-2 7B's widths
 MIN_LAYERS = 32  # 7B
 # of the host's available memory: the CUDA context, pinned staging, Python and Lightning beside. 0.92 until a 9.0B
-# try planned at 122.3 of 133.9 GB died in its warm-up on an H200 (2026-12-04): at least 11.6 GB outside the plan
+# try planned at 122.3 of 133.9 GB ended in its first step on an H200 (2026-12-04), taken then for memory; it was the
+# part's time (set-up 148 of 257 s), at 121.7 GB resident as planned. 0.8 stays: a smaller model sets up sooner
 HOST_SHARE = 0.8
 
 
@@ -95,3 +101,71 @@ def llama_init(module: Any) -> None:
             t.data.fill_(1.0)
         else:
             t.data.normal_(0.0, 0.02)
+
+
+def train_largest(args: argparse.Namespace) -> None:
+    """One ``Trainer.fit`` of a Llama shape built on the meta device (``configure_model``)."""
+    import lightning as L
+    import torch
+    from _common import proc_bytes, quiet_trainer, step_timer
+    from gpu import traffic
+
+    from lightning_chunk import CheckOptions, ChunkOffloadStrategy, OffloadOptions
+    from lightning_chunk.shapes import Llama
+
+    marks = {"started": time.perf_counter()}
+    shape = json.loads(args.shape)
+    cuda = args.accelerator == "cuda"
+    L.seed_everything(0, verbose=False)
+    model = Llama(size=shape)
+    data = torch.randint(0, shape["vocab"], (args.largest_steps * args.largest_batch, args.largest_context + 1))
+    times: list[float] = []
+    moved: dict[str, float] = {}
+    strategy = ChunkOffloadStrategy(  # stepped in backward: no model's worth of gradient shards on the host
+        device_memory_limit=int(args.largest_limit) if args.largest_limit else None,
+        step_in_backward=True,
+        param_init_fn=llama_init,
+        checks=CheckOptions(log_memory_stats=False),
+        offload=OffloadOptions(pin_memory="exact" if args.largest_pin == "exact" else True),
+    )
+
+    resident: list[tuple[float, float]] = []  # (seconds since the start, GB resident), every 5 s
+    lock, finished = threading.Lock(), list[bool]()
+
+    def report(done: bool) -> None:  # at each step: a child stopped at the budget keeps its set-up and steps
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        res = {"times": times, "params": model_params(shape), "peak_device": peak, "peak_host": proc_bytes("VmHWM")}
+        out = Path(args.child_out)
+        with lock:  # the sampler below writes too, never after the last step's report
+            if finished:
+                return
+            finished.extend([True] * done)
+            res.update(moved, marks=marks, done=done, rss=resident)
+            out.with_suffix(".tmp").write_text(json.dumps(res))
+            out.with_suffix(".tmp").replace(out)
+
+    def sample() -> None:  # a child killed for memory still says how high it got, and when (set-up, first step)
+        while True:
+            resident.append((round(time.perf_counter() - marks["started"], 1), round(proc_bytes("VmRSS") / 1e9, 2)))
+            report(False)
+            time.sleep(5)
+
+    threading.Thread(target=sample, daemon=True).start()
+
+    class Progress(L.Callback):
+        def on_train_start(self, *_: Any) -> None:
+            marks["set_up"] = time.perf_counter()
+            report(False)
+
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step < args.largest_steps:
+                return report(False)
+            report(True)  # and no teardown: keeping the optimizer state for after fit copies the device's part of
+            sys.stdout.flush()  # it to the host, a minute at 10B parameters that a lease cannot spare
+            sys.stderr.flush()
+            os._exit(0)
+
+    callbacks = [step_timer(times), traffic(strategy, 1, moved), Progress()]
+    precision = "bf16-mixed"
+    trainer = quiet_trainer(1, strategy, args.largest_steps, args.accelerator, precision=precision, callbacks=callbacks)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.largest_batch))

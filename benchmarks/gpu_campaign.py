@@ -7,11 +7,12 @@ Parts, in this order, each given what is left of ``--budget`` seconds (at most `
 and the table are rewritten after each, so a run stopped part-way keeps what it measured (``--parts`` runs some
 again, ``--contenders`` picks rows, ``--probes-from`` reuses an earlier run's probes on the same kind of machine).
 Every part at once does not fit one 10-minute command (on an H200 on 2026-11-30: ``tests`` 90 s, ``probes`` 76 s,
-a contender's row about 100 s), so a lease measures first what the committed results lack, for example:
+a contender's row about 100 s, the 9.0B model's set-up 148 s), so a lease measures first what the committed results
+lack, for example (the largest model bounded by the DDP row of the run it takes the probes from):
 
-    python benchmarks/gpu_campaign.py --parts tests contenders largest --contenders "chunk_offload step_in_backward" \
-      ddp "deepspeed zero-3 offload" --cap contenders=290 --probes-from benchmarks/results/gpu_campaign.json \
-      --budget 560 --out $OUT/gpu_campaign.json
+    python benchmarks/gpu_campaign.py --parts tests largest contenders --contenders "chunk_offload step_in_backward" \
+      --cap tests=120 largest=320 --probes-from benchmarks/results/gpu_campaign.json --budget 560 \
+      --out $OUT/gpu_campaign.json
 
 - ``tests``: ``pytest tests/gpu``: passed, failed, skipped, and why the first failures failed (where, the error).
 - ``probes``: the roofline's inputs. Host to device and back, pinned and pageable (GB/s, 512 MiB copies); host
@@ -50,19 +51,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _campaign_table import render  # noqa: E402
-from _common import ROOT, clean_env, proc_bytes, quiet_trainer, run_ranks, save_results, step_timer  # noqa: E402
-from _llama_size import LLAMA, MIN_LAYERS, fitting_layers, host_bytes, llama_init, model_params  # noqa: E402
+from _common import ROOT, clean_env, run_ranks, save_results  # noqa: E402
+from _llama_size import LLAMA, MIN_LAYERS, fitting_layers, host_bytes, model_params, train_largest  # noqa: E402
 
 PARTS = ("tests", "probes", "contenders", "largest")
 ADAM_BYTES = 30  # a parameter the host Adam reads and writes, the bf16 copy included
@@ -217,72 +216,6 @@ def part_contenders(args: argparse.Namespace, budget: float, probes: dict) -> di
     return res
 
 
-def child_largest(args: argparse.Namespace) -> None:
-    """One ``Trainer.fit`` of a Llama shape built on the meta device (``configure_model``)."""
-    import lightning as L
-    import torch
-
-    from lightning_chunk import CheckOptions, ChunkOffloadStrategy, OffloadOptions
-    from lightning_chunk.shapes import Llama
-
-    marks = {"started": time.perf_counter()}
-    shape = json.loads(args.shape)
-    cuda = args.accelerator == "cuda"
-    L.seed_everything(0, verbose=False)
-    model = Llama(size=shape)
-    data = torch.randint(0, shape["vocab"], (args.largest_steps * args.largest_batch, args.largest_context + 1))
-    times: list[float] = []
-    moved: dict[str, float] = {}
-    strategy = ChunkOffloadStrategy(  # stepped in backward: no model's worth of gradient shards on the host
-        device_memory_limit=int(args.largest_limit) if args.largest_limit else None,
-        step_in_backward=True,
-        param_init_fn=llama_init,
-        checks=CheckOptions(log_memory_stats=False),
-        offload=OffloadOptions(pin_memory="exact" if args.largest_pin == "exact" else True),
-    )
-
-    resident: list[tuple[float, float]] = []  # (seconds since the start, GB resident), every 5 s
-    lock, finished = threading.Lock(), list[bool]()
-
-    def report(done: bool) -> None:  # at each step: a child stopped at the budget keeps its set-up and steps
-        peak = torch.cuda.max_memory_allocated() if cuda else 0
-        res = {"times": times, "params": model_params(shape), "peak_device": peak, "peak_host": proc_bytes("VmHWM")}
-        out = Path(args.child_out)
-        with lock:  # the sampler below writes too, never after the last step's report
-            if finished:
-                return
-            finished.extend([True] * done)
-            res.update(moved, marks=marks, done=done, rss=resident)
-            out.with_suffix(".tmp").write_text(json.dumps(res))
-            out.with_suffix(".tmp").replace(out)
-
-    def sample() -> None:  # a child killed for memory still says how high it got, and when (set-up, first step)
-        while True:
-            resident.append((round(time.perf_counter() - marks["started"], 1), round(proc_bytes("VmRSS") / 1e9, 2)))
-            report(False)
-            time.sleep(5)
-
-    threading.Thread(target=sample, daemon=True).start()
-
-    class Progress(L.Callback):
-        def on_train_start(self, *_: Any) -> None:
-            marks["set_up"] = time.perf_counter()
-            report(False)
-
-        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
-            if trainer.global_step < args.largest_steps:
-                return report(False)
-            report(True)  # and no teardown: keeping the optimizer state for after fit copies the device's part of
-            sys.stdout.flush()  # it to the host, a minute at 10B parameters that a lease cannot spare
-            sys.stderr.flush()
-            os._exit(0)
-
-    callbacks = [step_timer(times), _load("gpu").traffic(strategy, 1, moved), Progress()]
-    precision = "bf16-mixed"
-    trainer = quiet_trainer(1, strategy, args.largest_steps, args.accelerator, precision=precision, callbacks=callbacks)
-    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.largest_batch))
-
-
 EXACT_TESTS = ("exact", "pinned_to_the_byte")  # what tests/gpu's checks of pin_memory="exact" are named by
 
 
@@ -392,6 +325,13 @@ def _cap(text: str) -> tuple[str, float]:
     raise argparse.ArgumentTypeError(f"{text!r} is not PART=SECONDS with PART one of {', '.join(PARTS)}")
 
 
+def _ddp_row(parts: dict) -> dict:
+    """The DDP row of a run's ``contenders`` part that measured one (its model TFLOP/s are T_gpu's yardstick)."""
+    return next(
+        (r for r in parts.get("contenders", {}).get("rows", []) if r["contender"] == "ddp" and "tflops" in r), {}
+    )
+
+
 def measure(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.budget
     res: dict[str, Any] = {"machine": _machine(args), "smoke": args.smoke, "parts": {}}
@@ -402,6 +342,7 @@ def measure(args: argparse.Namespace) -> dict:
         save_results(res, args.out)
         Path(args.out).with_suffix(".md").write_text(render(res) + "\n")
 
+    earlier: dict = {}
     if args.probes_from:  # an earlier run's probes on the same kind of machine, named as such
         earlier = json.loads(Path(args.probes_from).read_text())
         probes = earlier["parts"]["probes"]  # a file that reused probes itself names where they were measured
@@ -422,9 +363,13 @@ def measure(args: argparse.Namespace) -> dict:
             elif name == "contenders":
                 parts[name] = part_contenders(args, left, parts.get("probes", {}))
             else:
-                ddp = next((r for r in parts.get("contenders", {}).get("rows", []) if r["contender"] == "ddp"), {})
+                ddp, ddp_from = _ddp_row(parts), None
+                if "tflops" not in ddp and _ddp_row(earlier.get("parts", {})):  # T_gpu from DDP's run on that machine
+                    ddp, ddp_from = _ddp_row(earlier["parts"]), parts["probes"]["from"]
                 tests = parts.get("tests")
                 parts[name] = part_largest(args, left, parts.get("probes", {}), ddp.get("tflops"), tests)
+                if ddp_from is not None:
+                    parts[name]["ddp_from"] = ddp_from
         except Exception as e:  # noqa: BLE001 - one part failing must not lose the others' numbers
             parts[name] = {"failed": f"{type(e).__name__}: {e}"[:300]}
         parts[name]["seconds"] = time.perf_counter() - t
@@ -453,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument(f"--{name}", type=int, default=default)
     args = p.parse_args(argv)
     if args.child:
-        child_largest(args)
+        train_largest(args)
         return {}
     gpt = dict(width=2048, depth=20, context=1024, batch=8, steps=8, skip=3)
     args.device_limit, args.probe_numel, args.probe_repeats, args.copy_bytes = "12GiB", 200_000_000, 5, 512 * 2**20

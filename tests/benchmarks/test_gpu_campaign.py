@@ -214,3 +214,21 @@ def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_
     assert "Llama 36 layers: set-up 60.0 s, warm-up step 30.0 s" in campaign.render(
         {"machine": machine, "parts": {"largest": {"rows": [row]}}}
     )
+
+
+def test_a_lease_without_ddp_bounds_the_largest_by_the_ddp_row_of_the_run_it_takes_the_probes_from(tmp_path):
+    """A lease that runs the largest model before (or without) the contenders still computes its bound: T_gpu from
+    DDP's model TFLOP/s in the run whose probes it reuses, named as such."""
+    campaign = load("gpu_campaign")
+    earlier = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu_campaign.json"
+    res = campaign.main(
+        ["--smoke", "--parts", "largest", "--probes-from", str(earlier), "--out", str(tmp_path / "l.json")]
+    )
+    largest = res["parts"]["largest"]
+    saved = json.loads(earlier.read_text())
+    assert largest["ddp_from"] == (saved["parts"]["probes"].get("from") or saved["machine"])
+    (row,) = largest["rows"]
+    ddp = next(r for r in saved["parts"]["contenders"]["rows"] if r["contender"] == "ddp")
+    assert row["t_gpu"] == pytest.approx(row["tflops"] * row["median_s"] / ddp["tflops"])
+    src = largest["ddp_from"]
+    assert f"T_gpu from DDP's TFLOP/s of {src['commit']} on {src['device']}" in campaign.render(res)
