@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu import time_spent
+from gpu import call_lines, time_spent
 
 GIB = 2**30
 
@@ -90,6 +90,7 @@ def render(res: dict) -> str:
             if "set_up_s" in r:
                 first = _num(r["first_step_s"], ".1f")
                 lines.append(f"\n{r['contender']}: set-up {r['set_up_s']:.1f} s, warm-up step {first} s")
+        lines += ["", *call_lines(rows)] if call_lines(rows) else []
         done = [r for r in rows if "of_host_capacity" in r]
         if done:
             share = done[-1]["of_host_capacity"]

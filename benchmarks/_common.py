@@ -322,3 +322,63 @@ def save_results(res: dict, out: str) -> dict:
     Path(out).write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
     return res
+
+
+# The engine's calls whose seconds say where a fit's set-up and first step went (each inclusive of those it makes:
+# a pack's host buffers are inside its pack): a lent GPU's 1.0B row took 53 s to its first step's end and the 9.0B
+# model more than 257 s, which nothing measured finer (2026-12-04).
+WATCHED = (
+    ("lightning_chunk.engine.runtime.engine", "ChunkEngine", "_place"),  # a pack: set-up's, the warm-up's repack
+    ("lightning_chunk.engine.runtime.engine", "ChunkEngine", "prepare_step"),  # the warm-up's ends here
+    ("lightning_chunk.engine.chunks.materialize", "DeferredInit", "value"),  # deferred init, module by module
+    ("lightning_chunk.engine.tiers.storage", "HostStorage", "alloc"),  # host shard buffers (pinned on a GPU)
+    ("lightning_chunk.engine.memory.manager", "ChunkManager", "gather"),
+    ("lightning_chunk.engine.tiers.offload", "GradOffload", "copy"),
+    ("lightning_chunk.engine.optim.binding", "OptimizerBinding", "step_chunk"),
+)
+
+
+def watch_calls(marks: dict[str, Any]) -> Any:
+    """Time ``WATCHED`` in this process (a child's) and return a Lightning callback that puts their seconds and
+    calls into ``marks["calls"]``: ``{"set-up": {name: [seconds, calls]}, "first step": {...}}``, up to fit's
+    start and over the first training batch."""
+    import importlib
+
+    import lightning as L
+
+    totals: dict[str, list[float]] = {}
+    for module, owner, attr in WATCHED:
+        cls = getattr(importlib.import_module(module), owner)
+        fn, name = getattr(cls, attr), f"{owner}.{attr}"
+        totals[name] = [0.0, 0]
+
+        def timed(*a: Any, _fn: Any = fn, _total: list[float] = totals[name], **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _total[0] += time.perf_counter() - t
+                _total[1] += 1
+
+        setattr(cls, attr, timed)
+    calls: dict[str, dict[str, list[float]]] = marks.setdefault("calls", {})
+
+    def snapshot(since: dict[str, list[float]]) -> dict[str, list[float]]:
+        zero = [0.0, 0]
+        return {k: [round(v[0] - since.get(k, zero)[0], 3), v[1] - since.get(k, zero)[1]] for k, v in totals.items()}
+
+    class Calls(L.Callback):
+        def on_train_start(self, *a: Any) -> None:
+            calls["set-up"] = snapshot({})
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            if "first step" not in calls:
+                calls.pop("first step so far", None)
+                calls["first step"] = snapshot(calls.get("set-up", {}))
+
+        def now(self) -> None:
+            """The first step's seconds so far, while it runs: a child stopped in it still says where they went."""
+            if "set-up" in calls and "first step" not in calls:
+                calls["first step so far"] = snapshot(calls["set-up"])
+
+    return Calls()

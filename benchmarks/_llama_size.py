@@ -107,7 +107,7 @@ def train_largest(args: argparse.Namespace) -> None:
     """One ``Trainer.fit`` of a Llama shape built on the meta device (``configure_model``)."""
     import lightning as L
     import torch
-    from _common import proc_bytes, quiet_trainer, step_timer
+    from _common import proc_bytes, quiet_trainer, step_timer, watch_calls
     from gpu import traffic
 
     from lightning_chunk import CheckOptions, ChunkOffloadStrategy, OffloadOptions
@@ -132,7 +132,10 @@ def train_largest(args: argparse.Namespace) -> None:
     resident: list[tuple[float, float]] = []  # (seconds since the start, GB resident), every 5 s
     lock, finished = threading.Lock(), list[bool]()
 
+    watched = watch_calls(moved)  # the engine's calls: where set-up's and the first step's seconds went
+
     def report(done: bool) -> None:  # at each step: a child stopped at the budget keeps its set-up and steps
+        watched.now()
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         res = {"times": times, "params": model_params(shape), "peak_device": peak, "peak_host": proc_bytes("VmHWM")}
         out = Path(args.child_out)
@@ -165,7 +168,7 @@ def train_largest(args: argparse.Namespace) -> None:
             sys.stderr.flush()
             os._exit(0)
 
-    callbacks = [step_timer(times), traffic(strategy, 1, moved), Progress()]
+    callbacks = [step_timer(times), traffic(strategy, 1, moved), watched, Progress()]
     precision = "bf16-mixed"
     trainer = quiet_trainer(1, strategy, args.largest_steps, args.accelerator, precision=precision, callbacks=callbacks)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.largest_batch))

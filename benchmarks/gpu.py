@@ -56,6 +56,7 @@ from _common import (  # noqa: E402
     run_or_child,
     run_ranks,
     step_timer,
+    watch_calls,
 )
 
 # in the order the GPU goals need them: a row of the 1.0B GPT took about 100 s on an H200 (2026-11-30), mostly its
@@ -164,10 +165,23 @@ def time_spent(rows: list[dict]) -> list[str]:
             for r in waits
         )
         out += [f"Host seconds a step, by cause: {host}", ""]
+    out += call_lines(rows)
     for r in rows:  # ``--profile``: what the host's own time in one step went to
         if r.get("profile", {}).get("host_self_ms"):
             ops = ", ".join(f"{k} {ms:.1f} ({n})" for k, ms, n in r["profile"]["host_self_ms"][:8])
             out += [f"{r['contender']}, a profiled step, the host's own ms (calls): {ops}", ""]
+    return out
+
+
+def call_lines(rows: list[dict]) -> list[str]:
+    """The engine's calls that took longest in each row's set-up and first step (``watch_calls``)."""
+    out = []
+    for r in rows:
+        for phase, calls in r.get("calls", {}).items():
+            top = sorted(((v[0], v[1], k) for k, v in calls.items() if v[0] >= 0.05), reverse=True)[:5]
+            if top:
+                said = ", ".join(f"{k} {sec:.1f} ({n})" for sec, n, k in top)
+                out += [f"{r['contender']}, {phase}, seconds (calls): {said}", ""]
     return out
 
 
@@ -275,7 +289,7 @@ def child(args: argparse.Namespace) -> None:
     callbacks = [step_timer(times), phase_marks(marks)]
     profiled = args.profile and isinstance(strategy, ChunkOffloadStrategy)  # one step more, profiled and not timed
     if isinstance(strategy, ChunkOffloadStrategy):
-        callbacks.append(traffic(strategy, args.skip, moved, args.steps))
+        callbacks += [traffic(strategy, args.skip, moved, args.steps), watch_calls(moved)]
     if profiled:
         callbacks.append(profiled_step(moved, args.steps))
     precision = "bf16-mixed" if cuda else "32-true"
@@ -288,7 +302,7 @@ def child(args: argparse.Namespace) -> None:
     _write(args, times[: args.steps], params, marks=marks, **moved)
 
 
-ENGINE_KEYS = ("h2d_per_step", "d2h_per_step", "host_stepped", "host_s_per_step", "profile")  # chunk_offload rows
+ENGINE_KEYS = ("h2d_per_step", "d2h_per_step", "host_stepped", "host_s_per_step", "profile", "calls")  # chunk_offload
 
 
 def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:

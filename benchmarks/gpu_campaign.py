@@ -27,12 +27,13 @@ lack, for example (the largest model bounded by the DDP row of the run it takes 
   says fits this GPU and 80% of the host's available memory (within a container's limit) with the device limit at
   85% of the GPU and the activations ``activation_bytes`` estimates, built on the meta device and streamed, trained
   ``--largest-steps`` steps in bf16-mixed, stepped in backward (as the plan counts it: the gradient shards given
-  back); the row keeps the resident set every 5 s, so a run killed for memory says how far it got; a failure steps
-  down a fifth of the layers (not below 7B) while time is left. Its T_gpu takes the FLOP/s DDP achieved on the
-  1.0B GPT. Its host shards are pinned to the byte (``pin_memory="exact"``: 48 layers, 10.0B, on 80 GB and 128
-  GiB, where torch's power-of-two blocks allow 38) where ``tests/gpu``'s checks of that pinning passed in this run
-  (they run first when ``tests`` is not among the parts), else, and after a failed try pinned to the byte, by
-  torch's allocator.
+  back); the row keeps the resident set every 5 s, so a run killed for memory says how far it got, and the
+  seconds of the engine's calls in set-up and the first step (``watch_calls``; the chunk_offload rows' too); a
+  failure steps down a fifth of the layers (not below 7B) while time is left. Its T_gpu takes the FLOP/s DDP
+  achieved on the 1.0B GPT (in this run, or in the one ``--probes-from`` names). Its host shards are pinned to the
+  byte (``pin_memory="exact"``: 48 layers, 10.0B, on 80 GB and 128 GiB, where torch's power-of-two blocks allow 38)
+  where ``tests/gpu``'s checks of that pinning passed in this run (they run first when ``tests`` is not among the
+  parts), else, and after a failed try pinned to the byte, by torch's allocator.
 
 [Note: a step's bound]
 With the optimizer state of some shards on the host, a step cannot take less than the longest of three streams
@@ -267,6 +268,8 @@ def part_largest(
         res = json.loads(out.read_text()) if out.exists() else {}
         marks, times = res.pop("marks", {}), res.pop("times", [])
         rss = res.pop("rss", [])
+        if res.get("calls"):  # where set-up's and the first step's seconds went, a stopped try's too
+            row["calls"] = res.pop("calls")
         if rss:  # the resident set every 5 s: where a child killed for memory got to
             row.update(peak_resident_gb=max(r for _, r in rss), resident_gb=rss)
         if "set_up" in marks:  # seconds from the child's start to the first step, and that (warm-up) step's

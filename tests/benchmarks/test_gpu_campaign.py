@@ -52,6 +52,17 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
     assert largest["median_s"] > 0 and largest["params"] == 115_008  # the tiny Llama's count, built on meta
     assert largest["done"] and largest["steps_done"] == 3 and largest["set_up_s"] > 0  # the child ends at its step
     assert largest["peak_resident_gb"] > 0 and all(t >= 0 and r > 0 for t, r in largest["resident_gb"])
+    for r in (largest, rows["chunk_offload step_in_backward"]):  # where set-up's and the first step's seconds went
+        assert set(r["calls"]) == {"set-up", "first step"}, r["calls"]
+        assert r["calls"]["set-up"]["ChunkEngine._place"][1] == 1  # the first pack
+        assert r["calls"]["first step"]["ChunkEngine._place"][1] == 1  # the warm-up's repack
+        assert r["calls"]["first step"]["OptimizerBinding.step_chunk"][1] > 0
+    assert largest["calls"]["set-up"]["DeferredInit.value"][1] > 0  # built on the meta device
+    calls = {"set-up": {"ChunkEngine._place": [148.0, 1]}, "first step so far": {"HostStorage.alloc": [61.5, 90]}}
+    shown = load("gpu_campaign").render({"machine": res["machine"], "parts": {"largest": {"rows": [
+        {**largest, "calls": calls}]}}})  # fmt: skip
+    assert "Llama 2 layers, set-up, seconds (calls): ChunkEngine._place 148.0 (1)" in shown
+    assert "Llama 2 layers, first step so far, seconds (calls): HostStorage.alloc 61.5 (90)" in shown
     saved = json.loads(out.read_text())
     assert set(saved["parts"]) == {"tests", "probes", "contenders", "largest"} and saved["meta"]["torch"]
     table = out.with_suffix(".md").read_text()
@@ -77,7 +88,7 @@ def test_the_campaign_s_largest_model_for_80_gb_and_128_gib_is_past_7b_and_its_p
     pinned host shards in torch's power-of-two blocks, as a GPU holds them; 44 again pinned to the byte
     (``pin_memory="exact"``, which the campaign takes where tests/gpu's checks of it passed); 53 (11.0B) and 38
     (8.0B) since the plan steps in backward as the run does and pinned gradient shards are given back; 48 (10.0B)
-    and 38 in 80% of the host, the share since a try planned at 92% died on an H200."""
+    and 38 in 80% of the host, the share since a try planned at 92% ran out of time on an H200."""
     import argparse
 
     campaign = load("gpu_campaign")
