@@ -99,7 +99,7 @@ def test_the_campaign_s_largest_model_for_80_gb_and_128_gib_is_past_7b_and_its_p
         assert report.fits and max(p.host for p in report.phases) <= load("_llama_size").HOST_SHARE * (128 << 30)
 
 
-def test_the_campaign_pins_to_the_byte_only_where_the_gpu_checks_of_it_passed():
+def test_the_campaign_pins_to_the_byte_only_where_the_gpu_checks_of_it_passed(monkeypatch):
     import argparse
 
     campaign = load("gpu_campaign")
@@ -110,6 +110,37 @@ def test_the_campaign_pins_to_the_byte_only_where_the_gpu_checks_of_it_passed():
     assert campaign.exact_pinning_passed(cuda, ok, 60) and campaign.exact_pinning_passed(cuda, other, 60)
     assert not campaign.exact_pinning_passed(cuda, failed, 60)
     assert not campaign.exact_pinning_passed(argparse.Namespace(accelerator="cpu"), ok, 60)
+    # a tests part stopped at its cap before reaching those checks: they are run on their own
+    stopped = {"summary": "stopped at 120 s: 20 passed", "failures": [], "passed": ["tests/gpu/t.py::test_parity"]}
+    asked = []
+
+    def part_tests(args, budget, select=None):
+        asked.append(select)
+        return {"summary": "3 passed in 9s", "failures": [], "passed": ["tests/gpu/t.py::test_exact_pinned_x"]}
+
+    monkeypatch.setattr(campaign, "part_tests", part_tests)
+    assert campaign.exact_pinning_passed(cuda, stopped, 60) and asked == [["-k", "exact or pinned_to_the_byte"]]
+    reached = {**stopped, "passed": ["tests/gpu/t.py::test_host_shards_pinned_to_the_byte_train"]}
+    assert campaign.exact_pinning_passed(cuda, reached, 60) and len(asked) == 1  # they had passed before the cap
+
+
+def test_a_gpu_tests_part_stopped_at_its_cap_keeps_the_outcomes_it_had(monkeypatch):
+    """A lease's tests part past its cap lost every outcome (pytest prints its summary at the end); ``-v`` reports
+    each test as it ends, and what had ended is kept."""
+    import argparse
+    import subprocess
+
+    campaign = load("gpu_campaign")
+    out = "tests/gpu/t.py::test_a PASSED [ 10%]\ntests/gpu/t.py::test_b[fp16] FAILED [ 20%]\ntests/gpu/t.py::test_c "
+
+    def run(cmd, **kw):
+        assert "-v" in cmd
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=out.encode())
+
+    monkeypatch.setattr(campaign.subprocess, "run", run)
+    got = campaign.part_tests(argparse.Namespace(), 120)
+    assert got["summary"] == "stopped at 120 s: 1 passed, 1 failed, 0 error" and got["failed"].endswith("120 s")
+    assert got["passed"] == ["tests/gpu/t.py::test_a"] and got["failures"] == ["FAILED tests/gpu/t.py::test_b[fp16]"]
 
 
 def test_the_campaign_keeps_why_each_gpu_test_failed():
