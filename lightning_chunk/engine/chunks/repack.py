@@ -249,10 +249,11 @@ class OldChunks:
         read where they are, and the old chunk is dropped once the last of them is placed. With several ranks the
         chunk is all-gathered, its shards dropped at once, and the parameters are views of the gathered copy, which
         goes with the last of them. ``build_chunk`` writes each new shard where it lives, not through a whole
-        chunk's buffer first. Copied to the host, cloned per parameter and built whole, every element of a one-rank
-        repack went through five fresh buffers it did not need, each a pass of page faults and copies: a 0.43B
-        Llama's first step (its warm-up and repack) on a 2-core CPU took 15.7 s against 10.9 now, and its set-up 4.8 s
-        against 3.3, at the same peak; the repack above the model's own memory held 2.5 chunks' shards, now 0.5."""
+        chunk's buffer first (on a GPU a device shard is copied to parameter by parameter from the old host shards).
+        Copied to the host, cloned per parameter and built whole, every element of a one-rank repack went through
+        five fresh buffers it did not need, each a pass of page faults and copies: a 0.43B Llama's first step (its
+        warm-up and repack) on a 2-core CPU took 15.7 s against 10.9 now, and its set-up 4.8 s against 3.3, at the
+        same peak; the repack above the model's own memory held 2.5 chunks' shards, now 0.5."""
         if c.chunk_id in self.loaded:
             return
         mgr = self.mgr
@@ -372,16 +373,13 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
         mgr.comm.broadcast(whole)
 
     def values_into(out: torch.Tensor, start: int) -> None:
-        """Elements ``[start, start + out.numel())`` of the chunk's values, written where they go: a buffer in
-        host memory is filled in place ([Note: reading an old chunk in place])."""
+        """Elements ``[start, start + out.numel())`` of the chunk's values, written where they go (a device shard
+        parameter by parameter from the host: no host buffer of its size first; [Note: reading an old chunk in
+        place])."""
         if whole is not None:
             out.copy_(whole[start : start + out.numel()])
-        elif out.device.type == "cpu":
-            source.fill(out, chunk, start)
         else:
-            staged = torch.empty(out.numel(), dtype=chunk.master_dtype)
-            source.fill(staged, chunk, start)
-            out.copy_(staged)
+            source.fill(out, chunk, start)
 
     with_grad = any(source.has_grad(s.param_index) for s in spec.slots)
     chunk.aliased = mgr.comm.world_size == 1 and tier is Tier.DEVICE
@@ -407,10 +405,7 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
         if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
             chunk.grad = mgr.tiers.alloc(chunk, Role.GRAD, chunk.master_dtype)
             if with_grad:
-                grads = chunk.grad if chunk.grad.device.type == "cpu" else torch.empty_like(chunk.grad, device=_HOST)
-                fill_range(grads, spec.slots, lo, lambda i, a, b: flat_piece(source.grad(i), a, b))
-                if grads is not chunk.grad:
-                    chunk.grad.copy_(grads)
+                fill_range(chunk.grad, spec.slots, lo, lambda i, a, b: flat_piece(source.grad(i), a, b))
                 chunk.grad_written = mgr.comm.world_size > 1
         state = S.HOLD if chunk.aliased else S.FREE
         for s in spec.slots:  # views first: a view of a released storage cannot be made
