@@ -10,8 +10,8 @@ Every part at once does not fit one 10-minute command (on an H200 on 2026-11-30:
 a contender's row about 100 s, the 9.0B model's set-up 148 s), so a lease measures first what the committed results
 lack, for example (the largest model bounded by the DDP row of the run it takes the probes from):
 
-    python benchmarks/gpu_campaign.py --parts tests largest contenders --contenders "chunk_offload step_in_backward" \
-      --cap tests=150 largest=300 --probes-from benchmarks/results/gpu_campaign.json --budget 560 \
+    python benchmarks/gpu_campaign.py --parts largest contenders tests --contenders "chunk_offload step_in_backward" \
+      --cap largest=400 contenders=110 --probes-from benchmarks/results/gpu_campaign.json --budget 560 \
       --out $OUT/gpu_campaign.json
 
 - ``tests``: ``pytest tests/gpu``: passed, failed, skipped, and why the first failures failed (where, the error).
