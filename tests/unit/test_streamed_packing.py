@@ -83,10 +83,14 @@ import torch
 sys.path.insert(0, ROOT)
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.chunks.chunk import Tier
+from lightning_chunk.engine.tiers.storage import HostStorage
 
 def status(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field + ":")).split()[1]) * 1024
 
+host_buffers = []
+alloc = HostStorage.alloc
+HostStorage.alloc = lambda self, chunk, *a: host_buffers.append(chunk.chunk_id) or alloc(self, chunk, *a)
 torch.manual_seed(0)
 model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(24)))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no optimizer state: the repack moves values and gradients
@@ -101,8 +105,10 @@ eng.after_backward()
 ctypes.CDLL("libc.so.6").malloc_trim(0)
 open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM
 before = status("VmRSS")
+host_buffers.clear()
 eng.prepare_step()  # the warm-up's repack
 print(json.dumps({"grown": status("VmHWM") - before, "first": sorted({t.name for t in first}),
+                  "host buffers": len(host_buffers), "chunks": len(eng.manager.chunks),
                   "after": sorted({c.shard_tier.name for c in eng.manager.chunks})}))
 """
 
@@ -113,7 +119,9 @@ def test_a_one_rank_repack_holds_no_copy_of_the_old_chunks():
     """[Note: reading an old chunk in place]: the warm-up's repack on one rank (every shard on the host, then some on
     the device) copied each old chunk to the host, cloned it per parameter and built each new chunk in a whole
     buffer before its shards: 40 MiB above the model at its peak here, two and a half chunks' shards. Read in place
-    and written where it lives, the repack holds at most one chunk's shards more (8 MiB here)."""
+    and written where it lives, the repack holds at most one chunk's shards more (8 MiB here). And a chunk that
+    stays on the host as it was keeps its buffers ([Note: a chunk that keeps its buffers]): the repack asks the host
+    tier for none (it asked for a master and a gradient of each of the ten, each one a pinned allocation on a GPU)."""
     chunk = 2 * (1024 * 1024 + 1024)  # two layers a chunk: 8 MiB of values and 8 of gradients, no padding
     code = REPACK_CHILD.replace("ROOT", repr(str(ROOT))).replace("CHUNK", str(chunk))
     env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.mmap_threshold=65536")
@@ -122,3 +130,4 @@ def test_a_one_rank_repack_holds_no_copy_of_the_old_chunks():
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["first"] == ["HOST"] and m["after"] == ["DEVICE", "HOST"], m  # a repack that moved shards
     assert m["grown"] <= chunk * 8 + 2 * MiB, m["grown"] / MiB
+    assert m["chunks"] == 12 and m["host buffers"] == 0, m

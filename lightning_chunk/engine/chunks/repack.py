@@ -37,18 +37,16 @@ that its new shard holds, sliced at once so nothing whole outlives its old chunk
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..files.weights import ModuleWeights
 from ..system.host_heap import release_freed_memory
-from .chunk import Chunk, Role, TensorInfo, Tier
+from .build import fill_range, flat_piece
+from .chunk import Chunk, Tier
 from .materialize import DeferredInit
-from .packing import ChunkSpec, Layout, Slot
-from .parked import show
-from .states import TensorState as S
+from .packing import ChunkSpec, Layout
 
 _HOST = torch.device("cpu")
 
@@ -66,32 +64,6 @@ class ExtraShards(Protocol):
     def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
         """This rank's new piece of each state key of one parameter (flat, like its new master view), which starts
         at element ``offset`` of ``chunk``'s shard."""
-
-
-def fill_range(
-    out: torch.Tensor, slots: tuple[Slot, ...], lo: int, piece: Callable[[int, int, int], torch.Tensor | None]
-) -> None:
-    """Elements ``[lo, lo + out.numel())`` of a chunk into ``out``: ``piece(i, a, b)`` gives elements ``[a, b)`` of
-    parameter ``i``'s flat value (``None``: zeros, as in the padding between and after the slots)."""
-    hi, done = lo + out.numel(), lo
-    for s in sorted(slots, key=lambda s: s.offset):
-        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-        if a >= b:
-            continue
-        if a > done:
-            out[done - lo : a - lo].zero_()
-        got = piece(s.param_index, a - s.offset, b - s.offset)
-        if got is None:
-            out[a - lo : b - lo].zero_()
-        else:
-            out[a - lo : b - lo].copy_(got)
-        done = b
-    if done < hi:
-        out[done - lo :].zero_()
-
-
-def flat_piece(value: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
-    return None if value is None else value.reshape(-1)[a:b]
 
 
 def piece_range(chunk: Chunk, offset: int, numel: int) -> tuple[int, int]:
@@ -146,6 +118,9 @@ class FromModule:
             fill_range(out, chunk.spec.slots, lo, lambda i, a, b: read(self.params[i], a, b))
         else:
             fill_range(out, chunk.spec.slots, lo, lambda i, a, b: flat_piece(self.value(i), a, b))
+
+    def adopt(self, chunk: Chunk) -> None:
+        return None  # the first pack has no old chunks
 
     def value(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -288,6 +263,50 @@ class OldChunks:
             release_freed_memory()  # freed heap blocks are not reused in this pattern of sizes: give them back now
         self.loaded.add(c.chunk_id)
 
+    def adopt(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """The shard buffers of the old chunk ``chunk`` replaces unchanged, for it to keep: ``(master, compute copy,
+        gradient)``, the gradient ``None`` where it has none to give; ``None`` where there is no such chunk.
+
+        [Note: a chunk that keeps its buffers]
+        A repack rebuilds every chunk, yet most often most of them come out as they were: the warm-up's layout in
+        first-use order is the registration order's for a stack of blocks, and the chunks that stay on the host keep
+        their tier. With one rank such a chunk's host shard is the new one, byte for byte: the new chunk takes its
+        master, compute copy and gradient as they are, and only the padding is zeroed again (a gradient's, and the
+        parameters' that carry none). On a GPU that spares a pinned allocation and a copy of each such shard (a
+        repack after the warm-up of 10B parameters keeps some 45 GB of them on the host). The optimizer state still
+        moves by piece ([Note: optimizer state through a repack])."""
+        mgr = self.mgr
+        old = self.owner[chunk.spec.slots[0].param_index]
+        same = (
+            mgr.comm.world_size == 1
+            and chunk.shard_tier is Tier.HOST
+            and old.shard_tier is Tier.HOST
+            and old.chunk_id not in self.loaded
+            and old.master is not None
+            and old.spec.key == chunk.spec.key
+            and old.capacity_numel == chunk.capacity_numel
+            and (old.master_dtype, old.compute_dtype) == (chunk.master_dtype, chunk.compute_dtype)
+            and [(s.param_index, s.offset, s.numel) for s in old.spec.slots]
+            == [(s.param_index, s.offset, s.numel) for s in chunk.spec.slots]
+        )
+        if not same:
+            return None
+        extra = self.extras.take(old) if self.extras else {}
+        for t in old.tensors:
+            if extra:
+                self._extra[t.slot.param_index] = {k: v[t.offset : t.offset + t.numel] for k, v in extra.items()}
+        master = old.master
+        assert master is not None
+        with mgr.ledger.tracked(old):  # they leave the old chunk's accounting for the new one's
+            grad = old.grad if old.grad is not None and not old.grad_released else None
+            taken = (master, old.low, grad)
+            old.master = old.low = None
+            if grad is not None:
+                old.grad = None
+        mgr.drop(old)
+        self.loaded.add(old.chunk_id)
+        return taken
+
     def build_order(self, layout: Layout) -> list[ChunkSpec]:
         return list(layout.chunks)  # the order every rank all-gathers the old chunks in
 
@@ -345,86 +364,3 @@ def _in_host_memory(c: Chunk, master: torch.Tensor) -> bool:
     """Whether an old chunk's shard buffers are ordinary host memory, readable after the call that got them (a disk
     shard's are paged in only while read)."""
     return c.shard_tier is not Tier.DISK and master.device.type == "cpu"
-
-
-# ================================================================ one chunk
-def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
-    """One chunk of a (re)pack: its values from ``source``, its shard on ``tier``, its parameters views of its
-    payload."""
-    # the parameters' own dtype is the layout key's, read when the manager first saw them: on a repack they are
-    # views of the old payloads, in the compute dtype (bf16 under bf16-mixed), which would have become each
-    # parameter's "original" dtype, the one it is given back in at the end of fit and saved in
-    own_dtype = spec.key.dtype
-    chunk = Chunk(
-        spec=spec,
-        capacity_numel=spec.capacity_numel,
-        rank=mgr.comm.rank,
-        world_size=mgr.comm.world_size,
-        compute_dtype=mgr.dtypes.compute_for(own_dtype, own_dtype=spec.key.own_dtype),
-        master_dtype=mgr.dtypes.master_for(own_dtype, trainable=spec.key.requires_grad, own_dtype=spec.key.own_dtype),
-        shard_tier=tier,
-    )
-    chunk.reduce_dtype = mgr.dtypes.reduce_for(chunk.master_dtype)
-    lo, hi = chunk.shard_range
-    whole = None
-    if broadcast and not source.same_everywhere(chunk):  # every rank starts from rank 0's values, as DDP does
-        whole = torch.empty(chunk.capacity_numel, dtype=chunk.master_dtype)
-        source.fill(whole, chunk, 0)
-        mgr.comm.broadcast(whole)
-
-    def values_into(out: torch.Tensor, start: int) -> None:
-        """Elements ``[start, start + out.numel())`` of the chunk's values, written where they go (a device shard
-        parameter by parameter from the host: no host buffer of its size first; [Note: reading an old chunk in
-        place])."""
-        if whole is not None:
-            out.copy_(whole[start : start + out.numel()])
-        else:
-            source.fill(out, chunk, start)
-
-    with_grad = any(source.has_grad(s.param_index) for s in spec.slots)
-    chunk.aliased = mgr.comm.world_size == 1 and tier is Tier.DEVICE
-    # the shard, when it lives on the device, and the payload: allocated to make the views, and released at
-    # once unless it is the shard itself
-    need = mgr.device_shard_bytes(chunk) if tier is Tier.DEVICE else 0
-    need += 0 if chunk.aliased else chunk.payload_bytes
-    mgr.ledger.reserve(
-        need, f"building chunk {spec.chunk_id}" + (" with its shard on the device tier" if tier is Tier.DEVICE else "")
-    )
-    with mgr.ledger.tracked(chunk):
-        chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=mgr.device)
-        if chunk.aliased and chunk.master_is_payload():
-            values_into(chunk.payload, 0)
-        else:
-            chunk.master = mgr.tiers.alloc(chunk, Role.MASTER, chunk.master_dtype)
-            values_into(chunk.master, lo)
-            if chunk.aliased:  # one rank: the master is the whole chunk
-                chunk.payload.copy_(chunk.master)
-            elif chunk.compute_dtype != chunk.master_dtype:
-                chunk.low = mgr.tiers.alloc(chunk, Role.LOW, chunk.compute_dtype)
-                chunk.low.copy_(chunk.master)
-        if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
-            chunk.grad = mgr.tiers.alloc(chunk, Role.GRAD, chunk.master_dtype)
-            if with_grad:
-                fill_range(chunk.grad, spec.slots, lo, lambda i, a, b: flat_piece(source.grad(i), a, b))
-                chunk.grad_written = mgr.comm.world_size > 1
-        state = S.HOLD if chunk.aliased else S.FREE
-        for s in spec.slots:  # views first: a view of a released storage cannot be made
-            p = mgr.params[s.param_index]
-            info = TensorInfo(
-                param=p,
-                name=mgr.names[s.param_index],
-                slot=s,
-                shape=p.shape,
-                orig_dtype=own_dtype,
-                state=state,
-                has_grad=source.has_grad(s.param_index),
-            )
-            chunk.tensors.append(info)
-            info.view = chunk.payload[s.offset : s.offset + s.numel].view(p.shape)
-            show(p, info.view)
-            info.pointed()
-            mgr.place_param(p, chunk, info)
-        if not chunk.aliased:
-            chunk.payload.untyped_storage().resize_(0)
-            chunk.park_params()
-    return chunk

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from ..chunks.build import build_chunk
 from ..chunks.chunk import Chunk, InFlight, Role, TensorInfo, Tier, free_storage
 from ..chunks.packing import ChunkKey, Layout, ParamSpec
-from ..chunks.repack import ExtraShards, FromModule, OldChunks, build_chunk
+from ..chunks.repack import ExtraShards, FromModule, OldChunks
 from ..chunks.states import TensorState
 from ..comm.collectives import Collectives
 from ..comm.reduce import GradReducer
