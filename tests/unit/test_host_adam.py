@@ -232,3 +232,49 @@ def test_auto_keeps_two_passes_where_inductor_has_no_vector_isa(monkeypatch):
     monkeypatch.setattr(adam_native, "_why_not", None)
     assert adam_native.native_kernel() is None and "no vector ISA" in adam_native.why_not()
     assert all(run("one_pass", dtypes=bf16, steps=1)[-1])  # the torch.compile kernel
+
+
+def test_a_fit_on_a_gpu_builds_the_native_kernel_beside_set_up_and_the_step_waits_for_that_build(monkeypatch):
+    """[Note: the kernel built beside set-up]: the first host step no longer builds the kernel itself (4 s a process
+    with inductor's cache warm, 22 s cold), and a step that comes while the build runs takes that build's kernel."""
+    import threading
+    import types
+
+    from lightning_chunk.engine.optim.kernels import kernel_flags
+
+    native = adam_native
+    builds, release = [], threading.Event()
+
+    def build():
+        builds.append(threading.current_thread().name)
+        release.wait(10)
+        return lambda *a: 8
+
+    for name, value in (("_build", build), ("_kernel", None), ("_why_not", None), ("_building", False), ("_isa", True)):
+        monkeypatch.setattr(native, name, value)
+    model = torch.nn.Linear(4, 4)
+
+    def manager(device: str, compute: torch.dtype | None):
+        return types.SimpleNamespace(dtypes=DtypePolicy(compute_dtype=compute), device=torch.device(device))
+
+    for device, compute, opt in (
+        ("cpu", torch.bfloat16, torch.optim.Adam(model.parameters())),  # a CPU fit builds it at its first host step
+        ("cuda", None, torch.optim.Adam(model.parameters())),  # no compute copy: no one pass
+        ("cuda", torch.bfloat16, torch.optim.SGD(model.parameters(), lr=0.1)),  # not an Adam
+    ):
+        host_adam.HostAdam(opt, manager(device, compute), "auto", kernel_flags(opt, "auto"))
+        assert not native._building, device
+    adamw = torch.optim.AdamW(model.parameters())  # fused as the engine steps it, a user's default
+    host_adam.HostAdam(adamw, manager("cuda", torch.bfloat16), "auto", kernel_flags(adamw, "auto"))
+    for _ in range(1000):  # the background build under way
+        if builds:
+            break
+        threading.Event().wait(0.01)
+    got: list = []
+    step = threading.Thread(target=lambda: got.append(native.native_kernel()))
+    step.start()  # the first host step, while the build runs
+    release.set()
+    step.join(10)
+    assert builds == ["lightning_chunk-native-adam"] and got == [native._kernel] and got[0] is not None
+    native.build_in_background()  # built: nothing more
+    assert len(builds) == 1

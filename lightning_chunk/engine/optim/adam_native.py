@@ -24,6 +24,7 @@ reason and the one pass is the ``torch.compile`` kernel.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -121,12 +122,20 @@ LOW_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _kernel: NativeKernel | None = None
 _why_not: str | None = None  # why this process has no native kernel
 _isa: bool | None = None  # whether inductor found a vector ISA (``vector_isa``)
+_lock = threading.RLock()  # one build a process, whichever thread asks first (``build_in_background``)
+_building = False
 
 
 def vector_isa() -> bool:
     """Whether inductor builds C++ with a vector ISA here. It probes for one by building and loading a test library
     in a child process, once a process; where that fails (for any reason) its ``at::vec`` is scalar code, and so is
     every kernel it compiles, the one-pass kernels too: several times slower than torch's own fused kernel."""
+    global _isa
+    with _lock:
+        return _vector_isa()
+
+
+def _vector_isa() -> bool:
     global _isa
     if _isa is None:
         try:
@@ -153,15 +162,34 @@ def _build() -> Callable[..., int]:
 def native_kernel() -> NativeKernel | None:
     """The native one-pass step, or ``None`` when it cannot run in this process (the reason in ``why_not()``)."""
     global _kernel, _why_not
-    if _kernel is None and _why_not is None:
-        try:
-            if vector_isa():
-                _kernel = NativeKernel(_build())
-            else:
-                _why_not = "inductor found no vector ISA to build for (its at::vec would be scalar code)"
-        except Exception as e:  # noqa: BLE001 - no compiler, or an inductor without these internals
-            _why_not = f"building it failed: {type(e).__name__}: {e}"
-    return _kernel
+    with _lock:
+        if _kernel is None and _why_not is None:
+            try:
+                if _vector_isa():
+                    _kernel = NativeKernel(_build())
+                else:
+                    _why_not = "inductor found no vector ISA to build for (its at::vec would be scalar code)"
+            except Exception as e:  # noqa: BLE001 - no compiler, or an inductor without these internals
+                _why_not = f"building it failed: {type(e).__name__}: {e}"
+        return _kernel
+
+
+def build_in_background() -> None:
+    """Start building the native kernel (or loading it from inductor's cache) on a thread of its own, once a
+    process, so that the first host step finds it built.
+
+    [Note: the kernel built beside set-up]
+    The first host step built the kernel: inductor's import and its probe for a vector ISA take 4 s a process with
+    its cache warm (2-core CPU), 22 s with it cold, as on a lent GPU's fresh machine, where the first step of the
+    largest model, which a lease's time budget had already stopped once, would pay it too. A fit on a GPU
+    starts it at set-up instead, which takes minutes there at that size and runs mostly outside the interpreter;
+    the step that needs it waits for the same build, never starts a second."""
+    global _building
+    with _lock:
+        if _building or _kernel is not None or _why_not is not None:
+            return
+        _building = True
+    threading.Thread(target=native_kernel, name="lightning_chunk-native-adam", daemon=True).start()
 
 
 def why_not() -> str | None:

@@ -75,7 +75,7 @@ class OptimizerBinding:
         self.kernel_flags = kernel_flags(optimizer, config.optimizer_kernel)
         self.disk = DiskStepper(self, manager.tiers.disk)
         one_pass = {"auto": "auto", "one_pass": True}.get(config.optimizer_kernel, False)
-        self.host_adam = HostAdam(optimizer, manager, one_pass)
+        self.host_adam = HostAdam(optimizer, manager, one_pass, self.kernel_flags)
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
         self.partial = PartialSteps(optimizer)  # [Note: group state in partial steps]
         # [Note: optimizers that need whole parameters] in whole.py

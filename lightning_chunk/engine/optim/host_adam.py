@@ -193,11 +193,24 @@ class HostAdam:
     ``one_pass``: ``True`` to step eligible chunks with the one-pass kernel, ``False`` never, ``"auto"``
     when they are large enough to repay compiling it (``ONE_PASS_MIN_NUMEL``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, one_pass: Any) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        manager: ChunkManager,
+        one_pass: Any,
+        flags: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """``flags``: each group's kernel flags (``kernel_flags``), which its steps run with."""
         self.optimizer = optimizer
         self.manager = manager
         self.one_pass = one_pass
         self.reset()
+        mixed = manager.dtypes.compute_for(torch.float32) != torch.float32  # host chunks have a compute copy
+        groups = optimizer.param_groups
+        flags = flags or [{}] * len(groups)
+        steps_one_pass = any(one_pass_ok(optimizer, {**g, **f}) for g, f in zip(groups, flags, strict=True))
+        if one_pass is not False and NATIVE and mixed and steps_one_pass and manager.device.type == "cuda":
+            adam_native.build_in_background()  # [Note: the kernel built beside set-up]
 
     def reset(self) -> None:
         """Forget the layout (the views and their state were rebuilt: bind, load, unbind). Nothing here holds
