@@ -270,16 +270,16 @@ class OldChunks:
         [Note: a chunk that keeps its buffers]
         A repack rebuilds every chunk, yet most often most of them come out as they were: the warm-up's layout in
         first-use order is the registration order's for a stack of blocks, and the chunks that stay on the host keep
-        their tier. With one rank such a chunk's host shard is the new one, byte for byte: the new chunk takes its
-        master, compute copy and gradient as they are, and only the padding is zeroed again (a gradient's, and the
-        parameters' that carry none). On a GPU that spares a pinned allocation and a copy of each such shard (a
-        repack after the warm-up of 10B parameters keeps some 45 GB of them on the host). The optimizer state still
+        their tier. Such a chunk's host shard is the new one, byte for byte: the new chunk takes its master, compute
+        copy and gradient as they are, and only the padding is zeroed again (a gradient's, and the parameters' that
+        carry none). On a GPU that spares a pinned allocation and a copy of each such shard (a repack after the
+        warm-up of 10B parameters keeps some 45 GB of them on the host); with several ranks, its all-gather too:
+        every rank decides alike, as the layouts and tiers are the same on every rank. The optimizer state still
         moves by piece ([Note: optimizer state through a repack])."""
         mgr = self.mgr
         old = self.owner[chunk.spec.slots[0].param_index]
         same = (
-            mgr.comm.world_size == 1
-            and chunk.shard_tier is Tier.HOST
+            chunk.shard_tier is Tier.HOST
             and old.shard_tier is Tier.HOST
             and old.chunk_id not in self.loaded
             and old.master is not None
@@ -292,9 +292,14 @@ class OldChunks:
         if not same:
             return None
         extra = self.extras.take(old) if self.extras else {}
-        for t in old.tensors:
-            if extra:
-                self._extra[t.slot.param_index] = {k: v[t.offset : t.offset + t.numel] for k, v in extra.items()}
+        lo = chunk.shard_range[0]
+        for t in old.tensors if extra else ():  # this rank's pieces, where the old shard held them
+            a, b = piece_range(chunk, t.offset, t.numel)
+            if a < b:
+                assert self.extras is not None
+                self.extras.give(
+                    t.slot.param_index, {k: v[a - lo : b - lo].clone() for k, v in extra.items()}, chunk, a - lo
+                )
         master = old.master
         assert master is not None
         with mgr.ledger.tracked(old):  # they leave the old chunk's accounting for the new one's
