@@ -44,6 +44,11 @@ def watch(fn):
 
 
 repack.OldChunks.__init__, repack.OldChunks._load, repack.OldChunks._stage = watch(_init), watch(_load), watch(_stage)
+gathered: list[int] = []  # the old chunks a repack read whole (all-gathered with several ranks)
+repack.OldChunks._load = lambda self, c, _load=repack.OldChunks._load: (  # noqa: E731
+    gathered.append(c.chunk_id) if c.chunk_id not in self.loaded else None,
+    _load(self, c),
+)[1]
 
 
 class Reversed(nn.Module):
@@ -59,10 +64,22 @@ class Reversed(nn.Module):
         return x
 
 
+class Ordered(Reversed):
+    """Used in the order it is registered in: the warm-up's layout is the one it had."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def run(out: Path, rank: int, placement: str, limit: int) -> None:
     peak["held"] = 0
+    gathered.clear()
     torch.manual_seed(0)
-    model = Reversed()
+    ordered = placement.startswith("ordered-")
+    placement = placement.removeprefix("ordered-")
+    model = Ordered() if ordered else Reversed()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     eng = ChunkEngine(
         model,
@@ -74,7 +91,10 @@ def run(out: Path, rank: int, placement: str, limit: int) -> None:
     for _ in range(2):  # the warm-up and its repack; a step in the new layout (Adam's state exists from here on)
         step(eng, model, opt, torch.randn(8, 256))
     shards = sum(c.shard_numel * 4 for c in eng.manager.chunks)
-    (out / f"repack.{placement}.{rank}.json").write_text(json.dumps(dict(held=peak["held"], shards=shards)))
+    name = f"{'ordered-' if ordered else ''}{placement}"
+    report = dict(held=peak["held"], shards=shards, gathered=len(gathered), chunks=len(eng.manager.chunks))
+    report["tiers"] = sorted({c.shard_tier.name for c in eng.manager.chunks})
+    (out / f"repack.{name}.{rank}.json").write_text(json.dumps(report))
     eng.teardown(materialize=False)
 
 

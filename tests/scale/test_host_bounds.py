@@ -30,3 +30,14 @@ def test_a_repack_under_a_device_limit_holds_only_this_rank_s_share_on_the_host(
         for r in range(world):
             got = json.loads((tmp_path / f"repack.{placement}.{r}.json").read_text())
             assert 0 < got["held"] <= 2 * got["shards"] + 2 * 2 * CHUNK_BYTES, (placement, got)
+
+
+def test_a_repack_on_several_ranks_gathers_only_the_chunks_that_change(tmp_path):
+    """[Note: a chunk that keeps its buffers]: a model used in its registration order keeps its layout at the
+    warm-up, and the chunks that stay on the host keep their shards on every rank, with no all-gather; before, the
+    repack all-gathered every old chunk."""
+    ranks = Ranks(WORKER, tmp_path, "ordered-auto:4000000", world_size=2, env=AS_NCCL).wait(timeout=180)
+    assert all(rc == 0 for rc, *_ in ranks), "".join(so + se for _, so, se, _ in ranks)[-3000:]
+    got = [json.loads((tmp_path / f"repack.ordered-auto.{r}.json").read_text()) for r in range(2)]
+    assert got[0]["tiers"] == ["DEVICE", "HOST"] and got[0]["gathered"] == got[1]["gathered"], got
+    assert 0 < got[0]["gathered"] < got[0]["chunks"], got  # the chunks moved to the device, and those only
