@@ -90,7 +90,8 @@ def render(res: dict) -> str:
             if "set_up_s" in r:
                 first = _num(r["first_step_s"], ".1f")
                 lines.append(f"\n{r['contender']}: set-up {r['set_up_s']:.1f} s, warm-up step {first} s")
-        lines += ["", *call_lines(rows)] if call_lines(rows) else []
+        calls = call_lines(rows)
+        lines += ["", *calls] if calls else []
         done = [r for r in rows if "of_host_capacity" in r]
         if done:
             share = done[-1]["of_host_capacity"]

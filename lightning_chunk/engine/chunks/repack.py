@@ -227,8 +227,8 @@ class OldChunks:
         chunk's buffer first (on a GPU a device shard is copied to parameter by parameter from the old host shards).
         Copied to the host, cloned per parameter and built whole, every element of a one-rank repack went through
         five fresh buffers it did not need, each a pass of page faults and copies: a 0.43B Llama's first step (its
-        warm-up and repack) on a 2-core CPU took 15.7 s against 10.9 now, and its set-up 4.8 s against 3.3, at the
-        same peak; the repack above the model's own memory held 2.5 chunks' shards, now 0.5."""
+        warm-up and repack) on a 2-core CPU took 15.7 s against 10.9 read in place, and its set-up 4.8 s against
+        3.3, at the same peak; the repack above the model's own memory held 2.5 chunks' shards, then 0.5."""
         if c.chunk_id in self.loaded:
             return
         mgr = self.mgr

@@ -130,7 +130,6 @@ def vector_isa() -> bool:
     """Whether inductor builds C++ with a vector ISA here. It probes for one by building and loading a test library
     in a child process, once a process; where that fails (for any reason) its ``at::vec`` is scalar code, and so is
     every kernel it compiles, the one-pass kernels too: several times slower than torch's own fused kernel."""
-    global _isa
     with _lock:
         return _vector_isa()
 

@@ -198,7 +198,7 @@ class HostAdam:
         optimizer: torch.optim.Optimizer,
         manager: ChunkManager,
         one_pass: Any,
-        flags: list[dict[str, Any]] | None = None,
+        flags: list[dict[str, Any]],
     ) -> None:
         """``flags``: each group's kernel flags (``kernel_flags``), which its steps run with."""
         self.optimizer = optimizer
@@ -207,7 +207,6 @@ class HostAdam:
         self.reset()
         mixed = manager.dtypes.compute_for(torch.float32) != torch.float32  # host chunks have a compute copy
         groups = optimizer.param_groups
-        flags = flags or [{}] * len(groups)
         steps_one_pass = any(one_pass_ok(optimizer, {**g, **f}) for g, f in zip(groups, flags, strict=True))
         if one_pass is not False and NATIVE and mixed and steps_one_pass and manager.device.type == "cuda":
             adam_native.build_in_background()  # [Note: the kernel built beside set-up]
