@@ -93,9 +93,8 @@ def model_params(shape: dict) -> int:
 
 
 def llama_init(module: Any) -> None:
-    """Llama's own initialisation (normal, std 0.02; norms at one) for deferred init: torch's kaiming_uniform_ draws
-    some 35M numbers a second on one core, minutes of a lent GPU's time at 10B parameters; normal_ is ten times
-    faster."""
+    """Llama's own initialisation (normal, std 0.02; norms at one) for deferred init, drawn on the GPU there ([Note:
+    deferred initialisation]); on a CPU, one core draws some 300M numbers a second."""
     for name, t in module.named_parameters(recurse=False):
         if name == "weight" and t.dim() == 1:
             t.data.fill_(1.0)

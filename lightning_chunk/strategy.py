@@ -218,7 +218,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             module,
             init_fn=self.param_init_fn,
             init_for=adapters.inits if adapters else None,
-            buffer_device=self.root_device,
+            device=self.root_device,  # where plain Lightning builds configure_model: the same values
         )
         self._deferred = deferred
         self.model_to_device()

@@ -1,7 +1,7 @@
-"""CUDA checks: parity, the device limit on real device memory, the default limit, gradient offload on a side stream,
-the one-pass host Adam step (also on a thread beside backward), Adafactor and Muon, the tracer's peaks, checkpoints from
-pinned host shards and saves in the background, host shards pinned to the byte, the disk tier (stepped in backward by
-default, and after it). Skipped cleanly without CUDA.
+"""CUDA checks: parity, deferred init on the GPU's generator, the device limit on real device memory, the default
+limit, gradient offload on a side stream, the one-pass host Adam step (also on a thread beside backward), Adafactor and
+Muon, the tracer's peaks, host shards pinned to the byte (saved state: test_cuda_state.py). Skipped cleanly without
+CUDA.
 
 One GPU runs one rank: the NCCL paths of several ranks (collectives on device tensors, in-place all-gather and
 reduce-scatter, DCP with host-resident DTensors) are covered on CPU with gloo and by the device checks in
@@ -11,14 +11,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn as nn
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.config import device_margin_bytes
 from tests.compare import EXACT, assert_same_params, relative_update_error
-from tests.models import ParityNet, TwoOptimizers, fit, quiet_trainer, token_data
+from tests.models import TwoOptimizers, fit, quiet_trainer, token_data
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -36,6 +35,28 @@ def test_parity_on_cuda(placement):
         gradient_clip_val=0.05,
     )
     assert_same_params(ref, got, TOL)
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("variant", ["plain", "tied"])
+def test_configure_model_on_meta_initialises_as_plain_lightning_builds_it_on_the_gpu(variant, placement):
+    """Plain Lightning builds ``configure_model`` on the GPU (its ``tensor_init_context``): deferred initialisation
+    runs each module's init there too, on the GPU's generator, so the values are bit for bit plain Lightning's
+    ([Note: deferred initialisation]); on the CPU's generator they were another draw, and 10B of them took half a
+    minute of one core."""
+    from tests.models import DeferredNet
+
+    def init_values(strategy) -> dict:
+        L.seed_everything(7, verbose=False)
+        model = DeferredNet(variant=variant)
+        quiet_trainer(strategy=strategy, accelerator="gpu", max_steps=0).fit(model, token_data())
+        return {k: v.cpu() for k, v in model.state_dict().items()}
+
+    want = init_values("auto")
+    got = init_values(ChunkOffloadStrategy(placement=placement, memory=MemoryOptions(chunk_numel=2048)))
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
 
 
 def test_default_device_limit_is_free_memory_less_the_margin():
@@ -177,54 +198,6 @@ def test_tracer_sees_a_peak_inside_a_module():
     eng.teardown()
 
 
-def test_checkpoint_from_pinned_host_shards_resumes_like_auto(tmp_path):
-    def run(strategy, steps, ckpt_dir=None, ckpt_path=None):
-        L.seed_everything(11, verbose=False)
-        m = ParityNet(variant="tied")
-        cbs = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=8, filename="{step}")] if ckpt_dir else []
-        quiet_trainer(
-            accelerator="gpu",
-            strategy=strategy,
-            max_steps=steps,
-            callbacks=cbs,
-            limit_val_batches=0,
-            enable_checkpointing=bool(cbs),
-        ).fit(m, token_data(), ckpt_path=ckpt_path)
-        return m
-
-    run("auto", 8, ckpt_dir=tmp_path / "auto")
-    run(ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=4096)), 8, ckpt_dir=tmp_path / "chunk")
-    ref = run("auto", 12, ckpt_path=tmp_path / "auto" / "step=8.ckpt")
-    got = run(
-        ChunkOffloadStrategy(placement="auto", device_memory_limit="256MiB", memory=MemoryOptions(chunk_numel=4096)),
-        12,
-        ckpt_path=tmp_path / "chunk" / "step=8.ckpt",
-    )
-    assert_same_params(ref, got, TOL)
-
-
-@pytest.mark.parametrize("step_in_backward", [None, False])
-def test_the_disk_tier_on_cuda_trains_like_auto_and_steps_in_backward_by_default(tmp_path, step_in_backward):
-    """Shards beyond ``host_memory_limit`` in files, their gradients copied off the GPU into host buffers: by default
-    each disk chunk steps during backward from those buffers ([Note: stepping in backward by default]);
-    with ``step_in_backward=False`` after backward, through the gradient files. Both as plain Lightning."""
-    kw = dict(steps=12, accelerator="gpu", model_kwargs=dict(dim=64, hidden=1024))
-    ref = fit("auto", **kw)
-    strategy = ChunkOffloadStrategy(
-        placement="host",
-        host_memory_limit="3MB",
-        step_in_backward=step_in_backward,
-        memory=MemoryOptions(chunk_numel=66560),
-        offload=OffloadOptions(disk_dir=tmp_path / "scratch"),
-    )
-    got = fit(strategy, **kw)
-    assert_same_params(ref, got, TOL)
-    s = strategy.memory_stats()
-    assert s["disk_shards"] >= 3 and s["disk_read_bytes"] > 0 and s["disk_write_bytes"] > 0
-    assert (s.get("chunks_stepped_in_backward", 0) > 0) == (step_in_backward is None)
-    assert list((tmp_path / "scratch").iterdir()) == []
-
-
 def test_host_chunks_step_on_a_thread_beside_backward_by_default_as_on_the_autograd_thread():
     """[Note: the host Adam beside backward]: on a GPU, ``step_in_backward=True`` hands each host chunk's step to the
     worker (``step_thread=None``); the parameters are those of stepping on the autograd thread, bit for bit."""
@@ -267,37 +240,6 @@ def test_a_guess_stepped_on_the_thread_beside_backward_trains_as_stepping_after_
     assert stats["chunks_stepped_on_thread"] > 0
     assert stats["speculation_rollbacks"] > 0 or "plugins" in kw
     assert_same_params(want, got, EXACT)
-
-
-@pytest.mark.parametrize("pin", [True, "exact", False])
-@pytest.mark.parametrize("placement", ["device", "host"])
-def test_a_save_in_the_background_holds_the_state_at_the_save(tmp_path, placement, pin):
-    """Device-tier shards go to host memory pinned as ``pin_memory`` says when the save starts, host ones are copied
-    aside by the steps beside it ([Note: training beside a save]): the checkpoint equals a synchronous one of the
-    same state."""
-    from lightning_chunk.engine.state import checkpoint
-    from tests.engine_steps import step
-    from tests.faults.common import same_tensors, saved_tensors
-
-    def engine():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).cuda()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        config = ChunkConfig(placement=placement, chunk_numel=70_000, pin_memory=pin)
-        return ChunkEngine(model, [opt], config=config, device=torch.device("cuda")), model, opt
-
-    xs = [torch.randn(8, 256, device="cuda") for _ in range(4)]
-    eng, model, opt = engine()
-    for x in xs[:2]:
-        step(eng, model, opt, x)
-    checkpoint.save_sharded(eng, tmp_path / "sync.ckpt", {}, with_optimizer=True)
-    save = checkpoint.save_sharded(eng, tmp_path / "bg.ckpt", {}, with_optimizer=True, background=True)
-    for x in xs[2:]:
-        step(eng, model, opt, x)
-    eng.manager.readers.settle()
-    assert save is not None and (placement == "host" or save.aside_bytes > 0)
-    assert same_tensors(saved_tensors(tmp_path / "bg.ckpt"), saved_tensors(tmp_path / "sync.ckpt"))
-    eng.teardown()
 
 
 @pytest.mark.parametrize("name", ["AdafactorNet", "MuonNet"])

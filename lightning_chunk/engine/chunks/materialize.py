@@ -13,20 +13,25 @@ module Lightning can still move to the CPU. The first pack then asks for each pa
 in registration order, and ``value(param)`` walks the modules in ``module.modules()`` order,
 initialising each module that directly owns a deferred tensor until that parameter has its value:
 
-- the module's own deferred tensors get fresh CPU memory filled with NaN (CPU: the same random
-  stream as an eager build on the host, so the values are bit for bit those of
-  ``for m in model.modules(): m.reset_parameters()`` after an eager build with the same seed,
-  which is what constructing the modules in that order does);
+- the module's own deferred tensors get fresh memory filled with NaN on ``device``: where plain
+  Lightning builds ``configure_model`` (its strategy's root device, a GPU's generator or the
+  CPU's), with that device as the default for the tensors the init makes, as Lightning's
+  ``tensor_init_context`` sets it. The values are bit for bit those of
+  ``for m in model.modules(): m.reset_parameters()`` after an eager build there with the same
+  seed, which is what constructing the modules in that order does. On a GPU that is also the
+  fast way: a CPU generator is one core's (some 300M numbers a second, half a minute at 10B);
 - its tensors that already have values (shared with a module initialised earlier, such as a tied
   head, or read from a weights file) are swapped for scratch copies during the call and put back
   after, so a later owner's init neither overwrites nor skips its random draws;
 - ``init_fn(module)`` runs if given, else ``module.reset_parameters()``; a floating-point tensor
   still NaN afterwards was not initialised, which is an error naming module and tensor;
-- buffers then move to ``buffer_device``.
+- buffers stay on ``device`` (one an init assigns elsewhere moves there).
 
-The pack copies each value into its chunk and points the parameter at the chunk, which frees the
-CPU memory, so at any time a rank holds its shards, the chunk being built, and the parameters of
-the modules initialised ahead of it (at most one module's beyond that chunk). A tied parameter
+The pack copies each value into its chunk and points the parameter at the chunk, which frees its
+memory, so at any time a rank holds its shards, the chunk being built, and the parameters of
+the modules initialised ahead of it (at most one module's beyond that chunk, and the one chunk of
+a group's biases and norms, built last). On a GPU those are on the device until packed: a
+module's worth beside ``device_memory_limit``, during set-up only. A tied parameter
 takes the value of its first owner in ``modules()`` order, as ``named_parameters`` reports it.
 """
 
@@ -71,12 +76,12 @@ class DeferredInit:
         *,
         init_fn: InitFn | None = None,
         init_for: dict[int, InitFn] | None = None,
-        buffer_device: torch.device = _CPU,
+        device: torch.device = _CPU,
     ) -> None:
         self.module = module
         self.init_fn = init_fn
         self.init_for = init_for or {}  # id(module) -> its own init, before init_fn and reset_parameters()
-        self.buffer_device = torch.device(buffer_device)
+        self.device = torch.device(device)  # where modules are initialised and buffers live
         self.names = {id(m): n or "<root>" for n, m in module.named_modules(remove_duplicate=False)}
         self.pending: set[int] = set()  # ids of deferred tensors (placeholders / meta buffers) without values yet
         self.provided: set[int] = set()  # ids of deferred tensors whose values come from elsewhere (a weights file)
@@ -107,14 +112,14 @@ class DeferredInit:
         *,
         init_fn: InitFn | None = None,
         init_for: dict[int, InitFn] | None = None,
-        buffer_device: torch.device = _CPU,
+        device: torch.device = _CPU,
     ) -> DeferredInit | None:
         """``None`` when nothing in ``module`` is on the meta device; else replace its meta parameters by
         placeholders (before the optimizers are built) and return the object that will initialise them.
         ``init_for``: the init of particular modules (``id(module)`` -> ``fn(module)``), such as adapters."""
         if not has_meta(module):
             return None
-        return cls(module, init_fn=init_fn, init_for=init_for, buffer_device=buffer_device)
+        return cls(module, init_fn=init_fn, init_for=init_for, device=device)
 
     # ------------------------------------------------------------------ queries
     def is_deferred(self, t: torch.Tensor) -> bool:
@@ -157,7 +162,7 @@ class DeferredInit:
 
     # ----------------------------------------------------------------- values
     def value(self, p: torch.Tensor) -> torch.Tensor:
-        """``p``'s initialised value (CPU), initialising the modules before it in ``modules()`` order."""
+        """``p``'s initialised value (on ``device``), initialising the modules before it in ``modules()`` order."""
         while id(p) in self.pending:
             m = next(self._walk, None)
             if m is None:
@@ -190,7 +195,7 @@ class DeferredInit:
         swapped: list[tuple[str, bool, torch.Tensor]] = []
         for name, is_param, t in self._own(m):
             if id(t) in self.pending and id(t) not in self.provided:
-                real = torch.empty(t.shape, dtype=t.dtype)
+                real = torch.empty(t.shape, dtype=t.dtype, device=self.device)
                 if real.is_floating_point():
                     real.fill_(float("nan"))
                 if is_param:
@@ -200,7 +205,7 @@ class DeferredInit:
                 self.pending.discard(id(t))
                 fresh.append((name, is_param, t if is_param else real))
             else:  # has its value already (or will from a file): the init writes a scratch copy instead
-                scratch = torch.empty(t.shape, dtype=t.dtype)
+                scratch = torch.empty(t.shape, dtype=t.dtype, device=self.device)
                 if is_param:
                     m._parameters[name] = torch.nn.Parameter(scratch, requires_grad=t.requires_grad)
                 else:
@@ -208,10 +213,11 @@ class DeferredInit:
                 swapped.append((name, is_param, t))
         try:
             own = self.init_for.get(id(m), self.init_fn)
-            if own is not None:
-                own(m)
-            else:
-                m.reset_parameters()  # type: ignore[operator]
+            with self.device:  # tensors the init makes, as under Lightning's tensor_init_context
+                if own is not None:
+                    own(m)
+                else:
+                    m.reset_parameters()  # type: ignore[operator]
         finally:
             for name, is_param, t in swapped:
                 (m._parameters if is_param else m._buffers)[name] = t  # type: ignore[index,assignment]
@@ -224,7 +230,7 @@ class DeferredInit:
             elif now is not None and now.is_floating_point() and bool(now.isnan().any()):
                 bad.append(name)
             elif now is not None and not is_param:
-                m._buffers[name] = now.to(self.buffer_device)  # a new buffer the init assigned is fine
+                m._buffers[name] = now.to(self.device)  # a new buffer the init assigned is fine
         how = "param_init_fn" if self.init_fn is not None else f"{type(m).__name__}.reset_parameters()"
         if replaced:
             raise DeferredInitError(
