@@ -52,6 +52,27 @@ def test_a_tensor_is_registered_to_the_byte_and_unregistered_with_its_last_view(
     assert [c for c, _ in reg.calls] == ["register", "unregister"]
 
 
+def resident_pages(ptr: int, nbytes: int) -> tuple[int, int]:
+    """(pages resident, pages) of the page-aligned range: ``mincore``."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec), pages
+
+
+def test_its_pages_are_touched_before_they_are_registered():
+    """[Note: exact pinned memory]: the first touch runs on torch's threads, not inside cudaHostRegister, which
+    faults the pages in on one thread. Every page is there when the registration comes."""
+    seen: list[tuple[int, int]] = []
+    pinned = ExactPinned(lambda ptr, n: seen.append(resident_pages(ptr, n)), lambda ptr: None)
+    t = pinned.empty((8 << 20) // 4 + 5, torch.float32)
+    assert seen[0][0] == seen[0][1] > 2048 and bool((t == 0).all())
+
+
 def test_its_storage_keeps_its_bytes_when_asked_to_resize_as_a_pinned_block_does():
     reg = Registry()
     t = ExactPinned(reg.register, reg.unregister).empty(64, torch.float32)
