@@ -194,11 +194,31 @@ def step_timer(times: list[float]) -> Any:
     return StepTimer()
 
 
+COPY_NAMES = ("Memcpy", "Memset")  # the profiler's names of the device's copies and fills, not kernels
+
+
+def on_device(event: Any) -> bool:
+    """A profiler event that ran on an accelerator (a kernel, a copy), not on the host."""
+    return getattr(getattr(event, "device_type", None), "name", "CPU") != "CPU"
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """The time inside at least one of ``spans`` (``(start, end)``): kernels on two streams at once count once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def profiled_step(store: dict, at: int) -> Any:
     """A Lightning callback profiling training step ``at`` (from 0) with torch's profiler into ``store["profile"]``: the
     25 ops and ranges (the engine's ``lc:CAUSE``, [Note: where a step's time goes]) that took most of the host's own
-    time, and the 10 kernels and copies that took most of the device's, in ms, with their counts. A lease's table
-    then says what a cause's seconds were spent on, without a second run."""
+    time, and the 10 kernels and copies that took most of the device's, in ms, with their counts; the step's wall ms,
+    and the ms the device was busy in it (``busy_ms``: kernels and copies, overlaps counted once; ``compute_ms``:
+    kernels alone). A lease's table then says what a cause's seconds were spent on, and whether the step waited on
+    the device or the device on the host, without a second run."""
     import lightning as L
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -211,12 +231,14 @@ def profiled_step(store: dict, at: int) -> Any:
                 cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
                 self.prof = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
                 self.prof.__enter__()
+                self.t = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
             if self.prof is None or "profile" in store:
                 return
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t
             self.prof.__exit__(None, None, None)
             ops = self.prof.key_averages()
 
@@ -225,7 +247,14 @@ def profiled_step(store: dict, at: int) -> Any:
                 return [[e.key, round(getattr(e, attr, 0) / 1e3, 3), e.count] for e in rows if getattr(e, attr, 0)]
 
             host, device = top("self_cpu_time_total", 25), top("self_device_time_total", 10)
-            store["profile"] = dict(host_self_ms=host, device_ms=device)
+            spans = [(e.name, e.time_range.start, e.time_range.end) for e in self.prof.events() if on_device(e)]
+            store["profile"] = dict(
+                host_self_ms=host,
+                device_ms=device,
+                step_ms=round(wall * 1e3, 3),
+                busy_ms=round(busy_us([(a, b) for _, a, b in spans]) / 1e3, 3),
+                compute_ms=round(busy_us([(a, b) for n, a, b in spans if not n.startswith(COPY_NAMES)]) / 1e3, 3),
+            )
 
     return Profiled()
 

@@ -167,9 +167,16 @@ def time_spent(rows: list[dict]) -> list[str]:
         out += [f"Host seconds a step, by cause: {host}", ""]
     out += call_lines(rows)
     for r in rows:  # ``--profile``: what the host's own time in one step went to
-        if r.get("profile", {}).get("host_self_ms"):
-            ops = ", ".join(f"{k} {ms:.1f} ({n})" for k, ms, n in r["profile"]["host_self_ms"][:8])
+        prof = r.get("profile", {})
+        if prof.get("host_self_ms"):
+            ops = ", ".join(f"{k} {ms:.1f} ({n})" for k, ms, n in prof["host_self_ms"][:8])
             out += [f"{r['contender']}, a profiled step, the host's own ms (calls): {ops}", ""]
+        if prof.get("busy_ms"):
+            out += [
+                f"{r['contender']}, a profiled step: {prof['step_ms']:.1f} ms, the device busy {prof['busy_ms']:.1f} "
+                f"(kernels {prof['compute_ms']:.1f})",
+                "",
+            ]
     return out
 
 
