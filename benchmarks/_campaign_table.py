@@ -4,13 +4,68 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu import call_lines, time_spent
-
 GIB = 2**30
 
 
 def _num(x: Any, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def time_spent(rows: list[dict]) -> list[str]:
+    """Each row's wall time by phase ([Note: where a row's time goes]) and, for chunk_offload's rows, the host's
+    seconds a timed step by cause ([Note: where a step's time goes]; ``traffic``)."""
+    spent = [r for r in rows if r.get("phases")]
+    waits = [r for r in rows if r.get("host_s_per_step")]
+    out = []
+    if spent:
+        wall = "; ".join(
+            f"{r['contender']} {r['wall_s']:.0f} ("
+            + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if v >= 0.05)
+            + ")"
+            for r in spent
+        )
+        out += [f"Seconds a row, by phase: {wall}", ""]
+    if waits:
+        host = "; ".join(
+            f"{r['contender']} ("
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["host_s_per_step"].items() if v >= 0.0005)
+            + f" of {r['median_s']:.3f})"
+            for r in waits
+        )
+        out += [f"Host seconds a step, by cause: {host}", ""]
+    for r in rows:  # the staging ring full: the autograd thread lands copies the worker had not come to
+        if r.get("grad_copies", {}).get("grad_copies_handed_over"):
+            c = r["grad_copies"]
+            out += [
+                f"{r['contender']}: {c['grad_copies_landed_by_drain']} of {c['grad_copies_handed_over']} gradient "
+                "copies handed to the worker were landed by a drain first (in all steps)",
+                "",
+            ]
+    out += call_lines(rows)
+    for r in rows:  # ``--profile``: what the host's own time in one step went to
+        prof = r.get("profile", {})
+        if prof.get("host_self_ms"):
+            ops = ", ".join(f"{k} {ms:.1f} ({n})" for k, ms, n in prof["host_self_ms"][:8])
+            out += [f"{r['contender']}, a profiled step, the host's own ms (calls): {ops}", ""]
+        if prof.get("busy_ms"):
+            out += [
+                f"{r['contender']}, a profiled step: {prof['step_ms']:.1f} ms, the device busy {prof['busy_ms']:.1f} "
+                f"(kernels {prof['compute_ms']:.1f})",
+                "",
+            ]
+    return out
+
+
+def call_lines(rows: list[dict]) -> list[str]:
+    """The engine's calls that took longest in each row's set-up and first step (``watch_calls``)."""
+    out = []
+    for r in rows:
+        for phase, calls in r.get("calls", {}).items():
+            top = sorted(((v[0], v[1], k) for k, v in calls.items() if v[0] >= 0.05), reverse=True)[:5]
+            if top:
+                said = ", ".join(f"{k} {sec:.1f} ({n})" for sec, n, k in top)
+                out += [f"{r['contender']}, {phase}, seconds (calls): {said}", ""]
+    return out
 
 
 def _table(rows: list[dict]) -> list[str]:

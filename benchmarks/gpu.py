@@ -143,55 +143,6 @@ def phases(marks: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def time_spent(rows: list[dict]) -> list[str]:
-    """Each row's wall time by phase ([Note: where a row's time goes]) and, for chunk_offload's rows, the host's
-    seconds a timed step by cause ([Note: where a step's time goes]; ``traffic``)."""
-    spent = [r for r in rows if r.get("phases")]
-    waits = [r for r in rows if r.get("host_s_per_step")]
-    out = []
-    if spent:
-        wall = "; ".join(
-            f"{r['contender']} {r['wall_s']:.0f} ("
-            + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if v >= 0.05)
-            + ")"
-            for r in spent
-        )
-        out += [f"Seconds a row, by phase: {wall}", ""]
-    if waits:
-        host = "; ".join(
-            f"{r['contender']} ("
-            + ", ".join(f"{k} {v:.3f}" for k, v in r["host_s_per_step"].items() if v >= 0.0005)
-            + f" of {r['median_s']:.3f})"
-            for r in waits
-        )
-        out += [f"Host seconds a step, by cause: {host}", ""]
-    out += call_lines(rows)
-    for r in rows:  # ``--profile``: what the host's own time in one step went to
-        prof = r.get("profile", {})
-        if prof.get("host_self_ms"):
-            ops = ", ".join(f"{k} {ms:.1f} ({n})" for k, ms, n in prof["host_self_ms"][:8])
-            out += [f"{r['contender']}, a profiled step, the host's own ms (calls): {ops}", ""]
-        if prof.get("busy_ms"):
-            out += [
-                f"{r['contender']}, a profiled step: {prof['step_ms']:.1f} ms, the device busy {prof['busy_ms']:.1f} "
-                f"(kernels {prof['compute_ms']:.1f})",
-                "",
-            ]
-    return out
-
-
-def call_lines(rows: list[dict]) -> list[str]:
-    """The engine's calls that took longest in each row's set-up and first step (``watch_calls``)."""
-    out = []
-    for r in rows:
-        for phase, calls in r.get("calls", {}).items():
-            top = sorted(((v[0], v[1], k) for k, v in calls.items() if v[0] >= 0.05), reverse=True)[:5]
-            if top:
-                said = ", ".join(f"{k} {sec:.1f} ({n})" for sec, n, k in top)
-                out += [f"{r['contender']}, {phase}, seconds (calls): {said}", ""]
-    return out
-
-
 def traffic(strategy: Any, skip: int, store: dict, until: int | None = None) -> Any:
     """A callback putting into ``store`` the bytes ``strategy`` copied host to device and back a step after the
     first ``skip`` steps, the seconds a step the host spent on each cause of [Note: where a step's time goes]
@@ -215,6 +166,8 @@ def traffic(strategy: Any, skip: int, store: dict, until: int | None = None) -> 
             store["h2d_per_step"] = (seen[-1][0] - first[0]) / steps
             store["d2h_per_step"] = (seen[-1][1] - first[1]) / steps
             store["host_s_per_step"] = {k: (v - first[2][k]) / steps for k, v in seen[-1][2].items()}
+            copies = mgr.reducer.offload.stats()  # gradient copies the worker landed, and those a drain landed first
+            store["grad_copies"] = {k: copies[k] for k in ("grad_copies_handed_over", "grad_copies_landed_by_drain")}
             store["host_stepped"] = sum(
                 c.shard_numel for c in mgr.chunks if c.trainable and c.shard_tier is not Tier.DEVICE
             )
@@ -309,7 +262,15 @@ def child(args: argparse.Namespace) -> None:
     _write(args, times[: args.steps], params, marks=marks, **moved)
 
 
-ENGINE_KEYS = ("h2d_per_step", "d2h_per_step", "host_stepped", "host_s_per_step", "profile", "calls")  # chunk_offload
+ENGINE_KEYS = (
+    "h2d_per_step",
+    "d2h_per_step",
+    "host_stepped",
+    "host_s_per_step",
+    "grad_copies",
+    "profile",
+    "calls",
+)  # chunk_offload
 
 
 def run(name: str, args: argparse.Namespace, scratch: Path) -> dict:

@@ -37,6 +37,7 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
         # one step more, profiled: the host's own time by op, the engine's causes among them as ranges
         assert any(k == "lc:hooks" and ms > 0 and n > 0 for k, ms, n in r["profile"]["host_self_ms"]), r["profile"]
         assert r["profile"]["step_ms"] > 0 and r["profile"]["busy_ms"] == 0  # no device on a CPU
+        assert set(r["grad_copies"]) == {"grad_copies_handed_over", "grad_copies_landed_by_drain"}
     for r in (rows["ddp"], rows["chunk_offload"]):  # where a row's wall time went, phase by phase, adding up
         assert set(r["phases"]) == {
             "launch",
@@ -280,7 +281,10 @@ def test_a_lease_without_ddp_bounds_the_largest_by_the_ddp_row_of_the_run_it_tak
 def test_a_profiled_step_says_how_long_the_device_was_busy_in_it():
     """The bound's question on a lease: did the step wait on the device, or the device on the host? The device's busy
     time counts two streams' overlapping kernels and copies once."""
-    common, gpu = load("_common"), load("gpu")
+    common, table = load("_common"), load("_campaign_table")
     assert common.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17 and common.busy_us([]) == 0
     row = {"contender": "c", "profile": {"host_self_ms": [], "step_ms": 250.0, "busy_ms": 160.5, "compute_ms": 150.0}}
-    assert "c, a profiled step: 250.0 ms, the device busy 160.5 (kernels 150.0)" in gpu.time_spent([row])
+    assert "c, a profiled step: 250.0 ms, the device busy 160.5 (kernels 150.0)" in table.time_spent([row])
+    row = {"contender": "c", "grad_copies": {"grad_copies_handed_over": 40, "grad_copies_landed_by_drain": 25}}
+    said = "c: 25 of 40 gradient copies handed to the worker were landed by a drain first (in all steps)"
+    assert said in table.time_spent([row])  # the staging ring backed up into the autograd thread
