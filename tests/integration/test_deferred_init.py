@@ -123,6 +123,22 @@ def test_an_init_that_forgets_a_tensor_is_an_error_naming_it():
         trainer.fit(ScaledNet(), token_data())
 
 
+def test_an_init_that_writes_part_of_a_tensor_is_an_error_naming_it(monkeypatch):
+    """One element left NaN among 16, in the middle of a vector lane, is found as a whole tensor left is."""
+
+    forgets = Scaled.reset_parameters
+
+    def partly(self):
+        forgets(self)
+        self.scale.data[:9].fill_(1.0)
+        self.scale.data[10:].fill_(1.0)
+
+    monkeypatch.setattr(Scaled, "reset_parameters", partly)
+    trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=1)
+    with pytest.raises(DeferredInitError, match=r"left layer.scale uninitialised"):
+        trainer.fit(ScaledNet(), token_data())
+
+
 def test_param_init_fn_initialises_what_reset_parameters_does_not():
     seen = []
 
