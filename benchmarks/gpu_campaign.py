@@ -22,7 +22,7 @@ lack, for example (the largest model bounded by the DDP row of the run it takes 
   TFLOP/s.
 - ``contenders``: ``gpu.py``'s rows for the 1.0B GPT (DDP, ``chunk_offload`` under a limit with and without
   ``step_in_backward``, its default, DeepSpeed ZeRO-3 offload, Lightning's FSDP with CPU offload), each with
-  its bound; a chunk_offload row profiles a step more (host ops, the device busy) and counts the copies it landed.
+  its bound; a chunk_offload row profiles a step more (host ops, the device busy), counts copies a drain landed.
 - ``largest``: the largest Llama-shaped model (Llama-2 7B's widths, layers added) that ``lightning-chunk plan``
   says fits this GPU and 80% of the host's available memory (within a container's limit) with the device limit at
   85% of the GPU and the activations ``activation_bytes`` estimates, built on the meta device and streamed, trained
