@@ -26,9 +26,11 @@ from ..config import ChunkConfig, format_bytes
 from .tracer import BACKWARD, FORWARD, Trace
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ChunkView:
-    """What a policy may know about a chunk."""
+    """What a policy may know about a chunk: a value, never written once made (``dataclasses.replace`` for another).
+    Not frozen: a plan under a limit reads a view of every resident chunk at every moment, and a frozen dataclass's
+    ``__init__`` (``object.__setattr__`` a field) took 1.1 us of a view's 1.7; with slots 0.2 (a view 0.8)."""
 
     chunk_id: int
     payload_bytes: int
