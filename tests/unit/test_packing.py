@@ -7,6 +7,7 @@ from lightning_chunk.engine.chunks.packing import (
     ParamSpec,
     build_layout,
     choose_chunk_numel,
+    keep_slots,
     padding_waste,
 )
 from lightning_chunk.engine.errors import LayoutError
@@ -105,3 +106,24 @@ def test_chunk_size_search_keeps_the_model_in_several_chunks():
     assert len(build_layout(ps, order, best, world_size=1).chunks) >= 16
     # numel_min is a floor the granularity bound never overrides
     assert choose_chunk_numel(ps, order, world_size=1, numel_min=4000, numel_max=20_000) >= 4000
+
+
+def test_a_chunk_that_holds_what_it_held_keeps_its_slots_and_the_rest_follow_the_new_order():
+    """[Note: a chunk's parameters in their old places]: as in a Llama block, p1 is registered before p2 and p3 but
+    used after them; the first chunk holds the same parameters in either order and keeps its old slots (and the
+    order its old order), so a repack can leave it as it was. The second chunk's members changed: it is the new one."""
+    ps = specs((16, K0), (16, K0), (64, K0), (64, K0), (64, K0), (16, K0))
+    old = build_layout(ps, [0, 1, 2, 3, 4, 5], 160, world_size=1)
+    new = build_layout(ps, [0, 2, 3, 1, 5, 4], 160, world_size=1)
+    assert [[s.param_index for s in c.slots] for c in old.chunks] == [[0, 1, 2, 3], [4, 5]]
+    assert [[s.param_index for s in c.slots] for c in new.chunks] == [[0, 2, 3, 1], [5, 4]]
+    kept = keep_slots(new, old)
+    assert kept.chunks[0] == old.chunks[0] and kept.chunks[1] == old.chunks[1]  # both hold what they held
+    assert kept == old
+    moved = build_layout(ps, [0, 2, 3, 4, 1, 5], 160, world_size=1)  # p4 now comes before p1: the chunks differ
+    assert [[s.param_index for s in c.slots] for c in moved.chunks] == [[0, 2, 3], [4, 1, 5]]
+    assert keep_slots(moved, old) == moved
+    swapped = build_layout(ps, [2, 3, 0, 1, 4, 5], 160, world_size=1)  # same chunks, the first reordered
+    kept = keep_slots(swapped, old)
+    assert kept.chunks == old.chunks and kept.order == (0, 1, 2, 3, 4, 5)
+    assert keep_slots(build_layout(ps, [0, 2, 3, 1, 5, 4], 160, world_size=2), old).chunks[0].slots[1].param_index == 2

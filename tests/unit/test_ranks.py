@@ -54,9 +54,9 @@ def test_the_pinned_blocks_a_repack_frees_go_back_to_the_os(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     torch.manual_seed(0)
-    model = ReorderedNet()  # registered in another order than it runs: the warm-up ends in a repack
+    model = ReorderedNet()  # registered in another order than it runs, in four chunks: the warm-up ends in a repack
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    eng = ChunkEngine(model, [opt], config=ChunkConfig(chunk_numel=None), device=torch.device("cpu"))
+    eng = ChunkEngine(model, [opt], config=ChunkConfig(chunk_numel=4096), device=torch.device("cpu"))
     after_setup = len(emptied)
     x, _ = next(iter(token_data()))
     for _ in range(2):  # the warm-up, its repack at the first step, one traced step

@@ -15,7 +15,7 @@ Rules (DESIGN.md, "chunk"):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -257,3 +257,34 @@ def describe(layout: Layout) -> str:
     total = sum(c.capacity_numel for c in layout.chunks)
     pct = 100.0 * (total - used) / total if total else 0.0
     return f"{len(layout.chunks)} chunks of {layout.capacity_numel} elements ({pct:.1f}% padding)"
+
+
+def keep_slots(new: Layout, old: Layout) -> Layout:
+    """``new``, with each chunk that holds the same parameters as a chunk of ``old`` (the same key and capacity)
+    laid out as that one is.
+
+    [Note: a chunk's parameters in their old places]
+    The warm-up packs in first-use order, and within a chunk that order rarely matches registration order even
+    where the chunks hold what they held: Llama registers a block's two norms before its attention, and uses the
+    second after it. Every chunk then had its parameters at other offsets, so none could keep its buffers ([Note: a
+    chunk that keeps its buffers] in ``repack.py``) and the repack after the warm-up rebuilt every chunk of a model
+    whose chunks it left as they were (on one rank and a 0.12B Llama, all of them). Where in a chunk a parameter
+    sits changes nothing that is planned: a chunk is gathered, reduced and stepped whole, and the trace maps
+    parameters to chunks. So such a chunk keeps its old slots; ``order`` follows, each chunk's parameters in their
+    old order where the new order had them."""
+    if new.world_size != old.world_size:
+        return new
+    by_members = {(c.key, c.capacity_numel, frozenset(s.param_index for s in c.slots)): c for c in old.chunks}
+    chunks, order = [], list(new.order)
+    place = {i: k for k, i in enumerate(order)}
+    for c in new.chunks:
+        was = by_members.get((c.key, c.capacity_numel, frozenset(s.param_index for s in c.slots)))
+        if was is None:
+            chunks.append(c)
+            continue
+        chunks.append(
+            ChunkSpec(c.chunk_id, c.key, tuple(replace(s, chunk_id=c.chunk_id) for s in was.slots), c.capacity_numel)
+        )
+        for k, s in zip(sorted(place[s.param_index] for s in c.slots), was.slots, strict=True):
+            order[k] = s.param_index  # the chunk's places in the order, in its old slots' order
+    return Layout(new.capacity_numel, new.world_size, tuple(chunks), tuple(order))

@@ -269,13 +269,14 @@ class OldChunks:
 
         [Note: a chunk that keeps its buffers]
         A repack rebuilds every chunk, yet most often most of them come out as they were: the warm-up's layout in
-        first-use order is the registration order's for a stack of blocks, and the chunks that stay on the host keep
-        their tier. Such a chunk's host shard is the new one, byte for byte: the new chunk takes its master, compute
-        copy and gradient as they are, and only the padding is zeroed again (a gradient's, and the parameters' that
-        carry none). On a GPU that spares a pinned allocation and a copy of each such shard (a repack after the
-        warm-up of 10B parameters keeps some 45 GB of them on the host); with several ranks, its all-gather too:
-        every rank decides alike, as the layouts and tiers are the same on every rank. The optimizer state still
-        moves by piece ([Note: optimizer state through a repack])."""
+        first-use order is the registration order's for a stack of blocks (a chunk's parameters stay in their old
+        places: [Note: a chunk's parameters in their old places] in ``packing.py``), and the chunks that stay on the
+        host keep their tier. Such a chunk's host shard is the new one, byte for byte: the new chunk takes its master,
+        compute copy and gradient as they are, and only the padding is zeroed again (a gradient's, and the parameters'
+        that carry none). On a GPU that spares a pinned allocation and a copy of each such shard (a repack after the
+        warm-up of 10B parameters keeps some 45 GB of them on the host); with several ranks, its all-gather too: every
+        rank decides alike, as the layouts and tiers are the same on every rank. The optimizer state still moves by
+        piece ([Note: optimizer state through a repack])."""
         mgr = self.mgr
         old = self.owner[chunk.spec.slots[0].param_index]
         same = (

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..chunks.packing import keep_slots
 from ..chunks.parked import engine_reads
 from ..comm.collectives import CollectiveMismatchError, first_difference
 from ..config import format_bytes
@@ -106,6 +107,7 @@ class WarmUpPlanner:
                 if reason is not Replan.WARM_UP:
                     raise
                 raise DeviceMemoryLimitError(str(e), mgr.device) from None
+            layout = keep_slots(layout, mgr.layout)  # [Note: a chunk's parameters in their old places]
             if trace is not None:
                 trace = trace.remap({i: s.chunk_id for i, s in layout.slot_of().items()})
         views, tiers = eng.description.plan_tiers(layout, trace)
