@@ -59,6 +59,28 @@ def test_configure_model_on_meta_initialises_as_plain_lightning_builds_it_on_the
         assert torch.equal(got[k], v), k
 
 
+def test_a_host_shard_s_compute_copy_made_on_the_gpu_is_its_master_s_in_bf16():
+    """[Note: the compute copy from the values]: deferred init makes the values on the GPU, and a host shard's bf16
+    copy is converted there, not from the master on the host: the same bits as converting the master."""
+    from tests.models import DeferredNet
+
+    strategy = ChunkOffloadStrategy(placement="host", memory=MemoryOptions(chunk_numel=2048))
+    same: list[bool] = []
+
+    class Look(L.Callback):
+        def on_train_start(self, *_) -> None:
+            for c in strategy.engine.manager.chunks:
+                if c.low is not None:
+                    same.append(torch.equal(c.low, c.master.to(c.low.dtype)))
+
+    L.seed_everything(7, verbose=False)
+    trainer = quiet_trainer(
+        strategy=strategy, accelerator="gpu", precision="bf16-mixed", max_steps=1, callbacks=[Look()]
+    )
+    trainer.fit(DeferredNet(), token_data())
+    assert same and all(same), same
+
+
 def test_default_device_limit_is_free_memory_less_the_margin():
     """Before: None meant no limit at all, so chunk_offload never offloaded on a GPU by default."""
     torch.cuda.empty_cache()

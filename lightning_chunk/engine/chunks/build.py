@@ -32,8 +32,8 @@ def fill_range(
         got = piece(s.param_index, a - s.offset, b - s.offset)
         if got is None:
             out[a - lo : b - lo].zero_()
-        else:
-            out[a - lo : b - lo].copy_(got)
+        else:  # from another device: converted where it is, and only the converted bytes cross
+            out[a - lo : b - lo].copy_(got if got.device == out.device else got.to(out.dtype))
         done = b
     if done < hi:
         out[done - lo :].zero_()
@@ -60,7 +60,16 @@ def flat_piece(value: torch.Tensor | None, a: int, b: int) -> torch.Tensor | Non
 
 def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, broadcast: bool) -> Chunk:
     """One chunk of a (re)pack: its values from ``source``, its shard on ``tier``, its parameters views of its
-    payload."""
+    payload.
+
+    [Note: the compute copy from the values]
+    A host shard in mixed precision holds its master and its compute copy (bf16 beside fp32). The copy was
+    converted from the master on the host: a pass over 6 bytes a parameter on the host's memory bus at set-up,
+    some 60 GB at 10B parameters. Where the values are the module's own, in memory (deferred init makes them on the
+    GPU there: [Note: deferred initialisation]), the copy is written from them as the master is, parameter by
+    parameter: converted on the device, and 2 bytes a parameter come over instead of being made on the host. The
+    same rounding either way (to nearest even), so the copy is the master's bit for bit. Values read from a file,
+    and a repack's from the old chunks, still convert the master: read twice, a file would be read twice."""
     # the parameters' own dtype is the layout key's, read when the manager first saw them: on a repack they are
     # views of the old payloads, in the compute dtype (bf16 under bf16-mixed), which would have become each
     # parameter's "original" dtype, the one it is given back in at the end of fit and saved in
@@ -117,7 +126,10 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
                 chunk.payload.copy_(chunk.master)
             elif chunk.compute_dtype != chunk.master_dtype:
                 chunk.low = mgr.tiers.alloc(chunk, Role.LOW, chunk.compute_dtype)
-                chunk.low.copy_(chunk.master)
+                if whole is None and not source.same_everywhere(chunk):  # [Note: the compute copy from the values]
+                    values_into(chunk.low, lo)
+                else:
+                    chunk.low.copy_(chunk.master)
         if chunk.trainable:  # persistent: no allocation churn per step (pinned allocations are slow)
             if taken is not None and kept_grad is not None:  # its gradients where they are, the rest zeroed
                 chunk.grad = kept_grad
