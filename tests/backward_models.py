@@ -129,6 +129,29 @@ class ReusedBlockNet(ParityNet):
         return self.head(self.norm(h))
 
 
+class LateNormBlock(nn.Module):
+    """Registered as Llama's blocks are: both norms first, the second used after the weights."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm_in, self.norm_out = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, h):
+        return self.norm_out(self.fc2(F.gelu(self.fc1(self.norm_in(h)))))
+
+
+class LateNormNet(ParityNet):
+    """Blocks whose first-use order differs from their registration order inside each block only: the warm-up keeps
+    the chunks that hold what they held as they are ([Note: a chunk's parameters in their old places])."""
+
+    def build(self) -> None:
+        super().build()
+        self.blocks = nn.ModuleList(
+            LateNormBlock(self.shape["dim"], self.shape["hidden"]) for _ in range(self.shape["depth"])
+        )
+
+
 class CheckpointedAdapterNet(AdapterNet):
     """LoRA's shape with activation checkpointing around each frozen block and its adapter (PEFT with
     ``gradient_checkpointing_enable()``)."""

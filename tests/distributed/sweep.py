@@ -46,6 +46,7 @@ MODELS = [
     ("AdapterNet", "plain"),
     ("ComposableCheckpointedNet", "plain"),
     ("ReorderedNet", "tied"),
+    ("LateNormNet", "plain"),  # Llama's blocks: a norm registered before the weights it follows
     ("BatchNormNet", "plain"),
     ("RecurrentNet", "lstm"),
     ("RecurrentNet", "gru"),
