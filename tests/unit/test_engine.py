@@ -62,14 +62,23 @@ def test_warmup_repacks_in_first_use_order_and_keeps_training_exact():
         return [t.name for c in eng.manager.chunks for t in c.tensors]
 
     assert names()[:2] == ["last.weight", "last.bias"]  # registration order before the trace
-    for i in range(4):
-        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+    steps_beside_plain(eng, m, opt, ref, oref, steps=4, width=8)
+    assert names() == ["first.weight", "first.bias", "middle.weight", "middle.bias", "last.weight", "last.bias"]
+    assert eng.warmed_up and eng.hooks.moments.trace is not None
+    assert_as_plain(eng, ref)
+
+
+def steps_beside_plain(eng, m, opt, ref, oref, *, steps: int, width: int) -> None:
+    """``steps`` steps of the engine's model and of its plain twin on the same inputs."""
+    for i in range(steps):
+        x = torch.randn(3, width, generator=torch.Generator().manual_seed(i))
         step(eng, m, opt, x)
         oref.zero_grad()
         ref(x).pow(2).mean().backward()
         oref.step()
-    assert names() == ["first.weight", "first.bias", "middle.weight", "middle.bias", "last.weight", "last.bias"]
-    assert eng.warmed_up and eng.hooks.moments.trace is not None
+
+
+def assert_as_plain(eng, ref) -> None:
     sd = eng.full_state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
@@ -100,17 +109,10 @@ def test_chunks_the_warm_up_only_reorders_inside_are_left_as_they_are():
     eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=block, check_invariants=True))
     layout = eng.manager.layout
     buffers = [c.master.data_ptr() for c in eng.manager.chunks]
-    for i in range(3):
-        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(i))
-        step(eng, m, opt, x)
-        oref.zero_grad()
-        ref(x).pow(2).mean().backward()
-        oref.step()
+    steps_beside_plain(eng, m, opt, ref, oref, steps=3, width=16)
     assert eng.warmed_up and len(layout.chunks) == 3
     assert eng.manager.layout == layout and [c.master.data_ptr() for c in eng.manager.chunks] == buffers
-    sd = eng.full_state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+    assert_as_plain(eng, ref)
 
 
 def test_saved_bytes_counter_counts_activations_once_and_releases_them():
