@@ -297,6 +297,12 @@ CASES = {
         strategy=dict(placement="host", chunk_numel=20000, step_in_backward=True, step_thread=True),
         callbacks=["LateGradientCopies"],  # the copies to the host land late, as on CUDA
     ),
+    # ... every shard on the device, one rank's worker slower ([Note: the same device bytes on every rank in backward])
+    "early_device_thread": dict(
+        model=dict(dim=64, hidden=256, depth=6),
+        strategy=dict(placement="device", chunk_numel=20000, step_in_backward=True, step_thread=True),
+        callbacks=["DeviceBytesAtHandOvers"],
+    ),
     # ... as a user meets it (USER) with sharded accumulation, copies landing late as on CUDA, a resume in the middle
     "early_user_late": dict(
         USER,

@@ -87,6 +87,18 @@ def test_the_worker_lands_the_reduced_gradients_it_steps_on_both_ranks(parity_ru
                 assert set(seen) <= {WORKER, "main, handed over"}, (case, r, seen)
 
 
+@pytest.mark.cases("early_device_thread")
+def test_ranks_hold_the_same_device_bytes_in_backward_whichever_worker_is_slower(parity_run):
+    """[Note: the same device bytes on every rank in backward]: a device chunk's gradient shard was given back when
+    the autograd thread next found its step done, so the rank whose worker was slower held more device bytes at the
+    same hand-over, and the ranks could make room (and evict) differently. Rank 1's worker 20 ms slower a chunk:
+    the same bytes at every hand-over on both ranks, and training is DDP's (test_parity_with_ddp)."""
+    out, rc, log = parity_run
+    assert rc == 0, log[-3000:]
+    first, second = (s["seen"][0]["bytes"] for s in stats(out, "early_device_thread"))
+    assert len(first) > 20 and first == second, (first, second)
+
+
 @pytest.mark.parametrize("case", PARITY)
 def test_parity_with_ddp(parity_run, case):
     check_parity(*parity_run, case)

@@ -78,6 +78,7 @@ reads the files again. A disk chunk's gradient is "released" by a flag alone (it
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -115,6 +116,10 @@ class EarlyStep:
         self.speculation: Speculation | None = None  # with clipping by norm or fp16 loss scaling (``speculate``)
         # [Note: the host Adam beside backward] in step_thread.py
         self.thread = HostStepThread(manager.device) if manager.config.step_thread_on(manager.device.type) else None
+        self.handed = 0  # chunks handed to the worker in this backward
+        # device chunks the worker stepped or steps, each with the hand-over count that gives its gradient shard back
+        self._held: deque[tuple[int, Chunk]] = deque()  # [Note: the same device bytes on every rank in backward]
+        self._reaped_ids: set[int] = set()  # of those, the ones the worker is done with
         manager.reducer.on_final = self.grads_final
 
     def speculate(self, *, clip_norm: bool, scaler: DynamicLossScaler | None) -> None:
@@ -141,6 +146,8 @@ class EarlyStep:
         """Every chunk handed to the worker has stepped and given its gradient shard back."""
         if self.thread is not None:
             self.thread.join(self._reaped)
+            self._give_back_due(every=True)
+        self.handed = 0
 
     def grads_final(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
@@ -199,6 +206,10 @@ class EarlyStep:
                     spec.step(chunk, self._clip)
 
             try:
+                self.handed += 1
+                self._give_back_due()
+                if self._holds_back(chunk):
+                    self._held.append((self.handed + self.thread.max_pending, chunk))
                 self.thread.submit(chunk, job, self._reaped)
             except BaseException:
                 land()  # perhaps never handed to the worker (an earlier chunk's error): the copies land all the same
@@ -232,8 +243,39 @@ class EarlyStep:
 
     def _reaped(self, chunk: Chunk) -> None:
         """On the autograd thread, once the worker stepped ``chunk``: its gradient shard goes to the pool, unless
-        the step was a guess, which keeps it until ``optimizer.step()``."""
-        if self.speculation is None:
+        the step was a guess, which keeps it until ``optimizer.step()``, or it is a device chunk of several ranks,
+        whose shard goes when its count comes ([Note: the same device bytes on every rank in backward])."""
+        if self.speculation is not None:
+            return
+        if self._holds_back(chunk):
+            self._reaped_ids.add(chunk.chunk_id)
+        else:
+            self._release(chunk)
+
+    def _holds_back(self, chunk: Chunk) -> bool:
+        """[Note: the same device bytes on every rank in backward]
+        The worker reports a chunk stepped whenever it is done, and the autograd thread takes the report at its next
+        hand-over (or its next wait for the worker), so when a chunk's gradient shard is given back depends on how
+        fast each rank's host steps went. A device shard's bytes are what every rank plans evictions and gradient
+        payloads by ([Note: the same bytes on every rank after a step]): two gloo ranks given the same limit under
+        ``placement="static"`` differed by one 3 KB gradient shard, one rank landed its reduce-scatters to make room
+        where the other did not, and the check of the collectives failed (on NCCL the ranks would then evict, and
+        gather, different chunks). So with several ranks a device chunk's shard is given back at a count every rank
+        shares: the ``max_pending``-th hand-over after its own (waiting for the worker where it has not stepped it
+        yet), or at the end of backward. That is the latest the shard went before, where the worker was the slower,
+        so the device holds no more gradient shards than ``phases.py`` counts; a host chunk's shard, on the host
+        tier, still goes at once."""
+        return chunk.shard_tier is Tier.DEVICE and self.manager.comm.world_size > 1 and self.speculation is None
+
+    def _give_back_due(self, *, every: bool = False) -> None:
+        """The held device chunks whose count has come (all of them with ``every``) give their gradient shards
+        back, in order."""
+        assert self.thread is not None
+        while self._held and (every or self._held[0][0] <= self.handed):
+            _, chunk = self._held.popleft()
+            if chunk.chunk_id not in self._reaped_ids:
+                self.thread.wait_for(chunk, self._reaped)
+            self._reaped_ids.discard(chunk.chunk_id)
             self._release(chunk)
 
     def _settle(self, spec: Speculation) -> None:

@@ -76,6 +76,13 @@ class HostStepThread:
         """Wait for every chunk handed over; ``done`` for each, in order; raise the first error."""
         self._reap(done, block=len(self._pending))
 
+    def wait_for(self, chunk: Any, done: Callable[[Any], None]) -> None:
+        """Wait until ``chunk`` has stepped (with every chunk handed over before it); ``done`` for each, in order."""
+        for i, (pending, _) in enumerate(self._pending):
+            if pending is chunk:
+                self._reap(done, block=i + 1)
+                return
+
     def _reap(self, done: Callable[[Any], None], *, block: int) -> None:
         """``done`` for the finished chunks at the head of the queue, waiting for the first ``block`` of them."""
         error: BaseException | None = None
