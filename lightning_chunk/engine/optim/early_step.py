@@ -137,6 +137,9 @@ class EarlyStep:
         """A backward that may step starts ([Note: stepping disk chunks in backward])."""
         self.manager.reducer.vote = self.active and self.manager.comm.world_size > 1
         self.manager.reducer.voted.clear()
+        self._held.clear()  # left only by a backward that raised: those chunks keep their shards
+        self._reaped_ids.clear()
+        self.handed = 0
         if self.active:
             self.disk.begin()
             if self.thread is not None and self.manager.chunks:
