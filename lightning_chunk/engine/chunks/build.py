@@ -68,8 +68,9 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
     some 60 GB at 10B parameters. Where the values are the module's own, in memory (deferred init makes them on the
     GPU there: [Note: deferred initialisation]), the copy is written from them as the master is, parameter by
     parameter: converted on the device, and 2 bytes a parameter come over instead of being made on the host. The
-    same rounding either way (to nearest even), so the copy is the master's bit for bit. Values read from a file,
-    and a repack's from the old chunks, still convert the master: read twice, a file would be read twice."""
+    same rounding either way (to nearest even), so the copy is the master's bit for bit. A chunk with any value read
+    from a file (read twice, it would be read twice), one whose values rank 0 broadcast, and a repack's from the
+    old chunks still convert the master."""
     # the parameters' own dtype is the layout key's, read when the manager first saw them: on a repack they are
     # views of the old payloads, in the compute dtype (bf16 under bf16-mixed), which would have become each
     # parameter's "original" dtype, the one it is given back in at the end of fit and saved in
@@ -126,7 +127,7 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
                 chunk.payload.copy_(chunk.master)
             elif chunk.compute_dtype != chunk.master_dtype:
                 chunk.low = mgr.tiers.alloc(chunk, Role.LOW, chunk.compute_dtype)
-                if whole is None and not source.same_everywhere(chunk):  # [Note: the compute copy from the values]
+                if whole is None and source.in_memory(chunk):  # [Note: the compute copy from the values]
                     values_into(chunk.low, lo)
                 else:
                     chunk.low.copy_(chunk.master)

@@ -111,6 +111,11 @@ class FromModule:
         only this rank's pieces are read."""
         return all(self.exact(s.param_index) for s in chunk.spec.slots)
 
+    def in_memory(self, chunk: Chunk) -> bool:
+        """Whether every value of ``chunk`` is in memory, none read from the file: reading them twice costs no I/O
+        ([Note: the compute copy from the values] in ``build.py``)."""
+        return not any(self.exact(s.param_index) for s in chunk.spec.slots)
+
     def fill(self, out: torch.Tensor, chunk: Chunk, lo: int) -> None:
         """Elements ``[lo, lo + out.numel())`` of ``chunk``'s values into ``out``."""
         if self.same_everywhere(chunk):
@@ -318,6 +323,9 @@ class OldChunks:
 
     def same_everywhere(self, chunk: Chunk) -> bool:
         return True  # a repack never broadcasts: every rank holds (or gathers) the old values
+
+    def in_memory(self, chunk: Chunk) -> bool:
+        return False  # the copy is converted from the master just built: the old values were gathered or paged in
 
     def fill(self, out: torch.Tensor, chunk: Chunk, lo: int) -> None:
         for s in chunk.spec.slots:  # every rank gathers the same old chunks in one order, whatever pieces it keeps
