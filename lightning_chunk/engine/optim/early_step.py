@@ -116,10 +116,9 @@ class EarlyStep:
         self.speculation: Speculation | None = None  # with clipping by norm or fp16 loss scaling (``speculate``)
         # [Note: the host Adam beside backward] in step_thread.py
         self.thread = HostStepThread(manager.device) if manager.config.step_thread_on(manager.device.type) else None
-        self.handed = 0  # chunks handed to the worker in this backward
-        # device chunks the worker stepped or steps, each with the hand-over count that gives its gradient shard back
+        self._handed = 0  # chunks handed to the worker in this backward
+        # device chunks handed to the worker, each with the hand-over count that gives its gradient shard back
         self._held: deque[tuple[int, Chunk]] = deque()  # [Note: the same device bytes on every rank in backward]
-        self._reaped_ids: set[int] = set()  # of those, the ones the worker is done with
         manager.reducer.on_final = self.grads_final
 
     def speculate(self, *, clip_norm: bool, scaler: DynamicLossScaler | None) -> None:
@@ -138,8 +137,7 @@ class EarlyStep:
         self.manager.reducer.vote = self.active and self.manager.comm.world_size > 1
         self.manager.reducer.voted.clear()
         self._held.clear()  # left only by a backward that raised: those chunks keep their shards
-        self._reaped_ids.clear()
-        self.handed = 0
+        self._handed = 0
         if self.active:
             self.disk.begin()
             if self.thread is not None and self.manager.chunks:
@@ -150,7 +148,7 @@ class EarlyStep:
         if self.thread is not None:
             self.thread.join(self._reaped)
             self._give_back_due(every=True)
-        self.handed = 0
+        self._handed = 0
 
     def grads_final(self, chunk: Chunk) -> None:
         """The chunk's gradients of this backward are all in its shard (the reducer's and one rank's path)."""
@@ -209,10 +207,10 @@ class EarlyStep:
                     spec.step(chunk, self._clip)
 
             try:
-                self.handed += 1
+                self._handed += 1
                 self._give_back_due()
                 if self._holds_back(chunk):
-                    self._held.append((self.handed + self.thread.max_pending, chunk))
+                    self._held.append((self._handed + self.thread.max_pending, chunk))
                 self.thread.submit(chunk, job, self._reaped)
             except BaseException:
                 land()  # perhaps never handed to the worker (an earlier chunk's error): the copies land all the same
@@ -248,11 +246,7 @@ class EarlyStep:
         """On the autograd thread, once the worker stepped ``chunk``: its gradient shard goes to the pool, unless
         the step was a guess, which keeps it until ``optimizer.step()``, or it is a device chunk of several ranks,
         whose shard goes when its count comes ([Note: the same device bytes on every rank in backward])."""
-        if self.speculation is not None:
-            return
-        if self._holds_back(chunk):
-            self._reaped_ids.add(chunk.chunk_id)
-        else:
+        if not (self.speculation is not None or self._holds_back(chunk)):
             self._release(chunk)
 
     def _holds_back(self, chunk: Chunk) -> bool:
@@ -274,11 +268,9 @@ class EarlyStep:
         """The held device chunks whose count has come (all of them with ``every``) give their gradient shards
         back, in order."""
         assert self.thread is not None
-        while self._held and (every or self._held[0][0] <= self.handed):
+        while self._held and (every or self._held[0][0] <= self._handed):
             _, chunk = self._held.popleft()
-            if chunk.chunk_id not in self._reaped_ids:
-                self.thread.wait_for(chunk, self._reaped)
-            self._reaped_ids.discard(chunk.chunk_id)
+            self.thread.wait_for(chunk, self._reaped)  # at once where the worker has stepped it
             self._release(chunk)
 
     def _settle(self, spec: Speculation) -> None:
