@@ -175,6 +175,28 @@ def test_the_native_loop_equals_torchs_fused_kernel_wherever_its_copy_starts(low
         assert torch.equal(copy[:offset], torch.zeros(offset, dtype=low))  # nothing written before the shard
 
 
+def test_the_native_loop_reads_a_bf16_gradient_as_its_widening_to_fp32():
+    """[Note: gradients in bf16 until the step]: the loop widens each bf16 gradient as it loads it, so the step is
+    the one from the same values in fp32, bit for bit, in the vector body and in the masked head and tail, wherever
+    the gradient and the copy start."""
+    kernel = adam_native.native_kernel()
+    assert kernel is not None, adam_native.why_not()
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
+    for n, offset in [(1, 0), (15, 3), (16, 1), (100, 7), (40_003, 13)]:
+        g = torch.Generator().manual_seed(n + offset)
+        grad = torch.zeros(n + offset, dtype=torch.bfloat16)
+        grad[offset:] = (torch.randn(n, generator=g) * 0.01).to(torch.bfloat16)
+        start = (torch.randn(n, generator=g) * 0.1, torch.zeros(n), torch.zeros(n))
+        out = []
+        for gr in (grad[offset:].float(), grad[offset:]):
+            p, m, v = (t.clone() for t in start)
+            copy = torch.zeros(n + offset, dtype=torch.bfloat16)
+            for step in range(1, 4):
+                kernel(p, gr, m, v, copy[offset:], *kernel.pack(host_adam.adam_scalars(opt.param_groups[0], step, opt)))
+            out.append((p, m, v, copy))
+        assert all(torch.equal(a, b) for a, b in zip(*out, strict=True)), (n, offset)
+
+
 def test_a_chunk_with_a_parameter_that_got_no_gradient_is_left_to_torch():
     """Torch skips such a parameter (no state at first, its own ``step`` count after): its chunk cannot be
     stepped as one run, so torch's kernel steps it, and the other chunks still take the one pass."""

@@ -38,14 +38,21 @@ namespace {
 using at::vec::Vectorized;
 constexpr int64_t W = Vectorized<float>::size();
 
+// a gradient as float32: read as it is, or widened from bf16 as inductor loads one (exact either way)
+template <typename G>
+inline Vectorized<float> load_grad(const G* g, int64_t count) {
+  if constexpr (std::is_same_v<G, float>) return Vectorized<float>::loadu(g, count);
+  else return at::vec::convert<float>(Vectorized<G>::loadu(g, count));
+}
+
 // Torch's fused CPU Adam(W) vector loop, as _adam_pass in host_adam.py writes it: WD 0 none, 1 decoupled, 2 coupled
-template <typename Low, int WD, bool MAXIMIZE, bool SMALL>
+template <typename Low, int WD, bool MAXIMIZE, bool SMALL, typename G>
 struct Step {
   const float* s;  // sign, decay, wd, w, beta2, c2, bc2_sqrt, eps, neg_step
-  inline void operator()(float* p, const float* g, float* m, float* v, Low* low, int64_t i, int64_t count,
+  inline void operator()(float* p, const G* g, float* m, float* v, Low* low, int64_t i, int64_t count,
                          bool stream) const {
     auto pv = Vectorized<float>::loadu(p + i, count);
-    auto gv = Vectorized<float>::loadu(g + i, count);
+    auto gv = load_grad(g + i, count);
     auto mv = Vectorized<float>::loadu(m + i, count);
     auto vv = Vectorized<float>::loadu(v + i, count);
     if constexpr (MAXIMIZE) gv = gv * Vectorized<float>(s[0]);
@@ -70,9 +77,9 @@ struct Step {
   }
 };
 
-template <typename Low, int WD, bool MAXIMIZE, bool SMALL>
-void run(float* p, const float* g, float* m, float* v, Low* low, int64_t n, const float* s) {
-  const Step<Low, WD, MAXIMIZE, SMALL> step{s};
+template <typename Low, int WD, bool MAXIMIZE, bool SMALL, typename G>
+void run(float* p, const G* g, float* m, float* v, Low* low, int64_t n, const float* s) {
+  const Step<Low, WD, MAXIMIZE, SMALL, G> step{s};
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr uintptr_t A = W * sizeof(Low);  // the streaming store's alignment: one vector of the copy
   int64_t head = static_cast<int64_t>(((A - reinterpret_cast<uintptr_t>(low) % A) % A) / sizeof(Low));
@@ -95,29 +102,40 @@ void run(float* p, const float* g, float* m, float* v, Low* low, int64_t n, cons
   for (int64_t i = head + blocks * W; i < n; i += W) step(p, g, m, v, low, i, n - i < W ? n - i : W, false);
 }
 
-template <typename Low>
-void dispatch(float* p, const float* g, float* m, float* v, Low* low, int64_t n, const float* s, int wd,
+template <typename Low, typename G>
+void dispatch(float* p, const G* g, float* m, float* v, Low* low, int64_t n, const float* s, int wd,
               int maximize, int small) {
 #define LC_CASE(WD, MAX, SMALL) \
-  if (wd == WD && maximize == MAX && small == SMALL) return run<Low, WD, MAX, SMALL>(p, g, m, v, low, n, s);
+  if (wd == WD && maximize == MAX && small == SMALL) return run<Low, WD, MAX, SMALL, G>(p, g, m, v, low, n, s);
   LC_CASE(0, 0, 0) LC_CASE(0, 0, 1) LC_CASE(0, 1, 0) LC_CASE(0, 1, 1)
   LC_CASE(1, 0, 0) LC_CASE(1, 0, 1) LC_CASE(1, 1, 0) LC_CASE(1, 1, 1)
   LC_CASE(2, 0, 0) LC_CASE(2, 0, 1) LC_CASE(2, 1, 0) LC_CASE(2, 1, 1)
 #undef LC_CASE
 }
+
+template <typename G>
+void by_copy(float* p, const G* g, float* m, float* v, void* low, int low_is_half, int64_t n, const float* s, int wd,
+             int maximize, int small) {
+  if (low_is_half) dispatch(p, g, m, v, static_cast<at::Half*>(low), n, s, wd, maximize, small);
+  else dispatch(p, g, m, v, static_cast<at::BFloat16*>(low), n, s, wd, maximize, small);
+}
 }  // namespace
 
-// returns the vector width it was built for
-extern "C" int lc_adam_one_pass(float* p, const float* g, float* m, float* v, void* low, int low_is_half,
-                                int64_t n, const float* scalars, int wd, int maximize, int small) {
-  if (low_is_half) dispatch(p, g, m, v, static_cast<at::Half*>(low), n, scalars, wd, maximize, small);
-  else dispatch(p, g, m, v, static_cast<at::BFloat16*>(low), n, scalars, wd, maximize, small);
+// returns the vector width it was built for; the gradient is float32, or bf16 with grad_is_bf16
+extern "C" int lc_adam_one_pass(float* p, const void* g, int grad_is_bf16, float* m, float* v, void* low,
+                                int low_is_half, int64_t n, const float* scalars, int wd, int maximize, int small) {
+  if (grad_is_bf16) {
+    by_copy(p, static_cast<const at::BFloat16*>(g), m, v, low, low_is_half, n, scalars, wd, maximize, small);
+  } else {
+    by_copy(p, static_cast<const float*>(g), m, v, low, low_is_half, n, scalars, wd, maximize, small);
+  }
   return static_cast<int>(W);
 }
 """
 
 MODES = {"none": 0, "decoupled": 1, "coupled": 2}
 LOW_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _kernel: NativeKernel | None = None
 _why_not: str | None = None  # why this process has no native kernel
@@ -152,7 +170,11 @@ def _build() -> Callable[..., int]:
     lib = CppCodeCache.load(SOURCE)
     fn = lib.lc_adam_one_pass
     fn.argtypes = (
-        [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_float)] + [ctypes.c_int] * 3
+        [ctypes.c_void_p] * 2
+        + [ctypes.c_int]
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_float)]
+        + [ctypes.c_int] * 3
     )
     fn.restype = ctypes.c_int  # the vector width it was built for
     return fn
@@ -196,10 +218,12 @@ def why_not() -> str | None:
 
 
 def supports(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor) -> bool:
-    """Whether the native loop steps these tensors: contiguous float32 on the host, a bf16 or fp16 copy."""
+    """Whether the native loop steps these tensors: contiguous float32 on the host, a bf16 or fp16 copy, the
+    gradient in float32 or bf16 ([Note: gradients in bf16 until the step] in ``memory/low_grads.py``)."""
     return (
         low.dtype in LOW_DTYPES
-        and all(t.dtype == torch.float32 for t in (p, g, m, v))
+        and g.dtype in GRAD_DTYPES
+        and all(t.dtype == torch.float32 for t in (p, m, v))
         and all(t.device.type == "cpu" and t.is_contiguous() for t in (p, g, m, v, low))
         and p.numel() == g.numel() == m.numel() == v.numel() == low.numel()
     )
@@ -234,6 +258,7 @@ class NativeKernel:
         self.fn(
             p.data_ptr(),
             g.data_ptr(),
+            GRAD_DTYPES[g.dtype],
             m.data_ptr(),
             v.data_ptr(),
             low.data_ptr(),
