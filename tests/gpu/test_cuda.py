@@ -240,6 +240,25 @@ def test_host_chunks_step_on_a_thread_beside_backward_by_default_as_on_the_autog
     assert_same_params(want, got, EXACT)
 
 
+@pytest.mark.parametrize("pin", [True, "exact"])
+def test_host_chunks_step_from_bf16_gradients_copied_straight_into_pinned_memory(pin):
+    """[Note: gradients in bf16 until the step] on a GPU: each host chunk's bf16 gradients go on the side stream
+    straight into a pinned bf16 buffer (no staging, no widening), and the worker steps the chunk from them with the
+    native loop; the parameters are those of stepping after backward from fp32 shards, bit for bit."""
+    kw = dict(steps=8, accelerator="gpu", precision="bf16-mixed", model_kwargs=dict(dim=64, hidden=1024))
+
+    def run(early):
+        offload = OffloadOptions(optimizer_kernel="one_pass", pin_memory=pin)
+        memory = MemoryOptions(chunk_numel=66560)
+        strategy = ChunkOffloadStrategy(placement="host", step_in_backward=early, memory=memory, offload=offload)
+        return fit(strategy, **kw), strategy.memory_stats()
+
+    (want, _), (got, stats) = run(False), run(True)
+    assert stats["chunks_stepped_from_bf16_grads"] == stats["chunks_stepped_on_thread"] > 0
+    assert stats["d2h_async_bytes"] > 0 and "chunks_widened_to_fp32" in stats
+    assert_same_params(want, got, EXACT)
+
+
 @pytest.mark.parametrize(
     "kw",
     [dict(precision="bf16-mixed", gradient_clip_val=0.05), dict(plugins=[ChunkPrecision("16-mixed", init_scale=1e7)])],

@@ -164,6 +164,11 @@ def nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def held(t: torch.Tensor | None) -> int:
+    """``nbytes``, or 0 where the buffer's memory was given back (its storage holds none)."""
+    return 0 if t is None or t.untyped_storage().nbytes() == 0 else nbytes(t)
+
+
 @dataclass(eq=False)
 class Chunk:
     spec: ChunkSpec
@@ -180,6 +185,10 @@ class Chunk:
     master: torch.Tensor | None = field(default=None, repr=False)
     low: torch.Tensor | None = field(default=None, repr=False)  # only when it is a buffer of its own
     grad: torch.Tensor | None = field(default=None, repr=False)
+    # one rank, stepped in backward: this step's gradients in the compute dtype ([Note: gradients in bf16 until the
+    # step] in memory/low_grads.py), while ``grads_in_low``; given back to the host pool with the step
+    grad_low: torch.Tensor | None = field(default=None, repr=False)
+    grads_in_low: bool = False
     optim_state_bytes: int = 0
     last_used: int = -1  # manager clock, for LRU when there is no trace
     pending: InFlight | None = field(default=None, repr=False)  # a prefetch in flight
@@ -405,8 +414,7 @@ class Chunk:
         if tier is self.shard_tier:
             if not self.master_is_payload():
                 total += nbytes(self.master)
-            given_back = self.grad is not None and self.grad.untyped_storage().nbytes() == 0
-            total += (0 if given_back else nbytes(self.grad)) + self.optim_state_bytes
+            total += held(self.grad) + held(self.grad_low) + self.optim_state_bytes
         if tier is (Tier.HOST if self.shard_tier is Tier.DISK else self.shard_tier):
             total += nbytes(self.low)
         return total

@@ -17,6 +17,7 @@ from ..config import format_bytes
 from ..errors import DeviceMemoryLimitError
 from ..schedule.placement import shards_note
 from ..tiers.pool import BlockPool
+from .low_grads import LowGrads
 
 if TYPE_CHECKING:  # the manager builds it
     from .manager import ChunkManager
@@ -35,6 +36,7 @@ class ChunkGrads:
         # kept apart from the payloads' even on a CPU device: a payload never takes a pinned block, nor a gradient shard
         # a pageable one
         self.host_pool = BlockPool(torch.device("cpu"), per_size=IN_FLIGHT)
+        self.low = LowGrads(self)  # [Note: gradients in bf16 until the step]
 
     def _pool(self, chunk: Chunk) -> BlockPool:
         return self.manager.pool if chunk.shard_tier is Tier.DEVICE else self.host_pool
@@ -74,6 +76,7 @@ class ChunkGrads:
         a clipped guess steps again after backward) an exact one keeps its bytes (``keep_pinned``): registering it again
         at every backward would cost more."""
         mgr = self.manager
+        self.low.release(chunk)
         storage = chunk.grad.untyped_storage() if chunk.grad is not None else None
         with mgr.ledger.tracked(chunk):
             if to_pool:
@@ -158,11 +161,15 @@ class ChunkGrads:
             # the first gradient of a step overwrites what the last step left; later ones (accumulation) add.
             # Into a host shard on CUDA the copy runs on a side stream ([Note: gradient offload] in offload.py)
             # a disk shard's gradients gather in a host buffer, written to its file at ``reduce``
-            if chunk.grad_released:
+            low = self.low.target(chunk, info)  # [Note: gradients in bf16 until the step]
+            if low is None and chunk.grad_released:
                 self.restore(chunk)
-            target = mgr.tiers.grad_target(chunk)
+            target = mgr.tiers.grad_target(chunk) if low is None else low
             mgr.reducer.offload.copy(
-                target[info.offset : info.offset + info.numel], grad, add=info.has_grad, key=chunk.chunk_id
+                target[info.offset : info.offset + info.numel],
+                grad,
+                add=low is None and info.has_grad,
+                key=chunk.chunk_id,
             )
             if chunk.shard_tier is not Tier.DEVICE:
                 mgr.transfers.d2h_bytes += grad.numel() * grad.element_size()

@@ -233,11 +233,11 @@ class ChunkManager:
         self.tiers.free(c)
         with self.ledger.tracked(c):
             if not self.comm.broken:
-                for t in (t for t in (c.master, c.low, c.grad) if t is not None):  # optimizers still view them
+                for t in (t for t in (c.master, c.low, c.grad, c.grad_low) if t is not None):  # optimizers view them
                     free_storage(t)
                 if c.payload is not None:
                     c.payload.untyped_storage().resize_(0)
-            c.master = c.low = c.grad = None
+            c.master = c.low = c.grad = c.grad_low = None
             c.optim_state_bytes = 0
 
     # ============================================================ gather/release

@@ -336,7 +336,8 @@ class OptimizerBinding:
             return None
         kwargs = self._with_closure(kwargs)
         ids = {id(s.view) for s in mine}
-        with self.slots.for_the_call(mine), self.kernel():
+        low = chunk.grads_in_low  # none attached: the one pass reads them ([Note: gradients in bf16 until the step])
+        with self.slots.for_the_call([] if low else mine), self.kernel():
             if self.whole is not None:  # one rank (check_optimizer): nothing is gathered
                 return self._step_whole([chunk], kwargs)
             stepped, fresh = self.host_adam.step_one_pass(self._views, only=ids)
@@ -344,7 +345,9 @@ class OptimizerBinding:
             rest = ids - stepped
             if not rest:
                 return None
-            with self.narrowed(lambda v: id(v) in rest):
+            # the one pass did not step the chunk: torch's kernel, from its gradients widened (exactly) to fp32
+            wide = chunk.grad_low.float() if low and chunk.grad_low is not None else None
+            with self.slots.for_the_call(mine if low else [], wide), self.narrowed(lambda v: id(v) in rest):
                 return self._step_rest(**kwargs)
 
 

@@ -138,6 +138,12 @@ class EarlyStep:
         self.manager.reducer.voted.clear()
         self._held.clear()  # left only by a backward that raised: those chunks keep their shards
         self._handed = 0
+        low = self.manager.grads.low  # [Note: gradients in bf16 until the step] in memory/low_grads.py
+        low.widen_all()  # left in bf16 only by a backward that raised
+        one = self.active and self.manager.comm.world_size == 1  # nothing reads the gradients before the step:
+        plain = one and self.speculation is None and self.clip_value is None  # no clip, no scaler
+        ids = self.binding.host_adam.low_grad_chunks(self.binding.views()) if plain else set()
+        low.takes = (lambda c: c.chunk_id in ids) if ids else None
         if self.active:
             self.disk.begin()
             if self.thread is not None and self.manager.chunks:
@@ -298,7 +304,10 @@ class EarlyStep:
         self.manager.grads.release(chunk, to_pool=to_pool, keep_pinned=self.speculation is not None)
 
     def stats(self) -> dict[str, float]:
+        low = self.manager.grads.low
         out: dict[str, float] = {"chunks_stepped_in_backward": self.early}
+        if low.taken:  # [Note: gradients in bf16 until the step] in memory/low_grads.py
+            out.update(chunks_stepped_from_bf16_grads=low.taken - low.widened, chunks_widened_to_fp32=low.widened)
         if self.speculation is not None:  # [Note: speculating past the norm and the overflow]
             out.update(
                 chunks_stepped_in_backward=self.early + self.speculation.guesses,

@@ -84,10 +84,11 @@ class GradSlots:
         self._attached = attached
 
     @contextlib.contextmanager
-    def for_the_call(self, mine: list[GradSlot]) -> Iterator[None]:
-        """The slots' views hold their gradients for the block, and none after it (also on an error)."""
+    def for_the_call(self, mine: list[GradSlot], shard: torch.Tensor | None = None) -> Iterator[None]:
+        """The slots' views hold their gradients for the block, and none after it (also on an error). ``shard``:
+        a stand-in for their chunk's gradient shard, whose slices they hold instead."""
         for s in mine:
-            s.view.grad = s.grad
+            s.view.grad = s.grad if shard is None else _same_slice(shard, s)
         try:
             yield
         finally:
@@ -125,3 +126,10 @@ class GradSlots:
         """``grads()`` with the chunk each gradient lives in (to page disk shards around a pass over them)."""
         mgr = self.manager
         return [(mgr.lookup(mgr.params[i])[0], v.grad) for i, v in self.views.items() if v.grad is not None]
+
+
+def _same_slice(shard: torch.Tensor, slot: GradSlot) -> torch.Tensor:
+    """The slice of ``shard`` at the place of ``slot.grad`` in its chunk's gradient shard."""
+    assert slot.grad is not None and slot.chunk.grad is not None
+    start = slot.grad.storage_offset() - slot.chunk.grad.storage_offset()
+    return shard[start : start + slot.grad.numel()]

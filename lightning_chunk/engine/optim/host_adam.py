@@ -304,6 +304,22 @@ class HostAdam:
         first = state[pieces[0][1]]
         return {name: first[name]._base for name in keys}
 
+    def low_grad_chunks(self, views: dict[int, torch.Tensor]) -> set[int]:
+        """Ids of the chunks the native one-pass kernel would step from bf16 gradients now: host chunks of a
+        bf16 compute copy over fp32 masters, whose views have their moments in the regions and one step count
+        ([Note: gradients in bf16 until the step] in ``memory/low_grads.py``)."""
+        runs = self._host_runs(views)
+        if not (NATIVE and self._wants_one_pass(runs) and adam_native.native_kernel()):
+            return set()
+        state = self.optimizer.state
+        out = set()
+        for c, k, pieces in runs:
+            if c.compute_dtype != torch.bfloat16 or c.master_dtype != torch.float32:
+                continue
+            if self.regions(c, k, pieces) is not None and len({state[v]["step"].item() for _, v, _, _ in pieces}) == 1:
+                out.add(c.chunk_id)
+        return out
+
     # --------------------------------------------------------------- one pass
     def _wants_one_pass(self, runs: list[tuple[Chunk, int, list[Any]]]) -> bool:
         if self.one_pass is False or (_broken is not None and not (NATIVE and adam_native.native_kernel())):
@@ -350,7 +366,8 @@ class HostAdam:
         ] = []
         for c, k, pieces in runs:
             regions = self._ready.get(c.chunk_id)
-            if regions is None or any(v.grad is None for _, v, _, _ in pieces):
+            # a chunk whose gradients are in bf16 has them for every view, and none attached to the views
+            if regions is None or (not c.grads_in_low and any(v.grad is None for _, v, _, _ in pieces)):
                 continue
             steps = [state[v]["step"] for _, v, _, _ in pieces]
             step = steps[0].item()
@@ -359,10 +376,11 @@ class HostAdam:
             if (k, step) not in scalars:
                 scalars[(k, step)] = adam_scalars(self.optimizer.param_groups[k], step + 1, self.optimizer)
             start, end = pieces[0][2], pieces[-1][3]
-            assert c.master is not None and c.grad is not None and c.low is not None
+            grad = c.grad_low if c.grads_in_low else c.grad  # [Note: gradients in bf16 until the step]
+            assert c.master is not None and grad is not None and c.low is not None
             tensors = (
                 c.master[start:end],
-                c.grad[start:end],
+                grad[start:end],
                 regions["exp_avg"],
                 regions["exp_avg_sq"],
                 c.low[start:end],
@@ -371,6 +389,8 @@ class HostAdam:
                 if (k, step) not in packed:
                     packed[(k, step)] = native.pack(scalars[(k, step)])
                 calls.append((c, pieces, steps, native, (*tensors, *packed[(k, step)])))
+                continue
+            if c.grads_in_low:  # bf16 gradients are the native loop's alone: widened for torch's kernel
                 continue
             compiled = compiled or one_pass_kernel()  # dtypes the native loop does not take
             if compiled is None:

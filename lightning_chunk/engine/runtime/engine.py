@@ -262,6 +262,7 @@ class ChunkEngine:
         """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
         if self.early is not None:
             self.early.backward_ended()
+            self.manager.grads.low.widen_all()  # the chunks not stepped in it: [Note: gradients in bf16 until ...]
         for b in self.bindings:
             b.slots.attach()
 
