@@ -306,6 +306,17 @@ def test_speculation_benchmark_times_guesses_kept_and_undone_against_stepping_af
     assert res["rows"] == list(rows.values())
 
 
+def test_bf16_gradients_benchmark_steps_from_them_to_the_same_bits(tmp_path):
+    out = tmp_path / "bf16_grads.json"
+    args = ["--width", "64", "--depth", "2", "--context", "16", "--batch", "2", "--steps", "4", "--rounds", "1"]
+    res = load("bf16_grads").main([*args, "--chunk-numel", "16384", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    rows = {r["contender"]: r for r in saved["rows"]}
+    assert saved["same_bits"] and rows["widened first"]["host_ratio"] == 1.0
+    assert rows["bf16 gradients"]["chunks_from_bf16"] > 0 == rows["widened first"]["chunks_from_bf16"]
+    assert res["rows"] == saved["rows"]
+
+
 def test_lora_benchmark_measures_bytes_a_parameter_against_a_full_fine_tune(tmp_path):
     pytest.importorskip("peft")
     out = tmp_path / "lora.json"
