@@ -38,7 +38,8 @@ def time_spent(rows: list[dict]) -> list[str]:
             c = r["grad_copies"]
             out += [
                 f"{r['contender']}: {c['grad_copies_landed_by_drain']} of {c['grad_copies_handed_over']} gradient "
-                "copies handed to the worker were landed by a drain first (in all steps)",
+                "copies handed to the worker were landed by a drain first (in all steps)"
+                + (f"; {n} chunk steps from bf16 gradients" if (n := c.get("chunks_stepped_from_bf16_grads")) else ""),
                 "",
             ]
     out += call_lines(rows)

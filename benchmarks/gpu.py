@@ -168,6 +168,8 @@ def traffic(strategy: Any, skip: int, store: dict, until: int | None = None) -> 
             store["host_s_per_step"] = {k: (v - first[2][k]) / steps for k, v in seen[-1][2].items()}
             copies = mgr.reducer.offload.stats()  # gradient copies the worker landed, and those a drain landed first
             store["grad_copies"] = {k: copies[k] for k in ("grad_copies_handed_over", "grad_copies_landed_by_drain")}
+            low = mgr.grads.low  # chunks stepped from their bf16 gradients ([Note: gradients in bf16 until the step])
+            store["grad_copies"]["chunks_stepped_from_bf16_grads"] = low.taken - low.widened
             store["host_stepped"] = sum(
                 c.shard_numel for c in mgr.chunks if c.trainable and c.shard_tier is not Tier.DEVICE
             )

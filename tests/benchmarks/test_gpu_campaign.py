@@ -37,7 +37,11 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
         # one step more, profiled: the host's own time by op, the engine's causes among them as ranges
         assert any(k == "lc:hooks" and ms > 0 and n > 0 for k, ms, n in r["profile"]["host_self_ms"]), r["profile"]
         assert r["profile"]["step_ms"] > 0 and r["profile"]["busy_ms"] == 0  # no device on a CPU
-        assert set(r["grad_copies"]) == {"grad_copies_handed_over", "grad_copies_landed_by_drain"}
+        assert set(r["grad_copies"]) == {
+            "grad_copies_handed_over",
+            "grad_copies_landed_by_drain",
+            "chunks_stepped_from_bf16_grads",
+        }
     for r in (rows["ddp"], rows["chunk_offload"]):  # where a row's wall time went, phase by phase, adding up
         assert set(r["phases"]) == {
             "launch",
@@ -292,3 +296,5 @@ def test_a_profiled_step_says_how_long_the_device_was_busy_in_it():
     row = {"contender": "c", "grad_copies": {"grad_copies_handed_over": 40, "grad_copies_landed_by_drain": 25}}
     said = "c: 25 of 40 gradient copies handed to the worker were landed by a drain first (in all steps)"
     assert said in table.time_spent([row])  # the staging ring backed up into the autograd thread
+    row["grad_copies"]["chunks_stepped_from_bf16_grads"] = 30
+    assert said + "; 30 chunk steps from bf16 gradients" in table.time_spent([row])
