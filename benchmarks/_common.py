@@ -313,6 +313,12 @@ def run_or_child(args: argparse.Namespace, children: dict[str, Any], measure: An
     return save_results(res, args.out)
 
 
+def markdown_table(title: str, columns: list[str], rows: list[list[str]]) -> str:
+    """A title line, then a markdown table of ``rows`` under ``columns``."""
+    lines = [title, "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def round_ratios(times: list[float], base: list[float]) -> tuple[float, list[float]]:
     """The median of per-round ratios and the ratios: ``times[i] / base[i]``, both measured in round ``i``. A
     machine that drifts between rounds moves both sides of each ratio alike; a ratio of the pooled medians

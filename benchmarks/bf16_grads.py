@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import gpt_parser, make_gpt, median_interval, quiet_trainer, round_ratios, run_or_child, step_timer  # noqa: E402
+from _common import (  # noqa: E402
+    gpt_parser,
+    make_gpt,
+    markdown_table,
+    median_interval,
+    quiet_trainer,
+    round_ratios,
+    run_or_child,
+    step_timer,
+)
 
 CONTENDERS = {"bf16 gradients": True, "widened first": False}
 HOST = ("time_grad_copy_s", "time_optimizer_s")
@@ -113,19 +122,17 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def render(res: dict) -> str:
-    lines = [
+    title = (
         f"GPT of {res['params'] / 1e6:.1f}M parameters, one rank, placement='host', bf16-mixed, stepped in backward, "
-        f"{len(res['rounds'])} rounds; the same bits: {res['same_bits']}",
-        "| contender | host ms a step (copy + step) | x widened first | 95% interval | ms a step | x widened first |",
-        "|---|---|---|---|---|---|",
+        f"{len(res['rounds'])} rounds; the same bits: {res['same_bits']}"
+    )
+    columns = ["contender", "host ms a step (copy + step)", "x widened first", "95% interval", "ms a step"]
+    rows = [
+        [r["contender"], f"{r['host_ms']:.1f}", f"{r['host_ratio']:.3f}", "{:.3f}..{:.3f}".format(*r["host_interval"])]
+        + [f"{r['ms']:.1f} ({r['step_ratio']:.3f}x)"]
+        for r in res["rows"]
     ]
-    for r in res["rows"]:
-        lo, hi = r["host_interval"]
-        lines.append(
-            f"| {r['contender']} | {r['host_ms']:.1f} | {r['host_ratio']:.3f} | {lo:.3f}..{hi:.3f} | {r['ms']:.1f} | "
-            f"{r['step_ratio']:.3f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(title, columns, rows)
 
 
 def main(argv: list[str] | None = None) -> dict:

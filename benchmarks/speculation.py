@@ -30,7 +30,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import gpt_parser, make_gpt, median_interval, quiet_trainer, round_ratios, run_or_child, step_timer  # noqa: E402
+from _common import (  # noqa: E402
+    gpt_parser,
+    make_gpt,
+    markdown_table,
+    median_interval,
+    quiet_trainer,
+    round_ratios,
+    run_or_child,
+    step_timer,
+)
 
 CLIP = {"holds": 1e9, "undone": 1e-3}
 CONTENDERS = [(regime, early) for regime in CLIP for early in (False, True)]
@@ -100,19 +109,17 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def render(res: dict) -> str:
-    lines = [
+    title = (
         f"GPT of {res['params'] / 1e6:.1f}M parameters, placement='host', {res['precision']}, "
-        f"{len(res['rounds'])} rounds",
-        "| contender | ms a step (median) | x after backward | 95% interval | copies, bytes a param | steps undone |",
-        "|---|---|---|---|---|---|",
+        f"{len(res['rounds'])} rounds"
+    )
+    columns = ["contender", "ms a step (median)", "x after backward", "95% interval", "copies, bytes a param"]
+    rows = [
+        [r["contender"], f"{r['ms']:.1f}", f"{r['ratio']:.3f}", "{:.3f}..{:.3f}".format(*r["interval"])]
+        + [f"{r['copy_bytes_per_param']:.1f}", f"{r['undone']} of {r['steps'] - 1}"]
+        for r in res["rows"]
     ]
-    for r in res["rows"]:
-        lo, hi = r["interval"]
-        lines.append(
-            f"| {r['contender']} | {r['ms']:.1f} | {r['ratio']:.3f} | {lo:.3f}..{hi:.3f} | "
-            f"{r['copy_bytes_per_param']:.1f} | {r['undone']} of {r['steps'] - 1} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(title, [*columns, "steps undone"], rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
