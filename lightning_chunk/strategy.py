@@ -384,6 +384,14 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("predict_step", False, *args, **kwargs)
 
+    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return super().backward(closure_loss, *args, **kwargs)
+        except BaseException:
+            if self.engine is not None:  # before the user's code can zero_grad(): [Note: a backward that raised]
+                self.engine.after_backward()
+            raise
+
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
             self.engine.after_backward()

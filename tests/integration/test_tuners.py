@@ -1,6 +1,7 @@
 """Lightning's tuners from the user's side, one rank against plain Lightning. ``BatchSizeFinder`` doubles the batch
 until a trial runs out of memory, halves it, then restores the weights from a checkpoint it saved before the trials
-and removes at once; ``LearningRateFinder`` restores and removes the same way after its sweep."""
+and removes at once; ``LearningRateFinder`` restores and removes the same way after its sweep. Also an out-of-memory
+raised in backward, which the finder or the user's own ``backward`` hook catches ([Note: a backward that raised])."""
 
 import lightning as L
 import lightning.pytorch.tuner.batch_size_scaling as batch_size_scaling
@@ -32,6 +33,94 @@ def _same(ref, got):
     assert got.batch_size == ref.batch_size and got.lr == ref.lr
     for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
+
+
+class OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory for a batch larger than ``fits``."""
+
+    @staticmethod
+    def forward(ctx, x, too_large):  # noqa: ANN001, ANN205
+        ctx.too_large = too_large
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        if ctx.too_large:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return g, None
+
+
+class BackwardSizedNet(SizedNet):
+    """``SizedNet`` whose too-large batches run out of memory in backward, after some chunks took their gradients;
+    ``swallow``: its ``backward`` hook catches that and the step goes on with the gradients that arrived."""
+
+    def __init__(self, fits, swallow=False):  # noqa: ANN001
+        super().__init__(fits)
+        self.swallow = swallow
+
+    def forward(self, x, use_branch=True):  # noqa: ANN001, ANN201
+        too_large = self.fits is not None and x.shape[0] > self.fits
+        h = OutOfMemoryInBackward.apply(self.embed(x), too_large)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+    def backward(self, loss, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        try:
+            loss.backward(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            if not self.swallow:
+                raise
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["after_backward", "in_backward"])
+def test_the_batch_size_finder_halves_after_an_out_of_memory_in_backward(early):
+    """A trial's backward runs out of memory after some chunks took their gradients. The engine still took it to be
+    running: the next trial's backward failed with an illegal tensor-state transition blamed on a hook-order bug.
+    Now it ends where it stopped and the run trains as plain Lightning; stepped in backward, the chunks that had
+    stepped keep that step (said in a warning) until the finder restores its checkpoint."""
+
+    def fit(strategy):
+        L.seed_everything(7, verbose=False)
+        model = BackwardSizedNet(16)
+        trainer = quiet_trainer(
+            accelerator="cpu", strategy=strategy, max_steps=6, num_sanity_val_steps=0, limit_val_batches=0,
+            callbacks=[_finder()],
+        )  # fmt: skip
+        trainer.fit(model)
+        return model
+
+    ref = fit("auto")
+    strategy = ChunkOffloadStrategy(step_in_backward=early, **grouped(LIMITED))
+    if early:
+        with pytest.warns(UserWarning, match=r"chunk\(s\) had stepped in it"):
+            got = fit(strategy)
+    else:
+        got = fit(strategy)
+    assert ref.batch_size == 16
+    _same(ref, got)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["after_backward", "guessed_in_backward"])
+def test_a_backward_hook_that_catches_an_out_of_memory_steps_with_the_gradients_that_arrived(early):
+    """The user's ``backward`` catches the out-of-memory and the step goes on, as in plain Lightning, with the
+    gradients that arrived before it, clipped by norm. Stepped in backward, the chunks that stepped on a guess
+    before the failure are put back first, so the step is plain Lightning's too."""
+
+    def fit(strategy):
+        L.seed_everything(7, verbose=False)
+        model = BackwardSizedNet(2, swallow=True)
+        model.batch_size = 3  # every batch's backward runs out of memory
+        trainer = quiet_trainer(
+            accelerator="cpu", strategy=strategy, max_steps=3, limit_val_batches=0, gradient_clip_val=0.05
+        )
+        trainer.fit(model)
+        return model, strategy
+
+    ref, _ = fit("auto")
+    got, strategy = fit(ChunkOffloadStrategy(placement="host", step_in_backward=early, **grouped(LIMITED)))
+    assert (strategy.memory_stats().get("speculation_rollbacks", 0) > 0) == early  # guesses were made, and undone
+    _same(ref, got)
 
 
 def _finder():

@@ -50,6 +50,7 @@ from ..state.load import PendingOptimizerState
 from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from ..system.page_cache import page_cache_room
 from .description import EngineDescription
+from .raised import end_raised_backward
 from .recompute import apply_activation_checkpointing
 from .state_offload import StateOffload
 from .warmup import Replan, WarmUp, WarmUpPlanner
@@ -184,6 +185,7 @@ class ChunkEngine:
         reduced into the shards, so a repack never has to move gradients still in flight. ``input_bytes``: the size
         of what the step was handed; under a device limit a micro-batch larger than any the trace saw is traced
         again ([Note: inputs that grow after the warm-up] in ``growth.py``)."""
+        end_raised_backward(self)  # [Note: a backward that raised] in raised.py: a loop that drove the engine itself
         if self.hooks.tracer.recording:  # a warm-up forward with no backward: take what it saw
             self.hooks.end_backward()
         check_stray_writes(self.manager)  # [Note: parameters outside a step]
@@ -207,7 +209,9 @@ class ChunkEngine:
             yield outputs
 
     def after_backward(self) -> None:
-        """Safety net for a backward in which no hook fired (idempotent)."""
+        """Safety net for a backward in which no hook fired, or that raised ([Note: a backward that raised] in
+        ``raised.py``: the exception leaving ``backward``, or a user's ``backward`` hook that caught it). Idempotent."""
+        end_raised_backward(self)
         if self.hooks.tracer.recording:
             self.hooks.end_backward()
 
