@@ -387,7 +387,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
     def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         try:
             return super().backward(closure_loss, *args, **kwargs)
-        except BaseException:
+        except Exception:  # an interrupt ends the fit, whose teardown says what a step half taken left
             if self.engine is not None:  # before the user's code can zero_grad(): [Note: a backward that raised]
                 self.engine.after_backward()
             raise

@@ -13,9 +13,10 @@ gradients that arrived in ``param.grad`` and goes on.
 reduce reduce, tensors leave backward's states, the worker thread is joined, gradients kept in bf16 are widened
 and the gradients are attached to the optimizer's views, where ``zero_grad()`` clears them as it clears
 ``param.grad``. A warm-up's trace so far is taken, and the next micro-batch traces again, as after a warm-up
-micro-batch without a backward. The strategy calls it as the exception leaves ``backward`` (before the user's code
-can call ``zero_grad()``); ``after_backward`` calls it where the user's ``backward`` hook caught the exception; and
-the next micro-batch calls it for a loop that drove the engine itself.
+micro-batch without a backward. The strategy calls it as an exception leaves ``backward`` (before the user's code
+can call ``zero_grad()``; an interrupt ends the fit instead, whose teardown says what a step half taken left);
+``after_backward`` calls it where the user's ``backward`` hook caught the exception; and the next micro-batch calls
+it for a loop that drove the engine itself.
 
 Stepping in backward, chunks may have stepped before the failure. Those that stepped on a guess ([Note: speculating
 past the norm and the overflow]) are put back, bit for bit. The others keep the update of this batch; plain
