@@ -1,7 +1,7 @@
 """Models whose backward is out of the ordinary: activation checkpointing (a module's forward runs again inside
 backward), a block run twice a step, frozen layers beside trainable adapters (LoRA's shape, and a checkpoint that
 keeps the adapters only), a gradient penalty (a backward through the graph of another), a save asked for in
-backward, gradients zeroed in place rather than set to ``None``."""
+backward, gradients zeroed in place rather than set to ``None``, a backward that runs out of memory part way."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests import models
-from tests.models import ParityNet, ReorderedNet
+from tests.models import ParityNet, ReorderedNet, SizedNet
 
 
 class CheckpointedNet(ParityNet):
@@ -225,6 +225,55 @@ class ReorderedSavesInsideAStep(SavesInsideAStep, ReorderedNet):
 
 def edited(strict: bool = False, replace_head: bool = False):
     return type("Edited", (KeepsAdaptersOnly, AdapterNet), {"strict_loading": strict, "replace_head": replace_head})
+
+
+class OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory for a batch larger than ``fits``."""
+
+    @staticmethod
+    def forward(ctx, x, too_large):  # noqa: ANN001, ANN205
+        ctx.too_large = too_large
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        if ctx.too_large:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return g, None
+
+
+class BackwardSizedNet(SizedNet):
+    """``SizedNet`` whose too-large batches run out of memory in backward, after some chunks took their gradients;
+    ``swallow``: its ``backward`` hook catches that and the step goes on with the gradients that arrived."""
+
+    def __init__(self, fits, swallow=False):  # noqa: ANN001
+        super().__init__(fits)
+        self.swallow = swallow
+
+    def forward(self, x, use_branch=True):  # noqa: ANN001, ANN201
+        too_large = self.fits is not None and x.shape[0] > self.fits
+        h = OutOfMemoryInBackward.apply(self.embed(x), too_large)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
+
+    def backward(self, loss, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        try:
+            loss.backward(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            if not self.swallow:
+                raise
+
+
+class DetachedSizedNet(BackwardSizedNet):
+    """What ``BackwardSizedNet`` trains where its backward runs out of memory and is caught: no gradient below the
+    failure (the embedding), every one above it (DDP's reference, with ``find_unused_parameters``)."""
+
+    def forward(self, x, use_branch=True):  # noqa: ANN001, ANN201
+        h = self.embed(x).detach()
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(self.norm(h))
 
 
 def model_class(name: str) -> type:

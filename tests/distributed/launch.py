@@ -69,6 +69,7 @@ LAUNCHED = [
     "models_differ",
     "written_after_a_forward",
     "backbone_resume",
+    "backward_raised",
 ]
 
 

@@ -50,6 +50,7 @@ RUNS = {
     "clip_over_optimizer": tr.run_clip_over_optimizer,
     "models_differ": pa.run_models_differ,
     "written_after_a_forward": tr.run_written_after_a_forward,
+    "backward_raised": tr.run_backward_raised,
     "save_after_fit": ck.run_save_after_fit,
     "save_inside_a_step": ck.run_save_inside_a_step,
     "resume": ck.run_resume,

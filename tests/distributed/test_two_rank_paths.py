@@ -305,6 +305,19 @@ def test_torch_s_norm_clipping_over_the_optimizer_s_parameters_is_refused_and_cl
         assert done["value_as_ddp"] is True
 
 
+@pytest.mark.cases("backward_raised")
+def test_a_backward_that_raised_on_every_rank_is_ended_and_the_step_goes_on_as_ddp_s(parity_run):
+    """[Note: a backward that raised] on two ranks: the out-of-memory is caught in the user's ``backward`` hook on
+    both; the end of the backward runs its collectives on both, and the step with the gradients that arrived,
+    clipped by norm, is DDP's on a model with no gradient below the failure, up to the norm's rounding; stepped in
+    backward, the chunks' guesses were undone first."""
+    out, _, log = parity_run
+    for r in (0, 1):
+        assert f"CASE-DONE backward_raised rank={r}" in log, log[-3000:]
+        got = json.loads((out / f"backward_raised.rank{r}.json").read_text())
+        assert got["after"] < 1e-6 and got["guessed"] < 1e-6 and got["speculation_rollbacks"] > 0, got
+
+
 @pytest.mark.cases("models_differ")
 def test_ranks_that_built_different_models_fail_together_naming_the_first_parameter_that_differs(parity_run):
     """[Note: the same model on every rank]: rank 1's block is wider, then rank 1 has a block more, as DDP refuses

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.memory import is_oom_error
 
 from lightning_chunk import ChunkOffloadStrategy, DeviceMemoryLimitError
 from lightning_chunk.options import grouped
+from tests.backward_models import BackwardSizedNet
 from tests.models import SizedNet, quiet_trainer
 
 EXACT = dict(rtol=0, atol=0)
@@ -33,44 +34,6 @@ def _same(ref, got):
     assert got.batch_size == ref.batch_size and got.lr == ref.lr
     for (n, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, msg=lambda m: f"{n}: {m}", **EXACT)
-
-
-class OutOfMemoryInBackward(torch.autograd.Function):
-    """Identity whose backward runs out of memory for a batch larger than ``fits``."""
-
-    @staticmethod
-    def forward(ctx, x, too_large):  # noqa: ANN001, ANN205
-        ctx.too_large = too_large
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: ANN001, ANN205
-        if ctx.too_large:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return g, None
-
-
-class BackwardSizedNet(SizedNet):
-    """``SizedNet`` whose too-large batches run out of memory in backward, after some chunks took their gradients;
-    ``swallow``: its ``backward`` hook catches that and the step goes on with the gradients that arrived."""
-
-    def __init__(self, fits, swallow=False):  # noqa: ANN001
-        super().__init__(fits)
-        self.swallow = swallow
-
-    def forward(self, x, use_branch=True):  # noqa: ANN001, ANN201
-        too_large = self.fits is not None and x.shape[0] > self.fits
-        h = OutOfMemoryInBackward.apply(self.embed(x), too_large)
-        for blk in self.blocks:
-            h = h + blk(h)
-        return self.head(self.norm(h))
-
-    def backward(self, loss, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
-        try:
-            loss.backward(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            if not self.swallow:
-                raise
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["after_backward", "in_backward"])
