@@ -18,8 +18,9 @@ The early step says which chunks may (``takes``, set for one backward).
 
 What may read a gradient finds it in fp32, always: a second gradient for a parameter (pieces of one, summed in
 fp32 as before), the end of backward for a chunk not stepped in it, and a step the native kernel could not take
-widen the bf16 gradients into the fp32 shard first (``widen``), which is what the chunk would have held. A backward
-that raised leaves its chunks to the next backward's start, which widens them.
+widen the bf16 gradients into the fp32 shard first (``widen``), which is what the chunk would have held. The end of
+every backward widens what is left (``widen_all``), also of one that raised ([Note: a backward that raised] in
+``runtime/raised.py``).
 """
 
 from __future__ import annotations

@@ -139,7 +139,6 @@ class EarlyStep:
         self._held.clear()  # left only by a backward that raised: those chunks keep their shards
         self._handed = 0
         low = self.manager.grads.low  # [Note: gradients in bf16 until the step] in memory/low_grads.py
-        low.widen_all()  # left in bf16 only by a backward that raised
         one = self.active and self.manager.comm.world_size == 1  # nothing reads the gradients before the step:
         plain = one and self.speculation is None and self.clip_value is None  # no clip, no scaler
         ids = self.binding.host_adam.low_grad_chunks(self.binding.views()) if plain else set()
