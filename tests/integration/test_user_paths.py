@@ -25,11 +25,20 @@ STEPS = 12
     [dict(placement="host"), dict(device_memory_limit=600_000, chunk_numel=20_000)],
     ids=["host", "evicting_limit"],
 )
-def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, variant):
+def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, variant, monkeypatch):
     """[Note: parameters read outside their owner]: the root's read of the embedding's weight found its payload
     released and trained to NaN, silently. Now the root adopts it: the same parameters as plain Lightning. The
     limit is just above the smallest that holds the root's chunk through the step (587,268 bytes) and below the
-    model's payloads beside the activations, so payloads are evicted."""
+    model's payloads beside the activations, so payloads are evicted. The root adopts it once: its read after the
+    embedding's forward in every later step had been taken for a new adoption, and every step was traced and
+    repacked again (never planned, never stepped in backward)."""
+    from lightning_chunk.engine.runtime.warmup import WarmUpPlanner
+
+    replans = []
+    real = WarmUpPlanner.replan
+    monkeypatch.setattr(
+        WarmUpPlanner, "replan", lambda self, why, *a, **k: (replans.append(why), real(self, why, *a, **k))[1]
+    )
     shape = dict(dim=64, hidden=256, depth=4)
     ref = fit("auto", steps=STEPS, cls=layer_models.RootTiedNet, variant=variant, model_kwargs=shape)
     got = fit(
@@ -40,6 +49,7 @@ def test_a_tied_head_read_in_the_root_forward_trains_like_plain_lightning(kw, va
         model_kwargs=shape,
     )
     assert_same_params(ref, got, EXACT)
+    assert [r.name for r in replans] == ["WARM_UP", "OWNERS_CHANGED", "WARM_UP"]  # traced again once, then planned
     if "device_memory_limit" in kw:
         assert got.trainer_ref.strategy.memory_stats()["evictions"] > 0  # the limit did release payloads
 

@@ -265,6 +265,8 @@ class ChunkHooks:
     def _adopt(self, key: str, index: int) -> None:
         """``key``'s module owns parameter ``index`` from now on; a module that owned none is hooked from its next call
         on (this call keeps the parameter in use to its end)."""
+        if index in self.owners.owned.get(key, ()):  # read again after its co-owner let it go (a tied head): no change
+            return
         if self.owners.adopt(key, index):
             self._pre_backward[key] = self._make_pre_backward(key)
             self.backwards.add(key)

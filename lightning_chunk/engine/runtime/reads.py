@@ -16,8 +16,10 @@ innermost module of the model whose code runs (found on the Python stack; the ro
 ``forward``/``training_step`` outside every child): gathered now, in use until that module's forward ends, and
 from then on owned by that module as a parameter tied by assignment is — gathered at its forward and before its
 backward, counted by the trace, the chunk size and the limit check. The warm-up is traced again at the next
-training micro-batch, since the moments changed. This is DeepSpeed's ``ZeROOrderedDict``, which registers such
-parameters as "external parameters" of the running module. A read by iteration (an L2 penalty over
+training micro-batch, since the moments changed. Once: in later steps the tied head's read comes after the
+embedding's forward let the weight go again, and it is gathered for the read with no new adoption (each step's
+read had counted as one, and every step was traced and repacked again). This is DeepSpeed's ``ZeROOrderedDict``,
+which registers such parameters as "external parameters" of the running module. A read by iteration (an L2 penalty over
 ``self.parameters()``, values recorded in ``training_step``) is usually a one-off, and adopting every parameter
 for good would keep the whole model gathered for every later step: it is *held* instead, gathered and in use
 until this micro-batch's backward ends (its graph may read it there), and let go after.
