@@ -4,7 +4,9 @@ import torch
 from lightning_chunk.engine.chunks.packing import (
     ALIGN_NUMEL,
     ChunkKey,
+    ChunkSpec,
     ParamSpec,
+    Slot,
     build_layout,
     choose_chunk_numel,
     keep_slots,
@@ -122,8 +124,38 @@ def test_a_chunk_that_holds_what_it_held_keeps_its_slots_and_the_rest_follow_the
     assert kept == old
     moved = build_layout(ps, [0, 2, 3, 4, 1, 5], 160, world_size=1)  # p4 now comes before p1: the chunks differ
     assert [[s.param_index for s in c.slots] for c in moved.chunks] == [[0, 2, 3], [4, 1, 5]]
-    assert keep_slots(moved, old) == moved
+    kept = keep_slots(moved, old)  # the first holds most of what it held, where it held it; p1's place is padding
+    assert kept.chunks[0] == ChunkSpec(0, K0, tuple(s for s in old.chunks[0].slots if s.param_index != 1), 160)
+    assert kept.chunks[1] == moved.chunks[1]  # the last chunk is trimmed to another capacity: packed anew
     swapped = build_layout(ps, [2, 3, 0, 1, 4, 5], 160, world_size=1)  # same chunks, the first reordered
     kept = keep_slots(swapped, old)
     assert kept.chunks == old.chunks and kept.order == (0, 1, 2, 3, 4, 5)
     assert keep_slots(build_layout(ps, [0, 2, 3, 1, 5, 4], 160, world_size=2), old).chunks[0].slots[1].param_index == 2
+
+
+def test_a_chunk_whose_small_parameters_cross_its_bounds_keeps_the_others_in_their_old_slots():
+    """[Note: a chunk's parameters in their old places]: blocks of a norm (16), a weight (64) and a norm (16) used
+    after the next block's first norm, two blocks a chunk. First-use order moves each chunk's last norm into the next
+    chunk and the next chunk's first norm into it: no chunk holds what it held. Each keeps what stayed where it was,
+    and the newcomer takes the place of the one that left."""
+    ps = specs(*[(n, K0) for _ in range(6) for n in (16, 64, 16)])
+    first_use = [0, 1, 3, 2, 4, 6, 5, 7, 9, 8, 10, 12, 11, 13, 15, 14, 16, 17]
+    old = build_layout(ps, list(range(18)), 192, world_size=2)
+    new = build_layout(ps, first_use, 192, world_size=2)
+    assert [[s.param_index for s in c.slots] for c in new.chunks] == [
+        [0, 1, 3, 2, 4, 6], [5, 7, 9, 8, 10, 12], [11, 13, 15, 14, 16, 17]]  # fmt: skip
+    kept = keep_slots(new, old)
+    at = [{s.param_index: s.offset for s in c.slots} for c in kept.chunks]
+    assert at == [
+        {0: 0, 1: 16, 2: 80, 3: 96, 4: 112, 6: 176},  # p6 where p5 was
+        {5: 0, 7: 16, 8: 80, 9: 96, 10: 112, 12: 176},
+        {11: 0, 13: 16, 14: 80, 15: 96, 16: 112, 17: 176},
+    ]
+    assert kept.order == (0, 1, 2, 3, 4, 6, 5, 7, 8, 9, 10, 12, 11, 13, 14, 15, 16, 17)
+    # where what stayed is less than half of it, a chunk is packed anew; so is one whose newcomer finds no room
+    assert keep_slots(build_layout(ps, list(range(17, -1, -1)), 192, world_size=2), old).chunks[0].slots[0].offset == 0
+    tight = specs((16, K0), (96, K0), (16, K0), (32, K0))
+    old = build_layout(tight, [0, 1, 2, 3], 128, world_size=1)
+    new = build_layout(tight, [1, 3, 0, 2], 128, world_size=1)
+    assert new.chunks[0] == ChunkSpec(0, K0, (Slot(1, 0, 0, 96), Slot(3, 0, 96, 32)), 128)
+    assert keep_slots(new, old) == new  # p1 kept at 16 leaves 16 elements either side of it: p3 fits in neither
