@@ -73,6 +73,51 @@ class Ordered(Reversed):
         return x
 
 
+class LateNorms(nn.Module):
+    """Blocks whose second norm is used after the next block's first (Llama's registration): first-use order moves
+    norms across the bounds of chunks of three and a half blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(first=nn.LayerNorm(64), late=nn.LayerNorm(64), linear=nn.Linear(64, 64)))
+            for _ in range(16)
+        )
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b["late"](x + b["linear"](b["first"](x)))
+        return x
+
+
+def shifted(out: Path, rank: int) -> None:
+    """[Note: a chunk that keeps its buffers] on several ranks: the warm-up's repack keeps the host chunks whose
+    norms crossed their bounds, all-gathering each only to copy out what left it; the same bits as rebuilding them."""
+    from lightning_chunk.engine.chunks.kept import pair_chunks
+
+    report: dict = {}
+    for name, pairing in (("kept", pair_chunks), ("rebuilt", lambda *a: {})):
+        repack.pair_chunks = pairing
+        gathered.clear()
+        torch.manual_seed(0)
+        model = LateNorms()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        config = ChunkConfig(placement="host", chunk_numel=16384, check_invariants=True)
+        comm = Collectives(timeout_s=30)
+        eng = ChunkEngine(model, [opt], config=config, device=torch.device("cpu"), collectives=comm)
+        for i in range(3):
+            step(eng, model, opt, torch.randn(8, 64, generator=torch.Generator().manual_seed(rank + 2 * i)))
+        stats = eng.memory_stats()
+        report[name] = dict(kept=stats["kept_chunks"], repacked=stats["repacked_chunks"], loaded=len(gathered))
+        report[name]["all_gather_bytes"] = stats["all_gather_bytes"]  # the steps' and the repack's
+        report[name]["state"] = {k: v.clone() for k, v in eng.full_state_dict().items()}
+        eng.teardown(materialize=False)
+    repack.pair_chunks = pair_chunks
+    a, b = report["kept"].pop("state"), report["rebuilt"].pop("state")
+    report["same"] = all(torch.equal(v, b[k]) for k, v in a.items())
+    (out / f"repack.shifted.{rank}.json").write_text(json.dumps(report))
+
+
 def run(out: Path, rank: int, placement: str, limit: int) -> None:
     peak["held"] = 0
     gathered.clear()
@@ -101,6 +146,9 @@ def run(out: Path, rank: int, placement: str, limit: int) -> None:
 if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for case in sys.argv[2:]:
+        if case == "shifted":
+            shifted(Path(sys.argv[1]), int(os.environ["RANK"]))
+            continue
         placement, limit = case.split(":")
         run(Path(sys.argv[1]), int(os.environ["RANK"]), placement, int(limit))
     dist.destroy_process_group()

@@ -35,9 +35,19 @@ def test_a_repack_under_a_device_limit_holds_only_this_rank_s_share_on_the_host(
 def test_a_repack_on_several_ranks_gathers_only_the_chunks_that_change(tmp_path):
     """[Note: a chunk that keeps its buffers]: a model used in its registration order keeps its layout at the
     warm-up, and the chunks that stay on the host keep their shards on every rank, with no all-gather; before, the
-    repack all-gathered every old chunk."""
-    ranks = Ranks(WORKER, tmp_path, "ordered-auto:4000000", world_size=2, env=AS_NCCL).wait(timeout=180)
+    repack all-gathered every old chunk. A model whose norms cross the chunks' bounds in first-use order keeps them
+    too (it rebuilt them all)."""
+    ranks = Ranks(WORKER, tmp_path, "ordered-auto:4000000", "shifted", world_size=2, env=AS_NCCL).wait(timeout=180)
     assert all(rc == 0 for rc, *_ in ranks), "".join(so + se for _, so, se, _ in ranks)[-3000:]
     got = [json.loads((tmp_path / f"repack.ordered-auto.{r}.json").read_text()) for r in range(2)]
     assert got[0]["tiers"] == ["DEVICE", "HOST"] and got[0]["gathered"] == got[1]["gathered"], got
     assert 0 < got[0]["gathered"] < got[0]["chunks"], got  # the chunks moved to the device, and those only
+    # norms that crossed the chunks' bounds: the chunks keep their shards, the same bits as rebuilt
+    shifted = [json.loads((tmp_path / f"repack.shifted.{r}.json").read_text()) for r in range(2)]
+    assert shifted[0] == shifted[1] and shifted[0]["same"], shifted
+    kept, rebuilt = shifted[0]["kept"], shifted[0]["rebuilt"]
+    assert kept["repacked"] == rebuilt["repacked"] > kept["kept"] >= kept["repacked"] - 1 > 0 == rebuilt["kept"], kept
+    assert kept["loaded"] <= 1 < rebuilt["loaded"] == rebuilt["repacked"], shifted
+    # each kept chunk's master and gradient no longer all-gathered (16,384 fp32 elements each), only what left it
+    saved = rebuilt["all_gather_bytes"] - kept["all_gather_bytes"]
+    assert 0.95 * kept["kept"] * 2 * 16384 * 4 <= saved <= kept["kept"] * 2 * 16384 * 4, shifted

@@ -84,37 +84,6 @@ def assert_as_plain(eng, ref) -> None:
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
 
 
-class NormAfter(nn.Module):
-    """A block as Llama registers it: both norms before the attention, the second used after it."""
-
-    def __init__(self):
-        super().__init__()
-        self.input_norm, self.post_norm = nn.LayerNorm(16), nn.LayerNorm(16)
-        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
-
-    def forward(self, x):
-        h = x + self.o(torch.relu(self.q(self.input_norm(x))))
-        return h + self.post_norm(h)
-
-
-def test_chunks_the_warm_up_only_reorders_inside_are_left_as_they_are():
-    """[Note: a chunk's parameters in their old places]: one block a chunk, in registration order and in first-use
-    order alike, but each block's second norm moves within its chunk; the repack rebuilt every chunk, and kept none
-    of its buffers. Now the warm-up leaves the layout and every buffer as they were, and training is as exact."""
-    torch.manual_seed(0)
-    m, ref = nn.Sequential(*(NormAfter() for _ in range(3))), nn.Sequential(*(NormAfter() for _ in range(3)))
-    ref.load_state_dict(m.state_dict())
-    opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
-    block = sum(-(-p.numel() // 16) * 16 for p in m[0].parameters())  # [Note: aligned parameters]
-    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=block, check_invariants=True))
-    layout = eng.manager.layout
-    buffers = [c.master.data_ptr() for c in eng.manager.chunks]
-    steps_beside_plain(eng, m, opt, ref, oref, steps=3, width=16)
-    assert eng.warmed_up and len(layout.chunks) == 3
-    assert eng.manager.layout == layout and [c.master.data_ptr() for c in eng.manager.chunks] == buffers
-    assert_as_plain(eng, ref)
-
-
 def test_saved_bytes_counter_counts_activations_once_and_releases_them():
     w = nn.Parameter(torch.randn(64, 64))
     counter = SavedBytesCounter(lambda t: False)

@@ -29,14 +29,27 @@ def fill_range(
             continue
         if a > done:
             out[done - lo : a - lo].zero_()
+        write_slots(out, (s,), lo, piece)
+        done = b
+    if done < hi:
+        out[done - lo :].zero_()
+
+
+def write_slots(
+    out: torch.Tensor, slots: tuple[Slot, ...], lo: int, piece: Callable[[int, int, int], torch.Tensor | None]
+) -> None:
+    """The elements of ``slots`` that ``out`` holds (a chunk's ``[lo, lo + out.numel())``) from ``piece``, as
+    ``fill_range`` writes them; nothing else of ``out``."""
+    hi = lo + out.numel()
+    for s in slots:
+        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if a >= b:
+            continue
         got = piece(s.param_index, a - s.offset, b - s.offset)
         if got is None:
             out[a - lo : b - lo].zero_()
         else:  # from another device: converted where it is, and only the converted bytes cross
             out[a - lo : b - lo].copy_(got if got.device == out.device else got.to(out.dtype))
-        done = b
-    if done < hi:
-        out[done - lo :].zero_()
 
 
 def zero_gaps(out: torch.Tensor, slots: tuple[Slot, ...], lo: int, keep: Callable[[int], bool]) -> None:
@@ -113,11 +126,11 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
     )
     with mgr.ledger.tracked(chunk):
         chunk.payload = torch.empty(chunk.capacity_numel, dtype=chunk.compute_dtype, device=mgr.device)
-        if taken is not None:
-            chunk.master, chunk.low, kept_grad = taken
-            zero_gaps(chunk.master, spec.slots, lo, lambda i: True)  # the padding
-            if chunk.low is not None:
-                zero_gaps(chunk.low, spec.slots, lo, lambda i: True)
+        if taken is not None:  # the parameters that came written where others were, the padding zeroed again
+            chunk.master, chunk.low, kept_grad = taken.master, taken.low, taken.grad
+            for out in (chunk.master, chunk.low) if chunk.low is not None else (chunk.master,):
+                zero_gaps(out, spec.slots, lo, lambda i: True)
+                write_slots(out, taken.fresh, lo, lambda i, a, b: flat_piece(source.value(i), a, b))
         elif chunk.aliased and chunk.master_is_payload():
             values_into(chunk.payload, 0)
         else:
@@ -136,6 +149,8 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
                 chunk.grad = kept_grad
                 if with_grad:
                     zero_gaps(chunk.grad, spec.slots, lo, source.has_grad)
+                    came = tuple(s for s in taken.fresh if source.has_grad(s.param_index))
+                    write_slots(chunk.grad, came, lo, lambda i, a, b: flat_piece(source.grad(i), a, b))
             else:
                 chunk.grad = mgr.tiers.alloc(chunk, Role.GRAD, chunk.master_dtype)
                 if with_grad:

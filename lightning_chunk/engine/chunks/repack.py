@@ -37,6 +37,7 @@ that its new shard holds, sliced at once so nothing whole outlives its old chunk
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -45,6 +46,7 @@ from ..files.weights import ModuleWeights
 from ..system.host_heap import release_freed_memory
 from .build import fill_range, flat_piece
 from .chunk import Chunk, Tier
+from .kept import Kept, gather_pieces, pair_chunks
 from .materialize import DeferredInit
 from .packing import ChunkSpec, Layout
 
@@ -186,10 +188,17 @@ class OldChunks:
     """The chunks of the layout being replaced, read one at a time (see [Note: streaming repack])."""
 
     def __init__(
-        self, mgr: ChunkManager, chunks: list[Chunk], *, extras: ExtraShards | None = None, eager: bool = False
+        self,
+        mgr: ChunkManager,
+        chunks: list[Chunk],
+        tiers: Mapping[int, Tier],
+        *,
+        extras: ExtraShards | None = None,
+        eager: bool = False,
     ) -> None:
         self.mgr = mgr
         self.extras = extras
+        self.chunks, self.tiers = chunks, tiers
         self.owner = {t.slot.param_index: c for c in chunks for t in c.tensors}
         self.left = {c.chunk_id: len(c.tensors) for c in chunks}
         self.loaded: set[int] = set()  # old chunk ids already read
@@ -201,6 +210,13 @@ class OldChunks:
         # an old device shard staged on the host: (master, gradient or None, extra state), this rank's pieces only
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = {}
         self._read_in_place: dict[int, Chunk] = {}  # old chunks read where they are, dropped once placed
+        # [Note: a chunk that keeps its buffers] in kept.py: new chunk id -> the old chunk it keeps (``build_order``);
+        # per old chunk kept, the parameters its keeper holds, whether the others were copied out, its extra state
+        self._keeps: dict[int, Chunk] = {}
+        self._stays: dict[int, set[int]] = {}
+        self._emptied: set[int] = set()
+        self._taken: dict[int, dict[str, torch.Tensor]] = {}
+        self.kept = 0  # new chunks that kept an old chunk's buffers
         if eager:
             for c in chunks:
                 if c.shard_tier is Tier.DEVICE:
@@ -243,7 +259,7 @@ class OldChunks:
         else:
             master = c.master_tensor_for_read()
             grad = c.grad if mgr.grads.to_move(c) else None
-            shards = self.extras.take(c) if self.extras else {}
+            shards = self._extras_of(c, keep=False)
         was_staged = staged is not None
         in_place = mgr.comm.world_size == 1 and (was_staged or _in_host_memory(c, master))
         if in_place:
@@ -268,57 +284,87 @@ class OldChunks:
             release_freed_memory()  # freed heap blocks are not reused in this pattern of sizes: give them back now
         self.loaded.add(c.chunk_id)
 
-    def adopt(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-        """The shard buffers of the old chunk ``chunk`` replaces unchanged, for it to keep: ``(master, compute copy,
-        gradient)``, the gradient ``None`` where it has none to give; ``None`` where there is no such chunk.
+    def _extras_of(self, c: Chunk, *, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Old chunk ``c``'s extra state, laid out like its shard: taken from its holder once, and kept here for the
+        chunk that keeps ``c`` where ``keep``."""
+        extra = self._taken.pop(c.chunk_id) if c.chunk_id in self._taken else self.extras.take(c) if self.extras else {}
+        if keep:
+            self._taken[c.chunk_id] = extra
+        return extra
 
-        [Note: a chunk that keeps its buffers]
-        A repack rebuilds every chunk, yet most often most of them come out as they were: the warm-up's layout in
-        first-use order is the registration order's for a stack of blocks (a chunk's parameters stay in their old
-        places: [Note: a chunk's parameters in their old places] in ``packing.py``), and the chunks that stay on the
-        host keep their tier. Such a chunk's host shard is the new one, byte for byte: the new chunk takes its master,
-        compute copy and gradient as they are, and only the padding is zeroed again (a gradient's, and the parameters'
-        that carry none). On a GPU that spares a pinned allocation and a copy of each such shard (a repack after the
-        warm-up of 10B parameters keeps some 45 GB of them on the host); with several ranks, its all-gather too: every
-        rank decides alike, as the layouts and tiers are the same on every rank. The optimizer state still moves by
-        piece ([Note: optimizer state through a repack])."""
+    def _open(self, c: Chunk) -> None:
+        """Old chunk ``c``'s values for the new chunks that hold its parameters: all of them, or those its keeper
+        does not hold."""
+        if c.chunk_id in self._stays:
+            self._take_out(c)
+        else:
+            self._load(c)
+
+    def _take_out(self, c: Chunk) -> None:
+        """Copy out the values, gradients and extra state of the parameters of ``c`` that its keeper does not hold,
+        whole (on several ranks through an all-gather of their pieces), and leave its buffers to the keeper."""
+        if c.chunk_id in self._emptied:
+            return
+        self._emptied.add(c.chunk_id)
+        leaving = [t for t in c.tensors if t.slot.param_index not in self._stays[c.chunk_id]]
+        extra = self._extras_of(c)
+        if not leaving:
+            return
         mgr = self.mgr
-        old = self.owner[chunk.spec.slots[0].param_index]
-        same = (
-            chunk.shard_tier is Tier.HOST
-            and old.shard_tier is Tier.HOST
-            and old.chunk_id not in self.loaded
-            and old.master is not None
-            and old.spec.key == chunk.spec.key
-            and old.capacity_numel == chunk.capacity_numel
-            and (old.master_dtype, old.compute_dtype) == (chunk.master_dtype, chunk.compute_dtype)
-            and [(s.param_index, s.offset, s.numel) for s in old.spec.slots]
-            == [(s.param_index, s.offset, s.numel) for s in chunk.spec.slots]
-        )
-        if not same:
+        master, grad = c.master_tensor_for_read(), (c.grad if mgr.grads.to_move(c) else None)
+        if mgr.comm.world_size > 1:  # the same old chunks, in the same order, on every rank
+            spans, at = {}, 0
+            for t in leaving:  # each one's place in the pieces gathered, back to back
+                spans[t.slot.param_index], at = slice(at, at + t.numel), at + t.numel
+            master = gather_pieces(mgr, c, master, leaving)
+            grad = gather_pieces(mgr, c, grad, leaving) if grad is not None else None
+            extra = {k: gather_pieces(mgr, c, v, leaving) for k, v in extra.items()}
+        else:  # the shard is the whole chunk
+            spans = {t.slot.param_index: slice(t.offset, t.offset + t.numel) for t in leaving}
+        for t in leaving:
+            i, span = t.slot.param_index, spans[t.slot.param_index]
+            self._values[i] = master[span].clone()
+            if grad is not None and i in self.had_grad:
+                self._grads[i] = grad[span].clone()
+            if extra:
+                self._extra[i] = {k: v[span].clone() for k, v in extra.items()}
+
+    def adopt(self, chunk: Chunk) -> Kept | None:
+        """The shard buffers of the old chunk ``chunk`` keeps, for it to take ([Note: a chunk that keeps its
+        buffers] in ``kept.py``); ``None`` where it keeps none."""
+        old = self._keeps.get(chunk.chunk_id)
+        if old is None:
             return None
-        extra = self.extras.take(old) if self.extras else {}
-        lo = chunk.shard_range[0]
-        for t in old.tensors if extra else ():  # this rank's pieces, where the old shard held them
+        assert (old.master_dtype, old.compute_dtype) == (chunk.master_dtype, chunk.compute_dtype)
+        self._take_out(old)
+        extra = self._taken.pop(old.chunk_id, {})
+        stays, lo = self._stays[old.chunk_id], chunk.shard_range[0]
+        for t in old.tensors if extra else ():  # this rank's pieces of those it holds, where the old shard held them
             a, b = piece_range(chunk, t.offset, t.numel)
-            if a < b:
+            if a < b and t.slot.param_index in stays:
                 assert self.extras is not None
                 self.extras.give(
                     t.slot.param_index, {k: v[a - lo : b - lo].clone() for k, v in extra.items()}, chunk, a - lo
                 )
         master = old.master
         assert master is not None
+        mgr = self.mgr
         with mgr.ledger.tracked(old):  # they leave the old chunk's accounting for the new one's
             grad = old.grad if old.grad is not None and not old.grad_released else None
-            taken = (master, old.low, grad)
+            fresh = tuple(s for s in chunk.spec.slots if self.owner[s.param_index] is not old)
+            taken = Kept(master, old.low, grad, fresh)
             old.master = old.low = None
             if grad is not None:
                 old.grad = None
         mgr.drop(old)
         self.loaded.add(old.chunk_id)
+        self.kept += 1
         return taken
 
     def build_order(self, layout: Layout) -> list[ChunkSpec]:
+        self._keeps = pair_chunks(layout, self.chunks, self.tiers)
+        members = {spec.chunk_id: {s.param_index for s in spec.slots} for spec in layout.chunks}
+        self._stays = {c.chunk_id: members[new] for new, c in self._keeps.items()}
         return list(layout.chunks)  # the order every rank all-gathers the old chunks in
 
     def same_everywhere(self, chunk: Chunk) -> bool:
@@ -329,11 +375,11 @@ class OldChunks:
 
     def fill(self, out: torch.Tensor, chunk: Chunk, lo: int) -> None:
         for s in chunk.spec.slots:  # every rank gathers the same old chunks in one order, whatever pieces it keeps
-            self._load(self.owner[s.param_index])
+            self._open(self.owner[s.param_index])
         fill_range(out, chunk.spec.slots, lo, lambda i, a, b: flat_piece(self.value(i), a, b))
 
     def value(self, i: int) -> torch.Tensor:
-        self._load(self.owner[i])
+        self._open(self.owner[i])
         return self._values[i]
 
     def has_grad(self, i: int) -> bool:
@@ -342,7 +388,7 @@ class OldChunks:
     def grad(self, i: int) -> torch.Tensor | None:
         if i not in self.had_grad:
             return None
-        self._load(self.owner[i])
+        self._open(self.owner[i])
         return self._grads.get(i)
 
     # ----------------------------------------------------------------- writes

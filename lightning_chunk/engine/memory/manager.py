@@ -49,6 +49,8 @@ class TransferStats:
     gathers: int = 0
     waiting_releases: int = 0  # payloads released while their gradients waited to reduce (the last resort)
     masters_written: int = 0  # batches before which the compute copies were made again ([Note: the optimizer's ...])
+    repacked_chunks: int = 0  # chunks built by repacks, and of those the ones that kept their old shard buffers
+    kept_chunks: int = 0  # ([Note: a chunk that keeps its buffers] in ``chunks/kept.py``)
 
 
 class ChunkManager:
@@ -190,7 +192,7 @@ class ChunkManager:
         else:
             on_device = any(c.shard_tier is Tier.DEVICE for c in self.chunks) or Tier.DEVICE in tiers.values()
             eager = self.limit is not None and on_device  # old and new device shards must not overlap
-            values = OldChunks(self, self.chunks, extras=extras, eager=eager)
+            values = OldChunks(self, self.chunks, tiers, extras=extras, eager=eager)
             self._retiring, self.chunks, self._where = self.chunks, [], {}
         self.layout = layout
         for spec in values.build_order(layout):
@@ -206,6 +208,9 @@ class ChunkManager:
             self.changed()
         self.chunks.sort(key=lambda c: c.chunk_id)
         assert values.done()
+        if not first:
+            self.transfers.repacked_chunks += len(self.chunks)
+            self.transfers.kept_chunks += values.kept
         self._retiring = []
         self.all_aliased = bool(self.chunks) and all(c.aliased for c in self.chunks)
         self.reducer.reset_order(self.chunks)

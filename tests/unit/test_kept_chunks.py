@@ -1,0 +1,73 @@
+"""[Note: a chunk's parameters in their old places] and [Note: a chunk that keeps its buffers]: what a repack after
+the warm-up keeps of the chunks it replaces."""
+
+import torch
+import torch.nn as nn
+
+from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from lightning_chunk.engine.chunks import repack
+from tests.unit.test_engine import assert_as_plain, steps_beside_plain
+
+
+class NormAfter(nn.Module):
+    """A block as Llama registers it: both norms before the attention, the second used after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_norm, self.post_norm = nn.LayerNorm(16), nn.LayerNorm(16)
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = x + self.o(torch.relu(self.q(self.input_norm(x))))
+        return h + self.post_norm(h)
+
+
+def test_chunks_the_warm_up_only_reorders_inside_are_left_as_they_are():
+    """[Note: a chunk's parameters in their old places]: one block a chunk, in registration order and in first-use
+    order alike, but each block's second norm moves within its chunk; the repack rebuilt every chunk, and kept none
+    of its buffers. Now the warm-up leaves the layout and every buffer as they were, and training is as exact."""
+    torch.manual_seed(0)
+    m, ref = nn.Sequential(*(NormAfter() for _ in range(3))), nn.Sequential(*(NormAfter() for _ in range(3)))
+    ref.load_state_dict(m.state_dict())
+    opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
+    block = sum(-(-p.numel() // 16) * 16 for p in m[0].parameters())  # [Note: aligned parameters]
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=block, check_invariants=True))
+    layout = eng.manager.layout
+    buffers = [c.master.data_ptr() for c in eng.manager.chunks]
+    steps_beside_plain(eng, m, opt, ref, oref, steps=3, width=16)
+    assert eng.warmed_up and len(layout.chunks) == 3
+    assert eng.manager.layout == layout and [c.master.data_ptr() for c in eng.manager.chunks] == buffers
+    assert_as_plain(eng, ref)
+
+
+def late_norms(eng_config: ChunkConfig, steps: int = 4):
+    """Six ``NormAfter`` blocks on an engine under ``eng_config`` beside their plain twin: the engine, its set-up
+    chunks' master buffers, the twin."""
+    torch.manual_seed(0)
+    m, ref = nn.Sequential(*(NormAfter() for _ in range(6))), nn.Sequential(*(NormAfter() for _ in range(6)))
+    ref.load_state_dict(m.state_dict())
+    opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
+    eng = ChunkEngine(m, [opt], config=eng_config)
+    buffers = {c.master.data_ptr() for c in eng.manager.chunks}
+    steps_beside_plain(eng, m, opt, ref, oref, steps=steps, width=16)
+    return eng, buffers, ref
+
+
+def test_chunks_whose_small_parameters_cross_their_bounds_keep_their_buffers(monkeypatch):
+    """A block and a bit a chunk: first-use order moves a block's second norm into the next chunk and the next
+    block's out of it, so no chunk holds what it held, and the repack rebuilt every one. Now each keeps the old
+    chunk's buffers and slots for what stayed, the norms that came are written where the ones that left were (their
+    values and the warm-up step's gradients), and training is bit for bit what rebuilding them gave."""
+    config = ChunkConfig(placement="host", chunk_numel=700, check_invariants=True)
+    eng, buffers, ref = late_norms(config)
+    before = [[s.param_index for s in c.slots] for c in eng.manager.layout.chunks]
+    stats = eng.memory_stats()
+    assert stats["repacked_chunks"] == 6 and stats["kept_chunks"] == 5  # the last, trimmed to its own size: anew
+    assert sum(c.master.data_ptr() in buffers for c in eng.manager.chunks) == 5
+    assert_as_plain(eng, ref)
+    kept = eng.full_state_dict()
+    monkeypatch.setattr(repack, "pair_chunks", lambda *a: {})  # every chunk rebuilt, as before
+    again, _, _ = late_norms(config)
+    assert [[s.param_index for s in c.slots] for c in again.manager.layout.chunks] == before
+    assert again.memory_stats()["kept_chunks"] == 0
+    assert all(torch.equal(v, again.full_state_dict()[k]) for k, v in kept.items())
