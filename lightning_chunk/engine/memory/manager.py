@@ -105,9 +105,7 @@ class ChunkManager:
         self.chunks: list[Chunk] = []
         self.layout: Layout | None = None
         self._where: dict[int, tuple[Chunk, TensorInfo]] = {}
-        self.ledger = Ledger(
-            self.limit, self.comm.all_rank, self.device, limit_origin
-        )  # chunk bytes a tier, in the limit
+        self.ledger = Ledger(self.limit, self.comm.all_rank, self.device, limit_origin)  # chunk bytes a tier
         self.transfers = TransferStats()
         self.clock = StepClock()  # [Note: where a step's time goes]; the collectives charge their waits to it
         self.comm.clock = self.clock
@@ -124,12 +122,10 @@ class ChunkManager:
             host_limit=config.host_memory_limit,
         )
         self.pool = BlockPool(self.device)  # [Note: a pool of payload blocks]
-        # several ranks: when each chunk's gradients reduce
-        self.reducer = GradReducer(self, pinned=bool(pin), exact=self.tiers.host.exact)
+        self.reducer = GradReducer(self, pinned=bool(pin), exact=self.tiers.host.exact)  # when gradients reduce
         self.grads = ChunkGrads(self)  # from backward to the optimizer
         self.optim_state_made = False  # an optimizer stepped: its state exists
         self.readers = ShardReaders()  # a save written beside training ([Note: training beside a save])
-        # ([Note: optimizer state the warm-up does not see])
         self.on_change: Callable[[], None] | None = None  # test hook: called after every operation
 
     # ================================================================ accounting
