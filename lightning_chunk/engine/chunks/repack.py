@@ -337,6 +337,9 @@ class OldChunks:
             return None
         assert (old.master_dtype, old.compute_dtype) == (chunk.master_dtype, chunk.compute_dtype)
         self._take_out(old)
+        fresh = tuple(s for s in chunk.spec.slots if self.owner[s.param_index] is not old)
+        for s in fresh:  # every rank reads the same old chunks in one order, whatever pieces its shard holds
+            self._open(self.owner[s.param_index])
         extra = self._taken.pop(old.chunk_id, {})
         stays, lo = self._stays[old.chunk_id], chunk.shard_range[0]
         for t in old.tensors if extra else ():  # this rank's pieces of those it holds, where the old shard held them
@@ -351,7 +354,6 @@ class OldChunks:
         mgr = self.mgr
         with mgr.ledger.tracked(old):  # they leave the old chunk's accounting for the new one's
             grad = old.grad if old.grad is not None and not old.grad_released else None
-            fresh = tuple(s for s in chunk.spec.slots if self.owner[s.param_index] is not old)
             taken = Kept(master, old.low, grad, fresh)
             old.master = old.low = None
             if grad is not None:
