@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .chunk import Chunk, TensorInfo, Tier
-from .packing import Layout, Slot, holds_most
+from .packing import Layout, Slot, holding_most
 
 if TYPE_CHECKING:  # the manager imports this package
     from ..memory.manager import ChunkManager
@@ -41,33 +41,18 @@ class Kept:
 
 
 def pair_chunks(layout: Layout, old: list[Chunk], tiers: Mapping[int, Tier]) -> dict[int, Chunk]:
-    """New chunk id -> the old chunk whose buffers it keeps: both on the host, of one key and capacity, and the
-    parameters in the same slots of both at least half of each (``holds_most``); each old chunk kept once."""
-    was = {t.slot.param_index: (c, t.slot) for c in old for t in c.tensors}
+    """New chunk id -> the old chunk whose buffers it keeps: both on the host, and the parameters in the same slots
+    of both at least half of each (``holding_most``); each old chunk kept once."""
+    owner = {s.param_index: (c.spec, s) for c in old for s in c.spec.slots}
+    chunk_of = {c.chunk_id: c for c in old}
     pairs: dict[int, Chunk] = {}
-    used: set[int] = set()
     for spec in layout.chunks:
         if tiers.get(spec.chunk_id, Tier.HOST) is not Tier.HOST:
             continue
-        same: dict[int, int] = {}
-        chunk_of: dict[int, Chunk] = {}
-        for s in spec.slots:
-            c, slot = was[s.param_index]
-            if (slot.offset, slot.numel) == (s.offset, s.numel) and c.chunk_id not in used:
-                same[c.chunk_id] = same.get(c.chunk_id, 0) + s.numel
-                chunk_of[c.chunk_id] = c
-        if not same:
-            continue
-        best = max(same, key=lambda k: (same[k], -k))
-        c = chunk_of[best]
-        if (
-            c.shard_tier is Tier.HOST
-            and c.master is not None
-            and (c.spec.key, c.capacity_numel) == (spec.key, spec.capacity_numel)
-            and holds_most(same[best], spec, c.spec)
-        ):
+        was = holding_most(spec, owner, {c.chunk_id for c in pairs.values()}, same_slots=True)
+        c = chunk_of[was.chunk_id] if was is not None else None
+        if c is not None and c.shard_tier is Tier.HOST and c.master is not None:
             pairs[spec.chunk_id] = c
-            used.add(best)
     return pairs
 
 

@@ -14,7 +14,7 @@ Rules (DESIGN.md, "chunk"):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -302,16 +302,8 @@ def _in_old_places(
 ) -> tuple[int, ChunkSpec] | None:
     """The old chunk that held most of ``c`` and ``c`` laid out in it ([Note: a chunk's parameters in their old
     places]), its slots in offset order; ``None`` where no old chunk qualifies or the others do not fit."""
-    shared: dict[int, int] = {}
-    for s in c.slots:
-        was = owner[s.param_index][0]
-        if was.key == c.key and was.capacity_numel == c.capacity_numel and was.chunk_id not in taken:
-            shared[was.chunk_id] = shared.get(was.chunk_id, 0) + s.numel
-    if not shared:
-        return None
-    wid = max(shared, key=lambda k: (shared[k], -k))
-    was = next(owner[s.param_index][0] for s in c.slots if owner[s.param_index][0].chunk_id == wid)
-    if not holds_most(shared[wid], c, was):
+    was = holding_most(c, owner, taken, same_slots=False)
+    if was is None:
         return None
     members = {s.param_index for s in c.slots}
     slots = sorted((replace(s, chunk_id=c.chunk_id) for s in was.slots if s.param_index in members), key=_offset)
@@ -322,17 +314,32 @@ def _in_old_places(
                 return None
             slots.append(replace(s, offset=at))
             slots.sort(key=_offset)
-    return wid, ChunkSpec(c.chunk_id, c.key, tuple(slots), c.capacity_numel)
+    return was.chunk_id, ChunkSpec(c.chunk_id, c.key, tuple(slots), c.capacity_numel)
 
 
 def _offset(s: Slot) -> int:
     return s.offset
 
 
-def holds_most(shared_numel: int, new: ChunkSpec, old: ChunkSpec) -> bool:
-    """Whether ``new`` keeps ``old``'s slots and buffers: the elements both hold in the same slots are at least half
-    of each ([Note: a chunk's parameters in their old places])."""
-    return 2 * shared_numel >= max(new.used_numel, old.used_numel)
+def holding_most(
+    c: ChunkSpec, owner: Mapping[int, tuple[ChunkSpec, Slot]], taken: Collection[int], *, same_slots: bool
+) -> ChunkSpec | None:
+    """The old chunk of ``c``'s key and capacity, not in ``taken``, that holds the most of ``c``'s elements (``owner``:
+    each parameter's old chunk and slot), counting only those in the same slots where ``same_slots``; ``None`` where
+    those are less than half of either chunk ([Note: a chunk's parameters in their old places])."""
+    shared: dict[int, int] = {}
+    spec_of: dict[int, ChunkSpec] = {}
+    for s in c.slots:
+        was, slot = owner[s.param_index]
+        if (was.key, was.capacity_numel) != (c.key, c.capacity_numel) or was.chunk_id in taken:
+            continue
+        if not same_slots or (slot.offset, slot.numel) == (s.offset, s.numel):
+            shared[was.chunk_id] = shared.get(was.chunk_id, 0) + s.numel
+            spec_of[was.chunk_id] = was
+    if not shared:
+        return None
+    best = max(shared, key=lambda k: (shared[k], -k))
+    return spec_of[best] if 2 * shared[best] >= max(c.used_numel, spec_of[best].used_numel) else None
 
 
 def _first_fit(slots: list[Slot], numel: int, capacity: int) -> int | None:

@@ -259,7 +259,7 @@ class OldChunks:
         else:
             master = c.master_tensor_for_read()
             grad = c.grad if mgr.grads.to_move(c) else None
-            shards = self._extras_of(c, keep=False)
+            shards = self.extras.take(c) if self.extras else {}
         was_staged = staged is not None
         in_place = mgr.comm.world_size == 1 and (was_staged or _in_host_memory(c, master))
         if in_place:
@@ -284,14 +284,6 @@ class OldChunks:
             release_freed_memory()  # freed heap blocks are not reused in this pattern of sizes: give them back now
         self.loaded.add(c.chunk_id)
 
-    def _extras_of(self, c: Chunk, *, keep: bool = True) -> dict[str, torch.Tensor]:
-        """Old chunk ``c``'s extra state, laid out like its shard: taken from its holder once, and kept here for the
-        chunk that keeps ``c`` where ``keep``."""
-        extra = self._taken.pop(c.chunk_id) if c.chunk_id in self._taken else self.extras.take(c) if self.extras else {}
-        if keep:
-            self._taken[c.chunk_id] = extra
-        return extra
-
     def _open(self, c: Chunk) -> None:
         """Old chunk ``c``'s values for the new chunks that hold its parameters: all of them, or those its keeper
         does not hold."""
@@ -307,7 +299,7 @@ class OldChunks:
             return
         self._emptied.add(c.chunk_id)
         leaving = [t for t in c.tensors if t.slot.param_index not in self._stays[c.chunk_id]]
-        extra = self._extras_of(c)
+        extra = self._taken[c.chunk_id] = self.extras.take(c) if self.extras else {}  # the keeper's, for ``adopt``
         if not leaving:
             return
         mgr = self.mgr
