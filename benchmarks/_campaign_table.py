@@ -142,10 +142,13 @@ def render(res: dict) -> str:
         if "ddp_from" in parts["largest"]:  # no DDP row in this run
             src = parts["largest"]["ddp_from"]
             lines.append(f"\nT_gpu from DDP's TFLOP/s of {src.get('commit')} on {src.get('device')}")
-        for r in rows:  # where a lease's minutes went
+        for r in rows:  # where a lease's minutes went, and how its host shards were held
             if "set_up_s" in r:
                 first = _num(r["first_step_s"], ".1f")
                 lines.append(f"\n{r['contender']}: set-up {r['set_up_s']:.1f} s, warm-up step {first} s")
+            if "pin_why" in r:
+                paces = ", ".join(f"{k} {v}" for k, v in r.get("pin_gbps", {}).items())
+                lines.append(f"\n{r['contender']}: pin_memory={r['pin_memory']} ({r['pin_why']}; GB/s: {paces})")
         calls = call_lines(rows)
         lines += ["", *calls] if calls else []
         done = [r for r in rows if "of_host_capacity" in r]

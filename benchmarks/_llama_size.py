@@ -42,6 +42,66 @@ def host_bytes() -> int:
     return avail
 
 
+PIN_SHARE = 0.25  # of the largest part's budget: the most set-up may spend in torch's pinned blocks (cudaHostAlloc)
+
+
+def first_touch_gbps(nbytes: int) -> float:
+    """Host memory this process never touched, written once: the pace of a large model's set-up, which fills some
+    hundred GB of fresh pages (0.35 to 0.64 GB/s on a 2-core VM, which rewrites touched memory at 23)."""
+    import torch
+
+    t = time.perf_counter()
+    torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    return nbytes / (time.perf_counter() - t) / 1e9
+
+
+def pinning_paces(nbytes: int = 1 << 30) -> dict[str, Any]:
+    """GB/s of pinning fresh host memory, as a set-up pins its shards: torch's pinned blocks (``cudaHostAlloc``, whose
+    pages are faulted in on one thread) and page-locking to the byte (``pin_memory="exact"``: a first touch on
+    torch's threads, then ``cudaHostRegister``; [Note: exact pinned memory]). The 9.0B try of 2026-12-04 spent 148
+    s in set-up in torch's blocks, with nothing measured to say how much of it was pinning."""
+    import torch
+
+    from lightning_chunk.engine.system.exact_pinned import ExactPinned
+    from lightning_chunk.engine.system.host_heap import release_pinned_cache
+
+    paces: dict[str, Any] = {}
+    try:
+        torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)  # the CUDA context and the allocator, not timed
+        for name, make in (
+            ("torch", lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)),
+            ("exact", lambda: ExactPinned().empty(nbytes, torch.uint8)),
+        ):
+            t = time.perf_counter()
+            block = make()
+            paces[name] = round(nbytes / (time.perf_counter() - t) / 1e9, 2)
+            del block
+        torch.cuda.synchronize()
+        release_pinned_cache()  # torch's cached block goes back: the child pins its own
+    except Exception as e:  # noqa: BLE001 - a probe that fails costs the row nothing but its reason
+        paces["failed"] = str(e)[:200]
+    return paces
+
+
+def choose_pinning(
+    exact_ok: bool, paces: dict[str, Any], plans: dict[bool, tuple[int, int]], seconds: float
+) -> tuple[bool | str, str]:
+    """How the largest try holds its host shards, and why: to the byte where ``tests/gpu``'s checks of it passed; else
+    pageable where its plan fits more layers than torch's power-of-two pinned blocks allow (the goal is the size that
+    trains; the copies run at the pageable pace, which a few steps can spare) or where, at ``paces["torch"]`` GB/s,
+    pinning the planned shards would take more than ``PIN_SHARE`` of the ``seconds`` left; else torch's blocks.
+    ``plans``: ``pin_memory`` (True, False) -> (layers, the planned host peak)."""
+    if exact_ok:
+        return "exact", "tests/gpu's checks of pin_memory='exact' passed"
+    (pinned, peak), (paged, _) = plans[True], plans[False]
+    if paged > pinned:
+        return False, f"pageable fits {paged} layers, torch's pinned blocks {pinned}"
+    pace = paces.get("torch")
+    if pace and peak / (pace * 1e9) > PIN_SHARE * seconds:
+        return False, f"torch's pinned blocks at {pace} GB/s: {peak / (pace * 1e9):.0f} s of set-up for the shards"
+    return True, "torch's pinned blocks" + (f" at {pace} GB/s" if pace else "")
+
+
 def activation_bytes(shape: dict, batch: int, context: int) -> int:
     """A step's activation peak for a Llama shape in bf16-mixed with SDPA's fused attention, nothing recomputed: per
     token and layer the residual stream, the norms' outputs, q, k, v and the attention's output (about 16 bytes a
@@ -125,7 +185,7 @@ def train_largest(args: argparse.Namespace) -> None:
         step_in_backward=True,
         param_init_fn=llama_init,
         checks=CheckOptions(log_memory_stats=False),
-        offload=OffloadOptions(pin_memory="exact" if args.largest_pin == "exact" else True),
+        offload=OffloadOptions(pin_memory={"exact": "exact", "true": True, "false": False}[args.largest_pin]),
     )
 
     resident: list[tuple[float, float]] = []  # (seconds since the start, GB resident), every 5 s

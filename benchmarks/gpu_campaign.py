@@ -33,7 +33,8 @@ lack, for example (the largest model bounded by the DDP row of the run it takes 
   achieved on the 1.0B GPT (in this run, or in the one ``--probes-from`` names). Its host shards are pinned to the
   byte (``pin_memory="exact"``: 48 layers, 10.0B, on 80 GB and 128 GiB, where torch's power-of-two blocks allow 38)
   where ``tests/gpu``'s checks of that pinning passed in this run (they run first when ``tests`` is not among the
-  parts), else, and after a failed try pinned to the byte, by torch's allocator.
+  parts), else, and after a failed try pinned to the byte, by torch's allocator, or pageable where its measured pace
+  would spend more than a quarter of the part's time pinning (``choose_pinning``; the row says why, and the paces).
 
 [Note: a step's bound]
 With the optimizer state of some shards on the host, a step cannot take less than the longest of three streams
@@ -62,7 +63,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _campaign_table import render  # noqa: E402
 from _common import ROOT, clean_env, run_ranks, save_results  # noqa: E402
-from _llama_size import LLAMA, MIN_LAYERS, fitting_layers, host_bytes, model_params, train_largest  # noqa: E402
+from _llama_size import (  # noqa: E402
+    LLAMA,
+    MIN_LAYERS,
+    choose_pinning,
+    first_touch_gbps,
+    fitting_layers,
+    host_bytes,
+    model_params,
+    pinning_paces,
+    train_largest,
+)
+from _pytest_report import failure_reasons, outcomes  # noqa: E402
 
 PARTS = ("tests", "probes", "contenders", "largest")
 ADAM_BYTES = 30  # a parameter the host Adam reads and writes, the bf16 copy included
@@ -105,40 +117,6 @@ def part_tests(args: argparse.Namespace, budget: float, select: list[str] | None
     }
 
 
-def outcomes(lines: list[str]) -> dict[str, str]:
-    """Each test's outcome from ``pytest -v``'s lines (``path::name PASSED [ 5%]``), in the order they ended."""
-    out = {}
-    for ln in lines:
-        test, _, rest = ln.partition(" ")
-        word = rest.split(" ", 1)[0]
-        if "::" in test and word in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"):
-            out[test] = word
-    return out
-
-
-def failure_reasons(lines: list[str], most: int = 10, per_test: int = 8) -> dict[str, list[str]]:
-    """Why each test failed, from pytest's ``--tb=short`` report: per test (its section's title), the line the error
-    was raised at and the first ``E`` lines of the error. A lease's JSON must say why, since no one can rerun it."""
-    reasons: dict[str, list[str]] = {}
-    test, where = None, ""
-    for ln in lines:
-        title = ln.strip("_ ")
-        if ln.startswith("____") and title:
-            test, where = (title if len(reasons) < most else None), ""
-            if test is not None:
-                reasons[test] = []
-        elif ln.startswith(("====", "FAILED", "ERROR")):
-            test = None
-        elif test is not None and ln.startswith("E "):
-            if not reasons[test] and where:
-                reasons[test].append(where)
-            if len(reasons[test]) < per_test:
-                reasons[test].append(ln[1:].strip())
-        elif test is not None and not reasons[test] and ln and not ln.startswith(" "):
-            where = ln.strip()  # ``path:line: in function``, the innermost frame before the error
-    return reasons
-
-
 def _copy_gbps(nbytes: int) -> dict[str, float]:
     """Host to device and back, pinned and pageable: GB/s, the best of five."""
     import torch
@@ -160,16 +138,6 @@ def _copy_gbps(nbytes: int) -> dict[str, float]:
     return out
 
 
-def _first_touch_gbps(nbytes: int) -> float:
-    """Host memory this process never touched, written once: the pace of a large model's set-up, which fills some
-    hundred GB of fresh pages (0.35 to 0.64 GB/s on a 2-core VM, which rewrites touched memory at 23)."""
-    import torch
-
-    t = time.perf_counter()
-    torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    return nbytes / (time.perf_counter() - t) / 1e9
-
-
 def _matmul_tflops(n: int) -> float:
     import torch
 
@@ -186,7 +154,7 @@ def _matmul_tflops(n: int) -> float:
 def part_probes(args: argparse.Namespace, budget: float) -> dict:
     import torch
 
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "host_first_touch_gbps": _first_touch_gbps(1 << 30)}
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "host_first_touch_gbps": first_touch_gbps(1 << 30)}
     if args.accelerator == "cuda":  # first: they need no compiler, the host Adam's kernels may
         out.update(_copy_gbps(args.copy_bytes))
         out["matmul_tflops"] = _matmul_tflops(8192)
@@ -265,6 +233,15 @@ def part_largest(
 ) -> dict:
     deadline = time.monotonic() + budget
     pin: bool | str = True  # pin_memory
+    paces: dict[str, Any] = {}  # GB/s of pinning fresh memory: what set-up's pinned shards cost
+
+    def sized(exact_ok: bool) -> tuple[bool | str, str, int, int]:  # pin_memory, why, layers, the planned host peak
+        plans = {pin: fitting_layers(args, limit, pin) for pin in (("exact",) if exact_ok else (True, False))}
+        peaks = {pin: (layers, max(p.host for p in report.phases)) for pin, (layers, report) in plans.items()}
+        pin, why = choose_pinning(exact_ok, paces, peaks, deadline - time.monotonic())  # type: ignore[arg-type]
+        return pin, why, *peaks[pin]
+
+    why = ""
     if args.smoke:
         layers, limit, planned = 2, None, None
         base = TINY_LLAMA
@@ -272,9 +249,8 @@ def part_largest(
         import torch
 
         limit = int(0.85 * torch.cuda.get_device_properties(0).total_memory) if args.accelerator == "cuda" else None
-        pin = "exact" if exact_pinning_passed(args, tests, budget / 4) else True
-        layers, report = fitting_layers(args, limit, pin)
-        planned = max(p.host for p in report.phases)
+        paces = pinning_paces() if args.accelerator == "cuda" else {}
+        pin, why, layers, planned = sized(exact_pinning_passed(args, tests, budget / 4))
         base = LLAMA
     capacity = (args.host_memory or host_bytes()) / 12  # the issue's yardstick: 12 host bytes a parameter
     tries = []
@@ -294,6 +270,7 @@ def part_largest(
             "params": model_params(shape),
             "planned_peak_host": planned,
             "pin_memory": pin,
+            **({"pin_why": why, "pin_gbps": paces} if why else {}),
         }
         res = json.loads(out.read_text()) if out.exists() else {}
         marks, times = res.pop("marks", {}), res.pop("times", [])
@@ -316,14 +293,14 @@ def part_largest(
             tries.append(row)
             return {"rows": tries}
         tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or [f"exit {rc}, no output"]
+        if time.monotonic() >= deadline - 1:  # its last line was a warning the try printed long before (2026-12-04)
+            tail = [f"stopped at the part's {budget:.0f} s"]
         row["failed"] = f"after {len(times)} steps: " * bool(marks) + tail[0][:300]
         tries.append(row)
-        smaller = max(layers * 4 // 5, MIN_LAYERS)
-        if pin == "exact":  # the next try in torch's pinned blocks, at the size their plan allows
-            pin = True
-            smaller, report = fitting_layers(args, limit, pin)
-            planned = max(p.host for p in report.phases)
-        if args.smoke or smaller == layers or deadline - time.monotonic() < 60:
+        smaller, was = max(layers * 4 // 5, MIN_LAYERS), pin
+        if pin == "exact":  # the next try in torch's pinned blocks (or pageable), at the size their plan allows
+            pin, why, smaller, planned = sized(False)
+        if args.smoke or (smaller, pin) == (layers, was) or deadline - time.monotonic() < 60:
             return {"rows": tries}
         layers = smaller
 
@@ -380,7 +357,7 @@ def measure(args: argparse.Namespace) -> dict:
         earlier = json.loads(Path(args.probes_from).read_text())
         probes = earlier["parts"]["probes"]  # a file that reused probes itself names where they were measured
         parts["probes"] = {**probes, "from": probes.get("from") or {"file": args.probes_from, **earlier["machine"]}}
-        parts["probes"]["host_first_touch_gbps"] = _first_touch_gbps(1 << 30)  # this machine's: seconds, not a bound
+        parts["probes"]["host_first_touch_gbps"] = first_touch_gbps(1 << 30)  # this machine's: seconds, not a bound
     caps = dict(args.cap)
     for name in args.parts:
         left = min(deadline - time.monotonic(), caps.get(name, args.budget))
@@ -425,7 +402,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--largest-limit", default="", help=argparse.SUPPRESS)
-    p.add_argument("--largest-pin", choices=("true", "exact"), default="true", help=argparse.SUPPRESS)
+    p.add_argument("--largest-pin", choices=("true", "false", "exact"), default="true", help=argparse.SUPPRESS)
     p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cuda")
     for name, default in (("largest-steps", 3), ("largest-batch", 1), ("largest-context", 2048)):
         p.add_argument(f"--{name}", type=int, default=default)

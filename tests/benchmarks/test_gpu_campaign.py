@@ -201,6 +201,7 @@ def test_after_a_failed_try_pinned_to_the_byte_the_campaign_tries_torch_s_pinnin
         campaign, "fitting_layers", lambda args, limit, pin=True: (44 if pin == "exact" else 36, report)
     )
     monkeypatch.setattr(campaign, "exact_pinning_passed", lambda *a: True)
+    monkeypatch.setattr(campaign, "pinning_paces", lambda: {"torch": 1.0, "exact": 8.0})
     monkeypatch.setattr(campaign, "run_ranks", lambda *a, **k: (1, "CUDA error\n"))
     monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))
     args = argparse.Namespace(
@@ -215,6 +216,69 @@ def test_after_a_failed_try_pinned_to_the_byte_the_campaign_tries_torch_s_pinnin
     rows = campaign.part_largest(args, 600, {}, None)["rows"]
     assert [(r["layers"], r["pin_memory"]) for r in rows] == [(44, "exact"), (36, True), (32, True)]
     assert all(r["failed"] == "CUDA error" for r in rows)
+    assert rows[1]["pin_why"] == "torch's pinned blocks at 1.0 GB/s" and rows[1]["pin_gbps"]["exact"] == 8.0
+
+
+def test_the_largest_try_is_pageable_where_that_fits_more_or_torch_s_pinning_would_take_most_of_the_part(
+    tmp_path, monkeypatch
+):
+    """The 9.0B try of 2026-12-04, in torch's pinned blocks, spent 148 s in set-up and ran out of the part's time in
+    its first step; their power-of-two rounding also plans fewer layers (37 on an H200 where pageable or to the byte
+    plan 49). Without the pinning to the byte, the try holds its shards pageable where that plan fits more layers, or
+    where the measured pace of torch's pinning would spend more than a quarter of the time left on the shards."""
+    import argparse
+    import types
+
+    campaign = load("gpu_campaign")
+    choose = load("_llama_size").choose_pinning
+    same = {True: (40, 100e9), False: (40, 100e9)}
+    assert choose(True, {}, {}, 0)[0] == "exact"
+    assert choose(False, {}, same, 400) == (True, "torch's pinned blocks")  # no pace measured: as before
+    assert choose(False, {"torch": 4.0}, same, 400)[0] is True  # 25 s of 400
+    assert choose(False, {"torch": 0.8}, same, 400) == (
+        False,
+        "torch's pinned blocks at 0.8 GB/s: 125 s of set-up for the shards",
+    )
+    assert choose(False, {"torch": 4.0}, {True: (37, 100e9), False: (49, 100e9)}, 400) == (
+        False,
+        "pageable fits 49 layers, torch's pinned blocks 37",
+    )
+
+    plans = {"exact": (44, 110e9), True: (36, 120e9), False: (44, 110e9)}
+    monkeypatch.setattr(
+        campaign,
+        "fitting_layers",
+        lambda args, limit, pin=True: (
+            plans[pin][0],
+            types.SimpleNamespace(phases=[types.SimpleNamespace(host=plans[pin][1])]),
+        ),
+    )
+    monkeypatch.setattr(campaign, "pinning_paces", lambda: {"torch": 0.8, "exact": 9.5})
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))
+    asked = []
+
+    def run_ranks(cmd, *a, **k):
+        asked.append(cmd[cmd.index("--largest-pin") + 1])
+        return 1, "CUDA error\n"
+
+    monkeypatch.setattr(campaign, "run_ranks", run_ranks)
+    args = argparse.Namespace(smoke=False, accelerator="cuda", host_memory=128 << 30, scratch=str(tmp_path))
+    vars(args).update(largest_steps=3, largest_batch=1, largest_context=2048)
+    for exact_ok, first in ((False, (44, False, "false")), (True, (44, "exact", "exact"))):
+        asked.clear()
+        monkeypatch.setattr(campaign, "exact_pinning_passed", lambda *a, ok=exact_ok: ok)
+        rows = campaign.part_largest(args, 400, {}, None)["rows"]
+        assert (rows[0]["layers"], rows[0]["pin_memory"], asked[0]) == first
+        assert rows[0]["planned_peak_host"] == 110e9
+    # after the try pinned to the byte failed: pageable, not torch's blocks, at the size the plan allows
+    assert [(r["layers"], r["pin_memory"]) for r in rows[:2]] == [(44, "exact"), (44, False)]
+    assert asked[1] == "false" and rows[1]["pin_gbps"] == {"torch": 0.8, "exact": 9.5}
+    assert "Llama 44 layers: pin_memory=False (pageable fits 44 layers, torch's pinned blocks 36" in campaign.render(
+        {
+            "machine": campaign._machine(argparse.Namespace(accelerator="cpu", host_memory=1 << 30)),
+            "parts": {"largest": {"rows": rows}},
+        }
+    )
 
 
 def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_its_set_up_and_steps(
@@ -244,6 +308,7 @@ def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_
     report = types.SimpleNamespace(phases=[types.SimpleNamespace(host=1)])
     monkeypatch.setattr(campaign, "fitting_layers", lambda args, limit, pin=True: (36, report))
     monkeypatch.setattr(campaign, "exact_pinning_passed", lambda *a: False)
+    monkeypatch.setattr(campaign, "pinning_paces", lambda: {})
     monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))
     written = {"params": 7, "peak_device": 1, "peak_host": 2, "marks": {"started": 10.0, "set_up": 70.0}}
 
