@@ -259,6 +259,23 @@ def test_host_chunks_step_from_bf16_gradients_copied_straight_into_pinned_memory
     assert_same_params(want, got, EXACT)
 
 
+def test_pageable_host_shards_stepped_in_backward_train_as_stepping_after_it():
+    """The campaign's largest try holds its host shards pageable where pinning to the byte was not checked and its
+    plan fits more layers than torch's pinned blocks (``choose_pinning``): copies from and to pageable memory run on
+    the compute stream, chunks still step in backward, bit for bit as stepping after backward does."""
+    kw = dict(steps=8, accelerator="gpu", precision="bf16-mixed", model_kwargs=dict(dim=64, hidden=1024))
+
+    def run(early):
+        offload = OffloadOptions(pin_memory=False)
+        memory = MemoryOptions(chunk_numel=66560)
+        strategy = ChunkOffloadStrategy(placement="host", step_in_backward=early, memory=memory, offload=offload)
+        return fit(strategy, **kw), strategy.memory_stats()
+
+    (want, _), (got, stats) = run(False), run(True)
+    assert stats["chunks_stepped_in_backward"] > 0 and stats["d2h_async_bytes"] == 0 < stats["d2h_bytes"]
+    assert_same_params(want, got, EXACT)
+
+
 @pytest.mark.parametrize(
     "kw",
     [dict(precision="bf16-mixed", gradient_clip_val=0.05), dict(plugins=[ChunkPrecision("16-mixed", init_scale=1e7)])],
