@@ -84,13 +84,13 @@ def pinning_paces(nbytes: int = 1 << 30) -> dict[str, Any]:
 
 
 def choose_pinning(
-    exact_ok: bool, paces: dict[str, Any], plans: dict[bool, tuple[int, int]], seconds: float
+    exact_ok: bool, paces: dict[str, Any], plans: dict[bool | str, tuple[int, int]], seconds: float
 ) -> tuple[bool | str, str]:
     """How the largest try holds its host shards, and why: to the byte where ``tests/gpu``'s checks of it passed; else
     pageable where its plan fits more layers than torch's power-of-two pinned blocks allow (the goal is the size that
     trains; the copies run at the pageable pace, which a few steps can spare) or where, at ``paces["torch"]`` GB/s,
     pinning the planned shards would take more than ``PIN_SHARE`` of the ``seconds`` left; else torch's blocks.
-    ``plans``: ``pin_memory`` (True, False) -> (layers, the planned host peak)."""
+    ``plans``: ``pin_memory`` (True and False where the exact checks failed) -> (layers, the planned host peak)."""
     if exact_ok:
         return "exact", "tests/gpu's checks of pin_memory='exact' passed"
     (pinned, peak), (paged, _) = plans[True], plans[False]

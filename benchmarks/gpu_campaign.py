@@ -33,8 +33,9 @@ lack, for example (the largest model bounded by the DDP row of the run it takes 
   achieved on the 1.0B GPT (in this run, or in the one ``--probes-from`` names). Its host shards are pinned to the
   byte (``pin_memory="exact"``: 48 layers, 10.0B, on 80 GB and 128 GiB, where torch's power-of-two blocks allow 38)
   where ``tests/gpu``'s checks of that pinning passed in this run (they run first when ``tests`` is not among the
-  parts), else, and after a failed try pinned to the byte, by torch's allocator, or pageable where its measured pace
-  would spend more than a quarter of the part's time pinning (``choose_pinning``; the row says why, and the paces).
+  parts); else, and after a failed try pinned to the byte, pageable where that plans more layers than torch's
+  blocks or where their measured pace would spend over a quarter of the time left pinning, else in torch's blocks
+  (``choose_pinning``; the row says why, and the paces).
 
 [Note: a step's bound]
 With the optimizer state of some shards on the host, a step cannot take less than the longest of three streams
@@ -236,9 +237,11 @@ def part_largest(
     paces: dict[str, Any] = {}  # GB/s of pinning fresh memory: what set-up's pinned shards cost
 
     def sized(exact_ok: bool) -> tuple[bool | str, str, int, int]:  # pin_memory, why, layers, the planned host peak
-        plans = {pin: fitting_layers(args, limit, pin) for pin in (("exact",) if exact_ok else (True, False))}
-        peaks = {pin: (layers, max(p.host for p in report.phases)) for pin, (layers, report) in plans.items()}
-        pin, why = choose_pinning(exact_ok, paces, peaks, deadline - time.monotonic())  # type: ignore[arg-type]
+        peaks = {}
+        for mode in ("exact",) if exact_ok else (True, False):
+            layers, report = fitting_layers(args, limit, mode)
+            peaks[mode] = (layers, max(p.host for p in report.phases))
+        pin, why = choose_pinning(exact_ok, paces, peaks, deadline - time.monotonic())
         return pin, why, *peaks[pin]
 
     why = ""

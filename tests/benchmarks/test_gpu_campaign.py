@@ -2,6 +2,7 @@
 largest model, and how a short lease picks and keeps what it measures."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -273,6 +274,15 @@ def test_the_largest_try_is_pageable_where_that_fits_more_or_torch_s_pinning_wou
     # after the try pinned to the byte failed: pageable, not torch's blocks, at the size the plan allows
     assert [(r["layers"], r["pin_memory"]) for r in rows[:2]] == [(44, "exact"), (44, False)]
     assert asked[1] == "false" and rows[1]["pin_gbps"] == {"torch": 0.8, "exact": 9.5}
+
+    # a try the part's budget stops is said to be stopped, not failed with the last line it printed
+    def stopped(cmd, *a, timeout, **k):
+        time.sleep(timeout)
+        return -9, "The 'train_dataloader' does not have many workers\n"
+
+    monkeypatch.setattr(campaign, "run_ranks", stopped)
+    (late,) = campaign.part_largest(args, 1.5, {}, None)["rows"]
+    assert late["failed"] == "stopped at the part's 2 s" and late["pin_memory"] == "exact"
     assert "Llama 44 layers: pin_memory=False (pageable fits 44 layers, torch's pinned blocks 36" in campaign.render(
         {
             "machine": campaign._machine(argparse.Namespace(accelerator="cpu", host_memory=1 << 30)),
