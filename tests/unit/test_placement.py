@@ -1,3 +1,5 @@
+import random
+
 import pytest
 
 from lightning_chunk.engine.chunks.chunk import Tier
@@ -148,6 +150,29 @@ def test_host_policy_keeps_a_chunk_used_again_before_the_next_gather():
     assert t.reused_before_gather(11, frozenset({0, 2})) == frozenset({0, 2})
     assert t.reused_before_gather(3, frozenset({0, 1})) == frozenset({0, 1})
     assert t.reused_before_gather(7, frozenset({0, 1})) == frozenset({0})  # ln2 uses 0, then fc2 needs 2
+
+
+def test_reused_before_gather_is_its_definition():
+    """The set-based scan that stops once every resident chunk is found gives what the docstring defines: the
+    resident chunks of the moments after ``position``, up to and including the first that needs another chunk."""
+    rng = random.Random(0)
+    kinds = (FORWARD, POST_FORWARD, BACKWARD)
+    for _ in range(300):
+        ms = tuple(
+            Moment(rng.choice(kinds), f"m{i}", tuple(sorted(rng.sample(range(6), rng.randint(0, 3)))), (), 0)
+            for i in range(rng.randint(0, 12))
+        )
+        t = Trace(ms)
+        for position in range(-1, len(ms) + 1):
+            resident = frozenset(rng.sample(range(6), rng.randint(0, 6)))
+            expected: set[int] = set()
+            for m in ms[position + 1 :]:
+                if m.kind == POST_FORWARD or not m.chunk_ids:
+                    continue
+                expected |= set(m.chunk_ids) & resident
+                if not set(m.chunk_ids) <= resident:
+                    break
+            assert t.reused_before_gather(position, resident) == expected
 
 
 def test_static_offloads_the_first_fraction():

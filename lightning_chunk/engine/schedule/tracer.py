@@ -140,15 +140,30 @@ class Trace:
     def reused_before_gather(self, position: int, resident: frozenset[int]) -> frozenset[int]:
         """Resident chunks used after ``position`` up to the first moment that needs one not in ``resident``.
 
-        See [Note: releasing after use]."""
+        See [Note: releasing after use]. The hooks ask this at every moment, so it works on the moments' chunk
+        sets (``_use_sets``) and stops once every resident chunk is found used: scanning the rest of the step
+        with a generator per moment was a third of the hooks' time on a 20-block GPT in three chunks."""
+        start = bisect.bisect_right(self._use_starts, position)
         used: set[int] = set()
-        for m in self.moments[position + 1 :]:
-            if m.kind == POST_FORWARD or not m.chunk_ids:
-                continue
-            used.update(c for c in m.chunk_ids if c in resident)
-            if any(c not in resident for c in m.chunk_ids):
+        for ids in self._use_sets[start:]:
+            if ids <= resident:
+                used |= ids
+                if len(used) == len(resident):
+                    break
+            else:
+                used |= ids & resident
                 break
         return frozenset(used)
+
+    @functools.cached_property
+    def _use_starts(self) -> tuple[int, ...]:
+        """The positions of the moments that use chunks (post-forward moments use none), in order."""
+        return tuple(i for i, m in enumerate(self.moments) if m.kind != POST_FORWARD and m.chunk_ids)
+
+    @functools.cached_property
+    def _use_sets(self) -> tuple[frozenset[int], ...]:
+        """The chunks of each moment in ``_use_starts``, as sets."""
+        return tuple(frozenset(self.moments[i].chunk_ids) for i in self._use_starts)
 
     @functools.cached_property
     def root_chunks(self) -> frozenset[int]:
