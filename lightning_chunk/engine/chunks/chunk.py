@@ -23,6 +23,7 @@ Optimizer state (Adam's moments) is created by the optimizer next to ``master``;
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,9 @@ if TYPE_CHECKING:  # only a type here: the manager owns the pool
 _PINNED = tuple(PINNED_STATES)  # membership by identity: a frozenset hashes each enum member in Python
 _NOT_RESIDENT = tuple(s for s in TensorState if s not in RESIDENT_STATES)  # the table's, as a tuple (identity)
 _WAITING = (TensorState.READY_FOR_REDUCE, TensorState.READY_FOR_REDUCE_FREE)
+# a stamp a state change, increasing process-wide: what changed since a plan is what was stamped after it
+# ([Note: backward moments with nothing to release] in runtime/moments.py)
+STAMPS = itertools.count(1)
 
 
 class Tier(enum.Enum):
@@ -200,6 +204,7 @@ class Chunk:
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
     master_seen: tuple[int, int] | None = None  # [Note: the optimizer's views written outside its step]
     reduce_dtype: torch.dtype | None = None  # several ranks: the gradient payload's dtype; None: the master's
+    changed_at: int = field(default_factory=lambda: next(STAMPS), repr=False)  # the stamp of its last state change
 
     @property
     def grad_payload_dtype(self) -> torch.dtype:
@@ -258,6 +263,7 @@ class Chunk:
     def set_state(self, info: TensorInfo, new: TensorState) -> None:
         check_transition(info.state, new, param_name=info.name, chunk_id=self.chunk_id, rank=self.rank)
         info.state = new
+        self.changed_at = next(STAMPS)
 
     def transition_all(self, new: TensorState, *, only_from: frozenset[TensorState] | None = None) -> None:
         for info in self.tensors:
