@@ -47,6 +47,8 @@ class DiskStepper:
         """Chunks on the disk tier with a view in ``param_groups`` (as narrowed now: ``step_chunk`` steps one
         chunk's) that holds a gradient, in id order."""
         mgr = self.binding.manager
+        if not mgr.ledger[Tier.DISK]:  # no shard on the disk tier: asked at every chunk's step in backward
+            return {}
         stepping = {id(v) for g in self._optimizer.param_groups for v in g["params"]}
         found = {}
         for i, v in self.binding.views().items():
