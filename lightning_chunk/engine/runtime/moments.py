@@ -292,8 +292,8 @@ class MomentClock:
         all_resident: bool,
         trace: Trace | None,
         budget: int | None,
-        needed: tuple[int, ...] = (),
-        include: frozenset[int] = frozenset(),
+        needed: tuple[int, ...],
+        include: frozenset[int],
     ) -> bool:
         """Whether the plan at this moment would release nothing and gather nothing, known from the moment before.
 
