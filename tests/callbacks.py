@@ -336,3 +336,35 @@ class _Stream:
 
     def wait_event(self, event) -> None:
         self.waited.append(event)
+
+
+class RecordsMoments(L.Callback):
+    """Every moment of the fit, as ``[position, kind, module, evicted, fetched, resident, device bytes]``, in
+    ``seen["moments"]``, and ``seen["backward_skips"]``: the backward plans [Note: backward moments with nothing to
+    release] skipped. ``PlansEveryBackwardMoment`` is its twin with that rule off."""
+
+    skips = True
+
+    def __init__(self) -> None:
+        self.seen: dict = {"moments": [], "backward_skips": 0}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        moments = trainer.strategy.engine.hooks.moments
+        if moments.recorder is None:
+            settled = type(moments)._backward_is_settled
+
+            def counted(*args):
+                skipped = self.skips and settled(moments, *args)
+                self.seen["backward_skips"] += skipped
+                return skipped
+
+            moments._backward_is_settled = counted
+            moments.recorder = self.record
+
+    def record(self, e) -> None:
+        row = [e.position, str(e.kind), e.module, e.evicted, e.fetched, e.resident, e.device_bytes]
+        self.seen["moments"].append([list(v) if isinstance(v, tuple) else v for v in row])
+
+
+class PlansEveryBackwardMoment(RecordsMoments):
+    skips = False

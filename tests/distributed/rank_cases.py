@@ -5,6 +5,20 @@ trained by DDP and by chunk_offload (``runner.run_parity``; a case's keys: ``par
 FOUR_ONLY = ("hybrid_limits_differ", "hybrid_rank_gated", "hybrid_disk")  # shard groups of two: four ranks at least
 OWN_CHUNK = dict(cls="RankGatedNet", variant="own_chunk", ddp_unused=True, model=dict(dim=64, hidden=512, depth=3))
 
+# [Note: backward moments with nothing to release] as a user meets it: host placement, the automatic chunk size,
+# limits that differ by rank, a model used in another order than registered, accumulation, a resume; every moment on
+# each rank as with a plan at every backward moment (its twin). Under 0.9 and 1.3 of the parameter bytes no backward
+# plan is skipped: the device is past the room the activations leave
+SKIPS = dict(
+    cls="ReorderedNet",
+    model=dict(dim=64, hidden=512, depth=3),
+    limit_fractions=(1.5, 2.0),
+    resume_at=3,
+    steps=8,
+    trainer=dict(accumulate_grad_batches=2),
+    strategy=dict(placement="host", chunk_numel=None, chunk_numel_min=4096),
+)
+
 RANK_CASES = {
     # torch's Muon as a user meets it ([Note: Muon over sharded matrices]): the automatic chunk size, limits that
     # differ by rank (4 chunks, 65 evictions a rank), a resume in the middle. With sharded accumulation too it is
@@ -86,6 +100,8 @@ RANK_CASES = {
     # a gate's own parameter used on some ranks and not others, differently each step, in the warm-up too (DDP's
     # find_unused_parameters=True): released after use, so backward gathers too ([Note: when a chunk reduces])
     "rank_gated": dict(cls="RankGatedNet", ddp_unused=True, strategy=dict(placement="host")),
+    "backward_skips": dict(SKIPS, callbacks=["RecordsMoments"]),
+    "backward_planned": dict(SKIPS, callbacks=["PlansEveryBackwardMoment"]),
     "rank_gated_limit": dict(
         cls="RankGatedNet",
         ddp_unused=True,

@@ -104,6 +104,22 @@ def test_parity_with_ddp(parity_run, case):
     check_parity(*parity_run, case)
 
 
+@pytest.mark.cases("backward_skips", "backward_planned")
+def test_backward_moments_skipped_on_two_ranks_change_no_moment(parity_run):
+    """[Note: backward moments with nothing to release] on two ranks whose limits and batches differ, as a user
+    meets it (``rank_cases.SKIPS``): each rank's every moment, its releases, gathers, resident payloads and device
+    bytes, and the training are those of its twin that plans at every backward moment."""
+    out, rc, log = parity_run
+    assert rc == 0, log[-3000:]
+    got, want = (torch.load(out / f"{case}.pt")["got"] for case in ("backward_skips", "backward_planned"))
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    for s, t in zip(stats(out, "backward_skips"), stats(out, "backward_planned"), strict=True):
+        skips, planned = s["seen"][0], t["seen"][0]
+        assert skips["moments"] == planned["moments"] and len(skips["moments"]) > 100
+        assert any(m[3] for m in skips["moments"]) and skips["backward_skips"] > 20 and planned["backward_skips"] == 0
+
+
 @pytest.mark.cases("plain", "reduce_bf16")
 def test_gradients_summed_in_bf16_halve_the_reduce_scatters_and_the_payloads(parity_run):
     """``ChunkPrecision(reduce_dtype=torch.bfloat16)``: the same model as ``plain`` (bit-exact with DDP under a bf16
