@@ -367,10 +367,10 @@ class MomentClock:
             return False
         if self.position >= len(trace.moments) or trace.moments[self.position].chunk_ids != needed:
             return False
-        mark, allowed = self._settled_at, include
-        if not allowed.issuperset(self._settled_needed):
+        if not include.issuperset(self._settled_needed):
             return False
-        return all(c.changed_at < mark or c.chunk_id in allowed for c in self.manager.chunks)
+        mark = self._settled_at
+        return all(c.changed_at < mark or c.chunk_id in include for c in self.manager.chunks)
 
     def resident(self) -> frozenset[int]:
         return frozenset(c.chunk_id for c in self.manager.chunks if c.is_resident)
