@@ -14,6 +14,17 @@ modules compute with) are in the low-precision dtype, as in DeepSpeed and
 Colossal-AI: that halves the bytes moved between tiers. fp32 masters keep small
 updates from being lost.
 
+[Note: a weight used twice under mixed precision]
+Lightning's ``MixedPrecision`` keeps fp32 parameters and runs autocast with its cast cache off: every op that reads
+a weight casts it anew, so each use's gradient comes back through its own cast in fp32 and autograd sums the uses in
+fp32. Here a module computes with the bf16 payload itself, one tensor for all its uses, whose gradients autograd
+sums in bf16 before the chunk widens the sum into the fp32 gradient shard: what Lightning's plugin computes with
+autocast's cache on, and what FSDP's and DeepSpeed's bf16 parameters compute. A weight one op reads a step (a
+Linear, a convolution) gets Lightning's bits; one read by several (a block run twice, a tied head, a discriminator
+on real and fake samples) differs by bf16's rounding of the sum (0.2% of the update over 12 steps of the tests'
+``LinearsOnly("twice")``). Lightning's sum would need an autograd node a use that widens its gradient, that is the
+module's parameters swapped at every call: not done. ``tests/integration/test_mixed_precision_layers.py`` pins both.
+
 The step order follows Lightning's AMP plugin: closure (forward + backward) ->
 gradients onto the master views -> unscale and agree on overflow (fp16) ->
 ``on_before_optimizer_step`` and clipping -> step, or skip on overflow ->

@@ -111,3 +111,27 @@ class DerivedWeights(ParityNet):
 
     def val_dataloader(self):
         return models.token_data(8)
+
+
+class LinearsOnly(ParityNet):
+    """Every weight a ``nn.Linear``'s (one-hot tokens in, no embedding or norm): autocast casts each fp32 weight to
+    bf16 for its op, which a bf16 payload computes with as it is. ``variant="twice"``: each block runs twice a step,
+    so its weights have two uses whose gradients autograd sums ([Note: a weight used twice under mixed precision])."""
+
+    def build(self) -> None:
+        self.inp = nn.Linear(VOCAB, models.DIM)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(models.DIM, models.HIDDEN), nn.GELU(), nn.Linear(models.HIDDEN, models.DIM))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(models.DIM, VOCAB)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.built = True
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.inp(F.one_hot(x, VOCAB).float())
+        for blk in self.blocks:
+            h = h + blk(h)
+            if self.variant == "twice":
+                h = h + blk(h)
+        return self.head(h)

@@ -14,7 +14,7 @@ from lightning_chunk.consolidate import consolidate
 from tests import models
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import VOCAB, ParityNet, fit
-from tests.precision_models import AutocastOff, DerivedWeights, FourierFeatures
+from tests.precision_models import AutocastOff, DerivedWeights, FourierFeatures, LinearsOnly
 
 STEPS = 12
 # how far a bf16-mixed BatchNormCNN's 12 steps may be from plain Lightning's, relative to the update: bf16's rounding
@@ -363,3 +363,41 @@ def test_weights_computed_under_autocast_and_read_with_it_off_count_as_their_par
     else:
         fp32 = fit("auto", **{**kw, "precision": "32-true"})
         assert relative_update_error(ref, got, init) < 0.5 * relative_update_error(fp32, ref, init)
+
+
+# ------------------------------------------------------------------ weights read once, and twice
+class CachedCasts(MixedPrecision):
+    """Lightning's bf16-mixed with autocast's cast cache on: one bf16 copy of a weight for all its uses."""
+
+    def autocast_context_manager(self) -> torch.autocast:
+        return torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=True)
+
+
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_bf16_mixed_is_plain_lightning_s_bit_for_bit_where_each_weight_is_read_once(placement):
+    """[Note: a weight used twice under mixed precision]: autocast casts each fp32 weight to bf16 for its one op,
+    which the bf16 payload computes with as it is: the same bits over 12 steps (param groups, a scheduler)."""
+    kw = dict(steps=STEPS, cls=LinearsOnly, precision="bf16-mixed")
+    ref = fit("auto", **kw)
+    got = fit(_loop_kernel(placement), **kw)
+    assert_same_params(ref, got, EXACT)
+
+
+def test_a_weight_used_twice_sums_its_gradients_in_bf16_as_autocast_s_cast_cache_does():
+    """The same blocks run twice a step: their uses' gradients are summed in bf16 (autocast with its cache on, FSDP's
+    and DeepSpeed's bf16 parameters), where Lightning's plugin, its cache off, sums fp32 casts: bf16's rounding apart.
+    """
+    kw = dict(steps=STEPS, cls=LinearsOnly, variant="twice")
+    init = fit("auto", steps=0, cls=LinearsOnly, variant="twice")
+    cached = fit("auto", plugins=[CachedCasts("bf16-mixed", "cpu")], **kw)
+    got = fit(_loop_kernel("auto"), precision="bf16-mixed", **kw)
+    assert_same_params(cached, got, EXACT)
+    ref = fit("auto", precision="bf16-mixed", **kw)
+    assert 0 < relative_update_error(ref, got, init) < 0.01
+
+
+def _loop_kernel(placement: str) -> ChunkOffloadStrategy:
+    """Several chunks, stepped by torch's single-tensor loop as plain Lightning's CPU AdamW is."""
+    return ChunkOffloadStrategy(
+        placement=placement, memory=MemoryOptions(chunk_numel=4096), offload=OffloadOptions(optimizer_kernel="loop")
+    )
