@@ -256,7 +256,7 @@ def sweep(
                 print(f"HANG {json.dumps(spec)}", flush=True)
                 break
             if r.returncode:
-                lines = [line.strip()[:300] for line in r.stderr.splitlines() if line.strip()]
+                lines = [line.strip()[:1200] for line in r.stderr.splitlines() if line.strip()]
                 said = ([line for line in lines if "Error" in line] or lines or [""])[-1]  # else: killed by a signal?
                 print(f"FAIL {json.dumps(spec)}\n    exit {r.returncode}: {said}", flush=True)
                 break
