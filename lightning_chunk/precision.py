@@ -23,7 +23,8 @@ autocast's cache on, and what FSDP's and DeepSpeed's bf16 parameters compute. A 
 Linear, a convolution) gets Lightning's bits; one read by several (a block run twice, a tied head, a discriminator
 on real and fake samples) differs by bf16's rounding of the sum (0.2% of the update over 12 steps of the tests'
 ``LinearsOnly("twice")``). Lightning's sum would need an autograd node a use that widens its gradient, that is the
-module's parameters swapped at every call: not done. ``tests/integration/test_mixed_precision_layers.py`` pins both.
+module's parameters swapped at every call: not done. ``tests/integration/test_mixed_precision_layers.py`` pins both;
+the two-rank case ``bf16_one_read`` holds DDP's bits under limits that differ by rank, accumulation and a resume.
 
 The step order follows Lightning's AMP plugin: closure (forward + backward) ->
 gradients onto the master views -> unscale and agree on overflow (fp16) ->

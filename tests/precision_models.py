@@ -118,13 +118,13 @@ class LinearsOnly(ParityNet):
     bf16 for its op, which a bf16 payload computes with as it is. ``variant="twice"``: each block runs twice a step,
     so its weights have two uses whose gradients autograd sums ([Note: a weight used twice under mixed precision])."""
 
-    def build(self) -> None:
-        self.inp = nn.Linear(VOCAB, models.DIM)
+    def build(self) -> None:  # registered head first: used in another order than registered
+        self.head = nn.Linear(models.DIM, VOCAB)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(models.DIM, models.HIDDEN), nn.GELU(), nn.Linear(models.HIDDEN, models.DIM))
             for _ in range(2)
         )
-        self.head = nn.Linear(models.DIM, VOCAB)
+        self.inp = nn.Linear(VOCAB, models.DIM)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.built = True
 

@@ -100,6 +100,19 @@ RANK_CASES = {
     # a gate's own parameter used on some ranks and not others, differently each step, in the warm-up too (DDP's
     # find_unused_parameters=True): released after use, so backward gathers too ([Note: when a chunk reduces])
     "rank_gated": dict(cls="RankGatedNet", ddp_unused=True, strategy=dict(placement="host")),
+    # [Note: a weight used twice under mixed precision]: bf16-mixed with every weight read by one op a step is DDP's
+    # bit for bit, as a user meets it (the automatic chunk size, limits that differ by rank, layers registered in
+    # another order than used, accumulation, a resume)
+    "bf16_one_read": dict(
+        cls="LinearsOnly",
+        bf16=True,
+        exact=True,
+        model={},
+        limit_fractions=(0.9, 1.3),
+        resume_at=5,
+        trainer=dict(accumulate_grad_batches=2),
+        strategy=dict(chunk_numel=None, chunk_numel_min=4096),
+    ),
     "backward_skips": dict(SKIPS, callbacks=["RecordsMoments"]),
     "backward_planned": dict(SKIPS, callbacks=["PlansEveryBackwardMoment"]),
     "rank_gated_limit": dict(
