@@ -20,7 +20,7 @@ a weight casts it anew, so each use's gradient comes back through its own cast i
 fp32. Here a module computes with the bf16 payload itself, one tensor for all its uses, whose gradients autograd
 sums in bf16 before the chunk widens the sum into the fp32 gradient shard: what Lightning's plugin computes with
 autocast's cache on, and what FSDP's and DeepSpeed's bf16 parameters compute. A weight one op reads a step (a
-Linear, a convolution) gets Lightning's bits; one read by several (a block run twice, a tied head, a discriminator
+Linear) gets Lightning's bits; one read by several (a block run twice, a tied head, a discriminator
 on real and fake samples) differs by bf16's rounding of the sum (0.2% of the update over 12 steps of the tests'
 ``LinearsOnly("twice")``). Lightning's sum would need an autograd node a use that widens its gradient, that is the
 module's parameters swapped at every call: not done. ``tests/integration/test_mixed_precision_layers.py`` pins both;
