@@ -17,6 +17,7 @@ from lightning_chunk.options import grouped
 from tests.models import quiet_trainer, token_data
 
 WORLD = int(os.environ.get("WORLD_SIZE", 2))  # read once: Lightning's teardown deletes the variable
+PER_NODE = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))  # ranks a node: several nodes where fewer than WORLD
 # the device bytes at every moment of a case's fit, which ranks plan evictions from: the same on every rank
 # ([Note: the same bytes on every rank after a step])
 DEVICE_BYTES: list[int] = []
@@ -34,7 +35,8 @@ STEPS = 16  # a case's own "steps" shortens it: the wide models' cases run 8 (wa
 
 
 def trainer(strategy, steps=STEPS, **kw):
-    defaults = dict(devices=WORLD, strategy=strategy, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0)
+    defaults = dict(devices=PER_NODE, num_nodes=WORLD // PER_NODE, strategy=strategy, max_steps=steps)
+    defaults.update(limit_val_batches=0, num_sanity_val_steps=0)
     return quiet_trainer(**{**defaults, **kw})
 
 

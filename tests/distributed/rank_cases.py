@@ -70,9 +70,10 @@ RANK_CASES = {
         strategy=dict(chunk_numel=None, chunk_numel_min=4096, placement="host", shard_size=2),
     ),
     # a gate's parameter used by one shard group and not the other, differently each step: the vote on which
-    # parameters got gradients goes over every rank (within the groups, one group skipped the step the other took)
+    # parameters got gradients goes over every rank (within the groups, one group skipped the step the other took).
+    # Shard groups of a node's ranks (``"node"``): two, the four-rank launch being two nodes of two
     "hybrid_rank_gated": dict(
-        cls="RankGatedNet", variant="pairs", ddp_unused=True, strategy=dict(placement="host", shard_size=2)
+        cls="RankGatedNet", variant="pairs", ddp_unused=True, strategy=dict(placement="host", shard_size="node")
     ),
     # the disk tier's defaults (disk_defaults) in shard groups: two ranks of a host with the same shards keep scratch
     # files of their own and step their copies of each file alike; a resume from the first group's checkpoint

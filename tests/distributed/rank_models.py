@@ -18,7 +18,7 @@ class RankBuffer(ParityNet):
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        rank = int(os.environ.get("RANK", "0"))
         self.register_buffer("offset", torch.full((self.embed.embedding_dim,), 0.05 * (rank + 1)))
 
     def forward(self, x, use_branch=True):

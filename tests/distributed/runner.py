@@ -166,7 +166,7 @@ def run_parity(case: str, out: Path) -> None:
         skw["device_memory_limit"] = int(param_bytes * spec["limit_fraction"])  # below this rank's share
     if "limit_fractions" in spec:  # each rank its own limit, as each GPU's free memory gives ([Note: one limit ...])
         fractions = spec["limit_fractions"]
-        skw["device_memory_limit"] = int(param_bytes * fractions[int(os.environ.get("LOCAL_RANK", 0)) % len(fractions)])
+        skw["device_memory_limit"] = int(param_bytes * fractions[int(os.environ.get("RANK", 0)) % len(fractions)])
     if "host_memory_limit" in spec:
         skw.update(host_memory_limit=spec["host_memory_limit"], disk_dir=str(out / f"{case}.disk"))
     if "weights" in spec:

@@ -1,6 +1,8 @@
 """Four ranks on CPU, gloo run as NCCL runs ([Note: gloo as NCCL]): the parity cases where the world size matters
 most (shards of a quarter, a parameter used on some ranks only, ranks whose limits differ, norm clipping on a guess
-that every rank undoes, a gradient in pieces), in one launch.
+that every rank undoes, a gradient in pieces), in one launch, started as on two nodes of two ranks
+(``Trainer(devices=2, num_nodes=2)``, ``NODE_RANK`` and ``LOCAL_RANK`` as torchrun or SLURM set them on each node):
+a rank's place in the chunks is its global rank, which Lightning makes from the node's rank and the local one.
 
 Two ranks' gradients sum bit-exactly in any order (a + b); four do not, and gloo's all-reduce sums a DDP bucket and
 a chunk's gradient payload in segments of their own, so an element's four terms meet in another order: parity is to
@@ -54,7 +56,7 @@ RELATIVE_OF = {"muon_limit": 0.1}
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("four_ranks")
-    ranks = Ranks(RUNNER, out, *needed(request, "four_ranks", FOUR + CHECKS), world_size=4, env=AS_NCCL).wait(
+    ranks = Ranks(RUNNER, out, *needed(request, "four_ranks", FOUR + CHECKS), world_size=4, nodes=2, env=AS_NCCL).wait(
         timeout=900
     )
     rc = next((-9 if code is None else code for code, *_ in ranks if code != 0), 0)

@@ -26,9 +26,16 @@ def free_port() -> int:
 
 class Ranks:
     """Ranks of ``script`` started as separate processes, as torchrun or SLURM start them (no launcher that would
-    kill the survivor); their output goes to files, so a long traceback cannot block them."""
+    kill the survivor); their output goes to files, so a long traceback cannot block them. ``nodes``: the ranks
+    numbered node by node as on that many machines (``NODE_RANK``, ``LOCAL_RANK`` within the node and torchrun's
+    ``LOCAL_WORLD_SIZE``), all on this one."""
 
-    def __init__(self, script: Path, out: Path, *args: str, world_size: int = 2, env: dict | None = None) -> None:
+    def __init__(
+        self, script: Path, out: Path, *args: str, world_size: int = 2, nodes: int = 1, env: dict | None = None
+    ) -> None:
+        if world_size % nodes:
+            raise ValueError(f"world_size={world_size} is not a whole number of ranks on each of nodes={nodes}")
+        per_node = world_size // nodes
         port = str(free_port())
         self.out, self.files = out, []
         self.procs: list[Any] = []
@@ -37,9 +44,10 @@ class Ranks:
             e = child_env()
             e.update(
                 RANK=str(r),
-                LOCAL_RANK=str(r),
-                NODE_RANK="0",
+                LOCAL_RANK=str(r % per_node),
+                NODE_RANK=str(r // per_node),
                 WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(per_node),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
                 PYTHONPATH=str(ROOT),
