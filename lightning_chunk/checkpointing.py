@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
@@ -197,6 +198,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
         """Load a sharded directory or a plain Lightning file straight into the chunks (any world size)."""
         if self.engine is None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        _seen_by_every_rank(self.engine, checkpoint_path)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         with_optimizer = bool(self.engine.bindings) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # evaluating a checkpoint (validate, test, predict) uses the average ChunkEMA kept, as Lightning's
@@ -269,3 +271,17 @@ def _one_each(states: Any, optimizers: int) -> Any:
             "(or load the weights alone: ckpt_path=None and load_state_dict)."
         )
     return states
+
+
+def _seen_by_every_rank(engine: ChunkEngine, path: Any) -> None:
+    """Every rank reads the checkpoint (its own shards, or the whole file): one that does not find it raised alone and
+    left the others in the load's first collective, a hang on NCCL. Refused on every rank, naming the ranks that do
+    not see it ([Note: one directory every rank sees]); a path no rank finds gets Lightning's own error."""
+    comm = engine.manager.comm
+    missing = comm.failed_ranks(get_filesystem(path).exists(str(path)), what=f"looking for checkpoint {str(path)!r}")
+    if missing and len(missing) < comm.all_size:
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} is not found on rank(s) {missing}, and is on the others: every rank reads it, "
+            "so it must be on storage every node shares (NFS, Lustre, GPFS, a shared volume), not a disk local to "
+            "one node"
+        )

@@ -4,6 +4,8 @@ engine that loads it ([Note: the checkpoint layout] in ``checkpoint.py``)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,12 +13,58 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ChunkError
 from .saved_chunks import KEY
 
 FORMAT_VERSION = 1
 META = "meta.pt"
 DCP_INDEX = ".metadata"
+MARK = ".rank0"  # in a partial directory while it is written: the number rank 0 drew for this save
+SEEN_WITHIN_S = 30.0  # how long a rank looks for rank 0's mark: a network file system may show a new file late
+
+
+class NotSharedError(ChunkError, FileNotFoundError):
+    """A rank does not see the directory rank 0 made for a save: the path is not on storage every node shares."""
+
+
+def mark_partial(partial: Path, token: int) -> None:
+    (partial / MARK).write_text(str(token))
+
+
+def find_partial(partial: Path, token: int, rank: int) -> None:
+    """Wait until this rank sees rank 0's mark in ``partial``, else raise ``NotSharedError``.
+
+    [Note: one directory every rank sees]
+    Every rank writes its shards into the one partial directory rank 0 made, and rank 0 alone renames it into
+    place. A path on storage private to each node (a local disk, a ``/tmp``, a node-local NVMe) has a directory of
+    that name on every node: DCP's writer made it where it was missing, each node's ranks wrote there, the save
+    "succeeded", and the checkpoint on rank 0's node lacked every other node's shards (the others' were left as a
+    partial directory nothing removes), found only when a resume failed. So before any shard is written, rank 0
+    writes a number it drew into its partial directory, and every rank must read that number there (a number, not
+    the directory alone: another node may hold a stale directory of that name); one that cannot
+    within ``SEEN_WITHIN_S`` (a network file system may show a new file late) fails the save on every rank before a
+    byte of it is written, naming the storage a sharded checkpoint needs (as DCP's and FSDP's need it). A resume checks
+    the same way that every rank finds the checkpoint (``checkpointing.py``)."""
+    within_s = SEEN_WITHIN_S
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if (partial / MARK).read_text() == str(token):
+                return
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            break
+        try:
+            os.listdir(partial.parent)  # a directory read revalidates a network file system's cached view
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise NotSharedError(
+        f"rank {rank} does not see the directory {str(partial)!r} that rank 0 made for this checkpoint (after "
+        f"{within_s:.0f} s): every rank writes its shards into one directory, so the checkpoint path must be on "
+        "storage every node shares (NFS, Lustre, GPFS, a shared volume), not a disk local to each node"
+    )
 
 
 def partial_path(path: str | Path) -> Path:

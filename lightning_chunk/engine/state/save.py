@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import os
+import secrets
 import shutil
 import warnings
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from ..chunks.chunk import Tier
 from ..errors import CheckpointError, ChunkError
 from ..system.atomic import clear_leftovers, replace_dir
 from .background_save import BackgroundSave
-from .checkpoint_dir import DCP_INDEX, FORMAT_VERSION, META, partial_path, sha256
+from .checkpoint_dir import DCP_INDEX, FORMAT_VERSION, MARK, META, find_partial, mark_partial, partial_path, sha256
 from .saved_chunks import KEY
 from .shard_writer import GroupedWriter, Make, StreamingPlanner, chunk_of, placeholder
 
@@ -234,7 +235,11 @@ class SaveJob:
         path, partial = self.path, partial_path(self.path)
         # each step raises on every rank if it failed on any, before the next begins
         # with replicas, the first shard group writes the shards ([Note: replicas of the shard group])
-        _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial) if comm.all_rank == 0 else None)
+        token = secrets.randbits(62)  # rank 0's marks its directory ([Note: one directory every rank sees])
+        _on_each_rank(comm, path, "preparing", lambda: _prepare(path, partial, token) if comm.all_rank == 0 else None)
+        if comm.all_size > 1:
+            token = int(comm.broadcast(torch.tensor([token]), 0, what=f"the save of {str(path)!r}").item())
+            _on_each_rank(comm, path, "finding rank 0's directory", lambda: find_partial(partial, token, comm.all_rank))
         _on_each_rank(comm, path, "writing its shards", lambda: self._write(comm, partial, comm.replica_index == 0))
         _on_each_rank(comm, path, "finishing", lambda: self._finish(partial) if comm.all_rank == 0 else None)
 
@@ -259,6 +264,7 @@ class SaveJob:
             self.mgr.tiers.page_out()
 
     def _finish(self, partial: Path) -> None:
+        (partial / MARK).unlink()
         meta = dict(self.extra)
         meta[KEY] = {**self.head, "index_sha256": sha256(partial / DCP_INDEX), **self.layout}
         _write_meta(meta, partial / META)
@@ -374,10 +380,11 @@ def when_saved(engine: Any, fn: Callable[[], None]) -> None:
         fn()
 
 
-def _prepare(path: Path, partial: Path) -> None:
+def _prepare(path: Path, partial: Path, token: int) -> None:
     clear_leftovers(path)
     shutil.rmtree(partial, ignore_errors=True)  # a stale one from an interrupted save
     partial.mkdir(parents=True)
+    mark_partial(partial, token)
 
 
 def _master(c: Any) -> torch.Tensor:
