@@ -222,18 +222,21 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         )
         self._deferred = deferred
         self.model_to_device()
-        weights = None
-        if self.weights is not None and not self._weights_loaded:
-            weights = ModuleWeights(
-                converted(open_weights(self.weights), module),  # [Note: converted checkpoints] in hf_weights.py
-                module,
-                strict=getattr(module, "strict_loading", True),
-                optional=adapters.tensors() if adapters else (),
-                wrapped=PeftAdapters.base_name if adapters else None,
-            )
         ranks = shard_ranks(self.config.shard_size, self.world_size, self.num_processes)
         timeout, verify = self.config.collective_timeout_s, self.config.verify_collectives
         comm = Collectives.over(ranks, timeout_s=timeout, verify=verify) if self.world_size > 1 else Collectives.local()
+        weights, path = None, self.weights
+        if path is not None and not self._weights_loaded:  # every rank reads its shards' part
+            weights = comm.on_every_rank(
+                lambda: ModuleWeights(
+                    converted(open_weights(path), module),  # [Note: converted checkpoints] in hf_weights.py
+                    module,
+                    strict=getattr(module, "strict_loading", True),
+                    optional=adapters.tensors() if adapters else (),
+                    wrapped=PeftAdapters.base_name if adapters else None,
+                ),
+                what=f"opening weights {path!r}",
+            )
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # refused on every rank or on none: under the host limit every rank agrees on
             host_limit = agree_on_limits(self.config, comm).host_memory_limit  # [Note: one limit for every rank]

@@ -2,11 +2,12 @@
 rank works in a directory of its node's and saves to ``/proc/self/cwd/ckpt``, one path naming another directory on
 each node, as ``/local/ckpt`` on a node-local disk does ([Note: one directory every rank sees]).
 
-    RANK=r LOCAL_RANK=0 NODE_RANK=r WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python local_disk_worker.py DIR [resume]
+    RANK=r LOCAL_RANK=0 NODE_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python local_disk_worker.py DIR [MODE]
 
 Prints ``SAVE-FAILED <error>`` for the node-local save (in a step, where every rank writes its shards) and
-``SAVED-SHARED`` once a save to a shared path after it worked; ``FIT-DONE`` when training went on to its end. With
-``resume``: a fit resumed from ``/proc/self/cwd/ckpt``, which only node 0 holds; ``RESUME-FAILED <error>``."""
+``SAVED-SHARED`` once a save to a shared path after it worked; ``FIT-DONE`` when training went on to its end. MODE
+``resume``: a fit resumed from ``/proc/self/cwd/ckpt``, which only node 0 holds; ``RESUME-FAILED <error>``. MODE
+``weights``: a fit from ``weights="/proc/self/cwd/w.pt"``, which only node 0 holds; ``WEIGHTS-FAILED <error>``."""
 
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ def main() -> None:
     node = out / f"node{os.environ['NODE_RANK']}"
     node.mkdir(exist_ok=True)
     os.chdir(node)
+    if sys.argv[2:] == ["weights"]:
+        t = trainer(chunk_strategy(placement="host", chunk_numel=4096, weights="/proc/self/cwd/w.pt"), steps=2)
+        try:
+            t.fit(ParityNet(), token_data())
+            print("FIT-DONE", flush=True)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            print(f"WEIGHTS-FAILED {type(e).__name__}: {' '.join(str(e).split())}", flush=True)
+        return
     if sys.argv[2:] == ["resume"]:
         t = trainer(chunk_strategy(placement="host", chunk_numel=4096), steps=4)
         try:

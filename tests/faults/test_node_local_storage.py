@@ -8,8 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.faults.common import Ranks
+from tests.models import ParityNet
 
 pytestmark = pytest.mark.slow  # two ranks
 
@@ -53,3 +55,16 @@ def test_a_resume_from_a_checkpoint_one_node_holds_is_refused_on_every_rank_nami
         assert rc == 0 and failed is not None, (so + se)[-3000:]
         assert "FileNotFoundError: checkpoint '/proc/self/cwd/ckpt' is not found on rank(s) [1]" in failed, failed
         assert "storage every node shares" in failed, failed
+
+
+def test_weights_one_node_holds_are_refused_on_every_rank_naming_those_without(tmp_path):
+    """Before, the rank without the file raised alone at setup and rank 0 went on into the start-up exchange, where it
+    was told of data-dependent control flow (gloo) or waited for the watchdog (NCCL)."""
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").mkdir()
+    torch.save(ParityNet().state_dict(), tmp_path / "node0" / "w.pt")
+    ran = Ranks(WORKER, tmp_path, "weights", world_size=2, nodes=2).wait(timeout=240)
+    errors = [next((ln for ln in so.splitlines() if ln.startswith("WEIGHTS-FAILED")), so + se) for _, so, se, _ in ran]
+    assert errors[0].startswith("WEIGHTS-FAILED PeerFailedError: [rank 0] opening weights"), errors[0][-3000:]
+    assert "failed on rank(s) [1]" in errors[0], errors[0]
+    assert errors[1] == "WEIGHTS-FAILED WeightsError: weights '/proc/self/cwd/w.pt': no such file or directory.", errors

@@ -37,11 +37,13 @@ values, hence the same bits, without the clone or the copy. NCCL keeps its real 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ..errors import ChunkError
 from .agreement import Check, CollectiveMismatchError, first_difference
 from .group import GLOO_AS_NCCL, CollectiveDeviceError, RankGroup, _all_gather
 from .waits import CollectiveTimeoutError, Pending, refuse_if_broken_now
@@ -53,8 +55,15 @@ __all__ = [
     "CollectiveTimeoutError",
     "Collectives",
     "Pending",
+    "PeerFailedError",
     "first_difference",
 ]
+
+T = TypeVar("T")
+
+
+class PeerFailedError(ChunkError):
+    """What a rank raises where a step every rank takes together failed on other ranks (``on_every_rank``)."""
 
 
 class Collectives(RankGroup):
@@ -96,6 +105,20 @@ class Collectives(RankGroup):
         out, work = self.gather_ints([int(bool(ok))], group=self.all_group)
         Pending(out, work, lambda: f"[rank {self.all_rank}] {what}", self.timeout_s, self.why_stuck, self.clock).wait()
         return [r for r, v in enumerate(out.tolist()) if not v]
+
+    def on_every_rank(self, fn: Callable[[], T], *, what: str) -> T:
+        """``fn()`` on this rank, then the ranks agree: where it raised on some, it raises there and the others raise
+        ``PeerFailedError`` naming them, where they would have gone on into a collective the failed ranks never
+        issue (a hang on NCCL, a warning of data-dependent control flow on gloo)."""
+        try:
+            out = fn()
+        except Exception:
+            self.failed_ranks(False, what=what)
+            raise
+        failed = self.failed_ranks(True, what=what)
+        if failed:
+            raise PeerFailedError(f"[rank {self.all_rank}] {what} failed on rank(s) {failed}; see their errors.")
+        return out
 
     # ----------------------------------------------------------- collectives
     def all_gather(
