@@ -51,6 +51,7 @@ from .engine.state.checkpoint import (
 from .engine.system.atomic import remove_dir
 from .finetuning import restore_finetuning_groups
 from .parallel import OneProcessPerDevice
+from .requeue import RequeueAtBoundary
 
 _SAVE_ADVICE = (
     "A save gathers or writes every rank's shards, so every rank calls it, as Lightning asks of strategies that "
@@ -66,6 +67,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
     state_dict_type: str
     _kept_optimizer_states: dict[int, Any]  # [Note: optimizer state after fit] in engine/optim/kept_state.py
     _deferred_saves: list[tuple[Any, bool, Any]]  # (path, weights_only, storage_options): [Note: a save inside a step]
+    _requeue: RequeueAtBoundary  # [Note: the requeue signal on several ranks] in requeue.py
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -90,17 +92,28 @@ class ChunkCheckpoints(OneProcessPerDevice):
         for filepath, weights_only, storage_options in saves:
             self.lightning_module.trainer.save_checkpoint(filepath, weights_only, storage_options)  # type: ignore[union-attr]
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.engine is not None and self.engine.comm.all_size > 1:  # [Note: the requeue signal on several ranks]
+            self._requeue.install(self.cluster_environment)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._write_deferred_saves()
+        if self.engine is not None:
+            self._requeue.at_boundary(self.engine.comm)
 
     def on_train_end(self) -> None:
         super().on_train_end()
         self._write_deferred_saves()
+        if self.engine is not None:
+            self._requeue.at_boundary(self.engine.comm)
+        self._requeue.remove()
 
     def _deferred_saves_on_exception(self, exception: BaseException) -> None:
         """The run stops: by SIGTERM every rank stops at the end of a batch, where the saves can be written; a
         failure inside the step leaves it half taken, and they are not ([Note: a save inside a step])."""
+        self._requeue.remove()
         saves = self._deferred_saves
         if not saves:
             return

@@ -43,6 +43,7 @@ from .hf import PeftAdapters, keep_generation_in_step
 from .hf_weights import converted
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
+from .requeue import RequeueAtBoundary
 from .same_batches import check_same_batches, repeat_while_others_run
 from .telemetry import log_memory_stats
 from .toggles import follow_toggles
@@ -139,6 +140,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         self._final_stats: dict[str, float] = {}
         self._kept_optimizer_states: dict[int, Any] = {}  # [Note: optimizer state after fit] in optim/kept_state.py
         self._deferred_saves = []  # [Note: a save inside a step] in checkpointing.py
+        self._requeue = RequeueAtBoundary()  # [Note: the requeue signal on several ranks] in requeue.py
         self._failed = False
         self._deferred: DeferredInit | None = None
 

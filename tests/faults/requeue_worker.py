@@ -1,0 +1,58 @@
+"""One rank of a two-rank fit started as ``srun`` starts it, with ``SLURMEnvironment``'s auto-requeue: at step AT each
+rank sends itself the requeue signal from the forward of another module (rank 0 early, rank 1 late), as the signal
+SLURM sends every task lands wherever each rank's main thread is ([Note: the requeue signal on several ranks]). A
+``ModelCheckpoint`` saves every step beside it.
+
+    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR
+
+Prints ``SIGNALLED <rank> <module>`` where each signal was sent and ``FIT-DONE`` at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from tests.distributed.harness import chunk_strategy, trainer  # noqa: E402
+from tests.models import ParityNet, token_data  # noqa: E402
+
+AT = 5
+
+
+class SignalledInForward(ParityNet):
+    def on_fit_start(self):
+        owners = [m for m in self.modules() if list(m.parameters(recurse=False))]
+        name = {m: n for n, m in self.named_modules()}
+        rank = os.environ["SLURM_PROCID"]
+        target = owners[1] if rank == "0" else owners[-2]
+
+        def hook(module, args):
+            if self.trainer.global_step == AT and not getattr(self, "_sent", False):
+                self._sent = True
+                print(f"SIGNALLED {rank} {name[module]}", flush=True)
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        target.register_forward_pre_hook(hook)
+
+
+def main() -> None:
+    out, rank = Path(sys.argv[1]), os.environ["RANK"]
+    os.environ.update(  # as srun sets them for a job of two tasks on one node: Lightning takes SLURMEnvironment
+        SLURM_NTASKS="2", SLURM_PROCID=rank, SLURM_LOCALID=rank, SLURM_NODEID="0", SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="train", SLURM_NODELIST="localhost", SLURM_NNODES="1", SLURM_NTASKS_PER_NODE="2",
+    )  # fmt: skip
+    every = ModelCheckpoint(dirpath=out / "every", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    t = trainer(chunk_strategy(placement="host", chunk_numel=4096), steps=AT + 3, default_root_dir=str(out))
+    t.callbacks.append(every)
+    t.fit(SignalledInForward(), token_data())
+    print("FIT-DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

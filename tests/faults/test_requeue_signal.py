@@ -1,0 +1,38 @@
+"""SLURM's requeue signal landing at another module's forward on each rank ([Note: the requeue signal on several
+ranks] in ``requeue.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_chunk.consolidate import read_checkpoint
+from tests.faults.common import Ranks
+from tests.faults.requeue_worker import AT
+
+pytestmark = pytest.mark.slow  # two ranks
+
+WORKER = Path(__file__).with_name("requeue_worker.py")
+
+
+def test_the_requeue_signal_landing_at_different_modules_saves_one_checkpoint_on_every_rank_and_training_goes_on(
+    tmp_path,
+):
+    """Before, rank 0 began Lightning's save in its handler while rank 1 waited in the all-gather of a module rank 0
+    had not reached: both failed after the collective timeout (60 s here; on NCCL a hang), no checkpoint and no
+    requeue. Now both run the handler at the next batch's start: one checkpoint, the state a ModelCheckpoint saved at
+    the end of that step, and training goes on to its end."""
+    results = Ranks(WORKER, tmp_path).wait(timeout=240)
+    for rank, (rc, so, se, _) in enumerate(results):
+        assert rc == 0 and "FIT-DONE" in so, (so + se)[-3000:]
+        assert f"SIGNALLED {rank} " in so, so
+    hpc = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hpc_ckpt"))
+    assert hpc == ["hpc_ckpt_1.ckpt"], hpc
+    got = read_checkpoint(tmp_path / hpc[0])
+    ref = read_checkpoint(tmp_path / "every" / f"step={AT + 1}.ckpt")
+    assert got["global_step"] == ref["global_step"] == AT + 1
+    assert got["state_dict"].keys() == ref["state_dict"].keys()
+    for k, v in ref["state_dict"].items():
+        assert torch.equal(got["state_dict"][k], v), k
