@@ -51,7 +51,7 @@ from .engine.state.checkpoint import (
 from .engine.system.atomic import remove_dir
 from .finetuning import restore_finetuning_groups
 from .parallel import OneProcessPerDevice
-from .requeue import RequeueAtBoundary
+from .signals import SignalsAtSteps
 
 _SAVE_ADVICE = (
     "A save gathers or writes every rank's shards, so every rank calls it, as Lightning asks of strategies that "
@@ -67,7 +67,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
     state_dict_type: str
     _kept_optimizer_states: dict[int, Any]  # [Note: optimizer state after fit] in engine/optim/kept_state.py
     _deferred_saves: list[tuple[Any, bool, Any]]  # (path, weights_only, storage_options): [Note: a save inside a step]
-    _requeue: RequeueAtBoundary  # [Note: the requeue signal on several ranks] in requeue.py
+    _signals: SignalsAtSteps  # [Note: signals on several ranks] in signals.py
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -94,26 +94,24 @@ class ChunkCheckpoints(OneProcessPerDevice):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.engine is not None and self.engine.comm.all_size > 1:  # [Note: the requeue signal on several ranks]
-            self._requeue.install(self.cluster_environment)
+        if self.engine is not None and self.engine.comm.all_size > 1:  # [Note: signals on several ranks]
+            self._signals.install(self.cluster_environment)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._write_deferred_saves()
-        if self.engine is not None:
-            self._requeue.at_boundary(self.engine.comm)
 
     def on_train_end(self) -> None:
         super().on_train_end()
         self._write_deferred_saves()
         if self.engine is not None:
-            self._requeue.at_boundary(self.engine.comm)
-        self._requeue.remove()
+            self._signals.at_end(self.engine.comm)
+        self._signals.remove()
 
     def _deferred_saves_on_exception(self, exception: BaseException) -> None:
         """The run stops: by SIGTERM every rank stops at the end of a batch, where the saves can be written; a
         failure inside the step leaves it half taken, and they are not ([Note: a save inside a step])."""
-        self._requeue.remove()
+        self._signals.remove()
         saves = self._deferred_saves
         if not saves:
             return

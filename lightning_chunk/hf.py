@@ -31,9 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .consolidate import _progress, check_output
 from .engine.config import parse_bytes
 from .engine.files.safetensors_file import StreamingSafetensors
+from .engine.files.weights import ModuleWeights, open_weights
 from .engine.state.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta, weights_key
 from .engine.system.atomic import remove_dir, replace_dir
-from .hf_weights import as_saved, saved_layout
+from .hf_weights import as_saved, converted, saved_layout
 
 HF_CONFIG_KEY = "hf_config"  # where a LightningModule keeps ``model.config.to_dict()`` in its checkpoints
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as ``save_pretrained``
@@ -124,6 +125,18 @@ class HFInit:
         with torch.no_grad(), _LeaveAlone(others):
             for m in chain:
                 self.model._init_weights(m)  # type: ignore[operator]
+
+
+def module_weights(path: str, module: Any, adapters: PeftAdapters | None) -> ModuleWeights:
+    """The strategy's ``weights=``, as transformers would load them ([Note: converted checkpoints] in
+    ``hf_weights.py``), checked against ``module`` (a LoRA run's adapters may be missing from them)."""
+    return ModuleWeights(
+        converted(open_weights(path), module),
+        module,
+        strict=getattr(module, "strict_loading", True),
+        optional=adapters.tensors() if adapters else (),
+        wrapped=PeftAdapters.base_name if adapters else None,
+    )
 
 
 # ================================================================== peft adapters

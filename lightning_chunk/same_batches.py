@@ -30,7 +30,9 @@ takes ``dataloader_iter`` fetches its own batches; it is not checked.
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -61,32 +63,35 @@ class Turn(enum.IntEnum):
     REPEAT = 2  # predict only: the rank's batches ended; it repeats its last while the others run theirs
 
 
-def check_same_batches(trainer: Any, comm: Collectives, written: bool) -> tuple[bool, bool]:
+def check_same_batches(trainer: Any, comm: Collectives, written: bool, signals: int = 0) -> tuple[bool, bool, int]:
     """Every rank calls this at the start of each batch ([Note: the same number of batches on every rank]). First:
     True where this rank must repeat the batch after running it (``repeat_while_others_run``): predict, when it is
     this rank's last and another rank has more. Second: whether any rank's masters were ``written`` outside a step
-    ([Note: the optimizer's views written outside its step] in ``engine/memory/master_writes.py``), told with it."""
+    ([Note: the optimizer's views written outside its step] in ``engine/memory/master_writes.py``), told with it.
+    Third: the ``signals`` masks of every rank or-ed ([Note: signals on several ranks] in ``signals.py``)."""
     if comm.world_size == 1:
-        return False, written
+        return False, written, signals
     kind = None if trainer is None else next((k for a, k in _KIND.items() if getattr(trainer, a, False)), None)
     loop = None if kind is None else trainer.fit_loop.epoch_loop if kind == "training" else trainer._active_loop
     fetcher = None if loop is None else (trainer.fit_loop if kind == "training" else loop)._data_fetcher
     if loop is None or isinstance(fetcher, _DataLoaderIterDataFetcher):
-        return False, any(comm.values_of_ranks(written, what="the ranks telling whether their masters were written"))
+        told = comm.values_of_ranks(written | signals << 1, what="the ranks telling whether their masters were written")
+        return False, any(v & 1 for v in told), functools.reduce(operator.or_, (v >> 1 for v in told), 0)
     assert kind is not None
     progress = loop.batch_progress
     index = progress.current.ready - 1  # this batch's position in the loop (ready counts it already)
     skipped = " or that skipped the rest of its epoch (on_train_batch_start returned -1)" if kind == "training" else ""
     turn = Turn.LAST if progress.is_last_batch else Turn.MORE
     told = comm.values_of_ranks(
-        turn | written << 2,
+        turn | written << 2 | signals << 3,
         what=f"the check that every rank runs {kind} batch {index} (not a rank whose batches ended{skipped})",
     )
-    last, written = [v & 3 for v in told], any(v >> 2 for v in told)
+    last, written = [v & 3 for v in told], any(v >> 2 & 1 for v in told)
+    signals = functools.reduce(operator.or_, (v >> 3 for v in told), 0)
     if len(set(last)) == 1:
-        return False, written
+        return False, written, signals
     if kind == "predict":
-        return turn == Turn.LAST and Turn.MORE in last, written
+        return turn == Turn.LAST and Turn.MORE in last, written, signals
     count = trainer.num_training_batches if kind == "training" else sum(loop.max_batches)
     counts = comm.all_gather_object_on(count, comm.all_host_group())
     named = (

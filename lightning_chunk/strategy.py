@@ -31,7 +31,6 @@ from .engine.chunks.materialize import DeferredInit, meta_init
 from .engine.comm.group import shard_ranks
 from .engine.config import PlacementName
 from .engine.errors import explain_dtype_mismatch, explain_user_error
-from .engine.files.weights import ModuleWeights, open_weights
 from .engine.memory import master_writes
 from .engine.memory.full_params import full_parameters
 from .engine.optim.binding import refuse_detached_views
@@ -39,12 +38,11 @@ from .engine.runtime.batches import input_bytes
 from .engine.runtime.description import agree_on_limits
 from .finetuning import follow_finetuning, unfollow_finetuning
 from .grad_norms import sharded_grad_norm
-from .hf import PeftAdapters, keep_generation_in_step
-from .hf_weights import converted
+from .hf import PeftAdapters, keep_generation_in_step, module_weights
 from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
 from .precision import ChunkPrecision
-from .requeue import RequeueAtBoundary
 from .same_batches import check_same_batches, repeat_while_others_run
+from .signals import SignalsAtSteps
 from .telemetry import log_memory_stats
 from .toggles import follow_toggles
 from .unsupported import check_callbacks, check_device
@@ -140,7 +138,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         self._final_stats: dict[str, float] = {}
         self._kept_optimizer_states: dict[int, Any] = {}  # [Note: optimizer state after fit] in optim/kept_state.py
         self._deferred_saves = []  # [Note: a save inside a step] in checkpointing.py
-        self._requeue = RequeueAtBoundary()  # [Note: the requeue signal on several ranks] in requeue.py
+        self._signals = SignalsAtSteps()  # [Note: signals on several ranks] in signals.py
         self._failed = False
         self._deferred: DeferredInit | None = None
 
@@ -230,14 +228,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         weights, path = None, self.weights
         if path is not None and not self._weights_loaded:  # every rank reads its shards' part
             weights = comm.on_every_rank(
-                lambda: ModuleWeights(
-                    converted(open_weights(path), module),  # [Note: converted checkpoints] in hf_weights.py
-                    module,
-                    strict=getattr(module, "strict_loading", True),
-                    optional=adapters.tensors() if adapters else (),
-                    wrapped=PeftAdapters.base_name if adapters else None,
-                ),
-                what=f"opening weights {path!r}",
+                lambda: module_weights(path, module, adapters), what=f"opening weights {path!r}"
             )
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # refused on every rank or on none: under the host limit every rank agrees on
@@ -356,7 +347,11 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         trainer, engine = self.lightning_module and self.lightning_module._trainer, self.engine
         if training:  # [Note: an optimizer's parameter given another tensor] in engine/optim/binding.py
             refuse_detached_views(engine.bindings)
-        repeat, written = check_same_batches(trainer, engine.comm, master_writes.written(engine.manager))
+        repeat, written, signalled = check_same_batches(
+            trainer, engine.comm, master_writes.written(engine.manager), self._signals.mask()
+        )
+        if signalled:  # [Note: signals on several ranks] in signals.py
+            self._signals.run(signalled)
         if written:  # [Note: the optimizer's views written outside its step]
             master_writes.refresh(engine.manager)
         nbytes, step = input_bytes(*args, **kwargs) if training else None, getattr(super(), method)

@@ -1,11 +1,12 @@
 """One rank of a two-rank fit started as ``srun`` starts it, with ``SLURMEnvironment``'s auto-requeue: at step AT each
-rank sends itself the requeue signal from the forward of another module (rank 0 early, rank 1 late), as the signal
-SLURM sends every task lands wherever each rank's main thread is ([Note: the requeue signal on several ranks]). A
-``ModelCheckpoint`` saves every step beside it.
+rank sends itself a signal (``USR1``, the requeue signal, or ``TERM``) from the forward of another module (rank 0
+early, rank 1 late), as a signal SLURM sends every task lands wherever each rank's main thread is ([Note: signals on
+several ranks] in ``lightning_chunk/signals.py``). A ``ModelCheckpoint`` saves every step beside it.
 
-    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR
+    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM
 
-Prints ``SIGNALLED <rank> <module>`` where each signal was sent and ``FIT-DONE`` at the end."""
+Prints ``SIGNALLED <rank> <module>`` where each signal was sent, ``FIT-DONE`` at the end, or ``FIT-FAILED <error>
+at step <n>``."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class SignalledInForward(ParityNet):
             if self.trainer.global_step == AT and not getattr(self, "_sent", False):
                 self._sent = True
                 print(f"SIGNALLED {rank} {name[module]}", flush=True)
-                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), getattr(signal, "SIG" + sys.argv[2]))
 
         target.register_forward_pre_hook(hook)
 
@@ -50,7 +51,11 @@ def main() -> None:
     every = ModelCheckpoint(dirpath=out / "every", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     t = trainer(chunk_strategy(placement="host", chunk_numel=4096), steps=AT + 3, default_root_dir=str(out))
     t.callbacks.append(every)
-    t.fit(SignalledInForward(), token_data())
+    try:
+        t.fit(SignalledInForward(), token_data())
+    except BaseException as e:  # noqa: BLE001 - the test reads it
+        print(f"FIT-FAILED {type(e).__name__} at step {t.global_step}: {' '.join(str(e).split())[:600]}", flush=True)
+        raise
     print("FIT-DONE", flush=True)
 
 

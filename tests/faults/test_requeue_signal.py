@@ -1,5 +1,5 @@
-"""SLURM's requeue signal landing at another module's forward on each rank ([Note: the requeue signal on several
-ranks] in ``requeue.py``)."""
+"""SLURM's requeue signal and SIGTERM landing at another module's forward on each rank ([Note: signals on several
+ranks] in ``signals.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_chunk.consolidate import read_checkpoint
+from lightning_chunk.engine.comm.collectives import GLOO_AS_NCCL
 from tests.faults.common import Ranks
 from tests.faults.requeue_worker import AT
 
@@ -24,7 +25,7 @@ def test_the_requeue_signal_landing_at_different_modules_saves_one_checkpoint_on
     had not reached: both failed after the collective timeout (60 s here; on NCCL a hang), no checkpoint and no
     requeue. Now both run the handler at the next batch's start: one checkpoint, the state a ModelCheckpoint saved at
     the end of that step, and training goes on to its end."""
-    results = Ranks(WORKER, tmp_path).wait(timeout=240)
+    results = Ranks(WORKER, tmp_path, "USR1").wait(timeout=240)
     for rank, (rc, so, se, _) in enumerate(results):
         assert rc == 0 and "FIT-DONE" in so, (so + se)[-3000:]
         assert f"SIGNALLED {rank} " in so, so
@@ -36,3 +37,18 @@ def test_the_requeue_signal_landing_at_different_modules_saves_one_checkpoint_on
     assert got["state_dict"].keys() == ref["state_dict"].keys()
     for k, v in ref["state_dict"].items():
         assert torch.equal(got["state_dict"][k], v), k
+
+
+def test_sigterm_landing_at_different_modules_stops_every_rank_at_the_end_of_the_same_batch(tmp_path):
+    """Before, as NCCL runs, Lightning's SIGTERM handler broadcast from rank 0 in the middle of its forward, which
+    paired with rank 1's all-gather: both failed after the collective timeout (on NCCL a hang until the job is
+    killed). Now every rank runs the handler at the next step's start and Lightning stops them at the end of that
+    batch: signalled in the step after AT, stopped after AT + 2."""
+    results = Ranks(WORKER, tmp_path, "TERM", env={GLOO_AS_NCCL: "1"}).wait(timeout=240)
+    stopped = []
+    for rank, (_, so, se, _) in enumerate(results):
+        assert f"SIGNALLED {rank} " in so, (so + se)[-3000:]
+        line = next((ln for ln in so.splitlines() if ln.startswith("FIT-FAILED")), so + se)
+        assert line.startswith("FIT-FAILED SIGTERMException at step "), line[-3000:]
+        stopped.append(line)
+    assert stopped[0] == stopped[1] == f"FIT-FAILED SIGTERMException at step {AT + 2}: ", stopped
