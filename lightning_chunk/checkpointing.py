@@ -92,10 +92,37 @@ class ChunkCheckpoints(OneProcessPerDevice):
         for filepath, weights_only, storage_options in saves:
             self.lightning_module.trainer.save_checkpoint(filepath, weights_only, storage_options)  # type: ignore[union-attr]
 
+    def _hold_signals(self, evaluating: bool = False) -> None:
+        """From a fit's start or an evaluation's outside a fit ([Note: signals on several ranks] in signals.py)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if evaluating and (trainer is None or trainer.state.fn == TrainerFn.FITTING):
+            return  # the fit's own
+        if self.engine is not None and self.engine.comm.all_size > 1:
+            self._signals.install(self.cluster_environment)
+
+    def _release_signals(self, evaluating: bool = False) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if evaluating and (trainer is None or trainer.state.fn == TrainerFn.FITTING):
+            return
+        if self.engine is not None:
+            self._signals.at_end(self.engine.comm)
+        self._signals.remove()
+
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.engine is not None and self.engine.comm.all_size > 1:  # [Note: signals on several ranks]
-            self._signals.install(self.cluster_environment)
+        self._hold_signals()
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._hold_signals(evaluating=True)
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._hold_signals(evaluating=True)
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._hold_signals(evaluating=True)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -104,9 +131,19 @@ class ChunkCheckpoints(OneProcessPerDevice):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._write_deferred_saves()
-        if self.engine is not None:
-            self._signals.at_end(self.engine.comm)
-        self._signals.remove()
+        self._release_signals()
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._release_signals(evaluating=True)
+
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._release_signals(evaluating=True)
+
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._release_signals(evaluating=True)
 
     def _deferred_saves_on_exception(self, exception: BaseException) -> None:
         """The run stops: by SIGTERM every rank stops at the end of a batch, where the saves can be written; a

@@ -3,10 +3,10 @@ rank sends itself a signal (``USR1``, the requeue signal, or ``TERM``) from the 
 early, rank 1 late), as a signal SLURM sends every task lands wherever each rank's main thread is ([Note: signals on
 several ranks] in ``lightning_chunk/signals.py``). A ``ModelCheckpoint`` saves every step beside it.
 
-    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM
+    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM [validate]
 
 Prints ``SIGNALLED <rank> <module>`` where each signal was sent, ``FIT-DONE`` at the end, or ``FIT-FAILED <error>
-at step <n>``."""
+at step <n>``. With ``validate``: a validation alone, signalled at its third batch (``VALIDATE-...``)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,23 @@ AT = 5
 
 
 class SignalledInForward(ParityNet):
+    """Signals itself once: in a fit at step AT, in a validation alone at its third batch."""
+
     def on_fit_start(self):
+        self._arm(lambda: self.trainer.global_step == AT)
+
+    def on_validation_start(self):
+        if not self.trainer.state.fn == "fit":
+            self._arm(lambda: self.trainer.validate_loop.batch_progress.current.ready == 3)
+
+    def _arm(self, due):
         owners = [m for m in self.modules() if list(m.parameters(recurse=False))]
         name = {m: n for n, m in self.named_modules()}
         rank = os.environ["SLURM_PROCID"]
         target = owners[1] if rank == "0" else owners[-2]
 
         def hook(module, args):
-            if self.trainer.global_step == AT and not getattr(self, "_sent", False):
+            if due() and not getattr(self, "_sent", False):
                 self._sent = True
                 print(f"SIGNALLED {rank} {name[module]}", flush=True)
                 os.kill(os.getpid(), getattr(signal, "SIG" + sys.argv[2]))
@@ -48,6 +57,16 @@ def main() -> None:
         SLURM_NTASKS="2", SLURM_PROCID=rank, SLURM_LOCALID=rank, SLURM_NODEID="0", SLURM_JOB_ID="4242",
         SLURM_JOB_NAME="train", SLURM_NODELIST="localhost", SLURM_NNODES="1", SLURM_NTASKS_PER_NODE="2",
     )  # fmt: skip
+    if sys.argv[3:] == ["validate"]:
+        t = trainer(chunk_strategy(placement="host", chunk_numel=4096), default_root_dir=str(out), limit_val_batches=8)
+        try:
+            t.validate(SignalledInForward(), token_data())
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            done = t.validate_loop.batch_progress.current.completed
+            print(f"VALIDATE-FAILED {type(e).__name__} after batch {done}", flush=True)
+            raise
+        print("VALIDATE-DONE", flush=True)
+        return
     every = ModelCheckpoint(dirpath=out / "every", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     t = trainer(chunk_strategy(placement="host", chunk_numel=4096), steps=AT + 3, default_root_dir=str(out))
     t.callbacks.append(every)
