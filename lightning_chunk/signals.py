@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import operator
 import signal
+import threading
 from types import FrameType
 from typing import Any
 
@@ -44,6 +45,8 @@ class SignalsAtSteps:
 
     def install(self, environment: Any) -> None:
         self.remove()
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers (Lightning sets none there either)
         wanted = [signal.SIGTERM]  # the requeue signal first: its save before the stop
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
             wanted.insert(0, environment.requeue_signal)
@@ -57,7 +60,7 @@ class SignalsAtSteps:
 
     def remove(self) -> None:
         for signum, handler in zip(self.signums, self.handlers, strict=True):
-            if signal.getsignal(signum) == self._note:
+            if signal.getsignal(signum) == self._note and threading.current_thread() is threading.main_thread():
                 signal.signal(signum, handler)
         self.signums, self.handlers, self.came, self.ahead = [], [], [], []
 
