@@ -20,7 +20,7 @@ FORMAT_VERSION = 1
 META = "meta.pt"
 DCP_INDEX = ".metadata"
 MARK = ".rank0"  # in a partial directory while it is written: the number rank 0 drew for this save
-SEEN_WITHIN_S = 30.0  # how long a rank looks for rank 0's mark: a network file system may show a new file late
+SEEN_WITHIN_S = 60.0  # how long a rank looks for rank 0's mark: NFS may cache a directory's entries 60 s (acdirmax)
 
 
 class NotSharedError(ChunkError, FileNotFoundError):
