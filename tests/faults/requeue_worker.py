@@ -3,10 +3,11 @@ rank sends itself a signal (``USR1``, the requeue signal, or ``TERM``) from the 
 early, rank 1 late), as a signal SLURM sends every task lands wherever each rank's main thread is ([Note: signals on
 several ranks] in ``lightning_chunk/signals.py``). A ``ModelCheckpoint`` saves every step beside it.
 
-    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM [validate]
+    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM [validate|requeued]
 
 Prints ``SIGNALLED <rank> <module>`` where each signal was sent, ``FIT-DONE`` at the end, or ``FIT-FAILED <error>
-at step <n>``. With ``validate``: a validation alone, signalled at its third batch (``VALIDATE-...``)."""
+at step <n>``. With ``validate``: a validation alone, signalled at its third batch (``VALIDATE-...``). With
+``requeued``: the job SLURM starts again, no signal (``STARTED AT STEP <n>``, ``REQUEUED-DONE at step <n>``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from tests.distributed.harness import chunk_strategy, trainer  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
@@ -51,6 +52,11 @@ class SignalledInForward(ParityNet):
         target.register_forward_pre_hook(hook)
 
 
+class Started(Callback):
+    def on_train_start(self, trainer, pl_module):
+        print(f"STARTED AT STEP {trainer.global_step}", flush=True)
+
+
 def main() -> None:
     out, rank = Path(sys.argv[1]), os.environ["RANK"]
     os.environ.update(  # as srun sets them for a job of two tasks on one node: Lightning takes SLURMEnvironment
@@ -66,6 +72,12 @@ def main() -> None:
             print(f"VALIDATE-FAILED {type(e).__name__} after batch {done}", flush=True)
             raise
         print("VALIDATE-DONE", flush=True)
+        return
+    if sys.argv[3:] == ["requeued"]:  # the job SLURM starts again: Lightning resumes from the newest hpc_ckpt_N
+        t = trainer(chunk_strategy(placement="host", chunk_numel=4096), steps=AT + 3, default_root_dir=str(out))
+        t.callbacks.append(Started())
+        t.fit(ParityNet(), token_data())
+        print(f"REQUEUED-DONE at step {t.global_step}", flush=True)
         return
     every = ModelCheckpoint(dirpath=out / "every", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     t = trainer(chunk_strategy(placement="host", chunk_numel=4096), steps=AT + 3, default_root_dir=str(out))

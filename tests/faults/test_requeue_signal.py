@@ -24,7 +24,7 @@ def test_the_requeue_signal_landing_at_different_modules_saves_one_checkpoint_on
     """Before, rank 0 began Lightning's save in its handler while rank 1 waited in the all-gather of a module rank 0
     had not reached: both failed after the collective timeout (60 s here; on NCCL a hang), no checkpoint and no
     requeue. Now both run the handler at the next batch's start: one checkpoint, the state a ModelCheckpoint saved at
-    the end of that step, and training goes on to its end."""
+    the end of that step, and training goes on to its end; the job SLURM starts again resumes from it."""
     results = Ranks(WORKER, tmp_path, "USR1").wait(timeout=240)
     for rank, (rc, so, se, _) in enumerate(results):
         assert rc == 0 and "FIT-DONE" in so, (so + se)[-3000:]
@@ -37,6 +37,9 @@ def test_the_requeue_signal_landing_at_different_modules_saves_one_checkpoint_on
     assert got["state_dict"].keys() == ref["state_dict"].keys()
     for k, v in ref["state_dict"].items():
         assert torch.equal(got["state_dict"][k], v), k
+    for rc, so, se, _ in Ranks(WORKER, tmp_path, "USR1", "requeued").wait(timeout=240):
+        assert rc == 0 and f"STARTED AT STEP {AT + 1}" in so, (so + se)[-3000:]
+        assert f"REQUEUED-DONE at step {AT + 3}" in so, so
 
 
 def test_sigterm_landing_at_different_modules_stops_every_rank_at_the_end_of_the_same_batch(tmp_path):
