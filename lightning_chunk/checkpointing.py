@@ -93,20 +93,24 @@ class ChunkCheckpoints(OneProcessPerDevice):
             self.lightning_module.trainer.save_checkpoint(filepath, weights_only, storage_options)  # type: ignore[union-attr]
 
     def _hold_signals(self, evaluating: bool = False) -> None:
-        """From a fit's start or an evaluation's outside a fit ([Note: signals on several ranks] in signals.py)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if evaluating and (trainer is None or trainer.state.fn == TrainerFn.FITTING):
-            return  # the fit's own
+        """From training's start, or an evaluation's outside training (alone, or a fit's sanity check) ([Note: signals
+        on several ranks] in signals.py)."""
+        if evaluating and self._fit_holds_signals():
+            return
         if self.engine is not None and self.engine.comm.all_size > 1:
             self._signals.install(self.cluster_environment)
 
     def _release_signals(self, evaluating: bool = False) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if evaluating and (trainer is None or trainer.state.fn == TrainerFn.FITTING):
+        if evaluating and self._fit_holds_signals():
             return
         if self.engine is not None:
             self._signals.at_end(self.engine.comm)
         self._signals.remove()
+
+    def _fit_holds_signals(self) -> bool:
+        """An evaluation inside a fit, where the fit holds them (its sanity check, before training starts, does not)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is None or trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
 
     def on_train_start(self) -> None:
         super().on_train_start()

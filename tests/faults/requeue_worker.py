@@ -3,10 +3,11 @@ rank sends itself a signal (``USR1``, the requeue signal, or ``TERM``) from the 
 early, rank 1 late), as a signal SLURM sends every task lands wherever each rank's main thread is ([Note: signals on
 several ranks] in ``lightning_chunk/signals.py``). A ``ModelCheckpoint`` saves every step beside it.
 
-    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM [validate|requeued]
+    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM [MODE]
 
 Prints ``SIGNALLED <rank> <module>`` where each signal was sent, ``FIT-DONE`` at the end, or ``FIT-FAILED <error>
-at step <n>``. With ``validate``: a validation alone, signalled at its third batch (``VALIDATE-...``). With
+at step <n>``. MODE ``validate``: a validation alone, signalled at its third batch (``VALIDATE-...``). MODE
+``sanity``: the same in a fit's sanity check. MODE
 ``requeued``: the job SLURM starts again, no signal (``STARTED AT STEP <n>``, ``REQUEUED-DONE at step <n>``)."""
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ class SignalledInForward(ParityNet):
         self._arm(lambda: self.trainer.global_step == AT)
 
     def on_validation_start(self):
-        if not self.trainer.state.fn == "fit":
-            self._arm(lambda: self.trainer.validate_loop.batch_progress.current.ready == 3)
+        if self.trainer.sanity_checking or self.trainer.state.fn != "fit":
+            loop = (
+                self.trainer.fit_loop.epoch_loop.val_loop
+                if self.trainer.sanity_checking
+                else self.trainer.validate_loop
+            )
+            self._arm(lambda: loop.batch_progress.current.ready == 3)
 
     def _arm(self, due):
         owners = [m for m in self.modules() if list(m.parameters(recurse=False))]
@@ -63,12 +69,18 @@ def main() -> None:
         SLURM_NTASKS="2", SLURM_PROCID=rank, SLURM_LOCALID=rank, SLURM_NODEID="0", SLURM_JOB_ID="4242",
         SLURM_JOB_NAME="train", SLURM_NODELIST="localhost", SLURM_NNODES="1", SLURM_NTASKS_PER_NODE="2",
     )  # fmt: skip
-    if sys.argv[3:] == ["validate"]:
-        t = trainer(chunk_strategy(placement="host", chunk_numel=4096), default_root_dir=str(out), limit_val_batches=8)
+    if sys.argv[3:] in (["validate"], ["sanity"]):
+        sanity = sys.argv[3] == "sanity"
+        strategy = chunk_strategy(placement="host", chunk_numel=4096)
+        t = trainer(strategy, default_root_dir=str(out), limit_val_batches=8, num_sanity_val_steps=8 if sanity else 0)
+        loop = t.fit_loop.epoch_loop.val_loop if sanity else t.validate_loop
         try:
-            t.validate(SignalledInForward(), token_data())
+            if sanity:
+                t.fit(SignalledInForward(), token_data(), token_data())
+            else:
+                t.validate(SignalledInForward(), token_data())
         except BaseException as e:  # noqa: BLE001 - the test reads it
-            done = t.validate_loop.batch_progress.current.completed
+            done = loop.batch_progress.current.completed
             print(f"VALIDATE-FAILED {type(e).__name__} after batch {done}", flush=True)
             raise
         print("VALIDATE-DONE", flush=True)

@@ -57,8 +57,10 @@ def test_sigterm_landing_at_different_modules_stops_every_rank_at_the_end_of_the
     assert stopped[0] == stopped[1] == f"FIT-FAILED SIGTERMException at step {AT + 2}: ", stopped
 
 
-def test_sigterm_in_a_validation_alone_stops_every_rank_after_the_same_batch(tmp_path):
-    """The same outside a fit: ``trainer.validate`` on two ranks, signalled in its third batch."""
-    results = Ranks(WORKER, tmp_path, "TERM", "validate", env={GLOO_AS_NCCL: "1"}).wait(timeout=240)
+@pytest.mark.parametrize("where", ["validate", "sanity"])
+def test_sigterm_in_a_validation_stops_every_rank_after_the_same_batch(tmp_path, where):
+    """The same outside training: ``trainer.validate`` on two ranks, or a fit's sanity check, signalled in its third
+    batch."""
+    results = Ranks(WORKER, tmp_path, "TERM", where, env={GLOO_AS_NCCL: "1"}).wait(timeout=240)
     stopped = [next((ln for ln in so.splitlines() if ln.startswith("VALIDATE-")), so + se) for _, so, se, _ in results]
     assert stopped[0] == stopped[1] == "VALIDATE-FAILED SIGTERMException after batch 4", stopped  # handled at the 4th
