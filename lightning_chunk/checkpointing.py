@@ -152,7 +152,6 @@ class ChunkCheckpoints(OneProcessPerDevice):
     def _deferred_saves_on_exception(self, exception: BaseException) -> None:
         """The run stops: by SIGTERM every rank stops at the end of a batch, where the saves can be written; a
         failure inside the step leaves it half taken, and they are not ([Note: a save inside a step])."""
-        self._signals.remove()
         saves = self._deferred_saves
         if not saves:
             return
@@ -329,7 +328,7 @@ def _seen_by_every_rank(engine: ChunkEngine, path: Any) -> None:
     """Every rank reads the checkpoint (its own shards, or the whole file): one that does not find it raised alone and
     left the others in the load's first collective, a hang on NCCL. Refused on every rank, naming the ranks that do
     not see it ([Note: one directory every rank sees]); a path no rank finds gets Lightning's own error."""
-    comm = engine.manager.comm
+    comm = engine.comm
     missing = comm.failed_ranks(get_filesystem(path).exists(str(path)), what=f"looking for checkpoint {str(path)!r}")
     if missing and len(missing) < comm.all_size:
         raise FileNotFoundError(

@@ -13,12 +13,14 @@ save's roll call, rank 1 in an all-gather, both failing after the collective tim
 SIGTERM as NCCL runs: the broadcast paired with an all-gather, both failing after the timeout. On NCCL: a hang
 until the job is killed, a save written in the background lost with it.
 
-So while a fit runs on several ranks these handlers only note that the signal came. Each step's start already
-exchanges one integer from every rank (``same_batches.py``); it carries which signals came, and where any rank's
-did, every rank runs Lightning's handler there, before the step's forward: the same save on every rank and rank
-0's requeue, the same broadcast. The end of training exchanges them once more. A rank whose own signal lands after
-that (on the other side of the step) has had it handled, and ignores it. Lightning's SIGTERM check at the end of the
-batch then stops every rank together.
+So while training, or an evaluation outside it (alone, or a fit's sanity check), runs on several ranks these
+handlers only note that the signal came. Each step's start already exchanges one integer from every rank
+(``same_batches.py``); it carries which signals came, and where any rank's did, every rank runs Lightning's handler
+there, before the step's forward: the same save on every rank and rank 0's requeue, the same broadcast. The end of
+training or of the evaluation exchanges them once more. A rank whose own signal lands after that (on the other side
+of the step) has had it handled, and ignores it. Lightning's SIGTERM check at the end of the batch then stops every
+rank together. During set-up, or after the end, no step follows to carry a signal: Lightning's handlers run as they
+are.
 """
 
 from __future__ import annotations

@@ -408,6 +408,7 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
             yield
 
     def on_exception(self, exception: BaseException) -> None:
+        self._signals.remove()  # Lightning's handlers again: no step follows ([Note: signals on several ranks])
         self._deferred_saves_on_exception(exception)  # [Note: a save inside a step] in checkpointing.py
         explain_user_error(exception)
         policy = self.precision_plugin.dtype_policy()

@@ -43,8 +43,9 @@ def find_partial(partial: Path, token: int, rank: int) -> None:
     writes a number it drew into its partial directory, and every rank must read that number there (a number, not
     the directory alone: another node may hold a stale directory of that name); one that cannot
     within ``SEEN_WITHIN_S`` (a network file system may show a new file late) fails the save on every rank before a
-    byte of it is written, naming the storage a sharded checkpoint needs (as DCP's and FSDP's need it). A resume checks
-    the same way that every rank finds the checkpoint (``checkpointing.py``)."""
+    byte of it is written, naming the storage a sharded checkpoint needs (as DCP's and FSDP's need it). A resume first
+    has every rank say whether it finds the checkpoint, and refuses on every rank where some do not
+    (``_seen_by_every_rank`` in ``checkpointing.py``)."""
     within_s = SEEN_WITHIN_S
     deadline = time.monotonic() + within_s
     while True:
