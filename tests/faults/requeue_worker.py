@@ -1,14 +1,15 @@
 """One rank of a two-rank fit started as ``srun`` starts it, with ``SLURMEnvironment``'s auto-requeue: at step AT each
-rank sends itself a signal (``USR1``, the requeue signal, or ``TERM``) from the forward of another module (rank 0
-early, rank 1 late), as a signal SLURM sends every task lands wherever each rank's main thread is ([Note: signals on
-several ranks] in ``lightning_chunk/signals.py``). A ``ModelCheckpoint`` saves every step beside it.
+rank sends itself a signal (``USR1``, the requeue signal, or ``TERM``; ``NONE`` sends none) from the forward of
+another module (rank 0 early, rank 1 late), as a signal SLURM sends every task lands wherever each rank's main thread
+is ([Note: signals on several ranks] in ``lightning_chunk/signals.py``). A ``ModelCheckpoint`` saves every step
+beside it.
 
-    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM [MODE]
+    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR MASTER_PORT python requeue_worker.py DIR USR1|TERM|NONE [MODE]
 
 Prints ``SIGNALLED <rank> <module>`` where each signal was sent, ``FIT-DONE`` at the end, or ``FIT-FAILED <error>
-at step <n>``. MODE ``validate``: a validation alone, signalled at its third batch (``VALIDATE-...``). MODE
-``sanity``: the same in a fit's sanity check. MODE
-``requeued``: the job SLURM starts again, no signal (``STARTED AT STEP <n>``, ``REQUEUED-DONE at step <n>``)."""
+at step <n>``. MODE ``validate``: a validation alone, signalled at its third batch (``VALIDATE-...``); ``sanity``:
+the same in a fit's sanity check; ``requeued``: the job SLURM starts again, no signal (``STARTED AT STEP <n>``,
+``REQUEUED-DONE at step <n>``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tests.distributed.harness import chunk_strategy, trainer  # noqa: E402
 from tests.models import ParityNet, token_data  # noqa: E402
 
 AT = 5
+LIMIT = 200_000  # rank 0's device limit in bytes; rank 1 has twice it
 
 
 class SignalledInForward(ParityNet):
@@ -63,6 +65,14 @@ class Started(Callback):
         print(f"STARTED AT STEP {trainer.global_step}", flush=True)
 
 
+def _fit_trainer(out: Path, rank: str, callback: Callback):
+    """As a user runs: the automatic chunk size, device limits that differ by rank, accumulation."""
+    strategy = chunk_strategy(chunk_numel=None, chunk_numel_min=4096, device_memory_limit=LIMIT * (1 + int(rank)))
+    t = trainer(strategy, steps=AT + 3, default_root_dir=str(out), accumulate_grad_batches=2)
+    t.callbacks.append(callback)  # after: the quiet trainer's enable_checkpointing=False refuses a ModelCheckpoint
+    return t
+
+
 def main() -> None:
     out, rank = Path(sys.argv[1]), os.environ["RANK"]
     os.environ.update(  # as srun sets them for a job of two tasks on one node: Lightning takes SLURMEnvironment
@@ -86,16 +96,15 @@ def main() -> None:
         print("VALIDATE-DONE", flush=True)
         return
     if sys.argv[3:] == ["requeued"]:  # the job SLURM starts again: Lightning resumes from the newest hpc_ckpt_N
-        t = trainer(chunk_strategy(placement="host", chunk_numel=4096), steps=AT + 3, default_root_dir=str(out))
-        t.callbacks.append(Started())
+        t = _fit_trainer(out, rank, Started())
         t.fit(ParityNet(), token_data())
         print(f"REQUEUED-DONE at step {t.global_step}", flush=True)
         return
     every = ModelCheckpoint(dirpath=out / "every", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    t = trainer(chunk_strategy(placement="host", chunk_numel=4096), steps=AT + 3, default_root_dir=str(out))
-    t.callbacks.append(every)
+    t = _fit_trainer(out, rank, every)
+    model = ParityNet() if sys.argv[2] == "NONE" else SignalledInForward()
     try:
-        t.fit(SignalledInForward(), token_data())
+        t.fit(model, token_data())
     except BaseException as e:  # noqa: BLE001 - the test reads it
         print(f"FIT-FAILED {type(e).__name__} at step {t.global_step}: {' '.join(str(e).split())[:600]}", flush=True)
         raise
