@@ -4,6 +4,8 @@ moments in one flat region per chunk, against torch's own fused Adam, bit for bi
 Gradients are written straight into the gradient shards (no forward), so the reference, torch's optimizer
 over plain tensors, steps on exactly the same numbers."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -195,6 +197,23 @@ def test_the_native_loop_reads_a_bf16_gradient_as_its_widening_to_fp32():
                 kernel(p, gr, m, v, copy[offset:], *kernel.pack(host_adam.adam_scalars(opt.param_groups[0], step, opt)))
             out.append((p, m, v, copy))
         assert all(torch.equal(a, b) for a, b in zip(*out, strict=True)), (n, offset)
+
+
+def test_a_chunk_whose_views_leave_gaps_is_stepped_a_run_at_a_time(monkeypatch):
+    """[Note: a chunk's views in several runs]: parameters of 13 and 7 elements leave padding before the next
+    ([Note: aligned parameters]), so neither chunk's views tile one run, and torch's kernel stepped both in two
+    passes (with fp32 gradients where bf16 ones would do). Each stretch of contiguous views is now a run of its own:
+    every chunk is stepped by the one pass, as torch's fused kernel steps it, and takes bf16 gradients."""
+    monkeypatch.setattr(sys.modules[__name__], "SIZES", [(13,), (48, 32), (32,), (7,), (32, 48)])
+    calls = count_native_calls(monkeypatch)
+    eng, o, ref, oref, fresh = run("one_pass", dtypes=DtypePolicy(torch.bfloat16, torch.float32))
+    check_against_torch(eng, o, ref, oref, exact_tail=False)
+    chunks = {c.chunk_id for c in eng.manager.chunks}
+    assert len(chunks) == 2 and all(f == chunks for f in fresh)  # every chunk, every step
+    assert len(calls) == 3 * 4  # two runs a chunk
+    assert all(len(ptrs) == 2 for ptrs in regions_of(eng, o).values())  # a region per run
+    b = eng.bindings[0]
+    assert b.host_adam.low_grad_chunks(b.views()) == chunks
 
 
 def test_a_chunk_with_a_parameter_that_got_no_gradient_is_left_to_torch():

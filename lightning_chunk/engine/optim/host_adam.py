@@ -156,6 +156,11 @@ def _unavailable(reason: str, forced: bool, cause: BaseException | None = None) 
         )
 
 
+def run_key(run: tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]) -> tuple[int, int]:
+    """A run of a chunk's views by its chunk and first element ([Note: a chunk's views in several runs])."""
+    return run[0].chunk_id, run[2][0][2]
+
+
 def _f32(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float64).to(torch.float32)
 
@@ -215,17 +220,25 @@ class HostAdam:
         """Forget the layout (the views and their state were rebuilt: bind, load, unbind). Nothing here holds
         a region: the views' state does, so a repack that takes the state frees it."""
         self._runs: list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]] | None = None
-        # per chunk: weak references to each view's moment slices as ``ensure_regions`` made them
-        self._made: dict[int, list[weakref.ref]] = {}
-        self._ready: dict[int, dict[str, torch.Tensor]] = {}  # this step's regions, by chunk (``ensure_regions``)
+        # per run (``run_key``): weak references to each view's moment slices as ``ensure_regions`` made them
+        self._made: dict[tuple[int, int], list[weakref.ref]] = {}
+        self._ready: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # this step's regions, by run
 
     # ----------------------------------------------------------------- layout
     def _host_runs(
         self, views: dict[int, torch.Tensor]
     ) -> list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]:
-        """Per host-tier chunk with a compute copy in a group the one pass can step: (chunk, group index,
-        [(param, view, start, end)]) with the views' ranges in shard coordinates, in order. Only chunks whose
-        views tile one contiguous run."""
+        """Per run of contiguous views of a host-tier chunk with a compute copy in a group the one pass can step:
+        (chunk, group index, [(param, view, start, end)]) with the views' ranges in shard coordinates, in order.
+
+        [Note: a chunk's views in several runs]
+        A chunk's views tile one run of its shard where its parameters lie back to back. Where they do not (a
+        chunk that kept its buffers through a repack has the parameters that came placed where others left room,
+        [Note: a chunk's parameters in their old places] in ``packing.py``; a parameter whose size is not a
+        multiple of ``ALIGN_NUMEL`` leaves padding), each stretch of contiguous views is a run of its own, with
+        its own moment regions and kernel call: the padding between holds no parameter and is never stepped. A
+        chunk counts as stepped by the one pass (its compute copy fresh, its gradients taken in bf16) only where
+        every run of it is."""
         if self._runs is None:
             mgr = self.manager
             group_of = {id(v): k for k, g in enumerate(self.optimizer.param_groups) for v in g["params"]}
@@ -246,9 +259,14 @@ class HostAdam:
             runs = []
             for c, k, pieces in by_chunk.values():
                 pieces.sort(key=lambda x: x[2])
-                if all(x[3] == y[2] for x, y in zip(pieces, pieces[1:], strict=False)):
-                    runs.append((c, k, pieces))
-            self._runs = sorted(runs, key=lambda r: r[0].chunk_id)
+                run = [pieces[0]]
+                for x in pieces[1:]:
+                    if x[2] != run[-1][3]:  # a gap: [Note: a chunk's views in several runs]
+                        runs.append((c, k, run))
+                        run = []
+                    run.append(x)
+                runs.append((c, k, run))
+            self._runs = sorted(runs, key=run_key)
         return self._runs
 
     def ensure_regions(self, runs: list[tuple[Chunk, int, list[tuple[int, torch.Tensor, int, int]]]]) -> None:
@@ -259,7 +277,7 @@ class HostAdam:
         for c, k, pieces in runs:
             ready = self.regions(c, k, pieces)
             if ready is not None:
-                self._ready[c.chunk_id] = ready
+                self._ready[run_key((c, k, pieces))] = ready
                 continue
             keys = MOMENTS
             have = [state.get(v) for _, v, _, _ in pieces]
@@ -281,15 +299,15 @@ class HostAdam:
                     # torch's fused Adam: ``step`` a float32 scalar on the parameter's device (the host)
                     state[v] = {"step": torch.zeros((), dtype=torch.float32), **slices}
                 made.extend(weakref.ref(slices[key]) for key in keys)
-            self._made[c.chunk_id] = made
-            self._ready[c.chunk_id] = regions
+            self._made[run_key((c, k, pieces))] = made
+            self._ready[run_key((c, k, pieces))] = regions
 
     def regions(
         self, c: Chunk, k: int, pieces: list[tuple[int, torch.Tensor, int, int]]
     ) -> dict[str, torch.Tensor] | None:
-        """The flat regions of chunk ``c``'s moments by key, or ``None`` when the views' state is not (or no
-        longer) the slices ``ensure_regions`` made."""
-        made = self._made.get(c.chunk_id)
+        """The flat regions of the moments of chunk ``c``'s run ``pieces`` by key, or ``None`` when the views' state
+        is not (or no longer) the slices ``ensure_regions`` made."""
+        made = self._made.get(run_key((c, k, pieces)))
         if made is None:
             return None
         state = self.optimizer.state
@@ -312,13 +330,14 @@ class HostAdam:
         if not (NATIVE and self._wants_one_pass(runs) and adam_native.native_kernel()):
             return set()
         state = self.optimizer.state
-        out = set()
+        ok: dict[int, bool] = {}  # every run of the chunk ([Note: a chunk's views in several runs])
+        steps: dict[int, set[float]] = {}
         for c, k, pieces in runs:
-            if c.compute_dtype != torch.bfloat16 or c.master_dtype != torch.float32:
-                continue
-            if self.regions(c, k, pieces) is not None and len({state[v]["step"].item() for _, v, _, _ in pieces}) == 1:
-                out.add(c.chunk_id)
-        return out
+            good = c.compute_dtype == torch.bfloat16 and c.master_dtype == torch.float32
+            good = good and self.regions(c, k, pieces) is not None
+            ok[c.chunk_id] = ok.get(c.chunk_id, True) and good
+            steps.setdefault(c.chunk_id, set()).update(state[v]["step"].item() for _, v, _, _ in pieces if v in state)
+        return {cid for cid, good in ok.items() if good and len(steps[cid]) == 1}
 
     # --------------------------------------------------------------- one pass
     def _wants_one_pass(self, runs: list[tuple[Chunk, int, list[Any]]]) -> bool:
@@ -365,7 +384,7 @@ class HostAdam:
             ]
         ] = []
         for c, k, pieces in runs:
-            regions = self._ready.get(c.chunk_id)
+            regions = self._ready.get(run_key((c, k, pieces)))
             # a chunk whose gradients are in bf16 has them for every view, and none attached to the views
             if regions is None or (not c.grads_in_low and any(v.grad is None for _, v, _, _ in pieces)):
                 continue
@@ -406,12 +425,12 @@ class HostAdam:
                 break
             done += 1
         stepped: set[int] = set()
-        fresh: set[int] = set()
         counters: list[torch.Tensor] = []
-        for c, pieces, steps, *_ in calls[:done]:
+        for _, pieces, steps, *_ in calls[:done]:
             counters.extend(steps)
             stepped.update(id(v) for _, v, _, _ in pieces)
-            fresh.add(c.chunk_id)
         if counters:
             torch._foreach_add_(counters, 1)
-        return stepped, fresh
+        # a chunk's compute copy is fresh where every run of it stepped ([Note: a chunk's views in several runs])
+        left = {c.chunk_id for c, _, pieces in runs if any(id(v) not in stepped for _, v, _, _ in pieces)}
+        return stepped, {c.chunk_id for c, *_ in calls[:done]} - left
