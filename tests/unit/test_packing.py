@@ -80,6 +80,26 @@ def test_chunk_size_search_picks_least_waste_and_respects_bounds():
     assert capped <= 450 and padding_waste(ps, order, capped) == 0
 
 
+def test_a_repack_keeps_the_chunk_size_where_it_pads_little_more():
+    """[Note: the chunk size a repack keeps]: the capacity the chunks have is chosen again where it is within 1% of the
+    search's size, pads at most a thousandth of the model more and is within the same bounds; else the search's."""
+    ps = specs(*[(96_000, K0)] * 12)
+    order = list(range(12))
+    kw = dict(world_size=1, numel_min=150_000, numel_max=700_000, target_chunks=0)
+    assert choose_chunk_numel(ps, order, **kw) == 672_000  # no padding
+    assert padding_waste(ps, order, 672_016) == 16  # 16 elements of 1.152M: kept
+    assert choose_chunk_numel(ps, order, **kw, keep=672_016) == 672_016
+    assert padding_waste(ps, order, 675_000) == 3_000  # near in size, but 0.26% more padding
+    assert choose_chunk_numel(ps, order, **kw, keep=675_000) == 672_000
+    assert padding_waste(ps, order, 576_000) == 0  # no padding, but 14% smaller: more chunks
+    assert choose_chunk_numel(ps, order, **kw, keep=576_000) == 672_000
+    capped = choose_chunk_numel(ps, order, **kw, max_payload_numel=500_000, keep=672_016)  # over a device limit's cap
+    assert capped <= 500_000
+    two = dict(kw, world_size=2)
+    assert choose_chunk_numel(ps, order, **two, keep=672_016) == 672_016
+    assert choose_chunk_numel(ps, order, **two, keep=672_017) == 672_000  # not a multiple of the world size
+
+
 def test_chunk_size_search_refuses_when_the_largest_param_cannot_fit():
     with pytest.raises(LayoutError, match="largest parameter has 500 elements"):
         choose_chunk_numel(specs((500, K0)), [0], world_size=1, numel_min=1, numel_max=1000, max_payload_numel=100)

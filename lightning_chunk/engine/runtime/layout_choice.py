@@ -49,7 +49,9 @@ class LayoutChooser:
     def comm(self):  # noqa: ANN201 - the manager's Collectives
         return self.manager.comm
 
-    def choose(self, order: list[int], trace: Trace | None) -> Layout:
+    def choose(self, order: list[int], trace: Trace | None, *, keep: int | None = None) -> Layout:
+        """The layout of the parameters in ``order``; ``keep``: the capacity the chunks have now, which a repack keeps
+        where it fits as well ([Note: the chunk size a repack keeps] in ``packing.py``)."""
         specs = self.manager.specs
         if self.config.chunk_numel is not None:
             return build_layout(specs, order, self.config.chunk_numel, self.comm.world_size)
@@ -74,6 +76,7 @@ class LayoutChooser:
                 numel_min=self.config.chunk_numel_min,
                 numel_max=self.config.chunk_numel_max,
                 max_payload_numel=max_payload,
+                keep=keep,
                 **({"target_chunks": 0} if stays else {}),
             )
             layout = build_layout(specs, order, cap, self.comm.world_size)

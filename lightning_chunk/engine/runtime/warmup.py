@@ -102,7 +102,7 @@ class WarmUpPlanner:
         else:
             order = trace.first_use_order(len(mgr.params)) if trace is not None else list(mgr.layout.order)
             try:
-                layout = eng.layouts.choose(order, trace)
+                layout = eng.layouts.choose(order, trace, keep=mgr.layout.capacity_numel)
             except LayoutError as e:
                 if reason is not Replan.WARM_UP:
                     raise
