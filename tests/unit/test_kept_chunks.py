@@ -98,3 +98,22 @@ def test_the_warm_up_keeps_the_automatic_chunk_size_and_so_the_chunks_buffers(mo
     assert fit() == (73024, 73024, 2, 2)
     monkeypatch.setattr(packing, "KEEP_PADDING", -1.0)  # the search's size, as before
     assert fit()[:3] == (73024, 72896, 0)
+
+
+def test_a_kept_chunk_size_that_does_not_fit_gives_way_to_the_searchs(monkeypatch):
+    """[Note: the chunk size a repack keeps]: where the kept size's layout does not fit the limit, the search's own
+    size at the same bound is tried before any smaller one (the kept size is a few elements larger: halving from it
+    skipped the search's size, which may fit)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*(NormAfter(64) for _ in range(24)))
+    config = ChunkConfig(placement="host", chunk_numel_min=9 * 64 * 64, device_memory_limit=1 << 30)
+    eng = ChunkEngine(m, [torch.optim.Adam(m.parameters())], config=config)
+    first_use = [8 * b + i for b in range(24) for i in (0, 1, 4, 5, 6, 7, 2, 3)]  # each block's second norm last
+    assert eng.layouts.choose(first_use, None, keep=73024).capacity_numel == 73024
+    fits = eng.layouts.working_bytes
+    monkeypatch.setattr(
+        eng.layouts,
+        "working_bytes",
+        lambda layout, trace: 1 << 31 if layout.capacity_numel == 73024 else fits(layout, trace),
+    )
+    assert eng.layouts.choose(first_use, None, keep=73024).capacity_numel == 72896

@@ -87,6 +87,9 @@ class LayoutChooser:
             # parameter, where the limit is what is too small and the caller says so with the numbers.
             if limit is None or cap <= largest or self.working_bytes(layout, trace) <= limit:
                 return layout
+            if cap == keep:  # the search's own size at this bound first, then smaller ones
+                keep = None
+                continue
             max_payload = max(cap // 2, largest)
 
     def working_bytes(self, layout: Layout, trace: Trace | None) -> int:
