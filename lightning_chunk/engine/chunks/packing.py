@@ -265,11 +265,12 @@ lead ``order``. The warm-up repacks in first-use order, where a block's norms si
 order, so the size chosen again differed from the set-up's by a few elements: on a 168M-parameter Llama (width 1024,
 8 layers) 62,657,536 against 62,658,560, which pads 2,048 elements (0.001%) less. A chunk keeps its shard buffers
 through a repack only at the same capacity ([Note: a chunk that keeps its buffers] in ``kept.py``), so that
-difference rebuilt every chunk, a fresh allocation and a copy of every shard, in the first step: 0.8-1.5 s of a
-3.3-4.0 s first step there on the 2-core CPU machine, where the repack then took 0.14 s. So a repack keeps the
+difference rebuilt every chunk, a fresh allocation and a copy of every shard, in the first step: 1.0-2.4 s of a
+3.6-5.1 s first step there on the 2-core CPU machine, where the repack now takes 0.15 s. So a repack keeps the
 chunks' capacity where it is within the same bounds (the device limit's among them), within ``KEEP_SIZE`` of the
 search's size and pads at most ``KEEP_PADDING`` of the model more. A size the trace moves further (room the traced
-activations leave for larger chunks, or take) is the search's."""
+activations leave for larger chunks, or take) is the search's, and so is the size tried next where the kept one's
+layout does not fit the limit (``LayoutChooser.choose``)."""
 
 
 def describe(layout: Layout) -> str:
