@@ -330,14 +330,17 @@ class HostAdam:
         if not (NATIVE and self._wants_one_pass(runs) and adam_native.native_kernel()):
             return set()
         state = self.optimizer.state
-        ok: dict[int, bool] = {}  # every run of the chunk ([Note: a chunk's views in several runs])
-        steps: dict[int, set[float]] = {}
-        for c, k, pieces in runs:
-            good = c.compute_dtype == torch.bfloat16 and c.master_dtype == torch.float32
-            good = good and self.regions(c, k, pieces) is not None
-            ok[c.chunk_id] = ok.get(c.chunk_id, True) and good
-            steps.setdefault(c.chunk_id, set()).update(state[v]["step"].item() for _, v, _, _ in pieces if v in state)
-        return {cid for cid, good in ok.items() if good and len(steps[cid]) == 1}
+        steps: dict[int, set[float] | None] = {}  # per chunk, its views' step counts; None: a run that cannot
+        for c, k, pieces in runs:  # every run of the chunk must ([Note: a chunk's views in several runs])
+            seen = steps.setdefault(c.chunk_id, set())
+            if seen is None:
+                continue
+            bf16 = c.compute_dtype == torch.bfloat16 and c.master_dtype == torch.float32
+            if not bf16 or self.regions(c, k, pieces) is None:
+                steps[c.chunk_id] = None
+                continue
+            seen.update(state[v]["step"].item() for _, v, _, _ in pieces)
+        return {cid for cid, seen in steps.items() if seen is not None and len(seen) == 1}
 
     # --------------------------------------------------------------- one pass
     def _wants_one_pass(self, runs: list[tuple[Chunk, int, list[Any]]]) -> bool:
