@@ -74,30 +74,29 @@ def test_chunks_whose_small_parameters_cross_their_bounds_keep_their_buffers(mon
 
 
 def test_the_warm_up_keeps_the_automatic_chunk_size_and_so_the_chunks_buffers(monkeypatch):
-    """[Note: the chunk size a repack keeps]: 24 blocks of width 64, the automatic chunk size about nine blocks.
-    Chosen again for first-use order, where each block's second norm moved, the least-padding size was 72,896
-    elements against the set-up's 73,024, so no chunk could keep its buffers and the repack rebuilt all three. Now
-    the set-up's size stays, which pads a few elements more, and two chunks keep their buffers (the last, trimmed
-    to its contents, is built anew); training is as exact."""
+    """[Note: the chunk size a repack keeps]: 12 blocks of width 384 (3.6M parameters) with the default chunk-size
+    bounds, about six blocks a chunk. Chosen again for first-use order, where each block's second norm moved, the
+    least-padding size was 2,081,280 elements against the set-up's 2,082,048, so no chunk could keep its buffers and
+    the repack rebuilt both. Now the set-up's size stays, which pads a few elements more, and the first chunk keeps
+    its buffers (the last, trimmed to its contents, is built anew); training is as exact."""
 
     def fit():
         torch.manual_seed(0)
-        m, ref = (nn.Sequential(*(NormAfter(64) for _ in range(24))) for _ in range(2))
+        m, ref = (nn.Sequential(*(NormAfter(384) for _ in range(12))) for _ in range(2))
         ref.load_state_dict(m.state_dict())
         opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
-        config = ChunkConfig(placement="host", chunk_numel_min=9 * 64 * 64, check_invariants=True)
-        eng = ChunkEngine(m, [opt], config=config)
+        eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", check_invariants=True))
         set_up = eng.manager.layout.capacity_numel
         buffers = {c.master.data_ptr() for c in eng.manager.chunks}
-        steps_beside_plain(eng, m, opt, ref, oref, steps=3, width=64)
+        steps_beside_plain(eng, m, opt, ref, oref, steps=3, width=384)
         assert eng.warmed_up
         assert_as_plain(eng, ref)
         in_place = sum(c.master.data_ptr() in buffers for c in eng.manager.chunks)
         return set_up, eng.manager.layout.capacity_numel, eng.memory_stats()["kept_chunks"], in_place
 
-    assert fit() == (73024, 73024, 2, 2)
+    assert fit() == (2082048, 2082048, 1, 1)
     monkeypatch.setattr(packing, "KEEP_PADDING", -1.0)  # the search's size, as before
-    assert fit()[:3] == (73024, 72896, 0)
+    assert fit()[:3] == (2082048, 2081280, 0)
 
 
 def test_a_kept_chunk_size_that_does_not_fit_gives_way_to_the_searchs(monkeypatch):
@@ -105,15 +104,14 @@ def test_a_kept_chunk_size_that_does_not_fit_gives_way_to_the_searchs(monkeypatc
     size at the same bound is tried before any smaller one (the kept size is a few elements larger: halving from it
     skipped the search's size, which may fit)."""
     torch.manual_seed(0)
-    m = nn.Sequential(*(NormAfter(64) for _ in range(24)))
-    config = ChunkConfig(placement="host", chunk_numel_min=9 * 64 * 64, device_memory_limit=1 << 30)
-    eng = ChunkEngine(m, [torch.optim.Adam(m.parameters())], config=config)
-    first_use = [8 * b + i for b in range(24) for i in (0, 1, 4, 5, 6, 7, 2, 3)]  # each block's second norm last
-    assert eng.layouts.choose(first_use, None, keep=73024).capacity_numel == 73024
+    m = nn.Sequential(*(NormAfter(384) for _ in range(12)))
+    eng = ChunkEngine(m, [torch.optim.Adam(m.parameters())], config=ChunkConfig(device_memory_limit=1 << 30))
+    first_use = [8 * b + i for b in range(12) for i in (0, 1, 4, 5, 6, 7, 2, 3)]  # each block's second norm last
+    assert eng.layouts.choose(first_use, None, keep=2082048).capacity_numel == 2082048
     fits = eng.layouts.working_bytes
     monkeypatch.setattr(
         eng.layouts,
         "working_bytes",
-        lambda layout, trace: 1 << 31 if layout.capacity_numel == 73024 else fits(layout, trace),
+        lambda layout, trace: 1 << 31 if layout.capacity_numel == 2082048 else fits(layout, trace),
     )
-    assert eng.layouts.choose(first_use, None, keep=73024).capacity_numel == 72896
+    assert eng.layouts.choose(first_use, None, keep=2082048).capacity_numel == 2081280
