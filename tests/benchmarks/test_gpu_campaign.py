@@ -57,8 +57,8 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
         assert min(r["phases"].values()) >= 0 and sum(r["phases"].values()) == pytest.approx(r["wall_s"])
     (largest,) = parts["largest"]["rows"]
     assert largest["median_s"] > 0 and largest["params"] == 115_008  # the tiny Llama's count, built on meta
-    assert largest["done"] and largest["steps_done"] == 3 and largest["set_up_s"] > 0  # the child ends at its step
-    assert len(largest["step_s"]) == 3 and largest["step_s"][0] == pytest.approx(largest["first_step_s"], abs=1e-3)
+    assert largest["done"] and largest["steps_done"] == 4 and largest["set_up_s"] > 0  # the child ends at its step
+    assert len(largest["step_s"]) == 4 and largest["step_s"][0] == pytest.approx(largest["first_step_s"], abs=1e-3)
     assert largest["peak_resident_gb"] > 0 and all(t >= 0 and r > 0 for t, r in largest["resident_gb"])
     for r in (largest, rows["chunk_offload step_in_backward"]):  # where set-up's and the first step's seconds went
         assert set(r["calls"]) == {"set-up", "first step"}, r["calls"]
