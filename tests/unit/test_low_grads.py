@@ -117,3 +117,39 @@ def test_a_backward_that_raised_leaves_its_bf16_gradients_widened_for_the_next(m
     assert got[2]["chunks_widened_to_fp32"] > 0  # the failed backward's, as it ended
     monkeypatch.setattr(low_grads, "LOW_GRADS", False)
     same(got, train(True, fail_at=2))
+
+
+def test_a_chunk_s_first_bf16_buffer_comes_from_the_pool(monkeypatch):
+    """Chunks stepped in backward one after another share the few bf16 buffers in flight from their first step from
+    them on: each allocated its own there (on a GPU pinned, a model's worth at 2 bytes a parameter), all but the
+    pool's few then freed."""
+    from lightning_chunk.engine.chunks.chunk import Role
+    from lightning_chunk.engine.tiers.tier_set import TierSet
+
+    made = []
+    real = TierSet.alloc
+
+    def alloc(self, chunk, role, dtype):  # noqa: ANN001, ANN202
+        made.extend([chunk.chunk_id] * (role is Role.GRAD and dtype == torch.bfloat16))
+        return real(self, chunk, role, dtype)
+
+    monkeypatch.setattr(TierSet, "alloc", alloc)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = ChunkConfig(placement="host", chunk_numel=64 * 65, step_in_backward=True, optimizer_kernel="one_pass")
+    eng = ChunkEngine(model, [opt], config=config, dtypes=BF16)
+    for _ in range(3):
+        opt.zero_grad()
+        with eng.micro_batch(training=True) as outputs:
+            loss = model(torch.randn(4, 64, dtype=torch.bfloat16)).float().pow(2).mean()
+            outputs(loss)
+        loss.backward()
+        eng.after_backward()
+        eng.prepare_step()
+        eng.step(opt)
+        eng.finish_step(stepped=True)
+    chunks, stats = len(eng.manager.chunks), eng.memory_stats()
+    eng.teardown()
+    assert chunks == 12 and stats["chunks_stepped_from_bf16_grads"] == 24  # the warm-up's step aside
+    assert len(made) == 1, made  # one buffer in flight on the autograd thread: 12 without the pool

@@ -13,7 +13,8 @@ So where a chunk is stepped in backward by the native one-pass kernel (one rank,
 with nothing between backward and the step: no clipping, no loss scaling, not a micro-batch that accumulates), its
 gradients of the step go into a bf16 buffer of the shard's size (``Chunk.grad_low``, pinned as the shards are, so
 the device-to-host copy lands in it with no staging), the kernel reads them there, and the buffer goes back to the
-host pool with the step. The fp32 gradient shard stays given back all the while: half the gradient bytes held too.
+host pool with the step, whence the next chunk takes its own (its first too: the few in flight serve every chunk).
+The fp32 gradient shard stays given back all the while: half the gradient bytes held too.
 The early step says which chunks may (``takes``, set for one backward).
 
 What may read a gradient finds it in fp32, always: a second gradient for a parameter (pieces of one, summed in
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..chunks.chunk import Chunk, Role, TensorInfo, nbytes
+from ..chunks.chunk import Chunk, Role, TensorInfo
 
 if TYPE_CHECKING:  # the gradients' side of the manager builds this
     from .grads import ChunkGrads
@@ -61,15 +62,22 @@ class LowGrads:
         mgr = self.manager
         with mgr.ledger.tracked(chunk):
             chunk.release_grad(self.grads.host_pool)  # it holds nothing of this step: given back, if it was not
-            if chunk.grad_low is None:
-                chunk.grad_low = mgr.tiers.alloc(chunk, Role.GRAD, chunk.compute_dtype)
-            elif chunk.grad_low.untyped_storage().nbytes() == 0:
-                low = chunk.grad_low
-                self.grads.host_pool.fill(
-                    low.untyped_storage(),
-                    nbytes(low),
-                    lambda: mgr.tiers.alloc(chunk, Role.GRAD, low.dtype).untyped_storage(),
+            pool, dtype, numel = self.grads.host_pool, chunk.compute_dtype, chunk.shard_numel
+            low = chunk.grad_low
+            if low is None and not pool.enabled:
+                low = mgr.tiers.alloc(chunk, Role.GRAD, dtype)
+            elif low is None or low.untyped_storage().nbytes() == 0:
+                # a chunk's first buffer comes from the pool too: the few in flight serve every chunk, where each
+                # allocated its own at its first step from bf16 (on a GPU pinned), all but the pool's then freed
+                fresh = low is None
+                low = torch.empty(0, dtype=dtype) if low is None else low
+                storage = low.untyped_storage()
+                pool.fill(
+                    storage, numel * dtype.itemsize, lambda: mgr.tiers.alloc(chunk, Role.GRAD, dtype).untyped_storage()
                 )
+                if fresh:
+                    low = low.set_(storage, 0, (numel,))  # type: ignore[call-overload]
+            chunk.grad_low = low
         chunk.grads_in_low = True
         self.taken += 1
         return chunk.grad_low
