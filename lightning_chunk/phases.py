@@ -8,7 +8,9 @@ copies, gradients and optimizer state), S_host and S_dev the parts on the host a
 ("first") and after it; O the optimizer state in S; C the largest chunk's whole values in the master dtype; G the
 busiest module's chunks, a prefetched chunk and three gradient payloads (one filling, two reducing), as the
 placement reserves them ([Note: the pool under a limit] in placement.py).
-- set-up: S less O (Adam makes its state at its first step) + 3C, + C with several ranks. Deferred init and weights
+- set-up: S less O (Adam makes its state at its first step) + 3C, + C with several ranks; stepping in backward, less
+  the host gradient shards too, whose memory is never touched ([Note: gradient shards made for their views] in
+  ``engine/tiers/storage.py``). Deferred init and weights
   read from a file build one chunk at a time, whole (its values, the chunk, and rank 0's values broadcast to the
   others), then keep this rank's shard ([Note: deferred initialisation]).
 - warm-up step: S_host(first) less O on the host (under ``auto`` with a limit every shard starts there); G and the
@@ -355,7 +357,7 @@ def phases(
         Phase(
             "set-up",
             int(dev_first * no_optim) + payload,
-            int(host_first * no_optim) + pin_first + built,
+            int(host_first * no_kept) + pin_first + built,
             int(state * no_optim) + built,
         ),
         Phase(

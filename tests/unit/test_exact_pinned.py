@@ -272,6 +272,24 @@ def test_host_gradient_shards_pinned_to_the_byte_are_given_back_when_stepping_in
     assert not reg.live and exact.live_bytes == 0
 
 
+def test_stepping_in_backward_a_set_up_pins_no_gradient_shard(exact_host):
+    """[Note: gradient shards made for their views]: a set-up stepping in backward gives each gradient shard back once
+    packed, so it registers the masters alone (before, every gradient shard too, unregistered at once); the shards
+    stay views of one storage each, and the first gradients bring registered memory (the test above trains it)."""
+    from lightning_chunk.engine import ChunkEngine
+
+    reg, exact = exact_host
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    opt = torch.optim.AdamW(model.parameters())
+    config = ChunkConfig(placement="host", chunk_numel=300, step_in_backward=True)
+    eng = ChunkEngine(model, [opt], config=config)
+    chunks = eng.manager.chunks
+    masters = [c.master.untyped_storage().nbytes() for c in chunks]
+    assert len(chunks) == 4 and all(c.grad_released and c.grad.untyped_storage().nbytes() == 0 for c in chunks)
+    assert [c for c, _ in reg.calls] == ["register"] * 4 and sorted(reg.live.values()) == sorted(masters)
+    eng.teardown()
+
+
 def test_a_speculated_step_keeps_the_gradient_shards_pinned_to_the_byte_and_trains_as_plain_lightning(exact_host):
     """Clipping by norm while stepping in backward speculates ([Note: speculating past the norm and the overflow]):
     every gradient shard is held until ``optimizer.step()``, after which one pinned to the byte keeps its bytes

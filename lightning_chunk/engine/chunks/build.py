@@ -152,7 +152,9 @@ def build_chunk(mgr: ChunkManager, spec: ChunkSpec, tier: Tier, source: Any, *, 
                     came = tuple(s for s in taken.fresh if source.has_grad(s.param_index))
                     write_slots(chunk.grad, came, lo, lambda i, a, b: flat_piece(source.grad(i), a, b))
             else:
-                chunk.grad = mgr.tiers.alloc(chunk, Role.GRAD, chunk.master_dtype)
+                # stepping in backward, a shard without gradients is given back once packed: memory for views only
+                make = mgr.tiers.for_views if mgr.grads.given_back_when_packed and not with_grad else mgr.tiers.alloc
+                chunk.grad = make(chunk, Role.GRAD, chunk.master_dtype)
                 if with_grad:
                     fill_range(chunk.grad, spec.slots, lo, lambda i, a, b: flat_piece(source.grad(i), a, b))
             if with_grad:

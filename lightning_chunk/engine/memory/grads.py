@@ -37,6 +37,9 @@ class ChunkGrads:
         # a pageable one
         self.host_pool = BlockPool(torch.device("cpu"), per_size=IN_FLIGHT)
         self.low = LowGrads(self)  # [Note: gradients in bf16 until the step]
+        # stepping in backward: a packed chunk's shard without gradients is given back at once, its host memory made
+        # only for the views ([Note: gradient shards made for their views] in tiers/storage.py)
+        self.given_back_when_packed = False
 
     def _pool(self, chunk: Chunk) -> BlockPool:
         return self.manager.pool if chunk.shard_tier is Tier.DEVICE else self.host_pool

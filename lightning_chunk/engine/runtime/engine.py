@@ -89,6 +89,7 @@ class ChunkEngine:
         self.hooks.on_backward_end = self._backward_ends
         # [Note: stepping in backward]: with no optimizer (evaluation only) there is nothing to step
         self.early = EarlyStep(self.manager, self.bindings) if self.config.step_in_backward and self.bindings else None
+        self.manager.grads.given_back_when_packed = self.early is not None  # in ``_place``
         self.scaler: DynamicLossScaler | None = None
         self.ema: ShardedEMA | None = None  # an average of the weights, when asked for ([Note: a sharded EMA])
         grow = self.config.replan_when_inputs_grow and self.manager.limit is not None

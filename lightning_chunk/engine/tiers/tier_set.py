@@ -45,6 +45,13 @@ class TierSet:
         """One of the chunk's shard buffers on its tier (device bytes reserved by the caller)."""
         return self._by_tier[chunk.shard_tier].alloc(chunk, role, chunk.shard_numel, dtype)
 
+    def for_views(self, chunk: Chunk, role: Role, dtype: torch.dtype) -> torch.Tensor:
+        """A host shard's buffer given back before anything is written ([Note: gradient shards made for their
+        views] in ``storage.py``); on other tiers ``alloc``'s."""
+        if chunk.shard_tier is Tier.HOST:
+            return self.host.for_views(chunk.shard_numel, dtype)
+        return self.alloc(chunk, role, dtype)
+
     def free(self, chunk: Chunk) -> None:
         self._by_tier[chunk.shard_tier].free(chunk)
 
