@@ -281,9 +281,8 @@ def test_a_guess_stepped_on_the_thread_beside_backward_trains_as_stepping_after_
     """[Note: speculating past the norm and the overflow] on a GPU: host chunks step on the worker on a guess,
     undone where the norm clips or fp16 overflowed; the parameters are those of stepping after backward, bit for bit.
     Every guess clips here. Each fit takes a plugin of its own: a plugin's loss scaler keeps its scale from one fit to
-    the next (as Lightning's ``MixedPrecision`` keeps its ``GradScaler``'s), and the one both fits shared until
-    2026-12-06 started the second from the scale the first ended with. That failed on an H200 (2026-12-04), and on
-    CPU with the worker on: the first fit's steps overflowed (1e7 down to 312,500), so the second skipped others."""
+    the next, as Lightning's does, so one shared (until 2026-12-06) started the second fit lower and made it skip
+    other steps (failed on an H200 on 2026-12-04, and on CPU with the worker on)."""
 
     def run(early):
         strategy = ChunkOffloadStrategy(
@@ -387,11 +386,13 @@ def test_host_shards_pinned_to_the_byte_train_as_torch_s_pinned_blocks():
 def test_host_gradient_shards_pinned_to_the_byte_are_given_back_stepping_in_backward():
     """[Note: gradient shards pinned to the byte] on a GPU: stepping in backward, each host gradient shard's registered
     block goes to the host pool (at most four of a size) and back, gradients still land in it on the side stream, and
-    training matches stepping after backward in torch's pinned blocks to the bit."""
+    training matches stepping after backward in torch's pinned blocks to the bit. The set-up registers the masters and
+    compute copies alone ([Note: gradient shards made for their views])."""
     from lightning_chunk.engine.chunks.chunk import Tier
     from tests.engine_steps import step
 
     xs = [torch.randn(8, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+    at_set_up = []
 
     def run(pin, early):
         torch.manual_seed(0)
@@ -399,6 +400,7 @@ def test_host_gradient_shards_pinned_to_the_byte_are_given_back_stepping_in_back
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         config = ChunkConfig(placement="host", chunk_numel=70_000, pin_memory=pin, step_in_backward=early)
         eng = ChunkEngine(model, [opt], config=config, device=torch.device("cuda"))
+        at_set_up.append(eng.memory_stats()["exact_pinned_bytes"])
         for x in xs:
             step(eng, model, opt, x, through_engine=True)  # as Lightning's precision steps it
         return eng
@@ -414,6 +416,7 @@ def test_host_gradient_shards_pinned_to_the_byte_are_given_back_stepping_in_back
     held = sum(t.untyped_storage().nbytes() for c in chunks for t in (c.master, c.low) if t is not None)
     pooled = eng.manager.grads.host_pool.pooled_bytes
     assert stats["exact_pinned_bytes"] == held + pooled and 0 < pooled <= 4 * chunks[0].grad.numel() * 4
+    assert at_set_up[-1] == held
     got = eng.full_state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())
     eng.teardown()
