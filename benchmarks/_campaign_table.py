@@ -58,7 +58,7 @@ def time_spent(rows: list[dict]) -> list[str]:
 
 
 def call_lines(rows: list[dict]) -> list[str]:
-    """The engine's calls that took longest in each row's set-up and first step (``watch_calls``)."""
+    """The engine's calls that took longest in each row's set-up and first two steps (``watch_calls``)."""
     out = []
     for r in rows:
         for phase, calls in r.get("calls", {}).items():

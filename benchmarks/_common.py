@@ -375,8 +375,9 @@ WATCHED = (
 
 def watch_calls(marks: dict[str, Any]) -> Any:
     """Time ``WATCHED`` in this process (a child's) and return a Lightning callback that puts their seconds and
-    calls into ``marks["calls"]``: ``{"set-up": {name: [seconds, calls]}, "first step": {...}}``, up to fit's
-    start and over the first training batch."""
+    calls into ``marks["calls"]``: ``{"set-up": {name: [seconds, calls]}, "first step": {...}, "second step":
+    {...}}``, up to fit's start and over each of the first two training batches (the second carries one-time costs
+    too: the first gradients taken in bf16, say)."""
     import importlib
 
     import lightning as L
@@ -397,23 +398,32 @@ def watch_calls(marks: dict[str, Any]) -> Any:
 
         setattr(cls, attr, timed)
     calls: dict[str, dict[str, list[float]]] = marks.setdefault("calls", {})
+    bounds: list[dict[str, list[float]]] = []  # the totals at fit's start and at each phase's end
 
-    def snapshot(since: dict[str, list[float]]) -> dict[str, list[float]]:
+    def snapshot() -> dict[str, list[float]]:
+        since = bounds[-1] if bounds else {}
         zero = [0.0, 0]
         return {k: [round(v[0] - since.get(k, zero)[0], 3), v[1] - since.get(k, zero)[1]] for k, v in totals.items()}
 
+    def close(phase: str) -> None:
+        calls.pop(f"{phase} so far", None)
+        calls[phase] = snapshot()
+        bounds.append({k: list(v) for k, v in totals.items()})
+
     class Calls(L.Callback):
         def on_train_start(self, *a: Any) -> None:
-            calls["set-up"] = snapshot({})
+            close("set-up")
 
         def on_train_batch_end(self, *a: Any) -> None:
-            if "first step" not in calls:
-                calls.pop("first step so far", None)
-                calls["first step"] = snapshot(calls.get("set-up", {}))
+            for phase in ("first step", "second step"):
+                if phase not in calls:
+                    return close(phase)
 
         def now(self) -> None:
-            """The first step's seconds so far, while it runs: a child stopped in it still says where they went."""
-            if "set-up" in calls and "first step" not in calls:
-                calls["first step so far"] = snapshot(calls["set-up"])
+            """The running step's seconds so far: a child stopped in it still says where they went."""
+            for phase in ("first step", "second step"):
+                if "set-up" in calls and phase not in calls:
+                    calls[f"{phase} so far"] = snapshot()
+                    return
 
     return Calls()

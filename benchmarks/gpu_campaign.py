@@ -28,7 +28,7 @@ lack, for example (the largest model bounded by the DDP row of the run it takes 
   85% of the GPU and the activations ``activation_bytes`` estimates, built on the meta device and streamed, trained
   ``--largest-steps`` steps in bf16-mixed, stepped in backward (as the plan counts it: the gradient shards given
   back); the row keeps each step's seconds, the resident set every 5 s, so a run killed for memory says how far it
-  got, and the seconds of the engine's calls in set-up and the first step (``watch_calls``; the chunk_offload rows'
+  got, and the seconds of the engine's calls in set-up and the first two steps (``watch_calls``; the chunk_offload rows'
   too); a failure steps down a fifth of the layers (not below 7B) while time is left. Its T_gpu takes the FLOP/s DDP
   achieved on the 1.0B GPT (in this run, or in the one ``--probes-from`` names). Its host shards are pinned to the
   byte (``pin_memory="exact"``: 48 layers, 10.0B, on 80 GB and 128 GiB, where torch's power-of-two blocks allow 38)

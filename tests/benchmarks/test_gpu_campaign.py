@@ -60,10 +60,12 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
     assert largest["done"] and largest["steps_done"] == 4 and largest["set_up_s"] > 0  # the child ends at its step
     assert len(largest["step_s"]) == 4 and largest["step_s"][0] == pytest.approx(largest["first_step_s"], abs=1e-3)
     assert largest["peak_resident_gb"] > 0 and all(t >= 0 and r > 0 for t, r in largest["resident_gb"])
-    for r in (largest, rows["chunk_offload step_in_backward"]):  # where set-up's and the first step's seconds went
-        assert set(r["calls"]) == {"set-up", "first step"}, r["calls"]
+    for r in (largest, rows["chunk_offload step_in_backward"]):  # where set-up's and the first steps' seconds went
+        assert set(r["calls"]) == {"set-up", "first step", "second step"}, r["calls"]
         assert r["calls"]["set-up"]["ChunkEngine._place"][1] == 1  # the first pack
         assert r["calls"]["first step"]["OptimizerBinding.step_chunk"][1] > 0
+        assert r["calls"]["second step"]["OptimizerBinding.step_chunk"][1] > 0
+        assert r["calls"]["second step"]["ChunkEngine._place"][1] == 0
     # the warm-up's repack: the GPT's chunks are smaller beside the activations it traced under the limit; the tiny
     # Llama's hold what they held, on the tier they were on, and stay as they are ([Note: a chunk's parameters in
     # their old places])
