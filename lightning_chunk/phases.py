@@ -10,7 +10,7 @@ busiest module's chunks, a prefetched chunk and three gradient payloads (one fil
 placement reserves them ([Note: the pool under a limit] in placement.py).
 - set-up: S less O (Adam makes its state at its first step) + 3C, + C with several ranks; stepping in backward, less
   the host gradient shards too, whose memory is never touched ([Note: gradient shards made for their views] in
-  ``engine/tiers/storage.py``). Deferred init and weights
+  ``engine/tiers/tier_set.py``). Deferred init and weights
   read from a file build one chunk at a time, whole (its values, the chunk, and rank 0's values broadcast to the
   others), then keep this rank's shard ([Note: deferred initialisation]).
 - warm-up step: S_host(first) less O on the host (under ``auto`` with a limit every shard starts there); G and the

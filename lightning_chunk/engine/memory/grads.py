@@ -38,7 +38,7 @@ class ChunkGrads:
         self.host_pool = BlockPool(torch.device("cpu"), per_size=IN_FLIGHT)
         self.low = LowGrads(self)  # [Note: gradients in bf16 until the step]
         # stepping in backward: a packed chunk's shard without gradients is given back at once, its host memory made
-        # only for the views ([Note: gradient shards made for their views] in tiers/storage.py)
+        # only for the views ([Note: gradient shards made for their views] in tiers/tier_set.py)
         self.given_back_when_packed = False
 
     def _pool(self, chunk: Chunk) -> BlockPool:

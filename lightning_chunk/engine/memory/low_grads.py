@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..chunks.chunk import Chunk, Role, TensorInfo
+from ..chunks.chunk import Chunk, Role, TensorInfo, nbytes
 
 if TYPE_CHECKING:  # the gradients' side of the manager builds this
     from .grads import ChunkGrads
@@ -62,22 +62,21 @@ class LowGrads:
         mgr = self.manager
         with mgr.ledger.tracked(chunk):
             chunk.release_grad(self.grads.host_pool)  # it holds nothing of this step: given back, if it was not
-            pool, dtype, numel = self.grads.host_pool, chunk.compute_dtype, chunk.shard_numel
-            low = chunk.grad_low
-            if low is None and not pool.enabled:
-                low = mgr.tiers.alloc(chunk, Role.GRAD, dtype)
-            elif low is None or low.untyped_storage().nbytes() == 0:
-                # a chunk's first buffer comes from the pool too: the few in flight serve every chunk, where each
-                # allocated its own at its first step from bf16 (on a GPU pinned), all but the pool's then freed
-                fresh = low is None
-                low = torch.empty(0, dtype=dtype) if low is None else low
-                storage = low.untyped_storage()
-                pool.fill(
-                    storage, numel * dtype.itemsize, lambda: mgr.tiers.alloc(chunk, Role.GRAD, dtype).untyped_storage()
+            pool, dtype, low = self.grads.host_pool, chunk.compute_dtype, chunk.grad_low
+
+            def make() -> torch.UntypedStorage:
+                return mgr.tiers.alloc(chunk, Role.GRAD, dtype).untyped_storage()
+
+            # a chunk's first buffer comes from the pool too: the few in flight serve every chunk, where each
+            # allocated its own at its first step from bf16 (on a GPU pinned), all but the pool's then freed
+            if low is None:
+                chunk.grad_low = (
+                    pool.tensor(chunk.shard_numel, dtype, make)
+                    if pool.enabled
+                    else mgr.tiers.alloc(chunk, Role.GRAD, dtype)
                 )
-                if fresh:
-                    low = low.set_(storage, 0, (numel,))  # type: ignore[call-overload]
-            chunk.grad_low = low
+            elif low.untyped_storage().nbytes() == 0:
+                pool.fill(low.untyped_storage(), nbytes(low), make)
         chunk.grads_in_low = True
         self.taken += 1
         return chunk.grad_low

@@ -81,10 +81,13 @@ class BlockPool:
         self.pooled_bytes += n
         self.pooled_peak = max(self.pooled_peak, self.pooled_bytes)
 
-    def tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new 1-d tensor of ``numel`` elements (contents undefined); give it back with ``empty``."""
+    def tensor(
+        self, numel: int, dtype: torch.dtype, make: Callable[[], torch.UntypedStorage] | None = None
+    ) -> torch.Tensor:
+        """A new 1-d tensor of ``numel`` elements (contents undefined; memory as ``fill`` gives it); give it back
+        with ``empty``."""
         t = torch.empty(0, dtype=dtype, device=self.device)
-        self.fill(t.untyped_storage(), numel * dtype.itemsize)
+        self.fill(t.untyped_storage(), numel * dtype.itemsize, make)
         return t.set_(t.untyped_storage(), 0, (numel,))  # type: ignore[call-overload]
 
     def trim(self, max_bytes: int) -> None:

@@ -67,18 +67,6 @@ class HostStorage:
             return self.exact.empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self.pinned)
 
-    def for_views(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """[Note: gradient shards made for their views]
-        Stepping in backward, a chunk's gradient shard is given back as soon as its chunk is built (and after every
-        step): it holds memory only while the optimizer's views of it are made, as a view of a storage without
-        memory cannot be. Allocated as the tier allocates, on a GPU that was a page-locked allocation of 4 bytes a
-        trainable parameter at set-up (some 36 GB at 9B, faulted in and registered, then unregistered), given back
-        to the system at once and page-locked again as the warm-up's gradients arrive. Here the set-up's is memory
-        never touched nor page-locked, which the first gradient replaces with the tier's own: ``restore_grad`` swaps
-        in a pooled block or the tier's allocation, and a swap carries the memory's allocator and whether it can be
-        resized (by which the release tells a block pinned to the byte apart)."""
-        return torch.empty(numel, dtype=dtype, device=_HOST)
-
     def free(self, chunk: Chunk) -> None:
         pass
 

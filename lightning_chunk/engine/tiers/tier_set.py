@@ -46,10 +46,17 @@ class TierSet:
         return self._by_tier[chunk.shard_tier].alloc(chunk, role, chunk.shard_numel, dtype)
 
     def for_views(self, chunk: Chunk, role: Role, dtype: torch.dtype) -> torch.Tensor:
-        """A host shard's buffer given back before anything is written ([Note: gradient shards made for their
-        views] in ``storage.py``); on other tiers ``alloc``'s."""
-        if chunk.shard_tier is Tier.HOST:
-            return self.host.for_views(chunk.shard_numel, dtype)
+        """[Note: gradient shards made for their views]
+        Stepping in backward, a chunk's gradient shard is given back as soon as its chunk is built (and after every
+        step): it holds memory only while the optimizer's views of it are made, as a view of a storage without
+        memory cannot be. Allocated as the tier allocates, on a GPU that was a page-locked allocation of 4 bytes a
+        trainable parameter at set-up (some 36 GB at 9B, faulted in and registered, then unregistered), given back
+        to the system at once and page-locked again as the warm-up's gradients arrive. Here the set-up's is memory
+        never touched nor page-locked, which the first gradient replaces with the tier's own: ``restore_grad`` swaps
+        in a pooled block or the tier's allocation, and a swap carries the memory's allocator and whether it can be
+        resized (by which the release tells a block pinned to the byte apart)."""
+        if chunk.shard_tier is Tier.HOST:  # pageable, never touched; on other tiers ``alloc``'s
+            return torch.empty(chunk.shard_numel, dtype=dtype)
         return self.alloc(chunk, role, dtype)
 
     def free(self, chunk: Chunk) -> None:
