@@ -297,6 +297,8 @@ def part_largest(
             tries.append(row)
             return {"rows": tries}
         tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or [f"exit {rc}, no output"]
+        if rc < 0:  # its last line says nothing of a kill: the kernel's out-of-memory killer sends SIGKILL
+            tail = [f"killed by signal {-rc}" + (f" at {row['peak_resident_gb']} GB resident" if rss else "")]
         if time.monotonic() >= deadline - 1:  # its last line was a warning the try printed long before (2026-12-04)
             tail = [f"stopped at the part's {budget:.0f} s"]
         row["failed"] = f"after {len(times)} steps: " * bool(marks) + tail[0][:300]

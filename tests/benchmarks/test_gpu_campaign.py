@@ -286,6 +286,16 @@ def test_the_largest_try_is_pageable_where_that_fits_more_or_torch_s_pinning_wou
     monkeypatch.setattr(campaign, "run_ranks", stopped)
     (late,) = campaign.part_largest(args, 1.5, {}, None)["rows"]
     assert late["failed"] == "stopped at the part's 2 s" and late["pin_memory"] == "exact"
+
+    # one the kernel kills (out of memory) is said to be killed, where its last line was a tip printed at its start
+    def killed(cmd, *a, **k):
+        out = Path(cmd[cmd.index("--child-out") + 1])
+        out.write_text(json.dumps({"rss": [[0.0, 0.4], [5.0, 23.2]], "marks": {"started": 0.0}}))
+        return -9, "Tip: For seamless cloud logging, try installing litlogger\n"
+
+    monkeypatch.setattr(campaign, "run_ranks", killed)
+    dead = campaign.part_largest(args, 400, {}, None)["rows"][0]
+    assert dead["failed"] == "after 0 steps: killed by signal 9 at 23.2 GB resident"
     assert "Llama 44 layers: pin_memory=False (pageable fits 44 layers, torch's pinned blocks 36" in campaign.render(
         {
             "machine": campaign._machine(argparse.Namespace(accelerator="cpu", host_memory=1 << 30)),
