@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 import shutil
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from .engine.files.safetensors_file import StreamingSafetensors
 from .engine.files.weights import ModuleWeights, open_weights
 from .engine.state.checkpoint import KEY, CheckpointError, iter_saved_chunks, read_meta, weights_key
 from .engine.system.atomic import remove_dir, replace_dir
-from .hf_weights import as_saved, converted, saved_layout
+from .hf_weights import as_saved, converted, pretrained_class, saved_layout
 
 HF_CONFIG_KEY = "hf_config"  # where a LightningModule keeps ``model.config.to_dict()`` in its checkpoints
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as ``save_pretrained``
@@ -55,12 +54,11 @@ def keep_generation_in_step(module: torch.nn.Module, on: bool) -> None:
     attribute's other readers in ``transformers`` (layer drop in speech models) ask the same question: whether
     every rank must run the same forward passes. ``transformers`` is not imported for a model that does not use it.
     """
-    if "transformers" not in sys.modules:
+    pretrained = pretrained_class()
+    if pretrained is None:
         return
-    from transformers import PreTrainedModel
-
     for m in module.modules():
-        if isinstance(m, PreTrainedModel):
+        if isinstance(m, pretrained):
             if on:
                 m.__dict__["_is_fsdp_managed_module"] = True
             else:

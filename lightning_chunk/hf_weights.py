@@ -126,13 +126,24 @@ class HFConvertedWeights(Weights):
         return made[key].reshape(-1)[a:b]
 
 
+def pretrained_class() -> type | None:
+    """``transformers.PreTrainedModel`` where the module defining it is loaded; ``None`` where no model of it can exist.
+    Not whether ``transformers`` is in ``sys.modules``: ``import lightning`` puts its lazy top module there wherever it
+    is installed, and ``from transformers import PreTrainedModel`` then loads the modelling code (0.4 s on the 2-core
+    CI machine, in every process that fits a model that is not a transformers one, at set-up or teardown)."""
+    return getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+
+
 def converted(weights: Weights, module: torch.nn.Module) -> Weights:
     """``weights`` read through the conversion mapping of the transformers model in ``module`` (the outermost one,
     where every outermost one is of one class), or ``weights`` itself where there is none or it converts nothing."""
-    if "transformers" not in sys.modules:  # no transformers model can be in the module
+    pretrained = pretrained_class()
+    found: dict[str, Any] = {}  # the transformers models in it, by name
+    if pretrained is not None:
+        found = {n: m for n, m in module.named_modules() if isinstance(m, pretrained)}
+    if not found:  # no transformers model in the module
         return weights
     try:
-        from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (  # noqa: F401 - what HFConvertedWeights uses
             WeightConverter,
@@ -142,7 +153,6 @@ def converted(weights: Weights, module: torch.nn.Module) -> Weights:
         )
     except ImportError:  # a transformers without the conversion API: read the file by its names
         return weights
-    found = {n: m for n, m in module.named_modules() if isinstance(m, PreTrainedModel)}
     outer = [m for n, m in found.items() if not any(n.startswith(f"{o}.") or (o == "" != n) for o in found)]
     if not outer or len({type(m) for m in outer}) > 1:
         return weights

@@ -232,3 +232,35 @@ def test_generate_under_an_evicting_limit_gives_the_plain_model_s_tokens(pretrai
     for prompt, n, got in model.generated:
         want = plain.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want) and got.shape[1] == 8 + n
+
+
+FIT_WITHOUT_TRANSFORMERS = """
+import sys
+import lightning as L
+import torch
+from lightning_chunk import ChunkOffloadStrategy
+from lightning_chunk.hf_weights import pretrained_class
+from tests.models import ParityNet, quiet_trainer, token_data
+
+assert "transformers" in sys.modules  # import lightning put transformers' lazy top module there
+quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=2).fit(ParityNet(), token_data(8))
+print("LOADED", "transformers.modeling_utils" in sys.modules, pretrained_class())
+"""
+
+
+@pytest.mark.slow  # a process of its own
+def test_a_fit_of_a_model_without_transformers_does_not_load_its_modelling_code():
+    """Where transformers was installed (as the ``hf`` and ``test`` extras install it), ``import lightning`` put its
+    lazy top module in ``sys.modules``, and the strategy's check for a ``PreTrainedModel`` at teardown (and at set-up
+    on several ranks: [Note: generation on several ranks]) then imported ``transformers.modeling_utils``: 0.4 of the
+    0.9 s a tiny fit took, in every process. A ``PreTrainedModel`` can exist only once that module is loaded."""
+    import subprocess
+
+    from transformers import PreTrainedModel
+
+    from lightning_chunk.hf_weights import pretrained_class
+
+    out = subprocess.run([sys.executable, "-c", FIT_WITHOUT_TRANSFORMERS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LOADED False None" in out.stdout, out.stdout[-2000:]
+    assert pretrained_class() is PreTrainedModel  # loaded here: a transformers model is found as before
