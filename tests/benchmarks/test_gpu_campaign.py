@@ -338,7 +338,7 @@ def test_a_lease_measures_what_the_results_lack_and_a_stopped_largest_try_keeps_
     def stopped_after(times):
         def run_ranks(cmd, *a, **k):  # the child's last report before the budget stopped it
             Path(cmd[cmd.index("--child-out") + 1]).write_text(json.dumps({**written, "times": times, "done": False}))
-            return -9, "stopped\n"
+            return 1, "stopped\n"
 
         return run_ranks
 
