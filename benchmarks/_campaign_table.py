@@ -122,6 +122,8 @@ def render(res: dict) -> str:
         )
         if "host_first_touch_gbps" in p:
             host += f"; fresh host pages written at {p['host_first_touch_gbps']:.2f} GB/s"
+            if "host_first_touch_huge_gbps" in p:  # transparent huge pages, asked for
+                host += f", {p['host_first_touch_huge_gbps']:.2f} in huge pages ({p['transparent_hugepages']})"
         earlier = p.get("from")  # --probes-from
         whence = f" (from {earlier['commit']} on {earlier['device']})" if earlier else ""
         lines += [f"probes{whence}: {copies}; {host}", ""]

@@ -68,7 +68,7 @@ from _llama_size import (  # noqa: E402
     LLAMA,
     MIN_LAYERS,
     choose_pinning,
-    first_touch_gbps,
+    first_touch_paces,
     fitting_layers,
     host_bytes,
     model_params,
@@ -155,7 +155,7 @@ def _matmul_tflops(n: int) -> float:
 def part_probes(args: argparse.Namespace, budget: float) -> dict:
     import torch
 
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "host_first_touch_gbps": first_touch_gbps(1 << 30)}
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), **first_touch_paces()}
     if args.accelerator == "cuda":  # first: they need no compiler, the host Adam's kernels may
         out.update(_copy_gbps(args.copy_bytes))
         out["matmul_tflops"] = _matmul_tflops(8192)
@@ -363,7 +363,7 @@ def measure(args: argparse.Namespace) -> dict:
         earlier = json.loads(Path(args.probes_from).read_text())
         probes = earlier["parts"]["probes"]  # a file that reused probes itself names where they were measured
         parts["probes"] = {**probes, "from": probes.get("from") or {"file": args.probes_from, **earlier["machine"]}}
-        parts["probes"]["host_first_touch_gbps"] = first_touch_gbps(1 << 30)  # this machine's: seconds, not a bound
+        parts["probes"].update(first_touch_paces())  # this machine's: seconds, not a bound
     caps = dict(args.cap)
     for name in args.parts:
         left = min(deadline - time.monotonic(), caps.get(name, args.budget))

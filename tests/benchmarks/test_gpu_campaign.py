@@ -23,6 +23,9 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
     probes = parts["probes"]
     assert probes["host_bandwidth_gbps"] > 0 and probes["host_adam_gbps"] > 0 and "needs CUDA" in probes["copies"]
     assert probes["host_first_touch_gbps"] > 0  # fresh pages: the pace of a large model's set-up
+    if probes.get("transparent_hugepages", "never") != "never":  # and in huge pages, where the kernel has them
+        assert probes["host_first_touch_huge_gbps"] > 0
+        assert f"in huge pages ({probes['transparent_hugepages']})" in out.with_suffix(".md").read_text()
     rows = {r["contender"]: r for r in parts["contenders"]["rows"]}
     assert rows["ddp"]["vs_ddp"] == 1.0 and "bound_s" not in rows["ddp"]
     assert "skipped" in rows["fsdp + cpu offload"]
