@@ -163,15 +163,14 @@ def check_compatible(meta: dict[str, Any], engine: Any, path: str | Path) -> Non
     if not (missing or extra or shapes):
         _check_master_dtypes(meta, engine, path)
         return
-    if missing or extra or shapes:
-        parts = []
-        if missing:
-            parts.append(f"parameters missing from the checkpoint: {missing}")
-        if extra:
-            parts.append(f"parameters the model does not have: {extra}")
-        if shapes:
-            parts.append(f"shapes differ: {shapes}")
-        raise CheckpointError(f"checkpoint {str(path)!r} was written for another model; " + "; ".join(parts) + ".")
+    parts = []
+    if missing:
+        parts.append(f"parameters missing from the checkpoint: {missing}")
+    if extra:
+        parts.append(f"parameters the model does not have: {extra}")
+    if shapes:
+        parts.append(f"shapes differ: {shapes}")
+    raise CheckpointError(f"checkpoint {str(path)!r} was written for another model; " + "; ".join(parts) + ".")
 
 
 def _check_master_dtypes(meta: dict[str, Any], engine: Any, path: str | Path) -> None:
