@@ -17,6 +17,7 @@ from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions,
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.config import device_margin_bytes
 from tests.compare import EXACT, assert_same_params, relative_update_error
+from tests.features import needs_swap
 from tests.models import TwoOptimizers, fit, quiet_trainer, token_data
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -383,6 +384,7 @@ def test_host_shards_pinned_to_the_byte_train_as_torch_s_pinned_blocks():
     assert exact.live_bytes == 0
 
 
+@needs_swap
 def test_host_gradient_shards_pinned_to_the_byte_are_given_back_stepping_in_backward():
     """[Note: gradient shards pinned to the byte] on a GPU: stepping in backward, each host gradient shard's registered
     block goes to the host pool (at most four of a size) and back, gradients still land in it on the side stream, and

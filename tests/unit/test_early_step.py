@@ -7,6 +7,7 @@ import torch
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.config import DtypePolicy
 from lightning_chunk.engine.errors import UnsupportedOptimizerError
+from lightning_chunk.engine.system import torch_features
 from tests.models import VOCAB, ParityNet, ReorderedNet
 
 
@@ -85,6 +86,37 @@ def test_stepping_in_backward_is_bit_identical_to_stepping_after_it(placement, c
         assert sa.keys() == sb.keys()
         for key in sa:
             assert torch.equal(sa[key], sb[key]), key
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16-mixed", "accumulate"])
+def test_without_swapping_storages_host_shards_step_in_backward_as_after_it(kind, monkeypatch):
+    """[Note: torch versions]: torch before 2.12 has no ``UntypedStorage._swap_data_ptr_``. A host gradient shard given
+    back in backward is then filled again by ``resize_`` from its own allocator: on torch 2.11 every such refill
+    called the swap and raised (236 tests of the fast tier failed there). The engine asks ``swap_memory`` alone,
+    which refuses when swapping is switched off, as here."""
+    kw: dict = dict(placement="host", chunk_numel=4096)
+    if kind == "bf16-mixed":
+        kw["dtypes"] = DtypePolicy(compute_dtype=torch.bfloat16, master_dtype=torch.float32)
+    if kind == "accumulate":
+        kw["accumulate"] = 2
+    _, want, _ = train(False, **kw)
+    monkeypatch.setattr(torch_features, "SWAP_STORAGES", False)
+    eng, got, _ = train(True, **kw)
+    stats = eng.memory_stats()
+    assert stats["chunks_stepped_in_backward"] > 0 and stats["pool_reused"] == 0
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_swapping_storages_is_asked_in_one_place():
+    """Every swap goes through ``torch_features.swap_memory``, which a torch without it never reaches."""
+    from pathlib import Path
+
+    import lightning_chunk
+
+    root = Path(lightning_chunk.__file__).parent
+    callers = [p.relative_to(root).as_posix() for p in root.rglob("*.py") if "._swap_data_ptr_(" in p.read_text()]
+    assert callers == ["engine/system/torch_features.py"]
 
 
 @pytest.mark.parametrize("setting", ["fixed_size", "defaults_reordered_accumulate"])

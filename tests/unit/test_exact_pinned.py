@@ -11,9 +11,11 @@ import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig
 from lightning_chunk.engine.chunks.chunk import Tier
+from lightning_chunk.engine.system import torch_features
 from lightning_chunk.engine.system.exact_pinned import ExactPinned
 from lightning_chunk.engine.tiers.storage import HostStorage
 from tests.engine_steps import train_beside_torch
+from tests.features import needs_swap
 
 
 class Registry:
@@ -229,6 +231,29 @@ def test_cuda_registration_is_portable_and_unregistration_waits_for_the_rank_s_g
     assert calls == [("register", 40, 1), ("synchronize", gpu), ("unregister",)]  # 1: cudaHostRegisterPortable
 
 
+def test_without_swapping_storages_host_gradient_shards_pinned_to_the_byte_keep_their_bytes(exact_host, monkeypatch):
+    """[Note: torch versions]: a torch before 2.12 cannot move a block pinned to the byte out of its storage, nor
+    resize it. Stepping in backward, each host gradient shard is then the tier's from set-up on and keeps its bytes
+    (what ``plan`` counts there): the set-up's pageable stand-in would have been refilled pageable, so the gradients'
+    copies from a GPU would have gone to pageable memory. Training is torch's."""
+    reg, exact = exact_host
+    monkeypatch.setattr(torch_features, "SWAP_STORAGES", False)
+    torch.manual_seed(0)
+    m, ref = Net(), Net()
+    config = ChunkConfig(
+        placement="host", chunk_numel=300, step_in_backward=True, check_invariants=True, optimizer_kernel="loop"
+    )
+    eng, _ = train_beside_torch(m, ref, config, steps=4, through_engine=True)
+    chunks = eng.manager.chunks
+    assert eng.memory_stats()["chunks_stepped_in_backward"] > 0
+    held = sum(t.untyped_storage().nbytes() for c in chunks for t in (c.master, c.low, c.grad) if t is not None)
+    grads = sum(c.grad.untyped_storage().nbytes() for c in chunks)
+    assert grads == sum(c.grad.numel() * 4 for c in chunks) > 0  # every gradient shard kept, pinned to the byte
+    assert exact.live_bytes == held and eng.manager.grads.host_pool.pooled_bytes == 0
+    same_as_torch_then_torn_down(eng, ref)
+
+
+@needs_swap
 def test_host_gradient_shards_pinned_to_the_byte_are_given_back_when_stepping_in_backward(exact_host):
     """[Note: gradient shards pinned to the byte]: stepping in backward, a host gradient shard's registered block moves
     to the host pool and back, so between steps the registered bytes are the masters and the pool's few blocks, not
@@ -272,6 +297,7 @@ def test_host_gradient_shards_pinned_to_the_byte_are_given_back_when_stepping_in
     assert not reg.live and exact.live_bytes == 0
 
 
+@needs_swap
 def test_stepping_in_backward_a_set_up_pins_no_gradient_shard(exact_host):
     """[Note: gradient shards made for their views]: a set-up stepping in backward gives each gradient shard back once
     packed, so it registers the masters alone (before, every gradient shard too, unregistered at once); the shards

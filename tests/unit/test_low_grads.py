@@ -13,6 +13,7 @@ from lightning_chunk.engine.memory import low_grads
 from lightning_chunk.engine.optim import adam_native
 from lightning_chunk.engine.optim.host_adam import HostAdam
 from tests.backward_models import BackwardSizedNet
+from tests.features import needs_swap
 from tests.late_copies import late_copies
 from tests.models import VOCAB, ParityNet
 
@@ -119,6 +120,7 @@ def test_a_backward_that_raised_leaves_its_bf16_gradients_widened_for_the_next(m
     same(got, train(True, fail_at=2))
 
 
+@needs_swap
 def test_a_chunk_s_first_bf16_buffer_comes_from_the_pool(monkeypatch):
     """Chunks stepped in backward one after another share the few bf16 buffers in flight from their first step from
     them on: each allocated its own there (on a GPU pinned, a model's worth at 2 bytes a parameter), all but the

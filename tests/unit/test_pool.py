@@ -1,14 +1,11 @@
-import pytest
 import torch
 import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
-from lightning_chunk.engine.tiers.pool import _CAN_SWAP, BlockPool
+from lightning_chunk.engine.system import torch_features
+from lightning_chunk.engine.tiers.pool import BlockPool
 from tests.engine_steps import step, train_beside_torch
-
-needs_swap = pytest.mark.skipif(
-    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch has no UntypedStorage._swap_data_ptr_"
-)
+from tests.features import needs_swap
 
 
 @needs_swap
@@ -40,7 +37,7 @@ def test_the_pool_does_nothing_off_the_host():
 
 
 def _train(pool_on: bool, monkeypatch) -> tuple[dict, dict, dict]:
-    monkeypatch.setattr("lightning_chunk.engine.tiers.pool._CAN_SWAP", pool_on and _CAN_SWAP)
+    monkeypatch.setattr(torch_features, "SWAP_STORAGES", pool_on and torch_features.SWAP_STORAGES)
     torch.manual_seed(0)
 
     def make():

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ChunkError
+from ..system import torch_features
 from .packing import ChunkSpec, Slot
 from .parked import engine_reads, released_placeholder, show
 from .states import PINNED_STATES, RESIDENT_STATES, TensorState, check_transition
@@ -433,10 +434,10 @@ def give_back(storage: torch.UntypedStorage) -> None:
     """Return ``storage``'s memory to its allocator now; it then holds no bytes and its views stay valid (empty). One
     that cannot be resized (page-locked to the byte) gives its memory to a holder dropped at once, which
     unregisters and unmaps it ([Note: exact pinned memory]). Raises ``RuntimeError`` where neither works."""
-    if storage.resizable() or not hasattr(storage, "_swap_data_ptr_"):
+    if storage.resizable() or not torch_features.SWAP_STORAGES:
         storage.resize_(0)
     else:
-        storage._swap_data_ptr_(torch.UntypedStorage(0))
+        torch_features.swap_memory(storage, torch.UntypedStorage(0))
 
 
 def free_storage(t: torch.Tensor) -> None:

@@ -77,7 +77,8 @@ class ChunkGrads:
         pinned blocks go to its cache, which the engine empties after that first step). But where a fit speculates
         ([Note: speculating past the norm and the overflow]: every shard is held until ``optimizer.step()`` anyway, and
         a clipped guess steps again after backward) an exact one keeps its bytes (``keep_pinned``): registering it again
-        at every backward would cost more."""
+        at every backward would cost more. Moving memory between storages needs torch 2.12 ([Note: torch versions] in
+        ``system/torch_features.py``): before, an exact one keeps its bytes, and ``plan`` counts them."""
         mgr = self.manager
         self.low.release(chunk)
         storage = chunk.grad.untyped_storage() if chunk.grad is not None else None

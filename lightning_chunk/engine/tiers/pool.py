@@ -21,7 +21,8 @@ than the most payload bytes of one size that were alive at once, minus those ali
 the layout changes and at the end of the run. Its blocks are device memory the ledger does not count, so
 under a ``device_memory_limit`` the hooks trim it at every moment to what the limit leaves beside the chunks
 and the traced activations ([Note: the pool under a limit] in placement.py). Where torch lacks
-``_swap_data_ptr_``, or on CUDA, the pool does nothing and storages resize as before.
+``_swap_data_ptr_`` ([Note: torch versions] in ``system/torch_features.py``), or on CUDA, the pool keeps nothing
+and storages resize as before.
 """
 
 from __future__ import annotations
@@ -31,15 +32,14 @@ from collections.abc import Callable
 import torch
 
 from ..chunks.chunk import give_back
-
-_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+from ..system import torch_features
 
 
 class BlockPool:
     def __init__(self, device: torch.device, *, enabled: bool = True, per_size: int | None = None) -> None:
         """``per_size``: keep at most this many blocks of one size; one given back beyond goes to its allocator."""
         self.device = torch.device(device)
-        self.enabled = enabled and _CAN_SWAP and self.device.type == "cpu"
+        self.enabled = enabled and torch_features.SWAP_STORAGES and self.device.type == "cpu"
         self.per_size = per_size
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self.pooled_bytes = 0  # held here, in no chunk
@@ -57,15 +57,15 @@ class BlockPool:
         memory from the storage's own allocator."""
         blocks = self._free.get(nbytes) if self.enabled else None
         if blocks:
-            storage._swap_data_ptr_(blocks.pop())  # type: ignore[attr-defined]
+            torch_features.swap_memory(storage, blocks.pop())
             self.pooled_bytes -= nbytes
             self.reused += 1
             return
-        if make is not None:
+        if make is not None and torch_features.SWAP_STORAGES:
             fresh = make()
             assert fresh.nbytes() == nbytes, (fresh.nbytes(), nbytes)
-            storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]
-        else:
+            torch_features.swap_memory(storage, fresh)
+        else:  # without swapping, ``give_back`` emptied it with ``resize_``: it kept its allocator, and refills from it
             storage.resize_(nbytes)
         self.allocated += 1
 
@@ -76,7 +76,7 @@ class BlockPool:
             give_back(storage)
             return
         holder = torch.UntypedStorage(0, device=self.device)
-        storage._swap_data_ptr_(holder)  # type: ignore[attr-defined]
+        torch_features.swap_memory(storage, holder)
         self._free.setdefault(n, []).append(holder)
         self.pooled_bytes += n
         self.pooled_peak = max(self.pooled_peak, self.pooled_bytes)

@@ -12,6 +12,7 @@ import torch
 
 from ..chunks.chunk import Chunk, Role, Tier
 from ..config import PinMemory
+from ..system import torch_features
 from .disk_chunk import DiskChunk
 from .disk_storage import DiskStorage
 from .storage import ROLES, DeviceStorage, HostStorage, TierStorage
@@ -54,8 +55,10 @@ class TierSet:
         to the system at once and page-locked again as the warm-up's gradients arrive. Here the set-up's is memory
         never touched nor page-locked, which the first gradient replaces with the tier's own: ``restore_grad`` swaps
         in a pooled block or the tier's allocation, and a swap carries the memory's allocator and whether it can be
-        resized (by which the release tells a block pinned to the byte apart)."""
-        if chunk.shard_tier is Tier.HOST:  # pageable, never touched; on other tiers ``alloc``'s
+        resized (by which the release tells a block pinned to the byte apart). A torch that cannot swap ([Note: torch
+        versions] in ``system/torch_features.py``) refills a storage from its own allocator: there the set-up's is the
+        tier's, as before, and one pinned to the byte, which cannot be resized, keeps its memory."""
+        if chunk.shard_tier is Tier.HOST and torch_features.SWAP_STORAGES:  # pageable, never touched
             return torch.empty(chunk.shard_numel, dtype=dtype)
         return self.alloc(chunk, role, dtype)
 
