@@ -118,10 +118,22 @@ def choose_pinning(
     pageable where its plan fits more layers than torch's power-of-two pinned blocks allow (the goal is the size that
     trains; the copies run at the pageable pace, which a few steps can spare) or where, at ``paces["torch"]`` GB/s,
     pinning the planned shards would take more than ``PIN_SHARE`` of the ``seconds`` left; else torch's blocks.
-    ``plans``: ``pin_memory`` (True and False where the exact checks failed) -> (layers, the planned host peak)."""
+    ``plans``: ``pin_memory`` -> (layers, the planned host peak). To the byte plans fewer layers where torch cannot
+    swap storages (before 2.12: its gradient shards keep their bytes, [Note: torch versions]): the others then."""
+    (pinned, peak), (paged, _) = plans.get(True, (0, 0)), plans.get(False, (0, 0))
     if exact_ok:
-        return "exact", "tests/gpu's checks of pin_memory='exact' passed"
-    (pinned, peak), (paged, _) = plans[True], plans[False]
+        exact = plans.get("exact", (0, 0))[0]
+        if exact >= max(pinned, paged):
+            return "exact", "tests/gpu's checks of pin_memory='exact' passed"
+        exact_why = f"to the byte fits {exact} layers, fewer (its gradient shards kept); "
+    else:
+        exact_why = ""
+    pin, why = choose_kept(paces, pinned, peak, paged, seconds)
+    return pin, exact_why + why
+
+
+def choose_kept(paces: dict[str, Any], pinned: int, peak: int, paged: int, seconds: float) -> tuple[bool, str]:
+    """``choose_pinning`` between torch's pinned blocks (``pinned`` layers, ``peak`` bytes) and pageable shards."""
     if paged > pinned:
         return False, f"pageable fits {paged} layers, torch's pinned blocks {pinned}"
     pace = paces.get("torch")

@@ -238,7 +238,7 @@ def part_largest(
 
     def sized(exact_ok: bool) -> tuple[bool | str, str, int, int]:  # pin_memory, why, layers, the planned host peak
         peaks = {}
-        for mode in ("exact",) if exact_ok else (True, False):
+        for mode in ("exact", True, False) if exact_ok else (True, False):
             layers, report = fitting_layers(args, limit, mode)
             peaks[mode] = (layers, max(p.host for p in report.phases))
         pin, why = choose_pinning(exact_ok, paces, peaks, deadline - time.monotonic())

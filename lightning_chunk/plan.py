@@ -27,11 +27,12 @@ from .dry_run import DryRun, one_step_trainer
 from .engine.chunks.chunk import Tier
 from .engine.chunks.materialize import DeferredInit
 from .engine.comm.group import shard_ranks
-from .engine.config import device_margin_bytes, human_bytes
+from .engine.config import ChunkConfig, device_margin_bytes, human_bytes
 from .engine.errors import PLUS_ACTIVATIONS, DeviceMemoryLimitError
 from .engine.optim.ema import average_bytes
 from .engine.runtime.description import ShapePlan, plan_from_shapes
 from .engine.schedule.simulate import simulate_step
+from .engine.system import torch_features
 from .options import grouped
 from .phases import ClusterReport, phases
 from .plan_inputs import chunk_precision_args, has_async_save, has_chunk_ema, has_train_dataloader, load_class
@@ -232,6 +233,13 @@ def _host_memory() -> int:
         return 0
 
 
+def gives_back_grads(config: ChunkConfig, staging: bool) -> bool:
+    """Whether the gradient shards are given back after each step: stepping in backward for sure (``True``), and
+    where they are pinned to the byte (``staging``: a GPU), on a torch that swaps storages ([Note: torch versions])."""
+    exact = staging and config.pin_memory == "exact"
+    return config.step_in_backward is True and (torch_features.SWAP_STORAGES or not exact)
+
+
 def make_shape_plan(
     model_cls: type,
     model_args: dict[str, Any],
@@ -299,8 +307,10 @@ def make_shape_plan(
         staging=staging,
         activations=activations,
         releases=strategy.config.placement == "host" and strategy.config.reshard_after_forward is True,
-        # only ``True`` is sure to step in backward: ``None`` steps after it in a fit that clips by norm
-        grad_share=4 / element if strategy.config.step_in_backward is True else 0.0,
+        # only ``True`` is sure to step in backward (``None`` steps after it in a fit that clips by norm), and a shard
+        # pinned to the byte is given back only by a torch that swaps storages ([Note: gradient shards pinned to the
+        # byte]): this torch, the one that plans
+        grad_share=4 / element if gives_back_grads(strategy.config, staging) else 0.0,
         average=plan.average_bytes if ema else 0,
         average_in_files=in_files,
         save_share=(4 + optim) / element,

@@ -240,6 +240,14 @@ def test_the_largest_try_is_pageable_where_that_fits_more_or_torch_s_pinning_wou
     choose = load("_llama_size").choose_pinning
     same = {True: (40, 100e9), False: (40, 100e9)}
     assert choose(True, {}, {}, 0)[0] == "exact"
+    # a torch that cannot swap storages keeps the gradient shards pinned to the byte: that plan fits fewer layers
+    kept = {"exact": (44, 100e9), True: (40, 100e9), False: (46, 100e9)}
+    assert choose(True, {}, kept, 400) == (
+        False,
+        "to the byte fits 44 layers, fewer (its gradient shards kept); "
+        "pageable fits 46 layers, torch's pinned blocks 40",
+    )
+    assert choose(True, {}, {**kept, "exact": (46, 100e9)}, 400)[0] == "exact"
     assert choose(False, {}, same, 400) == (True, "torch's pinned blocks")  # no pace measured: as before
     assert choose(False, {"torch": 4.0}, same, 400)[0] is True  # 25 s of 400
     assert choose(False, {"torch": 0.8}, same, 400) == (
