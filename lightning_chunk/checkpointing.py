@@ -245,10 +245,15 @@ class ChunkCheckpoints(OneProcessPerDevice):
             else:
                 remove()
 
+    def _read_file(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's read of a checkpoint file; its ``weights_only`` came in Lightning 2.6, passed only when given."""
+        kw = {} if weights_only is None else {"weights_only": weights_only}
+        return super().load_checkpoint(checkpoint_path, **kw)
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded directory or a plain Lightning file straight into the chunks (any world size)."""
         if self.engine is None:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return self._read_file(checkpoint_path, weights_only)
         _seen_by_every_rank(self.engine, checkpoint_path)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         with_optimizer = bool(self.engine.bindings) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -275,7 +280,7 @@ class ChunkCheckpoints(OneProcessPerDevice):
             meta["_chunk_loaded"] = "shards"  # the model's values given by state_dict are still to load
             return meta
         else:
-            meta = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            meta = self._read_file(checkpoint_path, weights_only)
             module = self.lightning_module
             self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
             if with_optimizer and meta.get("optimizer_states"):

@@ -65,30 +65,39 @@ GROUPS_ADDED_HINT = (
 _PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a single memory location"
 
 
+def add_note(exception: BaseException, text: str) -> None:
+    """A note shown under the traceback (Python 3.11 on); before, the message carries it, where it is one string."""
+    add = getattr(exception, "add_note", None)
+    if add is not None:
+        add(text)
+    elif len(exception.args) == 1 and isinstance(exception.args[0], str):
+        exception.args = (f"{exception.args[0]}\n{text}",)
+
+
 def explain_user_error(exception: BaseException) -> None:
-    """Add what an error of torch's or pickle's means here (a note, shown under the traceback, Python 3.11 and later):
+    """Add what an error of torch's or pickle's means here (a note: ``add_note``):
     a write into a released parameter's placeholder ([Note: a released parameter] in ``chunks/parked.py``), whose
     error advises a ``clone()`` that would lose the write; ``torch.save(module)`` during ``fit``, which cannot pickle
     the engine's hooks on the module."""
-    said, add_note = str(exception), getattr(exception, "add_note", None)
-    if add_note is None:
-        return
+    said = str(exception)
     if isinstance(exception, RuntimeError) and _PLACEHOLDER_WRITE in said:
         add_note(
+            exception,
             "chunk_offload: if this was a write into a parameter between its uses (weights clamped in a callback, a "
             "momentum encoder updated), the parameter's chunk was released and its .data is a placeholder, one NaN "
             "expanded to its shape, that refuses writes; a clone would lose the write. Write inside `with "
             "trainer.strategy.full_parameters():` on every rank (docs/faq.md, 'Reading or writing parameters "
-            "between steps')."
+            "between steps').",
         )
     local = _LOCAL_OBJECT.search(said)
     if local is not None and _ours(local.group(1)):
         add_note(
+            exception,
             "chunk_offload: while fit runs, the modules carry the engine's hooks, which cannot be pickled, and "
             "their parameters hold chunk views or placeholders rather than whole values, so torch.save(module) or "
             "pickle cannot save the model then. Save the weights: torch.save(module.state_dict(), path) (one rank), "
             "inside `with trainer.strategy.full_parameters():` (every rank), or trainer.save_checkpoint(path); or "
-            "save the module after fit returns, when it is plain again."
+            "save the module after fit returns, when it is plain again.",
         )
 
 
@@ -120,12 +129,13 @@ def explain_dtype_mismatch(exception: BaseException, precision: str, low: torch.
     """torch's error for an op that met a payload of ``low`` (the compute dtype of a mixed ``precision``, else
     ``None``) beside float32 tensors names neither the parameter's dtype policy nor the way out ([Note: parameters
     read outside autocast] in ``runtime/outside_autocast.py``)."""
-    if low is not None and hasattr(exception, "add_note") and dtype_mismatch(exception, low):
+    if low is not None and dtype_mismatch(exception, low):
         low_name = _LOW_NAMES[low]
-        exception.add_note(
+        add_note(
+            exception,
             f"chunk_offload: under {precision} parameters compute in {low_name} payloads, where plain Lightning keeps "
             "float32 parameters and autocast casts per op. Parameters read with autocast off in the warm-up or the "
             "first evaluation step keep float32 by themselves; if this op reads one elsewhere (a branch those steps "
             "did not take, or an op autocast does not cast), keep its module's parameters in float32: "
-            f"plugins=[ChunkPrecision({precision!r}, full_precision_modules=[ThatModule])]."
+            f"plugins=[ChunkPrecision({precision!r}, full_precision_modules=[ThatModule])].",
         )

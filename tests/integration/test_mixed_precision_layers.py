@@ -2,6 +2,8 @@
 Lightning's autocast: BatchNorm and its kin, weight norm and spectral norm (torch's forward pre-hooks and
 parametrizations), and the modules a user names in ``full_precision_modules``."""
 
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -323,7 +325,8 @@ def test_parameters_read_with_autocast_off_compute_in_fp32_as_plain_lightning(sa
 def test_an_op_that_reads_a_parameter_with_autocast_off_only_after_the_warm_up_fails_naming_the_way_out():
     with pytest.raises(RuntimeError, match="same dtype") as raised:
         fit(ChunkOffloadStrategy(), steps=4, cls=AutocastOff, variant="late", precision="bf16-mixed")
-    assert "full_precision_modules=[ThatModule]" in "\n".join(getattr(raised.value, "__notes__", []))
+    said = [str(raised.value), *getattr(raised.value, "__notes__", [])]  # before Python 3.11, the message carries it
+    assert "full_precision_modules=[ThatModule]" in "\n".join(said)
 
 
 @pytest.mark.parametrize("sanity_check", [True, False])
@@ -393,7 +396,10 @@ def test_a_weight_used_twice_sums_its_gradients_in_bf16_as_autocast_s_cast_cache
     got = fit(_loop_kernel("auto"), precision="bf16-mixed", **kw)
     assert_same_params(cached, got, EXACT)
     ref = fit("auto", precision="bf16-mixed", **kw)
-    assert 0 < relative_update_error(ref, got, init) < 0.01
+    # Lightning 2.5.x turned its cache off (2.5.6 has it off, 2.5.1 on): before, plain Lightning is the cached run
+    cache_off = "cache_enabled=False" in inspect.getsource(MixedPrecision.autocast_context_manager)
+    error = relative_update_error(ref, got, init)
+    assert (error > 0) == cache_off and error < 0.01
 
 
 def _loop_kernel(placement: str) -> ChunkOffloadStrategy:

@@ -17,6 +17,7 @@ from lightning_chunk.engine.optim.kernels import check_optimizer
 from lightning_chunk.options import grouped
 from tests import callbacks
 from tests.compare import EXACT, assert_same_params, relative_update_error
+from tests.features import needs_muon
 from tests.models import fit
 from tests.optimizer_models import AdafactorNet, MuonNet, MuonWithAdamW
 
@@ -45,11 +46,13 @@ def assert_plain_state(want: dict, have: dict) -> None:
 @pytest.mark.parametrize(
     "cls, kw, trainer",
     [
-        (MuonNet, {}, {}),
-        (MuonNet, dict(placement="host"), dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
-        (MuonNet, LIMIT, {}),
-        (MuonWithAdamW, dict(placement="host"), {}),
-        (MuonWithAdamW, LIMIT, {}),
+        pytest.param(MuonNet, {}, {}, marks=needs_muon),
+        pytest.param(
+            MuonNet, dict(placement="host"), dict(accumulate_grad_batches=2, gradient_clip_val=0.05), marks=needs_muon
+        ),
+        pytest.param(MuonNet, LIMIT, {}, marks=needs_muon),
+        pytest.param(MuonWithAdamW, dict(placement="host"), {}, marks=needs_muon),
+        pytest.param(MuonWithAdamW, LIMIT, {}, marks=needs_muon),
         (AdafactorNet, dict(placement="host"), {}),
         (AdafactorNet, LIMIT, {}),
         (AdafactorNet, {}, dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
@@ -82,7 +85,9 @@ def test_trains_like_plain_lightning(cls, kw, trainer):
     assert_plain_state(*(m.trainer_ref.optimizers[0].state_dict()["state"] for m in (ref, got)))
 
 
-@pytest.mark.parametrize("cls", [MuonNet, MuonWithAdamW])
+@pytest.mark.parametrize(
+    "cls", [pytest.param(MuonNet, marks=needs_muon), pytest.param(MuonWithAdamW, marks=needs_muon)]
+)
 def test_muon_in_bf16_mixed_trains_like_plain_lightning_to_bf16_rounding(cls):
     """bf16 payloads under an evicting limit, fp32 masters and momentum: 0.022 and 0.036 of the update from plain
     Lightning's autocast (measured 2026-12-01), where plain bf16-mixed is itself 0.022 and 0.030 from fp32. Copies
@@ -129,7 +134,7 @@ def test_adafactor_s_whole_state_is_carried_through_the_repacks_freezing_and_unf
     assert_plain_state(*(m.trainer_ref.optimizers[0].state_dict()["state"] for m in (ref, got)))
 
 
-@pytest.mark.parametrize("cls", [AdafactorNet, MuonNet])
+@pytest.mark.parametrize("cls", [AdafactorNet, pytest.param(MuonNet, marks=needs_muon)])
 @pytest.mark.parametrize(
     "kw, trainer",
     [
@@ -169,7 +174,10 @@ def test_adafactor_in_fp16_steps_in_backward_on_a_thread_as_after_it():
 
 @pytest.mark.parametrize(
     "cls, said",
-    [(AdafactorNet, "torch.optim.Adafactor, which factors"), (MuonNet, "torch.optim.Muon, which orthogonalizes")],
+    [
+        (AdafactorNet, "torch.optim.Adafactor, which factors"),
+        pytest.param(MuonNet, "torch.optim.Muon, which orthogonalizes", marks=needs_muon),
+    ],
 )
 def test_several_ranks_step_them_after_backward_and_the_disk_tier_is_refused(tmp_path, cls, said):
     """With several ranks each chunk's step is a gather, which the autograd thread should not wait in."""

@@ -12,7 +12,8 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch import callbacks as pl_callbacks
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, StochasticWeightAveraging
 
 from lightning_chunk.engine import ChunkError
 from tests.callbacks import ClampFirstBlock, LoadsWeights
@@ -262,7 +263,10 @@ def test_a_forward_inside_and_entering_between_forward_and_backward_are_refused(
     "callback",
     [
         lambda: StochasticWeightAveraging(swa_lrs=1e-2),
-        lambda: WeightAveraging(),
+        pytest.param(
+            lambda: pl_callbacks.WeightAveraging(),
+            marks=pytest.mark.skipif(not hasattr(pl_callbacks, "WeightAveraging"), reason="Lightning 2.6 brought it"),
+        ),
         lambda: ModelPruning("l1_unstructured"),
     ],
 )

@@ -26,10 +26,12 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+PRELUDE = "#include <torch/csrc/inductor/cpp_prefix.h>"
 SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <cstdint>
@@ -164,10 +166,20 @@ def _vector_isa() -> bool:
     return _isa
 
 
+def _prelude() -> str:
+    """The include of inductor's C++ prelude: an installed header since torch 2.8; before, a copy inductor writes to its
+    cache and includes by its path ([Note: torch versions] in ``system/torch_features.py``)."""
+    from torch._inductor import codecache
+
+    installed = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "inductor" / "cpp_prefix.h"
+    written = getattr(codecache, "cpp_prefix", None)
+    return PRELUDE if installed.exists() or written is None else written()
+
+
 def _build() -> Callable[..., int]:
     from torch._inductor.codecache import CppCodeCache
 
-    lib = CppCodeCache.load(SOURCE)
+    lib = CppCodeCache.load(SOURCE.replace(PRELUDE, _prelude(), 1))
     fn = lib.lc_adam_one_pass
     fn.argtypes = (
         [ctypes.c_void_p] * 2

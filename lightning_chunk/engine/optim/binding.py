@@ -37,13 +37,13 @@ from ..memory.consolidate import (
     state_shard,
 )
 from ..memory.manager import ChunkManager
+from ..system import torch_features
 from .adafactor import AdafactorStep
 from .closure import closure_for
 from .disk_stepper import DiskStepper
 from .grad_slots import GradSlot, GradSlots
 from .host_adam import HostAdam
 from .kernels import check_optimizer, flags_set, is_known, kernel_flags, state_bytes_per_element
-from .muon import MuonStep
 from .partial_steps import PartialSteps, only
 from .whole import WholeStep
 
@@ -52,6 +52,16 @@ __all__ = ["GradSlot", "OptimizerBinding", "OptimizerStateCarrier", "check_optim
 
 # marks the step hooks the engine registers on an optimizer, to tell them from a user's
 ENGINE_HOOK = "_lightning_chunk_engine_hook"
+
+
+def whole_steppers() -> tuple[type[WholeStep], ...]:
+    """The optimizers stepped on whole parameters ([Note: optimizers that need whole parameters] in whole.py): Muon
+    where torch has it ([Note: torch versions] in ``system/torch_features.py``)."""
+    if not torch_features.MUON:
+        return (AdafactorStep,)
+    from .muon import MuonStep  # torch.optim._muon is not there before torch 2.9
+
+    return (MuonStep, AdafactorStep)
 
 
 class OptimizerBinding:
@@ -79,7 +89,7 @@ class OptimizerBinding:
         self.fresh_low: set[int] = set()  # chunks whose compute copy the last step wrote ([Note: one pass ...])
         self.partial = PartialSteps(optimizer)  # [Note: group state in partial steps]
         # [Note: optimizers that need whole parameters] in whole.py
-        stepper = next((s for s in (MuonStep, AdafactorStep) if isinstance(optimizer, s.optimizer_class)), None)
+        stepper = next((s for s in whole_steppers() if isinstance(optimizer, s.optimizer_class)), None)
         self.whole: WholeStep | None = stepper(self) if stepper is not None else None
         self.whole_keys = stepper.state_keys if stepper is not None else frozenset()  # not cut into pieces
         closure = self.closure = closure_for(optimizer, is_known(optimizer) or self.whole is not None)
