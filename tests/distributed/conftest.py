@@ -3,8 +3,19 @@
 
 import pytest
 
-from tests.distributed.cases import needed
+from tests.distributed.cases import cases_of, needed, unavailable
 from tests.distributed.launch import AS_NCCL, GLOO_DEFAULTS, LAUNCHED, run, write_start_weights
+
+
+def pytest_collection_modifyitems(items):
+    """A test that reads a case this torch cannot run is skipped with the reason (``cases.unavailable``)."""
+    for item in items:
+        if "distributed" not in item.path.parts:
+            continue
+        for case in sorted(cases_of(item, "cases") or ()):
+            why = unavailable(case)
+            if why is not None:
+                item.add_marker(pytest.mark.skip(reason=f"{case}: {why}"))
 
 
 @pytest.fixture(scope="session")
