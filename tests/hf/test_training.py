@@ -82,7 +82,8 @@ def test_hf_gradient_checkpointing_is_bit_exact(example, pretrained, placement):
     recomputed forward, under its own backward ([Note: recomputation])."""
     kw = dict(pretrained=str(pretrained["llama"]), gradient_checkpointing=True)
     ref = fit(example, "auto", **kw)
-    assert ref.hf_model.is_gradient_checkpointing
+    m = ref.hf_model  # transformers 5 renamed the attribute (the old one warns, and goes in 6)
+    assert getattr(m, "is_activation_checkpointing", None) or m.is_gradient_checkpointing
     got = fit(
         example,
         ChunkOffloadStrategy(

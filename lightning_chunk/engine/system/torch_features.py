@@ -14,8 +14,8 @@ Each is read when it is used, not copied at import, so that a test can take one 
 check the engine without it on a torch that has it. Beside torch: Lightning 2.5 reads checkpoint files without a
 ``weights_only`` (``checkpointing.py`` passes it only when given), and Python 3.10 has no exception notes (the message
 carries ours: ``errors.add_note``). The fast tier passes on Python 3.10, torch 2.7.1 and Lightning 2.5.0 (the multi-rank
-tests too, Muon's and Lightning's EMA's skipped), and on torch 2.11 with Lightning 2.6.6 (2026-12-06: ``.ci/versions``
-builds both); CI runs everything on torch 2.13.
+tests too, Muon's and Lightning's EMA's skipped), and on Python 3.12, torch 2.11 and Lightning 2.6.6, the GPU machine's
+(2026-12-06: ``.ci/versions`` builds both; there the slow tier passes too); CI runs everything on torch 2.13.
 """
 
 from __future__ import annotations
