@@ -174,8 +174,8 @@ class DiskStepper:
         """``step(**kwargs)`` over the views of disk chunk ``chunk`` alone, on ``staged`` (its master and optimizer
         state, being read by ``StagingSets.stage_in``) with ``grads`` (the uint8 buffer its gradients gathered in)
         as the gradient file's twin (``clip`` given the views' gradients in it first), then the master and state
-        written back on the I/O thread ([Note: stepping disk chunks in backward] in ``early_step.py``). False, with
-        nothing stepped, when a view would step for the first time (its state would be created in the staging
+        written back on the I/O thread ([Note: stepping disk chunks in backward] in ``disk_in_backward.py``). False,
+        with nothing stepped, when a view would step for the first time (its state would be created in the staging
         buffer): step it otherwise."""
         b = self.binding
         mine = b.slots.of_chunk(chunk)

@@ -83,7 +83,7 @@ class GradBuffers:
 
     def drop(self, chunk: Chunk) -> None:
         """The gradients were used from memory and are gone ([Note: stepping disk chunks in backward] in
-        ``early_step.py``): keep the buffer for the next chunks without writing it to the file."""
+        ``optim/disk_in_backward.py``): keep the buffer for the next chunks without writing it to the file."""
         rec = self._record(chunk)
         buf = None
         if rec is not None:

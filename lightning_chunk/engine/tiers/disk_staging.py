@@ -157,7 +157,7 @@ class StagingSets:
         it is over); ``stepped`` takes each off.
 
         [Note: staging at the backward gather] Stepping in backward ([Note: stepping disk chunks in backward] in
-        ``early_step.py``), a disk chunk's master is read three times a step: by its forward gather, by its
+        ``optim/disk_in_backward.py``), a disk chunk's master is read three times a step: by its forward gather, by its
         backward gather and by the staging for its step. The staging of the chunk expected next started when the
         one before stepped, which the hooks' gathers ahead of use mostly precede: two thirds of the backward gathers
         read the file again, on the main thread. So the staging starts earlier: when the hooks ask for a chunk's

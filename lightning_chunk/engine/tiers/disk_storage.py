@@ -223,10 +223,10 @@ class DiskStorage:
         self._hinted.discard(id(f))
         staged = self.staging.for_step(chunk) or self.staging.staged_now(chunk)
         if staged is not None and staged.master_ready is not None:
-            # [Note: a gather from the staging set] stepping in backward ([Note: stepping disk chunks in backward] in
-            # early_step.py), a disk chunk's files are staged for its step while backward goes on, at its gather
-            # or before where a set is free ([Note: staging at the backward gather]): the gather copies the master
-            # the I/O thread read, and the file is read once for both
+            # [Note: a gather from the staging set] stepping in backward ([Note: stepping disk chunks in backward]
+            # in optim/disk_in_backward.py), a disk chunk's files are staged for its step while backward goes on, at
+            # its gather or before where a set is free ([Note: staging at the backward gather]): the gather copies the
+            # master the I/O thread read, and the file is read once for both
             self.io.wait_for(staged.master_ready)
             dst.view(-1).view(torch.uint8).copy_(staged.bufs[Role.MASTER][: f.nbytes])
             self.gathers_staged += 1
