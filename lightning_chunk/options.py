@@ -170,7 +170,10 @@ class OffloadOptions:
             "with a compute copy step and write it in one pass (`host_adam.py`); `one_pass` at any size; "
             "`fused`, `foreach`, `loop` force torch's ([Note: the kernel and the user's param groups])"
         ),
-        when="`loop` for bit-exact agreement with plain Lightning on CPU; `auto` agrees to fp32 rounding",
+        when=(
+            "`loop` for bit-exact agreement with plain Lightning on CPU; `auto` agrees to fp32 rounding (`bf16-true`: "
+            "equals torch's `fused=True`, which computes in fp32 where its default rounds each op to bf16)"
+        ),
     )
     step_thread: bool | None = knob(
         None,
