@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from .engine.config import OptimizerKernel, PinMemory
@@ -303,7 +304,10 @@ def group(name: str, value: Any) -> Any:
                 f"are {', '.join(f.name for f in dataclasses.fields(cls))}."
             )
         return cls(**value)
-    raise ValueError(f"{name}={value!r} is not allowed; it must be a {cls.__name__}, a dict of its fields, or None.")
+    article = "an" if cls.__name__[0] in "AEIOU" else "a"
+    raise ValueError(
+        f"{name}={value!r} is not allowed; it must be {article} {cls.__name__}, a dict of its fields, or None."
+    )
 
 
 def moved(kwargs: Mapping[str, Any], groups: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -354,3 +358,16 @@ def flatten(top: Mapping[str, Any], memory: MemoryOptions, offload: OffloadOptio
 
 
 __all__ = ["ARGUMENTS", "CheckOptions", "MemoryOptions", "OffloadOptions"]
+
+
+def check_arguments(*, timeout: Any, state_dict_type: Any, param_init_fn: Any) -> None:
+    """The strategy's own arguments outside the groups: a clear error naming the value and what is allowed."""
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(
+            f"timeout={timeout!r} is not allowed; it must be a positive datetime.timedelta (the process group's "
+            "timeout, for example timedelta(minutes=30)) or None."
+        )
+    if state_dict_type not in ("sharded", "full"):
+        raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ValueError(f"param_init_fn={param_init_fn!r} is not allowed; it must be a callable taking a module.")

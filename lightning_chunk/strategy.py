@@ -39,7 +39,7 @@ from .engine.runtime.description import agree_on_limits
 from .finetuning import follow_finetuning, unfollow_finetuning
 from .grad_norms import sharded_grad_norm
 from .hf import PeftAdapters, keep_generation_in_step, module_weights
-from .options import CheckOptions, MemoryOptions, OffloadOptions, flatten, group, moved
+from .options import CheckOptions, MemoryOptions, OffloadOptions, check_arguments, flatten, group, moved
 from .precision import ChunkPrecision
 from .same_batches import check_same_batches, repeat_while_others_run
 from .signals import SignalsAtSteps
@@ -125,12 +125,8 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
                 "holds what does not fit under that limit. Set host_memory_limit (for example '64GiB'), or "
                 "drop disk_dir."
             )
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
-        self.state_dict_type = state_dict_type
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise ValueError(f"param_init_fn={param_init_fn!r} is not allowed; it must be a callable taking a module.")
-        self.param_init_fn = param_init_fn
+        check_arguments(timeout=timeout, state_dict_type=state_dict_type, param_init_fn=param_init_fn)
+        self.state_dict_type, self.param_init_fn = state_dict_type, param_init_fn
         self.weights = None if weights is None else os.fspath(weights)
         self._weights_loaded = False  # the weights seed the first setup only: a later test() keeps trained values
         self.log_memory_stats = self.checks.log_memory_stats

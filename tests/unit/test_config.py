@@ -153,14 +153,20 @@ def test_a_group_is_a_dataclass_or_a_dict_and_a_flat_name_still_works_with_a_dep
 
 
 def test_a_misspelt_argument_or_group_field_names_what_is_allowed():
+    from datetime import timedelta
+
     from lightning_chunk import ChunkOffloadStrategy
 
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'chunk_size'; its arguments are placement"):
         ChunkOffloadStrategy(chunk_size=4096)
     with pytest.raises(ValueError, match=r"memory=\{'chunk_size': 1\} names chunk_size, which MemoryOptions"):
         ChunkOffloadStrategy(memory={"chunk_size": 1})
-    with pytest.raises(ValueError, match=r"offload=3 is not allowed; it must be a OffloadOptions"):
+    with pytest.raises(ValueError, match=r"offload=3 is not allowed; it must be an OffloadOptions"):
         ChunkOffloadStrategy(offload=3)
+    with pytest.raises(ValueError, match=r"timeout=-1 is not allowed; it must be a positive datetime.timedelta"):
+        ChunkOffloadStrategy(timeout=-1)  # torch.distributed would refuse it only when several ranks start
+    with pytest.raises(ValueError, match=r"timeout=datetime.timedelta\(0\) is not allowed"):
+        ChunkOffloadStrategy(timeout=timedelta(0))
     with pytest.raises(ValueError, match=r"chunk_numel=0 is not allowed"):
         ChunkOffloadStrategy(memory={"chunk_numel": 0})
 
