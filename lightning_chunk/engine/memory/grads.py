@@ -78,7 +78,11 @@ class ChunkGrads:
         ([Note: speculating past the norm and the overflow]: every shard is held until ``optimizer.step()`` anyway, and
         a clipped guess steps again after backward) an exact one keeps its bytes (``keep_pinned``): registering it again
         at every backward would cost more. Moving memory between storages needs torch 2.12 ([Note: torch versions] in
-        ``system/torch_features.py``): before, an exact one keeps its bytes, and ``plan`` counts them."""
+        ``system/torch_features.py``): before, an exact one keeps its bytes, and ``plan`` counts them, and a pageable
+        one goes back to glibc, which unmaps it, so its next gradient faults every page in again: 4 bytes a
+        parameter a step, on the thread that widens it (an 800 MiB block refilled at 2.6-5.4 GB/s on the 2-core CPU
+        machine, 18-25 kept; at the H200 host's 6.2 GB/s first touch, some 6 s a step at 10B, beside a host Adam of
+        3.5 s). Not mended: kept, it would cost the capacity pageable shards are chosen for."""
         mgr = self.manager
         self.low.release(chunk)
         storage = chunk.grad.untyped_storage() if chunk.grad is not None else None
