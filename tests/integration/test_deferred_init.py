@@ -181,6 +181,7 @@ def test_an_init_that_would_be_lost_on_the_meta_device_is_refused_unless_param_i
         m.reset_parameters()
         CustomInit._init(m)
 
+    L.seed_everything(0, verbose=False)  # unseeded, a small layer's std fell outside the bounds once (2026-12-06)
     model = CustomInit()
     init_values(model, ChunkOffloadStrategy(param_init_fn=init))
     for m in model.modules():

@@ -32,5 +32,6 @@ def test_the_defaults_under_a_limit_train_and_resume_as_plain_lightning_without_
     stats = got.trainer_ref.strategy.memory_stats()
     assert stats["chunks_stepped_in_backward"] > 0 and stats["host_chunk_bytes"] > 0 and stats["evictions"] > 0
     assert stats["pool_reused"] == 0  # nothing swapped: the host pool kept nothing
+    assert stats["host_grads_kept_lazily"] > 0  # [Note: gradient buffers the kernel may take]
     assert_same_params(plain, got, EXACT)
     assert not torch.equal(plain.head.weight, fit("auto", steps=0, **kw).head.weight)  # it trained

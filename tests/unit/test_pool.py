@@ -1,3 +1,5 @@
+import resource
+
 import torch
 import torch.nn as nn
 
@@ -114,3 +116,48 @@ def test_under_a_limit_the_pool_keeps_only_what_the_limit_leaves_beside_chunks_a
     the step's payload peak (reached in backward) through the next forward, beside the activations growing there."""
     assert _kept_under_a_limit(monkeypatch, bounded=True) == []
     assert _kept_under_a_limit(monkeypatch, bounded=False)  # the case is one that needs the bound
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_without_swaps_a_lazy_pool_keeps_a_pageable_storage_s_bytes_and_its_pages(monkeypatch):
+    """[Note: gradient buffers the kernel may take]: without storage swaps, an emptied pageable storage keeps its
+    bytes (its memory stays where its views point) with its pages advised free, and writing it again faults nothing
+    while the host has memory to spare; given back to the allocator, every refill faulted its pages in again."""
+    monkeypatch.setattr(torch_features, "SWAP_STORAGES", False)
+    n = 64 << 20  # a mapping of its own
+
+    def refill(pool: BlockPool) -> tuple[int, bool]:
+        t = torch.empty(n, dtype=torch.uint8)
+        t.fill_(1)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        pool.empty(storage)
+        if storage.nbytes() == 0:
+            pool.fill(storage, n)
+        before = _faults()
+        t.fill_(2)
+        return _faults() - before, storage.data_ptr() == ptr
+
+    lazy = BlockPool(torch.device("cpu"), lazy=True)
+    kept_faults, same_memory = refill(lazy)
+    given_faults, _ = refill(BlockPool(torch.device("cpu")))
+    assert lazy.lazy and lazy.kept_lazily == 1 and same_memory
+    assert given_faults > 0 and kept_faults * 4 < given_faults  # small pages: ~16384 against a few
+    assert "pool_kept_lazily" in lazy.stats()
+
+
+def test_a_lazy_pool_advises_only_host_memory_it_cannot_keep_itself(monkeypatch):
+    """With swaps the pool keeps blocks itself; off the host there is nothing to advise; a storage without a whole
+    page goes to its allocator as before."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch_features, "SWAP_STORAGES", True)
+    assert not BlockPool(cpu, lazy=True).lazy
+    monkeypatch.setattr(torch_features, "SWAP_STORAGES", False)
+    assert not BlockPool(torch.device("meta"), lazy=True).lazy and not BlockPool(cpu).lazy
+    pool = BlockPool(cpu, lazy=True)
+    small = torch.empty(100, dtype=torch.uint8).untyped_storage()
+    pool.empty(small)
+    assert pool.kept_lazily == 0 and small.nbytes() == 0

@@ -34,8 +34,10 @@ class ChunkGrads:
         self.manager = manager
         # host gradient shards given back while stepping in backward ([Note: gradient shards pinned to the byte]),
         # kept apart from the payloads' even on a CPU device: a payload never takes a pinned block, nor a gradient shard
-        # a pageable one
-        self.host_pool = BlockPool(torch.device("cpu"), per_size=IN_FLIGHT)
+        # a pageable one. Without storage swaps a pageable one keeps its bytes, advised free, where no host memory limit
+        # bounds the resident set ([Note: gradient buffers the kernel may take] in system/host_heap.py)
+        lazy = manager.config.host_memory_limit is None
+        self.host_pool = BlockPool(torch.device("cpu"), per_size=IN_FLIGHT, lazy=lazy)
         self.low = LowGrads(self)  # [Note: gradients in bf16 until the step]
         # stepping in backward: a packed chunk's shard without gradients is given back at once, its host memory made
         # only for the views ([Note: gradient shards made for their views] in tiers/tier_set.py)
@@ -79,10 +81,8 @@ class ChunkGrads:
         a clipped guess steps again after backward) an exact one keeps its bytes (``keep_pinned``): registering it again
         at every backward would cost more. Moving memory between storages needs torch 2.12 ([Note: torch versions] in
         ``system/torch_features.py``): before, an exact one keeps its bytes, and ``plan`` counts them, and a pageable
-        one goes back to glibc, which unmaps it, so its next gradient faults every page in again: 4 bytes a
-        parameter a step, on the thread that widens it (an 800 MiB block refilled at 2.6-5.4 GB/s on the 2-core CPU
-        machine, 18-25 kept; at the H200 host's 6.2 GB/s first touch, some 6 s a step at 10B, beside a host Adam of
-        3.5 s). Not mended: kept, it would cost the capacity pageable shards are chosen for."""
+        one keeps its bytes with its pages advised free ([Note: gradient buffers the kernel may take] in
+        ``system/host_heap.py``), else goes to its allocator."""
         mgr = self.manager
         self.low.release(chunk)
         storage = chunk.grad.untyped_storage() if chunk.grad is not None else None

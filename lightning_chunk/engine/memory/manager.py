@@ -437,6 +437,7 @@ class ChunkManager:
             **self.tiers.disk.stats(),
             **self.pool.stats(),
             "host_grad_pool_bytes_peak": self.grads.host_pool.pooled_peak,  # [Note: gradient shards pinned to the byte]
+            **({"host_grads_kept_lazily": self.grads.host_pool.kept_lazily} if self.grads.host_pool.lazy else {}),
             **asdict(self.transfers),  # bytes copied each way, evictions, gathers, waiting releases
             **self.reducer.offload.stats(),  # of those bytes, copied on the side stream (CUDA); the worker's part
             # host bytes page-locked to the byte now (``pin_memory="exact"``): the host shards, a save's copies

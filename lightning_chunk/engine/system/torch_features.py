@@ -6,7 +6,9 @@ without it, with the same results:
 - ``UntypedStorage._swap_data_ptr_`` (torch 2.12): moves memory between storages without changing their identity.
   Without it the host's payload pool keeps nothing ([Note: a pool of payload blocks] in ``tiers/pool.py``), a
   storage is emptied and filled with ``resize_`` (so it keeps its allocator: a pinned shard is refilled pinned), and
-  a shard pinned to the byte, which cannot be resized, keeps its memory between steps ([Note: exact pinned memory]).
+  a shard pinned to the byte, which cannot be resized, keeps its memory between steps ([Note: exact pinned memory]),
+  as does a pageable gradient buffer, its pages advised free ([Note: gradient buffers the kernel may take] in
+  ``host_heap.py``).
 - ``torch.optim.Muon`` (torch 2.9): without it there is no Muon to step.
 - the C++ prelude inductor's kernels include (``torch/csrc/inductor/cpp_prefix.h``, an installed header since torch
   2.8; before, a copy inductor writes to its cache): where to find it (``optim/adam_native.py``).

@@ -33,13 +33,19 @@ import torch
 
 from ..chunks.chunk import give_back
 from ..system import torch_features
+from ..system.host_heap import lazily_free
 
 
 class BlockPool:
-    def __init__(self, device: torch.device, *, enabled: bool = True, per_size: int | None = None) -> None:
-        """``per_size``: keep at most this many blocks of one size; one given back beyond goes to its allocator."""
+    def __init__(
+        self, device: torch.device, *, enabled: bool = True, per_size: int | None = None, lazy: bool = False
+    ) -> None:
+        """``per_size``: keep at most this many blocks of one size; one given back beyond goes to its allocator.
+        ``lazy``: where the pool cannot keep blocks (no storage swaps), a pageable storage emptied keeps its bytes
+        with its pages advised free instead ([Note: gradient buffers the kernel may take] in ``host_heap.py``)."""
         self.device = torch.device(device)
         self.enabled = enabled and torch_features.SWAP_STORAGES and self.device.type == "cpu"
+        self.lazy = lazy and not self.enabled and self.device.type == "cpu"
         self.per_size = per_size
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self.pooled_bytes = 0  # held here, in no chunk
@@ -47,6 +53,7 @@ class BlockPool:
         self.reused = 0  # fills served from the pool
         self.allocated = 0  # fills that asked the allocator
         self.trimmed = 0  # blocks given back to the allocator by ``trim``
+        self.kept_lazily = 0  # storages emptied that kept their bytes, advised free (``lazy``)
 
     def fill(
         self, storage: torch.UntypedStorage, nbytes: int, make: Callable[[], torch.UntypedStorage] | None = None
@@ -70,8 +77,12 @@ class BlockPool:
         self.allocated += 1
 
     def empty(self, storage: torch.UntypedStorage) -> None:
-        """Take ``storage``'s memory (it then holds no bytes); keep it for the next ``fill`` of that size."""
+        """Take ``storage``'s memory (it then holds no bytes); keep it for the next ``fill`` of that size. With
+        ``lazy`` and no swaps, a pageable one keeps its bytes, its pages advised free: ``fill`` is not needed."""
         n = storage.nbytes()
+        if self.lazy and n and storage.resizable() and lazily_free(storage):
+            self.kept_lazily += 1
+            return
         if not self.enabled or n == 0 or (self.per_size is not None and len(self._free.get(n, ())) >= self.per_size):
             give_back(storage)
             return
@@ -115,4 +126,5 @@ class BlockPool:
             "pool_reused": self.reused,
             "pool_allocated": self.allocated,
             "pool_trimmed": self.trimmed,
+            **({"pool_kept_lazily": self.kept_lazily} if self.lazy else {}),
         }
