@@ -82,10 +82,12 @@ def instrument() -> None:
 
     WarmUpPlanner.replan = marked  # type: ignore[method-assign]
 
-    def pool(self: BlockPool, device: Any, enabled: bool = True, per_size: int | None = None) -> None:
+    def pool(
+        self: BlockPool, device: Any, enabled: bool = True, per_size: int | None = None, lazy: bool = False
+    ) -> None:
         # the payloads' pool off, as on a GPU; the host gradient shards' on, as on a GPU ([Note: gradient shards
         # pinned to the byte])
-        pool_init(self, device, enabled=per_size is not None, per_size=per_size)
+        pool_init(self, device, enabled=per_size is not None, per_size=per_size, lazy=lazy)
 
     BlockPool.__init__ = pool  # type: ignore[method-assign]
 

@@ -202,6 +202,10 @@ class Chunk:
     # the gradient shard's values are gone, its memory given back where it can be (a disk file keeps its bytes, and so
     # does a pinned one after a speculated step), until the next gradient ([Note: stepping in backward])
     grad_released: bool = False
+    # a released gradient buffer that kept its bytes with its pages advised free: held by no one, counted nowhere
+    # ([Note: gradient buffers the kernel may take] in system/host_heap.py)
+    grad_lazy: bool = False
+    grad_low_lazy: bool = False
     params_parked: bool = False  # the parameters show placeholders ([Note: a released parameter])
     master_seen: tuple[int, int] | None = None  # [Note: the optimizer's views written outside its step]
     reduce_dtype: torch.dtype | None = None  # several ranks: the gradient payload's dtype; None: the master's
@@ -375,7 +379,7 @@ class Chunk:
             if pool is None:
                 give_back(storage)
             else:
-                pool.empty(storage)
+                self.grad_lazy = pool.empty(storage)
         except RuntimeError:  # an allocator that cannot resize it, and no swapping: it keeps its bytes
             pass
 
@@ -388,7 +392,7 @@ class Chunk:
             assert self.grad is not None
             if self.grad.untyped_storage().nbytes() == 0:  # given back (not a file's, nor one that kept its bytes)
                 pool.fill(self.grad.untyped_storage(), nbytes(self.grad), make)
-            self.grad_released = False
+            self.grad_released = self.grad_lazy = False
 
     def low_tensor(self) -> torch.Tensor:
         """The compute-dtype shard that gathers read."""
@@ -421,7 +425,8 @@ class Chunk:
         if tier is self.shard_tier:
             if not self.master_is_payload():
                 total += nbytes(self.master)
-            total += held(self.grad) + held(self.grad_low) + self.optim_state_bytes
+            total += (0 if self.grad_lazy else held(self.grad)) + (0 if self.grad_low_lazy else held(self.grad_low))
+            total += self.optim_state_bytes
         if tier is (Tier.HOST if self.shard_tier is Tier.DISK else self.shard_tier):
             total += nbytes(self.low)
         return total

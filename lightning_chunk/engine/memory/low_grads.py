@@ -77,6 +77,7 @@ class LowGrads:
                 )
             elif low.untyped_storage().nbytes() == 0:
                 pool.fill(low.untyped_storage(), nbytes(low), make)
+            chunk.grad_low_lazy = False  # in use again (if it kept its bytes)
         chunk.grads_in_low = True
         self.taken += 1
         return chunk.grad_low
@@ -103,6 +104,6 @@ class LowGrads:
         """The chunk stepped (or its gradients were widened): its bf16 buffer goes back to the pool."""
         chunk.grads_in_low = False
         low = chunk.grad_low
-        if low is not None and low.untyped_storage().nbytes():
+        if low is not None and low.untyped_storage().nbytes() and not chunk.grad_low_lazy:
             with self.manager.ledger.tracked(chunk):
-                self.grads.host_pool.empty(low.untyped_storage())
+                chunk.grad_low_lazy = self.grads.host_pool.empty(low.untyped_storage())

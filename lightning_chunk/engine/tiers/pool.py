@@ -76,21 +76,23 @@ class BlockPool:
             storage.resize_(nbytes)
         self.allocated += 1
 
-    def empty(self, storage: torch.UntypedStorage) -> None:
+    def empty(self, storage: torch.UntypedStorage) -> bool:
         """Take ``storage``'s memory (it then holds no bytes); keep it for the next ``fill`` of that size. With
-        ``lazy`` and no swaps, a pageable one keeps its bytes, its pages advised free: ``fill`` is not needed."""
+        ``lazy`` and no swaps, a pageable one keeps its bytes, its pages advised free (``True``: no ``fill`` needed,
+        and its owner counts it as given back)."""
         n = storage.nbytes()
         if self.lazy and n and storage.resizable() and lazily_free(storage):
             self.kept_lazily += 1
-            return
+            return True
         if not self.enabled or n == 0 or (self.per_size is not None and len(self._free.get(n, ())) >= self.per_size):
             give_back(storage)
-            return
+            return False
         holder = torch.UntypedStorage(0, device=self.device)
         torch_features.swap_memory(storage, holder)
         self._free.setdefault(n, []).append(holder)
         self.pooled_bytes += n
         self.pooled_peak = max(self.pooled_peak, self.pooled_bytes)
+        return False
 
     def tensor(
         self, numel: int, dtype: torch.dtype, make: Callable[[], torch.UntypedStorage] | None = None
