@@ -162,8 +162,9 @@ def lazily_free(storage: torch.UntypedStorage) -> bool:
     memory to spare, and under pressure the kernel takes them as it takes clean page cache, without swap, where a
     buffer given back would simply be gone. Their bytes count in the resident set until taken, so this is not done
     under ``host_memory_limit``, whose bound is the resident set's (as [Note: the heap between steps]). The ledger
-    counts them given back (``Chunk.grad_lazy``, ``grad_low_lazy``), as ``plan`` does: the kernel's to take. On torch 2.11 on the CPU machine a 57M GPT's steps then faulted 330 MB each where they
-    faulted 424 (the rest the CPU device's payloads; 2026-12-06)."""
+    counts them given back (``Chunk.grad_lazy``, ``grad_low_lazy``), as ``plan`` does: the kernel's to take. On
+    torch 2.11 on the CPU machine a 57M GPT's steps then faulted 330 MB each where they faulted 424 (the rest the
+    CPU device's payloads; 2026-12-06)."""
     c = libc()
     if c is None or storage.device.type != "cpu" or storage.is_pinned():
         return False
