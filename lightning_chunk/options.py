@@ -357,9 +357,6 @@ def flatten(top: Mapping[str, Any], memory: MemoryOptions, offload: OffloadOptio
     return flat
 
 
-__all__ = ["ARGUMENTS", "CheckOptions", "MemoryOptions", "OffloadOptions"]
-
-
 def check_arguments(*, timeout: Any, state_dict_type: Any, param_init_fn: Any) -> None:
     """The strategy's own arguments outside the groups: a clear error naming the value and what is allowed."""
     if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
@@ -371,3 +368,6 @@ def check_arguments(*, timeout: Any, state_dict_type: Any, param_init_fn: Any) -
         raise ValueError(f"state_dict_type={state_dict_type!r} is not allowed; choose 'sharded' or 'full'.")
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(f"param_init_fn={param_init_fn!r} is not allowed; it must be a callable taking a module.")
+
+
+__all__ = ["ARGUMENTS", "CheckOptions", "MemoryOptions", "OffloadOptions"]

@@ -128,5 +128,4 @@ class BlockPool:
             "pool_reused": self.reused,
             "pool_allocated": self.allocated,
             "pool_trimmed": self.trimmed,
-            **({"pool_kept_lazily": self.kept_lazily} if self.lazy else {}),
         }
