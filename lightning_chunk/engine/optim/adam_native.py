@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from . import vec_isa
+
 PRELUDE = "#include <torch/csrc/inductor/cpp_prefix.h>"
 SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -157,10 +159,8 @@ def vector_isa() -> bool:
 def _vector_isa() -> bool:
     global _isa
     if _isa is None:
-        try:
-            from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-            _isa = bool(pick_vec_isa())
+        try:  # inductor's pick, its probe children spared importing torch ([Note: the vector ISA probe])
+            _isa = bool(vec_isa.pick())
         except Exception:  # noqa: BLE001 - an inductor without this internal: assume it vectorizes, as it did
             _isa = True
     return _isa

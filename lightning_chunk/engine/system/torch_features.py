@@ -12,6 +12,8 @@ without it, with the same results:
 - ``torch.optim.Muon`` (torch 2.9): without it there is no Muon to step.
 - the C++ prelude inductor's kernels include (``torch/csrc/inductor/cpp_prefix.h``, an installed header since torch
   2.8; before, a copy inductor writes to its cache): where to find it (``optim/adam_native.py``).
+- inductor's vector-ISA probe children that load their library without importing torch (torch 2.13): before it,
+  ``optim/vec_isa.py`` runs the probe that way ([Note: the vector ISA probe]).
 Each is read when it is used, not copied at import, so that a test can take one away (``monkeypatch.setattr``) and
 check the engine without it on a torch that has it. Beside torch: Lightning 2.5 reads checkpoint files without a
 ``weights_only`` (``checkpointing.py`` passes it only when given), and Python 3.10 has no exception notes (the message
