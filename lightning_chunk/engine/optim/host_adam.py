@@ -134,6 +134,7 @@ def one_pass_kernel() -> Callable[..., None] | None:
             # rounds the product, so neither the speed nor the bits would be the kernel's
             _broken = "torch.compile is disabled in this process (TORCH_COMPILE_DISABLE or TORCHDYNAMO_DISABLE)"
             return None
+        adam_native.vector_isa()  # inductor's pick, made without its slow probe ([Note: the vector ISA probe])
         _compiled = torch.compile(_step_and_copy, dynamic=True, fullgraph=True)
     return _compiled if _broken is None else None
 
