@@ -60,6 +60,7 @@ def _slow_probe(isa: Any) -> bool:
             and callable(isa.python_subprocess_env)
             and callable(isa.x86_isa_checker)
             and isa.valid_vec_isa_list.cache_info().currsize == 0  # not picked yet in this process
+            and callable(isa.VecISA._VecISA__bool__impl.cache_clear)  # what _forget clears
             and not isa.config.is_fbcode()
         )
     except AttributeError:
