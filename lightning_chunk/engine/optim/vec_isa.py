@@ -8,7 +8,7 @@ that an illegal instruction kills the child, not the caller. Before torch 2.13 t
 each on the 2-core CPU machine. A CPU with AMX has four candidates, and inductor launched ten children. That was 17 s
 of each process's first host step on torch 2.11, the GPU machine's torch (2026-12-06): in every fit, in each
 campaign child, in each child a test launches. Torch 2.13's child loads the library alone: torch's libraries are found
-through ``LD_LIBRARY_PATH``, and the pick takes 1.4 s.
+through ``LD_LIBRARY_PATH``, and the pick takes 1.4 to 2.3 s (1.9 s on torch 2.11 patched as below).
 
 Where the installed inductor's child still imports torch (on x86-64 Linux), ``pick`` runs its probe that way: the
 child's code and environment are patched for the call only, under a lock. The answer is kept only where every
