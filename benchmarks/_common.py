@@ -370,6 +370,8 @@ WATCHED = (
     ("lightning_chunk.engine.memory.manager", "ChunkManager", "gather"),
     ("lightning_chunk.engine.tiers.offload", "GradOffload", "copy"),
     ("lightning_chunk.engine.optim.binding", "OptimizerBinding", "step_chunk"),
+    # the native host Adam's build (beside set-up on a GPU) and any wait for it: a module's function (owner None)
+    ("lightning_chunk.engine.optim.adam_native", None, "native_kernel"),
 )
 
 
@@ -384,8 +386,9 @@ def watch_calls(marks: dict[str, Any]) -> Any:
 
     totals: dict[str, list[float]] = {}
     for module, owner, attr in WATCHED:
-        cls = getattr(importlib.import_module(module), owner)
-        fn, name = getattr(cls, attr), f"{owner}.{attr}"
+        mod = importlib.import_module(module)
+        cls = mod if owner is None else getattr(mod, owner)
+        fn, name = getattr(cls, attr), f"{owner or module.rsplit('.', 1)[-1]}.{attr}"
         totals[name] = [0.0, 0]
 
         def timed(*a: Any, _fn: Any = fn, _total: list[float] = totals[name], **k: Any) -> Any:

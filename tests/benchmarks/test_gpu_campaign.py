@@ -66,6 +66,7 @@ def test_gpu_campaign_smoke_runs_every_part_on_cpu(tmp_path, capsys):
     for r in (largest, rows["chunk_offload step_in_backward"]):  # where set-up's and the first steps' seconds went
         assert set(r["calls"]) == {"set-up", "first step", "second step"}, r["calls"]
         assert r["calls"]["set-up"]["ChunkEngine._place"][1] == 1  # the first pack
+        assert "adam_native.native_kernel" in r["calls"]["first step"]  # a module's function, watched too
         assert r["calls"]["first step"]["OptimizerBinding.step_chunk"][1] > 0
         assert r["calls"]["second step"]["OptimizerBinding.step_chunk"][1] > 0
         assert r["calls"]["second step"]["ChunkEngine._place"][1] == 0
