@@ -370,8 +370,10 @@ WATCHED = (
     ("lightning_chunk.engine.memory.manager", "ChunkManager", "gather"),
     ("lightning_chunk.engine.tiers.offload", "GradOffload", "copy"),
     ("lightning_chunk.engine.optim.binding", "OptimizerBinding", "step_chunk"),
-    # the native host Adam's build (beside set-up on a GPU) and any wait for it: a module's function (owner None)
+    # the native host Adam's build (beside set-up on a GPU) and any wait for it, and inductor's vector ISA where a
+    # host step asks for it first: functions of a module (owner None)
     ("lightning_chunk.engine.optim.adam_native", None, "native_kernel"),
+    ("lightning_chunk.engine.optim.adam_native", None, "vector_isa"),
 )
 
 
