@@ -59,6 +59,7 @@ def _slow_probe(isa: Any) -> bool:
             and isa.config.cpp.vec_isa_ok is None  # None: probe (True or False: no child runs)
             and callable(isa.python_subprocess_env)
             and callable(isa.x86_isa_checker)
+            and isinstance(isa.supported_vec_isa_list, list)  # what _candidates reads
             and isa.valid_vec_isa_list.cache_info().currsize == 0  # not picked yet in this process
             and callable(isa.VecISA._VecISA__bool__impl.cache_clear)  # what _forget clears
             and not isa.config.is_fbcode()
