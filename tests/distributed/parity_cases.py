@@ -6,7 +6,8 @@ limit as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``h
 ``ddp_unused``, ``callbacks`` (chunk_offload's run only; ``both_callbacks``: DDP's too; ``ddp_callbacks``: DDP's
 only), ``telemetry``, ``weights``,
 ``chunk_cls`` (another model for chunk_offload's run), ``init_scale``, ``rank_seeds`` (each rank seeds ``7 + rank``
-before building), ``async_save`` (chunk_offload's checkpoints written in the background). The cases whose ranks
+before building), ``async_save`` (chunk_offload's checkpoints written in the background), ``no_swaps``
+(chunk_offload's run without storage swaps, as on torch before 2.12). The cases whose ranks
 differ are ``rank_cases.py``'s."""
 
 from __future__ import annotations

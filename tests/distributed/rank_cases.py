@@ -116,6 +116,9 @@ RANK_CASES = {
     ),
     "backward_skips": dict(SKIPS, callbacks=["RecordsMoments"]),
     "backward_planned": dict(SKIPS, callbacks=["PlansEveryBackwardMoment"]),
+    # [Note: gradient buffers the kernel may take]: without storage swaps (torch before 2.12) the host gradient shards
+    # stepped in backward keep their bytes, advised free, and the ledger counts them given back: backward_skips' run
+    "no_swaps": dict(SKIPS, no_swaps=True),
     "rank_gated_limit": dict(
         cls="RankGatedNet",
         ddp_unused=True,

@@ -27,6 +27,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_chunk import ChunkPrecision, ChunkTelemetry  # noqa: E402
+from lightning_chunk.engine.system import torch_features  # noqa: E402
 from tests import backward_models, callbacks, precision_models  # noqa: E402
 from tests.distributed import checkpoint_cases as ck  # noqa: E402
 from tests.distributed import parting_cases as pa  # noqa: E402
@@ -197,7 +198,12 @@ def run_parity(case: str, out: Path) -> None:
     extra = [getattr(callbacks, name)() for name in (*spec.get("callbacks", ()), *both)]
     DEVICE_BYTES.clear()
     cbs = [comm_mode, *extra, *([telemetry] if telemetry else [])]
-    t, got, strategy = fit_or_resume(make_chunk, steps, resume_at, out / f"{case}.ckpt", cbs, **tkw)
+    swaps = torch_features.SWAP_STORAGES
+    torch_features.SWAP_STORAGES = swaps and not spec.get("no_swaps")  # as a torch before 2.12 ([Note: torch versions])
+    try:
+        t, got, strategy = fit_or_resume(make_chunk, steps, resume_at, out / f"{case}.ckpt", cbs, **tkw)
+    finally:
+        torch_features.SWAP_STORAGES = swaps
     if telemetry is not None and t.global_rank == 0:
         (out / f"{case}.breakdown.json").write_text(json.dumps(telemetry.breakdown))
     rank = t.global_rank

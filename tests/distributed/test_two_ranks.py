@@ -120,6 +120,22 @@ def test_backward_moments_skipped_on_two_ranks_change_no_moment(parity_run):
         assert any(m[3] for m in skips["moments"]) and skips["backward_skips"] > 20 and planned["backward_skips"] == 0
 
 
+@pytest.mark.cases("backward_skips", "no_swaps")
+def test_without_storage_swaps_two_ranks_train_and_plan_as_with_them(parity_run):
+    """[Note: gradient buffers the kernel may take] as a user meets it on two ranks whose limits and batches differ
+    (``rank_cases.SKIPS``): with storage swaps off, as on torch before 2.12, the host gradient shards stepped in
+    backward keep their bytes lazily, and each rank trains to the same bits, holds the same chunk bytes and plans
+    the same device bytes at every moment as with swaps (``backward_skips``)."""
+    out, rc, log = parity_run
+    assert rc == 0, log[-3000:]
+    got, want = (torch.load(out / f"{case}.pt")["got"] for case in ("no_swaps", "backward_skips"))
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    for s, t in zip(stats(out, "no_swaps"), stats(out, "backward_skips"), strict=True):
+        assert s["host_grads_kept_lazily"] > 0 and s["pool_reused"] == 0 and "host_grads_kept_lazily" not in t
+        assert (s["host_chunk_bytes"], s["device_bytes"]) == (t["host_chunk_bytes"], t["device_bytes"])
+
+
 @pytest.mark.cases("plain", "reduce_bf16")
 def test_gradients_summed_in_bf16_halve_the_reduce_scatters_and_the_payloads(parity_run):
     """``ChunkPrecision(reduce_dtype=torch.bfloat16)``: the same model as ``plain`` (bit-exact with DDP under a bf16
