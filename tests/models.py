@@ -342,6 +342,28 @@ class TorchTransformerNet(ParityNet):
         return self.head(self.norm(self.encoder(self.embed(x))))
 
 
+class PaddedTransformerNet(TorchTransformerNet):
+    """torch's encoder given a padding mask, its nested-tensor fast path on (evaluation: the outputs at padded positions
+    are zeros), beside an encoder frozen in eval mode that runs under ``no_grad`` in every step, as a frozen backbone
+    does: both take torch's fast paths out of training mode ([Note: torch's fast paths in checked steps])."""
+
+    def build(self) -> None:
+        super().build()
+        dim = self.shape["dim"]
+        layer = nn.TransformerEncoderLayer(dim, 4, self.shape["hidden"], dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=self.shape["depth"], enable_nested_tensor=True)
+        self.frozen = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False).requires_grad_(False)
+
+    def forward(self, x, use_branch=True):
+        pad = torch.zeros_like(x, dtype=torch.bool)
+        pad[::2, -2:] = True  # every other sequence ends in two padded positions
+        h = self.embed(x)
+        self.frozen.eval()  # Lightning's fit put it in training mode
+        with torch.no_grad():
+            context = self.frozen(h)
+        return self.head(self.norm(self.encoder(h + context, src_key_padding_mask=pad)))
+
+
 class ToggledOptimizers(TwoOptimizers):
     """Lightning's documented GAN pattern: ``toggle_optimizer`` freezes the other optimizer's parameters for each phase,
     with no ``zero_grad()`` in between to hide what a phase left on them."""

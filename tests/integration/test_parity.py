@@ -305,6 +305,24 @@ def test_torch_transformer_layers_train_and_validate_bit_exact(kw):
     assert losses == ref_losses and len(losses) == 2 * (STEPS // 4)
 
 
+def test_torch_fast_paths_run_in_the_checked_steps(monkeypatch):
+    """[Note: torch's fast paths in checked steps]: the warm-up's steps and the first validation step ran torch's
+    attention and encoder on their slow paths, under the mode that checks for released parameters: the first
+    validation loss 1.86 apart where outputs at padded positions are zeros in plain Lightning, and a frozen encoder
+    in eval mode moved the training off plain Lightning's bits. Now the same parameters and losses, and the fused
+    attention runs in every step, the checked ones included."""
+    calls = []
+    fused = torch._native_multi_head_attention
+    monkeypatch.setattr(torch, "_native_multi_head_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    strategy = ChunkOffloadStrategy(**grouped({"placement": "host", "optimizer_kernel": "loop"}))
+    got, losses = fit_with_validation(strategy, models.PaddedTransformerNet)
+    layers = models.ParityNet().shape["depth"] + 1  # the encoder's and the frozen one's, a validation step
+    assert len(calls) == STEPS + 2 * (STEPS // 4) * layers  # a training step runs the frozen layer
+    ref, ref_losses = fit_with_validation("auto", models.PaddedTransformerNet)
+    assert_same_params(ref, got, EXACT)
+    assert losses == ref_losses
+
+
 @pytest.mark.parametrize("leaf", [layer_models.Peek, "Peek", "tests.layer_models.Peek"])
 def test_a_module_reading_its_child_s_weights_is_a_leaf_when_named(leaf):
     ref = fit("auto", steps=STEPS, cls=layer_models.PeekNet)
