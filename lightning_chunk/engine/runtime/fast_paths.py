@@ -46,47 +46,48 @@ def _checking(mode: Any) -> bool:
     return isinstance(mode, ReleasedReads) and mode.marks is None
 
 
-class FastPaths:
-    """Forward hooks on torch's modules with a fast path that take the checking modes off the stack around them."""
+_taken = threading.local()  # per thread: (module id, the modes taken off or None) of each hooked forward
 
-    def __init__(self) -> None:
-        self._taken = threading.local()  # per thread: (module id, the modes taken off or None) of each hooked forward
 
-    def install(self, module: torch.nn.Module) -> list[Any]:
-        """Hooks on every instance of ``FAST_PATH_MODULES`` in ``module``; their handles."""
-        handles = []
-        for mod in module.modules():
-            if isinstance(mod, FAST_PATH_MODULES):
-                handles.append(mod.register_forward_pre_hook(self._before))
-                handles.append(mod.register_forward_hook(self._after, always_call=True))
-        return handles
+def install(module: torch.nn.Module) -> list[Any]:
+    """Hooks on every instance of ``FAST_PATH_MODULES`` in ``module`` that take the checking modes off the stack around
+    its forward; their handles. Plain functions: a deep copy or a pickle of the module takes them by reference."""
+    handles = []
+    for mod in module.modules():
+        if isinstance(mod, FAST_PATH_MODULES):
+            handles.append(mod.register_forward_pre_hook(_before))
+            handles.append(mod.register_forward_hook(_after, always_call=True))
+    return handles
 
-    def _calls(self) -> list[tuple[int, list[Any] | None]]:
-        calls = getattr(self._taken, "calls", None)
-        if calls is None:
-            calls = self._taken.calls = []
-        return calls
 
-    @_eager
-    def _before(self, mod: torch.nn.Module, args: Any) -> None:
-        whole = None
-        if not mod.training and _len_torch_function_stack():
-            whole = _stack()
-            kept = [m for m in whole if not _checking(m)]
-            for m in kept:
-                _push_on_torch_function_stack(m)
-            if len(kept) == len(whole):
-                whole = None
-        self._calls().append((id(mod), whole))
+def _calls() -> list[tuple[int, list[Any] | None]]:
+    calls = getattr(_taken, "calls", None)
+    if calls is None:
+        calls = _taken.calls = []
+    return calls
 
-    @_eager
-    def _after(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
-        calls = self._calls()
-        if not calls or calls[-1][0] != id(mod):  # a hook before ours raised: ours never ran for this call
-            return
-        whole = calls.pop()[1]
-        if whole is None:
-            return
-        above = _stack()[sum(not _checking(m) for m in whole) :]  # modes the forward left pushed, if any
-        for m in whole + above:
+
+@_eager
+def _before(mod: torch.nn.Module, args: Any) -> None:
+    whole = None
+    if not mod.training and _len_torch_function_stack():
+        whole = _stack()
+        kept = [m for m in whole if not _checking(m)]
+        for m in kept:
             _push_on_torch_function_stack(m)
+        if len(kept) == len(whole):
+            whole = None
+    _calls().append((id(mod), whole))
+
+
+@_eager
+def _after(mod: torch.nn.Module, args: Any, output: Any) -> None:
+    calls = _calls()
+    if not calls or calls[-1][0] != id(mod):  # a hook before ours raised: ours never ran for this call
+        return
+    whole = calls.pop()[1]
+    if whole is None:
+        return
+    above = _stack()[sum(not _checking(m) for m in whole) :]  # modes the forward left pushed, if any
+    for m in whole + above:
+        _push_on_torch_function_stack(m)

@@ -65,9 +65,9 @@ from ..memory.master_writes import refresh_outside_a_step, refresh_where_written
 from ..memory.module_state import state_dict_hooks
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
+from . import fast_paths
 from .batches import tensors_in
 from .between_steps import BetweenSteps
-from .fast_paths import FastPaths
 from .module_backward import ModuleBackwards
 from .moments import MomentClock, in_backward
 from .outside_autocast import OutsideAutocast
@@ -129,7 +129,7 @@ class ChunkHooks:
     def install(self) -> None:
         for key in self.owners.owned:
             self._hook_forward(key)
-        self._handles += FastPaths().install(self.module)  # [Note: torch's fast paths in checked steps]
+        self._handles += fast_paths.install(self.module)  # [Note: torch's fast paths in checked steps]
         self._handles += state_dict_hooks(
             self.module, self.manager, lambda: self.closed is not None, lambda: current_reader() == self._read
         )
