@@ -3,6 +3,7 @@ backward against stepping after it, each rank's shares and tiers, ranks that par
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +101,14 @@ def test_ranks_hold_the_same_device_bytes_in_backward_whichever_worker_is_slower
     assert len(first) > 20 and first == second, (first, second)
 
 
+def twins(out: Path, case: str, twin: str) -> list[tuple[dict, dict]]:
+    """Each rank's stats of ``case`` and of ``twin``, once the two runs are checked to have trained to the same bits."""
+    got, want = (torch.load(out / f"{c}.pt")["got"] for c in (case, twin))
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{case} {k}"
+    return list(zip(stats(out, case), stats(out, twin), strict=True))
+
+
 @pytest.mark.parametrize("case", PARITY)
 def test_parity_with_ddp(parity_run, case):
     check_parity(*parity_run, case)
@@ -112,10 +121,7 @@ def test_backward_moments_skipped_on_two_ranks_change_no_moment(parity_run):
     bytes, and the training are those of its twin that plans at every backward moment."""
     out, rc, log = parity_run
     assert rc == 0, log[-3000:]
-    got, want = (torch.load(out / f"{case}.pt")["got"] for case in ("backward_skips", "backward_planned"))
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    for s, t in zip(stats(out, "backward_skips"), stats(out, "backward_planned"), strict=True):
+    for s, t in twins(out, "backward_skips", "backward_planned"):
         skips, planned = s["seen"][0], t["seen"][0]
         assert skips["moments"] == planned["moments"] and len(skips["moments"]) > 100
         assert any(m[3] for m in skips["moments"]) and skips["backward_skips"] > 20 and planned["backward_skips"] == 0
@@ -129,10 +135,7 @@ def test_without_storage_swaps_two_ranks_train_and_plan_as_with_them(parity_run)
     the same device bytes at every moment as with swaps (``backward_skips``)."""
     out, rc, log = parity_run
     assert rc == 0, log[-3000:]
-    got, want = (torch.load(out / f"{case}.pt")["got"] for case in ("no_swaps", "backward_skips"))
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    for s, t in zip(stats(out, "no_swaps"), stats(out, "backward_skips"), strict=True):
+    for s, t in twins(out, "no_swaps", "backward_skips"):
         assert s["host_grads_kept_lazily"] > 0 and s["pool_reused"] == 0
         assert ("host_grads_kept_lazily" in t) is not torch_features.SWAP_STORAGES  # a torch before 2.12 never swaps
         assert (s["host_chunk_bytes"], s["device_bytes"]) == (t["host_chunk_bytes"], t["device_bytes"])
@@ -169,10 +172,7 @@ def test_the_parity_suite_runs_gloo_as_nccl_runs(parity_run, gloo_defaults_run):
 @pytest.mark.parametrize("case,twin", sorted(EARLY_TWINS.items()))
 def test_stepping_in_backward_equals_stepping_after_it_and_gives_the_gradient_shards_back(parity_run, case, twin):
     out, rc, log = parity_run
-    got, want = torch.load(out / f"{case}.pt")["got"], torch.load(out / f"{twin}.pt")["got"]
-    for k in want:
-        assert torch.equal(got[k], want[k]), f"{case} {k}"
-    for s, t in zip(stats(out, case), stats(out, twin), strict=True):
+    for s, t in twins(out, case, twin):
         assert s["chunks_stepped_in_backward"] > 0
         if "thread" in case:  # every chunk stepped in backward stepped on the worker
             assert s["chunks_stepped_on_thread"] == s["chunks_stepped_in_backward"]
@@ -250,10 +250,7 @@ def test_disk_chunks_stepped_in_backward_move_no_gradient_file(parity_run, case,
         for s in stats(out, case):
             assert s["chunks_stepped_in_backward"] >= s["disk_shards"] * 12
         return
-    got, want = torch.load(out / f"{case}.pt")["got"], torch.load(out / f"{twin}.pt")["got"]
-    for k in want:
-        assert torch.equal(got[k], want[k]), f"{case} {k}"
-    for s, t in zip(stats(out, case), stats(out, twin), strict=True):
+    for s, t in twins(out, case, twin):
         assert s["disk_shards"] == t["disk_shards"] and s["disk_grad_bytes"] == t["disk_grad_bytes"] > 0
         assert s["chunks_stepped_in_backward"] >= s["disk_shards"] * 12  # the runner's 16 steps but the first ones
         assert "chunks_stepped_in_backward" not in t
