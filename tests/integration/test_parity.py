@@ -3,6 +3,7 @@
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions, OffloadOptions
@@ -262,8 +263,8 @@ def test_reused_modules_and_checkpointed_adapters_with_the_defaults_under_a_limi
     assert 0 < strategy.memory_stats()["device_chunk_bytes_peak"] <= limit
 
 
-def fit_with_validation(strategy, cls, **kw):
-    """``fit`` with a validation pass every 4 steps; returns (model, the validation losses)."""
+def fit_with_validation(strategy, cls, steps=STEPS, **kw):
+    """``fit`` with a validation pass every 4 batches; returns (model, the validation losses)."""
     losses = []
 
     class Recording(cls):
@@ -274,7 +275,7 @@ def fit_with_validation(strategy, cls, **kw):
 
     model = fit(
         strategy,
-        steps=STEPS,
+        steps=steps,
         cls=Recording,
         limit_val_batches=2,
         val_check_interval=4,
@@ -305,22 +306,39 @@ def test_torch_transformer_layers_train_and_validate_bit_exact(kw):
     assert losses == ref_losses and len(losses) == 2 * (STEPS // 4)
 
 
-def test_torch_fast_paths_run_in_the_checked_steps(monkeypatch):
+def test_torch_fast_paths_run_in_the_checked_steps(monkeypatch, tmp_path):
     """[Note: torch's fast paths in checked steps]: the warm-up's steps and the first validation step ran torch's
     attention and encoder on their slow paths, under the mode that checks for released parameters: the first
     validation loss 1.86 apart where outputs at padded positions are zeros in plain Lightning, and a frozen encoder
-    in eval mode moved the training off plain Lightning's bits. Now the same parameters and losses, and the fused
-    attention runs in every step, the checked ones included."""
+    in eval mode moved the training off plain Lightning's bits. With the defaults under a limit that evicts, with
+    accumulation and a resume half-way (whose first steps are checked again): the same parameters and losses, and the
+    fused attention runs in every step, the checked ones included."""
     calls = []
     fused = torch._native_multi_head_attention
     monkeypatch.setattr(torch, "_native_multi_head_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    strategy = ChunkOffloadStrategy(**grouped({"placement": "host", "optimizer_kernel": "loop"}))
-    got, losses = fit_with_validation(strategy, models.PaddedTransformerNet)
-    layers = models.ParityNet().shape["depth"] + 1  # the encoder's and the frozen one's, a validation step
-    assert len(calls) == STEPS + 2 * (STEPS // 4) * layers  # a training step runs the frozen layer
-    ref, ref_losses = fit_with_validation("auto", models.PaddedTransformerNet)
+
+    def chunked() -> ChunkOffloadStrategy:  # under the chunks and the activations the warm-up traces
+        return ChunkOffloadStrategy(device_memory_limit=150_000, offload=OffloadOptions(optimizer_kernel="loop"))
+
+    runs = {}
+    for name, strategy in (("auto", lambda: "auto"), ("chunk", chunked)):
+        save = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=STEPS // 2, filename="half")
+        kw = dict(accumulate_grad_batches=2)
+        first = fit_with_validation(
+            strategy(), models.PaddedTransformerNet, STEPS // 2, callbacks=[save], enable_checkpointing=True, **kw
+        )[1]
+        calls.clear()
+        got, losses = fit_with_validation(
+            strategy(), models.PaddedTransformerNet, ckpt_path=str(tmp_path / name / "half.ckpt"), **kw
+        )
+        runs[name] = got, first + losses, len(calls)
+    (ref, ref_losses, _), (got, losses, fused_calls) = runs["auto"], runs["chunk"]
     assert_same_params(ref, got, EXACT)
-    assert losses == ref_losses
+    assert losses == ref_losses and len(losses) == 2 * (2 * STEPS // 4)  # 2 batches every 4 of 2 x STEPS
+    assert got.trainer_ref.strategy.memory_stats()["evictions"] > 0
+    layers = models.ParityNet().shape["depth"] + 1  # the encoder's and the frozen one's, a validation batch
+    # the resumed fit: STEPS micro-batches, each through the frozen layer, and STEPS // 4 validations of 2 batches
+    assert fused_calls == STEPS + STEPS // 4 * 2 * layers
 
 
 @pytest.mark.parametrize("leaf", [layer_models.Peek, "Peek", "tests.layer_models.Peek"])
