@@ -15,6 +15,9 @@ with the launch variables a parent's process group left behind, and the launcher
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
+import threading
 
 DIST_VARS = (
     "LOCAL_RANK",
@@ -32,3 +35,25 @@ def child_env() -> dict[str, str]:
     """``os.environ`` without a parent's launch variables and without ``OMP_NUM_THREADS`` ([Note: a child's thread
     count])."""
     return {k: v for k, v in os.environ.items() if k not in DIST_VARS and k != "OMP_NUM_THREADS"}
+
+
+def run_with_peak(cmd: list[str], *, timeout: float, **kw) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Run ``cmd`` to its end with its output captured as text: its result and its own peak resident set in bytes,
+    raising ``subprocess.TimeoutExpired`` as ``subprocess.run`` does once it is killed at ``timeout``. The peak is
+    ``wait4``'s for that child alone; ``getrusage(RUSAGE_CHILDREN)`` gives the largest of every child the test process
+    ever waited for, so a test reading it passes or fails by what ran before it."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, **kw)
+        expired = threading.Event()
+        timer = threading.Timer(timeout, lambda: (expired.set(), child.kill()))
+        timer.start()
+        try:
+            _, status, usage = os.wait4(child.pid, 0)
+        finally:
+            timer.cancel()
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if expired.is_set():
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read(), err.read())
+        return subprocess.CompletedProcess(cmd, child.returncode, out.read(), err.read()), usage.ru_maxrss * 1024
