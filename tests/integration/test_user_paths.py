@@ -302,3 +302,58 @@ def test_the_default_kernel_is_not_written_into_the_user_s_optimizer_or_its_chec
     trainer = quiet_trainer(strategy=ChunkOffloadStrategy(), max_steps=2)
     trainer.fit(model, token_data())
     assert all(g["fused"] is None and g["foreach"] is None for g in trainer.optimizers[0].param_groups)
+
+
+# ------------------------------------------------------------------ a module parameter's optimizer state
+class ReadsAdamState(L.Callback):
+    """What a user's callback does to log Adam's moments: ``optimizer.state[p]`` for each module parameter."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        opt = pl_module.optimizers().optimizer
+        for p in pl_module.parameters():
+            try:
+                self.seen.append(",".join(sorted(opt.state[p])))
+            except RuntimeError as e:
+                self.seen.append(str(e))
+        self.keys = len(opt.state)
+
+
+def test_reading_a_module_parameter_s_optimizer_state_in_fit_says_where_it_is_and_changes_nothing(tmp_path):
+    """[Note: optimizer state keyed by shards]: ``optimizer.state[p]`` gave an empty dict in every step, silently,
+    and left an entry that no group holds. It now raises naming the parameter and where the state is, at the first
+    step and after a resume, and training is plain Lightning's; after fit the optimizer holds plain Lightning's
+    state keyed by the parameters."""
+
+    def run(strategy, resume=False):
+        seen = ReadsAdamState()
+        L.seed_everything(7, verbose=False)
+        model = ParityNet()
+        trainer = quiet_trainer(strategy=strategy(), max_steps=4, callbacks=[seen], limit_val_batches=0)
+        trainer.fit(model, token_data())
+        trainer.save_checkpoint(tmp_path / f"{resume}.ckpt")
+        if resume:
+            again = ReadsAdamState()
+            trainer = quiet_trainer(strategy=strategy(), max_steps=6, callbacks=[again], limit_val_batches=0)
+            trainer.fit(model, token_data(), ckpt_path=tmp_path / f"{resume}.ckpt")
+            seen.seen += again.seen
+        return model, trainer, seen
+
+    ref, ref_trainer, plain = run(lambda: "auto")
+    assert set(plain.seen) == {"exp_avg,exp_avg_sq,step"}
+    for resume in (False, True):
+        got, trainer, seen = run(lambda: ChunkOffloadStrategy(offload=OffloadOptions(optimizer_kernel="loop")), resume)
+        names = [n for n, _ in got.named_parameters()]
+        assert len(seen.seen) == len(names) * (6 if resume else 4)
+        for n, msg in zip(names * 6, seen.seen, strict=False):
+            assert msg.startswith(f"optimizer.state[{n!r}]: under chunk_offload"), msg
+            assert "materialize_optimizer_state=True" in msg
+        assert seen.keys == len(names)  # one entry for each of the optimizer's own pieces: the reads added none
+        if not resume:
+            assert_same_params(ref, got, EXACT)
+            opt, ref_opt = trainer.optimizers[0], ref_trainer.optimizers[0]
+            for p, q in zip(got.parameters(), ref.parameters(), strict=True):  # after fit: plain Lightning's
+                for key in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], **EXACT)

@@ -45,6 +45,7 @@ from .grad_slots import GradSlot, GradSlots
 from .host_adam import HostAdam
 from .kernels import check_optimizer, flags_set, is_known, kernel_flags, state_bytes_per_element
 from .partial_steps import PartialSteps, only
+from .shard_state import keyed_by_parameters, keyed_by_shards
 from .whole import WholeStep
 
 __all__ = ["GradSlot", "OptimizerBinding", "OptimizerStateCarrier", "check_optimizer"]
@@ -157,6 +158,7 @@ class OptimizerBinding:
                 v = new.get(i)
                 if v is not None and i in carried:
                     state[v] = {key: self._move(key, val, v, step_on_device) for key, val in carried[i].items()}
+        keyed_by_shards(self.optimizer, self.manager)  # [Note: optimizer state keyed by shards]
         self._views = new
         self.slots.rebind(new)
         self.host_adam.reset()
@@ -287,6 +289,7 @@ class OptimizerBinding:
             {"state": {p: mine[i] for p, i in enumerate(pos) if i in mine}, "param_groups": local_groups}
         )
         self.kernel_flags = kernel_flags(self.optimizer, self.config.optimizer_kernel)  # as the loaded groups say
+        keyed_by_shards(self.optimizer, self.manager)  # the load made it a plain defaultdict
         for k, g in enumerate(self.optimizer.param_groups):
             on_device = self._steps_on_device(k)
             for v in g["params"]:
@@ -307,7 +310,7 @@ class OptimizerBinding:
         )
         for k, g in enumerate(self.optimizer.param_groups):
             g["params"] = [mgr.params[i] for i in self.group_params[k]]
-        self.optimizer.state.clear()
+        keyed_by_parameters(self.optimizer)
         for i, st in whole.items():
             self.optimizer.state[mgr.params[i]] = st
         self._views = {}
