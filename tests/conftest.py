@@ -24,21 +24,14 @@ import os
 import pytest
 import torch
 
+from lightning_chunk.ranks import cores_here
+
 _OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 # the modules that read the session-scoped launches of tests/distributed/conftest.py: one unit for the workers
 SHARING_A_LAUNCH = ("tests/distributed/test_two_ranks.py", "tests/distributed/test_two_rank_paths.py")
 
-
-def _share_of_the_cores() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // _WORKERS)
-
-
-_THREADS = _share_of_the_cores() if _WORKERS > 1 else torch.get_num_threads()
+_THREADS = max(1, cores_here() // _WORKERS) if _WORKERS > 1 else torch.get_num_threads()  # a worker's share
 torch.set_num_threads(_THREADS)
 
 
