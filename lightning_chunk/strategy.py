@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +24,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from .backward_step import after_failure, check_step_in_backward, clip_value, clips_by_norm, config_for_fit
-from .checkpointing import ChunkCheckpoints
 from .ema import ChunkEMA
 from .engine import ChunkConfig, ChunkEngine, Collectives
 from .engine.chunks.materialize import DeferredInit, meta_init
@@ -32,12 +31,10 @@ from .engine.comm.group import shard_ranks
 from .engine.config import PlacementName
 from .engine.errors import explain_dtype_mismatch, explain_user_error
 from .engine.memory import master_writes
-from .engine.memory.full_params import full_parameters
 from .engine.optim.binding import refuse_detached_views
 from .engine.runtime.batches import input_bytes
 from .engine.runtime.description import agree_on_limits
 from .finetuning import follow_finetuning, unfollow_finetuning
-from .grad_norms import sharded_grad_norm
 from .hf import PeftAdapters, keep_generation_in_step, module_weights
 from .options import CheckOptions, MemoryOptions, OffloadOptions, check_arguments, flatten, group, moved
 from .precision import ChunkPrecision
@@ -46,6 +43,7 @@ from .signals import SignalsAtSteps
 from .telemetry import log_memory_stats
 from .toggles import follow_toggles
 from .unsupported import check_callbacks, check_device
+from .whole_values import WholeValues
 
 # the arguments of Lightning's strategies that its connector may pass (it sets them as attributes otherwise)
 LIGHTNING_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
@@ -61,7 +59,7 @@ PRESETS = {
 _LIGHTNING_PRECISIONS = frozenset({"Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision"})
 
 
-class ChunkOffloadStrategy(ChunkCheckpoints):
+class ChunkOffloadStrategy(WholeValues):
     """Train any LightningModule with its parameters packed into chunks placed between device and host.
 
     Every argument and group field is documented once, in ``lightning_chunk/options.py``, and in the tables of
@@ -267,49 +265,6 @@ class ChunkOffloadStrategy(ChunkCheckpoints):
         if fitting:
             follow_finetuning(trainer, self.engine)  # [Note: finetuning callbacks]
         self.engine.hooks.between.guard()  # [Note: released parameters read between steps]
-
-    @contextlib.contextmanager
-    def full_parameters(
-        self,
-        module: torch.nn.Module | Tensor | Iterable[Tensor] | None = None,
-        *,
-        writeback: bool = True,
-        offload_to_cpu: bool = False,
-        with_grads: bool = False,
-    ) -> Generator[None, None, None]:
-        """The parameters of ``module`` (the whole LightningModule by default, or parameters given as one or a list
-        as DeepSpeed's ``GatheredParameters`` takes them: a scale to clamp) hold their whole trained values inside
-        the block; with ``writeback``, what you write into them goes back into the sharded weights (elements you
-        leave as they were keep their master precision). FSDP's ``summon_full_params``.
-
-        With several ranks every rank must enter, with the same ``module``. No forward may run inside, and it
-        cannot be entered between a forward and its backward. Every rank holds the parameters' whole values for
-        the block's duration (on the host with ``offload_to_cpu``): ask for a submodule when the model is large.
-        Outside a step, without this block, a parameter shows a stale copy or a placeholder that refuses reads and
-        writes ([Note: parameters outside a step] in ``engine/memory/full_params.py``). Before ``fit`` and after it the
-        parameters are plain and the block does nothing.
-
-        ``with_grads=True`` (between a backward and the optimizer step, e.g. in ``on_before_optimizer_step``) also
-        gives each parameter that got a gradient its whole ``.grad``, the one the optimizer will read: Lightning's
-        ``grad_norm(self)`` works inside. Gradients changed inside are written back, one set to ``None`` is
-        skipped by the step ([Note: gradients in full_parameters] in ``engine/memory/full_params.py``)."""
-        if self.engine is None:
-            yield
-            return
-        with full_parameters(
-            self.engine, module, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=with_grads
-        ):
-            yield
-
-    def grad_norm(
-        self, norm_type: float | str = 2.0, group_separator: str = "/", module: torch.nn.Module | None = None
-    ) -> dict[str, Tensor]:
-        """Lightning's ``grad_norm(self, norm_type)`` (of ``module``, the LightningModule by default), from the
-        gradient shards without gathering them: ``self.log_dict(self.trainer.strategy.grad_norm(2))`` in
-        ``on_before_optimizer_step``. Every rank calls it (one all-reduce on several); bit-exact on one rank."""
-        target = module if module is not None else self.lightning_module
-        assert target is not None
-        return sharded_grad_norm(self.engine, target, norm_type, group_separator)
 
     def memory_stats(self) -> dict[str, float]:
         """Chunk memory and traffic of this rank: bytes per tier, peak, copies, evictions, loss scale.
