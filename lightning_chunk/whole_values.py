@@ -1,21 +1,26 @@
-"""Whole values out of the shards for the user's code between steps: the parameters (and their gradients) and their
-gradient norms. ``ChunkOffloadStrategy`` inherits these methods."""
+"""Whole values out of the shards for the user's code between steps: the parameters (and their gradients), their
+gradient norms, and the optimizer's state of them. ``ChunkOffloadStrategy`` inherits these methods."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Iterable
+from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from torch import Tensor
+from torch.optim import Optimizer
 
 from .checkpointing import ChunkCheckpoints
 from .engine.memory.full_params import full_parameters
+from .engine.optim.full_state import full_optimizer_state
+from .engine.optim.kept_state import StateKeptInPieces
 from .grad_norms import sharded_grad_norm
 
 
 class WholeValues(ChunkCheckpoints):
-    """``full_parameters`` and ``grad_norm``: each gathers only what it is asked for."""
+    """``full_parameters``, ``grad_norm`` and ``full_optimizer_state``: each gathers only what it is asked for."""
 
     @contextlib.contextmanager
     def full_parameters(
@@ -59,3 +64,67 @@ class WholeValues(ChunkCheckpoints):
         target = module if module is not None else self.lightning_module
         assert target is not None
         return sharded_grad_norm(self.engine, target, norm_type, group_separator)
+
+    @contextlib.contextmanager
+    def full_optimizer_state(
+        self,
+        module: torch.nn.Module | Tensor | Iterable[Tensor] | None = None,
+        *,
+        optimizer: int | Optimizer = 0,
+        writeback: bool = True,
+    ) -> Generator[dict[Tensor, dict[str, Any]], None, None]:
+        """The whole state ``optimizer`` (its index in ``configure_optimizers``' order, or itself) keeps for the
+        parameters of ``module`` (the whole LightningModule by default, or parameters given as one or a list),
+        as ``{parameter: state}``: what plain torch holds in ``optimizer.state[parameter]``, the same keys, Adam's
+        moments in the parameter's shape on the host, ``{}`` before its first step. With ``writeback``, values you
+        change in place or assign to a key go back into the shards: ``state[p]["exp_avg"].zero_()`` for a layer
+        you re-initialised. DeepSpeed's ``safe_get_full_optimizer_state`` and ``safe_set_full_optimizer_state``.
+
+        With several ranks every rank must enter, with the same ``module``; every rank then holds the whole state
+        of those parameters for the block's duration. Not inside a backward. Before ``fit`` there is no state;
+        after it, the optimizer's own (``materialize_optimizer_state=True`` on several ranks: [Note: optimizer
+        state after fit] in ``engine/optim/kept_state.py``); [Note: the whole optimizer state of a parameter] in
+        ``engine/optim/full_state.py``."""
+        opt = self._optimizer_for(optimizer)
+        if self.engine is None:
+            params = list(self._own_params(module, opt))
+            state = opt.state
+            yield {p: state[p] if p in state or isinstance(state, StateKeptInPieces) else {} for p in params}
+            return
+        binding = next(b for b in self.engine.bindings if b.optimizer is opt)
+        with full_optimizer_state(self.engine, binding, module, writeback=writeback) as got:
+            yield got
+
+    def _optimizer_for(self, optimizer: int | Optimizer) -> Optimizer:
+        """The torch optimizer ``optimizer`` names: an index, it, or Lightning's wrapper of it."""
+        opts = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
+        if not opts:
+            raise ValueError(
+                "full_optimizer_state(): this Trainer has no optimizer yet; the state exists from the first step of "
+                "fit (configure_optimizers runs at its set-up)."
+            )
+        if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+            if not 0 <= optimizer < len(opts):
+                raise ValueError(
+                    f"full_optimizer_state(optimizer={optimizer}): configure_optimizers returned {len(opts)} "
+                    f"optimizer(s); pass an index from 0 to {len(opts) - 1}, or the optimizer itself."
+                )
+            return opts[optimizer]
+        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningModule.optimizers() gives Lightning's wrapper
+        for o in opts:
+            if o is inner:
+                return o
+        raise ValueError(
+            f"full_optimizer_state(optimizer={type(optimizer).__name__}): not one of the {len(opts)} optimizer(s) "
+            "configure_optimizers returned; pass one of those, or its index."
+        )
+
+    def _own_params(self, module: torch.nn.Module | Tensor | Iterable[Tensor] | None, opt: Optimizer) -> Any:
+        """The parameters ``module`` names that ``opt`` steps, in the optimizer's order (no engine: plain ones)."""
+        wanted = module if module is not None else self.lightning_module
+        if isinstance(wanted, torch.nn.Module):
+            wanted = wanted.parameters()
+        elif isinstance(wanted, Tensor):
+            wanted = [wanted]
+        ids = {id(p) for p in wanted}  # type: ignore[union-attr]
+        return (p for g in opt.param_groups for p in g["params"] if id(p) in ids)

@@ -357,7 +357,7 @@ def test_reading_a_module_parameter_s_optimizer_state_in_fit_says_where_it_is_an
         assert len(seen.seen) == len(names) * (12 if resume else 8)  # every micro-batch
         for n, msg in zip(names * 12, seen.seen, strict=False):
             assert msg.startswith(f"optimizer.state[{n!r}]: under chunk_offload"), msg
-            assert "materialize_optimizer_state=True" in msg
+            assert "materialize_optimizer_state=True" in msg and "strategy.full_optimizer_state(module)" in msg
         assert seen.keys == len(names)  # one entry for each of the optimizer's own pieces: the reads added none
         if not resume:
             assert_same_params(ref, got, EXACT)

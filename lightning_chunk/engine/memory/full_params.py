@@ -101,7 +101,7 @@ def full_parameters(
     mgr.comm.roll_call(hooks.where(), what="full_parameters()", advice=_ALONE)
     if with_grads:  # before the chunks are listed: in the first step this is the warm-up's repack (new chunks)
         engine.grads_ready("full_parameters(with_grads=True)")
-    wanted = _indices(mgr, params)
+    wanted = param_indices(mgr, params)
     chunks = [c for c in mgr.chunks if any(t.slot.param_index in wanted for t in c.tensors)]
     with_grad = _with_gradients(engine, chunks, wanted) if with_grads else set()
     device = torch.device("cpu") if offload_to_cpu else mgr.device
@@ -233,7 +233,8 @@ def _take_assigned(assigned: list[tuple[Any, torch.Tensor]], values: dict[int, t
         values[t.slot.param_index] = new
 
 
-def _indices(mgr: Any, params: torch.nn.Module | torch.Tensor | Iterable[torch.Tensor] | None) -> set[int]:
+def param_indices(mgr: Any, params: torch.nn.Module | torch.Tensor | Iterable[torch.Tensor] | None) -> set[int]:
+    """The indices of the packed parameters among ``params`` (a module's, one or several; all when ``None``)."""
     if params is None:
         return set(range(len(mgr.params)))
     if isinstance(params, torch.nn.Module):

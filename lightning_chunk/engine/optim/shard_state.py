@@ -6,7 +6,8 @@ and its state is keyed by those views, as DeepSpeed's and FSDP1's flat parameter
 is not among its keys. Plain ``defaultdict`` state answered ``optimizer.state[p]`` for one with a fresh empty dict,
 silently: a callback that logs Adam's moments per parameter (or resets them) found none and logged nothing, and the
 empty entry it left, keyed by a tensor no group holds, made a later ``optimizer.state_dict()`` fail with a bare
-``KeyError``. ``StateOfShards`` is that ``defaultdict`` with one difference: a missing key that is a module
+``KeyError``. The way in is ``full_optimizer_state`` ([Note: the whole optimizer state of a parameter] in
+``full_state.py``). ``StateOfShards`` is that ``defaultdict`` with one difference: a missing key that is a module
 parameter the engine manages raises, naming it and where its state is. The views' own first reads (every torch
 optimizer's ``state = self.state[p]`` at its first step) still get their empty dict; ``p in state`` and
 ``state.get(p)`` still answer that it is not there. ``optimizer.load_state_dict`` replaces ``state`` with a plain
@@ -40,6 +41,8 @@ class StateOfShards(defaultdict):
                 f"optimizer.state[{mgr.names[i]!r}]: under chunk_offload the optimizer steps this rank's pieces of "
                 "the parameters (views of the chunks' shards), and its state is keyed by those pieces, not by the "
                 "module's parameters, so it holds none for this one, where plain Lightning's optimizer would. "
+                "Between steps, `with trainer.strategy.full_optimizer_state(module) as state:` gives each "
+                "parameter's whole state as state[p] (on every rank), and writes back what you change in it. "
                 "trainer.save_checkpoint writes the whole state in the parameters' shapes (lightning-chunk "
                 "consolidate reads it back), and after fit materialize_optimizer_state=True gives every rank's "
                 "optimizer the whole state keyed by the parameters ([Note: optimizer state keyed by shards] in "
