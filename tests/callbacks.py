@@ -3,6 +3,8 @@ offloaded), or read and edit parameters and gradients between steps, as users' c
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning as L
 import torch
 
@@ -368,3 +370,36 @@ class RecordsMoments(L.Callback):
 
 class PlansEveryBackwardMoment(RecordsMoments):
     skips = False
+
+
+WHOLE_STATES: dict[str, list] = {}  # the runner's process trains DDP first, then chunk_offload
+
+
+class WholeOptimizerState(L.Callback):
+    """Every parameter's whole optimizer state after each step (DDP's ``optimizer.state``; chunk_offload's
+    ``full_optimizer_state()``), and after step 3 the head's moments zeroed and its count started again. Under
+    chunk_offload ``seen`` is, per step, whether the state equals DDP's at the same step to the bit."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        full = getattr(trainer.strategy, "full_optimizer_state", None)
+        opt = trainer.optimizers[0]
+        names = {p: n for n, p in pl_module.named_parameters()}
+        with full() if full else contextlib.nullcontext({p: opt.state[p] for p in names}) as state:
+            now = {names[p]: {k: v.detach().clone() for k, v in st.items()} for p, st in state.items()}
+        WHOLE_STATES.setdefault("chunk" if full else "ddp", []).append(now)
+        if trainer.global_step == 3:
+            with full(pl_module.head) if full else contextlib.nullcontext({p: opt.state[p] for p in names}) as state:
+                for p in pl_module.head.parameters():
+                    for k in ("exp_avg", "exp_avg_sq", "step"):
+                        state[p][k].zero_()
+
+    def on_train_end(self, trainer, pl_module):
+        if hasattr(trainer.strategy, "full_optimizer_state"):
+            ddp, chunk = WHOLE_STATES.pop("ddp"), WHOLE_STATES.pop("chunk")
+            self.seen = [_same_states(a, b) for a, b in zip(ddp, chunk, strict=True)]
+
+
+def _same_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n]) for n in a
+    )

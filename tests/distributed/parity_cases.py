@@ -72,6 +72,8 @@ CASES = {
     "offload_states": dict(strategy=dict(placement="device"), callbacks=["OffloadAndReload"]),
     # load_state_dict after set-up: each rank writes its piece of the values it loads, no collective
     "load_state_dict": dict(variant="tied", strategy=dict(placement="host"), both_callbacks=["LoadsWeights"]),
+    # [Note: the whole optimizer state of a parameter]: every parameter's read after each step, the head's reset
+    "whole_optimizer_state": dict(strategy=dict(placement="host", **AFTER), both_callbacks=["WholeOptimizerState"]),
     "host_kept": dict(
         model=dict(dim=64, hidden=256, depth=6),
         strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000),

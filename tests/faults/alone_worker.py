@@ -43,6 +43,9 @@ class EveryEpoch(L.Callback):
             elif self.what == "full_parameters":
                 with trainer.strategy.full_parameters():
                     value = pl_module.head.weight.sum().item()
+            elif self.what == "full_optimizer_state":  # logging Adam's moments on rank 0, as a user might
+                with trainer.strategy.full_optimizer_state(pl_module.head) as state:
+                    value = state[pl_module.head.weight]["exp_avg"].sum().item()
             else:
                 with torch.no_grad():
                     value = pl_module(torch.arange(8).view(1, 8)).float().sum().item()

@@ -1,6 +1,7 @@
-"""A forward, a save or ``full_parameters()`` outside a step on some ranks only: a callback that draws a sample,
-saves a checkpoint or reads the weights at the end of an epoch under ``if trainer.is_global_zero:``, as works under
-DDP ([Note: a forward outside a step] in ``engine/comm/group.py``)."""
+"""A forward, a save, ``full_parameters()`` or ``full_optimizer_state()`` outside a step on some ranks only: a
+callback that draws a sample, saves a checkpoint, reads the weights or logs Adam's moments at the end of an epoch
+under ``if trainer.is_global_zero:``, as works under DDP ([Note: a forward outside a step] in
+``engine/comm/group.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ NAMED = {
     "forward": ("a forward outside a training or evaluation step (in on_train_epoch_end)", "Run it on every rank"),
     "save": ("a checkpoint save (in on_train_epoch_end)", "Call it on every rank"),
     "full_parameters": ("full_parameters() (in on_train_epoch_end)", "Enter it on every rank"),
+    "full_optimizer_state": ("full_optimizer_state() (in on_train_epoch_end)", "Enter it on every rank"),
 }
 
 
