@@ -287,3 +287,24 @@ def test_the_block_is_refused_between_a_backward_that_stepped_and_the_optimizer_
     assert ref.seen[0].keys() == got.seen[0].keys() == {"exp_avg", "exp_avg_sq", "step"}
     for k, v in ref.seen[0].items():
         torch.testing.assert_close(got.seen[0][k], v, rtol=0, atol=0)
+
+
+class AsksBeforeReading(L.Callback):
+    """A callback that asks first, as code written for plain torch does: ``if p in optimizer.state``."""
+
+    def __init__(self) -> None:
+        self.found: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        opt = pl_module.optimizers()
+        self.found += [p in opt.state or opt.state.get(p) is not None for p in pl_module.parameters()]
+
+
+def test_asking_whether_a_module_parameter_has_state_warns_once_that_it_never_will_during_fit():
+    """Before, ``p in optimizer.state`` answered False at every step without a word: the callback logged nothing."""
+    seen = AsksBeforeReading()
+    with pytest.warns(UserWarning, match=r"`in optimizer.state`.*full_optimizer_state\(module\)") as caught:
+        got = fit(chunked(placement="host"), steps=3, callbacks=[seen])
+    assert len([w for w in caught if "`in optimizer.state`" in str(w.message)]) == 1
+    assert seen.found and not any(seen.found)
+    assert_same_params(fit("auto", steps=3, callbacks=[AsksBeforeReading()]), got, EXACT)

@@ -9,14 +9,17 @@ empty entry it left, keyed by a tensor no group holds, made a later ``optimizer.
 ``KeyError``. The way in is ``full_optimizer_state`` ([Note: the whole optimizer state of a parameter] in
 ``full_state.py``). ``StateOfShards`` is that ``defaultdict`` with one difference: a missing key that is a module
 parameter the engine manages raises, naming it and where its state is. The views' own first reads (every torch
-optimizer's ``state = self.state[p]`` at its first step) still get their empty dict; ``p in state`` and
-``state.get(p)`` still answer that it is not there. ``optimizer.load_state_dict`` replaces ``state`` with a plain
-``defaultdict``, so the binding puts this one back after each load; when ``fit`` ends it gives the optimizer a plain
-one again, keyed by the module parameters ([Note: optimizer state after fit] in ``kept_state.py``).
+optimizer's ``state = self.state[p]`` at its first step) still get their empty dict. ``p in state`` and
+``state.get(p)`` answer that a module parameter is not there, as they must for code that asks before the first
+step, and warn once an optimizer that this is so all through ``fit``. ``optimizer.load_state_dict`` replaces
+``state`` with a plain ``defaultdict``, so the binding puts this one back after each load; when ``fit`` ends it
+gives the optimizer a plain one again, keyed by the module parameters ([Note: optimizer state after fit] in
+``kept_state.py``).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -32,11 +35,43 @@ class StateOfShards(defaultdict):
     def __init__(self, manager: ChunkManager, items: Any = ()) -> None:
         super().__init__(dict, items)
         self.manager = manager
+        self.warned = False
+
+    def _module_param(self, key: Any) -> int | None:
+        """The index of ``key`` where it is a module parameter the engine manages."""
+        mgr = self.manager
+        i = mgr.index_of.get(id(key)) if isinstance(key, torch.Tensor) else None
+        return i if i is not None and mgr.params[i] is key else None
+
+    def _asked(self, key: Any) -> None:
+        i = self._module_param(key)
+        if i is None or self.warned:
+            return
+        self.warned = True
+        warnings.warn(
+            f"`in optimizer.state` or optimizer.state.get() for module parameter {self.manager.names[i]!r}: under "
+            "chunk_offload the state is keyed by this rank's pieces of the parameters, so during fit it holds no "
+            "module parameter and this answers as if it had no state. Between steps "
+            "trainer.strategy.full_optimizer_state(module) gives each parameter's whole state ([Note: optimizer "
+            "state keyed by shards] in lightning_chunk/engine/optim/shard_state.py).",
+            stacklevel=3,
+        )
+
+    def __contains__(self, key: Any) -> bool:
+        found = super().__contains__(key)
+        if not found:
+            self._asked(key)
+        return found
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if not super().__contains__(key):
+            self._asked(key)
+        return super().get(key, default)
 
     def __missing__(self, key: Any) -> Any:
         mgr = self.manager
-        i = mgr.index_of.get(id(key)) if isinstance(key, torch.Tensor) else None
-        if i is not None and mgr.params[i] is key:
+        i = self._module_param(key)
+        if i is not None:
             raise ChunkError(
                 f"optimizer.state[{mgr.names[i]!r}]: under chunk_offload the optimizer steps this rank's pieces of "
                 "the parameters (views of the chunks' shards), and its state is keyed by those pieces, not by the "
