@@ -1,5 +1,6 @@
 """CUDA checks of saved state: a checkpoint from pinned host shards resumes as plain Lightning's, the disk tier
-(stepped in backward by default, and after it), saves in the background. Skipped cleanly without CUDA."""
+(stepped in backward by default, and after it), saves in the background; the optimizer's state read and reset
+between steps. Skipped cleanly without CUDA."""
 
 import lightning as L
 import pytest
@@ -94,3 +95,23 @@ def test_a_save_in_the_background_holds_the_state_at_the_save(tmp_path, placemen
     assert save is not None and (placement == "host" or save.aside_bytes > 0)
     assert same_tensors(saved_tensors(tmp_path / "bg.ckpt"), saved_tensors(tmp_path / "sync.ckpt"))
     eng.teardown()
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "auto"])
+def test_the_whole_optimizer_state_read_and_reset_on_cuda_is_plain_lightnings(placement):
+    """[Note: the whole optimizer state of a parameter] where the kernels keep their own: torch's fused step on a
+    device shard holds its count on the GPU, the one pass a host chunk's moments in regions (bf16-mixed)."""
+    from tests.integration.test_full_optimizer_state import RESET_AT, ReadsAndResets
+
+    run = dict(steps=6, cls=ReadsAndResets, accelerator="gpu", precision="bf16-mixed")
+    ref = fit("auto", **run)
+    kw = dict(device_memory_limit="24MiB") if placement == "auto" else {}
+    got = fit(ChunkOffloadStrategy(placement=placement, memory=MemoryOptions(chunk_numel=4096), **kw), **run)
+    assert_same_params(ref, got, TOL)
+    for a, b in zip(ref.seen, got.seen, strict=True):
+        assert a.keys() == b.keys()
+        for n in a:
+            assert a[n].keys() == b[n].keys()
+            for k in a[n]:
+                torch.testing.assert_close(b[n][k].cpu(), a[n][k].cpu(), msg=f"{n}.{k}", **TOL)
+    assert float(got.seen[RESET_AT + 1]["head.weight"]["step"]) == 1.0
