@@ -86,12 +86,12 @@ class WholeValues(ChunkCheckpoints):
         state after fit] in ``engine/optim/kept_state.py``); [Note: the whole optimizer state of a parameter] in
         ``engine/optim/full_state.py``."""
         opt = self._optimizer_for(optimizer)
-        if self.engine is None:
+        binding = next((b for b in self.engine.bindings if b.optimizer is opt), None) if self.engine else None
+        if self.engine is None or binding is None:  # outside fit (validate, test, predict after it): its own state
             params = list(self._own_params(module, opt))
             state = opt.state
             yield {p: state[p] if p in state or isinstance(state, StateKeptInPieces) else {} for p in params}
             return
-        binding = next(b for b in self.engine.bindings if b.optimizer is opt)
         with full_optimizer_state(self.engine, binding, module, writeback=writeback) as got:
             yield got
 
@@ -120,11 +120,11 @@ class WholeValues(ChunkCheckpoints):
         )
 
     def _own_params(self, module: torch.nn.Module | Tensor | Iterable[Tensor] | None, opt: Optimizer) -> Any:
-        """The parameters ``module`` names that ``opt`` steps, in the optimizer's order (no engine: plain ones)."""
+        """The parameters ``module`` names that ``opt`` steps, in the module's order, as the engine gives them."""
         wanted = module if module is not None else self.lightning_module
         if isinstance(wanted, torch.nn.Module):
             wanted = wanted.parameters()
         elif isinstance(wanted, Tensor):
             wanted = [wanted]
-        ids = {id(p) for p in wanted}  # type: ignore[union-attr]
-        return (p for g in opt.param_groups for p in g["params"] if id(p) in ids)
+        stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+        return (p for p in wanted if id(p) in stepped)  # type: ignore[union-attr]

@@ -308,3 +308,26 @@ def test_asking_whether_a_module_parameter_has_state_warns_once_that_it_never_wi
     assert len([w for w in caught if "`in optimizer.state`" in str(w.message)]) == 1
     assert seen.found and not any(seen.found)
     assert_same_params(fit("auto", steps=3, callbacks=[AsksBeforeReading()]), got, EXACT)
+
+
+class ReadsInValidation(L.Callback):
+    def on_validation_epoch_end(self, trainer, pl_module):
+        with whole_state(trainer, pl_module) as state:
+            self.seen = [{k: v.clone() for k, v in st.items()} for st in state.values()]
+
+
+def test_validate_after_fit_reads_the_state_fit_left_as_plain_lightning_does():
+    """``trainer.validate`` after ``fit`` sets up no optimizer of its own: the block reads the one fit left."""
+    from tests.models import token_data
+
+    seen = []
+    for strategy in ("auto", chunked(device_memory_limit=80_000)):
+        cb = ReadsInValidation()
+        model = fit(strategy, steps=3, callbacks=[cb], limit_val_batches=2)  # no validation data in fit
+        model.trainer_ref.validate(model, token_data(16, seed=1), verbose=False)
+        seen.append(cb.seen)
+    assert len(seen[0]) == len(seen[1]) > 0
+    for a, b in zip(*seen, strict=True):
+        assert a.keys() == b.keys() == {"exp_avg", "exp_avg_sq", "step"}
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)
