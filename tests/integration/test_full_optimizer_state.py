@@ -331,3 +331,26 @@ def test_validate_after_fit_reads_the_state_fit_left_as_plain_lightning_does():
         assert a.keys() == b.keys() == {"exp_avg", "exp_avg_sq", "step"}
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)
+
+
+class HalvesEveryState(L.Callback):
+    """After the second step, every tensor of every parameter's state but its count halved."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            with whole_state(trainer, pl_module) as state:
+                for st in state.values():
+                    for k, v in st.items():
+                        if k != "step":
+                            v.mul_(0.5)
+
+
+@pytest.mark.parametrize("name", ["AdafactorNet", "MuonNet"])
+def test_state_of_optimizers_stepped_whole_is_written_back_as_plain_lightning_s(name):
+    """Adafactor's row and column statistics are a whole parameter's state kept on every rank holding a piece
+    ([Note: optimizers that need whole parameters]): written back whole, beside Muon's per-element momentum."""
+    from tests import optimizer_models
+
+    run = dict(steps=4, cls=getattr(optimizer_models, name), callbacks=[HalvesEveryState()])
+    ref, got = fit("auto", **run), fit(chunked(placement="host", chunk_numel=4096), **run)
+    assert_same_params(ref, got, EXACT)
