@@ -16,11 +16,13 @@ from .checkpointing import ChunkCheckpoints
 from .engine.memory.full_params import full_parameters
 from .engine.optim.full_state import full_optimizer_state
 from .engine.optim.kept_state import StateKeptInPieces
+from .engine.optim.state_norms import state_norms
 from .grad_norms import sharded_grad_norm
 
 
 class WholeValues(ChunkCheckpoints):
-    """``full_parameters``, ``grad_norm`` and ``full_optimizer_state``: each gathers only what it is asked for."""
+    """``full_parameters``, ``grad_norm``, ``full_optimizer_state`` and ``optimizer_state_norms``: each gathers only
+    what it is asked for, the norms nothing."""
 
     @contextlib.contextmanager
     def full_parameters(
@@ -86,7 +88,7 @@ class WholeValues(ChunkCheckpoints):
         state after fit] in ``engine/optim/kept_state.py``); [Note: the whole optimizer state of a parameter] in
         ``engine/optim/full_state.py``."""
         opt = self._optimizer_for(optimizer)
-        binding = next((b for b in self.engine.bindings if b.optimizer is opt), None) if self.engine else None
+        binding = self._binding_of(opt)
         if self.engine is None or binding is None:  # outside fit (validate, test, predict after it): its own state
             params = list(self._own_params(module, opt))
             state = opt.state
@@ -94,6 +96,49 @@ class WholeValues(ChunkCheckpoints):
             return
         with full_optimizer_state(self.engine, binding, module, writeback=writeback) as got:
             yield got
+
+    def optimizer_state_norms(
+        self,
+        norm_type: float | str = 2.0,
+        group_separator: str = "/",
+        module: torch.nn.Module | None = None,
+        *,
+        optimizer: int | Optimizer = 0,
+    ) -> dict[str, Tensor]:
+        """The ``norm_type``-norm of each per-element state (Adam's ``exp_avg`` and ``exp_avg_sq``) of each parameter
+        of ``module`` (the LightningModule by default), from the pieces without gathering them, named as Lightning's
+        ``grad_norm`` names gradient norms: ``exp_avg_sq_2.0_norm/head.weight``, and ``exp_avg_sq_2.0_norm_total``
+        over the parameters. ``self.log_dict(self.trainer.strategy.optimizer_state_norms())`` in
+        ``on_train_batch_end``. Every rank calls it (one all-reduce on several); bit-exact on one rank ([Note:
+        optimizer state norms from the pieces] in ``engine/optim/state_norms.py``)."""
+        p = float(norm_type)
+        if not p > 0:
+            raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type!r}")
+        opt = self._optimizer_for(optimizer)
+        target = module if module is not None else self.lightning_module
+        assert target is not None
+        binding = self._binding_of(opt)
+        if self.engine is None or binding is None:  # outside fit: the optimizer's own state, keyed by parameters
+            stepped = {id(q) for g in opt.param_groups for q in g["params"]}
+            state = opt.state
+            norms = {
+                name: {k: v.norm(p) for k, v in state[q].items() if torch.is_tensor(v) and v.shape == q.shape}
+                for name, q in target.named_parameters()
+                if id(q) in stepped and (q in state or isinstance(state, StateKeptInPieces))
+            }
+        else:
+            by_index, index_of = state_norms(self.engine, binding, p), self.engine.manager.index_of
+            norms = {
+                name: by_index[index_of[id(q)]]
+                for name, q in target.named_parameters()
+                if index_of.get(id(q)) in by_index
+            }
+        out: dict[str, Tensor] = {}
+        for key in sorted({k for st in norms.values() for k in st}):
+            each = {f"{key}_{p}_norm{group_separator}{name}": st[key] for name, st in norms.items() if key in st}
+            out.update(each)
+            out[f"{key}_{p}_norm_total"] = torch.stack([v.float().cpu() for v in each.values()]).norm(p)
+        return out
 
     def _optimizer_for(self, optimizer: int | Optimizer) -> Optimizer:
         """The torch optimizer ``optimizer`` names: an index, it, or Lightning's wrapper of it."""

@@ -377,8 +377,9 @@ WHOLE_STATES: dict[str, list] = {}  # the runner's process trains DDP first, the
 
 class WholeOptimizerState(L.Callback):
     """Every parameter's whole optimizer state after each step (DDP's ``optimizer.state``; chunk_offload's
-    ``full_optimizer_state()``), and after step 3 the head's moments zeroed and its count started again. Under
-    chunk_offload ``seen`` is, per step, whether the state equals DDP's at the same step to the bit."""
+    ``full_optimizer_state()``) and the norms of its moments (``optimizer_state_norms()``), and after step 3 the
+    head's moments zeroed and its count started again. Under chunk_offload ``seen`` is, per step, whether the state
+    equals DDP's at the same step to the bit, and whether the norms do to rounding."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         full = getattr(trainer.strategy, "full_optimizer_state", None)
@@ -386,7 +387,14 @@ class WholeOptimizerState(L.Callback):
         names = {p: n for n, p in pl_module.named_parameters()}
         with full() if full else contextlib.nullcontext({p: opt.state[p] for p in names}) as state:
             now = {names[p]: {k: v.detach().clone() for k, v in st.items()} for p, st in state.items()}
-        WHOLE_STATES.setdefault("chunk" if full else "ddp", []).append(now)
+        norms = (
+            trainer.strategy.optimizer_state_norms()
+            if full
+            else {
+                f"{k}_2.0_norm/{n}": opt.state[p][k].norm() for p, n in names.items() for k in ("exp_avg", "exp_avg_sq")
+            }
+        )
+        WHOLE_STATES.setdefault("chunk" if full else "ddp", []).append((now, norms))
         if trainer.global_step == 3:
             with full(pl_module.head) if full else contextlib.nullcontext({p: opt.state[p] for p in names}) as state:
                 for p in pl_module.head.parameters():
@@ -396,10 +404,15 @@ class WholeOptimizerState(L.Callback):
     def on_train_end(self, trainer, pl_module):
         if hasattr(trainer.strategy, "full_optimizer_state"):
             ddp, chunk = WHOLE_STATES.pop("ddp"), WHOLE_STATES.pop("chunk")
-            self.seen = [_same_states(a, b) for a, b in zip(ddp, chunk, strict=True)]
+            self.seen = [(_same_states(a, b), _close_norms(m, n)) for (a, m), (b, n) in zip(ddp, chunk, strict=True)]
 
 
 def _same_states(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n]) for n in a
     )
+
+
+def _close_norms(ddp: dict, chunk: dict) -> bool:
+    """Each of DDP's per-parameter norms, to rounding (the root of a sum over the ranks' pieces)."""
+    return all(k in chunk and torch.allclose(chunk[k], v, rtol=1e-5, atol=1e-12) for k, v in ddp.items())

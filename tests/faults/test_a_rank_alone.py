@@ -18,7 +18,7 @@ NAMED = {
     "forward": ("a forward outside a training or evaluation step (in on_train_epoch_end)", "Run it on every rank"),
     "save": ("a checkpoint save (in on_train_epoch_end)", "Call it on every rank"),
     "full_parameters": ("full_parameters() (in on_train_epoch_end)", "Enter it on every rank"),
-    "full_optimizer_state": ("full_optimizer_state() (in on_train_epoch_end)", "Enter it on every rank"),
+    "full_optimizer_state": ("full_optimizer_state() (in on_train_epoch_end)", "Call it on every rank"),
 }
 
 

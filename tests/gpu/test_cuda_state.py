@@ -115,3 +115,17 @@ def test_the_whole_optimizer_state_read_and_reset_on_cuda_is_plain_lightnings(pl
             for k in a[n]:
                 torch.testing.assert_close(b[n][k].cpu(), a[n][k].cpu(), msg=f"{n}.{k}", **TOL)
     assert float(got.seen[RESET_AT + 1]["head.weight"]["step"]) == 1.0
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_the_state_norms_on_cuda_are_plain_lightnings(placement):
+    """[Note: optimizer state norms from the pieces] with a device shard's moments on the GPU."""
+    from tests.integration.test_full_optimizer_state import LogsStateNorms
+
+    run = dict(steps=4, cls=LogsStateNorms, accelerator="gpu", precision="bf16-mixed")
+    ref = fit("auto", **run)
+    got = fit(ChunkOffloadStrategy(placement=placement, memory=MemoryOptions(chunk_numel=4096)), **run)
+    for a, b in zip(ref.norms, got.norms, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k].cpu(), a[k].cpu(), msg=k, **TOL)

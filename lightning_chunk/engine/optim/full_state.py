@@ -39,8 +39,8 @@ from ..memory.consolidate import _per_element, optimizer_state_parts, state_shar
 from ..memory.full_params import param_indices
 
 _ALONE = (
-    "The block gathers every rank's pieces of the state, so every rank enters it: one under "
-    "`if trainer.is_global_zero:` waits for ranks that never come. Enter it on every rank; log or print on one."
+    "It reads every rank's pieces of the state, so every rank calls it: one under "
+    "`if trainer.is_global_zero:` waits for ranks that never come. Call it on every rank; log or print on one."
 )
 
 
@@ -56,21 +56,7 @@ def full_optimizer_state(
     several; all it steps when ``None``) while the block runs; with ``writeback``, what was changed goes back into
     the pieces ([Note: the whole optimizer state of a parameter]). A collective with several ranks."""
     mgr = engine.manager
-    if torch._C._current_graph_task_id() != -1:
-        raise ChunkError(
-            "full_optimizer_state() cannot be entered inside a backward (a hook or an autograd function): "
-            "enter it between steps (on_train_batch_end, on_before_optimizer_step without step_in_backward)."
-        )
-    early = engine.early
-    if early is not None and early.stepped:  # the same on every rank: they step the same chunks in backward
-        raise ChunkError(
-            f"full_optimizer_state() between a backward and the optimizer step: with step_in_backward=True "
-            f"{len(early.stepped)} chunks have stepped already, so their state is this step's where plain "
-            "Lightning's is the last one's. Enter it after the step (on_train_batch_end), or pass "
-            "step_in_backward=False."
-        )
-    mgr.comm.roll_call(engine.hooks.where(), what="full_optimizer_state()", advice=_ALONE)
-    engine.settle_state()
+    settled_state(engine, "full_optimizer_state()")
     steps = {i for group in binding.group_params for i in group}
     wanted = sorted(steps & param_indices(mgr, params))
     views, state = binding.views(), binding.optimizer.state
@@ -95,6 +81,26 @@ def full_optimizer_state(
     finally:
         if ok and writeback:  # after an exception the other ranks may not be here
             _write_back(mgr, binding, given, before)
+
+
+def settled_state(engine: Any, what: str) -> None:
+    """Before ``what`` reads the optimizer's state outside its step: not inside a backward nor, stepping in backward,
+    between one and the step; every rank here (a collective follows); a resumed state read in."""
+    if torch._C._current_graph_task_id() != -1:
+        raise ChunkError(
+            f"{what} cannot be called inside a backward (a hook or an autograd function): call it between "
+            "steps (on_train_batch_end, on_before_optimizer_step without step_in_backward)."
+        )
+    early = engine.early
+    if early is not None and early.stepped:  # the same on every rank: they step the same chunks in backward
+        raise ChunkError(
+            f"{what} between a backward and the optimizer step: with step_in_backward=True "
+            f"{len(early.stepped)} chunks have stepped already, so their state is this step's where plain "
+            "Lightning's is the last one's. Call it after the step (on_train_batch_end), or pass "
+            "step_in_backward=False."
+        )
+    engine.manager.comm.roll_call(engine.hooks.where(), what=what, advice=_ALONE)
+    engine.settle_state()
 
 
 def _copied(state: dict[str, Any]) -> dict[str, Any]:
