@@ -74,6 +74,15 @@ CASES = {
     "load_state_dict": dict(variant="tied", strategy=dict(placement="host"), both_callbacks=["LoadsWeights"]),
     # [Note: the whole optimizer state of a parameter]: every parameter's read after each step, the head's reset
     "whole_optimizer_state": dict(strategy=dict(placement="host", **AFTER), both_callbacks=["WholeOptimizerState"]),
+    # the same as a user meets it: ranks of different limits, the automatic chunk size, a reordered model stepped in
+    # backward, accumulation, a resume whose state the first read takes in before the warm-up
+    "whole_optimizer_state_user": dict(
+        USER,
+        cls="ReorderedNet",
+        trainer=dict(accumulate_grad_batches=2),
+        resume_at=4,
+        both_callbacks=["WholeOptimizerState"],
+    ),
     "host_kept": dict(
         model=dict(dim=64, hidden=256, depth=6),
         strategy=dict(placement="host", reshard_after_forward=False, chunk_numel=20000),

@@ -55,18 +55,26 @@ def test_a_checkpoint_saved_after_fit_holds_ddp_s_optimizer_state_and_resumes_li
                 torch.testing.assert_close(held["whole"]["state"][k][name], v, rtol=0, atol=0)
 
 
-@pytest.mark.cases("whole_optimizer_state")
+@pytest.mark.cases("whole_optimizer_state", "whole_optimizer_state_user")
 def test_the_whole_optimizer_state_read_and_reset_between_steps_is_ddp_s(parity_run):
     """[Note: the whole optimizer state of a parameter] on two ranks, each parameter's state cut across their
-    shards: after every step each rank's ``full_optimizer_state()`` holds DDP's ``optimizer.state`` to the bit, its
-    ``optimizer_state_norms()`` are the norms of DDP's moments to rounding ([Note: optimizer state norms from the
-    pieces]), and the head's moments and count zeroed after step 3 train on as DDP's
-    (test_parity_with_ddp[whole_optimizer_state])."""
+    shards: at the start of fit and after every micro-batch each rank's ``full_optimizer_state()`` holds DDP's
+    ``optimizer.state`` to the bit, its ``optimizer_state_norms()`` are the norms of DDP's moments to rounding
+    ([Note: optimizer state norms from the pieces]), and the head's moments and count zeroed after step 6 train on
+    as DDP's (test_parity_with_ddp). Also as a user meets it (``whole_optimizer_state_user``): ranks of different
+    limits, the automatic chunk size, a reordered model stepped in backward, accumulation (sharded: DDP's to
+    rounding), and a resume from step 4 whose state the read at the start takes in before the first step."""
     out, rc, log = parity_run
     assert rc == 0, log[-3000:]
-    for r, s in enumerate(stats(out, "whole_optimizer_state")):
-        (seen,) = s["seen"]
-        assert len(seen) == 16 and all(a and b for a, b in seen), (r, seen)
+    for case, reads, exact, resumed in (
+        ("whole_optimizer_state", 1 + 16, True, False),
+        ("whole_optimizer_state_user", 1 + 24, False, True),  # accumulation sharded: DDP's to rounding
+    ):
+        for r, s in enumerate(stats(out, case)):
+            (seen,) = s["seen"]
+            assert len(seen) == reads, (case, r, seen)
+            assert all((bits or not exact) and close and norms for bits, close, norms, _ in seen), (case, r, seen)
+            assert [had for *_, had in seen] == [resumed] + [True] * (reads - 1), (case, r, seen)
 
 
 @pytest.mark.cases("unfreeze", "plain")

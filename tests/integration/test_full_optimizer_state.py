@@ -95,6 +95,20 @@ def test_the_whole_state_read_and_reset_between_steps_equals_plain_lightnings(kw
     assert float(after["step"]) == 1.0  # the reset went in: one step since
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(device_memory_limit=100_000)], ids=["defaults", "limit"])
+@pytest.mark.parametrize("base", ["RootTiedNet", "BatchNormNet"])
+def test_a_tied_head_read_in_forward_and_a_batch_norm_read_and_reset_as_in_plain_lightning(base, kw):
+    """A user's own models: GPT-2's head written as ``F.linear(h, self.embed.weight)`` in the root's forward (the
+    root co-owns the embedding), and a BatchNorm before blocks used in reverse order; every parameter reset."""
+    from tests import layer_models, models
+
+    cls = type(base, (ReadsAndResets, getattr(layer_models, base, None) or getattr(models, base)), {})
+    run = dict(steps=STEPS, cls=cls, model_kwargs=dict(how="assigned"))
+    ref, got = fit("auto", **run), fit(chunked(**kw), **run)
+    assert_same_states(ref, got)
+    assert_same_params(ref, got, EXACT)
+
+
 def test_state_assigned_to_the_keys_is_written_back_and_a_disk_shard_keeps_it(tmp_path):
     """New tensors given to the keys count as a change too, and reach the shards on the disk tier, whose state
     lives in their files."""
