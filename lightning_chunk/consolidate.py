@@ -80,11 +80,12 @@ def consolidate(
                 order = [n for g in om["param_groups"] for n in g["params"]]
                 pos = {n: k for k, n in enumerate(order)}
                 state: dict[int, dict[str, Any]] = {pos[n]: dict(st) for n, st in om["scalars"].items()}
+                has_keys = om.get("held")  # [Note: state keys a parameter has]: every key, without it
                 for key in sorted(om["keys"]):
                     for c, spec in enumerate(ck["chunks"]):
                         dtype = saved_state_dtype(om["keys"], key, spec["master_dtype"])
                         for name, _, _, shape in spec["slots"]:
-                            if name in om["scalars"]:
+                            if name in om["scalars"] and (has_keys is None or key in has_keys.get(name, ())):
                                 ph = writer.placeholder(tuple(shape), dtype)
                                 state[pos[name]][key] = ph
                                 optim_records.append((o, key, c, name, ph))

@@ -406,11 +406,15 @@ class WholeOptimizerState(L.Callback):
         plain = None if full else {p: opt.state.get(p, {}) for p in names}
         with full() if full else contextlib.nullcontext(plain) as state:
             now = {names[p]: {k: v.detach().clone() for k, v in st.items()} for p, st in state.items()}
-        moments = ("exp_avg", "exp_avg_sq")
-        norms = (
+        norms = (  # the moments a parameter has (max_exp_avg_sq in an amsgrad group)
             trainer.strategy.optimizer_state_norms()
             if full
-            else {f"{k}_2.0_norm/{names[p]}": st[k].norm() for p, st in opt.state.items() for k in moments if k in st}
+            else {
+                f"{k}_2.0_norm/{names[p]}": v.norm()
+                for p, st in opt.state.items()
+                for k, v in st.items()
+                if k != "step"
+            }
         )
         WHOLE_STATES.setdefault("chunk" if full else "ddp", []).append((now, norms))
 

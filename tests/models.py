@@ -81,6 +81,9 @@ class ParityNet(L.LightningModule):
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
         if self.optimizer_name == "adamw":
             opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
+        elif self.optimizer_name == "adamw_amsgrad_matrices":  # the groups keep different state keys
+            groups[0]["amsgrad"] = True
+            opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
         elif self.optimizer_name == "sgd":
             opt = torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
         elif self.optimizer_name == "rmsprop":

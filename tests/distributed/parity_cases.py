@@ -72,8 +72,13 @@ CASES = {
     "offload_states": dict(strategy=dict(placement="device"), callbacks=["OffloadAndReload"]),
     # load_state_dict after set-up: each rank writes its piece of the values it loads, no collective
     "load_state_dict": dict(variant="tied", strategy=dict(placement="host"), both_callbacks=["LoadsWeights"]),
-    # [Note: the whole optimizer state of a parameter]: every parameter's read after each step, the head's reset
-    "whole_optimizer_state": dict(strategy=dict(placement="host", **AFTER), both_callbacks=["WholeOptimizerState"]),
+    # [Note: the whole optimizer state of a parameter]: every parameter's read after each step, the head's reset;
+    # amsgrad in one group, so chunks hold parameters with different keys ([Note: state keys a parameter has])
+    "whole_optimizer_state": dict(
+        model=dict(optimizer="adamw_amsgrad_matrices"),
+        strategy=dict(placement="host", **AFTER),
+        both_callbacks=["WholeOptimizerState"],
+    ),
     # the same as a user meets it: ranks of different limits, the automatic chunk size, a reordered model stepped in
     # backward, accumulation, a resume whose state the first read takes in before the warm-up
     "whole_optimizer_state_user": dict(

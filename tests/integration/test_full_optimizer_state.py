@@ -282,6 +282,44 @@ def test_a_resumed_state_is_read_before_the_first_step_as_plain_lightning_restor
     assert_same_params(ref, chunk, EXACT)
 
 
+@pytest.mark.parametrize(
+    "kw", [dict(placement="host"), dict(device_memory_limit=80_000, chunk_numel=4096)], ids=["host", "limit"]
+)
+def test_groups_keeping_different_state_keys_keep_them_in_reads_checkpoints_resumes_and_after_fit(kw, tmp_path):
+    """[Note: state keys a parameter has]: amsgrad in the matrices' group alone, so a chunk holds parameters with and
+    without ``max_exp_avg_sq``. Each keeps plain torch's keys in every read, in a sharded checkpoint consolidated
+    and resumed, and in ``optimizer.state`` after fit. Before, the chunk's zeros of that key came back as state of
+    every parameter beside a matrix."""
+    from lightning_chunk.consolidate import consolidate
+
+    model = dict(optimizer="adamw_amsgrad_matrices")
+    runs = []
+    for name, strategy in (("ref", lambda: "auto"), ("got", lambda: chunked(**kw))):
+        saves = SavesAtTheEnd(tmp_path / name)
+        runs.append(
+            fit(strategy(), steps=STEPS, cls=ReadsAndResets, model_kwargs=dict(how="none", **model), callbacks=[saves])
+        )
+    ref, got = runs
+    assert_same_states(ref, got)
+    assert {k for st in got.seen[-1].values() for k in st} == {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"}
+    after = (r.trainer_ref.optimizers[0] for r in runs)
+    assert [sorted(st) for st in next(after).state.values()] == [sorted(st) for st in next(after).state.values()]
+
+    consolidate(tmp_path / "got", tmp_path / "got.ckpt", with_optimizer=True, progress=False)
+    plain, mine = (
+        torch.load(tmp_path / n, weights_only=False)["optimizer_states"][0]["state"] for n in ("ref", "got.ckpt")
+    )
+    assert {i: sorted(st) for i, st in plain.items()} == {i: sorted(st) for i, st in mine.items()}
+
+    resumed = [
+        fit(s, steps=STEPS, cls=ReadsAtTrainStart, model_kwargs=model, ckpt_path=str(tmp_path / n))
+        for n, s in (("ref", "auto"), ("got", chunked(**kw)))
+    ]
+    for n, st in resumed[0].at_start.items():
+        assert st.keys() == resumed[1].at_start[n].keys(), n
+    assert_same_params(*resumed, EXACT)
+
+
 class ReadsBeforeTheStep(ParityNet):
     def on_before_optimizer_step(self, optimizer):
         with whole_state(self.trainer, self.head) as state:

@@ -8,7 +8,7 @@ memory is one chunk's worth beyond the result.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,10 +145,22 @@ class OptimizerStateParts:
     # config.py), and one dtype a key cast the moments of the others to it in every repack and save
     keys: dict[str, dict[torch.dtype, torch.dtype]]
     scalars: dict[int, dict[str, Any]]  # param index -> scalar state (``step``), from whichever rank has a piece
+    # param index -> the per-element keys its state has, union over ranks ([Note: state keys a parameter has])
+    held: dict[int, frozenset[str]]
 
     def dtype(self, key: str, chunk: Chunk) -> torch.dtype:
         """The dtype of ``key``'s state for ``chunk``'s masters (theirs, where no parameter of theirs has it)."""
         return self.keys[key].get(chunk.master_dtype, chunk.master_dtype)
+
+    def has(self, i: int, key: str) -> bool:
+        """Parameter ``i``'s state has per-element state ``key`` (on whichever ranks hold its pieces)."""
+        return key in self.held.get(i, ())
+
+    def in_chunk(self, chunk: Chunk, among: Container[int] | None = None) -> list[str]:
+        """The per-element keys some parameter of ``chunk`` (of ``among``, if given) has, sorted: the same on every
+        rank, so a collective per key pairs up; a chunk of frozen parameters has none."""
+        idx = [t.slot.param_index for t in chunk.tensors]
+        return sorted(k for k in self.keys if any(self.has(i, k) for i in idx if among is None or i in among))
 
 
 def optimizer_state_parts(
@@ -157,8 +169,19 @@ def optimizer_state_parts(
     state: dict[Any, dict[str, Any]],
     whole_keys: frozenset[str] = frozenset(),
 ) -> OptimizerStateParts:
-    """A collective with several ranks (two small object all-gathers)."""
+    """A collective with several ranks (two small object all-gathers).
+
+    [Note: state keys a parameter has]
+    Within one optimizer, parameters may keep different per-element state: torch's Adam keeps ``max_exp_avg_sq``
+    only in a group with ``amsgrad=True``. A chunk's state shard of a key is zero where a parameter has none, so
+    what is rebuilt from shards (a repack's pieces, a gathered or consolidated state, a resume) takes from them
+    only the keys each parameter had: ``held``, saved in a checkpoint's optimizer meta. A checkpoint without it
+    (before 2026-12-07) gives every parameter with state every key, as it was saved."""
     local = {i: state[v] for i, v in views.items() if v in state and state[v]}
+    held = {
+        i: frozenset(k for k, v in st.items() if _per_element(k, v, views[i].numel(), whole_keys))
+        for i, st in local.items()
+    }
     keys: dict[str, dict[torch.dtype, torch.dtype]] = {}
     for i, st in local.items():
         for k, v in st.items():
@@ -177,11 +200,14 @@ def optimizer_state_parts(
             for k, by_master in part.items():
                 keys.setdefault(k, {}).update(by_master)
         merged: dict[int, dict[str, Any]] = {}
-        for part in mgr.comm.all_gather_object(scalars):
+        merged_held: dict[int, frozenset[str]] = {}
+        for part, part_held in mgr.comm.all_gather_object((scalars, held)):
             for i, st in part.items():
                 merged.setdefault(i, st)
-        scalars = merged
-    return OptimizerStateParts(local, keys, scalars)
+            for i, ks in part_held.items():
+                merged_held[i] = merged_held.get(i, frozenset()) | ks
+        scalars, held = merged, merged_held
+    return OptimizerStateParts(local, keys, scalars, held)
 
 
 def state_shard(mgr: ChunkManager, chunk: Chunk, parts: OptimizerStateParts, key: str) -> torch.Tensor:
@@ -221,11 +247,11 @@ def gather_optimizer_state(
     out: dict[int, dict[str, Any]] = {i: dict(st) for i, st in parts.scalars.items()}
     wanted = set(param_order)
     for chunk in mgr.chunks:
-        for key in sorted(parts.keys):
+        for key in parts.in_chunk(chunk):
             full = mgr.gather_shard(chunk, state_shard(mgr, chunk, parts, key))
             for t in chunk.tensors:
                 i = t.slot.param_index
-                if i in out and i in wanted:
+                if i in out and i in wanted and parts.has(i, key):
                     out[i][key] = full[t.offset : t.offset + t.numel].view(t.shape).clone()
     return out
 

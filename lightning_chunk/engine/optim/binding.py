@@ -393,8 +393,10 @@ class OptimizerStateCarrier:
     def give(self, param_index: int, pieces: dict[str, torch.Tensor], chunk: Chunk, offset: int) -> None:
         k = self.owner.get(self.manager.specs[param_index].key.group)
         if k is not None and param_index in self.parts[k].scalars:  # a parameter with no state gets none
-            keep = self.manager.tiers.keep_piece  # a disk shard takes its pieces into its file now
-            self.pieces[k][param_index] = {key: keep(chunk, offset, key, v) for key, v in pieces.items()}
+            keep = self.manager.tiers.keep_piece  # a disk shard takes its pieces into its file now (zeros too)
+            kept = {key: keep(chunk, offset, key, v) for key, v in pieces.items()}
+            parts = self.parts[k]  # its state has the keys it had ([Note: state keys a parameter has])
+            self.pieces[k][param_index] = {key: v for key, v in kept.items() if parts.has(param_index, key)}
 
     def state_for(self, k: int) -> dict[int, dict[str, Any]]:
         """Binding ``k``'s state on this rank after the repack: scalars merged across ranks, per-element pieces."""

@@ -11,8 +11,8 @@ in the shape of ``full_parameters``:
 - inside, a dict maps each requested parameter that the optimizer steps to its whole state as plain torch would keep
   it in ``optimizer.state[p]``: the same keys, per-element state (Adam's moments) in the parameter's shape and the
   state's own dtype, on the host, and ``step`` and other scalars as the optimizer holds them; ``{}`` for one the
-  optimizer has not stepped yet. Each chunk holding one is gathered once per per-element key (a collective with
-  several ranks: every rank enters with the same parameters), chunks in id order;
+  optimizer has not stepped yet. Each chunk holding one is gathered once per per-element key one of them has (a
+  collective with several ranks: every rank enters with the same parameters), chunks in id order;
 - on leaving, with ``writeback``, each rank writes its piece of every per-element value that changed (in place, or
   assigned to the key) into its own state, in place, so the one-pass kernel's flat regions ([Note: Adam's moments in
   flat regions] in ``host_adam.py``) and a disk chunk's state file keep serving; a changed scalar or whole-parameter
@@ -64,12 +64,12 @@ def full_optimizer_state(
     # copies: a rank's own ``step`` (on the host already) is the state itself, which writeback=False must not change
     given: dict[int, dict[str, Any]] = {i: _copied(parts.scalars.get(i, {})) for i in wanted}
     chunks = [c for c in mgr.chunks if any(t.slot.param_index in given for t in c.tensors)]
-    for c in chunks:  # chunk-id order on every rank: the all-gathers pair up
-        for key in sorted(parts.keys):
+    for c in chunks:  # chunk-id order on every rank, the keys of the parameters asked for: the all-gathers pair up
+        for key in parts.in_chunk(c, given):
             full = mgr.gather_shard(c, state_shard(mgr, c, parts, key))
             for t in c.tensors:
                 i = t.slot.param_index
-                if i in given and i in parts.scalars:  # a parameter with state on some rank has every key
+                if i in given and parts.has(i, key):  # [Note: state keys a parameter has] in consolidate.py
                     given[i][key] = full[t.offset : t.offset + t.numel].view(t.shape).clone()
     mgr.tiers.page_out()
     before = {i: {k: _mark(v) for k, v in st.items()} for i, st in given.items()}

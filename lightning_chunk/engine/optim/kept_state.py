@@ -42,7 +42,8 @@ class KeptOptimizerState:
     pieces: dict[int, tuple[int, dict[str, torch.Tensor]]]  # position -> (first element, key -> flat piece)
     scalars: dict[int, dict[str, Any]]  # position -> scalar state (``step``); the same on every rank
     shapes: dict[int, torch.Size]
-    keys: tuple[str, ...]  # per-element state keys; each piece keeps its own dtype
+    # position -> its per-element state keys ([Note: state keys a parameter has]); each piece keeps its own dtype
+    held: dict[int, tuple[str, ...]]
     param_groups: list[dict[str, Any]]
 
     def plain_state_dict(self) -> dict[str, Any]:
@@ -60,7 +61,7 @@ class KeptOptimizerState:
         for pos in sorted(self.scalars):
             st = dict(self.scalars[pos])
             shape = self.shapes[pos]
-            for key in self.keys:
+            for key in self.held.get(pos, ()):
                 found = [part[pos] for part in parts if pos in part and key in part[pos][1]]
                 if not found:
                     continue
@@ -79,7 +80,7 @@ class KeptOptimizerState:
             start, values = self.pieces.get(pos, (0, {}))
             shape, p = self.shapes[pos], params[pos]
             whole = {key: v.view(shape) for key, v in values.items() if start == 0 and v.numel() == shape.numel()}
-            missing = [key for key in self.keys if key not in whole]
+            missing = [key for key in self.held.get(pos, ()) if key not in whole]
             if missing and shape.numel():
                 raise AssertionError(f"state {missing} of parameter {pos} is not whole on one rank")
             optimizer.state[p] = {**scalars, **whole, **{key: torch.zeros(shape, dtype=p.dtype) for key in missing}}
@@ -144,14 +145,14 @@ def keep_optimizer_state(mgr: ChunkManager, binding: OptimizerBinding) -> KeptOp
                             if key in st
                             else torch.zeros(b - a, dtype=parts.dtype(key, chunk))
                         )
-                        for key in parts.keys
+                        for key in sorted(parts.held.get(i, ()))
                     },
                 )
     return KeptOptimizerState(
         pieces=pieces,
         scalars={plain_pos[i]: st for i, st in parts.scalars.items() if i in plain_pos},
         shapes={plain_pos[i]: mgr.params[i].shape for i in plain_pos},
-        keys=tuple(parts.keys),
+        held={plain_pos[i]: tuple(sorted(ks)) for i, ks in parts.held.items() if i in plain_pos},
         param_groups=binding.plain_param_groups(plain_pos),
     )
 

@@ -189,6 +189,7 @@ def _load_optimizer(
         i = index_of_name[name]
         if i in views:
             local[i] = dict(st)
+    held = om.get("held")  # [Note: state keys a parameter has] in consolidate.py: every key, without it
     for key, _dtype in om["keys"].items():
         for _c, spec, full in iter_saved_chunks(
             path, meta, functools.partial(optim_name, o, key), regions=rank_regions(mgr, index_of_name)
@@ -196,7 +197,7 @@ def _load_optimizer(
             whole = {
                 index_of_name[n]: {key: full[off : off + numel]}
                 for n, off, numel, _ in spec["slots"]
-                if index_of_name[n] in local
+                if index_of_name[n] in local and (held is None or key in held.get(n, ()))
             }
             for i, st in local_optimizer_state(mgr, views, whole, b.whole_keys).items():
                 chunk = mgr.lookup(mgr.params[i])[0]

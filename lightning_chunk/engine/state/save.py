@@ -175,7 +175,8 @@ def _optimizer_shards(
         for k, by in parts.keys.items()
     }
     scalars = {mgr.names[i]: st for i, st in parts.scalars.items() if i not in selection.excluded}
-    return out, {"param_groups": groups, "keys": keys, "scalars": scalars}
+    held = {mgr.names[i]: sorted(parts.held.get(i, ())) for i in parts.scalars if i not in selection.excluded}
+    return out, {"param_groups": groups, "keys": keys, "scalars": scalars, "held": held}
 
 
 def _as_saved(local: dict[str, torch.Tensor], comm: Any) -> dict[str, Any]:
