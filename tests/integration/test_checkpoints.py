@@ -114,6 +114,45 @@ def test_plain_lightning_checkpoint_continues_with_its_optimizer_state(tmp_path)
         torch.testing.assert_close(b, a, **EXACT)
 
 
+def test_frozen_chunks_save_no_optimizer_state_and_resume_and_consolidate_as_plain_lightning(tmp_path):
+    """[Note: state keys a parameter has]: a chunk of frozen parameters (LoRA's base) saves no moments. Before, it
+    saved zeros of ``exp_avg`` and ``exp_avg_sq``: 8 bytes a frozen parameter, 56 GB in each save of a 7B base."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_chunk.consolidate import consolidate
+
+    train_and_save(tmp_path / "auto", "auto", variant="frozen")
+    train_and_save(tmp_path / "chunk", chunk(placement="host"), variant="frozen")
+    ckpt, plain = tmp_path / "chunk" / "step=8.ckpt", tmp_path / "auto" / "step=8.ckpt"
+    frozen = {n for n, p in ParityNet(variant="frozen").named_parameters() if not p.requires_grad}
+    saved = {k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if ".optim0." in k}
+    chunks = torch.load(ckpt / "meta.pt", weights_only=False)["chunk_checkpoint"]["chunks"]
+    whole = [{n for n, *_ in spec["slots"]} <= frozen for spec in chunks]
+    assert any(whole) and not all(whole)
+    for c, is_frozen in enumerate(whole):
+        want = set() if is_frozen else {f"chunk.{c}.optim0.exp_avg", f"chunk.{c}.optim0.exp_avg_sq"}
+        assert {k for k in saved if k.startswith(f"chunk.{c}.")} == want, c
+
+    runs = []
+    for path, strategy in ((plain, "auto"), (ckpt, chunk(placement="host", device_memory_limit=120_000))):
+        L.seed_everything(11, verbose=False)
+        m = ParityNet(variant="frozen")
+        trainer(strategy, 12).fit(m, token_data(), ckpt_path=path)
+        runs.append(m)
+    for a, b in zip(*(r.parameters() for r in runs), strict=True):
+        torch.testing.assert_close(b, a, **EXACT)
+
+    consolidate(ckpt, tmp_path / "whole.ckpt", with_optimizer=True, progress=False)
+    ref, got = (
+        torch.load(p, weights_only=False)["optimizer_states"][0]["state"] for p in (plain, tmp_path / "whole.ckpt")
+    )
+    assert ref.keys() == got.keys()
+    for i, st in ref.items():
+        assert st.keys() == got[i].keys()
+        for k, v in st.items():
+            torch.testing.assert_close(got[i][k], v, **EXACT)
+
+
 def test_save_top_k_and_last_as_a_link(tmp_path):
     train_and_save(
         tmp_path, chunk(), steps=8, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last="link"

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from ..errors import CheckpointError, ChunkError
 from .saved_chunks import KEY
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 (2026-12-07): a chunk's optimizer state only for keys its parameters have; reads 1 too
 META = "meta.pt"
 DCP_INDEX = ".metadata"
 MARK = ".rank0"  # in a partial directory while it is written: the number rank 0 drew for this save

@@ -177,6 +177,11 @@ class PendingOptimizerState:
             _load_optimizer(engine, o, om, self.path, self.meta, self.index_of_name)
 
 
+def _holds(spec: dict[str, Any], held: dict[str, list[str]], key: str) -> bool:
+    """Saved chunk ``spec`` has state ``key`` saved: a parameter of it had that key (a frozen chunk has none)."""
+    return any(key in held.get(name, ()) for name, *_ in spec["slots"])
+
+
 def _load_optimizer(
     engine: Any, o: int, om: dict[str, Any], path: Path, meta: dict[str, Any], index_of_name: dict[str, int]
 ) -> None:
@@ -190,9 +195,11 @@ def _load_optimizer(
         if i in views:
             local[i] = dict(st)
     held = om.get("held")  # [Note: state keys a parameter has] in consolidate.py: every key, without it
+    chunks = meta[KEY]["chunks"]
     for key, _dtype in om["keys"].items():
+        saved = None if held is None else [c for c, spec in enumerate(chunks) if _holds(spec, held, key)]
         for _c, spec, full in iter_saved_chunks(
-            path, meta, functools.partial(optim_name, o, key), regions=rank_regions(mgr, index_of_name)
+            path, meta, functools.partial(optim_name, o, key), saved, rank_regions(mgr, index_of_name)
         ):
             whole = {
                 index_of_name[n]: {key: full[off : off + numel]}

@@ -164,7 +164,7 @@ def _optimizer_shards(
         )
         for chunk in mgr.chunks
         if selection.written(chunk)
-        for key in sorted(parts.keys)
+        for key in parts.in_chunk(chunk)  # a frozen chunk's none: LoRA's base saves no moments of zeros
     }
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [mgr.names[i] for i in b.group_params[n]]}
