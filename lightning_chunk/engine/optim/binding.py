@@ -381,7 +381,7 @@ class OptimizerStateCarrier:
         if k is None or not self.parts[k].keys:
             return {}
         parts, b = self.parts[k], self.bindings[k]
-        out = {key: state_shard(self.manager, chunk, parts, key) for key in sorted(parts.keys)}
+        out = {key: state_shard(self.manager, chunk, parts, key) for key in parts.in_chunk(chunk)}  # frozen: none
         for t in chunk.tensors:  # the old state goes now: a repack never holds two copies of it
             i = t.slot.param_index
             parts.local.pop(i, None)
