@@ -13,7 +13,9 @@ as torchrun starts them), a ``LlamaForCausalLM`` built from a config (nothing is
 
 Bytes a parameter: the chunk bytes rank 0 holds on every tier after the last step (``device_chunk_bytes`` +
 ``host_chunk_bytes``: payloads, masters, compute copies, gradients, optimizer state), over the model's parameters;
-the ratio is to ``full`` on the same number of ranks. Step time: the median after the first step, for scale only.
+the ratio is to ``full`` on the same number of ranks. Checkpoint bytes a parameter: the sharded checkpoint
+``trainer.save_checkpoint`` writes after the last step, all ranks' files. Step time: the median after the first
+step, for scale only.
 Needs ``transformers`` and ``peft`` (``pip install -e '.[lora]'``); without them the rows say skipped.
 """
 
@@ -21,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import clean_env, quiet_trainer, run_or_child, run_ranks, step_timer  # noqa: E402
@@ -71,8 +75,19 @@ def child(args: argparse.Namespace) -> None:
     strategy = ChunkOffloadStrategy(
         memory=MemoryOptions(frozen_in_compute_dtype=row.endswith("bf16")), checks={"log_memory_stats": False}
     )
+    ckpt = Path(args.out).with_suffix(".ckpt")
+
+    class SavesAtTheEnd(L.Callback):  # inside fit: the sharded checkpoint, every rank writing its shards
+        def on_train_batch_end(self, trainer: L.Trainer, *a: Any) -> None:
+            if trainer.global_step == args.steps:
+                trainer.save_checkpoint(ckpt)
+
     trainer = quiet_trainer(
-        ranks, strategy, args.steps, plugins=[ChunkPrecision("bf16-mixed")], callbacks=[step_timer(times)]
+        ranks,
+        strategy,
+        args.steps,
+        plugins=[ChunkPrecision("bf16-mixed")],
+        callbacks=[step_timer(times), SavesAtTheEnd()],
     )
     data = torch.randint(0, args.vocab, (args.steps * args.batch * ranks, args.context))
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch))
@@ -81,7 +96,11 @@ def child(args: argparse.Namespace) -> None:
         params = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         held = stats["device_chunk_bytes"] + stats["host_chunk_bytes"]
-        Path(args.out).write_text(json.dumps({"params": params, "trainable": trainable, "held": held, "times": times}))
+    if trainer.global_rank == 0:
+        saved = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+        shutil.rmtree(ckpt)
+        out = {"params": params, "trainable": trainable, "held": held, "saved": saved, "times": times}
+        Path(args.out).write_text(json.dumps(out))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -95,7 +114,7 @@ def measure(args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="lora_"))  # per-run scratch, not results
     rows = []
     for ranks in args.ranks:
-        full = None
+        full = full_saved = None
         for i, name in enumerate(ROWS):
             out = tmp / f"{ranks}-{i}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(ranks), "--row", str(i)]
@@ -105,8 +124,8 @@ def measure(args: argparse.Namespace) -> dict:
             if not out.exists():
                 raise RuntimeError(f"{name} on {ranks} ranks failed:\n{log[-3000:]}")
             res = json.loads(out.read_text())
-            per_param = res["held"] / res["params"]
-            full = per_param if name == "full" else full
+            per_param, saved = res["held"] / res["params"], res["saved"] / res["params"]
+            full, full_saved = (per_param, saved) if name == "full" else (full, full_saved)
             rows.append(
                 {
                     "row": name,
@@ -115,6 +134,8 @@ def measure(args: argparse.Namespace) -> dict:
                     "trainable": res["trainable"],
                     "bytes_a_param": per_param,
                     "vs_full": per_param / full if full else None,
+                    "checkpoint_bytes_a_param": saved,
+                    "checkpoint_vs_full": saved / full_saved if full_saved else None,
                     "step_s": statistics.median(res["times"][1:] or res["times"]),
                 }
             )
@@ -126,13 +147,15 @@ def render(res: dict) -> str:
         return f"skipped: {res['skipped']}"
     lines = [
         f"LoRA against a full fine-tune, Llama of {res['rows'][0]['params'] / 1e6:.1f}M parameters, bf16-mixed, AdamW",
-        "| row | ranks | trained | chunk bytes a parameter, rank 0 | × full | s a step |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| row | ranks | trained | chunk bytes a parameter, rank 0 | × full | checkpoint bytes a parameter | × full "
+        "| s a step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['row']} | {r['ranks']} | {r['trainable'] / r['params']:.2%} | {r['bytes_a_param']:.2f} | "
-            f"{r['vs_full']:.2f} | {r['step_s']:.2f} |"
+            f"{r['vs_full']:.2f} | {r['checkpoint_bytes_a_param']:.2f} | {r['checkpoint_vs_full']:.2f} | "
+            f"{r['step_s']:.2f} |"
         )
     return "\n".join(lines)
 

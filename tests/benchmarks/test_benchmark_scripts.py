@@ -327,6 +327,8 @@ def test_lora_benchmark_measures_bytes_a_parameter_against_a_full_fine_tune(tmp_
     # fp32 master, gradient and Adam's moments beside a bf16 payload for the full fine-tune; the base's master and bf16
     # copy for LoRA; one bf16 copy with the frozen weights in bf16
     assert rows["lora, frozen in bf16"]["bytes_a_param"] < rows["lora"]["bytes_a_param"] < rows["full"]["bytes_a_param"]
+    # the checkpoint: the full fine-tune's masters and moments (12 bytes); LoRA's frozen base, its values alone
+    assert 12 <= rows["full"]["checkpoint_bytes_a_param"] and rows["lora"]["checkpoint_bytes_a_param"] < 6
     assert res["rows"] == list(rows.values())
 
 
