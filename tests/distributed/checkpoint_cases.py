@@ -109,7 +109,8 @@ def run_reshard_save(out: Path) -> None:
 
 def run_reshard_resume(out: Path) -> None:
     """2 ranks resume 1-rank checkpoints (written by the test) to step 12: DDP from the plain file,
-    chunk_offload from the sharded directory, with another placement and a device limit."""
+    chunk_offload from the sharded directory, with another placement and a device limit. Frozen layers: their
+    chunks saved no optimizer state ([Note: state keys a parameter has])."""
     results = {}
     for name, make, path in [
         ("ddp", lambda: "ddp", out / "from1_auto" / "step=8.ckpt"),
@@ -120,7 +121,7 @@ def run_reshard_resume(out: Path) -> None:
         ),
     ]:
         L.seed_everything(11, verbose=False)
-        model = ParityNet(variant="tied")
+        model = ParityNet(variant="frozen")
         t = trainer(make(), steps=12)
         t.fit(model, token_data(), ckpt_path=path)
         results[name] = model.state_dict()
