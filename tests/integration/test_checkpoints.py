@@ -153,6 +153,28 @@ def test_frozen_chunks_save_no_optimizer_state_and_resume_and_consolidate_as_pla
             torch.testing.assert_close(got[i][k], v, **EXACT)
 
 
+def test_a_format_1_checkpoint_without_each_parameter_s_keys_resumes_as_before(tmp_path):
+    """Format 1 (before 2026-12-07) saved every chunk's state of every key and no per-parameter keys: each parameter
+    with state takes every key, as then, and training goes on as plain Lightning's from its own checkpoint."""
+    train_and_save(tmp_path / "auto", "auto")
+    train_and_save(tmp_path / "chunk", chunk(placement="host"))
+    ckpt = tmp_path / "chunk" / "step=8.ckpt"
+    meta = torch.load(ckpt / "meta.pt", weights_only=False)
+    assert meta["chunk_checkpoint"]["format_version"] == 2
+    meta["chunk_checkpoint"]["format_version"] = 1
+    for om in meta["chunk_checkpoint"]["optimizers"]:
+        del om["held"]
+    torch.save(meta, ckpt / "meta.pt")
+    runs = []
+    for path, strategy in ((tmp_path / "auto" / "step=8.ckpt", "auto"), (ckpt, chunk(device_memory_limit=120_000))):
+        L.seed_everything(11, verbose=False)
+        m = ParityNet(variant="tied")
+        trainer(strategy, 12).fit(m, token_data(), ckpt_path=path)
+        runs.append(m)
+    for a, b in zip(*(r.parameters() for r in runs), strict=True):
+        torch.testing.assert_close(b, a, **EXACT)
+
+
 def test_save_top_k_and_last_as_a_link(tmp_path):
     train_and_save(
         tmp_path, chunk(), steps=8, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last="link"
