@@ -283,7 +283,9 @@ def test_a_resumed_state_is_read_before_the_first_step_as_plain_lightning_restor
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(placement="host"), dict(device_memory_limit=80_000, chunk_numel=4096)], ids=["host", "limit"]
+    "kw",
+    [dict(placement="host"), dict(device_memory_limit=80_000, chunk_numel=4096), dict(host_memory_limit=160_000)],
+    ids=["host", "limit", "disk"],
 )
 def test_groups_keeping_different_state_keys_keep_them_in_reads_checkpoints_resumes_and_after_fit(kw, tmp_path):
     """[Note: state keys a parameter has]: amsgrad in the matrices' group alone, so a chunk holds parameters with and
@@ -293,6 +295,8 @@ def test_groups_keeping_different_state_keys_keep_them_in_reads_checkpoints_resu
     from lightning_chunk.consolidate import consolidate
 
     model = dict(optimizer="adamw_amsgrad_matrices")
+    if "host_memory_limit" in kw:  # the state of disk shards lives in their files
+        kw = dict(kw, disk_dir=tmp_path / "scratch", chunk_numel=2048)
     runs = []
     for name, strategy in (("ref", lambda: "auto"), ("got", lambda: chunked(**kw))):
         saves = SavesAtTheEnd(tmp_path / name)

@@ -209,3 +209,22 @@ def test_the_manual_window_leaves_torch_s_mode_stack_as_the_user_s_code_left_it(
         assert _stack() == [kept], around
         kept.__exit__(None, None, None)
         assert _stack() == []
+
+
+@pytest.mark.parametrize(
+    "make, kw, nbytes",
+    [
+        (torch.optim.AdamW, dict(amsgrad=True), 12),  # AdamW's defaults hold an argument it refuses
+        (torch.optim.AdamW, dict(), 8),
+        (torch.optim.Adam, dict(amsgrad=True), 12),
+        (torch.optim.SGD, dict(momentum=0.9), 4),
+        (torch.optim.SGD, dict(), 0),
+    ],
+)
+def test_the_state_an_element_is_what_the_optimizer_keeps_with_the_group_s_settings(make, kw, nbytes):
+    """The device ledger and a disk shard's state file are sized from it before the first step."""
+    from lightning_chunk.engine.optim.kernels import state_bytes_per_element
+
+    opt = make([{"params": [nn.Parameter(torch.zeros(3))], **kw}, {"params": [nn.Parameter(torch.zeros(2))]}], lr=0.1)
+    assert state_bytes_per_element(opt, opt.param_groups[0], torch.float32) == nbytes
+    assert state_bytes_per_element(opt, opt.param_groups[0], torch.float64) == 2 * nbytes
