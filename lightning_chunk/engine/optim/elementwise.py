@@ -34,17 +34,28 @@ class Dependence(enum.Enum):
         return self.value
 
 
+def twin_settings(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any] | None:
+    """The settings of ``group`` that ``type(optimizer)``'s constructor takes, to build a twin of it (not the kernel
+    choice); ``None`` where its signature cannot be read. Only those: torch's ``AdamW`` keeps
+    ``decoupled_weight_decay`` in its defaults and refuses it as an argument."""
+    try:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    anything = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
+    names = set(optimizer.defaults) if anything else set(accepted) - {"self"}
+    return {k: v for k, v in group.items() if k in names and k not in ("params", "fused", "foreach")}
+
+
 def dependence(optimizer: torch.optim.Optimizer) -> Dependence | None:
     """``ACROSS`` or else ``WITHIN`` where a group's update of an element read other elements on the twins, else
     ``None`` (element-wise as far as twins show, or twins that could not be built)."""
     cls = type(optimizer)
-    try:
-        names = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
-    except (TypeError, ValueError):
-        return None
     seen: set[tuple[str, ...]] = set()
     for group in optimizer.param_groups:
-        kwargs = {k: v for k, v in group.items() if k in names and k not in ("fused", "foreach")}
+        kwargs = twin_settings(optimizer, group)
+        if kwargs is None:
+            return None
         key = tuple(sorted(f"{k}={v!r}" for k, v in kwargs.items()))
         if key in seen:
             continue

@@ -4,7 +4,6 @@ group steps with ([Note: the kernel and the user's param groups])."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +11,7 @@ import torch
 
 from ..config import ChunkConfig
 from ..errors import UnsupportedOptimizerError
-from .elementwise import Dependence, dependence
+from .elementwise import Dependence, dependence, twin_settings
 from .whole import needs_whole
 
 ELEMENTWISE = frozenset(
@@ -85,17 +84,11 @@ def _check_the_word(optimizer: torch.optim.Optimizer, config: ChunkConfig, world
 
 
 def state_bytes_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
-    """Bytes of optimizer state per parameter element, found by stepping a 4-element copy once, made with the
-    group's settings its constructor takes: torch's ``AdamW`` keeps ``decoupled_weight_decay`` in its defaults but
-    refuses it as an argument, and the fallback's two moments under-counted ``amsgrad=True`` by a third (a disk
-    shard's state file too small at the first step, a device shard's state under-planned)."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    anything = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
-    kwargs = {
-        k: v
-        for k, v in group.items()
-        if k in optimizer.defaults and k not in ("params", "fused", "foreach") and (anything or k in accepted)
-    }
+    """Bytes of optimizer state per parameter element, found by stepping a 4-element twin once (``twin_settings``:
+    given ``AdamW``'s ``decoupled_weight_decay`` it raised, and the fallback's two moments under-counted
+    ``amsgrad=True`` by a third: a disk shard's state file too small at the first step, a device shard's state
+    under-planned)."""
+    kwargs = twin_settings(optimizer, group) or {}
     # Muon steps matrices alone; Adafactor's state for a matrix is a row and a column, next to nothing an element
     probe = torch.zeros(2, 2, dtype=dtype) if needs_whole(optimizer) else torch.zeros(4, dtype=dtype)
     probe.grad = torch.zeros_like(probe)
