@@ -175,6 +175,45 @@ def test_a_format_1_checkpoint_without_each_parameter_s_keys_resumes_as_before(t
         torch.testing.assert_close(b, a, **EXACT)
 
 
+class SavesAtBatch(L.Callback):
+    def __init__(self, path, batch: int) -> None:
+        self.path, self.batch = path, batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch:  # during fit: a sharded directory under chunk_offload
+            trainer.save_checkpoint(self.path)
+
+
+def test_two_optimizers_over_disjoint_parameters_resume_and_consolidate_as_plain_lightning(tmp_path):
+    """Each optimizer saves the state of its own parameters' chunks alone ([Note: state keys a parameter has]):
+    GAN-style AdamW and SGD with momentum resume under an evicting limit and consolidate to plain Lightning's two
+    states."""
+    from lightning_chunk.consolidate import consolidate
+    from tests.models import TwoOptimizers
+
+    runs = []
+    for name, make in (("ref", lambda: "auto"), ("got", lambda: chunk(device_memory_limit=120_000))):
+        L.seed_everything(11, verbose=False)
+        trainer(make(), 10, callbacks=[SavesAtBatch(tmp_path / name, 2)]).fit(TwoOptimizers(), token_data())
+        L.seed_everything(11, verbose=False)
+        m = TwoOptimizers()
+        trainer(make(), 12).fit(m, token_data(), ckpt_path=tmp_path / name)
+        runs.append(m)
+    for a, b in zip(*(r.parameters() for r in runs), strict=True):
+        torch.testing.assert_close(b, a, **EXACT)
+    consolidate(tmp_path / "got", tmp_path / "whole.ckpt", with_optimizer=True, progress=False)
+    ref, got = (
+        torch.load(p, weights_only=False)["optimizer_states"] for p in (tmp_path / "ref", tmp_path / "whole.ckpt")
+    )
+    assert len(ref) == len(got) == 2
+    for a, b in zip(ref, got, strict=True):
+        assert a["state"].keys() == b["state"].keys() and a["state"]
+        for i, st in a["state"].items():
+            assert st.keys() == b["state"][i].keys()
+            for k, v in st.items():
+                torch.testing.assert_close(b["state"][i][k], v, **EXACT)
+
+
 def test_save_top_k_and_last_as_a_link(tmp_path):
     train_and_save(
         tmp_path, chunk(), steps=8, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last="link"
