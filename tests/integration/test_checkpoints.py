@@ -133,24 +133,33 @@ def test_frozen_chunks_save_no_optimizer_state_and_resume_and_consolidate_as_pla
         want = set() if is_frozen else {f"chunk.{c}.optim0.exp_avg", f"chunk.{c}.optim0.exp_avg_sq"}
         assert {k for k in saved if k.startswith(f"chunk.{c}.")} == want, c
 
+    resume_both(plain, ckpt, chunk(placement="host", device_memory_limit=120_000), variant="frozen")
+    consolidate(ckpt, tmp_path / "whole.ckpt", with_optimizer=True, progress=False)
+    assert_same_optimizer_states(plain, tmp_path / "whole.ckpt")
+
+
+def resume_both(plain, ckpt, strategy, variant: str) -> None:
+    """Plain Lightning from its checkpoint and ``strategy`` from ``ckpt``, each to step 12: the same parameters."""
     runs = []
-    for path, strategy in ((plain, "auto"), (ckpt, chunk(placement="host", device_memory_limit=120_000))):
+    for path, s in ((plain, "auto"), (ckpt, strategy)):
         L.seed_everything(11, verbose=False)
-        m = ParityNet(variant="frozen")
-        trainer(strategy, 12).fit(m, token_data(), ckpt_path=path)
+        m = ParityNet(variant=variant)
+        trainer(s, 12).fit(m, token_data(), ckpt_path=path)
         runs.append(m)
     for a, b in zip(*(r.parameters() for r in runs), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
 
-    consolidate(ckpt, tmp_path / "whole.ckpt", with_optimizer=True, progress=False)
-    ref, got = (
-        torch.load(p, weights_only=False)["optimizer_states"][0]["state"] for p in (plain, tmp_path / "whole.ckpt")
-    )
-    assert ref.keys() == got.keys()
-    for i, st in ref.items():
-        assert st.keys() == got[i].keys()
-        for k, v in st.items():
-            torch.testing.assert_close(got[i][k], v, **EXACT)
+
+def assert_same_optimizer_states(plain, whole, count: int = 1) -> None:
+    """Every optimizer's state in two plain checkpoint files: the same parameters, keys and bits."""
+    ref, got = (torch.load(p, weights_only=False)["optimizer_states"] for p in (plain, whole))
+    assert len(ref) == len(got) == count
+    for a, b in zip(ref, got, strict=True):
+        assert a["state"].keys() == b["state"].keys() and a["state"]
+        for i, st in a["state"].items():
+            assert st.keys() == b["state"][i].keys(), i
+            for k, v in st.items():
+                torch.testing.assert_close(b["state"][i][k], v, **EXACT)
 
 
 def test_a_format_1_checkpoint_without_each_parameter_s_keys_resumes_as_before(tmp_path):
@@ -165,14 +174,7 @@ def test_a_format_1_checkpoint_without_each_parameter_s_keys_resumes_as_before(t
     for om in meta["chunk_checkpoint"]["optimizers"]:
         del om["held"]
     torch.save(meta, ckpt / "meta.pt")
-    runs = []
-    for path, strategy in ((tmp_path / "auto" / "step=8.ckpt", "auto"), (ckpt, chunk(device_memory_limit=120_000))):
-        L.seed_everything(11, verbose=False)
-        m = ParityNet(variant="tied")
-        trainer(strategy, 12).fit(m, token_data(), ckpt_path=path)
-        runs.append(m)
-    for a, b in zip(*(r.parameters() for r in runs), strict=True):
-        torch.testing.assert_close(b, a, **EXACT)
+    resume_both(tmp_path / "auto" / "step=8.ckpt", ckpt, chunk(device_memory_limit=120_000), variant="tied")
 
 
 class SavesAtBatch(L.Callback):
@@ -202,16 +204,7 @@ def test_two_optimizers_over_disjoint_parameters_resume_and_consolidate_as_plain
     for a, b in zip(*(r.parameters() for r in runs), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
     consolidate(tmp_path / "got", tmp_path / "whole.ckpt", with_optimizer=True, progress=False)
-    ref, got = (
-        torch.load(p, weights_only=False)["optimizer_states"] for p in (tmp_path / "ref", tmp_path / "whole.ckpt")
-    )
-    assert len(ref) == len(got) == 2
-    for a, b in zip(ref, got, strict=True):
-        assert a["state"].keys() == b["state"].keys() and a["state"]
-        for i, st in a["state"].items():
-            assert st.keys() == b["state"][i].keys()
-            for k, v in st.items():
-                torch.testing.assert_close(b["state"][i][k], v, **EXACT)
+    assert_same_optimizer_states(tmp_path / "ref", tmp_path / "whole.ckpt", count=2)
 
 
 def test_save_top_k_and_last_as_a_link(tmp_path):
