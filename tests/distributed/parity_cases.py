@@ -80,9 +80,10 @@ CASES = {
         both_callbacks=["WholeOptimizerState"],
     ),
     # the same as a user meets it: ranks of different limits, the automatic chunk size, a reordered model stepped in
-    # backward, accumulation, a resume whose state the first read takes in before the warm-up
+    # backward, accumulation, a resume whose state the first read takes in before the warm-up, saved and read by key
     "whole_optimizer_state_user": dict(
         USER,
+        model=dict(USER["model"], optimizer="adamw_amsgrad_matrices"),
         cls="ReorderedNet",
         trainer=dict(accumulate_grad_batches=2),
         resume_at=4,
