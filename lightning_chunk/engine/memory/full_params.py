@@ -278,10 +278,20 @@ def stray_write(mgr: Any, when: str) -> ChunkError | None:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """The sum of ``t``'s elements' bit patterns as integers: another value in any element changes it (a change that
-    another exactly offsets aside)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.detach().view(ints).sum(dtype=torch.int64)
+    """A checksum of ``t``'s bit patterns: another value in any element changes it (a change that another exactly
+    offsets aside). Its bytes are summed as 64-bit words where they lie whole (wrapping, as integers do), the bytes
+    at either end one by one: summing 4-byte words widened to 64 bits took 19 times as long on a CPU (4.8 s of a 0.67B
+    Llama's set-up, where Lightning's ``zero_grad`` reads every parameter before ``fit`` trains)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        return torch.stack([t.view(ints).sum(dtype=torch.int64), t.new_zeros((), dtype=torch.int64)])
+    raw = t.reshape(-1).view(torch.uint8)
+    head = -raw.storage_offset() % 8  # bytes before the first whole 64-bit word of the storage
+    whole = max(raw.numel() - head, 0) // 8 * 8
+    words = raw[head : head + whole].view(torch.int64).sum() if whole else raw.new_zeros((), dtype=torch.int64)
+    ends = torch.cat([raw[:head], raw[head + whole :]]).sum(dtype=torch.int64)
+    return torch.stack([words, ends])
 
 
 def looked_at(
