@@ -194,7 +194,7 @@ def _load_optimizer(
         i = index_of_name[name]
         if i in views:
             local[i] = dict(st)
-    held = om.get("held")  # [Note: state keys a parameter has] in consolidate.py: every key, without it
+    held = om.get("held")  # [Note: state keys a parameter has] in memory/consolidate.py: every key, without it
     chunks = meta[KEY]["chunks"]
     for key, _dtype in om["keys"].items():
         saved = None if held is None else [c for c, spec in enumerate(chunks) if _holds(spec, held, key)]
