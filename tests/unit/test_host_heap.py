@@ -97,7 +97,7 @@ def test_user_set_thresholds_reads_glibc_tunables_and_malloc_variables():
 )
 def test_the_engine_asks_only_on_a_cpu_device_without_a_host_limit(monkeypatch, config, asked):
     calls = []
-    monkeypatch.setattr(runtime, "keep_freed_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(runtime, "keep_freed_heap", lambda largest: calls.append(1) or True)
     monkeypatch.setattr(runtime, "map_large_blocks", lambda: True)
     m = nn.Linear(4, 4)
     ChunkEngine(m, [torch.optim.SGD(m.parameters(), lr=0.1)], config=config)
@@ -132,7 +132,7 @@ def test_under_a_host_limit_the_heap_s_free_pages_go_back_once_a_step(monkeypatc
     trims = []
     monkeypatch.setattr(runtime, "release_freed_memory", lambda: trims.append(1))
     monkeypatch.setattr(runtime, "map_large_blocks", lambda: True)  # process-wide: not this test's to change
-    monkeypatch.setattr(runtime, "keep_freed_heap", lambda: True)
+    monkeypatch.setattr(runtime, "keep_freed_heap", lambda largest: True)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
     opt = torch.optim.Adam(m.parameters(), lr=0.01)
@@ -144,3 +144,85 @@ def test_under_a_host_limit_the_heap_s_free_pages_go_back_once_a_step(monkeypatc
             trims.clear()  # the warm-up trims after its repack as well
     eng.prepare_step()  # asked again before the next backward: no second trim
     assert len(trims) == (3 if limited else 0), trims
+
+
+def test_while_backward_runs_glibc_maps_no_block_for_autograd(monkeypatch):
+    """[Note: the heap between steps]: from a backward's first gradient to its end autograd's blocks come from the
+    heap (``M_MMAP_MAX`` 0); the engine's own code in it (its hooks) and everything after it map large blocks as
+    before, so the chunks' buffers and optimizer state stay off the heap."""
+    from lightning_chunk.engine.system import host_heap
+
+    calls = []
+    monkeypatch.setattr(host_heap, "_mallopt", lambda param, value: calls.append((param, value)) or True)
+    monkeypatch.setattr(host_heap, "_kept", True)
+    monkeypatch.setattr(host_heap, "_backward", False)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="device", chunk_numel=300))
+    assert not host_heap._autograd  # its gradients are far under 32 MiB: the engine would switch nothing
+    monkeypatch.setattr(host_heap, "_autograd", True)  # as an engine of a wide model
+    seen = []
+    m[0].weight.register_hook(lambda g: seen.append(calls[-1]))  # autograd's work, between the engine's hooks
+    for i in range(3):
+        calls.clear()
+        opt.zero_grad()
+        with eng.micro_batch(training=True) as outputs:
+            loss = m(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).mean()
+            outputs(loss)
+        loss.backward()
+        assert seen[-1] == (-4, 0) and calls[-1] == (-4, 65536), (i, calls)  # mapped again as backward ended
+        # the first hook gives autograd the heap as it ends, each later one maps as it starts and gives the heap back
+        # as it ends, the backward's end maps: one call each way, never the same twice
+        assert calls[::2] == [(-4, 0)] * len(calls[::2]) and calls[1::2] == [(-4, 65536)] * len(calls[1::2]), calls
+        assert len(calls) >= 5, calls  # three gradients' hooks at least
+        eng.after_backward()
+        eng.prepare_step()
+        opt.step()
+        eng.finish_step(stepped=True)
+    assert host_heap.ENGINE_BLOCKS.depth == 0 and not host_heap._backward
+    for kept, wide in ((False, True), (True, False)):  # a process that did not keep its heap, or small gradients
+        monkeypatch.setattr(host_heap, "_kept", kept)
+        monkeypatch.setattr(host_heap, "_autograd", wide)
+        calls.clear()
+        host_heap.heap_in_backward(True)
+        with host_heap.ENGINE_BLOCKS:
+            pass
+        host_heap.heap_in_backward(False)
+        assert calls == []
+
+
+# A linear layer whose weight's gradient (64 MiB) is past the highest mmap threshold glibc allows (32 MiB), trained
+# on an engine: minor faults in a steady step, with the engine keeping the heap and with glibc's own settings.
+FAULTS = r"""
+import json, resource, sys
+sys.path.insert(0, ROOT)
+import torch
+from lightning_chunk.engine import ChunkConfig, ChunkEngine
+from tests.engine_steps import step
+
+torch.manual_seed(0)
+m = torch.nn.Linear(4096, 4096, bias=False)
+opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="device", keep_freed_heap=KEEP))
+faults = []
+for i in range(4):
+    f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step(eng, m, opt, torch.randn(8, 4096))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
+print(json.dumps(faults))
+"""
+
+
+@pytest.mark.slow  # a child process, torch.compile or a memory measurement: the full suite's
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+def test_a_gradient_past_the_mmap_threshold_is_not_faulted_in_every_step():
+    def steady_faults(keep: bool) -> int:
+        code = FAULTS.replace("ROOT", repr(str(ROOT))).replace("KEEP", repr(keep))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_clean_env())
+        assert r.returncode == 0, r.stderr[-3000:]
+        return min(json.loads(r.stdout.strip().splitlines()[-1])[2:])
+
+    pages = (64 << 20) // 4096  # the gradient's 4 KiB pages: 16,384
+    assert steady_faults(False) >= pages  # glibc maps it afresh in every backward, and unmaps it when it is dropped
+    assert steady_faults(True) < pages // 8  # from the heap: the last backward's pages

@@ -34,7 +34,6 @@ from ..comm.buffers import BufferSync
 from ..comm.collectives import Collectives
 from ..comm.reduce import agree_on_grads
 from ..config import ChunkConfig, DtypePolicy, format_bytes
-from ..errors import DeviceMemoryLimitError
 from ..files.weights import ModuleWeights
 from ..memory.consolidate import load_module_state_dict, module_state_dict, unpack, whole_model_fits
 from ..memory.full_params import check_stray_writes, stray_write
@@ -47,6 +46,7 @@ from ..optim.scaler import DynamicLossScaler
 from ..schedule.growth import InputGrowth
 from ..schedule.placement import ChunkView
 from ..state.load import PendingOptimizerState
+from ..system import host_heap
 from ..system.host_heap import keep_freed_heap, map_large_blocks, release_freed_memory, release_pinned_cache
 from ..system.page_cache import page_cache_room
 from .description import EngineDescription
@@ -83,7 +83,7 @@ class ChunkEngine:
         if self.config.host_memory_limit is not None:  # the user bounded host memory: chunk-sized blocks off the heap
             map_large_blocks()
         elif self.config.keep_freed_heap and self.manager.device.type == "cpu":  # [Note: the heap between steps]
-            keep_freed_heap()
+            keep_freed_heap(max((p.numel() * p.element_size() for p in self.manager.params), default=0))
         self.hooks.on_trace_done = lambda trace: self.warm_up.traced(trace)
         self.hooks.on_backward_start = self._backward_starts
         self.hooks.on_backward_end = self._backward_ends
@@ -128,19 +128,7 @@ class ChunkEngine:
         self, layout: Layout, views: list[ChunkView], tiers: dict[int, Tier], *, source: FromModule | None = None
     ) -> None:
         self.manager.readers.settle()  # a save in flight reads the chunks a repack replaces
-        limit = self.manager.limit
-        if limit is not None:
-            on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
-            host_payload = max((v.payload_bytes for v in views if tiers[v.chunk_id] is not Tier.DEVICE), default=0)
-            if on_device and on_device + host_payload > limit:
-                raise DeviceMemoryLimitError(
-                    f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
-                    f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks)"
-                    + (f" and must fetch host payloads of up to {host_payload} bytes" if host_payload else "")
-                    + f", more than {self.manager.ledger.named_limit()}; raise the limit, raise offload_fraction "
-                    "(static) or use placement='auto' or 'host'.",
-                    self.manager.device,
-                )
+        self.layouts.check_placement(views, tiers)
         on_disk = sum(v.disk_bytes for v in views if tiers[v.chunk_id] is Tier.DISK)
         if on_disk:  # before anything is written: the directory must be usable and hold the shards
             self.manager.tiers.disk.check_room(
@@ -148,7 +136,7 @@ class ChunkEngine:
                 f"{sum(t is Tier.DISK for t in tiers.values())} of {len(views)} "
                 "chunks' masters, gradient shards and optimizer state",
             )
-        if limit is not None:
+        if self.manager.limit is not None:
             # a repack reads the old chunks' shards, never their payloads: those the last step left resident would
             # only crowd the new chunks, each built with its payload, under the limit
             for c in self.manager.chunks:
@@ -212,6 +200,7 @@ class ChunkEngine:
     def after_backward(self) -> None:
         """Safety net for a backward in which no hook fired, or that raised ([Note: a backward that raised] in
         ``raised.py``: the exception leaving ``backward``, or a user's ``backward`` hook that caught it). Idempotent."""
+        host_heap.heap_in_backward(False)  # a backward that delivered no gradient, or raised, did not say it ended
         end_raised_backward(self)
         if self.hooks.tracer.recording:
             self.hooks.end_backward()
@@ -254,6 +243,7 @@ class ChunkEngine:
         for b in self.bindings:
             b.slots.sync_zero_grad()
         self._agreed = False
+        host_heap.heap_in_backward(True)  # [Note: the heap between steps] in system/host_heap.py
         # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
         planned = self.warm_up.phase is WarmUp.PLANNED
         self.manager.reducer.replicas.defer = planned and self._accumulating  # [Note: replicas summed once a step]
@@ -265,6 +255,7 @@ class ChunkEngine:
 
     def _backward_ends(self) -> None:
         """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
+        host_heap.heap_in_backward(False)
         if self.early is not None:
             self.early.backward_ended()
             self.manager.grads.low.widen_all()  # the chunks not stepped in it: [Note: gradients in bf16 until ...]
@@ -418,6 +409,7 @@ class ChunkEngine:
         the config's) says ([Note: optimizer state after fit]). Without ``materialize`` nothing here is a collective,
         so it is safe after another rank failed."""
         self.hooks.between.disarm()  # first: nothing below may leave the check in the thread's modes
+        host_heap.heap_in_backward(False)
         if self.early is not None:
             self.early.close()
         save_failed: BaseException | None = None

@@ -65,6 +65,7 @@ from ..memory.master_writes import refresh_outside_a_step, refresh_where_written
 from ..memory.module_state import state_dict_hooks
 from ..schedule.placement import PlacementPolicy
 from ..schedule.tracer import BACKWARD, FORWARD, POST_FORWARD, ROOT, MemoryTracer, MomentKind, Trace
+from ..system.host_heap import ENGINE_BLOCKS
 from . import fast_paths
 from .batches import tensors_in
 from .between_steps import BetweenSteps
@@ -314,14 +315,14 @@ class ChunkHooks:
         # cost about 60 us a module output (a tenth of the hooks' time on one rank)
         @_eager
         def hook(grad: torch.Tensor) -> None:
-            with self.manager.clock.measure("hooks"):
+            with self.manager.clock.measure("hooks"), ENGINE_BLOCKS:  # [Note: the heap between steps]
                 self._queue_end_of_backward()
                 self._use(key, BACKWARD)
 
         return hook
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        with self.manager.clock.measure("hooks"):
+        with self.manager.clock.measure("hooks"), ENGINE_BLOCKS:
             self._queue_end_of_backward()
             if param.grad is None:
                 return
@@ -355,7 +356,7 @@ class ChunkHooks:
 
     def end_backward(self) -> None:
         """All gradients of this backward are in: reduce the rest, finish the warm-up trace."""
-        with self.manager.clock.measure("hooks"):
+        with self.manager.clock.measure("hooks"), ENGINE_BLOCKS:
             self._end_backward()
 
     def _end_backward(self) -> None:

@@ -202,3 +202,21 @@ class LayoutChooser:
                 + ".",
                 self.manager.device,
             )
+
+    def check_placement(self, views: list[ChunkView], tiers: dict[int, Tier]) -> None:
+        """Before a (re)pack: the shards the placement puts on the device, beside the largest host payload fetched,
+        must fit the limit."""
+        limit = self.manager.limit
+        if limit is None:
+            return
+        on_device = sum(v.device_shard_bytes for v in views if tiers[v.chunk_id] is Tier.DEVICE)
+        host_payload = max((v.payload_bytes for v in views if tiers[v.chunk_id] is not Tier.DEVICE), default=0)
+        if on_device and on_device + host_payload > limit:
+            raise DeviceMemoryLimitError(
+                f"placement={self.config.placement!r} puts {on_device} bytes of shards on the device "
+                f"({sum(t is Tier.DEVICE for t in tiers.values())} of {len(views)} chunks)"
+                + (f" and must fetch host payloads of up to {host_payload} bytes" if host_payload else "")
+                + f", more than {self.manager.ledger.named_limit()}; raise the limit, raise offload_fraction "
+                "(static) or use placement='auto' or 'host'.",
+                self.manager.device,
+            )

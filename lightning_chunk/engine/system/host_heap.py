@@ -3,7 +3,7 @@
 Each function is a no-op where glibc is not the allocator (or ``libc.so.6`` cannot be loaded).
 
 - ``keep_freed_heap``: a CPU run with no host memory limit keeps the pages a step frees for the next step
-  ([Note: the heap between steps]).
+  ([Note: the heap between steps]); ``heap_in_backward``: and serves every block from the heap while backward runs.
 - ``map_large_blocks``: under ``host_memory_limit``, every block of 4 MiB or more is its own mapping
   ([Note: a fixed mmap threshold]).
 - ``release_freed_memory``: after a known transient (the warm-up, a repack, a checkpoint), give freed heap
@@ -25,7 +25,9 @@ from .libc import libc
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 _DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's, before its adaptive raising
+_DEFAULT_MMAP_MAX = 65536  # glibc's: how many blocks it may map at once
 
 # [Note: the heap between steps]
 # A CPU step allocates its activations on glibc's heap in the forward and frees them in the backward. glibc gives
@@ -48,6 +50,19 @@ _DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's, before its adaptive raising
 # bounds memory there), on CUDA (activations are device memory), when the environment already sets one of glibc's
 # malloc thresholds (the user's choice stands), or with ``keep_freed_heap=False``; a later engine of the same
 # process with ``host_memory_limit`` takes the trim threshold back to glibc's 128 KiB.
+#
+# 32 MiB is as high as glibc lets the mmap threshold go, and a wide model's weight gradients are larger (64 and 172
+# MiB for a 7B Llama's attention and MLP projections): autograd mapped each afresh in every backward, and the engine,
+# copying it into its chunk and dropping it, unmapped it at once. A 0.67B Llama (two 7B layers, fp32, one rank)
+# faulted its 2.7 GB of gradients in again every step, 2.35 s a step. So while backward runs (``heap_in_backward``,
+# from its first gradient to its end) glibc maps no block: those gradients come from the heap and its freed pages
+# serve the next backward's, with nothing faulted in a steady step (1.45 s a step, the same peak resident set).
+# Between backwards, and in the engine's own code in backward (its hooks: ``ENGINE_BLOCKS``), blocks are mapped as
+# before, so the chunks' buffers and optimizer state stay off the heap: 43 layers of ``benchmarks/scale.py``'s GPT fit
+# its 3 GiB a rank stepping in backward, where mapping no block while backward ran fitted 39 (42 before, the same
+# day). Each switch is a ``mallopt``, which consolidates the heap's small free blocks: 8-12% of a step of a 48-layer
+# GPT of width 64 (no gradient near 32 MiB), so an engine whose largest gradient is under the threshold switches
+# nothing.
 KEEP_TRIM_THRESHOLD = 1 << 30
 KEEP_MMAP_THRESHOLD = 32 << 20
 
@@ -60,6 +75,8 @@ _USER_TUNABLES = (
 _USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 _kept = False
+_autograd = False  # the last engine's gradients include one past the mmap threshold (``keep_freed_heap``)
+_backward = False  # a backward runs: autograd's blocks come from the heap (``heap_in_backward``)
 
 
 def _glibc(name: str, *args: int) -> int | None:
@@ -79,10 +96,13 @@ def user_set_thresholds(environ: Mapping[str, str] | None = None) -> bool:
     return any(t in tunables for t in _USER_TUNABLES) or any(v in env for v in _USER_VARIABLES)
 
 
-def keep_freed_heap() -> bool:
+def keep_freed_heap(largest_gradient: int = 0) -> bool:
     """Keep the heap pages a step frees for the next step ([Note: the heap between steps]). Once a process;
-    ``False`` where the environment sets glibc's thresholds itself or glibc is not the allocator."""
-    global _kept
+    ``False`` where the environment sets glibc's thresholds itself or glibc is not the allocator. With a parameter's
+    gradient of ``largest_gradient`` bytes past the mmap threshold, autograd's blocks come from the heap in backward
+    too (``heap_in_backward``); an engine of smaller ones leaves that off (each switch costs a ``mallopt``)."""
+    global _kept, _autograd
+    _autograd = largest_gradient > KEEP_MMAP_THRESHOLD
     if _kept:
         return True
     if user_set_thresholds():
@@ -90,6 +110,37 @@ def keep_freed_heap() -> bool:
     # the mmap threshold first: the trim threshold's mallopt alone would freeze it wherever it stands
     _kept = _mallopt(_M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD) and _mallopt(_M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD)
     return _kept
+
+
+def heap_in_backward(running: bool) -> None:
+    """Serve autograd's blocks from the heap while a backward runs, where this process keeps its heap
+    (``keep_freed_heap``), and map large blocks again after ([Note: the heap between steps])."""
+    global _backward
+    if _kept and _autograd and running != _backward:
+        _backward = running
+        if not ENGINE_BLOCKS.depth:  # inside the engine's code blocks are mapped, and its end says so for autograd
+            _mallopt(_M_MMAP_MAX, 0 if running else _DEFAULT_MMAP_MAX)
+
+
+class _EngineBlocks:
+    """``with ENGINE_BLOCKS:`` around the engine's own code in backward (its hooks): the buffers it makes there (a
+    gradient payload, optimizer state at a first step) are mapped as between backwards, not left among autograd's
+    blocks on the heap."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+        if self.depth == 1 and _backward:
+            _mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        if self.depth == 0 and _backward:
+            _mallopt(_M_MMAP_MAX, 0)
+
+
+ENGINE_BLOCKS = _EngineBlocks()
 
 
 def map_large_blocks(threshold: int = 4 << 20) -> bool:
@@ -109,6 +160,7 @@ def map_large_blocks(threshold: int = 4 << 20) -> bool:
     A no-op where glibc is not the allocator."""
     global _kept
     if _kept:  # an earlier engine of this process kept the heap: its trim threshold must not outlive it here
+        heap_in_backward(False)
         _kept = not _mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
     return _mallopt(_M_MMAP_THRESHOLD, threshold)
 
