@@ -97,7 +97,7 @@ def test_user_set_thresholds_reads_glibc_tunables_and_malloc_variables():
 )
 def test_the_engine_asks_only_on_a_cpu_device_without_a_host_limit(monkeypatch, config, asked):
     calls = []
-    monkeypatch.setattr(runtime, "keep_freed_heap", lambda largest: calls.append(1) or True)
+    monkeypatch.setattr(runtime, "keep_freed_heap", lambda: calls.append(1) or True)
     monkeypatch.setattr(runtime, "map_large_blocks", lambda: True)
     m = nn.Linear(4, 4)
     ChunkEngine(m, [torch.optim.SGD(m.parameters(), lr=0.1)], config=config)
@@ -132,7 +132,7 @@ def test_under_a_host_limit_the_heap_s_free_pages_go_back_once_a_step(monkeypatc
     trims = []
     monkeypatch.setattr(runtime, "release_freed_memory", lambda: trims.append(1))
     monkeypatch.setattr(runtime, "map_large_blocks", lambda: True)  # process-wide: not this test's to change
-    monkeypatch.setattr(runtime, "keep_freed_heap", lambda largest: True)
+    monkeypatch.setattr(runtime, "keep_freed_heap", lambda: True)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
     opt = torch.optim.Adam(m.parameters(), lr=0.01)
@@ -160,8 +160,8 @@ def test_while_backward_runs_glibc_maps_no_block_for_autograd(monkeypatch):
     m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
     opt = torch.optim.Adam(m.parameters(), lr=0.01)
     eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="device", chunk_numel=300))
-    assert not host_heap._autograd  # its gradients are far under 32 MiB: the engine would switch nothing
-    monkeypatch.setattr(host_heap, "_autograd", True)  # as an engine of a wide model
+    assert eng._heap_in_backward is host_heap.no_switch  # its gradients are far under 32 MiB: nothing to switch
+    eng._heap_in_backward = host_heap.heap_in_backward  # as an engine of a wide model
     seen = []
     m[0].weight.register_hook(lambda g: seen.append(calls[-1]))  # autograd's work, between the engine's hooks
     for i in range(3):
@@ -181,15 +181,34 @@ def test_while_backward_runs_glibc_maps_no_block_for_autograd(monkeypatch):
         opt.step()
         eng.finish_step(stepped=True)
     assert host_heap.ENGINE_BLOCKS.depth == 0 and not host_heap._backward
-    for kept, wide in ((False, True), (True, False)):  # a process that did not keep its heap, or small gradients
-        monkeypatch.setattr(host_heap, "_kept", kept)
-        monkeypatch.setattr(host_heap, "_autograd", wide)
-        calls.clear()
-        host_heap.heap_in_backward(True)
-        with host_heap.ENGINE_BLOCKS:
-            pass
-        host_heap.heap_in_backward(False)
-        assert calls == []
+    monkeypatch.setattr(host_heap, "_kept", False)  # a later host limit gave the heap back: nothing asked
+    calls.clear()
+    host_heap.heap_in_backward(True)
+    with host_heap.ENGINE_BLOCKS:
+        pass
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "config, kept, switches",
+    [
+        (ChunkConfig(placement="device"), True, True),
+        (ChunkConfig(placement="device"), False, False),  # the environment set glibc's thresholds: nothing kept
+        # an earlier engine of the process kept the heap; this one was told not to, or bounds host memory
+        (ChunkConfig(placement="device", keep_freed_heap=False), True, False),
+        (ChunkConfig(placement="host", host_memory_limit=1 << 30), True, False),
+    ],
+)
+def test_only_an_engine_that_keeps_the_heap_and_has_a_wide_gradient_switches(monkeypatch, config, kept, switches):
+    from lightning_chunk.engine.system import host_heap
+
+    monkeypatch.setattr(runtime, "keep_freed_heap", lambda: kept)
+    monkeypatch.setattr(runtime, "map_large_blocks", lambda: True)
+    monkeypatch.setattr(host_heap, "_kept", kept)
+    wide = nn.Linear(4096, 2049, bias=False)  # 32 MiB and 16 KiB of gradient: past the threshold
+    eng = ChunkEngine(wide, [torch.optim.SGD(wide.parameters(), lr=0.1)], config=config)
+    assert (eng._heap_in_backward is host_heap.heap_in_backward) is switches
+    assert host_heap.switch_in_backward([torch.empty(4096, 2048, device="meta")]) is host_heap.no_switch  # 32 MiB
 
 
 # A linear layer whose weight's gradient (64 MiB) is past the highest mmap threshold glibc allows (32 MiB), trained

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -80,10 +80,12 @@ class ChunkEngine:
         self.config, self.module, self.manager, self.policy = desc.config, module, desc.manager, desc.policy
         self.hooks, self.bindings, self.layouts = desc.hooks, desc.bindings, desc.layouts
         self._optim_bytes = desc.optim_bytes
+        self._heap_in_backward: Callable[[bool], None] = host_heap.no_switch  # called with ``running``
         if self.config.host_memory_limit is not None:  # the user bounded host memory: chunk-sized blocks off the heap
             map_large_blocks()
         elif self.config.keep_freed_heap and self.manager.device.type == "cpu":  # [Note: the heap between steps]
-            keep_freed_heap(max((p.numel() * p.element_size() for p in self.manager.params), default=0))
+            keep_freed_heap()
+            self._heap_in_backward = host_heap.switch_in_backward(self.manager.params)
         self.hooks.on_trace_done = lambda trace: self.warm_up.traced(trace)
         self.hooks.on_backward_start = self._backward_starts
         self.hooks.on_backward_end = self._backward_ends
@@ -200,7 +202,7 @@ class ChunkEngine:
     def after_backward(self) -> None:
         """Safety net for a backward in which no hook fired, or that raised ([Note: a backward that raised] in
         ``raised.py``: the exception leaving ``backward``, or a user's ``backward`` hook that caught it). Idempotent."""
-        host_heap.heap_in_backward(False)  # a backward that delivered no gradient, or raised, did not say it ended
+        self._heap_in_backward(False)  # a backward that delivered no gradient, or raised, did not say it ended
         end_raised_backward(self)
         if self.hooks.tracer.recording:
             self.hooks.end_backward()
@@ -243,7 +245,7 @@ class ChunkEngine:
         for b in self.bindings:
             b.slots.sync_zero_grad()
         self._agreed = False
-        host_heap.heap_in_backward(True)  # [Note: the heap between steps] in system/host_heap.py
+        self._heap_in_backward(True)  # [Note: the heap between steps] in system/host_heap.py
         # not in the warm-up, nor in a micro-batch traced again: the repack after its backward rebinds the optimizer
         planned = self.warm_up.phase is WarmUp.PLANNED
         self.manager.reducer.replicas.defer = planned and self._accumulating  # [Note: replicas summed once a step]
@@ -255,7 +257,7 @@ class ChunkEngine:
 
     def _backward_ends(self) -> None:
         """As in PyTorch, after backward every view holds its gradient (this rank's, until the vote)."""
-        host_heap.heap_in_backward(False)
+        self._heap_in_backward(False)
         if self.early is not None:
             self.early.backward_ended()
             self.manager.grads.low.widen_all()  # the chunks not stepped in it: [Note: gradients in bf16 until ...]
@@ -409,7 +411,7 @@ class ChunkEngine:
         the config's) says ([Note: optimizer state after fit]). Without ``materialize`` nothing here is a collective,
         so it is safe after another rank failed."""
         self.hooks.between.disarm()  # first: nothing below may leave the check in the thread's modes
-        host_heap.heap_in_backward(False)
+        self._heap_in_backward(False)
         if self.early is not None:
             self.early.close()
         save_failed: BaseException | None = None

@@ -3,7 +3,7 @@
 Each function is a no-op where glibc is not the allocator (or ``libc.so.6`` cannot be loaded).
 
 - ``keep_freed_heap``: a CPU run with no host memory limit keeps the pages a step frees for the next step
-  ([Note: the heap between steps]); ``heap_in_backward``: and serves every block from the heap while backward runs.
+  ([Note: the heap between steps]); ``switch_in_backward``: and, for a wide model, autograd's blocks in backward.
 - ``map_large_blocks``: under ``host_memory_limit``, every block of 4 MiB or more is its own mapping
   ([Note: a fixed mmap threshold]).
 - ``release_freed_memory``: after a known transient (the warm-up, a repack, a checkpoint), give freed heap
@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -62,7 +62,7 @@ _DEFAULT_MMAP_MAX = 65536  # glibc's: how many blocks it may map at once
 # its 3 GiB a rank stepping in backward, where mapping no block while backward ran fitted 39 (42 before, the same
 # day). Each switch is a ``mallopt``, which consolidates the heap's small free blocks: 8-12% of a step of a 48-layer
 # GPT of width 64 (no gradient near 32 MiB), so an engine whose largest gradient is under the threshold switches
-# nothing.
+# nothing (``switch_in_backward``), nor one that did not keep the heap, though an earlier engine of its process did.
 KEEP_TRIM_THRESHOLD = 1 << 30
 KEEP_MMAP_THRESHOLD = 32 << 20
 
@@ -75,7 +75,6 @@ _USER_TUNABLES = (
 _USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 _kept = False
-_autograd = False  # the last engine's gradients include one past the mmap threshold (``keep_freed_heap``)
 _backward = False  # a backward runs: autograd's blocks come from the heap (``heap_in_backward``)
 
 
@@ -96,13 +95,10 @@ def user_set_thresholds(environ: Mapping[str, str] | None = None) -> bool:
     return any(t in tunables for t in _USER_TUNABLES) or any(v in env for v in _USER_VARIABLES)
 
 
-def keep_freed_heap(largest_gradient: int = 0) -> bool:
+def keep_freed_heap() -> bool:
     """Keep the heap pages a step frees for the next step ([Note: the heap between steps]). Once a process;
-    ``False`` where the environment sets glibc's thresholds itself or glibc is not the allocator. With a parameter's
-    gradient of ``largest_gradient`` bytes past the mmap threshold, autograd's blocks come from the heap in backward
-    too (``heap_in_backward``); an engine of smaller ones leaves that off (each switch costs a ``mallopt``)."""
-    global _kept, _autograd
-    _autograd = largest_gradient > KEEP_MMAP_THRESHOLD
+    ``False`` where the environment sets glibc's thresholds itself or glibc is not the allocator."""
+    global _kept
     if _kept:
         return True
     if user_set_thresholds():
@@ -112,11 +108,23 @@ def keep_freed_heap(largest_gradient: int = 0) -> bool:
     return _kept
 
 
+def no_switch(running: bool) -> None:
+    """What an engine calls as its backward starts and ends where autograd's blocks stay as glibc places them."""
+
+
+def switch_in_backward(params: Iterable[torch.Tensor]) -> Callable[[bool], None]:
+    """``heap_in_backward`` for an engine that kept the heap (``keep_freed_heap``) and has a parameter whose gradient
+    is past the mmap threshold; else ``no_switch``: an engine of smaller ones, or one that did not ask
+    (``keep_freed_heap=False``, a host limit, CUDA) switches nothing, each switch costing a ``mallopt``."""
+    largest = max((p.numel() * p.element_size() for p in params), default=0)
+    return heap_in_backward if _kept and largest > KEEP_MMAP_THRESHOLD else no_switch
+
+
 def heap_in_backward(running: bool) -> None:
     """Serve autograd's blocks from the heap while a backward runs, where this process keeps its heap
     (``keep_freed_heap``), and map large blocks again after ([Note: the heap between steps])."""
     global _backward
-    if _kept and _autograd and running != _backward:
+    if _kept and running != _backward:
         _backward = running
         if not ENGINE_BLOCKS.depth:  # inside the engine's code blocks are mapped, and its end says so for autograd
             _mallopt(_M_MMAP_MAX, 0 if running else _DEFAULT_MMAP_MAX)
@@ -127,7 +135,8 @@ class _EngineBlocks:
     gradient payload, optimizer state at a first step) are mapped as between backwards, not left among autograd's
     blocks on the heap."""
 
-    depth = 0
+    def __init__(self) -> None:
+        self.depth = 0  # engine code running inside a backward, nested
 
     def __enter__(self) -> None:
         self.depth += 1
