@@ -48,6 +48,7 @@ from .engine.state.checkpoint import (
     save_sharded,
     when_saved,
 )
+from .engine.state.peer_checkpoint import as_plain, read_peer_checkpoint
 from .engine.system.atomic import remove_dir
 from .finetuning import restore_finetuning_groups
 from .parallel import OneProcessPerDevice
@@ -265,7 +266,8 @@ class ChunkCheckpoints(OneProcessPerDevice):
             if trainer is not None:
                 restore_finetuning_groups(trainer, meta.get("callbacks") or {})
 
-        if is_sharded_checkpoint(checkpoint_path):
+        peer = read_peer_checkpoint(checkpoint_path) if is_sharded_checkpoint(checkpoint_path) else None
+        if is_sharded_checkpoint(checkpoint_path) and peer is None:
             meta = load_sharded(
                 self.engine,
                 checkpoint_path,
@@ -280,10 +282,17 @@ class ChunkCheckpoints(OneProcessPerDevice):
             meta["_chunk_loaded"] = "shards"  # the model's values given by state_dict are still to load
             return meta
         else:
-            meta = self._read_file(checkpoint_path, weights_only)
+            # a plain file, or FSDP's or ModelParallel's directory ([Note: resuming a peer's sharded checkpoint])
+            meta = as_plain(peer if peer is not None else self._read_file(checkpoint_path, weights_only))
             module = self.lightning_module
-            self.engine.load_full_state_dict(dict(meta["state_dict"]), strict=getattr(module, "strict_loading", True))
-            if with_optimizer and meta.get("optimizer_states"):
+            self.engine.load_full_state_dict(meta["state_dict"], strict=getattr(module, "strict_loading", True))
+            if with_optimizer and "optimizer_states" not in meta:  # as Lightning's own resume refuses it
+                raise CheckpointError(
+                    f"{str(checkpoint_path)!r} holds no optimizer state (saved with save_weights_only=True?): "
+                    "resuming fit needs it. To start a new fit from its weights, load them (load_state_dict, or "
+                    "ChunkOffloadStrategy(weights=...)) and call fit without ckpt_path."
+                )
+            if with_optimizer and meta["optimizer_states"]:
                 regroup(meta)
                 for binding, state in zip(
                     self.engine.bindings, _one_each(meta["optimizer_states"], len(self.engine.bindings)), strict=True

@@ -31,7 +31,7 @@ from lightning_chunk.engine.system import torch_features  # noqa: E402
 from tests import backward_models, callbacks, precision_models  # noqa: E402
 from tests.distributed import checkpoint_cases as ck  # noqa: E402
 from tests.distributed import parting_cases as pa  # noqa: E402
-from tests.distributed import rank_models  # noqa: E402
+from tests.distributed import peer_cases, rank_models  # noqa: E402
 from tests.distributed import training_cases as tr  # noqa: E402
 from tests.distributed.harness import DEVICE_BYTES, STEPS, CommMode, chunk_strategy, fit_or_resume  # noqa: E402
 from tests.distributed.parity_cases import CASES  # noqa: E402
@@ -61,6 +61,7 @@ RUNS = {
     "edited_checkpoint": ck.run_edited_checkpoint,
     "ema": ck.run_ema,
     "backbone_resume": ck.run_backbone_resume,
+    "peer_resume": peer_cases.run_peer_resume,
 }
 
 

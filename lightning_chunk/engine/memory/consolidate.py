@@ -8,7 +8,7 @@ memory is one chunk's worth beyond the result.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +96,7 @@ def whole_model_fits(mgr: ChunkManager, *, optimizer_state: bool, room: int | No
     return fits, need, share
 
 
-def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unchanged: bool = False) -> None:
+def load_values(mgr: ChunkManager, values: Mapping[int, torch.Tensor], *, keep_unchanged: bool = False) -> None:
     """Overwrite masters (and compute copies) with whole values; each rank keeps its own piece. ``keep_unchanged``:
     an element equal to its master cast to the value's dtype keeps the master's (finer) value."""
     mgr.readers.before_change()  # a save running beside training has what it reads first
@@ -104,12 +104,11 @@ def load_values(mgr: ChunkManager, values: dict[int, torch.Tensor], *, keep_unch
         lo, _ = chunk.shard_range
         touched = False
         for t in chunk.tensors:
-            value = values.get(t.slot.param_index)
-            if value is None:
+            if t.slot.param_index not in values:
                 continue
             a, b = _pieces(mgr, chunk, t)
-            if a < b:
-                piece = value.reshape(-1)[a - t.offset : b - t.offset]
+            if a < b:  # asked for only here: a lazy mapping reads it now ([Note: resuming a peer's sharded checkpoint])
+                piece = values[t.slot.param_index].reshape(-1)[a - t.offset : b - t.offset]
                 master = chunk.master_tensor_for_read()[a - lo : b - lo]
                 if keep_unchanged:
                     piece = piece.to(master.device)
@@ -259,7 +258,7 @@ def gather_optimizer_state(
 def local_optimizer_state(
     mgr: ChunkManager,
     views: dict[int, torch.Tensor],
-    whole: dict[int, dict[str, Any]],
+    whole: Mapping[int, dict[str, Any]],
     whole_keys: frozenset[str] = frozenset(),
 ) -> dict[int, dict[str, Any]]:
     """This rank's pieces of whole per-parameter state (flat, like the views)."""
@@ -295,7 +294,7 @@ def module_state_dict(mgr: ChunkManager, module: torch.nn.Module) -> dict[str, t
 
 
 def load_module_state_dict(
-    mgr: ChunkManager, module: torch.nn.Module, state_dict: dict[str, Any], *, strict: bool = True
+    mgr: ChunkManager, module: torch.nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True
 ) -> None:
     """Load a plain ``state_dict`` (full tensors) into the masters and ``module``'s buffers. A meta tensor stands
     for the value the chunks hold already (a sharded checkpoint's, [Note: the state_dict of a sharded save] in
@@ -310,18 +309,38 @@ def load_module_state_dict(
             f"Error(s) in loading state_dict for {type(module).__name__}: "
             f"missing keys {missing}, unexpected keys {unexpected}"
         )
-    values = {}
+    shape_of = getattr(state_dict, "shape_of", None)  # a lazy mapping knows shapes without reading values
+    keys: dict[int, str] = {}
     for k in param_keys:
         if k not in state_dict:
             continue
         i = index_of[id(sd[k])]
-        value = state_dict[k]
-        if tuple(value.shape) != tuple(mgr.params[i].shape):
+        shape = shape_of(k) if shape_of is not None else tuple(state_dict[k].shape)
+        if tuple(shape) != tuple(mgr.params[i].shape):
             raise RuntimeError(
-                f"size mismatch for {k}: copying a param with shape {tuple(value.shape)}, "
+                f"size mismatch for {k}: copying a param with shape {tuple(shape)}, "
                 f"the parameter in the current model has shape {tuple(mgr.params[i].shape)}"
             )
-        if not value.is_meta:
-            values[i] = value
-    load_values(mgr, values)
-    module.load_state_dict({k: v for k, v in state_dict.items() if k not in param_keys and k in sd}, strict=False)
+        if shape_of is not None or not state_dict[k].is_meta:
+            keys[i] = k
+    load_values(mgr, _ByIndex(state_dict, keys))
+    module.load_state_dict({k: state_dict[k] for k in state_dict if k not in param_keys and k in sd}, strict=False)
+
+
+class _ByIndex(Mapping[int, torch.Tensor]):
+    """Parameter index -> its value in a ``state_dict``, looked up when asked."""
+
+    def __init__(self, state_dict: Mapping[str, Any], keys: dict[int, str]) -> None:
+        self.state_dict, self.keys_ = state_dict, keys
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.state_dict[self.keys_[i]]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+    def __contains__(self, key: object) -> bool:  # Mapping's own reads the value
+        return key in self.keys_

@@ -45,6 +45,7 @@ from .grad_slots import GradSlot, GradSlots
 from .host_adam import HostAdam
 from .kernels import check_optimizer, flags_set, is_known, kernel_flags, state_bytes_per_element
 from .partial_steps import PartialSteps, only
+from .plain_keys import state_by_param
 from .shard_state import keyed_by_parameters, keyed_by_shards
 from .whole import WholeStep
 
@@ -263,16 +264,8 @@ class OptimizerBinding:
                 f"{len(self.group_params)}: the checkpoint was written for another optimizer"
                 + (f"; or {GROUPS_ADDED_HINT}" if len(sd["param_groups"]) > len(self.group_params) else "")
             )
-        order = [i for g in self.group_params for i in g]
-        whole: dict[int, dict[str, Any]] = {}
-        for k, st in sd["state"].items():
-            k = int(k)
-            if k >= len(order):
-                raise ValueError(
-                    f"optimizer state names parameter position {k}, but the optimizer has {len(order)} "
-                    "parameters: the checkpoint was written for another model or optimizer"
-                )
-            whole[order[k]] = st
+        # by position, or by name ([Note: optimizer state keyed by name] in plain_keys.py)
+        whole = state_by_param(sd, self.group_params, self.manager.names)
         mine = local_optimizer_state(self.manager, self._views, whole, self.whole_keys)
         self.load_local_state(mine, [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]])
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -395,7 +395,7 @@ class ChunkEngine:
         """The module's ``state_dict`` with every parameter's full trained value (host tensors); a collective."""
         return module_state_dict(self.manager, self.module)
 
-    def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """A plain ``state_dict`` (full tensors) into the masters and the buffers (``load_module_state_dict``)."""
         load_module_state_dict(self.manager, self.module, state_dict, strict=strict)
 
