@@ -10,7 +10,7 @@ import torch
 
 from tests.models import ParityNet, quiet_trainer, token_data
 
-FORMATS = ("torch", "lightning", "consolidated", "safetensors")
+FORMATS = ("torch", "lightning", "consolidated", "safetensors", "fsdp")
 
 
 class _SaveAtStart(L.Callback):
@@ -56,4 +56,10 @@ def write_weights(sd: dict[str, torch.Tensor], out: Path, fmt: str, *, variant: 
         index = {"metadata": {}, "weight_map": {k: name for name, ks in halves.items() for k in ks}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
         return out
+    if fmt == "fsdp":  # the sharded directory of Lightning's ModelParallelStrategy (FSDP2), written by one process
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"state_dict": sd}, checkpoint_id=out / "fsdp.ckpt", no_dist=True)
+        torch.save({"global_step": 0}, out / "fsdp.ckpt" / "meta.pt")
+        return out / "fsdp.ckpt"
     raise ValueError(fmt)

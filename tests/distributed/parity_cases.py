@@ -13,6 +13,7 @@ differ are ``rank_cases.py``'s."""
 from __future__ import annotations
 
 from tests.distributed.rank_cases import RANK_CASES
+from tests.weights_files import FORMATS
 
 BIG = dict(dim=64, hidden=1024)
 UNDER_LIMITS = dict(dim=256, hidden=1024, depth=4)  # the cases under a device limit
@@ -472,9 +473,6 @@ CASES = {
         strategy=dict(SCHEDULE_FREE["strategy"], sharded_accumulation=False),
     ),
     # DDP starts from the values in start.pt; chunk_offload reads them from a file (written by the test)
-    **{
-        f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied")
-        for fmt in ("torch", "lightning", "consolidated", "safetensors")
-    },
+    **{f"weights_{fmt}": dict(chunk_cls="DeferredNet", weights=fmt, variant="tied") for fmt in FORMATS},
     **RANK_CASES,
 }

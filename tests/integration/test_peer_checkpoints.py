@@ -17,7 +17,7 @@ from lightning_chunk.engine.errors import CheckpointError
 from lightning_chunk.engine.state import peer_checkpoint
 from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params
-from tests.models import fit
+from tests.models import ParityNet, fit
 
 
 def chunk(**kw):
@@ -63,13 +63,13 @@ def test_resumes_as_plain_lightning_resumes_its_own_file(saved, source):
 
 def test_a_directory_is_read_a_parameter_at_a_time(saved, monkeypatch):
     reads = []
-    real = peer_checkpoint._Tree.read
+    real = peer_checkpoint.DCPTree.read
 
     def read(self, keys):
         reads.append(list(keys))
         return real(self, keys)
 
-    monkeypatch.setattr(peer_checkpoint._Tree, "read", read)
+    monkeypatch.setattr(peer_checkpoint.DCPTree, "read", read)
     got = resume(chunk(placement="host", device_memory_limit=120_000), saved["dir"] / "state_dict.ckpt")
     ref = resume("auto", saved["dir"] / "plain.ckpt")
     assert_same_params(ref, got, EXACT)
@@ -108,3 +108,18 @@ def test_a_file_without_optimizer_state_is_refused_as_lightning_refuses_it(saved
         resume("auto", tmp_path / "weights_only.ckpt")
     with pytest.raises(CheckpointError, match=r"weights_only\.ckpt' holds no optimizer state"):
         resume(chunk(), tmp_path / "weights_only.ckpt")
+
+
+@pytest.mark.parametrize("root", ["state_dict", "model"])
+def test_weights_from_a_directory_start_a_new_fit_as_load_state_dict_does(saved, root):
+    """``ChunkOffloadStrategy(weights=dir)``: the directory's weights, then a fresh optimizer."""
+    plain = torch.load(saved["dir"] / "plain.ckpt", weights_only=False)
+
+    class Loaded(ParityNet):
+        def __init__(self, **kw) -> None:
+            super().__init__(**kw)
+            self.load_state_dict(plain["state_dict"])
+
+    ref = fit("auto", steps=4, variant="tied", cls=Loaded)
+    got = fit(chunk(placement="host", weights=str(saved["dir"] / f"{root}.ckpt")), steps=4, variant="tied")
+    assert_same_params(ref, got, EXACT)

@@ -1,5 +1,6 @@
 """Weights read from disk straight into the chunks: a plain ``state_dict`` file, a consolidated
-``lightning-chunk`` file, or a ``save_pretrained`` directory of ``safetensors`` shards.
+``lightning-chunk`` file, a ``save_pretrained`` directory of ``safetensors`` shards, or the sharded directory of
+Lightning's FSDP or ModelParallel strategy.
 
 [Note: streamed weight loading] Nothing here reads a whole model. ``open_weights`` maps the file
 (``torch.load(mmap=True)``; ``safetensors`` maps its shards) and reads a tensor, or only the piece
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .dcp_tree import DCPTree, is_dcp_directory
 
 INDEX_SUFFIX = ".safetensors.index.json"
 _ST_DTYPES = {
@@ -160,6 +163,30 @@ class SafetensorsWeights(Weights):
         return f.get_slice(key)[r0:r1].reshape(-1)[a - r0 * row : b - r0 * row]
 
 
+class DCPWeights(Weights):
+    """The model's state in a directory Lightning's FSDP or ModelParallel strategy saved: a tensor read whole from
+    the shard files when asked ([Note: resuming a peer's sharded checkpoint] in ``state/peer_checkpoint.py``)."""
+
+    def __init__(self, tree: DCPTree, root: str) -> None:
+        self.path, self.tree = tree.path, tree
+        self._keys = {p[0]: k for p, k in tree.under(root).items() if len(p) == 1 and tree.dtype(k) is not None}
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def shape(self, key: str) -> torch.Size:
+        return self.tree.shape(self._keys[key])
+
+    def dtype(self, key: str) -> torch.dtype:
+        dtype = self.tree.dtype(self._keys[key])
+        assert dtype is not None
+        return dtype
+
+    def read(self, key: str, a: int = 0, b: int | None = None) -> torch.Tensor:
+        k = self._keys[key]
+        return self.tree.read([k])[k].reshape(-1)[a:b]
+
+
 def open_weights(path: str | Path) -> Weights:
     """A weights file or directory, by what it holds (see the module docstring)."""
     p = Path(path)
@@ -174,6 +201,10 @@ def open_weights(path: str | Path) -> Weights:
         singles = sorted(p.glob("*.safetensors"))
         if len(singles) == 1:
             return SafetensorsWeights.from_file(singles[0])
+        tree = DCPTree(p) if is_dcp_directory(p) else None
+        root = tree.model_root() if tree is not None else None
+        if tree is not None and root is not None:
+            return DCPWeights(tree, root)
         if (p / "meta.pt").is_file():
             raise WeightsError(
                 f"{p} is a sharded lightning-chunk checkpoint: resume from it with ckpt_path=, or "

@@ -31,14 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointError
-from .checkpoint_dir import DCP_INDEX, META, check_checkpoint_dir
+from ..files.dcp_tree import DCPTree, is_dcp_directory
+from .checkpoint_dir import META, check_checkpoint_dir
 from .saved_chunks import KEY
 
-MODEL_KEYS = ("state_dict", "model")  # ModelParallelStrategy's, FSDPStrategy's
 _OPTIMIZER = re.compile(r"optimizer_(\d+)")
 
 
@@ -59,7 +57,7 @@ def read_peer_checkpoint(path: str | Path) -> dict[str, Any] | None:
     """The checkpoint in directory ``path`` if Lightning's FSDP or ModelParallel strategy wrote it (else ``None``: a
     directory of this package's, or not a checkpoint, which its own reader explains)."""
     path = Path(path)
-    if not (path / META).is_file() or not (path / DCP_INDEX).is_file():
+    if not (path / META).is_file() or not is_dcp_directory(path):
         return None
     try:
         meta = torch.load(path / META, map_location="cpu", weights_only=False)
@@ -67,61 +65,22 @@ def read_peer_checkpoint(path: str | Path) -> dict[str, Any] | None:
         return None
     if not isinstance(meta, dict) or KEY in meta:
         return None
-    tree = _Tree(path)
-    roots = {p[0] for p in tree.paths.values()}
-    model = next((k for k in MODEL_KEYS if k in roots), None)
+    tree = DCPTree(path)
+    model = tree.model_root()
     if model is None:
         return None
     check_checkpoint_dir(path)
     meta["state_dict"] = PeerValues(tree, model)
-    optimizers = sorted(int(m.group(1)) for r in roots if isinstance(r, str) and (m := _OPTIMIZER.fullmatch(r)))
+    optimizers = sorted(int(m.group(1)) for r in tree.roots if isinstance(r, str) and (m := _OPTIMIZER.fullmatch(r)))
     if optimizers:
         meta["optimizer_states"] = [_optimizer(tree, f"optimizer_{i}") for i in optimizers]
     return meta
 
 
-class _Tree:
-    """A DCP checkpoint's index: each stored entry's key and its path in the nested state the saver handed DCP."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.reader = _Reader(path)
-        md = self.reader.metadata
-        self.md = md.state_dict_metadata
-        planned = md.planner_data or {}
-        self.paths: dict[str, tuple[Any, ...]] = {k: tuple(planned.get(k, (k,))) for k in self.md}
-
-    def under(self, *prefix: Any) -> dict[tuple[Any, ...], str]:
-        """The entries below ``prefix``: their path after it -> their key."""
-        n = len(prefix)
-        return {p[n:]: k for k, p in self.paths.items() if p[:n] == prefix and len(p) > n}
-
-    def read(self, keys: list[str]) -> dict[str, Any]:
-        """The entries ``keys``, whole (tensors on the host), read from the files by this process alone."""
-        out: dict[str, Any] = {}
-        for k in keys:
-            md = self.md[k]
-            out[k] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-        dcp.load(out, storage_reader=self.reader, no_dist=True)
-        return out
-
-
-class _Reader(dcp.FileSystemReader):
-    """DCP's reader of ``path``, parsing its index once: each read of a parameter would parse it again (megabytes for
-    a large model saved by many ranks)."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(str(path))
-        self.metadata: Metadata = super().read_metadata()
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self.metadata
-
-
 class PeerValues(Mapping[str, Any]):
     """A peer checkpoint's ``state_dict``: each value read from the files when asked."""
 
-    def __init__(self, tree: _Tree, root: str) -> None:
+    def __init__(self, tree: DCPTree, root: str) -> None:
         self.tree = tree
         self.keys_ = {p[0]: k for p, k in tree.under(root).items() if len(p) == 1}
 
@@ -140,15 +99,14 @@ class PeerValues(Mapping[str, Any]):
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The value's shape, from the index alone."""
-        md = self.tree.md[self.keys_[name]]
-        return tuple(md.size) if isinstance(md, TensorStorageMetadata) else ()
+        return tuple(self.tree.shape(self.keys_[name]))
 
 
 class PeerOptimizerState(Mapping[str, dict[str, Any]]):
     """A peer checkpoint optimizer's ``state``: parameter name -> its state (``step``, ``exp_avg``, ...), read from
     the files when asked."""
 
-    def __init__(self, tree: _Tree, root: str) -> None:
+    def __init__(self, tree: DCPTree, root: str) -> None:
         self.tree = tree
         self.keys_: dict[str, dict[str, str]] = {}
         for p, k in tree.under(root, "state").items():
@@ -170,7 +128,7 @@ class PeerOptimizerState(Mapping[str, dict[str, Any]]):
         return key in self.keys_
 
 
-def _optimizer(tree: _Tree, root: str) -> dict[str, Any]:
+def _optimizer(tree: DCPTree, root: str) -> dict[str, Any]:
     fields = tree.under(root, "param_groups")
     values = tree.read(list(fields.values()))
     groups: dict[int, dict[str, Any]] = {}
