@@ -123,3 +123,12 @@ def test_weights_from_a_directory_start_a_new_fit_as_load_state_dict_does(saved,
     ref = fit("auto", steps=4, variant="tied", cls=Loaded)
     got = fit(chunk(placement="host", weights=str(saved["dir"] / f"{root}.ckpt")), steps=4, variant="tied")
     assert_same_params(ref, got, EXACT)
+
+
+def test_a_deepspeed_directory_is_refused_saying_how_to_start_from_its_weights(tmp_path):
+    """What Lightning's DeepSpeedStrategy saves: ``latest`` and DeepSpeed's own files under the tag."""
+    (tmp_path / "run.ckpt" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run.ckpt" / "latest").write_text("checkpoint")
+    (tmp_path / "run.ckpt" / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"is a DeepSpeed checkpoint.*convert_zero_checkpoint_to_fp32_state_dict"):
+        resume(chunk(), tmp_path / "run.ckpt")

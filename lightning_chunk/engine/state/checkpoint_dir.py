@@ -85,6 +85,13 @@ def check_checkpoint_dir(path: str | Path) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"{str(path)!r} is a file, not a sharded lightning_chunk checkpoint directory.")
     meta, index = path / META, path / DCP_INDEX
+    if not meta.is_file() and ((path / "latest").is_file() or any(path.glob("*/*mp_rank_*_model_states.pt"))):
+        raise CheckpointError(
+            f"{str(path)!r} is a DeepSpeed checkpoint, which chunk_offload does not resume: "
+            "lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict(path, 'model.pt') "
+            "writes its weights to one file, and ChunkOffloadStrategy(weights='model.pt') starts a fit from them "
+            "(DeepSpeed's optimizer state is not read)."
+        )
     if not meta.is_file():
         raise CheckpointError(
             f"{str(path)!r} is not a complete lightning_chunk checkpoint: {META} is missing "
