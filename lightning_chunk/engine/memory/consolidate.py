@@ -8,7 +8,7 @@ memory is one chunk's worth beyond the result.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from ..chunks.chunk import Chunk, TensorInfo
 from ..chunks.parked import show
 from ..chunks.repack import piece_range
+from ..system.lazy_mapping import LazyMapping
 from .manager import ChunkManager
 from .master_writes import copies_made
 
@@ -323,24 +324,5 @@ def load_module_state_dict(
             )
         if shape_of is not None or not state_dict[k].is_meta:
             keys[i] = k
-    load_values(mgr, _ByIndex(state_dict, keys))
+    load_values(mgr, LazyMapping(keys, state_dict.__getitem__))
     module.load_state_dict({k: state_dict[k] for k in state_dict if k not in param_keys and k in sd}, strict=False)
-
-
-class _ByIndex(Mapping[int, torch.Tensor]):
-    """Parameter index -> its value in a ``state_dict``, looked up when asked."""
-
-    def __init__(self, state_dict: Mapping[str, Any], keys: dict[int, str]) -> None:
-        self.state_dict, self.keys_ = state_dict, keys
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.state_dict[self.keys_[i]]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.keys_)
-
-    def __len__(self) -> int:
-        return len(self.keys_)
-
-    def __contains__(self, key: object) -> bool:  # Mapping's own reads the value
-        return key in self.keys_

@@ -14,8 +14,10 @@ be that group's parameters, since the group's hyperparameters come with it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from ..system.lazy_mapping import LazyMapping
 
 
 def keyed_by_name(sd: dict[str, Any]) -> bool:
@@ -32,7 +34,7 @@ def state_by_param(
     indices of each of this optimizer's param groups, in order; ``names``: each parameter index's name. Unknown keys
     are a clear error."""
     if keyed_by_name(sd):
-        return _Remapped(sd["state"], _by_name(sd, group_params, names))
+        return LazyMapping(_by_name(sd, group_params, names), sd["state"].__getitem__)
     order = [i for g in group_params for i in g]
     keys: dict[int, Any] = {}
     for k in sd["state"]:
@@ -43,24 +45,7 @@ def state_by_param(
                 "parameters: the checkpoint was written for another model or optimizer"
             )
         keys[order[pos]] = k
-    return _Remapped(sd["state"], keys)
-
-
-class _Remapped(Mapping[int, Any]):
-    def __init__(self, state: Mapping[Any, Any], keys: dict[int, Any]) -> None:
-        self.state, self.keys_ = state, keys
-
-    def __getitem__(self, i: int) -> Any:
-        return self.state[self.keys_[i]]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.keys_)
-
-    def __len__(self) -> int:
-        return len(self.keys_)
-
-    def __contains__(self, key: object) -> bool:  # Mapping's own reads the value
-        return key in self.keys_
+    return LazyMapping(keys, sd["state"].__getitem__)
 
 
 def _by_name(sd: dict[str, Any], group_params: Sequence[Sequence[int]], names: Sequence[str]) -> dict[int, str]:

@@ -10,7 +10,7 @@ one file first, which holds the whole model and its optimizer state in one proce
 
 ``read_peer_checkpoint`` instead gives what ``torch.load`` gives for a plain checkpoint, lazily: ``state_dict`` and
 each optimizer's ``state`` are mappings that read a parameter's value, or its optimizer state, from the files when
-asked and keep nothing (``PeerValues``, ``PeerOptimizerState``). DCP reads any saver's sharding into the whole tensor.
+asked and keep nothing (``PeerValues``, ``_optimizer_state``). DCP reads any saver's sharding into the whole tensor.
 The loaders ask for a parameter only where this rank holds a piece of it (``load_values``, ``local_optimizer_state``
 in ``memory/consolidate.py``), so a rank's memory grows by one parameter's tensors at a time. Each reads the whole
 parameter (a parameter spread over k ranks' shards is read k times; this package's own directories read only the
@@ -26,7 +26,6 @@ directory leaves under the directory's names (``model``, ``optimizer_<i>``).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..files.dcp_tree import DCPTree, is_dcp_directory
+from ..system.lazy_mapping import LazyMapping
 from .checkpoint_dir import META, check_checkpoint_dir
 from .saved_chunks import KEY
 
@@ -77,55 +77,34 @@ def read_peer_checkpoint(path: str | Path) -> dict[str, Any] | None:
     return meta
 
 
-class PeerValues(Mapping[str, Any]):
+class PeerValues(LazyMapping[str, Any]):
     """A peer checkpoint's ``state_dict``: each value read from the files when asked."""
 
     def __init__(self, tree: DCPTree, root: str) -> None:
+        super().__init__({p[0]: k for p, k in tree.under(root).items() if len(p) == 1}, self._value)
         self.tree = tree
-        self.keys_ = {p[0]: k for p, k in tree.under(root).items() if len(p) == 1}
 
-    def __getitem__(self, name: str) -> Any:
-        key = self.keys_[name]
+    def _value(self, key: str) -> Any:
         return self.tree.read([key])[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.keys_)
-
-    def __len__(self) -> int:
-        return len(self.keys_)
-
-    def __contains__(self, key: object) -> bool:  # Mapping's own reads the value
-        return key in self.keys_
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The value's shape, from the index alone."""
-        return tuple(self.tree.shape(self.keys_[name]))
+        return tuple(self.tree.shape(self.where[name]))
 
 
-class PeerOptimizerState(Mapping[str, dict[str, Any]]):
+def _optimizer_state(tree: DCPTree, root: str) -> LazyMapping[str, dict[str, Any]]:
     """A peer checkpoint optimizer's ``state``: parameter name -> its state (``step``, ``exp_avg``, ...), read from
     the files when asked."""
+    keys: dict[str, dict[str, str]] = {}
+    for p, k in tree.under(root, "state").items():
+        if len(p) == 2:
+            keys.setdefault(p[0], {})[p[1]] = k
 
-    def __init__(self, tree: DCPTree, root: str) -> None:
-        self.tree = tree
-        self.keys_: dict[str, dict[str, str]] = {}
-        for p, k in tree.under(root, "state").items():
-            if len(p) == 2:
-                self.keys_.setdefault(p[0], {})[p[1]] = k
+    def read(fields: dict[str, str]) -> dict[str, Any]:
+        values = tree.read(list(fields.values()))
+        return {field: values[k] for field, k in fields.items()}
 
-    def __getitem__(self, name: str) -> dict[str, Any]:
-        keys = self.keys_[name]
-        values = self.tree.read(list(keys.values()))
-        return {field: values[k] for field, k in keys.items()}
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.keys_)
-
-    def __len__(self) -> int:
-        return len(self.keys_)
-
-    def __contains__(self, key: object) -> bool:  # Mapping's own reads the value
-        return key in self.keys_
+    return LazyMapping(keys, read)
 
 
 def _optimizer(tree: DCPTree, root: str) -> dict[str, Any]:
@@ -136,4 +115,4 @@ def _optimizer(tree: DCPTree, root: str) -> dict[str, Any]:
         if len(p) != 2:
             raise CheckpointError(f"{str(tree.path)!r}: {root}'s param group entry {p} is not (group, field)")
         groups.setdefault(int(p[0]), {})[p[1]] = values[k]
-    return {"state": PeerOptimizerState(tree, root), "param_groups": [groups[j] for j in sorted(groups)]}
+    return {"state": _optimizer_state(tree, root), "param_groups": [groups[j] for j in sorted(groups)]}
