@@ -262,7 +262,9 @@ def local_optimizer_state(
     whole: Mapping[int, dict[str, Any]],
     whole_keys: frozenset[str] = frozenset(),
 ) -> dict[int, dict[str, Any]]:
-    """This rank's pieces of whole per-parameter state (flat, like the views)."""
+    """This rank's pieces of whole per-parameter state (flat, like the views). Every tensor is a copy: one kept by
+    reference (a ``step``) would keep a mapped checkpoint file mapped for the whole fit ([Note: a plain checkpoint
+    mapped] in ``checkpointing.py``)."""
     out: dict[int, dict[str, Any]] = {}
     for i, _v in views.items():
         st = whole.get(i)
@@ -275,6 +277,8 @@ def local_optimizer_state(
             k: (
                 val.reshape(-1)[a - info.offset : b - info.offset].clone()
                 if _per_element(k, val, numel, whole_keys)
+                else val.clone()
+                if torch.is_tensor(val)
                 else val
             )
             for k, val in st.items()
