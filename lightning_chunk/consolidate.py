@@ -25,6 +25,7 @@ from .engine.state.checkpoint import (
     saved_state_dtype,
     weights_key,
 )
+from .engine.state.peer_checkpoint import as_plain, read_peer_checkpoint
 from .engine.state.saved_chunks import load_chunk
 from .engine.system.atomic import replace_dir
 from .engine.system.host_heap import release_freed_memory
@@ -132,7 +133,13 @@ def read_checkpoint(path: str | Path, map_location: Any = None) -> dict[str, Any
     """A sharded checkpoint as ``torch.load`` gives a plain Lightning checkpoint file, without the optimizer state:
     the whole weights under ``state_dict`` and what else the saver put in beside them (hyperparameters, callbacks'
     and loops' states). Weights left out of the save (keys deleted in ``on_save_checkpoint``) are left out here.
-    ``map_location``, a device or its name, moves every tensor; otherwise they stay on the CPU."""
+    ``map_location``, a device or its name, moves every tensor; otherwise they stay on the CPU. A directory Lightning's
+    FSDP or ModelParallel strategy saved is read too ([Note: resuming a peer's sharded checkpoint])."""
+    peer = read_peer_checkpoint(path)
+    if peer is not None:
+        obj = {k: v for k, v in as_plain(peer).items() if k != "optimizer_states"}
+        obj[MODEL_KEY] = dict(obj[MODEL_KEY])
+        return _moved(obj, map_location)
     path = check_checkpoint_dir(path)
     meta = read_meta(path)
     ck = meta[KEY]
@@ -148,6 +155,10 @@ def read_checkpoint(path: str | Path, map_location: Any = None) -> dict[str, Any
         for k in ck["state_dict_keys"]
         if k in entries or aliases.get(k, "") in params or k in ck["buffers"]
     }
+    return _moved(obj, map_location)
+
+
+def _moved(obj: dict[str, Any], map_location: Any) -> dict[str, Any]:
     if isinstance(map_location, (str, torch.device)):
         obj = apply_to_collection(obj, torch.Tensor, lambda t: t.to(map_location))
     return obj

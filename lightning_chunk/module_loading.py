@@ -6,9 +6,10 @@ sharded checkpoint (the default ``state_dict_type``) is a directory, and Lightni
 ``IsADirectoryError``, with no word of what to do (DeepSpeed's and FSDP's sharded checkpoints fail the same way, and
 their users convert first). Importing this package wraps the loader that ``load_from_checkpoint`` calls
 (``lightning.pytorch.core.saving.pl_load``): a local directory is read as a sharded checkpoint by
-``consolidate.read_checkpoint``, which gives what ``torch.load`` gives for a plain checkpoint file (the whole
-weights, the hyperparameters, no optimizer state); anything else goes to Lightning's loader unchanged. The whole
-model is then in host memory once, as a plain checkpoint's would be; for a model larger than that, evaluate with
+``consolidate.read_checkpoint`` (FSDP's and ModelParallel's too: [Note: resuming a peer's sharded checkpoint]),
+which gives what ``torch.load`` gives for a plain checkpoint file (the whole weights, the hyperparameters, no
+optimizer state); anything else goes to Lightning's loader unchanged. The whole model is then in host memory once,
+as a plain checkpoint's would be; for a model larger than that, evaluate with
 ``trainer.validate/test/predict(model, ckpt_path=dir)`` under ``chunk_offload``. Resuming a fit under another
 strategy is not covered: that reads through the strategy's checkpoint IO (``lightning-chunk consolidate
 --with-optimizer`` writes a file it reads).

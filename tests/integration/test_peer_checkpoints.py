@@ -132,3 +132,12 @@ def test_a_deepspeed_directory_is_refused_saying_how_to_start_from_its_weights(t
     (tmp_path / "run.ckpt" / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"is a DeepSpeed checkpoint.*convert_zero_checkpoint_to_fp32_state_dict"):
         resume(chunk(), tmp_path / "run.ckpt")
+
+
+@pytest.mark.parametrize("root", ["state_dict", "model"])
+def test_load_from_checkpoint_reads_a_directory_as_plain_lightning_reads_the_file(saved, root):
+    """Lightning's own ``load_from_checkpoint`` fails on a directory (``IsADirectoryError``)."""
+    want = ParityNet.load_from_checkpoint(saved["dir"] / "plain.ckpt", variant="tied")
+    got = ParityNet.load_from_checkpoint(saved["dir"] / f"{root}.ckpt", variant="tied")
+    assert_same_params(want, got, EXACT)
+    assert torch.equal(got.calls, want.calls) and got.head.weight is got.embed.weight
