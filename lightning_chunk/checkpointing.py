@@ -25,12 +25,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -262,8 +262,10 @@ class ChunkCheckpoints(OneProcessPerDevice):
         new inode) rather than write into it. A file ``torch.save`` wrote in its legacy format, a remote path, a
         file that cannot be mapped, or a user's own ``CheckpointIO`` go through Lightning's reader as before (its
         ``weights_only`` came in Lightning 2.6, passed only when given)."""
-        path = Path(str(checkpoint_path))
-        if type(self.checkpoint_io) is TorchCheckpointIO and _is_local(checkpoint_path) and path.is_file():
+        path, io = Path(str(checkpoint_path)), cast("CheckpointIO | None", self.checkpoint_io)
+        if type(io) is AsyncCheckpointIO:  # its saves run beside training; its reads are its inner IO's
+            io = io.checkpoint_io
+        if type(io) is TorchCheckpointIO and _is_local(checkpoint_path) and path.is_file():
             try:
                 return torch.load(path, map_location=lambda storage, loc: storage, mmap=True, weights_only=weights_only)
             except Exception:  # noqa: BLE001 - Lightning's reader reads it, or raises its own error

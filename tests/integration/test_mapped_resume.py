@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 from lightning_chunk import ChunkOffloadStrategy
 from lightning_chunk.engine.memory import consolidate
@@ -16,6 +16,9 @@ from tests.models import fit
 
 class OwnIO(TorchCheckpointIO):
     """A user's own CheckpointIO: its reader is used as it is."""
+
+
+PLUGINS = {"default": lambda: None, "async": lambda: [AsyncCheckpointIO()], "own": lambda: [OwnIO()]}
 
 
 @pytest.fixture
@@ -30,19 +33,17 @@ def loads(monkeypatch) -> list[dict]:
     return seen
 
 
-@pytest.mark.parametrize("own_io", [False, True])
-def test_a_local_file_is_mapped_unless_the_user_reads_it_otherwise(tmp_path, loads, own_io):
+@pytest.mark.parametrize("io", ["default", "async", "own"])
+def test_a_local_file_is_mapped_unless_the_user_reads_it_otherwise(tmp_path, loads, io):
     first = fit("auto", steps=4, variant="tied")
     first.trainer_ref.save_checkpoint(tmp_path / "plain.ckpt")
     ref = fit("auto", steps=8, variant="tied", ckpt_path=str(tmp_path / "plain.ckpt"))
     loads.clear()
     strategy = ChunkOffloadStrategy(**grouped(dict(optimizer_kernel="loop", placement="host")))
-    got = fit(
-        strategy, steps=8, variant="tied", ckpt_path=str(tmp_path / "plain.ckpt"), plugins=[OwnIO()] if own_io else None
-    )
+    got = fit(strategy, steps=8, variant="tied", ckpt_path=str(tmp_path / "plain.ckpt"), plugins=PLUGINS[io]())
     assert_same_params(ref, got, EXACT)
     mine = [c for c in loads if "plain.ckpt" in c["path"]]
-    assert len(mine) == 1 and mine[0].get("mmap", False) is not own_io, mine
+    assert len(mine) == 1 and mine[0].get("mmap", False) is (io != "own"), mine
 
 
 def test_the_loaded_optimizer_state_keeps_no_tensor_of_the_checkpoint():
