@@ -46,7 +46,7 @@ def test_a_local_file_is_mapped_unless_the_user_reads_it_otherwise(tmp_path, loa
     assert len(mine) == 1 and mine[0].get("mmap", False) is (io != "own"), mine
 
 
-def test_the_loaded_optimizer_state_keeps_no_tensor_of_the_checkpoint():
+def test_the_loaded_optimizer_state_keeps_no_tensor_of_the_checkpoint(monkeypatch):
     """A ``step`` kept by reference kept a mapped checkpoint mapped (its pages resident) for the whole fit."""
     step, moment = torch.tensor(4.0), torch.arange(6.0)
 
@@ -56,12 +56,8 @@ def test_the_loaded_optimizer_state_keeps_no_tensor_of_the_checkpoint():
         def lookup(self, p):
             return None, type("Info", (), {"numel": 6, "offset": 0})()
 
-    original = consolidate._pieces
-    try:
-        consolidate._pieces = lambda mgr, chunk, info: (0, 6)
-        out = consolidate.local_optimizer_state(One(), {0: One.params[0]}, {0: {"step": step, "exp_avg": moment}})
-    finally:
-        consolidate._pieces = original
+    monkeypatch.setattr(consolidate, "_pieces", lambda mgr, chunk, info: (0, 6))
+    out = consolidate.local_optimizer_state(One(), {0: One.params[0]}, {0: {"step": step, "exp_avg": moment}})
     assert torch.equal(out[0]["step"], step) and torch.equal(out[0]["exp_avg"], moment)
     assert out[0]["step"].untyped_storage().data_ptr() != step.untyped_storage().data_ptr()
     assert out[0]["exp_avg"].untyped_storage().data_ptr() != moment.untyped_storage().data_ptr()

@@ -15,9 +15,8 @@ The loaders ask for a parameter only where this rank holds a piece of it (``load
 in ``memory/consolidate.py``), so a rank's memory grows by one parameter's tensors at a time. Each reads the whole
 parameter (a parameter spread over k ranks' shards is read k times; this package's own directories read only the
 pieces, [Note: a resume reads what the rank holds]). The small entries (buffers, ``step``, hyperparameters) are read
-whole. The optimizer's groups must be made as the saver's were (their names are
-checked). The files are those of a complete save: ``check_checkpoint_dir`` checks them against DCP's index first, as
-for this package's own.
+whole. The optimizer's groups must be made as the saver's were (their names are checked). The files are those of a
+complete save: ``check_checkpoint_dir`` checks them against DCP's index first, as for this package's own.
 
 ``as_plain(checkpoint)`` also names, as Lightning's Trainer expects, what a one-file consolidation of such a
 directory leaves under the directory's names (``model``, ``optimizer_<i>``).

@@ -4,13 +4,13 @@ written for plain dicts ([Note: resuming a peer's sharded checkpoint] in ``state
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
 
 
-class LazyMapping(Mapping[K, V], Generic[K, V]):
+class LazyMapping(Mapping[K, V]):
     """Each key ``k`` of ``where`` maps to ``read(where[k])``, called at every lookup and kept nowhere. Membership and
     iteration read nothing (``Mapping``'s own ``__contains__`` would read the value)."""
 
