@@ -7,7 +7,9 @@ holds mostly what it held ([Note: a chunk's parameters in their old places] in `
 on the host keep their tier. Such a chunk's host shard is the new one but for the parameters that came or went: the
 new chunk takes the old one's master, compute copy and gradient as they are (``Kept``), the values of the parameters
 that leave it are copied out first (``OldChunks`` in ``repack.py``), those that come are written into their slots,
-and the padding is zeroed again (a gradient's, and the parameters' that carry none). On a GPU that spares a pinned
+and the padding is zeroed again (a gradient's, and the parameters' that carry none). Only a parameter in the same slot
+of both stays: one at another offset (a layout ``keep_slots`` could not keep, paired all the same) is copied out and
+written back as one that came; counted as staying, it took the bytes the old chunk held there. On a GPU that spares a pinned
 allocation and a copy of each such shard (a repack after the warm-up of 10B parameters keeps some 45 GB of them on
 the host); with several ranks, its all-gather too: only what leaves is all-gathered (``gather_pieces``). Every rank
 pairs alike, as the layouts and tiers are the same on every rank. The optimizer state still moves by piece ([Note:

@@ -48,7 +48,7 @@ from .build import fill_range, flat_piece
 from .chunk import Chunk, Tier
 from .kept import Kept, gather_pieces, pair_chunks
 from .materialize import DeferredInit
-from .packing import ChunkSpec, Layout
+from .packing import ChunkSpec, Layout, Slot
 
 _HOST = torch.device("cpu")
 
@@ -329,11 +329,11 @@ class OldChunks:
             return None
         assert (old.master_dtype, old.compute_dtype) == (chunk.master_dtype, chunk.compute_dtype)
         self._take_out(old)
-        fresh = tuple(s for s in chunk.spec.slots if self.owner[s.param_index] is not old)
+        stays, lo = self._stays[old.chunk_id], chunk.shard_range[0]
+        fresh = tuple(s for s in chunk.spec.slots if s.param_index not in stays)  # came, or moved within
         for s in fresh:  # every rank reads the same old chunks in one order, whatever pieces its shard holds
             self._open(self.owner[s.param_index])
         extra = self._taken.pop(old.chunk_id, {})
-        stays, lo = self._stays[old.chunk_id], chunk.shard_range[0]
         for t in old.tensors if extra else ():  # this rank's pieces of those it holds, where the old shard held them
             a, b = piece_range(chunk, t.offset, t.numel)
             if a < b and t.slot.param_index in stays:
@@ -357,8 +357,8 @@ class OldChunks:
 
     def build_order(self, layout: Layout) -> list[ChunkSpec]:
         self._keeps = pair_chunks(layout, self.chunks, self.tiers)
-        members = {spec.chunk_id: {s.param_index for s in spec.slots} for spec in layout.chunks}
-        self._stays = {c.chunk_id: members[new] for new, c in self._keeps.items()}
+        slots = {spec.chunk_id: spec.slots for spec in layout.chunks}
+        self._stays = {c.chunk_id: _in_same_slots(slots[new], c) for new, c in self._keeps.items()}
         return list(layout.chunks)  # the order every rank all-gathers the old chunks in
 
     def same_everywhere(self, chunk: Chunk) -> bool:
@@ -412,6 +412,14 @@ class OldChunks:
 
     def done(self) -> bool:
         return not (self.left or self._values or self._grads or self._extra or self._read_in_place)
+
+
+def _in_same_slots(slots: tuple[Slot, ...], old: Chunk) -> set[int]:
+    """The parameters of ``slots`` (a new chunk's) that old chunk ``old`` holds at the same offset: what stays where it
+    is when the new chunk keeps ``old``'s buffers ([Note: a chunk that keeps its buffers] in ``kept.py``). One that
+    moved within the chunk is copied out and written back like one that came from elsewhere."""
+    was = {t.slot.param_index: (t.offset, t.numel) for t in old.tensors}
+    return {s.param_index for s in slots if was.get(s.param_index) == (s.offset, s.numel)}
 
 
 def _in_host_memory(c: Chunk, master: torch.Tensor) -> bool:
