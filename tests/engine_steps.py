@@ -40,3 +40,49 @@ def train_beside_torch(model: torch.nn.Module, ref: torch.nn.Module, config, ste
         ref(x).pow(2).mean().backward()
         oref.step()
     return eng, opt
+
+
+class InOrder(torch.nn.Module):
+    """A block used in the order it registers its parameters: its chunk is laid out alike before and after the
+    warm-up."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.first_norm, self.linear = torch.nn.LayerNorm(width), torch.nn.Linear(width, width)
+        self.second_norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.second_norm(torch.relu(self.linear(self.first_norm(x))))
+
+
+def two_weights_traded(layout):  # noqa: ANN001, ANN201
+    """``layout`` with each chunk's first two parameters of one size in each other's slots: a chunk that keeps its old
+    buffers, most of it in the same slots, with two parameters moved within it ([Note: a chunk that keeps its
+    buffers])."""
+    from dataclasses import replace
+
+    from lightning_chunk.engine.chunks.packing import Layout
+
+    chunks = []
+    for c in layout.chunks:
+        slots, seen = list(c.slots), {}
+        for k, s in enumerate(slots):
+            j = seen.setdefault(s.numel, k)
+            if j != k:
+                a, b = slots[j], slots[k]
+                slots[j], slots[k] = replace(a, param_index=b.param_index), replace(b, param_index=a.param_index)
+                break
+        chunks.append(replace(c, slots=tuple(slots)))
+    return Layout(layout.capacity_numel, layout.world_size, tuple(chunks), layout.order)
+
+
+def traded_at_the_warm_up():  # noqa: ANN201
+    """A stand-in for ``keep_slots`` that trades two weights in every chunk at the warm-up's repack
+    (``two_weights_traded``) and leaves later layouts as chosen, so a later repack trades them back."""
+    repacks = []
+
+    def keep_slots(new, old):  # noqa: ANN001, ANN202
+        repacks.append(new)
+        return two_weights_traded(new) if len(repacks) == 1 else new
+
+    return keep_slots

@@ -118,6 +118,35 @@ def shifted(out: Path, rank: int) -> None:
     (out / f"repack.shifted.{rank}.json").write_text(json.dumps(report))
 
 
+def moved(out: Path, rank: int) -> None:
+    """[Note: a chunk that keeps its buffers] on several ranks, where parameters move within the chunks that keep their
+    buffers: two weights of each chunk trade slots at the warm-up and trade back at a repack after Adam made its
+    state. The same bits as rebuilding every chunk."""
+    from lightning_chunk.engine.chunks.kept import pair_chunks
+    from lightning_chunk.engine.runtime import warmup
+    from tests.engine_steps import InOrder, traded_at_the_warm_up
+
+    keep_slots, report, states = warmup.keep_slots, {}, {}
+    for name, pairing in (("kept", pair_chunks), ("rebuilt", lambda *a: {})):
+        repack.pair_chunks, warmup.keep_slots = pairing, traded_at_the_warm_up()
+        torch.manual_seed(0)
+        model = nn.Sequential(*(InOrder(64) for _ in range(4)))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        config = ChunkConfig(placement="host", chunk_numel=64 * 64 + 5 * 64, check_invariants=True)
+        comm = Collectives(timeout_s=30)
+        eng = ChunkEngine(model, [opt], config=config, device=torch.device("cpu"), collectives=comm)
+        for i in range(4):
+            if i == 2:
+                eng.warm_up.replan(warmup.Replan.REQUIRES_GRAD)  # after Adam made its state: traded back
+            step(eng, model, opt, torch.randn(8, 64, generator=torch.Generator().manual_seed(rank + 2 * i)))
+        report[name] = eng.memory_stats()["kept_chunks"]
+        states[name] = {k: v.clone() for k, v in eng.full_state_dict().items()}
+        eng.teardown(materialize=False)
+    repack.pair_chunks, warmup.keep_slots = pair_chunks, keep_slots
+    report["same"] = all(torch.equal(v, states["rebuilt"][k]) for k, v in states["kept"].items())
+    (out / f"repack.moved.{rank}.json").write_text(json.dumps(report))
+
+
 def run(out: Path, rank: int, placement: str, limit: int) -> None:
     peak["held"] = 0
     gathered.clear()
@@ -146,8 +175,8 @@ def run(out: Path, rank: int, placement: str, limit: int) -> None:
 if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for case in sys.argv[2:]:
-        if case == "shifted":
-            shifted(Path(sys.argv[1]), int(os.environ["RANK"]))
+        if case in ("shifted", "moved"):
+            (shifted if case == "shifted" else moved)(Path(sys.argv[1]), int(os.environ["RANK"]))
             continue
         placement, limit = case.split(":")
         run(Path(sys.argv[1]), int(os.environ["RANK"]), placement, int(limit))

@@ -36,8 +36,9 @@ def test_a_repack_on_several_ranks_gathers_only_the_chunks_that_change(tmp_path)
     """[Note: a chunk that keeps its buffers]: a model used in its registration order keeps its layout at the
     warm-up, and the chunks that stay on the host keep their shards on every rank, with no all-gather; before, the
     repack all-gathered every old chunk. A model whose norms cross the chunks' bounds in first-use order keeps them
-    too (it rebuilt them all)."""
-    ranks = Ranks(WORKER, tmp_path, "ordered-auto:4000000", "shifted", world_size=2, env=AS_NCCL).wait(timeout=180)
+    too (it rebuilt them all), and where parameters move within them, the same bits as rebuilt."""
+    ranks = Ranks(WORKER, tmp_path, "ordered-auto:4000000", "shifted", "moved", world_size=2, env=AS_NCCL)
+    ranks = ranks.wait(timeout=180)
     assert all(rc == 0 for rc, *_ in ranks), "".join(so + se for _, so, se, _ in ranks)[-3000:]
     got = [json.loads((tmp_path / f"repack.ordered-auto.{r}.json").read_text()) for r in range(2)]
     assert got[0]["tiers"] == ["DEVICE", "HOST"] and got[0]["gathered"] == got[1]["gathered"], got
@@ -51,3 +52,6 @@ def test_a_repack_on_several_ranks_gathers_only_the_chunks_that_change(tmp_path)
     # each kept chunk's master and gradient no longer all-gathered (16,384 fp32 elements each), only what left it
     saved = rebuilt["all_gather_bytes"] - kept["all_gather_bytes"]
     assert 0.95 * kept["kept"] * 2 * 16384 * 4 <= saved <= kept["kept"] * 2 * 16384 * 4, shifted
+    # parameters moved within the chunks that keep their buffers: copied out and written back, with Adam's state
+    moved = [json.loads((tmp_path / f"repack.moved.{r}.json").read_text()) for r in range(2)]
+    assert moved[0] == moved[1] and moved[0]["same"] and moved[0]["kept"] == 8 and moved[0]["rebuilt"] == 0, moved

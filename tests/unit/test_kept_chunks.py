@@ -1,14 +1,13 @@
 """[Note: a chunk's parameters in their old places] and [Note: a chunk that keeps its buffers]: what a repack after
 the warm-up keeps of the chunks it replaces."""
 
-from dataclasses import replace
-
 import torch
 import torch.nn as nn
 
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.chunks import packing, repack
 from lightning_chunk.engine.runtime import warmup
+from tests.engine_steps import InOrder, traded_at_the_warm_up
 from tests.unit.test_engine import assert_as_plain, steps_beside_plain
 
 
@@ -120,38 +119,6 @@ def test_a_kept_chunk_size_that_does_not_fit_gives_way_to_the_searchs(monkeypatc
     assert eng.layouts.choose(first_use, None, keep=2082048).capacity_numel == 2081280
 
 
-class InOrder(nn.Module):
-    """A block used in the order it registers its parameters: its chunk is laid out alike before and after the
-    warm-up."""
-
-    def __init__(self, width: int = 16):
-        super().__init__()
-        self.first_norm, self.linear, self.second_norm = (
-            nn.LayerNorm(width),
-            nn.Linear(width, width),
-            nn.LayerNorm(width),
-        )
-
-    def forward(self, x):
-        return x + self.second_norm(torch.relu(self.linear(self.first_norm(x))))
-
-
-def _two_weights_traded(layout: packing.Layout) -> packing.Layout:
-    """``layout`` with each chunk's first two weights of one size in each other's slots: a chunk that keeps its old
-    buffers, most of it in the same slots, with two parameters moved within it."""
-    chunks = []
-    for c in layout.chunks:
-        slots, seen = list(c.slots), {}
-        for k, s in enumerate(slots):
-            j = seen.setdefault(s.numel, k)
-            if j != k:
-                a, b = slots[j], slots[k]
-                slots[j], slots[k] = replace(a, param_index=b.param_index), replace(b, param_index=a.param_index)
-                break
-        chunks.append(replace(c, slots=tuple(slots)))
-    return packing.Layout(layout.capacity_numel, layout.world_size, tuple(chunks), layout.order)
-
-
 def test_parameters_moved_within_a_chunk_that_keeps_its_buffers_move_their_values(monkeypatch):
     """[Note: a chunk that keeps its buffers]: a new chunk keeps an old one's buffers where at least half of both are
     the same parameters in the same slots; the others it holds are written into their slots. It counted as staying
@@ -164,13 +131,7 @@ def test_parameters_moved_within_a_chunk_that_keeps_its_buffers_move_their_value
     ref.load_state_dict(m.state_dict())
     opt, oref = torch.optim.Adam(m.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
     block = sum(-(-p.numel() // 16) * 16 for p in m[0].parameters())  # [Note: aligned parameters]
-    repacks = []
-
-    def trade_at_the_warm_up(new: packing.Layout, old: packing.Layout) -> packing.Layout:
-        repacks.append(new)
-        return _two_weights_traded(new) if len(repacks) == 1 else new
-
-    monkeypatch.setattr(warmup, "keep_slots", trade_at_the_warm_up)
+    monkeypatch.setattr(warmup, "keep_slots", traded_at_the_warm_up())
     eng = ChunkEngine(m, [opt], config=ChunkConfig(placement="host", chunk_numel=block, check_invariants=True))
     set_up = eng.manager.layout
     steps_beside_plain(eng, m, opt, ref, oref, steps=2, width=16)

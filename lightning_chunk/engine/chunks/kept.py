@@ -3,16 +3,16 @@
 [Note: a chunk that keeps its buffers]
 A repack rebuilds every chunk, yet most often most of them come out as they were: the warm-up's layout in first-use
 order is the registration order's for a stack of blocks, and a chunk's parameters stay in their old places where it
-holds mostly what it held ([Note: a chunk's parameters in their old places] in ``packing.py``); the chunks that stay
-on the host keep their tier. Such a chunk's host shard is the new one but for the parameters that came or went: the
-new chunk takes the old one's master, compute copy and gradient as they are (``Kept``), the values of the parameters
-that leave it are copied out first (``OldChunks`` in ``repack.py``), those that come are written into their slots,
-and the padding is zeroed again (a gradient's, and the parameters' that carry none). Only a parameter in the same slot
-of both stays: one at another offset (a layout ``keep_slots`` could not keep, paired all the same) is copied out and
-written back as one that came; counted as staying, it took the bytes the old chunk held there. On a GPU that spares a pinned
-allocation and a copy of each such shard (a repack after the warm-up of 10B parameters keeps some 45 GB of them on
-the host); with several ranks, its all-gather too: only what leaves is all-gathered (``gather_pieces``). Every rank
-pairs alike, as the layouts and tiers are the same on every rank. The optimizer state still moves by piece ([Note:
+holds mostly what it held ([Note: a chunk's parameters in their old places] in ``packing.py``); the chunks that stay on
+the host keep their tier. Such a chunk's host shard is the new one but for the parameters that came or went: the new
+chunk takes the old one's master, compute copy and gradient as they are (``Kept``), the values of the parameters that
+leave it are copied out first (``OldChunks`` in ``repack.py``), those that come are written into their slots, and the
+padding is zeroed again (a gradient's, and the parameters' that carry none). Only a parameter in the same slot of both
+stays: one at another offset (a layout ``keep_slots`` could not keep, paired all the same) is copied out and written
+back as one that came; counted as staying, it took the bytes the old chunk held there. On a GPU that spares a pinned
+allocation and a copy of each such shard (a repack after the warm-up of 10B parameters keeps some 45 GB of them on the
+host); with several ranks, its all-gather too: only what leaves is all-gathered (``gather_pieces``). Every rank pairs
+alike, as the layouts and tiers are the same on every rank. The optimizer state still moves by piece ([Note:
 optimizer state through a repack] in ``repack.py``)."""
 
 from __future__ import annotations
