@@ -17,12 +17,13 @@ contrastive and speech models are built from configs written here. Together they
 models do: a relative position bias computed by the first layer and passed to the others (T5), one layer run at
 every depth (ALBERT), a temperature read by the root's forward (CLIP), relative embeddings every layer reads
 (DeBERTa), recurrences and selective scans (RWKV, Mamba, Jamba), mixtures of experts with 3D expert weights.
-Measured on 2026-12-04 (transformers 5.25, torch 2.13): in 32-true every kind trained to the same bits on one
-rank (also under the smallest device limit that fits, auto placement evicting), and the 27 tried on two ranks run as
-NCCL to DDP's. In bf16-mixed the dense kinds land 0.7-1.6x as far from plain Lightning's update as plain Lightning
-is from fp32 (payloads round where autocast casts per op). A mixture of experts routes by top-k: one rounding flips
-a route, so its figure jumps either way (granitemoe 0.18 against 0.04, mixtral 0.05 against 0.16). Plain Lightning
-itself, its weights perturbed by bf16's rounding, moves as far: mixtral 0.17, granitemoe 0.05-0.14 over four draws.
+Measured on 2026-12-07 at d21bf4e (transformers 5.25, torch 2.13): in 32-true every kind trained to the same bits on one
+rank, also under the smallest device limit that fits (auto placement evicting; CLIP had not since e00ef22: a norm moved
+within a chunk that kept its buffers, fixed in c63a34a), and all 73 on two ranks run as NCCL to DDP's. In bf16-mixed the
+dense kinds land 0.7-1.6x as far from plain Lightning's update as plain Lightning is from fp32 (payloads round where
+autocast casts per op). A mixture of experts routes by top-k: one rounding flips a route, so its figure jumps either way
+(granitemoe 0.18 against 0.04, mixtral 0.05 against 0.16). Plain Lightning itself, its weights perturbed by bf16's
+rounding, moves as far: mixtral 0.17, granitemoe 0.05-0.14 over four draws.
 """
 
 from __future__ import annotations
