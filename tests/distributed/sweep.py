@@ -57,6 +57,9 @@ MODELS = [
     ("RankGatedNet", "plain"),  # a gate's parameter used on some ranks and not others, differently each step
     ("RankGatedNet", "own_chunk"),  # the same gate a row packed with the weights
     ("MixtureNet", "plain"),  # experts no token chose are not run: which run differs across ranks and steps
+    ("RootTiedNet", "plain"),  # the head tied in the LightningModule's forward: the root adopts the embedding
+    ("RootTiedNet", "matmul"),
+    ("PeekNet", "plain"),  # a block reads its child's weight: it adopts it, and the chunks are traced again
 ]
 UNUSED = {"RankGatedNet", "MixtureNet"}  # DDP needs find_unused_parameters=True, as for ParityNet's "unused"
 
