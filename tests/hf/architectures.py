@@ -22,8 +22,9 @@ rank, also under the smallest device limit that fits (auto placement evicting; C
 within a chunk that kept its buffers, fixed in c63a34a), and all 73 on two ranks run as NCCL to DDP's. In bf16-mixed the
 dense kinds land 0.7-1.6x as far from plain Lightning's update as plain Lightning is from fp32 (payloads round where
 autocast casts per op). A mixture of experts routes by top-k: one rounding flips a route, so its figure jumps either way
-(granitemoe 0.18 against 0.04, mixtral 0.05 against 0.16). Plain Lightning itself, its weights perturbed by bf16's
-rounding, moves as far: mixtral 0.17, granitemoe 0.05-0.14 over four draws.
+(granitemoe 0.18 against 0.04, mixtral 0.05 against 0.16; on 2026-12-07 minimax 0.14 against 0.02, and the same bits in
+32-true). Plain Lightning itself, its weights perturbed by bf16's rounding, moves as far: mixtral 0.17, granitemoe
+0.05-0.14 over four draws.
 """
 
 from __future__ import annotations
