@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .chunk import Chunk, TensorInfo, Tier
-from .packing import Layout, Slot, holding_most
+from .packing import ChunkSpec, Layout, Slot, holding_most
 
 if TYPE_CHECKING:  # the manager imports this package
     from ..memory.manager import ChunkManager
@@ -56,6 +56,13 @@ def pair_chunks(layout: Layout, old: list[Chunk], tiers: Mapping[int, Tier]) -> 
         if c is not None and c.shard_tier is Tier.HOST and c.master is not None:
             pairs[spec.chunk_id] = c
     return pairs
+
+
+def staying(spec: ChunkSpec, old: Chunk) -> set[int]:
+    """The parameters of new chunk ``spec`` that stay where they are in the buffers it keeps of ``old``: those in the
+    same slot of both. One that moved within the chunk is copied out and written back as one that came."""
+    was = {s.param_index: (s.offset, s.numel) for s in old.spec.slots}
+    return {s.param_index for s in spec.slots if was.get(s.param_index) == (s.offset, s.numel)}
 
 
 def gather_pieces(mgr: ChunkManager, c: Chunk, shard: torch.Tensor, tensors: Sequence[TensorInfo]) -> torch.Tensor:

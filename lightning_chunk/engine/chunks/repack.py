@@ -46,9 +46,9 @@ from ..files.weights import ModuleWeights
 from ..system.host_heap import release_freed_memory
 from .build import fill_range, flat_piece
 from .chunk import Chunk, Tier
-from .kept import Kept, gather_pieces, pair_chunks
+from .kept import Kept, gather_pieces, pair_chunks, staying
 from .materialize import DeferredInit
-from .packing import ChunkSpec, Layout, Slot
+from .packing import ChunkSpec, Layout
 
 _HOST = torch.device("cpu")
 
@@ -357,8 +357,8 @@ class OldChunks:
 
     def build_order(self, layout: Layout) -> list[ChunkSpec]:
         self._keeps = pair_chunks(layout, self.chunks, self.tiers)
-        slots = {spec.chunk_id: spec.slots for spec in layout.chunks}
-        self._stays = {c.chunk_id: _in_same_slots(slots[new], c) for new, c in self._keeps.items()}
+        spec_of = {spec.chunk_id: spec for spec in layout.chunks}
+        self._stays = {c.chunk_id: staying(spec_of[new], c) for new, c in self._keeps.items()}
         return list(layout.chunks)  # the order every rank all-gathers the old chunks in
 
     def same_everywhere(self, chunk: Chunk) -> bool:
@@ -412,14 +412,6 @@ class OldChunks:
 
     def done(self) -> bool:
         return not (self.left or self._values or self._grads or self._extra or self._read_in_place)
-
-
-def _in_same_slots(slots: tuple[Slot, ...], old: Chunk) -> set[int]:
-    """The parameters of ``slots`` (a new chunk's) that old chunk ``old`` holds at the same offset: what stays where it
-    is when the new chunk keeps ``old``'s buffers ([Note: a chunk that keeps its buffers] in ``kept.py``). One that
-    moved within the chunk is copied out and written back like one that came from elsewhere."""
-    was = {t.slot.param_index: (t.offset, t.numel) for t in old.tensors}
-    return {s.param_index for s in slots if was.get(s.param_index) == (s.offset, s.numel)}
 
 
 def _in_host_memory(c: Chunk, master: torch.Tensor) -> bool:
