@@ -338,9 +338,18 @@ class ChunkOffloadStrategy(WholeValues):
     def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         try:
             return super().backward(closure_loss, *args, **kwargs)
-        except Exception:  # an interrupt ends the fit, whose teardown says what a step half taken left
+        except Exception as raised:  # an interrupt ends the fit, whose teardown says what a step half taken left
             if self.engine is not None:  # before the user's code can zero_grad(): [Note: a backward that raised]
-                self.engine.after_backward()
+                try:
+                    self.engine.after_backward()
+                except Exception as ending:  # the error to show is where backward stopped, not the clean-up's
+                    again = type(ending) is type(raised) and str(ending) == str(raised)
+                    note = "chunk_offload: ending this backward (to free what it held and keep the ranks' collectives "
+                    note += "paired) raised the same error again" if again else f"paired) also raised {ending!r}"
+                    if hasattr(raised, "add_note"):  # Python 3.11
+                        raised.add_note(note)
+                    else:
+                        warnings.warn(note, stacklevel=2)
             raise
 
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -3,6 +3,8 @@ until a trial runs out of memory, halves it, then restores the weights from a ch
 and removes at once; ``LearningRateFinder`` restores and removes the same way after its sweep. Also an out-of-memory
 raised in backward, which the finder or the user's own ``backward`` hook catches ([Note: a backward that raised])."""
 
+import sys
+
 import lightning as L
 import lightning.pytorch.tuner.batch_size_scaling as batch_size_scaling
 import pytest
@@ -84,6 +86,28 @@ def test_a_backward_hook_that_catches_an_out_of_memory_steps_with_the_gradients_
     got, strategy = fit(ChunkOffloadStrategy(placement="host", step_in_backward=early, **grouped(LIMITED)))
     assert (strategy.memory_stats().get("speculation_rollbacks", 0) > 0) == early  # guesses were made, and undone
     _same(ref, got)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10: the clean-up error is a warning")
+def test_an_out_of_memory_in_backward_is_raised_as_itself_when_ending_that_backward_fails_too(monkeypatch):
+    """Ending the backward that raised can raise in turn: a gradient payload that did not fit is asked for again. The
+    error shown, last in the log, is where the backward stopped; the clean-up's error rides on it as a note."""
+    from lightning_chunk.engine.runtime.engine import ChunkEngine
+
+    def fail_too(self):  # noqa: ANN001, ANN202
+        raise torch.OutOfMemoryError("a gradient payload does not fit")
+
+    monkeypatch.setattr(ChunkEngine, "after_backward", fail_too)
+    L.seed_everything(7, verbose=False)
+    model = BackwardSizedNet(2)
+    model.batch_size = 3  # the first backward runs out of memory
+    trainer = quiet_trainer(accelerator="cpu", strategy=ChunkOffloadStrategy(**grouped(LIMITED)), max_steps=1)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.fit(model)
+    assert "a gradient payload" not in str(raised.value)
+    assert raised.traceback[-1].name == "backward"  # OutOfMemoryInBackward's, where the backward stopped
+    notes = raised.value.__notes__
+    assert any("ending this backward" in note and "a gradient payload does not fit" in note for note in notes)
 
 
 def _finder():

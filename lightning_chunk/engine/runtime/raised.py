@@ -16,7 +16,8 @@ and the gradients are attached to the optimizer's views, where ``zero_grad()`` c
 micro-batch without a backward. The strategy calls it as an exception leaves ``backward`` (before the user's code
 can call ``zero_grad()``; an interrupt ends the fit instead, whose teardown says what a step half taken left);
 ``after_backward`` calls it where the user's ``backward`` hook caught the exception; and the next micro-batch calls
-it for a loop that drove the engine itself.
+it for a loop that drove the engine itself. Where ending it raises in turn (a gradient payload that did not fit is
+asked for again), the strategy raises the backward's own error, where it stopped, with the clean-up's as a note.
 
 Stepping in backward, chunks may have stepped before the failure. Those that stepped on a guess ([Note: speculating
 past the norm and the overflow]) are put back, bit for bit. The others keep the update of this batch; plain
