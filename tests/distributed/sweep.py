@@ -20,7 +20,11 @@ hand-written parity cases (``parity_cases.py``) pin what a sweep found; this loo
 implies ``--resume``) resumes on four ranks, or one, what ``--devices`` saved. ``--reduce-dtype bfloat16`` sums
 chunk_offload's gradients across ranks in bf16 (``ChunkPrecision(reduce_dtype=...)``), compared as the bf16
 precisions are. ``--late-copies`` makes chunk_offload's gradient copies to host shards land late, as on CUDA, with
-chunks stepped in backward on the worker thread (``tests.callbacks.LateGradientCopies``).
+chunks stepped in backward on the worker thread (``tests.callbacks.LateGradientCopies``). ``--shard-size 2`` with
+``--devices 4`` shards chunk_offload's chunks over groups of two ranks, replicated across the groups (FSDP's
+``HYBRID_SHARD``), also when resumed on a rank count the size divides. ``--fp16`` trains ``16-mixed`` where
+``bf16-mixed`` is drawn: fp16 payloads and dynamic loss scaling (``ChunkPrecision``) against DDP with autocast and
+``GradScaler``, compared as the bf16 precisions are.
 """
 
 from __future__ import annotations
@@ -133,11 +137,19 @@ def train(spec: dict, out: str) -> None:
     late = opts.pop("late_copies", False)
     if late:
         opts["step_thread"] = True
-    low = {"precision": spec["precision"]}
-    if "reduce_dtype" in opts:  # gradients summed across ranks in this dtype (FSDP's MixedPrecision.reduce_dtype)
+    low: dict = {"precision": spec["precision"]}
+    if "reduce_dtype" in opts or spec["precision"] == "16-mixed":  # on CPU Lightning makes 16-mixed bf16-mixed
+        from lightning.pytorch.plugins import MixedPrecision
+
         from lightning_chunk import ChunkPrecision
 
-        low = {"plugins": [ChunkPrecision(spec["precision"], reduce_dtype=opts.pop("reduce_dtype"))]}
+        scaler = torch.amp.GradScaler("cpu")  # init_scale 2**16 and growth_interval 2000, as ChunkPrecision's
+        plugin = (
+            ChunkPrecision(spec["precision"], reduce_dtype=opts.pop("reduce_dtype", None))
+            if spec.get("opts") is not None
+            else MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        )
+        low = {"plugins": [plugin]}
     devices = spec.get("devices", 2)
     strategy = (
         ChunkOffloadStrategy(**grouped(opts))
@@ -176,12 +188,16 @@ def train(spec: dict, out: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if spec.get("init_out") and trainer.global_rank == 0:  # DDP's first leg: what the update is measured from
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, spec["init_out"])
     trainer.fit(model, token_data(), token_data(16), ckpt_path=spec.get("ckpt_path"))
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
 
 
-def verdict(spec: dict, ref: Path, got: Path) -> str:
+def verdict(spec: dict, ref: Path, got: Path, init: Path | None = None) -> str:
+    """``rel``: how far apart, over the size of DDP's parameters; ``upd``: over the size of DDP's update (from
+    ``init``, where DDP's first fit saved it)."""
     import torch
 
     a, b = torch.load(ref), torch.load(got)
@@ -191,7 +207,12 @@ def verdict(spec: dict, ref: Path, got: Path) -> str:
     rel = float(num / sum(a[k].float().pow(2).sum() for k in keys) ** 0.5)
     exact = spec["precision"] == "32-true" and "reduce_dtype" not in (spec.get("opts") or {})
     ok = diff < 1e-4 if exact else rel < 0.02
-    return f"{'OK ' if ok else 'BAD'} maxdiff={diff:.1e} rel={rel:.1e}"
+    line = f"{'OK ' if ok else 'BAD'} maxdiff={diff:.1e} rel={rel:.1e}"
+    if init is not None and init.exists():
+        start = torch.load(init)
+        moved = sum((a[k].float() - start[k].float()).pow(2).sum() for k in keys) ** 0.5
+        line += f" upd={float(num / moved):.1e}"
+    return line
 
 
 def legs(base: dict, opts: dict | None, resumed: dict | None, out: Path, name: str) -> list[tuple[dict, Path]]:
@@ -225,6 +246,8 @@ def sweep(
     reduce_dtype: str | None = None,
     ema: bool = False,
     late_copies: bool = False,
+    shard_size: int | None = None,
+    fp16: bool = False,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.distributed.launch import AS_NCCL
@@ -234,6 +257,8 @@ def sweep(
     out.mkdir(parents=True, exist_ok=True)
     for _ in range(runs):
         base, opts = draw(rng, [m for m in MODELS if only is None or m[0] in only])
+        if fp16 and base["precision"] == "bf16-mixed":  # after the draws: fp16 payloads with dynamic loss scaling
+            base["precision"] = "16-mixed"
         if devices != 2:  # the same draws as two ranks give, so a seed's runs compare across rank counts
             base["devices"] = devices
         if ema:  # after the draws, as below
@@ -242,15 +267,21 @@ def sweep(
             opts["reduce_dtype"] = reduce_dtype
         if late_copies:
             opts["late_copies"] = True
+        if shard_size is not None:  # replicated across groups of this many ranks (FSDP's HYBRID_SHARD)
+            opts["shard_size"] = shard_size
         resumed = None
         if resume:  # saved after this many optimizer steps, resumed with options drawn afresh
             base["resume_at"] = rng.randrange(2, base["steps"])
             resumed = draw_options(rng, base["cls"]) | ({"reduce_dtype": reduce_dtype} if reduce_dtype else {})
             resumed |= {"late_copies": True} if late_copies else {}
+            if shard_size and (resume_devices or devices) % shard_size == 0:
+                resumed["shard_size"] = shard_size
             if resume_devices is not None:
                 base["resume_devices"] = resume_devices
         ref = f"ddp_{hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]}"
         todo = [] if (out / f"{ref}.pt").exists() else legs(base, None, None, out, ref)
+        if todo:
+            todo[0] = ({**todo[0][0], "init_out": str(out / f"{ref}.init.pt")}, todo[0][1])
         for spec, path in todo + legs(base, opts, resumed, out, "got"):
             cmd = [sys.executable, __file__, "--one", json.dumps(spec), str(path)]
             try:  # a tiny model trains in well under a minute; ranks whose collectives part hang as NCCL
@@ -265,7 +296,8 @@ def sweep(
                 break
         else:
             drawn = {**base, "opts": opts, **({"resumed_opts": resumed} if resume else {})}
-            print(f"{verdict(drawn, out / f'{ref}.pt', out / 'got.pt')} {json.dumps(drawn)}", flush=True)
+            line = verdict(drawn, out / f"{ref}.pt", out / "got.pt", out / f"{ref}.init.pt")
+            print(f"{line} {json.dumps(drawn)}", flush=True)
 
 
 def main() -> None:
@@ -281,6 +313,8 @@ def main() -> None:
     parser.add_argument("--reduce-dtype", help="chunk_offload sums gradients across ranks in this dtype (bfloat16)")
     parser.add_argument("--ema", action="store_true", help="both average the weights (ChunkEMA; EMAWeightAveraging)")
     parser.add_argument("--late-copies", action="store_true", help="gradient copies to the host land late, as on CUDA")
+    parser.add_argument("--shard-size", type=int, help="shard chunk_offload's chunks over groups of this many ranks")
+    parser.add_argument("--fp16", action="store_true", help="16-mixed where bf16-mixed is drawn, with loss scaling")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -298,6 +332,8 @@ def main() -> None:
             reduce_dtype=args.reduce_dtype,
             ema=args.ema,
             late_copies=args.late_copies,
+            shard_size=args.shard_size,
+            fp16=args.fp16,
         )
 
 

@@ -206,6 +206,16 @@ def verdict(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], kind: st
     return f"{'OK ' if ok else 'BAD'} off the reference's update {err:.3f}, the reference off fp32 {own:.3f} {size}"
 
 
+def next_limit(error: str) -> int | None:
+    """The limit to try after a refusal: a tenth above the smallest it names, more where it could not yet count the
+    activations; ``None`` where it names none."""
+    named = re.search(r"smallest limit that (would|could) work is (\d+)", error)
+    if named is None:
+        return None
+    # "could": before any activations were traced; "would ... plus the activations": before the warm-up
+    return int(named[2]) * 11 // 10 + (0 if named[1] == "would" and "plus the" not in error else 1 << 18)
+
+
 def one_rank(kind: str, precision: str, tight: bool = False) -> str:
     """``tight``: under the smallest device limit that fits, found from the limits chunk_offload's refusals name."""
     try:
@@ -219,33 +229,43 @@ def one_rank(kind: str, precision: str, tight: bool = False) -> str:
             line = verdict(ref, fit(kind, "chunk", precision=precision, limit=limit), kind, fp32)
             return line + (f" limit={limit}" if tight else "")
         except Exception as e:  # noqa: BLE001 - the line says which
-            named = re.search(r"smallest limit that (would|could) work is (\d+)", str(e))
-            if limit is None or named is None:
+            limit = next_limit(str(e)) if limit is not None else None
+            if limit is None:
                 return f"ERROR {type(e).__name__}: {str(e)[:400]}"
-            # "could": before any activations were traced; "would ... plus the activations": before the warm-up
-            limit = int(named[2]) * 11 // 10 + (0 if named[1] == "would" and "plus the" not in str(e) else 1 << 18)
     return f"ERROR no limit fitted in eight tries, the last {limit}"
 
 
-def two_ranks(kind: str, out: Path, as_nccl: bool, precision: str) -> str:
-    """DDP, then chunk_offload, each two ranks started by Lightning's launcher from a child of this script."""
+def two_ranks(kind: str, out: Path, as_nccl: bool, precision: str, tight: bool = False) -> str:
+    """DDP, then chunk_offload, each two ranks started by Lightning's launcher from a child of this script.
+    ``tight``: limits that differ by rank, the first the smallest that fits, the second half as large again, both
+    raised to what a refusal names until they fit."""
     from tests.distributed.launch import AS_NCCL
 
-    paths = {}
+    paths, limits = {}, None
     for side in ("ddp", "chunk") if precision == "32-true" else ("ddp32", "ddp", "chunk"):
         paths[side] = out / f"{kind}.{side}.pt"
         env = {**os.environ, **(AS_NCCL if as_nccl and side == "chunk" else {})}
         cmd = [sys.executable, __file__, "--one", kind, side.removesuffix("32"), str(paths[side])]
         cmd += ["--precision", "32-true" if side == "ddp32" else precision]
-        try:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            return f"HANG ({side})"
+        limit = 1 if tight and side == "chunk" else None
+        for _ in range(8):
+            limits = [limit, limit * 3 // 2] if limit else None
+            try:
+                r = subprocess.run(
+                    cmd + (["--limits", f"{limits[0]},{limits[1]}"] if limits else []),
+                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                )  # fmt: skip
+            except subprocess.TimeoutExpired:
+                return f"HANG ({side}{f' limits={limits}' if limits else ''})"
+            said = [line.strip() for line in r.stderr.splitlines() if "Error" in line] or ["killed?"]
+            limit = next_limit(said[-1]) if limit and r.returncode else None
+            if not limit:
+                break
         if r.returncode:
-            said = [line.strip()[:400] for line in r.stderr.splitlines() if "Error" in line] or ["killed?"]
-            return f"{'ERROR' if side == 'chunk' else 'SKIP DDP failed'}: {said[-1]}"
+            return f"{'ERROR' if side == 'chunk' else 'SKIP DDP failed'}: {said[-1][:400]}"
     fp32 = torch.load(paths["ddp32"]) if "ddp32" in paths else None
-    return verdict(torch.load(paths["ddp"]), torch.load(paths["chunk"]), kind, fp32)
+    line = verdict(torch.load(paths["ddp"]), torch.load(paths["chunk"]), kind, fp32)
+    return line + (f" limits={limits}" if limits else "")
 
 
 def main() -> None:
@@ -254,7 +274,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, choices=(1, 2), default=1)
     parser.add_argument("--as-nccl", action="store_true", help="with --devices 2: gloo run as NCCL runs")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed", "bf16-true"), default="32-true")
-    parser.add_argument("--tight", action="store_true", help="one rank: the smallest device limit that fits, evicting")
+    parser.add_argument("--tight", action="store_true", help="the smallest device limit that fits, evicting")
+    parser.add_argument("--limits", help=argparse.SUPPRESS)  # a child's: each rank's device limit
     parser.add_argument("--out", type=Path, default=Path("/tmp/lightning_chunk_architectures"))
     parser.add_argument("--one", nargs=3, metavar=("KIND", "SIDE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -267,7 +288,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     if args.one:
         kind, side, path = args.one
-        params = fit(kind, side, devices=2, precision=args.precision)
+        limit = int(args.limits.split(",")[int(os.environ.get("LOCAL_RANK", 0))]) if args.limits else None
+        params = fit(kind, side, devices=2, precision=args.precision, limit=limit)
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             torch.save(params, path)
         return
@@ -276,7 +298,7 @@ def main() -> None:
         line = (
             one_rank(kind, args.precision, args.tight)
             if args.devices == 1
-            else two_ranks(kind, args.out, args.as_nccl, args.precision)
+            else two_ranks(kind, args.out, args.as_nccl, args.precision, args.tight)
         )
         print(f"{kind:18s} {line}", flush=True)
     print(json.dumps({"transformers": __import__("transformers").__version__, "torch": torch.__version__}))
