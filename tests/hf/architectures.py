@@ -210,8 +210,9 @@ def next_limit(error: str) -> int | None:
     """The limit to try after a refusal: a tenth above the smallest it names, more where it could not yet count the
     activations; ``None`` where it names none."""
     named = re.search(r"smallest limit that (would|could) work is (\d+)", error)
-    if named is None:
-        return None
+    if named is None:  # several ranks, the warm-up's backward: the limit with room for every payload still to come
+        room = re.search(r"a limit of (\d+) bytes .*has room for them all", error)
+        return int(room[1]) if room else None
     # "could": before any activations were traced; "would ... plus the activations": before the warm-up
     return int(named[2]) * 11 // 10 + (0 if named[1] == "would" and "plus the" not in error else 1 << 18)
 

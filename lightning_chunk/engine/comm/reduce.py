@@ -123,6 +123,15 @@ class GradReducer:
         for cid in self._payload_due.get(key, ()):
             self.expect(self.manager.chunks[cid], make_room)
 
+    def payloads_to_come(self) -> list[Chunk]:
+        """The chunks whose gradient payload this backward may still make: trainable, without one now, and not
+        reduced yet."""
+        return [
+            c
+            for c in self.manager.chunks
+            if c.trainable and c.grad_payload is None and c.chunk_id not in self._launched
+        ]
+
     def drop_unwritten(self) -> None:
         """A backward that delivered no gradient ended: the payloads it made and nothing wrote go."""
         for chunk in self.manager.chunks:
@@ -187,7 +196,7 @@ class GradReducer:
                 "shard, or raise device_memory_limit)"
             )
         dtype = chunk.grad_payload_dtype
-        mgr.grads.room_for(chunk.capacity_numel * dtype.itemsize, what, make_room)
+        mgr.grads.room_for(chunk, chunk.capacity_numel * dtype.itemsize, what, make_room)
         with mgr.ledger.tracked(chunk):
             chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, dtype)
         self._filled[chunk.chunk_id] = {}

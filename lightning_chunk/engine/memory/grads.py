@@ -94,9 +94,10 @@ class ChunkGrads:
             else:
                 chunk.release_grad(None)
 
-    def room_for(self, nbytes: int, what: str, make_room: MakeRoom = None) -> None:
-        """Room on the device tier for ``nbytes`` more (a gradient payload): land the reduce-scatters and copies in
-        flight (their buffers go), then have ``make_room`` evict by the policy; raise when it still does not fit."""
+    def room_for(self, chunk: Chunk, nbytes: int, what: str, make_room: MakeRoom = None) -> None:
+        """Room on the device tier for ``nbytes`` more (``chunk``'s gradient payload): land the reduce-scatters and
+        copies in flight (their buffers go), then have ``make_room`` evict by the policy; raise when it still does
+        not fit."""
         mgr = self.manager
         if not mgr.ledger.fits(nbytes):
             mgr.reducer.land_all()
@@ -107,19 +108,44 @@ class ChunkGrads:
         except DeviceMemoryLimitError as e:
             if make_room is None:
                 raise
-            need = format_bytes(mgr.ledger[Tier.DEVICE] + nbytes)
+            need = mgr.ledger[Tier.DEVICE] + nbytes
             shards = sum(mgr.device_shard_bytes(c) for c in mgr.chunks if c.shard_tier is Tier.DEVICE)
             on_device, remedy = shards_note(mgr.config.placement, shards, (c.shard_tier for c in mgr.chunks))
             raise DeviceMemoryLimitError(
                 f"{e} Nothing else could be evicted: the chunks in use, the gradients waiting to reduce"
                 + (f", {on_device}" if on_device else "")
-                + f" and this payload need {need} at this moment, beside its activations; raise device_memory_limit "
-                "above that (the warm-up then measures the activations)"
+                + f" and this payload need {format_bytes(need)} at this moment, beside its activations; raise "
+                "device_memory_limit above that (the warm-up then measures the activations)"
                 + (", or lower chunk_numel" if mgr.config.chunk_numel is not None else "")
                 + (f", {remedy}" if remedy else "")
-                + ".",
+                + "."
+                + self._untraced_bound(chunk, need),
                 mgr.device,
             ) from None
+
+    def _untraced_bound(self, chunk: Chunk, need: int) -> str:
+        """Several ranks, in a backward without a trace: how much the payloads still to come may add.
+
+        [Note: gradient payloads before the trace]
+        With several ranks a chunk's gradient payload stays until every rank has all of that chunk's gradients
+        ([Note: when a chunk reduces] in comm/reduce.py). Before the trace orders the chunks by first use, the
+        warm-up's chunks follow registration: a chunk may span layers, the biases and norms of a group share one,
+        a tied embedding completes only at the end. So the warm-up's backward may hold most payloads at once, and
+        a refusal there named one chunk more each time: transformers' CTRL on two ranks was refused at 3.7, 4.6,
+        6.0 and 7.0 MB, each asking 1 MiB more, and trained at 7.5 (on one rank, whose gradients go to the shard
+        as they come, the warm-up named 5.4 MB at once, which trained). The refusal now also names the limit with
+        room for every payload still to come beside what is held: that one passes the warm-up, whose check then
+        names the smallest limit that works where it is not enough."""
+        mgr = self.manager
+        if mgr.comm.world_size == 1 or mgr.reducer.traced:
+            return ""
+        rest = [c for c in mgr.reducer.payloads_to_come() if c is not chunk]
+        more = sum(c.capacity_numel * c.grad_payload_dtype.itemsize for c in rest)
+        return (
+            f" This backward follows no trace yet (the warm-up's, or one traced again), so each chunk's gradient "
+            f"payload stays until every rank has all that chunk's gradients: with {len(rest)} more chunks' payloads "
+            f"still to come, a limit of {format_bytes(need + more)} has room for them all at once."
+        )
 
     def set_reduce_order(self, completion: Sequence[int]) -> None:
         """Several ranks: reduce chunks in the order backward completes them ([Note: reduce order] in reduce.py)."""
