@@ -2,15 +2,18 @@
 Lightning, run by hand (not collected by pytest; ``test_architectures.py`` runs a few):
 
     .venv/bin/python tests/hf/architectures.py [KIND ...] [--tight] [--devices 2 [--as-nccl]] [--precision P]
+        [--accumulate N]
 
 One rank: each model trains a few steps under plain Lightning and under chunk_offload with every shard on the host
 (each chunk gathered at each use and released after it; ``--tight``: under the smallest device limit that fits, found
 from the limits the refusals name, evicting) in ``32-true`` with the loop kernel, and a line says ``OK`` (the same
 parameters to the bit), ``DIFF`` (how far), ``ERROR`` (chunk_offload's error) or ``SKIP`` (plain Lightning itself
 failed: a config this file shrinks wrongly for that kind). ``--devices 2``: DDP against chunk_offload on two
-gloo ranks, each fit in a child process (``--as-nccl``: gloo run as NCCL runs). ``--precision bf16-mixed`` (or
-``bf16-true``), where payloads round by design: ``OK`` where chunk_offload is off the reference's update by at most
-twice what the reference itself is off fp32, else ``BAD``.
+gloo ranks, each fit in a child process (``--as-nccl``: gloo run as NCCL runs; ``--tight``: limits that differ by
+rank, the second half as large again as the first, raised to what each refusal names until they fit).
+``--precision bf16-mixed`` (or ``bf16-true``), where payloads round by design: ``OK`` where chunk_offload is off the
+reference's update by at most twice what the reference itself is off fp32, else ``BAD``. ``--accumulate N``: N
+micro-batches a step.
 
 The decoder-only LMs are ``AutoConfig.for_model(kind)`` shrunk (``SMALL``); encoder-decoders, encoders, vision,
 contrastive and speech models are built from configs written here. Together they read parameters in the ways users'
@@ -24,7 +27,9 @@ dense kinds land 0.7-1.6x as far from plain Lightning's update as plain Lightnin
 autocast casts per op). A mixture of experts routes by top-k: one rounding flips a route, so its figure jumps either way
 (granitemoe 0.18 against 0.04, mixtral 0.05 against 0.16; on 2026-12-07 minimax 0.14 against 0.02, and the same bits in
 32-true). Plain Lightning itself, its weights perturbed by bf16's rounding, moves as far: mixtral 0.17, granitemoe
-0.05-0.14 over four draws.
+0.05-0.14 over four draws. On 2026-12-07 at 94286b6, two ranks as NCCL under tight limits that differ by rank: all 73
+the same bits as DDP. Six (ctrl, opt, jetmoe, jamba, recurrent_gemma, rwkv) had been refused in the warm-up's backward
+one chunk more at each try ([Note: gradient payloads before the trace] in engine/memory/grads.py).
 """
 
 from __future__ import annotations
@@ -156,6 +161,7 @@ class Tiny(L.LightningModule):
 def fit(
     kind: str, strategy: Any, devices: int = 1, precision: str = "32-true", limit: int | None = None
 ) -> dict[str, torch.Tensor]:
+    accumulate = int(os.environ.get("ARCHITECTURES_ACCUMULATE", 1))  # ``--accumulate``, children included
     """``kind``'s parameters after ``STEPS`` steps under ``strategy`` ("chunk": chunk_offload, every shard on the
     host, or under ``limit`` device bytes placed by the trace; the automatic chunk size; the loop kernel), in fp32."""
     from lightning_chunk import ChunkOffloadStrategy, OffloadOptions
@@ -176,13 +182,14 @@ def fit(
         accelerator="cpu",
         devices=devices,
         max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
         precision=precision,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, torch.utils.data.DataLoader(torch.arange(8 * STEPS * devices), batch_size=2))
+    trainer.fit(model, torch.utils.data.DataLoader(torch.arange(8 * STEPS * devices * accumulate), batch_size=2))
     if hasattr(trainer.strategy, "full_parameters"):
         with trainer.strategy.full_parameters():
             return {n: p.detach().float().clone() for n, p in model.named_parameters()}
@@ -276,6 +283,7 @@ def main() -> None:
     parser.add_argument("--as-nccl", action="store_true", help="with --devices 2: gloo run as NCCL runs")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed", "bf16-true"), default="32-true")
     parser.add_argument("--tight", action="store_true", help="the smallest device limit that fits, evicting")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches a step (accumulate_grad_batches)")
     parser.add_argument("--limits", help=argparse.SUPPRESS)  # a child's: each rank's device limit
     parser.add_argument("--out", type=Path, default=Path("/tmp/lightning_chunk_architectures"))
     parser.add_argument("--one", nargs=3, metavar=("KIND", "SIDE", "OUT"), help=argparse.SUPPRESS)
@@ -284,6 +292,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown kinds {unknown}; known: {' '.join(KINDS)}")
     warnings.filterwarnings("ignore")
+    os.environ["ARCHITECTURES_ACCUMULATE"] = str(args.accumulate)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_chunk"):  # a table of lines, not their banners
         logging.getLogger(name).setLevel(logging.ERROR)
     sys.path.insert(0, str(ROOT))
