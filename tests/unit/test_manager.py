@@ -437,7 +437,7 @@ def test_a_gradient_payload_with_nothing_left_to_evict_names_the_smallest_limit_
     to_come = sum(c.capacity_numel * c.grad_payload_dtype.itemsize for c in mgr.chunks if c is not chunk)
     with pytest.raises(DeviceMemoryLimitError) as told:
         mgr.grads.room_for(chunk, 256, "chunk 0's gradient payload", make_room=lambda n: None)
-    assert f"with {len(mgr.chunks) - 1} more chunks' payloads still to come" in str(told.value)
+    assert f"with the payloads of {len(mgr.chunks) - 1} more chunk(s) still to come" in str(told.value)
     assert f"a limit of {held + 256 + to_come} bytes" in str(told.value)
 
     net, mgr, _, _ = make(limit=1000, tiers={0: Tier.HOST, 1: Tier.DEVICE})

@@ -143,8 +143,8 @@ class ChunkGrads:
         more = sum(c.capacity_numel * c.grad_payload_dtype.itemsize for c in rest)
         return (
             f" This backward follows no trace yet (the warm-up's, or one traced again), so each chunk's gradient "
-            f"payload stays until every rank has all that chunk's gradients: with {len(rest)} more chunks' payloads "
-            f"still to come, a limit of {format_bytes(need + more)} has room for them all at once."
+            f"payload stays until every rank has all that chunk's gradients: with the payloads of {len(rest)} more "
+            f"chunk(s) still to come, a limit of {format_bytes(need + more)} has room for them all at once."
         )
 
     def set_reduce_order(self, completion: Sequence[int]) -> None:
