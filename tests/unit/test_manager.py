@@ -298,8 +298,8 @@ def test_a_gradient_payload_that_does_not_fit_while_accumulating_unsharded_names
     from lightning_chunk.engine.comm.reduce import GradReducer
 
     class NoRoom:
-        def room_for(self, chunk, nbytes, what, make_room=None):
-            raise DeviceMemoryLimitError(f"{what} needs {nbytes} more bytes")
+        def room_for(self, chunk, what, make_room=None):
+            raise DeviceMemoryLimitError(f"{what} needs {chunk.grad_payload_bytes} more bytes")
 
     class Full:  # a device tier with no room left
         device = torch.device("cpu")
@@ -307,6 +307,7 @@ def test_a_gradient_payload_that_does_not_fit_while_accumulating_unsharded_names
         clock = None
 
     chunk = SimpleNamespace(grad_payload=None, capacity_numel=10, grad_payload_dtype=torch.float32, chunk_id=3)
+    chunk.grad_payload_bytes = 40
     reducer = GradReducer(Full(), pinned=False)
     with pytest.raises(DeviceMemoryLimitError) as synced:
         reducer._ensure_payload(chunk, None)
@@ -418,27 +419,28 @@ def test_a_gradient_payload_with_nothing_left_to_evict_names_the_smallest_limit_
     mgr.gather(chunk)
     chunk.transition_all(S.COMPUTE)  # in use: nothing to evict
     held = mgr.ledger[Tier.DEVICE]
+    payload = chunk.capacity_numel * 4  # fp32 gradients
     with pytest.raises(DeviceMemoryLimitError, match="would be exceeded") as bare:
-        mgr.grads.room_for(chunk, 256, "chunk 0's gradient payload")  # no policy to evict by (set-up): the bare message
+        mgr.grads.room_for(chunk, "chunk 0's gradient payload")  # no policy to evict by (set-up): the bare message
     assert "Nothing else could be evicted" not in str(bare.value)
     with pytest.raises(DeviceMemoryLimitError) as told:
-        mgr.grads.room_for(chunk, 256, "chunk 0's gradient payload", make_room=lambda n: None)
-    assert f"need {held + 256} bytes" in str(told.value)
+        mgr.grads.room_for(chunk, "chunk 0's gradient payload", make_room=lambda n: None)
+    assert f"need {held + payload} bytes" in str(told.value)
     assert "raise device_memory_limit above that" in str(told.value) and "chunk_numel" not in str(told.value)
     mgr.config = mgr.config.replace(chunk_numel=72, placement="static")
     with pytest.raises(DeviceMemoryLimitError) as told:
-        mgr.grads.room_for(chunk, 256, "chunk 0's gradient payload", make_room=lambda n: None)
+        mgr.grads.room_for(chunk, "chunk 0's gradient payload", make_room=lambda n: None)
     assert "lower chunk_numel" in str(told.value) and "offload_fraction" not in str(told.value)
     assert "no trace yet" not in str(told.value)  # one rank: each gradient goes to the shard as it comes
 
     # several ranks, no trace yet: a payload stays until the chunk is complete on every rank, so the ones to come
     # are named too ([Note: gradient payloads before the trace] in memory/grads.py)
     monkeypatch.setattr(mgr, "comm", _OtherRankHasItInUse())
-    to_come = sum(c.capacity_numel * c.grad_payload_dtype.itemsize for c in mgr.chunks if c is not chunk)
+    to_come = sum(c.capacity_numel * 4 for c in mgr.chunks if c is not chunk)
     with pytest.raises(DeviceMemoryLimitError) as told:
-        mgr.grads.room_for(chunk, 256, "chunk 0's gradient payload", make_room=lambda n: None)
+        mgr.grads.room_for(chunk, "chunk 0's gradient payload", make_room=lambda n: None)
     assert f"with the payloads of {len(mgr.chunks) - 1} more chunk(s) still to come" in str(told.value)
-    assert f"a limit of {held + 256 + to_come} bytes" in str(told.value)
+    assert f"a limit of {held + payload + to_come} bytes" in str(told.value)
 
     net, mgr, _, _ = make(limit=1000, tiers={0: Tier.HOST, 1: Tier.DEVICE})
     chunk, _ = mgr.lookup(net[0].weight)
@@ -447,6 +449,6 @@ def test_a_gradient_payload_with_nothing_left_to_evict_names_the_smallest_limit_
     mgr.config = mgr.config.replace(placement="static")
     shards = mgr.device_shard_bytes(mgr.chunks[1])
     with pytest.raises(DeviceMemoryLimitError) as told:
-        mgr.grads.room_for(chunk, 256, "chunk 0's gradient payload", make_room=lambda n: None)
+        mgr.grads.room_for(chunk, "chunk 0's gradient payload", make_room=lambda n: None)
     assert f"{shards} bytes of shards placement='static' keeps on the device" in str(told.value)
     assert "raise offload_fraction (static)" in str(told.value)

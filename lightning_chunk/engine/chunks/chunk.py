@@ -233,6 +233,10 @@ class Chunk:
         return self.capacity_numel * self.compute_dtype.itemsize
 
     @property
+    def grad_payload_bytes(self) -> int:
+        return self.capacity_numel * self.grad_payload_dtype.itemsize
+
+    @property
     def trainable(self) -> bool:
         return self.spec.key.requires_grad
 

@@ -195,10 +195,9 @@ class GradReducer:
                 "from the first micro-batch to the step; sharded_accumulation=True keeps only this rank's "
                 "shard, or raise device_memory_limit)"
             )
-        dtype = chunk.grad_payload_dtype
-        mgr.grads.room_for(chunk, chunk.capacity_numel * dtype.itemsize, what, make_room)
+        mgr.grads.room_for(chunk, what, make_room)
         with mgr.ledger.tracked(chunk):
-            chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, dtype)
+            chunk.grad_payload = mgr.pool.tensor(chunk.capacity_numel, chunk.grad_payload_dtype)
         self._filled[chunk.chunk_id] = {}
         live = sum(tensor_nbytes(c.grad_payload) for c in mgr.chunks)
         self.payload_peak = max(self.payload_peak, live)

@@ -94,11 +94,11 @@ class ChunkGrads:
             else:
                 chunk.release_grad(None)
 
-    def room_for(self, chunk: Chunk, nbytes: int, what: str, make_room: MakeRoom = None) -> None:
-        """Room on the device tier for ``nbytes`` more (``chunk``'s gradient payload): land the reduce-scatters and
-        copies in flight (their buffers go), then have ``make_room`` evict by the policy; raise when it still does
-        not fit."""
+    def room_for(self, chunk: Chunk, what: str, make_room: MakeRoom = None) -> None:
+        """Room on the device tier for ``chunk``'s gradient payload: land the reduce-scatters and copies in flight
+        (their buffers go), then have ``make_room`` evict by the policy; raise when it still does not fit."""
         mgr = self.manager
+        nbytes = chunk.grad_payload_bytes
         if not mgr.ledger.fits(nbytes):
             mgr.reducer.land_all()
             if not mgr.ledger.fits(nbytes) and make_room is not None:
@@ -140,7 +140,7 @@ class ChunkGrads:
         if mgr.comm.world_size == 1 or mgr.reducer.traced:
             return ""
         rest = [c for c in mgr.reducer.payloads_to_come() if c is not chunk]
-        more = sum(c.capacity_numel * c.grad_payload_dtype.itemsize for c in rest)
+        more = sum(c.grad_payload_bytes for c in rest)
         return (
             f" This backward follows no trace yet (the warm-up's, or one traced again), so each chunk's gradient "
             f"payload stays until every rank has all that chunk's gradients: with the payloads of {len(rest)} more "
