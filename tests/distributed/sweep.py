@@ -143,11 +143,10 @@ def train(spec: dict, out: str) -> None:
 
         from lightning_chunk import ChunkPrecision
 
-        scaler = torch.amp.GradScaler("cpu")  # init_scale 2**16 and growth_interval 2000, as ChunkPrecision's
         plugin = (
             ChunkPrecision(spec["precision"], reduce_dtype=opts.pop("reduce_dtype", None))
             if spec.get("opts") is not None
-            else MixedPrecision("16-mixed", "cpu", scaler=scaler)
+            else MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))  # scaled as ChunkPrecision
         )
         low = {"plugins": [plugin]}
     devices = spec.get("devices", 2)

@@ -159,11 +159,16 @@ class Tiny(L.LightningModule):
 
 
 def fit(
-    kind: str, strategy: Any, devices: int = 1, precision: str = "32-true", limit: int | None = None
+    kind: str,
+    strategy: Any,
+    devices: int = 1,
+    precision: str = "32-true",
+    limit: int | None = None,
+    accumulate: int = 1,
 ) -> dict[str, torch.Tensor]:
-    accumulate = int(os.environ.get("ARCHITECTURES_ACCUMULATE", 1))  # ``--accumulate``, children included
-    """``kind``'s parameters after ``STEPS`` steps under ``strategy`` ("chunk": chunk_offload, every shard on the
-    host, or under ``limit`` device bytes placed by the trace; the automatic chunk size; the loop kernel), in fp32."""
+    """``kind``'s parameters after ``STEPS`` steps of ``accumulate`` micro-batches under ``strategy`` ("chunk":
+    chunk_offload, every shard on the host, or under ``limit`` device bytes placed by the trace; the automatic chunk
+    size; the loop kernel), in fp32."""
     from lightning_chunk import ChunkOffloadStrategy, OffloadOptions
 
     model = Tiny(kind)
@@ -224,17 +229,18 @@ def next_limit(error: str) -> int | None:
     return int(named[2]) * 11 // 10 + (0 if named[1] == "would" and "plus the" not in error else 1 << 18)
 
 
-def one_rank(kind: str, precision: str, tight: bool = False) -> str:
+def one_rank(kind: str, precision: str, tight: bool = False, accumulate: int = 1) -> str:
     """``tight``: under the smallest device limit that fits, found from the limits chunk_offload's refusals name."""
     try:
-        ref = fit(kind, "auto", precision=precision)
-        fp32 = fit(kind, "auto") if precision != "32-true" else None
+        ref = fit(kind, "auto", precision=precision, accumulate=accumulate)
+        fp32 = fit(kind, "auto", accumulate=accumulate) if precision != "32-true" else None
     except Exception as e:  # noqa: BLE001 - a config this file shrinks wrongly for the kind
         return f"SKIP plain Lightning failed: {type(e).__name__}: {str(e)[:200]}"
     limit = 1 if tight else None
     for _ in range(8):
         try:
-            line = verdict(ref, fit(kind, "chunk", precision=precision, limit=limit), kind, fp32)
+            got = fit(kind, "chunk", precision=precision, limit=limit, accumulate=accumulate)
+            line = verdict(ref, got, kind, fp32)
             return line + (f" limit={limit}" if tight else "")
         except Exception as e:  # noqa: BLE001 - the line says which
             limit = next_limit(str(e)) if limit is not None else None
@@ -243,7 +249,7 @@ def one_rank(kind: str, precision: str, tight: bool = False) -> str:
     return f"ERROR no limit fitted in eight tries, the last {limit}"
 
 
-def two_ranks(kind: str, out: Path, as_nccl: bool, precision: str, tight: bool = False) -> str:
+def two_ranks(kind: str, out: Path, as_nccl: bool, precision: str, tight: bool = False, accumulate: int = 1) -> str:
     """DDP, then chunk_offload, each two ranks started by Lightning's launcher from a child of this script.
     ``tight``: limits that differ by rank, the first the smallest that fits, the second half as large again, both
     raised to what a refusal names until they fit."""
@@ -254,7 +260,7 @@ def two_ranks(kind: str, out: Path, as_nccl: bool, precision: str, tight: bool =
         paths[side] = out / f"{kind}.{side}.pt"
         env = {**os.environ, **(AS_NCCL if as_nccl and side == "chunk" else {})}
         cmd = [sys.executable, __file__, "--one", kind, side.removesuffix("32"), str(paths[side])]
-        cmd += ["--precision", "32-true" if side == "ddp32" else precision]
+        cmd += ["--precision", "32-true" if side == "ddp32" else precision, "--accumulate", str(accumulate)]
         limit = 1 if tight and side == "chunk" else None
         for _ in range(8):
             limits = [limit, limit * 3 // 2] if limit else None
@@ -292,23 +298,22 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown kinds {unknown}; known: {' '.join(KINDS)}")
     warnings.filterwarnings("ignore")
-    os.environ["ARCHITECTURES_ACCUMULATE"] = str(args.accumulate)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_chunk"):  # a table of lines, not their banners
         logging.getLogger(name).setLevel(logging.ERROR)
     sys.path.insert(0, str(ROOT))
     if args.one:
         kind, side, path = args.one
         limit = int(args.limits.split(",")[int(os.environ.get("LOCAL_RANK", 0))]) if args.limits else None
-        params = fit(kind, side, devices=2, precision=args.precision, limit=limit)
+        params = fit(kind, side, devices=2, precision=args.precision, limit=limit, accumulate=args.accumulate)
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             torch.save(params, path)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     for kind in args.kinds or KINDS:
         line = (
-            one_rank(kind, args.precision, args.tight)
+            one_rank(kind, args.precision, args.tight, args.accumulate)
             if args.devices == 1
-            else two_ranks(kind, args.out, args.as_nccl, args.precision, args.tight)
+            else two_ranks(kind, args.out, args.as_nccl, args.precision, args.tight, args.accumulate)
         )
         print(f"{kind:18s} {line}", flush=True)
     print(json.dumps({"transformers": __import__("transformers").__version__, "torch": torch.__version__}))
