@@ -47,8 +47,8 @@ ROUNDING = {
     "whole_optimizer_state_user": dict(rtol=1e-4, atol=1e-5),
 }
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
-# still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_parity.py); bf16 against
-# bf16 autocast too
+# still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_precision_parity.py);
+# bf16 against bf16 autocast too
 FP16 = {case for case, spec in CASES.items() if spec.get("fp16") or spec.get("bf16") and not spec.get("exact")}
 AS_NCCL = {"LIGHTNING_CHUNK_GLOO_AS_NCCL": "1"}  # [Note: gloo as NCCL]: one communicator, no agreement check
 # the cases that also run with gloo's own defaults (a group per kind of collective, the check once a micro-batch)

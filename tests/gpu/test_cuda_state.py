@@ -120,7 +120,7 @@ def test_the_whole_optimizer_state_read_and_reset_on_cuda_is_plain_lightnings(pl
 @pytest.mark.parametrize("placement", ["device", "host"])
 def test_the_state_norms_on_cuda_are_plain_lightnings(placement):
     """[Note: optimizer state norms from the pieces] with a device shard's moments on the GPU."""
-    from tests.integration.test_full_optimizer_state import LogsStateNorms
+    from tests.integration.test_state_norms import LogsStateNorms
 
     run = dict(steps=4, cls=LogsStateNorms, accelerator="gpu", precision="bf16-mixed")
     ref = fit("auto", **run)

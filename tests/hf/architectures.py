@@ -29,7 +29,11 @@ autocast casts per op). A mixture of experts routes by top-k: one rounding flips
 32-true). Plain Lightning itself, its weights perturbed by bf16's rounding, moves as far: mixtral 0.17, granitemoe
 0.05-0.14 over four draws. On 2026-12-07 at 94286b6, two ranks as NCCL under tight limits that differ by rank: all 73
 the same bits as DDP. Six (ctrl, opt, jetmoe, jamba, recurrent_gemma, rwkv) had been refused in the warm-up's backward
-one chunk more at each try ([Note: gradient payloads before the trace] in engine/memory/grads.py).
+one chunk more at each try ([Note: gradient payloads before the trace] in engine/memory/grads.py). With
+``--accumulate 2`` too (76fe328): gpt2, llama, t5, clip, bart, albert, deberta_v2, mixtral, mamba, ctrl, gemma3_text
+and qwen3_moe 1e-8 to 1e-6 from DDP, clip 1.2e-3 (Adam's step is about lr where a gradient is about zero, whatever its
+size): the default ``sharded_accumulation=True`` reduce-scatters each micro-batch, a sum in another order than DDP's
+one all-reduce; with it False, gpt2 and clip gave DDP's bits.
 """
 
 from __future__ import annotations
