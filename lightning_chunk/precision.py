@@ -25,6 +25,12 @@ on real and fake samples) differs by bf16's rounding of the sum (0.2% of the upd
 ``LinearsOnly("twice")``). Lightning's sum would need an autograd node a use that widens its gradient, that is the
 module's parameters swapped at every call: not done. ``tests/integration/test_mixed_precision_layers.py`` pins both;
 the two-rank case ``bf16_one_read`` holds DDP's bits under limits that differ by rank, accumulation and a resume.
+Autocast also leaves an embedding and a LayerNorm in fp32, so under Lightning's plugin the residual stream they feed
+is fp32; with low-precision payloads it is bf16 or fp16. In 16-mixed the difference is range, not rounding: a tied
+GPT's final norm's weight gradient overflowed fp16 at the first step where Lightning's fp32 one did not (one more
+skipped step, the loss scale halved). ``full_precision_modules=[nn.Embedding, nn.LayerNorm]`` computes them in fp32:
+Lightning's bits in 16-mixed and bf16-mixed, a tied head included, for 2 more payload bytes an embedding parameter
+(``tests/integration/test_precision_parity.py``; on two ranks ``sweep.py --full-precision``).
 
 The step order follows Lightning's AMP plugin: closure (forward + backward) ->
 gradients onto the master views -> unscale and agree on overflow (fp16) ->

@@ -138,13 +138,14 @@ def train(spec: dict, out: str) -> None:
     if late:
         opts["step_thread"] = True
     low: dict = {"precision": spec["precision"]}
-    if "reduce_dtype" in opts or spec["precision"] == "16-mixed":  # on CPU Lightning makes 16-mixed bf16-mixed
+    full = [getattr(torch.nn, name) for name in opts.pop("full_precision", ())]
+    if "reduce_dtype" in opts or spec["precision"] == "16-mixed" or full:  # on CPU Lightning makes 16-mixed bf16-mixed
         from lightning.pytorch.plugins import MixedPrecision
 
         from lightning_chunk import ChunkPrecision
 
         plugin = (
-            ChunkPrecision(spec["precision"], reduce_dtype=opts.pop("reduce_dtype", None))
+            ChunkPrecision(spec["precision"], reduce_dtype=opts.pop("reduce_dtype", None), full_precision_modules=full)
             if spec.get("opts") is not None
             else MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))  # scaled as ChunkPrecision
         )
@@ -247,6 +248,7 @@ def sweep(
     late_copies: bool = False,
     shard_size: int | None = None,
     fp16: bool = False,
+    full_precision: list[str] | None = None,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.distributed.launch import AS_NCCL
@@ -266,6 +268,8 @@ def sweep(
             opts["reduce_dtype"] = reduce_dtype
         if late_copies:
             opts["late_copies"] = True
+        if full_precision and base["precision"].endswith("-mixed"):  # Lightning's AMP computes these in fp32
+            opts["full_precision"] = full_precision
         if shard_size is not None:  # replicated across groups of this many ranks (FSDP's HYBRID_SHARD)
             opts["shard_size"] = shard_size
         resumed = None
@@ -273,6 +277,7 @@ def sweep(
             base["resume_at"] = rng.randrange(2, base["steps"])
             resumed = draw_options(rng, base["cls"]) | ({"reduce_dtype": reduce_dtype} if reduce_dtype else {})
             resumed |= {"late_copies": True} if late_copies else {}
+            resumed |= {"full_precision": opts["full_precision"]} if "full_precision" in opts else {}
             if shard_size and (resume_devices or devices) % shard_size == 0:
                 resumed["shard_size"] = shard_size
             if resume_devices is not None:
@@ -314,6 +319,7 @@ def main() -> None:
     parser.add_argument("--late-copies", action="store_true", help="gradient copies to the host land late, as on CUDA")
     parser.add_argument("--shard-size", type=int, help="shard chunk_offload's chunks over groups of this many ranks")
     parser.add_argument("--fp16", action="store_true", help="16-mixed where bf16-mixed is drawn, with loss scaling")
+    parser.add_argument("--full-precision", help="module classes of torch.nn computing in fp32 (LayerNorm,Embedding)")
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -333,6 +339,7 @@ def main() -> None:
             late_copies=args.late_copies,
             shard_size=args.shard_size,
             fp16=args.fp16,
+            full_precision=args.full_precision.split(",") if args.full_precision else None,
         )
 
 

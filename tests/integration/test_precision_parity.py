@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, MemoryOptions
+from lightning_chunk.options import grouped
 from tests.compare import EXACT, assert_same_params, relative_update_error
 from tests.models import ParityNet, fit, quiet_trainer, token_data
 
@@ -47,6 +48,63 @@ def test_fp16_mixed_matches_auto_within_tolerance():
     got = fit("chunk_offload", steps=STEPS, plugins=[ChunkPrecision("16-mixed")])
     assert relative_update_error(ref, got, init) < 0.05
     assert got.trainer_ref.strategy.memory_stats()["loss_scale"] == 2.0**16
+
+
+AS_AUTOCAST = [torch.nn.Embedding, torch.nn.LayerNorm]  # what Lightning's autocast computes in fp32 in ParityNet
+
+
+class LossScales(L.Callback):
+    """The loss scale after each step: chunk_offload's, or Lightning's GradScaler's."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer, *_):
+        stats = getattr(trainer.strategy, "memory_stats", None)
+        self.scales.append(stats()["loss_scale"] if stats else trainer.precision_plugin.scaler.get_scale())
+
+
+def mixed(strategy, precision, steps=8, **kw):
+    """A tied ParityNet in ``precision``, with its loss scales; ``kw``: ``ChunkPrecision``'s (chunk_offload)."""
+    scales = LossScales()
+    if strategy == "auto":
+        scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+        plugins = [MixedPrecision(precision, "cpu", scaler=scaler)]
+    else:
+        plugins = [ChunkPrecision(precision, **kw)]
+    model = fit(
+        strategy, steps=steps, variant="tied", plugins=plugins, callbacks=[scales] if precision == "16-mixed" else []
+    )
+    return model, scales.scales
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize(
+    "kw", [dict(placement="device"), dict(device_memory_limit=60_000, chunk_numel=4096)], ids=["resident", "limit"]
+)
+def test_embeddings_and_norms_computing_in_fp32_give_lightning_s_mixed_precision_bits(precision, kw):
+    """Lightning's autocast leaves an embedding and a LayerNorm in fp32, so the residual stream they feed is fp32;
+    chunk_offload's low-precision payloads made it fp16 or bf16. In 16-mixed the final norm's weight gradient then
+    overflowed fp16 at the first step where Lightning's fp32 one did not: one more step skipped and the loss scale
+    halved (0.9 of the update apart after 8 steps on 2026-12-07; the default's test below). Named in
+    ``full_precision_modules``, their parameters compute in fp32 as plain Lightning's do: the same bits and the same
+    skipped steps, the tied head's two reads summed in fp32 too, and under a limit that evicts."""
+    ref, ref_scales = mixed("auto", precision)
+    strategy = ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"}))
+    got, scales = mixed(strategy, precision, full_precision_modules=AS_AUTOCAST)
+    assert_same_params(ref, got, EXACT)
+    assert scales == ref_scales
+    if "device_memory_limit" in kw:
+        assert strategy.memory_stats()["evictions"] > 0
+
+
+def test_fp16_payloads_of_an_embedding_and_its_norms_can_overflow_where_lightning_s_fp32_do_not():
+    """The default, as ``docs/configuration.md`` says: the first step's gradients overflow fp16 and the step is
+    skipped, where Lightning's AMP stepped (it skips the third)."""
+    _, ref_scales = mixed("auto", "16-mixed")
+    _, scales = mixed(ChunkOffloadStrategy(placement="device"), "16-mixed")
+    assert ref_scales[:3] == [2.0**16, 2.0**16, 2.0**15]
+    assert scales[:2] == [2.0**15, 2.0**14]
 
 
 class Overflowing(ParityNet):
