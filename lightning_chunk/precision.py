@@ -28,9 +28,10 @@ the two-rank case ``bf16_one_read`` holds DDP's bits under limits that differ by
 Autocast also leaves an embedding and a LayerNorm in fp32, so under Lightning's plugin the residual stream they feed
 is fp32; with low-precision payloads it is bf16 or fp16. In 16-mixed the difference is range, not rounding: a tied
 GPT's final norm's weight gradient overflowed fp16 at the first step where Lightning's fp32 one did not (one more
-skipped step, the loss scale halved). ``full_precision_modules=[nn.Embedding, nn.LayerNorm]`` computes them in fp32:
-Lightning's bits in 16-mixed and bf16-mixed, a tied head included, for 2 more payload bytes an embedding parameter
-(``tests/integration/test_precision_parity.py``; on two ranks ``sweep.py --full-precision``).
+skipped step, the loss scale halved). ``fp32_embeddings_and_norms=True`` (or the classes in
+``full_precision_modules``) computes them in fp32: Lightning's bits in 16-mixed and bf16-mixed, a tied head included,
+for 2 more payload bytes an embedding parameter (``tests/integration/test_precision_parity.py``; on two ranks
+``sweep.py --full-precision``; transformers' models: ``architectures.py --fp32-layers``).
 
 The step order follows Lightning's AMP plugin: closure (forward + backward) ->
 gradients onto the master views -> unscale and agree on overflow (fp16) ->
@@ -100,11 +101,15 @@ class ChunkPrecision(Precision):
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
         full_precision_modules: Sequence[type] = (),
+        fp32_embeddings_and_norms: bool = False,
         reduce_dtype: torch.dtype | str | None = None,
     ) -> None:
         """``full_precision_modules``: module classes whose parameters compute in their own dtype under mixed
         precision, beside BatchNorm and InstanceNorm, which always do ([Note: normalisation in mixed precision] in
-        ``engine/config.py``; FSDP's ``MixedPrecision._module_classes_to_ignore``). ``reduce_dtype``: with several
+        ``engine/config.py``; FSDP's ``MixedPrecision._module_classes_to_ignore``). ``fp32_embeddings_and_norms``:
+        embeddings and normalisation layers (``nn.Embedding``, a class named ``...Norm``) too, as autocast computes
+        them under Lightning's mixed precision: its bits, for 2 more payload bytes an embedding parameter ([Note: a
+        weight used twice under mixed precision]). ``reduce_dtype``: with several
         ranks, the dtype gradients of fp32 masters are summed across ranks in (``torch.bfloat16``: half the
         reduce-scatter bytes and gradient payload memory, FSDP's ``MixedPrecision(reduce_dtype=...)``); ``None``:
         fp32, as DDP sums."""
@@ -117,6 +122,15 @@ class ChunkPrecision(Precision):
                 "torch.nn.Module subclasses."
             )
         self.full_precision_modules = tuple(full_precision_modules)
+        if not isinstance(fp32_embeddings_and_norms, bool) or (
+            fp32_embeddings_and_norms and "mixed" not in self.precision
+        ):
+            raise ValueError(
+                f"fp32_embeddings_and_norms={fp32_embeddings_and_norms!r} is not allowed with precision "
+                f"{self.precision!r}: it is True or False, and True only under 'bf16-mixed' or '16-mixed', where "
+                "autocast computes those layers in fp32."
+            )
+        self.fp32_embeddings_and_norms = bool(fp32_embeddings_and_norms)
         self.scaler: DynamicLossScaler | None = (
             DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval)
             if self.precision == "16-mixed"
@@ -137,7 +151,14 @@ class ChunkPrecision(Precision):
         }[self.precision]
         own = OWN_DTYPE_MODULES + self.full_precision_modules
         autocast = self.precision.endswith("-mixed")
-        return DtypePolicy(compute, master, own_dtype_modules=own, autocast=autocast, reduce_dtype=self.reduce_dtype)
+        return DtypePolicy(
+            compute,
+            master,
+            own_dtype_modules=own,
+            embeddings_and_norms_own_dtype=self.fp32_embeddings_and_norms,
+            autocast=autocast,
+            reduce_dtype=self.reduce_dtype,
+        )
 
     def attach(self, engine: ChunkEngine | None, device: torch.device) -> None:
         self._engine = engine

@@ -297,6 +297,13 @@ def resolve_reshard_after_forward(config: ChunkConfig, device: torch.device) -> 
 # mixed precision]): BatchNorm 1d/2d/3d, SyncBatchNorm, InstanceNorm and their lazy forms
 OWN_DTYPE_MODULES: tuple[type, ...] = (torch.nn.modules.batchnorm._NormBase,)
 
+
+def autocast_fp32_layer(m: torch.nn.Module) -> bool:
+    """An embedding, or a normalisation layer (a class named ``...Norm``: LayerNorm, RMSNorm, GroupNorm, and models'
+    own, as transformers' ``LlamaRMSNorm``): what autocast leaves in fp32, feeding the residual stream, reading it."""
+    return isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or type(m).__name__.lower().endswith("norm")
+
+
 # the forward pre-hooks of torch.nn.utils.weight_norm and spectral_norm, which compute a weight as parametrizations
 # do ([Note: reparametrized weights in mixed precision])
 _NORM_HOOKS: tuple[type, ...] = (
@@ -351,6 +358,10 @@ class DtypePolicy:
     own_dtype_modules: tuple[type, ...] = OWN_DTYPE_MODULES
     """modules whose parameters compute in their own dtype whatever ``compute_dtype`` says."""
 
+    embeddings_and_norms_own_dtype: bool = False
+    """embeddings and normalisation layers too (``autocast_fp32_layer``): Lightning's autocast computes them in fp32
+    ([Note: a weight used twice under mixed precision] in ``precision.py``)."""
+
     frozen_in_compute_dtype: bool = False
     """frozen chunks keep one copy, in the compute dtype ([Note: frozen weights in the compute dtype])."""
 
@@ -377,7 +388,10 @@ class DtypePolicy:
             return frozenset()
         keep: set[int] = set()
         for m in module.modules():
-            own = m.parameters(recurse=False) if isinstance(m, self.own_dtype_modules) else ()
+            mine = isinstance(m, self.own_dtype_modules) or (
+                self.embeddings_and_norms_own_dtype and autocast_fp32_layer(m)
+            )
+            own = m.parameters(recurse=False) if mine else ()
             keep.update(id(p) for p in [*own, *reparametrized_params(m)])
             keep.update(id(p) for p in m.parameters(recurse=False) if self._wider(p.dtype))
         return frozenset(keep)

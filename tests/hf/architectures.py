@@ -2,7 +2,7 @@
 Lightning, run by hand (not collected by pytest; ``test_architectures.py`` runs a few):
 
     .venv/bin/python tests/hf/architectures.py [KIND ...] [--tight] [--devices 2 [--as-nccl]] [--precision P]
-        [--accumulate N]
+        [--accumulate N] [--fp32-layers]
 
 One rank: each model trains a few steps under plain Lightning and under chunk_offload with every shard on the host
 (each chunk gathered at each use and released after it; ``--tight``: under the smallest device limit that fits, found
@@ -169,13 +169,16 @@ def fit(
     precision: str = "32-true",
     limit: int | None = None,
     accumulate: int = 1,
+    fp32_layers: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``kind``'s parameters after ``STEPS`` steps of ``accumulate`` micro-batches under ``strategy`` ("chunk":
     chunk_offload, every shard on the host, or under ``limit`` device bytes placed by the trace; the automatic chunk
-    size; the loop kernel), in fp32."""
-    from lightning_chunk import ChunkOffloadStrategy, OffloadOptions
+    size; the loop kernel), in fp32; ``fp32_layers``: chunk_offload's embeddings and norms compute in fp32, as
+    autocast's do (``ChunkPrecision(fp32_embeddings_and_norms=True)``)."""
+    from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision, OffloadOptions
 
     model = Tiny(kind)
+    low = [ChunkPrecision(precision, fp32_embeddings_and_norms=True)] if fp32_layers and strategy == "chunk" else None
     if strategy == "chunk":
         strategy = ChunkOffloadStrategy(
             placement="auto" if limit else "host",
@@ -192,7 +195,8 @@ def fit(
         devices=devices,
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,
-        precision=precision,
+        precision=None if low else precision,
+        plugins=low,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -233,7 +237,7 @@ def next_limit(error: str) -> int | None:
     return int(named[2]) * 11 // 10 + (0 if named[1] == "would" and "plus the" not in error else 1 << 18)
 
 
-def one_rank(kind: str, precision: str, tight: bool = False, accumulate: int = 1) -> str:
+def one_rank(kind: str, precision: str, tight: bool = False, accumulate: int = 1, fp32_layers: bool = False) -> str:
     """``tight``: under the smallest device limit that fits, found from the limits chunk_offload's refusals name."""
     try:
         ref = fit(kind, "auto", precision=precision, accumulate=accumulate)
@@ -243,7 +247,7 @@ def one_rank(kind: str, precision: str, tight: bool = False, accumulate: int = 1
     limit = 1 if tight else None
     for _ in range(8):
         try:
-            got = fit(kind, "chunk", precision=precision, limit=limit, accumulate=accumulate)
+            got = fit(kind, "chunk", precision=precision, limit=limit, accumulate=accumulate, fp32_layers=fp32_layers)
             line = verdict(ref, got, kind, fp32)
             return line + (f" limit={limit}" if tight else "")
         except Exception as e:  # noqa: BLE001 - the line says which
@@ -253,7 +257,15 @@ def one_rank(kind: str, precision: str, tight: bool = False, accumulate: int = 1
     return f"ERROR no limit fitted in eight tries, the last {limit}"
 
 
-def two_ranks(kind: str, out: Path, as_nccl: bool, precision: str, tight: bool = False, accumulate: int = 1) -> str:
+def two_ranks(
+    kind: str,
+    out: Path,
+    as_nccl: bool,
+    precision: str,
+    tight: bool = False,
+    accumulate: int = 1,
+    fp32_layers: bool = False,
+) -> str:
     """DDP, then chunk_offload, each two ranks started by Lightning's launcher from a child of this script.
     ``tight``: limits that differ by rank, the first the smallest that fits, the second half as large again, both
     raised to what a refusal names until they fit."""
@@ -265,6 +277,7 @@ def two_ranks(kind: str, out: Path, as_nccl: bool, precision: str, tight: bool =
         env = {**os.environ, **(AS_NCCL if as_nccl and side == "chunk" else {})}
         cmd = [sys.executable, __file__, "--one", kind, side.removesuffix("32"), str(paths[side])]
         cmd += ["--precision", "32-true" if side == "ddp32" else precision, "--accumulate", str(accumulate)]
+        cmd += ["--fp32-layers"] if fp32_layers and side == "chunk" else []
         limit = 1 if tight and side == "chunk" else None
         for _ in range(8):
             limits = [limit, limit * 3 // 2] if limit else None
@@ -294,6 +307,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed", "bf16-true"), default="32-true")
     parser.add_argument("--tight", action="store_true", help="the smallest device limit that fits, evicting")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches a step (accumulate_grad_batches)")
+    parser.add_argument("--fp32-layers", action="store_true", help="embeddings and norms in fp32, as autocast's")
     parser.add_argument("--limits", help=argparse.SUPPRESS)  # a child's: each rank's device limit
     parser.add_argument("--out", type=Path, default=Path("/tmp/lightning_chunk_architectures"))
     parser.add_argument("--one", nargs=3, metavar=("KIND", "SIDE", "OUT"), help=argparse.SUPPRESS)
@@ -308,16 +322,19 @@ def main() -> None:
     if args.one:
         kind, side, path = args.one
         limit = int(args.limits.split(",")[int(os.environ.get("LOCAL_RANK", 0))]) if args.limits else None
-        params = fit(kind, side, devices=2, precision=args.precision, limit=limit, accumulate=args.accumulate)
+        params = fit(
+            kind, side, devices=2, precision=args.precision, limit=limit, accumulate=args.accumulate,
+            fp32_layers=args.fp32_layers,
+        )  # fmt: skip
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             torch.save(params, path)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     for kind in args.kinds or KINDS:
         line = (
-            one_rank(kind, args.precision, args.tight, args.accumulate)
+            one_rank(kind, args.precision, args.tight, args.accumulate, args.fp32_layers)
             if args.devices == 1
-            else two_ranks(kind, args.out, args.as_nccl, args.precision, args.tight, args.accumulate)
+            else two_ranks(kind, args.out, args.as_nccl, args.precision, args.tight, args.accumulate, args.fp32_layers)
         )
         print(f"{kind:18s} {line}", flush=True)
     print(json.dumps({"transformers": __import__("transformers").__version__, "torch": torch.__version__}))

@@ -82,16 +82,20 @@ def mixed(strategy, precision, steps=8, **kw):
 @pytest.mark.parametrize(
     "kw", [dict(placement="device"), dict(device_memory_limit=60_000, chunk_numel=4096)], ids=["resident", "limit"]
 )
-def test_embeddings_and_norms_computing_in_fp32_give_lightning_s_mixed_precision_bits(precision, kw):
+@pytest.mark.parametrize(
+    "how", [dict(fp32_embeddings_and_norms=True), dict(full_precision_modules=AS_AUTOCAST)], ids=["flag", "classes"]
+)
+def test_embeddings_and_norms_computing_in_fp32_give_lightning_s_mixed_precision_bits(precision, kw, how):
     """Lightning's autocast leaves an embedding and a LayerNorm in fp32, so the residual stream they feed is fp32;
     chunk_offload's low-precision payloads made it fp16 or bf16. In 16-mixed the final norm's weight gradient then
     overflowed fp16 at the first step where Lightning's fp32 one did not: one more step skipped and the loss scale
-    halved (0.9 of the update apart after 8 steps on 2026-12-07; the default's test below). Named in
-    ``full_precision_modules``, their parameters compute in fp32 as plain Lightning's do: the same bits and the same
-    skipped steps, the tied head's two reads summed in fp32 too, and under a limit that evicts."""
+    halved (0.9 of the update apart after 8 steps on 2026-12-07; the default's test below). With
+    ``fp32_embeddings_and_norms=True``, or the classes named in ``full_precision_modules``, their parameters compute
+    in fp32 as plain Lightning's do: the same bits and the same skipped steps, the tied head's two reads summed in
+    fp32 too, and under a limit that evicts."""
     ref, ref_scales = mixed("auto", precision)
     strategy = ChunkOffloadStrategy(**grouped({**kw, "optimizer_kernel": "loop"}))
-    got, scales = mixed(strategy, precision, full_precision_modules=AS_AUTOCAST)
+    got, scales = mixed(strategy, precision, **how)
     assert_same_params(ref, got, EXACT)
     assert scales == ref_scales
     if "device_memory_limit" in kw:
@@ -105,6 +109,14 @@ def test_fp16_payloads_of_an_embedding_and_its_norms_can_overflow_where_lightnin
     _, scales = mixed(ChunkOffloadStrategy(placement="device"), "16-mixed")
     assert ref_scales[:3] == [2.0**16, 2.0**16, 2.0**15]
     assert scales[:2] == [2.0**15, 2.0**14]
+
+
+@pytest.mark.parametrize(
+    "precision,value", [("32-true", True), ("bf16-true", True), ("bf16-mixed", 1), ("16-mixed", "yes")]
+)
+def test_fp32_embeddings_and_norms_is_refused_where_it_means_nothing_naming_the_value(precision, value):
+    with pytest.raises(ValueError, match=rf"fp32_embeddings_and_norms={value!r} is not allowed with precision"):
+        ChunkPrecision(precision, fp32_embeddings_and_norms=value)
 
 
 class Overflowing(ParityNet):
