@@ -49,7 +49,7 @@ ROUNDING = {
 # fp16 payloads: the gradients of fp32 ops (layer norm) are rounded to fp16 before the fp32 master; the update
 # still agrees with DDP + GradScaler to a few percent (as on one rank, tests/integration/test_precision_parity.py);
 # bf16 against bf16 autocast too
-FP16 = {case for case, spec in CASES.items() if spec.get("fp16") or spec.get("bf16") and not spec.get("exact")}
+FP16 = {case for case, spec in CASES.items() if (spec.get("fp16") or spec.get("bf16")) and not spec.get("exact")}
 AS_NCCL = {"LIGHTNING_CHUNK_GLOO_AS_NCCL": "1"}  # [Note: gloo as NCCL]: one communicator, no agreement check
 # the cases that also run with gloo's own defaults (a group per kind of collective, the check once a micro-batch)
 GLOO_DEFAULTS = ["plain", "host", "limit", "rank_gated"]

@@ -2,7 +2,8 @@
 the same global batch (``runner.run_parity``). A case's keys: ``cls`` (a model of ``tests.models``), ``variant``,
 ``model`` (its shape), ``trainer``, ``strategy`` (chunk_offload's options, flat), ``limit_fraction`` (the device
 limit as a fraction of the parameter bytes; ``limit_fractions`` one a rank), ``host_memory_limit``,
-``fp16``/``bf16``, ``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints),
+``fp16``/``bf16`` (``fp32_layers``: chunk_offload's embeddings and norms in fp32; ``exact``: compared bit for bit),
+``steps``, ``resume_at`` (both runs stop there and resume from their own checkpoints),
 ``ddp_unused``, ``callbacks`` (chunk_offload's run only; ``both_callbacks``: DDP's too; ``ddp_callbacks``: DDP's
 only), ``telemetry``, ``weights``,
 ``chunk_cls`` (another model for chunk_offload's run), ``init_scale``, ``rank_seeds`` (each rank seeds ``7 + rank``

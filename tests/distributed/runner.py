@@ -177,10 +177,11 @@ def run_parity(case: str, out: Path) -> None:
     def make_chunk():
         L.seed_everything(seed, verbose=False)  # the distributed sampler's order follows the seed: keep DDP's
         got = model_class(spec.get("chunk_cls", spec.get("cls", "ParityNet")))(variant=variant, **model_kw)
+        layers = spec.get("fp32_layers", False)  # embeddings and norms in fp32, as autocast computes them
         plugins = (
-            [ChunkPrecision("16-mixed", init_scale=init_scale)]
+            [ChunkPrecision("16-mixed", init_scale=init_scale, fp32_embeddings_and_norms=layers)]
             if fp16
-            else [ChunkPrecision("bf16-mixed")]
+            else [ChunkPrecision("bf16-mixed", fp32_embeddings_and_norms=layers)]
             if bf16
             else None
         )
