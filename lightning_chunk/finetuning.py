@@ -9,6 +9,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
 
 from .engine import ChunkEngine
 from .engine.runtime.added_groups import views_in_groups
@@ -30,11 +32,13 @@ def follow_finetuning(trainer: pl.Trainer, engine: ChunkEngine) -> None:
       as the checkpoint loads, before its optimizer state, and the callback does not add them a second time.
     - Where it does replace the groups at ``on_fit_start`` (a fit after a fit), the bound groups get their views
       back and the added ones are followed at once.
-    Its check that a parameter is not in the optimizer already (``filter_on_optimizer``, which compares values)
-    compares the module's parameters with views, as the other steps of the callback run unchanged. A released
-    parameter's placeholder compares unequal to every view, so the check finds it new, as it is; the reads it makes
-    are not refused ([Note: released parameters read between steps] in ``engine/runtime/between_steps.py``): its
-    ``finetune_function`` runs with that check suspended.
+    - Its check that a parameter is not in the optimizer already (``filter_on_optimizer``) compares values: the
+      module's parameters with the optimizer's views, which never match (a released parameter shows a placeholder of
+      NaN). A backbone the user's ``configure_optimizers`` had put in the optimizer already (frozen, the callback
+      meant to skip it with a warning) was added a second time and refused. Inside ``finetune_function`` the check
+      finds a bound optimizer's parameters by identity instead, and warns as Lightning's does; it runs with the
+      refusal of reads between steps suspended ([Note: released parameters read between steps] in
+      ``engine/runtime/between_steps.py``).
     """
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(cb, BaseFinetuning):
@@ -67,7 +71,7 @@ class _Adapted:
             self._orig["_store"](*args)
 
     def finetune_function(self, *args: Any) -> None:
-        with self.engine.hooks.between.suspended():
+        with self.engine.hooks.between.suspended(), _held_by_identity(self.engine):
             self._orig["finetune_function"](*args)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -120,3 +124,33 @@ def module_params_in_groups(engine: ChunkEngine) -> Iterator[None]:
     finally:
         for g, views in saved:
             g["params"] = views
+
+
+@contextlib.contextmanager
+def _held_by_identity(engine: ChunkEngine) -> Iterator[None]:
+    """``BaseFinetuning.filter_on_optimizer`` finds the module parameters a bound optimizer holds by identity inside
+    this block ([Note: finetuning callbacks]); other optimizers as Lightning finds them."""
+    lightning_s = BaseFinetuning.__dict__["filter_on_optimizer"]
+
+    def filter_on_optimizer(optimizer: Optimizer, params: Any) -> list:
+        bound = [b for b in engine.bindings if b.optimizer is optimizer]
+        if not bound:
+            return lightning_s.__func__(optimizer, params)
+        b, params = bound[0], list(params)
+        held = {id(engine.manager.params[i]) for idx in b.group_params for i in idx}
+        held |= {id(p) for g in optimizer.param_groups[len(b.group_params) :] for p in g["params"]}  # not adopted yet
+        out = [p for p in params if id(p) not in held]
+        if len(out) < len(params):  # Lightning's words
+            rank_zero_warn(
+                "The provided params to be frozen already exist within another group of this optimizer."
+                " Those parameters will be skipped.\n"
+                "HINT: Did you init your optimizer in `configure_optimizer` as such:\n"
+                f" {type(optimizer)}(filter(lambda p: p.requires_grad, self.parameters()), ...) ",
+            )
+        return out
+
+    BaseFinetuning.filter_on_optimizer = staticmethod(filter_on_optimizer)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BaseFinetuning.filter_on_optimizer = lightning_s  # type: ignore[method-assign]

@@ -3,6 +3,7 @@ Lightning (the group's parameters unfrozen with it or trainable before it, under
 boundaries, through a checkpoint); what cannot be followed is refused naming where to add the group instead. Two
 ranks: ``tests/distributed`` (case ``unfreeze``)."""
 
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -14,7 +15,7 @@ from lightning_chunk.engine import ChunkError
 from lightning_chunk.options import grouped
 from tests import callbacks
 from tests.compare import EXACT, assert_same_params
-from tests.models import TwoOptimizers, fit
+from tests.models import TwoOptimizers, fit, quiet_trainer, token_data
 from tests.optimizer_models import HeadAddedLater
 
 LOOP = OffloadOptions(optimizer_kernel="loop")  # torch's own kernel, as plain Lightning steps AdamW on the CPU
@@ -143,15 +144,21 @@ class AddALateParameter(callbacks.AddHeadGroup):
     ids=["inside-accumulation", "before-the-step", "a-parameter-twice", "not-a-parameter", "a-late-parameter"],
 )
 def test_a_param_group_that_cannot_be_followed_is_refused_naming_why(callback, error, match):
-    with pytest.raises(error, match=match):
-        fit(
-            ChunkOffloadStrategy(),
-            steps=5,
-            cls=HeadAddedLater,
-            model_kwargs=dict(frozen=False),
-            callbacks=[callback()],
-            accumulate_grad_batches=2 if callback is AddInsideAccumulation else 1,
-        )
+    """A group refused for what it holds leaves the optimizer as it was, as torch's ``add_param_group`` refuses: the
+    teardown after the error met a group the engine never bound and warned of an ``IndexError``."""
+    L.seed_everything(7, verbose=False)
+    model = HeadAddedLater(frozen=False)
+    accumulate = 2 if callback is AddInsideAccumulation else 1
+    trainer = quiet_trainer(
+        strategy=ChunkOffloadStrategy(), max_steps=5, callbacks=[callback()], accumulate_grad_batches=accumulate,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as said, pytest.raises(error, match=match):
+        warnings.simplefilter("always")
+        trainer.fit(model, token_data())
+    assert not [w for w in said if "tearing down" in str(w.message)], [str(w.message) for w in said]
+    if error is ValueError:
+        assert len(trainer.optimizers[0].param_groups) == 1
 
 
 class WithBackbone(HeadAddedLater):
@@ -206,3 +213,33 @@ def test_backbone_finetuning_trains_and_resumes_as_in_plain_lightning(tmp_path, 
     (cb,) = [c for c in got.trainer_ref.callbacks if type(c).__name__ == "BackboneFinetuning"]
     assert "_store" not in cb.__dict__ and not cb._restarting  # its own methods again after fit, nothing pending
     assert Path(got_ckpt).is_dir() == (saves.get("state_dict_type") != "full")
+
+
+class BackboneInTheOptimizer(WithBackbone):
+    """An optimizer over every parameter, the frozen backbone's too: ``BackboneFinetuning`` then finds the backbone
+    in the optimizer, warns, and adds no group; the backbone trains in the group it was in once unfrozen."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_backbone_finetuning_skips_a_backbone_the_optimizer_holds_as_in_plain_lightning(tmp_path, placement):
+    """[Note: finetuning callbacks]: its check of which parameters the optimizer holds compares values, and the
+    optimizer's views never equal the module's parameters: the backbone was added a second time and refused ("is in
+    a param group already"). Now it is skipped with Lightning's warning, and trains as in plain Lightning."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    def run(strategy):
+        cb = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+        return fit(strategy, cls=BackboneInTheOptimizer, steps=8, callbacks=[cb], limit_train_batches=4)
+
+    ref = run("auto")
+    with pytest.warns(UserWarning, match="already exist within another group"):
+        got = run(ChunkOffloadStrategy(**grouped(dict(optimizer_kernel="loop", placement=placement))))
+    assert_same_params(ref, got, EXACT)
+    assert len(got.trainer_ref.optimizers[0].param_groups) == 1
+    assert not torch.equal(got.blocks[0][1].weight, fit("auto", steps=0, cls=WithBackbone).blocks[0][1].weight)
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    assert BaseFinetuning.__dict__["filter_on_optimizer"].__func__.__module__.startswith("lightning")

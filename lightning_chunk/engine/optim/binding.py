@@ -110,13 +110,20 @@ class OptimizerBinding:
         """The groups carry the chosen kernel's flags inside this block ([Note: the kernel and the user's param
         groups] in ``kernels.py``)."""
         if len(self.optimizer.param_groups) != len(self.group_params):
-            raise ChunkError(
+            error = ChunkError(
                 f"{type(self.optimizer).__name__} has {len(self.optimizer.param_groups)} param groups at this step "
                 f"but had {len(self.group_params)} when the step began: add param groups before a step's first "
                 "micro-batch (in on_train_epoch_start, or in on_train_batch_start at an accumulation boundary), not "
                 "between its backward and its optimizer step."
             )
+            self.drop_unbound_groups()
+            raise error
         return flags_set(self.optimizer, self.kernel_flags)
+
+    def drop_unbound_groups(self) -> None:
+        """Param groups added since the bind and refused leave the optimizer, as torch's ``add_param_group`` leaves
+        it where it refuses a group: an optimizer with a group the engine never bound fails its teardown."""
+        del self.optimizer.param_groups[len(self.group_params) :]
 
     def state_bytes(self) -> dict[int, int]:
         """Global group index -> optimizer-state bytes per element of the master shards."""

@@ -11,8 +11,9 @@ repacked as when ``requires_grad`` changes ([Note: requires_grad changed] in ``w
 where a callback unfreezes and adds a group at once. The optimizer then steps views of the new group's pieces, from
 no state, with the group's own hyperparameters, as in PyTorch. A parameter that was in a group before is refused
 (``add_param_group`` cannot see it: the groups it compares with hold views of shards). A group added inside
-gradient accumulation, or between a backward and its step, is refused with where to add it instead; several ranks
-must add the same groups at the same micro-batch, as with any change to the model they run.
+gradient accumulation, or between a backward and its step, is refused with where to add it instead; a refused group
+leaves the optimizer, as torch's ``add_param_group`` adds nothing where it refuses. Several ranks must add the same
+groups at the same micro-batch, as with any change to the model they run.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def follow_added_groups(engine: ChunkEngine) -> bool:
         return False
     mgr = engine.manager
     if not engine._no_grads_held:
+        for b in grown:
+            b.drop_unbound_groups()
         raise ChunkError(
             "a param group was added to "
             + ", ".join(type(b.optimizer).__name__ for b in grown)
@@ -64,8 +67,31 @@ def adopt_added_groups(b: OptimizerBinding, next_group: int, module: torch.nn.Mo
             f"{name} has {len(opt.param_groups)} param groups but had {bound}: chunk_offload follows param groups "
             "added while training (optimizer.add_param_group), not removed ones."
         )
+    try:
+        added = _added_indices(b, module)
+    except ValueError:
+        b.drop_unbound_groups()
+        raise
+    joined: dict[int, int] = {}
+    for idx in added:
+        b.group_params.append(idx)
+        b.groups.append(next_group)
+        joined.update(dict.fromkeys(idx, next_group))
+        next_group += 1
+    check_optimizer(opt, b.config, mgr.comm.world_size)
+    b.kernel_flags = kernel_flags(opt, b.config.optimizer_kernel)
+    if b.whole is not None:
+        b.whole.regroup()
+    return joined
+
+
+def _added_indices(b: OptimizerBinding, module: torch.nn.Module) -> list[list[int]]:
+    """Each added group's parameter indices; a tensor that is not a packed parameter, or one in a group already, is
+    refused."""
+    mgr, opt = b.manager, b.optimizer
+    name = type(opt).__name__
     added: list[list[int]] = []
-    for g in opt.param_groups[bound:]:
+    for g in opt.param_groups[len(b.group_params) :]:
         added.append([])
         for p in g["params"]:
             i = mgr.index_of.get(id(p))
@@ -86,17 +112,7 @@ def adopt_added_groups(b: OptimizerBinding, next_group: int, module: torch.nn.Mo
                     "again: a parameter steps in one param group."
                 )
             added[-1].append(i)
-    joined: dict[int, int] = {}
-    for idx in added:
-        b.group_params.append(idx)
-        b.groups.append(next_group)
-        joined.update(dict.fromkeys(idx, next_group))
-        next_group += 1
-    check_optimizer(opt, b.config, mgr.comm.world_size)
-    b.kernel_flags = kernel_flags(opt, b.config.optimizer_kernel)
-    if b.whole is not None:
-        b.whole.regroup()
-    return joined
+    return added
 
 
 def views_in_groups(b: OptimizerBinding) -> None:
