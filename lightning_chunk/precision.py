@@ -28,11 +28,14 @@ the two-rank case ``bf16_one_read`` holds DDP's bits under limits that differ by
 Autocast also leaves an embedding and a LayerNorm in fp32, so under Lightning's plugin the residual stream they feed is
 fp32; with low-precision payloads it is bf16 or fp16. In 16-mixed the difference is range, not rounding: a tied GPT's
 final norm's weight gradient overflowed fp16 at the first step where Lightning's fp32 one did not (one more skipped
-step, the loss scale halved). ``fp32_embeddings_and_norms=True`` (or the classes in ``full_precision_modules``) computes
-them in fp32: Lightning's bits in 16-mixed and bf16-mixed where no other weight is read uncast (a state space's
-``A_log``), a tied head included, for 2 more payload bytes an embedding parameter
-(``tests/integration/test_precision_parity.py``; on two ranks ``sweep.py --full-precision``; transformers' models:
-``architectures.py --fp32-layers``).
+step, the loss scale halved). A scalar or a vector read in the model's own arithmetic (SigLIP's ``logit_bias``, whose
+gradient sums every logit's) overflowed the same way: SigLIP skipped the first step that Lightning's AMP took.
+``fp32_embeddings_and_norms=True`` computes them in fp32: embeddings, norms, and every parameter with one dimension
+longer than 1 at most (``elementwise_shaped`` in ``engine/config.py``; a bias an op casts reads as a cast fp32
+parameter would, the same bits); the classes in ``full_precision_modules`` name the layers only. Lightning's bits in
+16-mixed and bf16-mixed where no matrix is read uncast (a state space's ``A_log``, ViT's position embeddings), a tied
+head included, for 2 more payload bytes an embedding parameter (``tests/integration/test_precision_parity.py``; on two
+ranks ``sweep.py --full-precision``; transformers' models: ``architectures.py --fp32-layers``).
 
 The step order follows Lightning's AMP plugin: closure (forward + backward) ->
 gradients onto the master views -> unscale and agree on overflow (fp16) ->
@@ -108,11 +111,12 @@ class ChunkPrecision(Precision):
         """``full_precision_modules``: module classes whose parameters compute in their own dtype under mixed precision,
         beside BatchNorm and InstanceNorm, which always do ([Note: normalisation in mixed precision] in
         ``engine/config.py``; FSDP's ``MixedPrecision._module_classes_to_ignore``). ``fp32_embeddings_and_norms``:
-        embeddings and normalisation layers (``nn.Embedding``, a class named ``...Norm``) too, as autocast computes them
-        under Lightning's mixed precision: its bits where no other weight is read uncast, for 2 more payload bytes an
-        embedding parameter ([Note: a weight used twice under mixed precision]). ``reduce_dtype``: with several ranks,
-        the dtype gradients of fp32 masters are summed across ranks in (``torch.bfloat16``: half the reduce-scatter
-        bytes and gradient payload memory, FSDP's ``MixedPrecision(reduce_dtype=...)``); ``None``: fp32, as DDP sums."""
+        embeddings and normalisation layers (``nn.Embedding``, a class named ``...Norm``), scalars and vectors too, as
+        autocast computes them under Lightning's mixed precision: its bits where no matrix is read uncast, for 2 more
+        payload bytes an embedding parameter ([Note: a weight used twice under mixed precision]). ``reduce_dtype``: with
+        several ranks, the dtype gradients of fp32 masters are summed across ranks in (``torch.bfloat16``: half the
+        reduce-scatter bytes and gradient payload memory, FSDP's ``MixedPrecision(reduce_dtype=...)``); ``None``: fp32,
+        as DDP sums."""
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
         self.reduce_dtype = _reduce_dtype(reduce_dtype)
         bad = [m for m in full_precision_modules if not (isinstance(m, type) and issubclass(m, torch.nn.Module))]

@@ -135,3 +135,22 @@ class LinearsOnly(ParityNet):
             if self.variant == "twice":
                 h = h + blk(h)
         return self.head(h)
+
+
+class SigmoidLogits(ParityNet):
+    """A learnt temperature and bias read in the root's forward, scaling the logits of a sigmoid loss, as SigLIP's
+    ``logit_scale`` and ``logit_bias``: autocast computes them in fp32 (``exp``, an add), and the bias's gradient sums
+    every logit's."""
+
+    def build(self) -> None:
+        super().build()
+        self.logit_scale = nn.Parameter(torch.tensor([0.0]))
+        self.logit_bias = nn.Parameter(torch.tensor([0.0]))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        return super().forward(x, use_branch) * self.logit_scale.exp() + self.logit_bias
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x).float()
+        return F.binary_cross_entropy_with_logits(logits, F.one_hot(y, VOCAB).float(), reduction="sum") / y.numel()

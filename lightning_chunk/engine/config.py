@@ -304,6 +304,11 @@ def autocast_fp32_layer(m: torch.nn.Module) -> bool:
     return isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or type(m).__name__.lower().endswith("norm")
 
 
+def elementwise_shaped(p: torch.Tensor) -> bool:
+    """A scalar or a vector (one dimension longer than 1 at most: a temperature, a bias, a class token)."""
+    return sum(d > 1 for d in p.shape) <= 1
+
+
 # the forward pre-hooks of torch.nn.utils.weight_norm and spectral_norm, which compute a weight as parametrizations
 # do ([Note: reparametrized weights in mixed precision])
 _NORM_HOOKS: tuple[type, ...] = (
@@ -359,8 +364,9 @@ class DtypePolicy:
     """modules whose parameters compute in their own dtype whatever ``compute_dtype`` says."""
 
     embeddings_and_norms_own_dtype: bool = False
-    """embeddings and normalisation layers too (``autocast_fp32_layer``): Lightning's autocast computes them in fp32
-    ([Note: a weight used twice under mixed precision] in ``precision.py``)."""
+    """embeddings and normalisation layers (``autocast_fp32_layer``), scalars and vectors (``elementwise_shaped``) too:
+    Lightning's autocast computes them in fp32 ([Note: a weight used twice under mixed precision] in
+    ``precision.py``)."""
 
     frozen_in_compute_dtype: bool = False
     """frozen chunks keep one copy, in the compute dtype ([Note: frozen weights in the compute dtype])."""
@@ -382,8 +388,8 @@ class DtypePolicy:
 
     def own_dtype_params(self, module: torch.nn.Module) -> frozenset[int]:
         """``id``s of the parameters that keep their own dtype when payloads are in another dtype than the
-        parameters': those of ``own_dtype_modules``, of reparametrized weights (``reparametrized_params``) and
-        those wider than the master dtype (float64: ``_wider``)."""
+        parameters': those of ``own_dtype_modules``, of reparametrized weights (``reparametrized_params``), those
+        wider than the master dtype (float64: ``_wider``) and those ``embeddings_and_norms_own_dtype`` names."""
         if self.compute_dtype is None:
             return frozenset()
         keep: set[int] = set()
@@ -393,6 +399,8 @@ class DtypePolicy:
             )
             own = m.parameters(recurse=False) if mine else ()
             keep.update(id(p) for p in [*own, *reparametrized_params(m)])
+            if self.embeddings_and_norms_own_dtype:
+                keep.update(id(p) for p in m.parameters(recurse=False) if elementwise_shaped(p))
             keep.update(id(p) for p in m.parameters(recurse=False) if self._wider(p.dtype))
         return frozenset(keep)
 

@@ -293,6 +293,22 @@ def test_mixed_precision_gives_each_parameter_dtype_its_master():
     assert mixed.own_dtype_params(model) == {id(model.scale)} and not full.own_dtype_params(model)
 
 
+def test_fp32_embeddings_and_norms_keeps_embeddings_norms_scalars_and_vectors_in_their_own_dtype():
+    """What autocast computes in fp32 under Lightning's mixed precision, as far as set-up can tell: an embedding, a
+    norm, a temperature, a class token (one dimension longer than 1), and a Linear's bias, which its op casts as it
+    casts the fp32 parameter; not a Linear's weight, nor a matrix of a module's own."""
+    from lightning_chunk.engine.config import DtypePolicy
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))
+    model.temperature = torch.nn.Parameter(torch.tensor(1.0))
+    model.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 4))
+    model.positions = torch.nn.Parameter(torch.zeros(1, 3, 4))
+    kept = DtypePolicy(torch.float16, torch.float32, embeddings_and_norms_own_dtype=True).own_dtype_params(model)
+    named = {n for n, p in model.named_parameters() if id(p) in kept}
+    assert named == {"0.weight", "1.weight", "1.bias", "2.bias", "temperature", "cls_token"}
+    assert not DtypePolicy(torch.float16, torch.float32).own_dtype_params(model)
+
+
 @pytest.mark.parametrize("value", ["bf16", torch.int8, torch.float64, 16])
 def test_a_reduce_dtype_that_is_not_a_float_of_32_bits_or_fewer_is_refused(value):
     from lightning_chunk import ChunkPrecision
