@@ -6,13 +6,16 @@ import os
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 import torch
 import torch.nn as nn
 
 from lightning_chunk.cli import main as cli_main
+from lightning_chunk.consolidate import consolidate
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.state.checkpoint import save_sharded
+from tests.compare import assert_same_params
 from tests.integration.test_checkpoints import EXACT, ROOT, chunk, train_and_save, trainer
 from tests.models import ParityNet, token_data
 
@@ -109,3 +112,38 @@ def test_consolidate_streams_with_bounded_memory(tmp_path):
     plain.load_state_dict(full["state_dict"], strict=True)
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(b, a, **EXACT)
+
+
+def test_a_sharded_directory_validates_and_resumes_under_plain_lightning_as_its_file_would(tmp_path, monkeypatch):
+    """[Note: load_from_checkpoint on a directory]: ``Trainer().validate(model, ckpt_path=dir)`` and a fit resumed from
+    the directory under ``strategy="auto"`` failed with ``IsADirectoryError``. Now the directory reads as the plain file
+    ``consolidate --with-optimizer`` writes: the same loss, and a resume to the bits of plain Lightning resumed from its
+    own file; a validation never reads the optimizer state."""
+    import lightning_chunk.consolidate as consolidate_module
+
+    train_and_save(tmp_path, chunk(device_memory_limit=90_000), steps=8)
+    ckpt, read = str(tmp_path / "step=8.ckpt"), []
+    real = consolidate_module.plain_optimizer_states
+    monkeypatch.setattr(consolidate_module, "plain_optimizer_states", lambda *a: read.append(1) or real(*a))
+
+    def validate(path):
+        return trainer("auto", 8, limit_val_batches=1.0).validate(
+            ParityNet("tied"), token_data(16), path, verbose=False
+        )
+
+    def resumed(path):
+        L.seed_everything(11, verbose=False)
+        model = ParityNet(variant="tied")
+        trainer("auto", 14).fit(model, token_data(), ckpt_path=path)
+        return model
+
+    loss = validate(ckpt)
+    assert not read
+    got = resumed(ckpt)
+    assert read == [1]
+    out = consolidate(ckpt, tmp_path / "full.pt", with_optimizer=True, progress=False)
+    assert loss == validate(out)
+    assert_same_params(resumed(out), got, EXACT)
+    (tmp_path / "plain").mkdir()
+    train_and_save(tmp_path / "plain", "auto", steps=8)  # plain Lightning, resumed from its own file
+    assert_same_params(resumed(str(tmp_path / "plain" / "step=8.ckpt")), got, EXACT)
