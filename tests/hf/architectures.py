@@ -30,22 +30,22 @@ autocast casts per op). A mixture of experts routes by top-k: one rounding flips
 32-true). Plain Lightning itself, its weights perturbed by bf16's rounding, moves as far: mixtral 0.17, granitemoe
 0.05-0.14 over four draws. On 2026-12-07 at 94286b6, two ranks as NCCL under tight limits that differ by rank: all 73
 the same bits as DDP. Six (ctrl, opt, jetmoe, jamba, recurrent_gemma, rwkv) had been refused in the warm-up's backward
-one chunk more at each try ([Note: gradient payloads before the trace] in engine/memory/grads.py). With
-``--accumulate 2`` too (76fe328): gpt2, llama, t5, clip, bart, albert, deberta_v2, mixtral, mamba, ctrl, gemma3_text
-and qwen3_moe 1e-8 to 1e-6 from DDP, clip 1.2e-3 (Adam's step is about lr where a gradient is about zero, whatever its
-size): the default ``sharded_accumulation=True`` reduce-scatters each micro-batch, a sum in another order than DDP's
-one all-reduce; with it False, gpt2 and clip gave DDP's bits. ``--precision bf16-mixed --fp32-layers`` on one rank
-(0d0b419): 53 of 73 kinds 0.000 off plain Lightning's update (the dense LMs, encoder-decoders, encoders, whisper); the
-others read parameters that are neither an embedding nor a norm in ops autocast leaves alone (a state space's A_log,
-ViT's and CLIP's class and position embeddings as bare parameters, RWKV's time mixing: mamba 0.005, vit 0.095, rwkv
-0.138 against its own 0.068) or route by top-k (mixtral 0.072, gpt_oss 0.210). Two ranks as NCCL, tight, bf16-mixed
-without it (3a6d43f): 13 of 14 kinds OK, mixtral BAD at 0.158 against 0.055 (a route flipped). On 2026-12-08 in
-16-mixed with ``--fp32-layers``: siglip BAD, 0.85 off (its scalar ``logit_bias`` took a gradient that overflowed fp16:
-a step skipped that plain Lightning took); with scalars and vectors in fp32 too, 61 of 73 kinds at plain Lightning's
-bits (olmo2 and exaone4 skip every step in both), and 60 of 73 in bf16-mixed (siglip, clip, rwkv, recurrent_gemma and
-apertus joined); the others read a matrix uncast (mamba's A_log, ViT's position embeddings), route by top-k, or run one
-layer at every depth (albert, bf16 only). Two ranks as NCCL, tight, 16-mixed with it: 11 of 12 kinds DDP's bits
-(mixtral routes apart, 0.010 against 0.010).
+one chunk more at each try ([Note: gradient payloads before the trace] in engine/memory/grads.py). With ``--accumulate
+2`` too (76fe328): gpt2, llama, t5, clip, bart, albert, deberta_v2, mixtral, mamba, ctrl, gemma3_text and qwen3_moe 1e-8
+to 1e-6 from DDP, clip 1.2e-3 (Adam's step is about lr where a gradient is about zero, whatever its size): the default
+``sharded_accumulation=True`` reduce-scatters each micro-batch, a sum in another order than DDP's one all-reduce; with
+it False, gpt2 and clip gave DDP's bits. ``--precision bf16-mixed --fp32-layers`` on one rank (0d0b419): 53 of 73 kinds
+0.000 off plain Lightning's update (the dense LMs, encoder-decoders, encoders, whisper); the others read parameters that
+are neither an embedding nor a norm in ops autocast leaves alone (a state space's A_log, ViT's and CLIP's class and
+position embeddings as bare parameters, RWKV's time mixing: mamba 0.005, vit 0.095, rwkv 0.138 against its own 0.068) or
+route by top-k (mixtral 0.072, gpt_oss 0.210). Two ranks as NCCL, tight, bf16-mixed without it (3a6d43f): 13 of 14 kinds
+OK, mixtral BAD at 0.158 against 0.055 (a route flipped). On 2026-12-08 in 16-mixed with ``--fp32-layers``: siglip BAD,
+0.85 off (its scalar ``logit_bias`` took a gradient that overflowed fp16: a step skipped that plain Lightning took);
+with scalars and vectors in fp32 too, 61 of 73 kinds at plain Lightning's bits, also under the tightest limits (olmo2
+and exaone4 skip every step in both), and 60 of 73 in bf16-mixed (siglip, clip, rwkv, recurrent_gemma and apertus
+joined); the others read a matrix uncast (mamba's A_log, ViT's position embeddings), route by top-k, or run one layer at
+every depth (albert, bf16 only). Two ranks as NCCL, tight, 16-mixed with it: 11 of 12 kinds DDP's bits (mixtral routes
+apart, 0.010 against 0.010).
 """
 
 from __future__ import annotations
