@@ -35,7 +35,9 @@ longer than 1 at most (``elementwise_shaped`` in ``engine/config.py``; a bias an
 parameter would, the same bits); the classes in ``full_precision_modules`` name the layers only. Lightning's bits in
 16-mixed and bf16-mixed where no matrix is read uncast (a state space's ``A_log``, ViT's position embeddings), a tied
 head included, for 2 more payload bytes an embedding parameter (``tests/integration/test_precision_parity.py``; on two
-ranks ``sweep.py --full-precision``; transformers' models: ``architectures.py --fp32-layers``).
+ranks ``sweep.py --full-precision``; transformers' models: ``architectures.py --fp32-layers``). It is 16-mixed's
+default, where fp16's range costs whole steps; ``False`` gives DeepSpeed's and FSDP's all-fp16 payloads. bf16-mixed
+keeps bf16 payloads unless asked (a rounding apart, and bf16 embeddings halve the residual stream's activations).
 
 The step order follows Lightning's AMP plugin: closure (forward + backward) ->
 gradients onto the master views -> unscale and agree on overflow (fp16) ->
@@ -105,7 +107,7 @@ class ChunkPrecision(Precision):
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
         full_precision_modules: Sequence[type] = (),
-        fp32_embeddings_and_norms: bool = False,
+        fp32_embeddings_and_norms: bool | None = None,
         reduce_dtype: torch.dtype | str | None = None,
     ) -> None:
         """``full_precision_modules``: module classes whose parameters compute in their own dtype under mixed precision,
@@ -113,10 +115,10 @@ class ChunkPrecision(Precision):
         ``engine/config.py``; FSDP's ``MixedPrecision._module_classes_to_ignore``). ``fp32_embeddings_and_norms``:
         embeddings and normalisation layers (``nn.Embedding``, a class named ``...Norm``), scalars and vectors too, as
         autocast computes them under Lightning's mixed precision: its bits where no matrix is read uncast, for 2 more
-        payload bytes an embedding parameter ([Note: a weight used twice under mixed precision]). ``reduce_dtype``: with
-        several ranks, the dtype gradients of fp32 masters are summed across ranks in (``torch.bfloat16``: half the
-        reduce-scatter bytes and gradient payload memory, FSDP's ``MixedPrecision(reduce_dtype=...)``); ``None``: fp32,
-        as DDP sums."""
+        payload bytes an embedding parameter; ``None``: ``True`` under 16-mixed, else ``False`` ([Note: a weight used
+        twice under mixed precision]). ``reduce_dtype``: with several ranks, the dtype gradients of fp32 masters are
+        summed across ranks in (``torch.bfloat16``: half the reduce-scatter bytes and gradient payload memory, FSDP's
+        ``MixedPrecision(reduce_dtype=...)``); ``None``: fp32, as DDP sums."""
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
         self.reduce_dtype = _reduce_dtype(reduce_dtype)
         bad = [m for m in full_precision_modules if not (isinstance(m, type) and issubclass(m, torch.nn.Module))]
@@ -126,6 +128,8 @@ class ChunkPrecision(Precision):
                 "torch.nn.Module subclasses."
             )
         self.full_precision_modules = tuple(full_precision_modules)
+        if fp32_embeddings_and_norms is None:  # 16-mixed: Lightning's AMP, whose range the payloads must not lose
+            fp32_embeddings_and_norms = self.precision == "16-mixed"
         if not isinstance(fp32_embeddings_and_norms, bool) or (
             fp32_embeddings_and_norms and "mixed" not in self.precision
         ):

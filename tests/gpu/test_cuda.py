@@ -290,8 +290,8 @@ def test_a_guess_stepped_on_the_thread_beside_backward_trains_as_stepping_after_
             placement="host", step_in_backward=early, memory=MemoryOptions(chunk_numel=66560)
         )
         kw = (
-            dict(plugins=[ChunkPrecision("16-mixed", init_scale=1e7)])
-            if fp16
+            dict(plugins=[ChunkPrecision("16-mixed", init_scale=1e7, fp32_embeddings_and_norms=False)])
+            if fp16  # every payload in fp16: overflows after chunks stepped on the guess
             else dict(precision="bf16-mixed", gradient_clip_val=0.05)
         )
         model = fit(strategy, steps=8, accelerator="gpu", model_kwargs=dict(dim=64, hidden=1024), **kw)

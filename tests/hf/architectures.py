@@ -196,7 +196,7 @@ def fit(
 
         low = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
     elif precision == "16-mixed" and low is None:
-        low = [ChunkPrecision(precision)]
+        low = [ChunkPrecision(precision, fp32_embeddings_and_norms=False)]  # as DeepSpeed: every payload fp16
     if strategy == "chunk":
         strategy = ChunkOffloadStrategy(
             placement="auto" if limit else "host",

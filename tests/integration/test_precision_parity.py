@@ -124,12 +124,27 @@ def test_a_temperature_and_bias_read_in_the_root_forward_give_lightning_s_fp16_b
 
 
 def test_fp16_payloads_of_an_embedding_and_its_norms_can_overflow_where_lightning_s_fp32_do_not():
-    """The default, as ``docs/configuration.md`` says: the first step's gradients overflow fp16 and the step is
-    skipped, where Lightning's AMP stepped (it skips the third)."""
+    """With ``fp32_embeddings_and_norms=False``, as ``docs/configuration.md`` says: the first step's gradients overflow
+    fp16 and the step is skipped, where Lightning's AMP stepped (it skips the third)."""
     _, ref_scales = mixed("auto", "16-mixed")
-    _, scales = mixed(ChunkOffloadStrategy(placement="device"), "16-mixed")
+    _, scales = mixed(ChunkOffloadStrategy(placement="device"), "16-mixed", fp32_embeddings_and_norms=False)
     assert ref_scales[:3] == [2.0**16, 2.0**16, 2.0**15]
     assert scales[:2] == [2.0**15, 2.0**14]
+
+
+def test_16_mixed_is_lightning_s_amp_by_default_and_bf16_mixed_keeps_its_payloads():
+    """16-mixed computes embeddings, norms, scalars and vectors in fp32 unless told not to: Lightning's own
+    ``MixedPrecision("16-mixed")`` plugin given to chunk_offload trains to its bits and loss scales, the overflow above
+    gone. bf16-mixed keeps them in bf16 (a rounding apart, not a range: ``docs/configuration.md``)."""
+    ref, ref_scales = mixed("auto", "16-mixed")
+    scales = LossScales()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    strategy = ChunkOffloadStrategy(**grouped(dict(placement="device", optimizer_kernel="loop")))
+    got = fit(strategy, steps=8, variant="tied", plugins=[plugin], callbacks=[scales])
+    assert_same_params(ref, got, EXACT)
+    assert scales.scales == ref_scales
+    assert ChunkPrecision("16-mixed").fp32_embeddings_and_norms
+    assert not ChunkPrecision("bf16-mixed").fp32_embeddings_and_norms
 
 
 @pytest.mark.parametrize(

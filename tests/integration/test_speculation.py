@@ -26,8 +26,8 @@ def fit(early, *, precision="bf16-mixed", init_scale=None, placement="host", thr
         offload=OffloadOptions(step_thread=thread),
         checks=CheckOptions(log_memory_stats=False),
     )
-    if init_scale is not None:
-        kw["plugins"] = [ChunkPrecision(precision, init_scale=init_scale)]
+    if init_scale is not None:  # fp16 payloads throughout: their overflows come after chunks stepped on the guess
+        kw["plugins"] = [ChunkPrecision(precision, init_scale=init_scale, fp32_embeddings_and_norms=False)]
     else:
         kw["precision"] = precision
     trainer(strategy=strategy, max_steps=STEPS, **kw).fit(model, token_data())
