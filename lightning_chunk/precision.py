@@ -6,8 +6,10 @@ precision    payload dtype   master dtype   notes
 32-true      param dtype     param dtype    bit-for-bit the plain-PyTorch update rule
 bf16-mixed   bfloat16        float32        autocast to bf16 around forward
 bf16-true    bfloat16        bfloat16       no fp32 copy anywhere (like Lightning's)
-16-mixed     float16         float32        autocast to fp16, dynamic loss scaling
+16-mixed     float16 [1]     float32        autocast to fp16, dynamic loss scaling
 ===========  ==============  =============  ==========================================
+
+[1] embeddings, norms, scalars and vectors: float32 (``fp32_embeddings_and_norms``).
 
 Unlike Lightning's own mixed-precision plugins, the payloads (the weights that
 modules compute with) are in the low-precision dtype, as in DeepSpeed and
