@@ -144,7 +144,7 @@ class AddALateParameter(callbacks.AddHeadGroup):
     ids=["inside-accumulation", "before-the-step", "a-parameter-twice", "not-a-parameter", "a-late-parameter"],
 )
 def test_a_param_group_that_cannot_be_followed_is_refused_naming_why(callback, error, match):
-    """A group refused for what it holds leaves the optimizer as it was, as torch's ``add_param_group`` refuses: the
+    """A refused group leaves the optimizer as it was, as torch's ``add_param_group`` refuses: the
     teardown after the error met a group the engine never bound and warned of an ``IndexError``."""
     L.seed_everything(7, verbose=False)
     model = HeadAddedLater(frozen=False)
@@ -157,8 +157,7 @@ def test_a_param_group_that_cannot_be_followed_is_refused_naming_why(callback, e
         warnings.simplefilter("always")
         trainer.fit(model, token_data())
     assert not [w for w in said if "tearing down" in str(w.message)], [str(w.message) for w in said]
-    if error is ValueError:
-        assert len(trainer.optimizers[0].param_groups) == 1
+    assert len(trainer.optimizers[0].param_groups) == 1
 
 
 class WithBackbone(HeadAddedLater):
@@ -242,4 +241,6 @@ def test_backbone_finetuning_skips_a_backbone_the_optimizer_holds_as_in_plain_li
     assert not torch.equal(got.blocks[0][1].weight, fit("auto", steps=0, cls=WithBackbone).blocks[0][1].weight)
     from lightning.pytorch.callbacks import BaseFinetuning
 
-    assert BaseFinetuning.__dict__["filter_on_optimizer"].__func__.__module__.startswith("lightning")
+    assert (
+        BaseFinetuning.__dict__["filter_on_optimizer"].__func__.__module__ == BaseFinetuning.__module__
+    )  # Lightning's

@@ -103,24 +103,27 @@ def test_embeddings_and_norms_computing_in_fp32_give_lightning_s_mixed_precision
         assert strategy.memory_stats()["evictions"] > 0
 
 
-def test_a_temperature_and_bias_read_in_the_root_forward_give_lightning_s_fp16_bits_with_the_flag():
+def test_a_temperature_and_bias_read_in_the_root_forward_give_lightning_s_fp16_bits():
     """[Note: a weight used twice under mixed precision]: a scalar temperature and bias (SigLIP's) scale the logits of
     a sigmoid loss in the root's forward. In fp16 payloads the bias's gradient, the sum of every logit's, overflowed
     at the first step where Lightning's fp32 one did not (SigLIP itself 0.85 of the update off after 4 steps on
-    2026-12-08); with ``fp32_embeddings_and_norms=True`` scalars and vectors compute in fp32 too, as autocast leaves
-    them: the same bits and loss scales."""
+    2026-12-08); 16-mixed's default (``fp32_embeddings_and_norms``) computes scalars and vectors in fp32 too, as
+    autocast leaves them: the same bits and loss scales, at the automatic chunk size, accumulating two micro-batches,
+    under a limit that evicts."""
 
     def run(strategy, plugin):
         scales = LossScales()
-        return fit(strategy, steps=6, cls=SigmoidLogits, plugins=[plugin], callbacks=[scales]), scales.scales
+        model = fit(
+            strategy, steps=6, cls=SigmoidLogits, plugins=[plugin], callbacks=[scales], accumulate_grad_batches=2
+        )
+        return model, scales.scales
 
     ref, ref_scales = run("auto", MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
-    strategy = ChunkOffloadStrategy(
-        **grouped(dict(device_memory_limit=80_000, chunk_numel=4096, optimizer_kernel="loop"))
-    )
-    got, scales = run(strategy, ChunkPrecision("16-mixed", fp32_embeddings_and_norms=True))
+    strategy = ChunkOffloadStrategy(**grouped(dict(device_memory_limit=80_000, optimizer_kernel="loop")))
+    got, scales = run(strategy, ChunkPrecision("16-mixed"))
     assert_same_params(ref, got, EXACT)
     assert scales == ref_scales and ref_scales[0] == 2.0**16
+    assert strategy.memory_stats()["evictions"] > 0
 
 
 def test_fp16_payloads_of_an_embedding_and_its_norms_can_overflow_where_lightning_s_fp32_do_not():
