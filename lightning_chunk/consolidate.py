@@ -9,7 +9,7 @@ and the optimizers under ``optimizer_states``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -141,11 +141,12 @@ def plain_optimizer_states(path: Path, ck: dict[str, Any]) -> list[dict[str, Any
 class StatesOnRead(list):
     """A checkpoint's ``optimizer_states`` read from the shards the first time it is looked into ([Note:
     load_from_checkpoint on a directory] in ``module_loading.py``): a fit resumed under another strategy reads them,
-    a test or ``load_from_checkpoint`` never does. Pickled as the plain list it becomes."""
+    a test or ``load_from_checkpoint`` never does. Pickled as the plain list it becomes; made from items (as
+    ``apply_to_collection`` remakes a sequence), it holds them."""
 
-    def __init__(self, read: Callable[[], list[dict[str, Any]]]) -> None:
-        super().__init__()
-        self._read: Callable[[], list[dict[str, Any]]] | None = read
+    def __init__(self, read: Callable[[], list[dict[str, Any]]] | Iterable[dict[str, Any]] = ()) -> None:
+        super().__init__(() if callable(read) else read)
+        self._read: Callable[[], list[dict[str, Any]]] | None = read if callable(read) else None
 
     def _fill(self) -> None:
         if self._read is not None:

@@ -3,6 +3,7 @@ trained model, with its optimizer state; never over a file already there unless 
 chunks whatever the model's size."""
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -10,9 +11,10 @@ import lightning as L
 import pytest
 import torch
 import torch.nn as nn
+from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from lightning_chunk.cli import main as cli_main
-from lightning_chunk.consolidate import consolidate
+from lightning_chunk.consolidate import consolidate, read_checkpoint
 from lightning_chunk.engine import ChunkConfig, ChunkEngine
 from lightning_chunk.engine.state.checkpoint import save_sharded
 from tests.compare import assert_same_params
@@ -67,7 +69,9 @@ def test_consolidate_refuses_to_overwrite_an_existing_output_unless_forced(tmp_p
 MEMORY_SCRIPT = r"""
 import sys
 sys.path.insert(0, {root!r})
-from lightning_chunk.consolidate import consolidate
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+from lightning_chunk.consolidate import consolidate, read_checkpoint
 import torch
 
 
@@ -143,6 +147,13 @@ def test_a_sharded_directory_validates_and_resumes_under_plain_lightning_as_its_
     assert read == [1]
     out = consolidate(ckpt, tmp_path / "full.pt", with_optimizer=True, progress=False)
     assert loss == validate(out)
+    states = torch.load(out, weights_only=False)["optimizer_states"]
+    loaded = read_checkpoint(ckpt)  # as a hook that moves the whole checkpoint, or pickles it, meets it
+    for seen in (loaded, apply_to_collection(loaded, torch.Tensor, torch.clone), pickle.loads(pickle.dumps(loaded))):
+        assert [s["param_groups"] for s in seen["optimizer_states"]] == [s["param_groups"] for s in states]
+        torch.testing.assert_close(
+            [s["state"] for s in seen["optimizer_states"]], [s["state"] for s in states], **EXACT
+        )
     assert_same_params(resumed(out), got, EXACT)
     (tmp_path / "plain").mkdir()
     train_and_save(tmp_path / "plain", "auto", steps=8)  # plain Lightning, resumed from its own file
