@@ -276,6 +276,35 @@ def test_a_frozen_chunk_costs_its_compute_copy_alone_when_asked(on):
     assert adapter.device_shard_bytes == (2 + 4 + 4 + 8) * 1024  # payload, master, gradient, Adam's moments
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_planned_views_cost_what_the_built_chunks_cost_when_payloads_keep_their_own_dtype(ranks):
+    """Placement before the chunks exist (the warm-up's layout choice, a repack, ``plan``) reads ``planned_views``: it
+    sized an embedding's or a BatchNorm's payload in the compute dtype, half of the float32 payload the engine builds
+    ([Note: normalisation in mixed precision]), so a limit could be planned for chunks that did not fit it."""
+    from lightning_chunk import ChunkPrecision
+    from lightning_chunk.engine import ChunkEngine
+    from lightning_chunk.engine.comm.collectives import Collectives
+    from lightning_chunk.engine.config import ChunkConfig
+    from lightning_chunk.engine.schedule.costs import chunk_views, planned_views
+
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 8)
+    )
+    opt = torch.optim.Adam(model.parameters())
+    dtypes = ChunkPrecision("16-mixed").dtype_policy()
+    collectives = Collectives.planning(ranks) if ranks > 1 else None
+    eng = ChunkEngine(
+        model, [opt], config=ChunkConfig(placement="host", chunk_numel=2048), dtypes=dtypes, collectives=collectives
+    )
+    mgr = eng.manager
+    assert any(c.key.own_dtype for c in mgr.layout.chunks) and not all(c.key.own_dtype for c in mgr.layout.chunks)
+    planned = planned_views(mgr.layout, mgr.dtypes, eng.description.optim_bytes)
+    built = chunk_views(mgr.chunks)
+    assert [(v.payload_bytes, v.device_shard_bytes, v.disk_bytes) for v in planned] == [
+        (v.payload_bytes, v.device_shard_bytes, v.disk_bytes) for v in built
+    ]
+
+
 def test_mixed_precision_gives_each_parameter_dtype_its_master():
     """fp32 parameters get fp32 masters and bf16 payloads; a float64 one keeps float64 for both ([Note: float64
     parameters under mixed precision]); a frozen bf16 one keeps bf16, a trainable one gets an fp32 master ([Note:

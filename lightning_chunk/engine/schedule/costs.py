@@ -94,7 +94,7 @@ def planned_views(layout: Layout, dtypes: DtypePolicy, optim_bytes_per_element: 
     ws = layout.world_size
     for spec in layout.chunks:
         trainable = spec.key.requires_grad
-        compute = dtypes.compute_for(spec.key.dtype)
+        compute = dtypes.compute_for(spec.key.dtype, own_dtype=spec.key.own_dtype)  # as ``build_chunk`` makes it
         master = dtypes.master_for(spec.key.dtype, trainable=trainable, own_dtype=spec.key.own_dtype)
         optim = spec.capacity_numel // ws * optim_bytes_per_element.get(spec.key.group, 0) if trainable else 0
         out.append(
