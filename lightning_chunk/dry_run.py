@@ -12,16 +12,19 @@ import lightning as L
 from .engine.config import format_bytes
 from .engine.errors import DeviceMemoryLimitError
 from .options import grouped
+from .plan_inputs import chunk_precision
+from .precision import ChunkPrecision
 from .strategy import ChunkOffloadStrategy
 
 
-def one_step_trainer(strategy: ChunkOffloadStrategy, precision: Any, **kw: Any) -> L.Trainer:
-    """One rank on the CPU, one step, nothing logged, saved or shown."""
+def one_step_trainer(strategy: ChunkOffloadStrategy, precision: ChunkPrecision, **kw: Any) -> L.Trainer:
+    """One rank on the CPU, one step, nothing logged, saved or shown. ``precision`` is a plugin: a Trainer on the CPU
+    given ``precision="16-mixed"`` runs bf16-mixed, and the plan is for the GPU's."""
     return L.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        precision=precision,
+        plugins=[precision],
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -42,6 +45,7 @@ class DryRun:
     data_args: dict[str, Any]
     strategy_args: dict[str, Any]
     precision: str
+    plugin_args: dict[str, Any] | None = None  # a config's ChunkPrecision's (``chunk_precision_args``): made anew a run
 
     def run(self, probe: L.Callback, **strategy_args: Any) -> None:
         """The step, ``probe`` among its callbacks; ``strategy_args`` over this run's own."""
@@ -50,7 +54,7 @@ class DryRun:
         args = {**self.strategy_args, **strategy_args, "log_memory_stats": False}
         trainer = one_step_trainer(
             ChunkOffloadStrategy(**grouped(args)),
-            self.precision,
+            chunk_precision(self.precision, self.plugin_args or {}),  # 16-mixed too, which a CPU Trainer makes bf16
             limit_val_batches=0,
             num_sanity_val_steps=0,
             callbacks=[probe],

@@ -35,8 +35,14 @@ from .engine.schedule.simulate import simulate_step
 from .engine.system import torch_features
 from .options import grouped
 from .phases import ClusterReport, phases
-from .plan_inputs import chunk_precision_args, has_async_save, has_chunk_ema, has_train_dataloader, load_class
-from .precision import ChunkPrecision
+from .plan_inputs import (
+    chunk_precision,
+    chunk_precision_args,
+    has_async_save,
+    has_chunk_ema,
+    has_train_dataloader,
+    load_class,
+)
 from .strategy import ChunkOffloadStrategy
 
 
@@ -150,10 +156,12 @@ def make_plan(
     strategy_args: dict[str, Any],
     precision: str = "32-true",
     ema: bool = False,
+    plugin_args: dict[str, Any] | None = None,
 ) -> PlanReport:
     """Run the dry warm-up step and report. Raises ``DeviceMemoryLimitError`` when the limit is too small.
-    ``ema``: count a ChunkEMA's average."""
-    probe, dry = _Probe(ema), DryRun(model_cls, model_args, data_cls, data_args, strategy_args, precision)
+    ``ema``: count a ChunkEMA's average; ``plugin_args``: a config's ``ChunkPrecision`` arguments."""
+    probe = _Probe(ema)
+    dry = DryRun(model_cls, model_args, data_cls, data_args, strategy_args, precision, plugin_args)
     try:
         dry.run(probe)
     except DeviceMemoryLimitError as refused:
@@ -252,13 +260,15 @@ def make_shape_plan(
     reduce_dtype: str | torch.dtype | None = None,
     ema: bool = False,
     background_save: bool = False,
+    plugin_args: dict[str, Any] | None = None,
 ) -> Any:
     """Plan ``ranks`` ranks from shapes: the model is built on the meta device and never materialised. ``cluster``:
     ``(nodes, devices a node, host bytes a node)``, for each phase's peaks ([Note: host memory by phase]);
     ``staging``: the devices are GPUs, whose gradients leave through pinned staging; ``activations``: a step's
     activation peak a rank, where known; ``reduce_dtype``: ``ChunkPrecision``'s, the dtype of gradient payloads;
     ``ema``: count a ChunkEMA's average; ``background_save``: saves are written in the background, beside training
-    (``AsyncCheckpointIO``) ([Note: host memory by phase])."""
+    (``AsyncCheckpointIO``) ([Note: host memory by phase]); ``plugin_args``: a config's ``ChunkPrecision`` arguments
+    (``fp32_embeddings_and_norms``, ``full_precision_modules``: the payloads' dtypes), ``reduce_dtype`` among them."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -270,13 +280,15 @@ def make_shape_plan(
             model.configure_model()
     DeferredInit.capture(model)  # placeholders: optimizers (fused ones too) can be built over them
     strategy = ChunkOffloadStrategy(**grouped({**strategy_args, "log_memory_stats": False}))
-    model.trainer = one_step_trainer(strategy, precision)  # configure_optimizers may read the trainer
+    plugin = chunk_precision(precision, {"reduce_dtype": reduce_dtype, **(plugin_args or {})})
+    precision = str(plugin.precision)  # "16", 16, "bf16": their normal names
+    model.trainer = one_step_trainer(strategy, plugin)  # configure_optimizers may read the trainer
     optimizers, _ = _init_optimizers_and_lr_schedulers(model)
     plan = plan_from_shapes(
         model,
         optimizers,
         config=strategy.config,
-        dtypes=ChunkPrecision(precision, reduce_dtype=reduce_dtype).dtype_policy(),
+        dtypes=plugin.dtype_policy(),
         world_size=ranks,
     )
     in_files = strategy.config.host_memory_limit is not None  # [Note: the average under a host limit]
@@ -374,7 +386,6 @@ def plan_from_args(
     trainer_cfg = cfg.get("trainer") or {}
     plugin = chunk_precision_args(trainer_cfg)
     prec = precision or str(trainer_cfg.get("precision") or plugin.get("precision", "32-true"))
-    reduce_dtype = plugin.get("reduce_dtype")
     ema = ema or has_chunk_ema(trainer_cfg)
     background_save = background_save or has_async_save(trainer_cfg)
     memory = sargs.get("memory")
@@ -393,13 +404,13 @@ def plan_from_args(
             shard_ranks(shard_size, nodes * devices, devices),
             (nodes, devices, host_memory),
             activations=activations or 0,
-            reduce_dtype=reduce_dtype,
             ema=ema,
             background_save=background_save,
+            plugin_args=plugin,
         )
     if shapes_only:
         ranks = shard_ranks(shard_size, ranks, ranks)
-        return make_shape_plan(load_class(model), margs, sargs, prec, ranks, reduce_dtype=reduce_dtype, ema=ema)
+        return make_shape_plan(load_class(model), margs, sargs, prec, ranks, ema=ema, plugin_args=plugin)
     model_cls = load_class(model)
     if data is None and not has_train_dataloader(model_cls):
         raise ValueError(
@@ -407,4 +418,4 @@ def plan_from_args(
             "--data with its LightningDataModule (package.module:Class or path/to/file.py:Class), or "
             "--shapes-only to plan from the shapes alone."
         )
-    return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec, ema)
+    return make_plan(model_cls, margs, load_class(data) if data else None, dargs, sargs, prec, ema, plugin or None)

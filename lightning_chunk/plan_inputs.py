@@ -11,6 +11,8 @@ from typing import Any
 
 import lightning as L
 
+from .precision import ChunkPrecision
+
 
 def load_class(spec: str) -> type:
     """``package.module.Class``, ``package.module:Class`` or ``path/to/file.py:Class`` (relative to the current
@@ -71,6 +73,17 @@ def chunk_precision_args(trainer: dict[str, Any]) -> dict[str, Any]:
         if name == "ChunkPrecision":
             return {"precision": "32-true", **args}
     return {}
+
+
+def chunk_precision(precision: str, args: dict[str, Any]) -> ChunkPrecision:
+    """The ``ChunkPrecision`` of a config's ``trainer.plugins`` (``chunk_precision_args``) under ``precision``: its
+    ``fp32_embeddings_and_norms``, ``full_precision_modules`` (class paths) and ``reduce_dtype`` set the payloads'
+    dtypes, as the fit's plugin will."""
+    given = {k: v for k, v in args.items() if k != "precision"}
+    modules = given.get("full_precision_modules")
+    if isinstance(modules, (list, tuple)):
+        given["full_precision_modules"] = [load_class(m) if isinstance(m, str) else m for m in modules]
+    return ChunkPrecision(precision, **given)
 
 
 def has_async_save(trainer: dict[str, Any]) -> bool:

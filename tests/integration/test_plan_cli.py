@@ -83,6 +83,56 @@ def test_plan_sizes_gradient_payloads_in_the_reduce_dtype_of_the_config_and_whol
     assert sum(p.device for p in half_node.phases) < sum(p.device for p in full_node.phases)
 
 
+def test_plan_sizes_payloads_in_the_dtypes_the_config_s_precision_plugin_keeps(tmp_path):
+    """``ChunkPrecision``'s ``fp32_embeddings_and_norms`` and ``full_precision_modules`` decide which payloads stay
+    float32 under mixed precision; plan, from shapes and in its dry run, took the precision's defaults instead. Under
+    16-mixed the embeddings and norms are float32 by default, fp16 when the config says False; a class named as a path
+    in ``full_precision_modules`` keeps float32 under bf16-mixed too."""
+    from lightning_chunk.plan import plan_from_args
+
+    def config(name: str, precision: str, extra: str = "") -> str:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(
+            "trainer:\n  plugins:\n    - class_path: lightning_chunk.ChunkPrecision\n      init_args:\n"
+            f"        precision: {precision}\n" + extra
+        )
+        return str(path)
+
+    configs = {
+        "fp32": config("fp32", "16-mixed"),
+        "fp16": config("fp16", "16-mixed", "        fp32_embeddings_and_norms: false\n"),
+        "bf16": config("bf16", "bf16-mixed"),
+        "linear": config("linear", "bf16-mixed", "        full_precision_modules: [torch.nn.Linear]\n"),
+    }
+    shapes = {
+        k: sum(
+            v.payload_bytes
+            for v in plan_from_args(
+                "lightning_chunk.shapes:Llama",
+                None,
+                c,
+                '{"size": {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 4, "vocab": 256}}',
+                None,
+                {},
+                None,
+                shapes_only=True,
+            ).plan.views
+        )
+        for k, c in configs.items()
+    }
+    assert shapes["fp16"] == shapes["bf16"] < shapes["fp32"] < shapes["linear"], shapes
+    dry = {
+        k: plan_from_args(
+            "tests.models:ParityNet", "tests.models:TokenData", c, None, None, {"chunk_numel": 4096}, None
+        )
+        for k, c in configs.items()
+    }
+    assert dry["fp16"].payload_bytes_max == dry["bf16"].payload_bytes_max < dry["linear"].payload_bytes_max, dry
+    assert dry["fp16"].precision == "16-mixed"  # a CPU Trainer given '16-mixed' runs bf16-mixed: the plan did
+    args = ("tests.models:ParityNet", "tests.models:TokenData", None, None, None, {"chunk_numel": 4096}, "16-mixed")
+    assert plan_from_args(*args).precision == "16-mixed"
+
+
 def test_the_dry_run_counts_a_chunk_ema_s_average_where_asked():
     """``plan --ema`` on a model it builds: the average is each trainable chunk's shard in fp32, in host memory, or in
     files with a host limit ([Note: the average under a host limit])."""
