@@ -38,6 +38,7 @@ from .finetuning import follow_finetuning, unfollow_finetuning
 from .hf import PeftAdapters, keep_generation_in_step, module_weights
 from .options import CheckOptions, MemoryOptions, OffloadOptions, check_arguments, flatten, group, moved
 from .precision import ChunkPrecision
+from .quantized import quantize_for
 from .same_batches import check_same_batches, repeat_while_others_run
 from .signals import SignalsAtSteps
 from .telemetry import log_memory_stats
@@ -216,6 +217,7 @@ class ChunkOffloadStrategy(WholeValues):
         )
         self._deferred = deferred
         self.model_to_device()
+        quantize_for(module, self.root_device)  # [Note: quantizing where Lightning does] in quantized.py
         ranks = shard_ranks(self.config.shard_size, self.world_size, self.num_processes)
         timeout, verify = self.config.collective_timeout_s, self.config.verify_collectives
         comm = Collectives.over(ranks, timeout_s=timeout, verify=verify) if self.world_size > 1 else Collectives.local()

@@ -304,6 +304,20 @@ def autocast_fp32_layer(m: torch.nn.Module) -> bool:
     return isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or type(m).__name__.lower().endswith("norm")
 
 
+def packed_codes(p: torch.Tensor) -> bool:
+    """[Note: quantized weights]
+    A QLoRA base holds bitsandbytes' 4-bit weights (``Params4bit``): two codes a byte, packed into a ``quant_storage``
+    tensor, their scales beside them in ``quant_state``, read only by bitsandbytes' kernels. Its values are not
+    numbers: a cast rewrites the bytes. Under ``bf16-mixed`` a float32 container became a bf16 payload of half the
+    bytes, and the kernel failed on its shape; ``16-mixed`` over a bf16 container (``fp32_embeddings_and_norms=False``)
+    would have decoded other weights without a word. Such a parameter keeps its own dtype in every precision, as
+    BatchNorm's do, and is packed, sharded, offloaded and gathered like any frozen one (FSDP and DeepSpeed ZeRO-3 ask
+    the same container, ``quant_storage=torch.bfloat16``). A container that is not a float (bitsandbytes' default
+    ``uint8``) is refused, naming that option. The strategy quantizes such weights where plain Lightning's
+    ``model.to(device)`` does and puts their ``quant_state`` on the device (``quantized.py``)."""
+    return hasattr(p, "quant_state")
+
+
 def elementwise_shaped(p: torch.Tensor) -> bool:
     """A scalar or a vector (one dimension longer than 1 at most: a temperature, a bias, a class token)."""
     return sum(d > 1 for d in p.shape) <= 1
@@ -389,7 +403,8 @@ class DtypePolicy:
     def own_dtype_params(self, module: torch.nn.Module) -> frozenset[int]:
         """``id``s of the parameters that keep their own dtype when payloads are in another dtype than the
         parameters': those of ``own_dtype_modules``, of reparametrized weights (``reparametrized_params``), those
-        wider than the master dtype (float64: ``_wider``) and those ``embeddings_and_norms_own_dtype`` names."""
+        wider than the master dtype (float64: ``_wider``), quantized ones (``packed_codes``) and those
+        ``embeddings_and_norms_own_dtype`` names."""
         if self.compute_dtype is None:
             return frozenset()
         keep: set[int] = set()
@@ -401,7 +416,7 @@ class DtypePolicy:
             keep.update(id(p) for p in [*own, *reparametrized_params(m)])
             if self.embeddings_and_norms_own_dtype:
                 keep.update(id(p) for p in m.parameters(recurse=False) if elementwise_shaped(p))
-            keep.update(id(p) for p in m.parameters(recurse=False) if self._wider(p.dtype))
+            keep.update(id(p) for p in m.parameters(recurse=False) if self._wider(p.dtype) or packed_codes(p))
         return frozenset(keep)
 
     @property

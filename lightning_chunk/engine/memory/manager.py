@@ -25,7 +25,7 @@ from ..chunks.repack import ExtraShards, FromModule, OldChunks
 from ..chunks.states import TensorState
 from ..comm.collectives import Collectives
 from ..comm.reduce import GradReducer
-from ..config import ChunkConfig, DtypePolicy
+from ..config import ChunkConfig, DtypePolicy, packed_codes
 from ..schedule.costs import chunk_views, shard_cost
 from ..schedule.placement import ChunkView
 from ..system.threads import indexed
@@ -83,6 +83,13 @@ class ChunkManager:
                     f"pair, nn.Parameter(torch.view_as_real(w)), and read torch.view_as_complex(self.{attr}.float()) "
                     "in forward (.float(): under mixed precision the pair computes in bf16, which has no complex "
                     "type): torch's optimizers step a complex parameter as that pair, so it trains the same."
+                )
+            if not p.is_floating_point() and packed_codes(p):  # [Note: quantized weights] in config.py
+                raise TypeError(
+                    f"parameter {name!r} is a 4-bit weight in a {p.dtype} container; chunks hold floating-point "
+                    "values. Build it with quant_storage=torch.bfloat16 (Linear4bit(..., quant_storage=...), "
+                    "BitsAndBytesConfig(bnb_4bit_quant_storage=torch.bfloat16)), as FSDP and DeepSpeed ZeRO-3 ask: "
+                    "its codes are then packed, sharded and offloaded, never cast."
                 )
             if not p.is_floating_point():
                 raise TypeError(

@@ -1,0 +1,40 @@
+"""bitsandbytes' 4-bit weights on the device as plain Lightning puts them there ([Note: quantized weights] in
+``engine/config.py``).
+
+[Note: quantizing where Lightning does]
+A ``Params4bit`` made from float weights is quantized by its first ``.to(device)``: under plain Lightning, the
+strategy's ``model.to(device)``, which also moves an already quantized weight's ``quant_state`` (its scales) to the
+device. chunk_offload moves no parameter (the engine places them), so a QLoRA model built without ``.to`` failed in
+bitsandbytes' forward on the float weights it still held, and one quantized on the host would have met device inputs
+with host scales. ``quantize_for`` does what that ``.to`` does, a parameter at a time: an unquantized weight is
+quantized on the device (in place: the same parameter object, as bitsandbytes' ``.to`` keeps it) and its codes go
+back to the host, where the engine packs them; a quantized one's ``quant_state`` moves to the device. The device
+thus holds one weight's codes at a time during set-up, and the scales for good (a 64th of the codes' elements in
+fp32, less with nested statistics).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .engine.config import packed_codes
+
+_HOST = torch.device("cpu")
+
+
+def quantize_for(module: torch.nn.Module, device: torch.device) -> int:
+    """Quantize ``module``'s unquantized 4-bit weights on ``device`` and move every ``quant_state`` there
+    ([Note: quantizing where Lightning does]); returns how many weights it quantized."""
+    quantized = 0
+    for p in {id(p): p for p in module.parameters()}.values():
+        if not packed_codes(p) or p.is_meta:
+            continue
+        if not getattr(p, "bnb_quantized", True):
+            p.to(device)  # bitsandbytes' Params4bit.to: quantizes this parameter in place on the device
+            quantized += 1
+            if p.device != _HOST:
+                p.data = p.data.to(_HOST)  # the codes, for the engine to pack; the scales stay on the device
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            state.to(device)  # in place
+    return quantized

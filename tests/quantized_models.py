@@ -1,0 +1,90 @@
+"""A QLoRA model of bitsandbytes' 4-bit linear layers with low-rank adapters ([Note: quantized weights] in
+``engine/config.py``), and, run as a script, its fit on two ranks (``python -m tests.quantized_models STRATEGY OUT``:
+``ddp`` or ``chunk``; the trained parameters saved to OUT by rank 0)."""
+
+from __future__ import annotations
+
+import sys
+
+import bitsandbytes as bnb
+import lightning as L
+import torch
+from torch import nn
+
+VOCAB = 50
+
+
+class QLoRALinear(nn.Module):
+    """A frozen 4-bit base (nf4, its codes in a ``storage`` container) plus a trainable rank-4 adapter; ``quantize``:
+    quantized here (on the host), else by the first ``.to(device)``, as bitsandbytes does."""
+
+    def __init__(self, n_in: int, n_out: int, storage: torch.dtype, quantize: bool, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(n_out, n_in, generator=g) / n_in**0.5
+        self.base = bnb.nn.Linear4bit(
+            n_in, n_out, bias=False, compute_dtype=torch.float32, quant_type="nf4", quant_storage=storage
+        )
+        self.base.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", quant_storage=storage)
+        if quantize:
+            self.base.to("cpu")
+        self.a = nn.Parameter(torch.randn(4, n_in, generator=g) * 0.01)
+        self.b = nn.Parameter(torch.zeros(n_out, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+class QLoRANet(L.LightningModule):
+    """A frozen embedding, two QLoRA layers and a trainable head; the adapters and head train with AdamW."""
+
+    def __init__(self, storage: str = "bfloat16", quantize: bool = False) -> None:
+        super().__init__()
+        dtype = getattr(torch, storage)
+        self.emb = nn.Embedding(VOCAB, 64)
+        self.emb.weight.requires_grad_(False)
+        self.l1 = QLoRALinear(64, 128, dtype, quantize, seed=1)
+        self.l2 = QLoRALinear(128, 64, dtype, quantize, seed=2)
+        self.head = nn.Linear(64, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.l2(torch.relu(self.l1(self.emb(x))))))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def qlora_data(n: int = 32) -> torch.utils.data.DataLoader:
+    x = torch.randint(0, VOCAB, (n, 8), generator=torch.Generator().manual_seed(3))
+    return torch.utils.data.DataLoader(list(zip(x, (x + 1) % VOCAB, strict=True)), batch_size=4)
+
+
+def trained(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+if __name__ == "__main__":
+    from lightning_chunk import ChunkOffloadStrategy
+
+    which, out = sys.argv[1], sys.argv[2]
+    L.seed_everything(0, verbose=False)
+    model = QLoRANet()
+    strategy = "ddp" if which == "ddp" else ChunkOffloadStrategy(placement="host", optimizer_kernel="loop")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, qlora_data())
+    if trainer.global_rank == 0:
+        torch.save({"trained": trained(model), "codes": model.l1.base.weight.detach().clone()}, out)
