@@ -11,6 +11,14 @@ quantized on the device (in place: the same parameter object, as bitsandbytes' `
 back to the host, where the engine packs them; a quantized one's ``quant_state`` moves to the device. The device
 thus holds one weight's codes at a time during set-up, and the scales for good (a 64th of the codes' elements in
 fp32, less with nested statistics).
+
+[Note: bitsandbytes' CPU layout]
+On a CPU with AVX512-BF16, bitsandbytes' ``Linear4bit`` rewrites its weight's ``.data`` into another layout (another
+shape) at its first forward without gradients in eval mode: an inference path, which a Hugging Face model trained
+as ``from_pretrained`` left it (in eval mode: Lightning keeps each submodule's mode) takes. A chunk's parameter is a
+view of its payload, gathered anew at each use, so the engine refused the write; the layout is turned off for the
+layers it holds (``support_avx512bf16_for_cpu``), which then compute from the codes as in training mode: a rounding
+apart from plain Lightning's run in eval mode there (2e-3 after four steps of a tiny Llama), its bits in training mode.
 """
 
 from __future__ import annotations
@@ -37,4 +45,9 @@ def quantize_for(module: torch.nn.Module, device: torch.device) -> int:
         state = getattr(p, "quant_state", None)
         if state is not None:
             state.to(device)  # in place
+    for m in module.modules():  # [Note: bitsandbytes' CPU layout]
+        weight = getattr(m, "weight", None)
+        codes = isinstance(weight, torch.Tensor) and packed_codes(weight)
+        if codes and getattr(m, "support_avx512bf16_for_cpu", False):
+            vars(m)["support_avx512bf16_for_cpu"] = False  # a plain attribute of bitsandbytes' layer
     return quantized

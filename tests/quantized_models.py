@@ -58,6 +58,47 @@ class QLoRANet(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
+class HFQLoRA(L.LightningModule):
+    """A tiny Llama saved at ``path``, loaded 4-bit through transformers' ``BitsAndBytesConfig`` (codes in bf16),
+    prepared for k-bit training and given LoRA adapters by ``peft``; ``train``: put in training mode, else left in
+    eval mode as ``from_pretrained`` leaves it ([Note: bitsandbytes' CPU layout] in ``quantized.py``)."""
+
+    def __init__(self, path: str, train: bool = True) -> None:
+        super().__init__()
+        import peft
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_quant_storage=torch.bfloat16,
+        )
+        base = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=quantization, device_map={"": "cpu"}, dtype=torch.float32
+        )
+        base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+        torch.manual_seed(1)
+        self.model = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+        self.model.train(train)
+
+    def training_step(self, batch: torch.Tensor, i: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def save_tiny_llama(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
 def qlora_data(n: int = 32) -> torch.utils.data.DataLoader:
     x = torch.randint(0, VOCAB, (n, 8), generator=torch.Generator().manual_seed(3))
     return torch.utils.data.DataLoader(list(zip(x, (x + 1) % VOCAB, strict=True)), batch_size=4)

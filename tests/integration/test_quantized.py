@@ -13,7 +13,7 @@ from lightning_chunk import ChunkOffloadStrategy, ChunkPrecision
 from tests.children import child_env
 
 pytest.importorskip("bitsandbytes")
-from tests.quantized_models import QLoRANet, qlora_data, trained  # noqa: E402
+from tests.quantized_models import HFQLoRA, QLoRANet, qlora_data, save_tiny_llama, trained  # noqa: E402
 
 STEPS = 4
 
@@ -67,6 +67,40 @@ def test_a_qlora_base_trains_to_plain_lightning_s_bits(storage, quantize, precis
         want = trained(ref)
         for name, value in trained(got).items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_hugging_face_qlora_model_trains_to_plain_lightning_s_bits(tmp_path):
+    """transformers' 4-bit loading, ``peft``'s k-bit preparation and adapters: plain Lightning's bits under
+    bf16-mixed with fp32 embeddings and norms (what its autocast computes in fp32). Left in eval mode, as
+    ``from_pretrained`` leaves it, bitsandbytes rewrote each weight's layout in its first forward on this CPU and the
+    engine refused the write ([Note: bitsandbytes' CPU layout]): it trains, within a rounding of plain Lightning."""
+    save_tiny_llama(str(tmp_path / "llama"))
+    data = torch.utils.data.DataLoader(
+        torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(2)), batch_size=4
+    )
+    plugin = ChunkPrecision("bf16-mixed", fp32_embeddings_and_norms=True)
+    for train, tol in ((True, dict(rtol=0, atol=0)), (False, dict(rtol=0, atol=0.02))):
+        got = {}
+        for name, kw in (
+            ("ref", dict(strategy="auto", precision="bf16-mixed")),
+            ("chunk", dict(strategy=chunk(), plugins=[plugin])),
+        ):
+            L.seed_everything(0, verbose=False)
+            model = HFQLoRA(str(tmp_path / "llama"), train=train)
+            L.Trainer(
+                accelerator="cpu",
+                devices=1,
+                max_steps=STEPS,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                **kw,
+            ).fit(model, data)
+            got[name] = trained(model)
+        assert len(got["ref"]) == 8  # four adapted projections, A and B each
+        for key, value in got["chunk"].items():
+            torch.testing.assert_close(value, got["ref"][key], msg=lambda m, k=key, t=train: f"{k} ({t=}): {m}", **tol)
 
 
 def test_a_4_bit_weight_in_bitsandbytes_default_uint8_container_is_refused_naming_the_float_one():
