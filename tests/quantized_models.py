@@ -1,6 +1,7 @@
-"""A QLoRA model of bitsandbytes' 4-bit linear layers with low-rank adapters ([Note: quantized weights] in
-``engine/config.py``), and, run as a script, its fit on two ranks (``python -m tests.quantized_models STRATEGY OUT``:
-``ddp`` or ``chunk``; the trained parameters saved to OUT by rank 0)."""
+"""QLoRA models: bitsandbytes' 4-bit linear layers with low-rank adapters ([Note: quantized weights] in
+``engine/config.py``), built by hand or through transformers and peft. Run as a script
+(``python -m tests.quantized_models OUT``), the hand-built one fits on two ranks under DDP and then chunk_offload,
+rank 0 saving what each trained to OUT."""
 
 from __future__ import annotations
 
@@ -108,24 +109,26 @@ def trained(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # DDP's fit, then chunk_offload's, in the same two processes
     from lightning_chunk import ChunkOffloadStrategy
 
-    which, out = sys.argv[1], sys.argv[2]
-    L.seed_everything(0, verbose=False)
-    model = QLoRANet()
-    strategy = "ddp" if which == "ddp" else ChunkOffloadStrategy(placement="host", optimizer_kernel="loop")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        precision="bf16-mixed",
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, qlora_data())
+    results = {}
+    for which in ("ddp", "chunk"):
+        L.seed_everything(0, verbose=False)
+        model = QLoRANet()
+        strategy = "ddp" if which == "ddp" else ChunkOffloadStrategy(placement="host", optimizer_kernel="loop")
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            precision="bf16-mixed",
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, qlora_data())
+        results[which] = {"trained": trained(model), "codes": model.l1.base.weight.detach().clone()}
     if trainer.global_rank == 0:
-        torch.save({"trained": trained(model), "codes": model.l1.base.weight.detach().clone()}, out)
+        torch.save(results, sys.argv[1])
