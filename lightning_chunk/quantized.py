@@ -46,8 +46,9 @@ def quantize_for(module: torch.nn.Module, device: torch.device) -> int:
         if state is not None:
             state.to(device)  # in place
     for m in module.modules():  # [Note: bitsandbytes' CPU layout]
-        weight = getattr(m, "weight", None)
-        codes = isinstance(weight, torch.Tensor) and packed_codes(weight)
+        # not getattr: that computes a parametrized weight, and spectral norm's power iteration then moves on
+        weight = m._parameters.get("weight")
+        codes = weight is not None and packed_codes(weight)
         if codes and getattr(m, "support_avx512bf16_for_cpu", False):
             vars(m)["support_avx512bf16_for_cpu"] = False  # a plain attribute of bitsandbytes' layer
     return quantized
